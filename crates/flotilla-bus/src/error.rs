@@ -1,0 +1,168 @@
+//! Errors in the async-nats style: one generic [`Error`] carrying a `kind` that callers match
+//! on, plus the underlying cause. Each operation has its own kind enum, and each kind says
+//! whether retrying can help.
+
+use std::error::Error as StdError;
+use std::fmt;
+
+type BoxError = Box<dyn StdError + Send + Sync + 'static>;
+
+/// An error of some operation, classified by `K`.
+pub struct Error<K> {
+    kind: K,
+    detail: String,
+    source: Option<BoxError>,
+}
+
+impl<K: Copy> Error<K> {
+    /// A new error with a human-readable detail.
+    pub fn new(kind: K, detail: impl Into<String>) -> Self {
+        Self {
+            kind,
+            detail: detail.into(),
+            source: None,
+        }
+    }
+
+    /// A new error caused by `source`.
+    pub fn with_source(kind: K, detail: impl Into<String>, source: impl Into<BoxError>) -> Self {
+        Self {
+            kind,
+            detail: detail.into(),
+            source: Some(source.into()),
+        }
+    }
+
+    /// What went wrong, for matching.
+    pub fn kind(&self) -> K {
+        self.kind
+    }
+
+    /// The human-readable detail.
+    pub fn detail(&self) -> &str {
+        &self.detail
+    }
+}
+
+impl<K: fmt::Display> fmt::Display for Error<K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.kind, self.detail)?;
+        if let Some(source) = &self.source {
+            write!(f, ": {source}")?;
+        }
+        Ok(())
+    }
+}
+
+impl<K: fmt::Debug> fmt::Debug for Error<K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Error")
+            .field("kind", &self.kind)
+            .field("detail", &self.detail)
+            .field("source", &self.source)
+            .finish()
+    }
+}
+
+impl<K: fmt::Debug + fmt::Display> StdError for Error<K> {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        self.source
+            .as_deref()
+            .map(|e| e as &(dyn StdError + 'static))
+    }
+}
+
+/// Whether an operation may succeed if tried again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retry {
+    /// A transient condition (timeout, server restarting).
+    Retryable,
+    /// Trying again will fail the same way.
+    Terminal,
+}
+
+macro_rules! kinds {
+    ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident => $text:literal, $retry:ident;)* }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        pub enum $name {
+            $($(#[$vmeta])* $variant,)*
+        }
+
+        impl $name {
+            /// Whether retrying may help.
+            pub fn retry(self) -> Retry {
+                match self {
+                    $(Self::$variant => Retry::$retry,)*
+                }
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(match self {
+                    $(Self::$variant => $text,)*
+                })
+            }
+        }
+    };
+}
+
+kinds!(
+    /// Why connecting to NATS failed.
+    ConnectErrorKind {
+        /// The options are invalid (bad URL, half a TLS key pair, bad prefix).
+        InvalidOptions => "invalid NATS options", Terminal;
+        /// The credentials file could not be read.
+        Credentials => "cannot read NATS credentials", Terminal;
+        /// The server rejected the credentials.
+        Authentication => "NATS authentication failed", Terminal;
+        /// TLS setup failed.
+        Tls => "NATS TLS setup failed", Terminal;
+        /// No server could be reached.
+        Unreachable => "NATS server unreachable", Retryable;
+    }
+);
+
+kinds!(
+    /// Why provisioning streams and buckets failed.
+    ProvisionErrorKind {
+        /// Existing resources differ in ways that cannot be changed without losing data.
+        Incompatible => "incompatible JetStream resources", Terminal;
+        /// JetStream is not enabled for this account.
+        JetStreamUnavailable => "JetStream unavailable", Retryable;
+        /// The server refused a request.
+        Server => "JetStream request failed", Retryable;
+    }
+);
+
+kinds!(
+    /// Why a publish failed.
+    PublishErrorKind {
+        /// The message could not be encoded.
+        Encode => "cannot encode message", Terminal;
+        /// The message could not be sent or no stream acknowledged it.
+        Publish => "publish failed", Retryable;
+    }
+);
+
+kinds!(
+    /// Why a local nats-server could not be run.
+    ServerErrorKind {
+        /// No `nats-server` executable was found.
+        BinaryNotFound => "nats-server not found", Terminal;
+        /// The process could not be started.
+        Spawn => "cannot start nats-server", Terminal;
+        /// It started but did not become ready.
+        NotReady => "nats-server did not become ready", Retryable;
+    }
+);
+
+/// Connecting failed.
+pub type ConnectError = Error<ConnectErrorKind>;
+/// Provisioning failed.
+pub type ProvisionError = Error<ProvisionErrorKind>;
+/// Publishing failed.
+pub type PublishError = Error<PublishErrorKind>;
+/// Running a local server failed.
+pub type ServerError = Error<ServerErrorKind>;

@@ -1,0 +1,153 @@
+//! Flotilla's NATS layer.
+//!
+//! * [`options`]: connection options from config (auth as a tagged enum, TLS, redacted secrets).
+//! * [`connect`](mod@connect): connecting with those options.
+//! * [`provision`]: idempotent creation and drift checks of the streams and KV buckets.
+//! * [`wire`]: typed, versioned messages with JSON/MessagePack codecs.
+//! * [`server`]: a local `nats-server` child process for `flotilla up` and tests.
+//! * [`Bus`]: a connected client with the installation's names.
+
+pub mod connect;
+pub mod error;
+pub mod options;
+pub mod provision;
+pub mod server;
+pub mod wire;
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, kv};
+use flotilla_model::codec::Codec;
+use flotilla_model::subjects::{Bucket, Names};
+use serde::Serialize;
+
+pub use error::{
+    ConnectError, ConnectErrorKind, ProvisionError, ProvisionErrorKind, PublishError,
+    PublishErrorKind, Retry,
+};
+pub use options::{NatsAuth, NatsOptions, Secret, TlsOptions};
+pub use provision::JetStreamOptions;
+
+/// A connection to NATS with JetStream and the installation's names.
+#[derive(Clone, Debug)]
+pub struct Bus {
+    client: async_nats::Client,
+    js: jetstream::Context,
+    names: Names,
+}
+
+impl Bus {
+    /// Connects with `opts`. `role` names the connection (`flotilla-worker`).
+    pub async fn connect(opts: &NatsOptions, role: &str) -> Result<Self, ConnectError> {
+        let client = connect::connect(opts, role).await?;
+        let names = Names::new(&opts.prefix).map_err(|e| {
+            ConnectError::new(
+                ConnectErrorKind::InvalidOptions,
+                format!("nats.prefix {:?} {e}", opts.prefix),
+            )
+        })?;
+        let mut js = jetstream::new(client.clone());
+        js.set_timeout(opts.request_timeout);
+        Ok(Self { client, js, names })
+    }
+
+    /// Wraps an existing client.
+    pub fn from_client(client: async_nats::Client, names: Names) -> Self {
+        let js = jetstream::new(client.clone());
+        Self { client, js, names }
+    }
+
+    /// The core NATS client.
+    pub fn client(&self) -> &async_nats::Client {
+        &self.client
+    }
+
+    /// The JetStream context.
+    pub fn js(&self) -> &jetstream::Context {
+        &self.js
+    }
+
+    /// Subject, stream and bucket names.
+    pub fn names(&self) -> &Names {
+        &self.names
+    }
+
+    /// Provisions streams and buckets (idempotent).
+    pub async fn provision(
+        &self,
+        opts: &JetStreamOptions,
+    ) -> Result<provision::ProvisionReport, ProvisionError> {
+        provision::provision(&self.js, &self.names, opts).await
+    }
+
+    /// Opens a KV bucket (it must have been provisioned).
+    pub async fn kv(&self, bucket: Bucket) -> Result<kv::Store, ProvisionError> {
+        let name = self.names.bucket(bucket);
+        self.js.get_key_value(&name).await.map_err(|e| {
+            ProvisionError::with_source(
+                ProvisionErrorKind::Server,
+                format!("opening bucket {name} (run `flotilla nats provision`?)"),
+                e,
+            )
+        })
+    }
+
+    /// Publishes a typed message to JetStream and waits for the stream's acknowledgement.
+    pub async fn publish<T: Serialize + ?Sized>(
+        &self,
+        subject: String,
+        value: &T,
+        msg_id: Option<&str>,
+    ) -> Result<jetstream::publish::PublishAck, PublishError> {
+        let out = wire::encode(value, Codec::Json, msg_id)?;
+        self.publish_encoded(subject, out).await
+    }
+
+    /// Publishes an encoded message and waits for the acknowledgement.
+    pub async fn publish_encoded(
+        &self,
+        subject: String,
+        out: wire::Outgoing,
+    ) -> Result<jetstream::publish::PublishAck, PublishError> {
+        let fut = self
+            .js
+            .publish_with_headers(subject.clone(), out.headers, out.payload)
+            .await
+            .map_err(|e| {
+                PublishError::with_source(
+                    PublishErrorKind::Publish,
+                    format!("publishing to {subject}"),
+                    e,
+                )
+            })?;
+        fut.await.map_err(|e| {
+            PublishError::with_source(
+                PublishErrorKind::Publish,
+                format!("no acknowledgement for {subject}"),
+                e,
+            )
+        })
+    }
+
+    /// Waits until JetStream answers API requests (after a connect or a server restart).
+    pub async fn wait_for_jetstream(&self, timeout: Duration) -> Result<(), ProvisionError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut backoff = Duration::from_millis(5);
+        loop {
+            match self.js.query_account().await {
+                Ok(_) => return Ok(()),
+                Err(e) if tokio::time::Instant::now() >= deadline => {
+                    return Err(ProvisionError::with_source(
+                        ProvisionErrorKind::JetStreamUnavailable,
+                        "JetStream did not answer",
+                        e,
+                    ));
+                }
+                Err(_) => {
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_millis(200));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,240 @@
+//! NATS connection options, as read from the `[nats]` section of `flotilla.toml`.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::error::{ConnectError, ConnectErrorKind};
+
+/// How to reach and authenticate to NATS.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields, default)]
+pub struct NatsOptions {
+    /// Server URLs; the client fails over between them.
+    pub urls: Vec<String>,
+    /// Connection name shown in server monitoring (default: the role, e.g. `flotilla-worker`).
+    pub name: Option<String>,
+    /// Subject, stream and bucket prefix of this installation.
+    pub prefix: String,
+    /// Authentication.
+    pub auth: NatsAuth,
+    /// TLS, when the server requires it or client certificates are used.
+    pub tls: Option<TlsOptions>,
+    /// How long one connection attempt may take.
+    #[serde(with = "humantime_serde")]
+    pub connect_timeout: Duration,
+    /// Default timeout of requests (JetStream API calls, KV operations).
+    #[serde(with = "humantime_serde")]
+    pub request_timeout: Duration,
+}
+
+impl Default for NatsOptions {
+    fn default() -> Self {
+        Self {
+            // The port nats-server listens on by default.
+            urls: vec!["nats://127.0.0.1:4222".to_owned()],
+            name: None,
+            prefix: flotilla_model::subjects::DEFAULT_PREFIX.to_owned(),
+            auth: NatsAuth::None,
+            tls: None,
+            // Long enough for a cross-zone TLS handshake, short enough to fail over quickly.
+            connect_timeout: Duration::from_secs(5),
+            // JetStream API calls normally answer in milliseconds; 10 s rides out a leader
+            // election in a cluster.
+            request_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Authentication methods. Secrets never appear in `Debug` output or logs.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum NatsAuth {
+    /// No authentication.
+    #[default]
+    None,
+    /// A shared token.
+    Token {
+        /// The token.
+        token: Secret,
+    },
+    /// User name and password.
+    UserPassword {
+        /// User.
+        user: String,
+        /// Password.
+        password: Secret,
+    },
+    /// An NKey seed (`SU…`).
+    Nkey {
+        /// The seed.
+        seed: Secret,
+    },
+    /// A `.creds` file (JWT + seed), as issued by `nsc`.
+    CredsFile {
+        /// Path of the file.
+        path: PathBuf,
+    },
+}
+
+/// TLS settings.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields, default)]
+pub struct TlsOptions {
+    /// Require TLS even if the server does not ask for it.
+    pub required: bool,
+    /// CA bundle to trust (PEM).
+    pub ca: Option<PathBuf>,
+    /// Client certificate (PEM), with `key`.
+    pub cert: Option<PathBuf>,
+    /// Client key (PEM), with `cert`.
+    pub key: Option<PathBuf>,
+}
+
+/// A secret string: printed as `***` by `Debug`, `Display` and `Serialize`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    /// Wraps a secret.
+    pub fn new(secret: impl Into<String>) -> Self {
+        Self(secret.into())
+    }
+
+    /// The secret itself. Call only where it is handed to the NATS client.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("***")
+    }
+}
+
+impl Serialize for Secret {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str("***")
+    }
+}
+
+impl<'de> Deserialize<'de> for Secret {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d).map(Secret)
+    }
+}
+
+impl NatsOptions {
+    /// Options for one URL with defaults for everything else.
+    pub fn with_url(url: impl Into<String>) -> Self {
+        Self {
+            urls: vec![url.into()],
+            ..Self::default()
+        }
+    }
+
+    /// Checks the options without doing I/O.
+    pub fn validate(&self) -> Result<(), ConnectError> {
+        let invalid = |msg: String| Err(ConnectError::new(ConnectErrorKind::InvalidOptions, msg));
+        if self.urls.is_empty() {
+            return invalid("nats.urls is empty: give at least one server URL".into());
+        }
+        for url in &self.urls {
+            if let Err(e) = url.parse::<async_nats::ServerAddr>() {
+                return invalid(format!("nats.urls: {url:?} is not a NATS URL: {e}"));
+            }
+        }
+        if let Err(e) = flotilla_model::token::check_name(&self.prefix) {
+            return invalid(format!("nats.prefix {:?} {e}", self.prefix));
+        }
+        if let Some(tls) = &self.tls
+            && tls.cert.is_some() != tls.key.is_some()
+        {
+            return invalid("nats.tls: cert and key must be given together".into());
+        }
+        if self.connect_timeout.is_zero() || self.request_timeout.is_zero() {
+            return invalid(
+                "nats.connect-timeout and nats.request-timeout must be more than 0".into(),
+            );
+        }
+        if let NatsAuth::UserPassword { user, .. } = &self.auth
+            && user.is_empty()
+        {
+            return invalid("nats.auth: user must not be empty".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_are_redacted_in_debug() {
+        let opts = NatsOptions {
+            auth: NatsAuth::UserPassword {
+                user: "svc".into(),
+                password: Secret::new("hunter2"),
+            },
+            ..NatsOptions::default()
+        };
+        let shown = format!("{opts:?}");
+        assert!(shown.contains("svc"));
+        assert!(!shown.contains("hunter2"), "{shown}");
+        let token = NatsAuth::Token {
+            token: Secret::new("s3cr3t"),
+        };
+        assert!(!format!("{token:?}").contains("s3cr3t"));
+    }
+
+    #[test]
+    fn auth_is_a_tagged_enum_in_toml() {
+        let opts: NatsOptions = toml::from_str(
+            r#"
+            urls = ["nats://a:4222", "nats://b:4222"]
+            auth = { kind = "user-password", user = "u", password = "p" }
+            connect-timeout = "2s"
+            "#,
+        )
+        .expect("parses");
+        assert_eq!(
+            opts.auth,
+            NatsAuth::UserPassword {
+                user: "u".into(),
+                password: Secret::new("p")
+            }
+        );
+        assert_eq!(opts.connect_timeout, Duration::from_secs(2));
+        assert!(opts.validate().is_ok());
+        assert!(toml::from_str::<NatsOptions>("auth = { kind = \"magic\" }").is_err());
+        assert!(toml::from_str::<NatsOptions>("colour = 1").is_err());
+    }
+
+    #[test]
+    fn validation_names_the_problem() {
+        let mut opts = NatsOptions::default();
+        opts.urls.clear();
+        assert_eq!(
+            opts.validate().expect_err("empty").kind(),
+            ConnectErrorKind::InvalidOptions
+        );
+        let opts = NatsOptions {
+            tls: Some(TlsOptions {
+                cert: Some("c.pem".into()),
+                ..TlsOptions::default()
+            }),
+            ..NatsOptions::default()
+        };
+        let err = opts.validate().expect_err("half a key pair");
+        assert!(err.to_string().contains("cert and key"), "{err}");
+        let opts = NatsOptions {
+            prefix: "a.b".into(),
+            ..NatsOptions::default()
+        };
+        assert!(opts.validate().is_err());
+    }
+}

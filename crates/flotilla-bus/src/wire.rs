@@ -1,0 +1,67 @@
+//! Typed messages on NATS: encoding with the right headers, and decoding by `Content-Type`.
+
+use async_nats::HeaderMap;
+use async_nats::header::NATS_MESSAGE_ID;
+use bytes::Bytes;
+use flotilla_model::codec::{CONTENT_TYPE, Codec, CodecError};
+use flotilla_model::{PROTOCOL_HEADER, PROTOCOL_VERSION};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::error::{PublishError, PublishErrorKind};
+
+/// W3C trace context header.
+pub const TRACEPARENT: &str = "traceparent";
+
+/// An encoded message ready to publish.
+#[derive(Debug, Clone)]
+pub struct Outgoing {
+    /// Headers (content type, protocol, message id, trace).
+    pub headers: HeaderMap,
+    /// Encoded body.
+    pub payload: Bytes,
+}
+
+/// Encodes `value` with `codec` and the standard headers. `msg_id` becomes `Nats-Msg-Id`, so
+/// JetStream drops a repeated publish of the same logical message.
+pub fn encode<T: Serialize + ?Sized>(
+    value: &T,
+    codec: Codec,
+    msg_id: Option<&str>,
+) -> Result<Outgoing, PublishError> {
+    let payload = codec
+        .encode(value)
+        .map_err(|e| PublishError::with_source(PublishErrorKind::Encode, "encoding", e))?;
+    let mut headers = HeaderMap::new();
+    headers.insert(CONTENT_TYPE, codec.content_type());
+    headers.insert(PROTOCOL_HEADER, PROTOCOL_VERSION.to_string().as_str());
+    if let Some(id) = msg_id {
+        headers.insert(NATS_MESSAGE_ID, id);
+    }
+    Ok(Outgoing {
+        headers,
+        payload: Bytes::from(payload),
+    })
+}
+
+/// The codec a message was written with.
+pub fn codec_of(headers: Option<&HeaderMap>) -> Codec {
+    Codec::from_content_type(
+        headers
+            .and_then(|h| h.get(CONTENT_TYPE))
+            .map(|v| v.as_str()),
+    )
+}
+
+/// Decodes a message body according to its `Content-Type`.
+pub fn decode<T: DeserializeOwned>(
+    headers: Option<&HeaderMap>,
+    payload: &[u8],
+) -> Result<T, CodecError> {
+    codec_of(headers).decode(payload)
+}
+
+/// A header value as text.
+pub fn header<'a>(headers: Option<&'a HeaderMap>, name: &str) -> Option<&'a str> {
+    headers.and_then(|h| h.get(name)).map(|v| v.as_str())
+}

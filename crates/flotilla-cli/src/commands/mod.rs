@@ -1,0 +1,6 @@
+//! One module per command group.
+
+pub(crate) mod bench;
+pub(crate) mod nats;
+pub(crate) mod plan;
+pub(crate) mod schema;

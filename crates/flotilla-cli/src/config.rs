@@ -1,0 +1,143 @@
+//! `flotilla.toml`: one file configures every role.
+//!
+//! Layers, later wins: built-in defaults → the config file (`--config`, `$FLOTILLA_CONFIG`,
+//! or `./flotilla.toml`, or `./config/flotilla.toml`) → `FLOTILLA_*` environment variables
+//! (`__` separates sections: `FLOTILLA_NATS__PREFIX=acme`) → command-line flags. The result is
+//! validated before anything connects.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+use figment::Figment;
+use figment::providers::{Env, Format, Serialized, Toml};
+use flotilla_bus::{JetStreamOptions, NatsOptions};
+use flotilla_model::validate::ValidationContext;
+use serde::{Deserialize, Serialize};
+
+/// The whole configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields, default)]
+pub(crate) struct Config {
+    /// How to reach NATS.
+    pub(crate) nats: NatsOptions,
+    /// Streams and buckets.
+    pub(crate) jetstream: JetStreamOptions,
+    /// Worker pools that exist in this installation; plans naming another pool are rejected.
+    pub(crate) pools: Vec<String>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            nats: NatsOptions::default(),
+            jetstream: JetStreamOptions::default(),
+            // Every installation has the default pool.
+            pools: vec![flotilla_model::plan::DEFAULT_POOL.to_owned()],
+        }
+    }
+}
+
+/// Picks the config file: explicit path, `$FLOTILLA_CONFIG`, then the usual places.
+fn config_file(explicit: Option<&Path>) -> anyhow::Result<Option<PathBuf>> {
+    if let Some(p) = explicit {
+        if !p.is_file() {
+            bail!("config file {} does not exist", p.display());
+        }
+        return Ok(Some(p.to_path_buf()));
+    }
+    if let Some(p) = std::env::var_os("FLOTILLA_CONFIG") {
+        let p = PathBuf::from(p);
+        if !p.is_file() {
+            bail!("FLOTILLA_CONFIG={} does not exist", p.display());
+        }
+        return Ok(Some(p));
+    }
+    Ok(["flotilla.toml", "config/flotilla.toml"]
+        .iter()
+        .map(PathBuf::from)
+        .find(|p| p.is_file()))
+}
+
+/// Loads and validates the configuration.
+pub(crate) fn load(explicit: Option<&Path>, nats_url: Option<&str>) -> anyhow::Result<Config> {
+    let file = config_file(explicit)?;
+    let mut figment = Figment::from(Serialized::defaults(Config::default()));
+    if let Some(f) = &file {
+        figment = figment.merge(Toml::file(f));
+    }
+    figment = figment.merge(
+        Env::prefixed("FLOTILLA_")
+            .ignore(&["CONFIG", "LOG"])
+            .map(|k| k.as_str().replace("__", ".").replace('_', "-").into()),
+    );
+    let mut config: Config = figment.extract().map_err(|e| {
+        let source = file
+            .as_ref()
+            .map(|f| f.display().to_string())
+            .unwrap_or_else(|| "defaults".into());
+        anyhow::anyhow!("invalid configuration ({source}): {e}")
+    })?;
+    if let Some(url) = nats_url {
+        config.nats.urls = url.split(',').map(str::to_owned).collect();
+    }
+    config.validate()?;
+    tracing::debug!(file = ?file, "Configuration loaded");
+    Ok(config)
+}
+
+impl Config {
+    /// Checks every section without I/O.
+    pub(crate) fn validate(&self) -> anyhow::Result<()> {
+        self.nats.validate().context("invalid [nats] section")?;
+        self.jetstream
+            .validate()
+            .map_err(|e| anyhow::anyhow!("invalid [jetstream] section: {e}"))?;
+        if self.pools.is_empty() {
+            bail!("pools is empty: configure at least one worker pool");
+        }
+        for p in &self.pools {
+            flotilla_model::token::check_name(p)
+                .map_err(|e| anyhow::anyhow!("pools: pool {p:?} {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// What plan validation knows about this installation.
+    pub(crate) fn validation_context(&self) -> ValidationContext {
+        ValidationContext {
+            pools: Some(self.pools.iter().cloned().collect::<BTreeSet<_>>()),
+            ..ValidationContext::default()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_shipped_config_is_valid() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config/flotilla.toml");
+        let loaded = load(Some(&path), None).expect("shipped config loads");
+        assert!(loaded.pools.contains(&"default".to_string()));
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("f.toml");
+        std::fs::write(&path, "[nats]\nurl = \"nats://x\"\n").expect("write");
+        let err = load(Some(&path), None).expect_err("unknown key");
+        assert!(err.to_string().contains("url"), "{err}");
+    }
+
+    #[test]
+    fn flags_override_the_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("f.toml");
+        std::fs::write(&path, "[nats]\nurls = [\"nats://file:4222\"]\n").expect("write");
+        let loaded = load(Some(&path), Some("nats://flag:4222")).expect("loads");
+        assert_eq!(loaded.nats.urls, vec!["nats://flag:4222".to_string()]);
+    }
+}

@@ -1,0 +1,199 @@
+//! The per-run event stream (`<prefix>.event.<run>`).
+//!
+//! Every run has its own stream of events. Workers emit agent events (replies, tool calls,
+//! usage); the coordinator emits `workflow` events as tasks and the run change state. Each
+//! event has a deterministic `id`, so a consumer can drop the rare duplicate that survives
+//! JetStream's de-duplication window after a coordinator crash.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::ids::{RunId, TaskId};
+use crate::run::{RunHandle, RunOutcome};
+use crate::task::TaskError;
+use crate::time::Timestamp;
+
+/// An event as published.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct EventEnvelope {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// Deterministic id, also the `Nats-Msg-Id`.
+    pub id: String,
+    /// The run.
+    pub run_id: RunId,
+    /// The task, for task-level events.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task_id: Option<TaskId>,
+    /// The attempt, for task-level events.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt: Option<u32>,
+    /// When it happened.
+    pub ts: Timestamp,
+    /// Who emitted it: `coordinator` or `worker/<id>`.
+    pub source: String,
+    /// The event.
+    pub event: Event,
+}
+
+/// Event kinds (DESIGN §1).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Event {
+    /// Text the agent says to the user.
+    AssistantReply {
+        /// The text.
+        text: String,
+    },
+    /// The agent's reasoning, for debug audiences.
+    PlannerThought {
+        /// The text.
+        text: String,
+    },
+    /// A tool call started.
+    ToolStart {
+        /// Call id.
+        call_id: String,
+        /// Tool name.
+        tool: String,
+        /// Arguments.
+        #[serde(default)]
+        input: serde_json::Value,
+    },
+    /// Partial output of a running tool call.
+    ToolUpdate {
+        /// Call id.
+        call_id: String,
+        /// Partial output.
+        #[serde(default)]
+        output: serde_json::Value,
+    },
+    /// A tool call finished.
+    ToolEnd {
+        /// Call id.
+        call_id: String,
+        /// Whether it succeeded.
+        ok: bool,
+        /// Output.
+        #[serde(default)]
+        output: serde_json::Value,
+        /// The child run, when the tool was an agent.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        run_link: Option<RunHandle>,
+    },
+    /// The agent needs an answer from the user.
+    AwaitClarification {
+        /// The question.
+        question: String,
+    },
+    /// The agent waits for tools executed outside Flotilla.
+    AwaitExternalTools {
+        /// Pending calls.
+        calls: Vec<ExternalToolCall>,
+    },
+    /// Token usage.
+    Usage {
+        /// Prompt tokens.
+        prompt_tokens: u64,
+        /// Completion tokens.
+        completion_tokens: u64,
+    },
+    /// Run and task lifecycle.
+    Workflow(WorkflowEvent),
+    /// A child run started (the run-tree link).
+    AgentRunStarted {
+        /// The child.
+        child: RunHandle,
+    },
+}
+
+/// A tool call to be executed by the client.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ExternalToolCall {
+    /// Call id.
+    pub call_id: String,
+    /// Tool name.
+    pub tool: String,
+    /// Arguments.
+    #[serde(default)]
+    pub input: serde_json::Value,
+}
+
+/// A lifecycle change.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct WorkflowEvent {
+    /// What happened.
+    pub phase: WorkflowPhase,
+    /// Number of tasks (on `run_started`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tasks_total: Option<u32>,
+    /// The worker (on `task_started`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker: Option<String>,
+    /// The error (on `task_failed`, `task_retrying`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<TaskError>,
+    /// When the retry is due (on `task_retrying`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_at: Option<Timestamp>,
+    /// Free-text detail (skip reason, rejection summary).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+    /// The outcome (on run-terminal phases).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outcome: Option<RunOutcome>,
+}
+
+impl WorkflowEvent {
+    /// An event with only a phase.
+    pub fn phase(phase: WorkflowPhase) -> Self {
+        Self {
+            phase,
+            tasks_total: None,
+            worker: None,
+            error: None,
+            retry_at: None,
+            detail: None,
+            outcome: None,
+        }
+    }
+}
+
+/// Lifecycle phases.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum WorkflowPhase {
+    /// The run was accepted and scheduling began.
+    RunStarted,
+    /// A task attempt was queued.
+    TaskDispatched,
+    /// A worker began an attempt.
+    TaskStarted,
+    /// A task succeeded.
+    TaskSucceeded,
+    /// An attempt failed and a retry is scheduled.
+    TaskRetrying,
+    /// A task failed for good.
+    TaskFailed,
+    /// A task will not run.
+    TaskSkipped,
+    /// The run succeeded.
+    RunSucceeded,
+    /// The run failed.
+    RunFailed,
+    /// The plan was rejected.
+    RunRejected,
+    /// The run was cancelled.
+    RunCancelled,
+}
+
+impl WorkflowPhase {
+    /// Whether this phase ends the run.
+    pub fn ends_run(self) -> bool {
+        matches!(
+            self,
+            Self::RunSucceeded | Self::RunFailed | Self::RunRejected | Self::RunCancelled
+        )
+    }
+}

@@ -1,0 +1,175 @@
+//! Typed identifiers.
+//!
+//! Every id that Flotilla mints is a UUIDv7 wrapped in its own newtype, so a run id can never
+//! be passed where an attempt id is expected, and ids sort by creation time. Task ids are the
+//! exception: they are chosen by the client inside a plan (`fetch_data`, `synthesis`) and are
+//! validated as subject-safe tokens by [`crate::validate`].
+
+use std::fmt;
+use std::str::FromStr;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+/// An id string that is not a UUID.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "`{input}` is not a valid {kind}: expected a UUID such as 0190f0c4-8a3e-7cc1-9a39-6f1c1b7d2e11"
+)]
+pub struct IdParseError {
+    /// Which id type was being parsed.
+    pub kind: &'static str,
+    /// The rejected input.
+    pub input: String,
+}
+
+macro_rules! uuid_id {
+    ($(#[$meta:meta])* $name:ident, $kind:literal) => {
+        $(#[$meta])*
+        #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema)]
+        #[serde(transparent)]
+        pub struct $name(Uuid);
+
+        impl $name {
+            /// A fresh, time-ordered (UUIDv7) id.
+            pub fn new() -> Self {
+                Self(Uuid::now_v7())
+            }
+
+            /// Wraps an existing UUID (for example one chosen by a client).
+            pub const fn from_uuid(uuid: Uuid) -> Self {
+                Self(uuid)
+            }
+
+            /// The underlying UUID.
+            pub const fn as_uuid(&self) -> &Uuid {
+                &self.0
+            }
+        }
+
+        impl Default for $name {
+            fn default() -> Self {
+                Self::new()
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                fmt::Display::fmt(&self.0.hyphenated(), f)
+            }
+        }
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, concat!(stringify!($name), "({})"), self.0.hyphenated())
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = IdParseError;
+            fn from_str(s: &str) -> Result<Self, Self::Err> {
+                Uuid::parse_str(s.trim()).map(Self).map_err(|_| IdParseError {
+                    kind: $kind,
+                    input: s.to_owned(),
+                })
+            }
+        }
+    };
+}
+
+uuid_id!(
+    /// One execution of a plan or of an agent: the node of the run tree.
+    RunId,
+    "run id"
+);
+uuid_id!(
+    /// One attempt at one task of a run (a retry gets a new attempt id).
+    AttemptId,
+    "attempt id"
+);
+uuid_id!(
+    /// A persistent agent identity (teammate, recruited member, run owner).
+    AgentId,
+    "agent id"
+);
+uuid_id!(
+    /// Groups the runs of one conversation or job.
+    SessionId,
+    "session id"
+);
+uuid_id!(
+    /// A request for human approval.
+    EscalationId,
+    "escalation id"
+);
+
+/// A task id inside a plan, chosen by the client (`fetch_data`).
+///
+/// Deserialisation accepts any string so that [`crate::validate::validate_plan`] can report
+/// every invalid id at once; use the validator before trusting it as a subject token.
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(transparent)]
+pub struct TaskId(String);
+
+impl TaskId {
+    /// Wraps a string without validating it.
+    pub fn new(id: impl Into<String>) -> Self {
+        Self(id.into())
+    }
+
+    /// The id as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for TaskId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for TaskId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "TaskId({:?})", self.0)
+    }
+}
+
+impl From<&str> for TaskId {
+    fn from(s: &str) -> Self {
+        Self(s.to_owned())
+    }
+}
+
+impl std::borrow::Borrow<str> for TaskId {
+    fn borrow(&self) -> &str {
+        &self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_v7_and_round_trip_through_text() {
+        let id = RunId::new();
+        assert_eq!(id.as_uuid().get_version_num(), 7);
+        let back: RunId = id.to_string().parse().expect("parse");
+        assert_eq!(back, id);
+    }
+
+    #[test]
+    fn bad_id_names_its_kind() {
+        let err = "nope".parse::<AttemptId>().expect_err("must fail");
+        assert_eq!(err.kind, "attempt id");
+    }
+
+    #[test]
+    fn ids_serialise_as_plain_strings() {
+        let id = RunId::new();
+        let json = serde_json::to_string(&id).expect("json");
+        assert_eq!(json, format!("\"{id}\""));
+    }
+}

@@ -1,0 +1,37 @@
+//! Flotilla's wire model: ids, plans, validation, messages, subjects and codecs.
+//!
+//! This crate does no I/O. Everything that crosses NATS is defined here, so the coordinator,
+//! the workers, the CLI and clients in other languages (through the JSON Schemas in
+//! `docs/schema/`) agree on one protocol, versioned by [`PROTOCOL_VERSION`].
+
+pub mod api;
+pub mod codec;
+pub mod event;
+pub mod ids;
+pub mod mailbox;
+pub mod numeric;
+pub mod plan;
+pub mod run;
+pub mod runlog;
+pub mod schema;
+pub mod subjects;
+pub mod submit;
+pub mod task;
+pub mod time;
+pub mod token;
+pub mod validate;
+pub mod workspace;
+
+pub use ids::{AgentId, AttemptId, EscalationId, RunId, SessionId, TaskId};
+pub use plan::{Plan, PlanConfig, Subtask};
+pub use subjects::Names;
+
+/// The protocol version every message carries in its `protocol` field.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Header carrying the protocol version on every Flotilla message.
+pub const PROTOCOL_HEADER: &str = "Flotilla-Protocol";
+
+pub(crate) const fn protocol_v1() -> u32 {
+    1
+}

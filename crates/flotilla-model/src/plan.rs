@@ -1,0 +1,243 @@
+//! Plans and subtasks, as clients write them.
+//!
+//! A plan is a list of subtasks forming a DAG through `dependencies`. `produces` / `consumes`
+//! name workspace topics: they describe data flow and are validated for producers, but they do
+//! not order execution — only `dependencies` do.
+
+use std::collections::BTreeMap;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::ids::TaskId;
+use crate::time::Secs;
+
+/// The pool a subtask runs in when it names none.
+pub const DEFAULT_POOL: &str = "default";
+
+/// A unit of work submitted as one run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Plan {
+    /// A short human-readable name shown in run listings.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// The user query the plan answers; passed to every task in its envelope.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub query: Option<String>,
+    /// The subtasks, in any order.
+    pub subtasks: Vec<Subtask>,
+    /// Execution settings.
+    #[serde(default)]
+    pub config: PlanConfig,
+}
+
+/// One step of a plan.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Subtask {
+    /// Unique within the plan; a subject-safe token.
+    pub id: TaskId,
+    /// What the task should do, in words (the agent's instruction).
+    #[serde(default)]
+    pub description: String,
+    /// The team role that performs it (`analyst`, `synthesis`). The task whose role is
+    /// `synthesis` provides the run's final result.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
+    /// The agent definition that runs it (`[agents.NAME]` in the worker config). When absent,
+    /// the configured default agent runs it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent: Option<String>,
+    /// The worker pool that executes it.
+    #[serde(default = "default_pool")]
+    pub pool: String,
+    /// Ids of tasks that must succeed before this one starts.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dependencies: Vec<TaskId>,
+    /// Workspace topics this task writes.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub produces: Vec<String>,
+    /// Workspace topics this task reads (no ordering implied).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub consumes: Vec<String>,
+    /// The kind of action the task takes (`read`, `publish`, `pay`…); used by escalation policy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub action: Option<String>,
+    /// How risky the action is.
+    #[serde(default)]
+    pub risk: Risk,
+    /// Whether the run fails when this task fails. Optional tasks may fail or be skipped
+    /// without failing the run.
+    #[serde(default = "default_true")]
+    pub required: bool,
+    /// Per-attempt time limit; defaults to the plan's `task_timeout`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout: Option<Secs>,
+    /// Free-form input handed to the agent.
+    #[serde(default, skip_serializing_if = "serde_json::Value::is_null")]
+    pub input: serde_json::Value,
+}
+
+fn default_pool() -> String {
+    DEFAULT_POOL.to_owned()
+}
+
+const fn default_true() -> bool {
+    true
+}
+
+/// How risky a subtask's action is.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Risk {
+    /// Read-only or trivially reversible.
+    #[default]
+    Low,
+    /// Has effects that can be undone with effort.
+    Medium,
+    /// Has effects that are hard to undo.
+    High,
+    /// Irreversible or costly.
+    Critical,
+}
+
+/// What to do with a consumed topic that nothing produces.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum DataflowValidation {
+    /// Reject the plan, naming the topic and its consumers.
+    #[default]
+    Strict,
+    /// Warn, and drop the consumption.
+    Lenient,
+}
+
+/// How the coordinator schedules the plan.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Strategy {
+    /// `dag` for every plan today.
+    #[default]
+    Auto,
+    /// One task at a time in the order listed, each after the previous one; every task gets
+    /// the results of all earlier tasks.
+    Simple,
+    /// Dependency-driven: a task starts as soon as its dependencies have succeeded.
+    Dag,
+    /// Supervisor-driven scheduling (recruitment, escalation). Not accepted by this release.
+    Supervisor,
+}
+
+/// Execution settings of a plan. Every field has a default.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct PlanConfig {
+    /// Most tasks of this run in flight at once (default 5).
+    pub max_concurrency: u32,
+    /// How long a task waits for dependencies that have all been dispatched (default 360 s).
+    pub dependency_timeout: Secs,
+    /// Per-attempt time limit of tasks without their own `timeout` (default 10 min).
+    pub task_timeout: Secs,
+    /// Inject `previous_results` / `dependency_results` into task envelopes (default true).
+    pub pass_dependency_results: bool,
+    /// Handling of consumed topics without a producer (default strict).
+    pub dataflow_validation: DataflowValidation,
+    /// Retries after a failed attempt (default 3, so at most 4 attempts).
+    pub max_retries: u32,
+    /// Fraction of failed tasks that aborts the run: it aborts once failures reach
+    /// `floor(len * ratio) + 1` (default 0.5; 0 aborts on the first failure).
+    pub failure_ratio: f64,
+    /// Scheduling strategy (default auto).
+    pub strategy: Strategy,
+}
+
+impl Default for PlanConfig {
+    fn default() -> Self {
+        Self {
+            max_concurrency: 5,
+            dependency_timeout: Secs::from_secs(360),
+            task_timeout: Secs::from_secs(600),
+            pass_dependency_results: true,
+            dataflow_validation: DataflowValidation::Strict,
+            max_retries: 3,
+            failure_ratio: 0.5,
+            strategy: Strategy::Auto,
+        }
+    }
+}
+
+impl Plan {
+    /// Looks a subtask up by id.
+    pub fn subtask(&self, id: &str) -> Option<&Subtask> {
+        self.subtasks.iter().find(|t| t.id.as_str() == id)
+    }
+
+    /// Index of every subtask by id (first occurrence wins for duplicates).
+    pub fn index(&self) -> BTreeMap<&str, usize> {
+        let mut index = BTreeMap::new();
+        for (i, t) in self.subtasks.iter().enumerate() {
+            index.entry(t.id.as_str()).or_insert(i);
+        }
+        index
+    }
+}
+
+impl Subtask {
+    /// A subtask with defaults for everything but its id and description.
+    pub fn new(id: &str, description: &str) -> Self {
+        Self {
+            id: TaskId::new(id),
+            description: description.to_owned(),
+            role: None,
+            agent: None,
+            pool: default_pool(),
+            dependencies: Vec::new(),
+            produces: Vec::new(),
+            consumes: Vec::new(),
+            action: None,
+            risk: Risk::Low,
+            required: true,
+            timeout: None,
+            input: serde_json::Value::Null,
+        }
+    }
+
+    /// Builder-style: add dependencies.
+    pub fn after(mut self, deps: &[&str]) -> Self {
+        self.dependencies
+            .extend(deps.iter().map(|d| TaskId::new(*d)));
+        self
+    }
+
+    /// Builder-style: choose the agent.
+    pub fn with_agent(mut self, agent: &str) -> Self {
+        self.agent = Some(agent.to_owned());
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn minimal_plan_gets_defaults() {
+        let plan: Plan =
+            serde_json::from_str(r#"{"subtasks":[{"id":"a"}]}"#).expect("minimal plan parses");
+        let a = &plan.subtasks[0];
+        assert_eq!(a.pool, "default");
+        assert!(a.required);
+        assert_eq!(plan.config.max_concurrency, 5);
+        assert_eq!(plan.config.dependency_timeout, Secs::from_secs(360));
+    }
+
+    #[test]
+    fn unknown_fields_are_rejected() {
+        let err = serde_json::from_str::<Plan>(r#"{"subtasks":[{"id":"a","depends":["b"]}]}"#)
+            .expect_err("unknown field");
+        assert!(err.to_string().contains("depends"), "{err}");
+    }
+}

@@ -1,0 +1,265 @@
+//! Run records: what clients read about a run.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::ids::{AgentId, RunId, SessionId, TaskId};
+use crate::task::{DependencyResult, TaskError};
+use crate::time::Timestamp;
+use crate::validate::Problem;
+
+/// Where a run sits in the run tree.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct RunHandle {
+    /// The run.
+    pub run_id: RunId,
+    /// The agent that owns the run, when it is an agent run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_id: Option<AgentId>,
+    /// The parent run, for nested runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent_run_id: Option<RunId>,
+    /// The tool call of the parent that started this run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent_tool_call_id: Option<String>,
+}
+
+impl RunHandle {
+    /// A root run handle.
+    pub fn root(run_id: RunId) -> Self {
+        Self {
+            run_id,
+            agent_id: None,
+            parent_run_id: None,
+            parent_tool_call_id: None,
+        }
+    }
+}
+
+/// Lifecycle of a run.
+///
+/// ```text
+/// pending ──► running ──► succeeded | failed
+///    └──► rejected (invalid plan, nothing dispatched)
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum RunStatus {
+    /// Accepted, not yet scheduled.
+    Pending,
+    /// Tasks are being scheduled.
+    Running,
+    /// Every required task succeeded (some optional ones may have failed or been skipped).
+    Succeeded,
+    /// A required task failed or was skipped.
+    Failed,
+    /// The plan was invalid; nothing ran.
+    Rejected,
+    /// Cancelled by a person or a policy.
+    Cancelled,
+}
+
+impl RunStatus {
+    /// Whether the run has ended.
+    pub fn is_terminal(self) -> bool {
+        !matches!(self, Self::Pending | Self::Running)
+    }
+
+    /// The status as it appears on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Running => "running",
+            Self::Succeeded => "succeeded",
+            Self::Failed => "failed",
+            Self::Rejected => "rejected",
+            Self::Cancelled => "cancelled",
+        }
+    }
+}
+
+impl fmt::Display for RunStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Lifecycle of one task inside a run.
+///
+/// ```text
+/// waiting ──► dispatched ──► succeeded
+///    │            │   └────► retrying ──► dispatched …
+///    │            └────────► failed
+///    └──► skipped (a dependency failed) | failed (dependency timeout)
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum TaskStatus {
+    /// Waiting for dependencies or a concurrency slot.
+    Waiting,
+    /// Queued for or running on a worker.
+    Dispatched,
+    /// Waiting out a retry backoff.
+    Retrying,
+    /// Done.
+    Succeeded,
+    /// Failed for good.
+    Failed,
+    /// Never ran because a dependency failed.
+    Skipped,
+}
+
+impl TaskStatus {
+    /// Whether the task has ended.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Self::Succeeded | Self::Failed | Self::Skipped)
+    }
+
+    /// The status as it appears on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Waiting => "waiting",
+            Self::Dispatched => "dispatched",
+            Self::Retrying => "retrying",
+            Self::Succeeded => "succeeded",
+            Self::Failed => "failed",
+            Self::Skipped => "skipped",
+        }
+    }
+}
+
+/// Task counts by status.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct TaskCounts {
+    /// All tasks.
+    pub total: u32,
+    /// Waiting or retrying.
+    pub waiting: u32,
+    /// Dispatched.
+    pub running: u32,
+    /// Succeeded.
+    pub succeeded: u32,
+    /// Failed.
+    pub failed: u32,
+    /// Skipped.
+    pub skipped: u32,
+}
+
+/// The persistent record of a run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct RunRecord {
+    /// Position in the run tree.
+    pub handle: RunHandle,
+    /// The plan's name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// Current status.
+    pub status: RunStatus,
+    /// Client labels.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    /// Session the run belongs to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_id: Option<SessionId>,
+    /// When the coordinator accepted (or rejected) it, by JetStream server time.
+    pub created_at: Timestamp,
+    /// When it reached a terminal status.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at: Option<Timestamp>,
+    /// Task counts.
+    pub tasks: TaskCounts,
+    /// Validation errors of a rejected run.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub errors: Vec<Problem>,
+    /// Validation warnings.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<Problem>,
+    /// The outcome, once terminal.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outcome: Option<RunOutcome>,
+}
+
+/// How a run ended.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct RunOutcome {
+    /// The run.
+    pub run_id: RunId,
+    /// Terminal status.
+    pub status: RunStatus,
+    /// The final result: the `synthesis` task's output, or the sink tasks' outputs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub final_result: Option<FinalResult>,
+    /// Tasks that failed for good.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub failed: Vec<FailedTask>,
+    /// Tasks that never ran, with the reason.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skipped: Vec<SkippedTask>,
+    /// Why the run failed, in words.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// The run's answer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct FinalResult {
+    /// The answer text: the synthesis task's response, or the sinks' responses.
+    pub response: String,
+    /// Its salient number.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub numeric_value: Option<f64>,
+    /// The tasks the answer comes from, with their results.
+    pub results: BTreeMap<TaskId, DependencyResult>,
+}
+
+/// A task that failed for good.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct FailedTask {
+    /// The task.
+    pub task_id: TaskId,
+    /// Attempts made.
+    pub attempts: u32,
+    /// The last error.
+    pub error: TaskError,
+}
+
+/// A task that never ran.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct SkippedTask {
+    /// The task.
+    pub task_id: TaskId,
+    /// Why, e.g. `dependency_failed: fetch_data`.
+    pub reason: String,
+}
+
+/// One task's state as shown to clients.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TaskView {
+    /// The task.
+    pub task_id: TaskId,
+    /// Status.
+    pub status: TaskStatus,
+    /// Attempts started so far.
+    pub attempts: u32,
+    /// The last error, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<TaskError>,
+    /// Why the task was skipped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub skip_reason: Option<String>,
+    /// When the latest attempt was dispatched.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dispatched_at: Option<Timestamp>,
+}
+
+/// A run record with its tasks (the reply of the `runs.get` endpoint).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct RunView {
+    /// The record.
+    pub record: RunRecord,
+    /// Every task, in plan order.
+    pub tasks: Vec<TaskView>,
+}

@@ -1,0 +1,87 @@
+//! The run log (`<prefix>.runlog.<run>`): every state-changing input of a run, in order.
+//!
+//! The coordinator's state for a run is a fold of these inputs; replaying a run's log rebuilds
+//! it. Workers append results here, the coordinator appends submissions, and JetStream's
+//! message scheduler appends timer firings.
+
+use std::collections::BTreeMap;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::ids::{AttemptId, RunId, SessionId, TaskId};
+use crate::plan::Plan;
+use crate::run::RunHandle;
+use crate::task::{TaskResult, TraceContext};
+use crate::time::Timestamp;
+use crate::validate::Problem;
+
+/// One run-log message.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct RunLogEntry {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// The run.
+    pub run_id: RunId,
+    /// The input.
+    pub input: RunInput,
+}
+
+/// Inputs that change a run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum RunInput {
+    /// A validated plan was accepted.
+    Submitted(Box<Submitted>),
+    /// A worker finished an attempt.
+    TaskResult(Box<TaskResultInput>),
+    /// A durable timer fired.
+    TimerFired {
+        /// Which arming of the run's timer fired; stale generations are ignored.
+        generation: u64,
+    },
+}
+
+/// An accepted submission.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Submitted {
+    /// The plan, validated and normalised.
+    pub plan: Plan,
+    /// Labels.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    /// Session.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_id: Option<SessionId>,
+    /// Parent link.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<RunHandle>,
+    /// Where to publish the outcome.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reply_to: Option<String>,
+    /// Tolerated validation problems.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<Problem>,
+    /// Trace context of the submission.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<TraceContext>,
+}
+
+/// A finished attempt.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TaskResultInput {
+    /// The task.
+    pub task_id: TaskId,
+    /// The attempt number.
+    pub attempt: u32,
+    /// The attempt id from the envelope.
+    pub attempt_id: AttemptId,
+    /// The worker that ran it.
+    pub worker: String,
+    /// When the worker started the agent (worker clock; informational).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<Timestamp>,
+    /// The result.
+    pub result: TaskResult,
+}

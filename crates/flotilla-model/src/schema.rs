@@ -1,0 +1,39 @@
+//! JSON Schemas of the public messages, checked in under `docs/schema/`.
+
+use schemars::{Schema, schema_for};
+
+use crate::api::{ApiError, GetRunRequest};
+use crate::event::EventEnvelope;
+use crate::mailbox::MailboxMessage;
+use crate::plan::Plan;
+use crate::run::{RunRecord, RunView};
+use crate::runlog::RunLogEntry;
+use crate::submit::{SubmitReply, SubmitRequest};
+use crate::task::{TaskEnvelope, TaskResult};
+use crate::workspace::WorkspaceEntry;
+
+/// Every public message type with its schema file name.
+pub fn public_schemas() -> Vec<(&'static str, Schema)> {
+    vec![
+        ("plan.json", schema_for!(Plan)),
+        ("submit-request.json", schema_for!(SubmitRequest)),
+        ("submit-reply.json", schema_for!(SubmitReply)),
+        ("task-envelope.json", schema_for!(TaskEnvelope)),
+        ("task-result.json", schema_for!(TaskResult)),
+        ("runlog-entry.json", schema_for!(RunLogEntry)),
+        ("event.json", schema_for!(EventEnvelope)),
+        ("run-record.json", schema_for!(RunRecord)),
+        ("run-view.json", schema_for!(RunView)),
+        ("get-run-request.json", schema_for!(GetRunRequest)),
+        ("api-error.json", schema_for!(ApiError)),
+        ("mailbox-message.json", schema_for!(MailboxMessage)),
+        ("workspace-entry.json", schema_for!(WorkspaceEntry)),
+    ]
+}
+
+/// Renders a schema as the checked-in text (pretty JSON, trailing newline).
+pub fn render(schema: &Schema) -> String {
+    let mut text = serde_json::to_string_pretty(schema).unwrap_or_default();
+    text.push('\n');
+    text
+}

@@ -1,0 +1,267 @@
+//! Subject, stream, bucket and consumer names.
+//!
+//! Everything is derived from one configurable prefix (default `flotilla`), so several
+//! installations can share a NATS account. With prefix `p`:
+//!
+//! | What | Name |
+//! |---|---|
+//! | intake stream / subject | `P_INTAKE` / `p.submit` |
+//! | task stream / subjects | `P_TASKS` / `p.task.<pool>.<run>.<task>` |
+//! | run log stream / subjects | `P_RUNLOG` / `p.runlog.<run>`, timers `p.timer.<run>.<generation>` |
+//! | event stream / subjects | `P_EVENTS` / `p.event.<run>` |
+//! | workspace stream / subjects | `P_WORKSPACE` / `p.ws.<run>.<topic>` |
+//! | mailbox stream / subjects | `P_MAILBOX` / `p.mbox.<run>.<agent>` |
+//! | KV buckets | `p-runs`, `p-team`, `p-failures`, `p-escalations`, `p-control`, `p-trust`, `p-state`, `p-workers` |
+//! | request/reply API | `p.api.<endpoint>` (NATS micro service `p`) |
+
+use std::fmt;
+
+use crate::ids::{RunId, TaskId};
+use crate::token::{TokenError, check_name};
+
+/// The default prefix.
+pub const DEFAULT_PREFIX: &str = "flotilla";
+
+/// Names of one installation.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct Names {
+    prefix: String,
+    upper: String,
+}
+
+impl fmt::Debug for Names {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Names({})", self.prefix)
+    }
+}
+
+impl Default for Names {
+    fn default() -> Self {
+        Self {
+            prefix: DEFAULT_PREFIX.to_owned(),
+            upper: DEFAULT_PREFIX.to_ascii_uppercase(),
+        }
+    }
+}
+
+/// A KV bucket of the installation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Bucket {
+    /// Run snapshots and plans.
+    Runs,
+    /// Team roster.
+    Team,
+    /// Failure counters.
+    Failures,
+    /// Escalations.
+    Escalations,
+    /// Run controls (pause, cancel).
+    Control,
+    /// Trust levels.
+    Trust,
+    /// Session state.
+    State,
+    /// Live workers (TTL).
+    Workers,
+}
+
+impl Bucket {
+    /// Every bucket.
+    pub const ALL: [Bucket; 8] = [
+        Self::Runs,
+        Self::Team,
+        Self::Failures,
+        Self::Escalations,
+        Self::Control,
+        Self::Trust,
+        Self::State,
+        Self::Workers,
+    ];
+
+    /// Suffix after the prefix.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Self::Runs => "runs",
+            Self::Team => "team",
+            Self::Failures => "failures",
+            Self::Escalations => "escalations",
+            Self::Control => "control",
+            Self::Trust => "trust",
+            Self::State => "state",
+            Self::Workers => "workers",
+        }
+    }
+}
+
+/// A stream of the installation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum StreamKind {
+    /// Plan submissions (work queue).
+    Intake,
+    /// Tasks (work queue).
+    Tasks,
+    /// Run log (limits, by age).
+    RunLog,
+    /// Events (limits, by age).
+    Events,
+    /// Workspace entries.
+    Workspace,
+    /// Mailboxes.
+    Mailbox,
+}
+
+impl StreamKind {
+    /// Every stream.
+    pub const ALL: [StreamKind; 6] = [
+        Self::Intake,
+        Self::Tasks,
+        Self::RunLog,
+        Self::Events,
+        Self::Workspace,
+        Self::Mailbox,
+    ];
+
+    /// Suffix after the upper-case prefix.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Self::Intake => "INTAKE",
+            Self::Tasks => "TASKS",
+            Self::RunLog => "RUNLOG",
+            Self::Events => "EVENTS",
+            Self::Workspace => "WORKSPACE",
+            Self::Mailbox => "MAILBOX",
+        }
+    }
+}
+
+impl Names {
+    /// Names for `prefix`, which must be a name (`A-Z a-z 0-9 _ -`).
+    pub fn new(prefix: &str) -> Result<Self, TokenError> {
+        check_name(prefix)?;
+        Ok(Self {
+            prefix: prefix.to_owned(),
+            upper: prefix.to_ascii_uppercase().replace('-', "_"),
+        })
+    }
+
+    /// The prefix.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// A stream's name.
+    pub fn stream(&self, kind: StreamKind) -> String {
+        format!("{}_{}", self.upper, kind.suffix())
+    }
+
+    /// The subjects a stream captures.
+    pub fn stream_subjects(&self, kind: StreamKind) -> Vec<String> {
+        let p = &self.prefix;
+        match kind {
+            StreamKind::Intake => vec![format!("{p}.submit")],
+            StreamKind::Tasks => vec![format!("{p}.task.>")],
+            StreamKind::RunLog => vec![format!("{p}.runlog.*"), format!("{p}.timer.*.*")],
+            StreamKind::Events => vec![format!("{p}.event.*")],
+            StreamKind::Workspace => vec![format!("{p}.ws.*.*")],
+            StreamKind::Mailbox => vec![format!("{p}.mbox.*.*")],
+        }
+    }
+
+    /// A KV bucket's name.
+    pub fn bucket(&self, bucket: Bucket) -> String {
+        format!("{}-{}", self.prefix, bucket.suffix())
+    }
+
+    /// Intake subject.
+    pub fn submit(&self) -> String {
+        format!("{}.submit", self.prefix)
+    }
+
+    /// Subject of one task attempt.
+    pub fn task(&self, pool: &str, run: RunId, task: &TaskId) -> String {
+        format!("{}.task.{pool}.{run}.{task}", self.prefix)
+    }
+
+    /// Filter for a pool's tasks.
+    pub fn pool_filter(&self, pool: &str) -> String {
+        format!("{}.task.{pool}.>", self.prefix)
+    }
+
+    /// Durable consumer shared by a pool's workers.
+    pub fn pool_consumer(&self, pool: &str) -> String {
+        format!("pool-{pool}")
+    }
+
+    /// A run's log subject.
+    pub fn runlog(&self, run: RunId) -> String {
+        format!("{}.runlog.{run}", self.prefix)
+    }
+
+    /// Filter for every run log.
+    pub fn runlog_all(&self) -> String {
+        format!("{}.runlog.*", self.prefix)
+    }
+
+    /// Subject holding one timer schedule of a run.
+    pub fn timer(&self, run: RunId, generation: u64) -> String {
+        format!("{}.timer.{run}.{generation}", self.prefix)
+    }
+
+    /// A run's event subject.
+    pub fn event(&self, run: RunId) -> String {
+        format!("{}.event.{run}", self.prefix)
+    }
+
+    /// Filter for every run's events.
+    pub fn event_all(&self) -> String {
+        format!("{}.event.*", self.prefix)
+    }
+
+    /// A workspace topic of a run.
+    pub fn workspace(&self, run: RunId, topic: &str) -> String {
+        format!("{}.ws.{run}.{topic}", self.prefix)
+    }
+
+    /// An agent's mailbox in a run.
+    pub fn mailbox(&self, run: RunId, agent: &str) -> String {
+        format!("{}.mbox.{run}.{agent}", self.prefix)
+    }
+
+    /// Request/reply endpoint subject.
+    pub fn api(&self, endpoint: &str) -> String {
+        format!("{}.api.{endpoint}", self.prefix)
+    }
+
+    /// The micro service's name.
+    pub fn service(&self) -> &str {
+        &self.prefix
+    }
+
+    /// Durable consumer of the intake stream, shared by coordinators.
+    pub fn intake_consumer(&self) -> &'static str {
+        "coordinator"
+    }
+
+    /// Durable consumer of the run log, shared by coordinators.
+    pub fn runlog_consumer(&self) -> &'static str {
+        "coordinator"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_prefix() {
+        let n = Names::new("acme-ai").expect("valid");
+        assert_eq!(n.stream(StreamKind::Tasks), "ACME_AI_TASKS");
+        assert_eq!(n.bucket(Bucket::Runs), "acme-ai-runs");
+        let run = RunId::new();
+        assert_eq!(
+            n.task("gpu", run, &TaskId::new("t1")),
+            format!("acme-ai.task.gpu.{run}.t1")
+        );
+        assert!(Names::new("a.b").is_err());
+    }
+}

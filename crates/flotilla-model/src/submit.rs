@@ -1,0 +1,100 @@
+//! Submitting a plan: the intake message and the request/reply endpoint.
+
+use std::collections::BTreeMap;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::ids::{RunId, SessionId};
+use crate::plan::Plan;
+use crate::run::{RunHandle, RunOutcome};
+use crate::validate::Problem;
+
+/// A plan submission. Publish it to the intake subject `<prefix>.submit` (JetStream, durable)
+/// or send it as a request to `<prefix>.api.submit` (synchronous answer).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SubmitRequest {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// The run id to use. Submitting the same id again yields the same run. Optional: the
+    /// coordinator mints a UUIDv7 when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<RunId>,
+    /// Any client key that makes resubmission idempotent (like `Nats-Msg-Id`, without its
+    /// two-minute window).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<String>,
+    /// Labels copied onto the run record.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    /// Session the run belongs to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_id: Option<SessionId>,
+    /// Parent link, for nested runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<RunHandle>,
+    /// A subject on which the coordinator publishes the [`SubmitReply`] with the outcome when
+    /// the run ends.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reply_to: Option<String>,
+    /// On the request/reply endpoint: answer when the run ends instead of when it is accepted.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub wait: bool,
+    /// The plan.
+    pub plan: Plan,
+}
+
+impl SubmitRequest {
+    /// A submission of `plan` with every option at its default.
+    pub fn new(plan: Plan) -> Self {
+        Self {
+            protocol: crate::PROTOCOL_VERSION,
+            run_id: None,
+            idempotency_key: None,
+            labels: BTreeMap::new(),
+            session_id: None,
+            parent: None,
+            reply_to: None,
+            wait: false,
+            plan,
+        }
+    }
+}
+
+/// The coordinator's answer to a submission.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct SubmitReply {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// The run, when one exists (accepted, duplicate, or rejected with a known id).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<RunId>,
+    /// What happened.
+    pub status: SubmitStatus,
+    /// Why it was rejected.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub errors: Vec<Problem>,
+    /// Tolerated problems.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<Problem>,
+    /// The outcome, when the submitter asked to wait.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outcome: Option<RunOutcome>,
+}
+
+/// Submission result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum SubmitStatus {
+    /// A new run was created.
+    Accepted,
+    /// The run already existed (same run id or idempotency key); nothing new was created.
+    Duplicate,
+    /// The plan is invalid; nothing was dispatched.
+    Rejected,
+    /// The run ended (reply to a waiting submitter); see `outcome`.
+    Finished,
+}

@@ -1,0 +1,249 @@
+//! What a worker receives and what it sends back.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::ids::{AttemptId, RunId, TaskId};
+use crate::numeric::extract_numeric_value;
+use crate::plan::Risk;
+use crate::time::{Secs, Timestamp};
+
+/// W3C trace context carried with a task so one trace spans client → coordinator → worker.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct TraceContext {
+    /// The `traceparent` header value (`00-<trace-id>-<span-id>-<flags>`).
+    pub traceparent: String,
+    /// The `tracestate` header value, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tracestate: Option<String>,
+}
+
+/// A task handed to a worker: published on `<prefix>.task.<pool>.<run>.<task>`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TaskEnvelope {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// The run this task belongs to.
+    pub run_id: RunId,
+    /// The task's id in the plan.
+    pub task_id: TaskId,
+    /// 1 for the first attempt, 2 for the first retry, …
+    pub attempt: u32,
+    /// Unique id of this attempt.
+    pub attempt_id: AttemptId,
+    /// Agent definition to run; `None` means the worker's default agent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent: Option<String>,
+    /// Pool the task was queued on.
+    pub pool: String,
+    /// Team role.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
+    /// The instruction.
+    #[serde(default)]
+    pub description: String,
+    /// Kind of action (for policy).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub action: Option<String>,
+    /// Risk of the action.
+    #[serde(default)]
+    pub risk: Risk,
+    /// Whether the run fails if this task fails.
+    pub required: bool,
+    /// The run's query, if the plan had one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub query: Option<String>,
+    /// Free-form input from the plan.
+    #[serde(default, skip_serializing_if = "serde_json::Value::is_null")]
+    pub input: serde_json::Value,
+    /// Time budget of this attempt, counted from when a worker starts it.
+    pub timeout: Secs,
+    /// Results of every task this one transitively depends on.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub previous_results: BTreeMap<TaskId, DependencyResult>,
+    /// Results of this task's direct dependencies.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub dependency_results: BTreeMap<TaskId, DependencyResult>,
+    /// Workspace topics the task reads.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub consumes: Vec<String>,
+    /// Workspace topics the task writes.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub produces: Vec<String>,
+    /// When the coordinator dispatched this attempt (server time of the deciding input).
+    pub dispatched_at: Timestamp,
+    /// Trace context of the run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<TraceContext>,
+}
+
+/// A predecessor's result as injected into a dependent task.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct DependencyResult {
+    /// The agent's answer.
+    pub response: String,
+    /// Tokens the agent spent.
+    #[serde(default)]
+    pub tokens: u64,
+    /// Whether the task succeeded.
+    pub success: bool,
+    /// Tools the agent used.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tools_used: Vec<String>,
+    /// The salient number of the response (see [`crate::numeric`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub numeric_value: Option<f64>,
+}
+
+/// What an agent produced for one attempt.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TaskResult {
+    /// The agent's answer (empty on failure).
+    #[serde(default)]
+    pub response: String,
+    /// Tokens spent.
+    #[serde(default)]
+    pub tokens: u64,
+    /// Whether the attempt succeeded.
+    pub success: bool,
+    /// Tools used.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tools_used: Vec<String>,
+    /// The salient number of the response.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub numeric_value: Option<f64>,
+    /// Why the attempt failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<TaskError>,
+}
+
+impl TaskResult {
+    /// A successful result; `numeric_value` is extracted from the response.
+    pub fn success(response: impl Into<String>) -> Self {
+        let response = response.into();
+        let numeric_value = extract_numeric_value(&response);
+        Self {
+            response,
+            tokens: 0,
+            success: true,
+            tools_used: Vec::new(),
+            numeric_value,
+            error: None,
+        }
+    }
+
+    /// A failed result.
+    pub fn failure(kind: TaskErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            response: String::new(),
+            tokens: 0,
+            success: false,
+            tools_used: Vec::new(),
+            numeric_value: None,
+            error: Some(TaskError {
+                kind,
+                message: message.into(),
+            }),
+        }
+    }
+
+    /// The view of this result injected into dependents.
+    pub fn as_dependency(&self) -> DependencyResult {
+        DependencyResult {
+            response: self.response.clone(),
+            tokens: self.tokens,
+            success: self.success,
+            tools_used: self.tools_used.clone(),
+            numeric_value: self.numeric_value,
+        }
+    }
+}
+
+/// Why an attempt or task failed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct TaskError {
+    /// Machine-readable kind.
+    pub kind: TaskErrorKind,
+    /// Human-readable detail (stderr tail, timeout length…).
+    pub message: String,
+}
+
+impl fmt::Display for TaskError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.kind.as_str(), self.message)
+    }
+}
+
+/// Kinds of task failure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum TaskErrorKind {
+    /// The agent ran and reported failure (non-zero exit, error reply).
+    AgentFailed,
+    /// The attempt exceeded its time budget and was cancelled.
+    Timeout,
+    /// The task's dependencies did not finish within `dependency_timeout`.
+    DependencyTimeout,
+    /// Workers kept dying on this attempt; the worker gave up after the redelivery limit.
+    RedeliveriesExhausted,
+    /// The worker has no agent definition with that name.
+    UnknownAgent,
+    /// The task envelope could not be read.
+    BadEnvelope,
+    /// The attempt was cancelled.
+    Cancelled,
+    /// A fault inside Flotilla.
+    Internal,
+}
+
+impl TaskErrorKind {
+    /// The kind as it appears on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::AgentFailed => "agent_failed",
+            Self::Timeout => "timeout",
+            Self::DependencyTimeout => "dependency_timeout",
+            Self::RedeliveriesExhausted => "redeliveries_exhausted",
+            Self::UnknownAgent => "unknown_agent",
+            Self::BadEnvelope => "bad_envelope",
+            Self::Cancelled => "cancelled",
+            Self::Internal => "internal",
+        }
+    }
+
+    /// Whether another attempt may succeed. Dependency timeouts and cancellation are final.
+    pub fn is_retryable(self) -> bool {
+        !matches!(
+            self,
+            Self::DependencyTimeout | Self::Cancelled | Self::BadEnvelope
+        )
+    }
+}
+
+impl fmt::Display for TaskErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl TaskEnvelope {
+    /// The `Nats-Msg-Id` of this attempt's task message: publishing the same attempt twice is
+    /// dropped by JetStream.
+    pub fn msg_id(&self) -> String {
+        task_msg_id(self.run_id, &self.task_id, self.attempt)
+    }
+}
+
+/// `Nats-Msg-Id` of a task message.
+pub fn task_msg_id(run: RunId, task: &TaskId, attempt: u32) -> String {
+    format!("task.{run}.{task}.{attempt}")
+}
+
+/// `Nats-Msg-Id` of a result on the run log: one result per attempt is ever recorded.
+pub fn result_msg_id(run: RunId, task: &TaskId, attempt: u32) -> String {
+    format!("result.{run}.{task}.{attempt}")
+}

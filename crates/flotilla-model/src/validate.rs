@@ -1,0 +1,905 @@
+//! Plan validation.
+//!
+//! [`validate_plan`] returns **every** problem of a plan at once, each with a stable
+//! [`ProblemCode`], the path of the offending value (`subtasks[2].dependencies[0]`) and a
+//! message. [`prepare_plan`] validates and returns the plan as it will run: topics normalised
+//! and, in lenient data-flow mode, consumptions without a producer dropped.
+//!
+//! The graph checks are linear in tasks plus edges (Kahn's algorithm for cycles), so a
+//! 10,000-subtask plan validates in a few milliseconds (`flotilla bench validate`).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fmt;
+use std::time::Duration;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::plan::{DataflowValidation, Plan, Strategy};
+use crate::token::{check_name, check_token, normalize_topic};
+
+/// Size and count limits applied to plans.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limits {
+    /// Most subtasks in one plan.
+    pub max_subtasks: usize,
+    /// Largest `description`, in bytes.
+    pub max_description_bytes: usize,
+    /// Largest `input`, serialised as JSON, in bytes.
+    pub max_input_bytes: usize,
+    /// Longest accepted timeout.
+    pub max_timeout: Duration,
+    /// Highest `max_retries`.
+    pub max_retries: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            // The coordinator keeps a run's scheduling state in one KV value; 10,000 tasks keep
+            // it well under the default 1 MiB NATS payload.
+            max_subtasks: 10_000,
+            max_description_bytes: 32 * 1024,
+            max_input_bytes: 256 * 1024,
+            max_timeout: Duration::from_secs(7 * 24 * 3600),
+            max_retries: 100,
+        }
+    }
+}
+
+/// What the validator knows about the installation. `None` skips the matching check, which is
+/// what `flotilla plan validate` does when it runs without a config.
+#[derive(Debug, Clone, Default)]
+pub struct ValidationContext {
+    /// Pools workers are configured for.
+    pub pools: Option<BTreeSet<String>>,
+    /// Agent definitions.
+    pub agents: Option<AgentCatalog>,
+    /// Limits.
+    pub limits: Limits,
+}
+
+/// The agent definitions a plan may name.
+#[derive(Debug, Clone, Default)]
+pub struct AgentCatalog {
+    /// Defined agent names.
+    pub names: BTreeSet<String>,
+    /// The agent used when a subtask names none.
+    pub default: Option<String>,
+}
+
+/// Stable machine-readable problem codes.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum ProblemCode {
+    /// The document is not valid JSON/MessagePack or does not match the schema.
+    Malformed,
+    /// The message declares a protocol version this build does not speak.
+    UnsupportedProtocol,
+    /// The plan has no subtasks.
+    EmptyPlan,
+    /// More subtasks than allowed.
+    TooManySubtasks,
+    /// Two subtasks share an id.
+    DuplicateId,
+    /// A task id is not a subject-safe token.
+    InvalidTaskId,
+    /// A dependency names no subtask of the plan.
+    UnknownDependency,
+    /// A subtask depends on itself.
+    SelfDependency,
+    /// Dependencies form a cycle.
+    Cycle,
+    /// A consumed topic has no producer.
+    MissingProducer,
+    /// A topic is not a subject-safe token after normalisation.
+    InvalidTopic,
+    /// A pool name is invalid.
+    InvalidPool,
+    /// No workers are configured for the pool.
+    UnknownPool,
+    /// An agent name is invalid or not defined.
+    UnknownAgent,
+    /// A subtask names no agent and there is no default agent.
+    NoAgent,
+    /// A description is too large.
+    DescriptionTooLarge,
+    /// An input is too large.
+    InputTooLarge,
+    /// A timeout is zero or too long.
+    InvalidTimeout,
+    /// A plan setting is out of range.
+    InvalidConfig,
+    /// The strategy is not supported by this release.
+    UnsupportedStrategy,
+    /// A dependency is listed twice (warning).
+    DuplicateDependency,
+}
+
+impl ProblemCode {
+    /// The code as it appears on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Malformed => "malformed",
+            Self::UnsupportedProtocol => "unsupported_protocol",
+            Self::EmptyPlan => "empty_plan",
+            Self::TooManySubtasks => "too_many_subtasks",
+            Self::DuplicateId => "duplicate_id",
+            Self::InvalidTaskId => "invalid_task_id",
+            Self::UnknownDependency => "unknown_dependency",
+            Self::SelfDependency => "self_dependency",
+            Self::Cycle => "cycle",
+            Self::MissingProducer => "missing_producer",
+            Self::InvalidTopic => "invalid_topic",
+            Self::InvalidPool => "invalid_pool",
+            Self::UnknownPool => "unknown_pool",
+            Self::UnknownAgent => "unknown_agent",
+            Self::NoAgent => "no_agent",
+            Self::DescriptionTooLarge => "description_too_large",
+            Self::InputTooLarge => "input_too_large",
+            Self::InvalidTimeout => "invalid_timeout",
+            Self::InvalidConfig => "invalid_config",
+            Self::UnsupportedStrategy => "unsupported_strategy",
+            Self::DuplicateDependency => "duplicate_dependency",
+        }
+    }
+}
+
+impl fmt::Display for ProblemCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One thing wrong with a plan.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Problem {
+    /// Stable code; match on this, not on the message.
+    pub code: ProblemCode,
+    /// Where in the document (`subtasks[2].dependencies[0]`); empty for the whole document.
+    pub path: String,
+    /// Human-readable explanation.
+    pub message: String,
+    /// Tasks involved (the tasks of a cycle, the consumers of a topic).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tasks: Vec<String>,
+    /// The topic involved, for data-flow problems.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub topic: Option<String>,
+}
+
+impl Problem {
+    /// A problem with no tasks or topic attached.
+    pub fn new(code: ProblemCode, path: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            path: path.into(),
+            message: message.into(),
+            tasks: Vec::new(),
+            topic: None,
+        }
+    }
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.path.is_empty() {
+            write!(f, "[{}] {}", self.code, self.message)
+        } else {
+            write!(f, "[{}] {}: {}", self.code, self.path, self.message)
+        }
+    }
+}
+
+/// The outcome of validation.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ValidationReport {
+    /// Problems that make the plan unrunnable.
+    pub errors: Vec<Problem>,
+    /// Problems that were tolerated.
+    pub warnings: Vec<Problem>,
+}
+
+impl ValidationReport {
+    /// True when there are no errors.
+    pub fn is_valid(&self) -> bool {
+        self.errors.is_empty()
+    }
+
+    /// A report holding a single error.
+    pub fn single(problem: Problem) -> Self {
+        Self {
+            errors: vec![problem],
+            warnings: Vec::new(),
+        }
+    }
+
+    /// Whether any error carries `code`.
+    pub fn has(&self, code: ProblemCode) -> bool {
+        self.errors.iter().any(|p| p.code == code)
+    }
+}
+
+/// Validates a plan and returns it ready to run: topics normalised, and in lenient mode
+/// consumptions without a producer removed. On error nothing is returned but the report.
+pub fn prepare_plan(
+    plan: &Plan,
+    ctx: &ValidationContext,
+) -> Result<(Plan, Vec<Problem>), ValidationReport> {
+    let report = validate_plan(plan, ctx);
+    if !report.is_valid() {
+        return Err(report);
+    }
+    let mut ready = plan.clone();
+    let mut produced = BTreeSet::new();
+    for task in &mut ready.subtasks {
+        for topic in task.produces.iter_mut().chain(task.consumes.iter_mut()) {
+            *topic = normalize_topic(topic);
+        }
+        produced.extend(task.produces.iter().cloned());
+    }
+    if ready.config.dataflow_validation == DataflowValidation::Lenient {
+        for task in &mut ready.subtasks {
+            task.consumes.retain(|t| produced.contains(t));
+        }
+    }
+    Ok((ready, report.warnings))
+}
+
+/// Checks everything about a plan and reports every problem found.
+pub fn validate_plan(plan: &Plan, ctx: &ValidationContext) -> ValidationReport {
+    let mut v = Validator {
+        report: ValidationReport::default(),
+    };
+    v.check_config(plan, ctx);
+    let n = plan.subtasks.len();
+    if n == 0 {
+        v.error(
+            ProblemCode::EmptyPlan,
+            "subtasks",
+            "the plan has no subtasks",
+        );
+    }
+    if n > ctx.limits.max_subtasks {
+        v.error(
+            ProblemCode::TooManySubtasks,
+            "subtasks",
+            format!(
+                "{n} subtasks exceed the limit of {}",
+                ctx.limits.max_subtasks
+            ),
+        );
+    }
+
+    // Ids: the first occurrence of an id is the node; later ones are duplicates.
+    let mut index: HashMap<&str, usize> = HashMap::with_capacity(n);
+    for (i, task) in plan.subtasks.iter().enumerate() {
+        let id = task.id.as_str();
+        if let Err(e) = check_token(id) {
+            v.error(
+                ProblemCode::InvalidTaskId,
+                format!("subtasks[{i}].id"),
+                format!("task id {id:?} {e}"),
+            );
+        }
+        if let Some(first) = index.get(id) {
+            v.error(
+                ProblemCode::DuplicateId,
+                format!("subtasks[{i}].id"),
+                format!("task id {id:?} is already used by subtasks[{first}]"),
+            );
+        } else {
+            index.insert(id, i);
+        }
+    }
+
+    // Topics normalised once: (produces, consumes) per task.
+    let topics: Vec<(Vec<String>, Vec<String>)> = plan
+        .subtasks
+        .iter()
+        .map(|t| {
+            (
+                t.produces.iter().map(|x| normalize_topic(x)).collect(),
+                t.consumes.iter().map(|x| normalize_topic(x)).collect(),
+            )
+        })
+        .collect();
+    for (i, task) in plan.subtasks.iter().enumerate() {
+        v.check_subtask(i, task, &topics[i], ctx);
+    }
+
+    // Dependency graph over first occurrences; unknown and self edges are reported and left out.
+    let mut deps: Vec<Vec<usize>> = vec![Vec::new(); n];
+    // `listed_by[d] == i` marks that task i already listed d, without a set per task.
+    let mut listed_by: Vec<usize> = vec![usize::MAX; n];
+    for (i, task) in plan.subtasks.iter().enumerate() {
+        if index.get(task.id.as_str()) != Some(&i) {
+            continue;
+        }
+        for (j, dep) in task.dependencies.iter().enumerate() {
+            let path = format!("subtasks[{i}].dependencies[{j}]");
+            match index.get(dep.as_str()) {
+                None => v.error(
+                    ProblemCode::UnknownDependency,
+                    path,
+                    format!(
+                        "task {:?} depends on {:?}, which is not a subtask of this plan",
+                        task.id.as_str(),
+                        dep.as_str()
+                    ),
+                ),
+                Some(&d) if d == i => v.error(
+                    ProblemCode::SelfDependency,
+                    path,
+                    format!("task {:?} depends on itself", task.id.as_str()),
+                ),
+                Some(&d) => {
+                    if listed_by[d] != i {
+                        listed_by[d] = i;
+                        deps[i].push(d);
+                    } else {
+                        v.warn(
+                            ProblemCode::DuplicateDependency,
+                            path,
+                            format!(
+                                "task {:?} lists {:?} more than once",
+                                task.id.as_str(),
+                                dep.as_str()
+                            ),
+                        );
+                    }
+                }
+            }
+        }
+    }
+    for cycle in find_cycles(&deps) {
+        let names: Vec<String> = cycle
+            .iter()
+            .map(|&i| plan.subtasks[i].id.to_string())
+            .collect();
+        let mut shown = names.clone();
+        shown.push(names[0].clone());
+        let mut p = Problem::new(
+            ProblemCode::Cycle,
+            format!("subtasks[{}].dependencies", cycle[0]),
+            format!(
+                "dependency cycle: {} (each task depends on the next)",
+                shown.join(" → ")
+            ),
+        );
+        p.tasks = names;
+        v.report.errors.push(p);
+    }
+
+    v.check_dataflow(plan, &topics);
+    v.report
+}
+
+struct Validator {
+    report: ValidationReport,
+}
+
+impl Validator {
+    fn error(&mut self, code: ProblemCode, path: impl Into<String>, message: impl Into<String>) {
+        self.report.errors.push(Problem::new(code, path, message));
+    }
+
+    fn warn(&mut self, code: ProblemCode, path: impl Into<String>, message: impl Into<String>) {
+        self.report.warnings.push(Problem::new(code, path, message));
+    }
+
+    fn check_config(&mut self, plan: &Plan, ctx: &ValidationContext) {
+        let c = &plan.config;
+        if c.max_concurrency == 0 || c.max_concurrency as usize > ctx.limits.max_subtasks {
+            self.error(
+                ProblemCode::InvalidConfig,
+                "config.max_concurrency",
+                format!(
+                    "must be between 1 and {}, got {}",
+                    ctx.limits.max_subtasks, c.max_concurrency
+                ),
+            );
+        }
+        if !(0.0..=1.0).contains(&c.failure_ratio) {
+            self.error(
+                ProblemCode::InvalidConfig,
+                "config.failure_ratio",
+                format!("must be between 0 and 1, got {}", c.failure_ratio),
+            );
+        }
+        if c.max_retries > ctx.limits.max_retries {
+            self.error(
+                ProblemCode::InvalidConfig,
+                "config.max_retries",
+                format!(
+                    "must be at most {}, got {}",
+                    ctx.limits.max_retries, c.max_retries
+                ),
+            );
+        }
+        self.check_timeout("config.dependency_timeout", c.dependency_timeout.get(), ctx);
+        self.check_timeout("config.task_timeout", c.task_timeout.get(), ctx);
+        if c.strategy == Strategy::Supervisor {
+            self.error(
+                ProblemCode::UnsupportedStrategy,
+                "config.strategy",
+                "the supervisor strategy is not available in this release; use auto, simple or dag",
+            );
+        }
+    }
+
+    fn check_timeout(&mut self, path: &str, d: Duration, ctx: &ValidationContext) {
+        if d.is_zero() || d > ctx.limits.max_timeout {
+            self.error(
+                ProblemCode::InvalidTimeout,
+                path,
+                format!(
+                    "must be more than 0 and at most {}, got {}",
+                    humantime::format_duration(ctx.limits.max_timeout),
+                    humantime::format_duration(d)
+                ),
+            );
+        }
+    }
+
+    fn check_subtask(
+        &mut self,
+        i: usize,
+        task: &crate::plan::Subtask,
+        (produces, consumes): &(Vec<String>, Vec<String>),
+        ctx: &ValidationContext,
+    ) {
+        let limits = &ctx.limits;
+        if task.description.len() > limits.max_description_bytes {
+            self.error(
+                ProblemCode::DescriptionTooLarge,
+                format!("subtasks[{i}].description"),
+                format!(
+                    "{} bytes exceed the limit of {}",
+                    task.description.len(),
+                    limits.max_description_bytes
+                ),
+            );
+        }
+        if !task.input.is_null() {
+            let size = json_size(&task.input);
+            if size > limits.max_input_bytes {
+                self.error(
+                    ProblemCode::InputTooLarge,
+                    format!("subtasks[{i}].input"),
+                    format!(
+                        "{size} bytes exceed the limit of {}",
+                        limits.max_input_bytes
+                    ),
+                );
+            }
+        }
+        if let Some(t) = task.timeout {
+            self.check_timeout(&format!("subtasks[{i}].timeout"), t.get(), ctx);
+        }
+        match check_name(&task.pool) {
+            Err(e) => self.error(
+                ProblemCode::InvalidPool,
+                format!("subtasks[{i}].pool"),
+                format!("pool {:?} {e}", task.pool),
+            ),
+            Ok(()) => {
+                if let Some(pools) = &ctx.pools
+                    && !pools.contains(&task.pool)
+                {
+                    self.error(
+                        ProblemCode::UnknownPool,
+                        format!("subtasks[{i}].pool"),
+                        format!(
+                            "pool {:?} is not configured (known pools: {})",
+                            task.pool,
+                            pools.iter().cloned().collect::<Vec<_>>().join(", ")
+                        ),
+                    );
+                }
+            }
+        }
+        match (&task.agent, &ctx.agents) {
+            (Some(agent), catalog) => {
+                if let Err(e) = check_name(agent) {
+                    self.error(
+                        ProblemCode::UnknownAgent,
+                        format!("subtasks[{i}].agent"),
+                        format!("agent name {agent:?} {e}"),
+                    );
+                } else if let Some(catalog) = catalog
+                    && !catalog.names.contains(agent)
+                {
+                    self.error(
+                        ProblemCode::UnknownAgent,
+                        format!("subtasks[{i}].agent"),
+                        format!(
+                            "agent {agent:?} is not defined (defined agents: {})",
+                            catalog.names.iter().cloned().collect::<Vec<_>>().join(", ")
+                        ),
+                    );
+                }
+            }
+            (None, Some(catalog)) if catalog.default.is_none() => self.error(
+                ProblemCode::NoAgent,
+                format!("subtasks[{i}]"),
+                format!(
+                    "task {:?} names no agent and no default agent is configured",
+                    task.id.as_str()
+                ),
+            ),
+            (None, _) => {}
+        }
+        for (field, raw, normalised) in [
+            ("produces", &task.produces, produces),
+            ("consumes", &task.consumes, consumes),
+        ] {
+            for (j, (topic, normal)) in raw.iter().zip(normalised).enumerate() {
+                if let Err(e) = check_token(normal) {
+                    let mut p = Problem::new(
+                        ProblemCode::InvalidTopic,
+                        format!("subtasks[{i}].{field}[{j}]"),
+                        format!("topic {topic:?} (normalised {normal:?}) {e}"),
+                    );
+                    p.topic = Some(topic.clone());
+                    self.report.errors.push(p);
+                }
+            }
+        }
+    }
+
+    fn check_dataflow(&mut self, plan: &Plan, topics: &[(Vec<String>, Vec<String>)]) {
+        let producers: std::collections::HashSet<&str> = topics
+            .iter()
+            .flat_map(|(p, _)| p.iter().map(String::as_str))
+            .collect();
+        // topic -> (first path, consumers)
+        let mut missing: BTreeMap<String, (String, Vec<String>)> = BTreeMap::new();
+        for (i, task) in plan.subtasks.iter().enumerate() {
+            for (j, normal) in topics[i].1.iter().enumerate() {
+                if normal.is_empty()
+                    || producers.contains(normal.as_str())
+                    || check_token(normal).is_err()
+                {
+                    continue;
+                }
+                let entry = missing
+                    .entry(normal.clone())
+                    .or_insert_with(|| (format!("subtasks[{i}].consumes[{j}]"), Vec::new()));
+                if !entry.1.iter().any(|c| c == task.id.as_str()) {
+                    entry.1.push(task.id.to_string());
+                }
+            }
+        }
+        let strict = plan.config.dataflow_validation == DataflowValidation::Strict;
+        for (topic, (path, consumers)) in missing {
+            let message = format!(
+                "topic {topic:?} is consumed by {} but no subtask produces it{}",
+                consumers.join(", "),
+                if strict {
+                    ""
+                } else {
+                    " (lenient: the consumption is dropped)"
+                }
+            );
+            let mut p = Problem::new(ProblemCode::MissingProducer, path, message);
+            p.topic = Some(topic);
+            p.tasks = consumers;
+            if strict {
+                self.report.errors.push(p);
+            } else {
+                self.report.warnings.push(p);
+            }
+        }
+    }
+}
+
+/// Finds dependency cycles. `deps[i]` lists the tasks `i` depends on. Returns one cycle per
+/// group of tasks that cannot be ordered, each as the task indices in dependency order.
+fn find_cycles(deps: &[Vec<usize>]) -> Vec<Vec<usize>> {
+    let n = deps.len();
+    // Kahn: a task is resolved when all its dependencies are.
+    let mut unresolved: Vec<usize> = deps.iter().map(Vec::len).collect();
+    let mut dependents: Vec<Vec<usize>> = vec![Vec::new(); n];
+    for (i, ds) in deps.iter().enumerate() {
+        for &d in ds {
+            dependents[d].push(i);
+        }
+    }
+    let mut queue: Vec<usize> = (0..n).filter(|&i| unresolved[i] == 0).collect();
+    while let Some(d) = queue.pop() {
+        for &t in &dependents[d] {
+            unresolved[t] -= 1;
+            if unresolved[t] == 0 {
+                queue.push(t);
+            }
+        }
+    }
+    // Every task left over has an unresolved dependency that is also left over, so following
+    // such dependencies must revisit a task: that revisit closes a cycle.
+    let mut cycles = Vec::new();
+    let mut walked = vec![false; n];
+    for start in 0..n {
+        if unresolved[start] == 0 || walked[start] {
+            continue;
+        }
+        let mut path: Vec<usize> = Vec::new();
+        let mut pos_in_path: HashMap<usize, usize> = HashMap::new();
+        let mut at = start;
+        loop {
+            if let Some(&p) = pos_in_path.get(&at) {
+                cycles.push(path[p..].to_vec());
+                break;
+            }
+            if walked[at] {
+                break;
+            }
+            walked[at] = true;
+            pos_in_path.insert(at, path.len());
+            path.push(at);
+            match deps[at].iter().find(|&&d| unresolved[d] > 0) {
+                Some(&next) => at = next,
+                None => break,
+            }
+        }
+    }
+    cycles
+}
+
+fn json_size(value: &serde_json::Value) -> usize {
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.len();
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut c = Count(0);
+    // Writing a Value into a counter cannot fail.
+    let _ = serde_json::to_writer(&mut c, value);
+    c.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::Subtask;
+
+    fn plan(tasks: Vec<Subtask>) -> Plan {
+        Plan {
+            name: None,
+            query: None,
+            subtasks: tasks,
+            config: Default::default(),
+        }
+    }
+
+    fn codes(r: &ValidationReport) -> Vec<ProblemCode> {
+        r.errors.iter().map(|p| p.code).collect()
+    }
+
+    #[test]
+    fn earnings_dag_is_valid() {
+        let mut fetch = Subtask::new("fetch_data", "fetch");
+        fetch.produces = vec!["Raw Data".into()];
+        let mut growth = Subtask::new("calc_growth", "growth").after(&["fetch_data"]);
+        growth.consumes = vec!["raw_data".into()];
+        let margin = Subtask::new("calc_margin", "margin").after(&["fetch_data"]);
+        let synth = Subtask::new("synthesis", "report").after(&["calc_growth", "calc_margin"]);
+        let p = plan(vec![fetch, growth, margin, synth]);
+        let r = validate_plan(&p, &ValidationContext::default());
+        assert!(r.is_valid(), "{r:?}");
+        let (ready, warnings) = prepare_plan(&p, &ValidationContext::default()).expect("valid");
+        assert!(warnings.is_empty());
+        assert_eq!(ready.subtasks[0].produces, vec!["raw_data".to_string()]);
+    }
+
+    #[test]
+    fn cycle_names_its_tasks() {
+        let p = plan(vec![
+            Subtask::new("a", "").after(&["b"]),
+            Subtask::new("b", "").after(&["a"]),
+            Subtask::new("c", "").after(&["a"]),
+        ]);
+        let r = validate_plan(&p, &ValidationContext::default());
+        assert_eq!(codes(&r), vec![ProblemCode::Cycle]);
+        assert_eq!(r.errors[0].tasks, vec!["a".to_string(), "b".to_string()]);
+        assert!(
+            r.errors[0].message.contains("a → b → a"),
+            "{}",
+            r.errors[0].message
+        );
+    }
+
+    #[test]
+    fn every_problem_is_reported_at_once() {
+        let mut bad_topic = Subtask::new("x", "");
+        bad_topic.consumes = vec!["nobody.makes*this".into()];
+        let mut lonely = Subtask::new("y", "");
+        lonely.consumes = vec!["Growth Rate".into()];
+        let p = plan(vec![
+            Subtask::new("a.b", ""),
+            Subtask::new("dup", ""),
+            Subtask::new("dup", ""),
+            Subtask::new("self", "").after(&["self"]),
+            Subtask::new("ghost", "").after(&["nope"]),
+            bad_topic,
+            lonely,
+        ]);
+        let r = validate_plan(&p, &ValidationContext::default());
+        let got: BTreeSet<_> = codes(&r).into_iter().collect();
+        let want: BTreeSet<_> = [
+            ProblemCode::InvalidTaskId,
+            ProblemCode::DuplicateId,
+            ProblemCode::SelfDependency,
+            ProblemCode::UnknownDependency,
+            ProblemCode::InvalidTopic,
+            ProblemCode::MissingProducer,
+        ]
+        .into_iter()
+        .collect();
+        assert_eq!(got, want, "{r:#?}");
+        let missing = r
+            .errors
+            .iter()
+            .find(|p| p.code == ProblemCode::MissingProducer)
+            .expect("missing producer");
+        assert_eq!(missing.topic.as_deref(), Some("growth_rate"));
+        assert_eq!(missing.tasks, vec!["y".to_string()]);
+        assert_eq!(missing.path, "subtasks[6].consumes[0]");
+    }
+
+    #[test]
+    fn lenient_dataflow_warns_and_drops() {
+        let mut t = Subtask::new("t", "");
+        t.consumes = vec!["ghost".into()];
+        let mut p = plan(vec![t]);
+        p.config.dataflow_validation = DataflowValidation::Lenient;
+        let (ready, warnings) =
+            prepare_plan(&p, &ValidationContext::default()).expect("lenient ok");
+        assert_eq!(warnings[0].code, ProblemCode::MissingProducer);
+        assert!(ready.subtasks[0].consumes.is_empty());
+    }
+
+    #[test]
+    fn context_checks_pools_and_agents() {
+        let ctx = ValidationContext {
+            pools: Some(["default".to_string()].into()),
+            agents: Some(AgentCatalog {
+                names: ["echo".to_string()].into(),
+                default: None,
+            }),
+            limits: Limits::default(),
+        };
+        let mut gpu = Subtask::new("a", "").with_agent("echo");
+        gpu.pool = "gpu".into();
+        let p = plan(vec![
+            gpu,
+            Subtask::new("b", "").with_agent("llm"),
+            Subtask::new("c", ""),
+        ]);
+        let r = validate_plan(&p, &ctx);
+        assert_eq!(
+            codes(&r),
+            vec![
+                ProblemCode::UnknownPool,
+                ProblemCode::UnknownAgent,
+                ProblemCode::NoAgent
+            ]
+        );
+    }
+
+    #[test]
+    fn limits_and_config_ranges() {
+        let ctx = ValidationContext {
+            limits: Limits {
+                max_subtasks: 2,
+                max_description_bytes: 4,
+                max_input_bytes: 8,
+                ..Limits::default()
+            },
+            ..Default::default()
+        };
+        let mut big = Subtask::new("a", "too long");
+        big.input = serde_json::json!({"k": "0123456789"});
+        let mut p = plan(vec![big, Subtask::new("b", ""), Subtask::new("c", "")]);
+        p.config.failure_ratio = 1.5;
+        p.config.max_concurrency = 0;
+        p.config.strategy = Strategy::Supervisor;
+        let r = validate_plan(&p, &ctx);
+        let got: BTreeSet<_> = codes(&r).into_iter().collect();
+        for c in [
+            ProblemCode::TooManySubtasks,
+            ProblemCode::DescriptionTooLarge,
+            ProblemCode::InputTooLarge,
+            ProblemCode::InvalidConfig,
+            ProblemCode::UnsupportedStrategy,
+        ] {
+            assert!(got.contains(&c), "missing {c}: {r:#?}");
+        }
+        let empty = validate_plan(&plan(vec![]), &ValidationContext::default());
+        assert_eq!(codes(&empty), vec![ProblemCode::EmptyPlan]);
+    }
+
+    mod props {
+        use super::*;
+        use proptest::prelude::{any, prop_assert, prop_assume, proptest};
+        use proptest::strategy::Strategy as _;
+
+        /// A random DAG: task i may depend only on tasks with a smaller index.
+        fn dag() -> impl proptest::strategy::Strategy<Value = Vec<Vec<usize>>> {
+            (1usize..40).prop_flat_map(|n| {
+                (0..n)
+                    .map(|i| proptest::collection::btree_set(0..i.max(1), 0..=i.min(4)))
+                    .collect::<Vec<_>>()
+                    .prop_map(move |sets| {
+                        sets.into_iter()
+                            .enumerate()
+                            .map(|(i, s)| s.into_iter().filter(|&d| d < i).collect())
+                            .collect()
+                    })
+            })
+        }
+
+        fn to_plan(deps: &[Vec<usize>]) -> Plan {
+            let names: Vec<String> = (0..deps.len()).map(|i| format!("t{i}")).collect();
+            plan(
+                deps.iter()
+                    .enumerate()
+                    .map(|(i, ds)| {
+                        let refs: Vec<&str> = ds.iter().map(|&d| names[d].as_str()).collect();
+                        Subtask::new(&names[i], "").after(&refs)
+                    })
+                    .collect(),
+            )
+        }
+
+        fn reachable(deps: &[Vec<usize>], from: usize) -> BTreeSet<usize> {
+            let mut seen = BTreeSet::new();
+            let mut stack = vec![from];
+            while let Some(x) = stack.pop() {
+                for &d in &deps[x] {
+                    if seen.insert(d) {
+                        stack.push(d);
+                    }
+                }
+            }
+            seen
+        }
+
+        proptest! {
+            #[test]
+            fn random_dags_validate(deps in dag()) {
+                let r = validate_plan(&to_plan(&deps), &ValidationContext::default());
+                prop_assert!(r.is_valid(), "{:?}", r);
+            }
+
+            #[test]
+            fn a_back_edge_is_always_caught(deps in dag(), pick in any::<proptest::sample::Index>()) {
+                // Choose a task with at least one ancestor and make an ancestor depend on it.
+                let candidates: Vec<(usize, usize)> = (0..deps.len())
+                    .flat_map(|i| reachable(&deps, i).into_iter().map(move |a| (i, a)))
+                    .collect();
+                prop_assume!(!candidates.is_empty());
+                let (task, ancestor) = candidates[pick.index(candidates.len())];
+                let mut with_back = deps.clone();
+                with_back[ancestor].push(task);
+                let r = validate_plan(&to_plan(&with_back), &ValidationContext::default());
+                prop_assert!(r.has(ProblemCode::Cycle), "{:?}", r);
+                // The reported cycle really is one: each task depends on the next.
+                for p in r.errors.iter().filter(|p| p.code == ProblemCode::Cycle) {
+                    let idx: Vec<usize> = p.tasks.iter().map(|t| t[1..].parse().unwrap()).collect();
+                    for w in 0..idx.len() {
+                        let next = idx[(w + 1) % idx.len()];
+                        prop_assert!(with_back[idx[w]].contains(&next));
+                    }
+                }
+            }
+        }
+    }
+}

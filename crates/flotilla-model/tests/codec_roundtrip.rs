@@ -1,0 +1,543 @@
+//! Every public message survives JSON and MessagePack unchanged.
+
+use std::collections::BTreeMap;
+use std::fmt::Debug;
+
+use flotilla_model::api::{ApiError, GetRunRequest};
+use flotilla_model::codec::Codec;
+use flotilla_model::event::{Event, EventEnvelope, ExternalToolCall, WorkflowEvent, WorkflowPhase};
+use flotilla_model::ids::{AttemptId, RunId, SessionId, TaskId};
+use flotilla_model::mailbox::{MailboxKind, MailboxMessage};
+use flotilla_model::plan::{
+    DataflowValidation, Plan, PlanConfig, Risk, Strategy as PlanStrategy, Subtask,
+};
+use flotilla_model::run::*;
+use flotilla_model::runlog::{RunInput, RunLogEntry, Submitted, TaskResultInput};
+use flotilla_model::submit::{SubmitReply, SubmitRequest, SubmitStatus};
+use flotilla_model::task::{
+    DependencyResult, TaskEnvelope, TaskError, TaskErrorKind, TaskResult, TraceContext,
+};
+use flotilla_model::time::{Secs, Timestamp};
+use flotilla_model::validate::{Problem, ProblemCode};
+use flotilla_model::workspace::WorkspaceEntry;
+use proptest::collection::{btree_map, vec};
+use proptest::option;
+use proptest::prelude::*;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use uuid::Uuid;
+
+fn roundtrip<T: Serialize + DeserializeOwned + PartialEq + Debug>(
+    value: &T,
+) -> Result<(), TestCaseError> {
+    for codec in [Codec::Json, Codec::MsgPack] {
+        let bytes = codec
+            .encode(value)
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let back: T = codec
+            .decode(&bytes)
+            .map_err(|e| TestCaseError::fail(format!("{codec:?}: {e}")))?;
+        prop_assert_eq!(&back, value, "{:?}", codec);
+    }
+    Ok(())
+}
+
+fn text() -> impl Strategy<Value = String> {
+    "[a-zA-Z0-9 _.%$売上成長率-]{0,24}"
+}
+fn token() -> BoxedStrategy<String> {
+    "[a-z][a-z0-9_]{0,10}".boxed()
+}
+fn run_id() -> impl Strategy<Value = RunId> {
+    any::<u128>().prop_map(|n| RunId::from_uuid(Uuid::from_u128(n)))
+}
+fn attempt_id() -> impl Strategy<Value = AttemptId> {
+    any::<u128>().prop_map(|n| AttemptId::from_uuid(Uuid::from_u128(n)))
+}
+fn task_id() -> impl Strategy<Value = TaskId> {
+    token().prop_map(TaskId::new)
+}
+fn ts() -> impl Strategy<Value = Timestamp> {
+    (0i64..4_000_000_000_000).prop_map(Timestamp::from_unix_ms)
+}
+fn secs() -> impl Strategy<Value = Secs> {
+    prop_oneof![
+        (1u64..100_000).prop_map(Secs::from_secs),
+        (1u64..100_000).prop_map(Secs::from_millis)
+    ]
+}
+fn finite() -> impl Strategy<Value = f64> {
+    -1.0e12f64..1.0e12
+}
+fn json() -> impl Strategy<Value = serde_json::Value> {
+    let leaf = prop_oneof![
+        Just(serde_json::Value::Null),
+        any::<bool>().prop_map(serde_json::Value::from),
+        any::<i64>().prop_map(serde_json::Value::from),
+        finite().prop_map(serde_json::Value::from),
+        text().prop_map(serde_json::Value::from),
+    ];
+    leaf.prop_recursive(3, 16, 4, |inner| {
+        prop_oneof![
+            vec(inner.clone(), 0..4).prop_map(serde_json::Value::from),
+            btree_map(token(), inner, 0..4)
+                .prop_map(|m| serde_json::Value::Object(m.into_iter().collect())),
+        ]
+    })
+}
+fn labels() -> impl Strategy<Value = BTreeMap<String, String>> {
+    btree_map(token(), text(), 0..3)
+}
+fn risk() -> impl Strategy<Value = Risk> {
+    prop_oneof![
+        Just(Risk::Low),
+        Just(Risk::Medium),
+        Just(Risk::High),
+        Just(Risk::Critical)
+    ]
+}
+fn subtask() -> impl Strategy<Value = Subtask> {
+    (
+        (
+            task_id(),
+            text(),
+            option::of(token()),
+            option::of(token()),
+            token(),
+        ),
+        (vec(task_id(), 0..3), vec(token(), 0..2), vec(token(), 0..2)),
+        (
+            option::of(token()),
+            risk(),
+            any::<bool>(),
+            option::of(secs()),
+            json(),
+        ),
+    )
+        .prop_map(
+            |(
+                (id, description, role, agent, pool),
+                (dependencies, produces, consumes),
+                (action, risk, required, timeout, input),
+            )| Subtask {
+                id,
+                description,
+                role,
+                agent,
+                pool,
+                dependencies,
+                produces,
+                consumes,
+                action,
+                risk,
+                required,
+                timeout,
+                input,
+            },
+        )
+}
+fn plan_config() -> impl Strategy<Value = PlanConfig> {
+    (
+        1u32..100,
+        secs(),
+        secs(),
+        any::<bool>(),
+        prop_oneof![
+            Just(DataflowValidation::Strict),
+            Just(DataflowValidation::Lenient)
+        ],
+        0u32..10,
+        0.0f64..1.0,
+        prop_oneof![
+            Just(PlanStrategy::Auto),
+            Just(PlanStrategy::Simple),
+            Just(PlanStrategy::Dag),
+            Just(PlanStrategy::Supervisor)
+        ],
+    )
+        .prop_map(
+            |(
+                max_concurrency,
+                dependency_timeout,
+                task_timeout,
+                pass,
+                dataflow,
+                max_retries,
+                failure_ratio,
+                strategy,
+            )| PlanConfig {
+                max_concurrency,
+                dependency_timeout,
+                task_timeout,
+                pass_dependency_results: pass,
+                dataflow_validation: dataflow,
+                max_retries,
+                failure_ratio,
+                strategy,
+            },
+        )
+}
+fn plan() -> impl Strategy<Value = Plan> {
+    (
+        option::of(text()),
+        option::of(text()),
+        vec(subtask(), 0..4),
+        plan_config(),
+    )
+        .prop_map(|(name, query, subtasks, config)| Plan {
+            name,
+            query,
+            subtasks,
+            config,
+        })
+}
+fn problem() -> impl Strategy<Value = Problem> {
+    (
+        prop_oneof![
+            Just(ProblemCode::Cycle),
+            Just(ProblemCode::MissingProducer),
+            Just(ProblemCode::Malformed)
+        ],
+        text(),
+        text(),
+        vec(token(), 0..3),
+        option::of(token()),
+    )
+        .prop_map(|(code, path, message, tasks, topic)| Problem {
+            code,
+            path,
+            message,
+            tasks,
+            topic,
+        })
+}
+fn error_kind() -> impl Strategy<Value = TaskErrorKind> {
+    prop_oneof![
+        Just(TaskErrorKind::AgentFailed),
+        Just(TaskErrorKind::Timeout),
+        Just(TaskErrorKind::DependencyTimeout),
+        Just(TaskErrorKind::RedeliveriesExhausted),
+        Just(TaskErrorKind::UnknownAgent),
+        Just(TaskErrorKind::Internal),
+    ]
+}
+fn task_error() -> impl Strategy<Value = TaskError> {
+    (error_kind(), text()).prop_map(|(kind, message)| TaskError { kind, message })
+}
+fn dep_result() -> impl Strategy<Value = DependencyResult> {
+    (
+        text(),
+        any::<u32>(),
+        any::<bool>(),
+        vec(token(), 0..2),
+        option::of(finite()),
+    )
+        .prop_map(
+            |(response, tokens, success, tools_used, numeric_value)| DependencyResult {
+                response,
+                tokens: u64::from(tokens),
+                success,
+                tools_used,
+                numeric_value,
+            },
+        )
+}
+fn task_result() -> impl Strategy<Value = TaskResult> {
+    (dep_result(), option::of(task_error())).prop_map(|(d, error)| TaskResult {
+        response: d.response,
+        tokens: d.tokens,
+        success: d.success,
+        tools_used: d.tools_used,
+        numeric_value: d.numeric_value,
+        error,
+    })
+}
+fn trace() -> impl Strategy<Value = TraceContext> {
+    ("00-[0-9a-f]{32}-[0-9a-f]{16}-01", option::of(text())).prop_map(|(traceparent, tracestate)| {
+        TraceContext {
+            traceparent,
+            tracestate,
+        }
+    })
+}
+fn handle() -> impl Strategy<Value = RunHandle> {
+    (run_id(), option::of(run_id()), option::of(token())).prop_map(|(run_id, parent, call)| {
+        RunHandle {
+            run_id,
+            agent_id: None,
+            parent_run_id: parent,
+            parent_tool_call_id: call,
+        }
+    })
+}
+fn run_status() -> impl Strategy<Value = RunStatus> {
+    prop_oneof![
+        Just(RunStatus::Pending),
+        Just(RunStatus::Running),
+        Just(RunStatus::Succeeded),
+        Just(RunStatus::Failed),
+        Just(RunStatus::Rejected),
+        Just(RunStatus::Cancelled),
+    ]
+}
+fn outcome() -> impl Strategy<Value = RunOutcome> {
+    (
+        run_id(),
+        run_status(),
+        option::of((
+            text(),
+            option::of(finite()),
+            btree_map(task_id(), dep_result(), 0..3),
+        )),
+        vec((task_id(), 1u32..5, task_error()), 0..2),
+        vec((task_id(), text()), 0..2),
+        option::of(text()),
+    )
+        .prop_map(|(run_id, status, fr, failed, skipped, reason)| RunOutcome {
+            run_id,
+            status,
+            final_result: fr.map(|(response, numeric_value, results)| FinalResult {
+                response,
+                numeric_value,
+                results,
+            }),
+            failed: failed
+                .into_iter()
+                .map(|(task_id, attempts, error)| FailedTask {
+                    task_id,
+                    attempts,
+                    error,
+                })
+                .collect(),
+            skipped: skipped
+                .into_iter()
+                .map(|(task_id, reason)| SkippedTask { task_id, reason })
+                .collect(),
+            reason,
+        })
+}
+fn record() -> impl Strategy<Value = RunRecord> {
+    (
+        handle(),
+        option::of(text()),
+        run_status(),
+        labels(),
+        ts(),
+        option::of(ts()),
+        (0u32..9, 0u32..9),
+        vec(problem(), 0..2),
+        option::of(outcome()),
+    )
+        .prop_map(
+            |(
+                handle,
+                name,
+                status,
+                labels,
+                created_at,
+                finished_at,
+                (total, ok),
+                errors,
+                outcome,
+            )| RunRecord {
+                handle,
+                name,
+                status,
+                labels,
+                session_id: Some(SessionId::from_uuid(Uuid::from_u128(7))),
+                created_at,
+                finished_at,
+                tasks: TaskCounts {
+                    total,
+                    succeeded: ok,
+                    ..TaskCounts::default()
+                },
+                errors,
+                warnings: Vec::new(),
+                outcome,
+            },
+        )
+}
+fn workflow() -> impl Strategy<Value = Event> {
+    (
+        prop_oneof![
+            Just(WorkflowPhase::RunStarted),
+            Just(WorkflowPhase::TaskDispatched),
+            Just(WorkflowPhase::TaskRetrying),
+            Just(WorkflowPhase::RunSucceeded)
+        ],
+        option::of(1u32..100),
+        option::of(token()),
+        option::of(task_error()),
+        option::of(ts()),
+        option::of(text()),
+        option::of(outcome()),
+    )
+        .prop_map(
+            |(phase, tasks_total, worker, error, retry_at, detail, outcome)| {
+                Event::Workflow(WorkflowEvent {
+                    phase,
+                    tasks_total,
+                    worker,
+                    error,
+                    retry_at,
+                    detail,
+                    outcome,
+                })
+            },
+        )
+}
+fn event() -> impl Strategy<Value = Event> {
+    prop_oneof![
+        text().prop_map(|text| Event::AssistantReply { text }),
+        text().prop_map(|text| Event::PlannerThought { text }),
+        (token(), token(), json()).prop_map(|(call_id, tool, input)| Event::ToolStart {
+            call_id,
+            tool,
+            input
+        }),
+        (token(), json()).prop_map(|(call_id, output)| Event::ToolUpdate { call_id, output }),
+        (token(), any::<bool>(), json(), option::of(handle())).prop_map(
+            |(call_id, ok, output, run_link)| Event::ToolEnd {
+                call_id,
+                ok,
+                output,
+                run_link
+            }
+        ),
+        text().prop_map(|question| Event::AwaitClarification { question }),
+        vec((token(), token(), json()), 0..3).prop_map(|calls| Event::AwaitExternalTools {
+            calls: calls
+                .into_iter()
+                .map(|(call_id, tool, input)| ExternalToolCall {
+                    call_id,
+                    tool,
+                    input
+                })
+                .collect()
+        }),
+        (any::<u32>(), any::<u32>()).prop_map(|(p, c)| Event::Usage {
+            prompt_tokens: p.into(),
+            completion_tokens: c.into()
+        }),
+        workflow(),
+        handle().prop_map(|child| Event::AgentRunStarted { child }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    #[test]
+    fn plan_roundtrips(p in plan()) { roundtrip(&p)?; }
+
+    #[test]
+    fn submit_request_roundtrips(p in plan(), run in option::of(run_id()), key in option::of(text()), labels in labels(), wait in any::<bool>(), parent in option::of(handle())) {
+        let mut r = SubmitRequest::new(p);
+        r.run_id = run;
+        r.idempotency_key = key;
+        r.labels = labels;
+        r.wait = wait;
+        r.parent = parent;
+        r.reply_to = Some("_INBOX.x".into());
+        roundtrip(&r)?;
+    }
+
+    #[test]
+    fn submit_reply_roundtrips(run in option::of(run_id()), errors in vec(problem(), 0..3), outcome in option::of(outcome()), status in prop_oneof![Just(SubmitStatus::Accepted), Just(SubmitStatus::Duplicate), Just(SubmitStatus::Rejected), Just(SubmitStatus::Finished)]) {
+        roundtrip(&SubmitReply { protocol: 1, run_id: run, status, errors, warnings: Vec::new(), outcome })?;
+    }
+
+    #[test]
+    fn task_envelope_roundtrips(
+        (run_id, task_id, attempt, attempt_id) in (run_id(), task_id(), 1u32..5, attempt_id()),
+        (agent, pool, role, description) in (option::of(token()), token(), option::of(token()), text()),
+        (risk, required, input, timeout) in (risk(), any::<bool>(), json(), secs()),
+        (prev, deps) in (btree_map(task_id(), dep_result(), 0..3), btree_map(task_id(), dep_result(), 0..3)),
+        (dispatched_at, trace) in (ts(), option::of(trace())),
+    ) {
+        roundtrip(&TaskEnvelope {
+            protocol: 1, run_id, task_id, attempt, attempt_id, agent, pool, role, description,
+            action: Some("read".into()), risk, required, query: Some("q".into()), input, timeout,
+            previous_results: prev, dependency_results: deps, consumes: vec!["raw".into()],
+            produces: Vec::new(), dispatched_at, trace,
+        })?;
+    }
+
+    #[test]
+    fn task_result_roundtrips(r in task_result()) { roundtrip(&r)?; }
+
+    #[test]
+    fn runlog_entry_roundtrips(
+        run_id in run_id(),
+        which in 0u8..3,
+        p in plan(),
+        labels in labels(),
+        (task_id, attempt, attempt_id, result, started) in (task_id(), 1u32..4, attempt_id(), task_result(), option::of(ts())),
+        generation in any::<u64>(),
+        trace in option::of(trace()),
+    ) {
+        let input = match which {
+            0 => RunInput::Submitted(Box::new(Submitted { plan: p, labels, session_id: None, parent: None, reply_to: None, warnings: Vec::new(), trace })),
+            1 => RunInput::TaskResult(Box::new(TaskResultInput { task_id, attempt, attempt_id, worker: "w1".into(), started_at: started, result })),
+            _ => RunInput::TimerFired { generation },
+        };
+        roundtrip(&RunLogEntry { protocol: 1, run_id, input })?;
+    }
+
+    #[test]
+    fn event_roundtrips(run_id in run_id(), e in event(), task in option::of(task_id()), attempt in option::of(1u32..4), at in ts(), id in token()) {
+        roundtrip(&EventEnvelope { protocol: 1, id, run_id, task_id: task, attempt, ts: at, source: "coordinator".into(), event: e })?;
+    }
+
+    #[test]
+    fn run_record_and_view_roundtrip(record in record(), tasks in vec((task_id(), 0u32..4, option::of(task_error()), option::of(text()), option::of(ts())), 0..4)) {
+        roundtrip(&record)?;
+        let view = RunView {
+            record,
+            tasks: tasks.into_iter().map(|(task_id, attempts, error, skip_reason, dispatched_at)| TaskView {
+                task_id, status: TaskStatus::Waiting, attempts, error, skip_reason, dispatched_at,
+            }).collect(),
+        };
+        roundtrip(&view)?;
+    }
+
+    #[test]
+    fn mailbox_message_roundtrips(run_id in run_id(), from in token(), to in token(), content in json(), at in ts(), reply in option::of(any::<u128>()),
+        kind in prop_oneof![Just(MailboxKind::Request), Just(MailboxKind::Offer), Just(MailboxKind::Accept), Just(MailboxKind::Delegation), Just(MailboxKind::Info)]) {
+        roundtrip(&MailboxMessage { protocol: 1, id: Uuid::from_u128(1), run_id, from, to, kind, content, in_reply_to: reply.map(Uuid::from_u128), sent_at: at })?;
+    }
+
+    #[test]
+    fn workspace_entry_roundtrips(seq in any::<u64>(), run_id in run_id(), topic in token(), entry in json(), producer in option::of(task_id()), at in ts()) {
+        roundtrip(&WorkspaceEntry { seq, run_id, topic, entry, producer, ts: at })?;
+    }
+
+    #[test]
+    fn api_messages_roundtrip(run_id in run_id(), status in 400u16..600, code in token(), message in text()) {
+        roundtrip(&GetRunRequest { protocol: 1, run_id })?;
+        roundtrip(&ApiError { status, code, message })?;
+    }
+}
+
+#[test]
+fn msgpack_is_selected_by_content_type() {
+    assert_eq!(
+        Codec::from_content_type(Some("application/msgpack")),
+        Codec::MsgPack
+    );
+    assert_eq!(
+        Codec::from_content_type(Some("application/json")),
+        Codec::Json
+    );
+    assert_eq!(Codec::from_content_type(None), Codec::Json);
+}
+
+#[test]
+fn newer_protocol_versions_are_refused() {
+    use flotilla_model::codec::check_protocol;
+    assert!(check_protocol(1).is_ok());
+    assert!(check_protocol(0).is_err());
+    let err = check_protocol(99).expect_err("future version");
+    assert_eq!(err.to_problem().code, ProblemCode::UnsupportedProtocol);
+}

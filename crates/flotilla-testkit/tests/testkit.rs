@@ -1,0 +1,117 @@
+//! The test kit itself, against real servers.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use flotilla_testkit::{NatsCluster, NatsServer};
+use futures::StreamExt;
+
+#[tokio::test]
+async fn server_starts_on_a_free_port_and_serves_jetstream() -> anyhow::Result<()> {
+    let a = NatsServer::start().await?;
+    let b = NatsServer::start().await?;
+    assert_ne!(a.port(), b.port());
+    let client = a.client().await?;
+    let js = async_nats::jetstream::new(client);
+    js.query_account().await.context("JetStream answers")?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn streams_survive_a_restart() -> anyhow::Result<()> {
+    let mut server = NatsServer::start().await?;
+    let port = server.port();
+    {
+        let js = async_nats::jetstream::new(server.client().await?);
+        js.create_stream(async_nats::jetstream::stream::Config {
+            name: "KEEP".into(),
+            subjects: vec!["keep.>".into()],
+            ..Default::default()
+        })
+        .await?;
+        js.publish("keep.one", "1".into()).await?.await?;
+    }
+    server.restart().await?;
+    assert_eq!(server.port(), port, "restart keeps the port");
+    let js = async_nats::jetstream::new(server.client().await?);
+    let mut stream = js.get_stream("KEEP").await?;
+    assert_eq!(stream.info().await?.state.messages, 1);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_killed_server_comes_back_with_its_data() -> anyhow::Result<()> {
+    let mut server = NatsServer::start().await?;
+    let client = server.client().await?;
+    let js = async_nats::jetstream::new(client.clone());
+    let kv = js
+        .create_key_value(async_nats::jetstream::kv::Config {
+            bucket: "k".into(),
+            ..Default::default()
+        })
+        .await?;
+    kv.put("a", "1".into()).await?;
+    server.kill();
+    server.start_again().await?;
+    // The original client reconnects by itself.
+    let value = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            if let Ok(v) = kv.get("a").await {
+                return v;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await?;
+    assert_eq!(value.as_deref(), Some(&b"1"[..]));
+    Ok(())
+}
+
+#[tokio::test]
+async fn user_password_and_token_auth_are_enforced() -> anyhow::Result<()> {
+    let server = NatsServer::builder()
+        .user_password("svc", "pw")
+        .start()
+        .await?;
+    server.client().await.context("right credentials")?;
+    let anonymous =
+        flotilla_bus::connect::connect(&flotilla_bus::NatsOptions::with_url(server.url()), "t")
+            .await;
+    assert_eq!(
+        anonymous.expect_err("no credentials").kind(),
+        flotilla_bus::ConnectErrorKind::Authentication
+    );
+
+    let server = NatsServer::builder().token("t0k3n").start().await?;
+    server.client().await.context("right token")?;
+    let mut wrong = server.nats_options();
+    wrong.auth = flotilla_bus::NatsAuth::Token {
+        token: flotilla_bus::Secret::new("nope"),
+    };
+    let err = flotilla_bus::connect::connect(&wrong, "t")
+        .await
+        .expect_err("wrong token");
+    assert_eq!(err.kind(), flotilla_bus::ConnectErrorKind::Authentication);
+    Ok(())
+}
+
+#[tokio::test]
+async fn three_node_cluster_replicates() -> anyhow::Result<()> {
+    let cluster = NatsCluster::start(3).await?;
+    let client = flotilla_bus::connect::connect(&cluster.nats_options(), "t").await?;
+    let js = async_nats::jetstream::new(client.clone());
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: "R3".into(),
+        subjects: vec!["r3.>".into()],
+        num_replicas: 3,
+        ..Default::default()
+    })
+    .await?;
+    js.publish("r3.x", "x".into()).await?.await?;
+    let mut sub = client.subscribe("r3.echo").await?;
+    client.publish("r3.echo", "hi".into()).await?;
+    assert!(sub.next().await.is_some());
+    let mut s = js.get_stream("R3").await?;
+    assert_eq!(s.info().await?.config.num_replicas, 3);
+    Ok(())
+}

@@ -1,0 +1,164 @@
+//! The `flotilla` binary's client commands, run as a user would run them.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use flotilla_testkit::NatsServer;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn flotilla(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_flotilla"))
+        .args(args)
+        .current_dir(root())
+        .env_remove("FLOTILLA_CONFIG")
+        .output()
+        .expect("the flotilla binary runs")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+#[test]
+fn version_is_printed() {
+    let out = flotilla(&["--version"]);
+    assert!(out.status.success());
+    assert!(stdout(&out).starts_with("flotilla "), "{}", stdout(&out));
+}
+
+#[test]
+fn good_examples_validate() {
+    for plan in ["earnings.json", "fan-out-fan-in.json"] {
+        let out = flotilla(&["plan", "validate", &format!("config/examples/plans/{plan}")]);
+        assert_eq!(out.status.code(), Some(0), "{plan}: {}", stdout(&out));
+        assert!(stdout(&out).contains("valid"));
+    }
+}
+
+#[test]
+fn cycle_is_reported_with_its_tasks() {
+    let out = flotilla(&[
+        "plan",
+        "validate",
+        "config/examples/plans/broken-cycle.json",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let text = stdout(&out);
+    assert!(text.contains("[cycle]"), "{text}");
+    assert!(text.contains("draft → review → draft"), "{text}");
+}
+
+#[test]
+fn missing_producer_names_topic_and_consumers_in_json() {
+    let out = flotilla(&[
+        "plan",
+        "validate",
+        "--json",
+        "config/examples/plans/broken-missing-producer.json",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json output");
+    assert_eq!(v["valid"], false);
+    let err = &v["errors"][0];
+    assert_eq!(err["code"], "missing_producer");
+    assert_eq!(err["topic"], "market_data");
+    assert_eq!(
+        err["tasks"],
+        serde_json::json!(["calc_growth", "calc_margin"])
+    );
+}
+
+#[test]
+fn malformed_json_and_unknown_pool_are_problems_not_crashes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let bad = dir.path().join("bad.json");
+    std::fs::write(&bad, "{\"subtasks\": [ {\"id\": \"a\", }").expect("write");
+    let out = flotilla(&["plan", "validate", bad.to_str().expect("utf8")]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stdout(&out).contains("[malformed]"), "{}", stdout(&out));
+
+    let gpu = dir.path().join("gpu.json");
+    std::fs::write(&gpu, r#"{"subtasks":[{"id":"a","pool":"gpu"}]}"#).expect("write");
+    let out = flotilla(&["plan", "validate", gpu.to_str().expect("utf8")]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stdout(&out).contains("[unknown_pool]"), "{}", stdout(&out));
+    let out = flotilla(&["plan", "validate", "--offline", gpu.to_str().expect("utf8")]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "offline skips installation checks"
+    );
+
+    let out = flotilla(&["plan", "validate", "does-not-exist.json"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("does-not-exist.json"));
+}
+
+#[test]
+fn schemas_are_current() {
+    let out = flotilla(&["schema", "check"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stdout(&out));
+}
+
+#[tokio::test]
+async fn provision_creates_then_reports_unchanged() -> anyhow::Result<()> {
+    let server = NatsServer::start().await?;
+    let url = server.url();
+    let first = flotilla(&["--nats-url", &url, "nats", "provision"]);
+    assert_eq!(
+        first.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&first.stderr)
+    );
+    assert!(stdout(&first).contains("FLOTILLA_TASKS"));
+    assert!(stdout(&first).contains("created"));
+    let second = flotilla(&["--nats-url", &url, "nats", "provision", "--json"]);
+    assert_eq!(second.status.code(), Some(0));
+    let v: serde_json::Value = serde_json::from_slice(&second.stdout)?;
+    let resources = v["resources"].as_array().expect("resources");
+    assert!(resources.iter().all(|r| r["action"] == "unchanged"), "{v}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn provision_refuses_incompatible_streams() -> anyhow::Result<()> {
+    let server = NatsServer::start().await?;
+    let js = async_nats::jetstream::new(server.client().await?);
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: "FLOTILLA_INTAKE".into(),
+        subjects: vec!["flotilla.submit".into()],
+        storage: async_nats::jetstream::stream::StorageType::Memory,
+        ..Default::default()
+    })
+    .await?;
+    let out = flotilla(&["--nats-url", &server.url(), "nats", "provision"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stdout(&out).contains("INCOMPATIBLE"), "{}", stdout(&out));
+    assert!(stdout(&out).contains("storage"));
+    assert!(
+        js.get_stream("FLOTILLA_TASKS").await.is_err(),
+        "nothing else was created"
+    );
+    Ok(())
+}
+
+#[test]
+fn bad_config_is_a_clear_error() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = dir.path().join("f.toml");
+    std::fs::write(&cfg, "[nats]\nprefix = \"a.b\"\n").expect("write");
+    let out = flotilla(&[
+        "--config",
+        cfg.to_str().expect("utf8"),
+        "plan",
+        "validate",
+        "config/examples/plans/earnings.json",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("prefix"), "{err}");
+}
