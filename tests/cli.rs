@@ -5,6 +5,8 @@ use std::process::{Command, Output};
 
 use flotilla_testkit::NatsServer;
 
+mod support;
+
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
@@ -161,4 +163,163 @@ fn bad_config_is_a_clear_error() {
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("prefix"), "{err}");
+}
+
+#[test]
+fn up_runs_the_earnings_example_end_to_end() {
+    let data = tempfile::tempdir().expect("tempdir");
+    let out = flotilla(&[
+        "up",
+        "--workers",
+        "2",
+        "--data-dir",
+        data.path().to_str().expect("utf8"),
+        "--submit",
+        "config/examples/plans/earnings.json",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let report = stdout(&out);
+    assert!(
+        report.contains("ACME quarterly earnings report"),
+        "{report}"
+    );
+    assert!(report.contains("Revenue growth: +6.7%"), "{report}");
+    assert!(report.contains("Net margin: 9.1%"), "{report}");
+    for task in ["fetch_data", "calc_growth", "calc_margin", "synthesis"] {
+        assert!(
+            stderr.contains(&format!("✓ {task} succeeded")),
+            "{task}: {stderr}"
+        );
+    }
+}
+
+mod against_services {
+    //! Client commands against running `flotilla` services (a deterministic `scripted` agent).
+    use super::*;
+
+    const AGENTS: &str = r#"
+default-agent = "echo"
+[agents.echo]
+kind = "scripted"
+reply = "{task_id} done 42"
+[agents.broken]
+kind = "scripted"
+fail-first = 99
+"#;
+
+    fn write_plan(dir: &Path, name: &str, json: serde_json::Value) -> String {
+        let path = dir.join(name);
+        std::fs::write(&path, serde_json::to_vec(&json).expect("json")).expect("write");
+        path.to_str().expect("utf8").to_owned()
+    }
+
+    #[tokio::test]
+    async fn submit_runs_and_workers_commands() -> anyhow::Result<()> {
+        let mut p = support::Processes::start(AGENTS).await?;
+        p.coordinator().await?;
+        p.worker(&["--concurrency", "2"]).await?;
+        let url = p.server.url();
+        let dir = tempfile::tempdir()?;
+        let good = write_plan(
+            dir.path(),
+            "good.json",
+            serde_json::json!({
+                "name": "cli-test",
+                "subtasks": [{"id": "a"}, {"id": "b", "dependencies": ["a"]}]
+            }),
+        );
+        let out = flotilla(&[
+            "--nats-url",
+            &url,
+            "submit",
+            &good,
+            "--wait",
+            "--json",
+            "--label",
+            "team=qa",
+        ]);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let outcome: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        assert_eq!(outcome["status"], "succeeded");
+        assert_eq!(outcome["final_result"]["response"], "b done 42");
+        let run = outcome["run_id"].as_str().expect("run id").to_owned();
+
+        let out = flotilla(&["--nats-url", &url, "runs", "list", "--json"]);
+        let list: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        assert!(
+            list.as_array()
+                .expect("array")
+                .iter()
+                .any(|r| r["handle"]["run_id"] == run)
+        );
+
+        let out = flotilla(&["--nats-url", &url, "runs", "show", &run]);
+        let text = stdout(&out);
+        assert!(
+            text.contains("succeeded") && text.contains("team=qa") && text.contains("b done 42"),
+            "{text}"
+        );
+
+        let out = flotilla(&["--nats-url", &url, "runs", "history", &run, "--json"]);
+        let history: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        let kinds: Vec<&str> = history
+            .as_array()
+            .expect("array")
+            .iter()
+            .filter_map(|e| e["entry"]["input"]["type"].as_str())
+            .collect();
+        assert_eq!(kinds, vec!["submitted", "task_result", "task_result"]);
+
+        let out = flotilla(&["--nats-url", &url, "workers", "--json"]);
+        let workers: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        assert_eq!(workers.as_array().map(Vec::len), Some(1));
+        assert_eq!(workers[0]["pool"], "default");
+
+        // A failing run: exit 1, the reason on stderr.
+        let bad = write_plan(
+            dir.path(),
+            "bad.json",
+            serde_json::json!({
+                "subtasks": [{"id": "x", "agent": "broken"}], "config": {"max_retries": 0}
+            }),
+        );
+        let out = flotilla(&["--nats-url", &url, "submit", &bad, "--follow"]);
+        assert_eq!(out.status.code(), Some(1));
+        assert!(String::from_utf8_lossy(&out.stderr).contains("required task x failed"));
+
+        // A rejected run: exit 1 with the problem.
+        let cyclic = write_plan(
+            dir.path(),
+            "cyclic.json",
+            serde_json::json!({
+                "subtasks": [{"id": "a", "dependencies": ["b"]}, {"id": "b", "dependencies": ["a"]}]
+            }),
+        );
+        let out = flotilla(&["--nats-url", &url, "submit", &cyclic, "--wait"]);
+        assert_eq!(out.status.code(), Some(1));
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("cycle"),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+
+        // Unknown runs and bad ids are clear errors.
+        let out = flotilla(&[
+            "--nats-url",
+            &url,
+            "runs",
+            "show",
+            "0190f0c4-8a3e-7cc1-9a39-6f1c1b7d2e11",
+        ]);
+        assert_eq!(out.status.code(), Some(1));
+        let out = flotilla(&["--nats-url", &url, "runs", "show", "not-a-uuid"]);
+        assert_eq!(out.status.code(), Some(2));
+        Ok(())
+    }
 }

@@ -81,7 +81,10 @@ pub enum Retry {
     Terminal,
 }
 
-macro_rules! kinds {
+/// Declares an error-kind enum with a `Display` text and a [`Retry`] class per kind, for
+/// use with [`Error`].
+#[macro_export]
+macro_rules! error_kinds {
     ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident => $text:literal, $retry:ident;)* }) => {
         $(#[$meta])*
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -91,15 +94,15 @@ macro_rules! kinds {
 
         impl $name {
             /// Whether retrying may help.
-            pub fn retry(self) -> Retry {
+            pub fn retry(self) -> $crate::error::Retry {
                 match self {
-                    $(Self::$variant => Retry::$retry,)*
+                    $(Self::$variant => $crate::error::Retry::$retry,)*
                 }
             }
         }
 
-        impl fmt::Display for $name {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        impl ::std::fmt::Display for $name {
+            fn fmt(&self, f: &mut ::std::fmt::Formatter<'_>) -> ::std::fmt::Result {
                 f.write_str(match self {
                     $(Self::$variant => $text,)*
                 })
@@ -108,7 +111,7 @@ macro_rules! kinds {
     };
 }
 
-kinds!(
+error_kinds!(
     /// Why connecting to NATS failed.
     ConnectErrorKind {
         /// The options are invalid (bad URL, half a TLS key pair, bad prefix).
@@ -124,7 +127,7 @@ kinds!(
     }
 );
 
-kinds!(
+error_kinds!(
     /// Why provisioning streams and buckets failed.
     ProvisionErrorKind {
         /// Existing resources differ in ways that cannot be changed without losing data.
@@ -136,7 +139,7 @@ kinds!(
     }
 );
 
-kinds!(
+error_kinds!(
     /// Why a publish failed.
     PublishErrorKind {
         /// The message could not be encoded.
@@ -146,7 +149,7 @@ kinds!(
     }
 );
 
-kinds!(
+error_kinds!(
     /// Why a local nats-server could not be run.
     ServerErrorKind {
         /// No `nats-server` executable was found.

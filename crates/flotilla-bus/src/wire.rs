@@ -4,7 +4,6 @@ use async_nats::HeaderMap;
 use async_nats::header::NATS_MESSAGE_ID;
 use bytes::Bytes;
 use flotilla_model::codec::{CONTENT_TYPE, Codec, CodecError};
-use flotilla_model::{PROTOCOL_HEADER, PROTOCOL_VERSION};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -22,8 +21,11 @@ pub struct Outgoing {
     pub payload: Bytes,
 }
 
-/// Encodes `value` with `codec` and the standard headers. `msg_id` becomes `Nats-Msg-Id`, so
-/// JetStream drops a repeated publish of the same logical message.
+/// Encodes `value` with `codec`. `msg_id` becomes `Nats-Msg-Id`, so JetStream drops a
+/// repeated publish of the same logical message. JSON, the default, carries no
+/// `Content-Type`; MessagePack is marked `Content-Type: application/msgpack`. The protocol
+/// version travels in the body's `protocol` field. Every header costs parsing on the server
+/// and in each client, on every message, so only meaningful ones are sent.
 pub fn encode<T: Serialize + ?Sized>(
     value: &T,
     codec: Codec,
@@ -33,8 +35,9 @@ pub fn encode<T: Serialize + ?Sized>(
         .encode(value)
         .map_err(|e| PublishError::with_source(PublishErrorKind::Encode, "encoding", e))?;
     let mut headers = HeaderMap::new();
-    headers.insert(CONTENT_TYPE, codec.content_type());
-    headers.insert(PROTOCOL_HEADER, PROTOCOL_VERSION.to_string().as_str());
+    if codec != Codec::Json {
+        headers.insert(CONTENT_TYPE, codec.content_type());
+    }
     if let Some(id) = msg_id {
         headers.insert(NATS_MESSAGE_ID, id);
     }

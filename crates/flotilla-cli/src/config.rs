@@ -5,14 +5,16 @@
 //! (`__` separates sections: `FLOTILLA_NATS__PREFIX=acme`) → command-line flags. The result is
 //! validated before anything connects.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 use figment::Figment;
 use figment::providers::{Env, Format, Serialized, Toml};
 use flotilla_bus::{JetStreamOptions, NatsOptions};
-use flotilla_model::validate::ValidationContext;
+use flotilla_coordinator::CoordinatorOptions;
+use flotilla_model::validate::{AgentCatalog, ValidationContext};
+use flotilla_worker::{AgentDefinition, AgentRegistry, WorkerOptions};
 use serde::{Deserialize, Serialize};
 
 /// The whole configuration.
@@ -25,6 +27,17 @@ pub(crate) struct Config {
     pub(crate) jetstream: JetStreamOptions,
     /// Worker pools that exist in this installation; plans naming another pool are rejected.
     pub(crate) pools: Vec<String>,
+    /// The agent that runs tasks naming none.
+    pub(crate) default_agent: Option<String>,
+    /// Agent definitions, by name.
+    pub(crate) agents: BTreeMap<String, AgentDefinition>,
+    /// Coordinator settings.
+    pub(crate) coordinator: CoordinatorOptions,
+    /// Worker settings.
+    pub(crate) worker: WorkerOptions,
+    /// Directory of the config file: relative agent paths resolve against it.
+    #[serde(skip)]
+    pub(crate) base_dir: PathBuf,
 }
 
 impl Default for Config {
@@ -34,6 +47,11 @@ impl Default for Config {
             jetstream: JetStreamOptions::default(),
             // Every installation has the default pool.
             pools: vec![flotilla_model::plan::DEFAULT_POOL.to_owned()],
+            default_agent: None,
+            agents: BTreeMap::new(),
+            coordinator: CoordinatorOptions::default(),
+            worker: WorkerOptions::default(),
+            base_dir: PathBuf::from("."),
         }
     }
 }
@@ -81,6 +99,11 @@ pub(crate) fn load(explicit: Option<&Path>, nats_url: Option<&str>) -> anyhow::R
     if let Some(url) = nats_url {
         config.nats.urls = url.split(',').map(str::to_owned).collect();
     }
+    config.base_dir = file
+        .as_ref()
+        .and_then(|f| f.parent().map(Path::to_path_buf))
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or_else(|| PathBuf::from("."));
     config.validate()?;
     tracing::debug!(file = ?file, "Configuration loaded");
     Ok(config)
@@ -100,13 +123,30 @@ impl Config {
             flotilla_model::token::check_name(p)
                 .map_err(|e| anyhow::anyhow!("pools: pool {p:?} {e}"))?;
         }
+        self.coordinator
+            .validate()
+            .map_err(|e| anyhow::anyhow!("invalid [coordinator] section: {e}"))?;
+        self.worker
+            .validate()
+            .map_err(|e| anyhow::anyhow!("invalid [worker] section: {e}"))?;
+        self.agent_registry()?;
         Ok(())
+    }
+
+    /// The agents this configuration defines.
+    pub(crate) fn agent_registry(&self) -> anyhow::Result<AgentRegistry> {
+        AgentRegistry::from_definitions(&self.agents, self.default_agent.clone(), &self.base_dir)
+            .map_err(|e| anyhow::anyhow!("invalid [agents]: {e}"))
     }
 
     /// What plan validation knows about this installation.
     pub(crate) fn validation_context(&self) -> ValidationContext {
         ValidationContext {
             pools: Some(self.pools.iter().cloned().collect::<BTreeSet<_>>()),
+            agents: (!self.agents.is_empty()).then(|| AgentCatalog {
+                names: self.agents.keys().cloned().collect(),
+                default: self.default_agent.clone(),
+            }),
             ..ValidationContext::default()
         }
     }

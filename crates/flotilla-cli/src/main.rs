@@ -4,10 +4,19 @@
 mod commands;
 mod config;
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use flotilla_model::ids::RunId;
+
+/// Services allocate many small, short-lived buffers per message; mimalloc handles that
+/// pattern with far less CPU than glibc's allocator (measured with `flotilla bench`, see
+/// docs/performance.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// Flotilla: teams of AI agents as distributed workers on NATS JetStream.
 #[derive(Debug, Parser)]
@@ -25,6 +34,68 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run a coordinator: plan intake, validation, scheduling.
+    Coordinator,
+    /// Run a worker for one pool.
+    Worker {
+        /// Pool to serve (overrides worker.pool).
+        #[arg(long)]
+        pool: Option<String>,
+        /// Tasks at once (overrides worker.concurrency).
+        #[arg(long)]
+        concurrency: Option<usize>,
+    },
+    /// Everything in one process: embedded nats-server (unless --nats-url), a coordinator and
+    /// workers.
+    Up {
+        /// Workers to run.
+        #[arg(long, default_value_t = 2)]
+        workers: usize,
+        /// Tasks at once per worker (overrides worker.concurrency).
+        #[arg(long)]
+        concurrency: Option<usize>,
+        /// Where the embedded nats-server keeps its data.
+        #[arg(long, default_value = ".flotilla")]
+        data_dir: PathBuf,
+        /// Run this plan to the end, print its result and exit with its status.
+        #[arg(long, value_name = "PLAN")]
+        submit: Option<PathBuf>,
+    },
+    /// Submit a plan.
+    Submit {
+        /// Plan file (.json or .msgpack).
+        plan: PathBuf,
+        /// Show live progress, then the final result.
+        #[arg(long)]
+        follow: bool,
+        /// Wait for the end, then print the final result.
+        #[arg(long)]
+        wait: bool,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+        /// Use this run id (resubmitting it yields the same run).
+        #[arg(long)]
+        run_id: Option<RunId>,
+        /// Idempotency key (resubmitting it yields the same run).
+        #[arg(long)]
+        idempotency_key: Option<String>,
+        /// Label the run (repeatable).
+        #[arg(long = "label", value_name = "KEY=VALUE", value_parser = parse_label)]
+        labels: Vec<(String, String)>,
+        /// Give up waiting after this long (e.g. 10m).
+        #[arg(long, value_parser = humantime_duration)]
+        timeout: Option<Duration>,
+    },
+    /// Inspect runs.
+    #[command(subcommand)]
+    Runs(RunsCommand),
+    /// List live workers.
+    Workers {
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
     /// Work with plan files.
     #[command(subcommand)]
     Plan(PlanCommand),
@@ -35,20 +106,34 @@ enum Command {
     #[command(subcommand)]
     Schema(SchemaCommand),
     /// Measure performance (figures are printed, not asserted).
-    Bench {
-        /// Sections to run.
-        #[arg(long, value_enum, default_values_t = [BenchSection::Validate])]
-        only: Vec<BenchSection>,
-        /// Repetitions of the validation section.
-        #[arg(long, default_value_t = 30)]
-        iterations: usize,
-    },
+    Bench(commands::bench::BenchArgs),
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum BenchSection {
-    /// Validating a 10,000-subtask plan.
-    Validate,
+#[derive(Debug, Subcommand)]
+enum RunsCommand {
+    /// The most recent runs.
+    List {
+        /// How many.
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// One run with its tasks and result.
+    Show {
+        run: RunId,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// The run log: every input that changed the run.
+    History {
+        run: RunId,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -60,7 +145,7 @@ enum PlanCommand {
         /// Machine-readable output.
         #[arg(long)]
         json: bool,
-        /// Skip installation checks (known pools).
+        /// Skip installation checks (known pools and agents).
         #[arg(long)]
         offline: bool,
     },
@@ -93,9 +178,21 @@ enum SchemaCommand {
     },
 }
 
-fn init_tracing() {
+fn parse_label(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
+        .filter(|(k, _)| !k.is_empty())
+        .ok_or_else(|| format!("expected KEY=VALUE, got {s:?}"))
+}
+
+fn humantime_duration(s: &str) -> Result<Duration, String> {
+    humantime_serde::re::humantime::parse_duration(s).map_err(|e| e.to_string())
+}
+
+fn init_tracing(default: &str) {
     use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_env("FLOTILLA_LOG").unwrap_or_else(|_| EnvFilter::new("warn"));
+    let filter =
+        EnvFilter::try_from_env("FLOTILLA_LOG").unwrap_or_else(|_| EnvFilter::new(default));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -104,7 +201,11 @@ fn init_tracing() {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_tracing();
+    let service = matches!(
+        cli.command,
+        Command::Coordinator | Command::Worker { .. } | Command::Up { submit: None, .. }
+    );
+    init_tracing(if service { "info" } else { "warn" });
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -126,29 +227,89 @@ fn main() -> ExitCode {
 
 async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     let load = || config::load(cli.config.as_deref(), cli.nats_url.as_deref());
-    match &cli.command {
+    match cli.command {
+        Command::Coordinator => commands::services::coordinator(&load()?).await,
+        Command::Worker { pool, concurrency } => {
+            let mut c = load()?;
+            if let Some(p) = pool {
+                c.worker.pool = p;
+            }
+            if let Some(n) = concurrency {
+                c.worker.concurrency = n;
+            }
+            c.validate()?;
+            commands::services::worker(&c).await
+        }
+        Command::Up {
+            workers,
+            concurrency,
+            data_dir,
+            submit,
+        } => {
+            let mut c = load()?;
+            if let Some(n) = concurrency {
+                c.worker.concurrency = n;
+                c.validate()?;
+            }
+            let embedded = cli.nats_url.is_none();
+            let opts = commands::services::UpOptions {
+                workers,
+                data_dir,
+                submit,
+                embedded,
+            };
+            commands::services::up(c, opts).await
+        }
+        Command::Submit {
+            plan,
+            follow,
+            wait,
+            json,
+            run_id,
+            idempotency_key,
+            labels,
+            timeout,
+        } => {
+            let opts = commands::submit::SubmitOptions {
+                follow,
+                wait,
+                json,
+                run_id,
+                idempotency_key,
+                labels: labels.into_iter().collect::<BTreeMap<_, _>>(),
+                timeout,
+            };
+            commands::submit::submit(&load()?, &plan, opts).await
+        }
+        Command::Runs(RunsCommand::List { limit, json }) => {
+            commands::runs::list(&load()?, limit, json).await
+        }
+        Command::Runs(RunsCommand::Show { run, json }) => {
+            commands::runs::show(&load()?, run, json).await
+        }
+        Command::Runs(RunsCommand::History { run, json }) => {
+            commands::runs::history(&load()?, run, json).await
+        }
+        Command::Workers { json } => commands::runs::workers(&load()?, json).await,
         Command::Plan(PlanCommand::Validate {
             file,
             json,
             offline,
         }) => {
-            let ctx = if *offline {
+            let ctx = if offline {
                 Default::default()
             } else {
                 load()?.validation_context()
             };
-            commands::plan::validate(file, *json, &ctx)
+            commands::plan::validate(&file, json, &ctx)
         }
         Command::Nats(NatsCommand::Provision { dry_run, json }) => {
-            commands::nats::provision(&load()?, *dry_run, *json).await
+            commands::nats::provision(&load()?, dry_run, json).await
         }
-        Command::Schema(SchemaCommand::Write { dir }) => commands::schema::write(dir),
-        Command::Schema(SchemaCommand::Check { dir }) => commands::schema::check(dir),
-        Command::Bench { only, iterations } => {
-            if only.contains(&BenchSection::Validate) {
-                commands::bench::validate_section(*iterations);
-            }
-            Ok(ExitCode::SUCCESS)
+        Command::Schema(SchemaCommand::Write { dir }) => commands::schema::write(&dir),
+        Command::Schema(SchemaCommand::Check { dir }) => commands::schema::check(&dir),
+        Command::Bench(args) => {
+            commands::bench::run(cli.config.as_deref(), cli.nats_url.as_deref(), args).await
         }
     }
 }

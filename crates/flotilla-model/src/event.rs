@@ -128,9 +128,12 @@ pub struct WorkflowEvent {
     /// Number of tasks (on `run_started`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tasks_total: Option<u32>,
-    /// The worker (on `task_started`).
+    /// The worker (on `task_started`, and on the task's outcome).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub worker: Option<String>,
+    /// When the worker started the attempt (worker clock), on the task's outcome.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<Timestamp>,
     /// The error (on `task_failed`, `task_retrying`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<TaskError>,
@@ -152,6 +155,7 @@ impl WorkflowEvent {
             phase,
             tasks_total: None,
             worker: None,
+            started_at: None,
             error: None,
             retry_at: None,
             detail: None,
@@ -166,8 +170,6 @@ impl WorkflowEvent {
 pub enum WorkflowPhase {
     /// The run was accepted and scheduling began.
     RunStarted,
-    /// A task attempt was queued.
-    TaskDispatched,
     /// A worker began an attempt.
     TaskStarted,
     /// A task succeeded.

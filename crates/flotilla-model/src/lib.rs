@@ -29,9 +29,6 @@ pub use subjects::Names;
 /// The protocol version every message carries in its `protocol` field.
 pub const PROTOCOL_VERSION: u32 = 1;
 
-/// Header carrying the protocol version on every Flotilla message.
-pub const PROTOCOL_HEADER: &str = "Flotilla-Protocol";
-
 pub(crate) const fn protocol_v1() -> u32 {
     1
 }

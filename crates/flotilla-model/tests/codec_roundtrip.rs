@@ -362,7 +362,7 @@ fn workflow() -> impl Strategy<Value = Event> {
     (
         prop_oneof![
             Just(WorkflowPhase::RunStarted),
-            Just(WorkflowPhase::TaskDispatched),
+            Just(WorkflowPhase::TaskStarted),
             Just(WorkflowPhase::TaskRetrying),
             Just(WorkflowPhase::RunSucceeded)
         ],
@@ -379,6 +379,7 @@ fn workflow() -> impl Strategy<Value = Event> {
                     phase,
                     tasks_total,
                     worker,
+                    started_at: None,
                     error,
                     retry_at,
                     detail,

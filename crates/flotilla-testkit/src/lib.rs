@@ -271,6 +271,29 @@ impl NatsCluster {
         let cluster = Self { nodes, _dir: dir };
         let bus = Bus::connect(&cluster.nats_options(), "flotilla-test").await?;
         bus.wait_for_jetstream(Duration::from_secs(30)).await?;
+        // A meta leader is not enough: ready means a three-replica stream can be placed.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let probe = async_nats::jetstream::stream::Config {
+                name: "TESTKIT_PROBE".into(),
+                subjects: vec!["testkit.probe".into()],
+                num_replicas: size.min(3),
+                storage: async_nats::jetstream::stream::StorageType::Memory,
+                ..Default::default()
+            };
+            match bus.js().create_stream(probe).await {
+                Ok(_) => {
+                    let _ = bus.js().delete_stream("TESTKIT_PROBE").await;
+                    break;
+                }
+                Err(e) if tokio::time::Instant::now() > deadline => {
+                    return Err(TestkitError::Io(std::io::Error::other(format!(
+                        "the cluster never accepted a replicated stream: {e}"
+                    ))));
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
         Ok(cluster)
     }
 

@@ -1,12 +1,88 @@
 //! `flotilla bench`: measured, not asserted.
 //!
-//! Each section prints its figures; sections that involve NATS also measure raw JetStream in
-//! the same run and print the ratio.
+//! Every section that involves NATS runs against one nats-server (embedded unless
+//! `--nats-url`), and the raw JetStream baseline is measured in the same run, so the printed
+//! ratios compare like with like:
+//!
+//! * **raw** — the bench's own task round trip on plain JetStream: publish a task to a
+//!   work-queue stream → a worker pulls it → publishes a result → a collector pulls that.
+//!   Throughput with 512 in flight; latency (p50/p99) with 1 in flight.
+//! * **flotilla** — a `flotilla coordinator` and `flotilla worker` processes with a no-op
+//!   (`scripted`) agent: tasks/s across many independent runs; dependency hop latency on a
+//!   100-step chain (predecessor's result stored → dependent's agent starts); makespan of a
+//!   1 → 1000 → 1 fan-out/fan-in; peak RSS of each process.
+//! * **validate** — validating a 10,000-subtask plan.
 
+use std::collections::HashMap;
+use std::path::Path;
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
+use async_nats::jetstream::consumer::{AckPolicy, pull};
+use async_nats::jetstream::stream::{Config as StreamConfig, RetentionPolicy};
+use flotilla_bus::{Bus, NatsOptions};
+use flotilla_client::Client;
+use flotilla_model::ids::RunId;
 use flotilla_model::plan::{Plan, PlanConfig, Subtask};
+use flotilla_model::run::RunStatus;
+use flotilla_model::runlog::RunInput;
+use flotilla_model::submit::{SubmitReply, SubmitRequest};
 use flotilla_model::validate::{ValidationContext, validate_plan};
+use std::future::IntoFuture;
+
+use futures::StreamExt;
+use tokio::sync::{Semaphore, mpsc};
+
+/// Arguments of `flotilla bench`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct BenchArgs {
+    /// Sections to run (default: all).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    only: Vec<Section>,
+    /// Tasks in the raw throughput measurement.
+    #[arg(long, default_value_t = 20_000)]
+    raw_tasks: usize,
+    /// Round trips in the raw latency measurement.
+    #[arg(long, default_value_t = 2_000)]
+    raw_round_trips: usize,
+    /// Tasks in each Flotilla throughput measurement (split into runs).
+    #[arg(long, default_value_t = 10_000)]
+    tasks: usize,
+    /// Independent tasks per run, one measurement each: per-run costs (submission, run
+    /// record, start and end events) amortise over a run's tasks.
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 4, 10])]
+    tasks_per_run: Vec<usize>,
+    /// Length of each chain in the hop-latency measurement.
+    #[arg(long, default_value_t = 100)]
+    chain: usize,
+    /// Chains to run (samples = chains × (chain − 1)).
+    #[arg(long, default_value_t = 3)]
+    chains: usize,
+    /// Width of the fan-out.
+    #[arg(long, default_value_t = 1_000)]
+    fan: usize,
+    /// Worker processes.
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
+    /// Slots per worker.
+    #[arg(long, default_value_t = 128)]
+    concurrency: usize,
+    /// Repetitions of the validation section.
+    #[arg(long, default_value_t = 30)]
+    iterations: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Section {
+    /// Plain JetStream baseline.
+    Raw,
+    /// Flotilla with no-op agents (needs raw for ratios).
+    Flotilla,
+    /// Validating a 10,000-subtask plan.
+    Validate,
+}
 
 /// A layered DAG of `n` subtasks: each depends on up to three tasks of the previous layer and
 /// consumes a topic produced there — the shape planners emit, at scale.
@@ -38,19 +114,18 @@ pub(crate) fn wide_plan(n: usize) -> Plan {
     }
 }
 
-/// Times validation of a 10,000-subtask plan.
-pub(crate) fn validate_section(iterations: usize) {
+fn validate_section(iterations: usize) {
     let plan = wide_plan(10_000);
     let ctx = ValidationContext::default();
-    let report = validate_plan(&plan, &ctx);
-    assert!(report.is_valid(), "the synthetic plan is valid");
+    assert!(
+        validate_plan(&plan, &ctx).is_valid(),
+        "the synthetic plan is valid"
+    );
     let mut times: Vec<Duration> = (0..iterations.max(1))
         .map(|_| {
             let start = Instant::now();
-            let r = validate_plan(&plan, &ctx);
-            let t = start.elapsed();
-            std::hint::black_box(r);
-            t
+            std::hint::black_box(validate_plan(&plan, &ctx));
+            start.elapsed()
         })
         .collect();
     times.sort();
@@ -69,4 +144,621 @@ pub(crate) fn validate_section(iterations: usize) {
 
 pub(crate) fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[idx.min(sorted.len() - 1)]
+}
+
+/// A payload the size of a typical task envelope.
+fn payload() -> bytes::Bytes {
+    let body = serde_json::json!({
+        "protocol": 1, "run_id": RunId::new(), "task_id": "calc_growth", "attempt": 1,
+        "attempt_id": RunId::new(), "pool": "default", "description": "Compute quarter-over-quarter revenue growth.",
+        "required": true, "timeout": 600, "dispatched_at": "2026-01-01T00:00:00Z",
+        "dependency_results": {"fetch_data": {"response": "x".repeat(200), "tokens": 0, "success": true}}
+    });
+    bytes::Bytes::from(serde_json::to_vec(&body).unwrap_or_default())
+}
+
+struct RawFigures {
+    throughput: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+}
+
+/// The raw JetStream task round trip.
+async fn raw_section(
+    opts: &NatsOptions,
+    tasks: usize,
+    round_trips: usize,
+    server_pid: Option<u32>,
+) -> anyhow::Result<RawFigures> {
+    let connect = || flotilla_bus::connect::connect(opts, "flotilla-bench");
+    let producer = connect().await?;
+    let worker_conn = connect().await?;
+    let collector_conn = connect().await?;
+    let js = async_nats::jetstream::new(producer.clone());
+    for name in ["FLBENCH_RAW_TASKS", "FLBENCH_RAW_RESULTS"] {
+        let _ = js.delete_stream(name).await;
+    }
+    js.create_stream(StreamConfig {
+        name: "FLBENCH_RAW_TASKS".into(),
+        subjects: vec!["flbench-raw.task.>".into()],
+        retention: RetentionPolicy::WorkQueue,
+        ..Default::default()
+    })
+    .await?;
+    js.create_stream(StreamConfig {
+        name: "FLBENCH_RAW_RESULTS".into(),
+        subjects: vec!["flbench-raw.result.>".into()],
+        ..Default::default()
+    })
+    .await?;
+    let consumer_config = |name: &str| pull::Config {
+        durable_name: Some(name.into()),
+        ack_policy: AckPolicy::Explicit,
+        max_ack_pending: 10_000,
+        ..Default::default()
+    };
+    let wjs = async_nats::jetstream::new(worker_conn);
+    let task_consumer = wjs
+        .get_stream("FLBENCH_RAW_TASKS")
+        .await?
+        .create_consumer(consumer_config("w"))
+        .await?;
+    let cjs = async_nats::jetstream::new(collector_conn);
+    let result_consumer = cjs
+        .get_stream("FLBENCH_RAW_RESULTS")
+        .await?
+        .create_consumer(consumer_config("c"))
+        .await?;
+
+    // Worker: pull a task, publish its result, ack the task.
+    let worker = tokio::spawn(async move {
+        let Ok(messages) = task_consumer
+            .stream()
+            .max_messages_per_batch(512)
+            .messages()
+            .await
+        else {
+            return;
+        };
+        messages
+            .for_each_concurrent(512, |m| {
+                let wjs = wjs.clone();
+                async move {
+                    let Ok(m) = m else { return };
+                    let subject = format!(
+                        "flbench-raw.result.{}",
+                        m.subject.rsplit('.').next().unwrap_or("x")
+                    );
+                    if let Ok(ack) = wjs.publish(subject, m.payload.clone()).await {
+                        let _ = ack.await;
+                    }
+                    let _ = m.ack().await;
+                }
+            })
+            .await;
+    });
+    // Collector: pull results, ack, report.
+    let (done_tx, mut done_rx) = mpsc::unbounded_channel::<()>();
+    let collector = tokio::spawn(async move {
+        let Ok(messages) = result_consumer
+            .stream()
+            .max_messages_per_batch(512)
+            .messages()
+            .await
+        else {
+            return;
+        };
+        messages
+            .for_each_concurrent(512, |m| {
+                let done_tx = done_tx.clone();
+                async move {
+                    if let Ok(m) = m {
+                        let _ = m.ack().await;
+                        let _ = done_tx.send(());
+                    }
+                }
+            })
+            .await;
+    });
+    let body = payload();
+
+    // Latency: one in flight.
+    let mut samples = Vec::with_capacity(round_trips);
+    for i in 0..round_trips {
+        let t0 = Instant::now();
+        js.publish(format!("flbench-raw.task.l{i}"), body.clone())
+            .await?
+            .await?;
+        done_rx.recv().await.context("collector stopped")?;
+        samples.push(ms(t0.elapsed()));
+    }
+    samples.sort_by(f64::total_cmp);
+
+    // Throughput: 512 in flight.
+    let window = Arc::new(Semaphore::new(512));
+    let cpu_before = (
+        server_pid.and_then(cpu_seconds),
+        cpu_seconds(std::process::id()),
+    );
+    let start = Instant::now();
+    let feeder = {
+        let js = js.clone();
+        let window = Arc::clone(&window);
+        let body = body.clone();
+        tokio::spawn(async move {
+            let mut acks = futures::stream::FuturesUnordered::new();
+            for i in 0..tasks {
+                let Ok(p) = Arc::clone(&window).acquire_owned().await else {
+                    break;
+                };
+                p.forget();
+                if let Ok(ack) = js
+                    .publish(format!("flbench-raw.task.t{i}"), body.clone())
+                    .await
+                {
+                    acks.push(ack.into_future());
+                }
+                while let Some(Some(_)) = futures::FutureExt::now_or_never(acks.next()) {}
+            }
+            while acks.next().await.is_some() {}
+        })
+    };
+    for _ in 0..tasks {
+        done_rx.recv().await.context("collector stopped")?;
+        window.add_permits(1);
+    }
+    let elapsed = start.elapsed();
+    let cpu_server = server_pid
+        .and_then(cpu_seconds)
+        .zip(cpu_before.0)
+        .map(|(a, b)| a - b);
+    let cpu_bench = cpu_seconds(std::process::id())
+        .zip(cpu_before.1)
+        .map(|(a, b)| a - b);
+    let _ = feeder.await;
+    worker.abort();
+    collector.abort();
+    for name in ["FLBENCH_RAW_TASKS", "FLBENCH_RAW_RESULTS"] {
+        let _ = js.delete_stream(name).await;
+    }
+    let f = RawFigures {
+        throughput: tasks as f64 / elapsed.as_secs_f64(),
+        p50_ms: percentile(&samples, 0.50),
+        p99_ms: percentile(&samples, 0.99),
+    };
+    println!("== raw JetStream task round trip (publish → pull → result publish → pull)");
+    println!(
+        "   throughput, 512 in flight: {:>10.0} tasks/s   ({tasks} tasks)",
+        f.throughput
+    );
+    println!(
+        "   latency, 1 in flight:      p50 {:.3} ms   p99 {:.3} ms   ({round_trips} round trips)",
+        f.p50_ms, f.p99_ms
+    );
+    if let (Some(s), Some(b)) = (cpu_server, cpu_bench) {
+        println!(
+            "   CPU seconds during throughput: nats-server {s:.2}, bench (producer, worker, collector) {b:.2}"
+        );
+    }
+    Ok(f)
+}
+
+/// Last sequence of every stream with the given name prefix: differences between two
+/// readings are the messages stored in between (work-queue streams delete, but never reuse,
+/// sequences).
+async fn stream_sequences(bus: &Bus, prefix: &str) -> anyhow::Result<Vec<(String, u64)>> {
+    let mut names = bus.js().stream_names();
+    let mut out = Vec::new();
+    while let Some(name) = names.next().await {
+        let name = name?;
+        if name.starts_with(prefix) || name.starts_with(&format!("KV_{}", prefix.to_lowercase())) {
+            let mut s = bus.js().get_stream(&name).await?;
+            out.push((name, s.info().await?.state.last_sequence));
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// Child processes of the Flotilla section; killed on drop.
+struct Processes(Vec<(String, Child)>);
+
+impl Drop for Processes {
+    fn drop(&mut self) {
+        for (_, c) in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// CPU seconds (user + system) a process has used, from `/proc/<pid>/stat` (USER_HZ = 100).
+fn cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: f64 = fields.get(11)?.parse().ok()?;
+    let stime: f64 = fields.get(12)?.parse().ok()?;
+    Some((utime + stime) / 100.0)
+}
+
+fn peak_rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+}
+
+fn noop_config(dir: &Path, url: &str, concurrency: usize) -> anyhow::Result<std::path::PathBuf> {
+    let path = dir.join("bench.toml");
+    std::fs::write(
+        &path,
+        format!(
+            r#"# Generated by `flotilla bench`: a no-op scripted agent (no model calls).
+pools = ["default"]
+default-agent = "noop"
+
+[nats]
+urls = ["{url}"]
+prefix = "flbench"
+
+[agents.noop]
+kind = "scripted"
+reply = "ok"
+
+[worker]
+concurrency = {concurrency}
+"#
+        ),
+    )?;
+    Ok(path)
+}
+
+/// Outcomes of runs submitted with `reply_to = inbox`: one core message per finished run,
+/// so observing completion costs the server nothing beyond the run itself.
+async fn outcomes(bus: &Bus, inbox: String) -> anyhow::Result<mpsc::UnboundedReceiver<RunStatus>> {
+    let mut sub = bus.client().subscribe(inbox).await?;
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Some(m) = sub.next().await {
+            if let Ok(reply) = serde_json::from_slice::<SubmitReply>(&m.payload)
+                && let Some(o) = reply.outcome
+            {
+                let _ = tx.send(o.status);
+            }
+        }
+    });
+    Ok(rx)
+}
+
+async fn flotilla_section(
+    args: &BenchArgs,
+    url: &str,
+    raw: Option<&RawFigures>,
+    server_pid: Option<u32>,
+) -> anyhow::Result<()> {
+    let dir = tempfile::Builder::new()
+        .prefix("flotilla-bench-")
+        .tempdir()?;
+    let config = noop_config(dir.path(), url, args.concurrency)?;
+    let exe = std::env::current_exe()?;
+    let spawn = |role: &[&str]| -> anyhow::Result<Child> {
+        Ok(Command::new(&exe)
+            .arg("--config")
+            .arg(&config)
+            .args(role)
+            .env("FLOTILLA_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()?)
+    };
+    let mut opts = NatsOptions::with_url(url);
+    opts.prefix = "flbench".into();
+    let bus = Bus::connect(&opts, "flotilla-bench").await?;
+    bus.provision(&Default::default()).await?;
+    let mut procs = Processes(vec![("coordinator".into(), spawn(&["coordinator"])?)]);
+    for i in 0..args.workers {
+        procs.0.push((format!("worker {i}"), spawn(&["worker"])?));
+    }
+    let client = Client::new(bus.clone());
+    let inbox = format!("_INBOX.flbench.{}", RunId::new());
+    let mut ends = outcomes(&bus, inbox.clone()).await?;
+    // Warm up: one small run proves every process is ready.
+    let warm = client
+        .submit(SubmitRequest::new(independent_plan(2)))
+        .await?;
+    client.wait(warm, Duration::from_secs(60)).await?;
+
+    // Throughput across many independent runs, per run size.
+    let mut pids: Vec<(String, u32)> = procs.0.iter().map(|(n, c)| (n.clone(), c.id())).collect();
+    if let Some(pid) = server_pid {
+        pids.push(("nats-server".into(), pid));
+    }
+    pids.push(("bench client".into(), std::process::id()));
+    println!(
+        "== flotilla (coordinator + {} worker process(es) × {} slots, no-op scripted agent)",
+        args.workers, args.concurrency
+    );
+    let mut rows = Vec::new();
+    for &per_run in &args.tasks_per_run {
+        let per_run = per_run.max(1);
+        let runs = (args.tasks / per_run).max(1);
+        let total = runs * per_run;
+        let cpu_before: Vec<Option<f64>> = pids.iter().map(|(_, p)| cpu_seconds(*p)).collect();
+        let seq_before = stream_sequences(&bus, "FLBENCH").await?;
+        let start = Instant::now();
+        let submitter = {
+            let client = client.clone();
+            let inbox = inbox.clone();
+            tokio::spawn(async move {
+                let mut acks = futures::stream::FuturesUnordered::new();
+                for _ in 0..runs {
+                    let mut req = SubmitRequest::new(independent_plan(per_run));
+                    let run = RunId::new();
+                    req.run_id = Some(run);
+                    req.reply_to = Some(inbox.clone());
+                    let bus = client.bus().clone();
+                    acks.push(async move {
+                        bus.publish(bus.names().submit(), &req, Some(&format!("run.{run}")))
+                            .await
+                    });
+                    if acks.len() >= 256 {
+                        let _ = acks.next().await;
+                    }
+                }
+                while acks.next().await.is_some() {}
+            })
+        };
+        let mut failed = 0;
+        for _ in 0..runs {
+            let status = tokio::time::timeout(Duration::from_secs(300), ends.recv())
+                .await
+                .context("throughput runs did not finish in 5 minutes")?
+                .context("outcome subscription ended")?;
+            if status != RunStatus::Succeeded {
+                failed += 1;
+            }
+        }
+        let elapsed = start.elapsed();
+        let _ = submitter.await;
+        let cpu: Vec<String> = pids
+            .iter()
+            .zip(&cpu_before)
+            .filter_map(|((name, pid), before)| {
+                Some(format!("{name} {:.2}", cpu_seconds(*pid)? - (*before)?))
+            })
+            .collect();
+        let seq_after = stream_sequences(&bus, "FLBENCH").await?;
+        let stored: Vec<(String, f64)> = seq_after
+            .iter()
+            .filter_map(|(name, after)| {
+                let before = seq_before
+                    .iter()
+                    .find(|(n, _)| n == name)
+                    .map_or(0, |(_, b)| *b);
+                (after > &before).then(|| {
+                    (
+                        name.trim_start_matches("FLBENCH_").to_owned(),
+                        (after - before) as f64 / total as f64,
+                    )
+                })
+            })
+            .collect();
+        let throughput = total as f64 / elapsed.as_secs_f64();
+        println!(
+            "   throughput, {per_run:>2} task(s)/run: {:>8.0} tasks/s   ({runs} runs in {:.2} s{})",
+            throughput,
+            elapsed.as_secs_f64(),
+            if failed > 0 {
+                format!(", {failed} runs not succeeded")
+            } else {
+                String::new()
+            }
+        );
+        println!("      CPU s: {}", cpu.join(", "));
+        println!(
+            "      stored messages per task: {:.2} ({})",
+            stored.iter().map(|(_, n)| n).sum::<f64>(),
+            stored
+                .iter()
+                .map(|(s, n)| format!("{s} {n:.2}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        rows.push((per_run, throughput));
+    }
+
+    // Dependency hop latency on chains.
+    let mut hops = Vec::new();
+    for _ in 0..args.chains {
+        let run = client
+            .submit(SubmitRequest::new(chain_plan(args.chain)))
+            .await?;
+        client.wait(run, Duration::from_secs(300)).await?;
+        hops.extend(chain_hops(&client, run).await?);
+    }
+    hops.sort_by(f64::total_cmp);
+    let (hop50, hop99) = (percentile(&hops, 0.5), percentile(&hops, 0.99));
+    println!(
+        "   dependency hop (result stored → dependent starts): p50 {hop50:.3} ms   p99 {hop99:.3} ms   ({} hops; target p50 ≤ 1.5 ms, p99 ≤ 5 ms)",
+        hops.len()
+    );
+
+    // Fan-out / fan-in makespan.
+    let t0 = Instant::now();
+    let run = client
+        .submit(SubmitRequest::new(fan_plan(args.fan)))
+        .await?;
+    let outcome = client.wait(run, Duration::from_secs(300)).await?;
+    let makespan = t0.elapsed();
+    println!(
+        "   makespan 1 → {} → 1: {:.3} s ({:?})",
+        args.fan,
+        makespan.as_secs_f64(),
+        outcome.status
+    );
+
+    for (name, child) in &procs.0 {
+        if let Some(kib) = peak_rss_kib(child.id()) {
+            println!("   peak RSS {name:<12} {:>8.1} MiB", kib as f64 / 1024.0);
+        }
+    }
+    if let Some(raw) = raw {
+        println!("== ratios to raw JetStream (same server, same run; throughput target ≥ 50 %)");
+        for (per_run, throughput) in &rows {
+            println!(
+                "   throughput, {per_run:>2} task(s)/run: {:>5.1} % of raw ({:.0} / {:.0} tasks/s)",
+                100.0 * throughput / raw.throughput,
+                throughput,
+                raw.throughput
+            );
+        }
+        println!(
+            "   hop p50 / raw round-trip p50: {:.2}×   ({hop50:.3} ms / {:.3} ms)",
+            hop50 / raw.p50_ms,
+            raw.p50_ms
+        );
+        println!(
+            "   hop p99 / raw round-trip p99: {:.2}×   ({hop99:.3} ms / {:.3} ms)",
+            hop99 / raw.p99_ms,
+            raw.p99_ms
+        );
+    }
+    drop(procs);
+    Ok(())
+}
+
+fn independent_plan(n: usize) -> Plan {
+    let mut p = Plan {
+        name: Some("bench-independent".into()),
+        query: None,
+        subtasks: (0..n)
+            .map(|i| Subtask::new(&format!("t{i}"), "no-op"))
+            .collect(),
+        config: PlanConfig::default(),
+    };
+    p.config.max_concurrency = n as u32;
+    p
+}
+
+fn chain_plan(n: usize) -> Plan {
+    let subtasks = (0..n)
+        .map(|i| {
+            let t = Subtask::new(&format!("s{i}"), "no-op");
+            if i == 0 {
+                t
+            } else {
+                t.after(&[&format!("s{}", i - 1)])
+            }
+        })
+        .collect();
+    Plan {
+        name: Some("bench-chain".into()),
+        query: None,
+        subtasks,
+        config: PlanConfig::default(),
+    }
+}
+
+fn fan_plan(n: usize) -> Plan {
+    let mut subtasks = vec![Subtask::new("root", "no-op")];
+    let middle: Vec<String> = (0..n).map(|i| format!("m{i}")).collect();
+    subtasks.extend(
+        middle
+            .iter()
+            .map(|m| Subtask::new(m, "no-op").after(&["root"])),
+    );
+    let refs: Vec<&str> = middle.iter().map(String::as_str).collect();
+    subtasks.push(Subtask::new("sink", "no-op").after(&refs));
+    let mut p = Plan {
+        name: Some("bench-fan".into()),
+        query: None,
+        subtasks,
+        config: PlanConfig::default(),
+    };
+    p.config.max_concurrency = n as u32;
+    p
+}
+
+/// Hop latencies of a finished chain, from its run log: the server time the predecessor's
+/// result was stored → the time the worker started the dependent (same host clock).
+async fn chain_hops(client: &Client, run: RunId) -> anyhow::Result<Vec<f64>> {
+    let store = flotilla_coordinator::store::RunStore::open(client.bus()).await?;
+    let micros = |t: &flotilla_model::time::Timestamp| (t.0.unix_timestamp_nanos() / 1000) as i64;
+    let mut stored: HashMap<String, i64> = HashMap::new();
+    let mut started: HashMap<String, i64> = HashMap::new();
+    for (_, ts, entry) in store.history(run).await? {
+        if let RunInput::TaskResult(r) = entry.input {
+            stored.insert(r.task_id.to_string(), micros(&ts));
+            if let Some(s) = &r.started_at {
+                started.insert(r.task_id.to_string(), micros(s));
+            }
+        }
+    }
+    let mut hops = Vec::new();
+    let mut i = 1;
+    while let (Some(prev), Some(next)) = (
+        stored.get(&format!("s{}", i - 1)),
+        started.get(&format!("s{i}")),
+    ) {
+        hops.push((next - prev) as f64 / 1000.0);
+        i += 1;
+    }
+    Ok(hops)
+}
+
+/// Runs the selected sections.
+pub(crate) async fn run(
+    _config: Option<&Path>,
+    nats_url: Option<&str>,
+    args: BenchArgs,
+) -> anyhow::Result<ExitCode> {
+    let all = args.only.is_empty();
+    let want = |s: Section| all || args.only.contains(&s);
+    if want(Section::Validate) {
+        validate_section(args.iterations);
+    }
+    if !want(Section::Raw) && !want(Section::Flotilla) {
+        return Ok(ExitCode::SUCCESS);
+    }
+    let dir = tempfile::Builder::new()
+        .prefix("flotilla-bench-nats-")
+        .tempdir()?;
+    let (_server, url) = match nats_url {
+        Some(u) => (None, u.to_owned()),
+        None => {
+            let s = super::services::embedded_nats(dir.path()).await?;
+            let url = s.url();
+            println!(
+                "== nats-server: embedded at {url} (file storage in {})",
+                dir.path().display()
+            );
+            (Some(s), url)
+        }
+    };
+    let opts = NatsOptions::with_url(&url);
+    let server_pid = _server
+        .as_ref()
+        .and_then(flotilla_bus::server::LocalNatsServer::pid);
+    let raw = if want(Section::Raw) || want(Section::Flotilla) {
+        Some(raw_section(&opts, args.raw_tasks, args.raw_round_trips, server_pid).await?)
+    } else {
+        None
+    };
+    if want(Section::Flotilla) {
+        flotilla_section(&args, &url, raw.as_ref(), server_pid).await?;
+    }
+    Ok(ExitCode::SUCCESS)
 }

@@ -3,4 +3,7 @@
 pub(crate) mod bench;
 pub(crate) mod nats;
 pub(crate) mod plan;
+pub(crate) mod runs;
 pub(crate) mod schema;
+pub(crate) mod services;
+pub(crate) mod submit;

@@ -1,0 +1,146 @@
+//! `flotilla coordinator`, `flotilla worker`, `flotilla up`.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::Context;
+use flotilla_bus::Bus;
+use flotilla_bus::server::{LocalNatsServer, LocalServerOptions};
+use flotilla_coordinator::Coordinator;
+use flotilla_worker::Worker;
+use tokio_util::sync::CancellationToken;
+use tracing::info;
+
+use crate::config::Config;
+
+/// A token cancelled on SIGTERM or Ctrl-C. The handlers are installed before this returns,
+/// so a signal that arrives right after start-up still drains instead of killing.
+pub(crate) fn shutdown_on_signals() -> anyhow::Result<CancellationToken> {
+    let token = CancellationToken::new();
+    let t = token.clone();
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let mut interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => info!("SIGTERM received: shutting down"),
+            _ = interrupt.recv() => info!("Interrupted: shutting down"),
+        }
+        t.cancel();
+    });
+    Ok(token)
+}
+
+pub(crate) async fn coordinator(config: &Config) -> anyhow::Result<ExitCode> {
+    let shutdown = shutdown_on_signals()?;
+    let bus = Bus::connect(&config.nats, "flotilla-coordinator").await?;
+    Coordinator::new(
+        bus,
+        config.coordinator.clone(),
+        config.validation_context(),
+        config.jetstream.clone(),
+    )
+    .run(shutdown)
+    .await?;
+    Ok(ExitCode::SUCCESS)
+}
+
+pub(crate) async fn worker(config: &Config) -> anyhow::Result<ExitCode> {
+    let shutdown = shutdown_on_signals()?;
+    let bus = Bus::connect(&config.nats, "flotilla-worker").await?;
+    // Workers provision too, so a pool can start before any coordinator.
+    bus.provision(&config.jetstream).await?;
+    Worker::new(bus, config.worker.clone(), config.agent_registry()?)
+        .run(shutdown)
+        .await?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// A nats-server for `up` and `bench` when no URL is given: a child process with its store in
+/// `data_dir`.
+pub(crate) async fn embedded_nats(data_dir: &Path) -> anyhow::Result<LocalNatsServer> {
+    std::fs::create_dir_all(data_dir)
+        .with_context(|| format!("creating {}", data_dir.display()))?;
+    let opts = LocalServerOptions::in_dir(data_dir);
+    let server = LocalNatsServer::start(opts).await?;
+    Ok(server)
+}
+
+/// Options of `flotilla up`.
+#[derive(Debug)]
+pub(crate) struct UpOptions {
+    pub(crate) workers: usize,
+    pub(crate) data_dir: PathBuf,
+    pub(crate) submit: Option<PathBuf>,
+    pub(crate) embedded: bool,
+}
+
+/// Everything in one process: an embedded nats-server (unless `--nats-url`), one coordinator
+/// and N workers. With `--submit`, runs that plan to the end and exits with its status.
+pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<ExitCode> {
+    let server = if opts.embedded {
+        let s = embedded_nats(&opts.data_dir.join("nats")).await?;
+        config.nats.urls = vec![s.url()];
+        eprintln!(
+            "Embedded nats-server {} (store in {}); other commands can use --nats-url {}",
+            s.url(),
+            opts.data_dir.join("nats").display(),
+            s.url()
+        );
+        Some(s)
+    } else {
+        None
+    };
+    let bus = Bus::connect(&config.nats, "flotilla-up").await?;
+    bus.wait_for_jetstream(std::time::Duration::from_secs(20))
+        .await?;
+    bus.provision(&config.jetstream).await?;
+    let shutdown = match opts.submit {
+        Some(_) => CancellationToken::new(),
+        None => shutdown_on_signals()?,
+    };
+    let mut services = tokio::task::JoinSet::new();
+    let coordinator = Coordinator::new(
+        Bus::connect(&config.nats, "flotilla-coordinator").await?,
+        config.coordinator.clone(),
+        config.validation_context(),
+        config.jetstream.clone(),
+    );
+    let token = shutdown.clone();
+    services.spawn(async move { coordinator.run(token).await.map_err(|e| e.to_string()) });
+    for i in 0..opts.workers.max(1) {
+        let mut wopts = config.worker.clone();
+        if let Some(id) = &wopts.id {
+            wopts.id = Some(format!("{id}-{i}"));
+        }
+        let worker = Worker::new(
+            Bus::connect(&config.nats, "flotilla-worker").await?,
+            wopts,
+            config.agent_registry()?,
+        );
+        let token = shutdown.clone();
+        services.spawn(async move { worker.run(token).await.map_err(|e| e.to_string()) });
+    }
+    let code = match &opts.submit {
+        Some(plan) => {
+            let code = super::submit::submit_and_follow(&bus, &config, plan).await;
+            shutdown.cancel();
+            code?
+        }
+        None => {
+            eprintln!(
+                "Flotilla is up with {} worker(s) in pool {:?}. Ctrl-C stops it.",
+                opts.workers.max(1),
+                config.worker.pool
+            );
+            shutdown.cancelled().await;
+            ExitCode::SUCCESS
+        }
+    };
+    while let Some(r) = services.join_next().await {
+        if let Ok(Err(e)) = r {
+            eprintln!("error: {e}");
+        }
+    }
+    drop(server);
+    Ok(code)
+}

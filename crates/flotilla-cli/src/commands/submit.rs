@@ -1,0 +1,247 @@
+//! `flotilla submit PLAN [--follow] [--wait] [--json]`.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use flotilla_bus::Bus;
+use flotilla_client::Client;
+use flotilla_model::event::{Event, WorkflowPhase};
+use flotilla_model::ids::RunId;
+use flotilla_model::run::{RunOutcome, RunStatus};
+use flotilla_model::submit::SubmitRequest;
+use futures::StreamExt;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use crate::config::Config;
+
+/// Options of `flotilla submit`.
+#[derive(Debug, Default)]
+pub(crate) struct SubmitOptions {
+    pub(crate) follow: bool,
+    pub(crate) wait: bool,
+    pub(crate) json: bool,
+    pub(crate) run_id: Option<RunId>,
+    pub(crate) idempotency_key: Option<String>,
+    pub(crate) labels: BTreeMap<String, String>,
+    pub(crate) timeout: Option<Duration>,
+}
+
+/// Submits, then (with `--follow` / `--wait`) waits for the outcome. Exit code 0 when the run
+/// succeeded, 1 when it failed or was rejected.
+pub(crate) async fn submit(
+    config: &Config,
+    plan_path: &Path,
+    opts: SubmitOptions,
+) -> anyhow::Result<ExitCode> {
+    let plan = match super::plan::read_plan(plan_path)? {
+        Ok(p) => p,
+        Err(report) => {
+            for p in &report.errors {
+                eprintln!("error {p}");
+            }
+            return Ok(ExitCode::from(1));
+        }
+    };
+    let bus = Bus::connect(&config.nats, "flotilla-cli").await?;
+    let client = Client::new(bus);
+    let mut request = SubmitRequest::new(plan);
+    request.run_id = opts.run_id;
+    request.idempotency_key = opts.idempotency_key.clone();
+    request.labels = opts.labels.clone();
+    let run = client.submit(request).await?;
+    if !opts.follow && !opts.wait {
+        if opts.json {
+            println!("{}", serde_json::json!({ "run_id": run }));
+        } else {
+            println!("{run}");
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    eprintln!("Submitted run {run}");
+    let outcome = follow(&client, run, opts.follow, opts.timeout).await?;
+    print_outcome(&outcome, opts.json);
+    Ok(exit_code(&outcome))
+}
+
+/// For `flotilla up --submit`: submit and follow with progress.
+pub(crate) async fn submit_and_follow(
+    bus: &Bus,
+    _config: &Config,
+    plan_path: &Path,
+) -> anyhow::Result<ExitCode> {
+    let plan = match super::plan::read_plan(plan_path)? {
+        Ok(p) => p,
+        Err(report) => {
+            for p in &report.errors {
+                eprintln!("error {p}");
+            }
+            return Ok(ExitCode::from(1));
+        }
+    };
+    let client = Client::new(bus.clone());
+    let run = client.submit(SubmitRequest::new(plan)).await?;
+    eprintln!("Submitted run {run}");
+    let outcome = follow(&client, run, true, None).await?;
+    print_outcome(&outcome, false);
+    Ok(exit_code(&outcome))
+}
+
+fn exit_code(outcome: &RunOutcome) -> ExitCode {
+    if outcome.status == RunStatus::Succeeded {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}
+
+/// Follows a run's events to its end. With `progress`, shows a progress bar and one status
+/// line per task change on stderr.
+pub(crate) async fn follow(
+    client: &Client,
+    run: RunId,
+    progress: bool,
+    timeout: Option<Duration>,
+) -> anyhow::Result<RunOutcome> {
+    let started = Instant::now();
+    let bar = if progress {
+        let b = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
+        b.set_style(
+            ProgressStyle::with_template(
+                "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} tasks {msg}",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        b.enable_steady_tick(Duration::from_millis(120));
+        Some(b)
+    } else {
+        None
+    };
+    let line = |text: String| {
+        if let Some(b) = &bar {
+            b.suspend(|| eprintln!("{text}"));
+        }
+    };
+    let events = client.events(run).await?;
+    futures::pin_mut!(events);
+    let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
+    loop {
+        let next = match deadline {
+            Some(d) => match tokio::time::timeout_at(d, events.next()).await {
+                Ok(n) => n,
+                Err(_) => anyhow::bail!(
+                    "run {run} did not finish within {:?}",
+                    timeout.unwrap_or_default()
+                ),
+            },
+            None => events.next().await,
+        };
+        let Some(event) = next else {
+            anyhow::bail!("the event stream of run {run} ended unexpectedly");
+        };
+        let event = event?;
+        let Event::Workflow(w) = event.event else {
+            continue;
+        };
+        let task = event.task_id.map(|t| t.to_string()).unwrap_or_default();
+        let t = format!("{:>7.2}s", started.elapsed().as_secs_f64());
+        match w.phase {
+            WorkflowPhase::RunStarted => {
+                if let Some(b) = &bar {
+                    b.set_length(u64::from(w.tasks_total.unwrap_or(0)));
+                }
+            }
+            WorkflowPhase::TaskStarted => {
+                line(format!(
+                    "{t}  ▶ {task} started on {}",
+                    w.worker.unwrap_or_default()
+                ));
+                if let Some(b) = &bar {
+                    b.set_message(format!("running {task}"));
+                }
+            }
+            WorkflowPhase::TaskSucceeded => {
+                let took = w
+                    .started_at
+                    .map(|s| {
+                        format!(
+                            " in {:.2}s",
+                            (event.ts.unix_ms() - s.unix_ms()).max(0) as f64 / 1000.0
+                        )
+                    })
+                    .unwrap_or_default();
+                let on = w.worker.map(|w| format!(" on {w}")).unwrap_or_default();
+                line(format!("{t}  ✓ {task} succeeded{on}{took}"));
+                if let Some(b) = &bar {
+                    b.inc(1);
+                }
+            }
+            WorkflowPhase::TaskRetrying => {
+                let err = w.error.map(|e| e.to_string()).unwrap_or_default();
+                line(format!(
+                    "{t}  ↻ {task} will retry (attempt {} failed: {err})",
+                    event.attempt.unwrap_or(0)
+                ));
+            }
+            WorkflowPhase::TaskFailed => {
+                let err = w.error.map(|e| e.to_string()).unwrap_or_default();
+                line(format!("{t}  ✗ {task} failed: {err}"));
+                if let Some(b) = &bar {
+                    b.inc(1);
+                }
+            }
+            WorkflowPhase::TaskSkipped => {
+                line(format!(
+                    "{t}  ⤼ {task} skipped: {}",
+                    w.detail.unwrap_or_default()
+                ));
+                if let Some(b) = &bar {
+                    b.inc(1);
+                }
+            }
+            phase if phase.ends_run() => {
+                if let Some(b) = &bar {
+                    b.finish_and_clear();
+                }
+                let outcome = w.outcome.unwrap_or(RunOutcome {
+                    run_id: run,
+                    status: RunStatus::Failed,
+                    final_result: None,
+                    failed: Vec::new(),
+                    skipped: Vec::new(),
+                    reason: w.detail,
+                });
+                return Ok(outcome);
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Prints the outcome: the final result on stdout, a summary on stderr.
+pub(crate) fn print_outcome(outcome: &RunOutcome, json: bool) {
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(outcome).unwrap_or_default()
+        );
+        return;
+    }
+    eprintln!("Run {} {}", outcome.run_id, outcome.status);
+    if let Some(reason) = &outcome.reason {
+        eprintln!("  reason: {reason}");
+    }
+    for f in &outcome.failed {
+        eprintln!(
+            "  failed:  {} after {} attempt(s): {}",
+            f.task_id, f.attempts, f.error
+        );
+    }
+    for s in &outcome.skipped {
+        eprintln!("  skipped: {} ({})", s.task_id, s.reason);
+    }
+    if let Some(fr) = &outcome.final_result {
+        println!("{}", fr.response);
+    }
+}

@@ -1,0 +1,185 @@
+//! A Rust client for Flotilla: submit plans, follow a run's events, wait for its outcome,
+//! read run records. Everything here uses only the public wire protocol
+//! (`docs/protocol.md`), plus direct reads of the run store.
+//!
+//! ```no_run
+//! # async fn demo(bus: flotilla_bus::Bus, plan: flotilla_model::Plan) -> Result<(), flotilla_client::ClientError> {
+//! use flotilla_client::Client;
+//! use flotilla_model::submit::SubmitRequest;
+//! let client = Client::new(bus);
+//! let run = client.submit(SubmitRequest::new(plan)).await?;
+//! let outcome = client.wait(run, std::time::Duration::from_secs(60)).await?;
+//! println!("{:?}", outcome.status);
+//! # Ok(()) }
+//! ```
+
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::{DeliverPolicy, pull};
+use flotilla_bus::{Bus, wire};
+use flotilla_coordinator::store::RunStore;
+use flotilla_model::api::ApiRequest;
+use flotilla_model::event::{Event, EventEnvelope};
+use flotilla_model::ids::RunId;
+use flotilla_model::run::{RunOutcome, RunView};
+use flotilla_model::subjects::StreamKind;
+use flotilla_model::submit::{SubmitReply, SubmitRequest};
+use futures::{Stream, StreamExt};
+
+flotilla_bus::error_kinds!(
+    /// Why a client call failed.
+    ClientErrorKind {
+        /// NATS or JetStream failed.
+        Nats => "NATS request failed", Retryable;
+        /// A reply or event could not be decoded.
+        Decode => "unreadable message", Terminal;
+        /// The run did not end in time.
+        TimedOut => "timed out waiting for the run", Retryable;
+        /// No coordinator answered the request.
+        NoCoordinator => "no coordinator answered", Retryable;
+    }
+);
+
+/// A client call failed.
+pub type ClientError = flotilla_bus::error::Error<ClientErrorKind>;
+
+fn nats(
+    detail: impl Into<String>,
+    e: impl std::error::Error + Send + Sync + 'static,
+) -> ClientError {
+    ClientError::with_source(ClientErrorKind::Nats, detail, e)
+}
+
+/// A Flotilla client.
+#[derive(Debug, Clone)]
+pub struct Client {
+    bus: Bus,
+}
+
+impl Client {
+    /// A client on a connected bus.
+    pub fn new(bus: Bus) -> Self {
+        Self { bus }
+    }
+
+    /// The bus.
+    pub fn bus(&self) -> &Bus {
+        &self.bus
+    }
+
+    /// Submits durably through the intake stream and returns the run id. A run id is minted
+    /// when the request has none, and used as `Nats-Msg-Id`, so a retried publish is dropped.
+    pub async fn submit(&self, mut request: SubmitRequest) -> Result<RunId, ClientError> {
+        let run = *request.run_id.get_or_insert_with(RunId::new);
+        let msg_id = request
+            .idempotency_key
+            .clone()
+            .unwrap_or_else(|| format!("run.{run}"));
+        self.bus
+            .publish(self.bus.names().submit(), &request, Some(&msg_id))
+            .await
+            .map_err(|e| nats("publishing the submission", e))?;
+        Ok(run)
+    }
+
+    /// Submits through the request/reply endpoint and returns the coordinator's answer
+    /// (accepted with the run id, duplicate, or rejected with every problem).
+    pub async fn submit_request(
+        &self,
+        request: &SubmitRequest,
+        timeout: Duration,
+    ) -> Result<SubmitReply, ClientError> {
+        let body = serde_json::to_vec(request)
+            .map_err(|e| ClientError::with_source(ClientErrorKind::Decode, "encoding", e))?;
+        let subject = self.bus.names().api(SubmitRequest::ENDPOINT);
+        let reply = tokio::time::timeout(timeout, self.bus.client().request(subject, body.into()))
+            .await
+            .map_err(|_| {
+                ClientError::new(
+                    ClientErrorKind::TimedOut,
+                    "no answer from the submit endpoint",
+                )
+            })?
+            .map_err(|e| {
+                if e.kind() == async_nats::RequestErrorKind::NoResponders {
+                    ClientError::with_source(
+                        ClientErrorKind::NoCoordinator,
+                        "no coordinator serves the API",
+                        e,
+                    )
+                } else {
+                    nats("submit request", e)
+                }
+            })?;
+        wire::decode(reply.headers.as_ref(), &reply.payload)
+            .map_err(|e| ClientError::with_source(ClientErrorKind::Decode, "submit reply", e))
+    }
+
+    /// Every event of a run, from its first, as they arrive.
+    pub async fn events(
+        &self,
+        run: RunId,
+    ) -> Result<impl Stream<Item = Result<EventEnvelope, ClientError>> + use<>, ClientError> {
+        let name = self.bus.names().stream(StreamKind::Events);
+        let stream = self
+            .bus
+            .js()
+            .get_stream(&name)
+            .await
+            .map_err(|e| nats(format!("opening {name}"), e))?;
+        let consumer = stream
+            .create_consumer(pull::OrderedConfig {
+                filter_subject: self.bus.names().event(run),
+                deliver_policy: DeliverPolicy::All,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| nats("creating an ordered consumer", e))?;
+        let messages = consumer
+            .messages()
+            .await
+            .map_err(|e| nats("reading events", e))?;
+        Ok(messages.map(|m| {
+            let m = m.map_err(|e| nats("reading events", e))?;
+            wire::decode::<EventEnvelope>(m.headers.as_ref(), &m.payload)
+                .map_err(|e| ClientError::with_source(ClientErrorKind::Decode, "event", e))
+        }))
+    }
+
+    /// Waits for a run to end and returns its outcome.
+    pub async fn wait(&self, run: RunId, timeout: Duration) -> Result<RunOutcome, ClientError> {
+        let follow = async {
+            let events = self.events(run).await?;
+            futures::pin_mut!(events);
+            while let Some(e) = events.next().await {
+                if let Event::Workflow(w) = e?.event
+                    && w.phase.ends_run()
+                    && let Some(outcome) = w.outcome
+                {
+                    return Ok(outcome);
+                }
+            }
+            Err(ClientError::new(
+                ClientErrorKind::Nats,
+                "the event stream ended",
+            ))
+        };
+        tokio::time::timeout(timeout, follow).await.map_err(|_| {
+            ClientError::new(
+                ClientErrorKind::TimedOut,
+                format!("run {run} did not end within {timeout:?}"),
+            )
+        })?
+    }
+
+    /// A run's record and tasks, read from the run store.
+    pub async fn run(&self, run: RunId) -> Result<Option<RunView>, ClientError> {
+        let store = RunStore::open(&self.bus)
+            .await
+            .map_err(|e| nats("opening the run store", e))?;
+        store
+            .view(run)
+            .await
+            .map_err(|e| nats(format!("reading run {run}"), e))
+    }
+}

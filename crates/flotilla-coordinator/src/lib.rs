@@ -1,0 +1,210 @@
+//! The Flotilla coordinator: plan intake, validation, scheduling and run completion.
+//!
+//! Stateless: every run lives in JetStream (the run log and the `flotilla-runs` KV bucket),
+//! so any number of coordinators may run side by side. They share one durable consumer on
+//! the intake stream and one on the run log; compare-and-set on each run's snapshot keeps
+//! them from ever double-scheduling.
+//!
+//! * [`machine`]: the pure scheduling state machine.
+//! * [`store`]: run snapshots, plans and results in JetStream.
+//! * The runtime (private): applies run-log inputs and performs the machine's actions.
+//! * Intake and API (private): submissions from the intake stream and `<prefix>.api.*`.
+//!
+//! ```no_run
+//! # async fn run(bus: flotilla_bus::Bus) -> Result<(), Box<dyn std::error::Error>> {
+//! use flotilla_coordinator::{Coordinator, CoordinatorOptions};
+//! let shutdown = tokio_util::sync::CancellationToken::new();
+//! Coordinator::new(bus, CoordinatorOptions::default(), Default::default(), Default::default())
+//!     .run(shutdown)
+//!     .await?;
+//! # Ok(()) }
+//! ```
+
+mod api;
+pub mod error;
+mod intake;
+pub mod machine;
+pub mod options;
+mod runtime;
+pub mod store;
+
+use std::sync::Arc;
+
+use async_nats::jetstream::AckKind;
+use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer, pull};
+use flotilla_bus::{Bus, JetStreamOptions};
+use flotilla_model::subjects::StreamKind;
+use flotilla_model::validate::ValidationContext;
+use futures::StreamExt;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+pub use error::{CoordinatorError, CoordinatorErrorKind, StoreError, StoreErrorKind};
+pub use options::CoordinatorOptions;
+
+use crate::intake::{Answer, Intake};
+use crate::runtime::Runtime;
+use crate::store::{RunStore, unix_ms};
+
+/// A coordinator process.
+#[derive(Debug)]
+pub struct Coordinator {
+    bus: Bus,
+    opts: CoordinatorOptions,
+    ctx: ValidationContext,
+    jetstream: JetStreamOptions,
+}
+
+fn setup(
+    detail: impl Into<String>,
+    e: impl std::error::Error + Send + Sync + 'static,
+) -> CoordinatorError {
+    CoordinatorError::with_source(CoordinatorErrorKind::Setup, detail, e)
+}
+
+impl Coordinator {
+    /// A coordinator on `bus`. `ctx` says which pools and agents plans may name.
+    pub fn new(
+        bus: Bus,
+        opts: CoordinatorOptions,
+        ctx: ValidationContext,
+        jetstream: JetStreamOptions,
+    ) -> Self {
+        Self {
+            bus,
+            opts,
+            ctx,
+            jetstream,
+        }
+    }
+
+    async fn consumer(
+        &self,
+        kind: StreamKind,
+        filter: String,
+    ) -> Result<PullConsumer, CoordinatorError> {
+        let name = self.bus.names().stream(kind);
+        let stream = self
+            .bus
+            .js()
+            .get_stream(&name)
+            .await
+            .map_err(|e| setup(format!("opening stream {name}"), e))?;
+        let durable = match kind {
+            StreamKind::Intake => self.bus.names().intake_consumer(),
+            _ => self.bus.names().runlog_consumer(),
+        };
+        stream
+            .create_consumer(pull::Config {
+                durable_name: Some(durable.to_owned()),
+                description: Some("Flotilla coordinators (shared)".into()),
+                filter_subject: filter,
+                deliver_policy: DeliverPolicy::All,
+                ack_policy: AckPolicy::Explicit,
+                ack_wait: self.opts.ack_wait,
+                max_deliver: -1,
+                max_ack_pending: 20_000,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| setup(format!("creating consumer {durable} on {name}"), e))
+    }
+
+    /// Runs until `shutdown` is cancelled.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<(), CoordinatorError> {
+        self.opts
+            .validate()
+            .map_err(|e| CoordinatorError::new(CoordinatorErrorKind::Config, e))?;
+        self.bus
+            .provision(&self.jetstream)
+            .await
+            .map_err(|e| setup("provisioning streams and buckets", e))?;
+        let store = RunStore::open(&self.bus)
+            .await
+            .map_err(|e| setup("opening the run store", e))?;
+        let runlog = self
+            .consumer(StreamKind::RunLog, self.bus.names().runlog_all())
+            .await?;
+        let intake_consumer = self
+            .consumer(StreamKind::Intake, self.bus.names().submit())
+            .await?;
+        let runtime = Arc::new(Runtime::new(
+            store.clone(),
+            self.bus.clone(),
+            self.opts.clone(),
+            self.jetstream.duplicate_window,
+        ));
+        let intake = Arc::new(Intake::new(store.clone(), self.ctx.clone()));
+        info!(prefix = self.bus.names().prefix(), "Coordinator started");
+
+        let mut tasks = tokio::task::JoinSet::new();
+        tasks.spawn(Arc::clone(&runtime).run(runlog, shutdown.clone()));
+        tasks.spawn(consume_intake(
+            intake_consumer,
+            Arc::clone(&intake),
+            self.opts.intake_concurrency,
+            shutdown.clone(),
+        ));
+        if self.opts.api {
+            let (store, intake, shutdown) = (store.clone(), Arc::clone(&intake), shutdown.clone());
+            tasks.spawn(async move {
+                if let Err(e) = api::serve(store, intake, shutdown).await {
+                    warn!(error = %e, "The API service stopped");
+                }
+            });
+        }
+        while tasks.join_next().await.is_some() {}
+        info!("Coordinator stopped");
+        Ok(())
+    }
+}
+
+/// Consumes the intake stream: each submission is validated and accepted or rejected.
+async fn consume_intake(
+    consumer: PullConsumer,
+    intake: Arc<Intake>,
+    concurrency: usize,
+    shutdown: CancellationToken,
+) {
+    while !shutdown.is_cancelled() {
+        let messages = match consumer
+            .stream()
+            .max_messages_per_batch(concurrency)
+            .heartbeat(std::time::Duration::from_secs(5))
+            .messages()
+            .await
+        {
+            Ok(m) => m,
+            Err(e) => {
+                warn!(error = %e, "Cannot pull from the intake; retrying");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(std::time::Duration::from_millis(500)) => continue,
+                }
+            }
+        };
+        let work = messages
+            .take_until(shutdown.cancelled())
+            .for_each_concurrent(concurrency, |msg| {
+                let intake = Arc::clone(&intake);
+                async move {
+                    let Ok(msg) = msg else { return };
+                    let now = msg.info().map(|i| unix_ms(i.published)).unwrap_or_default();
+                    match intake.submit(msg.headers.as_ref(), &msg.payload, None, now).await {
+                        Ok(Answer::Now(reply)) => {
+                            tracing::debug!(status = ?reply.status, run = ?reply.run_id, "Submission handled");
+                            let _ = msg.ack().await;
+                        }
+                        Ok(Answer::AtEnd) => {
+                            let _ = msg.ack().await;
+                        }
+                        Err(e) => {
+                            warn!(error = %e, "Submission could not be handled; it will be redelivered");
+                            let _ = msg.ack_with(AckKind::Nak(Some(std::time::Duration::from_secs(1)))).await;
+                        }
+                    }
+                }
+            });
+        work.await;
+    }
+}

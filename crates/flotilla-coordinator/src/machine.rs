@@ -1,0 +1,988 @@
+//! The scheduling state machine of one run — pure, no I/O.
+//!
+//! The coordinator folds a run's log into a [`RunState`]: [`RunMachine::start`] turns an
+//! accepted plan into the first state, and [`RunMachine::apply`] takes one input (a task
+//! result, a timer firing) and returns the [`Action`]s the runtime must perform (publish a
+//! task, emit an event, arm a durable timer, finish the run). Time is an argument — the
+//! JetStream server timestamp of the input — so replaying the same inputs always yields the
+//! same state and the same actions.
+//!
+//! Every input is idempotent: a result for an attempt that is not in flight, or a timer of a
+//! superseded generation, changes nothing and returns no actions. That is what makes
+//! at-least-once delivery safe.
+//!
+//! ```text
+//!            all dependencies succeeded, slot free
+//! waiting ───────────────────────────────────────► dispatched ──success──► succeeded
+//!   │  ▲                                            │     │
+//!   │  └──────── retry due (timer) ◄── retrying ◄──┘     └──failure, no retries left──► failed
+//!   │                                                                                      │
+//!   ├──dependencies dispatched but unfinished for dependency_timeout──► failed             │
+//!   └──a dependency failed or was skipped──────────────────────────────► skipped ◄─────────┘
+//! ```
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+
+use flotilla_model::event::{WorkflowEvent, WorkflowPhase};
+use flotilla_model::ids::{AttemptId, RunId, SessionId, TaskId};
+use flotilla_model::plan::{Plan, Strategy};
+use flotilla_model::run::{
+    FailedTask, RunHandle, RunOutcome, RunStatus, SkippedTask, TaskCounts, TaskStatus, TaskView,
+};
+use flotilla_model::runlog::Submitted;
+use flotilla_model::task::{TaskError, TaskErrorKind, TaskResult, TraceContext};
+use flotilla_model::time::Timestamp;
+use flotilla_model::validate::Problem;
+use serde::{Deserialize, Serialize};
+
+/// First retry backoff; it doubles per attempt.
+pub const RETRY_BASE_MS: i64 = 1_000;
+/// Longest retry backoff.
+pub const RETRY_CAP_MS: i64 = 30_000;
+
+/// The dependency structure of a plan, with task ids resolved to indices.
+#[derive(Debug)]
+pub struct RunGraph {
+    deps: Vec<Vec<u32>>,
+    dependents: Vec<Vec<u32>>,
+    index: HashMap<TaskId, u32>,
+    finals: Vec<u32>,
+    synthesis: Vec<u32>,
+}
+
+impl RunGraph {
+    /// Builds the graph of a validated plan. Under the `simple` strategy every task also
+    /// depends on the one before it in a stable topological order, so tasks run one by one.
+    pub fn new(plan: &Plan) -> Self {
+        let n = plan.subtasks.len();
+        let index: HashMap<TaskId, u32> = plan
+            .subtasks
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.id.clone(), i as u32))
+            .collect();
+        let mut deps: Vec<Vec<u32>> = plan
+            .subtasks
+            .iter()
+            .map(|t| {
+                let mut d: Vec<u32> = t
+                    .dependencies
+                    .iter()
+                    .filter_map(|id| index.get(id).copied())
+                    .collect();
+                d.sort_unstable();
+                d.dedup();
+                d
+            })
+            .collect();
+        let mut declared_dependents = vec![0u32; n];
+        for d in deps.iter().flatten() {
+            declared_dependents[*d as usize] += 1;
+        }
+        if plan.config.strategy == Strategy::Simple {
+            let order = stable_topological_order(&deps);
+            for w in order.windows(2) {
+                let (before, after) = (w[0], w[1]);
+                if !deps[after as usize].contains(&before) {
+                    deps[after as usize].push(before);
+                }
+            }
+        }
+        let mut dependents = vec![Vec::new(); n];
+        for (i, ds) in deps.iter().enumerate() {
+            for &d in ds {
+                dependents[d as usize].push(i as u32);
+            }
+        }
+        let synthesis: Vec<u32> = plan
+            .subtasks
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| t.role.as_deref() == Some("synthesis"))
+            .map(|(i, _)| i as u32)
+            .collect();
+        let finals = if synthesis.is_empty() {
+            (0..n as u32)
+                .filter(|&i| declared_dependents[i as usize] == 0)
+                .collect()
+        } else {
+            synthesis.clone()
+        };
+        Self {
+            deps,
+            dependents,
+            index,
+            finals,
+            synthesis,
+        }
+    }
+
+    /// Number of tasks.
+    pub fn len(&self) -> usize {
+        self.deps.len()
+    }
+
+    /// Whether the plan has no tasks.
+    pub fn is_empty(&self) -> bool {
+        self.deps.is_empty()
+    }
+
+    /// Index of a task id.
+    pub fn index_of(&self, id: &TaskId) -> Option<u32> {
+        self.index.get(id).copied()
+    }
+
+    /// Direct dependencies of a task.
+    pub fn deps(&self, task: u32) -> &[u32] {
+        &self.deps[task as usize]
+    }
+
+    /// Every task `task` transitively depends on, nearest first.
+    pub fn ancestors(&self, task: u32) -> Vec<u32> {
+        let mut seen = BTreeSet::new();
+        let mut out = Vec::new();
+        let mut frontier: Vec<u32> = self.deps[task as usize].clone();
+        while !frontier.is_empty() {
+            let mut next = Vec::new();
+            for d in frontier {
+                if seen.insert(d) {
+                    out.push(d);
+                    next.extend(self.deps[d as usize].iter().copied());
+                }
+            }
+            frontier = next;
+        }
+        out
+    }
+
+    /// Tasks whose results form the final result: the `synthesis` tasks, else the sinks.
+    pub fn finals(&self) -> &[u32] {
+        &self.finals
+    }
+
+    /// Whether the plan designates a synthesis task.
+    pub fn has_synthesis(&self) -> bool {
+        !self.synthesis.is_empty()
+    }
+}
+
+/// Kahn's algorithm, always taking the lowest ready index: plan order where the DAG allows.
+fn stable_topological_order(deps: &[Vec<u32>]) -> Vec<u32> {
+    let n = deps.len();
+    let mut remaining: Vec<usize> = deps.iter().map(Vec::len).collect();
+    let mut dependents = vec![Vec::new(); n];
+    for (i, ds) in deps.iter().enumerate() {
+        for &d in ds {
+            dependents[d as usize].push(i as u32);
+        }
+    }
+    let mut ready: BTreeSet<u32> = (0..n as u32)
+        .filter(|&i| remaining[i as usize] == 0)
+        .collect();
+    let mut order = Vec::with_capacity(n);
+    while let Some(i) = ready.pop_first() {
+        order.push(i);
+        for &t in &dependents[i as usize] {
+            remaining[t as usize] -= 1;
+            if remaining[t as usize] == 0 {
+                ready.insert(t);
+            }
+        }
+    }
+    order
+}
+
+/// The durable timer currently armed for a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ArmedTimer {
+    /// Generation; firings of other generations are ignored.
+    pub generation: u64,
+    /// When it fires (Unix ms, server time).
+    pub due_ms: i64,
+}
+
+/// One task's scheduling state. Field names are short: this is written on every change.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TaskState {
+    /// Status.
+    #[serde(rename = "s")]
+    pub status: TaskStatus,
+    /// Attempts dispatched so far.
+    #[serde(rename = "a", default)]
+    pub attempt: u32,
+    /// When the latest attempt was dispatched (Unix ms).
+    #[serde(rename = "d", default)]
+    pub dispatched_ms: i64,
+    /// When a retry is due (Unix ms), while retrying.
+    #[serde(rename = "r", default)]
+    pub retry_ms: i64,
+    /// Run-log sequence of the successful result.
+    #[serde(rename = "q", default)]
+    pub result_seq: u64,
+    /// The last error.
+    #[serde(rename = "e", default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<TaskError>,
+    /// Why it was skipped.
+    #[serde(rename = "k", default, skip_serializing_if = "Option::is_none")]
+    pub skip_reason: Option<String>,
+}
+
+impl TaskState {
+    fn new() -> Self {
+        Self {
+            status: TaskStatus::Waiting,
+            attempt: 0,
+            dispatched_ms: 0,
+            retry_ms: 0,
+            result_seq: 0,
+            error: None,
+            skip_reason: None,
+        }
+    }
+}
+
+/// Everything the coordinator knows about a run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunState {
+    /// The run.
+    pub run_id: RunId,
+    /// Status.
+    pub status: RunStatus,
+    /// Accepted (or rejected) at, Unix ms server time.
+    pub created_ms: i64,
+    /// Finished at.
+    #[serde(default)]
+    pub finished_ms: Option<i64>,
+    /// Plan name.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Labels.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// Session.
+    #[serde(default)]
+    pub session_id: Option<SessionId>,
+    /// Parent link.
+    #[serde(default)]
+    pub parent: Option<RunHandle>,
+    /// Where to publish the outcome.
+    #[serde(default)]
+    pub reply_to: Option<String>,
+    /// Trace context.
+    #[serde(default)]
+    pub trace: Option<TraceContext>,
+    /// Validation warnings.
+    #[serde(default)]
+    pub warnings: Vec<Problem>,
+    /// Validation errors (rejected runs).
+    #[serde(default)]
+    pub errors: Vec<Problem>,
+    /// Per task, in plan order.
+    #[serde(default)]
+    pub tasks: Vec<TaskState>,
+    /// The armed timer.
+    #[serde(default)]
+    pub timer: Option<ArmedTimer>,
+    /// Next timer generation.
+    #[serde(default)]
+    pub next_generation: u64,
+    /// Inputs that changed the state (the basis of deterministic event ids).
+    #[serde(default)]
+    pub applied: u64,
+    /// The outcome, once terminal.
+    #[serde(default)]
+    pub outcome: Option<RunOutcome>,
+}
+
+impl RunState {
+    /// A rejected run: nothing is dispatched, the errors are kept.
+    pub fn rejected(
+        run_id: RunId,
+        errors: Vec<Problem>,
+        now_ms: i64,
+        name: Option<String>,
+        labels: BTreeMap<String, String>,
+    ) -> Self {
+        let reason = errors
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("; ");
+        Self {
+            run_id,
+            status: RunStatus::Rejected,
+            created_ms: now_ms,
+            finished_ms: Some(now_ms),
+            name,
+            labels,
+            session_id: None,
+            parent: None,
+            reply_to: None,
+            trace: None,
+            warnings: Vec::new(),
+            errors,
+            tasks: Vec::new(),
+            timer: None,
+            next_generation: 0,
+            applied: 0,
+            outcome: Some(RunOutcome {
+                run_id,
+                status: RunStatus::Rejected,
+                final_result: None,
+                failed: Vec::new(),
+                skipped: Vec::new(),
+                reason: Some(reason),
+            }),
+        }
+    }
+
+    /// Task counts by status.
+    pub fn counts(&self) -> TaskCounts {
+        let mut c = TaskCounts {
+            total: self.tasks.len() as u32,
+            ..TaskCounts::default()
+        };
+        for t in &self.tasks {
+            match t.status {
+                TaskStatus::Waiting | TaskStatus::Retrying => c.waiting += 1,
+                TaskStatus::Dispatched => c.running += 1,
+                TaskStatus::Succeeded => c.succeeded += 1,
+                TaskStatus::Failed => c.failed += 1,
+                TaskStatus::Skipped => c.skipped += 1,
+            }
+        }
+        c
+    }
+
+    /// Client view of the tasks, given the plan.
+    pub fn task_views(&self, plan: Option<&Plan>) -> Vec<TaskView> {
+        self.tasks
+            .iter()
+            .enumerate()
+            .map(|(i, t)| TaskView {
+                task_id: plan
+                    .and_then(|p| p.subtasks.get(i))
+                    .map(|s| s.id.clone())
+                    .unwrap_or_else(|| TaskId::new(format!("#{i}"))),
+                status: t.status,
+                attempts: t.attempt,
+                error: t.error.clone(),
+                skip_reason: t.skip_reason.clone(),
+                dispatched_at: (t.attempt > 0).then(|| Timestamp::from_unix_ms(t.dispatched_ms)),
+            })
+            .collect()
+    }
+}
+
+/// A workflow event to publish.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Emission {
+    /// Deterministic event id (also its `Nats-Msg-Id`).
+    pub id: String,
+    /// The task, for task events.
+    pub task: Option<u32>,
+    /// The attempt, for task events.
+    pub attempt: Option<u32>,
+    /// When (Unix ms, server time of the deciding input).
+    pub at_ms: i64,
+    /// The event.
+    pub event: WorkflowEvent,
+}
+
+/// What the runtime must do after an input. Every action is idempotent to perform.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "t")]
+pub enum Action {
+    /// Publish attempt `attempt` of `task` (message id `task.<run>.<task>.<attempt>`).
+    Dispatch {
+        /// Task index.
+        task: u32,
+        /// Attempt number.
+        attempt: u32,
+    },
+    /// Publish a workflow event.
+    Emit(Box<Emission>),
+    /// Schedule a durable timer firing into the run log at `due_ms`.
+    ArmTimer {
+        /// Generation.
+        generation: u64,
+        /// Due time.
+        due_ms: i64,
+    },
+    /// The run ended: complete its outcome (final result), emit the terminal event and answer
+    /// a waiting submitter.
+    Finish,
+}
+
+/// An input to [`RunMachine::apply`].
+#[derive(Debug, Clone, Copy)]
+pub enum Input<'a> {
+    /// A worker's result for one attempt, at run-log sequence `seq`.
+    Result {
+        /// Task.
+        task: &'a TaskId,
+        /// Attempt number.
+        attempt: u32,
+        /// The result.
+        result: &'a TaskResult,
+        /// Its run-log sequence.
+        seq: u64,
+        /// The worker that ran it.
+        worker: Option<&'a str>,
+        /// When the worker started it (worker clock).
+        started_at: Option<Timestamp>,
+    },
+    /// A durable timer fired.
+    Timer {
+        /// Its generation.
+        generation: u64,
+    },
+}
+
+/// A run's state with the indexes derived from it, ready to apply inputs.
+#[derive(Debug)]
+pub struct RunMachine {
+    plan: Arc<Plan>,
+    graph: Arc<RunGraph>,
+    state: RunState,
+    /// Dependencies not yet succeeded, per task.
+    remaining: Vec<u32>,
+    /// Waiting tasks whose dependencies all succeeded, in plan order.
+    ready: BTreeSet<u32>,
+    in_flight: u32,
+    terminal: u32,
+    /// Set when the timer fired: the next deadline must be found by a scan.
+    rescan_deadlines: bool,
+}
+
+fn humantime_duration(d: std::time::Duration) -> String {
+    let secs = d.as_secs_f64();
+    if secs.fract() == 0.0 {
+        format!("{secs:.0} s")
+    } else {
+        format!("{secs} s")
+    }
+}
+
+/// A deterministic attempt id: UUIDv7 with the dispatch time and bits hashed from the run, task
+/// and attempt, so replaying a run log yields the same ids.
+pub fn attempt_id(run: RunId, task: u32, attempt: u32, dispatched_ms: i64) -> AttemptId {
+    let mut h = mix(u64::from_le_bytes(
+        run.as_uuid().as_bytes()[..8].try_into().unwrap_or([0; 8]),
+    ));
+    h = mix(h ^ u64::from(task) ^ (u64::from(attempt) << 32));
+    let lo =
+        mix(h ^ u64::from_le_bytes(run.as_uuid().as_bytes()[8..].try_into().unwrap_or([0; 8])));
+    let mut bytes = [0u8; 10];
+    bytes[..8].copy_from_slice(&h.to_le_bytes());
+    bytes[8..].copy_from_slice(&lo.to_le_bytes()[..2]);
+    let uuid =
+        uuid::Builder::from_unix_timestamp_millis(dispatched_ms.max(0) as u64, &bytes).into_uuid();
+    AttemptId::from_uuid(uuid)
+}
+
+/// splitmix64 finaliser: a cheap, well-mixed hash step.
+fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// Backoff before attempt `attempt + 1`: 1 s doubling per attempt, capped at 30 s, with
+/// "equal jitter" (half fixed, half pseudo-random) derived from the run, task and attempt so
+/// it is deterministic.
+pub fn retry_backoff_ms(run: RunId, task: u32, attempt: u32) -> i64 {
+    let exp = attempt.saturating_sub(1).min(20);
+    let base = (RETRY_BASE_MS << exp).min(RETRY_CAP_MS);
+    let h = mix(
+        u64::from_le_bytes(run.as_uuid().as_bytes()[8..].try_into().unwrap_or([0; 8]))
+            ^ (u64::from(task) << 20)
+            ^ u64::from(attempt),
+    );
+    let half = base / 2;
+    half + (h % (half as u64 + 1)) as i64
+}
+
+impl RunMachine {
+    /// Starts an accepted run at `now_ms`: dispatches the tasks without dependencies.
+    pub fn start(
+        run_id: RunId,
+        submitted: &Submitted,
+        plan: Arc<Plan>,
+        now_ms: i64,
+    ) -> (Self, Vec<Action>) {
+        let graph = Arc::new(RunGraph::new(&plan));
+        let state = RunState {
+            run_id,
+            status: RunStatus::Running,
+            created_ms: now_ms,
+            finished_ms: None,
+            name: plan.name.clone(),
+            labels: submitted.labels.clone(),
+            session_id: submitted.session_id,
+            parent: submitted.parent.clone(),
+            reply_to: submitted.reply_to.clone(),
+            trace: submitted.trace.clone(),
+            warnings: submitted.warnings.clone(),
+            errors: Vec::new(),
+            tasks: vec![TaskState::new(); plan.subtasks.len()],
+            timer: None,
+            next_generation: 1,
+            applied: 1,
+            outcome: None,
+        };
+        let mut m = Self::restore_with_graph(plan, graph, state);
+        let mut actions = vec![Action::Emit(Box::new(Emission {
+            id: format!("{run_id}.start"),
+            task: None,
+            attempt: None,
+            at_ms: now_ms,
+            event: WorkflowEvent {
+                tasks_total: Some(m.graph.len() as u32),
+                ..WorkflowEvent::phase(WorkflowPhase::RunStarted)
+            },
+        }))];
+        m.after(now_ms, &mut actions);
+        (m, actions)
+    }
+
+    /// Rebuilds a machine from a stored state.
+    pub fn restore(plan: Arc<Plan>, state: RunState) -> Self {
+        let graph = Arc::new(RunGraph::new(&plan));
+        Self::restore_with_graph(plan, graph, state)
+    }
+
+    fn restore_with_graph(plan: Arc<Plan>, graph: Arc<RunGraph>, state: RunState) -> Self {
+        let n = graph.len();
+        let mut remaining = vec![0u32; n];
+        let mut ready = BTreeSet::new();
+        let mut in_flight = 0;
+        let mut terminal = 0;
+        for (i, left) in remaining.iter_mut().enumerate() {
+            *left = graph.deps[i]
+                .iter()
+                .filter(|&&d| state.tasks[d as usize].status != TaskStatus::Succeeded)
+                .count() as u32;
+            match state.tasks[i].status {
+                TaskStatus::Waiting if *left == 0 => {
+                    ready.insert(i as u32);
+                }
+                TaskStatus::Dispatched => in_flight += 1,
+                s if s.is_terminal() => terminal += 1,
+                _ => {}
+            }
+        }
+        Self {
+            plan,
+            graph,
+            state,
+            remaining,
+            ready,
+            in_flight,
+            terminal,
+            rescan_deadlines: false,
+        }
+    }
+
+    /// The state.
+    pub fn state(&self) -> &RunState {
+        &self.state
+    }
+
+    /// Replaces the outcome (the runtime adds the final result on [`Action::Finish`]).
+    pub fn set_outcome(&mut self, outcome: RunOutcome) {
+        self.state.outcome = Some(outcome);
+    }
+
+    /// The plan.
+    pub fn plan(&self) -> &Arc<Plan> {
+        &self.plan
+    }
+
+    /// The graph.
+    pub fn graph(&self) -> &Arc<RunGraph> {
+        &self.graph
+    }
+
+    /// Tasks in flight.
+    pub fn in_flight(&self) -> u32 {
+        self.in_flight
+    }
+
+    /// Applies one input at server time `now_ms`. Returns no actions, and changes nothing,
+    /// when the input is a duplicate, stale, or the run has ended.
+    pub fn apply(&mut self, input: Input<'_>, now_ms: i64) -> Vec<Action> {
+        let mut actions = Vec::new();
+        if self.state.status.is_terminal() {
+            return actions;
+        }
+        match input {
+            Input::Result {
+                task,
+                attempt,
+                result,
+                seq,
+                worker,
+                started_at,
+            } => {
+                let Some(i) = self.graph.index_of(task) else {
+                    return actions;
+                };
+                let t = &self.state.tasks[i as usize];
+                if t.status != TaskStatus::Dispatched || t.attempt != attempt {
+                    return actions;
+                }
+                self.state.applied += 1;
+                self.in_flight -= 1;
+                let by = WorkflowEvent {
+                    worker: worker.map(str::to_owned),
+                    started_at,
+                    ..WorkflowEvent::phase(WorkflowPhase::TaskSucceeded)
+                };
+                if result.success {
+                    self.succeed(i, seq, now_ms, by, &mut actions);
+                } else {
+                    let error = result.error.clone().unwrap_or_else(|| TaskError {
+                        kind: TaskErrorKind::AgentFailed,
+                        message: "the agent reported failure without an error".into(),
+                    });
+                    self.attempt_failed(i, error, now_ms, by, &mut actions);
+                }
+            }
+            Input::Timer { generation } => {
+                if self.state.timer.map(|t| t.generation) != Some(generation) {
+                    return actions;
+                }
+                self.state.applied += 1;
+                self.state.timer = None;
+                self.rescan_deadlines = true;
+                self.on_timer(now_ms, &mut actions);
+            }
+        }
+        self.after(now_ms, &mut actions);
+        actions
+    }
+
+    fn emit(
+        &mut self,
+        task: Option<u32>,
+        attempt: Option<u32>,
+        at_ms: i64,
+        event: WorkflowEvent,
+        actions: &mut Vec<Action>,
+    ) {
+        let k = actions.len();
+        actions.push(Action::Emit(Box::new(Emission {
+            id: format!("{}.{}.{k}", self.state.run_id, self.state.applied),
+            task,
+            attempt,
+            at_ms,
+            event,
+        })));
+    }
+
+    fn succeed(
+        &mut self,
+        i: u32,
+        seq: u64,
+        now_ms: i64,
+        by: WorkflowEvent,
+        actions: &mut Vec<Action>,
+    ) {
+        let t = &mut self.state.tasks[i as usize];
+        t.status = TaskStatus::Succeeded;
+        t.result_seq = seq;
+        t.error = None;
+        let attempt = t.attempt;
+        self.terminal += 1;
+        self.emit(Some(i), Some(attempt), now_ms, by, actions);
+        let graph = Arc::clone(&self.graph);
+        for &d in &graph.dependents[i as usize] {
+            self.remaining[d as usize] -= 1;
+            if self.remaining[d as usize] == 0
+                && self.state.tasks[d as usize].status == TaskStatus::Waiting
+            {
+                self.ready.insert(d);
+            }
+        }
+    }
+
+    fn attempt_failed(
+        &mut self,
+        i: u32,
+        error: TaskError,
+        now_ms: i64,
+        by: WorkflowEvent,
+        actions: &mut Vec<Action>,
+    ) {
+        let max_retries = self.plan.config.max_retries;
+        let t = &mut self.state.tasks[i as usize];
+        let attempt = t.attempt;
+        if error.kind.is_retryable() && attempt <= max_retries {
+            let due = now_ms + retry_backoff_ms(self.state.run_id, i, attempt);
+            t.status = TaskStatus::Retrying;
+            t.retry_ms = due;
+            t.error = Some(error.clone());
+            self.emit(
+                Some(i),
+                Some(attempt),
+                now_ms,
+                WorkflowEvent {
+                    phase: WorkflowPhase::TaskRetrying,
+                    error: Some(error),
+                    retry_at: Some(Timestamp::from_unix_ms(due)),
+                    ..by
+                },
+                actions,
+            );
+            self.arm_if_earlier(due, actions);
+        } else {
+            self.fail(i, error, now_ms, by, actions);
+        }
+    }
+
+    /// Fails a task for good and skips everything that depends on it. `by` says which worker
+    /// ran the last attempt, if any.
+    fn fail(
+        &mut self,
+        i: u32,
+        error: TaskError,
+        now_ms: i64,
+        by: WorkflowEvent,
+        actions: &mut Vec<Action>,
+    ) {
+        let t = &mut self.state.tasks[i as usize];
+        let attempt = t.attempt;
+        t.status = TaskStatus::Failed;
+        t.error = Some(error.clone());
+        self.terminal += 1;
+        self.ready.remove(&i);
+        self.emit(
+            Some(i),
+            (attempt > 0).then_some(attempt),
+            now_ms,
+            WorkflowEvent {
+                phase: WorkflowPhase::TaskFailed,
+                error: Some(error),
+                ..by
+            },
+            actions,
+        );
+        let reason = format!("dependency_failed: {}", self.plan.subtasks[i as usize].id);
+        let graph = Arc::clone(&self.graph);
+        let mut stack: Vec<u32> = graph.dependents[i as usize].clone();
+        while let Some(d) = stack.pop() {
+            let t = &mut self.state.tasks[d as usize];
+            if !matches!(t.status, TaskStatus::Waiting | TaskStatus::Retrying) {
+                continue;
+            }
+            t.status = TaskStatus::Skipped;
+            t.skip_reason = Some(reason.clone());
+            self.terminal += 1;
+            self.ready.remove(&d);
+            self.emit(
+                Some(d),
+                None,
+                now_ms,
+                WorkflowEvent {
+                    detail: Some(reason.clone()),
+                    ..WorkflowEvent::phase(WorkflowPhase::TaskSkipped)
+                },
+                actions,
+            );
+            stack.extend(graph.dependents[d as usize].iter().copied());
+        }
+    }
+
+    /// When a waiting task's dependencies have all been dispatched at least once and are not
+    /// all done, it waits at most `dependency_timeout` after the latest of those dispatches.
+    fn dependency_deadline(&self, i: u32) -> Option<i64> {
+        let deps = self.graph.deps(i);
+        if deps.is_empty() || self.remaining[i as usize] == 0 {
+            return None;
+        }
+        let mut latest = 0;
+        for &d in deps {
+            let t = &self.state.tasks[d as usize];
+            match t.status {
+                TaskStatus::Succeeded => {}
+                TaskStatus::Dispatched | TaskStatus::Retrying => {
+                    latest = latest.max(t.dispatched_ms)
+                }
+                _ => return None,
+            }
+        }
+        Some(latest + self.plan.config.dependency_timeout.get().as_millis() as i64)
+    }
+
+    fn on_timer(&mut self, now_ms: i64, actions: &mut Vec<Action>) {
+        let n = self.graph.len() as u32;
+        let mut timed_out = Vec::new();
+        for i in 0..n {
+            let t = &self.state.tasks[i as usize];
+            match t.status {
+                TaskStatus::Retrying if t.retry_ms <= now_ms => {
+                    self.state.tasks[i as usize].status = TaskStatus::Waiting;
+                    if self.remaining[i as usize] == 0 {
+                        self.ready.insert(i);
+                    }
+                }
+                TaskStatus::Waiting if self.dependency_deadline(i).is_some_and(|d| d <= now_ms) => {
+                    timed_out.push(i);
+                }
+                _ => {}
+            }
+        }
+        let timeout = self.plan.config.dependency_timeout.get();
+        for i in timed_out {
+            if self.state.tasks[i as usize].status == TaskStatus::Waiting {
+                let error = TaskError {
+                    kind: TaskErrorKind::DependencyTimeout,
+                    message: format!(
+                        "dependencies did not finish within {} after being dispatched",
+                        humantime_duration(timeout)
+                    ),
+                };
+                self.fail(
+                    i,
+                    error,
+                    now_ms,
+                    WorkflowEvent::phase(WorkflowPhase::TaskFailed),
+                    actions,
+                );
+            }
+        }
+    }
+
+    fn arm_if_earlier(&mut self, due_ms: i64, actions: &mut Vec<Action>) {
+        if self.state.timer.is_some_and(|t| t.due_ms <= due_ms) {
+            return;
+        }
+        let generation = self.state.next_generation;
+        self.state.next_generation += 1;
+        self.state.timer = Some(ArmedTimer { generation, due_ms });
+        actions.push(Action::ArmTimer { generation, due_ms });
+    }
+
+    /// Dispatches what may run, keeps a timer armed for the next deadline, and finishes the
+    /// run when every task has ended.
+    fn after(&mut self, now_ms: i64, actions: &mut Vec<Action>) {
+        let limit = self.plan.config.max_concurrency;
+        while self.in_flight < limit {
+            let Some(i) = self.ready.pop_first() else {
+                break;
+            };
+            self.dispatch(i, now_ms, actions);
+        }
+        if self.terminal as usize == self.graph.len() {
+            self.finish(now_ms, actions);
+            return;
+        }
+        if self.rescan_deadlines {
+            self.rescan_deadlines = false;
+            // The timer fired: re-arm it for the earliest remaining deadline.
+            let mut next: Option<i64> = None;
+            for i in 0..self.graph.len() as u32 {
+                let t = &self.state.tasks[i as usize];
+                let due = match t.status {
+                    TaskStatus::Retrying => Some(t.retry_ms),
+                    TaskStatus::Waiting => self.dependency_deadline(i),
+                    _ => None,
+                };
+                if let Some(d) = due {
+                    next = Some(next.map_or(d, |n: i64| n.min(d)));
+                }
+            }
+            if let Some(due) = next {
+                self.arm_if_earlier(due, actions);
+            }
+        }
+    }
+
+    fn dispatch(&mut self, i: u32, now_ms: i64, actions: &mut Vec<Action>) {
+        let t = &mut self.state.tasks[i as usize];
+        t.attempt += 1;
+        t.status = TaskStatus::Dispatched;
+        t.dispatched_ms = now_ms;
+        let attempt = t.attempt;
+        self.in_flight += 1;
+        // No event here: the worker reports `task_started` with its id when it begins, and
+        // the run view shows dispatched tasks; an event per dispatch would cost a stored
+        // write per task for no new information.
+        actions.push(Action::Dispatch { task: i, attempt });
+        // Dependents whose dependencies are now all under way start their dependency clock.
+        let graph = Arc::clone(&self.graph);
+        for &d in &graph.dependents[i as usize] {
+            if self.state.tasks[d as usize].status == TaskStatus::Waiting
+                && let Some(deadline) = self.dependency_deadline(d)
+            {
+                self.arm_if_earlier(deadline, actions);
+            }
+        }
+    }
+
+    fn finish(&mut self, now_ms: i64, actions: &mut Vec<Action>) {
+        let mut failed = Vec::new();
+        let mut skipped = Vec::new();
+        let mut blocking = None;
+        for (i, t) in self.state.tasks.iter().enumerate() {
+            let sub = &self.plan.subtasks[i];
+            match t.status {
+                TaskStatus::Failed => {
+                    let error = t.error.clone().unwrap_or(TaskError {
+                        kind: TaskErrorKind::Internal,
+                        message: "failed".into(),
+                    });
+                    if sub.required && blocking.is_none() {
+                        blocking = Some(format!("required task {} failed: {error}", sub.id));
+                    }
+                    failed.push(FailedTask {
+                        task_id: sub.id.clone(),
+                        attempts: t.attempt,
+                        error,
+                    });
+                }
+                TaskStatus::Skipped => {
+                    let reason = t.skip_reason.clone().unwrap_or_default();
+                    if sub.required && blocking.is_none() {
+                        blocking = Some(format!("required task {} was skipped ({reason})", sub.id));
+                    }
+                    skipped.push(SkippedTask {
+                        task_id: sub.id.clone(),
+                        reason,
+                    });
+                }
+                _ => {}
+            }
+        }
+        let status = if blocking.is_some() {
+            RunStatus::Failed
+        } else {
+            RunStatus::Succeeded
+        };
+        self.state.status = status;
+        self.state.finished_ms = Some(now_ms);
+        self.state.timer = None;
+        self.state.outcome = Some(RunOutcome {
+            run_id: self.state.run_id,
+            status,
+            final_result: None,
+            failed,
+            skipped,
+            reason: blocking,
+        });
+        actions.push(Action::Finish);
+    }
+
+    /// The tasks whose results make up the final result (succeeded ones only).
+    pub fn final_tasks(&self) -> Vec<u32> {
+        self.graph
+            .finals()
+            .iter()
+            .copied()
+            .filter(|&i| self.state.tasks[i as usize].status == TaskStatus::Succeeded)
+            .collect()
+    }
+}

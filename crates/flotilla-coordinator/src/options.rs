@@ -1,0 +1,66 @@
+//! `[coordinator]` settings.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Coordinator settings.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields, default)]
+pub struct CoordinatorOptions {
+    /// Parallel lanes of run processing; a run always stays in one lane, so its inputs are
+    /// applied in order within a coordinator.
+    pub shards: usize,
+    /// Most run-log messages taken in one batch.
+    pub batch: usize,
+    /// Runs whose state is cached in memory (finished runs are dropped at once).
+    pub cache_runs: usize,
+    /// How long a delivered run-log or intake message may stay unacknowledged before
+    /// JetStream gives it to another coordinator: the failover time after a crash.
+    #[serde(with = "humantime_serde")]
+    pub ack_wait: Duration,
+    /// Submissions validated at once.
+    pub intake_concurrency: usize,
+    /// Serve the request/reply API (`<prefix>.api.*`).
+    pub api: bool,
+    /// Byte budget of `previous_results` in a task envelope beyond the direct dependencies'
+    /// results; the nearest ancestors are kept.
+    pub previous_results_budget: usize,
+}
+
+impl Default for CoordinatorOptions {
+    fn default() -> Self {
+        Self {
+            // Enough lanes to keep two cores busy while each waits on JetStream round trips.
+            shards: 16,
+            batch: 256,
+            cache_runs: 20_000,
+            // A crashed coordinator's in-flight inputs move to a survivor within this time.
+            ack_wait: Duration::from_secs(10),
+            intake_concurrency: 64,
+            api: true,
+            // Keeps envelopes well under the 1 MiB default NATS payload limit.
+            previous_results_budget: 256 * 1024,
+        }
+    }
+}
+
+impl CoordinatorOptions {
+    /// Checks the settings without I/O.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.shards == 0
+            || self.batch == 0
+            || self.intake_concurrency == 0
+            || self.cache_runs == 0
+        {
+            return Err(
+                "coordinator.shards, batch, cache-runs and intake-concurrency must be at least 1"
+                    .into(),
+            );
+        }
+        if self.ack_wait < Duration::from_secs(1) {
+            return Err("coordinator.ack-wait must be at least 1s".into());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,353 @@
+//! Run state in JetStream.
+//!
+//! * `flotilla-runs` KV, key `<run>`: the [`Snapshot`] (MessagePack) — scheduling state plus
+//!   the actions of the last change (the outbox). Updated with compare-and-set on the KV
+//!   revision, so two coordinators can never both apply a change to the same run.
+//! * `flotilla-runs` KV, key `idem.<hash>`: idempotency key → run id.
+//! * The run log: the plan is the first entry of `<prefix>.runlog.<run>` (`submitted`), and
+//!   task results are read back by sequence number with direct get.
+
+use std::sync::Arc;
+
+use async_nats::jetstream::kv;
+use async_nats::jetstream::stream::Stream;
+use flotilla_bus::Bus;
+use flotilla_bus::wire;
+use flotilla_model::ids::RunId;
+use flotilla_model::plan::Plan;
+use flotilla_model::run::{RunHandle, RunRecord, RunView};
+use flotilla_model::runlog::{RunInput, RunLogEntry, TaskResultInput};
+use flotilla_model::subjects::{Bucket, StreamKind};
+use flotilla_model::time::Timestamp;
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{StoreError, StoreErrorKind};
+use crate::machine::{Action, RunState};
+
+/// What is stored per run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Snapshot {
+    /// The state.
+    pub state: RunState,
+    /// Actions decided by the last change; re-performed (idempotently) when a coordinator
+    /// cannot tell whether the writer performed them before it stopped.
+    #[serde(default)]
+    pub outbox: Vec<Action>,
+    /// Run-log sequences of the inputs that produced the outbox.
+    #[serde(default)]
+    pub outbox_seqs: Vec<u64>,
+}
+
+/// A snapshot to write, borrowed from the live state (same encoding as [`Snapshot`]).
+#[derive(Debug, Serialize)]
+pub struct SnapshotRef<'a> {
+    /// The state.
+    pub state: &'a RunState,
+    /// The outbox.
+    pub outbox: &'a [Action],
+    /// Inputs that produced it.
+    pub outbox_seqs: &'a [u64],
+}
+
+/// A snapshot as read, with its revision and server write time.
+#[derive(Debug, Clone)]
+pub struct StoredSnapshot {
+    /// The snapshot.
+    pub snapshot: Snapshot,
+    /// KV revision, for compare-and-set.
+    pub revision: u64,
+    /// Server time of the write, Unix ms.
+    pub written_ms: i64,
+}
+
+/// Access to run state.
+#[derive(Clone, Debug)]
+pub struct RunStore {
+    kv: kv::Store,
+    runlog: Stream,
+    bus: Bus,
+}
+
+fn nats(
+    detail: impl Into<String>,
+    e: impl std::error::Error + Send + Sync + 'static,
+) -> StoreError {
+    StoreError::with_source(StoreErrorKind::Nats, detail, e)
+}
+
+fn decode_err(
+    detail: impl Into<String>,
+    e: impl std::error::Error + Send + Sync + 'static,
+) -> StoreError {
+    StoreError::with_source(StoreErrorKind::Decode, detail, e)
+}
+
+/// Unix milliseconds of a server timestamp.
+pub fn unix_ms(t: time::OffsetDateTime) -> i64 {
+    (t.unix_timestamp_nanos() / 1_000_000) as i64
+}
+
+impl RunStore {
+    /// Opens the bucket and the run-log stream (they must be provisioned).
+    pub async fn open(bus: &Bus) -> Result<Self, StoreError> {
+        let kv = bus
+            .kv(Bucket::Runs)
+            .await
+            .map_err(|e| nats("opening the runs bucket", e))?;
+        let name = bus.names().stream(StreamKind::RunLog);
+        let runlog = bus
+            .js()
+            .get_stream(&name)
+            .await
+            .map_err(|e| nats(format!("opening stream {name}"), e))?;
+        Ok(Self {
+            kv,
+            runlog,
+            bus: bus.clone(),
+        })
+    }
+
+    /// Reads a run's snapshot.
+    pub async fn load(&self, run: RunId) -> Result<Option<StoredSnapshot>, StoreError> {
+        let entry = self
+            .kv
+            .entry(run.to_string())
+            .await
+            .map_err(|e| nats(format!("reading run {run}"), e))?;
+        let Some(entry) = entry else { return Ok(None) };
+        if entry.operation != kv::Operation::Put {
+            return Ok(None);
+        }
+        let snapshot: Snapshot = rmp_serde::from_slice(&entry.value)
+            .map_err(|e| decode_err(format!("run {run} snapshot"), e))?;
+        Ok(Some(StoredSnapshot {
+            snapshot,
+            revision: entry.revision,
+            written_ms: unix_ms(entry.created),
+        }))
+    }
+
+    fn encode<T: Serialize>(snapshot: &T) -> Result<bytes::Bytes, StoreError> {
+        rmp_serde::to_vec_named(snapshot)
+            .map(bytes::Bytes::from)
+            .map_err(|e| decode_err("encoding a snapshot", e))
+    }
+
+    /// Creates a run's snapshot; fails with `AlreadyExists` if there is one.
+    pub async fn create<T: Serialize>(&self, run: RunId, snapshot: &T) -> Result<u64, StoreError> {
+        self.kv
+            .create(run.to_string(), Self::encode(snapshot)?)
+            .await
+            .map_err(|e| {
+                if e.kind() == kv::CreateErrorKind::AlreadyExists {
+                    StoreError::with_source(StoreErrorKind::AlreadyExists, format!("run {run}"), e)
+                } else {
+                    nats(format!("creating run {run}"), e)
+                }
+            })
+    }
+
+    /// Replaces a run's snapshot if it is still at `revision`; `Conflict` otherwise.
+    pub async fn update<T: Serialize>(
+        &self,
+        run: RunId,
+        snapshot: &T,
+        revision: u64,
+    ) -> Result<u64, StoreError> {
+        self.kv
+            .update(run.to_string(), Self::encode(snapshot)?, revision)
+            .await
+            .map_err(|e| {
+                if e.kind() == kv::UpdateErrorKind::WrongLastRevision {
+                    StoreError::with_source(StoreErrorKind::Conflict, format!("run {run}"), e)
+                } else {
+                    nats(format!("updating run {run}"), e)
+                }
+            })
+    }
+
+    /// The plan of an accepted run: the first entry of its run log.
+    pub async fn plan(&self, run: RunId) -> Result<Option<Plan>, StoreError> {
+        let subject = self.bus.names().runlog(run);
+        match self.runlog.direct_get_first_for_subject(&subject).await {
+            Ok(msg) => {
+                let entry: RunLogEntry = wire::decode(Some(&msg.headers), &msg.payload)
+                    .map_err(|e| decode_err(format!("run log of {run}"), e))?;
+                match entry.input {
+                    RunInput::Submitted(s) => Ok(Some(s.plan)),
+                    _ => Err(StoreError::new(
+                        StoreErrorKind::Decode,
+                        format!("the run log of {run} does not start with its submission"),
+                    )),
+                }
+            }
+            Err(e) if e.kind() == async_nats::jetstream::stream::DirectGetErrorKind::NotFound => {
+                Ok(None)
+            }
+            Err(e) => Err(nats(format!("reading the run log of {run}"), e)),
+        }
+    }
+
+    /// A task result by run-log sequence.
+    pub async fn result_at(&self, seq: u64) -> Result<TaskResultInput, StoreError> {
+        let msg = self
+            .runlog
+            .direct_get(seq)
+            .await
+            .map_err(|e| nats(format!("reading run-log entry {seq}"), e))?;
+        let entry: RunLogEntry = wire::decode(Some(&msg.headers), &msg.payload)
+            .map_err(|e| decode_err(format!("run-log entry {seq}"), e))?;
+        match entry.input {
+            RunInput::TaskResult(r) => Ok(*r),
+            _ => Err(StoreError::new(
+                StoreErrorKind::Decode,
+                format!("run-log entry {seq} is not a task result"),
+            )),
+        }
+    }
+
+    /// Every entry of a run's log with its sequence and server time.
+    pub async fn history(
+        &self,
+        run: RunId,
+    ) -> Result<Vec<(u64, Timestamp, RunLogEntry)>, StoreError> {
+        use async_nats::jetstream::consumer::{DeliverPolicy, pull};
+        let subject = self.bus.names().runlog(run);
+        let consumer = self
+            .runlog
+            .create_consumer(pull::OrderedConfig {
+                filter_subject: subject.clone(),
+                deliver_policy: DeliverPolicy::All,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| nats("creating an ordered consumer", e))?;
+        let mut out = Vec::new();
+        if consumer.cached_info().num_pending == 0 {
+            return Ok(out);
+        }
+        let mut messages = consumer
+            .messages()
+            .await
+            .map_err(|e| nats("reading the run log", e))?;
+        while let Some(msg) = messages.next().await {
+            let msg = msg.map_err(|e| nats("reading the run log", e))?;
+            let (seq, ts, pending) = {
+                let i = msg.info().map_err(|e| {
+                    decode_err("message info", std::io::Error::other(e.to_string()))
+                })?;
+                (i.stream_sequence, Timestamp(i.published), i.pending)
+            };
+            let entry: RunLogEntry = wire::decode(msg.headers.as_ref(), &msg.payload)
+                .map_err(|e| decode_err(format!("run-log entry {seq}"), e))?;
+            out.push((seq, ts, entry));
+            if pending == 0 {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Ids of every run with a record.
+    pub async fn list(&self) -> Result<Vec<RunId>, StoreError> {
+        let mut keys = self.kv.keys().await.map_err(|e| nats("listing runs", e))?;
+        let mut runs = Vec::new();
+        while let Some(k) = keys.next().await {
+            let k = k.map_err(|e| nats("listing runs", e))?;
+            if let Ok(id) = k.parse::<RunId>() {
+                runs.push(id);
+            }
+        }
+        runs.sort();
+        Ok(runs)
+    }
+
+    /// The client view of a run.
+    pub async fn view(&self, run: RunId) -> Result<Option<RunView>, StoreError> {
+        let Some(stored) = self.load(run).await? else {
+            return Ok(None);
+        };
+        let plan = if stored.snapshot.state.tasks.is_empty() {
+            None
+        } else {
+            self.plan(run).await?
+        };
+        Ok(Some(view_of(&stored.snapshot.state, plan.as_ref())))
+    }
+
+    /// Maps an idempotency key to a run id: the first caller's `candidate` wins; later callers
+    /// get that id back. Returns `(run id, whether it was new)`.
+    pub async fn claim_idempotency_key(
+        &self,
+        key: &str,
+        candidate: RunId,
+    ) -> Result<(RunId, bool), StoreError> {
+        let hashed = uuid::Uuid::new_v5(&IDEMPOTENCY_NAMESPACE, key.as_bytes());
+        let kv_key = format!("idem.{}", hashed.simple());
+        match self.kv.create(&kv_key, candidate.to_string().into()).await {
+            Ok(_) => Ok((candidate, true)),
+            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
+                let existing = self
+                    .kv
+                    .get(&kv_key)
+                    .await
+                    .map_err(|e| nats("reading an idempotency key", e))?
+                    .ok_or_else(|| {
+                        StoreError::new(StoreErrorKind::NotFound, "idempotency key vanished")
+                    })?;
+                let text = String::from_utf8_lossy(&existing).into_owned();
+                let id = text
+                    .parse::<RunId>()
+                    .map_err(|e| decode_err("idempotency key value", e))?;
+                Ok((id, false))
+            }
+            Err(e) => Err(nats("claiming an idempotency key", e)),
+        }
+    }
+
+    /// The bus.
+    pub fn bus(&self) -> &Bus {
+        &self.bus
+    }
+}
+
+/// Namespace of idempotency-key hashes.
+const IDEMPOTENCY_NAMESPACE: uuid::Uuid =
+    uuid::Uuid::from_u128(0x6c0f_5a1e_7b1d_4e8a_9f3c_2d1a_0b9e_8f7d);
+
+/// The client view of a run state.
+pub fn view_of(state: &RunState, plan: Option<&Plan>) -> RunView {
+    RunView {
+        record: record_of(state),
+        tasks: state.task_views(plan),
+    }
+}
+
+/// The public record of a run state.
+pub fn record_of(state: &RunState) -> RunRecord {
+    RunRecord {
+        handle: state.parent.as_ref().map_or_else(
+            || RunHandle::root(state.run_id),
+            |p| RunHandle {
+                run_id: state.run_id,
+                agent_id: None,
+                parent_run_id: Some(p.run_id),
+                parent_tool_call_id: p.parent_tool_call_id.clone(),
+            },
+        ),
+        name: state.name.clone(),
+        status: state.status,
+        labels: state.labels.clone(),
+        session_id: state.session_id,
+        created_at: Timestamp::from_unix_ms(state.created_ms),
+        finished_at: state.finished_ms.map(Timestamp::from_unix_ms),
+        tasks: state.counts(),
+        errors: state.errors.clone(),
+        warnings: state.warnings.clone(),
+        outcome: state.outcome.clone(),
+    }
+}
+
+/// Shared handle.
+pub type SharedStore = Arc<RunStore>;

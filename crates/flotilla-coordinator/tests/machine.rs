@@ -1,0 +1,540 @@
+//! The scheduling state machine, driven without any I/O.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use flotilla_coordinator::machine::{Action, Input, RunMachine, retry_backoff_ms};
+use flotilla_model::event::WorkflowPhase;
+use flotilla_model::ids::{RunId, TaskId};
+use flotilla_model::plan::{Plan, PlanConfig, Strategy, Subtask};
+use flotilla_model::run::{RunStatus, TaskStatus};
+use flotilla_model::runlog::Submitted;
+use flotilla_model::task::{TaskErrorKind, TaskResult};
+use flotilla_model::time::Secs;
+
+fn plan(tasks: Vec<Subtask>, config: PlanConfig) -> Arc<Plan> {
+    Arc::new(Plan {
+        name: Some("t".into()),
+        query: None,
+        subtasks: tasks,
+        config,
+    })
+}
+
+fn submitted(p: &Plan) -> Submitted {
+    Submitted {
+        plan: p.clone(),
+        labels: BTreeMap::new(),
+        session_id: None,
+        parent: None,
+        reply_to: None,
+        warnings: Vec::new(),
+        trace: None,
+    }
+}
+
+fn diamond() -> Vec<Subtask> {
+    vec![
+        Subtask::new("a", ""),
+        Subtask::new("b", "").after(&["a"]),
+        Subtask::new("c", "").after(&["a"]),
+        Subtask::new("d", "").after(&["b", "c"]),
+    ]
+}
+
+fn dispatched(actions: &[Action]) -> Vec<(u32, u32)> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Dispatch { task, attempt } => Some((*task, *attempt)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn phases(actions: &[Action]) -> Vec<WorkflowPhase> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Emit(e) => Some(e.event.phase),
+            _ => None,
+        })
+        .collect()
+}
+
+fn ok(id: &str) -> (TaskId, TaskResult) {
+    (TaskId::new(id), TaskResult::success(format!("{id} done")))
+}
+
+fn result<'a>(t: &'a (TaskId, TaskResult), attempt: u32, seq: u64) -> Input<'a> {
+    Input::Result {
+        task: &t.0,
+        attempt,
+        result: &t.1,
+        seq,
+        worker: None,
+        started_at: None,
+    }
+}
+
+#[test]
+fn diamond_runs_in_dependency_order_and_finishes() {
+    let p = plan(diamond(), PlanConfig::default());
+    let (mut m, actions) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 1_000);
+    assert_eq!(dispatched(&actions), vec![(0, 1)]);
+    assert_eq!(phases(&actions)[0], WorkflowPhase::RunStarted);
+
+    let a = ok("a");
+    let actions = m.apply(result(&a, 1, 10), 1_100);
+    assert_eq!(dispatched(&actions), vec![(1, 1), (2, 1)]);
+    let b = ok("b");
+    assert!(
+        dispatched(&m.apply(result(&b, 1, 11), 1_200)).is_empty(),
+        "d still waits for c"
+    );
+    let c = ok("c");
+    assert_eq!(dispatched(&m.apply(result(&c, 1, 12), 1_300)), vec![(3, 1)]);
+    let d = ok("d");
+    let actions = m.apply(result(&d, 1, 13), 1_400);
+    assert!(actions.contains(&Action::Finish));
+    assert_eq!(m.state().status, RunStatus::Succeeded);
+    assert_eq!(m.state().tasks[3].result_seq, 13);
+    assert_eq!(
+        m.final_tasks(),
+        vec![3],
+        "the sink supplies the final result"
+    );
+}
+
+#[test]
+fn duplicates_and_stale_inputs_change_nothing() {
+    let p = plan(diamond(), PlanConfig::default());
+    let (mut m, _) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
+    let a = ok("a");
+    m.apply(result(&a, 1, 10), 5);
+    let before = m.state().clone();
+    assert!(
+        m.apply(result(&a, 1, 10), 6).is_empty(),
+        "same result again"
+    );
+    assert!(
+        m.apply(result(&a, 2, 11), 7).is_empty(),
+        "an attempt that never ran"
+    );
+    let ghost = ok("ghost");
+    assert!(m.apply(result(&ghost, 1, 12), 8).is_empty(), "unknown task");
+    assert!(
+        m.apply(Input::Timer { generation: 999 }, 9).is_empty(),
+        "stale timer"
+    );
+    assert_eq!(m.state(), &before);
+}
+
+#[test]
+fn max_concurrency_caps_in_flight_tasks() {
+    let tasks: Vec<Subtask> = (0..10)
+        .map(|i| Subtask::new(&format!("t{i}"), ""))
+        .collect();
+    let p = plan(
+        tasks,
+        PlanConfig {
+            max_concurrency: 3,
+            ..PlanConfig::default()
+        },
+    );
+    let (mut m, actions) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
+    assert_eq!(dispatched(&actions).len(), 3);
+    let t0 = ok("t0");
+    assert_eq!(dispatched(&m.apply(result(&t0, 1, 1), 1)), vec![(3, 1)]);
+    assert_eq!(m.in_flight(), 3);
+}
+
+#[test]
+fn failures_retry_with_backoff_then_skip_dependents() {
+    let p = plan(
+        diamond(),
+        PlanConfig {
+            max_retries: 2,
+            ..PlanConfig::default()
+        },
+    );
+    let run = RunId::new();
+    let (mut m, _) = RunMachine::start(run, &submitted(&p), p.clone(), 0);
+    let bad = (
+        TaskId::new("a"),
+        TaskResult::failure(TaskErrorKind::AgentFailed, "boom"),
+    );
+    let mut now = 0;
+    for attempt in 1..=2 {
+        let actions = m.apply(result(&bad, attempt, 10 + u64::from(attempt)), now);
+        assert_eq!(phases(&actions), vec![WorkflowPhase::TaskRetrying]);
+        let Some(Action::ArmTimer { generation, due_ms }) = actions
+            .iter()
+            .find(|a| matches!(a, Action::ArmTimer { .. }))
+            .cloned()
+        else {
+            panic!("a retry arms a timer: {actions:?}");
+        };
+        let backoff = due_ms - now;
+        assert_eq!(backoff, retry_backoff_ms(run, 0, attempt));
+        let base = 1_000i64 << (attempt - 1);
+        assert!(
+            (base / 2..=base).contains(&backoff),
+            "attempt {attempt}: {backoff} ms"
+        );
+        assert_eq!(m.state().tasks[0].status, TaskStatus::Retrying);
+        now = due_ms;
+        let actions = m.apply(Input::Timer { generation }, now);
+        assert_eq!(dispatched(&actions), vec![(0, attempt + 1)]);
+    }
+    let actions = m.apply(result(&bad, 3, 20), now + 1);
+    let ph = phases(&actions);
+    assert_eq!(
+        &ph[..3],
+        &[
+            WorkflowPhase::TaskFailed,
+            WorkflowPhase::TaskSkipped,
+            WorkflowPhase::TaskSkipped
+        ]
+    );
+    assert!(actions.contains(&Action::Finish));
+    let s = m.state();
+    assert_eq!(s.status, RunStatus::Failed);
+    assert_eq!(s.tasks[0].attempt, 3, "max_retries 2 means 3 attempts");
+    for t in &s.tasks[1..] {
+        assert_eq!(t.status, TaskStatus::Skipped);
+        assert_eq!(t.skip_reason.as_deref(), Some("dependency_failed: a"));
+    }
+    let outcome = s.outcome.as_ref().expect("outcome");
+    assert_eq!(outcome.failed[0].task_id.as_str(), "a");
+    assert_eq!(outcome.skipped.len(), 3);
+    assert!(
+        outcome
+            .reason
+            .as_deref()
+            .is_some_and(|r| r.contains("required task a failed"))
+    );
+}
+
+#[test]
+fn backoff_doubles_and_caps() {
+    let run = RunId::new();
+    for attempt in 1..12 {
+        let b = retry_backoff_ms(run, 3, attempt);
+        let base = (1_000i64 << (attempt - 1).min(20)).min(30_000);
+        assert!(b >= base / 2 && b <= base, "attempt {attempt}: {b}");
+    }
+}
+
+#[test]
+fn optional_failure_leaves_a_partial_success() {
+    let mut tasks = diamond();
+    tasks[2].required = false; // c
+    tasks.push(Subtask::new("e", "").after(&["c"]));
+    tasks[4].required = false;
+    let p = plan(
+        tasks,
+        PlanConfig {
+            max_retries: 0,
+            ..PlanConfig::default()
+        },
+    );
+    let (mut m, _) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
+    let a = ok("a");
+    m.apply(result(&a, 1, 1), 1);
+    let c = (
+        TaskId::new("c"),
+        TaskResult::failure(TaskErrorKind::AgentFailed, "no"),
+    );
+    m.apply(result(&c, 1, 2), 2);
+    assert_eq!(
+        m.state().tasks[3].status,
+        TaskStatus::Skipped,
+        "d depends on c"
+    );
+    let b = ok("b");
+    m.apply(result(&b, 1, 3), 3);
+    // d is required and was skipped: the run fails.
+    assert_eq!(m.state().status, RunStatus::Failed);
+
+    // Without the required dependent, the run succeeds partially.
+    let mut tasks = diamond();
+    tasks[2].required = false;
+    tasks[3].dependencies = vec![TaskId::new("b")];
+    let p = plan(
+        tasks,
+        PlanConfig {
+            max_retries: 0,
+            ..PlanConfig::default()
+        },
+    );
+    let (mut m, _) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
+    m.apply(result(&a, 1, 1), 1);
+    m.apply(result(&c, 1, 2), 2);
+    m.apply(result(&b, 1, 3), 3);
+    let d = ok("d");
+    m.apply(result(&d, 1, 4), 4);
+    assert_eq!(m.state().status, RunStatus::Succeeded);
+    assert_eq!(m.state().outcome.as_ref().expect("outcome").failed.len(), 1);
+}
+
+#[test]
+fn dependency_timeout_fails_waiting_tasks_only_after_their_dependencies_were_dispatched() {
+    let tasks = vec![
+        Subtask::new("slow", ""),
+        Subtask::new("next", "").after(&["slow"]),
+        Subtask::new("last", "").after(&["next"]),
+    ];
+    let p = plan(
+        tasks,
+        PlanConfig {
+            dependency_timeout: Secs::from_secs(10),
+            ..PlanConfig::default()
+        },
+    );
+    let (mut m, actions) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
+    let timer = actions
+        .iter()
+        .find_map(|a| match a {
+            Action::ArmTimer { generation, due_ms } => Some((*generation, *due_ms)),
+            _ => None,
+        })
+        .expect("dispatching slow starts next's dependency clock");
+    assert_eq!(timer.1, 10_000);
+    let actions = m.apply(
+        Input::Timer {
+            generation: timer.0,
+        },
+        10_000,
+    );
+    let s = m.state();
+    assert_eq!(s.tasks[1].status, TaskStatus::Failed);
+    assert_eq!(
+        s.tasks[1].error.as_ref().map(|e| e.kind),
+        Some(TaskErrorKind::DependencyTimeout)
+    );
+    assert_eq!(s.tasks[2].status, TaskStatus::Skipped);
+    assert_eq!(
+        s.tasks[0].status,
+        TaskStatus::Dispatched,
+        "the slow task keeps running"
+    );
+    assert!(!actions.contains(&Action::Finish));
+    let slow = ok("slow");
+    let actions = m.apply(result(&slow, 1, 5), 12_000);
+    assert!(actions.contains(&Action::Finish));
+    assert_eq!(m.state().status, RunStatus::Failed);
+}
+
+#[test]
+fn simple_strategy_runs_one_task_at_a_time_in_order() {
+    let tasks = vec![
+        Subtask::new("second", "").after(&["first"]),
+        Subtask::new("first", ""),
+        Subtask::new("third", ""),
+    ];
+    let p = plan(
+        tasks,
+        PlanConfig {
+            strategy: Strategy::Simple,
+            max_concurrency: 5,
+            ..PlanConfig::default()
+        },
+    );
+    let (mut m, actions) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
+    assert_eq!(dispatched(&actions), vec![(1, 1)], "first goes first");
+    let first = ok("first");
+    assert_eq!(dispatched(&m.apply(result(&first, 1, 1), 1)), vec![(0, 1)]);
+    let second = ok("second");
+    assert_eq!(dispatched(&m.apply(result(&second, 1, 2), 2)), vec![(2, 1)]);
+    assert_eq!(
+        m.graph().ancestors(2).len(),
+        2,
+        "third sees every earlier result"
+    );
+}
+
+#[test]
+fn synthesis_task_is_the_final_result() {
+    let mut tasks = diamond();
+    tasks[1].role = Some("synthesis".into());
+    let p = plan(tasks, PlanConfig::default());
+    let (m, _) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
+    assert_eq!(m.graph().finals(), &[1]);
+}
+
+#[test]
+fn non_retryable_errors_fail_at_once() {
+    let p = plan(vec![Subtask::new("a", "")], PlanConfig::default());
+    let (mut m, _) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
+    let cancelled = (
+        TaskId::new("a"),
+        TaskResult::failure(TaskErrorKind::Cancelled, "stop"),
+    );
+    let actions = m.apply(result(&cancelled, 1, 1), 1);
+    assert!(actions.contains(&Action::Finish));
+    assert_eq!(m.state().tasks[0].attempt, 1);
+}
+
+#[test]
+fn restore_rebuilds_the_same_machine() {
+    let p = plan(diamond(), PlanConfig::default());
+    let (mut m, _) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
+    let a = ok("a");
+    m.apply(result(&a, 1, 1), 1);
+    let bytes = rmp_serde::to_vec_named(m.state()).expect("encode");
+    let state = rmp_serde::from_slice(&bytes).expect("decode");
+    let mut restored = RunMachine::restore(p.clone(), state);
+    let b = ok("b");
+    assert_eq!(
+        m.apply(result(&b, 1, 2), 2),
+        restored.apply(result(&b, 1, 2), 2)
+    );
+    assert_eq!(m.state(), restored.state());
+}
+
+mod model {
+    //! Random plans, random failures, duplicate deliveries and timer firings, checked against
+    //! the invariants a simple model of the scheduler must keep.
+    use super::*;
+    use proptest::prelude::{ProptestConfig, any, prop, prop_assert, prop_assert_eq, proptest};
+    use proptest::strategy::Strategy as _;
+
+    #[derive(Debug, Clone)]
+    struct Case {
+        deps: Vec<Vec<usize>>,
+        required: Vec<bool>,
+        /// Attempt outcomes per task: true = success. Missing entries succeed.
+        script: Vec<Vec<bool>>,
+        max_concurrency: u32,
+        max_retries: u32,
+        choices: Vec<u32>,
+    }
+
+    fn case() -> impl proptest::strategy::Strategy<Value = Case> {
+        (1usize..14).prop_flat_map(|n| {
+            (
+                (0..n)
+                    .map(|i| proptest::collection::btree_set(0..i.max(1), 0..=i.min(3)))
+                    .collect::<Vec<_>>(),
+                proptest::collection::vec(any::<bool>(), n),
+                proptest::collection::vec(
+                    proptest::collection::vec(prop::bool::weighted(0.7), 0..5),
+                    n,
+                ),
+                1u32..4,
+                0u32..3,
+                proptest::collection::vec(any::<u32>(), 200),
+            )
+                .prop_map(
+                    move |(sets, required, script, max_concurrency, max_retries, choices)| Case {
+                        deps: sets
+                            .into_iter()
+                            .enumerate()
+                            .map(|(i, s)| s.into_iter().filter(|&d| d < i).collect())
+                            .collect(),
+                        required,
+                        script,
+                        max_concurrency,
+                        max_retries,
+                        choices,
+                    },
+                )
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        #[test]
+        fn scheduler_keeps_its_invariants(c in case()) {
+            let names: Vec<String> = (0..c.deps.len()).map(|i| format!("t{i}")).collect();
+            let tasks: Vec<Subtask> = c.deps.iter().enumerate().map(|(i, ds)| {
+                let refs: Vec<&str> = ds.iter().map(|&d| names[d].as_str()).collect();
+                let mut t = Subtask::new(&names[i], "").after(&refs);
+                t.required = c.required[i];
+                t
+            }).collect();
+            let p = plan(tasks, PlanConfig {
+                max_concurrency: c.max_concurrency,
+                max_retries: c.max_retries,
+                dependency_timeout: Secs::from_secs(100_000),
+                ..PlanConfig::default()
+            });
+            let (mut m, mut actions) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
+            let mut now: i64 = 0;
+            let mut in_flight: Vec<(u32, u32)> = Vec::new();
+            let mut delivered: Vec<(TaskId, u32, TaskResult)> = Vec::new();
+            let mut finishes = 0;
+            let mut seq = 0u64;
+            let mut choice = c.choices.iter().cycle();
+            for _step in 0..2_000 {
+                for a in &actions {
+                    match a {
+                        Action::Dispatch { task, attempt } => {
+                            // Dispatched only once every dependency succeeded.
+                            for &d in &c.deps[*task as usize] {
+                                prop_assert_eq!(m.state().tasks[d].status, TaskStatus::Succeeded);
+                            }
+                            prop_assert!(*attempt <= c.max_retries + 1);
+                            in_flight.push((*task, *attempt));
+                        }
+                        Action::Finish => finishes += 1,
+                        _ => {}
+                    }
+                }
+                prop_assert!(m.in_flight() <= c.max_concurrency);
+                prop_assert_eq!(m.in_flight() as usize, in_flight.len());
+                if m.state().status.is_terminal() {
+                    break;
+                }
+                let pick = *choice.next().unwrap_or(&0);
+                now += 1 + i64::from(pick % 500);
+                if !in_flight.is_empty() {
+                    let (task, attempt) = in_flight.remove(pick as usize % in_flight.len());
+                    let success = c.script[task as usize].get(attempt as usize - 1).copied().unwrap_or(true);
+                    let r = if success {
+                        TaskResult::success("ok")
+                    } else {
+                        TaskResult::failure(TaskErrorKind::AgentFailed, "scripted failure")
+                    };
+                    let id = TaskId::new(names[task as usize].as_str());
+                    seq += 1;
+                    actions = m.apply(Input::Result { task: &id, attempt, result: &r, seq, worker: None, started_at: None }, now);
+                    delivered.push((id, attempt, r));
+                    // Redeliver an old result now and then: it must change nothing.
+                    if pick % 3 == 0 {
+                        let (id, attempt, r) = &delivered[pick as usize % delivered.len()];
+                        let before = m.state().clone();
+                        let dup = m.apply(Input::Result { task: id, attempt: *attempt, result: r, seq: 999_999, worker: None, started_at: None }, now);
+                        prop_assert!(dup.is_empty());
+                        prop_assert_eq!(m.state(), &before);
+                    }
+                } else if let Some(t) = m.state().timer {
+                    now = now.max(t.due_ms);
+                    actions = m.apply(Input::Timer { generation: t.generation }, now);
+                } else {
+                    prop_assert!(false, "stuck: nothing in flight, no timer, run not terminal: {:?}", m.state());
+                }
+            }
+            let s = m.state();
+            prop_assert!(s.status.is_terminal(), "run ended");
+            prop_assert_eq!(finishes, 1);
+            // Model: the run fails exactly when a required task failed or was skipped.
+            let doomed = s.tasks.iter().zip(&c.required).any(|(t, &req)| req && matches!(t.status, TaskStatus::Failed | TaskStatus::Skipped));
+            prop_assert_eq!(s.status == RunStatus::Failed, doomed);
+            for (i, t) in s.tasks.iter().enumerate() {
+                prop_assert!(t.status.is_terminal());
+                // A task fails only after exhausting its script's failures within the retry budget.
+                if t.status == TaskStatus::Failed {
+                    prop_assert_eq!(t.attempt, c.max_retries + 1);
+                    prop_assert!(c.script[i].iter().take(t.attempt as usize).all(|ok| !ok));
+                }
+                // Skipped tasks depend (transitively) on a failed one and never ran.
+                if t.status == TaskStatus::Skipped {
+                    prop_assert_eq!(t.attempt, 0);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,179 @@
+//! The `exec` agent: runs a command per task.
+//!
+//! The task envelope is written to the command's stdin as JSON, and `FLOTILLA_RUN_ID`,
+//! `FLOTILLA_TASK_ID` and `FLOTILLA_ATTEMPT` are set. Stdout is the response: a JSON object
+//! with a string `response` (and optionally `tokens`, `tools_used`, `numeric_value`), or plain
+//! text. A non-zero exit is a failure carrying the end of stderr. The command runs in its own
+//! process group, which is killed when the attempt is cancelled or times out.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+
+use futures::future::BoxFuture;
+use tokio::io::AsyncWriteExt;
+
+use super::ExecConfig;
+use crate::agent::{Agent, AgentContext, AgentError, AgentReply};
+use flotilla_model::task::{TaskEnvelope, TaskErrorKind};
+
+/// Runs a command.
+#[derive(Debug, Clone)]
+pub struct ExecAgent {
+    name: String,
+    config: ExecConfig,
+    cwd: PathBuf,
+}
+
+/// Longest stderr tail kept in an error.
+const STDERR_TAIL: usize = 2048;
+
+impl ExecAgent {
+    /// An agent running `config`; relative paths resolve against `base_dir`.
+    pub fn new(name: &str, config: &ExecConfig, base_dir: &Path) -> Result<Self, String> {
+        if config.command.trim().is_empty() {
+            return Err(format!("agents.{name}: command is empty"));
+        }
+        let cwd = match &config.cwd {
+            Some(p) if p.is_absolute() => p.clone(),
+            Some(p) => base_dir.join(p),
+            None => base_dir.to_path_buf(),
+        };
+        Ok(Self {
+            name: name.to_owned(),
+            config: config.clone(),
+            cwd,
+        })
+    }
+}
+
+/// Kills the whole process group unless the command finished.
+struct GroupGuard {
+    pgid: Option<i32>,
+}
+
+impl Drop for GroupGuard {
+    fn drop(&mut self) {
+        if let Some(pgid) = self.pgid {
+            let _ = nix::sys::signal::killpg(
+                nix::unistd::Pid::from_raw(pgid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
+}
+
+fn parse_stdout(stdout: &str) -> AgentReply {
+    let trimmed = stdout.trim();
+    if trimmed.starts_with('{')
+        && let Ok(v) = serde_json::from_str::<serde_json::Value>(trimmed)
+        && let Some(response) = v.get("response").and_then(|r| r.as_str())
+    {
+        return AgentReply {
+            response: response.to_owned(),
+            tokens: v
+                .get("tokens")
+                .and_then(serde_json::Value::as_u64)
+                .unwrap_or(0),
+            tools_used: v
+                .get("tools_used")
+                .and_then(|t| t.as_array())
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|x| x.as_str().map(str::to_owned))
+                        .collect()
+                })
+                .unwrap_or_default(),
+            numeric_value: v.get("numeric_value").and_then(serde_json::Value::as_f64),
+        };
+    }
+    AgentReply::text(trimmed)
+}
+
+impl Agent for ExecAgent {
+    fn run<'a>(
+        &'a self,
+        task: &'a TaskEnvelope,
+        ctx: AgentContext,
+    ) -> BoxFuture<'a, Result<AgentReply, AgentError>> {
+        Box::pin(async move {
+            let input = serde_json::to_vec(task)
+                .map_err(|e| AgentError::failed(format!("encoding the envelope: {e}")))?;
+            let mut cmd = tokio::process::Command::new(&self.config.command);
+            cmd.args(&self.config.args)
+                .envs(&self.config.env)
+                .env("FLOTILLA_RUN_ID", task.run_id.to_string())
+                .env("FLOTILLA_TASK_ID", task.task_id.as_str())
+                .env("FLOTILLA_ATTEMPT", task.attempt.to_string())
+                .current_dir(&self.cwd)
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .process_group(0)
+                .kill_on_drop(true);
+            let mut child = cmd.spawn().map_err(|e| {
+                AgentError::failed(format!(
+                    "agent {}: cannot run {:?} in {}: {e}",
+                    self.name,
+                    self.config.command,
+                    self.cwd.display()
+                ))
+            })?;
+            let mut guard = GroupGuard {
+                pgid: child.id().and_then(|p| i32::try_from(p).ok()),
+            };
+            if let Some(mut stdin) = child.stdin.take() {
+                // A command that ignores its input may close stdin early; that is fine.
+                let _ = stdin.write_all(&input).await;
+                drop(stdin);
+            }
+            let output = tokio::select! {
+                out = child.wait_with_output() => out.map_err(|e| AgentError::failed(format!("waiting for {:?}: {e}", self.config.command)))?,
+                _ = ctx.cancel.cancelled() => {
+                    // Dropping the child future and the guard kills the process group.
+                    return Err(AgentError { kind: TaskErrorKind::Cancelled, message: "cancelled; the command was killed".into() });
+                }
+            };
+            guard.pgid = None;
+            let stdout = String::from_utf8_lossy(&output.stdout);
+            if output.status.success() {
+                Ok(parse_stdout(&stdout))
+            } else {
+                let stderr = String::from_utf8_lossy(&output.stderr);
+                let tail = if stderr.len() > STDERR_TAIL {
+                    let mut start = stderr.len() - STDERR_TAIL;
+                    while !stderr.is_char_boundary(start) {
+                        start += 1;
+                    }
+                    &stderr[start..]
+                } else {
+                    &stderr[..]
+                };
+                Err(AgentError::failed(format!(
+                    "{} exited with {}: {}",
+                    self.config.command,
+                    output.status,
+                    tail.trim()
+                )))
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stdout_json_or_text() {
+        let r = parse_stdout(
+            "{\"response\": \"growth 12%\", \"tokens\": 7, \"numeric_value\": 12.0}\n",
+        );
+        assert_eq!(r.response, "growth 12%");
+        assert_eq!(r.tokens, 7);
+        assert_eq!(r.numeric_value, Some(12.0));
+        let r = parse_stdout("  plain answer \n");
+        assert_eq!(r.response, "plain answer");
+        let r = parse_stdout("{\"not_response\": 1}");
+        assert_eq!(r.response, "{\"not_response\": 1}");
+    }
+}

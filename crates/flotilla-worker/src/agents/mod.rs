@@ -1,0 +1,228 @@
+//! Built-in agents and the `[agents.NAME]` configuration that defines them.
+//!
+//! ```toml
+//! default-agent = "echo"
+//!
+//! [agents.echo]                      # deterministic test/demo agent
+//! kind = "scripted"
+//! reply = "{task_id}: done"
+//!
+//! [agents.fetch_data]                # runs a command; envelope JSON on stdin
+//! kind = "exec"
+//! command = "python3"
+//! args = ["examples/agents/earnings.py", "fetch"]
+//! ```
+
+mod exec;
+mod scripted;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+pub use exec::ExecAgent;
+pub use scripted::ScriptedAgent;
+
+use crate::agent::Agent;
+
+/// One agent definition.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum AgentDefinition {
+    /// Runs a command per task.
+    Exec(ExecConfig),
+    /// A deterministic agent with a fixed reply, for tests and demos.
+    Scripted(ScriptedConfig),
+}
+
+/// `kind = "exec"`: run a command. The task envelope is written to its stdin as JSON; its
+/// stdout is the response (plain text, or a JSON object with `response`, `tokens`,
+/// `tools_used`, `numeric_value`); a non-zero exit is a failure carrying stderr.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+pub struct ExecConfig {
+    /// Program to run (looked up on `PATH` unless it contains a `/`).
+    pub command: String,
+    /// Arguments.
+    #[serde(default)]
+    pub args: Vec<String>,
+    /// Extra environment variables.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Working directory; relative paths are relative to the config file's directory,
+    /// which is also the default.
+    #[serde(default)]
+    pub cwd: Option<PathBuf>,
+}
+
+/// `kind = "scripted"`: a deterministic agent. Used by tests and demos to exercise the
+/// machinery without an LLM; it is labelled as such wherever it appears.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+pub struct ScriptedConfig {
+    /// Reply template. Placeholders: `{task_id}`, `{run_id}`, `{attempt}`, `{description}`,
+    /// `{dependencies}` (ids of the injected dependency results, comma separated),
+    /// `{previous}` (ids of the injected previous results), `{dependency_numbers}` (their
+    /// `numeric_value`s, `id=value`, comma separated).
+    #[serde(default = "default_reply")]
+    pub reply: String,
+    /// How long each attempt takes.
+    #[serde(default, with = "humantime_serde")]
+    pub delay: Duration,
+    /// Fail the first N attempts of every task.
+    #[serde(default)]
+    pub fail_first: u32,
+    /// Message of the scripted failures.
+    #[serde(default = "default_failure")]
+    pub failure: String,
+    /// Tokens reported per reply.
+    #[serde(default)]
+    pub tokens: u64,
+}
+
+fn default_reply() -> String {
+    "{task_id} done".into()
+}
+
+fn default_failure() -> String {
+    "scripted failure".into()
+}
+
+impl Default for ScriptedConfig {
+    fn default() -> Self {
+        Self {
+            reply: default_reply(),
+            delay: Duration::ZERO,
+            fail_first: 0,
+            failure: default_failure(),
+            tokens: 0,
+        }
+    }
+}
+
+/// The agents a worker can run, by name.
+#[derive(Debug, Clone, Default)]
+pub struct AgentRegistry {
+    agents: BTreeMap<String, Arc<dyn Agent>>,
+    default: Option<String>,
+}
+
+impl AgentRegistry {
+    /// Builds agents from definitions. `base_dir` resolves relative `cwd`s (the directory of
+    /// the config file).
+    pub fn from_definitions(
+        defs: &BTreeMap<String, AgentDefinition>,
+        default: Option<String>,
+        base_dir: &Path,
+    ) -> Result<Self, String> {
+        let mut agents: BTreeMap<String, Arc<dyn Agent>> = BTreeMap::new();
+        for (name, def) in defs {
+            flotilla_model::token::check_name(name)
+                .map_err(|e| format!("agents.{name}: the name {e}"))?;
+            let agent: Arc<dyn Agent> = match def {
+                AgentDefinition::Exec(c) => Arc::new(ExecAgent::new(name, c, base_dir)?),
+                AgentDefinition::Scripted(c) => Arc::new(ScriptedAgent::new(c.clone())),
+            };
+            agents.insert(name.clone(), agent);
+        }
+        if let Some(d) = &default
+            && !agents.contains_key(d)
+        {
+            return Err(format!("default-agent {d:?} is not defined under [agents]"));
+        }
+        Ok(Self { agents, default })
+    }
+
+    /// Adds or replaces an agent (for embedding Flotilla with custom agents).
+    pub fn insert(&mut self, name: impl Into<String>, agent: Arc<dyn Agent>) {
+        self.agents.insert(name.into(), agent);
+    }
+
+    /// Sets the default agent.
+    pub fn set_default(&mut self, name: Option<String>) {
+        self.default = name;
+    }
+
+    /// The agent for a task: the named one, or the default.
+    pub fn resolve(&self, name: Option<&str>) -> Result<(&str, &Arc<dyn Agent>), String> {
+        let name = match name.or(self.default.as_deref()) {
+            Some(n) => n,
+            None => {
+                return Err("the task names no agent and this worker has no default-agent".into());
+            }
+        };
+        self.agents
+            .get_key_value(name)
+            .map(|(k, v)| (k.as_str(), v))
+            .ok_or_else(|| {
+                format!(
+                    "this worker has no agent named {name:?} (it has: {})",
+                    self.names().join(", ")
+                )
+            })
+    }
+
+    /// Names of the defined agents.
+    pub fn names(&self) -> Vec<String> {
+        self.agents.keys().cloned().collect()
+    }
+
+    /// The default agent's name.
+    pub fn default_agent(&self) -> Option<&str> {
+        self.default.as_deref()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn definitions_parse_from_toml() {
+        let defs: BTreeMap<String, AgentDefinition> = toml::from_str(
+            r#"
+            [echo]
+            kind = "scripted"
+            reply = "hi {task_id}"
+            delay = "10ms"
+            fail-first = 1
+
+            [run]
+            kind = "exec"
+            command = "python3"
+            args = ["x.py"]
+            "#,
+        )
+        .expect("parses");
+        assert!(matches!(
+            defs["echo"],
+            AgentDefinition::Scripted(ScriptedConfig { fail_first: 1, .. })
+        ));
+        assert!(matches!(&defs["run"], AgentDefinition::Exec(c) if c.command == "python3"));
+        let bad = toml::from_str::<BTreeMap<String, AgentDefinition>>(
+            "[x]\nkind = \"scripted\"\nreplay = \"typo\"\n",
+        );
+        assert!(bad.is_err(), "unknown keys are rejected");
+        let bad = toml::from_str::<BTreeMap<String, AgentDefinition>>("[x]\nkind = \"llm\"\n");
+        assert!(bad.is_err(), "unknown kinds are rejected");
+    }
+
+    #[test]
+    fn registry_resolves_names_and_default() {
+        let mut defs = BTreeMap::new();
+        defs.insert(
+            "echo".to_string(),
+            AgentDefinition::Scripted(ScriptedConfig::default()),
+        );
+        let reg = AgentRegistry::from_definitions(&defs, Some("echo".into()), Path::new("."))
+            .expect("valid");
+        assert_eq!(reg.resolve(None).expect("default").0, "echo");
+        assert!(reg.resolve(Some("nope")).is_err());
+        assert!(
+            AgentRegistry::from_definitions(&defs, Some("missing".into()), Path::new(".")).is_err()
+        );
+    }
+}

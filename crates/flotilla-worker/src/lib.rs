@@ -1,0 +1,540 @@
+//! The Flotilla worker: pulls the tasks of one pool, runs agents, publishes results.
+//!
+//! ```text
+//!  FLOTILLA_TASKS ──pull (as many as free slots)──► worker ──► agent
+//!        ▲                                            │ every heartbeat: +WPI (in progress)
+//!        │                                            ▼
+//!        └──────────── ack ◄── result acknowledged ◄── flotilla.runlog.<run> (result)
+//! ```
+//!
+//! * One durable pull consumer per pool (`pool-<name>`), shared by every worker of the pool;
+//!   each worker asks for exactly as many messages as it has free slots, so nothing waits in
+//!   a client buffer while its ack timer runs.
+//! * While an agent runs, the worker sends in-progress acknowledgements every heartbeat; the
+//!   consumer's ack wait is three heartbeats, so a dead worker's task is redelivered within
+//!   seconds.
+//! * The task is acknowledged only after its result is durably in the run log (ack after
+//!   result). Results carry `Nats-Msg-Id: result.<run>.<task>.<attempt>`, and the coordinator
+//!   applies each attempt's result once.
+//! * A message delivered more than `max-deliveries` times (workers keep dying on it) becomes a
+//!   `redeliveries_exhausted` failure instead of another crash.
+//! * Graceful stop: stop pulling, let in-flight tasks finish within the grace period, then
+//!   cancel the rest and hand them back (NAK) so another worker starts them at once.
+//! * Live registry: the worker keeps its entry in the `flotilla-workers` KV bucket (TTL).
+
+pub mod agent;
+pub mod agents;
+pub mod options;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer, pull};
+use async_nats::jetstream::{self, AckKind};
+use flotilla_bus::{Bus, wire};
+use flotilla_model::PROTOCOL_VERSION;
+use flotilla_model::api::{ApiRequest, GetRunRequest};
+use flotilla_model::codec::Codec;
+use flotilla_model::event::{Event, WorkflowEvent, WorkflowPhase};
+use flotilla_model::numeric::extract_numeric_value;
+use flotilla_model::run::{RunView, TaskStatus};
+use flotilla_model::runlog::{RunInput, RunLogEntry, TaskResultInput};
+use flotilla_model::subjects::{Bucket, StreamKind};
+use flotilla_model::task::{TaskEnvelope, TaskError, TaskErrorKind, TaskResult, result_msg_id};
+use flotilla_model::time::Timestamp;
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::agent::{AgentContext, AgentError, EventEmitter};
+pub use crate::agents::{AgentDefinition, AgentRegistry};
+pub use crate::options::WorkerOptions;
+
+flotilla_bus::error_kinds!(
+    /// Why a worker could not run.
+    WorkerErrorKind {
+        /// Invalid settings or agent definitions.
+        Config => "invalid worker configuration", Terminal;
+        /// Streams, consumer or registry could not be set up.
+        Setup => "worker setup failed", Retryable;
+    }
+);
+
+/// A worker could not run.
+pub type WorkerError = flotilla_bus::error::Error<WorkerErrorKind>;
+
+/// A worker's entry in the `flotilla-workers` bucket.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerInfo {
+    /// Worker id.
+    pub id: String,
+    /// Pool.
+    pub pool: String,
+    /// Host name.
+    pub host: String,
+    /// Process id.
+    pub pid: u32,
+    /// Slots.
+    pub concurrency: usize,
+    /// Tasks running now.
+    pub in_flight: usize,
+    /// Agents it can run.
+    pub agents: Vec<String>,
+    /// When it started.
+    pub started_at: Timestamp,
+    /// Flotilla version.
+    pub version: String,
+}
+
+/// A worker process (or one of several in `flotilla up`).
+#[derive(Debug)]
+pub struct Worker {
+    bus: Bus,
+    opts: WorkerOptions,
+    agents: Arc<AgentRegistry>,
+    id: String,
+}
+
+/// State shared by a worker's tasks.
+struct Shared {
+    bus: Bus,
+    opts: WorkerOptions,
+    agents: Arc<AgentRegistry>,
+    id: String,
+    in_flight: AtomicUsize,
+    /// Fires when the grace period is over: running agents are cancelled and handed back.
+    hard_stop: CancellationToken,
+}
+
+fn setup(
+    detail: impl Into<String>,
+    e: impl std::error::Error + Send + Sync + 'static,
+) -> WorkerError {
+    WorkerError::with_source(WorkerErrorKind::Setup, detail, e)
+}
+
+fn default_id() -> String {
+    let host = gethostname::gethostname().to_string_lossy().into_owned();
+    let host: String = host
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .take(40)
+        .collect();
+    let suffix = uuid::Uuid::new_v4().simple().to_string();
+    format!("{host}-{}", &suffix[..8])
+}
+
+impl Worker {
+    /// A worker on `bus` running `agents`.
+    pub fn new(bus: Bus, opts: WorkerOptions, agents: AgentRegistry) -> Self {
+        let id = opts.id.clone().unwrap_or_else(default_id);
+        Self {
+            bus,
+            opts,
+            agents: Arc::new(agents),
+            id,
+        }
+    }
+
+    /// This worker's id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    async fn consumer(&self) -> Result<PullConsumer, WorkerError> {
+        let names = self.bus.names();
+        let stream_name = names.stream(StreamKind::Tasks);
+        let stream = self.bus.js().get_stream(&stream_name).await.map_err(|e| {
+            setup(
+                format!("opening stream {stream_name} (run `flotilla nats provision`?)"),
+                e,
+            )
+        })?;
+        let durable = names.pool_consumer(&self.opts.pool);
+        stream
+            .create_consumer(pull::Config {
+                durable_name: Some(durable.clone()),
+                description: Some(format!("Flotilla workers of pool {}", self.opts.pool)),
+                filter_subject: names.pool_filter(&self.opts.pool),
+                deliver_policy: DeliverPolicy::All,
+                ack_policy: AckPolicy::Explicit,
+                ack_wait: self.opts.ack_wait(),
+                // The worker enforces its own delivery limit so the last one becomes a failure.
+                max_deliver: -1,
+                max_ack_pending: 100_000,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| setup(format!("creating consumer {durable}"), e))
+    }
+
+    /// Runs until `shutdown` is cancelled, then drains (see the module docs).
+    pub async fn run(self, shutdown: CancellationToken) -> Result<(), WorkerError> {
+        self.opts
+            .validate()
+            .map_err(|e| WorkerError::new(WorkerErrorKind::Config, e))?;
+        let consumer = self.consumer().await?;
+        let registry = self
+            .bus
+            .kv(Bucket::Workers)
+            .await
+            .map_err(|e| setup("opening the workers bucket", e))?;
+        let shared = Arc::new(Shared {
+            bus: self.bus.clone(),
+            opts: self.opts.clone(),
+            agents: Arc::clone(&self.agents),
+            id: self.id.clone(),
+            in_flight: AtomicUsize::new(0),
+            hard_stop: CancellationToken::new(),
+        });
+        let info = WorkerInfo {
+            id: self.id.clone(),
+            pool: self.opts.pool.clone(),
+            host: gethostname::gethostname().to_string_lossy().into_owned(),
+            pid: std::process::id(),
+            concurrency: self.opts.concurrency,
+            in_flight: 0,
+            agents: self.agents.names(),
+            started_at: Timestamp::now(),
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+        };
+        let register_stop = CancellationToken::new();
+        let registration = tokio::spawn(register(
+            registry.clone(),
+            info,
+            Arc::clone(&shared),
+            register_stop.clone(),
+        ));
+        info!(worker = %self.id, pool = %self.opts.pool, concurrency = self.opts.concurrency, "Worker started");
+
+        let slots = Arc::new(Semaphore::new(self.opts.concurrency));
+        let mut running = tokio::task::JoinSet::new();
+        'pull: while !shutdown.is_cancelled() {
+            let first = tokio::select! {
+                _ = shutdown.cancelled() => break,
+                p = Arc::clone(&slots).acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+            };
+            let mut permits = vec![first];
+            while let Ok(p) = Arc::clone(&slots).try_acquire_owned() {
+                permits.push(p);
+            }
+            let batch = consumer
+                .batch()
+                .max_messages(permits.len())
+                .expires(Duration::from_secs(5))
+                .messages()
+                .await;
+            let mut batch = match batch {
+                Ok(b) => b,
+                Err(e) => {
+                    debug!(error = %e, "Pull request failed; retrying");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        _ = tokio::time::sleep(Duration::from_millis(250)) => continue,
+                    }
+                }
+            };
+            loop {
+                let next = tokio::select! {
+                    next = batch.next() => next,
+                    _ = shutdown.cancelled() => {
+                        // Hand back anything still arriving for this pull request.
+                        while let Ok(Some(Ok(m))) = tokio::time::timeout(Duration::from_millis(50), batch.next()).await {
+                            let _ = m.ack_with(AckKind::Nak(None)).await;
+                        }
+                        break 'pull;
+                    }
+                };
+                match next {
+                    Some(Ok(msg)) => {
+                        let Some(permit) = permits.pop() else {
+                            let _ = msg.ack_with(AckKind::Nak(None)).await;
+                            continue;
+                        };
+                        let shared = Arc::clone(&shared);
+                        running.spawn(async move {
+                            shared.in_flight.fetch_add(1, Ordering::Relaxed);
+                            handle(&shared, msg).await;
+                            shared.in_flight.fetch_sub(1, Ordering::Relaxed);
+                            drop(permit);
+                        });
+                    }
+                    Some(Err(e)) => {
+                        debug!(error = %e, "Pull interrupted");
+                        break;
+                    }
+                    None => break,
+                }
+            }
+            drop(permits);
+            // Reap finished tasks so the set does not grow.
+            while running.try_join_next().is_some() {}
+        }
+        info!(worker = %self.id, in_flight = running.len(), "Worker stopping: no new tasks; draining");
+        let grace = tokio::time::sleep(self.opts.shutdown_grace);
+        tokio::pin!(grace);
+        loop {
+            tokio::select! {
+                next = running.join_next() => if next.is_none() { break },
+                _ = &mut grace, if !shared.hard_stop.is_cancelled() => {
+                    warn!(worker = %self.id, in_flight = running.len(), "Grace period over: handing back unfinished tasks");
+                    shared.hard_stop.cancel();
+                }
+            }
+        }
+        register_stop.cancel();
+        let _ = registration.await;
+        let _ = registry.delete(&self.id).await;
+        info!(worker = %self.id, "Worker stopped");
+        Ok(())
+    }
+}
+
+/// Keeps the registry entry fresh until stopped.
+async fn register(
+    kv: jetstream::kv::Store,
+    mut info: WorkerInfo,
+    shared: Arc<Shared>,
+    stop: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(shared.opts.heartbeat);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        info.in_flight = shared.in_flight.load(Ordering::Relaxed);
+        match serde_json::to_vec(&info) {
+            Ok(bytes) => {
+                if let Err(e) = kv.put(&info.id, bytes.into()).await {
+                    debug!(error = %e, "Could not refresh the worker registration");
+                }
+            }
+            Err(e) => debug!(error = %e, "Could not encode the worker registration"),
+        }
+    }
+}
+
+/// Whether the coordinator already has a result for this attempt (only asked on redelivery).
+async fn already_done(bus: &Bus, task: &TaskEnvelope) -> bool {
+    let req = GetRunRequest {
+        protocol: PROTOCOL_VERSION,
+        run_id: task.run_id,
+    };
+    let Ok(body) = serde_json::to_vec(&req) else {
+        return false;
+    };
+    let asked = tokio::time::timeout(
+        Duration::from_secs(2),
+        bus.client()
+            .request(bus.names().api(GetRunRequest::ENDPOINT), body.into()),
+    )
+    .await;
+    let Ok(Ok(reply)) = asked else { return false };
+    let Ok(view) = serde_json::from_slice::<RunView>(&reply.payload) else {
+        return false;
+    };
+    if view.record.status.is_terminal() {
+        return true;
+    }
+    view.tasks
+        .iter()
+        .find(|t| t.task_id == task.task_id)
+        .is_some_and(|t| !(t.status == TaskStatus::Dispatched && t.attempts == task.attempt))
+}
+
+/// Runs one delivered task message to the end.
+async fn handle(shared: &Shared, msg: jetstream::Message) {
+    let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
+    let task: TaskEnvelope = match wire::decode(msg.headers.as_ref(), &msg.payload) {
+        Ok(t) => t,
+        Err(e) => {
+            warn!(subject = %msg.subject, error = %e, "Unreadable task envelope; terminating it");
+            let _ = msg.ack_with(AckKind::Term).await;
+            return;
+        }
+    };
+    let started_at = Timestamp::now();
+    if delivered > shared.opts.max_deliveries {
+        warn!(run = %task.run_id, task = %task.task_id, delivered, "Task redelivered too often; reporting it failed");
+        let result = TaskResult::failure(
+            TaskErrorKind::RedeliveriesExhausted,
+            format!(
+                "delivered {delivered} times without a result (workers stopped while running it)"
+            ),
+        );
+        finish(shared, &msg, &task, result, started_at).await;
+        return;
+    }
+    if delivered > 1 && already_done(&shared.bus, &task).await {
+        debug!(run = %task.run_id, task = %task.task_id, "Redelivered task already has a result; acknowledging");
+        let _ = msg.ack().await;
+        return;
+    }
+    let events = EventEmitter::new(Some(shared.bus.clone()), &task, &shared.id);
+    let started_event = Event::Workflow(WorkflowEvent {
+        worker: Some(shared.id.clone()),
+        started_at: Some(started_at),
+        ..WorkflowEvent::phase(WorkflowPhase::TaskStarted)
+    });
+    let mut announced = shared.opts.started_event_delay.is_zero();
+    if announced {
+        events.emit(started_event.clone()).await;
+    }
+
+    let outcome = match shared.agents.resolve(task.agent.as_deref()) {
+        Err(message) => Err(AgentError {
+            kind: TaskErrorKind::UnknownAgent,
+            message,
+        }),
+        Ok((_, agent)) => {
+            let cancel = shared.hard_stop.child_token();
+            let timeout = task.timeout.get();
+            let ctx = AgentContext {
+                cancel: cancel.clone(),
+                deadline: Instant::now() + timeout,
+                events: events.clone(),
+                worker_id: shared.id.clone(),
+            };
+            let announce = tokio::time::sleep(shared.opts.started_event_delay);
+            tokio::pin!(announce);
+            let run = agent.run(&task, ctx);
+            tokio::pin!(run);
+            let deadline = tokio::time::sleep(timeout);
+            tokio::pin!(deadline);
+            let mut heartbeat = tokio::time::interval_at(
+                tokio::time::Instant::now() + shared.opts.heartbeat,
+                shared.opts.heartbeat,
+            );
+            loop {
+                tokio::select! {
+                    biased;
+                    r = &mut run => {
+                        if shared.hard_stop.is_cancelled() && r.is_err() {
+                            // The worker is stopping and cancelled the agent: that is not the
+                            // task's failure. Hand it back for another worker.
+                            info!(run = %task.run_id, task = %task.task_id, "Handing an unfinished task back");
+                            let _ = msg.ack_with(AckKind::Nak(None)).await;
+                            return;
+                        }
+                        break r;
+                    }
+                    _ = &mut announce, if !announced => {
+                        announced = true;
+                        events.emit(started_event.clone()).await;
+                    }
+                    _ = heartbeat.tick() => {
+                        if let Err(e) = msg.ack_with(AckKind::Progress).await {
+                            debug!(error = %e, "Heartbeat failed");
+                        }
+                    }
+                    _ = &mut deadline => {
+                        cancel.cancel();
+                        break Err(AgentError {
+                            kind: TaskErrorKind::Timeout,
+                            message: format!("the attempt exceeded its timeout of {}", humantime_serde::re::humantime::format_duration(timeout)),
+                        });
+                    }
+                    _ = shared.hard_stop.cancelled() => {
+                        cancel.cancel();
+                        // Let the agent observe the cancellation, then hand the task back.
+                        let _ = tokio::time::timeout(Duration::from_secs(2), &mut run).await;
+                        info!(run = %task.run_id, task = %task.task_id, "Handing an unfinished task back");
+                        let _ = msg.ack_with(AckKind::Nak(None)).await;
+                        return;
+                    }
+                }
+            }
+        }
+    };
+    let result = match outcome {
+        Ok(reply) => {
+            let numeric_value = reply
+                .numeric_value
+                .or_else(|| extract_numeric_value(&reply.response));
+            TaskResult {
+                response: reply.response,
+                tokens: reply.tokens,
+                success: true,
+                tools_used: reply.tools_used,
+                numeric_value,
+                error: None,
+            }
+        }
+        Err(e) => TaskResult {
+            error: Some(TaskError {
+                kind: e.kind,
+                message: e.message,
+            }),
+            ..TaskResult::failure(e.kind, "")
+        },
+    };
+    finish(shared, &msg, &task, result, started_at).await;
+}
+
+/// Publishes the result durably, then acknowledges the task.
+async fn finish(
+    shared: &Shared,
+    msg: &jetstream::Message,
+    task: &TaskEnvelope,
+    result: TaskResult,
+    started_at: Timestamp,
+) {
+    let success = result.success;
+    let entry = RunLogEntry {
+        protocol: PROTOCOL_VERSION,
+        run_id: task.run_id,
+        input: RunInput::TaskResult(Box::new(TaskResultInput {
+            task_id: task.task_id.clone(),
+            attempt: task.attempt,
+            attempt_id: task.attempt_id,
+            worker: shared.id.clone(),
+            started_at: Some(started_at),
+            result,
+        })),
+    };
+    let msg_id = result_msg_id(task.run_id, &task.task_id, task.attempt);
+    let out = match wire::encode(&entry, Codec::Json, Some(&msg_id)) {
+        Ok(o) => o,
+        Err(e) => {
+            warn!(error = %e, "Cannot encode a result; handing the task back");
+            let _ = msg.ack_with(AckKind::Nak(None)).await;
+            return;
+        }
+    };
+    let subject = shared.bus.names().runlog(task.run_id);
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        match shared
+            .bus
+            .publish_encoded(subject.clone(), out.clone())
+            .await
+        {
+            Ok(_) => break,
+            Err(e) if !shared.hard_stop.is_cancelled() => {
+                warn!(run = %task.run_id, task = %task.task_id, error = %e, "Result not stored yet; retrying");
+                let _ = msg.ack_with(AckKind::Progress).await;
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+            }
+            Err(e) => {
+                warn!(run = %task.run_id, task = %task.task_id, error = %e, "Stopping before the result was stored; handing the task back");
+                let _ = msg.ack_with(AckKind::Nak(None)).await;
+                return;
+            }
+        }
+    }
+    if let Err(e) = msg.ack().await {
+        debug!(error = %e, "Task ack failed; a redelivery will find the result already stored");
+    }
+    debug!(run = %task.run_id, task = %task.task_id, attempt = task.attempt, success, "Task finished");
+}

@@ -1,0 +1,76 @@
+//! `[worker]` settings.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Worker settings. Workers of one pool share a JetStream consumer, so they should share
+/// `heartbeat` (it sets the consumer's ack wait).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields, default)]
+pub struct WorkerOptions {
+    /// The pool this worker serves.
+    pub pool: String,
+    /// Tasks run at once.
+    pub concurrency: usize,
+    /// Interval of in-progress acknowledgements while an agent runs. The consumer's ack wait
+    /// is three intervals, so a dead worker's task goes to another worker within ~15 s.
+    #[serde(with = "humantime_serde")]
+    pub heartbeat: Duration,
+    /// Deliveries of one task message before the worker gives up and reports
+    /// `redeliveries_exhausted` (workers kept dying on it).
+    pub max_deliveries: i64,
+    /// On SIGTERM, how long in-flight tasks may run before they are handed back.
+    #[serde(with = "humantime_serde")]
+    pub shutdown_grace: Duration,
+    /// Publish `task_started` only for attempts still running after this long. Quick tasks
+    /// need no separate event (their outcome event names the worker and start time); long
+    /// ones (model calls) show up live. `0s` announces every attempt.
+    #[serde(with = "humantime_serde")]
+    pub started_event_delay: Duration,
+    /// Worker id (default: `<host>-<random>`).
+    pub id: Option<String>,
+}
+
+impl Default for WorkerOptions {
+    fn default() -> Self {
+        Self {
+            pool: flotilla_model::plan::DEFAULT_POOL.to_owned(),
+            // Agents mostly wait on I/O (models, tools); a few at once per process.
+            concurrency: 4,
+            heartbeat: Duration::from_secs(5),
+            max_deliveries: 5,
+            // Kubernetes' default termination grace is 30 s; leave room to hand work back.
+            shutdown_grace: Duration::from_secs(25),
+            // Below what a person notices; above what a no-op or cached answer takes.
+            started_event_delay: Duration::from_millis(200),
+            id: None,
+        }
+    }
+}
+
+impl WorkerOptions {
+    /// Checks the settings without I/O.
+    pub fn validate(&self) -> Result<(), String> {
+        flotilla_model::token::check_name(&self.pool)
+            .map_err(|e| format!("worker.pool {:?} {e}", self.pool))?;
+        if self.concurrency == 0 {
+            return Err("worker.concurrency must be at least 1".into());
+        }
+        if self.heartbeat < Duration::from_millis(100) {
+            return Err("worker.heartbeat must be at least 100ms".into());
+        }
+        if self.max_deliveries < 1 {
+            return Err("worker.max-deliveries must be at least 1".into());
+        }
+        if let Some(id) = &self.id {
+            flotilla_model::token::check_name(id).map_err(|e| format!("worker.id {id:?} {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// The consumer's ack wait.
+    pub fn ack_wait(&self) -> Duration {
+        self.heartbeat * 3
+    }
+}

@@ -1,0 +1,401 @@
+//! Shared set-up for end-to-end tests: a real nats-server from the test kit, with Flotilla
+//! services either in this process (fast, for behaviour) or as separate `flotilla` processes
+//! (for crashes and signals).
+//!
+//! Agents in these tests are the deterministic `scripted` and `exec` agents: they exercise
+//! the machinery, not a model.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use flotilla_bus::{Bus, JetStreamOptions};
+use flotilla_client::Client;
+use flotilla_coordinator::{Coordinator, CoordinatorOptions};
+use flotilla_model::plan::{Plan, PlanConfig, Subtask};
+use flotilla_model::validate::{AgentCatalog, ValidationContext};
+use flotilla_testkit::NatsServer;
+use flotilla_worker::agents::{AgentDefinition, ScriptedConfig};
+use flotilla_worker::{AgentRegistry, Worker, WorkerOptions};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+pub fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+pub fn scripted(reply: &str) -> AgentDefinition {
+    AgentDefinition::Scripted(ScriptedConfig {
+        reply: reply.into(),
+        ..ScriptedConfig::default()
+    })
+}
+
+pub fn plan(tasks: Vec<Subtask>) -> Plan {
+    Plan {
+        name: Some("test".into()),
+        query: Some("a test query".into()),
+        subtasks: tasks,
+        config: PlanConfig::default(),
+    }
+}
+
+/// Flotilla services running inside the test process.
+pub struct InProcess {
+    pub server: NatsServer,
+    pub bus: Bus,
+    pub client: Client,
+    pub agents: BTreeMap<String, AgentDefinition>,
+    shutdown: CancellationToken,
+    services: JoinSet<()>,
+}
+
+impl InProcess {
+    pub async fn start(
+        workers: usize,
+        agents: BTreeMap<String, AgentDefinition>,
+    ) -> anyhow::Result<Self> {
+        // Tests observe task starts, so every attempt is announced.
+        let opts = WorkerOptions {
+            started_event_delay: Duration::ZERO,
+            ..WorkerOptions::default()
+        };
+        Self::start_with(workers, agents, opts).await
+    }
+
+    pub async fn start_with(
+        workers: usize,
+        agents: BTreeMap<String, AgentDefinition>,
+        worker_opts: WorkerOptions,
+    ) -> anyhow::Result<Self> {
+        let server = NatsServer::start().await?;
+        let bus = server.provisioned_bus().await?;
+        let mut this = Self {
+            client: Client::new(bus.clone()),
+            server,
+            bus,
+            agents,
+            shutdown: CancellationToken::new(),
+            services: JoinSet::new(),
+        };
+        this.add_coordinator().await?;
+        for _ in 0..workers {
+            this.add_worker(worker_opts.clone()).await?;
+        }
+        Ok(this)
+    }
+
+    pub fn context(&self) -> ValidationContext {
+        ValidationContext {
+            pools: Some(["default".to_string(), "gpu".to_string()].into()),
+            agents: Some(AgentCatalog {
+                names: self.agents.keys().cloned().collect(),
+                default: self.agents.keys().next().cloned(),
+            }),
+            ..ValidationContext::default()
+        }
+    }
+
+    pub async fn add_coordinator(&mut self) -> anyhow::Result<()> {
+        let bus = self.server.bus().await?;
+        let c = Coordinator::new(
+            bus,
+            CoordinatorOptions::default(),
+            self.context(),
+            JetStreamOptions::default(),
+        );
+        let token = self.shutdown.clone();
+        self.services.spawn(async move {
+            if let Err(e) = c.run(token).await {
+                panic!("coordinator failed: {e}");
+            }
+        });
+        wait_for_api(&self.bus).await
+    }
+
+    pub async fn add_worker(&mut self, opts: WorkerOptions) -> anyhow::Result<()> {
+        let bus = self.server.bus().await?;
+        let registry = AgentRegistry::from_definitions(
+            &self.agents,
+            self.agents.keys().next().cloned(),
+            &root().join("config"),
+        )
+        .map_err(anyhow::Error::msg)?;
+        let w = Worker::new(bus, opts, registry);
+        let token = self.shutdown.clone();
+        self.services.spawn(async move {
+            if let Err(e) = w.run(token).await {
+                panic!("worker failed: {e}");
+            }
+        });
+        Ok(())
+    }
+
+    pub async fn stop(mut self) {
+        self.shutdown.cancel();
+        while self.services.join_next().await.is_some() {}
+    }
+}
+
+pub const WAIT: Duration = Duration::from_secs(60);
+
+/// Waits until a coordinator answers the micro-service ping (`$SRV.PING.<prefix>`).
+pub async fn wait_for_api(bus: &Bus) -> anyhow::Result<()> {
+    let subject = format!("$SRV.PING.{}", bus.names().service());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Ok(Ok(_)) = tokio::time::timeout(
+            Duration::from_millis(500),
+            bus.client().request(subject.clone(), "".into()),
+        )
+        .await
+        {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "no coordinator answered {subject}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Flotilla services as separate `flotilla` processes, for crashes and signals.
+pub struct Processes {
+    pub server: NatsServer,
+    pub client: Client,
+    pub bus: Bus,
+    pub config: PathBuf,
+    dir: tempfile::TempDir,
+    children: Vec<Option<std::process::Child>>,
+}
+
+impl Processes {
+    /// `extra` is appended to a config whose NATS URL points at a fresh test server and whose
+    /// failover times are short (coordinator ack wait 2 s, worker heartbeat 300 ms).
+    pub async fn start(extra: &str) -> anyhow::Result<Self> {
+        let server = NatsServer::start().await?;
+        Self::with_server(server, extra).await
+    }
+
+    pub async fn with_server(server: NatsServer, extra: &str) -> anyhow::Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let config = dir.path().join("flotilla.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "pools = [\"default\"]\n{extra}\n\n[nats]\nurls = [\"{}\"]\n\n[coordinator]\nack-wait = \"2s\"\n\n[worker]\nheartbeat = \"300ms\"\nshutdown-grace = \"10s\"\nstarted-event-delay = \"0s\"\n",
+                server.url()
+            ),
+        )?;
+        let bus = server.provisioned_bus().await?;
+        Ok(Self {
+            client: Client::new(bus.clone()),
+            bus,
+            server,
+            config,
+            dir,
+            children: Vec::new(),
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Starts `flotilla <args>` and returns its index.
+    pub fn spawn(&mut self, args: &[&str]) -> anyhow::Result<usize> {
+        self.spawn_env(args, &[])
+    }
+
+    /// Starts `flotilla <args>` with extra environment variables (config overrides such as
+    /// `FLOTILLA_WORKER__SHUTDOWN_GRACE`).
+    pub fn spawn_env(&mut self, args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<usize> {
+        let log = std::fs::File::create(
+            self.dir
+                .path()
+                .join(format!("p{}.log", self.children.len())),
+        )?;
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_flotilla"))
+            .arg("--config")
+            .arg(&self.config)
+            .args(args)
+            .env("FLOTILLA_LOG", "info")
+            .envs(env.iter().copied())
+            .stdin(std::process::Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()?;
+        self.children.push(Some(child));
+        Ok(self.children.len() - 1)
+    }
+
+    /// Starts a coordinator and waits until its API answers.
+    pub async fn coordinator(&mut self) -> anyhow::Result<usize> {
+        let i = self.spawn(&["coordinator"])?;
+        self.ready(i, |bus, _| async move { wait_for_api(&bus).await.is_ok() })
+            .await?;
+        Ok(i)
+    }
+
+    /// Starts a worker and waits until it has registered.
+    pub async fn worker(&mut self, extra: &[&str]) -> anyhow::Result<usize> {
+        let mut args = vec!["worker"];
+        args.extend_from_slice(extra);
+        let i = self.spawn(&args)?;
+        self.wait_registered(i).await?;
+        Ok(i)
+    }
+
+    /// Waits until process `i` (a worker) is in the workers bucket.
+    pub async fn wait_registered(&mut self, i: usize) -> anyhow::Result<()> {
+        self.ready(i, |bus, pid| async move {
+            let Ok(kv) = bus.kv(flotilla_model::subjects::Bucket::Workers).await else {
+                return false;
+            };
+            let Ok(mut keys) = kv.keys().await else {
+                return false;
+            };
+            use futures::StreamExt;
+            while let Some(Ok(k)) = keys.next().await {
+                if let Ok(Some(v)) = kv.get(&k).await
+                    && let Ok(info) = serde_json::from_slice::<flotilla_worker::WorkerInfo>(&v)
+                    && Some(info.pid) == pid
+                {
+                    return true;
+                }
+            }
+            false
+        })
+        .await
+    }
+
+    async fn ready<F, Fut>(&mut self, i: usize, check: F) -> anyhow::Result<()>
+    where
+        F: Fn(Bus, Option<u32>) -> Fut,
+        Fut: std::future::Future<Output = bool>,
+    {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(Some(c)) = self.children.get_mut(i)
+                && let Some(status) = c.try_wait()?
+            {
+                anyhow::bail!("process {i} exited with {status}:\n{}", self.log(i));
+            }
+            if check(self.bus.clone(), self.pid(i)).await {
+                return Ok(());
+            }
+            anyhow::ensure!(
+                tokio::time::Instant::now() < deadline,
+                "process {i} never became ready:\n{}",
+                self.log(i)
+            );
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    pub fn pid(&self, i: usize) -> Option<u32> {
+        self.children
+            .get(i)
+            .and_then(|c| c.as_ref())
+            .map(std::process::Child::id)
+    }
+
+    /// SIGKILL, as a crash.
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut c) = self.children.get_mut(i).and_then(Option::take) {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM, as Kubernetes does on scale-down.
+    pub fn terminate(&mut self, i: usize) {
+        if let Some(pid) = self.pid(i) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+        }
+    }
+
+    /// Waits for a process to exit and returns its exit code.
+    pub async fn wait_exit(&mut self, i: usize, timeout: Duration) -> anyhow::Result<Option<i32>> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if let Some(Some(c)) = self.children.get_mut(i) {
+                if let Some(status) = c.try_wait()? {
+                    self.children[i] = None;
+                    return Ok(status.code());
+                }
+            } else {
+                return Ok(None);
+            }
+            if tokio::time::Instant::now() > deadline {
+                anyhow::bail!("process {i} did not exit within {timeout:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// The combined log of process `i` (for assertion messages).
+    pub fn log(&self, i: usize) -> String {
+        std::fs::read_to_string(self.dir.path().join(format!("p{i}.log"))).unwrap_or_default()
+    }
+}
+
+impl Drop for Processes {
+    fn drop(&mut self) {
+        for c in self.children.iter_mut().filter_map(Option::take) {
+            let mut c = c;
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Waits until a task of `run` has been started by a worker; returns the worker id.
+pub async fn task_started(
+    client: &Client,
+    run: flotilla_model::RunId,
+    task: &str,
+) -> anyhow::Result<String> {
+    use flotilla_model::event::{Event, WorkflowPhase};
+    use futures::StreamExt;
+    let events = client.events(run).await?;
+    futures::pin_mut!(events);
+    let found = tokio::time::timeout(WAIT, async {
+        while let Some(e) = events.next().await {
+            let e = e?;
+            if let Event::Workflow(w) = &e.event
+                && w.phase == WorkflowPhase::TaskStarted
+                && e.task_id.as_ref().is_some_and(|t| t.as_str() == task)
+            {
+                return Ok::<_, anyhow::Error>(w.worker.clone().unwrap_or_default());
+            }
+        }
+        anyhow::bail!("event stream ended")
+    })
+    .await??;
+    Ok(found)
+}
+
+/// Every run-log entry of a run, by input kind.
+pub async fn results_of(
+    bus: &Bus,
+    run: flotilla_model::RunId,
+) -> anyhow::Result<Vec<(String, u32, bool)>> {
+    use flotilla_model::runlog::RunInput;
+    let store = flotilla_coordinator::store::RunStore::open(bus).await?;
+    Ok(store
+        .history(run)
+        .await?
+        .into_iter()
+        .filter_map(|(_, _, e)| match e.input {
+            RunInput::TaskResult(r) => Some((r.task_id.to_string(), r.attempt, r.result.success)),
+            _ => None,
+        })
+        .collect())
+}
