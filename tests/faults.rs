@@ -230,3 +230,100 @@ delay = "4s"
     assert_exactly_once(&p, run, 1).await?;
     Ok(())
 }
+
+#[tokio::test]
+async fn a_retry_timer_survives_a_coordinator_crash() -> anyhow::Result<()> {
+    // The first attempt fails; its retry is a durable timer in JetStream. The coordinator
+    // that armed it dies before it fires; a new one must still run attempt 2.
+    let flaky = r#"
+default-agent = "flaky"
+[agents.flaky]
+kind = "scripted"
+reply = "ok on attempt {attempt}"
+fail-first = 1
+"#;
+    let mut p = Processes::start(flaky).await?;
+    let c1 = p.coordinator().await?;
+    p.worker(&["--concurrency", "1"]).await?;
+    let run = p
+        .client
+        .submit(SubmitRequest::new(plan(vec![Subtask::new("t", "")])))
+        .await?;
+    // Wait for the retry to be scheduled, then crash the coordinator.
+    {
+        use flotilla_model::event::{Event, WorkflowPhase};
+        use futures::StreamExt;
+        let events = p.client.events(run).await?;
+        futures::pin_mut!(events);
+        tokio::time::timeout(WAIT, async {
+            while let Some(e) = events.next().await {
+                if matches!(e?.event, Event::Workflow(w) if w.phase == WorkflowPhase::TaskRetrying)
+                {
+                    return Ok::<_, anyhow::Error>(());
+                }
+            }
+            anyhow::bail!("no retry scheduled")
+        })
+        .await??;
+    }
+    p.kill(c1);
+    p.coordinator().await?;
+    let outcome = p.client.wait(run, WAIT).await?;
+    assert_eq!(outcome.status, RunStatus::Succeeded);
+    assert_eq!(
+        outcome.final_result.expect("result").response,
+        "ok on attempt 2"
+    );
+    let history = flotilla_coordinator::store::RunStore::open(&p.bus)
+        .await?
+        .history(run)
+        .await?;
+    assert!(
+        history.iter().any(|(_, _, e)| matches!(
+            e.input,
+            flotilla_model::runlog::RunInput::TimerFired { .. }
+        )),
+        "the retry came from the durable timer"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn exhausted_redeliveries_become_a_failed_attempt() -> anyhow::Result<()> {
+    // Workers that keep dying on a task must not loop forever: past the delivery limit the
+    // next worker reports `redeliveries_exhausted`, and the coordinator's retry policy
+    // takes over.
+    let mut p = Processes::start(SLOW).await?;
+    p.coordinator().await?;
+    let env = [("FLOTILLA_WORKER__MAX_DELIVERIES", "1")];
+    let first = p.spawn_env(&["worker", "--concurrency", "1"], &env)?;
+    p.wait_registered(first).await?;
+    let run = p
+        .client
+        .submit(SubmitRequest::new(plan(vec![Subtask::new("t", "")])))
+        .await?;
+    task_started(&p.client, run, "t").await?;
+    p.kill(first);
+    let second = p.spawn_env(&["worker", "--concurrency", "1"], &env)?;
+    p.wait_registered(second).await?;
+    let outcome = p.client.wait(run, WAIT).await?;
+    assert_eq!(outcome.status, RunStatus::Succeeded);
+    let results = results_of(&p.bus, run).await?;
+    assert_eq!(
+        results,
+        vec![("t".to_string(), 1, false), ("t".to_string(), 2, true)]
+    );
+    let history = flotilla_coordinator::store::RunStore::open(&p.bus)
+        .await?
+        .history(run)
+        .await?;
+    let first_error = history.iter().find_map(|(_, _, e)| match &e.input {
+        flotilla_model::runlog::RunInput::TaskResult(r) if r.attempt == 1 => r.result.error.clone(),
+        _ => None,
+    });
+    assert_eq!(
+        first_error.map(|e| e.kind),
+        Some(flotilla_model::task::TaskErrorKind::RedeliveriesExhausted)
+    );
+    Ok(())
+}

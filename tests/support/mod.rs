@@ -222,7 +222,10 @@ impl Processes {
             .arg("--config")
             .arg(&self.config)
             .args(args)
-            .env("FLOTILLA_LOG", "info")
+            .env(
+                "FLOTILLA_LOG",
+                std::env::var("TEST_FLOTILLA_LOG").unwrap_or_else(|_| "info".into()),
+            )
             .envs(env.iter().copied())
             .stdin(std::process::Stdio::null())
             .stdout(log.try_clone()?)

@@ -46,6 +46,11 @@ use crate::intake::{Answer, Intake};
 use crate::runtime::Runtime;
 use crate::store::{RunStore, unix_ms};
 
+/// Idle heartbeat of the coordinator's pull requests: after a NATS restart or a lost
+/// connection, two missed heartbeats make the consumer loop re-issue its pull, so failover
+/// takes seconds. The cost is one tiny message per second per idle pull.
+pub(crate) const PULL_HEARTBEAT: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// A coordinator process.
 #[derive(Debug)]
 pub struct Coordinator {
@@ -170,7 +175,7 @@ async fn consume_intake(
         let messages = match consumer
             .stream()
             .max_messages_per_batch(concurrency)
-            .heartbeat(std::time::Duration::from_secs(5))
+            .heartbeat(crate::PULL_HEARTBEAT)
             .messages()
             .await
         {

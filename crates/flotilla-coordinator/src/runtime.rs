@@ -41,6 +41,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use crate::PULL_HEARTBEAT;
 use crate::error::{StoreError, StoreErrorKind};
 use crate::machine::{Action, Emission, Input, RunMachine, attempt_id};
 use crate::options::CoordinatorOptions;
@@ -132,7 +133,7 @@ impl Runtime {
             let stream = consumer
                 .stream()
                 .max_messages_per_batch(self.opts.batch)
-                .heartbeat(Duration::from_secs(5))
+                .heartbeat(PULL_HEARTBEAT)
                 .messages()
                 .await;
             let mut messages = match stream {

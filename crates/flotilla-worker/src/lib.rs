@@ -66,6 +66,9 @@ flotilla_bus::error_kinds!(
 /// A worker could not run.
 pub type WorkerError = flotilla_bus::error::Error<WorkerErrorKind>;
 
+/// How long one pull request waits for tasks.
+const PULL_EXPIRY: Duration = Duration::from_secs(1);
+
 /// A worker's entry in the `flotilla-workers` bucket.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WorkerInfo {
@@ -230,7 +233,9 @@ impl Worker {
             let batch = consumer
                 .batch()
                 .max_messages(permits.len())
-                .expires(Duration::from_secs(5))
+                // A pull request dies with a server restart; a short expiry bounds how long a
+                // worker waits on a lost one (one tiny request per second when idle).
+                .expires(PULL_EXPIRY)
                 .messages()
                 .await;
             let mut batch = match batch {
@@ -243,9 +248,13 @@ impl Worker {
                     }
                 }
             };
+            // The server ends a pull request at its expiry; one it forgot (restarted) never
+            // ends, and the client library would wait 5 s more. Stop waiting shortly after.
+            let request_over =
+                tokio::time::Instant::now() + PULL_EXPIRY + Duration::from_millis(500);
             loop {
                 let next = tokio::select! {
-                    next = batch.next() => next,
+                    next = tokio::time::timeout_at(request_over, batch.next()) => next.unwrap_or(None),
                     _ = shutdown.cancelled() => {
                         // Hand back anything still arriving for this pull request.
                         while let Ok(Some(Ok(m))) = tokio::time::timeout(Duration::from_millis(50), batch.next()).await {
