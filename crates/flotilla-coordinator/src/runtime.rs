@@ -124,7 +124,7 @@ impl Runtime {
         let mut lanes = Vec::with_capacity(self.opts.shards);
         let mut tasks = Vec::with_capacity(self.opts.shards);
         for _ in 0..self.opts.shards {
-            let (tx, rx) = mpsc::channel::<jetstream::Message>(self.opts.batch * 4);
+            let (tx, rx) = mpsc::channel::<(RunId, jetstream::Message)>(self.opts.batch * 4);
             lanes.push(tx);
             tasks.push(tokio::spawn(Arc::clone(&self).shard(rx)));
         }
@@ -163,7 +163,7 @@ impl Runtime {
                             continue;
                         };
                         let lane = shard_of(run, lanes.len());
-                        if lanes[lane].send(msg).await.is_err() {
+                        if lanes[lane].send((run, msg)).await.is_err() {
                             break 'outer;
                         }
                     }
@@ -187,11 +187,10 @@ impl Runtime {
         }
     }
 
-    async fn shard(self: Arc<Self>, mut rx: mpsc::Receiver<jetstream::Message>) {
+    async fn shard(self: Arc<Self>, mut rx: mpsc::Receiver<(RunId, jetstream::Message)>) {
         let mut cache: HashMap<RunId, Cached> = HashMap::new();
         let mut tick: u64 = 0;
         let per_shard_cap = (self.opts.cache_runs / self.opts.shards).max(16);
-        let prefix_len = format!("{}.runlog.", self.bus.names().prefix()).len();
         while let Some(first) = rx.recv().await {
             let mut batch = vec![first];
             while batch.len() < self.opts.batch {
@@ -203,14 +202,7 @@ impl Runtime {
             // Group by run, keeping each run's inputs in arrival order.
             let mut order: Vec<RunId> = Vec::new();
             let mut groups: HashMap<RunId, Vec<jetstream::Message>> = HashMap::new();
-            for msg in batch {
-                let Some(run) = msg
-                    .subject
-                    .get(prefix_len..)
-                    .and_then(|s| s.parse::<RunId>().ok())
-                else {
-                    continue;
-                };
+            for (run, msg) in batch {
                 groups
                     .entry(run)
                     .or_insert_with(|| {

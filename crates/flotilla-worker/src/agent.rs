@@ -60,6 +60,14 @@ impl AgentError {
             message: message.into(),
         }
     }
+
+    /// A `cancelled` error: what an agent returns once `AgentContext::cancel` fired.
+    pub fn cancelled(message: impl Into<String>) -> Self {
+        Self {
+            kind: TaskErrorKind::Cancelled,
+            message: message.into(),
+        }
+    }
 }
 
 /// Publishes an agent's events to the run's event stream.

@@ -122,7 +122,11 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
     }
     let code = match &opts.submit {
         Some(plan) => {
-            let code = super::submit::submit_and_follow(&bus, &config, plan).await;
+            let opts = super::submit::SubmitOptions {
+                follow: true,
+                ..Default::default()
+            };
+            let code = super::submit::submit_on(&bus, plan, opts).await;
             shutdown.cancel();
             code?
         }

@@ -35,6 +35,16 @@ pub(crate) async fn submit(
     plan_path: &Path,
     opts: SubmitOptions,
 ) -> anyhow::Result<ExitCode> {
+    let bus = Bus::connect(&config.nats, "flotilla-cli").await?;
+    submit_on(&bus, plan_path, opts).await
+}
+
+/// [`submit`] on an existing connection (also used by `flotilla up --submit`).
+pub(crate) async fn submit_on(
+    bus: &Bus,
+    plan_path: &Path,
+    opts: SubmitOptions,
+) -> anyhow::Result<ExitCode> {
     let plan = match super::plan::read_plan(plan_path)? {
         Ok(p) => p,
         Err(report) => {
@@ -44,8 +54,7 @@ pub(crate) async fn submit(
             return Ok(ExitCode::from(1));
         }
     };
-    let bus = Bus::connect(&config.nats, "flotilla-cli").await?;
-    let client = Client::new(bus);
+    let client = Client::new(bus.clone());
     let mut request = SubmitRequest::new(plan);
     request.run_id = opts.run_id;
     request.idempotency_key = opts.idempotency_key.clone();
@@ -62,29 +71,6 @@ pub(crate) async fn submit(
     eprintln!("Submitted run {run}");
     let outcome = follow(&client, run, opts.follow, opts.timeout).await?;
     print_outcome(&outcome, opts.json);
-    Ok(exit_code(&outcome))
-}
-
-/// For `flotilla up --submit`: submit and follow with progress.
-pub(crate) async fn submit_and_follow(
-    bus: &Bus,
-    _config: &Config,
-    plan_path: &Path,
-) -> anyhow::Result<ExitCode> {
-    let plan = match super::plan::read_plan(plan_path)? {
-        Ok(p) => p,
-        Err(report) => {
-            for p in &report.errors {
-                eprintln!("error {p}");
-            }
-            return Ok(ExitCode::from(1));
-        }
-    };
-    let client = Client::new(bus.clone());
-    let run = client.submit(SubmitRequest::new(plan)).await?;
-    eprintln!("Submitted run {run}");
-    let outcome = follow(&client, run, true, None).await?;
-    print_outcome(&outcome, false);
     Ok(exit_code(&outcome))
 }
 

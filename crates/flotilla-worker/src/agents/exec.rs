@@ -14,7 +14,7 @@ use tokio::io::AsyncWriteExt;
 
 use super::ExecConfig;
 use crate::agent::{Agent, AgentContext, AgentError, AgentReply};
-use flotilla_model::task::{TaskEnvelope, TaskErrorKind};
+use flotilla_model::task::TaskEnvelope;
 
 /// Runs a command.
 #[derive(Debug, Clone)]
@@ -130,7 +130,7 @@ impl Agent for ExecAgent {
                 out = child.wait_with_output() => out.map_err(|e| AgentError::failed(format!("waiting for {:?}: {e}", self.config.command)))?,
                 _ = ctx.cancel.cancelled() => {
                     // Dropping the child future and the guard kills the process group.
-                    return Err(AgentError { kind: TaskErrorKind::Cancelled, message: "cancelled; the command was killed".into() });
+                    return Err(AgentError::cancelled("cancelled; the command was killed"));
                 }
             };
             guard.pgid = None;

@@ -57,10 +57,7 @@ impl Agent for ScriptedAgent {
             if !self.config.delay.is_zero() {
                 tokio::select! {
                     _ = tokio::time::sleep(self.config.delay) => {}
-                    _ = ctx.cancel.cancelled() => return Err(AgentError {
-                        kind: flotilla_model::task::TaskErrorKind::Cancelled,
-                        message: "cancelled".into(),
-                    }),
+                    _ = ctx.cancel.cancelled() => return Err(AgentError::cancelled("cancelled")),
                 }
             }
             if task.attempt <= self.config.fail_first {
