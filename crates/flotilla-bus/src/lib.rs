@@ -16,9 +16,10 @@ pub mod wire;
 
 use std::time::Duration;
 
+use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer, pull};
 use async_nats::jetstream::{self, kv};
 use flotilla_model::codec::Codec;
-use flotilla_model::subjects::{Bucket, Names};
+use flotilla_model::subjects::{Bucket, Names, StreamKind};
 use serde::Serialize;
 
 pub use error::{
@@ -27,6 +28,24 @@ pub use error::{
 };
 pub use options::{NatsAuth, NatsOptions, Secret, TlsOptions};
 pub use provision::JetStreamOptions;
+
+/// A durable pull consumer shared by every replica of a role (coordinators on the intake and
+/// run log, a pool's workers on the task stream).
+#[derive(Debug, Clone)]
+pub struct SharedConsumer {
+    /// The stream it reads.
+    pub stream: StreamKind,
+    /// Durable name.
+    pub durable: String,
+    /// Shown in server monitoring.
+    pub description: String,
+    /// Subject filter.
+    pub filter: String,
+    /// How long a delivered message may stay unacknowledged before redelivery.
+    pub ack_wait: Duration,
+    /// Most unacknowledged messages across all replicas.
+    pub max_ack_pending: i64,
+}
 
 /// A connection to NATS with JetStream and the installation's names.
 #[derive(Clone, Debug)]
@@ -51,12 +70,6 @@ impl Bus {
         Ok(Self { client, js, names })
     }
 
-    /// Wraps an existing client.
-    pub fn from_client(client: async_nats::Client, names: Names) -> Self {
-        let js = jetstream::new(client.clone());
-        Self { client, js, names }
-    }
-
     /// The core NATS client.
     pub fn client(&self) -> &async_nats::Client {
         &self.client
@@ -78,6 +91,44 @@ impl Bus {
         opts: &JetStreamOptions,
     ) -> Result<provision::ProvisionReport, ProvisionError> {
         provision::provision(&self.js, &self.names, opts).await
+    }
+
+    /// Creates, or updates to `spec`, a shared durable pull consumer: explicit acks, every
+    /// message from the start, and no server-side delivery limit — each role decides what
+    /// repeated delivery means (the worker turns it into a failed attempt).
+    pub async fn shared_consumer(
+        &self,
+        spec: SharedConsumer,
+    ) -> Result<PullConsumer, ProvisionError> {
+        let name = self.names.stream(spec.stream);
+        let stream = self.js.get_stream(&name).await.map_err(|e| {
+            ProvisionError::with_source(
+                ProvisionErrorKind::Server,
+                format!("opening stream {name} (run `flotilla nats provision`?)"),
+                e,
+            )
+        })?;
+        let durable = spec.durable.clone();
+        stream
+            .create_consumer(pull::Config {
+                durable_name: Some(spec.durable),
+                description: Some(spec.description),
+                filter_subject: spec.filter,
+                deliver_policy: DeliverPolicy::All,
+                ack_policy: AckPolicy::Explicit,
+                ack_wait: spec.ack_wait,
+                max_deliver: -1,
+                max_ack_pending: spec.max_ack_pending,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| {
+                ProvisionError::with_source(
+                    ProvisionErrorKind::Server,
+                    format!("creating consumer {durable} on {name}"),
+                    e,
+                )
+            })
     }
 
     /// Opens a KV bucket (it must have been provisioned).

@@ -85,22 +85,10 @@ impl Intake {
             Ok(r) => r,
             Err(e) => {
                 // Still find the run the client meant, so it can look the rejection up.
-                let hinted = serde_json::from_slice::<serde_json::Value>(payload)
-                    .ok()
-                    .and_then(|v| {
-                        v.get("run_id")
-                            .and_then(|r| r.as_str())
-                            .and_then(|r| r.parse().ok())
-                    });
-                let key = msg_id.or_else(|| {
-                    serde_json::from_slice::<serde_json::Value>(payload)
-                        .ok()
-                        .and_then(|v| {
-                            v.get("idempotency_key")
-                                .and_then(|k| k.as_str())
-                                .map(str::to_owned)
-                        })
-                });
+                let loose = wire::decode::<serde_json::Value>(headers, payload).ok();
+                let field = |name: &str| loose.as_ref().and_then(|v| v.get(name)?.as_str());
+                let hinted = field("run_id").and_then(|r| r.parse().ok());
+                let key = msg_id.or_else(|| field("idempotency_key").map(str::to_owned));
                 let run = self.run_id_for(hinted, key.as_deref()).await?.0;
                 return self
                     .reject(run, vec![e.to_problem()], None, BTreeMap::new(), now_ms)

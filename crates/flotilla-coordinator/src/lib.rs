@@ -31,8 +31,8 @@ pub mod store;
 use std::sync::Arc;
 
 use async_nats::jetstream::AckKind;
-use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer, pull};
-use flotilla_bus::{Bus, JetStreamOptions};
+use async_nats::jetstream::consumer::PullConsumer;
+use flotilla_bus::{Bus, JetStreamOptions, SharedConsumer};
 use flotilla_model::subjects::StreamKind;
 use flotilla_model::validate::ValidationContext;
 use futures::StreamExt;
@@ -88,31 +88,21 @@ impl Coordinator {
         kind: StreamKind,
         filter: String,
     ) -> Result<PullConsumer, CoordinatorError> {
-        let name = self.bus.names().stream(kind);
-        let stream = self
-            .bus
-            .js()
-            .get_stream(&name)
-            .await
-            .map_err(|e| setup(format!("opening stream {name}"), e))?;
         let durable = match kind {
             StreamKind::Intake => self.bus.names().intake_consumer(),
             _ => self.bus.names().runlog_consumer(),
         };
-        stream
-            .create_consumer(pull::Config {
-                durable_name: Some(durable.to_owned()),
-                description: Some("Flotilla coordinators (shared)".into()),
-                filter_subject: filter,
-                deliver_policy: DeliverPolicy::All,
-                ack_policy: AckPolicy::Explicit,
+        self.bus
+            .shared_consumer(SharedConsumer {
+                stream: kind,
+                durable: durable.to_owned(),
+                description: "Flotilla coordinators (shared)".into(),
+                filter,
                 ack_wait: self.opts.ack_wait,
-                max_deliver: -1,
                 max_ack_pending: 20_000,
-                ..Default::default()
             })
             .await
-            .map_err(|e| setup(format!("creating consumer {durable} on {name}"), e))
+            .map_err(|e| setup("setting up a coordinator consumer", e))
     }
 
     /// Runs until `shutdown` is cancelled.

@@ -7,8 +7,6 @@
 //! * The run log: the plan is the first entry of `<prefix>.runlog.<run>` (`submitted`), and
 //!   task results are read back by sequence number with direct get.
 
-use std::sync::Arc;
-
 use async_nats::jetstream::kv;
 use async_nats::jetstream::stream::Stream;
 use flotilla_bus::Bus;
@@ -348,6 +346,3 @@ pub fn record_of(state: &RunState) -> RunRecord {
         outcome: state.outcome.clone(),
     }
 }
-
-/// Shared handle.
-pub type SharedStore = Arc<RunStore>;

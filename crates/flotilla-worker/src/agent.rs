@@ -104,11 +104,6 @@ impl EventEmitter {
         }
     }
 
-    /// An emitter that drops events (for running agents outside a worker).
-    pub fn detached(task: &TaskEnvelope) -> Self {
-        Self::new(None, task, "detached")
-    }
-
     /// Publishes an event. Events are best effort: a failure is logged, not returned, so an
     /// agent never fails because its progress could not be shown.
     pub async fn emit(&self, event: Event) {

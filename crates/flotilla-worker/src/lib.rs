@@ -30,9 +30,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer, pull};
+use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, AckKind};
-use flotilla_bus::{Bus, wire};
+use flotilla_bus::{Bus, SharedConsumer, wire};
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::api::{ApiRequest, GetRunRequest};
 use flotilla_model::codec::Codec;
@@ -155,29 +155,17 @@ impl Worker {
 
     async fn consumer(&self) -> Result<PullConsumer, WorkerError> {
         let names = self.bus.names();
-        let stream_name = names.stream(StreamKind::Tasks);
-        let stream = self.bus.js().get_stream(&stream_name).await.map_err(|e| {
-            setup(
-                format!("opening stream {stream_name} (run `flotilla nats provision`?)"),
-                e,
-            )
-        })?;
-        let durable = names.pool_consumer(&self.opts.pool);
-        stream
-            .create_consumer(pull::Config {
-                durable_name: Some(durable.clone()),
-                description: Some(format!("Flotilla workers of pool {}", self.opts.pool)),
-                filter_subject: names.pool_filter(&self.opts.pool),
-                deliver_policy: DeliverPolicy::All,
-                ack_policy: AckPolicy::Explicit,
+        self.bus
+            .shared_consumer(SharedConsumer {
+                stream: StreamKind::Tasks,
+                durable: names.pool_consumer(&self.opts.pool),
+                description: format!("Flotilla workers of pool {}", self.opts.pool),
+                filter: names.pool_filter(&self.opts.pool),
                 ack_wait: self.opts.ack_wait(),
-                // The worker enforces its own delivery limit so the last one becomes a failure.
-                max_deliver: -1,
                 max_ack_pending: 100_000,
-                ..Default::default()
             })
             .await
-            .map_err(|e| setup(format!("creating consumer {durable}"), e))
+            .map_err(|e| setup("setting up the pool consumer", e))
     }
 
     /// Runs until `shutdown` is cancelled, then drains (see the module docs).
