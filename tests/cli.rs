@@ -279,7 +279,12 @@ fail-first = 99
         let out = flotilla(&["--nats-url", &url, "workers", "--json"]);
         let workers: serde_json::Value = serde_json::from_slice(&out.stdout)?;
         assert_eq!(workers.as_array().map(Vec::len), Some(1));
-        assert_eq!(workers[0]["pool"], "default");
+        assert_eq!(workers[0]["worker"]["pool"], "default");
+        assert!(
+            workers[0]["last_seen_secs_ago"]
+                .as_f64()
+                .is_some_and(|s| s < 30.0)
+        );
 
         // A failing run: exit 1, the reason on stderr.
         let bad = write_plan(

@@ -128,14 +128,22 @@ async fn bad_input_on_the_intake_stream_is_rejected_and_nothing_runs() -> anyhow
     let outcome = f.client.wait(cyclic_run, WAIT).await?;
     assert_eq!(outcome.status, RunStatus::Rejected);
 
-    let view = store.view(cyclic_run).await?.expect("rejected record");
+    let view = store
+        .view(cyclic_run, 0, usize::MAX)
+        .await?
+        .expect("rejected record");
     assert_eq!(view.record.status, RunStatus::Rejected);
     let cycle = &view.record.errors[0];
     assert_eq!(cycle.code, ProblemCode::Cycle);
     assert_eq!(cycle.tasks, vec!["a".to_string(), "b".to_string()]);
+    let history = store.history(cyclic_run).await?;
+    assert_eq!(history.len(), 1, "only the rejection reached the run log");
     assert!(
-        store.history(cyclic_run).await?.is_empty(),
-        "nothing reached the run log"
+        matches!(
+            history[0].2.input,
+            flotilla_model::runlog::RunInput::Rejected(_)
+        ),
+        "the first entry decides the run's fate: {history:?}"
     );
 
     // The malformed one is a rejected run too.
@@ -143,7 +151,7 @@ async fn bad_input_on_the_intake_stream_is_rejected_and_nothing_runs() -> anyhow
     let malformed = loop {
         let mut found = None;
         for id in store.list().await? {
-            let v = store.view(id).await?.expect("listed");
+            let v = store.view(id, 0, usize::MAX).await?.expect("listed");
             if v.record
                 .errors
                 .iter()
@@ -182,7 +190,12 @@ async fn bad_input_on_the_intake_stream_is_rejected_and_nothing_runs() -> anyhow
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(
-        store.view(good).await?.expect("run").record.status,
+        store
+            .view(good, 0, usize::MAX)
+            .await?
+            .expect("run")
+            .record
+            .status,
         RunStatus::Running
     );
     f.stop().await;
@@ -271,18 +284,12 @@ async fn run_get_endpoint_answers_views_and_structured_errors() -> anyhow::Resul
     let subject = f.bus.names().api("run.get");
     let run = f.client.submit(SubmitRequest::new(one_task())).await?;
     f.client.wait(run, WAIT).await?;
-    let body = serde_json::to_vec(&GetRunRequest {
-        protocol: 1,
-        run_id: run,
-    })?;
+    let body = serde_json::to_vec(&GetRunRequest::new(run))?;
     let view: RunView = serde_json::from_slice(&request(&f, &subject, body).await?.payload)?;
     assert_eq!(view.record.status, RunStatus::Succeeded);
     assert_eq!(view.tasks[0].task_id.as_str(), "only");
 
-    let body = serde_json::to_vec(&GetRunRequest {
-        protocol: 1,
-        run_id: RunId::new(),
-    })?;
+    let body = serde_json::to_vec(&GetRunRequest::new(RunId::new()))?;
     let reply = request(&f, &subject, body).await?;
     let headers = reply.headers.clone().expect("error headers");
     assert_eq!(

@@ -78,7 +78,8 @@ reply = "{task_id} <- [{dependencies}]"
                         .entry((r.task_id.to_string(), r.attempt))
                         .or_default() += 1;
                 }
-                RunInput::TimerFired { .. } => {}
+                RunInput::TimerFired { .. } | RunInput::Control(_) => {}
+                RunInput::Rejected(_) => panic!("{run} was rejected"),
             }
         }
         assert_eq!(submitted, 1, "{run}");

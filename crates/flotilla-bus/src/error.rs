@@ -144,7 +144,16 @@ error_kinds!(
     PublishErrorKind {
         /// The message could not be encoded.
         Encode => "cannot encode message", Terminal;
-        /// The message could not be sent or no stream acknowledged it.
+        /// The message is larger than the server's max payload or the stream's message
+        /// limit: sending it again fails the same way.
+        TooLarge => "message too large", Terminal;
+        /// No stream captures the subject: the streams are not provisioned.
+        NoStream => "no stream for the subject", Terminal;
+        /// The subject already has messages and the publish expected none (a run's first
+        /// run-log entry decides its fate, once).
+        NotFirst => "the subject already has a first message", Terminal;
+        /// The message could not be sent or no stream acknowledged it (connection lost,
+        /// timeout, server restarting).
         Publish => "publish failed", Retryable;
     }
 );

@@ -47,6 +47,62 @@ pub struct SharedConsumer {
     pub max_ack_pending: i64,
 }
 
+/// Maps a JetStream publish error to a [`PublishError`] whose kind says whether retrying can
+/// help: an oversize message and a missing stream fail the same way every time.
+pub fn classify_publish_error(
+    subject: &str,
+    size: usize,
+    max_payload: usize,
+    e: jetstream::context::PublishError,
+) -> PublishError {
+    use jetstream::context::PublishErrorKind as K;
+    let code = std::error::Error::source(&e)
+        .and_then(|s| s.downcast_ref::<jetstream::Error>())
+        .map(jetstream::Error::error_code);
+    match e.kind() {
+        K::MaxPayloadExceeded => PublishError::with_source(
+            PublishErrorKind::TooLarge,
+            format!(
+                "a {size}-byte message to {subject} exceeds the server's max payload of {max_payload} bytes"
+            ),
+            e,
+        ),
+        K::StreamNotFound => PublishError::with_source(
+            PublishErrorKind::NoStream,
+            format!(
+                "no stream captures {subject}: provision the streams first (`flotilla nats provision`, or start a coordinator)"
+            ),
+            e,
+        ),
+        K::WrongLastSequence => PublishError::with_source(
+            PublishErrorKind::NotFirst,
+            format!("{subject} already has a first message"),
+            e,
+        ),
+        _ if code == Some(jetstream::ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM) => {
+            PublishError::with_source(
+                PublishErrorKind::TooLarge,
+                format!(
+                    "a {size}-byte message to {subject} exceeds the stream's message size limit"
+                ),
+                e,
+            )
+        }
+        _ if code == Some(jetstream::ErrorCode::STREAM_NOT_FOUND) => PublishError::with_source(
+            PublishErrorKind::NoStream,
+            format!(
+                "no stream captures {subject}: provision the streams first (`flotilla nats provision`)"
+            ),
+            e,
+        ),
+        _ => PublishError::with_source(
+            PublishErrorKind::Publish,
+            format!("publishing to {subject}"),
+            e,
+        ),
+    }
+}
+
 /// A connection to NATS with JetStream and the installation's names.
 #[derive(Clone, Debug)]
 pub struct Bus {
@@ -154,30 +210,30 @@ impl Bus {
         self.publish_encoded(subject, out).await
     }
 
-    /// Publishes an encoded message and waits for the acknowledgement.
+    /// Publishes an encoded message and waits for the acknowledgement. Errors are classified
+    /// (see [`classify_publish_error`]): a message that is too large or a missing stream is
+    /// terminal, a lost connection or timeout is retryable.
     pub async fn publish_encoded(
         &self,
         subject: String,
         out: wire::Outgoing,
     ) -> Result<jetstream::publish::PublishAck, PublishError> {
+        let size = out.payload.len();
         let fut = self
             .js
             .publish_with_headers(subject.clone(), out.headers, out.payload)
             .await
-            .map_err(|e| {
-                PublishError::with_source(
-                    PublishErrorKind::Publish,
-                    format!("publishing to {subject}"),
-                    e,
-                )
-            })?;
-        fut.await.map_err(|e| {
-            PublishError::with_source(
-                PublishErrorKind::Publish,
-                format!("no acknowledgement for {subject}"),
-                e,
-            )
-        })
+            .map_err(|e| classify_publish_error(&subject, size, self.max_payload(), e))?;
+        fut.await
+            .map_err(|e| classify_publish_error(&subject, size, self.max_payload(), e))
+    }
+
+    /// The largest message the connected server accepts (its `max_payload`).
+    pub fn max_payload(&self) -> usize {
+        match self.client.server_info().max_payload {
+            0 => flotilla_model::validate::DEFAULT_MAX_PAYLOAD,
+            n => n,
+        }
     }
 
     /// Waits until JetStream answers API requests (after a connect or a server restart).

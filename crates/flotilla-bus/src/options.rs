@@ -12,7 +12,9 @@ use crate::error::{ConnectError, ConnectErrorKind};
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields, default)]
 pub struct NatsOptions {
-    /// Server URLs; the client fails over between them.
+    /// Server URLs; the client fails over between them. Also accepted as one
+    /// comma-separated string (`FLOTILLA_NATS__URLS=nats://a:4222,nats://b:4222`).
+    #[serde(deserialize_with = "urls_from_list_or_text")]
     pub urls: Vec<String>,
     /// Connection name shown in server monitoring (default: the role, e.g. `flotilla-worker`).
     pub name: Option<String>,
@@ -46,6 +48,25 @@ impl Default for NatsOptions {
             request_timeout: Duration::from_secs(10),
         }
     }
+}
+
+/// Reads URLs from a list or a comma-separated string.
+fn urls_from_list_or_text<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Urls {
+        List(Vec<String>),
+        Text(String),
+    }
+    Ok(match Urls::deserialize(d)? {
+        Urls::List(l) => l,
+        Urls::Text(t) => t
+            .split(',')
+            .map(str::trim)
+            .filter(|u| !u.is_empty())
+            .map(str::to_owned)
+            .collect(),
+    })
 }
 
 /// Authentication methods. Secrets never appear in `Debug` output or logs.

@@ -19,7 +19,7 @@ use std::fmt;
 use std::time::Duration;
 
 use async_nats::jetstream::stream::{self, DiscardPolicy, RetentionPolicy, StorageType};
-use async_nats::jetstream::{self, kv};
+use async_nats::jetstream::{self, kv, object_store};
 use flotilla_model::subjects::{Bucket, Names, StreamKind};
 use serde::{Deserialize, Serialize};
 
@@ -76,6 +76,9 @@ pub struct JetStreamOptions {
     /// How long a worker stays listed without refreshing its registration.
     #[serde(with = "humantime_serde")]
     pub worker_ttl: Duration,
+    /// How long artifacts (large results and files, in the object store) are kept.
+    #[serde(with = "humantime_serde")]
+    pub artifacts_max_age: Duration,
 }
 
 const DAY: Duration = Duration::from_secs(24 * 3600);
@@ -99,6 +102,8 @@ impl Default for JetStreamOptions {
             duplicate_window: Duration::from_secs(120),
             // Workers refresh every heartbeat (5 s); six missed refreshes mean it is gone.
             worker_ttl: Duration::from_secs(30),
+            // As long as the run logs that refer to them.
+            artifacts_max_age: 7 * DAY,
         }
     }
 }
@@ -119,6 +124,7 @@ impl JetStreamOptions {
             ("workspace-max-age", self.workspace_max_age),
             ("mailbox-max-age", self.mailbox_max_age),
             ("worker-ttl", self.worker_ttl),
+            ("artifacts-max-age", self.artifacts_max_age),
         ] {
             if d < Duration::from_secs(1) {
                 return Err(format!("jetstream.{name} must be at least 1s"));
@@ -189,6 +195,18 @@ pub fn desired_streams(names: &Names, opts: &JetStreamOptions) -> Vec<stream::Co
         .collect()
 }
 
+/// The object store this installation wants (`<prefix>-artifacts`).
+pub fn desired_object_store(names: &Names, opts: &JetStreamOptions) -> object_store::Config {
+    object_store::Config {
+        bucket: names.artifacts_bucket(),
+        description: Some("Flotilla artifacts: payloads too large for a message".into()),
+        max_age: opts.artifacts_max_age,
+        storage: opts.storage.into(),
+        num_replicas: opts.replicas,
+        ..Default::default()
+    }
+}
+
 /// The KV bucket configurations this installation wants.
 pub fn desired_buckets(names: &Names, opts: &JetStreamOptions) -> Vec<kv::Config> {
     Bucket::ALL
@@ -217,6 +235,8 @@ pub enum ResourceKind {
     Stream,
     /// A KV bucket.
     Bucket,
+    /// An object store.
+    ObjectStore,
 }
 
 /// One setting that differs.
@@ -294,6 +314,7 @@ impl fmt::Display for ProvisionReport {
             let kind = match r.kind {
                 ResourceKind::Stream => "stream",
                 ResourceKind::Bucket => "bucket",
+                ResourceKind::ObjectStore => "object",
             };
             match &r.action {
                 Action::Create => writeln!(f, "{kind:<6} {:<24} created", r.name)?,
@@ -328,6 +349,7 @@ enum Step {
     UpdateStream(stream::Config),
     CreateBucket(kv::Config),
     UpdateBucket(kv::Config),
+    CreateObjectStore(object_store::Config),
 }
 
 /// A read-only comparison of the server with the configuration, ready to apply.
@@ -444,6 +466,21 @@ pub async fn plan(
             action,
         });
     }
+    let want = desired_object_store(names, opts);
+    let action = match existing_stream(js, &format!("OBJ_{}", want.bucket)).await? {
+        None => {
+            steps.push(Step::CreateObjectStore(want.clone()));
+            Action::Create
+        }
+        // Artifacts are plain objects: any existing store serves; its limits are the
+        // operator's to change.
+        Some(_) => Action::Unchanged,
+    };
+    report.resources.push(ResourceReport {
+        kind: ResourceKind::ObjectStore,
+        name: want.bucket.clone(),
+        action,
+    });
     Ok(ProvisionPlan { report, steps })
 }
 
@@ -499,6 +536,14 @@ impl ProvisionPlan {
                     js.update_key_value(c)
                         .await
                         .map_err(|e| server_error(format!("updating bucket {name}"), e))?;
+                }
+                Step::CreateObjectStore(c) => {
+                    let name = c.bucket.clone();
+                    if let Err(e) = js.create_object_store(c).await
+                        && existing_stream(js, &format!("OBJ_{name}")).await?.is_none()
+                    {
+                        return Err(server_error(format!("creating object store {name}"), e));
+                    }
                 }
             }
         }

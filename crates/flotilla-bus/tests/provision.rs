@@ -18,7 +18,11 @@ async fn provisioning_twice_is_a_no_op() -> anyhow::Result<()> {
         first.resources.iter().all(|r| r.action == Action::Create),
         "{first}"
     );
-    assert_eq!(first.resources.len(), 6 + 8);
+    assert_eq!(
+        first.resources.len(),
+        6 + 8 + 1,
+        "streams, buckets, object store"
+    );
     let second = bus.provision(&opts).await?;
     assert!(!second.changed(), "{second}");
     assert!(

@@ -84,10 +84,11 @@ pub(crate) fn load(explicit: Option<&Path>, nats_url: Option<&str>) -> anyhow::R
     if let Some(f) = &file {
         figment = figment.merge(Toml::file(f));
     }
+    warn_unknown_env(std::env::vars().map(|(k, _)| k));
     figment = figment.merge(
         Env::prefixed("FLOTILLA_")
-            .ignore(&["CONFIG", "LOG"])
-            .map(|k| k.as_str().replace("__", ".").replace('_', "-").into()),
+            .map(|k| env_key(k.as_str()).into())
+            .filter(|k| is_config_key(k.as_str())),
     );
     let mut config: Config = figment.extract().map_err(|e| {
         let source = file
@@ -98,6 +99,13 @@ pub(crate) fn load(explicit: Option<&Path>, nats_url: Option<&str>) -> anyhow::R
     })?;
     if let Some(url) = nats_url {
         config.nats.urls = url.split(',').map(str::to_owned).collect();
+    } else if std::env::var_os("FLOTILLA_NATS__URLS").is_none()
+        && let Some(url) = running_up_url(Path::new(LOCAL_DIR))
+    {
+        // A `flotilla up` running in this directory: its embedded server wins over the
+        // config file (but not over an explicit flag or environment variable).
+        tracing::debug!(%url, "Using the NATS server of `flotilla up` in this directory");
+        config.nats.urls = vec![url];
     }
     config.base_dir = file
         .as_ref()
@@ -107,6 +115,85 @@ pub(crate) fn load(explicit: Option<&Path>, nats_url: Option<&str>) -> anyhow::R
     config.validate()?;
     tracing::debug!(file = ?file, "Configuration loaded");
     Ok(config)
+}
+
+/// Top-level keys of `flotilla.toml`: `FLOTILLA_*` variables map onto these (`__` separates
+/// sections, `_` stands for `-`).
+const TOP_LEVEL_KEYS: &[&str] = &[
+    "nats",
+    "jetstream",
+    "pools",
+    "default-agent",
+    "agents",
+    "coordinator",
+    "worker",
+];
+
+/// `FLOTILLA_*` variables that are not configuration: Flotilla's own (set for exec agents,
+/// or selecting the config file and log level). Ignored silently.
+const NON_CONFIG_VARS: &[&str] = &[
+    "CONFIG",
+    "LOG",
+    "NATS_URL",
+    "RUN_ID",
+    "ROOT_RUN_ID",
+    "TASK_ID",
+    "ATTEMPT",
+    "SESSION_ID",
+    "PREFIX",
+    "NATS_USER",
+    "NATS_PASSWORD",
+    "NATS_TOKEN",
+    "NATS_CREDS",
+    "NATS_NKEY",
+];
+
+/// The config key path of a `FLOTILLA_` variable's name (prefix already removed).
+fn env_key(name: &str) -> String {
+    name.to_ascii_lowercase()
+        .replace("__", ".")
+        .replace('_', "-")
+}
+
+/// Whether a key path (from [`env_key`]) names configuration.
+fn is_config_key(key: &str) -> bool {
+    let top = key.split('.').next().unwrap_or_default();
+    TOP_LEVEL_KEYS.contains(&top)
+}
+
+/// Warns once about `FLOTILLA_*` variables that are neither configuration nor Flotilla's own.
+/// Kubernetes injects such variables for a Service named `flotilla` (`FLOTILLA_PORT=tcp://…`,
+/// `FLOTILLA_SERVICE_HOST`); they must not stop anything from starting.
+fn warn_unknown_env(names: impl Iterator<Item = String>) {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    let unknown: Vec<String> = names
+        .filter_map(|n| n.strip_prefix("FLOTILLA_").map(str::to_owned))
+        .filter(|n| !NON_CONFIG_VARS.contains(&n.as_str()) && !is_config_key(&env_key(n)))
+        .map(|n| format!("FLOTILLA_{n}"))
+        .collect();
+    if !unknown.is_empty() {
+        WARNED.call_once(|| {
+            tracing::warn!(
+                variables = %unknown.join(", "),
+                "Ignoring environment variables that are not Flotilla settings (Kubernetes service links set such variables; `enableServiceLinks: false` avoids them)"
+            );
+        });
+    }
+}
+
+/// Where `flotilla up` keeps its data by default, relative to the working directory.
+pub(crate) const LOCAL_DIR: &str = ".flotilla";
+
+/// The URL of the embedded NATS of a `flotilla up` that is running with `dir` as its data
+/// directory (its `nats-url` file holds the URL and the process id; a stale file of a
+/// stopped process is ignored).
+pub(crate) fn running_up_url(dir: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(dir.join("nats-url")).ok()?;
+    let mut lines = text.lines();
+    let url = lines.next()?.trim().to_owned();
+    let pid: i32 = lines.next()?.trim().parse().ok()?;
+    let alive = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok();
+    (alive && !url.is_empty()).then_some(url)
 }
 
 impl Config {
@@ -170,6 +257,43 @@ mod tests {
         std::fs::write(&path, "[nats]\nurl = \"nats://x\"\n").expect("write");
         let err = load(Some(&path), None).expect_err("unknown key");
         assert!(err.to_string().contains("url"), "{err}");
+    }
+
+    #[test]
+    fn environment_keys_map_onto_config_and_ignore_the_rest() {
+        assert_eq!(env_key("NATS__URLS"), "nats.urls");
+        assert_eq!(env_key("DEFAULT_AGENT"), "default-agent");
+        assert_eq!(env_key("WORKER__SHUTDOWN_GRACE"), "worker.shutdown-grace");
+        assert!(is_config_key("nats.urls"));
+        assert!(is_config_key("default-agent"));
+        // What Kubernetes injects for a Service named `flotilla`.
+        for k in [
+            "PORT",
+            "PORT_4222_TCP",
+            "SERVICE_HOST",
+            "SERVICE_PORT",
+            "RUN_ID",
+        ] {
+            assert!(!is_config_key(&env_key(k)), "{k}");
+        }
+    }
+
+    #[test]
+    fn a_stale_up_url_file_is_ignored() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("nats-url");
+        std::fs::write(
+            &file,
+            format!("nats://127.0.0.1:1234\n{}\n", std::process::id()),
+        )
+        .expect("write");
+        assert_eq!(
+            running_up_url(dir.path()).as_deref(),
+            Some("nats://127.0.0.1:1234")
+        );
+        // A pid that cannot be alive.
+        std::fs::write(&file, "nats://127.0.0.1:1234\n2147483646\n").expect("write");
+        assert_eq!(running_up_url(dir.path()), None);
     }
 
     #[test]

@@ -134,18 +134,34 @@ enum RunsCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Cancel a run: nothing new starts, running attempts are cancelled on their workers,
+    /// and the run ends `cancelled`. Waits for the end unless --no-wait.
+    Cancel {
+        run: RunId,
+        /// Why (recorded in the outcome).
+        #[arg(long)]
+        reason: Option<String>,
+        /// Return once the cancellation is recorded.
+        #[arg(long)]
+        no_wait: bool,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Debug, Subcommand)]
 enum PlanCommand {
-    /// Check a plan and list every problem (exit 0 valid, 1 invalid).
+    /// Check a plan and list every problem (exit 0 valid, 1 invalid). Asks a running
+    /// coordinator to validate against the deployment (pools, agents, live workers, message
+    /// size); without one, validates offline against the local config and says so.
     Validate {
         /// Plan file (.json, or .msgpack).
         file: PathBuf,
         /// Machine-readable output.
         #[arg(long)]
         json: bool,
-        /// Skip installation checks (known pools and agents).
+        /// Do not contact NATS; check the plan's structure only (no pools, agents).
         #[arg(long)]
         offline: bool,
     },
@@ -193,13 +209,36 @@ fn init_tracing(default: &str) {
     use tracing_subscriber::EnvFilter;
     let filter =
         EnvFilter::try_from_env("FLOTILLA_LOG").unwrap_or_else(|_| EnvFilter::new(default));
+    // Colours only for a person at a terminal: log collectors get plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(ansi)
         .try_init();
 }
 
 fn main() -> ExitCode {
+    // The exec shim runs before anything else: no runtime, no logging, no config.
+    let mut args = std::env::args_os();
+    if args
+        .nth(1)
+        .is_some_and(|a| a == flotilla_worker::agents::shim::SHIM_SUBCOMMAND)
+    {
+        let mut rest = args.peekable();
+        if rest.peek().is_some_and(|a| a == "--") {
+            rest.next();
+        }
+        let code = flotilla_worker::agents::shim::run_shim(rest);
+        return ExitCode::from(code.clamp(0, 255) as u8);
+    }
+    // Exec agents run under this binary's shim, so they die with their worker.
+    if let Ok(exe) = std::env::current_exe() {
+        flotilla_worker::agents::shim::set_exec_shim(vec![
+            exe.into_os_string(),
+            flotilla_worker::agents::shim::SHIM_SUBCOMMAND.into(),
+        ]);
+    }
     let cli = Cli::parse();
     let service = matches!(
         cli.command,
@@ -290,19 +329,18 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Runs(RunsCommand::History { run, json }) => {
             commands::runs::history(&load()?, run, json).await
         }
+        Command::Runs(RunsCommand::Cancel {
+            run,
+            reason,
+            no_wait,
+            json,
+        }) => commands::runs::cancel(&load()?, run, reason, !no_wait, json).await,
         Command::Workers { json } => commands::runs::workers(&load()?, json).await,
         Command::Plan(PlanCommand::Validate {
             file,
             json,
             offline,
-        }) => {
-            let ctx = if offline {
-                Default::default()
-            } else {
-                load()?.validation_context()
-            };
-            commands::plan::validate(&file, json, &ctx)
-        }
+        }) => commands::plan::validate(&load()?, &file, json, offline).await,
         Command::Nats(NatsCommand::Provision { dry_run, json }) => {
             commands::nats::provision(&load()?, dry_run, json).await
         }

@@ -18,9 +18,12 @@ use std::time::Duration;
 use async_nats::jetstream::consumer::{DeliverPolicy, pull};
 use flotilla_bus::{Bus, wire};
 use flotilla_coordinator::store::RunStore;
-use flotilla_model::api::ApiRequest;
+use flotilla_model::api::{
+    ApiError, ApiRequest, CancelRunReply, CancelRunRequest, ValidatePlanReply, ValidatePlanRequest,
+};
 use flotilla_model::event::{Event, EventEnvelope};
 use flotilla_model::ids::RunId;
+use flotilla_model::plan::Plan;
 use flotilla_model::run::{RunOutcome, RunView};
 use flotilla_model::subjects::StreamKind;
 use flotilla_model::submit::{SubmitReply, SubmitRequest};
@@ -37,6 +40,12 @@ flotilla_bus::error_kinds!(
         TimedOut => "timed out waiting for the run", Retryable;
         /// No coordinator answered the request.
         NoCoordinator => "no coordinator answered", Retryable;
+        /// The message is larger than the deployment accepts.
+        TooLarge => "too large for this deployment", Terminal;
+        /// Flotilla's streams do not exist on this NATS yet.
+        NotProvisioned => "streams not provisioned", Terminal;
+        /// The service answered with an error.
+        Api => "the API refused the request", Terminal;
     }
 );
 
@@ -48,6 +57,23 @@ fn nats(
     e: impl std::error::Error + Send + Sync + 'static,
 ) -> ClientError {
     ClientError::with_source(ClientErrorKind::Nats, detail, e)
+}
+
+/// A publish error, with the deployment problems said plainly.
+fn publish_error(e: flotilla_bus::PublishError) -> ClientError {
+    match e.kind() {
+        flotilla_bus::PublishErrorKind::NoStream => ClientError::with_source(
+            ClientErrorKind::NotProvisioned,
+            "Flotilla's streams do not exist on this NATS: run `flotilla nats provision` (or start a coordinator) first",
+            e,
+        ),
+        flotilla_bus::PublishErrorKind::TooLarge => ClientError::with_source(
+            ClientErrorKind::TooLarge,
+            "the submission is larger than this deployment accepts",
+            e,
+        ),
+        _ => nats("publishing the submission", e),
+    }
 }
 
 /// A Flotilla client.
@@ -75,11 +101,101 @@ impl Client {
             .idempotency_key
             .clone()
             .unwrap_or_else(|| format!("run.{run}"));
+        let out = wire::encode(&request, flotilla_model::codec::Codec::Json, Some(&msg_id))
+            .map_err(|e| ClientError::with_source(ClientErrorKind::Decode, "encoding", e))?;
+        let max = self.bus.max_payload();
+        if out.payload.len() > max {
+            return Err(ClientError::new(
+                ClientErrorKind::TooLarge,
+                format!(
+                    "plan_too_large: the submission is {} bytes; this deployment's NATS max payload is {max} bytes. Split the plan into several runs, or pass large inputs by reference",
+                    out.payload.len()
+                ),
+            ));
+        }
         self.bus
-            .publish(self.bus.names().submit(), &request, Some(&msg_id))
+            .publish_encoded(self.bus.names().submit(), out)
             .await
-            .map_err(|e| nats("publishing the submission", e))?;
+            .map_err(publish_error)?;
         Ok(run)
+    }
+
+    /// Asks the coordinators to cancel a run.
+    pub async fn cancel(
+        &self,
+        run: RunId,
+        reason: Option<String>,
+    ) -> Result<CancelRunReply, ClientError> {
+        let request = CancelRunRequest {
+            protocol: flotilla_model::PROTOCOL_VERSION,
+            run_id: run,
+            reason,
+            by: None,
+        };
+        self.request(&request, Duration::from_secs(10)).await
+    }
+
+    /// Validates a plan against the deployment (its pools, agents and live workers).
+    pub async fn validate(&self, plan: &Plan) -> Result<ValidatePlanReply, ClientError> {
+        let request = ValidatePlanRequest {
+            protocol: flotilla_model::PROTOCOL_VERSION,
+            plan: plan.clone(),
+        };
+        self.request(&request, Duration::from_secs(5)).await
+    }
+
+    /// Sends an API request and decodes its reply, or the `ApiError` it carries.
+    pub async fn request<R: ApiRequest>(
+        &self,
+        request: &R,
+        timeout: Duration,
+    ) -> Result<R::Reply, ClientError> {
+        let body = serde_json::to_vec(request)
+            .map_err(|e| ClientError::with_source(ClientErrorKind::Decode, "encoding", e))?;
+        let subject = self.bus.names().api(R::ENDPOINT);
+        let reply = tokio::time::timeout(timeout, self.bus.client().request(subject, body.into()))
+            .await
+            .map_err(|_| {
+                ClientError::new(
+                    ClientErrorKind::TimedOut,
+                    format!("no answer from {} within {timeout:?}", R::ENDPOINT),
+                )
+            })?
+            .map_err(|e| {
+                if e.kind() == async_nats::RequestErrorKind::NoResponders {
+                    ClientError::with_source(
+                        ClientErrorKind::NoCoordinator,
+                        "no coordinator serves the API (start `flotilla coordinator` or `flotilla up`)",
+                        e,
+                    )
+                } else if e.kind() == async_nats::RequestErrorKind::MaxPayloadExceeded {
+                    ClientError::with_source(
+                        ClientErrorKind::TooLarge,
+                        format!(
+                            "plan_too_large: the request is larger than this deployment's NATS max payload of {} bytes; split the plan, or pass large inputs by reference",
+                            self.bus.max_payload()
+                        ),
+                        e,
+                    )
+                } else {
+                    nats(format!("{} request", R::ENDPOINT), e)
+                }
+            })?;
+        if reply
+            .headers
+            .as_ref()
+            .is_some_and(|h| h.get("Nats-Service-Error-Code").is_some())
+        {
+            let err: ApiError = wire::decode(reply.headers.as_ref(), &reply.payload)
+                .map_err(|e| ClientError::with_source(ClientErrorKind::Decode, "API error", e))?;
+            return Err(ClientError::new(
+                ClientErrorKind::Api,
+                format!("{} ({}): {}", err.code, err.status, err.message),
+            ));
+        }
+        wire::decode(reply.headers.as_ref(), &reply.payload).map_err(|e| {
+            ClientError::with_source(ClientErrorKind::Decode, format!("{} reply", R::ENDPOINT), e)
+        })
     }
 
     /// Submits through the request/reply endpoint and returns the coordinator's answer
@@ -89,30 +205,7 @@ impl Client {
         request: &SubmitRequest,
         timeout: Duration,
     ) -> Result<SubmitReply, ClientError> {
-        let body = serde_json::to_vec(request)
-            .map_err(|e| ClientError::with_source(ClientErrorKind::Decode, "encoding", e))?;
-        let subject = self.bus.names().api(SubmitRequest::ENDPOINT);
-        let reply = tokio::time::timeout(timeout, self.bus.client().request(subject, body.into()))
-            .await
-            .map_err(|_| {
-                ClientError::new(
-                    ClientErrorKind::TimedOut,
-                    "no answer from the submit endpoint",
-                )
-            })?
-            .map_err(|e| {
-                if e.kind() == async_nats::RequestErrorKind::NoResponders {
-                    ClientError::with_source(
-                        ClientErrorKind::NoCoordinator,
-                        "no coordinator serves the API",
-                        e,
-                    )
-                } else {
-                    nats("submit request", e)
-                }
-            })?;
-        wire::decode(reply.headers.as_ref(), &reply.payload)
-            .map_err(|e| ClientError::with_source(ClientErrorKind::Decode, "submit reply", e))
+        self.request(request, timeout).await
     }
 
     /// Every event of a run, from its first, as they arrive.
@@ -156,7 +249,7 @@ impl Client {
                     && w.phase.ends_run()
                     && let Some(outcome) = w.outcome
                 {
-                    return Ok(outcome);
+                    return Ok(*outcome);
                 }
             }
             Err(ClientError::new(
@@ -178,7 +271,7 @@ impl Client {
             .await
             .map_err(|e| nats("opening the run store", e))?;
         store
-            .view(run)
+            .view(run, 0, usize::MAX)
             .await
             .map_err(|e| nats(format!("reading run {run}"), e))
     }

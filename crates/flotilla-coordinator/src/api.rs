@@ -4,25 +4,48 @@
 //! | Subject | Request | Reply |
 //! |---|---|---|
 //! | `<prefix>.api.submit` | `SubmitRequest` | `SubmitReply` (at acceptance, or at the end with `wait: true`) |
-//! | `<prefix>.api.run.get` | `GetRunRequest` | `RunView`, or `ApiError` with `Nats-Service-Error` headers |
+//! | `<prefix>.api.run.get` | `GetRunRequest` | `RunView` |
+//! | `<prefix>.api.run.cancel` | `CancelRunRequest` | `CancelRunReply` |
+//! | `<prefix>.api.plan.validate` | `ValidatePlanRequest` | `ValidatePlanReply` |
+//!
+//! Errors are an `ApiError` body with the micro-service headers `Nats-Service-Error` and
+//! `Nats-Service-Error-Code`. No request goes unanswered: a reply too large for the
+//! deployment is answered `413 too_large`.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_nats::HeaderMap;
 use async_nats::service::{Request, ServiceExt};
 use bytes::Bytes;
 use flotilla_bus::wire;
-use flotilla_model::api::{ApiError, ApiRequest, GetRunRequest};
+use flotilla_model::PROTOCOL_VERSION;
+use flotilla_model::api::{
+    ApiError, ApiRequest, CancelRunReply, CancelRunRequest, GetRunRequest, MAX_TASKS_PER_VIEW,
+    ValidatePlanReply, ValidatePlanRequest,
+};
 use flotilla_model::codec::check_protocol;
-use flotilla_model::submit::SubmitRequest;
+use flotilla_model::event::{Event, EventEnvelope};
+use flotilla_model::ids::RunId;
+use flotilla_model::run::RunOutcome;
+use flotilla_model::runlog::{Control, ControlAction, RunInput, RunLogEntry};
+use flotilla_model::submit::{SubmitReply, SubmitRequest, SubmitStatus};
 use flotilla_model::time::Timestamp;
+use flotilla_model::validate::{
+    PLAN_ENVELOPE_ROOM, Problem, ProblemCode, ValidationContext, validate_plan,
+};
 use futures::StreamExt;
+use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use crate::error::{CoordinatorError, CoordinatorErrorKind};
-use crate::intake::{Answer, Intake};
-use crate::store::RunStore;
+use crate::intake::{Answer, Intake, Source};
+use crate::live::LiveWorkers;
+use crate::store::{RunStore, record_of};
+
+/// Longest a waiting duplicate submission is held before it is answered `504 timeout`.
+const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
 
 async fn respond_error(req: &Request, status: u16, code: &str, message: String) {
     let body = ApiError {
@@ -31,7 +54,11 @@ async fn respond_error(req: &Request, status: u16, code: &str, message: String) 
         message: message.clone(),
     };
     let mut headers = HeaderMap::new();
-    headers.insert("Nats-Service-Error", message.as_str());
+    // Header values cannot hold line breaks.
+    headers.insert(
+        "Nats-Service-Error",
+        message.replace(['\r', '\n'], " ").as_str(),
+    );
     headers.insert("Nats-Service-Error-Code", status.to_string().as_str());
     headers.insert(
         flotilla_model::codec::CONTENT_TYPE,
@@ -43,8 +70,20 @@ async fn respond_error(req: &Request, status: u16, code: &str, message: String) 
         .await;
 }
 
-async fn respond_json<T: serde::Serialize>(req: &Request, value: &T) {
+async fn respond_json<T: serde::Serialize>(req: &Request, max_payload: usize, value: &T) {
     match wire::encode(value, flotilla_model::codec::Codec::Json, None) {
+        Ok(out) if out.payload.len() > max_payload => {
+            respond_error(
+                req,
+                413,
+                "too_large",
+                format!(
+                    "the answer is {} bytes, more than this deployment's max payload of {max_payload}; ask for less (e.g. tasks_limit)",
+                    out.payload.len()
+                ),
+            )
+            .await;
+        }
         Ok(out) => {
             let _ = req.respond_with_headers(Ok(out.payload), out.headers).await;
         }
@@ -52,10 +91,44 @@ async fn respond_json<T: serde::Serialize>(req: &Request, value: &T) {
     }
 }
 
+/// Decodes a request body (JSON or MessagePack) and checks its protocol version; answers
+/// `400 malformed` and returns `None` when it is not a valid request.
+async fn parse<T: DeserializeOwned + HasProtocol>(req: &Request) -> Option<T> {
+    let parsed = wire::decode::<T>(req.message.headers.as_ref(), &req.message.payload)
+        .and_then(|r| check_protocol(r.protocol()).map(|()| r));
+    match parsed {
+        Ok(r) => Some(r),
+        Err(e) => {
+            respond_error(req, 400, "malformed", e.to_string()).await;
+            None
+        }
+    }
+}
+
+/// Requests that carry a protocol version.
+trait HasProtocol {
+    fn protocol(&self) -> u32;
+}
+
+macro_rules! has_protocol {
+    ($($t:ty),*) => {$(impl HasProtocol for $t { fn protocol(&self) -> u32 { self.protocol } })*};
+}
+has_protocol!(GetRunRequest, CancelRunRequest, ValidatePlanRequest);
+
+/// What the endpoints share.
+struct Api {
+    store: RunStore,
+    intake: Arc<Intake>,
+    ctx: ValidationContext,
+    live: LiveWorkers,
+}
+
 /// Serves the API until `shutdown`.
 pub(crate) async fn serve(
     store: RunStore,
     intake: Arc<Intake>,
+    ctx: ValidationContext,
+    live: LiveWorkers,
     shutdown: CancellationToken,
 ) -> Result<(), CoordinatorError> {
     let bus = store.bus().clone();
@@ -68,60 +141,273 @@ pub(crate) async fn serve(
     let service = bus
         .client()
         .service_builder()
-        .description("Flotilla coordinator API: submit plans, read runs")
+        .description("Flotilla coordinator API: submit, read, cancel runs; validate plans")
         .start(bus.names().service(), env!("CARGO_PKG_VERSION"))
         .await
         .map_err(setup)?;
     let group = service.group(format!("{}.api", bus.names().prefix()));
-    let mut submit = group
-        .endpoint_builder()
-        .name("submit")
-        .add(SubmitRequest::ENDPOINT)
+    let endpoint = |name: &'static str, subject: &'static str| {
+        let group = &group;
+        async move { group.endpoint_builder().name(name).add(subject).await }
+    };
+    let mut submit = endpoint("submit", SubmitRequest::ENDPOINT)
         .await
         .map_err(setup)?;
-    let mut get = group
-        .endpoint_builder()
-        .name("run-get")
-        .add(GetRunRequest::ENDPOINT)
+    let mut get = endpoint("run-get", GetRunRequest::ENDPOINT)
         .await
         .map_err(setup)?;
-    let store = Arc::new(store);
+    let mut cancel = endpoint("run-cancel", CancelRunRequest::ENDPOINT)
+        .await
+        .map_err(setup)?;
+    let mut validate = endpoint("plan-validate", ValidatePlanRequest::ENDPOINT)
+        .await
+        .map_err(setup)?;
+    let api = Arc::new(Api {
+        store,
+        intake,
+        ctx,
+        live,
+    });
     loop {
+        let api = Arc::clone(&api);
         tokio::select! {
             _ = shutdown.cancelled() => break,
-            Some(req) = submit.next() => {
-                let intake = Arc::clone(&intake);
-                tokio::spawn(async move {
-                    let reply_subject = req.message.reply.as_ref().map(ToString::to_string);
-                    let now = Timestamp::now().unix_ms();
-                    match intake.submit(req.message.headers.as_ref(), &req.message.payload, reply_subject.as_deref(), now).await {
-                        Ok(Answer::Now(reply)) => respond_json(&req, &reply).await,
-                        Ok(Answer::AtEnd) => {}
-                        Err(e) => {
-                            warn!(error = %e, "Submission failed");
-                            respond_error(&req, 503, "unavailable", e.to_string()).await;
-                        }
-                    }
-                });
-            }
-            Some(req) = get.next() => {
-                let store = Arc::clone(&store);
-                tokio::spawn(async move {
-                    let parsed = wire::decode::<GetRunRequest>(req.message.headers.as_ref(), &req.message.payload)
-                        .and_then(|r| check_protocol(r.protocol).map(|()| r));
-                    match parsed {
-                        Err(e) => respond_error(&req, 400, "malformed", e.to_string()).await,
-                        Ok(r) => match store.view(r.run_id).await {
-                            Ok(Some(view)) => respond_json(&req, &view).await,
-                            Ok(None) => respond_error(&req, 404, "not_found", format!("run {} does not exist", r.run_id)).await,
-                            Err(e) => respond_error(&req, 500, "internal", e.to_string()).await,
-                        },
-                    }
-                });
-            }
+            Some(req) = submit.next() => { tokio::spawn(async move { api.submit(req).await }); }
+            Some(req) = get.next() => { tokio::spawn(async move { api.get(req).await }); }
+            Some(req) = cancel.next() => { tokio::spawn(async move { api.cancel(req).await }); }
+            Some(req) = validate.next() => { tokio::spawn(async move { api.validate(req).await }); }
             else => break,
         }
     }
     let _ = service.stop().await;
     Ok(())
+}
+
+impl Api {
+    fn max_payload(&self) -> usize {
+        self.store.bus().max_payload()
+    }
+
+    async fn submit(&self, req: Request) {
+        let inbox = req.message.reply.as_ref().map(ToString::to_string);
+        let source = Source::Api {
+            inbox: inbox.as_deref(),
+            now_ms: Timestamp::now().unix_ms(),
+        };
+        match self
+            .intake
+            .submit(req.message.headers.as_ref(), &req.message.payload, source)
+            .await
+        {
+            Ok(Answer::Now(reply)) => respond_json(&req, self.max_payload(), &reply).await,
+            Ok(Answer::AtEnd) => {}
+            Ok(Answer::WaitFor(run)) => match self.wait_for_end(run).await {
+                Ok(outcome) => {
+                    let reply = SubmitReply {
+                        protocol: PROTOCOL_VERSION,
+                        run_id: Some(run),
+                        status: SubmitStatus::Finished,
+                        errors: Vec::new(),
+                        warnings: Vec::new(),
+                        outcome: Some(outcome),
+                        run_status: None,
+                    };
+                    respond_json(&req, self.max_payload(), &reply).await;
+                }
+                Err((status, code, message)) => respond_error(&req, status, code, message).await,
+            },
+            Err(e) => {
+                warn!(error = %e, "Submission failed");
+                respond_error(&req, 503, "unavailable", e.to_string()).await;
+            }
+        }
+    }
+
+    /// Waits until `run` ends and returns its outcome (at once if it has ended). Subscribes
+    /// to the run's events before reading its record, so an end in between is not missed.
+    async fn wait_for_end(&self, run: RunId) -> Result<RunOutcome, (u16, &'static str, String)> {
+        let bus = self.store.bus();
+        let unavailable = |e: String| (503, "unavailable", e);
+        let mut events = bus
+            .client()
+            .subscribe(bus.names().event(run))
+            .await
+            .map_err(|e| unavailable(e.to_string()))?;
+        let record = self
+            .store
+            .load(run)
+            .await
+            .map_err(|e| unavailable(e.to_string()))?;
+        if let Some(s) = record
+            && s.snapshot.state.status.is_terminal()
+            && let Some(o) = record_of(&s.snapshot.state).outcome
+        {
+            return Ok(o);
+        }
+        let wait = async {
+            while let Some(msg) = events.next().await {
+                if let Some(outcome) = terminal_outcome(&msg) {
+                    return Some(outcome);
+                }
+            }
+            None
+        };
+        match tokio::time::timeout(MAX_WAIT, wait).await {
+            Ok(Some(o)) => Ok(o),
+            Ok(None) => Err(unavailable("the event subscription ended".into())),
+            Err(_) => Err((
+                504,
+                "timeout",
+                format!("run {run} did not end within {MAX_WAIT:?}"),
+            )),
+        }
+    }
+
+    async fn get(&self, req: Request) {
+        let Some(r) = parse::<GetRunRequest>(&req).await else {
+            return;
+        };
+        let (offset, limit) = if r.task_id.is_some() {
+            (0, usize::MAX)
+        } else {
+            (
+                r.tasks_offset,
+                r.tasks_limit
+                    .unwrap_or(MAX_TASKS_PER_VIEW)
+                    .min(MAX_TASKS_PER_VIEW) as usize,
+            )
+        };
+        match self.store.view(r.run_id, offset as usize, limit).await {
+            Ok(Some(mut view)) if r.task_id.is_some() => {
+                view.tasks
+                    .retain(|t| Some(&t.task_id) == r.task_id.as_ref());
+                respond_json(&req, self.max_payload(), &view).await
+            }
+            Ok(Some(view)) => respond_json(&req, self.max_payload(), &view).await,
+            Ok(None) => {
+                respond_error(
+                    &req,
+                    404,
+                    "not_found",
+                    format!("run {} does not exist", r.run_id),
+                )
+                .await
+            }
+            Err(e) => respond_error(&req, 500, "internal", e.to_string()).await,
+        }
+    }
+
+    async fn cancel(&self, req: Request) {
+        let Some(r) = parse::<CancelRunRequest>(&req).await else {
+            return;
+        };
+        let run = r.run_id;
+        let state = match self.store.load(run).await {
+            Ok(Some(s)) => s.snapshot.state,
+            Ok(None) => {
+                // Accepted but not started yet? Then the run log has its submission.
+                match self.store.first_entry(run).await {
+                    Ok(Some(RunLogEntry {
+                        input: RunInput::Submitted(_),
+                        ..
+                    })) => {
+                        return self.append_cancel(&req, r).await;
+                    }
+                    Ok(_) => {
+                        return respond_error(
+                            &req,
+                            404,
+                            "not_found",
+                            format!("run {run} does not exist"),
+                        )
+                        .await;
+                    }
+                    Err(e) => return respond_error(&req, 500, "internal", e.to_string()).await,
+                }
+            }
+            Err(e) => return respond_error(&req, 500, "internal", e.to_string()).await,
+        };
+        if state.status.is_terminal() {
+            let reply = CancelRunReply {
+                protocol: PROTOCOL_VERSION,
+                run_id: run,
+                cancelling: false,
+                status: state.status,
+            };
+            return respond_json(&req, self.max_payload(), &reply).await;
+        }
+        self.append_cancel(&req, r).await;
+    }
+
+    async fn append_cancel(&self, req: &Request, r: CancelRunRequest) {
+        let bus = self.store.bus();
+        let mut reason = r.reason.unwrap_or_default();
+        crate::machine::truncate_message(&mut reason, 1024);
+        let entry = RunLogEntry {
+            protocol: PROTOCOL_VERSION,
+            run_id: r.run_id,
+            input: RunInput::Control(Control {
+                action: ControlAction::Cancel,
+                reason: (!reason.is_empty()).then_some(reason),
+                by: r.by,
+            }),
+        };
+        match bus
+            .publish(bus.names().runlog(r.run_id), &entry, None)
+            .await
+        {
+            Ok(_) => {
+                let reply = CancelRunReply {
+                    protocol: PROTOCOL_VERSION,
+                    run_id: r.run_id,
+                    cancelling: true,
+                    status: flotilla_model::run::RunStatus::Running,
+                };
+                respond_json(req, self.max_payload(), &reply).await;
+            }
+            Err(e) => respond_error(req, 503, "unavailable", e.to_string()).await,
+        }
+    }
+
+    async fn validate(&self, req: Request) {
+        let Some(r) = parse::<ValidatePlanRequest>(&req).await else {
+            return;
+        };
+        let mut ctx = self.ctx.clone();
+        ctx.limits.max_plan_bytes = Some(self.max_payload().saturating_sub(PLAN_ENVELOPE_ROOM));
+        let report = validate_plan(&r.plan, &ctx);
+        let mut warnings = report.warnings;
+        let pools: std::collections::BTreeSet<&str> =
+            r.plan.subtasks.iter().map(|t| t.pool.as_str()).collect();
+        if let Some(missing) = self
+            .live
+            .pools_without_workers(pools, Timestamp::now().unix_ms())
+        {
+            for pool in missing {
+                warnings.push(Problem::new(
+                    ProblemCode::NoLiveWorker,
+                    "subtasks",
+                    format!("no live worker serves pool {pool:?}"),
+                ));
+            }
+        }
+        let reply = ValidatePlanReply {
+            protocol: PROTOCOL_VERSION,
+            errors: flotilla_model::validate::truncate_problems(
+                report.errors,
+                flotilla_model::validate::MAX_REPORTED_PROBLEMS,
+            ),
+            warnings,
+        };
+        respond_json(&req, self.max_payload(), &reply).await;
+    }
+}
+
+/// The outcome carried by a run-terminal event, if this message is one.
+pub(crate) fn terminal_outcome(msg: &async_nats::Message) -> Option<RunOutcome> {
+    let ev: EventEnvelope = wire::decode(msg.headers.as_ref(), &msg.payload).ok()?;
+    match ev.event {
+        Event::Workflow(w) if w.phase.ends_run() => w.outcome.map(|o| *o),
+        _ => None,
+    }
 }

@@ -13,6 +13,8 @@ flotilla_bus::error_kinds!(
         AlreadyExists => "run already exists", Terminal;
         /// Stored data could not be decoded.
         Decode => "stored data is unreadable", Terminal;
+        /// A record or message is larger than the deployment's max payload.
+        TooLarge => "too large for one message", Terminal;
         /// NATS or JetStream failed.
         Nats => "NATS request failed", Retryable;
     }

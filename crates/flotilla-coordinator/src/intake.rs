@@ -1,42 +1,82 @@
 //! Plan submissions: from the durable intake stream and from the request/reply endpoint.
 //!
 //! A submission is decoded, given its run id (the client's `run_id`, the run an idempotency
-//! key already names, or a fresh UUIDv7), validated, and then either
+//! key names, or a fresh UUIDv7) and validated. Then its **first run-log entry** is appended
+//! to `<prefix>.runlog.<run>` with `Nats-Expected-Last-Subject-Sequence: 0`:
 //!
-//! * **rejected**: a run record with status `rejected` and every problem is created, a
-//!   `run_rejected` event is published, and nothing is dispatched; or
-//! * **accepted**: a `submitted` entry (the normalised plan) is appended to the run log with
-//!   `Nats-Msg-Id: submitted.<run>`; the run-log runtime takes it from there.
+//! * `submitted` (the normalised plan) when it is valid — the run-log runtime starts the run;
+//! * `rejected` (every problem) when it is not — a run record with status `rejected` and a
+//!   `run_rejected` event are written, and nothing is dispatched.
 //!
-//! Resubmitting the same run id or idempotency key never creates a second run.
+//! Only one first entry can ever be appended, so **the first writer decides a run's fate,
+//! once**: a concurrent or later submission of the same run (same `run_id`, same idempotency
+//! key) fails the append and is answered `duplicate` with the winner's status. An idempotency
+//! key is claimed in KV before the append; if a coordinator dies between the claim and the
+//! append, the redelivered submission finds the key, sees the run has no first entry yet, and
+//! appends it — nothing acknowledged is lost.
+//!
+//! Every submission with a valid `reply_to` gets exactly one terminal answer there (at least
+//! once): `rejected`, `duplicate`, or — from the runtime, when the run ends — `finished`.
 
 use std::collections::BTreeMap;
 
 use async_nats::HeaderMap;
-use async_nats::header::NATS_MESSAGE_ID;
-use flotilla_bus::wire;
+use async_nats::header::{NATS_EXPECTED_LAST_SUBJECT_SEQUENCE, NATS_MESSAGE_ID};
+use flotilla_bus::{PublishErrorKind, wire};
 use flotilla_model::PROTOCOL_VERSION;
-use flotilla_model::codec::{CodecError, check_protocol};
+use flotilla_model::codec::{Codec, CodecError, check_protocol};
 use flotilla_model::event::{Event, EventEnvelope, WorkflowEvent, WorkflowPhase};
 use flotilla_model::ids::RunId;
-use flotilla_model::runlog::{RunInput, RunLogEntry, Submitted};
+use flotilla_model::run::RunStatus;
+use flotilla_model::runlog::{Rejected, RunInput, RunLogEntry, Submitted};
 use flotilla_model::submit::{SubmitReply, SubmitRequest, SubmitStatus};
 use flotilla_model::task::TraceContext;
 use flotilla_model::time::Timestamp;
-use flotilla_model::validate::{Problem, ValidationContext, prepare_plan};
-use tracing::{info, warn};
+use flotilla_model::token::check_subject;
+use flotilla_model::validate::{
+    MAX_REPORTED_PROBLEMS, Problem, ProblemCode, ValidationContext, prepare_plan, truncate_problems,
+};
+use tracing::{debug, info, warn};
 
 use crate::error::{StoreError, StoreErrorKind};
+use crate::live::LiveWorkers;
 use crate::machine::RunState;
 use crate::store::{RunStore, SnapshotRef};
 
-/// What to answer.
+/// Where a submission came from.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Source<'a> {
+    /// The durable intake stream: its stream sequence, delivery count and server time.
+    Intake { seq: u64, now_ms: i64 },
+    /// The request/reply endpoint: the requester's reply subject, and the local time.
+    Api { inbox: Option<&'a str>, now_ms: i64 },
+}
+
+impl Source<'_> {
+    fn now_ms(&self) -> i64 {
+        match *self {
+            Self::Intake { now_ms, .. } | Self::Api { now_ms, .. } => now_ms,
+        }
+    }
+
+    fn intake_seq(&self) -> Option<u64> {
+        match *self {
+            Self::Intake { seq, .. } => Some(seq),
+            Self::Api { .. } => None,
+        }
+    }
+}
+
+/// What to answer a request/reply submitter.
 #[derive(Debug)]
 pub(crate) enum Answer {
     /// Reply now.
     Now(Box<SubmitReply>),
-    /// The run was accepted and the submitter waits: the reply comes when the run ends.
+    /// The run was accepted and the submitter waits: the runtime answers its inbox when the
+    /// run ends.
     AtEnd,
+    /// A duplicate whose submitter waits: answer when that run ends (or at once, if it has).
+    WaitFor(RunId),
 }
 
 /// Handles submissions.
@@ -44,38 +84,40 @@ pub(crate) enum Answer {
 pub(crate) struct Intake {
     store: RunStore,
     ctx: ValidationContext,
+    live: LiveWorkers,
 }
 
-fn reply(
-    run_id: Option<RunId>,
-    status: SubmitStatus,
-    errors: Vec<Problem>,
-    warnings: Vec<Problem>,
-) -> SubmitReply {
+fn reply(run_id: Option<RunId>, status: SubmitStatus) -> SubmitReply {
     SubmitReply {
         protocol: PROTOCOL_VERSION,
         run_id,
         status,
-        errors,
-        warnings,
+        errors: Vec::new(),
+        warnings: Vec::new(),
         outcome: None,
+        run_status: None,
     }
 }
 
+/// The fields of an undecodable submission that still help: which run it meant, which key,
+/// where to answer.
+struct Loose {
+    run_id: Option<RunId>,
+    key: Option<String>,
+    reply_to: Option<String>,
+}
+
 impl Intake {
-    pub(crate) fn new(store: RunStore, ctx: ValidationContext) -> Self {
-        Self { store, ctx }
+    pub(crate) fn new(store: RunStore, ctx: ValidationContext, live: LiveWorkers) -> Self {
+        Self { store, ctx, live }
     }
 
-    /// Handles one submission. `wait_reply` is the subject of a request/reply submitter that
-    /// may ask to wait for the end of the run. `now_ms` is the server time of an intake
-    /// message, or the local time for requests.
+    /// Handles one submission and says what to answer a request/reply submitter.
     pub(crate) async fn submit(
         &self,
         headers: Option<&HeaderMap>,
         payload: &[u8],
-        wait_reply: Option<&str>,
-        now_ms: i64,
+        source: Source<'_>,
     ) -> Result<Answer, StoreError> {
         let msg_id = wire::header(headers, NATS_MESSAGE_ID.as_ref()).map(str::to_owned);
         let request: Result<SubmitRequest, CodecError> =
@@ -84,15 +126,19 @@ impl Intake {
         let request = match request {
             Ok(r) => r,
             Err(e) => {
-                // Still find the run the client meant, so it can look the rejection up.
-                let loose = wire::decode::<serde_json::Value>(headers, payload).ok();
-                let field = |name: &str| loose.as_ref().and_then(|v| v.get(name)?.as_str());
-                let hinted = field("run_id").and_then(|r| r.parse().ok());
-                let key = msg_id.or_else(|| field("idempotency_key").map(str::to_owned));
-                let run = self.run_id_for(hinted, key.as_deref()).await?.0;
-                return self
-                    .reject(run, vec![e.to_problem()], None, BTreeMap::new(), now_ms)
-                    .await;
+                // Still find the run the client meant, so it can look the rejection up, and
+                // where it waits for an answer.
+                let loose = loose_fields(headers, payload, msg_id);
+                let reply_to = loose.reply_to.filter(|s| check_subject(s).is_ok());
+                let run = self.run_id_for(loose.run_id, loose.key.as_deref()).await?;
+                let rejected = Rejected {
+                    errors: vec![e.to_problem()],
+                    name: None,
+                    labels: BTreeMap::new(),
+                    reply_to,
+                    intake_seq: source.intake_seq(),
+                };
+                return self.reject(run, rejected, source).await;
             }
         };
         // A run id is its own idempotency key; a message id stands in only without one.
@@ -104,40 +150,67 @@ impl Intake {
             } else {
                 None
             });
-        let (run, fresh) = self.run_id_for(request.run_id, key.as_deref()).await?;
-        if !fresh || self.store.load(run).await?.is_some() {
-            return Ok(Answer::Now(Box::new(reply(
-                Some(run),
-                SubmitStatus::Duplicate,
-                Vec::new(),
-                Vec::new(),
-            ))));
-        }
-        let (plan, warnings) = match prepare_plan(&request.plan, &self.ctx) {
-            Ok(p) => p,
+        let run = self.run_id_for(request.run_id, key.as_deref()).await?;
+        let mut errors = Vec::new();
+        let reply_to = match &request.reply_to {
+            Some(s) => match check_subject(s) {
+                Ok(()) => Some(s.clone()),
+                Err(e) => {
+                    errors.push(Problem::new(
+                        ProblemCode::InvalidReplyTo,
+                        "reply_to",
+                        format!("reply_to {s:?} {e}"),
+                    ));
+                    None
+                }
+            },
+            None => None,
+        };
+        let prepared = prepare_plan(&request.plan, &self.ctx);
+        let (plan, mut warnings) = match prepared {
+            Ok(p) if errors.is_empty() => p,
+            Ok(_) => (request.plan.clone(), Vec::new()),
             Err(report) => {
-                return self
-                    .reject(
-                        run,
-                        report.errors,
-                        request.plan.name.clone(),
-                        request.labels.clone(),
-                        now_ms,
-                    )
-                    .await;
+                errors.extend(report.errors);
+                (request.plan.clone(), Vec::new())
             }
         };
-        let waiting = request.wait && wait_reply.is_some();
+        if !errors.is_empty() {
+            let rejected = Rejected {
+                errors: truncate_problems(errors, MAX_REPORTED_PROBLEMS),
+                name: request.plan.name.clone(),
+                labels: request.labels.clone(),
+                reply_to,
+                intake_seq: source.intake_seq(),
+            };
+            return self.reject(run, rejected, source).await;
+        }
+        let pools: std::collections::BTreeSet<&str> =
+            plan.subtasks.iter().map(|t| t.pool.as_str()).collect();
+        if let Some(missing) = self.live.pools_without_workers(pools, source.now_ms()) {
+            for pool in missing {
+                warnings.push(Problem::new(
+                    ProblemCode::NoLiveWorker,
+                    "subtasks",
+                    format!(
+                        "no live worker serves pool {pool:?}: its tasks wait until one starts (`flotilla worker --pool {pool}`)"
+                    ),
+                ));
+            }
+        }
+        let wait_inbox = match source {
+            Source::Api { inbox, .. } if request.wait => inbox.map(str::to_owned),
+            _ => None,
+        };
+        let waiting = wait_inbox.is_some();
         let submitted = Submitted {
             plan,
             labels: request.labels,
             session_id: request.session_id,
             parent: request.parent,
-            reply_to: if waiting {
-                wait_reply.map(str::to_owned)
-            } else {
-                request.reply_to
-            },
+            reply_to: reply_to.clone(),
+            wait_reply_to: wait_inbox,
+            intake_seq: source.intake_seq(),
             warnings: warnings.clone(),
             trace: Some(trace_from(headers, run)),
         };
@@ -146,111 +219,267 @@ impl Intake {
             run_id: run,
             input: RunInput::Submitted(Box::new(submitted)),
         };
-        let bus = self.store.bus();
-        let ack = bus
-            .publish(
-                bus.names().runlog(run),
-                &entry,
-                Some(&format!("submitted.{run}")),
-            )
-            .await
-            .map_err(|e| {
-                StoreError::with_source(StoreErrorKind::Nats, format!("appending run {run}"), e)
-            })?;
-        if ack.duplicate {
-            return Ok(Answer::Now(Box::new(reply(
-                Some(run),
-                SubmitStatus::Duplicate,
-                Vec::new(),
-                Vec::new(),
-            ))));
+        match self.append_first(run, &entry).await {
+            Ok(true) => {}
+            Ok(false) => {
+                return self
+                    .duplicate(run, reply_to.as_deref(), request.wait, source)
+                    .await;
+            }
+            Err(e) if e.kind() == StoreErrorKind::TooLarge => {
+                let rejected = Rejected {
+                    errors: vec![Problem::new(
+                        ProblemCode::PlanTooLarge,
+                        "",
+                        format!(
+                            "the accepted plan does not fit in one message of this deployment: {e}"
+                        ),
+                    )],
+                    name: request.plan.name.clone(),
+                    labels: BTreeMap::new(),
+                    reply_to,
+                    intake_seq: source.intake_seq(),
+                };
+                return self.reject(run, rejected, source).await;
+            }
+            Err(e) => return Err(e),
         }
         info!(%run, "Plan accepted");
         if waiting {
             Ok(Answer::AtEnd)
         } else {
-            Ok(Answer::Now(Box::new(reply(
-                Some(run),
-                SubmitStatus::Accepted,
-                Vec::new(),
-                warnings,
-            ))))
+            let mut r = reply(Some(run), SubmitStatus::Accepted);
+            r.warnings = warnings;
+            Ok(Answer::Now(Box::new(r)))
         }
     }
 
-    /// The run id of a submission and whether it is new.
+    /// Appends a run's first run-log entry. `Ok(false)` when the run already has one.
+    async fn append_first(&self, run: RunId, entry: &RunLogEntry) -> Result<bool, StoreError> {
+        let bus = self.store.bus();
+        let mut out = wire::encode(entry, Codec::Json, Some(&format!("submitted.{run}")))
+            .map_err(|e| StoreError::with_source(StoreErrorKind::Decode, "encoding", e))?;
+        out.headers.insert(NATS_EXPECTED_LAST_SUBJECT_SEQUENCE, "0");
+        match bus.publish_encoded(bus.names().runlog(run), out).await {
+            Ok(ack) => Ok(!ack.duplicate),
+            Err(e) if e.kind() == PublishErrorKind::NotFirst => Ok(false),
+            Err(e) if e.kind() == PublishErrorKind::TooLarge => Err(StoreError::with_source(
+                StoreErrorKind::TooLarge,
+                format!("appending run {run}"),
+                e,
+            )),
+            Err(e) => Err(StoreError::with_source(
+                StoreErrorKind::Nats,
+                format!("appending run {run}"),
+                e,
+            )),
+        }
+    }
+
+    /// The run id of a submission: the requested one, the one an idempotency key already
+    /// names, or a fresh one (claimed for the key).
     async fn run_id_for(
         &self,
         requested: Option<RunId>,
         key: Option<&str>,
-    ) -> Result<(RunId, bool), StoreError> {
+    ) -> Result<RunId, StoreError> {
         let candidate = requested.unwrap_or_default();
         match key {
-            Some(k) if !k.is_empty() => self.store.claim_idempotency_key(k, candidate).await,
-            _ => Ok((candidate, true)),
+            Some(k) if !k.is_empty() => Ok(self.store.claim_idempotency_key(k, candidate).await?.0),
+            _ => Ok(candidate),
         }
     }
 
+    /// Rejects a submission: the rejection becomes the run's first entry (unless another
+    /// submission already decided the run), then the record, event and `reply_to` answer.
     async fn reject(
         &self,
         run: RunId,
-        errors: Vec<Problem>,
-        name: Option<String>,
-        labels: BTreeMap<String, String>,
-        now_ms: i64,
+        rejected: Rejected,
+        source: Source<'_>,
     ) -> Result<Answer, StoreError> {
-        warn!(%run, problems = errors.len(), first = %errors.first().map(ToString::to_string).unwrap_or_default(), "Plan rejected");
-        let state = RunState::rejected(run, errors.clone(), now_ms, name, labels);
-        let snapshot = SnapshotRef {
-            state: &state,
-            outbox: &[],
-            outbox_seqs: &[],
+        let entry = RunLogEntry {
+            protocol: PROTOCOL_VERSION,
+            run_id: run,
+            input: RunInput::Rejected(Box::new(rejected.clone())),
         };
-        match self.store.create(run, &snapshot).await {
-            Ok(_) => {}
-            Err(e) if e.kind() == StoreErrorKind::AlreadyExists => {
-                return Ok(Answer::Now(Box::new(reply(
-                    Some(run),
-                    SubmitStatus::Duplicate,
-                    Vec::new(),
-                    Vec::new(),
-                ))));
+        let first = match self.append_first(run, &entry).await {
+            Ok(first) => first,
+            Err(e) if e.kind() == StoreErrorKind::TooLarge => {
+                // Even the bounded problem list does not fit (a tiny max payload): keep the
+                // summary only.
+                let mut small = rejected.clone();
+                small.errors.truncate(1);
+                small.errors[0].message.truncate(512);
+                let entry = RunLogEntry {
+                    protocol: PROTOCOL_VERSION,
+                    run_id: run,
+                    input: RunInput::Rejected(Box::new(small)),
+                };
+                self.append_first(run, &entry).await?
             }
             Err(e) => return Err(e),
-        }
-        let bus = self.store.bus();
-        let event = EventEnvelope {
-            protocol: PROTOCOL_VERSION,
-            id: format!("{run}.rejected"),
-            run_id: run,
-            task_id: None,
-            attempt: None,
-            ts: Timestamp::from_unix_ms(now_ms),
-            source: "coordinator".into(),
-            event: Event::Workflow(WorkflowEvent {
-                detail: Some(
-                    errors
-                        .iter()
-                        .map(ToString::to_string)
-                        .collect::<Vec<_>>()
-                        .join("; "),
-                ),
-                outcome: state.outcome.clone(),
-                ..WorkflowEvent::phase(WorkflowPhase::RunRejected)
-            }),
         };
-        if let Err(e) = bus
-            .publish(bus.names().event(run), &event, Some(&event.id))
-            .await
-        {
-            warn!(%run, error = %e, "Could not publish the rejection event");
+        if !first {
+            return self
+                .duplicate(run, rejected.reply_to.as_deref(), false, source)
+                .await;
         }
-        Ok(Answer::Now(Box::new(reply(
-            Some(run),
-            SubmitStatus::Rejected,
-            errors,
-            Vec::new(),
-        ))))
+        warn!(%run, problems = rejected.errors.len(), first = %rejected.errors.first().map(ToString::to_string).unwrap_or_default(), "Plan rejected");
+        record_rejection(&self.store, run, &rejected, source.now_ms()).await?;
+        let mut r = reply(Some(run), SubmitStatus::Rejected);
+        r.errors = rejected.errors;
+        Ok(Answer::Now(Box::new(r)))
+    }
+
+    /// The submission names a run that already has its first entry. A redelivery of the
+    /// submission that wrote it is answered as that submission was; any other is a
+    /// `duplicate`, answered with the run's status (on `reply_to` too).
+    async fn duplicate(
+        &self,
+        run: RunId,
+        reply_to: Option<&str>,
+        wait: bool,
+        source: Source<'_>,
+    ) -> Result<Answer, StoreError> {
+        let first = self.store.first_entry(run).await?;
+        if let (Some(seq), Some(first)) = (source.intake_seq(), &first) {
+            match &first.input {
+                RunInput::Submitted(s) if s.intake_seq == Some(seq) => {
+                    debug!(%run, "Redelivered submission was already accepted");
+                    return Ok(Answer::Now(Box::new(reply(
+                        Some(run),
+                        SubmitStatus::Accepted,
+                    ))));
+                }
+                RunInput::Rejected(r) if r.intake_seq == Some(seq) => {
+                    debug!(%run, "Redelivered submission was already rejected; answering again");
+                    record_rejection(&self.store, run, r, source.now_ms()).await?;
+                    let mut answer = reply(Some(run), SubmitStatus::Rejected);
+                    answer.errors = r.errors.clone();
+                    return Ok(Answer::Now(Box::new(answer)));
+                }
+                _ => {}
+            }
+        }
+        let status = match self.store.load(run).await? {
+            Some(s) => s.snapshot.state.status,
+            None => match first.map(|f| f.input) {
+                Some(RunInput::Rejected(_)) => RunStatus::Rejected,
+                _ => RunStatus::Pending,
+            },
+        };
+        let mut answer = reply(Some(run), SubmitStatus::Duplicate);
+        answer.run_status = Some(status);
+        if let Some(to) = reply_to {
+            self.answer(to, &answer).await;
+        }
+        if wait && matches!(source, Source::Api { .. }) {
+            return Ok(Answer::WaitFor(run));
+        }
+        Ok(Answer::Now(Box::new(answer)))
+    }
+
+    /// Publishes an answer on a client's `reply_to` (core NATS, best effort: at least once
+    /// is achieved by answering again on redelivery).
+    async fn answer(&self, to: &str, answer: &SubmitReply) {
+        publish_reply(self.store.bus(), to, answer).await;
+    }
+}
+
+/// Publishes a [`SubmitReply`] on a client subject.
+pub(crate) async fn publish_reply(bus: &flotilla_bus::Bus, to: &str, answer: &SubmitReply) {
+    match wire::encode(answer, Codec::Json, None) {
+        Ok(out) => {
+            if let Err(e) = bus
+                .client()
+                .publish_with_headers(to.to_owned(), out.headers, out.payload)
+                .await
+            {
+                warn!(subject = to, error = %e, "Could not answer on reply_to");
+            }
+        }
+        Err(e) => warn!(error = %e, "Could not encode an answer"),
+    }
+}
+
+/// Makes a rejection visible: the run record (status `rejected`), the `run_rejected` event
+/// and the answer on `reply_to`. Idempotent: called by the intake right after the rejection
+/// is appended, and by the runtime when it meets a rejection without a record (the intake
+/// stopped in between).
+pub(crate) async fn record_rejection(
+    store: &RunStore,
+    run: RunId,
+    rejected: &Rejected,
+    now_ms: i64,
+) -> Result<(), StoreError> {
+    let state = RunState::rejected(
+        run,
+        rejected.errors.clone(),
+        now_ms,
+        rejected.name.clone(),
+        rejected.labels.clone(),
+    );
+    let snapshot = SnapshotRef {
+        state: &state,
+        outbox: &[],
+        outbox_seqs: &[],
+    };
+    match store.create(run, &snapshot).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == StoreErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e),
+    }
+    let bus = store.bus();
+    let event = EventEnvelope {
+        protocol: PROTOCOL_VERSION,
+        id: format!("{run}.rejected"),
+        run_id: run,
+        task_id: None,
+        attempt: None,
+        ts: Timestamp::from_unix_ms(now_ms),
+        source: "coordinator".into(),
+        event: Event::Workflow(WorkflowEvent {
+            detail: Some(
+                rejected
+                    .errors
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join("; "),
+            ),
+            outcome: state.outcome.clone().map(Box::new),
+            ..WorkflowEvent::phase(WorkflowPhase::RunRejected)
+        }),
+    };
+    if let Err(e) = bus
+        .publish(bus.names().event(run), &event, Some(&event.id))
+        .await
+    {
+        warn!(%run, error = %e, "Could not publish the rejection event");
+    }
+    if let Some(to) = &rejected.reply_to {
+        let mut answer = reply(Some(run), SubmitStatus::Rejected);
+        answer.errors = rejected.errors.clone();
+        publish_reply(bus, to, &answer).await;
+    }
+    Ok(())
+}
+
+/// Reads what can be read from a submission that does not decode.
+fn loose_fields(headers: Option<&HeaderMap>, payload: &[u8], msg_id: Option<String>) -> Loose {
+    let value = wire::decode::<serde_json::Value>(headers, payload).ok();
+    let field = |name: &str| {
+        value
+            .as_ref()
+            .and_then(|v| v.get(name)?.as_str())
+            .map(str::to_owned)
+    };
+    let run_id = field("run_id").and_then(|r| r.parse().ok());
+    Loose {
+        key: field("idempotency_key").or(if run_id.is_none() { msg_id } else { None }),
+        run_id,
+        reply_to: field("reply_to"),
     }
 }
 

@@ -23,6 +23,7 @@
 mod api;
 pub mod error;
 mod intake;
+mod live;
 pub mod machine;
 pub mod options;
 mod runtime;
@@ -42,7 +43,8 @@ use tracing::{info, warn};
 pub use error::{CoordinatorError, CoordinatorErrorKind, StoreError, StoreErrorKind};
 pub use options::CoordinatorOptions;
 
-use crate::intake::{Answer, Intake};
+use crate::intake::{Answer, Intake, Source};
+use crate::live::LiveWorkers;
 use crate::runtime::Runtime;
 use crate::store::{RunStore, unix_ms};
 
@@ -50,6 +52,10 @@ use crate::store::{RunStore, unix_ms};
 /// connection, two missed heartbeats make the consumer loop re-issue its pull, so failover
 /// takes seconds. The cost is one tiny message per second per idle pull.
 pub(crate) const PULL_HEARTBEAT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Deliveries of an intake message that keeps failing with a terminal error before it is
+/// set aside (terminated) instead of redelivered forever.
+const MAX_INTAKE_DELIVERIES: i64 = 5;
 
 /// A coordinator process.
 #[derive(Debug)]
@@ -129,10 +135,17 @@ impl Coordinator {
             self.opts.clone(),
             self.jetstream.duplicate_window,
         ));
-        let intake = Arc::new(Intake::new(store.clone(), self.ctx.clone()));
+        let live = LiveWorkers::new(self.jetstream.worker_ttl);
+        let workers = self
+            .bus
+            .kv(flotilla_model::subjects::Bucket::Workers)
+            .await
+            .map_err(|e| setup("opening the workers bucket", e))?;
+        let intake = Arc::new(Intake::new(store.clone(), self.ctx.clone(), live.clone()));
         info!(prefix = self.bus.names().prefix(), "Coordinator started");
 
         let mut tasks = tokio::task::JoinSet::new();
+        tasks.spawn(live.clone().follow(workers, shutdown.clone()));
         tasks.spawn(Arc::clone(&runtime).run(runlog, shutdown.clone()));
         tasks.spawn(consume_intake(
             intake_consumer,
@@ -142,8 +155,9 @@ impl Coordinator {
         ));
         if self.opts.api {
             let (store, intake, shutdown) = (store.clone(), Arc::clone(&intake), shutdown.clone());
+            let ctx = self.ctx.clone();
             tasks.spawn(async move {
-                if let Err(e) = api::serve(store, intake, shutdown).await {
+                if let Err(e) = api::serve(store, intake, ctx, live, shutdown).await {
                     warn!(error = %e, "The API service stopped");
                 }
             });
@@ -184,17 +198,27 @@ async fn consume_intake(
                 let intake = Arc::clone(&intake);
                 async move {
                     let Ok(msg) = msg else { return };
-                    let now = msg.info().map(|i| unix_ms(i.published)).unwrap_or_default();
-                    match intake.submit(msg.headers.as_ref(), &msg.payload, None, now).await {
+                    let Ok(info) = msg.info() else {
+                        let _ = msg.ack_with(AckKind::Term).await;
+                        return;
+                    };
+                    let source = Source::Intake { seq: info.stream_sequence, now_ms: unix_ms(info.published) };
+                    let delivered = info.delivered;
+                    match intake.submit(msg.headers.as_ref(), &msg.payload, source).await {
                         Ok(Answer::Now(reply)) => {
                             tracing::debug!(status = ?reply.status, run = ?reply.run_id, "Submission handled");
                             let _ = msg.ack().await;
                         }
-                        Ok(Answer::AtEnd) => {
+                        Ok(Answer::AtEnd | Answer::WaitFor(_)) => {
                             let _ = msg.ack().await;
                         }
+                        Err(e) if delivered >= MAX_INTAKE_DELIVERIES && e.kind().retry() == flotilla_bus::Retry::Terminal => {
+                            // It fails the same way every time: set it aside, loudly.
+                            tracing::error!(error = %e, delivered, "Submission cannot be processed; terminating it");
+                            let _ = msg.ack_with(AckKind::Term).await;
+                        }
                         Err(e) => {
-                            warn!(error = %e, "Submission could not be handled; it will be redelivered");
+                            warn!(error = %e, delivered, "Submission could not be handled; it will be redelivered");
                             let _ = msg.ack_with(AckKind::Nak(Some(std::time::Duration::from_secs(1)))).await;
                         }
                     }

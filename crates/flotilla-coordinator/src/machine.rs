@@ -19,7 +19,15 @@
 //!   │                                                                                      │
 //!   ├──dependencies dispatched but unfinished for dependency_timeout──► failed             │
 //!   └──a dependency failed or was skipped──────────────────────────────► skipped ◄─────────┘
+//!
+//! any unfinished task ──run cancelled, or aborted by failure_ratio──► cancelled
 //! ```
+//!
+//! **Failure policy.** A run aborts once its failed tasks reach
+//! `floor(len × failure_ratio) + 1` (0 aborts at the first failure, 1 never aborts):
+//! dispatch stops, running attempts are cancelled on their workers
+//! ([`Action::CancelAttempts`]), and the run ends `failed` with the partial results and the
+//! reason. A cancel control ends the run `cancelled` the same way.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -223,9 +231,13 @@ pub struct TaskState {
     /// The last error.
     #[serde(rename = "e", default, skip_serializing_if = "Option::is_none")]
     pub error: Option<TaskError>,
-    /// Why it was skipped.
+    /// Why it was skipped, as text (records written before `cause` existed).
     #[serde(rename = "k", default, skip_serializing_if = "Option::is_none")]
     pub skip_reason: Option<String>,
+    /// The failed task that made this one skipped (an index: compact however long task ids
+    /// are, so the record stays bounded).
+    #[serde(rename = "c", default, skip_serializing_if = "Option::is_none")]
+    pub cause: Option<u32>,
 }
 
 impl TaskState {
@@ -238,8 +250,32 @@ impl TaskState {
             result_seq: 0,
             error: None,
             skip_reason: None,
+            cause: None,
         }
     }
+}
+
+/// Longest task error message kept in the run state and events; the run log keeps the
+/// whole result.
+pub const MAX_ERROR_MESSAGE: usize = 1024;
+/// Failed tasks whose error messages the run state keeps; later ones keep only the kind, so
+/// the state of a huge run stays within one message.
+pub const MAX_ERROR_MESSAGES_KEPT: u32 = 1000;
+/// Most tasks listed in an outcome's `failed` and `skipped` lists, and most `task_skipped`
+/// events one failure emits; the rest are counted.
+pub const MAX_LISTED: usize = 100;
+
+/// Cuts a message to at most `max` bytes on a character boundary, marking the cut.
+pub fn truncate_message(message: &mut String, max: usize) {
+    if message.len() <= max {
+        return;
+    }
+    let mut end = max;
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    message.truncate(end);
+    message.push_str(" …[truncated]");
 }
 
 /// Everything the coordinator knows about a run.
@@ -269,6 +305,9 @@ pub struct RunState {
     /// Where to publish the outcome.
     #[serde(default)]
     pub reply_to: Option<String>,
+    /// Where a waiting request/reply submitter gets the outcome.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait_reply_to: Option<String>,
     /// Trace context.
     #[serde(default)]
     pub trace: Option<TraceContext>,
@@ -290,6 +329,12 @@ pub struct RunState {
     /// Inputs that changed the state (the basis of deterministic event ids).
     #[serde(default)]
     pub applied: u64,
+    /// Tasks that failed for good (the failure policy's count).
+    #[serde(default)]
+    pub failed: u32,
+    /// Why the run stopped early (cancelled, aborted): the reason of its cancelled tasks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_reason: Option<String>,
     /// The outcome, once terminal.
     #[serde(default)]
     pub outcome: Option<RunOutcome>,
@@ -319,6 +364,7 @@ impl RunState {
             session_id: None,
             parent: None,
             reply_to: None,
+            wait_reply_to: None,
             trace: None,
             warnings: Vec::new(),
             errors,
@@ -326,12 +372,16 @@ impl RunState {
             timer: None,
             next_generation: 0,
             applied: 0,
+            failed: 0,
+            stop_reason: None,
             outcome: Some(RunOutcome {
                 run_id,
                 status: RunStatus::Rejected,
                 final_result: None,
                 failed: Vec::new(),
                 skipped: Vec::new(),
+                failed_omitted: 0,
+                skipped_omitted: 0,
                 reason: Some(reason),
             }),
         }
@@ -350,16 +400,40 @@ impl RunState {
                 TaskStatus::Succeeded => c.succeeded += 1,
                 TaskStatus::Failed => c.failed += 1,
                 TaskStatus::Skipped => c.skipped += 1,
+                TaskStatus::Cancelled => c.cancelled += 1,
             }
         }
         c
     }
 
-    /// Client view of the tasks, given the plan.
-    pub fn task_views(&self, plan: Option<&Plan>) -> Vec<TaskView> {
+    /// Why task `i` was skipped or cancelled, in words.
+    pub fn skip_reason(&self, i: usize, plan: Option<&Plan>) -> Option<String> {
+        let t = self.tasks.get(i)?;
+        match t.status {
+            TaskStatus::Skipped => match t.cause {
+                Some(c) => Some(format!(
+                    "dependency_failed: {}",
+                    plan.and_then(|p| p.subtasks.get(c as usize))
+                        .map_or_else(|| format!("#{c}"), |s| s.id.to_string())
+                )),
+                None => t.skip_reason.clone(),
+            },
+            TaskStatus::Cancelled => self
+                .stop_reason
+                .clone()
+                .or_else(|| t.skip_reason.clone())
+                .or_else(|| Some("cancelled".into())),
+            _ => None,
+        }
+    }
+
+    /// Client view of the tasks from `offset`, at most `limit` of them, given the plan.
+    pub fn task_views(&self, plan: Option<&Plan>, offset: usize, limit: usize) -> Vec<TaskView> {
         self.tasks
             .iter()
             .enumerate()
+            .skip(offset)
+            .take(limit)
             .map(|(i, t)| TaskView {
                 task_id: plan
                     .and_then(|p| p.subtasks.get(i))
@@ -368,8 +442,9 @@ impl RunState {
                 status: t.status,
                 attempts: t.attempt,
                 error: t.error.clone(),
-                skip_reason: t.skip_reason.clone(),
+                skip_reason: self.skip_reason(i, plan),
                 dispatched_at: (t.attempt > 0).then(|| Timestamp::from_unix_ms(t.dispatched_ms)),
+                pool: plan.and_then(|p| p.subtasks.get(i)).map(|s| s.pool.clone()),
             })
             .collect()
     }
@@ -410,6 +485,9 @@ pub enum Action {
         /// Due time.
         due_ms: i64,
     },
+    /// Attempts of this run are still running although the run stopped (cancelled,
+    /// aborted): tell their workers to cancel them.
+    CancelAttempts,
     /// The run ended: complete its outcome (final result), emit the terminal event and answer
     /// a waiting submitter.
     Finish,
@@ -437,6 +515,17 @@ pub enum Input<'a> {
     Timer {
         /// Its generation.
         generation: u64,
+    },
+    /// Cancel the run.
+    Cancel {
+        /// Why, in words.
+        reason: &'a str,
+    },
+    /// The run cannot continue (e.g. one of its run-log entries is unreadable): end it
+    /// `failed` with this reason.
+    Abort {
+        /// Why, in words.
+        reason: &'a str,
     },
 }
 
@@ -524,6 +613,7 @@ impl RunMachine {
             session_id: submitted.session_id,
             parent: submitted.parent.clone(),
             reply_to: submitted.reply_to.clone(),
+            wait_reply_to: submitted.wait_reply_to.clone(),
             trace: submitted.trace.clone(),
             warnings: submitted.warnings.clone(),
             errors: Vec::new(),
@@ -531,6 +621,8 @@ impl RunMachine {
             timer: None,
             next_generation: 1,
             applied: 1,
+            failed: 0,
+            stop_reason: None,
             outcome: None,
         };
         let mut m = Self::restore_with_graph(plan, graph, state);
@@ -660,9 +752,55 @@ impl RunMachine {
                 self.rescan_deadlines = true;
                 self.on_timer(now_ms, &mut actions);
             }
+            Input::Cancel { reason } => {
+                self.state.applied += 1;
+                let reason = if reason.is_empty() {
+                    "cancelled".to_owned()
+                } else {
+                    format!("cancelled: {reason}")
+                };
+                self.stop(RunStatus::Cancelled, reason, now_ms, &mut actions);
+                return actions;
+            }
+            Input::Abort { reason } => {
+                self.state.applied += 1;
+                self.stop(RunStatus::Failed, reason.to_owned(), now_ms, &mut actions);
+                return actions;
+            }
+        }
+        if self.state.status.is_terminal() {
+            // Aborted by the failure policy while applying the input.
+            return actions;
         }
         self.after(now_ms, &mut actions);
         actions
+    }
+
+    /// Failed tasks that abort the run: `floor(len × failure_ratio) + 1`.
+    pub fn abort_threshold(&self) -> u32 {
+        let n = self.graph.len() as f64;
+        (n * self.plan.config.failure_ratio).floor() as u32 + 1
+    }
+
+    /// Ends the run early: every unfinished task is cancelled (running attempts on their
+    /// workers too), and the run finishes with `status` and `reason`.
+    fn stop(&mut self, status: RunStatus, reason: String, now_ms: i64, actions: &mut Vec<Action>) {
+        let mut running = false;
+        for t in &mut self.state.tasks {
+            if t.status.is_terminal() {
+                continue;
+            }
+            running |= t.status == TaskStatus::Dispatched;
+            t.status = TaskStatus::Cancelled;
+            self.terminal += 1;
+        }
+        self.state.stop_reason = Some(reason.clone());
+        self.in_flight = 0;
+        self.ready.clear();
+        if running {
+            actions.push(Action::CancelAttempts);
+        }
+        self.finish_with(Some((status, reason)), now_ms, actions);
     }
 
     fn emit(
@@ -718,6 +856,8 @@ impl RunMachine {
         actions: &mut Vec<Action>,
     ) {
         let max_retries = self.plan.config.max_retries;
+        let mut error = error;
+        truncate_message(&mut error.message, MAX_ERROR_MESSAGE);
         let t = &mut self.state.tasks[i as usize];
         let attempt = t.attempt;
         if error.kind.is_retryable() && attempt <= max_retries {
@@ -753,10 +893,20 @@ impl RunMachine {
         by: WorkflowEvent,
         actions: &mut Vec<Action>,
     ) {
+        let mut error = error;
+        truncate_message(&mut error.message, MAX_ERROR_MESSAGE);
+        let kept_messages = self.state.failed < MAX_ERROR_MESSAGES_KEPT;
         let t = &mut self.state.tasks[i as usize];
         let attempt = t.attempt;
         t.status = TaskStatus::Failed;
-        t.error = Some(error.clone());
+        t.error = Some(if kept_messages {
+            error.clone()
+        } else {
+            TaskError {
+                kind: error.kind,
+                message: String::new(),
+            }
+        });
         self.terminal += 1;
         self.ready.remove(&i);
         self.emit(
@@ -773,27 +923,74 @@ impl RunMachine {
         let reason = format!("dependency_failed: {}", self.plan.subtasks[i as usize].id);
         let graph = Arc::clone(&self.graph);
         let mut stack: Vec<u32> = graph.dependents[i as usize].clone();
+        let mut skipped = 0usize;
         while let Some(d) = stack.pop() {
             let t = &mut self.state.tasks[d as usize];
             if !matches!(t.status, TaskStatus::Waiting | TaskStatus::Retrying) {
                 continue;
             }
             t.status = TaskStatus::Skipped;
-            t.skip_reason = Some(reason.clone());
+            t.cause = Some(i);
             self.terminal += 1;
             self.ready.remove(&d);
+            skipped += 1;
+            if skipped <= MAX_LISTED {
+                self.emit(
+                    Some(d),
+                    None,
+                    now_ms,
+                    WorkflowEvent {
+                        detail: Some(reason.clone()),
+                        ..WorkflowEvent::phase(WorkflowPhase::TaskSkipped)
+                    },
+                    actions,
+                );
+            }
+            stack.extend(graph.dependents[d as usize].iter().copied());
+        }
+        if skipped > MAX_LISTED {
+            // One event for the rest keeps a step's events (and the stored outbox) bounded.
             self.emit(
-                Some(d),
+                None,
                 None,
                 now_ms,
                 WorkflowEvent {
-                    detail: Some(reason.clone()),
+                    detail: Some(format!(
+                        "{} more tasks skipped ({reason})",
+                        skipped - MAX_LISTED
+                    )),
                     ..WorkflowEvent::phase(WorkflowPhase::TaskSkipped)
                 },
                 actions,
             );
-            stack.extend(graph.dependents[d as usize].iter().copied());
         }
+        self.state.failed += 1;
+        let threshold = self.abort_threshold();
+        let unfinished = (self.terminal as usize) < self.graph.len();
+        if self.state.failed >= threshold && unfinished && !self.state.status.is_terminal() {
+            let reason = format!(
+                "aborted: {}; last failure: {} ({})",
+                self.threshold_reached(),
+                self.plan.subtasks[i as usize].id,
+                self.state.tasks[i as usize]
+                    .error
+                    .as_ref()
+                    .map(ToString::to_string)
+                    .unwrap_or_default()
+            );
+            self.stop(RunStatus::Failed, reason, now_ms, actions);
+        }
+    }
+
+    /// Says that the failure threshold was reached, with the figures.
+    fn threshold_reached(&self) -> String {
+        format!(
+            "{} of {} tasks failed, reaching the failure threshold of {} (failure_ratio {})",
+            self.state.failed,
+            self.graph.len(),
+            self.abort_threshold(),
+            self.plan.config.failure_ratio
+        )
     }
 
     /// When a waiting task's dependencies have all been dispatched at least once and are not
@@ -924,11 +1121,40 @@ impl RunMachine {
     }
 
     fn finish(&mut self, now_ms: i64, actions: &mut Vec<Action>) {
+        self.finish_with(None, now_ms, actions);
+    }
+
+    /// Ends the run. `forced` is the status and reason of an early stop; otherwise the status
+    /// follows from the tasks (a required task failed or was skipped: failed).
+    fn finish_with(
+        &mut self,
+        forced: Option<(RunStatus, String)>,
+        now_ms: i64,
+        actions: &mut Vec<Action>,
+    ) {
         let mut failed = Vec::new();
         let mut skipped = Vec::new();
+        let (mut failed_omitted, mut skipped_omitted) = (0u32, 0u32);
         let mut blocking = None;
+        let plan = Arc::clone(&self.plan);
         for (i, t) in self.state.tasks.iter().enumerate() {
-            let sub = &self.plan.subtasks[i];
+            let sub = &plan.subtasks[i];
+            if t.status == TaskStatus::Failed && failed.len() >= MAX_LISTED {
+                failed_omitted += 1;
+                if sub.required && blocking.is_none() {
+                    blocking = Some(format!("required task {} failed", sub.id));
+                }
+                continue;
+            }
+            if matches!(t.status, TaskStatus::Skipped | TaskStatus::Cancelled)
+                && skipped.len() >= MAX_LISTED
+            {
+                skipped_omitted += 1;
+                if sub.required && blocking.is_none() && t.status == TaskStatus::Skipped {
+                    blocking = Some(format!("required task {} was skipped", sub.id));
+                }
+                continue;
+            }
             match t.status {
                 TaskStatus::Failed => {
                     let error = t.error.clone().unwrap_or(TaskError {
@@ -945,7 +1171,7 @@ impl RunMachine {
                     });
                 }
                 TaskStatus::Skipped => {
-                    let reason = t.skip_reason.clone().unwrap_or_default();
+                    let reason = self.state.skip_reason(i, Some(&plan)).unwrap_or_default();
                     if sub.required && blocking.is_none() {
                         blocking = Some(format!("required task {} was skipped ({reason})", sub.id));
                     }
@@ -954,13 +1180,26 @@ impl RunMachine {
                         reason,
                     });
                 }
+                TaskStatus::Cancelled => skipped.push(SkippedTask {
+                    task_id: sub.id.clone(),
+                    reason: forced
+                        .as_ref()
+                        .map_or_else(|| "cancelled".to_owned(), |(_, r)| r.clone()),
+                }),
                 _ => {}
             }
         }
-        let status = if blocking.is_some() {
-            RunStatus::Failed
-        } else {
-            RunStatus::Succeeded
+        if forced.is_none() && blocking.is_none() && self.state.failed >= self.abort_threshold() {
+            // Every task ended, but too many failed (even if all of them were optional).
+            blocking = Some(self.threshold_reached());
+        }
+        let status = match &forced {
+            Some((status, reason)) => {
+                blocking = Some(reason.clone());
+                *status
+            }
+            None if blocking.is_some() => RunStatus::Failed,
+            None => RunStatus::Succeeded,
         };
         self.state.status = status;
         self.state.finished_ms = Some(now_ms);
@@ -971,6 +1210,8 @@ impl RunMachine {
             final_result: None,
             failed,
             skipped,
+            failed_omitted,
+            skipped_omitted,
             reason: blocking,
         });
         actions.push(Action::Finish);
@@ -982,6 +1223,22 @@ impl RunMachine {
             .finals()
             .iter()
             .copied()
+            .filter(|&i| self.state.tasks[i as usize].status == TaskStatus::Succeeded)
+            .collect()
+    }
+
+    /// Whether the run stopped before its plan completed (cancelled or aborted): its final
+    /// result is then the partial results of every task that succeeded.
+    pub fn stopped_early(&self) -> bool {
+        self.state
+            .tasks
+            .iter()
+            .any(|t| t.status == TaskStatus::Cancelled)
+    }
+
+    /// Every task that succeeded, in plan order.
+    pub fn succeeded_tasks(&self) -> Vec<u32> {
+        (0..self.graph.len() as u32)
             .filter(|&i| self.state.tasks[i as usize].status == TaskStatus::Succeeded)
             .collect()
     }

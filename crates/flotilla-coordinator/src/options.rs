@@ -26,6 +26,9 @@ pub struct CoordinatorOptions {
     /// Byte budget of `previous_results` in a task envelope beyond the direct dependencies'
     /// results; the nearest ancestors are kept.
     pub previous_results_budget: usize,
+    /// Bytes of a run's final result carried inline in its outcome (record, terminal event,
+    /// reply); a larger final result is stored whole as an artifact and referenced.
+    pub final_result_budget: usize,
 }
 
 impl Default for CoordinatorOptions {
@@ -41,6 +44,9 @@ impl Default for CoordinatorOptions {
             api: true,
             // Keeps envelopes well under the 1 MiB default NATS payload limit.
             previous_results_budget: 256 * 1024,
+            // A quarter of the default 1 MiB max payload: the outcome shares its messages
+            // with the run state and event envelope.
+            final_result_budget: 256 * 1024,
         }
     }
 }
@@ -57,6 +63,9 @@ impl CoordinatorOptions {
                 "coordinator.shards, batch, cache-runs and intake-concurrency must be at least 1"
                     .into(),
             );
+        }
+        if self.final_result_budget < 1024 {
+            return Err("coordinator.final-result-budget must be at least 1024 bytes".into());
         }
         if self.ack_wait < Duration::from_secs(1) {
             return Err("coordinator.ack-wait must be at least 1s".into());

@@ -32,7 +32,7 @@ use flotilla_model::codec::Codec;
 use flotilla_model::event::{Event, EventEnvelope, WorkflowEvent, WorkflowPhase};
 use flotilla_model::ids::RunId;
 use flotilla_model::run::{FinalResult, RunStatus};
-use flotilla_model::runlog::{RunInput, RunLogEntry};
+use flotilla_model::runlog::{ControlAction, RunInput, RunLogEntry};
 use flotilla_model::submit::{SubmitReply, SubmitStatus};
 use flotilla_model::task::{DependencyResult, TaskEnvelope, TaskResult, TraceContext};
 use flotilla_model::time::Timestamp;
@@ -59,36 +59,51 @@ struct Cached {
     last_used: u64,
 }
 
+/// What a run-log message says.
+enum Inbound {
+    /// A readable entry.
+    Entry(RunLogEntry),
+    /// An entry that cannot be decoded: the run cannot continue, and ends with this reason.
+    Unreadable(String),
+}
+
 /// A decoded run-log message.
 struct Decoded {
     msg: jetstream::Message,
     seq: u64,
     ts_ms: i64,
     delivered: i64,
-    entry: RunLogEntry,
+    inbound: Inbound,
 }
 
 /// Why processing a run's inputs stopped.
 enum StepError {
     /// Compare-and-set lost: reload and try again.
     Conflict,
-    /// Something failed; the inputs are handed back for redelivery.
+    /// Something failed that may work later (NATS unavailable); the inputs are handed back
+    /// for redelivery.
     Failed(String),
+    /// Something failed that will fail the same way every time (a message too large for the
+    /// deployment): the run is ended with this reason instead of retrying forever.
+    Terminal(String),
 }
 
 impl From<StoreError> for StepError {
     fn from(e: StoreError) -> Self {
-        if e.kind() == StoreErrorKind::Conflict || e.kind() == StoreErrorKind::AlreadyExists {
-            Self::Conflict
-        } else {
-            Self::Failed(e.to_string())
+        match e.kind() {
+            StoreErrorKind::Conflict | StoreErrorKind::AlreadyExists => Self::Conflict,
+            StoreErrorKind::TooLarge | StoreErrorKind::Decode => Self::Terminal(e.to_string()),
+            _ => Self::Failed(e.to_string()),
         }
     }
 }
 
 impl From<flotilla_bus::PublishError> for StepError {
     fn from(e: flotilla_bus::PublishError) -> Self {
-        Self::Failed(e.to_string())
+        match e.kind().retry() {
+            flotilla_bus::Retry::Terminal => Self::Terminal(e.to_string()),
+            flotilla_bus::Retry::Retryable => Self::Failed(e.to_string()),
+        }
     }
 }
 
@@ -252,35 +267,35 @@ impl Runtime {
                     continue;
                 }
             };
-            match wire::decode::<RunLogEntry>(msg.headers.as_ref(), &msg.payload) {
-                Ok(entry) if entry.run_id == run => inputs.push(Decoded {
-                    seq: info.0,
-                    ts_ms: info.1,
-                    delivered: info.2,
-                    entry,
-                    msg,
-                }),
+            let inbound = match wire::decode::<RunLogEntry>(msg.headers.as_ref(), &msg.payload) {
+                Ok(entry) if entry.run_id == run => Inbound::Entry(entry),
                 Ok(_) => {
                     warn!(%run, seq = info.0, "Run-log entry names another run; dropping");
                     let _ = msg.ack_with(AckKind::Term).await;
+                    continue;
                 }
                 Err(e) => {
-                    warn!(%run, seq = info.0, error = %e, "Unreadable run-log entry; dropping");
-                    let _ = msg.ack_with(AckKind::Term).await;
+                    // Bytes do not change: this entry will never be readable. End the run
+                    // visibly instead of stalling it.
+                    warn!(%run, seq = info.0, error = %e, "Unreadable run-log entry; the run cannot continue");
+                    Inbound::Unreadable(format!("run-log entry {} could not be read: {e}", info.0))
                 }
-            }
+            };
+            inputs.push(Decoded {
+                seq: info.0,
+                ts_ms: info.1,
+                delivered: info.2,
+                inbound,
+                msg,
+            });
         }
         if inputs.is_empty() {
             return cached;
         }
         for _ in 0..MAX_CAS_ATTEMPTS {
-            match self.step(run, cached.take(), &inputs).await {
+            match self.step(run, cached.take(), &inputs, None).await {
                 Ok(entry) => {
-                    for d in &inputs {
-                        if let Err(e) = d.msg.ack().await {
-                            debug!(%run, error = %e, "Ack failed; the input will be redelivered and ignored");
-                        }
-                    }
+                    self.ack_all(run, &inputs).await;
                     return entry;
                 }
                 Err(StepError::Conflict) => {
@@ -288,6 +303,31 @@ impl Runtime {
                 }
                 Err(StepError::Failed(reason)) => {
                     warn!(%run, %reason, "Applying run-log inputs failed; they will be redelivered");
+                    break;
+                }
+                Err(StepError::Terminal(reason)) => {
+                    // Retrying would fail the same way: end the run with the reason.
+                    warn!(%run, %reason, "Applying run-log inputs failed for good; ending the run");
+                    for _ in 0..MAX_CAS_ATTEMPTS {
+                        match self.step(run, None, &inputs, Some(&reason)).await {
+                            Ok(_) => {
+                                self.ack_all(run, &inputs).await;
+                                return None;
+                            }
+                            Err(StepError::Conflict) => continue,
+                            Err(StepError::Failed(r)) => {
+                                warn!(%run, reason = %r, "Ending the run failed; the inputs will be redelivered");
+                                break;
+                            }
+                            Err(StepError::Terminal(r)) => {
+                                tracing::error!(%run, reason = %r, "The run cannot even be ended; setting its inputs aside");
+                                for d in &inputs {
+                                    let _ = d.msg.ack_with(AckKind::Term).await;
+                                }
+                                return None;
+                            }
+                        }
+                    }
                     break;
                 }
             }
@@ -301,11 +341,22 @@ impl Runtime {
         None
     }
 
+    async fn ack_all(&self, run: RunId, inputs: &[Decoded]) {
+        for d in inputs {
+            if let Err(e) = d.msg.ack().await {
+                debug!(%run, error = %e, "Ack failed; the input will be redelivered and ignored");
+            }
+        }
+    }
+
+    /// Applies `inputs` to the run and performs the resulting actions. With `abort`, the run
+    /// is ended with that reason instead (after a terminal failure).
     async fn step(
         &self,
         run: RunId,
         cached: Option<Cached>,
         inputs: &[Decoded],
+        abort: Option<&str>,
     ) -> Result<Option<Cached>, StepError> {
         let now_ms = inputs.iter().map(|d| d.ts_ms).max().unwrap_or_default();
         let mut reperform = Vec::new();
@@ -316,14 +367,22 @@ impl Runtime {
                 None => None,
                 Some(stored) => {
                     let state = stored.snapshot.state;
-                    if state.status == RunStatus::Rejected {
+                    if state.tasks.is_empty() {
+                        // Rejected, or ended before it could start: nothing more to apply.
                         return Ok(None);
                     }
-                    let plan = self.store.plan(run).await?.ok_or_else(|| {
-                        StepError::Failed(format!(
-                            "run {run} has a snapshot but no submission in its run log"
-                        ))
-                    })?;
+                    let plan = match self.store.plan(run).await {
+                        Ok(Some(plan)) => plan,
+                        Ok(None) => {
+                            return Err(StepError::Failed(format!(
+                                "run {run} has a snapshot but no submission in its run log"
+                            )));
+                        }
+                        Err(e) if e.kind() == StoreErrorKind::Decode => {
+                            return Err(StepError::Terminal(e.to_string()));
+                        }
+                        Err(e) => return Err(e.into()),
+                    };
                     let produced_by_these = inputs
                         .iter()
                         .any(|d| d.delivered > 1 && stored.snapshot.outbox_seqs.contains(&d.seq));
@@ -344,7 +403,40 @@ impl Runtime {
         let mut created = false;
         let mut actions = Vec::new();
         for d in inputs {
-            match &d.entry.input {
+            let input = match &d.inbound {
+                Inbound::Entry(e) => &e.input,
+                Inbound::Unreadable(reason) => {
+                    match entry.as_mut() {
+                        Some(e) => {
+                            actions.extend(e.machine.apply(Input::Abort { reason }, d.ts_ms))
+                        }
+                        None => {
+                            self.record_unstartable(run, reason, d.ts_ms).await?;
+                            return Ok(None);
+                        }
+                    }
+                    continue;
+                }
+            };
+            match input {
+                RunInput::Rejected(r) => {
+                    if entry.is_none() {
+                        // The intake records its rejections; this covers an intake that
+                        // stopped between the append and the record.
+                        crate::intake::record_rejection(&self.store, run, r, d.ts_ms).await?;
+                        return Ok(None);
+                    }
+                }
+                RunInput::Control(c) => {
+                    let Some(e) = entry.as_mut() else { continue };
+                    match c.action {
+                        ControlAction::Cancel => {
+                            let reason = c.reason.as_deref().unwrap_or_default();
+                            info!(%run, reason, by = c.by.as_deref().unwrap_or("-"), "Cancelling the run");
+                            actions.extend(e.machine.apply(Input::Cancel { reason }, d.ts_ms));
+                        }
+                    }
+                }
                 RunInput::Submitted(s) => {
                     if entry.is_none() {
                         let (machine, a) =
@@ -394,6 +486,9 @@ impl Runtime {
             warn!(%run, "Run-log input for a run that does not exist; dropping");
             return Ok(None);
         };
+        if let Some(reason) = abort {
+            actions.extend(entry.machine.apply(Input::Abort { reason }, now_ms));
+        }
         let changed = created || applied_before != Some(entry.machine.state().applied);
         if !changed && from_cache {
             // A no-op against cached state is only trustworthy if the cache is current:
@@ -417,10 +512,35 @@ impl Runtime {
                 outbox: &to_perform,
                 outbox_seqs: &seqs,
             };
-            entry.revision = if created {
-                self.store.create(run, &snapshot).await?
+            let written = if created {
+                self.store.create(run, &snapshot).await
             } else {
-                self.store.update(run, &snapshot, entry.revision).await?
+                self.store.update(run, &snapshot, entry.revision).await
+            };
+            entry.revision = match written {
+                Ok(revision) => revision,
+                Err(e) if e.kind() == StoreErrorKind::TooLarge => {
+                    // The outbox's events made the record too large. Keep the actions that
+                    // matter for progress; those events are lost only if this coordinator
+                    // dies before publishing them.
+                    warn!(%run, error = %e, "Run record too large with its events; storing it without them");
+                    let slim: Vec<Action> = to_perform
+                        .iter()
+                        .filter(|a| !matches!(a, Action::Emit(_)))
+                        .cloned()
+                        .collect();
+                    let snapshot = SnapshotRef {
+                        state: entry.machine.state(),
+                        outbox: &slim,
+                        outbox_seqs: &seqs,
+                    };
+                    if created {
+                        self.store.create(run, &snapshot).await?
+                    } else {
+                        self.store.update(run, &snapshot, entry.revision).await?
+                    }
+                }
+                Err(e) => return Err(e.into()),
             };
         }
         self.perform(&mut entry, &to_perform).await?;
@@ -433,7 +553,10 @@ impl Runtime {
         Ok(Some(entry))
     }
 
-    /// Fills in the final result of a finished run.
+    /// Fills in the final result of a finished run: the synthesis task's (or the sinks')
+    /// results, or — for a run that stopped early — every result it got. A final result
+    /// larger than the budget is stored whole as an artifact, and the outcome carries a
+    /// shortened copy with the reference.
     async fn complete_outcome(&self, entry: &mut Cached) -> Result<(), StepError> {
         let Some(mut outcome) = entry.machine.state().outcome.clone() else {
             return Ok(());
@@ -441,7 +564,12 @@ impl Runtime {
         if outcome.final_result.is_some() {
             return Ok(());
         }
-        let finals = entry.machine.final_tasks();
+        let partial = entry.machine.stopped_early();
+        let finals = if partial {
+            entry.machine.succeeded_tasks()
+        } else {
+            entry.machine.final_tasks()
+        };
         if finals.is_empty() {
             return Ok(());
         }
@@ -464,13 +592,36 @@ impl Runtime {
                 .join("\n\n");
             (text, None)
         };
-        outcome.final_result = Some(FinalResult {
+        let mut final_result = FinalResult {
             response,
             numeric_value,
             results,
-        });
+            partial,
+            omitted: 0,
+            artifact: None,
+        };
+        let budget = self.final_result_budget();
+        let encoded = serde_json::to_vec(&final_result)
+            .map_err(|e| StepError::Terminal(format!("encoding the final result: {e}")))?;
+        if encoded.len() > budget {
+            let run = entry.machine.state().run_id;
+            let artifact = self
+                .store
+                .put_artifact(&format!("runs/{run}/final-result.json"), encoded)
+                .await?;
+            shrink_final_result(&mut final_result, budget);
+            final_result.artifact = Some(artifact);
+        }
+        outcome.final_result = Some(final_result);
         entry.machine.set_outcome(outcome);
         Ok(())
+    }
+
+    /// Bytes of final result carried inline in outcomes, events and replies.
+    fn final_result_budget(&self) -> usize {
+        self.opts
+            .final_result_budget
+            .min(self.bus.max_payload() / 4)
     }
 
     async fn result_of(&self, entry: &mut Cached, task: u32) -> Result<TaskResult, StepError> {
@@ -511,6 +662,15 @@ impl Runtime {
                 dependency_results.insert(id, r);
             }
             let mut budget = self.opts.previous_results_budget;
+            // Direct dependencies' results are always passed; when together they would not
+            // fit in a task message, each is cut to an equal share, marked as cut.
+            let share = (self.bus.max_payload() / 2) / direct.len().max(1);
+            for r in dependency_results
+                .values_mut()
+                .chain(previous_results.values_mut())
+            {
+                shorten_response(&mut r.response, share);
+            }
             for a in graph.ancestors(task) {
                 if direct.contains(&a) {
                     continue;
@@ -603,15 +763,19 @@ impl Runtime {
                     schedule_headers(&mut out.headers, *due_ms, &names.runlog(run));
                     (names.timer(run, *generation), out)
                 }
+                Action::CancelAttempts => {
+                    self.cancel_attempts(entry).await?;
+                    continue;
+                }
                 Action::Finish => {
                     let state = entry.machine.state();
                     let outcome = state.outcome.clone();
-                    let phase = if state.status == RunStatus::Succeeded {
-                        WorkflowPhase::RunSucceeded
-                    } else {
-                        WorkflowPhase::RunFailed
+                    let phase = match state.status {
+                        RunStatus::Succeeded => WorkflowPhase::RunSucceeded,
+                        RunStatus::Cancelled => WorkflowPhase::RunCancelled,
+                        _ => WorkflowPhase::RunFailed,
                     };
-                    if let (Some(reply_to), Some(o)) = (&state.reply_to, &outcome) {
+                    if let Some(o) = &outcome {
                         let reply = SubmitReply {
                             protocol: PROTOCOL_VERSION,
                             run_id: Some(run),
@@ -619,13 +783,13 @@ impl Runtime {
                             errors: Vec::new(),
                             warnings: Vec::new(),
                             outcome: Some(o.clone()),
+                            run_status: None,
                         };
-                        if let Ok(out) = wire::encode(&reply, Codec::Json, None) {
-                            let _ = self
-                                .bus
-                                .client()
-                                .publish_with_headers(reply_to.clone(), out.headers, out.payload)
-                                .await;
+                        for to in [&state.reply_to, &state.wait_reply_to]
+                            .into_iter()
+                            .flatten()
+                        {
+                            crate::intake::publish_reply(&self.bus, to, &reply).await;
                         }
                     }
                     let e = Emission {
@@ -634,7 +798,7 @@ impl Runtime {
                         attempt: None,
                         at_ms: state.finished_ms.unwrap_or_default(),
                         event: WorkflowEvent {
-                            outcome,
+                            outcome: outcome.map(Box::new),
                             ..WorkflowEvent::phase(phase)
                         },
                     };
@@ -645,18 +809,144 @@ impl Runtime {
                     )
                 }
             };
+            let size = out.payload.len();
+            let max = self.bus.max_payload();
             let ack = js
                 .publish_with_headers(subject.clone(), out.headers, out.payload)
                 .await
-                .map_err(|e| StepError::Failed(format!("publishing to {subject}: {e}")))?;
-            pending.push((subject, ack));
+                .map_err(|e| flotilla_bus::classify_publish_error(&subject, size, max, e))?;
+            pending.push((subject, size, ack));
         }
-        for (subject, ack) in pending {
-            ack.await
-                .map_err(|e| StepError::Failed(format!("no acknowledgement for {subject}: {e}")))?;
+        for (subject, size, ack) in pending {
+            ack.await.map_err(|e| {
+                flotilla_bus::classify_publish_error(&subject, size, self.bus.max_payload(), e)
+            })?;
         }
         Ok(())
     }
+
+    /// A run whose first run-log entry cannot be read never starts: record it `failed` with
+    /// the reason, so it is visible instead of silently missing.
+    async fn record_unstartable(
+        &self,
+        run: RunId,
+        reason: &str,
+        now_ms: i64,
+    ) -> Result<(), StepError> {
+        let mut state = crate::machine::RunState::rejected(
+            run,
+            Vec::new(),
+            now_ms,
+            None,
+            std::collections::BTreeMap::new(),
+        );
+        state.status = RunStatus::Failed;
+        if let Some(o) = state.outcome.as_mut() {
+            o.status = RunStatus::Failed;
+            o.reason = Some(reason.to_owned());
+        }
+        let snapshot = SnapshotRef {
+            state: &state,
+            outbox: &[],
+            outbox_seqs: &[],
+        };
+        match self.store.create(run, &snapshot).await {
+            Ok(_) => {}
+            Err(e) if e.kind() == StoreErrorKind::AlreadyExists => return Ok(()),
+            Err(e) => return Err(e.into()),
+        }
+        let e = Emission {
+            id: format!("{run}.end"),
+            task: None,
+            attempt: None,
+            at_ms: now_ms,
+            event: WorkflowEvent {
+                outcome: state.outcome.clone().map(Box::new),
+                detail: Some(reason.to_owned()),
+                ..WorkflowEvent::phase(WorkflowPhase::RunFailed)
+            },
+        };
+        let ev = EventEnvelope {
+            protocol: PROTOCOL_VERSION,
+            id: e.id.clone(),
+            run_id: run,
+            task_id: None,
+            attempt: None,
+            ts: Timestamp::from_unix_ms(now_ms),
+            source: "coordinator".into(),
+            event: Event::Workflow(e.event),
+        };
+        self.bus
+            .publish(self.bus.names().event(run), &ev, Some(&ev.id))
+            .await?;
+        Ok(())
+    }
+}
+
+impl Runtime {
+    /// Tells the workers running attempts of a stopped run to cancel them: a notice in the
+    /// control bucket (workers watch it, so they react at once), and the run's queued tasks
+    /// are removed from the task stream so no worker starts them.
+    async fn cancel_attempts(&self, entry: &Cached) -> Result<(), StepError> {
+        let state = entry.machine.state();
+        let run = state.run_id;
+        let names = self.bus.names();
+        let kv = self
+            .bus
+            .kv(flotilla_model::subjects::Bucket::Control)
+            .await
+            .map_err(|e| StepError::Failed(e.to_string()))?;
+        let notice = serde_json::json!({
+            "run_id": run,
+            "action": "cancel",
+            "reason": state.stop_reason,
+        });
+        kv.put(names.cancel_key(run), notice.to_string().into())
+            .await
+            .map_err(|e| StepError::Failed(format!("writing the cancel notice of {run}: {e}")))?;
+        let stream_name = names.stream(flotilla_model::subjects::StreamKind::Tasks);
+        let stream = self
+            .bus
+            .js()
+            .get_stream(&stream_name)
+            .await
+            .map_err(|e| StepError::Failed(format!("opening {stream_name}: {e}")))?;
+        stream
+            .purge()
+            .filter(format!("{}.task.*.{run}.*", names.prefix()))
+            .await
+            .map_err(|e| StepError::Failed(format!("removing the queued tasks of {run}: {e}")))?;
+        Ok(())
+    }
+}
+
+/// Cuts a response to at most `max` bytes, saying so in the text.
+fn shorten_response(response: &mut String, max: usize) {
+    if response.len() > max {
+        let total = response.len();
+        crate::machine::truncate_message(response, max.saturating_sub(96));
+        response.push_str(&format!(" (response cut from {total} bytes)"));
+    }
+}
+
+/// Shrinks a final result to about `budget` bytes: the text is cut and results are left out
+/// (counted in `omitted`) until it fits.
+fn shrink_final_result(fr: &mut FinalResult, budget: usize) {
+    shorten_response(&mut fr.response, budget / 2);
+    let mut room = budget / 2;
+    let mut kept = std::collections::BTreeMap::new();
+    let total = fr.results.len();
+    for (id, mut r) in std::mem::take(&mut fr.results) {
+        shorten_response(&mut r.response, room.min(budget / 8));
+        let size = r.response.len() + id.as_str().len() + 128;
+        if size > room {
+            continue;
+        }
+        room -= size;
+        kept.insert(id, r);
+    }
+    fr.omitted = (total - kept.len()) as u32;
+    fr.results = kept;
 }
 
 /// Whether a stored outbox action still applies to the current state.
@@ -667,7 +957,7 @@ fn still_relevant(action: &Action, machine: &RunMachine) -> bool {
             t.status == flotilla_model::run::TaskStatus::Dispatched && t.attempt == *attempt
         }),
         Action::ArmTimer { generation, .. } => s.timer.is_some_and(|t| t.generation == *generation),
-        Action::Emit(_) => true,
+        Action::Emit(_) | Action::CancelAttempts => true,
         Action::Finish => s.status.is_terminal(),
     }
 }

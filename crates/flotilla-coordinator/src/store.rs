@@ -126,16 +126,27 @@ impl RunStore {
         }))
     }
 
-    fn encode<T: Serialize>(snapshot: &T) -> Result<bytes::Bytes, StoreError> {
-        rmp_serde::to_vec_named(snapshot)
+    fn encode<T: Serialize>(&self, snapshot: &T) -> Result<bytes::Bytes, StoreError> {
+        let bytes = rmp_serde::to_vec_named(snapshot)
             .map(bytes::Bytes::from)
-            .map_err(|e| decode_err("encoding a snapshot", e))
+            .map_err(|e| decode_err("encoding a snapshot", e))?;
+        let max = self.bus.max_payload().saturating_sub(1024);
+        if bytes.len() > max {
+            return Err(StoreError::new(
+                StoreErrorKind::TooLarge,
+                format!(
+                    "the run record is {} bytes; this deployment's messages hold at most {max}",
+                    bytes.len()
+                ),
+            ));
+        }
+        Ok(bytes)
     }
 
     /// Creates a run's snapshot; fails with `AlreadyExists` if there is one.
     pub async fn create<T: Serialize>(&self, run: RunId, snapshot: &T) -> Result<u64, StoreError> {
         self.kv
-            .create(run.to_string(), Self::encode(snapshot)?)
+            .create(run.to_string(), self.encode(snapshot)?)
             .await
             .map_err(|e| {
                 if e.kind() == kv::CreateErrorKind::AlreadyExists {
@@ -154,7 +165,7 @@ impl RunStore {
         revision: u64,
     ) -> Result<u64, StoreError> {
         self.kv
-            .update(run.to_string(), Self::encode(snapshot)?, revision)
+            .update(run.to_string(), self.encode(snapshot)?, revision)
             .await
             .map_err(|e| {
                 if e.kind() == kv::UpdateErrorKind::WrongLastRevision {
@@ -165,25 +176,31 @@ impl RunStore {
             })
     }
 
-    /// The plan of an accepted run: the first entry of its run log.
-    pub async fn plan(&self, run: RunId) -> Result<Option<Plan>, StoreError> {
+    /// The first entry of a run's log (`submitted` or `rejected`): it decided the run's fate.
+    pub async fn first_entry(&self, run: RunId) -> Result<Option<RunLogEntry>, StoreError> {
         let subject = self.bus.names().runlog(run);
         match self.runlog.direct_get_first_for_subject(&subject).await {
-            Ok(msg) => {
-                let entry: RunLogEntry = wire::decode(Some(&msg.headers), &msg.payload)
-                    .map_err(|e| decode_err(format!("run log of {run}"), e))?;
-                match entry.input {
-                    RunInput::Submitted(s) => Ok(Some(s.plan)),
-                    _ => Err(StoreError::new(
-                        StoreErrorKind::Decode,
-                        format!("the run log of {run} does not start with its submission"),
-                    )),
-                }
-            }
+            Ok(msg) => wire::decode(Some(&msg.headers), &msg.payload)
+                .map(Some)
+                .map_err(|e| decode_err(format!("run log of {run}"), e)),
             Err(e) if e.kind() == async_nats::jetstream::stream::DirectGetErrorKind::NotFound => {
                 Ok(None)
             }
             Err(e) => Err(nats(format!("reading the run log of {run}"), e)),
+        }
+    }
+
+    /// The plan of an accepted run: the first entry of its run log.
+    pub async fn plan(&self, run: RunId) -> Result<Option<Plan>, StoreError> {
+        match self.first_entry(run).await? {
+            None => Ok(None),
+            Some(entry) => match entry.input {
+                RunInput::Submitted(s) => Ok(Some(s.plan)),
+                _ => Err(StoreError::new(
+                    StoreErrorKind::Decode,
+                    format!("the run log of {run} does not start with its submission"),
+                )),
+            },
         }
     }
 
@@ -247,7 +264,7 @@ impl RunStore {
         Ok(out)
     }
 
-    /// Ids of every run with a record.
+    /// Ids of every run with a record (in no particular order).
     pub async fn list(&self) -> Result<Vec<RunId>, StoreError> {
         let mut keys = self.kv.keys().await.map_err(|e| nats("listing runs", e))?;
         let mut runs = Vec::new();
@@ -257,12 +274,35 @@ impl RunStore {
                 runs.push(id);
             }
         }
-        runs.sort();
         Ok(runs)
     }
 
-    /// The client view of a run.
-    pub async fn view(&self, run: RunId) -> Result<Option<RunView>, StoreError> {
+    /// The `limit` most recently submitted runs, newest first, by the records' creation time
+    /// (server time) — not by id, since clients may choose any UUID.
+    pub async fn recent(&self, limit: usize) -> Result<Vec<RunRecord>, StoreError> {
+        let mut records = Vec::new();
+        for id in self.list().await? {
+            if let Some(s) = self.load(id).await? {
+                records.push(record_of(&s.snapshot.state));
+            }
+        }
+        records.sort_by(|a, b| {
+            b.created_at
+                .unix_ms()
+                .cmp(&a.created_at.unix_ms())
+                .then(b.handle.run_id.cmp(&a.handle.run_id))
+        });
+        records.truncate(limit);
+        Ok(records)
+    }
+
+    /// The client view of a run: its record and the tasks from `offset`, at most `limit`.
+    pub async fn view(
+        &self,
+        run: RunId,
+        offset: usize,
+        limit: usize,
+    ) -> Result<Option<RunView>, StoreError> {
         let Some(stored) = self.load(run).await? else {
             return Ok(None);
         };
@@ -271,7 +311,12 @@ impl RunStore {
         } else {
             self.plan(run).await?
         };
-        Ok(Some(view_of(&stored.snapshot.state, plan.as_ref())))
+        Ok(Some(view_of(
+            &stored.snapshot.state,
+            plan.as_ref(),
+            offset,
+            limit,
+        )))
     }
 
     /// Maps an idempotency key to a run id: the first caller's `candidate` wins; later callers
@@ -308,17 +353,48 @@ impl RunStore {
     pub fn bus(&self) -> &Bus {
         &self.bus
     }
+
+    /// Stores `bytes` as object `name` in the artifacts store and returns its reference.
+    /// Idempotent: the same name and content give the same reference.
+    pub async fn put_artifact(
+        &self,
+        name: &str,
+        bytes: Vec<u8>,
+    ) -> Result<flotilla_model::artifact::ArtifactRef, StoreError> {
+        use sha2::Digest;
+        let bucket = self.bus.names().artifacts_bucket();
+        let store = self
+            .bus
+            .js()
+            .get_object_store(&bucket)
+            .await
+            .map_err(|e| nats(format!("opening object store {bucket}"), e))?;
+        let sha256 = format!("{:x}", sha2::Sha256::digest(&bytes));
+        let size = bytes.len() as u64;
+        let mut reader = std::io::Cursor::new(bytes);
+        store
+            .put(name, &mut reader)
+            .await
+            .map_err(|e| nats(format!("storing artifact {name}"), e))?;
+        Ok(flotilla_model::artifact::ArtifactRef {
+            bucket,
+            name: name.to_owned(),
+            size,
+            sha256,
+        })
+    }
 }
 
 /// Namespace of idempotency-key hashes.
 const IDEMPOTENCY_NAMESPACE: uuid::Uuid =
     uuid::Uuid::from_u128(0x6c0f_5a1e_7b1d_4e8a_9f3c_2d1a_0b9e_8f7d);
 
-/// The client view of a run state.
-pub fn view_of(state: &RunState, plan: Option<&Plan>) -> RunView {
+/// The client view of a run state, with the tasks from `offset`, at most `limit`.
+pub fn view_of(state: &RunState, plan: Option<&Plan>, offset: usize, limit: usize) -> RunView {
     RunView {
         record: record_of(state),
-        tasks: state.task_views(plan),
+        tasks: state.task_views(plan, offset, limit),
+        tasks_offset: offset.min(u32::MAX as usize) as u32,
     }
 }
 

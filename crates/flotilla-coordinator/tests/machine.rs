@@ -28,6 +28,8 @@ fn submitted(p: &Plan) -> Submitted {
         session_id: None,
         parent: None,
         reply_to: None,
+        wait_reply_to: None,
+        intake_seq: None,
         warnings: Vec::new(),
         trace: None,
     }
@@ -203,7 +205,7 @@ fn failures_retry_with_backoff_then_skip_dependents() {
     assert_eq!(s.tasks[0].attempt, 3, "max_retries 2 means 3 attempts");
     for t in &s.tasks[1..] {
         assert_eq!(t.status, TaskStatus::Skipped);
-        assert_eq!(t.skip_reason.as_deref(), Some("dependency_failed: a"));
+        assert_eq!(t.cause, Some(0), "skipped because a failed");
     }
     let outcome = s.outcome.as_ref().expect("outcome");
     assert_eq!(outcome.failed[0].task_id.as_str(), "a");
@@ -376,6 +378,180 @@ fn non_retryable_errors_fail_at_once() {
     assert_eq!(m.state().tasks[0].attempt, 1);
 }
 
+fn fail(id: &str) -> (TaskId, TaskResult) {
+    (
+        TaskId::new(id),
+        TaskResult::failure(TaskErrorKind::AgentFailed, "scripted failure"),
+    )
+}
+
+#[test]
+fn failure_ratio_zero_aborts_at_the_first_failure() {
+    let tasks: Vec<Subtask> = (0..6)
+        .map(|i| {
+            let mut t = Subtask::new(&format!("t{i}"), "");
+            t.required = false;
+            t
+        })
+        .collect();
+    let p = plan(
+        tasks,
+        PlanConfig {
+            max_retries: 0,
+            failure_ratio: 0.0,
+            max_concurrency: 3,
+            ..PlanConfig::default()
+        },
+    );
+    let (mut m, actions) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
+    assert_eq!(dispatched(&actions).len(), 3);
+    let t1 = ok("t1");
+    m.apply(result(&t1, 1, 1), 1);
+    let t0 = fail("t0");
+    let actions = m.apply(result(&t0, 1, 2), 2);
+    assert!(
+        actions.contains(&Action::CancelAttempts),
+        "t2 and t3 were running: {actions:?}"
+    );
+    assert!(actions.contains(&Action::Finish));
+    assert!(dispatched(&actions).is_empty(), "dispatch stops");
+    let s = m.state();
+    assert_eq!(
+        s.status,
+        RunStatus::Failed,
+        "even though every task is optional"
+    );
+    assert_eq!(
+        s.tasks[1].status,
+        TaskStatus::Succeeded,
+        "partial results stay"
+    );
+    for i in 2..6 {
+        assert_eq!(s.tasks[i].status, TaskStatus::Cancelled);
+    }
+    let outcome = s.outcome.as_ref().expect("outcome");
+    let reason = outcome.reason.as_deref().unwrap_or_default();
+    assert!(reason.contains("aborted: 1 of 6 tasks failed"), "{reason}");
+    assert!(reason.contains("failure_ratio 0"), "{reason}");
+    assert!(m.stopped_early());
+    assert_eq!(m.succeeded_tasks(), vec![1]);
+    // Results of the cancelled attempts change nothing.
+    let t2 = ok("t2");
+    assert!(m.apply(result(&t2, 1, 3), 3).is_empty());
+}
+
+#[test]
+fn failure_ratio_counts_failed_tasks_against_the_threshold() {
+    // 6 tasks × 0.5 → abort at floor(3) + 1 = 4 failures: three failures keep the run going.
+    let tasks: Vec<Subtask> = (0..6)
+        .map(|i| {
+            let mut t = Subtask::new(&format!("t{i}"), "");
+            t.required = false;
+            t
+        })
+        .collect();
+    let p = plan(
+        tasks,
+        PlanConfig {
+            max_retries: 0,
+            max_concurrency: 6,
+            ..PlanConfig::default()
+        },
+    );
+    let (mut m, _) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
+    assert_eq!(m.abort_threshold(), 4);
+    for (i, id) in ["t0", "t1", "t2"].iter().enumerate() {
+        let r = fail(id);
+        m.apply(result(&r, 1, i as u64 + 1), 1);
+    }
+    assert_eq!(m.state().status, RunStatus::Running);
+    let r = fail("t3");
+    let actions = m.apply(result(&r, 1, 4), 2);
+    assert!(actions.contains(&Action::CancelAttempts));
+    assert_eq!(m.state().status, RunStatus::Failed);
+    assert_eq!(m.state().tasks[4].status, TaskStatus::Cancelled);
+}
+
+#[test]
+fn cancel_stops_the_run_and_cancels_running_attempts() {
+    let p = plan(diamond(), PlanConfig::default());
+    let (mut m, _) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
+    let a = ok("a");
+    m.apply(result(&a, 1, 1), 1);
+    let actions = m.apply(
+        Input::Cancel {
+            reason: "not needed",
+        },
+        2,
+    );
+    assert!(actions.contains(&Action::CancelAttempts));
+    assert!(actions.contains(&Action::Finish));
+    let s = m.state();
+    assert_eq!(s.status, RunStatus::Cancelled);
+    assert_eq!(s.tasks[0].status, TaskStatus::Succeeded);
+    for t in &s.tasks[1..] {
+        assert_eq!(t.status, TaskStatus::Cancelled);
+    }
+    let o = s.outcome.as_ref().expect("outcome");
+    assert_eq!(o.reason.as_deref(), Some("cancelled: not needed"));
+    assert_eq!(o.skipped.len(), 3);
+    assert_eq!(s.counts().cancelled, 3);
+    // A second cancel, or anything else, changes nothing.
+    let before = m.state().clone();
+    assert!(m.apply(Input::Cancel { reason: "again" }, 3).is_empty());
+    assert_eq!(m.state(), &before);
+}
+
+#[test]
+fn abort_ends_the_run_failed_with_the_reason() {
+    let p = plan(diamond(), PlanConfig::default());
+    let (mut m, _) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
+    let actions = m.apply(
+        Input::Abort {
+            reason: "entry 7 unreadable",
+        },
+        1,
+    );
+    assert!(actions.contains(&Action::Finish));
+    assert_eq!(m.state().status, RunStatus::Failed);
+    assert_eq!(
+        m.state().outcome.as_ref().and_then(|o| o.reason.as_deref()),
+        Some("entry 7 unreadable")
+    );
+}
+
+#[test]
+fn huge_cascades_keep_events_and_outcome_lists_bounded() {
+    use flotilla_coordinator::machine::MAX_LISTED;
+    let mut tasks = vec![Subtask::new("root", "")];
+    for i in 0..500 {
+        tasks.push(Subtask::new(&format!("dep{i}"), "").after(&["root"]));
+    }
+    let p = plan(
+        tasks,
+        PlanConfig {
+            max_retries: 0,
+            failure_ratio: 1.0,
+            ..PlanConfig::default()
+        },
+    );
+    let (mut m, _) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
+    let root = fail("root");
+    let actions = m.apply(result(&root, 1, 1), 1);
+    let skipped_events = phases(&actions)
+        .iter()
+        .filter(|p| **p == WorkflowPhase::TaskSkipped)
+        .count();
+    assert_eq!(skipped_events, MAX_LISTED + 1, "100 events and one summary");
+    let o = m.state().outcome.as_ref().expect("outcome");
+    assert_eq!(o.skipped.len(), MAX_LISTED);
+    assert_eq!(o.skipped_omitted as usize, 500 - MAX_LISTED);
+    assert_eq!(
+        m.state().skip_reason(7, Some(&p)).as_deref(),
+        Some("dependency_failed: root")
+    );
+}
+
 #[test]
 fn restore_rebuilds_the_same_machine() {
     let p = plan(diamond(), PlanConfig::default());
@@ -408,6 +584,9 @@ mod model {
         script: Vec<Vec<bool>>,
         max_concurrency: u32,
         max_retries: u32,
+        failure_ratio: f64,
+        /// Cancel the run at this step (if it is still running then).
+        cancel_at: Option<usize>,
         choices: Vec<u32>,
     }
 
@@ -424,10 +603,21 @@ mod model {
                 ),
                 1u32..4,
                 0u32..3,
+                prop::sample::select(vec![0.0, 0.25, 0.5, 1.0]),
+                proptest::option::weighted(0.2, 0usize..30),
                 proptest::collection::vec(any::<u32>(), 200),
             )
                 .prop_map(
-                    move |(sets, required, script, max_concurrency, max_retries, choices)| Case {
+                    move |(
+                        sets,
+                        required,
+                        script,
+                        max_concurrency,
+                        max_retries,
+                        failure_ratio,
+                        cancel_at,
+                        choices,
+                    )| Case {
                         deps: sets
                             .into_iter()
                             .enumerate()
@@ -437,6 +627,8 @@ mod model {
                         script,
                         max_concurrency,
                         max_retries,
+                        failure_ratio,
+                        cancel_at,
                         choices,
                     },
                 )
@@ -458,9 +650,14 @@ mod model {
             let p = plan(tasks, PlanConfig {
                 max_concurrency: c.max_concurrency,
                 max_retries: c.max_retries,
+                failure_ratio: c.failure_ratio,
                 dependency_timeout: Secs::from_secs(100_000),
                 ..PlanConfig::default()
             });
+            let n = c.deps.len();
+            let threshold = (n as f64 * c.failure_ratio).floor() as usize + 1;
+            let mut cancelled_by_input = false;
+            let mut cancel_attempts = 0;
             let (mut m, mut actions) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
             let mut now: i64 = 0;
             let mut in_flight: Vec<(u32, u32)> = Vec::new();
@@ -468,7 +665,7 @@ mod model {
             let mut finishes = 0;
             let mut seq = 0u64;
             let mut choice = c.choices.iter().cycle();
-            for _step in 0..2_000 {
+            for step in 0..2_000 {
                 for a in &actions {
                     match a {
                         Action::Dispatch { task, attempt } => {
@@ -480,6 +677,11 @@ mod model {
                             in_flight.push((*task, *attempt));
                         }
                         Action::Finish => finishes += 1,
+                        Action::CancelAttempts => {
+                            cancel_attempts += 1;
+                            // Everything in flight is cancelled: results for it are stale.
+                            in_flight.clear();
+                        }
                         _ => {}
                     }
                 }
@@ -487,6 +689,11 @@ mod model {
                 prop_assert_eq!(m.in_flight() as usize, in_flight.len());
                 if m.state().status.is_terminal() {
                     break;
+                }
+                if c.cancel_at == Some(step) {
+                    cancelled_by_input = true;
+                    actions = m.apply(Input::Cancel { reason: "test" }, now);
+                    continue;
                 }
                 let pick = *choice.next().unwrap_or(&0);
                 now += 1 + i64::from(pick % 500);
@@ -520,9 +727,28 @@ mod model {
             let s = m.state();
             prop_assert!(s.status.is_terminal(), "run ended");
             prop_assert_eq!(finishes, 1);
-            // Model: the run fails exactly when a required task failed or was skipped.
-            let doomed = s.tasks.iter().zip(&c.required).any(|(t, &req)| req && matches!(t.status, TaskStatus::Failed | TaskStatus::Skipped));
-            prop_assert_eq!(s.status == RunStatus::Failed, doomed);
+            prop_assert!(cancel_attempts <= 1);
+            let failed = s.tasks.iter().filter(|t| t.status == TaskStatus::Failed).count();
+            let cancelled = s.tasks.iter().filter(|t| t.status == TaskStatus::Cancelled).count();
+            // Model: the failure policy aborts exactly when failures reach the threshold, and
+            // then no more tasks fail.
+            let aborted = failed >= threshold;
+            prop_assert!(failed <= threshold, "no failure after the abort: {} > {}", failed, threshold);
+            if s.status == RunStatus::Cancelled {
+                prop_assert!(cancelled_by_input);
+                prop_assert!(!aborted);
+            } else if aborted {
+                prop_assert_eq!(s.status, RunStatus::Failed);
+                let reason = s.outcome.as_ref().and_then(|o| o.reason.clone()).unwrap_or_default();
+                // Stopped early (tasks were left and got cancelled), or at the very end.
+                prop_assert_eq!(reason.starts_with("aborted:"), cancelled > 0, "{}", reason);
+                prop_assert!(reason.contains("failure threshold") || s.tasks.iter().zip(&c.required).any(|(t, &r)| r && matches!(t.status, TaskStatus::Failed | TaskStatus::Skipped)), "{}", reason);
+            } else {
+                // The run fails exactly when a required task failed or was skipped.
+                prop_assert_eq!(cancelled, 0, "only cancel and abort cancel tasks");
+                let doomed = s.tasks.iter().zip(&c.required).any(|(t, &req)| req && matches!(t.status, TaskStatus::Failed | TaskStatus::Skipped));
+                prop_assert_eq!(s.status == RunStatus::Failed, doomed);
+            }
             for (i, t) in s.tasks.iter().enumerate() {
                 prop_assert!(t.status.is_terminal());
                 // A task fails only after exhausting its script's failures within the retry budget.
@@ -533,6 +759,7 @@ mod model {
                 // Skipped tasks depend (transitively) on a failed one and never ran.
                 if t.status == TaskStatus::Skipped {
                     prop_assert_eq!(t.attempt, 0);
+                    prop_assert!(t.cause.is_some_and(|c| s.tasks[c as usize].status == TaskStatus::Failed));
                 }
             }
         }

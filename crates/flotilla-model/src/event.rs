@@ -145,7 +145,7 @@ pub struct WorkflowEvent {
     pub detail: Option<String>,
     /// The outcome (on run-terminal phases).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub outcome: Option<RunOutcome>,
+    pub outcome: Option<Box<RunOutcome>>,
 }
 
 impl WorkflowEvent {

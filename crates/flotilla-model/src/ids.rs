@@ -27,9 +27,26 @@ pub struct IdParseError {
 macro_rules! uuid_id {
     ($(#[$meta:meta])* $name:ident, $kind:literal) => {
         $(#[$meta])*
-        #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema)]
-        #[serde(transparent)]
+        #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, JsonSchema)]
+        #[schemars(transparent)]
         pub struct $name(Uuid);
+
+        /// Always the canonical text form (lower-case, hyphenated), in JSON and MessagePack
+        /// alike, so a document means the same in both codecs.
+        impl Serialize for $name {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                let mut buf = Uuid::encode_buffer();
+                s.serialize_str(self.0.hyphenated().encode_lower(&mut buf))
+            }
+        }
+
+        /// Accepts the text form in every codec, and the 16-byte binary form that MessagePack
+        /// writers of UUIDs produce.
+        impl<'de> Deserialize<'de> for $name {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                d.deserialize_any(UuidVisitor($kind)).map(Self)
+            }
+        }
 
         impl $name {
             /// A fresh, time-ordered (UUIDv7) id.
@@ -104,6 +121,49 @@ uuid_id!(
     "escalation id"
 );
 
+/// Reads a UUID from a string or from 16 bytes.
+struct UuidVisitor(&'static str);
+
+impl<'de> serde::de::Visitor<'de> for UuidVisitor {
+    type Value = Uuid;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "a {} (a UUID string such as 0190f0c4-8a3e-7cc1-9a39-6f1c1b7d2e11)",
+            self.0
+        )
+    }
+
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Uuid, E> {
+        Uuid::parse_str(v.trim()).map_err(|_| E::custom(format!("`{v}` is not a valid {}", self.0)))
+    }
+
+    fn visit_bytes<E: serde::de::Error>(self, v: &[u8]) -> Result<Uuid, E> {
+        Uuid::from_slice(v).map_err(|_| {
+            E::custom(format!(
+                "a {} in binary form must be 16 bytes, got {}",
+                self.0,
+                v.len()
+            ))
+        })
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Uuid, A::Error> {
+        // Some MessagePack writers encode byte strings as arrays of integers.
+        let mut bytes = [0u8; 16];
+        for (i, b) in bytes.iter_mut().enumerate() {
+            *b = seq
+                .next_element()?
+                .ok_or_else(|| serde::de::Error::invalid_length(i, &self))?;
+        }
+        if seq.next_element::<u8>()?.is_some() {
+            return Err(serde::de::Error::invalid_length(17, &self));
+        }
+        Ok(Uuid::from_bytes(bytes))
+    }
+}
+
 /// A task id inside a plan, chosen by the client (`fetch_data`).
 ///
 /// Deserialisation accepts any string so that [`crate::validate::validate_plan`] can report
@@ -164,6 +224,40 @@ mod tests {
     fn bad_id_names_its_kind() {
         let err = "nope".parse::<AttemptId>().expect_err("must fail");
         assert_eq!(err.kind, "attempt id");
+    }
+
+    #[test]
+    fn msgpack_accepts_text_and_binary_ids() {
+        let id = RunId::new();
+        // Written by Flotilla: the text form.
+        let packed = rmp_serde::to_vec(&id).expect("encode");
+        let text: String = rmp_serde::from_slice(&packed).expect("a string");
+        assert_eq!(text, id.to_string());
+        // A foreign writer's text form and binary form both read back.
+        let from_text: RunId =
+            rmp_serde::from_slice(&rmp_serde::to_vec(&id.to_string()).expect("encode"))
+                .expect("text");
+        assert_eq!(from_text, id);
+        let from_bin: RunId = rmp_serde::from_slice(
+            &rmp_serde::to_vec(&serde_bytes_like(id.as_uuid().as_bytes())).expect("encode"),
+        )
+        .expect("binary");
+        assert_eq!(from_bin, id);
+        let bad = rmp_serde::from_slice::<RunId>(&rmp_serde::to_vec("nope").expect("encode"));
+        assert!(bad.expect_err("invalid").to_string().contains("run id"));
+    }
+
+    /// A value that MessagePack encodes as `bin`.
+    fn serde_bytes_like(b: &[u8]) -> Bin<'_> {
+        Bin(b)
+    }
+
+    struct Bin<'a>(&'a [u8]);
+
+    impl Serialize for Bin<'_> {
+        fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            s.serialize_bytes(self.0)
+        }
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! `docs/schema/`) agree on one protocol, versioned by [`PROTOCOL_VERSION`].
 
 pub mod api;
+pub mod artifact;
 pub mod codec;
 pub mod event;
 pub mod ids;
@@ -20,6 +21,7 @@ pub mod task;
 pub mod time;
 pub mod token;
 pub mod validate;
+pub mod worker;
 pub mod workspace;
 
 pub use ids::{AgentId, AttemptId, EscalationId, RunId, SessionId, TaskId};

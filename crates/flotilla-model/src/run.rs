@@ -6,6 +6,7 @@ use std::fmt;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use crate::artifact::ArtifactRef;
 use crate::ids::{AgentId, RunId, SessionId, TaskId};
 use crate::task::{DependencyResult, TaskError};
 use crate::time::Timestamp;
@@ -110,12 +111,17 @@ pub enum TaskStatus {
     Failed,
     /// Never ran because a dependency failed.
     Skipped,
+    /// Stopped or never started because the run was cancelled or aborted.
+    Cancelled,
 }
 
 impl TaskStatus {
     /// Whether the task has ended.
     pub fn is_terminal(self) -> bool {
-        matches!(self, Self::Succeeded | Self::Failed | Self::Skipped)
+        matches!(
+            self,
+            Self::Succeeded | Self::Failed | Self::Skipped | Self::Cancelled
+        )
     }
 
     /// The status as it appears on the wire.
@@ -127,6 +133,7 @@ impl TaskStatus {
             Self::Succeeded => "succeeded",
             Self::Failed => "failed",
             Self::Skipped => "skipped",
+            Self::Cancelled => "cancelled",
         }
     }
 }
@@ -146,6 +153,9 @@ pub struct TaskCounts {
     pub failed: u32,
     /// Skipped.
     pub skipped: u32,
+    /// Cancelled (the run was cancelled or aborted).
+    #[serde(default)]
+    pub cancelled: u32,
 }
 
 /// The persistent record of a run.
@@ -195,9 +205,15 @@ pub struct RunOutcome {
     /// Tasks that failed for good.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub failed: Vec<FailedTask>,
-    /// Tasks that never ran, with the reason.
+    /// Tasks that never ran or were cancelled, with the reason.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub skipped: Vec<SkippedTask>,
+    /// Failed tasks not listed in `failed` (it lists at most 100; the run record has all).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub failed_omitted: u32,
+    /// Skipped or cancelled tasks not listed in `skipped` (at most 100 are listed).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub skipped_omitted: u32,
     /// Why the run failed, in words.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
@@ -211,8 +227,24 @@ pub struct FinalResult {
     /// Its salient number.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub numeric_value: Option<f64>,
-    /// The tasks the answer comes from, with their results.
+    /// The tasks the answer comes from, with their results (within a byte budget; see
+    /// `omitted` and `artifact`).
     pub results: BTreeMap<TaskId, DependencyResult>,
+    /// True when the run did not complete (aborted or cancelled): the results are those of
+    /// every task that succeeded before it stopped.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub partial: bool,
+    /// Results left out of `results` (and text cut from `response`) to keep the outcome
+    /// within the deployment's message size; the whole final result is in `artifact`.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub omitted: u32,
+    /// Where the complete final result is stored when it was too large to carry inline.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub artifact: Option<ArtifactRef>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// A task that failed for good.
@@ -253,13 +285,20 @@ pub struct TaskView {
     /// When the latest attempt was dispatched.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dispatched_at: Option<Timestamp>,
+    /// The worker pool the task runs in.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool: Option<String>,
 }
 
-/// A run record with its tasks (the reply of the `runs.get` endpoint).
+/// A run record with its tasks (the reply of the `run.get` endpoint).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct RunView {
     /// The record.
     pub record: RunRecord,
-    /// Every task, in plan order.
+    /// The run's tasks in plan order, from `tasks_offset` (at most the request's
+    /// `tasks_limit`; `record.tasks.total` says how many there are).
     pub tasks: Vec<TaskView>,
+    /// Index of the first task in `tasks`.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub tasks_offset: u32,
 }

@@ -32,8 +32,11 @@ pub struct RunLogEntry {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum RunInput {
-    /// A validated plan was accepted.
+    /// A validated plan was accepted. Always the first entry of an accepted run's log.
     Submitted(Box<Submitted>),
+    /// The submission was rejected. Always the first (and only) entry of a rejected run's
+    /// log: the first entry decides a run's fate, once.
+    Rejected(Box<Rejected>),
     /// A worker finished an attempt.
     TaskResult(Box<TaskResultInput>),
     /// A durable timer fired.
@@ -41,6 +44,51 @@ pub enum RunInput {
         /// Which arming of the run's timer fired; stale generations are ignored.
         generation: u64,
     },
+    /// A person or a policy controls the run (cancel).
+    Control(Control),
+}
+
+/// A control input.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Control {
+    /// What to do.
+    pub action: ControlAction,
+    /// Why, in words (shown in the outcome).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Who asked (a user name, `supervisor`, …), for the record.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub by: Option<String>,
+}
+
+/// Control actions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ControlAction {
+    /// Stop the run: nothing new is dispatched, running attempts are cancelled on their
+    /// workers, and the run ends `cancelled`.
+    Cancel,
+}
+
+/// A rejected submission, as recorded on the run log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Rejected {
+    /// Every problem (truncated past a limit, with a `too_many_problems` entry saying how
+    /// many more there were).
+    pub errors: Vec<Problem>,
+    /// The plan's name, when it could be read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// Labels of the submission, when it could be read.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    /// Where the rejection was also answered (a valid `reply_to`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reply_to: Option<String>,
+    /// Intake-stream sequence of the submission (durable submissions): a redelivered
+    /// submission recognises its own rejection by it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub intake_seq: Option<u64>,
 }
 
 /// An accepted submission.
@@ -57,9 +105,16 @@ pub struct Submitted {
     /// Parent link.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent: Option<RunHandle>,
-    /// Where to publish the outcome.
+    /// Where to publish the outcome (the submission's `reply_to`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reply_to: Option<String>,
+    /// Where a request/reply submitter with `wait: true` waits for the outcome (its inbox).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait_reply_to: Option<String>,
+    /// Intake-stream sequence of the submission (durable submissions): a redelivered
+    /// submission recognises its own acceptance by it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub intake_seq: Option<u64>,
     /// Tolerated validation problems.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub warnings: Vec<Problem>,

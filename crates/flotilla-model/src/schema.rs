@@ -2,7 +2,10 @@
 
 use schemars::{Schema, schema_for};
 
-use crate::api::{ApiError, GetRunRequest};
+use crate::api::{
+    ApiError, CancelRunReply, CancelRunRequest, GetRunRequest, ValidatePlanReply,
+    ValidatePlanRequest,
+};
 use crate::event::EventEnvelope;
 use crate::mailbox::MailboxMessage;
 use crate::plan::Plan;
@@ -10,6 +13,7 @@ use crate::run::{RunRecord, RunView};
 use crate::runlog::RunLogEntry;
 use crate::submit::{SubmitReply, SubmitRequest};
 use crate::task::{TaskEnvelope, TaskResult};
+use crate::worker::WorkerInfo;
 use crate::workspace::WorkspaceEntry;
 
 /// Every public message type with its schema file name.
@@ -26,6 +30,14 @@ pub fn public_schemas() -> Vec<(&'static str, Schema)> {
         ("run-view.json", schema_for!(RunView)),
         ("get-run-request.json", schema_for!(GetRunRequest)),
         ("api-error.json", schema_for!(ApiError)),
+        ("cancel-run-request.json", schema_for!(CancelRunRequest)),
+        ("cancel-run-reply.json", schema_for!(CancelRunReply)),
+        (
+            "validate-plan-request.json",
+            schema_for!(ValidatePlanRequest),
+        ),
+        ("validate-plan-reply.json", schema_for!(ValidatePlanReply)),
+        ("worker-info.json", schema_for!(WorkerInfo)),
         ("mailbox-message.json", schema_for!(MailboxMessage)),
         ("workspace-entry.json", schema_for!(WorkspaceEntry)),
     ]

@@ -172,6 +172,17 @@ impl Names {
         format!("{}-{}", self.prefix, bucket.suffix())
     }
 
+    /// The object store of artifacts (large payloads).
+    pub fn artifacts_bucket(&self) -> String {
+        format!("{}-artifacts", self.prefix)
+    }
+
+    /// Key of a run's cancellation notice in the control bucket: workers watch these to
+    /// cancel the run's running attempts.
+    pub fn cancel_key(&self, run: RunId) -> String {
+        format!("cancel.{run}")
+    }
+
     /// Intake subject.
     pub fn submit(&self) -> String {
         format!("{}.submit", self.prefix)

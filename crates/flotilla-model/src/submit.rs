@@ -35,11 +35,15 @@ pub struct SubmitRequest {
     /// Parent link, for nested runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent: Option<RunHandle>,
-    /// A subject on which the coordinator publishes the [`SubmitReply`] with the outcome when
-    /// the run ends.
+    /// A subject on which the coordinator publishes exactly one terminal [`SubmitReply`]
+    /// (at least once): `rejected`, `duplicate` (with the original run's id and status), or
+    /// `finished` with the outcome when the run ends. Must be a valid subject for publishing
+    /// (tokens separated by `.`, no wildcards or whitespace).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reply_to: Option<String>,
-    /// On the request/reply endpoint: answer when the run ends instead of when it is accepted.
+    /// On the request/reply endpoint: answer when the run ends instead of when it is
+    /// accepted. A duplicate waits for the original run's end too. Works together with
+    /// `reply_to`: both get the outcome.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub wait: bool,
     /// The plan.
@@ -80,6 +84,10 @@ pub struct SubmitReply {
     /// Tolerated problems.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub warnings: Vec<Problem>,
+    /// On `duplicate`: the status of the run the submission duplicates (the first
+    /// submission's fate: `running`, `succeeded`, `rejected`, …).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_status: Option<crate::run::RunStatus>,
     /// The outcome, when the submitter asked to wait.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outcome: Option<RunOutcome>,
@@ -93,7 +101,7 @@ pub enum SubmitStatus {
     Accepted,
     /// The run already existed (same run id or idempotency key); nothing new was created.
     Duplicate,
-    /// The plan is invalid; nothing was dispatched.
+    /// The submission is invalid; nothing was dispatched. `errors` says why.
     Rejected,
     /// The run ended (reply to a waiting submitter); see `outcome`.
     Finished,

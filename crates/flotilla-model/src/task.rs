@@ -194,8 +194,11 @@ pub enum TaskErrorKind {
     UnknownAgent,
     /// The task envelope could not be read.
     BadEnvelope,
-    /// The attempt was cancelled.
+    /// The attempt was cancelled (run cancelled or aborted, worker stopping).
     Cancelled,
+    /// The result is larger than the deployment's NATS max payload allows; pass large outputs
+    /// as artifacts or workspace entries and return a reference.
+    ResultTooLarge,
     /// A fault inside Flotilla.
     Internal,
 }
@@ -211,15 +214,20 @@ impl TaskErrorKind {
             Self::UnknownAgent => "unknown_agent",
             Self::BadEnvelope => "bad_envelope",
             Self::Cancelled => "cancelled",
+            Self::ResultTooLarge => "result_too_large",
             Self::Internal => "internal",
         }
     }
 
-    /// Whether another attempt may succeed. Dependency timeouts and cancellation are final.
+    /// Whether another attempt may succeed. Failures of the agent (`agent_failed`,
+    /// `timeout`), of a worker (`redeliveries_exhausted`) and of Flotilla (`internal`) are
+    /// retried; configuration and input errors (`unknown_agent`, `bad_envelope`,
+    /// `result_too_large`), dependency timeouts and cancellation are final: another attempt
+    /// would fail the same way.
     pub fn is_retryable(self) -> bool {
-        !matches!(
+        matches!(
             self,
-            Self::DependencyTimeout | Self::Cancelled | Self::BadEnvelope
+            Self::AgentFailed | Self::Timeout | Self::RedeliveriesExhausted | Self::Internal
         )
     }
 }

@@ -56,6 +56,60 @@ pub fn check_token(s: &str) -> Result<(), TokenError> {
     Ok(())
 }
 
+/// Longest subject accepted where a client names one (`reply_to`).
+pub const MAX_SUBJECT_LEN: usize = 512;
+
+/// Why a string is not a subject a message can be published to.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubjectError {
+    /// The subject is empty.
+    #[error("is empty")]
+    Empty,
+    /// The subject is too long.
+    #[error("is longer than {MAX_SUBJECT_LEN} bytes")]
+    TooLong,
+    /// A token (between dots) is empty: leading, trailing or doubled `.`.
+    #[error("has an empty token (a leading, trailing or doubled `.`)")]
+    EmptyToken,
+    /// A token is not valid.
+    #[error("has an invalid token {token:?}: {reason}")]
+    BadToken {
+        /// The token.
+        token: String,
+        /// Why.
+        reason: TokenError,
+    },
+}
+
+/// Checks that `s` is a subject a message can be published to: non-empty `.`-separated
+/// tokens without wildcards, whitespace or control characters.
+pub fn check_subject(s: &str) -> Result<(), SubjectError> {
+    if s.is_empty() {
+        return Err(SubjectError::Empty);
+    }
+    if s.len() > MAX_SUBJECT_LEN {
+        return Err(SubjectError::TooLong);
+    }
+    for token in s.split('.') {
+        if token.is_empty() {
+            return Err(SubjectError::EmptyToken);
+        }
+        for c in token.chars() {
+            let reason = match c {
+                '*' | '>' => TokenError::Forbidden(c),
+                c if c.is_whitespace() => TokenError::Whitespace,
+                c if c.is_control() => TokenError::Control,
+                _ => continue,
+            };
+            return Err(SubjectError::BadToken {
+                token: token.to_owned(),
+                reason,
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Checks a pool, agent or prefix name: ASCII letters, digits, `_` and `-`.
 pub fn check_name(s: &str) -> Result<(), TokenError> {
     if s.is_empty() {
@@ -95,6 +149,30 @@ pub fn normalize_topic(topic: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn subjects() {
+        assert!(check_subject("my.app.outcomes").is_ok());
+        assert!(check_subject("_INBOX.abc123").is_ok());
+        assert_eq!(check_subject(""), Err(SubjectError::Empty));
+        assert_eq!(check_subject("a..b"), Err(SubjectError::EmptyToken));
+        assert_eq!(check_subject(".a"), Err(SubjectError::EmptyToken));
+        assert!(matches!(
+            check_subject("out b *"),
+            Err(SubjectError::BadToken {
+                reason: TokenError::Whitespace,
+                ..
+            })
+        ));
+        assert!(matches!(
+            check_subject("out.*"),
+            Err(SubjectError::BadToken {
+                reason: TokenError::Forbidden('*'),
+                ..
+            })
+        ));
+        assert!(check_subject(&"a".repeat(MAX_SUBJECT_LEN + 1)).is_err());
+    }
 
     #[test]
     fn tokens() {

@@ -31,7 +31,24 @@ pub struct Limits {
     pub max_timeout: Duration,
     /// Highest `max_retries`.
     pub max_retries: u32,
+    /// Deepest nesting of a subtask's `input` (objects and arrays). Stored messages wrap the
+    /// input a few levels deeper, and every decoder on the way has a recursion limit (128 in
+    /// serde_json), so deeper input would pass intake and break a later decode.
+    pub max_input_depth: usize,
+    /// Largest plan, as JSON, when the deployment's message size is known (its NATS max
+    /// payload less room for the envelope); `None` skips the check.
+    pub max_plan_bytes: Option<usize>,
 }
+
+/// Room left in a NATS message for what wraps a plan (run-log entry, labels, trace).
+pub const PLAN_ENVELOPE_ROOM: usize = 16 * 1024;
+
+/// NATS's default max payload, assumed when the deployment's is unknown.
+pub const DEFAULT_MAX_PAYLOAD: usize = 1024 * 1024;
+
+/// Most problems carried in a rejection; the rest are counted in one `too_many_problems`
+/// entry, so a rejection always fits in a message.
+pub const MAX_REPORTED_PROBLEMS: usize = 100;
 
 impl Default for Limits {
     fn default() -> Self {
@@ -43,6 +60,8 @@ impl Default for Limits {
             max_input_bytes: 256 * 1024,
             max_timeout: Duration::from_secs(7 * 24 * 3600),
             max_retries: 100,
+            max_input_depth: 64,
+            max_plan_bytes: None,
         }
     }
 }
@@ -116,6 +135,18 @@ pub enum ProblemCode {
     UnsupportedStrategy,
     /// A dependency is listed twice (warning).
     DuplicateDependency,
+    /// A subtask's input is nested too deeply.
+    InputTooDeep,
+    /// The plan is larger than the deployment's message size allows.
+    PlanTooLarge,
+    /// `reply_to` is not a subject a message can be published to.
+    InvalidReplyTo,
+    /// No live worker serves a pool the plan uses (warning: tasks wait until one starts).
+    NoLiveWorker,
+    /// More problems than a rejection carries; this entry counts the rest.
+    TooManyProblems,
+    /// The submission could not be processed (it kept failing); it was set aside.
+    Unprocessable,
 }
 
 impl ProblemCode {
@@ -143,6 +174,12 @@ impl ProblemCode {
             Self::InvalidConfig => "invalid_config",
             Self::UnsupportedStrategy => "unsupported_strategy",
             Self::DuplicateDependency => "duplicate_dependency",
+            Self::InputTooDeep => "input_too_deep",
+            Self::PlanTooLarge => "plan_too_large",
+            Self::InvalidReplyTo => "invalid_reply_to",
+            Self::NoLiveWorker => "no_live_worker",
+            Self::TooManyProblems => "too_many_problems",
+            Self::Unprocessable => "unprocessable",
         }
     }
 }
@@ -220,6 +257,38 @@ impl ValidationReport {
     pub fn has(&self, code: ProblemCode) -> bool {
         self.errors.iter().any(|p| p.code == code)
     }
+}
+
+/// Keeps at most `max` problems; when more were found, the last kept entry is a
+/// `too_many_problems` problem counting the rest. Rejections stay bounded however broken the
+/// plan is.
+pub fn truncate_problems(mut problems: Vec<Problem>, max: usize) -> Vec<Problem> {
+    if problems.len() <= max {
+        return problems;
+    }
+    let keep = max.saturating_sub(1);
+    let omitted = problems.len() - keep;
+    problems.truncate(keep);
+    problems.push(Problem::new(
+        ProblemCode::TooManyProblems,
+        "",
+        format!("{omitted} more problems are not listed; fix the ones above and validate again"),
+    ));
+    problems
+}
+
+/// Checks a plan's encoded size against `max_bytes` (see [`Limits::max_plan_bytes`]).
+pub fn check_plan_size(plan: &Plan, max_bytes: usize) -> Option<Problem> {
+    let size = json_size(&serde_json::to_value(plan).unwrap_or_default());
+    (size > max_bytes).then(|| {
+        Problem::new(
+            ProblemCode::PlanTooLarge,
+            "",
+            format!(
+                "the plan is {size} bytes as JSON; this deployment accepts plans up to {max_bytes} bytes (its NATS max payload less {PLAN_ENVELOPE_ROOM} bytes of envelope). Split it into several runs, or pass large inputs by reference (workspace entries, artifacts)"
+            ),
+        )
+    })
 }
 
 /// Validates a plan and returns it ready to run: topics normalised, and in lenient mode
@@ -374,6 +443,11 @@ pub fn validate_plan(plan: &Plan, ctx: &ValidationContext) -> ValidationReport {
     }
 
     v.check_dataflow(plan, &topics);
+    if let Some(max) = ctx.limits.max_plan_bytes
+        && let Some(p) = check_plan_size(plan, max)
+    {
+        v.report.errors.push(p);
+    }
     v.report
 }
 
@@ -464,6 +538,17 @@ impl Validator {
             );
         }
         if !task.input.is_null() {
+            let depth = json_depth(&task.input);
+            if depth > limits.max_input_depth {
+                self.error(
+                    ProblemCode::InputTooDeep,
+                    format!("subtasks[{i}].input"),
+                    format!(
+                        "input is nested {depth} levels deep; the limit is {}",
+                        limits.max_input_depth
+                    ),
+                );
+            }
             let size = json_size(&task.input);
             if size > limits.max_input_bytes {
                 self.error(
@@ -648,6 +733,22 @@ fn find_cycles(deps: &[Vec<usize>]) -> Vec<Vec<usize>> {
     cycles
 }
 
+/// Nesting depth of a JSON value: 0 for a scalar, 1 for a flat array or object. Iterative,
+/// so no input can exhaust the stack.
+pub fn json_depth(value: &serde_json::Value) -> usize {
+    let mut deepest = 0;
+    let mut stack: Vec<(&serde_json::Value, usize)> = vec![(value, 0)];
+    while let Some((v, d)) = stack.pop() {
+        deepest = deepest.max(d);
+        match v {
+            serde_json::Value::Array(a) => stack.extend(a.iter().map(|x| (x, d + 1))),
+            serde_json::Value::Object(o) => stack.extend(o.values().map(|x| (x, d + 1))),
+            _ => {}
+        }
+    }
+    deepest
+}
+
 fn json_size(value: &serde_json::Value) -> usize {
     struct Count(usize);
     impl std::io::Write for Count {
@@ -697,6 +798,62 @@ mod tests {
         let (ready, warnings) = prepare_plan(&p, &ValidationContext::default()).expect("valid");
         assert!(warnings.is_empty());
         assert_eq!(ready.subtasks[0].produces, vec!["raw_data".to_string()]);
+    }
+
+    #[test]
+    fn deep_input_is_refused_at_validation() {
+        let mut deep = serde_json::json!(1);
+        for _ in 0..100 {
+            deep = serde_json::json!([deep]);
+        }
+        let mut t = Subtask::new("a", "");
+        t.input = deep;
+        let r = validate_plan(&plan(vec![t]), &ValidationContext::default());
+        assert_eq!(codes(&r), vec![ProblemCode::InputTooDeep]);
+        assert!(
+            r.errors[0].message.contains("100 levels"),
+            "{}",
+            r.errors[0].message
+        );
+        assert_eq!(json_depth(&serde_json::json!({"a": [1, {"b": 2}]})), 3);
+        assert_eq!(json_depth(&serde_json::json!("x")), 0);
+    }
+
+    #[test]
+    fn oversize_plans_are_reported_against_the_limit() {
+        let tasks = (0..200)
+            .map(|i| Subtask::new(&format!("t{i}"), &"x".repeat(100)))
+            .collect();
+        let p = plan(tasks);
+        let ctx = ValidationContext {
+            limits: Limits {
+                max_plan_bytes: Some(10_000),
+                ..Limits::default()
+            },
+            ..ValidationContext::default()
+        };
+        let r = validate_plan(&p, &ctx);
+        assert_eq!(codes(&r), vec![ProblemCode::PlanTooLarge]);
+        assert!(
+            r.errors[0].message.contains("10000 bytes"),
+            "{}",
+            r.errors[0].message
+        );
+        assert!(validate_plan(&p, &ValidationContext::default()).is_valid());
+    }
+
+    #[test]
+    fn problem_lists_are_truncated_with_a_count() {
+        let problems: Vec<Problem> = (0..250)
+            .map(|i| Problem::new(ProblemCode::DuplicateId, format!("subtasks[{i}]"), "dup"))
+            .collect();
+        let kept = truncate_problems(problems, MAX_REPORTED_PROBLEMS);
+        assert_eq!(kept.len(), MAX_REPORTED_PROBLEMS);
+        let last = kept.last().expect("a summary");
+        assert_eq!(last.code, ProblemCode::TooManyProblems);
+        assert!(last.message.starts_with("151 more"), "{}", last.message);
+        let few = truncate_problems(vec![Problem::new(ProblemCode::Cycle, "", "c")], 5);
+        assert_eq!(few.len(), 1);
     }
 
     #[test]

@@ -292,29 +292,42 @@ fn outcome() -> impl Strategy<Value = RunOutcome> {
         vec((task_id(), 1u32..5, task_error()), 0..2),
         vec((task_id(), text()), 0..2),
         option::of(text()),
+        (0u32..3, any::<bool>()),
     )
-        .prop_map(|(run_id, status, fr, failed, skipped, reason)| RunOutcome {
-            run_id,
-            status,
-            final_result: fr.map(|(response, numeric_value, results)| FinalResult {
-                response,
-                numeric_value,
-                results,
-            }),
-            failed: failed
-                .into_iter()
-                .map(|(task_id, attempts, error)| FailedTask {
-                    task_id,
-                    attempts,
-                    error,
-                })
-                .collect(),
-            skipped: skipped
-                .into_iter()
-                .map(|(task_id, reason)| SkippedTask { task_id, reason })
-                .collect(),
-            reason,
-        })
+        .prop_map(
+            |(run_id, status, fr, failed, skipped, reason, (omitted, partial))| RunOutcome {
+                run_id,
+                status,
+                final_result: fr.map(|(response, numeric_value, results)| FinalResult {
+                    response,
+                    numeric_value,
+                    results,
+                    partial,
+                    omitted,
+                    artifact: (omitted > 0).then(|| flotilla_model::artifact::ArtifactRef {
+                        bucket: "flotilla-artifacts".into(),
+                        name: format!("runs/{run_id}/final-result.json"),
+                        size: 2_000_000,
+                        sha256: "ab".repeat(32),
+                    }),
+                }),
+                failed: failed
+                    .into_iter()
+                    .map(|(task_id, attempts, error)| FailedTask {
+                        task_id,
+                        attempts,
+                        error,
+                    })
+                    .collect(),
+                skipped: skipped
+                    .into_iter()
+                    .map(|(task_id, reason)| SkippedTask { task_id, reason })
+                    .collect(),
+                failed_omitted: omitted,
+                skipped_omitted: omitted * 2,
+                reason,
+            },
+        )
 }
 fn record() -> impl Strategy<Value = RunRecord> {
     (
@@ -383,7 +396,7 @@ fn workflow() -> impl Strategy<Value = Event> {
                     error,
                     retry_at,
                     detail,
-                    outcome,
+                    outcome: outcome.map(Box::new),
                 })
             },
         )
@@ -446,7 +459,8 @@ proptest! {
 
     #[test]
     fn submit_reply_roundtrips(run in option::of(run_id()), errors in vec(problem(), 0..3), outcome in option::of(outcome()), status in prop_oneof![Just(SubmitStatus::Accepted), Just(SubmitStatus::Duplicate), Just(SubmitStatus::Rejected), Just(SubmitStatus::Finished)]) {
-        roundtrip(&SubmitReply { protocol: 1, run_id: run, status, errors, warnings: Vec::new(), outcome })?;
+        let run_status = (status == SubmitStatus::Duplicate).then_some(RunStatus::Running);
+        roundtrip(&SubmitReply { protocol: 1, run_id: run, status, errors, warnings: Vec::new(), outcome, run_status })?;
     }
 
     #[test]
@@ -471,7 +485,7 @@ proptest! {
     #[test]
     fn runlog_entry_roundtrips(
         run_id in run_id(),
-        which in 0u8..3,
+        which in 0u8..5,
         p in plan(),
         labels in labels(),
         (task_id, attempt, attempt_id, result, started) in (task_id(), 1u32..4, attempt_id(), task_result(), option::of(ts())),
@@ -479,8 +493,15 @@ proptest! {
         trace in option::of(trace()),
     ) {
         let input = match which {
-            0 => RunInput::Submitted(Box::new(Submitted { plan: p, labels, session_id: None, parent: None, reply_to: None, warnings: Vec::new(), trace })),
+            0 => RunInput::Submitted(Box::new(Submitted { plan: p, labels, session_id: None, parent: None, reply_to: None, wait_reply_to: Some("_INBOX.w".into()), intake_seq: Some(generation), warnings: Vec::new(), trace })),
             1 => RunInput::TaskResult(Box::new(TaskResultInput { task_id, attempt, attempt_id, worker: "w1".into(), started_at: started, result })),
+            2 => RunInput::Rejected(Box::new(flotilla_model::runlog::Rejected {
+                errors: vec![flotilla_model::validate::Problem::new(flotilla_model::validate::ProblemCode::Cycle, "subtasks[0]", "cycle")],
+                name: p.name.clone(), labels, reply_to: Some("a.b".into()), intake_seq: None,
+            })),
+            3 => RunInput::Control(flotilla_model::runlog::Control {
+                action: flotilla_model::runlog::ControlAction::Cancel, reason: Some("stop".into()), by: None,
+            }),
             _ => RunInput::TimerFired { generation },
         };
         roundtrip(&RunLogEntry { protocol: 1, run_id, input })?;
@@ -497,8 +518,9 @@ proptest! {
         let view = RunView {
             record,
             tasks: tasks.into_iter().map(|(task_id, attempts, error, skip_reason, dispatched_at)| TaskView {
-                task_id, status: TaskStatus::Waiting, attempts, error, skip_reason, dispatched_at,
+                task_id, status: TaskStatus::Waiting, attempts, error, skip_reason, dispatched_at, pool: Some("gpu".into()),
             }).collect(),
+            tasks_offset: 7,
         };
         roundtrip(&view)?;
     }
@@ -516,7 +538,9 @@ proptest! {
 
     #[test]
     fn api_messages_roundtrip(run_id in run_id(), status in 400u16..600, code in token(), message in text()) {
-        roundtrip(&GetRunRequest { protocol: 1, run_id })?;
+        roundtrip(&GetRunRequest { protocol: 1, run_id, tasks_offset: 3, tasks_limit: Some(10), task_id: None })?;
+        roundtrip(&flotilla_model::api::CancelRunRequest { protocol: 1, run_id, reason: Some(message.clone()), by: None })?;
+        roundtrip(&flotilla_model::api::CancelRunReply { protocol: 1, run_id, cancelling: true, status: RunStatus::Running })?;
         roundtrip(&ApiError { status, code, message })?;
     }
 }

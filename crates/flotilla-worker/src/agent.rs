@@ -92,14 +92,22 @@ impl fmt::Debug for EventEmitter {
 }
 
 impl EventEmitter {
-    pub(crate) fn new(bus: Option<Bus>, task: &TaskEnvelope, worker_id: &str) -> Self {
+    /// An emitter for one delivery of an attempt. Event ids are
+    /// `<run>.<attempt id>.<delivery>.<n>`: unique per attempt and per delivery, so a
+    /// redelivered attempt's events are not dropped as duplicates of its predecessor's.
+    pub(crate) fn new(
+        bus: Option<Bus>,
+        task: &TaskEnvelope,
+        worker_id: &str,
+        delivery: i64,
+    ) -> Self {
         Self {
             bus,
             run_id: task.run_id,
             task_id: task.task_id.clone(),
             attempt: task.attempt,
             source: format!("worker/{worker_id}"),
-            id_prefix: format!("{}.{}", task.run_id, task.attempt_id),
+            id_prefix: format!("{}.{}.{delivery}", task.run_id, task.attempt_id),
             counter: Arc::new(AtomicU64::new(0)),
         }
     }

@@ -10,9 +10,15 @@
 //! * One durable pull consumer per pool (`pool-<name>`), shared by every worker of the pool;
 //!   each worker asks for exactly as many messages as it has free slots, so nothing waits in
 //!   a client buffer while its ack timer runs.
-//! * While an agent runs, the worker sends in-progress acknowledgements every heartbeat; the
-//!   consumer's ack wait is three heartbeats, so a dead worker's task is redelivered within
-//!   seconds.
+//! * While an agent runs, the worker sends in-progress acknowledgements twice per heartbeat;
+//!   the consumer's ack wait is one and a half heartbeats, so a dead worker's task is
+//!   redelivered to another worker within 1.5 heartbeats (7.5 s at the default 5 s), while a
+//!   live worker has three chances per ack wait to keep its task.
+//! * Cancellation: workers watch the control bucket; when a run is cancelled or aborted, its
+//!   running attempts here are cancelled at once (event-driven), and a task of such a run that
+//!   is pulled later is answered `cancelled` without running.
+//! * A result larger than the server's max payload becomes a `result_too_large` failure
+//!   instead of a publish retried forever.
 //! * The task is acknowledged only after its result is durably in the run log (ack after
 //!   result). Results carry `Nats-Msg-Id: result.<run>.<task>.<attempt>`, and the coordinator
 //!   applies each attempt's result once.
@@ -26,17 +32,19 @@ pub mod agent;
 pub mod agents;
 pub mod options;
 
-use std::sync::Arc;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, AckKind};
-use flotilla_bus::{Bus, SharedConsumer, wire};
+use flotilla_bus::{Bus, PublishErrorKind, SharedConsumer, wire};
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::api::{ApiRequest, GetRunRequest};
 use flotilla_model::codec::Codec;
 use flotilla_model::event::{Event, WorkflowEvent, WorkflowPhase};
+use flotilla_model::ids::RunId;
 use flotilla_model::numeric::extract_numeric_value;
 use flotilla_model::run::{RunView, TaskStatus};
 use flotilla_model::runlog::{RunInput, RunLogEntry, TaskResultInput};
@@ -44,7 +52,7 @@ use flotilla_model::subjects::{Bucket, StreamKind};
 use flotilla_model::task::{TaskEnvelope, TaskError, TaskErrorKind, TaskResult, result_msg_id};
 use flotilla_model::time::Timestamp;
 use futures::StreamExt;
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -69,28 +77,7 @@ pub type WorkerError = flotilla_bus::error::Error<WorkerErrorKind>;
 /// How long one pull request waits for tasks.
 const PULL_EXPIRY: Duration = Duration::from_secs(1);
 
-/// A worker's entry in the `flotilla-workers` bucket.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct WorkerInfo {
-    /// Worker id.
-    pub id: String,
-    /// Pool.
-    pub pool: String,
-    /// Host name.
-    pub host: String,
-    /// Process id.
-    pub pid: u32,
-    /// Slots.
-    pub concurrency: usize,
-    /// Tasks running now.
-    pub in_flight: usize,
-    /// Agents it can run.
-    pub agents: Vec<String>,
-    /// When it started.
-    pub started_at: Timestamp,
-    /// Flotilla version.
-    pub version: String,
-}
+pub use flotilla_model::worker::WorkerInfo;
 
 /// A worker process (or one of several in `flotilla up`).
 #[derive(Debug)]
@@ -110,6 +97,64 @@ struct Shared {
     in_flight: AtomicUsize,
     /// Fires when the grace period is over: running agents are cancelled and handed back.
     hard_stop: CancellationToken,
+    /// Cancellation of the runs with attempts running here, with how many are running.
+    runs: Mutex<HashMap<RunId, (CancellationToken, usize)>>,
+    /// Runs known to be cancelled (from the control bucket).
+    cancelled: Mutex<HashSet<RunId>>,
+}
+
+impl Shared {
+    /// Registers an attempt of `run`; the token fires when the run is cancelled.
+    fn enter_run(&self, run: RunId) -> CancellationToken {
+        let mut runs = self.runs.lock().unwrap_or_else(|p| p.into_inner());
+        let entry = runs
+            .entry(run)
+            .or_insert_with(|| (CancellationToken::new(), 0));
+        entry.1 += 1;
+        if self
+            .cancelled
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(&run)
+        {
+            entry.0.cancel();
+        }
+        entry.0.clone()
+    }
+
+    fn leave_run(&self, run: RunId) {
+        let mut runs = self.runs.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(entry) = runs.get_mut(&run) {
+            entry.1 -= 1;
+            if entry.1 == 0 {
+                runs.remove(&run);
+            }
+        }
+    }
+
+    /// A cancel notice arrived for `run`.
+    fn cancel_run(&self, run: RunId) {
+        self.cancelled
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(run);
+        if let Some((token, n)) = self
+            .runs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&run)
+        {
+            info!(%run, attempts = n, "Run cancelled: cancelling its attempts here");
+            token.cancel();
+        }
+    }
+
+    fn is_cancelled(&self, run: RunId) -> bool {
+        self.cancelled
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(&run)
+    }
 }
 
 fn setup(
@@ -186,7 +231,20 @@ impl Worker {
             id: self.id.clone(),
             in_flight: AtomicUsize::new(0),
             hard_stop: CancellationToken::new(),
+            runs: Mutex::new(HashMap::new()),
+            cancelled: Mutex::new(HashSet::new()),
         });
+        let control = self
+            .bus
+            .kv(Bucket::Control)
+            .await
+            .map_err(|e| setup("opening the control bucket", e))?;
+        let watcher_stop = CancellationToken::new();
+        let watcher = tokio::spawn(watch_cancellations(
+            control,
+            Arc::clone(&shared),
+            watcher_stop.clone(),
+        ));
         let info = WorkerInfo {
             id: self.id.clone(),
             pool: self.opts.pool.clone(),
@@ -289,10 +347,47 @@ impl Worker {
             }
         }
         register_stop.cancel();
+        watcher_stop.cancel();
         let _ = registration.await;
+        let _ = watcher.await;
         let _ = registry.delete(&self.id).await;
         info!(worker = %self.id, "Worker stopped");
         Ok(())
+    }
+}
+
+/// Follows cancel notices in the control bucket (`cancel.<run>`), from the current ones on.
+async fn watch_cancellations(
+    kv: jetstream::kv::Store,
+    shared: Arc<Shared>,
+    stop: CancellationToken,
+) {
+    while !stop.is_cancelled() {
+        let watch = match kv.watch_with_history("cancel.*").await {
+            Ok(w) => w,
+            Err(e) => {
+                debug!(error = %e, "Cannot watch cancel notices; retrying");
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
+                }
+            }
+        };
+        let watch = watch.take_until(stop.cancelled());
+        futures::pin_mut!(watch);
+        while let Some(entry) = watch.next().await {
+            let Ok(entry) = entry else { break };
+            if entry.operation != jetstream::kv::Operation::Put {
+                continue;
+            }
+            if let Some(run) = entry
+                .key
+                .strip_prefix("cancel.")
+                .and_then(|r| r.parse::<RunId>().ok())
+            {
+                shared.cancel_run(run);
+            }
+        }
     }
 }
 
@@ -324,8 +419,8 @@ async fn register(
 /// Whether the coordinator already has a result for this attempt (only asked on redelivery).
 async fn already_done(bus: &Bus, task: &TaskEnvelope) -> bool {
     let req = GetRunRequest {
-        protocol: PROTOCOL_VERSION,
-        run_id: task.run_id,
+        task_id: Some(task.task_id.clone()),
+        ..GetRunRequest::new(task.run_id)
     };
     let Ok(body) = serde_json::to_vec(&req) else {
         return false;
@@ -355,12 +450,17 @@ async fn handle(shared: &Shared, msg: jetstream::Message) {
     let task: TaskEnvelope = match wire::decode(msg.headers.as_ref(), &msg.payload) {
         Ok(t) => t,
         Err(e) => {
-            warn!(subject = %msg.subject, error = %e, "Unreadable task envelope; terminating it");
-            let _ = msg.ack_with(AckKind::Term).await;
+            report_bad_envelope(shared, &msg, &e.to_string()).await;
             return;
         }
     };
     let started_at = Timestamp::now();
+    if shared.is_cancelled(task.run_id) {
+        debug!(run = %task.run_id, task = %task.task_id, "Task of a cancelled run; not running it");
+        let result = TaskResult::failure(TaskErrorKind::Cancelled, "the run was cancelled");
+        finish(shared, &msg, &task, result, started_at).await;
+        return;
+    }
     if delivered > shared.opts.max_deliveries {
         warn!(run = %task.run_id, task = %task.task_id, delivered, "Task redelivered too often; reporting it failed");
         let result = TaskResult::failure(
@@ -377,7 +477,7 @@ async fn handle(shared: &Shared, msg: jetstream::Message) {
         let _ = msg.ack().await;
         return;
     }
-    let events = EventEmitter::new(Some(shared.bus.clone()), &task, &shared.id);
+    let events = EventEmitter::new(Some(shared.bus.clone()), &task, &shared.id, delivered);
     let started_event = Event::Workflow(WorkflowEvent {
         worker: Some(shared.id.clone()),
         started_at: Some(started_at),
@@ -394,6 +494,8 @@ async fn handle(shared: &Shared, msg: jetstream::Message) {
             message,
         }),
         Ok((_, agent)) => {
+            let run_cancelled = shared.enter_run(task.run_id);
+            let _leave = LeaveRun(shared, task.run_id);
             let cancel = shared.hard_stop.child_token();
             let timeout = task.timeout.get();
             let ctx = AgentContext {
@@ -409,8 +511,8 @@ async fn handle(shared: &Shared, msg: jetstream::Message) {
             let deadline = tokio::time::sleep(timeout);
             tokio::pin!(deadline);
             let mut heartbeat = tokio::time::interval_at(
-                tokio::time::Instant::now() + shared.opts.heartbeat,
-                shared.opts.heartbeat,
+                tokio::time::Instant::now() + shared.opts.progress_interval(),
+                shared.opts.progress_interval(),
             );
             loop {
                 tokio::select! {
@@ -440,6 +542,14 @@ async fn handle(shared: &Shared, msg: jetstream::Message) {
                             kind: TaskErrorKind::Timeout,
                             message: format!("the attempt exceeded its timeout of {}", humantime_serde::re::humantime::format_duration(timeout)),
                         });
+                    }
+                    _ = run_cancelled.cancelled() => {
+                        cancel.cancel();
+                        // Let the agent observe the cancellation (an exec agent's processes
+                        // are killed), then report the attempt cancelled.
+                        let _ = tokio::time::timeout(Duration::from_secs(2), &mut run).await;
+                        info!(run = %task.run_id, task = %task.task_id, "Attempt cancelled with its run");
+                        break Err(AgentError::cancelled("the run was cancelled"));
                     }
                     _ = shared.hard_stop.cancelled() => {
                         cancel.cancel();
@@ -509,6 +619,20 @@ async fn finish(
         }
     };
     let subject = shared.bus.names().runlog(task.run_id);
+    let limit = shared.bus.max_payload().saturating_sub(RESULT_HEADROOM);
+    let mut out = if out.payload.len() > limit {
+        let size = out.payload.len();
+        warn!(run = %task.run_id, task = %task.task_id, size, limit, "Result too large for this deployment; reporting result_too_large");
+        match too_large_entry(shared, task, started_at, size, limit) {
+            Some(o) => o,
+            None => {
+                let _ = msg.ack_with(AckKind::Nak(None)).await;
+                return;
+            }
+        }
+    } else {
+        out
+    };
     let mut backoff = Duration::from_millis(100);
     loop {
         match shared
@@ -517,6 +641,17 @@ async fn finish(
             .await
         {
             Ok(_) => break,
+            Err(e) if e.kind() == PublishErrorKind::TooLarge => {
+                // The server's limit is lower than the one announced at connect time.
+                warn!(run = %task.run_id, task = %task.task_id, error = %e, "Result refused as too large; reporting result_too_large");
+                match too_large_entry(shared, task, started_at, out.payload.len(), limit) {
+                    Some(o) => out = o,
+                    None => {
+                        let _ = msg.ack_with(AckKind::Nak(None)).await;
+                        return;
+                    }
+                }
+            }
             Err(e) if !shared.hard_stop.is_cancelled() => {
                 warn!(run = %task.run_id, task = %task.task_id, error = %e, "Result not stored yet; retrying");
                 let _ = msg.ack_with(AckKind::Progress).await;
@@ -534,4 +669,102 @@ async fn finish(
         debug!(error = %e, "Task ack failed; a redelivery will find the result already stored");
     }
     debug!(run = %task.run_id, task = %task.task_id, attempt = task.attempt, success, "Task finished");
+}
+
+/// Room kept below the server's max payload for a result's headers.
+const RESULT_HEADROOM: usize = 512;
+
+/// Unregisters an attempt from its run's cancellation when the attempt ends.
+struct LeaveRun<'a>(&'a Shared, RunId);
+
+impl Drop for LeaveRun<'_> {
+    fn drop(&mut self) {
+        self.0.leave_run(self.1);
+    }
+}
+
+/// The run-log entry of a `result_too_large` failure for a result of `size` bytes.
+fn too_large_entry(
+    shared: &Shared,
+    task: &TaskEnvelope,
+    started_at: Timestamp,
+    size: usize,
+    limit: usize,
+) -> Option<wire::Outgoing> {
+    let result = TaskResult::failure(
+        TaskErrorKind::ResultTooLarge,
+        format!(
+            "the result is {size} bytes; this deployment's messages hold at most {limit}. Return large outputs by reference: store them as an artifact (object store) or workspace entries, and answer with the reference"
+        ),
+    );
+    let entry = RunLogEntry {
+        protocol: PROTOCOL_VERSION,
+        run_id: task.run_id,
+        input: RunInput::TaskResult(Box::new(TaskResultInput {
+            task_id: task.task_id.clone(),
+            attempt: task.attempt,
+            attempt_id: task.attempt_id,
+            worker: shared.id.clone(),
+            started_at: Some(started_at),
+            result,
+        })),
+    };
+    let msg_id = result_msg_id(task.run_id, &task.task_id, task.attempt);
+    match wire::encode(&entry, Codec::Json, Some(&msg_id)) {
+        Ok(o) => Some(o),
+        Err(e) => {
+            warn!(error = %e, "Cannot encode a failure result");
+            None
+        }
+    }
+}
+
+/// A task message that does not decode: if its run, task and attempt can still be read, its
+/// attempt fails with `bad_envelope` (final), so the run does not wait for it forever;
+/// otherwise it is terminated with a log line.
+async fn report_bad_envelope(shared: &Shared, msg: &jetstream::Message, error: &str) {
+    #[derive(Deserialize)]
+    struct Ids {
+        run_id: RunId,
+        task_id: flotilla_model::TaskId,
+        attempt: u32,
+        attempt_id: flotilla_model::AttemptId,
+    }
+    let Ok(ids) = serde_json::from_slice::<Ids>(&msg.payload) else {
+        warn!(subject = %msg.subject, error, "Unreadable task envelope without readable ids; terminating it");
+        let _ = msg.ack_with(AckKind::Term).await;
+        return;
+    };
+    warn!(run = %ids.run_id, task = %ids.task_id, error, "Unreadable task envelope; reporting bad_envelope");
+    let entry = RunLogEntry {
+        protocol: PROTOCOL_VERSION,
+        run_id: ids.run_id,
+        input: RunInput::TaskResult(Box::new(TaskResultInput {
+            task_id: ids.task_id.clone(),
+            attempt: ids.attempt,
+            attempt_id: ids.attempt_id,
+            worker: shared.id.clone(),
+            started_at: Some(Timestamp::now()),
+            result: TaskResult::failure(
+                TaskErrorKind::BadEnvelope,
+                format!("the task envelope could not be read: {error}"),
+            ),
+        })),
+    };
+    let msg_id = result_msg_id(ids.run_id, &ids.task_id, ids.attempt);
+    match shared
+        .bus
+        .publish(shared.bus.names().runlog(ids.run_id), &entry, Some(&msg_id))
+        .await
+    {
+        Ok(_) => {
+            let _ = msg.ack().await;
+        }
+        Err(e) => {
+            warn!(error = %e, "Could not report a bad envelope; it will be redelivered");
+            let _ = msg
+                .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                .await;
+        }
+    }
 }

@@ -13,8 +13,10 @@ pub struct WorkerOptions {
     pub pool: String,
     /// Tasks run at once.
     pub concurrency: usize,
-    /// Interval of in-progress acknowledgements while an agent runs. The consumer's ack wait
-    /// is three intervals, so a dead worker's task goes to another worker within ~15 s.
+    /// Liveness interval while an agent runs: in-progress acknowledgements go out twice per
+    /// interval, and the consumer's ack wait is one and a half intervals, so a dead worker's
+    /// task goes to another worker within 1.5 intervals (7.5 s at the default 5 s). The
+    /// worker registry entry is refreshed once per interval.
     #[serde(with = "humantime_serde")]
     pub heartbeat: Duration,
     /// Deliveries of one task message before the worker gives up and reports
@@ -69,8 +71,13 @@ impl WorkerOptions {
         Ok(())
     }
 
-    /// The consumer's ack wait.
+    /// The consumer's ack wait: one and a half heartbeats (three progress acknowledgements).
     pub fn ack_wait(&self) -> Duration {
-        self.heartbeat * 3
+        self.heartbeat * 3 / 2
+    }
+
+    /// How often a running attempt's message gets an in-progress acknowledgement.
+    pub fn progress_interval(&self) -> Duration {
+        self.heartbeat / 2
     }
 }

@@ -3,19 +3,31 @@
 use std::path::Path;
 use std::process::ExitCode;
 
+use std::time::Duration;
+
 use anyhow::Context;
+use flotilla_bus::Bus;
+use flotilla_client::Client;
 use flotilla_model::Plan;
 use flotilla_model::codec::Codec;
 use flotilla_model::validate::{
-    Problem, ProblemCode, ValidationContext, ValidationReport, validate_plan,
+    DEFAULT_MAX_PAYLOAD, PLAN_ENVELOPE_ROOM, Problem, ProblemCode, ValidationReport, validate_plan,
 };
 use serde::Serialize;
+
+use crate::config::Config;
 
 #[derive(Serialize)]
 struct Output<'a> {
     file: String,
     valid: bool,
     subtasks: usize,
+    /// `deployment` (a coordinator validated it against the running installation) or
+    /// `offline` (against the local config only).
+    checked: &'static str,
+    /// What an offline validation could not check.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    note: Option<String>,
     #[serde(flatten)]
     report: &'a ValidationReport,
 }
@@ -33,15 +45,81 @@ pub(crate) fn read_plan(path: &Path) -> anyhow::Result<Result<Plan, ValidationRe
     }))
 }
 
+/// Asks a coordinator of the deployment to validate `plan`; `Err` says why that was not
+/// possible (no NATS, no coordinator).
+async fn validate_online(config: &Config, plan: &Plan) -> Result<ValidationReport, String> {
+    let mut nats = config.nats.clone();
+    nats.connect_timeout = nats.connect_timeout.min(Duration::from_secs(2));
+    let bus = Bus::connect(&nats, "flotilla-cli")
+        .await
+        .map_err(|e| e.to_string())?;
+    let reply = Client::new(bus)
+        .validate(plan)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(ValidationReport {
+        errors: reply.errors,
+        warnings: reply.warnings,
+    })
+}
+
+/// Validates without a coordinator: the plan's structure, the default message size and —
+/// unless `structure_only` — the local config's pools and agents.
+fn validate_offline(
+    config: &Config,
+    plan: &Plan,
+    structure_only: bool,
+) -> (ValidationReport, String) {
+    let mut ctx = if structure_only {
+        Default::default()
+    } else {
+        config.validation_context()
+    };
+    ctx.limits.max_plan_bytes = Some(DEFAULT_MAX_PAYLOAD - PLAN_ENVELOPE_ROOM);
+    let mut unchecked = vec![
+        "live workers".to_owned(),
+        "the deployment's message size (assumed 1 MiB)".to_owned(),
+    ];
+    if structure_only {
+        unchecked.insert(0, "pools and agents (--offline)".into());
+    } else if ctx.agents.is_none() {
+        unchecked.insert(0, "agent names (the local config defines no agents)".into());
+    }
+    (
+        validate_plan(plan, &ctx),
+        format!(
+            "validated offline against the local config; not checked: {}",
+            unchecked.join(", ")
+        ),
+    )
+}
+
 /// Validates a plan file. Exit code 0 when valid, 1 when not.
-pub(crate) fn validate(
+pub(crate) async fn validate(
+    config: &Config,
     path: &Path,
     json: bool,
-    ctx: &ValidationContext,
+    offline: bool,
 ) -> anyhow::Result<ExitCode> {
-    let (report, subtasks) = match read_plan(path)? {
-        Ok(plan) => (validate_plan(&plan, ctx), plan.subtasks.len()),
-        Err(report) => (report, 0),
+    let (report, subtasks, checked, note) = match read_plan(path)? {
+        Ok(plan) => {
+            let online = if offline {
+                Err("--offline".to_owned())
+            } else {
+                validate_online(config, &plan).await
+            };
+            match online {
+                Ok(report) => (report, plan.subtasks.len(), "deployment", None),
+                Err(why) => {
+                    let (report, mut note) = validate_offline(config, &plan, offline);
+                    if !offline {
+                        note = format!("{note} (no coordinator to ask: {why})");
+                    }
+                    (report, plan.subtasks.len(), "offline", Some(note))
+                }
+            }
+        }
+        Err(report) => (report, 0, "offline", None),
     };
     let valid = report.is_valid();
     if json {
@@ -49,14 +127,19 @@ pub(crate) fn validate(
             file: path.display().to_string(),
             valid,
             subtasks,
+            checked,
+            note,
             report: &report,
         };
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         let name = path.display();
+        if let Some(note) = &note {
+            eprintln!("note: {note}");
+        }
         if valid {
             println!(
-                "✓ {name}: valid ({subtasks} subtasks, {} warnings)",
+                "✓ {name}: valid ({subtasks} subtasks, {} warnings; checked {checked})",
                 report.warnings.len()
             );
         } else {

@@ -1,13 +1,14 @@
-//! `flotilla runs list|show|history`, `flotilla workers`.
+//! `flotilla runs list|show|history|cancel`, `flotilla workers`.
 
 use std::process::ExitCode;
 
 use flotilla_bus::Bus;
-use flotilla_coordinator::store::{RunStore, record_of};
+use flotilla_coordinator::store::RunStore;
 use flotilla_model::ids::RunId;
 use flotilla_model::runlog::RunInput;
 use flotilla_model::subjects::Bucket;
-use flotilla_worker::WorkerInfo;
+use flotilla_model::time::Timestamp;
+use flotilla_model::worker::WorkerInfo;
 use futures::StreamExt;
 
 use crate::config::Config;
@@ -19,15 +20,8 @@ async fn store(config: &Config) -> anyhow::Result<RunStore> {
 
 pub(crate) async fn list(config: &Config, limit: usize, json: bool) -> anyhow::Result<ExitCode> {
     let store = store(config).await?;
-    let ids = store.list().await?;
-    // UUIDv7 ids sort by creation: the newest are last.
-    let newest: Vec<RunId> = ids.into_iter().rev().take(limit).collect();
-    let mut records = Vec::new();
-    for id in newest {
-        if let Some(s) = store.load(id).await? {
-            records.push(record_of(&s.snapshot.state));
-        }
-    }
+    // Newest first, by submission time (clients may choose any UUID as run id).
+    let records = store.recent(limit).await?;
     if json {
         println!("{}", serde_json::to_string_pretty(&records)?);
         return Ok(ExitCode::SUCCESS);
@@ -40,8 +34,8 @@ pub(crate) async fn list(config: &Config, limit: usize, json: bool) -> anyhow::R
         let c = &r.tasks;
         println!(
             "{:<36}  {:<10}  {:<20}  {:>9}  {:<24}",
-            r.handle.run_id,
-            r.status,
+            r.handle.run_id.to_string(),
+            r.status.as_str(),
             r.name
                 .as_deref()
                 .unwrap_or("-")
@@ -49,15 +43,16 @@ pub(crate) async fn list(config: &Config, limit: usize, json: bool) -> anyhow::R
                 .take(20)
                 .collect::<String>(),
             format!("{}/{}", c.succeeded, c.total),
-            r.created_at
+            r.created_at.to_string()
         );
     }
     Ok(ExitCode::SUCCESS)
 }
 
 pub(crate) async fn show(config: &Config, run: RunId, json: bool) -> anyhow::Result<ExitCode> {
-    let store = store(config).await?;
-    let Some(view) = store.view(run).await? else {
+    let bus = Bus::connect(&config.nats, "flotilla-cli").await?;
+    let store = RunStore::open(&bus).await?;
+    let Some(view) = store.view(run, 0, usize::MAX).await? else {
         eprintln!("error: run {run} does not exist");
         return Ok(ExitCode::from(1));
     };
@@ -87,8 +82,8 @@ pub(crate) async fn show(config: &Config, run: RunId, json: bool) -> anyhow::Res
     if !view.tasks.is_empty() {
         println!();
         println!(
-            "{:<24}  {:<10}  {:>8}  DETAIL",
-            "TASK", "STATUS", "ATTEMPTS"
+            "{:<24}  {:<10}  {:<10}  {:>8}  DETAIL",
+            "TASK", "STATUS", "POOL", "ATTEMPTS"
         );
         for t in &view.tasks {
             let detail = t
@@ -98,11 +93,15 @@ pub(crate) async fn show(config: &Config, run: RunId, json: bool) -> anyhow::Res
                 .or_else(|| t.skip_reason.clone())
                 .unwrap_or_default();
             println!(
-                "{:<24}  {:<10}  {:>8}  {detail}",
+                "{:<24}  {:<10}  {:<10}  {:>8}  {detail}",
                 t.task_id.as_str(),
                 t.status.as_str(),
+                t.pool.as_deref().unwrap_or("-"),
                 t.attempts
             );
+        }
+        if !r.status.is_terminal() {
+            waiting_pools(&bus, &view).await;
         }
     }
     if let Some(o) = &r.outcome {
@@ -156,44 +155,161 @@ pub(crate) async fn history(config: &Config, run: RunId, json: bool) -> anyhow::
             RunInput::TimerFired { generation } => {
                 ("timer_fired", format!("generation {generation}"))
             }
+            RunInput::Rejected(r) => (
+                "rejected",
+                format!(
+                    "{} problem(s): {}",
+                    r.errors.len(),
+                    r.errors
+                        .first()
+                        .map(ToString::to_string)
+                        .unwrap_or_default()
+                ),
+            ),
+            RunInput::Control(c) => (
+                "control",
+                format!(
+                    "{:?}{}{}",
+                    c.action,
+                    c.reason
+                        .as_deref()
+                        .map(|r| format!(": {r}"))
+                        .unwrap_or_default(),
+                    c.by.as_deref()
+                        .map(|b| format!(" (by {b})"))
+                        .unwrap_or_default()
+                )
+                .to_lowercase(),
+            ),
         };
         println!("{seq:>8}  {:<30}  {kind:<13}  {detail}", ts.to_rfc3339());
     }
     Ok(ExitCode::SUCCESS)
 }
 
-pub(crate) async fn workers(config: &Config, json: bool) -> anyhow::Result<ExitCode> {
-    let bus = Bus::connect(&config.nats, "flotilla-cli").await?;
+/// Live workers with the time of their last registry refresh (server time).
+pub(crate) async fn live_workers(bus: &Bus) -> anyhow::Result<Vec<(WorkerInfo, Timestamp)>> {
     let kv = bus.kv(Bucket::Workers).await?;
     let mut keys = kv.keys().await?;
-    let mut infos: Vec<WorkerInfo> = Vec::new();
+    let mut infos = Vec::new();
     while let Some(k) = keys.next().await {
         let k = k?;
-        if let Some(v) = kv.get(&k).await?
-            && let Ok(info) = serde_json::from_slice::<WorkerInfo>(&v)
+        if let Some(entry) = kv.entry(&k).await?
+            && entry.operation == async_nats::jetstream::kv::Operation::Put
+            && let Ok(info) = serde_json::from_slice::<WorkerInfo>(&entry.value)
         {
-            infos.push(info);
+            infos.push((info, Timestamp(entry.created)));
         }
     }
-    infos.sort_by(|a, b| (&a.pool, &a.id).cmp(&(&b.pool, &b.id)));
+    infos.sort_by(|(a, _), (b, _)| (&a.pool, &a.id).cmp(&(&b.pool, &b.id)));
+    Ok(infos)
+}
+
+/// Says which pools the run's queued tasks wait on, and whether any worker serves them.
+async fn waiting_pools(bus: &Bus, view: &flotilla_model::run::RunView) {
+    let pools: std::collections::BTreeSet<&str> = view
+        .tasks
+        .iter()
+        .filter(|t| t.status == flotilla_model::run::TaskStatus::Dispatched)
+        .filter_map(|t| t.pool.as_deref())
+        .collect();
+    if pools.is_empty() {
+        return;
+    }
+    let live = live_workers(bus).await.unwrap_or_default();
+    println!();
+    for pool in pools {
+        let n = live.iter().filter(|(w, _)| w.pool == pool).count();
+        if n == 0 {
+            println!(
+                "waiting   pool {pool}: tasks are queued, and NO live worker serves this pool (start `flotilla worker --pool {pool}`)"
+            );
+        } else {
+            println!("pool      {pool}: {n} live worker(s)");
+        }
+    }
+}
+
+pub(crate) async fn workers(config: &Config, json: bool) -> anyhow::Result<ExitCode> {
+    let bus = Bus::connect(&config.nats, "flotilla-cli").await?;
+    let infos = live_workers(&bus).await?;
+    let now = Timestamp::now().unix_ms();
     if json {
-        println!("{}", serde_json::to_string_pretty(&infos)?);
+        let items: Vec<_> = infos
+            .iter()
+            .map(|(w, seen)| {
+                serde_json::json!({ "worker": w, "last_seen": seen, "last_seen_secs_ago": (now - seen.unix_ms()).max(0) as f64 / 1000.0 })
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&items)?);
         return Ok(ExitCode::SUCCESS);
     }
     println!(
-        "{:<28}  {:<10}  {:<20}  {:>8}  {:>8}  STARTED",
-        "WORKER", "POOL", "HOST", "PID", "BUSY"
+        "{:<28}  {:<10}  {:<20}  {:>8}  {:>8}  {:>10}  STARTED",
+        "WORKER", "POOL", "HOST", "PID", "BUSY", "LAST SEEN"
     );
-    for w in infos {
+    for (w, seen) in infos {
+        let ago = (now - seen.unix_ms()).max(0) as f64 / 1000.0;
         println!(
-            "{:<28}  {:<10}  {:<20}  {:>8}  {:>8}  {}",
+            "{:<28}  {:<10}  {:<20}  {:>8}  {:>8}  {:>10}  {}",
             w.id,
             w.pool,
             w.host.chars().take(20).collect::<String>(),
             w.pid,
             format!("{}/{}", w.in_flight, w.concurrency),
+            format!("{ago:.1}s ago"),
             w.started_at
         );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `flotilla runs cancel RUN [--reason] [--no-wait]`: asks the coordinators to cancel, then
+/// (by default) waits for the run to end.
+pub(crate) async fn cancel(
+    config: &Config,
+    run: RunId,
+    reason: Option<String>,
+    wait: bool,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    let bus = Bus::connect(&config.nats, "flotilla-cli").await?;
+    let client = flotilla_client::Client::new(bus);
+    let reply = match client.cancel(run, reason).await {
+        Ok(r) => r,
+        Err(e) if e.kind() == flotilla_client::ClientErrorKind::Api => {
+            eprintln!("error: {e}");
+            return Ok(ExitCode::from(1));
+        }
+        Err(e) => return Err(e.into()),
+    };
+    if !reply.cancelling {
+        if json {
+            println!("{}", serde_json::to_string_pretty(&reply)?);
+        } else {
+            eprintln!("Run {run} had already ended: {}", reply.status);
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    if !wait {
+        if json {
+            println!("{}", serde_json::to_string_pretty(&reply)?);
+        } else {
+            eprintln!("Cancelling run {run}");
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    eprintln!("Cancelling run {run}…");
+    let outcome = client
+        .wait(run, std::time::Duration::from_secs(120))
+        .await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&outcome)?);
+    } else {
+        eprintln!("Run {run} {}", outcome.status);
+        if let Some(reason) = &outcome.reason {
+            eprintln!("  reason: {reason}");
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -77,11 +77,13 @@ pub(crate) struct UpOptions {
 /// Everything in one process: an embedded nats-server (unless `--nats-url`), one coordinator
 /// and N workers. With `--submit`, runs that plan to the end and exits with its status.
 pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<ExitCode> {
+    let mut url_file = None;
     let server = if opts.embedded {
         let s = embedded_nats(&opts.data_dir.join("nats")).await?;
         config.nats.urls = vec![s.url()];
+        url_file = Some(UrlFile::write(&opts.data_dir, &s.url())?);
         eprintln!(
-            "Embedded nats-server {} (store in {}); other commands can use --nats-url {}",
+            "Embedded nats-server {} (store in {}); other flotilla commands run in this directory use it while `up` runs (elsewhere: --nats-url {})",
             s.url(),
             opts.data_dir.join("nats").display(),
             s.url()
@@ -145,6 +147,26 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
             eprintln!("error: {e}");
         }
     }
+    drop(url_file);
     drop(server);
     Ok(code)
+}
+
+/// `<data-dir>/nats-url`: the embedded server's URL and this process's id, so other commands
+/// in the same directory find the server (see `config::running_up_url`). Removed on exit.
+struct UrlFile(PathBuf);
+
+impl UrlFile {
+    fn write(dir: &Path, url: &str) -> anyhow::Result<Self> {
+        let path = dir.join("nats-url");
+        std::fs::write(&path, format!("{url}\n{}\n", std::process::id()))
+            .with_context(|| format!("writing {}", path.display()))?;
+        Ok(Self(path))
+    }
+}
+
+impl Drop for UrlFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }

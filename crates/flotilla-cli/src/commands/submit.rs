@@ -10,7 +10,7 @@ use flotilla_client::Client;
 use flotilla_model::event::{Event, WorkflowPhase};
 use flotilla_model::ids::RunId;
 use flotilla_model::run::{RunOutcome, RunStatus};
-use flotilla_model::submit::SubmitRequest;
+use flotilla_model::submit::{SubmitRequest, SubmitStatus};
 use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
@@ -56,22 +56,94 @@ pub(crate) async fn submit_on(
     };
     let client = Client::new(bus.clone());
     let mut request = SubmitRequest::new(plan);
-    request.run_id = opts.run_id;
+    request.run_id = Some(opts.run_id.unwrap_or_default());
     request.idempotency_key = opts.idempotency_key.clone();
     request.labels = opts.labels.clone();
-    let run = client.submit(request).await?;
     if !opts.follow && !opts.wait {
-        if opts.json {
-            println!("{}", serde_json::json!({ "run_id": run }));
-        } else {
-            println!("{run}");
-        }
-        return Ok(ExitCode::SUCCESS);
+        return submit_and_report(&client, request, opts.json).await;
     }
+    let run = client.submit(request).await?;
     eprintln!("Submitted run {run}");
     let outcome = follow(&client, run, opts.follow, opts.timeout).await?;
     print_outcome(&outcome, opts.json);
+    if outcome.status == RunStatus::Rejected && !opts.json {
+        print_problems(&client, run).await;
+    }
     Ok(exit_code(&outcome))
+}
+
+/// Submits through the request/reply endpoint, so the answer says whether the plan was
+/// accepted: exit 0 accepted (or a duplicate of an existing run), 1 rejected. Without a
+/// coordinator, the submission goes to the durable intake instead, where it waits for one;
+/// exit 0 then means "queued for validation", and the output says so.
+async fn submit_and_report(
+    client: &Client,
+    request: SubmitRequest,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    let reply = match client
+        .submit_request(&request, Duration::from_secs(30))
+        .await
+    {
+        Ok(reply) => reply,
+        Err(e) if e.kind() == flotilla_client::ClientErrorKind::NoCoordinator => {
+            let run = client.submit(request).await?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::json!({ "run_id": run, "status": "queued" })
+                );
+            } else {
+                println!("{run}");
+            }
+            eprintln!(
+                "note: no coordinator is running; the submission is stored durably and will be validated when one starts. Exit 0 means queued for validation, not accepted: check with `flotilla runs show {run}`"
+            );
+            return Ok(ExitCode::SUCCESS);
+        }
+        Err(e) => return Err(e.into()),
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&reply)?);
+    }
+    let run = reply.run_id.map(|r| r.to_string()).unwrap_or_default();
+    match reply.status {
+        SubmitStatus::Rejected => {
+            if !json {
+                eprintln!("Run {run} rejected: {} problem(s)", reply.errors.len());
+                for p in &reply.errors {
+                    eprintln!("  error   {p}");
+                }
+            }
+            Ok(ExitCode::from(1))
+        }
+        status => {
+            if !json {
+                println!("{run}");
+                if status == SubmitStatus::Duplicate {
+                    eprintln!(
+                        "note: duplicate: run {run} already exists (status {})",
+                        reply
+                            .run_status
+                            .map_or_else(|| "unknown".to_owned(), |s| s.to_string())
+                    );
+                }
+                for p in &reply.warnings {
+                    eprintln!("  warning {p}");
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+/// Prints a rejected run's problems, one per line.
+async fn print_problems(client: &Client, run: RunId) {
+    if let Ok(Some(view)) = client.run(run).await {
+        for p in &view.record.errors {
+            eprintln!("  error   {p}");
+        }
+    }
 }
 
 fn exit_code(outcome: &RunOutcome) -> ExitCode {
@@ -190,12 +262,14 @@ pub(crate) async fn follow(
                 if let Some(b) = &bar {
                     b.finish_and_clear();
                 }
-                let outcome = w.outcome.unwrap_or(RunOutcome {
+                let outcome = w.outcome.map(|o| *o).unwrap_or(RunOutcome {
                     run_id: run,
                     status: RunStatus::Failed,
                     final_result: None,
                     failed: Vec::new(),
                     skipped: Vec::new(),
+                    failed_omitted: 0,
+                    skipped_omitted: 0,
                     reason: w.detail,
                 });
                 return Ok(outcome);
@@ -215,7 +289,9 @@ pub(crate) fn print_outcome(outcome: &RunOutcome, json: bool) {
         return;
     }
     eprintln!("Run {} {}", outcome.run_id, outcome.status);
-    if let Some(reason) = &outcome.reason {
+    if let Some(reason) = &outcome.reason
+        && outcome.status != RunStatus::Rejected
+    {
         eprintln!("  reason: {reason}");
     }
     for f in &outcome.failed {
@@ -224,8 +300,22 @@ pub(crate) fn print_outcome(outcome: &RunOutcome, json: bool) {
             f.task_id, f.attempts, f.error
         );
     }
+    if outcome.failed_omitted > 0 {
+        eprintln!("  … and {} more failed task(s)", outcome.failed_omitted);
+    }
     for s in &outcome.skipped {
         eprintln!("  skipped: {} ({})", s.task_id, s.reason);
+    }
+    if outcome.skipped_omitted > 0 {
+        eprintln!("  … and {} more skipped task(s)", outcome.skipped_omitted);
+    }
+    if let Some(fr) = &outcome.final_result
+        && let Some(a) = &fr.artifact
+    {
+        eprintln!(
+            "  the final result is {} bytes; shown shortened, whole in artifact {}/{}",
+            a.size, a.bucket, a.name
+        );
     }
     if let Some(fr) = &outcome.final_result {
         println!("{}", fr.response);

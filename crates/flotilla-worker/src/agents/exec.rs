@@ -4,7 +4,8 @@
 //! `FLOTILLA_TASK_ID` and `FLOTILLA_ATTEMPT` are set. Stdout is the response: a JSON object
 //! with a string `response` (and optionally `tokens`, `tools_used`, `numeric_value`), or plain
 //! text. A non-zero exit is a failure carrying the end of stderr. The command runs in its own
-//! process group, which is killed when the attempt is cancelled or times out.
+//! process group, which is killed when the attempt is cancelled or times out, and — through
+//! the [exec shim](super::shim) — when the worker itself dies.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -98,7 +99,17 @@ impl Agent for ExecAgent {
         Box::pin(async move {
             let input = serde_json::to_vec(task)
                 .map_err(|e| AgentError::failed(format!("encoding the envelope: {e}")))?;
-            let mut cmd = tokio::process::Command::new(&self.config.command);
+            let mut cmd = match super::shim::exec_shim() {
+                Some([shim, shim_args @ ..]) => {
+                    let mut c = tokio::process::Command::new(shim);
+                    c.args(shim_args)
+                        .arg("--")
+                        .arg(&self.config.command)
+                        .env(super::shim::SHIM_PARENT_ENV, std::process::id().to_string());
+                    c
+                }
+                _ => tokio::process::Command::new(&self.config.command),
+            };
             cmd.args(&self.config.args)
                 .envs(&self.config.env)
                 .env("FLOTILLA_RUN_ID", task.run_id.to_string())

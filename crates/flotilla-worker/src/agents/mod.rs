@@ -15,6 +15,7 @@
 
 mod exec;
 mod scripted;
+pub mod shim;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
