@@ -327,4 +327,317 @@ fail-first = 99
         assert_eq!(out.status.code(), Some(2));
         Ok(())
     }
+
+    #[tokio::test]
+    async fn submit_exit_codes_say_accepted_or_rejected() -> anyhow::Result<()> {
+        let mut p = support::Processes::start(AGENTS).await?;
+        p.coordinator().await?;
+        p.worker(&["--concurrency", "2"]).await?;
+        let url = p.server.url();
+        let dir = tempfile::tempdir()?;
+        // Rejected without --wait: exit 1, one problem per line.
+        let bad = write_plan(
+            dir.path(),
+            "bad.json",
+            serde_json::json!({
+                "subtasks": [
+                    {"id": "a", "dependencies": ["b"]}, {"id": "b", "dependencies": ["a"]},
+                    {"id": "c", "dependencies": ["ghost"]}
+                ]
+            }),
+        );
+        let out = flotilla(&["--nats-url", &url, "submit", &bad]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        let problems: Vec<&str> = err
+            .lines()
+            .filter(|l| l.trim_start().starts_with("error"))
+            .collect();
+        assert_eq!(problems.len(), 2, "{err}");
+        assert!(problems.iter().any(|l| l.contains("[cycle]")), "{err}");
+        assert!(
+            problems.iter().any(|l| l.contains("[unknown_dependency]")),
+            "{err}"
+        );
+        // Accepted: exit 0, the run id on stdout.
+        let good = write_plan(
+            dir.path(),
+            "good.json",
+            serde_json::json!({"subtasks": [{"id": "a"}]}),
+        );
+        let out = flotilla(&["--nats-url", &url, "submit", &good]);
+        assert_eq!(out.status.code(), Some(0));
+        let run = stdout(&out).trim().to_owned();
+        assert!(run.parse::<flotilla_model::RunId>().is_ok(), "{run}");
+
+        // runs list: newest first by submission time, also for client-chosen UUIDv4 ids.
+        let mut ids = Vec::new();
+        for _ in 0..3 {
+            let id = uuid::Uuid::new_v4().to_string();
+            let out = flotilla(&[
+                "--nats-url",
+                &url,
+                "submit",
+                &good,
+                "--run-id",
+                &id,
+                "--wait",
+            ]);
+            assert_eq!(out.status.code(), Some(0));
+            ids.push(id);
+        }
+        let out = flotilla(&["--nats-url", &url, "runs", "list", "--json", "--limit", "3"]);
+        let list: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        let listed: Vec<String> = list
+            .as_array()
+            .expect("array")
+            .iter()
+            .map(|r| {
+                r["handle"]["run_id"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned()
+            })
+            .collect();
+        ids.reverse();
+        assert_eq!(listed, ids);
+        // The STATUS column lines up under its header.
+        let out = flotilla(&["--nats-url", &url, "runs", "list"]);
+        let text = stdout(&out);
+        let mut lines = text.lines();
+        let header = lines.next().expect("header");
+        let col = header.find("STATUS").expect("STATUS");
+        for line in lines {
+            assert!(
+                ["succeeded", "rejected", "running"]
+                    .iter()
+                    .any(|s| line[col..].starts_with(s)),
+                "{text}"
+            );
+        }
+
+        // A plan over the deployment's message size: a clear plan_too_large.
+        let huge = write_plan(
+            dir.path(),
+            "huge.json",
+            serde_json::json!({
+                "subtasks": (0..5_000).map(|i| serde_json::json!({
+                    "id": format!("task_{i:0>6}"), "description": "x".repeat(300)
+                })).collect::<Vec<_>>()
+            }),
+        );
+        let out = flotilla(&["--nats-url", &url, "plan", "validate", &huge]);
+        assert_eq!(out.status.code(), Some(1));
+        assert!(
+            stdout(&out).contains("[plan_too_large]"),
+            "{}",
+            stdout(&out)
+        );
+        let out = flotilla(&["plan", "validate", "--offline", &huge]);
+        assert_eq!(out.status.code(), Some(1));
+        assert!(
+            stdout(&out).contains("[plan_too_large]"),
+            "{}",
+            stdout(&out)
+        );
+        let out = flotilla(&["--nats-url", &url, "submit", &huge]);
+        assert_ne!(out.status.code(), Some(0));
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("plan_too_large"),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+
+        // An agent the deployment does not define is caught by plan validate (the coordinator
+        // knows its catalog), and says it checked the deployment.
+        let ghost = write_plan(
+            dir.path(),
+            "ghost.json",
+            serde_json::json!({"subtasks": [{"id": "a", "agent": "ghost"}]}),
+        );
+        let out = flotilla(&["--nats-url", &url, "plan", "validate", "--json", &ghost]);
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        assert_eq!(v["checked"], "deployment");
+        assert_eq!(v["errors"][0]["code"], "unknown_agent");
+
+        // A pool nobody serves: the submission warns, runs show says what the tasks wait on.
+        let gpu = write_plan(
+            dir.path(),
+            "gpu.json",
+            serde_json::json!({"subtasks": [{"id": "a"}]}),
+        );
+        let out = flotilla(&["--nats-url", &url, "submit", &gpu]);
+        assert_eq!(out.status.code(), Some(0));
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn cancel_and_waiting_pools_are_shown() -> anyhow::Result<()> {
+        let mut p =
+            support::Processes::start(&format!("pools = [\"default\", \"gpu\"]\n{AGENTS}")).await?;
+        p.coordinator().await?;
+        let url = p.server.url();
+        let dir = tempfile::tempdir()?;
+        let gpu = write_plan(
+            dir.path(),
+            "gpu.json",
+            serde_json::json!({"subtasks": [{"id": "a", "pool": "gpu"}]}),
+        );
+        let out = flotilla(&["--nats-url", &url, "submit", &gpu]);
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(0), "{err}");
+        assert!(
+            err.contains("no_live_worker") && err.contains("gpu"),
+            "{err}"
+        );
+        let run = stdout(&out).trim().to_owned();
+        let out = flotilla(&["--nats-url", &url, "runs", "show", &run]);
+        let text = stdout(&out);
+        assert!(text.contains("NO live worker serves this pool"), "{text}");
+        let out = flotilla(&[
+            "--nats-url",
+            &url,
+            "runs",
+            "cancel",
+            &run,
+            "--reason",
+            "no gpu today",
+        ]);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let out = flotilla(&["--nats-url", &url, "runs", "show", &run, "--json"]);
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        assert_eq!(v["record"]["status"], "cancelled");
+        assert_eq!(v["record"]["outcome"]["reason"], "cancelled: no gpu today");
+        // Cancelling an unknown run is a clear error.
+        let out = flotilla(&[
+            "--nats-url",
+            &url,
+            "runs",
+            "cancel",
+            "0190f0c4-8a3e-7cc1-9a39-6f1c1b7d2e11",
+        ]);
+        assert_eq!(out.status.code(), Some(1));
+        assert!(String::from_utf8_lossy(&out.stderr).contains("not_found"));
+        Ok(())
+    }
+}
+
+#[test]
+fn foreign_flotilla_variables_do_not_break_start_up() {
+    // What Kubernetes injects for a Service named `flotilla`.
+    let out = Command::new(env!("CARGO_BIN_EXE_flotilla"))
+        .args([
+            "plan",
+            "validate",
+            "--offline",
+            "config/examples/plans/earnings.json",
+        ])
+        .current_dir(root())
+        .env_remove("FLOTILLA_CONFIG")
+        .env("FLOTILLA_PORT", "tcp://10.0.0.1:4222")
+        .env("FLOTILLA_PORT_4222_TCP", "tcp://10.0.0.1:4222")
+        .env("FLOTILLA_SERVICE_HOST", "10.0.0.1")
+        .env("FLOTILLA_RUN_ID", "not-config")
+        .output()
+        .expect("runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert_eq!(
+        err.matches("Ignoring environment variables").count(),
+        1,
+        "{err}"
+    );
+    assert!(
+        err.contains("FLOTILLA_PORT") && !err.contains("FLOTILLA_RUN_ID"),
+        "{err}"
+    );
+    assert!(
+        !err.contains('\u{1b}'),
+        "no ANSI colours when stderr is not a terminal: {err:?}"
+    );
+}
+
+#[tokio::test]
+async fn nats_urls_from_the_environment_are_a_list() -> anyhow::Result<()> {
+    let server = NatsServer::start().await?;
+    server.provisioned_bus().await?;
+    let urls = format!("nats://127.0.0.1:1,{}", server.url());
+    let out = Command::new(env!("CARGO_BIN_EXE_flotilla"))
+        .args(["workers", "--json"])
+        .current_dir(root())
+        .env_remove("FLOTILLA_CONFIG")
+        .env("FLOTILLA_NATS__URLS", &urls)
+        .output()?;
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn submitting_before_provisioning_says_what_to_do() -> anyhow::Result<()> {
+    let server = NatsServer::start().await?;
+    let out = flotilla(&[
+        "--nats-url",
+        &server.url(),
+        "submit",
+        "config/examples/plans/earnings.json",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("flotilla nats provision"), "{err}");
+    Ok(())
+}
+
+#[test]
+fn up_publishes_its_url_for_commands_in_the_same_directory() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut up = Command::new(env!("CARGO_BIN_EXE_flotilla"))
+        .args(["up", "--workers", "1"])
+        .current_dir(dir.path())
+        .env_remove("FLOTILLA_CONFIG")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let url_file = dir.path().join(".flotilla/nats-url");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !url_file.exists() {
+        if std::time::Instant::now() > deadline {
+            let _ = up.kill();
+            anyhow::bail!("flotilla up never wrote {}", url_file.display());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    // `runs list` in the same directory, with no --nats-url and no config, finds it.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let out = Command::new(env!("CARGO_BIN_EXE_flotilla"))
+            .args(["runs", "list"])
+            .current_dir(dir.path())
+            .env_remove("FLOTILLA_CONFIG")
+            .output()?;
+        if out.status.success() {
+            break;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = up.kill();
+            anyhow::bail!("runs list failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(up.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )?;
+    up.wait()?;
+    assert!(!url_file.exists(), "removed when up stops");
+    Ok(())
 }

@@ -327,3 +327,269 @@ async fn exhausted_redeliveries_become_a_failed_attempt() -> anyhow::Result<()> 
     );
     Ok(())
 }
+
+/// Whether a process is gone (or a zombie waiting to be reaped).
+fn process_gone(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit(')')
+            .next()
+            .is_some_and(|rest| rest.trim_start().starts_with('Z')),
+    }
+}
+
+#[tokio::test]
+async fn a_killed_worker_takes_its_exec_agent_processes_with_it() -> anyhow::Result<()> {
+    // An exec agent whose command forks: a shell that starts a background sleep and waits.
+    let pids = tempfile::NamedTempFile::new()?;
+    let path = pids.path().display().to_string();
+    let forker = format!(
+        r#"
+default-agent = "forker"
+[agents.forker]
+kind = "exec"
+command = "sh"
+args = ["-c", "echo $$ >> {path}; sleep 30 & echo $! >> {path}; wait"]
+"#
+    );
+    let mut p = Processes::start(&forker).await?;
+    p.coordinator().await?;
+    let w = p.worker(&["--concurrency", "1"]).await?;
+    p.client
+        .submit(SubmitRequest::new(plan(vec![Subtask::new("fork", "")])))
+        .await?;
+    let deadline = Instant::now() + WAIT;
+    let agent_pids: Vec<i32> = loop {
+        let text = std::fs::read_to_string(pids.path())?;
+        let found: Vec<i32> = text.lines().filter_map(|l| l.trim().parse().ok()).collect();
+        if found.len() == 2 {
+            break found;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the agent never started: {}",
+            p.log(w)
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    };
+    assert!(agent_pids.iter().all(|&pid| !process_gone(pid)));
+    p.kill(w);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !agent_pids.iter().all(|&pid| process_gone(pid)) {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "agent processes {agent_pids:?} outlived their killed worker"
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn recovery_after_a_worker_kill_takes_under_two_heartbeats() -> anyhow::Result<()> {
+    // Heartbeat 1 s (the default is 5 s): the pool consumer's ack wait is 1.5 heartbeats.
+    let mut p = Processes::start(SLOW).await?;
+    p.coordinator().await?;
+    let env = [("FLOTILLA_WORKER__HEARTBEAT", "1s")];
+    let first = p.spawn_env(&["worker", "--concurrency", "1"], &env)?;
+    p.wait_registered(first).await?;
+    let info = p
+        .bus
+        .js()
+        .get_stream(
+            p.bus
+                .names()
+                .stream(flotilla_model::subjects::StreamKind::Tasks),
+        )
+        .await?
+        .get_consumer::<async_nats::jetstream::consumer::pull::Config>("pool-default")
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?
+        .cached_info()
+        .config
+        .ack_wait;
+    assert_eq!(
+        info,
+        Duration::from_millis(1_500),
+        "ack wait = 1.5 heartbeats"
+    );
+    let run = p
+        .client
+        .submit(SubmitRequest::new(plan(vec![Subtask::new("t", "")])))
+        .await?;
+    let victim = task_started(&p.client, run, "t").await?;
+    let second = p.spawn_env(&["worker", "--concurrency", "1"], &env)?;
+    p.wait_registered(second).await?;
+    // Watch for the second start, then kill the first worker.
+    let events = p.client.events(run).await?;
+    p.kill(first);
+    let killed_at = Instant::now();
+    futures::pin_mut!(events);
+    let restarted = tokio::time::timeout(WAIT, async {
+        use flotilla_model::event::{Event, WorkflowPhase};
+        use futures::StreamExt;
+        while let Some(e) = events.next().await {
+            if let Event::Workflow(w) = e?.event
+                && w.phase == WorkflowPhase::TaskStarted
+                && w.worker.as_deref() != Some(victim.as_str())
+            {
+                return Ok::<_, anyhow::Error>(killed_at.elapsed());
+            }
+        }
+        anyhow::bail!("event stream ended")
+    })
+    .await??;
+    eprintln!("recovery after kill -9 with a 1 s heartbeat: {restarted:?}");
+    assert!(
+        restarted < Duration::from_millis(2_500),
+        "took {restarted:?}; the ack wait bounds it at 1.5 s plus a pull"
+    );
+    assert_eq!(p.client.wait(run, WAIT).await?.status, RunStatus::Succeeded);
+    Ok(())
+}
+
+const LONG_AND_FAILING: &str = r#"
+default-agent = "long"
+[agents.long]
+kind = "scripted"
+reply = "done"
+delay = "30s"
+[agents.failing]
+kind = "scripted"
+fail-first = 100
+delay = "300ms"
+"#;
+
+/// Waits until every started attempt of `run` has a stored result, all failed with `kind`.
+async fn attempts_end_with(
+    p: &Processes,
+    run: RunId,
+    expected: usize,
+    within: Duration,
+) -> anyhow::Result<Vec<(String, u32, bool)>> {
+    let deadline = Instant::now() + within;
+    loop {
+        let results = results_of(&p.bus, run).await?;
+        if results.len() >= expected {
+            return Ok(results);
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "only {results:?} after {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn cancel_stops_attempts_running_on_worker_processes() -> anyhow::Result<()> {
+    let mut p = Processes::start(LONG_AND_FAILING).await?;
+    p.coordinator().await?;
+    p.worker(&["--concurrency", "1"]).await?;
+    p.worker(&["--concurrency", "1"]).await?;
+    let mut pl = plan(vec![Subtask::new("a", ""), Subtask::new("b", "")]);
+    pl.config.max_concurrency = 2;
+    let run = p.client.submit(SubmitRequest::new(pl)).await?;
+    task_started(&p.client, run, "a").await?;
+    task_started(&p.client, run, "b").await?;
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_flotilla"))
+        .args(["--config", &p.config.display().to_string()])
+        .args(["runs", "cancel", &run.to_string(), "--reason", "test"])
+        .output()?;
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cancelled"));
+    let outcome = p.client.wait(run, WAIT).await?;
+    assert_eq!(outcome.status, RunStatus::Cancelled);
+    // Both workers cancel their attempt at once (not after 30 s).
+    let results = attempts_end_with(&p, run, 2, Duration::from_secs(5)).await?;
+    assert!(results.iter().all(|(_, _, ok)| !ok), "{results:?}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn failure_ratio_abort_cancels_attempts_on_other_workers() -> anyhow::Result<()> {
+    let mut p = Processes::start(LONG_AND_FAILING).await?;
+    p.coordinator().await?;
+    p.worker(&["--concurrency", "1"]).await?;
+    p.worker(&["--concurrency", "1"]).await?;
+    let mut pl = plan(vec![
+        Subtask::new("long", ""),
+        Subtask::new("bad", "").with_agent("failing"),
+    ]);
+    pl.config.failure_ratio = 0.0;
+    pl.config.max_retries = 0;
+    pl.config.max_concurrency = 2;
+    let run = p.client.submit(SubmitRequest::new(pl)).await?;
+    let started = Instant::now();
+    let outcome = p.client.wait(run, WAIT).await?;
+    assert_eq!(outcome.status, RunStatus::Failed);
+    assert!(
+        outcome
+            .reason
+            .as_deref()
+            .unwrap_or_default()
+            .starts_with("aborted"),
+        "{outcome:?}"
+    );
+    let results = attempts_end_with(&p, run, 2, Duration::from_secs(5)).await?;
+    let long = results
+        .iter()
+        .find(|(t, _, _)| t == "long")
+        .expect("long's attempt ended");
+    assert!(!long.2, "the long attempt was cancelled, not completed");
+    assert!(started.elapsed() < Duration::from_secs(20));
+    Ok(())
+}
+
+#[tokio::test]
+async fn acknowledged_keyed_submissions_survive_coordinator_kills() -> anyhow::Result<()> {
+    // Submissions keyed by an idempotency key only: the key is claimed before the run's first
+    // entry is appended. Kill the coordinator in the middle of bursts, repeatedly.
+    let mut p = Processes::start(STEP).await?;
+    let mut coordinator = p.coordinator().await?;
+    p.worker(&["--concurrency", "32"]).await?;
+    let mut keys = Vec::new();
+    for round in 0..3 {
+        let mut acks = Vec::new();
+        for i in 0..150 {
+            let key = format!("burst-{round}-{i}");
+            let mut req = SubmitRequest::new(plan(vec![Subtask::new("t", "")]));
+            req.idempotency_key = Some(key.clone());
+            let out =
+                flotilla_bus::wire::encode(&req, flotilla_model::codec::Codec::Json, Some(&key))?;
+            acks.push(
+                p.bus
+                    .js()
+                    .publish_with_headers(p.bus.names().submit(), out.headers, out.payload)
+                    .await?,
+            );
+            keys.push(key);
+        }
+        for a in acks {
+            a.await?;
+        }
+        tokio::time::sleep(Duration::from_millis(10 + 30 * round)).await;
+        p.kill(coordinator);
+        coordinator = p.coordinator().await?;
+    }
+    let store = flotilla_coordinator::store::RunStore::open(&p.bus).await?;
+    let deadline = Instant::now() + Duration::from_secs(90);
+    for key in &keys {
+        let run = loop {
+            if let Some(run) = store.idempotency_run(key).await? {
+                break run;
+            }
+            anyhow::ensure!(Instant::now() < deadline, "{key} was never claimed");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let outcome = p.client.wait(run, WAIT).await?;
+        assert_eq!(outcome.status, RunStatus::Succeeded, "{key}");
+    }
+    Ok(())
+}

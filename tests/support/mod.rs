@@ -186,7 +186,12 @@ impl Processes {
         std::fs::write(
             &config,
             format!(
-                "pools = [\"default\"]\n{extra}\n\n[nats]\nurls = [\"{}\"]\n\n[coordinator]\nack-wait = \"2s\"\n\n[worker]\nheartbeat = \"300ms\"\nshutdown-grace = \"10s\"\nstarted-event-delay = \"0s\"\n",
+                "{}{extra}\n\n[nats]\nurls = [\"{}\"]\n\n[coordinator]\nack-wait = \"2s\"\n\n[worker]\nheartbeat = \"300ms\"\nshutdown-grace = \"10s\"\nstarted-event-delay = \"0s\"\n",
+                if extra.contains("pools =") {
+                    ""
+                } else {
+                    "pools = [\"default\"]\n"
+                },
                 server.url()
             ),
         )?;

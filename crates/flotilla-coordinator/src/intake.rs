@@ -326,7 +326,7 @@ impl Intake {
                 .await;
         }
         warn!(%run, problems = rejected.errors.len(), first = %rejected.errors.first().map(ToString::to_string).unwrap_or_default(), "Plan rejected");
-        record_rejection(&self.store, run, &rejected, source.now_ms()).await?;
+        record_rejection(&self.store, run, &rejected, source.now_ms(), false).await?;
         let mut r = reply(Some(run), SubmitStatus::Rejected);
         r.errors = rejected.errors;
         Ok(Answer::Now(Box::new(r)))
@@ -354,7 +354,7 @@ impl Intake {
                 }
                 RunInput::Rejected(r) if r.intake_seq == Some(seq) => {
                     debug!(%run, "Redelivered submission was already rejected; answering again");
-                    record_rejection(&self.store, run, r, source.now_ms()).await?;
+                    record_rejection(&self.store, run, r, source.now_ms(), true).await?;
                     let mut answer = reply(Some(run), SubmitStatus::Rejected);
                     answer.errors = r.errors.clone();
                     return Ok(Answer::Now(Box::new(answer)));
@@ -404,14 +404,16 @@ pub(crate) async fn publish_reply(bus: &flotilla_bus::Bus, to: &str, answer: &Su
 }
 
 /// Makes a rejection visible: the run record (status `rejected`), the `run_rejected` event
-/// and the answer on `reply_to`. Idempotent: called by the intake right after the rejection
-/// is appended, and by the runtime when it meets a rejection without a record (the intake
-/// stopped in between).
+/// and the answer on `reply_to`. Called by the intake right after the rejection is appended,
+/// and by the runtime when it meets a rejection (in case the intake stopped in between):
+/// whoever creates the record publishes the event and the answer, so they normally go out
+/// once. `again` publishes them even if the record exists (a redelivered submission).
 pub(crate) async fn record_rejection(
     store: &RunStore,
     run: RunId,
     rejected: &Rejected,
     now_ms: i64,
+    again: bool,
 ) -> Result<(), StoreError> {
     let state = RunState::rejected(
         run,
@@ -427,6 +429,7 @@ pub(crate) async fn record_rejection(
     };
     match store.create(run, &snapshot).await {
         Ok(_) => {}
+        Err(e) if e.kind() == StoreErrorKind::AlreadyExists && !again => return Ok(()),
         Err(e) if e.kind() == StoreErrorKind::AlreadyExists => {}
         Err(e) => return Err(e),
     }
@@ -466,20 +469,18 @@ pub(crate) async fn record_rejection(
     Ok(())
 }
 
-/// Reads what can be read from a submission that does not decode.
+/// Reads what can be read from a submission that does not decode: the top-level fields that
+/// say which run it meant and where to answer (everything else is skipped, at any depth).
 fn loose_fields(headers: Option<&HeaderMap>, payload: &[u8], msg_id: Option<String>) -> Loose {
-    let value = wire::decode::<serde_json::Value>(headers, payload).ok();
-    let field = |name: &str| {
-        value
-            .as_ref()
-            .and_then(|v| v.get(name)?.as_str())
-            .map(str::to_owned)
-    };
-    let run_id = field("run_id").and_then(|r| r.parse().ok());
+    let mut fields =
+        wire::codec_of(headers).skim_strings(payload, &["run_id", "idempotency_key", "reply_to"]);
+    let run_id = fields.remove("run_id").and_then(|r| r.parse().ok());
     Loose {
-        key: field("idempotency_key").or(if run_id.is_none() { msg_id } else { None }),
+        key: fields
+            .remove("idempotency_key")
+            .or(if run_id.is_none() { msg_id } else { None }),
         run_id,
-        reply_to: field("reply_to"),
+        reply_to: fields.remove("reply_to"),
     }
 }
 

@@ -423,7 +423,8 @@ impl Runtime {
                     if entry.is_none() {
                         // The intake records its rejections; this covers an intake that
                         // stopped between the append and the record.
-                        crate::intake::record_rejection(&self.store, run, r, d.ts_ms).await?;
+                        crate::intake::record_rejection(&self.store, run, r, d.ts_ms, false)
+                            .await?;
                         return Ok(None);
                     }
                 }

@@ -319,6 +319,23 @@ impl RunStore {
         )))
     }
 
+    /// The run an idempotency key names, if it was claimed.
+    pub async fn idempotency_run(&self, key: &str) -> Result<Option<RunId>, StoreError> {
+        let hashed = uuid::Uuid::new_v5(&IDEMPOTENCY_NAMESPACE, key.as_bytes());
+        let value = self
+            .kv
+            .get(format!("idem.{}", hashed.simple()))
+            .await
+            .map_err(|e| nats("reading an idempotency key", e))?;
+        value
+            .map(|v| {
+                String::from_utf8_lossy(&v)
+                    .parse::<RunId>()
+                    .map_err(|e| decode_err("idempotency key value", e))
+            })
+            .transpose()
+    }
+
     /// Maps an idempotency key to a run id: the first caller's `candidate` wins; later callers
     /// get that id back. Returns `(run id, whether it was new)`.
     pub async fn claim_idempotency_key(
