@@ -773,3 +773,37 @@ async fn a_plan_runs_with_every_role_on_its_own_credentials() -> anyhow::Result<
     ensure!(runs.list().await?.len() == 1);
     Ok(())
 }
+
+#[test]
+fn the_shipped_server_configs_are_valid() -> anyhow::Result<()> {
+    let binary = flotilla_bus::server::find_binary()?;
+    for (file, env) in [
+        ("single.conf", None),
+        ("cluster.conf", Some(("SERVER_NAME", "nats-0"))),
+        ("accounts.conf", None),
+    ] {
+        let path = support::root().join("deploy/nats").join(file);
+        let mut cmd = std::process::Command::new(&binary);
+        cmd.arg("-t").arg("-c").arg(&path);
+        if let Some((k, v)) = env {
+            cmd.env(k, v);
+        }
+        let out = cmd.output()?;
+        ensure!(
+            out.status.success(),
+            "{file}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // Durability: both configs fsync every write before acknowledging it.
+    for file in ["single.conf", "cluster.conf"] {
+        let text = std::fs::read_to_string(support::root().join("deploy/nats").join(file))?;
+        ensure!(
+            text.lines()
+                .any(|l| l.trim_start().starts_with("sync_interval: always")),
+            "{file} lacks sync_interval: always"
+        );
+    }
+    Ok(())
+}
