@@ -13,6 +13,7 @@ Prints one line per check and ends with "N passed, M failed".
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -38,9 +39,9 @@ def check(fn):
     return fn
 
 
-def render(values: dict, name: str = "rel", namespace: str = "flotilla") -> list[dict]:
+def render(values: dict, name: str = "rel", namespace: str = "flotilla", chart: Path = CHART) -> list[dict]:
     """Renders like `helm template` and returns the objects (NOTES.txt left out)."""
-    with helm_python.Chart.load(str(CHART)) as chart:
+    with helm_python.Chart.load(str(chart)) as chart:
         files = chart.render(values, name=name, namespace=namespace, is_install=True)
     objects = []
     for path, text in sorted(files.items()):
@@ -311,6 +312,52 @@ def provisioning_runs_before_the_services_with_jetstream_replicas():
     assert env["FLOTILLA_JETSTREAM__REPLICAS"]["value"] == "5"
     assert env["FLOTILLA_NATS__PREFIX"]["value"] == "flotilla"
     assert env["FLOTILLA_NATS__AUTH__USER"]["valueFrom"]["secretKeyRef"]["name"] == "flotilla-nats-operator"
+
+
+@check
+def hooks_need_nothing_the_release_creates():
+    """A pre-install hook runs before the release's own objects exist."""
+    objects = render({})
+    created = {(o["kind"], o["metadata"]["name"]) for o in objects if "helm.sh/hook" not in o["metadata"].get("annotations", {})}
+    job = one(objects, "Job", "rel-flotilla-provision")
+    spec = job["spec"]["template"]["spec"]
+    if "serviceAccountName" in spec:
+        assert ("ServiceAccount", spec["serviceAccountName"]) not in created
+    for v in spec.get("volumes", []):
+        if "configMap" in v:
+            assert ("ConfigMap", v["configMap"]["name"]) not in created, v
+    for e in spec["containers"][0]["env"]:
+        ref = e.get("valueFrom", {}).get("configMapKeyRef")
+        assert not ref or ("ConfigMap", ref["name"]) not in created, e
+
+
+@check
+def with_the_nats_dependency_flotilla_finds_it():
+    """Renders a copy of the chart with a stand-in for the fetched NATS chart (only its name
+    matters to our templates; the real one comes from `helm dependency build`)."""
+    with tempfile.TemporaryDirectory() as d:
+        copy = Path(d) / "flotilla"
+        shutil.copytree(CHART, copy, ignore=shutil.ignore_patterns("tests"))
+        stub = copy / "charts" / "nats"
+        stub.mkdir(parents=True)
+        (stub / "Chart.yaml").write_text("apiVersion: v2\nname: nats\nversion: 2.14.2\n")
+        values = {"nats": {"enabled": True}, "workerPools": [{"name": "default", "keda": {"enabled": True}}]}
+        objects = render(values, chart=copy)
+    job = one(objects, "Job", "rel-flotilla-provision")
+    # NATS starts with the release, so provisioning runs after install and upgrade.
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "post-install,post-upgrade"
+    assert job["spec"]["template"]["spec"]["containers"][0]["args"][1] == "nats://rel-nats.flotilla.svc:4222"
+    for name, cfg in configs(objects).items():
+        assert cfg["nats"]["urls"] == ["nats://rel-nats.flotilla.svc:4222"], name
+    (so,) = find(objects, "ScaledObject")
+    assert so["spec"]["triggers"][0]["metadata"]["natsServerMonitoringEndpoint"] == "rel-nats-headless.flotilla.svc:8222"
+
+
+@check
+def a_single_coordinator_gets_no_blocking_budget():
+    objects = render({"coordinator": {"replicas": 1}})
+    assert not [o for o in objects if o["kind"] == "PodDisruptionBudget"]
+    assert one(objects, "Deployment", "rel-flotilla-coordinator")["spec"]["replicas"] == 1
 
 
 @check
