@@ -63,6 +63,8 @@ pub enum ServerAuth {
 pub struct NatsServerBuilder {
     auth: Option<ServerAuth>,
     extra_args: Vec<String>,
+    config_file: Option<PathBuf>,
+    client_auth: Option<ServerAuth>,
 }
 
 impl NatsServerBuilder {
@@ -87,6 +89,25 @@ impl NatsServerBuilder {
         self
     }
 
+    /// Starts from a nats-server config file (`-c`), e.g. `deploy/nats/accounts.conf`. The
+    /// test kit's command-line flags still win over the file (nats-server applies flags
+    /// last): loopback address, a free port, JetStream and the temporary store directory.
+    pub fn config_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.config_file = Some(path.into());
+        self
+    }
+
+    /// The user the kit's own clients ([`NatsServer::nats_options`], readiness checks)
+    /// connect as, for a config file that defines users. Unlike
+    /// [`user_password`](Self::user_password) it adds nothing to the server's flags.
+    pub fn connect_as(mut self, user: &str, password: &str) -> Self {
+        self.client_auth = Some(ServerAuth::UserPassword {
+            user: user.into(),
+            password: password.into(),
+        });
+        self
+    }
+
     /// Starts the server and waits for JetStream.
     pub async fn start(self) -> Result<NatsServer, TestkitError> {
         let dir = tempfile::Builder::new()
@@ -94,6 +115,7 @@ impl NatsServerBuilder {
             .tempdir()?;
         let mut opts = LocalServerOptions::in_dir(dir.path());
         opts.extra_args = self.extra_args;
+        opts.config_file = self.config_file;
         match &self.auth {
             Some(ServerAuth::UserPassword { user, password }) => {
                 opts.extra_args.extend([
@@ -109,7 +131,7 @@ impl NatsServerBuilder {
         let inner = LocalNatsServer::start(opts).await?;
         let server = NatsServer {
             inner,
-            auth: self.auth,
+            auth: self.auth.or(self.client_auth),
             dir,
         };
         server.wait_ready().await?;

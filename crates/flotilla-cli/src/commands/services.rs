@@ -9,7 +9,7 @@ use flotilla_bus::server::{LocalNatsServer, LocalServerOptions};
 use flotilla_coordinator::Coordinator;
 use flotilla_worker::Worker;
 use tokio_util::sync::CancellationToken;
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::config::Config;
 
@@ -47,12 +47,39 @@ pub(crate) async fn coordinator(config: &Config) -> anyhow::Result<ExitCode> {
 pub(crate) async fn worker(config: &Config) -> anyhow::Result<ExitCode> {
     let shutdown = shutdown_on_signals()?;
     let bus = Bus::connect(&config.nats, "flotilla-worker").await?;
-    // Workers provision too, so a pool can start before any coordinator.
-    bus.provision(&config.jetstream).await?;
+    check_provisioned(&bus, config).await?;
     Worker::new(bus, config.worker.clone(), config.agent_registry()?)
         .run(shutdown)
         .await?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// A worker only checks that the streams and buckets exist: creating and updating them is the
+/// coordinator's and the operator's right (least privilege, `deploy/nats/accounts.conf`).
+/// Missing resources stop the worker with a message saying how to create them; drift is
+/// logged and left to whoever provisions.
+async fn check_provisioned(bus: &Bus, config: &Config) -> anyhow::Result<()> {
+    use flotilla_bus::provision::{Action, plan};
+    let plan = plan(bus.js(), bus.names(), &config.jetstream)
+        .await
+        .context("checking JetStream streams and buckets")?;
+    let mut missing = Vec::new();
+    for r in &plan.report().resources {
+        match &r.action {
+            Action::Create => missing.push(r.name.as_str()),
+            Action::Unchanged => {}
+            Action::Update { .. } | Action::Incompatible { .. } => {
+                warn!(resource = %r.name, "JetStream resource differs from this configuration; run `flotilla nats provision`");
+            }
+        }
+    }
+    if !missing.is_empty() {
+        anyhow::bail!(
+            "JetStream resources are missing: {}. Workers do not create them; start a coordinator or run `flotilla nats provision` with credentials allowed to create streams",
+            missing.join(", ")
+        );
+    }
+    Ok(())
 }
 
 /// A nats-server for `up` and `bench` when no URL is given: a child process with its store in

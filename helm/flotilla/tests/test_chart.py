@@ -1,0 +1,479 @@
+"""Checks of the Flotilla Helm chart without a cluster.
+
+Lints the chart strictly, renders it with the default values and with every feature on,
+validates the rendered manifests against the Kubernetes 1.33 schemas (kubernetes-validate,
+strict), asserts on the rendered objects, and proves that bad values fail with a clear
+message. Run by scripts/check-helm (which prepares the virtualenv); needs helm-python-sdk and
+kubernetes-validate. With FLOTILLA_BIN set to a built `flotilla`, every rendered flotilla.toml
+is also loaded by the real binary.
+
+Prints one line per check and ends with "N passed, M failed".
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+import traceback
+from pathlib import Path
+
+import helm_python
+import yaml
+
+CHART = Path(__file__).resolve().parents[1]
+ROOT = CHART.parents[1]
+KUBE_VERSION = "1.33.0"
+# The one lint finding allowed: the optional NATS dependency is declared but not vendored
+# (see README.md, "NATS"). Anything else at warning level or above fails.
+MISSING_NATS = "chart directory is missing these dependencies: nats"
+
+CHECKS = []
+
+
+def check(fn):
+    CHECKS.append(fn)
+    return fn
+
+
+def render(values: dict, name: str = "rel", namespace: str = "flotilla", chart: Path = CHART) -> list[dict]:
+    """Renders like `helm template` and returns the objects (NOTES.txt left out)."""
+    with helm_python.Chart.load(str(chart)) as chart:
+        files = chart.render(values, name=name, namespace=namespace, is_install=True)
+    objects = []
+    for path, text in sorted(files.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                doc.setdefault("_source", path)
+                objects.append(doc)
+    return objects
+
+
+def render_error(values: dict) -> str:
+    try:
+        render(values)
+    except helm_python.HelmError as e:
+        return str(e)
+    raise AssertionError(f"values were accepted: {values}")
+
+
+def find(objects, kind, name=None):
+    found = [
+        o
+        for o in objects
+        if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)
+    ]
+    assert found, f"no {kind} {name or ''} rendered; have {[(o['kind'], o['metadata']['name']) for o in objects]}"
+    return found
+
+
+def one(objects, kind, name):
+    return find(objects, kind, name)[0]
+
+
+def pod_specs(objects):
+    for o in objects:
+        if o["kind"] in ("Deployment", "Job"):
+            yield o, o["spec"]["template"]["spec"]
+
+
+def configs(objects) -> dict[str, dict]:
+    cm = one(objects, "ConfigMap", "rel-flotilla-config")
+    return {k: tomllib.loads(v) for k, v in cm["data"].items()}
+
+
+def kubernetes_validate(objects) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "rendered.yaml"
+        clean = [{k: v for k, v in o.items() if k != "_source"} for o in objects]
+        path.write_text(yaml.safe_dump_all(clean))
+        bin_dir = Path(sys.executable).parent
+        out = subprocess.run(
+            [str(bin_dir / "kubernetes-validate"), "--strict", "-k", KUBE_VERSION, str(path)],
+            capture_output=True,
+            text=True,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        # Custom resources have no bundled schema: they are checked by hand below.
+        for line in (out.stdout + out.stderr).splitlines():
+            if line.startswith("WARN"):
+                assert "ScaledObject" in line or "ServiceMonitor" in line, line
+
+
+ALL_ON = {
+    "prefix": "acme-ai",
+    "jetstream": {"replicas": 3},
+    "nats": {
+        "enabled": False,
+        "url": "nats://nats-0.nats:4222, nats://nats-1.nats:4222",
+        "monitoringEndpoint": "nats.messaging.svc:8222",
+        "account": "FLOTILLA",
+        "authKind": "creds-file",
+        "tls": {"enabled": True, "caSecret": "nats-ca"},
+    },
+    "extraConfig": '[coordinator]\nshards = 32\n[worker]\nheartbeat = "3s"\n',
+    "workerPools": [
+        {"name": "default", "replicas": 7},
+        {
+            "name": "gpu",
+            "concurrency": 1,
+            "shutdownGraceSeconds": 120,
+            "agents": '[agents.vision]\nkind = "scripted"\nreply = "seen"\n',
+            "nodeSelector": {"nvidia.com/gpu.present": "true"},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "envFrom": [{"secretRef": {"name": "llm-keys"}}],
+            "keda": {"enabled": True, "minReplicas": 1, "maxReplicas": 8, "lagThreshold": 5},
+        },
+        {
+            "name": "batch",
+            "hpa": {"enabled": True, "minReplicas": 2, "maxReplicas": 6},
+            "env": [{"name": "OPENAI_API_KEY", "valueFrom": {"secretKeyRef": {"name": "llm", "key": "openai"}}}],
+        },
+    ],
+    "metrics": {"serviceMonitor": {"enabled": True}},
+    "networkPolicy": {"enabled": True},
+}
+
+
+@check
+def lint_is_strictly_clean():
+    for values in ({}, ALL_ON):
+        result = helm_python.lint(str(CHART), values, strict=True, namespace="flotilla", kube_version=KUBE_VERSION)
+        bad = [m for m in result["messages"] if m["severity"] >= 2 and m["error"] != MISSING_NATS]
+        assert not bad, bad
+        missing = [m for m in result["messages"] if m["error"] == MISSING_NATS]
+        if (CHART / "charts").is_dir() and any((CHART / "charts").glob("nats*")):
+            assert not missing, missing
+
+
+@check
+def defaults_render_and_validate():
+    objects = render({})
+    kinds = sorted({o["kind"] for o in objects})
+    assert kinds == sorted(
+        ["ConfigMap", "Deployment", "Job", "PodDisruptionBudget", "Service", "ServiceAccount"]
+    ), kinds
+    kubernetes_validate(objects)
+
+
+@check
+def every_feature_renders_and_validates():
+    objects = render(ALL_ON)
+    for kind in ("ScaledObject", "HorizontalPodAutoscaler", "ServiceMonitor", "NetworkPolicy"):
+        find(objects, kind)
+    kubernetes_validate(objects)
+
+
+@check
+def every_pod_is_locked_down():
+    for values in ({}, ALL_ON):
+        for obj, spec in pod_specs(render(values)):
+            name = obj["metadata"]["name"]
+            assert spec["enableServiceLinks"] is False, name
+            assert spec["automountServiceAccountToken"] is False, name
+            psc = spec["securityContext"]
+            assert psc["runAsNonRoot"] is True and psc["runAsUser"] != 0, name
+            assert psc["seccompProfile"]["type"] == "RuntimeDefault", name
+            for c in spec["containers"]:
+                sc = c["securityContext"]
+                assert sc["readOnlyRootFilesystem"] is True, name
+                assert sc["allowPrivilegeEscalation"] is False, name
+                assert sc["capabilities"]["drop"] == ["ALL"], name
+                assert sc["seccompProfile"]["type"] == "RuntimeDefault", name
+
+
+@check
+def services_have_probes_metrics_and_a_writable_tmp():
+    for obj, spec in pod_specs(render({})):
+        if obj["kind"] != "Deployment":
+            continue
+        name = obj["metadata"]["name"]
+        (c,) = spec["containers"]
+        assert c["ports"] == [{"name": "http", "containerPort": 9464, "protocol": "TCP"}], name
+        assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}, name
+        assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}, name
+        assert c["startupProbe"]["httpGet"]["path"] == "/healthz", name
+        ann = obj["spec"]["template"]["metadata"]["annotations"]
+        assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/port"] == "9464", name
+        assert ann["prometheus.io/path"] == "/metrics", name
+        assert "checksum/config" in ann, name
+        mounts = {m["mountPath"] for m in c["volumeMounts"]}
+        assert {"/tmp", "/etc/flotilla/flotilla.toml"} <= mounts, name
+        env = {e["name"]: e for e in c["env"]}
+        assert env["FLOTILLA_CONFIG"]["value"] == "/etc/flotilla/flotilla.toml", name
+
+
+@check
+def coordinators_are_replicated_and_protected():
+    objects = render({})
+    d = one(objects, "Deployment", "rel-flotilla-coordinator")
+    assert d["spec"]["replicas"] >= 2
+    assert d["spec"]["template"]["spec"]["containers"][0]["args"] == ["coordinator"]
+    pdb = one(objects, "PodDisruptionBudget", "rel-flotilla-coordinator")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == d["spec"]["selector"]["matchLabels"]
+    env = {e["name"]: e for e in d["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["FLOTILLA_NATS__AUTH__KIND"]["value"] == "user-password"
+    assert env["FLOTILLA_NATS__AUTH__PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+        "name": "flotilla-nats-coordinator",
+        "key": "password",
+    }
+
+
+@check
+def worker_pools_become_deployments():
+    objects = render(ALL_ON)
+    default = one(objects, "Deployment", "rel-flotilla-worker-default")
+    assert default["spec"]["replicas"] == 7
+    c = default["spec"]["template"]["spec"]["containers"][0]
+    assert c["args"] == ["worker", "--pool", "default", "--concurrency", "4"]
+    assert default["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 25
+    gpu = one(objects, "Deployment", "rel-flotilla-worker-gpu")
+    spec = gpu["spec"]["template"]["spec"]
+    assert "replicas" not in gpu["spec"], "KEDA owns the replica count"
+    assert spec["terminationGracePeriodSeconds"] > 120
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert spec["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert spec["containers"][0]["envFrom"] == [{"secretRef": {"name": "llm-keys"}}]
+    assert spec["containers"][0]["args"][-1] == "1"
+    batch = one(objects, "Deployment", "rel-flotilla-worker-batch")
+    assert "replicas" not in batch["spec"], "the HPA owns the replica count"
+    env = {e["name"] for e in batch["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert "OPENAI_API_KEY" in env
+    # Each pool connects as its own NATS user; creds-file mounts the pool's Secret.
+    for pool in ("default", "gpu", "batch"):
+        d = one(objects, "Deployment", f"rel-flotilla-worker-{pool}")
+        vols = {v["name"]: v for v in d["spec"]["template"]["spec"]["volumes"]}
+        assert vols["nats-credentials"]["secret"]["secretName"] == f"flotilla-nats-worker-{pool}"
+        assert vols["config"]["configMap"]["items"] == [{"key": f"pool-{pool}.toml", "path": "flotilla.toml"}]
+        env = {e["name"]: e for e in d["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert env["FLOTILLA_NATS__AUTH__PATH"]["value"] == "/etc/flotilla/nats/nats.creds"
+
+
+@check
+def keda_scales_on_the_pool_consumer():
+    objects = render(ALL_ON)
+    (so,) = find(objects, "ScaledObject")
+    assert so["apiVersion"] == "keda.sh/v1alpha1"
+    assert so["metadata"]["name"] == "rel-flotilla-worker-gpu"
+    assert so["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "rel-flotilla-worker-gpu"}
+    assert (so["spec"]["minReplicaCount"], so["spec"]["maxReplicaCount"]) == (1, 8)
+    (trigger,) = so["spec"]["triggers"]
+    assert trigger["type"] == "nats-jetstream"
+    assert trigger["metadata"] == {
+        "natsServerMonitoringEndpoint": "nats.messaging.svc:8222",
+        "account": "FLOTILLA",
+        "stream": "ACME_AI_TASKS",
+        "consumer": "pool-gpu",
+        "lagThreshold": "5",
+        "activationLagThreshold": "0",
+        "useHttps": "false",
+    }
+    (hpa,) = find(objects, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "rel-flotilla-worker-batch"
+    assert hpa["spec"]["metrics"][0]["resource"]["name"] == "cpu"
+
+
+@check
+def rendered_configs_say_what_each_role_needs():
+    cfgs = configs(render(ALL_ON))
+    assert set(cfgs) == {"coordinator.toml", "pool-default.toml", "pool-gpu.toml", "pool-batch.toml"}
+    for name, cfg in cfgs.items():
+        assert cfg["pools"] == ["default", "gpu", "batch"], name
+        assert cfg["nats"]["urls"] == ["nats://nats-0.nats:4222", "nats://nats-1.nats:4222"], name
+        assert cfg["nats"]["prefix"] == "acme-ai", name
+        assert cfg["nats"]["tls"] == {"required": True, "ca": "/etc/flotilla/nats-ca/ca.crt"}, name
+        assert "auth" not in cfg["nats"], "credentials come from Secrets, never the ConfigMap"
+        assert cfg["jetstream"] == {"replicas": 3, "storage": "file"}, name
+        assert cfg["coordinator"]["shards"] == 32, "extraConfig reaches every role"
+        assert cfg["default-agent"] == "echo"
+    assert "worker" not in cfgs["coordinator.toml"] or "pool" not in cfgs["coordinator.toml"]["worker"]
+    # The coordinator knows every pool's agents; each pool only its own.
+    assert set(cfgs["coordinator.toml"]["agents"]) == {"echo", "vision"}
+    assert set(cfgs["pool-default.toml"]["agents"]) == {"echo"}
+    assert set(cfgs["pool-gpu.toml"]["agents"]) == {"echo", "vision"}
+    gpu = cfgs["pool-gpu.toml"]["worker"]
+    assert gpu == {"pool": "gpu", "concurrency": 1, "shutdown-grace": "120s", "heartbeat": "3s"}, gpu
+
+
+@check
+def provisioning_runs_before_the_services_with_jetstream_replicas():
+    job = one(render({"jetstream": {"replicas": 5}}), "Job", "rel-flotilla-provision")
+    ann = job["metadata"]["annotations"]
+    assert ann["helm.sh/hook"] == "pre-install,pre-upgrade"
+    c = job["spec"]["template"]["spec"]["containers"][0]
+    assert c["args"] == ["--nats-url", "nats://nats:4222", "nats", "provision"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["FLOTILLA_JETSTREAM__REPLICAS"]["value"] == "5"
+    assert env["FLOTILLA_NATS__PREFIX"]["value"] == "flotilla"
+    assert env["FLOTILLA_NATS__AUTH__USER"]["valueFrom"]["secretKeyRef"]["name"] == "flotilla-nats-operator"
+
+
+@check
+def hooks_need_nothing_the_release_creates():
+    """A pre-install hook runs before the release's own objects exist."""
+    objects = render({})
+    created = {(o["kind"], o["metadata"]["name"]) for o in objects if "helm.sh/hook" not in o["metadata"].get("annotations", {})}
+    job = one(objects, "Job", "rel-flotilla-provision")
+    spec = job["spec"]["template"]["spec"]
+    if "serviceAccountName" in spec:
+        assert ("ServiceAccount", spec["serviceAccountName"]) not in created
+    for v in spec.get("volumes", []):
+        if "configMap" in v:
+            assert ("ConfigMap", v["configMap"]["name"]) not in created, v
+    for e in spec["containers"][0]["env"]:
+        ref = e.get("valueFrom", {}).get("configMapKeyRef")
+        assert not ref or ("ConfigMap", ref["name"]) not in created, e
+
+
+@check
+def with_the_nats_dependency_flotilla_finds_it():
+    """Renders a copy of the chart with a stand-in for the fetched NATS chart (only its name
+    matters to our templates; the real one comes from `helm dependency build`)."""
+    with tempfile.TemporaryDirectory() as d:
+        copy = Path(d) / "flotilla"
+        shutil.copytree(CHART, copy, ignore=shutil.ignore_patterns("tests"))
+        stub = copy / "charts" / "nats"
+        stub.mkdir(parents=True)
+        (stub / "Chart.yaml").write_text("apiVersion: v2\nname: nats\nversion: 2.14.2\n")
+        values = {"nats": {"enabled": True}, "workerPools": [{"name": "default", "keda": {"enabled": True}}]}
+        objects = render(values, chart=copy)
+    job = one(objects, "Job", "rel-flotilla-provision")
+    # NATS starts with the release, so provisioning runs after install and upgrade.
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "post-install,post-upgrade"
+    assert job["spec"]["template"]["spec"]["containers"][0]["args"][1] == "nats://rel-nats.flotilla.svc:4222"
+    for name, cfg in configs(objects).items():
+        assert cfg["nats"]["urls"] == ["nats://rel-nats.flotilla.svc:4222"], name
+    (so,) = find(objects, "ScaledObject")
+    assert so["spec"]["triggers"][0]["metadata"]["natsServerMonitoringEndpoint"] == "rel-nats-headless.flotilla.svc:8222"
+
+
+@check
+def a_single_coordinator_gets_no_blocking_budget():
+    objects = render({"coordinator": {"replicas": 1}})
+    assert not [o for o in objects if o["kind"] == "PodDisruptionBudget"]
+    assert one(objects, "Deployment", "rel-flotilla-coordinator")["spec"]["replicas"] == 1
+
+
+@check
+def metrics_service_monitor_and_network_policy():
+    objects = render(ALL_ON)
+    svc = one(objects, "Service", "rel-flotilla-metrics")
+    assert svc["spec"]["ports"][0]["port"] == 9464
+    (sm,) = find(objects, "ServiceMonitor")
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
+    assert sm["spec"]["endpoints"][0]["port"] == "http"
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    (np,) = find(objects, "NetworkPolicy")
+    ports = [p["port"] for rule in np["spec"]["egress"] for p in rule.get("ports", [])]
+    assert 4222 in ports and 53 in ports and 443 in ports, ports
+    assert np["spec"]["ingress"][0]["ports"] == [{"port": 9464, "protocol": "TCP"}]
+
+
+@check
+def a_changed_metrics_port_reaches_the_binary():
+    objects = render({"metrics": {"port": 9100}})
+    for name, cfg in configs(objects).items():
+        assert cfg["telemetry"]["http-addr"] == "0.0.0.0:9100", name
+    d = one(objects, "Deployment", "rel-flotilla-coordinator")
+    assert d["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] == 9100
+
+
+@check
+def rendered_configs_load_in_the_real_binary():
+    binary = os.environ.get("FLOTILLA_BIN")
+    if not binary:
+        print("    (skipped: FLOTILLA_BIN not set)")
+        return
+    with tempfile.TemporaryDirectory() as d:
+        plan = Path(d) / "plan.json"
+        plan.write_text('{"subtasks":[{"id":"a"},{"id":"b","dependencies":["a"]}]}')
+        for values in ({}, ALL_ON):
+            for name, text in one(render(values), "ConfigMap", "rel-flotilla-config")["data"].items():
+                path = Path(d) / name
+                path.write_text(text)
+                out = subprocess.run(
+                    [binary, "--config", str(path), "plan", "validate", str(plan)],
+                    capture_output=True,
+                    text=True,
+                    env={k: v for k, v in os.environ.items() if not k.startswith("FLOTILLA_")},
+                )
+                assert out.returncode == 0, f"{name}: {out.stdout}{out.stderr}"
+
+
+# --- bad values fail with a clear message ------------------------------------------------
+
+
+def fails_with(values: dict, *needles: str) -> None:
+    message = render_error(values)
+    for n in needles:
+        assert n in message, f"expected {n!r} in: {message}"
+
+
+@check
+def keda_and_hpa_on_one_pool_are_refused():
+    fails_with(
+        {"workerPools": [{"name": "gpu", "keda": {"enabled": True}, "hpa": {"enabled": True}}], "nats": {"monitoringEndpoint": "n:8222"}},
+        "workerPools[0] (gpu)",
+        "choose one autoscaler",
+    )
+
+
+@check
+def pool_names_must_be_tokens_and_labels():
+    for bad in ("Bad.Name", "gpu.>", "has space", "UPPER", "-dash"):
+        fails_with({"workerPools": [{"name": bad}]}, "workerPools/0/name")
+    fails_with({"workerPools": [{"name": "a"}, {"name": "a"}]}, 'pool "a" is listed twice')
+    fails_with({"workerPools": []}, "workerPools")
+
+
+@check
+def agents_must_be_valid_toml_of_agents():
+    fails_with({"agents": "[agents.x\nkind = 1"}, "agents is not valid TOML")
+    fails_with({"workerPools": [{"name": "p", "agents": "[worker]\npool = \"x\""}]}, "workerPools p: agents may only hold [agents.NAME] tables")
+    fails_with(
+        {"workerPools": [
+            {"name": "a", "agents": '[agents.x]\nkind = "scripted"\nreply = "1"'},
+            {"name": "b", "agents": '[agents.x]\nkind = "scripted"\nreply = "2"'},
+        ]},
+        'agent "x" is defined twice, differently (again in workerPools b: agents)',
+    )
+    fails_with({"defaultAgent": "missing"}, 'defaultAgent "missing" is not defined')
+    fails_with({"extraConfig": "[coordinator"}, "extraConfig is not valid TOML")
+
+
+@check
+def nats_choices_are_checked():
+    fails_with({"nats": {"enabled": True}}, "helm dependency build helm/flotilla")
+    fails_with({"nats": {"url": " "}}, "nats.url is empty")
+    fails_with({"workerPools": [{"name": "gpu", "keda": {"enabled": True}}]}, "keda.enabled needs nats.monitoringEndpoint")
+    fails_with({"jetstream": {"replicas": 2}}, "jetstream/replicas")
+    fails_with({"nats": {"authKind": "password"}}, "authKind")
+    fails_with({"workerPools": [{"name": "p", "concurrency": 0}]}, "concurrency")
+    fails_with({"unknownKey": 1}, "unknownKey")
+
+
+def main() -> int:
+    passed = failed = 0
+    for fn in CHECKS:
+        try:
+            fn()
+        except Exception:
+            failed += 1
+            print(f"FAIL {fn.__name__}")
+            traceback.print_exc()
+        else:
+            passed += 1
+            print(f"ok   {fn.__name__}")
+    print(f"{passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,809 @@
+//! Least privilege, proven on a real nats-server running the shipped
+//! `deploy/nats/accounts.conf`: each role (operator, coordinator, worker of pool `default`,
+//! client) can do its job, and is refused outside it.
+//!
+//! A refusal is proven three ways: the server reports a permission violation naming the
+//! subject on that role's connection (collected from the connection's events, waited for,
+//! never slept on); the operation itself fails; and the operator sees that nothing changed.
+//! Every allowed step ends by checking that the role's connection saw no violation at all, so
+//! an over-tight permission fails the test too. The last test runs a real plan with the
+//! `flotilla` binary, coordinator and worker each connecting with its own credentials.
+
+mod support;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, anyhow, bail, ensure};
+use async_nats::jetstream::{self, consumer, object_store, stream};
+use async_nats::{Event, ServerError};
+use flotilla_bus::provision::{Action, provision};
+use flotilla_bus::{Bus, JetStreamOptions, NatsAuth, NatsOptions, Secret};
+use flotilla_model::Names;
+use flotilla_model::subjects::StreamKind;
+use flotilla_testkit::NatsServer;
+use futures::StreamExt;
+use tokio::sync::mpsc;
+
+/// Users and development passwords of `deploy/nats/accounts.conf`.
+const OPERATOR: (&str, &str) = ("operator", "operator-dev-password");
+const COORDINATOR: (&str, &str) = ("coordinator", "coordinator-dev-password");
+const WORKER: (&str, &str) = ("worker-default", "worker-default-dev-password");
+const CLIENT: (&str, &str) = ("client", "client-dev-password");
+
+/// Timeout of JetStream calls that are expected to be refused (they get no answer).
+const REFUSED_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long a refusal may take to be reported by the server.
+const VIOLATION_WAIT: Duration = Duration::from_secs(10);
+
+fn accounts_conf() -> PathBuf {
+    support::root().join("deploy/nats/accounts.conf")
+}
+
+/// A server with the shipped accounts; the kit's own clients connect as the operator.
+async fn server() -> anyhow::Result<NatsServer> {
+    Ok(NatsServer::builder()
+        .config_file(accounts_conf())
+        .connect_as(OPERATOR.0, OPERATOR.1)
+        .start()
+        .await?)
+}
+
+/// One role's connection, with the permission violations the server reported on it.
+struct Role {
+    user: &'static str,
+    client: async_nats::Client,
+    /// JetStream with the normal timeout, for allowed operations.
+    js: jetstream::Context,
+    /// JetStream with a short timeout, for operations that must fail.
+    js_refused: jetstream::Context,
+    violations: mpsc::UnboundedReceiver<String>,
+}
+
+impl Role {
+    async fn connect(
+        server: &NatsServer,
+        (user, password): (&'static str, &str),
+    ) -> anyhow::Result<Self> {
+        let (tx, violations) = mpsc::unbounded_channel();
+        let client =
+            async_nats::ConnectOptions::with_user_and_password(user.into(), password.into())
+                .event_callback(move |event| {
+                    let tx = tx.clone();
+                    async move {
+                        if let Event::ServerError(ServerError::Other(e)) = event
+                            && e.to_lowercase().contains("permissions violation")
+                        {
+                            let _ = tx.send(e);
+                        }
+                    }
+                })
+                .connect(server.url())
+                .await
+                .with_context(|| format!("connecting as {user}"))?;
+        let js = jetstream::new(client.clone());
+        let mut js_refused = jetstream::new(client.clone());
+        js_refused.set_timeout(REFUSED_TIMEOUT);
+        Ok(Self {
+            user,
+            client,
+            js,
+            js_refused,
+            violations,
+        })
+    }
+
+    /// Waits until the server reports a permission violation for `subject` on this
+    /// connection. Any other violation first is an error: it means an unexpected refusal.
+    async fn refused(&mut self, subject: &str) -> anyhow::Result<()> {
+        let needle = format!("\"{subject}\"");
+        let deadline = tokio::time::Instant::now() + VIOLATION_WAIT;
+        let report = tokio::time::timeout_at(deadline, self.violations.recv())
+            .await
+            .map_err(|_| anyhow!("{}: the server did not refuse {subject}", self.user))?
+            .ok_or_else(|| anyhow!("{}: connection closed", self.user))?;
+        ensure!(
+            report.contains(&needle),
+            "{}: expected a refusal of {subject}, got: {report}",
+            self.user
+        );
+        Ok(())
+    }
+
+    /// A core publish that the server must refuse.
+    async fn publish_refused(&mut self, subject: &str) -> anyhow::Result<()> {
+        self.client
+            .publish(subject.to_owned(), "forbidden".into())
+            .await?;
+        self.client.flush().await?;
+        self.refused(subject).await
+    }
+
+    /// A request that the server must refuse although `subject` has a responder: no answer.
+    async fn request_refused(&mut self, subject: &str) -> anyhow::Result<()> {
+        let answer = tokio::time::timeout(
+            REFUSED_TIMEOUT,
+            self.client.request(subject.to_owned(), "{}".into()),
+        )
+        .await;
+        ensure!(
+            !matches!(answer, Ok(Ok(_))),
+            "{}: a request to {subject} was answered",
+            self.user
+        );
+        self.refused(subject).await
+    }
+
+    /// A core subscription that the server must refuse.
+    async fn subscribe_refused(&mut self, subject: &str) -> anyhow::Result<()> {
+        let _sub = self.client.subscribe(subject.to_owned()).await?;
+        self.client.flush().await?;
+        self.refused(subject).await
+    }
+
+    /// Fails if the server refused anything on this connection so far.
+    async fn no_violations(&mut self) -> anyhow::Result<()> {
+        // A round trip first: every -ERR for earlier commands has been read by then.
+        self.client.flush().await?;
+        if let Ok(v) = self.violations.try_recv() {
+            bail!("{} was refused something it needs: {v}", self.user);
+        }
+        Ok(())
+    }
+}
+
+async fn messages_in(js: &jetstream::Context, stream: &str) -> anyhow::Result<u64> {
+    Ok(js.get_stream(stream).await?.info().await?.state.messages)
+}
+
+fn names() -> Names {
+    Names::default()
+}
+
+/// A subject matched by a stream's subject filter (wildcards filled in).
+fn concrete(filter: &str) -> String {
+    filter
+        .split('.')
+        .enumerate()
+        .map(|(i, t)| match t {
+            "*" | ">" => format!("t{i}"),
+            t => t.to_owned(),
+        })
+        .collect::<Vec<_>>()
+        .join(".")
+}
+
+/// The pool consumer exactly as `flotilla_bus::Bus::shared_consumer` creates it (the same
+/// JetStream API subject: durable name and filter in the subject).
+fn pool_consumer(pool: &str) -> consumer::pull::Config {
+    consumer::pull::Config {
+        durable_name: Some(names().pool_consumer(pool)),
+        filter_subject: names().pool_filter(pool),
+        ack_policy: consumer::AckPolicy::Explicit,
+        max_deliver: -1,
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn only_the_operator_and_the_coordinator_provision() -> anyhow::Result<()> {
+    let server = server().await?;
+    let opts = JetStreamOptions::default();
+
+    for who in [WORKER, CLIENT] {
+        let mut role = Role::connect(&server, who).await?;
+        let err = provision(&role.js_refused, &names(), &opts).await;
+        ensure!(err.is_err(), "{} provisioned streams", role.user);
+        role.refused("$JS.API.STREAM.CREATE.FLOTILLA_INTAKE")
+            .await?;
+    }
+    let operator = Role::connect(&server, OPERATOR).await?;
+    ensure!(
+        operator.js.stream_names().count().await == 0,
+        "a refused role created something"
+    );
+
+    // The coordinator provisions a fresh server at start-up: it may create everything.
+    let mut coordinator = Role::connect(&server, COORDINATOR).await?;
+    let report = provision(&coordinator.js, &names(), &opts).await?;
+    ensure!(
+        report.resources.iter().all(|r| r.action == Action::Create),
+        "{report}"
+    );
+    coordinator.no_violations().await?;
+
+    // The operator provisions too (idempotent: unchanged) and owns the object store.
+    let mut operator = operator;
+    let report = provision(&operator.js, &names(), &opts).await?;
+    ensure!(
+        report
+            .resources
+            .iter()
+            .all(|r| r.action == Action::Unchanged),
+        "{report}"
+    );
+    operator
+        .js
+        .create_object_store(object_store::Config {
+            bucket: "flotilla-artifacts".into(),
+            ..Default::default()
+        })
+        .await?;
+    operator.no_violations().await?;
+
+    // The coordinator creates and updates, but never deletes or purges.
+    ensure!(
+        coordinator
+            .js_refused
+            .delete_stream("FLOTILLA_EVENTS")
+            .await
+            .is_err()
+    );
+    coordinator
+        .refused("$JS.API.STREAM.DELETE.FLOTILLA_EVENTS")
+        .await?;
+    let events = coordinator.js_refused.get_stream("FLOTILLA_EVENTS").await?;
+    ensure!(events.purge().await.is_err());
+    coordinator
+        .refused("$JS.API.STREAM.PURGE.FLOTILLA_EVENTS")
+        .await?;
+    ensure!(operator.js.get_stream("FLOTILLA_EVENTS").await.is_ok());
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_worker_works_its_pool_and_nothing_else() -> anyhow::Result<()> {
+    let server = server().await?;
+    let operator = Role::connect(&server, OPERATOR).await?;
+    provision(&operator.js, &names(), &JetStreamOptions::default()).await?;
+    operator
+        .js
+        .create_object_store(object_store::Config {
+            bucket: "flotilla-artifacts".into(),
+            ..Default::default()
+        })
+        .await?;
+    let tasks = operator.js.get_stream("FLOTILLA_TASKS").await?;
+    // Another pool's consumer, with a task waiting in it.
+    tasks.create_consumer(pool_consumer("gpu")).await?;
+    for subject in ["flotilla.task.default.r1.t1", "flotilla.task.gpu.r1.t1"] {
+        operator.js.publish(subject, "task".into()).await?.await?;
+    }
+    // Stand-in API endpoints answered by the operator: a refused request is then a refusal,
+    // not a missing responder.
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let mut api = operator.client.subscribe("flotilla.api.>").await?;
+    let responder = tokio::spawn({
+        let client = operator.client.clone();
+        let seen = std::sync::Arc::clone(&seen);
+        async move {
+            while let Some(m) = api.next().await {
+                if let Ok(mut seen) = seen.lock() {
+                    seen.push(m.subject.to_string());
+                }
+                if let Some(reply) = m.reply {
+                    let _ = client.publish(reply, "{}".into()).await;
+                }
+            }
+        }
+    });
+    operator.client.flush().await?;
+
+    let mut worker = Role::connect(&server, WORKER).await?;
+
+    // --- its job ---
+    worker.js.query_account().await?;
+    // The start-up check is a read-only plan: everything exists, nothing to create.
+    let plan =
+        flotilla_bus::provision::plan(&worker.js, &names(), &JetStreamOptions::default()).await?;
+    ensure!(
+        plan.report()
+            .resources
+            .iter()
+            .all(|r| r.action == Action::Unchanged),
+        "{}",
+        plan.report()
+    );
+    let stream = worker.js.get_stream("FLOTILLA_TASKS").await?;
+    let pool = stream.create_consumer(pool_consumer("default")).await?;
+    let mut batch = pool
+        .fetch()
+        .max_messages(1)
+        .expires(Duration::from_secs(5))
+        .messages()
+        .await?;
+    let task = batch
+        .next()
+        .await
+        .context("no task pulled")?
+        .map_err(|e| anyhow!("pulling: {e}"))?;
+    ensure!(task.subject.as_str() == "flotilla.task.default.r1.t1");
+    task.ack_with(jetstream::AckKind::Progress)
+        .await
+        .map_err(|e| anyhow!("in-progress ack: {e}"))?;
+    task.double_ack().await.map_err(|e| anyhow!("ack: {e}"))?;
+
+    let ack = worker
+        .js
+        .publish("flotilla.runlog.r1", "result".into())
+        .await?
+        .await?;
+    ensure!(ack.stream == "FLOTILLA_RUNLOG");
+    worker
+        .js
+        .publish("flotilla.event.r1", "event".into())
+        .await?
+        .await?;
+    worker
+        .js
+        .publish("flotilla.ws.r1.figures", "entry".into())
+        .await?
+        .await?;
+    let ws = worker.js.get_stream("FLOTILLA_WORKSPACE").await?;
+    ws.direct_get_last_for_subject("flotilla.ws.r1.figures")
+        .await?;
+    // The mailbox layout is changing (`<root>.<to>` to `<root>.<to>.<from>`); the permission
+    // covers both, so write to whatever the provisioned stream captures.
+    let mailbox = concrete(&names().stream_subjects(StreamKind::Mailbox)[0]);
+    worker
+        .js
+        .publish(mailbox.clone(), "hello".into())
+        .await?
+        .await
+        .with_context(|| format!("publishing to {mailbox}"))?;
+
+    let workers = worker.js.get_key_value("flotilla-workers").await?;
+    workers.put("worker-1", "{}".into()).await?;
+    ensure!(workers.get("worker-1").await?.is_some());
+    let state = worker.js.get_key_value("flotilla-state").await?;
+    state.put("session1.answer", "42".into()).await?;
+    ensure!(state.get("session1.answer").await?.is_some());
+    let control = worker.js.get_key_value("flotilla-control").await?;
+    ensure!(control.get("r1").await?.is_none());
+    let mut watch = control.watch_all().await?;
+    operator
+        .js
+        .get_key_value("flotilla-control")
+        .await?
+        .put("r1", "pause".into())
+        .await?;
+    let change = tokio::time::timeout(Duration::from_secs(10), watch.next())
+        .await
+        .context("the control watch saw nothing")?
+        .context("watch ended")??;
+    ensure!(change.key == "r1");
+
+    let artifacts = worker.js.get_object_store("flotilla-artifacts").await?;
+    artifacts
+        .put("r1/report.txt", &mut "a large report".as_bytes())
+        .await?;
+    let mut object = artifacts.get("r1/report.txt").await?;
+    let mut body = Vec::new();
+    tokio::io::AsyncReadExt::read_to_end(&mut object, &mut body).await?;
+    ensure!(body == b"a large report");
+
+    let answer = worker
+        .client
+        .request("flotilla.api.run.get", "{}".into())
+        .await?;
+    ensure!(answer.payload.as_ref() == b"{}");
+    worker.no_violations().await?;
+
+    // --- refused ---
+    let publish = worker
+        .js_refused
+        .publish("flotilla.submit", "plan".into())
+        .await;
+    ensure!(
+        match publish {
+            Ok(ack) => ack.await.is_err(),
+            Err(_) => true,
+        },
+        "a worker submitted a plan"
+    );
+    worker.refused("flotilla.submit").await?;
+    ensure!(messages_in(&operator.js, "FLOTILLA_INTAKE").await? == 0);
+    worker.request_refused("flotilla.api.submit").await?;
+
+    let before = messages_in(&operator.js, "FLOTILLA_TASKS").await?;
+    worker.publish_refused("flotilla.task.default.x.y").await?;
+    worker.publish_refused("flotilla.task.gpu.x.y").await?;
+    ensure!(messages_in(&operator.js, "FLOTILLA_TASKS").await? == before);
+
+    ensure!(
+        worker
+            .js_refused
+            .delete_stream("FLOTILLA_TASKS")
+            .await
+            .is_err()
+    );
+    worker
+        .refused("$JS.API.STREAM.DELETE.FLOTILLA_TASKS")
+        .await?;
+    let runlog = worker.js_refused.get_stream("FLOTILLA_RUNLOG").await?;
+    ensure!(runlog.purge().await.is_err());
+    worker
+        .refused("$JS.API.STREAM.PURGE.FLOTILLA_RUNLOG")
+        .await?;
+    ensure!(messages_in(&operator.js, "FLOTILLA_RUNLOG").await? == 1);
+    ensure!(
+        worker
+            .js_refused
+            .create_stream(stream::Config {
+                name: "ROGUE".into(),
+                subjects: vec!["rogue.>".into()],
+                ..Default::default()
+            })
+            .await
+            .is_err()
+    );
+    worker.refused("$JS.API.STREAM.CREATE.ROGUE").await?;
+
+    // Another pool's consumer: neither pulled from nor reconfigured.
+    let inbox = worker.client.new_inbox();
+    worker
+        .client
+        .publish_with_reply(
+            "$JS.API.CONSUMER.MSG.NEXT.FLOTILLA_TASKS.pool-gpu",
+            inbox,
+            r#"{"batch":1,"expires":500000000}"#.into(),
+        )
+        .await?;
+    worker.client.flush().await?;
+    worker
+        .refused("$JS.API.CONSUMER.MSG.NEXT.FLOTILLA_TASKS.pool-gpu")
+        .await?;
+    let refused_stream = worker.js_refused.get_stream("FLOTILLA_TASKS").await?;
+    ensure!(
+        refused_stream
+            .create_consumer(pool_consumer("gpu"))
+            .await
+            .is_err(),
+        "a worker created another pool's consumer"
+    );
+    worker
+        .refused("$JS.API.CONSUMER.CREATE.FLOTILLA_TASKS.pool-gpu.flotilla.task.gpu.>")
+        .await?;
+    let gpu = operator
+        .js
+        .get_consumer_from_stream::<consumer::pull::Config, _, _>("pool-gpu", "FLOTILLA_TASKS")
+        .await?
+        .info()
+        .await?
+        .clone();
+    ensure!(
+        gpu.num_pending == 1 && gpu.num_ack_pending == 0,
+        "the gpu task was touched: {gpu:?}"
+    );
+
+    // Buckets it does not own; subscriptions outside its inbox.
+    worker.publish_refused("$KV.flotilla-runs.r1").await?;
+    worker.publish_refused("$KV.flotilla-control.r1").await?;
+    worker.subscribe_refused("flotilla.task.>").await?;
+    ensure!(
+        operator
+            .js
+            .get_key_value("flotilla-runs")
+            .await?
+            .get("r1")
+            .await?
+            .is_none()
+    );
+
+    operator.client.flush().await?;
+    responder.abort();
+    let seen = seen.lock().map_err(|_| anyhow!("poisoned"))?.clone();
+    ensure!(
+        seen == ["flotilla.api.run.get"],
+        "the API saw requests it should not have: {seen:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_client_submits_and_reads_but_writes_nothing_else() -> anyhow::Result<()> {
+    let server = server().await?;
+    let operator = Role::connect(&server, OPERATOR).await?;
+    provision(&operator.js, &names(), &JetStreamOptions::default()).await?;
+    // The coordinators' shared run-log consumer exists, as in a running installation.
+    operator
+        .js
+        .get_stream("FLOTILLA_RUNLOG")
+        .await?
+        .create_consumer(consumer::pull::Config {
+            durable_name: Some("coordinator".into()),
+            filter_subject: names().runlog_all(),
+            ack_policy: consumer::AckPolicy::Explicit,
+            ..Default::default()
+        })
+        .await?;
+    operator
+        .js
+        .publish("flotilla.event.r1", "run_started".into())
+        .await?
+        .await?;
+    operator
+        .js
+        .publish("flotilla.runlog.r1", "submitted".into())
+        .await?
+        .await?;
+    operator
+        .js
+        .get_key_value("flotilla-runs")
+        .await?
+        .put("r1", "record".into())
+        .await?;
+
+    let mut client = Role::connect(&server, CLIENT).await?;
+
+    // --- its job ---
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", "run.r2");
+    let ack = client
+        .js
+        .publish_with_headers("flotilla.submit", headers, "plan".into())
+        .await?
+        .await?;
+    ensure!(ack.stream == "FLOTILLA_INTAKE");
+    ensure!(messages_in(&operator.js, "FLOTILLA_INTAKE").await? == 1);
+    // Events, as flotilla_client::Client::events reads them: an ordered consumer.
+    let events = client.js.get_stream("FLOTILLA_EVENTS").await?;
+    let mut messages = events
+        .create_consumer(consumer::pull::OrderedConfig {
+            filter_subject: "flotilla.event.r1".into(),
+            ..Default::default()
+        })
+        .await?
+        .messages()
+        .await?;
+    let first = tokio::time::timeout(Duration::from_secs(10), messages.next())
+        .await
+        .context("no event")?
+        .context("events ended")??;
+    ensure!(first.payload.as_ref() == b"run_started");
+    // Runs, their logs and the live workers.
+    let runs = client.js.get_key_value("flotilla-runs").await?;
+    ensure!(runs.get("r1").await?.is_some());
+    let keys: Vec<String> = runs
+        .keys()
+        .await?
+        .filter_map(|k| async { k.ok() })
+        .collect()
+        .await;
+    ensure!(keys == ["r1"]);
+    let runlog = client.js.get_stream("FLOTILLA_RUNLOG").await?;
+    runlog
+        .direct_get_first_for_subject("flotilla.runlog.r1")
+        .await?;
+    let workers = client.js.get_key_value("flotilla-workers").await?;
+    ensure!(workers.get("nobody").await?.is_none());
+    client.no_violations().await?;
+
+    // --- refused ---
+    let publish = client
+        .js_refused
+        .publish("flotilla.runlog.x", "result".into())
+        .await;
+    ensure!(
+        match publish {
+            Ok(ack) => ack.await.is_err(),
+            Err(_) => true,
+        },
+        "a client wrote a task result"
+    );
+    client.refused("flotilla.runlog.x").await?;
+    ensure!(messages_in(&operator.js, "FLOTILLA_RUNLOG").await? == 1);
+    client.publish_refused("flotilla.task.default.x.y").await?;
+    client.publish_refused("flotilla.event.x").await?;
+    client.publish_refused("flotilla.ws.x.topic").await?;
+    client
+        .publish_refused(&concrete(&names().stream_subjects(StreamKind::Mailbox)[0]))
+        .await?;
+    client.publish_refused("flotilla.timer.x.1").await?;
+    client.publish_refused("$KV.flotilla-runs.r1").await?;
+    client.publish_refused("$KV.flotilla-workers.w1").await?;
+    ensure!(
+        messages_in(&operator.js, "FLOTILLA_TASKS").await? == 0
+            && messages_in(&operator.js, "FLOTILLA_WORKSPACE").await? == 0
+            && messages_in(&operator.js, "FLOTILLA_MAILBOX").await? == 0
+    );
+    ensure!(
+        client
+            .js_refused
+            .delete_stream("FLOTILLA_INTAKE")
+            .await
+            .is_err()
+    );
+    client
+        .refused("$JS.API.STREAM.DELETE.FLOTILLA_INTAKE")
+        .await?;
+    // Neither reconfigure nor drain the coordinators' consumer.
+    let refused_runlog = client.js_refused.get_stream("FLOTILLA_RUNLOG").await?;
+    ensure!(
+        refused_runlog
+            .create_consumer(consumer::pull::Config {
+                durable_name: Some("coordinator".into()),
+                filter_subject: names().runlog_all(),
+                ack_wait: Duration::from_secs(3600),
+                ..Default::default()
+            })
+            .await
+            .is_err()
+    );
+    client
+        .refused("$JS.API.CONSUMER.CREATE.FLOTILLA_RUNLOG.coordinator.flotilla.runlog.*")
+        .await?;
+    client
+        .publish_refused("$JS.API.CONSUMER.MSG.NEXT.FLOTILLA_RUNLOG.coordinator")
+        .await?;
+    let info = operator
+        .js
+        .get_consumer_from_stream::<consumer::pull::Config, _, _>("coordinator", "FLOTILLA_RUNLOG")
+        .await?
+        .info()
+        .await?
+        .clone();
+    ensure!(
+        info.config.ack_wait != Duration::from_secs(3600) && info.num_ack_pending == 0,
+        "the coordinators' consumer was touched: {info:?}"
+    );
+    Ok(())
+}
+
+/// `FLOTILLA_NATS__AUTH__*`: how the Helm chart hands credentials to a pod.
+fn credentials_env((user, password): (&str, &str)) -> Vec<(&'static str, String)> {
+    vec![
+        ("FLOTILLA_NATS__AUTH__KIND", "user-password".to_owned()),
+        ("FLOTILLA_NATS__AUTH__USER", user.to_owned()),
+        ("FLOTILLA_NATS__AUTH__PASSWORD", password.to_owned()),
+    ]
+}
+
+fn refs<'a>(env: &'a [(&'static str, String)]) -> Vec<(&'static str, &'a str)> {
+    env.iter().map(|(k, v)| (*k, v.as_str())).collect()
+}
+
+const AGENTS: &str = r#"
+default-agent = "echo"
+[agents.echo]
+kind = "scripted"
+reply = "{task_id} done"
+"#;
+
+#[tokio::test]
+async fn a_worker_does_not_provision_and_says_so() -> anyhow::Result<()> {
+    let empty = server().await?;
+    let dir = tempfile::tempdir()?;
+    let config = dir.path().join("flotilla.toml");
+    std::fs::write(
+        &config,
+        format!("{AGENTS}\n[nats]\nurls = [\"{}\"]\n", empty.url()),
+    )?;
+    let run = tokio::process::Command::new(env!("CARGO_BIN_EXE_flotilla"))
+        .arg("--config")
+        .arg(&config)
+        .arg("worker")
+        .envs(credentials_env(WORKER))
+        .env("FLOTILLA_LOG", "warn")
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .context("the worker did not stop")??;
+    let log = String::from_utf8_lossy(&out.stderr);
+    ensure!(out.status.code() == Some(2), "{:?}:\n{log}", out.status);
+    ensure!(
+        log.contains("JetStream resources are missing") && log.contains("FLOTILLA_TASKS"),
+        "{log}"
+    );
+    let operator = Role::connect(&empty, OPERATOR).await?;
+    ensure!(
+        operator.js.stream_names().count().await == 0,
+        "the worker created streams"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_plan_runs_with_every_role_on_its_own_credentials() -> anyhow::Result<()> {
+    // Processes provisions as the operator (the Helm chart's provisioning job).
+    let mut p = support::Processes::with_server(server().await?, AGENTS).await?;
+    let coordinator_env = credentials_env(COORDINATOR);
+    let worker_env = credentials_env(WORKER);
+    let client_env = credentials_env(CLIENT);
+
+    let c = p.spawn_env(&["coordinator"], &refs(&coordinator_env))?;
+    if let Err(e) = support::wait_for_api(&p.bus).await {
+        bail!("{e}\ncoordinator log:\n{}", p.log(c));
+    }
+    let w = p.spawn_env(&["worker"], &refs(&worker_env))?;
+    p.wait_registered(w).await?;
+
+    let plan = p.dir().join("plan.json");
+    std::fs::write(
+        &plan,
+        r#"{"name":"least-privilege","subtasks":[
+            {"id":"gather"},
+            {"id":"analyse","dependencies":["gather"]},
+            {"id":"report","dependencies":["analyse"]}]}"#,
+    )?;
+    let plan = plan.to_string_lossy().into_owned();
+    let submit = p.spawn_env(
+        &["submit", &plan, "--wait", "--json", "--timeout", "60s"],
+        &refs(&client_env),
+    )?;
+    let code = match p.wait_exit(submit, support::WAIT).await {
+        Ok(code) => code,
+        Err(e) => bail!(
+            "{e}\nsubmit:\n{}\ncoordinator:\n{}\nworker:\n{}",
+            p.log(submit),
+            p.log(c),
+            p.log(w)
+        ),
+    };
+    ensure!(
+        code == Some(0),
+        "submit exited {code:?}:\n{}\ncoordinator:\n{}\nworker:\n{}",
+        p.log(submit),
+        p.log(c),
+        p.log(w)
+    );
+    let out = p.log(submit);
+    ensure!(
+        out.contains("succeeded") && out.contains("report done"),
+        "{out}"
+    );
+
+    // The client lists runs and workers with its own credentials.
+    for args in [["runs", "list"], ["workers", "--json"]] {
+        let i = p.spawn_env(&args, &refs(&client_env))?;
+        let code = p.wait_exit(i, support::WAIT).await?;
+        ensure!(code == Some(0), "{args:?} exited {code:?}:\n{}", p.log(i));
+    }
+    // And reads the run store through its own connection (no operator rights).
+    let opts = NatsOptions {
+        auth: NatsAuth::UserPassword {
+            user: CLIENT.0.into(),
+            password: Secret::new(CLIENT.1),
+        },
+        ..NatsOptions::with_url(p.server.url())
+    };
+    let client = flotilla_client::Client::new(Bus::connect(&opts, "permissions-test").await?);
+    let runs = flotilla_coordinator::store::RunStore::open(client.bus()).await?;
+    ensure!(runs.list().await?.len() == 1);
+    Ok(())
+}
+
+#[test]
+fn the_shipped_server_configs_are_valid() -> anyhow::Result<()> {
+    let binary = flotilla_bus::server::find_binary()?;
+    for (file, env) in [
+        ("single.conf", None),
+        ("cluster.conf", Some(("SERVER_NAME", "nats-0"))),
+        ("accounts.conf", None),
+    ] {
+        let path = support::root().join("deploy/nats").join(file);
+        let mut cmd = std::process::Command::new(&binary);
+        cmd.arg("-t").arg("-c").arg(&path);
+        if let Some((k, v)) = env {
+            cmd.env(k, v);
+        }
+        let out = cmd.output()?;
+        ensure!(
+            out.status.success(),
+            "{file}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // Durability: both configs fsync every write before acknowledging it.
+    for file in ["single.conf", "cluster.conf"] {
+        let text = std::fs::read_to_string(support::root().join("deploy/nats").join(file))?;
+        ensure!(
+            text.lines()
+                .any(|l| l.trim_start().starts_with("sync_interval: always")),
+            "{file} lacks sync_interval: always"
+        );
+    }
+    Ok(())
+}
