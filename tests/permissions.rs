@@ -212,7 +212,7 @@ async fn only_the_operator_and_the_coordinator_provision() -> anyhow::Result<()>
     );
     coordinator.no_violations().await?;
 
-    // The operator provisions too (idempotent: unchanged) and owns the object store.
+    // The operator provisions too (idempotent: unchanged).
     let mut operator = operator;
     let report = provision(&operator.js, &names(), &opts).await?;
     ensure!(
@@ -222,16 +222,10 @@ async fn only_the_operator_and_the_coordinator_provision() -> anyhow::Result<()>
             .all(|r| r.action == Action::Unchanged),
         "{report}"
     );
-    operator
-        .js
-        .create_object_store(object_store::Config {
-            bucket: "flotilla-artifacts".into(),
-            ..Default::default()
-        })
-        .await?;
     operator.no_violations().await?;
 
-    // The coordinator creates and updates, but never deletes or purges.
+    // The coordinator creates and updates, but never deletes; it purges only the queued tasks
+    // of a cancelled run (FLOTILLA_TASKS), never other streams.
     ensure!(
         coordinator
             .js_refused
@@ -256,13 +250,6 @@ async fn a_worker_works_its_pool_and_nothing_else() -> anyhow::Result<()> {
     let server = server().await?;
     let operator = Role::connect(&server, OPERATOR).await?;
     provision(&operator.js, &names(), &JetStreamOptions::default()).await?;
-    operator
-        .js
-        .create_object_store(object_store::Config {
-            bucket: "flotilla-artifacts".into(),
-            ..Default::default()
-        })
-        .await?;
     let tasks = operator.js.get_stream("FLOTILLA_TASKS").await?;
     // Another pool's consumer, with a task waiting in it.
     tasks.create_consumer(pool_consumer("gpu")).await?;
@@ -668,6 +655,9 @@ default-agent = "echo"
 [agents.echo]
 kind = "scripted"
 reply = "{task_id} done"
+[agents.long]
+kind = "scripted"
+delay = "60s"
 "#;
 
 #[tokio::test]
@@ -771,6 +761,55 @@ async fn a_plan_runs_with_every_role_on_its_own_credentials() -> anyhow::Result<
     let client = flotilla_client::Client::new(Bus::connect(&opts, "permissions-test").await?);
     let runs = flotilla_coordinator::store::RunStore::open(client.bus()).await?;
     ensure!(runs.list().await?.len() == 1);
+
+    // Cancelling with the client's credentials: the coordinator records it, posts the cancel
+    // notice and removes queued tasks; the worker sees the notice and cancels its attempt.
+    let mut long = flotilla_model::submit::SubmitRequest::new(support::plan(vec![
+        flotilla_model::plan::Subtask::new("long", "").with_agent("long"),
+    ]));
+    let run = flotilla_model::RunId::new();
+    long.run_id = Some(run);
+    client.submit(long).await?;
+    support::task_started(&client, run, "long").await?;
+    let cancel = p.spawn_env(
+        &[
+            "runs",
+            "cancel",
+            &run.to_string(),
+            "--reason",
+            "least privilege",
+        ],
+        &refs(&client_env),
+    )?;
+    let code = p.wait_exit(cancel, support::WAIT).await?;
+    ensure!(
+        code == Some(0),
+        "cancel exited {code:?}:\n{}\ncoordinator:\n{}",
+        p.log(cancel),
+        p.log(c)
+    );
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let results = support::results_of(&p.bus, run).await?;
+        if results.len() == 1 {
+            ensure!(!results[0].2, "the attempt was cancelled, not completed");
+            break;
+        }
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the worker did not cancel its attempt:\nworker:\n{}\ncoordinator:\n{}",
+            p.log(w),
+            p.log(c)
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    for (name, i) in [("coordinator", c), ("worker", w)] {
+        ensure!(
+            !p.log(i).contains("Permissions Violation"),
+            "{name} was refused something:\n{}",
+            p.log(i)
+        );
+    }
     Ok(())
 }
 
