@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, anyhow, bail, ensure};
-use async_nats::jetstream::{self, consumer, object_store, stream};
+use async_nats::jetstream::{self, consumer, stream};
 use async_nats::{Event, ServerError};
 use flotilla_bus::provision::{Action, provision};
 use flotilla_bus::{Bus, JetStreamOptions, NatsAuth, NatsOptions, Secret};
