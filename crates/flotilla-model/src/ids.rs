@@ -166,7 +166,7 @@ impl<'de> serde::de::Visitor<'de> for UuidVisitor {
 
 /// A task id inside a plan, chosen by the client (`fetch_data`).
 ///
-/// Deserialisation accepts any string so that [`crate::validate::validate_plan`] can report
+/// Deserialisation accepts any string so that plan validation can report
 /// every invalid id at once; use the validator before trusting it as a subject token.
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(transparent)]

@@ -35,7 +35,7 @@ pub struct SubmitRequest {
     /// Parent link, for nested runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent: Option<RunHandle>,
-    /// A subject on which the coordinator publishes exactly one terminal [`SubmitReply`]
+    /// A subject on which the coordinator publishes exactly one terminal submit reply
     /// (at least once): `rejected`, `duplicate` (with the original run's id and status), or
     /// `finished` with the outcome when the run ends. Must be a valid subject for publishing
     /// (tokens separated by `.`, no wildcards or whitespace).

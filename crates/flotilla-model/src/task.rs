@@ -94,7 +94,9 @@ pub struct DependencyResult {
     /// Tools the agent used.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tools_used: Vec<String>,
-    /// The salient number of the response (see [`crate::numeric`]).
+    /// The salient number of the response: the agent's own, or, when it gives none, the one
+    /// the worker extracts from the response text (the first percentage, else the first
+    /// currency amount, else the last plain number).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub numeric_value: Option<f64>,
 }
