@@ -58,6 +58,7 @@ pub struct Coordinator {
     opts: CoordinatorOptions,
     ctx: ValidationContext,
     jetstream: JetStreamOptions,
+    ready: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
 fn setup(
@@ -80,7 +81,15 @@ impl Coordinator {
             opts,
             ctx,
             jetstream,
+            ready: None,
         }
+    }
+
+    /// Signals `ready` once streams and buckets are provisioned and the coordinator's consumers
+    /// are bound (for readiness probes).
+    pub fn on_ready(mut self, ready: tokio::sync::oneshot::Sender<()>) -> Self {
+        self.ready = Some(ready);
+        self
     }
 
     async fn consumer(
@@ -106,7 +115,7 @@ impl Coordinator {
     }
 
     /// Runs until `shutdown` is cancelled.
-    pub async fn run(self, shutdown: CancellationToken) -> Result<(), CoordinatorError> {
+    pub async fn run(mut self, shutdown: CancellationToken) -> Result<(), CoordinatorError> {
         self.opts
             .validate()
             .map_err(|e| CoordinatorError::new(CoordinatorErrorKind::Config, e))?;
@@ -130,6 +139,9 @@ impl Coordinator {
             self.jetstream.duplicate_window,
         ));
         let intake = Arc::new(Intake::new(store.clone(), self.ctx.clone()));
+        if let Some(ready) = self.ready.take() {
+            let _ = ready.send(());
+        }
         info!(prefix = self.bus.names().prefix(), "Coordinator started");
 
         let mut tasks = tokio::task::JoinSet::new();
