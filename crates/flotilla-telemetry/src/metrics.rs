@@ -327,19 +327,15 @@ impl Metrics {
         Ok(out)
     }
 
-    /// Creates a pool's gauges at 0 (consumer backlog, in-flight attempts, free slots), so
-    /// `/metrics` shows the pool before its first sample.
+    /// Creates a pool's consumer-backlog gauges at 0, so `/metrics` shows the pool before the
+    /// first sample. (The slot gauges appear with [`worker_slots`](Self::worker_slots): a
+    /// premature 0 free slots would read as a saturated worker.)
     pub fn init_pool(&self, pool: &str) {
         let labels = PoolLabels {
             pool: pool.to_owned(),
         };
         let f = self.families();
-        for family in [
-            &f.in_flight,
-            &f.free_slots,
-            &f.consumer_pending,
-            &f.consumer_ack_pending,
-        ] {
+        for family in [&f.consumer_pending, &f.consumer_ack_pending] {
             let _ = family.get_or_create(&labels);
         }
     }
@@ -466,6 +462,7 @@ mod tests {
 
         let metrics = Metrics::new();
         metrics.init_pool("default");
+        let _slots = metrics.worker_slots("default", 2);
         let (run, task) = (RunId::new(), TaskId::new("t"));
         let (pool, agent) = ("default", "echo");
         TaskDispatched {

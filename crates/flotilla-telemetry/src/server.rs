@@ -27,7 +27,9 @@ use crate::metrics::{self, Metrics};
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
     /// Another process (or another Flotilla service) already listens there.
-    #[error("cannot listen on {addr}: address in use (set --http-addr or telemetry.http-addr)")]
+    #[error(
+        "cannot listen on {addr}: address in use by another process (choose another with --http-addr or telemetry.http-addr)"
+    )]
     AddressInUse {
         /// The address.
         addr: SocketAddr,
