@@ -14,6 +14,7 @@ use figment::providers::{Env, Format, Serialized, Toml};
 use flotilla_bus::{JetStreamOptions, NatsOptions};
 use flotilla_coordinator::CoordinatorOptions;
 use flotilla_model::validate::{AgentCatalog, ValidationContext};
+use flotilla_telemetry::TelemetryOptions;
 use flotilla_worker::{AgentDefinition, AgentRegistry, WorkerOptions};
 use serde::{Deserialize, Serialize};
 
@@ -35,6 +36,8 @@ pub(crate) struct Config {
     pub(crate) coordinator: CoordinatorOptions,
     /// Worker settings.
     pub(crate) worker: WorkerOptions,
+    /// Health, readiness and metrics listener; log format.
+    pub(crate) telemetry: TelemetryOptions,
     /// Directory of the config file: relative agent paths resolve against it.
     #[serde(skip)]
     pub(crate) base_dir: PathBuf,
@@ -51,6 +54,7 @@ impl Default for Config {
             agents: BTreeMap::new(),
             coordinator: CoordinatorOptions::default(),
             worker: WorkerOptions::default(),
+            telemetry: TelemetryOptions::default(),
             base_dir: PathBuf::from("."),
         }
     }
@@ -129,6 +133,9 @@ impl Config {
         self.worker
             .validate()
             .map_err(|e| anyhow::anyhow!("invalid [worker] section: {e}"))?;
+        self.telemetry
+            .validate()
+            .map_err(|e| anyhow::anyhow!("invalid [telemetry] section: {e}"))?;
         self.agent_registry()?;
         Ok(())
     }
@@ -170,6 +177,24 @@ mod tests {
         std::fs::write(&path, "[nats]\nurl = \"nats://x\"\n").expect("write");
         let err = load(Some(&path), None).expect_err("unknown key");
         assert!(err.to_string().contains("url"), "{err}");
+    }
+
+    #[test]
+    fn the_telemetry_section_loads_and_is_validated() {
+        use flotilla_telemetry::{HttpAddr, LogFormat};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("f.toml");
+        std::fs::write(
+            &path,
+            "[telemetry]\nhttp-addr = \"off\"\nlog-format = \"json\"\n",
+        )
+        .expect("write");
+        let loaded = load(Some(&path), None).expect("loads");
+        assert_eq!(loaded.telemetry.http_addr, HttpAddr::Off);
+        assert_eq!(loaded.telemetry.log_format, LogFormat::Json);
+        std::fs::write(&path, "[telemetry]\nconsumer-lag-interval = \"1ms\"\n").expect("write");
+        let err = load(Some(&path), None).expect_err("too short");
+        assert!(err.to_string().contains("[telemetry]"), "{err}");
     }
 
     #[test]
