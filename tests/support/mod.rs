@@ -231,6 +231,9 @@ impl Processes {
                 "FLOTILLA_LOG",
                 std::env::var("TEST_FLOTILLA_LOG").unwrap_or_else(|_| "info".into()),
             )
+            // Tests run many services at once: no HTTP listener unless a test asks for one
+            // (`--http-addr`), or they would all want port 9464.
+            .env("FLOTILLA_TELEMETRY__HTTP_ADDR", "off")
             .envs(env.iter().copied())
             .stdin(std::process::Stdio::null())
             .stdout(log.try_clone()?)

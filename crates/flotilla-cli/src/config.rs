@@ -14,6 +14,7 @@ use figment::providers::{Env, Format, Serialized, Toml};
 use flotilla_bus::{JetStreamOptions, NatsOptions};
 use flotilla_coordinator::CoordinatorOptions;
 use flotilla_model::validate::{AgentCatalog, ValidationContext};
+use flotilla_telemetry::TelemetryOptions;
 use flotilla_worker::{AgentDefinition, AgentRegistry, WorkerOptions};
 use serde::{Deserialize, Serialize};
 
@@ -35,6 +36,8 @@ pub(crate) struct Config {
     pub(crate) coordinator: CoordinatorOptions,
     /// Worker settings.
     pub(crate) worker: WorkerOptions,
+    /// Health, readiness and metrics listener; log format.
+    pub(crate) telemetry: TelemetryOptions,
     /// Directory of the config file: relative agent paths resolve against it.
     #[serde(skip)]
     pub(crate) base_dir: PathBuf,
@@ -51,6 +54,7 @@ impl Default for Config {
             agents: BTreeMap::new(),
             coordinator: CoordinatorOptions::default(),
             worker: WorkerOptions::default(),
+            telemetry: TelemetryOptions::default(),
             base_dir: PathBuf::from("."),
         }
     }
@@ -84,7 +88,6 @@ pub(crate) fn load(explicit: Option<&Path>, nats_url: Option<&str>) -> anyhow::R
     if let Some(f) = &file {
         figment = figment.merge(Toml::file(f));
     }
-    warn_unknown_env(std::env::vars().map(|(k, _)| k));
     figment = figment.merge(
         Env::prefixed("FLOTILLA_")
             .map(|k| env_key(k.as_str()).into())
@@ -127,6 +130,7 @@ const TOP_LEVEL_KEYS: &[&str] = &[
     "agents",
     "coordinator",
     "worker",
+    "telemetry",
 ];
 
 /// `FLOTILLA_*` variables that are not configuration: Flotilla's own (set for exec agents,
@@ -164,10 +168,11 @@ fn is_config_key(key: &str) -> bool {
 /// Warns once about `FLOTILLA_*` variables that are neither configuration nor Flotilla's own.
 /// Kubernetes injects such variables for a Service named `flotilla` (`FLOTILLA_PORT=tcp://…`,
 /// `FLOTILLA_SERVICE_HOST`); they must not stop anything from starting.
-fn warn_unknown_env(names: impl Iterator<Item = String>) {
+/// Call once logging is set up (services load their config before that).
+pub(crate) fn warn_unknown_env() {
     static WARNED: std::sync::Once = std::sync::Once::new();
-    let unknown: Vec<String> = names
-        .filter_map(|n| n.strip_prefix("FLOTILLA_").map(str::to_owned))
+    let unknown: Vec<String> = std::env::vars()
+        .filter_map(|(n, _)| n.strip_prefix("FLOTILLA_").map(str::to_owned))
         .filter(|n| !NON_CONFIG_VARS.contains(&n.as_str()) && !is_config_key(&env_key(n)))
         .map(|n| format!("FLOTILLA_{n}"))
         .collect();
@@ -216,6 +221,9 @@ impl Config {
         self.worker
             .validate()
             .map_err(|e| anyhow::anyhow!("invalid [worker] section: {e}"))?;
+        self.telemetry
+            .validate()
+            .map_err(|e| anyhow::anyhow!("invalid [telemetry] section: {e}"))?;
         self.agent_registry()?;
         Ok(())
     }
@@ -294,6 +302,24 @@ mod tests {
         // A pid that cannot be alive.
         std::fs::write(&file, "nats://127.0.0.1:1234\n2147483646\n").expect("write");
         assert_eq!(running_up_url(dir.path()), None);
+    }
+
+    #[test]
+    fn the_telemetry_section_loads_and_is_validated() {
+        use flotilla_telemetry::{HttpAddr, LogFormat};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("f.toml");
+        std::fs::write(
+            &path,
+            "[telemetry]\nhttp-addr = \"off\"\nlog-format = \"json\"\n",
+        )
+        .expect("write");
+        let loaded = load(Some(&path), None).expect("loads");
+        assert_eq!(loaded.telemetry.http_addr, HttpAddr::Off);
+        assert_eq!(loaded.telemetry.log_format, LogFormat::Json);
+        std::fs::write(&path, "[telemetry]\nconsumer-lag-interval = \"1ms\"\n").expect("write");
+        let err = load(Some(&path), None).expect_err("too short");
+        assert!(err.to_string().contains("[telemetry]"), "{err}");
     }
 
     #[test]

@@ -11,6 +11,8 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use flotilla_model::ids::RunId;
+use flotilla_telemetry::logging::{self, LogFormat, LoggingConfig};
+use flotilla_telemetry::{HttpAddr, TelemetryGuard};
 
 /// Services allocate many small, short-lived buffers per message; mimalloc handles that
 /// pattern with far less CPU than glibc's allocator (measured with `flotilla bench`, see
@@ -28,6 +30,10 @@ struct Cli {
     /// NATS server URL(s), comma separated; overrides nats.urls.
     #[arg(long, global = true, value_name = "URL")]
     nats_url: Option<String>,
+    /// Log line format on stderr, `plain` or `json` (services: overrides telemetry.log-format).
+    /// The filter is $FLOTILLA_LOG (default: info for services, warn otherwise).
+    #[arg(long, global = true, value_name = "FORMAT")]
+    log_format: Option<LogFormat>,
     #[command(subcommand)]
     command: Command,
 }
@@ -35,7 +41,12 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run a coordinator: plan intake, validation, scheduling.
-    Coordinator,
+    Coordinator {
+        /// Serve /healthz, /readyz and /metrics here, or `off` (overrides telemetry.http-addr,
+        /// default 0.0.0.0:9464).
+        #[arg(long, value_name = "ADDR|off")]
+        http_addr: Option<HttpAddr>,
+    },
     /// Run a worker for one pool.
     Worker {
         /// Pool to serve (overrides worker.pool).
@@ -44,6 +55,10 @@ enum Command {
         /// Tasks at once (overrides worker.concurrency).
         #[arg(long)]
         concurrency: Option<usize>,
+        /// Serve /healthz, /readyz and /metrics here, or `off` (overrides telemetry.http-addr,
+        /// default 0.0.0.0:9464).
+        #[arg(long, value_name = "ADDR|off")]
+        http_addr: Option<HttpAddr>,
     },
     /// Everything in one process: embedded nats-server (unless --nats-url), a coordinator and
     /// workers.
@@ -60,6 +75,10 @@ enum Command {
         /// Run this plan to the end, print its result and exit with its status.
         #[arg(long, value_name = "PLAN")]
         submit: Option<PathBuf>,
+        /// Serve /healthz, /readyz and /metrics here, or `off` (overrides telemetry.http-addr,
+        /// default 0.0.0.0:9464; with --submit, off unless given).
+        #[arg(long, value_name = "ADDR|off")]
+        http_addr: Option<HttpAddr>,
     },
     /// Submit a plan.
     Submit {
@@ -205,17 +224,39 @@ fn humantime_duration(s: &str) -> Result<Duration, String> {
     humantime_serde::re::humantime::parse_duration(s).map_err(|e| e.to_string())
 }
 
-fn init_tracing(default: &str) {
-    use tracing_subscriber::EnvFilter;
-    let filter =
-        EnvFilter::try_from_env("FLOTILLA_LOG").unwrap_or_else(|_| EnvFilter::new(default));
-    // Colours only for a person at a terminal: log collectors get plain text.
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(ansi)
-        .try_init();
+/// The `service.name` of exported spans for a command; `Some` only for long-running services.
+fn service_name(command: &Command) -> Option<&'static str> {
+    match command {
+        Command::Coordinator { .. } => Some("flotilla-coordinator"),
+        Command::Worker { .. } => Some("flotilla-worker"),
+        Command::Up { submit: None, .. } => Some("flotilla-up"),
+        _ => None,
+    }
+}
+
+/// Logging (and OTLP export when `OTEL_*` asks for it). The gRPC exporter needs the runtime,
+/// so this runs inside it; the returned guard must be dropped outside `block_on`.
+fn init_logging(
+    runtime: &tokio::runtime::Runtime,
+    cli: &Cli,
+    config: Option<&config::Config>,
+) -> Result<TelemetryGuard, logging::InitError> {
+    let service = service_name(&cli.command);
+    let format = cli
+        .log_format
+        .or(config.map(|c| c.telemetry.log_format))
+        .unwrap_or_default();
+    let logging = LoggingConfig::new(
+        // Services report their life at info; client commands speak through their output.
+        if service.is_some() { "info" } else { "warn" },
+        format,
+        service.unwrap_or(match cli.command {
+            Command::Up { .. } => "flotilla-up",
+            _ => "flotilla-cli",
+        }),
+    );
+    let _in_runtime = runtime.enter();
+    logging::init(&logging)
 }
 
 fn main() -> ExitCode {
@@ -240,11 +281,6 @@ fn main() -> ExitCode {
         ]);
     }
     let cli = Cli::parse();
-    let service = matches!(
-        cli.command,
-        Command::Coordinator | Command::Worker { .. } | Command::Up { submit: None, .. }
-    );
-    init_tracing(if service { "info" } else { "warn" });
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -255,26 +291,66 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match runtime.block_on(run(cli)) {
+    // Services read their config before logging starts: `[telemetry]` sets the log format.
+    let config = match service_name(&cli.command) {
+        Some(_) => match config::load(cli.config.as_deref(), cli.nats_url.as_deref()) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                return ExitCode::from(2);
+            }
+        },
+        None => None,
+    };
+    let guard = match init_logging(&runtime, &cli, config.as_ref()) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let code = match runtime.block_on(run(cli, config)) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::from(2)
         }
-    }
+    };
+    // Flushes buffered spans while the runtime (which the gRPC exporter uses) still runs.
+    drop(guard);
+    code
 }
 
-async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
-    let load = || config::load(cli.config.as_deref(), cli.nats_url.as_deref());
+/// `preloaded`: the configuration, when `main` already loaded it (services).
+async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<ExitCode> {
+    config::warn_unknown_env();
+    let mut preloaded = preloaded;
+    let mut load = || match preloaded.take() {
+        Some(c) => Ok(c),
+        None => config::load(cli.config.as_deref(), cli.nats_url.as_deref()),
+    };
     match cli.command {
-        Command::Coordinator => commands::services::coordinator(&load()?).await,
-        Command::Worker { pool, concurrency } => {
+        Command::Coordinator { http_addr } => {
+            let mut c = load()?;
+            if let Some(a) = http_addr {
+                c.telemetry.http_addr = a;
+            }
+            commands::services::coordinator(&c).await
+        }
+        Command::Worker {
+            pool,
+            concurrency,
+            http_addr,
+        } => {
             let mut c = load()?;
             if let Some(p) = pool {
                 c.worker.pool = p;
             }
             if let Some(n) = concurrency {
                 c.worker.concurrency = n;
+            }
+            if let Some(a) = http_addr {
+                c.telemetry.http_addr = a;
             }
             c.validate()?;
             commands::services::worker(&c).await
@@ -284,12 +360,19 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             concurrency,
             data_dir,
             submit,
+            http_addr,
         } => {
             let mut c = load()?;
             if let Some(n) = concurrency {
                 c.worker.concurrency = n;
                 c.validate()?;
             }
+            // A one-shot `up --submit` is a command, not a service: it listens only when asked.
+            c.telemetry.http_addr = match (http_addr, &submit) {
+                (Some(a), _) => a,
+                (None, Some(_)) => HttpAddr::Off,
+                (None, None) => c.telemetry.http_addr,
+            };
             let embedded = cli.nats_url.is_none();
             let opts = commands::services::UpOptions {
                 workers,

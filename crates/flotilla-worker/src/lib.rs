@@ -86,6 +86,7 @@ pub struct Worker {
     opts: WorkerOptions,
     agents: Arc<AgentRegistry>,
     id: String,
+    ready: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
 /// State shared by a worker's tasks.
@@ -190,7 +191,15 @@ impl Worker {
             opts,
             agents: Arc::new(agents),
             id,
+            ready: None,
         }
+    }
+
+    /// Signals `ready` once the pool consumer is bound and the worker is about to pull (for
+    /// readiness probes).
+    pub fn on_ready(mut self, ready: tokio::sync::oneshot::Sender<()>) -> Self {
+        self.ready = Some(ready);
+        self
     }
 
     /// This worker's id.
@@ -214,7 +223,7 @@ impl Worker {
     }
 
     /// Runs until `shutdown` is cancelled, then drains (see the module docs).
-    pub async fn run(self, shutdown: CancellationToken) -> Result<(), WorkerError> {
+    pub async fn run(mut self, shutdown: CancellationToken) -> Result<(), WorkerError> {
         self.opts
             .validate()
             .map_err(|e| WorkerError::new(WorkerErrorKind::Config, e))?;
@@ -263,6 +272,9 @@ impl Worker {
             Arc::clone(&shared),
             register_stop.clone(),
         ));
+        if let Some(ready) = self.ready.take() {
+            let _ = ready.send(());
+        }
         info!(worker = %self.id, pool = %self.opts.pool, concurrency = self.opts.concurrency, "Worker started");
 
         let slots = Arc::new(Semaphore::new(self.opts.concurrency));

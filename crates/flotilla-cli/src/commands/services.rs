@@ -1,15 +1,26 @@
 //! `flotilla coordinator`, `flotilla worker`, `flotilla up`.
+//!
+//! Each service starts its HTTP listener first (`/healthz` answers while NATS connects), with
+//! readiness conditions registered up front and flipped as start-up progresses:
+//! `nats_connected` (follows the live connection), `provisioned`, and `consumers_bound` /
+//! `consumer_bound` (signalled by the coordinator or worker itself). SIGTERM marks the service
+//! draining, so `/readyz` answers 503 until it exits; the listener stops last.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::time::Duration;
 
 use anyhow::Context;
 use flotilla_bus::Bus;
 use flotilla_bus::server::{LocalNatsServer, LocalServerOptions};
 use flotilla_coordinator::Coordinator;
+use flotilla_model::subjects::StreamKind;
+use flotilla_telemetry::events::ConsumerLag;
+use flotilla_telemetry::{Condition, Health, HttpAddr, HttpServer, InternalEvent, Metrics};
 use flotilla_worker::Worker;
+use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::config::Config;
 
@@ -30,27 +41,171 @@ pub(crate) fn shutdown_on_signals() -> anyhow::Result<CancellationToken> {
     Ok(token)
 }
 
+/// A service's health, metrics and HTTP listener. The listener has its own stop token: it
+/// keeps answering (503 on `/readyz`) while the service drains, and stops after it.
+struct Observability {
+    health: Health,
+    metrics: Metrics,
+    server: Option<HttpServer>,
+    stop: CancellationToken,
+}
+
+impl Observability {
+    /// Starts the listener on `addr` (unless off). Register readiness conditions on `health`
+    /// before calling this, so `/readyz` never reports ready too early.
+    async fn start(addr: HttpAddr, health: Health, metrics: Metrics) -> anyhow::Result<Self> {
+        let stop = CancellationToken::new();
+        let server = match addr.addr() {
+            Some(a) => {
+                Some(HttpServer::bind(a, health.clone(), metrics.clone(), stop.clone()).await?)
+            }
+            None => None,
+        };
+        Ok(Self {
+            health,
+            metrics,
+            server,
+            stop,
+        })
+    }
+
+    /// Marks the service draining once `shutdown` fires.
+    fn drain_on(&self, shutdown: &CancellationToken) {
+        let (shutdown, health) = (shutdown.clone(), self.health.clone());
+        tokio::spawn(async move {
+            shutdown.cancelled().await;
+            health.set_draining();
+        });
+    }
+
+    /// Stops the listener and the samplers.
+    async fn stop(self) {
+        self.stop.cancel();
+        if let Some(server) = self.server
+            && let Err(e) = server.stopped().await
+        {
+            warn!(error = %e, "The HTTP listener failed");
+        }
+    }
+}
+
+/// `nats_connected` follows `bus`'s live connection state from now on.
+fn follow_connection(condition: &Condition, bus: &Bus) {
+    let client = bus.client().clone();
+    condition.follow(move || client.connection_state() == async_nats::connection::State::Connected);
+}
+
+/// Sets `conditions` when `ready` fires (a coordinator or worker bound its consumers).
+fn set_when_ready(ready: oneshot::Receiver<()>, conditions: Vec<Condition>) {
+    tokio::spawn(async move {
+        if ready.await.is_ok() {
+            for c in conditions {
+                c.set(true);
+            }
+        }
+    });
+}
+
+/// Samples a pool consumer's backlog every `interval` until `stop`: one JetStream API request
+/// per sample, off the task path.
+fn sample_consumer_lag(
+    bus: Bus,
+    pool: String,
+    interval: Duration,
+    metrics: Metrics,
+    stop: CancellationToken,
+) {
+    metrics.init_pool(&pool);
+    tokio::spawn(async move {
+        let stream = bus.names().stream(StreamKind::Tasks);
+        let durable = bus.names().pool_consumer(&pool);
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            let info = match bus.js().get_stream_no_info(&stream).await {
+                Ok(s) => s.consumer_info(&durable).await.map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            match info {
+                Ok(info) => ConsumerLag {
+                    pool: &pool,
+                    pending: info.num_pending,
+                    ack_pending: info.num_ack_pending as u64,
+                }
+                .emit(&metrics),
+                Err(e) => debug!(%pool, error = %e, "Cannot sample the pool consumer"),
+            }
+        }
+    });
+}
+
 pub(crate) async fn coordinator(config: &Config) -> anyhow::Result<ExitCode> {
+    let health = Health::new();
+    let nats = health.condition("nats_connected");
+    let ready = vec![
+        health.condition("provisioned"),
+        health.condition("consumers_bound"),
+    ];
+    let obs = Observability::start(config.telemetry.http_addr, health, Metrics::new()).await?;
     let shutdown = shutdown_on_signals()?;
-    let bus = Bus::connect(&config.nats, "flotilla-coordinator").await?;
+    obs.drain_on(&shutdown);
+    let bus = Bus::connect(&config.nats, "flotilla-coordinator")
+        .instrument(info_span!("startup", flotilla.role = "coordinator"))
+        .await?;
+    follow_connection(&nats, &bus);
+    let (tx, rx) = oneshot::channel();
+    set_when_ready(rx, ready);
     Coordinator::new(
         bus,
         config.coordinator.clone(),
         config.validation_context(),
         config.jetstream.clone(),
     )
+    .on_ready(tx)
     .run(shutdown)
     .await?;
+    obs.stop().await;
     Ok(ExitCode::SUCCESS)
 }
 
 pub(crate) async fn worker(config: &Config) -> anyhow::Result<ExitCode> {
+    let health = Health::new();
+    let nats = health.condition("nats_connected");
+    let provisioned = health.condition("provisioned");
+    let bound = health.condition("consumer_bound");
+    let obs = Observability::start(config.telemetry.http_addr, health, Metrics::new()).await?;
     let shutdown = shutdown_on_signals()?;
-    let bus = Bus::connect(&config.nats, "flotilla-worker").await?;
-    check_provisioned(&bus, config).await?;
+    obs.drain_on(&shutdown);
+    let bus = async {
+        let bus = Bus::connect(&config.nats, "flotilla-worker").await?;
+        follow_connection(&nats, &bus);
+        // Workers only check that the resources exist (least privilege).
+        check_provisioned(&bus, config).await?;
+        provisioned.set(true);
+        anyhow::Ok(bus)
+    }
+    .instrument(
+        info_span!("startup", flotilla.role = "worker", flotilla.pool = %config.worker.pool),
+    )
+    .await?;
+    sample_consumer_lag(
+        bus.clone(),
+        config.worker.pool.clone(),
+        config.telemetry.consumer_lag_interval,
+        obs.metrics.clone(),
+        obs.stop.clone(),
+    );
+    let (tx, rx) = oneshot::channel();
+    set_when_ready(rx, vec![bound]);
     Worker::new(bus, config.worker.clone(), config.agent_registry()?)
+        .on_ready(tx)
         .run(shutdown)
         .await?;
+    obs.stop().await;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -104,7 +259,22 @@ pub(crate) struct UpOptions {
 /// Everything in one process: an embedded nats-server (unless `--nats-url`), one coordinator
 /// and N workers. With `--submit`, runs that plan to the end and exits with its status.
 pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<ExitCode> {
+    // Signals are handled from the start: a SIGTERM during start-up still stops cleanly
+    // (and removes the URL file).
+    let shutdown = match opts.submit {
+        Some(_) => CancellationToken::new(),
+        None => shutdown_on_signals()?,
+    };
     let mut url_file = None;
+    // One registry and one listener for the coordinator and every worker of this process.
+    let health = Health::new();
+    let nats = health.condition("nats_connected");
+    let provisioned = health.condition("provisioned");
+    let coordinator_ready = health.condition("coordinator.consumers_bound");
+    let workers_ready: Vec<Condition> = (0..opts.workers.max(1))
+        .map(|i| health.condition(format!("worker[{i}].consumer_bound")))
+        .collect();
+    let obs = Observability::start(config.telemetry.http_addr, health, Metrics::new()).await?;
     let server = if opts.embedded {
         let s = embedded_nats(&opts.data_dir.join("nats")).await?;
         config.nats.urls = vec![s.url()];
@@ -119,14 +289,26 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
     } else {
         None
     };
-    let bus = Bus::connect(&config.nats, "flotilla-up").await?;
-    bus.wait_for_jetstream(std::time::Duration::from_secs(20))
-        .await?;
-    bus.provision(&config.jetstream).await?;
-    let shutdown = match opts.submit {
-        Some(_) => CancellationToken::new(),
-        None => shutdown_on_signals()?,
-    };
+    let bus = async {
+        let bus = Bus::connect(&config.nats, "flotilla-up").await?;
+        // The services' own connections go to the same servers; this one stands for them.
+        follow_connection(&nats, &bus);
+        bus.wait_for_jetstream(std::time::Duration::from_secs(20))
+            .await?;
+        bus.provision(&config.jetstream).await?;
+        provisioned.set(true);
+        anyhow::Ok(bus)
+    }
+    .instrument(info_span!("startup", flotilla.role = "up"))
+    .await?;
+    obs.drain_on(&shutdown);
+    sample_consumer_lag(
+        bus.clone(),
+        config.worker.pool.clone(),
+        config.telemetry.consumer_lag_interval,
+        obs.metrics.clone(),
+        obs.stop.clone(),
+    );
     let mut services = tokio::task::JoinSet::new();
     let coordinator = Coordinator::new(
         Bus::connect(&config.nats, "flotilla-coordinator").await?,
@@ -134,9 +316,12 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
         config.validation_context(),
         config.jetstream.clone(),
     );
+    let (tx, rx) = oneshot::channel();
+    set_when_ready(rx, vec![coordinator_ready]);
+    let coordinator = coordinator.on_ready(tx);
     let token = shutdown.clone();
     services.spawn(async move { coordinator.run(token).await.map_err(|e| e.to_string()) });
-    for i in 0..opts.workers.max(1) {
+    for (i, ready) in workers_ready.into_iter().enumerate() {
         let mut wopts = config.worker.clone();
         if let Some(id) = &wopts.id {
             wopts.id = Some(format!("{id}-{i}"));
@@ -146,6 +331,9 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
             wopts,
             config.agent_registry()?,
         );
+        let (tx, rx) = oneshot::channel();
+        set_when_ready(rx, vec![ready]);
+        let worker = worker.on_ready(tx);
         let token = shutdown.clone();
         services.spawn(async move { worker.run(token).await.map_err(|e| e.to_string()) });
     }
@@ -174,6 +362,7 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
             eprintln!("error: {e}");
         }
     }
+    obs.stop().await;
     drop(url_file);
     drop(server);
     Ok(code)
