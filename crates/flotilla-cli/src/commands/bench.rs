@@ -425,6 +425,10 @@ reply = "ok"
 
 [worker]
 concurrency = {concurrency}
+
+[telemetry]
+# Several processes on one host: no health listener.
+http-addr = "off"
 "#
         ),
     )?;
@@ -753,6 +757,9 @@ delay = "120s"
 [worker]
 concurrency = 1
 started-event-delay = "0s"
+
+[telemetry]
+http-addr = "off"
 "#
         ),
     )?;
