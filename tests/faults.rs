@@ -593,3 +593,64 @@ async fn acknowledged_keyed_submissions_survive_coordinator_kills() -> anyhow::R
     }
     Ok(())
 }
+
+#[tokio::test]
+async fn a_coordinator_killed_before_recording_a_start_loses_nothing() -> anyhow::Result<()> {
+    // A run's start is recorded with its next step (or after the flush delay): kill the
+    // coordinator right after the start was performed, before anything was recorded.
+    let mut p = Processes::start(SLOW).await?;
+    let c1 = p.coordinator().await?;
+    p.worker(&["--concurrency", "2"]).await?;
+    let run = p
+        .client
+        .submit(SubmitRequest::new(plan(vec![
+            Subtask::new("a", ""),
+            Subtask::new("b", "").after(&["a"]),
+        ])))
+        .await?;
+    task_started(&p.client, run, "a").await?;
+    p.kill(c1);
+    // Nothing recorded yet: the run's view is rebuilt from its submission.
+    let view = p.client.run(run).await?.expect("a view before any record");
+    assert_eq!(view.tasks[0].status, TaskStatus::Dispatched);
+    p.coordinator().await?;
+    let outcome = p.client.wait(run, WAIT).await?;
+    assert_eq!(outcome.status, RunStatus::Succeeded);
+    assert_exactly_once(&p, run, 2).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_prefetched_task_waiting_for_a_slot_is_not_redelivered() -> anyhow::Result<()> {
+    // Worker A has one slot and prefetches one task; each task runs 1.5 s, more than three
+    // times the ack wait of the test heartbeat (300 ms → 450 ms). Worker B is idle: had the
+    // waiting task's message expired, B would run it too. Every execution is logged.
+    let log = tempfile::NamedTempFile::new()?;
+    let path = log.path().display().to_string();
+    let agent = format!(
+        r#"
+default-agent = "logged"
+[agents.logged]
+kind = "exec"
+command = "sh"
+args = ["-c", "echo $FLOTILLA_TASK_ID >> {path}; sleep 1.5"]
+"#
+    );
+    let mut p = Processes::start(&agent).await?;
+    p.coordinator().await?;
+    p.worker(&["--concurrency", "1"]).await?;
+    let mut pl = plan(vec![Subtask::new("x", ""), Subtask::new("y", "")]);
+    pl.config.max_concurrency = 2;
+    let run = p.client.submit(SubmitRequest::new(pl)).await?;
+    // Both tasks are with worker A (one running, one waiting) before B starts.
+    task_started(&p.client, run, "x").await?;
+    p.worker(&["--concurrency", "1"]).await?;
+    let outcome = p.client.wait(run, WAIT).await?;
+    assert_eq!(outcome.status, RunStatus::Succeeded);
+    assert_exactly_once(&p, run, 2).await?;
+    let executions = std::fs::read_to_string(log.path())?;
+    let mut lines: Vec<&str> = executions.lines().collect();
+    lines.sort_unstable();
+    assert_eq!(lines, vec!["x", "y"], "each task ran exactly once");
+    Ok(())
+}

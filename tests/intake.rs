@@ -137,13 +137,17 @@ async fn bad_input_on_the_intake_stream_is_rejected_and_nothing_runs() -> anyhow
     assert_eq!(cycle.code, ProblemCode::Cycle);
     assert_eq!(cycle.tasks, vec!["a".to_string(), "b".to_string()]);
     let history = store.history(cyclic_run).await?;
-    assert_eq!(history.len(), 1, "only the rejection reached the run log");
+    assert_eq!(
+        history.len(),
+        2,
+        "the submission, then its rejection: {history:?}"
+    );
     assert!(
         matches!(
-            history[0].2.input,
+            history[1].2.input,
             flotilla_model::runlog::RunInput::Rejected(_)
         ),
-        "the first entry decides the run's fate: {history:?}"
+        "{history:?}"
     );
 
     // The malformed one is a rejected run too.

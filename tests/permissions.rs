@@ -389,6 +389,16 @@ async fn a_worker_works_its_pool_and_nothing_else() -> anyhow::Result<()> {
         "a worker submitted a plan"
     );
     worker.refused("flotilla.submit").await?;
+    let fast = format!("flotilla.submit.{}", flotilla_model::RunId::new());
+    let publish = worker.js_refused.publish(fast.clone(), "plan".into()).await;
+    ensure!(
+        match publish {
+            Ok(ack) => ack.await.is_err(),
+            Err(_) => true,
+        },
+        "a worker submitted a plan on a run's subject"
+    );
+    worker.refused(&fast).await?;
     ensure!(messages_in(&operator.js, "FLOTILLA_INTAKE").await? == 0);
     worker.request_refused("flotilla.api.submit").await?;
 

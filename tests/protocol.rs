@@ -25,13 +25,17 @@ async fn wait_for_end(js: &async_nats::jetstream::Context, run: &str) -> anyhow:
     let mut messages = consumer.messages().await?;
     let end = tokio::time::timeout(WAIT, async {
         while let Some(m) = messages.next().await {
-            let event: Value = serde_json::from_slice(&m?.payload)?;
-            let phase = event["event"]["phase"]
-                .as_str()
-                .unwrap_or_default()
-                .to_owned();
-            if ["run_succeeded", "run_failed", "run_rejected"].contains(&phase.as_str()) {
-                return Ok::<_, anyhow::Error>(event);
+            // Each message holds the events of one step (`protocol: 2`, `events: [...]`).
+            let batch: Value = serde_json::from_slice(&m?.payload)?;
+            assert_eq!(batch["protocol"], 2, "{batch}");
+            for event in batch["events"].as_array().cloned().unwrap_or_default() {
+                let phase = event["event"]["phase"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned();
+                if ["run_succeeded", "run_failed", "run_rejected"].contains(&phase.as_str()) {
+                    return Ok::<_, anyhow::Error>(event);
+                }
             }
         }
         anyhow::bail!("event stream ended")
@@ -52,7 +56,8 @@ async fn a_plain_nats_client_submits_follows_and_reads_a_run() -> anyhow::Result
     let nc = async_nats::connect(f.server.url()).await?;
     let js = async_nats::jetstream::new(nc.clone());
 
-    // 1. Submit through the durable intake subject, choosing the run id.
+    // 1. Submit through the durable intake subject, choosing the run id. (The run's own
+    //    subject, `flotilla.submit.<run>`, is the other durable way: see step 7.)
     let run = "0190f0c4-8a3e-7cc1-9a39-6f1c1b7d2e11";
     let submission = json!({
         "protocol": 1,
@@ -137,6 +142,37 @@ async fn a_plain_nats_client_submits_follows_and_reads_a_run() -> anyhow::Result
         .collect();
     assert_eq!(codes, vec!["self_dependency", "missing_producer"]);
     assert_eq!(answer["errors"][0]["path"], "subtasks[0].dependencies[0]");
+
+    // 7. Durably on the run's own subject: the submission is the run's first message, and
+    //    JetStream refuses a second first message for the same run.
+    let run2 = "0190f0c4-8a3e-7cc1-9a39-6f1c1b7d2e12";
+    let submission = json!({"run_id": run2, "plan": {"subtasks": [{"id": "solo"}]}});
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Expected-Last-Subject-Sequence", "0");
+    headers.insert(
+        "Nats-Expected-Last-Subject-Sequence-Subject",
+        format!("flotilla.*.{run2}").as_str(),
+    );
+    let ack = js
+        .publish_with_headers(
+            format!("flotilla.submit.{run2}"),
+            headers.clone(),
+            serde_json::to_vec(&submission)?.into(),
+        )
+        .await?
+        .await?;
+    assert_eq!(ack.stream, "FLOTILLA_RUNLOG");
+    let again = js
+        .publish_with_headers(
+            format!("flotilla.submit.{run2}"),
+            headers,
+            serde_json::to_vec(&submission)?.into(),
+        )
+        .await?
+        .await;
+    assert!(again.is_err(), "a second first message is refused");
+    let end = wait_for_end(&js, run2).await?;
+    assert_eq!(end["event"]["phase"], "run_succeeded");
 
     // 6. The micro service is discoverable with standard tooling.
     let info = nc.request("$SRV.INFO.flotilla", "".into()).await?;

@@ -39,8 +39,8 @@ pub struct SharedConsumer {
     pub durable: String,
     /// Shown in server monitoring.
     pub description: String,
-    /// Subject filter.
-    pub filter: String,
+    /// Subject filters (one or more).
+    pub filters: Vec<String>,
     /// How long a delivered message may stay unacknowledged before redelivery.
     pub ack_wait: Duration,
     /// Most unacknowledged messages across all replicas.
@@ -165,11 +165,16 @@ impl Bus {
             )
         })?;
         let durable = spec.durable.clone();
+        let (filter_subject, filter_subjects) = match <[String; 1]>::try_from(spec.filters) {
+            Ok([one]) => (one, Vec::new()),
+            Err(many) => (String::new(), many),
+        };
         stream
             .create_consumer(pull::Config {
                 durable_name: Some(spec.durable),
                 description: Some(spec.description),
-                filter_subject: spec.filter,
+                filter_subject,
+                filter_subjects,
                 deliver_policy: DeliverPolicy::All,
                 ack_policy: AckPolicy::Explicit,
                 ack_wait: spec.ack_wait,

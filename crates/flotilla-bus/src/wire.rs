@@ -12,6 +12,18 @@ use crate::error::{PublishError, PublishErrorKind};
 /// W3C trace context header.
 pub const TRACEPARENT: &str = "traceparent";
 
+/// Marks a message on a run's submission subject (`<prefix>.submit.<run>`) that is a run-log
+/// entry written by a coordinator (`submitted` or `rejected`), not a client's submission.
+pub const KIND_HEADER: &str = "Flotilla-Kind";
+/// The [`KIND_HEADER`] value of such an entry.
+pub const KIND_RUNLOG_ENTRY: &str = "runlog-entry";
+
+/// The header that makes a publish succeed only if it is the first message on its subject
+/// (an exact subject: the server checks it in constant time, unlike a wildcard filter).
+pub fn expect_first(headers: &mut HeaderMap) {
+    headers.insert(async_nats::header::NATS_EXPECTED_LAST_SUBJECT_SEQUENCE, "0");
+}
+
 /// An encoded message ready to publish.
 #[derive(Debug, Clone)]
 pub struct Outgoing {

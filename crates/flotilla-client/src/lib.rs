@@ -93,16 +93,25 @@ impl Client {
         &self.bus
     }
 
-    /// Submits durably through the intake stream and returns the run id. A run id is minted
-    /// when the request has none, and used as `Nats-Msg-Id`, so a retried publish is dropped.
+    /// Submits durably and returns the run id (minted when the request has none).
+    ///
+    /// The submission goes to `<prefix>.submit.<run>`, where it is the first message of the
+    /// run's history (so the run needs no second copy of its plan): JetStream stores it only if
+    /// the run has no message yet, so submitting a run id again changes nothing and returns
+    /// the same id. A submission with an `idempotency_key` goes to the intake stream
+    /// (`<prefix>.submit`), where a coordinator maps the key to its run.
     pub async fn submit(&self, mut request: SubmitRequest) -> Result<RunId, ClientError> {
         let run = *request.run_id.get_or_insert_with(RunId::new);
-        let msg_id = request
-            .idempotency_key
-            .clone()
-            .unwrap_or_else(|| format!("run.{run}"));
-        let out = wire::encode(&request, flotilla_model::codec::Codec::Json, Some(&msg_id))
+        let names = self.bus.names();
+        let (subject, msg_id) = match &request.idempotency_key {
+            Some(key) => (names.submit(), key.clone()),
+            None => (names.submit_run(run), format!("submit.{run}")),
+        };
+        let mut out = wire::encode(&request, flotilla_model::codec::Codec::Json, Some(&msg_id))
             .map_err(|e| ClientError::with_source(ClientErrorKind::Decode, "encoding", e))?;
+        if request.idempotency_key.is_none() {
+            wire::expect_first(&mut out.headers);
+        }
         let max = self.bus.max_payload();
         if out.payload.len() > max {
             return Err(ClientError::new(
@@ -113,11 +122,12 @@ impl Client {
                 ),
             ));
         }
-        self.bus
-            .publish_encoded(self.bus.names().submit(), out)
-            .await
-            .map_err(publish_error)?;
-        Ok(run)
+        match self.bus.publish_encoded(subject, out).await {
+            Ok(_) => Ok(run),
+            // The run exists already: submitting it again is a no-op.
+            Err(e) if e.kind() == flotilla_bus::PublishErrorKind::NotFirst => Ok(run),
+            Err(e) => Err(publish_error(e)),
+        }
     }
 
     /// Asks the coordinators to cancel a run.
@@ -232,11 +242,19 @@ impl Client {
             .messages()
             .await
             .map_err(|e| nats("reading events", e))?;
-        Ok(messages.map(|m| {
-            let m = m.map_err(|e| nats("reading events", e))?;
-            wire::decode::<EventEnvelope>(m.headers.as_ref(), &m.payload)
-                .map_err(|e| ClientError::with_source(ClientErrorKind::Decode, "event", e))
-        }))
+        // Each message carries the events of one step: flattened into one stream of events.
+        Ok(messages
+            .map(|m| {
+                let m = m.map_err(|e| nats("reading events", e))?;
+                flotilla_model::event::decode_events(wire::codec_of(m.headers.as_ref()), &m.payload)
+                    .map_err(|e| ClientError::with_source(ClientErrorKind::Decode, "event", e))
+            })
+            .flat_map(|r| {
+                futures::stream::iter(match r {
+                    Ok(events) => events.into_iter().map(Ok).collect::<Vec<_>>(),
+                    Err(e) => vec![Err(e)],
+                })
+            }))
     }
 
     /// Waits for a run to end and returns its outcome.

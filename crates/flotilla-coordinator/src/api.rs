@@ -25,7 +25,7 @@ use flotilla_model::api::{
     ValidatePlanReply, ValidatePlanRequest,
 };
 use flotilla_model::codec::check_protocol;
-use flotilla_model::event::{Event, EventEnvelope};
+use flotilla_model::event::Event;
 use flotilla_model::ids::RunId;
 use flotilla_model::run::RunOutcome;
 use flotilla_model::runlog::{Control, ControlAction, RunInput, RunLogEntry};
@@ -305,10 +305,15 @@ impl Api {
         let state = match self.store.load(run).await {
             Ok(Some(s)) => s.snapshot.state,
             Ok(None) => {
-                // Accepted but not started yet? Then the run log has its submission.
-                match self.store.first_entry(run).await {
-                    Ok(Some(RunLogEntry {
-                        input: RunInput::Submitted(_),
+                // Accepted but its start not recorded yet? Then it has a submission.
+                match self.store.first_message(run).await {
+                    Ok(Some(crate::store::First {
+                        content:
+                            crate::store::FirstMessage::Submission { .. }
+                            | crate::store::FirstMessage::Entry(RunLogEntry {
+                                input: RunInput::Submitted(_),
+                                ..
+                            }),
                         ..
                     })) => {
                         return self.append_cancel(&req, r).await;
@@ -403,11 +408,13 @@ impl Api {
     }
 }
 
-/// The outcome carried by a run-terminal event, if this message is one.
+/// The outcome carried by a run-terminal event, if this event message has one.
 pub(crate) fn terminal_outcome(msg: &async_nats::Message) -> Option<RunOutcome> {
-    let ev: EventEnvelope = wire::decode(msg.headers.as_ref(), &msg.payload).ok()?;
-    match ev.event {
+    let events =
+        flotilla_model::event::decode_events(wire::codec_of(msg.headers.as_ref()), &msg.payload)
+            .ok()?;
+    events.into_iter().find_map(|ev| match ev.event {
         Event::Workflow(w) if w.phase.ends_run() => w.outcome.map(|o| *o),
         _ => None,
-    }
+    })
 }

@@ -21,7 +21,7 @@
 use std::collections::BTreeMap;
 
 use async_nats::HeaderMap;
-use async_nats::header::{NATS_EXPECTED_LAST_SUBJECT_SEQUENCE, NATS_MESSAGE_ID};
+use async_nats::header::NATS_MESSAGE_ID;
 use flotilla_bus::{PublishErrorKind, wire};
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::codec::{Codec, CodecError, check_protocol};
@@ -259,8 +259,12 @@ impl Intake {
         let bus = self.store.bus();
         let mut out = wire::encode(entry, Codec::Json, Some(&format!("submitted.{run}")))
             .map_err(|e| StoreError::with_source(StoreErrorKind::Decode, "encoding", e))?;
-        out.headers.insert(NATS_EXPECTED_LAST_SUBJECT_SEQUENCE, "0");
-        match bus.publish_encoded(bus.names().runlog(run), out).await {
+        // A run's first message, whoever writes it, is on its submission subject: only one can
+        // ever be stored there.
+        wire::expect_first(&mut out.headers);
+        out.headers
+            .insert(wire::KIND_HEADER, wire::KIND_RUNLOG_ENTRY);
+        match bus.publish_encoded(bus.names().submit_run(run), out).await {
             Ok(ack) => Ok(!ack.duplicate),
             Err(e) if e.kind() == PublishErrorKind::NotFirst => Ok(false),
             Err(e) if e.kind() == PublishErrorKind::TooLarge => Err(StoreError::with_source(
@@ -342,7 +346,14 @@ impl Intake {
         wait: bool,
         source: Source<'_>,
     ) -> Result<Answer, StoreError> {
-        let first = self.store.first_entry(run).await?;
+        let first = self
+            .store
+            .first_message(run)
+            .await?
+            .and_then(|f| match f.content {
+                crate::store::FirstMessage::Entry(e) => Some(e),
+                crate::store::FirstMessage::Submission { .. } => None,
+            });
         if let (Some(seq), Some(first)) = (source.intake_seq(), &first) {
             match &first.input {
                 RunInput::Submitted(s) if s.intake_seq == Some(seq) => {
@@ -485,7 +496,7 @@ fn loose_fields(headers: Option<&HeaderMap>, payload: &[u8], msg_id: Option<Stri
 }
 
 /// The submission's trace context, or a new trace rooted at the run.
-fn trace_from(headers: Option<&HeaderMap>, run: RunId) -> TraceContext {
+pub(crate) fn trace_from(headers: Option<&HeaderMap>, run: RunId) -> TraceContext {
     if let Some(tp) = wire::header(headers, wire::TRACEPARENT)
         && tp.split('-').count() == 4
     {

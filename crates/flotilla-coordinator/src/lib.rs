@@ -101,7 +101,7 @@ impl Coordinator {
     async fn consumer(
         &self,
         kind: StreamKind,
-        filter: String,
+        filters: Vec<String>,
     ) -> Result<PullConsumer, CoordinatorError> {
         let durable = match kind {
             StreamKind::Intake => self.bus.names().intake_consumer(),
@@ -112,7 +112,7 @@ impl Coordinator {
                 stream: kind,
                 durable: durable.to_owned(),
                 description: "Flotilla coordinators (shared)".into(),
-                filter,
+                filters,
                 ack_wait: self.opts.ack_wait,
                 max_ack_pending: 20_000,
             })
@@ -133,18 +133,20 @@ impl Coordinator {
             .await
             .map_err(|e| setup("opening the run store", e))?;
         let runlog = self
-            .consumer(StreamKind::RunLog, self.bus.names().runlog_all())
+            .consumer(StreamKind::RunLog, vec![self.bus.names().run_inputs_all()])
             .await?;
         let intake_consumer = self
-            .consumer(StreamKind::Intake, self.bus.names().submit())
+            .consumer(StreamKind::Intake, vec![self.bus.names().submit()])
             .await?;
+        let live = LiveWorkers::new(self.jetstream.worker_ttl);
         let runtime = Arc::new(Runtime::new(
             store.clone(),
             self.bus.clone(),
             self.opts.clone(),
+            self.ctx.clone(),
+            live.clone(),
             self.jetstream.duplicate_window,
         ));
-        let live = LiveWorkers::new(self.jetstream.worker_ttl);
         let workers = self
             .bus
             .kv(flotilla_model::subjects::Bucket::Workers)

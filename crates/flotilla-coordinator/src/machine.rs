@@ -335,6 +335,10 @@ pub struct RunState {
     /// Why the run stopped early (cancelled, aborted): the reason of its cancelled tasks.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stop_reason: Option<String>,
+    /// Stream sequence of the run's first message (its submission): a later submission of the
+    /// same run is a duplicate, a redelivery of this one is not.
+    #[serde(default)]
+    pub first_seq: u64,
     /// The outcome, once terminal.
     #[serde(default)]
     pub outcome: Option<RunOutcome>,
@@ -374,6 +378,7 @@ impl RunState {
             applied: 0,
             failed: 0,
             stop_reason: None,
+            first_seq: 0,
             outcome: Some(RunOutcome {
                 run_id,
                 status: RunStatus::Rejected,
@@ -623,6 +628,7 @@ impl RunMachine {
             applied: 1,
             failed: 0,
             stop_reason: None,
+            first_seq: 0,
             outcome: None,
         };
         let mut m = Self::restore_with_graph(plan, graph, state);
@@ -681,6 +687,11 @@ impl RunMachine {
     /// The state.
     pub fn state(&self) -> &RunState {
         &self.state
+    }
+
+    /// Records which stream message started the run.
+    pub fn set_first_seq(&mut self, seq: u64) {
+        self.state.first_seq = seq;
     }
 
     /// Replaces the outcome (the runtime adds the final result on [`Action::Finish`]).

@@ -29,6 +29,11 @@ pub struct CoordinatorOptions {
     /// Bytes of a run's final result carried inline in its outcome (record, terminal event,
     /// reply); a larger final result is stored whole as an artifact and referenced.
     pub final_result_budget: usize,
+    /// Longest a run's start stays unrecorded: its record and start events are written with
+    /// its next step (one write for a quick run), or after this delay. Must stay well under
+    /// the ack wait and JetStream's duplicate window.
+    #[serde(with = "humantime_serde")]
+    pub start_flush_delay: Duration,
 }
 
 impl Default for CoordinatorOptions {
@@ -47,6 +52,8 @@ impl Default for CoordinatorOptions {
             // A quarter of the default 1 MiB max payload: the outcome shares its messages
             // with the run state and event envelope.
             final_result_budget: 256 * 1024,
+            // Longer than a quick task, short enough that `run_started` is seen promptly.
+            start_flush_delay: Duration::from_millis(250),
         }
     }
 }
@@ -69,6 +76,12 @@ impl CoordinatorOptions {
         }
         if self.ack_wait < Duration::from_secs(1) {
             return Err("coordinator.ack-wait must be at least 1s".into());
+        }
+        if self.start_flush_delay * 4 > self.ack_wait {
+            return Err(
+                "coordinator.start-flush-delay must be at most a quarter of coordinator.ack-wait"
+                    .into(),
+            );
         }
         Ok(())
     }

@@ -2,11 +2,12 @@
 //! state with compare-and-set, then performs the actions.
 //!
 //! ```text
-//! run log ──► router ──(hash of run id)──► shard 0..N ──► per run: load (cache or KV)
-//!                                                          apply inputs (pure)
-//!                                                          CAS-write snapshot + outbox
-//!                                                          perform actions (idempotent)
-//!                                                          ack inputs
+//! run-log stream ──► router ──(hash of run id)──► shard 0..N ──► per run: load (cache, KV,
+//!   submit.<run>, runlog.<run>                                   or replay its first entry)
+//!                                                                 apply inputs (pure)
+//!                                                                 CAS-write snapshot + outbox
+//!                                                                 perform actions (idempotent)
+//!                                                                 ack inputs
 //! ```
 //!
 //! **Exactly-once effect.** Inputs are idempotent in the machine. A change is written with
@@ -18,24 +19,39 @@
 //! published. An outbox written recently (within half the duplicate window) is also
 //! re-performed whenever a coordinator loads a run it did not write, which covers a crash
 //! followed by other inputs of the same run arriving first.
+//!
+//! **A run's start is recorded lazily.** The start step is a pure function of the run's first
+//! message (its submission), so its record is not written at once: the start's tasks are
+//! dispatched, and its record and events are written with the run's next step — for short
+//! tasks, one write and one event message for the whole run — or after
+//! `coordinator.start-flush-delay` at the latest. The message that started the run is
+//! acknowledged only once the start is recorded, so a coordinator that dies before is
+//! replaced within the ack wait, well inside JetStream's duplicate window: a coordinator that
+//! finds no record rebuilds the start from the run's first message and performs it again,
+//! and JetStream drops what was already published.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::HeaderMap;
+use async_nats::header::NATS_EXPECTED_LAST_SUBJECT_SEQUENCE;
 use async_nats::jetstream::{self, AckKind};
 use flotilla_bus::{Bus, wire};
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::codec::Codec;
-use flotilla_model::event::{Event, EventEnvelope, WorkflowEvent, WorkflowPhase};
+use flotilla_model::event::{Event, EventBatch, EventEnvelope, WorkflowEvent, WorkflowPhase};
 use flotilla_model::ids::RunId;
 use flotilla_model::run::{FinalResult, RunStatus};
-use flotilla_model::runlog::{ControlAction, RunInput, RunLogEntry};
-use flotilla_model::submit::{SubmitReply, SubmitStatus};
+use flotilla_model::runlog::{ControlAction, Rejected, RunInput, RunLogEntry, Submitted};
+use flotilla_model::submit::{SubmitReply, SubmitRequest, SubmitStatus};
 use flotilla_model::task::{DependencyResult, TaskEnvelope, TaskResult, TraceContext};
 use flotilla_model::time::Timestamp;
+use flotilla_model::validate::{
+    MAX_REPORTED_PROBLEMS, Problem, ProblemCode, ValidationContext, normalize_plan, prepare_plan,
+    truncate_problems,
+};
 use futures::StreamExt;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -43,9 +59,10 @@ use tracing::{debug, info, warn};
 
 use crate::PULL_HEARTBEAT;
 use crate::error::{StoreError, StoreErrorKind};
+use crate::live::LiveWorkers;
 use crate::machine::{Action, Emission, Input, RunMachine, attempt_id};
 use crate::options::CoordinatorOptions;
-use crate::store::{RunStore, SnapshotRef, unix_ms};
+use crate::store::{FirstMessage, RunStore, SnapshotRef, unix_ms};
 
 /// How often a run is reloaded and re-applied after losing compare-and-set races in a row.
 const MAX_CAS_ATTEMPTS: usize = 8;
@@ -53,17 +70,35 @@ const MAX_CAS_ATTEMPTS: usize = 8;
 /// A run held in memory by its shard.
 struct Cached {
     machine: RunMachine,
+    /// KV revision of the record; 0 while the run's start is not recorded yet.
     revision: u64,
     /// Results of succeeded tasks, for building dependents' envelopes.
     results: HashMap<u32, TaskResult>,
     last_used: u64,
+    /// The start step, performed but not recorded yet.
+    unflushed: Option<Unflushed>,
 }
 
-/// What a run-log message says.
+/// What a performed-but-unrecorded start still owes: its record, its events, and the ack of
+/// the message that started the run.
+struct Unflushed {
+    /// The start step's events, published with the next step's (one message) or at the flush.
+    events: Vec<Action>,
+    /// The message that started the run; acknowledged once the start is recorded.
+    msgs: Vec<jetstream::Message>,
+}
+
+/// What a run-log-stream message says.
 enum Inbound {
-    /// A readable entry.
+    /// A run-log entry (`<prefix>.runlog.<run>`).
     Entry(RunLogEntry),
-    /// An entry that cannot be decoded: the run cannot continue, and ends with this reason.
+    /// A durable submission (`<prefix>.submit.<run>`), not yet validated; `first` when its
+    /// publisher made sure it was the run's first message.
+    Submission {
+        request: Box<SubmitRequest>,
+        first: bool,
+    },
+    /// A message that cannot be decoded: the run cannot continue, and ends with this reason.
     Unreadable(String),
 }
 
@@ -74,6 +109,15 @@ struct Decoded {
     ts_ms: i64,
     delivered: i64,
     inbound: Inbound,
+}
+
+/// How a step ended.
+enum Stepped {
+    /// Done: the inputs can be acknowledged; the run stays cached when `Some`.
+    Done(Option<Cached>),
+    /// The run started and its start is not recorded yet: the inputs are acknowledged at the
+    /// flush, and the run must stay cached.
+    Deferred(Cached),
 }
 
 /// Why processing a run's inputs stopped.
@@ -112,7 +156,11 @@ pub(crate) struct Runtime {
     store: RunStore,
     bus: Bus,
     opts: CoordinatorOptions,
+    ctx: ValidationContext,
+    live: LiveWorkers,
     duplicate_window_ms: i64,
+    /// `<prefix>.submit.`: messages on it are durable submissions.
+    submit_prefix: String,
 }
 
 impl Runtime {
@@ -120,17 +168,23 @@ impl Runtime {
         store: RunStore,
         bus: Bus,
         opts: CoordinatorOptions,
+        ctx: ValidationContext,
+        live: LiveWorkers,
         duplicate_window: Duration,
     ) -> Self {
+        let submit_prefix = format!("{}.submit.", bus.names().prefix());
         Self {
             store,
             bus,
             opts,
+            ctx,
+            live,
             duplicate_window_ms: duplicate_window.as_millis() as i64,
+            submit_prefix,
         }
     }
 
-    /// Consumes the run log until `shutdown`.
+    /// Consumes the run-log stream until `shutdown`.
     pub(crate) async fn run(
         self: Arc<Self>,
         consumer: jetstream::consumer::PullConsumer,
@@ -143,7 +197,6 @@ impl Runtime {
             lanes.push(tx);
             tasks.push(tokio::spawn(Arc::clone(&self).shard(rx)));
         }
-        let prefix_len = format!("{}.runlog.", self.bus.names().prefix()).len();
         'outer: while !shutdown.is_cancelled() {
             let stream = consumer
                 .stream()
@@ -168,9 +221,12 @@ impl Runtime {
                 };
                 match next {
                     Some(Ok(msg)) => {
+                        // `<prefix>.runlog.<run>` or `<prefix>.submit.<run>`: the run is the
+                        // last token.
                         let run = msg
                             .subject
-                            .get(prefix_len..)
+                            .rsplit('.')
+                            .next()
                             .and_then(|s| s.parse::<RunId>().ok());
                         let Some(run) = run else {
                             warn!(subject = %msg.subject, "Run-log message on an unexpected subject; dropping");
@@ -204,9 +260,29 @@ impl Runtime {
 
     async fn shard(self: Arc<Self>, mut rx: mpsc::Receiver<(RunId, jetstream::Message)>) {
         let mut cache: HashMap<RunId, Cached> = HashMap::new();
+        // Runs whose start is not recorded, oldest first (the delay is constant, so this is
+        // also the order they fall due).
+        let mut due: VecDeque<(tokio::time::Instant, RunId)> = VecDeque::new();
         let mut tick: u64 = 0;
         let per_shard_cap = (self.opts.cache_runs / self.opts.shards).max(16);
-        while let Some(first) = rx.recv().await {
+        loop {
+            let next_due = due.front().map(|(at, _)| *at);
+            let first = tokio::select! {
+                m = rx.recv() => m,
+                _ = sleep_until(next_due) => {
+                    let now = tokio::time::Instant::now();
+                    while due.front().is_some_and(|(at, _)| *at <= now) {
+                        let Some((_, run)) = due.pop_front() else { break };
+                        if let Some(entry) = cache.remove(&run)
+                            && let Some(entry) = self.flush(run, entry).await
+                        {
+                            cache.insert(run, entry);
+                        }
+                    }
+                    continue;
+                }
+            };
+            let Some(first) = first else { break };
             let mut batch = vec![first];
             while batch.len() < self.opts.batch {
                 match rx.try_recv() {
@@ -230,25 +306,99 @@ impl Runtime {
                 let msgs = groups.remove(&run)?;
                 let cached = cache.remove(&run);
                 let this = Arc::clone(&self);
-                Some(async move { (run, this.process(run, cached, msgs).await) })
+                // Boxed: a run's processing is a large future, and the batch collects many.
+                Some(Box::pin(async move {
+                    (run, this.process(run, cached, msgs).await)
+                }))
             });
+            let delay = self.opts.start_flush_delay;
             for (run, entry) in futures::future::join_all(work).await {
                 if let Some(mut e) = entry {
                     tick += 1;
                     e.last_used = tick;
+                    if e.unflushed.is_some() && e.revision == 0 {
+                        due.push_back((tokio::time::Instant::now() + delay, run));
+                    }
                     cache.insert(run, e);
                 }
             }
             if cache.len() > per_shard_cap {
-                // Drop the least recently used tenth.
-                let mut ages: Vec<(u64, RunId)> =
-                    cache.iter().map(|(r, c)| (c.last_used, *r)).collect();
+                // Drop the least recently used tenth (never a run whose start is unrecorded).
+                let mut ages: Vec<(u64, RunId)> = cache
+                    .iter()
+                    .filter(|(_, c)| c.unflushed.is_none())
+                    .map(|(r, c)| (c.last_used, *r))
+                    .collect();
                 ages.sort_unstable();
                 for (_, r) in ages.into_iter().take(per_shard_cap / 10 + 1) {
                     cache.remove(&r);
                 }
             }
         }
+        // Stopping: record every start still owed.
+        for (run, entry) in cache.drain() {
+            if entry.unflushed.is_some() {
+                self.flush(run, entry).await;
+            }
+        }
+    }
+
+    /// Records a run's start (its record, then its events) and acknowledges the message that
+    /// started it. Returns the entry to keep cached.
+    async fn flush(&self, run: RunId, mut entry: Cached) -> Option<Cached> {
+        let Some(unflushed) = entry.unflushed.take() else {
+            return Some(entry);
+        };
+        let snapshot = SnapshotRef {
+            state: entry.machine.state(),
+            outbox: &unflushed.events,
+            outbox_seqs: &[],
+        };
+        match self.store.create(run, &snapshot).await {
+            Ok(revision) => entry.revision = revision,
+            Err(e) if e.kind() == StoreErrorKind::AlreadyExists => {
+                // Another coordinator rebuilt and recorded the start (and performed it again):
+                // its record covers this message. Forget the cached copy.
+                debug!(%run, "Start recorded elsewhere");
+                for m in &unflushed.msgs {
+                    let _ = m.ack().await;
+                }
+                return None;
+            }
+            Err(e) => {
+                // Handed back to the consumer: its redelivery finds the run cached (or
+                // rebuilds it) and records the start then.
+                warn!(%run, error = %e, "Cannot record a run's start yet; retrying soon");
+                for m in &unflushed.msgs {
+                    let _ = m
+                        .ack_with(AckKind::Nak(Some(Duration::from_millis(500))))
+                        .await;
+                }
+                entry.unflushed = Some(Unflushed {
+                    events: unflushed.events,
+                    msgs: Vec::new(),
+                });
+                return Some(entry);
+            }
+        }
+        if let Err(e) = self.perform(&mut entry, &unflushed.events).await {
+            let reason = match e {
+                StepError::Failed(r) | StepError::Terminal(r) => r,
+                StepError::Conflict => "conflict".into(),
+            };
+            // The record's outbox holds the events: a redelivery re-performs them.
+            warn!(%run, %reason, "Publishing a run's start events failed; they will be re-published");
+            for m in &unflushed.msgs {
+                let _ = m
+                    .ack_with(AckKind::Nak(Some(Duration::from_millis(250))))
+                    .await;
+            }
+            return Some(entry);
+        }
+        for m in &unflushed.msgs {
+            let _ = m.ack().await;
+        }
+        Some(entry)
     }
 
     /// Applies one run's inputs; acks them when done, hands them back on failure.
@@ -267,18 +417,39 @@ impl Runtime {
                     continue;
                 }
             };
-            let inbound = match wire::decode::<RunLogEntry>(msg.headers.as_ref(), &msg.payload) {
-                Ok(entry) if entry.run_id == run => Inbound::Entry(entry),
-                Ok(_) => {
-                    warn!(%run, seq = info.0, "Run-log entry names another run; dropping");
-                    let _ = msg.ack_with(AckKind::Term).await;
-                    continue;
+            let client_submission = msg.subject.starts_with(self.submit_prefix.as_str())
+                && wire::header(msg.headers.as_ref(), wire::KIND_HEADER)
+                    != Some(wire::KIND_RUNLOG_ENTRY);
+            let inbound = if client_submission {
+                match wire::decode::<SubmitRequest>(msg.headers.as_ref(), &msg.payload) {
+                    // Stored with "expected last subject sequence 0" on the run's submission
+                    // subject, where every first message goes: it is the run's first.
+                    Ok(request) => Inbound::Submission {
+                        first: wire::header(
+                            msg.headers.as_ref(),
+                            NATS_EXPECTED_LAST_SUBJECT_SEQUENCE.as_ref(),
+                        ) == Some("0"),
+                        request: Box::new(request),
+                    },
+                    Err(e) => Inbound::Unreadable(e.to_string()),
                 }
-                Err(e) => {
-                    // Bytes do not change: this entry will never be readable. End the run
-                    // visibly instead of stalling it.
-                    warn!(%run, seq = info.0, error = %e, "Unreadable run-log entry; the run cannot continue");
-                    Inbound::Unreadable(format!("run-log entry {} could not be read: {e}", info.0))
+            } else {
+                match wire::decode::<RunLogEntry>(msg.headers.as_ref(), &msg.payload) {
+                    Ok(entry) if entry.run_id == run => Inbound::Entry(entry),
+                    Ok(_) => {
+                        warn!(%run, seq = info.0, "Run-log entry names another run; dropping");
+                        let _ = msg.ack_with(AckKind::Term).await;
+                        continue;
+                    }
+                    Err(e) => {
+                        // Bytes do not change: this entry will never be readable. End the run
+                        // visibly instead of stalling it.
+                        warn!(%run, seq = info.0, error = %e, "Unreadable run-log entry; the run cannot continue");
+                        Inbound::Unreadable(format!(
+                            "run-log entry {} could not be read: {e}",
+                            info.0
+                        ))
+                    }
                 }
             };
             inputs.push(Decoded {
@@ -292,11 +463,29 @@ impl Runtime {
         if inputs.is_empty() {
             return cached;
         }
+        // Messages of a start recorded by this step are acknowledged with its inputs.
+        let mut owed: Vec<jetstream::Message> = cached
+            .as_mut()
+            .and_then(|c| c.unflushed.as_mut())
+            .map(|u| std::mem::take(&mut u.msgs))
+            .unwrap_or_default();
         for _ in 0..MAX_CAS_ATTEMPTS {
-            match self.step(run, cached.take(), &inputs, None).await {
-                Ok(entry) => {
+            // Boxed: the step is a large future; moving it costs more than allocating it.
+            match Box::pin(self.step(run, cached.take(), &inputs, None)).await {
+                Ok(Stepped::Done(entry)) => {
                     self.ack_all(run, &inputs).await;
+                    for m in &owed {
+                        let _ = m.ack().await;
+                    }
                     return entry;
+                }
+                Ok(Stepped::Deferred(mut entry)) => {
+                    // The start is owed: these messages are acknowledged when it is recorded.
+                    if let Some(u) = entry.unflushed.as_mut() {
+                        u.msgs.extend(inputs.into_iter().map(|d| d.msg));
+                        u.msgs.append(&mut owed);
+                    }
+                    return Some(entry);
                 }
                 Err(StepError::Conflict) => {
                     debug!(%run, "Run changed concurrently; reloading");
@@ -309,9 +498,12 @@ impl Runtime {
                     // Retrying would fail the same way: end the run with the reason.
                     warn!(%run, %reason, "Applying run-log inputs failed for good; ending the run");
                     for _ in 0..MAX_CAS_ATTEMPTS {
-                        match self.step(run, None, &inputs, Some(&reason)).await {
+                        match Box::pin(self.step(run, None, &inputs, Some(&reason))).await {
                             Ok(_) => {
                                 self.ack_all(run, &inputs).await;
+                                for m in &owed {
+                                    let _ = m.ack().await;
+                                }
                                 return None;
                             }
                             Err(StepError::Conflict) => continue,
@@ -332,9 +524,8 @@ impl Runtime {
                 }
             }
         }
-        for d in &inputs {
-            let _ = d
-                .msg
+        for m in inputs.iter().map(|d| &d.msg).chain(owed.iter()) {
+            let _ = m
                 .ack_with(AckKind::Nak(Some(Duration::from_millis(250))))
                 .await;
         }
@@ -349,6 +540,158 @@ impl Runtime {
         }
     }
 
+    /// A run that is neither cached nor recorded: rebuilt from its first message (a start
+    /// that was performed but not yet recorded), with the start's actions to perform again.
+    /// `None` when the run has no first message, or when the first message is among
+    /// `inputs` (the run starts now).
+    async fn replay(
+        &self,
+        run: RunId,
+        inputs: &[Decoded],
+    ) -> Result<Option<(Cached, Vec<Action>)>, StepError> {
+        let first = match self.store.first_message(run).await {
+            Ok(f) => f,
+            // The first message itself is unreadable: when it is among the inputs, the run
+            // is recorded as unstartable below.
+            Err(e)
+                if e.kind() == StoreErrorKind::Decode
+                    && inputs
+                        .iter()
+                        .any(|d| matches!(d.inbound, Inbound::Unreadable(_))) =>
+            {
+                return Ok(None);
+            }
+            Err(e) if e.kind() == StoreErrorKind::Decode => {
+                return Err(StepError::Terminal(e.to_string()));
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let Some(first) = first else { return Ok(None) };
+        if inputs.iter().any(|d| d.seq == first.seq) {
+            return Ok(None);
+        }
+        let submitted = match first.content {
+            FirstMessage::Submission { request, trace } => {
+                // Its coordinator accepted it (or a record would say otherwise): rebuild the
+                // plan as it normalised it.
+                submitted_of(
+                    &request,
+                    normalize_plan(request.plan.clone()),
+                    Vec::new(),
+                    trace,
+                )
+            }
+            FirstMessage::Entry(RunLogEntry {
+                input: RunInput::Submitted(s),
+                ..
+            }) => *s,
+            FirstMessage::Entry(RunLogEntry {
+                input: RunInput::Rejected(r),
+                ..
+            }) => {
+                crate::intake::record_rejection(&self.store, run, &r, first.ts_ms, false).await?;
+                return Ok(None);
+            }
+            FirstMessage::Entry(_) => {
+                return Err(StepError::Terminal(format!(
+                    "the run log of {run} does not start with its submission"
+                )));
+            }
+        };
+        debug!(%run, "Rebuilding an unrecorded start from the run's first message");
+        let plan = Arc::new(submitted.plan.clone());
+        let (mut machine, actions) = RunMachine::start(run, &submitted, plan, first.ts_ms);
+        machine.set_first_seq(first.seq);
+        Ok(Some((
+            Cached {
+                machine,
+                revision: 0,
+                results: HashMap::new(),
+                last_used: 0,
+                unflushed: None,
+            },
+            actions,
+        )))
+    }
+
+    /// Validates a durable submission and starts its run, or records its rejection.
+    /// `Ok(None)`: rejected (recorded, answered).
+    async fn admit(
+        &self,
+        run: RunId,
+        request: &SubmitRequest,
+        d: &Decoded,
+    ) -> Result<Option<Submitted>, StepError> {
+        let mut errors = Vec::new();
+        let reply_to = match &request.reply_to {
+            Some(s) => match flotilla_model::token::check_subject(s) {
+                Ok(()) => Some(s.clone()),
+                Err(e) => {
+                    errors.push(Problem::new(
+                        ProblemCode::InvalidReplyTo,
+                        "reply_to",
+                        format!("reply_to {s:?} {e}"),
+                    ));
+                    None
+                }
+            },
+            None => None,
+        };
+        if let Err(e) = flotilla_model::codec::check_protocol(request.protocol) {
+            errors.push(e.to_problem());
+        }
+        let (plan, mut warnings) = match prepare_plan(&request.plan, &self.ctx) {
+            Ok(p) if errors.is_empty() => p,
+            Ok(_) => (request.plan.clone(), Vec::new()),
+            Err(report) => {
+                errors.extend(report.errors);
+                (request.plan.clone(), Vec::new())
+            }
+        };
+        if !errors.is_empty() {
+            let rejected = Rejected {
+                errors: truncate_problems(errors, MAX_REPORTED_PROBLEMS),
+                name: request.plan.name.clone(),
+                labels: request.labels.clone(),
+                reply_to,
+                intake_seq: None,
+            };
+            warn!(%run, problems = rejected.errors.len(), first = %rejected.errors.first().map(ToString::to_string).unwrap_or_default(), "Plan rejected");
+            let entry = RunLogEntry {
+                protocol: PROTOCOL_VERSION,
+                run_id: run,
+                input: RunInput::Rejected(Box::new(rejected.clone())),
+            };
+            self.bus
+                .publish(
+                    self.bus.names().runlog(run),
+                    &entry,
+                    Some(&format!("rejected.{run}")),
+                )
+                .await?;
+            crate::intake::record_rejection(&self.store, run, &rejected, d.ts_ms, false).await?;
+            return Ok(None);
+        }
+        let pools: std::collections::BTreeSet<&str> =
+            plan.subtasks.iter().map(|t| t.pool.as_str()).collect();
+        if let Some(missing) = self.live.pools_without_workers(pools, d.ts_ms) {
+            warnings.extend(missing.into_iter().map(|pool| {
+                Problem::new(
+                    ProblemCode::NoLiveWorker,
+                    "subtasks",
+                    format!("no live worker serves pool {pool:?}: its tasks wait until one starts"),
+                )
+            }));
+        }
+        info!(%run, "Plan accepted");
+        Ok(Some(submitted_of(
+            request,
+            plan,
+            warnings,
+            crate::intake::trace_from(d.msg.headers.as_ref(), run),
+        )))
+    }
+
     /// Applies `inputs` to the run and performs the resulting actions. With `abort`, the run
     /// is ended with that reason instead (after a terminal failure).
     async fn step(
@@ -357,19 +700,46 @@ impl Runtime {
         cached: Option<Cached>,
         inputs: &[Decoded],
         abort: Option<&str>,
-    ) -> Result<Option<Cached>, StepError> {
+    ) -> Result<Stepped, StepError> {
         let now_ms = inputs.iter().map(|d| d.ts_ms).max().unwrap_or_default();
         let mut reperform = Vec::new();
         let from_cache = cached.is_some();
+        // A run's first message, delivered for the first time, starts a run nobody has seen:
+        // there is nothing to load (its record is written only after this step).
+        let fresh_start = inputs.first().is_some_and(|d| {
+            d.delivered == 1
+                && match &d.inbound {
+                    Inbound::Submission { first, .. } => *first,
+                    Inbound::Entry(RunLogEntry {
+                        input: RunInput::Submitted(_),
+                        ..
+                    }) => d.msg.subject.starts_with(self.submit_prefix.as_str()),
+                    _ => false,
+                }
+        });
         let mut entry = match cached {
             Some(c) => Some(c),
-            None => match self.store.load(run).await? {
-                None => None,
+            None if fresh_start => None,
+            None => match Box::pin(self.store.load(run)).await? {
+                None => match Box::pin(self.replay(run, inputs)).await? {
+                    Some((entry, start)) => {
+                        reperform = start;
+                        Some(entry)
+                    }
+                    None => None,
+                },
                 Some(stored) => {
                     let state = stored.snapshot.state;
                     if state.tasks.is_empty() {
                         // Rejected, or ended before it could start: nothing more to apply.
-                        return Ok(None);
+                        for d in inputs {
+                            if let Inbound::Submission { request, .. } = &d.inbound
+                                && state.first_seq != d.seq
+                            {
+                                self.answer_duplicate(run, request, state.status).await;
+                            }
+                        }
+                        return Ok(Stepped::Done(None));
                     }
                     let plan = match self.store.plan(run).await {
                         Ok(Some(plan)) => plan,
@@ -395,24 +765,66 @@ impl Runtime {
                         revision: stored.revision,
                         results: HashMap::new(),
                         last_used: 0,
+                        unflushed: None,
                     })
                 }
             },
         };
         let applied_before = entry.as_ref().map(|e| e.machine.state().applied);
-        let mut created = false;
+        let mut started = false;
         let mut actions = Vec::new();
         for d in inputs {
             let input = match &d.inbound {
                 Inbound::Entry(e) => &e.input,
+                Inbound::Submission { request, first } => {
+                    if let Some(e) = &entry {
+                        if e.machine.state().first_seq != d.seq {
+                            let status = e.machine.state().status;
+                            self.answer_duplicate(run, request, status).await;
+                        }
+                        continue;
+                    }
+                    if !first && !self.is_first(run, d.seq).await? {
+                        // A second submission of the run whose first message is elsewhere.
+                        self.answer_duplicate(run, request, RunStatus::Pending)
+                            .await;
+                        continue;
+                    }
+                    let Some(submitted) = Box::pin(self.admit(run, request, d)).await? else {
+                        return Ok(Stepped::Done(None));
+                    };
+                    let mut submitted = submitted;
+                    let plan = Arc::new(std::mem::replace(
+                        &mut submitted.plan,
+                        flotilla_model::Plan {
+                            name: None,
+                            query: None,
+                            subtasks: Vec::new(),
+                            config: Default::default(),
+                        },
+                    ));
+                    let (mut machine, a) = RunMachine::start(run, &submitted, plan, d.ts_ms);
+                    machine.set_first_seq(d.seq);
+                    info!(%run, tasks = machine.plan().subtasks.len(), "Run started");
+                    entry = Some(Cached {
+                        machine,
+                        revision: 0,
+                        results: HashMap::new(),
+                        last_used: 0,
+                        unflushed: None,
+                    });
+                    started = true;
+                    actions.extend(a);
+                    continue;
+                }
                 Inbound::Unreadable(reason) => {
                     match entry.as_mut() {
                         Some(e) => {
                             actions.extend(e.machine.apply(Input::Abort { reason }, d.ts_ms))
                         }
                         None => {
-                            self.record_unstartable(run, reason, d.ts_ms).await?;
-                            return Ok(None);
+                            Box::pin(self.record_unstartable(run, reason, d.ts_ms)).await?;
+                            return Ok(Stepped::Done(None));
                         }
                     }
                     continue;
@@ -425,7 +837,7 @@ impl Runtime {
                         // stopped between the append and the record.
                         crate::intake::record_rejection(&self.store, run, r, d.ts_ms, false)
                             .await?;
-                        return Ok(None);
+                        return Ok(Stepped::Done(None));
                     }
                 }
                 RunInput::Control(c) => {
@@ -440,16 +852,18 @@ impl Runtime {
                 }
                 RunInput::Submitted(s) => {
                     if entry.is_none() {
-                        let (machine, a) =
+                        let (mut machine, a) =
                             RunMachine::start(run, s, Arc::new(s.plan.clone()), d.ts_ms);
+                        machine.set_first_seq(d.seq);
                         info!(%run, tasks = s.plan.subtasks.len(), "Run started");
                         entry = Some(Cached {
                             machine,
                             revision: 0,
                             results: HashMap::new(),
                             last_used: 0,
+                            unflushed: None,
                         });
-                        created = true;
+                        started = true;
                         actions.extend(a);
                     }
                 }
@@ -484,13 +898,21 @@ impl Runtime {
             }
         }
         let Some(mut entry) = entry else {
+            if inputs
+                .iter()
+                .all(|d| matches!(d.inbound, Inbound::Submission { .. }))
+            {
+                return Ok(Stepped::Done(None));
+            }
             warn!(%run, "Run-log input for a run that does not exist; dropping");
-            return Ok(None);
+            return Ok(Stepped::Done(None));
         };
         if let Some(reason) = abort {
             actions.extend(entry.machine.apply(Input::Abort { reason }, now_ms));
         }
-        let changed = created || applied_before != Some(entry.machine.state().applied);
+        let unrecorded = entry.revision == 0;
+        let changed =
+            started || unrecorded || applied_before != Some(entry.machine.state().applied);
         if !changed && from_cache {
             // A no-op against cached state is only trustworthy if the cache is current:
             // another coordinator may have moved the run on (a result can look stale to an
@@ -498,13 +920,32 @@ impl Runtime {
             // confirm against a fresh load before acknowledging.
             return Err(StepError::Conflict);
         }
-        let mut to_perform: Vec<Action> = reperform
-            .into_iter()
-            .filter(|a| still_relevant(a, &entry.machine))
-            .collect();
+        // The start alone changed the run: perform it now, record it later.
+        let only_start = started
+            && applied_before.is_none()
+            && entry.machine.state().applied == 1
+            && !entry.machine.state().status.is_terminal();
+        if only_start {
+            let (events, now): (Vec<Action>, Vec<Action>) = actions
+                .into_iter()
+                .partition(|a| matches!(a, Action::Emit(_)));
+            Box::pin(self.perform(&mut entry, &now)).await?;
+            entry.unflushed = Some(Unflushed {
+                events,
+                msgs: Vec::new(),
+            });
+            return Ok(Stepped::Deferred(entry));
+        }
+        let mut to_perform: Vec<Action> =
+            entry.unflushed.take().map(|u| u.events).unwrap_or_default();
+        to_perform.extend(
+            reperform
+                .into_iter()
+                .filter(|a| still_relevant(a, &entry.machine)),
+        );
         to_perform.extend(actions);
         if to_perform.contains(&Action::Finish) {
-            self.complete_outcome(&mut entry).await?;
+            Box::pin(self.complete_outcome(&mut entry)).await?;
         }
         if changed {
             let seqs: Vec<u64> = inputs.iter().map(|d| d.seq).collect();
@@ -513,7 +954,7 @@ impl Runtime {
                 outbox: &to_perform,
                 outbox_seqs: &seqs,
             };
-            let written = if created {
+            let written = if unrecorded {
                 self.store.create(run, &snapshot).await
             } else {
                 self.store.update(run, &snapshot, entry.revision).await
@@ -535,7 +976,7 @@ impl Runtime {
                         outbox: &slim,
                         outbox_seqs: &seqs,
                     };
-                    if created {
+                    if unrecorded {
                         self.store.create(run, &snapshot).await?
                     } else {
                         self.store.update(run, &snapshot, entry.revision).await?
@@ -544,14 +985,46 @@ impl Runtime {
                 Err(e) => return Err(e.into()),
             };
         }
-        self.perform(&mut entry, &to_perform).await?;
+        Box::pin(self.perform(&mut entry, &to_perform)).await?;
         if entry.machine.state().status.is_terminal() {
             if changed {
                 info!(%run, status = %entry.machine.state().status, "Run finished");
             }
-            return Ok(None);
+            return Ok(Stepped::Done(None));
         }
-        Ok(Some(entry))
+        Ok(Stepped::Done(Some(entry)))
+    }
+
+    /// Whether the message at `seq` is the first of the run's history (for submissions whose
+    /// publisher did not make sure of it).
+    async fn is_first(&self, run: RunId, seq: u64) -> Result<bool, StepError> {
+        Ok(self
+            .store
+            .first_message(run)
+            .await
+            .map_err(StepError::from)?
+            .is_none_or(|f| f.seq == seq))
+    }
+
+    /// Answers a duplicate durable submission on its `reply_to`.
+    async fn answer_duplicate(&self, run: RunId, request: &SubmitRequest, status: RunStatus) {
+        debug!(%run, "Duplicate submission");
+        if let Some(to) = request
+            .reply_to
+            .as_deref()
+            .filter(|s| flotilla_model::token::check_subject(s).is_ok())
+        {
+            let answer = SubmitReply {
+                protocol: PROTOCOL_VERSION,
+                run_id: Some(run),
+                status: SubmitStatus::Duplicate,
+                errors: Vec::new(),
+                warnings: Vec::new(),
+                outcome: None,
+                run_status: Some(status),
+            };
+            crate::intake::publish_reply(&self.bus, to, &answer).await;
+        }
     }
 
     /// Fills in the final result of a finished run: the synthesis task's (or the sinks')
@@ -602,9 +1075,18 @@ impl Runtime {
             artifact: None,
         };
         let budget = self.final_result_budget();
-        let encoded = serde_json::to_vec(&final_result)
-            .map_err(|e| StepError::Terminal(format!("encoding the final result: {e}")))?;
-        if encoded.len() > budget {
+        // Only a final result that may be near the budget is encoded to measure it.
+        let estimate = final_result.response.len()
+            + final_result
+                .results
+                .iter()
+                .map(|(id, r)| id.as_str().len() + r.response.len() + 256)
+                .sum::<usize>();
+        if estimate > budget / 2
+            && let encoded = serde_json::to_vec(&final_result)
+                .map_err(|e| StepError::Terminal(format!("encoding the final result: {e}")))?
+            && encoded.len() > budget
+        {
             let run = entry.machine.state().run_id;
             let artifact = self
                 .store
@@ -725,11 +1207,15 @@ impl Runtime {
     }
 
     /// Performs actions: every publish is sent first, then all acknowledgements are awaited.
+    /// The step's events (workflow events and the run's end) go out as one message, after its
+    /// tasks and timers; the outcome's answer to a waiting submitter goes out first of all.
     async fn perform(&self, entry: &mut Cached, actions: &[Action]) -> Result<(), StepError> {
         let js = self.bus.js();
         let names = self.bus.names().clone();
         let run = entry.machine.state().run_id;
+        let max = self.bus.max_payload();
         let mut pending = Vec::new();
+        let mut events: Vec<EventEnvelope> = Vec::new();
         for action in actions {
             let (subject, out) = match action {
                 Action::Dispatch { task, attempt } => {
@@ -742,11 +1228,8 @@ impl Runtime {
                     (names.task(&env.pool, run, &env.task_id), out)
                 }
                 Action::Emit(e) => {
-                    let ev = self.event_of(entry, e);
-                    (
-                        names.event(run),
-                        wire::encode(&ev, Codec::Json, Some(&ev.id))?,
-                    )
+                    events.push(self.event_of(entry, e));
+                    continue;
                 }
                 Action::ArmTimer { generation, due_ms } => {
                     let body = RunLogEntry {
@@ -765,7 +1248,7 @@ impl Runtime {
                     (names.timer(run, *generation), out)
                 }
                 Action::CancelAttempts => {
-                    self.cancel_attempts(entry).await?;
+                    Box::pin(self.cancel_attempts(entry)).await?;
                     continue;
                 }
                 Action::Finish => {
@@ -803,25 +1286,31 @@ impl Runtime {
                             ..WorkflowEvent::phase(phase)
                         },
                     };
-                    let ev = self.event_of(entry, &e);
-                    (
-                        names.event(run),
-                        wire::encode(&ev, Codec::Json, Some(&ev.id))?,
-                    )
+                    events.push(self.event_of(entry, &e));
+                    continue;
                 }
             };
             let size = out.payload.len();
-            let max = self.bus.max_payload();
             let ack = js
                 .publish_with_headers(subject.clone(), out.headers, out.payload)
                 .await
                 .map_err(|e| flotilla_bus::classify_publish_error(&subject, size, max, e))?;
             pending.push((subject, size, ack));
         }
+        // One message per step; split only when it would not fit in one.
+        let subject = names.event(run);
+        for batch in split_batches(run, events, max / 2) {
+            let out = wire::encode(&batch, Codec::Json, Some(&batch.msg_id()))?;
+            let size = out.payload.len();
+            let ack = js
+                .publish_with_headers(subject.clone(), out.headers, out.payload)
+                .await
+                .map_err(|e| flotilla_bus::classify_publish_error(&subject, size, max, e))?;
+            pending.push((subject.clone(), size, ack));
+        }
         for (subject, size, ack) in pending {
-            ack.await.map_err(|e| {
-                flotilla_bus::classify_publish_error(&subject, size, self.bus.max_payload(), e)
-            })?;
+            ack.await
+                .map_err(|e| flotilla_bus::classify_publish_error(&subject, size, max, e))?;
         }
         Ok(())
     }
@@ -983,6 +1472,58 @@ fn child_trace(parent: &TraceContext, run: RunId, task: u32, attempt: u32) -> Tr
     TraceContext {
         traceparent: format!("{version}-{trace_id}-{:016x}-{flags}", h.finish() | 1),
         tracestate: parent.tracestate.clone(),
+    }
+}
+
+/// Groups a step's events into as few messages as fit `budget` bytes each (one, normally).
+fn split_batches(run: RunId, events: Vec<EventEnvelope>, budget: usize) -> Vec<EventBatch> {
+    if events.is_empty() {
+        return Vec::new();
+    }
+    let mut batches = Vec::new();
+    let mut current = Vec::new();
+    let mut size = 0;
+    for e in events {
+        let e_size = serde_json::to_vec(&e).map(|v| v.len()).unwrap_or(0);
+        if !current.is_empty() && size + e_size > budget {
+            batches.push(EventBatch::new(run, std::mem::take(&mut current)));
+            size = 0;
+        }
+        size += e_size;
+        current.push(e);
+    }
+    batches.push(EventBatch::new(run, current));
+    batches
+}
+
+/// A submission as the run log records an accepted one.
+fn submitted_of(
+    request: &SubmitRequest,
+    plan: flotilla_model::Plan,
+    warnings: Vec<Problem>,
+    trace: TraceContext,
+) -> Submitted {
+    Submitted {
+        plan,
+        labels: request.labels.clone(),
+        session_id: request.session_id,
+        parent: request.parent.clone(),
+        reply_to: request
+            .reply_to
+            .clone()
+            .filter(|s| flotilla_model::token::check_subject(s).is_ok()),
+        wait_reply_to: None,
+        intake_seq: None,
+        warnings,
+        trace: Some(trace),
+    }
+}
+
+/// Sleeps until `at`, or forever without one.
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 

@@ -16,6 +16,7 @@ use flotilla_model::plan::Plan;
 use flotilla_model::run::{RunHandle, RunRecord, RunView};
 use flotilla_model::runlog::{RunInput, RunLogEntry, TaskResultInput};
 use flotilla_model::subjects::{Bucket, StreamKind};
+use flotilla_model::submit::SubmitRequest;
 use flotilla_model::time::Timestamp;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
@@ -46,6 +47,31 @@ pub struct SnapshotRef<'a> {
     pub outbox: &'a [Action],
     /// Inputs that produced it.
     pub outbox_seqs: &'a [u64],
+}
+
+/// The first message of a run's history.
+#[derive(Debug, Clone)]
+pub struct First {
+    /// Its stream sequence.
+    pub seq: u64,
+    /// Its server time, Unix ms.
+    pub ts_ms: i64,
+    /// What it is.
+    pub content: FirstMessage,
+}
+
+/// What a run's first message is.
+#[derive(Debug, Clone)]
+pub enum FirstMessage {
+    /// A durable submission on `<prefix>.submit.<run>`, with the trace it came with.
+    Submission {
+        /// The submission.
+        request: Box<SubmitRequest>,
+        /// Its trace context.
+        trace: flotilla_model::task::TraceContext,
+    },
+    /// A run-log entry (`submitted` or `rejected`).
+    Entry(RunLogEntry),
 }
 
 /// A snapshot as read, with its revision and server write time.
@@ -176,31 +202,62 @@ impl RunStore {
             })
     }
 
-    /// The first entry of a run's log (`submitted` or `rejected`): it decided the run's fate.
-    pub async fn first_entry(&self, run: RunId) -> Result<Option<RunLogEntry>, StoreError> {
-        let subject = self.bus.names().runlog(run);
-        match self.runlog.direct_get_first_for_subject(&subject).await {
-            Ok(msg) => wire::decode(Some(&msg.headers), &msg.payload)
-                .map(Some)
-                .map_err(|e| decode_err(format!("run log of {run}"), e)),
+    /// The first message of a run's history: its durable submission
+    /// (`<prefix>.submit.<run>`) or its first run-log entry (`submitted` or `rejected`). It
+    /// decided the run's fate.
+    pub async fn first_message(&self, run: RunId) -> Result<Option<First>, StoreError> {
+        // Every run's first message is on its submission subject (an exact subject: a
+        // constant-time lookup for the server).
+        let subject = self.bus.names().submit_run(run);
+        let msg = match self.runlog.direct_get_first_for_subject(&subject).await {
+            Ok(msg) => msg,
             Err(e) if e.kind() == async_nats::jetstream::stream::DirectGetErrorKind::NotFound => {
-                Ok(None)
+                return Ok(None);
             }
-            Err(e) => Err(nats(format!("reading the run log of {run}"), e)),
-        }
+            Err(e) => return Err(nats(format!("reading the run log of {run}"), e)),
+        };
+        let content = if wire::header(Some(&msg.headers), wire::KIND_HEADER)
+            != Some(wire::KIND_RUNLOG_ENTRY)
+        {
+            let request: SubmitRequest = wire::decode(Some(&msg.headers), &msg.payload)
+                .map_err(|e| decode_err(format!("submission of {run}"), e))?;
+            FirstMessage::Submission {
+                request: Box::new(request),
+                trace: crate::intake::trace_from(Some(&msg.headers), run),
+            }
+        } else {
+            FirstMessage::Entry(
+                wire::decode(Some(&msg.headers), &msg.payload)
+                    .map_err(|e| decode_err(format!("run log of {run}"), e))?,
+            )
+        };
+        Ok(Some(First {
+            seq: msg.sequence,
+            ts_ms: unix_ms(msg.time),
+            content,
+        }))
     }
 
-    /// The plan of an accepted run: the first entry of its run log.
+    /// The plan of an accepted run, as it runs: from its first message.
     pub async fn plan(&self, run: RunId) -> Result<Option<Plan>, StoreError> {
-        match self.first_entry(run).await? {
+        match self.first_message(run).await? {
             None => Ok(None),
-            Some(entry) => match entry.input {
-                RunInput::Submitted(s) => Ok(Some(s.plan)),
-                _ => Err(StoreError::new(
-                    StoreErrorKind::Decode,
-                    format!("the run log of {run} does not start with its submission"),
-                )),
-            },
+            Some(First {
+                content: FirstMessage::Submission { request, .. },
+                ..
+            }) => Ok(Some(flotilla_model::validate::normalize_plan(request.plan))),
+            Some(First {
+                content:
+                    FirstMessage::Entry(RunLogEntry {
+                        input: RunInput::Submitted(s),
+                        ..
+                    }),
+                ..
+            }) => Ok(Some(s.plan)),
+            Some(_) => Err(StoreError::new(
+                StoreErrorKind::Decode,
+                format!("the run log of {run} does not start with its submission"),
+            )),
         }
     }
 
@@ -228,11 +285,11 @@ impl RunStore {
         run: RunId,
     ) -> Result<Vec<(u64, Timestamp, RunLogEntry)>, StoreError> {
         use async_nats::jetstream::consumer::{DeliverPolicy, pull};
-        let subject = self.bus.names().runlog(run);
+        let submit_subject = self.bus.names().submit_run(run);
         let consumer = self
             .runlog
             .create_consumer(pull::OrderedConfig {
-                filter_subject: subject.clone(),
+                filter_subjects: vec![submit_subject.clone(), self.bus.names().runlog(run)],
                 deliver_policy: DeliverPolicy::All,
                 ..Default::default()
             })
@@ -254,8 +311,32 @@ impl RunStore {
                 })?;
                 (i.stream_sequence, Timestamp(i.published), i.pending)
             };
-            let entry: RunLogEntry = wire::decode(msg.headers.as_ref(), &msg.payload)
-                .map_err(|e| decode_err(format!("run-log entry {seq}"), e))?;
+            let entry: RunLogEntry = if msg.subject.as_str() == submit_subject
+                && wire::header(msg.headers.as_ref(), wire::KIND_HEADER)
+                    != Some(wire::KIND_RUNLOG_ENTRY)
+            {
+                // A durable submission: shown as what it became, the run's `submitted` entry.
+                let request: SubmitRequest = wire::decode(msg.headers.as_ref(), &msg.payload)
+                    .map_err(|e| decode_err(format!("submission {seq}"), e))?;
+                RunLogEntry {
+                    protocol: flotilla_model::PROTOCOL_VERSION,
+                    run_id: run,
+                    input: RunInput::Submitted(Box::new(flotilla_model::runlog::Submitted {
+                        plan: flotilla_model::validate::normalize_plan(request.plan),
+                        labels: request.labels,
+                        session_id: request.session_id,
+                        parent: request.parent,
+                        reply_to: request.reply_to,
+                        wait_reply_to: None,
+                        intake_seq: None,
+                        warnings: Vec::new(),
+                        trace: None,
+                    })),
+                }
+            } else {
+                wire::decode(msg.headers.as_ref(), &msg.payload)
+                    .map_err(|e| decode_err(format!("run-log entry {seq}"), e))?
+            };
             out.push((seq, ts, entry));
             if pending == 0 {
                 break;
@@ -304,7 +385,7 @@ impl RunStore {
         limit: usize,
     ) -> Result<Option<RunView>, StoreError> {
         let Some(stored) = self.load(run).await? else {
-            return Ok(None);
+            return self.unrecorded_view(run, offset, limit).await;
         };
         let plan = if stored.snapshot.state.tasks.is_empty() {
             None
@@ -314,6 +395,46 @@ impl RunStore {
         Ok(Some(view_of(
             &stored.snapshot.state,
             plan.as_ref(),
+            offset,
+            limit,
+        )))
+    }
+
+    /// The view of a run whose start is performed but not recorded yet (coordinators record
+    /// a start with the run's next step): rebuilt from its first message, as a coordinator
+    /// would rebuild it.
+    async fn unrecorded_view(
+        &self,
+        run: RunId,
+        offset: usize,
+        limit: usize,
+    ) -> Result<Option<RunView>, StoreError> {
+        let Some(first) = self.first_message(run).await? else {
+            return Ok(None);
+        };
+        let submitted = match first.content {
+            FirstMessage::Submission { request, trace } => flotilla_model::runlog::Submitted {
+                plan: flotilla_model::validate::normalize_plan(request.plan),
+                labels: request.labels,
+                session_id: request.session_id,
+                parent: request.parent,
+                reply_to: None,
+                wait_reply_to: None,
+                intake_seq: None,
+                warnings: Vec::new(),
+                trace: Some(trace),
+            },
+            FirstMessage::Entry(RunLogEntry {
+                input: RunInput::Submitted(s),
+                ..
+            }) => *s,
+            FirstMessage::Entry(_) => return Ok(None),
+        };
+        let plan = std::sync::Arc::new(submitted.plan.clone());
+        let (machine, _) = crate::machine::RunMachine::start(run, &submitted, plan, first.ts_ms);
+        Ok(Some(view_of(
+            machine.state(),
+            Some(&submitted.plan),
             offset,
             limit,
         )))

@@ -152,6 +152,20 @@ impl Codec {
     }
 }
 
+/// Rejects versions of a message type newer than `max` (each message type has its own).
+pub fn check_protocol_of(kind: &str, version: u32, max: u32) -> Result<(), CodecError> {
+    if version == 0 || version > max {
+        Err(CodecError::Decode {
+            codec: "message",
+            message: format!(
+                "{kind} version {version} is not supported (this build reads up to {max})"
+            ),
+        })
+    } else {
+        Ok(())
+    }
+}
+
 /// Rejects protocol versions this build does not speak (0 or newer than
 /// [`PROTOCOL_VERSION`]).
 pub fn check_protocol(version: u32) -> Result<(), CodecError> {

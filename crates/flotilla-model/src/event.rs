@@ -13,6 +13,65 @@ use crate::run::{RunHandle, RunOutcome};
 use crate::task::TaskError;
 use crate::time::Timestamp;
 
+/// The version of event messages: since 2, one message carries every event of one step.
+pub const EVENT_PROTOCOL_VERSION: u32 = 2;
+
+/// One message on a run's event subject: the events of one coordinator step (or of one
+/// worker emission), in order. Each event keeps its own deterministic `id`, so a follower
+/// that must be exact drops repeats by it (a step re-performed after a crash may repeat
+/// events in a new message).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct EventBatch {
+    /// Event message version: 2.
+    pub protocol: u32,
+    /// The run.
+    pub run_id: RunId,
+    /// The events, in order.
+    pub events: Vec<EventEnvelope>,
+}
+
+impl EventBatch {
+    /// A batch of `events` of `run`.
+    pub fn new(run_id: RunId, events: Vec<EventEnvelope>) -> Self {
+        Self {
+            protocol: EVENT_PROTOCOL_VERSION,
+            run_id,
+            events,
+        }
+    }
+
+    /// The batch's `Nats-Msg-Id`: its first and last event ids, so a re-performed step
+    /// repeats the same id and a merged batch gets a new one.
+    pub fn msg_id(&self) -> String {
+        match (self.events.first(), self.events.last()) {
+            (Some(a), Some(b)) if self.events.len() > 1 => format!("{}..{}", a.id, b.id),
+            (Some(a), _) => a.id.clone(),
+            _ => format!("{}.empty", self.run_id),
+        }
+    }
+}
+
+/// Reads the events of one event message: a batch (protocol 2) or, from older publishers,
+/// a single event (protocol 1).
+pub fn decode_events(
+    codec: crate::codec::Codec,
+    payload: &[u8],
+) -> Result<Vec<EventEnvelope>, crate::codec::CodecError> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Message {
+        Batch(EventBatch),
+        Single(Box<EventEnvelope>),
+    }
+    match codec.decode::<Message>(payload)? {
+        Message::Batch(b) => {
+            crate::codec::check_protocol_of("event message", b.protocol, EVENT_PROTOCOL_VERSION)?;
+            Ok(b.events)
+        }
+        Message::Single(e) => Ok(vec![*e]),
+    }
+}
+
 /// An event as published.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct EventEnvelope {

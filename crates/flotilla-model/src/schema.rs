@@ -6,7 +6,7 @@ use crate::api::{
     ApiError, CancelRunReply, CancelRunRequest, GetRunRequest, ValidatePlanReply,
     ValidatePlanRequest,
 };
-use crate::event::EventEnvelope;
+use crate::event::{EventBatch, EventEnvelope};
 use crate::mailbox::MailboxMessage;
 use crate::plan::Plan;
 use crate::run::{RunRecord, RunView};
@@ -26,6 +26,7 @@ pub fn public_schemas() -> Vec<(&'static str, Schema)> {
         ("task-result.json", schema_for!(TaskResult)),
         ("runlog-entry.json", schema_for!(RunLogEntry)),
         ("event.json", schema_for!(EventEnvelope)),
+        ("event-batch.json", schema_for!(EventBatch)),
         ("run-record.json", schema_for!(RunRecord)),
         ("run-view.json", schema_for!(RunView)),
         ("get-run-request.json", schema_for!(GetRunRequest)),

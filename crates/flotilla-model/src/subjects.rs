@@ -7,7 +7,7 @@
 //! |---|---|
 //! | intake stream / subject | `P_INTAKE` / `p.submit` |
 //! | task stream / subjects | `P_TASKS` / `p.task.<pool>.<run>.<task>` |
-//! | run log stream / subjects | `P_RUNLOG` / `p.runlog.<run>`, timers `p.timer.<run>.<generation>` |
+//! | run log stream / subjects | `P_RUNLOG` / `p.submit.<run>` (durable submissions), `p.runlog.<run>`, timers `p.timer.<run>.<generation>` |
 //! | event stream / subjects | `P_EVENTS` / `p.event.<run>` |
 //! | workspace stream / subjects | `P_WORKSPACE` / `p.ws.<run>.<topic>` |
 //! | mailbox stream / subjects | `P_MAILBOX` / `p.mbox.<run>.<agent>` |
@@ -160,7 +160,11 @@ impl Names {
         match kind {
             StreamKind::Intake => vec![format!("{p}.submit")],
             StreamKind::Tasks => vec![format!("{p}.task.>")],
-            StreamKind::RunLog => vec![format!("{p}.runlog.*"), format!("{p}.timer.*.*")],
+            StreamKind::RunLog => vec![
+                format!("{p}.submit.*"),
+                format!("{p}.runlog.*"),
+                format!("{p}.timer.*.*"),
+            ],
             StreamKind::Events => vec![format!("{p}.event.*")],
             StreamKind::Workspace => vec![format!("{p}.ws.*.*")],
             StreamKind::Mailbox => vec![format!("{p}.mbox.*.*")],
@@ -186,6 +190,23 @@ impl Names {
     /// Intake subject.
     pub fn submit(&self) -> String {
         format!("{}.submit", self.prefix)
+    }
+
+    /// The durable submission subject of one run (captured by the run-log stream, so the
+    /// submission is the first message of the run's history).
+    pub fn submit_run(&self, run: RunId) -> String {
+        format!("{}.submit.{run}", self.prefix)
+    }
+
+    /// Filter for every run's durable submission.
+    pub fn submit_all(&self) -> String {
+        format!("{}.submit.*", self.prefix)
+    }
+
+    /// What the coordinators consume from the run-log stream: every run's submission and run
+    /// log (timers have one more token and do not match).
+    pub fn run_inputs_all(&self) -> String {
+        format!("{}.*.*", self.prefix)
     }
 
     /// Subject of one task attempt.

@@ -301,20 +301,26 @@ pub fn prepare_plan(
     if !report.is_valid() {
         return Err(report);
     }
-    let mut ready = plan.clone();
+    Ok((normalize_plan(plan.clone()), report.warnings))
+}
+
+/// The plan as it runs: topics normalised and, in lenient data-flow mode, consumptions
+/// without a producer removed. Pure and deterministic, so a coordinator that rebuilds a run
+/// from its stored submission gets the same plan as the one that accepted it.
+pub fn normalize_plan(mut plan: Plan) -> Plan {
     let mut produced = BTreeSet::new();
-    for task in &mut ready.subtasks {
+    for task in &mut plan.subtasks {
         for topic in task.produces.iter_mut().chain(task.consumes.iter_mut()) {
             *topic = normalize_topic(topic);
         }
         produced.extend(task.produces.iter().cloned());
     }
-    if ready.config.dataflow_validation == DataflowValidation::Lenient {
-        for task in &mut ready.subtasks {
+    if plan.config.dataflow_validation == DataflowValidation::Lenient {
+        for task in &mut plan.subtasks {
             task.consumes.retain(|t| produced.contains(t));
         }
     }
-    Ok((ready, report.warnings))
+    plan
 }
 
 /// Checks everything about a plan and reports every problem found.

@@ -127,7 +127,8 @@ impl EventEmitter {
             source: self.source.clone(),
             event,
         };
-        match wire::encode(&envelope, Codec::Json, Some(&envelope.id)) {
+        let batch = flotilla_model::event::EventBatch::new(self.run_id, vec![envelope]);
+        match wire::encode(&batch, Codec::Json, Some(&batch.msg_id())) {
             Ok(out) => {
                 // Fire and forget: the acknowledgement is collected by the client.
                 if let Err(e) = bus

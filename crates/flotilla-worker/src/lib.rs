@@ -76,6 +76,10 @@ pub type WorkerError = flotilla_bus::error::Error<WorkerErrorKind>;
 
 /// How long one pull request waits for tasks.
 const PULL_EXPIRY: Duration = Duration::from_secs(1);
+/// How long a pull request waits while tasks flow (the last one brought some).
+const BUSY_PULL_EXPIRY: Duration = Duration::from_millis(20);
+/// How long a busy worker gathers freed slots before asking for more tasks.
+const GATHER: Duration = Duration::from_millis(1);
 
 pub use flotilla_model::worker::WorkerInfo;
 
@@ -96,6 +100,8 @@ struct Shared {
     agents: Arc<AgentRegistry>,
     id: String,
     in_flight: AtomicUsize,
+    /// Agents running at once (`concurrency`).
+    run_slots: Arc<Semaphore>,
     /// Fires when the grace period is over: running agents are cancelled and handed back.
     hard_stop: CancellationToken,
     /// Cancellation of the runs with attempts running here, with how many are running.
@@ -214,7 +220,7 @@ impl Worker {
                 stream: StreamKind::Tasks,
                 durable: names.pool_consumer(&self.opts.pool),
                 description: format!("Flotilla workers of pool {}", self.opts.pool),
-                filter: names.pool_filter(&self.opts.pool),
+                filters: vec![names.pool_filter(&self.opts.pool)],
                 ack_wait: self.opts.ack_wait(),
                 max_ack_pending: 100_000,
             })
@@ -239,6 +245,7 @@ impl Worker {
             agents: Arc::clone(&self.agents),
             id: self.id.clone(),
             in_flight: AtomicUsize::new(0),
+            run_slots: Arc::new(Semaphore::new(self.opts.concurrency)),
             hard_stop: CancellationToken::new(),
             runs: Mutex::new(HashMap::new()),
             cancelled: Mutex::new(HashSet::new()),
@@ -277,8 +284,12 @@ impl Worker {
         }
         info!(worker = %self.id, pool = %self.opts.pool, concurrency = self.opts.concurrency, "Worker started");
 
-        let slots = Arc::new(Semaphore::new(self.opts.concurrency));
+        // Messages held at once: the running ones plus `prefetch` waiting for a slot, so a
+        // slot that frees finds its next task already here instead of idling on a pull.
+        let slots = Arc::new(Semaphore::new(self.opts.concurrency + self.opts.prefetch));
         let mut running = tokio::task::JoinSet::new();
+        // Whether the last pull request brought tasks.
+        let mut busy = false;
         'pull: while !shutdown.is_cancelled() {
             let first = tokio::select! {
                 _ = shutdown.cancelled() => break,
@@ -288,12 +299,25 @@ impl Worker {
             while let Ok(p) = Arc::clone(&slots).try_acquire_owned() {
                 permits.push(p);
             }
+            // A busy worker with many slots gathers freed slots for a moment, so it asks for
+            // tasks in batches rather than one pull request per finished task.
+            let gather = (self.opts.concurrency / 4).max(1);
+            if busy && permits.len() < gather {
+                let until = tokio::time::Instant::now() + GATHER;
+                while permits.len() < gather {
+                    match tokio::time::timeout_at(until, Arc::clone(&slots).acquire_owned()).await {
+                        Ok(Ok(p)) => permits.push(p),
+                        _ => break,
+                    }
+                }
+            }
             let batch = consumer
                 .batch()
                 .max_messages(permits.len())
                 // A pull request dies with a server restart; a short expiry bounds how long a
-                // worker waits on a lost one (one tiny request per second when idle).
-                .expires(PULL_EXPIRY)
+                // worker waits on a lost one (one tiny request per second when idle). While
+                // tasks flow, requests are short, so slots freed meanwhile are asked for soon.
+                .expires(if busy { BUSY_PULL_EXPIRY } else { PULL_EXPIRY })
                 .messages()
                 .await;
             let mut batch = match batch {
@@ -310,6 +334,7 @@ impl Worker {
             // ends, and the client library would wait 5 s more. Stop waiting shortly after.
             let request_over =
                 tokio::time::Instant::now() + PULL_EXPIRY + Duration::from_millis(500);
+            let mut received = 0usize;
             loop {
                 let next = tokio::select! {
                     next = tokio::time::timeout_at(request_over, batch.next()) => next.unwrap_or(None),
@@ -323,16 +348,15 @@ impl Worker {
                 };
                 match next {
                     Some(Ok(msg)) => {
+                        received += 1;
                         let Some(permit) = permits.pop() else {
                             let _ = msg.ack_with(AckKind::Nak(None)).await;
                             continue;
                         };
                         let shared = Arc::clone(&shared);
+                        let stopping = shutdown.clone();
                         running.spawn(async move {
-                            shared.in_flight.fetch_add(1, Ordering::Relaxed);
-                            handle(&shared, msg).await;
-                            shared.in_flight.fetch_sub(1, Ordering::Relaxed);
-                            drop(permit);
+                            handle(&shared, msg, permit, &stopping).await;
                         });
                     }
                     Some(Err(e)) => {
@@ -343,6 +367,7 @@ impl Worker {
                 }
             }
             drop(permits);
+            busy = received > 0;
             // Reap finished tasks so the set does not grow.
             while running.try_join_next().is_some() {}
         }
@@ -457,7 +482,15 @@ async fn already_done(bus: &Bus, task: &TaskEnvelope) -> bool {
 }
 
 /// Runs one delivered task message to the end.
-async fn handle(shared: &Shared, msg: jetstream::Message) {
+/// Runs one delivered task message to the end. `held` is the message's place among those the
+/// worker holds (running or prefetched); it is released as soon as the agent is done, so the
+/// next task is pulled while this one's result is being stored.
+async fn handle(
+    shared: &Shared,
+    msg: jetstream::Message,
+    held: tokio::sync::OwnedSemaphorePermit,
+    stopping: &CancellationToken,
+) {
     let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
     let task: TaskEnvelope = match wire::decode(msg.headers.as_ref(), &msg.payload) {
         Ok(t) => t,
@@ -489,6 +522,14 @@ async fn handle(shared: &Shared, msg: jetstream::Message) {
         let _ = msg.ack().await;
         return;
     }
+    // A prefetched task waits for a slot, keeping its message alive; a stopping worker hands
+    // it back at once.
+    let Some(slot) = wait_for_slot(shared, &msg, stopping).await else {
+        let _ = msg.ack_with(AckKind::Nak(None)).await;
+        return;
+    };
+    let _running = InFlight::enter(&shared.in_flight);
+    let started_at = Timestamp::now();
     let events = EventEmitter::new(Some(shared.bus.clone()), &task, &shared.id, delivered);
     let started_event = Event::Workflow(WorkflowEvent {
         worker: Some(shared.id.clone()),
@@ -575,6 +616,10 @@ async fn handle(shared: &Shared, msg: jetstream::Message) {
             }
         }
     };
+    // The agent is done: its slot and its place go to the next task now.
+    drop(slot);
+    drop(held);
+    drop(_running);
     let result = match outcome {
         Ok(reply) => {
             let numeric_value = reply
@@ -777,6 +822,49 @@ async fn report_bad_envelope(shared: &Shared, msg: &jetstream::Message, error: &
             let _ = msg
                 .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
                 .await;
+        }
+    }
+}
+
+/// Counts an attempt as running while alive (the registry's `in_flight`).
+struct InFlight<'a>(&'a AtomicUsize);
+
+impl<'a> InFlight<'a> {
+    fn enter(counter: &'a AtomicUsize) -> Self {
+        counter.fetch_add(1, Ordering::Relaxed);
+        Self(counter)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Waits for a free agent slot, sending in-progress acknowledgements meanwhile so the waiting
+/// message is not redelivered. `None` when the worker stops first.
+async fn wait_for_slot(
+    shared: &Shared,
+    msg: &jetstream::Message,
+    stopping: &CancellationToken,
+) -> Option<tokio::sync::OwnedSemaphorePermit> {
+    if let Ok(p) = Arc::clone(&shared.run_slots).try_acquire_owned() {
+        return Some(p);
+    }
+    let mut progress = tokio::time::interval_at(
+        tokio::time::Instant::now() + shared.opts.progress_interval(),
+        shared.opts.progress_interval(),
+    );
+    let acquire = Arc::clone(&shared.run_slots).acquire_owned();
+    tokio::pin!(acquire);
+    loop {
+        tokio::select! {
+            p = &mut acquire => return p.ok(),
+            _ = stopping.cancelled() => return None,
+            _ = progress.tick() => {
+                let _ = msg.ack_with(AckKind::Progress).await;
+            }
         }
     }
 }

@@ -13,6 +13,10 @@ pub struct WorkerOptions {
     pub pool: String,
     /// Tasks run at once.
     pub concurrency: usize,
+    /// Tasks pulled ahead of free slots: one waits here (kept alive by in-progress acks)
+    /// while the slots are busy, so a slot that frees starts its next task without a pull
+    /// round trip. `0` pulls only for free slots.
+    pub prefetch: usize,
     /// Liveness interval while an agent runs: in-progress acknowledgements go out twice per
     /// interval, and the consumer's ack wait is one and a half intervals, so a dead worker's
     /// task goes to another worker within 1.5 intervals (7.5 s at the default 5 s). The
@@ -40,6 +44,8 @@ impl Default for WorkerOptions {
             pool: flotilla_model::plan::DEFAULT_POOL.to_owned(),
             // Agents mostly wait on I/O (models, tools); a few at once per process.
             concurrency: 4,
+            // One: enough to hide the pull round trip, little to hand back on a stop.
+            prefetch: 1,
             heartbeat: Duration::from_secs(5),
             max_deliveries: 5,
             // Kubernetes' default termination grace is 30 s; leave room to hand work back.
