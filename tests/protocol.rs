@@ -149,10 +149,7 @@ async fn a_plain_nats_client_submits_follows_and_reads_a_run() -> anyhow::Result
     let submission = json!({"run_id": run2, "plan": {"subtasks": [{"id": "solo"}]}});
     let mut headers = async_nats::HeaderMap::new();
     headers.insert("Nats-Expected-Last-Subject-Sequence", "0");
-    headers.insert(
-        "Nats-Expected-Last-Subject-Sequence-Subject",
-        format!("flotilla.*.{run2}").as_str(),
-    );
+    headers.insert("Nats-Msg-Id", format!("submit.{run2}").as_str());
     let ack = js
         .publish_with_headers(
             format!("flotilla.submit.{run2}"),
@@ -173,6 +170,55 @@ async fn a_plain_nats_client_submits_follows_and_reads_a_run() -> anyhow::Result
     assert!(again.is_err(), "a second first message is refused");
     let end = wait_for_end(&js, run2).await?;
     assert_eq!(end["event"]["phase"], "run_succeeded");
+
+    // 8. On the run's own subject the run id is the identity: a body naming another run, or
+    //    carrying an idempotency key (those belong on the intake subject), is rejected with
+    //    the problems on the run record.
+    let run3 = "0190f0c4-8a3e-7cc1-9a39-6f1c1b7d2e13";
+    let confused = json!({
+        "run_id": run2,
+        "idempotency_key": "order-7",
+        "plan": {"subtasks": [{"id": "solo"}]}
+    });
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Expected-Last-Subject-Sequence", "0");
+    js.publish_with_headers(
+        format!("flotilla.submit.{run3}"),
+        headers,
+        serde_json::to_vec(&confused)?.into(),
+    )
+    .await?
+    .await?;
+    let end = wait_for_end(&js, run3).await?;
+    assert_eq!(end["event"]["phase"], "run_rejected", "{end}");
+    let reply = nc
+        .request(
+            "flotilla.api.run.get",
+            serde_json::to_vec(&json!({"run_id": run3}))?.into(),
+        )
+        .await?;
+    let view: Value = serde_json::from_slice(&reply.payload)?;
+    assert_eq!(view["record"]["status"], "rejected");
+    let codes: Vec<&str> = view["record"]["errors"]
+        .as_array()
+        .expect("errors")
+        .iter()
+        .filter_map(|e| e["code"].as_str())
+        .collect();
+    assert_eq!(
+        codes,
+        vec!["run_id_mismatch", "misplaced_idempotency_key"],
+        "{view}"
+    );
+    // The run it named is untouched.
+    let reply = nc
+        .request(
+            "flotilla.api.run.get",
+            serde_json::to_vec(&json!({"run_id": run2}))?.into(),
+        )
+        .await?;
+    let view: Value = serde_json::from_slice(&reply.payload)?;
+    assert_eq!(view["record"]["status"], "succeeded");
 
     // 6. The micro service is discoverable with standard tooling.
     let info = nc.request("$SRV.INFO.flotilla", "".into()).await?;

@@ -2,7 +2,9 @@
 //!
 //! A submission is decoded, given its run id (the client's `run_id`, the run an idempotency
 //! key names, or a fresh UUIDv7) and validated. Then its **first run-log entry** is appended
-//! to `<prefix>.runlog.<run>` with `Nats-Expected-Last-Subject-Sequence: 0`:
+//! to the run's submission subject `<prefix>.submit.<run>` with
+//! `Nats-Expected-Last-Subject-Sequence: 0` (and `Flotilla-Kind: runlog-entry`, to tell it
+//! from a client's own submission on that subject):
 //!
 //! * `submitted` (the normalised plan) when it is valid — the run-log runtime starts the run;
 //! * `rejected` (every problem) when it is not — a run record with status `rejected` and a
@@ -466,8 +468,9 @@ pub(crate) async fn record_rejection(
             ..WorkflowEvent::phase(WorkflowPhase::RunRejected)
         }),
     };
+    let batch = flotilla_model::event::EventBatch::new(run, vec![event]);
     if let Err(e) = bus
-        .publish(bus.names().event(run), &event, Some(&event.id))
+        .publish(bus.names().event(run), &batch, Some(&batch.msg_id()))
         .await
     {
         warn!(%run, error = %e, "Could not publish the rejection event");

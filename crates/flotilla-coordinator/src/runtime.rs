@@ -640,6 +640,24 @@ impl Runtime {
         if let Err(e) = flotilla_model::codec::check_protocol(request.protocol) {
             errors.push(e.to_problem());
         }
+        if let Some(named) = request.run_id.filter(|named| *named != run) {
+            errors.push(Problem::new(
+                ProblemCode::RunIdMismatch,
+                "run_id",
+                format!("the submission was published for run {run} but names run {named}"),
+            ));
+        }
+        if request.idempotency_key.is_some() {
+            errors.push(Problem::new(
+                ProblemCode::MisplacedIdempotencyKey,
+                "idempotency_key",
+                format!(
+                    "a submission on {}.submit.<run> is identified by its run id; publish submissions with an idempotency_key to {}",
+                    self.bus.names().prefix(),
+                    self.bus.names().submit()
+                ),
+            ));
+        }
         let (plan, mut warnings) = match prepare_plan(&request.plan, &self.ctx) {
             Ok(p) if errors.is_empty() => p,
             Ok(_) => (request.plan.clone(), Vec::new()),
@@ -1366,8 +1384,9 @@ impl Runtime {
             source: "coordinator".into(),
             event: Event::Workflow(e.event),
         };
+        let batch = flotilla_model::event::EventBatch::new(run, vec![ev]);
         self.bus
-            .publish(self.bus.names().event(run), &ev, Some(&ev.id))
+            .publish(self.bus.names().event(run), &batch, Some(&batch.msg_id()))
             .await?;
         Ok(())
     }

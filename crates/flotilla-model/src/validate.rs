@@ -147,6 +147,11 @@ pub enum ProblemCode {
     TooManyProblems,
     /// The submission could not be processed (it kept failing); it was set aside.
     Unprocessable,
+    /// A submission on a run's own subject names another run in its body.
+    RunIdMismatch,
+    /// A submission on a run's own subject carries an idempotency key: there the run id is
+    /// the key; keys are mapped to runs only on the intake subject.
+    MisplacedIdempotencyKey,
 }
 
 impl ProblemCode {
@@ -180,6 +185,8 @@ impl ProblemCode {
             Self::NoLiveWorker => "no_live_worker",
             Self::TooManyProblems => "too_many_problems",
             Self::Unprocessable => "unprocessable",
+            Self::RunIdMismatch => "run_id_mismatch",
+            Self::MisplacedIdempotencyKey => "misplaced_idempotency_key",
         }
     }
 }

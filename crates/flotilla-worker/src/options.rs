@@ -65,6 +65,12 @@ impl WorkerOptions {
         if self.concurrency == 0 {
             return Err("worker.concurrency must be at least 1".into());
         }
+        if self.prefetch > 1024 {
+            return Err(format!(
+                "worker.prefetch is {}; at most 1024 (tasks held beyond concurrency wait unstarted while other workers may be idle)",
+                self.prefetch
+            ));
+        }
         if self.heartbeat < Duration::from_millis(100) {
             return Err("worker.heartbeat must be at least 100ms".into());
         }
