@@ -78,7 +78,9 @@ reply = "{task_id} <- [{dependencies}]"
                         .entry((r.task_id.to_string(), r.attempt))
                         .or_default() += 1;
                 }
-                RunInput::TimerFired { .. } | RunInput::Control(_) => {}
+                RunInput::TimerFired { .. }
+                | RunInput::Control(_)
+                | RunInput::TopicWritten { .. } => {}
                 RunInput::Rejected(_) => panic!("{run} was rejected"),
             }
         }

@@ -68,8 +68,10 @@ pub struct JetStreamOptions {
     /// How long mailbox messages are kept.
     #[serde(with = "humantime_serde")]
     pub mailbox_max_age: Duration,
-    /// Messages kept per mailbox (the newest win).
-    pub mailbox_max_per_agent: i64,
+    /// Messages kept per mailbox and sender (the newest win): a flooding sender evicts only
+    /// its own old messages. Losses are counted (`flotilla mbox stats`).
+    #[serde(alias = "mailbox-max-per-agent")]
+    pub mailbox_max_per_sender: i64,
     /// Window in which JetStream drops messages with a repeated `Nats-Msg-Id`.
     #[serde(with = "humantime_serde")]
     pub duplicate_window: Duration,
@@ -96,8 +98,8 @@ impl Default for JetStreamOptions {
             // The source material's workspace TTL.
             workspace_max_age: 2 * DAY,
             mailbox_max_age: 2 * DAY,
-            // Mailbox cap: keep the newest N per agent.
-            mailbox_max_per_agent: 1000,
+            // Mailbox cap: keep the newest N per recipient and sender.
+            mailbox_max_per_sender: 1000,
             // JetStream's default; results and tasks carry deterministic ids within it.
             duplicate_window: Duration::from_secs(120),
             // Workers refresh every heartbeat (5 s); six missed refreshes mean it is gone.
@@ -135,8 +137,8 @@ impl JetStreamOptions {
                 "jetstream.duplicate-window must be more than 0 and at most runlog-max-age".into(),
             );
         }
-        if self.mailbox_max_per_agent < 1 {
-            return Err("jetstream.mailbox-max-per-agent must be at least 1".into());
+        if self.mailbox_max_per_sender < 1 {
+            return Err("jetstream.mailbox-max-per-sender must be at least 1".into());
         }
         Ok(())
     }
@@ -187,7 +189,7 @@ pub fn desired_streams(names: &Names, opts: &JetStreamOptions) -> Vec<stream::Co
                 StreamKind::Mailbox => {
                     c.description = Some("Flotilla agent mailboxes".into());
                     c.max_age = opts.mailbox_max_age;
-                    c.max_messages_per_subject = opts.mailbox_max_per_agent;
+                    c.max_messages_per_subject = opts.mailbox_max_per_sender;
                 }
             }
             c
@@ -218,8 +220,10 @@ pub fn desired_buckets(names: &Names, opts: &JetStreamOptions) -> Vec<kv::Config
             max_age: match b {
                 Bucket::Workers => opts.worker_ttl,
                 Bucket::Runs => opts.runlog_max_age,
+                Bucket::Cursors => opts.mailbox_max_age,
                 _ => Duration::ZERO,
             },
+
             storage: opts.storage.into(),
             num_replicas: opts.replicas,
             ..Default::default()

@@ -858,6 +858,7 @@ impl Runtime {
                         return Ok(Stepped::Done(None));
                     }
                 }
+                RunInput::TopicWritten { .. } => {}
                 RunInput::Control(c) => {
                     let Some(e) = entry.as_mut() else { continue };
                     match c.action {
@@ -1188,6 +1189,8 @@ impl Runtime {
         Ok(TaskEnvelope {
             protocol: PROTOCOL_VERSION,
             run_id,
+            root_run_id: None,
+            session_id: entry.machine.state().session_id,
             task_id: sub.id.clone(),
             attempt,
             attempt_id: attempt_id(run_id, task, attempt, dispatched_ms),
@@ -1205,6 +1208,8 @@ impl Runtime {
             dependency_results,
             consumes: sub.consumes.clone(),
             produces: sub.produces.clone(),
+            consumed: Default::default(),
+            dataflow_validation: plan.config.dataflow_validation,
             dispatched_at: Timestamp::from_unix_ms(dispatched_ms),
             trace: trace.map(|t| child_trace(&t, run_id, task, attempt)),
         })

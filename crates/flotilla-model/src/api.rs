@@ -152,3 +152,219 @@ pub struct ApiError {
     /// Human-readable detail.
     pub message: String,
 }
+
+/// Append an entry to a workspace topic of a run's tree (`ws.append`). The coordinator checks
+/// the topic, the size, and — when `task_id` is given and the plan is strict — that the task
+/// declares the topic in `produces`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct WsAppendRequest {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// A run of the tree (its root's workspace is written).
+    pub run_id: RunId,
+    /// The topic (normalised: trimmed, lower case, spaces to `_`).
+    pub topic: String,
+    /// The data: a JSON object.
+    pub entry: serde_json::Map<String, serde_json::Value>,
+    /// The task writing, when an agent writes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task_id: Option<crate::ids::TaskId>,
+    /// Its attempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt: Option<u32>,
+    /// Writer name for writes outside a task (default `operator`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub by: Option<String>,
+    /// Repeats with the same key (within the duplicate window) are stored once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<String>,
+}
+
+/// The answer to an append.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct WsAppendReply {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// The entry's sequence.
+    pub seq: u64,
+    /// The normalised topic.
+    pub topic: String,
+    /// The write repeated an earlier one and was not stored again.
+    #[serde(default)]
+    pub duplicate: bool,
+}
+
+impl ApiRequest for WsAppendRequest {
+    const ENDPOINT: &'static str = "ws.append";
+    type Reply = WsAppendReply;
+}
+
+/// Read a run tree's workspace incrementally (`ws.read`): entries with `seq > since_seq`,
+/// oldest first.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct WsReadRequest {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// A run of the tree.
+    pub run_id: RunId,
+    /// One topic; absent: every topic of the tree.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub topic: Option<String>,
+    /// Return entries after this sequence (0: from the start).
+    #[serde(default)]
+    pub since_seq: u64,
+    /// Most entries (default 200, at most 1000).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u32>,
+}
+
+impl ApiRequest for WsReadRequest {
+    const ENDPOINT: &'static str = "ws.read";
+    type Reply = crate::workspace::WorkspacePage;
+}
+
+/// Send a mailbox message within a run tree (`mbox.send`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct MboxSendRequest {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// A run of the tree.
+    pub run_id: RunId,
+    /// Sender address (a task id, or a name for a client outside the plan).
+    pub from: String,
+    /// Recipient address (a task id), or `*` for every task of the tree.
+    pub to: String,
+    /// Message type.
+    #[serde(rename = "type")]
+    pub kind: crate::mailbox::MailboxKind,
+    /// Body (JSON).
+    #[serde(default)]
+    pub payload: serde_json::Value,
+    /// Conversation id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub correlation_id: Option<String>,
+    /// The sender's attempt, when a task sends.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt: Option<u32>,
+    /// Repeats with the same key (within the duplicate window) are sent once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<String>,
+}
+
+/// The answer to a send.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct MboxSendReply {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// Stream sequence of the message.
+    pub seq: u64,
+    /// Its number within its `(to, from)` pair.
+    pub n: u64,
+    /// The send repeated an earlier one and was not stored again.
+    #[serde(default)]
+    pub duplicate: bool,
+}
+
+impl ApiRequest for MboxSendRequest {
+    const ENDPOINT: &'static str = "mbox.send";
+    type Reply = MboxSendReply;
+}
+
+/// Read a mailbox (`mbox.read`): the reader's messages (and broadcasts) after its committed
+/// cursor, or after `since_seq`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct MboxReadRequest {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// A run of the tree.
+    pub run_id: RunId,
+    /// The mailbox's owner (a task id).
+    pub reader: String,
+    /// Read after this sequence; absent: after the reader's committed cursor.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub since_seq: Option<u64>,
+    /// Most messages (default 100, at most 1000).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u32>,
+    /// Wait up to this many milliseconds for a message when there is none (at most 30,000).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait_ms: Option<u64>,
+    /// Commit the cursor past what this read returns.
+    #[serde(default)]
+    pub commit: bool,
+}
+
+impl ApiRequest for MboxReadRequest {
+    const ENDPOINT: &'static str = "mbox.read";
+    type Reply = crate::mailbox::MailboxPage;
+}
+
+/// Read a session-state value (`state.get`). The session is `session_id`, else the run's
+/// session (its `session_id`, else its root run).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StateGetRequest {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// A run of the session.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<RunId>,
+    /// The session.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_id: Option<crate::ids::SessionId>,
+    /// The key.
+    pub key: String,
+}
+
+impl ApiRequest for StateGetRequest {
+    const ENDPOINT: &'static str = "state.get";
+    type Reply = crate::state::StateValue;
+}
+
+/// Write a session-state value (`state.set`), optionally as a compare-and-set.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StateSetRequest {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// A run of the session.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<RunId>,
+    /// The session.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_id: Option<crate::ids::SessionId>,
+    /// The key.
+    pub key: String,
+    /// The value (JSON, at most 256 KiB encoded).
+    pub value: serde_json::Value,
+    /// Write only if the key is at this revision (0: only if it does not exist).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected_revision: Option<u64>,
+}
+
+/// The answer to a write.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct StateSetReply {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// The key's new revision.
+    pub revision: u64,
+}
+
+impl ApiRequest for StateSetRequest {
+    const ENDPOINT: &'static str = "state.set";
+    type Reply = StateSetReply;
+}

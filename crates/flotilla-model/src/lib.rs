@@ -15,6 +15,7 @@ pub mod plan;
 pub mod run;
 pub mod runlog;
 pub mod schema;
+pub mod state;
 pub mod subjects;
 pub mod submit;
 pub mod task;

@@ -1,8 +1,8 @@
 //! Plans and subtasks, as clients write them.
 //!
 //! A plan is a list of subtasks forming a DAG through `dependencies`. `produces` / `consumes`
-//! name workspace topics: they describe data flow and are validated for producers, but they do
-//! not order execution — only `dependencies` do.
+//! name workspace topics: a task that consumes a topic waits for the topic's first entry
+//! (from any writer) but not for any task — two consumers of one topic run in parallel.
 
 use std::collections::BTreeMap;
 
@@ -58,7 +58,8 @@ pub struct Subtask {
     /// Workspace topics this task writes.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub produces: Vec<String>,
-    /// Workspace topics this task reads (no ordering implied).
+    /// Workspace topics this task reads: it is dispatched once each has an entry (no
+    /// ordering on other tasks implied).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub consumes: Vec<String>,
     /// The kind of action the task takes (`read`, `publish`, `pay`…); used by escalation policy.
@@ -77,6 +78,10 @@ pub struct Subtask {
     /// Free-form input handed to the agent.
     #[serde(default, skip_serializing_if = "serde_json::Value::is_null")]
     pub input: serde_json::Value,
+    /// Session-state key that receives the task's final response when it succeeds; later
+    /// tasks read it with `{key}` in their description.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_key: Option<String>,
 }
 
 fn default_pool() -> String {
@@ -111,7 +116,8 @@ pub enum DataflowValidation {
     /// Reject the plan, naming the topic and its consumers.
     #[default]
     Strict,
-    /// Warn, and drop the consumption.
+    /// Warn; a consumer waits for an entry from any writer (bounded by
+    /// `dependency_timeout`), and agents may write topics they do not declare.
     Lenient,
 }
 
@@ -202,6 +208,7 @@ impl Subtask {
             required: true,
             timeout: None,
             input: serde_json::Value::Null,
+            output_key: None,
         }
     }
 

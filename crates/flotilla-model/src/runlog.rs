@@ -46,6 +46,14 @@ pub enum RunInput {
     },
     /// A person or a policy controls the run (cancel).
     Control(Control),
+    /// A workspace topic of the run's tree got an entry (from an agent, a client, the CLI):
+    /// tasks that consume it may start. The coordinator's workspace watcher appends it.
+    TopicWritten {
+        /// The normalised topic.
+        topic: String,
+        /// The entry's workspace sequence.
+        seq: u64,
+    },
 }
 
 /// A control input.

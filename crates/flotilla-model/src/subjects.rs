@@ -9,9 +9,9 @@
 //! | task stream / subjects | `P_TASKS` / `p.task.<pool>.<run>.<task>` |
 //! | run log stream / subjects | `P_RUNLOG` / `p.submit.<run>` (durable submissions), `p.runlog.<run>`, timers `p.timer.<run>.<generation>` |
 //! | event stream / subjects | `P_EVENTS` / `p.event.<run>` |
-//! | workspace stream / subjects | `P_WORKSPACE` / `p.ws.<run>.<topic>` |
-//! | mailbox stream / subjects | `P_MAILBOX` / `p.mbox.<run>.<agent>` |
-//! | KV buckets | `p-runs`, `p-team`, `p-failures`, `p-escalations`, `p-control`, `p-trust`, `p-state`, `p-workers` |
+//! | workspace stream / subjects | `P_WORKSPACE` / `p.ws.<root-run>.<topic>` |
+//! | mailbox stream / subjects | `P_MAILBOX` / `p.mbox.<root-run>.<to>.<from>` |
+//! | KV buckets | `p-runs`, `p-team`, `p-failures`, `p-escalations`, `p-control`, `p-trust`, `p-state`, `p-workers`, `p-cursors` |
 //! | request/reply API | `p.api.<endpoint>` (NATS micro service `p`) |
 
 use std::fmt;
@@ -63,11 +63,13 @@ pub enum Bucket {
     State,
     /// Live workers (TTL).
     Workers,
+    /// Durable reader cursors (mailboxes), expiring with the mailboxes.
+    Cursors,
 }
 
 impl Bucket {
     /// Every bucket.
-    pub const ALL: [Bucket; 8] = [
+    pub const ALL: [Bucket; 9] = [
         Self::Runs,
         Self::Team,
         Self::Failures,
@@ -76,6 +78,7 @@ impl Bucket {
         Self::Trust,
         Self::State,
         Self::Workers,
+        Self::Cursors,
     ];
 
     /// Suffix after the prefix.
@@ -89,6 +92,7 @@ impl Bucket {
             Self::Trust => "trust",
             Self::State => "state",
             Self::Workers => "workers",
+            Self::Cursors => "cursors",
         }
     }
 }
@@ -167,7 +171,7 @@ impl Names {
             ],
             StreamKind::Events => vec![format!("{p}.event.*")],
             StreamKind::Workspace => vec![format!("{p}.ws.*.*")],
-            StreamKind::Mailbox => vec![format!("{p}.mbox.*.*")],
+            StreamKind::Mailbox => vec![format!("{p}.mbox.*.*.*")],
         }
     }
 
@@ -249,14 +253,47 @@ impl Names {
         format!("{}.event.*", self.prefix)
     }
 
-    /// A workspace topic of a run.
-    pub fn workspace(&self, run: RunId, topic: &str) -> String {
-        format!("{}.ws.{run}.{topic}", self.prefix)
+    /// A workspace topic of a run tree (`root` is the tree's root run).
+    pub fn workspace(&self, root: RunId, topic: &str) -> String {
+        format!("{}.ws.{root}.{topic}", self.prefix)
     }
 
-    /// An agent's mailbox in a run.
-    pub fn mailbox(&self, run: RunId, agent: &str) -> String {
-        format!("{}.mbox.{run}.{agent}", self.prefix)
+    /// Filter for every topic of a run tree's workspace.
+    pub fn workspace_all(&self, root: RunId) -> String {
+        format!("{}.ws.{root}.*", self.prefix)
+    }
+
+    /// Filter for every workspace entry of every run.
+    pub fn workspace_everything(&self) -> String {
+        format!("{}.ws.*.*", self.prefix)
+    }
+
+    /// The subject of a mailbox post: to `to` (a task id, or [`crate::mailbox::BROADCAST`])
+    /// from `from`, in a run tree.
+    pub fn mailbox(&self, root: RunId, to: &str, from: &str) -> String {
+        format!("{}.mbox.{root}.{to}.{from}", self.prefix)
+    }
+
+    /// Filter for every post to `to` in a run tree, from anyone.
+    pub fn mailbox_inbox(&self, root: RunId, to: &str) -> String {
+        format!("{}.mbox.{root}.{to}.*", self.prefix)
+    }
+
+    /// Key of a reader's committed mailbox cursor in the cursors bucket.
+    pub fn mailbox_cursor_key(&self, root: RunId, reader: &str) -> String {
+        format!("mbox.{root}.{reader}")
+    }
+
+    /// Key of a session-state value in the state bucket (`session` is a session id or the
+    /// root run id).
+    pub fn state_key(&self, session: &str, key: &str) -> String {
+        format!("{session}.{key}")
+    }
+
+    /// Durable consumer of the workspace stream shared by coordinators (it turns entries
+    /// into `topic_written` inputs for runs whose tasks wait on a topic).
+    pub fn workspace_consumer(&self) -> &'static str {
+        "coordinator-ws"
     }
 
     /// Request/reply endpoint subject.

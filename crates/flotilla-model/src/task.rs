@@ -6,7 +6,7 @@ use std::fmt;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::ids::{AttemptId, RunId, TaskId};
+use crate::ids::{AttemptId, RunId, SessionId, TaskId};
 use crate::numeric::extract_numeric_value;
 use crate::plan::Risk;
 use crate::time::{Secs, Timestamp};
@@ -29,6 +29,14 @@ pub struct TaskEnvelope {
     pub protocol: u32,
     /// The run this task belongs to.
     pub run_id: RunId,
+    /// The root of the run's tree, whose workspace and mailboxes the task shares (absent:
+    /// the run is its own root).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub root_run_id: Option<RunId>,
+    /// The run's session, whose state the task reads and writes (absent: the root run's id
+    /// names the session).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_id: Option<SessionId>,
     /// The task's id in the plan.
     pub task_id: TaskId,
     /// 1 for the first attempt, 2 for the first retry, …
@@ -74,6 +82,14 @@ pub struct TaskEnvelope {
     /// Workspace topics the task writes.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub produces: Vec<String>,
+    /// Entries of the consumed topics present at dispatch, by topic (within the
+    /// coordinator's byte budget; read on from each topic's `next_since_seq`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub consumed: crate::workspace::ConsumedTopics,
+    /// The plan's data-flow mode: under `strict`, the task may write only the topics it
+    /// `produces`.
+    #[serde(default, skip_serializing_if = "is_strict")]
+    pub dataflow_validation: crate::plan::DataflowValidation,
     /// When the coordinator dispatched this attempt (server time of the deciding input).
     pub dispatched_at: Timestamp,
     /// Trace context of the run.
@@ -203,6 +219,8 @@ pub enum TaskErrorKind {
     ResultTooLarge,
     /// A fault inside Flotilla.
     Internal,
+    /// The description names a session-state key (`{key}`) that is not set.
+    MissingStateKey,
 }
 
 impl TaskErrorKind {
@@ -218,14 +236,15 @@ impl TaskErrorKind {
             Self::Cancelled => "cancelled",
             Self::ResultTooLarge => "result_too_large",
             Self::Internal => "internal",
+            Self::MissingStateKey => "missing_state_key",
         }
     }
 
     /// Whether another attempt may succeed. Failures of the agent (`agent_failed`,
     /// `timeout`), of a worker (`redeliveries_exhausted`) and of Flotilla (`internal`) are
     /// retried; configuration and input errors (`unknown_agent`, `bad_envelope`,
-    /// `result_too_large`), dependency timeouts and cancellation are final: another attempt
-    /// would fail the same way.
+    /// `result_too_large`, `missing_state_key`), dependency timeouts and cancellation are
+    /// final: another attempt would fail the same way.
     pub fn is_retryable(self) -> bool {
         matches!(
             self,
@@ -240,7 +259,22 @@ impl fmt::Display for TaskErrorKind {
     }
 }
 
+fn is_strict(d: &crate::plan::DataflowValidation) -> bool {
+    *d == crate::plan::DataflowValidation::Strict
+}
+
 impl TaskEnvelope {
+    /// The run whose workspace and mailboxes the task shares: the root of its run tree.
+    pub fn root_run(&self) -> RunId {
+        self.root_run_id.unwrap_or(self.run_id)
+    }
+
+    /// The session key prefix of the task's state: the session id, else the root run id.
+    pub fn session(&self) -> String {
+        self.session_id
+            .map_or_else(|| self.root_run().to_string(), |s| s.to_string())
+    }
+
     /// The `Nats-Msg-Id` of this attempt's task message: publishing the same attempt twice is
     /// dropped by JetStream.
     pub fn msg_id(&self) -> String {

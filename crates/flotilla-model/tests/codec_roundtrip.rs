@@ -7,7 +7,7 @@ use flotilla_model::api::{ApiError, GetRunRequest};
 use flotilla_model::codec::Codec;
 use flotilla_model::event::{Event, EventEnvelope, ExternalToolCall, WorkflowEvent, WorkflowPhase};
 use flotilla_model::ids::{AttemptId, RunId, SessionId, TaskId};
-use flotilla_model::mailbox::{MailboxKind, MailboxMessage};
+use flotilla_model::mailbox::{MailboxKind, MailboxMessage, MailboxPost};
 use flotilla_model::plan::{
     DataflowValidation, Plan, PlanConfig, Risk, Strategy as PlanStrategy, Subtask,
 };
@@ -19,7 +19,7 @@ use flotilla_model::task::{
 };
 use flotilla_model::time::{Secs, Timestamp};
 use flotilla_model::validate::{Problem, ProblemCode};
-use flotilla_model::workspace::WorkspaceEntry;
+use flotilla_model::workspace::{WorkspaceEntry, WorkspaceWrite, Writer};
 use proptest::collection::{btree_map, vec};
 use proptest::option;
 use proptest::prelude::*;
@@ -112,13 +112,14 @@ fn subtask() -> impl Strategy<Value = Subtask> {
             any::<bool>(),
             option::of(secs()),
             json(),
+            option::of(token()),
         ),
     )
         .prop_map(
             |(
                 (id, description, role, agent, pool),
                 (dependencies, produces, consumes),
-                (action, risk, required, timeout, input),
+                (action, risk, required, timeout, input, output_key),
             )| Subtask {
                 id,
                 description,
@@ -133,6 +134,7 @@ fn subtask() -> impl Strategy<Value = Subtask> {
                 required,
                 timeout,
                 input,
+                output_key,
             },
         )
 }
@@ -472,10 +474,16 @@ proptest! {
         (dispatched_at, trace) in (ts(), option::of(trace())),
     ) {
         roundtrip(&TaskEnvelope {
-            protocol: 1, run_id, task_id, attempt, attempt_id, agent, pool, role, description,
+            protocol: 1, run_id, root_run_id: Some(run_id), session_id: None, task_id, attempt, attempt_id, agent, pool, role, description,
             action: Some("read".into()), risk, required, query: Some("q".into()), input, timeout,
             previous_results: prev, dependency_results: deps, consumes: vec!["raw".into()],
-            produces: Vec::new(), dispatched_at, trace,
+            produces: Vec::new(),
+            consumed: [("raw".to_string(), flotilla_model::workspace::ConsumedTopic {
+                entries: vec![WorkspaceEntry { seq: 3, topic: "raw".into(), entry: Default::default(), writer: None, ts: dispatched_at }],
+                next_since_seq: 3, truncated: true,
+            })].into_iter().collect(),
+            dataflow_validation: flotilla_model::plan::DataflowValidation::Lenient,
+            dispatched_at, trace,
         })?;
     }
 
@@ -485,7 +493,7 @@ proptest! {
     #[test]
     fn runlog_entry_roundtrips(
         run_id in run_id(),
-        which in 0u8..5,
+        which in 0u8..6,
         p in plan(),
         labels in labels(),
         (task_id, attempt, attempt_id, result, started) in (task_id(), 1u32..4, attempt_id(), task_result(), option::of(ts())),
@@ -502,6 +510,7 @@ proptest! {
             3 => RunInput::Control(flotilla_model::runlog::Control {
                 action: flotilla_model::runlog::ControlAction::Cancel, reason: Some("stop".into()), by: None,
             }),
+            4 => RunInput::TopicWritten { topic: "figures".into(), seq: generation },
             _ => RunInput::TimerFired { generation },
         };
         roundtrip(&RunLogEntry { protocol: 1, run_id, input })?;
@@ -526,14 +535,20 @@ proptest! {
     }
 
     #[test]
-    fn mailbox_message_roundtrips(run_id in run_id(), from in token(), to in token(), content in json(), at in ts(), reply in option::of(any::<u128>()),
+    fn mailbox_message_roundtrips(run_id in run_id(), from in token(), to in token(), payload in json(), at in ts(), corr in option::of(token()), n in any::<u64>(),
         kind in prop_oneof![Just(MailboxKind::Request), Just(MailboxKind::Offer), Just(MailboxKind::Accept), Just(MailboxKind::Delegation), Just(MailboxKind::Info)]) {
-        roundtrip(&MailboxMessage { protocol: 1, id: Uuid::from_u128(1), run_id, from, to, kind, content, in_reply_to: reply.map(Uuid::from_u128), sent_at: at })?;
+        let sender = Some(Writer { run_id, task_id: Some(TaskId::new(from.as_str())), attempt: Some(2), by: None });
+        roundtrip(&MailboxPost { protocol: 1, kind, from: from.clone(), to: to.clone(), payload: payload.clone(), correlation_id: corr.clone(), n, sender: sender.clone() })?;
+        roundtrip(&MailboxMessage { seq: n, ts: at, kind, from, to, payload, correlation_id: corr, n, sender })?;
     }
 
     #[test]
-    fn workspace_entry_roundtrips(seq in any::<u64>(), run_id in run_id(), topic in token(), entry in json(), producer in option::of(task_id()), at in ts()) {
-        roundtrip(&WorkspaceEntry { seq, run_id, topic, entry, producer, ts: at })?;
+    fn workspace_entry_roundtrips(seq in any::<u64>(), run_id in run_id(), topic in token(), value in json(), producer in option::of(task_id()), at in ts()) {
+        let mut entry = serde_json::Map::new();
+        entry.insert("value".into(), value);
+        let writer = Some(Writer { run_id, task_id: producer, attempt: None, by: Some("operator".into()) });
+        roundtrip(&WorkspaceWrite { protocol: 1, entry: entry.clone(), writer: writer.clone() })?;
+        roundtrip(&WorkspaceEntry { seq, topic, entry, writer, ts: at })?;
     }
 
     #[test]
@@ -541,7 +556,12 @@ proptest! {
         roundtrip(&GetRunRequest { protocol: 1, run_id, tasks_offset: 3, tasks_limit: Some(10), task_id: None })?;
         roundtrip(&flotilla_model::api::CancelRunRequest { protocol: 1, run_id, reason: Some(message.clone()), by: None })?;
         roundtrip(&flotilla_model::api::CancelRunReply { protocol: 1, run_id, cancelling: true, status: RunStatus::Running })?;
-        roundtrip(&ApiError { status, code, message })?;
+        roundtrip(&ApiError { status, code: code.clone(), message: message.clone() })?;
+        roundtrip(&flotilla_model::api::WsReadRequest { protocol: 1, run_id, topic: Some(code.clone()), since_seq: 7, limit: Some(5) })?;
+        roundtrip(&flotilla_model::api::MboxReadRequest { protocol: 1, run_id, reader: code.clone(), since_seq: None, limit: None, wait_ms: Some(100), commit: true })?;
+        roundtrip(&flotilla_model::api::MboxSendRequest { protocol: 1, run_id, from: code.clone(), to: "*".into(), kind: MailboxKind::Info, payload: serde_json::json!({"m": message}), correlation_id: None, attempt: Some(1), idempotency_key: None })?;
+        roundtrip(&flotilla_model::api::StateSetRequest { protocol: 1, run_id: Some(run_id), session_id: None, key: code.clone(), value: serde_json::json!([1, 2]), expected_revision: Some(0) })?;
+        roundtrip(&flotilla_model::api::StateGetRequest { protocol: 1, run_id: None, session_id: None, key: code })?;
     }
 }
 

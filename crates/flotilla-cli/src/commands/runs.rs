@@ -155,6 +155,9 @@ pub(crate) async fn history(config: &Config, run: RunId, json: bool) -> anyhow::
             RunInput::TimerFired { generation } => {
                 ("timer_fired", format!("generation {generation}"))
             }
+            RunInput::TopicWritten { topic, seq } => {
+                ("topic_written", format!("{topic} (workspace seq {seq})"))
+            }
             RunInput::Rejected(r) => (
                 "rejected",
                 format!(
