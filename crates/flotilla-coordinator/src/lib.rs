@@ -28,6 +28,7 @@ pub mod machine;
 pub mod options;
 mod runtime;
 pub mod store;
+mod topics;
 
 use std::sync::Arc;
 
@@ -105,6 +106,7 @@ impl Coordinator {
     ) -> Result<PullConsumer, CoordinatorError> {
         let durable = match kind {
             StreamKind::Intake => self.bus.names().intake_consumer(),
+            StreamKind::Workspace => self.bus.names().workspace_consumer(),
             _ => self.bus.names().runlog_consumer(),
         };
         self.bus
@@ -138,6 +140,12 @@ impl Coordinator {
         let intake_consumer = self
             .consumer(StreamKind::Intake, vec![self.bus.names().submit()])
             .await?;
+        let workspace_consumer = self
+            .consumer(
+                StreamKind::Workspace,
+                vec![self.bus.names().workspace_everything()],
+            )
+            .await?;
         let live = LiveWorkers::new(self.jetstream.worker_ttl);
         let runtime = Arc::new(Runtime::new(
             store.clone(),
@@ -161,6 +169,11 @@ impl Coordinator {
         let mut tasks = tokio::task::JoinSet::new();
         tasks.spawn(live.clone().follow(workers, shutdown.clone()));
         tasks.spawn(Arc::clone(&runtime).run(runlog, shutdown.clone()));
+        tasks.spawn(topics::watch_workspace(
+            self.bus.clone(),
+            workspace_consumer,
+            shutdown.clone(),
+        ));
         tasks.spawn(consume_intake(
             intake_consumer,
             Arc::clone(&intake),

@@ -57,6 +57,15 @@ pub struct RunGraph {
     index: HashMap<TaskId, u32>,
     finals: Vec<u32>,
     synthesis: Vec<u32>,
+    /// Workspace topics the plan names (normalised), by index.
+    topics: Vec<String>,
+    topic_index: HashMap<String, u32>,
+    /// Per task: topics it consumes, topics it produces.
+    consumes: Vec<Vec<u32>>,
+    produces: Vec<Vec<u32>>,
+    /// Per topic: tasks consuming it, tasks producing it.
+    consumers: Vec<Vec<u32>>,
+    producers: Vec<Vec<u32>>,
 }
 
 impl RunGraph {
@@ -117,13 +126,72 @@ impl RunGraph {
         } else {
             synthesis.clone()
         };
+        let mut topics: Vec<String> = Vec::new();
+        let mut topic_index: HashMap<String, u32> = HashMap::new();
+        let mut intern = |t: &str| -> u32 {
+            if let Some(&i) = topic_index.get(t) {
+                return i;
+            }
+            let i = topics.len() as u32;
+            topics.push(t.to_owned());
+            topic_index.insert(t.to_owned(), i);
+            i
+        };
+        let mut consumes = Vec::with_capacity(n);
+        let mut produces = Vec::with_capacity(n);
+        for t in &plan.subtasks {
+            let mut c: Vec<u32> = t.consumes.iter().map(|x| intern(x)).collect();
+            let mut p: Vec<u32> = t.produces.iter().map(|x| intern(x)).collect();
+            c.sort_unstable();
+            c.dedup();
+            p.sort_unstable();
+            p.dedup();
+            consumes.push(c);
+            produces.push(p);
+        }
+        let mut consumers = vec![Vec::new(); topics.len()];
+        let mut producers = vec![Vec::new(); topics.len()];
+        for i in 0..n {
+            for &t in &consumes[i] {
+                consumers[t as usize].push(i as u32);
+            }
+            for &t in &produces[i] {
+                producers[t as usize].push(i as u32);
+            }
+        }
         Self {
             deps,
             dependents,
             index,
             finals,
             synthesis,
+            topics,
+            topic_index,
+            consumes,
+            produces,
+            consumers,
+            producers,
         }
+    }
+
+    /// Index of a (normalised) topic the plan names.
+    pub fn topic_of(&self, topic: &str) -> Option<u32> {
+        self.topic_index.get(topic).copied()
+    }
+
+    /// A topic's name.
+    pub fn topic_name(&self, topic: u32) -> &str {
+        &self.topics[topic as usize]
+    }
+
+    /// Topics a task consumes.
+    pub fn consumes(&self, task: u32) -> &[u32] {
+        &self.consumes[task as usize]
+    }
+
+    /// Topics a task produces.
+    pub fn produces(&self, task: u32) -> &[u32] {
+        &self.produces[task as usize]
     }
 
     /// Number of tasks.
@@ -238,6 +306,19 @@ pub struct TaskState {
     /// are, so the record stays bounded).
     #[serde(rename = "c", default, skip_serializing_if = "Option::is_none")]
     pub cause: Option<u32>,
+    /// When skipped because a consumed topic can no longer get an entry: that topic's
+    /// position in the task's `consumes` (its producers all ended without producing;
+    /// `cause` is the failure behind it).
+    #[serde(rename = "vt", default, skip_serializing_if = "Option::is_none")]
+    pub via_topic: Option<u32>,
+    /// When the task's dependencies were all met while a consumed topic had no entry yet
+    /// (Unix ms): its wait for the topic is bounded from here by `dependency_timeout`.
+    #[serde(rename = "g", default, skip_serializing_if = "is_zero_ms")]
+    pub gated_ms: i64,
+}
+
+fn is_zero_ms(ms: &i64) -> bool {
+    *ms == 0
 }
 
 impl TaskState {
@@ -251,6 +332,8 @@ impl TaskState {
             error: None,
             skip_reason: None,
             cause: None,
+            via_topic: None,
+            gated_ms: 0,
         }
     }
 }
@@ -339,6 +422,9 @@ pub struct RunState {
     /// same run is a duplicate, a redelivery of this one is not.
     #[serde(default)]
     pub first_seq: u64,
+    /// Topics (indices into the plan's topics) that have an entry: their consumers may start.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub topics_ready: Vec<u32>,
     /// The outcome, once terminal.
     #[serde(default)]
     pub outcome: Option<RunOutcome>,
@@ -379,6 +465,7 @@ impl RunState {
             failed: 0,
             stop_reason: None,
             first_seq: 0,
+            topics_ready: Vec::new(),
             outcome: Some(RunOutcome {
                 run_id,
                 status: RunStatus::Rejected,
@@ -415,13 +502,22 @@ impl RunState {
     pub fn skip_reason(&self, i: usize, plan: Option<&Plan>) -> Option<String> {
         let t = self.tasks.get(i)?;
         match t.status {
-            TaskStatus::Skipped => match t.cause {
-                Some(c) => Some(format!(
-                    "dependency_failed: {}",
-                    plan.and_then(|p| p.subtasks.get(c as usize))
-                        .map_or_else(|| format!("#{c}"), |s| s.id.to_string())
-                )),
-                None => t.skip_reason.clone(),
+            TaskStatus::Skipped => match (t.cause, t.via_topic) {
+                (Some(c), via) => {
+                    let cause = plan
+                        .and_then(|p| p.subtasks.get(c as usize))
+                        .map_or_else(|| format!("#{c}"), |s| s.id.to_string());
+                    Some(match via {
+                        None => format!("dependency_failed: {cause}"),
+                        Some(j) => format!(
+                            "producer_failed: {cause} (consumed topic {} can get no entry from the plan)",
+                            plan.and_then(|p| p.subtasks.get(i))
+                                .and_then(|s| s.consumes.get(j as usize))
+                                .map_or_else(|| format!("#{j}"), |t| format!("{t:?}"))
+                        ),
+                    })
+                }
+                (None, _) => t.skip_reason.clone(),
             },
             TaskStatus::Cancelled => self
                 .stop_reason
@@ -483,6 +579,19 @@ pub enum Action {
     },
     /// Publish a workflow event.
     Emit(Box<Emission>),
+    /// Append the succeeded task's result to each topic it produces (automatic produce:
+    /// `{subtask_id, summary, numeric_value}`, message id `produce.<run>.<task>.<topic>`).
+    /// Performed before the step's dispatches, which may consume the entries.
+    Produce {
+        /// Task index.
+        task: u32,
+    },
+    /// Write the succeeded task's response to its `output_key` in session state (message id
+    /// `output.<run>.<task>`). Performed before the step's dispatches, which may read it.
+    StoreOutput {
+        /// Task index.
+        task: u32,
+    },
     /// Schedule a durable timer firing into the run log at `due_ms`.
     ArmTimer {
         /// Generation.
@@ -526,6 +635,11 @@ pub enum Input<'a> {
         /// Why, in words.
         reason: &'a str,
     },
+    /// A workspace topic of the run got an entry from some writer.
+    TopicWritten {
+        /// The normalised topic.
+        topic: &'a str,
+    },
     /// The run cannot continue (e.g. one of its run-log entries is unreadable): end it
     /// `failed` with this reason.
     Abort {
@@ -542,8 +656,13 @@ pub struct RunMachine {
     state: RunState,
     /// Dependencies not yet succeeded, per task.
     remaining: Vec<u32>,
-    /// Waiting tasks whose dependencies all succeeded, in plan order.
+    /// Waiting tasks whose dependencies all succeeded and whose consumed topics all have an
+    /// entry, in plan order.
     ready: BTreeSet<u32>,
+    /// Consumed topics without an entry yet, per task.
+    missing: Vec<u32>,
+    /// Whether each topic has an entry.
+    topic_ready: Vec<bool>,
     in_flight: u32,
     terminal: u32,
     /// Set when the timer fired: the next deadline must be found by a scan.
@@ -629,6 +748,7 @@ impl RunMachine {
             failed: 0,
             stop_reason: None,
             first_seq: 0,
+            topics_ready: Vec::new(),
             outcome: None,
         };
         let mut m = Self::restore_with_graph(plan, graph, state);
@@ -642,6 +762,11 @@ impl RunMachine {
                 ..WorkflowEvent::phase(WorkflowPhase::RunStarted)
             },
         }))];
+        for i in 0..m.graph.len() as u32 {
+            if m.remaining[i as usize] == 0 && m.missing[i as usize] > 0 {
+                m.gate(i, now_ms, &mut actions);
+            }
+        }
         m.after(now_ms, &mut actions);
         (m, actions)
     }
@@ -658,13 +783,24 @@ impl RunMachine {
         let mut ready = BTreeSet::new();
         let mut in_flight = 0;
         let mut terminal = 0;
+        let mut topic_ready = vec![false; graph.topics.len()];
+        for &t in &state.topics_ready {
+            if let Some(r) = topic_ready.get_mut(t as usize) {
+                *r = true;
+            }
+        }
+        let missing: Vec<u32> = graph
+            .consumes
+            .iter()
+            .map(|ts| ts.iter().filter(|&&t| !topic_ready[t as usize]).count() as u32)
+            .collect();
         for (i, left) in remaining.iter_mut().enumerate() {
             *left = graph.deps[i]
                 .iter()
                 .filter(|&&d| state.tasks[d as usize].status != TaskStatus::Succeeded)
                 .count() as u32;
             match state.tasks[i].status {
-                TaskStatus::Waiting if *left == 0 => {
+                TaskStatus::Waiting if *left == 0 && missing[i] == 0 => {
                     ready.insert(i as u32);
                 }
                 TaskStatus::Dispatched => in_flight += 1,
@@ -678,6 +814,8 @@ impl RunMachine {
             state,
             remaining,
             ready,
+            missing,
+            topic_ready,
             in_flight,
             terminal,
             rescan_deadlines: false,
@@ -778,6 +916,16 @@ impl RunMachine {
                 self.stop(RunStatus::Failed, reason.to_owned(), now_ms, &mut actions);
                 return actions;
             }
+            Input::TopicWritten { topic } => {
+                let Some(t) = self.graph.topic_of(topic) else {
+                    return actions;
+                };
+                if self.topic_ready[t as usize] {
+                    return actions;
+                }
+                self.state.applied += 1;
+                self.topic_has_entry(t);
+            }
         }
         if self.state.status.is_terminal() {
             // Aborted by the failure policy while applying the input.
@@ -848,14 +996,94 @@ impl RunMachine {
         self.terminal += 1;
         self.emit(Some(i), Some(attempt), now_ms, by, actions);
         let graph = Arc::clone(&self.graph);
+        if !graph.produces[i as usize].is_empty() {
+            // The entries are appended before this step's dispatches, so the topics count
+            // as written now.
+            actions.push(Action::Produce { task: i });
+            for &t in &graph.produces[i as usize] {
+                self.topic_has_entry(t);
+            }
+        }
+        if self.plan.subtasks[i as usize].output_key.is_some() {
+            actions.push(Action::StoreOutput { task: i });
+        }
         for &d in &graph.dependents[i as usize] {
             self.remaining[d as usize] -= 1;
             if self.remaining[d as usize] == 0
                 && self.state.tasks[d as usize].status == TaskStatus::Waiting
             {
-                self.ready.insert(d);
+                if self.missing[d as usize] == 0 {
+                    self.ready.insert(d);
+                } else {
+                    self.gate(d, now_ms, actions);
+                }
             }
         }
+    }
+
+    /// Records that topic `t` has an entry: its consumers whose dependencies are met may
+    /// start.
+    fn topic_has_entry(&mut self, t: u32) {
+        if std::mem::replace(&mut self.topic_ready[t as usize], true) {
+            return;
+        }
+        let at = self.state.topics_ready.partition_point(|&x| x < t);
+        self.state.topics_ready.insert(at, t);
+        let graph = Arc::clone(&self.graph);
+        for &c in &graph.consumers[t as usize] {
+            self.missing[c as usize] -= 1;
+            if self.missing[c as usize] == 0
+                && self.remaining[c as usize] == 0
+                && self.state.tasks[c as usize].status == TaskStatus::Waiting
+            {
+                self.ready.insert(c);
+            }
+        }
+    }
+
+    /// Task `i` has its dependencies but waits for a consumed topic: its wait starts now and
+    /// is bounded by `dependency_timeout`.
+    fn gate(&mut self, i: u32, now_ms: i64, actions: &mut Vec<Action>) {
+        self.state.tasks[i as usize].gated_ms = now_ms;
+        let due = now_ms + self.plan.config.dependency_timeout.get().as_millis() as i64;
+        self.arm_if_earlier(due, actions);
+    }
+
+    /// Consumers left without any way to get an entry on a topic `task` produces: the topic
+    /// has none, and every producer of it has ended without succeeding. Returns each such
+    /// waiting consumer with the topic's position in its `consumes`.
+    fn orphaned_consumers(&self, task: u32) -> Vec<(u32, u32)> {
+        let mut out = Vec::new();
+        for &t in &self.graph.produces[task as usize] {
+            if self.topic_ready[t as usize] {
+                continue;
+            }
+            let dead = self.graph.producers[t as usize].iter().all(|&p| {
+                matches!(
+                    self.state.tasks[p as usize].status,
+                    TaskStatus::Failed | TaskStatus::Skipped | TaskStatus::Cancelled
+                )
+            });
+            if !dead {
+                continue;
+            }
+            for &c in &self.graph.consumers[t as usize] {
+                let pos = self.graph.consumes[c as usize]
+                    .iter()
+                    .position(|&x| x == t)
+                    .unwrap_or_default();
+                // The plan's own order of the task's consumed topics (the graph's is sorted
+                // by topic index).
+                let name = self.graph.topic_name(t);
+                let pos = self.plan.subtasks[c as usize]
+                    .consumes
+                    .iter()
+                    .position(|x| x == name)
+                    .unwrap_or(pos);
+                out.push((c, pos as u32));
+            }
+        }
+        out
     }
 
     fn attempt_failed(
@@ -933,31 +1161,54 @@ impl RunMachine {
         );
         let reason = format!("dependency_failed: {}", self.plan.subtasks[i as usize].id);
         let graph = Arc::clone(&self.graph);
-        let mut stack: Vec<u32> = graph.dependents[i as usize].clone();
+        // Dependents are skipped; so are consumers of topics that can no longer get an
+        // entry because every producer ended without producing.
+        let mut stack: Vec<(u32, Option<u32>)> = graph.dependents[i as usize]
+            .iter()
+            .map(|&d| (d, None))
+            .collect();
+        stack.extend(
+            self.orphaned_consumers(i)
+                .into_iter()
+                .map(|(c, j)| (c, Some(j))),
+        );
         let mut skipped = 0usize;
-        while let Some(d) = stack.pop() {
+        while let Some((d, via_topic)) = stack.pop() {
             let t = &mut self.state.tasks[d as usize];
             if !matches!(t.status, TaskStatus::Waiting | TaskStatus::Retrying) {
                 continue;
             }
             t.status = TaskStatus::Skipped;
             t.cause = Some(i);
+            t.via_topic = via_topic;
             self.terminal += 1;
             self.ready.remove(&d);
             skipped += 1;
             if skipped <= MAX_LISTED {
+                let detail = match via_topic {
+                    None => reason.clone(),
+                    Some(_) => self
+                        .state
+                        .skip_reason(d as usize, Some(&self.plan))
+                        .unwrap_or_else(|| reason.clone()),
+                };
                 self.emit(
                     Some(d),
                     None,
                     now_ms,
                     WorkflowEvent {
-                        detail: Some(reason.clone()),
+                        detail: Some(detail),
                         ..WorkflowEvent::phase(WorkflowPhase::TaskSkipped)
                     },
                     actions,
                 );
             }
-            stack.extend(graph.dependents[d as usize].iter().copied());
+            stack.extend(graph.dependents[d as usize].iter().map(|&x| (x, None)));
+            stack.extend(
+                self.orphaned_consumers(d)
+                    .into_iter()
+                    .map(|(c, j)| (c, Some(j))),
+            );
         }
         if skipped > MAX_LISTED {
             // One event for the rest keeps a step's events (and the stored outbox) bounded.
@@ -1007,8 +1258,14 @@ impl RunMachine {
     /// When a waiting task's dependencies have all been dispatched at least once and are not
     /// all done, it waits at most `dependency_timeout` after the latest of those dispatches.
     fn dependency_deadline(&self, i: u32) -> Option<i64> {
+        let timeout = self.plan.config.dependency_timeout.get().as_millis() as i64;
+        if self.remaining[i as usize] == 0 {
+            // Dependencies met: a wait for a consumed topic is bounded from its start.
+            return (self.missing[i as usize] > 0)
+                .then(|| self.state.tasks[i as usize].gated_ms + timeout);
+        }
         let deps = self.graph.deps(i);
-        if deps.is_empty() || self.remaining[i as usize] == 0 {
+        if deps.is_empty() {
             return None;
         }
         let mut latest = 0;
@@ -1033,7 +1290,7 @@ impl RunMachine {
             match t.status {
                 TaskStatus::Retrying if t.retry_ms <= now_ms => {
                     self.state.tasks[i as usize].status = TaskStatus::Waiting;
-                    if self.remaining[i as usize] == 0 {
+                    if self.remaining[i as usize] == 0 && self.missing[i as usize] == 0 {
                         self.ready.insert(i);
                     }
                 }
@@ -1046,12 +1303,26 @@ impl RunMachine {
         let timeout = self.plan.config.dependency_timeout.get();
         for i in timed_out {
             if self.state.tasks[i as usize].status == TaskStatus::Waiting {
-                let error = TaskError {
-                    kind: TaskErrorKind::DependencyTimeout,
-                    message: format!(
+                let message = if self.remaining[i as usize] == 0 {
+                    let missing: Vec<&str> = self.graph.consumes[i as usize]
+                        .iter()
+                        .filter(|&&t| !self.topic_ready[t as usize])
+                        .map(|&t| self.graph.topic_name(t))
+                        .collect();
+                    format!(
+                        "consumed topic(s) {} got no entry within {}",
+                        missing.join(", "),
+                        humantime_duration(timeout)
+                    )
+                } else {
+                    format!(
                         "dependencies did not finish within {} after being dispatched",
                         humantime_duration(timeout)
-                    ),
+                    )
+                };
+                let error = TaskError {
+                    kind: TaskErrorKind::DependencyTimeout,
+                    message,
                 };
                 self.fail(
                     i,

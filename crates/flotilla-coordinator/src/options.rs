@@ -26,6 +26,9 @@ pub struct CoordinatorOptions {
     /// Byte budget of `previous_results` in a task envelope beyond the direct dependencies'
     /// results; the nearest ancestors are kept.
     pub previous_results_budget: usize,
+    /// Byte budget of the consumed topics' entries carried in a task envelope (oldest first;
+    /// the agent reads on from each topic's cursor).
+    pub consumed_budget: usize,
     /// Bytes of a run's final result carried inline in its outcome (record, terminal event,
     /// reply); a larger final result is stored whole as an artifact and referenced.
     pub final_result_budget: usize,
@@ -49,6 +52,8 @@ impl Default for CoordinatorOptions {
             api: true,
             // Keeps envelopes well under the 1 MiB default NATS payload limit.
             previous_results_budget: 256 * 1024,
+            // With the previous results, well under the 1 MiB default payload.
+            consumed_budget: 256 * 1024,
             // A quarter of the default 1 MiB max payload: the outcome shares its messages
             // with the run state and event envelope.
             final_result_budget: 256 * 1024,

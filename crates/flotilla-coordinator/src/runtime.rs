@@ -46,7 +46,7 @@ use flotilla_model::ids::RunId;
 use flotilla_model::run::{FinalResult, RunStatus};
 use flotilla_model::runlog::{ControlAction, Rejected, RunInput, RunLogEntry, Submitted};
 use flotilla_model::submit::{SubmitReply, SubmitRequest, SubmitStatus};
-use flotilla_model::task::{DependencyResult, TaskEnvelope, TaskResult, TraceContext};
+use flotilla_model::task::{DependencyResult, TaskEnvelope, TaskError, TaskResult, TraceContext};
 use flotilla_model::time::Timestamp;
 use flotilla_model::validate::{
     MAX_REPORTED_PROBLEMS, Problem, ProblemCode, ValidationContext, normalize_plan, prepare_plan,
@@ -858,7 +858,10 @@ impl Runtime {
                         return Ok(Stepped::Done(None));
                     }
                 }
-                RunInput::TopicWritten { .. } => {}
+                RunInput::TopicWritten { topic, .. } => {
+                    let Some(e) = entry.as_mut() else { continue };
+                    actions.extend(e.machine.apply(Input::TopicWritten { topic }, d.ts_ms));
+                }
                 RunInput::Control(c) => {
                     let Some(e) = entry.as_mut() else { continue };
                     match c.action {
@@ -1136,12 +1139,14 @@ impl Runtime {
         Ok(r)
     }
 
+    /// The task message of an attempt, or — when the task cannot start (its description
+    /// names a state key that is not set) — the error its attempt fails with.
     async fn envelope(
         &self,
         entry: &mut Cached,
         task: u32,
         attempt: u32,
-    ) -> Result<TaskEnvelope, StepError> {
+    ) -> Result<Result<TaskEnvelope, TaskError>, StepError> {
         let plan = Arc::clone(entry.machine.plan());
         let graph = Arc::clone(entry.machine.graph());
         let sub = &plan.subtasks[task as usize];
@@ -1186,10 +1191,43 @@ impl Runtime {
                 previous_results.insert(plan.subtasks[a as usize].id.clone(), r);
             }
         }
-        Ok(TaskEnvelope {
+        let root = root_of(entry.machine.state());
+        let session = session_of(entry.machine.state());
+        let description = match self.fill_placeholders(&sub.description, &session).await? {
+            Ok(d) => d,
+            Err(e) => return Ok(Err(e)),
+        };
+        let mut consumed = flotilla_model::workspace::ConsumedTopics::new();
+        let mut budget = self.opts.consumed_budget;
+        for topic in &sub.consumes {
+            let (entries, next_since_seq, truncated) = self
+                .store
+                .topic_entries(
+                    root,
+                    topic,
+                    0,
+                    budget,
+                    flotilla_model::workspace::MAX_READ_LIMIT,
+                )
+                .await?;
+            let used: usize = entries
+                .iter()
+                .map(|e| serde_json::to_vec(&e.entry).map_or(0, |v| v.len()) + 128)
+                .sum();
+            budget = budget.saturating_sub(used);
+            consumed.insert(
+                topic.clone(),
+                flotilla_model::workspace::ConsumedTopic {
+                    entries,
+                    next_since_seq,
+                    truncated,
+                },
+            );
+        }
+        Ok(Ok(TaskEnvelope {
             protocol: PROTOCOL_VERSION,
             run_id,
-            root_run_id: None,
+            root_run_id: (root != run_id).then_some(root),
             session_id: entry.machine.state().session_id,
             task_id: sub.id.clone(),
             attempt,
@@ -1197,7 +1235,7 @@ impl Runtime {
             agent: sub.agent.clone(),
             pool: sub.pool.clone(),
             role: sub.role.clone(),
-            description: sub.description.clone(),
+            description,
             action: sub.action.clone(),
             risk: sub.risk,
             required: sub.required,
@@ -1208,11 +1246,182 @@ impl Runtime {
             dependency_results,
             consumes: sub.consumes.clone(),
             produces: sub.produces.clone(),
-            consumed: Default::default(),
+            consumed,
             dataflow_validation: plan.config.dataflow_validation,
             dispatched_at: Timestamp::from_unix_ms(dispatched_ms),
             trace: trace.map(|t| child_trace(&t, run_id, task, attempt)),
-        })
+        }))
+    }
+
+    /// Fills `{key}` placeholders of a description from session state (`{key?}`: empty when
+    /// unset). A missing required key is the task's `missing_state_key` failure.
+    async fn fill_placeholders(
+        &self,
+        description: &str,
+        session: &str,
+    ) -> Result<Result<String, TaskError>, StepError> {
+        let keys = placeholders(description);
+        if keys.is_empty() {
+            return Ok(Ok(description.to_owned()));
+        }
+        let mut values = HashMap::new();
+        let mut missing = Vec::new();
+        for (key, optional) in &keys {
+            if values.contains_key(*key) {
+                continue;
+            }
+            match self.store.state_value(session, key).await? {
+                Some(v) => {
+                    let text = match v {
+                        serde_json::Value::String(s) => s,
+                        other => other.to_string(),
+                    };
+                    values.insert(*key, text);
+                }
+                None if *optional => {
+                    values.insert(*key, String::new());
+                }
+                None => missing.push(*key),
+            }
+        }
+        if !missing.is_empty() {
+            return Ok(Err(TaskError {
+                kind: flotilla_model::task::TaskErrorKind::MissingStateKey,
+                message: format!(
+                    "the description needs session-state key(s) {} (session {session}), which are not set; a task's output_key sets one, as do `flotilla state set` and the state.set endpoint; write {{key?}} for an optional value",
+                    missing.join(", ")
+                ),
+            }));
+        }
+        Ok(Ok(fill(description, &values)))
+    }
+
+    /// A failed result the coordinator records for an attempt it could not start.
+    fn coordinator_failure(
+        &self,
+        entry: &Cached,
+        task: u32,
+        attempt: u32,
+        error: TaskError,
+    ) -> Result<(String, wire::Outgoing), StepError> {
+        let s = entry.machine.state();
+        let run = s.run_id;
+        let task_id = entry.machine.plan().subtasks[task as usize].id.clone();
+        warn!(%run, task = %task_id, attempt, error = %error, "Task cannot start");
+        let body = RunLogEntry {
+            protocol: PROTOCOL_VERSION,
+            run_id: run,
+            input: RunInput::TaskResult(Box::new(flotilla_model::runlog::TaskResultInput {
+                task_id: task_id.clone(),
+                attempt,
+                attempt_id: attempt_id(run, task, attempt, s.tasks[task as usize].dispatched_ms),
+                worker: "coordinator".into(),
+                started_at: None,
+                result: TaskResult {
+                    response: String::new(),
+                    tokens: 0,
+                    success: false,
+                    tools_used: Vec::new(),
+                    numeric_value: None,
+                    error: Some(error),
+                },
+            })),
+        };
+        let out = wire::encode(
+            &body,
+            Codec::Json,
+            Some(&flotilla_model::task::result_msg_id(run, &task_id, attempt)),
+        )?;
+        Ok((self.bus.names().runlog(run), out))
+    }
+
+    /// Automatic produce: the succeeded task's result as an entry on each topic it produces.
+    async fn produced_entries(
+        &self,
+        entry: &mut Cached,
+        task: u32,
+    ) -> Result<Vec<(String, wire::Outgoing)>, StepError> {
+        let result = self.result_of(entry, task).await?;
+        let plan = Arc::clone(entry.machine.plan());
+        let sub = &plan.subtasks[task as usize];
+        let s = entry.machine.state();
+        let (run, root) = (s.run_id, root_of(s));
+        let mut summary = result.response;
+        // Leave room for the entry's other fields and the writer.
+        let room = flotilla_model::workspace::MAX_ENTRY_BYTES
+            .min(self.bus.max_payload())
+            .saturating_sub(8 * 1024);
+        shorten_response(&mut summary, room);
+        let write = flotilla_model::workspace::WorkspaceWrite {
+            protocol: PROTOCOL_VERSION,
+            entry: flotilla_model::workspace::produced_entry(
+                &sub.id,
+                &summary,
+                result.numeric_value,
+            ),
+            writer: Some(flotilla_model::workspace::Writer {
+                run_id: run,
+                task_id: Some(sub.id.clone()),
+                attempt: Some(s.tasks[task as usize].attempt),
+                by: Some("coordinator".into()),
+            }),
+        };
+        let mut out = Vec::with_capacity(sub.produces.len());
+        for topic in &sub.produces {
+            let mut msg = wire::encode(
+                &write,
+                Codec::Json,
+                Some(&format!("produce.{run}.{}.{topic}", sub.id)),
+            )?;
+            msg.headers.insert(
+                flotilla_model::workspace::PRODUCED_BY_HEADER,
+                sub.id.as_str(),
+            );
+            out.push((self.bus.names().workspace(root, topic), msg));
+        }
+        Ok(out)
+    }
+
+    /// The succeeded task's response as its `output_key` value in session state: a KV put
+    /// with a message id, so a re-performed step does not write it again.
+    async fn output_value(
+        &self,
+        entry: &mut Cached,
+        task: u32,
+    ) -> Result<(String, wire::Outgoing), StepError> {
+        let result = self.result_of(entry, task).await?;
+        let plan = Arc::clone(entry.machine.plan());
+        let sub = &plan.subtasks[task as usize];
+        let s = entry.machine.state();
+        let run = s.run_id;
+        let key = sub.output_key.clone().unwrap_or_default();
+        let mut response = result.response;
+        let room = flotilla_model::state::MAX_VALUE_BYTES - 64;
+        if response.len() > room {
+            warn!(%run, task = %sub.id, key, bytes = response.len(), "The response is larger than a state value; its output_key value is cut");
+            shorten_response(&mut response, room);
+        }
+        let value = serde_json::Value::String(response);
+        let body = serde_json::to_vec(&value)
+            .map_err(|e| StepError::Failed(format!("encoding state value: {e}")))?;
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            async_nats::header::NATS_MESSAGE_ID,
+            format!("output.{run}.{}", sub.id).as_str(),
+        );
+        let names = self.bus.names();
+        let subject = format!(
+            "$KV.{}.{}",
+            names.bucket(flotilla_model::subjects::Bucket::State),
+            names.state_key(&session_of(s), &key)
+        );
+        Ok((
+            subject,
+            wire::Outgoing {
+                headers,
+                payload: body.into(),
+            },
+        ))
     }
 
     fn event_of(&self, entry: &Cached, e: &Emission) -> EventEnvelope {
@@ -1237,18 +1446,71 @@ impl Runtime {
         let names = self.bus.names().clone();
         let run = entry.machine.state().run_id;
         let max = self.bus.max_payload();
-        let mut pending = Vec::new();
+        let mut pending: Vec<(
+            String,
+            usize,
+            async_nats::jetstream::context::PublishAckFuture,
+        )> = Vec::new();
         let mut events: Vec<EventEnvelope> = Vec::new();
+        // Workspace entries and state values this step writes; a dispatch that reads the
+        // workspace or state waits for them to be stored first.
+        let mut unflushed_writes = false;
         for action in actions {
             let (subject, out) = match action {
                 Action::Dispatch { task, attempt } => {
-                    let env = self.envelope(entry, *task, *attempt).await?;
+                    let sub = &entry.machine.plan().subtasks[*task as usize];
+                    if unflushed_writes
+                        && (!sub.consumes.is_empty() || sub.description.contains('{'))
+                    {
+                        for (subject, size, ack) in pending.drain(..) {
+                            ack.await.map_err(|e| {
+                                flotilla_bus::classify_publish_error(&subject, size, max, e)
+                            })?;
+                        }
+                        unflushed_writes = false;
+                    }
+                    let env = match Box::pin(self.envelope(entry, *task, *attempt)).await? {
+                        Ok(env) => env,
+                        Err(failure) => {
+                            // The task cannot start (a state key its description needs is
+                            // not set): its attempt fails through the run log like any other.
+                            let (subject, out) =
+                                self.coordinator_failure(entry, *task, *attempt, failure)?;
+                            let size = out.payload.len();
+                            let ack = js
+                                .publish_with_headers(subject.clone(), out.headers, out.payload)
+                                .await
+                                .map_err(|e| {
+                                    flotilla_bus::classify_publish_error(&subject, size, max, e)
+                                })?;
+                            pending.push((subject, size, ack));
+                            continue;
+                        }
+                    };
                     let mut out = wire::encode(&env, Codec::Json, Some(&env.msg_id()))?;
                     if let Some(t) = &env.trace {
                         out.headers
                             .insert(wire::TRACEPARENT, t.traceparent.as_str());
                     }
                     (names.task(&env.pool, run, &env.task_id), out)
+                }
+                Action::Produce { task } => {
+                    for (subject, out) in self.produced_entries(entry, *task).await? {
+                        let size = out.payload.len();
+                        let ack = js
+                            .publish_with_headers(subject.clone(), out.headers, out.payload)
+                            .await
+                            .map_err(|e| {
+                                flotilla_bus::classify_publish_error(&subject, size, max, e)
+                            })?;
+                        pending.push((subject, size, ack));
+                    }
+                    unflushed_writes = true;
+                    continue;
+                }
+                Action::StoreOutput { task } => {
+                    unflushed_writes = true;
+                    self.output_value(entry, *task).await?
                 }
                 Action::Emit(e) => {
                     events.push(self.event_of(entry, e));
@@ -1463,6 +1725,71 @@ fn shrink_final_result(fr: &mut FinalResult, budget: usize) {
     fr.results = kept;
 }
 
+/// The root of a run's tree, whose workspace and mailboxes its tasks share. Run trees come
+/// with child runs; until then every run is its own root.
+fn root_of(state: &crate::machine::RunState) -> RunId {
+    state.run_id
+}
+
+/// The key prefix of a run's session state: its session id, else its root run's id.
+fn session_of(state: &crate::machine::RunState) -> String {
+    state
+        .session_id
+        .map_or_else(|| root_of(state).to_string(), |s| s.to_string())
+}
+
+/// The `{key}` and `{key?}` placeholders of a description, in order: a key is a state-key
+/// name (letters, digits, `_`, `-`). Other braces (JSON, prose) are left alone.
+fn placeholders(text: &str) -> Vec<(&str, bool)> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    while let Some(open) = rest.find('{') {
+        let after = &rest[open + 1..];
+        let name_len = after
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '-'))
+            .unwrap_or(after.len());
+        let (name, tail) = after.split_at(name_len);
+        let (optional, tail) = match tail.strip_prefix('?') {
+            Some(t) => (true, t),
+            None => (false, tail),
+        };
+        if !name.is_empty() && tail.starts_with('}') {
+            out.push((name, optional));
+            rest = &tail[1..];
+        } else {
+            rest = after;
+        }
+    }
+    out
+}
+
+/// Replaces the placeholders found by [`placeholders`] with their values.
+fn fill(text: &str, values: &HashMap<&str, String>) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(open) = rest.find('{') {
+        out.push_str(&rest[..open]);
+        let after = &rest[open + 1..];
+        let name_len = after
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '-'))
+            .unwrap_or(after.len());
+        let (name, tail) = after.split_at(name_len);
+        let tail_after_mark = tail.strip_prefix('?').unwrap_or(tail);
+        match (values.get(name), tail_after_mark.strip_prefix('}')) {
+            (Some(v), Some(next)) if !name.is_empty() => {
+                out.push_str(v);
+                rest = next;
+            }
+            _ => {
+                out.push('{');
+                rest = after;
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
 /// Whether a stored outbox action still applies to the current state.
 fn still_relevant(action: &Action, machine: &RunMachine) -> bool {
     let s = machine.state();
@@ -1471,7 +1798,10 @@ fn still_relevant(action: &Action, machine: &RunMachine) -> bool {
             t.status == flotilla_model::run::TaskStatus::Dispatched && t.attempt == *attempt
         }),
         Action::ArmTimer { generation, .. } => s.timer.is_some_and(|t| t.generation == *generation),
-        Action::Emit(_) | Action::CancelAttempts => true,
+        Action::Emit(_)
+        | Action::CancelAttempts
+        | Action::Produce { .. }
+        | Action::StoreOutput { .. } => true,
         Action::Finish => s.status.is_terminal(),
     }
 }
@@ -1555,4 +1885,31 @@ fn shard_of(run: RunId, shards: usize) -> usize {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     run.hash(&mut h);
     (h.finish() % shards as u64) as usize
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn placeholders_are_state_key_names_in_braces() {
+        let text = r#"Compare {growth} with {margin?}; return {"json": 1} or {not a key} {x-y}"#;
+        assert_eq!(
+            placeholders(text),
+            vec![("growth", false), ("margin", true), ("x-y", false)]
+        );
+        let values: HashMap<&str, String> = [
+            ("growth", "6.7%".to_string()),
+            ("margin", String::new()),
+            ("x-y", "z".to_string()),
+        ]
+        .into_iter()
+        .collect();
+        assert_eq!(
+            fill(text, &values),
+            r#"Compare 6.7% with ; return {"json": 1} or {not a key} z"#
+        );
+        assert!(placeholders("no braces { here").is_empty());
+        assert_eq!(fill("tail {", &values), "tail {");
+    }
 }

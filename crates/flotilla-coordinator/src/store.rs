@@ -90,6 +90,8 @@ pub struct StoredSnapshot {
 pub struct RunStore {
     kv: kv::Store,
     runlog: Stream,
+    workspace: Stream,
+    state: kv::Store,
     bus: Bus,
 }
 
@@ -125,11 +127,99 @@ impl RunStore {
             .get_stream(&name)
             .await
             .map_err(|e| nats(format!("opening stream {name}"), e))?;
+        let name = bus.names().stream(StreamKind::Workspace);
+        let workspace = bus
+            .js()
+            .get_stream(&name)
+            .await
+            .map_err(|e| nats(format!("opening stream {name}"), e))?;
+        let state = bus
+            .kv(Bucket::State)
+            .await
+            .map_err(|e| nats("opening the state bucket", e))?;
         Ok(Self {
             kv,
             runlog,
+            workspace,
+            state,
             bus: bus.clone(),
         })
+    }
+
+    /// A session-state value (`None` when the key is not set).
+    pub async fn state_value(
+        &self,
+        session: &str,
+        key: &str,
+    ) -> Result<Option<serde_json::Value>, StoreError> {
+        let k = self.bus.names().state_key(session, key);
+        match self.state.get(&k).await {
+            Ok(None) => Ok(None),
+            Ok(Some(bytes)) => serde_json::from_slice(&bytes)
+                .map(Some)
+                .map_err(|e| decode_err(format!("state key {k}"), e)),
+            Err(e) => Err(nats(format!("reading state key {k}"), e)),
+        }
+    }
+
+    /// Entries of one workspace topic of a run tree, oldest first, after `after_seq`, until
+    /// `budget` bytes of entry data or `max` entries: `(entries, next_since_seq, truncated)`.
+    /// Messages that are not workspace writes are skipped.
+    pub async fn topic_entries(
+        &self,
+        root: RunId,
+        topic: &str,
+        after_seq: u64,
+        budget: usize,
+        max: usize,
+    ) -> Result<(Vec<flotilla_model::workspace::WorkspaceEntry>, u64, bool), StoreError> {
+        use async_nats::jetstream::stream::DirectGetErrorKind;
+        use flotilla_model::workspace::{WorkspaceEntry, WorkspaceWrite};
+        let subject = self.bus.names().workspace(root, topic);
+        let mut out = Vec::new();
+        let mut next = after_seq;
+        let mut used = 0usize;
+        loop {
+            if out.len() >= max {
+                return Ok((out, next, true));
+            }
+            let msg = match self
+                .workspace
+                .direct_get_next_for_subject(&subject, Some(next + 1))
+                .await
+            {
+                Ok(m) => m,
+                Err(e) if e.kind() == DirectGetErrorKind::NotFound => {
+                    return Ok((out, next, false));
+                }
+                Err(e) => return Err(nats(format!("reading workspace topic {topic}"), e)),
+            };
+            let write: WorkspaceWrite = match wire::decode(Some(&msg.headers), &msg.payload) {
+                Ok(w) => w,
+                Err(e) => {
+                    tracing::warn!(%root, topic, seq = msg.sequence, error = %e, "Skipping a workspace message that is not a workspace write");
+                    next = msg.sequence;
+                    continue;
+                }
+            };
+            let size = msg.payload.len();
+            if used + size > budget && !out.is_empty() {
+                return Ok((out, next, true));
+            }
+            if used + size > budget {
+                // Not even the first entry fits: hand over the cursor only.
+                return Ok((out, next, true));
+            }
+            used += size;
+            next = msg.sequence;
+            out.push(WorkspaceEntry {
+                seq: msg.sequence,
+                topic: topic.to_owned(),
+                entry: write.entry,
+                writer: write.writer,
+                ts: Timestamp::from_unix_ms(unix_ms(msg.time)),
+            });
+        }
     }
 
     /// Reads a run's snapshot.

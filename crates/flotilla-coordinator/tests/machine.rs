@@ -569,6 +569,156 @@ fn restore_rebuilds_the_same_machine() {
     assert_eq!(m.state(), restored.state());
 }
 
+fn earnings(dataflow: flotilla_model::plan::DataflowValidation) -> Arc<Plan> {
+    let mut fetch = Subtask::new("fetch", "");
+    fetch.produces = vec!["figures".into()];
+    let mut growth = Subtask::new("growth", "");
+    growth.consumes = vec!["figures".into()];
+    growth.output_key = Some("growth".into());
+    let mut margin = Subtask::new("margin", "");
+    margin.consumes = vec!["figures".into()];
+    let report = Subtask::new("report", "").after(&["growth", "margin"]);
+    plan(
+        vec![fetch, growth, margin, report],
+        PlanConfig {
+            max_retries: 0,
+            dependency_timeout: Secs::from_secs(60),
+            dataflow_validation: dataflow,
+            ..PlanConfig::default()
+        },
+    )
+}
+
+#[test]
+fn consumers_wait_for_the_topic_and_not_for_each_other() {
+    let p = earnings(Default::default());
+    let (mut m, actions) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
+    assert_eq!(
+        dispatched(&actions),
+        vec![(0, 1)],
+        "only the producer starts"
+    );
+    let fetch = ok("fetch");
+    let actions = m.apply(result(&fetch, 1, 1), 10);
+    // The entry is written before the consumers are dispatched, both at once.
+    let produce = actions
+        .iter()
+        .position(|a| matches!(a, Action::Produce { task: 0 }))
+        .expect("automatic produce");
+    let first_dispatch = actions
+        .iter()
+        .position(|a| matches!(a, Action::Dispatch { .. }))
+        .expect("dispatch");
+    assert!(produce < first_dispatch, "{actions:?}");
+    assert_eq!(dispatched(&actions), vec![(1, 1), (2, 1)]);
+    let growth = ok("growth");
+    let actions = m.apply(result(&growth, 1, 2), 20);
+    assert!(
+        actions.contains(&Action::StoreOutput { task: 1 }),
+        "output_key: {actions:?}"
+    );
+    assert!(dispatched(&actions).is_empty(), "report waits for margin");
+    let margin = ok("margin");
+    let actions = m.apply(result(&margin, 1, 3), 30);
+    assert_eq!(dispatched(&actions), vec![(3, 1)]);
+    // A later announcement of the topic changes nothing.
+    let before = m.state().clone();
+    assert!(
+        m.apply(Input::TopicWritten { topic: "figures" }, 31)
+            .is_empty()
+    );
+    assert_eq!(m.state(), &before);
+}
+
+#[test]
+fn any_writer_opens_a_topic_and_the_wait_is_bounded() {
+    let mut reader = Subtask::new("reader", "");
+    reader.consumes = vec!["notes".into()];
+    let p = plan(
+        vec![reader.clone(), Subtask::new("other", "")],
+        PlanConfig {
+            dependency_timeout: Secs::from_secs(60),
+            dataflow_validation: flotilla_model::plan::DataflowValidation::Lenient,
+            ..PlanConfig::default()
+        },
+    );
+    let (mut m, actions) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 1_000);
+    assert_eq!(dispatched(&actions), vec![(1, 1)]);
+    assert!(
+        actions
+            .iter()
+            .any(|a| matches!(a, Action::ArmTimer { due_ms: 61_000, .. })),
+        "the wait is bounded by dependency_timeout: {actions:?}"
+    );
+    // Topics the plan does not name are ignored.
+    assert!(
+        m.apply(Input::TopicWritten { topic: "elsewhere" }, 2_000)
+            .is_empty()
+    );
+    let actions = m.apply(Input::TopicWritten { topic: "notes" }, 5_000);
+    assert_eq!(dispatched(&actions), vec![(0, 1)]);
+
+    // Without an entry the reader fails when the wait ends, naming the topic.
+    let (mut m, _) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 1_000);
+    let timer = m.state().timer.expect("armed");
+    let actions = m.apply(
+        Input::Timer {
+            generation: timer.generation,
+        },
+        timer.due_ms,
+    );
+    assert!(phases(&actions).contains(&WorkflowPhase::TaskFailed));
+    let t = &m.state().tasks[0];
+    assert_eq!(t.status, TaskStatus::Failed);
+    let e = t.error.as_ref().expect("error");
+    assert_eq!(e.kind, TaskErrorKind::DependencyTimeout);
+    assert!(e.message.contains("notes"), "{}", e.message);
+}
+
+#[test]
+fn consumers_of_a_failed_producer_are_skipped_not_left_waiting() {
+    let p = earnings(Default::default());
+    let (mut m, _) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
+    let fetch = fail("fetch");
+    let actions = m.apply(result(&fetch, 1, 1), 10);
+    assert!(actions.iter().all(|a| !matches!(a, Action::Produce { .. })));
+    assert!(m.state().status.is_terminal(), "{:?}", m.state());
+    for i in [1usize, 2, 3] {
+        assert_eq!(m.state().tasks[i].status, TaskStatus::Skipped, "task {i}");
+    }
+    assert_eq!(
+        m.state().skip_reason(1, Some(&p)).as_deref(),
+        Some("producer_failed: fetch (consumed topic \"figures\" can get no entry from the plan)")
+    );
+    assert_eq!(
+        m.state().skip_reason(3, Some(&p)).as_deref(),
+        Some("dependency_failed: fetch")
+    );
+}
+
+#[test]
+fn restore_keeps_which_topics_have_entries() {
+    let mut reader = Subtask::new("reader", "");
+    reader.consumes = vec!["notes".into(), "more".into()];
+    let p = plan(
+        vec![reader],
+        PlanConfig {
+            dataflow_validation: flotilla_model::plan::DataflowValidation::Lenient,
+            ..PlanConfig::default()
+        },
+    );
+    let (mut m, _) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
+    m.apply(Input::TopicWritten { topic: "more" }, 1);
+    let bytes = rmp_serde::to_vec_named(m.state()).expect("encode");
+    let mut restored =
+        RunMachine::restore(p.clone(), rmp_serde::from_slice(&bytes).expect("decode"));
+    let a = m.apply(Input::TopicWritten { topic: "notes" }, 2);
+    let b = restored.apply(Input::TopicWritten { topic: "notes" }, 2);
+    assert_eq!(dispatched(&a), vec![(0, 1)]);
+    assert_eq!(a, b);
+    assert_eq!(m.state(), restored.state());
+}
+
 mod model {
     //! Random plans, random failures, duplicate deliveries and timer firings, checked against
     //! the invariants a simple model of the scheduler must keep.
@@ -588,6 +738,14 @@ mod model {
         /// Cancel the run at this step (if it is still running then).
         cancel_at: Option<usize>,
         choices: Vec<u32>,
+        /// Task i produces topic `p<i>`.
+        produces: Vec<bool>,
+        /// Topics each task consumes: `p<j>` of earlier producers, and `ext` (no producer in
+        /// the plan: only an outside writer opens it).
+        consumes: Vec<Vec<usize>>,
+        consumes_ext: Vec<bool>,
+        /// Announce `ext` at this step (never, if absent).
+        ext_written_at: Option<usize>,
     }
 
     fn case() -> impl proptest::strategy::Strategy<Value = Case> {
@@ -606,6 +764,14 @@ mod model {
                 prop::sample::select(vec![0.0, 0.25, 0.5, 1.0]),
                 proptest::option::weighted(0.2, 0usize..30),
                 proptest::collection::vec(any::<u32>(), 200),
+                (
+                    proptest::collection::vec(prop::bool::weighted(0.4), n),
+                    (0..n)
+                        .map(|i| proptest::collection::btree_set(0..i.max(1), 0..=i.min(2)))
+                        .collect::<Vec<_>>(),
+                    proptest::collection::vec(prop::bool::weighted(0.1), n),
+                    proptest::option::weighted(0.5, 0usize..40),
+                ),
             )
                 .prop_map(
                     move |(
@@ -617,7 +783,16 @@ mod model {
                         failure_ratio,
                         cancel_at,
                         choices,
+                        (produces, consume_sets, consumes_ext, ext_written_at),
                     )| Case {
+                        consumes: consume_sets
+                            .into_iter()
+                            .enumerate()
+                            .map(|(i, s)| s.into_iter().filter(|&j| j < i && produces[j]).collect())
+                            .collect(),
+                        produces,
+                        consumes_ext,
+                        ext_written_at,
                         deps: sets
                             .into_iter()
                             .enumerate()
@@ -645,6 +820,13 @@ mod model {
                 let refs: Vec<&str> = ds.iter().map(|&d| names[d].as_str()).collect();
                 let mut t = Subtask::new(&names[i], "").after(&refs);
                 t.required = c.required[i];
+                if c.produces[i] {
+                    t.produces = vec![format!("p{i}")];
+                }
+                t.consumes = c.consumes[i].iter().map(|j| format!("p{j}")).collect();
+                if c.consumes_ext[i] {
+                    t.consumes.push("ext".into());
+                }
                 t
             }).collect();
             let p = plan(tasks, PlanConfig {
@@ -652,8 +834,14 @@ mod model {
                 max_retries: c.max_retries,
                 failure_ratio: c.failure_ratio,
                 dependency_timeout: Secs::from_secs(100_000),
+                dataflow_validation: flotilla_model::plan::DataflowValidation::Lenient,
                 ..PlanConfig::default()
             });
+            // Topics with an entry, by the model: a producer succeeded (the machine asked for
+            // its entries to be written), or the outside writer wrote `ext`.
+            let mut written: std::collections::BTreeSet<String> = Default::default();
+            let mut produced_by: Vec<u32> = vec![0; c.deps.len()];
+            let mut timed_out: Vec<bool> = vec![false; c.deps.len()];
             let n = c.deps.len();
             let threshold = (n as f64 * c.failure_ratio).floor() as usize + 1;
             let mut cancelled_by_input = false;
@@ -673,10 +861,21 @@ mod model {
                             for &d in &c.deps[*task as usize] {
                                 prop_assert_eq!(m.state().tasks[d].status, TaskStatus::Succeeded);
                             }
+                            // ... and every consumed topic has an entry.
+                            for topic in &p.subtasks[*task as usize].consumes {
+                                prop_assert!(written.contains(topic), "{} dispatched before {} had an entry", task, topic);
+                            }
                             prop_assert!(*attempt <= c.max_retries + 1);
                             in_flight.push((*task, *attempt));
                         }
                         Action::Finish => finishes += 1,
+                        Action::Produce { task } => {
+                            let i = *task as usize;
+                            prop_assert!(c.produces[i]);
+                            prop_assert_eq!(m.state().tasks[i].status, TaskStatus::Succeeded);
+                            produced_by[i] += 1;
+                            written.insert(format!("p{i}"));
+                        }
                         Action::CancelAttempts => {
                             cancel_attempts += 1;
                             // Everything in flight is cancelled: results for it are stale.
@@ -687,12 +886,28 @@ mod model {
                 }
                 prop_assert!(m.in_flight() <= c.max_concurrency);
                 prop_assert_eq!(m.in_flight() as usize, in_flight.len());
+                // A task that fails without ever starting timed out waiting: a dependency had
+                // not succeeded or a consumed topic had no entry when it failed.
+                for (i, t) in m.state().tasks.iter().enumerate() {
+                    if t.status == TaskStatus::Failed && t.attempt == 0 && !timed_out[i] {
+                        timed_out[i] = true;
+                        prop_assert_eq!(t.error.as_ref().map(|e| e.kind), Some(TaskErrorKind::DependencyTimeout));
+                        let waiting_dep = c.deps[i].iter().any(|&d| m.state().tasks[d].status != TaskStatus::Succeeded);
+                        let waiting_topic = p.subtasks[i].consumes.iter().any(|t| !written.contains(t));
+                        prop_assert!(waiting_dep || waiting_topic, "t{} timed out with nothing to wait for", i);
+                    }
+                }
                 if m.state().status.is_terminal() {
                     break;
                 }
                 if c.cancel_at == Some(step) {
                     cancelled_by_input = true;
                     actions = m.apply(Input::Cancel { reason: "test" }, now);
+                    continue;
+                }
+                if c.ext_written_at == Some(step) {
+                    written.insert("ext".into());
+                    actions = m.apply(Input::TopicWritten { topic: "ext" }, now);
                     continue;
                 }
                 let pick = *choice.next().unwrap_or(&0);
@@ -751,12 +966,19 @@ mod model {
             }
             for (i, t) in s.tasks.iter().enumerate() {
                 prop_assert!(t.status.is_terminal());
-                // A task fails only after exhausting its script's failures within the retry budget.
-                if t.status == TaskStatus::Failed {
+                // Automatic produce happens exactly once per succeeded producer.
+                let produced = u32::from(c.produces[i] && t.status == TaskStatus::Succeeded);
+                prop_assert_eq!(produced_by[i], produced, "produce count of t{}", i);
+                if t.status == TaskStatus::Failed && t.attempt == 0 {
+                    // Never started: checked when it timed out (above).
+                    prop_assert!(timed_out[i]);
+                } else if t.status == TaskStatus::Failed {
+                    // A task fails only after exhausting its script's failures within the retry budget.
                     prop_assert_eq!(t.attempt, c.max_retries + 1);
                     prop_assert!(c.script[i].iter().take(t.attempt as usize).all(|ok| !ok));
                 }
-                // Skipped tasks depend (transitively) on a failed one and never ran.
+                // Skipped tasks depend (transitively, through dependencies or topics) on a
+                // failed one and never ran.
                 if t.status == TaskStatus::Skipped {
                     prop_assert_eq!(t.attempt, 0);
                     prop_assert!(t.cause.is_some_and(|c| s.tasks[c as usize].status == TaskStatus::Failed));

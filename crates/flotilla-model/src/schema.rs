@@ -39,8 +39,65 @@ pub fn public_schemas() -> Vec<(&'static str, Schema)> {
         ),
         ("validate-plan-reply.json", schema_for!(ValidatePlanReply)),
         ("worker-info.json", schema_for!(WorkerInfo)),
+        (
+            "mailbox-post.json",
+            schema_for!(crate::mailbox::MailboxPost),
+        ),
         ("mailbox-message.json", schema_for!(MailboxMessage)),
+        (
+            "mailbox-page.json",
+            schema_for!(crate::mailbox::MailboxPage),
+        ),
+        (
+            "mailbox-stats.json",
+            schema_for!(crate::mailbox::MailboxStats),
+        ),
+        (
+            "workspace-write.json",
+            schema_for!(crate::workspace::WorkspaceWrite),
+        ),
         ("workspace-entry.json", schema_for!(WorkspaceEntry)),
+        (
+            "workspace-page.json",
+            schema_for!(crate::workspace::WorkspacePage),
+        ),
+        ("state-value.json", schema_for!(crate::state::StateValue)),
+        (
+            "ws-append-request.json",
+            schema_for!(crate::api::WsAppendRequest),
+        ),
+        (
+            "ws-append-reply.json",
+            schema_for!(crate::api::WsAppendReply),
+        ),
+        (
+            "ws-read-request.json",
+            schema_for!(crate::api::WsReadRequest),
+        ),
+        (
+            "mbox-send-request.json",
+            schema_for!(crate::api::MboxSendRequest),
+        ),
+        (
+            "mbox-send-reply.json",
+            schema_for!(crate::api::MboxSendReply),
+        ),
+        (
+            "mbox-read-request.json",
+            schema_for!(crate::api::MboxReadRequest),
+        ),
+        (
+            "state-get-request.json",
+            schema_for!(crate::api::StateGetRequest),
+        ),
+        (
+            "state-set-request.json",
+            schema_for!(crate::api::StateSetRequest),
+        ),
+        (
+            "state-set-reply.json",
+            schema_for!(crate::api::StateSetReply),
+        ),
     ]
 }
 

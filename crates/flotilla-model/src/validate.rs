@@ -152,6 +152,15 @@ pub enum ProblemCode {
     /// A submission on a run's own subject carries an idempotency key: there the run id is
     /// the key; keys are mapped to runs only on the intake subject.
     MisplacedIdempotencyKey,
+    /// An `output_key` is not a valid state key.
+    InvalidOutputKey,
+    /// Two tasks that may run at the same time write the same `output_key` (warning: the
+    /// later write wins).
+    SharedOutputKey,
+    /// A consumed topic can only be produced by the consumer itself or by tasks that wait
+    /// for it: the consumer would wait forever (an error under strict data flow, a warning
+    /// under lenient, where another writer may still provide the entry).
+    UnsatisfiableConsumption,
 }
 
 impl ProblemCode {
@@ -187,6 +196,9 @@ impl ProblemCode {
             Self::Unprocessable => "unprocessable",
             Self::RunIdMismatch => "run_id_mismatch",
             Self::MisplacedIdempotencyKey => "misplaced_idempotency_key",
+            Self::InvalidOutputKey => "invalid_output_key",
+            Self::SharedOutputKey => "shared_output_key",
+            Self::UnsatisfiableConsumption => "unsatisfiable_consumption",
         }
     }
 }
@@ -298,8 +310,8 @@ pub fn check_plan_size(plan: &Plan, max_bytes: usize) -> Option<Problem> {
     })
 }
 
-/// Validates a plan and returns it ready to run: topics normalised, and in lenient mode
-/// consumptions without a producer removed. On error nothing is returned but the report.
+/// Validates a plan and returns it ready to run (topics normalised). On error nothing is
+/// returned but the report.
 pub fn prepare_plan(
     plan: &Plan,
     ctx: &ValidationContext,
@@ -311,20 +323,16 @@ pub fn prepare_plan(
     Ok((normalize_plan(plan.clone()), report.warnings))
 }
 
-/// The plan as it runs: topics normalised and, in lenient data-flow mode, consumptions
-/// without a producer removed. Pure and deterministic, so a coordinator that rebuilds a run
-/// from its stored submission gets the same plan as the one that accepted it.
+/// The plan as it runs: topics normalised. Pure and deterministic, so a coordinator that
+/// rebuilds a run from its stored submission gets the same plan as the one that accepted it.
 pub fn normalize_plan(mut plan: Plan) -> Plan {
-    let mut produced = BTreeSet::new();
     for task in &mut plan.subtasks {
         for topic in task.produces.iter_mut().chain(task.consumes.iter_mut()) {
             *topic = normalize_topic(topic);
         }
-        produced.extend(task.produces.iter().cloned());
-    }
-    if plan.config.dataflow_validation == DataflowValidation::Lenient {
-        for task in &mut plan.subtasks {
-            task.consumes.retain(|t| produced.contains(t));
+        for list in [&mut task.produces, &mut task.consumes] {
+            let mut seen = BTreeSet::new();
+            list.retain(|t| seen.insert(t.clone()));
         }
     }
     plan
@@ -364,6 +372,14 @@ pub fn validate_plan(plan: &Plan, ctx: &ValidationContext) -> ValidationReport {
                 ProblemCode::InvalidTaskId,
                 format!("subtasks[{i}].id"),
                 format!("task id {id:?} {e}"),
+            );
+        } else if id.starts_with('_') {
+            v.error(
+                ProblemCode::InvalidTaskId,
+                format!("subtasks[{i}].id"),
+                format!(
+                    "task id {id:?} starts with `_`, which is reserved for Flotilla's own addresses (e.g. the mailbox broadcast `_all`)"
+                ),
             );
         }
         if let Some(first) = index.get(id) {
@@ -456,6 +472,11 @@ pub fn validate_plan(plan: &Plan, ctx: &ValidationContext) -> ValidationReport {
     }
 
     v.check_dataflow(plan, &topics);
+    if v.report.errors.iter().all(|p| p.code != ProblemCode::Cycle) {
+        let order = Reach::new(&deps);
+        v.check_consumptions(plan, &topics, &index, &order);
+        v.check_output_keys(plan, &index, &order);
+    }
     if let Some(max) = ctx.limits.max_plan_bytes
         && let Some(p) = check_plan_size(plan, max)
     {
@@ -646,6 +667,23 @@ impl Validator {
                 }
             }
         }
+        if let Some(key) = &task.output_key {
+            let problem = match check_name(key) {
+                Err(e) => Some(format!("output_key {key:?} {e}")),
+                Ok(()) if key.len() > crate::state::MAX_KEY_LEN => Some(format!(
+                    "output_key {key:?} is longer than {} characters",
+                    crate::state::MAX_KEY_LEN
+                )),
+                Ok(()) => None,
+            };
+            if let Some(message) = problem {
+                self.error(
+                    ProblemCode::InvalidOutputKey,
+                    format!("subtasks[{i}].output_key"),
+                    message,
+                );
+            }
+        }
     }
 
     fn check_dataflow(&mut self, plan: &Plan, topics: &[(Vec<String>, Vec<String>)]) {
@@ -679,7 +717,7 @@ impl Validator {
                 if strict {
                     ""
                 } else {
-                    " (lenient: the consumption is dropped)"
+                    " (lenient: the consumers wait for an entry from another writer, at most dependency_timeout)"
                 }
             );
             let mut p = Problem::new(ProblemCode::MissingProducer, path, message);
@@ -689,6 +727,196 @@ impl Validator {
                 self.report.errors.push(p);
             } else {
                 self.report.warnings.push(p);
+            }
+        }
+    }
+}
+
+/// Reachability over an acyclic dependency graph, answered cheaply for the common case: a
+/// topological position per task (a task's descendants always come after it), and a
+/// bounded number of graph walks for the rest, so validating a 10,000-task plan stays fast.
+struct Reach<'a> {
+    deps: &'a [Vec<usize>],
+    dependents: Vec<Vec<usize>>,
+    position: Vec<usize>,
+    walks_left: std::cell::Cell<usize>,
+}
+
+/// Graph walks one validation may spend on reachability questions; past it the questions
+/// are not asked (the run-time deadline still bounds what they would have caught).
+const MAX_REACH_WALKS: usize = 256;
+
+impl<'a> Reach<'a> {
+    fn new(deps: &'a [Vec<usize>]) -> Self {
+        let n = deps.len();
+        let mut dependents = vec![Vec::new(); n];
+        let mut left: Vec<usize> = deps.iter().map(Vec::len).collect();
+        for (i, ds) in deps.iter().enumerate() {
+            for &d in ds {
+                dependents[d].push(i);
+            }
+        }
+        let mut queue: Vec<usize> = (0..n).filter(|&i| left[i] == 0).collect();
+        let mut position = vec![usize::MAX; n];
+        let mut next = 0;
+        while let Some(i) = queue.pop() {
+            position[i] = next;
+            next += 1;
+            for &t in &dependents[i] {
+                left[t] -= 1;
+                if left[t] == 0 {
+                    queue.push(t);
+                }
+            }
+        }
+        Self {
+            deps,
+            dependents,
+            position,
+            walks_left: std::cell::Cell::new(MAX_REACH_WALKS),
+        }
+    }
+
+    /// Whether `later` (transitively) depends on `earlier`. `None`: not answered (the walk
+    /// budget is spent).
+    fn depends_on(&self, later: usize, earlier: usize) -> Option<bool> {
+        if later == earlier || self.position[later] <= self.position[earlier] {
+            return Some(false);
+        }
+        if self.deps[later].contains(&earlier) {
+            return Some(true);
+        }
+        let left = self.walks_left.get();
+        if left == 0 {
+            return None;
+        }
+        self.walks_left.set(left - 1);
+        // Walk down from `earlier`, never past `later`'s position.
+        let limit = self.position[later];
+        let mut seen = vec![false; self.deps.len()];
+        let mut stack = vec![earlier];
+        while let Some(i) = stack.pop() {
+            for &d in &self.dependents[i] {
+                if d == later {
+                    return Some(true);
+                }
+                if !seen[d] && self.position[d] < limit {
+                    seen[d] = true;
+                    stack.push(d);
+                }
+            }
+        }
+        Some(false)
+    }
+}
+
+impl Validator {
+    /// A consumer waits for its topic's first entry; if every producer of the topic is the
+    /// consumer itself or waits for it, the entry can never come from the plan.
+    fn check_consumptions(
+        &mut self,
+        plan: &Plan,
+        topics: &[(Vec<String>, Vec<String>)],
+        index: &HashMap<&str, usize>,
+        reach: &Reach<'_>,
+    ) {
+        let mut producers: HashMap<&str, Vec<usize>> = HashMap::new();
+        for (i, (produced, _)) in topics.iter().enumerate() {
+            if index.get(plan.subtasks[i].id.as_str()) != Some(&i) {
+                continue;
+            }
+            for t in produced {
+                producers.entry(t.as_str()).or_default().push(i);
+            }
+        }
+        let strict = plan.config.dataflow_validation == DataflowValidation::Strict;
+        for (c, (_, consumed)) in topics.iter().enumerate() {
+            if index.get(plan.subtasks[c].id.as_str()) != Some(&c) {
+                continue;
+            }
+            for (j, t) in consumed.iter().enumerate() {
+                let Some(ps) = producers.get(t.as_str()) else {
+                    continue;
+                };
+                // Satisfiable as soon as one producer is neither the consumer nor waits
+                // for it.
+                let mut stuck = true;
+                for &p in ps {
+                    match (p == c, reach.depends_on(p, c)) {
+                        (true, _) | (false, Some(true)) => {}
+                        (false, Some(false)) | (false, None) => {
+                            stuck = false;
+                            break;
+                        }
+                    }
+                }
+                if !stuck {
+                    continue;
+                }
+                let names: Vec<String> = ps
+                    .iter()
+                    .map(|&p| plan.subtasks[p].id.to_string())
+                    .collect();
+                let consumer = plan.subtasks[c].id.as_str();
+                let mut p = Problem::new(
+                    ProblemCode::UnsatisfiableConsumption,
+                    format!("subtasks[{c}].consumes[{j}]"),
+                    format!(
+                        "task {consumer:?} consumes {t:?}, but it is produced only by {} — {} — so the task would wait for its own output{}",
+                        names.join(", "),
+                        if ps.len() == 1 && ps[0] == c {
+                            "the task itself"
+                        } else {
+                            "the task or tasks that depend on it"
+                        },
+                        if strict {
+                            ""
+                        } else {
+                            " (lenient: it waits for another writer, at most dependency_timeout)"
+                        }
+                    ),
+                );
+                p.topic = Some(t.clone());
+                p.tasks = std::iter::once(consumer.to_owned()).chain(names).collect();
+                if strict {
+                    self.report.errors.push(p);
+                } else {
+                    self.report.warnings.push(p);
+                }
+            }
+        }
+    }
+
+    /// Two tasks writing one `output_key` are fine when one runs after the other (the later
+    /// write wins, by design); when they may run at the same time, which wins is a race.
+    fn check_output_keys(&mut self, plan: &Plan, index: &HashMap<&str, usize>, reach: &Reach<'_>) {
+        let mut by_key: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+        for (i, t) in plan.subtasks.iter().enumerate() {
+            if let Some(k) = &t.output_key
+                && index.get(t.id.as_str()) == Some(&i)
+            {
+                by_key.entry(k.as_str()).or_default().push(i);
+            }
+        }
+        for (key, tasks) in by_key {
+            'pairs: for (x, &a) in tasks.iter().enumerate() {
+                for &b in &tasks[x + 1..] {
+                    let ordered = reach.depends_on(a, b).unwrap_or(true)
+                        || reach.depends_on(b, a).unwrap_or(true);
+                    if !ordered {
+                        let (na, nb) = (plan.subtasks[a].id.as_str(), plan.subtasks[b].id.as_str());
+                        let mut p = Problem::new(
+                            ProblemCode::SharedOutputKey,
+                            format!("subtasks[{b}].output_key"),
+                            format!(
+                                "tasks {na:?} and {nb:?} may run at the same time and both write output_key {key:?}; give parallel branches distinct keys"
+                            ),
+                        );
+                        p.tasks = vec![na.to_owned(), nb.to_owned()];
+                        self.report.warnings.push(p);
+                        break 'pairs;
+                    }
+                }
             }
         }
     }
@@ -925,15 +1153,103 @@ mod tests {
     }
 
     #[test]
-    fn lenient_dataflow_warns_and_drops() {
+    fn lenient_dataflow_warns_and_keeps_the_gate() {
         let mut t = Subtask::new("t", "");
-        t.consumes = vec!["ghost".into()];
+        t.consumes = vec!["Ghost Topic".into(), "ghost topic".into()];
         let mut p = plan(vec![t]);
         p.config.dataflow_validation = DataflowValidation::Lenient;
         let (ready, warnings) =
             prepare_plan(&p, &ValidationContext::default()).expect("lenient ok");
         assert_eq!(warnings[0].code, ProblemCode::MissingProducer);
-        assert!(ready.subtasks[0].consumes.is_empty());
+        // Another writer (an agent, the CLI) may still provide the entry.
+        assert_eq!(ready.subtasks[0].consumes, vec!["ghost_topic".to_string()]);
+    }
+
+    #[test]
+    fn reserved_ids_and_output_keys_are_checked() {
+        let mut a = Subtask::new("_all", "");
+        a.output_key = Some("bad.key".into());
+        let mut b = Subtask::new("b", "");
+        b.output_key = Some("k".repeat(200));
+        let r = validate_plan(&plan(vec![a, b]), &ValidationContext::default());
+        assert_eq!(
+            codes(&r),
+            vec![
+                ProblemCode::InvalidTaskId,
+                ProblemCode::InvalidOutputKey,
+                ProblemCode::InvalidOutputKey
+            ],
+            "{r:#?}"
+        );
+        assert!(r.errors[0].message.contains("reserved"), "{r:#?}");
+    }
+
+    #[test]
+    fn parallel_tasks_sharing_an_output_key_are_warned_about() {
+        let with_key = |id: &str, deps: &[&str]| {
+            let mut t = Subtask::new(id, "").after(deps);
+            t.output_key = Some("summary".into());
+            t
+        };
+        // a → b in sequence: the later write wins by design. c runs beside both.
+        let p = plan(vec![
+            with_key("a", &[]),
+            with_key("b", &["a"]),
+            Subtask::new("x", ""),
+            with_key("c", &["x"]),
+        ]);
+        let r = validate_plan(&p, &ValidationContext::default());
+        assert!(r.is_valid(), "{r:#?}");
+        let shared: Vec<_> = r
+            .warnings
+            .iter()
+            .filter(|w| w.code == ProblemCode::SharedOutputKey)
+            .collect();
+        assert_eq!(shared.len(), 1, "{r:#?}");
+        assert_eq!(shared[0].tasks, vec!["a".to_string(), "c".to_string()]);
+        let sequential = plan(vec![with_key("a", &[]), with_key("b", &["a"])]);
+        let r = validate_plan(&sequential, &ValidationContext::default());
+        assert!(r.warnings.is_empty(), "{r:#?}");
+    }
+
+    #[test]
+    fn a_task_cannot_wait_for_its_own_output() {
+        let mut own = Subtask::new("own", "");
+        own.produces = vec!["draft".into()];
+        own.consumes = vec!["draft".into()];
+        // `first` consumes a topic only its dependent produces.
+        let mut first = Subtask::new("first", "");
+        first.consumes = vec!["later".into()];
+        let mut second = Subtask::new("second", "").after(&["first"]);
+        second.produces = vec!["later".into()];
+        // Fine: the producer does not wait for the consumer.
+        let mut fetch = Subtask::new("fetch", "");
+        fetch.produces = vec!["figures".into()];
+        let mut growth = Subtask::new("growth", "");
+        growth.consumes = vec!["figures".into()];
+        let p = plan(vec![own, first, second, fetch, growth]);
+        let r = validate_plan(&p, &ValidationContext::default());
+        assert_eq!(
+            codes(&r),
+            vec![
+                ProblemCode::UnsatisfiableConsumption,
+                ProblemCode::UnsatisfiableConsumption
+            ],
+            "{r:#?}"
+        );
+        assert_eq!(
+            r.errors[0].tasks,
+            vec!["own".to_string(), "own".to_string()]
+        );
+        assert_eq!(
+            r.errors[1].tasks,
+            vec!["first".to_string(), "second".to_string()]
+        );
+        let mut lenient = p.clone();
+        lenient.config.dataflow_validation = DataflowValidation::Lenient;
+        let r = validate_plan(&lenient, &ValidationContext::default());
+        assert!(r.is_valid(), "{r:#?}");
+        assert_eq!(r.warnings.len(), 2);
     }
 
     #[test]

@@ -1,0 +1,125 @@
+//! The workspace watcher: turns a topic's entries into `topic_written` run-log inputs, so a
+//! task that consumes a topic starts when the topic gets its first entry — from any writer:
+//! an agent, the CLI, a plain JetStream publish.
+//!
+//! Coordinators share one durable consumer on the workspace stream. For each valid entry on
+//! `<prefix>.ws.<root>.<topic>` they append `topic_written {topic, seq}` to the root run's
+//! log, with the message id `topic.<root>.<topic>`: repeats within the duplicate window are
+//! dropped by JetStream, and a recently announced `(root, topic)` is not announced again by
+//! this coordinator. The run machine ignores topics it does not wait for, so a late or
+//! repeated announcement changes nothing. Entries of automatic produce (the coordinator's
+//! own, marked `Flotilla-Produced-By`) are skipped: the machine counted them when it
+//! decided to write them.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+
+use async_nats::jetstream::AckKind;
+use async_nats::jetstream::consumer::PullConsumer;
+use flotilla_bus::{Bus, wire};
+use flotilla_model::PROTOCOL_VERSION;
+use flotilla_model::ids::RunId;
+use flotilla_model::runlog::{RunInput, RunLogEntry};
+use flotilla_model::workspace::{PRODUCED_BY_HEADER, WorkspaceWrite};
+use futures::StreamExt;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+/// `(root, topic)` pairs announced recently; forgotten wholesale past this many.
+const RECENT_CAPACITY: usize = 50_000;
+
+/// Consumes the workspace stream until `shutdown`.
+pub(crate) async fn watch_workspace(bus: Bus, consumer: PullConsumer, shutdown: CancellationToken) {
+    let recent: Arc<Mutex<HashSet<(RunId, String)>>> = Arc::default();
+    let prefix = format!("{}.ws.", bus.names().prefix());
+    while !shutdown.is_cancelled() {
+        let messages = match consumer
+            .stream()
+            .max_messages_per_batch(256)
+            .heartbeat(crate::PULL_HEARTBEAT)
+            .messages()
+            .await
+        {
+            Ok(m) => m,
+            Err(e) => {
+                warn!(error = %e, "Cannot pull from the workspace stream; retrying");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(std::time::Duration::from_millis(500)) => continue,
+                }
+            }
+        };
+        messages
+            .take_until(shutdown.cancelled())
+            .for_each_concurrent(64, |msg| {
+                let (bus, recent, prefix) = (bus.clone(), Arc::clone(&recent), prefix.as_str());
+                async move {
+                    let Ok(msg) = msg else { return };
+                    match announce(&bus, &recent, prefix, &msg).await {
+                        Ok(()) => {
+                            let _ = msg.ack().await;
+                        }
+                        Err(e) => {
+                            warn!(subject = %msg.subject, error = %e, "Could not announce a workspace entry; it will be redelivered");
+                            let _ = msg
+                                .ack_with(AckKind::Nak(Some(std::time::Duration::from_secs(1))))
+                                .await;
+                        }
+                    }
+                }
+            })
+            .await;
+    }
+}
+
+/// Announces one entry to its root run, unless there is nothing to announce.
+async fn announce(
+    bus: &Bus,
+    recent: &Mutex<HashSet<(RunId, String)>>,
+    prefix: &str,
+    msg: &async_nats::jetstream::Message,
+) -> Result<(), flotilla_bus::PublishError> {
+    if wire::header(msg.headers.as_ref(), PRODUCED_BY_HEADER).is_some() {
+        return Ok(());
+    }
+    let Some((root, topic)) = msg
+        .subject
+        .strip_prefix(prefix)
+        .and_then(|rest| rest.split_once('.'))
+        .and_then(|(root, topic)| Some((root.parse::<RunId>().ok()?, topic.to_owned())))
+    else {
+        debug!(subject = %msg.subject, "Workspace subject without a run id; ignoring");
+        return Ok(());
+    };
+    if wire::decode::<WorkspaceWrite>(msg.headers.as_ref(), &msg.payload).is_err() {
+        warn!(subject = %msg.subject, "A message on a workspace subject is not a workspace write; it does not count as an entry");
+        return Ok(());
+    }
+    let key = (root, topic);
+    if recent.lock().map(|r| r.contains(&key)).unwrap_or(false) {
+        return Ok(());
+    }
+    let seq = msg.info().map(|i| i.stream_sequence).unwrap_or_default();
+    let (root, topic) = key;
+    let entry = RunLogEntry {
+        protocol: PROTOCOL_VERSION,
+        run_id: root,
+        input: RunInput::TopicWritten {
+            topic: topic.clone(),
+            seq,
+        },
+    };
+    bus.publish(
+        bus.names().runlog(root),
+        &entry,
+        Some(&format!("topic.{root}.{topic}")),
+    )
+    .await?;
+    if let Ok(mut r) = recent.lock() {
+        if r.len() >= RECENT_CAPACITY {
+            r.clear();
+        }
+        r.insert((root, topic));
+    }
+    Ok(())
+}
