@@ -723,8 +723,8 @@ async fn a_plan_runs_with_every_role_on_its_own_credentials() -> anyhow::Result<
     std::fs::write(
         &plan,
         r#"{"name":"least-privilege","subtasks":[
-            {"id":"gather"},
-            {"id":"analyse","dependencies":["gather"]},
+            {"id":"gather","produces":["facts"],"output_key":"gathered"},
+            {"id":"analyse","consumes":["facts"],"description":"about {gathered}"},
             {"id":"report","dependencies":["analyse"]}]}"#,
     )?;
     let plan = plan.to_string_lossy().into_owned();
