@@ -20,7 +20,7 @@ async fn provisioning_twice_is_a_no_op() -> anyhow::Result<()> {
     );
     assert_eq!(
         first.resources.len(),
-        6 + 8 + 1,
+        6 + 9 + 1,
         "streams, buckets, object store"
     );
     let second = bus.provision(&opts).await?;
