@@ -159,6 +159,22 @@ error_kinds!(
 );
 
 error_kinds!(
+    /// Why reading stored messages (direct gets) failed.
+    ReadErrorKind {
+        /// The stream does not exist or does not answer direct gets (not provisioned).
+        NoStream => "stream unavailable for reads", Terminal;
+        /// The server refused the request (an invalid filter subject).
+        BadRequest => "read request refused", Terminal;
+        /// The server did not answer in time.
+        TimedOut => "read timed out", Retryable;
+        /// The request could not be sent or the connection dropped.
+        Request => "read failed", Retryable;
+        /// A reply lacked the headers every stored message has.
+        Malformed => "malformed read reply", Retryable;
+    }
+);
+
+error_kinds!(
     /// Why a local nats-server could not be run.
     ServerErrorKind {
         /// No `nats-server` executable was found.
@@ -176,5 +192,7 @@ pub type ConnectError = Error<ConnectErrorKind>;
 pub type ProvisionError = Error<ProvisionErrorKind>;
 /// Publishing failed.
 pub type PublishError = Error<PublishErrorKind>;
+/// Reading stored messages failed.
+pub type ReadError = Error<ReadErrorKind>;
 /// Running a local server failed.
 pub type ServerError = Error<ServerErrorKind>;

@@ -4,6 +4,8 @@
 //! * [`connect`](mod@connect): connecting with those options.
 //! * [`provision`]: idempotent creation and drift checks of the streams and KV buckets.
 //! * [`wire`]: typed, versioned messages with JSON/MessagePack codecs.
+//! * [`read`]: stored messages read back by sequence (batch direct gets), the paging primitive
+//!   of workspace and mailbox reads.
 //! * [`server`]: a local `nats-server` child process for `flotilla up` and tests.
 //! * [`Bus`]: a connected client with the installation's names.
 
@@ -11,9 +13,11 @@ pub mod connect;
 pub mod error;
 pub mod options;
 pub mod provision;
+pub mod read;
 pub mod server;
 pub mod wire;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer, pull};
@@ -24,10 +28,11 @@ use serde::Serialize;
 
 pub use error::{
     ConnectError, ConnectErrorKind, ProvisionError, ProvisionErrorKind, PublishError,
-    PublishErrorKind, Retry,
+    PublishErrorKind, ReadError, ReadErrorKind, Retry,
 };
 pub use options::{NatsAuth, NatsOptions, Secret, TlsOptions};
 pub use provision::JetStreamOptions;
+pub use read::StoredMessage;
 
 /// A durable pull consumer shared by every replica of a role (coordinators on the intake and
 /// run log, a pool's workers on the task stream).
@@ -109,6 +114,8 @@ pub struct Bus {
     client: async_nats::Client,
     js: jetstream::Context,
     names: Names,
+    /// What it connected with: exec agents get the same server and credentials.
+    opts: Arc<NatsOptions>,
 }
 
 impl Bus {
@@ -123,7 +130,18 @@ impl Bus {
         })?;
         let mut js = jetstream::new(client.clone());
         js.set_timeout(opts.request_timeout);
-        Ok(Self { client, js, names })
+        Ok(Self {
+            client,
+            js,
+            names,
+            opts: Arc::new(opts.clone()),
+        })
+    }
+
+    /// The options this bus connected with (URLs, credentials, timeouts). The worker hands
+    /// the same server and credentials to the agents it runs.
+    pub fn options(&self) -> &NatsOptions {
+        &self.opts
     }
 
     /// The core NATS client.

@@ -16,7 +16,7 @@
 
 use std::fmt;
 
-use crate::ids::{RunId, TaskId};
+use crate::ids::{AttemptId, RunId, TaskId};
 use crate::token::{TokenError, check_name};
 
 /// The default prefix.
@@ -279,9 +279,26 @@ impl Names {
         format!("{}.mbox.{root}.{to}.*", self.prefix)
     }
 
-    /// Key of a reader's committed mailbox cursor in the cursors bucket.
+    /// Key of a reader's committed mailbox cursor in the cursors bucket. The reader is
+    /// written with [`kv_key_token`], since task ids may use characters KV keys cannot.
     pub fn mailbox_cursor_key(&self, root: RunId, reader: &str) -> String {
-        format!("mbox.{root}.{reader}")
+        format!("mbox.{root}.{}", kv_key_token(reader))
+    }
+
+    /// Key of the read position of one execution of an attempt (`delivery` of `attempt`) in
+    /// the cursors bucket: exec agents read their mailbox from separate processes, so the
+    /// position of the running execution is kept here until the worker commits it.
+    pub fn mailbox_position_key(
+        &self,
+        root: RunId,
+        reader: &str,
+        attempt: AttemptId,
+        delivery: i64,
+    ) -> String {
+        format!(
+            "mbox.{root}.{}.pos.{attempt}.{delivery}",
+            kv_key_token(reader)
+        )
     }
 
     /// Key of a session-state value in the state bucket (`session` is a session id or the
@@ -317,6 +334,22 @@ impl Names {
     }
 }
 
+/// A subject token as one KV key token. KV keys allow only `A-Z a-z 0-9 - _ / = .`, while
+/// task ids may use any subject-safe character (`売上`): bytes other than ASCII letters,
+/// digits, `-` and `_` are written `=XX` (upper-case hex), so distinct tokens stay distinct
+/// and ordinary ids are unchanged.
+pub fn kv_key_token(token: &str) -> String {
+    let mut out = String::with_capacity(token.len());
+    for b in token.bytes() {
+        if b.is_ascii_alphanumeric() || b == b'-' || b == b'_' {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("={b:02X}"));
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -332,5 +365,18 @@ mod tests {
             format!("acme-ai.task.gpu.{run}.t1")
         );
         assert!(Names::new("a.b").is_err());
+    }
+
+    #[test]
+    fn cursor_keys_are_kv_safe() {
+        let n = Names::default();
+        let run = RunId::new();
+        assert_eq!(
+            n.mailbox_cursor_key(run, "calc_growth"),
+            format!("mbox.{run}.calc_growth")
+        );
+        assert_eq!(kv_key_token("売"), "=E5=A3=B2");
+        assert_eq!(kv_key_token("a=b"), "a=3Db");
+        assert_ne!(kv_key_token("a=3Db"), kv_key_token("a=b"));
     }
 }

@@ -60,6 +60,7 @@ use tracing::{debug, info, warn};
 use crate::agent::{AgentContext, AgentError, EventEmitter};
 pub use crate::agents::{AgentDefinition, AgentRegistry};
 pub use crate::options::WorkerOptions;
+pub use flotilla_context::{Agent, AgentReply, Clients, Scope};
 
 flotilla_bus::error_kinds!(
     /// Why a worker could not run.
@@ -531,6 +532,18 @@ async fn handle(
     let _running = InFlight::enter(&shared.in_flight);
     let started_at = Timestamp::now();
     let events = EventEmitter::new(Some(shared.bus.clone()), &task, &shared.id, delivered);
+    // The attempt's collaboration clients; the mailbox read position they share is committed
+    // once the attempt's success is stored.
+    let scope = Scope::from_envelope(&task, delivered, shared.bus.names().clone());
+    let clients = match Clients::new(shared.bus.clone(), scope) {
+        Ok(c) => c,
+        Err(e) => {
+            warn!(run = %task.run_id, task = %task.task_id, error = %e, "Cannot build the agent context");
+            let result = TaskResult::failure(TaskErrorKind::Internal, e.to_string());
+            finish(shared, &msg, &task, result, started_at).await;
+            return;
+        }
+    };
     let started_event = Event::Workflow(WorkflowEvent {
         worker: Some(shared.id.clone()),
         started_at: Some(started_at),
@@ -551,12 +564,13 @@ async fn handle(
             let _leave = LeaveRun(shared, task.run_id);
             let cancel = shared.hard_stop.child_token();
             let timeout = task.timeout.get();
-            let ctx = AgentContext {
-                cancel: cancel.clone(),
-                deadline: Instant::now() + timeout,
-                events: events.clone(),
-                worker_id: shared.id.clone(),
-            };
+            let ctx = AgentContext::new(
+                clients.clone(),
+                cancel.clone(),
+                Instant::now() + timeout,
+                events.clone(),
+                shared.id.clone(),
+            );
             let announce = tokio::time::sleep(shared.opts.started_event_delay);
             tokio::pin!(announce);
             let run = agent.run(&task, ctx);
@@ -642,17 +656,25 @@ async fn handle(
             ..TaskResult::failure(e.kind, "")
         },
     };
-    finish(shared, &msg, &task, result, started_at).await;
+    let success = result.success;
+    if finish(shared, &msg, &task, result, started_at).await && success {
+        // At-least-once mailboxes: what the attempt read counts as consumed only now that its
+        // success is stored. A crash before this point lets a redelivery read it again.
+        if let Err(e) = clients.mailbox().commit().await {
+            warn!(run = %task.run_id, task = %task.task_id, error = %e, "Could not commit the mailbox cursor; the messages read stay unread for this task");
+        }
+    }
 }
 
-/// Publishes the result durably, then acknowledges the task.
+/// Publishes the result durably, then acknowledges the task. Returns whether the result was
+/// stored (`false`: the task was handed back).
 async fn finish(
     shared: &Shared,
     msg: &jetstream::Message,
     task: &TaskEnvelope,
     result: TaskResult,
     started_at: Timestamp,
-) {
+) -> bool {
     let success = result.success;
     let entry = RunLogEntry {
         protocol: PROTOCOL_VERSION,
@@ -672,7 +694,7 @@ async fn finish(
         Err(e) => {
             warn!(error = %e, "Cannot encode a result; handing the task back");
             let _ = msg.ack_with(AckKind::Nak(None)).await;
-            return;
+            return false;
         }
     };
     let subject = shared.bus.names().runlog(task.run_id);
@@ -684,7 +706,7 @@ async fn finish(
             Some(o) => o,
             None => {
                 let _ = msg.ack_with(AckKind::Nak(None)).await;
-                return;
+                return false;
             }
         }
     } else {
@@ -705,7 +727,7 @@ async fn finish(
                     Some(o) => out = o,
                     None => {
                         let _ = msg.ack_with(AckKind::Nak(None)).await;
-                        return;
+                        return false;
                     }
                 }
             }
@@ -718,7 +740,7 @@ async fn finish(
             Err(e) => {
                 warn!(run = %task.run_id, task = %task.task_id, error = %e, "Stopping before the result was stored; handing the task back");
                 let _ = msg.ack_with(AckKind::Nak(None)).await;
-                return;
+                return false;
             }
         }
     }
@@ -726,6 +748,7 @@ async fn finish(
         debug!(error = %e, "Task ack failed; a redelivery will find the result already stored");
     }
     debug!(run = %task.run_id, task = %task.task_id, attempt = task.attempt, success, "Task finished");
+    true
 }
 
 /// Room kept below the server's max payload for a result's headers.

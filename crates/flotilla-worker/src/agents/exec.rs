@@ -1,7 +1,15 @@
 //! The `exec` agent: runs a command per task.
 //!
-//! The task envelope is written to the command's stdin as JSON, and `FLOTILLA_RUN_ID`,
-//! `FLOTILLA_TASK_ID` and `FLOTILLA_ATTEMPT` are set. Stdout is the response: a JSON object
+//! The task envelope is written to the command's stdin as JSON. The environment carries the
+//! attempt's scope and connection, so the `flotilla ws|mbox|state|artifacts` commands work
+//! inside the command without flags: `FLOTILLA_RUN_ID`, `FLOTILLA_ROOT_RUN_ID`,
+//! `FLOTILLA_TASK_ID`, `FLOTILLA_ATTEMPT`, `FLOTILLA_ATTEMPT_ID`, `FLOTILLA_DELIVERY`,
+//! `FLOTILLA_SESSION_ID`, `FLOTILLA_PREFIX`, `FLOTILLA_PRODUCES`, `FLOTILLA_DATAFLOW`,
+//! `FLOTILLA_NATS_URL` and, when the worker authenticates, its credentials
+//! (`FLOTILLA_NATS_USER`/`FLOTILLA_NATS_PASSWORD`, `FLOTILLA_NATS_TOKEN`,
+//! `FLOTILLA_NATS_CREDS`, `FLOTILLA_NATS_NKEY`). When the command succeeds, the mailbox read
+//! position its `flotilla mbox read` calls persisted is taken over, and the worker commits
+//! it with the result. Stdout is the response: a JSON object
 //! with a string `response` (and optionally `tokens`, `tools_used`, `numeric_value`), or plain
 //! text. A non-zero exit is a failure carrying the end of stderr. The command runs in its own
 //! process group, which is killed when the attempt is cancelled or times out, and — through
@@ -112,9 +120,7 @@ impl Agent for ExecAgent {
             };
             cmd.args(&self.config.args)
                 .envs(&self.config.env)
-                .env("FLOTILLA_RUN_ID", task.run_id.to_string())
-                .env("FLOTILLA_TASK_ID", task.task_id.as_str())
-                .env("FLOTILLA_ATTEMPT", task.attempt.to_string())
+                .envs(ctx.clients().agent_env())
                 .current_dir(&self.cwd)
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
@@ -147,6 +153,9 @@ impl Agent for ExecAgent {
             guard.pgid = None;
             let stdout = String::from_utf8_lossy(&output.stdout);
             if output.status.success() {
+                if let Err(e) = ctx.mailbox().adopt_execution_position().await {
+                    tracing::warn!(agent = %self.name, error = %e, "Could not take over the mailbox read position of the command; its messages will be read again by a later attempt");
+                }
                 Ok(parse_stdout(&stdout))
             } else {
                 let stderr = String::from_utf8_lossy(&output.stderr);

@@ -1,0 +1,303 @@
+//! Reading stored messages back: JetStream direct gets.
+//!
+//! Workspace and mailbox reads page through a stream by sequence: "the messages matching this
+//! filter after sequence S, oldest first". A batch direct get (ADR-31) answers exactly that in
+//! one request, from any replica of the stream, without creating a consumer:
+//!
+//! ```text
+//! client ──{"seq": S+1, "next_by_subj": F, "batch": N, "max_bytes": B}──► $JS.API.DIRECT.GET.<stream>
+//!        ◄── message (Nats-Sequence, Nats-Subject, Nats-Time-Stamp, Nats-Num-Pending) × ≤ N
+//!        ◄── status 204 EOB                      (or a single 404 when nothing matches)
+//! ```
+//!
+//! Every stored message is reachable by paging with the last sequence of the previous page,
+//! so reads are lossless. `Nats-Num-Pending` on a message counts the matching messages stored
+//! after it, which tells a reader whether there is more without another request.
+//!
+//! Direct gets may be answered by a follower replica, which can lag the leader by a moment in
+//! a cluster: a reader may briefly not see a write that was just acknowledged. Callers that
+//! depend on the newest state (mailbox numbering) recheck it with expected-sequence headers.
+
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use bytes::Bytes;
+use flotilla_model::subjects::StreamKind;
+use futures::StreamExt;
+use serde::Serialize;
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
+
+use crate::Bus;
+use crate::error::{ReadError, ReadErrorKind};
+
+/// `Nats-Num-Pending`: matching messages stored after this one (batch direct gets).
+pub const NATS_NUM_PENDING: &str = "Nats-Num-Pending";
+
+/// A message as stored in a stream.
+#[derive(Debug, Clone)]
+pub struct StoredMessage {
+    /// Stream sequence.
+    pub seq: u64,
+    /// The subject it was published to.
+    pub subject: String,
+    /// Its headers (the publisher's, plus the server's `Nats-*` headers of the reply).
+    pub headers: HeaderMap,
+    /// Its body.
+    pub payload: Bytes,
+    /// When the server stored it (Unix milliseconds, server clock).
+    pub ts_ms: i64,
+    /// Messages matching the request's filter stored after this one (0 for single gets).
+    pub num_pending: u64,
+}
+
+/// The body of a direct get request (ADR-31).
+#[derive(Debug, Default, Serialize)]
+struct DirectGetRequest<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    seq: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    next_by_subj: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    batch: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_bytes: Option<usize>,
+}
+
+/// What one reply message of a direct get is.
+enum Reply {
+    Message(Box<StoredMessage>),
+    EndOfBatch,
+    NotFound,
+}
+
+impl Bus {
+    /// The messages of stream `kind` matching `filter` (wildcards allowed) with a sequence
+    /// above `after_seq`, oldest first: at most `batch` of them, and — when `max_bytes` is
+    /// given — stopping once about that many bytes were sent (always at least one message).
+    /// Nothing matching is an empty list, not an error. Page on with the last message's
+    /// `seq`; its `num_pending` says whether more are stored.
+    pub async fn direct_batch(
+        &self,
+        kind: StreamKind,
+        filter: &str,
+        after_seq: u64,
+        batch: usize,
+        max_bytes: Option<usize>,
+    ) -> Result<Vec<StoredMessage>, ReadError> {
+        let stream = self.names().stream(kind);
+        self.direct_batch_stream(&stream, filter, after_seq, batch, max_bytes)
+            .await
+    }
+
+    /// [`direct_batch`](Self::direct_batch) on a stream named directly (a KV bucket's
+    /// `KV_<bucket>` stream, for instance).
+    pub async fn direct_batch_stream(
+        &self,
+        stream: &str,
+        filter: &str,
+        after_seq: u64,
+        batch: usize,
+        max_bytes: Option<usize>,
+    ) -> Result<Vec<StoredMessage>, ReadError> {
+        if batch == 0 {
+            return Ok(Vec::new());
+        }
+        let request = DirectGetRequest {
+            seq: Some(after_seq.saturating_add(1)),
+            next_by_subj: Some(filter),
+            batch: Some(batch),
+            max_bytes,
+        };
+        let body = serde_json::to_vec(&request).map_err(|e| {
+            ReadError::with_source(ReadErrorKind::Request, "encoding a direct get", e)
+        })?;
+        let client = self.client();
+        let inbox = client.new_inbox();
+        let mut replies = client.subscribe(inbox.clone()).await.map_err(|e| {
+            ReadError::with_source(ReadErrorKind::Request, "subscribing for a direct get", e)
+        })?;
+        let subject = format!("$JS.API.DIRECT.GET.{stream}");
+        client
+            .publish_with_reply(subject, inbox, Bytes::from(body))
+            .await
+            .map_err(|e| {
+                ReadError::with_source(
+                    ReadErrorKind::Request,
+                    format!("asking {stream} for {filter}"),
+                    e,
+                )
+            })?;
+        let timeout = self.request_timeout();
+        let mut out = Vec::with_capacity(batch.min(1024));
+        loop {
+            let next = tokio::time::timeout(timeout, replies.next()).await;
+            let msg = match next {
+                Ok(Some(m)) => m,
+                Ok(None) => {
+                    return Err(ReadError::new(
+                        ReadErrorKind::Request,
+                        format!("the connection closed while reading {filter} from {stream}"),
+                    ));
+                }
+                Err(_) => {
+                    return Err(ReadError::new(
+                        ReadErrorKind::TimedOut,
+                        format!(
+                            "{stream} did not answer a read of {filter} within {}",
+                            humantime_serde::re::humantime::format_duration(timeout)
+                        ),
+                    ));
+                }
+            };
+            match parse_reply(stream, msg)? {
+                Reply::Message(m) => out.push(*m),
+                // A batch ends with its end-of-batch status, or is a single "not found".
+                Reply::EndOfBatch | Reply::NotFound => break,
+            }
+        }
+        Ok(out)
+    }
+
+    /// The newest message on `subject` (an exact subject) of stream `kind`, if any.
+    pub async fn last_for_subject(
+        &self,
+        kind: StreamKind,
+        subject: &str,
+    ) -> Result<Option<StoredMessage>, ReadError> {
+        let stream = self.names().stream(kind);
+        self.direct_single(
+            &stream,
+            &format!("$JS.API.DIRECT.GET.{stream}.{subject}"),
+            None,
+        )
+        .await
+    }
+
+    /// The message with sequence `seq` of stream `kind`, if it is still stored.
+    pub async fn direct_get(
+        &self,
+        kind: StreamKind,
+        seq: u64,
+    ) -> Result<Option<StoredMessage>, ReadError> {
+        let stream = self.names().stream(kind);
+        let body = serde_json::to_vec(&DirectGetRequest {
+            seq: Some(seq),
+            ..DirectGetRequest::default()
+        })
+        .map_err(|e| ReadError::with_source(ReadErrorKind::Request, "encoding a direct get", e))?;
+        self.direct_single(
+            &stream,
+            &format!("$JS.API.DIRECT.GET.{stream}"),
+            Some(Bytes::from(body)),
+        )
+        .await
+    }
+
+    async fn direct_single(
+        &self,
+        stream: &str,
+        subject: &str,
+        body: Option<Bytes>,
+    ) -> Result<Option<StoredMessage>, ReadError> {
+        let request = async_nats::Request::new()
+            .payload(body.unwrap_or_default())
+            .timeout(Some(self.request_timeout()));
+        let msg = self
+            .client()
+            .send_request(subject.to_owned(), request)
+            .await
+            .map_err(|e| {
+                use async_nats::RequestErrorKind as K;
+                let kind = match e.kind() {
+                    K::NoResponders => ReadErrorKind::NoStream,
+                    K::TimedOut => ReadErrorKind::TimedOut,
+                    K::InvalidSubject => ReadErrorKind::BadRequest,
+                    _ => ReadErrorKind::Request,
+                };
+                ReadError::with_source(kind, no_stream_detail(stream, kind), e)
+            })?;
+        match parse_reply(stream, msg)? {
+            Reply::Message(m) => Ok(Some(*m)),
+            Reply::EndOfBatch | Reply::NotFound => Ok(None),
+        }
+    }
+
+    /// How long a read waits for the server.
+    fn request_timeout(&self) -> Duration {
+        self.options().request_timeout
+    }
+}
+
+fn no_stream_detail(stream: &str, kind: ReadErrorKind) -> String {
+    match kind {
+        ReadErrorKind::NoStream => format!(
+            "stream {stream} does not answer direct gets (not provisioned? run `flotilla nats provision`)"
+        ),
+        ReadErrorKind::TimedOut => format!("stream {stream} did not answer in time"),
+        _ => format!("reading stream {stream}"),
+    }
+}
+
+/// Classifies one reply message of a direct get.
+fn parse_reply(stream: &str, msg: async_nats::Message) -> Result<Reply, ReadError> {
+    if let Some(status) = msg.status {
+        return match status.as_u16() {
+            204 => Ok(Reply::EndOfBatch),
+            404 => Ok(Reply::NotFound),
+            503 => Err(ReadError::new(
+                ReadErrorKind::NoStream,
+                no_stream_detail(stream, ReadErrorKind::NoStream),
+            )),
+            200 => Ok(Reply::EndOfBatch),
+            code => Err(ReadError::new(
+                ReadErrorKind::BadRequest,
+                format!(
+                    "stream {stream} refused a read: {code} {}",
+                    msg.description.as_deref().unwrap_or("")
+                ),
+            )),
+        };
+    }
+    let Some(headers) = msg.headers else {
+        return Err(ReadError::new(
+            ReadErrorKind::Malformed,
+            format!("a direct get reply of {stream} has no headers"),
+        ));
+    };
+    let get = |name: &str| headers.get(name).map(|v| v.as_str().to_owned());
+    let seq = get("Nats-Sequence")
+        .and_then(|s| s.parse::<u64>().ok())
+        .ok_or_else(|| {
+            ReadError::new(
+                ReadErrorKind::Malformed,
+                format!("a direct get reply of {stream} has no Nats-Sequence"),
+            )
+        })?;
+    let subject = get("Nats-Subject").ok_or_else(|| {
+        ReadError::new(
+            ReadErrorKind::Malformed,
+            format!("a direct get reply of {stream} has no Nats-Subject"),
+        )
+    })?;
+    let ts_ms = get("Nats-Time-Stamp")
+        .and_then(|t| OffsetDateTime::parse(&t, &Rfc3339).ok())
+        .map(|t| (t.unix_timestamp_nanos() / 1_000_000) as i64)
+        .ok_or_else(|| {
+            ReadError::new(
+                ReadErrorKind::Malformed,
+                format!("a direct get reply of {stream} has no valid Nats-Time-Stamp"),
+            )
+        })?;
+    let num_pending = get(NATS_NUM_PENDING)
+        .and_then(|n| n.parse::<u64>().ok())
+        .unwrap_or(0);
+    Ok(Reply::Message(Box::new(StoredMessage {
+        seq,
+        subject,
+        headers,
+        payload: msg.payload,
+        ts_ms,
+        num_pending,
+    })))
+}

@@ -1,0 +1,219 @@
+//! The [`Agent`] trait: what a worker runs for a task.
+//!
+//! An agent receives the task envelope (instruction, input, predecessors' results) and an
+//! [`AgentContext`]: cancellation, deadline, an event emitter, and the collaboration clients
+//! of its attempt (workspace, mailbox, session state, artifacts). It returns a reply or an
+//! error. The worker owns everything else: heartbeats, timeouts, retries (via the
+//! coordinator), result publication, and committing the mailbox read position when the
+//! attempt succeeds.
+//!
+//! The trait lives here, below the worker, so that every crate implementing agents (the
+//! worker's built-in ones, the LLM agent) imports it without depending on the worker.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use flotilla_bus::{Bus, wire};
+
+use crate::{Artifacts, Clients, Mailbox, Scope, State, Workspace};
+use flotilla_model::PROTOCOL_VERSION;
+use flotilla_model::codec::Codec;
+use flotilla_model::event::{Event, EventEnvelope};
+use flotilla_model::task::{TaskEnvelope, TaskErrorKind};
+use flotilla_model::time::Timestamp;
+use futures::future::BoxFuture;
+use tokio_util::sync::CancellationToken;
+
+/// What an agent answers.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct AgentReply {
+    /// The answer.
+    pub response: String,
+    /// Tokens spent.
+    pub tokens: u64,
+    /// Tools used.
+    pub tools_used: Vec<String>,
+    /// The salient number, if the agent knows it (otherwise it is extracted from the response).
+    pub numeric_value: Option<f64>,
+}
+
+impl AgentReply {
+    /// A plain text reply.
+    pub fn text(response: impl Into<String>) -> Self {
+        Self {
+            response: response.into(),
+            ..Self::default()
+        }
+    }
+}
+
+/// Why an agent failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{kind}: {message}")]
+pub struct AgentError {
+    /// Kind (usually `agent_failed`).
+    pub kind: TaskErrorKind,
+    /// Detail.
+    pub message: String,
+}
+
+impl AgentError {
+    /// An `agent_failed` error.
+    pub fn failed(message: impl Into<String>) -> Self {
+        Self {
+            kind: TaskErrorKind::AgentFailed,
+            message: message.into(),
+        }
+    }
+
+    /// A `cancelled` error: what an agent returns once `AgentContext::cancel` fired.
+    pub fn cancelled(message: impl Into<String>) -> Self {
+        Self {
+            kind: TaskErrorKind::Cancelled,
+            message: message.into(),
+        }
+    }
+}
+
+/// Publishes an agent's events to the run's event stream.
+#[derive(Clone)]
+pub struct EventEmitter {
+    bus: Option<Bus>,
+    run_id: flotilla_model::RunId,
+    task_id: flotilla_model::TaskId,
+    attempt: u32,
+    source: String,
+    id_prefix: String,
+    counter: Arc<AtomicU64>,
+}
+
+impl fmt::Debug for EventEmitter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EventEmitter")
+            .field("run_id", &self.run_id)
+            .field("task_id", &self.task_id)
+            .finish()
+    }
+}
+
+impl EventEmitter {
+    /// An emitter for one delivery of an attempt (`bus: None` drops events, for tests). Event
+    /// ids are `<run>.<attempt id>.<delivery>.<n>`: unique per attempt and per delivery, so a
+    /// redelivered attempt's events are not dropped as duplicates of its predecessor's.
+    pub fn new(bus: Option<Bus>, task: &TaskEnvelope, worker_id: &str, delivery: i64) -> Self {
+        Self {
+            bus,
+            run_id: task.run_id,
+            task_id: task.task_id.clone(),
+            attempt: task.attempt,
+            source: format!("worker/{worker_id}"),
+            id_prefix: format!("{}.{}.{delivery}", task.run_id, task.attempt_id),
+            counter: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// Publishes an event. Events are best effort: a failure is logged, not returned, so an
+    /// agent never fails because its progress could not be shown.
+    pub async fn emit(&self, event: Event) {
+        let Some(bus) = &self.bus else { return };
+        let n = self.counter.fetch_add(1, Ordering::Relaxed);
+        let envelope = EventEnvelope {
+            protocol: PROTOCOL_VERSION,
+            id: format!("{}.{n}", self.id_prefix),
+            run_id: self.run_id,
+            task_id: Some(self.task_id.clone()),
+            attempt: Some(self.attempt),
+            ts: Timestamp::now(),
+            source: self.source.clone(),
+            event,
+        };
+        let batch = flotilla_model::event::EventBatch::new(self.run_id, vec![envelope]);
+        match wire::encode(&batch, Codec::Json, Some(&batch.msg_id())) {
+            Ok(out) => {
+                // Fire and forget: the acknowledgement is collected by the client.
+                if let Err(e) = bus
+                    .js()
+                    .publish_with_headers(bus.names().event(self.run_id), out.headers, out.payload)
+                    .await
+                {
+                    tracing::debug!(error = %e, "Could not publish an agent event");
+                }
+            }
+            Err(e) => tracing::debug!(error = %e, "Could not encode an agent event"),
+        }
+    }
+}
+
+/// What an agent gets besides the envelope.
+#[derive(Debug, Clone)]
+pub struct AgentContext {
+    /// Cancelled when the attempt times out or the worker stops: stop promptly.
+    pub cancel: CancellationToken,
+    /// When the attempt's time budget runs out.
+    pub deadline: Instant,
+    /// Publishes agent events (replies, tool calls, usage) to the run's stream.
+    pub events: EventEmitter,
+    /// The worker running it.
+    pub worker_id: String,
+    /// The attempt's run tree, session and identity.
+    pub scope: Arc<Scope>,
+    clients: Clients,
+}
+
+impl AgentContext {
+    /// The context of one attempt; the scope is the clients'.
+    pub fn new(
+        clients: Clients,
+        cancel: CancellationToken,
+        deadline: Instant,
+        events: EventEmitter,
+        worker_id: impl Into<String>,
+    ) -> Self {
+        Self {
+            cancel,
+            deadline,
+            events,
+            worker_id: worker_id.into(),
+            scope: clients.scope_arc(),
+            clients,
+        }
+    }
+
+    /// Workspace topics of the run tree (append, read, watch, artifacts by reference).
+    pub fn workspace(&self) -> Workspace {
+        self.clients.workspace()
+    }
+
+    /// The task's mailbox. Every handle shares the attempt's read position; the worker
+    /// commits it when the attempt succeeds.
+    pub fn mailbox(&self) -> Mailbox {
+        self.clients.mailbox()
+    }
+
+    /// Session state.
+    pub fn state(&self) -> State {
+        self.clients.state()
+    }
+
+    /// Artifacts of the run tree.
+    pub fn artifacts(&self) -> Artifacts {
+        self.clients.artifacts()
+    }
+
+    /// All clients of the attempt (for passing on, e.g. to a process's environment).
+    pub fn clients(&self) -> &Clients {
+        &self.clients
+    }
+}
+
+/// Something that can perform a task.
+pub trait Agent: Send + Sync + fmt::Debug {
+    /// Runs one attempt. Must return soon after `ctx.cancel` fires.
+    fn run<'a>(
+        &'a self,
+        task: &'a TaskEnvelope,
+        ctx: AgentContext,
+    ) -> BoxFuture<'a, Result<AgentReply, AgentError>>;
+}

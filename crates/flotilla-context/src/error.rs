@@ -1,0 +1,213 @@
+//! One error type for every capability of the context, with stable codes.
+//!
+//! Agents, the CLI (`flotilla ws …` prints `error [code]: …`) and the coordinator's API
+//! endpoints (which turn a code into an `ApiError`) all see the same codes, so a client in any
+//! language can branch on them. Messages name the problem: the value, the size and the cap,
+//! the declared topics.
+
+use std::error::Error as StdError;
+use std::fmt;
+
+use flotilla_bus::Retry;
+
+type BoxError = Box<dyn StdError + Send + Sync + 'static>;
+
+/// What went wrong, for matching. [`ErrorKind::code`] is the stable wire form.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// A workspace topic is not a valid subject token after normalisation.
+    InvalidTopic,
+    /// Strict data flow: the task does not declare the topic in `produces`.
+    UndeclaredTopic,
+    /// A workspace entry is larger than the cap.
+    EntryTooLarge,
+    /// A mailbox address is not a task id (or `*` for a broadcast).
+    InvalidAddress,
+    /// A mailbox payload is larger than the cap.
+    PayloadTooLarge,
+    /// A session-state key is not valid.
+    InvalidKey,
+    /// A session-state value is larger than the cap.
+    ValueTooLarge,
+    /// A compare-and-set lost: the key is at another revision.
+    Conflict,
+    /// The key, artifact or run does not exist.
+    NotFound,
+    /// Stored data or input could not be read (bad JSON, a checksum mismatch).
+    Malformed,
+    /// NATS or JetStream did not answer (not provisioned, connection lost, timeout).
+    Unavailable,
+    /// The scope lacks what the operation needs (no task to read a mailbox as, bad
+    /// `FLOTILLA_*` variables).
+    InvalidScope,
+    /// An artifact name is not valid.
+    InvalidName,
+}
+
+impl ErrorKind {
+    /// The stable code (`invalid_topic`, …).
+    pub fn code(self) -> &'static str {
+        match self {
+            Self::InvalidTopic => "invalid_topic",
+            Self::UndeclaredTopic => "undeclared_topic",
+            Self::EntryTooLarge => "entry_too_large",
+            Self::InvalidAddress => "invalid_address",
+            Self::PayloadTooLarge => "payload_too_large",
+            Self::InvalidKey => "invalid_key",
+            Self::ValueTooLarge => "value_too_large",
+            Self::Conflict => "conflict",
+            Self::NotFound => "not_found",
+            Self::Malformed => "malformed",
+            Self::Unavailable => "unavailable",
+            Self::InvalidScope => "invalid_scope",
+            Self::InvalidName => "invalid_name",
+        }
+    }
+
+    /// An HTTP-like status for API answers: 400 bad input, 404 not found, 409 conflict,
+    /// 413 too large, 503 unavailable.
+    pub fn status(self) -> u16 {
+        match self {
+            Self::EntryTooLarge | Self::PayloadTooLarge | Self::ValueTooLarge => 413,
+            Self::Conflict => 409,
+            Self::NotFound => 404,
+            Self::Unavailable => 503,
+            _ => 400,
+        }
+    }
+
+    /// Whether the same call may succeed later: only `unavailable` (and a `conflict`, after
+    /// re-reading the current revision) can.
+    pub fn retry(self) -> Retry {
+        match self {
+            Self::Unavailable | Self::Conflict => Retry::Retryable,
+            _ => Retry::Terminal,
+        }
+    }
+}
+
+impl fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.code())
+    }
+}
+
+/// An operation of the context failed.
+pub struct ContextError {
+    kind: ErrorKind,
+    message: String,
+    current_revision: Option<u64>,
+    source: Option<BoxError>,
+}
+
+impl ContextError {
+    /// An error of `kind` with a message naming the problem.
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+            current_revision: None,
+            source: None,
+        }
+    }
+
+    /// An error caused by `source`.
+    pub fn with_source(
+        kind: ErrorKind,
+        message: impl Into<String>,
+        source: impl Into<BoxError>,
+    ) -> Self {
+        Self {
+            source: Some(source.into()),
+            ..Self::new(kind, message)
+        }
+    }
+
+    /// A lost compare-and-set: `current` is the key's revision now (0: it does not exist).
+    pub fn conflict(message: impl Into<String>, current: u64) -> Self {
+        Self {
+            current_revision: Some(current),
+            ..Self::new(ErrorKind::Conflict, message)
+        }
+    }
+
+    /// What went wrong.
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+
+    /// The stable code (`invalid_topic`, …).
+    pub fn code(&self) -> &'static str {
+        self.kind.code()
+    }
+
+    /// The human-readable message.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    /// For a `conflict`: the key's current revision (0: it does not exist).
+    pub fn current_revision(&self) -> Option<u64> {
+        self.current_revision
+    }
+}
+
+impl fmt::Display for ContextError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.kind.code(), self.message)?;
+        if let Some(source) = &self.source {
+            write!(f, ": {source}")?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for ContextError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ContextError")
+            .field("kind", &self.kind)
+            .field("message", &self.message)
+            .field("current_revision", &self.current_revision)
+            .field("source", &self.source)
+            .finish()
+    }
+}
+
+impl StdError for ContextError {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        self.source
+            .as_deref()
+            .map(|e| e as &(dyn StdError + 'static))
+    }
+}
+
+/// NATS trouble while doing `what`: `unavailable`.
+pub(crate) fn unavailable(
+    what: impl Into<String>,
+    e: impl StdError + Send + Sync + 'static,
+) -> ContextError {
+    ContextError::with_source(ErrorKind::Unavailable, what, e)
+}
+
+impl From<flotilla_bus::ReadError> for ContextError {
+    fn from(e: flotilla_bus::ReadError) -> Self {
+        let what = e.detail().to_owned();
+        ContextError::with_source(ErrorKind::Unavailable, what, e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_are_stable_and_shown() {
+        let e = ContextError::new(ErrorKind::UndeclaredTopic, "topic x is not declared");
+        assert_eq!(e.code(), "undeclared_topic");
+        assert_eq!(e.to_string(), "undeclared_topic: topic x is not declared");
+        let c = ContextError::conflict("lost", 7);
+        assert_eq!(c.current_revision(), Some(7));
+        assert_eq!(c.kind().status(), 409);
+        assert_eq!(ErrorKind::EntryTooLarge.status(), 413);
+    }
+}
