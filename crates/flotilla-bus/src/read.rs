@@ -107,7 +107,8 @@ impl Bus {
             seq: Some(after_seq.saturating_add(1)),
             next_by_subj: Some(filter),
             batch: Some(batch),
-            max_bytes,
+            // The server reads a signed 64-bit count: a larger value is a malformed request.
+            max_bytes: max_bytes.map(|b| b.min(1 << 40)),
         };
         let body = serde_json::to_vec(&request).map_err(|e| {
             ReadError::with_source(ReadErrorKind::Request, "encoding a direct get", e)

@@ -85,12 +85,17 @@ pub struct StoredSnapshot {
     pub written_ms: i64,
 }
 
+/// Most entries one batch read of a consumed topic asks for.
+const TOPIC_PAGE: usize = 256;
+
+/// Most bytes one batch read of a consumed topic asks for.
+const TOPIC_PAGE_BYTES: usize = 4 * 1024 * 1024;
+
 /// Access to run state.
 #[derive(Clone, Debug)]
 pub struct RunStore {
     kv: kv::Store,
     runlog: Stream,
-    workspace: Stream,
     state: kv::Store,
     bus: Bus,
 }
@@ -127,9 +132,9 @@ impl RunStore {
             .get_stream(&name)
             .await
             .map_err(|e| nats(format!("opening stream {name}"), e))?;
+        // Workspace reads go through batch direct gets; opening the stream checks it exists.
         let name = bus.names().stream(StreamKind::Workspace);
-        let workspace = bus
-            .js()
+        bus.js()
             .get_stream(&name)
             .await
             .map_err(|e| nats(format!("opening stream {name}"), e))?;
@@ -140,7 +145,6 @@ impl RunStore {
         Ok(Self {
             kv,
             runlog,
-            workspace,
             state,
             bus: bus.clone(),
         })
@@ -173,7 +177,6 @@ impl RunStore {
         budget: usize,
         max: usize,
     ) -> Result<(Vec<flotilla_model::workspace::WorkspaceEntry>, u64, bool), StoreError> {
-        use async_nats::jetstream::stream::DirectGetErrorKind;
         use flotilla_model::workspace::{WorkspaceEntry, WorkspaceWrite};
         let subject = self.bus.names().workspace(root, topic);
         let mut out = Vec::new();
@@ -183,42 +186,53 @@ impl RunStore {
             if out.len() >= max {
                 return Ok((out, next, true));
             }
-            let msg = match self
-                .workspace
-                .direct_get_next_for_subject(&subject, Some(next + 1))
+            // One batch read per page; `max_bytes` keeps a page near the remaining budget
+            // (the server always sends at least one message).
+            let page = self
+                .bus
+                .direct_batch(
+                    StreamKind::Workspace,
+                    &subject,
+                    next,
+                    (max - out.len()).min(TOPIC_PAGE),
+                    Some(budget.saturating_sub(used).clamp(1, TOPIC_PAGE_BYTES)),
+                )
                 .await
-            {
-                Ok(m) => m,
-                Err(e) if e.kind() == DirectGetErrorKind::NotFound => {
-                    return Ok((out, next, false));
-                }
-                Err(e) => return Err(nats(format!("reading workspace topic {topic}"), e)),
+                .map_err(|e| nats(format!("reading workspace topic {topic}"), e))?;
+            let Some(last) = page.last() else {
+                return Ok((out, next, false));
             };
-            let write: WorkspaceWrite = match wire::decode(Some(&msg.headers), &msg.payload) {
-                Ok(w) => w,
-                Err(e) => {
-                    tracing::warn!(%root, topic, seq = msg.sequence, error = %e, "Skipping a workspace message that is not a workspace write");
-                    next = msg.sequence;
-                    continue;
+            let more = last.num_pending > 0;
+            for msg in page {
+                let write: WorkspaceWrite = match wire::decode(Some(&msg.headers), &msg.payload) {
+                    Ok(w) => w,
+                    Err(e) => {
+                        tracing::warn!(%root, topic, seq = msg.seq, error = %e, "Skipping a workspace message that is not a workspace write");
+                        next = msg.seq;
+                        continue;
+                    }
+                };
+                let size = msg.payload.len();
+                if used + size > budget {
+                    // The budget is spent: hand over the cursor to continue from.
+                    return Ok((out, next, true));
                 }
-            };
-            let size = msg.payload.len();
-            if used + size > budget && !out.is_empty() {
-                return Ok((out, next, true));
+                used += size;
+                next = msg.seq;
+                out.push(WorkspaceEntry {
+                    seq: msg.seq,
+                    topic: topic.to_owned(),
+                    entry: write.entry,
+                    writer: write.writer,
+                    ts: Timestamp::from_unix_ms(msg.ts_ms),
+                });
+                if out.len() >= max {
+                    return Ok((out, next, true));
+                }
             }
-            if used + size > budget {
-                // Not even the first entry fits: hand over the cursor only.
-                return Ok((out, next, true));
+            if !more {
+                return Ok((out, next, false));
             }
-            used += size;
-            next = msg.sequence;
-            out.push(WorkspaceEntry {
-                seq: msg.sequence,
-                topic: topic.to_owned(),
-                entry: write.entry,
-                writer: write.writer,
-                ts: Timestamp::from_unix_ms(unix_ms(msg.time)),
-            });
         }
     }
 
