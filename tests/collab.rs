@@ -5,6 +5,10 @@
 
 mod support;
 
+/// The agents of `cargo run -p flotilla-cli --example negotiation`.
+#[path = "../crates/flotilla-cli/examples/negotiation/agents.rs"]
+mod negotiation;
+
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -311,5 +315,53 @@ async fn automatic_produce_is_exactly_once_across_a_worker_kill() -> anyhow::Res
     let got = entries(&p.bus, run, "items").await?;
     assert_eq!(got.len(), 1, "one entry despite the redelivery: {got:?}");
     assert_eq!(got[0].entry["numeric_value"], 42.0);
+    Ok(())
+}
+
+/// The negotiation example end to end: three tasks of one run meet in their mailboxes; the
+/// more confident analyst gets the work and its answer becomes the lead's result. The
+/// analysts' confidences are scripted (see the example).
+#[tokio::test]
+async fn the_negotiation_example_awards_the_work_to_the_most_confident_analyst()
+-> anyhow::Result<()> {
+    let mut names = BTreeMap::new();
+    // Only the names matter here (validation); the worker runs the example's Rust agents.
+    names.insert("analyst".to_string(), scripted("unused"));
+    names.insert("lead".to_string(), scripted("unused"));
+    let mut f = InProcess::start(0, names).await?;
+    f.add_worker_with_registry(
+        flotilla_worker::WorkerOptions::default(),
+        negotiation::registry(),
+    )
+    .await?;
+    let started = std::time::Instant::now();
+    let run = f
+        .client
+        .submit(SubmitRequest::new(negotiation::plan()))
+        .await?;
+    let outcome = f.client.wait(run, WAIT).await?;
+    assert_eq!(outcome.status, RunStatus::Succeeded, "{outcome:?}");
+    let results = &outcome
+        .final_result
+        .as_ref()
+        .expect("a final result")
+        .results;
+    let response = |t: &str| results[&flotilla_model::TaskId::new(t)].response.clone();
+    assert_eq!(
+        response("lead"),
+        "offers: analyst_a 0.60, analyst_b 0.90; awarded to analyst_b; result: gross margin 39.2%"
+    );
+    assert_eq!(response("analyst_a"), "offered 0.60; not chosen");
+    assert_eq!(
+        response("analyst_b"),
+        "offered 0.90; awarded; gross margin 39.2%"
+    );
+    // The loser learns at once that it lost: nobody waits out the 20 s award wait.
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        started.elapsed()
+    );
+    f.stop().await;
     Ok(())
 }

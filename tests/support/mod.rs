@@ -133,6 +133,24 @@ impl InProcess {
         Ok(())
     }
 
+    /// A worker running the agents of `registry` (Rust agents of a test or an example) rather
+    /// than those defined in `self.agents`, which then only name them for validation.
+    pub async fn add_worker_with_registry(
+        &mut self,
+        opts: WorkerOptions,
+        registry: AgentRegistry,
+    ) -> anyhow::Result<()> {
+        let bus = self.server.bus().await?;
+        let w = Worker::new(bus, opts, registry);
+        let token = self.shutdown.clone();
+        self.services.spawn(async move {
+            if let Err(e) = w.run(token).await {
+                panic!("worker failed: {e}");
+            }
+        });
+        Ok(())
+    }
+
     pub async fn stop(mut self) {
         self.shutdown.cancel();
         while self.services.join_next().await.is_some() {}

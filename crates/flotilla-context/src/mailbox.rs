@@ -32,8 +32,8 @@
 //! after the read is missed, then sleeps until a message arrives or the wait ends. A message
 //! reaches subscribers a moment before it can be read from the stream, and some published
 //! messages are never stored (a send that lost its numbering race), so after a wake-up the
-//! reader re-reads a few times within about 60 ms before it sleeps again: a bounded recheck
-//! after an event, never a polling interval.
+//! reader re-reads a few times within about a second (backing off) before it sleeps again,
+//! and a reader quiet for two seconds re-reads once in case a wake-up was lost.
 //!
 //! **Caps are visible.** The stream keeps the newest N posts per pair; the numbering makes the
 //! loss countable ([`Mailbox::stats`]: `dropped = first retained n − 1`).
@@ -71,8 +71,14 @@ use crate::{Clients, PAGE_MAX_BYTES};
 /// pair that succeeded).
 const MAX_SEND_TRIES: u32 = 64;
 
-/// Re-reads after a wake-up that found nothing yet (milliseconds to sleep before each).
-const SETTLE_DELAYS_MS: [u64; 6] = [1, 2, 4, 8, 16, 32];
+/// Re-reads after a wake-up that found nothing yet (milliseconds to sleep before each):
+/// about one second in all, since on a loaded server a stream stores a message well after
+/// its subscribers saw it.
+pub(crate) const SETTLE_DELAYS_MS: [u64; 10] = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512];
+
+/// The longest a waiting reader sleeps without re-reading: a wake-up can be lost (a
+/// reconnect, a slow consumer), and a reader must not then wait out its whole wait.
+pub(crate) const MAX_QUIET: Duration = Duration::from_secs(2);
 
 /// The answer to a send.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -365,7 +371,13 @@ impl Mailbox {
         let deadline = Instant::now() + wait;
         let mut after = start;
         let mut skipped = 0;
-        let mut settle: &[u64] = &[];
+        // A message published just before the subscription started may be stored just
+        // after the first read: the start counts as a wake-up.
+        let mut settle: &[u64] = if wake.is_some() {
+            &SETTLE_DELAYS_MS
+        } else {
+            &[]
+        };
         let page = loop {
             let mut page = self.read_page(&reader, after, limit).await?;
             skipped += page.skipped;
@@ -385,11 +397,16 @@ impl Mailbox {
                 continue;
             }
             let woken = match wake.as_mut() {
-                Some(w) => matches!(
-                    tokio::time::timeout_at(deadline, w.next()).await,
-                    Ok(Some(_))
-                ),
-                None => false,
+                Some(w) if Instant::now() < deadline => {
+                    let until = deadline.min(Instant::now() + MAX_QUIET);
+                    match tokio::time::timeout_at(until, w.next()).await {
+                        Ok(Some(_)) => true,
+                        // Quiet for a while: re-read once, then wait on.
+                        Err(_) if until < deadline => continue,
+                        _ => false,
+                    }
+                }
+                _ => false,
             };
             if !woken {
                 break MailboxPage {

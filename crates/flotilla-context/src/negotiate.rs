@@ -9,8 +9,9 @@
 //!   (until every candidate offered or the deadline)
 //!   winner = highest confidence; ties → lowest candidate id
 //!     ── accept {confidence} ─────────────────►  await_award(&request, wait)
-//!     ── delegation {work} ───────────────────►    → Some(delegation) for the winner,
-//!   → Award { winner, offers }                     None for the others at their wait's end
+//!     ── delegation {work} ───────────────────►    → Some(delegation) for the winner
+//!     ── info {closed, winner} ───────────────►    → None at once for the others
+//!   → Award { winner, offers }
 //! ```
 //!
 //! The helpers **peek**: they find the messages they look for (by type and correlation id)
@@ -34,10 +35,14 @@ use tokio::time::Instant;
 use tracing::warn;
 
 use crate::error::{ContextError, ErrorKind};
-use crate::mailbox::{Mailbox, Sent, check_address};
+use crate::mailbox::{MAX_QUIET, Mailbox, SETTLE_DELAYS_MS, Sent, check_address};
 
 /// The payload field of an offer holding its confidence (a number; higher wins).
 pub const CONFIDENCE: &str = "confidence";
+
+/// The payload field of the initiator's `info` that tells a candidate the negotiation was
+/// decided without it.
+pub const CLOSED: &str = "closed";
 
 /// An offer received by the initiator.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -96,7 +101,9 @@ impl Mailbox {
     ) -> Result<bool, ContextError> {
         let reader = self.address()?.to_owned();
         let mut wake = self.subscribe(&reader).await?;
-        let mut rechecks = 0;
+        // A message published just before the subscription started may be stored just after
+        // the first read: the start counts as a wake-up.
+        let mut settle: &[u64] = &SETTLE_DELAYS_MS;
         loop {
             let page = self.read_page(&reader, after, 1000).await?;
             after = page.next_since_seq;
@@ -110,16 +117,24 @@ impl Mailbox {
                 continue;
             }
             if found_new {
-                rechecks = 0;
+                settle = &[];
             }
-            // After a wake-up, recheck briefly: the message may not be readable yet.
-            if (1..=6).contains(&rechecks) && Instant::now() < deadline {
-                tokio::time::sleep(Duration::from_millis(1 << (rechecks - 1))).await;
-                rechecks += 1;
+            // After a wake-up, re-read with back-off: the message may not be readable yet.
+            if let Some((&ms, rest)) = settle.split_first()
+                && Instant::now() < deadline
+            {
+                settle = rest;
+                tokio::time::sleep(Duration::from_millis(ms)).await;
                 continue;
             }
-            match tokio::time::timeout_at(deadline, wake.next()).await {
-                Ok(Some(_)) => rechecks = 1,
+            if Instant::now() >= deadline {
+                return Ok(false);
+            }
+            let until = deadline.min(Instant::now() + MAX_QUIET);
+            match tokio::time::timeout_at(until, wake.next()).await {
+                Ok(Some(_)) => settle = &SETTLE_DELAYS_MS,
+                // Quiet for a while: re-read once in case a wake-up was lost.
+                Err(_) if until < deadline => {}
                 _ => return Ok(false),
             }
         }
@@ -198,6 +213,7 @@ impl Mailbox {
         .await?;
         let offers: Vec<Offer> = offers.into_values().collect();
         let Some(best) = pick_winner(&offers).cloned() else {
+            self.close(&unique, None, &correlation).await?;
             return Ok(None);
         };
         let mut accept_body = Map::new();
@@ -218,6 +234,8 @@ impl Mailbox {
                 Some(&correlation),
             )
             .await?;
+        let others: Vec<String> = unique.into_iter().filter(|c| *c != best.from).collect();
+        self.close(&others, Some(&best.from), &correlation).await?;
         Ok(Some(Award {
             correlation_id: correlation,
             winner: best.from,
@@ -226,6 +244,26 @@ impl Mailbox {
             accept,
             delegation,
         }))
+    }
+
+    /// Tells `candidates` the negotiation is decided without them (a reject, in contract-net
+    /// terms), so they stop waiting for an award at once instead of at their wait's end.
+    async fn close(
+        &self,
+        candidates: &[String],
+        winner: Option<&str>,
+        correlation: &str,
+    ) -> Result<(), ContextError> {
+        for c in candidates {
+            let mut body = Map::new();
+            body.insert(CLOSED.into(), Value::Bool(true));
+            if let Some(w) = winner {
+                body.insert("winner".into(), Value::from(w));
+            }
+            self.send(c, MailboxKind::Info, Value::Object(body), Some(correlation))
+                .await?;
+        }
+        Ok(())
     }
 
     /// A correlation id for a new negotiation: deterministic within an attempt, fresh
@@ -301,8 +339,9 @@ impl Mailbox {
     }
 
     /// Responder: waits up to `wait` for the delegation that awards `request` to this task
-    /// (it follows the initiator's accept). `None`: another candidate won, or the initiator
-    /// did not decide in time.
+    /// (it follows the initiator's accept). `None`: another candidate won (the initiator's
+    /// `info` with `closed: true` ends the wait at once), or the initiator did not decide in
+    /// time.
     pub async fn await_award(
         &self,
         request: &MailboxMessage,
@@ -311,11 +350,14 @@ impl Mailbox {
         let correlation = correlation_of(request)?.to_owned();
         let mut found = None;
         self.scan(request.seq, Instant::now() + wait, |m| {
-            if m.kind == MailboxKind::Delegation
-                && m.from == request.from
-                && m.correlation_id.as_deref() == Some(&correlation)
-            {
+            if m.from != request.from || m.correlation_id.as_deref() != Some(&correlation) {
+                Scan::Next
+            } else if m.kind == MailboxKind::Delegation {
                 found = Some(m.clone());
+                Scan::Stop
+            } else if m.kind == MailboxKind::Info
+                && m.payload.get(CLOSED).and_then(Value::as_bool) == Some(true)
+            {
                 Scan::Stop
             } else {
                 Scan::Next
