@@ -126,6 +126,19 @@ enum Command {
     Schema(SchemaCommand),
     /// Measure performance (figures are printed, not asserted).
     Bench(commands::bench::BenchArgs),
+    /// Workspace topics of a run: write, read, watch entries (inside an exec agent: its own
+    /// run, no flags needed).
+    #[command(after_long_help = commands::collab::EXIT_CODES)]
+    Ws(commands::collab::WsArgs),
+    /// Mailboxes between the tasks of a run: send, read, stats, commit.
+    #[command(after_long_help = commands::collab::EXIT_CODES)]
+    Mbox(commands::collab::MboxArgs),
+    /// Session state: small JSON values shared by the runs of a session.
+    #[command(after_long_help = commands::collab::EXIT_CODES)]
+    State(commands::collab::StateArgs),
+    /// Artifacts of a run: payloads too large for a message.
+    #[command(after_long_help = commands::collab::EXIT_CODES)]
+    Artifacts(commands::collab::ArtifactsArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -218,6 +231,18 @@ fn parse_label(s: &str) -> Result<(String, String), String> {
         .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
         .filter(|(k, _)| !k.is_empty())
         .ok_or_else(|| format!("expected KEY=VALUE, got {s:?}"))
+}
+
+/// The global flags the collaboration commands connect with (they load the configuration
+/// themselves: inside an exec agent the worker's environment replaces it).
+fn collab_global<'a>(
+    config: &'a Option<PathBuf>,
+    nats_url: &'a Option<String>,
+) -> commands::collab::Global<'a> {
+    commands::collab::Global {
+        config: config.as_deref(),
+        nats_url: nats_url.as_deref(),
+    }
 }
 
 fn humantime_duration(s: &str) -> Result<Duration, String> {
@@ -431,6 +456,18 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
         Command::Schema(SchemaCommand::Check { dir }) => commands::schema::check(&dir),
         Command::Bench(args) => {
             commands::bench::run(cli.config.as_deref(), cli.nats_url.as_deref(), args).await
+        }
+        Command::Ws(args) => {
+            commands::collab::ws(collab_global(&cli.config, &cli.nats_url), args).await
+        }
+        Command::Mbox(args) => {
+            commands::collab::mbox(collab_global(&cli.config, &cli.nats_url), args).await
+        }
+        Command::State(args) => {
+            commands::collab::state(collab_global(&cli.config, &cli.nats_url), args).await
+        }
+        Command::Artifacts(args) => {
+            commands::collab::artifacts(collab_global(&cli.config, &cli.nats_url), args).await
         }
     }
 }

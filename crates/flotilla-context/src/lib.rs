@@ -54,7 +54,7 @@ use tokio::sync::{Mutex, OnceCell};
 
 pub use agent::{Agent, AgentContext, AgentError, AgentReply, EventEmitter};
 pub use artifacts::Artifacts;
-pub use env::connection_env;
+pub use env::{connection_env, connection_from_env};
 pub use error::{ContextError, ErrorKind};
 pub use mailbox::{Mailbox, Sent};
 pub use negotiate::{Award, Offer};

@@ -7,7 +7,9 @@
 //! `FLOTILLA_SESSION_ID`, `FLOTILLA_PREFIX`, `FLOTILLA_PRODUCES`, `FLOTILLA_DATAFLOW`,
 //! `FLOTILLA_NATS_URL` and, when the worker authenticates, its credentials
 //! (`FLOTILLA_NATS_USER`/`FLOTILLA_NATS_PASSWORD`, `FLOTILLA_NATS_TOKEN`,
-//! `FLOTILLA_NATS_CREDS`, `FLOTILLA_NATS_NKEY`). When the command succeeds, the mailbox read
+//! `FLOTILLA_NATS_CREDS`, `FLOTILLA_NATS_NKEY`), and `FLOTILLA_BIN`, the absolute path of the
+//! `flotilla` executable, so scripts run `"$FLOTILLA_BIN" ws write …` without relying on
+//! `PATH` (see [`flotilla_bin`]). When the command succeeds, the mailbox read
 //! position its `flotilla mbox read` calls persisted is taken over, and the worker commits
 //! it with the result. Stdout is the response: a JSON object
 //! with a string `response` (and optionally `tokens`, `tools_used`, `numeric_value`), or plain
@@ -15,8 +17,10 @@
 //! process group, which is killed when the attempt is cancelled or times out, and — through
 //! the [exec shim](super::shim) — when the worker itself dies.
 
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::OnceLock;
 
 use futures::future::BoxFuture;
 use tokio::io::AsyncWriteExt;
@@ -31,6 +35,24 @@ pub struct ExecAgent {
     name: String,
     config: ExecConfig,
     cwd: PathBuf,
+}
+
+/// `FLOTILLA_BIN`: the `flotilla` executable, for the agent's `flotilla ws|mbox|state|artifacts`
+/// calls.
+pub(crate) const ENV_FLOTILLA_BIN: &str = "FLOTILLA_BIN";
+
+/// The `flotilla` executable handed to commands as `FLOTILLA_BIN`, computed once: the
+/// worker's own `FLOTILLA_BIN` when it has one (an embedder whose process is not the
+/// `flotilla` binary points it at the CLI), else the running executable. `None` when neither
+/// is known; the variable is then not set.
+pub(crate) fn flotilla_bin() -> Option<&'static OsString> {
+    static BIN: OnceLock<Option<OsString>> = OnceLock::new();
+    BIN.get_or_init(|| {
+        std::env::var_os(ENV_FLOTILLA_BIN)
+            .filter(|b| !b.is_empty())
+            .or_else(|| std::env::current_exe().ok().map(PathBuf::into_os_string))
+    })
+    .as_ref()
 }
 
 /// Longest stderr tail kept in an error.
@@ -118,6 +140,9 @@ impl Agent for ExecAgent {
                 }
                 _ => tokio::process::Command::new(&self.config.command),
             };
+            if let Some(bin) = flotilla_bin() {
+                cmd.env(ENV_FLOTILLA_BIN, bin);
+            }
             cmd.args(&self.config.args)
                 .envs(&self.config.env)
                 .envs(ctx.clients().agent_env())

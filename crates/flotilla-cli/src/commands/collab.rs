@@ -1,0 +1,862 @@
+//! `flotilla ws | mbox | state | artifacts`: the agent context (workspace topics, mailboxes,
+//! session state, artifacts) from the command line, for agents in any language and for
+//! operators.
+//!
+//! **Scope.** Inside an exec agent the commands need no flags: the worker sets the attempt's
+//! scope (`FLOTILLA_RUN_ID`, `FLOTILLA_TASK_ID`, `FLOTILLA_ATTEMPT_ID`, …) and connection
+//! (`FLOTILLA_NATS_URL` and credentials) in the command's environment, and
+//! [`Scope::from_env`] / [`flotilla_context::connection_from_env`] read them back. Each call
+//! is a new process, so the mailbox read position of the execution is persisted after every
+//! `mbox read` ([`Clients::persist_read_position`]): the next `mbox read` of the same
+//! execution continues where the previous one stopped, and the worker commits the position
+//! when the attempt succeeds (a failed or crashed attempt's successor reads the same messages
+//! again: at-least-once). Outside an agent, `--run RUN` acts as an operator on that run (its
+//! workspace, mailboxes, session state and artifacts), with `--as TASK` for an identity where
+//! one is needed (reading or sending mail).
+//!
+//! **Connection.** `--nats-url` and `--config` win; otherwise, inside an agent, the worker's
+//! `FLOTILLA_NATS_URL` and credentials; otherwise the usual configuration.
+//!
+//! **Output.** One JSON document on stdout (JSON lines for `ws watch`; raw bytes for
+//! `artifacts get`). Errors are one JSON object on stderr, `{"error": {"code", "message"}}`,
+//! with exit code 2 for invalid input and 1 for everything else ([`EXIT_CODES`]).
+
+use std::io::{IsTerminal, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use bytes::Bytes;
+use clap::{Args, Subcommand};
+use flotilla_bus::{Bus, NatsOptions};
+use flotilla_context::{Clients, ContextError, Scope};
+use flotilla_coordinator::store::RunStore;
+use flotilla_model::ids::{RunId, TaskId};
+use flotilla_model::mailbox::MailboxKind;
+use futures::StreamExt;
+use serde::Serialize;
+use serde_json::{Value, json};
+
+use crate::config;
+
+/// Exit codes and error format, shown in the help of every command group.
+pub(crate) const EXIT_CODES: &str = "\
+Output: one JSON document on stdout (`ws watch`: one JSON entry per line; `artifacts get`: the
+raw bytes).
+
+Errors: one JSON object on stderr, {\"error\": {\"code\": \"...\", \"message\": \"...\"}} (a lost
+compare-and-set also carries \"current_revision\"), and the exit code:
+  0  success
+  2  invalid input, nothing was changed: invalid_topic, undeclared_topic, entry_too_large,
+     invalid_address, payload_too_large, invalid_key, value_too_large, invalid_name,
+     invalid_json, invalid_argument, invalid_scope, invalid_config
+  1  anything else: not_found, conflict, timeout, unavailable, malformed, io
+Usage errors found by the argument parser (unknown flags, missing arguments) are plain text,
+exit 2.
+
+Scope: inside an exec agent, the environment the worker sets (FLOTILLA_RUN_ID, FLOTILLA_TASK_ID,
+FLOTILLA_NATS_URL, ...); outside one, --run RUN (and --as TASK where an identity is needed).";
+
+/// Input larger than this is refused before parsing (every JSON value stored is far smaller).
+const MAX_JSON_INPUT: u64 = 8 * 1024 * 1024;
+
+/// Who acts: the agent's environment by default, or an operator on a run.
+#[derive(Debug, Args)]
+pub(crate) struct ScopeArgs {
+    /// Act as an operator on this run (outside an agent). Default: the scope the worker sets
+    /// for an exec agent (FLOTILLA_RUN_ID, FLOTILLA_TASK_ID, …).
+    #[arg(long, global = true, value_name = "RUN_ID")]
+    run: Option<RunId>,
+    /// With --run: act as this task (the mailbox address to read or send as; the writer
+    /// task of workspace entries).
+    #[arg(long = "as", global = true, value_name = "ADDRESS")]
+    as_task: Option<String>,
+}
+
+/// `flotilla ws`.
+#[derive(Debug, Args)]
+pub(crate) struct WsArgs {
+    #[command(flatten)]
+    scope: ScopeArgs,
+    #[command(subcommand)]
+    command: WsCommand,
+}
+
+#[derive(Debug, Subcommand)]
+enum WsCommand {
+    /// Append an entry (a JSON object) to a topic. Prints {seq, topic, duplicate}.
+    Write {
+        /// Topic (normalised: trimmed, lower case, spaces to `_`).
+        topic: String,
+        /// The entry, a JSON object; `-` or absent: read it from stdin.
+        #[arg(conflicts_with = "file")]
+        json: Option<String>,
+        /// Read the entry from this file.
+        #[arg(long, value_name = "PATH")]
+        file: Option<PathBuf>,
+        /// Outside an attempt: repeats with this key are stored once (inside one, the
+        /// attempt's own id makes writes idempotent).
+        #[arg(long, value_name = "KEY")]
+        idempotency_key: Option<String>,
+    },
+    /// One page of a topic's entries after --since (or, with --all, of every topic of the
+    /// run). Prints {entries, next_since_seq, more}: continue with --since NEXT_SINCE_SEQ
+    /// while more is true.
+    Read {
+        /// Topic (required unless --all).
+        #[arg(required_unless_present = "all", conflicts_with = "all")]
+        topic: Option<String>,
+        /// Every topic of the run.
+        #[arg(long)]
+        all: bool,
+        /// Entries with a sequence number above this.
+        #[arg(long, default_value_t = 0, value_name = "SEQ")]
+        since: u64,
+        /// Entries per page (default 200, at most 1000).
+        #[arg(long, value_name = "N")]
+        limit: Option<usize>,
+    },
+    /// `read --all`: one page of every topic of the run.
+    ReadAll {
+        /// Entries with a sequence number above this.
+        #[arg(long, default_value_t = 0, value_name = "SEQ")]
+        since: u64,
+        /// Entries per page (default 200, at most 1000).
+        #[arg(long, value_name = "N")]
+        limit: Option<usize>,
+    },
+    /// The entries of a topic after --since, live: one JSON entry per line, the stored ones
+    /// first, then each new one as it is written. Ends after --count entries or at --timeout
+    /// (an error, exit 1, when --count entries did not come by then).
+    Watch {
+        /// Topic (absent: every topic of the run).
+        topic: Option<String>,
+        /// Entries with a sequence number above this.
+        #[arg(long, default_value_t = 0, value_name = "SEQ")]
+        since: u64,
+        /// Stop after this many entries.
+        #[arg(long, value_name = "N")]
+        count: Option<u64>,
+        /// Stop after this long (seconds, or e.g. `500ms`, `2m`).
+        #[arg(long, value_name = "SECS", value_parser = parse_duration)]
+        timeout: Option<Duration>,
+    },
+    /// Store FILE (or stdin, `-`) as artifact NAME of the run and append a reference entry
+    /// {"artifact": {bucket, name, size, sha256}} to TOPIC: the way to share data larger
+    /// than an entry. Prints {artifact, seq, topic, duplicate}.
+    PutArtifact {
+        /// Topic of the reference entry.
+        topic: String,
+        /// Artifact name (`/`-separated segments of letters, digits, `.`, `_`, `-`).
+        name: String,
+        /// The content; `-`: stdin.
+        file: String,
+    },
+}
+
+/// `flotilla mbox`.
+#[derive(Debug, Args)]
+pub(crate) struct MboxArgs {
+    #[command(flatten)]
+    scope: ScopeArgs,
+    #[command(subcommand)]
+    command: MboxCommand,
+}
+
+#[derive(Debug, Subcommand)]
+enum MboxCommand {
+    /// Send a message to a task of the run (or `*`: every task). Never waits for the
+    /// receiver. Prints {seq, n, duplicate}.
+    Send {
+        /// Recipient: a task id, or `*` to broadcast.
+        to: String,
+        /// The payload (any JSON); `-` or absent: read it from stdin.
+        #[arg(conflicts_with = "file")]
+        payload: Option<String>,
+        /// Read the payload from this file.
+        #[arg(long, value_name = "PATH")]
+        file: Option<PathBuf>,
+        /// Message type: request, offer, accept, delegation or info.
+        #[arg(long = "type", default_value = "info", value_name = "TYPE")]
+        kind: String,
+        /// Ties a conversation together (request → offers → accept → delegation).
+        #[arg(long, value_name = "ID")]
+        correlation_id: Option<String>,
+        /// Outside an attempt: repeats with this key to the same recipient are sent once.
+        #[arg(long, value_name = "KEY")]
+        idempotency_key: Option<String>,
+    },
+    /// The messages after the read position (the inbox and the broadcasts of the others),
+    /// oldest first; moves the position past them. Prints {messages, next_since_seq, more}.
+    /// Inside an agent the position persists across calls of the same execution and is
+    /// committed when the attempt succeeds; an operator's read (--run --as) moves nothing
+    /// unless --commit.
+    Read {
+        /// Messages per read (default 100, at most 1000).
+        #[arg(long, value_name = "N")]
+        limit: Option<usize>,
+        /// With nothing unread, wait this long for a message (seconds, or e.g. `500ms`).
+        #[arg(long, value_name = "SECS", value_parser = parse_duration)]
+        wait: Option<Duration>,
+        /// Peek at the messages after this sequence number, moving nothing.
+        #[arg(long, value_name = "SEQ", conflicts_with_all = ["wait", "commit"])]
+        since: Option<u64>,
+        /// Commit the position after reading (the messages count as consumed now).
+        #[arg(long)]
+        commit: bool,
+    },
+    /// Per sender: posts sent, retained and dropped by the cap; the owner's committed cursor
+    /// and unread count.
+    Stats {
+        /// A task id, or `*` for the broadcast box (default: this task's own).
+        mailbox: Option<String>,
+    },
+    /// Commit the read position now (inside an agent the worker also commits it when the
+    /// attempt succeeds). Prints {committed, cursor}.
+    Commit,
+}
+
+/// `flotilla state`.
+#[derive(Debug, Args)]
+pub(crate) struct StateArgs {
+    #[command(flatten)]
+    scope: ScopeArgs,
+    #[command(subcommand)]
+    command: StateCommand,
+}
+
+#[derive(Debug, Subcommand)]
+enum StateCommand {
+    /// The value of KEY: {key, value, revision, ts}; not_found (exit 1) when unset.
+    Get {
+        /// Key (letters, digits, `_`, `-`).
+        key: String,
+    },
+    /// Set KEY to a JSON value. Prints {key, revision}.
+    Set {
+        /// Key (letters, digits, `_`, `-`).
+        key: String,
+        /// The value (any JSON); `-` or absent: read it from stdin.
+        #[arg(conflicts_with = "file")]
+        json: Option<String>,
+        /// Read the value from this file.
+        #[arg(long, value_name = "PATH")]
+        file: Option<PathBuf>,
+        /// Compare-and-set: write only if KEY is at this revision (0: only if unset); a lost
+        /// race is `conflict` (exit 1) with the current revision.
+        #[arg(long, value_name = "N")]
+        if_revision: Option<u64>,
+    },
+    /// Delete KEY (nothing happens when it is unset). Prints {key, deleted}.
+    Delete {
+        /// Key.
+        key: String,
+    },
+    /// The keys set in the session. Prints {session, keys}.
+    List,
+}
+
+/// `flotilla artifacts`.
+#[derive(Debug, Args)]
+pub(crate) struct ArtifactsArgs {
+    #[command(flatten)]
+    scope: ScopeArgs,
+    #[command(subcommand)]
+    command: ArtifactsCommand,
+}
+
+#[derive(Debug, Subcommand)]
+enum ArtifactsCommand {
+    /// Store FILE (or stdin, `-`) as artifact NAME of the run, replacing an earlier one.
+    /// Prints its reference {bucket, name, size, sha256}.
+    Put {
+        /// Artifact name (`/`-separated segments of letters, digits, `.`, `_`, `-`).
+        name: String,
+        /// The content; `-`: stdin.
+        file: String,
+    },
+    /// The bytes of artifact NAME, raw on stdout (or into a file with -o).
+    Get {
+        /// Artifact name.
+        name: String,
+        /// Write the bytes here and print {name, size, path}.
+        #[arg(short, long, value_name = "FILE")]
+        output: Option<PathBuf>,
+    },
+}
+
+/// Global flags that decide the connection.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Global<'a> {
+    /// `--config`.
+    pub(crate) config: Option<&'a Path>,
+    /// `--nats-url`.
+    pub(crate) nats_url: Option<&'a str>,
+}
+
+/// A failed command, as printed: a stable code, a message and the exit code.
+#[derive(Debug)]
+struct CliError {
+    code: &'static str,
+    message: String,
+    current_revision: Option<u64>,
+}
+
+impl CliError {
+    fn new(code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+            current_revision: None,
+        }
+    }
+
+    /// 2 for invalid input (nothing was changed), 1 otherwise.
+    fn exit_code(&self) -> u8 {
+        match self.code {
+            "invalid_topic" | "undeclared_topic" | "entry_too_large" | "invalid_address"
+            | "payload_too_large" | "invalid_key" | "value_too_large" | "invalid_name"
+            | "invalid_json" | "invalid_argument" | "invalid_scope" | "invalid_config" => 2,
+            _ => 1,
+        }
+    }
+
+    fn to_json(&self) -> Value {
+        let mut error = json!({ "code": self.code, "message": self.message });
+        if let Some(r) = self.current_revision {
+            error["current_revision"] = r.into();
+        }
+        json!({ "error": error })
+    }
+}
+
+impl From<ContextError> for CliError {
+    fn from(e: ContextError) -> Self {
+        Self {
+            code: e.code(),
+            // The message with its cause, as Display shows it, without the code prefix.
+            message: e
+                .to_string()
+                .strip_prefix(&format!("{}: ", e.code()))
+                .map(str::to_owned)
+                .unwrap_or_else(|| e.message().to_owned()),
+            current_revision: e.current_revision(),
+        }
+    }
+}
+
+fn io_error(what: impl std::fmt::Display, e: std::io::Error) -> CliError {
+    CliError::new("io", format!("{what}: {e}"))
+}
+
+/// Prints the outcome of a command: its error as JSON on stderr, with its exit code.
+fn finish(result: Result<(), CliError>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{}", e.to_json());
+            ExitCode::from(e.exit_code())
+        }
+    }
+}
+
+/// `flotilla ws …`.
+pub(crate) async fn ws(global: Global<'_>, args: WsArgs) -> anyhow::Result<ExitCode> {
+    Ok(finish(run_ws(global, args).await))
+}
+
+/// `flotilla mbox …`.
+pub(crate) async fn mbox(global: Global<'_>, args: MboxArgs) -> anyhow::Result<ExitCode> {
+    Ok(finish(run_mbox(global, args).await))
+}
+
+/// `flotilla state …`.
+pub(crate) async fn state(global: Global<'_>, args: StateArgs) -> anyhow::Result<ExitCode> {
+    Ok(finish(run_state(global, args).await))
+}
+
+/// `flotilla artifacts …`.
+pub(crate) async fn artifacts(global: Global<'_>, args: ArtifactsArgs) -> anyhow::Result<ExitCode> {
+    Ok(finish(run_artifacts(global, args).await))
+}
+
+async fn run_ws(global: Global<'_>, args: WsArgs) -> Result<(), CliError> {
+    // Input is read and checked before connecting: bad input changes nothing.
+    let input = match &args.command {
+        WsCommand::Write { json, file, .. } => Some(json_object(json.as_deref(), file)?),
+        _ => None,
+    };
+    let clients = connect(global, &args.scope).await?;
+    let ws = clients.workspace();
+    match args.command {
+        WsCommand::Write {
+            topic,
+            idempotency_key,
+            ..
+        } => {
+            let entry = input.unwrap_or_default();
+            let appended = ws
+                .append_with_key(&topic, entry, idempotency_key.as_deref())
+                .await?;
+            print_json(&appended)
+        }
+        WsCommand::Read {
+            topic,
+            all: _,
+            since,
+            limit,
+        } => {
+            let page = match topic {
+                Some(t) => ws.read(&t, since, limit).await?,
+                None => ws.read_all(since, limit).await?,
+            };
+            print_json(&page)
+        }
+        WsCommand::ReadAll { since, limit } => print_json(&ws.read_all(since, limit).await?),
+        WsCommand::Watch {
+            topic,
+            since,
+            count,
+            timeout,
+        } => watch(&clients, topic.as_deref(), since, count, timeout).await,
+        WsCommand::PutArtifact { topic, name, file } => {
+            let bytes = read_content(&file)?;
+            let (artifact, appended) = ws.append_artifact(&topic, &name, bytes).await?;
+            print_json(&json!({
+                "artifact": artifact,
+                "seq": appended.seq,
+                "topic": appended.topic,
+                "duplicate": appended.duplicate,
+            }))
+        }
+    }
+}
+
+/// `ws watch`: entries as JSON lines until `count` or `timeout`.
+async fn watch(
+    clients: &Clients,
+    topic: Option<&str>,
+    since: u64,
+    count: Option<u64>,
+    timeout: Option<Duration>,
+) -> Result<(), CliError> {
+    if count == Some(0) {
+        return Ok(());
+    }
+    let entries = clients.workspace().watch(topic, since).await?;
+    futures::pin_mut!(entries);
+    let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
+    let mut seen = 0u64;
+    let mut stdout = std::io::stdout().lock();
+    loop {
+        let next = match deadline {
+            Some(d) => match tokio::time::timeout_at(d, entries.next()).await {
+                Ok(n) => n,
+                Err(_) => break,
+            },
+            None => entries.next().await,
+        };
+        let Some(entry) = next else { break };
+        let line = serde_json::to_string(&entry?)
+            .map_err(|e| CliError::new("malformed", format!("encoding an entry: {e}")))?;
+        if let Err(e) = writeln!(stdout, "{line}").and_then(|()| stdout.flush()) {
+            // The reader went away (`… | head -1`): done.
+            if e.kind() == std::io::ErrorKind::BrokenPipe {
+                return Ok(());
+            }
+            return Err(io_error("writing to stdout", e));
+        }
+        seen += 1;
+        if count.is_some_and(|c| seen >= c) {
+            return Ok(());
+        }
+    }
+    match count {
+        Some(c) => Err(CliError::new(
+            "timeout",
+            format!(
+                "{seen} of {c} entries arrived within {}",
+                humantime_serde::re::humantime::format_duration(timeout.unwrap_or_default())
+            ),
+        )),
+        None => Ok(()),
+    }
+}
+
+async fn run_mbox(global: Global<'_>, args: MboxArgs) -> Result<(), CliError> {
+    let input = match &args.command {
+        MboxCommand::Send {
+            payload,
+            file,
+            kind,
+            ..
+        } => {
+            let kind: MailboxKind = kind
+                .parse()
+                .map_err(|e: String| CliError::new("invalid_argument", format!("--type: {e}")))?;
+            Some((kind, json_value(payload.as_deref(), file)?))
+        }
+        _ => None,
+    };
+    let clients = connect(global, &args.scope).await?;
+    let mbox = clients.mailbox();
+    match args.command {
+        MboxCommand::Send {
+            to,
+            correlation_id,
+            idempotency_key,
+            ..
+        } => {
+            let (kind, payload) = input.unwrap_or((MailboxKind::Info, Value::Null));
+            let sent = mbox
+                .send_with_key(
+                    &to,
+                    kind,
+                    payload,
+                    correlation_id.as_deref(),
+                    idempotency_key.as_deref(),
+                )
+                .await?;
+            print_json(&sent)
+        }
+        MboxCommand::Read {
+            limit,
+            since: Some(since),
+            ..
+        } => print_json(&mbox.read_after(since, limit).await?),
+        MboxCommand::Read {
+            limit,
+            wait,
+            since: None,
+            commit,
+        } => {
+            let page = mbox.receive(limit, wait.unwrap_or_default()).await?;
+            let mut out = to_value(&page)?;
+            if commit {
+                out["committed"] = json!(mbox.commit().await?);
+            }
+            print_json(&out)
+        }
+        MboxCommand::Stats { mailbox } => print_json(&mbox.stats(mailbox.as_deref()).await?),
+        MboxCommand::Commit => {
+            // Inside an agent the position is the one this execution's reads persisted.
+            mbox.adopt_execution_position().await?;
+            let committed = mbox.commit().await?;
+            let cursor = mbox.committed().await?;
+            print_json(&json!({ "committed": committed, "cursor": cursor }))
+        }
+    }
+}
+
+async fn run_state(global: Global<'_>, args: StateArgs) -> Result<(), CliError> {
+    let input = match &args.command {
+        StateCommand::Set { json, file, .. } => Some(json_value(json.as_deref(), file)?),
+        _ => None,
+    };
+    let clients = connect(global, &args.scope).await?;
+    let state = clients.state();
+    match args.command {
+        StateCommand::Get { key } => match state.get(&key).await? {
+            Some(v) => print_json(&v),
+            None => Err(CliError::new(
+                "not_found",
+                format!(
+                    "state {key:?} is not set in session {}",
+                    clients.scope().session
+                ),
+            )),
+        },
+        StateCommand::Set {
+            key, if_revision, ..
+        } => {
+            let value = input.unwrap_or(Value::Null);
+            let revision = match if_revision {
+                Some(expected) => state.compare_and_set(&key, &value, expected).await?,
+                None => state.set(&key, &value).await?,
+            };
+            print_json(&json!({ "key": key, "revision": revision }))
+        }
+        StateCommand::Delete { key } => {
+            state.delete(&key).await?;
+            print_json(&json!({ "key": key, "deleted": true }))
+        }
+        StateCommand::List => print_json(&json!({
+            "session": clients.scope().session,
+            "keys": state.list().await?,
+        })),
+    }
+}
+
+async fn run_artifacts(global: Global<'_>, args: ArtifactsArgs) -> Result<(), CliError> {
+    let input = match &args.command {
+        ArtifactsCommand::Put { file, .. } => Some(read_content(file)?),
+        ArtifactsCommand::Get { .. } => None,
+    };
+    let clients = connect(global, &args.scope).await?;
+    let artifacts = clients.artifacts();
+    match args.command {
+        ArtifactsCommand::Put { name, .. } => {
+            print_json(&artifacts.put(&name, input.unwrap_or_default()).await?)
+        }
+        ArtifactsCommand::Get { name, output } => {
+            let bytes = artifacts.get(&name).await?;
+            match output {
+                Some(path) => {
+                    std::fs::write(&path, &bytes)
+                        .map_err(|e| io_error(format!("writing {}", path.display()), e))?;
+                    print_json(&json!({
+                        "name": name,
+                        "size": bytes.len(),
+                        "path": path.display().to_string(),
+                    }))
+                }
+                None => {
+                    let mut stdout = std::io::stdout().lock();
+                    match stdout.write_all(&bytes).and_then(|()| stdout.flush()) {
+                        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+                            Err(io_error("writing to stdout", e))
+                        }
+                        _ => Ok(()),
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The clients of the command's scope: an operator's on `--run`, else the exec agent's from
+/// its environment (with its read position persisted across processes).
+async fn connect(global: Global<'_>, args: &ScopeArgs) -> Result<Clients, CliError> {
+    let mut opts = nats_options(global)?;
+    if let Some(run) = args.run {
+        let bus = bus(&opts).await?;
+        let scope = operator_scope(&bus, run, args.as_task.as_deref()).await?;
+        return Ok(Clients::new(bus, scope)?);
+    }
+    if args.as_task.is_some() {
+        return Err(CliError::new(
+            "invalid_argument",
+            "--as needs --run: inside an agent the identity is the agent's task",
+        ));
+    }
+    let scope = Scope::from_env()?;
+    // The agent's installation prefix is the worker's, whatever a config file says.
+    opts.prefix = scope.names.prefix().to_owned();
+    let bus = bus(&opts).await?;
+    Ok(Clients::new(bus, scope)?.persist_read_position(true))
+}
+
+/// How to connect: `--nats-url` / `--config` first, then the worker's connection in an
+/// agent's environment, then the usual configuration.
+fn nats_options(global: Global<'_>) -> Result<NatsOptions, CliError> {
+    let from_env = if global.nats_url.is_none() {
+        flotilla_context::connection_from_env()?
+    } else {
+        None
+    };
+    if global.config.is_none()
+        && let Some(opts) = &from_env
+    {
+        return Ok(opts.clone());
+    }
+    let loaded = config::load(global.config, global.nats_url)
+        .map_err(|e| CliError::new("invalid_config", format!("{e:#}")))?;
+    let mut opts = loaded.nats;
+    if let Some(env) = from_env {
+        opts.urls = env.urls;
+        opts.auth = env.auth;
+        opts.tls = env.tls;
+    }
+    Ok(opts)
+}
+
+async fn bus(opts: &NatsOptions) -> Result<Bus, CliError> {
+    Bus::connect(opts, "flotilla-cli").await.map_err(|e| {
+        CliError::new(
+            "unavailable",
+            format!("connecting to NATS ({}): {e}", opts.urls.join(",")),
+        )
+    })
+}
+
+/// An operator's scope on `run`: its tree's root (the run itself until run trees exist) and
+/// the session on its record.
+async fn operator_scope(bus: &Bus, run: RunId, as_task: Option<&str>) -> Result<Scope, CliError> {
+    let store = RunStore::open(bus)
+        .await
+        .map_err(|e| CliError::new("unavailable", format!("opening the run store: {e}")))?;
+    let view = store
+        .view(run, 0, 0)
+        .await
+        .map_err(|e| CliError::new("unavailable", format!("reading run {run}: {e}")))?
+        .ok_or_else(|| CliError::new("not_found", format!("run {run} does not exist")))?;
+    let session = view
+        .record
+        .session_id
+        .map_or_else(|| run.to_string(), |s| s.to_string());
+    let scope = Scope::operator(bus.names().clone(), run, run, session);
+    Ok(match as_task {
+        Some(task) => {
+            flotilla_context::mailbox::check_address(task)?;
+            scope.with_task(TaskId::new(task))
+        }
+        None => scope,
+    })
+}
+
+/// The text of a JSON argument: the argument itself, the file, or stdin (`-` or absent).
+fn json_input(arg: Option<&str>, file: &Option<PathBuf>) -> Result<Vec<u8>, CliError> {
+    let (what, reader): (String, Box<dyn Read>) = match (arg, file) {
+        (_, Some(path)) => (
+            path.display().to_string(),
+            Box::new(
+                std::fs::File::open(path)
+                    .map_err(|e| io_error(format!("opening {}", path.display()), e))?,
+            ),
+        ),
+        (Some(text), None) if text != "-" => return Ok(text.as_bytes().to_vec()),
+        _ => ("stdin".to_owned(), Box::new(std::io::stdin())),
+    };
+    let mut bytes = Vec::new();
+    reader
+        .take(MAX_JSON_INPUT + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| io_error(format!("reading {what}"), e))?;
+    if bytes.len() as u64 > MAX_JSON_INPUT {
+        return Err(CliError::new(
+            "invalid_json",
+            format!(
+                "{what} holds more than {MAX_JSON_INPUT} bytes of JSON; entries, payloads and values are far smaller (store large data as an artifact)"
+            ),
+        ));
+    }
+    Ok(bytes)
+}
+
+/// A JSON value from an argument, a file or stdin.
+fn json_value(arg: Option<&str>, file: &Option<PathBuf>) -> Result<Value, CliError> {
+    let bytes = json_input(arg, file)?;
+    serde_json::from_slice(&bytes)
+        .map_err(|e| CliError::new("invalid_json", format!("the JSON given is not valid: {e}")))
+}
+
+/// A JSON object (a workspace entry) from an argument, a file or stdin.
+fn json_object(
+    arg: Option<&str>,
+    file: &Option<PathBuf>,
+) -> Result<serde_json::Map<String, Value>, CliError> {
+    match json_value(arg, file)? {
+        Value::Object(m) => Ok(m),
+        other => Err(CliError::new(
+            "invalid_json",
+            format!(
+                "an entry is a JSON object, not {}",
+                match other {
+                    Value::Null => "null",
+                    Value::Bool(_) => "a boolean",
+                    Value::Number(_) => "a number",
+                    Value::String(_) => "a string",
+                    Value::Array(_) => "an array",
+                    Value::Object(_) => "an object",
+                }
+            ),
+        )),
+    }
+}
+
+/// Bytes of a file, or of stdin for `-`.
+fn read_content(file: &str) -> Result<Bytes, CliError> {
+    let mut bytes = Vec::new();
+    if file == "-" {
+        std::io::stdin()
+            .read_to_end(&mut bytes)
+            .map_err(|e| io_error("reading stdin", e))?;
+    } else {
+        bytes = std::fs::read(file).map_err(|e| io_error(format!("reading {file}"), e))?;
+    }
+    Ok(Bytes::from(bytes))
+}
+
+fn to_value(v: &impl Serialize) -> Result<Value, CliError> {
+    serde_json::to_value(v).map_err(|e| CliError::new("malformed", format!("encoding: {e}")))
+}
+
+/// One JSON document on stdout: indented on a terminal, one line otherwise.
+fn print_json(v: &impl Serialize) -> Result<(), CliError> {
+    let mut stdout = std::io::stdout().lock();
+    let text = if stdout.is_terminal() {
+        serde_json::to_string_pretty(v)
+    } else {
+        serde_json::to_string(v)
+    }
+    .map_err(|e| CliError::new("malformed", format!("encoding: {e}")))?;
+    match writeln!(stdout, "{text}") {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            Err(io_error("writing to stdout", e))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Seconds (`2`, `0.5`) or a duration (`500ms`, `2m`).
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    if let Ok(secs) = s.parse::<f64>() {
+        return Duration::try_from_secs_f64(secs)
+            .map_err(|_| format!("{s:?} is not a number of seconds"));
+    }
+    humantime_serde::re::humantime::parse_duration(s).map_err(|e| format!("{s:?}: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use flotilla_context::ErrorKind;
+
+    use super::*;
+
+    #[test]
+    fn input_errors_exit_2_and_the_rest_1() {
+        for code in [
+            "invalid_topic",
+            "undeclared_topic",
+            "entry_too_large",
+            "invalid_key",
+            "value_too_large",
+            "invalid_json",
+        ] {
+            assert_eq!(CliError::new(code, "x").exit_code(), 2, "{code}");
+        }
+        for code in ["not_found", "conflict", "unavailable", "timeout", "io"] {
+            assert_eq!(CliError::new(code, "x").exit_code(), 1, "{code}");
+        }
+        let e: CliError = ContextError::conflict("lost", 4).into();
+        assert_eq!(
+            e.to_json(),
+            json!({"error": {"code": "conflict", "message": "lost", "current_revision": 4}})
+        );
+        let e: CliError = ContextError::new(ErrorKind::UndeclaredTopic, "no").into();
+        assert_eq!((e.code, e.message.as_str()), ("undeclared_topic", "no"));
+    }
+
+    #[test]
+    fn durations_are_seconds_or_humantime() {
+        assert_eq!(parse_duration("2"), Ok(Duration::from_secs(2)));
+        assert_eq!(parse_duration("0.5"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert!(parse_duration("-1").is_err());
+        assert!(parse_duration("soon").is_err());
+    }
+
+    #[test]
+    fn entries_must_be_objects() {
+        let e = json_object(Some("[1]"), &None).expect_err("array");
+        assert_eq!(e.code, "invalid_json");
+        assert!(e.message.contains("an array"), "{}", e.message);
+        let e = json_value(Some("{oops"), &None).expect_err("bad json");
+        assert_eq!(e.exit_code(), 2);
+        assert_eq!(
+            json_object(Some(r#"{"a":1}"#), &None).expect("object")["a"],
+            1
+        );
+    }
+}
