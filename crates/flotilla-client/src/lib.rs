@@ -1,6 +1,7 @@
 //! A Rust client for Flotilla: submit plans, follow a run's events, wait for its outcome,
-//! read run records. Everything here uses only the public wire protocol
-//! (`docs/protocol.md`), plus direct reads of the run store.
+//! read run records, and reach a run's workspace, mailboxes and session state through the
+//! API. Everything here uses only the public wire protocol (`docs/protocol.md`), plus direct
+//! reads of the run store.
 //!
 //! ```no_run
 //! # async fn demo(bus: flotilla_bus::Bus, plan: flotilla_model::Plan) -> Result<(), flotilla_client::ClientError> {
@@ -19,14 +20,19 @@ use async_nats::jetstream::consumer::{DeliverPolicy, pull};
 use flotilla_bus::{Bus, wire};
 use flotilla_coordinator::store::RunStore;
 use flotilla_model::api::{
-    ApiError, ApiRequest, CancelRunReply, CancelRunRequest, ValidatePlanReply, ValidatePlanRequest,
+    ApiError, ApiRequest, CancelRunReply, CancelRunRequest, MboxReadRequest, MboxSendReply,
+    MboxSendRequest, StateGetRequest, StateSetReply, StateSetRequest, ValidatePlanReply,
+    ValidatePlanRequest, WsAppendReply, WsAppendRequest, WsReadRequest,
 };
 use flotilla_model::event::{Event, EventEnvelope};
 use flotilla_model::ids::RunId;
+use flotilla_model::mailbox::MailboxPage;
 use flotilla_model::plan::Plan;
 use flotilla_model::run::{RunOutcome, RunView};
+use flotilla_model::state::StateValue;
 use flotilla_model::subjects::StreamKind;
 use flotilla_model::submit::{SubmitReply, SubmitRequest};
+use flotilla_model::workspace::WorkspacePage;
 use futures::{Stream, StreamExt};
 
 flotilla_bus::error_kinds!(
@@ -75,6 +81,10 @@ fn publish_error(e: flotilla_bus::PublishError) -> ClientError {
         _ => nats("publishing the submission", e),
     }
 }
+
+/// How long the collaboration calls wait for the coordinator (a mailbox read adds its own
+/// `wait_ms`).
+const API_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A Flotilla client.
 #[derive(Debug, Clone)]
@@ -154,12 +164,31 @@ impl Client {
         self.request(&request, Duration::from_secs(5)).await
     }
 
-    /// Sends an API request and decodes its reply, or the `ApiError` it carries.
+    /// Sends an API request and decodes its reply; a refusal is a [`ClientErrorKind::Api`]
+    /// error with the `ApiError`'s code, status and message (use [`call`](Self::call) to
+    /// match on the code).
     pub async fn request<R: ApiRequest>(
         &self,
         request: &R,
         timeout: Duration,
     ) -> Result<R::Reply, ClientError> {
+        match self.call(request, timeout).await? {
+            Ok(reply) => Ok(reply),
+            Err(err) => Err(ClientError::new(
+                ClientErrorKind::Api,
+                format!("{} ({}): {}", err.code, err.status, err.message),
+            )),
+        }
+    }
+
+    /// Sends an API request: the reply, or the service's refusal as an [`ApiError`] value
+    /// (`Ok(Err(_))`) to match on its `code` — e.g. a `conflict` of
+    /// [`state_set`](Self::state_set) with its `current_revision`.
+    pub async fn call<R: ApiRequest>(
+        &self,
+        request: &R,
+        timeout: Duration,
+    ) -> Result<Result<R::Reply, ApiError>, ClientError> {
         let body = serde_json::to_vec(request)
             .map_err(|e| ClientError::with_source(ClientErrorKind::Decode, "encoding", e))?;
         let subject = self.bus.names().api(R::ENDPOINT);
@@ -198,14 +227,52 @@ impl Client {
         {
             let err: ApiError = wire::decode(reply.headers.as_ref(), &reply.payload)
                 .map_err(|e| ClientError::with_source(ClientErrorKind::Decode, "API error", e))?;
-            return Err(ClientError::new(
-                ClientErrorKind::Api,
-                format!("{} ({}): {}", err.code, err.status, err.message),
-            ));
+            return Ok(Err(err));
         }
-        wire::decode(reply.headers.as_ref(), &reply.payload).map_err(|e| {
-            ClientError::with_source(ClientErrorKind::Decode, format!("{} reply", R::ENDPOINT), e)
-        })
+        wire::decode(reply.headers.as_ref(), &reply.payload)
+            .map(Ok)
+            .map_err(|e| {
+                ClientError::with_source(
+                    ClientErrorKind::Decode,
+                    format!("{} reply", R::ENDPOINT),
+                    e,
+                )
+            })
+    }
+
+    /// Appends an entry to a workspace topic of a run's tree (`ws.append`).
+    pub async fn ws_append(&self, request: &WsAppendRequest) -> Result<WsAppendReply, ClientError> {
+        self.request(request, API_TIMEOUT).await
+    }
+
+    /// Reads a run tree's workspace after `since_seq` (`ws.read`); continue from
+    /// `next_since_seq` while `more`.
+    pub async fn ws_read(&self, request: &WsReadRequest) -> Result<WorkspacePage, ClientError> {
+        self.request(request, API_TIMEOUT).await
+    }
+
+    /// Sends a mailbox message within a run's tree (`mbox.send`).
+    pub async fn mbox_send(&self, request: &MboxSendRequest) -> Result<MboxSendReply, ClientError> {
+        self.request(request, API_TIMEOUT).await
+    }
+
+    /// Reads a mailbox (`mbox.read`), waiting up to the request's `wait_ms` for a message.
+    pub async fn mbox_read(&self, request: &MboxReadRequest) -> Result<MailboxPage, ClientError> {
+        let wait = Duration::from_millis(request.wait_ms.unwrap_or(0));
+        self.request(request, API_TIMEOUT + wait).await
+    }
+
+    /// Reads a session-state value (`state.get`); an unset key is an `Api` error
+    /// (`not_found`).
+    pub async fn state_get(&self, request: &StateGetRequest) -> Result<StateValue, ClientError> {
+        self.request(request, API_TIMEOUT).await
+    }
+
+    /// Writes a session-state value (`state.set`), as a compare-and-set when the request has
+    /// an `expected_revision` (a lost race is an `Api` error `conflict`; [`call`](Self::call)
+    /// returns its `current_revision`).
+    pub async fn state_set(&self, request: &StateSetRequest) -> Result<StateSetReply, ClientError> {
+        self.request(request, API_TIMEOUT).await
     }
 
     /// Submits through the request/reply endpoint and returns the coordinator's answer

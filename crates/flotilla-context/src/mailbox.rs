@@ -537,6 +537,15 @@ impl Mailbox {
         Ok(p)
     }
 
+    /// Moves the read position to `since_seq`: the next [`receive`](Self::receive) returns
+    /// the messages after it (and may wait for them), and [`commit`](Self::commit) commits
+    /// from there, never moving the committed cursor backwards. For reads from a chosen
+    /// point (the API's `mbox.read` with `since_seq`), and for giving back messages that
+    /// were read but not delivered (a reply cut to fit one message).
+    pub async fn seek(&self, since_seq: u64) {
+        self.c.handles.reader.lock().await.position = Some(since_seq);
+    }
+
     /// The current read position (loading it from the committed cursor on first use).
     pub async fn position(&self) -> Result<u64, ContextError> {
         let reader = self.address()?.to_owned();

@@ -7,10 +7,14 @@
 //! | `<prefix>.api.run.get` | `GetRunRequest` | `RunView` |
 //! | `<prefix>.api.run.cancel` | `CancelRunRequest` | `CancelRunReply` |
 //! | `<prefix>.api.plan.validate` | `ValidatePlanRequest` | `ValidatePlanReply` |
+//! | `<prefix>.api.ws.append`, `ws.read`, `mbox.send`, `mbox.read`, `state.get`, `state.set` | see [`collab`] | |
 //!
 //! Errors are an `ApiError` body with the micro-service headers `Nats-Service-Error` and
-//! `Nats-Service-Error-Code`. No request goes unanswered: a reply too large for the
-//! deployment is answered `413 too_large`.
+//! `Nats-Service-Error-Code`. No request goes unanswered: a request that does not decode is
+//! `400 malformed`, one of a protocol version this build does not speak `400
+//! unsupported_protocol`, and a reply too large for the deployment `413 too_large`. Each
+//! request is handled in its own task, so a slow one (a mailbox read that waits) never holds
+//! up the others.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,9 +26,10 @@ use flotilla_bus::wire;
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::api::{
     ApiError, ApiRequest, CancelRunReply, CancelRunRequest, GetRunRequest, MAX_TASKS_PER_VIEW,
-    ValidatePlanReply, ValidatePlanRequest,
+    MboxReadRequest, MboxSendRequest, StateGetRequest, StateSetRequest, ValidatePlanReply,
+    ValidatePlanRequest, WsAppendRequest, WsReadRequest,
 };
-use flotilla_model::codec::check_protocol;
+use flotilla_model::codec::{CodecError, check_protocol};
 use flotilla_model::event::Event;
 use flotilla_model::ids::RunId;
 use flotilla_model::run::RunOutcome;
@@ -47,24 +52,26 @@ use crate::store::{RunStore, record_of};
 /// Longest a waiting duplicate submission is held before it is answered `504 timeout`.
 const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
 
+mod collab;
+
 async fn respond_error(req: &Request, status: u16, code: &str, message: String) {
-    let body = ApiError {
-        status,
-        code: code.to_owned(),
-        message: message.clone(),
-    };
+    respond_api_error(req, &ApiError::new(status, code, message)).await;
+}
+
+/// Answers with an `ApiError` body and the micro-service error headers.
+async fn respond_api_error(req: &Request, body: &ApiError) {
     let mut headers = HeaderMap::new();
     // Header values cannot hold line breaks.
     headers.insert(
         "Nats-Service-Error",
-        message.replace(['\r', '\n'], " ").as_str(),
+        body.message.replace(['\r', '\n'], " ").as_str(),
     );
-    headers.insert("Nats-Service-Error-Code", status.to_string().as_str());
+    headers.insert("Nats-Service-Error-Code", body.status.to_string().as_str());
     headers.insert(
         flotilla_model::codec::CONTENT_TYPE,
         flotilla_model::codec::JSON,
     );
-    let payload = serde_json::to_vec(&body).unwrap_or_default();
+    let payload = serde_json::to_vec(body).unwrap_or_default();
     let _ = req
         .respond_with_headers(Ok(Bytes::from(payload)), headers)
         .await;
@@ -92,14 +99,19 @@ async fn respond_json<T: serde::Serialize>(req: &Request, max_payload: usize, va
 }
 
 /// Decodes a request body (JSON or MessagePack) and checks its protocol version; answers
-/// `400 malformed` and returns `None` when it is not a valid request.
+/// `400 malformed` (or `400 unsupported_protocol`) and returns `None` when it is not a valid
+/// request.
 async fn parse<T: DeserializeOwned + HasProtocol>(req: &Request) -> Option<T> {
     let parsed = wire::decode::<T>(req.message.headers.as_ref(), &req.message.payload)
         .and_then(|r| check_protocol(r.protocol()).map(|()| r));
     match parsed {
         Ok(r) => Some(r),
         Err(e) => {
-            respond_error(req, 400, "malformed", e.to_string()).await;
+            let code = match e {
+                CodecError::UnsupportedProtocol { .. } => "unsupported_protocol",
+                _ => "malformed",
+            };
+            respond_error(req, 400, code, e.to_string()).await;
             None
         }
     }
@@ -113,7 +125,17 @@ trait HasProtocol {
 macro_rules! has_protocol {
     ($($t:ty),*) => {$(impl HasProtocol for $t { fn protocol(&self) -> u32 { self.protocol } })*};
 }
-has_protocol!(GetRunRequest, CancelRunRequest, ValidatePlanRequest);
+has_protocol!(
+    GetRunRequest,
+    CancelRunRequest,
+    ValidatePlanRequest,
+    WsAppendRequest,
+    WsReadRequest,
+    MboxSendRequest,
+    MboxReadRequest,
+    StateGetRequest,
+    StateSetRequest
+);
 
 /// What the endpoints share.
 struct Api {
@@ -121,6 +143,8 @@ struct Api {
     intake: Arc<Intake>,
     ctx: ValidationContext,
     live: LiveWorkers,
+    /// What the collaboration endpoints know of the runs they were asked about.
+    runs: collab::RunCache,
 }
 
 /// Serves the API until `shutdown`.
@@ -141,7 +165,9 @@ pub(crate) async fn serve(
     let service = bus
         .client()
         .service_builder()
-        .description("Flotilla coordinator API: submit, read, cancel runs; validate plans")
+        .description(
+            "Flotilla coordinator API: submit, read, cancel runs; validate plans; workspace, mailboxes, session state",
+        )
         .start(bus.names().service(), env!("CARGO_PKG_VERSION"))
         .await
         .map_err(setup)?;
@@ -162,11 +188,30 @@ pub(crate) async fn serve(
     let mut validate = endpoint("plan-validate", ValidatePlanRequest::ENDPOINT)
         .await
         .map_err(setup)?;
+    let mut ws_append = endpoint("ws-append", WsAppendRequest::ENDPOINT)
+        .await
+        .map_err(setup)?;
+    let mut ws_read = endpoint("ws-read", WsReadRequest::ENDPOINT)
+        .await
+        .map_err(setup)?;
+    let mut mbox_send = endpoint("mbox-send", MboxSendRequest::ENDPOINT)
+        .await
+        .map_err(setup)?;
+    let mut mbox_read = endpoint("mbox-read", MboxReadRequest::ENDPOINT)
+        .await
+        .map_err(setup)?;
+    let mut state_get = endpoint("state-get", StateGetRequest::ENDPOINT)
+        .await
+        .map_err(setup)?;
+    let mut state_set = endpoint("state-set", StateSetRequest::ENDPOINT)
+        .await
+        .map_err(setup)?;
     let api = Arc::new(Api {
         store,
         intake,
         ctx,
         live,
+        runs: collab::RunCache::default(),
     });
     loop {
         let api = Arc::clone(&api);
@@ -176,6 +221,12 @@ pub(crate) async fn serve(
             Some(req) = get.next() => { tokio::spawn(async move { api.get(req).await }); }
             Some(req) = cancel.next() => { tokio::spawn(async move { api.cancel(req).await }); }
             Some(req) = validate.next() => { tokio::spawn(async move { api.validate(req).await }); }
+            Some(req) = ws_append.next() => { tokio::spawn(async move { api.ws_append(req).await }); }
+            Some(req) = ws_read.next() => { tokio::spawn(async move { api.ws_read(req).await }); }
+            Some(req) = mbox_send.next() => { tokio::spawn(async move { api.mbox_send(req).await }); }
+            Some(req) = mbox_read.next() => { tokio::spawn(async move { api.mbox_read(req).await }); }
+            Some(req) = state_get.next() => { tokio::spawn(async move { api.state_get(req).await }); }
+            Some(req) = state_set.next() => { tokio::spawn(async move { api.state_set(req).await }); }
             else => break,
         }
     }

@@ -1727,12 +1727,12 @@ fn shrink_final_result(fr: &mut FinalResult, budget: usize) {
 
 /// The root of a run's tree, whose workspace and mailboxes its tasks share. Run trees come
 /// with child runs; until then every run is its own root.
-fn root_of(state: &crate::machine::RunState) -> RunId {
+pub(crate) fn root_of(state: &crate::machine::RunState) -> RunId {
     state.run_id
 }
 
 /// The key prefix of a run's session state: its session id, else its root run's id.
-fn session_of(state: &crate::machine::RunState) -> String {
+pub(crate) fn session_of(state: &crate::machine::RunState) -> String {
     state
         .session_id
         .map_or_else(|| root_of(state).to_string(), |s| s.to_string())

@@ -144,13 +144,29 @@ impl ApiRequest for GetRunRequest {
 /// (`Nats-Service-Error`, `Nats-Service-Error-Code`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct ApiError {
-    /// HTTP-like status: 400 bad request, 404 not found, 413 reply too large, 500 internal,
-    /// 503 unavailable.
+    /// HTTP-like status: 400 bad request, 404 not found, 409 conflict, 413 too large,
+    /// 500 internal, 503 unavailable, 504 timeout.
     pub status: u16,
-    /// Stable code (`malformed`, `not_found`, `internal`).
+    /// Stable code (`malformed`, `not_found`, `conflict`, `internal`, …).
     pub code: String,
     /// Human-readable detail.
     pub message: String,
+    /// For a `conflict` (a lost compare-and-set): the key's current revision (0: the key
+    /// does not exist), so the client can re-read and retry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub current_revision: Option<u64>,
+}
+
+impl ApiError {
+    /// An error answer without a revision.
+    pub fn new(status: u16, code: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            code: code.into(),
+            message: message.into(),
+            current_revision: None,
+        }
+    }
 }
 
 /// Append an entry to a workspace topic of a run's tree (`ws.append`). The coordinator checks
@@ -218,7 +234,7 @@ pub struct WsReadRequest {
     /// Return entries after this sequence (0: from the start).
     #[serde(default)]
     pub since_seq: u64,
-    /// Most entries (default 200, at most 1000).
+    /// Most entries: 1 to 1000 (default 200); another value is refused (`invalid_limit`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub limit: Option<u32>,
 }
@@ -278,6 +294,9 @@ impl ApiRequest for MboxSendRequest {
     type Reply = MboxSendReply;
 }
 
+/// Longest `wait_ms` of a mailbox read: 30 seconds.
+pub const MAX_MBOX_WAIT_MS: u64 = 30_000;
+
 /// Read a mailbox (`mbox.read`): the reader's messages (and broadcasts) after its committed
 /// cursor, or after `since_seq`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -293,10 +312,11 @@ pub struct MboxReadRequest {
     /// Read after this sequence; absent: after the reader's committed cursor.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub since_seq: Option<u64>,
-    /// Most messages (default 100, at most 1000).
+    /// Most messages: 1 to 1000 (default 100); another value is refused (`invalid_limit`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub limit: Option<u32>,
-    /// Wait up to this many milliseconds for a message when there is none (at most 30,000).
+    /// Wait up to this many milliseconds for a message when there is none: at most 30,000;
+    /// more is refused (`invalid_limit`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wait_ms: Option<u64>,
     /// Commit the cursor past what this read returns.
