@@ -139,6 +139,10 @@ enum Command {
     /// Artifacts of a run: payloads too large for a message.
     #[command(after_long_help = commands::collab::EXIT_CODES)]
     Artifacts(commands::collab::ArtifactsArgs),
+    /// Inside an exec agent: run another agent as a child run of this task and print its
+    /// outcome (agent-as-tool; a retried delivery re-attaches to the same child).
+    #[command(after_long_help = commands::collab::EXIT_CODES)]
+    Call(commands::collab::CallArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -468,6 +472,9 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
         }
         Command::Artifacts(args) => {
             commands::collab::artifacts(collab_global(&cli.config, &cli.nats_url), args).await
+        }
+        Command::Call(args) => {
+            commands::collab::call(collab_global(&cli.config, &cli.nats_url), args).await
         }
     }
 }

@@ -206,6 +206,30 @@ impl AgentContext {
     pub fn clients(&self) -> &Clients {
         &self.clients
     }
+
+    /// Uses another agent as a tool: starts a child run of `call.agent` (or re-attaches to
+    /// the one a crashed delivery of this attempt started), announces it on this run's event
+    /// stream (`agent_run_started`), and waits — without holding anything but this attempt —
+    /// until it ends, the attempt's deadline passes or the attempt is cancelled. Returns the
+    /// child's handle and outcome; a failed child is an outcome, not an error.
+    pub async fn call_agent(
+        &self,
+        call: &crate::ChildCall,
+    ) -> Result<(crate::ChildRun, flotilla_model::run::RunOutcome), crate::ContextError> {
+        let child = self.clients.start_child(call).await?;
+        self.clients.announce_child(&child.handle).await;
+        let until = tokio::time::Instant::from_std(self.deadline);
+        let outcome = tokio::select! {
+            o = self.clients.wait_child(child.handle.run_id, until) => o?,
+            () = self.cancel.cancelled() => {
+                return Err(crate::ContextError::new(
+                    crate::ErrorKind::Unavailable,
+                    format!("the attempt was cancelled while child run {} ran", child.handle.run_id),
+                ));
+            }
+        };
+        Ok((child, outcome))
+    }
 }
 
 /// Something that can perform a task.

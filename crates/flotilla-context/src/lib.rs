@@ -35,6 +35,7 @@
 pub mod agent;
 pub mod artifacts;
 mod canonical;
+pub mod children;
 pub mod env;
 pub mod error;
 pub mod mailbox;
@@ -54,6 +55,7 @@ use tokio::sync::{Mutex, OnceCell};
 
 pub use agent::{Agent, AgentContext, AgentError, AgentReply, EventEmitter};
 pub use artifacts::Artifacts;
+pub use children::{ChildCall, ChildRun};
 pub use env::{connection_env, connection_from_env};
 pub use error::{ContextError, ErrorKind};
 pub use mailbox::{Mailbox, Sent};
@@ -79,6 +81,8 @@ pub(crate) struct Handles {
     pub(crate) reader: Mutex<mailbox::ReaderState>,
     /// Negotiations started by this scope (deterministic correlation ids per attempt).
     pub(crate) negotiations: AtomicU64,
+    /// Child runs started by this scope without a call id (numbered per attempt).
+    pub(crate) child_calls: AtomicU64,
 }
 
 /// The clients of one scope: cheap to clone, sharing their handles and the mailbox read

@@ -168,6 +168,9 @@ impl Intake {
             },
             None => None,
         };
+        if let Some(parent) = &request.parent {
+            errors.extend(flotilla_model::validate::check_parent(parent, run));
+        }
         let prepared = prepare_plan(&request.plan, &self.ctx);
         let (plan, mut warnings) = match prepared {
             Ok(p) if errors.is_empty() => p,

@@ -43,7 +43,7 @@ use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::codec::Codec;
 use flotilla_model::event::{Event, EventBatch, EventEnvelope, WorkflowEvent, WorkflowPhase};
 use flotilla_model::ids::RunId;
-use flotilla_model::run::{FinalResult, RunStatus};
+use flotilla_model::run::{FinalResult, RunHandle, RunStatus};
 use flotilla_model::runlog::{ControlAction, Rejected, RunInput, RunLogEntry, Submitted};
 use flotilla_model::submit::{SubmitReply, SubmitRequest, SubmitStatus};
 use flotilla_model::task::{DependencyResult, TaskEnvelope, TaskError, TaskResult, TraceContext};
@@ -639,6 +639,9 @@ impl Runtime {
         };
         if let Err(e) = flotilla_model::codec::check_protocol(request.protocol) {
             errors.push(e.to_problem());
+        }
+        if let Some(parent) = &request.parent {
+            errors.extend(flotilla_model::validate::check_parent(parent, run));
         }
         if let Some(named) = request.run_id.filter(|named| *named != run) {
             errors.push(Problem::new(
@@ -1725,10 +1728,13 @@ fn shrink_final_result(fr: &mut FinalResult, budget: usize) {
     fr.results = kept;
 }
 
-/// The root of a run's tree, whose workspace and mailboxes its tasks share. Run trees come
-/// with child runs; until then every run is its own root.
+/// The root of a run's tree, whose workspace and mailboxes its tasks share: a child run's
+/// parent link names it; a run without a parent is its own root.
 pub(crate) fn root_of(state: &crate::machine::RunState) -> RunId {
-    state.run_id
+    state
+        .parent
+        .as_ref()
+        .map_or(state.run_id, RunHandle::root_run)
 }
 
 /// The key prefix of a run's session state: its session id, else its root run's id.

@@ -650,6 +650,8 @@ pub fn record_of(state: &RunState) -> RunRecord {
                 agent_id: None,
                 parent_run_id: Some(p.run_id),
                 parent_tool_call_id: p.parent_tool_call_id.clone(),
+                parent_task_id: p.parent_task_id.clone(),
+                root_run_id: Some(p.root_run()),
             },
         ),
         name: state.name.clone(),

@@ -26,6 +26,13 @@ pub struct RunHandle {
     /// The tool call of the parent that started this run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent_tool_call_id: Option<String>,
+    /// The task of the parent run whose attempt started this run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent_task_id: Option<TaskId>,
+    /// The root of the run tree: its workspace and mailboxes are this run's. Absent on a root
+    /// run, and on a child whose parent is the root.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub root_run_id: Option<RunId>,
 }
 
 impl RunHandle {
@@ -36,7 +43,31 @@ impl RunHandle {
             agent_id: None,
             parent_run_id: None,
             parent_tool_call_id: None,
+            parent_task_id: None,
+            root_run_id: None,
         }
+    }
+
+    /// The root of the run tree this handle's run belongs to: `root_run_id`, else the parent,
+    /// else the run itself. (A submission's `parent` is the parent's handle, so a child's root
+    /// is `parent.root_run()`.)
+    pub fn root_run(&self) -> RunId {
+        self.root_run_id
+            .or(self.parent_run_id)
+            .unwrap_or(self.run_id)
+    }
+
+    /// The run id of the child that call `call` of attempt `attempt` starts: the same for
+    /// every delivery of the attempt, so a redelivered attempt re-attaches to its child
+    /// instead of starting another (UUIDv5 in a Flotilla namespace).
+    pub fn child_run_id(attempt: crate::ids::AttemptId, call: &str) -> RunId {
+        /// The UUIDv5 namespace of child run ids.
+        const NAMESPACE: uuid::Uuid =
+            uuid::Uuid::from_u128(0x6c0f_0b7e_4d1a_5b4e_9a57_f107_111a_c41d);
+        RunId::from_uuid(uuid::Uuid::new_v5(
+            &NAMESPACE,
+            format!("{attempt}/{call}").as_bytes(),
+        ))
     }
 }
 

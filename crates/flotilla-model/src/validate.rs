@@ -161,6 +161,8 @@ pub enum ProblemCode {
     /// for it: the consumer would wait forever (an error under strict data flow, a warning
     /// under lenient, where another writer may still provide the entry).
     UnsatisfiableConsumption,
+    /// A child run's parent link names the run itself, or holds an invalid task or call id.
+    InvalidParent,
 }
 
 impl ProblemCode {
@@ -199,6 +201,7 @@ impl ProblemCode {
             Self::InvalidOutputKey => "invalid_output_key",
             Self::SharedOutputKey => "shared_output_key",
             Self::UnsatisfiableConsumption => "unsatisfiable_consumption",
+            Self::InvalidParent => "invalid_parent",
         }
     }
 }
@@ -1005,6 +1008,41 @@ fn json_size(value: &serde_json::Value) -> usize {
     // Writing a Value into a counter cannot fail.
     let _ = serde_json::to_writer(&mut c, value);
     c.0
+}
+
+/// Checks a submission's parent link (`parent`, the parent run's handle) for run `run`: the
+/// parent and the root are other runs, and the task and call ids are subject-safe tokens.
+pub fn check_parent(parent: &crate::run::RunHandle, run: crate::ids::RunId) -> Vec<Problem> {
+    let mut out = Vec::new();
+    let mut bad = |path: &str, message: String| {
+        out.push(Problem::new(ProblemCode::InvalidParent, path, message));
+    };
+    if parent.run_id == run {
+        bad(
+            "parent.run_id",
+            format!("run {run} cannot be its own parent"),
+        );
+    }
+    if parent.root_run() == run {
+        bad(
+            "parent.root_run_id",
+            format!("run {run} cannot be the root of its own tree"),
+        );
+    }
+    if let Some(t) = &parent.parent_task_id
+        && let Err(e) = crate::token::check_token(t.as_str())
+    {
+        bad(
+            "parent.parent_task_id",
+            format!("task id {:?} {e}", t.as_str()),
+        );
+    }
+    if let Some(c) = &parent.parent_tool_call_id
+        && let Err(e) = crate::token::check_token(c)
+    {
+        bad("parent.parent_tool_call_id", format!("call id {c:?} {e}"));
+    }
+    out
 }
 
 #[cfg(test)]

@@ -269,6 +269,8 @@ fn handle() -> impl Strategy<Value = RunHandle> {
             agent_id: None,
             parent_run_id: parent,
             parent_tool_call_id: call,
+            parent_task_id: None,
+            root_run_id: parent,
         }
     })
 }

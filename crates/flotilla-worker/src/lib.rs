@@ -657,11 +657,29 @@ async fn handle(
         },
     };
     let success = result.success;
-    if finish(shared, &msg, &task, result, started_at).await && success {
+    let stored = finish(shared, &msg, &task, result, started_at).await;
+    if stored && success {
         // At-least-once mailboxes: what the attempt read counts as consumed only now that its
         // success is stored. A crash before this point lets a redelivery read it again.
         if let Err(e) = clients.mailbox().commit().await {
             warn!(run = %task.run_id, task = %task.task_id, error = %e, "Could not commit the mailbox cursor; the messages read stay unread for this task");
+        }
+    } else if stored {
+        // A failed, timed-out or cancelled attempt takes its unfinished child runs with it.
+        match clients
+            .cancel_children(&format!(
+                "parent attempt {} of {} ended without success",
+                task.attempt, task.task_id
+            ))
+            .await
+        {
+            Ok(0) => {}
+            Ok(n) => {
+                debug!(run = %task.run_id, task = %task.task_id, children = n, "Cancelled the child runs of a failed attempt")
+            }
+            Err(e) => {
+                warn!(run = %task.run_id, task = %task.task_id, error = %e, "Could not cancel the child runs of a failed attempt")
+            }
         }
     }
 }

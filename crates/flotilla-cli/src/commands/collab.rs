@@ -285,6 +285,110 @@ enum ArtifactsCommand {
     },
 }
 
+/// `flotilla call`.
+#[derive(Debug, Args)]
+pub(crate) struct CallArgs {
+    /// The agent definition to run as a child run of this task.
+    agent: String,
+    /// Input for the agent (JSON); `-`: stdin. Default: none.
+    input: Option<String>,
+    /// The child task's instruction.
+    #[arg(long, default_value = "")]
+    description: String,
+    /// Worker pool of the child task.
+    #[arg(long)]
+    pool: Option<String>,
+    /// Topics the child task writes (comma separated), in the run tree's workspace.
+    #[arg(long, value_delimiter = ',')]
+    produces: Vec<String>,
+    /// Per-attempt time limit of the child task (e.g. 30s, 5m).
+    #[arg(long, value_parser = parse_duration)]
+    timeout: Option<Duration>,
+    /// How long to wait for the child to end (default: 10m).
+    #[arg(long, value_parser = parse_duration, default_value = "10m")]
+    wait: Duration,
+    /// Identifies the call within the attempt. Default: derived from the agent, description,
+    /// input, pool and produces, so a retried delivery that makes the same call re-attaches to
+    /// the child its predecessor started (two identical calls in one attempt are one child).
+    #[arg(long)]
+    call_id: Option<String>,
+}
+
+/// `flotilla call …`: runs an agent as a child run of the calling task and prints its
+/// outcome; exit 1 with code `child_failed` when the child did not succeed.
+pub(crate) async fn call(global: Global<'_>, args: CallArgs) -> anyhow::Result<ExitCode> {
+    Ok(finish(run_call(global, args).await))
+}
+
+async fn run_call(global: Global<'_>, args: CallArgs) -> Result<(), CliError> {
+    use sha2::Digest;
+    let input = match args.input.as_deref() {
+        None => Value::Null,
+        Some(text) => json_value(Some(text), &None)?,
+    };
+    let call_id = match args.call_id {
+        Some(id) => id,
+        None => {
+            let key = json!([
+                args.agent,
+                args.description,
+                input,
+                args.pool,
+                args.produces
+            ]);
+            let digest = sha2::Sha256::digest(key.to_string().as_bytes());
+            let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+            format!("cli-{hex}")
+        }
+    };
+    let call = flotilla_context::ChildCall {
+        agent: args.agent,
+        description: args.description,
+        input,
+        pool: args.pool,
+        produces: args.produces,
+        timeout: args.timeout,
+        call_id: Some(call_id),
+    };
+    let clients = connect(
+        global,
+        &ScopeArgs {
+            run: None,
+            as_task: None,
+        },
+    )
+    .await?;
+    let child = clients.start_child(&call).await?;
+    clients.announce_child(&child.handle).await;
+    let until = tokio::time::Instant::now() + args.wait;
+    let outcome = clients
+        .wait_child(child.handle.run_id, until)
+        .await
+        .map_err(|e| CliError::new("timeout", e.message().to_owned()))?;
+    let final_result = outcome.final_result.as_ref();
+    print_json(&json!({
+        "run_id": child.handle.run_id,
+        "created": child.created,
+        "status": outcome.status,
+        "response": final_result.map(|r| r.response.clone()),
+        "numeric_value": final_result.and_then(|r| r.numeric_value),
+        "outcome": outcome,
+    }))?;
+    if outcome.status == flotilla_model::run::RunStatus::Succeeded {
+        Ok(())
+    } else {
+        Err(CliError::new(
+            "child_failed",
+            format!(
+                "child run {} ended {}: {}",
+                child.handle.run_id,
+                outcome.status.as_str(),
+                outcome.reason.as_deref().unwrap_or("")
+            ),
+        ))
+    }
+}
+
 /// Global flags that decide the connection.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Global<'a> {
@@ -690,11 +794,12 @@ async fn operator_scope(bus: &Bus, run: RunId, as_task: Option<&str>) -> Result<
         .await
         .map_err(|e| CliError::new("unavailable", format!("reading run {run}: {e}")))?
         .ok_or_else(|| CliError::new("not_found", format!("run {run} does not exist")))?;
+    let root = view.record.handle.root_run();
     let session = view
         .record
         .session_id
-        .map_or_else(|| run.to_string(), |s| s.to_string());
-    let scope = Scope::operator(bus.names().clone(), run, run, session);
+        .map_or_else(|| root.to_string(), |s| s.to_string());
+    let scope = Scope::operator(bus.names().clone(), run, root, session);
     Ok(match as_task {
         Some(task) => {
             flotilla_context::mailbox::check_address(task)?;

@@ -1,0 +1,254 @@
+//! Child runs (agent-as-tool), end to end against a real nats-server: an agent starts a run of
+//! another agent that is a child in the run tree, shares its root's workspace and session,
+//! re-attaches instead of starting a second child, and is cancelled when the parent attempt
+//! fails. The called agents are the deterministic `scripted` agent, standing in for models;
+//! the caller is a small Rust agent of this test.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use flotilla_context::{Agent, AgentContext, AgentError, AgentReply, ChildCall, Clients, Scope};
+use flotilla_coordinator::store::RunStore;
+use flotilla_model::event::Event;
+use flotilla_model::ids::{AttemptId, RunId, TaskId};
+use flotilla_model::plan::{DataflowValidation, Subtask};
+use flotilla_model::run::{RunHandle, RunStatus};
+use flotilla_model::submit::{SubmitRequest, SubmitStatus};
+use flotilla_worker::{AgentRegistry, WorkerOptions};
+use futures::StreamExt;
+use futures::future::BoxFuture;
+use serde_json::json;
+use support::*;
+
+/// Calls the agent named in its input (`{"agent", "produces"}`) as a child run and answers
+/// with the child's final response.
+#[derive(Debug)]
+struct Caller;
+
+impl Agent for Caller {
+    fn run<'a>(
+        &'a self,
+        task: &'a flotilla_model::task::TaskEnvelope,
+        ctx: AgentContext,
+    ) -> BoxFuture<'a, Result<AgentReply, AgentError>> {
+        Box::pin(async move {
+            let call = ChildCall {
+                agent: task.input["agent"].as_str().unwrap_or("echo").to_owned(),
+                description: "look it up".into(),
+                input: json!({"q": task.description}),
+                produces: task.input["produces"]
+                    .as_array()
+                    .map(|a| {
+                        a.iter()
+                            .filter_map(|v| v.as_str())
+                            .map(str::to_owned)
+                            .collect()
+                    })
+                    .unwrap_or_default(),
+                ..ChildCall::default()
+            };
+            let (child, outcome) = ctx
+                .call_agent(&call)
+                .await
+                .map_err(|e| AgentError::failed(e.to_string()))?;
+            if outcome.status != RunStatus::Succeeded {
+                return Err(AgentError::failed(format!(
+                    "child {} ended {}",
+                    child.handle.run_id,
+                    outcome.status.as_str()
+                )));
+            }
+            let answer = outcome.final_result.map(|r| r.response).unwrap_or_default();
+            Ok(AgentReply::text(format!("child said: {answer}")))
+        })
+    }
+}
+
+async fn services() -> anyhow::Result<InProcess> {
+    let mut defs = BTreeMap::new();
+    defs.insert("echo".to_string(), scripted("{task_id}: found it"));
+    let mut slow = scripted("{task_id}: slow");
+    if let flotilla_worker::AgentDefinition::Scripted(c) = &mut slow {
+        c.delay = Duration::from_secs(30);
+    }
+    defs.insert("slow".to_string(), slow);
+    // Named here for validation; the worker below runs the Rust agent.
+    defs.insert("caller".to_string(), scripted("unused"));
+    let mut f = InProcess::start(0, defs).await?;
+    let mut registry = AgentRegistry::from_definitions(&f.agents, None, &root().join("config"))
+        .map_err(anyhow::Error::msg)?;
+    registry.insert("caller", Arc::new(Caller));
+    let opts = WorkerOptions {
+        started_event_delay: Duration::ZERO,
+        ..WorkerOptions::default()
+    };
+    f.add_worker_with_registry(opts, registry).await?;
+    Ok(f)
+}
+
+/// The child runs a parent announced on its event stream, in order.
+async fn children_of(f: &InProcess, run: RunId) -> anyhow::Result<Vec<RunHandle>> {
+    let events = f.client.events(run).await?;
+    futures::pin_mut!(events);
+    let mut out = Vec::new();
+    while let Ok(Some(e)) = tokio::time::timeout(Duration::from_millis(500), events.next()).await {
+        if let Event::AgentRunStarted { child } = e?.event {
+            out.push(child);
+        }
+    }
+    Ok(out)
+}
+
+#[tokio::test]
+async fn an_agent_calls_another_as_a_child_run_sharing_the_roots_workspace() -> anyhow::Result<()> {
+    let f = services().await?;
+    let mut ask = Subtask::new("ask", "what was Q3 revenue").with_agent("caller");
+    ask.input = json!({"agent": "echo", "produces": ["findings"]});
+    let run = f.client.submit(SubmitRequest::new(plan(vec![ask]))).await?;
+    let outcome = f.client.wait(run, WAIT).await?;
+    assert_eq!(outcome.status, RunStatus::Succeeded, "{outcome:?}");
+    let response = &outcome.final_result.as_ref().expect("result").response;
+    assert_eq!(response, "child said: echo: found it");
+
+    // The parent's stream announces the child; the child's record links back.
+    let children = children_of(&f, run).await?;
+    assert_eq!(children.len(), 1, "{children:?}");
+    let child = &children[0];
+    assert_eq!(child.parent_run_id, Some(run));
+    assert_eq!(
+        child.parent_task_id.as_ref().map(TaskId::as_str),
+        Some("ask")
+    );
+    assert_eq!(child.root_run(), run);
+    let view = f.client.run(child.run_id).await?.expect("child record");
+    assert_eq!(view.record.handle.parent_run_id, Some(run));
+    assert_eq!(view.record.handle.root_run(), run);
+    assert_eq!(view.record.status, RunStatus::Succeeded);
+
+    // The child's automatic produce went to the root's workspace.
+    let store = RunStore::open(&f.bus).await?;
+    let (entries, _, _) = store
+        .topic_entries(run, "findings", 0, usize::MAX, 100)
+        .await?;
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    assert_eq!(entries[0].entry["summary"], "echo: found it");
+    assert_eq!(
+        entries[0].writer.as_ref().map(|w| w.run_id),
+        Some(child.run_id)
+    );
+    f.stop().await;
+    Ok(())
+}
+
+/// An attempt scope as a worker builds it, for driving the context directly.
+fn attempt_scope(f: &InProcess, run: RunId, attempt: AttemptId, delivery: i64) -> Scope {
+    let mut scope = Scope::operator(f.bus.names().clone(), run, run, run.to_string())
+        .with_task(TaskId::new("ask"));
+    scope.attempt = Some(1);
+    scope.attempt_id = Some(attempt);
+    scope.delivery = Some(delivery);
+    scope.produces = Some(Vec::new());
+    scope.dataflow = DataflowValidation::Strict;
+    scope.by = None;
+    scope
+}
+
+#[tokio::test]
+async fn a_redelivered_attempt_reattaches_and_a_failed_one_cancels_its_children()
+-> anyhow::Result<()> {
+    let f = services().await?;
+    // A parent run whose task waits, so the scope below belongs to a real run.
+    let mut hold = Subtask::new("ask", "hold").with_agent("slow");
+    hold.timeout = Some(Duration::from_secs(60).into());
+    let run = f
+        .client
+        .submit(SubmitRequest::new(plan(vec![hold])))
+        .await?;
+    let attempt = AttemptId::new();
+    let call = ChildCall {
+        agent: "echo".into(),
+        ..ChildCall::default()
+    };
+
+    // Delivery 1 starts the child; delivery 2 (a fresh process after a crash) makes the same
+    // first call and re-attaches to it.
+    let first = Clients::new(f.bus.clone(), attempt_scope(&f, run, attempt, 1))?;
+    let a = first.start_child(&call).await?;
+    assert!(a.created);
+    let second = Clients::new(f.bus.clone(), attempt_scope(&f, run, attempt, 2))?;
+    let b = second.start_child(&call).await?;
+    assert!(!b.created, "the redelivery re-attached");
+    assert_eq!(a.handle.run_id, b.handle.run_id);
+    let until = tokio::time::Instant::now() + WAIT;
+    let outcome = second.wait_child(b.handle.run_id, until).await?;
+    assert_eq!(outcome.status, RunStatus::Succeeded, "{outcome:?}");
+    // Waiting again (after the end) finds the outcome at once.
+    let again = first.wait_child(a.handle.run_id, until).await?;
+    assert_eq!(again.status, RunStatus::Succeeded);
+
+    // A slow child, then the attempt fails: its children are cancelled.
+    let slow = first
+        .start_child(&ChildCall {
+            agent: "slow".into(),
+            ..ChildCall::default()
+        })
+        .await?;
+    assert_ne!(slow.handle.run_id, a.handle.run_id);
+    let cancelled = second.cancel_children("the parent attempt failed").await?;
+    assert_eq!(cancelled, 2, "both children are known to every delivery");
+    let outcome = first.wait_child(slow.handle.run_id, until).await?;
+    assert_eq!(outcome.status, RunStatus::Cancelled, "{outcome:?}");
+    f.client.cancel(run, Some("test over".into())).await.ok();
+    f.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_parent_attempt_that_times_out_takes_its_child_with_it() -> anyhow::Result<()> {
+    let f = services().await?;
+    let mut ask = Subtask::new("ask", "wait for a slow helper").with_agent("caller");
+    ask.input = json!({"agent": "slow"});
+    ask.timeout = Some(Duration::from_secs(1).into());
+    let mut p = plan(vec![ask]);
+    p.config.max_retries = 0;
+    let run = f.client.submit(SubmitRequest::new(p)).await?;
+    let outcome = f.client.wait(run, WAIT).await?;
+    assert_eq!(outcome.status, RunStatus::Failed, "{outcome:?}");
+    let children = children_of(&f, run).await?;
+    assert_eq!(children.len(), 1, "{children:?}");
+    let child = f.client.wait(children[0].run_id, WAIT).await?;
+    assert_eq!(child.status, RunStatus::Cancelled, "{child:?}");
+    f.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_parent_link_naming_the_run_itself_is_refused() -> anyhow::Result<()> {
+    let f = services().await?;
+    let run = RunId::new();
+    let mut request = SubmitRequest::new(plan(vec![Subtask::new("t", "x").with_agent("echo")]));
+    request.run_id = Some(run);
+    let mut parent = RunHandle::root(run);
+    parent.parent_tool_call_id = Some("bad call id".into());
+    request.parent = Some(parent);
+    let reply = f.client.submit_request(&request, WAIT).await?;
+    assert_eq!(reply.status, SubmitStatus::Rejected, "{reply:?}");
+    let codes: Vec<(&str, &str)> = reply
+        .errors
+        .iter()
+        .map(|p| (p.code.as_str(), p.path.as_str()))
+        .collect();
+    assert!(
+        codes.contains(&("invalid_parent", "parent.run_id")),
+        "{codes:?}"
+    );
+    assert!(
+        codes.contains(&("invalid_parent", "parent.parent_tool_call_id")),
+        "{codes:?}"
+    );
+    f.stop().await;
+    Ok(())
+}
