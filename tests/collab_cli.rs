@@ -15,6 +15,7 @@ use flotilla_model::plan::Subtask;
 use flotilla_model::run::{RunOutcome, RunStatus};
 use flotilla_model::submit::SubmitRequest;
 use flotilla_model::workspace::WorkspaceEntry;
+use futures::StreamExt;
 use serde_json::{Value, json};
 use support::*;
 
@@ -41,6 +42,13 @@ args = ["inbox.sh"]
 kind = "exec"
 command = "sh"
 args = ["bad.sh"]
+[agents.caller]
+kind = "exec"
+command = "sh"
+args = ["caller.sh"]
+[agents.echo]
+kind = "scripted"
+reply = "{task_id}: echoed {description}"
 "#;
 
 fn task(id: &str, agent: &str) -> Subtask {
@@ -609,5 +617,50 @@ async fn operators_reach_a_runs_workspace_state_mail_and_artifacts_with_run() ->
         ],
     )?;
     assert_eq!(failure(&bad_type)?, (2, "invalid_argument".to_owned()));
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_exec_agent_calls_another_agent_as_a_child_run() -> anyhow::Result<()> {
+    let p = start().await?;
+    script(
+        &p,
+        "caller.sh",
+        r#"set -e
+"$FLOTILLA_BIN" call echo '{"q": "revenue"}' --description "look up Q3"
+"#,
+    )?;
+    let (run, outcome) = run_plan(&p, vec![task("ask", "caller")]).await?;
+    assert_eq!(outcome.status, RunStatus::Succeeded, "{outcome:?}");
+    // `flotilla call` prints the child's outcome with its `response`, so a script that passes
+    // the output through answers with the child's answer.
+    assert_eq!(response_of(&outcome, "ask")?, "echo: echoed look up Q3");
+    // The parent's stream announced the child.
+    let events = p.client.events(run).await?;
+    futures::pin_mut!(events);
+    let mut child = None;
+    while let Ok(Some(e)) =
+        tokio::time::timeout(std::time::Duration::from_millis(500), events.next()).await
+    {
+        if let flotilla_model::event::Event::AgentRunStarted { child: c } = e?.event {
+            child = Some(c.run_id);
+        }
+    }
+    let child = child.ok_or_else(|| anyhow::anyhow!("no agent_run_started event"))?;
+    let view = p.client.run(child).await?.expect("child record");
+    assert_eq!(view.record.handle.parent_run_id, Some(run));
+    assert_eq!(
+        view.record
+            .handle
+            .parent_task_id
+            .as_ref()
+            .map(|t| t.as_str()),
+        Some("ask")
+    );
+
+    // Outside an agent there is no attempt to be the parent: refused, nothing started.
+    let out = cli(&p, &["call", "echo"])?;
+    let (code, error) = failure(&out)?;
+    assert_eq!((code, error.as_str()), (2, "invalid_scope"));
     Ok(())
 }
