@@ -252,3 +252,25 @@ async fn a_parent_link_naming_the_run_itself_is_refused() -> anyhow::Result<()> 
     f.stop().await;
     Ok(())
 }
+
+#[tokio::test]
+async fn cancelling_a_parent_run_cancels_the_child_it_waits_for() -> anyhow::Result<()> {
+    let f = services().await?;
+    let mut ask = Subtask::new("ask", "wait for a slow helper").with_agent("caller");
+    ask.input = json!({"agent": "slow"});
+    let run = f.client.submit(SubmitRequest::new(plan(vec![ask]))).await?;
+    // Wait until the child exists, then cancel the parent run.
+    let child = loop {
+        let children = children_of(&f, run).await?;
+        if let Some(c) = children.first() {
+            break c.run_id;
+        }
+    };
+    f.client.cancel(run, Some("operator stop".into())).await?;
+    let outcome = f.client.wait(run, WAIT).await?;
+    assert_eq!(outcome.status, RunStatus::Cancelled, "{outcome:?}");
+    let child = f.client.wait(child, WAIT).await?;
+    assert_eq!(child.status, RunStatus::Cancelled, "{child:?}");
+    f.stop().await;
+    Ok(())
+}
