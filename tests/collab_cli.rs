@@ -658,6 +658,14 @@ async fn an_exec_agent_calls_another_agent_as_a_child_run() -> anyhow::Result<()
         Some("ask")
     );
 
+    // The tree, as an operator sees it.
+    let tree = ok_json(&cli(&p, &["runs", "tree", &run.to_string(), "--json"])?)?;
+    assert_eq!(tree["run_id"], run.to_string(), "{tree}");
+    assert_eq!(tree["status"], "succeeded");
+    assert_eq!(tree["children"][0]["run_id"], child.to_string(), "{tree}");
+    assert_eq!(tree["children"][0]["parent_task_id"], "ask");
+    assert_eq!(tree["children"][0]["status"], "succeeded");
+
     // Outside an agent there is no attempt to be the parent: refused, nothing started.
     let out = cli(&p, &["call", "echo"])?;
     let (code, error) = failure(&out)?;

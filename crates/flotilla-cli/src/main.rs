@@ -163,6 +163,13 @@ enum RunsCommand {
         #[arg(long)]
         json: bool,
     },
+    /// The run and, recursively, the child runs its agents started (agent-as-tool).
+    Tree {
+        run: RunId,
+        /// Machine-readable output (nested).
+        #[arg(long)]
+        json: bool,
+    },
     /// The run log: every input that changed the run.
     History {
         run: RunId,
@@ -437,6 +444,9 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
         }
         Command::Runs(RunsCommand::Show { run, json }) => {
             commands::runs::show(&load()?, run, json).await
+        }
+        Command::Runs(RunsCommand::Tree { run, json }) => {
+            commands::runs::tree(&load()?, run, json).await
         }
         Command::Runs(RunsCommand::History { run, json }) => {
             commands::runs::history(&load()?, run, json).await

@@ -316,3 +316,133 @@ pub(crate) async fn cancel(
     }
     Ok(ExitCode::SUCCESS)
 }
+
+/// One run of a run tree, with the children it started.
+#[derive(Debug, serde::Serialize)]
+struct TreeNode {
+    run_id: RunId,
+    status: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    name: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    parent_task_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    call: Option<String>,
+    children: Vec<TreeNode>,
+}
+
+/// Most runs `runs tree` shows.
+const MAX_TREE_RUNS: usize = 1000;
+
+/// The children a run announced on its event stream (`agent_run_started`), in order.
+async fn announced_children(
+    bus: &Bus,
+    run: RunId,
+) -> anyhow::Result<Vec<flotilla_model::run::RunHandle>> {
+    use flotilla_model::event::{Event, decode_events};
+    use flotilla_model::subjects::StreamKind;
+    let filter = bus.names().event(run);
+    let mut out = Vec::new();
+    let mut after = 0;
+    loop {
+        let page = bus
+            .direct_batch(StreamKind::Events, &filter, after, 1000, Some(4 << 20))
+            .await?;
+        let Some(last) = page.last() else { break };
+        after = last.seq;
+        let more = last.num_pending > 0;
+        for m in &page {
+            let Ok(events) =
+                decode_events(flotilla_bus::wire::codec_of(Some(&m.headers)), &m.payload)
+            else {
+                continue;
+            };
+            for e in events {
+                if let Event::AgentRunStarted { child } = e.event
+                    && !out
+                        .iter()
+                        .any(|c: &flotilla_model::run::RunHandle| c.run_id == child.run_id)
+                {
+                    out.push(child);
+                }
+            }
+        }
+        if !more {
+            break;
+        }
+    }
+    Ok(out)
+}
+
+/// `flotilla runs tree RUN`: the run and, recursively, the child runs its agents started.
+pub(crate) async fn tree(config: &Config, run: RunId, json: bool) -> anyhow::Result<ExitCode> {
+    let bus = Bus::connect(&config.nats, "flotilla-cli").await?;
+    let store = RunStore::open(&bus).await?;
+    let mut seen = 0usize;
+    let Some(root) = tree_node(&bus, &store, run, None, &mut seen).await? else {
+        eprintln!("error: run {run} does not exist");
+        return Ok(ExitCode::from(1));
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&root)?);
+    } else {
+        print_tree(&root, 0);
+        if seen >= MAX_TREE_RUNS {
+            println!("(stopped after {MAX_TREE_RUNS} runs)");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn tree_node<'a>(
+    bus: &'a Bus,
+    store: &'a RunStore,
+    run: RunId,
+    link: Option<&'a flotilla_model::run::RunHandle>,
+    seen: &'a mut usize,
+) -> futures::future::BoxFuture<'a, anyhow::Result<Option<TreeNode>>> {
+    Box::pin(async move {
+        let Some(view) = store.view(run, 0, 0).await? else {
+            return Ok(None);
+        };
+        *seen += 1;
+        let mut node = TreeNode {
+            run_id: run,
+            status: view.record.status.as_str(),
+            name: view.record.name.clone(),
+            parent_task_id: link
+                .and_then(|l| l.parent_task_id.as_ref())
+                .map(|t| t.as_str().to_owned()),
+            call: link.and_then(|l| l.parent_tool_call_id.clone()),
+            children: Vec::new(),
+        };
+        for child in announced_children(bus, run).await? {
+            if *seen >= MAX_TREE_RUNS {
+                break;
+            }
+            if let Some(c) = tree_node(bus, store, child.run_id, Some(&child), seen).await? {
+                node.children.push(c);
+            }
+        }
+        Ok(Some(node))
+    })
+}
+
+fn print_tree(node: &TreeNode, depth: usize) {
+    let via = match (&node.parent_task_id, &node.call) {
+        (Some(t), Some(c)) => format!("  ← {t} ({c})"),
+        (Some(t), None) => format!("  ← {t}"),
+        _ => String::new(),
+    };
+    println!(
+        "{}{}  {:<10}  {}{}",
+        "  ".repeat(depth),
+        node.run_id,
+        node.status,
+        node.name.as_deref().unwrap_or("-"),
+        via
+    );
+    for c in &node.children {
+        print_tree(c, depth + 1);
+    }
+}
