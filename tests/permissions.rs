@@ -668,6 +668,10 @@ reply = "{task_id} done"
 [agents.long]
 kind = "scripted"
 delay = "60s"
+[agents.caller]
+kind = "exec"
+command = "sh"
+args = ["-c", "\"$FLOTILLA_BIN\" call echo --description lookup"]
 "#;
 
 #[tokio::test]
@@ -725,7 +729,8 @@ async fn a_plan_runs_with_every_role_on_its_own_credentials() -> anyhow::Result<
         r#"{"name":"least-privilege","subtasks":[
             {"id":"gather","produces":["facts"],"output_key":"gathered"},
             {"id":"analyse","consumes":["facts"],"description":"about {gathered}"},
-            {"id":"report","dependencies":["analyse"]}]}"#,
+            {"id":"delegate","agent":"caller"},
+            {"id":"report","dependencies":["analyse","delegate"]}]}"#,
     )?;
     let plan = plan.to_string_lossy().into_owned();
     let submit = p.spawn_env(
@@ -770,7 +775,8 @@ async fn a_plan_runs_with_every_role_on_its_own_credentials() -> anyhow::Result<
     };
     let client = flotilla_client::Client::new(Bus::connect(&opts, "permissions-test").await?);
     let runs = flotilla_coordinator::store::RunStore::open(client.bus()).await?;
-    ensure!(runs.list().await?.len() == 1);
+    // The plan's run and the child run its `delegate` task started.
+    ensure!(runs.list().await?.len() == 2);
 
     // Cancelling with the client's credentials: the coordinator records it, posts the cancel
     // notice and removes queued tasks; the worker sees the notice and cancels its attempt.

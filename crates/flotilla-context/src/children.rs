@@ -6,7 +6,8 @@
 //! workspace and mailboxes the child shares; it shares the parent's session state too.
 //!
 //! **Never lost, never doubled.** The child's run id is derived from the attempt id and the
-//! call (`RunHandle::child_run_id`), and the submission is the run's first message
+//! call (`RunHandle::child_run_id`), and the coordinator (`child.start`: workers may not
+//! submit runs themselves) publishes the submission as the run's first message
 //! (`Nats-Expected-Last-Subject-Sequence: 0`): a redelivered attempt that makes the same call
 //! re-attaches to the child its crashed predecessor started. Waiting reads the child's event
 //! stream from its start, so an outcome that arrived while nobody waited is found.
@@ -22,7 +23,9 @@ use async_nats::jetstream::consumer::{DeliverPolicy, pull};
 use bytes::Bytes;
 use flotilla_bus::wire;
 use flotilla_model::PROTOCOL_VERSION;
-use flotilla_model::api::CancelRunRequest;
+use flotilla_model::api::{
+    ApiError, ApiRequest, CancelRunRequest, ChildStartReply, ChildStartRequest,
+};
 use flotilla_model::codec::Codec;
 use flotilla_model::event::{Event, EventBatch, EventEnvelope, decode_events};
 use flotilla_model::ids::{RunId, SessionId, TaskId};
@@ -132,19 +135,7 @@ impl Clients {
         // The marker first: a crash between the two leaves a marker of a child that never
         // started (cancelling it is a no-op), never a child nobody can cancel.
         self.mark_child(child).await?;
-        let names = self.bus().names();
-        let mut out = wire::encode(&request, Codec::Json, Some(&format!("submit.{child}")))
-            .map_err(|e| ContextError::with_source(ErrorKind::Malformed, "encoding", e))?;
-        wire::expect_first(&mut out.headers);
-        let created = match self
-            .bus()
-            .publish_encoded(names.submit_run(child), out)
-            .await
-        {
-            Ok(_) => true,
-            Err(e) if e.kind() == flotilla_bus::PublishErrorKind::NotFirst => false,
-            Err(e) => return Err(unavailable(format!("submitting child run {child}"), e)),
-        };
+        let created = self.request_child_start(request).await?;
         let handle = RunHandle {
             run_id: child,
             agent_id: None,
@@ -304,6 +295,57 @@ impl Clients {
             }
         }
         Ok(children.len())
+    }
+
+    /// Asks the coordinator to start the child (`child.start`): workers hold no right to
+    /// submit runs themselves. Returns whether the child was created (else re-attached).
+    async fn request_child_start(&self, submission: SubmitRequest) -> Result<bool, ContextError> {
+        let child = submission.run_id;
+        let body = serde_json::to_vec(&ChildStartRequest {
+            protocol: PROTOCOL_VERSION,
+            submission,
+        })
+        .map_err(|e| ContextError::with_source(ErrorKind::Malformed, "encoding", e))?;
+        let bus = self.bus();
+        let subject = bus.names().api(ChildStartRequest::ENDPOINT);
+        let reply = tokio::time::timeout(
+            bus.options().request_timeout,
+            bus.client().request(subject, Bytes::from(body)),
+        )
+        .await
+        .map_err(|_| {
+            ContextError::new(
+                ErrorKind::Unavailable,
+                "no coordinator answered child.start in time",
+            )
+        })?
+        .map_err(|e| unavailable("asking a coordinator to start a child run", e))?;
+        let failed = reply
+            .headers
+            .as_ref()
+            .is_some_and(|h| h.get("Nats-Service-Error-Code").is_some());
+        if failed {
+            let e: ApiError = serde_json::from_slice(&reply.payload).map_err(|e| {
+                ContextError::with_source(ErrorKind::Malformed, "reading child.start's error", e)
+            })?;
+            let kind = match e.status {
+                404 => ErrorKind::NotFound,
+                503 | 504 => ErrorKind::Unavailable,
+                413 => ErrorKind::PayloadTooLarge,
+                _ => ErrorKind::InvalidScope,
+            };
+            return Err(ContextError::new(
+                kind,
+                format!(
+                    "child.start refused child run {child:?}: {} ({})",
+                    e.message, e.code
+                ),
+            ));
+        }
+        let ok: ChildStartReply = serde_json::from_slice(&reply.payload).map_err(|e| {
+            ContextError::with_source(ErrorKind::Malformed, "reading child.start's answer", e)
+        })?;
+        Ok(ok.created)
     }
 
     async fn mark_child(&self, child: RunId) -> Result<(), ContextError> {

@@ -25,9 +25,9 @@ use bytes::Bytes;
 use flotilla_bus::wire;
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::api::{
-    ApiError, ApiRequest, CancelRunReply, CancelRunRequest, GetRunRequest, MAX_TASKS_PER_VIEW,
-    MboxReadRequest, MboxSendRequest, StateGetRequest, StateSetRequest, ValidatePlanReply,
-    ValidatePlanRequest, WsAppendRequest, WsReadRequest,
+    ApiError, ApiRequest, CancelRunReply, CancelRunRequest, ChildStartRequest, GetRunRequest,
+    MAX_TASKS_PER_VIEW, MboxReadRequest, MboxSendRequest, StateGetRequest, StateSetRequest,
+    ValidatePlanReply, ValidatePlanRequest, WsAppendRequest, WsReadRequest,
 };
 use flotilla_model::codec::{CodecError, check_protocol};
 use flotilla_model::event::Event;
@@ -134,7 +134,8 @@ has_protocol!(
     MboxSendRequest,
     MboxReadRequest,
     StateGetRequest,
-    StateSetRequest
+    StateSetRequest,
+    ChildStartRequest
 );
 
 /// What the endpoints share.
@@ -203,6 +204,9 @@ pub(crate) async fn serve(
     let mut state_get = endpoint("state-get", StateGetRequest::ENDPOINT)
         .await
         .map_err(setup)?;
+    let mut child_start = endpoint("child-start", ChildStartRequest::ENDPOINT)
+        .await
+        .map_err(setup)?;
     let mut state_set = endpoint("state-set", StateSetRequest::ENDPOINT)
         .await
         .map_err(setup)?;
@@ -227,6 +231,7 @@ pub(crate) async fn serve(
             Some(req) = mbox_read.next() => { tokio::spawn(async move { api.mbox_read(req).await }); }
             Some(req) = state_get.next() => { tokio::spawn(async move { api.state_get(req).await }); }
             Some(req) = state_set.next() => { tokio::spawn(async move { api.state_set(req).await }); }
+            Some(req) = child_start.next() => { tokio::spawn(async move { api.child_start(req).await }); }
             else => break,
         }
     }

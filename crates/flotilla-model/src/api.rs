@@ -388,3 +388,34 @@ impl ApiRequest for StateSetRequest {
     const ENDPOINT: &'static str = "state.set";
     type Reply = StateSetReply;
 }
+
+/// Start a child run for a task attempt (agent-as-tool). Agents ask the coordinator rather
+/// than publishing the submission themselves, so workers need no right to submit runs: the
+/// coordinator checks the parent link against the parent run and publishes the child's first
+/// message (`Nats-Expected-Last-Subject-Sequence: 0`, so a repeated start is a no-op).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ChildStartRequest {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// The child's submission: `run_id` and `parent` (with `parent_task_id`) are required.
+    pub submission: SubmitRequest,
+}
+
+/// The answer to [`ChildStartRequest`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ChildStartReply {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// The child run.
+    pub run_id: RunId,
+    /// `false`: the child existed already (a redelivered attempt re-attached).
+    pub created: bool,
+}
+
+impl ApiRequest for ChildStartRequest {
+    const ENDPOINT: &'static str = "child.start";
+    type Reply = ChildStartReply;
+}

@@ -98,6 +98,14 @@ pub fn public_schemas() -> Vec<(&'static str, Schema)> {
             "state-set-reply.json",
             schema_for!(crate::api::StateSetReply),
         ),
+        (
+            "child-start-request.json",
+            schema_for!(crate::api::ChildStartRequest),
+        ),
+        (
+            "child-start-reply.json",
+            schema_for!(crate::api::ChildStartReply),
+        ),
     ]
 }
 

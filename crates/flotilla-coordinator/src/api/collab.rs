@@ -51,12 +51,14 @@ use flotilla_context::scope::OPERATOR;
 use flotilla_context::{Clients, ContextError, Scope};
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::api::{
-    ApiError, MAX_MBOX_WAIT_MS, MboxReadRequest, MboxSendReply, MboxSendRequest, StateGetRequest,
-    StateSetReply, StateSetRequest, WsAppendReply, WsAppendRequest, WsReadRequest,
+    ApiError, ChildStartReply, ChildStartRequest, MAX_MBOX_WAIT_MS, MboxReadRequest, MboxSendReply,
+    MboxSendRequest, StateGetRequest, StateSetReply, StateSetRequest, WsAppendReply,
+    WsAppendRequest, WsReadRequest,
 };
 use flotilla_model::ids::{RunId, SessionId, TaskId};
 use flotilla_model::mailbox::{MAX_READ_LIMIT as MBOX_MAX_LIMIT, MailboxPage};
 use flotilla_model::plan::{DataflowValidation, Plan};
+use flotilla_model::run::RunHandle;
 use flotilla_model::runlog::{RunInput, RunLogEntry};
 use flotilla_model::state::StateValue;
 use flotilla_model::token::{check_name, normalize_topic};
@@ -339,23 +341,25 @@ impl Api {
             // `root_of` / `session_of`: the run is its own root; the session id, else the
             // root).
             None => {
-                let session = match self.store.first_message(run).await.map_err(store_error)? {
-                    Some(First {
-                        content: FirstMessage::Submission { request, .. },
-                        ..
-                    }) => request.session_id,
-                    Some(First {
-                        content:
-                            FirstMessage::Entry(RunLogEntry {
-                                input: RunInput::Submitted(s),
-                                ..
-                            }),
-                        ..
-                    }) => s.session_id,
-                    _ => return Err(unknown_run(run)),
-                };
-                let session = session.map_or_else(|| run.to_string(), |s| s.to_string());
-                (run, session, false)
+                let (session, parent) =
+                    match self.store.first_message(run).await.map_err(store_error)? {
+                        Some(First {
+                            content: FirstMessage::Submission { request, .. },
+                            ..
+                        }) => (request.session_id, request.parent),
+                        Some(First {
+                            content:
+                                FirstMessage::Entry(RunLogEntry {
+                                    input: RunInput::Submitted(s),
+                                    ..
+                                }),
+                            ..
+                        }) => (s.session_id, s.parent),
+                        _ => return Err(unknown_run(run)),
+                    };
+                let root = parent.as_ref().map_or(run, RunHandle::root_run);
+                let session = session.map_or_else(|| root.to_string(), |s| s.to_string());
+                (root, session, false)
             }
         };
         let plan = match self.store.plan(run).await {
@@ -656,6 +660,95 @@ impl Api {
 }
 
 /// `404 unknown_run`.
+impl Api {
+    /// `child.start`.
+    pub(super) async fn child_start(&self, req: Request) {
+        let Some(r) = parse::<ChildStartRequest>(&req).await else {
+            return;
+        };
+        let answer = self.start_child(r).await;
+        self.answer(&req, "child.start", answer).await;
+    }
+
+    async fn start_child(&self, r: ChildStartRequest) -> Result<ChildStartReply, ApiError> {
+        let mut submission = r.submission;
+        let invalid = |m: String| bad("invalid_parent", m);
+        let child = submission
+            .run_id
+            .ok_or_else(|| invalid("a child run's submission names its run_id".into()))?;
+        let parent = submission
+            .parent
+            .clone()
+            .ok_or_else(|| invalid("a child run's submission has a parent link".into()))?;
+        if let Some(p) = flotilla_model::validate::check_parent(&parent, child).first() {
+            return Err(invalid(p.message.clone()));
+        }
+        if submission.idempotency_key.is_some() {
+            return Err(invalid(
+                "a child run is identified by its run_id, not an idempotency key".into(),
+            ));
+        }
+        let task = parent
+            .parent_task_id
+            .clone()
+            .ok_or_else(|| invalid("the parent link names the parent task".into()))?;
+        let facts = self.run_facts(parent.run_id).await?;
+        facts.produces(&task)?;
+        if parent.root_run() != facts.root {
+            return Err(invalid(format!(
+                "the parent link names root {} but run {} belongs to the tree of {}",
+                parent.root_run(),
+                parent.run_id,
+                facts.root
+            )));
+        }
+        if let Some(s) = submission.session_id
+            && s.to_string() != facts.session
+        {
+            return Err(bad(
+                "invalid_scope",
+                format!(
+                    "a child run shares its parent's session {}, not {s}",
+                    facts.session
+                ),
+            ));
+        }
+        submission.protocol = PROTOCOL_VERSION;
+        let bus = self.store.bus();
+        let mut out = flotilla_bus::wire::encode(
+            &submission,
+            flotilla_model::codec::Codec::Json,
+            Some(&format!("submit.{child}")),
+        )
+        .map_err(|e| bad("malformed", e.to_string()))?;
+        flotilla_bus::wire::expect_first(&mut out.headers);
+        if out.payload.len() > bus.max_payload() {
+            return Err(ApiError::new(
+                413,
+                "plan_too_large",
+                format!(
+                    "the child's submission is {} bytes; the max payload is {}",
+                    out.payload.len(),
+                    bus.max_payload()
+                ),
+            ));
+        }
+        let created = match bus
+            .publish_encoded(bus.names().submit_run(child), out)
+            .await
+        {
+            Ok(_) => true,
+            Err(e) if e.kind() == flotilla_bus::PublishErrorKind::NotFirst => false,
+            Err(e) => return Err(ApiError::new(503, "unavailable", e.to_string())),
+        };
+        Ok(ChildStartReply {
+            protocol: PROTOCOL_VERSION,
+            run_id: child,
+            created,
+        })
+    }
+}
+
 fn unknown_run(run: RunId) -> ApiError {
     ApiError::new(404, "unknown_run", format!("run {run} does not exist"))
 }
