@@ -1,11 +1,13 @@
 //! Observability of real `flotilla` processes: `/healthz`, `/readyz` (including draining on
-//! SIGTERM), `/metrics`, and OTLP span export to a test receiver. Agents are the deterministic
-//! `scripted` agent with a delay, so a drain lasts long enough to observe.
+//! SIGTERM), `/metrics` recorded by the coordinator and workers, and OTLP span export to a
+//! test receiver (one trace per run across processes). Agents are the deterministic
+//! `scripted` agent (with a delay where a test needs time to observe).
 
 mod support;
 
 use std::time::Duration;
 
+use flotilla_model::RunId;
 use flotilla_model::plan::Subtask;
 use flotilla_model::run::RunStatus;
 use flotilla_model::submit::SubmitRequest;
@@ -23,6 +25,34 @@ delay = "3s"
 [telemetry]
 consumer-lag-interval = "200ms"
 "#;
+
+/// A quick deterministic agent, for runs that only need to finish.
+const QUICK: &str = r#"
+default-agent = "echo"
+[agents.echo]
+kind = "scripted"
+reply = "{task_id} ok"
+"#;
+
+/// `a → b, a → c, b + c → d`.
+fn diamond() -> Vec<Subtask> {
+    vec![
+        Subtask::new("a", "root"),
+        Subtask::new("b", "left").after(&["a"]),
+        Subtask::new("c", "right").after(&["a"]),
+        Subtask::new("d", "join").after(&["b", "c"]),
+    ]
+}
+
+/// The value of the sample line `series` (name and labels exactly as exposed).
+fn sample(metrics: &str, series: &str) -> Option<f64> {
+    metrics.lines().find_map(|l| {
+        l.strip_prefix(series)
+            .and_then(|rest| rest.strip_prefix(' '))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+    })
+}
 
 fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
@@ -196,5 +226,306 @@ async fn services_export_their_startup_spans_over_otlp() -> anyhow::Result<()> {
         spans.iter().all(|s| s.name == "startup"),
         "unexpected spans: {spans:#?}"
     );
+    Ok(())
+}
+
+/// Waits until `/metrics` on `port` shows every `(series, value)`; returns the text.
+async fn metrics_show(port: u16, expected: &[(&str, f64)]) -> anyhow::Result<String> {
+    until(port, "/metrics", "expected samples", |s, m| {
+        s == 200
+            && expected
+                .iter()
+                .all(|(series, value)| sample(m, series) == Some(*value))
+    })
+    .await
+    .map_err(|e| {
+        let missing: Vec<&str> = expected.iter().map(|(s, _)| *s).collect();
+        e.context(format!("expected {missing:?}"))
+    })
+}
+
+#[tokio::test]
+async fn the_coordinator_and_workers_record_what_a_run_did() -> anyhow::Result<()> {
+    let mut p = Processes::start(QUICK).await?;
+    let (cport, wport) = (free_port()?, free_port()?);
+    let caddr = format!("127.0.0.1:{cport}");
+    let waddr = format!("127.0.0.1:{wport}");
+    let c = p.spawn(&["coordinator", "--http-addr", &caddr])?;
+    let w = p.spawn(&["worker", "--concurrency", "3", "--http-addr", &waddr])?;
+    for port in [cport, wport] {
+        until(port, "/readyz", "ready", |s, _| s == 200).await?;
+    }
+    // A chain of three: three dispatches, two dependency hops.
+    let run = p
+        .client
+        .submit(SubmitRequest::new(plan(vec![
+            Subtask::new("a", "first"),
+            Subtask::new("b", "second").after(&["a"]),
+            Subtask::new("c", "third").after(&["b"]),
+        ])))
+        .await?;
+    let outcome = p.client.wait(run, WAIT).await?;
+    assert_eq!(outcome.status, RunStatus::Succeeded);
+
+    let coordinator = metrics_show(
+        cport,
+        &[
+            ("flotilla_runs_submitted_total{outcome=\"accepted\"}", 1.0),
+            ("flotilla_runs_finished_total{status=\"succeeded\"}", 1.0),
+            (
+                "flotilla_tasks_dispatched_total{pool=\"default\",agent=\"echo\"}",
+                3.0,
+            ),
+            (
+                "flotilla_tasks_finished_total{pool=\"default\",agent=\"echo\",status=\"succeeded\"}",
+                3.0,
+            ),
+            ("flotilla_dependency_hop_seconds_count", 2.0),
+        ],
+    )
+    .await
+    .map_err(|e| e.context(p.log(c)))?;
+    assert_eq!(
+        sample(
+            &coordinator,
+            "flotilla_runs_finished_total{status=\"failed\"}"
+        ),
+        Some(0.0)
+    );
+    // Hops are real durations: above zero, and (locally) well under the 10 s bucket.
+    let hop_sum = sample(&coordinator, "flotilla_dependency_hop_seconds_sum")
+        .ok_or_else(|| anyhow::anyhow!("no hop sum:\n{coordinator}"))?;
+    assert!(hop_sum > 0.0 && hop_sum < 20.0, "{coordinator}");
+    // The coordinator records no worker series, and no id becomes a label.
+    assert!(
+        !coordinator.contains("flotilla_task_attempt_duration_seconds_count"),
+        "{coordinator}"
+    );
+    assert!(!coordinator.contains(&run.to_string()), "{coordinator}");
+
+    let worker = metrics_show(
+        wport,
+        &[
+            (
+                "flotilla_task_attempt_duration_seconds_count{pool=\"default\",agent=\"echo\",outcome=\"succeeded\"}",
+                3.0,
+            ),
+            ("flotilla_worker_in_flight_attempts{pool=\"default\"}", 0.0),
+            ("flotilla_worker_free_slots{pool=\"default\"}", 3.0),
+        ],
+    )
+    .await
+    .map_err(|e| e.context(p.log(w)))?;
+    assert!(
+        !worker.contains("flotilla_tasks_dispatched_total{"),
+        "{worker}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn up_shows_coordinator_and_worker_metrics_on_one_endpoint() -> anyhow::Result<()> {
+    let mut p = Processes::start(QUICK).await?;
+    let port = free_port()?;
+    let addr = format!("127.0.0.1:{port}");
+    let url = p.server.url();
+    let up = p.spawn(&[
+        "--nats-url",
+        &url,
+        "up",
+        "--workers",
+        "2",
+        "--concurrency",
+        "2",
+        "--http-addr",
+        &addr,
+    ])?;
+    until(port, "/readyz", "ready", |s, _| s == 200)
+        .await
+        .map_err(|e| e.context(p.log(up)))?;
+    let run = p.client.submit(SubmitRequest::new(plan(diamond()))).await?;
+    assert_eq!(p.client.wait(run, WAIT).await?.status, RunStatus::Succeeded);
+    metrics_show(
+        port,
+        &[
+            ("flotilla_runs_finished_total{status=\"succeeded\"}", 1.0),
+            (
+                "flotilla_tasks_dispatched_total{pool=\"default\",agent=\"echo\"}",
+                4.0,
+            ),
+            ("flotilla_dependency_hop_seconds_count", 3.0),
+            (
+                "flotilla_task_attempt_duration_seconds_count{pool=\"default\",agent=\"echo\",outcome=\"succeeded\"}",
+                4.0,
+            ),
+            // Two workers of two slots each, summed.
+            ("flotilla_worker_free_slots{pool=\"default\"}", 4.0),
+        ],
+    )
+    .await
+    .map_err(|e| e.context(p.log(up)))?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_run_is_one_trace_across_client_coordinator_and_workers() -> anyhow::Result<()> {
+    let receiver = OtlpReceiver::start().await?;
+    let endpoint = receiver.endpoint();
+    let otel = [
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+        ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+        // One task at a time per worker, none held back: the diamond's two middle tasks run
+        // on different workers.
+        ("FLOTILLA_WORKER__PREFETCH", "0"),
+    ];
+    let config = format!("{QUICK}delay = \"300ms\"\n");
+    let mut p = Processes::start(&config).await?;
+    let c = p.spawn_env(&["coordinator"], &otel)?;
+    let w1 = p.spawn_env(&["worker", "--concurrency", "1"], &otel)?;
+    let w2 = p.spawn_env(&["worker", "--concurrency", "1"], &otel)?;
+    p.wait_registered(w1).await?;
+    p.wait_registered(w2).await?;
+    wait_for_api(&p.bus).await?;
+
+    // The client is `flotilla submit`, exporting its own `submit` span.
+    let run = RunId::new();
+    let plan_file = p.dir().join("diamond.json");
+    std::fs::write(&plan_file, serde_json::to_vec(&plan(diamond()))?)?;
+    let plan_path = plan_file.to_string_lossy().into_owned();
+    let run_arg = run.to_string();
+    let s = p.spawn_env(&["submit", &plan_path, "--run-id", &run_arg], &otel)?;
+    assert_eq!(p.wait_exit(s, WAIT).await?, Some(0), "{}", p.log(s));
+    assert_eq!(p.client.wait(run, WAIT).await?.status, RunStatus::Succeeded);
+
+    let run_id = run.to_string();
+    let of_run = |s: &flotilla_testkit::otlp::ReceivedSpan| {
+        s.attribute("flotilla.run_id") == Some(run_id.as_str())
+    };
+    let spans = receiver
+        .wait_for(
+            |spans| {
+                spans
+                    .iter()
+                    .filter(|s| of_run(s) && s.name.starts_with("invoke_agent"))
+                    .count()
+                    == 4
+                    && spans
+                        .iter()
+                        .filter(|s| of_run(s) && s.name == "dispatch")
+                        .count()
+                        == 4
+                    && spans.iter().any(|s| of_run(s) && s.name == "submit")
+            },
+            WAIT,
+        )
+        .await
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "{e}\ncoordinator:\n{}\nworkers:\n{}\n{}",
+                p.log(c),
+                p.log(w1),
+                p.log(w2)
+            )
+        })?;
+    let submit = spans
+        .iter()
+        .find(|s| of_run(s) && s.name == "submit")
+        .ok_or_else(|| anyhow::anyhow!("no submit span"))?;
+    assert_eq!(submit.service_name.as_deref(), Some("flotilla-cli"));
+    assert_eq!(submit.parent_span_id, None, "the client's span is the root");
+    let trace: Vec<_> = spans
+        .iter()
+        .filter(|s| s.trace_id == submit.trace_id)
+        .collect();
+    // Every span of the run is in the client's trace.
+    for s in spans.iter().filter(|s| of_run(s)) {
+        assert_eq!(s.trace_id, submit.trace_id, "{s:#?}");
+    }
+    let by_id = |id: &Option<String>| {
+        id.as_ref()
+            .and_then(|id| trace.iter().find(|s| &s.span_id == id))
+    };
+    let steps: Vec<_> = trace.iter().filter(|s| s.name == "step").collect();
+    assert!(!steps.is_empty(), "{trace:#?}");
+    for step in &steps {
+        assert_eq!(step.service_name.as_deref(), Some("flotilla-coordinator"));
+        assert_eq!(
+            step.parent_span_id.as_ref(),
+            Some(&submit.span_id),
+            "a step is a child of the submission"
+        );
+    }
+    let mut workers = std::collections::BTreeSet::new();
+    for task in ["a", "b", "c", "d"] {
+        let dispatch = trace
+            .iter()
+            .find(|s| s.name == "dispatch" && s.attribute("flotilla.task_id") == Some(task))
+            .ok_or_else(|| anyhow::anyhow!("no dispatch of {task}: {trace:#?}"))?;
+        let parent = by_id(&dispatch.parent_span_id)
+            .ok_or_else(|| anyhow::anyhow!("dispatch of {task} has no parent in the trace"))?;
+        assert_eq!(parent.name, "step", "{dispatch:#?}");
+        assert_eq!(dispatch.attribute("flotilla.pool"), Some("default"));
+        let attempt = trace
+            .iter()
+            .find(|s| {
+                s.name == "invoke_agent echo" && s.attribute("flotilla.task_id") == Some(task)
+            })
+            .ok_or_else(|| anyhow::anyhow!("no invoke_agent of {task}: {trace:#?}"))?;
+        assert_eq!(
+            attempt.parent_span_id.as_ref(),
+            Some(&dispatch.span_id),
+            "{attempt:#?}"
+        );
+        assert_eq!(attempt.service_name.as_deref(), Some("flotilla-worker"));
+        assert_eq!(
+            attempt.attribute("gen_ai.operation.name"),
+            Some("invoke_agent")
+        );
+        assert_eq!(attempt.attribute("gen_ai.agent.name"), Some("echo"));
+        assert_eq!(attempt.attribute("flotilla.attempt"), Some("1"));
+        assert_eq!(attempt.attribute("flotilla.run_id"), Some(run_id.as_str()));
+        workers.insert(
+            attempt
+                .attribute("flotilla.worker_id")
+                .unwrap_or_default()
+                .to_owned(),
+        );
+    }
+    assert_eq!(workers.len(), 2, "both workers ran tasks: {workers:?}");
+
+    // A client without a trace: the coordinator's span that admitted the run is the root,
+    // and the run is still one trace.
+    let second = p.client.submit(SubmitRequest::new(plan(diamond()))).await?;
+    assert_eq!(
+        p.client.wait(second, WAIT).await?.status,
+        RunStatus::Succeeded
+    );
+    let second_id = second.to_string();
+    let of_second = |s: &flotilla_testkit::otlp::ReceivedSpan| {
+        s.attribute("flotilla.run_id") == Some(second_id.as_str())
+    };
+    let spans = receiver
+        .wait_for(
+            |spans| {
+                spans
+                    .iter()
+                    .filter(|s| of_second(s) && s.name.starts_with("invoke_agent"))
+                    .count()
+                    == 4
+            },
+            WAIT,
+        )
+        .await?;
+    let run_spans: Vec<_> = spans.iter().filter(|s| of_second(s)).collect();
+    let roots: Vec<_> = run_spans
+        .iter()
+        .filter(|s| s.parent_span_id.is_none())
+        .collect();
+    assert_eq!(roots.len(), 1, "{run_spans:#?}");
+    assert_eq!(roots[0].name, "step");
+    for s in &run_spans {
+        assert_eq!(s.trace_id, roots[0].trace_id, "{s:#?}");
+    }
     Ok(())
 }

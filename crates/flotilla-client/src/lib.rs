@@ -33,7 +33,8 @@ use flotilla_model::state::StateValue;
 use flotilla_model::subjects::StreamKind;
 use flotilla_model::submit::{SubmitReply, SubmitRequest};
 use flotilla_model::workspace::WorkspacePage;
-use futures::{Stream, StreamExt};
+use futures::{FutureExt, Stream, StreamExt};
+use tracing::Instrument;
 
 flotilla_bus::error_kinds!(
     /// Why a client call failed.
@@ -110,8 +111,13 @@ impl Client {
     /// the run has no message yet, so submitting a run id again changes nothing and returns
     /// the same id. A submission with an `idempotency_key` goes to the intake stream
     /// (`<prefix>.submit`), where a coordinator maps the key to its run.
+    ///
+    /// With OpenTelemetry export on (a `tracing-opentelemetry` layer), the submission is a
+    /// `submit` span, child of the current span, and carries its `traceparent`: the run's
+    /// spans in the coordinator and workers join that trace.
     pub async fn submit(&self, mut request: SubmitRequest) -> Result<RunId, ClientError> {
         let run = *request.run_id.get_or_insert_with(RunId::new);
+        let span = flotilla_telemetry::spans::submit(Some(run));
         let names = self.bus.names();
         let (subject, msg_id) = match &request.idempotency_key {
             Some(key) => (names.submit(), key.clone()),
@@ -121,6 +127,9 @@ impl Client {
             .map_err(|e| ClientError::with_source(ClientErrorKind::Decode, "encoding", e))?;
         if request.idempotency_key.is_none() {
             wire::expect_first(&mut out.headers);
+        }
+        if let Some(trace) = flotilla_telemetry::trace_context::span_context(&span) {
+            insert_trace(&mut out.headers, &trace);
         }
         let max = self.bus.max_payload();
         if out.payload.len() > max {
@@ -132,7 +141,12 @@ impl Client {
                 ),
             ));
         }
-        match self.bus.publish_encoded(subject, out).await {
+        match self
+            .bus
+            .publish_encoded(subject, out)
+            .instrument(span)
+            .await
+        {
             Ok(_) => Ok(run),
             // The run exists already: submitting it again is a no-op.
             Err(e) if e.kind() == flotilla_bus::PublishErrorKind::NotFirst => Ok(run),
@@ -192,7 +206,23 @@ impl Client {
         let body = serde_json::to_vec(request)
             .map_err(|e| ClientError::with_source(ClientErrorKind::Decode, "encoding", e))?;
         let subject = self.bus.names().api(R::ENDPOINT);
-        let reply = tokio::time::timeout(timeout, self.bus.client().request(subject, body.into()))
+        // The caller's trace (a `submit` span, an application's span) goes with the request.
+        let sent = match flotilla_telemetry::trace_context::current() {
+            Some(trace) => {
+                let mut headers = async_nats::HeaderMap::new();
+                insert_trace(&mut headers, &trace);
+                self.bus
+                    .client()
+                    .request_with_headers(subject, headers, body.into())
+                    .left_future()
+            }
+            None => self
+                .bus
+                .client()
+                .request(subject, body.into())
+                .right_future(),
+        };
+        let reply = tokio::time::timeout(timeout, sent)
             .await
             .map_err(|_| {
                 ClientError::new(
@@ -282,7 +312,8 @@ impl Client {
         request: &SubmitRequest,
         timeout: Duration,
     ) -> Result<SubmitReply, ClientError> {
-        self.request(request, timeout).await
+        let span = flotilla_telemetry::spans::submit(request.run_id);
+        self.request(request, timeout).instrument(span).await
     }
 
     /// Every event of a run, from its first, as they arrive.
@@ -359,5 +390,13 @@ impl Client {
             .view(run, 0, usize::MAX)
             .await
             .map_err(|e| nats(format!("reading run {run}"), e))
+    }
+}
+
+/// Puts a trace context on an outgoing message (`traceparent`, `tracestate`).
+fn insert_trace(headers: &mut async_nats::HeaderMap, trace: &flotilla_model::task::TraceContext) {
+    headers.insert(wire::TRACEPARENT, trace.traceparent.as_str());
+    if let Some(state) = &trace.tracestate {
+        headers.insert("tracestate", state.as_str());
     }
 }

@@ -38,6 +38,8 @@ use flotilla_model::token::check_subject;
 use flotilla_model::validate::{
     MAX_REPORTED_PROBLEMS, Problem, ProblemCode, ValidationContext, prepare_plan, truncate_problems,
 };
+use flotilla_telemetry::events::{RunFinished, RunSubmitted};
+use flotilla_telemetry::{InternalEvent, Metrics, spans, trace_context};
 use tracing::{debug, info, warn};
 
 use crate::error::{StoreError, StoreErrorKind};
@@ -87,6 +89,7 @@ pub(crate) struct Intake {
     store: RunStore,
     ctx: ValidationContext,
     live: LiveWorkers,
+    metrics: Metrics,
 }
 
 fn reply(run_id: Option<RunId>, status: SubmitStatus) -> SubmitReply {
@@ -110,8 +113,18 @@ struct Loose {
 }
 
 impl Intake {
-    pub(crate) fn new(store: RunStore, ctx: ValidationContext, live: LiveWorkers) -> Self {
-        Self { store, ctx, live }
+    pub(crate) fn new(
+        store: RunStore,
+        ctx: ValidationContext,
+        live: LiveWorkers,
+        metrics: Metrics,
+    ) -> Self {
+        Self {
+            store,
+            ctx,
+            live,
+            metrics,
+        }
     }
 
     /// Handles one submission and says what to answer a request/reply submitter.
@@ -122,6 +135,9 @@ impl Intake {
         source: Source<'_>,
     ) -> Result<Answer, StoreError> {
         let msg_id = wire::header(headers, NATS_MESSAGE_ID.as_ref()).map(str::to_owned);
+        // The run's trace: the client's, or rooted here when it sent none.
+        let span = spans::intake();
+        trace_context::set_parent(&span, header_trace(headers).as_ref());
         let request: Result<SubmitRequest, CodecError> =
             wire::decode::<SubmitRequest>(headers, payload)
                 .and_then(|r| check_protocol(r.protocol).map(|()| r));
@@ -217,7 +233,7 @@ impl Intake {
             wait_reply_to: wait_inbox,
             intake_seq: source.intake_seq(),
             warnings: warnings.clone(),
-            trace: Some(trace_from(headers, run)),
+            trace: Some(admitted_trace(headers, run, &span)),
         };
         let entry = RunLogEntry {
             protocol: PROTOCOL_VERSION,
@@ -250,6 +266,11 @@ impl Intake {
             Err(e) => return Err(e),
         }
         info!(%run, "Plan accepted");
+        RunSubmitted {
+            run: Some(run),
+            status: SubmitStatus::Accepted,
+        }
+        .emit(&self.metrics);
         if waiting {
             Ok(Answer::AtEnd)
         } else {
@@ -335,7 +356,20 @@ impl Intake {
                 .await;
         }
         warn!(%run, problems = rejected.errors.len(), first = %rejected.errors.first().map(ToString::to_string).unwrap_or_default(), "Plan rejected");
-        record_rejection(&self.store, run, &rejected, source.now_ms(), false).await?;
+        record_rejection(
+            &self.store,
+            &self.metrics,
+            run,
+            &rejected,
+            source.now_ms(),
+            false,
+        )
+        .await?;
+        RunSubmitted {
+            run: Some(run),
+            status: SubmitStatus::Rejected,
+        }
+        .emit(&self.metrics);
         let mut r = reply(Some(run), SubmitStatus::Rejected);
         r.errors = rejected.errors;
         Ok(Answer::Now(Box::new(r)))
@@ -370,7 +404,8 @@ impl Intake {
                 }
                 RunInput::Rejected(r) if r.intake_seq == Some(seq) => {
                     debug!(%run, "Redelivered submission was already rejected; answering again");
-                    record_rejection(&self.store, run, r, source.now_ms(), true).await?;
+                    record_rejection(&self.store, &self.metrics, run, r, source.now_ms(), true)
+                        .await?;
                     let mut answer = reply(Some(run), SubmitStatus::Rejected);
                     answer.errors = r.errors.clone();
                     return Ok(Answer::Now(Box::new(answer)));
@@ -385,6 +420,11 @@ impl Intake {
                 _ => RunStatus::Pending,
             },
         };
+        RunSubmitted {
+            run: Some(run),
+            status: SubmitStatus::Duplicate,
+        }
+        .emit(&self.metrics);
         let mut answer = reply(Some(run), SubmitStatus::Duplicate);
         answer.run_status = Some(status);
         if let Some(to) = reply_to {
@@ -426,6 +466,7 @@ pub(crate) async fn publish_reply(bus: &flotilla_bus::Bus, to: &str, answer: &Su
 /// once. `again` publishes them even if the record exists (a redelivered submission).
 pub(crate) async fn record_rejection(
     store: &RunStore,
+    metrics: &Metrics,
     run: RunId,
     rejected: &Rejected,
     now_ms: i64,
@@ -444,7 +485,11 @@ pub(crate) async fn record_rejection(
         outbox_seqs: &[],
     };
     match store.create(run, &snapshot).await {
-        Ok(_) => {}
+        Ok(_) => RunFinished {
+            run,
+            status: RunStatus::Rejected,
+        }
+        .emit(metrics),
         Err(e) if e.kind() == StoreErrorKind::AlreadyExists && !again => return Ok(()),
         Err(e) if e.kind() == StoreErrorKind::AlreadyExists => {}
         Err(e) => return Err(e),
@@ -501,15 +546,34 @@ fn loose_fields(headers: Option<&HeaderMap>, payload: &[u8], msg_id: Option<Stri
     }
 }
 
-/// The submission's trace context, or a new trace rooted at the run.
+/// The trace context a submission carries in its headers, if any.
+pub(crate) fn header_trace(headers: Option<&HeaderMap>) -> Option<TraceContext> {
+    let tp = wire::header(headers, wire::TRACEPARENT).filter(|tp| tp.split('-').count() == 4)?;
+    Some(TraceContext {
+        traceparent: tp.to_owned(),
+        tracestate: wire::header(headers, "tracestate").map(str::to_owned),
+    })
+}
+
+/// The trace context of a run admitted within `span`: the submission's; else, while spans
+/// are exported, that of `span` (the coordinator's span that admits the run becomes the
+/// trace's root); else as [`trace_from`].
+pub(crate) fn admitted_trace(
+    headers: Option<&HeaderMap>,
+    run: RunId,
+    span: &tracing::Span,
+) -> TraceContext {
+    header_trace(headers)
+        .or_else(|| trace_context::span_context(span))
+        .unwrap_or_else(|| trace_from(headers, run))
+}
+
+/// The submission's trace context, or a new trace rooted at the run (its trace id is the run
+/// id: without an exporter there is no span to point at, and processes further down that do
+/// export still group the run's spans under its id).
 pub(crate) fn trace_from(headers: Option<&HeaderMap>, run: RunId) -> TraceContext {
-    if let Some(tp) = wire::header(headers, wire::TRACEPARENT)
-        && tp.split('-').count() == 4
-    {
-        return TraceContext {
-            traceparent: tp.to_owned(),
-            tracestate: wire::header(headers, "tracestate").map(str::to_owned),
-        };
+    if let Some(trace) = header_trace(headers) {
+        return trace;
     }
     let trace_id = run.as_uuid().simple().to_string();
     TraceContext {

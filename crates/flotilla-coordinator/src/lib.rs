@@ -37,6 +37,7 @@ use async_nats::jetstream::consumer::PullConsumer;
 use flotilla_bus::{Bus, JetStreamOptions, SharedConsumer};
 use flotilla_model::subjects::StreamKind;
 use flotilla_model::validate::ValidationContext;
+use flotilla_telemetry::Metrics;
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -66,6 +67,7 @@ pub struct Coordinator {
     ctx: ValidationContext,
     jetstream: JetStreamOptions,
     ready: Option<tokio::sync::oneshot::Sender<()>>,
+    metrics: Metrics,
 }
 
 fn setup(
@@ -89,7 +91,16 @@ impl Coordinator {
             ctx,
             jetstream,
             ready: None,
+            metrics: Metrics::new(),
         }
+    }
+
+    /// Records this coordinator's metrics (submissions, runs and tasks finished, dispatches,
+    /// retries, dependency hops, compare-and-set conflicts) in `metrics` — the process's
+    /// registry, served on `/metrics` — instead of a private one.
+    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     /// Signals `ready` once streams and buckets are provisioned and the coordinator's consumers
@@ -154,13 +165,19 @@ impl Coordinator {
             self.ctx.clone(),
             live.clone(),
             self.jetstream.duplicate_window,
+            self.metrics.clone(),
         ));
         let workers = self
             .bus
             .kv(flotilla_model::subjects::Bucket::Workers)
             .await
             .map_err(|e| setup("opening the workers bucket", e))?;
-        let intake = Arc::new(Intake::new(store.clone(), self.ctx.clone(), live.clone()));
+        let intake = Arc::new(Intake::new(
+            store.clone(),
+            self.ctx.clone(),
+            live.clone(),
+            self.metrics.clone(),
+        ));
         if let Some(ready) = self.ready.take() {
             let _ = ready.send(());
         }
@@ -232,11 +249,7 @@ async fn consume_intake(
                     let source = Source::Intake { seq: info.stream_sequence, now_ms: unix_ms(info.published) };
                     let delivered = info.delivered;
                     match intake.submit(msg.headers.as_ref(), &msg.payload, source).await {
-                        Ok(Answer::Now(reply)) => {
-                            tracing::debug!(status = ?reply.status, run = ?reply.run_id, "Submission handled");
-                            let _ = msg.ack().await;
-                        }
-                        Ok(Answer::AtEnd | Answer::WaitFor(_)) => {
+                        Ok(Answer::Now(_) | Answer::AtEnd | Answer::WaitFor(_)) => {
                             let _ = msg.ack().await;
                         }
                         Err(e) if delivered >= MAX_INTAKE_DELIVERIES && e.kind().retry() == flotilla_bus::Retry::Terminal => {

@@ -52,6 +52,11 @@ use flotilla_model::validate::{
     MAX_REPORTED_PROBLEMS, Problem, ProblemCode, ValidationContext, normalize_plan, prepare_plan,
     truncate_problems,
 };
+use flotilla_telemetry::events::{
+    CasConflict, DependencyHop, RunFinished, RunSubmitted, TaskDispatched, TaskFinished,
+    TaskRetried,
+};
+use flotilla_telemetry::{InternalEvent, Metrics, spans, trace_context};
 use futures::StreamExt;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -107,6 +112,8 @@ struct Decoded {
     msg: jetstream::Message,
     seq: u64,
     ts_ms: i64,
+    /// When the stream stored it (Unix ns, server clock): the start of a dependency hop.
+    published_ns: i128,
     delivered: i64,
     inbound: Inbound,
 }
@@ -124,6 +131,9 @@ enum Stepped {
 enum StepError {
     /// Compare-and-set lost: reload and try again.
     Conflict,
+    /// Nothing changed against cached state, which may be stale: reload and try again (not a
+    /// conflict).
+    Stale,
     /// Something failed that may work later (NATS unavailable); the inputs are handed back
     /// for redelivery.
     Failed(String),
@@ -161,6 +171,9 @@ pub(crate) struct Runtime {
     duplicate_window_ms: i64,
     /// `<prefix>.submit.`: messages on it are durable submissions.
     submit_prefix: String,
+    metrics: Metrics,
+    /// The `agent` label of tasks that name none.
+    default_agent: String,
 }
 
 impl Runtime {
@@ -171,9 +184,17 @@ impl Runtime {
         ctx: ValidationContext,
         live: LiveWorkers,
         duplicate_window: Duration,
+        metrics: Metrics,
     ) -> Self {
         let submit_prefix = format!("{}.submit.", bus.names().prefix());
+        let default_agent = ctx
+            .agents
+            .as_ref()
+            .and_then(|a| a.default.clone())
+            .unwrap_or_else(|| "default".into());
         Self {
+            metrics,
+            default_agent,
             store,
             bus,
             opts,
@@ -381,10 +402,13 @@ impl Runtime {
                 return Some(entry);
             }
         }
-        if let Err(e) = self.perform(&mut entry, &unflushed.events).await {
+        if let Err(e) = self
+            .perform(&mut entry, &unflushed.events, &tracing::Span::none())
+            .await
+        {
             let reason = match e {
                 StepError::Failed(r) | StepError::Terminal(r) => r,
-                StepError::Conflict => "conflict".into(),
+                StepError::Conflict | StepError::Stale => "conflict".into(),
             };
             // The record's outbox holds the events: a redelivery re-performs them.
             warn!(%run, %reason, "Publishing a run's start events failed; they will be re-published");
@@ -411,7 +435,12 @@ impl Runtime {
         let mut inputs = Vec::with_capacity(msgs.len());
         for msg in msgs {
             let info = match msg.info() {
-                Ok(i) => (i.stream_sequence, unix_ms(i.published), i.delivered),
+                Ok(i) => (
+                    i.stream_sequence,
+                    unix_ms(i.published),
+                    i.delivered,
+                    i.published.unix_timestamp_nanos(),
+                ),
                 Err(e) => {
                     warn!(error = %e, "Run-log message without JetStream metadata; dropping");
                     continue;
@@ -455,6 +484,7 @@ impl Runtime {
             inputs.push(Decoded {
                 seq: info.0,
                 ts_ms: info.1,
+                published_ns: info.3,
                 delivered: info.2,
                 inbound,
                 msg,
@@ -487,8 +517,9 @@ impl Runtime {
                     }
                     return Some(entry);
                 }
-                Err(StepError::Conflict) => {
-                    debug!(%run, "Run changed concurrently; reloading");
+                Err(StepError::Conflict) => CasConflict { run }.emit(&self.metrics),
+                Err(StepError::Stale) => {
+                    debug!(%run, "Cached run may be stale; reloading");
                 }
                 Err(StepError::Failed(reason)) => {
                     warn!(%run, %reason, "Applying run-log inputs failed; they will be redelivered");
@@ -506,7 +537,7 @@ impl Runtime {
                                 }
                                 return None;
                             }
-                            Err(StepError::Conflict) => continue,
+                            Err(StepError::Conflict | StepError::Stale) => continue,
                             Err(StepError::Failed(r)) => {
                                 warn!(%run, reason = %r, "Ending the run failed; the inputs will be redelivered");
                                 break;
@@ -589,7 +620,15 @@ impl Runtime {
                 input: RunInput::Rejected(r),
                 ..
             }) => {
-                crate::intake::record_rejection(&self.store, run, &r, first.ts_ms, false).await?;
+                crate::intake::record_rejection(
+                    &self.store,
+                    &self.metrics,
+                    run,
+                    &r,
+                    first.ts_ms,
+                    false,
+                )
+                .await?;
                 return Ok(None);
             }
             FirstMessage::Entry(_) => {
@@ -621,6 +660,7 @@ impl Runtime {
         run: RunId,
         request: &SubmitRequest,
         d: &Decoded,
+        span: &tracing::Span,
     ) -> Result<Option<Submitted>, StepError> {
         let mut errors = Vec::new();
         let reply_to = match &request.reply_to {
@@ -690,7 +730,20 @@ impl Runtime {
                     Some(&format!("rejected.{run}")),
                 )
                 .await?;
-            crate::intake::record_rejection(&self.store, run, &rejected, d.ts_ms, false).await?;
+            crate::intake::record_rejection(
+                &self.store,
+                &self.metrics,
+                run,
+                &rejected,
+                d.ts_ms,
+                false,
+            )
+            .await?;
+            RunSubmitted {
+                run: Some(run),
+                status: SubmitStatus::Rejected,
+            }
+            .emit(&self.metrics);
             return Ok(None);
         }
         let pools: std::collections::BTreeSet<&str> =
@@ -709,7 +762,7 @@ impl Runtime {
             request,
             plan,
             warnings,
-            crate::intake::trace_from(d.msg.headers.as_ref(), run),
+            crate::intake::admitted_trace(d.msg.headers.as_ref(), run, span),
         )))
     }
 
@@ -725,6 +778,12 @@ impl Runtime {
         let now_ms = inputs.iter().map(|d| d.ts_ms).max().unwrap_or_default();
         let mut reperform = Vec::new();
         let from_cache = cached.is_some();
+        // Started below as a child of the run's trace (or, for a run admitted now without a
+        // client trace, as its root).
+        let span = spans::step(run, inputs.len());
+        // Dispatches made ready by a result: (task, when the result was stored).
+        let mut hops: Vec<(u32, i128)> = Vec::new();
+        let mut admitted = false;
         // A run's first message, delivered for the first time, starts a run nobody has seen:
         // there is nothing to load (its record is written only after this step).
         let fresh_start = inputs.first().is_some_and(|d| {
@@ -811,9 +870,11 @@ impl Runtime {
                             .await;
                         continue;
                     }
-                    let Some(submitted) = Box::pin(self.admit(run, request, d)).await? else {
+                    let Some(submitted) = Box::pin(self.admit(run, request, d, &span)).await?
+                    else {
                         return Ok(Stepped::Done(None));
                     };
+                    admitted = true;
                     let mut submitted = submitted;
                     let plan = Arc::new(std::mem::replace(
                         &mut submitted.plan,
@@ -856,8 +917,15 @@ impl Runtime {
                     if entry.is_none() {
                         // The intake records its rejections; this covers an intake that
                         // stopped between the append and the record.
-                        crate::intake::record_rejection(&self.store, run, r, d.ts_ms, false)
-                            .await?;
+                        crate::intake::record_rejection(
+                            &self.store,
+                            &self.metrics,
+                            run,
+                            r,
+                            d.ts_ms,
+                            false,
+                        )
+                        .await?;
                         return Ok(Stepped::Done(None));
                     }
                 }
@@ -903,6 +971,10 @@ impl Runtime {
                         started_at: r.started_at,
                     };
                     let a = e.machine.apply(input, d.ts_ms);
+                    hops.extend(a.iter().filter_map(|a| match a {
+                        Action::Dispatch { task, attempt: 1 } => Some((*task, d.published_ns)),
+                        _ => None,
+                    }));
                     if !a.is_empty()
                         && r.result.success
                         && let Some(i) = e.machine.graph().index_of(&r.task_id)
@@ -935,6 +1007,7 @@ impl Runtime {
         if let Some(reason) = abort {
             actions.extend(entry.machine.apply(Input::Abort { reason }, now_ms));
         }
+        trace_context::set_parent(&span, entry.machine.state().trace.as_ref());
         let unrecorded = entry.revision == 0;
         let changed =
             started || unrecorded || applied_before != Some(entry.machine.state().applied);
@@ -943,7 +1016,7 @@ impl Runtime {
             // another coordinator may have moved the run on (a result can look stale to an
             // old state). Without a write there is no compare-and-set to catch that, so
             // confirm against a fresh load before acknowledging.
-            return Err(StepError::Conflict);
+            return Err(StepError::Stale);
         }
         // The start alone changed the run: perform it now, record it later.
         let only_start = started
@@ -954,7 +1027,9 @@ impl Runtime {
             let (events, now): (Vec<Action>, Vec<Action>) = actions
                 .into_iter()
                 .partition(|a| matches!(a, Action::Emit(_)));
-            Box::pin(self.perform(&mut entry, &now)).await?;
+            Box::pin(self.perform(&mut entry, &now, &span)).await?;
+            self.record(&entry, now.iter().chain(&events), admitted);
+            self.record_hops(run, &entry, &hops);
             entry.unflushed = Some(Unflushed {
                 events,
                 msgs: Vec::new(),
@@ -968,6 +1043,7 @@ impl Runtime {
                 .into_iter()
                 .filter(|a| still_relevant(a, &entry.machine)),
         );
+        let new_from = to_perform.len();
         to_perform.extend(actions);
         if to_perform.contains(&Action::Finish) {
             Box::pin(self.complete_outcome(&mut entry)).await?;
@@ -1010,14 +1086,113 @@ impl Runtime {
                 Err(e) => return Err(e.into()),
             };
         }
-        Box::pin(self.perform(&mut entry, &to_perform)).await?;
+        // Committed: what this step decided is counted once, however often it is performed.
+        self.record(&entry, &to_perform[new_from..], admitted);
+        Box::pin(self.perform(&mut entry, &to_perform, &span)).await?;
+        self.record_hops(run, &entry, &hops);
         if entry.machine.state().status.is_terminal() {
-            if changed {
-                info!(%run, status = %entry.machine.state().status, "Run finished");
-            }
             return Ok(Stepped::Done(None));
         }
         Ok(Stepped::Done(Some(entry)))
+    }
+
+    /// Counts what a committed step decided: the run admitted, tasks dispatched, retried and
+    /// finished, the run finished. Labels are the task's pool and agent; ids go to the log
+    /// lines only.
+    fn record<'a>(
+        &self,
+        entry: &Cached,
+        actions: impl IntoIterator<Item = &'a Action>,
+        admitted: bool,
+    ) {
+        let state = entry.machine.state();
+        let run = state.run_id;
+        if admitted {
+            RunSubmitted {
+                run: Some(run),
+                status: SubmitStatus::Accepted,
+            }
+            .emit(&self.metrics);
+        }
+        let plan = entry.machine.plan();
+        let task = |i: u32| {
+            let sub = &plan.subtasks[i as usize];
+            let agent = sub.agent.as_deref().unwrap_or(&self.default_agent);
+            (sub, agent)
+        };
+        for action in actions {
+            match action {
+                Action::Dispatch { task: i, attempt } => {
+                    let (sub, agent) = task(*i);
+                    TaskDispatched {
+                        run,
+                        task: &sub.id,
+                        attempt: *attempt,
+                        pool: &sub.pool,
+                        agent,
+                    }
+                    .emit(&self.metrics);
+                }
+                Action::Emit(e) => {
+                    let Some(i) = e.task else { continue };
+                    let (sub, agent) = task(i);
+                    let status = match e.event.phase {
+                        WorkflowPhase::TaskRetrying => {
+                            let delay = e.event.retry_at.map_or(0, |at| at.unix_ms() - e.at_ms);
+                            TaskRetried {
+                                run,
+                                task: &sub.id,
+                                attempt: e.attempt.unwrap_or_default(),
+                                pool: &sub.pool,
+                                agent,
+                                delay: Duration::from_millis(delay.max(0) as u64),
+                            }
+                            .emit(&self.metrics);
+                            continue;
+                        }
+                        WorkflowPhase::TaskSucceeded => flotilla_model::run::TaskStatus::Succeeded,
+                        WorkflowPhase::TaskFailed => flotilla_model::run::TaskStatus::Failed,
+                        WorkflowPhase::TaskSkipped => flotilla_model::run::TaskStatus::Skipped,
+                        _ => continue,
+                    };
+                    TaskFinished {
+                        run,
+                        task: &sub.id,
+                        pool: &sub.pool,
+                        agent,
+                        status,
+                    }
+                    .emit(&self.metrics);
+                }
+                Action::Finish => RunFinished {
+                    run,
+                    status: state.status,
+                }
+                .emit(&self.metrics),
+                _ => {}
+            }
+        }
+    }
+
+    /// Records the dependency hops of a performed step: from the result that made a task
+    /// ready being stored (server clock) to that task's dispatch being stored.
+    fn record_hops(&self, run: RunId, entry: &Cached, hops: &[(u32, i128)]) {
+        if hops.is_empty() {
+            return;
+        }
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as i128);
+        let plan = entry.machine.plan();
+        for &(task, published_ns) in hops {
+            let ns = u64::try_from(now - published_ns).unwrap_or(0);
+            DependencyHop {
+                run,
+                task: &plan.subtasks[task as usize].id,
+                duration: Duration::from_nanos(ns),
+            }
+            .emit(&self.metrics);
+        }
     }
 
     /// Whether the message at `seq` is the first of the run's history (for submissions whose
@@ -1033,7 +1208,11 @@ impl Runtime {
 
     /// Answers a duplicate durable submission on its `reply_to`.
     async fn answer_duplicate(&self, run: RunId, request: &SubmitRequest, status: RunStatus) {
-        debug!(%run, "Duplicate submission");
+        RunSubmitted {
+            run: Some(run),
+            status: SubmitStatus::Duplicate,
+        }
+        .emit(&self.metrics);
         if let Some(to) = request
             .reply_to
             .as_deref()
@@ -1444,7 +1623,12 @@ impl Runtime {
     /// Performs actions: every publish is sent first, then all acknowledgements are awaited.
     /// The step's events (workflow events and the run's end) go out as one message, after its
     /// tasks and timers; the outcome's answer to a waiting submitter goes out first of all.
-    async fn perform(&self, entry: &mut Cached, actions: &[Action]) -> Result<(), StepError> {
+    async fn perform(
+        &self,
+        entry: &mut Cached,
+        actions: &[Action],
+        step: &tracing::Span,
+    ) -> Result<(), StepError> {
         let js = self.bus.js();
         let names = self.bus.names().clone();
         let run = entry.machine.state().run_id;
@@ -1472,8 +1656,22 @@ impl Runtime {
                         }
                         unflushed_writes = false;
                     }
+                    let span = spans::dispatch(
+                        step,
+                        run,
+                        &sub.id,
+                        *attempt,
+                        &sub.pool,
+                        sub.agent.as_deref().unwrap_or(&self.default_agent),
+                    );
                     let env = match Box::pin(self.envelope(entry, *task, *attempt)).await? {
-                        Ok(env) => env,
+                        // The attempt's trace parent is this dispatch (when spans are exported).
+                        Ok(mut env) => {
+                            if let Some(t) = trace_context::span_context(&span) {
+                                env.trace = Some(t);
+                            }
+                            env
+                        }
                         Err(failure) => {
                             // The task cannot start (a state key its description needs is
                             // not set): its attempt fails through the run log like any other.
@@ -1629,7 +1827,11 @@ impl Runtime {
             outbox_seqs: &[],
         };
         match self.store.create(run, &snapshot).await {
-            Ok(_) => {}
+            Ok(_) => RunFinished {
+                run,
+                status: RunStatus::Failed,
+            }
+            .emit(&self.metrics),
             Err(e) if e.kind() == StoreErrorKind::AlreadyExists => return Ok(()),
             Err(e) => return Err(e.into()),
         }

@@ -24,8 +24,7 @@ use flotilla_model::submit::SubmitStatus;
 use tracing::{debug, info, trace};
 
 use crate::metrics::{
-    AttemptLabels, AttemptOutcome, Metrics, ModelLabels, OutcomeLabels, PoolAgentLabels,
-    PoolAgentStatusLabels, PoolLabels, StatusLabels, TokenLabels,
+    AttemptOutcome, Metrics, ModelLabels, OutcomeLabels, PoolLabels, StatusLabels, TokenLabels,
 };
 
 /// Something that happened, recorded as a log line and a metric together.
@@ -104,12 +103,8 @@ impl InternalEvent for TaskDispatched<'_> {
     fn emit(self, metrics: &Metrics) {
         debug!(run = %self.run, task = %self.task, attempt = self.attempt, pool = self.pool, agent = self.agent, "Task dispatched");
         metrics
-            .families()
-            .tasks_dispatched
-            .get_or_create(&PoolAgentLabels {
-                pool: self.pool.to_owned(),
-                agent: self.agent.to_owned(),
-            })
+            .task_series(self.pool, self.agent)
+            .dispatched(metrics.families())
             .inc();
     }
 }
@@ -135,12 +130,8 @@ impl InternalEvent for TaskRetried<'_> {
     fn emit(self, metrics: &Metrics) {
         debug!(run = %self.run, task = %self.task, attempt = self.attempt, pool = self.pool, agent = self.agent, delay_ms = self.delay.as_millis() as u64, "Task retry scheduled");
         metrics
-            .families()
-            .tasks_retried
-            .get_or_create(&PoolAgentLabels {
-                pool: self.pool.to_owned(),
-                agent: self.agent.to_owned(),
-            })
+            .task_series(self.pool, self.agent)
+            .retried(metrics.families())
             .inc();
     }
 }
@@ -165,14 +156,8 @@ impl InternalEvent for TaskFinished<'_> {
         let status = self.status.as_str();
         debug!(run = %self.run, task = %self.task, pool = self.pool, agent = self.agent, status, "Task finished");
         metrics
-            .families()
-            .tasks_finished
-            .get_or_create(&PoolAgentStatusLabels {
-                pool: self.pool.to_owned(),
-                agent: self.agent.to_owned(),
-                status,
-            })
-            .inc();
+            .task_series(self.pool, self.agent)
+            .finished(metrics.families(), self.status);
     }
 }
 
@@ -207,15 +192,11 @@ impl InternalEvent for TaskAttemptFinished<'_> {
             duration_ms = self.duration.as_millis() as u64,
             "Task attempt finished"
         );
-        metrics
-            .families()
-            .attempt_duration
-            .get_or_create(&AttemptLabels {
-                pool: self.pool.to_owned(),
-                agent: self.agent.to_owned(),
-                outcome: self.outcome,
-            })
-            .observe(self.duration.as_secs_f64());
+        metrics.task_series(self.pool, self.agent).attempt_finished(
+            metrics.families(),
+            self.outcome,
+            self.duration.as_secs_f64(),
+        );
     }
 }
 

@@ -8,6 +8,8 @@
 //!   exporter and no background thread unless configured.
 //! * [`trace_context`]: W3C `traceparent` in and out, so one run is one trace across the client,
 //!   the coordinator and every worker (task envelopes carry the context).
+//! * [`spans`]: the spans of that trace (`submit`, `step`, `dispatch`, `invoke_agent`), built
+//!   only while spans are exported.
 //! * [`health`]: liveness, and readiness as a set of named conditions (`nats_connected`,
 //!   `provisioned`, `consumer_bound`, …) plus a draining flag.
 //! * [`metrics`]: the Prometheus metric families, with low-cardinality labels only.
@@ -57,6 +59,7 @@ pub mod metrics;
 pub mod options;
 pub mod semconv;
 pub mod server;
+pub mod spans;
 pub mod trace_context;
 
 pub use events::InternalEvent;

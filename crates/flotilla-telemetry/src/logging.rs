@@ -347,7 +347,8 @@ pub fn tracer_provider(
 
 /// The `tracing` layer that turns spans into OpenTelemetry spans of `provider`, with the
 /// export filter (INFO and above, without the exporter's own transport crates, which would
-/// otherwise trace their own exports).
+/// otherwise trace their own exports). Building it turns on the run spans of this process
+/// ([`crate::spans::exporting`]).
 pub fn otel_layer<S>(provider: &SdkTracerProvider) -> impl Layer<S> + use<S>
 where
     S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
@@ -368,6 +369,8 @@ where
         Targets::new().with_default(LevelFilter::INFO),
         |t, target| t.with_target(target, LevelFilter::OFF),
     );
+    // Spans are exported from now on: the coordinator and workers build theirs.
+    crate::spans::set_exporting(true);
     tracing_opentelemetry::layer()
         .with_tracer(provider.tracer("flotilla"))
         .with_filter(filter)

@@ -30,11 +30,12 @@
 //! | `flotilla_llm_cost_usd_total` | counter | `model` |
 //! | `flotilla_build_info` | info | `version` |
 
+use std::collections::HashMap;
 use std::fmt;
-use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, OnceLock, PoisonError, RwLock};
 
-use flotilla_model::run::RunStatus;
+use flotilla_model::run::{RunStatus, TaskStatus};
 use flotilla_model::task::TaskErrorKind;
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
@@ -165,9 +166,104 @@ pub(crate) struct Families {
     pub(crate) llm_cost_usd: Family<ModelLabels, Counter<f64, AtomicU64>>,
 }
 
+/// The series of one (pool, agent) pair, resolved once: recording a task is then an atomic
+/// add, with no label allocation or family lookup on the hot path. Each series is created on
+/// its first use, so a coordinator never exposes the workers' histograms and the other way
+/// round.
+pub(crate) struct TaskSeries {
+    pool: String,
+    agent: String,
+    dispatched: OnceLock<Counter>,
+    retried: OnceLock<Counter>,
+    /// `tasks_finished` by status: succeeded, failed, skipped.
+    finished: [OnceLock<Counter>; 3],
+    /// `task_attempt_duration_seconds{outcome="succeeded"}` (the common outcome; the others
+    /// go through the family).
+    attempt_succeeded: OnceLock<Histogram>,
+}
+
+impl TaskSeries {
+    fn new(pool: &str, agent: &str) -> Self {
+        Self {
+            pool: pool.to_owned(),
+            agent: agent.to_owned(),
+            dispatched: OnceLock::new(),
+            retried: OnceLock::new(),
+            finished: [OnceLock::new(), OnceLock::new(), OnceLock::new()],
+            attempt_succeeded: OnceLock::new(),
+        }
+    }
+
+    fn labels(&self) -> PoolAgentLabels {
+        PoolAgentLabels {
+            pool: self.pool.clone(),
+            agent: self.agent.clone(),
+        }
+    }
+
+    pub(crate) fn dispatched(&self, f: &Families) -> &Counter {
+        self.dispatched
+            .get_or_init(|| f.tasks_dispatched.get_or_create_owned(&self.labels()))
+    }
+
+    pub(crate) fn retried(&self, f: &Families) -> &Counter {
+        self.retried
+            .get_or_init(|| f.tasks_retried.get_or_create_owned(&self.labels()))
+    }
+
+    /// Counts a task that ended with `status` (the usual three statuses are cached).
+    pub(crate) fn finished(&self, f: &Families, status: TaskStatus) {
+        let slot = match status {
+            TaskStatus::Succeeded => &self.finished[0],
+            TaskStatus::Failed => &self.finished[1],
+            TaskStatus::Skipped => &self.finished[2],
+            other => {
+                f.tasks_finished
+                    .get_or_create(&self.status_labels(other))
+                    .inc();
+                return;
+            }
+        };
+        slot.get_or_init(|| {
+            f.tasks_finished
+                .get_or_create_owned(&self.status_labels(status))
+        })
+        .inc();
+    }
+
+    fn status_labels(&self, status: TaskStatus) -> PoolAgentStatusLabels {
+        PoolAgentStatusLabels {
+            pool: self.pool.clone(),
+            agent: self.agent.clone(),
+            status: status.as_str(),
+        }
+    }
+
+    /// Records an attempt's duration under its outcome (successes are cached; failures and
+    /// hand-backs are rare enough to look their series up).
+    pub(crate) fn attempt_finished(&self, f: &Families, outcome: AttemptOutcome, seconds: f64) {
+        let labels = || AttemptLabels {
+            pool: self.pool.clone(),
+            agent: self.agent.clone(),
+            outcome,
+        };
+        match outcome {
+            AttemptOutcome::Succeeded => self
+                .attempt_succeeded
+                .get_or_init(|| f.attempt_duration.get_or_create_owned(&labels()))
+                .observe(seconds),
+            _ => f.attempt_duration.get_or_create(&labels()).observe(seconds),
+        }
+    }
+}
+
+/// Pool → agent → series.
+type SeriesIndex = HashMap<String, HashMap<String, Arc<TaskSeries>>>;
+
 struct Inner {
     registry: Registry,
     families: Families,
+    series: RwLock<SeriesIndex>,
 }
 
 /// The metric registry of a process (or of one test): cheap to clone, shared by every
@@ -312,12 +408,40 @@ impl Metrics {
             inner: Arc::new(Inner {
                 registry: r,
                 families,
+                series: RwLock::new(HashMap::new()),
             }),
         }
     }
 
     pub(crate) fn families(&self) -> &Families {
         &self.inner.families
+    }
+
+    /// The series of tasks of `pool` run by `agent`: looked up by reference (no allocation)
+    /// after the first call for the pair.
+    pub(crate) fn task_series(&self, pool: &str, agent: &str) -> Arc<TaskSeries> {
+        if let Some(s) = self
+            .inner
+            .series
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(pool)
+            .and_then(|agents| agents.get(agent))
+        {
+            return Arc::clone(s);
+        }
+        let mut index = self
+            .inner
+            .series
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        Arc::clone(
+            index
+                .entry(pool.to_owned())
+                .or_default()
+                .entry(agent.to_owned())
+                .or_insert_with(|| Arc::new(TaskSeries::new(pool, agent))),
+        )
     }
 
     /// Every family in the OpenMetrics text format ([`CONTENT_TYPE`]).

@@ -51,11 +51,14 @@ use flotilla_model::runlog::{RunInput, RunLogEntry, TaskResultInput};
 use flotilla_model::subjects::{Bucket, StreamKind};
 use flotilla_model::task::{TaskEnvelope, TaskError, TaskErrorKind, TaskResult, result_msg_id};
 use flotilla_model::time::Timestamp;
+use flotilla_telemetry::events::TaskAttemptFinished;
+use flotilla_telemetry::metrics::WorkerSlots;
+use flotilla_telemetry::{AttemptOutcome, InternalEvent, Metrics, spans, trace_context};
 use futures::StreamExt;
 use serde::Deserialize;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{Instrument, debug, info, warn};
 
 use crate::agent::{AgentContext, AgentError, EventEmitter};
 pub use crate::agents::{AgentDefinition, AgentRegistry};
@@ -92,6 +95,7 @@ pub struct Worker {
     agents: Arc<AgentRegistry>,
     id: String,
     ready: Option<tokio::sync::oneshot::Sender<()>>,
+    metrics: Metrics,
 }
 
 /// State shared by a worker's tasks.
@@ -109,6 +113,9 @@ struct Shared {
     runs: Mutex<HashMap<RunId, (CancellationToken, usize)>>,
     /// Runs known to be cancelled (from the control bucket).
     cancelled: Mutex<HashSet<RunId>>,
+    metrics: Metrics,
+    /// This worker's share of the pool's slot gauges.
+    slots: WorkerSlots,
 }
 
 impl Shared {
@@ -199,7 +206,16 @@ impl Worker {
             agents: Arc::new(agents),
             id,
             ready: None,
+            metrics: Metrics::new(),
         }
+    }
+
+    /// Records this worker's metrics (attempt durations by outcome, in-flight attempts and
+    /// free slots of its pool) in `metrics` — the process's registry, served on `/metrics` —
+    /// instead of a private one.
+    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     /// Signals `ready` once the pool consumer is bound and the worker is about to pull (for
@@ -250,6 +266,10 @@ impl Worker {
             hard_stop: CancellationToken::new(),
             runs: Mutex::new(HashMap::new()),
             cancelled: Mutex::new(HashSet::new()),
+            slots: self
+                .metrics
+                .worker_slots(&self.opts.pool, self.opts.concurrency),
+            metrics: self.metrics.clone(),
         });
         let control = self
             .bus
@@ -501,10 +521,12 @@ async fn handle(
         }
     };
     let started_at = Timestamp::now();
+    let mut attempt = Attempt::new(shared, &task);
+    trace_context::set_parent(&attempt.span, task.trace.as_ref());
     if shared.is_cancelled(task.run_id) {
         debug!(run = %task.run_id, task = %task.task_id, "Task of a cancelled run; not running it");
         let result = TaskResult::failure(TaskErrorKind::Cancelled, "the run was cancelled");
-        finish(shared, &msg, &task, result, started_at).await;
+        attempt.ended(finish(shared, &msg, &task, result, started_at).await);
         return;
     }
     if delivered > shared.opts.max_deliveries {
@@ -515,22 +537,27 @@ async fn handle(
                 "delivered {delivered} times without a result (workers stopped while running it)"
             ),
         );
-        finish(shared, &msg, &task, result, started_at).await;
+        attempt.ended(finish(shared, &msg, &task, result, started_at).await);
         return;
     }
     if delivered > 1 && already_done(&shared.bus, &task).await {
         debug!(run = %task.run_id, task = %task.task_id, "Redelivered task already has a result; acknowledging");
+        attempt.not_run();
         let _ = msg.ack().await;
         return;
     }
     // A prefetched task waits for a slot, keeping its message alive; a stopping worker hands
     // it back at once.
     let Some(slot) = wait_for_slot(shared, &msg, stopping).await else {
+        // A prefetched task the stopping worker never started: not an attempt.
+        attempt.not_run();
         let _ = msg.ack_with(AckKind::Nak(None)).await;
         return;
     };
     let _running = InFlight::enter(&shared.in_flight);
+    let slot_gauge = shared.slots.attempt();
     let started_at = Timestamp::now();
+    attempt.started = Instant::now();
     let events = EventEmitter::new(Some(shared.bus.clone()), &task, &shared.id, delivered);
     // The attempt's collaboration clients; the mailbox read position they share is committed
     // once the attempt's success is stored.
@@ -540,7 +567,8 @@ async fn handle(
         Err(e) => {
             warn!(run = %task.run_id, task = %task.task_id, error = %e, "Cannot build the agent context");
             let result = TaskResult::failure(TaskErrorKind::Internal, e.to_string());
-            finish(shared, &msg, &task, result, started_at).await;
+            drop(slot_gauge);
+            attempt.ended(finish(shared, &msg, &task, result, started_at).await);
             return;
         }
     };
@@ -573,7 +601,8 @@ async fn handle(
             );
             let announce = tokio::time::sleep(shared.opts.started_event_delay);
             tokio::pin!(announce);
-            let run = agent.run(&task, ctx);
+            // Model calls and tools of the agent nest in its `invoke_agent` span.
+            let run = agent.run(&task, ctx).instrument(attempt.span.clone());
             tokio::pin!(run);
             let deadline = tokio::time::sleep(timeout);
             tokio::pin!(deadline);
@@ -634,6 +663,7 @@ async fn handle(
     drop(slot);
     drop(held);
     drop(_running);
+    drop(slot_gauge);
     let result = match outcome {
         Ok(reply) => {
             let numeric_value = reply
@@ -658,13 +688,14 @@ async fn handle(
     };
     let success = result.success;
     let stored = finish(shared, &msg, &task, result, started_at).await;
-    if stored && success {
+    attempt.ended(stored);
+    if stored.is_some() && success {
         // At-least-once mailboxes: what the attempt read counts as consumed only now that its
         // success is stored. A crash before this point lets a redelivery read it again.
         if let Err(e) = clients.mailbox().commit().await {
             warn!(run = %task.run_id, task = %task.task_id, error = %e, "Could not commit the mailbox cursor; the messages read stay unread for this task");
         }
-    } else if stored {
+    } else if stored.is_some() {
         // A failed, timed-out or cancelled attempt takes its unfinished child runs with it.
         match clients
             .cancel_children(&format!(
@@ -684,16 +715,21 @@ async fn handle(
     }
 }
 
-/// Publishes the result durably, then acknowledges the task. Returns whether the result was
-/// stored (`false`: the task was handed back).
+/// Publishes the result durably, then acknowledges the task. Returns the outcome of the
+/// result stored, or `None` when the task was handed back.
 async fn finish(
     shared: &Shared,
     msg: &jetstream::Message,
     task: &TaskEnvelope,
     result: TaskResult,
     started_at: Timestamp,
-) -> bool {
+) -> Option<AttemptOutcome> {
     let success = result.success;
+    let mut outcome = match &result.error {
+        _ if success => AttemptOutcome::Succeeded,
+        Some(e) => AttemptOutcome::Failed(e.kind),
+        None => AttemptOutcome::Failed(TaskErrorKind::AgentFailed),
+    };
     let entry = RunLogEntry {
         protocol: PROTOCOL_VERSION,
         run_id: task.run_id,
@@ -712,7 +748,7 @@ async fn finish(
         Err(e) => {
             warn!(error = %e, "Cannot encode a result; handing the task back");
             let _ = msg.ack_with(AckKind::Nak(None)).await;
-            return false;
+            return None;
         }
     };
     let subject = shared.bus.names().runlog(task.run_id);
@@ -720,11 +756,12 @@ async fn finish(
     let mut out = if out.payload.len() > limit {
         let size = out.payload.len();
         warn!(run = %task.run_id, task = %task.task_id, size, limit, "Result too large for this deployment; reporting result_too_large");
+        outcome = AttemptOutcome::Failed(TaskErrorKind::ResultTooLarge);
         match too_large_entry(shared, task, started_at, size, limit) {
             Some(o) => o,
             None => {
                 let _ = msg.ack_with(AckKind::Nak(None)).await;
-                return false;
+                return None;
             }
         }
     } else {
@@ -741,11 +778,12 @@ async fn finish(
             Err(e) if e.kind() == PublishErrorKind::TooLarge => {
                 // The server's limit is lower than the one announced at connect time.
                 warn!(run = %task.run_id, task = %task.task_id, error = %e, "Result refused as too large; reporting result_too_large");
+                outcome = AttemptOutcome::Failed(TaskErrorKind::ResultTooLarge);
                 match too_large_entry(shared, task, started_at, out.payload.len(), limit) {
                     Some(o) => out = o,
                     None => {
                         let _ = msg.ack_with(AckKind::Nak(None)).await;
-                        return false;
+                        return None;
                     }
                 }
             }
@@ -758,7 +796,7 @@ async fn finish(
             Err(e) => {
                 warn!(run = %task.run_id, task = %task.task_id, error = %e, "Stopping before the result was stored; handing the task back");
                 let _ = msg.ack_with(AckKind::Nak(None)).await;
-                return false;
+                return None;
             }
         }
     }
@@ -766,7 +804,7 @@ async fn finish(
         debug!(error = %e, "Task ack failed; a redelivery will find the result already stored");
     }
     debug!(run = %task.run_id, task = %task.task_id, attempt = task.attempt, success, "Task finished");
-    true
+    Some(outcome)
 }
 
 /// Room kept below the server's max payload for a result's headers.
@@ -863,6 +901,69 @@ async fn report_bad_envelope(shared: &Shared, msg: &jetstream::Message, error: &
             let _ = msg
                 .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
                 .await;
+        }
+    }
+}
+
+/// One delivered task's attempt as seen by metrics and traces: its `invoke_agent` span, and
+/// its duration recorded by outcome when it ends — however it ends (a path that returns
+/// without a stored result handed the task back).
+struct Attempt<'a> {
+    shared: &'a Shared,
+    task: &'a TaskEnvelope,
+    agent: &'a str,
+    span: tracing::Span,
+    started: Instant,
+    /// Set once recorded (or when the message turned out not to be an attempt).
+    done: bool,
+}
+
+impl<'a> Attempt<'a> {
+    fn new(shared: &'a Shared, task: &'a TaskEnvelope) -> Self {
+        // The label and span name: the agent that runs it (the task's, else the default).
+        let agent = match shared.agents.resolve(task.agent.as_deref()) {
+            Ok((name, _)) => name,
+            Err(_) => task.agent.as_deref().unwrap_or("none"),
+        };
+        Self {
+            shared,
+            task,
+            agent,
+            span: spans::invoke_agent(task, agent, &shared.id),
+            started: Instant::now(),
+            done: false,
+        }
+    }
+
+    /// The result is stored with `outcome` (`None`: the task was handed back).
+    fn ended(&mut self, outcome: Option<AttemptOutcome>) {
+        let outcome = outcome.unwrap_or(AttemptOutcome::HandedBack);
+        if outcome != AttemptOutcome::Succeeded {
+            spans::failed(&self.span, outcome.as_str());
+        }
+        TaskAttemptFinished {
+            run: self.task.run_id,
+            task: &self.task.task_id,
+            attempt: self.task.attempt,
+            pool: &self.shared.opts.pool,
+            agent: self.agent,
+            outcome,
+            duration: self.started.elapsed(),
+        }
+        .emit(&self.shared.metrics);
+        self.done = true;
+    }
+
+    /// The message needed no attempt (its result was already stored).
+    fn not_run(&mut self) {
+        self.done = true;
+    }
+}
+
+impl Drop for Attempt<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.ended(None);
         }
     }
 }

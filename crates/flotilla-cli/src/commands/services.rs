@@ -165,6 +165,7 @@ pub(crate) async fn coordinator(config: &Config) -> anyhow::Result<ExitCode> {
         config.validation_context(),
         config.jetstream.clone(),
     )
+    .with_metrics(obs.metrics.clone())
     .on_ready(tx)
     .run(shutdown)
     .await?;
@@ -202,6 +203,7 @@ pub(crate) async fn worker(config: &Config) -> anyhow::Result<ExitCode> {
     let (tx, rx) = oneshot::channel();
     set_when_ready(rx, vec![bound]);
     Worker::new(bus, config.worker.clone(), config.agent_registry()?)
+        .with_metrics(obs.metrics.clone())
         .on_ready(tx)
         .run(shutdown)
         .await?;
@@ -318,7 +320,7 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
     );
     let (tx, rx) = oneshot::channel();
     set_when_ready(rx, vec![coordinator_ready]);
-    let coordinator = coordinator.on_ready(tx);
+    let coordinator = coordinator.with_metrics(obs.metrics.clone()).on_ready(tx);
     let token = shutdown.clone();
     services.spawn(async move { coordinator.run(token).await.map_err(|e| e.to_string()) });
     for (i, ready) in workers_ready.into_iter().enumerate() {
@@ -333,7 +335,7 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
         );
         let (tx, rx) = oneshot::channel();
         set_when_ready(rx, vec![ready]);
-        let worker = worker.on_ready(tx);
+        let worker = worker.with_metrics(obs.metrics.clone()).on_ready(tx);
         let token = shutdown.clone();
         services.spawn(async move { worker.run(token).await.map_err(|e| e.to_string()) });
     }

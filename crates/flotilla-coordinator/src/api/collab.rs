@@ -771,7 +771,12 @@ mod tests {
         let live = LiveWorkers::new(Duration::from_secs(30));
         let ctx = ValidationContext::default();
         let api = Api {
-            intake: Arc::new(Intake::new(store.clone(), ctx.clone(), live.clone())),
+            intake: Arc::new(Intake::new(
+                store.clone(),
+                ctx.clone(),
+                live.clone(),
+                flotilla_telemetry::Metrics::new(),
+            )),
             store,
             ctx,
             live,
