@@ -12,6 +12,11 @@
 //!   100-step chain (predecessor's result stored → dependent's agent starts); makespan of a
 //!   1 → 1000 → 1 fan-out/fan-in; peak RSS of each process.
 //! * **validate** — validating a 10,000-subtask plan.
+//! * **recovery** — `kill -9` of a worker running a task → the task started on another.
+//! * **collab** — the collaboration layer ([`super::bench_collab`]): dependency hop vs topic
+//!   hop vs gated dispatch (an outside writer's entry → the consumer's agent starts); with the
+//!   services stopped, workspace append → live watcher, paging through 100,000 entries and
+//!   mailbox send → waiting receiver, each next to its plain JetStream baseline.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -89,11 +94,13 @@ pub(crate) struct BenchArgs {
     /// the client library) or `intake` (`<prefix>.submit`, for builds without the former).
     #[arg(long, value_enum, default_value = "run-subject")]
     submit_via: SubmitVia,
+    #[command(flatten)]
+    collab: super::bench_collab::CollabArgs,
 }
 
 /// Where the bench publishes its durable submissions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum SubmitVia {
+pub(super) enum SubmitVia {
     /// `<prefix>.submit.<run>`: the submission is the run's first message.
     RunSubject,
     /// `<prefix>.submit`: the intake stream.
@@ -101,7 +108,11 @@ enum SubmitVia {
 }
 
 /// Publishes a durable submission the chosen way and waits for its PubAck.
-async fn submit_via(bus: &Bus, request: SubmitRequest, via: SubmitVia) -> anyhow::Result<RunId> {
+pub(super) async fn submit_via(
+    bus: &Bus,
+    request: SubmitRequest,
+    via: SubmitVia,
+) -> anyhow::Result<RunId> {
     match via {
         SubmitVia::RunSubject => Ok(Client::new(bus.clone()).submit(request).await?),
         SubmitVia::Intake => {
@@ -125,6 +136,8 @@ enum Section {
     /// Crash recovery at the default heartbeat: kill -9 of a worker → its task running again
     /// on another worker.
     Recovery,
+    /// Workspace topics, topic-gated dispatch and mailboxes, with their raw baselines.
+    Collab,
 }
 
 /// A layered DAG of `n` subtasks: each depends on up to three tasks of the previous layer and
@@ -189,7 +202,7 @@ pub(crate) fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 
-fn percentile(sorted: &[f64], p: f64) -> f64 {
+pub(super) fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
     }
@@ -412,7 +425,7 @@ async fn stream_sequences(bus: &Bus, prefix: &str) -> anyhow::Result<Vec<(String
 }
 
 /// Child processes of the Flotilla section; killed on drop.
-struct Processes(Vec<(String, Child)>);
+pub(super) struct Processes(pub(super) Vec<(String, Child)>);
 
 impl Drop for Processes {
     fn drop(&mut self) {
@@ -443,7 +456,7 @@ fn peak_rss_kib(pid: u32) -> Option<u64> {
         .and_then(|v| v.parse().ok())
 }
 
-fn noop_config(
+pub(super) fn noop_config(
     dir: &Path,
     url: &str,
     concurrency: usize,
@@ -479,8 +492,21 @@ concurrency = {concurrency}
     Ok(path)
 }
 
+/// Starts `exe <role…>` with the bench's generated `config`, logging warnings to stderr.
+pub(super) fn spawn_service(exe: &Path, config: &Path, role: &[&str]) -> anyhow::Result<Child> {
+    Ok(Command::new(exe)
+        .arg("--config")
+        .arg(config)
+        .args(role)
+        .env("FLOTILLA_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()?)
+}
+
 /// Whether a `flotilla` binary has the health listener (and so the `[telemetry]` section).
-fn has_listener(binary: &Path) -> bool {
+pub(super) fn has_listener(binary: &Path) -> bool {
     Command::new(binary)
         .args(["coordinator", "--help"])
         .output()
@@ -518,17 +544,7 @@ async fn flotilla_section(
         None => std::env::current_exe()?,
     };
     let config = noop_config(dir.path(), url, args.concurrency, has_listener(&exe))?;
-    let spawn = |role: &[&str]| -> anyhow::Result<Child> {
-        Ok(Command::new(&exe)
-            .arg("--config")
-            .arg(&config)
-            .args(role)
-            .env("FLOTILLA_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()?)
-    };
+    let spawn = |role: &[&str]| spawn_service(&exe, &config, role);
     let mut opts = NatsOptions::with_url(url);
     opts.prefix = "flbench".into();
     let bus = Bus::connect(&opts, "flotilla-bench").await?;
@@ -828,7 +844,7 @@ fn diamond_plan() -> Plan {
     }
 }
 
-fn chain_plan(n: usize) -> Plan {
+pub(super) fn chain_plan(n: usize) -> Plan {
     let subtasks = (0..n)
         .map(|i| {
             let t = Subtask::new(&format!("s{i}"), "no-op");
@@ -869,7 +885,7 @@ fn fan_plan(n: usize) -> Plan {
 
 /// Hop latencies of a finished chain, from its run log: the server time the predecessor's
 /// result was stored → the time the worker started the dependent (same host clock).
-async fn chain_hops(client: &Client, run: RunId) -> anyhow::Result<Vec<f64>> {
+pub(super) async fn chain_hops(client: &Client, run: RunId) -> anyhow::Result<Vec<f64>> {
     let store = flotilla_coordinator::store::RunStore::open(client.bus()).await?;
     let micros = |t: &flotilla_model::time::Timestamp| (t.0.unix_timestamp_nanos() / 1000) as i64;
     let mut stored: HashMap<String, i64> = HashMap::new();
@@ -1025,7 +1041,11 @@ pub(crate) async fn run(
     if want(Section::Validate) {
         validate_section(args.iterations);
     }
-    if !want(Section::Raw) && !want(Section::Flotilla) && !want(Section::Recovery) {
+    if !want(Section::Raw)
+        && !want(Section::Flotilla)
+        && !want(Section::Recovery)
+        && !want(Section::Collab)
+    {
         return Ok(ExitCode::SUCCESS);
     }
     let dir = tempfile::Builder::new()
@@ -1057,6 +1077,19 @@ pub(crate) async fn run(
     };
     if want(Section::Flotilla) {
         flotilla_section(&args, &url, raw.as_ref(), server_pid).await?;
+    }
+    if want(Section::Collab) {
+        let services = super::bench_collab::Services {
+            exe: match &args.services_binary {
+                Some(p) => p.clone(),
+                None => std::env::current_exe()?,
+            },
+            workers: args.workers,
+            concurrency: args.concurrency,
+            chain: args.chain,
+            via: args.submit_via,
+        };
+        super::bench_collab::collab_section(&args.collab, &services, &url).await?;
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -1,6 +1,7 @@
 //! One module per command group.
 
 pub(crate) mod bench;
+pub(crate) mod bench_collab;
 pub(crate) mod collab;
 pub(crate) mod nats;
 pub(crate) mod plan;
