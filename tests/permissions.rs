@@ -1,6 +1,6 @@
 //! Least privilege, proven on a real nats-server running the shipped
 //! `deploy/nats/accounts.conf`: each role (operator, coordinator, worker of pool `default`,
-//! client) can do its job, and is refused outside it.
+//! client, supervisor) can do its job, and is refused outside it.
 //!
 //! A refusal is proven three ways: the server reports a permission violation naming the
 //! subject on that role's connection (collected from the connection's events, waited for,
@@ -30,6 +30,7 @@ const OPERATOR: (&str, &str) = ("operator", "operator-dev-password");
 const COORDINATOR: (&str, &str) = ("coordinator", "coordinator-dev-password");
 const WORKER: (&str, &str) = ("worker-default", "worker-default-dev-password");
 const CLIENT: (&str, &str) = ("client", "client-dev-password");
+const SUPERVISOR: (&str, &str) = ("supervisor", "supervisor-dev-password");
 
 /// Timeout of JetStream calls that are expected to be refused (they get no answer).
 const REFUSED_TIMEOUT: Duration = Duration::from_secs(1);
@@ -647,6 +648,214 @@ async fn a_client_submits_and_reads_but_writes_nothing_else() -> anyhow::Result<
     Ok(())
 }
 
+#[tokio::test]
+async fn a_supervisor_follows_runs_and_keeps_its_buckets_but_writes_no_run_input()
+-> anyhow::Result<()> {
+    let server = server().await?;
+    let operator = Role::connect(&server, OPERATOR).await?;
+    provision(&operator.js, &names(), &JetStreamOptions::default()).await?;
+    // A running installation: the coordinators' consumer, a pool's consumer with a task.
+    operator
+        .js
+        .get_stream("FLOTILLA_RUNLOG")
+        .await?
+        .create_consumer(consumer::pull::Config {
+            durable_name: Some("coordinator".into()),
+            filter_subject: names().runlog_all(),
+            ack_policy: consumer::AckPolicy::Explicit,
+            ..Default::default()
+        })
+        .await?;
+    operator
+        .js
+        .get_stream("FLOTILLA_TASKS")
+        .await?
+        .create_consumer(pool_consumer("default"))
+        .await?;
+    for (subject, body) in [
+        ("flotilla.runlog.r1", "result"),
+        ("flotilla.event.r1", "task_failed"),
+        ("flotilla.task.default.r1.t1", "task"),
+    ] {
+        operator.js.publish(subject, body.into()).await?.await?;
+    }
+    operator
+        .js
+        .get_key_value("flotilla-runs")
+        .await?
+        .put("r1", "record".into())
+        .await?;
+    // A stand-in API answered by the operator, so a refused request is a refusal.
+    let mut api = operator.client.subscribe("flotilla.api.>").await?;
+    let responder = tokio::spawn({
+        let client = operator.client.clone();
+        async move {
+            while let Some(m) = api.next().await {
+                if let Some(reply) = m.reply {
+                    let _ = client.publish(reply, "{}".into()).await;
+                }
+            }
+        }
+    });
+    operator.client.flush().await?;
+
+    let mut supervisor = Role::connect(&server, SUPERVISOR).await?;
+
+    // --- its job ---
+    // Follow the run log with its own durable consumer (shared by its replicas).
+    let runlog = supervisor.js.get_stream("FLOTILLA_RUNLOG").await?;
+    let follow = runlog
+        .create_consumer(consumer::pull::Config {
+            durable_name: Some("supervisor".into()),
+            filter_subject: names().runlog_all(),
+            ack_policy: consumer::AckPolicy::Explicit,
+            ..Default::default()
+        })
+        .await?;
+    let mut batch = follow
+        .fetch()
+        .max_messages(1)
+        .expires(Duration::from_secs(5))
+        .messages()
+        .await?;
+    let entry = batch
+        .next()
+        .await
+        .context("no run-log entry")?
+        .map_err(|e| anyhow!("pulling: {e}"))?;
+    ensure!(entry.payload.as_ref() == b"result");
+    entry.double_ack().await.map_err(|e| anyhow!("ack: {e}"))?;
+    runlog
+        .direct_get_first_for_subject("flotilla.runlog.r1")
+        .await?;
+    // Events: its durable consumer, and ordered readers.
+    let events = supervisor.js.get_stream("FLOTILLA_EVENTS").await?;
+    let durable = events
+        .create_consumer(consumer::pull::Config {
+            durable_name: Some("supervisor".into()),
+            filter_subject: "flotilla.event.*".into(),
+            ack_policy: consumer::AckPolicy::Explicit,
+            ..Default::default()
+        })
+        .await?;
+    let mut batch = durable
+        .fetch()
+        .max_messages(1)
+        .expires(Duration::from_secs(5))
+        .messages()
+        .await?;
+    let event = batch
+        .next()
+        .await
+        .context("no event")?
+        .map_err(|e| anyhow!("pulling: {e}"))?;
+    event.double_ack().await.map_err(|e| anyhow!("ack: {e}"))?;
+    let mut ordered = events
+        .create_consumer(consumer::pull::OrderedConfig {
+            filter_subject: "flotilla.event.r1".into(),
+            ..Default::default()
+        })
+        .await?
+        .messages()
+        .await?;
+    tokio::time::timeout(Duration::from_secs(10), ordered.next())
+        .await
+        .context("no ordered event")?
+        .context("events ended")??;
+    // Its buckets, read and written.
+    for (bucket, key) in [
+        ("flotilla-team", "researcher-1"),
+        ("flotilla-failures", "r1.t1"),
+        ("flotilla-escalations", "e1"),
+        ("flotilla-trust", "researcher"),
+    ] {
+        let kv = supervisor.js.get_key_value(bucket).await?;
+        kv.put(key, "{}".into()).await?;
+        ensure!(kv.get(key).await?.is_some(), "{bucket}");
+    }
+    // Run controls: written and watched.
+    let control = supervisor.js.get_key_value("flotilla-control").await?;
+    let mut watch = control.watch_all().await?;
+    control.put("pause.r1", "{}".into()).await?;
+    let change = tokio::time::timeout(Duration::from_secs(10), watch.next())
+        .await
+        .context("the control watch saw nothing")?
+        .context("watch ended")??;
+    ensure!(change.key == "pause.r1");
+    // Runs and workers: read.
+    let runs = supervisor.js.get_key_value("flotilla-runs").await?;
+    ensure!(runs.get("r1").await?.is_some());
+    let workers = supervisor.js.get_key_value("flotilla-workers").await?;
+    ensure!(workers.get("nobody").await?.is_none());
+    // The API (run.cancel applies an abort decision).
+    let answer = supervisor
+        .client
+        .request("flotilla.api.run.cancel", "{}".into())
+        .await?;
+    ensure!(answer.payload.as_ref() == b"{}");
+    supervisor.no_violations().await?;
+
+    // --- refused ---
+    supervisor.request_refused("flotilla.api.submit").await?;
+    for subject in [
+        "flotilla.submit".to_string(),
+        format!("flotilla.submit.{}", flotilla_model::RunId::new()),
+        "flotilla.runlog.r1".into(),
+        "flotilla.timer.r1.1".into(),
+        "flotilla.task.default.r1.t2".into(),
+        "flotilla.event.r1".into(),
+        "$KV.flotilla-runs.r1".into(),
+        "$KV.flotilla-state.s1.k".into(),
+        "$KV.flotilla-workers.w1".into(),
+    ] {
+        supervisor.publish_refused(&subject).await?;
+    }
+    ensure!(
+        messages_in(&operator.js, "FLOTILLA_INTAKE").await? == 0
+            && messages_in(&operator.js, "FLOTILLA_RUNLOG").await? == 1
+            && messages_in(&operator.js, "FLOTILLA_TASKS").await? == 1
+            && messages_in(&operator.js, "FLOTILLA_EVENTS").await? == 1,
+        "a refused publish was stored"
+    );
+    // Neither the coordinators' consumer nor a pool's.
+    let refused_runlog = supervisor.js_refused.get_stream("FLOTILLA_RUNLOG").await?;
+    ensure!(
+        refused_runlog
+            .create_consumer(consumer::pull::Config {
+                durable_name: Some("coordinator".into()),
+                filter_subject: names().runlog_all(),
+                ..Default::default()
+            })
+            .await
+            .is_err()
+    );
+    supervisor
+        .refused("$JS.API.CONSUMER.CREATE.FLOTILLA_RUNLOG.coordinator.flotilla.runlog.*")
+        .await?;
+    supervisor
+        .publish_refused("$JS.API.CONSUMER.MSG.NEXT.FLOTILLA_TASKS.pool-default")
+        .await?;
+    // No stream administration.
+    ensure!(
+        supervisor
+            .js_refused
+            .delete_stream("FLOTILLA_EVENTS")
+            .await
+            .is_err()
+    );
+    supervisor
+        .refused("$JS.API.STREAM.DELETE.FLOTILLA_EVENTS")
+        .await?;
+    let refused_events = supervisor.js_refused.get_stream("FLOTILLA_EVENTS").await?;
+    ensure!(refused_events.purge().await.is_err());
+    supervisor
+        .refused("$JS.API.STREAM.PURGE.FLOTILLA_EVENTS")
+        .await?;
+    ensure!(messages_in(&operator.js, "FLOTILLA_EVENTS").await? == 1);
+    responder.abort();
+    Ok(())
+}
+
 /// `FLOTILLA_NATS__AUTH__*`: how the Helm chart hands credentials to a pod.
 fn credentials_env((user, password): (&str, &str)) -> Vec<(&'static str, String)> {
     vec![
@@ -705,6 +914,97 @@ async fn a_worker_does_not_provision_and_says_so() -> anyhow::Result<()> {
         operator.js.stream_names().count().await == 0,
         "the worker created streams"
     );
+    Ok(())
+}
+
+/// `flotilla nats provision` with the operator's credentials: `--pools` creates each pool's
+/// consumer ahead of its workers (what KEDA reads), bad pool names change nothing.
+#[tokio::test]
+async fn provisioning_creates_the_pool_consumers_ahead_of_the_workers() -> anyhow::Result<()> {
+    let server = server().await?;
+    let dir = tempfile::tempdir()?;
+    let config = dir.path().join("flotilla.toml");
+    std::fs::write(
+        &config,
+        format!("{AGENTS}\n[nats]\nurls = [\"{}\"]\n", server.url()),
+    )?;
+    let provision = |args: &[&str]| {
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_flotilla"))
+            .arg("--config")
+            .arg(&config)
+            .args(["nats", "provision"])
+            .args(args)
+            .envs(credentials_env(OPERATOR))
+            .env("FLOTILLA_LOG", "warn")
+            .kill_on_drop(true)
+            .output()
+    };
+    let operator = Role::connect(&server, OPERATOR).await?;
+
+    // A bad name is refused before anything is created.
+    let out = provision(&["--pools", "default,gp.u"]).await?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    ensure!(!out.status.success(), "{err}");
+    ensure!(err.contains("--pools: pool \"gp.u\""), "{err}");
+    ensure!(
+        operator.js.stream_names().count().await == 0,
+        "something was created"
+    );
+
+    // A dry run says the consumers are missing and creates nothing.
+    let out = provision(&["--pools", "default,gpu", "--dry-run", "--json"]).await?;
+    ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    ensure!(
+        report["consumers"]
+            .as_array()
+            .is_some_and(|c| c.len() == 2 && c.iter().all(|c| c["action"] == "missing")),
+        "{report}"
+    );
+    ensure!(
+        operator.js.stream_names().count().await == 0,
+        "a dry run created something"
+    );
+
+    let out = provision(&["--pools", "default,gpu", "--json"]).await?;
+    ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    ensure!(report["consumers"][1]["name"] == "pool-gpu", "{report}");
+    ensure!(report["consumers"][1]["action"] == "create", "{report}");
+    let tasks = operator.js.get_stream("FLOTILLA_TASKS").await?;
+    for pool in ["default", "gpu"] {
+        let mut consumer = tasks
+            .get_consumer::<consumer::pull::Config>(&names().pool_consumer(pool))
+            .await
+            .map_err(|e| anyhow!("no consumer of pool {pool}: {e}"))?;
+        let info = consumer.info().await?;
+        ensure!(
+            info.config.filter_subject == names().pool_filter(pool),
+            "{info:?}"
+        );
+        ensure!(info.config.ack_policy == consumer::AckPolicy::Explicit);
+    }
+    // Again: the consumers exist and are left alone.
+    let out = provision(&["--pools", "default,gpu"]).await?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    ensure!(
+        out.status.success() && text.contains("pool-gpu") && text.contains("exists"),
+        "{text}"
+    );
+
+    // The pool's worker binds the consumer it finds, with its own rights.
+    let mut worker = Role::connect(&server, WORKER).await?;
+    let stream = worker.js.get_stream("FLOTILLA_TASKS").await?;
+    stream.create_consumer(pool_consumer("default")).await?;
+    worker.no_violations().await?;
     Ok(())
 }
 

@@ -220,6 +220,10 @@ enum NatsCommand {
         /// Machine-readable output.
         #[arg(long)]
         json: bool,
+        /// Also create these pools' consumers (`pool-<name>`) ahead of their workers, for
+        /// autoscalers that read a pool's backlog (KEDA's nats-jetstream scaler).
+        #[arg(long, value_delimiter = ',', value_name = "POOL,...")]
+        pools: Vec<String>,
     },
 }
 
@@ -463,9 +467,11 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
             json,
             offline,
         }) => commands::plan::validate(&load()?, &file, json, offline).await,
-        Command::Nats(NatsCommand::Provision { dry_run, json }) => {
-            commands::nats::provision(&load()?, dry_run, json).await
-        }
+        Command::Nats(NatsCommand::Provision {
+            dry_run,
+            json,
+            pools,
+        }) => commands::nats::provision(&load()?, dry_run, json, &pools).await,
         Command::Schema(SchemaCommand::Write { dir }) => commands::schema::write(&dir),
         Command::Schema(SchemaCommand::Check { dir }) => commands::schema::check(&dir),
         Command::Bench(args) => {

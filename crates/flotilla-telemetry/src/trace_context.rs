@@ -47,6 +47,10 @@ pub fn extract(trace: &TraceContext) -> Option<Context> {
 /// before entering it. Returns whether the span was linked (false when export is off, the
 /// context is malformed or absent, or the span has already started).
 pub fn set_parent(span: &tracing::Span, trace: Option<&TraceContext>) -> bool {
+    // Nothing records the span (export off): skip parsing the context.
+    if span.is_disabled() {
+        return false;
+    }
     let Some(cx) = trace.and_then(extract) else {
         return false;
     };
@@ -56,6 +60,9 @@ pub fn set_parent(span: &tracing::Span, trace: Option<&TraceContext>) -> bool {
 /// The `traceparent` / `tracestate` of `span`, for an outgoing message; `None` when the span
 /// is not recorded by OpenTelemetry (export off, or the span filtered out).
 pub fn span_context(span: &tracing::Span) -> Option<TraceContext> {
+    if span.is_disabled() {
+        return None;
+    }
     inject(&span.context())
 }
 

@@ -231,16 +231,8 @@ impl Worker {
     }
 
     async fn consumer(&self) -> Result<PullConsumer, WorkerError> {
-        let names = self.bus.names();
         self.bus
-            .shared_consumer(SharedConsumer {
-                stream: StreamKind::Tasks,
-                durable: names.pool_consumer(&self.opts.pool),
-                description: format!("Flotilla workers of pool {}", self.opts.pool),
-                filters: vec![names.pool_filter(&self.opts.pool)],
-                ack_wait: self.opts.ack_wait(),
-                max_ack_pending: 100_000,
-            })
+            .shared_consumer(pool_consumer(self.bus.names(), &self.opts.pool, &self.opts))
             .await
             .map_err(|e| setup("setting up the pool consumer", e))
     }
@@ -411,6 +403,24 @@ impl Worker {
         let _ = registry.delete(&self.id).await;
         info!(worker = %self.id, "Worker stopped");
         Ok(())
+    }
+}
+
+/// The shared durable consumer of `pool` (`pool-<name>` on the tasks stream) as the pool's
+/// workers create it. `flotilla nats provision --pools` creates it the same way ahead of the
+/// workers, for autoscalers that read its backlog before any worker runs (KEDA).
+pub fn pool_consumer(
+    names: &flotilla_model::Names,
+    pool: &str,
+    opts: &WorkerOptions,
+) -> SharedConsumer {
+    SharedConsumer {
+        stream: StreamKind::Tasks,
+        durable: names.pool_consumer(pool),
+        description: format!("Flotilla workers of pool {pool}"),
+        filters: vec![names.pool_filter(pool)],
+        ack_wait: opts.ack_wait(),
+        max_ack_pending: 100_000,
     }
 }
 

@@ -307,11 +307,42 @@ def provisioning_runs_before_the_services_with_jetstream_replicas():
     ann = job["metadata"]["annotations"]
     assert ann["helm.sh/hook"] == "pre-install,pre-upgrade"
     c = job["spec"]["template"]["spec"]["containers"][0]
-    assert c["args"] == ["--nats-url", "nats://nats:4222", "nats", "provision"]
+    assert c["args"] == ["--nats-url", "nats://nats:4222", "nats", "provision", "--pools", "default"]
     env = {e["name"]: e for e in c["env"]}
     assert env["FLOTILLA_JETSTREAM__REPLICAS"]["value"] == "5"
     assert env["FLOTILLA_NATS__PREFIX"]["value"] == "flotilla"
     assert env["FLOTILLA_NATS__AUTH__USER"]["valueFrom"]["secretKeyRef"]["name"] == "flotilla-nats-operator"
+
+
+@check
+def provisioning_creates_every_pools_consumer_ahead_of_keda():
+    job = one(render(ALL_ON), "Job", "rel-flotilla-provision")
+    args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--pools") + 1] == "default,gpu,batch", args
+
+
+@check
+def chart_secrets_store_every_scalar_as_text():
+    values = {
+        "secrets": {
+            "flotilla-nats-operator": {"user": "operator", "password": 123456},
+            "llm-keys": {"BIG": 12345678901, "RATIO": 0.5, "ON": True, "TEXT": "sk-1", "ZIP": "0123"},
+        }
+    }
+    objects = render(values)
+    kubernetes_validate(objects)
+    op = one(objects, "Secret", "flotilla-nats-operator")
+    assert op["stringData"] == {"user": "operator", "password": "123456"}, op
+    assert op["metadata"]["annotations"]["helm.sh/hook"] == "pre-install,pre-upgrade"
+    assert int(op["metadata"]["annotations"]["helm.sh/hook-weight"]) < 0, "before the provisioning job"
+    keys = one(objects, "Secret", "llm-keys")["stringData"]
+    assert keys == {"BIG": "12345678901", "RATIO": "0.5", "ON": "true", "TEXT": "sk-1", "ZIP": "0123"}, keys
+    assert all(isinstance(v, str) for v in keys.values())
+    # None by default.
+    assert not [o for o in render({}) if o["kind"] == "Secret"]
+    fails_with({"secrets": {"llm-keys": {"nested": {"a": 1}}}}, "/secrets/llm-keys/nested")
+    fails_with({"secrets": {"Bad_Name": {"k": "v"}}}, "/secrets", "Bad_Name")
+    fails_with({"secrets": {"llm-keys": {"bad key": "v"}}}, "/secrets/llm-keys", "bad key")
 
 
 @check
