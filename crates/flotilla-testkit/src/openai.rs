@@ -164,6 +164,16 @@ impl Reply {
         })
     }
 
+    /// Any HTTP status with an OpenAI-style error body carrying `message` (what a provider
+    /// says about a bad key, an unknown model…).
+    pub fn status_message(status: u16, message: impl Into<String>) -> Self {
+        Self::of(Kind::Status {
+            status,
+            retry_after: None,
+            body: json!({"error": {"message": message.into(), "type": "invalid_request_error", "code": null}}).to_string(),
+        })
+    }
+
     /// A stream that sends `before` as text, then a chunk that is not JSON.
     pub fn malformed_chunk(before: impl Into<String>) -> Self {
         Self::of(Kind::Malformed {
