@@ -15,7 +15,7 @@ use flotilla_bus::{JetStreamOptions, NatsOptions};
 use flotilla_coordinator::CoordinatorOptions;
 use flotilla_model::validate::{AgentCatalog, ValidationContext};
 use flotilla_telemetry::TelemetryOptions;
-use flotilla_worker::{AgentDefinition, AgentRegistry, WorkerOptions};
+use flotilla_worker::{AgentDefinition, AgentRegistry, RoleConfig, WorkerOptions};
 use serde::{Deserialize, Serialize};
 
 /// The whole configuration.
@@ -32,6 +32,8 @@ pub(crate) struct Config {
     pub(crate) default_agent: Option<String>,
     /// Agent definitions, by name.
     pub(crate) agents: BTreeMap<String, AgentDefinition>,
+    /// System prompts of team roles for LLM agents (on top of the shipped ones).
+    pub(crate) roles: BTreeMap<String, RoleConfig>,
     /// Coordinator settings.
     pub(crate) coordinator: CoordinatorOptions,
     /// Worker settings.
@@ -52,6 +54,7 @@ impl Default for Config {
             pools: vec![flotilla_model::plan::DEFAULT_POOL.to_owned()],
             default_agent: None,
             agents: BTreeMap::new(),
+            roles: BTreeMap::new(),
             coordinator: CoordinatorOptions::default(),
             worker: WorkerOptions::default(),
             telemetry: TelemetryOptions::default(),
@@ -128,6 +131,7 @@ const TOP_LEVEL_KEYS: &[&str] = &[
     "pools",
     "default-agent",
     "agents",
+    "roles",
     "coordinator",
     "worker",
     "telemetry",
@@ -236,8 +240,13 @@ impl Config {
 
     /// The agents this configuration defines.
     pub(crate) fn agent_registry(&self) -> anyhow::Result<AgentRegistry> {
-        AgentRegistry::from_definitions(&self.agents, self.default_agent.clone(), &self.base_dir)
-            .map_err(|e| anyhow::anyhow!("invalid [agents]: {e}"))
+        AgentRegistry::from_config(
+            &self.agents,
+            &self.roles,
+            self.default_agent.clone(),
+            &self.base_dir,
+        )
+        .map_err(|e| anyhow::anyhow!("invalid [agents]: {e}"))
     }
 
     /// What plan validation knows about this installation.

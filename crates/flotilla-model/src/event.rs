@@ -100,10 +100,15 @@ pub struct EventEnvelope {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Event {
-    /// Text the agent says to the user.
+    /// Text the agent says to the user. A streaming agent sends the text in increments as it
+    /// arrives (`final` absent or false: append to what came before), then once more in full
+    /// with `final: true` (replace what came before).
     AssistantReply {
-        /// The text.
+        /// The text: an increment, or the whole reply when `final`.
         text: String,
+        /// This event carries the whole reply of one model turn.
+        #[serde(rename = "final", default, skip_serializing_if = "std::ops::Not::not")]
+        is_final: bool,
     },
     /// The agent's reasoning, for debug audiences.
     PlannerThought {
@@ -140,6 +145,15 @@ pub enum Event {
         /// The child run, when the tool was an agent.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         run_link: Option<RunHandle>,
+        /// The tool's name.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tool: Option<String>,
+        /// How long the call took, in milliseconds.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        duration_ms: Option<u64>,
+        /// Why it failed (also handed to the model as the tool's result).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error: Option<String>,
     },
     /// The agent needs an answer from the user.
     AwaitClarification {
@@ -151,12 +165,18 @@ pub enum Event {
         /// Pending calls.
         calls: Vec<ExternalToolCall>,
     },
-    /// Token usage.
+    /// Token usage of one model call.
     Usage {
         /// Prompt tokens.
         prompt_tokens: u64,
         /// Completion tokens.
         completion_tokens: u64,
+        /// The model that answered (as the provider reports it, else as requested).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        model: Option<String>,
+        /// Time from sending the request to the end of the reply, in milliseconds.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        latency_ms: Option<u64>,
     },
     /// Run and task lifecycle.
     Workflow(WorkflowEvent),

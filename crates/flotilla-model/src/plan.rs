@@ -82,6 +82,11 @@ pub struct Subtask {
     /// tasks read it with `{key}` in their description.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_key: Option<String>,
+    /// JSON Schema of the answer. LLM agents ask the model for JSON matching it
+    /// (`response_format: json_schema`) and check the reply; an answer that does not match,
+    /// also after one repair, fails the task with `invalid_output`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_schema: Option<serde_json::Value>,
 }
 
 fn default_pool() -> String {
@@ -209,6 +214,7 @@ impl Subtask {
             timeout: None,
             input: serde_json::Value::Null,
             output_key: None,
+            output_schema: None,
         }
     }
 

@@ -82,6 +82,9 @@ pub struct TaskEnvelope {
     /// Workspace topics the task writes.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub produces: Vec<String>,
+    /// JSON Schema the answer must match (from the subtask's `output_schema`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_schema: Option<serde_json::Value>,
     /// Entries of the consumed topics present at dispatch, by topic (within the
     /// coordinator's byte budget; read on from each topic's `next_since_seq`).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -221,6 +224,8 @@ pub enum TaskErrorKind {
     Internal,
     /// The description names a session-state key (`{key}`) that is not set.
     MissingStateKey,
+    /// The agent's answer does not match the task's `output_schema`, also after a repair.
+    InvalidOutput,
 }
 
 impl TaskErrorKind {
@@ -237,14 +242,16 @@ impl TaskErrorKind {
             Self::ResultTooLarge => "result_too_large",
             Self::Internal => "internal",
             Self::MissingStateKey => "missing_state_key",
+            Self::InvalidOutput => "invalid_output",
         }
     }
 
     /// Whether another attempt may succeed. Failures of the agent (`agent_failed`,
     /// `timeout`), of a worker (`redeliveries_exhausted`) and of Flotilla (`internal`) are
     /// retried; configuration and input errors (`unknown_agent`, `bad_envelope`,
-    /// `result_too_large`, `missing_state_key`), dependency timeouts and cancellation are
-    /// final: another attempt would fail the same way.
+    /// `result_too_large`, `missing_state_key`), an answer that stayed invalid after a repair
+    /// (`invalid_output`), dependency timeouts and cancellation are final: another attempt
+    /// would fail the same way.
     pub fn is_retryable(self) -> bool {
         matches!(
             self,

@@ -163,6 +163,8 @@ pub enum ProblemCode {
     UnsatisfiableConsumption,
     /// A child run's parent link names the run itself, or holds an invalid task or call id.
     InvalidParent,
+    /// An `output_schema` is not a JSON Schema object.
+    InvalidOutputSchema,
 }
 
 impl ProblemCode {
@@ -200,6 +202,7 @@ impl ProblemCode {
             Self::MisplacedIdempotencyKey => "misplaced_idempotency_key",
             Self::InvalidOutputKey => "invalid_output_key",
             Self::SharedOutputKey => "shared_output_key",
+            Self::InvalidOutputSchema => "invalid_output_schema",
             Self::UnsatisfiableConsumption => "unsatisfiable_consumption",
             Self::InvalidParent => "invalid_parent",
         }
@@ -686,6 +689,25 @@ impl Validator {
                     message,
                 );
             }
+        }
+        if let Some(schema) = &task.output_schema
+            && !schema.is_object()
+        {
+            self.error(
+                ProblemCode::InvalidOutputSchema,
+                format!("subtasks[{i}].output_schema"),
+                format!(
+                    "output_schema must be a JSON Schema object (such as {{\"type\": \"object\", \"properties\": {{…}}}}), not {}",
+                    match schema {
+                        serde_json::Value::Null => "null",
+                        serde_json::Value::Bool(_) => "a boolean",
+                        serde_json::Value::Number(_) => "a number",
+                        serde_json::Value::String(_) => "a string",
+                        serde_json::Value::Array(_) => "an array",
+                        serde_json::Value::Object(_) => "an object",
+                    }
+                ),
+            );
         }
     }
 
@@ -1220,6 +1242,18 @@ mod tests {
             "{r:#?}"
         );
         assert!(r.errors[0].message.contains("reserved"), "{r:#?}");
+    }
+
+    #[test]
+    fn output_schemas_must_be_objects() {
+        let mut good = Subtask::new("good", "");
+        good.output_schema = Some(serde_json::json!({"type": "object"}));
+        let mut bad = Subtask::new("bad", "");
+        bad.output_schema = Some(serde_json::json!("object"));
+        let r = validate_plan(&plan(vec![good, bad]), &ValidationContext::default());
+        assert_eq!(codes(&r), vec![ProblemCode::InvalidOutputSchema], "{r:#?}");
+        assert_eq!(r.errors[0].path, "subtasks[1].output_schema");
+        assert!(r.errors[0].message.contains("a string"), "{r:#?}");
     }
 
     #[test]

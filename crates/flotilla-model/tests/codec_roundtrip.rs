@@ -135,6 +135,7 @@ fn subtask() -> impl Strategy<Value = Subtask> {
                 timeout,
                 input,
                 output_key,
+                output_schema: None,
             },
         )
 }
@@ -407,7 +408,8 @@ fn workflow() -> impl Strategy<Value = Event> {
 }
 fn event() -> impl Strategy<Value = Event> {
     prop_oneof![
-        text().prop_map(|text| Event::AssistantReply { text }),
+        (text(), any::<bool>())
+            .prop_map(|(text, is_final)| Event::AssistantReply { text, is_final }),
         text().prop_map(|text| Event::PlannerThought { text }),
         (token(), token(), json()).prop_map(|(call_id, tool, input)| Event::ToolStart {
             call_id,
@@ -415,14 +417,25 @@ fn event() -> impl Strategy<Value = Event> {
             input
         }),
         (token(), json()).prop_map(|(call_id, output)| Event::ToolUpdate { call_id, output }),
-        (token(), any::<bool>(), json(), option::of(handle())).prop_map(
-            |(call_id, ok, output, run_link)| Event::ToolEnd {
-                call_id,
-                ok,
-                output,
-                run_link
-            }
-        ),
+        (
+            (token(), any::<bool>(), json(), option::of(handle())),
+            (
+                option::of(token()),
+                option::of(any::<u32>()),
+                option::of(text())
+            )
+        )
+            .prop_map(
+                |((call_id, ok, output, run_link), (tool, duration, error))| Event::ToolEnd {
+                    call_id,
+                    ok,
+                    output,
+                    run_link,
+                    tool,
+                    duration_ms: duration.map(u64::from),
+                    error,
+                }
+            ),
         text().prop_map(|question| Event::AwaitClarification { question }),
         vec((token(), token(), json()), 0..3).prop_map(|calls| Event::AwaitExternalTools {
             calls: calls
@@ -434,10 +447,18 @@ fn event() -> impl Strategy<Value = Event> {
                 })
                 .collect()
         }),
-        (any::<u32>(), any::<u32>()).prop_map(|(p, c)| Event::Usage {
-            prompt_tokens: p.into(),
-            completion_tokens: c.into()
-        }),
+        (
+            any::<u32>(),
+            any::<u32>(),
+            option::of(token()),
+            option::of(any::<u32>())
+        )
+            .prop_map(|(p, c, model, latency)| Event::Usage {
+                prompt_tokens: p.into(),
+                completion_tokens: c.into(),
+                model,
+                latency_ms: latency.map(u64::from),
+            }),
         workflow(),
         handle().prop_map(|child| Event::AgentRunStarted { child }),
     ]
@@ -480,6 +501,7 @@ proptest! {
             action: Some("read".into()), risk, required, query: Some("q".into()), input, timeout,
             previous_results: prev, dependency_results: deps, consumes: vec!["raw".into()],
             produces: Vec::new(),
+            output_schema: Some(serde_json::json!({"type": "object"})),
             consumed: [("raw".to_string(), flotilla_model::workspace::ConsumedTopic {
                 entries: vec![WorkspaceEntry { seq: 3, topic: "raw".into(), entry: Default::default(), writer: None, ts: dispatched_at }],
                 next_since_seq: 3, truncated: true,

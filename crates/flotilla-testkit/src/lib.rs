@@ -19,7 +19,12 @@
 //!
 //! [`otlp::OtlpReceiver`] stands in for an OpenTelemetry collector: it keeps the spans that
 //! processes export over OTLP/HTTP, for assertions on traces.
+//!
+//! [`openai::OpenAiServer`] is a scripted OpenAI-compatible chat-completions server — a test
+//! double that answers what the test scripted (text, tool calls, rate limits, failures,
+//! hangs) and records every request.
 
+pub mod openai;
 pub mod otlp;
 
 use std::net::TcpListener;

@@ -61,7 +61,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, warn};
 
 use crate::agent::{AgentContext, AgentError, EventEmitter};
-pub use crate::agents::{AgentDefinition, AgentRegistry};
+pub use crate::agents::{AgentDefinition, AgentRegistry, RoleConfig};
 pub use crate::options::WorkerOptions;
 pub use flotilla_context::{Agent, AgentReply, Clients, Scope};
 

@@ -11,7 +11,17 @@
 //! kind = "exec"
 //! command = "python3"
 //! args = ["examples/agents/earnings.py", "fetch"]
+//!
+//! [agents.analyst]                   # a model behind an OpenAI-compatible API
+//! kind = "llm"
+//! base-url = "http://127.0.0.1:8080/v1"
+//! model = "smollm2"
+//! api-key-env = "LLM_API_KEY"        # optional for local servers
 //! ```
+//!
+//! `kind = "llm"` agents are built by [`flotilla_llm`] (see [`flotilla_llm::config`] for
+//! every key); their system prompts come from `[roles.NAME]` ([`RoleConfig`]) on top of the
+//! shipped role prompts. All LLM agents of one registry share its per-provider request caps.
 
 mod exec;
 mod scripted;
@@ -25,18 +35,21 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 pub use exec::ExecAgent;
+pub use flotilla_llm::{LlmAgent, LlmConfig, RoleConfig};
 pub use scripted::ScriptedAgent;
 
 use crate::agent::Agent;
 
 /// One agent definition.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "kebab-case", deny_unknown_fields)]
 pub enum AgentDefinition {
     /// Runs a command per task.
     Exec(ExecConfig),
     /// A deterministic agent with a fixed reply, for tests and demos.
     Scripted(ScriptedConfig),
+    /// A model behind an OpenAI-compatible chat-completions API.
+    Llm(Box<LlmConfig>),
 }
 
 /// `kind = "exec"`: run a command. The task envelope is written to its stdin as JSON; its
@@ -112,13 +125,26 @@ pub struct AgentRegistry {
 }
 
 impl AgentRegistry {
-    /// Builds agents from definitions. `base_dir` resolves relative `cwd`s (the directory of
-    /// the config file).
+    /// Builds agents from definitions, with the shipped role prompts. `base_dir` resolves
+    /// relative paths (the directory of the config file).
     pub fn from_definitions(
         defs: &BTreeMap<String, AgentDefinition>,
         default: Option<String>,
         base_dir: &Path,
     ) -> Result<Self, String> {
+        Self::from_config(defs, &BTreeMap::new(), default, base_dir)
+    }
+
+    /// Builds agents from definitions; LLM agents take their role prompts from `roles` on
+    /// top of the shipped ones.
+    pub fn from_config(
+        defs: &BTreeMap<String, AgentDefinition>,
+        roles: &BTreeMap<String, RoleConfig>,
+        default: Option<String>,
+        base_dir: &Path,
+    ) -> Result<Self, String> {
+        let roles = Arc::new(flotilla_llm::Roles::with_config(roles).map_err(|e| e.to_string())?);
+        let providers = flotilla_llm::Providers::default();
         let mut agents: BTreeMap<String, Arc<dyn Agent>> = BTreeMap::new();
         for (name, def) in defs {
             flotilla_model::token::check_name(name)
@@ -126,6 +152,10 @@ impl AgentRegistry {
             let agent: Arc<dyn Agent> = match def {
                 AgentDefinition::Exec(c) => Arc::new(ExecAgent::new(name, c, base_dir)?),
                 AgentDefinition::Scripted(c) => Arc::new(ScriptedAgent::new(c.clone())),
+                AgentDefinition::Llm(c) => Arc::new(
+                    LlmAgent::new(name, c, Arc::clone(&roles), &providers, base_dir)
+                        .map_err(|e| e.to_string())?,
+                ),
             };
             agents.insert(name.clone(), agent);
         }
@@ -207,8 +237,53 @@ mod tests {
             "[x]\nkind = \"scripted\"\nreplay = \"typo\"\n",
         );
         assert!(bad.is_err(), "unknown keys are rejected");
-        let bad = toml::from_str::<BTreeMap<String, AgentDefinition>>("[x]\nkind = \"llm\"\n");
+        let bad = toml::from_str::<BTreeMap<String, AgentDefinition>>("[x]\nkind = \"oracle\"\n");
         assert!(bad.is_err(), "unknown kinds are rejected");
+        let bad = toml::from_str::<BTreeMap<String, AgentDefinition>>("[x]\nkind = \"llm\"\n");
+        assert!(bad.is_err(), "an llm agent needs base-url and model");
+    }
+
+    #[test]
+    fn llm_agents_are_built_with_roles_and_checked() {
+        let defs: BTreeMap<String, AgentDefinition> = toml::from_str(
+            r#"
+            [writer]
+            kind = "llm"
+            base-url = "http://127.0.0.1:8080/v1"
+            model = "smollm2"
+            max-tool-rounds = 2
+            tools = ["workspace_read"]
+            "#,
+        )
+        .expect("parses");
+        assert!(
+            matches!(&defs["writer"], AgentDefinition::Llm(c) if c.model == "smollm2" && c.max_tool_rounds == 2)
+        );
+        let mut roles = BTreeMap::new();
+        roles.insert(
+            "editor".to_string(),
+            RoleConfig {
+                prompt: "Edit.".into(),
+            },
+        );
+        let reg = AgentRegistry::from_config(&defs, &roles, None, Path::new(".")).expect("valid");
+        assert_eq!(reg.resolve(Some("writer")).expect("built").0, "writer");
+
+        let bad: BTreeMap<String, AgentDefinition> = toml::from_str(
+            "[w]\nkind = \"llm\"\nbase-url = \"http://h/v1\"\nmodel = \"m\"\ntemperature = 9.0\n",
+        )
+        .expect("parses");
+        let e = AgentRegistry::from_definitions(&bad, None, Path::new(".")).expect_err("bad");
+        assert!(e.starts_with("agents.w.temperature:"), "{e}");
+        roles.insert(
+            "empty".into(),
+            RoleConfig {
+                prompt: String::new(),
+            },
+        );
+        let e =
+            AgentRegistry::from_config(&defs, &roles, None, Path::new(".")).expect_err("bad role");
+        assert!(e.starts_with("roles.empty:"), "{e}");
     }
 
     #[test]

@@ -1,0 +1,524 @@
+//! The LLM agent: one attempt is a conversation with the model.
+//!
+//! ```text
+//! system (role + instruction) ─┐
+//! user (task template)        ─┴► model ──tool calls──► tools run concurrently ──results──┐
+//!                                   ▲                    (tool_start / tool_end events)    │
+//!                                   └──────────────────────────────────────────────────────┘
+//!                                   │ text (after at most max-tool-rounds rounds)
+//!                                   ▼
+//!                   output_schema? ──invalid──► one repair turn ──still invalid──► invalid_output
+//!                                   │ valid / no schema
+//!                                   ▼
+//!                             the task's response
+//! ```
+//!
+//! Every model call publishes `assistant_reply` events — increments coalesced about every
+//! 100 ms, then the whole text of the turn with `final: true` — and a `usage` event (tokens,
+//! model, latency). The reply's `tokens` is the sum of prompt and completion tokens over all
+//! calls of the attempt.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_openai::types::chat::{
+    ChatCompletionMessageToolCall, ChatCompletionMessageToolCalls,
+    ChatCompletionRequestAssistantMessage, ChatCompletionRequestAssistantMessageContent,
+    ChatCompletionRequestMessage, ChatCompletionRequestSystemMessage,
+    ChatCompletionRequestSystemMessageContent, ChatCompletionRequestToolMessage,
+    ChatCompletionRequestToolMessageContent, ChatCompletionRequestUserMessage,
+    ChatCompletionRequestUserMessageContent, ChatCompletionStreamOptions, ChatCompletionTool,
+    ChatCompletionToolChoiceOption, ChatCompletionTools, CreateChatCompletionRequest, FunctionCall,
+    FunctionObject, ResponseFormat, ResponseFormatJsonSchema, ToolChoiceOptions,
+};
+use flotilla_context::{Agent, AgentContext, AgentError, AgentReply, EventEmitter};
+use flotilla_model::event::Event;
+use flotilla_model::task::{TaskEnvelope, TaskErrorKind};
+use futures::future::BoxFuture;
+use serde_json::Value;
+use tokio::sync::mpsc;
+
+use crate::config::{ConfigError, LlmConfig};
+use crate::prompt;
+use crate::provider::{CallError, Completion, KeySource, Provider, Providers, ToolCallRequest};
+use crate::roles::Roles;
+use crate::tools::ToolSet;
+
+/// How often streamed text is published, at most.
+pub const DELTA_INTERVAL: Duration = Duration::from_millis(100);
+
+/// The name of the structured-output schema sent in `response_format`.
+const SCHEMA_NAME: &str = "task_output";
+
+/// An agent answering tasks with an OpenAI-compatible model.
+pub struct LlmAgent {
+    name: String,
+    config: LlmConfig,
+    roles: Arc<Roles>,
+    provider: Provider,
+    tools: ToolSet,
+}
+
+impl fmt::Debug for LlmAgent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LlmAgent")
+            .field("name", &self.name)
+            .field("config", &self.config)
+            .field(
+                "tools",
+                &self.tools.tools().map(|t| &t.name).collect::<Vec<_>>(),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+impl LlmAgent {
+    /// Builds agent `name` from `config` (validated here). `providers` holds the worker's
+    /// per-provider request caps; `base_dir` resolves relative paths (the config file's
+    /// directory). The API key is not read here but at each model call, so processes that
+    /// only validate the configuration (a coordinator, `flotilla submit`) need no key.
+    pub fn new(
+        name: &str,
+        config: &LlmConfig,
+        roles: Arc<Roles>,
+        providers: &Providers,
+        base_dir: &Path,
+    ) -> Result<Self, ConfigError> {
+        config.validate(name)?;
+        let key = match (&config.api_key_env, &config.api_key_file) {
+            (Some(var), _) => KeySource::Env(var.clone()),
+            (None, Some(p)) if p.is_absolute() => KeySource::File(p.clone()),
+            (None, Some(p)) => KeySource::File(base_dir.join(p)),
+            (None, None) => KeySource::None,
+        };
+        Ok(Self {
+            name: name.to_owned(),
+            tools: ToolSet::from_config(name, config, base_dir)?,
+            provider: Provider::new(config, key, providers),
+            config: config.clone(),
+            roles,
+        })
+    }
+
+    /// The system prompt: the role's, then the instruction with placeholders filled.
+    async fn system_prompt(
+        &self,
+        task: &TaskEnvelope,
+        ctx: &AgentContext,
+    ) -> Result<String, AgentError> {
+        let mut system = self.roles.prompt(task.role.as_deref());
+        if let Some(instruction) = self.config.instruction.as_deref() {
+            let keys = prompt::placeholders(instruction);
+            let mut values = HashMap::new();
+            let mut missing = Vec::new();
+            for (key, optional) in keys {
+                if values.contains_key(key) {
+                    continue;
+                }
+                let value = ctx.state().get(key).await.map_err(|e| {
+                    AgentError::failed(format!(
+                        "reading session state {key:?} for the instruction: {e}"
+                    ))
+                })?;
+                match value {
+                    Some(v) => {
+                        values.insert(
+                            key,
+                            match v.value {
+                                Value::String(s) => s,
+                                other => other.to_string(),
+                            },
+                        );
+                    }
+                    None if optional => {
+                        values.insert(key, String::new());
+                    }
+                    None => missing.push(key),
+                }
+            }
+            if !missing.is_empty() {
+                return Err(AgentError {
+                    kind: TaskErrorKind::MissingStateKey,
+                    message: format!(
+                        "the instruction of agent {} needs session-state key(s) {}, which are not set; write {{key?}} for an optional value",
+                        self.name,
+                        missing.join(", ")
+                    ),
+                });
+            }
+            system.push_str("\n\n");
+            system.push_str(&prompt::fill(instruction, &values));
+        }
+        Ok(system)
+    }
+
+    fn request(
+        &self,
+        messages: &[ChatCompletionRequestMessage],
+        tools_allowed: bool,
+        schema: Option<&Value>,
+    ) -> CreateChatCompletionRequest {
+        let mut r = CreateChatCompletionRequest {
+            model: self.config.model.clone(),
+            messages: messages.to_vec(),
+            temperature: self.config.temperature,
+            max_completion_tokens: self.config.max_output_tokens,
+            ..Default::default()
+        };
+        if self.config.stream {
+            r.stream_options = Some(ChatCompletionStreamOptions {
+                include_usage: Some(true),
+                include_obfuscation: None,
+            });
+        }
+        if !self.tools.is_empty() {
+            r.tools = Some(
+                self.tools
+                    .tools()
+                    .map(|t| {
+                        ChatCompletionTools::Function(ChatCompletionTool {
+                            function: FunctionObject {
+                                name: t.name.clone(),
+                                description: (!t.description.is_empty())
+                                    .then(|| t.description.clone()),
+                                parameters: Some(t.parameters.clone()),
+                                strict: None,
+                            },
+                        })
+                    })
+                    .collect(),
+            );
+            if !tools_allowed {
+                // The rounds are spent: the model must answer now.
+                r.tool_choice = Some(ChatCompletionToolChoiceOption::Mode(
+                    ToolChoiceOptions::None,
+                ));
+            }
+        }
+        if let Some(schema) = schema {
+            r.response_format = Some(ResponseFormat::JsonSchema {
+                json_schema: ResponseFormatJsonSchema {
+                    description: None,
+                    name: SCHEMA_NAME.into(),
+                    schema: schema.clone(),
+                    strict: None,
+                },
+            });
+        }
+        r
+    }
+
+    /// One model call with its events.
+    async fn call(
+        &self,
+        request: CreateChatCompletionRequest,
+        ctx: &AgentContext,
+    ) -> Result<Completion, AgentError> {
+        let (tx, rx) = mpsc::unbounded_channel::<String>();
+        let deadline = tokio::time::Instant::from_std(ctx.deadline);
+        let call = async {
+            let mut on_delta = move |t: &str| {
+                let _ = tx.send(t.to_owned());
+            };
+            let r = self
+                .provider
+                .complete(request, &mut on_delta, &ctx.cancel, deadline)
+                .await;
+            drop(on_delta);
+            r
+        };
+        let (result, ()) = tokio::join!(call, publish_deltas(ctx.events.clone(), rx));
+        let completion = result.map_err(|e| match e {
+            CallError::Cancelled => AgentError::cancelled("cancelled during a model call"),
+            CallError::GaveUp(m) | CallError::Rejected(m) => AgentError::failed(format!(
+                "agent {}: model call to {} failed: {m}",
+                self.name, self.config.base_url
+            )),
+        })?;
+        if !completion.content.is_empty() {
+            ctx.events
+                .emit(Event::AssistantReply {
+                    text: completion.content.clone(),
+                    is_final: true,
+                })
+                .await;
+        }
+        ctx.events
+            .emit(Event::Usage {
+                prompt_tokens: completion.prompt_tokens,
+                completion_tokens: completion.completion_tokens,
+                model: Some(completion.model.clone()),
+                latency_ms: Some(completion.latency.as_millis() as u64),
+            })
+            .await;
+        Ok(completion)
+    }
+
+    /// Runs the calls of one round concurrently, with their events; results in call order.
+    async fn run_tools(
+        &self,
+        calls: &[ToolCallRequest],
+        ctx: &AgentContext,
+    ) -> Result<Vec<String>, AgentError> {
+        let runs = calls.iter().map(|call| async move {
+            let input = serde_json::from_str::<Value>(&call.arguments)
+                .unwrap_or_else(|_| Value::String(call.arguments.clone()));
+            ctx.events
+                .emit(Event::ToolStart {
+                    call_id: call.id.clone(),
+                    tool: call.name.clone(),
+                    input,
+                })
+                .await;
+            let started = Instant::now();
+            let outcome = self.tools.call(ctx, &call.name, &call.arguments).await;
+            if let Some(e) = &outcome.error {
+                tracing::debug!(agent = %self.name, tool = %call.name, error = %e, "Tool call failed; the model gets the error");
+            }
+            ctx.events
+                .emit(Event::ToolEnd {
+                    call_id: call.id.clone(),
+                    ok: outcome.error.is_none(),
+                    output: outcome.output.clone(),
+                    run_link: None,
+                    tool: Some(call.name.clone()),
+                    duration_ms: Some(started.elapsed().as_millis() as u64),
+                    error: outcome.error.clone(),
+                })
+                .await;
+            outcome.text()
+        });
+        tokio::select! {
+            results = futures::future::join_all(runs) => Ok(results),
+            _ = ctx.cancel.cancelled() => Err(AgentError::cancelled("cancelled during tool calls")),
+        }
+    }
+
+    async fn attempt(
+        &self,
+        task: &TaskEnvelope,
+        ctx: &AgentContext,
+    ) -> Result<AgentReply, AgentError> {
+        let validator = match &task.output_schema {
+            None => None,
+            Some(schema) => Some(jsonschema::validator_for(schema).map_err(|e| AgentError {
+                kind: TaskErrorKind::BadEnvelope,
+                message: format!("the task's output_schema is not a valid JSON Schema: {e}"),
+            })?),
+        };
+        let mut messages = vec![
+            ChatCompletionRequestMessage::System(ChatCompletionRequestSystemMessage {
+                content: ChatCompletionRequestSystemMessageContent::Text(
+                    self.system_prompt(task, ctx).await?,
+                ),
+                name: None,
+            }),
+            user(prompt::user_message(task, self.config.max_prompt_chars)),
+        ];
+        let mut tokens = 0u64;
+        let mut tools_used: Vec<String> = Vec::new();
+        let mut rounds = 0u32;
+        let mut repaired = false;
+        loop {
+            let tools_allowed = rounds < self.config.max_tool_rounds;
+            let request = self.request(&messages, tools_allowed, task.output_schema.as_ref());
+            let c = self.call(request, ctx).await?;
+            tokens += c.prompt_tokens + c.completion_tokens;
+            if !c.tool_calls.is_empty() {
+                if !tools_allowed {
+                    return Err(AgentError::failed(format!(
+                        "agent {}: the model still called tools after max-tool-rounds ({}) rounds",
+                        self.name, self.config.max_tool_rounds
+                    )));
+                }
+                rounds += 1;
+                for call in &c.tool_calls {
+                    if !tools_used.contains(&call.name) {
+                        tools_used.push(call.name.clone());
+                    }
+                }
+                messages.push(assistant(&c));
+                let results = self.run_tools(&c.tool_calls, ctx).await?;
+                for (call, result) in c.tool_calls.iter().zip(results) {
+                    messages.push(ChatCompletionRequestMessage::Tool(
+                        ChatCompletionRequestToolMessage {
+                            content: ChatCompletionRequestToolMessageContent::Text(result),
+                            tool_call_id: call.id.clone(),
+                        },
+                    ));
+                }
+                continue;
+            }
+            let Some(validator) = &validator else {
+                return Ok(AgentReply {
+                    response: c.content,
+                    tokens,
+                    tools_used,
+                    numeric_value: None,
+                });
+            };
+            match check_output(validator, &c.content) {
+                Ok(value) => {
+                    return Ok(AgentReply {
+                        response: value.to_string(),
+                        tokens,
+                        tools_used,
+                        numeric_value: None,
+                    });
+                }
+                Err(problem) if !repaired => {
+                    repaired = true;
+                    tracing::debug!(agent = %self.name, problem = %problem, "The answer does not match the output schema; asking once more");
+                    messages.push(assistant(&c));
+                    messages.push(user(format!(
+                        "Your answer does not match the required JSON Schema: {problem}\nAnswer again with only a JSON value that matches the schema, nothing else."
+                    )));
+                }
+                Err(problem) => {
+                    return Err(AgentError {
+                        kind: TaskErrorKind::InvalidOutput,
+                        message: format!(
+                            "agent {}: the answer does not match the task's output_schema, also after one repair: {problem}",
+                            self.name
+                        ),
+                    });
+                }
+            }
+        }
+    }
+}
+
+impl Agent for LlmAgent {
+    fn run<'a>(
+        &'a self,
+        task: &'a TaskEnvelope,
+        ctx: AgentContext,
+    ) -> BoxFuture<'a, Result<AgentReply, AgentError>> {
+        Box::pin(async move { self.attempt(task, &ctx).await })
+    }
+}
+
+fn user(text: String) -> ChatCompletionRequestMessage {
+    ChatCompletionRequestMessage::User(ChatCompletionRequestUserMessage {
+        content: ChatCompletionRequestUserMessageContent::Text(text),
+        name: None,
+    })
+}
+
+/// The model's turn as a message of the conversation.
+fn assistant(c: &Completion) -> ChatCompletionRequestMessage {
+    ChatCompletionRequestMessage::Assistant(ChatCompletionRequestAssistantMessage {
+        content: (!c.content.is_empty())
+            .then(|| ChatCompletionRequestAssistantMessageContent::Text(c.content.clone())),
+        tool_calls: (!c.tool_calls.is_empty()).then(|| {
+            c.tool_calls
+                .iter()
+                .map(|t| {
+                    ChatCompletionMessageToolCalls::Function(ChatCompletionMessageToolCall {
+                        id: t.id.clone(),
+                        function: FunctionCall {
+                            name: t.name.clone(),
+                            arguments: t.arguments.clone(),
+                        },
+                    })
+                })
+                .collect()
+        }),
+        ..Default::default()
+    })
+}
+
+/// The answer as JSON matching the schema, or what is wrong with it. A Markdown code fence
+/// around the JSON is tolerated.
+fn check_output(validator: &jsonschema::Validator, text: &str) -> Result<Value, String> {
+    let trimmed = text.trim();
+    let inner = trimmed
+        .strip_prefix("```json")
+        .or_else(|| trimmed.strip_prefix("```"))
+        .and_then(|t| t.strip_suffix("```"))
+        .unwrap_or(trimmed)
+        .trim();
+    let value: Value =
+        serde_json::from_str(inner).map_err(|e| format!("the answer is not JSON ({e})"))?;
+    let problems: Vec<String> = validator
+        .iter_errors(&value)
+        .take(5)
+        .map(|e| {
+            let at = e.instance_path().to_string();
+            if at.is_empty() {
+                e.to_string()
+            } else {
+                format!("at {at}: {e}")
+            }
+        })
+        .collect();
+    if problems.is_empty() {
+        Ok(value)
+    } else {
+        Err(problems.join("; "))
+    }
+}
+
+/// Publishes streamed text as `assistant_reply` increments, at most one per
+/// [`DELTA_INTERVAL`], until the sender is dropped.
+async fn publish_deltas(events: EventEmitter, mut rx: mpsc::UnboundedReceiver<String>) {
+    let mut buf = String::new();
+    let mut flush_at: Option<tokio::time::Instant> = None;
+    loop {
+        let next = match flush_at {
+            Some(at) => tokio::time::timeout_at(at, rx.recv()).await,
+            None => Ok(rx.recv().await),
+        };
+        match next {
+            Ok(Some(text)) => {
+                buf.push_str(&text);
+                if flush_at.is_none() {
+                    flush_at = Some(tokio::time::Instant::now() + DELTA_INTERVAL);
+                }
+            }
+            Ok(None) => break,
+            Err(_) => {
+                flush_at = None;
+                events
+                    .emit(Event::AssistantReply {
+                        text: std::mem::take(&mut buf),
+                        is_final: false,
+                    })
+                    .await;
+            }
+        }
+    }
+    if !buf.is_empty() {
+        events
+            .emit(Event::AssistantReply {
+                text: buf,
+                is_final: false,
+            })
+            .await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn output_is_checked_with_fences_tolerated() {
+        let schema = serde_json::json!({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]});
+        let v = jsonschema::validator_for(&schema).expect("schema");
+        assert_eq!(
+            check_output(&v, "```json\n{\"n\": 3}\n```").expect("valid"),
+            serde_json::json!({"n": 3})
+        );
+        assert!(
+            check_output(&v, "three")
+                .expect_err("not json")
+                .contains("not JSON")
+        );
+        let e = check_output(&v, "{\"n\": \"3\"}").expect_err("wrong type");
+        assert!(e.contains("/n"), "{e}");
+    }
+}

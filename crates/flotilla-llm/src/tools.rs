@@ -1,0 +1,482 @@
+//! Tools the model may call: the agent context as built-in tools, and commands declared in
+//! config (`exec-tools`).
+//!
+//! | Tool | Arguments | Result |
+//! |---|---|---|
+//! | `workspace_read` | `topic`, `since_seq`?, `limit`? | `{entries, next_since_seq, more}` |
+//! | `workspace_write` | `topic`, `entry` (object) | `{seq, topic, duplicate}` |
+//! | `mailbox_send` | `to` (task id or `*`), `kind`?, `payload`, `correlation_id`? | `{seq, n, duplicate}` |
+//! | `mailbox_read` | `limit`?, `wait_ms`? | `{messages, next_since_seq, more}` |
+//! | `state_get` | `key` | `{key, found, value, revision}` |
+//! | `state_set` | `key`, `value` | `{key, revision}` |
+//!
+//! Arguments are checked against each tool's JSON Schema before anything runs. Every problem
+//! — arguments that are not JSON or do not match, an unknown tool, a context error such as
+//! writing an undeclared topic, a failing command — becomes the tool's result
+//! `{"error": {"code", "message"}}` for the model to read and correct; it never fails the
+//! attempt. Only cancellation stops a call early.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use flotilla_context::{AgentContext, ContextError};
+use flotilla_model::mailbox::MailboxKind;
+use serde_json::{Map, Value, json};
+use tokio::io::AsyncWriteExt;
+
+use crate::config::{ConfigError, ExecToolConfig, LlmConfig};
+
+/// Names of the built-in tools.
+pub const BUILTIN_TOOLS: &[&str] = &[
+    "workspace_read",
+    "workspace_write",
+    "mailbox_send",
+    "mailbox_read",
+    "state_get",
+    "state_set",
+];
+
+/// Longest tool output handed back to the model, in bytes; longer output is cut with a
+/// marker.
+pub const MAX_TOOL_OUTPUT: usize = 64 * 1024;
+
+/// Longest a `mailbox_read` may wait for a message.
+const MAX_MAILBOX_WAIT_MS: u64 = 30_000;
+
+/// What a tool does when called.
+#[derive(Debug, Clone)]
+enum Action {
+    Builtin(&'static str),
+    Exec(Arc<ExecTool>),
+}
+
+#[derive(Debug)]
+struct ExecTool {
+    config: ExecToolConfig,
+    cwd: PathBuf,
+}
+
+/// One tool offered to the model.
+#[derive(Debug, Clone)]
+pub struct Tool {
+    /// Name the model calls it by.
+    pub name: String,
+    /// What it does, for the model.
+    pub description: String,
+    /// JSON Schema of its arguments.
+    pub parameters: Value,
+    validator: Arc<jsonschema::Validator>,
+    action: Action,
+}
+
+/// The tools of one agent.
+#[derive(Debug, Clone, Default)]
+pub struct ToolSet {
+    tools: BTreeMap<String, Tool>,
+}
+
+/// The outcome of one call, as handed back to the model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolOutcome {
+    /// The result (or `{"error": …}`).
+    pub output: Value,
+    /// Why it failed, when it did.
+    pub error: Option<String>,
+}
+
+impl ToolOutcome {
+    fn ok(output: Value) -> Self {
+        Self {
+            output,
+            error: None,
+        }
+    }
+
+    fn err(code: &str, message: impl Into<String>) -> Self {
+        let message = message.into();
+        Self {
+            output: json!({"error": {"code": code, "message": message}}),
+            error: Some(format!("{code}: {message}")),
+        }
+    }
+
+    /// The text of the tool message: the JSON result, cut at [`MAX_TOOL_OUTPUT`].
+    pub fn text(&self) -> String {
+        let text = match &self.output {
+            Value::String(s) => s.clone(),
+            v => v.to_string(),
+        };
+        cut(&text, MAX_TOOL_OUTPUT)
+    }
+}
+
+fn cut(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_owned();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!(
+        "{}\n[… {} bytes cut: tool output is capped at {max} bytes …]",
+        &text[..end],
+        text.len() - end
+    )
+}
+
+fn builtin_spec(name: &str) -> (&'static str, Value) {
+    match name {
+        "workspace_read" => (
+            "Reads entries of a workspace topic shared by the team, oldest first. Continue from next_since_seq while more is true.",
+            json!({"type": "object", "properties": {
+                "topic": {"type": "string", "description": "Topic name"},
+                "since_seq": {"type": "integer", "minimum": 0, "description": "Return entries after this sequence (default 0)"},
+                "limit": {"type": "integer", "minimum": 1, "maximum": 1000, "description": "Most entries (default 200)"}
+            }, "required": ["topic"], "additionalProperties": false}),
+        ),
+        "workspace_write" => (
+            "Appends an entry (a JSON object) to a workspace topic the team reads.",
+            json!({"type": "object", "properties": {
+                "topic": {"type": "string", "description": "Topic name"},
+                "entry": {"type": "object", "description": "The data to append"}
+            }, "required": ["topic", "entry"], "additionalProperties": false}),
+        ),
+        "mailbox_send" => (
+            "Sends a message to another task of the team by its task id, or to every task with \"*\". Does not wait for an answer.",
+            json!({"type": "object", "properties": {
+                "to": {"type": "string", "description": "Recipient task id, or * for all"},
+                "kind": {"type": "string", "enum": ["request", "offer", "accept", "delegation", "info"], "description": "Message type (default info)"},
+                "payload": {"description": "The message (any JSON)"},
+                "correlation_id": {"type": "string", "description": "Ties a reply to a request"}
+            }, "required": ["to", "payload"], "additionalProperties": false}),
+        ),
+        "mailbox_read" => (
+            "Reads the messages sent to this task (and broadcasts) that it has not read yet.",
+            json!({"type": "object", "properties": {
+                "limit": {"type": "integer", "minimum": 1, "maximum": 1000, "description": "Most messages (default 100)"},
+                "wait_ms": {"type": "integer", "minimum": 0, "maximum": MAX_MAILBOX_WAIT_MS, "description": "Wait this long for a message when none is there (default 0)"}
+            }, "additionalProperties": false}),
+        ),
+        "state_get" => (
+            "Reads a value of the session state shared by the team's tasks.",
+            json!({"type": "object", "properties": {
+                "key": {"type": "string", "description": "State key"}
+            }, "required": ["key"], "additionalProperties": false}),
+        ),
+        _ => (
+            "Sets a value of the session state shared by the team's tasks.",
+            json!({"type": "object", "properties": {
+                "key": {"type": "string", "description": "State key"},
+                "value": {"description": "Any JSON value"}
+            }, "required": ["key", "value"], "additionalProperties": false}),
+        ),
+    }
+}
+
+impl ToolSet {
+    /// The tools `config` declares; exec tools' relative paths resolve against `base_dir`.
+    pub fn from_config(
+        agent: &str,
+        config: &LlmConfig,
+        base_dir: &Path,
+    ) -> Result<Self, ConfigError> {
+        let mut tools = BTreeMap::new();
+        let compile = |field: String, schema: &Value| {
+            jsonschema::validator_for(schema)
+                .map(Arc::new)
+                .map_err(|e| ConfigError::InvalidSchema {
+                    agent: agent.to_owned(),
+                    field,
+                    message: e.to_string(),
+                })
+        };
+        for name in &config.tools {
+            let Some(&builtin) = BUILTIN_TOOLS.iter().find(|b| **b == name.as_str()) else {
+                return Err(ConfigError::UnknownTool {
+                    agent: agent.to_owned(),
+                    tool: name.clone(),
+                });
+            };
+            let (description, parameters) = builtin_spec(builtin);
+            tools.insert(
+                name.clone(),
+                Tool {
+                    name: name.clone(),
+                    description: description.to_owned(),
+                    validator: compile(format!("tools.{name}"), &parameters)?,
+                    parameters,
+                    action: Action::Builtin(builtin),
+                },
+            );
+        }
+        for (name, tool) in &config.exec_tools {
+            let cwd = match &tool.cwd {
+                Some(p) if p.is_absolute() => p.clone(),
+                Some(p) => base_dir.join(p),
+                None => base_dir.to_path_buf(),
+            };
+            tools.insert(
+                name.clone(),
+                Tool {
+                    name: name.clone(),
+                    description: tool.description.clone(),
+                    validator: compile(format!("exec-tools.{name}.parameters"), &tool.parameters)?,
+                    parameters: tool.parameters.clone(),
+                    action: Action::Exec(Arc::new(ExecTool {
+                        config: tool.clone(),
+                        cwd,
+                    })),
+                },
+            );
+        }
+        Ok(Self { tools })
+    }
+
+    /// The tools, by name.
+    pub fn tools(&self) -> impl Iterator<Item = &Tool> {
+        self.tools.values()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.tools.is_empty()
+    }
+
+    /// Runs the call `name(arguments)`: checks the arguments, then runs the tool. Problems
+    /// come back as the outcome's error, for the model. The caller stops waiting when the
+    /// attempt is cancelled (dropping the call kills an exec tool's command).
+    pub async fn call(&self, ctx: &AgentContext, name: &str, arguments: &str) -> ToolOutcome {
+        let Some(tool) = self.tools.get(name) else {
+            return ToolOutcome::err(
+                "unknown_tool",
+                format!(
+                    "there is no tool named {name:?}; the tools are: {}",
+                    self.tools.keys().cloned().collect::<Vec<_>>().join(", ")
+                ),
+            );
+        };
+        let args: Value = if arguments.trim().is_empty() {
+            Value::Object(Map::new())
+        } else {
+            match serde_json::from_str(arguments) {
+                Ok(v) => v,
+                Err(e) => {
+                    return ToolOutcome::err(
+                        "invalid_arguments",
+                        format!(
+                            "the arguments are not valid JSON ({e}); send a JSON object matching the tool's parameters"
+                        ),
+                    );
+                }
+            }
+        };
+        let problems: Vec<String> = tool
+            .validator
+            .iter_errors(&args)
+            .take(5)
+            .map(|e| {
+                let at = e.instance_path().to_string();
+                if at.is_empty() {
+                    e.to_string()
+                } else {
+                    format!("at {at}: {e}")
+                }
+            })
+            .collect();
+        if !problems.is_empty() {
+            return ToolOutcome::err(
+                "invalid_arguments",
+                format!(
+                    "the arguments do not match the tool's parameters: {}",
+                    problems.join("; ")
+                ),
+            );
+        }
+        match &tool.action {
+            Action::Builtin(b) => builtin(ctx, b, &args)
+                .await
+                .unwrap_or_else(|e| ToolOutcome::err(e.code(), e.message())),
+            Action::Exec(t) => exec(ctx, t, &args).await,
+        }
+    }
+}
+
+fn str_arg<'a>(args: &'a Value, key: &str) -> &'a str {
+    args.get(key).and_then(Value::as_str).unwrap_or_default()
+}
+
+fn to_json<T: serde::Serialize>(v: &T) -> Value {
+    serde_json::to_value(v).unwrap_or(Value::Null)
+}
+
+async fn builtin(
+    ctx: &AgentContext,
+    name: &str,
+    args: &Value,
+) -> Result<ToolOutcome, ContextError> {
+    Ok(match name {
+        "workspace_read" => {
+            let since = args.get("since_seq").and_then(Value::as_u64).unwrap_or(0);
+            let limit = args
+                .get("limit")
+                .and_then(Value::as_u64)
+                .map(|l| usize::try_from(l).unwrap_or(usize::MAX));
+            let page = ctx
+                .workspace()
+                .read(str_arg(args, "topic"), since, limit)
+                .await?;
+            ToolOutcome::ok(to_json(&page))
+        }
+        "workspace_write" => {
+            let entry = args
+                .get("entry")
+                .and_then(Value::as_object)
+                .cloned()
+                .unwrap_or_default();
+            let appended = ctx
+                .workspace()
+                .append(str_arg(args, "topic"), entry)
+                .await?;
+            ToolOutcome::ok(to_json(&appended))
+        }
+        "mailbox_send" => {
+            let kind = match args.get("kind").and_then(Value::as_str) {
+                None => MailboxKind::Info,
+                Some(k) => match k.parse() {
+                    Ok(k) => k,
+                    Err(e) => return Ok(ToolOutcome::err("invalid_arguments", e)),
+                },
+            };
+            let sent = ctx
+                .mailbox()
+                .send(
+                    str_arg(args, "to"),
+                    kind,
+                    args.get("payload").cloned().unwrap_or(Value::Null),
+                    args.get("correlation_id").and_then(Value::as_str),
+                )
+                .await?;
+            ToolOutcome::ok(to_json(&sent))
+        }
+        "mailbox_read" => {
+            let limit = args
+                .get("limit")
+                .and_then(Value::as_u64)
+                .map(|l| usize::try_from(l).unwrap_or(usize::MAX));
+            let wait = args
+                .get("wait_ms")
+                .and_then(Value::as_u64)
+                .unwrap_or(0)
+                .min(MAX_MAILBOX_WAIT_MS);
+            let page = ctx
+                .mailbox()
+                .receive(limit, Duration::from_millis(wait))
+                .await?;
+            ToolOutcome::ok(to_json(&page))
+        }
+        "state_get" => {
+            let key = str_arg(args, "key");
+            match ctx.state().get(key).await? {
+                Some(v) => ToolOutcome::ok(
+                    json!({"key": key, "found": true, "value": v.value, "revision": v.revision}),
+                ),
+                None => ToolOutcome::ok(json!({"key": key, "found": false, "value": null})),
+            }
+        }
+        _ => {
+            let key = str_arg(args, "key");
+            let revision = ctx
+                .state()
+                .set(key, args.get("value").unwrap_or(&Value::Null))
+                .await?;
+            ToolOutcome::ok(json!({"key": key, "revision": revision}))
+        }
+    })
+}
+
+/// Longest stderr tail in an exec tool's error.
+const STDERR_TAIL: usize = 2048;
+
+async fn exec(ctx: &AgentContext, tool: &ExecTool, args: &Value) -> ToolOutcome {
+    let c = &tool.config;
+    let mut cmd = tokio::process::Command::new(&c.command);
+    cmd.args(&c.args)
+        .envs(&c.env)
+        .envs(ctx.clients().agent_env())
+        .current_dir(&tool.cwd)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let mut child = match cmd.spawn() {
+        Ok(c) => c,
+        Err(e) => {
+            return ToolOutcome::err(
+                "tool_failed",
+                format!("cannot run {:?} in {}: {e}", c.command, tool.cwd.display()),
+            );
+        }
+    };
+    if let Some(mut stdin) = child.stdin.take() {
+        // A command that ignores its input may close stdin early; that is fine.
+        let _ = stdin.write_all(args.to_string().as_bytes()).await;
+        drop(stdin);
+    }
+    // Dropping the future on timeout kills the command (`kill_on_drop`).
+    let output = match tokio::time::timeout(c.timeout, child.wait_with_output()).await {
+        Ok(Ok(o)) => o,
+        Ok(Err(e)) => {
+            return ToolOutcome::err("tool_failed", format!("waiting for {:?}: {e}", c.command));
+        }
+        Err(_) => {
+            return ToolOutcome::err(
+                "tool_timeout",
+                format!(
+                    "{:?} did not finish within {}",
+                    c.command,
+                    humantime_serde::re::humantime::format_duration(c.timeout)
+                ),
+            );
+        }
+    };
+    if !output.status.success() {
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        let mut start = stderr.len().saturating_sub(STDERR_TAIL);
+        while !stderr.is_char_boundary(start) {
+            start += 1;
+        }
+        return ToolOutcome::err(
+            "tool_failed",
+            format!(
+                "{:?} exited with {}: {}",
+                c.command,
+                output.status,
+                stderr[start..].trim()
+            ),
+        );
+    }
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let trimmed = stdout.trim();
+    ToolOutcome::ok(
+        serde_json::from_str::<Value>(trimmed).unwrap_or_else(|_| Value::String(trimmed.into())),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn builtin_schemas_compile_and_cut_is_marked() {
+        let config = LlmConfig::new("http://h/v1", "m");
+        let set = ToolSet::from_config("a", &config, Path::new(".")).expect("tools");
+        assert_eq!(set.tools().count(), BUILTIN_TOOLS.len());
+        let text = cut(&"é".repeat(100), 51);
+        assert!(text.starts_with(&"é".repeat(25)));
+        assert!(text.contains("bytes cut"), "{text}");
+    }
+}
