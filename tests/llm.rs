@@ -186,6 +186,41 @@ async fn a_plan_of_two_llm_tasks_runs_through_coordinator_and_worker() -> anyhow
 }
 
 #[tokio::test]
+async fn a_spent_token_budget_fails_the_run_without_retries() -> anyhow::Result<()> {
+    let llm = OpenAiServer::start().await?;
+    llm.push(Reply::text("Revenue was 1250.").usage(900, 80));
+    let extra = format!(
+        "{}\n[agents.researcher.price]\ninput-per-mtok = 0.15\noutput-per-mtok = 0.6\n",
+        agents(&llm.base_url())
+    );
+    let mut p = Processes::start(&extra).await?;
+    p.coordinator().await?;
+    p.worker(&[]).await?;
+    let first = Subtask::new("first", "Find the revenue.").with_agent("researcher");
+    let second = Subtask::new("second", "Check it.")
+        .with_agent("researcher")
+        .after(&["first"]);
+    let mut plan = plan(vec![first, second]);
+    plan.config.max_tokens = Some(1200);
+    let run = p.client.submit(SubmitRequest::new(plan)).await?;
+    let outcome = p.client.wait(run, WAIT).await?;
+    assert_eq!(outcome.status, RunStatus::Failed, "{outcome:?}");
+    let failed = &outcome.failed[0];
+    assert_eq!(failed.task_id.as_str(), "second");
+    assert_eq!(
+        failed.error.kind,
+        flotilla_model::task::TaskErrorKind::BudgetExhausted
+    );
+    assert_eq!(failed.attempts, 1, "budget_exhausted is not retried");
+    assert!(
+        failed.error.message.contains("max_tokens (1200)"),
+        "{failed:?}"
+    );
+    assert_eq!(llm.requests().len(), 1, "the second call was never made");
+    Ok(())
+}
+
+#[tokio::test]
 async fn a_bad_llm_agent_stops_the_worker_with_the_field_named() -> anyhow::Result<()> {
     let extra = r#"
 [agents.writer]

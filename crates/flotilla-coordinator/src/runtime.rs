@@ -1428,6 +1428,7 @@ impl Runtime {
             dependency_results,
             consumes: sub.consumes.clone(),
             produces: sub.produces.clone(),
+            budget: plan.config.budget(),
             output_schema: sub.output_schema.clone(),
             consumed,
             dataflow_validation: plan.config.dataflow_validation,

@@ -15,8 +15,10 @@
 //!
 //! Every model call publishes `assistant_reply` events — increments coalesced about every
 //! 100 ms, then the whole text of the turn with `final: true` — and a `usage` event (tokens,
-//! model, latency). The reply's `tokens` is the sum of prompt and completion tokens over all
-//! calls of the attempt.
+//! model, latency, cost when the agent has a price). The reply's `tokens` is the sum of
+//! prompt and completion tokens over all calls of the attempt. When the run has a budget,
+//! every call is reserved first ([`crate::budget`]); a call that could pass it is not made
+//! and the task fails with `budget_exhausted`.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -41,6 +43,7 @@ use futures::future::BoxFuture;
 use serde_json::Value;
 use tokio::sync::mpsc;
 
+use crate::budget::BudgetGuard;
 use crate::config::{ConfigError, LlmConfig};
 use crate::prompt;
 use crate::provider::{CallError, Completion, KeySource, Provider, Providers, ToolCallRequest};
@@ -211,8 +214,49 @@ impl LlmAgent {
         r
     }
 
-    /// One model call with its events.
+    /// One model call with its events, within the run's budget.
     async fn call(
+        &self,
+        request: CreateChatCompletionRequest,
+        ctx: &AgentContext,
+        budget: Option<&BudgetGuard>,
+    ) -> Result<Completion, AgentError> {
+        let reservation = match budget {
+            None => None,
+            Some(b) => Some(
+                b.reserve(
+                    estimate_prompt_tokens(&request),
+                    self.config.max_output_tokens.map_or(0, u64::from),
+                )
+                .await?,
+            ),
+        };
+        let result = self.call_model(request, ctx).await;
+        if let (Some(b), Some(r)) = (budget, reservation) {
+            match &result {
+                Ok(c) => {
+                    b.settle(r, c.prompt_tokens, c.completion_tokens).await?;
+                }
+                Err(_) => b.release(r).await,
+            }
+        }
+        let completion = result?;
+        ctx.events
+            .emit(Event::Usage {
+                prompt_tokens: completion.prompt_tokens,
+                completion_tokens: completion.completion_tokens,
+                model: Some(completion.model.clone()),
+                latency_ms: Some(completion.latency.as_millis() as u64),
+                cost_usd: self
+                    .config
+                    .price
+                    .map(|p| p.cost(completion.prompt_tokens, completion.completion_tokens)),
+            })
+            .await;
+        Ok(completion)
+    }
+
+    async fn call_model(
         &self,
         request: CreateChatCompletionRequest,
         ctx: &AgentContext,
@@ -246,14 +290,6 @@ impl LlmAgent {
                 })
                 .await;
         }
-        ctx.events
-            .emit(Event::Usage {
-                prompt_tokens: completion.prompt_tokens,
-                completion_tokens: completion.completion_tokens,
-                model: Some(completion.model.clone()),
-                latency_ms: Some(completion.latency.as_millis() as u64),
-            })
-            .await;
         Ok(completion)
     }
 
@@ -309,6 +345,7 @@ impl LlmAgent {
                 message: format!("the task's output_schema is not a valid JSON Schema: {e}"),
             })?),
         };
+        let budget = BudgetGuard::open(ctx, task.budget, self.config.price, &self.name).await?;
         let mut messages = vec![
             ChatCompletionRequestMessage::System(ChatCompletionRequestSystemMessage {
                 content: ChatCompletionRequestSystemMessageContent::Text(
@@ -325,7 +362,7 @@ impl LlmAgent {
         loop {
             let tools_allowed = rounds < self.config.max_tool_rounds;
             let request = self.request(&messages, tools_allowed, task.output_schema.as_ref());
-            let c = self.call(request, ctx).await?;
+            let c = self.call(request, ctx, budget.as_ref()).await?;
             tokens += c.prompt_tokens + c.completion_tokens;
             if !c.tool_calls.is_empty() {
                 if !tools_allowed {
@@ -399,6 +436,18 @@ impl Agent for LlmAgent {
     ) -> BoxFuture<'a, Result<AgentReply, AgentError>> {
         Box::pin(async move { self.attempt(task, &ctx).await })
     }
+}
+
+/// A request's prompt size in tokens, estimated as a quarter of its characters (messages and
+/// tools), rounded up: what a budget reserves for the prompt.
+fn estimate_prompt_tokens(request: &CreateChatCompletionRequest) -> u64 {
+    let chars = serde_json::to_string(&request.messages).map_or(0, |s| s.chars().count())
+        + request
+            .tools
+            .as_ref()
+            .and_then(|t| serde_json::to_string(t).ok())
+            .map_or(0, |s| s.chars().count());
+    (chars as u64).div_ceil(4)
 }
 
 fn user(text: String) -> ChatCompletionRequestMessage {

@@ -56,9 +56,13 @@ pub struct LlmConfig {
     /// Sampling temperature, 0 to 2 (default: the server's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub temperature: Option<f32>,
-    /// Most tokens per model reply (default: the server's).
+    /// Most tokens per model reply (default: the server's). Also what a run budget reserves
+    /// for each reply.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_output_tokens: Option<u32>,
+    /// The model's price, for `usage` events and runs with a `max_cost`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub price: Option<Price>,
     /// Longest one model call may take, retries not counted (default 2 min).
     #[serde(default = "default_request_timeout", with = "humantime_serde")]
     pub request_timeout: Duration,
@@ -100,6 +104,23 @@ pub struct LlmConfig {
     /// Commands offered to the model as tools, by tool name.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub exec_tools: BTreeMap<String, ExecToolConfig>,
+}
+
+/// A model's price in US dollars per million tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+pub struct Price {
+    /// Per million prompt tokens.
+    pub input_per_mtok: f64,
+    /// Per million completion tokens.
+    pub output_per_mtok: f64,
+}
+
+impl Price {
+    /// The cost of `input` prompt and `output` completion tokens, in US dollars.
+    pub fn cost(&self, input: u64, output: u64) -> f64 {
+        (input as f64 * self.input_per_mtok + output as f64 * self.output_per_mtok) / 1e6
+    }
 }
 
 /// A command offered to the model as a tool. Its arguments (a JSON object matching
@@ -180,6 +201,7 @@ impl LlmConfig {
             provider: None,
             temperature: None,
             max_output_tokens: None,
+            price: None,
             request_timeout: default_request_timeout(),
             headers: BTreeMap::new(),
             instruction: None,
@@ -260,6 +282,14 @@ impl LlmConfig {
         }
         if self.max_output_tokens == Some(0) {
             return Err(bad("max-output-tokens", "must be at least 1".into()));
+        }
+        if let Some(p) = self.price
+            && !(p.input_per_mtok.is_finite()
+                && p.output_per_mtok.is_finite()
+                && p.input_per_mtok >= 0.0
+                && p.output_per_mtok >= 0.0)
+        {
+            return Err(bad("price", "prices must be numbers of at least 0".into()));
         }
         if self.request_timeout < Duration::from_millis(100) {
             return Err(bad("request-timeout", "must be at least 100ms".into()));
@@ -389,6 +419,7 @@ impl fmt::Debug for LlmConfig {
             .field("provider", &self.provider)
             .field("temperature", &self.temperature)
             .field("max_output_tokens", &self.max_output_tokens)
+            .field("price", &self.price)
             .field("request_timeout", &self.request_timeout)
             .field("headers", &headers)
             .field("instruction", &self.instruction)
@@ -484,6 +515,10 @@ mod tests {
             ("api-key-env = \"A\"\napi-key-file = \"k\"", "api-key-env"),
             ("temperature = 3.5", "temperature"),
             ("max-output-tokens = 0", "max-output-tokens"),
+            (
+                "price = { input-per-mtok = -1.0, output-per-mtok = 2.0 }",
+                "price",
+            ),
             ("request-timeout = \"1ms\"", "request-timeout"),
             ("headers = { Authorization = \"Bearer x\" }", "headers"),
             ("max-concurrent-requests = 0", "max-concurrent-requests"),

@@ -11,6 +11,8 @@
 //!   prompt cancellation.
 //! * [`tools`]: the agent context as tools (`workspace_*`, `mailbox_*`, `state_*`) and
 //!   commands declared in config, with JSON Schema checks of the arguments.
+//! * [`budget`]: the run's `max_tokens` / `max_cost`, reserved before every call across all
+//!   workers; a call that could pass them is not made.
 //! * [`agent`]: the loop tying them together, with `assistant_reply`, `tool_start`,
 //!   `tool_end` and `usage` events, and structured output (`output_schema`).
 //!
@@ -32,6 +34,7 @@
 //! ```
 
 pub mod agent;
+pub mod budget;
 pub mod config;
 pub mod prompt;
 pub mod provider;
@@ -39,6 +42,6 @@ pub mod roles;
 pub mod tools;
 
 pub use agent::LlmAgent;
-pub use config::{ConfigError, ExecToolConfig, LlmConfig};
+pub use config::{ConfigError, ExecToolConfig, LlmConfig, Price};
 pub use provider::Providers;
 pub use roles::{RoleConfig, Roles};

@@ -110,6 +110,7 @@ async fn a_streamed_reply_becomes_events_tokens_and_the_response() -> anyhow::Re
                 completion_tokens,
                 model,
                 latency_ms,
+                ..
             } => Some((
                 *prompt_tokens,
                 *completion_tokens,
@@ -715,5 +716,106 @@ async fn missing_keys_and_bad_configs_are_named() -> anyhow::Result<()> {
         e.to_string().split(':').next(),
         Some("agents.test_agent.base-url")
     );
+    Ok(())
+}
+
+fn budgeted(
+    h: &Harness,
+    run: flotilla_model::RunId,
+    id: &str,
+    max_tokens: Option<u64>,
+    max_cost: Option<f64>,
+) -> flotilla_model::task::TaskEnvelope {
+    let mut t = envelope(id, "Say something short.");
+    t.run_id = run;
+    t.budget = Some(flotilla_model::task::Budget {
+        max_tokens,
+        max_cost,
+    });
+    let _ = h;
+    t
+}
+
+#[tokio::test]
+async fn a_call_that_could_pass_the_runs_token_budget_is_not_made() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let mut config = h.config();
+    config.tools = Vec::new();
+    config.max_output_tokens = Some(100);
+    config.price = Some(flotilla_llm::Price {
+        input_per_mtok: 2.0,
+        output_per_mtok: 10.0,
+    });
+    let agent = h.agent(&config)?;
+    let run = flotilla_model::RunId::new();
+    h.llm.push(Reply::text("one").usage(300, 50));
+    h.llm.push(Reply::text("two").usage(500, 50));
+    h.llm.push(Reply::text("never sent"));
+    let a = budgeted(&h, run, "a", Some(1000), None);
+    let b = budgeted(&h, run, "b", Some(1000), None);
+    let c = budgeted(&h, run, "c", Some(1000), None);
+    assert!(h.run(&agent, &a, TIMEOUT).await?.is_ok());
+    assert!(h.run(&agent, &b, TIMEOUT).await?.is_ok());
+    let e = h.run(&agent, &c, TIMEOUT).await?.expect_err("over budget");
+    assert_eq!(e.kind, TaskErrorKind::BudgetExhausted);
+    assert!(!e.kind.is_retryable());
+    assert!(e.message.contains("max_tokens (1000)"), "{e}");
+    assert!(e.message.contains("900 spent"), "{e}");
+    assert_eq!(h.llm.requests().len(), 2, "the third call was not made");
+
+    let events = h.events(run, |e| has_usage(e, 2)).await?;
+    let cost = events
+        .iter()
+        .find_map(|e| match e {
+            Event::Usage { cost_usd, .. } => *cost_usd,
+            _ => None,
+        })
+        .expect("priced usage");
+    assert!(
+        (cost - (300.0 * 2.0 + 50.0 * 10.0) / 1e6).abs() < 1e-12,
+        "{cost}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn concurrent_calls_share_the_budget_and_cost_needs_a_price() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let mut config = h.config();
+    config.tools = Vec::new();
+    config.max_output_tokens = Some(200);
+    let agent = h.agent(&config)?;
+    let run = flotilla_model::RunId::new();
+    h.llm.push(
+        Reply::text("first")
+            .usage(100, 20)
+            .delay(Duration::from_millis(300)),
+    );
+    h.llm.push(
+        Reply::text("second")
+            .usage(100, 20)
+            .delay(Duration::from_millis(300)),
+    );
+    // Each call reserves its prompt and 200 output tokens: two do not fit in 400.
+    let a = budgeted(&h, run, "a", Some(400), None);
+    let b = budgeted(&h, run, "b", Some(400), None);
+    let (ra, rb) = tokio::join!(h.run(&agent, &a, TIMEOUT), h.run(&agent, &b, TIMEOUT));
+    let results = [ra?, rb?];
+    assert_eq!(
+        results.iter().filter(|r| r.is_ok()).count(),
+        1,
+        "{results:?}"
+    );
+    assert!(
+        results
+            .iter()
+            .any(|r| matches!(r, Err(e) if e.kind == TaskErrorKind::BudgetExhausted))
+    );
+    assert_eq!(h.llm.requests().len(), 1);
+
+    let c = budgeted(&h, flotilla_model::RunId::new(), "c", None, Some(1.0));
+    let e = h.run(&agent, &c, TIMEOUT).await?.expect_err("no price");
+    assert_eq!(e.kind, TaskErrorKind::BudgetExhausted);
+    assert!(e.message.contains("no price"), "{e}");
     Ok(())
 }

@@ -177,6 +177,9 @@ pub enum Event {
         /// Time from sending the request to the end of the reply, in milliseconds.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         latency_ms: Option<u64>,
+        /// The call's cost in US dollars, when the agent has a price.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        cost_usd: Option<f64>,
     },
     /// Run and task lifecycle.
     Workflow(WorkflowEvent),

@@ -163,6 +163,25 @@ pub struct PlanConfig {
     pub failure_ratio: f64,
     /// Scheduling strategy (default auto).
     pub strategy: Strategy,
+    /// Most model tokens (prompt plus completion) the run may spend over all its tasks
+    /// (default: no limit). A model call that could pass it is not made; the task fails
+    /// with `budget_exhausted`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<u64>,
+    /// Most money, in US dollars, the run's model calls may cost (default: no limit). Needs
+    /// a price on every LLM agent the run uses.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_cost: Option<f64>,
+}
+
+impl PlanConfig {
+    /// The run's budget, when it has one.
+    pub fn budget(&self) -> Option<crate::task::Budget> {
+        (self.max_tokens.is_some() || self.max_cost.is_some()).then_some(crate::task::Budget {
+            max_tokens: self.max_tokens,
+            max_cost: self.max_cost,
+        })
+    }
 }
 
 impl Default for PlanConfig {
@@ -176,6 +195,8 @@ impl Default for PlanConfig {
             max_retries: 3,
             failure_ratio: 0.5,
             strategy: Strategy::Auto,
+            max_tokens: None,
+            max_cost: None,
         }
     }
 }

@@ -82,6 +82,10 @@ pub struct TaskEnvelope {
     /// Workspace topics the task writes.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub produces: Vec<String>,
+    /// The run's spending limits (from the plan's `max_tokens` / `max_cost`); what has been
+    /// spent is counted across workers (see `docs/protocol.md`, budgets).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<Budget>,
     /// JSON Schema the answer must match (from the subtask's `output_schema`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_schema: Option<serde_json::Value>,
@@ -98,6 +102,17 @@ pub struct TaskEnvelope {
     /// Trace context of the run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trace: Option<TraceContext>,
+}
+
+/// Spending limits of a run, carried to its tasks.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Budget {
+    /// Most model tokens (prompt plus completion) of the whole run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<u64>,
+    /// Most cost of the whole run's model calls, in US dollars.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_cost: Option<f64>,
 }
 
 /// A predecessor's result as injected into a dependent task.
@@ -226,6 +241,8 @@ pub enum TaskErrorKind {
     MissingStateKey,
     /// The agent's answer does not match the task's `output_schema`, also after a repair.
     InvalidOutput,
+    /// The run's `max_tokens` or `max_cost` would be passed: the model call was not made.
+    BudgetExhausted,
 }
 
 impl TaskErrorKind {
@@ -243,6 +260,7 @@ impl TaskErrorKind {
             Self::Internal => "internal",
             Self::MissingStateKey => "missing_state_key",
             Self::InvalidOutput => "invalid_output",
+            Self::BudgetExhausted => "budget_exhausted",
         }
     }
 
@@ -250,8 +268,8 @@ impl TaskErrorKind {
     /// `timeout`), of a worker (`redeliveries_exhausted`) and of Flotilla (`internal`) are
     /// retried; configuration and input errors (`unknown_agent`, `bad_envelope`,
     /// `result_too_large`, `missing_state_key`), an answer that stayed invalid after a repair
-    /// (`invalid_output`), dependency timeouts and cancellation are final: another attempt
-    /// would fail the same way.
+    /// (`invalid_output`), a spent budget (`budget_exhausted`), dependency timeouts and
+    /// cancellation are final: another attempt would fail the same way.
     pub fn is_retryable(self) -> bool {
         matches!(
             self,

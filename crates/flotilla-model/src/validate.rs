@@ -523,6 +523,22 @@ impl Validator {
                 format!("must be between 0 and 1, got {}", c.failure_ratio),
             );
         }
+        if c.max_tokens == Some(0) {
+            self.error(
+                ProblemCode::InvalidConfig,
+                "config.max_tokens",
+                "must be at least 1 (leave it out for no limit)",
+            );
+        }
+        if let Some(cost) = c.max_cost
+            && !(cost.is_finite() && cost > 0.0)
+        {
+            self.error(
+                ProblemCode::InvalidConfig,
+                "config.max_cost",
+                format!("must be a positive number of US dollars, got {cost}"),
+            );
+        }
         if c.max_retries > ctx.limits.max_retries {
             self.error(
                 ProblemCode::InvalidConfig,
@@ -1242,6 +1258,34 @@ mod tests {
             "{r:#?}"
         );
         assert!(r.errors[0].message.contains("reserved"), "{r:#?}");
+    }
+
+    #[test]
+    fn budgets_must_be_positive() {
+        let mut p = plan(vec![Subtask::new("a", "")]);
+        p.config.max_tokens = Some(0);
+        p.config.max_cost = Some(-1.0);
+        let r = validate_plan(&p, &ValidationContext::default());
+        let paths: Vec<&str> = r.errors.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(
+            paths,
+            vec!["config.max_tokens", "config.max_cost"],
+            "{r:#?}"
+        );
+        p.config.max_tokens = Some(10_000);
+        p.config.max_cost = Some(0.5);
+        assert!(
+            validate_plan(&p, &ValidationContext::default())
+                .errors
+                .is_empty()
+        );
+        assert_eq!(
+            p.config.budget(),
+            Some(crate::task::Budget {
+                max_tokens: Some(10_000),
+                max_cost: Some(0.5)
+            })
+        );
     }
 
     #[test]

@@ -177,6 +177,8 @@ fn plan_config() -> impl Strategy<Value = PlanConfig> {
                 max_retries,
                 failure_ratio,
                 strategy,
+                max_tokens: Some(u64::from(max_retries) * 1000 + 1),
+                max_cost: None,
             },
         )
 }
@@ -458,6 +460,7 @@ fn event() -> impl Strategy<Value = Event> {
                 completion_tokens: c.into(),
                 model,
                 latency_ms: latency.map(u64::from),
+                cost_usd: latency.map(|l| f64::from(l) / 1000.0),
             }),
         workflow(),
         handle().prop_map(|child| Event::AgentRunStarted { child }),
@@ -502,6 +505,7 @@ proptest! {
             previous_results: prev, dependency_results: deps, consumes: vec!["raw".into()],
             produces: Vec::new(),
             output_schema: Some(serde_json::json!({"type": "object"})),
+            budget: Some(flotilla_model::task::Budget { max_tokens: Some(500), max_cost: Some(0.25) }),
             consumed: [("raw".to_string(), flotilla_model::workspace::ConsumedTopic {
                 entries: vec![WorkspaceEntry { seq: 3, topic: "raw".into(), entry: Default::default(), writer: None, ts: dispatched_at }],
                 next_since_seq: 3, truncated: true,
