@@ -19,9 +19,10 @@
 //!   entries written here) — each next to the plain JetStream operation it is built on:
 //!   - *watch*: `Workspace::append` → the entry out of a live `Workspace::watch`, vs a publish
 //!     → an ordered consumer (the consumer kind `watch` uses) receiving it; one in flight.
-//!   - *paging*: appending N entries to one topic with 512 in flight vs raw publishes of the
+//!   - *paging*: appending N entries to one topic with 256 in flight vs raw publishes of the
 //!     same bytes; then reading them with `Workspace::read` pages (default and maximum limit)
-//!     vs an ordered consumer reading the same N stored messages (no decoding).
+//!     vs an ordered consumer reading the same N stored messages (no decoding). Each is
+//!     bracketed by two halves (publishes) or two passes (reads) of its baseline.
 //!   - *mailbox*: `Mailbox::send` → `Mailbox::receive` (already waiting) returns it, vs a
 //!     JetStream publish → an ordered consumer already waiting, at the same pacing. Both store
 //!     the message and deliver it to a waiting reader; a core request/reply would skip the
@@ -94,8 +95,10 @@ pub(super) struct Services {
 const RAW_STREAM: &str = "FLBENCH_COLLAB_RAW";
 /// Samples dropped at the start of each latency measurement (connections, consumers warm).
 const WARM_UP: usize = 20;
-/// Appends and raw publishes in flight while filling the paging topic, as in the raw section.
-const IN_FLIGHT: usize = 512;
+/// Appends and raw publishes in flight while filling the paging topic (fewer than the raw
+/// section's 512: on a loaded 2-core machine 512 outstanding PubAcks can outlast the request
+/// timeout).
+const IN_FLIGHT: usize = 256;
 /// Pause before each mailbox sample, so the receiver is back asleep in `receive` (it needs
 /// a few hundred µs to re-subscribe and re-read); the raw baseline keeps the same pacing.
 const MAILBOX_GAP: Duration = Duration::from_millis(5);
@@ -187,7 +190,7 @@ pub(super) async fn collab_section(
         );
     }
     println!(
-        "   raw: ordered consumer reads the same messages: {:>8.0} msgs/s",
+        "   raw: ordered consumer reads the same messages: {:>8.0} msgs/s (before and after the pages)",
         w.raw_read_rate
     );
     println!(
@@ -242,6 +245,11 @@ async fn with_services(
         outcome.status == RunStatus::Succeeded,
         "the warm-up topic chain {}: do the services support consumes/produces?",
         outcome.status
+    );
+    anyhow::ensure!(
+        chain_hops(&client, warm).await?.iter().all(|h| *h >= 0.0),
+        "the services started a consumer before its topic had an entry: {} predates gating on consumed topics",
+        exe.display()
     );
 
     // The three measurements alternate, so all see the same (shared, noisy) machine.
@@ -345,7 +353,10 @@ async fn gated_run(
                     return Ok(());
                 }
                 (p, _) if p.ends_run() || p == WorkflowPhase::TaskFailed => {
-                    anyhow::bail!("the gated run: {p:?} ({:?})", w.error)
+                    anyhow::bail!(
+                        "the gated run ended early ({p:?}, error {:?}): its tasks did not wait for their topics",
+                        w.error
+                    )
                 }
                 _ => {}
             }
@@ -447,9 +458,28 @@ async fn without_services(
     }
     drop((watch_probe, raw_probe));
 
-    // Paging: fill one topic, then read it back.
+    // Paging: fill one topic, then read it back. Each Flotilla measurement is bracketed by
+    // two halves of its raw baseline, so a change of machine load mid-way hits both.
     let n = args.page_entries.max(1);
     let ws = operator(&writer, root)?.workspace();
+    let raw_publish = async |count: usize| -> anyhow::Result<Duration> {
+        let t0 = Instant::now();
+        futures::stream::iter(0..count)
+            .map(|_| {
+                let (js, body) = (raw_js.clone(), ws_body.clone());
+                async move {
+                    js.publish("flbench-collab.pages", body)
+                        .await?
+                        .await
+                        .map_err(anyhow::Error::from)
+                }
+            })
+            .buffer_unordered(IN_FLIGHT)
+            .try_for_each(|_| async { Ok(()) })
+            .await?;
+        Ok(t0.elapsed())
+    };
+    let mut raw_publish_time = raw_publish(n / 2).await?;
     let t0 = Instant::now();
     futures::stream::iter(0..n)
         .map(|i| {
@@ -460,22 +490,11 @@ async fn without_services(
         .try_for_each(|_| async { Ok(()) })
         .await?;
     let append_rate = n as f64 / t0.elapsed().as_secs_f64();
-    let t0 = Instant::now();
-    futures::stream::iter(0..n)
-        .map(|_| {
-            let (js, body) = (raw_js.clone(), ws_body.clone());
-            async move {
-                js.publish("flbench-collab.pages", body)
-                    .await?
-                    .await
-                    .map_err(anyhow::Error::from)
-            }
-        })
-        .buffer_unordered(IN_FLIGHT)
-        .try_for_each(|_| async { Ok(()) })
-        .await?;
-    let raw_publish_rate = n as f64 / t0.elapsed().as_secs_f64();
+    raw_publish_time += raw_publish(n - n / 2).await?;
+    let raw_publish_rate = n as f64 / raw_publish_time.as_secs_f64();
 
+    let subject = reader.names().workspace(root, "pages");
+    let mut raw_read_rates = vec![raw_read(&reader, &subject, n).await?];
     let read = operator(&reader, root)?.workspace();
     let mut read_rates = Vec::new();
     for limit in [
@@ -497,8 +516,9 @@ async fn without_services(
         anyhow::ensure!(total == n, "read {total} entries of {n}");
         read_rates.push((limit, rate, pages));
     }
-    let subject = reader.names().workspace(root, "pages");
-    let raw_read_rate = raw_read(&reader, &subject, n).await?;
+    raw_read_rates.push(raw_read(&reader, &subject, n).await?);
+    // The harmonic mean: the rate of reading the messages twice.
+    let raw_read_rate = 2.0 / raw_read_rates.iter().map(|r| 1.0 / r).sum::<f64>();
 
     // Mailbox send → a receiver already waiting, and its raw baseline at the same pacing,
     // sample by sample in turn.
