@@ -270,3 +270,87 @@ fn the_llm_example_config_is_valid() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// The step journal under a real crash: a worker is killed (`kill -9`) while its LLM agent
+/// waits for its third model reply; the redelivered attempt on another worker replays the two
+/// replies and the two tool rounds it finds journaled and makes only the missing call.
+#[tokio::test]
+async fn a_redelivered_llm_attempt_resumes_from_its_step_journal() -> anyhow::Result<()> {
+    let llm = OpenAiServer::start().await?;
+    llm.push(
+        Reply::tool_call(
+            "workspace_write",
+            json!({"topic": "notes", "entry": {"step": 1}}),
+        )
+        .usage(1000, 50),
+    );
+    llm.push(
+        Reply::tool_call("state_set", json!({"key": "audience", "value": "ops"})).usage(1200, 40),
+    );
+    // The first delivery's third call never gets an answer: its worker is killed meanwhile.
+    llm.push(Reply::hang());
+    llm.push(Reply::text("Done after two tool rounds.").usage(1300, 30));
+
+    let mut p = Processes::start(&agents(&llm.base_url())).await?;
+    p.coordinator().await?;
+    let env = [("FLOTILLA_WORKER__HEARTBEAT", "1s")];
+    let first = p.spawn_env(&["worker", "--concurrency", "1"], &env)?;
+    p.wait_registered(first).await?;
+    let mut research = Subtask::new("research", "Find things.").with_agent("researcher");
+    research.produces = vec!["notes".into()];
+    let run = p
+        .client
+        .submit(SubmitRequest::new(plan(vec![research])))
+        .await?;
+    llm.wait_for_requests(3, Duration::from_secs(30)).await?;
+    let second = p.spawn_env(&["worker", "--concurrency", "1"], &env)?;
+    p.wait_registered(second).await?;
+    p.kill(first);
+    let outcome = p.client.wait(run, WAIT).await?;
+    assert_eq!(
+        outcome.status,
+        RunStatus::Succeeded,
+        "{outcome:?}\n{}",
+        p.log(second)
+    );
+
+    // Four model requests in all: three by the dead delivery, one by the resumed one, which
+    // would have made three without the journal.
+    let requests = llm.requests();
+    assert_eq!(requests.len(), 4, "{requests:#?}");
+    let last = &requests[3];
+    assert_eq!(
+        last.messages()
+            .iter()
+            .filter(|m| m["role"] == "tool")
+            .count(),
+        2,
+        "the replayed conversation carries both tool results: {:#?}",
+        last.messages()
+    );
+    // The tools ran once: one entry written by the agent (plus the automatic produce).
+    let store = RunStore::open(&p.bus).await?;
+    let (entries, _, _) = store
+        .topic_entries(run, "notes", 0, usize::MAX, 100)
+        .await?;
+    let written = entries
+        .iter()
+        .filter(|e| e.entry.get("step") == Some(&json!(1)))
+        .count();
+    assert_eq!(written, 1, "{entries:#?}");
+    // The result counts the tokens of all three calls, the replayed ones included.
+    let tokens: u64 = store
+        .history(run)
+        .await?
+        .into_iter()
+        .filter_map(|(_, _, e)| match e.input {
+            RunInput::TaskResult(r) if r.result.success => Some(r.result.tokens),
+            _ => None,
+        })
+        .sum();
+    assert_eq!(tokens, 1050 + 1240 + 1330);
+    eprintln!(
+        "step journal: the resumed delivery made 1 model call instead of 3, saving 2,290 of 3,620 tokens and 2 tool rounds"
+    );
+    Ok(())
+}

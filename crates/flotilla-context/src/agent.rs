@@ -146,6 +146,36 @@ impl EventEmitter {
     }
 }
 
+impl EventEmitter {
+    /// Publishes an event with the given `id` (also its `Nats-Msg-Id`) and waits until the
+    /// server has stored it — for records a later delivery of the attempt must find, such as
+    /// the journal of an LLM agent's steps. The id must be the same on every delivery that
+    /// records the same thing, so a repeat is dropped by JetStream's de-duplication.
+    pub async fn record(&self, id: String, event: Event) -> Result<(), String> {
+        let Some(bus) = &self.bus else { return Ok(()) };
+        let envelope = EventEnvelope {
+            protocol: PROTOCOL_VERSION,
+            id,
+            run_id: self.run_id,
+            task_id: Some(self.task_id.clone()),
+            attempt: Some(self.attempt),
+            ts: Timestamp::now(),
+            source: self.source.clone(),
+            event,
+        };
+        let batch = flotilla_model::event::EventBatch::new(self.run_id, vec![envelope]);
+        let out = wire::encode(&batch, Codec::Json, Some(&batch.msg_id()))
+            .map_err(|e| format!("encoding: {e}"))?;
+        bus.js()
+            .publish_with_headers(bus.names().event(self.run_id), out.headers, out.payload)
+            .await
+            .map_err(|e| format!("publishing: {e}"))?
+            .await
+            .map_err(|e| format!("storing: {e}"))?;
+        Ok(())
+    }
+}
+
 /// What an agent gets besides the envelope.
 #[derive(Debug, Clone)]
 pub struct AgentContext {

@@ -38,6 +38,7 @@ mod canonical;
 pub mod children;
 pub mod env;
 pub mod error;
+pub mod journal;
 pub mod mailbox;
 pub mod negotiate;
 pub mod scope;

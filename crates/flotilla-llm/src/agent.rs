@@ -18,7 +18,8 @@
 //! model, latency, cost when the agent has a price). The reply's `tokens` is the sum of
 //! prompt and completion tokens over all calls of the attempt. When the run has a budget,
 //! every call is reserved first ([`crate::budget`]); a call that could pass it is not made
-//! and the task fails with `budget_exhausted`.
+//! and the task fails with `budget_exhausted`. Every model reply and tool round is journaled
+//! ([`crate::journal`]), so a redelivered attempt resumes instead of paying again.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -45,8 +46,10 @@ use tokio::sync::mpsc;
 
 use crate::budget::BudgetGuard;
 use crate::config::{ConfigError, LlmConfig};
+use crate::journal::Journal;
 use crate::prompt;
 use crate::provider::{CallError, Completion, KeySource, Provider, Providers, ToolCallRequest};
+use crate::ratelimit::RateLimit;
 use crate::roles::Roles;
 use crate::tools::ToolSet;
 
@@ -160,6 +163,7 @@ impl LlmAgent {
 
     fn request(
         &self,
+        tools: &ToolSet,
         messages: &[ChatCompletionRequestMessage],
         tools_allowed: bool,
         schema: Option<&Value>,
@@ -177,9 +181,9 @@ impl LlmAgent {
                 include_obfuscation: None,
             });
         }
-        if !self.tools.is_empty() {
+        if !tools.is_empty() {
             r.tools = Some(
-                self.tools
+                tools
                     .tools()
                     .map(|t| {
                         ChatCompletionTools::Function(ChatCompletionTool {
@@ -214,24 +218,35 @@ impl LlmAgent {
         r
     }
 
-    /// One model call with its events, within the run's budget.
+    /// One model call with its events, within the run's budget and the provider's shared
+    /// rate limit.
     async fn call(
         &self,
         request: CreateChatCompletionRequest,
         ctx: &AgentContext,
         budget: Option<&BudgetGuard>,
+        limit: Option<&RateLimit>,
     ) -> Result<Completion, AgentError> {
+        let (prompt_estimate, max_output) = if budget.is_some() || limit.is_some() {
+            (
+                estimate_prompt_tokens(&request),
+                self.config.max_output_tokens.map_or(0, u64::from),
+            )
+        } else {
+            (0, 0)
+        };
         let reservation = match budget {
             None => None,
-            Some(b) => Some(
-                b.reserve(
-                    estimate_prompt_tokens(&request),
-                    self.config.max_output_tokens.map_or(0, u64::from),
-                )
-                .await?,
-            ),
+            Some(b) => Some(b.reserve(prompt_estimate, max_output).await?),
         };
-        let result = self.call_model(request, ctx).await;
+        let estimate = prompt_estimate + max_output;
+        let result = self
+            .call_model(request, ctx, limit.map(|l| (l, estimate)))
+            .await;
+        if let (Some(l), Ok(c)) = (limit, &result) {
+            l.charge((c.prompt_tokens + c.completion_tokens).saturating_sub(estimate))
+                .await;
+        }
         if let (Some(b), Some(r)) = (budget, reservation) {
             match &result {
                 Ok(c) => {
@@ -260,6 +275,7 @@ impl LlmAgent {
         &self,
         request: CreateChatCompletionRequest,
         ctx: &AgentContext,
+        shared_limit: Option<(&RateLimit, u64)>,
     ) -> Result<Completion, AgentError> {
         let (tx, rx) = mpsc::unbounded_channel::<String>();
         let deadline = tokio::time::Instant::from_std(ctx.deadline);
@@ -269,7 +285,7 @@ impl LlmAgent {
             };
             let r = self
                 .provider
-                .complete(request, &mut on_delta, &ctx.cancel, deadline)
+                .complete(request, &mut on_delta, &ctx.cancel, deadline, shared_limit)
                 .await;
             drop(on_delta);
             r
@@ -296,6 +312,7 @@ impl LlmAgent {
     /// Runs the calls of one round concurrently, with their events; results in call order.
     async fn run_tools(
         &self,
+        tools: &ToolSet,
         calls: &[ToolCallRequest],
         ctx: &AgentContext,
     ) -> Result<Vec<String>, AgentError> {
@@ -310,7 +327,7 @@ impl LlmAgent {
                 })
                 .await;
             let started = Instant::now();
-            let outcome = self.tools.call(ctx, &call.name, &call.arguments).await;
+            let outcome = tools.call(ctx, &call.name, &call.arguments).await;
             if let Some(e) = &outcome.error {
                 tracing::debug!(agent = %self.name, tool = %call.name, error = %e, "Tool call failed; the model gets the error");
             }
@@ -346,6 +363,11 @@ impl LlmAgent {
             })?),
         };
         let budget = BudgetGuard::open(ctx, task.budget, self.config.price, &self.name).await?;
+        let tools = self
+            .tools
+            .for_attempt()
+            .await
+            .map_err(|e| AgentError::failed(format!("agent {}: {e}", self.name)))?;
         let mut messages = vec![
             ChatCompletionRequestMessage::System(ChatCompletionRequestSystemMessage {
                 content: ChatCompletionRequestSystemMessageContent::Text(
@@ -355,14 +377,32 @@ impl LlmAgent {
             }),
             user(prompt::user_message(task, self.config.max_prompt_chars)),
         ];
+        let limit = RateLimit::open(ctx, &self.config)
+            .await
+            .map_err(|e| AgentError::failed(format!("agent {}: {e}", self.name)))?;
+        let mut journal = Journal::open(ctx, &self.name).await;
         let mut tokens = 0u64;
         let mut tools_used: Vec<String> = Vec::new();
         let mut rounds = 0u32;
         let mut repaired = false;
         loop {
             let tools_allowed = rounds < self.config.max_tool_rounds;
-            let request = self.request(&messages, tools_allowed, task.output_schema.as_ref());
-            let c = self.call(request, ctx, budget.as_ref()).await?;
+            let c = match journal.replay_model_reply() {
+                Some(c) => c,
+                None => {
+                    let request = self.request(
+                        &tools,
+                        &messages,
+                        tools_allowed,
+                        task.output_schema.as_ref(),
+                    );
+                    let c = self
+                        .call(request, ctx, budget.as_ref(), limit.as_ref())
+                        .await?;
+                    journal.record_model_reply(ctx, task, &c).await;
+                    c
+                }
+            };
             tokens += c.prompt_tokens + c.completion_tokens;
             if !c.tool_calls.is_empty() {
                 if !tools_allowed {
@@ -378,7 +418,14 @@ impl LlmAgent {
                     }
                 }
                 messages.push(assistant(&c));
-                let results = self.run_tools(&c.tool_calls, ctx).await?;
+                let results = match journal.replay_tool_results(c.tool_calls.len()) {
+                    Some(r) => r,
+                    None => {
+                        let r = self.run_tools(&tools, &c.tool_calls, ctx).await?;
+                        journal.record_tool_results(ctx, task, &r).await;
+                        r
+                    }
+                };
                 for (call, result) in c.tool_calls.iter().zip(results) {
                     messages.push(ChatCompletionRequestMessage::Tool(
                         ChatCompletionRequestToolMessage {

@@ -32,6 +32,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::mcp::McpServerConfig;
 use crate::tools::BUILTIN_TOOLS;
 
 /// An LLM agent's configuration.
@@ -80,6 +81,14 @@ pub struct LlmConfig {
     /// provider (default 8; agents of one provider disagreeing: the smallest wins).
     #[serde(default = "default_max_concurrent_requests")]
     pub max_concurrent_requests: usize,
+    /// Most requests per minute that all workers of the deployment together send to the
+    /// provider (shared through JetStream KV; default: unlimited). Retries count.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requests_per_minute: Option<u32>,
+    /// Most tokens (prompt + completion) per minute that all workers of the deployment
+    /// together spend at the provider (shared through JetStream KV; default: unlimited).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_per_minute: Option<u64>,
     /// Retries of a call answered with 429, 5xx, a broken stream or a timeout (default 6);
     /// always bounded by the attempt's deadline.
     #[serde(default = "default_max_retries")]
@@ -104,6 +113,9 @@ pub struct LlmConfig {
     /// Commands offered to the model as tools, by tool name.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub exec_tools: BTreeMap<String, ExecToolConfig>,
+    /// MCP servers whose tools are offered to the model (as `<server>__<tool>`), by name.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub mcp_servers: BTreeMap<String, McpServerConfig>,
 }
 
 /// A model's price in US dollars per million tokens.
@@ -214,6 +226,9 @@ impl LlmConfig {
             stream: true,
             tools: default_tools(),
             exec_tools: BTreeMap::new(),
+            mcp_servers: BTreeMap::new(),
+            requests_per_minute: None,
+            tokens_per_minute: None,
         }
     }
 
@@ -326,6 +341,18 @@ impl LlmConfig {
                 format!("{} is more than 100", self.max_tool_rounds),
             ));
         }
+        if self.requests_per_minute == Some(0) {
+            return Err(bad(
+                "requests-per-minute",
+                "must be at least 1 (leave it out for no limit)".into(),
+            ));
+        }
+        if self.tokens_per_minute == Some(0) {
+            return Err(bad(
+                "tokens-per-minute",
+                "must be at least 1 (leave it out for no limit)".into(),
+            ));
+        }
         if self.max_concurrent_requests == 0 {
             return Err(bad("max-concurrent-requests", "must be at least 1".into()));
         }
@@ -400,6 +427,23 @@ impl LlmConfig {
                 });
             }
         }
+        for (name, server) in &self.mcp_servers {
+            let field = format!("mcp-servers.{name}");
+            if name.is_empty()
+                || name.len() > 32
+                || !name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+            {
+                return Err(bad(
+                    &field,
+                    "server names are 1 to 32 letters, digits, `_` or `-`".into(),
+                ));
+            }
+            server
+                .check()
+                .map_err(|(suffix, message)| bad(&format!("{field}.{suffix}"), message))?;
+        }
         Ok(())
     }
 }
@@ -430,6 +474,9 @@ impl fmt::Debug for LlmConfig {
             .field("stream", &self.stream)
             .field("tools", &self.tools)
             .field("exec_tools", &self.exec_tools.keys().collect::<Vec<_>>())
+            .field("mcp_servers", &self.mcp_servers.keys().collect::<Vec<_>>())
+            .field("requests_per_minute", &self.requests_per_minute)
+            .field("tokens_per_minute", &self.tokens_per_minute)
             .finish_non_exhaustive()
     }
 }
@@ -522,6 +569,8 @@ mod tests {
             ("request-timeout = \"1ms\"", "request-timeout"),
             ("headers = { Authorization = \"Bearer x\" }", "headers"),
             ("max-concurrent-requests = 0", "max-concurrent-requests"),
+            ("requests-per-minute = 0", "requests-per-minute"),
+            ("tokens-per-minute = 0", "tokens-per-minute"),
             ("max-prompt-chars = 10", "max-prompt-chars"),
             ("tools = [\"rm_rf\"]", "tools"),
             (
@@ -533,6 +582,11 @@ mod tests {
                 "exec-tools.state_get",
             ),
             ("[exec-tools.x]\ncommand = \" \"", "exec-tools.x.command"),
+            (
+                "[mcp-servers.files]\nurl = \"ftp://x\"",
+                "mcp-servers.files.url",
+            ),
+            ("[mcp-servers.\"a b\"]\ncommand = \"x\"", "mcp-servers.a b"),
         ];
         for (extra, field) in cases {
             // Later keys override the defaults above; TOML forbids repeats, so rebuild.

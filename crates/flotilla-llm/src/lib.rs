@@ -9,10 +9,15 @@
 //! * [`provider`]: the HTTP calls — streaming, retries of 429/5xx honouring `Retry-After`
 //!   within the attempt's deadline, a per-worker cap on concurrent requests per provider,
 //!   prompt cancellation.
-//! * [`tools`]: the agent context as tools (`workspace_*`, `mailbox_*`, `state_*`) and
-//!   commands declared in config, with JSON Schema checks of the arguments.
+//! * [`tools`]: the agent context as tools (`workspace_*`, `mailbox_*`, `state_*`),
+//!   commands declared in config, and ([`mcp`]) the tools of MCP servers, with JSON Schema
+//!   checks of the arguments.
 //! * [`budget`]: the run's `max_tokens` / `max_cost`, reserved before every call across all
 //!   workers; a call that could pass them is not made.
+//! * [`journal`]: every model reply and tool round recorded, so a redelivered attempt
+//!   resumes without calling the model again for steps it already has.
+//! * [`ratelimit`]: requests and tokens per minute per provider, shared by every worker of
+//!   the deployment through JetStream KV.
 //! * [`agent`]: the loop tying them together, with `assistant_reply`, `tool_start`,
 //!   `tool_end` and `usage` events, and structured output (`output_schema`).
 //!
@@ -36,12 +41,16 @@
 pub mod agent;
 pub mod budget;
 pub mod config;
+pub mod journal;
+pub mod mcp;
 pub mod prompt;
 pub mod provider;
+pub mod ratelimit;
 pub mod roles;
 pub mod tools;
 
 pub use agent::LlmAgent;
 pub use config::{ConfigError, ExecToolConfig, LlmConfig, Price};
+pub use mcp::McpServerConfig;
 pub use provider::Providers;
 pub use roles::{RoleConfig, Roles};

@@ -40,6 +40,7 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::LlmConfig;
+use crate::ratelimit::{RateLimit, RateLimitError};
 
 /// The per-worker concurrency caps, one semaphore per provider key. Every LLM agent built
 /// for one worker shares one `Providers`.
@@ -403,6 +404,7 @@ impl Provider {
         on_delta: &mut (dyn FnMut(&str) + Send),
         cancel: &CancellationToken,
         deadline: tokio::time::Instant,
+        shared_limit: Option<(&RateLimit, u64)>,
     ) -> Result<Completion, CallError> {
         let key = self.key.load().map_err(CallError::Rejected)?;
         let client = self.client(key.as_ref()).map_err(CallError::Rejected)?;
@@ -413,6 +415,17 @@ impl Provider {
         let mut tries = 0u32;
         loop {
             tries += 1;
+            if let Some((limit, tokens)) = shared_limit {
+                // Every HTTP request takes a request unit; only the first try its tokens.
+                let tokens = if tries == 1 { tokens } else { 0 };
+                limit
+                    .acquire(tokens, cancel, deadline)
+                    .await
+                    .map_err(|e| match e {
+                        RateLimitError::Cancelled => CallError::Cancelled,
+                        other => CallError::GaveUp(other.to_string()),
+                    })?;
+            }
             let permit = tokio::select! {
                 p = Arc::clone(&self.semaphore).acquire_owned() => p.map_err(|_| CallError::GaveUp("the provider's request cap is closed".into()))?,
                 _ = cancel.cancelled() => return Err(CallError::Cancelled),

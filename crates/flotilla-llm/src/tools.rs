@@ -1,5 +1,5 @@
-//! Tools the model may call: the agent context as built-in tools, and commands declared in
-//! config (`exec-tools`).
+//! Tools the model may call: the agent context as built-in tools, commands declared in
+//! config (`exec-tools`), and the tools of MCP servers ([`crate::mcp`]).
 //!
 //! | Tool | Arguments | Result |
 //! |---|---|---|
@@ -28,6 +28,7 @@ use serde_json::{Map, Value, json};
 use tokio::io::AsyncWriteExt;
 
 use crate::config::{ConfigError, ExecToolConfig, LlmConfig};
+use crate::mcp::{McpServer, offered_name};
 
 /// Names of the built-in tools.
 pub const BUILTIN_TOOLS: &[&str] = &[
@@ -51,6 +52,7 @@ const MAX_MAILBOX_WAIT_MS: u64 = 30_000;
 enum Action {
     Builtin(&'static str),
     Exec(Arc<ExecTool>),
+    Mcp(Arc<McpServer>, String),
 }
 
 #[derive(Debug)]
@@ -76,6 +78,7 @@ pub struct Tool {
 #[derive(Debug, Clone, Default)]
 pub struct ToolSet {
     tools: BTreeMap<String, Tool>,
+    mcp: Vec<Arc<McpServer>>,
 }
 
 /// The outcome of one call, as handed back to the model.
@@ -233,7 +236,45 @@ impl ToolSet {
                 },
             );
         }
-        Ok(Self { tools })
+        let mcp = config
+            .mcp_servers
+            .iter()
+            .map(|(name, server)| Arc::new(McpServer::new(name, server, base_dir)))
+            .collect();
+        Ok(Self { tools, mcp })
+    }
+
+    /// The tools of one attempt: these, plus the tools the MCP servers list now. An
+    /// unreachable server is an error (the model is not offered a partial set silently).
+    pub async fn for_attempt(&self) -> Result<Self, String> {
+        if self.mcp.is_empty() {
+            return Ok(self.clone());
+        }
+        let mut set = self.clone();
+        for server in &self.mcp {
+            for t in server.tools().await? {
+                let name = offered_name(server.name(), &t.name);
+                if set.tools.contains_key(&name) {
+                    tracing::warn!(server = server.name(), tool = %t.name, "Skipping an MCP tool whose name is taken");
+                    continue;
+                }
+                // A schema that does not compile still offers the tool, unchecked.
+                let validator = jsonschema::validator_for(&t.input_schema)
+                    .or_else(|_| jsonschema::validator_for(&json!({})))
+                    .map_err(|e| e.to_string())?;
+                set.tools.insert(
+                    name.clone(),
+                    Tool {
+                        name,
+                        description: t.description.clone().unwrap_or_default(),
+                        parameters: t.input_schema.clone(),
+                        validator: Arc::new(validator),
+                        action: Action::Mcp(Arc::clone(server), t.name.clone()),
+                    },
+                );
+            }
+        }
+        Ok(set)
     }
 
     /// The tools, by name.
@@ -301,6 +342,10 @@ impl ToolSet {
                 .await
                 .unwrap_or_else(|e| ToolOutcome::err(e.code(), e.message())),
             Action::Exec(t) => exec(ctx, t, &args).await,
+            Action::Mcp(server, tool) => match server.call(tool, &args).await {
+                Ok(v) => ToolOutcome::ok(v),
+                Err(m) => ToolOutcome::err("tool_failed", m),
+            },
         }
     }
 }

@@ -8,7 +8,7 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::ids::{RunId, TaskId};
+use crate::ids::{AttemptId, RunId, TaskId};
 use crate::run::{RunHandle, RunOutcome};
 use crate::task::TaskError;
 use crate::time::Timestamp;
@@ -188,6 +188,54 @@ pub enum Event {
         /// The child.
         child: RunHandle,
     },
+    /// One step of an LLM agent's attempt, journaled so that a redelivered attempt (its
+    /// worker died) resumes from it instead of calling the model or the tools again. A
+    /// debugging record: user-facing views skip it.
+    AgentStep {
+        /// The attempt the step belongs to (the same on every delivery of the attempt).
+        attempt_id: AttemptId,
+        /// Position in the attempt, from 0: model replies and tool rounds alternate.
+        step: u32,
+        /// What happened.
+        entry: StepEntry,
+    },
+}
+
+/// A journaled step of an LLM agent's attempt.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum StepEntry {
+    /// The model's reply to one call.
+    ModelReply {
+        /// Its text.
+        #[serde(default)]
+        content: String,
+        /// The tools it called.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        tool_calls: Vec<StepToolCall>,
+        /// Prompt tokens of the call.
+        prompt_tokens: u64,
+        /// Completion tokens of the call.
+        completion_tokens: u64,
+        /// The model that answered.
+        model: String,
+    },
+    /// The results of one round of tool calls, in call order, as handed to the model.
+    ToolResults {
+        /// One per call.
+        results: Vec<String>,
+    },
+}
+
+/// A tool call of a journaled model reply.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct StepToolCall {
+    /// The call's id.
+    pub id: String,
+    /// The tool.
+    pub name: String,
+    /// Its arguments, as the model wrote them (JSON text).
+    pub arguments: String,
 }
 
 /// A tool call to be executed by the client.

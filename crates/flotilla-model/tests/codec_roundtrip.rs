@@ -5,7 +5,9 @@ use std::fmt::Debug;
 
 use flotilla_model::api::{ApiError, GetRunRequest};
 use flotilla_model::codec::Codec;
-use flotilla_model::event::{Event, EventEnvelope, ExternalToolCall, WorkflowEvent, WorkflowPhase};
+use flotilla_model::event::{
+    Event, EventEnvelope, ExternalToolCall, StepEntry, StepToolCall, WorkflowEvent, WorkflowPhase,
+};
 use flotilla_model::ids::{AttemptId, RunId, SessionId, TaskId};
 use flotilla_model::mailbox::{MailboxKind, MailboxMessage, MailboxPost};
 use flotilla_model::plan::{
@@ -464,6 +466,36 @@ fn event() -> impl Strategy<Value = Event> {
             }),
         workflow(),
         handle().prop_map(|child| Event::AgentRunStarted { child }),
+        (
+            attempt_id(),
+            any::<u32>(),
+            text(),
+            vec((token(), token(), text()), 0..3),
+            any::<u32>()
+        )
+            .prop_map(|(attempt_id, step, content, calls, n)| Event::AgentStep {
+                attempt_id,
+                step,
+                entry: StepEntry::ModelReply {
+                    content,
+                    tool_calls: calls
+                        .into_iter()
+                        .map(|(id, name, arguments)| StepToolCall {
+                            id,
+                            name,
+                            arguments
+                        })
+                        .collect(),
+                    prompt_tokens: n.into(),
+                    completion_tokens: 1,
+                    model: "m".into(),
+                },
+            }),
+        (attempt_id(), vec(text(), 0..3)).prop_map(|(attempt_id, results)| Event::AgentStep {
+            attempt_id,
+            step: 1,
+            entry: StepEntry::ToolResults { results },
+        }),
     ]
 }
 

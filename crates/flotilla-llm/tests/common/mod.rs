@@ -67,10 +67,20 @@ impl Harness {
         task: &TaskEnvelope,
         timeout: Duration,
     ) -> anyhow::Result<(AgentContext, CancellationToken)> {
-        let scope = Scope::from_envelope(task, 1, self.bus.names().clone());
+        self.context_of_delivery(task, timeout, 1)
+    }
+
+    /// The context of delivery `delivery` of `task` (2 and up: its worker died before).
+    pub fn context_of_delivery(
+        &self,
+        task: &TaskEnvelope,
+        timeout: Duration,
+        delivery: i64,
+    ) -> anyhow::Result<(AgentContext, CancellationToken)> {
+        let scope = Scope::from_envelope(task, delivery, self.bus.names().clone());
         let clients = Clients::new(self.bus.clone(), scope)?;
         let cancel = CancellationToken::new();
-        let events = EventEmitter::new(Some(self.bus.clone()), task, "test-worker", 1);
+        let events = EventEmitter::new(Some(self.bus.clone()), task, "test-worker", delivery);
         Ok((
             AgentContext::new(
                 clients,

@@ -1,0 +1,104 @@
+//! The step journal of an attempt: what earlier deliveries of the same attempt recorded.
+//!
+//! An LLM agent records every model reply and every round of tool results as an
+//! `agent_step` event on the run's event stream (stored before it goes on, see
+//! [`crate::EventEmitter::record`]). When its worker dies, the task message is delivered
+//! again — same attempt, same attempt id — and the new delivery reads the steps back here, so
+//! it resumes where the dead one stopped instead of paying for the same model calls again or
+//! repeating the tools' side effects.
+//!
+//! Reading scans the run's event subject once (an ordered consumer up to the last stored
+//! message). That costs in proportion to the run's events, and only on a redelivery: the
+//! first delivery of an attempt never reads.
+
+use std::collections::BTreeMap;
+
+use async_nats::jetstream::consumer::{DeliverPolicy, pull};
+use flotilla_bus::wire;
+use flotilla_model::event::{Event, StepEntry, decode_events};
+use flotilla_model::subjects::StreamKind;
+use futures::StreamExt;
+use tracing::warn;
+
+use crate::Clients;
+use crate::error::{ContextError, ErrorKind};
+
+/// The `id` of step `step` of attempt `attempt_id` of run `run`: the same on every delivery,
+/// so a step recorded twice is stored once.
+pub fn step_event_id(
+    run: flotilla_model::RunId,
+    attempt_id: flotilla_model::ids::AttemptId,
+    step: u32,
+) -> String {
+    format!("{run}.{attempt_id}.step.{step}")
+}
+
+impl Clients {
+    /// The steps earlier deliveries of this attempt recorded, by step number. Empty for an
+    /// operator scope or a first delivery (nothing can have been recorded).
+    pub async fn journal(&self) -> Result<BTreeMap<u32, StepEntry>, ContextError> {
+        let scope = self.scope();
+        let mut steps = BTreeMap::new();
+        let Some(attempt_id) = scope.attempt_id else {
+            return Ok(steps);
+        };
+        if scope.delivery.is_none_or(|d| d <= 1) {
+            return Ok(steps);
+        }
+        let bus = self.bus();
+        let unavailable = |what: &str, e: &dyn std::fmt::Display| {
+            ContextError::new(ErrorKind::Unavailable, format!("{what}: {e}"))
+        };
+        let name = bus.names().stream(StreamKind::Events);
+        let stream = bus
+            .js()
+            .get_stream(&name)
+            .await
+            .map_err(|e| unavailable(&format!("opening {name}"), &e))?;
+        let mut consumer = stream
+            .create_consumer(pull::OrderedConfig {
+                filter_subject: bus.names().event(scope.run_id),
+                deliver_policy: DeliverPolicy::All,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| unavailable("reading the run's events", &e))?;
+        let pending = consumer
+            .info()
+            .await
+            .map_err(|e| unavailable("reading the run's events", &e))?
+            .num_pending;
+        if pending == 0 {
+            return Ok(steps);
+        }
+        let mut messages = consumer
+            .messages()
+            .await
+            .map_err(|e| unavailable("reading the run's events", &e))?;
+        while let Some(msg) = messages.next().await {
+            let msg = msg.map_err(|e| unavailable("reading the run's events", &e))?;
+            let remaining = msg.info().map(|i| i.pending).unwrap_or(0);
+            match decode_events(wire::codec_of(msg.headers.as_ref()), &msg.payload) {
+                Ok(events) => {
+                    for e in events {
+                        if let Event::AgentStep {
+                            attempt_id: a,
+                            step,
+                            entry,
+                        } = e.event
+                            && a == attempt_id
+                        {
+                            // The first record of a step wins; a repeat is the same step.
+                            steps.entry(step).or_insert(entry);
+                        }
+                    }
+                }
+                Err(e) => warn!(error = %e, "Skipping an undecodable event message"),
+            }
+            if remaining == 0 {
+                break;
+            }
+        }
+        Ok(steps)
+    }
+}
