@@ -194,6 +194,29 @@ fn up_runs_the_earnings_example_end_to_end() {
     }
 }
 
+#[test]
+fn up_runs_the_workflow_example_end_to_end() {
+    let data = tempfile::tempdir().expect("tempdir");
+    let out = flotilla(&[
+        "--config",
+        "config/examples/workflows.toml",
+        "up",
+        "--data-dir",
+        data.path().to_str().expect("utf8"),
+        "--submit",
+        "config/examples/plans/editorial.json",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    // Research (nested parallel) → draft and critique (sequential) → polish (loop).
+    let result: serde_json::Value = serde_json::from_str(stdout(&out).trim()).expect("json");
+    assert_eq!(result["escalate"], true, "{result}");
+    assert_eq!(
+        result["text"],
+        "A light, affordable dinghy in a market that grew 12% last year. It weighs 45 kg."
+    );
+}
+
 mod against_services {
     //! Client commands against running `flotilla` services (a deterministic `scripted` agent).
     use super::*;

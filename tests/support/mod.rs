@@ -93,6 +93,7 @@ impl InProcess {
             agents: Some(AgentCatalog {
                 names: self.agents.keys().cloned().collect(),
                 default: self.agents.keys().next().cloned(),
+                workflows: Default::default(),
             }),
             ..ValidationContext::default()
         }

@@ -249,6 +249,11 @@ impl Config {
         .map_err(|e| anyhow::anyhow!("invalid [agents]: {e}"))
     }
 
+    /// The workflow agents, for the coordinators' embedded worker (empty: none defined).
+    pub(crate) fn workflow_registry(&self) -> anyhow::Result<AgentRegistry> {
+        AgentRegistry::workflows(&self.agents).map_err(|e| anyhow::anyhow!("invalid [agents]: {e}"))
+    }
+
     /// What plan validation knows about this installation.
     pub(crate) fn validation_context(&self) -> ValidationContext {
         ValidationContext {
@@ -256,6 +261,12 @@ impl Config {
             agents: (!self.agents.is_empty()).then(|| AgentCatalog {
                 names: self.agents.keys().cloned().collect(),
                 default: self.default_agent.clone(),
+                workflows: self
+                    .agents
+                    .iter()
+                    .filter(|(_, d)| d.is_workflow())
+                    .map(|(n, _)| n.clone())
+                    .collect(),
             }),
             ..ValidationContext::default()
         }

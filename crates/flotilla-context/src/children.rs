@@ -66,6 +66,10 @@ pub struct ChildCall {
     /// are numbered in the order the attempt makes them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub call_id: Option<String>,
+    /// Session-state key the child's result is written to when it succeeds (the child
+    /// task's `output_key`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_key: Option<String>,
 }
 
 /// A started (or re-attached) child run.
@@ -116,6 +120,7 @@ impl Clients {
             .with_agent(&call.agent);
         subtask.input = call.input.clone();
         subtask.produces = call.produces.clone();
+        subtask.output_key = call.output_key.clone();
         if let Some(pool) = &call.pool {
             subtask.pool = pool.clone();
         }

@@ -45,6 +45,7 @@ use flotilla_model::event::{Event, EventBatch, EventEnvelope, WorkflowEvent, Wor
 use flotilla_model::ids::RunId;
 use flotilla_model::run::{FinalResult, RunHandle, RunStatus};
 use flotilla_model::runlog::{ControlAction, Rejected, RunInput, RunLogEntry, Submitted};
+use flotilla_model::subjects::WORKFLOW_POOL;
 use flotilla_model::submit::{SubmitReply, SubmitRequest, SubmitStatus};
 use flotilla_model::task::{DependencyResult, TaskEnvelope, TaskError, TaskResult, TraceContext};
 use flotilla_model::time::Timestamp;
@@ -1671,6 +1672,16 @@ impl Runtime {
                         Ok(mut env) => {
                             if let Some(t) = trace_context::span_context(&span) {
                                 env.trace = Some(t);
+                            }
+                            // Workflow agents run on the coordinators' own pool: a workflow
+                            // waiting on its children holds no worker slot.
+                            if self
+                                .ctx
+                                .agents
+                                .as_ref()
+                                .is_some_and(|a| a.is_workflow(env.agent.as_deref()))
+                            {
+                                env.pool = WORKFLOW_POOL.to_owned();
                             }
                             env
                         }

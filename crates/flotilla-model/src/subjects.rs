@@ -22,6 +22,11 @@ use crate::token::{TokenError, check_name};
 /// The default prefix.
 pub const DEFAULT_PREFIX: &str = "flotilla";
 
+/// The pool of tasks whose agent is a workflow agent (`sequential`, `parallel`, `loop`): the
+/// coordinators serve it themselves, so a workflow waiting on its child runs holds no worker
+/// slot.
+pub const WORKFLOW_POOL: &str = "_workflow";
+
 /// Names of one installation.
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct Names {

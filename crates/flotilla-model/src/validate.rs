@@ -85,6 +85,18 @@ pub struct AgentCatalog {
     pub names: BTreeSet<String>,
     /// The agent used when a subtask names none.
     pub default: Option<String>,
+    /// The workflow agents among `names` (`sequential`, `parallel`, `loop`): their tasks are
+    /// dispatched to the coordinators' pool [`crate::subjects::WORKFLOW_POOL`].
+    pub workflows: BTreeSet<String>,
+}
+
+impl AgentCatalog {
+    /// Whether a task naming `agent` (or none: the default) runs a workflow agent.
+    pub fn is_workflow(&self, agent: Option<&str>) -> bool {
+        agent
+            .or(self.default.as_deref())
+            .is_some_and(|a| self.workflows.contains(a))
+    }
 }
 
 /// Stable machine-readable problem codes.
@@ -1375,6 +1387,7 @@ mod tests {
             agents: Some(AgentCatalog {
                 names: ["echo".to_string()].into(),
                 default: None,
+                workflows: BTreeSet::new(),
             }),
             limits: Limits::default(),
         };

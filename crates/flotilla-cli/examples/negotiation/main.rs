@@ -50,6 +50,7 @@ async fn main() -> anyhow::Result<()> {
         agents: Some(AgentCatalog {
             names: BTreeSet::from(["lead".to_string(), "analyst".to_string()]),
             default: None,
+            workflows: BTreeSet::new(),
         }),
         ..ValidationContext::default()
     };

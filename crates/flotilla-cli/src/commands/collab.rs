@@ -349,6 +349,7 @@ async fn run_call(global: Global<'_>, args: CallArgs) -> Result<(), CliError> {
         produces: args.produces,
         timeout: args.timeout,
         call_id: Some(call_id),
+        output_key: None,
     };
     let clients = connect(
         global,

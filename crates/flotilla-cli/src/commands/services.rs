@@ -15,6 +15,7 @@ use flotilla_bus::Bus;
 use flotilla_bus::server::{LocalNatsServer, LocalServerOptions};
 use flotilla_coordinator::Coordinator;
 use flotilla_model::subjects::StreamKind;
+use flotilla_model::subjects::WORKFLOW_POOL;
 use flotilla_telemetry::events::ConsumerLag;
 use flotilla_telemetry::{Condition, Health, HttpAddr, HttpServer, InternalEvent, Metrics};
 use flotilla_worker::Worker;
@@ -159,6 +160,14 @@ pub(crate) async fn coordinator(config: &Config) -> anyhow::Result<ExitCode> {
     follow_connection(&nats, &bus);
     let (tx, rx) = oneshot::channel();
     set_when_ready(rx, ready);
+    let workflows = match workflow_worker(config).await? {
+        Some(w) => {
+            let w = w.with_metrics(obs.metrics.clone());
+            let token = shutdown.clone();
+            Some(tokio::spawn(async move { w.run(token).await }))
+        }
+        None => None,
+    };
     Coordinator::new(
         bus,
         config.coordinator.clone(),
@@ -169,8 +178,33 @@ pub(crate) async fn coordinator(config: &Config) -> anyhow::Result<ExitCode> {
     .on_ready(tx)
     .run(shutdown)
     .await?;
+    if let Some(w) = workflows {
+        w.await??;
+    }
     obs.stop().await;
     Ok(ExitCode::SUCCESS)
+}
+
+/// How many workflow attempts one coordinator drives at once: each waiting one is a future,
+/// not a worker slot.
+const WORKFLOW_CONCURRENCY: usize = 1024;
+
+/// The coordinator's embedded worker of the workflow pool ([`WORKFLOW_POOL`]), when the
+/// configuration defines workflow agents (`sequential`, `parallel`, `loop`). It runs them as
+/// any worker runs an agent — pulling, heartbeating, handing back on a stop — so a workflow
+/// survives a coordinator crash like any task (redelivered to another coordinator, whose
+/// attempt re-attaches to the children that exist).
+async fn workflow_worker(config: &Config) -> anyhow::Result<Option<Worker>> {
+    let registry = config.workflow_registry()?;
+    if registry.is_empty() {
+        return Ok(None);
+    }
+    let mut opts = config.worker.clone();
+    opts.pool = WORKFLOW_POOL.to_owned();
+    opts.concurrency = WORKFLOW_CONCURRENCY;
+    opts.id = opts.id.map(|id| format!("{id}-workflows"));
+    let bus = Bus::connect(&config.nats, "flotilla-workflows").await?;
+    Ok(Some(Worker::new(bus, opts, registry)))
 }
 
 pub(crate) async fn worker(config: &Config) -> anyhow::Result<ExitCode> {
@@ -323,6 +357,11 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
     let coordinator = coordinator.with_metrics(obs.metrics.clone()).on_ready(tx);
     let token = shutdown.clone();
     services.spawn(async move { coordinator.run(token).await.map_err(|e| e.to_string()) });
+    if let Some(w) = workflow_worker(&config).await? {
+        let w = w.with_metrics(obs.metrics.clone());
+        let token = shutdown.clone();
+        services.spawn(async move { w.run(token).await.map_err(|e| e.to_string()) });
+    }
     for (i, ready) in workers_ready.into_iter().enumerate() {
         let mut wopts = config.worker.clone();
         if let Some(id) = &wopts.id {

@@ -26,6 +26,7 @@
 mod exec;
 mod scripted;
 pub mod shim;
+pub mod workflow;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -37,6 +38,7 @@ use serde::{Deserialize, Serialize};
 pub use exec::ExecAgent;
 pub use flotilla_llm::{LlmAgent, LlmConfig, RoleConfig};
 pub use scripted::ScriptedAgent;
+pub use workflow::{LoopConfig, WorkflowAgent, WorkflowConfig, WorkflowShape};
 
 use crate::agent::Agent;
 
@@ -50,6 +52,56 @@ pub enum AgentDefinition {
     Scripted(ScriptedConfig),
     /// A model behind an OpenAI-compatible chat-completions API.
     Llm(Box<LlmConfig>),
+    /// Sub-agents in order ([`workflow`]); run by the coordinators.
+    Sequential(WorkflowConfig),
+    /// Sub-agents at once ([`workflow`]); run by the coordinators.
+    Parallel(WorkflowConfig),
+    /// Sub-agents in order, repeatedly ([`workflow`]); run by the coordinators.
+    Loop(LoopConfig),
+}
+
+impl AgentDefinition {
+    /// Whether it is a workflow agent (run by the coordinators, not by workers).
+    pub fn is_workflow(&self) -> bool {
+        matches!(
+            self,
+            Self::Sequential(_) | Self::Parallel(_) | Self::Loop(_)
+        )
+    }
+}
+
+/// Checks that the workflow agents among `defs` form a tree (see [`workflow::check_tree`]);
+/// the error lists every problem, naming the definitions.
+pub fn check_workflows(defs: &BTreeMap<String, AgentDefinition>) -> Result<(), String> {
+    let shapes: BTreeMap<&str, WorkflowShape<'_>> = defs
+        .iter()
+        .filter_map(|(name, def)| {
+            let shape = match def {
+                AgentDefinition::Sequential(c) => WorkflowShape {
+                    kind: "sequential",
+                    sub_agents: &c.sub_agents,
+                    output_keys: &c.output_keys,
+                    max_iterations: None,
+                },
+                AgentDefinition::Parallel(c) => WorkflowShape {
+                    kind: "parallel",
+                    sub_agents: &c.sub_agents,
+                    output_keys: &c.output_keys,
+                    max_iterations: None,
+                },
+                AgentDefinition::Loop(c) => WorkflowShape {
+                    kind: "loop",
+                    sub_agents: &c.sub_agents,
+                    output_keys: &c.output_keys,
+                    max_iterations: Some(c.max_iterations),
+                },
+                _ => return None,
+            };
+            Some((name.as_str(), shape))
+        })
+        .collect();
+    let defined = defs.keys().map(String::as_str).collect();
+    workflow::check_tree(&shapes, &defined).map_err(|p| p.join("; "))
 }
 
 /// `kind = "exec"`: run a command. The task envelope is written to its stdin as JSON; its
@@ -145,6 +197,7 @@ impl AgentRegistry {
     ) -> Result<Self, String> {
         let roles = Arc::new(flotilla_llm::Roles::with_config(roles).map_err(|e| e.to_string())?);
         let providers = flotilla_llm::Providers::default();
+        check_workflows(defs)?;
         let mut agents: BTreeMap<String, Arc<dyn Agent>> = BTreeMap::new();
         for (name, def) in defs {
             flotilla_model::token::check_name(name)
@@ -156,15 +209,49 @@ impl AgentRegistry {
                     LlmAgent::new(name, c, Arc::clone(&roles), &providers, base_dir)
                         .map_err(|e| e.to_string())?,
                 ),
+                // Workflow agents run on the coordinators ([`Self::workflows`]).
+                AgentDefinition::Sequential(_)
+                | AgentDefinition::Parallel(_)
+                | AgentDefinition::Loop(_) => continue,
             };
             agents.insert(name.clone(), agent);
         }
         if let Some(d) = &default
             && !agents.contains_key(d)
         {
-            return Err(format!("default-agent {d:?} is not defined under [agents]"));
+            let why = if defs.get(d).is_some_and(AgentDefinition::is_workflow) {
+                "is a workflow agent, which cannot be the default"
+            } else {
+                "is not defined under [agents]"
+            };
+            return Err(format!("default-agent {d:?} {why}"));
         }
         Ok(Self { agents, default })
+    }
+
+    /// The workflow agents among `defs`, for the coordinators' embedded worker of
+    /// [`workflow::WORKFLOW_POOL`]. Empty when there are none.
+    pub fn workflows(defs: &BTreeMap<String, AgentDefinition>) -> Result<Self, String> {
+        check_workflows(defs)?;
+        let mut agents: BTreeMap<String, Arc<dyn Agent>> = BTreeMap::new();
+        for (name, def) in defs {
+            let agent: Arc<dyn Agent> = match def {
+                AgentDefinition::Sequential(c) => Arc::new(WorkflowAgent::new(name, false, c)),
+                AgentDefinition::Parallel(c) => Arc::new(WorkflowAgent::new(name, true, c)),
+                AgentDefinition::Loop(c) => Arc::new(WorkflowAgent::new_loop(name, c)),
+                _ => continue,
+            };
+            agents.insert(name.clone(), agent);
+        }
+        Ok(Self {
+            agents,
+            default: None,
+        })
+    }
+
+    /// Whether it holds no agent.
+    pub fn is_empty(&self) -> bool {
+        self.agents.is_empty()
     }
 
     /// Adds or replaces an agent (for embedding Flotilla with custom agents).
