@@ -354,3 +354,86 @@ async fn a_redelivered_llm_attempt_resumes_from_its_step_journal() -> anyhow::Re
     );
     Ok(())
 }
+
+/// Agent-as-tool from an LLM agent: the model calls `call_agent`, the named agent runs as a
+/// child run on a worker, and its answer comes back as the tool result, linked in `tool_end`.
+#[tokio::test]
+async fn an_llm_agent_calls_another_agent_as_a_tool() -> anyhow::Result<()> {
+    let llm = OpenAiServer::start().await?;
+    llm.push(Reply::tool_call(
+        "call_agent",
+        json!({"agent": "helper", "request": "Find the number."}),
+    ));
+    llm.push(Reply::text("The helper says 42."));
+    let config = format!(
+        r#"
+[agents.lead]
+kind = "llm"
+base-url = "{}"
+model = "scripted-model"
+tools = []
+agent-tools = ["helper"]
+
+[agents.helper]
+kind = "scripted"
+reply = "helper found 42"
+"#,
+        llm.base_url()
+    );
+    let mut p = Processes::start(&config).await?;
+    p.coordinator().await?;
+    // One slot: the child needs it while the lead waits — two workers, one slot each.
+    p.worker(&["--concurrency", "1"]).await?;
+    p.worker(&["--concurrency", "1"]).await?;
+    let run = p
+        .client
+        .submit(SubmitRequest::new(plan(vec![
+            Subtask::new("lead_task", "Get the number.").with_agent("lead"),
+        ])))
+        .await?;
+    let outcome = p.client.wait(run, WAIT).await?;
+    assert_eq!(
+        outcome.status,
+        RunStatus::Succeeded,
+        "{outcome:?}\n{}",
+        p.log(1)
+    );
+    let requests = llm.requests();
+    assert_eq!(requests.len(), 2);
+    let offered = requests[0].tool_names();
+    assert_eq!(offered, vec!["call_agent"]);
+    let tool_result = requests[1]
+        .messages()
+        .iter()
+        .find(|m| m["role"] == "tool")
+        .and_then(|m| m["content"].as_str())
+        .map(str::to_owned)
+        .unwrap_or_default();
+    assert!(tool_result.contains("helper found 42"), "{tool_result}");
+
+    // The parent's stream links the child twice: agent_run_started and tool_end.run_link.
+    let events = p.client.events(run).await?;
+    futures::pin_mut!(events);
+    let (mut started, mut linked) = (None, None);
+    tokio::time::timeout(Duration::from_secs(20), async {
+        while let Some(e) = events.next().await {
+            match e?.event {
+                Event::AgentRunStarted { child } => started = Some(child.run_id),
+                Event::ToolEnd {
+                    run_link: Some(h), ..
+                } => linked = Some(h.run_id),
+                _ => {}
+            }
+            if started.is_some() && linked.is_some() {
+                break;
+            }
+        }
+        Ok::<_, anyhow::Error>(())
+    })
+    .await??;
+    assert!(
+        started.is_some() && started == linked,
+        "{started:?} {linked:?}"
+    );
+    Ok(())
+}

@@ -327,7 +327,7 @@ impl LlmAgent {
                 })
                 .await;
             let started = Instant::now();
-            let outcome = tools.call(ctx, &call.name, &call.arguments).await;
+            let outcome = tools.call(ctx, &call.id, &call.name, &call.arguments).await;
             if let Some(e) = &outcome.error {
                 tracing::debug!(agent = %self.name, tool = %call.name, error = %e, "Tool call failed; the model gets the error");
             }
@@ -336,7 +336,7 @@ impl LlmAgent {
                     call_id: call.id.clone(),
                     ok: outcome.error.is_none(),
                     output: outcome.output.clone(),
-                    run_link: None,
+                    run_link: outcome.run_link.clone(),
                     tool: Some(call.name.clone()),
                     duration_ms: Some(started.elapsed().as_millis() as u64),
                     error: outcome.error.clone(),

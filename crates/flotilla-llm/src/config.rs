@@ -113,6 +113,10 @@ pub struct LlmConfig {
     /// Commands offered to the model as tools, by tool name.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub exec_tools: BTreeMap<String, ExecToolConfig>,
+    /// Agents offered to the model through the `call_agent` tool (agent-as-tool): each call
+    /// runs the named agent as a child run and returns its answer.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub agent_tools: Vec<String>,
     /// MCP servers whose tools are offered to the model (as `<server>__<tool>`), by name.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub mcp_servers: BTreeMap<String, McpServerConfig>,
@@ -227,6 +231,7 @@ impl LlmConfig {
             tools: default_tools(),
             exec_tools: BTreeMap::new(),
             mcp_servers: BTreeMap::new(),
+            agent_tools: Vec::new(),
             requests_per_minute: None,
             tokens_per_minute: None,
         }
@@ -427,6 +432,20 @@ impl LlmConfig {
                 });
             }
         }
+        for a in &self.agent_tools {
+            if flotilla_model::token::check_name(a).is_err() {
+                return Err(bad(
+                    "agent-tools",
+                    format!("{a:?} is not an agent name (letters, digits, `_`, `-`)"),
+                ));
+            }
+        }
+        if self.exec_tools.contains_key(crate::tools::CALL_AGENT) {
+            return Err(bad(
+                "exec-tools.call_agent",
+                "call_agent is the agent-as-tool built-in (see agent-tools); name the command differently".into(),
+            ));
+        }
         for (name, server) in &self.mcp_servers {
             let field = format!("mcp-servers.{name}");
             if name.is_empty()
@@ -475,6 +494,7 @@ impl fmt::Debug for LlmConfig {
             .field("tools", &self.tools)
             .field("exec_tools", &self.exec_tools.keys().collect::<Vec<_>>())
             .field("mcp_servers", &self.mcp_servers.keys().collect::<Vec<_>>())
+            .field("agent_tools", &self.agent_tools)
             .field("requests_per_minute", &self.requests_per_minute)
             .field("tokens_per_minute", &self.tokens_per_minute)
             .finish_non_exhaustive()

@@ -9,6 +9,7 @@
 //! | `mailbox_read` | `limit`?, `wait_ms`? | `{messages, next_since_seq, more}` |
 //! | `state_get` | `key` | `{key, found, value, revision}` |
 //! | `state_set` | `key`, `value` | `{key, revision}` |
+//! | `call_agent` (with `agent-tools`) | `agent` (one of them), `request`, `input`? | `{agent, response, numeric_value}`; the child run in `tool_end.run_link` |
 //!
 //! Arguments are checked against each tool's JSON Schema before anything runs. Every problem
 //! — arguments that are not JSON or do not match, an unknown tool, a context error such as
@@ -24,7 +25,9 @@ use std::time::Duration;
 
 use flotilla_context::{AgentContext, ContextError};
 use flotilla_model::mailbox::MailboxKind;
+use flotilla_model::run::{RunHandle, RunStatus};
 use serde_json::{Map, Value, json};
+use sha2::Digest;
 use tokio::io::AsyncWriteExt;
 
 use crate::config::{ConfigError, ExecToolConfig, LlmConfig};
@@ -44,6 +47,9 @@ pub const BUILTIN_TOOLS: &[&str] = &[
 /// marker.
 pub const MAX_TOOL_OUTPUT: usize = 64 * 1024;
 
+/// The tool offered when an agent lists `agent-tools`.
+pub const CALL_AGENT: &str = "call_agent";
+
 /// Longest a `mailbox_read` may wait for a message.
 const MAX_MAILBOX_WAIT_MS: u64 = 30_000;
 
@@ -51,6 +57,7 @@ const MAX_MAILBOX_WAIT_MS: u64 = 30_000;
 #[derive(Debug, Clone)]
 enum Action {
     Builtin(&'static str),
+    CallAgent,
     Exec(Arc<ExecTool>),
     Mcp(Arc<McpServer>, String),
 }
@@ -88,6 +95,8 @@ pub struct ToolOutcome {
     pub output: Value,
     /// Why it failed, when it did.
     pub error: Option<String>,
+    /// The child run, when the tool was another agent (`call_agent`).
+    pub run_link: Option<RunHandle>,
 }
 
 impl ToolOutcome {
@@ -95,6 +104,7 @@ impl ToolOutcome {
         Self {
             output,
             error: None,
+            run_link: None,
         }
     }
 
@@ -103,6 +113,7 @@ impl ToolOutcome {
         Self {
             output: json!({"error": {"code": code, "message": message}}),
             error: Some(format!("{code}: {message}")),
+            run_link: None,
         }
     }
 
@@ -236,6 +247,26 @@ impl ToolSet {
                 },
             );
         }
+        if !config.agent_tools.is_empty() {
+            let parameters = json!({"type": "object", "properties": {
+                "agent": {"type": "string", "enum": config.agent_tools, "description": "The agent to ask"},
+                "request": {"type": "string", "description": "What the agent should do"},
+                "input": {"description": "Data for the agent (any JSON)"}
+            }, "required": ["agent", "request"], "additionalProperties": false});
+            tools.insert(
+                CALL_AGENT.to_owned(),
+                Tool {
+                    name: CALL_AGENT.to_owned(),
+                    description: format!(
+                        "Asks another agent of the team ({}) to do a piece of work and returns its answer. The agent runs as a separate run; this waits for its result.",
+                        config.agent_tools.join(", ")
+                    ),
+                    validator: compile("agent-tools".into(), &parameters)?,
+                    parameters,
+                    action: Action::CallAgent,
+                },
+            );
+        }
         let mcp = config
             .mcp_servers
             .iter()
@@ -290,7 +321,13 @@ impl ToolSet {
     /// Runs the call `name(arguments)`: checks the arguments, then runs the tool. Problems
     /// come back as the outcome's error, for the model. The caller stops waiting when the
     /// attempt is cancelled (dropping the call kills an exec tool's command).
-    pub async fn call(&self, ctx: &AgentContext, name: &str, arguments: &str) -> ToolOutcome {
+    pub async fn call(
+        &self,
+        ctx: &AgentContext,
+        call_id: &str,
+        name: &str,
+        arguments: &str,
+    ) -> ToolOutcome {
         let Some(tool) = self.tools.get(name) else {
             return ToolOutcome::err(
                 "unknown_tool",
@@ -342,6 +379,7 @@ impl ToolSet {
                 .await
                 .unwrap_or_else(|e| ToolOutcome::err(e.code(), e.message())),
             Action::Exec(t) => exec(ctx, t, &args).await,
+            Action::CallAgent => call_agent(ctx, call_id, &args).await,
             Action::Mcp(server, tool) => match server.call(tool, &args).await {
                 Ok(v) => ToolOutcome::ok(v),
                 Err(m) => ToolOutcome::err("tool_failed", m),
@@ -441,6 +479,66 @@ async fn builtin(
             ToolOutcome::ok(json!({"key": key, "revision": revision}))
         }
     })
+}
+
+/// Runs another agent as a child run and hands back its answer. The child's id comes from
+/// the attempt and the model's tool call id, so a redelivered attempt replaying the same call
+/// re-attaches to the same child.
+async fn call_agent(ctx: &AgentContext, call_id: &str, args: &Value) -> ToolOutcome {
+    // Provider call ids are usually subject-safe (`call_abc123`); others are hashed.
+    let key = if !call_id.is_empty()
+        && call_id.len() <= 64
+        && call_id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+    {
+        call_id.to_owned()
+    } else {
+        let digest = sha2::Sha256::digest(call_id.as_bytes());
+        format!(
+            "tc-{}",
+            digest[..8]
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<String>()
+        )
+    };
+    let call = flotilla_context::ChildCall {
+        agent: str_arg(args, "agent").to_owned(),
+        description: str_arg(args, "request").to_owned(),
+        input: args.get("input").cloned().unwrap_or(Value::Null),
+        call_id: Some(key),
+        ..flotilla_context::ChildCall::default()
+    };
+    match ctx.call_agent(&call).await {
+        Err(e) => ToolOutcome::err(e.code(), e.message()),
+        Ok((child, outcome)) => {
+            let mut result = match (&outcome.status, &outcome.final_result) {
+                (RunStatus::Succeeded, Some(f)) => ToolOutcome::ok(json!({
+                    "agent": call.agent,
+                    "response": f.response,
+                    "numeric_value": f.numeric_value,
+                })),
+                _ => ToolOutcome::err(
+                    "agent_failed",
+                    format!(
+                        "agent {} (child run {}) ended {:?}: {}",
+                        call.agent,
+                        child.handle.run_id,
+                        outcome.status,
+                        outcome
+                            .failed
+                            .first()
+                            .map(|f| f.error.message.clone())
+                            .or(outcome.reason.clone())
+                            .unwrap_or_default()
+                    ),
+                ),
+            };
+            result.run_link = Some(child.handle);
+            result
+        }
+    }
 }
 
 /// Longest stderr tail in an exec tool's error.
