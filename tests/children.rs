@@ -95,7 +95,7 @@ async fn children_of(f: &InProcess, run: RunId) -> anyhow::Result<Vec<RunHandle>
     futures::pin_mut!(events);
     let mut out = Vec::new();
     while let Ok(Some(e)) = tokio::time::timeout(Duration::from_millis(500), events.next()).await {
-        if let Event::AgentRunStarted { child } = e?.event {
+        if let Event::AgentRunStarted { child, .. } = e?.event {
             out.push(child);
         }
     }

@@ -642,7 +642,7 @@ async fn an_exec_agent_calls_another_agent_as_a_child_run() -> anyhow::Result<()
     while let Ok(Some(e)) =
         tokio::time::timeout(std::time::Duration::from_millis(500), events.next()).await
     {
-        if let flotilla_model::event::Event::AgentRunStarted { child: c } = e?.event {
+        if let flotilla_model::event::Event::AgentRunStarted { child: c, .. } = e?.event {
             child = Some(c.run_id);
         }
     }

@@ -418,7 +418,7 @@ reply = "helper found 42"
     tokio::time::timeout(Duration::from_secs(20), async {
         while let Some(e) = events.next().await {
             match e?.event {
-                Event::AgentRunStarted { child } => started = Some(child.run_id),
+                Event::AgentRunStarted { child, .. } => started = Some(child.run_id),
                 Event::ToolEnd {
                     run_link: Some(h), ..
                 } => linked = Some(h.run_id),

@@ -10,11 +10,13 @@ use std::time::Duration;
 
 use flotilla_client::Client;
 use flotilla_context::{Clients, Scope};
+use flotilla_coordinator::watch::WatchOptions;
 use flotilla_model::RunId;
 use flotilla_model::event::{Event, WorkflowPhase};
 use flotilla_model::plan::Subtask;
 use flotilla_model::run::{RunOutcome, RunStatus};
 use flotilla_model::submit::SubmitRequest;
+use flotilla_model::watch::{ChildPolicy, Profile, ProjectedEvent, WatchEnd, WatchReply};
 use futures::StreamExt;
 use serde_json::{Value, json};
 use support::*;
@@ -108,7 +110,7 @@ async fn descendants(client: &Client, run: RunId) -> anyhow::Result<Vec<RunId>> 
         let read = async {
             while let Some(e) = events.next().await {
                 match e?.event {
-                    Event::AgentRunStarted { child } if seen.insert(child.run_id) => {
+                    Event::AgentRunStarted { child, .. } if seen.insert(child.run_id) => {
                         found.push(child.run_id);
                         queue.push(child.run_id);
                     }
@@ -345,5 +347,209 @@ args = ["-c", "echo broken >&2; exit 3"]
         message.contains("sub-agent bad_step (child run") && message.contains("broken"),
         "{message}"
     );
+    Ok(())
+}
+
+/// Collects a server-side projection (`api.watch`) until its end message.
+async fn server_watch(
+    p: &Processes,
+    run: RunId,
+    profile: Profile,
+    children: ChildPolicy,
+) -> anyhow::Result<Vec<ProjectedEvent>> {
+    let inbox = p.bus.client().new_inbox();
+    let mut sub = p.bus.client().subscribe(inbox.clone()).await?;
+    let request =
+        json!({"run_id": run, "profile": profile, "children": children, "deliver_subject": inbox});
+    let answer = p
+        .bus
+        .client()
+        .request(
+            p.bus.names().api("watch"),
+            serde_json::to_vec(&request)?.into(),
+        )
+        .await?;
+    let reply: WatchReply = serde_json::from_slice(&answer.payload)
+        .map_err(|e| anyhow::anyhow!("{e}: {}", String::from_utf8_lossy(&answer.payload)))?;
+    assert!(reply.renew_subject.ends_with(".renew"));
+    let mut out = Vec::new();
+    tokio::time::timeout(WAIT, async {
+        while let Some(m) = sub.next().await {
+            if let Ok(end) = serde_json::from_slice::<WatchEnd>(&m.payload) {
+                assert_eq!(end.end, "ended", "{end:?}");
+                return Ok::<_, anyhow::Error>(());
+            }
+            out.push(serde_json::from_slice(&m.payload)?);
+        }
+        anyhow::bail!("the subscription ended")
+    })
+    .await??;
+    Ok(out)
+}
+
+async fn library_watch(
+    p: &Processes,
+    run: RunId,
+    profile: Profile,
+    children: ChildPolicy,
+) -> anyhow::Result<Vec<ProjectedEvent>> {
+    let stream = p
+        .client
+        .watch(
+            run,
+            WatchOptions {
+                profile,
+                children,
+                since: 0,
+            },
+        )
+        .await?;
+    futures::pin_mut!(stream);
+    let mut out = Vec::new();
+    tokio::time::timeout(WAIT, async {
+        while let Some(e) = stream.next().await {
+            out.push(e?);
+        }
+        Ok::<_, anyhow::Error>(())
+    })
+    .await??;
+    Ok(out)
+}
+
+fn key(e: &ProjectedEvent) -> (RunId, u32, Option<String>, String) {
+    (e.run_id, e.depth, e.agent.clone(), e.event.id.clone())
+}
+
+/// Projections of a three-level tree (sequential → parallel → leaves): flatten shows every
+/// descendant after its link, attributed, depth first; the client library and `api.watch`
+/// give the same events in the same order; profiles and the other policies filter.
+#[tokio::test]
+async fn projections_flatten_grandchildren_the_same_in_library_and_server() -> anyhow::Result<()> {
+    let mut p = Processes::start(&agents()).await?;
+    p.coordinator().await?;
+    p.worker(&["--concurrency", "2"]).await?;
+    let (run, outcome) = run_one(&p, "study", "the market").await?;
+    assert_eq!(outcome.status, RunStatus::Succeeded, "{outcome:?}");
+
+    let lib = library_watch(&p, run, Profile::Debug, ChildPolicy::Flatten).await?;
+    let srv = server_watch(&p, run, Profile::Debug, ChildPolicy::Flatten).await?;
+    assert_eq!(
+        lib.iter().map(key).collect::<Vec<_>>(),
+        srv.iter().map(key).collect::<Vec<_>>(),
+        "library and server projections differ"
+    );
+    // Attribution: children are the workflow's steps, grandchildren the parallel's branches.
+    let agents_at = |depth: u32| -> BTreeSet<String> {
+        lib.iter()
+            .filter(|e| e.depth == depth)
+            .filter_map(|e| e.agent.clone())
+            .collect()
+    };
+    assert_eq!(
+        agents_at(1),
+        BTreeSet::from(["sources".into(), "summarizer".into()])
+    );
+    assert_eq!(
+        agents_at(2),
+        BTreeSet::from(["source_a".into(), "source_b".into()])
+    );
+    // Causal order: each run's events come after its link and before its parent's end.
+    let mut linked_at = std::collections::BTreeMap::new();
+    for (i, e) in lib.iter().enumerate() {
+        if let Event::AgentRunStarted { child, .. } = &e.event.event {
+            linked_at.insert(child.run_id, i);
+        }
+    }
+    assert_eq!(linked_at.len(), 4, "two children, two grandchildren");
+    for (i, e) in lib.iter().enumerate() {
+        if e.depth > 0 {
+            assert!(
+                linked_at[&e.run_id] < i,
+                "an event of {} before its link",
+                e.run_id
+            );
+        }
+    }
+    let root_end = lib
+        .iter()
+        .position(|e| {
+            e.depth == 0 && matches!(&e.event.event, Event::Workflow(w) if w.phase.ends_run())
+        })
+        .expect("root end");
+    assert_eq!(root_end, lib.len() - 1, "the watched run's end is last");
+
+    // Profiles and policies.
+    let user = library_watch(&p, run, Profile::User, ChildPolicy::Flatten).await?;
+    assert!(user.iter().all(|e| match &e.event.event {
+        Event::Workflow(w) => w.phase == WorkflowPhase::RunStarted || w.phase.ends_run(),
+        Event::ToolStart { .. } | Event::ToolEnd { .. } => e.depth == 0,
+        Event::Usage { .. } | Event::AgentStep { .. } => false,
+        _ => true,
+    }));
+    assert!(
+        user.iter().any(|e| e.depth == 2),
+        "flatten reaches the grandchildren"
+    );
+    let metrics = library_watch(&p, run, Profile::Metrics, ChildPolicy::Linked).await?;
+    assert!(
+        metrics
+            .iter()
+            .all(|e| e.depth == 0
+                && matches!(e.event.event, Event::Workflow(_) | Event::Usage { .. }))
+    );
+    let linked = library_watch(&p, run, Profile::User, ChildPolicy::Linked).await?;
+    assert!(linked.iter().all(|e| e.depth == 0));
+    assert_eq!(
+        linked
+            .iter()
+            .filter(|e| matches!(e.event.event, Event::AgentRunStarted { .. }))
+            .count(),
+        2
+    );
+    let off = server_watch(&p, run, Profile::User, ChildPolicy::Off).await?;
+    assert!(
+        off.iter()
+            .all(|e| e.depth == 0 && !matches!(e.event.event, Event::AgentRunStarted { .. }))
+    );
+
+    // Bad input is refused by name; nothing is started.
+    for (request, code) in [
+        (
+            json!({"run_id": run, "deliver_subject": "a.*.b"}),
+            "invalid_deliver_subject",
+        ),
+        (
+            json!({"run_id": run, "deliver_subject": "x", "lease_ms": 5}),
+            "invalid_lease",
+        ),
+        (
+            json!({"run_id": RunId::new(), "deliver_subject": "x"}),
+            "not_found",
+        ),
+        (
+            json!({"run_id": run, "deliver_subject": "x", "profile": "everyone"}),
+            "malformed",
+        ),
+    ] {
+        let answer = p
+            .bus
+            .client()
+            .request(
+                p.bus.names().api("watch"),
+                serde_json::to_vec(&request)?.into(),
+            )
+            .await?;
+        let body = String::from_utf8_lossy(&answer.payload).into_owned();
+        let header = answer
+            .headers
+            .as_ref()
+            .and_then(|h| h.get("Nats-Service-Error-Code"))
+            .map(|v| v.to_string())
+            .unwrap_or_default();
+        assert!(
+            body.contains(code) || header.contains(code),
+            "{code}: {body} {header}"
+        );
+    }
     Ok(())
 }

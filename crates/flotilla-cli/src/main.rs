@@ -109,6 +109,9 @@ enum Command {
     /// Inspect runs.
     #[command(subcommand)]
     Runs(RunsCommand),
+    /// Follow a run tree live as one audience sees it (profiles user | debug | metrics;
+    /// children off | linked | flatten).
+    Watch(commands::watch::WatchArgs),
     /// List live workers.
     Workers {
         /// Machine-readable output.
@@ -462,6 +465,7 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
             json,
         }) => commands::runs::cancel(&load()?, run, reason, !no_wait, json).await,
         Command::Workers { json } => commands::runs::workers(&load()?, json).await,
+        Command::Watch(args) => commands::watch::watch(&load()?, args).await,
         Command::Plan(PlanCommand::Validate {
             file,
             json,

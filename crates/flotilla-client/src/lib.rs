@@ -355,6 +355,24 @@ impl Client {
             }))
     }
 
+    /// Follows `run`'s tree as one audience sees it ([`flotilla_model::watch`]): the events
+    /// its `profile` shows, children hidden, linked or flattened into the stream (depth
+    /// first, attributed to their run and agent). Ends after the run's end. The same engine
+    /// serves `<prefix>.api.watch`, so both give the same events in the same order.
+    pub async fn watch(
+        &self,
+        run: RunId,
+        opts: flotilla_coordinator::watch::WatchOptions,
+    ) -> Result<
+        impl Stream<Item = Result<flotilla_model::watch::ProjectedEvent, ClientError>> + use<>,
+        ClientError,
+    > {
+        let stream = flotilla_coordinator::watch::project(self.bus.clone(), run, opts)
+            .await
+            .map_err(|e| nats("following the run", e))?;
+        Ok(stream.map(|r| r.map_err(|e| nats("following the run", e))))
+    }
+
     /// Waits for a run to end and returns its outcome.
     pub async fn wait(&self, run: RunId, timeout: Duration) -> Result<RunOutcome, ClientError> {
         let follow = async {

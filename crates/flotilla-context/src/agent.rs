@@ -247,7 +247,9 @@ impl AgentContext {
         call: &crate::ChildCall,
     ) -> Result<(crate::ChildRun, flotilla_model::run::RunOutcome), crate::ContextError> {
         let child = self.clients.start_child(call).await?;
-        self.clients.announce_child(&child.handle).await;
+        self.clients
+            .announce_child(&child.handle, &call.agent)
+            .await;
         let until = tokio::time::Instant::from_std(self.deadline);
         let outcome = tokio::select! {
             o = self.clients.wait_child(child.handle.run_id, until) => o?,

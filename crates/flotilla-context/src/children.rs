@@ -155,7 +155,7 @@ impl Clients {
     /// Announces `child` on this run's event stream (`agent_run_started`). The event id is
     /// derived from the child (`<run>.child.<child>`), so a re-attaching delivery's
     /// announcement is dropped as a duplicate. Best effort, like every agent event.
-    pub async fn announce_child(&self, child: &RunHandle) {
+    pub async fn announce_child(&self, child: &RunHandle, agent: &str) {
         let scope = self.scope();
         let envelope = EventEnvelope {
             protocol: PROTOCOL_VERSION,
@@ -167,6 +167,7 @@ impl Clients {
             source: format!("task/{}", scope.task_id.as_ref().map_or("", TaskId::as_str)),
             event: Event::AgentRunStarted {
                 child: child.clone(),
+                agent: Some(agent.to_owned()),
             },
         };
         let batch = EventBatch::new(scope.run_id, vec![envelope]);

@@ -42,7 +42,7 @@ use flotilla_model::validate::{
 use futures::StreamExt;
 use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
-use tracing::warn;
+use tracing::{debug, warn};
 
 use crate::error::{CoordinatorError, CoordinatorErrorKind};
 use crate::intake::{Answer, Intake, Source};
@@ -126,6 +126,7 @@ macro_rules! has_protocol {
     ($($t:ty),*) => {$(impl HasProtocol for $t { fn protocol(&self) -> u32 { self.protocol } })*};
 }
 has_protocol!(
+    flotilla_model::watch::WatchRequest,
     GetRunRequest,
     CancelRunRequest,
     ValidatePlanRequest,
@@ -146,6 +147,8 @@ struct Api {
     live: LiveWorkers,
     /// What the collaboration endpoints know of the runs they were asked about.
     runs: collab::RunCache,
+    /// Ends server-side watches when the coordinator stops.
+    shutdown: CancellationToken,
 }
 
 /// Serves the API until `shutdown`.
@@ -210,12 +213,16 @@ pub(crate) async fn serve(
     let mut state_set = endpoint("state-set", StateSetRequest::ENDPOINT)
         .await
         .map_err(setup)?;
+    let mut watch = endpoint("watch", flotilla_model::watch::WatchRequest::ENDPOINT)
+        .await
+        .map_err(setup)?;
     let api = Arc::new(Api {
         store,
         intake,
         ctx,
         live,
         runs: collab::RunCache::default(),
+        shutdown: shutdown.clone(),
     });
     loop {
         let api = Arc::clone(&api);
@@ -232,6 +239,7 @@ pub(crate) async fn serve(
             Some(req) = state_get.next() => { tokio::spawn(async move { api.state_get(req).await }); }
             Some(req) = state_set.next() => { tokio::spawn(async move { api.state_set(req).await }); }
             Some(req) = child_start.next() => { tokio::spawn(async move { api.child_start(req).await }); }
+            Some(req) = watch.next() => { tokio::spawn(async move { api.watch(req).await }); }
             else => break,
         }
     }
@@ -242,6 +250,98 @@ pub(crate) async fn serve(
 impl Api {
     fn max_payload(&self) -> usize {
         self.store.bus().max_payload()
+    }
+
+    /// `api.watch`: a server-side projection of a run tree, published to the watcher's
+    /// subject until the run ends, the lease runs out without a renewal, or the coordinator
+    /// stops. The projection is [`crate::watch::project`], as in the client library.
+    async fn watch(&self, req: Request) {
+        use flotilla_model::watch::{WatchEnd, WatchReply, WatchRequest};
+        let Some(r) = parse::<WatchRequest>(&req).await else {
+            return;
+        };
+        if let Err(e) = flotilla_model::token::check_subject(&r.deliver_subject) {
+            return respond_error(
+                &req,
+                400,
+                "invalid_deliver_subject",
+                format!("deliver_subject {:?} {e}", r.deliver_subject),
+            )
+            .await;
+        }
+        if !(1_000..=600_000).contains(&r.lease_ms) {
+            return respond_error(
+                &req,
+                400,
+                "invalid_lease",
+                format!("lease_ms {} is outside 1000 to 600000", r.lease_ms),
+            )
+            .await;
+        }
+        match self.store.load(r.run_id).await {
+            Ok(Some(_)) => {}
+            Ok(None) if matches!(self.store.first_message(r.run_id).await, Ok(Some(_))) => {}
+            Ok(None) => {
+                return respond_error(
+                    &req,
+                    404,
+                    "not_found",
+                    format!("run {} does not exist", r.run_id),
+                )
+                .await;
+            }
+            Err(e) => return respond_error(&req, 503, "unavailable", e.to_string()).await,
+        }
+        let bus = self.store.bus().clone();
+        let watch_id = uuid::Uuid::now_v7().to_string();
+        let renew_subject = bus.names().api(&format!("watch.{watch_id}.renew"));
+        let mut renewals = match bus.client().subscribe(renew_subject.clone()).await {
+            Ok(s) => s,
+            Err(e) => return respond_error(&req, 503, "unavailable", e.to_string()).await,
+        };
+        let opts = crate::watch::WatchOptions {
+            profile: r.profile,
+            children: r.children,
+            since: r.since,
+        };
+        let stream = match crate::watch::project(bus.clone(), r.run_id, opts).await {
+            Ok(s) => s,
+            Err(e) => return respond_error(&req, 503, "unavailable", e.to_string()).await,
+        };
+        respond_json(
+            &req,
+            self.max_payload(),
+            &WatchReply {
+                watch_id: watch_id.clone(),
+                renew_subject,
+                lease_ms: r.lease_ms,
+            },
+        )
+        .await;
+        let lease = std::time::Duration::from_millis(r.lease_ms);
+        let mut deadline = tokio::time::Instant::now() + lease;
+        futures::pin_mut!(stream);
+        let end = loop {
+            tokio::select! {
+                item = stream.next() => match item {
+                    None => break WatchEnd { end: "ended".into(), message: None },
+                    Some(Err(e)) => break WatchEnd { end: "error".into(), message: Some(e.to_string()) },
+                    Some(Ok(ev)) => {
+                        let body = serde_json::to_vec(&ev).unwrap_or_default();
+                        if let Err(e) = bus.client().publish(r.deliver_subject.clone(), body.into()).await {
+                            break WatchEnd { end: "error".into(), message: Some(e.to_string()) };
+                        }
+                    }
+                },
+                Some(_) = renewals.next() => deadline = tokio::time::Instant::now() + lease,
+                () = tokio::time::sleep_until(deadline) => break WatchEnd { end: "lease_expired".into(), message: None },
+                () = self.shutdown.cancelled() => break WatchEnd { end: "shutdown".into(), message: None },
+            }
+        };
+        debug!(watch = %watch_id, run = %r.run_id, end = %end.end, "A watch ended");
+        let body = serde_json::to_vec(&end).unwrap_or_default();
+        let _ = bus.client().publish(r.deliver_subject, body.into()).await;
+        let _ = bus.client().flush().await;
     }
 
     async fn submit(&self, req: Request) {

@@ -30,6 +30,8 @@ flotilla_bus::error_kinds!(
         Setup => "coordinator setup failed", Retryable;
         /// The configuration is invalid.
         Config => "invalid coordinator configuration", Terminal;
+        /// Following a run's events failed (a watch).
+        Watch => "following a run's events failed", Retryable;
     }
 );
 

@@ -29,6 +29,7 @@ pub mod options;
 mod runtime;
 pub mod store;
 mod topics;
+pub mod watch;
 
 use std::sync::Arc;
 

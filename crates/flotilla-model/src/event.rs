@@ -187,6 +187,9 @@ pub enum Event {
     AgentRunStarted {
         /// The child.
         child: RunHandle,
+        /// The agent the child runs (its name in the configuration).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        agent: Option<String>,
     },
     /// One step of an LLM agent's attempt, journaled so that a redelivered attempt (its
     /// worker died) resumes from it instead of calling the model or the tools again. A

@@ -40,6 +40,16 @@ pub fn public_schemas() -> Vec<(&'static str, Schema)> {
         ("validate-plan-reply.json", schema_for!(ValidatePlanReply)),
         ("worker-info.json", schema_for!(WorkerInfo)),
         (
+            "watch-request.json",
+            schema_for!(crate::watch::WatchRequest),
+        ),
+        ("watch-reply.json", schema_for!(crate::watch::WatchReply)),
+        ("watch-end.json", schema_for!(crate::watch::WatchEnd)),
+        (
+            "projected-event.json",
+            schema_for!(crate::watch::ProjectedEvent),
+        ),
+        (
             "mailbox-post.json",
             schema_for!(crate::mailbox::MailboxPost),
         ),

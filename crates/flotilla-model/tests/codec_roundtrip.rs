@@ -465,7 +465,8 @@ fn event() -> impl Strategy<Value = Event> {
                 cost_usd: latency.map(|l| f64::from(l) / 1000.0),
             }),
         workflow(),
-        handle().prop_map(|child| Event::AgentRunStarted { child }),
+        (handle(), option::of(token()))
+            .prop_map(|(child, agent)| Event::AgentRunStarted { child, agent }),
         (
             attempt_id(),
             any::<u32>(),

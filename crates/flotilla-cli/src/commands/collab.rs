@@ -360,7 +360,7 @@ async fn run_call(global: Global<'_>, args: CallArgs) -> Result<(), CliError> {
     )
     .await?;
     let child = clients.start_child(&call).await?;
-    clients.announce_child(&child.handle).await;
+    clients.announce_child(&child.handle, &call.agent).await;
     let until = tokio::time::Instant::now() + args.wait;
     let outcome = clients
         .wait_child(child.handle.run_id, until)

@@ -9,3 +9,4 @@ pub(crate) mod runs;
 pub(crate) mod schema;
 pub(crate) mod services;
 pub(crate) mod submit;
+pub(crate) mod watch;

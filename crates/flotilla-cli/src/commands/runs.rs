@@ -358,7 +358,7 @@ async fn announced_children(
                 continue;
             };
             for e in events {
-                if let Event::AgentRunStarted { child } = e.event
+                if let Event::AgentRunStarted { child, .. } = e.event
                     && !out
                         .iter()
                         .any(|c: &flotilla_model::run::RunHandle| c.run_id == child.run_id)

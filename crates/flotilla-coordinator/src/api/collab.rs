@@ -781,6 +781,7 @@ mod tests {
             ctx,
             live,
             runs: RunCache::default(),
+            shutdown: tokio_util::sync::CancellationToken::new(),
         };
         let run = RunId::new();
         let err = api.run_facts(run).await.expect_err("no such run");

@@ -1,0 +1,220 @@
+//! `flotilla watch RUN`: a run tree as one audience sees it, live, indented by depth.
+//!
+//! By default the projection runs here (the client library's `Client::watch`); `--server`
+//! asks a coordinator to project (`<prefix>.api.watch`) and prints what it delivers — the
+//! same events in the same order, the way a browser over NATS WebSocket would follow a run.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use flotilla_bus::Bus;
+use flotilla_client::Client;
+use flotilla_coordinator::watch::WatchOptions;
+use flotilla_model::RunId;
+use flotilla_model::api::ApiRequest;
+use flotilla_model::event::{Event, StepEntry};
+use flotilla_model::watch::{
+    ChildPolicy, Profile, ProjectedEvent, WatchEnd, WatchReply, WatchRequest,
+};
+use futures::StreamExt;
+
+use crate::config::Config;
+
+/// `flotilla watch` arguments.
+#[derive(Debug, clap::Args)]
+pub(crate) struct WatchArgs {
+    /// The run to follow.
+    run: RunId,
+    /// Which events: user (replies, top-level tools, child cards, awaits, run phases),
+    /// debug (everything), metrics (usage and workflow).
+    #[arg(long, default_value = "user")]
+    profile: Profile,
+    /// Children: off (hidden), linked (links only), flatten (their events, indented).
+    #[arg(long, default_value = "linked")]
+    children: ChildPolicy,
+    /// Start after this sequence of the run's event stream.
+    #[arg(long, default_value_t = 0)]
+    since: u64,
+    /// One JSON `ProjectedEvent` per line.
+    #[arg(long)]
+    json: bool,
+    /// Let a coordinator project (`api.watch`) instead of this process.
+    #[arg(long)]
+    server: bool,
+}
+
+/// Runs `flotilla watch`.
+pub(crate) async fn watch(config: &Config, args: WatchArgs) -> anyhow::Result<ExitCode> {
+    let bus = Bus::connect(&config.nats, "flotilla-cli").await?;
+    let print = |e: &ProjectedEvent| -> anyhow::Result<()> {
+        if args.json {
+            println!("{}", serde_json::to_string(e)?);
+        } else if let Some(line) = line(e) {
+            println!("{line}");
+        }
+        Ok(())
+    };
+    if args.server {
+        return server_side(&bus, &args, print).await;
+    }
+    let client = Client::new(bus);
+    let stream = client
+        .watch(
+            args.run,
+            WatchOptions {
+                profile: args.profile,
+                children: args.children,
+                since: args.since,
+            },
+        )
+        .await?;
+    futures::pin_mut!(stream);
+    while let Some(e) = stream.next().await {
+        print(&e?)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn server_side(
+    bus: &Bus,
+    args: &WatchArgs,
+    print: impl Fn(&ProjectedEvent) -> anyhow::Result<()>,
+) -> anyhow::Result<ExitCode> {
+    let deliver = bus.client().new_inbox();
+    let mut delivered = bus.client().subscribe(deliver.clone()).await?;
+    let request = WatchRequest {
+        protocol: flotilla_model::PROTOCOL_VERSION,
+        run_id: args.run,
+        profile: args.profile,
+        children: args.children,
+        since: args.since,
+        deliver_subject: deliver,
+        lease_ms: 30_000,
+    };
+    let answer = bus
+        .client()
+        .request(
+            bus.names().api(WatchRequest::ENDPOINT),
+            serde_json::to_vec(&request)?.into(),
+        )
+        .await?;
+    let reply: WatchReply = match serde_json::from_slice(&answer.payload) {
+        Ok(r) => r,
+        Err(_) => {
+            eprintln!(
+                "error: the coordinator refused the watch: {}",
+                String::from_utf8_lossy(&answer.payload)
+            );
+            return Ok(ExitCode::from(1));
+        }
+    };
+    let mut renew = tokio::time::interval(Duration::from_millis(reply.lease_ms / 3));
+    renew.tick().await;
+    loop {
+        tokio::select! {
+            _ = renew.tick() => {
+                bus.client().publish(reply.renew_subject.clone(), "".into()).await?;
+            }
+            msg = delivered.next() => {
+                let Some(msg) = msg else { anyhow::bail!("the subscription ended") };
+                if let Ok(end) = serde_json::from_slice::<WatchEnd>(&msg.payload) {
+                    if end.end == "ended" {
+                        return Ok(ExitCode::SUCCESS);
+                    }
+                    eprintln!("error: the watch ended: {} {}", end.end, end.message.unwrap_or_default());
+                    return Ok(ExitCode::from(1));
+                }
+                print(&serde_json::from_slice::<ProjectedEvent>(&msg.payload)?)?;
+            }
+        }
+    }
+}
+
+/// One readable line, or none for an event not worth a line (a streamed increment).
+fn line(e: &ProjectedEvent) -> Option<String> {
+    let indent = "  ".repeat(e.depth as usize);
+    let who = match (&e.agent, e.depth) {
+        (Some(a), _) => a.clone(),
+        (None, 0) => e
+            .event
+            .task_id
+            .as_ref()
+            .map_or_else(|| "run".to_owned(), |t| t.to_string()),
+        (None, _) => e.run_id.to_string()[..8].to_owned(),
+    };
+    let what = match &e.event.event {
+        Event::AssistantReply { text, is_final } => {
+            if !is_final {
+                return None;
+            }
+            format!("says: {}", cut(text, 300))
+        }
+        Event::ToolStart { tool, input, .. } => {
+            format!("→ {tool} {}", cut(&input.to_string(), 200))
+        }
+        Event::ToolEnd {
+            ok,
+            tool,
+            duration_ms,
+            error,
+            ..
+        } => format!(
+            "← {} {}{}{}",
+            tool.as_deref().unwrap_or("tool"),
+            if *ok { "ok" } else { "failed" },
+            duration_ms
+                .map(|d| format!(" in {d} ms"))
+                .unwrap_or_default(),
+            error.as_ref().map(|m| format!(": {m}")).unwrap_or_default()
+        ),
+        Event::AgentRunStarted { child, agent } => format!(
+            "⇢ child run {} ({})",
+            child.run_id,
+            agent.as_deref().unwrap_or("agent")
+        ),
+        Event::Usage {
+            prompt_tokens,
+            completion_tokens,
+            model,
+            ..
+        } => format!(
+            "usage {prompt_tokens} + {completion_tokens} tokens{}",
+            model
+                .as_ref()
+                .map(|m| format!(" ({m})"))
+                .unwrap_or_default()
+        ),
+        Event::Workflow(w) => {
+            let phase = serde_json::to_value(w.phase)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_owned))
+                .unwrap_or_default();
+            match &e.event.task_id {
+                Some(t) if e.depth == 0 || e.agent.is_some() => format!("{phase} {t}"),
+                _ => phase,
+            }
+        }
+        Event::AgentStep { step, entry, .. } => match entry {
+            StepEntry::ModelReply { tool_calls, .. } => {
+                format!("step {step}: model reply ({} tool calls)", tool_calls.len())
+            }
+            StepEntry::ToolResults { results } => {
+                format!("step {step}: {} tool results", results.len())
+            }
+        },
+        Event::AwaitClarification { question } => format!("asks: {question}"),
+        other => serde_json::to_value(other)
+            .ok()
+            .and_then(|v| v.get("type").and_then(|t| t.as_str()).map(str::to_owned))
+            .unwrap_or_default(),
+    };
+    Some(format!("{indent}[{who}] {what}"))
+}
+
+fn cut(s: &str, max: usize) -> String {
+    if s.chars().count() <= max {
+        return s.replace('\n', " ");
+    }
+    let t: String = s.chars().take(max).collect();
+    format!("{}…", t.replace('\n', " "))
+}
