@@ -228,6 +228,20 @@ impl Config {
         self.coordinator
             .validate()
             .map_err(|e| anyhow::anyhow!("invalid [coordinator] section: {e}"))?;
+        let planner = &self.coordinator.planner;
+        if let Some(agent) = &planner.agent
+            && !self.agents.contains_key(agent)
+        {
+            bail!(
+                "invalid [coordinator.planner] section: agent {agent:?} is not defined in [agents]"
+            );
+        }
+        if planner.agent.is_some() && !self.pools.contains(&planner.pool) {
+            bail!(
+                "invalid [coordinator.planner] section: pool {:?} is not one of pools",
+                planner.pool
+            );
+        }
         self.worker
             .validate()
             .map_err(|e| anyhow::anyhow!("invalid [worker] section: {e}"))?;
