@@ -200,14 +200,39 @@ async fn a_plan_with_problems_is_repaired_with_the_problems() -> anyhow::Result<
     let mut p = Processes::start(&config(&llm.base_url(), 2)).await?;
     p.coordinator().await?;
     p.worker(&[]).await?;
-    let run = submit_query(&p, "What is the answer?").await?;
-    let outcome = p.client.wait(run, WAIT).await?;
-    assert_eq!(
-        outcome.status,
-        RunStatus::Succeeded,
-        "{outcome:?}\n{}",
-        p.log(1)
+    wait_for_live_worker(&p).await?;
+    // Through the command line: `flotilla submit --query … --wait --json`.
+    // Off the test's runtime thread: the scripted model server runs on it.
+    let config_path = p.config.clone();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_flotilla"))
+            .env_remove("FLOTILLA_CONFIG")
+            .arg("--config")
+            .arg(&config_path)
+            .args([
+                "submit",
+                "--query",
+                "What is the answer?",
+                "--wait",
+                "--json",
+            ])
+            .args(["--timeout", "60s"])
+            .output()
+    })
+    .await??;
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
     );
+    let outcome: flotilla_model::run::RunOutcome = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(outcome.status, RunStatus::Succeeded, "{outcome:?}");
+    assert_eq!(
+        outcome.final_result.map(|r| r.response).as_deref(),
+        Some("42.")
+    );
+    let run = outcome.run_id;
 
     // The second request to the model carries the first answer's problems.
     let requests = llm.requests();
@@ -352,5 +377,88 @@ async fn strategy_auto_is_recorded_for_plans() -> anyhow::Result<()> {
         assert!(view.record.planning.is_none());
         assert!(view.plan.is_none(), "a client's plan is not repeated");
     }
+    Ok(())
+}
+
+/// Waits until the coordinator knows a live worker in the default pool (where the planner
+/// runs), so a durable bare query is not rejected with `no_planner`.
+async fn wait_for_live_worker(p: &Processes) -> anyhow::Result<()> {
+    let probe = plan(vec![Subtask::new("probe", "")]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let reply = p.client.validate(&probe).await?;
+        if !reply
+            .warnings
+            .iter()
+            .any(|w| w.code == ProblemCode::NoLiveWorker)
+        {
+            return Ok(());
+        }
+        anyhow::ensure!(Instant::now() < deadline, "no live worker: {reply:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn planning_survives_coordinator_crashes() -> anyhow::Result<()> {
+    let llm = OpenAiServer::start().await?;
+    let slow = Duration::from_millis(1500);
+    llm.push(
+        Reply::text(
+            json!({"subtasks": [
+                {"id": "research", "description": "Find the revenue."},
+                {"id": "report", "description": "Report it.", "role": "synthesis",
+                 "dependencies": ["research"]}
+            ]})
+            .to_string(),
+        )
+        .delay(slow)
+        .when("_plan-1"),
+    );
+    llm.push(
+        Reply::text("Revenue was 1250.")
+            .delay(slow)
+            .when("Your task (research)"),
+    );
+    llm.push(Reply::text("Revenue reached 1250.").when("Your task (report)"));
+
+    let mut p = Processes::start(&config(&llm.base_url(), 2)).await?;
+    let first = p.coordinator().await?;
+    p.worker(&[]).await?;
+    wait_for_live_worker(&p).await?;
+    // Durable, through the intake (the Rust client routes bare queries there).
+    let run = p
+        .client
+        .submit(SubmitRequest::query("How much revenue?"))
+        .await?;
+    // The planner's model call is in flight: the coordinator dies.
+    llm.wait_for_requests(1, WAIT).await?;
+    p.kill(first);
+    let second = p.coordinator().await?;
+    // The next coordinator reviewed the answer and dispatched the planned plan's first task;
+    // it dies too, so the third rebuilds the run from the `planned` entry.
+    llm.wait_for_requests(2, WAIT).await?;
+    p.kill(second);
+    p.coordinator().await?;
+
+    let outcome = p.client.wait(run, WAIT).await?;
+    assert_eq!(
+        outcome.status,
+        RunStatus::Succeeded,
+        "{outcome:?}\n{}",
+        p.log(3)
+    );
+    assert_eq!(
+        outcome.final_result.map(|r| r.response).as_deref(),
+        Some("Revenue reached 1250.")
+    );
+    let decisions = decisions(&p, run).await?;
+    assert!(
+        matches!(&decisions[..], [PlanDecision::Accepted { .. }]),
+        "one review, recorded once: {decisions:?}"
+    );
+    assert_eq!(llm.requests().len(), 3, "no model call was repeated");
+    let view = p.client.run(run).await?.expect("run view");
+    assert_eq!(view.plan.map(|p| p.subtasks.len()), Some(2));
     Ok(())
 }
