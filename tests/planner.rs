@@ -7,6 +7,7 @@ mod support;
 use std::time::{Duration, Instant};
 
 use flotilla_coordinator::store::RunStore;
+use flotilla_model::event::WorkflowPhase;
 use flotilla_model::ids::RunId;
 use flotilla_model::plan::{PlanConfig, Strategy, Subtask};
 use flotilla_model::run::{PlanningStatus, RunStatus};
@@ -14,6 +15,7 @@ use flotilla_model::runlog::{PlanDecision, RunInput};
 use flotilla_model::submit::{SubmitReply, SubmitRequest, SubmitStatus};
 use flotilla_model::validate::ProblemCode;
 use flotilla_testkit::openai::{OpenAiServer, Reply};
+use futures::StreamExt;
 use serde_json::json;
 use support::*;
 
@@ -293,6 +295,31 @@ async fn a_planner_without_a_valid_plan_fails_the_run_with_its_problems() -> any
     );
     assert!(view.plan.is_none());
     assert!(view.record.strategy.is_none());
+
+    // The events say what happened: one repair, then the failure with the problems.
+    let events = p.client.events(run).await?;
+    futures::pin_mut!(events);
+    let mut phases = Vec::new();
+    while let Some(e) = events.next().await {
+        if let flotilla_model::event::Event::Workflow(w) = e?.event {
+            let ends = w.phase.ends_run();
+            if matches!(
+                w.phase,
+                WorkflowPhase::PlanRepairing | WorkflowPhase::RunFailed
+            ) {
+                assert!(
+                    w.problems.iter().any(|p| p.code == ProblemCode::Cycle),
+                    "{w:?}"
+                );
+            }
+            phases.push(w.phase);
+            if ends {
+                break;
+            }
+        }
+    }
+    assert!(phases.contains(&WorkflowPhase::PlanRepairing), "{phases:?}");
+    assert!(!phases.contains(&WorkflowPhase::RunPlanned), "{phases:?}");
     Ok(())
 }
 

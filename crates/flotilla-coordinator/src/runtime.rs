@@ -1857,6 +1857,12 @@ impl Runtime {
                         at_ms: state.finished_ms.unwrap_or_default(),
                         event: WorkflowEvent {
                             outcome: outcome.map(Box::new),
+                            // A bare query whose planning failed: the last answer's problems.
+                            problems: if state.planning.is_some() {
+                                state.errors.clone()
+                            } else {
+                                Vec::new()
+                            },
                             ..WorkflowEvent::phase(phase)
                         },
                     };
