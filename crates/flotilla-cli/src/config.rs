@@ -288,6 +288,35 @@ mod tests {
     }
 
     #[test]
+    fn the_planner_must_be_a_defined_agent_in_a_known_pool() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("f.toml");
+        let agent = "[agents.planner]\nkind = \"scripted\"\nreply = \"{}\"\n";
+        for (planner, expected) in [
+            ("agent = \"ghost\"", Some("not defined in [agents]")),
+            (
+                "agent = \"planner\"\npool = \"gpu\"",
+                Some("is not one of pools"),
+            ),
+            ("agent = \"planner\"\nmax-repairs = 11", Some("max-repairs")),
+            ("agent = \"planner\"", None),
+        ] {
+            std::fs::write(
+                &path,
+                format!("{agent}\n[coordinator.planner]\n{planner}\n"),
+            )
+            .expect("write");
+            match (load(Some(&path), None), expected) {
+                (Ok(c), None) => {
+                    assert_eq!(c.coordinator.planner.agent.as_deref(), Some("planner"))
+                }
+                (Err(e), Some(text)) => assert!(e.to_string().contains(text), "{e}"),
+                (r, _) => panic!("{planner}: {:?}", r.map(|c| c.coordinator.planner)),
+            }
+        }
+    }
+
+    #[test]
     fn unknown_keys_are_rejected() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("f.toml");

@@ -326,6 +326,25 @@ mod tests {
     }
 
     #[test]
+    fn auto_strategy_resolves_by_plan_size() {
+        let mut plan = Plan::empty();
+        plan.subtasks.push(Subtask::new("a", ""));
+        assert_eq!(StrategyChoice::of(&plan).strategy, Strategy::Simple);
+        plan.subtasks.push(Subtask::new("b", ""));
+        let choice = StrategyChoice::of(&plan);
+        assert_eq!(choice.strategy, Strategy::Dag);
+        assert!(choice.reason.contains("2 subtasks"), "{choice:?}");
+        plan.config.strategy = Strategy::Simple;
+        assert_eq!(
+            StrategyChoice::of(&plan),
+            StrategyChoice {
+                strategy: Strategy::Simple,
+                reason: "requested by the plan".into()
+            }
+        );
+    }
+
+    #[test]
     fn unknown_fields_are_rejected() {
         let err = serde_json::from_str::<Plan>(r#"{"subtasks":[{"id":"a","depends":["b"]}]}"#)
             .expect_err("unknown field");
