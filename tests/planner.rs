@@ -340,13 +340,15 @@ async fn malformed_submissions_and_missing_planners_are_rejected() -> anyhow::Re
     both.query = Some("and a query".into());
     let mut neither = SubmitRequest::new(one);
     neither.plan = None;
-    let cases = [
+    let store = RunStore::open(&p.bus).await?;
+    // The wrong shape: answered at once, nothing stored under the run id the client chose.
+    for (mut request, code) in [
         (both, ProblemCode::PlanAndQuery),
         (neither, ProblemCode::MissingPlan),
         (SubmitRequest::query("   "), ProblemCode::EmptyQuery),
-        (SubmitRequest::query("Plan this."), ProblemCode::NoPlanner),
-    ];
-    for (request, code) in cases {
+    ] {
+        let run = RunId::new();
+        request.run_id = Some(run);
         let reply = p
             .client
             .submit_request(&request, Duration::from_secs(10))
@@ -356,12 +358,24 @@ async fn malformed_submissions_and_missing_planners_are_rejected() -> anyhow::Re
             reply.errors.iter().map(|e| e.code).collect::<Vec<_>>(),
             [code]
         );
-        // Nothing ran: the run is a rejection without tasks.
-        let run = reply.run_id.expect("rejections name their run");
-        let view = p.client.run(run).await?.expect("rejection recorded");
-        assert_eq!(view.record.status, RunStatus::Rejected);
-        assert_eq!(view.record.tasks.total, 0);
+        assert_eq!(reply.run_id, None, "no run was created");
+        assert!(p.client.run(run).await?.is_none(), "{code}: no record");
+        assert!(store.history(run).await?.is_empty(), "{code}: no run log");
     }
+    // No planner here: a rejection like an invalid plan's, without tasks.
+    let reply = p
+        .client
+        .submit_request(&SubmitRequest::query("Plan this."), Duration::from_secs(10))
+        .await?;
+    assert_eq!(reply.status, SubmitStatus::Rejected, "{reply:?}");
+    assert_eq!(
+        reply.errors.iter().map(|e| e.code).collect::<Vec<_>>(),
+        [ProblemCode::NoPlanner]
+    );
+    let run = reply.run_id.expect("the rejection names its run");
+    let view = p.client.run(run).await?.expect("rejection recorded");
+    assert_eq!(view.record.status, RunStatus::Rejected);
+    assert_eq!(view.record.tasks.total, 0);
     assert!(llm.requests().is_empty(), "no model was asked");
     Ok(())
 }

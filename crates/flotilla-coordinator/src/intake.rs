@@ -192,6 +192,20 @@ impl Intake {
                 return self.reject(run, rejected, source).await;
             }
         };
+        // A synchronous submitter whose request has the wrong shape (plan and query, neither,
+        // an empty query) learns it at once, and nothing is stored: no run, no key claimed.
+        // A durable submission is recorded as rejected below, since its rejection is all its
+        // submitter can look up.
+        if let (Source::Api { .. }, Err(problem)) = (source, request.form()) {
+            RunSubmitted {
+                run: None,
+                status: SubmitStatus::Rejected,
+            }
+            .emit(&self.metrics);
+            let mut r = reply(None, SubmitStatus::Rejected);
+            r.errors = vec![problem];
+            return Ok(Answer::Now(Box::new(r)));
+        }
         // A run id is its own idempotency key; a message id stands in only without one.
         let key = request
             .idempotency_key
