@@ -275,7 +275,7 @@ async fn output_keys_fill_placeholders_and_a_missing_key_fails_clearly() -> anyh
 
     // A second run of the same session reads what the first wrote.
     p2.run_id = None;
-    p2.plan = plan(vec![Subtask::new("again", "earlier: {growth}")]);
+    p2.plan = Some(plan(vec![Subtask::new("again", "earlier: {growth}")]));
     let run2 = f.client.submit(p2).await?;
     let outcome = f.client.wait(run2, WAIT).await?;
     assert_eq!(outcome.status, RunStatus::Succeeded, "{outcome:?}");

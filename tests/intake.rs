@@ -182,8 +182,9 @@ async fn bad_input_on_the_intake_stream_is_rejected_and_nothing_runs() -> anyhow
     assert_eq!(tasks_queued(&f).await?, 0, "nothing was dispatched");
 
     // The coordinator keeps working.
-    let mut ok = SubmitRequest::new(one_task());
-    ok.plan.config.max_concurrency = 1;
+    let mut plan = one_task();
+    plan.config.max_concurrency = 1;
+    let ok = SubmitRequest::new(plan);
     let good = f.client.submit(ok).await?;
     let deadline = tokio::time::Instant::now() + WAIT;
     while tasks_queued(&f).await? == 0 {

@@ -80,7 +80,8 @@ reply = "{task_id} <- [{dependencies}]"
                 }
                 RunInput::TimerFired { .. }
                 | RunInput::Control(_)
-                | RunInput::TopicWritten { .. } => {}
+                | RunInput::TopicWritten { .. }
+                | RunInput::Planned(_) => {}
                 RunInput::Rejected(_) => panic!("{run} was rejected"),
             }
         }

@@ -228,6 +228,20 @@ impl Config {
         self.coordinator
             .validate()
             .map_err(|e| anyhow::anyhow!("invalid [coordinator] section: {e}"))?;
+        let planner = &self.coordinator.planner;
+        if let Some(agent) = &planner.agent
+            && !self.agents.contains_key(agent)
+        {
+            bail!(
+                "invalid [coordinator.planner] section: agent {agent:?} is not defined in [agents]"
+            );
+        }
+        if planner.agent.is_some() && !self.pools.contains(&planner.pool) {
+            bail!(
+                "invalid [coordinator.planner] section: pool {:?} is not one of pools",
+                planner.pool
+            );
+        }
         self.worker
             .validate()
             .map_err(|e| anyhow::anyhow!("invalid [worker] section: {e}"))?;
@@ -282,6 +296,35 @@ mod tests {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config/flotilla.toml");
         let loaded = load(Some(&path), None).expect("shipped config loads");
         assert!(loaded.pools.contains(&"default".to_string()));
+    }
+
+    #[test]
+    fn the_planner_must_be_a_defined_agent_in_a_known_pool() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("f.toml");
+        let agent = "[agents.planner]\nkind = \"scripted\"\nreply = \"{}\"\n";
+        for (planner, expected) in [
+            ("agent = \"ghost\"", Some("not defined in [agents]")),
+            (
+                "agent = \"planner\"\npool = \"gpu\"",
+                Some("is not one of pools"),
+            ),
+            ("agent = \"planner\"\nmax-repairs = 11", Some("max-repairs")),
+            ("agent = \"planner\"", None),
+        ] {
+            std::fs::write(
+                &path,
+                format!("{agent}\n[coordinator.planner]\n{planner}\n"),
+            )
+            .expect("write");
+            match (load(Some(&path), None), expected) {
+                (Ok(c), None) => {
+                    assert_eq!(c.coordinator.planner.agent.as_deref(), Some("planner"))
+                }
+                (Err(e), Some(text)) => assert!(e.to_string().contains(text), "{e}"),
+                (r, _) => panic!("{planner}: {:?}", r.map(|c| c.coordinator.planner)),
+            }
+        }
     }
 
     #[test]

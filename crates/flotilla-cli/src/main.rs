@@ -80,10 +80,15 @@ enum Command {
         #[arg(long, value_name = "ADDR|off")]
         http_addr: Option<HttpAddr>,
     },
-    /// Submit a plan.
+    /// Submit a plan, or a bare query for the deployment's planner (`--query`).
     Submit {
         /// Plan file (.json or .msgpack).
-        plan: PathBuf,
+        #[arg(required_unless_present = "query", conflicts_with = "query")]
+        plan: Option<PathBuf>,
+        /// A bare query instead of a plan: the deployment's planner agent plans it inside the
+        /// run (`[coordinator.planner]`), then the run carries the plan out.
+        #[arg(long)]
+        query: Option<String>,
         /// Show live progress, then the final result.
         #[arg(long)]
         follow: bool,
@@ -427,6 +432,7 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
         }
         Command::Submit {
             plan,
+            query,
             follow,
             wait,
             json,
@@ -443,8 +449,9 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
                 idempotency_key,
                 labels: labels.into_iter().collect::<BTreeMap<_, _>>(),
                 timeout,
+                query,
             };
-            commands::submit::submit(&load()?, &plan, opts).await
+            commands::submit::submit(&load()?, plan.as_deref(), opts).await
         }
         Command::Runs(RunsCommand::List { limit, json }) => {
             commands::runs::list(&load()?, limit, json).await

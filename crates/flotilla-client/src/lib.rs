@@ -110,7 +110,10 @@ impl Client {
     /// run's history (so the run needs no second copy of its plan): JetStream stores it only if
     /// the run has no message yet, so submitting a run id again changes nothing and returns
     /// the same id. A submission with an `idempotency_key` goes to the intake stream
-    /// (`<prefix>.submit`), where a coordinator maps the key to its run.
+    /// (`<prefix>.submit`), where a coordinator maps the key to its run. So does a bare
+    /// `query`: the coordinator fixes its planner task when it accepts the run, so the run's
+    /// first message must be the coordinator's (`Nats-Msg-Id: submit.<run>` still makes a
+    /// repeated publish a no-op).
     ///
     /// With OpenTelemetry export on (a `tracing-opentelemetry` layer), the submission is a
     /// `submit` span, child of the current span, and carries its `traceparent`: the run's
@@ -119,13 +122,15 @@ impl Client {
         let run = *request.run_id.get_or_insert_with(RunId::new);
         let span = flotilla_telemetry::spans::submit(Some(run));
         let names = self.bus.names();
-        let (subject, msg_id) = match &request.idempotency_key {
-            Some(key) => (names.submit(), key.clone()),
-            None => (names.submit_run(run), format!("submit.{run}")),
+        let bare_query = request.plan.is_none() && request.query.is_some();
+        let (subject, msg_id, first) = match &request.idempotency_key {
+            Some(key) => (names.submit(), key.clone(), false),
+            None if bare_query => (names.submit(), format!("submit.{run}"), false),
+            None => (names.submit_run(run), format!("submit.{run}"), true),
         };
         let mut out = wire::encode(&request, flotilla_model::codec::Codec::Json, Some(&msg_id))
             .map_err(|e| ClientError::with_source(ClientErrorKind::Decode, "encoding", e))?;
-        if request.idempotency_key.is_none() {
+        if first {
             wire::expect_first(&mut out.headers);
         }
         if let Some(trace) = flotilla_telemetry::trace_context::span_context(&span) {

@@ -29,14 +29,16 @@ use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::codec::{Codec, CodecError, check_protocol};
 use flotilla_model::event::{Event, EventEnvelope, WorkflowEvent, WorkflowPhase};
 use flotilla_model::ids::RunId;
+use flotilla_model::plan::Plan;
 use flotilla_model::run::RunStatus;
-use flotilla_model::runlog::{Rejected, RunInput, RunLogEntry, Submitted};
-use flotilla_model::submit::{SubmitReply, SubmitRequest, SubmitStatus};
+use flotilla_model::runlog::{PlanningSpec, Rejected, RunInput, RunLogEntry, Submitted};
+use flotilla_model::submit::{SubmitForm, SubmitReply, SubmitRequest, SubmitStatus};
 use flotilla_model::task::TraceContext;
 use flotilla_model::time::Timestamp;
 use flotilla_model::token::check_subject;
 use flotilla_model::validate::{
-    MAX_REPORTED_PROBLEMS, Problem, ProblemCode, ValidationContext, prepare_plan, truncate_problems,
+    MAX_REPORTED_PROBLEMS, Problem, ProblemCode, ValidationContext, ValidationReport, prepare_plan,
+    truncate_problems,
 };
 use flotilla_telemetry::events::{RunFinished, RunSubmitted};
 use flotilla_telemetry::{InternalEvent, Metrics, spans, trace_context};
@@ -45,6 +47,7 @@ use tracing::{debug, info, warn};
 use crate::error::{StoreError, StoreErrorKind};
 use crate::live::LiveWorkers;
 use crate::machine::RunState;
+use crate::planner::{PlannerOptions, planner_pools, planning_plan};
 use crate::store::{RunStore, SnapshotRef};
 
 /// Where a submission came from.
@@ -90,6 +93,7 @@ pub(crate) struct Intake {
     ctx: ValidationContext,
     live: LiveWorkers,
     metrics: Metrics,
+    planner: PlannerOptions,
 }
 
 fn reply(run_id: Option<RunId>, status: SubmitStatus) -> SubmitReply {
@@ -118,13 +122,42 @@ impl Intake {
         ctx: ValidationContext,
         live: LiveWorkers,
         metrics: Metrics,
+        planner: PlannerOptions,
     ) -> Self {
         Self {
             store,
             ctx,
             live,
             metrics,
+            planner,
         }
+    }
+
+    /// The planning plan of a bare query, or why this deployment cannot plan it.
+    fn planning_plan(&self, query: &str, now_ms: i64) -> Result<Plan, Problem> {
+        let opts = &self.planner;
+        let no_planner = |message: String| Problem::new(ProblemCode::NoPlanner, "query", message);
+        let Some(agent) = &opts.agent else {
+            return Err(no_planner(
+                "this deployment has no planner for bare queries: set `[coordinator.planner] agent` to an LLM agent, or submit a plan".into(),
+            ));
+        };
+        if let Some(agents) = &self.ctx.agents
+            && !agents.names.contains(agent)
+        {
+            return Err(no_planner(format!(
+                "the planner agent {agent:?} is not defined in [agents]"
+            )));
+        }
+        if let Some(missing) = self.live.pools_without_workers(planner_pools(opts), now_ms)
+            && !missing.is_empty()
+        {
+            return Err(no_planner(format!(
+                "no live worker serves the planner's pool {:?}: start one (`flotilla worker --pool {}`) and submit again",
+                opts.pool, opts.pool
+            )));
+        }
+        Ok(planning_plan(query, opts, &self.ctx, 1, &[], None))
     }
 
     /// Handles one submission and says what to answer a request/reply submitter.
@@ -159,6 +192,20 @@ impl Intake {
                 return self.reject(run, rejected, source).await;
             }
         };
+        // A synchronous submitter whose request has the wrong shape (plan and query, neither,
+        // an empty query) learns it at once, and nothing is stored: no run, no key claimed.
+        // A durable submission is recorded as rejected below, since its rejection is all its
+        // submitter can look up.
+        if let (Source::Api { .. }, Err(problem)) = (source, request.form()) {
+            RunSubmitted {
+                run: None,
+                status: SubmitStatus::Rejected,
+            }
+            .emit(&self.metrics);
+            let mut r = reply(None, SubmitStatus::Rejected);
+            r.errors = vec![problem];
+            return Ok(Answer::Now(Box::new(r)));
+        }
         // A run id is its own idempotency key; a message id stands in only without one.
         let key = request
             .idempotency_key
@@ -187,19 +234,33 @@ impl Intake {
         if let Some(parent) = &request.parent {
             errors.extend(flotilla_model::validate::check_parent(parent, run));
         }
-        let prepared = prepare_plan(&request.plan, &self.ctx);
+        let mut planning = None;
+        let prepared = match request.form() {
+            Err(problem) => Err(ValidationReport::single(problem)),
+            Ok(SubmitForm::Plan(plan)) => prepare_plan(plan, &self.ctx),
+            Ok(SubmitForm::Query(query)) => match self.planning_plan(query, source.now_ms()) {
+                Ok(plan) => {
+                    planning = Some(PlanningSpec {
+                        query: query.to_owned(),
+                        max_repairs: self.planner.max_repairs,
+                    });
+                    Ok((plan, Vec::new()))
+                }
+                Err(problem) => Err(ValidationReport::single(problem)),
+            },
+        };
         let (plan, mut warnings) = match prepared {
             Ok(p) if errors.is_empty() => p,
-            Ok(_) => (request.plan.clone(), Vec::new()),
+            Ok(_) => (Plan::empty(), Vec::new()),
             Err(report) => {
                 errors.extend(report.errors);
-                (request.plan.clone(), Vec::new())
+                (Plan::empty(), Vec::new())
             }
         };
         if !errors.is_empty() {
             let rejected = Rejected {
                 errors: truncate_problems(errors, MAX_REPORTED_PROBLEMS),
-                name: request.plan.name.clone(),
+                name: request.plan_name(),
                 labels: request.labels.clone(),
                 reply_to,
                 intake_seq: source.intake_seq(),
@@ -224,6 +285,7 @@ impl Intake {
             _ => None,
         };
         let waiting = wait_inbox.is_some();
+        let name = plan.name.clone();
         let submitted = Submitted {
             plan,
             labels: request.labels,
@@ -234,6 +296,7 @@ impl Intake {
             intake_seq: source.intake_seq(),
             warnings: warnings.clone(),
             trace: Some(admitted_trace(headers, run, &span)),
+            planning,
         };
         let entry = RunLogEntry {
             protocol: PROTOCOL_VERSION,
@@ -256,7 +319,7 @@ impl Intake {
                             "the accepted plan does not fit in one message of this deployment: {e}"
                         ),
                     )],
-                    name: request.plan.name.clone(),
+                    name,
                     labels: BTreeMap::new(),
                     reply_to,
                     intake_seq: source.intake_seq(),

@@ -26,6 +26,7 @@ mod intake;
 mod live;
 pub mod machine;
 pub mod options;
+pub mod planner;
 mod runtime;
 pub mod store;
 mod topics;
@@ -45,6 +46,7 @@ use tracing::{info, warn};
 
 pub use error::{CoordinatorError, CoordinatorErrorKind, StoreError, StoreErrorKind};
 pub use options::CoordinatorOptions;
+pub use planner::PlannerOptions;
 
 use crate::intake::{Answer, Intake, Source};
 use crate::live::LiveWorkers;
@@ -178,6 +180,7 @@ impl Coordinator {
             self.ctx.clone(),
             live.clone(),
             self.metrics.clone(),
+            self.opts.planner.clone(),
         ));
         if let Some(ready) = self.ready.take() {
             let _ = ready.send(());

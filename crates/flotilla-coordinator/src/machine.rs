@@ -34,11 +34,12 @@ use std::sync::Arc;
 
 use flotilla_model::event::{WorkflowEvent, WorkflowPhase};
 use flotilla_model::ids::{AttemptId, RunId, SessionId, TaskId};
-use flotilla_model::plan::{Plan, Strategy};
+use flotilla_model::plan::{Plan, Strategy, StrategyChoice};
+use flotilla_model::run::PlanningStatus;
 use flotilla_model::run::{
     FailedTask, RunHandle, RunOutcome, RunStatus, SkippedTask, TaskCounts, TaskStatus, TaskView,
 };
-use flotilla_model::runlog::Submitted;
+use flotilla_model::runlog::{PlanDecision, Submitted};
 use flotilla_model::task::{TaskError, TaskErrorKind, TaskResult, TraceContext};
 use flotilla_model::time::Timestamp;
 use flotilla_model::validate::Problem;
@@ -428,6 +429,32 @@ pub struct RunState {
     /// The outcome, once terminal.
     #[serde(default)]
     pub outcome: Option<RunOutcome>,
+    /// Run-log sequence of the `planned` entry holding the plan the run follows now; 0 when
+    /// it is the submission's (every plan run, and a bare query until it is planned). A
+    /// restore reads the plan from there: one read, as for any run.
+    #[serde(default, skip_serializing_if = "is_zero_seq")]
+    pub plan_seq: u64,
+    /// Planning of a bare query.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub planning: Option<PlanningState>,
+    /// The strategy chosen for the plan the run follows, and why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub strategy: Option<StrategyChoice>,
+}
+
+fn is_zero_seq(seq: &u64) -> bool {
+    *seq == 0
+}
+
+/// Where planning of a bare query stands.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlanningState {
+    /// The current planner round (1 + repairs so far).
+    pub round: u32,
+    /// Repairs allowed.
+    pub max_repairs: u32,
+    /// Status.
+    pub status: PlanningStatus,
 }
 
 impl RunState {
@@ -466,6 +493,9 @@ impl RunState {
             stop_reason: None,
             first_seq: 0,
             topics_ready: Vec::new(),
+            plan_seq: 0,
+            planning: None,
+            strategy: None,
             outcome: Some(RunOutcome {
                 run_id,
                 status: RunStatus::Rejected,
@@ -605,6 +635,13 @@ pub enum Action {
     /// The run ended: complete its outcome (final result), emit the terminal event and answer
     /// a waiting submitter.
     Finish,
+    /// The planner task of round `round` (task 0 of the planning plan) succeeded: review its
+    /// answer and append the decision to the run log (`planned`, message id
+    /// `planned.<run>.<round>`). The run waits for that entry.
+    ReviewPlan {
+        /// The planner round.
+        round: u32,
+    },
 }
 
 /// An input to [`RunMachine::apply`].
@@ -645,6 +682,15 @@ pub enum Input<'a> {
     Abort {
         /// Why, in words.
         reason: &'a str,
+    },
+    /// The review of planner round `round`, at run-log sequence `seq`.
+    Planned {
+        /// The round reviewed.
+        round: u32,
+        /// What was decided.
+        decision: &'a PlanDecision,
+        /// Its run-log sequence (where a restore finds the plan).
+        seq: u64,
     },
 }
 
@@ -727,6 +773,13 @@ impl RunMachine {
         now_ms: i64,
     ) -> (Self, Vec<Action>) {
         let graph = Arc::new(RunGraph::new(&plan));
+        let planning = submitted.planning.as_ref().map(|p| PlanningState {
+            round: 1,
+            max_repairs: p.max_repairs,
+            status: PlanningStatus::Planning,
+        });
+        // A bare query's strategy is chosen for the plan its planner writes.
+        let strategy = planning.is_none().then(|| StrategyChoice::of(&plan));
         let state = RunState {
             run_id,
             status: RunStatus::Running,
@@ -750,6 +803,9 @@ impl RunMachine {
             first_seq: 0,
             topics_ready: Vec::new(),
             outcome: None,
+            plan_seq: 0,
+            planning,
+            strategy: strategy.clone(),
         };
         let mut m = Self::restore_with_graph(plan, graph, state);
         let mut actions = vec![Action::Emit(Box::new(Emission {
@@ -759,6 +815,7 @@ impl RunMachine {
             at_ms: now_ms,
             event: WorkflowEvent {
                 tasks_total: Some(m.graph.len() as u32),
+                strategy,
                 ..WorkflowEvent::phase(WorkflowPhase::RunStarted)
             },
         }))];
@@ -915,6 +972,22 @@ impl RunMachine {
                 self.state.applied += 1;
                 self.stop(RunStatus::Failed, reason.to_owned(), now_ms, &mut actions);
                 return actions;
+            }
+            Input::Planned {
+                round,
+                decision,
+                seq,
+            } => {
+                let reviewing = self
+                    .state
+                    .planning
+                    .as_ref()
+                    .is_some_and(|p| p.status == PlanningStatus::Reviewing && p.round == round);
+                if !reviewing {
+                    return actions;
+                }
+                self.state.applied += 1;
+                self.on_planned(decision, seq, now_ms, &mut actions);
             }
             Input::TopicWritten { topic } => {
                 let Some(t) = self.graph.topic_of(topic) else {
@@ -1356,6 +1429,21 @@ impl RunMachine {
             self.dispatch(i, now_ms, actions);
         }
         if self.terminal as usize == self.graph.len() {
+            if let Some(p) = self.state.planning.as_mut() {
+                match p.status {
+                    PlanningStatus::Planning
+                        if self.state.tasks.first().map(|t| t.status)
+                            == Some(TaskStatus::Succeeded) =>
+                    {
+                        // The planner answered: the run waits for the review's entry.
+                        p.status = PlanningStatus::Reviewing;
+                        actions.push(Action::ReviewPlan { round: p.round });
+                        return;
+                    }
+                    PlanningStatus::Reviewing => return,
+                    _ => {}
+                }
+            }
             self.finish(now_ms, actions);
             return;
         }
@@ -1483,6 +1571,12 @@ impl RunMachine {
             None if blocking.is_some() => RunStatus::Failed,
             None => RunStatus::Succeeded,
         };
+        if let Some(p) = self.state.planning.as_mut()
+            && p.status != PlanningStatus::Planned
+        {
+            // Ended before a plan was accepted: the planner failed, or the run was stopped.
+            p.status = PlanningStatus::Failed;
+        }
         self.state.status = status;
         self.state.finished_ms = Some(now_ms);
         self.state.timer = None;
@@ -1499,8 +1593,103 @@ impl RunMachine {
         actions.push(Action::Finish);
     }
 
-    /// The tasks whose results make up the final result (succeeded ones only).
+    /// Applies the review of the current planner round.
+    fn on_planned(
+        &mut self,
+        decision: &PlanDecision,
+        seq: u64,
+        now_ms: i64,
+        actions: &mut Vec<Action>,
+    ) {
+        match decision {
+            PlanDecision::Accepted { plan, warnings } => {
+                let choice = StrategyChoice::of(plan);
+                self.replan(Arc::new(plan.clone()), seq, now_ms, actions);
+                self.state.warnings.extend(warnings.iter().cloned());
+                self.state.strategy = Some(choice.clone());
+                if let Some(p) = self.state.planning.as_mut() {
+                    p.status = PlanningStatus::Planned;
+                }
+                let event = WorkflowEvent {
+                    tasks_total: Some(self.graph.len() as u32),
+                    strategy: Some(choice),
+                    detail: self.plan.name.clone(),
+                    ..WorkflowEvent::phase(WorkflowPhase::RunPlanned)
+                };
+                self.emit(None, None, now_ms, event, actions);
+            }
+            PlanDecision::Repair { plan, problems } => {
+                self.replan(Arc::new(plan.clone()), seq, now_ms, actions);
+                let round = self.state.planning.as_ref().map_or(1, |p| p.round);
+                if let Some(p) = self.state.planning.as_mut() {
+                    p.round += 1;
+                    p.status = PlanningStatus::Planning;
+                }
+                let event = WorkflowEvent {
+                    detail: Some(format!(
+                        "planner answer {round} has {} problem(s); asking for a repair",
+                        problems.len()
+                    )),
+                    problems: problems.clone(),
+                    ..WorkflowEvent::phase(WorkflowPhase::PlanRepairing)
+                };
+                self.emit(None, None, now_ms, event, actions);
+            }
+            PlanDecision::Failed { problems } => {
+                let rounds = self.state.planning.as_ref().map_or(1, |p| p.round);
+                let shown: Vec<String> = problems.iter().take(5).map(ToString::to_string).collect();
+                let more = problems.len().saturating_sub(shown.len());
+                let mut reason = format!(
+                    "planning_failed: the planner gave no valid plan in {rounds} answer(s): {}",
+                    shown.join("; ")
+                );
+                if more > 0 {
+                    reason.push_str(&format!("; and {more} more"));
+                }
+                self.state.errors = problems.clone();
+                self.stop(RunStatus::Failed, reason, now_ms, actions);
+            }
+        }
+    }
+
+    /// Switches the run to `plan` (the planned plan, or the next planning plan) stored at
+    /// run-log sequence `seq`: fresh tasks, same run.
+    fn replan(&mut self, plan: Arc<Plan>, seq: u64, now_ms: i64, actions: &mut Vec<Action>) {
+        let graph = Arc::new(RunGraph::new(&plan));
+        let mut state = self.state.clone();
+        state.tasks = vec![TaskState::new(); plan.subtasks.len()];
+        state.topics_ready.clear();
+        // Timers of the previous plan are stale: their firings no longer match.
+        state.timer = None;
+        state.failed = 0;
+        state.stop_reason = None;
+        state.plan_seq = seq;
+        if plan.name.is_some() {
+            state.name = plan.name.clone();
+        }
+        *self = Self::restore_with_graph(plan, graph, state);
+        for i in 0..self.graph.len() as u32 {
+            if self.remaining[i as usize] == 0 && self.missing[i as usize] > 0 {
+                self.gate(i, now_ms, actions);
+            }
+        }
+    }
+
+    /// Whether the run follows a planning plan (a bare query not planned yet): its planner
+    /// answer is not a result of the run.
+    fn unplanned(&self) -> bool {
+        self.state
+            .planning
+            .as_ref()
+            .is_some_and(|p| p.status != PlanningStatus::Planned)
+    }
+
+    /// The tasks whose results make up the final result (succeeded ones only; none while a
+    /// bare query is unplanned).
     pub fn final_tasks(&self) -> Vec<u32> {
+        if self.unplanned() {
+            return Vec::new();
+        }
         self.graph
             .finals()
             .iter()
@@ -1518,8 +1707,11 @@ impl RunMachine {
             .any(|t| t.status == TaskStatus::Cancelled)
     }
 
-    /// Every task that succeeded, in plan order.
+    /// Every task that succeeded, in plan order (none while a bare query is unplanned).
     pub fn succeeded_tasks(&self) -> Vec<u32> {
+        if self.unplanned() {
+            return Vec::new();
+        }
         (0..self.graph.len() as u32)
             .filter(|&i| self.state.tasks[i as usize].status == TaskStatus::Succeeded)
             .collect()

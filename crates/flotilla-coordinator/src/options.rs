@@ -37,6 +37,8 @@ pub struct CoordinatorOptions {
     /// the ack wait and JetStream's duplicate window.
     #[serde(with = "humantime_serde")]
     pub start_flush_delay: Duration,
+    /// `[coordinator.planner]`: the agent that plans bare queries (`submit --query`).
+    pub planner: crate::planner::PlannerOptions,
 }
 
 impl Default for CoordinatorOptions {
@@ -59,6 +61,8 @@ impl Default for CoordinatorOptions {
             final_result_budget: 256 * 1024,
             // Longer than a quick task, short enough that `run_started` is seen promptly.
             start_flush_delay: Duration::from_millis(250),
+            // No planner: bare queries are rejected until one is configured.
+            planner: crate::planner::PlannerOptions::default(),
         }
     }
 }
@@ -88,6 +92,7 @@ impl CoordinatorOptions {
                     .into(),
             );
         }
+        self.planner.validate()?;
         Ok(())
     }
 }

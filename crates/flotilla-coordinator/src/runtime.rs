@@ -44,7 +44,9 @@ use flotilla_model::codec::Codec;
 use flotilla_model::event::{Event, EventBatch, EventEnvelope, WorkflowEvent, WorkflowPhase};
 use flotilla_model::ids::RunId;
 use flotilla_model::run::{FinalResult, RunHandle, RunStatus};
-use flotilla_model::runlog::{ControlAction, Rejected, RunInput, RunLogEntry, Submitted};
+use flotilla_model::runlog::{
+    ControlAction, PlanDecision, Planned, Rejected, RunInput, RunLogEntry, Submitted,
+};
 use flotilla_model::subjects::WORKFLOW_POOL;
 use flotilla_model::submit::{SubmitReply, SubmitRequest, SubmitStatus};
 use flotilla_model::task::{DependencyResult, TaskEnvelope, TaskError, TaskResult, TraceContext};
@@ -608,7 +610,12 @@ impl Runtime {
                 // plan as it normalised it.
                 submitted_of(
                     &request,
-                    normalize_plan(request.plan.clone()),
+                    normalize_plan(
+                        request
+                            .plan
+                            .clone()
+                            .unwrap_or_else(flotilla_model::Plan::empty),
+                    ),
                     Vec::new(),
                     trace,
                 )
@@ -702,18 +709,35 @@ impl Runtime {
                 ),
             ));
         }
-        let (plan, mut warnings) = match prepare_plan(&request.plan, &self.ctx) {
+        let prepared = match request.form() {
+            Ok(flotilla_model::submit::SubmitForm::Plan(plan)) => prepare_plan(plan, &self.ctx),
+            // A bare query's planning plan is fixed at admission and stored in the run's
+            // first entry; a client-written first message cannot carry it.
+            Ok(flotilla_model::submit::SubmitForm::Query(_)) => Err(
+                flotilla_model::validate::ValidationReport::single(Problem::new(
+                    ProblemCode::QueryOnRunSubject,
+                    "query",
+                    format!(
+                        "a bare query cannot be the first message of {}.submit.<run>; publish it to {} or send it to the submit endpoint",
+                        self.bus.names().prefix(),
+                        self.bus.names().submit()
+                    ),
+                )),
+            ),
+            Err(problem) => Err(flotilla_model::validate::ValidationReport::single(problem)),
+        };
+        let (plan, mut warnings) = match prepared {
             Ok(p) if errors.is_empty() => p,
-            Ok(_) => (request.plan.clone(), Vec::new()),
+            Ok(_) => (flotilla_model::Plan::empty(), Vec::new()),
             Err(report) => {
                 errors.extend(report.errors);
-                (request.plan.clone(), Vec::new())
+                (flotilla_model::Plan::empty(), Vec::new())
             }
         };
         if !errors.is_empty() {
             let rejected = Rejected {
                 errors: truncate_problems(errors, MAX_REPORTED_PROBLEMS),
-                name: request.plan.name.clone(),
+                name: request.plan_name(),
                 labels: request.labels.clone(),
                 reply_to,
                 intake_seq: None,
@@ -822,7 +846,7 @@ impl Runtime {
                         }
                         return Ok(Stepped::Done(None));
                     }
-                    let plan = match self.store.plan(run).await {
+                    let plan = match self.store.plan_of(run, state.plan_seq).await {
                         Ok(Some(plan)) => plan,
                         Ok(None) => {
                             return Err(StepError::Failed(format!(
@@ -981,6 +1005,23 @@ impl Runtime {
                         && let Some(i) = e.machine.graph().index_of(&r.task_id)
                     {
                         e.results.insert(i, r.result.clone());
+                    }
+                    actions.extend(a);
+                }
+                RunInput::Planned(p) => {
+                    let Some(e) = entry.as_mut() else { continue };
+                    let a = e.machine.apply(
+                        Input::Planned {
+                            round: p.round,
+                            decision: &p.decision,
+                            seq: d.seq,
+                        },
+                        d.ts_ms,
+                    );
+                    if !a.is_empty() {
+                        // Task indices now name the new plan's tasks.
+                        e.results.clear();
+                        info!(%run, round = p.round, decision = p.decision.as_str(), tasks = e.machine.plan().subtasks.len(), "Planner answer reviewed");
                     }
                     actions.extend(a);
                 }
@@ -1310,6 +1351,45 @@ impl Runtime {
         self.opts
             .final_result_budget
             .min(self.bus.max_payload() / 4)
+    }
+
+    /// Reviews the planner's answer of `round` (see [`crate::planner`]): the run-log entry
+    /// that records the decision.
+    async fn review_plan(&self, entry: &mut Cached, round: u32) -> Result<RunLogEntry, StepError> {
+        let answer = self.result_of(entry, 0).await?;
+        let state = entry.machine.state();
+        let run = state.run_id;
+        let max_repairs = state.planning.as_ref().map_or(0, |p| p.max_repairs);
+        let planning = Arc::clone(entry.machine.plan());
+        let query = planning.query.clone().unwrap_or_default();
+        let mut ctx = self.ctx.clone();
+        ctx.limits.max_plan_bytes = Some(
+            self.bus
+                .max_payload()
+                .saturating_sub(flotilla_model::validate::PLAN_ENVELOPE_ROOM),
+        );
+        let decision = crate::planner::review(
+            &answer.response,
+            &query,
+            round,
+            max_repairs,
+            &self.opts.planner,
+            &ctx,
+            &planning,
+        );
+        match &decision {
+            PlanDecision::Accepted { plan, .. } => {
+                info!(%run, round, tasks = plan.subtasks.len(), "Planner answer accepted")
+            }
+            PlanDecision::Repair { problems, .. } | PlanDecision::Failed { problems } => {
+                warn!(%run, round, problems = problems.len(), first = %problems.first().map(ToString::to_string).unwrap_or_default(), decision = decision.as_str(), "Planner answer has problems")
+            }
+        }
+        Ok(RunLogEntry {
+            protocol: PROTOCOL_VERSION,
+            run_id: run,
+            input: RunInput::Planned(Box::new(Planned { round, decision })),
+        })
     }
 
     async fn result_of(&self, entry: &mut Cached, task: u32) -> Result<TaskResult, StepError> {
@@ -1750,6 +1830,12 @@ impl Runtime {
                     Box::pin(self.cancel_attempts(entry)).await?;
                     continue;
                 }
+                Action::ReviewPlan { round } => {
+                    let body = self.review_plan(entry, *round).await?;
+                    let out =
+                        wire::encode(&body, Codec::Json, Some(&format!("planned.{run}.{round}")))?;
+                    (names.runlog(run), out)
+                }
                 Action::Finish => {
                     let state = entry.machine.state();
                     let outcome = state.outcome.clone();
@@ -1782,6 +1868,12 @@ impl Runtime {
                         at_ms: state.finished_ms.unwrap_or_default(),
                         event: WorkflowEvent {
                             outcome: outcome.map(Box::new),
+                            // A bare query whose planning failed: the last answer's problems.
+                            problems: if state.planning.is_some() {
+                                state.errors.clone()
+                            } else {
+                                Vec::new()
+                            },
                             ..WorkflowEvent::phase(phase)
                         },
                     };
@@ -2024,6 +2116,9 @@ fn still_relevant(action: &Action, machine: &RunMachine) -> bool {
         | Action::Produce { .. }
         | Action::StoreOutput { .. } => true,
         Action::Finish => s.status.is_terminal(),
+        Action::ReviewPlan { round } => s.planning.as_ref().is_some_and(|p| {
+            p.round == *round && p.status == flotilla_model::run::PlanningStatus::Reviewing
+        }),
     }
 }
 
@@ -2091,6 +2186,7 @@ fn submitted_of(
         intake_seq: None,
         warnings,
         trace: Some(trace),
+        planning: None,
     }
 }
 

@@ -13,8 +13,8 @@ use flotilla_bus::Bus;
 use flotilla_bus::wire;
 use flotilla_model::ids::RunId;
 use flotilla_model::plan::Plan;
-use flotilla_model::run::{RunHandle, RunRecord, RunView};
-use flotilla_model::runlog::{RunInput, RunLogEntry, TaskResultInput};
+use flotilla_model::run::{PlanningStatus, PlanningView, RunHandle, RunRecord, RunView};
+use flotilla_model::runlog::{PlanDecision, RunInput, RunLogEntry, TaskResultInput};
 use flotilla_model::subjects::{Bucket, StreamKind};
 use flotilla_model::submit::SubmitRequest;
 use flotilla_model::time::Timestamp;
@@ -349,7 +349,9 @@ impl RunStore {
             Some(First {
                 content: FirstMessage::Submission { request, .. },
                 ..
-            }) => Ok(Some(flotilla_model::validate::normalize_plan(request.plan))),
+            }) => Ok(Some(flotilla_model::validate::normalize_plan(
+                request.plan.unwrap_or_else(Plan::empty),
+            ))),
             Some(First {
                 content:
                     FirstMessage::Entry(RunLogEntry {
@@ -361,6 +363,36 @@ impl RunStore {
             Some(_) => Err(StoreError::new(
                 StoreErrorKind::Decode,
                 format!("the run log of {run} does not start with its submission"),
+            )),
+        }
+    }
+
+    /// The plan a run follows: the submission's when `plan_seq` is 0, else the one in the
+    /// `planned` entry at `plan_seq` (a planned bare query, or a planner repair round).
+    pub async fn plan_of(&self, run: RunId, plan_seq: u64) -> Result<Option<Plan>, StoreError> {
+        if plan_seq == 0 {
+            return self.plan(run).await;
+        }
+        let msg = self
+            .runlog
+            .direct_get(plan_seq)
+            .await
+            .map_err(|e| nats(format!("reading run-log entry {plan_seq}"), e))?;
+        let entry: RunLogEntry = wire::decode(Some(&msg.headers), &msg.payload)
+            .map_err(|e| decode_err(format!("run-log entry {plan_seq}"), e))?;
+        match entry.input {
+            RunInput::Planned(p) if entry.run_id == run => match p.decision {
+                PlanDecision::Accepted { plan, .. } | PlanDecision::Repair { plan, .. } => {
+                    Ok(Some(plan))
+                }
+                PlanDecision::Failed { .. } => Err(StoreError::new(
+                    StoreErrorKind::Decode,
+                    format!("run-log entry {plan_seq} of {run} holds no plan"),
+                )),
+            },
+            _ => Err(StoreError::new(
+                StoreErrorKind::Decode,
+                format!("run-log entry {plan_seq} is not a planned plan of {run}"),
             )),
         }
     }
@@ -426,7 +458,9 @@ impl RunStore {
                     protocol: flotilla_model::PROTOCOL_VERSION,
                     run_id: run,
                     input: RunInput::Submitted(Box::new(flotilla_model::runlog::Submitted {
-                        plan: flotilla_model::validate::normalize_plan(request.plan),
+                        plan: flotilla_model::validate::normalize_plan(
+                            request.plan.unwrap_or_else(Plan::empty),
+                        ),
                         labels: request.labels,
                         session_id: request.session_id,
                         parent: request.parent,
@@ -435,6 +469,7 @@ impl RunStore {
                         intake_seq: None,
                         warnings: Vec::new(),
                         trace: None,
+                        planning: None,
                     })),
                 }
             } else {
@@ -491,17 +526,22 @@ impl RunStore {
         let Some(stored) = self.load(run).await? else {
             return self.unrecorded_view(run, offset, limit).await;
         };
-        let plan = if stored.snapshot.state.tasks.is_empty() {
+        let state = &stored.snapshot.state;
+        let plan = if state.tasks.is_empty() {
             None
         } else {
-            self.plan(run).await?
+            self.plan_of(run, state.plan_seq).await?
         };
-        Ok(Some(view_of(
-            &stored.snapshot.state,
-            plan.as_ref(),
-            offset,
-            limit,
-        )))
+        let mut view = view_of(state, plan.as_ref(), offset, limit);
+        if state
+            .planning
+            .as_ref()
+            .is_some_and(|p| p.status == PlanningStatus::Planned)
+        {
+            // The planned plan is what a client of a bare query wants to see.
+            view.plan = plan;
+        }
+        Ok(Some(view))
     }
 
     /// The view of a run whose start is performed but not recorded yet (coordinators record
@@ -518,7 +558,9 @@ impl RunStore {
         };
         let submitted = match first.content {
             FirstMessage::Submission { request, trace } => flotilla_model::runlog::Submitted {
-                plan: flotilla_model::validate::normalize_plan(request.plan),
+                plan: flotilla_model::validate::normalize_plan(
+                    request.plan.unwrap_or_else(Plan::empty),
+                ),
                 labels: request.labels,
                 session_id: request.session_id,
                 parent: request.parent,
@@ -527,6 +569,7 @@ impl RunStore {
                 intake_seq: None,
                 warnings: Vec::new(),
                 trace: Some(trace),
+                planning: None,
             },
             FirstMessage::Entry(RunLogEntry {
                 input: RunInput::Submitted(s),
@@ -637,6 +680,7 @@ pub fn view_of(state: &RunState, plan: Option<&Plan>, offset: usize, limit: usiz
         record: record_of(state),
         tasks: state.task_views(plan, offset, limit),
         tasks_offset: offset.min(u32::MAX as usize) as u32,
+        plan: None,
     }
 }
 
@@ -664,5 +708,11 @@ pub fn record_of(state: &RunState) -> RunRecord {
         errors: state.errors.clone(),
         warnings: state.warnings.clone(),
         outcome: state.outcome.clone(),
+        strategy: state.strategy.clone(),
+        planning: state.planning.as_ref().map(|p| PlanningView {
+            round: p.round,
+            max_repairs: p.max_repairs,
+            status: p.status,
+        }),
     }
 }

@@ -9,9 +9,11 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::ids::{AttemptId, RunId, TaskId};
+use crate::plan::StrategyChoice;
 use crate::run::{RunHandle, RunOutcome};
 use crate::task::TaskError;
 use crate::time::Timestamp;
+use crate::validate::Problem;
 
 /// The version of event messages: since 2, one message carries every event of one step.
 pub const EVENT_PROTOCOL_VERSION: u32 = 2;
@@ -279,6 +281,13 @@ pub struct WorkflowEvent {
     /// The outcome (on run-terminal phases).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outcome: Option<Box<RunOutcome>>,
+    /// The strategy chosen and why (on `run_started`, and on `run_planned`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub strategy: Option<StrategyChoice>,
+    /// Problems of a planner answer (on `plan_repairing`, and on `run_failed` when planning
+    /// failed).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub problems: Vec<Problem>,
 }
 
 impl WorkflowEvent {
@@ -293,6 +302,8 @@ impl WorkflowEvent {
             retry_at: None,
             detail: None,
             outcome: None,
+            strategy: None,
+            problems: Vec::new(),
         }
     }
 }
@@ -321,6 +332,11 @@ pub enum WorkflowPhase {
     RunRejected,
     /// The run was cancelled.
     RunCancelled,
+    /// A bare query's planner answered with a valid plan; the run continues with it
+    /// (`tasks_total` is the planned plan's).
+    RunPlanned,
+    /// A planner answer had problems (`problems`); the planner runs again with them.
+    PlanRepairing,
 }
 
 impl WorkflowPhase {

@@ -130,7 +130,8 @@ pub enum DataflowValidation {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Strategy {
-    /// `dag` for every plan today.
+    /// Chosen per run: a plan of one subtask is answered directly (`simple`), any other
+    /// plan runs as `dag`. The choice and its reason are recorded on the run.
     #[default]
     Auto,
     /// One task at a time in the order listed, each after the previous one; every task gets
@@ -140,6 +141,51 @@ pub enum Strategy {
     Dag,
     /// Supervisor-driven scheduling (recruitment, escalation). Not accepted by this release.
     Supervisor,
+}
+
+impl Strategy {
+    /// The strategy as it appears on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Simple => "simple",
+            Self::Dag => "dag",
+            Self::Supervisor => "supervisor",
+        }
+    }
+}
+
+/// The strategy a run uses, and why: `auto` resolved, or the plan's explicit choice.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct StrategyChoice {
+    /// The strategy the run is scheduled with (never `auto`).
+    pub strategy: Strategy,
+    /// Why, in words (`one subtask: answered directly`, `requested by the plan`).
+    pub reason: String,
+}
+
+impl StrategyChoice {
+    /// Resolves a plan's strategy: `auto` becomes `simple` for one subtask and `dag`
+    /// otherwise; an explicit strategy is kept. Pure, so replaying a run chooses the same.
+    pub fn of(plan: &Plan) -> Self {
+        match plan.config.strategy {
+            Strategy::Auto if plan.subtasks.len() == 1 => Self {
+                strategy: Strategy::Simple,
+                reason: "auto: one subtask, answered directly".into(),
+            },
+            Strategy::Auto => Self {
+                strategy: Strategy::Dag,
+                reason: format!(
+                    "auto: {} subtasks, scheduled by their dependencies",
+                    plan.subtasks.len()
+                ),
+            },
+            s => Self {
+                strategy: s,
+                reason: "requested by the plan".into(),
+            },
+        }
+    }
 }
 
 /// Execution settings of a plan. Every field has a default.
@@ -202,6 +248,17 @@ impl Default for PlanConfig {
 }
 
 impl Plan {
+    /// A plan without subtasks and with default settings (a starting point for builders;
+    /// the validator rejects it as it is).
+    pub fn empty() -> Self {
+        Self {
+            name: None,
+            query: None,
+            subtasks: Vec::new(),
+            config: PlanConfig::default(),
+        }
+    }
+
     /// Looks a subtask up by id.
     pub fn subtask(&self, id: &str) -> Option<&Subtask> {
         self.subtasks.iter().find(|t| t.id.as_str() == id)
@@ -266,6 +323,25 @@ mod tests {
         assert!(a.required);
         assert_eq!(plan.config.max_concurrency, 5);
         assert_eq!(plan.config.dependency_timeout, Secs::from_secs(360));
+    }
+
+    #[test]
+    fn auto_strategy_resolves_by_plan_size() {
+        let mut plan = Plan::empty();
+        plan.subtasks.push(Subtask::new("a", ""));
+        assert_eq!(StrategyChoice::of(&plan).strategy, Strategy::Simple);
+        plan.subtasks.push(Subtask::new("b", ""));
+        let choice = StrategyChoice::of(&plan);
+        assert_eq!(choice.strategy, Strategy::Dag);
+        assert!(choice.reason.contains("2 subtasks"), "{choice:?}");
+        plan.config.strategy = Strategy::Simple;
+        assert_eq!(
+            StrategyChoice::of(&plan),
+            StrategyChoice {
+                strategy: Strategy::Simple,
+                reason: "requested by the plan".into()
+            }
+        );
     }
 
     #[test]

@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::artifact::ArtifactRef;
 use crate::ids::{AgentId, RunId, SessionId, TaskId};
+use crate::plan::StrategyChoice;
 use crate::task::{DependencyResult, TaskError};
 use crate::time::Timestamp;
 use crate::validate::Problem;
@@ -221,6 +222,38 @@ pub struct RunRecord {
     /// The outcome, once terminal.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outcome: Option<RunOutcome>,
+    /// The strategy the run is scheduled with and why (`auto` resolved). Absent while a bare
+    /// query is still being planned.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub strategy: Option<StrategyChoice>,
+    /// For runs submitted as a bare query: how planning went.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub planning: Option<PlanningView>,
+}
+
+/// Planning of a run submitted as a bare query.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct PlanningView {
+    /// Planner rounds so far (1 + repairs).
+    pub round: u32,
+    /// Most repairs allowed.
+    pub max_repairs: u32,
+    /// Where planning stands.
+    pub status: PlanningStatus,
+}
+
+/// Where planning of a bare query stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum PlanningStatus {
+    /// The planner task runs (or waits for a worker).
+    Planning,
+    /// The planner answered; the coordinator reviews the answer.
+    Reviewing,
+    /// A plan was accepted; the run runs it (`RunView.plan`).
+    Planned,
+    /// No valid plan came out of planning, or the planner task failed.
+    Failed,
 }
 
 /// How a run ended.
@@ -332,4 +365,8 @@ pub struct RunView {
     /// Index of the first task in `tasks`.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub tasks_offset: u32,
+    /// For runs submitted as a bare query, once planned: the plan the planner wrote (as
+    /// validated and normalised), which the run's tasks follow.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan: Option<crate::plan::Plan>,
 }

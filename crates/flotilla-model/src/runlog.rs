@@ -46,6 +46,11 @@ pub enum RunInput {
     },
     /// A person or a policy controls the run (cancel).
     Control(Control),
+    /// The coordinator's review of a planner answer (runs submitted as a bare query): the
+    /// planned plan the run continues with, a repair round, or the end of planning. Appended
+    /// by the coordinator once per planner round (message id `planned.<run>.<round>`); the
+    /// run's state is a fold of the log, so the decision replays exactly.
+    Planned(Box<Planned>),
     /// A workspace topic of the run's tree got an entry (from an agent, a client, the CLI):
     /// tasks that consume it may start. The coordinator's workspace watcher appends it.
     TopicWritten {
@@ -129,6 +134,65 @@ pub struct Submitted {
     /// Trace context of the submission.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trace: Option<TraceContext>,
+    /// Present when the submission was a bare query: `plan` is then the planning plan (one
+    /// planner task), and the run is planned before it runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub planning: Option<PlanningSpec>,
+}
+
+/// How a bare query is planned, fixed when the run is accepted.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct PlanningSpec {
+    /// The query.
+    pub query: String,
+    /// Planner answers with problems that are sent back for repair before the run fails.
+    pub max_repairs: u32,
+}
+
+/// The coordinator's review of planner round `round`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Planned {
+    /// The planner round reviewed (1 for the first answer, 2 for the first repair, …).
+    pub round: u32,
+    /// What the review decided.
+    pub decision: PlanDecision,
+}
+
+impl PlanDecision {
+    /// The decision as it appears on the wire.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Accepted { .. } => "accepted",
+            Self::Repair { .. } => "repair",
+            Self::Failed { .. } => "failed",
+        }
+    }
+}
+
+/// What the review of a planner answer decided.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "decision", rename_all = "snake_case")]
+pub enum PlanDecision {
+    /// The answer is a valid plan: the run continues with it (validated and normalised).
+    Accepted {
+        /// The planned plan.
+        plan: Plan,
+        /// Tolerated validation problems.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        warnings: Vec<Problem>,
+    },
+    /// The answer has problems and repairs are left: the planner runs again with them.
+    Repair {
+        /// The next planning plan: one planner task whose input carries the problems.
+        plan: Plan,
+        /// The problems of the answer.
+        problems: Vec<Problem>,
+    },
+    /// The answer has problems and no repairs are left: the run fails with them.
+    Failed {
+        /// The problems of the last answer.
+        problems: Vec<Problem>,
+    },
 }
 
 /// A finished attempt.

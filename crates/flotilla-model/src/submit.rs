@@ -1,4 +1,8 @@
 //! Submitting a plan: the intake message and the request/reply endpoint.
+//!
+//! A submission carries either a `plan` or a bare `query` (exactly one of them). A query is
+//! planned by the deployment's planner agent inside the run (see `docs/protocol.md`, "Bare
+//! queries").
 
 use std::collections::BTreeMap;
 
@@ -8,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::ids::{RunId, SessionId};
 use crate::plan::Plan;
 use crate::run::{RunHandle, RunOutcome};
-use crate::validate::Problem;
+use crate::validate::{Problem, ProblemCode};
 
 /// A plan submission. Publish it to the intake subject `<prefix>.submit` (JetStream, durable)
 /// or send it as a request to `<prefix>.api.submit` (synchronous answer).
@@ -48,8 +52,24 @@ pub struct SubmitRequest {
     /// `reply_to`: both get the outcome.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub wait: bool,
-    /// The plan.
-    pub plan: Plan,
+    /// The plan. Absent when the submission is a bare `query`: then the deployment's planner
+    /// agent writes the plan inside the run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan: Option<Plan>,
+    /// A bare query, instead of a plan: the run starts with a planner task whose plan is
+    /// validated (and repaired) before it runs in the same run. Exactly one of `plan` and
+    /// `query` must be given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub query: Option<String>,
+}
+
+/// What a submission asks for: a plan to run, or a query to plan first.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum SubmitForm<'a> {
+    /// A plan written by the client.
+    Plan(&'a Plan),
+    /// A bare query (trimmed, not empty) for the planner.
+    Query(&'a str),
 }
 
 impl SubmitRequest {
@@ -64,8 +84,47 @@ impl SubmitRequest {
             parent: None,
             reply_to: None,
             wait: false,
-            plan,
+            plan: Some(plan),
+            query: None,
         }
+    }
+
+    /// A bare query for the deployment's planner, with every option at its default.
+    pub fn query(query: impl Into<String>) -> Self {
+        Self {
+            plan: None,
+            query: Some(query.into()),
+            ..Self::new(Plan::empty())
+        }
+    }
+
+    /// Which form the submission has. Both forms at once, neither, or an empty query is a
+    /// problem a client can fix, so it is reported as one (and the submission rejected).
+    pub fn form(&self) -> Result<SubmitForm<'_>, Problem> {
+        match (&self.plan, &self.query) {
+            (Some(_), Some(_)) => Err(Problem::new(
+                ProblemCode::PlanAndQuery,
+                "query",
+                "the submission has both a plan and a query: send exactly one of them",
+            )),
+            (None, None) => Err(Problem::new(
+                ProblemCode::MissingPlan,
+                "plan",
+                "the submission has neither a plan nor a query: send exactly one of them",
+            )),
+            (Some(plan), None) => Ok(SubmitForm::Plan(plan)),
+            (None, Some(q)) if q.trim().is_empty() => Err(Problem::new(
+                ProblemCode::EmptyQuery,
+                "query",
+                "the query is empty: say what the run should answer",
+            )),
+            (None, Some(q)) => Ok(SubmitForm::Query(q.trim())),
+        }
+    }
+
+    /// The plan's name, when the submission has a plan with one.
+    pub fn plan_name(&self) -> Option<String> {
+        self.plan.as_ref().and_then(|p| p.name.clone())
     }
 }
 
@@ -107,4 +166,38 @@ pub enum SubmitStatus {
     Rejected,
     /// The run ended (reply to a waiting submitter); see `outcome`.
     Finished,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn form_code(json: &str) -> Option<ProblemCode> {
+        let r: SubmitRequest = serde_json::from_str(json).expect("parses");
+        r.form().err().map(|p| p.code)
+    }
+
+    #[test]
+    fn exactly_one_of_plan_and_query() {
+        let plan = r#""plan":{"subtasks":[{"id":"a"}]}"#;
+        assert_eq!(form_code(&format!("{{{plan}}}")), None);
+        assert_eq!(form_code(r#"{"query":"why?"}"#), None);
+        assert_eq!(
+            form_code(&format!(r#"{{{plan},"query":"why?"}}"#)),
+            Some(ProblemCode::PlanAndQuery)
+        );
+        assert_eq!(form_code("{}"), Some(ProblemCode::MissingPlan));
+        assert_eq!(
+            form_code(r#"{"query":"  "}"#),
+            Some(ProblemCode::EmptyQuery)
+        );
+    }
+
+    #[test]
+    fn a_plan_submission_encodes_as_before() {
+        let r = SubmitRequest::new(Plan::empty());
+        let v = serde_json::to_value(&r).expect("encodes");
+        assert!(v.get("plan").is_some());
+        assert!(v.get("query").is_none());
+    }
 }

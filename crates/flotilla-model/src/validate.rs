@@ -177,6 +177,20 @@ pub enum ProblemCode {
     InvalidParent,
     /// An `output_schema` is not a JSON Schema object.
     InvalidOutputSchema,
+    /// A submission has both a `plan` and a `query`.
+    PlanAndQuery,
+    /// A submission has neither a `plan` nor a `query`.
+    MissingPlan,
+    /// A submission's `query` is empty.
+    EmptyQuery,
+    /// A bare query was submitted but this deployment has no planner: none is configured
+    /// (`[coordinator.planner] agent`), or no live worker serves the planner's pool.
+    NoPlanner,
+    /// A bare query was published on a run's own submission subject, whose first message
+    /// must be the run's plan; bare queries go to the intake subject or the API.
+    QueryOnRunSubject,
+    /// The planner's answer is not a plan (not JSON, or not of the plan schema).
+    InvalidPlannerOutput,
 }
 
 impl ProblemCode {
@@ -217,6 +231,12 @@ impl ProblemCode {
             Self::InvalidOutputSchema => "invalid_output_schema",
             Self::UnsatisfiableConsumption => "unsatisfiable_consumption",
             Self::InvalidParent => "invalid_parent",
+            Self::PlanAndQuery => "plan_and_query",
+            Self::MissingPlan => "missing_plan",
+            Self::EmptyQuery => "empty_query",
+            Self::NoPlanner => "no_planner",
+            Self::QueryOnRunSubject => "query_on_run_subject",
+            Self::InvalidPlannerOutput => "invalid_planner_output",
         }
     }
 }

@@ -377,6 +377,11 @@ fn record() -> impl Strategy<Value = RunRecord> {
                 errors,
                 warnings: Vec::new(),
                 outcome,
+                strategy: Some(flotilla_model::plan::StrategyChoice {
+                    strategy: flotilla_model::plan::Strategy::Dag,
+                    reason: "auto: 2 subtasks".into(),
+                }),
+                planning: None,
             },
         )
 }
@@ -386,7 +391,9 @@ fn workflow() -> impl Strategy<Value = Event> {
             Just(WorkflowPhase::RunStarted),
             Just(WorkflowPhase::TaskStarted),
             Just(WorkflowPhase::TaskRetrying),
-            Just(WorkflowPhase::RunSucceeded)
+            Just(WorkflowPhase::RunSucceeded),
+            Just(WorkflowPhase::RunPlanned),
+            Just(WorkflowPhase::PlanRepairing)
         ],
         option::of(1u32..100),
         option::of(token()),
@@ -404,6 +411,21 @@ fn workflow() -> impl Strategy<Value = Event> {
                     started_at: None,
                     error,
                     retry_at,
+                    strategy: detail
+                        .as_ref()
+                        .map(|d| flotilla_model::plan::StrategyChoice {
+                            strategy: flotilla_model::plan::Strategy::Simple,
+                            reason: d.clone(),
+                        }),
+                    problems: if tasks_total.is_some() {
+                        vec![flotilla_model::validate::Problem::new(
+                            flotilla_model::validate::ProblemCode::Cycle,
+                            "subtasks[0]",
+                            "a cycle",
+                        )]
+                    } else {
+                        Vec::new()
+                    },
                     detail,
                     outcome: outcome.map(Box::new),
                 })
@@ -554,7 +576,7 @@ proptest! {
     #[test]
     fn runlog_entry_roundtrips(
         run_id in run_id(),
-        which in 0u8..6,
+        which in 0u8..9,
         p in plan(),
         labels in labels(),
         (task_id, attempt, attempt_id, result, started) in (task_id(), 1u32..4, attempt_id(), task_result(), option::of(ts())),
@@ -562,7 +584,7 @@ proptest! {
         trace in option::of(trace()),
     ) {
         let input = match which {
-            0 => RunInput::Submitted(Box::new(Submitted { plan: p, labels, session_id: None, parent: None, reply_to: None, wait_reply_to: Some("_INBOX.w".into()), intake_seq: Some(generation), warnings: Vec::new(), trace })),
+            0 => RunInput::Submitted(Box::new(Submitted { plan: p, labels, session_id: None, parent: None, reply_to: None, wait_reply_to: Some("_INBOX.w".into()), intake_seq: Some(generation), warnings: Vec::new(), trace, planning: None })),
             1 => RunInput::TaskResult(Box::new(TaskResultInput { task_id, attempt, attempt_id, worker: "w1".into(), started_at: started, result })),
             2 => RunInput::Rejected(Box::new(flotilla_model::runlog::Rejected {
                 errors: vec![flotilla_model::validate::Problem::new(flotilla_model::validate::ProblemCode::Cycle, "subtasks[0]", "cycle")],
@@ -572,6 +594,22 @@ proptest! {
                 action: flotilla_model::runlog::ControlAction::Cancel, reason: Some("stop".into()), by: None,
             }),
             4 => RunInput::TopicWritten { topic: "figures".into(), seq: generation },
+            5 => RunInput::Planned(Box::new(flotilla_model::runlog::Planned {
+                round: attempt,
+                decision: flotilla_model::runlog::PlanDecision::Accepted { plan: p, warnings: Vec::new() },
+            })),
+            6 => RunInput::Planned(Box::new(flotilla_model::runlog::Planned {
+                round: attempt,
+                decision: flotilla_model::runlog::PlanDecision::Repair {
+                    plan: p,
+                    problems: vec![flotilla_model::validate::Problem::new(flotilla_model::validate::ProblemCode::UnknownDependency, "subtasks[0].dependencies[0]", "no such task")],
+                },
+            })),
+            7 => RunInput::Planned(Box::new(flotilla_model::runlog::Planned {
+                round: attempt,
+                decision: flotilla_model::runlog::PlanDecision::Failed { problems: Vec::new() },
+            })),
+            8 => RunInput::Submitted(Box::new(Submitted { plan: p, labels, session_id: None, parent: None, reply_to: None, wait_reply_to: None, intake_seq: None, warnings: Vec::new(), trace, planning: Some(flotilla_model::runlog::PlanningSpec { query: "why?".into(), max_repairs: generation as u32 % 5 }) })),
             _ => RunInput::TimerFired { generation },
         };
         roundtrip(&RunLogEntry { protocol: 1, run_id, input })?;
@@ -591,6 +629,7 @@ proptest! {
                 task_id, status: TaskStatus::Waiting, attempts, error, skip_reason, dispatched_at, pool: Some("gpu".into()),
             }).collect(),
             tasks_offset: 7,
+            plan: None,
         };
         roundtrip(&view)?;
     }

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use flotilla_bus::Bus;
 use flotilla_coordinator::store::RunStore;
 use flotilla_model::ids::RunId;
-use flotilla_model::runlog::RunInput;
+use flotilla_model::runlog::{PlanDecision, RunInput};
 use flotilla_model::subjects::Bucket;
 use flotilla_model::time::Timestamp;
 use flotilla_model::worker::WorkerInfo;
@@ -73,6 +73,46 @@ pub(crate) async fn show(config: &Config, run: RunId, json: bool) -> anyhow::Res
     for (k, v) in &r.labels {
         println!("label     {k}={v}");
     }
+    if let Some(s) = &r.strategy {
+        println!("strategy  {} ({})", s.strategy.as_str(), s.reason);
+    }
+    if let Some(p) = &r.planning {
+        println!(
+            "planning  {} (planner round {} of at most {})",
+            match p.status {
+                flotilla_model::run::PlanningStatus::Planning => "planning",
+                flotilla_model::run::PlanningStatus::Reviewing => "reviewing",
+                flotilla_model::run::PlanningStatus::Planned => "planned",
+                flotilla_model::run::PlanningStatus::Failed => "failed",
+            },
+            p.round,
+            p.max_repairs + 1
+        );
+    }
+    if let Some(plan) = &view.plan {
+        // The plan the planner wrote for a bare query: a tree of tasks and their inputs.
+        if let Some(q) = &plan.query {
+            println!("query     {q}");
+        }
+        println!("planned plan:");
+        for t in &plan.subtasks {
+            let mut line = format!("  {}", t.id);
+            if let Some(role) = &t.role {
+                line.push_str(&format!(" [{role}]"));
+            }
+            if let Some(agent) = &t.agent {
+                line.push_str(&format!(" agent={agent}"));
+            }
+            if !t.dependencies.is_empty() {
+                let deps: Vec<&str> = t.dependencies.iter().map(|d| d.as_str()).collect();
+                line.push_str(&format!(" after {}", deps.join(", ")));
+            }
+            println!("{line}");
+            if !t.description.is_empty() {
+                println!("      {}", t.description);
+            }
+        }
+    }
     for p in &r.errors {
         println!("error     {p}");
     }
@@ -133,7 +173,38 @@ pub(crate) async fn history(config: &Config, run: RunId, json: bool) -> anyhow::
     println!("{:>8}  {:<30}  {:<13}  DETAIL", "SEQ", "TIME", "INPUT");
     for (seq, ts, e) in entries {
         let (kind, detail) = match &e.input {
-            RunInput::Submitted(s) => ("submitted", format!("{} subtasks", s.plan.subtasks.len())),
+            RunInput::Submitted(s) => match &s.planning {
+                Some(p) => ("submitted", format!("query to plan: {}", p.query)),
+                None => ("submitted", format!("{} subtasks", s.plan.subtasks.len())),
+            },
+            RunInput::Planned(p) => (
+                "planned",
+                match &p.decision {
+                    PlanDecision::Accepted { plan, .. } => format!(
+                        "round {}: plan accepted, {} subtasks",
+                        p.round,
+                        plan.subtasks.len()
+                    ),
+                    PlanDecision::Repair { problems, .. } => format!(
+                        "round {}: {} problem(s), repair: {}",
+                        p.round,
+                        problems.len(),
+                        problems
+                            .first()
+                            .map(ToString::to_string)
+                            .unwrap_or_default()
+                    ),
+                    PlanDecision::Failed { problems } => format!(
+                        "round {}: {} problem(s), planning failed: {}",
+                        p.round,
+                        problems.len(),
+                        problems
+                            .first()
+                            .map(ToString::to_string)
+                            .unwrap_or_default()
+                    ),
+                },
+            ),
             RunInput::TaskResult(r) => (
                 "task_result",
                 format!(

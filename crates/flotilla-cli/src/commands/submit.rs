@@ -1,4 +1,4 @@
-//! `flotilla submit PLAN [--follow] [--wait] [--json]`.
+//! `flotilla submit PLAN [--follow] [--wait] [--json]` and `flotilla submit --query TEXT …`.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -26,17 +26,23 @@ pub(crate) struct SubmitOptions {
     pub(crate) idempotency_key: Option<String>,
     pub(crate) labels: BTreeMap<String, String>,
     pub(crate) timeout: Option<Duration>,
+    /// A bare query instead of a plan file.
+    pub(crate) query: Option<String>,
 }
 
 /// Submits, then (with `--follow` / `--wait`) waits for the outcome. Exit code 0 when the run
 /// succeeded, 1 when it failed or was rejected.
 pub(crate) async fn submit(
     config: &Config,
-    plan_path: &Path,
+    plan_path: Option<&Path>,
     opts: SubmitOptions,
 ) -> anyhow::Result<ExitCode> {
     let bus = Bus::connect(&config.nats, "flotilla-cli").await?;
-    submit_on(&bus, plan_path, opts).await
+    match (plan_path, opts.query.clone()) {
+        (Some(path), None) => submit_on(&bus, path, opts).await,
+        (None, Some(query)) => send(&bus, SubmitRequest::query(query), opts).await,
+        _ => anyhow::bail!("give either a plan file or --query"),
+    }
 }
 
 /// [`submit`] on an existing connection (also used by `flotilla up --submit`).
@@ -54,8 +60,16 @@ pub(crate) async fn submit_on(
             return Ok(ExitCode::from(1));
         }
     };
+    send(bus, SubmitRequest::new(plan), opts).await
+}
+
+/// Sends a submission (a plan or a bare query) with the options applied.
+async fn send(
+    bus: &Bus,
+    mut request: SubmitRequest,
+    opts: SubmitOptions,
+) -> anyhow::Result<ExitCode> {
     let client = Client::new(bus.clone());
-    let mut request = SubmitRequest::new(plan);
     request.run_id = Some(opts.run_id.unwrap_or_default());
     request.idempotency_key = opts.idempotency_key.clone();
     request.labels = opts.labels.clone();

@@ -776,6 +776,7 @@ mod tests {
                 ctx.clone(),
                 live.clone(),
                 flotilla_telemetry::Metrics::new(),
+                crate::planner::PlannerOptions::default(),
             )),
             store,
             ctx,
