@@ -624,7 +624,8 @@ async fn submitting_before_provisioning_says_what_to_do() -> anyhow::Result<()> 
 fn up_publishes_its_url_for_commands_in_the_same_directory() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let mut up = Command::new(env!("CARGO_BIN_EXE_flotilla"))
-        .args(["up", "--workers", "1"])
+        // No HTTP listener: port 9464 may be taken by another service on the machine.
+        .args(["up", "--workers", "1", "--http-addr", "off"])
         .current_dir(dir.path())
         .env_remove("FLOTILLA_CONFIG")
         .stdout(std::process::Stdio::null())
