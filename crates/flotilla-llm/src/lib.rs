@@ -42,6 +42,6 @@ pub mod roles;
 pub mod tools;
 
 pub use agent::LlmAgent;
-pub use config::{ConfigError, ExecToolConfig, LlmConfig, Price};
+pub use config::{ConfigError, ExecToolConfig, LlmConfig, Price, ToolChoice};
 pub use provider::Providers;
 pub use roles::{RoleConfig, Roles};
