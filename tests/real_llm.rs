@@ -17,8 +17,9 @@
 //! task ends, successfully or with a well-formed model-quality failure (`invalid_output`, or
 //! `agent_failed` for a model that will not stop calling tools); every task that ran made
 //! model calls that left `usage` and final `assistant_reply` events; succeeded tasks count
-//! their tokens; the tool calls the agents are made to make (`tool-choice = "required"`) run,
-//! with paired `tool_start` / `tool_end` events.
+//! their tokens; tool calls, when the model makes them, run with paired `tool_start` /
+//! `tool_end` events (the agents ask for them with `tool-choice = "required"`, which
+//! llama-server does not enforce for this model: it may still answer in text).
 
 mod support;
 
@@ -74,7 +75,7 @@ fn endpoint() -> anyhow::Result<Endpoint> {
 
 /// Three LLM agents: a researcher with an exec tool and workspace_write, an analyst that
 /// reads the workspace, a writer that answers in JSON. Short replies, few tool rounds, and
-/// tool calls required of the first two (a small model would otherwise never make any).
+/// tool calls asked of the first two.
 fn agents(e: &Endpoint) -> String {
     let search = root().join("config/examples/agents/search_corpus.py");
     let key = if e.api_key {
@@ -84,7 +85,7 @@ fn agents(e: &Endpoint) -> String {
     };
     let common = format!(
         "kind = \"llm\"\nbase-url = \"{}\"\nmodel = \"{}\"\n{key}temperature = 0.1\n\
-         max-output-tokens = 160\nmax-tool-rounds = 2\nrequest-timeout = \"90s\"\n\
+         max-output-tokens = 200\nmax-tool-rounds = 2\nrequest-timeout = \"90s\"\n\
          max-retries = 2\n",
         e.base_url, e.model
     );
@@ -270,11 +271,11 @@ async fn three_llm_agents_run_a_plan_on_a_real_model() -> anyhow::Result<()> {
         );
         let s = s.expect("checked above");
         assert_eq!(s.tool_starts, s.tool_ends, "{task}: tool calls paired");
-        if results[task].success && task != "write" {
-            assert!(
-                s.tool_starts >= 1 && !results[task].tools_used.is_empty(),
-                "{task}: tool-choice = required, yet no tool call: {s:?}"
-            );
+        // No assertion that tools were called: the small model often answers without, and
+        // llama-server lets text precede a required tool call (so `required` does not force
+        // one there). When it does call them, they must have run and ended.
+        if s.tool_starts > 0 {
+            assert!(!results[task].tools_used.is_empty() || !results[task].success);
         }
         if results[task].success {
             assert_eq!(

@@ -78,8 +78,8 @@ pub struct LlmConfig {
     #[serde(default = "default_max_tool_rounds")]
     pub max_tool_rounds: u32,
     /// Whether the model may answer at once (`auto`, the default) or must call a tool in
-    /// each of its `max-tool-rounds` rounds before it answers (`required`: for small models
-    /// that would otherwise never use their tools).
+    /// each of its `max-tool-rounds` rounds before it answers (`required`, sent as
+    /// `tool_choice: required`; servers differ in how strictly they enforce it).
     #[serde(default, skip_serializing_if = "ToolChoice::is_auto")]
     pub tool_choice: ToolChoice,
     /// Most requests this worker sends to the provider at once, over all agents of the
