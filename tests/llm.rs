@@ -437,3 +437,51 @@ reply = "helper found 42"
     );
     Ok(())
 }
+
+#[test]
+fn the_research_team_example_and_its_plan_are_valid() -> anyhow::Result<()> {
+    // scripts/demo-llm runs them on a real model; here only the config and the plan are checked.
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_flotilla"))
+        .current_dir(&root)
+        .env_remove("FLOTILLA_CONFIG")
+        .env(
+            "FLOTILLA_AGENTS__RESEARCHER__BASE_URL",
+            "http://127.0.0.1:9/v1",
+        )
+        .args([
+            "--config",
+            "config/examples/research-team.toml",
+            "plan",
+            "validate",
+            "config/examples/plans/research-team.json",
+        ])
+        .output()?;
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The example's exec tool answers a search.
+    let mut tool = std::process::Command::new("python3")
+        .arg(root.join("config/examples/agents/search_corpus.py"))
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()?;
+    {
+        use std::io::Write;
+        let mut stdin = tool.stdin.take().expect("piped stdin");
+        stdin.write_all(br#"{"query": "turbine cost"}"#)?;
+    }
+    let out = tool.wait_with_output()?;
+    assert!(out.status.success());
+    let found: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert!(
+        found["matches"]
+            .as_array()
+            .is_some_and(|m| m.iter().any(|l| l["file"] == "costs.txt")),
+        "{found}"
+    );
+    Ok(())
+}

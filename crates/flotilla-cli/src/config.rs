@@ -138,7 +138,8 @@ const TOP_LEVEL_KEYS: &[&str] = &[
 ];
 
 /// `FLOTILLA_*` variables that are not configuration: Flotilla's own (set for exec agents,
-/// or selecting the config file and log level). Ignored silently.
+/// selecting the config file and log level, or naming the model endpoint of
+/// `scripts/demo-llm` and the opt-in real-model tests). Ignored silently.
 const NON_CONFIG_VARS: &[&str] = &[
     "CONFIG",
     "LOG",
@@ -160,6 +161,13 @@ const NON_CONFIG_VARS: &[&str] = &[
     "NATS_TOKEN",
     "NATS_CREDS",
     "NATS_NKEY",
+    "LLM_BASE_URL",
+    "LLM_MODEL",
+    "LLM_API_KEY",
+    "LLM_HOME",
+    "LLM_JOBS",
+    "LLM_THREADS",
+    "LLM_CTX",
 ];
 
 /// The config key path of a `FLOTILLA_` variable's name (prefix already removed).

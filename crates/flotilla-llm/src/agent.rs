@@ -45,7 +45,7 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 
 use crate::budget::BudgetGuard;
-use crate::config::{ConfigError, LlmConfig};
+use crate::config::{ConfigError, LlmConfig, ToolChoice};
 use crate::journal::Journal;
 use crate::prompt;
 use crate::provider::{CallError, Completion, KeySource, Provider, Providers, ToolCallRequest};
@@ -202,6 +202,10 @@ impl LlmAgent {
                 // The rounds are spent: the model must answer now.
                 r.tool_choice = Some(ChatCompletionToolChoiceOption::Mode(
                     ToolChoiceOptions::None,
+                ));
+            } else if self.config.tool_choice == ToolChoice::Required {
+                r.tool_choice = Some(ChatCompletionToolChoiceOption::Mode(
+                    ToolChoiceOptions::Required,
                 ));
             }
         }

@@ -10,6 +10,7 @@
 //! temperature = 0.2
 //! max-output-tokens = 1024
 //! request-timeout = "2m"
+//! tool-choice = "auto"                     # or "required": a tool call in every round
 //! instruction = "Work for {customer}."     # {key}: session state
 //! tools = ["workspace_read", "workspace_write", "state_get"]
 //!
@@ -77,6 +78,11 @@ pub struct LlmConfig {
     /// Rounds of tool calls before the model must answer (default 8).
     #[serde(default = "default_max_tool_rounds")]
     pub max_tool_rounds: u32,
+    /// Whether the model may answer at once (`auto`, the default) or must call a tool in
+    /// each of its `max-tool-rounds` rounds before it answers (`required`, sent as
+    /// `tool_choice: required`; servers differ in how strictly they enforce it).
+    #[serde(default, skip_serializing_if = "ToolChoice::is_auto")]
+    pub tool_choice: ToolChoice,
     /// Most requests this worker sends to the provider at once, over all agents of the
     /// provider (default 8; agents of one provider disagreeing: the smallest wins).
     #[serde(default = "default_max_concurrent_requests")]
@@ -120,6 +126,24 @@ pub struct LlmConfig {
     /// MCP servers whose tools are offered to the model (as `<server>__<tool>`), by name.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub mcp_servers: BTreeMap<String, McpServerConfig>,
+}
+
+/// When the model calls tools: `tool-choice` of an LLM agent.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ToolChoice {
+    /// The model decides (`tool_choice: auto`).
+    #[default]
+    Auto,
+    /// Every round up to `max-tool-rounds` must call a tool (`tool_choice: required`); then
+    /// the model answers.
+    Required,
+}
+
+impl ToolChoice {
+    fn is_auto(&self) -> bool {
+        *self == Self::Auto
+    }
 }
 
 /// A model's price in US dollars per million tokens.
@@ -222,6 +246,7 @@ impl LlmConfig {
             headers: BTreeMap::new(),
             instruction: None,
             max_tool_rounds: default_max_tool_rounds(),
+            tool_choice: ToolChoice::Auto,
             max_concurrent_requests: default_max_concurrent_requests(),
             max_retries: default_max_retries(),
             retry_initial_backoff: default_retry_initial(),
@@ -299,6 +324,15 @@ impl LlmConfig {
             && !(0.0..=2.0).contains(&t)
         {
             return Err(bad("temperature", format!("{t} is outside 0 to 2")));
+        }
+        if self.tool_choice == ToolChoice::Required
+            && self.tools.is_empty()
+            && self.exec_tools.is_empty()
+        {
+            return Err(bad(
+                "tool-choice",
+                "is required but the agent has no tools".into(),
+            ));
         }
         if self.max_output_tokens == Some(0) {
             return Err(bad("max-output-tokens", "must be at least 1".into()));

@@ -50,7 +50,7 @@ pub mod roles;
 pub mod tools;
 
 pub use agent::LlmAgent;
-pub use config::{ConfigError, ExecToolConfig, LlmConfig, Price};
+pub use config::{ConfigError, ExecToolConfig, LlmConfig, Price, ToolChoice};
 pub use mcp::McpServerConfig;
 pub use provider::Providers;
 pub use roles::{RoleConfig, Roles};

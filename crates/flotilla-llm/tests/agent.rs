@@ -819,3 +819,45 @@ async fn concurrent_calls_share_the_budget_and_cost_needs_a_price() -> anyhow::R
     assert!(e.message.contains("no price"), "{e}");
     Ok(())
 }
+
+#[tokio::test]
+async fn tool_choice_required_forces_a_tool_call_in_each_round_then_an_answer() -> anyhow::Result<()>
+{
+    let h = Harness::start().await?;
+    h.llm.push(Reply::tool_calls([(
+        "state_set",
+        json!({"key": "k", "value": 1}),
+    )]));
+    h.llm.push(Reply::tool_calls([(
+        "state_set",
+        json!({"key": "k", "value": 2}),
+    )]));
+    h.llm.push(Reply::text("Done."));
+    let mut config = h.config();
+    config.tool_choice = flotilla_llm::ToolChoice::Required;
+    config.max_tool_rounds = 2;
+    let agent = h.agent(&config)?;
+    let reply = h
+        .run(&agent, &envelope("t", "set k"), TIMEOUT)
+        .await?
+        .map_err(anyhow::Error::msg)?;
+    assert_eq!(reply.response, "Done.");
+    let choices: Vec<Value> = h
+        .llm
+        .requests()
+        .iter()
+        .map(|r| r.body.get("tool_choice").cloned().unwrap_or(Value::Null))
+        .collect();
+    assert_eq!(
+        choices,
+        vec![json!("required"), json!("required"), json!("none")]
+    );
+
+    // Without tools, `required` is a configuration error naming the field.
+    let mut bad = h.config();
+    bad.tool_choice = flotilla_llm::ToolChoice::Required;
+    bad.tools.clear();
+    let e = bad.validate("lonely").expect_err("no tools");
+    assert!(e.to_string().contains("tool-choice"), "{e}");
+    Ok(())
+}
