@@ -485,3 +485,110 @@ fn the_research_team_example_and_its_plan_are_valid() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// `transfer_to_agent`: the dispatcher hands the conversation to a sub-agent, which continues
+/// it as a child run; its answer is the dispatcher's task result. The offered targets follow
+/// the agent tree (ADK scope rules): the dispatcher may go to its sub-agents, billing — which
+/// may not go to its peers — only back to its parent.
+#[tokio::test]
+async fn an_llm_agent_transfers_the_conversation_within_the_agent_tree() -> anyhow::Result<()> {
+    let llm = OpenAiServer::start().await?;
+    llm.push(
+        Reply::tool_call(
+            "transfer_to_agent",
+            json!({"agent_name": "billing", "reason": "a refund question"}),
+        )
+        .when("Your task (help)"),
+    );
+    llm.push(Reply::text("Your refund is on its way.").when("handed this conversation"));
+    let config = format!(
+        r#"
+[agents.dispatcher]
+kind = "llm"
+base-url = "{url}"
+model = "scripted-model"
+tools = []
+sub-agents = ["billing", "support"]
+
+[agents.billing]
+kind = "llm"
+base-url = "{url}"
+model = "scripted-model"
+tools = []
+disallow-transfer-to-peers = true
+
+[agents.support]
+kind = "scripted"
+reply = "support here"
+"#,
+        url = llm.base_url()
+    );
+    let mut p = Processes::start(&config).await?;
+    p.coordinator().await?;
+    p.worker(&["--concurrency", "1"]).await?;
+    p.worker(&["--concurrency", "1"]).await?;
+    let run = p
+        .client
+        .submit(SubmitRequest::new(plan(vec![
+            Subtask::new("help", "I was charged twice for my order.").with_agent("dispatcher"),
+        ])))
+        .await?;
+    let outcome = p.client.wait(run, WAIT).await?;
+    assert_eq!(
+        outcome.status,
+        RunStatus::Succeeded,
+        "{outcome:?}\n{}",
+        p.log(1)
+    );
+    assert_eq!(
+        outcome.final_result.map(|r| r.response).as_deref(),
+        Some("Your refund is on its way.")
+    );
+    let requests = llm.requests();
+    assert_eq!(requests.len(), 2, "{requests:#?}");
+    let targets = |r: &flotilla_testkit::openai::RecordedRequest| -> serde_json::Value {
+        r.body["tools"]
+            .as_array()
+            .and_then(|t| {
+                t.iter()
+                    .find(|t| t["function"]["name"] == "transfer_to_agent")
+            })
+            .map(|t| t["function"]["parameters"]["properties"]["agent_name"]["enum"].clone())
+            .unwrap_or_default()
+    };
+    assert_eq!(targets(&requests[0]), json!(["billing", "support"]));
+    assert_eq!(
+        targets(&requests[1]),
+        json!(["dispatcher"]),
+        "billing: no peers"
+    );
+    // Billing continues the dispatcher's conversation.
+    let to_billing = requests[1].texts("user").join("\n");
+    assert!(
+        to_billing.contains("I was charged twice")
+            && to_billing
+                .contains("dispatcher handed this conversation to you (a refund question)"),
+        "{to_billing}"
+    );
+    // The dispatcher's stream links the child that took over.
+    let events = p.client.events(run).await?;
+    futures::pin_mut!(events);
+    let linked = tokio::time::timeout(Duration::from_secs(20), async {
+        while let Some(e) = events.next().await {
+            if let Event::ToolEnd {
+                run_link: Some(h),
+                tool: Some(t),
+                ok: true,
+                ..
+            } = e?.event
+                && t == "transfer_to_agent"
+            {
+                return Ok::<_, anyhow::Error>(h.run_id);
+            }
+        }
+        anyhow::bail!("no transfer in the event stream")
+    })
+    .await??;
+    assert_ne!(linked, run);
+    Ok(())
+}

@@ -66,6 +66,8 @@ pub struct LlmAgent {
     roles: Arc<Roles>,
     provider: Provider,
     tools: ToolSet,
+    /// Agents `transfer_to_agent` may hand the conversation to (from the agent tree).
+    transfer_targets: Vec<String>,
 }
 
 impl fmt::Debug for LlmAgent {
@@ -106,7 +108,97 @@ impl LlmAgent {
             provider: Provider::new(config, key, providers),
             config: config.clone(),
             roles,
+            transfer_targets: Vec::new(),
         })
+    }
+
+    /// Lets the model hand the conversation to `targets` (`transfer_to_agent`): the agent
+    /// tree's parent, sub-agents and peers of this agent, as the registry that builds it
+    /// computes them (ADK's scope rules, with `disallow-transfer-to-parent` / `-peers`).
+    pub fn with_transfer_targets(mut self, targets: Vec<String>) -> Self {
+        self.tools = std::mem::take(&mut self.tools).with_transfer(&targets);
+        self.transfer_targets = targets;
+        self
+    }
+
+    /// The agents this one may transfer to.
+    pub fn transfer_targets(&self) -> &[String] {
+        &self.transfer_targets
+    }
+
+    /// Hands the conversation so far to `target` as a child run; its answer is this task's.
+    #[allow(clippy::too_many_arguments)]
+    async fn transfer(
+        &self,
+        task: &TaskEnvelope,
+        ctx: &AgentContext,
+        messages: &[ChatCompletionRequestMessage],
+        call: &ToolCallRequest,
+        target: String,
+        reason: String,
+        tokens: u64,
+    ) -> Result<AgentReply, AgentError> {
+        let input = serde_json::from_str::<Value>(&call.arguments).unwrap_or(Value::Null);
+        ctx.events
+            .emit(Event::ToolStart {
+                call_id: call.id.clone(),
+                tool: call.name.clone(),
+                input,
+            })
+            .await;
+        let started = Instant::now();
+        let child_call = flotilla_context::ChildCall {
+            agent: target.clone(),
+            description: task.description.clone(),
+            input: serde_json::json!({
+                "transferred_from": self.name,
+                "reason": reason,
+                "conversation": conversation(messages),
+                "input": task.input,
+            }),
+            call_id: Some(crate::tools::child_call_key(&call.id)),
+            ..flotilla_context::ChildCall::default()
+        };
+        let result = ctx.call_agent(&child_call).await;
+        let (run_link, reply) = match result {
+            Err(e) => (
+                None,
+                Err(AgentError::failed(format!(
+                    "agent {}: transferring to {target}: {e}",
+                    self.name
+                ))),
+            ),
+            Ok((child, outcome)) => {
+                let reply = match (&outcome.status, outcome.final_result) {
+                    (flotilla_model::run::RunStatus::Succeeded, Some(f)) => Ok(AgentReply {
+                        response: f.response,
+                        tokens,
+                        tools_used: vec![call.name.clone()],
+                        numeric_value: f.numeric_value,
+                    }),
+                    (status, _) => Err(AgentError::failed(format!(
+                        "agent {}: the conversation went to {target} (child run {}), which ended {status:?}",
+                        self.name, child.handle.run_id
+                    ))),
+                };
+                (Some(child.handle), reply)
+            }
+        };
+        ctx.events
+            .emit(Event::ToolEnd {
+                call_id: call.id.clone(),
+                ok: reply.is_ok(),
+                output: match &reply {
+                    Ok(r) => serde_json::json!({"agent": target, "response": r.response}),
+                    Err(e) => serde_json::json!({"error": e.message}),
+                },
+                run_link,
+                tool: Some(call.name.clone()),
+                duration_ms: Some(started.elapsed().as_millis() as u64),
+                error: reply.as_ref().err().map(|e| e.message.clone()),
+            })
+            .await;
+        reply
     }
 
     /// The system prompt: the role's, then the instruction with placeholders filled.
@@ -372,15 +464,32 @@ impl LlmAgent {
             .for_attempt()
             .await
             .map_err(|e| AgentError::failed(format!("agent {}: {e}", self.name)))?;
-        let mut messages = vec![
-            ChatCompletionRequestMessage::System(ChatCompletionRequestSystemMessage {
+        let mut messages = vec![ChatCompletionRequestMessage::System(
+            ChatCompletionRequestSystemMessage {
                 content: ChatCompletionRequestSystemMessageContent::Text(
                     self.system_prompt(task, ctx).await?,
                 ),
                 name: None,
-            }),
-            user(prompt::user_message(task, self.config.max_prompt_chars)),
-        ];
+            },
+        )];
+        match handed_over(task) {
+            // Another agent transferred its conversation here: continue it.
+            Some((from, reason, earlier)) => {
+                messages.extend(earlier);
+                messages.push(user(format!(
+                    "{from} handed this conversation to you{}. Continue it: do what was asked, as the agent now in charge.",
+                    if reason.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" ({reason})")
+                    }
+                )));
+            }
+            None => messages.push(user(prompt::user_message(
+                task,
+                self.config.max_prompt_chars,
+            ))),
+        }
         let limit = RateLimit::open(ctx, &self.config)
             .await
             .map_err(|e| AgentError::failed(format!("agent {}: {e}", self.name)))?;
@@ -422,6 +531,15 @@ impl LlmAgent {
                     }
                 }
                 messages.push(assistant(&c));
+                if let Some((call, (target, reason))) = c
+                    .tool_calls
+                    .iter()
+                    .find_map(|t| tools.transfer_target(&t.name, &t.arguments).map(|x| (t, x)))
+                {
+                    return self
+                        .transfer(task, ctx, &messages, call, target, reason, tokens)
+                        .await;
+                }
                 let results = match journal.replay_tool_results(c.tool_calls.len()) {
                     Some(r) => r,
                     None => {
@@ -499,6 +617,52 @@ fn estimate_prompt_tokens(request: &CreateChatCompletionRequest) -> u64 {
             .and_then(|t| serde_json::to_string(t).ok())
             .map_or(0, |s| s.chars().count());
     (chars as u64).div_ceil(4)
+}
+
+/// The user and assistant texts of a conversation, for the agent it is handed to.
+fn conversation(messages: &[ChatCompletionRequestMessage]) -> Value {
+    let mut out = Vec::new();
+    for m in messages {
+        match m {
+            ChatCompletionRequestMessage::User(u) => {
+                if let ChatCompletionRequestUserMessageContent::Text(t) = &u.content {
+                    out.push(serde_json::json!({"role": "user", "content": t}));
+                }
+            }
+            ChatCompletionRequestMessage::Assistant(a) => {
+                if let Some(ChatCompletionRequestAssistantMessageContent::Text(t)) = &a.content
+                    && !t.is_empty()
+                {
+                    out.push(serde_json::json!({"role": "assistant", "content": t}));
+                }
+            }
+            _ => {}
+        }
+    }
+    Value::Array(out)
+}
+
+/// A conversation handed over by `transfer_to_agent`: who from, why, and its messages.
+fn handed_over(task: &TaskEnvelope) -> Option<(String, String, Vec<ChatCompletionRequestMessage>)> {
+    let from = task.input.get("transferred_from")?.as_str()?.to_owned();
+    let reason = task.input["reason"].as_str().unwrap_or_default().to_owned();
+    let earlier = task.input.get("conversation")?.as_array()?;
+    let messages = earlier
+        .iter()
+        .filter_map(|m| {
+            let text = m["content"].as_str()?.to_owned();
+            Some(match m["role"].as_str()? {
+                "assistant" => {
+                    ChatCompletionRequestMessage::Assistant(ChatCompletionRequestAssistantMessage {
+                        content: Some(ChatCompletionRequestAssistantMessageContent::Text(text)),
+                        ..Default::default()
+                    })
+                }
+                _ => user(text),
+            })
+        })
+        .collect();
+    Some((from, reason, messages))
 }
 
 fn user(text: String) -> ChatCompletionRequestMessage {

@@ -119,6 +119,16 @@ pub struct LlmConfig {
     /// Commands offered to the model as tools, by tool name.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub exec_tools: BTreeMap<String, ExecToolConfig>,
+    /// The agents below this one in the agent tree: `transfer_to_agent` may hand the
+    /// conversation to them (and to this agent's parent and peers, unless disallowed).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sub_agents: Vec<String>,
+    /// Never transfer the conversation to the parent agent.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub disallow_transfer_to_parent: bool,
+    /// Never transfer the conversation to a peer (another sub-agent of the parent).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub disallow_transfer_to_peers: bool,
     /// Agents offered to the model through the `call_agent` tool (agent-as-tool): each call
     /// runs the named agent as a child run and returns its answer.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -257,6 +267,9 @@ impl LlmConfig {
             exec_tools: BTreeMap::new(),
             mcp_servers: BTreeMap::new(),
             agent_tools: Vec::new(),
+            sub_agents: Vec::new(),
+            disallow_transfer_to_parent: false,
+            disallow_transfer_to_peers: false,
             requests_per_minute: None,
             tokens_per_minute: None,
         }
@@ -529,6 +542,7 @@ impl fmt::Debug for LlmConfig {
             .field("exec_tools", &self.exec_tools.keys().collect::<Vec<_>>())
             .field("mcp_servers", &self.mcp_servers.keys().collect::<Vec<_>>())
             .field("agent_tools", &self.agent_tools)
+            .field("sub_agents", &self.sub_agents)
             .field("requests_per_minute", &self.requests_per_minute)
             .field("tokens_per_minute", &self.tokens_per_minute)
             .finish_non_exhaustive()

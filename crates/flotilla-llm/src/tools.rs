@@ -9,6 +9,7 @@
 //! | `mailbox_read` | `limit`?, `wait_ms`? | `{messages, next_since_seq, more}` |
 //! | `state_get` | `key` | `{key, found, value, revision}` |
 //! | `state_set` | `key`, `value` | `{key, revision}` |
+//! | `transfer_to_agent` (agents in the tree around it) | `agent_name` (parent, sub-agent or peer), `reason`? | ends the attempt: the target continues the conversation as a child run, and its answer is the task's |
 //! | `call_agent` (with `agent-tools`) | `agent` (one of them), `request`, `input`? | `{agent, response, numeric_value}`; the child run in `tool_end.run_link` |
 //!
 //! Arguments are checked against each tool's JSON Schema before anything runs. Every problem
@@ -50,6 +51,9 @@ pub const MAX_TOOL_OUTPUT: usize = 64 * 1024;
 /// The tool offered when an agent lists `agent-tools`.
 pub const CALL_AGENT: &str = "call_agent";
 
+/// The tool offered when an agent has transfer targets in the agent tree.
+pub const TRANSFER: &str = "transfer_to_agent";
+
 /// Longest a `mailbox_read` may wait for a message.
 const MAX_MAILBOX_WAIT_MS: u64 = 30_000;
 
@@ -58,6 +62,9 @@ const MAX_MAILBOX_WAIT_MS: u64 = 30_000;
 enum Action {
     Builtin(&'static str),
     CallAgent,
+    /// Handled by the agent loop (it ends the attempt); a call reaching the tool set had
+    /// arguments the schema refused.
+    Transfer,
     Exec(Arc<ExecTool>),
     Mcp(Arc<McpServer>, String),
 }
@@ -308,6 +315,50 @@ impl ToolSet {
         Ok(set)
     }
 
+    /// Offers `transfer_to_agent` with `targets` (the agent tree's parent, children and
+    /// peers the agent may hand the conversation to). No targets: no tool.
+    pub fn with_transfer(mut self, targets: &[String]) -> Self {
+        if targets.is_empty() {
+            return self;
+        }
+        let parameters = json!({"type": "object", "properties": {
+            "agent_name": {"type": "string", "enum": targets, "description": "The agent to hand the conversation to"},
+            "reason": {"type": "string", "description": "Why, in a few words"}
+        }, "required": ["agent_name"], "additionalProperties": false});
+        if let Ok(validator) = jsonschema::validator_for(&parameters) {
+            self.tools.insert(
+                TRANSFER.to_owned(),
+                Tool {
+                    name: TRANSFER.to_owned(),
+                    description: format!(
+                        "Hands the whole conversation to another agent ({}), which answers the user in your place. Use it when that agent is better suited; you will not answer yourself.",
+                        targets.join(", ")
+                    ),
+                    parameters,
+                    validator: Arc::new(validator),
+                    action: Action::Transfer,
+                },
+            );
+        }
+        self
+    }
+
+    /// Whether `name` with `arguments` is a valid transfer; the target when it is.
+    pub fn transfer_target(&self, name: &str, arguments: &str) -> Option<(String, String)> {
+        let tool = self.tools.get(name)?;
+        if !matches!(tool.action, Action::Transfer) {
+            return None;
+        }
+        let args: Value = serde_json::from_str(arguments).ok()?;
+        if !tool.validator.is_valid(&args) {
+            return None;
+        }
+        Some((
+            str_arg(&args, "agent_name").to_owned(),
+            str_arg(&args, "reason").to_owned(),
+        ))
+    }
+
     /// The tools, by name.
     pub fn tools(&self) -> impl Iterator<Item = &Tool> {
         self.tools.values()
@@ -380,6 +431,10 @@ impl ToolSet {
                 .unwrap_or_else(|e| ToolOutcome::err(e.code(), e.message())),
             Action::Exec(t) => exec(ctx, t, &args).await,
             Action::CallAgent => call_agent(ctx, call_id, &args).await,
+            Action::Transfer => ToolOutcome::err(
+                "invalid_arguments",
+                "transfer_to_agent is handled by the agent; this call could not be",
+            ),
             Action::Mcp(server, tool) => match server.call(tool, &args).await {
                 Ok(v) => ToolOutcome::ok(v),
                 Err(m) => ToolOutcome::err("tool_failed", m),
@@ -484,9 +539,10 @@ async fn builtin(
 /// Runs another agent as a child run and hands back its answer. The child's id comes from
 /// the attempt and the model's tool call id, so a redelivered attempt replaying the same call
 /// re-attaches to the same child.
-async fn call_agent(ctx: &AgentContext, call_id: &str, args: &Value) -> ToolOutcome {
-    // Provider call ids are usually subject-safe (`call_abc123`); others are hashed.
-    let key = if !call_id.is_empty()
+/// The child-call key of a model's tool call id: the id itself when it is subject-safe
+/// (`call_abc123`), else a digest of it — the same for the same call on every delivery.
+pub(crate) fn child_call_key(call_id: &str) -> String {
+    if !call_id.is_empty()
         && call_id.len() <= 64
         && call_id
             .chars()
@@ -502,7 +558,11 @@ async fn call_agent(ctx: &AgentContext, call_id: &str, args: &Value) -> ToolOutc
                 .map(|b| format!("{b:02x}"))
                 .collect::<String>()
         )
-    };
+    }
+}
+
+async fn call_agent(ctx: &AgentContext, call_id: &str, args: &Value) -> ToolOutcome {
+    let key = child_call_key(call_id);
     let call = flotilla_context::ChildCall {
         agent: str_arg(args, "agent").to_owned(),
         description: str_arg(args, "request").to_owned(),

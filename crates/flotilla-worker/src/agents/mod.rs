@@ -70,6 +70,44 @@ impl AgentDefinition {
     }
 }
 
+static NO_KEYS: BTreeMap<String, String> = BTreeMap::new();
+
+/// The sub-agents of a definition in the agent tree (workflow agents, and LLM agents'
+/// `sub-agents`).
+fn sub_agents_of(def: &AgentDefinition) -> &[String] {
+    match def {
+        AgentDefinition::Sequential(c) | AgentDefinition::Parallel(c) => &c.sub_agents,
+        AgentDefinition::Loop(c) => &c.sub_agents,
+        AgentDefinition::Llm(c) => &c.sub_agents,
+        _ => &[],
+    }
+}
+
+/// The agents `name` (an LLM agent) may transfer the conversation to, by ADK's scope rules:
+/// its sub-agents, its parent (unless `disallow-transfer-to-parent`) and its peers — the
+/// parent's other sub-agents (unless `disallow-transfer-to-peers`).
+pub fn transfer_targets(defs: &BTreeMap<String, AgentDefinition>, name: &str) -> Vec<String> {
+    let Some(AgentDefinition::Llm(c)) = defs.get(name) else {
+        return Vec::new();
+    };
+    let mut targets: Vec<String> = c.sub_agents.clone();
+    let parent = defs
+        .iter()
+        .find(|(_, d)| sub_agents_of(d).iter().any(|s| s == name))
+        .map(|(p, d)| (p, sub_agents_of(d)));
+    if let Some((parent, siblings)) = parent {
+        if !c.disallow_transfer_to_parent {
+            targets.push(parent.clone());
+        }
+        if !c.disallow_transfer_to_peers {
+            targets.extend(siblings.iter().filter(|s| *s != name).cloned());
+        }
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    targets.retain(|t| seen.insert(t.clone()));
+    targets
+}
+
 /// Checks that the workflow agents among `defs` form a tree (see [`workflow::check_tree`]);
 /// the error lists every problem, naming the definitions.
 pub fn check_workflows(defs: &BTreeMap<String, AgentDefinition>) -> Result<(), String> {
@@ -94,6 +132,13 @@ pub fn check_workflows(defs: &BTreeMap<String, AgentDefinition>) -> Result<(), S
                     sub_agents: &c.sub_agents,
                     output_keys: &c.output_keys,
                     max_iterations: Some(c.max_iterations),
+                },
+                // An LLM agent's sub-agents (transfer targets) are part of the same tree.
+                AgentDefinition::Llm(c) if !c.sub_agents.is_empty() => WorkflowShape {
+                    kind: "llm",
+                    sub_agents: &c.sub_agents,
+                    output_keys: &NO_KEYS,
+                    max_iterations: None,
                 },
                 _ => return None,
             };
@@ -207,7 +252,8 @@ impl AgentRegistry {
                 AgentDefinition::Scripted(c) => Arc::new(ScriptedAgent::new(c.clone())),
                 AgentDefinition::Llm(c) => Arc::new(
                     LlmAgent::new(name, c, Arc::clone(&roles), &providers, base_dir)
-                        .map_err(|e| e.to_string())?,
+                        .map_err(|e| e.to_string())?
+                        .with_transfer_targets(transfer_targets(defs, name)),
                 ),
                 // Workflow agents run on the coordinators ([`Self::workflows`]).
                 AgentDefinition::Sequential(_)
@@ -297,6 +343,58 @@ impl AgentRegistry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn transfer_targets_follow_the_agent_tree_and_its_disallow_flags() {
+        let defs: BTreeMap<String, AgentDefinition> = toml::from_str(
+            r#"
+            [desk]
+            kind = "sequential"
+            sub-agents = ["dispatcher"]
+
+            [dispatcher]
+            kind = "llm"
+            base-url = "http://127.0.0.1:9/v1"
+            model = "m"
+            sub-agents = ["billing", "support", "faq"]
+
+            [billing]
+            kind = "llm"
+            base-url = "http://127.0.0.1:9/v1"
+            model = "m"
+            disallow-transfer-to-peers = true
+
+            [support]
+            kind = "llm"
+            base-url = "http://127.0.0.1:9/v1"
+            model = "m"
+            disallow-transfer-to-parent = true
+
+            [faq]
+            kind = "scripted"
+            "#,
+        )
+        .expect("parses");
+        assert_eq!(
+            transfer_targets(&defs, "dispatcher"),
+            vec!["billing", "support", "faq", "desk"]
+        );
+        assert_eq!(transfer_targets(&defs, "billing"), vec!["dispatcher"]);
+        assert_eq!(transfer_targets(&defs, "support"), vec!["billing", "faq"]);
+        assert!(
+            transfer_targets(&defs, "faq").is_empty(),
+            "not an LLM agent"
+        );
+        assert!(check_workflows(&defs).is_ok());
+
+        // The LLM agents' sub-agents are part of the tree: one parent each.
+        let mut twice = defs.clone();
+        if let Some(AgentDefinition::Llm(c)) = twice.get_mut("billing") {
+            c.sub_agents = vec!["faq".into()];
+        }
+        let e = check_workflows(&twice).expect_err("faq has two parents");
+        assert!(e.contains("\"faq\" already belongs to"), "{e}");
+    }
 
     #[test]
     fn definitions_parse_from_toml() {
