@@ -592,3 +592,66 @@ reply = "support here"
     assert_ne!(linked, run);
     Ok(())
 }
+
+/// MCP tools inside a distributed plan: the worker process starts the agent's stdio MCP
+/// server (`crates/flotilla-llm/tests/mcp_server.py`, a small standard-library server) and
+/// the model's call reaches it.
+#[tokio::test]
+async fn an_llm_agent_uses_an_mcp_server_started_by_its_worker() -> anyhow::Result<()> {
+    let llm = OpenAiServer::start().await?;
+    llm.push(Reply::tool_call("calc__add", json!({"a": 40, "b": 2})));
+    llm.push(Reply::text("The sum is 42."));
+    let dir = tempfile::tempdir()?;
+    let log = dir.path().join("calls.jsonl");
+    let server = root().join("crates/flotilla-llm/tests/mcp_server.py");
+    let config = format!(
+        r#"
+[agents.adder]
+kind = "llm"
+base-url = "{}"
+model = "scripted-model"
+tools = []
+
+[agents.adder.mcp-servers.calc]
+command = "python3"
+args = ["{}", "stdio"]
+env = {{ MCP_LOG = "{}" }}
+tools = ["add"]
+"#,
+        llm.base_url(),
+        server.display(),
+        log.display()
+    );
+    let mut p = Processes::start(&config).await?;
+    p.coordinator().await?;
+    p.worker(&[]).await?;
+    let run = p
+        .client
+        .submit(SubmitRequest::new(plan(vec![
+            Subtask::new("sum", "Add 40 and 2.").with_agent("adder"),
+        ])))
+        .await?;
+    let outcome = p.client.wait(run, WAIT).await?;
+    assert_eq!(
+        outcome.status,
+        RunStatus::Succeeded,
+        "{outcome:?}\n{}",
+        p.log(1)
+    );
+    let requests = llm.requests();
+    assert_eq!(requests[0].tool_names(), vec!["calc__add"]);
+    let result = requests[1]
+        .messages()
+        .iter()
+        .find(|m| m["role"] == "tool")
+        .and_then(|m| m["content"].as_str())
+        .map(str::to_owned)
+        .unwrap_or_default();
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&result)?,
+        json!({"sum": 42})
+    );
+    let calls = std::fs::read_to_string(&log)?;
+    assert_eq!(calls.lines().count(), 1, "{calls}");
+    Ok(())
+}
