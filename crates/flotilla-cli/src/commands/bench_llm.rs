@@ -78,6 +78,10 @@ pub(crate) struct LlmArgs {
     /// LLM: rounds of each scaling measurement (runs = rounds × workers × concurrency).
     #[arg(long, default_value_t = 4)]
     llm_scale_rounds: usize,
+    /// LLM: the workers' `worker.prefetch` (tasks a worker holds beyond its slots, waiting
+    /// for one) in the scaling figure, one measurement each (1 is the worker's default).
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 0])]
+    llm_scale_prefetch: Vec<usize>,
 }
 
 /// What the LLM section shares with the other sections.
@@ -94,6 +98,8 @@ const PREFIX: &str = "flbllm";
 const WARM_UP: usize = 30;
 /// The reply text of the simulated provider.
 const REPLY: &str = "Done: the figure is 42.";
+/// The worker's default `worker.prefetch` (the one-worker figure runs with it).
+const DEFAULT_PREFETCH: usize = 1;
 
 // ---------------------------------------------------------------------------------------
 // The simulated provider (a test double, not a model).
@@ -442,9 +448,11 @@ fn llm_config(
     nats_url: &str,
     base_url: &str,
     max_requests: usize,
+    prefetch: usize,
     listener_off: bool,
 ) -> anyhow::Result<PathBuf> {
-    let path = dir.join("bench-llm.toml");
+    let worker = format!("\n[worker]\nprefetch = {prefetch}\n");
+    let path = dir.join(format!("bench-llm-prefetch-{prefetch}.toml"));
     let telemetry = if listener_off {
         "\n[telemetry]\nhttp-addr = \"off\"\n"
     } else {
@@ -468,7 +476,7 @@ base-url = "{base_url}"
 model = "simulated"
 tools = []
 max-concurrent-requests = {max_requests}
-{telemetry}"#
+{worker}{telemetry}"#
         ),
     )
     .with_context(|| format!("writing {}", path.display()))?;
@@ -518,6 +526,9 @@ async fn closed_loop(
     let _ = submitter.await;
     Ok((elapsed, failed))
 }
+
+/// One scaling measurement: (worker processes, tasks/s, runs not succeeded).
+type ScaleRow = (usize, f64, usize);
 
 fn unix_nanos() -> i128 {
     std::time::SystemTime::now()
@@ -610,6 +621,7 @@ pub(super) async fn llm_section(
         url,
         &provider.base_url(),
         max_requests,
+        DEFAULT_PREFETCH,
         listener_off,
     )?;
     let spawn = |role: &[&str]| spawn_service(&services.exe, &config, role);
@@ -684,55 +696,75 @@ pub(super) async fn llm_section(
         }
     }
 
-    // Figure 3: 1 → 2 → 4 worker processes.
+    // Figure 3: 1 → 2 → 4 worker processes, for each prefetch setting.
     let per = args.llm_scale_concurrency.max(1);
     let per_s = per.to_string();
-    let mut rows: Vec<(usize, f64, usize)> = Vec::new();
-    for &k in &args.llm_scale_workers {
-        let k = k.max(1);
-        for (_, mut c) in procs.0.drain(1..) {
-            let _ = c.kill();
-            let _ = c.wait();
+    let mut tables: Vec<(usize, Vec<ScaleRow>)> = Vec::new();
+    for &prefetch in &args.llm_scale_prefetch {
+        let config = llm_config(
+            dir.path(),
+            url,
+            &provider.base_url(),
+            max_requests,
+            prefetch,
+            listener_off,
+        )?;
+        let mut rows = Vec::new();
+        for &k in &args.llm_scale_workers {
+            let k = k.max(1);
+            for (_, mut c) in procs.0.drain(1..) {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            let spawned = unix_nanos();
+            for i in 0..k {
+                procs.0.push((
+                    format!("worker {i}"),
+                    spawn_service(&services.exe, &config, &["worker", "--concurrency", &per_s])?,
+                ));
+            }
+            wait_for_workers(&bus, k, spawned).await?;
+            // Warm up: a round of short tasks over every worker's slots.
+            provider.set_delay(Duration::from_millis(200));
+            let (_, failed) = closed_loop(&bus, &inbox, &mut ends, k * per, k * per, via)
+                .await
+                .context("warming up the LLM workers")?;
+            anyhow::ensure!(failed == 0, "the warm-up LLM runs did not succeed");
+            provider.set_delay(args.llm_scale_delay);
+            let runs = k * per * args.llm_scale_rounds.max(1);
+            let (elapsed, failed) =
+                closed_loop(&bus, &inbox, &mut ends, runs, k * per, via).await?;
+            rows.push((k, runs as f64 / elapsed.as_secs_f64(), failed));
         }
-        let spawned = unix_nanos();
-        for i in 0..k {
-            procs.0.push((
-                format!("worker {i}"),
-                spawn(&["worker", "--concurrency", &per_s])?,
-            ));
-        }
-        wait_for_workers(&bus, k, spawned).await?;
-        // Warm up: a round of short tasks over every worker's slots.
-        provider.set_delay(Duration::from_millis(200));
-        let (_, failed) = closed_loop(&bus, &inbox, &mut ends, k * per, k * per, via)
-            .await
-            .context("warming up the LLM workers")?;
-        anyhow::ensure!(failed == 0, "the warm-up LLM runs did not succeed");
-        provider.set_delay(args.llm_scale_delay);
-        let runs = k * per * args.llm_scale_rounds.max(1);
-        let (elapsed, failed) = closed_loop(&bus, &inbox, &mut ends, runs, k * per, via).await?;
-        let throughput = runs as f64 / elapsed.as_secs_f64();
-        rows.push((k, throughput, failed));
+        tables.push((prefetch, rows));
     }
     drop(procs);
-    println!(
-        "   scaling: k worker processes × {per} slots, {:?} simulated latency, k × {per} runs in flight, {} rounds:",
-        args.llm_scale_delay, args.llm_scale_rounds
-    );
-    let one = rows.iter().find(|(k, _, _)| *k == 1).map(|(_, t, _)| *t);
-    for (k, throughput, failed) in &rows {
-        let ideal = (k * per) as f64 / args.llm_scale_delay.as_secs_f64();
-        let vs_linear = one.map_or(String::new(), |one| {
-            format!(
-                "; ÷ ({k} × one worker's {one:.1}) = {:.3} (target ≥ 0.8)",
-                throughput / (*k as f64 * one)
-            )
-        });
+    for (prefetch, rows) in &tables {
         println!(
-            "   {k} worker(s): {throughput:>7.1} tasks/s = {:.3} of ideal {ideal:.1}{vs_linear}{}",
-            throughput / ideal,
-            not_succeeded(*failed)
+            "   scaling: k worker processes × {per} slots, worker.prefetch = {prefetch}{}, {:?} simulated latency, k × {per} runs in flight, {} rounds:",
+            if *prefetch == DEFAULT_PREFETCH {
+                " (the default)"
+            } else {
+                ""
+            },
+            args.llm_scale_delay,
+            args.llm_scale_rounds
         );
+        let one = rows.iter().find(|(k, _, _)| *k == 1).map(|(_, t, _)| *t);
+        for (k, throughput, failed) in rows {
+            let ideal = (k * per) as f64 / args.llm_scale_delay.as_secs_f64();
+            let vs_linear = one.map_or(String::new(), |one| {
+                format!(
+                    "; ÷ ({k} × one worker's {one:.1}) = {:.3} (target ≥ 0.8)",
+                    throughput / (*k as f64 * one)
+                )
+            });
+            println!(
+                "   {k} worker(s): {throughput:>7.1} tasks/s = {:.3} of ideal {ideal:.1}{vs_linear}{}",
+                throughput / ideal,
+                not_succeeded(*failed)
+            );
+        }
     }
     let bad = provider.sim.bad_requests.load(Ordering::SeqCst);
     if bad > 0 {
