@@ -17,6 +17,9 @@
 //!   hop vs gated dispatch (an outside writer's entry → the consumer's agent starts); with the
 //!   services stopped, workspace append → live watcher, paging through 100,000 entries and
 //!   mailbox send → waiting receiver, each next to its plain JetStream baseline.
+//! * **llm** — LLM agents against a simulated OpenAI-compatible provider (a test double in
+//!   the bench, [`super::bench_llm`]): orchestration overhead per model call; one worker with
+//!   many concurrent LLM tasks vs the ideal throughput; scaling over worker processes.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -96,6 +99,8 @@ pub(crate) struct BenchArgs {
     submit_via: SubmitVia,
     #[command(flatten)]
     collab: super::bench_collab::CollabArgs,
+    #[command(flatten)]
+    llm: super::bench_llm::LlmArgs,
 }
 
 /// Where the bench publishes its durable submissions.
@@ -138,6 +143,9 @@ enum Section {
     Recovery,
     /// Workspace topics, topic-gated dispatch and mailboxes, with their raw baselines.
     Collab,
+    /// LLM agents against a simulated OpenAI-compatible provider: overhead per model call,
+    /// concurrent tasks per worker, scaling over worker processes.
+    Llm,
 }
 
 /// A layered DAG of `n` subtasks: each depends on up to three tasks of the previous layer and
@@ -515,7 +523,10 @@ pub(super) fn has_listener(binary: &Path) -> bool {
 
 /// Outcomes of runs submitted with `reply_to = inbox`: one core message per finished run,
 /// so observing completion costs the server nothing beyond the run itself.
-async fn outcomes(bus: &Bus, inbox: String) -> anyhow::Result<mpsc::UnboundedReceiver<RunStatus>> {
+pub(super) async fn outcomes(
+    bus: &Bus,
+    inbox: String,
+) -> anyhow::Result<mpsc::UnboundedReceiver<RunStatus>> {
     let mut sub = bus.client().subscribe(inbox).await?;
     let (tx, rx) = mpsc::unbounded_channel();
     tokio::spawn(async move {
@@ -789,7 +800,7 @@ const IN_FLIGHT_TASKS: usize = 512;
 
 /// Submits `runs` runs of `per_run` independent tasks with `reply_to = inbox`, each once a
 /// permit of `window` is free (the caller adds one per finished run).
-fn spawn_submitter(
+pub(super) fn spawn_submitter(
     bus: &Bus,
     inbox: &str,
     runs: usize,
@@ -1045,6 +1056,7 @@ pub(crate) async fn run(
         && !want(Section::Flotilla)
         && !want(Section::Recovery)
         && !want(Section::Collab)
+        && !want(Section::Llm)
     {
         return Ok(ExitCode::SUCCESS);
     }
@@ -1090,6 +1102,16 @@ pub(crate) async fn run(
             via: args.submit_via,
         };
         super::bench_collab::collab_section(&args.collab, &services, &url).await?;
+    }
+    if want(Section::Llm) {
+        let services = super::bench_llm::Services {
+            exe: match &args.services_binary {
+                Some(p) => p.clone(),
+                None => std::env::current_exe()?,
+            },
+            via: args.submit_via,
+        };
+        super::bench_llm::llm_section(&args.llm, &services, &url).await?;
     }
     Ok(ExitCode::SUCCESS)
 }

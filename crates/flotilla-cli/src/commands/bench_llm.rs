@@ -1,0 +1,774 @@
+//! `flotilla bench --only llm`: LLM agents against a **simulated** OpenAI-compatible provider.
+//!
+//! The provider is a test double inside the bench, not a model: a small HTTP server on a free
+//! loopback port answering `POST /v1/chat/completions` after a configurable delay with a
+//! short reply, streamed (SSE `data:` chunks, a usage chunk when the request asks with
+//! `stream_options.include_usage`, then `data: [DONE]`) or as one JSON body. It asks for one
+//! `state_get` tool call when the request offers that tool and holds no tool result yet, so a
+//! task can take one tool round. It records the time each request spent in its handler
+//! (body parsed → reply handed to the HTTP layer, the delay included): the *server time*.
+//!
+//! Figures (against the bench's nats-server, prefix `flbllm`):
+//!
+//! * **orchestration overhead per model call** — an in-process [`LlmAgent`] with a real
+//!   [`AgentContext`] on the bench's bus (as the worker builds it) answers fresh tasks one at
+//!   a time, the provider answering at once; overhead = attempt wall time − server time.
+//!   Everything the agent does per call is in it: prompt rendering, the HTTP round trip over
+//!   loopback, SSE parsing, `usage`/`assistant_reply` events, and the journaled step (an
+//!   awaited PubAck). Next to it: a bare HTTP round trip (a hand-written request on a kept-alive
+//!   TCP connection, the same reply) and a bare JetStream publish → PubAck.
+//! * **one worker, many concurrent LLM tasks** — a `flotilla coordinator` and one
+//!   `flotilla worker --concurrency N` with a `kind = "llm"` agent pointing at the provider;
+//!   independent 1-task runs kept N in flight (outcomes on `reply_to`); achieved tasks/s ÷
+//!   the ideal N / delay. The worker's RSS idle and loaded → RSS per concurrent agent.
+//! * **scaling 1 → 2 → 4 worker processes** — the same with k workers of a smaller
+//!   concurrency: tasks/s with k workers ÷ (k × tasks/s with one).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use flotilla_bus::{Bus, NatsOptions};
+use flotilla_context::{Agent, AgentContext, Clients, EventEmitter, Scope};
+use flotilla_llm::{LlmAgent, LlmConfig, Providers, Roles};
+use flotilla_model::ids::{AttemptId, RunId};
+use flotilla_model::run::RunStatus;
+use flotilla_model::task::TaskEnvelope;
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::{Semaphore, mpsc};
+use tokio_util::sync::CancellationToken;
+
+use super::bench::{
+    Processes, SubmitVia, has_listener, outcomes, percentile, spawn_service, spawn_submitter,
+};
+
+/// Sizes of the LLM section.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct LlmArgs {
+    /// LLM: measured attempts of each overhead figure (after warm-up).
+    #[arg(long, default_value_t = 500)]
+    llm_samples: usize,
+    /// LLM: concurrent tasks (worker slots and in-flight runs) of the one-worker figure.
+    #[arg(long, default_value_t = 256)]
+    llm_concurrency: usize,
+    /// LLM: simulated provider latency of the one-worker figure.
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    llm_delay: Duration,
+    /// LLM: rounds of the one-worker figure (runs = rounds × concurrency).
+    #[arg(long, default_value_t = 3)]
+    llm_rounds: usize,
+    /// LLM: worker processes of the scaling figure, one measurement each.
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 2, 4])]
+    llm_scale_workers: Vec<usize>,
+    /// LLM: slots per worker in the scaling figure.
+    #[arg(long, default_value_t = 32)]
+    llm_scale_concurrency: usize,
+    /// LLM: simulated provider latency of the scaling figure.
+    #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+    llm_scale_delay: Duration,
+    /// LLM: rounds of each scaling measurement (runs = rounds × workers × concurrency).
+    #[arg(long, default_value_t = 4)]
+    llm_scale_rounds: usize,
+    /// LLM: the workers' `worker.prefetch` (tasks a worker holds beyond its slots, waiting
+    /// for one) in the scaling figure, one measurement each (1 is the worker's default).
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 0])]
+    llm_scale_prefetch: Vec<usize>,
+}
+
+/// What the LLM section shares with the other sections.
+pub(super) struct Services {
+    /// The binary running the coordinator and workers.
+    pub(super) exe: PathBuf,
+    /// How the bench submits.
+    pub(super) via: SubmitVia,
+}
+
+/// The bench's prefix for this section (its own streams, apart from the other sections').
+const PREFIX: &str = "flbllm";
+/// Attempts dropped before each overhead measurement (connections, streams, caches warm).
+const WARM_UP: usize = 30;
+/// The reply text of the simulated provider.
+const REPLY: &str = "Done: the figure is 42.";
+/// The worker's default `worker.prefetch` (the one-worker figure runs with it).
+const DEFAULT_PREFETCH: usize = 1;
+
+// ---------------------------------------------------------------------------------------
+// The simulated provider (a test double, not a model).
+
+/// Counters of the simulated provider.
+#[derive(Default)]
+struct Sim {
+    delay_micros: AtomicU64,
+    server_nanos: AtomicU64,
+    requests: AtomicU64,
+    bad_requests: AtomicU64,
+}
+
+/// The simulated OpenAI-compatible provider; stops on drop.
+struct Provider {
+    addr: std::net::SocketAddr,
+    sim: Arc<Sim>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Provider {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Provider {
+    async fn start() -> anyhow::Result<Self> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .context("binding the simulated provider to a loopback port")?;
+        let addr = listener.local_addr()?;
+        let sim = Arc::new(Sim::default());
+        let app = Router::new()
+            .route("/v1/chat/completions", post(chat))
+            .with_state(Arc::clone(&sim));
+        let task = tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, app).await {
+                eprintln!("flotilla bench: the simulated provider stopped: {e}");
+            }
+        });
+        Ok(Self { addr, sim, task })
+    }
+
+    fn base_url(&self) -> String {
+        format!("http://{}/v1", self.addr)
+    }
+
+    fn set_delay(&self, d: Duration) {
+        self.sim
+            .delay_micros
+            .store(d.as_micros() as u64, Ordering::SeqCst);
+    }
+
+    /// (server nanoseconds, requests) so far.
+    fn totals(&self) -> (u64, u64) {
+        (
+            self.sim.server_nanos.load(Ordering::SeqCst),
+            self.sim.requests.load(Ordering::SeqCst),
+        )
+    }
+}
+
+async fn chat(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
+    let t0 = Instant::now();
+    let response = answer(&sim, &body).await;
+    sim.server_nanos
+        .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::SeqCst);
+    sim.requests.fetch_add(1, Ordering::SeqCst);
+    response
+}
+
+async fn answer(sim: &Sim, body: &[u8]) -> Response {
+    let Ok(request) = serde_json::from_slice::<Value>(body) else {
+        sim.bad_requests.fetch_add(1, Ordering::SeqCst);
+        return (
+            StatusCode::BAD_REQUEST,
+            [(header::CONTENT_TYPE, "application/json")],
+            json!({"error": {"message": "the request body is not JSON", "type": "invalid_request_error"}}).to_string(),
+        )
+            .into_response();
+    };
+    let delay = sim.delay_micros.load(Ordering::SeqCst);
+    if delay > 0 {
+        tokio::time::sleep(Duration::from_micros(delay)).await;
+    }
+    let offers_state_get = request
+        .get("tools")
+        .and_then(Value::as_array)
+        .is_some_and(|tools| {
+            tools
+                .iter()
+                .any(|t| t.pointer("/function/name").and_then(Value::as_str) == Some("state_get"))
+        });
+    let has_tool_result = request
+        .get("messages")
+        .and_then(Value::as_array)
+        .is_some_and(|m| {
+            m.iter()
+                .any(|m| m.get("role").and_then(Value::as_str) == Some("tool"))
+        });
+    let tool_call = offers_state_get && !has_tool_result;
+    let model = request
+        .get("model")
+        .and_then(Value::as_str)
+        .unwrap_or("simulated")
+        .to_owned();
+    let usage = json!({"prompt_tokens": (body.len() / 4).max(1), "completion_tokens": 8, "total_tokens": (body.len() / 4).max(1) + 8});
+    let id = "chatcmpl-simulated";
+    let call = json!({"id": "call_0", "type": "function",
+                      "function": {"name": "state_get", "arguments": "{\"key\": \"figure\"}"}});
+    if request.get("stream").and_then(Value::as_bool) != Some(true) {
+        let mut message = json!({"role": "assistant", "content": if tool_call { Value::Null } else { REPLY.into() }});
+        if tool_call {
+            message["tool_calls"] = json!([call]);
+        }
+        let reply = json!({
+            "id": id, "object": "chat.completion", "created": 1_700_000_000u32, "model": model,
+            "choices": [{"index": 0, "message": message,
+                         "finish_reason": if tool_call { "tool_calls" } else { "stop" }}],
+            "usage": usage,
+        });
+        return (
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, "application/json")],
+            reply.to_string(),
+        )
+            .into_response();
+    }
+    let include_usage = request
+        .pointer("/stream_options/include_usage")
+        .and_then(Value::as_bool)
+        == Some(true);
+    let chunk = |delta: Value, finish: Option<&str>| {
+        json!({"id": id, "object": "chat.completion.chunk", "created": 1_700_000_000u32,
+               "model": model, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+    };
+    let mut events = vec![chunk(json!({"role": "assistant", "content": ""}), None)];
+    if tool_call {
+        events.push(chunk(
+            json!({"tool_calls": [{"index": 0, "id": "call_0", "type": "function",
+                                   "function": {"name": "state_get", "arguments": ""}}]}),
+            None,
+        ));
+        events.push(chunk(
+            json!({"tool_calls": [{"index": 0, "function": {"arguments": "{\"key\": \"figure\"}"}}]}),
+            None,
+        ));
+        events.push(chunk(json!({}), Some("tool_calls")));
+    } else {
+        for piece in REPLY.split_inclusive(' ') {
+            events.push(chunk(json!({"content": piece}), None));
+        }
+        events.push(chunk(json!({}), Some("stop")));
+    }
+    if include_usage {
+        events.push(
+            json!({"id": id, "object": "chat.completion.chunk", "created": 1_700_000_000u32,
+                           "model": model, "choices": [], "usage": usage}),
+        );
+    }
+    let mut frames: Vec<Result<Bytes, std::convert::Infallible>> = events
+        .iter()
+        .map(|e| Ok(Bytes::from(format!("data: {e}\n\n"))))
+        .collect();
+    frames.push(Ok(Bytes::from_static(b"data: [DONE]\n\n")));
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(futures::stream::iter(frames)))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+// ---------------------------------------------------------------------------------------
+// Figure 1: orchestration overhead per model call, in process.
+
+/// A task envelope of a new run, as the worker receives it.
+fn envelope(i: usize) -> anyhow::Result<TaskEnvelope> {
+    let mut t: TaskEnvelope = serde_json::from_value(json!({
+        "run_id": RunId::new(),
+        "task_id": format!("t{i}"),
+        "attempt": 1,
+        "attempt_id": AttemptId::new(),
+        "pool": "default",
+        "required": true,
+        "timeout": 60,
+        "dispatched_at": "2026-01-01T00:00:00Z",
+        "dataflow_validation": "lenient"
+    }))
+    .context("building a task envelope")?;
+    t.description = "Report the quarter's figure in one sentence.".into();
+    Ok(t)
+}
+
+/// Overheads (ms per attempt) of `samples` attempts, each making one model call, or two
+/// with `tool_round`. Without `events` the attempt's event emitter has no bus: no events are
+/// published and no step is journaled (a decomposition only; the worker always has both).
+async fn attempt_overheads(
+    bus: &Bus,
+    provider: &Provider,
+    samples: usize,
+    tool_round: bool,
+    events: bool,
+) -> anyhow::Result<Vec<f64>> {
+    let mut config = LlmConfig::new(provider.base_url(), "simulated");
+    config.tools = if tool_round {
+        vec!["state_get".into()]
+    } else {
+        Vec::new()
+    };
+    config.max_retries = 0;
+    let agent = LlmAgent::new(
+        "bench",
+        &config,
+        Arc::new(Roles::default()),
+        &Providers::default(),
+        Path::new("."),
+    )
+    .context("building the bench's LLM agent")?;
+    let calls = if tool_round { 2 } else { 1 };
+    let mut out = Vec::with_capacity(samples);
+    for i in 0..WARM_UP + samples {
+        let task = envelope(i)?;
+        let scope = Scope::from_envelope(&task, 1, bus.names().clone());
+        let clients = Clients::new(bus.clone(), scope)?;
+        let events = EventEmitter::new(events.then(|| bus.clone()), &task, "bench-worker", 1);
+        let ctx = AgentContext::new(
+            clients,
+            CancellationToken::new(),
+            Instant::now() + Duration::from_secs(60),
+            events,
+            "bench-worker",
+        );
+        let (nanos0, requests0) = provider.totals();
+        let t0 = Instant::now();
+        let reply = agent.run(&task, ctx).await;
+        let wall = t0.elapsed();
+        let (nanos1, requests1) = provider.totals();
+        if let Err(e) = reply {
+            anyhow::bail!(
+                "an LLM attempt against the simulated provider at {} failed: {} ({:?})",
+                provider.base_url(),
+                e.message,
+                e.kind
+            );
+        }
+        anyhow::ensure!(
+            requests1 - requests0 == calls,
+            "an attempt made {} model calls, expected {calls}",
+            requests1 - requests0
+        );
+        if i >= WARM_UP {
+            out.push((wall.as_nanos() as f64 - (nanos1 - nanos0) as f64) / 1e6);
+        }
+    }
+    Ok(out)
+}
+
+/// A bare HTTP/1.1 round trip to the provider on one kept-alive connection, the same streamed
+/// reply read to `[DONE]`: the floor of any HTTP client (ms, minus server time).
+async fn bare_http(provider: &Provider, samples: usize) -> anyhow::Result<Vec<f64>> {
+    let mut stream = tokio::net::TcpStream::connect(provider.addr)
+        .await
+        .with_context(|| format!("connecting to the simulated provider at {}", provider.addr))?;
+    stream.set_nodelay(true)?;
+    let body = json!({"model": "simulated", "stream": true, "stream_options": {"include_usage": true},
+                      "messages": [{"role": "system", "content": "You are a helpful assistant."},
+                                   {"role": "user", "content": "Report the quarter's figure in one sentence."}]})
+    .to_string();
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        provider.addr,
+        body.len()
+    );
+    let mut out = Vec::with_capacity(samples);
+    let mut buf = vec![0u8; 64 * 1024];
+    for i in 0..WARM_UP + samples {
+        let (nanos0, _) = provider.totals();
+        let t0 = Instant::now();
+        stream.write_all(request.as_bytes()).await?;
+        // Chunked transfer encoding: the response ends with the zero-length chunk.
+        let mut got = Vec::new();
+        loop {
+            let n = stream.read(&mut buf).await?;
+            anyhow::ensure!(n > 0, "the simulated provider closed the connection");
+            got.extend_from_slice(&buf[..n]);
+            if got.ends_with(b"\r\n0\r\n\r\n") {
+                break;
+            }
+        }
+        let wall = t0.elapsed();
+        let (nanos1, _) = provider.totals();
+        anyhow::ensure!(
+            got.windows(6).any(|w| w == b"[DONE]"),
+            "the simulated provider's reply did not end with [DONE]"
+        );
+        if i >= WARM_UP {
+            out.push((wall.as_nanos() as f64 - (nanos1 - nanos0) as f64) / 1e6);
+        }
+    }
+    Ok(out)
+}
+
+/// A bare JetStream publish → PubAck of a step-sized event (ms).
+async fn bare_puback(bus: &Bus, samples: usize) -> anyhow::Result<Vec<f64>> {
+    let js = bus.js();
+    let name = "FLBENCH_LLM_RAW";
+    let _ = js.delete_stream(name).await;
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: name.into(),
+        subjects: vec!["flbllm-raw.>".into()],
+        ..Default::default()
+    })
+    .await?;
+    let payload = Bytes::from(
+        json!({"type": "agent_step", "step": 0, "content": REPLY, "tool_calls": [],
+               "usage": {"prompt_tokens": 100, "completion_tokens": 8}, "padding": "x".repeat(300)})
+        .to_string(),
+    );
+    let mut out = Vec::with_capacity(samples);
+    for i in 0..WARM_UP + samples {
+        let t0 = Instant::now();
+        js.publish(format!("flbllm-raw.{i}"), payload.clone())
+            .await?
+            .await?;
+        if i >= WARM_UP {
+            out.push(super::bench::ms(t0.elapsed()));
+        }
+    }
+    let _ = js.delete_stream(name).await;
+    Ok(out)
+}
+
+fn p50_p99(samples: &mut [f64]) -> (f64, f64) {
+    samples.sort_by(f64::total_cmp);
+    (percentile(samples, 0.5), percentile(samples, 0.99))
+}
+
+// ---------------------------------------------------------------------------------------
+// Figures 2 and 3: coordinator and worker processes.
+
+/// The services' configuration: one `kind = "llm"` agent pointing at the provider.
+fn llm_config(
+    dir: &Path,
+    nats_url: &str,
+    base_url: &str,
+    max_requests: usize,
+    prefetch: usize,
+    listener_off: bool,
+) -> anyhow::Result<PathBuf> {
+    let worker = format!("\n[worker]\nprefetch = {prefetch}\n");
+    let path = dir.join(format!("bench-llm-prefetch-{prefetch}.toml"));
+    let telemetry = if listener_off {
+        "\n[telemetry]\nhttp-addr = \"off\"\n"
+    } else {
+        ""
+    };
+    std::fs::write(
+        &path,
+        format!(
+            r#"# Generated by `flotilla bench --only llm`: an LLM agent against the bench's simulated
+# OpenAI-compatible provider (a test double answering after a fixed delay, not a model).
+pools = ["default"]
+default-agent = "llm"
+
+[nats]
+urls = ["{nats_url}"]
+prefix = "{PREFIX}"
+
+[agents.llm]
+kind = "llm"
+base-url = "{base_url}"
+model = "simulated"
+tools = []
+max-concurrent-requests = {max_requests}
+{worker}{telemetry}"#
+        ),
+    )
+    .with_context(|| format!("writing {}", path.display()))?;
+    Ok(path)
+}
+
+fn vm_rss_kib(pid: u32) -> Option<u64> {
+    status_field(pid, "VmRSS:")
+}
+
+fn status_field(pid: u32, field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find(|l| l.starts_with(field))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+}
+
+/// Submits `runs` 1-task runs kept `in_flight` at a time and waits for every outcome:
+/// (elapsed, runs not succeeded).
+async fn closed_loop(
+    bus: &Bus,
+    inbox: &str,
+    ends: &mut mpsc::UnboundedReceiver<RunStatus>,
+    runs: usize,
+    in_flight: usize,
+    via: SubmitVia,
+) -> anyhow::Result<(Duration, usize)> {
+    let window = Arc::new(Semaphore::new(in_flight.max(1)));
+    let start = Instant::now();
+    let submitter = spawn_submitter(bus, inbox, runs, 1, via, Arc::clone(&window));
+    let mut failed = 0;
+    for _ in 0..runs {
+        let status = tokio::time::timeout(Duration::from_secs(120), ends.recv())
+            .await
+            .context(
+                "no LLM run finished for 2 minutes (is the worker up and the provider answering?)",
+            )?
+            .context("outcome subscription ended")?;
+        if status != RunStatus::Succeeded {
+            failed += 1;
+        }
+        window.add_permits(1);
+    }
+    let elapsed = start.elapsed();
+    let _ = submitter.await;
+    Ok((elapsed, failed))
+}
+
+/// One scaling measurement: (worker processes, tasks/s, runs not succeeded).
+type ScaleRow = (usize, f64, usize);
+
+fn unix_nanos() -> i128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as i128)
+}
+
+/// Waits until `k` workers registered after `since` (Unix ns; same host clock): the workers
+/// killed before them stay in the registry until their entries expire.
+async fn wait_for_workers(bus: &Bus, k: usize, since: i128) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let live = super::runs::live_workers(bus).await?;
+        let new = live
+            .iter()
+            .filter(|(_, at)| at.0.unix_timestamp_nanos() >= since)
+            .count();
+        if new >= k {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "only {new} of {k} LLM workers registered within 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn not_succeeded(failed: usize) -> String {
+    if failed > 0 {
+        format!(", {failed} runs NOT succeeded")
+    } else {
+        String::new()
+    }
+}
+
+/// Runs the section.
+pub(super) async fn llm_section(
+    args: &LlmArgs,
+    services: &Services,
+    url: &str,
+) -> anyhow::Result<()> {
+    let provider = Provider::start().await?;
+    let mut opts = NatsOptions::with_url(url);
+    opts.prefix = PREFIX.into();
+    let bus = Bus::connect(&opts, "flotilla-bench").await?;
+    bus.provision(&Default::default()).await?;
+    println!(
+        "== LLM agents against a SIMULATED OpenAI-compatible provider at {} (a test double in the bench answering after a fixed delay, not a model)",
+        provider.base_url()
+    );
+
+    // Figure 1: overhead per model call, one attempt at a time, zero provider delay.
+    provider.set_delay(Duration::ZERO);
+    let samples = args.llm_samples.max(1);
+    let (o50, o99) = p50_p99(&mut attempt_overheads(&bus, &provider, samples, false, true).await?);
+    let (t50, t99) = p50_p99(&mut attempt_overheads(&bus, &provider, samples, true, true).await?);
+    let (n50, n99) = p50_p99(&mut attempt_overheads(&bus, &provider, samples, false, false).await?);
+    let (h50, h99) = p50_p99(&mut bare_http(&provider, samples).await?);
+    let (j50, j99) = p50_p99(&mut bare_puback(&bus, samples).await?);
+    println!(
+        "   orchestration overhead per model call (attempt wall time − server time; in-process LlmAgent, 1 in flight, streaming, {samples} attempts each):"
+    );
+    println!(
+        "   1 call per task:                          p50 {o50:.3} ms   p99 {o99:.3} ms   per call"
+    );
+    println!(
+        "   2 calls per task (one state_get round):   p50 {:.3} ms   p99 {:.3} ms   per call   (per task {t50:.3} / {t99:.3} ms, the tool included)",
+        t50 / 2.0,
+        t99 / 2.0
+    );
+    println!(
+        "   decomposition — 1 call, no events and no journal (emitter without a bus; never so in a worker): p50 {n50:.3} ms   p99 {n99:.3} ms"
+    );
+    println!(
+        "   compared with: bare HTTP/1.1 round trip, same reply (kept-alive TCP, no client library): p50 {h50:.3} ms   p99 {h99:.3} ms"
+    );
+    println!(
+        "                  bare JetStream publish → PubAck (what journaling a step waits for): p50 {j50:.3} ms   p99 {j99:.3} ms"
+    );
+
+    // Figures 2 and 3: the services.
+    let dir = tempfile::Builder::new()
+        .prefix("flotilla-bench-llm-")
+        .tempdir()?;
+    let listener_off = has_listener(&services.exe);
+    let max_requests = args.llm_concurrency.max(args.llm_scale_concurrency).max(1);
+    let config = llm_config(
+        dir.path(),
+        url,
+        &provider.base_url(),
+        max_requests,
+        DEFAULT_PREFETCH,
+        listener_off,
+    )?;
+    let spawn = |role: &[&str]| spawn_service(&services.exe, &config, role);
+    let mut procs = Processes(vec![("coordinator".into(), spawn(&["coordinator"])?)]);
+    let inbox = format!("_INBOX.flbllm.{}", RunId::new());
+    let mut ends = outcomes(&bus, inbox.clone()).await?;
+    let via = services.via;
+
+    // Figure 2: one worker, N concurrent tasks of `llm_delay`.
+    let n = args.llm_concurrency.max(1);
+    let conc = n.to_string();
+    procs
+        .0
+        .push(("worker".into(), spawn(&["worker", "--concurrency", &conc])?));
+    let worker_pid = procs.0[1].1.id();
+    // Warm up with a short delay: proves both processes are ready, warms the connections.
+    provider.set_delay(Duration::from_millis(10));
+    let (_, failed) = closed_loop(&bus, &inbox, &mut ends, 4, 4, via)
+        .await
+        .context("warming up the LLM worker")?;
+    anyhow::ensure!(
+        failed == 0,
+        "the warm-up LLM runs did not succeed (see the worker's log above)"
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let idle = vm_rss_kib(worker_pid).unwrap_or(0);
+    provider.set_delay(args.llm_delay);
+    let runs = n * args.llm_rounds.max(1);
+    let peak_loaded = Arc::new(AtomicU64::new(0));
+    let sampler = {
+        let peak = Arc::clone(&peak_loaded);
+        tokio::spawn(async move {
+            loop {
+                if let Some(kib) = vm_rss_kib(worker_pid) {
+                    peak.fetch_max(kib, Ordering::SeqCst);
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+    };
+    let requests0 = provider.totals().1;
+    let (elapsed, failed) = closed_loop(&bus, &inbox, &mut ends, runs, n, via).await?;
+    sampler.abort();
+    let requests = provider.totals().1 - requests0;
+    let loaded = peak_loaded.load(Ordering::SeqCst);
+    let hwm = status_field(worker_pid, "VmHWM:").unwrap_or(0);
+    let achieved = runs as f64 / elapsed.as_secs_f64();
+    let ideal = n as f64 / args.llm_delay.as_secs_f64();
+    println!(
+        "   one worker × {n} slots, {n} LLM tasks in flight, {:?} simulated latency (1-task runs, {runs} runs):",
+        args.llm_delay
+    );
+    println!(
+        "   throughput {achieved:.1} tasks/s ÷ ideal {ideal:.1} ({n} / {:?}) = {:.3}   (target ≥ 0.9; {runs} runs in {:.2} s, {requests} model calls{})",
+        args.llm_delay,
+        achieved / ideal,
+        elapsed.as_secs_f64(),
+        not_succeeded(failed)
+    );
+    println!(
+        "   worker RSS: idle {:.1} MiB, loaded {:.1} MiB (most sampled), peak {:.1} MiB → {:.1} KiB per concurrent agent",
+        idle as f64 / 1024.0,
+        loaded as f64 / 1024.0,
+        hwm as f64 / 1024.0,
+        loaded.saturating_sub(idle) as f64 / n as f64
+    );
+    for (name, child) in procs.0.iter() {
+        if name == "coordinator"
+            && let Some(kib) = status_field(child.id(), "VmHWM:")
+        {
+            println!("   coordinator peak RSS {:.1} MiB", kib as f64 / 1024.0);
+        }
+    }
+
+    // Figure 3: 1 → 2 → 4 worker processes, for each prefetch setting.
+    let per = args.llm_scale_concurrency.max(1);
+    let per_s = per.to_string();
+    let mut tables: Vec<(usize, Vec<ScaleRow>)> = Vec::new();
+    for &prefetch in &args.llm_scale_prefetch {
+        let config = llm_config(
+            dir.path(),
+            url,
+            &provider.base_url(),
+            max_requests,
+            prefetch,
+            listener_off,
+        )?;
+        let mut rows = Vec::new();
+        for &k in &args.llm_scale_workers {
+            let k = k.max(1);
+            for (_, mut c) in procs.0.drain(1..) {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            let spawned = unix_nanos();
+            for i in 0..k {
+                procs.0.push((
+                    format!("worker {i}"),
+                    spawn_service(&services.exe, &config, &["worker", "--concurrency", &per_s])?,
+                ));
+            }
+            wait_for_workers(&bus, k, spawned).await?;
+            // Warm up: a round of short tasks over every worker's slots.
+            provider.set_delay(Duration::from_millis(200));
+            let (_, failed) = closed_loop(&bus, &inbox, &mut ends, k * per, k * per, via)
+                .await
+                .context("warming up the LLM workers")?;
+            anyhow::ensure!(failed == 0, "the warm-up LLM runs did not succeed");
+            provider.set_delay(args.llm_scale_delay);
+            let runs = k * per * args.llm_scale_rounds.max(1);
+            let (elapsed, failed) =
+                closed_loop(&bus, &inbox, &mut ends, runs, k * per, via).await?;
+            rows.push((k, runs as f64 / elapsed.as_secs_f64(), failed));
+        }
+        tables.push((prefetch, rows));
+    }
+    drop(procs);
+    for (prefetch, rows) in &tables {
+        println!(
+            "   scaling: k worker processes × {per} slots, worker.prefetch = {prefetch}{}, {:?} simulated latency, k × {per} runs in flight, {} rounds:",
+            if *prefetch == DEFAULT_PREFETCH {
+                " (the default)"
+            } else {
+                ""
+            },
+            args.llm_scale_delay,
+            args.llm_scale_rounds
+        );
+        let one = rows.iter().find(|(k, _, _)| *k == 1).map(|(_, t, _)| *t);
+        for (k, throughput, failed) in rows {
+            let ideal = (k * per) as f64 / args.llm_scale_delay.as_secs_f64();
+            let vs_linear = one.map_or(String::new(), |one| {
+                format!(
+                    "; ÷ ({k} × one worker's {one:.1}) = {:.3} (target ≥ 0.8)",
+                    throughput / (*k as f64 * one)
+                )
+            });
+            println!(
+                "   {k} worker(s): {throughput:>7.1} tasks/s = {:.3} of ideal {ideal:.1}{vs_linear}{}",
+                throughput / ideal,
+                not_succeeded(*failed)
+            );
+        }
+    }
+    let bad = provider.sim.bad_requests.load(Ordering::SeqCst);
+    if bad > 0 {
+        println!("   the simulated provider received {bad} requests that were not JSON");
+    }
+    Ok(())
+}
