@@ -359,6 +359,41 @@ async fn attempt_overheads(
     Ok(out)
 }
 
+/// One attempt with `stream = false` (a JSON reply per call), with a tool round: the
+/// provider's non-streaming path works (not timed).
+async fn check_non_streaming(bus: &Bus, provider: &Provider) -> anyhow::Result<()> {
+    let mut config = LlmConfig::new(provider.base_url(), "simulated");
+    config.tools = vec!["state_get".into()];
+    config.max_retries = 0;
+    config.stream = false;
+    let agent = LlmAgent::new(
+        "bench",
+        &config,
+        Arc::new(Roles::default()),
+        &Providers::default(),
+        Path::new("."),
+    )
+    .context("building the bench's non-streaming LLM agent")?;
+    let task = envelope(0)?;
+    let scope = Scope::from_envelope(&task, 1, bus.names().clone());
+    let ctx = AgentContext::new(
+        Clients::new(bus.clone(), scope)?,
+        CancellationToken::new(),
+        Instant::now() + Duration::from_secs(60),
+        EventEmitter::new(Some(bus.clone()), &task, "bench-worker", 1),
+        "bench-worker",
+    );
+    agent.run(&task, ctx).await.map_err(|e| {
+        anyhow::anyhow!(
+            "a non-streaming LLM attempt against the simulated provider at {} failed: {} ({:?})",
+            provider.base_url(),
+            e.message,
+            e.kind
+        )
+    })?;
+    Ok(())
+}
+
 /// A bare HTTP/1.1 round trip to the provider on one kept-alive connection, the same streamed
 /// reply read to `[DONE]`: the floor of any HTTP client (ms, minus server time).
 async fn bare_http(provider: &Provider, samples: usize) -> anyhow::Result<Vec<f64>> {
@@ -583,6 +618,7 @@ pub(super) async fn llm_section(
 
     // Figure 1: overhead per model call, one attempt at a time, zero provider delay.
     provider.set_delay(Duration::ZERO);
+    check_non_streaming(&bus, &provider).await?;
     let samples = args.llm_samples.max(1);
     let (o50, o99) = p50_p99(&mut attempt_overheads(&bus, &provider, samples, false, true).await?);
     let (t50, t99) = p50_p99(&mut attempt_overheads(&bus, &provider, samples, true, true).await?);
