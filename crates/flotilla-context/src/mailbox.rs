@@ -393,7 +393,17 @@ impl Mailbox {
                 && Instant::now() < deadline
             {
                 settle = rest;
-                tokio::time::sleep(Duration::from_millis(ms)).await;
+                // A wake-up ends the pause at once: re-read now, then settle again.
+                let pause = tokio::time::sleep(Duration::from_millis(ms));
+                match wake.as_mut() {
+                    Some(w) => {
+                        tokio::select! {
+                            () = pause => {}
+                            Some(_) = w.next() => settle = &SETTLE_DELAYS_MS,
+                        }
+                    }
+                    None => pause.await,
+                }
                 continue;
             }
             let woken = match wake.as_mut() {
