@@ -380,35 +380,19 @@ reply = "helper found 42"
 "#,
         llm.base_url()
     );
-    let mut p = Processes::start(&config).await?;
-    p.coordinator().await?;
     // One slot: the child needs it while the lead waits — two workers, one slot each.
-    p.worker(&["--concurrency", "1"]).await?;
-    p.worker(&["--concurrency", "1"]).await?;
-    let run = p
-        .client
-        .submit(SubmitRequest::new(plan(vec![
-            Subtask::new("lead_task", "Get the number.").with_agent("lead"),
-        ])))
-        .await?;
-    let outcome = p.client.wait(run, WAIT).await?;
-    assert_eq!(
-        outcome.status,
-        RunStatus::Succeeded,
-        "{outcome:?}\n{}",
-        p.log(1)
-    );
+    let (p, run, _outcome) = run_one_task(
+        &config,
+        2,
+        Some(1),
+        Subtask::new("lead_task", "Get the number.").with_agent("lead"),
+    )
+    .await?;
     let requests = llm.requests();
     assert_eq!(requests.len(), 2);
     let offered = requests[0].tool_names();
     assert_eq!(offered, vec!["call_agent"]);
-    let tool_result = requests[1]
-        .messages()
-        .iter()
-        .find(|m| m["role"] == "tool")
-        .and_then(|m| m["content"].as_str())
-        .map(str::to_owned)
-        .unwrap_or_default();
+    let tool_result = first_tool_result(&requests[1]);
     assert!(tool_result.contains("helper found 42"), "{tool_result}");
 
     // The parent's stream links the child twice: agent_run_started and tool_end.run_link.
@@ -523,23 +507,13 @@ reply = "support here"
 "#,
         url = llm.base_url()
     );
-    let mut p = Processes::start(&config).await?;
-    p.coordinator().await?;
-    p.worker(&["--concurrency", "1"]).await?;
-    p.worker(&["--concurrency", "1"]).await?;
-    let run = p
-        .client
-        .submit(SubmitRequest::new(plan(vec![
-            Subtask::new("help", "I was charged twice for my order.").with_agent("dispatcher"),
-        ])))
-        .await?;
-    let outcome = p.client.wait(run, WAIT).await?;
-    assert_eq!(
-        outcome.status,
-        RunStatus::Succeeded,
-        "{outcome:?}\n{}",
-        p.log(1)
-    );
+    let (p, run, outcome) = run_one_task(
+        &config,
+        2,
+        Some(1),
+        Subtask::new("help", "I was charged twice for my order.").with_agent("dispatcher"),
+    )
+    .await?;
     assert_eq!(
         outcome.final_result.map(|r| r.response).as_deref(),
         Some("Your refund is on its way.")
@@ -622,14 +596,49 @@ tools = ["add"]
         server.display(),
         log.display()
     );
-    let mut p = Processes::start(&config).await?;
+    let (_p, _run, _outcome) = run_one_task(
+        &config,
+        1,
+        None,
+        Subtask::new("sum", "Add 40 and 2.").with_agent("adder"),
+    )
+    .await?;
+    let requests = llm.requests();
+    assert_eq!(requests[0].tool_names(), vec!["calc__add"]);
+    let result = first_tool_result(&requests[1]);
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&result)?,
+        json!({"sum": 42})
+    );
+    let calls = std::fs::read_to_string(&log)?;
+    assert_eq!(calls.lines().count(), 1, "{calls}");
+    Ok(())
+}
+
+/// Starts a coordinator and `workers` worker processes (`slots` each, else the default) on
+/// `config`, runs a plan of `task`, and returns them with the run and its successful outcome.
+async fn run_one_task(
+    config: &str,
+    workers: usize,
+    slots: Option<usize>,
+    task: Subtask,
+) -> anyhow::Result<(
+    Processes,
+    flotilla_model::RunId,
+    flotilla_model::run::RunOutcome,
+)> {
+    let mut p = Processes::start(config).await?;
     p.coordinator().await?;
-    p.worker(&[]).await?;
+    let slots = slots.map(|n| n.to_string());
+    for _ in 0..workers {
+        match &slots {
+            Some(n) => p.worker(&["--concurrency", n]).await?,
+            None => p.worker(&[]).await?,
+        };
+    }
     let run = p
         .client
-        .submit(SubmitRequest::new(plan(vec![
-            Subtask::new("sum", "Add 40 and 2.").with_agent("adder"),
-        ])))
+        .submit(SubmitRequest::new(plan(vec![task])))
         .await?;
     let outcome = p.client.wait(run, WAIT).await?;
     assert_eq!(
@@ -638,20 +647,16 @@ tools = ["add"]
         "{outcome:?}\n{}",
         p.log(1)
     );
-    let requests = llm.requests();
-    assert_eq!(requests[0].tool_names(), vec!["calc__add"]);
-    let result = requests[1]
+    Ok((p, run, outcome))
+}
+
+/// The content of the first tool message the model was sent in `request`.
+fn first_tool_result(request: &flotilla_testkit::openai::RecordedRequest) -> String {
+    request
         .messages()
         .iter()
         .find(|m| m["role"] == "tool")
         .and_then(|m| m["content"].as_str())
         .map(str::to_owned)
-        .unwrap_or_default();
-    assert_eq!(
-        serde_json::from_str::<serde_json::Value>(&result)?,
-        json!({"sum": 42})
-    );
-    let calls = std::fs::read_to_string(&log)?;
-    assert_eq!(calls.lines().count(), 1, "{calls}");
-    Ok(())
+        .unwrap_or_default()
 }

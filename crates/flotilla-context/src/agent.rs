@@ -119,17 +119,7 @@ impl EventEmitter {
     pub async fn emit(&self, event: Event) {
         let Some(bus) = &self.bus else { return };
         let n = self.counter.fetch_add(1, Ordering::Relaxed);
-        let envelope = EventEnvelope {
-            protocol: PROTOCOL_VERSION,
-            id: format!("{}.{n}", self.id_prefix),
-            run_id: self.run_id,
-            task_id: Some(self.task_id.clone()),
-            attempt: Some(self.attempt),
-            ts: Timestamp::now(),
-            source: self.source.clone(),
-            event,
-        };
-        let batch = flotilla_model::event::EventBatch::new(self.run_id, vec![envelope]);
+        let batch = self.batch(format!("{}.{n}", self.id_prefix), event);
         match wire::encode(&batch, Codec::Json, Some(&batch.msg_id())) {
             Ok(out) => {
                 // Fire and forget: the acknowledgement is collected by the client.
@@ -147,12 +137,8 @@ impl EventEmitter {
 }
 
 impl EventEmitter {
-    /// Publishes an event with the given `id` (also its `Nats-Msg-Id`) and waits until the
-    /// server has stored it — for records a later delivery of the attempt must find, such as
-    /// the journal of an LLM agent's steps. The id must be the same on every delivery that
-    /// records the same thing, so a repeat is dropped by JetStream's de-duplication.
-    pub async fn record(&self, id: String, event: Event) -> Result<(), String> {
-        let Some(bus) = &self.bus else { return Ok(()) };
+    /// One event of this attempt as the message that carries it.
+    fn batch(&self, id: String, event: Event) -> flotilla_model::event::EventBatch {
         let envelope = EventEnvelope {
             protocol: PROTOCOL_VERSION,
             id,
@@ -163,7 +149,16 @@ impl EventEmitter {
             source: self.source.clone(),
             event,
         };
-        let batch = flotilla_model::event::EventBatch::new(self.run_id, vec![envelope]);
+        flotilla_model::event::EventBatch::new(self.run_id, vec![envelope])
+    }
+
+    /// Publishes an event with the given `id` (also its `Nats-Msg-Id`) and waits until the
+    /// server has stored it — for records a later delivery of the attempt must find, such as
+    /// the journal of an LLM agent's steps. The id must be the same on every delivery that
+    /// records the same thing, so a repeat is dropped by JetStream's de-duplication.
+    pub async fn record(&self, id: String, event: Event) -> Result<(), String> {
+        let Some(bus) = &self.bus else { return Ok(()) };
+        let batch = self.batch(id, event);
         let out = wire::encode(&batch, Codec::Json, Some(&batch.msg_id()))
             .map_err(|e| format!("encoding: {e}"))?;
         bus.js()
