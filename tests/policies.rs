@@ -251,14 +251,25 @@ async fn max_concurrency_caps_tasks_in_flight() -> anyhow::Result<()> {
     p.config.max_concurrency = 2;
     let run = f.client.submit(SubmitRequest::new(p)).await?;
     assert_eq!(f.client.wait(run, WAIT).await?.status, RunStatus::Succeeded);
-    let mut running = 0i32;
-    let mut peak = 0;
-    for e in all_events(&f, run).await? {
-        match phase_of(&e) {
-            Some(WorkflowPhase::TaskStarted) => running += 1,
-            Some(WorkflowPhase::TaskSucceeded) => running -= 1,
-            _ => {}
+    // Each attempt ran from its worker's `started_at` to its result being stored (server
+    // time, same host clock). The event stream's order cannot be used: a worker may publish
+    // `task_started` of a task dispatched in the step that recorded another's success before
+    // the coordinator publishes that step's `task_succeeded`.
+    let store = flotilla_coordinator::store::RunStore::open(&f.bus).await?;
+    let mut edges = Vec::new();
+    for (_, stored, entry) in store.history(run).await? {
+        if let flotilla_model::runlog::RunInput::TaskResult(r) = entry.input {
+            let started = r.started_at.expect("workers report their start").unix_ms();
+            edges.push((started, 1i32));
+            edges.push((stored.unix_ms(), -1));
         }
+    }
+    assert_eq!(edges.len(), 16, "eight attempts");
+    // Ends before starts at the same millisecond.
+    edges.sort();
+    let (mut running, mut peak) = (0, 0);
+    for (_, d) in edges {
+        running += d;
         peak = peak.max(running);
     }
     assert_eq!(peak, 2);
