@@ -50,6 +50,7 @@ use flotilla_model::runlog::{
 use flotilla_model::subjects::WORKFLOW_POOL;
 use flotilla_model::submit::{SubmitReply, SubmitRequest, SubmitStatus};
 use flotilla_model::task::{DependencyResult, TaskEnvelope, TaskError, TaskResult, TraceContext};
+use flotilla_model::template::{fill, placeholders};
 use flotilla_model::time::Timestamp;
 use flotilla_model::validate::{
     MAX_REPORTED_PROBLEMS, Problem, ProblemCode, ValidationContext, normalize_plan, prepare_plan,
@@ -2051,58 +2052,6 @@ pub(crate) fn session_of(state: &crate::machine::RunState) -> String {
         .map_or_else(|| root_of(state).to_string(), |s| s.to_string())
 }
 
-/// The `{key}` and `{key?}` placeholders of a description, in order: a key is a state-key
-/// name (letters, digits, `_`, `-`). Other braces (JSON, prose) are left alone.
-fn placeholders(text: &str) -> Vec<(&str, bool)> {
-    let mut out = Vec::new();
-    let mut rest = text;
-    while let Some(open) = rest.find('{') {
-        let after = &rest[open + 1..];
-        let name_len = after
-            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '-'))
-            .unwrap_or(after.len());
-        let (name, tail) = after.split_at(name_len);
-        let (optional, tail) = match tail.strip_prefix('?') {
-            Some(t) => (true, t),
-            None => (false, tail),
-        };
-        if !name.is_empty() && tail.starts_with('}') {
-            out.push((name, optional));
-            rest = &tail[1..];
-        } else {
-            rest = after;
-        }
-    }
-    out
-}
-
-/// Replaces the placeholders found by [`placeholders`] with their values.
-fn fill(text: &str, values: &HashMap<&str, String>) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut rest = text;
-    while let Some(open) = rest.find('{') {
-        out.push_str(&rest[..open]);
-        let after = &rest[open + 1..];
-        let name_len = after
-            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '-'))
-            .unwrap_or(after.len());
-        let (name, tail) = after.split_at(name_len);
-        let tail_after_mark = tail.strip_prefix('?').unwrap_or(tail);
-        match (values.get(name), tail_after_mark.strip_prefix('}')) {
-            (Some(v), Some(next)) if !name.is_empty() => {
-                out.push_str(v);
-                rest = next;
-            }
-            _ => {
-                out.push('{');
-                rest = after;
-            }
-        }
-    }
-    out.push_str(rest);
-    out
-}
-
 /// Whether a stored outbox action still applies to the current state.
 fn still_relevant(action: &Action, machine: &RunMachine) -> bool {
     let s = machine.state();
@@ -2202,31 +2151,4 @@ fn shard_of(run: RunId, shards: usize) -> usize {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     run.hash(&mut h);
     (h.finish() % shards as u64) as usize
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn placeholders_are_state_key_names_in_braces() {
-        let text = r#"Compare {growth} with {margin?}; return {"json": 1} or {not a key} {x-y}"#;
-        assert_eq!(
-            placeholders(text),
-            vec![("growth", false), ("margin", true), ("x-y", false)]
-        );
-        let values: HashMap<&str, String> = [
-            ("growth", "6.7%".to_string()),
-            ("margin", String::new()),
-            ("x-y", "z".to_string()),
-        ]
-        .into_iter()
-        .collect();
-        assert_eq!(
-            fill(text, &values),
-            r#"Compare 6.7% with ; return {"json": 1} or {not a key} z"#
-        );
-        assert!(placeholders("no braces { here").is_empty());
-        assert_eq!(fill("tail {", &values), "tail {");
-    }
 }

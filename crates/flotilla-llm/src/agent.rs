@@ -707,18 +707,7 @@ fn check_output(validator: &jsonschema::Validator, text: &str) -> Result<Value, 
         .trim();
     let value: Value =
         serde_json::from_str(inner).map_err(|e| format!("the answer is not JSON ({e})"))?;
-    let problems: Vec<String> = validator
-        .iter_errors(&value)
-        .take(5)
-        .map(|e| {
-            let at = e.instance_path().to_string();
-            if at.is_empty() {
-                e.to_string()
-            } else {
-                format!("at {at}: {e}")
-            }
-        })
-        .collect();
+    let problems = crate::tools::schema_problems(validator, &value);
     if problems.is_empty() {
         Ok(value)
     } else {

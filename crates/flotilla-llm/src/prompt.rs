@@ -39,8 +39,6 @@
 //! dependency results, input, query, and the task description last — and every cut is
 //! marked in the text (`[… N characters cut: …]`), never silent.
 
-use std::collections::HashMap;
-
 use flotilla_model::task::{DependencyResult, TaskEnvelope};
 use serde_json::Value;
 
@@ -175,58 +173,7 @@ fn fit(mut sections: Vec<(u8, u8, String)>, cap: usize) -> String {
     sections.into_iter().map(|s| s.2).collect()
 }
 
-/// The `{key}` and `{key?}` placeholders of `text`, in order: a key is a state-key name
-/// (letters, digits, `_`, `-`). Other braces (JSON, prose) are left alone. The same rule as
-/// the coordinator's for task descriptions.
-pub fn placeholders(text: &str) -> Vec<(&str, bool)> {
-    let mut out = Vec::new();
-    let mut rest = text;
-    while let Some(open) = rest.find('{') {
-        let after = &rest[open + 1..];
-        let name_len = after
-            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '-'))
-            .unwrap_or(after.len());
-        let (name, tail) = after.split_at(name_len);
-        let (optional, tail) = match tail.strip_prefix('?') {
-            Some(t) => (true, t),
-            None => (false, tail),
-        };
-        if !name.is_empty() && tail.starts_with('}') {
-            out.push((name, optional));
-            rest = &tail[1..];
-        } else {
-            rest = after;
-        }
-    }
-    out
-}
-
-/// Replaces the placeholders found by [`placeholders`] with their values.
-pub fn fill(text: &str, values: &HashMap<&str, String>) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut rest = text;
-    while let Some(open) = rest.find('{') {
-        out.push_str(&rest[..open]);
-        let after = &rest[open + 1..];
-        let name_len = after
-            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '-'))
-            .unwrap_or(after.len());
-        let (name, tail) = after.split_at(name_len);
-        let tail_after_mark = tail.strip_prefix('?').unwrap_or(tail);
-        match (values.get(name), tail_after_mark.strip_prefix('}')) {
-            (Some(v), Some(next)) if !name.is_empty() => {
-                out.push_str(v);
-                rest = next;
-            }
-            _ => {
-                out.push('{');
-                rest = after;
-            }
-        }
-    }
-    out.push_str(rest);
-    out
-}
+pub use flotilla_model::template::{fill, placeholders};
 
 #[cfg(test)]
 mod tests {
@@ -305,18 +252,5 @@ mod tests {
             "{m}"
         );
         assert!(m.chars().count() < 1300, "{}", m.chars().count());
-    }
-
-    #[test]
-    fn placeholders_fill_from_values() {
-        let text = "Work for {customer} on {topic?}; keep {\"json\": 1}";
-        assert_eq!(
-            placeholders(text),
-            vec![("customer", false), ("topic", true)]
-        );
-        let mut values = HashMap::new();
-        values.insert("customer", "ACME".to_string());
-        values.insert("topic", String::new());
-        assert_eq!(fill(text, &values), "Work for ACME on ; keep {\"json\": 1}");
     }
 }

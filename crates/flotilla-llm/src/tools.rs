@@ -403,19 +403,7 @@ impl ToolSet {
                 }
             }
         };
-        let problems: Vec<String> = tool
-            .validator
-            .iter_errors(&args)
-            .take(5)
-            .map(|e| {
-                let at = e.instance_path().to_string();
-                if at.is_empty() {
-                    e.to_string()
-                } else {
-                    format!("at {at}: {e}")
-                }
-            })
-            .collect();
+        let problems = schema_problems(&tool.validator, &args);
         if !problems.is_empty() {
             return ToolOutcome::err(
                 "invalid_arguments",
@@ -441,6 +429,22 @@ impl ToolSet {
             },
         }
     }
+}
+
+/// What is wrong with `value` under `validator`: at most five problems, each with where.
+pub(crate) fn schema_problems(validator: &jsonschema::Validator, value: &Value) -> Vec<String> {
+    validator
+        .iter_errors(value)
+        .take(5)
+        .map(|e| {
+            let at = e.instance_path().to_string();
+            if at.is_empty() {
+                e.to_string()
+            } else {
+                format!("at {at}: {e}")
+            }
+        })
+        .collect()
 }
 
 fn str_arg<'a>(args: &'a Value, key: &str) -> &'a str {

@@ -19,6 +19,7 @@ pub mod state;
 pub mod subjects;
 pub mod submit;
 pub mod task;
+pub mod template;
 pub mod time;
 pub mod token;
 pub mod validate;
