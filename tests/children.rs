@@ -12,11 +12,13 @@ use std::time::Duration;
 
 use flotilla_context::{Agent, AgentContext, AgentError, AgentReply, ChildCall, Clients, Scope};
 use flotilla_coordinator::store::RunStore;
+use flotilla_coordinator::watch::WatchOptions;
 use flotilla_model::event::Event;
 use flotilla_model::ids::{AttemptId, RunId, TaskId};
 use flotilla_model::plan::{DataflowValidation, Subtask};
 use flotilla_model::run::{RunHandle, RunStatus};
 use flotilla_model::submit::{SubmitRequest, SubmitStatus};
+use flotilla_model::watch::{ChildPolicy, Profile, ProjectedEvent};
 use flotilla_worker::{AgentRegistry, WorkerOptions};
 use futures::StreamExt;
 use futures::future::BoxFuture;
@@ -67,9 +69,51 @@ impl Agent for Caller {
     }
 }
 
+/// Starts a slow child (`pause`), then a quick one (`echo`), and waits for both: the quick
+/// child ends while the slow one still runs.
+#[derive(Debug)]
+struct SlowThenQuick;
+
+impl Agent for SlowThenQuick {
+    fn run<'a>(
+        &'a self,
+        _task: &'a flotilla_model::task::TaskEnvelope,
+        ctx: AgentContext,
+    ) -> BoxFuture<'a, Result<AgentReply, AgentError>> {
+        Box::pin(async move {
+            let failed = |e: flotilla_context::ContextError| AgentError::failed(e.to_string());
+            let mut started = Vec::new();
+            for agent in ["pause", "echo"] {
+                let call = ChildCall {
+                    agent: agent.into(),
+                    call_id: Some(agent.into()),
+                    ..ChildCall::default()
+                };
+                let child = ctx.clients().start_child(&call).await.map_err(failed)?;
+                ctx.clients().announce_child(&child.handle, agent).await;
+                started.push(child.handle.run_id);
+            }
+            let until = tokio::time::Instant::now() + WAIT;
+            for child in started {
+                ctx.clients()
+                    .wait_child(child, until)
+                    .await
+                    .map_err(failed)?;
+            }
+            Ok(AgentReply::text("both done"))
+        })
+    }
+}
+
 async fn services() -> anyhow::Result<InProcess> {
     let mut defs = BTreeMap::new();
     defs.insert("echo".to_string(), scripted("{task_id}: found it"));
+    let mut pause = scripted("{task_id}: paused");
+    if let flotilla_worker::AgentDefinition::Scripted(c) = &mut pause {
+        c.delay = Duration::from_millis(1500);
+    }
+    defs.insert("pause".to_string(), pause);
+    defs.insert("slow_then_quick".to_string(), scripted("unused"));
     let mut slow = scripted("{task_id}: slow");
     if let flotilla_worker::AgentDefinition::Scripted(c) = &mut slow {
         c.delay = Duration::from_secs(30);
@@ -81,8 +125,10 @@ async fn services() -> anyhow::Result<InProcess> {
     let mut registry = AgentRegistry::from_definitions(&f.agents, None, &root().join("config"))
         .map_err(anyhow::Error::msg)?;
     registry.insert("caller", Arc::new(Caller));
+    registry.insert("slow_then_quick", Arc::new(SlowThenQuick));
     let opts = WorkerOptions {
         started_event_delay: Duration::ZERO,
+        concurrency: 4,
         ..WorkerOptions::default()
     };
     f.add_worker_with_registry(opts, registry).await?;
@@ -271,6 +317,105 @@ async fn cancelling_a_parent_run_cancels_the_child_it_waits_for() -> anyhow::Res
     assert_eq!(outcome.status, RunStatus::Cancelled, "{outcome:?}");
     let child = f.client.wait(child, WAIT).await?;
     assert_eq!(child.status, RunStatus::Cancelled, "{child:?}");
+    f.stop().await;
+    Ok(())
+}
+
+/// Collects a projection until it ends.
+async fn collect(
+    f: &InProcess,
+    run: RunId,
+    children: ChildPolicy,
+) -> anyhow::Result<Vec<ProjectedEvent>> {
+    let stream = f
+        .client
+        .watch(
+            run,
+            WatchOptions {
+                profile: Profile::Debug,
+                children,
+                since: 0,
+            },
+        )
+        .await?;
+    futures::pin_mut!(stream);
+    let mut out = Vec::new();
+    tokio::time::timeout(WAIT, async {
+        while let Some(e) = stream.next().await {
+            out.push(e?);
+        }
+        Ok::<_, anyhow::Error>(())
+    })
+    .await??;
+    Ok(out)
+}
+
+fn ends(e: &ProjectedEvent) -> bool {
+    matches!(&e.event.event, Event::Workflow(w) if w.phase.ends_run())
+}
+
+/// Flatten interleaves children that run side by side, live: a watch that follows the tree
+/// while it runs shows the quick child's end before the slow child's, although the slow one
+/// was linked first — and gives exactly what a watch started after the end gives.
+#[tokio::test]
+async fn flatten_interleaves_concurrent_children_live_and_deterministically() -> anyhow::Result<()>
+{
+    let f = services().await?;
+    let run = f
+        .client
+        .submit(SubmitRequest::new(plan(vec![
+            Subtask::new("ask", "two helpers").with_agent("slow_then_quick"),
+        ])))
+        .await?;
+    let live = collect(&f, run, ChildPolicy::Flatten).await?;
+    let outcome = f.client.wait(run, WAIT).await?;
+    assert_eq!(outcome.status, RunStatus::Succeeded, "{outcome:?}");
+    let after = collect(&f, run, ChildPolicy::Flatten).await?;
+    let key = |e: &ProjectedEvent| (e.run_id, e.depth, e.agent.clone(), e.event.id.clone());
+    assert_eq!(
+        live.iter().map(key).collect::<Vec<_>>(),
+        after.iter().map(key).collect::<Vec<_>>(),
+        "a live watch and a later one differ"
+    );
+
+    let position = |pred: &dyn Fn(&ProjectedEvent) -> bool| live.iter().position(pred);
+    let link = |agent: &str| {
+        position(&|e| {
+            matches!(&e.event.event, Event::AgentRunStarted { agent: Some(a), .. } if a == agent)
+        })
+        .expect("a link")
+    };
+    let end_of = |agent: &str| {
+        position(&|e| e.agent.as_deref() == Some(agent) && ends(e)).expect("a child's end")
+    };
+    assert!(
+        link("pause") < link("echo"),
+        "the slow child is linked first"
+    );
+    assert!(
+        end_of("echo") < end_of("pause"),
+        "the quick child's end is shown while the slow child runs"
+    );
+    for (i, e) in live.iter().enumerate() {
+        if e.depth == 1 {
+            let agent = e.agent.as_deref().expect("attributed");
+            assert!(link(agent) < i, "an event of {agent} before its link");
+            assert_eq!(e.event.run_id, e.run_id);
+        }
+    }
+    assert!(ends(live.last().expect("events")), "the root's end is last");
+    assert_eq!(live.last().map(|e| e.depth), Some(0));
+
+    // Linked: the two links, no child event.
+    let linked = collect(&f, run, ChildPolicy::Linked).await?;
+    assert!(linked.iter().all(|e| e.depth == 0));
+    assert_eq!(
+        linked
+            .iter()
+            .filter(|e| matches!(e.event.event, Event::AgentRunStarted { .. }))
+            .count(),
+        2
+    );
     f.stop().await;
     Ok(())
 }

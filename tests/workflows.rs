@@ -421,7 +421,7 @@ fn key(e: &ProjectedEvent) -> (RunId, u32, Option<String>, String) {
 }
 
 /// Projections of a three-level tree (sequential → parallel → leaves): flatten shows every
-/// descendant after its link, attributed, depth first; the client library and `api.watch`
+/// descendant after its link, attributed, in stream order; the client library and `api.watch`
 /// give the same events in the same order; profiles and the other policies filter.
 #[tokio::test]
 async fn projections_flatten_grandchildren_the_same_in_library_and_server() -> anyhow::Result<()> {

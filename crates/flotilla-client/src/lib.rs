@@ -361,8 +361,9 @@ impl Client {
     }
 
     /// Follows `run`'s tree as one audience sees it ([`flotilla_model::watch`]): the events
-    /// its `profile` shows, children hidden, linked or flattened into the stream (depth
-    /// first, attributed to their run and agent). Ends after the run's end. The same engine
+    /// its `profile` shows, children hidden, linked or flattened into the stream (live, in
+    /// the order the event stream stored them, each child after its link, attributed to its
+    /// run and agent). Ends once the run and every child shown have ended. The same engine
     /// serves `<prefix>.api.watch`, so both give the same events in the same order.
     pub async fn watch(
         &self,

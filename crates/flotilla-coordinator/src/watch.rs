@@ -2,12 +2,26 @@
 //! engine behind the client library's `watch`, `flotilla watch` and the `api.watch` endpoint,
 //! so all three show the same events in the same order.
 //!
-//! One ordered consumer per run being read. Under `flatten`, the reader keeps a stack: the
-//! run on top is read until its end; a child's link (`agent_run_started`) pushes the child,
-//! whose events are shown — one level deeper — until its run-terminal event pops it. The
-//! watched run's terminal event ends the projection.
+//! Every run's events are in one stream (`FLOTILLA_EVENTS`, subject per run), so the stream
+//! sequence orders the events of a whole tree. The engine reads the runs it follows — the
+//! watched run, and under `flatten` every descendant it has seen linked — through **one**
+//! ordered consumer filtered on their subjects, and shows their events in stream order:
+//! children running side by side are interleaved live, as they happen.
+//!
+//! A child's link (`agent_run_started`) is usually stored *after* the child's first events
+//! (the parent announces a child once it has started). So when a link is read, the child is
+//! added to the followed runs and the consumer is re-created from the child's first event;
+//! messages of runs that were already shown are skipped (each run's last shown sequence is
+//! kept). The child's earlier events therefore come right after its link, and from then on
+//! everything interleaves in stream order. Every decision depends only on what the stream
+//! holds up to the message being read, never on timing, so the same streams always give the
+//! same projection — the client library and the server-side `api.watch` agree event for event.
+//!
+//! The projection ends when every followed run has ended: the watched run and, under
+//! `flatten`, each child shown (a child a failed parent left behind is cancelled, and its end
+//! is shown). A run's events after its end (late events of a cancelled attempt) are not shown.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use async_nats::jetstream::consumer::{DeliverPolicy, pull};
 use flotilla_bus::{Bus, wire};
@@ -32,21 +46,29 @@ pub struct WatchOptions {
 
 type Messages = async_nats::jetstream::consumer::pull::Ordered;
 
-/// One run being read.
-struct Reader {
-    run: RunId,
+/// A run the projection follows.
+struct Followed {
     depth: u32,
     agent: Option<String>,
-    messages: Messages,
-    buffered: VecDeque<(u64, EventEnvelope)>,
+    /// The stream sequence of the last message of this run read (shown or skipped): any
+    /// message of the run at or below it is a repeat after a re-created consumer.
+    read_upto: u64,
+    /// Its run-terminal event was read.
+    ended: bool,
+    /// Event ids read, for de-duplication (a retried publish may store an event twice).
     seen: HashSet<String>,
 }
 
 struct State {
     bus: Bus,
     opts: WatchOptions,
-    stack: Vec<Reader>,
-    followed: HashSet<RunId>,
+    runs: HashMap<RunId, Followed>,
+    by_subject: HashMap<String, RunId>,
+    messages: Option<Messages>,
+    buffered: VecDeque<(u64, RunId, EventEnvelope)>,
+    /// Re-create the consumer from this stream sequence once the buffer is drained (a child
+    /// was linked).
+    restart_from: Option<u64>,
     done: bool,
 }
 
@@ -54,101 +76,177 @@ fn unavailable(what: &str, e: impl std::fmt::Display) -> CoordinatorError {
     CoordinatorError::new(CoordinatorErrorKind::Watch, format!("{what}: {e}"))
 }
 
-async fn open(bus: &Bus, run: RunId, since: u64) -> Result<Messages, CoordinatorError> {
+/// An ordered consumer on `subjects` of the event stream, from stream sequence `from`.
+async fn open(bus: &Bus, subjects: Vec<String>, from: u64) -> Result<Messages, CoordinatorError> {
     let name = bus.names().stream(StreamKind::Events);
     let stream = bus
         .js()
         .get_stream(&name)
         .await
         .map_err(|e| unavailable(&format!("opening {name}"), e))?;
+    let mut config = pull::OrderedConfig {
+        deliver_policy: if from <= 1 {
+            DeliverPolicy::All
+        } else {
+            DeliverPolicy::ByStartSequence {
+                start_sequence: from,
+            }
+        },
+        ..Default::default()
+    };
+    match <[String; 1]>::try_from(subjects) {
+        Ok([one]) => config.filter_subject = one,
+        Err(many) => config.filter_subjects = many,
+    }
     let consumer = stream
-        .create_consumer(pull::OrderedConfig {
-            filter_subject: bus.names().event(run),
-            deliver_policy: if since == 0 {
-                DeliverPolicy::All
-            } else {
-                DeliverPolicy::ByStartSequence {
-                    start_sequence: since + 1,
-                }
-            },
-            ..Default::default()
-        })
+        .create_consumer(config)
         .await
-        .map_err(|e| unavailable("following a run's events", e))?;
+        .map_err(|e| unavailable("following a run tree's events", e))?;
     consumer
         .messages()
         .await
-        .map_err(|e| unavailable("following a run's events", e))
+        .map_err(|e| unavailable("following a run tree's events", e))
+}
+
+/// The stream sequence of `run`'s first event, if it has any yet.
+async fn first_seq(bus: &Bus, run: RunId) -> Result<Option<u64>, CoordinatorError> {
+    let page = bus
+        .direct_batch(StreamKind::Events, &bus.names().event(run), 0, 1, None)
+        .await
+        .map_err(|e| unavailable("reading a child run's first event", e))?;
+    Ok(page.first().map(|m| m.seq))
 }
 
 impl State {
+    fn follow(&mut self, run: RunId, depth: u32, agent: Option<String>, read_upto: u64) {
+        self.by_subject.insert(self.bus.names().event(run), run);
+        self.runs.insert(
+            run,
+            Followed {
+                depth,
+                agent,
+                read_upto,
+                ended: false,
+                seen: HashSet::new(),
+            },
+        );
+    }
+
+    /// Re-creates the consumer on the runs still followed, from `from`.
+    async fn reopen(&mut self, from: u64) -> Result<(), CoordinatorError> {
+        let mut subjects: Vec<String> = self
+            .runs
+            .iter()
+            .filter(|(_, f)| !f.ended)
+            .map(|(run, _)| self.bus.names().event(*run))
+            .collect();
+        subjects.sort();
+        self.messages = None;
+        if subjects.is_empty() {
+            return Ok(());
+        }
+        self.messages = Some(open(&self.bus, subjects, from).await?);
+        Ok(())
+    }
+
+    fn all_ended(&self) -> bool {
+        self.runs.values().all(|f| f.ended)
+    }
+
+    /// Reads the next message of a followed run into the buffer.
+    async fn read(&mut self) -> Result<(), CoordinatorError> {
+        let Some(messages) = self.messages.as_mut() else {
+            return Err(unavailable(
+                "following a run tree's events",
+                "no run left to follow",
+            ));
+        };
+        let m = match messages.next().await {
+            None => {
+                return Err(unavailable(
+                    "following a run tree's events",
+                    "the event stream ended",
+                ));
+            }
+            Some(Err(e)) => return Err(unavailable("reading a run tree's events", e)),
+            Some(Ok(m)) => m,
+        };
+        let seq = m.info().map(|i| i.stream_sequence).unwrap_or(0);
+        let Some(&run) = self.by_subject.get(m.subject.as_str()) else {
+            return Ok(());
+        };
+        let Some(f) = self.runs.get_mut(&run) else {
+            return Ok(());
+        };
+        if seq <= f.read_upto || f.ended {
+            return Ok(());
+        }
+        f.read_upto = seq;
+        match decode_events(wire::codec_of(m.headers.as_ref()), &m.payload) {
+            Ok(events) => self
+                .buffered
+                .extend(events.into_iter().map(|e| (seq, run, e))),
+            Err(e) => {
+                tracing::warn!(%run, error = %e, "Skipping an undecodable event message");
+            }
+        }
+        Ok(())
+    }
+
     async fn next(&mut self) -> Option<Result<ProjectedEvent, CoordinatorError>> {
         loop {
             if self.done {
                 return None;
             }
-            let top = self.stack.last_mut()?;
-            let Some((seq, envelope)) = top.buffered.pop_front() else {
-                match top.messages.next().await {
-                    None => {
-                        return Some(Err(unavailable(
-                            "following a run's events",
-                            "the event stream ended",
-                        )));
-                    }
-                    Some(Err(e)) => return Some(Err(unavailable("reading a run's events", e))),
-                    Some(Ok(m)) => {
-                        let seq = m.info().map(|i| i.stream_sequence).unwrap_or(0);
-                        match decode_events(wire::codec_of(m.headers.as_ref()), &m.payload) {
-                            Ok(events) => top.buffered.extend(events.into_iter().map(|e| (seq, e))),
-                            Err(e) => {
-                                tracing::warn!(run = %top.run, error = %e, "Skipping an undecodable event message");
-                            }
-                        }
-                    }
+            let Some((seq, run, envelope)) = self.buffered.pop_front() else {
+                if self.all_ended() {
+                    self.done = true;
+                    return None;
+                }
+                if let Some(from) = self.restart_from.take()
+                    && let Err(e) = self.reopen(from).await
+                {
+                    self.done = true;
+                    return Some(Err(e));
+                }
+                if let Err(e) = self.read().await {
+                    self.done = true;
+                    return Some(Err(e));
                 }
                 continue;
             };
-            if !top.seen.insert(envelope.id.clone()) {
+            let Some(f) = self.runs.get_mut(&run) else {
+                continue;
+            };
+            if f.ended || !f.seen.insert(envelope.id.clone()) {
                 continue;
             }
-            let (run, depth, agent) = (top.run, top.depth, top.agent.clone());
-            let ends = matches!(&envelope.event, Event::Workflow(w) if w.phase.ends_run());
-            let child = match &envelope.event {
-                Event::AgentRunStarted { child, agent }
-                    if self.opts.children == ChildPolicy::Flatten
-                        && self.followed.insert(child.run_id) =>
-                {
-                    Some((child.clone(), agent.clone()))
-                }
-                _ => None,
-            };
-            let show = shows(
+            let (depth, agent) = (f.depth, f.agent.clone());
+            if matches!(&envelope.event, Event::Workflow(w) if w.phase.ends_run()) {
+                f.ended = true;
+            }
+            if let Event::AgentRunStarted { child, agent } = &envelope.event
+                && self.opts.children == ChildPolicy::Flatten
+                && !self.runs.contains_key(&child.run_id)
+            {
+                // Follow the child from its first event (stored before the link, usually);
+                // messages at or below `seq` of the runs already followed were read.
+                let first = match first_seq(&self.bus, child.run_id).await {
+                    Ok(first) => first.unwrap_or(seq + 1).min(seq + 1),
+                    Err(e) => {
+                        self.done = true;
+                        return Some(Err(e));
+                    }
+                };
+                self.follow(child.run_id, depth + 1, agent.clone(), 0);
+                self.restart_from = Some(self.restart_from.map_or(first, |r| r.min(first)));
+            }
+            if shows(
                 self.opts.profile,
                 self.opts.children,
                 depth,
                 &envelope.event,
-            );
-            if ends {
-                self.stack.pop();
-                if depth == 0 {
-                    self.done = true;
-                }
-            }
-            if let Some((child, child_agent)) = child {
-                match open(&self.bus, child.run_id, 0).await {
-                    Ok(messages) => self.stack.push(Reader {
-                        run: child.run_id,
-                        depth: depth + 1,
-                        agent: child_agent,
-                        messages,
-                        buffered: VecDeque::new(),
-                        seen: HashSet::new(),
-                    }),
-                    Err(e) => return Some(Err(e)),
-                }
-            }
-            if show {
+            ) {
                 return Some(Ok(ProjectedEvent {
                     run_id: run,
                     depth,
@@ -161,7 +259,8 @@ impl State {
     }
 }
 
-/// The projection of `run`'s tree under `opts`, live: it ends after the watched run's end.
+/// The projection of `run`'s tree under `opts`, live: it ends once the watched run and every
+/// child it shows have ended.
 pub async fn project(
     bus: Bus,
     run: RunId,
@@ -170,21 +269,18 @@ pub async fn project(
     impl Stream<Item = Result<ProjectedEvent, CoordinatorError>> + Send + use<>,
     CoordinatorError,
 > {
-    let messages = open(&bus, run, opts.since).await?;
-    let state = State {
+    let messages = open(&bus, vec![bus.names().event(run)], opts.since + 1).await?;
+    let mut state = State {
         bus,
         opts,
-        stack: vec![Reader {
-            run,
-            depth: 0,
-            agent: None,
-            messages,
-            buffered: VecDeque::new(),
-            seen: HashSet::new(),
-        }],
-        followed: HashSet::from([run]),
+        runs: HashMap::new(),
+        by_subject: HashMap::new(),
+        messages: Some(messages),
+        buffered: VecDeque::new(),
+        restart_from: None,
         done: false,
     };
+    state.follow(run, 0, None, opts.since);
     Ok(futures::stream::unfold(state, |mut s| async move {
         s.next().await.map(|item| (item, s))
     }))

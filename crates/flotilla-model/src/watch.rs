@@ -15,9 +15,10 @@
 //! | `linked` | the `agent_run_started` link only; each child keeps its own stream |
 //! | `flatten` | each child's events projected into the parent's, after its link, attributed to the child run (and agent) at depth + 1, recursively |
 //!
-//! Flatten is depth-first and deterministic: a child's events follow its link in full, up to
-//! the child's end, before the parent's later events (children running side by side are shown
-//! one after the other). The same streams always give the same projection, so the client
+//! Flatten follows causal order live: each child's events come after its link, and the
+//! events of runs running side by side are interleaved in the order the event stream stored
+//! them (its sequence orders a whole tree). The projection ends when the watched run and every
+//! child it shows have ended. The same streams always give the same projection, so the client
 //! library and the server-side `api.watch` agree event for event.
 
 use schemars::JsonSchema;
