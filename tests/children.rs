@@ -105,6 +105,47 @@ impl Agent for SlowThenQuick {
     }
 }
 
+/// Reports model usage (a deterministic stand-in for a model call: no model is called), then,
+/// while `input.depth` > 0, calls itself one level deeper and answers with the child's answer.
+#[derive(Debug)]
+struct Nested;
+
+impl Agent for Nested {
+    fn run<'a>(
+        &'a self,
+        task: &'a flotilla_model::task::TaskEnvelope,
+        ctx: AgentContext,
+    ) -> BoxFuture<'a, Result<AgentReply, AgentError>> {
+        Box::pin(async move {
+            let depth = task.input["depth"].as_u64().unwrap_or(0);
+            ctx.events
+                .emit(Event::Usage {
+                    prompt_tokens: 100 * (depth + 1),
+                    completion_tokens: 10,
+                    model: Some("stand-in".into()),
+                    latency_ms: None,
+                    cost_usd: Some(0.5),
+                })
+                .await;
+            if depth == 0 {
+                return Ok(AgentReply::text("leaf"));
+            }
+            let call = ChildCall {
+                agent: "nested".into(),
+                input: json!({ "depth": depth - 1 }),
+                call_id: Some(format!("level{depth}")),
+                ..ChildCall::default()
+            };
+            let (_, outcome) = ctx
+                .call_agent(&call)
+                .await
+                .map_err(|e| AgentError::failed(e.to_string()))?;
+            let answer = outcome.final_result.map(|r| r.response).unwrap_or_default();
+            Ok(AgentReply::text(format!("{depth}/{answer}")))
+        })
+    }
+}
+
 async fn services() -> anyhow::Result<InProcess> {
     let mut defs = BTreeMap::new();
     defs.insert("echo".to_string(), scripted("{task_id}: found it"));
@@ -114,6 +155,7 @@ async fn services() -> anyhow::Result<InProcess> {
     }
     defs.insert("pause".to_string(), pause);
     defs.insert("slow_then_quick".to_string(), scripted("unused"));
+    defs.insert("nested".to_string(), scripted("unused"));
     let mut slow = scripted("{task_id}: slow");
     if let flotilla_worker::AgentDefinition::Scripted(c) = &mut slow {
         c.delay = Duration::from_secs(30);
@@ -126,6 +168,7 @@ async fn services() -> anyhow::Result<InProcess> {
         .map_err(anyhow::Error::msg)?;
     registry.insert("caller", Arc::new(Caller));
     registry.insert("slow_then_quick", Arc::new(SlowThenQuick));
+    registry.insert("nested", Arc::new(Nested));
     let opts = WorkerOptions {
         started_event_delay: Duration::ZERO,
         concurrency: 4,
@@ -416,6 +459,170 @@ async fn flatten_interleaves_concurrent_children_live_and_deterministically() ->
             .count(),
         2
     );
+    f.stop().await;
+    Ok(())
+}
+
+/// Asks the API and returns the reply body and the error code (if it is an error).
+async fn api(
+    f: &InProcess,
+    endpoint: &str,
+    body: serde_json::Value,
+) -> anyhow::Result<(serde_json::Value, Option<String>)> {
+    let reply = f
+        .bus
+        .client()
+        .request(
+            f.bus.names().api(endpoint),
+            serde_json::to_vec(&body)?.into(),
+        )
+        .await?;
+    let value: serde_json::Value = serde_json::from_slice(&reply.payload)?;
+    let failed = reply
+        .headers
+        .as_ref()
+        .is_some_and(|h| h.get("Nats-Service-Error-Code").is_some());
+    let code = failed.then(|| value["code"].as_str().unwrap_or_default().to_owned());
+    Ok((value, code))
+}
+
+/// `runs tree` and `sessions show`, from the client library, the API and the CLI: a three-level
+/// agent-as-tool tree with its usage per run and per subtree, the session's runs, and bad
+/// requests answered by name.
+#[tokio::test]
+async fn a_tree_shows_usage_per_run_and_a_session_lists_its_runs() -> anyhow::Result<()> {
+    let f = services().await?;
+    let session = flotilla_model::SessionId::new();
+    let mut top = Subtask::new("ask", "go deep").with_agent("nested");
+    top.input = json!({ "depth": 2 });
+    let mut request = SubmitRequest::new(plan(vec![top]));
+    request.session_id = Some(session);
+    let run = f.client.submit(request).await?;
+    let outcome = f.client.wait(run, WAIT).await?;
+    assert_eq!(outcome.status, RunStatus::Succeeded, "{outcome:?}");
+    assert_eq!(outcome.final_result.expect("result").response, "2/1/leaf");
+
+    let tree = f.client.tree(run, 1000).await?.expect("the tree");
+    assert_eq!((tree.runs, tree.omitted), (3, 0));
+    let root = &tree.root;
+    let child = &root.children[0];
+    let grandchild = &child.children[0];
+    assert_eq!(root.children.len(), 1);
+    assert_eq!(child.children.len(), 1);
+    assert!(grandchild.children.is_empty());
+    for node in [root, child, grandchild] {
+        assert_eq!(node.status, RunStatus::Succeeded);
+        assert_eq!(node.agent.as_deref(), Some("nested"));
+        assert_eq!(node.usage.calls, 1);
+        assert_eq!(node.usage.completion_tokens, 10);
+        assert!((node.usage.cost_usd - 0.5).abs() < 1e-9);
+        assert!(node.finished_at.is_some());
+    }
+    assert_eq!(root.usage.prompt_tokens, 300);
+    assert_eq!(child.usage.prompt_tokens, 200);
+    assert_eq!(grandchild.usage.prompt_tokens, 100);
+    assert_eq!(root.subtree_usage.tokens(), 300 + 200 + 100 + 30);
+    assert_eq!(child.subtree_usage.tokens(), 200 + 100 + 20);
+    assert!((root.subtree_usage.cost_usd - 1.5).abs() < 1e-9);
+    assert_eq!(
+        child.parent_task_id.as_ref().map(TaskId::as_str),
+        Some("ask")
+    );
+    assert_eq!(child.parent_tool_call_id.as_deref(), Some("level2"));
+    assert_eq!(grandchild.parent_tool_call_id.as_deref(), Some("level1"));
+    assert!(root.duration_ms >= child.duration_ms, "{root:?}");
+
+    // The API answers the same tree; a cap leaves the deepest run out and says so.
+    let (value, code) = api(&f, "run.tree", json!({ "run_id": run })).await?;
+    assert_eq!(code, None, "{value}");
+    let from_api: flotilla_model::tree::RunTree = serde_json::from_value(value)?;
+    assert_eq!(from_api, tree);
+    let (value, _) = api(&f, "run.tree", json!({ "run_id": run, "max_runs": 2 })).await?;
+    assert_eq!(
+        (value["runs"].as_u64(), value["omitted"].as_u64()),
+        (Some(2), Some(1))
+    );
+
+    // The session holds the root and its two descendants, oldest first.
+    let view = f.client.session(session).await?;
+    let runs: Vec<RunId> = view.runs.iter().map(|r| r.handle.run_id).collect();
+    assert_eq!(runs, vec![run, child.run_id, grandchild.run_id]);
+    let (value, code) = api(&f, "session.get", json!({ "session_id": session })).await?;
+    assert_eq!(code, None, "{value}");
+    assert_eq!(
+        serde_json::from_value::<flotilla_model::tree::SessionView>(value)?,
+        view
+    );
+    let (value, code) = api(
+        &f,
+        "session.get",
+        json!({ "session_id": flotilla_model::SessionId::new() }),
+    )
+    .await?;
+    assert_eq!(
+        (code, value["runs"].as_array().map(Vec::len)),
+        (None, Some(0))
+    );
+
+    // Bad requests are refused by name.
+    for (endpoint, body, expected) in [
+        ("run.tree", json!({ "run_id": RunId::new() }), "not_found"),
+        (
+            "run.tree",
+            json!({ "run_id": run, "max_runs": 0 }),
+            "invalid_max_runs",
+        ),
+        (
+            "run.tree",
+            json!({ "run_id": run, "max_runs": 5000 }),
+            "invalid_max_runs",
+        ),
+        ("run.tree", json!({ "run_id": "not-a-run" }), "malformed"),
+        (
+            "run.tree",
+            json!({ "run_id": run, "depth": 1 }),
+            "malformed",
+        ),
+        ("session.get", json!({ "session_id": "x" }), "malformed"),
+    ] {
+        let (value, code) = api(&f, endpoint, body).await?;
+        assert_eq!(code.as_deref(), Some(expected), "{endpoint}: {value}");
+    }
+
+    // The CLI prints the same: a line per run with its agent and tokens, the session's runs.
+    let url = f.server.url();
+    let cli = |args: &[&str]| -> anyhow::Result<String> {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_flotilla"))
+            .args(["--nats-url", url.as_str()])
+            .args(args)
+            .output()?;
+        anyhow::ensure!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(String::from_utf8(out.stdout)?)
+    };
+    let text = cli(&["runs", "tree", &run.to_string()])?;
+    assert_eq!(
+        text.lines().filter(|l| l.contains(" nested ")).count(),
+        3,
+        "{text}"
+    );
+    assert!(
+        text.contains("3 runs, 630 tokens in 3 model calls, $1.5000"),
+        "{text}"
+    );
+    let text = cli(&["runs", "tree", &run.to_string(), "--json"])?;
+    let printed: flotilla_model::tree::RunTree = serde_json::from_str(&text)?;
+    assert_eq!(
+        printed.root.children[0].children[0].run_id,
+        grandchild.run_id
+    );
+    let text = cli(&["sessions", "show", &session.to_string()])?;
+    for r in &runs {
+        assert!(text.contains(&r.to_string()), "{text}");
+    }
     f.stop().await;
     Ok(())
 }

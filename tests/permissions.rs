@@ -1033,8 +1033,23 @@ async fn a_plan_runs_with_every_role_on_its_own_credentials() -> anyhow::Result<
             {"id":"report","dependencies":["analyse","delegate"]}]}"#,
     )?;
     let plan = plan.to_string_lossy().into_owned();
+    let (root, session) = (
+        flotilla_model::RunId::new().to_string(),
+        flotilla_model::SessionId::new().to_string(),
+    );
     let submit = p.spawn_env(
-        &["submit", &plan, "--wait", "--json", "--timeout", "60s"],
+        &[
+            "submit",
+            &plan,
+            "--wait",
+            "--json",
+            "--timeout",
+            "60s",
+            "--run-id",
+            &root,
+            "--session",
+            &session,
+        ],
         &refs(&client_env),
     )?;
     let code = match p.wait_exit(submit, support::WAIT).await {
@@ -1059,11 +1074,32 @@ async fn a_plan_runs_with_every_role_on_its_own_credentials() -> anyhow::Result<
         "{out}"
     );
 
-    // The client lists runs and workers with its own credentials.
-    for args in [["runs", "list"], ["workers", "--json"]] {
-        let i = p.spawn_env(&args, &refs(&client_env))?;
+    // The client lists runs, workers, the run's tree and its session with its own
+    // credentials.
+    for args in [
+        &["runs", "list"][..],
+        &["workers", "--json"],
+        &["runs", "tree", &root],
+        &["sessions", "show", &session, "--json"],
+    ] {
+        let i = p.spawn_env(args, &refs(&client_env))?;
         let code = p.wait_exit(i, support::WAIT).await?;
         ensure!(code == Some(0), "{args:?} exited {code:?}:\n{}", p.log(i));
+        if args[0] == "sessions" {
+            // The log holds stderr too: the JSON document starts at the first `{` line (log lines
+            // may follow it).
+            let log = p.log(i);
+            let json = log.find("\n{").map_or(log.as_str(), |at| &log[at + 1..]);
+            let view: flotilla_model::tree::SessionView = serde_json::Deserializer::from_str(json)
+                .into_iter()
+                .next()
+                .ok_or_else(|| anyhow::anyhow!("no JSON: {log}"))?
+                .map_err(|e| anyhow::anyhow!("{e}: {log}"))?;
+            ensure!(view.runs.len() == 2, "the run and its child: {view:?}");
+        }
+        if args[1] == "tree" {
+            ensure!(p.log(i).contains("2 runs"), "{}", p.log(i));
+        }
     }
     // And reads the run store through its own connection (no operator rights).
     let opts = NatsOptions {

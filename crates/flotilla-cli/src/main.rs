@@ -107,6 +107,10 @@ enum Command {
         /// Label the run (repeatable).
         #[arg(long = "label", value_name = "KEY=VALUE", value_parser = parse_label)]
         labels: Vec<(String, String)>,
+        /// The session the run belongs to (a UUID): runs of one session share session state,
+        /// and `flotilla sessions show` lists them.
+        #[arg(long)]
+        session: Option<flotilla_model::ids::SessionId>,
         /// Give up waiting after this long (e.g. 10m).
         #[arg(long, value_parser = humantime_duration)]
         timeout: Option<Duration>,
@@ -114,6 +118,9 @@ enum Command {
     /// Inspect runs.
     #[command(subcommand)]
     Runs(RunsCommand),
+    /// Inspect sessions.
+    #[command(subcommand)]
+    Sessions(SessionsCommand),
     /// Follow a run tree live as one audience sees it (profiles user | debug | metrics;
     /// children off | linked | flatten).
     Watch(commands::watch::WatchArgs),
@@ -171,9 +178,13 @@ enum RunsCommand {
         #[arg(long)]
         json: bool,
     },
-    /// The run and, recursively, the child runs its agents started (agent-as-tool).
+    /// The run and, recursively, the child runs its agents started (agent-as-tool,
+    /// transfers, workflow steps), with agent, status, duration, tokens and cost per run.
     Tree {
         run: RunId,
+        /// Most runs to list, breadth first (1 to 1000).
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=1000))]
+        max_runs: u32,
         /// Machine-readable output (nested).
         #[arg(long)]
         json: bool,
@@ -195,6 +206,18 @@ enum RunsCommand {
         /// Return once the cancellation is recorded.
         #[arg(long)]
         no_wait: bool,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum SessionsCommand {
+    /// The runs of a session, oldest first: runs submitted with the session id and the
+    /// child runs of their trees.
+    Show {
+        session: flotilla_model::ids::SessionId,
         /// Machine-readable output.
         #[arg(long)]
         json: bool,
@@ -439,6 +462,7 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
             run_id,
             idempotency_key,
             labels,
+            session,
             timeout,
         } => {
             let opts = commands::submit::SubmitOptions {
@@ -448,6 +472,7 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
                 run_id,
                 idempotency_key,
                 labels: labels.into_iter().collect::<BTreeMap<_, _>>(),
+                session,
                 timeout,
                 query,
             };
@@ -459,8 +484,13 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
         Command::Runs(RunsCommand::Show { run, json }) => {
             commands::runs::show(&load()?, run, json).await
         }
-        Command::Runs(RunsCommand::Tree { run, json }) => {
-            commands::runs::tree(&load()?, run, json).await
+        Command::Runs(RunsCommand::Tree {
+            run,
+            max_runs,
+            json,
+        }) => commands::runs::tree(&load()?, run, max_runs as usize, json).await,
+        Command::Sessions(SessionsCommand::Show { session, json }) => {
+            commands::runs::session(&load()?, session, json).await
         }
         Command::Runs(RunsCommand::History { run, json }) => {
             commands::runs::history(&load()?, run, json).await

@@ -25,13 +25,14 @@ use flotilla_model::api::{
     ValidatePlanRequest, WsAppendReply, WsAppendRequest, WsReadRequest,
 };
 use flotilla_model::event::{Event, EventEnvelope};
-use flotilla_model::ids::RunId;
+use flotilla_model::ids::{RunId, SessionId};
 use flotilla_model::mailbox::MailboxPage;
 use flotilla_model::plan::Plan;
 use flotilla_model::run::{RunOutcome, RunView};
 use flotilla_model::state::StateValue;
 use flotilla_model::subjects::StreamKind;
 use flotilla_model::submit::{SubmitReply, SubmitRequest};
+use flotilla_model::tree::{RunTree, SessionView};
 use flotilla_model::workspace::WorkspacePage;
 use futures::{FutureExt, Stream, StreamExt};
 use tracing::Instrument;
@@ -414,6 +415,30 @@ impl Client {
             .view(run, 0, usize::MAX)
             .await
             .map_err(|e| nats(format!("reading run {run}"), e))
+    }
+}
+
+impl Client {
+    /// The tree under `run` — the run and the child runs its agents started, recursively,
+    /// with status, duration, tokens and cost per run — read from the run store and the event
+    /// stream (the engine of `<prefix>.api.run.tree`). At most `max_runs` runs (≤ 1000).
+    pub async fn tree(&self, run: RunId, max_runs: usize) -> Result<Option<RunTree>, ClientError> {
+        let store = RunStore::open(&self.bus)
+            .await
+            .map_err(|e| nats("opening the run store", e))?;
+        flotilla_coordinator::tree::run_tree(&store, run, max_runs)
+            .await
+            .map_err(|e| nats(format!("reading the tree of run {run}"), e))
+    }
+
+    /// The runs of a session, oldest first (the engine of `<prefix>.api.session.get`).
+    pub async fn session(&self, session: SessionId) -> Result<SessionView, ClientError> {
+        let store = RunStore::open(&self.bus)
+            .await
+            .map_err(|e| nats("opening the run store", e))?;
+        flotilla_coordinator::tree::session_view(&store, session)
+            .await
+            .map_err(|e| nats(format!("reading session {session}"), e))
     }
 }
 

@@ -6,6 +6,8 @@
 //! | `<prefix>.api.submit` | `SubmitRequest` | `SubmitReply` (at acceptance, or at the end with `wait: true`) |
 //! | `<prefix>.api.run.get` | `GetRunRequest` | `RunView` |
 //! | `<prefix>.api.run.cancel` | `CancelRunRequest` | `CancelRunReply` |
+//! | `<prefix>.api.run.tree` | `RunTreeRequest` | `RunTree` |
+//! | `<prefix>.api.session.get` | `SessionRequest` | `SessionView` |
 //! | `<prefix>.api.plan.validate` | `ValidatePlanRequest` | `ValidatePlanReply` |
 //! | `<prefix>.api.ws.append`, `ws.read`, `mbox.send`, `mbox.read`, `state.get`, `state.set` | see [`collab`] | |
 //!
@@ -136,7 +138,9 @@ has_protocol!(
     MboxReadRequest,
     StateGetRequest,
     StateSetRequest,
-    ChildStartRequest
+    ChildStartRequest,
+    flotilla_model::tree::RunTreeRequest,
+    flotilla_model::tree::SessionRequest
 );
 
 /// What the endpoints share.
@@ -170,7 +174,7 @@ pub(crate) async fn serve(
         .client()
         .service_builder()
         .description(
-            "Flotilla coordinator API: submit, read, cancel runs; validate plans; workspace, mailboxes, session state",
+            "Flotilla coordinator API: submit, read, cancel runs; run trees and sessions; validate plans; workspace, mailboxes, session state; watch",
         )
         .start(bus.names().service(), env!("CARGO_PKG_VERSION"))
         .await
@@ -216,6 +220,15 @@ pub(crate) async fn serve(
     let mut watch = endpoint("watch", flotilla_model::watch::WatchRequest::ENDPOINT)
         .await
         .map_err(setup)?;
+    let mut tree = endpoint("run-tree", flotilla_model::tree::RunTreeRequest::ENDPOINT)
+        .await
+        .map_err(setup)?;
+    let mut session = endpoint(
+        "session-get",
+        flotilla_model::tree::SessionRequest::ENDPOINT,
+    )
+    .await
+    .map_err(setup)?;
     let api = Arc::new(Api {
         store,
         intake,
@@ -240,6 +253,8 @@ pub(crate) async fn serve(
             Some(req) = state_set.next() => { tokio::spawn(async move { api.state_set(req).await }); }
             Some(req) = child_start.next() => { tokio::spawn(async move { api.child_start(req).await }); }
             Some(req) = watch.next() => { tokio::spawn(async move { api.watch(req).await }); }
+            Some(req) = tree.next() => { tokio::spawn(async move { api.tree(req).await }); }
+            Some(req) = session.next() => { tokio::spawn(async move { api.session(req).await }); }
             else => break,
         }
     }
@@ -449,6 +464,48 @@ impl Api {
                 )
                 .await
             }
+            Err(e) => respond_error(&req, 500, "internal", e.to_string()).await,
+        }
+    }
+
+    /// `run.tree`: the run and its descendants with status, duration, tokens and cost.
+    async fn tree(&self, req: Request) {
+        use flotilla_model::tree::{MAX_RUNS_PER_ANSWER, RunTreeRequest};
+        let Some(r) = parse::<RunTreeRequest>(&req).await else {
+            return;
+        };
+        if r.max_runs == Some(0) || r.max_runs.is_some_and(|m| m > MAX_RUNS_PER_ANSWER) {
+            return respond_error(
+                &req,
+                400,
+                "invalid_max_runs",
+                format!("max_runs must be 1 to {MAX_RUNS_PER_ANSWER}"),
+            )
+            .await;
+        }
+        let max = r.max_runs.unwrap_or(MAX_RUNS_PER_ANSWER) as usize;
+        match crate::tree::run_tree(&self.store, r.run_id, max).await {
+            Ok(Some(tree)) => respond_json(&req, self.max_payload(), &tree).await,
+            Ok(None) => {
+                respond_error(
+                    &req,
+                    404,
+                    "not_found",
+                    format!("run {} does not exist", r.run_id),
+                )
+                .await
+            }
+            Err(e) => respond_error(&req, 500, "internal", e.to_string()).await,
+        }
+    }
+
+    /// `session.get`: the runs of a session.
+    async fn session(&self, req: Request) {
+        let Some(r) = parse::<flotilla_model::tree::SessionRequest>(&req).await else {
+            return;
+        };
+        match crate::tree::session_view(&self.store, r.session_id).await {
+            Ok(view) => respond_json(&req, self.max_payload(), &view).await,
             Err(e) => respond_error(&req, 500, "internal", e.to_string()).await,
         }
     }

@@ -30,6 +30,7 @@ pub mod planner;
 mod runtime;
 pub mod store;
 mod topics;
+pub mod tree;
 pub mod watch;
 
 use std::sync::Arc;

@@ -9,9 +9,10 @@
 
 use async_nats::jetstream::kv;
 use async_nats::jetstream::stream::Stream;
+use bytes::Bytes;
 use flotilla_bus::Bus;
 use flotilla_bus::wire;
-use flotilla_model::ids::RunId;
+use flotilla_model::ids::{RunId, SessionId};
 use flotilla_model::plan::Plan;
 use flotilla_model::run::{PlanningStatus, PlanningView, RunHandle, RunRecord, RunView};
 use flotilla_model::runlog::{PlanDecision, RunInput, RunLogEntry, TaskResultInput};
@@ -112,6 +113,11 @@ fn decode_err(
     e: impl std::error::Error + Send + Sync + 'static,
 ) -> StoreError {
     StoreError::with_source(StoreErrorKind::Decode, detail, e)
+}
+
+/// The session-index key of `run` in `session`.
+fn session_key(session: SessionId, run: RunId) -> String {
+    format!("session.{session}.{run}")
 }
 
 /// Unix milliseconds of a server timestamp.
@@ -273,8 +279,13 @@ impl RunStore {
         Ok(bytes)
     }
 
-    /// Creates a run's snapshot; fails with `AlreadyExists` if there is one.
-    pub async fn create<T: Serialize>(&self, run: RunId, snapshot: &T) -> Result<u64, StoreError> {
+    /// Creates a run's snapshot; fails with `AlreadyExists` if there is one. A run with a
+    /// session is entered in the session index first, so no recorded run is missing from it
+    /// (a crash in between leaves an index key whose run is recorded on the retry).
+    pub async fn create(&self, run: RunId, snapshot: &SnapshotRef<'_>) -> Result<u64, StoreError> {
+        if let Some(session) = snapshot.state.session_id {
+            self.index_session(session, run).await?;
+        }
         self.kv
             .create(run.to_string(), self.encode(snapshot)?)
             .await
@@ -285,6 +296,50 @@ impl RunStore {
                     nats(format!("creating run {run}"), e)
                 }
             })
+    }
+
+    /// Enters `run` in `session`'s index (`session.<session>.<run>` in the runs bucket).
+    pub async fn index_session(&self, session: SessionId, run: RunId) -> Result<(), StoreError> {
+        self.kv
+            .put(session_key(session, run), Bytes::new())
+            .await
+            .map(|_| ())
+            .map_err(|e| nats(format!("indexing run {run} in session {session}"), e))
+    }
+
+    /// The runs entered in `session`'s index, in the order they were entered.
+    pub async fn session_runs(&self, session: SessionId) -> Result<Vec<RunId>, StoreError> {
+        let bucket = self.bus.names().bucket(Bucket::Runs);
+        let stream = format!("KV_{bucket}");
+        let prefix = format!("$KV.{bucket}.session.{session}.");
+        let filter = format!("{prefix}*");
+        let mut runs = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        let mut after = 0;
+        loop {
+            let page = self
+                .bus
+                .direct_batch_stream(&stream, &filter, after, 1000, None)
+                .await
+                .map_err(|e| nats(format!("listing session {session}"), e))?;
+            let Some(last) = page.last() else { break };
+            after = last.seq;
+            let more = last.num_pending > 0;
+            for m in &page {
+                if let Some(run) = m
+                    .subject
+                    .strip_prefix(&prefix)
+                    .and_then(|id| id.parse::<RunId>().ok())
+                    && seen.insert(run)
+                {
+                    runs.push(run);
+                }
+            }
+            if !more {
+                break;
+            }
+        }
+        Ok(runs)
     }
 
     /// Replaces a run's snapshot if it is still at `revision`; `Conflict` otherwise.

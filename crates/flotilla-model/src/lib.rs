@@ -22,6 +22,7 @@ pub mod task;
 pub mod template;
 pub mod time;
 pub mod token;
+pub mod tree;
 pub mod validate;
 pub mod watch;
 pub mod worker;

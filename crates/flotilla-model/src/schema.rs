@@ -116,6 +116,16 @@ pub fn public_schemas() -> Vec<(&'static str, Schema)> {
             "child-start-reply.json",
             schema_for!(crate::api::ChildStartReply),
         ),
+        (
+            "run-tree-request.json",
+            schema_for!(crate::tree::RunTreeRequest),
+        ),
+        ("run-tree.json", schema_for!(crate::tree::RunTree)),
+        (
+            "session-request.json",
+            schema_for!(crate::tree::SessionRequest),
+        ),
+        ("session-view.json", schema_for!(crate::tree::SessionView)),
     ]
 }
 

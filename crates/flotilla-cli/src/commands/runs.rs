@@ -388,132 +388,122 @@ pub(crate) async fn cancel(
     Ok(ExitCode::SUCCESS)
 }
 
-/// One run of a run tree, with the children it started.
-#[derive(Debug, serde::Serialize)]
-struct TreeNode {
-    run_id: RunId,
-    status: &'static str,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    name: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    parent_task_id: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    call: Option<String>,
-    children: Vec<TreeNode>,
-}
-
-/// Most runs `runs tree` shows.
-const MAX_TREE_RUNS: usize = 1000;
-
-/// The children a run announced on its event stream (`agent_run_started`), in order.
-async fn announced_children(
-    bus: &Bus,
+/// `flotilla runs tree RUN`: the run and, recursively, the child runs its agents started,
+/// with agent, status, duration, tokens and cost per run (the engine of `api.run.tree`).
+pub(crate) async fn tree(
+    config: &Config,
     run: RunId,
-) -> anyhow::Result<Vec<flotilla_model::run::RunHandle>> {
-    use flotilla_model::event::{Event, decode_events};
-    use flotilla_model::subjects::StreamKind;
-    let filter = bus.names().event(run);
-    let mut out = Vec::new();
-    let mut after = 0;
-    loop {
-        let page = bus
-            .direct_batch(StreamKind::Events, &filter, after, 1000, Some(4 << 20))
-            .await?;
-        let Some(last) = page.last() else { break };
-        after = last.seq;
-        let more = last.num_pending > 0;
-        for m in &page {
-            let Ok(events) =
-                decode_events(flotilla_bus::wire::codec_of(Some(&m.headers)), &m.payload)
-            else {
-                continue;
-            };
-            for e in events {
-                if let Event::AgentRunStarted { child, .. } = e.event
-                    && !out
-                        .iter()
-                        .any(|c: &flotilla_model::run::RunHandle| c.run_id == child.run_id)
-                {
-                    out.push(child);
-                }
-            }
-        }
-        if !more {
-            break;
-        }
-    }
-    Ok(out)
-}
-
-/// `flotilla runs tree RUN`: the run and, recursively, the child runs its agents started.
-pub(crate) async fn tree(config: &Config, run: RunId, json: bool) -> anyhow::Result<ExitCode> {
+    max_runs: usize,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
     let bus = Bus::connect(&config.nats, "flotilla-cli").await?;
-    let store = RunStore::open(&bus).await?;
-    let mut seen = 0usize;
-    let Some(root) = tree_node(&bus, &store, run, None, &mut seen).await? else {
+    let client = flotilla_client::Client::new(bus);
+    let Some(tree) = client.tree(run, max_runs).await? else {
         eprintln!("error: run {run} does not exist");
         return Ok(ExitCode::from(1));
     };
     if json {
-        println!("{}", serde_json::to_string_pretty(&root)?);
-    } else {
-        print_tree(&root, 0);
-        if seen >= MAX_TREE_RUNS {
-            println!("(stopped after {MAX_TREE_RUNS} runs)");
-        }
+        println!("{}", serde_json::to_string_pretty(&tree)?);
+        return Ok(ExitCode::SUCCESS);
     }
+    println!(
+        "{:<40} {:<16} {:<10} {:>9} {:>9} {:>10}  VIA",
+        "RUN", "AGENT", "STATUS", "DURATION", "TOKENS", "COST"
+    );
+    print_tree(&tree.root, 0);
+    let total = &tree.root.subtree_usage;
+    println!(
+        "{} run{}, {} tokens in {} model call{}{}{}",
+        tree.runs,
+        if tree.runs == 1 { "" } else { "s" },
+        total.tokens(),
+        total.calls,
+        if total.calls == 1 { "" } else { "s" },
+        if total.cost_usd > 0.0 {
+            format!(", ${:.4}", total.cost_usd)
+        } else {
+            String::new()
+        },
+        if tree.omitted > 0 {
+            format!(" ({} more not listed: --max-runs)", tree.omitted)
+        } else {
+            String::new()
+        }
+    );
     Ok(ExitCode::SUCCESS)
 }
 
-fn tree_node<'a>(
-    bus: &'a Bus,
-    store: &'a RunStore,
-    run: RunId,
-    link: Option<&'a flotilla_model::run::RunHandle>,
-    seen: &'a mut usize,
-) -> futures::future::BoxFuture<'a, anyhow::Result<Option<TreeNode>>> {
-    Box::pin(async move {
-        let Some(view) = store.view(run, 0, 0).await? else {
-            return Ok(None);
-        };
-        *seen += 1;
-        let mut node = TreeNode {
-            run_id: run,
-            status: view.record.status.as_str(),
-            name: view.record.name.clone(),
-            parent_task_id: link
-                .and_then(|l| l.parent_task_id.as_ref())
-                .map(|t| t.as_str().to_owned()),
-            call: link.and_then(|l| l.parent_tool_call_id.clone()),
-            children: Vec::new(),
-        };
-        for child in announced_children(bus, run).await? {
-            if *seen >= MAX_TREE_RUNS {
-                break;
-            }
-            if let Some(c) = tree_node(bus, store, child.run_id, Some(&child), seen).await? {
-                node.children.push(c);
-            }
-        }
-        Ok(Some(node))
-    })
-}
-
-fn print_tree(node: &TreeNode, depth: usize) {
-    let via = match (&node.parent_task_id, &node.call) {
-        (Some(t), Some(c)) => format!("  ← {t} ({c})"),
-        (Some(t), None) => format!("  ← {t}"),
-        _ => String::new(),
+fn print_tree(node: &flotilla_model::tree::RunTreeNode, depth: usize) {
+    let via = match (&node.parent_task_id, &node.parent_tool_call_id) {
+        (Some(t), Some(c)) => format!("{t} ({c})"),
+        (Some(t), None) => t.to_string(),
+        _ => node.name.clone().unwrap_or_default(),
     };
+    let run = format!("{}{}", "  ".repeat(depth), node.run_id);
     println!(
-        "{}{}  {:<10}  {}{}",
-        "  ".repeat(depth),
-        node.run_id,
-        node.status,
-        node.name.as_deref().unwrap_or("-"),
+        "{:<40} {:<16} {:<10} {:>9} {:>9} {:>10}  {}",
+        run,
+        node.agent.as_deref().unwrap_or("-"),
+        node.status.as_str(),
+        format_duration_ms(node.duration_ms),
+        node.usage.tokens(),
+        if node.usage.cost_usd > 0.0 {
+            format!("${:.4}", node.usage.cost_usd)
+        } else {
+            "-".to_owned()
+        },
         via
     );
     for c in &node.children {
         print_tree(c, depth + 1);
     }
+}
+
+fn format_duration_ms(ms: u64) -> String {
+    if ms < 1_000 {
+        format!("{ms}ms")
+    } else if ms < 60_000 {
+        format!("{:.1}s", ms as f64 / 1_000.0)
+    } else {
+        format!("{}m{:02}s", ms / 60_000, (ms % 60_000) / 1_000)
+    }
+}
+
+/// `flotilla sessions show SESSION`: the runs of a session, oldest first.
+pub(crate) async fn session(
+    config: &Config,
+    session: flotilla_model::ids::SessionId,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    let bus = Bus::connect(&config.nats, "flotilla-cli").await?;
+    let client = flotilla_client::Client::new(bus);
+    let view = client.session(session).await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&view)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    if view.runs.is_empty() {
+        eprintln!("Session {session} has no runs");
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "{:<36}  {:<36}  {:<10}  {:<24}  NAME",
+        "RUN", "PARENT", "STATUS", "CREATED"
+    );
+    for r in &view.runs {
+        println!(
+            "{:<36}  {:<36}  {:<10}  {:<24}  {}",
+            r.handle.run_id,
+            r.handle
+                .parent_run_id
+                .map_or_else(|| "-".to_owned(), |p| p.to_string()),
+            r.status.as_str(),
+            r.created_at.to_rfc3339(),
+            r.name.as_deref().unwrap_or("-")
+        );
+    }
+    if view.omitted > 0 {
+        println!("({} older runs not listed)", view.omitted);
+    }
+    Ok(ExitCode::SUCCESS)
 }

@@ -25,6 +25,7 @@ pub(crate) struct SubmitOptions {
     pub(crate) run_id: Option<RunId>,
     pub(crate) idempotency_key: Option<String>,
     pub(crate) labels: BTreeMap<String, String>,
+    pub(crate) session: Option<flotilla_model::ids::SessionId>,
     pub(crate) timeout: Option<Duration>,
     /// A bare query instead of a plan file.
     pub(crate) query: Option<String>,
@@ -73,6 +74,7 @@ async fn send(
     request.run_id = Some(opts.run_id.unwrap_or_default());
     request.idempotency_key = opts.idempotency_key.clone();
     request.labels = opts.labels.clone();
+    request.session_id = opts.session;
     if !opts.follow && !opts.wait {
         return submit_and_report(&client, request, opts.json).await;
     }
