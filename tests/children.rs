@@ -364,6 +364,23 @@ async fn cancelling_a_parent_run_cancels_the_child_it_waits_for() -> anyhow::Res
     Ok(())
 }
 
+/// Runs `flotilla --nats-url URL ARGS…` and returns its stdout; fails unless it exits 0. The
+/// services of these tests run in the test's runtime, so the command is awaited, not blocked
+/// on.
+async fn flotilla(url: &str, args: Vec<String>) -> anyhow::Result<String> {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_flotilla"))
+        .args(["--nats-url", url])
+        .args(&args)
+        .output()
+        .await?;
+    anyhow::ensure!(
+        out.status.success(),
+        "flotilla {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8(out.stdout)?)
+}
+
 /// Collects a projection until it ends.
 async fn collect(
     f: &InProcess,
@@ -448,6 +465,45 @@ async fn flatten_interleaves_concurrent_children_live_and_deterministically() ->
     }
     assert!(ends(live.last().expect("events")), "the root's end is last");
     assert_eq!(live.last().map(|e| e.depth), Some(0));
+
+    // `flotilla watch`: the same events as JSON lines, here and projected by a coordinator;
+    // as text, a line per event, children indented and named with their run.
+    let url = f.server.url();
+    let run_text = run.to_string();
+    let watch = |extra: &'static [&'static str]| {
+        let args = [
+            "watch",
+            run_text.as_str(),
+            "--profile",
+            "debug",
+            "--children",
+            "flatten",
+        ]
+        .into_iter()
+        .chain(extra.iter().copied())
+        .map(str::to_owned)
+        .collect::<Vec<_>>();
+        flotilla(&url, args)
+    };
+    for extra in [&["--json"][..], &["--json", "--server"]] {
+        let printed = watch(extra)
+            .await?
+            .lines()
+            .map(serde_json::from_str::<ProjectedEvent>)
+            .collect::<Result<Vec<_>, _>>()?;
+        assert_eq!(
+            printed.iter().map(key).collect::<Vec<_>>(),
+            live.iter().map(key).collect::<Vec<_>>(),
+            "flotilla watch {extra:?}"
+        );
+    }
+    let text = watch(&[]).await?;
+    let child_line = |agent: &str| {
+        text.lines()
+            .any(|l| l.starts_with(&format!("  [{agent}·")) && l.contains("run_succeeded"))
+    };
+    assert!(child_line("pause") && child_line("echo"), "{text}");
+    assert!(text.lines().any(|l| l.contains("⇢ child run")), "{text}");
 
     // Linked: the two links, no child event.
     let linked = collect(&f, run, ChildPolicy::Linked).await?;
@@ -591,19 +647,8 @@ async fn a_tree_shows_usage_per_run_and_a_session_lists_its_runs() -> anyhow::Re
 
     // The CLI prints the same: a line per run with its agent and tokens, the session's runs.
     let url = f.server.url();
-    let cli = |args: &[&str]| -> anyhow::Result<String> {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_flotilla"))
-            .args(["--nats-url", url.as_str()])
-            .args(args)
-            .output()?;
-        anyhow::ensure!(
-            out.status.success(),
-            "{args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Ok(String::from_utf8(out.stdout)?)
-    };
-    let text = cli(&["runs", "tree", &run.to_string()])?;
+    let cli = |args: &[&str]| flotilla(&url, args.iter().map(|a| (*a).to_owned()).collect());
+    let text = cli(&["runs", "tree", &run.to_string()]).await?;
     assert_eq!(
         text.lines().filter(|l| l.contains(" nested ")).count(),
         3,
@@ -613,13 +658,13 @@ async fn a_tree_shows_usage_per_run_and_a_session_lists_its_runs() -> anyhow::Re
         text.contains("3 runs, 630 tokens in 3 model calls, $1.5000"),
         "{text}"
     );
-    let text = cli(&["runs", "tree", &run.to_string(), "--json"])?;
+    let text = cli(&["runs", "tree", &run.to_string(), "--json"]).await?;
     let printed: flotilla_model::tree::RunTree = serde_json::from_str(&text)?;
     assert_eq!(
         printed.root.children[0].children[0].run_id,
         grandchild.run_id
     );
-    let text = cli(&["sessions", "show", &session.to_string()])?;
+    let text = cli(&["sessions", "show", &session.to_string()]).await?;
     for r in &runs {
         assert!(text.contains(&r.to_string()), "{text}");
     }

@@ -134,6 +134,9 @@ async fn server_side(
 fn line(e: &ProjectedEvent) -> Option<String> {
     let indent = "  ".repeat(e.depth as usize);
     let who = match (&e.agent, e.depth) {
+        // Children side by side interleave: the run's short id tells two runs of one agent
+        // apart (child run ids are name-based UUIDs, so their first characters differ).
+        (Some(a), d) if d > 0 => format!("{a}·{}", &e.run_id.to_string()[..8]),
         (Some(a), _) => a.clone(),
         (None, 0) => e
             .event
