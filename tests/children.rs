@@ -147,6 +147,11 @@ impl Agent for Nested {
 }
 
 async fn services() -> anyhow::Result<InProcess> {
+    services_with(4).await
+}
+
+/// The services with one worker of `concurrency` slots running the agents of this file.
+async fn services_with(concurrency: usize) -> anyhow::Result<InProcess> {
     let mut defs = BTreeMap::new();
     defs.insert("echo".to_string(), scripted("{task_id}: found it"));
     let mut pause = scripted("{task_id}: paused");
@@ -171,7 +176,7 @@ async fn services() -> anyhow::Result<InProcess> {
     registry.insert("nested", Arc::new(Nested));
     let opts = WorkerOptions {
         started_event_delay: Duration::ZERO,
-        concurrency: 4,
+        concurrency,
         ..WorkerOptions::default()
     };
     f.add_worker_with_registry(opts, registry).await?;
@@ -668,6 +673,28 @@ async fn a_tree_shows_usage_per_run_and_a_session_lists_its_runs() -> anyhow::Re
     for r in &runs {
         assert!(text.contains(&r.to_string()), "{text}");
     }
+    f.stop().await;
+    Ok(())
+}
+
+/// A parent waiting for its child gives its worker slot back: on a worker with one slot (and
+/// the default prefetch of one, so the child is pulled by the same worker), a chain of three
+/// agent-as-tool calls completes instead of the child waiting forever behind its parent.
+#[tokio::test]
+async fn waiting_parents_give_their_slot_to_their_children() -> anyhow::Result<()> {
+    let f = services_with(1).await?;
+    let mut top = Subtask::new("ask", "go deep").with_agent("nested");
+    top.input = json!({ "depth": 3 });
+    let run = f.client.submit(SubmitRequest::new(plan(vec![top]))).await?;
+    let outcome = f
+        .client
+        .wait(run, Duration::from_secs(30))
+        .await
+        .map_err(|e| anyhow::anyhow!("the chain did not finish on one slot: {e}"))?;
+    assert_eq!(outcome.status, RunStatus::Succeeded, "{outcome:?}");
+    assert_eq!(outcome.final_result.expect("result").response, "3/2/1/leaf");
+    let tree = f.client.tree(run, 1000).await?.expect("the tree");
+    assert_eq!(tree.runs, 4);
     f.stop().await;
     Ok(())
 }

@@ -659,8 +659,12 @@ async fn an_exec_agent_calls_another_agent_as_a_child_run() -> anyhow::Result<()
     );
 
     // The tree, as an operator sees it.
-    let tree = ok_json(&cli(&p, &["runs", "tree", &run.to_string(), "--json"])?)?;
+    let answer = ok_json(&cli(&p, &["runs", "tree", &run.to_string(), "--json"])?)?;
+    assert_eq!(answer["runs"], 2, "{answer}");
+    let tree = &answer["root"];
     assert_eq!(tree["run_id"], run.to_string(), "{tree}");
+    assert_eq!(tree["agent"], "caller");
+    assert_eq!(tree["children"][0]["agent"], "echo");
     assert_eq!(tree["status"], "succeeded");
     assert_eq!(tree["children"][0]["run_id"], child.to_string(), "{tree}");
     assert_eq!(tree["children"][0]["parent_task_id"], "ask");

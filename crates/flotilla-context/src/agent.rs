@@ -185,6 +185,8 @@ pub struct AgentContext {
     /// The attempt's run tree, session and identity.
     pub scope: Arc<Scope>,
     clients: Clients,
+    /// The worker slot the attempt occupies, given back while it waits for children.
+    slot: crate::WorkerSlot,
 }
 
 impl AgentContext {
@@ -203,7 +205,15 @@ impl AgentContext {
             worker_id: worker_id.into(),
             scope: clients.scope_arc(),
             clients,
+            slot: crate::WorkerSlot::default(),
         }
+    }
+
+    /// The context with the worker slot the attempt occupies ([`crate::WorkerSlot`]):
+    /// [`call_agent`](Self::call_agent) gives it back while it waits for the child.
+    pub fn with_slot(mut self, slot: crate::WorkerSlot) -> Self {
+        self.slot = slot;
+        self
     }
 
     /// Workspace topics of the run tree (append, read, watch, artifacts by reference).
@@ -234,8 +244,8 @@ impl AgentContext {
 
     /// Uses another agent as a tool: starts a child run of `call.agent` (or re-attaches to
     /// the one a crashed delivery of this attempt started), announces it on this run's event
-    /// stream (`agent_run_started`), and waits — without holding anything but this attempt —
-    /// until it ends, the attempt's deadline passes or the attempt is cancelled. Returns the
+    /// stream (`agent_run_started`), and waits — giving the attempt's worker slot back
+    /// meanwhile, so the child can run even in a full pool — until it ends, the attempt's deadline passes or the attempt is cancelled. Returns the
     /// child's handle and outcome; a failed child is an outcome, not an error.
     pub async fn call_agent(
         &self,
@@ -246,14 +256,24 @@ impl AgentContext {
             .announce_child(&child.handle, &call.agent)
             .await;
         let until = tokio::time::Instant::from_std(self.deadline);
-        let outcome = tokio::select! {
-            o = self.clients.wait_child(child.handle.run_id, until) => o?,
-            () = self.cancel.cancelled() => {
-                return Err(crate::ContextError::new(
-                    crate::ErrorKind::Unavailable,
-                    format!("the attempt was cancelled while child run {} ran", child.handle.run_id),
-                ));
-            }
+        // Waiting holds no worker slot: the child may need it ([`crate::slot`]).
+        let outcome = self
+            .slot
+            .released(async {
+                tokio::select! {
+                    o = self.clients.wait_child(child.handle.run_id, until) => o.map(Some),
+                    () = self.cancel.cancelled() => Ok(None),
+                }
+            })
+            .await?;
+        let Some(outcome) = outcome else {
+            return Err(crate::ContextError::new(
+                crate::ErrorKind::Unavailable,
+                format!(
+                    "the attempt was cancelled while child run {} ran",
+                    child.handle.run_id
+                ),
+            ));
         };
         Ok((child, outcome))
     }

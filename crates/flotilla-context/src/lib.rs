@@ -42,6 +42,7 @@ pub mod journal;
 pub mod mailbox;
 pub mod negotiate;
 pub mod scope;
+pub mod slot;
 pub mod state;
 pub mod workspace;
 
@@ -62,6 +63,7 @@ pub use error::{ContextError, ErrorKind};
 pub use mailbox::{Mailbox, Sent};
 pub use negotiate::{Award, Offer};
 pub use scope::Scope;
+pub use slot::WorkerSlot;
 pub use state::State;
 pub use workspace::{Appended, Workspace};
 

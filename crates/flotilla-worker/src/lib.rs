@@ -63,7 +63,7 @@ use tracing::{Instrument, debug, info, warn};
 use crate::agent::{AgentContext, AgentError, EventEmitter};
 pub use crate::agents::{AgentDefinition, AgentRegistry, RoleConfig};
 pub use crate::options::WorkerOptions;
-pub use flotilla_context::{Agent, AgentReply, Clients, Scope};
+pub use flotilla_context::{Agent, AgentReply, Clients, Scope, WorkerSlot};
 
 flotilla_bus::error_kinds!(
     /// Why a worker could not run.
@@ -564,6 +564,11 @@ async fn handle(
         let _ = msg.ack_with(AckKind::Nak(None)).await;
         return;
     };
+    // The attempt's place and slot, given back while its agent waits for child runs.
+    let slot = WorkerSlot::new(
+        vec![Arc::clone(held.semaphore()), Arc::clone(slot.semaphore())],
+        vec![held, slot],
+    );
     let _running = InFlight::enter(&shared.in_flight);
     let slot_gauge = shared.slots.attempt();
     let started_at = Timestamp::now();
@@ -608,7 +613,8 @@ async fn handle(
                 Instant::now() + timeout,
                 events.clone(),
                 shared.id.clone(),
-            );
+            )
+            .with_slot(slot.clone());
             let announce = tokio::time::sleep(shared.opts.started_event_delay);
             tokio::pin!(announce);
             // Model calls and tools of the agent nest in its `invoke_agent` span.
@@ -670,8 +676,7 @@ async fn handle(
         }
     };
     // The agent is done: its slot and its place go to the next task now.
-    drop(slot);
-    drop(held);
+    slot.end().await;
     drop(_running);
     drop(slot_gauge);
     let result = match outcome {

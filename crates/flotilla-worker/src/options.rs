@@ -11,7 +11,8 @@ use serde::{Deserialize, Serialize};
 pub struct WorkerOptions {
     /// The pool this worker serves.
     pub pool: String,
-    /// Tasks run at once.
+    /// Agents running at once. An agent waiting for a child run (agent-as-tool) gives its
+    /// slot back meanwhile, so children can run in a full pool.
     pub concurrency: usize,
     /// Tasks pulled ahead of free slots: one waits here (kept alive by in-progress acks)
     /// while the slots are busy, so a slot that frees starts its next task without a pull
