@@ -1,23 +1,28 @@
 //! Run trees across real processes: `flotilla coordinator` and `flotilla worker` processes on
 //! a real nats-server, agents calling agents as child runs, grandchildren and deeper.
 //!
-//! Exec agents here are small deterministic Python and `sh` scripts written by the tests (not
-//! models): they call other agents with `"$FLOTILLA_BIN" call AGENT …` and answer with what
-//! the child answered.
+//! * Exec agents here are small deterministic Python and `sh` scripts written by the tests
+//!   (not models): they call other agents with `"$FLOTILLA_BIN" call AGENT …` and answer
+//!   with what the child answered.
+//! * The multi-agent pattern examples (`config/examples/patterns.toml`) are LLM agents; their
+//!   tests point them at the test kit's scripted OpenAI-compatible server — a test double
+//!   that answers what each test scripts, not a model.
 
 mod support;
 
 use std::collections::BTreeSet;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use flotilla_client::Client;
 use flotilla_model::RunId;
 use flotilla_model::event::Event;
-use flotilla_model::plan::Subtask;
+use flotilla_model::plan::{Plan, Subtask};
 use flotilla_model::run::{RunHandle, RunOutcome, RunStatus};
 use flotilla_model::submit::SubmitRequest;
+use flotilla_testkit::openai::{OpenAiServer, RecordedRequest, Reply};
 use futures::StreamExt;
-use serde_json::Value;
+use serde_json::{Value, json};
 use support::*;
 
 /// A deterministic exec agent (not a model): calls the agent named by its first argument as
@@ -472,6 +477,277 @@ async fn cancelling_the_root_cancels_a_tree_running_on_two_workers() -> anyhow::
         &runs_tree(&p, root)?,
         &[root, child, grandchild],
         "cancelled",
+    );
+    Ok(())
+}
+
+// --- The multi-agent pattern examples (config/examples/patterns.toml) ----------------------
+
+const PATTERNS: &str = "config/examples/patterns.toml";
+const PATTERN_AGENTS: [&str; 6] = [
+    "helpdesk",
+    "billing",
+    "technical",
+    "reporter",
+    "researcher",
+    "verifier",
+];
+
+/// Coordinator and worker processes on the example config as shipped, every agent pointed at
+/// `llm` (the scripted test double) with the override variables `scripts/demo-llm` uses.
+async fn pattern_services(llm: &OpenAiServer, workers: usize) -> anyhow::Result<Processes> {
+    let url = llm.base_url();
+    let vars: Vec<(String, String)> = PATTERN_AGENTS
+        .iter()
+        .map(|a| {
+            (
+                format!("FLOTILLA_AGENTS__{}__BASE_URL", a.to_ascii_uppercase()),
+                url.clone(),
+            )
+        })
+        .collect();
+    let env: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let mut p = Processes::with_config_file(&root().join(PATTERNS), &env).await?;
+    p.coordinator().await?;
+    for _ in 0..workers {
+        p.worker(&[]).await?;
+    }
+    Ok(p)
+}
+
+fn example_plan(name: &str) -> anyhow::Result<Plan> {
+    let path = root().join("config/examples/plans").join(name);
+    Ok(serde_json::from_slice(&std::fs::read(&path)?)?)
+}
+
+/// The agents `transfer_to_agent` offered in `request`.
+fn transfer_targets(request: &RecordedRequest) -> Value {
+    request.body["tools"]
+        .as_array()
+        .and_then(|t| {
+            t.iter()
+                .find(|t| t["function"]["name"] == "transfer_to_agent")
+        })
+        .map(|t| t["function"]["parameters"]["properties"]["agent_name"]["enum"].clone())
+        .unwrap_or_default()
+}
+
+/// The tool results the model was sent in `request`, in order.
+fn tool_results(request: &RecordedRequest) -> Vec<String> {
+    request
+        .messages()
+        .iter()
+        .filter(|m| m["role"] == "tool")
+        .filter_map(|m| m["content"].as_str().map(str::to_owned))
+        .collect()
+}
+
+/// The requests whose body contains `needle`, in arrival order.
+fn asked(requests: &[RecordedRequest], needle: &str) -> Vec<RecordedRequest> {
+    requests
+        .iter()
+        .filter(|r| r.body.to_string().contains(needle))
+        .cloned()
+        .collect()
+}
+
+#[test]
+fn the_pattern_examples_and_their_plans_are_valid() -> anyhow::Result<()> {
+    for plan in ["helpdesk.json", "report.json"] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_flotilla"))
+            .current_dir(root())
+            .env_remove("FLOTILLA_CONFIG")
+            // No NATS there: the plan is checked against the example config itself.
+            .args(["--nats-url", "nats://127.0.0.1:9", "--config", PATTERNS])
+            .args(["plan", "validate", "--json"])
+            .arg(Path::new("config/examples/plans").join(plan))
+            .output()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{plan}: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let report: Value = serde_json::from_slice(&out.stdout)?;
+        assert_eq!(report["valid"], true, "{plan}: {report}");
+        assert_eq!(report["checked"], "offline", "{plan}: {report}");
+        assert_eq!(report["subtasks"], 1, "{plan}: {report}");
+    }
+    Ok(())
+}
+
+/// Coordinator/dispatcher: the help desk hands the customer's conversation to billing with
+/// `transfer_to_agent`; billing continues it as a child run and its answer is the ticket's.
+#[tokio::test]
+async fn the_dispatcher_example_routes_the_ticket_to_a_specialist() -> anyhow::Result<()> {
+    // The scripted test double plays the models: the desk transfers, billing answers. Billing's
+    // request carries the desk's conversation too, so its reply is queued first and matched
+    // by what only billing is told.
+    let answer = "I have refunded the second debit of 84.20 euros; expect it within five days.";
+    let llm = OpenAiServer::start().await?;
+    llm.push(Reply::text(answer).when("helpdesk handed this conversation to you"));
+    llm.push(
+        Reply::tool_call(
+            "transfer_to_agent",
+            json!({"agent_name": "billing", "reason": "a double charge"}),
+        )
+        .when("Your task (ticket)"),
+    );
+    let p = pattern_services(&llm, 1).await?;
+    let root = p
+        .client
+        .submit(SubmitRequest::new(example_plan("helpdesk.json")?))
+        .await?;
+    let outcome = p.client.wait(root, WAIT).await?;
+    assert_eq!(
+        outcome.status,
+        RunStatus::Succeeded,
+        "{outcome:?}\n{}",
+        p.log(1)
+    );
+    assert_eq!(response(&outcome), answer, "the specialist's answer");
+
+    // Two model calls: the desk (offered its sub-agents), then billing (offered its peer
+    // only: the example forbids transfers back to the desk). Technical was never asked.
+    let requests = llm.requests();
+    assert_eq!(requests.len(), 2, "{requests:#?}");
+    assert_eq!(
+        transfer_targets(&requests[0]),
+        json!(["billing", "technical"])
+    );
+    assert!(
+        requests[0]
+            .system()
+            .contains("Do not answer the customer yourself"),
+        "the example's instruction: {}",
+        requests[0].system()
+    );
+    assert_eq!(transfer_targets(&requests[1]), json!(["technical"]));
+    assert!(
+        requests[1].user().contains("charged twice"),
+        "billing continues the customer's conversation: {}",
+        requests[1].user()
+    );
+
+    // Billing ran as a child run of the ticket, linked twice on the desk's stream.
+    let billing = only_child(&p.client, root, "ticket", "billing", root).await?;
+    let child = p.client.wait(billing, WAIT).await?;
+    assert_eq!(child.status, RunStatus::Succeeded, "{child:?}");
+    assert_eq!(response(&child), answer);
+    let events = p.client.events(root).await?;
+    futures::pin_mut!(events);
+    let transferred = tokio::time::timeout(WAIT, async {
+        while let Some(e) = events.next().await {
+            if let Event::ToolEnd {
+                run_link: Some(h),
+                tool: Some(t),
+                ok: true,
+                ..
+            } = e?.event
+                && t == "transfer_to_agent"
+            {
+                return Ok::<_, anyhow::Error>(h.run_id);
+            }
+        }
+        anyhow::bail!("no transfer on the desk's stream")
+    })
+    .await??;
+    assert_eq!(transferred, billing);
+    assert_chain(&runs_tree(&p, root)?, &[root, billing], "succeeded");
+    Ok(())
+}
+
+/// Hierarchical decomposition: the reporter calls the researcher as a tool, the researcher
+/// searches the example corpus and calls the verifier as a tool — a grandchild run — and each
+/// answer comes back up as its caller's tool result.
+#[tokio::test]
+async fn the_hierarchical_example_runs_a_grandchild_and_answers_propagate_up() -> anyhow::Result<()>
+{
+    let verdict = "Confirmed: costs.txt says the pilot cost 6.1 million euros to build.";
+    let facts = "The pilot cost 6.1 million euros (verified) and earned about 249,000 euros in its first year, less than its 410,000 euros of running costs.";
+    let report = "Report: the Brindle Harbour pilot cost 6.1 million euros; its electricity does not yet cover its running costs.";
+    // The scripted test double plays the three models, each matched by its task: the
+    // reporter's (`report`, from the plan) and the child tasks named after their agents.
+    let llm = OpenAiServer::start().await?;
+    llm.push_all([
+        Reply::tool_call(
+            "call_agent",
+            json!({"agent": "researcher", "request": "What did the pilot cost and earn?"}),
+        )
+        .when("Your task (report)"),
+        Reply::text(report).when("Your task (report)"),
+        Reply::tool_call("search_corpus", json!({"query": "cost earned euros"}))
+            .when("Your task (researcher)"),
+        Reply::tool_call(
+            "call_agent",
+            json!({"agent": "verifier", "request": "Check: the pilot cost 6.1 million euros."}),
+        )
+        .when("Your task (researcher)"),
+        Reply::text(facts).when("Your task (researcher)"),
+        Reply::tool_call("search_corpus", json!({"query": "6.1 million"}))
+            .when("Your task (verifier)"),
+        Reply::text(verdict).when("Your task (verifier)"),
+    ]);
+    let p = pattern_services(&llm, 2).await?;
+    let root = p
+        .client
+        .submit(SubmitRequest::new(example_plan("report.json")?))
+        .await?;
+    let outcome = p.client.wait(root, WAIT).await?;
+    assert_eq!(
+        outcome.status,
+        RunStatus::Succeeded,
+        "{outcome:?}\n{}\n{}",
+        p.log(1),
+        p.log(2)
+    );
+    assert_eq!(response(&outcome), report);
+    assert_eq!(llm.remaining(), 0, "every scripted reply was used");
+
+    // What each model was offered and told.
+    let requests = llm.requests();
+    assert_eq!(requests.len(), 7, "{requests:#?}");
+    let (reporter, researcher, verifier) = (
+        asked(&requests, "Your task (report)"),
+        asked(&requests, "Your task (researcher)"),
+        asked(&requests, "Your task (verifier)"),
+    );
+    assert_eq!(
+        (reporter.len(), researcher.len(), verifier.len()),
+        (2, 3, 2)
+    );
+    assert_eq!(reporter[0].tool_names(), ["call_agent"]);
+    let mut offered = researcher[0].tool_names();
+    offered.sort();
+    assert_eq!(offered, ["call_agent", "search_corpus"]);
+    assert_eq!(verifier[0].tool_names(), ["search_corpus"]);
+    // The example's exec tool ran from the example's directory and searched its corpus.
+    let searched = tool_results(&verifier[1]).join("\n");
+    assert!(
+        searched.contains("costs.txt") && searched.contains("6.1 million"),
+        "{searched}"
+    );
+    // Answers up the tree: the verifier's verdict is the researcher's tool result, the
+    // researcher's facts the reporter's.
+    let to_researcher = tool_results(&researcher[2]).join("\n");
+    assert!(to_researcher.contains(verdict), "{to_researcher}");
+    let to_reporter = tool_results(&reporter[1]).join("\n");
+    assert!(to_reporter.contains(facts), "{to_reporter}");
+
+    // The tree: report → researcher (child) → verifier (grandchild), all under the root.
+    let researcher_run = only_child(&p.client, root, "report", "researcher", root).await?;
+    let verifier_run =
+        only_child(&p.client, researcher_run, "researcher", "verifier", root).await?;
+    assert!(links(&p.client, verifier_run).await?.is_empty());
+    for (run, answer) in [(researcher_run, facts), (verifier_run, verdict)] {
+        let o = p.client.wait(run, WAIT).await?;
+        assert_eq!(o.status, RunStatus::Succeeded, "{o:?}");
+        assert_eq!(response(&o), answer);
+    }
+    assert_chain(
+        &runs_tree(&p, root)?,
+        &[root, researcher_run, verifier_run],
+        "succeeded",
     );
     Ok(())
 }
