@@ -189,6 +189,10 @@ pub struct Processes {
     pub config: PathBuf,
     dir: tempfile::TempDir,
     children: Vec<Option<std::process::Child>>,
+    /// Arguments after `--config` of every process (`--nats-url` with a config file of its own).
+    global_args: Vec<String>,
+    /// Configuration overrides (`FLOTILLA_*`) of every process.
+    env: Vec<(String, String)>,
 }
 
 impl Processes {
@@ -222,7 +226,59 @@ impl Processes {
             config,
             dir,
             children: Vec::new(),
+            global_args: Vec::new(),
+            env: Vec::new(),
         })
+    }
+
+    /// Flotilla processes on an existing config file (a shipped example), unchanged: every
+    /// process gets `--nats-url` of a fresh test server and the configuration overrides in
+    /// `env` (`FLOTILLA_AGENTS__<NAME>__BASE_URL`, …), the way `scripts/demo-llm` points an
+    /// example at a model. Failover times are short, as with [`Processes::start`].
+    pub async fn with_config_file(config: &Path, env: &[(&str, &str)]) -> anyhow::Result<Self> {
+        let server = NatsServer::start().await?;
+        let bus = server.provisioned_bus().await?;
+        // Later entries win (`Command::envs`): the caller's overrides come last.
+        let overrides: Vec<(String, String)> = [
+            ("FLOTILLA_COORDINATOR__ACK_WAIT", "2s"),
+            ("FLOTILLA_WORKER__HEARTBEAT", "300ms"),
+            ("FLOTILLA_WORKER__SHUTDOWN_GRACE", "10s"),
+            ("FLOTILLA_WORKER__STARTED_EVENT_DELAY", "0s"),
+        ]
+        .iter()
+        .chain(env)
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
+        Ok(Self {
+            client: Client::new(bus.clone()),
+            bus,
+            global_args: vec!["--nats-url".into(), server.url()],
+            server,
+            config: config.to_path_buf(),
+            dir: tempfile::tempdir()?,
+            children: Vec::new(),
+            env: overrides,
+        })
+    }
+
+    /// `flotilla <args>` as an operator would run it against these services (same config,
+    /// NATS URL and overrides; none of the test's own `FLOTILLA_*` variables), to the end.
+    pub fn cli(&self, args: &[&str]) -> anyhow::Result<std::process::Output> {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_flotilla"));
+        for (k, _) in std::env::vars() {
+            if k.starts_with("FLOTILLA_") {
+                cmd.env_remove(k);
+            }
+        }
+        Ok(cmd
+            .arg("--config")
+            .arg(&self.config)
+            .args(&self.global_args)
+            .args(args)
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .current_dir(self.dir.path())
+            .stdin(std::process::Stdio::null())
+            .output()?)
     }
 
     pub fn dir(&self) -> &Path {
@@ -245,7 +301,9 @@ impl Processes {
         let child = std::process::Command::new(env!("CARGO_BIN_EXE_flotilla"))
             .arg("--config")
             .arg(&self.config)
+            .args(&self.global_args)
             .args(args)
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .env(
                 "FLOTILLA_LOG",
                 std::env::var("TEST_FLOTILLA_LOG").unwrap_or_else(|_| "info".into()),

@@ -338,9 +338,14 @@ impl LlmConfig {
         {
             return Err(bad("temperature", format!("{t} is outside 0 to 2")));
         }
+        // Tools come from every source: built-ins, commands, agents (`call_agent`), MCP
+        // servers and the agent tree (`transfer_to_agent` to sub-agents).
         if self.tool_choice == ToolChoice::Required
             && self.tools.is_empty()
             && self.exec_tools.is_empty()
+            && self.agent_tools.is_empty()
+            && self.mcp_servers.is_empty()
+            && self.sub_agents.is_empty()
         {
             return Err(bad(
                 "tool-choice",

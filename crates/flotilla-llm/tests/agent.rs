@@ -859,5 +859,13 @@ async fn tool_choice_required_forces_a_tool_call_in_each_round_then_an_answer() 
     bad.tools.clear();
     let e = bad.validate("lonely").expect_err("no tools");
     assert!(e.to_string().contains("tool-choice"), "{e}");
+    // Other agents are tools too: `call_agent` (agent-tools) and `transfer_to_agent`
+    // (sub-agents).
+    let mut caller = bad.clone();
+    caller.agent_tools = vec!["helper".into()];
+    caller.validate("caller").map_err(anyhow::Error::msg)?;
+    let mut router = bad.clone();
+    router.sub_agents = vec!["billing".into()];
+    router.validate("router").map_err(anyhow::Error::msg)?;
     Ok(())
 }
