@@ -155,10 +155,11 @@ fn runs_tree(p: &Processes, root: RunId) -> anyhow::Result<Value> {
     Ok(serde_json::from_slice(&out.stdout)?)
 }
 
-/// Checks that `tree` is the chain `chain[0]` → `chain[1]` → … (one child per level), every
-/// run `status`. Only structure: run ids, nesting and status.
+/// Checks that `tree` (a `RunTree`) is the chain `chain[0]` → `chain[1]` → … (one child per
+/// level), every run `status`: run ids, nesting, status, and the run count.
 fn assert_chain(tree: &Value, chain: &[RunId], status: &str) {
-    let mut node = tree;
+    assert_eq!(tree["runs"], chain.len(), "{tree:#}");
+    let mut node = &tree["root"];
     for (depth, run) in chain.iter().enumerate() {
         assert_eq!(node["run_id"], run.to_string(), "depth {depth}: {tree:#}");
         assert_eq!(node["status"], status, "depth {depth}: {tree:#}");
@@ -744,10 +745,19 @@ async fn the_hierarchical_example_runs_a_grandchild_and_answers_propagate_up() -
         assert_eq!(o.status, RunStatus::Succeeded, "{o:?}");
         assert_eq!(response(&o), answer);
     }
-    assert_chain(
-        &runs_tree(&p, root)?,
-        &[root, researcher_run, verifier_run],
-        "succeeded",
+    let tree = runs_tree(&p, root)?;
+    assert_chain(&tree, &[root, researcher_run, verifier_run], "succeeded");
+    // Every level made model calls (one `usage` event each), summed up the tree.
+    let calls = |node: &Value, key: &str| node[key]["calls"].as_u64().unwrap_or(0);
+    let (top, mid) = (&tree["root"], &tree["root"]["children"][0]);
+    let leaf = &mid["children"][0];
+    for node in [top, mid, leaf] {
+        assert!(calls(node, "usage") >= 1, "{node:#}");
+    }
+    assert_eq!(
+        calls(top, "subtree_usage"),
+        calls(top, "usage") + calls(mid, "usage") + calls(leaf, "usage"),
+        "{tree:#}"
     );
     Ok(())
 }

@@ -31,7 +31,8 @@ pub struct RunHandle {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent_task_id: Option<TaskId>,
     /// The root of the run tree: its workspace and mailboxes are this run's. Absent on a root
-    /// run, and on a child whose parent is the root.
+    /// run; children started by agents always carry it (a client submitting a child itself
+    /// may leave it out when the parent is the root).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub root_run_id: Option<RunId>,
 }
