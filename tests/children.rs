@@ -156,7 +156,7 @@ async fn services_with(concurrency: usize) -> anyhow::Result<InProcess> {
     defs.insert("echo".to_string(), scripted("{task_id}: found it"));
     let mut pause = scripted("{task_id}: paused");
     if let flotilla_worker::AgentDefinition::Scripted(c) = &mut pause {
-        c.delay = Duration::from_millis(1500);
+        c.delay = Duration::from_secs(3);
     }
     defs.insert("pause".to_string(), pause);
     defs.insert("slow_then_quick".to_string(), scripted("unused"));
@@ -392,6 +392,16 @@ async fn collect(
     run: RunId,
     children: ChildPolicy,
 ) -> anyhow::Result<Vec<ProjectedEvent>> {
+    collect_since(f, run, children, 0).await
+}
+
+/// Collects a projection resumed after event message `since` until it ends.
+async fn collect_since(
+    f: &InProcess,
+    run: RunId,
+    children: ChildPolicy,
+    since: u64,
+) -> anyhow::Result<Vec<ProjectedEvent>> {
     let stream = f
         .client
         .watch(
@@ -399,7 +409,7 @@ async fn collect(
             WatchOptions {
                 profile: Profile::Debug,
                 children,
-                since: 0,
+                since,
             },
         )
         .await?;
@@ -471,6 +481,22 @@ async fn flatten_interleaves_concurrent_children_live_and_deterministically() ->
     assert!(ends(live.last().expect("events")), "the root's end is last");
     assert_eq!(live.last().map(|e| e.depth), Some(0));
 
+    // Resuming after any event (its `seq`) gives exactly the events after it, although under
+    // flatten a child's earlier events come after later ones of its parent.
+    for at in [0, live.len() / 3, live.len() / 2, live.len() - 2] {
+        let since = live[at].seq;
+        let last = live
+            .iter()
+            .rposition(|e| e.seq == since)
+            .expect("the event");
+        let resumed = collect_since(&f, run, ChildPolicy::Flatten, since).await?;
+        assert_eq!(
+            resumed.iter().map(key).collect::<Vec<_>>(),
+            live[last + 1..].iter().map(key).collect::<Vec<_>>(),
+            "resumed after seq {since}"
+        );
+    }
+
     // `flotilla watch`: the same events as JSON lines, here and projected by a coordinator;
     // as text, a line per event, children indented and named with their run.
     let url = f.server.url();
@@ -502,6 +528,35 @@ async fn flatten_interleaves_concurrent_children_live_and_deterministically() ->
             "flotilla watch {extra:?}"
         );
     }
+    // Resumed by a coordinator too.
+    let at = live.len() / 2;
+    let last = live
+        .iter()
+        .rposition(|e| e.seq == live[at].seq)
+        .expect("the event");
+    let since = live[at].seq.to_string();
+    let mut args = vec![
+        "watch".to_owned(),
+        run_text.clone(),
+        "--profile".into(),
+        "debug".into(),
+        "--children".into(),
+        "flatten".into(),
+        "--json".into(),
+        "--server".into(),
+        "--since".into(),
+    ];
+    args.push(since);
+    let resumed = flotilla(&url, args)
+        .await?
+        .lines()
+        .map(serde_json::from_str::<ProjectedEvent>)
+        .collect::<Result<Vec<_>, _>>()?;
+    assert_eq!(
+        resumed.iter().map(key).collect::<Vec<_>>(),
+        live[last + 1..].iter().map(key).collect::<Vec<_>>(),
+        "resumed by a coordinator"
+    );
     let text = watch(&[]).await?;
     let child_line = |agent: &str| {
         text.lines()

@@ -9,47 +9,142 @@
 //! ([`AgentContext::call_agent`](crate::AgentContext::call_agent)), its slot goes back to the
 //! worker, which can pull and run other tasks — the children among them; when the last wait
 //! ends, the attempt takes a slot again (waiting its turn like any task) before it goes on.
+//! A worker's waiting attempts are therefore not bounded by `concurrency`: they cost a
+//! future and a heartbeat each, and the children they wait for are.
+//!
+//! Cancellation-safe: a wait that is dropped half-way (an agent's own timeout around
+//! `call_agent`) still counts as over, and the slot is taken again in the background. Once the
+//! attempt has ended ([`WorkerSlot::end`]) nothing is taken again, and a re-take under way
+//! stops.
 //!
 //! Exec agents waiting in `flotilla call` are separate processes the worker cannot see
 //! waiting: they keep their slot (give their pool room, or run children in another pool).
 
-use std::sync::Arc;
+use std::any::Any;
+use std::sync::{Arc, Mutex, PoisonError};
 
-use tokio::sync::{Mutex, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
+
+/// Whatever marks a slot as taken besides its permits (gauges, counters), made anew each
+/// time the slot is taken and dropped when it is given back.
+pub type Occupancy = Box<dyn Any + Send>;
+
+/// Makes an [`Occupancy`].
+pub type OccupancyFactory = Arc<dyn Fn() -> Occupancy + Send + Sync>;
 
 /// The slot of one attempt: the permits it holds and the semaphores they came from.
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub struct WorkerSlot {
     inner: Option<Arc<Inner>>,
 }
 
-#[derive(Debug)]
+impl std::fmt::Debug for WorkerSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let held = self.inner.as_ref().map(|i| i.lock().held.is_some());
+        f.debug_struct("WorkerSlot").field("held", &held).finish()
+    }
+}
+
 struct Inner {
     /// The semaphores, in the order permits are taken (the worker's place for a held message,
     /// then its running-agent slot).
     semaphores: Vec<Arc<Semaphore>>,
+    occupancy: OccupancyFactory,
+    /// Fires when the attempt ends: a re-take under way stops.
+    ended: CancellationToken,
     state: Mutex<SlotState>,
 }
 
-#[derive(Debug, Default)]
+impl Inner {
+    fn lock(&self) -> std::sync::MutexGuard<'_, SlotState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Takes the slot again, unless the attempt ended or another wait began meanwhile.
+    async fn retake(self: Arc<Self>) {
+        let mut permits = Vec::with_capacity(self.semaphores.len());
+        for semaphore in &self.semaphores {
+            tokio::select! {
+                p = Arc::clone(semaphore).acquire_owned() => match p {
+                    Ok(p) => permits.push(p),
+                    Err(_) => return,
+                },
+                () = self.ended.cancelled() => return,
+            }
+        }
+        let mut state = self.lock();
+        if state.waiting == 0 && state.held.is_none() && !self.ended.is_cancelled() {
+            state.held = Some((permits, (self.occupancy)()));
+        }
+    }
+}
+
+#[derive(Default)]
 struct SlotState {
-    permits: Vec<OwnedSemaphorePermit>,
-    /// Waits under way: the permits are given back while any is.
+    /// The permits and occupancy while the attempt holds its slot.
+    held: Option<(Vec<OwnedSemaphorePermit>, Occupancy)>,
+    /// Waits under way: the slot is given back while any is.
     waiting: usize,
-    /// The attempt ended: nothing is taken again.
-    done: bool,
+}
+
+/// One wait: counts as over when dropped, whether it finished or not.
+struct Waiting {
+    inner: Arc<Inner>,
+    finished: bool,
+}
+
+impl Waiting {
+    fn begin(inner: &Arc<Inner>) -> Self {
+        let given_back = {
+            let mut state = inner.lock();
+            state.waiting += 1;
+            state.held.take()
+        };
+        drop(given_back);
+        Self {
+            inner: Arc::clone(inner),
+            finished: false,
+        }
+    }
+
+    /// The wait is over: `true` when this was the last one and the slot must be taken again.
+    fn over(&mut self) -> bool {
+        self.finished = true;
+        let mut state = self.inner.lock();
+        state.waiting -= 1;
+        state.waiting == 0 && state.held.is_none() && !self.inner.ended.is_cancelled()
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        if !self.finished && self.over() {
+            // Abandoned half-way: take the slot again in the background.
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(Arc::clone(&self.inner).retake());
+            }
+        }
+    }
 }
 
 impl WorkerSlot {
-    /// The slot made of `permits`, taken from `semaphores` in order.
-    pub fn new(semaphores: Vec<Arc<Semaphore>>, permits: Vec<OwnedSemaphorePermit>) -> Self {
+    /// The slot made of `permits`, taken from `semaphores` in order, with its `occupancy`
+    /// (made again by `factory` each time the slot is taken again).
+    pub fn new(
+        semaphores: Vec<Arc<Semaphore>>,
+        permits: Vec<OwnedSemaphorePermit>,
+        occupancy: Occupancy,
+        factory: OccupancyFactory,
+    ) -> Self {
         Self {
             inner: Some(Arc::new(Inner {
                 semaphores,
+                occupancy: factory,
+                ended: CancellationToken::new(),
                 state: Mutex::new(SlotState {
-                    permits,
+                    held: Some((permits, occupancy)),
                     waiting: 0,
-                    done: false,
                 }),
             })),
         }
@@ -61,72 +156,167 @@ impl WorkerSlot {
         let Some(inner) = &self.inner else {
             return wait.await;
         };
-        {
-            let mut state = inner.state.lock().await;
-            state.waiting += 1;
-            state.permits.clear();
-        }
+        let mut waiting = Waiting::begin(inner);
         let out = wait.await;
-        let mut state = inner.state.lock().await;
-        state.waiting -= 1;
-        if state.waiting == 0 && !state.done && state.permits.is_empty() {
-            for semaphore in &inner.semaphores {
-                match Arc::clone(semaphore).acquire_owned().await {
-                    Ok(p) => state.permits.push(p),
-                    // The worker is gone: nothing to take.
-                    Err(_) => break,
-                }
-            }
+        if waiting.over() {
+            Arc::clone(inner).retake().await;
         }
         out
     }
 
-    /// The attempt ended: gives the slot back for good.
-    pub async fn end(&self) {
+    /// The attempt ended (or was cancelled): gives the slot back for good.
+    pub fn end(&self) {
         if let Some(inner) = &self.inner {
-            let mut state = inner.state.lock().await;
-            state.done = true;
-            state.permits.clear();
+            inner.ended.cancel();
+            let given_back = inner.lock().held.take();
+            drop(given_back);
         }
+    }
+
+    /// Whether the attempt holds its slot now (not waiting, not ended).
+    pub fn is_held(&self) -> bool {
+        self.inner.as_ref().is_some_and(|i| i.lock().held.is_some())
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicI64, Ordering};
+    use std::time::Duration;
+
     use super::*;
 
-    #[tokio::test]
-    async fn a_waiting_attempt_gives_its_slot_back_and_takes_one_again() {
+    struct Fixture {
+        held: Arc<Semaphore>,
+        run: Arc<Semaphore>,
+        occupied: Arc<AtomicI64>,
+        slot: WorkerSlot,
+    }
+
+    struct Occupied(Arc<AtomicI64>);
+
+    impl Drop for Occupied {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    async fn fixture() -> Fixture {
         let held = Arc::new(Semaphore::new(1));
         let run = Arc::new(Semaphore::new(1));
+        let occupied = Arc::new(AtomicI64::new(0));
+        let count = Arc::clone(&occupied);
+        let factory: OccupancyFactory = Arc::new(move || {
+            count.fetch_add(1, Ordering::SeqCst);
+            Box::new(Occupied(Arc::clone(&count)))
+        });
         let permits = vec![
             Arc::clone(&held).acquire_owned().await.expect("held"),
             Arc::clone(&run).acquire_owned().await.expect("run"),
         ];
-        let slot = WorkerSlot::new(vec![Arc::clone(&held), Arc::clone(&run)], permits);
-        assert_eq!((held.available_permits(), run.available_permits()), (0, 0));
+        let slot = WorkerSlot::new(
+            vec![Arc::clone(&held), Arc::clone(&run)],
+            permits,
+            factory(),
+            factory,
+        );
+        Fixture {
+            held,
+            run,
+            occupied,
+            slot,
+        }
+    }
+
+    fn free(f: &Fixture) -> (usize, usize, i64) {
+        (
+            f.held.available_permits(),
+            f.run.available_permits(),
+            f.occupied.load(Ordering::SeqCst),
+        )
+    }
+
+    #[tokio::test]
+    async fn a_waiting_attempt_gives_its_slot_back_and_takes_one_again() {
+        let f = fixture().await;
+        assert_eq!(free(&f), (0, 0, 1));
         // While it waits, another task (its child) can take the slot and finish.
-        let during = slot
+        let during = f
+            .slot
             .released(async {
-                let child = Arc::clone(&run).acquire_owned().await.expect("child");
-                let seen = (held.available_permits(), run.available_permits());
+                let child = Arc::clone(&f.run).acquire_owned().await.expect("child");
+                let seen = free(&f);
                 drop(child);
                 seen
             })
             .await;
-        assert_eq!(during, (1, 0));
-        assert_eq!((held.available_permits(), run.available_permits()), (0, 0));
+        assert_eq!(during, (1, 0, 0));
+        assert_eq!(free(&f), (0, 0, 1));
         // Two concurrent waits: the slot is back only when both are over.
-        let (a, b) = tokio::join!(
-            slot.released(tokio::time::sleep(std::time::Duration::from_millis(20))),
-            slot.released(async { run.available_permits() })
+        let (_, inner) = tokio::join!(
+            f.slot
+                .released(tokio::time::sleep(Duration::from_millis(20))),
+            f.slot.released(async { free(&f) })
         );
-        let _ = (a, b);
-        assert_eq!(run.available_permits(), 0);
-        slot.end().await;
-        assert_eq!((held.available_permits(), run.available_permits()), (1, 1));
+        assert_eq!(inner, (1, 1, 0));
+        assert_eq!(free(&f), (0, 0, 1));
+        f.slot.end();
+        assert_eq!(free(&f), (1, 1, 0));
         // After the end, a wait takes nothing again.
-        slot.released(async {}).await;
-        assert_eq!(run.available_permits(), 1);
+        f.slot.released(async {}).await;
+        assert_eq!(free(&f), (1, 1, 0));
+    }
+
+    #[tokio::test]
+    async fn an_abandoned_wait_still_ends_and_the_slot_is_taken_again() {
+        let f = fixture().await;
+        let abandoned = tokio::time::timeout(
+            Duration::from_millis(10),
+            f.slot.released(std::future::pending::<()>()),
+        )
+        .await;
+        assert!(abandoned.is_err());
+        // Taken again in the background.
+        for _ in 0..100 {
+            if f.slot.is_held() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(f.slot.is_held());
+        assert_eq!(free(&f), (0, 0, 1));
+        // A later wait gives it back and takes it again as usual.
+        assert_eq!(f.slot.released(async { free(&f) }).await, (1, 1, 0));
+        assert_eq!(free(&f), (0, 0, 1));
+    }
+
+    #[tokio::test]
+    async fn ending_stops_a_retake_that_waits_for_a_busy_slot() {
+        let f = fixture().await;
+        let run = Arc::clone(&f.run);
+        let slot = f.slot.clone();
+        let waiter = tokio::spawn(async move {
+            slot.released(async move {
+                // Another task takes the run slot for good while this one waits.
+                std::mem::forget(run.acquire_owned().await.expect("other"));
+            })
+            .await;
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(
+            !waiter.is_finished(),
+            "the retake waits for the busy run slot"
+        );
+        f.slot.end();
+        tokio::time::timeout(Duration::from_secs(1), waiter)
+            .await
+            .expect("ending stops the retake")
+            .expect("joined");
+        assert!(!f.slot.is_held());
+        assert_eq!(
+            free(&f),
+            (1, 0, 0),
+            "the place taken half-way is given back"
+        );
     }
 }

@@ -298,13 +298,19 @@ impl RunStore {
             })
     }
 
-    /// Enters `run` in `session`'s index (`session.<session>.<run>` in the runs bucket).
+    /// Enters `run` in `session`'s index (`session.<session>.<run>` in the runs bucket). A
+    /// repeat (a replayed start) leaves the key where it is, so the index stays in creation
+    /// order.
     pub async fn index_session(&self, session: SessionId, run: RunId) -> Result<(), StoreError> {
-        self.kv
-            .put(session_key(session, run), Bytes::new())
+        match self
+            .kv
+            .create(session_key(session, run), Bytes::new())
             .await
-            .map(|_| ())
-            .map_err(|e| nats(format!("indexing run {run} in session {session}"), e))
+        {
+            Ok(_) => Ok(()),
+            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => Ok(()),
+            Err(e) => Err(nats(format!("indexing run {run} in session {session}"), e)),
+        }
     }
 
     /// The runs entered in `session`'s index, in the order they were entered.

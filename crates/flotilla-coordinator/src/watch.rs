@@ -20,10 +20,17 @@
 //! The projection ends when every followed run has ended: the watched run and, under
 //! `flatten`, each child shown (a child a failed parent left behind is cancelled, and its end
 //! is shown). A run's events after its end (late events of a cancelled attempt) are not shown.
+//!
+//! **Resuming.** `since` is the `seq` of the last event a watcher received. Without `flatten`
+//! the watched run is read from the next message on. Under `flatten` the order is not by
+//! sequence (a child's earlier events follow its link), so the projection is replayed from
+//! the start without showing anything up to and including that message — the same order
+//! either way, so exactly the events after it are shown.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
 use async_nats::jetstream::consumer::{DeliverPolicy, pull};
+use async_nats::jetstream::stream::Stream as JsStream;
 use flotilla_bus::{Bus, wire};
 use flotilla_model::RunId;
 use flotilla_model::event::{Event, EventEnvelope, decode_events};
@@ -40,7 +47,8 @@ pub struct WatchOptions {
     pub profile: Profile,
     /// How children show.
     pub children: ChildPolicy,
-    /// Start after this sequence of the watched run's stream (0: from its start).
+    /// Resume after the event message with this sequence (the `seq` of the last event
+    /// received; 0: from the start).
     pub since: u64,
 }
 
@@ -61,11 +69,15 @@ struct Followed {
 
 struct State {
     bus: Bus,
+    stream: JsStream,
     opts: WatchOptions,
+    /// Under `flatten` with `since`: nothing is shown until the message `since` was read.
+    resume_after: Option<u64>,
     runs: HashMap<RunId, Followed>,
     by_subject: HashMap<String, RunId>,
     messages: Option<Messages>,
-    buffered: VecDeque<(u64, RunId, EventEnvelope)>,
+    /// Events read, with whether they may be shown (not when resuming past them).
+    buffered: VecDeque<(u64, RunId, bool, EventEnvelope)>,
     /// Re-create the consumer from this stream sequence once the buffer is drained (a child
     /// was linked).
     restart_from: Option<u64>,
@@ -76,14 +88,21 @@ fn unavailable(what: &str, e: impl std::fmt::Display) -> CoordinatorError {
     CoordinatorError::new(CoordinatorErrorKind::Watch, format!("{what}: {e}"))
 }
 
-/// An ordered consumer on `subjects` of the event stream, from stream sequence `from`.
-async fn open(bus: &Bus, subjects: Vec<String>, from: u64) -> Result<Messages, CoordinatorError> {
+/// The event stream.
+async fn event_stream(bus: &Bus) -> Result<JsStream, CoordinatorError> {
     let name = bus.names().stream(StreamKind::Events);
-    let stream = bus
-        .js()
+    bus.js()
         .get_stream(&name)
         .await
-        .map_err(|e| unavailable(&format!("opening {name}"), e))?;
+        .map_err(|e| unavailable(&format!("opening {name}"), e))
+}
+
+/// An ordered consumer on `subjects` of the event stream, from stream sequence `from`.
+async fn open(
+    stream: &JsStream,
+    subjects: Vec<String>,
+    from: u64,
+) -> Result<Messages, CoordinatorError> {
     let mut config = pull::OrderedConfig {
         deliver_policy: if from <= 1 {
             DeliverPolicy::All
@@ -145,7 +164,7 @@ impl State {
         if subjects.is_empty() {
             return Ok(());
         }
-        self.messages = Some(open(&self.bus, subjects, from).await?);
+        self.messages = Some(open(&self.stream, subjects, from).await?);
         Ok(())
     }
 
@@ -182,10 +201,20 @@ impl State {
             return Ok(());
         }
         f.read_upto = seq;
+        // Resuming: this message and those before it were shown to the watcher already.
+        let shown = match self.resume_after {
+            Some(after) => {
+                if seq == after {
+                    self.resume_after = None;
+                }
+                false
+            }
+            None => true,
+        };
         match decode_events(wire::codec_of(m.headers.as_ref()), &m.payload) {
             Ok(events) => self
                 .buffered
-                .extend(events.into_iter().map(|e| (seq, run, e))),
+                .extend(events.into_iter().map(|e| (seq, run, shown, e))),
             Err(e) => {
                 tracing::warn!(%run, error = %e, "Skipping an undecodable event message");
             }
@@ -198,7 +227,7 @@ impl State {
             if self.done {
                 return None;
             }
-            let Some((seq, run, envelope)) = self.buffered.pop_front() else {
+            let Some((seq, run, shown, envelope)) = self.buffered.pop_front() else {
                 if self.all_ended() {
                     self.done = true;
                     return None;
@@ -241,12 +270,14 @@ impl State {
                 self.follow(child.run_id, depth + 1, agent.clone(), 0);
                 self.restart_from = Some(self.restart_from.map_or(first, |r| r.min(first)));
             }
-            if shows(
-                self.opts.profile,
-                self.opts.children,
-                depth,
-                &envelope.event,
-            ) {
+            if shown
+                && shows(
+                    self.opts.profile,
+                    self.opts.children,
+                    depth,
+                    &envelope.event,
+                )
+            {
                 return Some(Ok(ProjectedEvent {
                     run_id: run,
                     depth,
@@ -269,10 +300,20 @@ pub async fn project(
     impl Stream<Item = Result<ProjectedEvent, CoordinatorError>> + Send + use<>,
     CoordinatorError,
 > {
-    let messages = open(&bus, vec![bus.names().event(run)], opts.since + 1).await?;
+    let stream = event_stream(&bus).await?;
+    // Without flatten the watched run's own order is the projection's: start after `since`.
+    // With it, replay from the start and show nothing up to `since`.
+    let (from, resume_after) = match (opts.children, opts.since) {
+        (_, 0) => (1, None),
+        (ChildPolicy::Flatten, since) => (1, Some(since)),
+        (_, since) => (since + 1, None),
+    };
+    let messages = open(&stream, vec![bus.names().event(run)], from).await?;
     let mut state = State {
         bus,
+        stream,
         opts,
+        resume_after,
         runs: HashMap::new(),
         by_subject: HashMap::new(),
         messages: Some(messages),
@@ -280,7 +321,7 @@ pub async fn project(
         restart_from: None,
         done: false,
     };
-    state.follow(run, 0, None, opts.since);
+    state.follow(run, 0, None, from - 1);
     Ok(futures::stream::unfold(state, |mut s| async move {
         s.next().await.map(|item| (item, s))
     }))

@@ -495,6 +495,29 @@ pub struct WorkerSlots {
 impl WorkerSlots {
     /// One attempt started: a slot moves from free to in flight until the guard drops.
     pub fn attempt(&self) -> InFlight {
+        self.gauges().attempt()
+    }
+
+    /// A handle that moves slots between free and in flight, for an attempt that gives its
+    /// slot back while it waits and takes one again.
+    pub fn gauges(&self) -> SlotGauges {
+        SlotGauges {
+            in_flight: self.in_flight.clone(),
+            free: self.free.clone(),
+        }
+    }
+}
+
+/// Moves a worker's slots between free and in flight ([`WorkerSlots::gauges`]).
+#[derive(Debug, Clone)]
+pub struct SlotGauges {
+    in_flight: Gauge,
+    free: Gauge,
+}
+
+impl SlotGauges {
+    /// A slot taken: it moves from free to in flight until the guard drops.
+    pub fn attempt(&self) -> InFlight {
         self.free.dec();
         self.in_flight.inc();
         InFlight {

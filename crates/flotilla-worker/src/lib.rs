@@ -104,7 +104,7 @@ struct Shared {
     opts: WorkerOptions,
     agents: Arc<AgentRegistry>,
     id: String,
-    in_flight: AtomicUsize,
+    in_flight: Arc<AtomicUsize>,
     /// Agents running at once (`concurrency`).
     run_slots: Arc<Semaphore>,
     /// Fires when the grace period is over: running agents are cancelled and handed back.
@@ -253,7 +253,7 @@ impl Worker {
             opts: self.opts.clone(),
             agents: Arc::clone(&self.agents),
             id: self.id.clone(),
-            in_flight: AtomicUsize::new(0),
+            in_flight: Arc::new(AtomicUsize::new(0)),
             run_slots: Arc::new(Semaphore::new(self.opts.concurrency)),
             hard_stop: CancellationToken::new(),
             runs: Mutex::new(HashMap::new()),
@@ -564,13 +564,18 @@ async fn handle(
         let _ = msg.ack_with(AckKind::Nak(None)).await;
         return;
     };
-    // The attempt's place and slot, given back while its agent waits for child runs.
+    // The attempt's place and slot — with the gauges and the registry's count that say it is
+    // taken — given back while its agent waits for child runs.
+    let occupancy: flotilla_context::slot::OccupancyFactory = {
+        let (gauges, count) = (shared.slots.gauges(), Arc::clone(&shared.in_flight));
+        Arc::new(move || Box::new((gauges.attempt(), InFlight::enter(Arc::clone(&count)))))
+    };
     let slot = WorkerSlot::new(
         vec![Arc::clone(held.semaphore()), Arc::clone(slot.semaphore())],
         vec![held, slot],
+        occupancy(),
+        occupancy,
     );
-    let _running = InFlight::enter(&shared.in_flight);
-    let slot_gauge = shared.slots.attempt();
     let started_at = Timestamp::now();
     attempt.started = Instant::now();
     let events = EventEmitter::new(Some(shared.bus.clone()), &task, &shared.id, delivered);
@@ -582,7 +587,7 @@ async fn handle(
         Err(e) => {
             warn!(run = %task.run_id, task = %task.task_id, error = %e, "Cannot build the agent context");
             let result = TaskResult::failure(TaskErrorKind::Internal, e.to_string());
-            drop(slot_gauge);
+            slot.end();
             attempt.ended(finish(shared, &msg, &task, result, started_at).await);
             return;
         }
@@ -634,6 +639,7 @@ async fn handle(
                             // The worker is stopping and cancelled the agent: that is not the
                             // task's failure. Hand it back for another worker.
                             info!(run = %task.run_id, task = %task.task_id, "Handing an unfinished task back");
+                            slot.end();
                             let _ = msg.ack_with(AckKind::Nak(None)).await;
                             return;
                         }
@@ -657,6 +663,8 @@ async fn handle(
                     }
                     _ = run_cancelled.cancelled() => {
                         cancel.cancel();
+                        // The outcome is decided: a child wait ending now takes no slot.
+                        slot.end();
                         // Let the agent observe the cancellation (an exec agent's processes
                         // are killed), then report the attempt cancelled.
                         let _ = tokio::time::timeout(Duration::from_secs(2), &mut run).await;
@@ -665,6 +673,7 @@ async fn handle(
                     }
                     _ = shared.hard_stop.cancelled() => {
                         cancel.cancel();
+                        slot.end();
                         // Let the agent observe the cancellation, then hand the task back.
                         let _ = tokio::time::timeout(Duration::from_secs(2), &mut run).await;
                         info!(run = %task.run_id, task = %task.task_id, "Handing an unfinished task back");
@@ -676,9 +685,7 @@ async fn handle(
         }
     };
     // The agent is done: its slot and its place go to the next task now.
-    slot.end().await;
-    drop(_running);
-    drop(slot_gauge);
+    slot.end();
     let result = match outcome {
         Ok(reply) => {
             let numeric_value = reply
@@ -984,16 +991,16 @@ impl Drop for Attempt<'_> {
 }
 
 /// Counts an attempt as running while alive (the registry's `in_flight`).
-struct InFlight<'a>(&'a AtomicUsize);
+struct InFlight(Arc<AtomicUsize>);
 
-impl<'a> InFlight<'a> {
-    fn enter(counter: &'a AtomicUsize) -> Self {
+impl InFlight {
+    fn enter(counter: Arc<AtomicUsize>) -> Self {
         counter.fetch_add(1, Ordering::Relaxed);
         Self(counter)
     }
 }
 
-impl Drop for InFlight<'_> {
+impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::Relaxed);
     }
