@@ -1081,10 +1081,18 @@ async fn a_plan_runs_with_every_role_on_its_own_credentials() -> anyhow::Result<
         &["workers", "--json"],
         &["runs", "tree", &root],
         &["sessions", "show", &session, "--json"],
+        // Watches of the tree (the child flattened in): here and by a coordinator.
+        &["watch", &root, "--children", "flatten", "--profile", "debug"],
+        &["watch", &root, "--children", "flatten", "--server"],
     ] {
         let i = p.spawn_env(args, &refs(&client_env))?;
         let code = p.wait_exit(i, support::WAIT).await?;
         ensure!(code == Some(0), "{args:?} exited {code:?}:\n{}", p.log(i));
+        ensure!(
+            !p.log(i).contains("Permissions Violation"),
+            "{args:?} was refused something:\n{}",
+            p.log(i)
+        );
         if args[0] == "sessions" {
             // The log holds stderr too: the JSON document starts at the first `{` line (log lines
             // may follow it).

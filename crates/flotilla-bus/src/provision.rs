@@ -81,6 +81,10 @@ pub struct JetStreamOptions {
     /// How long artifacts (large results and files, in the object store) are kept.
     #[serde(with = "humantime_serde")]
     pub artifacts_max_age: Duration,
+    /// Consumers each stream allows. nats-server (2.15 and later) gives a stream without a
+    /// limit of its own a default of 1,000; every live `flotilla watch`, event follower and
+    /// workspace watcher holds one (on the events or workspace stream) while it runs.
+    pub max_consumers: i32,
 }
 
 const DAY: Duration = Duration::from_secs(24 * 3600);
@@ -106,6 +110,8 @@ impl Default for JetStreamOptions {
             worker_ttl: Duration::from_secs(30),
             // As long as the run logs that refer to them.
             artifacts_max_age: 7 * DAY,
+            // Room for thousands of concurrent watchers; the server's default is 1,000.
+            max_consumers: 10_000,
         }
     }
 }
@@ -132,6 +138,12 @@ impl JetStreamOptions {
                 return Err(format!("jetstream.{name} must be at least 1s"));
             }
         }
+        if self.max_consumers < 1 {
+            return Err(format!(
+                "jetstream.max-consumers must be at least 1, got {} (the server has no unlimited setting per stream)",
+                self.max_consumers
+            ));
+        }
         if self.duplicate_window > self.runlog_max_age || self.duplicate_window.is_zero() {
             return Err(
                 "jetstream.duplicate-window must be more than 0 and at most runlog-max-age".into(),
@@ -157,6 +169,7 @@ pub fn desired_streams(names: &Names, opts: &JetStreamOptions) -> Vec<stream::Co
                 duplicate_window: opts.duplicate_window,
                 discard: DiscardPolicy::Old,
                 allow_direct: true,
+                max_consumers: opts.max_consumers,
                 ..Default::default()
             };
             match kind {
@@ -671,6 +684,13 @@ fn compare_stream(
     if want.description != have.description {
         changes.push(diff("description", &want.description, &have.description));
     }
+    if want.max_consumers != have.max_consumers {
+        changes.push(diff(
+            "max_consumers",
+            want.max_consumers,
+            have.max_consumers,
+        ));
+    }
     (changes, block)
 }
 
@@ -684,6 +704,7 @@ fn merge_stream(want: &stream::Config, mut have: stream::Config) -> stream::Conf
     have.allow_direct = want.allow_direct;
     have.max_message_size = want.max_message_size;
     have.description = want.description.clone();
+    have.max_consumers = want.max_consumers;
     have.allow_message_schedules = want.allow_message_schedules || have.allow_message_schedules;
     have
 }

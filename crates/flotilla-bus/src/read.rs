@@ -302,3 +302,83 @@ fn parse_reply(stream: &str, msg: async_nats::Message) -> Result<Reply, ReadErro
         num_pending,
     })))
 }
+
+/// How long a quiet [`Bus::find_in_subject`] waits before checking the stream itself: a
+/// message its subscription missed (published while the connection was re-established) is
+/// found this long after, at the latest.
+pub const QUIET_RECHECK: Duration = Duration::from_secs(2);
+
+impl Bus {
+    /// Reads the messages of `subject` in stream `kind` — those stored, then new ones as they
+    /// are published — until `find` returns `Some`, and returns that; `None` when `until`
+    /// passes first. No consumer is created on the server (a stream allows a limited number,
+    /// and waiting for a run to end is frequent and short-lived): a core subscription is taken
+    /// first, then the stored messages are read by batch direct gets, so nothing published
+    /// in between is missed; new messages come from the subscription, and a quiet
+    /// subscription is checked against the stream every [`QUIET_RECHECK`]. `find` may see a
+    /// message twice (stored and published).
+    pub async fn find_in_subject<T>(
+        &self,
+        kind: StreamKind,
+        subject: &str,
+        until: tokio::time::Instant,
+        mut find: impl FnMut(Option<&HeaderMap>, &[u8]) -> Option<T>,
+    ) -> Result<Option<T>, ReadError> {
+        let mut live = self
+            .client()
+            .subscribe(subject.to_owned())
+            .await
+            .map_err(|e| {
+                ReadError::with_source(
+                    ReadErrorKind::Request,
+                    format!("subscribing to {subject}"),
+                    e,
+                )
+            })?;
+        let mut after = 0;
+        loop {
+            // What the stream holds after `after`, page by page.
+            loop {
+                let page = self
+                    .direct_batch(kind, subject, after, 256, Some(4 << 20))
+                    .await?;
+                let Some(last) = page.last() else { break };
+                after = last.seq;
+                let more = last.num_pending > 0;
+                for m in &page {
+                    if let Some(found) = find(Some(&m.headers), &m.payload) {
+                        return Ok(Some(found));
+                    }
+                }
+                if !more {
+                    break;
+                }
+            }
+            // Then what is published, until a quiet spell sends us back to the stream.
+            loop {
+                let quiet = tokio::time::Instant::now() + QUIET_RECHECK;
+                tokio::select! {
+                    m = live.next() => match m {
+                        Some(m) => {
+                            if let Some(found) = find(m.headers.as_ref(), &m.payload) {
+                                return Ok(Some(found));
+                            }
+                        }
+                        None => {
+                            return Err(ReadError::new(
+                                ReadErrorKind::Request,
+                                format!("the subscription to {subject} ended"),
+                            ));
+                        }
+                    },
+                    () = tokio::time::sleep_until(quiet.min(until)) => {
+                        if tokio::time::Instant::now() >= until {
+                            return Ok(None);
+                        }
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}

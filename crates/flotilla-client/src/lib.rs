@@ -24,7 +24,7 @@ use flotilla_model::api::{
     MboxSendRequest, StateGetRequest, StateSetReply, StateSetRequest, ValidatePlanReply,
     ValidatePlanRequest, WsAppendReply, WsAppendRequest, WsReadRequest,
 };
-use flotilla_model::event::{Event, EventEnvelope};
+use flotilla_model::event::EventEnvelope;
 use flotilla_model::ids::{RunId, SessionId};
 use flotilla_model::mailbox::MailboxPage;
 use flotilla_model::plan::Plan;
@@ -380,30 +380,30 @@ impl Client {
         Ok(stream.map(|r| r.map_err(|e| nats("following the run", e))))
     }
 
-    /// Waits for a run to end and returns its outcome.
+    /// Waits for a run to end and returns its outcome (event-driven, from the run's stored
+    /// events and then its live ones, without a consumer on the server).
     pub async fn wait(&self, run: RunId, timeout: Duration) -> Result<RunOutcome, ClientError> {
-        let follow = async {
-            let events = self.events(run).await?;
-            futures::pin_mut!(events);
-            while let Some(e) = events.next().await {
-                if let Event::Workflow(w) = e?.event
-                    && w.phase.ends_run()
-                    && let Some(outcome) = w.outcome
-                {
-                    return Ok(*outcome);
-                }
-            }
-            Err(ClientError::new(
-                ClientErrorKind::Nats,
-                "the event stream ended",
-            ))
-        };
-        tokio::time::timeout(timeout, follow).await.map_err(|_| {
+        let until = tokio::time::Instant::now() + timeout;
+        let found = self
+            .bus
+            .find_in_subject(
+                StreamKind::Events,
+                &self.bus.names().event(run),
+                until,
+                |headers, payload| {
+                    flotilla_model::event::run_end_in(wire::codec_of(headers), payload)
+                        .ok()
+                        .flatten()
+                },
+            )
+            .await
+            .map_err(|e| nats(format!("following run {run}"), e))?;
+        found.ok_or_else(|| {
             ClientError::new(
                 ClientErrorKind::TimedOut,
                 format!("run {run} did not end within {timeout:?}"),
             )
-        })?
+        })
     }
 
     /// A run's record and tasks, read from the run store.

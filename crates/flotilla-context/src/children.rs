@@ -19,7 +19,6 @@
 
 use std::time::Duration;
 
-use async_nats::jetstream::consumer::{DeliverPolicy, pull};
 use bytes::Bytes;
 use flotilla_bus::wire;
 use flotilla_model::PROTOCOL_VERSION;
@@ -27,14 +26,13 @@ use flotilla_model::api::{
     ApiError, ApiRequest, CancelRunRequest, ChildStartReply, ChildStartRequest,
 };
 use flotilla_model::codec::Codec;
-use flotilla_model::event::{Event, EventBatch, EventEnvelope, decode_events};
+use flotilla_model::event::{Event, EventBatch, EventEnvelope};
 use flotilla_model::ids::{RunId, SessionId, TaskId};
 use flotilla_model::plan::{Plan, PlanConfig, Subtask};
 use flotilla_model::run::{RunHandle, RunOutcome};
 use flotilla_model::subjects::{Bucket, StreamKind};
 use flotilla_model::submit::SubmitRequest;
 use flotilla_model::time::Timestamp;
-use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 use tracing::warn;
@@ -186,64 +184,30 @@ impl Clients {
     }
 
     /// Waits until run `child` ends (event-driven, reading its events from the start) and
-    /// returns its outcome; `unavailable` when `until` passes first.
+    /// returns its outcome; `unavailable` when `until` passes first. No consumer is created on
+    /// the server ([`Bus::find_in_subject`](flotilla_bus::Bus::find_in_subject)): a stream
+    /// allows a limited number, and every waiting parent would hold one.
     pub async fn wait_child(
         &self,
         child: RunId,
         until: Instant,
     ) -> Result<RunOutcome, ContextError> {
         let bus = self.bus();
-        let name = bus.names().stream(StreamKind::Events);
-        let stream = bus
-            .js()
-            .get_stream(&name)
-            .await
-            .map_err(|e| unavailable(format!("opening {name}"), e))?;
-        let consumer = stream
-            .create_consumer(pull::OrderedConfig {
-                filter_subject: bus.names().event(child),
-                deliver_policy: DeliverPolicy::All,
-                ..Default::default()
-            })
+        let found = bus
+            .find_in_subject(
+                StreamKind::Events,
+                &bus.names().event(child),
+                until,
+                |headers, payload| run_outcome(child, headers, payload),
+            )
             .await
             .map_err(|e| unavailable("following the child's events", e))?;
-        let mut messages = consumer
-            .messages()
-            .await
-            .map_err(|e| unavailable("following the child's events", e))?;
-        loop {
-            let next = tokio::time::timeout_at(until, messages.next()).await;
-            let msg = match next {
-                Err(_) => {
-                    return Err(ContextError::new(
-                        ErrorKind::Unavailable,
-                        format!("child run {child} did not end in time"),
-                    ));
-                }
-                Ok(None) => {
-                    return Err(ContextError::new(
-                        ErrorKind::Unavailable,
-                        format!("the events of child run {child} ended"),
-                    ));
-                }
-                Ok(Some(m)) => m.map_err(|e| unavailable("reading the child's events", e))?,
-            };
-            let events = match decode_events(wire::codec_of(msg.headers.as_ref()), &msg.payload) {
-                Ok(e) => e,
-                Err(e) => {
-                    warn!(%child, error = %e, "Skipping an undecodable event message of a child run");
-                    continue;
-                }
-            };
-            for e in events {
-                if let Event::Workflow(w) = e.event
-                    && w.phase.ends_run()
-                    && let Some(outcome) = w.outcome
-                {
-                    return Ok(*outcome);
-                }
-            }
-        }
+        found.ok_or_else(|| {
+            ContextError::new(
+                ErrorKind::Unavailable,
+                format!("child run {child} did not end in time"),
+            )
+        })
     }
 
     /// Cancels the unfinished children started by this attempt (by any of its deliveries and
@@ -367,6 +331,18 @@ impl Clients {
             .map(|_| ())
             .map_err(|e| unavailable("recording a child run", e))
     }
+}
+
+/// The outcome in an event message of `run`, if it holds the run's end.
+fn run_outcome(
+    run: RunId,
+    headers: Option<&async_nats::HeaderMap>,
+    payload: &[u8],
+) -> Option<RunOutcome> {
+    flotilla_model::event::run_end_in(wire::codec_of(headers), payload).unwrap_or_else(|e| {
+        warn!(%run, error = %e, "Skipping an undecodable event message of a child run");
+        None
+    })
 }
 
 /// The child's single task is named after the agent (its mailbox address in the tree).

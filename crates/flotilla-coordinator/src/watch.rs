@@ -70,6 +70,9 @@ struct Followed {
 struct State {
     bus: Bus,
     stream: JsStream,
+    /// Names this projection's consumers, numbered by `serial`.
+    watch_id: String,
+    serial: u64,
     opts: WatchOptions,
     /// Under `flatten` with `since`: nothing is shown until the message `since` was read.
     resume_after: Option<u64>,
@@ -97,13 +100,16 @@ async fn event_stream(bus: &Bus) -> Result<JsStream, CoordinatorError> {
         .map_err(|e| unavailable(&format!("opening {name}"), e))
 }
 
-/// An ordered consumer on `subjects` of the event stream, from stream sequence `from`.
+/// An ordered consumer named `name` on `subjects` of the event stream, from stream sequence
+/// `from`.
 async fn open(
     stream: &JsStream,
+    name: &str,
     subjects: Vec<String>,
     from: u64,
 ) -> Result<Messages, CoordinatorError> {
     let mut config = pull::OrderedConfig {
+        name: Some(name.to_owned()),
         deliver_policy: if from <= 1 {
             DeliverPolicy::All
         } else {
@@ -136,7 +142,26 @@ async fn first_seq(bus: &Bus, run: RunId) -> Result<Option<u64>, CoordinatorErro
     Ok(page.first().map(|m| m.seq))
 }
 
+impl Drop for State {
+    fn drop(&mut self) {
+        // The last consumer goes with the projection (best effort, in the background).
+        if self.messages.take().is_some()
+            && let Ok(rt) = tokio::runtime::Handle::try_current()
+        {
+            let (stream, name) = (self.stream.clone(), self.consumer_name());
+            rt.spawn(async move {
+                let _ = stream.delete_consumer(&name).await;
+            });
+        }
+    }
+}
+
 impl State {
+    /// The name of the consumer now reading (`flwatch-<watch>-<n>`).
+    fn consumer_name(&self) -> String {
+        format!("flwatch-{}-{}", self.watch_id, self.serial)
+    }
+
     fn follow(&mut self, run: RunId, depth: u32, agent: Option<String>, read_upto: u64) {
         self.by_subject.insert(self.bus.names().event(run), run);
         self.runs.insert(
@@ -161,10 +186,14 @@ impl State {
             .collect();
         subjects.sort();
         self.messages = None;
+        // The stream allows a limited number of consumers: the one replaced goes now, not
+        // after the server's inactivity threshold.
+        let _ = self.stream.delete_consumer(&self.consumer_name()).await;
         if subjects.is_empty() {
             return Ok(());
         }
-        self.messages = Some(open(&self.stream, subjects, from).await?);
+        self.serial += 1;
+        self.messages = Some(open(&self.stream, &self.consumer_name(), subjects, from).await?);
         Ok(())
     }
 
@@ -308,10 +337,19 @@ pub async fn project(
         (ChildPolicy::Flatten, since) => (1, Some(since)),
         (_, since) => (since + 1, None),
     };
-    let messages = open(&stream, vec![bus.names().event(run)], from).await?;
+    let watch_id = uuid::Uuid::new_v4().simple().to_string();
+    let messages = open(
+        &stream,
+        &format!("flwatch-{watch_id}-0"),
+        vec![bus.names().event(run)],
+        from,
+    )
+    .await?;
     let mut state = State {
         bus,
         stream,
+        watch_id,
+        serial: 0,
         opts,
         resume_after,
         runs: HashMap::new(),

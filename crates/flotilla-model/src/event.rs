@@ -74,6 +74,20 @@ pub fn decode_events(
     }
 }
 
+/// The outcome carried by an event message, when it holds its run's end (a run-terminal
+/// workflow event).
+pub fn run_end_in(
+    codec: crate::codec::Codec,
+    payload: &[u8],
+) -> Result<Option<crate::run::RunOutcome>, crate::codec::CodecError> {
+    Ok(decode_events(codec, payload)?
+        .into_iter()
+        .find_map(|e| match e.event {
+            Event::Workflow(w) if w.phase.ends_run() => w.outcome.map(|o| *o),
+            _ => None,
+        }))
+}
+
 /// An event as published.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct EventEnvelope {
