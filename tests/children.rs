@@ -753,3 +753,33 @@ async fn waiting_parents_give_their_slot_to_their_children() -> anyhow::Result<(
     f.stop().await;
     Ok(())
 }
+
+/// Waiting for a run's end creates no consumer on the server: nats-server allows 1,000 per
+/// stream by default, and every waiting parent and client used to hold one for 30 s. More
+/// waits than that in a row all succeed, and the events stream is left without consumers.
+#[tokio::test]
+async fn waits_for_a_run_hold_no_consumer() -> anyhow::Result<()> {
+    let f = services().await?;
+    let run = f
+        .client
+        .submit(SubmitRequest::new(plan(vec![
+            Subtask::new("t", "x").with_agent("echo"),
+        ])))
+        .await?;
+    for _ in 0..1100 {
+        let outcome = f.client.wait(run, WAIT).await?;
+        assert_eq!(outcome.status, RunStatus::Succeeded);
+    }
+    let mut stream = f
+        .bus
+        .js()
+        .get_stream(
+            f.bus
+                .names()
+                .stream(flotilla_model::subjects::StreamKind::Events),
+        )
+        .await?;
+    assert_eq!(stream.info().await?.state.consumer_count, 0);
+    f.stop().await;
+    Ok(())
+}

@@ -1082,7 +1082,14 @@ async fn a_plan_runs_with_every_role_on_its_own_credentials() -> anyhow::Result<
         &["runs", "tree", &root],
         &["sessions", "show", &session, "--json"],
         // Watches of the tree (the child flattened in): here and by a coordinator.
-        &["watch", &root, "--children", "flatten", "--profile", "debug"],
+        &[
+            "watch",
+            &root,
+            "--children",
+            "flatten",
+            "--profile",
+            "debug",
+        ],
         &["watch", &root, "--children", "flatten", "--server"],
     ] {
         let i = p.spawn_env(args, &refs(&client_env))?;

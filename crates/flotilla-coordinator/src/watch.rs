@@ -187,8 +187,12 @@ impl State {
         subjects.sort();
         self.messages = None;
         // The stream allows a limited number of consumers: the one replaced goes now, not
-        // after the server's inactivity threshold.
-        let _ = self.stream.delete_consumer(&self.consumer_name()).await;
+        // after the server's inactivity threshold (in the background: a reader without the
+        // right to delete must not be held up).
+        let (stream, name) = (self.stream.clone(), self.consumer_name());
+        tokio::spawn(async move {
+            let _ = stream.delete_consumer(&name).await;
+        });
         if subjects.is_empty() {
             return Ok(());
         }
