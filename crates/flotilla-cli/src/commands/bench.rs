@@ -20,6 +20,11 @@
 //! * **llm** — LLM agents against a simulated OpenAI-compatible provider (a test double in
 //!   the bench, [`super::bench_llm`]): orchestration overhead per model call; one worker with
 //!   many concurrent LLM tasks vs the ideal throughput; scaling over worker processes.
+//! * **tree** — run trees ([`super::bench_tree`]): child spawn → the child's task started vs
+//!   the dependency hop and the raw round trip; a depth-10 nested agent-as-tool chain vs ten
+//!   dependency hops; the delivery lag of `flatten` projections (client library and
+//!   `api.watch`) with 100 concurrent children, against `linked`. The agents that start
+//!   children are deterministic Rust agents run by an in-process worker in the bench.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -101,6 +106,9 @@ pub(crate) struct BenchArgs {
     collab: super::bench_collab::CollabArgs,
     #[command(flatten)]
     llm: super::bench_llm::LlmArgs,
+    // Boxed: keeps `flotilla`'s command enum small.
+    #[command(flatten)]
+    tree: Box<super::bench_tree::TreeArgs>,
 }
 
 /// Where the bench publishes its durable submissions.
@@ -146,6 +154,9 @@ enum Section {
     /// LLM agents against a simulated OpenAI-compatible provider: overhead per model call,
     /// concurrent tasks per worker, scaling over worker processes.
     Llm,
+    /// Run trees: child spawn latency, nested agent-as-tool vs dependency hops, delivery lag
+    /// of flattened projections with many concurrent children.
+    Tree,
 }
 
 /// A layered DAG of `n` subtasks: each depends on up to three tasks of the previous layer and
@@ -229,10 +240,10 @@ fn payload() -> bytes::Bytes {
     bytes::Bytes::from(serde_json::to_vec(&body).unwrap_or_default())
 }
 
-struct RawFigures {
-    throughput: f64,
-    p50_ms: f64,
-    p99_ms: f64,
+pub(super) struct RawFigures {
+    pub(super) throughput: f64,
+    pub(super) p50_ms: f64,
+    pub(super) p99_ms: f64,
 }
 
 /// The raw JetStream task round trip.
@@ -1057,6 +1068,7 @@ pub(crate) async fn run(
         && !want(Section::Recovery)
         && !want(Section::Collab)
         && !want(Section::Llm)
+        && !want(Section::Tree)
     {
         return Ok(ExitCode::SUCCESS);
     }
@@ -1082,7 +1094,7 @@ pub(crate) async fn run(
     if want(Section::Recovery) {
         recovery_section(&url, args.recovery_rounds).await?;
     }
-    let raw = if want(Section::Raw) || want(Section::Flotilla) {
+    let raw = if want(Section::Raw) || want(Section::Flotilla) || want(Section::Tree) {
         Some(raw_section(&opts, args.raw_tasks, args.raw_round_trips, server_pid).await?)
     } else {
         None
@@ -1112,6 +1124,16 @@ pub(crate) async fn run(
             via: args.submit_via,
         };
         super::bench_llm::llm_section(&args.llm, &services, &url).await?;
+    }
+    if want(Section::Tree) {
+        let services = super::bench_tree::Services {
+            exe: match &args.services_binary {
+                Some(p) => p.clone(),
+                None => std::env::current_exe()?,
+            },
+            via: args.submit_via,
+        };
+        super::bench_tree::tree_section(&args.tree, &services, &url, raw.as_ref()).await?;
     }
     Ok(ExitCode::SUCCESS)
 }
