@@ -49,13 +49,12 @@
 //!    doubled events show); events stored before the watchers were live are left out of the
 //!    lag.
 //!
-//! Consumers: every `call_agent` wait, client wait and run read by a projection holds an
-//! ordered consumer on the events stream, which the server removes 30 s after its last use,
-//! and nats-server 2.15 allows 1000 consumers per stream by default. The bench submits with
-//! `reply_to` and reads run logs with direct gets (its only consumers are the watchers), and
-//! before each step that creates consumers waits until they fit; it prints the peak and the
-//! time waited (not part of any figure).
-
+//! Consumers: waits for a run's end (`call_agent`, client waits) hold none on the server;
+//! each live projection holds one ordered consumer on the events stream (replaced, and the old
+//! one deleted, when a child is linked). The bench prints the peak count it saw; before each
+//! step it checks that its consumers fit the stream's limit (`jetstream.max-consumers`) and
+//! would wait for idle ones to expire if not (the time waited is printed, and is not part of
+//! any figure).
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -609,43 +608,45 @@ async fn run_to_end(
     Ok((run, elapsed))
 }
 
-/// The default consumer limit of a stream on nats-server 2.15 (`default_max_consumers`; a
-/// stream provisioned without `max_consumers` gets it).
+/// The consumer limit nats-server (2.15 and later) gives a stream without one of its own.
 const SERVER_CONSUMER_LIMIT: usize = 1000;
 
-/// Consumers on the events stream. Every `call_agent` (waiting for the child), client wait
-/// and projected run holds an ordered consumer there, which the server removes 30 s after
-/// its last use; on nats-server 2.15 a stream holds at most 1000. The bench waits until
-/// `need` more fit before each step that creates them, so what it measures is latency, not
-/// that limit.
+/// Consumers on the events stream: each live projection holds one (waits hold none). The
+/// bench checks that `need` more fit the stream's limit before each step that creates them,
+/// so what it measures is latency, not that limit.
 struct Pacer {
     bus: Bus,
     peak: usize,
     waited: Duration,
+    limit: usize,
 }
 
 impl Pacer {
     async fn count(&mut self) -> anyhow::Result<usize> {
-        let n = self
+        let info = self
             .bus
             .js()
             .get_stream(self.bus.names().stream(StreamKind::Events))
             .await?
             .info()
             .await?
-            .state
-            .consumer_count;
+            .clone();
+        self.limit = usize::try_from(info.config.max_consumers)
+            .ok()
+            .filter(|&l| l > 0)
+            .unwrap_or(SERVER_CONSUMER_LIMIT);
+        let n = info.state.consumer_count;
         self.peak = self.peak.max(n);
         Ok(n)
     }
 
     async fn room_for(&mut self, need: usize) -> anyhow::Result<()> {
         let t0 = Instant::now();
-        while self.count().await? + need > SERVER_CONSUMER_LIMIT {
+        while self.count().await? + need > self.limit {
             anyhow::ensure!(
                 t0.elapsed() < Duration::from_secs(90),
                 "the events stream's consumers did not fall below {} within 90 s",
-                SERVER_CONSUMER_LIMIT - need
+                self.limit.saturating_sub(need)
             );
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
@@ -935,6 +936,7 @@ pub(super) async fn tree_section(
         bus: bus.clone(),
         peak: 0,
         waited: Duration::ZERO,
+        limit: SERVER_CONSUMER_LIMIT,
     };
     let minute = Duration::from_secs(60);
     let take = |log: &CallLog| -> Vec<TimedCall> {
@@ -1300,8 +1302,9 @@ pub(super) async fn tree_section(
         "   children: {started_children} announced, {ended_children} ended in their streams; go → a child's task started: p50 {g50:.1} ms   p99 {g99:.1} ms   max {gmax:.1} ms"
     );
     println!(
-        "   consumers on the events stream: {consumers} right after the waves, peak seen {}; the bench waited {:.1} s in all for idle ones to expire (the server removes an ordered consumer 30 s after its last use; nats-server 2.15 allows {SERVER_CONSUMER_LIMIT} per stream by default)",
+        "   consumers on the events stream: {consumers} right after the waves, peak seen {} (limit {}: jetstream.max-consumers); the bench waited {:.1} s in all for room",
         pacer.peak,
+        pacer.limit,
         pacer.waited.as_secs_f64()
     );
     Ok(())
