@@ -9,14 +9,15 @@
 //! children running side by side are interleaved live, as they happen.
 //!
 //! A child's link (`agent_run_started`) is usually stored *after* the child's first events
-//! (the parent announces a child once it has started). So when a link is read, the child is
-//! added to the followed runs and the consumer is re-created from the child's first event;
-//! messages of runs that were already shown are skipped (each run's last shown sequence is
-//! kept). The child's earlier events therefore come right after its link, and from then on
-//! everything interleaves in stream order. Every decision depends only on what the stream
-//! holds up to the message being read, never on timing, so the same streams always give the
-//! same projection — the client library and the server-side `api.watch` agree event for event.
-//!
+//! (the parent announces a child once it has started). So when a link is read at position P
+//! (the sequence of the last message the consumer delivered), the child's messages up to P are
+//! read from the stream leader, one by one (few: the child has just started), and shown right
+//! after the link; then the consumer is re-created from P + 1 with the child's subject added,
+//! and from then on everything interleaves in stream order. Each followed run keeps the last
+//! sequence read, so nothing is shown twice. Every decision depends only on what the stream
+//! holds up to P, never on timing, so the same streams always give the same projection — the
+//! client library and the server-side `api.watch` agree event for event.
+
 //! The projection ends when every followed run has ended: the watched run and, under
 //! `flatten`, each child shown (a child a failed parent left behind is cancelled, and its end
 //! is shown). A run's events after its end (late events of a cancelled attempt) are not shown.
@@ -29,8 +30,9 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
+use async_nats::HeaderMap;
 use async_nats::jetstream::consumer::{DeliverPolicy, pull};
-use async_nats::jetstream::stream::Stream as JsStream;
+use async_nats::jetstream::stream::{RawMessageErrorKind, Stream as JsStream};
 use flotilla_bus::{Bus, wire};
 use flotilla_model::RunId;
 use flotilla_model::event::{Event, EventEnvelope, decode_events};
@@ -81,9 +83,13 @@ struct State {
     messages: Option<Messages>,
     /// Events read, with whether they may be shown (not when resuming past them).
     buffered: VecDeque<(u64, RunId, bool, EventEnvelope)>,
-    /// Re-create the consumer from this stream sequence once the buffer is drained (a child
-    /// was linked).
-    restart_from: Option<u64>,
+    /// The sequence of the last message the consumer delivered.
+    position: u64,
+    /// Children linked whose messages up to `position` are still to be read, in link order.
+    catch_up: VecDeque<RunId>,
+    /// Re-create the consumer from `position + 1` once the buffer is drained and the
+    /// catch-ups are done (a child was linked).
+    reopen: bool,
     done: bool,
 }
 
@@ -131,15 +137,6 @@ async fn open(
         .messages()
         .await
         .map_err(|e| unavailable("following a run tree's events", e))
-}
-
-/// The stream sequence of `run`'s first event, if it has any yet.
-async fn first_seq(bus: &Bus, run: RunId) -> Result<Option<u64>, CoordinatorError> {
-    let page = bus
-        .direct_batch(StreamKind::Events, &bus.names().event(run), 0, 1, None)
-        .await
-        .map_err(|e| unavailable("reading a child run's first event", e))?;
-    Ok(page.first().map(|m| m.seq))
 }
 
 impl Drop for State {
@@ -224,14 +221,48 @@ impl State {
             Some(Ok(m)) => m,
         };
         let seq = m.info().map(|i| i.stream_sequence).unwrap_or(0);
-        let Some(&run) = self.by_subject.get(m.subject.as_str()) else {
-            return Ok(());
-        };
+        self.position = self.position.max(seq);
+        if let Some(&run) = self.by_subject.get(m.subject.as_str()) {
+            self.admit(run, seq, m.headers.as_ref(), &m.payload);
+        }
+        Ok(())
+    }
+
+    /// Reads `child`'s messages up to `position` from the stream leader (direct gets may be
+    /// answered by a lagging replica), one by one: a child linked a moment ago has few.
+    async fn catch_up(&mut self, child: RunId) -> Result<(), CoordinatorError> {
+        let subject = self.bus.names().event(child);
+        let mut next = self.runs.get(&child).map_or(0, |f| f.read_upto) + 1;
+        while next <= self.position {
+            let m = match self
+                .stream
+                .raw_message_builder()
+                .sequence(next)
+                .next_by_subject(subject.clone())
+                .send()
+                .await
+            {
+                Ok(m) => m,
+                Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound => break,
+                Err(e) => return Err(unavailable("reading a child run's events", e)),
+            };
+            if m.sequence > self.position {
+                break;
+            }
+            next = m.sequence + 1;
+            self.admit(child, m.sequence, Some(&m.headers), &m.payload);
+        }
+        Ok(())
+    }
+
+    /// Puts a message of followed run `run` into the buffer, unless it was read already or
+    /// the run has ended.
+    fn admit(&mut self, run: RunId, seq: u64, headers: Option<&HeaderMap>, payload: &[u8]) {
         let Some(f) = self.runs.get_mut(&run) else {
-            return Ok(());
+            return;
         };
         if seq <= f.read_upto || f.ended {
-            return Ok(());
+            return;
         }
         f.read_upto = seq;
         // Resuming: this message and those before it were shown to the watcher already.
@@ -244,7 +275,7 @@ impl State {
             }
             None => true,
         };
-        match decode_events(wire::codec_of(m.headers.as_ref()), &m.payload) {
+        match decode_events(wire::codec_of(headers), payload) {
             Ok(events) => self
                 .buffered
                 .extend(events.into_iter().map(|e| (seq, run, shown, e))),
@@ -252,7 +283,6 @@ impl State {
                 tracing::warn!(%run, error = %e, "Skipping an undecodable event message");
             }
         }
-        Ok(())
     }
 
     async fn next(&mut self) -> Option<Result<ProjectedEvent, CoordinatorError>> {
@@ -265,8 +295,15 @@ impl State {
                     self.done = true;
                     return None;
                 }
-                if let Some(from) = self.restart_from.take()
-                    && let Err(e) = self.reopen(from).await
+                if let Some(child) = self.catch_up.pop_front() {
+                    if let Err(e) = self.catch_up(child).await {
+                        self.done = true;
+                        return Some(Err(e));
+                    }
+                    continue;
+                }
+                if std::mem::take(&mut self.reopen)
+                    && let Err(e) = self.reopen(self.position + 1).await
                 {
                     self.done = true;
                     return Some(Err(e));
@@ -291,17 +328,11 @@ impl State {
                 && self.opts.children == ChildPolicy::Flatten
                 && !self.runs.contains_key(&child.run_id)
             {
-                // Follow the child from its first event (stored before the link, usually);
-                // messages at or below `seq` of the runs already followed were read.
-                let first = match first_seq(&self.bus, child.run_id).await {
-                    Ok(first) => first.unwrap_or(seq + 1).min(seq + 1),
-                    Err(e) => {
-                        self.done = true;
-                        return Some(Err(e));
-                    }
-                };
+                // The child's messages up to the current position come next (read from the
+                // stream), then the consumer follows it too.
                 self.follow(child.run_id, depth + 1, agent.clone(), 0);
-                self.restart_from = Some(self.restart_from.map_or(first, |r| r.min(first)));
+                self.catch_up.push_back(child.run_id);
+                self.reopen = true;
             }
             if shown
                 && shows(
@@ -360,7 +391,9 @@ pub async fn project(
         by_subject: HashMap::new(),
         messages: Some(messages),
         buffered: VecDeque::new(),
-        restart_from: None,
+        position: from - 1,
+        catch_up: VecDeque::new(),
+        reopen: false,
         done: false,
     };
     state.follow(run, 0, None, from - 1);
