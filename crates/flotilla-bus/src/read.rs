@@ -303,10 +303,14 @@ fn parse_reply(stream: &str, msg: async_nats::Message) -> Result<Reply, ReadErro
     })))
 }
 
-/// How long a quiet [`Bus::find_in_subject`] waits before checking the stream itself: a
-/// message its subscription missed (published while the connection was re-established) is
-/// found this long after, at the latest.
-pub const QUIET_RECHECK: Duration = Duration::from_secs(2);
+/// How often a quiet [`Bus::find_in_subject`] looks whether the connection was re-established
+/// meanwhile (a local check): messages published while it was down never reach the
+/// subscription, so the stream is read again then.
+pub const RECONNECT_CHECK: Duration = Duration::from_secs(2);
+
+/// How long a quiet [`Bus::find_in_subject`] waits before reading the stream again anyway (a
+/// subscription can also drop messages when its reader falls far behind).
+pub const QUIET_RECHECK: Duration = Duration::from_secs(30);
 
 impl Bus {
     /// Reads the messages of `subject` in stream `kind` — those stored, then new ones as they
@@ -314,9 +318,10 @@ impl Bus {
     /// passes first. No consumer is created on the server (a stream allows a limited number,
     /// and waiting for a run to end is frequent and short-lived): a core subscription is taken
     /// first, then the stored messages are read by batch direct gets, so nothing published
-    /// in between is missed; new messages come from the subscription, and a quiet
-    /// subscription is checked against the stream every [`QUIET_RECHECK`]. `find` may see a
-    /// message twice (stored and published).
+    /// in between is missed; new messages come from the subscription. The stream is read
+    /// again after the connection was re-established ([`RECONNECT_CHECK`]) and after
+    /// [`QUIET_RECHECK`] without a message. `find` may see a message twice (stored and
+    /// published).
     pub async fn find_in_subject<T>(
         &self,
         kind: StreamKind,
@@ -335,8 +340,11 @@ impl Bus {
                     e,
                 )
             })?;
+        let stats = self.client().statistics();
+        let connects = || stats.connects.load(std::sync::atomic::Ordering::Relaxed);
         let mut after = 0;
         loop {
+            let read_at = connects();
             // What the stream holds after `after`, page by page.
             loop {
                 let page = self
@@ -354,12 +362,15 @@ impl Bus {
                     break;
                 }
             }
-            // Then what is published, until a quiet spell sends us back to the stream.
+            // Then what is published, until a reconnect or a long quiet spell sends us back to
+            // the stream.
+            let mut quiet = tokio::time::Instant::now() + QUIET_RECHECK;
             loop {
-                let quiet = tokio::time::Instant::now() + QUIET_RECHECK;
+                let check = tokio::time::Instant::now() + RECONNECT_CHECK;
                 tokio::select! {
                     m = live.next() => match m {
                         Some(m) => {
+                            quiet = tokio::time::Instant::now() + QUIET_RECHECK;
                             if let Some(found) = find(m.headers.as_ref(), &m.payload) {
                                 return Ok(Some(found));
                             }
@@ -371,11 +382,14 @@ impl Bus {
                             ));
                         }
                     },
-                    () = tokio::time::sleep_until(quiet.min(until)) => {
-                        if tokio::time::Instant::now() >= until {
+                    () = tokio::time::sleep_until(check.min(quiet).min(until)) => {
+                        let now = tokio::time::Instant::now();
+                        if now >= until {
                             return Ok(None);
                         }
-                        break;
+                        if now >= quiet || connects() != read_at {
+                            break;
+                        }
                     }
                 }
             }

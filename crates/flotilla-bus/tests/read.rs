@@ -108,3 +108,80 @@ async fn a_missing_stream_is_a_terminal_error() -> anyhow::Result<()> {
     assert_eq!(err.kind(), ReadErrorKind::NoStream, "{err}");
     Ok(())
 }
+
+/// `find_in_subject` finds a stored message, a message published while it waits, nothing
+/// (at its deadline), and keeps waiting across a server restart: a message published by
+/// another connection right after the restart is found promptly (whether this connection's
+/// subscription was back in time for it or the stream is read again after the reconnect —
+/// which of the two depends on timing this test does not control).
+#[tokio::test]
+async fn find_in_subject_finds_stored_live_and_missed_messages() -> anyhow::Result<()> {
+    use std::time::Duration;
+    use tokio::time::Instant;
+    let mut server = NatsServer::start().await?;
+    let bus = server.provisioned_bus().await?;
+    let subject = "flotilla.event.r1";
+    let wanted = |want: &'static str| {
+        move |_: Option<&async_nats::HeaderMap>, payload: &[u8]| {
+            (payload == want.as_bytes()).then(|| want.to_owned())
+        }
+    };
+    let soon = || Instant::now() + Duration::from_secs(10);
+    bus.js().publish(subject, "a".into()).await?.await?;
+    let found = bus
+        .find_in_subject(StreamKind::Events, subject, soon(), wanted("a"))
+        .await?;
+    assert_eq!(found.as_deref(), Some("a"));
+
+    // Published while waiting.
+    let waiting = {
+        let bus = bus.clone();
+        tokio::spawn(async move {
+            bus.find_in_subject(StreamKind::Events, subject, soon(), wanted("b"))
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    bus.js().publish(subject, "b".into()).await?.await?;
+    assert_eq!(waiting.await??.as_deref(), Some("b"));
+
+    // Nothing by the deadline.
+    let none = bus
+        .find_in_subject(
+            StreamKind::Events,
+            subject,
+            Instant::now() + Duration::from_millis(300),
+            wanted("never"),
+        )
+        .await?;
+    assert_eq!(none, None);
+
+    // Published by another connection right after a restart.
+    let waiting = {
+        let bus = bus.clone();
+        tokio::spawn(async move {
+            let t0 = Instant::now();
+            let found = bus
+                .find_in_subject(
+                    StreamKind::Events,
+                    subject,
+                    Instant::now() + Duration::from_secs(60),
+                    wanted("c"),
+                )
+                .await;
+            (found, t0.elapsed())
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    server.kill();
+    server.start_again().await?;
+    let other = server.bus().await?;
+    other.js().publish(subject, "c".into()).await?.await?;
+    let (found, took) = waiting.await?;
+    assert_eq!(found?.as_deref(), Some("c"));
+    assert!(
+        took < flotilla_bus::read::QUIET_RECHECK,
+        "found only after {took:?}"
+    );
+    Ok(())
+}
