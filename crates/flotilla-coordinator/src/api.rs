@@ -87,7 +87,7 @@ async fn respond_json<T: serde::Serialize>(req: &Request, max_payload: usize, va
                 413,
                 "too_large",
                 format!(
-                    "the answer is {} bytes, more than this deployment's max payload of {max_payload}; ask for less (e.g. tasks_limit)",
+                    "the answer is {} bytes, more than this deployment's max payload of {max_payload}; ask for less (tasks_limit on run.get, max_runs on run.tree)",
                     out.payload.len()
                 ),
             )
