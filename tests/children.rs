@@ -402,27 +402,12 @@ async fn collect_since(
     children: ChildPolicy,
     since: u64,
 ) -> anyhow::Result<Vec<ProjectedEvent>> {
-    let stream = f
-        .client
-        .watch(
-            run,
-            WatchOptions {
-                profile: Profile::Debug,
-                children,
-                since,
-            },
-        )
-        .await?;
-    futures::pin_mut!(stream);
-    let mut out = Vec::new();
-    tokio::time::timeout(WAIT, async {
-        while let Some(e) = stream.next().await {
-            out.push(e?);
-        }
-        Ok::<_, anyhow::Error>(())
-    })
-    .await??;
-    Ok(out)
+    let opts = WatchOptions {
+        profile: Profile::Debug,
+        children,
+        since,
+    };
+    projection(&f.client, run, opts).await
 }
 
 fn ends(e: &ProjectedEvent) -> bool {

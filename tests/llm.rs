@@ -545,24 +545,7 @@ reply = "support here"
         "{to_billing}"
     );
     // The dispatcher's stream links the child that took over.
-    let events = p.client.events(run).await?;
-    futures::pin_mut!(events);
-    let linked = tokio::time::timeout(Duration::from_secs(20), async {
-        while let Some(e) = events.next().await {
-            if let Event::ToolEnd {
-                run_link: Some(h),
-                tool: Some(t),
-                ok: true,
-                ..
-            } = e?.event
-                && t == "transfer_to_agent"
-            {
-                return Ok::<_, anyhow::Error>(h.run_id);
-            }
-        }
-        anyhow::bail!("no transfer in the event stream")
-    })
-    .await??;
+    let linked = transfer_link(&p.client, run).await?;
     assert_ne!(linked, run);
     Ok(())
 }

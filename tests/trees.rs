@@ -635,24 +635,7 @@ async fn the_dispatcher_example_routes_the_ticket_to_a_specialist() -> anyhow::R
     let child = p.client.wait(billing, WAIT).await?;
     assert_eq!(child.status, RunStatus::Succeeded, "{child:?}");
     assert_eq!(response(&child), answer);
-    let events = p.client.events(root).await?;
-    futures::pin_mut!(events);
-    let transferred = tokio::time::timeout(WAIT, async {
-        while let Some(e) = events.next().await {
-            if let Event::ToolEnd {
-                run_link: Some(h),
-                tool: Some(t),
-                ok: true,
-                ..
-            } = e?.event
-                && t == "transfer_to_agent"
-            {
-                return Ok::<_, anyhow::Error>(h.run_id);
-            }
-        }
-        anyhow::bail!("no transfer on the desk's stream")
-    })
-    .await??;
+    let transferred = transfer_link(&p.client, root).await?;
     assert_eq!(transferred, billing);
     assert_chain(&runs_tree(&p, root)?, &[root, billing], "succeeded");
     Ok(())

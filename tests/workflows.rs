@@ -393,27 +393,12 @@ async fn library_watch(
     profile: Profile,
     children: ChildPolicy,
 ) -> anyhow::Result<Vec<ProjectedEvent>> {
-    let stream = p
-        .client
-        .watch(
-            run,
-            WatchOptions {
-                profile,
-                children,
-                since: 0,
-            },
-        )
-        .await?;
-    futures::pin_mut!(stream);
-    let mut out = Vec::new();
-    tokio::time::timeout(WAIT, async {
-        while let Some(e) = stream.next().await {
-            out.push(e?);
-        }
-        Ok::<_, anyhow::Error>(())
-    })
-    .await??;
-    Ok(out)
+    let opts = WatchOptions {
+        profile,
+        children,
+        since: 0,
+    };
+    projection(&p.client, run, opts).await
 }
 
 fn key(e: &ProjectedEvent) -> (RunId, u32, Option<String>, String) {

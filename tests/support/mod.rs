@@ -487,3 +487,51 @@ pub async fn results_of(
         })
         .collect())
 }
+
+/// The child run a `transfer_to_agent` handed `run`'s conversation to: the `run_link` of the
+/// transfer's successful `tool_end` on `run`'s event stream.
+pub async fn transfer_link(
+    client: &Client,
+    run: flotilla_model::RunId,
+) -> anyhow::Result<flotilla_model::RunId> {
+    use flotilla_model::event::Event;
+    use futures::StreamExt;
+    let events = client.events(run).await?;
+    futures::pin_mut!(events);
+    tokio::time::timeout(WAIT, async {
+        while let Some(e) = events.next().await {
+            if let Event::ToolEnd {
+                run_link: Some(h),
+                tool: Some(t),
+                ok: true,
+                ..
+            } = e?.event
+                && t == "transfer_to_agent"
+            {
+                return Ok(h.run_id);
+            }
+        }
+        anyhow::bail!("no transfer on run {run}'s event stream")
+    })
+    .await?
+}
+
+/// Every event of a projection of `run`'s tree (the client library's), until it ends.
+pub async fn projection(
+    client: &Client,
+    run: flotilla_model::RunId,
+    opts: flotilla_coordinator::watch::WatchOptions,
+) -> anyhow::Result<Vec<flotilla_model::watch::ProjectedEvent>> {
+    use futures::StreamExt;
+    let stream = client.watch(run, opts).await?;
+    futures::pin_mut!(stream);
+    let mut out = Vec::new();
+    tokio::time::timeout(WAIT, async {
+        while let Some(e) = stream.next().await {
+            out.push(e?);
+        }
+        Ok::<_, anyhow::Error>(())
+    })
+    .await??;
+    Ok(out)
+}

@@ -303,6 +303,50 @@ fn parse_reply(stream: &str, msg: async_nats::Message) -> Result<Reply, ReadErro
     })))
 }
 
+/// Every stored message matching a filter, page by page: what paging with batch direct gets
+/// by the last sequence of the previous page gives ([`Bus::pages`]).
+#[derive(Debug)]
+pub struct Pages<'a> {
+    bus: &'a Bus,
+    stream: String,
+    filter: String,
+    after: u64,
+    batch: usize,
+    max_bytes: Option<usize>,
+    done: bool,
+}
+
+impl Pages<'_> {
+    /// The next page, oldest first; `None` once every matching message was returned.
+    pub async fn next(&mut self) -> Result<Option<Vec<StoredMessage>>, ReadError> {
+        if self.done {
+            return Ok(None);
+        }
+        let page = self
+            .bus
+            .direct_batch_stream(
+                &self.stream,
+                &self.filter,
+                self.after,
+                self.batch,
+                self.max_bytes,
+            )
+            .await?;
+        let Some(last) = page.last() else {
+            self.done = true;
+            return Ok(None);
+        };
+        self.after = last.seq;
+        self.done = last.num_pending == 0;
+        Ok(Some(page))
+    }
+
+    /// The sequence of the last message returned (the `after` given, before the first page).
+    pub fn after(&self) -> u64 {
+        self.after
+    }
+}
+
 /// How often a quiet [`Bus::find_in_subject`] looks whether the connection was re-established
 /// meanwhile (a local check): messages published while it was down never reach the
 /// subscription, so the stream is read again then.
@@ -313,6 +357,25 @@ pub const RECONNECT_CHECK: Duration = Duration::from_secs(2);
 pub const QUIET_RECHECK: Duration = Duration::from_secs(30);
 
 impl Bus {
+    /// The messages of stream `kind` matching `filter` stored after sequence `after`, in pages
+    /// of at most 1,000 messages and 4 MiB.
+    pub fn pages(&self, kind: StreamKind, filter: &str, after: u64) -> Pages<'_> {
+        self.stream_pages(&self.names().stream(kind), filter, after)
+    }
+
+    /// [`pages`](Self::pages) of a stream named directly (a KV bucket's `KV_<bucket>`).
+    pub fn stream_pages(&self, stream: &str, filter: &str, after: u64) -> Pages<'_> {
+        Pages {
+            bus: self,
+            stream: stream.to_owned(),
+            filter: filter.to_owned(),
+            after,
+            batch: 1000,
+            max_bytes: Some(4 << 20),
+            done: false,
+        }
+    }
+
     /// Reads the messages of `subject` in stream `kind` — those stored, then new ones as they
     /// are published — until `find` returns `Some`, and returns that; `None` when `until`
     /// passes first. No consumer is created on the server (a stream allows a limited number,
@@ -346,22 +409,15 @@ impl Bus {
         loop {
             let read_at = connects();
             // What the stream holds after `after`, page by page.
-            loop {
-                let page = self
-                    .direct_batch(kind, subject, after, 256, Some(4 << 20))
-                    .await?;
-                let Some(last) = page.last() else { break };
-                after = last.seq;
-                let more = last.num_pending > 0;
+            let mut pages = self.pages(kind, subject, after);
+            while let Some(page) = pages.next().await? {
                 for m in &page {
                     if let Some(found) = find(Some(&m.headers), &m.payload) {
                         return Ok(Some(found));
                     }
                 }
-                if !more {
-                    break;
-                }
             }
+            after = pages.after();
             // Then what is published, until a reconnect or a long quiet spell sends us back to
             // the stream.
             let mut quiet = tokio::time::Instant::now() + QUIET_RECHECK;

@@ -224,22 +224,13 @@ impl Clients {
         let prefix = format!("$KV.{bucket}.children.{}.{attempt}.", scope.root_run_id);
         let filter = format!("{prefix}*");
         let mut children = Vec::new();
-        let mut after = 0;
-        loop {
-            let page = bus
-                .direct_batch_stream(&stream, &filter, after, 1000, None)
-                .await?;
-            let Some(last) = page.last() else { break };
-            after = last.seq;
-            let more = last.num_pending > 0;
+        let mut pages = bus.stream_pages(&stream, &filter, 0);
+        while let Some(page) = pages.next().await? {
             children.extend(
                 page.iter()
                     .filter_map(|m| m.subject.strip_prefix(&prefix))
                     .filter_map(|id| id.parse::<RunId>().ok()),
             );
-            if !more {
-                break;
-            }
         }
         children.sort();
         children.dedup();

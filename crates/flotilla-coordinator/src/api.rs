@@ -56,6 +56,11 @@ const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
 
 mod collab;
 
+/// `404 not_found` for a run that does not exist.
+async fn run_not_found(req: &Request, run: RunId) {
+    respond_error(req, 404, "not_found", format!("run {run} does not exist")).await;
+}
+
 async fn respond_error(req: &Request, status: u16, code: &str, message: String) {
     respond_api_error(req, &ApiError::new(status, code, message)).await;
 }
@@ -297,13 +302,7 @@ impl Api {
             Ok(Some(_)) => {}
             Ok(None) if matches!(self.store.first_message(r.run_id).await, Ok(Some(_))) => {}
             Ok(None) => {
-                return respond_error(
-                    &req,
-                    404,
-                    "not_found",
-                    format!("run {} does not exist", r.run_id),
-                )
-                .await;
+                return run_not_found(&req, r.run_id).await;
             }
             Err(e) => return respond_error(&req, 503, "unavailable", e.to_string()).await,
         }
@@ -455,15 +454,7 @@ impl Api {
                 respond_json(&req, self.max_payload(), &view).await
             }
             Ok(Some(view)) => respond_json(&req, self.max_payload(), &view).await,
-            Ok(None) => {
-                respond_error(
-                    &req,
-                    404,
-                    "not_found",
-                    format!("run {} does not exist", r.run_id),
-                )
-                .await
-            }
+            Ok(None) => run_not_found(&req, r.run_id).await,
             Err(e) => respond_error(&req, 500, "internal", e.to_string()).await,
         }
     }
@@ -486,15 +477,7 @@ impl Api {
         let max = r.max_runs.unwrap_or(MAX_RUNS_PER_ANSWER) as usize;
         match crate::tree::run_tree(&self.store, r.run_id, max).await {
             Ok(Some(tree)) => respond_json(&req, self.max_payload(), &tree).await,
-            Ok(None) => {
-                respond_error(
-                    &req,
-                    404,
-                    "not_found",
-                    format!("run {} does not exist", r.run_id),
-                )
-                .await
-            }
+            Ok(None) => run_not_found(&req, r.run_id).await,
             Err(e) => respond_error(&req, 500, "internal", e.to_string()).await,
         }
     }

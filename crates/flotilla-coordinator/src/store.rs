@@ -321,16 +321,12 @@ impl RunStore {
         let filter = format!("{prefix}*");
         let mut runs = Vec::new();
         let mut seen = std::collections::HashSet::new();
-        let mut after = 0;
-        loop {
-            let page = self
-                .bus
-                .direct_batch_stream(&stream, &filter, after, 1000, None)
-                .await
-                .map_err(|e| nats(format!("listing session {session}"), e))?;
-            let Some(last) = page.last() else { break };
-            after = last.seq;
-            let more = last.num_pending > 0;
+        let mut pages = self.bus.stream_pages(&stream, &filter, 0);
+        while let Some(page) = pages
+            .next()
+            .await
+            .map_err(|e| nats(format!("listing session {session}"), e))?
+        {
             for m in &page {
                 if let Some(run) = m
                     .subject
@@ -340,9 +336,6 @@ impl RunStore {
                 {
                     runs.push(run);
                 }
-            }
-            if !more {
-                break;
             }
         }
         Ok(runs)

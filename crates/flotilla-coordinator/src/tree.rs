@@ -46,17 +46,12 @@ async fn run_events(store: &RunStore, run: RunId) -> Result<RunEvents, StoreErro
     let mut out = RunEvents::default();
     let mut seen_children = HashSet::new();
     let mut seen_usage = HashSet::new();
-    let mut after = 0;
-    loop {
-        let page = bus
-            .direct_batch(StreamKind::Events, &filter, after, 1000, Some(4 << 20))
-            .await
-            .map_err(|e| {
-                StoreError::with_source(StoreErrorKind::Nats, "reading a run's events", e)
-            })?;
-        let Some(last) = page.last() else { break };
-        after = last.seq;
-        let more = last.num_pending > 0;
+    let mut pages = bus.pages(StreamKind::Events, &filter, 0);
+    while let Some(page) = pages
+        .next()
+        .await
+        .map_err(|e| StoreError::with_source(StoreErrorKind::Nats, "reading a run's events", e))?
+    {
         for m in &page {
             let Ok(events) = decode_events(wire::codec_of(Some(&m.headers)), &m.payload) else {
                 continue;
@@ -82,9 +77,6 @@ async fn run_events(store: &RunStore, run: RunId) -> Result<RunEvents, StoreErro
                     _ => {}
                 }
             }
-        }
-        if !more {
-            break;
         }
     }
     Ok(out)

@@ -484,21 +484,12 @@ fn agent_plan(agent: &str, input: serde_json::Value) -> Plan {
 async fn run_log(bus: &Bus, run: RunId) -> anyhow::Result<Vec<(i64, RunLogEntry)>> {
     let filter = bus.names().runlog(run);
     let mut out = Vec::new();
-    let mut after = 0;
-    loop {
-        let page = bus
-            .direct_batch(StreamKind::RunLog, &filter, after, 1000, None)
-            .await?;
-        let Some(last) = page.last() else { break };
-        let more = last.num_pending > 0;
-        after = last.seq;
+    let mut pages = bus.pages(StreamKind::RunLog, &filter, 0);
+    while let Some(page) = pages.next().await? {
         for m in &page {
             let entry: RunLogEntry = wire::decode(Some(&m.headers), &m.payload)
                 .with_context(|| format!("decoding run-log entry {} of run {run}", m.seq))?;
             out.push((stored_micros(&m.headers)?, entry));
-        }
-        if !more {
-            break;
         }
     }
     Ok(out)
@@ -843,14 +834,8 @@ async fn stored_run(bus: &Bus, run: RunId) -> anyhow::Result<StoredRun> {
         ended: false,
         children: Vec::new(),
     };
-    let mut after = 0;
-    loop {
-        let page = bus
-            .direct_batch(StreamKind::Events, &filter, after, 1000, None)
-            .await?;
-        let Some(last) = page.last() else { break };
-        let more = last.num_pending > 0;
-        after = last.seq;
+    let mut pages = bus.pages(StreamKind::Events, &filter, 0);
+    while let Some(page) = pages.next().await? {
         for m in &page {
             out.messages.push((m.seq, stored_micros(&m.headers)?));
             let events = decode_events(wire::codec_of(Some(&m.headers)), &m.payload)
@@ -863,9 +848,6 @@ async fn stored_run(bus: &Bus, run: RunId) -> anyhow::Result<StoredRun> {
                 }
                 out.event_ids.insert(e.id);
             }
-        }
-        if !more {
-            break;
         }
     }
     out.children.sort();
