@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use async_nats::HeaderMap;
 use bytes::Bytes;
-use flotilla_model::subjects::StreamKind;
+use flotilla_model::subjects::{Bucket, StreamKind};
 use futures::StreamExt;
 use serde::Serialize;
 use time::OffsetDateTime;
@@ -374,6 +374,31 @@ impl Bus {
             max_bytes: Some(4 << 20),
             done: false,
         }
+    }
+
+    /// The keys of KV bucket `bucket` that start with `key_prefix` (a dot-terminated prefix
+    /// of whole tokens), without the prefix, each once, in the order they were first written
+    /// — read from the bucket's stream by subject, without a watcher or listing every key.
+    pub async fn kv_keys_under(
+        &self,
+        bucket: Bucket,
+        key_prefix: &str,
+    ) -> Result<Vec<String>, ReadError> {
+        let bucket = self.names().bucket(bucket);
+        let prefix = format!("$KV.{bucket}.{key_prefix}");
+        let mut keys = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        let mut pages = self.stream_pages(&format!("KV_{bucket}"), &format!("{prefix}>"), 0);
+        while let Some(page) = pages.next().await? {
+            for m in page {
+                if let Some(key) = m.subject.strip_prefix(&prefix)
+                    && seen.insert(key.to_owned())
+                {
+                    keys.push(key.to_owned());
+                }
+            }
+        }
+        Ok(keys)
     }
 
     /// Reads the messages of `subject` in stream `kind` — those stored, then new ones as they

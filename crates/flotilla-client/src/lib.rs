@@ -416,9 +416,7 @@ impl Client {
             .await
             .map_err(|e| nats(format!("reading run {run}"), e))
     }
-}
 
-impl Client {
     /// The tree under `run` — the run and the child runs its agents started, recursively,
     /// with status, duration, tokens and cost per run — read from the run store and the event
     /// stream (the engine of `<prefix>.api.run.tree`). At most `max_runs` runs (≤ 1000).

@@ -245,8 +245,9 @@ impl AgentContext {
     /// Uses another agent as a tool: starts a child run of `call.agent` (or re-attaches to
     /// the one a crashed delivery of this attempt started), announces it on this run's event
     /// stream (`agent_run_started`), and waits — giving the attempt's worker slot back
-    /// meanwhile, so the child can run even in a full pool — until it ends, the attempt's deadline passes or the attempt is cancelled. Returns the
-    /// child's handle and outcome; a failed child is an outcome, not an error.
+    /// meanwhile, so the child can run even in a full pool — until it ends, the attempt's
+    /// deadline passes or the attempt is cancelled. Returns the child's handle and outcome; a
+    /// failed child is an outcome, not an error.
     pub async fn call_agent(
         &self,
         call: &crate::ChildCall,

@@ -219,21 +219,15 @@ impl Clients {
             return Ok(0);
         };
         let bus = self.bus();
-        let bucket = bus.names().bucket(Bucket::Cursors);
-        let stream = format!("KV_{bucket}");
-        let prefix = format!("$KV.{bucket}.children.{}.{attempt}.", scope.root_run_id);
-        let filter = format!("{prefix}*");
-        let mut children = Vec::new();
-        let mut pages = bus.stream_pages(&stream, &filter, 0);
-        while let Some(page) = pages.next().await? {
-            children.extend(
-                page.iter()
-                    .filter_map(|m| m.subject.strip_prefix(&prefix))
-                    .filter_map(|id| id.parse::<RunId>().ok()),
-            );
-        }
-        children.sort();
-        children.dedup();
+        let children: Vec<RunId> = bus
+            .kv_keys_under(
+                Bucket::Cursors,
+                &format!("children.{}.{attempt}.", scope.root_run_id),
+            )
+            .await?
+            .iter()
+            .filter_map(|k| k.parse().ok())
+            .collect();
         for child in &children {
             let request = CancelRunRequest {
                 protocol: PROTOCOL_VERSION,

@@ -129,21 +129,18 @@ impl Drop for Waiting {
 }
 
 impl WorkerSlot {
-    /// The slot made of `permits`, taken from `semaphores` in order, with its `occupancy`
-    /// (made again by `factory` each time the slot is taken again).
-    pub fn new(
-        semaphores: Vec<Arc<Semaphore>>,
-        permits: Vec<OwnedSemaphorePermit>,
-        occupancy: Occupancy,
-        factory: OccupancyFactory,
-    ) -> Self {
+    /// The slot made of `permits` (taken again from their semaphores in the same order) and
+    /// what `occupancy` makes each time the slot is taken, now included.
+    pub fn new(permits: Vec<OwnedSemaphorePermit>, occupancy: OccupancyFactory) -> Self {
+        let semaphores = permits.iter().map(|p| Arc::clone(p.semaphore())).collect();
+        let taken = occupancy();
         Self {
             inner: Some(Arc::new(Inner {
                 semaphores,
-                occupancy: factory,
+                occupancy,
                 ended: CancellationToken::new(),
                 state: Mutex::new(SlotState {
-                    held: Some((permits, occupancy)),
+                    held: Some((permits, taken)),
                     waiting: 0,
                 }),
             })),
@@ -214,12 +211,7 @@ mod tests {
             Arc::clone(&held).acquire_owned().await.expect("held"),
             Arc::clone(&run).acquire_owned().await.expect("run"),
         ];
-        let slot = WorkerSlot::new(
-            vec![Arc::clone(&held), Arc::clone(&run)],
-            permits,
-            factory(),
-            factory,
-        );
+        let slot = WorkerSlot::new(permits, factory);
         Fixture {
             held,
             run,

@@ -32,7 +32,6 @@ use flotilla_model::api::{
     ValidatePlanReply, ValidatePlanRequest, WsAppendRequest, WsReadRequest,
 };
 use flotilla_model::codec::{CodecError, check_protocol};
-use flotilla_model::event::Event;
 use flotilla_model::ids::RunId;
 use flotilla_model::run::RunOutcome;
 use flotilla_model::runlog::{Control, ControlAction, RunInput, RunLogEntry};
@@ -606,11 +605,7 @@ impl Api {
 
 /// The outcome carried by a run-terminal event, if this event message has one.
 pub(crate) fn terminal_outcome(msg: &async_nats::Message) -> Option<RunOutcome> {
-    let events =
-        flotilla_model::event::decode_events(wire::codec_of(msg.headers.as_ref()), &msg.payload)
-            .ok()?;
-    events.into_iter().find_map(|ev| match ev.event {
-        Event::Workflow(w) if w.phase.ends_run() => w.outcome.map(|o| *o),
-        _ => None,
-    })
+    flotilla_model::event::run_end_in(wire::codec_of(msg.headers.as_ref()), &msg.payload)
+        .ok()
+        .flatten()
 }

@@ -315,30 +315,12 @@ impl RunStore {
 
     /// The runs entered in `session`'s index, in the order they were entered.
     pub async fn session_runs(&self, session: SessionId) -> Result<Vec<RunId>, StoreError> {
-        let bucket = self.bus.names().bucket(Bucket::Runs);
-        let stream = format!("KV_{bucket}");
-        let prefix = format!("$KV.{bucket}.session.{session}.");
-        let filter = format!("{prefix}*");
-        let mut runs = Vec::new();
-        let mut seen = std::collections::HashSet::new();
-        let mut pages = self.bus.stream_pages(&stream, &filter, 0);
-        while let Some(page) = pages
-            .next()
+        let keys = self
+            .bus
+            .kv_keys_under(Bucket::Runs, &format!("session.{session}."))
             .await
-            .map_err(|e| nats(format!("listing session {session}"), e))?
-        {
-            for m in &page {
-                if let Some(run) = m
-                    .subject
-                    .strip_prefix(&prefix)
-                    .and_then(|id| id.parse::<RunId>().ok())
-                    && seen.insert(run)
-                {
-                    runs.push(run);
-                }
-            }
-        }
-        Ok(runs)
+            .map_err(|e| nats(format!("listing session {session}"), e))?;
+        Ok(keys.iter().filter_map(|k| k.parse().ok()).collect())
     }
 
     /// Replaces a run's snapshot if it is still at `revision`; `Conflict` otherwise.
@@ -568,6 +550,14 @@ impl RunStore {
         });
         records.truncate(limit);
         Ok(records)
+    }
+
+    /// A run's record alone (no tasks, no plan read); `None` when the run does not exist.
+    pub async fn record(&self, run: RunId) -> Result<Option<RunRecord>, StoreError> {
+        match self.load(run).await? {
+            Some(stored) => Ok(Some(record_of(&stored.snapshot.state))),
+            None => Ok(self.unrecorded_view(run, 0, 0).await?.map(|v| v.record)),
+        }
     }
 
     /// The client view of a run: its record and the tasks from `offset`, at most `limit`.

@@ -103,11 +103,11 @@ pub async fn run_tree(
     max_runs: usize,
 ) -> Result<Option<RunTree>, StoreError> {
     let max_runs = max_runs.clamp(1, MAX_RUNS_PER_ANSWER as usize);
-    let Some(view) = store.view(run, 0, 0).await? else {
+    let Some(record) = store.record(run).await? else {
         return Ok(None);
     };
-    let mut agent = view.record.handle.agent_id.as_ref().map(|a| a.to_string());
-    if agent.is_none() && view.record.tasks.total == 1 {
+    let mut agent = record.handle.agent_id.as_ref().map(|a| a.to_string());
+    if agent.is_none() && record.tasks.total == 1 {
         // A one-task run (a child, or a single-agent submission): its task's agent.
         agent = store
             .plan(run)
@@ -118,7 +118,7 @@ pub async fn run_tree(
     reads.insert(
         run,
         Read {
-            record: view.record,
+            record,
             agent,
             events: run_events(store, run).await?,
         },
@@ -143,20 +143,20 @@ pub async fn run_tree(
         }
         let fetched: Vec<_> = futures::stream::iter(next)
             .map(|(child, agent)| async move {
-                let view = store.view(child.run_id, 0, 0).await?;
-                let events = match &view {
+                let record = store.record(child.run_id).await?;
+                let events = match &record {
                     Some(_) => run_events(store, child.run_id).await?,
                     None => RunEvents::default(),
                 };
-                Ok::<_, StoreError>((child, agent, view, events))
+                Ok::<_, StoreError>((child, agent, record, events))
             })
             .buffered(READS_IN_FLIGHT)
             .collect()
             .await;
         level = Vec::new();
         for f in fetched {
-            let (child, agent, view, events) = f?;
-            let Some(view) = view else {
+            let (child, agent, record, events) = f?;
+            let Some(record) = record else {
                 omitted += 1;
                 continue;
             };
@@ -164,7 +164,7 @@ pub async fn run_tree(
             reads.insert(
                 child.run_id,
                 Read {
-                    record: view.record,
+                    record,
                     agent: agent.or_else(|| child.agent_id.as_ref().map(|a| a.to_string())),
                     events,
                 },
@@ -229,14 +229,14 @@ pub async fn session_view(store: &RunStore, session: SessionId) -> Result<Sessio
     let omitted = runs.len().saturating_sub(max);
     runs.drain(..omitted);
     let fetched: Vec<_> = futures::stream::iter(runs)
-        .map(|run| async move { store.view(run, 0, 0).await })
+        .map(|run| async move { store.record(run).await })
         .buffered(READS_IN_FLIGHT)
         .collect()
         .await;
     let mut summaries = Vec::new();
-    for view in fetched {
-        if let Some(view) = view? {
-            summaries.push(RunSummary::from(&view.record));
+    for record in fetched {
+        if let Some(record) = record? {
+            summaries.push(RunSummary::from(&record));
         }
     }
     summaries.sort_by(|a, b| {

@@ -17,7 +17,7 @@
 //! sequence read, so nothing is shown twice. Every decision depends only on what the stream
 //! holds up to P, never on timing, so the same streams always give the same projection — the
 //! client library and the server-side `api.watch` agree event for event.
-
+//!
 //! The projection ends when every followed run has ended: the watched run and, under
 //! `flatten`, each child shown (a child a failed parent left behind is cancelled, and its end
 //! is shown). A run's events after its end (late events of a cancelled attempt) are not shown.
@@ -79,7 +79,6 @@ struct State {
     /// Under `flatten` with `since`: nothing is shown until the message `since` was read.
     resume_after: Option<u64>,
     runs: HashMap<RunId, Followed>,
-    by_subject: HashMap<String, RunId>,
     messages: Option<Messages>,
     /// Events read, with whether they may be shown (not when resuming past them).
     buffered: VecDeque<(u64, RunId, bool, EventEnvelope)>,
@@ -141,14 +140,9 @@ async fn open(
 
 impl Drop for State {
     fn drop(&mut self) {
-        // The last consumer goes with the projection (best effort, in the background).
-        if self.messages.take().is_some()
-            && let Ok(rt) = tokio::runtime::Handle::try_current()
-        {
-            let (stream, name) = (self.stream.clone(), self.consumer_name());
-            rt.spawn(async move {
-                let _ = stream.delete_consumer(&name).await;
-            });
+        // The last consumer goes with the projection.
+        if self.messages.take().is_some() {
+            self.delete_consumer();
         }
     }
 }
@@ -159,8 +153,19 @@ impl State {
         format!("flwatch-{}-{}", self.watch_id, self.serial)
     }
 
+    /// Deletes the consumer now reading, in the background (best effort): the stream allows a
+    /// limited number, and one the projection no longer reads would otherwise stay until the
+    /// server's inactivity threshold. A reader without the right to delete is not held up.
+    fn delete_consumer(&self) {
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let (stream, name) = (self.stream.clone(), self.consumer_name());
+            rt.spawn(async move {
+                let _ = stream.delete_consumer(&name).await;
+            });
+        }
+    }
+
     fn follow(&mut self, run: RunId, depth: u32, agent: Option<String>, read_upto: u64) {
-        self.by_subject.insert(self.bus.names().event(run), run);
         self.runs.insert(
             run,
             Followed {
@@ -183,13 +188,7 @@ impl State {
             .collect();
         subjects.sort();
         self.messages = None;
-        // The stream allows a limited number of consumers: the one replaced goes now, not
-        // after the server's inactivity threshold (in the background: a reader without the
-        // right to delete must not be held up).
-        let (stream, name) = (self.stream.clone(), self.consumer_name());
-        tokio::spawn(async move {
-            let _ = stream.delete_consumer(&name).await;
-        });
+        self.delete_consumer();
         if subjects.is_empty() {
             return Ok(());
         }
@@ -222,7 +221,8 @@ impl State {
         };
         let seq = m.info().map(|i| i.stream_sequence).unwrap_or(0);
         self.position = self.position.max(seq);
-        if let Some(&run) = self.by_subject.get(m.subject.as_str()) {
+        // `<prefix>.event.<run>`: the consumer reads followed runs' subjects only.
+        if let Some(run) = m.subject.rsplit('.').next().and_then(|t| t.parse().ok()) {
             self.admit(run, seq, m.headers.as_ref(), &m.payload);
         }
         Ok(())
@@ -388,7 +388,6 @@ pub async fn project(
         opts,
         resume_after,
         runs: HashMap::new(),
-        by_subject: HashMap::new(),
         messages: Some(messages),
         buffered: VecDeque::new(),
         position: from - 1,

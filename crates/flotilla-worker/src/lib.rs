@@ -570,12 +570,7 @@ async fn handle(
         let (gauges, count) = (shared.slots.gauges(), Arc::clone(&shared.in_flight));
         Arc::new(move || Box::new((gauges.attempt(), InFlight::enter(Arc::clone(&count)))))
     };
-    let slot = WorkerSlot::new(
-        vec![Arc::clone(held.semaphore()), Arc::clone(slot.semaphore())],
-        vec![held, slot],
-        occupancy(),
-        occupancy,
-    );
+    let slot = WorkerSlot::new(vec![held, slot], occupancy);
     let started_at = Timestamp::now();
     attempt.started = Instant::now();
     let events = EventEmitter::new(Some(shared.bus.clone()), &task, &shared.id, delivered);

@@ -784,20 +784,18 @@ async fn bus(opts: &NatsOptions) -> Result<Bus, CliError> {
     })
 }
 
-/// An operator's scope on `run`: its tree's root (the run itself until run trees exist) and
-/// the session on its record.
+/// An operator's scope on `run`: its tree's root and the session on its record.
 async fn operator_scope(bus: &Bus, run: RunId, as_task: Option<&str>) -> Result<Scope, CliError> {
     let store = RunStore::open(bus)
         .await
         .map_err(|e| CliError::new("unavailable", format!("opening the run store: {e}")))?;
-    let view = store
-        .view(run, 0, 0)
+    let record = store
+        .record(run)
         .await
         .map_err(|e| CliError::new("unavailable", format!("reading run {run}: {e}")))?
         .ok_or_else(|| CliError::new("not_found", format!("run {run} does not exist")))?;
-    let root = view.record.handle.root_run();
-    let session = view
-        .record
+    let root = record.handle.root_run();
+    let session = record
         .session_id
         .map_or_else(|| root.to_string(), |s| s.to_string());
     let scope = Scope::operator(bus.names().clone(), run, root, session);
