@@ -1511,6 +1511,7 @@ impl Runtime {
             consumes: sub.consumes.clone(),
             produces: sub.produces.clone(),
             budget: plan.config.budget(),
+            budget_scopes: Vec::new(),
             output_schema: sub.output_schema.clone(),
             consumed,
             dataflow_validation: plan.config.dataflow_validation,

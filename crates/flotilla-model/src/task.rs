@@ -86,6 +86,12 @@ pub struct TaskEnvelope {
     /// spent is counted across workers (see `docs/protocol.md`, budgets).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub budget: Option<Budget>,
+    /// Every budget the attempt's model calls count against, root of the tree first: each
+    /// ancestor run's with a budget, then the run's own. A child run spends under its tree's
+    /// budgets and may only narrow them; a call is made only when every scope has room.
+    /// Empty: only `budget`, against the run itself (envelopes of older coordinators).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub budget_scopes: Vec<BudgetScope>,
     /// JSON Schema the answer must match (from the subtask's `output_schema`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_schema: Option<serde_json::Value>,
@@ -113,6 +119,17 @@ pub struct Budget {
     /// Most cost of the whole run's model calls, in US dollars.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_cost: Option<f64>,
+}
+
+/// One budget a run's model calls count against: the limits of run `run_id` (the run itself
+/// or an ancestor), whose spending is kept under `budget.<run_id>` in the cursors bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct BudgetScope {
+    /// The run whose budget this is.
+    pub run_id: RunId,
+    /// Its limits.
+    #[serde(flatten)]
+    pub limits: Budget,
 }
 
 /// A predecessor's result as injected into a dependent task.

@@ -191,6 +191,15 @@ pub enum ProblemCode {
     QueryOnRunSubject,
     /// The planner's answer is not a plan (not JSON, or not of the plan schema).
     InvalidPlannerOutput,
+    /// A submission subject's run id is not spelled canonically (lower-case, hyphenated):
+    /// one run has one subject, so it is refused and the message names the canonical form.
+    NonCanonicalRunId,
+    /// A submission subject's last token is not a run id (a UUID).
+    InvalidRunId,
+    /// A child run would be deeper in its tree than `coordinator.max-depth` allows.
+    TreeTooDeep,
+    /// A child run would make its tree larger than `coordinator.max-runs-per-tree` allows.
+    TreeTooLarge,
 }
 
 impl ProblemCode {
@@ -237,6 +246,10 @@ impl ProblemCode {
             Self::NoPlanner => "no_planner",
             Self::QueryOnRunSubject => "query_on_run_subject",
             Self::InvalidPlannerOutput => "invalid_planner_output",
+            Self::NonCanonicalRunId => "non_canonical_run_id",
+            Self::InvalidRunId => "invalid_run_id",
+            Self::TreeTooDeep => "tree_too_deep",
+            Self::TreeTooLarge => "tree_too_large",
         }
     }
 }

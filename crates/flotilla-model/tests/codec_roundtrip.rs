@@ -561,6 +561,7 @@ proptest! {
             produces: Vec::new(),
             output_schema: Some(serde_json::json!({"type": "object"})),
             budget: Some(flotilla_model::task::Budget { max_tokens: Some(500), max_cost: Some(0.25) }),
+            budget_scopes: Vec::new(),
             consumed: [("raw".to_string(), flotilla_model::workspace::ConsumedTopic {
                 entries: vec![WorkspaceEntry { seq: 3, topic: "raw".into(), entry: Default::default(), writer: None, ts: dispatched_at }],
                 next_since_seq: 3, truncated: true,
