@@ -768,3 +768,203 @@ async fn waits_for_a_run_hold_no_consumer() -> anyhow::Result<()> {
     f.stop().await;
     Ok(())
 }
+
+/// A child started through `child.start` by any client (not a worker's agent) is linked from
+/// its parent by the coordinator — it is in the parent's tree, events and session — and
+/// shares the parent's session.
+#[tokio::test]
+async fn a_child_started_through_the_api_is_linked_and_shares_the_session() -> anyhow::Result<()> {
+    let f = services().await?;
+    let session = flotilla_model::SessionId::new();
+    let mut request = SubmitRequest::new(plan(vec![Subtask::new("wait", "").with_agent("slow")]));
+    request.session_id = Some(session);
+    let parent = f.client.submit(request).await?;
+    task_started(&f.client, parent, "wait").await?;
+    let child = RunId::new();
+    let (reply, code) = api(
+        &f,
+        "child.start",
+        json!({
+            "submission": {
+                "run_id": child,
+                "parent": {"run_id": parent, "parent_task_id": "wait", "parent_tool_call_id": "c1"},
+                "plan": {"subtasks": [{"id": "look", "agent": "echo"}]},
+            }
+        }),
+    )
+    .await?;
+    assert_eq!(code, None, "{reply}");
+    assert_eq!(reply["created"], true);
+    assert_eq!(
+        f.client.wait(child, WAIT).await?.status,
+        RunStatus::Succeeded
+    );
+    let record = f
+        .client
+        .run(child)
+        .await?
+        .expect("the child's record")
+        .record;
+    assert_eq!(
+        record.session_id,
+        Some(session),
+        "the child shares the session"
+    );
+    let linked = children_of(&f, parent).await?;
+    assert_eq!(
+        linked.iter().map(|h| h.run_id).collect::<Vec<_>>(),
+        vec![child],
+        "the parent links the child"
+    );
+    let tree = f.client.tree(parent, 10).await?.expect("a tree");
+    assert_eq!(tree.runs, 2, "{tree:?}");
+    let runs: Vec<RunId> = f
+        .client
+        .session(session)
+        .await?
+        .runs
+        .iter()
+        .map(|r| r.handle.run_id)
+        .collect();
+    assert!(runs.contains(&child), "{runs:?}");
+    // Started again (a retry of the same call): re-attached, and still one link.
+    let (reply, _) = api(
+        &f,
+        "child.start",
+        json!({
+            "submission": {
+                "run_id": child,
+                "parent": {"run_id": parent, "parent_task_id": "wait", "parent_tool_call_id": "c1"},
+                "plan": {"subtasks": [{"id": "look", "agent": "echo"}]},
+            }
+        }),
+    )
+    .await?;
+    assert_eq!(reply["created"], false);
+    assert_eq!(children_of(&f, parent).await?.len(), 1);
+    f.client.cancel(parent, None).await?;
+    f.stop().await;
+    Ok(())
+}
+
+/// Submits `plan` on the fast path as a child of `parent` (in the tree of `root`) and waits
+/// for its record.
+async fn child_run(
+    f: &InProcess,
+    parent: RunId,
+    root: RunId,
+    tasks: Vec<Subtask>,
+    budget: Option<u64>,
+) -> anyhow::Result<(RunId, flotilla_model::run::RunRecord)> {
+    let child = RunId::new();
+    let mut p = plan(tasks);
+    p.config.max_tokens = budget;
+    let mut request = SubmitRequest::new(p);
+    request.run_id = Some(child);
+    request.parent = Some(RunHandle {
+        run_id: parent,
+        agent_id: None,
+        parent_run_id: None,
+        parent_tool_call_id: Some("call".into()),
+        parent_task_id: Some(TaskId::new("t")),
+        root_run_id: Some(root),
+    });
+    f.client.submit(request).await?;
+    let record = tokio::time::timeout(WAIT, async {
+        loop {
+            if let Some(v) = f.client.run(child).await?
+                && v.record.status != RunStatus::Pending
+            {
+                return Ok::<_, anyhow::Error>(v.record);
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    })
+    .await??;
+    Ok((child, record))
+}
+
+/// A run tree is bounded: a child deeper than `max-depth` or past `max-runs-per-tree` is
+/// refused (`tree_too_deep`, `tree_too_large`), a parent that names no run is refused
+/// (`invalid_parent`), and every task of a tree carries the tree's budgets, root first (a
+/// child may narrow them, never escape them).
+#[tokio::test]
+async fn trees_are_bounded_and_their_budgets_bind_every_run() -> anyhow::Result<()> {
+    let mut defs = BTreeMap::new();
+    defs.insert("echo".to_string(), scripted("{task_id}: found it"));
+    let opts = flotilla_coordinator::CoordinatorOptions {
+        max_depth: 2,
+        max_runs_per_tree: 4,
+        ..Default::default()
+    };
+    // No worker: every task stays queued, so its envelope can be read.
+    let f = InProcess::start_configured(0, defs, WorkerOptions::default(), opts).await?;
+    let queued = |run: RunId| {
+        let bus = f.bus.clone();
+        async move {
+            let stream = bus
+                .js()
+                .get_stream(
+                    bus.names()
+                        .stream(flotilla_model::subjects::StreamKind::Tasks),
+                )
+                .await?;
+            let msg = stream
+                .direct_get_last_for_subject(bus.names().task("default", run, &TaskId::new("t")))
+                .await?;
+            Ok::<_, anyhow::Error>(flotilla_bus::wire::decode::<
+                flotilla_model::task::TaskEnvelope,
+            >(Some(&msg.headers), &msg.payload)?)
+        }
+    };
+    let t = || vec![Subtask::new("t", "")];
+    let root = RunId::new();
+    let mut request = SubmitRequest::new({
+        let mut p = plan(t());
+        p.config.max_tokens = Some(1000);
+        p
+    });
+    request.run_id = Some(root);
+    f.client.submit(request).await?;
+
+    // Depth: root (0) → c1 (1) → c2 (2) → c3 refused.
+    let (c1, r1) = child_run(&f, root, root, t(), Some(500)).await?;
+    assert_eq!(r1.status, RunStatus::Running, "{r1:?}");
+    let (c2, r2) = child_run(&f, c1, root, t(), None).await?;
+    assert_eq!(r2.status, RunStatus::Running, "{r2:?}");
+    let (_, r3) = child_run(&f, c2, root, t(), None).await?;
+    assert_eq!(r3.status, RunStatus::Rejected);
+    assert_eq!(r3.errors[0].code.as_str(), "tree_too_deep", "{r3:?}");
+
+    // Budgets, root first: the root's own, a child's narrower one, and a grandchild under both.
+    let scopes = |e: &flotilla_model::task::TaskEnvelope| -> Vec<(RunId, Option<u64>)> {
+        e.budget_scopes
+            .iter()
+            .map(|s| (s.run_id, s.limits.max_tokens))
+            .collect()
+    };
+    assert_eq!(scopes(&queued(root).await?), vec![(root, Some(1000))]);
+    assert_eq!(
+        scopes(&queued(c1).await?),
+        vec![(root, Some(1000)), (c1, Some(500))]
+    );
+    assert_eq!(
+        scopes(&queued(c2).await?),
+        vec![(root, Some(1000)), (c1, Some(500))]
+    );
+
+    // Size: the root, c1, c2, one more child; the next is refused.
+    let (_, r4) = child_run(&f, root, root, t(), None).await?;
+    assert_eq!(r4.status, RunStatus::Running, "{r4:?}");
+    let (_, r5) = child_run(&f, root, root, t(), None).await?;
+    assert_eq!(r5.status, RunStatus::Rejected);
+    assert_eq!(r5.errors[0].code.as_str(), "tree_too_large", "{r5:?}");
+
+    // A parent that names no run.
+    let nobody = RunId::new();
+    let (_, r6) = child_run(&f, nobody, nobody, t(), None).await?;
+    assert_eq!(r6.status, RunStatus::Rejected);
+    assert_eq!(r6.errors[0].code.as_str(), "invalid_parent", "{r6:?}");
+    f.stop().await;
+    Ok(())
+}

@@ -137,10 +137,11 @@ async fn any_writer_opens_a_topic_and_malformed_messages_do_not() -> anyhow::Res
     let started = tokio::time::Instant::now();
     loop {
         let view = f.client.run(run).await?;
-        if view
-            .as_ref()
-            .is_some_and(|v| v.tasks[1].status == TaskStatus::Succeeded)
-        {
+        if view.as_ref().is_some_and(|v| {
+            v.tasks
+                .get(1)
+                .is_some_and(|t| t.status == TaskStatus::Succeeded)
+        }) {
             break;
         }
         assert!(

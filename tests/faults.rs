@@ -610,9 +610,11 @@ async fn a_coordinator_killed_before_recording_a_start_loses_nothing() -> anyhow
         .await?;
     task_started(&p.client, run, "a").await?;
     p.kill(c1);
-    // Nothing recorded yet: the run's view is rebuilt from its submission.
+    // Nothing recorded yet: the run exists, and its fate is not read from an unvalidated
+    // submission (it is `pending` until a coordinator records its first step).
     let view = p.client.run(run).await?.expect("a view before any record");
-    assert_eq!(view.tasks[0].status, TaskStatus::Dispatched);
+    assert_eq!(view.record.status, RunStatus::Pending);
+    assert!(view.tasks.is_empty());
     p.coordinator().await?;
     let outcome = p.client.wait(run, WAIT).await?;
     assert_eq!(outcome.status, RunStatus::Succeeded);

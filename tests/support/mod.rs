@@ -48,6 +48,8 @@ pub struct InProcess {
     pub bus: Bus,
     pub client: Client,
     pub agents: BTreeMap<String, AgentDefinition>,
+    /// Settings of the coordinators `add_coordinator` starts.
+    pub coordinator_opts: CoordinatorOptions,
     shutdown: CancellationToken,
     services: JoinSet<()>,
 }
@@ -70,6 +72,15 @@ impl InProcess {
         agents: BTreeMap<String, AgentDefinition>,
         worker_opts: WorkerOptions,
     ) -> anyhow::Result<Self> {
+        Self::start_configured(workers, agents, worker_opts, CoordinatorOptions::default()).await
+    }
+
+    pub async fn start_configured(
+        workers: usize,
+        agents: BTreeMap<String, AgentDefinition>,
+        worker_opts: WorkerOptions,
+        coordinator_opts: CoordinatorOptions,
+    ) -> anyhow::Result<Self> {
         let server = NatsServer::start().await?;
         let bus = server.provisioned_bus().await?;
         let mut this = Self {
@@ -77,6 +88,7 @@ impl InProcess {
             server,
             bus,
             agents,
+            coordinator_opts,
             shutdown: CancellationToken::new(),
             services: JoinSet::new(),
         };
@@ -103,7 +115,7 @@ impl InProcess {
         let bus = self.server.bus().await?;
         let c = Coordinator::new(
             bus,
-            CoordinatorOptions::default(),
+            self.coordinator_opts.clone(),
             self.context(),
             JetStreamOptions::default(),
         );

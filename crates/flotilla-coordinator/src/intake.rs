@@ -94,6 +94,7 @@ pub(crate) struct Intake {
     live: LiveWorkers,
     metrics: Metrics,
     planner: PlannerOptions,
+    lineages: std::sync::Arc<crate::lineage::Lineages>,
 }
 
 fn reply(run_id: Option<RunId>, status: SubmitStatus) -> SubmitReply {
@@ -110,10 +111,10 @@ fn reply(run_id: Option<RunId>, status: SubmitStatus) -> SubmitReply {
 
 /// The fields of an undecodable submission that still help: which run it meant, which key,
 /// where to answer.
-struct Loose {
-    run_id: Option<RunId>,
-    key: Option<String>,
-    reply_to: Option<String>,
+pub(crate) struct Loose {
+    pub(crate) run_id: Option<RunId>,
+    pub(crate) key: Option<String>,
+    pub(crate) reply_to: Option<String>,
 }
 
 impl Intake {
@@ -123,6 +124,7 @@ impl Intake {
         live: LiveWorkers,
         metrics: Metrics,
         planner: PlannerOptions,
+        lineages: std::sync::Arc<crate::lineage::Lineages>,
     ) -> Self {
         Self {
             store,
@@ -130,6 +132,7 @@ impl Intake {
             live,
             metrics,
             planner,
+            lineages,
         }
     }
 
@@ -234,6 +237,24 @@ impl Intake {
         if let Some(parent) = &request.parent {
             errors.extend(flotilla_model::validate::check_parent(parent, run));
         }
+        // The run's place in its tree: depth, budgets and session from its parent. Counted
+        // in its tree only when everything else holds.
+        let own_budget = request.plan.as_ref().and_then(|p| p.config.budget());
+        let lineage = if errors.is_empty() {
+            match self
+                .lineages
+                .lineage(run, request.parent.as_ref(), request.session_id, own_budget)
+                .await?
+            {
+                Ok(l) => l,
+                Err(problem) => {
+                    errors.push(problem);
+                    crate::lineage::Lineage::default()
+                }
+            }
+        } else {
+            crate::lineage::Lineage::default()
+        };
         let mut planning = None;
         let prepared = match request.form() {
             Err(problem) => Err(ValidationReport::single(problem)),
@@ -257,6 +278,11 @@ impl Intake {
                 (Plan::empty(), Vec::new())
             }
         };
+        if errors.is_empty()
+            && let Err(problem) = self.lineages.enter(&lineage).await?
+        {
+            errors.push(problem);
+        }
         if !errors.is_empty() {
             let rejected = Rejected {
                 errors: truncate_problems(errors, MAX_REPORTED_PROBLEMS),
@@ -289,7 +315,7 @@ impl Intake {
         let submitted = Submitted {
             plan,
             labels: request.labels,
-            session_id: request.session_id,
+            session_id: lineage.session_id,
             parent: request.parent,
             reply_to: reply_to.clone(),
             wait_reply_to: wait_inbox,
@@ -297,6 +323,8 @@ impl Intake {
             warnings: warnings.clone(),
             trace: Some(admitted_trace(headers, run, &span)),
             planning,
+            depth: lineage.depth,
+            budget_scopes: lineage.budget_scopes,
         };
         let entry = RunLogEntry {
             protocol: PROTOCOL_VERSION,
@@ -454,7 +482,8 @@ impl Intake {
             .await?
             .and_then(|f| match f.content {
                 crate::store::FirstMessage::Entry(e) => Some(e),
-                crate::store::FirstMessage::Submission { .. } => None,
+                crate::store::FirstMessage::Submission { .. }
+                | crate::store::FirstMessage::Unreadable(_) => None,
             });
         if let (Some(seq), Some(first)) = (source.intake_seq(), &first) {
             match &first.input {
@@ -502,13 +531,21 @@ impl Intake {
     /// Publishes an answer on a client's `reply_to` (core NATS, best effort: at least once
     /// is achieved by answering again on redelivery).
     async fn answer(&self, to: &str, answer: &SubmitReply) {
-        publish_reply(self.store.bus(), to, answer).await;
+        publish_reply(self.store.bus(), to, answer, None).await;
     }
 }
 
-/// Publishes a [`SubmitReply`] on a client subject.
-pub(crate) async fn publish_reply(bus: &flotilla_bus::Bus, to: &str, answer: &SubmitReply) {
-    match wire::encode(answer, Codec::Json, None) {
+/// Publishes a [`SubmitReply`] on a client subject. A terminal answer carries `id` as its
+/// `Nats-Msg-Id` (`finished.<run>`, `rejected.<run>`): a stream capturing the subject drops
+/// a repeat, and a client can recognise one (a coordinator that dies between answering and
+/// recording that it did answers again from its successor).
+pub(crate) async fn publish_reply(
+    bus: &flotilla_bus::Bus,
+    to: &str,
+    answer: &SubmitReply,
+    id: Option<&str>,
+) {
+    match wire::encode(answer, Codec::Json, id) {
         Ok(out) => {
             if let Err(e) = bus
                 .client()
@@ -576,6 +613,7 @@ pub(crate) async fn record_rejection(
                     .join("; "),
             ),
             outcome: state.outcome.clone().map(Box::new),
+            problems: rejected.errors.clone(),
             ..WorkflowEvent::phase(WorkflowPhase::RunRejected)
         }),
     };
@@ -589,14 +627,18 @@ pub(crate) async fn record_rejection(
     if let Some(to) = &rejected.reply_to {
         let mut answer = reply(Some(run), SubmitStatus::Rejected);
         answer.errors = rejected.errors.clone();
-        publish_reply(bus, to, &answer).await;
+        publish_reply(bus, to, &answer, Some(&format!("rejected.{run}"))).await;
     }
     Ok(())
 }
 
 /// Reads what can be read from a submission that does not decode: the top-level fields that
 /// say which run it meant and where to answer (everything else is skipped, at any depth).
-fn loose_fields(headers: Option<&HeaderMap>, payload: &[u8], msg_id: Option<String>) -> Loose {
+pub(crate) fn loose_fields(
+    headers: Option<&HeaderMap>,
+    payload: &[u8],
+    msg_id: Option<String>,
+) -> Loose {
     let mut fields =
         wire::codec_of(headers).skim_strings(payload, &["run_id", "idempotency_key", "reply_to"]);
     let run_id = fields.remove("run_id").and_then(|r| r.parse().ok());

@@ -23,6 +23,7 @@
 mod api;
 pub mod error;
 mod intake;
+mod lineage;
 mod live;
 pub mod machine;
 pub mod options;
@@ -182,6 +183,10 @@ impl Coordinator {
             live.clone(),
             self.metrics.clone(),
             self.opts.planner.clone(),
+            Arc::new(lineage::Lineages::new(
+                store.clone(),
+                lineage::TreeLimits::of(&self.opts),
+            )),
         ));
         if let Some(ready) = self.ready.take() {
             let _ = ready.send(());

@@ -37,10 +37,11 @@ use flotilla_model::ids::{AttemptId, RunId, SessionId, TaskId};
 use flotilla_model::plan::{Plan, Strategy, StrategyChoice};
 use flotilla_model::run::PlanningStatus;
 use flotilla_model::run::{
-    FailedTask, RunHandle, RunOutcome, RunStatus, SkippedTask, TaskCounts, TaskStatus, TaskView,
+    EndCause, FailedTask, RunHandle, RunOutcome, RunStatus, SkippedTask, TaskCounts, TaskStatus,
+    TaskView,
 };
 use flotilla_model::runlog::{PlanDecision, Submitted};
-use flotilla_model::task::{TaskError, TaskErrorKind, TaskResult, TraceContext};
+use flotilla_model::task::{BudgetScope, TaskError, TaskErrorKind, TaskResult, TraceContext};
 use flotilla_model::time::Timestamp;
 use flotilla_model::validate::Problem;
 use serde::{Deserialize, Serialize};
@@ -440,6 +441,18 @@ pub struct RunState {
     /// The strategy chosen for the plan the run follows, and why.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub strategy: Option<StrategyChoice>,
+    /// How deep the run sits in its tree (0: a root); a child run is one deeper than its
+    /// parent, and `coordinator.max-depth` bounds it.
+    #[serde(default, skip_serializing_if = "is_zero_depth")]
+    pub depth: u32,
+    /// The budgets the run's model calls count against, root of the tree first (fixed at
+    /// admission): every task's envelope carries them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub budget_scopes: Vec<BudgetScope>,
+}
+
+fn is_zero_depth(depth: &u32) -> bool {
+    *depth == 0
 }
 
 fn is_zero_seq(seq: &u64) -> bool {
@@ -458,6 +471,25 @@ pub struct PlanningState {
 }
 
 impl RunState {
+    /// A run whose submission is stored but not validated yet: nothing about its fate is
+    /// known, so it has no tasks and no outcome.
+    pub fn pending(
+        run_id: RunId,
+        created_ms: i64,
+        name: Option<String>,
+        labels: BTreeMap<String, String>,
+        session_id: Option<SessionId>,
+        parent: Option<RunHandle>,
+    ) -> Self {
+        let mut state = Self::rejected(run_id, Vec::new(), created_ms, name, labels);
+        state.status = RunStatus::Pending;
+        state.finished_ms = None;
+        state.outcome = None;
+        state.session_id = session_id;
+        state.parent = parent;
+        state
+    }
+
     /// A rejected run: nothing is dispatched, the errors are kept.
     pub fn rejected(
         run_id: RunId,
@@ -496,6 +528,8 @@ impl RunState {
             plan_seq: 0,
             planning: None,
             strategy: None,
+            depth: 0,
+            budget_scopes: Vec::new(),
             outcome: Some(RunOutcome {
                 run_id,
                 status: RunStatus::Rejected,
@@ -505,6 +539,7 @@ impl RunState {
                 failed_omitted: 0,
                 skipped_omitted: 0,
                 reason: Some(reason),
+                cause: Some(EndCause::Rejected),
             }),
         }
     }
@@ -806,6 +841,8 @@ impl RunMachine {
             plan_seq: 0,
             planning,
             strategy: strategy.clone(),
+            depth: submitted.depth,
+            budget_scopes: submitted.budget_scopes.clone(),
         };
         let mut m = Self::restore_with_graph(plan, graph, state);
         let mut actions = vec![Action::Emit(Box::new(Emission {
@@ -965,12 +1002,24 @@ impl RunMachine {
                 } else {
                     format!("cancelled: {reason}")
                 };
-                self.stop(RunStatus::Cancelled, reason, now_ms, &mut actions);
+                self.stop(
+                    RunStatus::Cancelled,
+                    reason,
+                    EndCause::Cancelled,
+                    now_ms,
+                    &mut actions,
+                );
                 return actions;
             }
             Input::Abort { reason } => {
                 self.state.applied += 1;
-                self.stop(RunStatus::Failed, reason.to_owned(), now_ms, &mut actions);
+                self.stop(
+                    RunStatus::Failed,
+                    reason.to_owned(),
+                    EndCause::Aborted,
+                    now_ms,
+                    &mut actions,
+                );
                 return actions;
             }
             Input::Planned {
@@ -1016,7 +1065,14 @@ impl RunMachine {
 
     /// Ends the run early: every unfinished task is cancelled (running attempts on their
     /// workers too), and the run finishes with `status` and `reason`.
-    fn stop(&mut self, status: RunStatus, reason: String, now_ms: i64, actions: &mut Vec<Action>) {
+    fn stop(
+        &mut self,
+        status: RunStatus,
+        reason: String,
+        cause: EndCause,
+        now_ms: i64,
+        actions: &mut Vec<Action>,
+    ) {
         let mut running = false;
         for t in &mut self.state.tasks {
             if t.status.is_terminal() {
@@ -1032,7 +1088,7 @@ impl RunMachine {
         if running {
             actions.push(Action::CancelAttempts);
         }
-        self.finish_with(Some((status, reason)), now_ms, actions);
+        self.finish_with(Some((status, reason, cause)), now_ms, actions);
     }
 
     fn emit(
@@ -1313,7 +1369,13 @@ impl RunMachine {
                     .map(ToString::to_string)
                     .unwrap_or_default()
             );
-            self.stop(RunStatus::Failed, reason, now_ms, actions);
+            self.stop(
+                RunStatus::Failed,
+                reason,
+                EndCause::FailureThreshold,
+                now_ms,
+                actions,
+            );
         }
     }
 
@@ -1498,7 +1560,7 @@ impl RunMachine {
     /// follows from the tasks (a required task failed or was skipped: failed).
     fn finish_with(
         &mut self,
-        forced: Option<(RunStatus, String)>,
+        forced: Option<(RunStatus, String, EndCause)>,
         now_ms: i64,
         actions: &mut Vec<Action>,
     ) {
@@ -1512,7 +1574,10 @@ impl RunMachine {
             if t.status == TaskStatus::Failed && failed.len() >= MAX_LISTED {
                 failed_omitted += 1;
                 if sub.required && blocking.is_none() {
-                    blocking = Some(format!("required task {} failed", sub.id));
+                    blocking = Some((
+                        EndCause::TaskFailed,
+                        format!("required task {} failed", sub.id),
+                    ));
                 }
                 continue;
             }
@@ -1521,7 +1586,10 @@ impl RunMachine {
             {
                 skipped_omitted += 1;
                 if sub.required && blocking.is_none() && t.status == TaskStatus::Skipped {
-                    blocking = Some(format!("required task {} was skipped", sub.id));
+                    blocking = Some((
+                        EndCause::TaskSkipped,
+                        format!("required task {} was skipped", sub.id),
+                    ));
                 }
                 continue;
             }
@@ -1532,7 +1600,10 @@ impl RunMachine {
                         message: "failed".into(),
                     });
                     if sub.required && blocking.is_none() {
-                        blocking = Some(format!("required task {} failed: {error}", sub.id));
+                        blocking = Some((
+                            EndCause::TaskFailed,
+                            format!("required task {} failed: {error}", sub.id),
+                        ));
                     }
                     failed.push(FailedTask {
                         task_id: sub.id.clone(),
@@ -1543,7 +1614,10 @@ impl RunMachine {
                 TaskStatus::Skipped => {
                     let reason = self.state.skip_reason(i, Some(&plan)).unwrap_or_default();
                     if sub.required && blocking.is_none() {
-                        blocking = Some(format!("required task {} was skipped ({reason})", sub.id));
+                        blocking = Some((
+                            EndCause::TaskSkipped,
+                            format!("required task {} was skipped ({reason})", sub.id),
+                        ));
                     }
                     skipped.push(SkippedTask {
                         task_id: sub.id.clone(),
@@ -1554,23 +1628,44 @@ impl RunMachine {
                     task_id: sub.id.clone(),
                     reason: forced
                         .as_ref()
-                        .map_or_else(|| "cancelled".to_owned(), |(_, r)| r.clone()),
+                        .map_or_else(|| "cancelled".to_owned(), |(_, r, _)| r.clone()),
                 }),
                 _ => {}
             }
         }
+        let mut cause = blocking.as_ref().map(|(c, _)| *c);
+        let mut blocking = blocking.map(|(_, r)| r);
         if forced.is_none() && blocking.is_none() && self.state.failed >= self.abort_threshold() {
             // Every task ended, but too many failed (even if all of them were optional).
             blocking = Some(self.threshold_reached());
+            cause = Some(EndCause::FailureThreshold);
         }
         let status = match &forced {
-            Some((status, reason)) => {
+            Some((status, reason, c)) => {
                 blocking = Some(reason.clone());
+                cause = Some(*c);
                 *status
             }
             None if blocking.is_some() => RunStatus::Failed,
             None => RunStatus::Succeeded,
         };
+        // A run that failed because a model call was refused for its (or its tree's) budget
+        // says so first: clients branch on `budget_exhausted` (to extend the budget, say).
+        if status == RunStatus::Failed
+            && matches!(
+                cause,
+                Some(EndCause::TaskFailed | EndCause::TaskSkipped | EndCause::FailureThreshold)
+            )
+            && self.state.tasks.iter().any(|t| {
+                t.status == TaskStatus::Failed
+                    && t.error
+                        .as_ref()
+                        .is_some_and(|e| e.kind == TaskErrorKind::BudgetExhausted)
+            })
+        {
+            cause = Some(EndCause::BudgetExhausted);
+            blocking = blocking.map(|r| format!("budget_exhausted: {r}"));
+        }
         if let Some(p) = self.state.planning.as_mut()
             && p.status != PlanningStatus::Planned
         {
@@ -1589,6 +1684,7 @@ impl RunMachine {
             failed_omitted,
             skipped_omitted,
             reason: blocking,
+            cause,
         });
         actions.push(Action::Finish);
     }
@@ -1647,7 +1743,13 @@ impl RunMachine {
                     reason.push_str(&format!("; and {more} more"));
                 }
                 self.state.errors = problems.clone();
-                self.stop(RunStatus::Failed, reason, now_ms, actions);
+                self.stop(
+                    RunStatus::Failed,
+                    reason,
+                    EndCause::PlanningFailed,
+                    now_ms,
+                    actions,
+                );
             }
         }
     }

@@ -37,6 +37,12 @@ pub struct CoordinatorOptions {
     /// the ack wait and JetStream's duplicate window.
     #[serde(with = "humantime_serde")]
     pub start_flush_delay: Duration,
+    /// Deepest a child run may sit below its root (the root is at depth 0): agents calling
+    /// agents, transfers and workflow steps past it are refused with `tree_too_deep`.
+    pub max_depth: u32,
+    /// Most runs one run tree may hold, its root included; further child runs are refused
+    /// with `tree_too_large`.
+    pub max_runs_per_tree: u32,
     /// `[coordinator.planner]`: the agent that plans bare queries (`submit --query`).
     pub planner: crate::planner::PlannerOptions,
 }
@@ -61,6 +67,11 @@ impl Default for CoordinatorOptions {
             final_result_budget: 256 * 1024,
             // Longer than a quick task, short enough that `run_started` is seen promptly.
             start_flush_delay: Duration::from_millis(250),
+            // Deep enough for a coordinator, its specialists and their tools; a transfer loop
+            // between peers is stopped long before it exhausts anything.
+            max_depth: 8,
+            // A research team with a few dozen tool calls; a runaway tree stops here.
+            max_runs_per_tree: 100,
             // No planner: bare queries are rejected until one is configured.
             planner: crate::planner::PlannerOptions::default(),
         }
@@ -89,6 +100,12 @@ impl CoordinatorOptions {
         if self.start_flush_delay * 4 > self.ack_wait {
             return Err(
                 "coordinator.start-flush-delay must be at most a quarter of coordinator.ack-wait"
+                    .into(),
+            );
+        }
+        if self.max_depth == 0 || self.max_runs_per_tree < 2 {
+            return Err(
+                "coordinator.max-depth must be at least 1 and coordinator.max-runs-per-tree at least 2 (a root and one child)"
                     .into(),
             );
         }

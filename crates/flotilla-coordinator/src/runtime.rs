@@ -53,8 +53,7 @@ use flotilla_model::task::{DependencyResult, TaskEnvelope, TaskError, TaskResult
 use flotilla_model::template::{fill, placeholders};
 use flotilla_model::time::Timestamp;
 use flotilla_model::validate::{
-    MAX_REPORTED_PROBLEMS, Problem, ProblemCode, ValidationContext, normalize_plan, prepare_plan,
-    truncate_problems,
+    MAX_REPORTED_PROBLEMS, Problem, ProblemCode, ValidationContext, prepare_plan, truncate_problems,
 };
 use flotilla_telemetry::events::{
     CasConflict, DependencyHop, RunFinished, RunSubmitted, TaskDispatched, TaskFinished,
@@ -71,7 +70,7 @@ use crate::error::{StoreError, StoreErrorKind};
 use crate::live::LiveWorkers;
 use crate::machine::{Action, Emission, Input, RunMachine, attempt_id};
 use crate::options::CoordinatorOptions;
-use crate::store::{FirstMessage, RunStore, SnapshotRef, unix_ms};
+use crate::store::{FirstMessage, RunStore, SnapshotRef, UnreadableSubmission, unix_ms};
 
 /// How often a run is reloaded and re-applied after losing compare-and-set races in a row.
 const MAX_CAS_ATTEMPTS: usize = 8;
@@ -101,12 +100,15 @@ struct Unflushed {
 enum Inbound {
     /// A run-log entry (`<prefix>.runlog.<run>`).
     Entry(RunLogEntry),
-    /// A durable submission (`<prefix>.submit.<run>`), not yet validated; `first` when its
-    /// publisher made sure it was the run's first message.
+    /// A durable submission (`<prefix>.submit.<run>`), not yet validated (or not even
+    /// decodable); `first` when its publisher made sure it was the run's first message.
     Submission {
-        request: Box<SubmitRequest>,
+        request: Result<Box<SubmitRequest>, Box<UnreadableSubmission>>,
         first: bool,
     },
+    /// A submission on `<prefix>.submit.<token>` whose token is not a canonical run id: it is
+    /// refused, recorded as a rejected run under the id derived from the token.
+    Misaddressed(Box<Rejected>),
     /// A message that cannot be decoded: the run cannot continue, and ends with this reason.
     Unreadable(String),
 }
@@ -158,9 +160,15 @@ impl From<StoreError> for StepError {
 
 impl From<flotilla_bus::PublishError> for StepError {
     fn from(e: flotilla_bus::PublishError) -> Self {
-        match e.kind().retry() {
-            flotilla_bus::Retry::Terminal => Self::Terminal(e.to_string()),
-            flotilla_bus::Retry::Retryable => Self::Failed(e.to_string()),
+        match e.kind() {
+            // A stream the deployment has can be briefly unknown while a cluster elects its
+            // leader (a node was killed): the step is retried, the run never ends on it. A
+            // stream that is really gone stops every run alike, visibly, in the logs.
+            flotilla_bus::PublishErrorKind::NoStream => Self::Failed(e.to_string()),
+            kind => match kind.retry() {
+                flotilla_bus::Retry::Terminal => Self::Terminal(e.to_string()),
+                flotilla_bus::Retry::Retryable => Self::Failed(e.to_string()),
+            },
         }
     }
 }
@@ -178,6 +186,8 @@ pub(crate) struct Runtime {
     metrics: Metrics,
     /// The `agent` label of tasks that name none.
     default_agent: String,
+    /// Parents' facts and tree counts, for admitting child runs.
+    lineages: Arc<crate::lineage::Lineages>,
 }
 
 impl Runtime {
@@ -196,9 +206,14 @@ impl Runtime {
             .as_ref()
             .and_then(|a| a.default.clone())
             .unwrap_or_else(|| "default".into());
+        let lineages = Arc::new(crate::lineage::Lineages::new(
+            store.clone(),
+            crate::lineage::TreeLimits::of(&opts),
+        ));
         Self {
             metrics,
             default_agent,
+            lineages,
             store,
             bus,
             opts,
@@ -247,16 +262,20 @@ impl Runtime {
                 match next {
                     Some(Ok(msg)) => {
                         // `<prefix>.runlog.<run>` or `<prefix>.submit.<run>`: the run is the
-                        // last token.
-                        let run = msg
-                            .subject
-                            .rsplit('.')
-                            .next()
-                            .and_then(|s| s.parse::<RunId>().ok());
-                        let Some(run) = run else {
-                            warn!(subject = %msg.subject, "Run-log message on an unexpected subject; dropping");
-                            let _ = msg.ack_with(AckKind::Term).await;
-                            continue;
+                        // last token, spelled canonically (one run, one subject).
+                        let token = msg.subject.rsplit('.').next().unwrap_or_default();
+                        let run = match canonical_run_id(token) {
+                            Some(run) => run,
+                            // A submission on a subject that is not a run's: refused visibly,
+                            // as a rejected run under an id derived from the token.
+                            None if msg.subject.starts_with(self.submit_prefix.as_str()) => {
+                                misaddressed_run_id(token)
+                            }
+                            None => {
+                                warn!(subject = %msg.subject, "Run-log message on a subject that names no run; dropping");
+                                let _ = msg.ack_with(AckKind::Term).await;
+                                continue;
+                            }
                         };
                         let lane = shard_of(run, lanes.len());
                         if lanes[lane].send((run, msg)).await.is_err() {
@@ -374,10 +393,17 @@ impl Runtime {
         let Some(unflushed) = entry.unflushed.take() else {
             return Some(entry);
         };
+        // The messages that started the run produced this outbox: if its events cannot be
+        // published now, their redelivery finds the record and publishes them.
+        let seqs: Vec<u64> = unflushed
+            .msgs
+            .iter()
+            .filter_map(|m| m.info().ok().map(|i| i.stream_sequence))
+            .collect();
         let snapshot = SnapshotRef {
             state: entry.machine.state(),
             outbox: &unflushed.events,
-            outbox_seqs: &[],
+            outbox_seqs: &seqs,
         };
         match self.store.create(run, &snapshot).await {
             Ok(revision) => entry.revision = revision,
@@ -407,7 +433,12 @@ impl Runtime {
             }
         }
         if let Err(e) = self
-            .perform(&mut entry, &unflushed.events, &tracing::Span::none())
+            .perform(
+                &mut entry,
+                &unflushed.events,
+                &tracing::Span::none(),
+                Replies::Send,
+            )
             .await
         {
             let reason = match e {
@@ -450,22 +481,46 @@ impl Runtime {
                     continue;
                 }
             };
-            let client_submission = msg.subject.starts_with(self.submit_prefix.as_str())
+            let on_submit_subject = msg.subject.starts_with(self.submit_prefix.as_str());
+            let client_submission = on_submit_subject
                 && wire::header(msg.headers.as_ref(), wire::KIND_HEADER)
                     != Some(wire::KIND_RUNLOG_ENTRY);
-            let inbound = if client_submission {
-                match wire::decode::<SubmitRequest>(msg.headers.as_ref(), &msg.payload) {
-                    // Stored with "expected last subject sequence 0" on the run's submission
-                    // subject, where every first message goes: it is the run's first.
-                    Ok(request) => Inbound::Submission {
-                        first: wire::header(
+            let token = msg.subject.rsplit('.').next().unwrap_or_default();
+            let inbound = if on_submit_subject && canonical_run_id(token).is_none() {
+                let request = wire::decode::<SubmitRequest>(msg.headers.as_ref(), &msg.payload);
+                let (reply_to, name, labels) = match request {
+                    Ok(r) => (r.reply_to.clone(), r.plan_name(), r.labels),
+                    Err(_) => (
+                        crate::intake::loose_fields(msg.headers.as_ref(), &msg.payload, None)
+                            .reply_to,
+                        None,
+                        Default::default(),
+                    ),
+                };
+                Inbound::Misaddressed(Box::new(Rejected {
+                    errors: vec![misaddressed_problem(token)],
+                    name,
+                    labels,
+                    reply_to: reply_to.filter(|s| flotilla_model::token::check_subject(s).is_ok()),
+                    intake_seq: None,
+                }))
+            } else if client_submission {
+                // Stored with "expected last subject sequence 0" on the run's submission
+                // subject, where every first message goes: it is the run's first.
+                let first = wire::header(
+                    msg.headers.as_ref(),
+                    NATS_EXPECTED_LAST_SUBJECT_SEQUENCE.as_ref(),
+                ) == Some("0");
+                let request = wire::decode::<SubmitRequest>(msg.headers.as_ref(), &msg.payload)
+                    .map(Box::new)
+                    .map_err(|e| {
+                        Box::new(UnreadableSubmission::of(
                             msg.headers.as_ref(),
-                            NATS_EXPECTED_LAST_SUBJECT_SEQUENCE.as_ref(),
-                        ) == Some("0"),
-                        request: Box::new(request),
-                    },
-                    Err(e) => Inbound::Unreadable(e.to_string()),
-                }
+                            &msg.payload,
+                            &e,
+                        ))
+                    });
+                Inbound::Submission { request, first }
             } else {
                 match wire::decode::<RunLogEntry>(msg.headers.as_ref(), &msg.payload) {
                     Ok(entry) if entry.run_id == run => Inbound::Entry(entry),
@@ -559,7 +614,15 @@ impl Runtime {
                 }
             }
         }
-        for m in inputs.iter().map(|d| &d.msg).chain(owed.iter()) {
+        // Handed back with a delay that grows with each delivery (250 ms doubling to 5 s), so
+        // a fault that lasts (a leader election, NATS restarting) is retried without a storm.
+        for d in &inputs {
+            let _ = d
+                .msg
+                .ack_with(AckKind::Nak(Some(redelivery_delay(d.delivered))))
+                .await;
+        }
+        for m in &owed {
             let _ = m
                 .ack_with(AckKind::Nak(Some(Duration::from_millis(250))))
                 .await;
@@ -577,8 +640,10 @@ impl Runtime {
 
     /// A run that is neither cached nor recorded: rebuilt from its first message (a start
     /// that was performed but not yet recorded), with the start's actions to perform again.
-    /// `None` when the run has no first message, or when the first message is among
-    /// `inputs` (the run starts now).
+    /// `None` when the run has no first message, when the first message is among `inputs`
+    /// (the run starts now), or when it is a client's submission that turns out invalid: a
+    /// client's own submission is validated again, exactly as its coordinator validated it,
+    /// so no coordinator ever starts a run that another rejected (or is rejecting).
     async fn replay(
         &self,
         run: RunId,
@@ -586,16 +651,6 @@ impl Runtime {
     ) -> Result<Option<(Cached, Vec<Action>)>, StepError> {
         let first = match self.store.first_message(run).await {
             Ok(f) => f,
-            // The first message itself is unreadable: when it is among the inputs, the run
-            // is recorded as unstartable below.
-            Err(e)
-                if e.kind() == StoreErrorKind::Decode
-                    && inputs
-                        .iter()
-                        .any(|d| matches!(d.inbound, Inbound::Unreadable(_))) =>
-            {
-                return Ok(None);
-            }
             Err(e) if e.kind() == StoreErrorKind::Decode => {
                 return Err(StepError::Terminal(e.to_string()));
             }
@@ -607,19 +662,18 @@ impl Runtime {
         }
         let submitted = match first.content {
             FirstMessage::Submission { request, trace } => {
-                // Its coordinator accepted it (or a record would say otherwise): rebuild the
-                // plan as it normalised it.
-                submitted_of(
-                    &request,
-                    normalize_plan(
-                        request
-                            .plan
-                            .clone()
-                            .unwrap_or_else(flotilla_model::Plan::empty),
-                    ),
-                    Vec::new(),
-                    trace,
-                )
+                match self.verdict(run, Ok(&request), trace).await? {
+                    Ok(submitted) => submitted,
+                    Err(rejected) => {
+                        self.reject(run, &rejected, first.ts_ms).await?;
+                        return Ok(None);
+                    }
+                }
+            }
+            FirstMessage::Unreadable(unreadable) => {
+                self.reject(run, &rejection_of(&unreadable), first.ts_ms)
+                    .await?;
+                return Ok(None);
             }
             FirstMessage::Entry(RunLogEntry {
                 input: RunInput::Submitted(s),
@@ -662,15 +716,19 @@ impl Runtime {
         )))
     }
 
-    /// Validates a durable submission and starts its run, or records its rejection.
-    /// `Ok(None)`: rejected (recorded, answered).
-    async fn admit(
+    /// The verdict on a client's own submission (the first message of its run): the run as
+    /// accepted, or its rejection with every problem. Pure but for reading the parent of a
+    /// child run, so every coordinator reaches the same verdict on the same submission.
+    async fn verdict(
         &self,
         run: RunId,
-        request: &SubmitRequest,
-        d: &Decoded,
-        span: &tracing::Span,
-    ) -> Result<Option<Submitted>, StepError> {
+        submission: Result<&SubmitRequest, &UnreadableSubmission>,
+        trace: TraceContext,
+    ) -> Result<Result<Submitted, Rejected>, StepError> {
+        let request = match submission {
+            Ok(r) => r,
+            Err(unreadable) => return Ok(Err(rejection_of(unreadable))),
+        };
         let mut errors = Vec::new();
         let reply_to = match &request.reply_to {
             Some(s) => match flotilla_model::token::check_subject(s) {
@@ -727,55 +785,160 @@ impl Runtime {
             ),
             Err(problem) => Err(flotilla_model::validate::ValidationReport::single(problem)),
         };
-        let (plan, mut warnings) = match prepared {
-            Ok(p) if errors.is_empty() => p,
-            Ok(_) => (flotilla_model::Plan::empty(), Vec::new()),
+        let (plan, warnings) = match prepared {
+            Ok(p) => p,
             Err(report) => {
                 errors.extend(report.errors);
                 (flotilla_model::Plan::empty(), Vec::new())
             }
         };
+        // The run's place in its tree (depth, budgets, session): a parent that names no run
+        // refuses it, as an invalid plan does.
+        let lineage = if errors.is_empty() {
+            match self
+                .lineages
+                .lineage(
+                    run,
+                    request.parent.as_ref(),
+                    request.session_id,
+                    plan.config.budget(),
+                )
+                .await?
+            {
+                Ok(l) => l,
+                Err(problem) => {
+                    errors.push(problem);
+                    crate::lineage::Lineage::default()
+                }
+            }
+        } else {
+            crate::lineage::Lineage::default()
+        };
         if !errors.is_empty() {
-            let rejected = Rejected {
+            return Ok(Err(Rejected {
                 errors: truncate_problems(errors, MAX_REPORTED_PROBLEMS),
                 name: request.plan_name(),
                 labels: request.labels.clone(),
                 reply_to,
                 intake_seq: None,
-            };
-            warn!(%run, problems = rejected.errors.len(), first = %rejected.errors.first().map(ToString::to_string).unwrap_or_default(), "Plan rejected");
-            let entry = RunLogEntry {
-                protocol: PROTOCOL_VERSION,
-                run_id: run,
-                input: RunInput::Rejected(Box::new(rejected.clone())),
-            };
-            self.bus
-                .publish(
-                    self.bus.names().runlog(run),
-                    &entry,
-                    Some(&format!("rejected.{run}")),
-                )
-                .await?;
-            crate::intake::record_rejection(
-                &self.store,
-                &self.metrics,
-                run,
-                &rejected,
-                d.ts_ms,
-                false,
+            }));
+        }
+        let mut submitted = submitted_of(request, plan, warnings, trace);
+        submitted.session_id = lineage.session_id;
+        submitted.depth = lineage.depth;
+        submitted.budget_scopes = lineage.budget_scopes;
+        Ok(Ok(submitted))
+    }
+
+    /// Makes a rejection of a client's own submission the run's decision: a `rejected` entry
+    /// on its run log (message id `rejected.<run>`, so every coordinator that reaches the
+    /// verdict appends it once), then the record, the `run_rejected` event and the answer on
+    /// `reply_to` (each once: whoever creates the record publishes them).
+    async fn reject(&self, run: RunId, rejected: &Rejected, now_ms: i64) -> Result<(), StepError> {
+        warn!(%run, problems = rejected.errors.len(), first = %rejected.errors.first().map(ToString::to_string).unwrap_or_default(), "Plan rejected");
+        let entry = RunLogEntry {
+            protocol: PROTOCOL_VERSION,
+            run_id: run,
+            input: RunInput::Rejected(Box::new(rejected.clone())),
+        };
+        self.bus
+            .publish(
+                self.bus.names().runlog(run),
+                &entry,
+                Some(&format!("rejected.{run}")),
             )
             .await?;
-            RunSubmitted {
-                run: Some(run),
-                status: SubmitStatus::Rejected,
-            }
-            .emit(&self.metrics);
-            return Ok(None);
+        crate::intake::record_rejection(&self.store, &self.metrics, run, rejected, now_ms, false)
+            .await?;
+        Ok(())
+    }
+
+    /// Refuses a submission published on `<prefix>.submit.<token>` where the token is not a
+    /// canonical run id: it becomes the first message of the run `run` derived from the token
+    /// (a `rejected` entry), with a record, an event and the answer on its `reply_to`.
+    async fn refuse_misaddressed(
+        &self,
+        run: RunId,
+        rejected: &Rejected,
+        now_ms: i64,
+    ) -> Result<(), StepError> {
+        warn!(%run, problem = %rejected.errors.first().map(ToString::to_string).unwrap_or_default(), "Submission on a subject that names no run refused");
+        let entry = RunLogEntry {
+            protocol: PROTOCOL_VERSION,
+            run_id: run,
+            input: RunInput::Rejected(Box::new(rejected.clone())),
+        };
+        let mut out = wire::encode(&entry, Codec::Json, Some(&format!("rejected.{run}")))?;
+        wire::expect_first(&mut out.headers);
+        out.headers
+            .insert(wire::KIND_HEADER, wire::KIND_RUNLOG_ENTRY);
+        match self
+            .bus
+            .publish_encoded(self.bus.names().submit_run(run), out)
+            .await
+        {
+            Ok(_) => {}
+            // Another submission on the same token decided it already.
+            Err(e) if e.kind() == flotilla_bus::PublishErrorKind::NotFirst => {}
+            Err(e) => return Err(e.into()),
         }
-        let pools: std::collections::BTreeSet<&str> =
-            plan.subtasks.iter().map(|t| t.pool.as_str()).collect();
+        crate::intake::record_rejection(&self.store, &self.metrics, run, rejected, now_ms, false)
+            .await?;
+        RunSubmitted {
+            run: Some(run),
+            status: SubmitStatus::Rejected,
+        }
+        .emit(&self.metrics);
+        Ok(())
+    }
+
+    /// Validates a durable submission (the run's first message, delivered for the first time
+    /// or redelivered before its start was recorded) and starts its run, or records its
+    /// rejection. `Ok(None)`: rejected (recorded, answered).
+    async fn admit(
+        &self,
+        run: RunId,
+        request: Result<&SubmitRequest, &UnreadableSubmission>,
+        d: &Decoded,
+        span: &tracing::Span,
+    ) -> Result<Option<Submitted>, StepError> {
+        let trace = crate::intake::admitted_trace(d.msg.headers.as_ref(), run, span);
+        let mut verdict = self.verdict(run, request, trace).await?;
+        if let Ok(submitted) = &verdict {
+            let lineage = crate::lineage::Lineage {
+                tree: submitted.parent.as_ref().map(RunHandle::root_run),
+                ..Default::default()
+            };
+            if let Err(problem) = self.lineages.enter(&lineage).await? {
+                verdict = Err(Rejected {
+                    errors: vec![problem],
+                    name: submitted.plan.name.clone(),
+                    labels: submitted.labels.clone(),
+                    reply_to: submitted.reply_to.clone(),
+                    intake_seq: None,
+                });
+            }
+        }
+        let mut submitted = match verdict {
+            Ok(s) => s,
+            Err(rejected) => {
+                self.reject(run, &rejected, d.ts_ms).await?;
+                RunSubmitted {
+                    run: Some(run),
+                    status: SubmitStatus::Rejected,
+                }
+                .emit(&self.metrics);
+                return Ok(None);
+            }
+        };
+        let pools: std::collections::BTreeSet<&str> = submitted
+            .plan
+            .subtasks
+            .iter()
+            .map(|t| t.pool.as_str())
+            .collect();
         if let Some(missing) = self.live.pools_without_workers(pools, d.ts_ms) {
-            warnings.extend(missing.into_iter().map(|pool| {
+            submitted.warnings.extend(missing.into_iter().map(|pool| {
                 Problem::new(
                     ProblemCode::NoLiveWorker,
                     "subtasks",
@@ -784,12 +947,7 @@ impl Runtime {
             }));
         }
         info!(%run, "Plan accepted");
-        Ok(Some(submitted_of(
-            request,
-            plan,
-            warnings,
-            crate::intake::admitted_trace(d.msg.headers.as_ref(), run, span),
-        )))
+        Ok(Some(submitted))
     }
 
     /// Applies `inputs` to the run and performs the resulting actions. With `abort`, the run
@@ -802,6 +960,18 @@ impl Runtime {
         abort: Option<&str>,
     ) -> Result<Stepped, StepError> {
         let now_ms = inputs.iter().map(|d| d.ts_ms).max().unwrap_or_default();
+        // Submissions on a subject that names no run: refused under the derived id.
+        if inputs
+            .iter()
+            .any(|d| matches!(d.inbound, Inbound::Misaddressed(_)))
+        {
+            for d in inputs {
+                if let Inbound::Misaddressed(rejected) = &d.inbound {
+                    self.refuse_misaddressed(run, rejected, d.ts_ms).await?;
+                }
+            }
+            return Ok(Stepped::Done(None));
+        }
         let mut reperform = Vec::new();
         let from_cache = cached.is_some();
         // Started below as a child of the run's trace (or, for a run admitted now without a
@@ -842,7 +1012,8 @@ impl Runtime {
                             if let Inbound::Submission { request, .. } = &d.inbound
                                 && state.first_seq != d.seq
                             {
-                                self.answer_duplicate(run, request, state.status).await;
+                                self.answer_duplicate(run, reply_to_of(request), state.status)
+                                    .await;
                             }
                         }
                         return Ok(Stepped::Done(None));
@@ -859,20 +1030,43 @@ impl Runtime {
                         }
                         Err(e) => return Err(e.into()),
                     };
-                    let produced_by_these = inputs
-                        .iter()
-                        .any(|d| d.delivered > 1 && stored.snapshot.outbox_seqs.contains(&d.seq));
-                    let recent = now_ms - stored.written_ms < self.duplicate_window_ms / 2;
-                    if produced_by_these || recent {
-                        reperform = stored.snapshot.outbox;
-                    }
-                    Some(Cached {
+                    let mut loaded = Cached {
                         machine: RunMachine::restore(Arc::new(plan), state),
                         revision: stored.revision,
                         results: HashMap::new(),
                         last_used: 0,
                         unflushed: None,
-                    })
+                    };
+                    // The stored outbox may not have been performed: its writer may have died
+                    // after the write (its inputs come back), or other inputs of the run may
+                    // arrive first (a recent write). It is performed again now, as it was —
+                    // the same messages under the same ids, which JetStream drops — and before
+                    // anything new, so the next record's outbox holds only the next step's
+                    // actions: a step's events are never carried into later steps' messages.
+                    // The answers to waiting submitters go out again only when the inputs
+                    // that decided the end come back (their coordinator may have died before
+                    // answering): a late input of an ended run never repeats the answer.
+                    let produced_by_these = inputs
+                        .iter()
+                        .any(|d| d.delivered > 1 && stored.snapshot.outbox_seqs.contains(&d.seq));
+                    let recent = now_ms - stored.written_ms < self.duplicate_window_ms / 2;
+                    if produced_by_these || recent {
+                        let outbox: Vec<Action> = stored
+                            .snapshot
+                            .outbox
+                            .into_iter()
+                            .filter(|a| still_relevant(a, &loaded.machine))
+                            .collect();
+                        if !outbox.is_empty() {
+                            let replies = if produced_by_these {
+                                Replies::Send
+                            } else {
+                                Replies::Skip
+                            };
+                            Box::pin(self.perform(&mut loaded, &outbox, &span, replies)).await?;
+                        }
+                    }
+                    Some(loaded)
                 }
             },
         };
@@ -882,20 +1076,23 @@ impl Runtime {
         for d in inputs {
             let input = match &d.inbound {
                 Inbound::Entry(e) => &e.input,
+                Inbound::Misaddressed(_) => continue,
                 Inbound::Submission { request, first } => {
                     if let Some(e) = &entry {
                         if e.machine.state().first_seq != d.seq {
                             let status = e.machine.state().status;
-                            self.answer_duplicate(run, request, status).await;
+                            self.answer_duplicate(run, reply_to_of(request), status)
+                                .await;
                         }
                         continue;
                     }
                     if !first && !self.is_first(run, d.seq).await? {
                         // A second submission of the run whose first message is elsewhere.
-                        self.answer_duplicate(run, request, RunStatus::Pending)
+                        self.answer_duplicate(run, reply_to_of(request), RunStatus::Pending)
                             .await;
                         continue;
                     }
+                    let request = request.as_deref().map_err(|e| &**e);
                     let Some(submitted) = Box::pin(self.admit(run, request, d, &span)).await?
                     else {
                         return Ok(Stepped::Done(None));
@@ -939,8 +1136,8 @@ impl Runtime {
                 }
             };
             match input {
-                RunInput::Rejected(r) => {
-                    if entry.is_none() {
+                RunInput::Rejected(r) => match entry.as_mut() {
+                    None => {
                         // The intake records its rejections; this covers an intake that
                         // stopped between the append and the record.
                         crate::intake::record_rejection(
@@ -954,7 +1151,22 @@ impl Runtime {
                         .await?;
                         return Ok(Stepped::Done(None));
                     }
-                }
+                    Some(e) => {
+                        // A coordinator rejected the run's submission after another started
+                        // it (their configurations differ): the run log says rejected, so
+                        // the run stops.
+                        let reason = format!(
+                            "rejected: {}",
+                            r.errors
+                                .iter()
+                                .map(ToString::to_string)
+                                .collect::<Vec<_>>()
+                                .join("; ")
+                        );
+                        warn!(%run, %reason, "A started run's submission was rejected; stopping it");
+                        actions.extend(e.machine.apply(Input::Abort { reason: &reason }, d.ts_ms));
+                    }
+                },
                 RunInput::TopicWritten { topic, .. } => {
                     let Some(e) = entry.as_mut() else { continue };
                     actions.extend(e.machine.apply(Input::TopicWritten { topic }, d.ts_ms));
@@ -1070,7 +1282,7 @@ impl Runtime {
             let (events, now): (Vec<Action>, Vec<Action>) = actions
                 .into_iter()
                 .partition(|a| matches!(a, Action::Emit(_)));
-            Box::pin(self.perform(&mut entry, &now, &span)).await?;
+            Box::pin(self.perform(&mut entry, &now, &span, Replies::Send)).await?;
             self.record(&entry, now.iter().chain(&events), admitted);
             self.record_hops(run, &entry, &hops);
             entry.unflushed = Some(Unflushed {
@@ -1131,7 +1343,7 @@ impl Runtime {
         }
         // Committed: what this step decided is counted once, however often it is performed.
         self.record(&entry, &to_perform[new_from..], admitted);
-        Box::pin(self.perform(&mut entry, &to_perform, &span)).await?;
+        Box::pin(self.perform(&mut entry, &to_perform, &span, Replies::Send)).await?;
         self.record_hops(run, &entry, &hops);
         if entry.machine.state().status.is_terminal() {
             return Ok(Stepped::Done(None));
@@ -1250,17 +1462,13 @@ impl Runtime {
     }
 
     /// Answers a duplicate durable submission on its `reply_to`.
-    async fn answer_duplicate(&self, run: RunId, request: &SubmitRequest, status: RunStatus) {
+    async fn answer_duplicate(&self, run: RunId, reply_to: Option<&str>, status: RunStatus) {
         RunSubmitted {
             run: Some(run),
             status: SubmitStatus::Duplicate,
         }
         .emit(&self.metrics);
-        if let Some(to) = request
-            .reply_to
-            .as_deref()
-            .filter(|s| flotilla_model::token::check_subject(s).is_ok())
-        {
+        if let Some(to) = reply_to.filter(|s| flotilla_model::token::check_subject(s).is_ok()) {
             let answer = SubmitReply {
                 protocol: PROTOCOL_VERSION,
                 run_id: Some(run),
@@ -1270,7 +1478,7 @@ impl Runtime {
                 outcome: None,
                 run_status: Some(status),
             };
-            crate::intake::publish_reply(&self.bus, to, &answer).await;
+            crate::intake::publish_reply(&self.bus, to, &answer, None).await;
         }
     }
 
@@ -1511,7 +1719,7 @@ impl Runtime {
             consumes: sub.consumes.clone(),
             produces: sub.produces.clone(),
             budget: plan.config.budget(),
-            budget_scopes: Vec::new(),
+            budget_scopes: entry.machine.state().budget_scopes.clone(),
             output_schema: sub.output_schema.clone(),
             consumed,
             dataflow_validation: plan.config.dataflow_validation,
@@ -1713,6 +1921,7 @@ impl Runtime {
         entry: &mut Cached,
         actions: &[Action],
         step: &tracing::Span,
+        replies: Replies,
     ) -> Result<(), StepError> {
         let js = self.bus.js();
         let names = self.bus.names().clone();
@@ -1724,6 +1933,10 @@ impl Runtime {
             async_nats::jetstream::context::PublishAckFuture,
         )> = Vec::new();
         let mut events: Vec<EventEnvelope> = Vec::new();
+        // The end's answers to waiting submitters: sent last, once everything else of the
+        // step is stored, so a step that fails part-way and is performed again does not
+        // answer twice.
+        let mut answers: Vec<(String, SubmitReply)> = Vec::new();
         // Workspace entries and state values this step writes; a dispatch that reads the
         // workspace or state waits for them to be stored first.
         let mut unflushed_writes = false;
@@ -1846,7 +2059,7 @@ impl Runtime {
                         RunStatus::Cancelled => WorkflowPhase::RunCancelled,
                         _ => WorkflowPhase::RunFailed,
                     };
-                    if let Some(o) = &outcome {
+                    if let Some(o) = outcome.as_ref().filter(|_| replies == Replies::Send) {
                         let reply = SubmitReply {
                             protocol: PROTOCOL_VERSION,
                             run_id: Some(run),
@@ -1860,7 +2073,7 @@ impl Runtime {
                             .into_iter()
                             .flatten()
                         {
-                            crate::intake::publish_reply(&self.bus, to, &reply).await;
+                            answers.push((to.clone(), reply.clone()));
                         }
                     }
                     let e = Emission {
@@ -1905,6 +2118,10 @@ impl Runtime {
             ack.await
                 .map_err(|e| flotilla_bus::classify_publish_error(&subject, size, max, e))?;
         }
+        let answer_id = format!("finished.{run}");
+        for (to, reply) in &answers {
+            crate::intake::publish_reply(&self.bus, to, reply, Some(&answer_id)).await;
+        }
         Ok(())
     }
 
@@ -1927,6 +2144,7 @@ impl Runtime {
         if let Some(o) = state.outcome.as_mut() {
             o.status = RunStatus::Failed;
             o.reason = Some(reason.to_owned());
+            o.cause = Some(flotilla_model::run::EndCause::Aborted);
         }
         let snapshot = SnapshotRef {
             state: &state,
@@ -2116,6 +2334,34 @@ fn split_batches(run: RunId, events: Vec<EventEnvelope>, budget: usize) -> Vec<E
     batches
 }
 
+/// Where a durable submission's submitter waits for answers, as far as it can be read.
+fn reply_to_of(request: &Result<Box<SubmitRequest>, Box<UnreadableSubmission>>) -> Option<&str> {
+    match request {
+        Ok(r) => r.reply_to.as_deref(),
+        Err(u) => u.reply_to.as_deref(),
+    }
+}
+
+/// Whether performing a run's end answers its waiting submitters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Replies {
+    /// Yes: the step that decided the end (or its inputs, redelivered).
+    Send,
+    /// No: an end performed again for its events only.
+    Skip,
+}
+
+/// The rejection of a submission that cannot be decoded.
+fn rejection_of(unreadable: &UnreadableSubmission) -> Rejected {
+    Rejected {
+        errors: truncate_problems(unreadable.problems.clone(), MAX_REPORTED_PROBLEMS),
+        name: None,
+        labels: Default::default(),
+        reply_to: unreadable.reply_to.clone(),
+        intake_seq: None,
+    }
+}
+
 /// A submission as the run log records an accepted one.
 fn submitted_of(
     request: &SubmitRequest,
@@ -2137,7 +2383,16 @@ fn submitted_of(
         warnings,
         trace: Some(trace),
         planning: None,
+        depth: 0,
+        budget_scopes: Vec::new(),
     }
+}
+
+/// How long a run-log input handed back after a failed step waits before its next delivery:
+/// 250 ms, doubling per delivery, at most 5 s.
+fn redelivery_delay(delivered: i64) -> Duration {
+    let exp = u32::try_from(delivered.saturating_sub(1).clamp(0, 5)).unwrap_or(5);
+    Duration::from_millis(250 << exp).min(Duration::from_secs(5))
 }
 
 /// Sleeps until `at`, or forever without one.
@@ -2145,6 +2400,52 @@ async fn sleep_until(at: Option<tokio::time::Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
+    }
+}
+
+/// The run a subject token names when it is a run id in canonical form (lower-case,
+/// hyphenated): any other spelling of a UUID would be a second subject for the same run.
+fn canonical_run_id(token: &str) -> Option<RunId> {
+    let canonical = token.len() == 36
+        && token.bytes().enumerate().all(|(i, b)| match i {
+            8 | 13 | 18 | 23 => b == b'-',
+            _ => b.is_ascii_digit() || (b'a'..=b'f').contains(&b),
+        });
+    canonical.then(|| token.parse().ok()).flatten()
+}
+
+/// Namespace of the ids under which misaddressed submissions are recorded.
+const MISADDRESSED_NAMESPACE: uuid::Uuid =
+    uuid::Uuid::from_u128(0x3f6d_1c2b_8a4e_4f0d_9b7a_5e2c_1d0f_6a83);
+
+/// The run id a misaddressed submission (`<prefix>.submit.<token>` where the token is not a
+/// canonical run id) is recorded under: `UUIDv5(MISADDRESSED_NAMESPACE, token)`, so a client
+/// can find its rejection and a redelivery lands on the same record.
+pub(crate) fn misaddressed_run_id(token: &str) -> RunId {
+    RunId::from_uuid(uuid::Uuid::new_v5(
+        &MISADDRESSED_NAMESPACE,
+        token.as_bytes(),
+    ))
+}
+
+/// The problem of a submission published on `<prefix>.submit.<token>` with a token that is
+/// not a canonical run id.
+fn misaddressed_problem(token: &str) -> Problem {
+    match token.parse::<RunId>() {
+        Ok(run) => Problem::new(
+            ProblemCode::NonCanonicalRunId,
+            "subject",
+            format!(
+                "the submission subject names run {token:?}, which is not spelled canonically; one run has one subject: publish it on the canonical form {run} (lower-case, hyphenated)"
+            ),
+        ),
+        Err(_) => Problem::new(
+            ProblemCode::InvalidRunId,
+            "subject",
+            format!(
+                "the submission subject's last token {token:?} is not a run id; publish a submission on <prefix>.submit.<run> with a UUID in canonical form (lower-case, hyphenated), or without a run id on <prefix>.submit"
+            ),
+        ),
     }
 }
 

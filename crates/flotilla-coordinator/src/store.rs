@@ -73,6 +73,36 @@ pub enum FirstMessage {
     },
     /// A run-log entry (`submitted` or `rejected`).
     Entry(RunLogEntry),
+    /// A client's own submission that cannot be decoded: the run is rejected with these
+    /// problems.
+    Unreadable(UnreadableSubmission),
+}
+
+/// A client's submission on `<prefix>.submit.<run>` that does not decode, with what can
+/// still be read of it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UnreadableSubmission {
+    /// Every problem found.
+    pub problems: Vec<flotilla_model::validate::Problem>,
+    /// Where its submitter waits for the answer (a publishable subject), if it says.
+    pub reply_to: Option<String>,
+}
+
+impl UnreadableSubmission {
+    /// Reads what can be read of an undecodable submission.
+    pub fn of(
+        headers: Option<&async_nats::HeaderMap>,
+        payload: &[u8],
+        error: &flotilla_model::codec::CodecError,
+    ) -> Self {
+        let loose = crate::intake::loose_fields(headers, payload, None);
+        Self {
+            problems: vec![error.to_problem()],
+            reply_to: loose
+                .reply_to
+                .filter(|s| flotilla_model::token::check_subject(s).is_ok()),
+        }
+    }
 }
 
 /// A snapshot as read, with its revision and server write time.
@@ -242,6 +272,11 @@ impl RunStore {
         }
     }
 
+    /// The runs bucket (tree counters live beside the records).
+    pub(crate) fn runs_bucket(&self) -> &kv::Store {
+        &self.kv
+    }
+
     /// Reads a run's snapshot.
     pub async fn load(&self, run: RunId) -> Result<Option<StoredSnapshot>, StoreError> {
         let entry = self
@@ -359,11 +394,16 @@ impl RunStore {
         let content = if wire::header(Some(&msg.headers), wire::KIND_HEADER)
             != Some(wire::KIND_RUNLOG_ENTRY)
         {
-            let request: SubmitRequest = wire::decode(Some(&msg.headers), &msg.payload)
-                .map_err(|e| decode_err(format!("submission of {run}"), e))?;
-            FirstMessage::Submission {
-                request: Box::new(request),
-                trace: crate::intake::trace_from(Some(&msg.headers), run),
+            match wire::decode::<SubmitRequest>(Some(&msg.headers), &msg.payload) {
+                Ok(request) => FirstMessage::Submission {
+                    request: Box::new(request),
+                    trace: crate::intake::trace_from(Some(&msg.headers), run),
+                },
+                Err(e) => FirstMessage::Unreadable(UnreadableSubmission::of(
+                    Some(&msg.headers),
+                    &msg.payload,
+                    &e,
+                )),
             }
         } else {
             FirstMessage::Entry(
@@ -487,9 +527,16 @@ impl RunStore {
                 && wire::header(msg.headers.as_ref(), wire::KIND_HEADER)
                     != Some(wire::KIND_RUNLOG_ENTRY)
             {
-                // A durable submission: shown as what it became, the run's `submitted` entry.
-                let request: SubmitRequest = wire::decode(msg.headers.as_ref(), &msg.payload)
-                    .map_err(|e| decode_err(format!("submission {seq}"), e))?;
+                // A durable submission: shown as the run's `submitted` entry (a `rejected`
+                // entry follows when it was refused). One that cannot be decoded is left out:
+                // the `rejected` entry after it names its problems.
+                let Ok(request) = wire::decode::<SubmitRequest>(msg.headers.as_ref(), &msg.payload)
+                else {
+                    if pending == 0 {
+                        break;
+                    }
+                    continue;
+                };
                 RunLogEntry {
                     protocol: flotilla_model::PROTOCOL_VERSION,
                     run_id: run,
@@ -506,6 +553,8 @@ impl RunStore {
                         warnings: Vec::new(),
                         trace: None,
                         planning: None,
+                        depth: 0,
+                        budget_scopes: Vec::new(),
                     })),
                 }
             } else {
@@ -588,9 +637,10 @@ impl RunStore {
         Ok(Some(view))
     }
 
-    /// The view of a run whose start is performed but not recorded yet (coordinators record
-    /// a start with the run's next step): rebuilt from its first message, as a coordinator
-    /// would rebuild it.
+    /// The view of a run that has a first message but no record yet. A coordinator's
+    /// `submitted` entry was validated: the run is rebuilt as a coordinator would rebuild it
+    /// (status `running`). A client's own submission is not validated yet, so nothing about its
+    /// fate is known: the run is `pending`, with no tasks.
     async fn unrecorded_view(
         &self,
         run: RunId,
@@ -601,20 +651,22 @@ impl RunStore {
             return Ok(None);
         };
         let submitted = match first.content {
-            FirstMessage::Submission { request, trace } => flotilla_model::runlog::Submitted {
-                plan: flotilla_model::validate::normalize_plan(
-                    request.plan.unwrap_or_else(Plan::empty),
-                ),
-                labels: request.labels,
-                session_id: request.session_id,
-                parent: request.parent,
-                reply_to: None,
-                wait_reply_to: None,
-                intake_seq: None,
-                warnings: Vec::new(),
-                trace: Some(trace),
-                planning: None,
-            },
+            FirstMessage::Submission { request, .. } => {
+                let state = RunState::pending(
+                    run,
+                    first.ts_ms,
+                    request.plan_name(),
+                    request.labels,
+                    request.session_id,
+                    request.parent,
+                );
+                return Ok(Some(view_of(&state, None, offset, limit)));
+            }
+            FirstMessage::Unreadable(_) => {
+                let state =
+                    RunState::pending(run, first.ts_ms, None, Default::default(), None, None);
+                return Ok(Some(view_of(&state, None, offset, limit)));
+            }
             FirstMessage::Entry(RunLogEntry {
                 input: RunInput::Submitted(s),
                 ..

@@ -33,6 +33,8 @@ fn submitted(p: &Plan) -> Submitted {
         warnings: Vec::new(),
         trace: None,
         planning: None,
+        depth: 0,
+        budget_scopes: Vec::new(),
     }
 }
 
@@ -1314,4 +1316,64 @@ mod planning {
             prop_assert_eq!(again.state(), m.state());
         }
     }
+}
+
+/// An outcome says why a run did not succeed as a code clients branch on, and a run whose
+/// model calls were refused for its budget says `budget_exhausted` first.
+#[test]
+fn outcomes_name_their_cause_and_a_spent_budget_comes_first() {
+    use flotilla_model::run::EndCause;
+    use flotilla_model::task::TaskError;
+    let failing = |kind: TaskErrorKind| {
+        let mut r = TaskResult::success(String::new());
+        r.success = false;
+        r.error = Some(TaskError {
+            kind,
+            message: "no".into(),
+        });
+        (TaskId::new("a"), r)
+    };
+    let two = || vec![Subtask::new("a", ""), Subtask::new("b", "").after(&["a"])];
+    let cfg = PlanConfig {
+        max_retries: 0,
+        ..PlanConfig::default()
+    };
+
+    // A spent budget: the required task's failure is budget_exhausted.
+    let p = plan(two(), cfg.clone());
+    let (mut m, _) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
+    let a = failing(TaskErrorKind::BudgetExhausted);
+    m.apply(result(&a, 1, 10), 5);
+    let o = m.state().outcome.clone().expect("ended");
+    assert_eq!(o.status, RunStatus::Failed);
+    assert_eq!(o.cause, Some(EndCause::BudgetExhausted));
+    assert!(
+        o.reason
+            .as_deref()
+            .is_some_and(|r| r.starts_with("budget_exhausted: ")),
+        "{:?}",
+        o.reason
+    );
+
+    // Any other failure of a required task.
+    let p = plan(two(), cfg.clone());
+    let (mut m, _) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
+    let a = failing(TaskErrorKind::AgentFailed);
+    m.apply(result(&a, 1, 10), 5);
+    let o = m.state().outcome.clone().expect("ended");
+    assert_eq!(o.cause, Some(EndCause::TaskFailed), "{o:?}");
+
+    // Cancelled, and succeeded (no cause).
+    let p = plan(two(), cfg.clone());
+    let (mut m, _) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
+    m.apply(Input::Cancel { reason: "stop" }, 5);
+    assert_eq!(
+        m.state().outcome.as_ref().and_then(|o| o.cause),
+        Some(EndCause::Cancelled)
+    );
+    let p = plan(vec![Subtask::new("a", "")], cfg);
+    let (mut m, _) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
+    let a = ok("a");
+    m.apply(result(&a, 1, 10), 5);
+    assert_eq!(m.state().outcome.as_ref().and_then(|o| o.cause), None);
 }

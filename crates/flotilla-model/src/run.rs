@@ -282,6 +282,56 @@ pub struct RunOutcome {
     /// Why the run failed, in words.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+    /// Why the run did not succeed, as a code clients can branch on (`reason` says it in
+    /// words); absent when it succeeded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cause: Option<EndCause>,
+}
+
+/// Why a run did not succeed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum EndCause {
+    /// A required task failed.
+    TaskFailed,
+    /// A required task was skipped: something it depended on failed.
+    TaskSkipped,
+    /// The budget of the run or of its tree (`max_tokens`, `max_cost`) was spent: a model
+    /// call was refused with `budget_exhausted`, and the run could not finish without it.
+    BudgetExhausted,
+    /// Failed tasks reached the failure threshold (`failure_ratio`) and the run was aborted.
+    FailureThreshold,
+    /// The run was cancelled.
+    Cancelled,
+    /// A bare query's planner gave no valid plan.
+    PlanningFailed,
+    /// The submission was invalid: nothing ran.
+    Rejected,
+    /// The run could not continue: an input could not be read, or an action can never
+    /// succeed in this deployment (a message too large for it).
+    Aborted,
+}
+
+impl EndCause {
+    /// The cause as it appears on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::TaskFailed => "task_failed",
+            Self::TaskSkipped => "task_skipped",
+            Self::BudgetExhausted => "budget_exhausted",
+            Self::FailureThreshold => "failure_threshold",
+            Self::Cancelled => "cancelled",
+            Self::PlanningFailed => "planning_failed",
+            Self::Rejected => "rejected",
+            Self::Aborted => "aborted",
+        }
+    }
+}
+
+impl std::fmt::Display for EndCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// The run's answer.

@@ -138,6 +138,17 @@ pub struct Submitted {
     /// planner task), and the run is planned before it runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub planning: Option<PlanningSpec>,
+    /// How deep the run sits in its tree (0: a root; a child is one deeper than its parent).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub depth: u32,
+    /// The budgets the run's model calls count against, root of the tree first (its
+    /// ancestors' with a budget, then its own): fixed when the run is admitted.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub budget_scopes: Vec<crate::task::BudgetScope>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// How a bare query is planned, fixed when the run is accepted.

@@ -334,6 +334,7 @@ fn outcome() -> impl Strategy<Value = RunOutcome> {
                     .collect(),
                 failed_omitted: omitted,
                 skipped_omitted: omitted * 2,
+                cause: (!partial).then_some(flotilla_model::run::EndCause::BudgetExhausted),
                 reason,
             },
         )
@@ -585,7 +586,7 @@ proptest! {
         trace in option::of(trace()),
     ) {
         let input = match which {
-            0 => RunInput::Submitted(Box::new(Submitted { plan: p, labels, session_id: None, parent: None, reply_to: None, wait_reply_to: Some("_INBOX.w".into()), intake_seq: Some(generation), warnings: Vec::new(), trace, planning: None })),
+            0 => RunInput::Submitted(Box::new(Submitted { plan: p, labels, session_id: None, parent: None, reply_to: None, wait_reply_to: Some("_INBOX.w".into()), intake_seq: Some(generation), warnings: Vec::new(), trace, planning: None, depth: (generation % 3) as u32, budget_scopes: vec![flotilla_model::task::BudgetScope { run_id, limits: flotilla_model::task::Budget { max_tokens: Some(generation), max_cost: None } }] })),
             1 => RunInput::TaskResult(Box::new(TaskResultInput { task_id, attempt, attempt_id, worker: "w1".into(), started_at: started, result })),
             2 => RunInput::Rejected(Box::new(flotilla_model::runlog::Rejected {
                 errors: vec![flotilla_model::validate::Problem::new(flotilla_model::validate::ProblemCode::Cycle, "subtasks[0]", "cycle")],
@@ -610,7 +611,7 @@ proptest! {
                 round: attempt,
                 decision: flotilla_model::runlog::PlanDecision::Failed { problems: Vec::new() },
             })),
-            8 => RunInput::Submitted(Box::new(Submitted { plan: p, labels, session_id: None, parent: None, reply_to: None, wait_reply_to: None, intake_seq: None, warnings: Vec::new(), trace, planning: Some(flotilla_model::runlog::PlanningSpec { query: "why?".into(), max_repairs: generation as u32 % 5 }) })),
+            8 => RunInput::Submitted(Box::new(Submitted { plan: p, labels, session_id: None, parent: None, reply_to: None, wait_reply_to: None, intake_seq: None, warnings: Vec::new(), trace, planning: Some(flotilla_model::runlog::PlanningSpec { query: "why?".into(), max_repairs: generation as u32 % 5 }), depth: 0, budget_scopes: Vec::new() })),
             _ => RunInput::TimerFired { generation },
         };
         roundtrip(&RunLogEntry { protocol: 1, run_id, input })?;

@@ -287,6 +287,7 @@ pub(crate) async fn follow(
                     failed_omitted: 0,
                     skipped_omitted: 0,
                     reason: w.detail,
+                    cause: None,
                 });
                 return Ok(outcome);
             }

@@ -666,11 +666,20 @@ impl Api {
         let Some(r) = parse::<ChildStartRequest>(&req).await else {
             return;
         };
-        let answer = self.start_child(r).await;
+        let trace = crate::intake::header_trace(req.message.headers.as_ref());
+        let answer = self.start_child(r, trace).await;
         self.answer(&req, "child.start", answer).await;
     }
 
-    async fn start_child(&self, r: ChildStartRequest) -> Result<ChildStartReply, ApiError> {
+    /// Publishes the child's submission as its run's first message, with the caller's trace
+    /// context (so the child's run is in its parent's trace), then links it from the parent:
+    /// the parent's `agent_run_started` event, under the same event id the parent's worker
+    /// uses, so a child is in `run.tree`, `watch` and `session.get` however it was started.
+    async fn start_child(
+        &self,
+        r: ChildStartRequest,
+        trace: Option<flotilla_model::task::TraceContext>,
+    ) -> Result<ChildStartReply, ApiError> {
         let mut submission = r.submission;
         let invalid = |m: String| bad("invalid_parent", m);
         let child = submission
@@ -713,6 +722,10 @@ impl Api {
                 ),
             ));
         }
+        // A child shares its parent's session (its session id, else its root's id).
+        if submission.session_id.is_none() {
+            submission.session_id = facts.session.parse().ok();
+        }
         submission.protocol = PROTOCOL_VERSION;
         let bus = self.store.bus();
         let mut out = flotilla_bus::wire::encode(
@@ -722,6 +735,13 @@ impl Api {
         )
         .map_err(|e| bad("malformed", e.to_string()))?;
         flotilla_bus::wire::expect_first(&mut out.headers);
+        if let Some(t) = &trace {
+            out.headers
+                .insert(flotilla_bus::wire::TRACEPARENT, t.traceparent.as_str());
+            if let Some(state) = &t.tracestate {
+                out.headers.insert("tracestate", state.as_str());
+            }
+        }
         if out.payload.len() > bus.max_payload() {
             return Err(ApiError::new(
                 413,
@@ -741,11 +761,61 @@ impl Api {
             Err(e) if e.kind() == flotilla_bus::PublishErrorKind::NotFirst => false,
             Err(e) => return Err(ApiError::new(503, "unavailable", e.to_string())),
         };
+        self.link_child(&parent, child, &submission).await?;
         Ok(ChildStartReply {
             protocol: PROTOCOL_VERSION,
             run_id: child,
             created,
         })
+    }
+}
+
+impl Api {
+    /// The parent's `agent_run_started` link to `child`. Its event id is the one the parent's
+    /// worker announces the child under (`<parent>.child.<child>`), and the message id is the
+    /// batch's, so the link is stored once whoever publishes it first.
+    async fn link_child(
+        &self,
+        parent: &RunHandle,
+        child: RunId,
+        submission: &flotilla_model::submit::SubmitRequest,
+    ) -> Result<(), ApiError> {
+        let agent = submission
+            .plan
+            .as_ref()
+            .and_then(|p| p.subtasks.first())
+            .and_then(|t| t.agent.clone());
+        let handle = RunHandle {
+            run_id: child,
+            agent_id: None,
+            parent_run_id: Some(parent.run_id),
+            parent_tool_call_id: parent.parent_tool_call_id.clone(),
+            parent_task_id: parent.parent_task_id.clone(),
+            root_run_id: Some(parent.root_run()),
+        };
+        let envelope = flotilla_model::event::EventEnvelope {
+            protocol: PROTOCOL_VERSION,
+            id: format!("{}.child.{child}", parent.run_id),
+            run_id: parent.run_id,
+            task_id: parent.parent_task_id.clone(),
+            attempt: None,
+            ts: flotilla_model::time::Timestamp::now(),
+            source: "coordinator".into(),
+            event: flotilla_model::event::Event::AgentRunStarted {
+                child: handle,
+                agent,
+            },
+        };
+        let batch = flotilla_model::event::EventBatch::new(parent.run_id, vec![envelope]);
+        let bus = self.store.bus();
+        bus.publish(
+            bus.names().event(parent.run_id),
+            &batch,
+            Some(&batch.msg_id()),
+        )
+        .await
+        .map_err(|e| ApiError::new(503, "unavailable", e.to_string()))?;
+        Ok(())
     }
 }
 
@@ -777,6 +847,13 @@ mod tests {
                 live.clone(),
                 flotilla_telemetry::Metrics::new(),
                 crate::planner::PlannerOptions::default(),
+                Arc::new(crate::lineage::Lineages::new(
+                    store.clone(),
+                    crate::lineage::TreeLimits {
+                        max_depth: 8,
+                        max_runs: 100,
+                    },
+                )),
             )),
             store,
             ctx,
