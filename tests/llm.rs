@@ -725,6 +725,84 @@ max-tool-rounds = 1
     Ok(())
 }
 
+/// A failure that binds the whole tree travels up: `asker` (an exec agent) gives up after its
+/// own child run was rejected, so its run fails with `child_rejected`. The LLM agent that
+/// asked it through `call_agent` reads that code as the tool's error; the one that handed it
+/// the conversation (`transfer_to_agent`, whose answer would have been the target's) fails
+/// with it too — once, not retried.
+#[tokio::test]
+async fn a_childs_binding_failure_reaches_the_caller() -> anyhow::Result<()> {
+    let llm = OpenAiServer::start().await?;
+    llm.push(
+        Reply::tool_call(
+            "call_agent",
+            json!({"agent": "asker", "request": "find it"}),
+        )
+        .when("Your task (ask)"),
+    );
+    llm.push(Reply::text("The asker could not help.").when("child_rejected"));
+    llm.push(
+        Reply::tool_call("transfer_to_agent", json!({"agent_name": "asker"}))
+            .when("Your task (hand)"),
+    );
+    let config = format!(
+        r#"
+[agents.boss]
+kind = "llm"
+base-url = "{url}"
+model = "scripted-model"
+tools = []
+agent-tools = ["asker"]
+
+[agents.desk]
+kind = "llm"
+base-url = "{url}"
+model = "scripted-model"
+tools = []
+sub-agents = ["asker"]
+
+[agents.asker]
+kind = "exec"
+command = "sh"
+args = ["-c", "\"$FLOTILLA_BIN\" call ghost"]
+"#,
+        url = llm.base_url()
+    );
+    let mut p = Processes::start(&config).await?;
+    p.coordinator().await?;
+    p.worker(&["--concurrency", "4"]).await?;
+
+    let mut ask = plan(vec![Subtask::new("ask", "Ask around.").with_agent("boss")]);
+    ask.config.max_retries = 3;
+    let run = p.client.submit(SubmitRequest::new(ask)).await?;
+    let outcome = p.client.wait(run, WAIT).await?;
+    assert_eq!(
+        outcome.status,
+        RunStatus::Succeeded,
+        "{outcome:?}\n{}",
+        p.log(1)
+    );
+    let result: serde_json::Value = serde_json::from_str(&first_tool_result(&llm.requests()[1]))?;
+    assert_eq!(result["error"]["code"], "child_rejected", "{result}");
+
+    let mut hand = plan(vec![
+        Subtask::new("hand", "Hand it over.").with_agent("desk"),
+    ]);
+    hand.config.max_retries = 3;
+    let run = p.client.submit(SubmitRequest::new(hand)).await?;
+    let outcome = p.client.wait(run, WAIT).await?;
+    assert_eq!(outcome.status, RunStatus::Failed, "{outcome:?}");
+    let failed = &outcome.failed[0];
+    assert_eq!(
+        failed.error.kind,
+        flotilla_model::task::TaskErrorKind::ChildRejected,
+        "{failed:?}"
+    );
+    assert_eq!(failed.attempts, 1, "not retried: {failed:?}");
+    assert_eq!(llm.requests().len(), 3, "one attempt of the desk");
+    Ok(())
+}
+
 /// MCP tools inside a distributed plan: the worker process starts the agent's stdio MCP
 /// server (`crates/flotilla-llm/tests/mcp_server.py`, a small standard-library server) and
 /// the model's call reaches it.
