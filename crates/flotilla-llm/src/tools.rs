@@ -9,7 +9,7 @@
 //! | `mailbox_read` | `limit`?, `wait_ms`? | `{messages, next_since_seq, more}` |
 //! | `state_get` | `key` | `{key, found, value, revision}` |
 //! | `state_set` | `key`, `value` | `{key, revision}` |
-//! | `transfer_to_agent` (agents in the tree around it) | `agent_name` (parent, sub-agent or peer), `reason`? | ends the attempt: the target continues the conversation as a child run, and its answer is the task's |
+//! | `transfer_to_agent` (agents in the tree around it) | `agent_name` (parent, sub-agent or peer), `reason`? | ends the attempt: the target continues the conversation as a child run, and its answer is the task's (unless refused: `transfer_loop`, a rejected child) |
 //! | `call_agent` (with `agent-tools`) | `agent` (one of them), `request`, `input`? | `{agent, response, numeric_value}`; the child run in `tool_end.run_link` |
 //!
 //! Arguments are checked against each tool's JSON Schema before anything runs. Every problem

@@ -317,7 +317,8 @@ pub(crate) struct CallArgs {
 }
 
 /// `flotilla call …`: runs an agent as a child run of the calling task and prints its
-/// outcome; exit 1 with code `child_failed` when the child did not succeed.
+/// outcome; exit 1 with code `child_failed` when the child did not succeed, `child_rejected`
+/// (with the problems) when the coordinator rejected it.
 pub(crate) async fn call(global: Global<'_>, args: CallArgs) -> anyhow::Result<ExitCode> {
     Ok(finish(run_call(global, args).await))
 }
