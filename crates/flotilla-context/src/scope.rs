@@ -372,6 +372,24 @@ mod tests {
     }
 
     #[test]
+    fn a_malformed_traceparent_is_dropped() {
+        let run = RunId::new().to_string();
+        let with = |tp: &'static str| {
+            let run = run.clone();
+            Scope::from_vars(move |k| match k {
+                ENV_RUN_ID => Some(run.clone()),
+                ENV_TRACEPARENT => Some(tp.to_owned()),
+                _ => None,
+            })
+            .expect("scope")
+        };
+        assert_eq!(with("garbage").trace, None);
+        assert_eq!(with("").trace, None);
+        let ok = with("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
+        assert_eq!(ok.trace.map(|t| t.tracestate), Some(None));
+    }
+
+    #[test]
     fn bad_variables_are_invalid_scope() {
         let err = Scope::from_vars(|_| None).expect_err("no run");
         assert_eq!(err.code(), "invalid_scope");
