@@ -300,6 +300,59 @@ async fn a_redelivered_attempt_reattaches_and_a_failed_one_cancels_its_children(
     Ok(())
 }
 
+/// A child the coordinator rejects (here: its agent is not defined) never runs: waiting for
+/// it is the error `child_rejected`, final, with the rejection's problems, and it is recorded
+/// for the attempt, so every delivery and process of the attempt (an exec agent's command
+/// deciding to give up) finds it.
+#[tokio::test]
+async fn a_rejected_child_is_an_error_carrying_its_problems() -> anyhow::Result<()> {
+    let f = services().await?;
+    let mut hold = Subtask::new("ask", "hold").with_agent("slow");
+    hold.timeout = Some(Duration::from_secs(60).into());
+    let run = f
+        .client
+        .submit(SubmitRequest::new(plan(vec![hold])))
+        .await?;
+    let attempt = AttemptId::new();
+    let first = Clients::new(f.bus.clone(), attempt_scope(&f, run, attempt, 1))?;
+    assert_eq!(first.rejected_child().await?, None);
+    let child = first
+        .start_child(&ChildCall {
+            agent: "ghost".into(),
+            call_id: Some("c1".into()),
+            ..ChildCall::default()
+        })
+        .await?;
+    let until = tokio::time::Instant::now() + WAIT;
+    let e = first
+        .wait_child(child.handle.run_id, until)
+        .await
+        .expect_err("rejected");
+    assert_eq!(e.kind(), flotilla_context::ErrorKind::ChildRejected, "{e}");
+    assert_eq!(e.kind().retry(), flotilla_bus::Retry::Terminal);
+    let codes: Vec<&str> = e.problems().iter().map(|p| p.code.as_str()).collect();
+    assert_eq!(codes, vec!["unknown_agent"], "{e}");
+    assert!(e.message().contains("[unknown_agent]"), "{e}");
+    assert_eq!(
+        e.rejected_child().map(|c| c.run_id),
+        Some(child.handle.run_id)
+    );
+    // The child's record says so too.
+    let view = f.client.run(child.handle.run_id).await?.expect("record");
+    assert_eq!(view.record.status, RunStatus::Rejected);
+
+    // Another delivery of the attempt sees the rejection; another attempt does not.
+    let second = Clients::new(f.bus.clone(), attempt_scope(&f, run, attempt, 2))?;
+    let recorded = second.rejected_child().await?.expect("recorded");
+    assert_eq!(recorded.child, child.handle.run_id);
+    assert_eq!(recorded.codes(), "unknown_agent");
+    let other = Clients::new(f.bus.clone(), attempt_scope(&f, run, AttemptId::new(), 1))?;
+    assert_eq!(other.rejected_child().await?, None);
+    f.client.cancel(run, Some("test over".into())).await.ok();
+    f.stop().await;
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_parent_attempt_that_times_out_takes_its_child_with_it() -> anyhow::Result<()> {
     let f = services().await?;

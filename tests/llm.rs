@@ -550,6 +550,259 @@ reply = "support here"
     Ok(())
 }
 
+/// Transfers that would loop are refused. The dispatcher hands the conversation to billing,
+/// billing to its peer technical, and technical tries to hand it back to the dispatcher — an
+/// agent the conversation already went through since the user's message (the chain travels
+/// in each child's input, `transfer_chain`). No child run starts for it: the model reads
+/// `transfer_loop` as the call's result and answers itself, and its answer is the ticket's.
+#[tokio::test]
+async fn a_transfer_back_along_the_chain_is_refused_with_transfer_loop() -> anyhow::Result<()> {
+    let llm = OpenAiServer::start().await?;
+    let transfer = |to: &str| {
+        Reply::tool_call(
+            "transfer_to_agent",
+            json!({"agent_name": to, "reason": "not mine"}),
+        )
+    };
+    llm.push(transfer("billing").when("Your task (help)"));
+    llm.push(transfer("technical").when("dispatcher handed this conversation"));
+    llm.push(transfer("dispatcher").when("billing handed this conversation"));
+    llm.push(Reply::text("Technical here: reinstall the app.").when("transfer_loop"));
+    let config = format!(
+        r#"
+[agents.dispatcher]
+kind = "llm"
+base-url = "{url}"
+model = "scripted-model"
+tools = []
+sub-agents = ["billing", "technical"]
+
+[agents.billing]
+kind = "llm"
+base-url = "{url}"
+model = "scripted-model"
+tools = []
+
+[agents.technical]
+kind = "llm"
+base-url = "{url}"
+model = "scripted-model"
+tools = []
+"#,
+        url = llm.base_url()
+    );
+    let (p, run, outcome) = run_one_task(
+        &config,
+        1,
+        Some(3),
+        Subtask::new("help", "The app crashes after I paid.").with_agent("dispatcher"),
+    )
+    .await?;
+    assert_eq!(
+        outcome.final_result.map(|r| r.response).as_deref(),
+        Some("Technical here: reinstall the app.")
+    );
+    let requests = llm.requests();
+    assert_eq!(requests.len(), 4, "{requests:#?}");
+    let refused: serde_json::Value = serde_json::from_str(&first_tool_result(&requests[3]))?;
+    assert_eq!(refused["error"]["code"], "transfer_loop", "{refused}");
+    assert!(
+        refused["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("dispatcher → billing → technical → dispatcher")),
+        "{refused}"
+    );
+    // Two handovers, each a child run; the refused one started none.
+    let billing = transfer_link(&p.client, run).await?;
+    let technical = transfer_link(&p.client, billing).await?;
+    let tree = p.client.tree(run, 100).await?.expect("the tree");
+    assert_eq!(tree.runs, 3, "{tree:?}");
+    let leaf = &tree.root.children[0].children[0];
+    assert_eq!(leaf.run_id, technical);
+    assert!(leaf.children.is_empty(), "{tree:?}");
+    Ok(())
+}
+
+/// A child run the coordinator rejects (here: `call_agent` names an agent that is not
+/// defined) fails the tool call, not the attempt: the model reads the rejection's problems
+/// (`unknown_agent`) and answers. An agent that then gives up (its tool rounds spent) fails
+/// with `child_rejected`, which is not retried: one attempt, no new subtree.
+#[tokio::test]
+async fn a_rejected_child_fails_the_tool_call_and_giving_up_is_final() -> anyhow::Result<()> {
+    let llm = OpenAiServer::start().await?;
+    let ask_ghost = || {
+        Reply::tool_call(
+            "call_agent",
+            json!({"agent": "ghost", "request": "look it up"}),
+        )
+    };
+    llm.push(ask_ghost().when("Your task (ask)"));
+    llm.push(
+        Reply::text("The ghost is not on the team; here is my own answer.").when("unknown_agent"),
+    );
+    llm.push(ask_ghost().when("Your task (insist)"));
+    llm.push(ask_ghost().when("unknown_agent"));
+    let config = format!(
+        r#"
+[agents.boss]
+kind = "llm"
+base-url = "{url}"
+model = "scripted-model"
+tools = []
+agent-tools = ["ghost"]
+
+[agents.stubborn]
+kind = "llm"
+base-url = "{url}"
+model = "scripted-model"
+tools = []
+agent-tools = ["ghost"]
+max-tool-rounds = 1
+"#,
+        url = llm.base_url()
+    );
+    let mut p = Processes::start(&config).await?;
+    p.coordinator().await?;
+    p.worker(&[]).await?;
+
+    let run = p
+        .client
+        .submit(SubmitRequest::new(plan(vec![
+            Subtask::new("ask", "Ask the ghost.").with_agent("boss"),
+        ])))
+        .await?;
+    let outcome = p.client.wait(run, WAIT).await?;
+    assert_eq!(
+        outcome.status,
+        RunStatus::Succeeded,
+        "{outcome:?}
+{}",
+        p.log(1)
+    );
+    let requests = llm.requests();
+    let result: serde_json::Value = serde_json::from_str(&first_tool_result(&requests[1]))?;
+    let error = &result["error"];
+    assert_eq!(error["code"], "unknown_agent", "{result}");
+    assert_eq!(error["problems"][0]["code"], "unknown_agent", "{result}");
+    let child: flotilla_model::RunId = serde_json::from_value(error["run_id"].clone())?;
+    let view = p
+        .client
+        .run(child)
+        .await?
+        .expect("the rejected child's record");
+    assert_eq!(view.record.status, RunStatus::Rejected);
+    // The tool call's end links the rejected child.
+    let events = p.client.events(run).await?;
+    futures::pin_mut!(events);
+    let mut linked = None;
+    while let Ok(Some(e)) = tokio::time::timeout(Duration::from_millis(500), events.next()).await {
+        if let Event::ToolEnd { ok, run_link, .. } = e?.event {
+            assert!(!ok);
+            linked = run_link.map(|h| h.run_id);
+        }
+    }
+    assert_eq!(linked, Some(child));
+
+    let mut insist = plan(vec![
+        Subtask::new("insist", "Ask the ghost.").with_agent("stubborn"),
+    ]);
+    insist.config.max_retries = 3;
+    let run = p.client.submit(SubmitRequest::new(insist)).await?;
+    let outcome = p.client.wait(run, WAIT).await?;
+    assert_eq!(outcome.status, RunStatus::Failed, "{outcome:?}");
+    let failed = &outcome.failed[0];
+    assert_eq!(
+        failed.error.kind,
+        flotilla_model::task::TaskErrorKind::ChildRejected,
+        "{failed:?}"
+    );
+    assert_eq!(failed.attempts, 1, "not retried: {failed:?}");
+    assert_eq!(
+        llm.requests().len(),
+        4,
+        "no second attempt called the model"
+    );
+    Ok(())
+}
+
+/// A failure that binds the whole tree travels up: `asker` (an exec agent) gives up after its
+/// own child run was rejected, so its run fails with `child_rejected`. The LLM agent that
+/// asked it through `call_agent` reads that code as the tool's error; the one that handed it
+/// the conversation (`transfer_to_agent`, whose answer would have been the target's) fails
+/// with it too — once, not retried.
+#[tokio::test]
+async fn a_childs_binding_failure_reaches_the_caller() -> anyhow::Result<()> {
+    let llm = OpenAiServer::start().await?;
+    llm.push(
+        Reply::tool_call(
+            "call_agent",
+            json!({"agent": "asker", "request": "find it"}),
+        )
+        .when("Your task (ask)"),
+    );
+    llm.push(Reply::text("The asker could not help.").when("child_rejected"));
+    llm.push(
+        Reply::tool_call("transfer_to_agent", json!({"agent_name": "asker"}))
+            .when("Your task (hand)"),
+    );
+    let config = format!(
+        r#"
+[agents.boss]
+kind = "llm"
+base-url = "{url}"
+model = "scripted-model"
+tools = []
+agent-tools = ["asker"]
+
+[agents.desk]
+kind = "llm"
+base-url = "{url}"
+model = "scripted-model"
+tools = []
+sub-agents = ["asker"]
+
+[agents.asker]
+kind = "exec"
+command = "sh"
+args = ["-c", "\"$FLOTILLA_BIN\" call ghost"]
+"#,
+        url = llm.base_url()
+    );
+    let mut p = Processes::start(&config).await?;
+    p.coordinator().await?;
+    p.worker(&["--concurrency", "4"]).await?;
+
+    let mut ask = plan(vec![Subtask::new("ask", "Ask around.").with_agent("boss")]);
+    ask.config.max_retries = 3;
+    let run = p.client.submit(SubmitRequest::new(ask)).await?;
+    let outcome = p.client.wait(run, WAIT).await?;
+    assert_eq!(
+        outcome.status,
+        RunStatus::Succeeded,
+        "{outcome:?}\n{}",
+        p.log(1)
+    );
+    let result: serde_json::Value = serde_json::from_str(&first_tool_result(&llm.requests()[1]))?;
+    assert_eq!(result["error"]["code"], "child_rejected", "{result}");
+
+    let mut hand = plan(vec![
+        Subtask::new("hand", "Hand it over.").with_agent("desk"),
+    ]);
+    hand.config.max_retries = 3;
+    let run = p.client.submit(SubmitRequest::new(hand)).await?;
+    let outcome = p.client.wait(run, WAIT).await?;
+    assert_eq!(outcome.status, RunStatus::Failed, "{outcome:?}");
+    let failed = &outcome.failed[0];
+    assert_eq!(
+        failed.error.kind,
+        flotilla_model::task::TaskErrorKind::ChildRejected,
+        "{failed:?}"
+    );
+    assert_eq!(failed.attempts, 1, "not retried: {failed:?}");
+    assert_eq!(llm.requests().len(), 3, "one attempt of the desk");
+    Ok(())
+}
+
 /// MCP tools inside a distributed plan: the worker process starts the agent's stdio MCP
 /// server (`crates/flotilla-llm/tests/mcp_server.py`, a small standard-library server) and
 /// the model's call reaches it.

@@ -273,6 +273,47 @@ echo "gamma found 42"
     Ok(())
 }
 
+/// An exec agent's `flotilla call` whose child run is rejected (its agent is not defined):
+/// the call prints the child's status `rejected` with the problems and fails with code
+/// `child_rejected` naming them; the agent gives up (its script exits non-zero), and its task
+/// fails with `child_rejected` after one attempt — not retried into a fresh subtree that
+/// would be rejected again.
+#[tokio::test]
+async fn a_rejected_flotilla_call_fails_the_exec_agent_for_good() -> anyhow::Result<()> {
+    let mut p = Processes::start(&caller("asker", "\"ghost\"")).await?;
+    write(&p, "caller.py", CALLER_PY)?;
+    p.coordinator().await?;
+    p.worker(&[]).await?;
+    let mut ask = plan(vec![Subtask::new("ask", "ask a ghost").with_agent("asker")]);
+    ask.config.max_retries = 3;
+    let run = p.client.submit(SubmitRequest::new(ask)).await?;
+    let outcome = p.client.wait(run, WAIT).await?;
+    assert_eq!(outcome.status, RunStatus::Failed, "{outcome:?}");
+    let failed = &outcome.failed[0];
+    assert_eq!(
+        failed.error.kind,
+        flotilla_model::task::TaskErrorKind::ChildRejected,
+        "{failed:?}\n{}",
+        p.log(1)
+    );
+    assert_eq!(failed.attempts, 1, "not retried: {failed:?}");
+    assert!(
+        failed.error.message.contains("child_rejected")
+            && failed.error.message.contains("unknown_agent"),
+        "{failed:?}"
+    );
+    // What `flotilla call` printed: the rejected child and why.
+    let call: Value = serde_json::from_slice(&std::fs::read(p.dir().join("call-ask-1.json"))?)?;
+    assert_eq!(call["status"], "rejected", "{call}");
+    assert_eq!(call["problems"][0]["code"], "unknown_agent", "{call}");
+    let child: RunId = serde_json::from_value(call["run_id"].clone())?;
+    assert_eq!(
+        p.client.run(child).await?.map(|v| v.record.status),
+        Some(RunStatus::Rejected)
+    );
+    Ok(())
+}
+
 /// A worker is killed (`kill -9`) while its task waits in `flotilla call` for a slow child on
 /// another pool's worker. The attempt is redelivered to another worker of the parent's pool;
 /// its `flotilla call` makes the same call and re-attaches to the running child

@@ -350,6 +350,43 @@ args = ["-c", "echo broken >&2; exit 3"]
     Ok(())
 }
 
+/// A step whose own child run is rejected (its `flotilla call` names an agent that is not
+/// defined) fails with `child_rejected`, and that fails the workflow for good: one attempt,
+/// although the plan allows retries — a retry would run the steps again and be refused alike.
+#[tokio::test]
+async fn a_step_refused_a_child_fails_the_workflow_without_retries() -> anyhow::Result<()> {
+    let extra = r#"
+[agents.pipeline]
+kind = "sequential"
+sub-agents = ["asker"]
+
+[agents.asker]
+kind = "exec"
+command = "sh"
+args = ["-c", "\"$FLOTILLA_BIN\" call ghost"]
+"#;
+    let mut p = Processes::start(extra).await?;
+    p.coordinator().await?;
+    p.worker(&[]).await?;
+    let mut plan = plan(vec![Subtask::new("main", "x").with_agent("pipeline")]);
+    plan.config.max_retries = 3;
+    let run = p.client.submit(SubmitRequest::new(plan)).await?;
+    let outcome = p.client.wait(run, WAIT).await?;
+    assert_eq!(outcome.status, RunStatus::Failed, "{outcome:?}");
+    let failed = &outcome.failed[0];
+    assert_eq!(
+        failed.error.kind,
+        flotilla_model::task::TaskErrorKind::ChildRejected,
+        "{failed:?}"
+    );
+    assert_eq!(failed.attempts, 1, "not retried: {failed:?}");
+    assert!(
+        failed.error.message.contains("sub-agent asker"),
+        "{failed:?}"
+    );
+    Ok(())
+}
+
 /// Collects a server-side projection (`api.watch`) until its end message.
 async fn server_watch(
     p: &Processes,

@@ -247,7 +247,12 @@ impl AgentContext {
     /// stream (`agent_run_started`), and waits — giving the attempt's worker slot back
     /// meanwhile, so the child can run even in a full pool — until it ends, the attempt's
     /// deadline passes or the attempt is cancelled. Returns the child's handle and outcome; a
-    /// failed child is an outcome, not an error.
+    /// failed child is an outcome, not an error. A rejected child (it never ran: an invalid
+    /// plan, or the tree's `tree_too_deep` / `tree_too_large` limits) is the error
+    /// `child_rejected`, with the problems and the child's handle
+    /// ([`ContextError::problems`](crate::ContextError::problems),
+    /// [`rejected_child`](crate::ContextError::rejected_child)); it is final: asking again is
+    /// rejected alike.
     pub async fn call_agent(
         &self,
         call: &crate::ChildCall,
@@ -266,7 +271,14 @@ impl AgentContext {
                     () = self.cancel.cancelled() => Ok(None),
                 }
             })
-            .await?;
+            .await
+            .map_err(|e| match e.kind() {
+                // The same rejection, with the handle this call knows in full.
+                crate::ErrorKind::ChildRejected => {
+                    crate::ContextError::child_rejected(child.handle.clone(), e.problems().to_vec())
+                }
+                _ => e,
+            })?;
         let Some(outcome) = outcome else {
             return Err(crate::ContextError::new(
                 crate::ErrorKind::Unavailable,

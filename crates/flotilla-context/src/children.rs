@@ -12,6 +12,18 @@
 //! re-attaches to the child its crashed predecessor started. Waiting reads the child's event
 //! stream from its start, so an outcome that arrived while nobody waited is found.
 //!
+//! **Rejected children are errors.** A child whose submission the coordinator rejects (an
+//! unknown agent, or the tree's limits: `tree_too_deep`, `tree_too_large`) never runs; waiting
+//! for it answers `child_rejected` with the problems ([`ContextError::problems`]) instead of an
+//! outcome, and records `rejected.<root>.<attempt>` in the cursors bucket, so the agent that
+//! gives up on it fails for good ([`Clients::rejected_child`]) rather than being retried
+//! with a fresh attempt that would start a fresh subtree and be rejected again.
+//!
+//! **One trace.** `child.start` requests carry the attempt's W3C trace context as
+//! `traceparent` / `tracestate` headers — the current span's when spans are exported (the
+//! agent's `execute_tool` or `invoke_agent` span), else the envelope's — which the
+//! coordinator puts on the child's submission, so the child run is part of its parent's trace.
+//!
 //! **Cancelled with the parent.** Each start leaves a marker
 //! `children.<root>.<attempt>.<child>` in the cursors bucket; when an attempt ends without
 //! success the worker cancels the children it started ([`Clients::cancel_children`]), also
@@ -32,7 +44,9 @@ use flotilla_model::plan::{Plan, PlanConfig, Subtask};
 use flotilla_model::run::{RunHandle, RunOutcome};
 use flotilla_model::subjects::{Bucket, StreamKind};
 use flotilla_model::submit::SubmitRequest;
+use flotilla_model::task::{TaskErrorKind, TraceContext};
 use flotilla_model::time::Timestamp;
+use flotilla_model::validate::{Problem, ProblemCode};
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 use tracing::warn;
@@ -68,6 +82,27 @@ pub struct ChildCall {
     /// task's `output_key`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_key: Option<String>,
+}
+
+/// What `rejected.<root>.<attempt>` in the cursors bucket holds: a child run of the attempt
+/// that was rejected, and why.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RejectedChild {
+    /// The rejected child run.
+    pub child: RunId,
+    /// Its problems.
+    pub problems: Vec<Problem>,
+}
+
+impl RejectedChild {
+    /// The problems' codes, comma separated (`tree_too_deep`, …).
+    pub fn codes(&self) -> String {
+        self.problems
+            .iter()
+            .map(|p| p.code.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
 }
 
 /// A started (or re-attached) child run.
@@ -184,9 +219,11 @@ impl Clients {
     }
 
     /// Waits until run `child` ends (event-driven, reading its events from the start) and
-    /// returns its outcome; `unavailable` when `until` passes first. No consumer is created on
-    /// the server ([`Bus::find_in_subject`](flotilla_bus::Bus::find_in_subject)): a stream
-    /// allows a limited number, and every waiting parent would hold one.
+    /// returns its outcome; `unavailable` when `until` passes first. A child that was rejected
+    /// never ran: that is the error `child_rejected`, carrying its problems, and it is
+    /// recorded for the attempt ([`rejected_child`](Self::rejected_child)). No consumer is
+    /// created on the server ([`Bus::find_in_subject`](flotilla_bus::Bus::find_in_subject)):
+    /// a stream allows a limited number, and every waiting parent would hold one.
     pub async fn wait_child(
         &self,
         child: RunId,
@@ -198,16 +235,81 @@ impl Clients {
                 StreamKind::Events,
                 &bus.names().event(child),
                 until,
-                |headers, payload| run_outcome(child, headers, payload),
+                |headers, payload| run_end(child, headers, payload),
             )
             .await
             .map_err(|e| unavailable("following the child's events", e))?;
-        found.ok_or_else(|| {
-            ContextError::new(
+        let Some((outcome, problems)) = found else {
+            return Err(ContextError::new(
                 ErrorKind::Unavailable,
                 format!("child run {child} did not end in time"),
-            )
-        })
+            ));
+        };
+        if outcome.status != flotilla_model::run::RunStatus::Rejected {
+            return Ok(outcome);
+        }
+        let problems = if problems.is_empty() {
+            problems_in(outcome.reason.as_deref().unwrap_or_default())
+        } else {
+            problems
+        };
+        let rejected = RejectedChild { child, problems };
+        self.mark_rejected(&rejected).await;
+        let scope = self.scope();
+        let handle = RunHandle {
+            run_id: child,
+            agent_id: None,
+            parent_run_id: Some(scope.run_id),
+            parent_tool_call_id: None,
+            parent_task_id: scope.task_id.clone(),
+            root_run_id: Some(scope.root_run_id),
+        };
+        Err(ContextError::child_rejected(handle, rejected.problems))
+    }
+
+    /// The child run of this attempt that was rejected, if one was (by any delivery or
+    /// process of the attempt, such as an exec agent's `flotilla call`): what an agent that
+    /// gives up checks, so its failure is `child_rejected` (final) instead of a retry.
+    pub async fn rejected_child(&self) -> Result<Option<RejectedChild>, ContextError> {
+        let Some(key) = self.rejected_key() else {
+            return Ok(None);
+        };
+        let entry = self
+            .cursors_kv()
+            .await?
+            .get(&key)
+            .await
+            .map_err(|e| unavailable("reading the attempt's rejected child", e))?;
+        Ok(entry.and_then(|v| serde_json::from_slice(&v).ok()))
+    }
+
+    fn rejected_key(&self) -> Option<String> {
+        let scope = self.scope();
+        scope
+            .attempt_id
+            .map(|a| format!("rejected.{}.{a}", scope.root_run_id))
+    }
+
+    /// Records a rejected child for the attempt (best effort: the error reaches the caller
+    /// either way).
+    async fn mark_rejected(&self, rejected: &RejectedChild) {
+        let Some(key) = self.rejected_key() else {
+            return;
+        };
+        let Ok(body) = serde_json::to_vec(rejected) else {
+            return;
+        };
+        let stored = match self.cursors_kv().await {
+            Ok(kv) => kv
+                .put(&key, Bytes::from(body))
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        if let Err(e) = stored {
+            warn!(child = %rejected.child, error = %e, "Could not record a rejected child run");
+        }
     }
 
     /// Cancels the unfinished children started by this attempt (by any of its deliveries and
@@ -263,9 +365,17 @@ impl Clients {
         .map_err(|e| ContextError::with_source(ErrorKind::Malformed, "encoding", e))?;
         let bus = self.bus();
         let subject = bus.names().api(ChildStartRequest::ENDPOINT);
+        let mut headers = async_nats::HeaderMap::new();
+        if let Some(trace) = self.trace() {
+            headers.insert(wire::TRACEPARENT, trace.traceparent.as_str());
+            if let Some(state) = &trace.tracestate {
+                headers.insert("tracestate", state.as_str());
+            }
+        }
         let reply = tokio::time::timeout(
             bus.options().request_timeout,
-            bus.client().request(subject, Bytes::from(body)),
+            bus.client()
+                .request_with_headers(subject, headers, Bytes::from(body)),
         )
         .await
         .map_err(|_| {
@@ -303,6 +413,12 @@ impl Clients {
         Ok(ok.created)
     }
 
+    /// The trace context a child run started now joins: the current span's while spans are
+    /// exported (so the child nests under the tool call that started it), else the attempt's.
+    pub fn trace(&self) -> Option<TraceContext> {
+        flotilla_telemetry::trace_context::current().or_else(|| self.scope().trace.clone())
+    }
+
     async fn mark_child(&self, child: RunId) -> Result<(), ContextError> {
         let scope = self.scope();
         let Some(attempt) = scope.attempt_id else {
@@ -318,16 +434,70 @@ impl Clients {
     }
 }
 
-/// The outcome in an event message of `run`, if it holds the run's end.
-fn run_outcome(
+/// The failure of a child that binds its caller too: when the child failed because the run
+/// tree's budget is spent (`budget_exhausted`) or a child of its own was refused
+/// (`child_rejected`), the caller giving up on it fails with that kind — final, since a new
+/// attempt of the caller would meet the same budget or limit — instead of `agent_failed`,
+/// which would be retried with a fresh subtree.
+pub fn binding_failure(outcome: &RunOutcome) -> Option<TaskErrorKind> {
+    if outcome.status != flotilla_model::run::RunStatus::Failed {
+        return None;
+    }
+    outcome.failed.iter().map(|f| f.error.kind).find(|k| {
+        matches!(
+            k,
+            TaskErrorKind::BudgetExhausted | TaskErrorKind::ChildRejected
+        )
+    })
+}
+
+/// The outcome in an event message of `run`, with the problems of its run-ending event, if
+/// the message holds the run's end.
+fn run_end(
     run: RunId,
     headers: Option<&async_nats::HeaderMap>,
     payload: &[u8],
-) -> Option<RunOutcome> {
-    flotilla_model::event::run_end_in(wire::codec_of(headers), payload).unwrap_or_else(|e| {
-        warn!(%run, error = %e, "Skipping an undecodable event message of a child run");
-        None
+) -> Option<(RunOutcome, Vec<Problem>)> {
+    let events = flotilla_model::event::decode_events(wire::codec_of(headers), payload)
+        .map_err(
+            |e| warn!(%run, error = %e, "Skipping an undecodable event message of a child run"),
+        )
+        .ok()?;
+    events.into_iter().find_map(|e| match e.event {
+        Event::Workflow(w) if w.phase.ends_run() => w.outcome.map(|o| (*o, w.problems)),
+        _ => None,
     })
+}
+
+/// The problems of a rejection as its outcome's `reason` lists them (`[code] path: message`,
+/// joined by `; `): for a `run_rejected` event that does not carry them as `problems`.
+fn problems_in(reason: &str) -> Vec<Problem> {
+    let code_at = |i: usize| -> Option<(ProblemCode, usize)> {
+        let rest = reason.get(i..)?.strip_prefix('[')?;
+        let end = rest.find(']')?;
+        let code =
+            serde_json::from_value(serde_json::Value::String(rest[..end].to_owned())).ok()?;
+        Some((code, i + end + 2))
+    };
+    let starts: Vec<usize> = std::iter::once(0)
+        .chain(reason.match_indices("; [").map(|(i, _)| i + 2))
+        .filter(|&i| code_at(i).is_some())
+        .collect();
+    let mut out = Vec::with_capacity(starts.len());
+    for (n, &start) in starts.iter().enumerate() {
+        let Some((code, body)) = code_at(start) else {
+            continue;
+        };
+        let end = starts.get(n + 1).map_or(reason.len(), |&next| next - 2);
+        let text = reason.get(body..end).unwrap_or_default().trim();
+        // `path: message` when the first word ends with a colon and holds no space.
+        let (path, message) = match text.split_once(": ") {
+            Some((p, m)) if !p.is_empty() && !p.contains(' ') => (p, m),
+            _ => ("", text),
+        };
+        out.push(Problem::new(code, path, message));
+    }
+    out
 }
 
 /// The child's single task is named after the agent (its mailbox address in the tree).
@@ -346,4 +516,29 @@ fn check_agent(agent: &str) -> Result<(), ContextError> {
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rejections_reason_gives_back_its_problems() {
+        let reason = "[tree_too_deep] the child would be at depth 9; coordinator.max-depth is 8; [unknown_agent] subtasks[0].agent: agent \"ghost\" is not defined";
+        let problems = problems_in(reason);
+        let codes: Vec<_> = problems.iter().map(|p| p.code).collect();
+        assert_eq!(
+            codes,
+            vec![ProblemCode::TreeTooDeep, ProblemCode::UnknownAgent]
+        );
+        assert_eq!(
+            problems[0].message,
+            "the child would be at depth 9; coordinator.max-depth is 8"
+        );
+        assert_eq!(problems[0].path, "");
+        assert_eq!(problems[1].path, "subtasks[0].agent");
+        assert_eq!(problems[1].message, "agent \"ghost\" is not defined");
+        assert!(problems_in("no codes here").is_empty());
+        assert!(problems_in("[not_a_code] x").is_empty());
+    }
 }

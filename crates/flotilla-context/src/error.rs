@@ -9,6 +9,8 @@ use std::error::Error as StdError;
 use std::fmt;
 
 use flotilla_bus::Retry;
+use flotilla_model::run::RunHandle;
+use flotilla_model::validate::Problem;
 
 type BoxError = Box<dyn StdError + Send + Sync + 'static>;
 
@@ -42,6 +44,10 @@ pub enum ErrorKind {
     InvalidScope,
     /// An artifact name is not valid.
     InvalidName,
+    /// A child run was rejected: its submission had problems (an unknown agent, or the
+    /// tree's limits: `tree_too_deep`, `tree_too_large`), so it never ran.
+    /// [`ContextError::problems`] lists them. Asking again is refused alike.
+    ChildRejected,
 }
 
 impl ErrorKind {
@@ -61,13 +67,15 @@ impl ErrorKind {
             Self::Unavailable => "unavailable",
             Self::InvalidScope => "invalid_scope",
             Self::InvalidName => "invalid_name",
+            Self::ChildRejected => "child_rejected",
         }
     }
 
     /// An HTTP-like status for API answers: 400 bad input, 404 not found, 409 conflict,
-    /// 413 too large, 503 unavailable.
+    /// 413 too large, 422 a rejected child run, 503 unavailable.
     pub fn status(self) -> u16 {
         match self {
+            Self::ChildRejected => 422,
             Self::EntryTooLarge | Self::PayloadTooLarge | Self::ValueTooLarge => 413,
             Self::Conflict => 409,
             Self::NotFound => 404,
@@ -97,7 +105,16 @@ pub struct ContextError {
     kind: ErrorKind,
     message: String,
     current_revision: Option<u64>,
+    /// For `child_rejected`: the child and why it was rejected.
+    rejected: Option<Box<Rejected>>,
     source: Option<BoxError>,
+}
+
+/// A rejected child run and its problems.
+#[derive(Debug)]
+struct Rejected {
+    child: RunHandle,
+    problems: Vec<Problem>,
 }
 
 impl ContextError {
@@ -107,7 +124,32 @@ impl ContextError {
             kind,
             message: message.into(),
             current_revision: None,
+            rejected: None,
             source: None,
+        }
+    }
+
+    /// `child_rejected`: child run `child` was rejected with `problems` and never ran. The
+    /// message names the child and every problem's code.
+    pub fn child_rejected(child: RunHandle, problems: Vec<Problem>) -> Self {
+        let listed = if problems.is_empty() {
+            "no problems given".to_owned()
+        } else {
+            problems
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join("; ")
+        };
+        Self {
+            rejected: Some(Box::new(Rejected {
+                child: child.clone(),
+                problems,
+            })),
+            ..Self::new(
+                ErrorKind::ChildRejected,
+                format!("child run {} was rejected: {listed}", child.run_id),
+            )
         }
     }
 
@@ -150,6 +192,16 @@ impl ContextError {
     pub fn current_revision(&self) -> Option<u64> {
         self.current_revision
     }
+
+    /// For `child_rejected`: why the child was rejected (each problem with its stable code).
+    pub fn problems(&self) -> &[Problem] {
+        self.rejected.as_ref().map_or(&[], |r| &r.problems)
+    }
+
+    /// For `child_rejected`: the rejected child run.
+    pub fn rejected_child(&self) -> Option<&RunHandle> {
+        self.rejected.as_ref().map(|r| &r.child)
+    }
 }
 
 impl fmt::Display for ContextError {
@@ -168,6 +220,7 @@ impl fmt::Debug for ContextError {
             .field("kind", &self.kind)
             .field("message", &self.message)
             .field("current_revision", &self.current_revision)
+            .field("rejected", &self.rejected)
             .field("source", &self.source)
             .finish()
     }

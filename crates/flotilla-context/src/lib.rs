@@ -57,7 +57,7 @@ use tokio::sync::{Mutex, OnceCell};
 
 pub use agent::{Agent, AgentContext, AgentError, AgentReply, EventEmitter};
 pub use artifacts::Artifacts;
-pub use children::{ChildCall, ChildRun};
+pub use children::{ChildCall, ChildRun, RejectedChild, binding_failure};
 pub use env::{connection_env, connection_from_env};
 pub use error::{ContextError, ErrorKind};
 pub use mailbox::{Mailbox, Sent};
@@ -173,9 +173,18 @@ impl Clients {
     }
 
     /// The environment an exec agent needs to reach these capabilities through the CLI: the
-    /// scope ([`Scope::to_env`]) and the connection ([`connection_env`]).
+    /// scope ([`Scope::to_env`]) and the connection ([`connection_env`]). Its trace context
+    /// (`TRACEPARENT`) is the current span's while spans are exported, so the child runs the
+    /// command starts nest under the attempt (or tool call) that runs it.
     pub fn agent_env(&self) -> Vec<(&'static str, String)> {
         let mut env = self.scope.to_env();
+        if let Some(current) = flotilla_telemetry::trace_context::current() {
+            env.retain(|(k, _)| *k != scope::ENV_TRACEPARENT && *k != scope::ENV_TRACESTATE);
+            env.push((scope::ENV_TRACEPARENT, current.traceparent));
+            if let Some(state) = current.tracestate {
+                env.push((scope::ENV_TRACESTATE, state));
+            }
+        }
         env.extend(connection_env(self.bus.options()));
         env
     }

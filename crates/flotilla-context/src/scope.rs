@@ -14,7 +14,7 @@
 use flotilla_model::ids::{AttemptId, RunId, TaskId};
 use flotilla_model::plan::DataflowValidation;
 use flotilla_model::subjects::Names;
-use flotilla_model::task::TaskEnvelope;
+use flotilla_model::task::{TaskEnvelope, TraceContext};
 use flotilla_model::token::{check_name, normalize_topic};
 use flotilla_model::workspace::Writer;
 
@@ -55,6 +55,13 @@ pub const ENV_PRODUCES: &str = "FLOTILLA_PRODUCES";
 /// `FLOTILLA_DATAFLOW`: `strict` or `lenient`.
 pub const ENV_DATAFLOW: &str = "FLOTILLA_DATAFLOW";
 
+/// `TRACEPARENT`: the W3C trace context of the attempt (the OpenTelemetry convention for
+/// passing it through the environment), so the child runs an exec agent starts with
+/// `flotilla call` join the attempt's trace.
+pub const ENV_TRACEPARENT: &str = "TRACEPARENT";
+/// `TRACESTATE`: the W3C `tracestate` going with [`ENV_TRACEPARENT`].
+pub const ENV_TRACESTATE: &str = "TRACESTATE";
+
 /// Writer name of operator writes (the CLI outside a task).
 pub const OPERATOR: &str = "operator";
 
@@ -84,6 +91,9 @@ pub struct Scope {
     pub dataflow: DataflowValidation,
     /// Writer name outside a task (`operator`, or a client's name).
     pub by: Option<String>,
+    /// The attempt's trace context (the envelope's `trace`): child runs started in this scope
+    /// carry it to the coordinator, so they join the run's trace.
+    pub trace: Option<TraceContext>,
 }
 
 fn invalid_scope(message: String) -> ContextError {
@@ -110,6 +120,7 @@ impl Scope {
             produces: Some(task.produces.iter().map(|t| normalize_topic(t)).collect()),
             dataflow: task.dataflow_validation,
             by: None,
+            trace: task.trace.clone(),
         }
     }
 
@@ -128,6 +139,7 @@ impl Scope {
             produces: None,
             dataflow: DataflowValidation::Lenient,
             by: Some(OPERATOR.to_owned()),
+            trace: None,
         }
     }
 
@@ -208,6 +220,13 @@ impl Scope {
                 )));
             }
         };
+        // A malformed context is dropped here as everywhere: it never breaks a call.
+        let trace = nonempty(ENV_TRACEPARENT)
+            .filter(|tp| tp.split('-').count() == 4)
+            .map(|traceparent| TraceContext {
+                traceparent,
+                tracestate: nonempty(ENV_TRACESTATE),
+            });
         Ok(Self {
             names,
             run_id,
@@ -220,6 +239,7 @@ impl Scope {
             delivery,
             produces,
             dataflow,
+            trace,
         })
     }
 
@@ -255,6 +275,12 @@ impl Scope {
             }
             .to_owned(),
         ));
+        if let Some(t) = &self.trace {
+            env.push((ENV_TRACEPARENT, t.traceparent.clone()));
+            if let Some(state) = &t.tracestate {
+                env.push((ENV_TRACESTATE, state.clone()));
+            }
+        }
         env
     }
 
@@ -300,7 +326,11 @@ mod tests {
             "timeout": 60,
             "produces": ["Growth Rate"],
             "dataflow_validation": "lenient",
-            "dispatched_at": "2026-01-01T00:00:00Z"
+            "dispatched_at": "2026-01-01T00:00:00Z",
+            "trace": {
+                "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+                "tracestate": "vendor=a"
+            }
         }))
         .expect("envelope")
     }
@@ -312,6 +342,10 @@ mod tests {
         assert_eq!(scope.produces, Some(vec!["growth_rate".to_string()]));
         assert_eq!(scope.session, task.run_id.to_string());
         let vars: HashMap<&str, String> = scope.to_env().into_iter().collect();
+        assert_eq!(
+            vars[ENV_TRACEPARENT],
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+        );
         let back = Scope::from_vars(|k| vars.get(k).cloned()).expect("from env");
         assert_eq!(back, scope);
     }
@@ -335,6 +369,24 @@ mod tests {
             with(Some("a, B c")).produces,
             Some(vec!["a".into(), "b_c".into()])
         );
+    }
+
+    #[test]
+    fn a_malformed_traceparent_is_dropped() {
+        let run = RunId::new().to_string();
+        let with = |tp: &'static str| {
+            let run = run.clone();
+            Scope::from_vars(move |k| match k {
+                ENV_RUN_ID => Some(run.clone()),
+                ENV_TRACEPARENT => Some(tp.to_owned()),
+                _ => None,
+            })
+            .expect("scope")
+        };
+        assert_eq!(with("garbage").trace, None);
+        assert_eq!(with("").trace, None);
+        let ok = with("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
+        assert_eq!(ok.trace.map(|t| t.tracestate), Some(None));
     }
 
     #[test]

@@ -20,6 +20,21 @@
 //! every call is reserved first ([`crate::budget`]); a call that could pass it is not made
 //! and the task fails with `budget_exhausted`. Every model reply and tool round is journaled
 //! ([`crate::journal`]), so a redelivered attempt resumes instead of paying again.
+//!
+//! **Transfers.** `transfer_to_agent` hands the conversation to another agent as a child run
+//! whose answer is this task's. The child's input carries the chain of agents the
+//! conversation went through since the user's message (`transfer_chain`); a transfer to an
+//! agent already in it would loop, so it is refused before any child starts, with the tool
+//! result `{"error": {"code": "transfer_loop", …}}` for the model to read — as is a child run
+//! the coordinator rejects (`tree_too_deep`, `tree_too_large`, …). Either way the model
+//! continues (answering itself, or choosing another agent); an attempt that gives up after
+//! such a refusal fails with `child_rejected`, which is not retried, so a runaway tree is not
+//! started again under a new attempt.
+//!
+//! **Traces.** While spans are exported, each model call is a `chat {model}` span (GenAI
+//! conventions, with the token usage) and each tool call an `execute_tool {tool}` span, both
+//! children of the worker's `invoke_agent`; a child run started by a tool joins the trace
+//! under its `execute_tool` span. Without export no span is built.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -40,9 +55,11 @@ use async_openai::types::chat::{
 use flotilla_context::{Agent, AgentContext, AgentError, AgentReply, EventEmitter};
 use flotilla_model::event::Event;
 use flotilla_model::task::{TaskEnvelope, TaskErrorKind};
+use flotilla_telemetry::spans;
 use futures::future::BoxFuture;
 use serde_json::Value;
 use tokio::sync::mpsc;
+use tracing::Instrument;
 
 use crate::budget::BudgetGuard;
 use crate::config::{ConfigError, LlmConfig, ToolChoice};
@@ -51,7 +68,7 @@ use crate::prompt;
 use crate::provider::{CallError, Completion, KeySource, Provider, Providers, ToolCallRequest};
 use crate::ratelimit::RateLimit;
 use crate::roles::Roles;
-use crate::tools::ToolSet;
+use crate::tools::{ToolOutcome, ToolSet};
 
 /// How often streamed text is published, at most.
 pub const DELTA_INTERVAL: Duration = Duration::from_millis(100);
@@ -127,6 +144,8 @@ impl LlmAgent {
     }
 
     /// Hands the conversation so far to `target` as a child run; its answer is this task's.
+    /// A transfer that would loop, or whose child the coordinator rejects, is refused: the
+    /// model gets the error as the call's result and the conversation goes on here.
     #[allow(clippy::too_many_arguments)]
     async fn transfer(
         &self,
@@ -137,7 +156,7 @@ impl LlmAgent {
         target: String,
         reason: String,
         tokens: u64,
-    ) -> Result<AgentReply, AgentError> {
+    ) -> Handover {
         let input = serde_json::from_str::<Value>(&call.arguments).unwrap_or(Value::Null);
         ctx.events
             .emit(Event::ToolStart {
@@ -147,58 +166,101 @@ impl LlmAgent {
             })
             .await;
         let started = Instant::now();
-        let child_call = flotilla_context::ChildCall {
-            agent: target.clone(),
-            description: task.description.clone(),
-            input: serde_json::json!({
-                "transferred_from": self.name,
-                "reason": reason,
-                "conversation": conversation(messages),
-                "input": task.input,
-            }),
-            call_id: Some(crate::tools::child_call_key(&call.id)),
-            ..flotilla_context::ChildCall::default()
-        };
-        let result = ctx.call_agent(&child_call).await;
-        let (run_link, reply) = match result {
-            Err(e) => (
-                None,
-                Err(AgentError::failed(format!(
-                    "agent {}: transferring to {target}: {e}",
-                    self.name
-                ))),
-            ),
-            Ok((child, outcome)) => {
-                let reply = match (&outcome.status, outcome.final_result) {
-                    (flotilla_model::run::RunStatus::Succeeded, Some(f)) => Ok(AgentReply {
-                        response: f.response,
-                        tokens,
-                        tools_used: vec![call.name.clone()],
-                        numeric_value: f.numeric_value,
-                    }),
-                    (status, _) => Err(AgentError::failed(format!(
-                        "agent {}: the conversation went to {target} (child run {}), which ended {status:?}",
-                        self.name, child.handle.run_id
-                    ))),
-                };
-                (Some(child.handle), reply)
+        let span = spans::execute_tool(&call.name, &call.id);
+        let mut chain = transfer_chain(task);
+        let (run_link, handover) = if target == self.name || chain.contains(&target) {
+            chain.push(self.name.clone());
+            let outcome = ToolOutcome::err(
+                "transfer_loop",
+                format!(
+                    "the conversation already went through {target} since the user's message ({} → {target}); transferring it there again would loop. Answer the user yourself, or transfer to an agent it has not been to.",
+                    chain.join(" → ")
+                ),
+            );
+            (None, Handover::Refused(outcome))
+        } else {
+            chain.push(self.name.clone());
+            let child_call = flotilla_context::ChildCall {
+                agent: target.clone(),
+                description: task.description.clone(),
+                input: serde_json::json!({
+                    "transferred_from": self.name,
+                    "reason": reason,
+                    "conversation": conversation(messages),
+                    "transfer_chain": chain,
+                    "input": original_input(task),
+                }),
+                call_id: Some(crate::tools::child_call_key(&call.id)),
+                ..flotilla_context::ChildCall::default()
+            };
+            match ctx.call_agent(&child_call).instrument(span.clone()).await {
+                Err(e) if e.kind() == flotilla_context::ErrorKind::ChildRejected => {
+                    let outcome = ToolOutcome::rejected(&e);
+                    (outcome.run_link.clone(), Handover::Refused(outcome))
+                }
+                Err(e) => (
+                    None,
+                    Handover::Done(Err(AgentError::failed(format!(
+                        "agent {}: transferring to {target}: {e}",
+                        self.name
+                    )))),
+                ),
+                Ok((child, outcome)) => {
+                    let kind = flotilla_context::binding_failure(&outcome);
+                    let reply = match (&outcome.status, outcome.final_result) {
+                        (flotilla_model::run::RunStatus::Succeeded, Some(f)) => Ok(AgentReply {
+                            response: f.response,
+                            tokens,
+                            tools_used: vec![call.name.clone()],
+                            numeric_value: f.numeric_value,
+                        }),
+                        (status, _) => Err(AgentError {
+                            // A spent tree budget stays `budget_exhausted` up the chain.
+                            kind: kind.unwrap_or(TaskErrorKind::AgentFailed),
+                            message: format!(
+                                "agent {}: the conversation went to {target} (child run {}), which ended {status:?}",
+                                self.name, child.handle.run_id
+                            ),
+                        }),
+                    };
+                    (Some(child.handle), Handover::Done(reply))
+                }
             }
         };
+        let (ok, output, error) = match &handover {
+            Handover::Done(Ok(r)) => (
+                true,
+                serde_json::json!({"agent": target, "response": r.response}),
+                None,
+            ),
+            Handover::Done(Err(e)) => (
+                false,
+                serde_json::json!({"error": e.message}),
+                Some(e.message.clone()),
+            ),
+            Handover::Refused(o) => (false, o.output.clone(), o.error.clone()),
+        };
+        if !ok {
+            spans::failed(
+                &span,
+                match &handover {
+                    Handover::Refused(o) => o.output["error"]["code"].as_str().unwrap_or("refused"),
+                    _ => "agent_failed",
+                },
+            );
+        }
         ctx.events
             .emit(Event::ToolEnd {
                 call_id: call.id.clone(),
-                ok: reply.is_ok(),
-                output: match &reply {
-                    Ok(r) => serde_json::json!({"agent": target, "response": r.response}),
-                    Err(e) => serde_json::json!({"error": e.message}),
-                },
+                ok,
+                output,
                 run_link,
                 tool: Some(call.name.clone()),
                 duration_ms: Some(started.elapsed().as_millis() as u64),
-                error: reply.as_ref().err().map(|e| e.message.clone()),
+                error,
             })
             .await;
-        reply
+        handover
     }
 
     /// The system prompt: the role's, then the instruction with placeholders filled.
@@ -336,9 +398,19 @@ impl LlmAgent {
             Some(b) => Some(b.reserve(prompt_estimate, max_output).await?),
         };
         let estimate = prompt_estimate + max_output;
+        let span = spans::chat(
+            &self.config.model,
+            self.config.provider.as_deref().unwrap_or("openai"),
+            self.config.max_output_tokens,
+        );
         let result = self
             .call_model(request, ctx, limit.map(|l| (l, estimate)))
+            .instrument(span.clone())
             .await;
+        match &result {
+            Ok(c) => spans::chat_answered(&span, &c.model, c.prompt_tokens, c.completion_tokens),
+            Err(e) => spans::failed(&span, e.kind.as_str()),
+        }
         if let (Some(l), Ok(c)) = (limit, &result) {
             l.charge((c.prompt_tokens + c.completion_tokens).saturating_sub(estimate))
                 .await;
@@ -405,13 +477,14 @@ impl LlmAgent {
         Ok(completion)
     }
 
-    /// Runs the calls of one round concurrently, with their events; results in call order.
+    /// Runs the calls of one round concurrently, with their events; results in call order,
+    /// and whether one was refused for good (a rejected child run).
     async fn run_tools(
         &self,
         tools: &ToolSet,
         calls: &[ToolCallRequest],
         ctx: &AgentContext,
-    ) -> Result<Vec<String>, AgentError> {
+    ) -> Result<(Vec<String>, bool), AgentError> {
         let runs = calls.iter().map(|call| async move {
             let input = serde_json::from_str::<Value>(&call.arguments)
                 .unwrap_or_else(|_| Value::String(call.arguments.clone()));
@@ -423,8 +496,16 @@ impl LlmAgent {
                 })
                 .await;
             let started = Instant::now();
-            let outcome = tools.call(ctx, &call.id, &call.name, &call.arguments).await;
+            let span = spans::execute_tool(&call.name, &call.id);
+            let outcome = tools
+                .call(ctx, &call.id, &call.name, &call.arguments)
+                .instrument(span.clone())
+                .await;
             if let Some(e) = &outcome.error {
+                spans::failed(
+                    &span,
+                    outcome.output["error"]["code"].as_str().unwrap_or("tool_failed"),
+                );
                 tracing::debug!(agent = %self.name, tool = %call.name, error = %e, "Tool call failed; the model gets the error");
             }
             ctx.events
@@ -438,10 +519,13 @@ impl LlmAgent {
                     error: outcome.error.clone(),
                 })
                 .await;
-            outcome.text()
+            (outcome.text(), outcome.refused)
         });
         tokio::select! {
-            results = futures::future::join_all(runs) => Ok(results),
+            results = futures::future::join_all(runs) => {
+                let refused = results.iter().any(|(_, r)| *r);
+                Ok((results.into_iter().map(|(t, _)| t).collect(), refused))
+            }
             _ = ctx.cancel.cancelled() => Err(AgentError::cancelled("cancelled during tool calls")),
         }
     }
@@ -458,7 +542,7 @@ impl LlmAgent {
                 message: format!("the task's output_schema is not a valid JSON Schema: {e}"),
             })?),
         };
-        let budget = BudgetGuard::open(ctx, task.budget, self.config.price, &self.name).await?;
+        let budget = BudgetGuard::open(ctx, task, self.config.price, &self.name).await?;
         let tools = self
             .tools
             .for_attempt()
@@ -498,6 +582,9 @@ impl LlmAgent {
         let mut tools_used: Vec<String> = Vec::new();
         let mut rounds = 0u32;
         let mut repaired = false;
+        // A call of this attempt was refused for good (a rejected child, a transfer loop):
+        // giving up afterwards is final, not retried with a fresh subtree.
+        let mut refused = false;
         loop {
             let tools_allowed = rounds < self.config.max_tool_rounds;
             let c = match journal.replay_model_reply() {
@@ -519,10 +606,23 @@ impl LlmAgent {
             tokens += c.prompt_tokens + c.completion_tokens;
             if !c.tool_calls.is_empty() {
                 if !tools_allowed {
-                    return Err(AgentError::failed(format!(
-                        "agent {}: the model still called tools after max-tool-rounds ({}) rounds",
-                        self.name, self.config.max_tool_rounds
-                    )));
+                    return Err(AgentError {
+                        kind: if refused {
+                            TaskErrorKind::ChildRejected
+                        } else {
+                            TaskErrorKind::AgentFailed
+                        },
+                        message: format!(
+                            "agent {}: the model still called tools after max-tool-rounds ({}) rounds{}",
+                            self.name,
+                            self.config.max_tool_rounds,
+                            if refused {
+                                ", after a child run or transfer it asked for was refused"
+                            } else {
+                                ""
+                            }
+                        ),
+                    });
                 }
                 rounds += 1;
                 for call in &c.tool_calls {
@@ -531,22 +631,40 @@ impl LlmAgent {
                     }
                 }
                 messages.push(assistant(&c));
-                if let Some((call, (target, reason))) = c
-                    .tool_calls
-                    .iter()
-                    .find_map(|t| tools.transfer_target(&t.name, &t.arguments).map(|x| (t, x)))
-                {
-                    return self
-                        .transfer(task, ctx, &messages, call, target, reason, tokens)
-                        .await;
-                }
+                let transfer = c.tool_calls.iter().enumerate().find_map(|(i, t)| {
+                    tools
+                        .transfer_target(&t.name, &t.arguments)
+                        .map(|x| (i, t, x))
+                });
                 let results = match journal.replay_tool_results(c.tool_calls.len()) {
-                    Some(r) => r,
-                    None => {
-                        let r = self.run_tools(&tools, &c.tool_calls, ctx).await?;
-                        journal.record_tool_results(ctx, task, &r).await;
+                    // An earlier delivery ran this round (a refused transfer, or the tools).
+                    Some(r) => {
+                        refused |= r.iter().any(|t| is_refusal(t));
                         r
                     }
+                    None => match transfer {
+                        Some((i, call, (target, reason))) => {
+                            match self
+                                .transfer(task, ctx, &messages, call, target, reason, tokens)
+                                .await
+                            {
+                                Handover::Done(reply) => return reply,
+                                Handover::Refused(outcome) => {
+                                    refused = true;
+                                    let r = refused_round(&c.tool_calls, i, &outcome);
+                                    journal.record_tool_results(ctx, task, &r).await;
+                                    r
+                                }
+                            }
+                        }
+                        None => {
+                            let (r, was_refused) =
+                                self.run_tools(&tools, &c.tool_calls, ctx).await?;
+                            refused |= was_refused;
+                            journal.record_tool_results(ctx, task, &r).await;
+                            r
+                        }
+                    },
                 };
                 for (call, result) in c.tool_calls.iter().zip(results) {
                     messages.push(ChatCompletionRequestMessage::Tool(
@@ -604,6 +722,73 @@ impl Agent for LlmAgent {
         ctx: AgentContext,
     ) -> BoxFuture<'a, Result<AgentReply, AgentError>> {
         Box::pin(async move { self.attempt(task, &ctx).await })
+    }
+}
+
+/// How a transfer ended.
+enum Handover {
+    /// The target took the conversation: its answer (or failure) is the task's.
+    Done(Result<AgentReply, AgentError>),
+    /// Refused (a loop, a rejected child): the model reads the outcome and goes on.
+    Refused(ToolOutcome),
+}
+
+/// The results of a round whose transfer (call `transfer`) was refused: the refusal, and for
+/// the round's other calls a note that they did not run (a transfer ends the round).
+fn refused_round(calls: &[ToolCallRequest], transfer: usize, outcome: &ToolOutcome) -> Vec<String> {
+    calls
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            if i == transfer {
+                outcome.text()
+            } else {
+                ToolOutcome::err(
+                    "not_run",
+                    format!(
+                        "{} was not run: transfer_to_agent was called in the same round; call it again if it is still needed",
+                        c.name
+                    ),
+                )
+                .text()
+            }
+        })
+        .collect()
+}
+
+/// Whether a tool result is a refusal for good (a rejected child's problems, a transfer
+/// loop): what a replayed round tells of the calls an earlier delivery made.
+fn is_refusal(result: &str) -> bool {
+    serde_json::from_str::<Value>(result).is_ok_and(|v| {
+        let e = &v["error"];
+        e["code"] == "transfer_loop" || e["problems"].as_array().is_some_and(|p| !p.is_empty())
+    })
+}
+
+/// The agents the conversation went through since the user's message, in order: empty for a
+/// task that was not handed over; else what the handing agent passed on (`transfer_chain`),
+/// or just that agent for a handover without a chain.
+fn transfer_chain(task: &TaskEnvelope) -> Vec<String> {
+    let Some(from) = task.input.get("transferred_from").and_then(Value::as_str) else {
+        return Vec::new();
+    };
+    match task.input.get("transfer_chain").and_then(Value::as_array) {
+        Some(chain) => chain
+            .iter()
+            .filter_map(Value::as_str)
+            .map(str::to_owned)
+            .collect(),
+        None => vec![from.to_owned()],
+    }
+}
+
+/// The input of the task the conversation started in: a handed-over task's `input.input`
+/// (so a chain of transfers does not nest it ever deeper), else the task's own.
+fn original_input(task: &TaskEnvelope) -> Value {
+    if task.input.get("transferred_from").is_some() {
+        task.input.get("input").cloned().unwrap_or(Value::Null)
+    } else {
+        task.input.clone()
     }
 }
 

@@ -1,31 +1,38 @@
 //! Run budgets: the plan's `max_tokens` and `max_cost`, kept across every task and worker of
-//! the run.
+//! the run — and across its whole run tree.
 //!
 //! What a run has spent lives in one KV entry, `budget.<run>` in the `<prefix>-cursors`
-//! bucket: `{"tokens": …, "cost": …}`. Every model call goes through three steps, each a
-//! compare-and-set on that entry, so concurrent calls on any number of workers never pass
-//! the budget together:
+//! bucket: `{"tokens": …, "cost": …}`. A task's envelope lists every budget its model calls
+//! count against (`budget_scopes`: the tree's root first, each ancestor run with a budget,
+//! then the run's own), so the children a run starts (agent-as-tool, transfers, workflow
+//! steps) spend under their root's budget too, and a child's own budget can only narrow it.
+//! Every model call goes through three steps, each a compare-and-set on the entry of every
+//! scope, so concurrent calls on any number of workers never pass a budget together:
 //!
 //! ```text
-//! reserve(estimate) ── spent + estimate > limit? ──yes──► budget_exhausted, no call made
-//!        │ no: spent += estimate
-//!        ▼
-//!   model call ──► settle: spent += actual − estimate   (failed call: spent −= estimate)
+//! reserve(estimate) on every scope ── one would pass its limit? ──yes──► release the others,
+//!        │ no: spent += estimate on each                               budget_exhausted naming
+//!        ▼                                                              that run; no call made
+//!   model call ──► settle each: spent += actual − estimate   (failed call: spent −= estimate)
 //! ```
 //!
 //! The estimate of a call is its prompt (characters ÷ 4, rounded up) plus `max-output-tokens`
 //! — set `max-output-tokens` for a hard limit; without it the reservation covers the prompt
 //! only and one reply may pass the limit by its own length. Cost uses the agent's `price`
-//! (US dollars per million input and output tokens); a run with `max_cost` fails on an agent
-//! without a price rather than spend blindly. A worker that dies during a call leaves its
-//! reservation counted (the safe side).
+//! (US dollars per million input and output tokens); a run with `max_cost` (or an ancestor
+//! with one) fails on an agent without a price rather than spend blindly. A worker that dies
+//! during a call leaves its reservation counted (the safe side).
+//!
+//! An envelope without `budget_scopes` (from a coordinator that does not fill them) counts
+//! against its own run's `budget` only, under `budget.<run>`, as before.
 
 use std::time::Duration;
 
 use async_nats::jetstream::kv;
 use flotilla_context::{AgentContext, AgentError};
+use flotilla_model::RunId;
 use flotilla_model::subjects::Bucket;
-use flotilla_model::task::{Budget, TaskErrorKind};
+use flotilla_model::task::{Budget, BudgetScope, TaskEnvelope, TaskErrorKind};
 use serde::{Deserialize, Serialize};
 
 use crate::config::Price;
@@ -42,20 +49,29 @@ pub struct Spent {
     pub cost: f64,
 }
 
-/// A call's reservation, to settle or release.
+/// A call's reservation (the same on every scope), to settle or release.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Reservation {
     tokens: u64,
     cost: f64,
 }
 
-/// The budget of one run, as one attempt sees it.
+/// The budgets an attempt's model calls count against, as one attempt sees them.
 #[derive(Debug)]
 pub struct BudgetGuard {
     kv: kv::Store,
-    key: String,
-    budget: Budget,
+    scopes: Vec<Scope>,
     price: Option<Price>,
+}
+
+/// One budget: a run's limits and the key of its spending.
+#[derive(Debug)]
+struct Scope {
+    run: RunId,
+    key: String,
+    limits: Budget,
+    /// Whose budget it is, for messages: `this run`, `the tree's root`, `an ancestor`.
+    whose: &'static str,
 }
 
 fn exhausted(message: String) -> AgentError {
@@ -65,20 +81,77 @@ fn exhausted(message: String) -> AgentError {
     }
 }
 
+/// The budgets `task`'s model calls count against, root first: its `budget_scopes`, else its
+/// own run's `budget`. Scopes without a limit are left out (nothing to keep), and a run
+/// listed twice counts once, under the tighter of its limits.
+pub fn scopes(task: &TaskEnvelope) -> Vec<BudgetScope> {
+    let listed: Vec<BudgetScope> = if task.budget_scopes.is_empty() {
+        task.budget
+            .map(|limits| BudgetScope {
+                run_id: task.run_id,
+                limits,
+            })
+            .into_iter()
+            .collect()
+    } else {
+        task.budget_scopes.clone()
+    };
+    let mut out: Vec<BudgetScope> = Vec::with_capacity(listed.len());
+    for s in listed {
+        if s.limits.max_tokens.is_none() && s.limits.max_cost.is_none() {
+            continue;
+        }
+        match out.iter_mut().find(|o| o.run_id == s.run_id) {
+            Some(o) => {
+                o.limits.max_tokens = tighter(o.limits.max_tokens, s.limits.max_tokens);
+                o.limits.max_cost = tighter(o.limits.max_cost, s.limits.max_cost);
+            }
+            None => out.push(s),
+        }
+    }
+    out
+}
+
+fn tighter<T: PartialOrd>(a: Option<T>, b: Option<T>) -> Option<T> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(if b < a { b } else { a }),
+        (a, b) => a.or(b),
+    }
+}
+
 impl BudgetGuard {
-    /// The guard of the attempt's run, or `None` when the run has no budget.
+    /// The guard of the attempt's budgets ([`scopes`]), or `None` when no budget applies.
     pub async fn open(
         ctx: &AgentContext,
-        budget: Option<Budget>,
+        task: &TaskEnvelope,
         price: Option<Price>,
         agent: &str,
     ) -> Result<Option<Self>, AgentError> {
-        let Some(budget) = budget else {
+        let listed = scopes(task);
+        if listed.is_empty() {
             return Ok(None);
-        };
-        if budget.max_cost.is_some() && price.is_none() {
+        }
+        let scopes: Vec<Scope> = listed
+            .into_iter()
+            .map(|s| Scope {
+                run: s.run_id,
+                key: format!("budget.{}", s.run_id),
+                limits: s.limits,
+                whose: if s.run_id == task.run_id {
+                    "this run"
+                } else if s.run_id == task.root_run() {
+                    "the tree's root"
+                } else {
+                    "an ancestor"
+                },
+            })
+            .collect();
+        if price.is_none()
+            && let Some(s) = scopes.iter().find(|s| s.limits.max_cost.is_some())
+        {
             return Err(exhausted(format!(
-                "the run has a max_cost but agent {agent} has no price, so the cost of its calls is unknown; set price = {{ input-per-mtok = …, output-per-mtok = … }}"
+                "run {} ({}) has a max_cost but agent {agent} has no price, so the cost of its calls is unknown; set price = {{ input-per-mtok = …, output-per-mtok = … }}",
+                s.run, s.whose
             )));
         }
         let kv = ctx
@@ -87,25 +160,22 @@ impl BudgetGuard {
             .kv(Bucket::Cursors)
             .await
             .map_err(|e| AgentError::failed(format!("opening the budget bucket: {e}")))?;
-        Ok(Some(Self {
-            kv,
-            key: format!("budget.{}", ctx.scope.run_id),
-            budget,
-            price,
-        }))
+        Ok(Some(Self { kv, scopes, price }))
     }
 
-    /// What the run has spent and reserved so far.
-    pub async fn spent(&self) -> Result<Spent, AgentError> {
-        Ok(self.read().await?.0)
+    /// What each budget's run has spent and reserved so far, root first.
+    pub async fn spent(&self) -> Result<Vec<(RunId, Spent)>, AgentError> {
+        let mut out = Vec::with_capacity(self.scopes.len());
+        for s in &self.scopes {
+            out.push((s.run, self.read(s).await?.0));
+        }
+        Ok(out)
     }
 
-    async fn read(&self) -> Result<(Spent, u64), AgentError> {
-        let entry = self
-            .kv
-            .entry(&self.key)
-            .await
-            .map_err(|e| AgentError::failed(format!("reading the run's budget: {e}")))?;
+    async fn read(&self, scope: &Scope) -> Result<(Spent, u64), AgentError> {
+        let entry = self.kv.entry(&scope.key).await.map_err(|e| {
+            AgentError::failed(format!("reading the budget of run {}: {e}", scope.run))
+        })?;
         match entry.filter(|e| e.operation == kv::Operation::Put) {
             None => Ok((Spent::default(), 0)),
             Some(e) => Ok((
@@ -115,24 +185,25 @@ impl BudgetGuard {
         }
     }
 
-    /// Applies `change` to the spent entry with compare-and-set; `change` may refuse.
+    /// Applies `change` to a scope's spent entry with compare-and-set; `change` may refuse.
     async fn update(
         &self,
+        scope: &Scope,
         change: impl Fn(Spent) -> Result<Spent, AgentError>,
     ) -> Result<Spent, AgentError> {
         for _ in 0..MAX_TRIES {
-            let (spent, revision) = self.read().await?;
+            let (spent, revision) = self.read(scope).await?;
             let next = change(spent)?;
             let body = serde_json::to_vec(&next).unwrap_or_default();
             let written = if revision == 0 {
                 self.kv
-                    .create(&self.key, body.into())
+                    .create(&scope.key, body.into())
                     .await
                     .map(|_| ())
                     .map_err(|e| e.to_string())
             } else {
                 self.kv
-                    .update(&self.key, body.into(), revision)
+                    .update(&scope.key, body.into(), revision)
                     .await
                     .map(|_| ())
                     .map_err(|e| e.to_string())
@@ -143,9 +214,10 @@ impl BudgetGuard {
                 Err(_) => tokio::time::sleep(Duration::from_millis(2)).await,
             }
         }
-        Err(AgentError::failed(
-            "could not update the run's budget: too many concurrent changes",
-        ))
+        Err(AgentError::failed(format!(
+            "could not update the budget of run {}: too many concurrent changes",
+            scope.run
+        )))
     }
 
     /// The cost of `input` and `output` tokens.
@@ -153,8 +225,9 @@ impl BudgetGuard {
         self.price.map_or(0.0, |p| p.cost(input, output))
     }
 
-    /// Reserves a call of `prompt_tokens` (estimated) and at most `max_output` tokens, or
-    /// fails with `budget_exhausted` when that could pass the budget.
+    /// Reserves a call of `prompt_tokens` (estimated) and at most `max_output` tokens on every
+    /// budget, or fails with `budget_exhausted`, naming the run whose budget it could pass,
+    /// after giving back what it reserved on the others.
     pub async fn reserve(
         &self,
         prompt_tokens: u64,
@@ -164,22 +237,54 @@ impl BudgetGuard {
             tokens: prompt_tokens + max_output,
             cost: self.cost(prompt_tokens, max_output),
         };
-        let budget = self.budget;
-        self.update(|spent| {
-            if let Some(max) = budget.max_tokens
+        let results = futures::future::join_all(
+            self.scopes
+                .iter()
+                .map(|s| self.reserve_on(s, r, prompt_tokens, max_output)),
+        )
+        .await;
+        let Some(refused) = results.iter().position(Result::is_err) else {
+            return Ok(r);
+        };
+        // Give back what the other scopes took (their reservation succeeded).
+        futures::future::join_all(
+            self.scopes
+                .iter()
+                .zip(&results)
+                .filter(|(_, res)| res.is_ok())
+                .map(|(s, _)| self.release_on(s, r)),
+        )
+        .await;
+        let mut results = results;
+        Err(results
+            .swap_remove(refused)
+            .err()
+            .unwrap_or_else(|| AgentError::failed("a budget reservation failed without an error")))
+    }
+
+    async fn reserve_on(
+        &self,
+        scope: &Scope,
+        r: Reservation,
+        prompt_tokens: u64,
+        max_output: u64,
+    ) -> Result<(), AgentError> {
+        let limits = scope.limits;
+        self.update(scope, |spent| {
+            if let Some(max) = limits.max_tokens
                 && spent.tokens + r.tokens > max
             {
                 return Err(exhausted(format!(
-                    "the run's max_tokens ({max}) would be passed: {} spent or reserved, the next model call needs up to {} ({prompt_tokens} prompt, estimated, + {max_output} max-output-tokens); the call was not made",
-                    spent.tokens, r.tokens
+                    "the max_tokens ({max}) of run {} ({}) would be passed: {} spent or reserved in its run tree, the next model call needs up to {} ({prompt_tokens} prompt, estimated, + {max_output} max-output-tokens); the call was not made",
+                    scope.run, scope.whose, spent.tokens, r.tokens
                 )));
             }
-            if let Some(max) = budget.max_cost
+            if let Some(max) = limits.max_cost
                 && spent.cost + r.cost > max
             {
                 return Err(exhausted(format!(
-                    "the run's max_cost (${max}) would be passed: ${:.6} spent or reserved, the next model call may cost up to ${:.6}; the call was not made",
-                    spent.cost, r.cost
+                    "the max_cost (${max}) of run {} ({}) would be passed: ${:.6} spent or reserved in its run tree, the next model call may cost up to ${:.6}; the call was not made",
+                    scope.run, scope.whose, spent.cost, r.cost
                 )));
             }
             Ok(Spent {
@@ -187,31 +292,109 @@ impl BudgetGuard {
                 cost: spent.cost + r.cost,
             })
         })
-        .await?;
-        Ok(r)
-    }
-
-    /// Replaces a reservation by what the call actually used.
-    pub async fn settle(
-        &self,
-        r: Reservation,
-        input: u64,
-        output: u64,
-    ) -> Result<Spent, AgentError> {
-        let cost = self.cost(input, output);
-        self.update(|spent| {
-            Ok(Spent {
-                tokens: (spent.tokens + input + output).saturating_sub(r.tokens),
-                cost: (spent.cost + cost - r.cost).max(0.0),
-            })
-        })
         .await
+        .map(|_| ())
     }
 
-    /// Gives a reservation back (the call failed or was not made).
-    pub async fn release(&self, r: Reservation) {
-        if let Err(e) = self.settle(r, 0, 0).await {
-            tracing::warn!(error = %e, "Could not release a budget reservation; it stays counted");
+    /// Replaces a reservation by what the call actually used, on every budget.
+    pub async fn settle(&self, r: Reservation, input: u64, output: u64) -> Result<(), AgentError> {
+        let cost = self.cost(input, output);
+        let results = futures::future::join_all(self.scopes.iter().map(|s| {
+            self.update(s, move |spent| {
+                Ok(Spent {
+                    tokens: (spent.tokens + input + output).saturating_sub(r.tokens),
+                    cost: (spent.cost + cost - r.cost).max(0.0),
+                })
+            })
+        }))
+        .await;
+        results
+            .into_iter()
+            .find(Result::is_err)
+            .unwrap_or(Ok(Spent::default()))?;
+        Ok(())
+    }
+
+    async fn release_on(&self, scope: &Scope, r: Reservation) {
+        let given_back = self
+            .update(scope, |spent| {
+                Ok(Spent {
+                    tokens: spent.tokens.saturating_sub(r.tokens),
+                    cost: (spent.cost - r.cost).max(0.0),
+                })
+            })
+            .await;
+        if let Err(e) = given_back {
+            tracing::warn!(run = %scope.run, error = %e, "Could not release a budget reservation; it stays counted");
         }
+    }
+
+    /// Gives a reservation back on every budget (the call failed or was not made).
+    pub async fn release(&self, r: Reservation) {
+        futures::future::join_all(self.scopes.iter().map(|s| self.release_on(s, r))).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn task() -> TaskEnvelope {
+        serde_json::from_value(serde_json::json!({
+            "run_id": RunId::new(),
+            "task_id": "t",
+            "attempt": 1,
+            "attempt_id": flotilla_model::ids::AttemptId::new(),
+            "pool": "default",
+            "required": true,
+            "timeout": 60,
+            "dispatched_at": "2026-01-01T00:00:00Z"
+        }))
+        .expect("envelope")
+    }
+
+    fn limits(max_tokens: Option<u64>, max_cost: Option<f64>) -> Budget {
+        Budget {
+            max_tokens,
+            max_cost,
+        }
+    }
+
+    #[test]
+    fn scopes_fall_back_to_the_runs_budget_and_merge_repeats() {
+        let mut t = task();
+        assert!(scopes(&t).is_empty(), "no budget");
+        t.budget = Some(limits(Some(100), None));
+        assert_eq!(
+            scopes(&t),
+            vec![BudgetScope {
+                run_id: t.run_id,
+                limits: limits(Some(100), None)
+            }]
+        );
+        // With scopes, the envelope's own `budget` is not added again.
+        let root = RunId::new();
+        t.budget_scopes = vec![
+            BudgetScope {
+                run_id: root,
+                limits: limits(Some(1000), Some(2.0)),
+            },
+            BudgetScope {
+                run_id: RunId::new(),
+                limits: limits(None, None),
+            },
+            BudgetScope {
+                run_id: root,
+                limits: limits(Some(500), None),
+            },
+        ];
+        assert_eq!(
+            scopes(&t),
+            vec![BudgetScope {
+                run_id: root,
+                limits: limits(Some(500), Some(2.0))
+            }],
+            "a scope without limits is left out; a repeated run takes the tighter limits"
+        );
     }
 }

@@ -9,7 +9,7 @@
 //! | `mailbox_read` | `limit`?, `wait_ms`? | `{messages, next_since_seq, more}` |
 //! | `state_get` | `key` | `{key, found, value, revision}` |
 //! | `state_set` | `key`, `value` | `{key, revision}` |
-//! | `transfer_to_agent` (agents in the tree around it) | `agent_name` (parent, sub-agent or peer), `reason`? | ends the attempt: the target continues the conversation as a child run, and its answer is the task's |
+//! | `transfer_to_agent` (agents in the tree around it) | `agent_name` (parent, sub-agent or peer), `reason`? | ends the attempt: the target continues the conversation as a child run, and its answer is the task's (unless refused: `transfer_loop`, a rejected child) |
 //! | `call_agent` (with `agent-tools`) | `agent` (one of them), `request`, `input`? | `{agent, response, numeric_value}`; the child run in `tool_end.run_link` |
 //!
 //! Arguments are checked against each tool's JSON Schema before anything runs. Every problem
@@ -17,6 +17,12 @@
 //! writing an undeclared topic, a failing command — becomes the tool's result
 //! `{"error": {"code", "message"}}` for the model to read and correct; it never fails the
 //! attempt. Only cancellation stops a call early.
+//!
+//! A child run the coordinator rejects (`call_agent`, `transfer_to_agent`) is such an error
+//! too, with the rejection's problems: `{"error": {"code": "tree_too_deep", "message",
+//! "problems": [{"code", "path", "message"}], "run_id"}}` — the code is the first problem's
+//! (`tree_too_deep`, `tree_too_large`, `unknown_agent`, …). A transfer back to an agent the
+//! conversation already went through is refused before any child starts: `transfer_loop`.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -27,6 +33,7 @@ use std::time::Duration;
 use flotilla_context::{AgentContext, ContextError};
 use flotilla_model::mailbox::MailboxKind;
 use flotilla_model::run::{RunHandle, RunStatus};
+use flotilla_model::task::TaskErrorKind;
 use serde_json::{Map, Value, json};
 use sha2::Digest;
 use tokio::io::AsyncWriteExt;
@@ -104,6 +111,9 @@ pub struct ToolOutcome {
     pub error: Option<String>,
     /// The child run, when the tool was another agent (`call_agent`).
     pub run_link: Option<RunHandle>,
+    /// The call was refused for good: its child run was rejected, or a transfer would loop.
+    /// An attempt that then gives up fails with `child_rejected` (not retried).
+    pub refused: bool,
 }
 
 impl ToolOutcome {
@@ -112,16 +122,33 @@ impl ToolOutcome {
             output,
             error: None,
             run_link: None,
+            refused: false,
         }
     }
 
-    fn err(code: &str, message: impl Into<String>) -> Self {
+    pub(crate) fn err(code: &str, message: impl Into<String>) -> Self {
         let message = message.into();
         Self {
             output: json!({"error": {"code": code, "message": message}}),
             error: Some(format!("{code}: {message}")),
             run_link: None,
+            refused: false,
         }
+    }
+
+    /// A child run the coordinator rejected (`e` is `child_rejected`): the error carries the
+    /// problems, its code is the first problem's, and the rejected child is the run link.
+    pub(crate) fn rejected(e: &ContextError) -> Self {
+        let problems = e.problems();
+        let code = problems.first().map_or(e.code(), |p| p.code.as_str());
+        let mut out = Self::err(code, e.message());
+        out.output["error"]["problems"] = to_json(&problems);
+        if let Some(child) = e.rejected_child() {
+            out.output["error"]["run_id"] = json!(child.run_id);
+        }
+        out.run_link = e.rejected_child().cloned();
+        out.refused = true;
+        out
     }
 
     /// The text of the tool message: the JSON result, cut at [`MAX_TOOL_OUTPUT`].
@@ -575,6 +602,9 @@ async fn call_agent(ctx: &AgentContext, call_id: &str, args: &Value) -> ToolOutc
         ..flotilla_context::ChildCall::default()
     };
     match ctx.call_agent(&call).await {
+        Err(e) if e.kind() == flotilla_context::ErrorKind::ChildRejected => {
+            ToolOutcome::rejected(&e)
+        }
         Err(e) => ToolOutcome::err(e.code(), e.message()),
         Ok((child, outcome)) => {
             let mut result = match (&outcome.status, &outcome.final_result) {
@@ -584,7 +614,10 @@ async fn call_agent(ctx: &AgentContext, call_id: &str, args: &Value) -> ToolOutc
                     "numeric_value": f.numeric_value,
                 })),
                 _ => ToolOutcome::err(
-                    "agent_failed",
+                    // A spent tree budget or a refused grandchild says so; other failures
+                    // are the agent's.
+                    flotilla_context::binding_failure(&outcome)
+                        .map_or("agent_failed", TaskErrorKind::as_str),
                     format!(
                         "agent {} (child run {}) ended {:?}: {}",
                         call.agent,

@@ -258,8 +258,13 @@ pub enum TaskErrorKind {
     MissingStateKey,
     /// The agent's answer does not match the task's `output_schema`, also after a repair.
     InvalidOutput,
-    /// The run's `max_tokens` or `max_cost` would be passed: the model call was not made.
+    /// The run's `max_tokens` or `max_cost` (or an ancestor run's) would be passed: the
+    /// model call was not made.
     BudgetExhausted,
+    /// The attempt gave up after a child run it needed was refused: the child's submission
+    /// was rejected (`tree_too_deep`, `tree_too_large`, or any other plan problem), or a
+    /// transfer would have looped (`transfer_loop`). Another attempt would be refused alike.
+    ChildRejected,
 }
 
 impl TaskErrorKind {
@@ -278,6 +283,7 @@ impl TaskErrorKind {
             Self::MissingStateKey => "missing_state_key",
             Self::InvalidOutput => "invalid_output",
             Self::BudgetExhausted => "budget_exhausted",
+            Self::ChildRejected => "child_rejected",
         }
     }
 
@@ -285,8 +291,9 @@ impl TaskErrorKind {
     /// `timeout`), of a worker (`redeliveries_exhausted`) and of Flotilla (`internal`) are
     /// retried; configuration and input errors (`unknown_agent`, `bad_envelope`,
     /// `result_too_large`, `missing_state_key`), an answer that stayed invalid after a repair
-    /// (`invalid_output`), a spent budget (`budget_exhausted`), dependency timeouts and
-    /// cancellation are final: another attempt would fail the same way.
+    /// (`invalid_output`), a spent budget (`budget_exhausted`), a refused child run
+    /// (`child_rejected`), dependency timeouts and cancellation are final: another attempt
+    /// would fail the same way.
     pub fn is_retryable(self) -> bool {
         matches!(
             self,

@@ -48,6 +48,14 @@ pub const GEN_AI_USAGE_INPUT_TOKENS: &str = "gen_ai.usage.input_tokens";
 pub const GEN_AI_USAGE_OUTPUT_TOKENS: &str = "gen_ai.usage.output_tokens";
 /// The tool called.
 pub const GEN_AI_TOOL_NAME: &str = "gen_ai.tool.name";
+/// The model's id of a tool call.
+pub const GEN_AI_TOOL_CALL_ID: &str = "gen_ai.tool.call.id";
+/// The kind of tool (`function`: run by the agent).
+pub const GEN_AI_TOOL_TYPE: &str = "gen_ai.tool.type";
+/// The most tokens a model call may answer with (`max-output-tokens`).
+pub const GEN_AI_REQUEST_MAX_TOKENS: &str = "gen_ai.request.max_tokens";
+/// The class of error a failed operation ended with (the conventions' `error.type`).
+pub const ERROR_TYPE: &str = "error.type";
 /// A conversation spanning several calls (Flotilla: the run id).
 pub const GEN_AI_CONVERSATION_ID: &str = "gen_ai.conversation.id";
 

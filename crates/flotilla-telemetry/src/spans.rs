@@ -6,7 +6,11 @@
 //!  coordinator  ├─ step (one per batch of run-log inputs applied)
 //!               │    ├─ dispatch  (one per task attempt published; its context goes into the
 //!               │    │    │        envelope's `trace` and the `traceparent` header)
-//!  worker       │    │    └─ invoke_agent {agent}   (model calls and tools nest inside)
+//!  worker       │    │    └─ invoke_agent {agent}
+//!               │    │         ├─ chat {model}            (one per model call, with token usage)
+//!               │    │         └─ execute_tool {tool}     (one per tool call)
+//!               │    │              └─ … a child run started by the tool (`child.start`
+//!               │    │                   carries the context): its steps, dispatches, attempts
 //!               ├─ step …
 //! ```
 //!
@@ -129,8 +133,64 @@ pub fn invoke_agent(task: &TaskEnvelope, agent: &str, worker: &str) -> Span {
     )
 }
 
+/// An agent calls a chat model (`chat {model}`, CLIENT), a child of the current span (the
+/// attempt's `invoke_agent`). Record the answer with [`chat_answered`]; a failed call with
+/// [`failed`].
+pub fn chat(model: &str, provider: &str, max_tokens: Option<u32>) -> Span {
+    if !exporting() {
+        return Span::none();
+    }
+    let span = tracing::info_span!(
+        "chat",
+        otel.name = format!("chat {model}"),
+        otel.kind = "client",
+        otel.status_code = field::Empty,
+        "error.type" = field::Empty,
+        gen_ai.operation.name = "chat",
+        gen_ai.provider.name = provider,
+        gen_ai.request.model = model,
+        gen_ai.request.max_tokens = field::Empty,
+        gen_ai.response.model = field::Empty,
+        gen_ai.usage.input_tokens = field::Empty,
+        gen_ai.usage.output_tokens = field::Empty,
+    );
+    if let Some(max) = max_tokens {
+        span.record("gen_ai.request.max_tokens", max);
+    }
+    span
+}
+
+/// Records what a model call used on its `chat` span.
+pub fn chat_answered(span: &Span, response_model: &str, input_tokens: u64, output_tokens: u64) {
+    if span.is_none() {
+        return;
+    }
+    span.record("gen_ai.response.model", response_model);
+    span.record("gen_ai.usage.input_tokens", input_tokens);
+    span.record("gen_ai.usage.output_tokens", output_tokens);
+}
+
+/// An agent runs a tool the model called (`execute_tool {tool}`, INTERNAL), a child of the
+/// current span (the attempt's `invoke_agent`). A child run the tool starts is a child of
+/// this span. Mark a failed call with [`failed`].
+pub fn execute_tool(tool: &str, call_id: &str) -> Span {
+    if !exporting() {
+        return Span::none();
+    }
+    tracing::info_span!(
+        "execute_tool",
+        otel.name = format!("execute_tool {tool}"),
+        otel.status_code = field::Empty,
+        "error.type" = field::Empty,
+        gen_ai.operation.name = "execute_tool",
+        gen_ai.tool.name = tool,
+        gen_ai.tool.call.id = call_id,
+        gen_ai.tool.type = "function",
+    )
+}
+
 /// Marks a span failed with the error kind (`error.type`).
-pub fn failed(span: &Span, kind: &'static str) {
+pub fn failed(span: &Span, kind: &str) {
     span.record("otel.status_code", "ERROR");
     span.record("error.type", kind);
 }
@@ -148,5 +208,7 @@ mod tests {
         let parent = Span::none();
         let task = TaskId::new("t");
         assert!(dispatch(&parent, run, &task, 1, "default", "echo").is_none());
+        assert!(chat("m", "openai", Some(10)).is_none());
+        assert!(execute_tool("state_set", "call_1").is_none());
     }
 }

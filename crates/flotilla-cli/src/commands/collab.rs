@@ -45,12 +45,14 @@ Output: one JSON document on stdout (`ws watch`: one JSON entry per line; `artif
 raw bytes).
 
 Errors: one JSON object on stderr, {\"error\": {\"code\": \"...\", \"message\": \"...\"}} (a lost
-compare-and-set also carries \"current_revision\"), and the exit code:
+compare-and-set also carries \"current_revision\"; `call`'s child_rejected carries \"run_id\"
+and \"problems\"), and the exit code:
   0  success
   2  invalid input, nothing was changed: invalid_topic, undeclared_topic, entry_too_large,
      invalid_address, payload_too_large, invalid_key, value_too_large, invalid_name,
      invalid_json, invalid_argument, invalid_scope, invalid_config
-  1  anything else: not_found, conflict, timeout, unavailable, malformed, io
+  1  anything else: not_found, conflict, timeout, unavailable, malformed, io, child_failed,
+     child_rejected
 Usage errors found by the argument parser (unknown flags, missing arguments) are plain text,
 exit 2.
 
@@ -315,7 +317,8 @@ pub(crate) struct CallArgs {
 }
 
 /// `flotilla call …`: runs an agent as a child run of the calling task and prints its
-/// outcome; exit 1 with code `child_failed` when the child did not succeed.
+/// outcome; exit 1 with code `child_failed` when the child did not succeed, `child_rejected`
+/// (with the problems) when the coordinator rejected it.
 pub(crate) async fn call(global: Global<'_>, args: CallArgs) -> anyhow::Result<ExitCode> {
     Ok(finish(run_call(global, args).await))
 }
@@ -362,10 +365,27 @@ async fn run_call(global: Global<'_>, args: CallArgs) -> Result<(), CliError> {
     let child = clients.start_child(&call).await?;
     clients.announce_child(&child.handle, &call.agent).await;
     let until = tokio::time::Instant::now() + args.wait;
-    let outcome = clients
-        .wait_child(child.handle.run_id, until)
-        .await
-        .map_err(|e| CliError::new("timeout", e.message().to_owned()))?;
+    let outcome = match clients.wait_child(child.handle.run_id, until).await {
+        Ok(o) => o,
+        // The child never ran: its problems (`tree_too_deep`, `unknown_agent`, …) go with
+        // the error, and the worker fails this attempt for good if the command gives up.
+        Err(e) if e.kind() == flotilla_context::ErrorKind::ChildRejected => {
+            print_json(&json!({
+                "run_id": child.handle.run_id,
+                "created": child.created,
+                "status": flotilla_model::run::RunStatus::Rejected,
+                "problems": e.problems(),
+            }))?;
+            let mut error = CliError::from(e);
+            let detail = error.detail.get_or_insert_with(|| json!({}));
+            detail["run_id"] = json!(child.handle.run_id);
+            return Err(error);
+        }
+        Err(e) if e.kind() == flotilla_context::ErrorKind::Unavailable => {
+            return Err(CliError::new("timeout", e.message().to_owned()));
+        }
+        Err(e) => return Err(e.into()),
+    };
     let final_result = outcome.final_result.as_ref();
     print_json(&json!({
         "run_id": child.handle.run_id,
@@ -405,6 +425,8 @@ struct CliError {
     code: &'static str,
     message: String,
     current_revision: Option<u64>,
+    /// More fields of the error object (a rejected child's `run_id`, its `problems`).
+    detail: Option<Value>,
 }
 
 impl CliError {
@@ -413,6 +435,7 @@ impl CliError {
             code,
             message: message.into(),
             current_revision: None,
+            detail: None,
         }
     }
 
@@ -431,6 +454,9 @@ impl CliError {
         if let Some(r) = self.current_revision {
             error["current_revision"] = r.into();
         }
+        if let (Some(Value::Object(more)), Some(e)) = (&self.detail, error.as_object_mut()) {
+            e.extend(more.clone());
+        }
         json!({ "error": error })
     }
 }
@@ -446,6 +472,7 @@ impl From<ContextError> for CliError {
                 .map(str::to_owned)
                 .unwrap_or_else(|| e.message().to_owned()),
             current_revision: e.current_revision(),
+            detail: (!e.problems().is_empty()).then(|| json!({ "problems": e.problems() })),
         }
     }
 }

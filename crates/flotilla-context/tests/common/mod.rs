@@ -37,6 +37,7 @@ pub fn task_scope(bus: &Bus, run: RunId, task: &str) -> Scope {
         produces: None,
         dataflow: DataflowValidation::Lenient,
         by: None,
+        trace: None,
     }
 }
 

@@ -13,7 +13,10 @@
 //! position its `flotilla mbox read` calls persisted is taken over, and the worker commits
 //! it with the result. Stdout is the response: a JSON object
 //! with a string `response` (and optionally `tokens`, `tools_used`, `numeric_value`), or plain
-//! text. A non-zero exit is a failure carrying the end of stderr. The command runs in its own
+//! text. A non-zero exit is a failure carrying the end of stderr: `agent_failed`, or
+//! `child_rejected` (not retried) when a `flotilla call` of the attempt had its child run
+//! rejected (`rejected.<root>.<attempt>` in the cursors bucket). `TRACEPARENT` carries the
+//! attempt's trace context, so the child runs of `flotilla call` join the run's trace. The command runs in its own
 //! process group, which is killed when the attempt is cancelled or times out, and — through
 //! the [exec shim](super::shim) — when the worker itself dies.
 
@@ -27,7 +30,7 @@ use tokio::io::AsyncWriteExt;
 
 use super::ExecConfig;
 use crate::agent::{Agent, AgentContext, AgentError, AgentReply};
-use flotilla_model::task::TaskEnvelope;
+use flotilla_model::task::{TaskEnvelope, TaskErrorKind};
 
 /// Runs a command.
 #[derive(Debug, Clone)]
@@ -193,12 +196,29 @@ impl Agent for ExecAgent {
                 } else {
                     &stderr[..]
                 };
-                Err(AgentError::failed(format!(
+                let message = format!(
                     "{} exited with {}: {}",
                     self.config.command,
                     output.status,
                     tail.trim()
-                )))
+                );
+                // A command that gives up after one of its `flotilla call`s was rejected fails
+                // for good: a new attempt would start a new subtree, rejected alike.
+                match ctx.clients().rejected_child().await {
+                    Ok(Some(rejected)) => Err(AgentError {
+                        kind: TaskErrorKind::ChildRejected,
+                        message: format!(
+                            "{message} (after child run {} was rejected: {})",
+                            rejected.child,
+                            rejected.codes()
+                        ),
+                    }),
+                    Ok(None) => Err(AgentError::failed(message)),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "Could not read whether a child run of the attempt was rejected");
+                        Err(AgentError::failed(message))
+                    }
+                }
             }
         })
     }

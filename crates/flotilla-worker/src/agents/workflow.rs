@@ -46,14 +46,17 @@
 //! The workflow's result: sequential and loop — the last step's response and numeric value;
 //! parallel — a JSON object of the branches' responses by sub-agent. A child that does not
 //! succeed fails the workflow attempt (`agent_failed`, retried like any attempt: a retry is a
-//! new attempt and runs its steps again).
+//! new attempt and runs its steps again) — except a child that was rejected (an invalid plan,
+//! the tree's `tree_too_deep` / `tree_too_large`: `child_rejected`) or that failed because the
+//! tree's budget is spent (`budget_exhausted`): those fail it for good, since a retry would
+//! be refused alike.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use flotilla_context::{Agent, AgentContext, AgentError, AgentReply, ChildCall};
 use flotilla_model::run::{RunOutcome, RunStatus};
-use flotilla_model::task::TaskEnvelope;
+use flotilla_model::task::{TaskEnvelope, TaskErrorKind};
 use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -284,18 +287,27 @@ impl WorkflowAgent {
         let (child, outcome) = ctx.call_agent(&call).await.map_err(|e| {
             if ctx.cancel.is_cancelled() {
                 AgentError::cancelled(format!("workflow {}: {e}", self.name))
+            } else if e.kind() == flotilla_context::ErrorKind::ChildRejected {
+                // The step's child never ran (an invalid plan, or the tree's depth or size
+                // limit): another attempt of the workflow would be refused alike.
+                AgentError {
+                    kind: TaskErrorKind::ChildRejected,
+                    message: format!("workflow {}: sub-agent {sub}: {e}", self.name),
+                }
             } else {
                 AgentError::failed(format!("workflow {}: sub-agent {sub}: {e}", self.name))
             }
         })?;
-        succeeded(&outcome).ok_or_else(|| {
-            AgentError::failed(format!(
+        succeeded(&outcome).ok_or_else(|| AgentError {
+            // A spent tree budget (or a refused grandchild) ends the workflow for good too.
+            kind: flotilla_context::binding_failure(&outcome).unwrap_or(TaskErrorKind::AgentFailed),
+            message: format!(
                 "workflow {}: sub-agent {sub} (child run {}) ended {}: {}",
                 self.name,
                 child.handle.run_id,
                 status_word(outcome.status),
                 failure_summary(&outcome)
-            ))
+            ),
         })
     }
 
