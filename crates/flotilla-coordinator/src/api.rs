@@ -316,6 +316,7 @@ impl Api {
             profile: r.profile,
             children: r.children,
             since: r.since,
+            since_index: r.since_index,
         };
         let stream = match crate::watch::project(bus.clone(), r.run_id, opts).await {
             Ok(s) => s,
