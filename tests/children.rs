@@ -711,6 +711,38 @@ async fn a_tree_shows_usage_per_run_and_a_session_lists_its_runs() -> anyhow::Re
     Ok(())
 }
 
+/// A run submitted without a session is its tree's session: its children carry its id. Asked
+/// for that session, `session.get` lists the run itself first, then its descendants — from
+/// the client library and the API alike; a descendant's id is no session of its own.
+#[tokio::test]
+async fn the_session_of_a_run_without_one_lists_the_run_and_its_descendants() -> anyhow::Result<()>
+{
+    let f = services().await?;
+    let mut top = Subtask::new("ask", "go deep").with_agent("nested");
+    top.input = json!({ "depth": 2 });
+    let run = f.client.submit(SubmitRequest::new(plan(vec![top]))).await?;
+    let outcome = f.client.wait(run, WAIT).await?;
+    assert_eq!(outcome.status, RunStatus::Succeeded, "{outcome:?}");
+    let tree = f.client.tree(run, 1000).await?.expect("the tree");
+    let child = &tree.root.children[0];
+    let expected = vec![run, child.run_id, child.children[0].run_id];
+
+    let session = flotilla_model::SessionId::from_uuid(*run.as_uuid());
+    let view = f.client.session(session).await?;
+    let runs: Vec<RunId> = view.runs.iter().map(|r| r.handle.run_id).collect();
+    assert_eq!(runs, expected, "the root first, then its descendants");
+    let (value, code) = api(&f, "session.get", json!({ "session_id": run })).await?;
+    assert_eq!(code, None, "{value}");
+    assert_eq!(
+        serde_json::from_value::<flotilla_model::tree::SessionView>(value)?,
+        view
+    );
+    let other = flotilla_model::SessionId::from_uuid(*child.run_id.as_uuid());
+    assert!(f.client.session(other).await?.runs.is_empty());
+    f.stop().await;
+    Ok(())
+}
+
 /// A parent waiting for its child gives its worker slot back: on a worker with one slot (and
 /// the default prefetch of one, so the child is pulled by the same worker), a chain of three
 /// agent-as-tool calls completes instead of the child waiting forever behind its parent.

@@ -307,6 +307,29 @@ async fn run_get_endpoint_answers_views_and_structured_errors() -> anyhow::Resul
     let reply = request(&f, &subject, b"{\"run\": 1}".to_vec()).await?;
     let err: ApiError = serde_json::from_slice(&reply.payload)?;
     assert_eq!((err.status, err.code.as_str()), (400, "malformed"));
+
+    // A page size out of range is refused by name, as ws.read refuses one, not lowered.
+    for limit in [0, 1001, u32::MAX] {
+        let body = serde_json::to_vec(&GetRunRequest {
+            tasks_limit: Some(limit),
+            ..GetRunRequest::new(run)
+        })?;
+        let err: ApiError = serde_json::from_slice(&request(&f, &subject, body).await?.payload)?;
+        assert_eq!((err.status, err.code.as_str()), (400, "invalid_limit"));
+        assert!(
+            err.message.contains("tasks_limit") && err.message.contains("1 to 1000"),
+            "{}",
+            err.message
+        );
+    }
+    for limit in [1, 1000] {
+        let body = serde_json::to_vec(&GetRunRequest {
+            tasks_limit: Some(limit),
+            ..GetRunRequest::new(run)
+        })?;
+        let view: RunView = serde_json::from_slice(&request(&f, &subject, body).await?.payload)?;
+        assert_eq!(view.tasks.len(), 1);
+    }
     f.stop().await;
     Ok(())
 }

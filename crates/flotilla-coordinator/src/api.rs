@@ -437,14 +437,26 @@ impl Api {
         let Some(r) = parse::<GetRunRequest>(&req).await else {
             return;
         };
+        // Refused, not lowered (as `ws.read` does), so a client learns the bound.
+        if let Some(n) = r.tasks_limit
+            && !(1..=MAX_TASKS_PER_VIEW).contains(&n)
+        {
+            return respond_error(
+                &req,
+                400,
+                "invalid_limit",
+                format!(
+                    "tasks_limit {n} is out of range: give 1 to {MAX_TASKS_PER_VIEW} (default {MAX_TASKS_PER_VIEW}) and page with tasks_offset"
+                ),
+            )
+            .await;
+        }
         let (offset, limit) = if r.task_id.is_some() {
             (0, usize::MAX)
         } else {
             (
                 r.tasks_offset,
-                r.tasks_limit
-                    .unwrap_or(MAX_TASKS_PER_VIEW)
-                    .min(MAX_TASKS_PER_VIEW) as usize,
+                r.tasks_limit.unwrap_or(MAX_TASKS_PER_VIEW) as usize,
             )
         };
         match self.store.view(r.run_id, offset as usize, limit).await {
