@@ -36,9 +36,10 @@ pub struct SubmitRequest {
     /// Session the run belongs to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session_id: Option<SessionId>,
-    /// Parent link, for child runs: the parent run's handle (`run_id` = the parent run,
-    /// `parent_task_id` / `parent_tool_call_id` = the task and call that start this run,
-    /// `root_run_id` = the tree's root). The child shares the root's workspace and mailboxes.
+    /// Parent link, for child runs: the **parent** run's handle — `run_id` is the parent run,
+    /// not this one (elsewhere a `RunHandle` names its own run) — with `parent_task_id` /
+    /// `parent_tool_call_id` = the parent's task and call that start this run and
+    /// `root_run_id` = the tree's root. The child shares the root's workspace and mailboxes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent: Option<RunHandle>,
     /// A subject on which the coordinator publishes exactly one terminal submit reply

@@ -5,7 +5,7 @@
 //!
 //! | Profile | Events |
 //! |---|---|
-//! | `user` | `assistant_reply`, tool calls of the root run's agents (`tool_start` / `tool_end`), child-run cards (`agent_run_started`), awaits, and the run phases (`run_*` workflow events) |
+//! | `user` | `assistant_reply`, tool calls of the root run's agents (`tool_start` / `tool_end`), child-run cards (`agent_run_started`), awaits (reserved events, not emitted yet), and the run phases (`run_*` workflow events) |
 //! | `debug` | everything, `agent_step` included |
 //! | `metrics` | `usage` and `workflow` events |
 //!
