@@ -1043,6 +1043,98 @@ async fn projections_show_run_started_first_and_resume_inside_a_message() -> any
     }
     let error = error.expect("an error");
     assert!(error.contains("names no event"), "{error}");
+
+    // A run whose start is recorded with its end (a quick run): its `run_started`, its held
+    // events and its end come in one release. A child linked among the held events shows
+    // right after its link, before the rest of the parent's message — its end included.
+    let (quick, inner) = (RunId::new(), RunId::new());
+    bus.publish(
+        bus.names().submit_run(quick),
+        &SubmitRequest::new(plan(vec![Subtask::new("t", "x")])),
+        None,
+    )
+    .await?;
+    let link = Event::AgentRunStarted {
+        child: RunHandle {
+            run_id: inner,
+            agent_id: None,
+            parent_run_id: Some(quick),
+            parent_task_id: Some(TaskId::new("t")),
+            parent_tool_call_id: Some("call0".into()),
+            root_run_id: Some(quick),
+        },
+        agent: Some("echo".into()),
+    };
+    let start_and_end = |r: RunId, task: &str| {
+        vec![
+            synthetic(r, "start", "coordinator", None, phase(P::RunStarted)),
+            synthetic(r, "1.0", "coordinator", Some(task), phase(P::TaskSucceeded)),
+            synthetic(r, "1.1", "coordinator", None, phase(P::RunSucceeded)),
+        ]
+    };
+    for (r, events) in [
+        (
+            quick,
+            vec![synthetic(
+                quick,
+                "w.0",
+                worker,
+                Some("t"),
+                phase(P::TaskStarted),
+            )],
+        ),
+        (
+            quick,
+            vec![synthetic(
+                quick,
+                &format!("child.{inner}"),
+                "task/t",
+                Some("t"),
+                link,
+            )],
+        ),
+        (inner, start_and_end(inner, "c")),
+        (quick, start_and_end(quick, "t")),
+    ] {
+        let batch = EventBatch::new(r, events);
+        bus.publish(bus.names().event(r), &batch, Some(&batch.msg_id()))
+            .await?;
+    }
+    let opts = WatchOptions {
+        profile: Profile::Debug,
+        children: ChildPolicy::Flatten,
+        ..WatchOptions::default()
+    };
+    let flat = projection(&client, quick, opts).await?;
+    assert_eq!(
+        flat.iter()
+            .map(|e| (e.run_id == quick, phase_of(e)))
+            .collect::<Vec<_>>(),
+        vec![
+            (true, Some(P::RunStarted)),
+            (true, Some(P::TaskStarted)),
+            (true, None),
+            (false, Some(P::RunStarted)),
+            (false, Some(P::TaskSucceeded)),
+            (false, Some(P::RunSucceeded)),
+            (true, Some(P::TaskSucceeded)),
+            (true, Some(P::RunSucceeded)),
+        ],
+        "{:?}",
+        ids(&flat)
+    );
+    for (at, e) in flat.iter().enumerate() {
+        let opts = WatchOptions {
+            since: e.seq,
+            since_index: Some(e.index),
+            ..opts
+        };
+        let resumed = projection(&client, quick, opts).await?;
+        assert_eq!(
+            resumed.iter().map(key).collect::<Vec<_>>(),
+            flat[at + 1..].iter().map(key).collect::<Vec<_>>(),
+        );
+    }
     Ok(())
 }
 

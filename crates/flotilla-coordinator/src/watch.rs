@@ -125,10 +125,8 @@ struct State {
     buffered: VecDeque<Item>,
     /// The sequence of the last message the consumer delivered.
     position: u64,
-    /// Children linked whose messages up to `position` are still to be read, in link order.
-    catch_up: VecDeque<RunId>,
-    /// Re-create the consumer from `position + 1` once the buffer is drained and the
-    /// catch-ups are done (a child was linked).
+    /// Re-create the consumer from `position + 1` once the buffer is drained (a child was
+    /// linked).
     reopen: bool,
     done: bool,
 }
@@ -364,13 +362,6 @@ impl State {
                         ))
                     });
                 }
-                if let Some(child) = self.catch_up.pop_front() {
-                    if let Err(e) = self.catch_up(child).await {
-                        self.done = true;
-                        return Some(Err(e));
-                    }
-                    continue;
-                }
                 if std::mem::take(&mut self.reopen)
                     && let Err(e) = self.reopen(self.position + 1).await
                 {
@@ -408,10 +399,18 @@ impl State {
                 && self.opts.children == ChildPolicy::Flatten
                 && !self.runs.contains_key(&child.run_id)
             {
-                // The child's messages up to the current position come next (read from the
-                // stream), then the consumer follows it too.
-                self.follow(child.run_id, depth + 1, agent.clone(), 0);
-                self.catch_up.push_back(child.run_id);
+                // The child's messages up to the current position come right after its link
+                // (read from the stream now, ahead of what is buffered: the rest of the
+                // parent's message may hold later events, its end even), then the consumer
+                // follows it too.
+                let child = child.run_id;
+                self.follow(child, depth + 1, agent.clone(), 0);
+                let rest = std::mem::take(&mut self.buffered);
+                if let Err(e) = self.catch_up(child).await {
+                    self.done = true;
+                    return Some(Err(e));
+                }
+                self.buffered.extend(rest);
                 self.reopen = true;
             }
             if shown
@@ -471,7 +470,6 @@ pub async fn project(
         messages: Some(messages),
         buffered: VecDeque::new(),
         position: 0,
-        catch_up: VecDeque::new(),
         reopen: false,
         done: false,
     };
