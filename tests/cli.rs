@@ -94,6 +94,45 @@ fn malformed_json_and_unknown_pool_are_problems_not_crashes() {
         "offline skips installation checks"
     );
 
+    // Type errors hide nothing: each wrong field, and the plan's own problems (a cycle).
+    let typed = dir.path().join("typed.json");
+    std::fs::write(
+        &typed,
+        r#"{"subtasks":[{"id":"a","timeout":"banana","dependencies":["b"]},
+                        {"id":"b","dependencies":["a"],"required":"no"}]}"#,
+    )
+    .expect("write");
+    let out = flotilla(&[
+        "plan",
+        "validate",
+        "--offline",
+        "--json",
+        typed.to_str().expect("utf8"),
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json output");
+    let found: Vec<(String, String)> = v["errors"]
+        .as_array()
+        .expect("errors")
+        .iter()
+        .map(|p| {
+            (
+                p["path"].as_str().unwrap_or_default().to_owned(),
+                p["code"].as_str().unwrap_or_default().to_owned(),
+            )
+        })
+        .collect();
+    for want in [
+        ("subtasks[0].timeout", "malformed"),
+        ("subtasks[1].required", "malformed"),
+    ] {
+        assert!(
+            found.contains(&(want.0.to_owned(), want.1.to_owned())),
+            "{want:?} not in {found:?}"
+        );
+    }
+    assert!(found.iter().any(|(_, c)| c == "cycle"), "{found:?}");
+
     let out = flotilla(&["plan", "validate", "does-not-exist.json"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("does-not-exist.json"));

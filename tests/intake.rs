@@ -317,6 +317,125 @@ async fn run_get_endpoint_answers_views_and_structured_errors() -> anyhow::Resul
     let reply = request(&f, &subject, b"{\"run\": 1}".to_vec()).await?;
     let err: ApiError = serde_json::from_slice(&reply.payload)?;
     assert_eq!((err.status, err.code.as_str()), (400, "malformed"));
+
+    // A page size out of range is refused by name, as ws.read refuses one, not lowered.
+    for limit in [0, 1001, u32::MAX] {
+        let body = serde_json::to_vec(&GetRunRequest {
+            tasks_limit: Some(limit),
+            ..GetRunRequest::new(run)
+        })?;
+        let err: ApiError = serde_json::from_slice(&request(&f, &subject, body).await?.payload)?;
+        assert_eq!((err.status, err.code.as_str()), (400, "invalid_limit"));
+        assert!(
+            err.message.contains("tasks_limit") && err.message.contains("1 to 1000"),
+            "{}",
+            err.message
+        );
+    }
+    for limit in [1, 1000] {
+        let body = serde_json::to_vec(&GetRunRequest {
+            tasks_limit: Some(limit),
+            ..GetRunRequest::new(run)
+        })?;
+        let view: RunView = serde_json::from_slice(&request(&f, &subject, body).await?.payload)?;
+        assert_eq!(view.tasks.len(), 1);
+    }
+    f.stop().await;
+    Ok(())
+}
+
+/// A plan with type errors and a cycle: every path reports every problem at once — the
+/// intake stream's rejection, the submit endpoint (JSON and MessagePack) and the validate
+/// endpoint — instead of one `malformed` for the first wrong field.
+#[tokio::test]
+async fn type_errors_and_plan_errors_are_reported_together_on_every_path() -> anyhow::Result<()> {
+    use flotilla_model::api::ValidatePlanReply;
+    use flotilla_model::validate::Problem;
+    let f = start(0).await?;
+    let bad_plan = serde_json::json!({
+        "subtasks": [
+            {"id": "a", "timeout": "banana", "dependencies": ["b"]},
+            {"id": "b", "dependencies": ["a"], "required": "no"}
+        ],
+        "config": {"max_retries": "many"}
+    });
+    let expected = |problems: &[Problem], what: &str| {
+        let found: Vec<(&str, ProblemCode)> =
+            problems.iter().map(|p| (p.path.as_str(), p.code)).collect();
+        for want in [
+            ("subtasks[0].timeout", ProblemCode::Malformed),
+            ("subtasks[1].required", ProblemCode::Malformed),
+            ("config.max_retries", ProblemCode::Malformed),
+        ] {
+            assert!(found.contains(&want), "{what}: {want:?} not in {found:?}");
+        }
+        assert!(
+            problems.iter().any(|p| p.code == ProblemCode::Cycle),
+            "{what}: no cycle in {found:?}"
+        );
+    };
+
+    // The durable intake: the rejection is the run's record.
+    let run = RunId::new();
+    let body = serde_json::json!({"run_id": run, "plan": bad_plan});
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", format!("typed-{run}").as_str());
+    f.bus
+        .js()
+        .publish_with_headers(
+            f.bus.names().submit(),
+            headers,
+            serde_json::to_vec(&body)?.into(),
+        )
+        .await?
+        .await?;
+    assert_eq!(f.client.wait(run, WAIT).await?.status, RunStatus::Rejected);
+    let store = RunStore::open(&f.bus).await?;
+    let view = store.view(run, 0, usize::MAX).await?.expect("rejected");
+    expected(&view.record.errors, "intake");
+
+    // The submit endpoint, in JSON and in MessagePack.
+    let subject = f.bus.names().api("submit");
+    let body = serde_json::json!({"plan": bad_plan});
+    let reply: SubmitReply = serde_json::from_slice(
+        &request(&f, &subject, serde_json::to_vec(&body)?)
+            .await?
+            .payload,
+    )?;
+    assert_eq!(reply.status, SubmitStatus::Rejected);
+    expected(&reply.errors, "api.submit");
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Content-Type", "application/msgpack");
+    let answer = tokio::time::timeout(
+        Duration::from_secs(10),
+        f.bus.client().request_with_headers(
+            subject,
+            headers,
+            rmp_serde::to_vec_named(&body)?.into(),
+        ),
+    )
+    .await??;
+    let reply: SubmitReply = serde_json::from_slice(&answer.payload)?;
+    expected(&reply.errors, "api.submit (MessagePack)");
+
+    // The validate endpoint answers the plan's problems; a malformed request is still 400.
+    let subject = f.bus.names().api("plan.validate");
+    let body = serde_json::json!({"plan": bad_plan});
+    let reply: ValidatePlanReply = serde_json::from_slice(
+        &request(&f, &subject, serde_json::to_vec(&body)?)
+            .await?
+            .payload,
+    )?;
+    expected(&reply.errors, "api.plan.validate");
+    let body = serde_json::json!({"plans": bad_plan});
+    let err: ApiError = serde_json::from_slice(
+        &request(&f, &subject, serde_json::to_vec(&body)?)
+            .await?
+            .payload,
+    )?;
+    assert_eq!((err.status, err.code.as_str()), (400, "malformed"));
+    assert!(err.message.contains("plans"), "{}", err.message);
+    assert_eq!(tasks_queued(&f).await?, 0, "nothing was dispatched");
     f.stop().await;
     Ok(())
 }

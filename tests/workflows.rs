@@ -433,7 +433,7 @@ async fn library_watch(
     let opts = WatchOptions {
         profile,
         children,
-        since: 0,
+        ..WatchOptions::default()
     };
     projection(&p.client, run, opts).await
 }

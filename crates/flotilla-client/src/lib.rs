@@ -363,9 +363,11 @@ impl Client {
 
     /// Follows `run`'s tree as one audience sees it ([`flotilla_model::watch`]): the events
     /// its `profile` shows, children hidden, linked or flattened into the stream (live, in
-    /// the order the event stream stored them, each child after its link, attributed to its
-    /// run and agent). Ends once the run and every child shown have ended. The same engine
-    /// serves `<prefix>.api.watch`, so both give the same events in the same order.
+    /// the order the event stream stored them, each run's `run_started` first, each child
+    /// after its link, attributed to its run and agent). Ends once the run and every child
+    /// shown have ended. Resume after an event with `opts.since` / `opts.since_index` = its
+    /// `seq` / `index`. The same engine serves `<prefix>.api.watch`, so both give the same
+    /// events in the same order.
     pub async fn watch(
         &self,
         run: RunId,

@@ -316,6 +316,7 @@ impl Api {
             profile: r.profile,
             children: r.children,
             since: r.since,
+            since_index: r.since_index,
         };
         let stream = match crate::watch::project(bus.clone(), r.run_id, opts).await {
             Ok(s) => s,
@@ -436,14 +437,26 @@ impl Api {
         let Some(r) = parse::<GetRunRequest>(&req).await else {
             return;
         };
+        // Refused, not lowered (as `ws.read` does), so a client learns the bound.
+        if let Some(n) = r.tasks_limit
+            && !(1..=MAX_TASKS_PER_VIEW).contains(&n)
+        {
+            return respond_error(
+                &req,
+                400,
+                "invalid_limit",
+                format!(
+                    "tasks_limit {n} is out of range: give 1 to {MAX_TASKS_PER_VIEW} (default {MAX_TASKS_PER_VIEW}) and page with tasks_offset"
+                ),
+            )
+            .await;
+        }
         let (offset, limit) = if r.task_id.is_some() {
             (0, usize::MAX)
         } else {
             (
                 r.tasks_offset,
-                r.tasks_limit
-                    .unwrap_or(MAX_TASKS_PER_VIEW)
-                    .min(MAX_TASKS_PER_VIEW) as usize,
+                r.tasks_limit.unwrap_or(MAX_TASKS_PER_VIEW) as usize,
             )
         };
         match self.store.view(r.run_id, offset as usize, limit).await {
@@ -570,11 +583,45 @@ impl Api {
     }
 
     async fn validate(&self, req: Request) {
-        let Some(r) = parse::<ValidatePlanRequest>(&req).await else {
-            return;
-        };
         let mut ctx = self.ctx.clone();
         ctx.limits.max_plan_bytes = Some(self.max_payload().saturating_sub(PLAN_ENVELOPE_ROOM));
+        let headers = req.message.headers.as_ref();
+        let r = match wire::decode::<ValidatePlanRequest>(headers, &req.message.payload) {
+            Ok(r) => r,
+            Err(CodecError::Decode { .. }) => {
+                // Every problem of the plan at once — fields of the wrong type included —
+                // unless the request itself is malformed.
+                let codec = wire::codec_of(headers);
+                return match flotilla_model::lenient::validate_request_problems(
+                    codec,
+                    &req.message.payload,
+                    &ctx,
+                ) {
+                    Ok(errors) => {
+                        let reply = ValidatePlanReply {
+                            protocol: PROTOCOL_VERSION,
+                            errors,
+                            warnings: Vec::new(),
+                        };
+                        respond_json(&req, self.max_payload(), &reply).await;
+                    }
+                    Err(own) => {
+                        let message = own
+                            .iter()
+                            .map(ToString::to_string)
+                            .collect::<Vec<_>>()
+                            .join("; ");
+                        respond_error(&req, 400, "malformed", message).await;
+                    }
+                };
+            }
+            Err(e) => {
+                return respond_error(&req, 400, "malformed", e.to_string()).await;
+            }
+        };
+        if let Err(e) = check_protocol(r.protocol) {
+            return respond_error(&req, 400, "unsupported_protocol", e.to_string()).await;
+        }
         let report = validate_plan(&r.plan, &ctx);
         let mut warnings = report.warnings;
         let pools: std::collections::BTreeSet<&str> =

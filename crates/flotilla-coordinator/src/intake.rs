@@ -185,8 +185,19 @@ impl Intake {
                 let loose = loose_fields(headers, payload, msg_id);
                 let reply_to = loose.reply_to.filter(|s| check_subject(s).is_ok());
                 let run = self.run_id_for(loose.run_id, loose.key.as_deref()).await?;
+                // Every problem at once: each field of the wrong type, and what validation
+                // finds in the rest.
+                let errors = match e {
+                    CodecError::UnsupportedProtocol { .. } => vec![e.to_problem()],
+                    _ => flotilla_model::submit::decode_problems(
+                        wire::codec_of(headers),
+                        payload,
+                        run,
+                        &self.ctx,
+                    ),
+                };
                 let rejected = Rejected {
-                    errors: vec![e.to_problem()],
+                    errors,
                     name: None,
                     labels: BTreeMap::new(),
                     reply_to,

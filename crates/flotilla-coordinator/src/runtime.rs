@@ -513,12 +513,8 @@ impl Runtime {
                 ) == Some("0");
                 let request = wire::decode::<SubmitRequest>(msg.headers.as_ref(), &msg.payload)
                     .map(Box::new)
-                    .map_err(|e| {
-                        Box::new(UnreadableSubmission::of(
-                            msg.headers.as_ref(),
-                            &msg.payload,
-                            &e,
-                        ))
+                    .map_err(|_| {
+                        Box::new(UnreadableSubmission::of(msg.headers.as_ref(), &msg.payload))
                     });
                 Inbound::Submission { request, first }
             } else {
@@ -671,7 +667,7 @@ impl Runtime {
                 }
             }
             FirstMessage::Unreadable(unreadable) => {
-                self.reject(run, &rejection_of(&unreadable), first.ts_ms)
+                self.reject(run, &self.rejection_of(run, &unreadable), first.ts_ms)
                     .await?;
                 return Ok(None);
             }
@@ -727,7 +723,7 @@ impl Runtime {
     ) -> Result<Result<Submitted, Rejected>, StepError> {
         let request = match submission {
             Ok(r) => r,
-            Err(unreadable) => return Ok(Err(rejection_of(unreadable))),
+            Err(unreadable) => return Ok(Err(self.rejection_of(run, unreadable))),
         };
         let mut errors = Vec::new();
         let reply_to = match &request.reply_to {
@@ -828,6 +824,23 @@ impl Runtime {
         submitted.depth = lineage.depth;
         submitted.budget_scopes = lineage.budget_scopes;
         Ok(Ok(submitted))
+    }
+
+    /// The rejection of a submission that cannot be decoded: every problem of it at once
+    /// (fields of the wrong type, unknown or missing, then what validation finds in the rest).
+    fn rejection_of(&self, run: RunId, unreadable: &UnreadableSubmission) -> Rejected {
+        Rejected {
+            errors: flotilla_model::submit::decode_problems(
+                unreadable.codec,
+                &unreadable.payload,
+                run,
+                &self.ctx,
+            ),
+            name: None,
+            labels: Default::default(),
+            reply_to: unreadable.reply_to.clone(),
+            intake_seq: None,
+        }
     }
 
     /// Makes a rejection of a client's own submission the run's decision: a `rejected` entry
@@ -2349,17 +2362,6 @@ enum Replies {
     Send,
     /// No: an end performed again for its events only.
     Skip,
-}
-
-/// The rejection of a submission that cannot be decoded.
-fn rejection_of(unreadable: &UnreadableSubmission) -> Rejected {
-    Rejected {
-        errors: truncate_problems(unreadable.problems.clone(), MAX_REPORTED_PROBLEMS),
-        name: None,
-        labels: Default::default(),
-        reply_to: unreadable.reply_to.clone(),
-        intake_seq: None,
-    }
 }
 
 /// A submission as the run log records an accepted one.

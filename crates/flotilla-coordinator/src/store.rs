@@ -82,22 +82,23 @@ pub enum FirstMessage {
 /// still be read of it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct UnreadableSubmission {
-    /// Every problem found.
-    pub problems: Vec<flotilla_model::validate::Problem>,
+    /// Its codec.
+    pub codec: flotilla_model::codec::Codec,
+    /// Its bytes, for the full list of its problems
+    /// ([`flotilla_model::submit::decode_problems`], which needs the deployment's validation
+    /// context).
+    pub payload: Bytes,
     /// Where its submitter waits for the answer (a publishable subject), if it says.
     pub reply_to: Option<String>,
 }
 
 impl UnreadableSubmission {
     /// Reads what can be read of an undecodable submission.
-    pub fn of(
-        headers: Option<&async_nats::HeaderMap>,
-        payload: &[u8],
-        error: &flotilla_model::codec::CodecError,
-    ) -> Self {
+    pub fn of(headers: Option<&async_nats::HeaderMap>, payload: &Bytes) -> Self {
         let loose = crate::intake::loose_fields(headers, payload, None);
         Self {
-            problems: vec![error.to_problem()],
+            codec: wire::codec_of(headers),
+            payload: payload.clone(),
             reply_to: loose
                 .reply_to
                 .filter(|s| flotilla_model::token::check_subject(s).is_ok()),
@@ -399,10 +400,9 @@ impl RunStore {
                     request: Box::new(request),
                     trace: crate::intake::trace_from(Some(&msg.headers), run),
                 },
-                Err(e) => FirstMessage::Unreadable(UnreadableSubmission::of(
+                Err(_) => FirstMessage::Unreadable(UnreadableSubmission::of(
                     Some(&msg.headers),
                     &msg.payload,
-                    &e,
                 )),
             }
         } else {

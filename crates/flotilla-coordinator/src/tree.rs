@@ -9,7 +9,9 @@
 //! A session's runs are found through an index the coordinators keep in the runs bucket: a
 //! key `session.<session>.<run>` written before the record of every run that has a session
 //! (runs submitted with `session_id`, and every child run, which carries its tree's
-//! session). Listing a session reads those keys' subjects, not every record.
+//! session). Listing a session reads those keys' subjects, not every record. A run submitted
+//! without a session has none in the index, though its children carry its id as their
+//! session: a session id that names such a run lists the run itself too.
 
 use std::collections::{HashMap, HashSet};
 
@@ -222,8 +224,19 @@ fn assemble(
 
 /// The runs of `session`, oldest first (at most 1000: the newest). Runs whose record is not
 /// written yet are left out.
+///
+/// A run submitted without a session has its own id as its tree's session (its children
+/// carry it), but no index key of its own: when `session` names such a run, it is listed
+/// too, first.
 pub async fn session_view(store: &RunStore, session: SessionId) -> Result<SessionView, StoreError> {
     let mut runs = store.session_runs(session).await?;
+    let root = RunId::from_uuid(*session.as_uuid());
+    if !runs.contains(&root)
+        && let Some(record) = store.record(root).await?
+        && record.session_id.is_none()
+    {
+        runs.insert(0, root);
+    }
     // Index keys are stored in creation order: the newest are last.
     let max = MAX_RUNS_PER_ANSWER as usize;
     let omitted = runs.len().saturating_sub(max);

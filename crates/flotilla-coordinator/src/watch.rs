@@ -18,15 +18,24 @@
 //! holds up to P, never on timing, so the same streams always give the same projection — the
 //! client library and the server-side `api.watch` agree event for event.
 //!
+//! **`run_started` first.** A run's start is recorded lazily (with the run's next step), so
+//! its workers' first events (`task_started`, a child's link, replies) may be stored before
+//! its `run_started`. Until a run's `run_started` (or, for a run that never started, its end)
+//! is read, its events are held back; then `run_started` is shown and the held events right
+//! after it, in stream order. Whether an event is held depends only on the messages of its
+//! run stored before it, so this too is the same on every read.
+//!
 //! The projection ends when every followed run has ended: the watched run and, under
 //! `flatten`, each child shown (a child a failed parent left behind is cancelled, and its end
 //! is shown). A run's events after its end (late events of a cancelled attempt) are not shown.
 //!
-//! **Resuming.** `since` is the `seq` of the last event a watcher received. Without `flatten`
-//! the watched run is read from the next message on. Under `flatten` the order is not by
-//! sequence (a child's earlier events follow its link), so the projection is replayed from
-//! the start without showing anything up to and including that message — the same order
-//! either way, so exactly the events after it are shown.
+//! **Resuming.** An event's cursor is `(seq, index)`: the stream sequence of its message and
+//! its position in the message (a message carries every event of one step, so several share
+//! a `seq`). The projection's order is not the stream's (`run_started` moves ahead of held
+//! events; a child's earlier events follow its link), so a resumed watch replays the
+//! projection from the start and shows nothing up to and including the cursor's event —
+//! the same order either way, so exactly the events after it are shown. A cursor without an
+//! index (older clients) stands for the last event of its message.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
@@ -35,7 +44,7 @@ use async_nats::jetstream::consumer::{DeliverPolicy, pull};
 use async_nats::jetstream::stream::{RawMessageErrorKind, Stream as JsStream};
 use flotilla_bus::{Bus, wire};
 use flotilla_model::RunId;
-use flotilla_model::event::{Event, EventEnvelope, decode_events};
+use flotilla_model::event::{Event, EventEnvelope, WorkflowPhase, decode_events};
 use flotilla_model::subjects::StreamKind;
 use flotilla_model::watch::{ChildPolicy, Profile, ProjectedEvent, shows};
 use futures::{Stream, StreamExt};
@@ -49,9 +58,11 @@ pub struct WatchOptions {
     pub profile: Profile,
     /// How children show.
     pub children: ChildPolicy,
-    /// Resume after the event message with this sequence (the `seq` of the last event
-    /// received; 0: from the start).
+    /// Resume after the event with this `seq` (that of the last event received; 0: from the
+    /// start) ...
     pub since: u64,
+    /// ... and this `index`; `None`: after the last event of message `since`.
+    pub since_index: Option<u32>,
 }
 
 type Messages = async_nats::jetstream::consumer::pull::Ordered;
@@ -65,8 +76,38 @@ struct Followed {
     read_upto: u64,
     /// Its run-terminal event was read.
     ended: bool,
+    /// Its `run_started` (or its end) was read: its events are no longer held back.
+    started: bool,
+    /// Its events read before it started, in stream order: shown right after `run_started`.
+    held: Vec<Item>,
     /// Event ids read, for de-duplication (a retried publish may store an event twice).
     seen: HashSet<String>,
+}
+
+/// An event read, with its position.
+struct Item {
+    /// The stream sequence of its message.
+    seq: u64,
+    /// Its position in the message.
+    index: u32,
+    /// It is the message's last event.
+    last: bool,
+    run: RunId,
+    envelope: EventEnvelope,
+}
+
+/// Where a resumed projection starts showing: after the event at `seq` and `index` (`None`:
+/// the last event of message `seq`).
+#[derive(Debug, Clone, Copy)]
+struct Cursor {
+    seq: u64,
+    index: Option<u32>,
+}
+
+impl Cursor {
+    fn is(&self, item: &Item) -> bool {
+        item.seq == self.seq && self.index.map_or(item.last, |i| i == item.index)
+    }
 }
 
 struct State {
@@ -76,18 +117,16 @@ struct State {
     watch_id: String,
     serial: u64,
     opts: WatchOptions,
-    /// Under `flatten` with `since`: nothing is shown until the message `since` was read.
-    resume_after: Option<u64>,
+    /// Resuming: nothing is shown until this event has been passed.
+    resume_after: Option<Cursor>,
     runs: HashMap<RunId, Followed>,
     messages: Option<Messages>,
-    /// Events read, with whether they may be shown (not when resuming past them).
-    buffered: VecDeque<(u64, RunId, bool, EventEnvelope)>,
+    /// Events read, in the projection's order, to be shown (or skipped).
+    buffered: VecDeque<Item>,
     /// The sequence of the last message the consumer delivered.
     position: u64,
-    /// Children linked whose messages up to `position` are still to be read, in link order.
-    catch_up: VecDeque<RunId>,
-    /// Re-create the consumer from `position + 1` once the buffer is drained and the
-    /// catch-ups are done (a child was linked).
+    /// Re-create the consumer from `position + 1` once the buffer is drained (a child was
+    /// linked).
     reopen: bool,
     done: bool,
 }
@@ -173,6 +212,8 @@ impl State {
                 agent,
                 read_upto,
                 ended: false,
+                started: false,
+                held: Vec::new(),
                 seen: HashSet::new(),
             },
         );
@@ -256,7 +297,8 @@ impl State {
     }
 
     /// Puts a message of followed run `run` into the buffer, unless it was read already or
-    /// the run has ended.
+    /// the run has ended. A run's events before its `run_started` are held back and follow
+    /// it (a run that ends without starting — rejected — shows them before its end).
     fn admit(&mut self, run: RunId, seq: u64, headers: Option<&HeaderMap>, payload: &[u8]) {
         let Some(f) = self.runs.get_mut(&run) else {
             return;
@@ -265,22 +307,38 @@ impl State {
             return;
         }
         f.read_upto = seq;
-        // Resuming: this message and those before it were shown to the watcher already.
-        let shown = match self.resume_after {
-            Some(after) => {
-                if seq == after {
-                    self.resume_after = None;
-                }
-                false
-            }
-            None => true,
-        };
-        match decode_events(wire::codec_of(headers), payload) {
-            Ok(events) => self
-                .buffered
-                .extend(events.into_iter().map(|e| (seq, run, shown, e))),
+        let events = match decode_events(wire::codec_of(headers), payload) {
+            Ok(events) => events,
             Err(e) => {
                 tracing::warn!(%run, error = %e, "Skipping an undecodable event message");
+                return;
+            }
+        };
+        let count = events.len();
+        for (index, envelope) in events.into_iter().enumerate() {
+            let item = Item {
+                seq,
+                index: u32::try_from(index).unwrap_or(u32::MAX),
+                last: index + 1 == count,
+                run,
+                envelope,
+            };
+            if f.started {
+                self.buffered.push_back(item);
+                continue;
+            }
+            match &item.envelope.event {
+                Event::Workflow(w) if w.phase == WorkflowPhase::RunStarted => {
+                    f.started = true;
+                    self.buffered.push_back(item);
+                    self.buffered.extend(f.held.drain(..));
+                }
+                Event::Workflow(w) if w.phase.ends_run() => {
+                    f.started = true;
+                    self.buffered.extend(f.held.drain(..));
+                    self.buffered.push_back(item);
+                }
+                _ => f.held.push(item),
             }
         }
     }
@@ -290,17 +348,19 @@ impl State {
             if self.done {
                 return None;
             }
-            let Some((seq, run, shown, envelope)) = self.buffered.pop_front() else {
+            let Some(item) = self.buffered.pop_front() else {
                 if self.all_ended() {
                     self.done = true;
-                    return None;
-                }
-                if let Some(child) = self.catch_up.pop_front() {
-                    if let Err(e) = self.catch_up(child).await {
-                        self.done = true;
-                        return Some(Err(e));
-                    }
-                    continue;
+                    return self.resume_after.take().map(|c| {
+                        Err(CoordinatorError::new(
+                            CoordinatorErrorKind::Watch,
+                            format!(
+                                "since {} (index {}) names no event of this projection: resume with the seq and index of an event it delivered",
+                                c.seq,
+                                c.index.map_or_else(|| "none".to_owned(), |i| i.to_string())
+                            ),
+                        ))
+                    });
                 }
                 if std::mem::take(&mut self.reopen)
                     && let Err(e) = self.reopen(self.position + 1).await
@@ -314,24 +374,43 @@ impl State {
                 }
                 continue;
             };
-            let Some(f) = self.runs.get_mut(&run) else {
+            // Resuming: the events up to the cursor's were delivered before. They still
+            // count (links followed, ends), exactly as when they were shown.
+            let shown = match self.resume_after {
+                Some(c) => {
+                    if c.is(&item) {
+                        self.resume_after = None;
+                    }
+                    false
+                }
+                None => true,
+            };
+            let Some(f) = self.runs.get_mut(&item.run) else {
                 continue;
             };
-            if f.ended || !f.seen.insert(envelope.id.clone()) {
+            if f.ended || !f.seen.insert(item.envelope.id.clone()) {
                 continue;
             }
             let (depth, agent) = (f.depth, f.agent.clone());
-            if matches!(&envelope.event, Event::Workflow(w) if w.phase.ends_run()) {
+            if matches!(&item.envelope.event, Event::Workflow(w) if w.phase.ends_run()) {
                 f.ended = true;
             }
-            if let Event::AgentRunStarted { child, agent } = &envelope.event
+            if let Event::AgentRunStarted { child, agent } = &item.envelope.event
                 && self.opts.children == ChildPolicy::Flatten
                 && !self.runs.contains_key(&child.run_id)
             {
-                // The child's messages up to the current position come next (read from the
-                // stream), then the consumer follows it too.
-                self.follow(child.run_id, depth + 1, agent.clone(), 0);
-                self.catch_up.push_back(child.run_id);
+                // The child's messages up to the current position come right after its link
+                // (read from the stream now, ahead of what is buffered: the rest of the
+                // parent's message may hold later events, its end even), then the consumer
+                // follows it too.
+                let child = child.run_id;
+                self.follow(child, depth + 1, agent.clone(), 0);
+                let rest = std::mem::take(&mut self.buffered);
+                if let Err(e) = self.catch_up(child).await {
+                    self.done = true;
+                    return Some(Err(e));
+                }
+                self.buffered.extend(rest);
                 self.reopen = true;
             }
             if shown
@@ -339,15 +418,16 @@ impl State {
                     self.opts.profile,
                     self.opts.children,
                     depth,
-                    &envelope.event,
+                    &item.envelope.event,
                 )
             {
                 return Some(Ok(ProjectedEvent {
-                    run_id: run,
+                    run_id: item.run,
                     depth,
                     agent,
-                    seq,
-                    event: envelope,
+                    seq: item.seq,
+                    index: item.index,
+                    event: item.envelope,
                 }));
             }
         }
@@ -365,19 +445,18 @@ pub async fn project(
     CoordinatorError,
 > {
     let stream = event_stream(&bus).await?;
-    // Without flatten the watched run's own order is the projection's: start after `since`.
-    // With it, replay from the start and show nothing up to `since`.
-    let (from, resume_after) = match (opts.children, opts.since) {
-        (_, 0) => (1, None),
-        (ChildPolicy::Flatten, since) => (1, Some(since)),
-        (_, since) => (since + 1, None),
-    };
+    // The projection's order is not the stream's, so a resumed projection is replayed from
+    // the start, showing nothing up to the cursor.
+    let resume_after = (opts.since > 0).then_some(Cursor {
+        seq: opts.since,
+        index: opts.since_index,
+    });
     let watch_id = uuid::Uuid::new_v4().simple().to_string();
     let messages = open(
         &stream,
         &format!("flwatch-{watch_id}-0"),
         vec![bus.names().event(run)],
-        from,
+        1,
     )
     .await?;
     let mut state = State {
@@ -390,12 +469,11 @@ pub async fn project(
         runs: HashMap::new(),
         messages: Some(messages),
         buffered: VecDeque::new(),
-        position: from - 1,
-        catch_up: VecDeque::new(),
+        position: 0,
         reopen: false,
         done: false,
     };
-    state.follow(run, 0, None, from - 1);
+    state.follow(run, 0, None, 0);
     Ok(futures::stream::unfold(state, |mut s| async move {
         s.next().await.map(|item| (item, s))
     }))

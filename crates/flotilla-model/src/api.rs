@@ -41,7 +41,8 @@ pub struct GetRunRequest {
     /// First task to include (plan order); page through large runs with it.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub tasks_offset: u32,
-    /// Most tasks to include (default and maximum 1000).
+    /// Most tasks to include: 1 to 1000 (default 1000); another value is refused with
+    /// `400 invalid_limit`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tasks_limit: Option<u32>,
     /// Include only this task (paging is then ignored).

@@ -106,7 +106,9 @@ pub struct EventEnvelope {
     pub attempt: Option<u32>,
     /// When it happened.
     pub ts: Timestamp,
-    /// Who emitted it: `coordinator` or `worker/<id>`.
+    /// Who emitted it: `coordinator`, `worker/<worker id>` (an agent's events), or
+    /// `task/<task id>` (a child run's link, written by the starting task's attempt — the same
+    /// on every worker and delivery).
     pub source: String,
     /// The event.
     pub event: Event,
@@ -126,7 +128,8 @@ pub enum Event {
         #[serde(rename = "final", default, skip_serializing_if = "std::ops::Not::not")]
         is_final: bool,
     },
-    /// The agent's reasoning, for debug audiences.
+    /// The agent's reasoning, for debug audiences. Reserved: nothing in Flotilla emits it
+    /// yet.
     PlannerThought {
         /// The text.
         text: String,
@@ -141,7 +144,7 @@ pub enum Event {
         #[serde(default)]
         input: serde_json::Value,
     },
-    /// Partial output of a running tool call.
+    /// Partial output of a running tool call. Reserved: nothing in Flotilla emits it yet.
     ToolUpdate {
         /// Call id.
         call_id: String,
@@ -171,12 +174,14 @@ pub enum Event {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         error: Option<String>,
     },
-    /// The agent needs an answer from the user.
+    /// The agent needs an answer from the user. Reserved for the human-in-the-loop work:
+    /// nothing in Flotilla emits it yet.
     AwaitClarification {
         /// The question.
         question: String,
     },
-    /// The agent waits for tools executed outside Flotilla.
+    /// The agent waits for tools executed outside Flotilla. Reserved for the human-in-the-loop
+    /// work: nothing in Flotilla emits it yet.
     AwaitExternalTools {
         /// Pending calls.
         calls: Vec<ExternalToolCall>,

@@ -62,10 +62,13 @@ pub struct Subtask {
     /// ordering on other tasks implied).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub consumes: Vec<String>,
-    /// The kind of action the task takes (`read`, `publish`, `pay`…); used by escalation policy.
+    /// The kind of action the task takes (`read`, `publish`, `pay`…). Passed to the agent in
+    /// its envelope; reserved for escalation policy, which is not built yet (nothing decides
+    /// on it today).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub action: Option<String>,
-    /// How risky the action is.
+    /// How risky the action is. Passed to the agent in its envelope; reserved for escalation
+    /// policy, which is not built yet.
     #[serde(default)]
     pub risk: Risk,
     /// Whether the run fails when this task fails. Optional tasks may fail or be skipped

@@ -36,9 +36,10 @@ pub struct SubmitRequest {
     /// Session the run belongs to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session_id: Option<SessionId>,
-    /// Parent link, for child runs: the parent run's handle (`run_id` = the parent run,
-    /// `parent_task_id` / `parent_tool_call_id` = the task and call that start this run,
-    /// `root_run_id` = the tree's root). The child shares the root's workspace and mailboxes.
+    /// Parent link, for child runs: the **parent** run's handle — `run_id` is the parent run,
+    /// not this one (elsewhere a `RunHandle` names its own run) — with `parent_task_id` /
+    /// `parent_tool_call_id` = the parent's task and call that start this run and
+    /// `root_run_id` = the tree's root. The child shares the root's workspace and mailboxes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent: Option<RunHandle>,
     /// A subject on which the coordinator publishes exactly one terminal submit reply
@@ -126,6 +127,21 @@ impl SubmitRequest {
     pub fn plan_name(&self) -> Option<String> {
         self.plan.as_ref().and_then(|p| p.name.clone())
     }
+}
+
+/// Every problem of a submission body that does not decode as a [`SubmitRequest`], for run
+/// `run` and validated against `ctx`: fields of the wrong type, unknown or missing — all of
+/// them, not the first — and then what validation finds in the rest (see
+/// [`crate::lenient`]). At most [`crate::validate::MAX_REPORTED_PROBLEMS`], never empty. The
+/// intake, the API and the run-log runtime (a client's own first message on
+/// `<prefix>.submit.<run>`) answer an undecodable submission with it.
+pub fn decode_problems(
+    codec: crate::codec::Codec,
+    bytes: &[u8],
+    run: RunId,
+    ctx: &crate::validate::ValidationContext,
+) -> Vec<Problem> {
+    crate::lenient::submission_problems(codec, bytes, run, ctx)
 }
 
 /// The coordinator's answer to a submission.

@@ -5,7 +5,7 @@
 //!
 //! | Profile | Events |
 //! |---|---|
-//! | `user` | `assistant_reply`, tool calls of the root run's agents (`tool_start` / `tool_end`), child-run cards (`agent_run_started`), awaits, and the run phases (`run_*` workflow events) |
+//! | `user` | `assistant_reply`, tool calls of the root run's agents (`tool_start` / `tool_end`), child-run cards (`agent_run_started`), awaits (reserved events, not emitted yet), and the run phases (`run_*` workflow events) |
 //! | `debug` | everything, `agent_step` included |
 //! | `metrics` | `usage` and `workflow` events |
 //!
@@ -17,9 +17,15 @@
 //!
 //! Flatten follows causal order live: each child's events come after its link, and the
 //! events of runs running side by side are interleaved in the order the event stream stored
-//! them (its sequence orders a whole tree). The projection ends when the watched run and every
-//! child it shows have ended. The same streams always give the same projection, so the client
-//! library and the server-side `api.watch` agree event for event.
+//! them (its sequence orders a whole tree). Every run's `run_started` comes before its other
+//! events (the coordinator records a run's start lazily, so a worker's `task_started` may be
+//! stored first). The projection ends when the watched run and every child it shows have
+//! ended. The same streams always give the same projection, so the client library and the
+//! server-side `api.watch` agree event for event.
+//!
+//! **Cursor.** An event's position is `(seq, index)`: the stream sequence of its message and
+//! its place in that message (one message carries every event of a step). A watch resumed
+//! with `since: seq, since_index: index` delivers exactly the events after that one.
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -113,9 +119,14 @@ pub struct ProjectedEvent {
     /// The agent the run was started for (children), when known.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent: Option<String>,
-    /// Position of the event's message in its run's stream (resume a watch of the root
-    /// after it with `since`).
+    /// Stream sequence of the event's message (`FLOTILLA_EVENTS` holds every run's events,
+    /// so it orders a whole tree). With `index`, the event's position: resume a watch after
+    /// this event with `since: seq, since_index: index`.
     pub seq: u64,
+    /// The event's position in its message, from 0: one message carries every event of a
+    /// step, so several events share a `seq`.
+    #[serde(default)]
+    pub index: u32,
     /// The event.
     pub event: EventEnvelope,
 }
@@ -135,9 +146,13 @@ pub struct WatchRequest {
     /// How children show (default `linked`).
     #[serde(default)]
     pub children: ChildPolicy,
-    /// Start after this sequence of the run's stream (default: from its start).
+    /// Resume after an event received before: its `seq` (default 0: from the run's start).
     #[serde(default)]
     pub since: u64,
+    /// With `since`, the `index` of that event: the watch resumes right after it. Without
+    /// it (older clients), after the last event of message `since`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub since_index: Option<u32>,
     /// Where the projected events are published (one `ProjectedEvent` per message, then one
     /// `{"end": …}` message): a plain subject the watcher subscribes to, e.g. its inbox.
     pub deliver_subject: String,

@@ -693,7 +693,7 @@ impl Watcher {
                 WatchOptions {
                     profile: Profile::Debug,
                     children,
-                    since: 0,
+                    ..WatchOptions::default()
                 },
             )
             .await?;
@@ -731,6 +731,7 @@ impl Watcher {
             profile: Profile::Debug,
             children,
             since: 0,
+            since_index: None,
             deliver_subject: inbox,
             lease_ms: LEASE_MS,
         };

@@ -11,7 +11,7 @@ use flotilla_client::Client;
 use flotilla_model::Plan;
 use flotilla_model::codec::Codec;
 use flotilla_model::validate::{
-    DEFAULT_MAX_PAYLOAD, PLAN_ENVELOPE_ROOM, Problem, ProblemCode, ValidationReport, validate_plan,
+    DEFAULT_MAX_PAYLOAD, PLAN_ENVELOPE_ROOM, ValidationContext, ValidationReport, validate_plan,
 };
 use serde::Serialize;
 
@@ -32,16 +32,22 @@ struct Output<'a> {
     report: &'a ValidationReport,
 }
 
-/// Reads a plan file; a malformed document becomes a `malformed` problem, not an error.
-pub(crate) fn read_plan(path: &Path) -> anyhow::Result<Result<Plan, ValidationReport>> {
+/// Reads a plan file. A document that does not decode is not an error but a report of every
+/// problem in it: each field of the wrong type, unknown or missing, and what validation
+/// against `ctx` finds in the rest.
+pub(crate) fn read_plan(
+    path: &Path,
+    ctx: &ValidationContext,
+) -> anyhow::Result<Result<Plan, ValidationReport>> {
     let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
     let codec = if path.extension().is_some_and(|e| e == "msgpack") {
         Codec::MsgPack
     } else {
         Codec::Json
     };
-    Ok(codec.decode::<Plan>(&bytes).map_err(|e| {
-        ValidationReport::single(Problem::new(ProblemCode::Malformed, "", e.to_string()))
+    Ok(codec.decode::<Plan>(&bytes).map_err(|_| ValidationReport {
+        errors: flotilla_model::lenient::plan_problems(codec, &bytes, ctx),
+        warnings: Vec::new(),
     }))
 }
 
@@ -63,6 +69,18 @@ async fn validate_online(config: &Config, plan: &Plan) -> Result<ValidationRepor
     })
 }
 
+/// What an offline validation knows: the default message size and — unless
+/// `structure_only` — the local config's pools and agents.
+fn offline_context(config: &Config, structure_only: bool) -> ValidationContext {
+    let mut ctx = if structure_only {
+        ValidationContext::default()
+    } else {
+        config.validation_context()
+    };
+    ctx.limits.max_plan_bytes = Some(DEFAULT_MAX_PAYLOAD - PLAN_ENVELOPE_ROOM);
+    ctx
+}
+
 /// Validates without a coordinator: the plan's structure, the default message size and —
 /// unless `structure_only` — the local config's pools and agents.
 fn validate_offline(
@@ -70,12 +88,7 @@ fn validate_offline(
     plan: &Plan,
     structure_only: bool,
 ) -> (ValidationReport, String) {
-    let mut ctx = if structure_only {
-        Default::default()
-    } else {
-        config.validation_context()
-    };
-    ctx.limits.max_plan_bytes = Some(DEFAULT_MAX_PAYLOAD - PLAN_ENVELOPE_ROOM);
+    let ctx = offline_context(config, structure_only);
     let mut unchecked = vec![
         "live workers".to_owned(),
         "the deployment's message size (assumed 1 MiB)".to_owned(),
@@ -101,7 +114,10 @@ pub(crate) async fn validate(
     json: bool,
     offline: bool,
 ) -> anyhow::Result<ExitCode> {
-    let (report, subtasks, checked, note) = match read_plan(path)? {
+    let (report, subtasks, checked, note) = match read_plan(
+        path,
+        &offline_context(config, offline),
+    )? {
         Ok(plan) => {
             let online = if offline {
                 Err("--offline".to_owned())
@@ -119,7 +135,15 @@ pub(crate) async fn validate(
                 }
             }
         }
-        Err(report) => (report, 0, "offline", None),
+        Err(report) => (
+            report,
+            0,
+            "offline",
+            Some(
+                "the plan does not decode, so it was validated offline against the local config"
+                    .to_owned(),
+            ),
+        ),
     };
     let valid = report.is_valid();
     if json {

@@ -52,7 +52,10 @@ pub(crate) async fn submit_on(
     plan_path: &Path,
     opts: SubmitOptions,
 ) -> anyhow::Result<ExitCode> {
-    let plan = match super::plan::read_plan(plan_path)? {
+    // The coordinator validates against the deployment; a file that does not decode gets
+    // every problem of its structure here.
+    let ctx = flotilla_model::validate::ValidationContext::default();
+    let plan = match super::plan::read_plan(plan_path, &ctx)? {
         Ok(p) => p,
         Err(report) => {
             for p in &report.errors {

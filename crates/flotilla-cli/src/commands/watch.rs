@@ -32,9 +32,12 @@ pub(crate) struct WatchArgs {
     /// Children: off (hidden), linked (links only), flatten (their events, indented).
     #[arg(long, default_value = "linked")]
     children: ChildPolicy,
-    /// Start after this sequence of the run's event stream.
+    /// Resume after the event with this `seq` (as `--json` prints it) …
     #[arg(long, default_value_t = 0)]
     since: u64,
+    /// … and this `index` (without it: after the last event of message `--since`).
+    #[arg(long, requires = "since")]
+    since_index: Option<u32>,
     /// One JSON `ProjectedEvent` per line.
     #[arg(long)]
     json: bool,
@@ -65,6 +68,7 @@ pub(crate) async fn watch(config: &Config, args: WatchArgs) -> anyhow::Result<Ex
                 profile: args.profile,
                 children: args.children,
                 since: args.since,
+                since_index: args.since_index,
             },
         )
         .await?;
@@ -88,6 +92,7 @@ async fn server_side(
         profile: args.profile,
         children: args.children,
         since: args.since,
+        since_index: args.since_index,
         deliver_subject: deliver,
         lease_ms: 30_000,
     };
