@@ -896,3 +896,86 @@ fn first_tool_result(request: &flotilla_testkit::openai::RecordedRequest) -> Str
         .map(str::to_owned)
         .unwrap_or_default()
 }
+
+/// Budgets bind the whole tree: the lead's run has `max_tokens = 1000`; the helpers it calls
+/// are child runs with no budget of their own, so every model call of the tree — the lead's
+/// and the helpers' — counts against the root's budget. The third round would pass it: the
+/// lead's call is refused (`budget_exhausted`), the run ends with that cause, and the tree
+/// spent no more than the budget. Without the tree's budget the helpers would spend freely
+/// and the run would succeed at 1,380 tokens.
+#[tokio::test]
+async fn a_budget_binds_the_child_runs_of_its_tree() -> anyhow::Result<()> {
+    let llm = OpenAiServer::start().await?;
+    for (i, word) in ["one", "two", "three"].iter().enumerate() {
+        llm.push(
+            Reply::tool_call(
+                "call_agent",
+                json!({"agent": "helper", "request": format!("Find number {word}.")}),
+            )
+            .usage(50, 10)
+            .when("Get the numbers."),
+        );
+        llm.push(
+            Reply::text(format!("number {}", i + 1))
+                .usage(300, 100)
+                .when(format!("Find number {word}.")),
+        );
+    }
+    llm.push(
+        Reply::text("1, 2, 3")
+            .usage(50, 10)
+            .when("Get the numbers."),
+    );
+    let config = format!(
+        r#"
+[agents.lead]
+kind = "llm"
+base-url = "{url}"
+model = "scripted-model"
+tools = []
+agent-tools = ["helper"]
+
+[agents.helper]
+kind = "llm"
+base-url = "{url}"
+model = "scripted-model"
+tools = []
+max-output-tokens = 100
+"#,
+        url = llm.base_url()
+    );
+    let mut p = Processes::start(&config).await?;
+    p.coordinator().await?;
+    for _ in 0..2 {
+        p.worker(&["--concurrency", "1"]).await?;
+    }
+    let mut plan = plan(vec![
+        Subtask::new("lead_task", "Get the numbers.").with_agent("lead"),
+    ]);
+    plan.config.max_tokens = Some(1000);
+    plan.config.max_retries = 0;
+    let run = p.client.submit(SubmitRequest::new(plan)).await?;
+    let outcome = p.client.wait(run, WAIT).await?;
+    assert_eq!(outcome.status, RunStatus::Failed, "{outcome:?}");
+    assert_eq!(
+        outcome.cause,
+        Some(flotilla_model::run::EndCause::BudgetExhausted),
+        "{outcome:?}"
+    );
+    assert!(
+        outcome
+            .reason
+            .as_deref()
+            .is_some_and(|r| r.starts_with("budget_exhausted")),
+        "{outcome:?}"
+    );
+    let tree = p.client.tree(run, 100).await?.expect("the tree");
+    assert_eq!(tree.runs, 3, "the lead and two helpers: {tree:?}");
+    let spent = tree.root.subtree_usage.tokens();
+    assert!(
+        spent <= 1000,
+        "the tree spent {spent} tokens of a budget of 1,000"
+    );
+    assert_eq!(spent, 920, "{tree:?}");
+    Ok(())
+}

@@ -529,3 +529,92 @@ async fn a_run_is_one_trace_across_client_coordinator_and_workers() -> anyhow::R
     }
     Ok(())
 }
+
+/// One trace spans a run tree: a task whose exec agent calls another agent with
+/// `flotilla call` starts a child run, and every span of the child — its coordinator steps
+/// and dispatches, its worker's `invoke_agent` — is in the parent's trace, which the client's
+/// `submit` span roots.
+#[tokio::test]
+async fn a_run_tree_is_one_trace() -> anyhow::Result<()> {
+    let receiver = OtlpReceiver::start().await?;
+    let endpoint = receiver.endpoint();
+    let otel = [
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+        ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+    ];
+    let config = format!(
+        "{QUICK}\n[agents.caller]\nkind = \"exec\"\ncommand = \"sh\"\nargs = [\"-c\", \"\\\"$FLOTILLA_BIN\\\" call echo '{{\\\"q\\\": 1}}' > /dev/null && echo called\"]\n"
+    );
+    let mut p = Processes::start(&config).await?;
+    let c = p.spawn_env(&["coordinator"], &otel)?;
+    let w = p.spawn_env(&["worker", "--concurrency", "2"], &otel)?;
+    p.wait_registered(w).await?;
+    wait_for_api(&p.bus).await?;
+    let run = RunId::new();
+    let plan_file = p.dir().join("caller.json");
+    std::fs::write(
+        &plan_file,
+        serde_json::to_vec(&plan(vec![Subtask::new("ask", "").with_agent("caller")]))?,
+    )?;
+    let plan_path = plan_file.to_string_lossy().into_owned();
+    let run_arg = run.to_string();
+    let s = p.spawn_env(&["submit", &plan_path, "--run-id", &run_arg], &otel)?;
+    assert_eq!(p.wait_exit(s, WAIT).await?, Some(0), "{}", p.log(s));
+    let outcome = p.client.wait(run, WAIT).await?;
+    assert_eq!(
+        outcome.status,
+        RunStatus::Succeeded,
+        "{outcome:?}\n{}",
+        p.log(w)
+    );
+    let tree = p.client.tree(run, 10).await?.expect("a tree");
+    let child = tree
+        .root
+        .children
+        .first()
+        .ok_or_else(|| anyhow::anyhow!("no child run: {tree:?}"))?
+        .run_id
+        .to_string();
+    let (run_id, child_id) = (run.to_string(), child.clone());
+    let spans = receiver
+        .wait_for(
+            |spans| {
+                ["invoke_agent echo", "step", "dispatch"]
+                    .iter()
+                    .all(|name| {
+                        spans.iter().any(|s| {
+                            s.attribute("flotilla.run_id") == Some(child_id.as_str())
+                                && s.name == *name
+                        })
+                    })
+                    && spans.iter().any(|s| {
+                        s.attribute("flotilla.run_id") == Some(run_id.as_str())
+                            && s.name == "submit"
+                    })
+            },
+            WAIT,
+        )
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}\ncoordinator:\n{}\nworker:\n{}", p.log(c), p.log(w)))?;
+    let submit = spans
+        .iter()
+        .find(|s| s.attribute("flotilla.run_id") == Some(run_id.as_str()) && s.name == "submit")
+        .ok_or_else(|| anyhow::anyhow!("no submit span"))?;
+    let of_child: Vec<_> = spans
+        .iter()
+        .filter(|s| s.attribute("flotilla.run_id") == Some(child.as_str()))
+        .collect();
+    assert!(
+        of_child.iter().any(|s| s.name == "step") && of_child.iter().any(|s| s.name == "dispatch"),
+        "{of_child:#?}"
+    );
+    for s in &of_child {
+        assert_eq!(
+            s.trace_id, submit.trace_id,
+            "the child's span {} is in the parent's trace",
+            s.name
+        );
+    }
+    Ok(())
+}
