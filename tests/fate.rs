@@ -634,3 +634,62 @@ async fn an_invalid_fast_path_plan_is_never_started_by_another_coordinator() -> 
     handle.await?;
     Ok(())
 }
+
+/// Validation is the same on every path: an unknown agent or pool is refused at submission on
+/// the fast path (the run's own first message) as on the intake stream and the endpoint.
+#[tokio::test]
+async fn unknown_agents_and_pools_are_refused_on_every_path() -> anyhow::Result<()> {
+    let f = InProcess::start(0, agents()).await?;
+    let store = RunStore::open(&f.bus).await?;
+    for (what, task, code) in [
+        (
+            "unknown agent",
+            Subtask::new("a", "").with_agent("nobody"),
+            ProblemCode::UnknownAgent,
+        ),
+        (
+            "unknown pool",
+            {
+                let mut t = Subtask::new("a", "").with_agent("echo");
+                t.pool = "nowhere".into();
+                t
+            },
+            ProblemCode::UnknownPool,
+        ),
+    ] {
+        // The endpoint answers at once.
+        let mut req = SubmitRequest::new(plan(vec![task.clone()]));
+        let reply = f.client.submit_request(&req, WAIT).await?;
+        assert_eq!(reply.status, SubmitStatus::Rejected, "{what}: {reply:?}");
+        assert_eq!(reply.errors[0].code, code, "{what}");
+        // The intake stream (with an idempotency key) and the fast path record a rejection.
+        req.idempotency_key = Some(format!("key-{what}"));
+        let keyed = RunId::new();
+        req.run_id = Some(keyed);
+        f.bus
+            .publish(f.bus.names().submit(), &req, Some(&format!("k-{what}")))
+            .await?;
+        let fast = RunId::new();
+        let mut req = SubmitRequest::new(plan(vec![task]));
+        req.run_id = Some(fast);
+        f.client.submit(req).await?;
+        for run in [keyed, fast] {
+            let record = tokio::time::timeout(WAIT, async {
+                loop {
+                    if let Some(r) = store.record(run).await?
+                        && r.status.is_terminal()
+                    {
+                        return Ok::<_, anyhow::Error>(r);
+                    }
+                    tokio::time::sleep(Duration::from_millis(25)).await;
+                }
+            })
+            .await??;
+            assert_eq!(record.status, RunStatus::Rejected, "{what}: {record:?}");
+            assert_eq!(record.errors[0].code, code, "{what}");
+        }
+    }
+    assert_eq!(tasks_queued(&f).await?, 0, "nothing was dispatched");
+    f.stop().await;
+    Ok(())
+}
