@@ -704,3 +704,277 @@ fn up_publishes_its_url_for_commands_in_the_same_directory() -> anyhow::Result<(
     assert!(!url_file.exists(), "removed when up stops");
     Ok(())
 }
+
+mod first_use {
+    //! What a new user meets first: a reader that goes away, a run that does not exist,
+    //! errors that say their cause once and what to do, and `up` against a NATS another
+    //! deployment uses.
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
+
+    use flotilla_model::RunId;
+    use flotilla_model::plan::Subtask;
+    use flotilla_model::submit::SubmitRequest;
+
+    use super::*;
+
+    const ECHO: &str = r#"
+default-agent = "echo"
+[agents.echo]
+kind = "scripted"
+reply = "{task_id} done"
+"#;
+
+    /// `flotilla <args>` from the repository root, run to the end within `limit` (killed and
+    /// failed otherwise: a command that hangs is the bug some of these tests catch).
+    fn run_within(args: &[&str], stdout: Stdio, limit: Duration) -> anyhow::Result<Output> {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_flotilla"))
+            .args(args)
+            .current_dir(root())
+            .env_remove("FLOTILLA_CONFIG")
+            .stdin(Stdio::null())
+            .stdout(stdout)
+            .stderr(Stdio::piped())
+            .spawn()?;
+        let deadline = Instant::now() + limit;
+        while child.try_wait()?.is_none() {
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let out = child.wait_with_output()?;
+                anyhow::bail!(
+                    "`flotilla {}` still ran after {limit:?}: {}",
+                    args.join(" "),
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(child.wait_with_output()?)
+    }
+
+    fn stderr(o: &Output) -> String {
+        String::from_utf8_lossy(&o.stderr).into_owned()
+    }
+
+    /// `flotilla runs list | head -1` and friends: a closed stdout ends every command that
+    /// prints quietly (exit 0, nothing on stderr) instead of a panic (exit 101). The pipe's
+    /// read end is closed before the command starts, so its first line already fails.
+    #[tokio::test]
+    async fn a_closed_stdout_ends_printing_commands_quietly() -> anyhow::Result<()> {
+        let mut p = support::Processes::start(ECHO).await?;
+        p.coordinator().await?;
+        p.worker(&[]).await?;
+        let run = p
+            .client
+            .submit(SubmitRequest::new(support::plan(vec![Subtask::new(
+                "t", "one",
+            )])))
+            .await?;
+        p.client.wait(run, support::WAIT).await?;
+        let (run, url) = (run.to_string(), p.server.url());
+        let commands: Vec<Vec<&str>> = vec![
+            vec!["runs", "list"],
+            vec!["runs", "list", "--json"],
+            vec!["runs", "show", &run],
+            vec!["runs", "history", &run],
+            vec!["runs", "tree", &run],
+            vec!["watch", &run],
+            vec!["watch", &run, "--json"],
+            vec!["watch", &run, "--server"],
+            vec!["workers"],
+            vec!["ws", "read-all", "--run", &run],
+            vec!["plan", "validate", "config/examples/plans/earnings.json"],
+        ];
+        for args in commands {
+            let (reader, writer) = std::io::pipe()?;
+            drop(reader);
+            let mut all = vec!["--nats-url", url.as_str()];
+            all.extend_from_slice(&args);
+            let out = run_within(&all, Stdio::from(writer), Duration::from_secs(30))?;
+            let err = stderr(&out);
+            assert_eq!(out.status.code(), Some(0), "{args:?}: {err}");
+            assert!(
+                !err.contains("panicked") && !err.contains("Broken pipe"),
+                "{args:?}: {err}"
+            );
+        }
+        Ok(())
+    }
+
+    /// `flotilla watch <unknown run>` says `not_found` (exit 1), locally as with `--server`,
+    /// instead of waiting forever.
+    #[tokio::test]
+    async fn watching_an_unknown_run_says_not_found() -> anyhow::Result<()> {
+        let mut p = support::Processes::start(ECHO).await?;
+        p.coordinator().await?;
+        let (ghost, url) = (RunId::new().to_string(), p.server.url());
+        for extra in [None, Some("--server"), Some("--json")] {
+            let mut args = vec!["--nats-url", url.as_str(), "watch", ghost.as_str()];
+            args.extend(extra);
+            let out = run_within(&args, Stdio::piped(), Duration::from_secs(20))?;
+            let err = stderr(&out);
+            assert_eq!(out.status.code(), Some(1), "{extra:?}: {err}");
+            assert!(
+                err.contains(&format!("not_found: run {ghost} does not exist")),
+                "{extra:?}: {err}"
+            );
+            assert!(out.stdout.is_empty(), "{extra:?}");
+        }
+        Ok(())
+    }
+
+    /// Whether `message` says some part twice (`no responders: no responders`).
+    fn repeats(message: &str) -> Option<&str> {
+        let parts: Vec<&str> = message.split([':', ';']).map(str::trim).collect();
+        parts
+            .iter()
+            .enumerate()
+            .find(|(i, p)| p.len() > 3 && parts[..*i].contains(p))
+            .map(|(_, p)| *p)
+    }
+
+    /// An error is one line: the cause once, then what to do — for a NATS that is not
+    /// there, one nobody provisioned, and a deployment without a coordinator.
+    #[tokio::test]
+    async fn errors_say_their_cause_once_and_what_to_do() -> anyhow::Result<()> {
+        let bare = NatsServer::start().await?;
+        let provisioned = NatsServer::start().await?;
+        provisioned.provisioned_bus().await?;
+        let (bare, provisioned) = (bare.url(), provisioned.url());
+        let ghost = RunId::new().to_string();
+        let plan = "config/examples/plans/earnings.json";
+        let cases: Vec<(Vec<&str>, &[&str])> = vec![
+            (
+                vec!["--nats-url", "nats://127.0.0.1:1", "runs", "list"],
+                &[
+                    "NATS server unreachable",
+                    "nats://127.0.0.1:1",
+                    "`flotilla up`",
+                ],
+            ),
+            (
+                vec!["--nats-url", &bare, "runs", "list"],
+                &["`flotilla coordinator`", "`flotilla nats provision`"],
+            ),
+            (
+                vec!["--nats-url", &bare, "submit", plan],
+                &["`flotilla coordinator`", "`flotilla nats provision`"],
+            ),
+            (
+                vec!["--nats-url", &bare, "watch", &ghost],
+                &["`flotilla coordinator`", "`flotilla nats provision`"],
+            ),
+            (
+                vec!["--nats-url", &bare, "workers"],
+                &["`flotilla coordinator`", "`flotilla nats provision`"],
+            ),
+            (
+                vec!["--nats-url", &provisioned, "runs", "cancel", &ghost],
+                &[
+                    "flotilla.api.run.cancel",
+                    "start `flotilla coordinator` or `flotilla up`",
+                ],
+            ),
+            (
+                vec!["--nats-url", &provisioned, "watch", &ghost, "--server"],
+                &[
+                    "flotilla.api.watch",
+                    "start `flotilla coordinator` or `flotilla up`",
+                ],
+            ),
+        ];
+        for (args, says) in cases {
+            let out = run_within(&args, Stdio::piped(), Duration::from_secs(30))?;
+            let err = stderr(&out);
+            assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+            let lines: Vec<&str> = err.lines().collect();
+            assert_eq!(lines.len(), 1, "{args:?}: one line: {err}");
+            assert!(lines[0].starts_with("error: "), "{args:?}: {err}");
+            assert_eq!(repeats(lines[0]), None, "{args:?}: said twice: {err}");
+            for s in says {
+                assert!(lines[0].contains(s), "{args:?}: {s}: {err}");
+            }
+        }
+        Ok(())
+    }
+
+    /// `up --nats-url` against a NATS whose prefix another deployment serves stops before it
+    /// provisions or submits anything, naming the other deployment's fingerprint and what to
+    /// do; with the same configuration it is the same deployment and runs.
+    #[tokio::test]
+    async fn up_refuses_a_prefix_another_deployment_serves() -> anyhow::Result<()> {
+        let mut p = support::Processes::start(ECHO).await?;
+        p.coordinator().await?;
+        let url = p.server.url();
+        let info = p
+            .bus
+            .client()
+            .request("$SRV.INFO.flotilla", "".into())
+            .await?;
+        let info: serde_json::Value = serde_json::from_slice(&info.payload)?;
+        let theirs = info["metadata"]["fingerprint"]
+            .as_str()
+            .ok_or_else(|| anyhow::anyhow!("no fingerprint advertised: {info}"))?
+            .to_owned();
+        assert_eq!(theirs.len(), 12, "{info}");
+
+        // The shipped configuration is another deployment's.
+        let data = tempfile::tempdir()?;
+        let data_dir = data.path().to_str().expect("utf8");
+        let out = run_within(
+            &[
+                "--nats-url",
+                &url,
+                "up",
+                "--workers",
+                "1",
+                "--data-dir",
+                data_dir,
+                "--submit",
+                "config/examples/plans/earnings.json",
+            ],
+            Stdio::piped(),
+            Duration::from_secs(60),
+        )?;
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        for s in [
+            "another deployment already serves prefix `flotilla`",
+            &format!("fingerprint {theirs}"),
+            "FLOTILLA_NATS__PREFIX",
+        ] {
+            assert!(err.contains(s), "{s}: {err}");
+        }
+        assert!(!err.contains("✓"), "nothing ran: {err}");
+        let list = p.cli(&["runs", "list", "--json"])?;
+        assert_eq!(
+            serde_json::from_slice::<serde_json::Value>(&list.stdout)?,
+            serde_json::json!([]),
+            "nothing was submitted"
+        );
+
+        // The same configuration: the same deployment, so `up` runs its plan.
+        let plan = data.path().join("one.json");
+        std::fs::write(&plan, r#"{"subtasks": [{"id": "t"}]}"#)?;
+        let config = p.config.to_str().expect("utf8").to_owned();
+        let out = run_within(
+            &[
+                "--config",
+                &config,
+                "--nats-url",
+                &url,
+                "up",
+                "--workers",
+                "1",
+                "--data-dir",
+                data_dir,
+                "--submit",
+                plan.to_str().expect("utf8"),
+            ],
+            Stdio::piped(),
+            Duration::from_secs(60),
+        )?;
+        assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+        Ok(())
+    }
+}

@@ -898,6 +898,9 @@ async fn a_worker_does_not_provision_and_says_so() -> anyhow::Result<()> {
         .arg("worker")
         .envs(credentials_env(WORKER))
         .env("FLOTILLA_LOG", "warn")
+        // It waits for a coordinator to provision; not this long.
+        .env("FLOTILLA_WORKER__PROVISION_WAIT", "1s")
+        .env("FLOTILLA_TELEMETRY__HTTP_ADDR", "off")
         .kill_on_drop(true)
         .output();
     let out = tokio::time::timeout(Duration::from_secs(60), run)
@@ -906,7 +909,9 @@ async fn a_worker_does_not_provision_and_says_so() -> anyhow::Result<()> {
     let log = String::from_utf8_lossy(&out.stderr);
     ensure!(out.status.code() == Some(2), "{:?}:\n{log}", out.status);
     ensure!(
-        log.contains("JetStream resources are missing") && log.contains("FLOTILLA_TASKS"),
+        log.contains("streams and buckets are missing")
+            && log.contains("FLOTILLA_TASKS")
+            && log.contains("Workers do not create them"),
         "{log}"
     );
     let operator = Role::connect(&empty, OPERATOR).await?;

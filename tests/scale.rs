@@ -110,3 +110,68 @@ reply = "{task_id} <- [{dependencies}]"
     );
     Ok(())
 }
+
+/// With the default `worker.prefetch`, a worker busy with a long attempt does not hold the
+/// pool's next task while another worker has a free slot: the slow task goes to the worker
+/// that can start it. (Prefetching behind a model call cost a fifth of a pool's throughput.)
+#[tokio::test]
+async fn a_worker_busy_with_a_long_attempt_holds_no_task_another_could_start() -> anyhow::Result<()>
+{
+    use std::time::{Duration, Instant};
+
+    use flotilla_worker::WorkerOptions;
+    use flotilla_worker::agents::{AgentDefinition, ScriptedConfig};
+
+    let agents = [(
+        "slow".to_owned(),
+        AgentDefinition::Scripted(ScriptedConfig {
+            reply: "{task_id} done".into(),
+            delay: Duration::from_secs(4),
+            ..ScriptedConfig::default()
+        }),
+    )]
+    .into();
+    let opts = WorkerOptions {
+        concurrency: 1,
+        started_event_delay: Duration::ZERO,
+        ..WorkerOptions::default()
+    };
+    assert_eq!(opts.prefetch, 1, "the default");
+    let mut f = InProcess::start_with(
+        0,
+        agents,
+        WorkerOptions {
+            id: Some("busy".into()),
+            ..opts.clone()
+        },
+    )
+    .await?;
+    f.add_worker(WorkerOptions {
+        id: Some("busy".into()),
+        ..opts.clone()
+    })
+    .await?;
+    let one = plan(vec![Subtask::new("t", "slow")]);
+    let first = f.client.submit(SubmitRequest::new(one.clone())).await?;
+    assert_eq!(task_started(&f.client, first, "t").await?, "busy");
+    let busy_since = Instant::now();
+    let second = f.client.submit(SubmitRequest::new(one)).await?;
+    // Time for the busy worker to take the task, as a prefetching worker does.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    f.add_worker(WorkerOptions {
+        id: Some("free".into()),
+        ..opts
+    })
+    .await?;
+    assert_eq!(task_started(&f.client, second, "t").await?, "free");
+    assert!(
+        busy_since.elapsed() < Duration::from_secs(3),
+        "the second task waited for the first: {:?}",
+        busy_since.elapsed()
+    );
+    for run in [first, second] {
+        assert_eq!(f.client.wait(run, WAIT).await?.status, RunStatus::Succeeded);
+    }
+    f.stop().await;
+    Ok(())
+}

@@ -618,3 +618,137 @@ async fn a_run_tree_is_one_trace() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// The port of the listener a service's log says it started.
+fn listening_port(log: &str) -> Option<u16> {
+    log.lines()
+        .find(|l| l.contains("HTTP listener started"))
+        .and_then(|l| l.split("addr=").nth(1))
+        .and_then(|a| a.split_whitespace().next())
+        .and_then(|a| a.rsplit(':').next())
+        .and_then(|p| p.parse().ok())
+}
+
+/// The README's "Running it" on one host: `flotilla coordinator`, then `flotilla worker`, both
+/// with the default listener. The second takes the next free port instead of failing on 9464,
+/// says so, and both answer their probes.
+#[tokio::test]
+async fn two_services_on_one_host_with_the_default_listener() -> anyhow::Result<()> {
+    let mut p = Processes::start(QUICK).await?;
+    let c = p.spawn_listening(&["coordinator"], &[])?;
+    let w = p.spawn_listening(&["worker"], &[])?;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let (cport, wport) = loop {
+        for i in [c, w] {
+            if let Some(status) = p.wait_exit(i, Duration::ZERO).await.ok().flatten() {
+                anyhow::bail!("process {i} exited with {status}:\n{}", p.log(i));
+            }
+        }
+        if let (Some(a), Some(b)) = (listening_port(&p.log(c)), listening_port(&p.log(w))) {
+            break (a, b);
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "no listener:\n{}\n{}",
+            p.log(c),
+            p.log(w)
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    };
+    assert_ne!(cport, wport);
+    for (port, i) in [(cport, c), (wport, w)] {
+        assert!((9464..9564).contains(&port), "{port}");
+        until(port, "/readyz", "ready", |s, _| s == 200)
+            .await
+            .map_err(|e| e.context(p.log(i)))?;
+    }
+    // Whichever started second says why its port is not 9464 (unless something else had it).
+    let (later, port) = if wport > cport {
+        (w, wport)
+    } else {
+        (c, cport)
+    };
+    assert!(
+        p.log(later).contains(&format!("on port {port} instead")),
+        "{}",
+        p.log(later)
+    );
+    let run = p
+        .client
+        .submit(SubmitRequest::new(plan(vec![Subtask::new("t", "one")])))
+        .await?;
+    assert_eq!(p.client.wait(run, WAIT).await?.status, RunStatus::Succeeded);
+    Ok(())
+}
+
+/// A worker started before any coordinator (a fresh install's race on Kubernetes) waits for
+/// the streams, not ready and saying what it waits for, then serves once a coordinator has
+/// created them.
+#[tokio::test]
+async fn a_worker_started_before_provisioning_waits_then_serves() -> anyhow::Result<()> {
+    let mut p = Processes::unprovisioned(QUICK).await?;
+    let port = free_port()?;
+    let addr = format!("127.0.0.1:{port}");
+    let w = p.spawn_env(
+        &["worker", "--http-addr", &addr],
+        &[("FLOTILLA_WORKER__PROVISION_WAIT", "2m")],
+    )?;
+    let body = until(port, "/readyz", "waiting, not ready", |s, b| {
+        s == 503 && b.contains("\"provisioned\":false") && b.contains("\"nats_connected\":true")
+    })
+    .await
+    .map_err(|e| e.context(p.log(w)))?;
+    assert!(body.contains("\"consumer_bound\":false"), "{body}");
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !p.log(w).contains("waiting for a coordinator") {
+        anyhow::ensure!(tokio::time::Instant::now() < deadline, "{}", p.log(w));
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let log = p.log(w);
+    assert!(log.contains("FLOTILLA_TASKS"), "{log}");
+    assert!(log.contains("giving up in"), "{log}");
+    // Still waiting a moment later: not exited, not ready.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(p.wait_exit(w, Duration::ZERO).await.ok(), None);
+    assert_eq!(get(port, "/readyz").await?.0, 503);
+
+    p.coordinator().await?;
+    until(port, "/readyz", "ready once provisioned", |s, _| s == 200)
+        .await
+        .map_err(|e| e.context(p.log(w)))?;
+    p.wait_registered(w).await?;
+    let run = p
+        .client
+        .submit(SubmitRequest::new(plan(vec![Subtask::new("t", "one")])))
+        .await?;
+    assert_eq!(p.client.wait(run, WAIT).await?.status, RunStatus::Succeeded);
+    Ok(())
+}
+
+/// The wait is bounded: with no coordinator, the worker gives up after
+/// `worker.provision-wait` with what is missing and what to do.
+#[tokio::test]
+async fn a_worker_gives_up_waiting_for_provisioning_after_the_bound() -> anyhow::Result<()> {
+    let mut p = Processes::unprovisioned(QUICK).await?;
+    let started = std::time::Instant::now();
+    let w = p.spawn_env(&["worker"], &[("FLOTILLA_WORKER__PROVISION_WAIT", "2s")])?;
+    assert_eq!(p.wait_exit(w, WAIT).await?, Some(2), "{}", p.log(w));
+    let waited = started.elapsed();
+    assert!(waited >= Duration::from_secs(2), "{waited:?}");
+    let log = p.log(w);
+    let error = log
+        .lines()
+        .find(|l| l.starts_with("error: "))
+        .unwrap_or_default();
+    for part in [
+        "missing",
+        "FLOTILLA_TASKS",
+        "waiting 2s did not bring them",
+        "start `flotilla coordinator`",
+        "`flotilla nats provision`",
+        "worker.provision-wait",
+    ] {
+        assert!(error.contains(part), "{part}: {log}");
+    }
+    Ok(())
+}

@@ -216,6 +216,17 @@ impl Processes {
     }
 
     pub async fn with_server(server: NatsServer, extra: &str) -> anyhow::Result<Self> {
+        server.provisioned_bus().await?;
+        Self::on(server, extra).await
+    }
+
+    /// As [`Processes::start`], on a server where nothing is provisioned yet (a fresh
+    /// install: workers started before any coordinator).
+    pub async fn unprovisioned(extra: &str) -> anyhow::Result<Self> {
+        Self::on(NatsServer::start().await?, extra).await
+    }
+
+    async fn on(server: NatsServer, extra: &str) -> anyhow::Result<Self> {
         let dir = tempfile::tempdir()?;
         let config = dir.path().join("flotilla.toml");
         std::fs::write(
@@ -230,7 +241,7 @@ impl Processes {
                 server.url()
             ),
         )?;
-        let bus = server.provisioned_bus().await?;
+        let bus = server.bus().await?;
         Ok(Self {
             client: Client::new(bus.clone()),
             bus,
@@ -305,13 +316,33 @@ impl Processes {
     /// Starts `flotilla <args>` with extra environment variables (config overrides such as
     /// `FLOTILLA_WORKER__SHUTDOWN_GRACE`).
     pub fn spawn_env(&mut self, args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<usize> {
+        self.spawn_with(args, env, false)
+    }
+
+    /// Starts `flotilla <args>` with the HTTP listener the configuration gives it — the
+    /// default, unless `args` or `env` say otherwise — as a person would start it (other
+    /// processes of the tests start with none).
+    pub fn spawn_listening(
+        &mut self,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<usize> {
+        self.spawn_with(args, env, true)
+    }
+
+    fn spawn_with(
+        &mut self,
+        args: &[&str],
+        env: &[(&str, &str)],
+        default_listener: bool,
+    ) -> anyhow::Result<usize> {
         let log = std::fs::File::create(
             self.dir
                 .path()
                 .join(format!("p{}.log", self.children.len())),
         )?;
-        let child = std::process::Command::new(env!("CARGO_BIN_EXE_flotilla"))
-            .arg("--config")
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_flotilla"));
+        cmd.arg("--config")
             .arg(&self.config)
             .args(&self.global_args)
             .args(args)
@@ -319,10 +350,15 @@ impl Processes {
             .env(
                 "FLOTILLA_LOG",
                 std::env::var("TEST_FLOTILLA_LOG").unwrap_or_else(|_| "info".into()),
-            )
+            );
+        if default_listener {
+            cmd.env_remove("FLOTILLA_TELEMETRY__HTTP_ADDR");
+        } else {
             // Tests run many services at once: no HTTP listener unless a test asks for one
-            // (`--http-addr`), or they would all want port 9464.
-            .env("FLOTILLA_TELEMETRY__HTTP_ADDR", "off")
+            // (`--http-addr`), so none holds a port another test's process expects.
+            cmd.env("FLOTILLA_TELEMETRY__HTTP_ADDR", "off");
+        }
+        let child = cmd
             .envs(env.iter().copied())
             .stdin(std::process::Stdio::null())
             .stdout(log.try_clone()?)

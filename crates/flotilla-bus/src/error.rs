@@ -1,6 +1,12 @@
 //! Errors in the async-nats style: one generic [`Error`] carrying a `kind` that callers match
 //! on, plus the underlying cause. Each operation has its own kind enum, and each kind says
 //! whether retrying can help.
+//!
+//! Like async-nats' errors, an [`Error`]'s `Display` includes its cause (so a log line with
+//! `%e` is complete) and [`source`](std::error::Error::source) returns it too (so callers can
+//! downcast). Printing the whole chain — anyhow's `{:#}` — would therefore say every cause
+//! several times; [`report`] prints each once, and [`diagnose`] names the few root causes a
+//! person can fix, with what to do.
 
 use std::error::Error as StdError;
 use std::fmt;
@@ -196,3 +202,147 @@ pub type PublishError = Error<PublishErrorKind>;
 pub type ReadError = Error<ReadErrorKind>;
 /// Running a local server failed.
 pub type ServerError = Error<ServerErrorKind>;
+
+/// An error and its causes for a person: each cause said once. Error types that include their
+/// source in their own message (async-nats', [`Error`]) would otherwise repeat it at every
+/// level of the chain (`no responders: no responders: no responders`). A cause whose text is
+/// already part of what was said is skipped.
+pub fn report(error: &(dyn StdError + 'static)) -> String {
+    let mut out = String::new();
+    let mut next = Some(error);
+    while let Some(e) = next {
+        let text = e.to_string();
+        if !text.is_empty() && !out.contains(&text) {
+            if !out.is_empty() {
+                out.push_str(": ");
+            }
+            out.push_str(&text);
+        }
+        next = e.source();
+    }
+    out
+}
+
+/// A root cause a person can fix, found in an error's chain by [`diagnose`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Diagnosis {
+    /// No NATS server answered at the configured URLs.
+    Unreachable,
+    /// A stream or bucket Flotilla needs does not exist: the deployment is not provisioned
+    /// (or runs under another prefix).
+    NotProvisioned,
+    /// Nothing serves the API subject: no coordinator runs.
+    NoCoordinator,
+}
+
+impl Diagnosis {
+    /// What to do about it, in one clause.
+    pub fn hint(self) -> &'static str {
+        match self {
+            Self::Unreachable => {
+                "start nats-server there, or run `flotilla up` (it embeds one), or point --nats-url at a running server"
+            }
+            Self::NotProvisioned => {
+                "Flotilla's streams and buckets do not exist on this NATS under this prefix: start `flotilla coordinator` (it creates them) or run `flotilla nats provision`"
+            }
+            Self::NoCoordinator => {
+                "no coordinator is running: start `flotilla coordinator` or `flotilla up`"
+            }
+        }
+    }
+
+    /// A command the hint names: a message that already names it needs no hint.
+    pub fn names(self) -> &'static str {
+        match self {
+            Self::Unreachable => "`flotilla up`",
+            Self::NotProvisioned | Self::NoCoordinator => "`flotilla coordinator`",
+        }
+    }
+}
+
+/// The JetStream API error code of "stream not found" (async-nats prints it as
+/// `(code 404, error code 10059)`; opening a missing KV bucket reports it too).
+const STREAM_NOT_FOUND: &str = "error code 10059";
+
+/// The root cause of `error` that a person can fix, if its chain shows one: an unreachable
+/// server, missing streams or buckets, or no coordinator on an API subject.
+pub fn diagnose(error: &(dyn StdError + 'static)) -> Option<Diagnosis> {
+    let mut next = Some(error);
+    while let Some(e) = next {
+        if let Some(c) = e.downcast_ref::<ConnectError>()
+            && c.kind() == ConnectErrorKind::Unreachable
+        {
+            return Some(Diagnosis::Unreachable);
+        }
+        if e.downcast_ref::<PublishError>()
+            .is_some_and(|p| p.kind() == PublishErrorKind::NoStream)
+            || e.downcast_ref::<ReadError>()
+                .is_some_and(|r| r.kind() == ReadErrorKind::NoStream)
+            || e.downcast_ref::<async_nats::jetstream::Error>()
+                .is_some_and(|j| j.error_code() == async_nats::jetstream::ErrorCode::STREAM_NOT_FOUND)
+            // async-nats keeps the API error inside its error kinds, not as a source.
+            || e.to_string().contains(STREAM_NOT_FOUND)
+        {
+            return Some(Diagnosis::NotProvisioned);
+        }
+        if e.downcast_ref::<async_nats::RequestError>()
+            .is_some_and(|r| r.kind() == async_nats::RequestErrorKind::NoResponders)
+        {
+            return Some(Diagnosis::NoCoordinator);
+        }
+        next = e.source();
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug)]
+    struct Leaf;
+
+    impl fmt::Display for Leaf {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("no stream found for given subject")
+        }
+    }
+
+    impl StdError for Leaf {}
+
+    #[test]
+    fn a_report_says_each_cause_once() {
+        let inner =
+            PublishError::with_source(PublishErrorKind::NoStream, "no stream captures x", Leaf);
+        let outer = ProvisionError::with_source(ProvisionErrorKind::Server, "submitting", inner);
+        // The chain repeats: `outer` includes `inner`, which includes `Leaf`.
+        assert_eq!(
+            report(&outer),
+            "JetStream request failed: submitting: no stream for the subject: no stream captures x: no stream found for given subject"
+        );
+        assert_eq!(report(&Leaf), "no stream found for given subject");
+    }
+
+    #[test]
+    fn root_causes_are_diagnosed_through_the_chain() {
+        let missing = PublishError::with_source(PublishErrorKind::NoStream, "x", Leaf);
+        let wrapped = ProvisionError::with_source(ProvisionErrorKind::Server, "y", missing);
+        assert_eq!(diagnose(&wrapped), Some(Diagnosis::NotProvisioned));
+        let refused = ConnectError::new(ConnectErrorKind::Unreachable, "connecting to nats://x");
+        assert_eq!(diagnose(&refused), Some(Diagnosis::Unreachable));
+        let denied = ConnectError::new(ConnectErrorKind::Authentication, "connecting");
+        assert_eq!(diagnose(&denied), None);
+        let kv = PublishError::new(
+            PublishErrorKind::Publish,
+            "failed to get the bucket: jetstream error: stream not found (code 404, error code 10059)",
+        );
+        assert_eq!(diagnose(&kv), Some(Diagnosis::NotProvisioned));
+        for d in [
+            Diagnosis::Unreachable,
+            Diagnosis::NotProvisioned,
+            Diagnosis::NoCoordinator,
+        ] {
+            assert!(d.hint().contains(d.names()), "{d:?}");
+        }
+    }
+}

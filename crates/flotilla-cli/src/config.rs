@@ -295,15 +295,95 @@ impl Config {
     }
 }
 
+impl Config {
+    /// A short fingerprint of what makes this a deployment: the settings that decide how a
+    /// plan is validated and run — `pools`, `default-agent`, `[agents]`, `[roles]`,
+    /// `[coordinator]`, `[jetstream]` — and not those that differ from one process to the
+    /// next (NATS URLs and credentials, `[worker]`, `[telemetry]`). Coordinators advertise it
+    /// in their micro-service metadata; `flotilla up --nats-url` compares it with its own to
+    /// find another deployment's coordinators on the same prefix. The first 12 hex digits of
+    /// a SHA-256 over canonical JSON (object keys sorted).
+    pub(crate) fn fingerprint(&self) -> String {
+        use sha2::Digest;
+        let relevant = serde_json::json!({
+            "pools": self.pools,
+            "default-agent": self.default_agent,
+            "agents": self.agents,
+            "roles": self.roles,
+            "coordinator": self.coordinator,
+            "jetstream": self.jetstream,
+        });
+        let digest = sha2::Sha256::digest(canonical_json(&relevant).as_bytes());
+        digest.iter().take(6).map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+/// `v` as JSON with every object's keys sorted, whatever map type produced it.
+fn canonical_json(v: &serde_json::Value) -> String {
+    match v {
+        serde_json::Value::Object(map) => {
+            let mut keys: Vec<&String> = map.keys().collect();
+            keys.sort();
+            let fields: Vec<String> = keys
+                .into_iter()
+                .map(|k| {
+                    format!(
+                        "{}:{}",
+                        serde_json::Value::String(k.clone()),
+                        canonical_json(&map[k])
+                    )
+                })
+                .collect();
+            format!("{{{}}}", fields.join(","))
+        }
+        serde_json::Value::Array(items) => format!(
+            "[{}]",
+            items
+                .iter()
+                .map(canonical_json)
+                .collect::<Vec<_>>()
+                .join(",")
+        ),
+        other => other.to_string(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_fingerprint_follows_the_deployment_settings_only() {
+        let base = Config::default();
+        let same = base.fingerprint();
+        assert_eq!(same.len(), 12);
+        assert_eq!(Config::default().fingerprint(), same, "stable");
+        // Per-process settings leave it alone.
+        let mut process = Config::default();
+        process.nats.urls = vec!["nats://elsewhere:4222".into()];
+        process.worker.concurrency = 64;
+        process.telemetry.http_addr = flotilla_telemetry::HttpAddr::Off;
+        assert_eq!(process.fingerprint(), same);
+        // What decides how plans run changes it.
+        let mut pools = Config::default();
+        pools.pools.push("gpu".into());
+        assert_ne!(pools.fingerprint(), same);
+        let agents = Config {
+            default_agent: Some("echo".into()),
+            ..Config::default()
+        };
+        assert_ne!(agents.fingerprint(), same);
+    }
 
     #[test]
     fn the_shipped_config_is_valid() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config/flotilla.toml");
         let loaded = load(Some(&path), None).expect("shipped config loads");
         assert!(loaded.pools.contains(&"default".to_string()));
+        // It documents the defaults: services started from the repository with it behave as
+        // without it (two services on one host: `auto` listeners).
+        assert_eq!(loaded.telemetry, TelemetryOptions::default());
+        assert_eq!(loaded.worker, WorkerOptions::default());
     }
 
     #[test]

@@ -1,6 +1,15 @@
 //! The `flotilla` binary. Sub-commands pick the role; this file only parses arguments and
 //! dispatches.
+//!
+//! Output goes through [`output`] (a closed stdout ends a command quietly), and an error ends
+//! a command with one line on stderr: the error with each cause once, then what to do when
+//! the cause is one a person fixes (no NATS server, no streams, no coordinator).
 
+// Every print goes through `output` (`outln!`, `out!`, `errln!`).
+#![deny(clippy::print_stdout, clippy::print_stderr)]
+
+#[macro_use]
+mod output;
 mod commands;
 mod config;
 
@@ -42,9 +51,10 @@ struct Cli {
 enum Command {
     /// Run a coordinator: plan intake, validation, scheduling.
     Coordinator {
-        /// Serve /healthz, /readyz and /metrics here, or `off` (overrides telemetry.http-addr,
-        /// default 0.0.0.0:9464).
-        #[arg(long, value_name = "ADDR|off")]
+        /// Serve /healthz, /readyz and /metrics here, `auto` or `off` (overrides
+        /// telemetry.http-addr; default auto: port 9464, or the next free one when another
+        /// service on this host has it).
+        #[arg(long, value_name = "ADDR|auto|off")]
         http_addr: Option<HttpAddr>,
     },
     /// Run a worker for one pool.
@@ -55,9 +65,10 @@ enum Command {
         /// Tasks at once (overrides worker.concurrency).
         #[arg(long)]
         concurrency: Option<usize>,
-        /// Serve /healthz, /readyz and /metrics here, or `off` (overrides telemetry.http-addr,
-        /// default 0.0.0.0:9464).
-        #[arg(long, value_name = "ADDR|off")]
+        /// Serve /healthz, /readyz and /metrics here, `auto` or `off` (overrides
+        /// telemetry.http-addr; default auto: port 9464, or the next free one when another
+        /// service on this host has it).
+        #[arg(long, value_name = "ADDR|auto|off")]
         http_addr: Option<HttpAddr>,
     },
     /// Everything in one process: embedded nats-server (unless --nats-url), a coordinator and
@@ -75,9 +86,10 @@ enum Command {
         /// Run this plan to the end, print its result and exit with its status.
         #[arg(long, value_name = "PLAN")]
         submit: Option<PathBuf>,
-        /// Serve /healthz, /readyz and /metrics here, or `off` (overrides telemetry.http-addr,
-        /// default 0.0.0.0:9464; with --submit, off unless given).
-        #[arg(long, value_name = "ADDR|off")]
+        /// Serve /healthz, /readyz and /metrics here, `auto` or `off` (overrides
+        /// telemetry.http-addr; default auto: port 9464, or the next free one; with --submit,
+        /// off unless given).
+        #[arg(long, value_name = "ADDR|auto|off")]
         http_addr: Option<HttpAddr>,
     },
     /// Submit a plan, or a bare query for the deployment's planner (`--query`).
@@ -358,7 +370,7 @@ fn main() -> ExitCode {
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("error: cannot start the async runtime: {e}");
+            errln!("error: cannot start the async runtime: {e}");
             return ExitCode::from(2);
         }
     };
@@ -367,7 +379,7 @@ fn main() -> ExitCode {
         Some(_) => match config::load(cli.config.as_deref(), cli.nats_url.as_deref()) {
             Ok(c) => Some(c),
             Err(e) => {
-                eprintln!("error: {e:#}");
+                errln!("error: {}", error_line(&e));
                 return ExitCode::from(2);
             }
         },
@@ -376,20 +388,32 @@ fn main() -> ExitCode {
     let guard = match init_logging(&runtime, &cli, config.as_ref()) {
         Ok(g) => g,
         Err(e) => {
-            eprintln!("error: {e}");
+            errln!("error: {e}");
             return ExitCode::from(2);
         }
     };
     let code = match runtime.block_on(run(cli, config)) {
         Ok(code) => code,
+        Err(e) if output::is_closed_pipe(&e) => output::reader_gone(),
         Err(e) => {
-            eprintln!("error: {e:#}");
+            errln!("error: {}", error_line(&e));
             ExitCode::from(2)
         }
     };
     // Flushes buffered spans while the runtime (which the gRPC exporter uses) still runs.
     drop(guard);
     code
+}
+
+/// How an error that ends a command reads: each cause once
+/// ([`flotilla_bus::error::report`]), then what to do when the root cause is one a person
+/// fixes and the message does not say it already.
+fn error_line(e: &anyhow::Error) -> String {
+    let text = flotilla_bus::error::report(e.as_ref());
+    match flotilla_bus::error::diagnose(e.as_ref()) {
+        Some(d) if !text.contains(d.names()) => format!("{text}; {}", d.hint()),
+        _ => text,
+    }
 }
 
 /// `preloaded`: the configuration, when `main` already loaded it (services).

@@ -54,26 +54,42 @@ flotilla_bus::error_kinds!(
         NotProvisioned => "streams not provisioned", Terminal;
         /// The service answered with an error.
         Api => "the API refused the request", Terminal;
+        /// The run does not exist (`not_found`, as the API says).
+        NotFound => "not_found", Terminal;
     }
 );
 
 /// A client call failed.
 pub type ClientError = flotilla_bus::error::Error<ClientErrorKind>;
 
+/// A NATS failure while `detail`; missing streams or buckets become
+/// [`ClientErrorKind::NotProvisioned`], said once with what to do.
 fn nats(
     detail: impl Into<String>,
     e: impl std::error::Error + Send + Sync + 'static,
 ) -> ClientError {
-    ClientError::with_source(ClientErrorKind::Nats, detail, e)
+    match flotilla_bus::error::diagnose(&e) {
+        Some(d @ flotilla_bus::error::Diagnosis::NotProvisioned) => {
+            ClientError::new(ClientErrorKind::NotProvisioned, d.hint())
+        }
+        _ => ClientError::with_source(ClientErrorKind::Nats, detail, e),
+    }
+}
+
+/// Opens the run store (the `flotilla-runs` bucket and the run log); a deployment that was
+/// never provisioned is [`ClientErrorKind::NotProvisioned`].
+pub async fn open_store(bus: &Bus) -> Result<RunStore, ClientError> {
+    RunStore::open(bus)
+        .await
+        .map_err(|e| nats("opening the run store", e))
 }
 
 /// A publish error, with the deployment problems said plainly.
 fn publish_error(e: flotilla_bus::PublishError) -> ClientError {
     match e.kind() {
-        flotilla_bus::PublishErrorKind::NoStream => ClientError::with_source(
+        flotilla_bus::PublishErrorKind::NoStream => ClientError::new(
             ClientErrorKind::NotProvisioned,
-            "Flotilla's streams do not exist on this NATS: run `flotilla nats provision` (or start a coordinator) first",
-            e,
+            flotilla_bus::error::Diagnosis::NotProvisioned.hint(),
         ),
         flotilla_bus::PublishErrorKind::TooLarge => ClientError::with_source(
             ClientErrorKind::TooLarge,
@@ -238,10 +254,13 @@ impl Client {
             })?
             .map_err(|e| {
                 if e.kind() == async_nats::RequestErrorKind::NoResponders {
-                    ClientError::with_source(
+                    // The cause ("no responders") says nothing more than the kind.
+                    ClientError::new(
                         ClientErrorKind::NoCoordinator,
-                        "no coordinator serves the API (start `flotilla coordinator` or `flotilla up`)",
-                        e,
+                        format!(
+                            "nothing serves {}: start `flotilla coordinator` or `flotilla up`",
+                            self.bus.names().api(R::ENDPOINT)
+                        ),
                     )
                 } else if e.kind() == async_nats::RequestErrorKind::MaxPayloadExceeded {
                     ClientError::with_source(
@@ -368,6 +387,10 @@ impl Client {
     /// shown have ended. Resume after an event with `opts.since` / `opts.since_index` = its
     /// `seq` / `index`. The same engine serves `<prefix>.api.watch`, so both give the same
     /// events in the same order.
+    ///
+    /// A run that does not exist — no record and no submission on its subject — is a
+    /// [`ClientErrorKind::NotFound`] error, as `api.watch` answers `404 not_found`, instead of
+    /// a watch that waits forever.
     pub async fn watch(
         &self,
         run: RunId,
@@ -376,6 +399,12 @@ impl Client {
         impl Stream<Item = Result<flotilla_model::watch::ProjectedEvent, ClientError>> + use<>,
         ClientError,
     > {
+        if !self.exists(run).await? {
+            return Err(ClientError::new(
+                ClientErrorKind::NotFound,
+                format!("run {run} does not exist"),
+            ));
+        }
         let stream = flotilla_coordinator::watch::project(self.bus.clone(), run, opts)
             .await
             .map_err(|e| nats("following the run", e))?;
@@ -408,11 +437,29 @@ impl Client {
         })
     }
 
+    /// Whether `run` exists: it has a record, or its submission is stored (accepted on the
+    /// fast path, its start not recorded yet) — the test `api.watch` and `api.run.cancel`
+    /// make before answering `not_found`.
+    pub async fn exists(&self, run: RunId) -> Result<bool, ClientError> {
+        let store = open_store(&self.bus).await?;
+        if store
+            .load(run)
+            .await
+            .map_err(|e| nats(format!("reading run {run}"), e))?
+            .is_some()
+        {
+            return Ok(true);
+        }
+        Ok(store
+            .first_message(run)
+            .await
+            .map_err(|e| nats(format!("reading run {run}"), e))?
+            .is_some())
+    }
+
     /// A run's record and tasks, read from the run store.
     pub async fn run(&self, run: RunId) -> Result<Option<RunView>, ClientError> {
-        let store = RunStore::open(&self.bus)
-            .await
-            .map_err(|e| nats("opening the run store", e))?;
+        let store = open_store(&self.bus).await?;
         store
             .view(run, 0, usize::MAX)
             .await
@@ -423,9 +470,7 @@ impl Client {
     /// with status, duration, tokens and cost per run — read from the run store and the event
     /// stream (the engine of `<prefix>.api.run.tree`). At most `max_runs` runs (≤ 1000).
     pub async fn tree(&self, run: RunId, max_runs: usize) -> Result<Option<RunTree>, ClientError> {
-        let store = RunStore::open(&self.bus)
-            .await
-            .map_err(|e| nats("opening the run store", e))?;
+        let store = open_store(&self.bus).await?;
         flotilla_coordinator::tree::run_tree(&store, run, max_runs)
             .await
             .map_err(|e| nats(format!("reading the tree of run {run}"), e))
@@ -433,9 +478,7 @@ impl Client {
 
     /// The runs of a session, oldest first (the engine of `<prefix>.api.session.get`).
     pub async fn session(&self, session: SessionId) -> Result<SessionView, ClientError> {
-        let store = RunStore::open(&self.bus)
-            .await
-            .map_err(|e| nats("opening the run store", e))?;
+        let store = open_store(&self.bus).await?;
         flotilla_coordinator::tree::session_view(&store, session)
             .await
             .map_err(|e| nats(format!("reading session {session}"), e))

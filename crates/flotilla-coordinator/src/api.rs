@@ -11,6 +11,10 @@
 //! | `<prefix>.api.plan.validate` | `ValidatePlanRequest` | `ValidatePlanReply` |
 //! | `<prefix>.api.ws.append`, `ws.read`, `mbox.send`, `mbox.read`, `state.get`, `state.set` | see [`collab`] | |
 //!
+//! The service's `$SRV.INFO` metadata carries what the process was given
+//! ([`crate::Coordinator::with_service_metadata`]): `flotilla coordinator` and `flotilla up`
+//! put the deployment's configuration fingerprint, host and pid there.
+//!
 //! Errors are an `ApiError` body with the micro-service headers `Nats-Service-Error` and
 //! `Nats-Service-Error-Code`. No request goes unanswered: a request that does not decode is
 //! `400 malformed`, one of a protocol version this build does not speak `400
@@ -165,6 +169,7 @@ pub(crate) async fn serve(
     intake: Arc<Intake>,
     ctx: ValidationContext,
     live: LiveWorkers,
+    metadata: std::collections::HashMap<String, String>,
     shutdown: CancellationToken,
 ) -> Result<(), CoordinatorError> {
     let bus = store.bus().clone();
@@ -180,6 +185,9 @@ pub(crate) async fn serve(
         .description(
             "Flotilla coordinator API: submit, read, cancel runs; run trees and sessions; validate plans; workspace, mailboxes, session state; watch",
         )
+        // The deployment's configuration fingerprint and where this coordinator runs, for
+        // `flotilla up --nats-url` and operators (`nats micro info <prefix>`).
+        .metadata(metadata)
         .start(bus.names().service(), env!("CARGO_PKG_VERSION"))
         .await
         .map_err(setup)?;

@@ -73,7 +73,13 @@ pub struct Coordinator {
     jetstream: JetStreamOptions,
     ready: Option<tokio::sync::oneshot::Sender<()>>,
     metrics: Metrics,
+    /// Metadata of the API micro service (`$SRV.INFO`).
+    service_metadata: std::collections::HashMap<String, String>,
 }
+
+/// The `$SRV.INFO` metadata key under which a coordinator advertises its deployment's
+/// configuration fingerprint (see [`Coordinator::with_service_metadata`]).
+pub const FINGERPRINT_METADATA: &str = "fingerprint";
 
 fn setup(
     detail: impl Into<String>,
@@ -97,7 +103,19 @@ impl Coordinator {
             jetstream,
             ready: None,
             metrics: Metrics::new(),
+            service_metadata: Default::default(),
         }
+    }
+
+    /// Advertises `metadata` with the API micro service (`$SRV.INFO.<prefix>`): standard NATS
+    /// tooling shows it, and `flotilla up --nats-url` reads [`FINGERPRINT_METADATA`] to tell
+    /// its own deployment's coordinators from another deployment's on the same prefix.
+    pub fn with_service_metadata(
+        mut self,
+        metadata: std::collections::HashMap<String, String>,
+    ) -> Self {
+        self.service_metadata = metadata;
+        self
     }
 
     /// Records this coordinator's metrics (submissions, runs and tasks finished, dispatches,
@@ -210,8 +228,9 @@ impl Coordinator {
         if self.opts.api {
             let (store, intake, shutdown) = (store.clone(), Arc::clone(&intake), shutdown.clone());
             let ctx = self.ctx.clone();
+            let metadata = std::mem::take(&mut self.service_metadata);
             tasks.spawn(async move {
-                if let Err(e) = api::serve(store, intake, ctx, live, shutdown).await {
+                if let Err(e) = api::serve(store, intake, ctx, live, metadata, shutdown).await {
                     warn!(error = %e, "The API service stopped");
                 }
             });

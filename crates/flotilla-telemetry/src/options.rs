@@ -15,12 +15,16 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 /// so scrape configs written for them work unchanged.
 pub const DEFAULT_HTTP_PORT: u16 = 9464;
 
+/// How many ports from [`DEFAULT_HTTP_PORT`] on [`HttpAddr::Auto`] tries (9464 – 9563).
+pub const AUTO_HTTP_PORTS: u16 = 100;
+
 /// Settings shared by every service.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields, default)]
 pub struct TelemetryOptions {
-    /// Where services serve `/healthz`, `/readyz` and `/metrics`; `off` disables the listener.
-    /// Client commands never listen.
+    /// Where services serve `/healthz`, `/readyz` and `/metrics`: `auto` (the default: port
+    /// 9464, or the next free one when another service on the host has it), an address, or
+    /// `off`. Client commands never listen.
     pub http_addr: HttpAddr,
     /// Format of the log lines on stderr.
     pub log_format: LogFormat,
@@ -33,11 +37,10 @@ pub struct TelemetryOptions {
 impl Default for TelemetryOptions {
     fn default() -> Self {
         Self {
-            // Every interface: Kubernetes probes and Prometheus scrapes come from outside the pod.
-            http_addr: HttpAddr::Bind(SocketAddr::V4(SocketAddrV4::new(
-                Ipv4Addr::UNSPECIFIED,
-                DEFAULT_HTTP_PORT,
-            ))),
+            // 9464 in a container; the next free port when `flotilla coordinator` and
+            // `flotilla worker` share a host. Deployments that probe a fixed port (the Helm
+            // chart) configure an address, which is never moved.
+            http_addr: HttpAddr::Auto,
             // Plain for people at a terminal; log shippers ask for JSON.
             log_format: LogFormat::Plain,
             // One small JetStream API request per pool every few seconds; Prometheus scrapes
@@ -76,31 +79,45 @@ impl TelemetryOptions {
     }
 }
 
-/// Where the HTTP listener binds: an `ip:port`, or `off`.
+/// Where the HTTP listener binds: `auto`, an `ip:port`, or `off`.
 ///
-/// In TOML, environment variables and flags it is a string: `"0.0.0.0:9464"`,
+/// In TOML, environment variables and flags it is a string: `"auto"`, `"0.0.0.0:9464"`,
 /// `"127.0.0.1:0"` (any free port; the bound address is logged) or `"off"`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HttpAddr {
     /// No listener.
     Off,
-    /// Listen on this address.
+    /// Every interface, port [`DEFAULT_HTTP_PORT`] or — when another process has it, such as
+    /// a second Flotilla service on the same host — the next free port up to
+    /// [`AUTO_HTTP_PORTS`] further (logged). The default.
+    Auto,
+    /// Listen on exactly this address; a taken address is an error.
     Bind(SocketAddr),
 }
 
 impl HttpAddr {
-    /// The address to bind, if any.
+    /// The exact address to bind, if one is configured (`None` for `off` and `auto`).
     pub fn addr(self) -> Option<SocketAddr> {
         match self {
-            Self::Off => None,
+            Self::Off | Self::Auto => None,
             Self::Bind(a) => Some(a),
         }
     }
+
+    /// The addresses `auto` tries, in order: `0.0.0.0:9464`, `0.0.0.0:9465`, ….
+    pub fn auto_candidates() -> impl Iterator<Item = SocketAddr> {
+        (0..AUTO_HTTP_PORTS).map(|i| {
+            SocketAddr::V4(SocketAddrV4::new(
+                Ipv4Addr::UNSPECIFIED,
+                DEFAULT_HTTP_PORT + i,
+            ))
+        })
+    }
 }
 
-/// A listener address that is neither `ip:port` nor `off`.
+/// A listener address that is neither `ip:port`, `auto` nor `off`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("expected an address such as 0.0.0.0:9464 or 127.0.0.1:0, or `off`; got {input:?}")]
+#[error("expected `auto`, an address such as 0.0.0.0:9464 or 127.0.0.1:0, or `off`; got {input:?}")]
 pub struct ParseHttpAddrError {
     /// What was given.
     pub input: String,
@@ -114,6 +131,9 @@ impl FromStr for HttpAddr {
         if s.eq_ignore_ascii_case("off") {
             return Ok(Self::Off);
         }
+        if s.eq_ignore_ascii_case("auto") {
+            return Ok(Self::Auto);
+        }
         s.parse().map(Self::Bind).map_err(|_| ParseHttpAddrError {
             input: s.to_owned(),
         })
@@ -124,6 +144,7 @@ impl fmt::Display for HttpAddr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Off => f.write_str("off"),
+            Self::Auto => f.write_str("auto"),
             Self::Bind(a) => a.fmt(f),
         }
     }
@@ -197,9 +218,13 @@ mod tests {
     }
 
     #[test]
-    fn defaults_listen_on_9464_with_plain_logs() {
+    fn defaults_listen_on_9464_or_the_next_free_port_with_plain_logs() {
         let d = TelemetryOptions::default();
-        assert_eq!(d.http_addr, HttpAddr::Bind("0.0.0.0:9464".parse().unwrap()));
+        assert_eq!(d.http_addr, HttpAddr::Auto);
+        let ports: Vec<u16> = HttpAddr::auto_candidates().map(|a| a.port()).collect();
+        assert_eq!(ports.first(), Some(&9464));
+        assert_eq!(ports.last(), Some(&9563));
+        assert!(HttpAddr::auto_candidates().all(|a| a.ip().is_unspecified()));
         assert_eq!(d.log_format, LogFormat::Plain);
         assert_eq!(d.validate(), Ok(()));
         assert_eq!(parse("[telemetry]\n").unwrap(), d);
@@ -223,6 +248,7 @@ mod tests {
     fn bad_values_and_unknown_keys_are_rejected() {
         let e = parse("[telemetry]\nhttp-addr = \"localhost\"\n").unwrap_err();
         assert!(e.to_string().contains("`off`"), "{e}");
+        assert!(e.to_string().contains("`auto`"), "{e}");
         assert!(parse("[telemetry]\nlog-format = \"xml\"\n").is_err());
         let e = parse("[telemetry]\nhttp-address = \"off\"\n").unwrap_err();
         assert!(e.to_string().contains("http-address"), "{e}");
@@ -242,11 +268,13 @@ mod tests {
 
     #[test]
     fn flag_values_round_trip() {
-        for s in ["off", "0.0.0.0:9464", "[::1]:9000"] {
+        for s in ["off", "auto", "0.0.0.0:9464", "[::1]:9000"] {
             let a: HttpAddr = s.parse().unwrap();
             assert_eq!(a.to_string(), s);
         }
         assert_eq!("OFF".parse::<HttpAddr>(), Ok(HttpAddr::Off));
+        assert_eq!("Auto".parse::<HttpAddr>(), Ok(HttpAddr::Auto));
+        assert_eq!(HttpAddr::Auto.addr(), None);
         assert_eq!("JSON".parse::<LogFormat>(), Ok(LogFormat::Json));
         assert!("9464".parse::<HttpAddr>().is_err());
     }

@@ -22,6 +22,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::health::Health;
 use crate::metrics::{self, Metrics};
+use crate::options::{AUTO_HTTP_PORTS, DEFAULT_HTTP_PORT, HttpAddr};
 
 /// The listener could not start or failed.
 #[derive(Debug, thiserror::Error)]
@@ -46,6 +47,16 @@ pub enum ServeError {
         /// The OS error.
         #[source]
         source: std::io::Error,
+    },
+    /// `auto` found every port it tries taken.
+    #[error(
+        "cannot listen on any port from {first} to {last}: all in use (choose an address with --http-addr or telemetry.http-addr, or `off`)"
+    )]
+    NoFreePort {
+        /// The first address tried.
+        first: SocketAddr,
+        /// The last address tried.
+        last: SocketAddr,
     },
     /// Serving failed after the listener started.
     #[error("the HTTP listener on {addr} failed: {source}")]
@@ -78,6 +89,54 @@ pub struct HttpServer {
 }
 
 impl HttpServer {
+    /// Starts the listener `addr` asks for — none for `off`; for `auto` the first free port
+    /// of [`HttpAddr::auto_candidates`], logged, so several services share a host with the
+    /// defaults — and serves until `shutdown` is cancelled. Binding errors are returned here,
+    /// before any work starts.
+    pub async fn start(
+        addr: HttpAddr,
+        health: Health,
+        metrics: Metrics,
+        shutdown: CancellationToken,
+    ) -> Result<Option<Self>, ServeError> {
+        let listener = match addr {
+            HttpAddr::Off => return Ok(None),
+            HttpAddr::Bind(a) => listen(a).await?,
+            HttpAddr::Auto => {
+                let mut taken = Vec::new();
+                let mut found = None;
+                for a in HttpAddr::auto_candidates() {
+                    match listen(a).await {
+                        Ok(l) => {
+                            found = Some(l);
+                            break;
+                        }
+                        Err(ServeError::AddressInUse { .. }) => taken.push(a.port()),
+                        Err(e) => return Err(e),
+                    }
+                }
+                let Some(listener) = found else {
+                    return Err(ServeError::NoFreePort {
+                        first: SocketAddr::from(([0, 0, 0, 0], DEFAULT_HTTP_PORT)),
+                        last: SocketAddr::from((
+                            [0, 0, 0, 0],
+                            DEFAULT_HTTP_PORT + AUTO_HTTP_PORTS - 1,
+                        )),
+                    });
+                };
+                if let (Some(first), Ok(bound)) = (taken.first(), listener.local_addr()) {
+                    tracing::info!(
+                        port = bound.port(),
+                        "Port {first} is taken (another Flotilla service on this host?): serving /healthz, /readyz and /metrics on port {} instead",
+                        bound.port()
+                    );
+                }
+                listener
+            }
+        };
+        Self::serve(listener, health, metrics, shutdown).map(Some)
+    }
+
     /// Binds `addr` (port 0: any free port, see [`local_addr`](Self::local_addr)) and serves
     /// until `shutdown` is cancelled. Binding errors are returned here, before any work starts.
     pub async fn bind(
@@ -86,15 +145,19 @@ impl HttpServer {
         metrics: Metrics,
         shutdown: CancellationToken,
     ) -> Result<Self, ServeError> {
-        let listener = tokio::net::TcpListener::bind(addr)
-            .await
-            .map_err(|source| match source.kind() {
-                std::io::ErrorKind::AddrInUse => ServeError::AddressInUse { addr, source },
-                _ => ServeError::Bind { addr, source },
-            })?;
-        let addr = listener
-            .local_addr()
-            .map_err(|source| ServeError::Bind { addr, source })?;
+        Self::serve(listen(addr).await?, health, metrics, shutdown)
+    }
+
+    fn serve(
+        listener: tokio::net::TcpListener,
+        health: Health,
+        metrics: Metrics,
+        shutdown: CancellationToken,
+    ) -> Result<Self, ServeError> {
+        let addr = listener.local_addr().map_err(|source| ServeError::Bind {
+            addr: SocketAddr::from(([0, 0, 0, 0], 0)),
+            source,
+        })?;
         let app = router(health, metrics);
         let task = tokio::spawn(async move {
             axum::serve(listener, app)
@@ -119,6 +182,16 @@ impl HttpServer {
             Err(_) => Err(ServeError::Stopped { addr }),
         }
     }
+}
+
+/// A listening socket on `addr`, with a taken address told apart.
+async fn listen(addr: SocketAddr) -> Result<tokio::net::TcpListener, ServeError> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| match source.kind() {
+            std::io::ErrorKind::AddrInUse => ServeError::AddressInUse { addr, source },
+            _ => ServeError::Bind { addr, source },
+        })
 }
 
 fn router(health: Health, metrics: Metrics) -> Router {
@@ -231,6 +304,32 @@ mod tests {
         stop.cancel();
         server.stopped().await?;
         assert!(tokio::net::TcpStream::connect(addr).await.is_err());
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn auto_moves_to_the_next_free_port_and_off_listens_nowhere() -> anyhow::Result<()> {
+        let stop = CancellationToken::new();
+        let start =
+            || HttpServer::start(HttpAddr::Auto, Health::new(), Metrics::new(), stop.clone());
+        // Two services on one host with the default: the second does not fail.
+        let first = start().await?.expect("a listener");
+        let second = start().await?.expect("a listener");
+        let (a, b) = (first.local_addr(), second.local_addr());
+        assert_ne!(a.port(), b.port());
+        for addr in [a, b] {
+            assert!((9464..9564).contains(&addr.port()), "{addr}");
+            let local = SocketAddr::from(([127, 0, 0, 1], addr.port()));
+            assert_eq!(get(local, "/healthz").await?.0, 200);
+        }
+        assert!(
+            HttpServer::start(HttpAddr::Off, Health::new(), Metrics::new(), stop.clone())
+                .await?
+                .is_none()
+        );
+        stop.cancel();
+        first.stopped().await?;
+        second.stopped().await?;
         Ok(())
     }
 

@@ -10,6 +10,11 @@
 //! * One durable pull consumer per pool (`pool-<name>`), shared by every worker of the pool;
 //!   each worker asks for exactly as many messages as it has free slots, so nothing waits in
 //!   a client buffer while its ack timer runs.
+//! * Prefetch follows the pace of the work: while this worker's recent attempts are short
+//!   (under [`PREFETCH_MAX_ATTEMPT`] on average) it holds up to `prefetch` tasks beyond its
+//!   slots, so a freed slot starts its next task without a pull round trip. A new worker, and
+//!   one whose attempts take longer (model calls), pulls only for free slots: a task never
+//!   waits behind a long attempt here while another worker of the pool has a free slot.
 //! * While an agent runs, the worker sends in-progress acknowledgements twice per heartbeat;
 //!   the consumer's ack wait is one and a half heartbeats, so a dead worker's task is
 //!   redelivered to another worker within 1.5 heartbeats (7.5 s at the default 5 s), while a
@@ -84,6 +89,46 @@ const PULL_EXPIRY: Duration = Duration::from_secs(1);
 const BUSY_PULL_EXPIRY: Duration = Duration::from_millis(20);
 /// How long a busy worker gathers freed slots before asking for more tasks.
 const GATHER: Duration = Duration::from_millis(1);
+/// Attempts shorter than this on average make prefetching pay: it saves a pull round trip
+/// (about 1 ms) per task, and costs at most one attempt's duration of waiting while another
+/// worker may be idle. Model calls take seconds; no-op and cached agents take microseconds.
+pub const PREFETCH_MAX_ATTEMPT: Duration = Duration::from_millis(50);
+
+/// The recent duration of this worker's attempts, as an exponentially weighted average
+/// (weight 1/5 for each new attempt): one atomic update per attempt.
+#[derive(Debug)]
+struct Pace(std::sync::atomic::AtomicU64);
+
+impl Pace {
+    /// No attempt has ended yet.
+    const UNKNOWN: u64 = u64::MAX;
+
+    /// No attempts seen.
+    fn new() -> Self {
+        Self(std::sync::atomic::AtomicU64::new(Self::UNKNOWN))
+    }
+
+    /// An attempt's agent ran for `d`.
+    fn record(&self, d: Duration) {
+        let micros = u64::try_from(d.as_micros()).unwrap_or(u64::MAX - 1);
+        let _ = self
+            .0
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |old| {
+                Some(if old == Self::UNKNOWN {
+                    micros
+                } else {
+                    (old.saturating_mul(4)).saturating_add(micros) / 5
+                })
+            });
+    }
+
+    /// Whether prefetching pays: attempts have been seen and are short on average. Until the
+    /// first attempt ends, the pace is unknown and the answer is no.
+    fn short(&self) -> bool {
+        let v = self.0.load(Ordering::Relaxed);
+        v != Self::UNKNOWN && v < PREFETCH_MAX_ATTEMPT.as_micros() as u64
+    }
+}
 
 pub use flotilla_model::worker::WorkerInfo;
 
@@ -116,6 +161,8 @@ struct Shared {
     metrics: Metrics,
     /// This worker's share of the pool's slot gauges.
     slots: WorkerSlots,
+    /// How long this worker's attempts take lately: prefetch only while they are short.
+    pace: Pace,
 }
 
 impl Shared {
@@ -262,6 +309,7 @@ impl Worker {
                 .metrics
                 .worker_slots(&self.opts.pool, self.opts.concurrency),
             metrics: self.metrics.clone(),
+            pace: Pace::new(),
         });
         let control = self
             .bus
@@ -304,6 +352,16 @@ impl Worker {
         // Whether the last pull request brought tasks.
         let mut busy = false;
         'pull: while !shutdown.is_cancelled() {
+            // While attempts are long (or not known yet), the prefetch places are held back
+            // for this pull request: it asks only for free slots.
+            let keep_back = match self.opts.prefetch {
+                0 => None,
+                _ if shared.pace.short() => None,
+                n => Some(tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    p = Arc::clone(&slots).acquire_many_owned(n as u32) => match p { Ok(p) => p, Err(_) => break },
+                }),
+            };
             let first = tokio::select! {
                 _ = shutdown.cancelled() => break,
                 p = Arc::clone(&slots).acquire_owned() => match p { Ok(p) => p, Err(_) => break },
@@ -380,6 +438,7 @@ impl Worker {
                 }
             }
             drop(permits);
+            drop(keep_back);
             busy = received > 0;
             // Reap finished tasks so the set does not grow.
             while running.try_join_next().is_some() {}
@@ -681,6 +740,7 @@ async fn handle(
     };
     // The agent is done: its slot and its place go to the next task now.
     slot.end();
+    shared.pace.record(attempt.started.elapsed());
     let result = match outcome {
         Ok(reply) => {
             let numeric_value = reply
@@ -1025,5 +1085,36 @@ async fn wait_for_slot(
                 let _ = msg.ack_with(AckKind::Progress).await;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefetch_waits_for_short_attempts_and_stops_at_a_long_one() {
+        let pace = Pace::new();
+        assert!(!pace.short(), "unknown pace: no prefetch");
+        pace.record(Duration::from_micros(300));
+        assert!(pace.short());
+        for _ in 0..20 {
+            pace.record(Duration::from_millis(2));
+        }
+        assert!(pace.short(), "quick attempts keep prefetching");
+        // One model call ends it at once …
+        pace.record(Duration::from_secs(2));
+        assert!(!pace.short());
+        // … and it takes a run of quick attempts to come back.
+        let mut quick = 0;
+        while !pace.short() {
+            pace.record(Duration::from_millis(1));
+            quick += 1;
+            assert!(quick < 100, "never came back");
+        }
+        assert!(quick >= 5, "{quick}");
+        let slow = Pace::new();
+        slow.record(PREFETCH_MAX_ATTEMPT);
+        assert!(!slow.short(), "{PREFETCH_MAX_ATTEMPT:?} is not short");
     }
 }

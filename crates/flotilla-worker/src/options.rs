@@ -35,6 +35,13 @@ pub struct WorkerOptions {
     /// ones (model calls) show up live. `0s` announces every attempt.
     #[serde(with = "humantime_serde")]
     pub started_event_delay: Duration,
+    /// How long a starting worker waits for its streams and buckets to exist — a coordinator
+    /// creates them at start-up, or `flotilla nats provision` — before it gives up and exits.
+    /// Workers never create them (least privilege), so a worker started first (every fresh
+    /// install on Kubernetes races) waits, not ready, and says what it waits for every few
+    /// seconds. `0s` gives up at once.
+    #[serde(with = "humantime_serde")]
+    pub provision_wait: Duration,
     /// Worker id (default: `<host>-<random>`).
     pub id: Option<String>,
 }
@@ -53,6 +60,9 @@ impl Default for WorkerOptions {
             shutdown_grace: Duration::from_secs(25),
             // Below what a person notices; above what a no-op or cached answer takes.
             started_event_delay: Duration::from_millis(200),
+            // Long enough for a coordinator's image pull and start on a fresh cluster; then
+            // the worker exits with the reason, and its restarts back off.
+            provision_wait: Duration::from_secs(300),
             id: None,
         }
     }

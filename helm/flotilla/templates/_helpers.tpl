@@ -274,10 +274,10 @@ agent defined by two pools must be defined the same way.
   "nats" $nats
   "jetstream" (dict "replicas" (int $v.jetstream.replicas) "storage" $v.jetstream.storage)
 -}}
-{{- /* The binary listens on 0.0.0.0:9464 by default; set it only when it differs. */ -}}
-{{- if ne (int $v.metrics.port) 9464 -}}
+{{- /* Always the exact probe port: the binary's default (`auto`) would move to the next
+free port if another process held this one, and the probes would miss it. A fixed address
+fails loudly instead. */ -}}
 {{- $_ := set $cfg "telemetry" (dict "http-addr" (printf "0.0.0.0:%d" (int $v.metrics.port))) -}}
-{{- end -}}
 {{- if $agents -}}{{- $_ := set $cfg "agents" $agents -}}{{- end -}}
 {{- if $v.defaultAgent -}}
 {{- if not (hasKey $agents $v.defaultAgent) -}}

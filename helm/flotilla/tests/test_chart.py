@@ -408,6 +408,14 @@ def metrics_service_monitor_and_network_policy():
 
 
 @check
+def the_probe_port_is_configured_exactly():
+    # The binary's default listener (`auto`) moves to the next free port when 9464 is taken;
+    # the chart pins the port its probes use, so a clash fails the pod instead.
+    for name, cfg in configs(render({})).items():
+        assert cfg["telemetry"]["http-addr"] == "0.0.0.0:9464", name
+
+
+@check
 def a_changed_metrics_port_reaches_the_binary():
     objects = render({"metrics": {"port": 9100}})
     for name, cfg in configs(objects).items():

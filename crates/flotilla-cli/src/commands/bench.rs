@@ -205,13 +205,13 @@ fn validate_section(iterations: usize) {
         .collect();
     times.sort();
     let edges: usize = plan.subtasks.iter().map(|t| t.dependencies.len()).sum();
-    println!(
+    outln!(
         "== plan validation: 10,000 subtasks, {edges} dependencies, {} runs",
         times.len()
     );
-    println!("   min {:>8.2} ms", ms(times[0]));
-    println!("   p50 {:>8.2} ms", ms(times[times.len() / 2]));
-    println!(
+    outln!("   min {:>8.2} ms", ms(times[0]));
+    outln!("   p50 {:>8.2} ms", ms(times[times.len() / 2]));
+    outln!(
         "   max {:>8.2} ms   (target: well under 50 ms)",
         ms(times[times.len() - 1])
     );
@@ -409,17 +409,18 @@ async fn raw_section(
         p50_ms: percentile(&samples, 0.50),
         p99_ms: percentile(&samples, 0.99),
     };
-    println!("== raw JetStream task round trip (publish → pull → result publish → pull)");
-    println!(
+    outln!("== raw JetStream task round trip (publish → pull → result publish → pull)");
+    outln!(
         "   throughput, 512 in flight: {:>10.0} tasks/s   ({tasks} tasks)",
         f.throughput
     );
-    println!(
+    outln!(
         "   latency, 1 in flight:      p50 {:.3} ms   p99 {:.3} ms   ({round_trips} round trips)",
-        f.p50_ms, f.p99_ms
+        f.p50_ms,
+        f.p99_ms
     );
     if let (Some(s), Some(b)) = (cpu_server, cpu_bench) {
-        println!(
+        outln!(
             "   CPU seconds during throughput: nats-server {s:.2}, bench (producer, worker, collector) {b:.2}"
         );
     }
@@ -583,9 +584,10 @@ async fn flotilla_section(
     let warm = submit_via(&bus, SubmitRequest::new(independent_plan(2)), via).await?;
     client.wait(warm, Duration::from_secs(60)).await?;
 
-    println!(
+    outln!(
         "== flotilla (coordinator + {} worker process(es) × {} slots, no-op scripted agent)",
-        args.workers, args.concurrency
+        args.workers,
+        args.concurrency
     );
     // Latency first, on a settled system; then throughput.
     // Dependency hop latency on chains.
@@ -597,7 +599,7 @@ async fn flotilla_section(
     }
     hops.sort_by(f64::total_cmp);
     let (hop50, hop99) = (percentile(&hops, 0.5), percentile(&hops, 0.99));
-    println!(
+    outln!(
         "   dependency hop (result stored → dependent starts): p50 {hop50:.3} ms   p99 {hop99:.3} ms   ({} hops; target p50 ≤ 1.5 ms, p99 ≤ 5 ms)",
         hops.len()
     );
@@ -623,7 +625,7 @@ async fn flotilla_section(
         }
         samples.sort_by(f64::total_cmp);
         let (p50, p99) = (percentile(&samples, 0.5), percentile(&samples, 0.99));
-        println!(
+        outln!(
             "   latency, {name:<10} (1 in flight, submit → outcome): p50 {p50:.3} ms   p99 {p99:.3} ms   ({} runs)",
             samples.len()
         );
@@ -635,7 +637,7 @@ async fn flotilla_section(
     let run = submit_via(&bus, SubmitRequest::new(fan_plan(args.fan)), via).await?;
     let outcome = client.wait(run, Duration::from_secs(300)).await?;
     let makespan = t0.elapsed();
-    println!(
+    outln!(
         "   makespan 1 → {} → 1: {:.3} s ({:?})",
         args.fan,
         makespan.as_secs_f64(),
@@ -697,7 +699,7 @@ async fn flotilla_section(
             })
             .collect();
         let throughput = total as f64 / elapsed.as_secs_f64();
-        println!(
+        outln!(
             "   throughput, {per_run:>2} task(s)/run: {:>8.0} tasks/s   ({runs} runs in {:.2} s{})",
             throughput,
             elapsed.as_secs_f64(),
@@ -707,16 +709,16 @@ async fn flotilla_section(
                 String::new()
             }
         );
-        println!("      CPU s: {}", cpu.join(", "));
+        outln!("      CPU s: {}", cpu.join(", "));
         if let (Some(pid), Some(Some(before))) = (pids.first().map(|(_, p)| *p), cpu_before.first())
             && let Some(after) = cpu_seconds(pid)
         {
-            println!(
+            outln!(
                 "      coordinator CPU per run: {:.0} µs",
                 (after - before) * 1e6 / runs as f64
             );
         }
-        println!(
+        outln!(
             "      stored messages per task: {:.2} ({})",
             stored.iter().map(|(_, n)| n).sum::<f64>(),
             stored
@@ -730,7 +732,7 @@ async fn flotilla_section(
 
     for (name, child) in &procs.0 {
         if let Some(kib) = peak_rss_kib(child.id()) {
-            println!("   peak RSS {name:<12} {:>8.1} MiB", kib as f64 / 1024.0);
+            outln!("   peak RSS {name:<12} {:>8.1} MiB", kib as f64 / 1024.0);
         }
     }
 
@@ -763,40 +765,40 @@ async fn flotilla_section(
     }
     let single_slot = runs as f64 / start.elapsed().as_secs_f64();
     let _ = submitter.await;
-    println!(
+    outln!(
         "   throughput, 2 workers × 1 slot, 1-task runs: {single_slot:.0} tasks/s   ({runs} runs)"
     );
     if let Some(raw) = raw {
-        println!(
+        outln!(
             "== ratios to raw JetStream (same server, same run; targets: 1-task ≥ 40 %, 4-task ≥ 60 %, 10-task ≥ 70 %)"
         );
         for (per_run, throughput) in &rows {
-            println!(
+            outln!(
                 "   throughput, {per_run:>2} task(s)/run: {:>5.1} % of raw ({:.0} / {:.0} tasks/s)",
                 100.0 * throughput / raw.throughput,
                 throughput,
                 raw.throughput
             );
         }
-        println!(
+        outln!(
             "   hop p50 / raw round-trip p50: {:.2}×   ({hop50:.3} ms / {:.3} ms)",
             hop50 / raw.p50_ms,
             raw.p50_ms
         );
-        println!(
+        outln!(
             "   hop p99 / raw round-trip p99: {:.2}×   ({hop99:.3} ms / {:.3} ms)",
             hop99 / raw.p99_ms,
             raw.p99_ms
         );
         for (name, p50, _) in &latencies {
             let target = if *name == "diamond" { 6.0 } else { 3.0 };
-            println!(
+            outln!(
                 "   latency {name} p50 / raw round-trip p50: {:.2}×   ({p50:.3} ms / {:.3} ms; target ≤ {target}×)",
                 p50 / raw.p50_ms,
                 raw.p50_ms
             );
         }
-        println!(
+        outln!(
             "   2 workers × 1 slot: {:.1} % of raw ({single_slot:.0} / {:.0} tasks/s)",
             100.0 * single_slot / raw.throughput,
             raw.throughput
@@ -984,7 +986,7 @@ http-addr = "off"
     let client = Client::new(bus.clone());
     let mut procs = Processes(vec![("coordinator".into(), spawn("coordinator")?)]);
     let heartbeat = flotilla_worker::WorkerOptions::default().heartbeat;
-    println!(
+    outln!(
         "== crash recovery (heartbeat {:?}, the default): kill -9 of a worker → its task started on another",
         heartbeat
     );
@@ -1042,7 +1044,7 @@ http-addr = "off"
     }
     samples.sort_by(f64::total_cmp);
     let hb = heartbeat.as_secs_f64();
-    println!(
+    outln!(
         "   recovery: median {:.2} s, max {:.2} s over {} kills = {:.2} / {:.2} heartbeats (target ≤ 2)",
         percentile(&samples, 0.5),
         samples[samples.len() - 1],
@@ -1080,7 +1082,7 @@ pub(crate) async fn run(
         None => {
             let s = super::services::embedded_nats(dir.path()).await?;
             let url = s.url();
-            println!(
+            outln!(
                 "== nats-server: embedded at {url} (file storage in {})",
                 dir.path().display()
             );

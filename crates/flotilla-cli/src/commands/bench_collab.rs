@@ -140,43 +140,46 @@ pub(super) async fn collab_section(
     let with = with_services(args, services, url, &bus).await?;
     let without = without_services(args, &opts).await?;
 
-    println!(
+    outln!(
         "== collaboration (coordinator + {} worker process(es) × {} slots, no-op scripted agent)",
-        services.workers, services.concurrency
+        services.workers,
+        services.concurrency
     );
     let (d50, d99) = with.dependency;
     let (t50, t99) = with.topic;
     let (g50, g99) = with.gated;
-    println!(
+    outln!(
         "   dependency hop (result stored → dependent starts):     p50 {d50:.3} ms   p99 {d99:.3} ms   ({} hops)",
         with.hops.0
     );
-    println!(
+    outln!(
         "   topic hop (result stored → consumer starts, produce):  p50 {t50:.3} ms   p99 {t99:.3} ms   ({} hops) = {:.2}× / {:.2}× the dependency hop",
         with.hops.1,
         t50 / d50,
         t99 / d99
     );
-    println!(
+    outln!(
         "   gated dispatch (outside entry stored → consumer starts): p50 {g50:.3} ms   p99 {g99:.3} ms   ({} tasks) = {:.2}× / {:.2}× the dependency hop (target p50 ≤ 1.5×)",
         with.hops.2,
         g50 / d50,
         g99 / d99
     );
-    println!("   -- services stopped: client and server only --");
+    outln!("   -- services stopped: client and server only --");
     let w = &without;
-    println!(
+    outln!(
         "   workspace append → live watcher:          p50 {:.3} ms   p99 {:.3} ms   ({} entries)",
-        w.watch.0, w.watch.1, w.watch_n
+        w.watch.0,
+        w.watch.1,
+        w.watch_n
     );
-    println!(
+    outln!(
         "   raw: publish → ordered consumer receives:  p50 {:.3} ms   p99 {:.3} ms   → {:.2}× / {:.2}× raw",
         w.raw_watch.0,
         w.raw_watch.1,
         w.watch.0 / w.raw_watch.0,
         w.watch.1 / w.raw_watch.1
     );
-    println!(
+    outln!(
         "   append {} entries to one topic, {IN_FLIGHT} in flight: {:>8.0} entries/s; raw publish {:>8.0} msgs/s → {:.1} % of raw",
         w.pages_n,
         w.append_rate,
@@ -184,20 +187,23 @@ pub(super) async fn collab_section(
         100.0 * w.append_rate / w.raw_publish_rate
     );
     for (limit, rate, pages) in &w.read_rates {
-        println!(
+        outln!(
             "   read them, Workspace::read pages of {limit:>4}: {rate:>8.0} entries/s ({pages} pages) → {:.1} % of raw",
             100.0 * rate / w.raw_read_rate
         );
     }
-    println!(
+    outln!(
         "   raw: ordered consumer reads the same messages: {:>8.0} msgs/s (before and after the pages)",
         w.raw_read_rate
     );
-    println!(
+    outln!(
         "   mailbox send → waiting receive returns:    p50 {:.3} ms   p99 {:.3} ms   ({} messages; send alone p50 {:.3} ms)",
-        w.mailbox.0, w.mailbox.1, w.mailbox_n, w.send_p50
+        w.mailbox.0,
+        w.mailbox.1,
+        w.mailbox_n,
+        w.send_p50
     );
-    println!(
+    outln!(
         "   raw: JetStream publish → waiting ordered consumer (same pacing): p50 {:.3} ms   p99 {:.3} ms   → {:.2}× / {:.2}× raw",
         w.raw_mailbox.0,
         w.raw_mailbox.1,

@@ -22,7 +22,16 @@
 //!   independent 1-task runs kept N in flight (outcomes on `reply_to`); achieved tasks/s ÷
 //!   the ideal N / delay. The worker's RSS idle and loaded → RSS per concurrent agent.
 //! * **scaling 1 → 2 → 4 worker processes** — the same with k workers of a smaller
-//!   concurrency: tasks/s with k workers ÷ (k × tasks/s with one).
+//!   concurrency: tasks/s with k workers ÷ (k × tasks/s with one). Slow tasks, exactly as
+//!   many in flight as slots: a task a busy worker prefetched would wait there while another
+//!   worker idles.
+//! * **quick tasks on one-slot workers** — the other workload: two `flotilla worker
+//!   --concurrency 1` with the provider answering at once and a backlog, where holding the
+//!   next task saves a pull round trip per task.
+//!
+//! Figures 3 and 4 run once per `worker.prefetch` setting (`--llm-scale-prefetch`, default
+//! `1,0`): the default (1, applied only while a worker's attempts are short) should match the
+//! better of the two on both workloads.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -79,10 +88,18 @@ pub(crate) struct LlmArgs {
     #[arg(long, default_value_t = 4)]
     llm_scale_rounds: usize,
     /// LLM: the workers' `worker.prefetch` (tasks a worker holds beyond its slots, waiting
-    /// for one) in the scaling figure, one measurement each (1 is the worker's default).
+    /// for one, while its attempts are short) in the scaling and quick-task figures, one
+    /// measurement each (1 is the worker's default).
     #[arg(long, value_delimiter = ',', default_values_t = [1, 0])]
     llm_scale_prefetch: Vec<usize>,
+    /// LLM: runs of the quick-task figure (two one-slot workers, the provider answering at
+    /// once, 16 runs in flight); 0 skips it.
+    #[arg(long, default_value_t = 2000)]
+    llm_quick_runs: usize,
 }
+
+/// Runs in flight in the quick-task figure: a backlog behind two one-slot workers.
+const QUICK_IN_FLIGHT: usize = 16;
 
 /// What the LLM section shares with the other sections.
 pub(super) struct Services {
@@ -138,7 +155,7 @@ impl Provider {
             .with_state(Arc::clone(&sim));
         let task = tokio::spawn(async move {
             if let Err(e) = axum::serve(listener, app).await {
-                eprintln!("flotilla bench: the simulated provider stopped: {e}");
+                errln!("flotilla bench: the simulated provider stopped: {e}");
             }
         });
         Ok(Self { addr, sim, task })
@@ -611,7 +628,7 @@ pub(super) async fn llm_section(
     opts.prefix = PREFIX.into();
     let bus = Bus::connect(&opts, "flotilla-bench").await?;
     bus.provision(&Default::default()).await?;
-    println!(
+    outln!(
         "== LLM agents against a SIMULATED OpenAI-compatible provider at {} (a test double in the bench answering after a fixed delay, not a model)",
         provider.base_url()
     );
@@ -625,24 +642,24 @@ pub(super) async fn llm_section(
     let (n50, n99) = p50_p99(&mut attempt_overheads(&bus, &provider, samples, false, false).await?);
     let (h50, h99) = p50_p99(&mut bare_http(&provider, samples).await?);
     let (j50, j99) = p50_p99(&mut bare_puback(&bus, samples).await?);
-    println!(
+    outln!(
         "   orchestration overhead per model call (attempt wall time − server time; in-process LlmAgent, 1 in flight, streaming, {samples} attempts each):"
     );
-    println!(
+    outln!(
         "   1 call per task:                          p50 {o50:.3} ms   p99 {o99:.3} ms   per call"
     );
-    println!(
+    outln!(
         "   2 calls per task (one state_get round):   p50 {:.3} ms   p99 {:.3} ms   per call   (per task {t50:.3} / {t99:.3} ms, the tool included)",
         t50 / 2.0,
         t99 / 2.0
     );
-    println!(
+    outln!(
         "   decomposition — 1 call, no events and no journal (emitter without a bus; never so in a worker): p50 {n50:.3} ms   p99 {n99:.3} ms"
     );
-    println!(
+    outln!(
         "   compared with: bare HTTP/1.1 round trip, same reply (kept-alive TCP, no client library): p50 {h50:.3} ms   p99 {h99:.3} ms"
     );
-    println!(
+    outln!(
         "                  bare JetStream publish → PubAck (what journaling a step waits for): p50 {j50:.3} ms   p99 {j99:.3} ms"
     );
 
@@ -706,18 +723,18 @@ pub(super) async fn llm_section(
     let hwm = status_field(worker_pid, "VmHWM:").unwrap_or(0);
     let achieved = runs as f64 / elapsed.as_secs_f64();
     let ideal = n as f64 / args.llm_delay.as_secs_f64();
-    println!(
+    outln!(
         "   one worker × {n} slots, {n} LLM tasks in flight, {:?} simulated latency (1-task runs, {runs} runs):",
         args.llm_delay
     );
-    println!(
+    outln!(
         "   throughput {achieved:.1} tasks/s ÷ ideal {ideal:.1} ({n} / {:?}) = {:.3}   (target ≥ 0.9; {runs} runs in {:.2} s, {requests} model calls{})",
         args.llm_delay,
         achieved / ideal,
         elapsed.as_secs_f64(),
         not_succeeded(failed)
     );
-    println!(
+    outln!(
         "   worker RSS: idle {:.1} MiB, loaded {:.1} MiB (most sampled), peak {:.1} MiB → {:.1} KiB per concurrent agent",
         idle as f64 / 1024.0,
         loaded as f64 / 1024.0,
@@ -728,7 +745,7 @@ pub(super) async fn llm_section(
         if name == "coordinator"
             && let Some(kib) = status_field(child.id(), "VmHWM:")
         {
-            println!("   coordinator peak RSS {:.1} MiB", kib as f64 / 1024.0);
+            outln!("   coordinator peak RSS {:.1} MiB", kib as f64 / 1024.0);
         }
     }
 
@@ -774,9 +791,54 @@ pub(super) async fn llm_section(
         }
         tables.push((prefetch, rows));
     }
+    // Figure 4: quick tasks on two one-slot workers, for each prefetch setting.
+    let mut quick: Vec<(usize, f64, usize)> = Vec::new();
+    if args.llm_quick_runs > 0 {
+        for &prefetch in &args.llm_scale_prefetch {
+            let config = llm_config(
+                dir.path(),
+                url,
+                &provider.base_url(),
+                max_requests,
+                prefetch,
+                listener_off,
+            )?;
+            for (_, mut c) in procs.0.drain(1..) {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            let spawned = unix_nanos();
+            for i in 0..2 {
+                procs.0.push((
+                    format!("one-slot worker {i}"),
+                    spawn_service(&services.exe, &config, &["worker", "--concurrency", "1"])?,
+                ));
+            }
+            wait_for_workers(&bus, 2, spawned).await?;
+            provider.set_delay(Duration::ZERO);
+            let (_, failed) = closed_loop(&bus, &inbox, &mut ends, 64, QUICK_IN_FLIGHT, via)
+                .await
+                .context("warming up the one-slot LLM workers")?;
+            anyhow::ensure!(failed == 0, "the warm-up LLM runs did not succeed");
+            let (elapsed, failed) = closed_loop(
+                &bus,
+                &inbox,
+                &mut ends,
+                args.llm_quick_runs,
+                QUICK_IN_FLIGHT,
+                via,
+            )
+            .await?;
+            quick.push((
+                prefetch,
+                args.llm_quick_runs as f64 / elapsed.as_secs_f64(),
+                failed,
+            ));
+        }
+    }
     drop(procs);
     for (prefetch, rows) in &tables {
-        println!(
+        outln!(
             "   scaling: k worker processes × {per} slots, worker.prefetch = {prefetch}{}, {:?} simulated latency, k × {per} runs in flight, {} rounds:",
             if *prefetch == DEFAULT_PREFETCH {
                 " (the default)"
@@ -795,16 +857,35 @@ pub(super) async fn llm_section(
                     throughput / (*k as f64 * one)
                 )
             });
-            println!(
+            outln!(
                 "   {k} worker(s): {throughput:>7.1} tasks/s = {:.3} of ideal {ideal:.1}{vs_linear}{}",
                 throughput / ideal,
                 not_succeeded(*failed)
             );
         }
     }
+    if !quick.is_empty() {
+        outln!(
+            "   quick tasks: 2 worker processes × 1 slot, the provider answering at once, {QUICK_IN_FLIGHT} runs in flight, {} runs:",
+            args.llm_quick_runs
+        );
+        let best = quick.iter().map(|(_, t, _)| *t).fold(0.0, f64::max);
+        for (prefetch, throughput, failed) in &quick {
+            outln!(
+                "   worker.prefetch = {prefetch}{}: {throughput:>7.1} tasks/s = {:.3} of the best setting{}",
+                if *prefetch == DEFAULT_PREFETCH {
+                    " (the default)"
+                } else {
+                    ""
+                },
+                throughput / best,
+                not_succeeded(*failed)
+            );
+        }
+    }
     let bad = provider.sim.bad_requests.load(Ordering::SeqCst);
     if bad > 0 {
-        println!("   the simulated provider received {bad} requests that were not JSON");
+        outln!("   the simulated provider received {bad} requests that were not JSON");
     }
     Ok(())
 }

@@ -374,7 +374,7 @@ impl InProcessWorker {
         let token = shutdown.clone();
         let handle = tokio::spawn(async move {
             if let Err(e) = worker.run(token).await {
-                eprintln!("flotilla bench: the in-process worker stopped: {e}");
+                errln!("flotilla bench: the in-process worker stopped: {e}");
             }
         });
         let this = Self {
@@ -943,7 +943,7 @@ pub(super) async fn tree_section(
     wait_for_workers(&bus, args.tree_workers.max(1) + 1).await?;
     take(&spawns);
 
-    println!(
+    outln!(
         "== run trees (coordinator + {} worker process(es) × {} slots, scripted agents; the agents that start children are deterministic Rust agents of the bench, run by an in-process worker, pool `{POOL}`)",
         args.tree_workers.max(1),
         args.tree_concurrency.max(1)
@@ -992,33 +992,34 @@ pub(super) async fn tree_section(
     let (f50, _, _) = summary(&mut first_call);
     let (o50, _, _) = summary(&mut later_calls);
     let (h50, h99, _) = summary(&mut hops);
-    println!(
+    outln!(
         "   child spawn → child's task started (one call at a time): p50 {s50:.3} ms   p99 {s99:.3} ms   ({} children)",
         spawn.len()
     );
-    println!(
+    outln!(
         "     of which start_child (marker stored, child.start answered): p50 {sc50:.3} ms   p99 {sc99:.3} ms   (a parent's first call p50 {f50:.3} ms, its later calls {o50:.3} ms)"
     );
-    println!(
+    outln!(
         "     and start_child returned → child's task started:           p50 {sa50:.3} ms   p99 {sa99:.3} ms"
     );
-    println!(
+    outln!(
         "   dependency hop (2-task chains, result stored → dependent started): p50 {h50:.3} ms   p99 {h99:.3} ms   ({} hops)",
         hops.len()
     );
     if let Some(raw) = raw {
-        println!(
+        outln!(
             "   raw JetStream round trip (this run, 1 in flight):              p50 {:.3} ms   p99 {:.3} ms",
-            raw.p50_ms, raw.p99_ms
+            raw.p50_ms,
+            raw.p99_ms
         );
     }
-    print!(
+    out!(
         "   spawn / dependency hop: {:.2}× / {:.2}× (p50 / p99)",
         s50 / h50,
         s99 / h99
     );
     if let Some(raw) = raw {
-        print!(
+        out!(
             "   spawn / raw: {:.2}× / {:.2}×   hop / raw: {:.2}× / {:.2}×",
             s50 / raw.p50_ms,
             s99 / raw.p99_ms,
@@ -1026,7 +1027,7 @@ pub(super) async fn tree_section(
             h99 / raw.p99_ms
         );
     }
-    println!();
+    outln!();
 
     // Figure 2: depth-N nested agent-as-tool vs N dependency hops.
     let depth = args.tree_depth.max(1);
@@ -1073,34 +1074,34 @@ pub(super) async fn tree_section(
     let (dc50, _, _) = summary(&mut down_call);
     let (da50, _, _) = summary(&mut down_after);
     let (l50, l99, _) = summary(&mut local_hops);
-    println!(
+    outln!(
         "   depth-{depth} nested agent-as-tool, submit → root outcome ({} runs of one task, in-process worker): p50 {n50:.3} ms   p99 {n99:.3} ms   ({} repetitions)",
         depth + 1,
         nested.len()
     );
-    println!(
+    outln!(
         "   {}-task chain ({depth} dependency hops), same in-process worker:        p50 {c50:.3} ms   p99 {c99:.3} ms   → nested / chain {:.2}× / {:.2}×",
         depth + 1,
         n50 / c50,
         n99 / c99
     );
-    println!(
+    outln!(
         "   {}-task chain ({depth} dependency hops), worker processes:              p50 {p50:.3} ms   p99 {p99:.3} ms",
         depth + 1
     );
-    println!(
+    outln!(
         "   per nesting level, (nested − chain) / {depth}: p50 {:.3} ms   p99 {:.3} ms — what a level costs beyond a dependency hop",
         (n50 - c50) / depth as f64,
         (n99 - c99) / depth as f64
     );
-    println!(
+    outln!(
         "     per level, down (call → child's task started):                 p50 {d50:.3} ms   p99 {d99:.3} ms   ({} levels; start_child p50 {dc50:.3} ms, then {da50:.3} ms to the start)",
         down.len()
     );
-    println!(
+    outln!(
         "     per level, up (child's result stored → the caller has its outcome): p50 {u50:.3} ms   p99 {u99:.3} ms"
     );
-    println!(
+    outln!(
         "     a dependency hop of the in-process chain:                       p50 {l50:.3} ms   p99 {l99:.3} ms   → down + up − hop = {:.3} ms (p50)",
         d50 + u50 - l50
     );
@@ -1210,7 +1211,7 @@ pub(super) async fn tree_section(
     drop(procs);
 
     wave_times.sort_by(f64::total_cmp);
-    println!(
+    outln!(
         "   projected-stream delivery lag (event message stored → at the watcher; profile debug), {} waves × {children} concurrent children (scripted, {:?} each, on {} × {} slots); wave go → parent's outcome: median {:.2} s:",
         args.tree_waves.max(1),
         args.tree_child_delay,
@@ -1249,7 +1250,7 @@ pub(super) async fn tree_section(
         } else {
             String::new()
         };
-        println!(
+        outln!(
             "   {name:<48} p50 {a50:>8.3} ms   p99 {a99:>8.3} ms   max {amax:>8.3} ms   ({} of {} stored events delivered{missing}; end: {ends}{})",
             l.delivered,
             l.expected,
@@ -1261,7 +1262,7 @@ pub(super) async fn tree_section(
         );
         if name.starts_with("flatten") {
             let (o50, o99, omax) = summary(&mut l.own);
-            println!(
+            outln!(
                 "   {:<48} p50 {o50:>8.3} ms   p99 {o99:>8.3} ms   max {omax:>8.3} ms   ({} events)",
                 "  — of which the parent's own events",
                 l.own.len()
@@ -1273,7 +1274,7 @@ pub(super) async fn tree_section(
         (names[1], names[3], "server"),
     ] {
         if let (Some(f), Some(b)) = (p50s.get(flat), p50s.get(linked)) {
-            println!(
+            outln!(
                 "   flatten / linked, {what}: {:.1}× / {:.1}× (p50 / p99)",
                 f.0 / b.0,
                 f.1 / b.1
@@ -1281,10 +1282,10 @@ pub(super) async fn tree_section(
         }
     }
     let (g50, g99, gmax) = summary(&mut child_starts);
-    println!(
+    outln!(
         "   children: {started_children} announced, {ended_children} ended in their streams; go → a child's task started: p50 {g50:.1} ms   p99 {g99:.1} ms   max {gmax:.1} ms"
     );
-    println!(
+    outln!(
         "   consumers on the events stream: {consumers} right after the waves, peak seen {} (limit {}: jetstream.max-consumers); the bench waited {:.1} s in all for room",
         pacer.peak,
         pacer.limit,

@@ -21,7 +21,7 @@
 //! `artifacts get`). Errors are one JSON object on stderr, `{"error": {"code", "message"}}`,
 //! with exit code 2 for invalid input and 1 for everything else ([`EXIT_CODES`]).
 
-use std::io::{IsTerminal, Read, Write};
+use std::io::{IsTerminal, Read};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
@@ -30,7 +30,6 @@ use bytes::Bytes;
 use clap::{Args, Subcommand};
 use flotilla_bus::{Bus, NatsOptions};
 use flotilla_context::{Clients, ContextError, Scope};
-use flotilla_coordinator::store::RunStore;
 use flotilla_model::ids::{RunId, TaskId};
 use flotilla_model::mailbox::MailboxKind;
 use futures::StreamExt;
@@ -486,7 +485,7 @@ fn finish(result: Result<(), CliError>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("{}", e.to_json());
+            errln!("{}", e.to_json());
             ExitCode::from(e.exit_code())
         }
     }
@@ -579,7 +578,6 @@ async fn watch(
     futures::pin_mut!(entries);
     let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
     let mut seen = 0u64;
-    let mut stdout = std::io::stdout().lock();
     loop {
         let next = match deadline {
             Some(d) => match tokio::time::timeout_at(d, entries.next()).await {
@@ -591,13 +589,8 @@ async fn watch(
         let Some(entry) = next else { break };
         let line = serde_json::to_string(&entry?)
             .map_err(|e| CliError::new("malformed", format!("encoding an entry: {e}")))?;
-        if let Err(e) = writeln!(stdout, "{line}").and_then(|()| stdout.flush()) {
-            // The reader went away (`… | head -1`): done.
-            if e.kind() == std::io::ErrorKind::BrokenPipe {
-                return Ok(());
-            }
-            return Err(io_error("writing to stdout", e));
-        }
+        // A reader that went away (`… | head -1`) ends the command (crate::output).
+        outln!("{line}");
         seen += 1;
         if count.is_some_and(|c| seen >= c) {
             return Ok(());
@@ -743,13 +736,8 @@ async fn run_artifacts(global: Global<'_>, args: ArtifactsArgs) -> Result<(), Cl
                     }))
                 }
                 None => {
-                    let mut stdout = std::io::stdout().lock();
-                    match stdout.write_all(&bytes).and_then(|()| stdout.flush()) {
-                        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
-                            Err(io_error("writing to stdout", e))
-                        }
-                        _ => Ok(()),
-                    }
+                    crate::output::stdout_bytes(&bytes);
+                    Ok(())
                 }
             }
         }
@@ -792,7 +780,7 @@ fn nats_options(global: Global<'_>) -> Result<NatsOptions, CliError> {
         return Ok(opts.clone());
     }
     let loaded = config::load(global.config, global.nats_url)
-        .map_err(|e| CliError::new("invalid_config", format!("{e:#}")))?;
+        .map_err(|e| CliError::new("invalid_config", flotilla_bus::error::report(e.as_ref())))?;
     let mut opts = loaded.nats;
     if let Some(env) = from_env {
         opts.urls = env.urls;
@@ -813,9 +801,9 @@ async fn bus(opts: &NatsOptions) -> Result<Bus, CliError> {
 
 /// An operator's scope on `run`: its tree's root and the session on its record.
 async fn operator_scope(bus: &Bus, run: RunId, as_task: Option<&str>) -> Result<Scope, CliError> {
-    let store = RunStore::open(bus)
+    let store = flotilla_client::open_store(bus)
         .await
-        .map_err(|e| CliError::new("unavailable", format!("opening the run store: {e}")))?;
+        .map_err(|e| CliError::new("unavailable", e.to_string()))?;
     let record = store
         .record(run)
         .await
@@ -914,19 +902,14 @@ fn to_value(v: &impl Serialize) -> Result<Value, CliError> {
 
 /// One JSON document on stdout: indented on a terminal, one line otherwise.
 fn print_json(v: &impl Serialize) -> Result<(), CliError> {
-    let mut stdout = std::io::stdout().lock();
-    let text = if stdout.is_terminal() {
+    let text = if std::io::stdout().is_terminal() {
         serde_json::to_string_pretty(v)
     } else {
         serde_json::to_string(v)
     }
     .map_err(|e| CliError::new("malformed", format!("encoding: {e}")))?;
-    match writeln!(stdout, "{text}") {
-        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
-            Err(io_error("writing to stdout", e))
-        }
-        _ => Ok(()),
-    }
+    outln!("{text}");
+    Ok(())
 }
 
 /// Seconds (`2`, `0.5`) or a duration (`500ms`, `2m`).

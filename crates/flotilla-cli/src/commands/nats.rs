@@ -74,23 +74,23 @@ pub(crate) async fn provision(
         if let Some(o) = out.as_object_mut() {
             o.insert("consumers".into(), serde_json::to_value(&consumers)?);
         }
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        outln!("{}", serde_json::to_string_pretty(&out)?);
     } else {
-        print!("{report}");
+        out!("{report}");
         for c in &consumers {
             let what = match c.action {
                 ConsumerAction::Create => "created",
                 ConsumerAction::Exists => "exists",
                 ConsumerAction::Missing => "missing",
             };
-            println!("{:<6} {:<24} {what} (on {})", "pool", c.name, c.stream);
+            outln!("{:<6} {:<24} {what} (on {})", "pool", c.name, c.stream);
         }
         if !compatible {
-            eprintln!(
+            errln!(
                 "Nothing was changed: resolve the INCOMPATIBLE differences above (or use another nats.prefix)."
             );
         } else if dry_run {
-            eprintln!("Dry run: nothing was changed.");
+            errln!("Dry run: nothing was changed.");
         }
     }
     Ok(if compatible {

@@ -155,29 +155,29 @@ pub(crate) async fn validate(
             note,
             report: &report,
         };
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        outln!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         let name = path.display();
         if let Some(note) = &note {
-            eprintln!("note: {note}");
+            errln!("note: {note}");
         }
         if valid {
-            println!(
+            outln!(
                 "✓ {name}: valid ({subtasks} subtasks, {} warnings; checked {checked})",
                 report.warnings.len()
             );
         } else {
-            println!(
+            outln!(
                 "✗ {name}: {} error(s), {} warning(s)",
                 report.errors.len(),
                 report.warnings.len()
             );
         }
         for p in &report.errors {
-            println!("  error   {p}");
+            outln!("  error   {p}");
         }
         for p in &report.warnings {
-            println!("  warning {p}");
+            outln!("  warning {p}");
         }
     }
     Ok(if valid {

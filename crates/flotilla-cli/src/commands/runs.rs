@@ -13,9 +13,11 @@ use futures::StreamExt;
 
 use crate::config::Config;
 
+/// The run store, through the client library: a deployment never provisioned is said once,
+/// with what to do.
 async fn store(config: &Config) -> anyhow::Result<RunStore> {
     let bus = Bus::connect(&config.nats, "flotilla-cli").await?;
-    Ok(RunStore::open(&bus).await?)
+    Ok(flotilla_client::open_store(&bus).await?)
 }
 
 pub(crate) async fn list(config: &Config, limit: usize, json: bool) -> anyhow::Result<ExitCode> {
@@ -23,16 +25,20 @@ pub(crate) async fn list(config: &Config, limit: usize, json: bool) -> anyhow::R
     // Newest first, by submission time (clients may choose any UUID as run id).
     let records = store.recent(limit).await?;
     if json {
-        println!("{}", serde_json::to_string_pretty(&records)?);
+        outln!("{}", serde_json::to_string_pretty(&records)?);
         return Ok(ExitCode::SUCCESS);
     }
-    println!(
+    outln!(
         "{:<36}  {:<10}  {:<20}  {:>9}  {:<24}",
-        "RUN", "STATUS", "NAME", "TASKS", "CREATED"
+        "RUN",
+        "STATUS",
+        "NAME",
+        "TASKS",
+        "CREATED"
     );
     for r in records {
         let c = &r.tasks;
-        println!(
+        outln!(
             "{:<36}  {:<10}  {:<20}  {:>9}  {:<24}",
             r.handle.run_id.to_string(),
             r.status.as_str(),
@@ -51,33 +57,33 @@ pub(crate) async fn list(config: &Config, limit: usize, json: bool) -> anyhow::R
 
 pub(crate) async fn show(config: &Config, run: RunId, json: bool) -> anyhow::Result<ExitCode> {
     let bus = Bus::connect(&config.nats, "flotilla-cli").await?;
-    let store = RunStore::open(&bus).await?;
+    let store = flotilla_client::open_store(&bus).await?;
     let Some(view) = store.view(run, 0, usize::MAX).await? else {
-        eprintln!("error: run {run} does not exist");
+        errln!("error: run {run} does not exist");
         return Ok(ExitCode::from(1));
     };
     if json {
-        println!("{}", serde_json::to_string_pretty(&view)?);
+        outln!("{}", serde_json::to_string_pretty(&view)?);
         return Ok(ExitCode::SUCCESS);
     }
     let r = &view.record;
-    println!("run       {}", r.handle.run_id);
+    outln!("run       {}", r.handle.run_id);
     if let Some(n) = &r.name {
-        println!("name      {n}");
+        outln!("name      {n}");
     }
-    println!("status    {}", r.status);
-    println!("created   {}", r.created_at);
+    outln!("status    {}", r.status);
+    outln!("created   {}", r.created_at);
     if let Some(f) = r.finished_at {
-        println!("finished  {f}");
+        outln!("finished  {f}");
     }
     for (k, v) in &r.labels {
-        println!("label     {k}={v}");
+        outln!("label     {k}={v}");
     }
     if let Some(s) = &r.strategy {
-        println!("strategy  {} ({})", s.strategy.as_str(), s.reason);
+        outln!("strategy  {} ({})", s.strategy.as_str(), s.reason);
     }
     if let Some(p) = &r.planning {
-        println!(
+        outln!(
             "planning  {} (planner round {} of at most {})",
             match p.status {
                 flotilla_model::run::PlanningStatus::Planning => "planning",
@@ -92,9 +98,9 @@ pub(crate) async fn show(config: &Config, run: RunId, json: bool) -> anyhow::Res
     if let Some(plan) = &view.plan {
         // The plan the planner wrote for a bare query: a tree of tasks and their inputs.
         if let Some(q) = &plan.query {
-            println!("query     {q}");
+            outln!("query     {q}");
         }
-        println!("planned plan:");
+        outln!("planned plan:");
         for t in &plan.subtasks {
             let mut line = format!("  {}", t.id);
             if let Some(role) = &t.role {
@@ -107,23 +113,26 @@ pub(crate) async fn show(config: &Config, run: RunId, json: bool) -> anyhow::Res
                 let deps: Vec<&str> = t.dependencies.iter().map(|d| d.as_str()).collect();
                 line.push_str(&format!(" after {}", deps.join(", ")));
             }
-            println!("{line}");
+            outln!("{line}");
             if !t.description.is_empty() {
-                println!("      {}", t.description);
+                outln!("      {}", t.description);
             }
         }
     }
     for p in &r.errors {
-        println!("error     {p}");
+        outln!("error     {p}");
     }
     for p in &r.warnings {
-        println!("warning   {p}");
+        outln!("warning   {p}");
     }
     if !view.tasks.is_empty() {
-        println!();
-        println!(
+        outln!();
+        outln!(
             "{:<24}  {:<10}  {:<10}  {:>8}  DETAIL",
-            "TASK", "STATUS", "POOL", "ATTEMPTS"
+            "TASK",
+            "STATUS",
+            "POOL",
+            "ATTEMPTS"
         );
         for t in &view.tasks {
             let detail = t
@@ -132,7 +141,7 @@ pub(crate) async fn show(config: &Config, run: RunId, json: bool) -> anyhow::Res
                 .map(ToString::to_string)
                 .or_else(|| t.skip_reason.clone())
                 .unwrap_or_default();
-            println!(
+            outln!(
                 "{:<24}  {:<10}  {:<10}  {:>8}  {detail}",
                 t.task_id.as_str(),
                 t.status.as_str(),
@@ -146,10 +155,10 @@ pub(crate) async fn show(config: &Config, run: RunId, json: bool) -> anyhow::Res
     }
     if let Some(o) = &r.outcome {
         if let Some(reason) = &o.reason {
-            println!("\nreason    {reason}");
+            outln!("\nreason    {reason}");
         }
         if let Some(fr) = &o.final_result {
-            println!("\n{}", fr.response);
+            outln!("\n{}", fr.response);
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -159,7 +168,7 @@ pub(crate) async fn history(config: &Config, run: RunId, json: bool) -> anyhow::
     let store = store(config).await?;
     let entries = store.history(run).await?;
     if entries.is_empty() && store.load(run).await?.is_none() {
-        eprintln!("error: run {run} does not exist");
+        errln!("error: run {run} does not exist");
         return Ok(ExitCode::from(1));
     }
     if json {
@@ -167,10 +176,10 @@ pub(crate) async fn history(config: &Config, run: RunId, json: bool) -> anyhow::
             .iter()
             .map(|(seq, ts, e)| serde_json::json!({ "seq": seq, "ts": ts, "entry": e }))
             .collect();
-        println!("{}", serde_json::to_string_pretty(&items)?);
+        outln!("{}", serde_json::to_string_pretty(&items)?);
         return Ok(ExitCode::SUCCESS);
     }
-    println!("{:>8}  {:<30}  {:<13}  DETAIL", "SEQ", "TIME", "INPUT");
+    outln!("{:>8}  {:<30}  {:<13}  DETAIL", "SEQ", "TIME", "INPUT");
     for (seq, ts, e) in entries {
         let (kind, detail) = match &e.input {
             RunInput::Submitted(s) => match &s.planning {
@@ -256,7 +265,7 @@ pub(crate) async fn history(config: &Config, run: RunId, json: bool) -> anyhow::
                 .to_lowercase(),
             ),
         };
-        println!("{seq:>8}  {:<30}  {kind:<13}  {detail}", ts.to_rfc3339());
+        outln!("{seq:>8}  {:<30}  {kind:<13}  {detail}", ts.to_rfc3339());
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -291,15 +300,15 @@ async fn waiting_pools(bus: &Bus, view: &flotilla_model::run::RunView) {
         return;
     }
     let live = live_workers(bus).await.unwrap_or_default();
-    println!();
+    outln!();
     for pool in pools {
         let n = live.iter().filter(|(w, _)| w.pool == pool).count();
         if n == 0 {
-            println!(
+            outln!(
                 "waiting   pool {pool}: tasks are queued, and NO live worker serves this pool (start `flotilla worker --pool {pool}`)"
             );
         } else {
-            println!("pool      {pool}: {n} live worker(s)");
+            outln!("pool      {pool}: {n} live worker(s)");
         }
     }
 }
@@ -315,16 +324,21 @@ pub(crate) async fn workers(config: &Config, json: bool) -> anyhow::Result<ExitC
                 serde_json::json!({ "worker": w, "last_seen": seen, "last_seen_secs_ago": (now - seen.unix_ms()).max(0) as f64 / 1000.0 })
             })
             .collect();
-        println!("{}", serde_json::to_string_pretty(&items)?);
+        outln!("{}", serde_json::to_string_pretty(&items)?);
         return Ok(ExitCode::SUCCESS);
     }
-    println!(
+    outln!(
         "{:<28}  {:<10}  {:<20}  {:>8}  {:>8}  {:>10}  STARTED",
-        "WORKER", "POOL", "HOST", "PID", "BUSY", "LAST SEEN"
+        "WORKER",
+        "POOL",
+        "HOST",
+        "PID",
+        "BUSY",
+        "LAST SEEN"
     );
     for (w, seen) in infos {
         let ago = (now - seen.unix_ms()).max(0) as f64 / 1000.0;
-        println!(
+        outln!(
             "{:<28}  {:<10}  {:<20}  {:>8}  {:>8}  {:>10}  {}",
             w.id,
             w.pool,
@@ -352,37 +366,37 @@ pub(crate) async fn cancel(
     let reply = match client.cancel(run, reason).await {
         Ok(r) => r,
         Err(e) if e.kind() == flotilla_client::ClientErrorKind::Api => {
-            eprintln!("error: {e}");
+            errln!("error: {e}");
             return Ok(ExitCode::from(1));
         }
         Err(e) => return Err(e.into()),
     };
     if !reply.cancelling {
         if json {
-            println!("{}", serde_json::to_string_pretty(&reply)?);
+            outln!("{}", serde_json::to_string_pretty(&reply)?);
         } else {
-            eprintln!("Run {run} had already ended: {}", reply.status);
+            errln!("Run {run} had already ended: {}", reply.status);
         }
         return Ok(ExitCode::SUCCESS);
     }
     if !wait {
         if json {
-            println!("{}", serde_json::to_string_pretty(&reply)?);
+            outln!("{}", serde_json::to_string_pretty(&reply)?);
         } else {
-            eprintln!("Cancelling run {run}");
+            errln!("Cancelling run {run}");
         }
         return Ok(ExitCode::SUCCESS);
     }
-    eprintln!("Cancelling run {run}…");
+    errln!("Cancelling run {run}…");
     let outcome = client
         .wait(run, std::time::Duration::from_secs(120))
         .await?;
     if json {
-        println!("{}", serde_json::to_string_pretty(&outcome)?);
+        outln!("{}", serde_json::to_string_pretty(&outcome)?);
     } else {
-        eprintln!("Run {run} {}", outcome.status);
+        errln!("Run {run} {}", outcome.status);
         if let Some(reason) = &outcome.reason {
-            eprintln!("  reason: {reason}");
+            errln!("  reason: {reason}");
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -399,20 +413,25 @@ pub(crate) async fn tree(
     let bus = Bus::connect(&config.nats, "flotilla-cli").await?;
     let client = flotilla_client::Client::new(bus);
     let Some(tree) = client.tree(run, max_runs).await? else {
-        eprintln!("error: run {run} does not exist");
+        errln!("error: run {run} does not exist");
         return Ok(ExitCode::from(1));
     };
     if json {
-        println!("{}", serde_json::to_string_pretty(&tree)?);
+        outln!("{}", serde_json::to_string_pretty(&tree)?);
         return Ok(ExitCode::SUCCESS);
     }
-    println!(
+    outln!(
         "{:<40} {:<16} {:<10} {:>9} {:>9} {:>10}  VIA",
-        "RUN", "AGENT", "STATUS", "DURATION", "TOKENS", "COST"
+        "RUN",
+        "AGENT",
+        "STATUS",
+        "DURATION",
+        "TOKENS",
+        "COST"
     );
     print_tree(&tree.root, 0);
     let total = &tree.root.subtree_usage;
-    println!(
+    outln!(
         "{} run{}, {} tokens in {} model call{}{}{}",
         tree.runs,
         if tree.runs == 1 { "" } else { "s" },
@@ -440,7 +459,7 @@ fn print_tree(node: &flotilla_model::tree::RunTreeNode, depth: usize) {
         _ => node.name.clone().unwrap_or_default(),
     };
     let run = format!("{}{}", "  ".repeat(depth), node.run_id);
-    println!(
+    outln!(
         "{:<40} {:<16} {:<10} {:>9} {:>9} {:>10}  {}",
         run,
         node.agent.as_deref().unwrap_or("-"),
@@ -479,19 +498,22 @@ pub(crate) async fn session(
     let client = flotilla_client::Client::new(bus);
     let view = client.session(session).await?;
     if json {
-        println!("{}", serde_json::to_string_pretty(&view)?);
+        outln!("{}", serde_json::to_string_pretty(&view)?);
         return Ok(ExitCode::SUCCESS);
     }
     if view.runs.is_empty() {
-        eprintln!("Session {session} has no runs");
+        errln!("Session {session} has no runs");
         return Ok(ExitCode::SUCCESS);
     }
-    println!(
+    outln!(
         "{:<36}  {:<36}  {:<10}  {:<24}  NAME",
-        "RUN", "PARENT", "STATUS", "CREATED"
+        "RUN",
+        "PARENT",
+        "STATUS",
+        "CREATED"
     );
     for r in &view.runs {
-        println!(
+        outln!(
             "{:<36}  {:<36}  {:<10}  {:<24}  {}",
             r.handle.run_id,
             r.handle
@@ -503,7 +525,7 @@ pub(crate) async fn session(
         );
     }
     if view.omitted > 0 {
-        println!("({} older runs not listed)", view.omitted);
+        outln!("({} older runs not listed)", view.omitted);
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -13,7 +13,7 @@ pub(crate) fn write(dir: &Path) -> anyhow::Result<ExitCode> {
         let path = dir.join(name);
         std::fs::write(&path, render(&schema))
             .with_context(|| format!("writing {}", path.display()))?;
-        println!("wrote {}", path.display());
+        outln!("wrote {}", path.display());
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -22,13 +22,13 @@ pub(crate) fn write(dir: &Path) -> anyhow::Result<ExitCode> {
 pub(crate) fn check(dir: &Path) -> anyhow::Result<ExitCode> {
     let stale = stale(dir);
     for s in &stale {
-        println!("stale: {s}");
+        outln!("stale: {s}");
     }
     if stale.is_empty() {
-        println!("schemas in {} are up to date", dir.display());
+        outln!("schemas in {} are up to date", dir.display());
         Ok(ExitCode::SUCCESS)
     } else {
-        eprintln!("run `flotilla schema write --dir {}`", dir.display());
+        errln!("run `flotilla schema write --dir {}`", dir.display());
         Ok(ExitCode::from(1))
     }
 }

@@ -19,6 +19,7 @@ use flotilla_model::subjects::WORKFLOW_POOL;
 use flotilla_telemetry::events::ConsumerLag;
 use flotilla_telemetry::{Condition, Health, HttpAddr, HttpServer, InternalEvent, Metrics};
 use flotilla_worker::Worker;
+use futures::StreamExt;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
@@ -52,16 +53,12 @@ struct Observability {
 }
 
 impl Observability {
-    /// Starts the listener on `addr` (unless off). Register readiness conditions on `health`
+    /// Starts the listener on `addr` (unless off; `auto` takes the next free port when
+    /// another service on this host has 9464). Register readiness conditions on `health`
     /// before calling this, so `/readyz` never reports ready too early.
     async fn start(addr: HttpAddr, health: Health, metrics: Metrics) -> anyhow::Result<Self> {
         let stop = CancellationToken::new();
-        let server = match addr.addr() {
-            Some(a) => {
-                Some(HttpServer::bind(a, health.clone(), metrics.clone(), stop.clone()).await?)
-            }
-            None => None,
-        };
+        let server = HttpServer::start(addr, health.clone(), metrics.clone(), stop.clone()).await?;
         Ok(Self {
             health,
             metrics,
@@ -175,6 +172,7 @@ pub(crate) async fn coordinator(config: &Config) -> anyhow::Result<ExitCode> {
         config.jetstream.clone(),
     )
     .with_metrics(obs.metrics.clone())
+    .with_service_metadata(service_metadata(config))
     .on_ready(tx)
     .run(shutdown)
     .await?;
@@ -218,15 +216,23 @@ pub(crate) async fn worker(config: &Config) -> anyhow::Result<ExitCode> {
     let bus = async {
         let bus = Bus::connect(&config.nats, "flotilla-worker").await?;
         follow_connection(&nats, &bus);
-        // Workers only check that the resources exist (least privilege).
-        check_provisioned(&bus, config).await?;
+        // Workers only check that the resources exist (least privilege), waiting for whoever
+        // creates them; `/readyz` says `provisioned: false` meanwhile.
+        if !wait_provisioned(&bus, config, &shutdown).await? {
+            return anyhow::Ok(None);
+        }
         provisioned.set(true);
-        anyhow::Ok(bus)
+        anyhow::Ok(Some(bus))
     }
     .instrument(
         info_span!("startup", flotilla.role = "worker", flotilla.pool = %config.worker.pool),
     )
     .await?;
+    let Some(bus) = bus else {
+        // Stopped while waiting: nothing ran.
+        obs.stop().await;
+        return Ok(ExitCode::SUCCESS);
+    };
     sample_consumer_lag(
         bus.clone(),
         config.worker.pool.clone(),
@@ -245,32 +251,158 @@ pub(crate) async fn worker(config: &Config) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// How often a waiting worker looks for its streams and buckets again: a dozen JetStream
+/// info requests per look, only while it starts.
+const PROVISION_POLL: Duration = Duration::from_secs(1);
+/// How often a waiting worker says what it waits for.
+const PROVISION_LOG_EVERY: Duration = Duration::from_secs(5);
+
 /// A worker only checks that the streams and buckets exist: creating and updating them is the
 /// coordinator's and the operator's right (least privilege, `deploy/nats/accounts.conf`).
-/// Missing resources stop the worker with a message saying how to create them; drift is
-/// logged and left to whoever provisions.
-async fn check_provisioned(bus: &Bus, config: &Config) -> anyhow::Result<()> {
+/// Missing resources are waited for — a worker that starts before any coordinator, as on a
+/// fresh Kubernetes install, is not ready but does not crash — for up to
+/// `worker.provision-wait`, with a log line every few seconds; then the worker stops with a
+/// message saying how to create them. Drift is logged and left to whoever provisions.
+/// `Ok(false)`: `shutdown` fired while waiting.
+async fn wait_provisioned(
+    bus: &Bus,
+    config: &Config,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<bool> {
+    let started = tokio::time::Instant::now();
+    let give_up = started + config.worker.provision_wait;
+    let mut next_log = started;
+    loop {
+        let (missing, drifted) = check_resources(bus, config).await?;
+        if missing.is_empty() {
+            for name in drifted {
+                warn!(resource = %name, "JetStream resource differs from this configuration; run `flotilla nats provision`");
+            }
+            if started.elapsed() >= PROVISION_POLL {
+                info!("The streams and buckets exist now: starting");
+            }
+            return Ok(true);
+        }
+        let now = tokio::time::Instant::now();
+        let what = format!(
+            "{} of Flotilla's streams and buckets are missing on {} under prefix `{}` ({})",
+            missing.len(),
+            config.nats.urls.join(","),
+            bus.names().prefix(),
+            missing.join(", ")
+        );
+        if now >= give_up {
+            anyhow::bail!(
+                "{what}, and waiting {} did not bring them. Workers do not create them: start `flotilla coordinator` (it creates them) or run `flotilla nats provision` with credentials allowed to create streams; `worker.provision-wait` sets how long a worker waits",
+                humantime::format_duration(config.worker.provision_wait)
+            );
+        }
+        if now >= next_log {
+            let left = humantime::format_duration(Duration::from_secs(
+                give_up.saturating_duration_since(now).as_secs_f64().ceil() as u64,
+            ));
+            warn!(
+                "{what}: waiting for a coordinator (or `flotilla nats provision`) to create them; giving up in {left}"
+            );
+            next_log = now + PROVISION_LOG_EVERY;
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return Ok(false),
+            _ = tokio::time::sleep_until((now + PROVISION_POLL).min(give_up)) => {}
+        }
+    }
+}
+
+/// The streams and buckets of this deployment that do not exist yet, and those that differ
+/// from this configuration.
+async fn check_resources(bus: &Bus, config: &Config) -> anyhow::Result<(Vec<String>, Vec<String>)> {
     use flotilla_bus::provision::{Action, plan};
     let plan = plan(bus.js(), bus.names(), &config.jetstream)
         .await
         .context("checking JetStream streams and buckets")?;
-    let mut missing = Vec::new();
+    let (mut missing, mut drifted) = (Vec::new(), Vec::new());
     for r in &plan.report().resources {
         match &r.action {
-            Action::Create => missing.push(r.name.as_str()),
+            Action::Create => missing.push(r.name.clone()),
             Action::Unchanged => {}
-            Action::Update { .. } | Action::Incompatible { .. } => {
-                warn!(resource = %r.name, "JetStream resource differs from this configuration; run `flotilla nats provision`");
-            }
+            Action::Update { .. } | Action::Incompatible { .. } => drifted.push(r.name.clone()),
         }
     }
-    if !missing.is_empty() {
-        anyhow::bail!(
-            "JetStream resources are missing: {}. Workers do not create them; start a coordinator or run `flotilla nats provision` with credentials allowed to create streams",
-            missing.join(", ")
-        );
+    Ok((missing, drifted))
+}
+
+/// What a coordinator advertises with its API micro service (`$SRV.INFO.<prefix>`): the
+/// deployment's configuration fingerprint ([`Config::fingerprint`]), and where it runs.
+fn service_metadata(config: &Config) -> std::collections::HashMap<String, String> {
+    [
+        (
+            flotilla_coordinator::FINGERPRINT_METADATA.to_owned(),
+            config.fingerprint(),
+        ),
+        (
+            "host".to_owned(),
+            gethostname::gethostname().to_string_lossy().into_owned(),
+        ),
+        ("pid".to_owned(), std::process::id().to_string()),
+    ]
+    .into_iter()
+    .collect()
+}
+
+/// How long `up` collects `$SRV.INFO` answers after the first one: every coordinator of the
+/// prefix answers the one request, within a round trip or two.
+const INFO_GATHER: Duration = Duration::from_millis(300);
+
+/// `flotilla up --nats-url` against a prefix another deployment serves would hand its plans to
+/// that deployment's coordinators (and its tasks to their workers). Their API micro service
+/// advertises their configuration fingerprint: coordinators with another fingerprint (or
+/// none: an older build) stop `up` before it provisions or submits anything, with what to do.
+async fn refuse_foreign_deployment(bus: &Bus, config: &Config) -> anyhow::Result<()> {
+    let subject = format!("$SRV.INFO.{}", bus.names().service());
+    let ours = config.fingerprint();
+    // One request first: with no coordinator at all the server says so at once.
+    match bus.client().request(subject.clone(), "".into()).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == async_nats::RequestErrorKind::NoResponders => return Ok(()),
+        Err(e) => return Err(e).context(format!("asking {subject} for running coordinators")),
     }
-    Ok(())
+    // Then every coordinator's answer to one request.
+    let inbox = bus.client().new_inbox();
+    let mut answers = bus.client().subscribe(inbox.clone()).await?;
+    bus.client()
+        .publish_with_reply(subject.clone(), inbox, "".into())
+        .await?;
+    bus.client().flush().await?;
+    let mut foreign = Vec::new();
+    let until = tokio::time::Instant::now() + INFO_GATHER;
+    while let Ok(Some(msg)) = tokio::time::timeout_at(until, answers.next()).await {
+        let Ok(info) = serde_json::from_slice::<async_nats::service::Info>(&msg.payload) else {
+            continue;
+        };
+        let theirs = info
+            .metadata
+            .get(flotilla_coordinator::FINGERPRINT_METADATA)
+            .cloned();
+        if theirs.as_deref() != Some(ours.as_str()) {
+            let at = |k: &str| info.metadata.get(k).cloned().unwrap_or_else(|| "?".into());
+            foreign.push(format!(
+                "fingerprint {} on host {} (pid {}, flotilla {})",
+                theirs.as_deref().unwrap_or("none (an older flotilla)"),
+                at("host"),
+                at("pid"),
+                info.version
+            ));
+        }
+    }
+    if foreign.is_empty() {
+        return Ok(());
+    }
+    anyhow::bail!(
+        "another deployment already serves prefix `{prefix}` on {urls}: its coordinator(s) have another configuration ({list}; this configuration's fingerprint is {ours}), and they would take the plans of this `up`. Choose a prefix of your own (`[nats] prefix = \"mine\"` in the config, or FLOTILLA_NATS__PREFIX=mine), or stop those coordinators",
+        prefix = bus.names().prefix(),
+        urls = config.nats.urls.join(","),
+        list = foreign.join("; "),
+    )
 }
 
 /// A nats-server for `up` and `bench` when no URL is given: a child process with its store in
@@ -315,7 +447,7 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
         let s = embedded_nats(&opts.data_dir.join("nats")).await?;
         config.nats.urls = vec![s.url()];
         url_file = Some(UrlFile::write(&opts.data_dir, &s.url())?);
-        eprintln!(
+        errln!(
             "Embedded nats-server {} (store in {}); other flotilla commands run in this directory use it while `up` runs (elsewhere: --nats-url {})",
             s.url(),
             opts.data_dir.join("nats").display(),
@@ -331,6 +463,11 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
         follow_connection(&nats, &bus);
         bus.wait_for_jetstream(std::time::Duration::from_secs(20))
             .await?;
+        if !opts.embedded {
+            // Before anything is provisioned or submitted: the prefix may be another
+            // deployment's, whose coordinators would take this process's plans.
+            refuse_foreign_deployment(&bus, &config).await?;
+        }
         bus.provision(&config.jetstream).await?;
         provisioned.set(true);
         anyhow::Ok(bus)
@@ -354,7 +491,10 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
     );
     let (tx, rx) = oneshot::channel();
     set_when_ready(rx, vec![coordinator_ready]);
-    let coordinator = coordinator.with_metrics(obs.metrics.clone()).on_ready(tx);
+    let coordinator = coordinator
+        .with_metrics(obs.metrics.clone())
+        .with_service_metadata(service_metadata(&config))
+        .on_ready(tx);
     let token = shutdown.clone();
     services.spawn(async move { coordinator.run(token).await.map_err(|e| e.to_string()) });
     if let Some(w) = workflow_worker(&config).await? {
@@ -389,7 +529,7 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
             code?
         }
         None => {
-            eprintln!(
+            errln!(
                 "Flotilla is up with {} worker(s) in pool {:?}. Ctrl-C stops it.",
                 opts.workers.max(1),
                 config.worker.pool
@@ -400,7 +540,7 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
     };
     while let Some(r) = services.join_next().await {
         if let Ok(Err(e)) = r {
-            eprintln!("error: {e}");
+            errln!("error: {e}");
         }
     }
     obs.stop().await;

@@ -59,7 +59,7 @@ pub(crate) async fn submit_on(
         Ok(p) => p,
         Err(report) => {
             for p in &report.errors {
-                eprintln!("error {p}");
+                errln!("error {p}");
             }
             return Ok(ExitCode::from(1));
         }
@@ -82,7 +82,7 @@ async fn send(
         return submit_and_report(&client, request, opts.json).await;
     }
     let run = client.submit(request).await?;
-    eprintln!("Submitted run {run}");
+    errln!("Submitted run {run}");
     let outcome = follow(&client, run, opts.follow, opts.timeout).await?;
     print_outcome(&outcome, opts.json);
     if outcome.status == RunStatus::Rejected && !opts.json {
@@ -108,14 +108,14 @@ async fn submit_and_report(
         Err(e) if e.kind() == flotilla_client::ClientErrorKind::NoCoordinator => {
             let run = client.submit(request).await?;
             if json {
-                println!(
+                outln!(
                     "{}",
                     serde_json::json!({ "run_id": run, "status": "queued" })
                 );
             } else {
-                println!("{run}");
+                outln!("{run}");
             }
-            eprintln!(
+            errln!(
                 "note: no coordinator is running; the submission is stored durably and will be validated when one starts. Exit 0 means queued for validation, not accepted: check with `flotilla runs show {run}`"
             );
             return Ok(ExitCode::SUCCESS);
@@ -123,24 +123,24 @@ async fn submit_and_report(
         Err(e) => return Err(e.into()),
     };
     if json {
-        println!("{}", serde_json::to_string_pretty(&reply)?);
+        outln!("{}", serde_json::to_string_pretty(&reply)?);
     }
     let run = reply.run_id.map(|r| r.to_string()).unwrap_or_default();
     match reply.status {
         SubmitStatus::Rejected => {
             if !json {
-                eprintln!("Run {run} rejected: {} problem(s)", reply.errors.len());
+                errln!("Run {run} rejected: {} problem(s)", reply.errors.len());
                 for p in &reply.errors {
-                    eprintln!("  error   {p}");
+                    errln!("  error   {p}");
                 }
             }
             Ok(ExitCode::from(1))
         }
         status => {
             if !json {
-                println!("{run}");
+                outln!("{run}");
                 if status == SubmitStatus::Duplicate {
-                    eprintln!(
+                    errln!(
                         "note: duplicate: run {run} already exists (status {})",
                         reply
                             .run_status
@@ -148,7 +148,7 @@ async fn submit_and_report(
                     );
                 }
                 for p in &reply.warnings {
-                    eprintln!("  warning {p}");
+                    errln!("  warning {p}");
                 }
             }
             Ok(ExitCode::SUCCESS)
@@ -160,7 +160,7 @@ async fn submit_and_report(
 async fn print_problems(client: &Client, run: RunId) {
     if let Ok(Some(view)) = client.run(run).await {
         for p in &view.record.errors {
-            eprintln!("  error   {p}");
+            errln!("  error   {p}");
         }
     }
 }
@@ -197,7 +197,7 @@ pub(crate) async fn follow(
     };
     let line = |text: String| {
         if let Some(b) = &bar {
-            b.suspend(|| eprintln!("{text}"));
+            b.suspend(|| errln!("{text}"));
         }
     };
     let events = client.events(run).await?;
@@ -302,42 +302,46 @@ pub(crate) async fn follow(
 /// Prints the outcome: the final result on stdout, a summary on stderr.
 pub(crate) fn print_outcome(outcome: &RunOutcome, json: bool) {
     if json {
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(outcome).unwrap_or_default()
         );
         return;
     }
-    eprintln!("Run {} {}", outcome.run_id, outcome.status);
+    errln!("Run {} {}", outcome.run_id, outcome.status);
     if let Some(reason) = &outcome.reason
         && outcome.status != RunStatus::Rejected
     {
-        eprintln!("  reason: {reason}");
+        errln!("  reason: {reason}");
     }
     for f in &outcome.failed {
-        eprintln!(
+        errln!(
             "  failed:  {} after {} attempt(s): {}",
-            f.task_id, f.attempts, f.error
+            f.task_id,
+            f.attempts,
+            f.error
         );
     }
     if outcome.failed_omitted > 0 {
-        eprintln!("  … and {} more failed task(s)", outcome.failed_omitted);
+        errln!("  … and {} more failed task(s)", outcome.failed_omitted);
     }
     for s in &outcome.skipped {
-        eprintln!("  skipped: {} ({})", s.task_id, s.reason);
+        errln!("  skipped: {} ({})", s.task_id, s.reason);
     }
     if outcome.skipped_omitted > 0 {
-        eprintln!("  … and {} more skipped task(s)", outcome.skipped_omitted);
+        errln!("  … and {} more skipped task(s)", outcome.skipped_omitted);
     }
     if let Some(fr) = &outcome.final_result
         && let Some(a) = &fr.artifact
     {
-        eprintln!(
+        errln!(
             "  the final result is {} bytes; shown shortened, whole in artifact {}/{}",
-            a.size, a.bucket, a.name
+            a.size,
+            a.bucket,
+            a.name
         );
     }
     if let Some(fr) = &outcome.final_result {
-        println!("{}", fr.response);
+        outln!("{}", fr.response);
     }
 }

@@ -8,10 +8,9 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use flotilla_bus::Bus;
-use flotilla_client::Client;
+use flotilla_client::{Client, ClientErrorKind};
 use flotilla_coordinator::watch::WatchOptions;
 use flotilla_model::RunId;
-use flotilla_model::api::ApiRequest;
 use flotilla_model::event::{Event, StepEntry};
 use flotilla_model::watch::{
     ChildPolicy, Profile, ProjectedEvent, WatchEnd, WatchReply, WatchRequest,
@@ -19,6 +18,9 @@ use flotilla_model::watch::{
 use futures::StreamExt;
 
 use crate::config::Config;
+
+/// How long `--server` waits for a coordinator to accept the watch.
+const API_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// `flotilla watch` arguments.
 #[derive(Debug, clap::Args)]
@@ -51,17 +53,17 @@ pub(crate) async fn watch(config: &Config, args: WatchArgs) -> anyhow::Result<Ex
     let bus = Bus::connect(&config.nats, "flotilla-cli").await?;
     let print = |e: &ProjectedEvent| -> anyhow::Result<()> {
         if args.json {
-            println!("{}", serde_json::to_string(e)?);
+            outln!("{}", serde_json::to_string(e)?);
         } else if let Some(line) = line(e) {
-            println!("{line}");
+            outln!("{line}");
         }
         Ok(())
     };
-    if args.server {
-        return server_side(&bus, &args, print).await;
-    }
     let client = Client::new(bus);
-    let stream = client
+    if args.server {
+        return server_side(&client, &args, print).await;
+    }
+    let stream = match client
         .watch(
             args.run,
             WatchOptions {
@@ -71,7 +73,16 @@ pub(crate) async fn watch(config: &Config, args: WatchArgs) -> anyhow::Result<Ex
                 since_index: args.since_index,
             },
         )
-        .await?;
+        .await
+    {
+        Ok(s) => s,
+        // As `--server` says it: the run does not exist, instead of a watch that never ends.
+        Err(e) if e.kind() == ClientErrorKind::NotFound => {
+            errln!("error: {e}");
+            return Ok(ExitCode::from(1));
+        }
+        Err(e) => return Err(e.into()),
+    };
     futures::pin_mut!(stream);
     while let Some(e) = stream.next().await {
         print(&e?)?;
@@ -80,10 +91,11 @@ pub(crate) async fn watch(config: &Config, args: WatchArgs) -> anyhow::Result<Ex
 }
 
 async fn server_side(
-    bus: &Bus,
+    client: &Client,
     args: &WatchArgs,
     print: impl Fn(&ProjectedEvent) -> anyhow::Result<()>,
 ) -> anyhow::Result<ExitCode> {
+    let bus = client.bus();
     let deliver = bus.client().new_inbox();
     let mut delivered = bus.client().subscribe(deliver.clone()).await?;
     let request = WatchRequest {
@@ -96,20 +108,11 @@ async fn server_side(
         deliver_subject: deliver,
         lease_ms: 30_000,
     };
-    let answer = bus
-        .client()
-        .request(
-            bus.names().api(WatchRequest::ENDPOINT),
-            serde_json::to_vec(&request)?.into(),
-        )
-        .await?;
-    let reply: WatchReply = match serde_json::from_slice(&answer.payload) {
+    let reply: WatchReply = match client.call(&request, API_TIMEOUT).await? {
         Ok(r) => r,
-        Err(_) => {
-            eprintln!(
-                "error: the coordinator refused the watch: {}",
-                String::from_utf8_lossy(&answer.payload)
-            );
+        Err(refused) => {
+            // `not_found: run … does not exist`, as the local path says it.
+            errln!("error: {}: {}", refused.code, refused.message);
             return Ok(ExitCode::from(1));
         }
     };
@@ -126,7 +129,7 @@ async fn server_side(
                     if end.end == "ended" {
                         return Ok(ExitCode::SUCCESS);
                     }
-                    eprintln!("error: the watch ended: {} {}", end.end, end.message.unwrap_or_default());
+                    errln!("error: the watch ended: {} {}", end.end, end.message.unwrap_or_default());
                     return Ok(ExitCode::from(1));
                 }
                 print(&serde_json::from_slice::<ProjectedEvent>(&msg.payload)?)?;
