@@ -10,7 +10,9 @@
 //! * One durable pull consumer per pool (`pool-<name>`), shared by every worker of the pool;
 //!   each worker asks for exactly as many messages as it has free slots, so nothing waits in
 //!   a client buffer while its ack timer runs.
-//! * While an agent runs, the worker sends in-progress acknowledgements twice per heartbeat;
+//! * While an agent runs, and until its result is stored (a run log without a leader for a
+//!   few seconds while a cluster node dies), the worker sends in-progress acknowledgements
+//!   twice per heartbeat;
 //!   the consumer's ack wait is one and a half heartbeats, so a dead worker's task is
 //!   redelivered to another worker within 1.5 heartbeats (7.5 s at the default 5 s), while a
 //!   live worker has three chances per ack wait to keep its task.
