@@ -48,6 +48,16 @@ impl<K: Copy> Error<K> {
     pub fn detail(&self) -> &str {
         &self.detail
     }
+
+    /// The same failure, classified again once more is known (a missing stream confirmed,
+    /// say); the cause is kept, so the message names it once.
+    pub fn reclassified(self, kind: K, detail: impl Into<String>) -> Self {
+        Self {
+            kind,
+            detail: detail.into(),
+            source: self.source,
+        }
+    }
 }
 
 impl<K: fmt::Display> fmt::Display for Error<K> {
@@ -153,8 +163,14 @@ error_kinds!(
         /// The message is larger than the server's max payload or the stream's message
         /// limit: sending it again fails the same way.
         TooLarge => "message too large", Terminal;
-        /// No stream captures the subject: the streams are not provisioned.
+        /// JetStream confirmed that no stream captures the subject: the streams are not
+        /// provisioned.
         NoStream => "no stream for the subject", Terminal;
+        /// No stream took the message, and nothing says none exists: in a cluster, the
+        /// subject's stream has no leader for a few seconds after a node dies (a leader
+        /// election), and JetStream answers "no responders" or "temporarily unavailable".
+        /// Nothing was stored, so sending again is safe and rides the election out.
+        Unavailable => "stream unavailable", Retryable;
         /// The subject already has messages and the publish expected none (a run's first
         /// run-log entry decides its fate, once).
         NotFirst => "the subject already has a first message", Terminal;

@@ -53,7 +53,11 @@ pub struct SharedConsumer {
 }
 
 /// Maps a JetStream publish error to a [`PublishError`] whose kind says whether retrying can
-/// help: an oversize message and a missing stream fail the same way every time.
+/// help: an oversize message fails the same way every time; a publish no stream took ("no
+/// responders", "temporarily unavailable", "not leader") is [`PublishErrorKind::Unavailable`]
+/// — retryable — because a stream without a leader for a moment (a cluster node died) and a
+/// stream that does not exist look the same here. [`Bus::publish_encoded`] tells them apart
+/// when a publish fails that way (see [`Bus::confirm_unavailable`]).
 pub fn classify_publish_error(
     subject: &str,
     size: usize,
@@ -73,9 +77,9 @@ pub fn classify_publish_error(
             e,
         ),
         K::StreamNotFound => PublishError::with_source(
-            PublishErrorKind::NoStream,
+            PublishErrorKind::Unavailable,
             format!(
-                "no stream captures {subject}: provision the streams first (`flotilla nats provision`, or start a coordinator)"
+                "no stream took the message to {subject} (a cluster leader election, or the streams are not provisioned)"
             ),
             e,
         ),
@@ -100,6 +104,13 @@ pub fn classify_publish_error(
             ),
             e,
         ),
+        _ if code.is_some_and(is_leaderless) => PublishError::with_source(
+            PublishErrorKind::Unavailable,
+            format!(
+                "the stream of {subject} has no leader for a moment (a cluster leader election)"
+            ),
+            e,
+        ),
         _ => PublishError::with_source(
             PublishErrorKind::Publish,
             format!("publishing to {subject}"),
@@ -107,6 +118,28 @@ pub fn classify_publish_error(
         ),
     }
 }
+
+/// JetStream's answers while a stream or the cluster has no leader: refused, nothing stored.
+fn is_leaderless(code: jetstream::ErrorCode) -> bool {
+    use jetstream::ErrorCode as C;
+    [
+        C::CLUSTER_NOT_AVAILABLE,
+        C::CLUSTER_NOT_LEADER,
+        C::CLUSTER_NOT_ACTIVE,
+        C::CLUSTER_NOT_ASSIGNED,
+    ]
+    .contains(&code)
+}
+
+/// How long [`Bus::confirm_unavailable`] waits for JetStream to say which stream captures a
+/// subject. The question goes to the cluster's meta leader, which may itself be the node that
+/// died: no answer is no confirmation, and the failure stays retryable.
+const STREAM_LOOKUP_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The first pause of [`Bus::publish_retrying`]; it doubles up to [`MAX_RETRY_PAUSE`].
+const FIRST_RETRY_PAUSE: Duration = Duration::from_millis(50);
+/// The longest pause between two tries of [`Bus::publish_retrying`].
+const MAX_RETRY_PAUSE: Duration = Duration::from_secs(1);
 
 /// A connection to NATS with JetStream and the installation's names.
 #[derive(Clone, Debug)]
@@ -234,21 +267,97 @@ impl Bus {
     }
 
     /// Publishes an encoded message and waits for the acknowledgement. Errors are classified
-    /// (see [`classify_publish_error`]): a message that is too large or a missing stream is
-    /// terminal, a lost connection or timeout is retryable.
+    /// (see [`classify_publish_error`]): a message that is too large or a stream JetStream
+    /// confirms missing is terminal; a lost connection, a timeout or a stream without a leader
+    /// for a moment is retryable. The confirmation costs a request only when no stream took
+    /// the message.
     pub async fn publish_encoded(
         &self,
         subject: String,
         out: wire::Outgoing,
     ) -> Result<jetstream::publish::PublishAck, PublishError> {
         let size = out.payload.len();
-        let fut = self
+        let acked = match self
             .js
             .publish_with_headers(subject.clone(), out.headers, out.payload)
             .await
-            .map_err(|e| classify_publish_error(&subject, size, self.max_payload(), e))?;
-        fut.await
-            .map_err(|e| classify_publish_error(&subject, size, self.max_payload(), e))
+        {
+            Ok(fut) => fut.await,
+            Err(e) => Err(e),
+        };
+        match acked {
+            Ok(ack) => Ok(ack),
+            Err(e) => {
+                let e = classify_publish_error(&subject, size, self.max_payload(), e);
+                Err(self.confirm_unavailable(&subject, e).await)
+            }
+        }
+    }
+
+    /// For a publish that failed [`Unavailable`](PublishErrorKind::Unavailable): asks
+    /// JetStream (`$JS.API.STREAM.NAMES`, answered by the meta leader) whether any stream
+    /// captures `subject`. None does → [`NoStream`](PublishErrorKind::NoStream), terminal:
+    /// the deployment is not provisioned. One does → still `Unavailable`, naming the stream
+    /// without a leader. No answer within a second (the meta leader died too) → unchanged.
+    /// Any other error is returned as it is.
+    pub async fn confirm_unavailable(&self, subject: &str, e: PublishError) -> PublishError {
+        if e.kind() != PublishErrorKind::Unavailable {
+            return e;
+        }
+        use jetstream::context::GetStreamByNameErrorKind as K;
+        match tokio::time::timeout(STREAM_LOOKUP_TIMEOUT, self.js.stream_by_subject(subject))
+            .await
+        {
+            Ok(Ok(stream)) => e.reclassified(
+                PublishErrorKind::Unavailable,
+                format!(
+                    "stream {stream} did not take the message to {subject}: it has no leader for a moment (a cluster node died; a new leader is being elected)"
+                ),
+            ),
+            Ok(Err(lookup)) if matches!(lookup.kind(), K::NotFound) => e.reclassified(
+                PublishErrorKind::NoStream,
+                format!(
+                    "no stream captures {subject}: provision the streams first (`flotilla nats provision`, or start a coordinator)"
+                ),
+            ),
+            _ => e,
+        }
+    }
+
+    /// Publishes like [`publish_encoded`](Self::publish_encoded), riding out transient
+    /// faults until `until`: a stream without a leader for a moment (nothing was stored, so
+    /// sending again is always safe) and — only for a message with a `Nats-Msg-Id`, which
+    /// JetStream de-duplicates — a timeout or lost connection, after which the first send may
+    /// have been stored. Pauses start at 50 ms and double up to 1 s; the last failure is
+    /// returned when `until` passes, and a terminal one (too large, no stream) at once. The
+    /// first send costs nothing extra.
+    pub async fn publish_retrying(
+        &self,
+        subject: String,
+        out: wire::Outgoing,
+        until: tokio::time::Instant,
+    ) -> Result<jetstream::publish::PublishAck, PublishError> {
+        let idempotent = out
+            .headers
+            .get(async_nats::header::NATS_MESSAGE_ID)
+            .is_some();
+        let mut pause = FIRST_RETRY_PAUSE;
+        loop {
+            let e = match self.publish_encoded(subject.clone(), out.clone()).await {
+                Ok(ack) => return Ok(ack),
+                Err(e) => e,
+            };
+            let again = match e.kind() {
+                PublishErrorKind::Unavailable => true,
+                k => idempotent && k.retry() == Retry::Retryable,
+            };
+            if !again || tokio::time::Instant::now() + pause > until {
+                return Err(e);
+            }
+            tracing::debug!(%subject, error = %e, "Publish not taken yet; sending again");
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(MAX_RETRY_PAUSE);
+        }
     }
 
     /// The largest message the connected server accepts (its `max_payload`).
@@ -279,5 +388,46 @@ impl Bus {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(code: u64) -> jetstream::context::PublishError {
+        let body = format!(r#"{{"code":503,"err_code":{code},"description":"refused"}}"#);
+        let e: jetstream::Error = serde_json::from_str(&body).expect("an API error");
+        jetstream::context::PublishError::with_source(
+            jetstream::context::PublishErrorKind::Other,
+            e,
+        )
+    }
+
+    #[test]
+    fn publishes_refused_for_want_of_a_leader_are_retryable() {
+        for code in [10008, 10009, 10006, 10007] {
+            let e = classify_publish_error("s", 1, 10, refused(code));
+            assert_eq!(e.kind(), PublishErrorKind::Unavailable, "{code}: {e}");
+            assert_eq!(e.kind().retry(), Retry::Retryable);
+        }
+        let e = classify_publish_error(
+            "s",
+            1,
+            10,
+            jetstream::context::PublishError::new(
+                jetstream::context::PublishErrorKind::StreamNotFound,
+            ),
+        );
+        assert_eq!(e.kind(), PublishErrorKind::Unavailable, "{e}");
+        // A stream JetStream reports missing, and an oversize message, stay terminal.
+        assert_eq!(
+            classify_publish_error("s", 1, 10, refused(10059)).kind(),
+            PublishErrorKind::NoStream
+        );
+        assert_eq!(
+            classify_publish_error("s", 1, 10, refused(10054)).kind(),
+            PublishErrorKind::TooLarge
+        );
     }
 }

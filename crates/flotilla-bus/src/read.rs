@@ -29,7 +29,7 @@ use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
 use crate::Bus;
-use crate::error::{ReadError, ReadErrorKind};
+use crate::error::{ReadError, ReadErrorKind, Retry};
 
 /// `Nats-Num-Pending`: matching messages stored after this one (batch direct gets).
 pub const NATS_NUM_PENDING: &str = "Nats-Num-Pending";
@@ -352,6 +352,10 @@ impl Pages<'_> {
 /// subscription, so the stream is read again then.
 pub const RECONNECT_CHECK: Duration = Duration::from_secs(2);
 
+/// The first pause of [`Bus::find_in_subject`] after a read that failed for now (it doubles
+/// up to a second).
+const READ_RETRY_PAUSE: Duration = Duration::from_millis(50);
+
 /// How long a quiet [`Bus::find_in_subject`] waits before reading the stream again anyway (a
 /// subscription can also drop messages when its reader falls far behind).
 pub const QUIET_RECHECK: Duration = Duration::from_secs(30);
@@ -408,8 +412,9 @@ impl Bus {
     /// first, then the stored messages are read by batch direct gets, so nothing published
     /// in between is missed; new messages come from the subscription. The stream is read
     /// again after the connection was re-established ([`RECONNECT_CHECK`]) and after
-    /// [`QUIET_RECHECK`] without a message. `find` may see a message twice (stored and
-    /// published).
+    /// [`QUIET_RECHECK`] without a message, and a read that fails for a moment (a timeout
+    /// while a cluster node dies) is tried again until `until`. `find` may see a message
+    /// twice (stored and published).
     pub async fn find_in_subject<T>(
         &self,
         kind: StreamKind,
@@ -433,13 +438,31 @@ impl Bus {
         let mut after = 0;
         loop {
             let read_at = connects();
-            // What the stream holds after `after`, page by page.
+            // What the stream holds after `after`, page by page. A read that fails for a
+            // moment (a cluster node died and the client is reconnecting elsewhere) is tried
+            // again from where it stopped, until `until`.
             let mut pages = self.pages(kind, subject, after);
-            while let Some(page) = pages.next().await? {
-                for m in &page {
-                    if let Some(found) = find(Some(&m.headers), &m.payload) {
-                        return Ok(Some(found));
+            let mut pause = READ_RETRY_PAUSE;
+            loop {
+                match pages.next().await {
+                    Ok(Some(page)) => {
+                        pause = READ_RETRY_PAUSE;
+                        for m in &page {
+                            if let Some(found) = find(Some(&m.headers), &m.payload) {
+                                return Ok(Some(found));
+                            }
+                        }
                     }
+                    Ok(None) => break,
+                    Err(e)
+                        if e.kind().retry() == Retry::Retryable
+                            && tokio::time::Instant::now() + pause < until =>
+                    {
+                        tracing::debug!(%subject, error = %e, "Reading the stream failed for now; reading again");
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(Duration::from_secs(1));
+                    }
+                    Err(e) => return Err(e),
                 }
             }
             after = pages.after();

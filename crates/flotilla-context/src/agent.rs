@@ -155,18 +155,21 @@ impl EventEmitter {
     /// Publishes an event with the given `id` (also its `Nats-Msg-Id`) and waits until the
     /// server has stored it — for records a later delivery of the attempt must find, such as
     /// the journal of an LLM agent's steps. The id must be the same on every delivery that
-    /// records the same thing, so a repeat is dropped by JetStream's de-duplication.
+    /// records the same thing, so a repeat is dropped by JetStream's de-duplication; that also
+    /// makes sending again safe, so a stream without a leader for a moment is ridden out
+    /// ([`RIDE_OUT`](crate::RIDE_OUT)).
     pub async fn record(&self, id: String, event: Event) -> Result<(), String> {
         let Some(bus) = &self.bus else { return Ok(()) };
         let batch = self.batch(id, event);
         let out = wire::encode(&batch, Codec::Json, Some(&batch.msg_id()))
             .map_err(|e| format!("encoding: {e}"))?;
-        bus.js()
-            .publish_with_headers(bus.names().event(self.run_id), out.headers, out.payload)
-            .await
-            .map_err(|e| format!("publishing: {e}"))?
-            .await
-            .map_err(|e| format!("storing: {e}"))?;
+        bus.publish_retrying(
+            bus.names().event(self.run_id),
+            out,
+            tokio::time::Instant::now() + crate::RIDE_OUT,
+        )
+        .await
+        .map_err(|e| e.to_string())?;
         Ok(())
     }
 }

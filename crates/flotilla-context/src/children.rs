@@ -208,7 +208,11 @@ impl Clients {
         match wire::encode(&batch, Codec::Json, Some(&batch.msg_id())) {
             Ok(out) => {
                 if let Err(e) = bus
-                    .publish_encoded(bus.names().event(scope.run_id), out)
+                    .publish_retrying(
+                        bus.names().event(scope.run_id),
+                        out,
+                        tokio::time::Instant::now() + crate::RIDE_OUT,
+                    )
                     .await
                 {
                     warn!(child = %child.run_id, error = %e, "Could not announce a child run");

@@ -74,6 +74,11 @@ pub const PAGE_MAX_BYTES: usize = 4 * 1024 * 1024;
 /// Room kept below the server's max payload for headers when checking a write's size.
 pub const HEADER_ROOM: usize = 4 * 1024;
 
+/// How long a write rides out a stream that has no leader for a moment (a cluster node died
+/// and a new leader is being elected: 4–7 s measured on three nodes) before it fails
+/// `unavailable`: an agent's write does not fail on a transient fault of the cluster.
+pub const RIDE_OUT: std::time::Duration = std::time::Duration::from_secs(20);
+
 /// Handles opened once and shared by every client of one scope.
 #[derive(Default)]
 pub(crate) struct Handles {

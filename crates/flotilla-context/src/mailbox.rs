@@ -278,7 +278,13 @@ impl Mailbox {
         let subject = scope.names.mailbox(scope.root_run_id, &to_token, &from);
         let bus = self.c.bus();
         let mut backoff = Duration::from_millis(1);
-        for _ in 0..MAX_SEND_TRIES {
+        // A stream without a leader for a moment (a cluster node died) is ridden out until
+        // then; those tries are not numbering conflicts.
+        let ride_out = tokio::time::Instant::now() + crate::RIDE_OUT;
+        let mut unavailable_pause = Duration::from_millis(50);
+        let mut tries = 0;
+        while tries < MAX_SEND_TRIES {
+            tries += 1;
             let last = bus.last_for_subject(StreamKind::Mailbox, &subject).await?;
             let (expected, last_n) = last.as_ref().map_or((0, 0), |m| (m.seq, number_of(m)));
             post.n = last_n + 1;
@@ -329,6 +335,16 @@ impl Mailbox {
                 }
                 Err(e) => {
                     let e = classify_publish_error(&subject, size, bus.max_payload(), e);
+                    let e = bus.confirm_unavailable(&subject, e).await;
+                    if e.kind() == flotilla_bus::PublishErrorKind::Unavailable
+                        && tokio::time::Instant::now() + unavailable_pause < ride_out
+                    {
+                        debug!(%subject, error = %e, "The mailbox stream has no leader for now; sending again");
+                        tokio::time::sleep(unavailable_pause).await;
+                        unavailable_pause = (unavailable_pause * 2).min(Duration::from_secs(1));
+                        tries -= 1;
+                        continue;
+                    }
                     return Err(match e.kind() {
                         flotilla_bus::PublishErrorKind::TooLarge => ContextError::with_source(
                             ErrorKind::PayloadTooLarge,

@@ -161,7 +161,7 @@ impl Workspace {
         let ack = self
             .c
             .bus()
-            .publish_encoded(subject, out)
+            .publish_retrying(subject, out, tokio::time::Instant::now() + crate::RIDE_OUT)
             .await
             .map_err(|e| match e.kind() {
                 PublishErrorKind::TooLarge => ContextError::with_source(

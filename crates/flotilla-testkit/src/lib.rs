@@ -4,7 +4,9 @@
 //! storage, never to a mock. [`NatsServer`] starts one on a free loopback port (the server
 //! picks it and reports it), in a temporary store directory, and stops it on drop.
 //! [`NatsServer::restart`] keeps the store, so tests can prove that state survives a server
-//! restart. [`NatsCluster`] starts three clustered JetStream servers.
+//! restart. [`NatsCluster`] starts clustered JetStream servers (three by default, optionally
+//! with `sync_interval: always`) and kills and restarts chosen nodes — the leader of a given
+//! stream — for fault injection.
 //!
 //! ```no_run
 //! # async fn t() -> Result<(), Box<dyn std::error::Error>> {
@@ -255,10 +257,55 @@ impl NatsServer {
     }
 }
 
-/// A three-node JetStream cluster on loopback.
+/// Builder for [`NatsCluster`]: its size and how its nodes store data.
+#[derive(Debug, Clone)]
+pub struct NatsClusterBuilder {
+    size: usize,
+    sync_always: bool,
+}
+
+impl Default for NatsClusterBuilder {
+    fn default() -> Self {
+        Self {
+            size: 3,
+            sync_always: false,
+        }
+    }
+}
+
+impl NatsClusterBuilder {
+    /// How many nodes (3 unless set).
+    pub fn size(mut self, size: usize) -> Self {
+        self.size = size;
+        self
+    }
+
+    /// `jetstream { sync_interval: always }` on every node, as the shipped server configs
+    /// set: each write is flushed to disk before it is acknowledged, so a SIGKILL of a node
+    /// loses nothing it acknowledged.
+    pub fn sync_always(mut self, yes: bool) -> Self {
+        self.sync_always = yes;
+        self
+    }
+
+    /// Starts the nodes and waits until the cluster places a replicated stream.
+    pub async fn start(self) -> Result<NatsCluster, TestkitError> {
+        NatsCluster::start_with(self).await
+    }
+}
+
+/// A JetStream cluster on loopback (three nodes unless built otherwise), for fault injection:
+/// kill a node with SIGKILL — the leader of a given stream, found with
+/// `$JS.API.STREAM.INFO` — and start it again on the same ports and store.
+///
+/// Node `i` is named `n<i>` (the `server_name` stream infos report as leader) and serves the
+/// monitoring endpoint on [`monitor_url`](Self::monitor_url); a restarted node counts as back
+/// once its `/healthz` says its streams have caught up.
 #[derive(Debug)]
 pub struct NatsCluster {
     nodes: Vec<LocalNatsServer>,
+    monitor_ports: Vec<u16>,
+    bus: Bus,
     _dir: TempDir,
 }
 
@@ -266,18 +313,38 @@ fn free_port() -> Result<u16, std::io::Error> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
+/// How long one probe of the cluster (a stream info, a health check) may take: a request to
+/// a node that was just killed waits for the client to reconnect elsewhere.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+
 impl NatsCluster {
-    /// Starts `size` clustered servers and waits until JetStream has a meta leader.
+    /// Starts `size` clustered servers and waits until a replicated stream can be placed.
     pub async fn start(size: usize) -> Result<Self, TestkitError> {
+        Self::builder().size(size).start().await
+    }
+
+    /// A builder (size, `sync_interval: always`).
+    pub fn builder() -> NatsClusterBuilder {
+        NatsClusterBuilder::default()
+    }
+
+    async fn start_with(b: NatsClusterBuilder) -> Result<Self, TestkitError> {
+        let size = b.size;
         let dir = tempfile::Builder::new()
             .prefix("flotilla-cluster-")
             .tempdir()?;
         let cluster_ports: Vec<u16> = (0..size).map(|_| free_port()).collect::<Result<_, _>>()?;
         let client_ports: Vec<u16> = (0..size).map(|_| free_port()).collect::<Result<_, _>>()?;
+        let monitor_ports: Vec<u16> = (0..size).map(|_| free_port()).collect::<Result<_, _>>()?;
         let routes: Vec<String> = cluster_ports
             .iter()
             .map(|p| format!("nats-route://127.0.0.1:{p}"))
             .collect();
+        let jetstream = if b.sync_always {
+            "jetstream {\n  sync_interval: always\n}\n"
+        } else {
+            ""
+        };
         let mut starting = Vec::new();
         for i in 0..size {
             let node_dir: PathBuf = dir.path().join(format!("n{i}"));
@@ -286,7 +353,8 @@ impl NatsCluster {
             std::fs::write(
                 &conf,
                 format!(
-                    "server_name: n{i}\ncluster {{\n  name: flotilla-test\n  listen: 127.0.0.1:{}\n  routes: [{}]\n}}\n",
+                    "server_name: n{i}\nhttp: 127.0.0.1:{}\n{jetstream}cluster {{\n  name: flotilla-test\n  listen: 127.0.0.1:{}\n  routes: [{}]\n}}\n",
+                    monitor_ports[i],
                     cluster_ports[i],
                     routes.join(", ")
                 ),
@@ -300,9 +368,21 @@ impl NatsCluster {
         for s in starting {
             nodes.push(s.await?);
         }
-        let cluster = Self { nodes, _dir: dir };
-        let bus = Bus::connect(&cluster.nats_options(), "flotilla-test").await?;
-        bus.wait_for_jetstream(Duration::from_secs(30)).await?;
+        let opts = NatsOptions {
+            urls: nodes.iter().map(LocalNatsServer::url).collect(),
+            ..NatsOptions::default()
+        };
+        let bus = Bus::connect(&opts, "flotilla-testkit").await?;
+        let cluster = Self {
+            nodes,
+            monitor_ports,
+            bus,
+            _dir: dir,
+        };
+        cluster
+            .bus
+            .wait_for_jetstream(Duration::from_secs(30))
+            .await?;
         // A meta leader is not enough: ready means a three-replica stream can be placed.
         let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
         loop {
@@ -313,9 +393,9 @@ impl NatsCluster {
                 storage: async_nats::jetstream::stream::StorageType::Memory,
                 ..Default::default()
             };
-            match bus.js().create_stream(probe).await {
+            match cluster.bus.js().create_stream(probe).await {
                 Ok(_) => {
-                    let _ = bus.js().delete_stream("TESTKIT_PROBE").await;
+                    let _ = cluster.bus.js().delete_stream("TESTKIT_PROBE").await;
                     break;
                 }
                 Err(e) if tokio::time::Instant::now() > deadline => {
@@ -327,6 +407,16 @@ impl NatsCluster {
             }
         }
         Ok(cluster)
+    }
+
+    /// How many nodes.
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// Whether the cluster has no nodes (never, once started).
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
     }
 
     /// Client URLs of every node.
@@ -342,6 +432,35 @@ impl NatsCluster {
         }
     }
 
+    /// The kit's own connection to the cluster (it fails over between the nodes).
+    pub fn bus(&self) -> &Bus {
+        &self.bus
+    }
+
+    /// The `server_name` of node `i` (`n<i>`), as stream infos name leaders.
+    pub fn node_name(&self, i: usize) -> String {
+        format!("n{i}")
+    }
+
+    /// The index of the node named `name`.
+    pub fn node_index(&self, name: &str) -> Option<usize> {
+        name.strip_prefix('n')
+            .and_then(|i| i.parse::<usize>().ok())
+            .filter(|&i| i < self.nodes.len())
+    }
+
+    /// Whether node `i` is running (not killed).
+    pub fn is_running(&self, i: usize) -> bool {
+        self.nodes.get(i).is_some_and(|n| n.pid().is_some())
+    }
+
+    /// The monitoring endpoint of node `i` (`http://127.0.0.1:<port>`).
+    pub fn monitor_url(&self, i: usize) -> Option<String> {
+        self.monitor_ports
+            .get(i)
+            .map(|p| format!("http://127.0.0.1:{p}"))
+    }
+
     /// Kills one node (SIGKILL).
     pub fn kill_node(&mut self, i: usize) {
         if let Some(n) = self.nodes.get_mut(i) {
@@ -349,11 +468,112 @@ impl NatsCluster {
         }
     }
 
-    /// Starts a killed node again.
+    /// Starts a killed node again (same ports, same store) and waits until its `/healthz`
+    /// says its streams have caught up, so killing another node next cannot take a stream's
+    /// last current replicas.
     pub async fn start_node(&mut self, i: usize) -> Result<(), TestkitError> {
         if let Some(n) = self.nodes.get_mut(i) {
             n.start_again().await?;
         }
+        self.wait_healthy(i, Duration::from_secs(60)).await
+    }
+
+    /// Whether node `i`'s `/healthz` answers 200 (JetStream up, its streams and consumers
+    /// current).
+    pub async fn healthy(&self, i: usize) -> bool {
+        let Some(port) = self.monitor_ports.get(i) else {
+            return false;
+        };
+        matches!(
+            tokio::time::timeout(PROBE_TIMEOUT, http_status(*port, "/healthz")).await,
+            Ok(Ok(200))
+        )
+    }
+
+    /// Waits until node `i` is healthy.
+    pub async fn wait_healthy(&self, i: usize, timeout: Duration) -> Result<(), TestkitError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        while !self.healthy(i).await {
+            if tokio::time::Instant::now() > deadline {
+                return Err(TestkitError::Io(std::io::Error::other(format!(
+                    "node n{i} was not healthy within {timeout:?}"
+                ))));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         Ok(())
     }
+
+    /// The node leading `stream` now, from `$JS.API.STREAM.INFO.<stream>` (`None` while it
+    /// has no leader or the request went unanswered). KV buckets are streams named
+    /// `KV_<bucket>`.
+    pub async fn stream_leader(&self, stream: &str) -> Option<usize> {
+        let info = tokio::time::timeout(PROBE_TIMEOUT, async {
+            let mut s = self.bus.js().get_stream(stream).await.ok()?;
+            s.info().await.ok().map(|i| i.cluster.clone())
+        })
+        .await
+        .ok()
+        .flatten()
+        .flatten()?;
+        info.leader.as_deref().and_then(|l| self.node_index(l))
+    }
+
+    /// Waits until `stream` has a leader other than `not` (the node just killed), and says
+    /// which node and how long it took from `since`.
+    pub async fn wait_for_stream_leader(
+        &self,
+        stream: &str,
+        not: Option<usize>,
+        since: tokio::time::Instant,
+        timeout: Duration,
+    ) -> Result<(usize, Duration), TestkitError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if let Some(leader) = self.stream_leader(stream).await
+                && Some(leader) != not
+            {
+                return Ok((leader, since.elapsed()));
+            }
+            if tokio::time::Instant::now() > deadline {
+                return Err(TestkitError::Io(std::io::Error::other(format!(
+                    "stream {stream} had no new leader within {timeout:?}"
+                ))));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Kills (SIGKILL) the node leading `stream` and returns its index and when it died.
+    pub async fn kill_stream_leader(
+        &mut self,
+        stream: &str,
+    ) -> Result<(usize, tokio::time::Instant), TestkitError> {
+        let (leader, _) = self
+            .wait_for_stream_leader(
+                stream,
+                None,
+                tokio::time::Instant::now(),
+                Duration::from_secs(30),
+            )
+            .await?;
+        self.kill_node(leader);
+        Ok((leader, tokio::time::Instant::now()))
+    }
+}
+
+/// The status code of `GET <path>` on a loopback HTTP port (the monitoring endpoint speaks
+/// plain HTTP/1.0 well enough for a status line).
+async fn http_status(port: u16, path: &str) -> Result<u16, std::io::Error> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").as_bytes())
+        .await?;
+    let mut head = Vec::new();
+    s.read_to_end(&mut head).await?;
+    let text = String::from_utf8_lossy(&head);
+    text.split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("no HTTP status line from port {port}")))
 }

@@ -15,7 +15,9 @@
 //!   slots, so a freed slot starts its next task without a pull round trip. A new worker, and
 //!   one whose attempts take longer (model calls), pulls only for free slots: a task never
 //!   waits behind a long attempt here while another worker of the pool has a free slot.
-//! * While an agent runs, the worker sends in-progress acknowledgements twice per heartbeat;
+//! * While an agent runs, and until its result is stored (a run log without a leader for a
+//!   few seconds while a cluster node dies), the worker sends in-progress acknowledgements
+//!   twice per heartbeat;
 //!   the consumer's ack wait is one and a half heartbeats, so a dead worker's task is
 //!   redelivered to another worker within 1.5 heartbeats (7.5 s at the default 5 s), while a
 //!   live worker has three chances per ack wait to keep its task.
@@ -844,38 +846,60 @@ async fn finish(
     } else {
         out
     };
-    let mut backoff = Duration::from_millis(100);
-    loop {
-        match shared
-            .bus
-            .publish_encoded(subject.clone(), out.clone())
-            .await
-        {
-            Ok(_) => break,
-            Err(e) if e.kind() == PublishErrorKind::TooLarge => {
-                // The server's limit is lower than the one announced at connect time.
-                warn!(run = %task.run_id, task = %task.task_id, error = %e, "Result refused as too large; reporting result_too_large");
-                outcome = AttemptOutcome::Failed(TaskErrorKind::ResultTooLarge);
-                match too_large_entry(shared, task, started_at, out.payload.len(), limit) {
-                    Some(o) => out = o,
-                    None => {
-                        let _ = msg.ack_with(AckKind::Nak(None)).await;
-                        return None;
+    // Until the result is stored, the task's message is kept alive at the heartbeat's pace,
+    // however long storing takes (a run-log stream without a leader for a few seconds while
+    // a cluster node dies, an acknowledgement that never comes and times out): were the ack
+    // wait to pass, the task would be redelivered and its attempt run again.
+    let stored = {
+        let publish = async {
+            let mut backoff = Duration::from_millis(100);
+            loop {
+                match shared
+                    .bus
+                    .publish_encoded(subject.clone(), out.clone())
+                    .await
+                {
+                    Ok(_) => return true,
+                    Err(e) if e.kind() == PublishErrorKind::TooLarge => {
+                        // The server's limit is lower than the one announced at connect time.
+                        warn!(run = %task.run_id, task = %task.task_id, error = %e, "Result refused as too large; reporting result_too_large");
+                        outcome = AttemptOutcome::Failed(TaskErrorKind::ResultTooLarge);
+                        match too_large_entry(shared, task, started_at, out.payload.len(), limit) {
+                            Some(o) => out = o,
+                            None => return false,
+                        }
+                    }
+                    Err(e) if !shared.hard_stop.is_cancelled() => {
+                        warn!(run = %task.run_id, task = %task.task_id, error = %e, "Result not stored yet; retrying");
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(Duration::from_secs(2));
+                    }
+                    Err(e) => {
+                        warn!(run = %task.run_id, task = %task.task_id, error = %e, "Stopping before the result was stored; handing the task back");
+                        return false;
                     }
                 }
             }
-            Err(e) if !shared.hard_stop.is_cancelled() => {
-                warn!(run = %task.run_id, task = %task.task_id, error = %e, "Result not stored yet; retrying");
-                let _ = msg.ack_with(AckKind::Progress).await;
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(2));
-            }
-            Err(e) => {
-                warn!(run = %task.run_id, task = %task.task_id, error = %e, "Stopping before the result was stored; handing the task back");
-                let _ = msg.ack_with(AckKind::Nak(None)).await;
-                return None;
+        };
+        tokio::pin!(publish);
+        let mut progress = tokio::time::interval_at(
+            tokio::time::Instant::now() + shared.opts.progress_interval(),
+            shared.opts.progress_interval(),
+        );
+        loop {
+            tokio::select! {
+                stored = &mut publish => break stored,
+                _ = progress.tick() => {
+                    if let Err(e) = msg.ack_with(AckKind::Progress).await {
+                        debug!(error = %e, "Heartbeat failed while storing the result");
+                    }
+                }
             }
         }
+    };
+    if !stored {
+        let _ = msg.ack_with(AckKind::Nak(None)).await;
+        return None;
     }
     if let Err(e) = msg.ack().await {
         debug!(error = %e, "Task ack failed; a redelivery will find the result already stored");
