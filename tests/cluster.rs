@@ -618,7 +618,9 @@ async fn killing_stream_leaders_fails_no_run() -> anyhow::Result<()> {
         down: vec![Duration::from_millis(1_500)],
         every: Duration::from_millis(250),
         chain: 3,
-        coordinators: 1,
+        // Two, as deployed: runs whose messages alternate between coordinators, starts
+        // rebuilt by one while the other has not recorded them, reads of a replica behind.
+        coordinators: 2,
         workers: 2,
     })
     .await?;

@@ -10,6 +10,7 @@
 //! * [`Bus`]: a connected client with the installation's names.
 
 pub mod connect;
+pub mod consume;
 pub mod error;
 pub mod options;
 pub mod provision;

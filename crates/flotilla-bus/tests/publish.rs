@@ -54,10 +54,24 @@ async fn a_stream_without_a_leader_is_retryable_and_ridden_out() -> anyhow::Resu
     for &i in &down {
         cluster.kill_node(i);
     }
-    let err = bus
-        .publish("leaderless.b".into(), &"while down", None)
-        .await
-        .expect_err("no leader");
+    // The client may be reconnecting to the survivor (it was connected to a killed node): a
+    // publish sent meanwhile times out, which says nothing of the stream. Once connected, the
+    // answer for the stream is "unavailable".
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let err = loop {
+        let err = bus
+            .publish("leaderless.b".into(), &"while down", None)
+            .await
+            .expect_err("no leader");
+        if err.kind() == PublishErrorKind::Unavailable
+            || tokio::time::Instant::now() >= deadline
+            || bus.client().connection_state() == async_nats::connection::State::Connected
+                && !err.to_string().contains("timed out")
+        {
+            break err;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
     assert_eq!(err.kind(), PublishErrorKind::Unavailable, "{err}");
     assert_eq!(err.kind().retry(), Retry::Retryable);
     // A retrying publish started now is stored once the nodes are back.
@@ -81,5 +95,91 @@ async fn a_stream_without_a_leader_is_retryable_and_ridden_out() -> anyhow::Resu
     assert!(!ack.duplicate);
     let mut stream = bus.js().get_stream("LEADERLESS").await?;
     assert_eq!(stream.info().await?.state.messages, 2, "first and retried");
+    Ok(())
+}
+
+/// A pull stream whose consumer's leader dies loses its pull request; async-nats reports only
+/// missed heartbeats and asks again when the lost request would have expired (30 s).
+/// [`flotilla_bus::consume::until_stalled`] ends the stream at the first missed heartbeat, so a
+/// new pull reaches the new leader within seconds and a message published meanwhile arrives.
+#[tokio::test]
+async fn a_pull_outlives_its_consumers_leader() -> anyhow::Result<()> {
+    use async_nats::jetstream::consumer::pull;
+    use futures::StreamExt;
+
+    let mut cluster = NatsCluster::start(3).await?;
+    let bus: Bus = cluster.bus().clone();
+    let stream = bus
+        .js()
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: "PULLED".into(),
+            subjects: vec!["pulled.>".into()],
+            num_replicas: 3,
+            ..Default::default()
+        })
+        .await?;
+    let mut consumer: async_nats::jetstream::consumer::PullConsumer = stream
+        .create_consumer(pull::Config {
+            durable_name: Some("pulling".into()),
+            num_replicas: 3,
+            ..Default::default()
+        })
+        .await?;
+    let heartbeat = Duration::from_secs(1);
+    let open = |c: async_nats::jetstream::consumer::PullConsumer| async move {
+        let m = c.stream().heartbeat(heartbeat).messages().await?;
+        anyhow::Ok(Box::pin(flotilla_bus::consume::until_stalled(m)))
+    };
+    let mut messages = open(consumer.clone()).await?;
+    bus.publish("pulled.a".into(), &"before", None).await?;
+    let first = tokio::time::timeout(Duration::from_secs(10), messages.next())
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("ended"))??;
+    first.ack().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+
+    let leader = consumer
+        .info()
+        .await?
+        .cluster
+        .as_ref()
+        .and_then(|c| c.leader.clone())
+        .and_then(|l| cluster.node_index(&l))
+        .ok_or_else(|| anyhow::anyhow!("the consumer has no leader"))?;
+    cluster.kill_node(leader);
+    let killed = tokio::time::Instant::now();
+    // The stream ends (a missed heartbeat) well before the lost request's 30 s expiry.
+    while let Some(m) = tokio::time::timeout(Duration::from_secs(15), messages.next()).await? {
+        let _ = m; // errors while reconnecting pass through
+    }
+    assert!(killed.elapsed() < Duration::from_secs(15));
+    // Pulling again reaches the new leader: a message published now arrives.
+    bus.publish_retrying(
+        "pulled.b".into(),
+        wire::encode(&"after", Codec::Json, Some("after-1"))?,
+        tokio::time::Instant::now() + Duration::from_secs(30),
+    )
+    .await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let got = loop {
+        anyhow::ensure!(tokio::time::Instant::now() < deadline, "nothing delivered");
+        let mut messages = match open(consumer.clone()).await {
+            Ok(m) => m,
+            Err(_) => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
+        };
+        match tokio::time::timeout(Duration::from_secs(5), messages.next()).await {
+            Ok(Some(Ok(m))) => break m,
+            _ => continue,
+        }
+    };
+    assert_eq!(got.subject.as_str(), "pulled.b");
+    assert!(
+        killed.elapsed() < Duration::from_secs(25),
+        "{:?} after the kill",
+        killed.elapsed()
+    );
+    let _ = &mut consumer;
     Ok(())
 }

@@ -265,7 +265,8 @@ async fn consume_intake(
                 }
             }
         };
-        let work = messages
+        // A lost pull request (its consumer's leader died) ends the stream: pull again.
+        let work = flotilla_bus::consume::until_stalled(messages)
             .take_until(shutdown.cancelled())
             .for_each_concurrent(concurrency, |msg| {
                 let intake = Arc::clone(&intake);

@@ -72,6 +72,11 @@ use crate::machine::{Action, Emission, Input, RunMachine, attempt_id};
 use crate::options::CoordinatorOptions;
 use crate::store::{FirstMessage, RunStore, SnapshotRef, UnreadableSubmission, unix_ms};
 
+/// The run-log sequences of `inputs` (for debug logs).
+fn seqs_of(inputs: &[Decoded]) -> Vec<(u64, i64)> {
+    inputs.iter().map(|d| (d.seq, d.delivered)).collect()
+}
+
 /// How often a run is reloaded and re-applied after losing compare-and-set races in a row.
 const MAX_CAS_ATTEMPTS: usize = 8;
 
@@ -245,7 +250,8 @@ impl Runtime {
                 .messages()
                 .await;
             let mut messages = match stream {
-                Ok(m) => m,
+                // A lost pull request (its consumer's leader died) ends the stream: pull again.
+                Ok(m) => Box::pin(flotilla_bus::consume::until_stalled(m)),
                 Err(e) => {
                     warn!(error = %e, "Cannot pull from the run log; retrying");
                     tokio::select! {
@@ -410,7 +416,7 @@ impl Runtime {
             Err(e) if e.kind() == StoreErrorKind::AlreadyExists => {
                 // Another coordinator rebuilt and recorded the start (and performed it again):
                 // its record covers this message. Forget the cached copy.
-                debug!(%run, "Start recorded elsewhere");
+                debug!(%run, seqs = ?seqs, "Start recorded elsewhere; acknowledging its inputs");
                 for m in &unflushed.msgs {
                     let _ = m.ack().await;
                 }
@@ -548,16 +554,24 @@ impl Runtime {
         if inputs.is_empty() {
             return cached;
         }
+        // In the run log's order: a redelivered message (a submission whose start another
+        // coordinator has not recorded yet) can arrive after later ones, and an input is
+        // applied only once the run it belongs to has started.
+        inputs.sort_by_key(|d| d.seq);
         // Messages of a start recorded by this step are acknowledged with its inputs.
         let mut owed: Vec<jetstream::Message> = cached
             .as_mut()
             .and_then(|c| c.unflushed.as_mut())
             .map(|u| std::mem::take(&mut u.msgs))
             .unwrap_or_default();
+        // Set once a step changed nothing on a copy that may be stale: the next reads the run
+        // from the leader.
+        let mut from_leader = false;
         for _ in 0..MAX_CAS_ATTEMPTS {
             // Boxed: the step is a large future; moving it costs more than allocating it.
-            match Box::pin(self.step(run, cached.take(), &inputs, None)).await {
+            match Box::pin(self.step(run, cached.take(), &inputs, None, from_leader)).await {
                 Ok(Stepped::Done(entry)) => {
+                    debug!(%run, seqs = ?seqs_of(&inputs), owed = owed.len(), "Inputs applied; acknowledging");
                     self.ack_all(run, &inputs).await;
                     for m in &owed {
                         let _ = m.ack().await;
@@ -565,6 +579,7 @@ impl Runtime {
                     return entry;
                 }
                 Ok(Stepped::Deferred(mut entry)) => {
+                    debug!(%run, seqs = ?seqs_of(&inputs), "Start performed; its inputs are acknowledged once it is recorded");
                     // The start is owed: these messages are acknowledged when it is recorded.
                     if let Some(u) = entry.unflushed.as_mut() {
                         u.msgs.extend(inputs.into_iter().map(|d| d.msg));
@@ -574,7 +589,8 @@ impl Runtime {
                 }
                 Err(StepError::Conflict) => CasConflict { run }.emit(&self.metrics),
                 Err(StepError::Stale) => {
-                    debug!(%run, "Cached run may be stale; reloading");
+                    debug!(%run, "The run's copy may be stale; reading it from the leader");
+                    from_leader = true;
                 }
                 Err(StepError::Failed(reason)) => {
                     warn!(%run, %reason, "Applying run-log inputs failed; they will be redelivered");
@@ -584,7 +600,7 @@ impl Runtime {
                     // Retrying would fail the same way: end the run with the reason.
                     warn!(%run, %reason, "Applying run-log inputs failed for good; ending the run");
                     for _ in 0..MAX_CAS_ATTEMPTS {
-                        match Box::pin(self.step(run, None, &inputs, Some(&reason))).await {
+                        match Box::pin(self.step(run, None, &inputs, Some(&reason), true)).await {
                             Ok(_) => {
                                 self.ack_all(run, &inputs).await;
                                 for m in &owed {
@@ -964,13 +980,16 @@ impl Runtime {
     }
 
     /// Applies `inputs` to the run and performs the resulting actions. With `abort`, the run
-    /// is ended with that reason instead (after a terminal failure).
+    /// is ended with that reason instead (after a terminal failure). `from_leader` reads the
+    /// run from the bucket's leader rather than any replica: inputs that change nothing are
+    /// acknowledged only against that copy ([`StepError::Stale`] otherwise).
     async fn step(
         &self,
         run: RunId,
         cached: Option<Cached>,
         inputs: &[Decoded],
         abort: Option<&str>,
+        from_leader: bool,
     ) -> Result<Stepped, StepError> {
         let now_ms = inputs.iter().map(|d| d.ts_ms).max().unwrap_or_default();
         // Submissions on a subject that names no run: refused under the derived id.
@@ -986,7 +1005,6 @@ impl Runtime {
             return Ok(Stepped::Done(None));
         }
         let mut reperform = Vec::new();
-        let from_cache = cached.is_some();
         // Started below as a child of the run's trace (or, for a run admitted now without a
         // client trace, as its root).
         let span = spans::step(run, inputs.len());
@@ -1009,7 +1027,15 @@ impl Runtime {
         let mut entry = match cached {
             Some(c) => Some(c),
             None if fresh_start => None,
-            None => match Box::pin(self.store.load(run)).await? {
+            None => match Box::pin(async {
+                if from_leader {
+                    self.store.load_from_leader(run).await
+                } else {
+                    self.store.load(run).await
+                }
+            })
+            .await?
+            {
                 None => match Box::pin(self.replay(run, inputs)).await? {
                     Some((entry, start)) => {
                         reperform = start;
@@ -1269,6 +1295,10 @@ impl Runtime {
             {
                 return Ok(Stepped::Done(None));
             }
+            if !from_leader {
+                // Any replica answered "no record": the leader may know better.
+                return Err(StepError::Stale);
+            }
             warn!(%run, "Run-log input for a run that does not exist; dropping");
             return Ok(Stepped::Done(None));
         };
@@ -1279,15 +1309,25 @@ impl Runtime {
         let unrecorded = entry.revision == 0;
         let changed =
             started || unrecorded || applied_before != Some(entry.machine.state().applied);
-        if !changed && from_cache {
-            // A no-op against cached state is only trustworthy if the cache is current:
-            // another coordinator may have moved the run on (a result can look stale to an
-            // old state). Without a write there is no compare-and-set to catch that, so
-            // confirm against a fresh load before acknowledging.
+        if !changed && !from_leader {
+            // A no-op is only trustworthy against the current state: another coordinator may
+            // have moved the run on since it was cached, and a direct get may be answered by
+            // a replica still catching up (a cluster node back from a crash) — a result then
+            // looks stale to an old state. Without a write there is no compare-and-set to
+            // catch that, so confirm against the leader's copy before acknowledging.
             return Err(StepError::Stale);
         }
-        // The start alone changed the run: perform it now, record it later.
+        // The start alone changed the run: perform it now, record it later. Only when the
+        // step holds nothing but the start's messages: they are acknowledged once the start
+        // is recorded — by this coordinator or, found already recorded, by another — so an
+        // input that changed nothing here (a result for a later task, seen against a start
+        // rebuilt from a stale read) must go the way of every input, through the record.
         let only_start = started
+            && inputs.iter().all(|d| match &d.inbound {
+                Inbound::Submission { .. } => true,
+                Inbound::Entry(e) => matches!(e.input, RunInput::Submitted(_)),
+                _ => false,
+            })
             && applied_before.is_none()
             && entry.machine.state().applied == 1
             && !entry.machine.state().status.is_terminal();

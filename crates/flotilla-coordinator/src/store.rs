@@ -278,7 +278,38 @@ impl RunStore {
         &self.kv
     }
 
-    /// Reads a run's snapshot.
+    /// Reads a run's snapshot from the bucket's leader. [`load`](Self::load) is a direct get,
+    /// which any replica answers — on a cluster, possibly one still catching up after a
+    /// restart, with an older revision. That is harmless before a write (compare-and-set
+    /// refuses it) but not before acknowledging an input that changed nothing: an input is
+    /// dropped as stale only against the leader's copy.
+    pub async fn load_from_leader(&self, run: RunId) -> Result<Option<StoredSnapshot>, StoreError> {
+        use async_nats::jetstream::stream::LastRawMessageErrorKind;
+        let subject = format!("{}{run}", self.kv.prefix);
+        let msg = match self
+            .kv
+            .stream
+            .get_last_raw_message_by_subject(&subject)
+            .await
+        {
+            Ok(msg) => msg,
+            Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => return Ok(None),
+            Err(e) => return Err(nats(format!("reading run {run} from the leader"), e)),
+        };
+        // A delete or purge marker (`KV-Operation: DEL|PURGE`) is no record.
+        if msg.headers.get("KV-Operation").is_some() {
+            return Ok(None);
+        }
+        let snapshot: Snapshot = rmp_serde::from_slice(&msg.payload)
+            .map_err(|e| decode_err(format!("run {run} snapshot"), e))?;
+        Ok(Some(StoredSnapshot {
+            snapshot,
+            revision: msg.sequence,
+            written_ms: unix_ms(msg.time),
+        }))
+    }
+
+    /// Reads a run's snapshot (a direct get: see [`load_from_leader`](Self::load_from_leader)).
     pub async fn load(&self, run: RunId) -> Result<Option<StoredSnapshot>, StoreError> {
         let entry = self
             .kv
@@ -388,7 +419,15 @@ impl RunStore {
         let msg = match self.runlog.direct_get_first_for_subject(&subject).await {
             Ok(msg) => msg,
             Err(e) if e.kind() == async_nats::jetstream::stream::DirectGetErrorKind::NotFound => {
-                return Ok(None);
+                // Any replica answers a direct get; one catching up (a cluster node back from
+                // a crash) may not have the message yet. "None" decides a run's fate (a
+                // submission is taken as the first), so it is asked of the leader.
+                use async_nats::jetstream::stream::RawMessageErrorKind;
+                match self.runlog.get_next_raw_message_by_subject(&subject).await {
+                    Ok(msg) => msg,
+                    Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound => return Ok(None),
+                    Err(e) => return Err(nats(format!("reading the run log of {run}"), e)),
+                }
             }
             Err(e) => return Err(nats(format!("reading the run log of {run}"), e)),
         };

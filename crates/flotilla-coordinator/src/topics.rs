@@ -49,7 +49,8 @@ pub(crate) async fn watch_workspace(bus: Bus, consumer: PullConsumer, shutdown: 
                 }
             }
         };
-        messages
+        // A lost pull request (its consumer's leader died) ends the stream: pull again.
+        flotilla_bus::consume::until_stalled(messages)
             .take_until(shutdown.cancelled())
             .for_each_concurrent(64, |msg| {
                 let (bus, recent, prefix) = (bus.clone(), Arc::clone(&recent), prefix.as_str());
