@@ -180,6 +180,5 @@ async fn a_pull_outlives_its_consumers_leader() -> anyhow::Result<()> {
         "{:?} after the kill",
         killed.elapsed()
     );
-    let _ = &mut consumer;
     Ok(())
 }

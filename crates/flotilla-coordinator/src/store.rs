@@ -139,6 +139,22 @@ fn nats(
     StoreError::with_source(StoreErrorKind::Nats, detail, e)
 }
 
+/// A run's snapshot as stored at `revision`, written at `created` (both reads decode alike).
+fn stored_snapshot(
+    run: RunId,
+    payload: &[u8],
+    revision: u64,
+    created: time::OffsetDateTime,
+) -> Result<StoredSnapshot, StoreError> {
+    let snapshot: Snapshot =
+        rmp_serde::from_slice(payload).map_err(|e| decode_err(format!("run {run} snapshot"), e))?;
+    Ok(StoredSnapshot {
+        snapshot,
+        revision,
+        written_ms: unix_ms(created),
+    })
+}
+
 fn decode_err(
     detail: impl Into<String>,
     e: impl std::error::Error + Send + Sync + 'static,
@@ -300,13 +316,7 @@ impl RunStore {
         if msg.headers.get("KV-Operation").is_some() {
             return Ok(None);
         }
-        let snapshot: Snapshot = rmp_serde::from_slice(&msg.payload)
-            .map_err(|e| decode_err(format!("run {run} snapshot"), e))?;
-        Ok(Some(StoredSnapshot {
-            snapshot,
-            revision: msg.sequence,
-            written_ms: unix_ms(msg.time),
-        }))
+        stored_snapshot(run, &msg.payload, msg.sequence, msg.time).map(Some)
     }
 
     /// Reads a run's snapshot (a direct get: see [`load_from_leader`](Self::load_from_leader)).
@@ -320,13 +330,7 @@ impl RunStore {
         if entry.operation != kv::Operation::Put {
             return Ok(None);
         }
-        let snapshot: Snapshot = rmp_serde::from_slice(&entry.value)
-            .map_err(|e| decode_err(format!("run {run} snapshot"), e))?;
-        Ok(Some(StoredSnapshot {
-            snapshot,
-            revision: entry.revision,
-            written_ms: unix_ms(entry.created),
-        }))
+        stored_snapshot(run, &entry.value, entry.revision, entry.created).map(Some)
     }
 
     fn encode<T: Serialize>(&self, snapshot: &T) -> Result<bytes::Bytes, StoreError> {
