@@ -300,6 +300,51 @@ async fn a_redelivered_attempt_reattaches_and_a_failed_one_cancels_its_children(
     Ok(())
 }
 
+/// A coordinator restarting (no responder on `child.start` for a moment) does not fail the
+/// call: the child's start is asked again until the request timeout, and goes through once a
+/// coordinator serves the API.
+#[tokio::test]
+async fn a_child_start_waits_out_a_moment_without_a_coordinator() -> anyhow::Result<()> {
+    let mut defs = BTreeMap::new();
+    defs.insert("echo".to_string(), scripted("{task_id}: found it"));
+    let mut f = InProcess::without_services(defs, Default::default()).await?;
+    // The parent is stored on its run's submission subject (the fast path): it exists
+    // before any coordinator does.
+    let run = RunId::new();
+    let mut req = SubmitRequest::new(plan(vec![Subtask::new("ask", "hold").with_agent("echo")]));
+    req.run_id = Some(run);
+    let mut out = flotilla_bus::wire::encode(
+        &req,
+        flotilla_model::codec::Codec::Json,
+        Some(&format!("submit.{run}")),
+    )?;
+    flotilla_bus::wire::expect_first(&mut out.headers);
+    f.bus
+        .publish_encoded(f.bus.names().submit_run(run), out)
+        .await?;
+
+    let clients = Clients::new(f.bus.clone(), attempt_scope(&f, run, AttemptId::new(), 1))?;
+    let call = ChildCall {
+        agent: "echo".into(),
+        ..ChildCall::default()
+    };
+    let started = tokio::spawn(async move { clients.start_child(&call).await });
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(
+        !started.is_finished(),
+        "asked again while nothing serves child.start"
+    );
+    f.add_coordinator().await?;
+    let child = tokio::time::timeout(WAIT, started).await???;
+    assert!(child.created);
+    assert!(
+        f.client.exists(child.handle.run_id).await?,
+        "the child's submission is stored"
+    );
+    f.stop().await;
+    Ok(())
+}
+
 /// A child the coordinator rejects (here: its agent is not defined) never runs: waiting for
 /// it is the error `child_rejected`, final, with the rejection's problems, and it is recorded
 /// for the attempt, so every delivery and process of the attempt (an exec agent's command

@@ -81,9 +81,23 @@ impl InProcess {
         worker_opts: WorkerOptions,
         coordinator_opts: CoordinatorOptions,
     ) -> anyhow::Result<Self> {
+        let mut this = Self::without_services(agents, coordinator_opts).await?;
+        this.add_coordinator().await?;
+        for _ in 0..workers {
+            this.add_worker(worker_opts.clone()).await?;
+        }
+        Ok(this)
+    }
+
+    /// A provisioned server and nothing serving it yet: start services with
+    /// [`InProcess::add_coordinator`] and [`InProcess::add_worker`] when the test needs them.
+    pub async fn without_services(
+        agents: BTreeMap<String, AgentDefinition>,
+        coordinator_opts: CoordinatorOptions,
+    ) -> anyhow::Result<Self> {
         let server = NatsServer::start().await?;
         let bus = server.provisioned_bus().await?;
-        let mut this = Self {
+        Ok(Self {
             client: Client::new(bus.clone()),
             server,
             bus,
@@ -91,12 +105,7 @@ impl InProcess {
             coordinator_opts,
             shutdown: CancellationToken::new(),
             services: JoinSet::new(),
-        };
-        this.add_coordinator().await?;
-        for _ in 0..workers {
-            this.add_worker(worker_opts.clone()).await?;
-        }
-        Ok(this)
+        })
     }
 
     pub fn context(&self) -> ValidationContext {

@@ -376,19 +376,40 @@ impl Clients {
                 headers.insert("tracestate", state.as_str());
             }
         }
-        let reply = tokio::time::timeout(
-            bus.options().request_timeout,
-            bus.client()
-                .request_with_headers(subject, headers, Bytes::from(body)),
-        )
-        .await
-        .map_err(|_| {
-            ContextError::new(
-                ErrorKind::Unavailable,
-                "no coordinator answered child.start in time",
+        let body = Bytes::from(body);
+        // A coordinator restarting (a rolling upgrade, a pod moved) leaves `child.start`
+        // without responders for a moment: asked again until the request timeout, which is
+        // safe because a child's run id is derived from the call (a second ask re-attaches).
+        let timeout = bus.options().request_timeout;
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut pause = Duration::from_millis(50);
+        let reply = loop {
+            let sent = tokio::time::timeout_at(
+                deadline,
+                bus.client()
+                    .request_with_headers(subject.clone(), headers.clone(), body.clone()),
             )
-        })?
-        .map_err(|e| unavailable("asking a coordinator to start a child run", e))?;
+            .await
+            .map_err(|_| {
+                ContextError::new(
+                    ErrorKind::Unavailable,
+                    format!("no coordinator answered child.start within {timeout:?}"),
+                )
+            })?;
+            match sent {
+                Ok(reply) => break reply,
+                Err(e)
+                    if e.kind() == async_nats::RequestErrorKind::NoResponders
+                        && tokio::time::Instant::now() + pause < deadline =>
+                {
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                }
+                Err(e) => {
+                    return Err(unavailable("asking a coordinator to start a child run", e));
+                }
+            }
+        };
         let failed = reply
             .headers
             .as_ref()

@@ -343,7 +343,11 @@ impl Intake {
             input: RunInput::Submitted(Box::new(submitted)),
         };
         match self.append_first(run, &entry).await {
-            Ok(true) => {}
+            Ok(true) => {
+                if let RunInput::Submitted(s) = &entry.input {
+                    self.lineages.admitted(run, s);
+                }
+            }
             Ok(false) => {
                 return self
                     .duplicate(run, reply_to.as_deref(), request.wait, source)

@@ -103,12 +103,16 @@ struct Parentage {
     session: SessionId,
 }
 
-/// Reads parents' facts (cached: they never change once a run is recorded) and counts trees.
+/// Reads parents' facts (cached: they never change once a run is admitted) and counts trees.
 #[derive(Debug)]
 pub(crate) struct Lineages {
     store: RunStore,
     limits: TreeLimits,
     cache: Mutex<HashMap<RunId, Arc<Parentage>>>,
+    /// The last count and revision of `tree.<root>` this coordinator read or wrote: the
+    /// next admission in that tree tries its compare-and-set straight away, without reading
+    /// the counter first (a stale revision only costs the read it saved).
+    counts: Mutex<HashMap<RunId, (u32, u64)>>,
 }
 
 /// Why a lineage could not be given.
@@ -120,7 +124,27 @@ impl Lineages {
             store,
             limits,
             cache: Mutex::new(HashMap::new()),
+            counts: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Notes the facts of a run this coordinator has just admitted, so its own children
+    /// find them without reading the store: a run's start is recorded lazily, and until
+    /// then its facts would be read from its first message and up its tree, level by level,
+    /// on every child it starts.
+    pub(crate) fn admitted(&self, run: RunId, submitted: &flotilla_model::runlog::Submitted) {
+        let root = submitted.parent.as_ref().map_or(run, RunHandle::root_run);
+        self.remember(
+            run,
+            Arc::new(Parentage {
+                root,
+                depth: submitted.depth,
+                budget_scopes: submitted.budget_scopes.clone(),
+                session: submitted
+                    .session_id
+                    .unwrap_or_else(|| session_of_root(root)),
+            }),
+        );
     }
 
     /// The lineage of run `run`, submitted with `parent` (if any), `session` and its own
@@ -335,19 +359,30 @@ impl Lineages {
     async fn count(&self, root: RunId) -> Result<bool, StoreError> {
         let kv = self.store.runs_bucket();
         let key = format!("tree.{root}");
+        let mut known = self
+            .counts
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&root)
+            .copied();
         for _ in 0..MAX_COUNT_TRIES {
-            let entry = kv.entry(&key).await.map_err(|e| {
-                StoreError::with_source(StoreErrorKind::Nats, "reading a tree's count", e)
-            })?;
-            let (children, revision) = match entry.filter(|e| e.operation == kv::Operation::Put) {
-                Some(e) => (
-                    std::str::from_utf8(&e.value)
-                        .ok()
-                        .and_then(|s| s.parse::<u32>().ok())
-                        .unwrap_or(0),
-                    e.revision,
-                ),
-                None => (0, 0),
+            let (children, revision) = match known.take() {
+                Some(k) => k,
+                None => {
+                    let entry = kv.entry(&key).await.map_err(|e| {
+                        StoreError::with_source(StoreErrorKind::Nats, "reading a tree's count", e)
+                    })?;
+                    match entry.filter(|e| e.operation == kv::Operation::Put) {
+                        Some(e) => (
+                            std::str::from_utf8(&e.value)
+                                .ok()
+                                .and_then(|s| s.parse::<u32>().ok())
+                                .unwrap_or(0),
+                            e.revision,
+                        ),
+                        None => (0, 0),
+                    }
+                }
             };
             // The root and its children so far, and this one.
             if children.saturating_add(2) > self.limits.max_runs {
@@ -355,25 +390,29 @@ impl Lineages {
             }
             let next = (children + 1).to_string().into_bytes().into();
             let written = if revision == 0 {
-                kv.create(&key, next).await.map(|_| ()).map_err(|e| {
+                kv.create(&key, next).await.map_err(|e| {
                     (
                         e.kind() == kv::CreateErrorKind::AlreadyExists,
                         e.to_string(),
                     )
                 })
             } else {
-                kv.update(&key, next, revision)
-                    .await
-                    .map(|_| ())
-                    .map_err(|e| {
-                        (
-                            e.kind() == kv::UpdateErrorKind::WrongLastRevision,
-                            e.to_string(),
-                        )
-                    })
+                kv.update(&key, next, revision).await.map_err(|e| {
+                    (
+                        e.kind() == kv::UpdateErrorKind::WrongLastRevision,
+                        e.to_string(),
+                    )
+                })
             };
             match written {
-                Ok(()) => return Ok(true),
+                Ok(revision) => {
+                    let mut counts = self.counts.lock().unwrap_or_else(PoisonError::into_inner);
+                    if counts.len() >= CACHE_RUNS {
+                        counts.clear();
+                    }
+                    counts.insert(root, (children + 1, revision));
+                    return Ok(true);
+                }
                 Err((true, _)) => continue,
                 Err((false, e)) => {
                     return Err(StoreError::new(

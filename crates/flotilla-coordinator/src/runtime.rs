@@ -975,6 +975,7 @@ impl Runtime {
                 )
             }));
         }
+        self.lineages.admitted(run, &submitted);
         info!(%run, "Plan accepted");
         Ok(Some(submitted))
     }

@@ -405,12 +405,45 @@ impl Drop for InProcessWorker {
 // ---------------------------------------------------------------------------------------
 // Services and plans.
 
+/// The tree bounds the bench's coordinator runs with: deep and wide enough for the trees
+/// it is asked to build (the deployment defaults, 8 deep and 100 runs, would refuse a
+/// depth-10 chain and a parent with 100 children).
+#[derive(Debug, Clone, Copy)]
+struct TreeBounds {
+    max_depth: usize,
+    max_runs: usize,
+}
+
+impl TreeBounds {
+    /// The `[coordinator]` section, written only when the trees need more than the
+    /// defaults (so a build from before the bounds existed can serve the default sizes).
+    fn section(self) -> String {
+        if self.max_depth <= 8 && self.max_runs <= 100 {
+            return String::new();
+        }
+        format!(
+            "\n# Sized for the bench's trees: a nested chain --tree-depth deep, a parent with\n# --tree-children children.\n[coordinator]\nmax-depth = {}\nmax-runs-per-tree = {}\n",
+            self.max_depth, self.max_runs
+        )
+    }
+
+    fn for_args(args: &TreeArgs) -> Self {
+        Self {
+            // The chain's root sits at depth 0; its deepest child at --tree-depth.
+            max_depth: args.tree_depth.max(8),
+            // A fan-out parent with its children, and room for the warm-up's parent.
+            max_runs: (args.tree_children + 1).max(100),
+        }
+    }
+}
+
 fn tree_config(
     dir: &Path,
     url: &str,
     concurrency: usize,
     child_delay: Duration,
     listener_off: bool,
+    bounds: TreeBounds,
 ) -> anyhow::Result<PathBuf> {
     let path = dir.join("bench-tree.toml");
     let telemetry = if listener_off {
@@ -428,7 +461,7 @@ default-agent = "noop"
 [nats]
 urls = ["{url}"]
 prefix = "{PREFIX}"
-
+{bounds}
 [agents.noop]
 kind = "scripted"
 reply = "ok"
@@ -455,7 +488,8 @@ reply = "unused"
 [worker]
 concurrency = {concurrency}
 {telemetry}"#,
-            delay = child_delay.as_millis()
+            delay = child_delay.as_millis(),
+            bounds = bounds.section(),
         ),
     )
     .with_context(|| format!("writing {}", path.display()))?;
@@ -898,6 +932,7 @@ pub(super) async fn tree_section(
         args.tree_concurrency.max(1),
         args.tree_child_delay,
         has_listener(&services.exe),
+        TreeBounds::for_args(args),
     )?;
     let mut procs = Processes(vec![(
         "coordinator".into(),
@@ -1125,14 +1160,16 @@ pub(super) async fn tree_section(
         // The children's waits, and one consumer per projected run for each flatten watcher.
         pacer.room_for(3 * children + 20).await?;
         let run = RunId::new();
+        let mut req = SubmitRequest::new(agent_plan("fanout", json!({"children": children})));
+        req.run_id = Some(run);
+        req.reply_to = Some(inbox.clone());
+        // Watches are opened once the run is submitted (a watch of a run that does not
+        // exist is `not_found`) and before it is released: each replays from the start.
+        submit_via(&bus, req, via).await?;
         let mut watchers = vec![
             Watcher::library(names[0], &watch_client, run, ChildPolicy::Flatten).await?,
             Watcher::library(names[2], &watch_client, run, ChildPolicy::Linked).await?,
         ];
-        let mut req = SubmitRequest::new(agent_plan("fanout", json!({"children": children})));
-        req.run_id = Some(run);
-        req.reply_to = Some(inbox.clone());
-        submit_via(&bus, req, via).await?;
         watchers.push(server_watcher(names[1], &watch_bus, run, ChildPolicy::Flatten).await?);
         watchers.push(server_watcher(names[3], &watch_bus, run, ChildPolicy::Linked).await?);
         let live = unix_micros();
