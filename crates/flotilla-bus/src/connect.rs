@@ -1,5 +1,8 @@
 //! Connecting with [`NatsOptions`].
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use async_nats::ConnectErrorKind as NatsKind;
 
 use crate::error::{ConnectError, ConnectErrorKind};
@@ -11,6 +14,16 @@ use crate::options::{NatsAuth, NatsOptions};
 pub async fn connect(
     opts: &NatsOptions,
     default_name: &str,
+) -> Result<async_nats::Client, ConnectError> {
+    connect_noting_reconnects(opts, default_name, None).await
+}
+
+/// [`connect`], setting `reconnected` each time the client connects again (to the same
+/// server or another one): what the client caches of the server's info is then out of date.
+pub async fn connect_noting_reconnects(
+    opts: &NatsOptions,
+    default_name: &str,
+    reconnected: Option<Arc<AtomicBool>>,
 ) -> Result<async_nats::Client, ConnectError> {
     opts.validate()?;
     let mut co = async_nats::ConnectOptions::new()
@@ -33,6 +46,16 @@ pub async fn connect(
             )
         })?,
     };
+    if let Some(flag) = reconnected {
+        co = co.event_callback(move |event| {
+            let flag = Arc::clone(&flag);
+            async move {
+                if matches!(event, async_nats::Event::Connected) {
+                    flag.store(true, Ordering::Release);
+                }
+            }
+        });
+    }
     if let Some(tls) = &opts.tls {
         co = co.require_tls(tls.required);
         if let Some(ca) = &tls.ca {

@@ -150,12 +150,32 @@ pub struct Bus {
     names: Names,
     /// What it connected with: exec agents get the same server and credentials.
     opts: Arc<NatsOptions>,
+    /// The connected server's `max_payload`, read once per connection: it is asked on every
+    /// publish that checks a size, and the client's server info is a copy of many strings.
+    max_payload: Arc<MaxPayload>,
+}
+
+/// The server's `max_payload` as last read, and whether the client connected again since.
+#[derive(Debug, Default)]
+struct MaxPayload {
+    bytes: std::sync::atomic::AtomicUsize,
+    reconnected: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Bus {
     /// Connects with `opts`. `role` names the connection (`flotilla-worker`).
     pub async fn connect(opts: &NatsOptions, role: &str) -> Result<Self, ConnectError> {
-        let client = connect::connect(opts, role).await?;
+        let max_payload = Arc::new(MaxPayload::default());
+        let client = connect::connect_noting_reconnects(
+            opts,
+            role,
+            Some(Arc::clone(&max_payload.reconnected)),
+        )
+        .await?;
+        max_payload.bytes.store(
+            server_max_payload(&client),
+            std::sync::atomic::Ordering::Release,
+        );
         let names = Names::new(&opts.prefix).map_err(|e| {
             ConnectError::new(
                 ConnectErrorKind::InvalidOptions,
@@ -169,6 +189,7 @@ impl Bus {
             js,
             names,
             opts: Arc::new(opts.clone()),
+            max_payload,
         })
     }
 
@@ -363,10 +384,14 @@ impl Bus {
 
     /// The largest message the connected server accepts (its `max_payload`).
     pub fn max_payload(&self) -> usize {
-        match self.client.server_info().max_payload {
-            0 => flotilla_model::validate::DEFAULT_MAX_PAYLOAD,
-            n => n,
+        use std::sync::atomic::Ordering;
+        let cached = &self.max_payload;
+        if cached.reconnected.swap(false, Ordering::AcqRel) {
+            cached
+                .bytes
+                .store(server_max_payload(&self.client), Ordering::Release);
         }
+        cached.bytes.load(Ordering::Acquire)
     }
 
     /// Waits until JetStream answers API requests (after a connect or a server restart).
@@ -389,6 +414,14 @@ impl Bus {
                 }
             }
         }
+    }
+}
+
+/// The connected server's `max_payload` (the NATS default before a server said otherwise).
+fn server_max_payload(client: &async_nats::Client) -> usize {
+    match client.server_info().max_payload {
+        0 => flotilla_model::validate::DEFAULT_MAX_PAYLOAD,
+        n => n,
     }
 }
 

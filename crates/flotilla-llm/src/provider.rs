@@ -413,6 +413,8 @@ impl Provider {
             _ => s,
         };
         let mut tries = 0u32;
+        // Why the previous try failed, for an error given while waiting to try again.
+        let mut last_error: Option<String> = None;
         loop {
             tries += 1;
             if let Some((limit, tokens)) = shared_limit {
@@ -426,12 +428,16 @@ impl Provider {
                         other => CallError::GaveUp(other.to_string()),
                     })?;
             }
+            // Biased: a free slot is taken even when the deadline is due at the same moment
+            // (a retry whose backoff overslept); the try itself is then cut at the deadline.
             let permit = tokio::select! {
+                biased;
                 p = Arc::clone(&self.semaphore).acquire_owned() => p.map_err(|_| CallError::GaveUp("the provider's request cap is closed".into()))?,
                 _ = cancel.cancelled() => return Err(CallError::Cancelled),
                 _ = tokio::time::sleep_until(deadline) => return Err(CallError::GaveUp(format!(
-                    "waited for a free request slot of the provider (max-concurrent-requests {}) until the attempt's deadline",
-                    self.config.max_concurrent_requests
+                    "waited for a free request slot of the provider (max-concurrent-requests {}) until the attempt's deadline{}",
+                    self.config.max_concurrent_requests,
+                    last_error.as_deref().map(|e| format!("; the last try failed: {e}")).unwrap_or_default()
                 ))),
             };
             let now = tokio::time::Instant::now();
@@ -486,6 +492,7 @@ impl Provider {
                         error = %message,
                         "Model call failed; retrying"
                     );
+                    last_error = Some(message);
                     tokio::select! {
                         _ = tokio::time::sleep(wait) => {}
                         _ = cancel.cancelled() => return Err(CallError::Cancelled),
