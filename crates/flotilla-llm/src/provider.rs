@@ -492,11 +492,19 @@ impl Provider {
                         error = %message,
                         "Model call failed; retrying"
                     );
-                    last_error = Some(message);
                     tokio::select! {
                         _ = tokio::time::sleep(wait) => {}
                         _ = cancel.cancelled() => return Err(CallError::Cancelled),
                     }
+                    if tokio::time::Instant::now() >= deadline {
+                        // The wait overslept (a loaded machine): a try now would be cut at
+                        // once, and its error would hide why the call failed.
+                        return Err(CallError::GaveUp(format!(
+                            "{message} (after {tries} tr{}; the attempt's deadline passed while waiting to retry)",
+                            if tries == 1 { "y" } else { "ies" }
+                        )));
+                    }
+                    last_error = Some(message);
                 }
             }
         }
