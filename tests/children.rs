@@ -308,19 +308,13 @@ async fn a_child_start_waits_out_a_moment_without_a_coordinator() -> anyhow::Res
     let mut defs = BTreeMap::new();
     defs.insert("echo".to_string(), scripted("{task_id}: found it"));
     let mut f = InProcess::without_services(defs, Default::default()).await?;
-    // The parent is stored on its run's submission subject (the fast path): it exists
-    // before any coordinator does.
-    let run = RunId::new();
-    let mut req = SubmitRequest::new(plan(vec![Subtask::new("ask", "hold").with_agent("echo")]));
-    req.run_id = Some(run);
-    let mut out = flotilla_bus::wire::encode(
-        &req,
-        flotilla_model::codec::Codec::Json,
-        Some(&format!("submit.{run}")),
-    )?;
-    flotilla_bus::wire::expect_first(&mut out.headers);
-    f.bus
-        .publish_encoded(f.bus.names().submit_run(run), out)
+    // The parent is stored on its run's submission subject (the client's fast path): it
+    // exists before any coordinator does.
+    let run = f
+        .client
+        .submit(SubmitRequest::new(plan(vec![
+            Subtask::new("ask", "hold").with_agent("echo"),
+        ])))
         .await?;
 
     let clients = Clients::new(f.bus.clone(), attempt_scope(&f, run, AttemptId::new(), 1))?;

@@ -681,18 +681,8 @@ async fn a_result_waiting_for_its_stream_keeps_its_task() -> anyhow::Result<()> 
     // worker holding the task must keep its message alive: were the ack wait (1.5 heartbeats:
     // 450 ms here) to pass, the task would be redelivered and the attempt run a second time.
     // One server; results find no stream for 3 s, as during an election.
-    let log = tempfile::NamedTempFile::new()?;
-    let path = log.path().display().to_string();
-    let agent = format!(
-        r#"
-default-agent = "logged"
-[agents.logged]
-kind = "exec"
-command = "sh"
-args = ["-c", "echo $FLOTILLA_TASK_ID >> {path}; sleep 0.3"]
-"#
-    );
-    let mut p = support::Processes::start(&agent).await?;
+    let log = support::ExecutionLog::new()?;
+    let mut p = support::Processes::start(&log.agent_config("0.3")).await?;
     p.coordinator().await?;
     p.worker(&["--concurrency", "1"]).await?;
     let run = p
@@ -707,11 +697,6 @@ args = ["-c", "echo $FLOTILLA_TASK_ID >> {path}; sleep 0.3"]
     capture(&p.bus, &runlog, &results, true).await?;
     let outcome = p.client.wait(run, support::WAIT).await?;
     assert_eq!(outcome.status, RunStatus::Succeeded);
-    let executions = std::fs::read_to_string(log.path())?;
-    assert_eq!(
-        executions.lines().collect::<Vec<_>>(),
-        vec!["t"],
-        "the attempt ran once"
-    );
+    assert_eq!(log.executions()?, vec!["t"], "the attempt ran once");
     Ok(())
 }

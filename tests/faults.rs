@@ -627,18 +627,8 @@ async fn a_prefetched_task_waiting_for_a_slot_is_not_redelivered() -> anyhow::Re
     // Worker A has one slot and prefetches one task; each task runs 1.5 s, more than three
     // times the ack wait of the test heartbeat (300 ms → 450 ms). Worker B is idle: had the
     // waiting task's message expired, B would run it too. Every execution is logged.
-    let log = tempfile::NamedTempFile::new()?;
-    let path = log.path().display().to_string();
-    let agent = format!(
-        r#"
-default-agent = "logged"
-[agents.logged]
-kind = "exec"
-command = "sh"
-args = ["-c", "echo $FLOTILLA_TASK_ID >> {path}; sleep 1.5"]
-"#
-    );
-    let mut p = Processes::start(&agent).await?;
+    let log = ExecutionLog::new()?;
+    let mut p = Processes::start(&log.agent_config("1.5")).await?;
     p.coordinator().await?;
     p.worker(&["--concurrency", "1"]).await?;
     let mut pl = plan(vec![Subtask::new("x", ""), Subtask::new("y", "")]);
@@ -650,8 +640,7 @@ args = ["-c", "echo $FLOTILLA_TASK_ID >> {path}; sleep 1.5"]
     let outcome = p.client.wait(run, WAIT).await?;
     assert_eq!(outcome.status, RunStatus::Succeeded);
     assert_exactly_once(&p, run, 2).await?;
-    let executions = std::fs::read_to_string(log.path())?;
-    let mut lines: Vec<&str> = executions.lines().collect();
+    let mut lines = log.executions()?;
     lines.sort_unstable();
     assert_eq!(lines, vec!["x", "y"], "each task ran exactly once");
     Ok(())

@@ -42,6 +42,39 @@ pub fn plan(tasks: Vec<Subtask>) -> Plan {
     }
 }
 
+/// A log of executions: the config of an exec agent `logged` (the default agent) that appends
+/// its task id to the log and then sleeps `sleep` seconds, and the task ids it logged — for
+/// tests that check an attempt ran exactly once across processes.
+pub struct ExecutionLog(tempfile::NamedTempFile);
+
+impl ExecutionLog {
+    pub fn new() -> anyhow::Result<Self> {
+        Ok(Self(tempfile::NamedTempFile::new()?))
+    }
+
+    /// The `[agents.logged]` config, sleeping `sleep` (a `sleep` argument, e.g. `"0.3"`).
+    pub fn agent_config(&self, sleep: &str) -> String {
+        format!(
+            r#"
+default-agent = "logged"
+[agents.logged]
+kind = "exec"
+command = "sh"
+args = ["-c", "echo $FLOTILLA_TASK_ID >> {}; sleep {sleep}"]
+"#,
+            self.0.path().display()
+        )
+    }
+
+    /// The task ids logged so far, in the order they ran.
+    pub fn executions(&self) -> anyhow::Result<Vec<String>> {
+        Ok(std::fs::read_to_string(self.0.path())?
+            .lines()
+            .map(str::to_owned)
+            .collect())
+    }
+}
+
 /// Flotilla services running inside the test process.
 pub struct InProcess {
     pub server: NatsServer,

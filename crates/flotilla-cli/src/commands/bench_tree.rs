@@ -406,8 +406,8 @@ impl Drop for InProcessWorker {
 // Services and plans.
 
 /// The tree bounds the bench's coordinator runs with: deep and wide enough for the trees
-/// it is asked to build (the deployment defaults, 8 deep and 100 runs, would refuse a
-/// depth-10 chain and a parent with 100 children).
+/// it is asked to build (the deployment defaults, 8 deep and 100 runs, would refuse the
+/// default depth-10 chain and a parent with 100 children).
 #[derive(Debug, Clone, Copy)]
 struct TreeBounds {
     max_depth: usize,
@@ -418,7 +418,8 @@ impl TreeBounds {
     /// The `[coordinator]` section, written only when the trees need more than the
     /// defaults (so a build from before the bounds existed can serve the default sizes).
     fn section(self) -> String {
-        if self.max_depth <= 8 && self.max_runs <= 100 {
+        let defaults = Self::defaults();
+        if self.max_depth <= defaults.max_depth && self.max_runs <= defaults.max_runs {
             return String::new();
         }
         format!(
@@ -427,12 +428,22 @@ impl TreeBounds {
         )
     }
 
+    /// The deployment's defaults (`[coordinator]` `max-depth`, `max-runs-per-tree`).
+    fn defaults() -> Self {
+        let opts = flotilla_coordinator::CoordinatorOptions::default();
+        Self {
+            max_depth: opts.max_depth as usize,
+            max_runs: opts.max_runs_per_tree as usize,
+        }
+    }
+
     fn for_args(args: &TreeArgs) -> Self {
+        let defaults = Self::defaults();
         Self {
             // The chain's root sits at depth 0; its deepest child at --tree-depth.
-            max_depth: args.tree_depth.max(8),
-            // A fan-out parent with its children, and room for the warm-up's parent.
-            max_runs: (args.tree_children + 1).max(100),
+            max_depth: args.tree_depth.max(defaults.max_depth),
+            // A fan-out parent with its children.
+            max_runs: (args.tree_children + 1).max(defaults.max_runs),
         }
     }
 }
