@@ -2159,8 +2159,7 @@ impl Runtime {
         }
         // One message per step; split only when it would not fit in one.
         let subject = names.event(run);
-        for batch in split_batches(run, events, max / 2) {
-            let out = wire::encode(&batch, Codec::Json, Some(&batch.msg_id()))?;
+        for out in encode_event_batches(run, events, max / 2)? {
             let size = out.payload.len();
             let ack = js
                 .publish_with_headers(subject.clone(), out.headers, out.payload)
@@ -2367,7 +2366,29 @@ fn child_trace(parent: &TraceContext, run: RunId, task: u32, attempt: u32) -> Tr
     }
 }
 
-/// Groups a step's events into as few messages as fit `budget` bytes each (one, normally).
+/// Encodes a step's events as few messages as fit `budget` bytes each (one, normally): the
+/// whole step is encoded once, and only a step too large for one message is split by the
+/// sizes of its events (measuring every event of every step would cost more than sending it).
+fn encode_event_batches(
+    run: RunId,
+    events: Vec<EventEnvelope>,
+    budget: usize,
+) -> Result<Vec<wire::Outgoing>, flotilla_bus::PublishError> {
+    if events.is_empty() {
+        return Ok(Vec::new());
+    }
+    let whole = EventBatch::new(run, events);
+    let out = wire::encode(&whole, Codec::Json, Some(&whole.msg_id()))?;
+    if out.payload.len() <= budget || whole.events.len() == 1 {
+        return Ok(vec![out]);
+    }
+    split_batches(run, whole.events, budget)
+        .iter()
+        .map(|batch| wire::encode(batch, Codec::Json, Some(&batch.msg_id())))
+        .collect()
+}
+
+/// Groups a step's events into as few messages as fit `budget` bytes each.
 fn split_batches(run: RunId, events: Vec<EventEnvelope>, budget: usize) -> Vec<EventBatch> {
     if events.is_empty() {
         return Vec::new();
