@@ -317,6 +317,9 @@ fn free_port() -> Result<u16, std::io::Error> {
 /// a node that was just killed waits for the client to reconnect elsewhere.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
+/// How many times a cluster is started on fresh ports before its start fails.
+const CLUSTER_START_ATTEMPTS: usize = 3;
+
 impl NatsCluster {
     /// Starts `size` clustered servers and waits until a replicated stream can be placed.
     pub async fn start(size: usize) -> Result<Self, TestkitError> {
@@ -333,41 +336,16 @@ impl NatsCluster {
         let dir = tempfile::Builder::new()
             .prefix("flotilla-cluster-")
             .tempdir()?;
-        let cluster_ports: Vec<u16> = (0..size).map(|_| free_port()).collect::<Result<_, _>>()?;
-        let client_ports: Vec<u16> = (0..size).map(|_| free_port()).collect::<Result<_, _>>()?;
-        let monitor_ports: Vec<u16> = (0..size).map(|_| free_port()).collect::<Result<_, _>>()?;
-        let routes: Vec<String> = cluster_ports
-            .iter()
-            .map(|p| format!("nats-route://127.0.0.1:{p}"))
-            .collect();
-        let jetstream = if b.sync_always {
-            "jetstream {\n  sync_interval: always\n}\n"
-        } else {
-            ""
+        // The ports are picked free and bound by the servers a moment later, so another
+        // process on the machine can take one in between: start again on fresh ports.
+        let mut attempt = 1;
+        let (nodes, monitor_ports) = loop {
+            match Self::start_nodes(&b, dir.path(), attempt).await {
+                Ok(started) => break started,
+                Err(_) if attempt < CLUSTER_START_ATTEMPTS => attempt += 1,
+                Err(e) => return Err(e),
+            }
         };
-        let mut starting = Vec::new();
-        for i in 0..size {
-            let node_dir: PathBuf = dir.path().join(format!("n{i}"));
-            std::fs::create_dir_all(&node_dir)?;
-            let conf = node_dir.join("server.conf");
-            std::fs::write(
-                &conf,
-                format!(
-                    "server_name: n{i}\nhttp: 127.0.0.1:{}\n{jetstream}cluster {{\n  name: flotilla-test\n  listen: 127.0.0.1:{}\n  routes: [{}]\n}}\n",
-                    monitor_ports[i],
-                    cluster_ports[i],
-                    routes.join(", ")
-                ),
-            )?;
-            let mut opts = LocalServerOptions::in_dir(&node_dir);
-            opts.config_file = Some(conf);
-            opts.port = Some(client_ports[i]);
-            starting.push(LocalNatsServer::start(opts));
-        }
-        let mut nodes = Vec::new();
-        for s in starting {
-            nodes.push(s.await?);
-        }
         let opts = NatsOptions {
             urls: nodes.iter().map(LocalNatsServer::url).collect(),
             ..NatsOptions::default()
@@ -407,6 +385,60 @@ impl NatsCluster {
             }
         }
         Ok(cluster)
+    }
+
+    /// Starts the nodes on freshly picked ports, in `dir/a<attempt>/n<i>`.
+    async fn start_nodes(
+        b: &NatsClusterBuilder,
+        dir: &Path,
+        attempt: usize,
+    ) -> Result<(Vec<LocalNatsServer>, Vec<u16>), TestkitError> {
+        let size = b.size;
+        let cluster_ports: Vec<u16> = (0..size).map(|_| free_port()).collect::<Result<_, _>>()?;
+        let client_ports: Vec<u16> = (0..size).map(|_| free_port()).collect::<Result<_, _>>()?;
+        let monitor_ports: Vec<u16> = (0..size).map(|_| free_port()).collect::<Result<_, _>>()?;
+        let routes: Vec<String> = cluster_ports
+            .iter()
+            .map(|p| format!("nats-route://127.0.0.1:{p}"))
+            .collect();
+        let jetstream = if b.sync_always {
+            "jetstream {\n  sync_interval: always\n}\n"
+        } else {
+            ""
+        };
+        let mut starting = Vec::new();
+        for i in 0..size {
+            let node_dir: PathBuf = dir.join(format!("a{attempt}")).join(format!("n{i}"));
+            std::fs::create_dir_all(&node_dir)?;
+            let conf = node_dir.join("server.conf");
+            std::fs::write(
+                &conf,
+                format!(
+                    "server_name: n{i}\nhttp: 127.0.0.1:{}\n{jetstream}cluster {{\n  name: flotilla-test\n  listen: 127.0.0.1:{}\n  routes: [{}]\n}}\n",
+                    monitor_ports[i],
+                    cluster_ports[i],
+                    routes.join(", ")
+                ),
+            )?;
+            let mut opts = LocalServerOptions::in_dir(&node_dir);
+            opts.config_file = Some(conf);
+            opts.port = Some(client_ports[i]);
+            starting.push(LocalNatsServer::start(opts));
+        }
+        // Every node is awaited, so a failed start leaves no server behind (dropping a
+        // started one stops it).
+        let mut nodes = Vec::new();
+        let mut failure = None;
+        for s in starting {
+            match s.await {
+                Ok(n) => nodes.push(n),
+                Err(e) => failure = failure.or(Some(e)),
+            }
+        }
+        match failure {
+            Some(e) => Err(e.into()),
+            None => Ok((nodes, monitor_ports)),
+        }
     }
 
     /// How many nodes.
