@@ -18,7 +18,6 @@ use std::time::Duration;
 
 use async_nats::jetstream::consumer::{DeliverPolicy, pull};
 use flotilla_bus::{Bus, wire};
-use flotilla_coordinator::store::RunStore;
 use flotilla_model::api::{
     ApiError, ApiRequest, CancelRunReply, CancelRunRequest, MboxReadRequest, MboxSendReply,
     MboxSendRequest, StateGetRequest, StateSetReply, StateSetRequest, ValidatePlanReply,
@@ -34,6 +33,7 @@ use flotilla_model::subjects::StreamKind;
 use flotilla_model::submit::{SubmitReply, SubmitRequest};
 use flotilla_model::tree::{RunTree, SessionView};
 use flotilla_model::workspace::WorkspacePage;
+use flotilla_runs::RunReader;
 use futures::{FutureExt, Stream, StreamExt};
 use tracing::Instrument;
 
@@ -78,8 +78,8 @@ fn nats(
 
 /// Opens the run store (the `flotilla-runs` bucket and the run log); a deployment that was
 /// never provisioned is [`ClientErrorKind::NotProvisioned`].
-pub async fn open_store(bus: &Bus) -> Result<RunStore, ClientError> {
-    RunStore::open(bus)
+pub async fn open_store(bus: &Bus) -> Result<RunReader, ClientError> {
+    RunReader::open(bus)
         .await
         .map_err(|e| nats("opening the run store", e))
 }
@@ -394,7 +394,7 @@ impl Client {
     pub async fn watch(
         &self,
         run: RunId,
-        opts: flotilla_coordinator::watch::WatchOptions,
+        opts: flotilla_runs::watch::WatchOptions,
     ) -> Result<
         impl Stream<Item = Result<flotilla_model::watch::ProjectedEvent, ClientError>> + use<>,
         ClientError,
@@ -405,7 +405,7 @@ impl Client {
                 format!("run {run} does not exist"),
             ));
         }
-        let stream = flotilla_coordinator::watch::project(self.bus.clone(), run, opts)
+        let stream = flotilla_runs::watch::project(self.bus.clone(), run, opts)
             .await
             .map_err(|e| nats("following the run", e))?;
         Ok(stream.map(|r| r.map_err(|e| nats("following the run", e))))
@@ -471,7 +471,7 @@ impl Client {
     /// stream (the engine of `<prefix>.api.run.tree`). At most `max_runs` runs (≤ 1000).
     pub async fn tree(&self, run: RunId, max_runs: usize) -> Result<Option<RunTree>, ClientError> {
         let store = open_store(&self.bus).await?;
-        flotilla_coordinator::tree::run_tree(&store, run, max_runs)
+        flotilla_runs::tree::run_tree(&store, run, max_runs)
             .await
             .map_err(|e| nats(format!("reading the tree of run {run}"), e))
     }
@@ -479,7 +479,7 @@ impl Client {
     /// The runs of a session, oldest first (the engine of `<prefix>.api.session.get`).
     pub async fn session(&self, session: SessionId) -> Result<SessionView, ClientError> {
         let store = open_store(&self.bus).await?;
-        flotilla_coordinator::tree::session_view(&store, session)
+        flotilla_runs::tree::session_view(&store, session)
             .await
             .map_err(|e| nats(format!("reading session {session}"), e))
     }

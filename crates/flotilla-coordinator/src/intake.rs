@@ -44,6 +44,8 @@ use flotilla_telemetry::events::{RunFinished, RunSubmitted};
 use flotilla_telemetry::{InternalEvent, Metrics, spans, trace_context};
 use tracing::{debug, info, warn};
 
+pub(crate) use flotilla_runs::first::{header_trace, loose_fields, trace_from};
+
 use crate::error::{StoreError, StoreErrorKind};
 use crate::live::LiveWorkers;
 use crate::machine::RunState;
@@ -107,14 +109,6 @@ fn reply(run_id: Option<RunId>, status: SubmitStatus) -> SubmitReply {
         outcome: None,
         run_status: None,
     }
-}
-
-/// The fields of an undecodable submission that still help: which run it meant, which key,
-/// where to answer.
-pub(crate) struct Loose {
-    pub(crate) run_id: Option<RunId>,
-    pub(crate) key: Option<String>,
-    pub(crate) reply_to: Option<String>,
 }
 
 impl Intake {
@@ -647,34 +641,6 @@ pub(crate) async fn record_rejection(
     Ok(())
 }
 
-/// Reads what can be read from a submission that does not decode: the top-level fields that
-/// say which run it meant and where to answer (everything else is skipped, at any depth).
-pub(crate) fn loose_fields(
-    headers: Option<&HeaderMap>,
-    payload: &[u8],
-    msg_id: Option<String>,
-) -> Loose {
-    let mut fields =
-        wire::codec_of(headers).skim_strings(payload, &["run_id", "idempotency_key", "reply_to"]);
-    let run_id = fields.remove("run_id").and_then(|r| r.parse().ok());
-    Loose {
-        key: fields
-            .remove("idempotency_key")
-            .or(if run_id.is_none() { msg_id } else { None }),
-        run_id,
-        reply_to: fields.remove("reply_to"),
-    }
-}
-
-/// The trace context a submission carries in its headers, if any.
-pub(crate) fn header_trace(headers: Option<&HeaderMap>) -> Option<TraceContext> {
-    let tp = wire::header(headers, wire::TRACEPARENT).filter(|tp| tp.split('-').count() == 4)?;
-    Some(TraceContext {
-        traceparent: tp.to_owned(),
-        tracestate: wire::header(headers, "tracestate").map(str::to_owned),
-    })
-}
-
 /// The trace context of a run admitted within `span`: the submission's; else, while spans
 /// are exported, that of `span` (the coordinator's span that admits the run becomes the
 /// trace's root); else as [`trace_from`].
@@ -686,18 +652,4 @@ pub(crate) fn admitted_trace(
     header_trace(headers)
         .or_else(|| trace_context::span_context(span))
         .unwrap_or_else(|| trace_from(headers, run))
-}
-
-/// The submission's trace context, or a new trace rooted at the run (its trace id is the run
-/// id: without an exporter there is no span to point at, and processes further down that do
-/// export still group the run's spans under its id).
-pub(crate) fn trace_from(headers: Option<&HeaderMap>, run: RunId) -> TraceContext {
-    if let Some(trace) = header_trace(headers) {
-        return trace;
-    }
-    let trace_id = run.as_uuid().simple().to_string();
-    TraceContext {
-        traceparent: format!("00-{trace_id}-{}-01", &trace_id[..16]),
-        tracestate: None,
-    }
 }

@@ -5,8 +5,9 @@
 //! the intake stream and one on the run log; compare-and-set on each run's snapshot keeps
 //! them from ever double-scheduling.
 //!
-//! * [`machine`]: the pure scheduling state machine.
-//! * [`store`]: run snapshots, plans and results in JetStream.
+//! * [`machine`]: the pure run machine (`flotilla-machine`), the only place a run's decisions
+//!   are made.
+//! * [`store`]: writing run records (the read side is `flotilla-runs`).
 //! * The runtime (private): applies run-log inputs and performs the machine's actions.
 //! * Intake and API (private): submissions from the intake stream and `<prefix>.api.*`.
 //!
@@ -25,14 +26,16 @@ pub mod error;
 mod intake;
 mod lineage;
 mod live;
-pub mod machine;
 pub mod options;
 pub mod planner;
 mod runtime;
 pub mod store;
 mod topics;
-pub mod tree;
-pub mod watch;
+
+/// The run machine, re-exported: the coordinator applies inputs through it.
+pub use flotilla_machine as machine;
+/// Run trees and sessions as read, and the event projection engine (the read model's).
+pub use flotilla_runs::{tree, watch};
 
 use std::sync::Arc;
 

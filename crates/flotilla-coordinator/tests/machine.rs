@@ -1,9 +1,10 @@
-//! The scheduling state machine, driven without any I/O.
+//! The run machine (`flotilla-machine`), driven without any I/O: alone, and through the
+//! coordinator's planning phase of bare queries.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use flotilla_coordinator::machine::{Action, Input, RunMachine, retry_backoff_ms};
+use flotilla_machine::{Action, Input, RunMachine, retry_backoff_ms};
 use flotilla_model::event::WorkflowPhase;
 use flotilla_model::ids::{RunId, TaskId};
 use flotilla_model::plan::{Plan, PlanConfig, Strategy, Subtask};
@@ -525,7 +526,7 @@ fn abort_ends_the_run_failed_with_the_reason() {
 
 #[test]
 fn huge_cascades_keep_events_and_outcome_lists_bounded() {
-    use flotilla_coordinator::machine::MAX_LISTED;
+    use flotilla_machine::MAX_LISTED;
     let mut tasks = vec![Subtask::new("root", "")];
     for i in 0..500 {
         tasks.push(Subtask::new(&format!("dep{i}"), "").after(&["root"]));

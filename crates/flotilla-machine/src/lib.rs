@@ -1,4 +1,6 @@
-//! The scheduling state machine of one run — pure, no I/O.
+//! The scheduling state machine of one run — pure, no I/O: the only place a run's decisions
+//! are made. The coordinator (`flotilla-coordinator`) applies inputs through it and performs
+//! its actions; the read model (`flotilla-runs`) reads the [`RunState`] it leaves.
 //!
 //! The coordinator folds a run's log into a [`RunState`]: [`RunMachine::start`] turns an
 //! accepted plan into the first state, and [`RunMachine::apply`] takes one input (a task

@@ -28,7 +28,7 @@ use flotilla_model::tree::{
 use futures::StreamExt;
 
 use crate::error::{StoreError, StoreErrorKind};
-use crate::store::RunStore;
+use crate::reader::RunReader;
 
 /// Runs read at once while walking a tree.
 const READS_IN_FLIGHT: usize = 16;
@@ -42,7 +42,7 @@ struct RunEvents {
 }
 
 /// Reads `run`'s events once: its children and its usage.
-async fn run_events(store: &RunStore, run: RunId) -> Result<RunEvents, StoreError> {
+async fn run_events(store: &RunReader, run: RunId) -> Result<RunEvents, StoreError> {
     let bus = store.bus();
     let filter = bus.names().event(run);
     let mut out = RunEvents::default();
@@ -100,7 +100,7 @@ fn duration_ms(record: &RunRecord, now: Timestamp) -> u64 {
 /// status, duration, tokens and cost per run. At most `max_runs` runs (capped at 1000) are
 /// listed, breadth first. `None` when `run` does not exist.
 pub async fn run_tree(
-    store: &RunStore,
+    store: &RunReader,
     run: RunId,
     max_runs: usize,
 ) -> Result<Option<RunTree>, StoreError> {
@@ -228,7 +228,10 @@ fn assemble(
 /// A run submitted without a session has its own id as its tree's session (its children
 /// carry it), but no index key of its own: when `session` names such a run, it is listed
 /// too, first.
-pub async fn session_view(store: &RunStore, session: SessionId) -> Result<SessionView, StoreError> {
+pub async fn session_view(
+    store: &RunReader,
+    session: SessionId,
+) -> Result<SessionView, StoreError> {
     let mut runs = store.session_runs(session).await?;
     let root = RunId::from_uuid(*session.as_uuid());
     if !runs.contains(&root)

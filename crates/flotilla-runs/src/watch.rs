@@ -49,7 +49,7 @@ use flotilla_model::subjects::StreamKind;
 use flotilla_model::watch::{ChildPolicy, Profile, ProjectedEvent, shows};
 use futures::{Stream, StreamExt};
 
-use crate::error::{CoordinatorError, CoordinatorErrorKind};
+use crate::error::{WatchError, WatchErrorKind};
 
 /// What to project.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -131,12 +131,12 @@ struct State {
     done: bool,
 }
 
-fn unavailable(what: &str, e: impl std::fmt::Display) -> CoordinatorError {
-    CoordinatorError::new(CoordinatorErrorKind::Watch, format!("{what}: {e}"))
+fn unavailable(what: &str, e: impl std::fmt::Display) -> WatchError {
+    WatchError::new(WatchErrorKind::Unavailable, format!("{what}: {e}"))
 }
 
 /// The event stream.
-async fn event_stream(bus: &Bus) -> Result<JsStream, CoordinatorError> {
+async fn event_stream(bus: &Bus) -> Result<JsStream, WatchError> {
     let name = bus.names().stream(StreamKind::Events);
     bus.js()
         .get_stream(&name)
@@ -151,7 +151,7 @@ async fn open(
     name: &str,
     subjects: Vec<String>,
     from: u64,
-) -> Result<Messages, CoordinatorError> {
+) -> Result<Messages, WatchError> {
     let mut config = pull::OrderedConfig {
         name: Some(name.to_owned()),
         deliver_policy: if from <= 1 {
@@ -220,7 +220,7 @@ impl State {
     }
 
     /// Re-creates the consumer on the runs still followed, from `from`.
-    async fn reopen(&mut self, from: u64) -> Result<(), CoordinatorError> {
+    async fn reopen(&mut self, from: u64) -> Result<(), WatchError> {
         let mut subjects: Vec<String> = self
             .runs
             .iter()
@@ -243,7 +243,7 @@ impl State {
     }
 
     /// Reads the next message of a followed run into the buffer.
-    async fn read(&mut self) -> Result<(), CoordinatorError> {
+    async fn read(&mut self) -> Result<(), WatchError> {
         let Some(messages) = self.messages.as_mut() else {
             return Err(unavailable(
                 "following a run tree's events",
@@ -271,7 +271,7 @@ impl State {
 
     /// Reads `child`'s messages up to `position` from the stream leader (direct gets may be
     /// answered by a lagging replica), one by one: a child linked a moment ago has few.
-    async fn catch_up(&mut self, child: RunId) -> Result<(), CoordinatorError> {
+    async fn catch_up(&mut self, child: RunId) -> Result<(), WatchError> {
         let subject = self.bus.names().event(child);
         let mut next = self.runs.get(&child).map_or(0, |f| f.read_upto) + 1;
         while next <= self.position {
@@ -343,7 +343,7 @@ impl State {
         }
     }
 
-    async fn next(&mut self) -> Option<Result<ProjectedEvent, CoordinatorError>> {
+    async fn next(&mut self) -> Option<Result<ProjectedEvent, WatchError>> {
         loop {
             if self.done {
                 return None;
@@ -352,8 +352,8 @@ impl State {
                 if self.all_ended() {
                     self.done = true;
                     return self.resume_after.take().map(|c| {
-                        Err(CoordinatorError::new(
-                            CoordinatorErrorKind::Watch,
+                        Err(WatchError::new(
+                            WatchErrorKind::Unavailable,
                             format!(
                                 "since {} (index {}) names no event of this projection: resume with the seq and index of an event it delivered",
                                 c.seq,
@@ -440,10 +440,7 @@ pub async fn project(
     bus: Bus,
     run: RunId,
     opts: WatchOptions,
-) -> Result<
-    impl Stream<Item = Result<ProjectedEvent, CoordinatorError>> + Send + use<>,
-    CoordinatorError,
-> {
+) -> Result<impl Stream<Item = Result<ProjectedEvent, WatchError>> + Send + use<>, WatchError> {
     let stream = event_stream(&bus).await?;
     // The projection's order is not the stream's, so a resumed projection is replayed from
     // the start, showing nothing up to the cursor.

@@ -3,19 +3,19 @@
 use std::process::ExitCode;
 
 use flotilla_bus::Bus;
-use flotilla_coordinator::store::RunStore;
 use flotilla_model::ids::RunId;
 use flotilla_model::runlog::{PlanDecision, RunInput};
 use flotilla_model::subjects::Bucket;
 use flotilla_model::time::Timestamp;
 use flotilla_model::worker::WorkerInfo;
+use flotilla_runs::RunReader;
 use futures::StreamExt;
 
 use crate::config::Config;
 
 /// The run store, through the client library: a deployment never provisioned is said once,
 /// with what to do.
-async fn store(config: &Config) -> anyhow::Result<RunStore> {
+async fn store(config: &Config) -> anyhow::Result<RunReader> {
     let bus = Bus::connect(&config.nats, "flotilla-cli").await?;
     Ok(flotilla_client::open_store(&bus).await?)
 }

@@ -9,12 +9,12 @@ use std::time::Duration;
 
 use flotilla_bus::Bus;
 use flotilla_client::{Client, ClientErrorKind};
-use flotilla_coordinator::watch::WatchOptions;
 use flotilla_model::RunId;
 use flotilla_model::event::{Event, StepEntry};
 use flotilla_model::watch::{
     ChildPolicy, Profile, ProjectedEvent, WatchEnd, WatchReply, WatchRequest,
 };
+use flotilla_runs::watch::WatchOptions;
 use futures::StreamExt;
 
 use crate::config::Config;
