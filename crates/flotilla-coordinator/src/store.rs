@@ -13,7 +13,8 @@ use async_nats::jetstream::kv;
 use bytes::Bytes;
 use flotilla_bus::Bus;
 use flotilla_model::ids::{RunId, SessionId};
-use flotilla_runs::reader::{decode_err, idempotency_kv_key, nats, session_key};
+use flotilla_runs::error::{decode_err, nats};
+use flotilla_runs::reader::{idempotency_kv_key, session_key};
 use serde::Serialize;
 
 pub use flotilla_runs::{

@@ -34,3 +34,19 @@ flotilla_bus::error_kinds!(
 
 /// Following a run's events failed.
 pub type WatchError = Error<WatchErrorKind>;
+
+/// A NATS or JetStream failure while reading or writing runs.
+pub fn nats(
+    detail: impl Into<String>,
+    e: impl std::error::Error + Send + Sync + 'static,
+) -> StoreError {
+    StoreError::with_source(StoreErrorKind::Nats, detail, e)
+}
+
+/// Stored data that could not be decoded (or encoded).
+pub fn decode_err(
+    detail: impl Into<String>,
+    e: impl std::error::Error + Send + Sync + 'static,
+) -> StoreError {
+    StoreError::with_source(StoreErrorKind::Decode, detail, e)
+}

@@ -24,7 +24,7 @@ use futures::StreamExt;
 
 use flotilla_machine::RunState;
 
-use crate::error::{StoreError, StoreErrorKind};
+use crate::error::{StoreError, StoreErrorKind, decode_err, nats};
 use crate::first::{First, FirstMessage, UnreadableSubmission};
 use crate::snapshot::{StoredSnapshot, record_of, stored_snapshot, unix_ms, view_of};
 
@@ -41,20 +41,6 @@ pub struct RunReader {
     runlog: Stream,
     state: kv::Store,
     bus: Bus,
-}
-
-pub fn nats(
-    detail: impl Into<String>,
-    e: impl std::error::Error + Send + Sync + 'static,
-) -> StoreError {
-    StoreError::with_source(StoreErrorKind::Nats, detail, e)
-}
-
-pub fn decode_err(
-    detail: impl Into<String>,
-    e: impl std::error::Error + Send + Sync + 'static,
-) -> StoreError {
-    StoreError::with_source(StoreErrorKind::Decode, detail, e)
 }
 
 /// The session-index key of `run` in `session`.

@@ -9,8 +9,7 @@ use flotilla_model::run::{PlanningView, RunHandle, RunRecord, RunView};
 use flotilla_model::time::Timestamp;
 use serde::{Deserialize, Serialize};
 
-use crate::error::StoreError;
-use crate::reader::decode_err;
+use crate::error::{StoreError, decode_err};
 
 /// What is stored per run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
