@@ -113,6 +113,19 @@ impl LocalNatsServer {
         Ok(server)
     }
 
+    /// The server `flotilla up` and `flotilla bench` run when no URL is given: its store and
+    /// run files in `data_dir` (created if missing), on a free port.
+    pub async fn start_in(data_dir: &Path) -> Result<Self, ServerError> {
+        std::fs::create_dir_all(data_dir).map_err(|e| {
+            ServerError::with_source(
+                ServerErrorKind::Spawn,
+                format!("creating {}", data_dir.display()),
+                e,
+            )
+        })?;
+        Self::start(LocalServerOptions::in_dir(data_dir)).await
+    }
+
     async fn spawn(&mut self) -> Result<(), ServerError> {
         let binary = find_binary()?;
         let io = |what: &str, e: std::io::Error| {

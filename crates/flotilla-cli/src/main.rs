@@ -152,7 +152,7 @@ enum Command {
     #[command(subcommand)]
     Schema(SchemaCommand),
     /// Measure performance (figures are printed, not asserted).
-    Bench(commands::bench::BenchArgs),
+    Bench(flotilla_bench::BenchArgs),
     /// Workspace topics of a run: write, read, watch entries (inside an exec agent: its own
     /// run, no flags needed).
     #[command(after_long_help = commands::collab::EXIT_CODES)]
@@ -540,7 +540,8 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
         Command::Schema(SchemaCommand::Write { dir }) => commands::schema::write(&dir),
         Command::Schema(SchemaCommand::Check { dir }) => commands::schema::check(&dir),
         Command::Bench(args) => {
-            commands::bench::run(cli.config.as_deref(), cli.nats_url.as_deref(), args).await
+            flotilla_bench::run(args, cli.nats_url.as_deref()).await?;
+            Ok(ExitCode::SUCCESS)
         }
         Command::Ws(args) => {
             commands::collab::ws(collab_global(&cli.config, &cli.nats_url), args).await

@@ -29,11 +29,16 @@ use flotilla_model::mailbox::MailboxPage;
 use flotilla_model::plan::Plan;
 use flotilla_model::run::{RunOutcome, RunView};
 use flotilla_model::state::StateValue;
-use flotilla_model::subjects::StreamKind;
+use flotilla_model::subjects::{Bucket, StreamKind};
 use flotilla_model::submit::{SubmitReply, SubmitRequest};
+use flotilla_model::time::Timestamp;
 use flotilla_model::tree::{RunTree, SessionView};
+use flotilla_model::worker::WorkerInfo;
 use flotilla_model::workspace::WorkspacePage;
 use flotilla_runs::RunReader;
+
+/// How [`Client::watch`] projects a run tree's events (the read model's options).
+pub use flotilla_runs::watch::WatchOptions;
 use futures::{FutureExt, Stream, StreamExt};
 use tracing::Instrument;
 
@@ -394,7 +399,7 @@ impl Client {
     pub async fn watch(
         &self,
         run: RunId,
-        opts: flotilla_runs::watch::WatchOptions,
+        opts: WatchOptions,
     ) -> Result<
         impl Stream<Item = Result<flotilla_model::watch::ProjectedEvent, ClientError>> + use<>,
         ClientError,
@@ -482,6 +487,36 @@ impl Client {
         flotilla_runs::tree::session_view(&store, session)
             .await
             .map_err(|e| nats(format!("reading session {session}"), e))
+    }
+
+    /// Live workers with the time of their last registry refresh (server time), read from the
+    /// workers registry (a KV bucket whose entries expire when a worker stops refreshing
+    /// them), ordered by pool and worker id.
+    pub async fn live_workers(&self) -> Result<Vec<(WorkerInfo, Timestamp)>, ClientError> {
+        let kv = self
+            .bus
+            .kv(Bucket::Workers)
+            .await
+            .map_err(|e| nats("opening the workers registry", e))?;
+        let mut keys = kv
+            .keys()
+            .await
+            .map_err(|e| nats("listing the workers registry", e))?;
+        let mut infos = Vec::new();
+        while let Some(k) = keys.next().await {
+            let k = k.map_err(|e| nats("listing the workers registry", e))?;
+            if let Some(entry) = kv
+                .entry(&k)
+                .await
+                .map_err(|e| nats(format!("reading worker {k} in the registry"), e))?
+                && entry.operation == async_nats::jetstream::kv::Operation::Put
+                && let Ok(info) = serde_json::from_slice::<WorkerInfo>(&entry.value)
+            {
+                infos.push((info, Timestamp(entry.created)));
+            }
+        }
+        infos.sort_by(|(a, _), (b, _)| (&a.pool, &a.id).cmp(&(&b.pool, &b.id)));
+        Ok(infos)
     }
 }
 

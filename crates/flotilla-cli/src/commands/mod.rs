@@ -1,9 +1,5 @@
 //! One module per command group.
 
-pub(crate) mod bench;
-pub(crate) mod bench_collab;
-pub(crate) mod bench_llm;
-pub(crate) mod bench_tree;
 pub(crate) mod collab;
 pub(crate) mod nats;
 pub(crate) mod plan;

@@ -5,11 +5,8 @@ use std::process::ExitCode;
 use flotilla_bus::Bus;
 use flotilla_model::ids::RunId;
 use flotilla_model::runlog::{PlanDecision, RunInput};
-use flotilla_model::subjects::Bucket;
 use flotilla_model::time::Timestamp;
-use flotilla_model::worker::WorkerInfo;
 use flotilla_runs::RunReader;
-use futures::StreamExt;
 
 use crate::config::Config;
 
@@ -270,24 +267,6 @@ pub(crate) async fn history(config: &Config, run: RunId, json: bool) -> anyhow::
     Ok(ExitCode::SUCCESS)
 }
 
-/// Live workers with the time of their last registry refresh (server time).
-pub(crate) async fn live_workers(bus: &Bus) -> anyhow::Result<Vec<(WorkerInfo, Timestamp)>> {
-    let kv = bus.kv(Bucket::Workers).await?;
-    let mut keys = kv.keys().await?;
-    let mut infos = Vec::new();
-    while let Some(k) = keys.next().await {
-        let k = k?;
-        if let Some(entry) = kv.entry(&k).await?
-            && entry.operation == async_nats::jetstream::kv::Operation::Put
-            && let Ok(info) = serde_json::from_slice::<WorkerInfo>(&entry.value)
-        {
-            infos.push((info, Timestamp(entry.created)));
-        }
-    }
-    infos.sort_by(|(a, _), (b, _)| (&a.pool, &a.id).cmp(&(&b.pool, &b.id)));
-    Ok(infos)
-}
-
 /// Says which pools the run's queued tasks wait on, and whether any worker serves them.
 async fn waiting_pools(bus: &Bus, view: &flotilla_model::run::RunView) {
     let pools: std::collections::BTreeSet<&str> = view
@@ -299,7 +278,10 @@ async fn waiting_pools(bus: &Bus, view: &flotilla_model::run::RunView) {
     if pools.is_empty() {
         return;
     }
-    let live = live_workers(bus).await.unwrap_or_default();
+    let live = flotilla_client::Client::new(bus.clone())
+        .live_workers()
+        .await
+        .unwrap_or_default();
     outln!();
     for pool in pools {
         let n = live.iter().filter(|(w, _)| w.pool == pool).count();
@@ -315,7 +297,7 @@ async fn waiting_pools(bus: &Bus, view: &flotilla_model::run::RunView) {
 
 pub(crate) async fn workers(config: &Config, json: bool) -> anyhow::Result<ExitCode> {
     let bus = Bus::connect(&config.nats, "flotilla-cli").await?;
-    let infos = live_workers(&bus).await?;
+    let infos = flotilla_client::Client::new(bus).live_workers().await?;
     let now = Timestamp::now().unix_ms();
     if json {
         let items: Vec<_> = infos

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use flotilla_bus::Bus;
-use flotilla_bus::server::{LocalNatsServer, LocalServerOptions};
+use flotilla_bus::server::LocalNatsServer;
 use flotilla_coordinator::Coordinator;
 use flotilla_model::subjects::StreamKind;
 use flotilla_model::subjects::WORKFLOW_POOL;
@@ -405,16 +405,6 @@ async fn refuse_foreign_deployment(bus: &Bus, config: &Config) -> anyhow::Result
     )
 }
 
-/// A nats-server for `up` and `bench` when no URL is given: a child process with its store in
-/// `data_dir`.
-pub(crate) async fn embedded_nats(data_dir: &Path) -> anyhow::Result<LocalNatsServer> {
-    std::fs::create_dir_all(data_dir)
-        .with_context(|| format!("creating {}", data_dir.display()))?;
-    let opts = LocalServerOptions::in_dir(data_dir);
-    let server = LocalNatsServer::start(opts).await?;
-    Ok(server)
-}
-
 /// Options of `flotilla up`.
 #[derive(Debug)]
 pub(crate) struct UpOptions {
@@ -444,7 +434,7 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
         .collect();
     let obs = Observability::start(config.telemetry.http_addr, health, Metrics::new()).await?;
     let server = if opts.embedded {
-        let s = embedded_nats(&opts.data_dir.join("nats")).await?;
+        let s = LocalNatsServer::start_in(&opts.data_dir.join("nats")).await?;
         config.nats.urls = vec![s.url()];
         url_file = Some(UrlFile::write(&opts.data_dir, &s.url())?);
         errln!(

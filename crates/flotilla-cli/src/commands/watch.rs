@@ -8,13 +8,13 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use flotilla_bus::Bus;
+use flotilla_client::WatchOptions;
 use flotilla_client::{Client, ClientErrorKind};
 use flotilla_model::RunId;
 use flotilla_model::event::{Event, StepEntry};
 use flotilla_model::watch::{
     ChildPolicy, Profile, ProjectedEvent, WatchEnd, WatchReply, WatchRequest,
 };
-use flotilla_runs::watch::WatchOptions;
 use futures::StreamExt;
 
 use crate::config::Config;

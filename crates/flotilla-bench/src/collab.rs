@@ -1,11 +1,11 @@
-//! `flotilla bench --only collab`: the collaboration layer (workspace topics, topic-gated
+//! The `collab` section (`flotilla bench --only collab`): the collaboration layer (workspace topics, topic-gated
 //! dispatch, mailboxes) against raw JetStream measured in the same run.
 //!
 //! Two parts, each against the bench's nats-server (prefix `flbench`):
 //!
 //! * **with the services** — a `flotilla coordinator` and worker processes with the no-op
 //!   `scripted` agent, as in the `flotilla` section. Hops are read from run logs exactly as
-//!   the dependency hop is ([`super::bench::chain_hops`]): a server timestamp → the worker's
+//!   the dependency hop is ([`chain_hops`]): a server timestamp → the worker's
 //!   `started_at` (same host clock).
 //!   - *dependency hop*: chains `s0 → s1 → …`; result stored → dependent started.
 //!   - *topic hop*: the same chain where each task consumes the topic its predecessor
@@ -28,7 +28,6 @@
 //!     the message and deliver it to a waiting reader; a core request/reply would skip the
 //!     store, which every mailbox message needs, so it is not the comparable.
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -51,10 +50,11 @@ use futures::{StreamExt, TryStreamExt};
 use serde_json::{Map, Value};
 use tokio::sync::mpsc;
 
-use super::bench::{
-    Processes, SubmitVia, chain_hops, chain_plan, has_listener, ms, noop_config, percentile,
-    spawn_service, submit_via,
-};
+use crate::harness::plans::{chain_hops, chain_plan};
+use crate::harness::processes::Processes;
+use crate::harness::services::{Services, has_listener, noop_config, spawn_service};
+use crate::harness::stats::{ms, p50_p99};
+use crate::harness::submit::{SubmitVia, submit_via};
 
 /// Sizes of the collaboration section.
 #[derive(Debug, Clone, clap::Args)]
@@ -77,20 +77,6 @@ pub(crate) struct CollabArgs {
     mailbox_samples: usize,
 }
 
-/// What the collaboration section shares with the `flotilla` section.
-pub(super) struct Services {
-    /// The binary running the coordinator and workers.
-    pub(super) exe: PathBuf,
-    /// Worker processes.
-    pub(super) workers: usize,
-    /// Slots per worker.
-    pub(super) concurrency: usize,
-    /// Length of each chain.
-    pub(super) chain: usize,
-    /// How the bench submits.
-    pub(super) via: SubmitVia,
-}
-
 /// Stream of the raw baselines (deleted when done).
 const RAW_STREAM: &str = "FLBENCH_COLLAB_RAW";
 /// Samples dropped at the start of each latency measurement (connections, consumers warm).
@@ -102,12 +88,6 @@ const IN_FLIGHT: usize = 256;
 /// Pause before each mailbox sample, so the receiver is back asleep in `receive` (it needs
 /// a few hundred µs to re-subscribe and re-read); the raw baseline keeps the same pacing.
 const MAILBOX_GAP: Duration = Duration::from_millis(5);
-
-/// p50 and p99 of unsorted samples.
-fn p50_p99(samples: &mut [f64]) -> (f64, f64) {
-    samples.sort_by(f64::total_cmp);
-    (percentile(samples, 0.5), percentile(samples, 0.99))
-}
 
 /// An entry the size of an automatic-produce entry with a short summary.
 fn entry(i: usize) -> Map<String, Value> {
@@ -127,11 +107,7 @@ fn operator(bus: &Bus, root: RunId) -> anyhow::Result<Clients> {
 }
 
 /// Runs the section: the measurements with the services, then without.
-pub(super) async fn collab_section(
-    args: &CollabArgs,
-    services: &Services,
-    url: &str,
-) -> anyhow::Result<()> {
+pub(crate) async fn run(args: &CollabArgs, services: &Services, url: &str) -> anyhow::Result<()> {
     let mut opts = NatsOptions::with_url(url);
     opts.prefix = "flbench".into();
     let bus = Bus::connect(&opts, "flotilla-bench").await?;
@@ -385,7 +361,7 @@ async fn gated_run(
 
     // Entry stored (server time of the workspace message) → agent started (worker clock).
     let micros = |t: &flotilla_model::time::Timestamp| (t.0.unix_timestamp_nanos() / 1000) as i64;
-    let store = flotilla_coordinator::store::RunStore::open(bus).await?;
+    let store = flotilla_client::open_store(bus).await?;
     let mut started = std::collections::HashMap::new();
     for (_, _, e) in store.history(run).await? {
         if let RunInput::TaskResult(r) = e.input

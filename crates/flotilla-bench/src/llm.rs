@@ -1,4 +1,4 @@
-//! `flotilla bench --only llm`: LLM agents against a **simulated** OpenAI-compatible provider.
+//! The `llm` section (`flotilla bench --only llm`): LLM agents against a **simulated** OpenAI-compatible provider.
 //!
 //! The provider is a test double inside the bench, not a model: a small HTTP server on a free
 //! loopback port answering `POST /v1/chat/completions` after a configurable delay with a
@@ -46,6 +46,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use flotilla_bus::{Bus, NatsOptions};
+use flotilla_client::Client;
 use flotilla_context::{Agent, AgentContext, Clients, EventEmitter, Scope};
 use flotilla_llm::{LlmAgent, LlmConfig, Providers, Roles};
 use flotilla_model::ids::{AttemptId, RunId};
@@ -56,9 +57,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 
-use super::bench::{
-    Processes, SubmitVia, has_listener, outcomes, percentile, spawn_service, spawn_submitter,
-};
+use crate::harness::processes::{Processes, peak_rss_kib, rss_kib};
+use crate::harness::services::{Services, has_listener, spawn_service};
+use crate::harness::stats::{ms, p50_p99};
+use crate::harness::submit::{SubmitVia, outcomes, spawn_submitter};
 
 /// Sizes of the LLM section.
 #[derive(Debug, Clone, clap::Args)]
@@ -100,14 +102,6 @@ pub(crate) struct LlmArgs {
 
 /// Runs in flight in the quick-task figure: a backlog behind two one-slot workers.
 const QUICK_IN_FLIGHT: usize = 16;
-
-/// What the LLM section shares with the other sections.
-pub(super) struct Services {
-    /// The binary running the coordinator and workers.
-    pub(super) exe: PathBuf,
-    /// How the bench submits.
-    pub(super) via: SubmitVia,
-}
 
 /// The bench's prefix for this section (its own streams, apart from the other sections').
 const PREFIX: &str = "flbllm";
@@ -479,16 +473,11 @@ async fn bare_puback(bus: &Bus, samples: usize) -> anyhow::Result<Vec<f64>> {
             .await?
             .await?;
         if i >= WARM_UP {
-            out.push(super::bench::ms(t0.elapsed()));
+            out.push(ms(t0.elapsed()));
         }
     }
     let _ = js.delete_stream(name).await;
     Ok(out)
-}
-
-fn p50_p99(samples: &mut [f64]) -> (f64, f64) {
-    samples.sort_by(f64::total_cmp);
-    (percentile(samples, 0.5), percentile(samples, 0.99))
 }
 
 // ---------------------------------------------------------------------------------------
@@ -535,19 +524,6 @@ max-concurrent-requests = {max_requests}
     Ok(path)
 }
 
-fn vm_rss_kib(pid: u32) -> Option<u64> {
-    status_field(pid, "VmRSS:")
-}
-
-fn status_field(pid: u32, field: &str) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status
-        .lines()
-        .find(|l| l.starts_with(field))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-}
-
 /// Submits `runs` 1-task runs kept `in_flight` at a time and waits for every outcome:
 /// (elapsed, runs not succeeded).
 async fn closed_loop(
@@ -591,9 +567,10 @@ fn unix_nanos() -> i128 {
 /// Waits until `k` workers registered after `since` (Unix ns; same host clock): the workers
 /// killed before them stay in the registry until their entries expire.
 async fn wait_for_workers(bus: &Bus, k: usize, since: i128) -> anyhow::Result<()> {
+    let client = Client::new(bus.clone());
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let live = super::runs::live_workers(bus).await?;
+        let live = client.live_workers().await?;
         let new = live
             .iter()
             .filter(|(_, at)| at.0.unix_timestamp_nanos() >= since)
@@ -618,11 +595,7 @@ fn not_succeeded(failed: usize) -> String {
 }
 
 /// Runs the section.
-pub(super) async fn llm_section(
-    args: &LlmArgs,
-    services: &Services,
-    url: &str,
-) -> anyhow::Result<()> {
+pub(crate) async fn run(args: &LlmArgs, services: &Services, url: &str) -> anyhow::Result<()> {
     let provider = Provider::start().await?;
     let mut opts = NatsOptions::with_url(url);
     opts.prefix = PREFIX.into();
@@ -700,7 +673,7 @@ pub(super) async fn llm_section(
         "the warm-up LLM runs did not succeed (see the worker's log above)"
     );
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let idle = vm_rss_kib(worker_pid).unwrap_or(0);
+    let idle = rss_kib(worker_pid).unwrap_or(0);
     provider.set_delay(args.llm_delay);
     let runs = n * args.llm_rounds.max(1);
     let peak_loaded = Arc::new(AtomicU64::new(0));
@@ -708,7 +681,7 @@ pub(super) async fn llm_section(
         let peak = Arc::clone(&peak_loaded);
         tokio::spawn(async move {
             loop {
-                if let Some(kib) = vm_rss_kib(worker_pid) {
+                if let Some(kib) = rss_kib(worker_pid) {
                     peak.fetch_max(kib, Ordering::SeqCst);
                 }
                 tokio::time::sleep(Duration::from_millis(50)).await;
@@ -720,7 +693,7 @@ pub(super) async fn llm_section(
     sampler.abort();
     let requests = provider.totals().1 - requests0;
     let loaded = peak_loaded.load(Ordering::SeqCst);
-    let hwm = status_field(worker_pid, "VmHWM:").unwrap_or(0);
+    let hwm = peak_rss_kib(worker_pid).unwrap_or(0);
     let achieved = runs as f64 / elapsed.as_secs_f64();
     let ideal = n as f64 / args.llm_delay.as_secs_f64();
     outln!(
@@ -743,7 +716,7 @@ pub(super) async fn llm_section(
     );
     for (name, child) in procs.0.iter() {
         if name == "coordinator"
-            && let Some(kib) = status_field(child.id(), "VmHWM:")
+            && let Some(kib) = peak_rss_kib(child.id())
         {
             outln!("   coordinator peak RSS {:.1} MiB", kib as f64 / 1024.0);
         }

@@ -1,4 +1,4 @@
-//! `flotilla bench --only tree`: run trees — child runs (agent-as-tool) and the projections
+//! The `tree` section (`flotilla bench --only tree`): run trees — child runs (agent-as-tool) and the projections
 //! that show a tree's events — next to the dependency hop and the raw JetStream round trip
 //! measured in the same run.
 //!
@@ -24,9 +24,9 @@
 //!    `started_at` in the child's run log (stamped by the worker process; same host clock, as
 //!    the dependency hop), split at `start_child`'s return. Alternating with it, 2-task
 //!    chains `s0 → s1` on the worker processes: s0's result stored (the run-log entry's server
-//!    time) → s1's agent started, as [`super::bench::chain_hops`] reads it. Next to both, the
-//!    raw JetStream round trip of the `raw` section (publish → pull → publish → pull, one in
-//!    flight), measured in the same run.
+//!    time) → s1's agent started, as [`chain_hops`](crate::harness::plans::chain_hops) reads
+//!    it. Next to both, the raw JetStream round trip of the `raw` section (publish → pull →
+//!    publish → pull, one in flight), measured in the same run.
 //! 2. **Depth-N nested agent-as-tool vs N dependency hops.** `nest` with input depth *d*
 //!    calls `nest` with *d* − 1 as a child run (timed as in 1) and answers with the child's
 //!    answer; at *d* = 0 it answers at once. Submit (with `reply_to`) → the root's outcome
@@ -64,8 +64,8 @@ use anyhow::Context;
 use bytes::Bytes;
 use flotilla_bus::{Bus, NatsOptions, wire};
 use flotilla_client::Client;
+use flotilla_client::WatchOptions;
 use flotilla_context::{Agent, AgentContext, AgentError, AgentReply, ChildCall};
-use flotilla_coordinator::watch::WatchOptions;
 use flotilla_model::event::{Event, decode_events};
 use flotilla_model::ids::RunId;
 use flotilla_model::plan::{Plan, PlanConfig, Subtask};
@@ -86,10 +86,12 @@ use serde_json::json;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use super::bench::{
-    Processes, RawFigures, SubmitVia, chain_plan, has_listener, ms, percentile, spawn_service,
-    submit_via,
-};
+use crate::harness::plans::chain_plan;
+use crate::harness::processes::Processes;
+use crate::harness::raw::RawFigures;
+use crate::harness::services::{Services, has_listener, spawn_service};
+use crate::harness::stats::{ms, percentile};
+use crate::harness::submit::{SubmitVia, submit_via};
 
 /// Sizes of the run-tree section.
 #[derive(Debug, Clone, clap::Args)]
@@ -118,14 +120,6 @@ pub(crate) struct TreeArgs {
     /// Tree: slots per worker process.
     #[arg(long, default_value_t = 64)]
     tree_concurrency: usize,
-}
-
-/// What the run-tree section shares with the other sections.
-pub(super) struct Services {
-    /// The binary running the coordinator and workers.
-    pub(super) exe: PathBuf,
-    /// How the bench submits.
-    pub(super) via: SubmitVia,
 }
 
 /// The section's prefix (its own streams, apart from the other sections').
@@ -574,7 +568,7 @@ async fn child_task_times(bus: &Bus, child: RunId) -> anyhow::Result<(i64, i64)>
 }
 
 /// The hops of a finished `chain_plan(n)` run (ms): `s<i−1>`'s result stored → `s<i>`'s
-/// agent started, as [`super::bench::chain_hops`] reads them.
+/// agent started, as [`chain_hops`](crate::harness::plans::chain_hops) reads them.
 async fn chain_hop_times(bus: &Bus, run: RunId, n: usize) -> anyhow::Result<Vec<f64>> {
     let times = task_times(bus, run).await?;
     (1..n)
@@ -694,9 +688,10 @@ impl Pacer {
 /// Waits until `n` workers are in the registry (the section's prefix is its own, so all of
 /// them are this section's).
 async fn wait_for_workers(bus: &Bus, n: usize) -> anyhow::Result<()> {
+    let client = Client::new(bus.clone());
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let live = super::runs::live_workers(bus).await?.len();
+        let live = client.live_workers().await?.len();
         if live >= n {
             return Ok(());
         }
@@ -924,7 +919,7 @@ struct Lags {
 // The section.
 
 /// Runs the section. `raw` is the raw JetStream round trip of the same run.
-pub(super) async fn tree_section(
+pub(crate) async fn run(
     args: &TreeArgs,
     services: &Services,
     url: &str,
