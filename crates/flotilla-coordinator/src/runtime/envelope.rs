@@ -1,7 +1,6 @@
 //! The task message of an attempt: dependency results within the message's budget, the
 //! description with its session-state placeholders filled in, consumed workspace topics and
-//! the trace context; or the failed result of an attempt that cannot start. Also where a
-//! run's tasks share their workspace and state (its tree's root, its session).
+//! the trace context; or the failed result of an attempt that cannot start.
 
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
@@ -11,13 +10,13 @@ use flotilla_bus::wire;
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::codec::Codec;
 use flotilla_model::ids::RunId;
-use flotilla_model::run::RunHandle;
 use flotilla_model::runlog::{RunInput, RunLogEntry};
 use flotilla_model::task::{DependencyResult, TaskEnvelope, TaskError, TaskResult, TraceContext};
 use flotilla_model::template::{fill, placeholders};
 use flotilla_model::time::Timestamp;
 use tracing::warn;
 
+use crate::lineage::{root_of, session_of};
 use crate::machine::attempt_id;
 
 use super::results::shorten_response;
@@ -222,22 +221,6 @@ impl Runtime {
         )?;
         Ok((self.bus.names().runlog(run), out))
     }
-}
-
-/// The root of a run's tree, whose workspace and mailboxes its tasks share: a child run's
-/// parent link names it; a run without a parent is its own root.
-pub(crate) fn root_of(state: &crate::machine::RunState) -> RunId {
-    state
-        .parent
-        .as_ref()
-        .map_or(state.run_id, RunHandle::root_run)
-}
-
-/// The key prefix of a run's session state: its session id, else its root run's id.
-pub(crate) fn session_of(state: &crate::machine::RunState) -> String {
-    state
-        .session_id
-        .map_or_else(|| root_of(state).to_string(), |s| s.to_string())
 }
 
 /// The trace context of a task: same trace, a span id derived from run, task and attempt.

@@ -80,7 +80,6 @@ use crate::machine::{Action, RunMachine};
 use crate::options::CoordinatorOptions;
 use crate::store::{RunStore, UnreadableSubmission};
 
-pub(crate) use envelope::{root_of, session_of};
 use inputs::{canonical_run_id, misaddressed_run_id};
 
 /// A run held in memory by its shard.

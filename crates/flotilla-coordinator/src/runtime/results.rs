@@ -14,7 +14,8 @@ use flotilla_model::runlog::{PlanDecision, Planned, RunInput, RunLogEntry};
 use flotilla_model::task::TaskResult;
 use tracing::{info, warn};
 
-use super::envelope::{root_of, session_of};
+use crate::lineage::{root_of, session_of};
+
 use super::{Cached, Runtime, StepError};
 
 impl Runtime {
