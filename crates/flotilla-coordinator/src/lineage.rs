@@ -261,7 +261,7 @@ impl Lineages {
             if s.status == RunStatus::Rejected {
                 return missing(format!("the parent run {run} was rejected"));
             }
-            let root = crate::runtime::root_of(s);
+            let root = root_of(s);
             let facts = Arc::new(Parentage {
                 root,
                 depth: s.depth,
@@ -432,4 +432,20 @@ impl Lineages {
 /// The session of a tree without a session id: its root's id.
 fn session_of_root(root: RunId) -> SessionId {
     SessionId::from_uuid(*root.as_uuid())
+}
+
+/// The root of a run's tree, whose workspace and mailboxes its tasks share: a child run's
+/// parent link names it; a run without a parent is its own root.
+pub(crate) fn root_of(state: &crate::machine::RunState) -> RunId {
+    state
+        .parent
+        .as_ref()
+        .map_or(state.run_id, RunHandle::root_run)
+}
+
+/// The key prefix of a run's session state: its session id, else its root run's id.
+pub(crate) fn session_of(state: &crate::machine::RunState) -> String {
+    state
+        .session_id
+        .map_or_else(|| root_of(state).to_string(), |s| s.to_string())
 }

@@ -34,7 +34,20 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::mcp::McpServerConfig;
-use crate::tools::BUILTIN_TOOLS;
+
+/// Names of the built-in tools: what `tools` may list, and its default (all of them).
+pub const BUILTIN_TOOLS: &[&str] = &[
+    "workspace_read",
+    "workspace_write",
+    "mailbox_send",
+    "mailbox_read",
+    "state_get",
+    "state_set",
+];
+
+/// The tool offered when an agent lists `agent-tools`: no `exec-tools` command may take its
+/// name.
+pub const CALL_AGENT: &str = "call_agent";
 
 /// An LLM agent's configuration.
 #[derive(Clone, PartialEq, Serialize, Deserialize)]
@@ -492,7 +505,7 @@ impl LlmConfig {
                 ));
             }
         }
-        if self.exec_tools.contains_key(crate::tools::CALL_AGENT) {
+        if self.exec_tools.contains_key(CALL_AGENT) {
             return Err(bad(
                 "exec-tools.call_agent",
                 "call_agent is the agent-as-tool built-in (see agent-tools); name the command differently".into(),

@@ -41,22 +41,13 @@ use tokio::io::AsyncWriteExt;
 use crate::config::{ConfigError, ExecToolConfig, LlmConfig};
 use crate::mcp::{McpServer, offered_name};
 
-/// Names of the built-in tools.
-pub const BUILTIN_TOOLS: &[&str] = &[
-    "workspace_read",
-    "workspace_write",
-    "mailbox_send",
-    "mailbox_read",
-    "state_get",
-    "state_set",
-];
+// Tool names are configuration's vocabulary (what `tools` may list, what `exec-tools` may
+// not be named); here is where they are offered.
+pub use crate::config::{BUILTIN_TOOLS, CALL_AGENT};
 
 /// Longest tool output handed back to the model, in bytes; longer output is cut with a
 /// marker.
 pub const MAX_TOOL_OUTPUT: usize = 64 * 1024;
-
-/// The tool offered when an agent lists `agent-tools`.
-pub const CALL_AGENT: &str = "call_agent";
 
 /// The tool offered when an agent has transfer targets in the agent tree.
 pub const TRANSFER: &str = "transfer_to_agent";

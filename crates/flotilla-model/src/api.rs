@@ -9,9 +9,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::ids::RunId;
 use crate::plan::Plan;
+use crate::problem::Problem;
 use crate::run::{RunStatus, RunView};
 use crate::submit::{SubmitReply, SubmitRequest};
-use crate::validate::Problem;
 
 /// A request of the API.
 pub trait ApiRequest: Serialize + DeserializeOwned {

@@ -8,7 +8,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::PROTOCOL_VERSION;
-use crate::validate::{Problem, ProblemCode};
+use crate::problem::{Problem, ProblemCode};
 
 /// Deepest nesting any decoder accepts: serde_json's own limit, applied to MessagePack too.
 pub const MAX_DECODE_DEPTH: usize = 128;

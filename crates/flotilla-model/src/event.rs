@@ -10,10 +10,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::ids::{AttemptId, RunId, TaskId};
 use crate::plan::StrategyChoice;
+use crate::problem::Problem;
 use crate::run::{RunHandle, RunOutcome};
 use crate::task::TaskError;
 use crate::time::Timestamp;
-use crate::validate::Problem;
 
 /// The version of event messages: since 2, one message carries every event of one step.
 pub const EVENT_PROTOCOL_VERSION: u32 = 2;

@@ -24,10 +24,10 @@ use serde_json::{Map, Value};
 use crate::codec::{Codec, check_protocol};
 use crate::ids::RunId;
 use crate::plan::Plan;
+use crate::problem::{Problem, ProblemCode};
 use crate::submit::{SubmitForm, SubmitRequest};
 use crate::validate::{
-    MAX_REPORTED_PROBLEMS, Problem, ProblemCode, ValidationContext, check_parent,
-    truncate_problems, validate_plan,
+    MAX_REPORTED_PROBLEMS, ValidationContext, check_parent, truncate_problems, validate_plan,
 };
 
 /// Checks that a value decodes as a field's type.

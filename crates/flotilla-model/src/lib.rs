@@ -13,6 +13,7 @@ pub mod lenient;
 pub mod mailbox;
 pub mod numeric;
 pub mod plan;
+pub mod problem;
 pub mod run;
 pub mod runlog;
 pub mod schema;

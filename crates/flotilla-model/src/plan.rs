@@ -223,10 +223,21 @@ pub struct PlanConfig {
     pub max_cost: Option<f64>,
 }
 
+/// Spending limits of a run, carried to its tasks.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Budget {
+    /// Most model tokens (prompt plus completion) of the whole run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<u64>,
+    /// Most cost of the whole run's model calls, in US dollars.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_cost: Option<f64>,
+}
+
 impl PlanConfig {
     /// The run's budget, when it has one.
-    pub fn budget(&self) -> Option<crate::task::Budget> {
-        (self.max_tokens.is_some() || self.max_cost.is_some()).then_some(crate::task::Budget {
+    pub fn budget(&self) -> Option<Budget> {
+        (self.max_tokens.is_some() || self.max_cost.is_some()).then_some(Budget {
             max_tokens: self.max_tokens,
             max_cost: self.max_cost,
         })

@@ -9,9 +9,9 @@ use serde::{Deserialize, Serialize};
 use crate::artifact::ArtifactRef;
 use crate::ids::{AgentId, RunId, SessionId, TaskId};
 use crate::plan::StrategyChoice;
+use crate::problem::Problem;
 use crate::task::{DependencyResult, TaskError};
 use crate::time::Timestamp;
-use crate::validate::Problem;
 
 /// Where a run sits in the run tree.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

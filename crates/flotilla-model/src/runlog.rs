@@ -11,10 +11,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::ids::{AttemptId, RunId, SessionId, TaskId};
 use crate::plan::Plan;
+use crate::problem::Problem;
 use crate::run::RunHandle;
 use crate::task::{TaskResult, TraceContext};
 use crate::time::Timestamp;
-use crate::validate::Problem;
 
 /// One run-log message.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]

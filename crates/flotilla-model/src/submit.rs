@@ -11,8 +11,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::ids::{RunId, SessionId};
 use crate::plan::Plan;
+use crate::problem::{Problem, ProblemCode};
 use crate::run::{RunHandle, RunOutcome};
-use crate::validate::{Problem, ProblemCode};
 
 /// A plan submission. Publish it to the intake subject `<prefix>.submit` (JetStream, durable)
 /// or send it as a request to `<prefix>.api.submit` (synchronous answer).

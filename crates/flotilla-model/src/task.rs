@@ -11,6 +11,9 @@ use crate::numeric::extract_numeric_value;
 use crate::plan::Risk;
 use crate::time::{Secs, Timestamp};
 
+// A run's spending limits are set by its plan; task envelopes carry them.
+pub use crate::plan::Budget;
+
 /// W3C trace context carried with a task so one trace spans client → coordinator → worker.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct TraceContext {
@@ -108,17 +111,6 @@ pub struct TaskEnvelope {
     /// Trace context of the run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trace: Option<TraceContext>,
-}
-
-/// Spending limits of a run, carried to its tasks.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
-pub struct Budget {
-    /// Most model tokens (prompt plus completion) of the whole run.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_tokens: Option<u64>,
-    /// Most cost of the whole run's model calls, in US dollars.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_cost: Option<f64>,
 }
 
 /// One budget a run's model calls count against: the limits of run `run_id` (the run itself

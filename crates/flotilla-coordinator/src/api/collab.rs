@@ -68,7 +68,7 @@ use tracing::{debug, warn};
 
 use super::{Api, parse, respond_api_error, respond_json};
 use crate::error::{StoreError, StoreErrorKind};
-use crate::runtime::{root_of, session_of};
+use crate::lineage::{root_of, session_of};
 use crate::store::{First, FirstMessage};
 
 /// Most bytes of plan facts the run cache holds before it starts over.

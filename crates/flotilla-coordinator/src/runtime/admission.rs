@@ -1,0 +1,412 @@
+//! Admission of a run's first message: the verdict on a client's own durable submission
+//! (validated again by every coordinator, so all reach the same one), the rejections that
+//! verdict, a misaddressed subject or an unreadable first entry turn into (a run-log entry, a
+//! record, an event and an answer), and the answers to duplicate submissions.
+
+use flotilla_bus::wire;
+use flotilla_model::PROTOCOL_VERSION;
+use flotilla_model::codec::Codec;
+use flotilla_model::event::{Event, EventEnvelope, WorkflowEvent, WorkflowPhase};
+use flotilla_model::ids::RunId;
+use flotilla_model::run::{RunHandle, RunStatus};
+use flotilla_model::runlog::{Rejected, RunInput, RunLogEntry, Submitted};
+use flotilla_model::submit::{SubmitReply, SubmitRequest, SubmitStatus};
+use flotilla_model::task::TraceContext;
+use flotilla_model::time::Timestamp;
+use flotilla_model::validate::{
+    MAX_REPORTED_PROBLEMS, Problem, ProblemCode, prepare_plan, truncate_problems,
+};
+use flotilla_telemetry::InternalEvent;
+use flotilla_telemetry::events::{RunFinished, RunSubmitted};
+use tracing::{info, warn};
+
+use crate::error::StoreErrorKind;
+use crate::machine::Emission;
+use crate::store::{SnapshotRef, UnreadableSubmission};
+
+use super::{Decoded, Runtime, StepError};
+
+impl Runtime {
+    /// The verdict on a client's own submission (the first message of its run): the run as
+    /// accepted, or its rejection with every problem. Pure but for reading the parent of a
+    /// child run, so every coordinator reaches the same verdict on the same submission.
+    pub(super) async fn verdict(
+        &self,
+        run: RunId,
+        submission: Result<&SubmitRequest, &UnreadableSubmission>,
+        trace: TraceContext,
+    ) -> Result<Result<Submitted, Rejected>, StepError> {
+        let request = match submission {
+            Ok(r) => r,
+            Err(unreadable) => return Ok(Err(self.rejection_of(run, unreadable))),
+        };
+        let mut errors = Vec::new();
+        let reply_to = match &request.reply_to {
+            Some(s) => match flotilla_model::token::check_subject(s) {
+                Ok(()) => Some(s.clone()),
+                Err(e) => {
+                    errors.push(Problem::new(
+                        ProblemCode::InvalidReplyTo,
+                        "reply_to",
+                        format!("reply_to {s:?} {e}"),
+                    ));
+                    None
+                }
+            },
+            None => None,
+        };
+        if let Err(e) = flotilla_model::codec::check_protocol(request.protocol) {
+            errors.push(e.to_problem());
+        }
+        if let Some(parent) = &request.parent {
+            errors.extend(flotilla_model::validate::check_parent(parent, run));
+        }
+        if let Some(named) = request.run_id.filter(|named| *named != run) {
+            errors.push(Problem::new(
+                ProblemCode::RunIdMismatch,
+                "run_id",
+                format!("the submission was published for run {run} but names run {named}"),
+            ));
+        }
+        if request.idempotency_key.is_some() {
+            errors.push(Problem::new(
+                ProblemCode::MisplacedIdempotencyKey,
+                "idempotency_key",
+                format!(
+                    "a submission on {}.submit.<run> is identified by its run id; publish submissions with an idempotency_key to {}",
+                    self.bus.names().prefix(),
+                    self.bus.names().submit()
+                ),
+            ));
+        }
+        let prepared = match request.form() {
+            Ok(flotilla_model::submit::SubmitForm::Plan(plan)) => prepare_plan(plan, &self.ctx),
+            // A bare query's planning plan is fixed at admission and stored in the run's
+            // first entry; a client-written first message cannot carry it.
+            Ok(flotilla_model::submit::SubmitForm::Query(_)) => Err(
+                flotilla_model::validate::ValidationReport::single(Problem::new(
+                    ProblemCode::QueryOnRunSubject,
+                    "query",
+                    format!(
+                        "a bare query cannot be the first message of {}.submit.<run>; publish it to {} or send it to the submit endpoint",
+                        self.bus.names().prefix(),
+                        self.bus.names().submit()
+                    ),
+                )),
+            ),
+            Err(problem) => Err(flotilla_model::validate::ValidationReport::single(problem)),
+        };
+        let (plan, warnings) = match prepared {
+            Ok(p) => p,
+            Err(report) => {
+                errors.extend(report.errors);
+                (flotilla_model::Plan::empty(), Vec::new())
+            }
+        };
+        // The run's place in its tree (depth, budgets, session): a parent that names no run
+        // refuses it, as an invalid plan does.
+        let lineage = if errors.is_empty() {
+            match self
+                .lineages
+                .lineage(
+                    run,
+                    request.parent.as_ref(),
+                    request.session_id,
+                    plan.config.budget(),
+                )
+                .await?
+            {
+                Ok(l) => l,
+                Err(problem) => {
+                    errors.push(problem);
+                    crate::lineage::Lineage::default()
+                }
+            }
+        } else {
+            crate::lineage::Lineage::default()
+        };
+        if !errors.is_empty() {
+            return Ok(Err(Rejected {
+                errors: truncate_problems(errors, MAX_REPORTED_PROBLEMS),
+                name: request.plan_name(),
+                labels: request.labels.clone(),
+                reply_to,
+                intake_seq: None,
+            }));
+        }
+        let mut submitted = submitted_of(request, plan, warnings, trace);
+        submitted.session_id = lineage.session_id;
+        submitted.depth = lineage.depth;
+        submitted.budget_scopes = lineage.budget_scopes;
+        Ok(Ok(submitted))
+    }
+
+    /// The rejection of a submission that cannot be decoded: every problem of it at once
+    /// (fields of the wrong type, unknown or missing, then what validation finds in the rest).
+    pub(super) fn rejection_of(&self, run: RunId, unreadable: &UnreadableSubmission) -> Rejected {
+        Rejected {
+            errors: flotilla_model::submit::decode_problems(
+                unreadable.codec,
+                &unreadable.payload,
+                run,
+                &self.ctx,
+            ),
+            name: None,
+            labels: Default::default(),
+            reply_to: unreadable.reply_to.clone(),
+            intake_seq: None,
+        }
+    }
+
+    /// Makes a rejection of a client's own submission the run's decision: a `rejected` entry
+    /// on its run log (message id `rejected.<run>`, so every coordinator that reaches the
+    /// verdict appends it once), then the record, the `run_rejected` event and the answer on
+    /// `reply_to` (each once: whoever creates the record publishes them).
+    pub(super) async fn reject(
+        &self,
+        run: RunId,
+        rejected: &Rejected,
+        now_ms: i64,
+    ) -> Result<(), StepError> {
+        warn!(%run, problems = rejected.errors.len(), first = %rejected.errors.first().map(ToString::to_string).unwrap_or_default(), "Plan rejected");
+        let entry = RunLogEntry {
+            protocol: PROTOCOL_VERSION,
+            run_id: run,
+            input: RunInput::Rejected(Box::new(rejected.clone())),
+        };
+        self.bus
+            .publish(
+                self.bus.names().runlog(run),
+                &entry,
+                Some(&format!("rejected.{run}")),
+            )
+            .await?;
+        crate::intake::record_rejection(&self.store, &self.metrics, run, rejected, now_ms, false)
+            .await?;
+        Ok(())
+    }
+
+    /// Refuses a submission published on `<prefix>.submit.<token>` where the token is not a
+    /// canonical run id: it becomes the first message of the run `run` derived from the token
+    /// (a `rejected` entry), with a record, an event and the answer on its `reply_to`.
+    pub(super) async fn refuse_misaddressed(
+        &self,
+        run: RunId,
+        rejected: &Rejected,
+        now_ms: i64,
+    ) -> Result<(), StepError> {
+        warn!(%run, problem = %rejected.errors.first().map(ToString::to_string).unwrap_or_default(), "Submission on a subject that names no run refused");
+        let entry = RunLogEntry {
+            protocol: PROTOCOL_VERSION,
+            run_id: run,
+            input: RunInput::Rejected(Box::new(rejected.clone())),
+        };
+        let mut out = wire::encode(&entry, Codec::Json, Some(&format!("rejected.{run}")))?;
+        wire::expect_first(&mut out.headers);
+        out.headers
+            .insert(wire::KIND_HEADER, wire::KIND_RUNLOG_ENTRY);
+        match self
+            .bus
+            .publish_encoded(self.bus.names().submit_run(run), out)
+            .await
+        {
+            Ok(_) => {}
+            // Another submission on the same token decided it already.
+            Err(e) if e.kind() == flotilla_bus::PublishErrorKind::NotFirst => {}
+            Err(e) => return Err(e.into()),
+        }
+        crate::intake::record_rejection(&self.store, &self.metrics, run, rejected, now_ms, false)
+            .await?;
+        RunSubmitted {
+            run: Some(run),
+            status: SubmitStatus::Rejected,
+        }
+        .emit(&self.metrics);
+        Ok(())
+    }
+
+    /// Validates a durable submission (the run's first message, delivered for the first time
+    /// or redelivered before its start was recorded) and starts its run, or records its
+    /// rejection. `Ok(None)`: rejected (recorded, answered).
+    pub(super) async fn admit(
+        &self,
+        run: RunId,
+        request: Result<&SubmitRequest, &UnreadableSubmission>,
+        d: &Decoded,
+        span: &tracing::Span,
+    ) -> Result<Option<Submitted>, StepError> {
+        let trace = crate::intake::admitted_trace(d.msg.headers.as_ref(), run, span);
+        let mut verdict = self.verdict(run, request, trace).await?;
+        if let Ok(submitted) = &verdict {
+            let lineage = crate::lineage::Lineage {
+                tree: submitted.parent.as_ref().map(RunHandle::root_run),
+                ..Default::default()
+            };
+            if let Err(problem) = self.lineages.enter(&lineage).await? {
+                verdict = Err(Rejected {
+                    errors: vec![problem],
+                    name: submitted.plan.name.clone(),
+                    labels: submitted.labels.clone(),
+                    reply_to: submitted.reply_to.clone(),
+                    intake_seq: None,
+                });
+            }
+        }
+        let mut submitted = match verdict {
+            Ok(s) => s,
+            Err(rejected) => {
+                self.reject(run, &rejected, d.ts_ms).await?;
+                RunSubmitted {
+                    run: Some(run),
+                    status: SubmitStatus::Rejected,
+                }
+                .emit(&self.metrics);
+                return Ok(None);
+            }
+        };
+        let pools: std::collections::BTreeSet<&str> = submitted
+            .plan
+            .subtasks
+            .iter()
+            .map(|t| t.pool.as_str())
+            .collect();
+        if let Some(missing) = self.live.pools_without_workers(pools, d.ts_ms) {
+            submitted.warnings.extend(missing.into_iter().map(|pool| {
+                Problem::new(
+                    ProblemCode::NoLiveWorker,
+                    "subtasks",
+                    format!("no live worker serves pool {pool:?}: its tasks wait until one starts"),
+                )
+            }));
+        }
+        self.lineages.admitted(run, &submitted);
+        info!(%run, "Plan accepted");
+        Ok(Some(submitted))
+    }
+
+    /// Whether the message at `seq` is the first of the run's history (for submissions whose
+    /// publisher did not make sure of it).
+    pub(super) async fn is_first(&self, run: RunId, seq: u64) -> Result<bool, StepError> {
+        Ok(self
+            .store
+            .first_message(run)
+            .await
+            .map_err(StepError::from)?
+            .is_none_or(|f| f.seq == seq))
+    }
+
+    /// Answers a duplicate durable submission on its `reply_to`.
+    pub(super) async fn answer_duplicate(
+        &self,
+        run: RunId,
+        reply_to: Option<&str>,
+        status: RunStatus,
+    ) {
+        RunSubmitted {
+            run: Some(run),
+            status: SubmitStatus::Duplicate,
+        }
+        .emit(&self.metrics);
+        if let Some(to) = reply_to.filter(|s| flotilla_model::token::check_subject(s).is_ok()) {
+            let answer = SubmitReply {
+                protocol: PROTOCOL_VERSION,
+                run_id: Some(run),
+                status: SubmitStatus::Duplicate,
+                errors: Vec::new(),
+                warnings: Vec::new(),
+                outcome: None,
+                run_status: Some(status),
+            };
+            crate::intake::publish_reply(&self.bus, to, &answer, None).await;
+        }
+    }
+
+    /// A run whose first run-log entry cannot be read never starts: record it `failed` with
+    /// the reason, so it is visible instead of silently missing.
+    pub(super) async fn record_unstartable(
+        &self,
+        run: RunId,
+        reason: &str,
+        now_ms: i64,
+    ) -> Result<(), StepError> {
+        let mut state = crate::machine::RunState::rejected(
+            run,
+            Vec::new(),
+            now_ms,
+            None,
+            std::collections::BTreeMap::new(),
+        );
+        state.status = RunStatus::Failed;
+        if let Some(o) = state.outcome.as_mut() {
+            o.status = RunStatus::Failed;
+            o.reason = Some(reason.to_owned());
+            o.cause = Some(flotilla_model::run::EndCause::Aborted);
+        }
+        let snapshot = SnapshotRef {
+            state: &state,
+            outbox: &[],
+            outbox_seqs: &[],
+        };
+        match self.store.create(run, &snapshot).await {
+            Ok(_) => RunFinished {
+                run,
+                status: RunStatus::Failed,
+            }
+            .emit(&self.metrics),
+            Err(e) if e.kind() == StoreErrorKind::AlreadyExists => return Ok(()),
+            Err(e) => return Err(e.into()),
+        }
+        let e = Emission {
+            id: format!("{run}.end"),
+            task: None,
+            attempt: None,
+            at_ms: now_ms,
+            event: WorkflowEvent {
+                outcome: state.outcome.clone().map(Box::new),
+                detail: Some(reason.to_owned()),
+                ..WorkflowEvent::phase(WorkflowPhase::RunFailed)
+            },
+        };
+        let ev = EventEnvelope {
+            protocol: PROTOCOL_VERSION,
+            id: e.id.clone(),
+            run_id: run,
+            task_id: None,
+            attempt: None,
+            ts: Timestamp::from_unix_ms(now_ms),
+            source: "coordinator".into(),
+            event: Event::Workflow(e.event),
+        };
+        let batch = flotilla_model::event::EventBatch::new(run, vec![ev]);
+        self.bus
+            .publish(self.bus.names().event(run), &batch, Some(&batch.msg_id()))
+            .await?;
+        Ok(())
+    }
+}
+
+/// A submission as the run log records an accepted one.
+fn submitted_of(
+    request: &SubmitRequest,
+    plan: flotilla_model::Plan,
+    warnings: Vec<Problem>,
+    trace: TraceContext,
+) -> Submitted {
+    Submitted {
+        plan,
+        labels: request.labels.clone(),
+        session_id: request.session_id,
+        parent: request.parent.clone(),
+        reply_to: request
+            .reply_to
+            .clone()
+            .filter(|s| flotilla_model::token::check_subject(s).is_ok()),
+        wait_reply_to: None,
+        intake_seq: None,
+        warnings,
+        trace: Some(trace),
+        planning: None,
+        depth: 0,
+        budget_scopes: Vec::new(),
+    }
+}

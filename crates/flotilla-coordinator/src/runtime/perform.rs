@@ -1,0 +1,307 @@
+//! Performing a step's actions: task messages, workspace and state writes, durable timers
+//! (scheduled run-log messages), planner reviews and cancellations, then the step's events
+//! as one message, and last the end's answers to waiting submitters. Every publish carries a
+//! deterministic message id, so performing the same actions again publishes nothing twice.
+
+use async_nats::HeaderMap;
+use flotilla_bus::wire;
+use flotilla_model::PROTOCOL_VERSION;
+use flotilla_model::codec::Codec;
+use flotilla_model::event::{Event, EventBatch, EventEnvelope, WorkflowEvent, WorkflowPhase};
+use flotilla_model::ids::RunId;
+use flotilla_model::run::RunStatus;
+use flotilla_model::runlog::{RunInput, RunLogEntry};
+use flotilla_model::subjects::WORKFLOW_POOL;
+use flotilla_model::submit::{SubmitReply, SubmitStatus};
+use flotilla_model::time::Timestamp;
+use flotilla_telemetry::{spans, trace_context};
+
+use crate::machine::{Action, Emission};
+
+use super::{Cached, Runtime, StepError};
+
+/// Whether performing a run's end answers its waiting submitters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Replies {
+    /// Yes: the step that decided the end (or its inputs, redelivered).
+    Send,
+    /// No: an end performed again for its events only.
+    Skip,
+}
+
+impl Runtime {
+    /// Performs actions: every publish is sent first, then all acknowledgements are awaited.
+    /// The step's events (workflow events and the run's end) go out as one message, after its
+    /// tasks and timers; the outcome's answer to a waiting submitter goes out first of all.
+    pub(super) async fn perform(
+        &self,
+        entry: &mut Cached,
+        actions: &[Action],
+        step: &tracing::Span,
+        replies: Replies,
+    ) -> Result<(), StepError> {
+        let js = self.bus.js();
+        let names = self.bus.names().clone();
+        let run = entry.machine.state().run_id;
+        let max = self.bus.max_payload();
+        let mut pending: Vec<(
+            String,
+            usize,
+            async_nats::jetstream::context::PublishAckFuture,
+        )> = Vec::new();
+        let mut events: Vec<EventEnvelope> = Vec::new();
+        // The end's answers to waiting submitters: sent last, once everything else of the
+        // step is stored, so a step that fails part-way and is performed again does not
+        // answer twice.
+        let mut answers: Vec<(String, SubmitReply)> = Vec::new();
+        // Workspace entries and state values this step writes; a dispatch that reads the
+        // workspace or state waits for them to be stored first.
+        let mut unflushed_writes = false;
+        for action in actions {
+            let (subject, out) = match action {
+                Action::Dispatch { task, attempt } => {
+                    let sub = &entry.machine.plan().subtasks[*task as usize];
+                    if unflushed_writes
+                        && (!sub.consumes.is_empty() || sub.description.contains('{'))
+                    {
+                        for (subject, size, ack) in pending.drain(..) {
+                            ack.await.map_err(|e| {
+                                flotilla_bus::classify_publish_error(&subject, size, max, e)
+                            })?;
+                        }
+                        unflushed_writes = false;
+                    }
+                    let span = spans::dispatch(
+                        step,
+                        run,
+                        &sub.id,
+                        *attempt,
+                        &sub.pool,
+                        sub.agent.as_deref().unwrap_or(&self.default_agent),
+                    );
+                    let env = match Box::pin(self.envelope(entry, *task, *attempt)).await? {
+                        // The attempt's trace parent is this dispatch (when spans are exported).
+                        Ok(mut env) => {
+                            if let Some(t) = trace_context::span_context(&span) {
+                                env.trace = Some(t);
+                            }
+                            // Workflow agents run on the coordinators' own pool: a workflow
+                            // waiting on its children holds no worker slot.
+                            if self
+                                .ctx
+                                .agents
+                                .as_ref()
+                                .is_some_and(|a| a.is_workflow(env.agent.as_deref()))
+                            {
+                                env.pool = WORKFLOW_POOL.to_owned();
+                            }
+                            env
+                        }
+                        Err(failure) => {
+                            // The task cannot start (a state key its description needs is
+                            // not set): its attempt fails through the run log like any other.
+                            let (subject, out) =
+                                self.coordinator_failure(entry, *task, *attempt, failure)?;
+                            let size = out.payload.len();
+                            let ack = js
+                                .publish_with_headers(subject.clone(), out.headers, out.payload)
+                                .await
+                                .map_err(|e| {
+                                    flotilla_bus::classify_publish_error(&subject, size, max, e)
+                                })?;
+                            pending.push((subject, size, ack));
+                            continue;
+                        }
+                    };
+                    let mut out = wire::encode(&env, Codec::Json, Some(&env.msg_id()))?;
+                    if let Some(t) = &env.trace {
+                        out.headers
+                            .insert(wire::TRACEPARENT, t.traceparent.as_str());
+                    }
+                    (names.task(&env.pool, run, &env.task_id), out)
+                }
+                Action::Produce { task } => {
+                    for (subject, out) in self.produced_entries(entry, *task).await? {
+                        let size = out.payload.len();
+                        let ack = js
+                            .publish_with_headers(subject.clone(), out.headers, out.payload)
+                            .await
+                            .map_err(|e| {
+                                flotilla_bus::classify_publish_error(&subject, size, max, e)
+                            })?;
+                        pending.push((subject, size, ack));
+                    }
+                    unflushed_writes = true;
+                    continue;
+                }
+                Action::StoreOutput { task } => {
+                    unflushed_writes = true;
+                    self.output_value(entry, *task).await?
+                }
+                Action::Emit(e) => {
+                    events.push(self.event_of(entry, e));
+                    continue;
+                }
+                Action::ArmTimer { generation, due_ms } => {
+                    let body = RunLogEntry {
+                        protocol: PROTOCOL_VERSION,
+                        run_id: run,
+                        input: RunInput::TimerFired {
+                            generation: *generation,
+                        },
+                    };
+                    let mut out = wire::encode(
+                        &body,
+                        Codec::Json,
+                        Some(&format!("timer.{run}.{generation}")),
+                    )?;
+                    schedule_headers(&mut out.headers, *due_ms, &names.runlog(run));
+                    (names.timer(run, *generation), out)
+                }
+                Action::CancelAttempts => {
+                    Box::pin(self.cancel_attempts(entry)).await?;
+                    continue;
+                }
+                Action::ReviewPlan { round } => {
+                    let body = self.review_plan(entry, *round).await?;
+                    let out =
+                        wire::encode(&body, Codec::Json, Some(&format!("planned.{run}.{round}")))?;
+                    (names.runlog(run), out)
+                }
+                Action::Finish => {
+                    let state = entry.machine.state();
+                    let outcome = state.outcome.clone();
+                    let phase = match state.status {
+                        RunStatus::Succeeded => WorkflowPhase::RunSucceeded,
+                        RunStatus::Cancelled => WorkflowPhase::RunCancelled,
+                        _ => WorkflowPhase::RunFailed,
+                    };
+                    if let Some(o) = outcome.as_ref().filter(|_| replies == Replies::Send) {
+                        let reply = SubmitReply {
+                            protocol: PROTOCOL_VERSION,
+                            run_id: Some(run),
+                            status: SubmitStatus::Finished,
+                            errors: Vec::new(),
+                            warnings: Vec::new(),
+                            outcome: Some(o.clone()),
+                            run_status: None,
+                        };
+                        for to in [&state.reply_to, &state.wait_reply_to]
+                            .into_iter()
+                            .flatten()
+                        {
+                            answers.push((to.clone(), reply.clone()));
+                        }
+                    }
+                    let e = Emission {
+                        id: format!("{run}.end"),
+                        task: None,
+                        attempt: None,
+                        at_ms: state.finished_ms.unwrap_or_default(),
+                        event: WorkflowEvent {
+                            outcome: outcome.map(Box::new),
+                            // A bare query whose planning failed: the last answer's problems.
+                            problems: if state.planning.is_some() {
+                                state.errors.clone()
+                            } else {
+                                Vec::new()
+                            },
+                            ..WorkflowEvent::phase(phase)
+                        },
+                    };
+                    events.push(self.event_of(entry, &e));
+                    continue;
+                }
+            };
+            let size = out.payload.len();
+            let ack = js
+                .publish_with_headers(subject.clone(), out.headers, out.payload)
+                .await
+                .map_err(|e| flotilla_bus::classify_publish_error(&subject, size, max, e))?;
+            pending.push((subject, size, ack));
+        }
+        // One message per step; split only when it would not fit in one.
+        let subject = names.event(run);
+        for out in encode_event_batches(run, events, max / 2)? {
+            let size = out.payload.len();
+            let ack = js
+                .publish_with_headers(subject.clone(), out.headers, out.payload)
+                .await
+                .map_err(|e| flotilla_bus::classify_publish_error(&subject, size, max, e))?;
+            pending.push((subject.clone(), size, ack));
+        }
+        for (subject, size, ack) in pending {
+            ack.await
+                .map_err(|e| flotilla_bus::classify_publish_error(&subject, size, max, e))?;
+        }
+        let answer_id = format!("finished.{run}");
+        for (to, reply) in &answers {
+            crate::intake::publish_reply(&self.bus, to, reply, Some(&answer_id)).await;
+        }
+        Ok(())
+    }
+
+    fn event_of(&self, entry: &Cached, e: &Emission) -> EventEnvelope {
+        let plan = entry.machine.plan();
+        EventEnvelope {
+            protocol: PROTOCOL_VERSION,
+            id: e.id.clone(),
+            run_id: entry.machine.state().run_id,
+            task_id: e.task.map(|i| plan.subtasks[i as usize].id.clone()),
+            attempt: e.attempt,
+            ts: Timestamp::from_unix_ms(e.at_ms),
+            source: "coordinator".into(),
+            event: Event::Workflow(e.event.clone()),
+        }
+    }
+}
+
+/// Headers that turn a run-log message into a durable timer (JetStream message scheduler).
+fn schedule_headers(headers: &mut HeaderMap, due_ms: i64, target: &str) {
+    let at = Timestamp::from_unix_ms(due_ms).to_rfc3339();
+    headers.insert("Nats-Schedule", format!("@at {at}").as_str());
+    headers.insert("Nats-Schedule-Target", target);
+}
+
+/// Encodes a step's events as few messages as fit `budget` bytes each (one, normally): the
+/// whole step is encoded once, and only a step too large for one message is split by the
+/// sizes of its events (measuring every event of every step would cost more than sending it).
+fn encode_event_batches(
+    run: RunId,
+    events: Vec<EventEnvelope>,
+    budget: usize,
+) -> Result<Vec<wire::Outgoing>, flotilla_bus::PublishError> {
+    if events.is_empty() {
+        return Ok(Vec::new());
+    }
+    let whole = EventBatch::new(run, events);
+    let out = wire::encode(&whole, Codec::Json, Some(&whole.msg_id()))?;
+    if out.payload.len() <= budget || whole.events.len() == 1 {
+        return Ok(vec![out]);
+    }
+    split_batches(run, whole.events, budget)
+        .iter()
+        .map(|batch| wire::encode(batch, Codec::Json, Some(&batch.msg_id())))
+        .collect()
+}
+
+/// Groups a step's events into as few messages as fit `budget` bytes each.
+fn split_batches(run: RunId, events: Vec<EventEnvelope>, budget: usize) -> Vec<EventBatch> {
+    if events.is_empty() {
+        return Vec::new();
+    }
+    let mut batches = Vec::new();
+    let mut current = Vec::new();
+    let mut size = 0;
+    for e in events {
+        let e_size = serde_json::to_vec(&e).map(|v| v.len()).unwrap_or(0);
+        if !current.is_empty() && size + e_size > budget {
+            batches.push(EventBatch::new(run, std::mem::take(&mut current)));
+            size = 0;
+        }
+        size += e_size;
+        current.push(e);
+    }
+    batches.push(EventBatch::new(run, current));
+    batches
+}

@@ -1,0 +1,306 @@
+//! The worker: setting up its consumer, registry entry and cancel watch, the pull loop that
+//! asks for as many tasks as it has free slots (plus prefetch while attempts are short), and
+//! the graceful stop that drains, then hands back, what is still running.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::AtomicUsize;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_nats::jetstream::AckKind;
+use async_nats::jetstream::consumer::PullConsumer;
+use flotilla_bus::{Bus, SharedConsumer};
+use flotilla_model::subjects::{Bucket, StreamKind};
+use flotilla_model::time::Timestamp;
+use flotilla_model::worker::WorkerInfo;
+use flotilla_telemetry::Metrics;
+use futures::StreamExt;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::agents::AgentRegistry;
+use crate::attempt::handle;
+use crate::cancel::watch_cancellations;
+use crate::error::{WorkerError, WorkerErrorKind, setup};
+use crate::options::WorkerOptions;
+use crate::pace::Pace;
+use crate::registry::register;
+use crate::shared::Shared;
+
+/// How long one pull request waits for tasks.
+const PULL_EXPIRY: Duration = Duration::from_secs(1);
+
+/// How long a pull request waits while tasks flow (the last one brought some).
+const BUSY_PULL_EXPIRY: Duration = Duration::from_millis(20);
+
+/// How long a busy worker gathers freed slots before asking for more tasks.
+const GATHER: Duration = Duration::from_millis(1);
+
+/// A worker process (or one of several in `flotilla up`).
+#[derive(Debug)]
+pub struct Worker {
+    bus: Bus,
+    opts: WorkerOptions,
+    agents: Arc<AgentRegistry>,
+    id: String,
+    ready: Option<tokio::sync::oneshot::Sender<()>>,
+    metrics: Metrics,
+}
+
+fn default_id() -> String {
+    let host = gethostname::gethostname().to_string_lossy().into_owned();
+    let host: String = host
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .take(40)
+        .collect();
+    let suffix = uuid::Uuid::new_v4().simple().to_string();
+    format!("{host}-{}", &suffix[..8])
+}
+
+impl Worker {
+    /// A worker on `bus` running `agents`.
+    pub fn new(bus: Bus, opts: WorkerOptions, agents: AgentRegistry) -> Self {
+        let id = opts.id.clone().unwrap_or_else(default_id);
+        Self {
+            bus,
+            opts,
+            agents: Arc::new(agents),
+            id,
+            ready: None,
+            metrics: Metrics::new(),
+        }
+    }
+
+    /// Records this worker's metrics (attempt durations by outcome, in-flight attempts and
+    /// free slots of its pool) in `metrics` — the process's registry, served on `/metrics` —
+    /// instead of a private one.
+    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
+    /// Signals `ready` once the pool consumer is bound and the worker is about to pull (for
+    /// readiness probes).
+    pub fn on_ready(mut self, ready: tokio::sync::oneshot::Sender<()>) -> Self {
+        self.ready = Some(ready);
+        self
+    }
+
+    /// This worker's id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    async fn consumer(&self) -> Result<PullConsumer, WorkerError> {
+        self.bus
+            .shared_consumer(pool_consumer(self.bus.names(), &self.opts.pool, &self.opts))
+            .await
+            .map_err(|e| setup("setting up the pool consumer", e))
+    }
+
+    /// Runs until `shutdown` is cancelled, then drains (see the module docs).
+    pub async fn run(mut self, shutdown: CancellationToken) -> Result<(), WorkerError> {
+        self.opts
+            .validate()
+            .map_err(|e| WorkerError::new(WorkerErrorKind::Config, e))?;
+        let consumer = self.consumer().await?;
+        let registry = self
+            .bus
+            .kv(Bucket::Workers)
+            .await
+            .map_err(|e| setup("opening the workers bucket", e))?;
+        let shared = Arc::new(Shared {
+            bus: self.bus.clone(),
+            opts: self.opts.clone(),
+            agents: Arc::clone(&self.agents),
+            id: self.id.clone(),
+            in_flight: Arc::new(AtomicUsize::new(0)),
+            run_slots: Arc::new(Semaphore::new(self.opts.concurrency)),
+            hard_stop: CancellationToken::new(),
+            runs: Mutex::new(HashMap::new()),
+            cancelled: Mutex::new(HashSet::new()),
+            slots: self
+                .metrics
+                .worker_slots(&self.opts.pool, self.opts.concurrency),
+            metrics: self.metrics.clone(),
+            pace: Pace::new(),
+        });
+        let control = self
+            .bus
+            .kv(Bucket::Control)
+            .await
+            .map_err(|e| setup("opening the control bucket", e))?;
+        let watcher_stop = CancellationToken::new();
+        let watcher = tokio::spawn(watch_cancellations(
+            control,
+            Arc::clone(&shared),
+            watcher_stop.clone(),
+        ));
+        let info = WorkerInfo {
+            id: self.id.clone(),
+            pool: self.opts.pool.clone(),
+            host: gethostname::gethostname().to_string_lossy().into_owned(),
+            pid: std::process::id(),
+            concurrency: self.opts.concurrency,
+            in_flight: 0,
+            agents: self.agents.names(),
+            started_at: Timestamp::now(),
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+        };
+        let register_stop = CancellationToken::new();
+        let registration = tokio::spawn(register(
+            registry.clone(),
+            info,
+            Arc::clone(&shared),
+            register_stop.clone(),
+        ));
+        if let Some(ready) = self.ready.take() {
+            let _ = ready.send(());
+        }
+        info!(worker = %self.id, pool = %self.opts.pool, concurrency = self.opts.concurrency, "Worker started");
+
+        // Messages held at once: the running ones plus `prefetch` waiting for a slot, so a
+        // slot that frees finds its next task already here instead of idling on a pull.
+        let slots = Arc::new(Semaphore::new(self.opts.concurrency + self.opts.prefetch));
+        let mut running = tokio::task::JoinSet::new();
+        // Whether the last pull request brought tasks.
+        let mut busy = false;
+        'pull: while !shutdown.is_cancelled() {
+            // While attempts are long (or not known yet), the prefetch places are held back
+            // for this pull request: it asks only for free slots.
+            let keep_back = match self.opts.prefetch {
+                0 => None,
+                _ if shared.pace.short() => None,
+                n => Some(tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    p = Arc::clone(&slots).acquire_many_owned(n as u32) => match p { Ok(p) => p, Err(_) => break },
+                }),
+            };
+            let first = tokio::select! {
+                _ = shutdown.cancelled() => break,
+                p = Arc::clone(&slots).acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+            };
+            let mut permits = vec![first];
+            while let Ok(p) = Arc::clone(&slots).try_acquire_owned() {
+                permits.push(p);
+            }
+            // A busy worker with many slots gathers freed slots for a moment, so it asks for
+            // tasks in batches rather than one pull request per finished task.
+            let gather = (self.opts.concurrency / 4).max(1);
+            if busy && permits.len() < gather {
+                let until = tokio::time::Instant::now() + GATHER;
+                while permits.len() < gather {
+                    match tokio::time::timeout_at(until, Arc::clone(&slots).acquire_owned()).await {
+                        Ok(Ok(p)) => permits.push(p),
+                        _ => break,
+                    }
+                }
+            }
+            let batch = consumer
+                .batch()
+                .max_messages(permits.len())
+                // A pull request dies with a server restart; a short expiry bounds how long a
+                // worker waits on a lost one (one tiny request per second when idle). While
+                // tasks flow, requests are short, so slots freed meanwhile are asked for soon.
+                .expires(if busy { BUSY_PULL_EXPIRY } else { PULL_EXPIRY })
+                .messages()
+                .await;
+            let mut batch = match batch {
+                Ok(b) => b,
+                Err(e) => {
+                    debug!(error = %e, "Pull request failed; retrying");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        _ = tokio::time::sleep(Duration::from_millis(250)) => continue,
+                    }
+                }
+            };
+            // The server ends a pull request at its expiry; one it forgot (restarted) never
+            // ends, and the client library would wait 5 s more. Stop waiting shortly after.
+            let request_over =
+                tokio::time::Instant::now() + PULL_EXPIRY + Duration::from_millis(500);
+            let mut received = 0usize;
+            loop {
+                let next = tokio::select! {
+                    next = tokio::time::timeout_at(request_over, batch.next()) => next.unwrap_or(None),
+                    _ = shutdown.cancelled() => {
+                        // Hand back anything still arriving for this pull request.
+                        while let Ok(Some(Ok(m))) = tokio::time::timeout(Duration::from_millis(50), batch.next()).await {
+                            let _ = m.ack_with(AckKind::Nak(None)).await;
+                        }
+                        break 'pull;
+                    }
+                };
+                match next {
+                    Some(Ok(msg)) => {
+                        received += 1;
+                        let Some(permit) = permits.pop() else {
+                            let _ = msg.ack_with(AckKind::Nak(None)).await;
+                            continue;
+                        };
+                        let shared = Arc::clone(&shared);
+                        let stopping = shutdown.clone();
+                        running.spawn(async move {
+                            handle(&shared, msg, permit, &stopping).await;
+                        });
+                    }
+                    Some(Err(e)) => {
+                        debug!(error = %e, "Pull interrupted");
+                        break;
+                    }
+                    None => break,
+                }
+            }
+            drop(permits);
+            drop(keep_back);
+            busy = received > 0;
+            // Reap finished tasks so the set does not grow.
+            while running.try_join_next().is_some() {}
+        }
+        info!(worker = %self.id, in_flight = running.len(), "Worker stopping: no new tasks; draining");
+        let grace = tokio::time::sleep(self.opts.shutdown_grace);
+        tokio::pin!(grace);
+        loop {
+            tokio::select! {
+                next = running.join_next() => if next.is_none() { break },
+                _ = &mut grace, if !shared.hard_stop.is_cancelled() => {
+                    warn!(worker = %self.id, in_flight = running.len(), "Grace period over: handing back unfinished tasks");
+                    shared.hard_stop.cancel();
+                }
+            }
+        }
+        register_stop.cancel();
+        watcher_stop.cancel();
+        let _ = registration.await;
+        let _ = watcher.await;
+        let _ = registry.delete(&self.id).await;
+        info!(worker = %self.id, "Worker stopped");
+        Ok(())
+    }
+}
+
+/// The shared durable consumer of `pool` (`pool-<name>` on the tasks stream) as the pool's
+/// workers create it. `flotilla nats provision --pools` creates it the same way ahead of the
+/// workers, for autoscalers that read its backlog before any worker runs (KEDA).
+pub fn pool_consumer(
+    names: &flotilla_model::Names,
+    pool: &str,
+    opts: &WorkerOptions,
+) -> SharedConsumer {
+    SharedConsumer {
+        stream: StreamKind::Tasks,
+        durable: names.pool_consumer(pool),
+        description: format!("Flotilla workers of pool {pool}"),
+        filters: vec![names.pool_filter(pool)],
+        ack_wait: opts.ack_wait(),
+        max_ack_pending: 100_000,
+    }
+}
