@@ -183,7 +183,7 @@ impl Intake {
                 // finds in the rest.
                 let errors = match e {
                     CodecError::UnsupportedProtocol { .. } => vec![e.to_problem()],
-                    _ => flotilla_model::submit::decode_problems(
+                    _ => flotilla_model::lenient::submission_problems(
                         wire::codec_of(headers),
                         payload,
                         run,

@@ -129,21 +129,6 @@ impl SubmitRequest {
     }
 }
 
-/// Every problem of a submission body that does not decode as a [`SubmitRequest`], for run
-/// `run` and validated against `ctx`: fields of the wrong type, unknown or missing — all of
-/// them, not the first — and then what validation finds in the rest (see
-/// [`crate::lenient`]). At most [`crate::validate::MAX_REPORTED_PROBLEMS`], never empty. The
-/// intake, the API and the run-log runtime (a client's own first message on
-/// `<prefix>.submit.<run>`) answer an undecodable submission with it.
-pub fn decode_problems(
-    codec: crate::codec::Codec,
-    bytes: &[u8],
-    run: RunId,
-    ctx: &crate::validate::ValidationContext,
-) -> Vec<Problem> {
-    crate::lenient::submission_problems(codec, bytes, run, ctx)
-}
-
 /// The coordinator's answer to a submission.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct SubmitReply {

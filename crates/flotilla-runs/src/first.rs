@@ -45,7 +45,7 @@ pub struct UnreadableSubmission {
     /// Its codec.
     pub codec: flotilla_model::codec::Codec,
     /// Its bytes, for the full list of its problems
-    /// ([`flotilla_model::submit::decode_problems`], which needs the deployment's validation
+    /// ([`flotilla_model::lenient::submission_problems`], which needs the deployment's validation
     /// context).
     pub payload: Bytes,
     /// Where its submitter waits for the answer (a publishable subject), if it says.

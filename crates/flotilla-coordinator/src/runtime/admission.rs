@@ -145,7 +145,7 @@ impl Runtime {
     /// (fields of the wrong type, unknown or missing, then what validation finds in the rest).
     pub(super) fn rejection_of(&self, run: RunId, unreadable: &UnreadableSubmission) -> Rejected {
         Rejected {
-            errors: flotilla_model::submit::decode_problems(
+            errors: flotilla_model::lenient::submission_problems(
                 unreadable.codec,
                 &unreadable.payload,
                 run,
