@@ -1,0 +1,425 @@
+//! What the machine leaves behind: a run's state ([`RunState`], one [`TaskState`] per task),
+//! stored as the run's record, and the [`Action`]s of a change, stored as its outbox. Data and
+//! the queries a reader needs (counts, task views) — the decisions are in [`crate::RunMachine`].
+
+use std::collections::BTreeMap;
+
+use flotilla_model::event::WorkflowEvent;
+use flotilla_model::ids::{RunId, SessionId, TaskId};
+use flotilla_model::plan::{Plan, StrategyChoice};
+use flotilla_model::run::PlanningStatus;
+use flotilla_model::run::{
+    EndCause, RunHandle, RunOutcome, RunStatus, TaskCounts, TaskStatus, TaskView,
+};
+use flotilla_model::task::{BudgetScope, TaskError, TraceContext};
+use flotilla_model::time::Timestamp;
+use flotilla_model::validate::Problem;
+use serde::{Deserialize, Serialize};
+
+/// The durable timer currently armed for a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ArmedTimer {
+    /// Generation; firings of other generations are ignored.
+    pub generation: u64,
+    /// When it fires (Unix ms, server time).
+    pub due_ms: i64,
+}
+
+/// One task's scheduling state. Field names are short: this is written on every change.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TaskState {
+    /// Status.
+    #[serde(rename = "s")]
+    pub status: TaskStatus,
+    /// Attempts dispatched so far.
+    #[serde(rename = "a", default)]
+    pub attempt: u32,
+    /// When the latest attempt was dispatched (Unix ms).
+    #[serde(rename = "d", default)]
+    pub dispatched_ms: i64,
+    /// When a retry is due (Unix ms), while retrying.
+    #[serde(rename = "r", default)]
+    pub retry_ms: i64,
+    /// Run-log sequence of the successful result.
+    #[serde(rename = "q", default)]
+    pub result_seq: u64,
+    /// The last error.
+    #[serde(rename = "e", default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<TaskError>,
+    /// Why it was skipped, as text (records written before `cause` existed).
+    #[serde(rename = "k", default, skip_serializing_if = "Option::is_none")]
+    pub skip_reason: Option<String>,
+    /// The failed task that made this one skipped (an index: compact however long task ids
+    /// are, so the record stays bounded).
+    #[serde(rename = "c", default, skip_serializing_if = "Option::is_none")]
+    pub cause: Option<u32>,
+    /// When skipped because a consumed topic can no longer get an entry: that topic's
+    /// position in the task's `consumes` (its producers all ended without producing;
+    /// `cause` is the failure behind it).
+    #[serde(rename = "vt", default, skip_serializing_if = "Option::is_none")]
+    pub via_topic: Option<u32>,
+    /// When the task's dependencies were all met while a consumed topic had no entry yet
+    /// (Unix ms): its wait for the topic is bounded from here by `dependency_timeout`.
+    #[serde(rename = "g", default, skip_serializing_if = "is_zero_ms")]
+    pub gated_ms: i64,
+}
+
+fn is_zero_ms(ms: &i64) -> bool {
+    *ms == 0
+}
+
+impl TaskState {
+    pub(crate) fn new() -> Self {
+        Self {
+            status: TaskStatus::Waiting,
+            attempt: 0,
+            dispatched_ms: 0,
+            retry_ms: 0,
+            result_seq: 0,
+            error: None,
+            skip_reason: None,
+            cause: None,
+            via_topic: None,
+            gated_ms: 0,
+        }
+    }
+}
+
+/// Longest task error message kept in the run state and events; the run log keeps the
+/// whole result.
+pub const MAX_ERROR_MESSAGE: usize = 1024;
+/// Failed tasks whose error messages the run state keeps; later ones keep only the kind, so
+/// the state of a huge run stays within one message.
+pub const MAX_ERROR_MESSAGES_KEPT: u32 = 1000;
+/// Most tasks listed in an outcome's `failed` and `skipped` lists, and most `task_skipped`
+/// events one failure emits; the rest are counted.
+pub const MAX_LISTED: usize = 100;
+
+/// Cuts a message to at most `max` bytes on a character boundary, marking the cut.
+pub fn truncate_message(message: &mut String, max: usize) {
+    if message.len() <= max {
+        return;
+    }
+    let mut end = max;
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    message.truncate(end);
+    message.push_str(" …[truncated]");
+}
+
+/// Everything the coordinator knows about a run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunState {
+    /// The run.
+    pub run_id: RunId,
+    /// Status.
+    pub status: RunStatus,
+    /// Accepted (or rejected) at, Unix ms server time.
+    pub created_ms: i64,
+    /// Finished at.
+    #[serde(default)]
+    pub finished_ms: Option<i64>,
+    /// Plan name.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Labels.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// Session.
+    #[serde(default)]
+    pub session_id: Option<SessionId>,
+    /// Parent link.
+    #[serde(default)]
+    pub parent: Option<RunHandle>,
+    /// Where to publish the outcome.
+    #[serde(default)]
+    pub reply_to: Option<String>,
+    /// Where a waiting request/reply submitter gets the outcome.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait_reply_to: Option<String>,
+    /// Trace context.
+    #[serde(default)]
+    pub trace: Option<TraceContext>,
+    /// Validation warnings.
+    #[serde(default)]
+    pub warnings: Vec<Problem>,
+    /// Validation errors (rejected runs).
+    #[serde(default)]
+    pub errors: Vec<Problem>,
+    /// Per task, in plan order.
+    #[serde(default)]
+    pub tasks: Vec<TaskState>,
+    /// The armed timer.
+    #[serde(default)]
+    pub timer: Option<ArmedTimer>,
+    /// Next timer generation.
+    #[serde(default)]
+    pub next_generation: u64,
+    /// Inputs that changed the state (the basis of deterministic event ids).
+    #[serde(default)]
+    pub applied: u64,
+    /// Tasks that failed for good (the failure policy's count).
+    #[serde(default)]
+    pub failed: u32,
+    /// Why the run stopped early (cancelled, aborted): the reason of its cancelled tasks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_reason: Option<String>,
+    /// Stream sequence of the run's first message (its submission): a later submission of the
+    /// same run is a duplicate, a redelivery of this one is not.
+    #[serde(default)]
+    pub first_seq: u64,
+    /// Topics (indices into the plan's topics) that have an entry: their consumers may start.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub topics_ready: Vec<u32>,
+    /// The outcome, once terminal.
+    #[serde(default)]
+    pub outcome: Option<RunOutcome>,
+    /// Run-log sequence of the `planned` entry holding the plan the run follows now; 0 when
+    /// it is the submission's (every plan run, and a bare query until it is planned). A
+    /// restore reads the plan from there: one read, as for any run.
+    #[serde(default, skip_serializing_if = "is_zero_seq")]
+    pub plan_seq: u64,
+    /// Planning of a bare query.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub planning: Option<PlanningState>,
+    /// The strategy chosen for the plan the run follows, and why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub strategy: Option<StrategyChoice>,
+    /// How deep the run sits in its tree (0: a root); a child run is one deeper than its
+    /// parent, and `coordinator.max-depth` bounds it.
+    #[serde(default, skip_serializing_if = "is_zero_depth")]
+    pub depth: u32,
+    /// The budgets the run's model calls count against, root of the tree first (fixed at
+    /// admission): every task's envelope carries them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub budget_scopes: Vec<BudgetScope>,
+}
+
+fn is_zero_depth(depth: &u32) -> bool {
+    *depth == 0
+}
+
+fn is_zero_seq(seq: &u64) -> bool {
+    *seq == 0
+}
+
+/// Where planning of a bare query stands.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlanningState {
+    /// The current planner round (1 + repairs so far).
+    pub round: u32,
+    /// Repairs allowed.
+    pub max_repairs: u32,
+    /// Status.
+    pub status: PlanningStatus,
+}
+
+impl RunState {
+    /// A run whose submission is stored but not validated yet: nothing about its fate is
+    /// known, so it has no tasks and no outcome.
+    pub fn pending(
+        run_id: RunId,
+        created_ms: i64,
+        name: Option<String>,
+        labels: BTreeMap<String, String>,
+        session_id: Option<SessionId>,
+        parent: Option<RunHandle>,
+    ) -> Self {
+        let mut state = Self::rejected(run_id, Vec::new(), created_ms, name, labels);
+        state.status = RunStatus::Pending;
+        state.finished_ms = None;
+        state.outcome = None;
+        state.session_id = session_id;
+        state.parent = parent;
+        state
+    }
+
+    /// A rejected run: nothing is dispatched, the errors are kept.
+    pub fn rejected(
+        run_id: RunId,
+        errors: Vec<Problem>,
+        now_ms: i64,
+        name: Option<String>,
+        labels: BTreeMap<String, String>,
+    ) -> Self {
+        let reason = errors
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("; ");
+        Self {
+            run_id,
+            status: RunStatus::Rejected,
+            created_ms: now_ms,
+            finished_ms: Some(now_ms),
+            name,
+            labels,
+            session_id: None,
+            parent: None,
+            reply_to: None,
+            wait_reply_to: None,
+            trace: None,
+            warnings: Vec::new(),
+            errors,
+            tasks: Vec::new(),
+            timer: None,
+            next_generation: 0,
+            applied: 0,
+            failed: 0,
+            stop_reason: None,
+            first_seq: 0,
+            topics_ready: Vec::new(),
+            plan_seq: 0,
+            planning: None,
+            strategy: None,
+            depth: 0,
+            budget_scopes: Vec::new(),
+            outcome: Some(RunOutcome {
+                run_id,
+                status: RunStatus::Rejected,
+                final_result: None,
+                failed: Vec::new(),
+                skipped: Vec::new(),
+                failed_omitted: 0,
+                skipped_omitted: 0,
+                reason: Some(reason),
+                cause: Some(EndCause::Rejected),
+            }),
+        }
+    }
+
+    /// Task counts by status.
+    pub fn counts(&self) -> TaskCounts {
+        let mut c = TaskCounts {
+            total: self.tasks.len() as u32,
+            ..TaskCounts::default()
+        };
+        for t in &self.tasks {
+            match t.status {
+                TaskStatus::Waiting | TaskStatus::Retrying => c.waiting += 1,
+                TaskStatus::Dispatched => c.running += 1,
+                TaskStatus::Succeeded => c.succeeded += 1,
+                TaskStatus::Failed => c.failed += 1,
+                TaskStatus::Skipped => c.skipped += 1,
+                TaskStatus::Cancelled => c.cancelled += 1,
+            }
+        }
+        c
+    }
+
+    /// Why task `i` was skipped or cancelled, in words.
+    pub fn skip_reason(&self, i: usize, plan: Option<&Plan>) -> Option<String> {
+        let t = self.tasks.get(i)?;
+        match t.status {
+            TaskStatus::Skipped => match (t.cause, t.via_topic) {
+                (Some(c), via) => {
+                    let cause = plan
+                        .and_then(|p| p.subtasks.get(c as usize))
+                        .map_or_else(|| format!("#{c}"), |s| s.id.to_string());
+                    Some(match via {
+                        None => format!("dependency_failed: {cause}"),
+                        Some(j) => format!(
+                            "producer_failed: {cause} (consumed topic {} can get no entry from the plan)",
+                            plan.and_then(|p| p.subtasks.get(i))
+                                .and_then(|s| s.consumes.get(j as usize))
+                                .map_or_else(|| format!("#{j}"), |t| format!("{t:?}"))
+                        ),
+                    })
+                }
+                (None, _) => t.skip_reason.clone(),
+            },
+            TaskStatus::Cancelled => self
+                .stop_reason
+                .clone()
+                .or_else(|| t.skip_reason.clone())
+                .or_else(|| Some("cancelled".into())),
+            _ => None,
+        }
+    }
+
+    /// Client view of the tasks from `offset`, at most `limit` of them, given the plan.
+    pub fn task_views(&self, plan: Option<&Plan>, offset: usize, limit: usize) -> Vec<TaskView> {
+        self.tasks
+            .iter()
+            .enumerate()
+            .skip(offset)
+            .take(limit)
+            .map(|(i, t)| TaskView {
+                task_id: plan
+                    .and_then(|p| p.subtasks.get(i))
+                    .map(|s| s.id.clone())
+                    .unwrap_or_else(|| TaskId::new(format!("#{i}"))),
+                status: t.status,
+                attempts: t.attempt,
+                error: t.error.clone(),
+                skip_reason: self.skip_reason(i, plan),
+                dispatched_at: (t.attempt > 0).then(|| Timestamp::from_unix_ms(t.dispatched_ms)),
+                pool: plan.and_then(|p| p.subtasks.get(i)).map(|s| s.pool.clone()),
+            })
+            .collect()
+    }
+}
+
+/// A workflow event to publish.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Emission {
+    /// Deterministic event id (also its `Nats-Msg-Id`).
+    pub id: String,
+    /// The task, for task events.
+    pub task: Option<u32>,
+    /// The attempt, for task events.
+    pub attempt: Option<u32>,
+    /// When (Unix ms, server time of the deciding input).
+    pub at_ms: i64,
+    /// The event.
+    pub event: WorkflowEvent,
+}
+
+/// What the runtime must do after an input. Every action is idempotent to perform.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "t")]
+pub enum Action {
+    /// Publish attempt `attempt` of `task` (message id `task.<run>.<task>.<attempt>`).
+    Dispatch {
+        /// Task index.
+        task: u32,
+        /// Attempt number.
+        attempt: u32,
+    },
+    /// Publish a workflow event.
+    Emit(Box<Emission>),
+    /// Append the succeeded task's result to each topic it produces (automatic produce:
+    /// `{subtask_id, summary, numeric_value}`, message id `produce.<run>.<task>.<topic>`).
+    /// Performed before the step's dispatches, which may consume the entries.
+    Produce {
+        /// Task index.
+        task: u32,
+    },
+    /// Write the succeeded task's response to its `output_key` in session state (message id
+    /// `output.<run>.<task>`). Performed before the step's dispatches, which may read it.
+    StoreOutput {
+        /// Task index.
+        task: u32,
+    },
+    /// Schedule a durable timer firing into the run log at `due_ms`.
+    ArmTimer {
+        /// Generation.
+        generation: u64,
+        /// Due time.
+        due_ms: i64,
+    },
+    /// Attempts of this run are still running although the run stopped (cancelled,
+    /// aborted): tell their workers to cancel them.
+    CancelAttempts,
+    /// The run ended: complete its outcome (final result), emit the terminal event and answer
+    /// a waiting submitter.
+    Finish,
+    /// The planner task of round `round` (task 0 of the planning plan) succeeded: review its
+    /// answer and append the decision to the run log (`planned`, message id
+    /// `planned.<run>.<round>`). The run waits for that entry.
+    ReviewPlan {
+        /// The planner round.
+        round: u32,
+    },
+}
