@@ -1,6 +1,7 @@
 //! Performing a step's actions: task messages, workspace and state writes, durable timers
 //! (scheduled run-log messages), planner reviews and cancellations, then the step's events
-//! as one message, and last the end's answers to waiting submitters. Every publish carries a
+//! as one message, and last the end's answers to waiting submitters (before the
+//! acknowledgements are awaited). Every publish carries a
 //! deterministic message id, so performing the same actions again publishes nothing twice.
 
 use async_nats::HeaderMap;
@@ -50,9 +51,8 @@ impl Runtime {
             async_nats::jetstream::context::PublishAckFuture,
         )> = Vec::new();
         let mut events: Vec<EventEnvelope> = Vec::new();
-        // The end's answers to waiting submitters: sent last, once everything else of the
-        // step is stored, so a step that fails part-way and is performed again does not
-        // answer twice.
+        // The end's answers to waiting submitters: sent last, after every other message of
+        // the step is published.
         let mut answers: Vec<(String, SubmitReply)> = Vec::new();
         // Workspace entries and state values this step writes; a dispatch that reads the
         // workspace or state waits for them to be stored first.
@@ -230,13 +230,18 @@ impl Runtime {
                 .map_err(|e| flotilla_bus::classify_publish_error(&subject, size, max, e))?;
             pending.push((subject.clone(), size, ack));
         }
-        for (subject, size, ack) in pending {
-            ack.await
-                .map_err(|e| flotilla_bus::classify_publish_error(&subject, size, max, e))?;
-        }
+        // The answers follow the step's messages on the same connection, so the server has
+        // them first; waiting for their acknowledgements before answering would add a
+        // round trip to every run's end. Should one fail, the step is handed back and
+        // performed again, and answers again under the same message id — the repeat a
+        // successor of a dead coordinator sends too.
         let answer_id = format!("finished.{run}");
         for (to, reply) in &answers {
             crate::intake::publish_reply(&self.bus, to, reply, Some(&answer_id)).await;
+        }
+        for (subject, size, ack) in pending {
+            ack.await
+                .map_err(|e| flotilla_bus::classify_publish_error(&subject, size, max, e))?;
         }
         Ok(())
     }
