@@ -25,7 +25,6 @@ use crate::registry::InFlight;
 use crate::result::{finish, report_bad_envelope};
 use crate::shared::Shared;
 
-/// Runs one delivered task message to the end.
 /// Runs one delivered task message to the end. `held` is the message's place among those the
 /// worker holds (running or prefetched); it is released as soon as the agent is done, so the
 /// next task is pulled while this one's result is being stored.
