@@ -109,7 +109,8 @@ pub(crate) async fn run(
             let status = tokio::time::timeout(Duration::from_secs(30), ends.recv())
                 .await
                 .context("a latency run did not finish in 30 s")?
-                .context("outcome subscription ended")?;
+                .context("outcome subscription ended")?
+                .status;
             anyhow::ensure!(status == RunStatus::Succeeded, "a latency run {status}");
             samples.push(ms(t0.elapsed()));
         }
@@ -157,7 +158,8 @@ pub(crate) async fn run(
             let status = tokio::time::timeout(Duration::from_secs(300), ends.recv())
                 .await
                 .context("throughput runs did not finish in 5 minutes")?
-                .context("outcome subscription ended")?;
+                .context("outcome subscription ended")?
+                .status;
             window.add_permits(1);
             if status != RunStatus::Succeeded {
                 failed += 1;

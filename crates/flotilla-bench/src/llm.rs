@@ -50,7 +50,7 @@ use flotilla_client::Client;
 use flotilla_context::{Agent, AgentContext, Clients, EventEmitter, Scope};
 use flotilla_llm::{LlmAgent, LlmConfig, Providers, Roles};
 use flotilla_model::ids::{AttemptId, RunId};
-use flotilla_model::run::RunStatus;
+use flotilla_model::run::{RunOutcome, RunStatus};
 use flotilla_model::task::TaskEnvelope;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -529,7 +529,7 @@ max-concurrent-requests = {max_requests}
 async fn closed_loop(
     bus: &Bus,
     inbox: &str,
-    ends: &mut mpsc::UnboundedReceiver<RunStatus>,
+    ends: &mut mpsc::UnboundedReceiver<RunOutcome>,
     runs: usize,
     in_flight: usize,
     via: SubmitVia,
@@ -544,7 +544,8 @@ async fn closed_loop(
             .context(
                 "no LLM run finished for 2 minutes (is the worker up and the provider answering?)",
             )?
-            .context("outcome subscription ended")?;
+            .context("outcome subscription ended")?
+            .status;
         if status != RunStatus::Succeeded {
             failed += 1;
         }

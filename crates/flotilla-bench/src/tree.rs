@@ -72,7 +72,7 @@ use flotilla_model::plan::{Plan, PlanConfig, Subtask};
 use flotilla_model::run::{RunOutcome, RunStatus};
 use flotilla_model::runlog::{RunInput, RunLogEntry};
 use flotilla_model::subjects::StreamKind;
-use flotilla_model::submit::{SubmitReply, SubmitRequest};
+use flotilla_model::submit::SubmitRequest;
 use flotilla_model::task::TaskEnvelope;
 use flotilla_model::time::Timestamp;
 use flotilla_model::watch::{
@@ -91,7 +91,7 @@ use crate::harness::processes::Processes;
 use crate::harness::raw::RawFigures;
 use crate::harness::services::{Services, has_listener, spawn_service};
 use crate::harness::stats::{ms, percentile};
-use crate::harness::submit::{SubmitVia, submit_via};
+use crate::harness::submit::{SubmitVia, outcomes, submit_via};
 
 /// Sizes of the run-tree section.
 #[derive(Debug, Clone, clap::Args)]
@@ -583,26 +583,6 @@ async fn chain_hop_times(bus: &Bus, run: RunId, n: usize) -> anyhow::Result<Vec<
         .collect()
 }
 
-/// Outcomes of runs submitted with `reply_to = inbox` (one core message per finished run).
-async fn outcome_channel(
-    bus: &Bus,
-    inbox: String,
-) -> anyhow::Result<mpsc::UnboundedReceiver<RunOutcome>> {
-    let mut sub = bus.client().subscribe(inbox).await?;
-    let (tx, rx) = mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        while let Some(m) = sub.next().await {
-            if let Ok(reply) = serde_json::from_slice::<SubmitReply>(&m.payload)
-                && let Some(o) = reply.outcome
-                && tx.send(o).is_err()
-            {
-                break;
-            }
-        }
-    });
-    Ok(rx)
-}
-
 /// Submits `req` with `reply_to = inbox` and waits for its outcome (one run in flight):
 /// the run and ms from the submission to the outcome. Anything but success is an error.
 async fn run_to_end(
@@ -955,7 +935,7 @@ pub(crate) async fn run(
     let worker = InProcessWorker::start(&opts, Arc::clone(&spawns), Arc::clone(&nests), go).await?;
     let via = services.via;
     let inbox = format!("_INBOX.flbtree.{}", RunId::new());
-    let mut ends = outcome_channel(&bus, inbox.clone()).await?;
+    let mut ends = outcomes(&bus, inbox.clone()).await?;
     let mut pacer = Pacer {
         bus: bus.clone(),
         peak: 0,

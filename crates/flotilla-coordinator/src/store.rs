@@ -59,11 +59,6 @@ impl RunStore {
         })
     }
 
-    /// The read side alone.
-    pub fn reader(&self) -> &RunReader {
-        &self.reader
-    }
-
     fn encode<T: Serialize>(&self, snapshot: &T) -> Result<bytes::Bytes, StoreError> {
         let bytes = rmp_serde::to_vec_named(snapshot)
             .map(bytes::Bytes::from)

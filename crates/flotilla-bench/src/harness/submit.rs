@@ -5,7 +5,7 @@ use std::sync::Arc;
 use flotilla_bus::Bus;
 use flotilla_client::Client;
 use flotilla_model::ids::RunId;
-use flotilla_model::run::RunStatus;
+use flotilla_model::run::RunOutcome;
 use flotilla_model::submit::{SubmitReply, SubmitRequest};
 use futures::StreamExt;
 use tokio::sync::{Semaphore, mpsc};
@@ -73,15 +73,16 @@ pub(crate) fn spawn_submitter(
 pub(crate) async fn outcomes(
     bus: &Bus,
     inbox: String,
-) -> anyhow::Result<mpsc::UnboundedReceiver<RunStatus>> {
+) -> anyhow::Result<mpsc::UnboundedReceiver<RunOutcome>> {
     let mut sub = bus.client().subscribe(inbox).await?;
     let (tx, rx) = mpsc::unbounded_channel();
     tokio::spawn(async move {
         while let Some(m) = sub.next().await {
             if let Ok(reply) = serde_json::from_slice::<SubmitReply>(&m.payload)
                 && let Some(o) = reply.outcome
+                && tx.send(o).is_err()
             {
-                let _ = tx.send(o.status);
+                break;
             }
         }
     });
