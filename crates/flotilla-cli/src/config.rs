@@ -15,7 +15,8 @@ use flotilla_bus::{JetStreamOptions, NatsOptions};
 use flotilla_coordinator::CoordinatorOptions;
 use flotilla_model::validate::{AgentCatalog, ValidationContext};
 use flotilla_telemetry::TelemetryOptions;
-use flotilla_worker::{AgentDefinition, AgentRegistry, RoleConfig, WorkerOptions};
+use flotilla_model::team::MemberCard;
+use flotilla_worker::{AgentDefinition, AgentEntry, AgentRegistry, RoleConfig, WorkerOptions};
 use serde::{Deserialize, Serialize};
 
 /// The whole configuration.
@@ -30,8 +31,8 @@ pub(crate) struct Config {
     pub(crate) pools: Vec<String>,
     /// The agent that runs tasks naming none.
     pub(crate) default_agent: Option<String>,
-    /// Agent definitions, by name.
-    pub(crate) agents: BTreeMap<String, AgentDefinition>,
+    /// Agent definitions with their member cards, by name.
+    pub(crate) agents: BTreeMap<String, AgentEntry>,
     /// System prompts of team roles for LLM agents (on top of the shipped ones).
     pub(crate) roles: BTreeMap<String, RoleConfig>,
     /// Coordinator settings.
@@ -263,7 +264,7 @@ impl Config {
     /// The agents this configuration defines.
     pub(crate) fn agent_registry(&self) -> anyhow::Result<AgentRegistry> {
         AgentRegistry::from_config(
-            &self.agents,
+            &self.agent_definitions(),
             &self.roles,
             self.default_agent.clone(),
             &self.base_dir,
@@ -273,7 +274,23 @@ impl Config {
 
     /// The workflow agents, for the coordinators' embedded worker (empty: none defined).
     pub(crate) fn workflow_registry(&self) -> anyhow::Result<AgentRegistry> {
-        AgentRegistry::workflows(&self.agents).map_err(|e| anyhow::anyhow!("invalid [agents]: {e}"))
+        AgentRegistry::workflows(&self.agent_definitions()).map_err(|e| anyhow::anyhow!("invalid [agents]: {e}"))
+    }
+
+    /// The agent definitions, without their cards.
+    pub(crate) fn agent_definitions(&self) -> BTreeMap<String, AgentDefinition> {
+        self.agents
+            .iter()
+            .map(|(n, e)| (n.clone(), e.definition.clone()))
+            .collect()
+    }
+
+    /// The member cards of the defined agents (the supervisor's roster).
+    pub(crate) fn member_cards(&self) -> BTreeMap<String, MemberCard> {
+        self.agents
+            .iter()
+            .map(|(n, e)| (n.clone(), e.card.clone()))
+            .collect()
     }
 
     /// What plan validation knows about this installation.
@@ -286,7 +303,7 @@ impl Config {
                 workflows: self
                     .agents
                     .iter()
-                    .filter(|(_, d)| d.is_workflow())
+                    .filter(|(_, d)| d.definition.is_workflow())
                     .map(|(n, _)| n.clone())
                     .collect(),
             }),

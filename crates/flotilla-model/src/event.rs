@@ -285,6 +285,13 @@ pub struct WorkflowEvent {
     /// The worker (on `task_started`, and on the task's outcome).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub worker: Option<String>,
+    /// The agent definition that runs the task (on task-level events: the task's `agent`,
+    /// or the deployment's default agent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent: Option<String>,
+    /// The task's role (on task-level events, when the plan names one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
     /// When the worker started the attempt (worker clock), on the task's outcome.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub started_at: Option<Timestamp>,
@@ -316,6 +323,8 @@ impl WorkflowEvent {
             phase,
             tasks_total: None,
             worker: None,
+            agent: None,
+            role: None,
             started_at: None,
             error: None,
             retry_at: None,

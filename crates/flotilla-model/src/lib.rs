@@ -21,6 +21,7 @@ pub mod state;
 pub mod subjects;
 pub mod submit;
 pub mod task;
+pub mod team;
 pub mod template;
 pub mod time;
 pub mod token;

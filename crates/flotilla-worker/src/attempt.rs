@@ -102,6 +102,11 @@ pub(crate) async fn handle(
     let started_event = Event::Workflow(WorkflowEvent {
         worker: Some(shared.id.clone()),
         started_at: Some(started_at),
+        agent: task
+            .agent
+            .clone()
+            .or_else(|| shared.agents.default_agent().map(str::to_owned)),
+        role: task.role.clone(),
         ..WorkflowEvent::phase(WorkflowPhase::TaskStarted)
     });
     let mut announced = shared.opts.started_event_delay.is_zero();

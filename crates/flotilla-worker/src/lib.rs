@@ -54,7 +54,7 @@ mod result;
 mod shared;
 mod worker;
 
-pub use crate::agents::{AgentDefinition, AgentRegistry, RoleConfig};
+pub use crate::agents::{AgentDefinition, AgentEntry, AgentRegistry, RoleConfig};
 pub use crate::error::{WorkerError, WorkerErrorKind};
 pub use crate::options::WorkerOptions;
 pub use crate::pace::PREFETCH_MAX_ATTEMPT;

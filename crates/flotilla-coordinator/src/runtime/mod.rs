@@ -192,7 +192,8 @@ pub(crate) struct Runtime {
     submit_prefix: String,
     metrics: Metrics,
     /// The `agent` label of tasks that name none.
-    default_agent: String,
+    /// The agent of tasks naming none, when the deployment has one.
+    default_agent: Option<String>,
     /// Parents' facts and tree counts, for admitting child runs.
     lineages: Arc<crate::lineage::Lineages>,
 }
@@ -211,8 +212,7 @@ impl Runtime {
         let default_agent = ctx
             .agents
             .as_ref()
-            .and_then(|a| a.default.clone())
-            .unwrap_or_else(|| "default".into());
+            .and_then(|a| a.default.clone());
         let lineages = Arc::new(crate::lineage::Lineages::new(
             store.clone(),
             crate::lineage::TreeLimits::of(&opts),

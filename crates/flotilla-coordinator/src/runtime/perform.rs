@@ -77,7 +77,7 @@ impl Runtime {
                         &sub.id,
                         *attempt,
                         &sub.pool,
-                        sub.agent.as_deref().unwrap_or(&self.default_agent),
+                        sub.agent.as_deref().or(self.default_agent.as_deref()).unwrap_or("default"),
                     );
                     let env = match Box::pin(self.envelope(entry, *task, *attempt)).await? {
                         // The attempt's trace parent is this dispatch (when spans are exported).
@@ -246,17 +246,25 @@ impl Runtime {
         Ok(())
     }
 
+    /// The envelope of an emission. Task-level events name the task's agent (or the default
+    /// agent) and role, so followers such as the supervisor need not read the plan.
     fn event_of(&self, entry: &Cached, e: &Emission) -> EventEnvelope {
         let plan = entry.machine.plan();
+        let mut event = e.event.clone();
+        let sub = e.task.map(|i| &plan.subtasks[i as usize]);
+        if let Some(sub) = sub {
+            event.agent = sub.agent.clone().or_else(|| self.default_agent.clone());
+            event.role = sub.role.clone();
+        }
         EventEnvelope {
             protocol: PROTOCOL_VERSION,
             id: e.id.clone(),
             run_id: entry.machine.state().run_id,
-            task_id: e.task.map(|i| plan.subtasks[i as usize].id.clone()),
+            task_id: sub.map(|s| s.id.clone()),
             attempt: e.attempt,
             ts: Timestamp::from_unix_ms(e.at_ms),
             source: "coordinator".into(),
-            event: Event::Workflow(e.event.clone()),
+            event: Event::Workflow(event),
         }
     }
 }

@@ -23,6 +23,7 @@
 //! every key); their system prompts come from `[roles.NAME]` ([`RoleConfig`]) on top of the
 //! shipped role prompts. All LLM agents of one registry share its per-provider request caps.
 
+mod entry;
 mod exec;
 mod scripted;
 pub mod shim;
@@ -35,6 +36,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+pub use entry::AgentEntry;
 pub use exec::ExecAgent;
 pub use flotilla_llm::{LlmAgent, LlmConfig, RoleConfig};
 pub use scripted::ScriptedAgent;

@@ -1,0 +1,674 @@
+//! The team: member cards, the roster with presence (`<prefix>-team` KV) and failure records
+//! (`<prefix>-failures` KV), kept by the supervisor service (`flotilla supervisor`).
+//!
+//! A **member** is a configured agent definition (`[agents.NAME]` with its card: `roles`,
+//! `description`, `capabilities`). Its roster entry says where it can run (the live workers
+//! hosting it), what it is doing (the attempts it runs) and when it last made progress (an
+//! event it emitted) — separate from when its hosts last sent a heartbeat, so a member whose
+//! hosts are alive but whose attempts have gone quiet shows `stale`, not `working`.
+//!
+//! A **failure record** counts one agent's or one role's attempt outcomes: consecutive
+//! failures, successes and failures over sliding windows (1 h, 24 h, 30 d), the last
+//! incident. Each attempt outcome is counted once per record, across supervisor restarts
+//! and replicas ([`FailureRecord::apply`] refuses an attempt it has counted).
+//!
+//! Everything here is pure: the supervisor reads and writes these values with
+//! compare-and-set, so its replicas need no leader.
+
+use std::collections::VecDeque;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::ids::{RunId, TaskId};
+use crate::task::TaskErrorKind;
+use crate::time::Timestamp;
+
+/// What the team knows of an agent definition besides how to run it (like an A2A
+/// AgentCard): `roles = [...]`, `description`, `capabilities = [...]` in `[agents.NAME]`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields, default)]
+pub struct MemberCard {
+    /// The team roles it fills (names: `A-Z a-z 0-9 _ -`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub roles: Vec<String>,
+    /// What it is for, in a sentence.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// What it can do, as short tags.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub capabilities: Vec<String>,
+}
+
+impl MemberCard {
+    /// Longest description, in bytes.
+    pub const MAX_DESCRIPTION: usize = 1024;
+    /// Most roles or capabilities.
+    pub const MAX_TAGS: usize = 32;
+
+    /// Whether it says nothing.
+    pub fn is_empty(&self) -> bool {
+        self.roles.is_empty() && self.description.is_none() && self.capabilities.is_empty()
+    }
+
+    /// Checks names and sizes; the error names the field.
+    pub fn validate(&self) -> Result<(), String> {
+        for r in &self.roles {
+            crate::token::check_name(r).map_err(|e| format!("roles: role {r:?} {e}"))?;
+        }
+        if self.roles.len() > Self::MAX_TAGS || self.capabilities.len() > Self::MAX_TAGS {
+            return Err(format!(
+                "at most {} roles and {} capabilities",
+                Self::MAX_TAGS,
+                Self::MAX_TAGS
+            ));
+        }
+        if self
+            .description
+            .as_ref()
+            .is_some_and(|d| d.len() > Self::MAX_DESCRIPTION)
+        {
+            return Err(format!(
+                "description: longer than {} bytes",
+                Self::MAX_DESCRIPTION
+            ));
+        }
+        if let Some(c) = self.capabilities.iter().find(|c| c.is_empty() || c.len() > 64) {
+            return Err(format!("capabilities: {c:?} must be 1 to 64 bytes"));
+        }
+        Ok(())
+    }
+}
+
+/// What a member is doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum MemberStatus {
+    /// A live worker hosts it and it runs nothing.
+    Idle,
+    /// It runs at least one attempt and made progress recently.
+    Working,
+    /// It runs attempts, its hosts are alive, but none emitted anything for longer than the
+    /// supervisor's `stale-after`: stuck, or a very long silent step.
+    Stale,
+    /// Waiting on a human, a child or a message. Reserved for the human-in-the-loop and
+    /// teammate work: nothing sets it yet.
+    Waiting,
+    /// No live worker hosts it.
+    Offline,
+}
+
+impl MemberStatus {
+    /// The status as it appears on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Idle => "idle",
+            Self::Working => "working",
+            Self::Stale => "stale",
+            Self::Waiting => "waiting",
+            Self::Offline => "offline",
+        }
+    }
+}
+
+/// An attempt a member runs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct MemberTask {
+    /// The run.
+    pub run_id: RunId,
+    /// The task.
+    pub task_id: TaskId,
+    /// The attempt number.
+    pub attempt: u32,
+    /// The worker running it.
+    pub worker: String,
+    /// When the attempt started (worker clock).
+    pub since: Timestamp,
+}
+
+impl MemberTask {
+    /// The attempt's key: `<run>.<task>.<attempt>`.
+    pub fn key(&self) -> String {
+        attempt_key(self.run_id, &self.task_id, self.attempt)
+    }
+}
+
+/// `<run>.<task>.<attempt>`: how records name an attempt.
+pub fn attempt_key(run: RunId, task: &TaskId, attempt: u32) -> String {
+    format!("{run}.{task}.{attempt}")
+}
+
+/// One member's roster entry (`<prefix>-team`, key `agent.<name>`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Member {
+    /// The agent definition's name.
+    pub name: String,
+    /// Its card.
+    #[serde(default)]
+    pub card: MemberCard,
+    /// What it is doing (as of `updated_at`; readers apply [`Member::status_at`] for now).
+    pub status: MemberStatus,
+    /// The live workers that can run it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub workers: Vec<String>,
+    /// The pools of those workers.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pools: Vec<String>,
+    /// The attempts it runs (at most [`Member::MAX_TASKS`] are listed).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tasks: Vec<MemberTask>,
+    /// When one of its attempts last emitted an event (server time, to the supervisor's
+    /// `progress-resolution`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_progress: Option<Timestamp>,
+    /// The newest heartbeat of the workers hosting it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_heartbeat: Option<Timestamp>,
+    /// Attempts it started, and how they ended, since the roster entry was created.
+    #[serde(default)]
+    pub counters: MemberCounters,
+    /// Attempts that ended recently (bounded): a late `task_started` of one of them is not
+    /// taken for a running attempt.
+    #[serde(default, skip_serializing_if = "VecDeque::is_empty")]
+    pub ended: VecDeque<String>,
+    /// When the entry last changed (supervisor clock).
+    pub updated_at: Timestamp,
+}
+
+/// A member's attempt counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct MemberCounters {
+    /// Attempts whose start was announced (`task_started`; an attempt shorter than the
+    /// workers' `started-event-delay` announces none).
+    pub started: u64,
+    /// Attempts that succeeded.
+    pub succeeded: u64,
+    /// Attempts that failed (including those retried).
+    pub failed: u64,
+}
+
+impl Member {
+    /// Most attempts listed in one entry.
+    pub const MAX_TASKS: usize = 64;
+    /// Ended attempts remembered.
+    pub const MAX_ENDED: usize = 256;
+
+    /// A new, offline entry.
+    pub fn new(name: &str, card: MemberCard, now: Timestamp) -> Self {
+        Self {
+            name: name.to_owned(),
+            card,
+            status: MemberStatus::Offline,
+            workers: Vec::new(),
+            pools: Vec::new(),
+            tasks: Vec::new(),
+            last_progress: None,
+            last_heartbeat: None,
+            counters: MemberCounters::default(),
+            ended: VecDeque::new(),
+            updated_at: now,
+        }
+    }
+
+    /// Whether it fills `role`.
+    pub fn has_role(&self, role: &str) -> bool {
+        self.card.roles.iter().any(|r| r == role)
+    }
+
+    /// An attempt started. `false`: nothing changed (already listed, or already ended).
+    pub fn start(&mut self, task: MemberTask) -> bool {
+        let key = task.key();
+        if self.ended.contains(&key) || self.tasks.iter().any(|t| t.key() == key) {
+            return false;
+        }
+        self.counters.started += 1;
+        if self.tasks.len() < Self::MAX_TASKS {
+            self.tasks.push(task);
+        }
+        true
+    }
+
+    /// An attempt ended. `false`: it had already ended (a repeated event).
+    pub fn end(&mut self, key: &str, success: bool) -> bool {
+        if self.ended.iter().any(|k| k == key) {
+            return false;
+        }
+        self.tasks.retain(|t| t.key() != key);
+        if success {
+            self.counters.succeeded += 1;
+        } else {
+            self.counters.failed += 1;
+        }
+        self.ended.push_back(key.to_owned());
+        while self.ended.len() > Self::MAX_ENDED {
+            self.ended.pop_front();
+        }
+        true
+    }
+
+    /// Drops the attempts of workers that are not live any more (their attempts are
+    /// redelivered elsewhere). `true` when something was dropped.
+    pub fn drop_tasks_off(&mut self, live: &[String]) -> bool {
+        let before = self.tasks.len();
+        self.tasks.retain(|t| live.contains(&t.worker));
+        before != self.tasks.len()
+    }
+
+    /// The status at `now`, from the hosts and attempts recorded: `offline` without a live
+    /// host, `stale` when running attempts made no progress for `stale_after_ms`.
+    pub fn status_at(&self, now: Timestamp, stale_after_ms: i64) -> MemberStatus {
+        if self.workers.is_empty() {
+            return MemberStatus::Offline;
+        }
+        if self.tasks.is_empty() {
+            return MemberStatus::Idle;
+        }
+        let newest = self
+            .tasks
+            .iter()
+            .map(|t| t.since.unix_ms())
+            .chain(self.last_progress.map(|p| p.unix_ms()))
+            .max()
+            .unwrap_or(0);
+        if now.unix_ms() - newest > stale_after_ms {
+            MemberStatus::Stale
+        } else {
+            MemberStatus::Working
+        }
+    }
+}
+
+/// What a failure record counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum RecordScope {
+    /// One agent definition.
+    Agent,
+    /// Every agent filling one role.
+    Role,
+}
+
+impl RecordScope {
+    /// The scope as it appears in keys and on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Agent => "agent",
+            Self::Role => "role",
+        }
+    }
+}
+
+/// The KV key of a failure record: `<scope>.<name>`.
+pub fn record_key(scope: RecordScope, name: &str) -> String {
+    format!("{}.{name}", scope.as_str())
+}
+
+/// The KV key of a roster entry: `agent.<name>`.
+pub fn member_key(name: &str) -> String {
+    format!("agent.{name}")
+}
+
+/// How an attempt ended, for a failure record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AttemptOutcome {
+    /// `<run>.<task>.<attempt>`.
+    pub key: String,
+    /// The run.
+    pub run_id: RunId,
+    /// The task.
+    pub task_id: TaskId,
+    /// The attempt.
+    pub attempt: u32,
+    /// Whether it succeeded.
+    pub success: bool,
+    /// Why it failed.
+    pub error: Option<(TaskErrorKind, String)>,
+    /// When it ended (server time of the event).
+    pub at: Timestamp,
+}
+
+/// The last failure of a record.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Incident {
+    /// The run.
+    pub run_id: RunId,
+    /// The task.
+    pub task_id: TaskId,
+    /// The attempt.
+    pub attempt: u32,
+    /// The error kind.
+    pub kind: TaskErrorKind,
+    /// The error message (cut to 512 bytes).
+    pub message: String,
+    /// When.
+    pub at: Timestamp,
+}
+
+/// Counts of one time slice of a window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Slice {
+    /// Start of the slice (Unix ms, a multiple of the window's slice length).
+    pub start_ms: i64,
+    /// Successes in it.
+    pub succeeded: u64,
+    /// Failures in it.
+    pub failed: u64,
+}
+
+/// A sliding window as time slices: 60 one-minute slices for 1 h, 24 one-hour slices for
+/// 24 h, 30 one-day slices for 30 d. Counts are exact per slice, so a window's total is exact
+/// to one slice at its old end.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Window {
+    /// Non-empty slices, oldest first.
+    #[serde(default)]
+    pub slices: Vec<Slice>,
+}
+
+/// A window's totals at some time.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct WindowTotals {
+    /// Successes.
+    pub succeeded: u64,
+    /// Failures.
+    pub failed: u64,
+}
+
+impl Window {
+    fn add(&mut self, at_ms: i64, slice_ms: i64, count: usize, success: bool) {
+        let start = at_ms.div_euclid(slice_ms) * slice_ms;
+        let idx = match self.slices.iter().position(|s| s.start_ms == start) {
+            Some(i) => i,
+            None => {
+                self.slices.push(Slice {
+                    start_ms: start,
+                    succeeded: 0,
+                    failed: 0,
+                });
+                self.slices.sort_by_key(|s| s.start_ms);
+                self.slices
+                    .iter()
+                    .position(|s| s.start_ms == start)
+                    .unwrap_or(0)
+            }
+        };
+        let s = &mut self.slices[idx];
+        if success {
+            s.succeeded += 1;
+        } else {
+            s.failed += 1;
+        }
+        // Keep the newest `count` slices' worth of time.
+        let newest = self.slices.last().map(|s| s.start_ms).unwrap_or(start);
+        let oldest_kept = newest - slice_ms * (count as i64 - 1);
+        self.slices.retain(|s| s.start_ms >= oldest_kept);
+    }
+
+    fn totals(&self, now_ms: i64, slice_ms: i64, count: usize) -> WindowTotals {
+        let current = now_ms.div_euclid(slice_ms) * slice_ms;
+        let oldest = current - slice_ms * (count as i64 - 1);
+        self.slices
+            .iter()
+            .filter(|s| s.start_ms >= oldest && s.start_ms <= current)
+            .fold(WindowTotals::default(), |t, s| WindowTotals {
+                succeeded: t.succeeded + s.succeeded,
+                failed: t.failed + s.failed,
+            })
+    }
+}
+
+/// The three windows' shapes: (slice length in ms, slices).
+const HOUR: (i64, usize) = (60_000, 60);
+const DAY: (i64, usize) = (3_600_000, 24);
+const MONTH: (i64, usize) = (86_400_000, 30);
+
+/// One agent's or role's attempt outcomes (`<prefix>-failures`, key `<scope>.<name>`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct FailureRecord {
+    /// What it counts.
+    pub scope: RecordScope,
+    /// The agent's or role's name.
+    pub name: String,
+    /// Failures since the last success.
+    pub consecutive_failures: u64,
+    /// Every success counted.
+    pub total_succeeded: u64,
+    /// Every failure counted.
+    pub total_failed: u64,
+    /// The last hour, by minute.
+    #[serde(default)]
+    pub hour: Window,
+    /// The last 24 hours, by hour.
+    #[serde(default)]
+    pub day: Window,
+    /// The last 30 days, by day.
+    #[serde(default)]
+    pub month: Window,
+    /// The last failure.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_incident: Option<Incident>,
+    /// When the last outcome was counted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_outcome_at: Option<Timestamp>,
+    /// The attempts counted most recently (bounded to [`FailureRecord::MAX_RECENT`]): an
+    /// outcome delivered again is not counted again.
+    #[serde(default, skip_serializing_if = "VecDeque::is_empty")]
+    pub recent: VecDeque<String>,
+}
+
+/// A failure record's figures at one time, as the API answers them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct FailureStats {
+    /// What it counts.
+    pub scope: RecordScope,
+    /// The agent's or role's name.
+    pub name: String,
+    /// Failures since the last success.
+    pub consecutive_failures: u64,
+    /// Every success counted.
+    pub total_succeeded: u64,
+    /// Every failure counted.
+    pub total_failed: u64,
+    /// The last hour.
+    pub last_hour: WindowTotals,
+    /// The last 24 hours.
+    pub last_day: WindowTotals,
+    /// The last 30 days.
+    pub last_30_days: WindowTotals,
+    /// The last failure.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_incident: Option<Incident>,
+    /// When the last outcome was counted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_outcome_at: Option<Timestamp>,
+}
+
+impl FailureRecord {
+    /// Attempt keys remembered for de-duplication: far more than a redelivery window holds.
+    pub const MAX_RECENT: usize = 512;
+    /// Longest incident message kept, in bytes.
+    pub const MAX_MESSAGE: usize = 512;
+
+    /// An empty record.
+    pub fn new(scope: RecordScope, name: &str) -> Self {
+        Self {
+            scope,
+            name: name.to_owned(),
+            consecutive_failures: 0,
+            total_succeeded: 0,
+            total_failed: 0,
+            hour: Window::default(),
+            day: Window::default(),
+            month: Window::default(),
+            last_incident: None,
+            last_outcome_at: None,
+            recent: VecDeque::new(),
+        }
+    }
+
+    /// Counts `outcome` once. `false`: this attempt was already counted, nothing changed.
+    pub fn apply(&mut self, outcome: &AttemptOutcome) -> bool {
+        if self.recent.iter().any(|k| *k == outcome.key) {
+            return false;
+        }
+        self.recent.push_back(outcome.key.clone());
+        while self.recent.len() > Self::MAX_RECENT {
+            self.recent.pop_front();
+        }
+        let at = outcome.at.unix_ms();
+        for (w, (slice, count)) in [
+            (&mut self.hour, HOUR),
+            (&mut self.day, DAY),
+            (&mut self.month, MONTH),
+        ] {
+            w.add(at, slice, count, outcome.success);
+        }
+        if outcome.success {
+            self.total_succeeded += 1;
+            self.consecutive_failures = 0;
+        } else {
+            self.total_failed += 1;
+            self.consecutive_failures += 1;
+            let (kind, message) = outcome
+                .error
+                .clone()
+                .unwrap_or((TaskErrorKind::AgentFailed, String::new()));
+            let mut message = message;
+            if message.len() > Self::MAX_MESSAGE {
+                let mut end = Self::MAX_MESSAGE;
+                while !message.is_char_boundary(end) {
+                    end -= 1;
+                }
+                message.truncate(end);
+            }
+            self.last_incident = Some(Incident {
+                run_id: outcome.run_id,
+                task_id: outcome.task_id.clone(),
+                attempt: outcome.attempt,
+                kind,
+                message,
+                at: outcome.at,
+            });
+        }
+        if self.last_outcome_at.is_none_or(|t| t.unix_ms() < at) {
+            self.last_outcome_at = Some(outcome.at);
+        }
+        true
+    }
+
+    /// The figures at `now`.
+    pub fn stats_at(&self, now: Timestamp) -> FailureStats {
+        let now = now.unix_ms();
+        FailureStats {
+            scope: self.scope,
+            name: self.name.clone(),
+            consecutive_failures: self.consecutive_failures,
+            total_succeeded: self.total_succeeded,
+            total_failed: self.total_failed,
+            last_hour: self.hour.totals(now, HOUR.0, HOUR.1),
+            last_day: self.day.totals(now, DAY.0, DAY.1),
+            last_30_days: self.month.totals(now, MONTH.0, MONTH.1),
+            last_incident: self.last_incident.clone(),
+            last_outcome_at: self.last_outcome_at,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn outcome(n: u32, success: bool, at_ms: i64) -> AttemptOutcome {
+        let run = RunId::new();
+        let task = TaskId::new("t");
+        AttemptOutcome {
+            key: attempt_key(run, &task, n),
+            run_id: run,
+            task_id: task,
+            attempt: n,
+            success,
+            error: (!success).then(|| (TaskErrorKind::AgentFailed, "boom".into())),
+            at: Timestamp::from_unix_ms(at_ms),
+        }
+    }
+
+    #[test]
+    fn an_outcome_counts_once() {
+        let mut r = FailureRecord::new(RecordScope::Agent, "a");
+        let o = outcome(1, false, 1_000_000);
+        assert!(r.apply(&o));
+        assert!(!r.apply(&o), "the same attempt again changes nothing");
+        assert_eq!((r.total_failed, r.consecutive_failures), (1, 1));
+        assert!(r.apply(&outcome(2, false, 1_000_500)));
+        assert_eq!(r.consecutive_failures, 2);
+        assert!(r.apply(&outcome(3, true, 1_001_000)));
+        assert_eq!((r.consecutive_failures, r.total_succeeded), (0, 1));
+        assert_eq!(r.last_incident.as_ref().map(|i| i.attempt), Some(2));
+    }
+
+    #[test]
+    fn windows_slide() {
+        let mut r = FailureRecord::new(RecordScope::Role, "analyst");
+        let t0 = 10 * 86_400_000;
+        r.apply(&outcome(1, false, t0));
+        r.apply(&outcome(2, true, t0 + 30 * 60_000));
+        let s = r.stats_at(Timestamp::from_unix_ms(t0 + 31 * 60_000));
+        assert_eq!((s.last_hour.failed, s.last_hour.succeeded), (1, 1));
+        // 61 minutes later the first outcome has left the hour but not the day.
+        let s = r.stats_at(Timestamp::from_unix_ms(t0 + 61 * 60_000));
+        assert_eq!((s.last_hour.failed, s.last_hour.succeeded), (0, 1));
+        assert_eq!((s.last_day.failed, s.last_day.succeeded), (1, 1));
+        // 25 hours later: only the 30-day window holds them.
+        let s = r.stats_at(Timestamp::from_unix_ms(t0 + 25 * 3_600_000));
+        assert_eq!(s.last_day, WindowTotals::default());
+        assert_eq!((s.last_30_days.failed, s.last_30_days.succeeded), (1, 1));
+        // 31 days later: none.
+        let s = r.stats_at(Timestamp::from_unix_ms(t0 + 31 * 86_400_000));
+        assert_eq!(s.last_30_days, WindowTotals::default());
+        assert_eq!(s.total_failed, 1, "totals never expire");
+    }
+
+    #[test]
+    fn windows_stay_bounded() {
+        let mut r = FailureRecord::new(RecordScope::Agent, "a");
+        for i in 0..5_000u32 {
+            r.apply(&outcome(i, i % 3 == 0, i64::from(i) * 60_000));
+        }
+        assert!(r.hour.slices.len() <= 60);
+        assert!(r.day.slices.len() <= 24);
+        assert!(r.month.slices.len() <= 30);
+        assert_eq!(r.recent.len(), FailureRecord::MAX_RECENT);
+    }
+
+    #[test]
+    fn presence_from_hosts_and_progress() {
+        let now = Timestamp::from_unix_ms(1_000_000);
+        let mut m = Member::new("a", MemberCard::default(), now);
+        assert_eq!(m.status_at(now, 60_000), MemberStatus::Offline);
+        m.workers = vec!["w1".into()];
+        assert_eq!(m.status_at(now, 60_000), MemberStatus::Idle);
+        let task = MemberTask {
+            run_id: RunId::new(),
+            task_id: TaskId::new("t"),
+            attempt: 1,
+            worker: "w1".into(),
+            since: now,
+        };
+        let key = task.key();
+        assert!(m.start(task.clone()));
+        assert!(!m.start(task), "a repeated start changes nothing");
+        assert_eq!(m.status_at(now, 60_000), MemberStatus::Working);
+        let later = Timestamp::from_unix_ms(now.unix_ms() + 61_000);
+        assert_eq!(m.status_at(later, 60_000), MemberStatus::Stale);
+        m.last_progress = Some(later);
+        assert_eq!(m.status_at(later, 60_000), MemberStatus::Working);
+        assert!(m.end(&key, true));
+        assert!(!m.end(&key, true), "a repeated end changes nothing");
+        assert_eq!(m.counters.succeeded, 1);
+        assert_eq!(m.counters.started, 1);
+        assert_eq!(m.status_at(later, 60_000), MemberStatus::Idle);
+        assert!(!m.drop_tasks_off(&[]));
+        m.workers.clear();
+        assert_eq!(m.status_at(later, 60_000), MemberStatus::Offline);
+    }
+}

@@ -1,0 +1,112 @@
+//! `[agents.NAME]` as written: an agent definition and its member card in one table.
+//!
+//! ```toml
+//! [agents.analyst]
+//! kind = "llm"
+//! model = "smollm2"
+//! roles = ["analyst", "writer"]          # the member card: team roles,
+//! description = "Reads filings"          # what it is for,
+//! capabilities = ["filings", "tables"]   # and what it can do
+//! ```
+//!
+//! The card's keys are taken out before the rest is read as the definition, so every kind
+//! keeps refusing keys it does not know.
+
+use serde::de::Error as _;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use flotilla_model::team::MemberCard;
+
+use super::AgentDefinition;
+
+/// The keys of `[agents.NAME]` that belong to the member card.
+const CARD_KEYS: [&str; 3] = ["roles", "description", "capabilities"];
+
+/// One `[agents.NAME]` table.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AgentEntry {
+    /// How to run it.
+    pub definition: AgentDefinition,
+    /// What the team knows of it.
+    pub card: MemberCard,
+}
+
+impl From<AgentDefinition> for AgentEntry {
+    fn from(definition: AgentDefinition) -> Self {
+        Self {
+            definition,
+            card: MemberCard::default(),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for AgentEntry {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let mut table = serde_json::Map::<String, serde_json::Value>::deserialize(d)?;
+        let mut card = serde_json::Map::new();
+        for k in CARD_KEYS {
+            if let Some(v) = table.remove(k) {
+                card.insert(k.to_owned(), v);
+            }
+        }
+        let card = MemberCard::deserialize(serde_json::Value::Object(card))
+            .map_err(|e| D::Error::custom(format!("member card: {e}")))?;
+        card.validate()
+            .map_err(|e| D::Error::custom(format!("member card: {e}")))?;
+        let definition = AgentDefinition::deserialize(serde_json::Value::Object(table))
+            .map_err(D::Error::custom)?;
+        Ok(Self { definition, card })
+    }
+}
+
+impl Serialize for AgentEntry {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::Error as _;
+        let mut v = serde_json::to_value(&self.definition).map_err(S::Error::custom)?;
+        if let (Some(table), serde_json::Value::Object(card)) = (
+            v.as_object_mut(),
+            serde_json::to_value(&self.card).map_err(S::Error::custom)?,
+        ) {
+            table.extend(card);
+        }
+        v.serialize(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_card_rides_along_with_any_kind() {
+        let e: AgentEntry = serde_json::from_value(serde_json::json!({
+            "kind": "scripted",
+            "reply": "ok",
+            "roles": ["analyst"],
+            "description": "answers",
+        }))
+        .expect("entry");
+        assert_eq!(e.card.roles, ["analyst"]);
+        assert!(matches!(e.definition, AgentDefinition::Scripted(_)));
+        let back = serde_json::to_value(&e).expect("encode");
+        assert_eq!(back["roles"], serde_json::json!(["analyst"]));
+        assert_eq!(
+            serde_json::from_value::<AgentEntry>(back).expect("decode"),
+            e
+        );
+    }
+
+    #[test]
+    fn bad_cards_and_unknown_keys_are_refused() {
+        let bad_role = serde_json::from_value::<AgentEntry>(serde_json::json!({
+            "kind": "scripted", "reply": "ok", "roles": ["no spaces"],
+        }))
+        .expect_err("bad role");
+        assert!(bad_role.to_string().contains("role \"no spaces\""), "{bad_role}");
+        let unknown = serde_json::from_value::<AgentEntry>(serde_json::json!({
+            "kind": "scripted", "reply": "ok", "rolez": ["a"],
+        }))
+        .expect_err("unknown key");
+        assert!(unknown.to_string().contains("rolez"), "{unknown}");
+    }
+}
