@@ -16,6 +16,7 @@ pub mod options;
 pub mod provision;
 pub mod read;
 pub mod server;
+pub mod service;
 pub mod wire;
 
 use std::sync::Arc;

@@ -13,9 +13,10 @@ use figment::Figment;
 use figment::providers::{Env, Format, Serialized, Toml};
 use flotilla_bus::{JetStreamOptions, NatsOptions};
 use flotilla_coordinator::CoordinatorOptions;
-use flotilla_model::validate::{AgentCatalog, ValidationContext};
-use flotilla_telemetry::TelemetryOptions;
 use flotilla_model::team::MemberCard;
+use flotilla_model::validate::{AgentCatalog, ValidationContext};
+use flotilla_supervisor::SupervisorOptions;
+use flotilla_telemetry::TelemetryOptions;
 use flotilla_worker::{AgentDefinition, AgentEntry, AgentRegistry, RoleConfig, WorkerOptions};
 use serde::{Deserialize, Serialize};
 
@@ -39,6 +40,8 @@ pub(crate) struct Config {
     pub(crate) coordinator: CoordinatorOptions,
     /// Worker settings.
     pub(crate) worker: WorkerOptions,
+    /// Supervisor settings.
+    pub(crate) supervisor: SupervisorOptions,
     /// Health, readiness and metrics listener; log format.
     pub(crate) telemetry: TelemetryOptions,
     /// Directory of the config file: relative agent paths resolve against it.
@@ -58,6 +61,7 @@ impl Default for Config {
             roles: BTreeMap::new(),
             coordinator: CoordinatorOptions::default(),
             worker: WorkerOptions::default(),
+            supervisor: SupervisorOptions::default(),
             telemetry: TelemetryOptions::default(),
             base_dir: PathBuf::from("."),
         }
@@ -135,6 +139,7 @@ const TOP_LEVEL_KEYS: &[&str] = &[
     "roles",
     "coordinator",
     "worker",
+    "supervisor",
     "telemetry",
 ];
 
@@ -254,6 +259,9 @@ impl Config {
         self.worker
             .validate()
             .map_err(|e| anyhow::anyhow!("invalid [worker] section: {e}"))?;
+        self.supervisor
+            .validate()
+            .map_err(|e| anyhow::anyhow!("invalid [supervisor] section: {e}"))?;
         self.telemetry
             .validate()
             .map_err(|e| anyhow::anyhow!("invalid [telemetry] section: {e}"))?;
@@ -274,7 +282,8 @@ impl Config {
 
     /// The workflow agents, for the coordinators' embedded worker (empty: none defined).
     pub(crate) fn workflow_registry(&self) -> anyhow::Result<AgentRegistry> {
-        AgentRegistry::workflows(&self.agent_definitions()).map_err(|e| anyhow::anyhow!("invalid [agents]: {e}"))
+        AgentRegistry::workflows(&self.agent_definitions())
+            .map_err(|e| anyhow::anyhow!("invalid [agents]: {e}"))
     }
 
     /// The agent definitions, without their cards.

@@ -71,8 +71,16 @@ enum Command {
         #[arg(long, value_name = "ADDR|auto|off")]
         http_addr: Option<HttpAddr>,
     },
-    /// Everything in one process: embedded nats-server (unless --nats-url), a coordinator and
-    /// workers.
+    /// Run a supervisor: the team roster with presence, failure records, the team API.
+    Supervisor {
+        /// Serve /healthz, /readyz and /metrics here, `auto` or `off` (overrides
+        /// telemetry.http-addr; default auto: port 9464, or the next free one when another
+        /// service on this host has it).
+        #[arg(long, value_name = "ADDR|auto|off")]
+        http_addr: Option<HttpAddr>,
+    },
+    /// Everything in one process: embedded nats-server (unless --nats-url), a coordinator,
+    /// a supervisor and workers.
     Up {
         /// Workers to run.
         #[arg(long, default_value_t = 2)]
@@ -136,6 +144,9 @@ enum Command {
     /// Follow a run tree live as one audience sees it (profiles user | debug | metrics;
     /// children off | linked | flatten).
     Watch(commands::watch::WatchArgs),
+    /// The team: members with their presence (`team`), one member (`team show`), failure
+    /// records (`team stats`). Served by `flotilla supervisor`.
+    Team(commands::team::TeamArgs),
     /// List live workers.
     Workers {
         /// Machine-readable output.
@@ -312,6 +323,7 @@ fn service_name(command: &Command) -> Option<&'static str> {
     match command {
         Command::Coordinator { .. } => Some("flotilla-coordinator"),
         Command::Worker { .. } => Some("flotilla-worker"),
+        Command::Supervisor { .. } => Some("flotilla-supervisor"),
         Command::Up { submit: None, .. } => Some("flotilla-up"),
         _ => None,
     }
@@ -432,6 +444,13 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
             }
             commands::services::coordinator(&c).await
         }
+        Command::Supervisor { http_addr } => {
+            let mut c = load()?;
+            if let Some(a) = http_addr {
+                c.telemetry.http_addr = a;
+            }
+            commands::services::supervisor(&c).await
+        }
         Command::Worker {
             pool,
             concurrency,
@@ -525,6 +544,7 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
             no_wait,
             json,
         }) => commands::runs::cancel(&load()?, run, reason, !no_wait, json).await,
+        Command::Team(args) => commands::team::team(&load()?, args).await,
         Command::Workers { json } => commands::runs::workers(&load()?, json).await,
         Command::Watch(args) => commands::watch::watch(&load()?, args).await,
         Command::Plan(PlanCommand::Validate {

@@ -53,6 +53,8 @@ flotilla_bus::error_kinds!(
         TimedOut => "timed out waiting for the run", Retryable;
         /// No coordinator answered the request.
         NoCoordinator => "no coordinator answered", Retryable;
+        /// No supervisor answered a team request.
+        NoSupervisor => "no supervisor answered", Retryable;
         /// The message is larger than the deployment accepts.
         TooLarge => "too large for this deployment", Terminal;
         /// Flotilla's streams do not exist on this NATS yet.
@@ -260,10 +262,15 @@ impl Client {
             .map_err(|e| {
                 if e.kind() == async_nats::RequestErrorKind::NoResponders {
                     // The cause ("no responders") says nothing more than the kind.
+                    let (kind, service) = if R::ENDPOINT.starts_with("team.") {
+                        (ClientErrorKind::NoSupervisor, "flotilla supervisor")
+                    } else {
+                        (ClientErrorKind::NoCoordinator, "flotilla coordinator")
+                    };
                     ClientError::new(
-                        ClientErrorKind::NoCoordinator,
+                        kind,
                         format!(
-                            "nothing serves {}: start `flotilla coordinator` or `flotilla up`",
+                            "nothing serves {}: start `{service}` or `flotilla up`",
                             self.bus.names().api(R::ENDPOINT)
                         ),
                     )

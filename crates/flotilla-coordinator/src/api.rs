@@ -25,13 +25,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::HeaderMap;
 use async_nats::service::{Request, ServiceExt};
-use bytes::Bytes;
 use flotilla_bus::wire;
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::api::{
-    ApiError, ApiRequest, CancelRunReply, CancelRunRequest, ChildStartRequest, GetRunRequest,
+    ApiRequest, CancelRunReply, CancelRunRequest, ChildStartRequest, GetRunRequest,
     MAX_TASKS_PER_VIEW, MboxReadRequest, MboxSendRequest, StateGetRequest, StateSetRequest,
     ValidatePlanReply, ValidatePlanRequest, WsAppendRequest, WsReadRequest,
 };
@@ -45,7 +43,6 @@ use flotilla_model::validate::{
     PLAN_ENVELOPE_ROOM, Problem, ProblemCode, ValidationContext, validate_plan,
 };
 use futures::StreamExt;
-use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
@@ -64,92 +61,18 @@ async fn run_not_found(req: &Request, run: RunId) {
     respond_error(req, 404, "not_found", format!("run {run} does not exist")).await;
 }
 
-async fn respond_error(req: &Request, status: u16, code: &str, message: String) {
-    respond_api_error(req, &ApiError::new(status, code, message)).await;
-}
+use flotilla_bus::service::{parse, respond_api_error, respond_error};
 
-/// Answers with an `ApiError` body and the micro-service error headers.
-async fn respond_api_error(req: &Request, body: &ApiError) {
-    let mut headers = HeaderMap::new();
-    // Header values cannot hold line breaks.
-    headers.insert(
-        "Nats-Service-Error",
-        body.message.replace(['\r', '\n'], " ").as_str(),
-    );
-    headers.insert("Nats-Service-Error-Code", body.status.to_string().as_str());
-    headers.insert(
-        flotilla_model::codec::CONTENT_TYPE,
-        flotilla_model::codec::JSON,
-    );
-    let payload = serde_json::to_vec(body).unwrap_or_default();
-    let _ = req
-        .respond_with_headers(Ok(Bytes::from(payload)), headers)
-        .await;
-}
-
+/// Answers `value` as JSON (`413 too_large` when it would not fit).
 async fn respond_json<T: serde::Serialize>(req: &Request, max_payload: usize, value: &T) {
-    match wire::encode(value, flotilla_model::codec::Codec::Json, None) {
-        Ok(out) if out.payload.len() > max_payload => {
-            respond_error(
-                req,
-                413,
-                "too_large",
-                format!(
-                    "the answer is {} bytes, more than this deployment's max payload of {max_payload}; ask for less (tasks_limit on run.get, max_runs on run.tree)",
-                    out.payload.len()
-                ),
-            )
-            .await;
-        }
-        Ok(out) => {
-            let _ = req.respond_with_headers(Ok(out.payload), out.headers).await;
-        }
-        Err(e) => respond_error(req, 500, "internal", e.to_string()).await,
-    }
+    flotilla_bus::service::respond_json(
+        req,
+        max_payload,
+        value,
+        "ask for less (tasks_limit on run.get, max_runs on run.tree)",
+    )
+    .await;
 }
-
-/// Decodes a request body (JSON or MessagePack) and checks its protocol version; answers
-/// `400 malformed` (or `400 unsupported_protocol`) and returns `None` when it is not a valid
-/// request.
-async fn parse<T: DeserializeOwned + HasProtocol>(req: &Request) -> Option<T> {
-    let parsed = wire::decode::<T>(req.message.headers.as_ref(), &req.message.payload)
-        .and_then(|r| check_protocol(r.protocol()).map(|()| r));
-    match parsed {
-        Ok(r) => Some(r),
-        Err(e) => {
-            let code = match e {
-                CodecError::UnsupportedProtocol { .. } => "unsupported_protocol",
-                _ => "malformed",
-            };
-            respond_error(req, 400, code, e.to_string()).await;
-            None
-        }
-    }
-}
-
-/// Requests that carry a protocol version.
-trait HasProtocol {
-    fn protocol(&self) -> u32;
-}
-
-macro_rules! has_protocol {
-    ($($t:ty),*) => {$(impl HasProtocol for $t { fn protocol(&self) -> u32 { self.protocol } })*};
-}
-has_protocol!(
-    flotilla_model::watch::WatchRequest,
-    GetRunRequest,
-    CancelRunRequest,
-    ValidatePlanRequest,
-    WsAppendRequest,
-    WsReadRequest,
-    MboxSendRequest,
-    MboxReadRequest,
-    StateGetRequest,
-    StateSetRequest,
-    ChildStartRequest,
-    flotilla_model::tree::RunTreeRequest,
-    flotilla_model::tree::SessionRequest
-);
 
 /// What the endpoints share.
 struct Api {

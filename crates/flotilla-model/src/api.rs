@@ -21,6 +21,33 @@ pub trait ApiRequest: Serialize + DeserializeOwned {
     type Reply: Serialize + DeserializeOwned;
 }
 
+/// Requests that carry a protocol version (checked before a request is served).
+pub trait HasProtocol {
+    /// The request's `protocol`.
+    fn protocol(&self) -> u32;
+}
+
+macro_rules! has_protocol {
+    ($($t:ty),* $(,)?) => {$(impl $crate::api::HasProtocol for $t { fn protocol(&self) -> u32 { self.protocol } })*};
+}
+pub(crate) use has_protocol;
+
+has_protocol!(
+    crate::watch::WatchRequest,
+    GetRunRequest,
+    CancelRunRequest,
+    ValidatePlanRequest,
+    WsAppendRequest,
+    WsReadRequest,
+    MboxSendRequest,
+    MboxReadRequest,
+    StateGetRequest,
+    StateSetRequest,
+    ChildStartRequest,
+    crate::tree::RunTreeRequest,
+    crate::tree::SessionRequest,
+);
+
 impl ApiRequest for SubmitRequest {
     const ENDPOINT: &'static str = "submit";
     type Reply = SubmitReply;

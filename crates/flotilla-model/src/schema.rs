@@ -126,6 +126,30 @@ pub fn public_schemas() -> Vec<(&'static str, Schema)> {
             schema_for!(crate::tree::SessionRequest),
         ),
         ("session-view.json", schema_for!(crate::tree::SessionView)),
+        (
+            "team-list-request.json",
+            schema_for!(crate::team::TeamListRequest),
+        ),
+        (
+            "team-find-request.json",
+            schema_for!(crate::team::TeamFindRequest),
+        ),
+        ("team-list.json", schema_for!(crate::team::TeamList)),
+        (
+            "team-get-request.json",
+            schema_for!(crate::team::TeamGetRequest),
+        ),
+        ("member-view.json", schema_for!(crate::team::MemberView)),
+        (
+            "team-stats-request.json",
+            schema_for!(crate::team::TeamStatsRequest),
+        ),
+        ("team-stats.json", schema_for!(crate::team::TeamStats)),
+        ("team-member.json", schema_for!(crate::team::Member)),
+        (
+            "failure-record.json",
+            schema_for!(crate::team::FailureRecord),
+        ),
     ]
 }
 

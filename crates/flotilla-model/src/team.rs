@@ -73,7 +73,11 @@ impl MemberCard {
                 Self::MAX_DESCRIPTION
             ));
         }
-        if let Some(c) = self.capabilities.iter().find(|c| c.is_empty() || c.len() > 64) {
+        if let Some(c) = self
+            .capabilities
+            .iter()
+            .find(|c| c.is_empty() || c.len() > 64)
+        {
             return Err(format!("capabilities: {c:?} must be 1 to 64 bytes"));
         }
         Ok(())
@@ -81,7 +85,9 @@ impl MemberCard {
 }
 
 /// What a member is doing.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum MemberStatus {
     /// A live worker hosts it and it runs nothing.
@@ -161,9 +167,6 @@ pub struct Member {
     /// `progress-resolution`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_progress: Option<Timestamp>,
-    /// The newest heartbeat of the workers hosting it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub last_heartbeat: Option<Timestamp>,
     /// Attempts it started, and how they ended, since the roster entry was created.
     #[serde(default)]
     pub counters: MemberCounters,
@@ -203,7 +206,6 @@ impl Member {
             pools: Vec::new(),
             tasks: Vec::new(),
             last_progress: None,
-            last_heartbeat: None,
             counters: MemberCounters::default(),
             ended: VecDeque::new(),
             updated_at: now,
@@ -279,7 +281,9 @@ impl Member {
 }
 
 /// What a failure record counts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum RecordScope {
     /// One agent definition.
@@ -573,6 +577,153 @@ impl FailureRecord {
         }
     }
 }
+
+/// A member as the API shows it: its roster entry with the status at the time of the answer
+/// and its agent's failure figures.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct MemberView {
+    /// The agent definition's name.
+    pub name: String,
+    /// Its card.
+    pub card: MemberCard,
+    /// What it is doing now.
+    pub status: MemberStatus,
+    /// The live workers that can run it.
+    pub workers: Vec<String>,
+    /// The pools of those workers.
+    pub pools: Vec<String>,
+    /// The attempts it runs.
+    pub tasks: Vec<MemberTask>,
+    /// When one of its attempts last emitted an event.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_progress: Option<Timestamp>,
+    /// The newest heartbeat of its workers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_heartbeat: Option<Timestamp>,
+    /// Attempt counters.
+    pub counters: MemberCounters,
+    /// Its agent's failure record.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failures: Option<FailureStats>,
+}
+
+impl MemberView {
+    /// The view of `member` at `now`.
+    pub fn of(
+        member: &Member,
+        now: Timestamp,
+        stale_after_ms: i64,
+        last_heartbeat: Option<Timestamp>,
+        failures: Option<FailureStats>,
+    ) -> Self {
+        Self {
+            name: member.name.clone(),
+            card: member.card.clone(),
+            status: member.status_at(now, stale_after_ms),
+            workers: member.workers.clone(),
+            pools: member.pools.clone(),
+            tasks: member.tasks.clone(),
+            last_progress: member.last_progress,
+            last_heartbeat,
+            counters: member.counters,
+            failures,
+        }
+    }
+}
+
+/// `team.list`: the roster, optionally of one role.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TeamListRequest {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// Only members filling this role.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
+}
+
+/// `team.find`: the members of a role that can take work now — online, idle before working,
+/// then by name.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TeamFindRequest {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// The role.
+    pub role: String,
+}
+
+/// The answer of `team.list` and `team.find`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TeamList {
+    /// The members, by name (`team.find`: best first).
+    pub members: Vec<MemberView>,
+    /// Every role some member fills.
+    pub roles: Vec<String>,
+}
+
+/// `team.get`: one member.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TeamGetRequest {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// The member's name.
+    pub name: String,
+}
+
+/// `team.stats`: failure records — every record, those of one agent or role (`name`), or of
+/// one scope.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TeamStatsRequest {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// Only the records of this agent or role.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// Only records of this scope.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scope: Option<RecordScope>,
+}
+
+/// The answer of `team.stats`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TeamStats {
+    /// The records, agents first, then roles, by name.
+    pub records: Vec<FailureStats>,
+}
+
+impl crate::api::ApiRequest for TeamListRequest {
+    const ENDPOINT: &'static str = "team.list";
+    type Reply = TeamList;
+}
+
+impl crate::api::ApiRequest for TeamFindRequest {
+    const ENDPOINT: &'static str = "team.find";
+    type Reply = TeamList;
+}
+
+impl crate::api::ApiRequest for TeamGetRequest {
+    const ENDPOINT: &'static str = "team.get";
+    type Reply = MemberView;
+}
+
+impl crate::api::ApiRequest for TeamStatsRequest {
+    const ENDPOINT: &'static str = "team.stats";
+    type Reply = TeamStats;
+}
+
+crate::api::has_protocol!(
+    TeamListRequest,
+    TeamFindRequest,
+    TeamGetRequest,
+    TeamStatsRequest
+);
 
 #[cfg(test)]
 mod tests {

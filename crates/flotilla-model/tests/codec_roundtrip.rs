@@ -408,6 +408,8 @@ fn workflow() -> impl Strategy<Value = Event> {
                 Event::Workflow(WorkflowEvent {
                     phase,
                     tasks_total,
+                    agent: worker.clone(),
+                    role: worker.as_ref().map(|w| format!("{w}-role")),
                     worker,
                     started_at: None,
                     error,

@@ -24,7 +24,8 @@ use flotilla_model::submit::SubmitStatus;
 use tracing::{debug, info, trace};
 
 use crate::metrics::{
-    AttemptOutcome, Metrics, ModelLabels, OutcomeLabels, PoolLabels, StatusLabels, TokenLabels,
+    AgentLabels, AgentOutcomeLabels, AttemptOutcome, Metrics, ModelLabels, OutcomeLabels,
+    PoolLabels, StatusLabels, TokenLabels,
 };
 
 /// Something that happened, recorded as a log line and a metric together.
@@ -434,5 +435,81 @@ mod tests {
             .is_some(),
             "{text}"
         );
+    }
+}
+
+/// The supervisor counted an attempt outcome into its agent's failure record.
+#[derive(Debug, Clone, Copy)]
+pub struct AttemptCounted<'a> {
+    /// The agent.
+    pub agent: &'a str,
+    /// The run.
+    pub run: RunId,
+    /// The task.
+    pub task: &'a TaskId,
+    /// The attempt.
+    pub attempt: u32,
+    /// Whether it succeeded.
+    pub success: bool,
+    /// The agent's failures since its last success, after this one.
+    pub consecutive_failures: u64,
+}
+
+impl InternalEvent for AttemptCounted<'_> {
+    fn emit(self, metrics: &Metrics) {
+        debug!(
+            agent = self.agent,
+            run = %self.run,
+            task = %self.task,
+            attempt = self.attempt,
+            success = self.success,
+            consecutive_failures = self.consecutive_failures,
+            "Attempt outcome counted"
+        );
+        let f = metrics.families();
+        f.team_outcomes
+            .get_or_create(&AgentOutcomeLabels {
+                agent: self.agent.to_owned(),
+                outcome: if self.success { "succeeded" } else { "failed" },
+            })
+            .inc();
+        f.team_consecutive_failures
+            .get_or_create(&AgentLabels {
+                agent: self.agent.to_owned(),
+            })
+            .set(i64::try_from(self.consecutive_failures).unwrap_or(i64::MAX));
+    }
+}
+
+/// The supervisor's count of team members by status, after a presence pass.
+#[derive(Debug, Clone, Copy)]
+pub struct TeamPresence<'a> {
+    /// `(status, members)` for every status.
+    pub counts: &'a [(&'static str, usize)],
+}
+
+impl InternalEvent for TeamPresence<'_> {
+    fn emit(self, metrics: &Metrics) {
+        let f = metrics.families();
+        for (status, n) in self.counts {
+            f.team_members
+                .get_or_create(&StatusLabels { status })
+                .set(i64::try_from(*n).unwrap_or(i64::MAX));
+        }
+    }
+}
+
+/// A supervisor lost a compare-and-set race on a team or failure-record value (another
+/// replica wrote it first) and redoes its change: normal with several replicas.
+#[derive(Debug, Clone, Copy)]
+pub struct SupervisorCasConflict<'a> {
+    /// The key.
+    pub key: &'a str,
+}
+
+impl InternalEvent for SupervisorCasConflict<'_> {
+    fn emit(self, metrics: &Metrics) {
+        debug!(key = self.key, "Team value changed concurrently; redoing");
+        metrics.families().supervisor_cas_conflicts.inc();
     }
 }

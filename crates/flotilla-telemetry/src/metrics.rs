@@ -133,6 +133,17 @@ pub(crate) struct AttemptLabels {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub(crate) struct AgentOutcomeLabels {
+    pub(crate) agent: String,
+    pub(crate) outcome: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub(crate) struct AgentLabels {
+    pub(crate) agent: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub(crate) struct ModelLabels {
     pub(crate) model: String,
 }
@@ -164,6 +175,10 @@ pub(crate) struct Families {
     pub(crate) cas_conflicts: Counter,
     pub(crate) llm_tokens: Family<TokenLabels, Counter>,
     pub(crate) llm_cost_usd: Family<ModelLabels, Counter<f64, AtomicU64>>,
+    pub(crate) team_outcomes: Family<AgentOutcomeLabels, Counter>,
+    pub(crate) team_consecutive_failures: Family<AgentLabels, Gauge>,
+    pub(crate) team_members: Family<StatusLabels, Gauge>,
+    pub(crate) supervisor_cas_conflicts: Counter,
 }
 
 /// The series of one (pool, agent) pair, resolved once: recording a task is then an atomic
@@ -303,6 +318,10 @@ impl Metrics {
             cas_conflicts: Counter::default(),
             llm_tokens: Family::default(),
             llm_cost_usd: Family::default(),
+            team_outcomes: Family::default(),
+            team_consecutive_failures: Family::default(),
+            team_members: Family::default(),
+            supervisor_cas_conflicts: Counter::default(),
         };
         // Series of a fixed label set exist from the start (at 0), so dashboards and rate()
         // see them before the first event; pool and agent series appear with their first
@@ -395,6 +414,26 @@ impl Metrics {
             "llm_cost_usd",
             "Estimated model cost in US dollars, by model",
             f.llm_cost_usd.clone(),
+        );
+        r.register(
+            "team_attempt_outcomes",
+            "Attempt outcomes the supervisor counted into failure records, by agent and outcome (succeeded, failed)",
+            f.team_outcomes.clone(),
+        );
+        r.register(
+            "team_consecutive_failures",
+            "Failures since the last success, by agent (as of the supervisor's last count)",
+            f.team_consecutive_failures.clone(),
+        );
+        r.register(
+            "team_members",
+            "Team members by status (idle, working, stale, waiting, offline), as this supervisor last saw them",
+            f.team_members.clone(),
+        );
+        r.register(
+            "supervisor_cas_conflicts",
+            "Team and failure-record writes that lost a compare-and-set race and were redone",
+            f.supervisor_cas_conflicts.clone(),
         );
         r.register(
             "build",

@@ -7,4 +7,5 @@ pub(crate) mod runs;
 pub(crate) mod schema;
 pub(crate) mod services;
 pub(crate) mod submit;
+pub(crate) mod team;
 pub(crate) mod watch;

@@ -1,4 +1,4 @@
-//! `flotilla coordinator`, `flotilla worker`, `flotilla up`.
+//! `flotilla coordinator`, `flotilla worker`, `flotilla supervisor`, `flotilla up`.
 //!
 //! Each service starts its HTTP listener first (`/healthz` answers while NATS connects), with
 //! readiness conditions registered up front and flipped as start-up progresses:
@@ -16,6 +16,7 @@ use flotilla_bus::server::LocalNatsServer;
 use flotilla_coordinator::Coordinator;
 use flotilla_model::subjects::StreamKind;
 use flotilla_model::subjects::WORKFLOW_POOL;
+use flotilla_supervisor::Supervisor;
 use flotilla_telemetry::events::ConsumerLag;
 use flotilla_telemetry::{Condition, Health, HttpAddr, HttpServer, InternalEvent, Metrics};
 use flotilla_worker::Worker;
@@ -179,6 +180,52 @@ pub(crate) async fn coordinator(config: &Config) -> anyhow::Result<ExitCode> {
     if let Some(w) = workflows {
         w.await??;
     }
+    obs.stop().await;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The supervisor of this configuration's members.
+fn supervisor_of(config: &Config, bus: Bus) -> Supervisor {
+    Supervisor::new(
+        bus,
+        config.supervisor.clone(),
+        config.member_cards(),
+        config.worker.heartbeat,
+    )
+}
+
+/// `flotilla supervisor`: the team roster, presence and failure records; the team API.
+/// Like a worker, it waits for the streams and buckets rather than creating them.
+pub(crate) async fn supervisor(config: &Config) -> anyhow::Result<ExitCode> {
+    let health = Health::new();
+    let nats = health.condition("nats_connected");
+    let provisioned = health.condition("provisioned");
+    let bound = health.condition("consumer_bound");
+    let obs = Observability::start(config.telemetry.http_addr, health, Metrics::new()).await?;
+    let shutdown = shutdown_on_signals()?;
+    obs.drain_on(&shutdown);
+    let bus = async {
+        let bus = Bus::connect(&config.nats, "flotilla-supervisor").await?;
+        follow_connection(&nats, &bus);
+        if !wait_provisioned(&bus, config, &shutdown).await? {
+            return anyhow::Ok(None);
+        }
+        provisioned.set(true);
+        anyhow::Ok(Some(bus))
+    }
+    .instrument(info_span!("startup", flotilla.role = "supervisor"))
+    .await?;
+    let Some(bus) = bus else {
+        obs.stop().await;
+        return Ok(ExitCode::SUCCESS);
+    };
+    let (tx, rx) = oneshot::channel();
+    set_when_ready(rx, vec![bound]);
+    supervisor_of(config, bus)
+        .with_metrics(obs.metrics.clone())
+        .on_ready(tx)
+        .run(shutdown)
+        .await?;
     obs.stop().await;
     Ok(ExitCode::SUCCESS)
 }
@@ -429,6 +476,7 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
     let nats = health.condition("nats_connected");
     let provisioned = health.condition("provisioned");
     let coordinator_ready = health.condition("coordinator.consumers_bound");
+    let supervisor_ready = health.condition("supervisor.consumer_bound");
     let workers_ready: Vec<Condition> = (0..opts.workers.max(1))
         .map(|i| health.condition(format!("worker[{i}].consumer_bound")))
         .collect();
@@ -491,6 +539,18 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
         let w = w.with_metrics(obs.metrics.clone());
         let token = shutdown.clone();
         services.spawn(async move { w.run(token).await.map_err(|e| e.to_string()) });
+    }
+    {
+        let (tx, rx) = oneshot::channel();
+        set_when_ready(rx, vec![supervisor_ready]);
+        let supervisor = supervisor_of(
+            &config,
+            Bus::connect(&config.nats, "flotilla-supervisor").await?,
+        )
+        .with_metrics(obs.metrics.clone())
+        .on_ready(tx);
+        let token = shutdown.clone();
+        services.spawn(async move { supervisor.run(token).await.map_err(|e| e.to_string()) });
     }
     for (i, ready) in workers_ready.into_iter().enumerate() {
         let mut wopts = config.worker.clone();

@@ -77,7 +77,10 @@ impl Runtime {
                         &sub.id,
                         *attempt,
                         &sub.pool,
-                        sub.agent.as_deref().or(self.default_agent.as_deref()).unwrap_or("default"),
+                        sub.agent
+                            .as_deref()
+                            .or(self.default_agent.as_deref())
+                            .unwrap_or("default"),
                     );
                     let env = match Box::pin(self.envelope(entry, *task, *attempt)).await? {
                         // The attempt's trace parent is this dispatch (when spans are exported).

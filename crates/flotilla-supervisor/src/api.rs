@@ -1,0 +1,294 @@
+//! The team API: a NATS micro service named `<prefix>-supervisor` with endpoints under
+//! `<prefix>.api.team.`, answered by whichever replica the service's queue group picks,
+//! from its mirrors of the buckets.
+//!
+//! | Subject | Request | Reply |
+//! |---|---|---|
+//! | `<prefix>.api.team.list` | `TeamListRequest` | `TeamList` |
+//! | `<prefix>.api.team.get` | `TeamGetRequest` | `MemberView` (`404 not_found`) |
+//! | `<prefix>.api.team.find` | `TeamFindRequest` | `TeamList` (`404 unknown_role`) |
+//! | `<prefix>.api.team.stats` | `TeamStatsRequest` | `TeamStats` (`404 not_found` for a name with no record) |
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use async_nats::service::{Request, Service, ServiceExt, endpoint::Endpoint};
+use flotilla_bus::service::{parse, respond_error, respond_json};
+use flotilla_model::api::ApiRequest;
+use flotilla_model::team::{
+    FailureStats, Member, MemberStatus, MemberView, RecordScope, TeamFindRequest, TeamGetRequest,
+    TeamList, TeamListRequest, TeamStats, TeamStatsRequest, member_key, record_key,
+};
+use flotilla_model::time::Timestamp;
+use futures::StreamExt;
+use tokio_util::sync::CancellationToken;
+
+use crate::Team;
+use crate::error::SupervisorError;
+use crate::presence::hosts;
+
+/// The started service and its endpoints.
+pub(crate) struct Started {
+    service: Service,
+    list: Endpoint,
+    get: Endpoint,
+    find: Endpoint,
+    stats: Endpoint,
+}
+
+/// Starts the service (its endpoints answer once [`serve`] runs).
+pub(crate) async fn start(team: &Team) -> Result<Started, SupervisorError> {
+    let setup =
+        |e: async_nats::Error| SupervisorError::Setup(format!("starting the team API: {e}"));
+    let names = team.bus.names();
+    let service = team
+        .bus
+        .client()
+        .service_builder()
+        .description("Flotilla supervisor: team roster, presence and failure records")
+        .start(
+            format!("{}-supervisor", names.service()),
+            env!("CARGO_PKG_VERSION"),
+        )
+        .await
+        .map_err(setup)?;
+    let group = service.group(format!("{}.api", names.prefix()));
+    let endpoint = |name: &'static str, subject: &'static str| {
+        let group = &group;
+        async move { group.endpoint_builder().name(name).add(subject).await }
+    };
+    Ok(Started {
+        list: endpoint("team-list", TeamListRequest::ENDPOINT)
+            .await
+            .map_err(setup)?,
+        get: endpoint("team-get", TeamGetRequest::ENDPOINT)
+            .await
+            .map_err(setup)?,
+        find: endpoint("team-find", TeamFindRequest::ENDPOINT)
+            .await
+            .map_err(setup)?,
+        stats: endpoint("team-stats", TeamStatsRequest::ENDPOINT)
+            .await
+            .map_err(setup)?,
+        service,
+    })
+}
+
+/// Answers requests until `stop`.
+pub(crate) async fn serve(
+    team: Arc<Team>,
+    started: Started,
+    stop: CancellationToken,
+) -> Result<(), SupervisorError> {
+    let Started {
+        service,
+        mut list,
+        mut get,
+        mut find,
+        mut stats,
+    } = started;
+    loop {
+        let team = Arc::clone(&team);
+        tokio::select! {
+            _ = stop.cancelled() => break,
+            Some(req) = list.next() => { tokio::spawn(async move { team_list(&team, req).await }); }
+            Some(req) = get.next() => { tokio::spawn(async move { team_get(&team, req).await }); }
+            Some(req) = find.next() => { tokio::spawn(async move { team_find(&team, req).await }); }
+            Some(req) = stats.next() => { tokio::spawn(async move { team_stats(&team, req).await }); }
+            else => break,
+        }
+    }
+    let _ = service.stop().await;
+    Ok(())
+}
+
+const TOO_LARGE: &str = "ask for one role (team.list role, team.find) or one member (team.get)";
+
+/// The roster's members as views at `now`, by name.
+fn views(team: &Team, now: Timestamp) -> Vec<MemberView> {
+    let timeout_ms = i64::try_from(team.presence_timeout.as_millis()).unwrap_or(i64::MAX);
+    let hosts = hosts(&team.workers.all(), now.unix_ms(), timeout_ms);
+    team.roster
+        .all()
+        .into_iter()
+        .map(|(_, m)| {
+            let beat = hosts
+                .get(&m.value.name)
+                .and_then(|h| h.iter().map(|h| h.seen_ms).max())
+                .map(Timestamp::from_unix_ms);
+            let failures = failure_stats(team, RecordScope::Agent, &m.value.name, now);
+            let mut m: Member = m.value;
+            // What the registry says now wins over what the last presence pass stored.
+            if !hosts.contains_key(&m.name) {
+                m.workers.clear();
+            }
+            MemberView::of(&m, now, team.stale_after_ms(), beat, failures)
+        })
+        .collect()
+}
+
+fn failure_stats(
+    team: &Team,
+    scope: RecordScope,
+    name: &str,
+    now: Timestamp,
+) -> Option<FailureStats> {
+    team.failures
+        .get(&record_key(scope, name))
+        .map(|r| r.value.stats_at(now))
+}
+
+fn roles(team: &Team) -> Vec<String> {
+    let mut roles: BTreeSet<String> = team
+        .cards
+        .values()
+        .flat_map(|c| c.roles.iter().cloned())
+        .collect();
+    roles.extend(
+        team.roster
+            .all()
+            .into_iter()
+            .flat_map(|(_, m)| m.value.card.roles),
+    );
+    roles.into_iter().collect()
+}
+
+async fn team_list(team: &Team, req: Request) {
+    let Some(r) = parse::<TeamListRequest>(&req).await else {
+        return;
+    };
+    let mut members = views(team, Timestamp::now());
+    if let Some(role) = &r.role {
+        members.retain(|m| m.card.roles.contains(role));
+    }
+    let reply = TeamList {
+        members,
+        roles: roles(team),
+    };
+    respond_json(&req, team.bus.max_payload(), &reply, TOO_LARGE).await;
+}
+
+async fn team_get(team: &Team, req: Request) {
+    let Some(r) = parse::<TeamGetRequest>(&req).await else {
+        return;
+    };
+    let key = member_key(&r.name);
+    match views(team, Timestamp::now())
+        .into_iter()
+        .find(|m| member_key(&m.name) == key)
+    {
+        Some(view) => respond_json(&req, team.bus.max_payload(), &view, TOO_LARGE).await,
+        None => {
+            let known: Vec<String> = team
+                .roster
+                .all()
+                .into_iter()
+                .map(|(_, m)| m.value.name)
+                .collect();
+            respond_error(
+                &req,
+                404,
+                "not_found",
+                format!(
+                    "no team member is named {:?} (members: {})",
+                    r.name,
+                    if known.is_empty() {
+                        "none".to_owned()
+                    } else {
+                        known.join(", ")
+                    }
+                ),
+            )
+            .await;
+        }
+    }
+}
+
+/// Best first: online before offline, idle before working or stale, then by name.
+fn rank(s: MemberStatus) -> u8 {
+    match s {
+        MemberStatus::Idle => 0,
+        MemberStatus::Working => 1,
+        MemberStatus::Waiting => 2,
+        MemberStatus::Stale => 3,
+        MemberStatus::Offline => 4,
+    }
+}
+
+async fn team_find(team: &Team, req: Request) {
+    let Some(r) = parse::<TeamFindRequest>(&req).await else {
+        return;
+    };
+    let roles = roles(team);
+    if !roles.contains(&r.role) {
+        return respond_error(
+            &req,
+            404,
+            "unknown_role",
+            format!(
+                "no team member fills the role {:?} (roles: {})",
+                r.role,
+                if roles.is_empty() {
+                    "none configured".to_owned()
+                } else {
+                    roles.join(", ")
+                }
+            ),
+        )
+        .await;
+    }
+    let mut members: Vec<MemberView> = views(team, Timestamp::now())
+        .into_iter()
+        .filter(|m| m.card.roles.contains(&r.role) && m.status != MemberStatus::Offline)
+        .collect();
+    members.sort_by(|a, b| {
+        rank(a.status)
+            .cmp(&rank(b.status))
+            .then(a.name.cmp(&b.name))
+    });
+    respond_json(
+        &req,
+        team.bus.max_payload(),
+        &TeamList { members, roles },
+        TOO_LARGE,
+    )
+    .await;
+}
+
+async fn team_stats(team: &Team, req: Request) {
+    let Some(r) = parse::<TeamStatsRequest>(&req).await else {
+        return;
+    };
+    let now = Timestamp::now();
+    let mut records: Vec<FailureStats> = team
+        .failures
+        .all()
+        .into_iter()
+        .map(|(_, r)| r.value.stats_at(now))
+        .filter(|s| r.name.as_ref().is_none_or(|n| *n == s.name))
+        .filter(|s| r.scope.is_none_or(|scope| scope == s.scope))
+        .collect();
+    records.sort_by(|a, b| a.scope.cmp(&b.scope).then(a.name.cmp(&b.name)));
+    if records.is_empty()
+        && let Some(name) = &r.name
+    {
+        let known =
+            team.roster.get(&member_key(name)).is_some() || roles(team).iter().any(|r| r == name);
+        if !known {
+            return respond_error(
+                &req,
+                404,
+                "not_found",
+                format!("no agent or role is named {name:?}"),
+            )
+            .await;
+        }
+    }
+    respond_json(
+        &req,
+        team.bus.max_payload(),
+        &TeamStats { records },
+        TOO_LARGE,
+    )
+    .await;
+}

@@ -1,0 +1,199 @@
+//! The supervisor service (`flotilla supervisor`): the management layer's keeper of facts.
+//!
+//! It follows the event stream and the worker registry and keeps two buckets:
+//!
+//! - **`<prefix>-team`**, the roster: one entry per member (a configured agent definition
+//!   with its card), with its presence — the live workers hosting it, the attempts it runs,
+//!   its last progress — and counters. Watchable, so a console can show it live.
+//! - **`<prefix>-failures`**, failure records per agent and per role: consecutive failures,
+//!   sliding windows (1 h, 24 h, 30 d), last incident; each attempt outcome counted once
+//!   across restarts and replicas.
+//!
+//! It answers the team API (`<prefix>.api.team.list|get|find|stats`, a NATS micro service
+//! named `<prefix>-supervisor`).
+//!
+//! **It decides no run.** The run machine in the coordinator stays the only decider; the
+//! supervisor records facts and (in later work) answers policy questions whose decisions
+//! the machine applies from the run log. It is stateless: N replicas share one durable
+//! consumer of the event stream (each event message goes to one of them) and write with
+//! compare-and-set, so a killed supervisor loses nothing — its unacknowledged messages go to
+//! another replica, and a repeated outcome is recognised and not counted twice.
+
+mod api;
+mod cas;
+mod error;
+mod follow;
+mod mirror;
+mod options;
+mod presence;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::kv;
+use flotilla_bus::Bus;
+use flotilla_model::subjects::Bucket;
+use flotilla_model::team::{FailureRecord, Member, MemberCard};
+use flotilla_model::worker::WorkerInfo;
+use flotilla_telemetry::Metrics;
+use tokio::sync::oneshot;
+use tokio_util::sync::CancellationToken;
+use tracing::info;
+
+pub use error::SupervisorError;
+pub use options::SupervisorOptions;
+
+use crate::mirror::Mirror;
+
+/// The durable consumer the replicas share on the event stream.
+pub const CONSUMER: &str = "supervisor";
+
+/// What every part of the supervisor reads and writes.
+pub(crate) struct Team {
+    pub(crate) bus: Bus,
+    pub(crate) opts: SupervisorOptions,
+    /// The configured members' cards, by agent name.
+    pub(crate) cards: BTreeMap<String, MemberCard>,
+    pub(crate) presence_timeout: Duration,
+    pub(crate) team_kv: kv::Store,
+    pub(crate) failures_kv: kv::Store,
+    pub(crate) roster: Mirror<Member>,
+    pub(crate) failures: Mirror<FailureRecord>,
+    pub(crate) workers: Mirror<WorkerInfo>,
+    pub(crate) metrics: Metrics,
+}
+
+impl Team {
+    pub(crate) fn stale_after_ms(&self) -> i64 {
+        i64::try_from(self.opts.stale_after.as_millis()).unwrap_or(i64::MAX)
+    }
+}
+
+/// The supervisor service.
+pub struct Supervisor {
+    bus: Bus,
+    opts: SupervisorOptions,
+    cards: BTreeMap<String, MemberCard>,
+    heartbeat: Duration,
+    metrics: Metrics,
+    ready: Option<oneshot::Sender<()>>,
+}
+
+impl std::fmt::Debug for Supervisor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Supervisor")
+            .field("prefix", &self.bus.names().prefix())
+            .field("members", &self.cards.len())
+            .field("opts", &self.opts)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Supervisor {
+    /// A supervisor of the members `cards` (agent name → card), for workers that refresh
+    /// their registry entry every `heartbeat` (the default presence timeout is two of them).
+    pub fn new(
+        bus: Bus,
+        opts: SupervisorOptions,
+        cards: BTreeMap<String, MemberCard>,
+        heartbeat: Duration,
+    ) -> Self {
+        Self {
+            bus,
+            opts,
+            cards,
+            heartbeat,
+            metrics: Metrics::new(),
+            ready: None,
+        }
+    }
+
+    /// Records metrics in `metrics` (the process's registry).
+    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
+    /// Signals `ready` once the consumer is bound, the mirrors are in sync and the API
+    /// answers.
+    pub fn on_ready(mut self, ready: oneshot::Sender<()>) -> Self {
+        self.ready = Some(ready);
+        self
+    }
+
+    /// Runs until `shutdown`.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<(), SupervisorError> {
+        self.opts.validate().map_err(SupervisorError::Setup)?;
+        let open = |b: Bucket| {
+            let bus = self.bus.clone();
+            async move {
+                bus.kv(b)
+                    .await
+                    .map_err(|e| SupervisorError::Setup(e.to_string()))
+            }
+        };
+        let team_kv = open(Bucket::Team).await?;
+        let failures_kv = open(Bucket::Failures).await?;
+        let workers_kv = open(Bucket::Workers).await?;
+        let team = Arc::new(Team {
+            bus: self.bus.clone(),
+            presence_timeout: self.opts.presence_timeout_or(self.heartbeat),
+            opts: self.opts,
+            cards: self.cards,
+            team_kv: team_kv.clone(),
+            failures_kv: failures_kv.clone(),
+            roster: Mirror::new(),
+            failures: Mirror::new(),
+            workers: Mirror::new(),
+            metrics: self.metrics,
+        });
+        team.roster.follow(team_kv, shutdown.clone());
+        team.failures.follow(failures_kv, shutdown.clone());
+        team.workers.follow(workers_kv, shutdown.clone());
+        tokio::select! {
+            _ = shutdown.cancelled() => return Ok(()),
+            _ = async {
+                team.roster.synced().await;
+                team.failures.synced().await;
+                team.workers.synced().await;
+            } => {}
+        }
+        let consumer = follow::consumer(&team).await?;
+        let service = api::start(&team).await?;
+        let mut tasks = tokio::task::JoinSet::new();
+        {
+            let (team, stop) = (Arc::clone(&team), shutdown.clone());
+            tasks.spawn(async move { presence::run(team, stop).await });
+        }
+        {
+            let (team, stop) = (Arc::clone(&team), shutdown.clone());
+            tasks.spawn(async move { follow::run(team, consumer, stop).await });
+        }
+        {
+            let (team, stop) = (Arc::clone(&team), shutdown.clone());
+            tasks.spawn(async move { api::serve(team, service, stop).await });
+        }
+        info!(members = team.cards.len(), "Supervisor started");
+        if let Some(ready) = self.ready {
+            let _ = ready.send(());
+        }
+        let mut result = Ok(());
+        while let Some(r) = tasks.join_next().await {
+            match r {
+                Ok(Err(e)) if result.is_ok() => {
+                    shutdown.cancel();
+                    result = Err(e);
+                }
+                Err(e) if result.is_ok() => {
+                    shutdown.cancel();
+                    result = Err(SupervisorError::Setup(format!(
+                        "a supervisor task ended: {e}"
+                    )));
+                }
+                _ => {}
+            }
+        }
+        result
+    }
+}

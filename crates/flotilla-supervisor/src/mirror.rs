@@ -1,0 +1,140 @@
+//! A bucket kept in memory from a KV watch: the roster, the failure records and the worker
+//! registry are read on every event and request, so they are read from here, not from the
+//! server. Writes still go to the server with compare-and-set ([`crate::cas`]); the mirror
+//! follows them a moment later.
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use async_nats::jetstream::kv;
+use futures::StreamExt;
+use serde::de::DeserializeOwned;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+/// One mirrored value.
+#[derive(Debug, Clone)]
+pub(crate) struct Mirrored<T> {
+    /// The value.
+    pub(crate) value: T,
+    /// When it was written (server time, Unix ms).
+    pub(crate) at_ms: i64,
+}
+
+/// The live content of one bucket.
+#[derive(Debug)]
+pub(crate) struct Mirror<T> {
+    entries: Arc<RwLock<HashMap<String, Mirrored<T>>>>,
+    synced: watch::Sender<bool>,
+}
+
+impl<T> Clone for Mirror<T> {
+    fn clone(&self) -> Self {
+        Self {
+            entries: Arc::clone(&self.entries),
+            synced: self.synced.clone(),
+        }
+    }
+}
+
+/// Unix ms of a server timestamp.
+pub(crate) fn unix_ms(t: time::OffsetDateTime) -> i64 {
+    i64::try_from(t.unix_timestamp_nanos() / 1_000_000).unwrap_or(i64::MAX)
+}
+
+impl<T: DeserializeOwned + Clone + Send + Sync + 'static> Mirror<T> {
+    pub(crate) fn new() -> Self {
+        Self {
+            entries: Arc::default(),
+            synced: watch::Sender::new(false),
+        }
+    }
+
+    /// Follows `store` until `shutdown`, restarting the watch after errors.
+    pub(crate) fn follow(&self, store: kv::Store, shutdown: CancellationToken) {
+        let this = self.clone();
+        tokio::spawn(async move { this.run(store, shutdown).await });
+    }
+
+    async fn run(self, store: kv::Store, shutdown: CancellationToken) {
+        while !shutdown.is_cancelled() {
+            let watch = match store.watch_all().await {
+                Ok(w) => w,
+                Err(e) => {
+                    debug!(error = %e, "Cannot watch a bucket; retrying");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
+                    }
+                }
+            };
+            // An empty bucket delivers nothing: it is in sync at once.
+            if store.status().await.is_ok_and(|s| s.values() == 0) {
+                self.synced.send_replace(true);
+            }
+            let watch = watch.take_until(shutdown.cancelled());
+            futures::pin_mut!(watch);
+            while let Some(entry) = watch.next().await {
+                let Ok(entry) = entry else { break };
+                if entry.delta == 0 || entry.seen_current {
+                    self.synced.send_replace(true);
+                }
+                let mut map = self.entries.write().unwrap_or_else(|p| p.into_inner());
+                match entry.operation {
+                    kv::Operation::Put => match serde_json::from_slice::<T>(&entry.value) {
+                        Ok(value) => {
+                            map.insert(
+                                entry.key,
+                                Mirrored {
+                                    value,
+                                    at_ms: unix_ms(entry.created),
+                                },
+                            );
+                        }
+                        Err(e) => {
+                            warn!(bucket = %entry.bucket, key = %entry.key, error = %e, "Ignoring an unreadable value");
+                        }
+                    },
+                    kv::Operation::Delete | kv::Operation::Purge => {
+                        map.remove(&entry.key);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Waits until the mirror holds the bucket's content as of its start.
+    pub(crate) async fn synced(&self) {
+        let mut rx = self.synced.subscribe();
+        let _ = rx.wait_for(|s| *s).await;
+    }
+
+    /// One value.
+    pub(crate) fn get(&self, key: &str) -> Option<Mirrored<T>> {
+        self.entries
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(key)
+            .cloned()
+    }
+
+    /// Every value, by key.
+    pub(crate) fn all(&self) -> Vec<(String, Mirrored<T>)> {
+        let map = self.entries.read().unwrap_or_else(|p| p.into_inner());
+        let mut all: Vec<(String, Mirrored<T>)> =
+            map.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        all
+    }
+
+    /// Records a value this process just wrote, so its next read sees it before the watch
+    /// delivers it.
+    pub(crate) fn note(&self, key: &str, value: T, at_ms: i64) {
+        self.entries
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key.to_owned(), Mirrored { value, at_ms });
+    }
+}

@@ -1,0 +1,86 @@
+//! `[supervisor]` in `flotilla.toml`.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Supervisor settings.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields, default)]
+pub struct SupervisorOptions {
+    /// How long a worker's registry entry may go without a refresh before its members count
+    /// as offline. Default: two worker heartbeats (set by `flotilla supervisor` from
+    /// `[worker] heartbeat` when left out).
+    #[serde(with = "humantime_serde", skip_serializing_if = "Option::is_none")]
+    pub presence_timeout: Option<Duration>,
+    /// A member running attempts that emitted nothing for this long is `stale`, not
+    /// `working`.
+    #[serde(with = "humantime_serde")]
+    pub stale_after: Duration,
+    /// Progress times are recorded to this resolution: a member's entry is rewritten at most
+    /// this often for progress alone (a streaming agent emits many events a second).
+    #[serde(with = "humantime_serde")]
+    pub progress_resolution: Duration,
+    /// How often presence is recomputed from the worker registry (offline, stale).
+    #[serde(with = "humantime_serde")]
+    pub presence_interval: Duration,
+    /// Event messages processed at once by one supervisor.
+    pub concurrency: usize,
+    /// How long a delivered event message may stay unacknowledged before JetStream gives it
+    /// to another supervisor replica.
+    #[serde(with = "humantime_serde")]
+    pub ack_wait: Duration,
+}
+
+impl Default for SupervisorOptions {
+    fn default() -> Self {
+        Self {
+            presence_timeout: None,
+            stale_after: Duration::from_secs(120),
+            progress_resolution: Duration::from_secs(5),
+            presence_interval: Duration::from_secs(1),
+            concurrency: 32,
+            ack_wait: Duration::from_secs(30),
+        }
+    }
+}
+
+impl SupervisorOptions {
+    /// Checks the values; the error names the key.
+    pub fn validate(&self) -> Result<(), String> {
+        let positive = [
+            ("stale-after", self.stale_after),
+            ("progress-resolution", self.progress_resolution),
+            ("presence-interval", self.presence_interval),
+            ("ack-wait", self.ack_wait),
+        ];
+        for (key, d) in positive {
+            if d.is_zero() {
+                return Err(format!("{key} must be more than 0"));
+            }
+        }
+        if let Some(t) = self.presence_timeout
+            && t < self.presence_interval
+        {
+            return Err(format!(
+                "presence-timeout ({t:?}) must be at least presence-interval ({:?})",
+                self.presence_interval
+            ));
+        }
+        if !(1..=1024).contains(&self.concurrency) {
+            return Err(format!(
+                "concurrency must be 1 to 1024, not {}",
+                self.concurrency
+            ));
+        }
+        if self.progress_resolution >= self.stale_after {
+            return Err("progress-resolution must be shorter than stale-after".into());
+        }
+        Ok(())
+    }
+
+    /// The presence timeout, with two heartbeats of `heartbeat` as the default.
+    pub fn presence_timeout_or(&self, heartbeat: Duration) -> Duration {
+        self.presence_timeout.unwrap_or(heartbeat * 2)
+    }
+}
