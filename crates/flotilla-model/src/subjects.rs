@@ -11,7 +11,7 @@
 //! | event stream / subjects | `P_EVENTS` / `p.event.<run>` |
 //! | workspace stream / subjects | `P_WORKSPACE` / `p.ws.<root-run>.<topic>` |
 //! | mailbox stream / subjects | `P_MAILBOX` / `p.mbox.<root-run>.<to>.<from>` |
-//! | KV buckets | `p-runs`, `p-control`, `p-state`, `p-workers`, `p-cursors`; reserved for the supervisor (provisioned, unused): `p-team`, `p-failures`, `p-escalations`, `p-trust` |
+//! | KV buckets | `p-runs`, `p-control`, `p-state`, `p-workers`, `p-cursors`, `p-team` and `p-failures` (the supervisor's); reserved for the human-in-the-loop work (provisioned, unused): `p-escalations`, `p-trust` |
 //! | request/reply API | `p.api.<endpoint>` (NATS micro service `p`) |
 
 use std::fmt;
@@ -54,16 +54,16 @@ impl Default for Names {
 pub enum Bucket {
     /// Run snapshots and plans.
     Runs,
-    /// Team roster. Reserved for the supervisor service (not built yet): provisioned, but
-    /// nothing reads or writes it.
+    /// Team roster with presence (`agent.<name>`), written by the supervisor.
     Team,
-    /// Failure counters. Reserved for the supervisor service: provisioned, unused.
+    /// Failure records per agent and role (`agent.<name>`, `role.<name>`), written by the
+    /// supervisor.
     Failures,
-    /// Escalations. Reserved for the supervisor service: provisioned, unused.
+    /// Escalations. Reserved for the human-in-the-loop work: provisioned, unused.
     Escalations,
     /// Run controls (pause, cancel).
     Control,
-    /// Trust levels. Reserved for the supervisor service: provisioned, unused.
+    /// Trust levels. Reserved for the human-in-the-loop work: provisioned, unused.
     Trust,
     /// Session state.
     State,
