@@ -144,6 +144,18 @@ pub fn attempt_key(run: RunId, task: &TaskId, attempt: u32) -> String {
     format!("{run}.{task}.{attempt}")
 }
 
+/// What the bounded de-duplication sets store of an attempt key: its 64-bit FNV-1a digest
+/// as 16 hex digits (a third of the key's size; stable across builds and replicas, so a
+/// rolling upgrade keeps recognising what was counted).
+pub fn attempt_digest(key: &str) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in key.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
 /// One member's roster entry (`<prefix>-team`, key `agent.<name>`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Member {
@@ -170,8 +182,8 @@ pub struct Member {
     /// Attempts it started, and how they ended, since the roster entry was created.
     #[serde(default)]
     pub counters: MemberCounters,
-    /// Attempts that ended recently (bounded): a late `task_started` of one of them is not
-    /// taken for a running attempt.
+    /// Digests ([`attempt_digest`]) of the attempts that ended most recently (bounded): a
+    /// late `task_started` or a repeated end of one of them changes nothing.
     #[serde(default, skip_serializing_if = "VecDeque::is_empty")]
     pub ended: VecDeque<String>,
     /// When the entry last changed (supervisor clock).
@@ -194,7 +206,7 @@ impl Member {
     /// Most attempts listed in one entry.
     pub const MAX_TASKS: usize = 64;
     /// Ended attempts remembered.
-    pub const MAX_ENDED: usize = 256;
+    pub const MAX_ENDED: usize = 128;
 
     /// A new, offline entry.
     pub fn new(name: &str, card: MemberCard, now: Timestamp) -> Self {
@@ -220,7 +232,7 @@ impl Member {
     /// An attempt started. `false`: nothing changed (already listed, or already ended).
     pub fn start(&mut self, task: MemberTask) -> bool {
         let key = task.key();
-        if self.ended.contains(&key) || self.tasks.iter().any(|t| t.key() == key) {
+        if self.ended.contains(&attempt_digest(&key)) || self.tasks.iter().any(|t| t.key() == key) {
             return false;
         }
         self.counters.started += 1;
@@ -232,7 +244,8 @@ impl Member {
 
     /// An attempt ended. `false`: it had already ended (a repeated event).
     pub fn end(&mut self, key: &str, success: bool) -> bool {
-        if self.ended.iter().any(|k| k == key) {
+        let digest = attempt_digest(key);
+        if self.ended.contains(&digest) {
             return false;
         }
         self.tasks.retain(|t| t.key() != key);
@@ -241,7 +254,7 @@ impl Member {
         } else {
             self.counters.failed += 1;
         }
-        self.ended.push_back(key.to_owned());
+        self.ended.push_back(digest);
         while self.ended.len() > Self::MAX_ENDED {
             self.ended.pop_front();
         }
@@ -454,8 +467,8 @@ pub struct FailureRecord {
     /// When the last outcome was counted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_outcome_at: Option<Timestamp>,
-    /// The attempts counted most recently (bounded to [`FailureRecord::MAX_RECENT`]): an
-    /// outcome delivered again is not counted again.
+    /// Digests ([`attempt_digest`]) of the attempts counted most recently (bounded to
+    /// [`FailureRecord::MAX_RECENT`]): an outcome delivered again is not counted again.
     #[serde(default, skip_serializing_if = "VecDeque::is_empty")]
     pub recent: VecDeque<String>,
 }
@@ -512,10 +525,11 @@ impl FailureRecord {
 
     /// Counts `outcome` once. `false`: this attempt was already counted, nothing changed.
     pub fn apply(&mut self, outcome: &AttemptOutcome) -> bool {
-        if self.recent.iter().any(|k| *k == outcome.key) {
+        let digest = attempt_digest(&outcome.key);
+        if self.recent.contains(&digest) {
             return false;
         }
-        self.recent.push_back(outcome.key.clone());
+        self.recent.push_back(digest);
         while self.recent.len() > Self::MAX_RECENT {
             self.recent.pop_front();
         }
@@ -755,6 +769,13 @@ mod tests {
         assert!(r.apply(&outcome(3, true, 1_001_000)));
         assert_eq!((r.consecutive_failures, r.total_succeeded), (0, 1));
         assert_eq!(r.last_incident.as_ref().map(|i| i.attempt), Some(2));
+    }
+
+    #[test]
+    fn digests_are_stable() {
+        // Replicas of different builds must agree: the digest is part of stored records.
+        assert_eq!(attempt_digest(""), "cbf29ce484222325");
+        assert_eq!(attempt_digest("a"), "af63dc4c8601ec8c");
     }
 
     #[test]

@@ -298,26 +298,23 @@ async fn ended(
 /// An attempt emitted events at `at_ms`: its member made progress.
 async fn progressed(team: &Team, attempt: &str, at_ms: i64) -> Result<(), SupervisorError> {
     let resolution = i64::try_from(team.opts.progress_resolution.as_millis()).unwrap_or(i64::MAX);
-    let member = team
-        .roster
-        .all()
-        .into_iter()
-        .find(|(_, m)| m.value.tasks.iter().any(|t| t.key() == attempt));
-    let Some((key, m)) = member else {
-        return Ok(());
-    };
     let fresh = |m: &Member| {
         m.last_progress
             .is_some_and(|p| p.unix_ms() > at_ms - resolution)
     };
-    if fresh(&m.value) {
+    let member = team
+        .roster
+        .matching(|m| !fresh(m) && m.tasks.iter().any(|t| t.key() == attempt))
+        .into_iter()
+        .next();
+    let Some((key, m)) = member else {
         return Ok(());
-    }
+    };
     let stale = team.stale_after_ms();
     let written = modify(
         &team.team_kv,
         &key,
-        || m.value.clone(),
+        || m.clone(),
         |m| {
             if fresh(m) || !m.tasks.iter().any(|t| t.key() == attempt) {
                 return false;
@@ -338,14 +335,14 @@ async fn progressed(team: &Team, attempt: &str, at_ms: i64) -> Result<(), Superv
 /// A run ended: its attempts still listed (cancelled with the run) are no longer running.
 async fn end_run(team: &Team, run: RunId, at_ms: i64) -> Result<(), SupervisorError> {
     let stale = team.stale_after_ms();
-    for (key, m) in team.roster.all() {
-        if !m.value.tasks.iter().any(|t| t.run_id == run) {
-            continue;
-        }
+    for (key, m) in team
+        .roster
+        .matching(|m| m.tasks.iter().any(|t| t.run_id == run))
+    {
         let written = modify(
             &team.team_kv,
             &key,
-            || m.value.clone(),
+            || m.clone(),
             |m| {
                 let before = m.tasks.len();
                 m.tasks.retain(|t| t.run_id != run);

@@ -129,6 +129,18 @@ impl<T: DeserializeOwned + Clone + Send + Sync + 'static> Mirror<T> {
         all
     }
 
+    /// The values for which `pred` holds, by key; only those are cloned.
+    pub(crate) fn matching(&self, pred: impl Fn(&T) -> bool) -> Vec<(String, T)> {
+        let map = self.entries.read().unwrap_or_else(|p| p.into_inner());
+        let mut found: Vec<(String, T)> = map
+            .iter()
+            .filter(|(_, v)| pred(&v.value))
+            .map(|(k, v)| (k.clone(), v.value.clone()))
+            .collect();
+        found.sort_by(|a, b| a.0.cmp(&b.0));
+        found
+    }
+
     /// Records a value this process just wrote, so its next read sees it before the watch
     /// delivers it.
     pub(crate) fn note(&self, key: &str, value: T, at_ms: i64) {
