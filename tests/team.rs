@@ -247,7 +247,7 @@ async fn outcomes_count_once_across_a_supervisor_crash_and_two_replicas() -> any
     let first = supervisor(&mut p).await?;
     supervisor(&mut p).await?;
     p.worker(&["--concurrency", "8"]).await?;
-    // 4 runs × 15 tasks of `good`, with one supervisor killed while they run.
+    // 4 runs × 15 tasks of `good`, with one supervisor frozen, then killed, while they run.
     let mut runs = Vec::new();
     for _ in 0..4 {
         let tasks = (0..15)
@@ -255,7 +255,16 @@ async fn outcomes_count_once_across_a_supervisor_crash_and_two_replicas() -> any
             .collect();
         runs.push(p.client.submit(SubmitRequest::new(plan(tasks))).await?);
     }
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    // Frozen mid-stream with messages delivered and not acknowledged (some written, some
+    // not), then killed: another replica gets them after the ack wait.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    if let Some(pid) = p.pid(first) {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid as i32),
+            nix::sys::signal::Signal::SIGSTOP,
+        )?;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
     p.kill(first);
     for run in &runs {
         assert_eq!(

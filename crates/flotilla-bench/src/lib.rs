@@ -28,6 +28,9 @@
 //!   dependency hops; the delivery lag of `flatten` projections (client library and
 //!   `api.watch`) with 100 concurrent children, against `linked`. The agents that start
 //!   children are deterministic Rust agents run by an in-process worker in the bench.
+//! * **team** — the supervisor (module `team`): throughput of 1-task runs without and with a
+//!   `flotilla supervisor` following the events; its CPU per run; catch-up after a burst;
+//!   the lag from a run's outcome to its agent's failure record, next to the raw round trip.
 //!
 //! The services run as child processes of the `flotilla` binary that runs the bench (or
 //! `--services-binary`, to measure another build back to back), so the bench is a library
@@ -57,6 +60,7 @@ mod collab;
 mod flotilla;
 mod llm;
 mod recovery;
+mod team;
 mod tree;
 mod validate;
 
@@ -128,6 +132,8 @@ pub struct BenchArgs {
     // Boxed: keeps `flotilla`'s command enum small.
     #[command(flatten)]
     tree: Box<tree::TreeArgs>,
+    #[command(flatten)]
+    team: team::TeamArgs,
 }
 
 /// A section of the bench (`--only`).
@@ -150,6 +156,8 @@ enum Section {
     /// Run trees: child spawn latency, nested agent-as-tool vs dependency hops, delivery lag
     /// of flattened projections with many concurrent children.
     Tree,
+    /// The supervisor: its cost to run throughput, catch-up, outcome → failure record lag.
+    Team,
 }
 
 /// Runs the selected sections against the server at `nats_url` (the CLI's global
@@ -166,6 +174,7 @@ pub async fn run(args: BenchArgs, nats_url: Option<&str>) -> anyhow::Result<()> 
         && !want(Section::Collab)
         && !want(Section::Llm)
         && !want(Section::Tree)
+        && !want(Section::Team)
     {
         return Ok(());
     }
@@ -199,7 +208,11 @@ pub async fn run(args: BenchArgs, nats_url: Option<&str>) -> anyhow::Result<()> 
     if want(Section::Recovery) {
         recovery::run(&url, args.recovery_rounds).await?;
     }
-    let raw = if want(Section::Raw) || want(Section::Flotilla) || want(Section::Tree) {
+    let raw = if want(Section::Raw)
+        || want(Section::Flotilla)
+        || want(Section::Tree)
+        || want(Section::Team)
+    {
         Some(
             harness::raw::round_trip(&opts, args.raw_tasks, args.raw_round_trips, server_pid)
                 .await?,
@@ -226,6 +239,9 @@ pub async fn run(args: BenchArgs, nats_url: Option<&str>) -> anyhow::Result<()> 
     }
     if want(Section::Tree) {
         tree::run(&args.tree, &services, &url, raw.as_ref()).await?;
+    }
+    if want(Section::Team) {
+        team::run(&args.team, &services, &url, raw.as_ref()).await?;
     }
     Ok(())
 }

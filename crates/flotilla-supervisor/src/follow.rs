@@ -1,11 +1,16 @@
 //! Following the event stream: task events move members between idle and working and feed
 //! the failure records. The replicas share the durable consumer [`crate::CONSUMER`], so each
-//! event message is handled by one of them; a message is acknowledged only after its writes
-//! are stored, and a message delivered again (a replica died before acknowledging) changes
-//! nothing twice: roster entries remember the attempts that ended, failure records the
-//! attempts they counted.
+//! event message is handled by one of them.
+//!
+//! Messages are taken in batches (whatever has arrived, up to `batch`): a batch's changes are
+//! gathered per key in memory and written with one compare-and-set per key — an agent that
+//! finishes hundreds of attempts a second is one write per batch, not one per attempt racing
+//! the others. The batch's messages are acknowledged only after its writes are stored; a
+//! message delivered again (a replica died before acknowledging) changes nothing twice:
+//! roster entries remember the attempts that ended, failure records the attempts they
+//! counted.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,7 +18,7 @@ use async_nats::jetstream::AckKind;
 use async_nats::jetstream::consumer::PullConsumer;
 use flotilla_bus::SharedConsumer;
 use flotilla_bus::wire;
-use flotilla_model::event::{Event, EventEnvelope, WorkflowEvent, WorkflowPhase, decode_events};
+use flotilla_model::event::{Event, EventEnvelope, WorkflowPhase, decode_events};
 use flotilla_model::ids::RunId;
 use flotilla_model::subjects::StreamKind;
 use flotilla_model::task::TaskErrorKind;
@@ -36,7 +41,7 @@ use crate::{CONSUMER, Team};
 /// Binds the shared durable consumer of the event stream (created on first use: from the
 /// stream's first retained message, so a new supervisor counts the history still kept).
 pub(crate) async fn consumer(team: &Team) -> Result<PullConsumer, SupervisorError> {
-    let max_ack_pending = i64::try_from(team.opts.concurrency * 8).unwrap_or(i64::MAX);
+    let max_ack_pending = i64::try_from(team.opts.batch * 4).unwrap_or(i64::MAX);
     team.bus
         .shared_consumer(SharedConsumer {
             stream: StreamKind::Events,
@@ -50,7 +55,7 @@ pub(crate) async fn consumer(team: &Team) -> Result<PullConsumer, SupervisorErro
         .map_err(|e| SupervisorError::Setup(e.to_string()))
 }
 
-/// Handles event messages until `stop`, `concurrency` at a time.
+/// Handles event messages in batches until `stop`.
 pub(crate) async fn run(
     team: Arc<Team>,
     consumer: PullConsumer,
@@ -67,99 +72,213 @@ pub(crate) async fn run(
                 }
             }
         };
-        messages
+        let batches = messages
             .take_until(stop.cancelled())
-            .for_each_concurrent(team.opts.concurrency, |m| {
-                let team = Arc::clone(&team);
-                async move {
-                    match m {
-                        Ok(msg) => handle(&team, msg).await,
-                        Err(e) => debug!(error = %e, "Event stream read error"),
-                    }
-                }
-            })
-            .await;
+            .ready_chunks(team.opts.batch);
+        futures::pin_mut!(batches);
+        while let Some(batch) = batches.next().await {
+            let batch: Vec<async_nats::jetstream::Message> = batch
+                .into_iter()
+                .filter_map(|m| {
+                    m.map_err(|e| debug!(error = %e, "Event stream read error"))
+                        .ok()
+                })
+                .collect();
+            handle(&team, batch).await;
+        }
     }
     Ok(())
 }
 
-async fn handle(team: &Team, msg: async_nats::jetstream::Message) {
-    let at_ms = msg
-        .info()
-        .map(|i| unix_ms(i.published))
-        .unwrap_or_else(|_| Timestamp::now().unix_ms());
-    let events = match decode_events(wire::codec_of(msg.headers.as_ref()), &msg.payload) {
-        Ok(e) => e,
-        Err(e) => {
-            warn!(subject = %msg.subject, error = %e, "Skipping an unreadable event message");
-            let _ = msg.ack_with(AckKind::Term).await;
-            return;
+async fn handle(team: &Team, batch: Vec<async_nats::jetstream::Message>) {
+    let mut changes = Changes::default();
+    let mut readable = Vec::with_capacity(batch.len());
+    for msg in batch {
+        let at_ms = msg
+            .info()
+            .map(|i| unix_ms(i.published))
+            .unwrap_or_else(|_| Timestamp::now().unix_ms());
+        match decode_events(wire::codec_of(msg.headers.as_ref()), &msg.payload) {
+            Ok(events) => {
+                changes.gather(&events, at_ms);
+                readable.push(msg);
+            }
+            Err(e) => {
+                warn!(subject = %msg.subject, error = %e, "Skipping an unreadable event message");
+                let _ = msg.ack_with(AckKind::Term).await;
+            }
         }
-    };
-    match apply(team, &events, at_ms).await {
+    }
+    match changes.write(team).await {
         Ok(()) => {
-            if let Err(e) = msg.ack().await {
-                debug!(error = %e, "Could not acknowledge an event message; it will be seen again");
+            for msg in readable {
+                if let Err(e) = msg.ack().await {
+                    debug!(error = %e, "Could not acknowledge an event message; it will be seen again");
+                }
             }
         }
         Err(e) => {
-            warn!(subject = %msg.subject, error = %e, "Could not record events; they will be delivered again");
-            let _ = msg
-                .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
-                .await;
+            warn!(messages = readable.len(), error = %e, "Could not record events; they will be delivered again");
+            for msg in readable {
+                let _ = msg
+                    .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                    .await;
+            }
         }
     }
 }
 
-/// Records what `events` (one message, published at `at_ms`) say about the team.
-pub(crate) async fn apply(
-    team: &Team,
-    events: &[EventEnvelope],
-    at_ms: i64,
-) -> Result<(), SupervisorError> {
-    let mut progress: BTreeMap<String, i64> = BTreeMap::new();
-    for e in events {
-        let (Some(task), Some(attempt)) = (&e.task_id, e.attempt) else {
-            if let Event::Workflow(w) = &e.event
-                && w.phase.ends_run()
-            {
-                end_run(team, e.run_id, at_ms).await?;
-            }
-            continue;
-        };
-        match &e.event {
-            Event::Workflow(w) => match w.phase {
-                WorkflowPhase::TaskStarted => {
-                    if let (Some(agent), Some(worker)) = (&w.agent, &w.worker) {
-                        let t = MemberTask {
+/// An attempt that ended, for its member.
+#[derive(Debug)]
+struct Ended {
+    key: String,
+    success: bool,
+}
+
+/// What a batch of events changes, by key.
+#[derive(Debug, Default)]
+pub(crate) struct Changes {
+    /// Attempts that started, by agent.
+    started: BTreeMap<String, Vec<MemberTask>>,
+    /// Attempts that ended, by agent.
+    ended: BTreeMap<String, Vec<Ended>>,
+    /// Outcomes to count, by failure-record key.
+    outcomes: BTreeMap<(RecordScope, String), Vec<AttemptOutcome>>,
+    /// The latest event of each attempt that emitted any (progress).
+    progress: BTreeMap<String, i64>,
+    /// Runs that ended.
+    runs_ended: BTreeSet<RunId>,
+}
+
+impl Changes {
+    /// Adds what `events` (one message, published at `at_ms`) say about the team.
+    pub(crate) fn gather(&mut self, events: &[EventEnvelope], at_ms: i64) {
+        for e in events {
+            let (Some(task), Some(attempt)) = (&e.task_id, e.attempt) else {
+                if let Event::Workflow(w) = &e.event
+                    && w.phase.ends_run()
+                {
+                    self.runs_ended.insert(e.run_id);
+                }
+                continue;
+            };
+            let key = attempt_key(e.run_id, task, attempt);
+            match &e.event {
+                Event::Workflow(w) => match w.phase {
+                    WorkflowPhase::TaskStarted => {
+                        if let (Some(agent), Some(worker)) = (&w.agent, &w.worker) {
+                            self.started
+                                .entry(agent.clone())
+                                .or_default()
+                                .push(MemberTask {
+                                    run_id: e.run_id,
+                                    task_id: task.clone(),
+                                    attempt,
+                                    worker: worker.clone(),
+                                    since: Timestamp::from_unix_ms(at_ms),
+                                });
+                        }
+                    }
+                    WorkflowPhase::TaskSucceeded
+                    | WorkflowPhase::TaskRetrying
+                    | WorkflowPhase::TaskFailed
+                        if attempt > 0 =>
+                    {
+                        let success = w.phase == WorkflowPhase::TaskSucceeded;
+                        if let Some(agent) = &w.agent {
+                            self.ended.entry(agent.clone()).or_default().push(Ended {
+                                key: key.clone(),
+                                success,
+                            });
+                        }
+                        // A cancelled attempt says nothing about the agent.
+                        if w.error
+                            .as_ref()
+                            .is_some_and(|x| x.kind == TaskErrorKind::Cancelled)
+                        {
+                            continue;
+                        }
+                        let outcome = AttemptOutcome {
+                            key,
                             run_id: e.run_id,
                             task_id: task.clone(),
                             attempt,
-                            worker: worker.clone(),
-                            since: Timestamp::from_unix_ms(at_ms),
+                            success,
+                            error: w.error.as_ref().map(|x| (x.kind, x.message.clone())),
+                            at: Timestamp::from_unix_ms(at_ms),
                         };
-                        started(team, agent, t, at_ms).await?;
+                        let records = [
+                            w.agent.as_deref().map(|a| (RecordScope::Agent, a)),
+                            w.role.as_deref().map(|r| (RecordScope::Role, r)),
+                        ];
+                        for (scope, name) in records.into_iter().flatten() {
+                            self.outcomes
+                                .entry((scope, name.to_owned()))
+                                .or_default()
+                                .push(outcome.clone());
+                        }
                     }
-                }
-                WorkflowPhase::TaskSucceeded
-                | WorkflowPhase::TaskRetrying
-                | WorkflowPhase::TaskFailed
-                    if attempt > 0 =>
-                {
-                    ended(team, e, w, attempt, at_ms).await?;
+                    _ => {}
+                },
+                _ if e.source.starts_with("worker/") => {
+                    let at = self.progress.entry(key).or_insert(at_ms);
+                    *at = (*at).max(at_ms);
                 }
                 _ => {}
-            },
-            _ if e.source.starts_with("worker/") => {
-                progress.insert(attempt_key(e.run_id, task, attempt), at_ms);
             }
-            _ => {}
         }
     }
-    for (key, at) in progress {
-        progressed(team, &key, at).await?;
+
+    /// Writes the changes: one compare-and-set per key, different keys at once.
+    async fn write(self, team: &Team) -> Result<(), SupervisorError> {
+        let Changes {
+            started,
+            ended,
+            outcomes,
+            progress,
+            runs_ended,
+        } = self;
+        // Members: everything the batch says about one member in one write.
+        let mut agents: BTreeSet<String> = started.keys().cloned().collect();
+        agents.extend(ended.keys().cloned());
+        let mut progress_of: BTreeMap<String, Vec<(String, i64)>> = BTreeMap::new();
+        for (attempt, at) in progress {
+            if let Some((key, _)) = team
+                .roster
+                .matching(|m| m.tasks.iter().any(|t| t.key() == attempt))
+                .into_iter()
+                .next()
+            {
+                let agent = key.trim_start_matches("agent.").to_owned();
+                agents.insert(agent.clone());
+                progress_of.entry(agent).or_default().push((attempt, at));
+            }
+        }
+        for (key, _) in team
+            .roster
+            .matching(|m| m.tasks.iter().any(|t| runs_ended.contains(&t.run_id)))
+        {
+            agents.insert(key.trim_start_matches("agent.").to_owned());
+        }
+        let member_writes = agents.iter().map(|agent| {
+            member_changes(
+                team,
+                agent,
+                started.get(agent).map(Vec::as_slice).unwrap_or(&[]),
+                ended.get(agent).map(Vec::as_slice).unwrap_or(&[]),
+                progress_of.get(agent).map(Vec::as_slice).unwrap_or(&[]),
+                &runs_ended,
+            )
+        });
+        let record_writes = outcomes
+            .iter()
+            .map(|((scope, name), list)| count(team, *scope, name, list));
+        let (members, records) = futures::join!(
+            futures::future::join_all(member_writes),
+            futures::future::join_all(record_writes)
+        );
+        members.into_iter().chain(records).collect()
     }
-    Ok(())
 }
 
 /// Status and change time after a change.
@@ -169,195 +288,115 @@ fn touch(m: &mut Member, stale_after_ms: i64) {
     m.updated_at = now;
 }
 
-fn new_member<'a>(team: &'a Team, agent: &'a str, at_ms: i64) -> impl Fn() -> Member + 'a {
-    move || {
-        Member::new(
-            agent,
-            team.cards.get(agent).cloned().unwrap_or_default(),
-            Timestamp::from_unix_ms(at_ms),
-        )
-    }
-}
-
-async fn started(
+/// One member's changes from one batch, in one write.
+async fn member_changes(
     team: &Team,
     agent: &str,
-    task: MemberTask,
-    at_ms: i64,
+    started: &[MemberTask],
+    ended: &[Ended],
+    progress: &[(String, i64)],
+    runs_ended: &BTreeSet<RunId>,
 ) -> Result<(), SupervisorError> {
     let key = member_key(agent);
     let stale = team.stale_after_ms();
+    let resolution = i64::try_from(team.opts.progress_resolution.as_millis()).unwrap_or(i64::MAX);
+    let now = Timestamp::now();
     let written = modify(
         &team.team_kv,
         &key,
-        new_member(team, agent, at_ms),
+        || {
+            Member::new(
+                agent,
+                team.cards.get(agent).cloned().unwrap_or_default(),
+                now,
+            )
+        },
         |m| {
-            if !m.start(task.clone()) {
-                return false;
+            let mut changed = false;
+            for t in started {
+                if m.start(t.clone()) {
+                    // Its host is live (it just started an attempt), whatever the last
+                    // presence pass saw.
+                    if !m.workers.contains(&t.worker) {
+                        m.workers.push(t.worker.clone());
+                        m.workers.sort();
+                    }
+                    changed = true;
+                }
             }
-            // Its host is live (it just started an attempt), whatever the last presence
-            // pass saw.
-            if !m.workers.contains(&task.worker) {
-                m.workers.push(task.worker.clone());
-                m.workers.sort();
+            for e in ended {
+                changed |= m.end(&e.key, e.success);
             }
-            touch(m, stale);
-            true
+            let before = m.tasks.len();
+            m.tasks.retain(|t| !runs_ended.contains(&t.run_id));
+            changed |= before != m.tasks.len();
+            // Progress of attempts it still runs, at most every `progress-resolution`.
+            let newest = progress
+                .iter()
+                .filter(|(a, _)| m.tasks.iter().any(|t| t.key() == *a))
+                .map(|(_, at)| *at)
+                .max();
+            if let Some(at) = newest
+                && m.last_progress
+                    .is_none_or(|p| p.unix_ms() <= at - resolution)
+            {
+                m.last_progress = Some(Timestamp::from_unix_ms(at));
+                changed = true;
+            }
+            if changed {
+                touch(m, stale);
+            }
+            changed
         },
         &team.metrics,
     )
     .await?;
     if let Some(m) = written {
-        team.roster.note(&key, m, at_ms);
+        team.roster.note(&key, m, now.unix_ms());
     }
     Ok(())
 }
 
-async fn ended(
+/// Counts `outcomes` into one failure record, in one write.
+async fn count(
     team: &Team,
-    e: &EventEnvelope,
-    w: &WorkflowEvent,
-    attempt: u32,
-    at_ms: i64,
+    scope: RecordScope,
+    name: &str,
+    outcomes: &[AttemptOutcome],
 ) -> Result<(), SupervisorError> {
-    let Some(task) = &e.task_id else {
-        return Ok(());
-    };
-    let key = attempt_key(e.run_id, task, attempt);
-    let success = w.phase == WorkflowPhase::TaskSucceeded;
-    let cancelled = w
-        .error
-        .as_ref()
-        .is_some_and(|x| x.kind == TaskErrorKind::Cancelled);
-    let stale = team.stale_after_ms();
-    if let Some(agent) = &w.agent {
-        let mkey = member_key(agent);
-        let written = modify(
-            &team.team_kv,
-            &mkey,
-            new_member(team, agent, at_ms),
-            |m| {
-                if !m.end(&key, success) {
-                    return false;
+    let key = record_key(scope, name);
+    let mut counted: Vec<&AttemptOutcome> = Vec::new();
+    let written = modify(
+        &team.failures_kv,
+        &key,
+        || FailureRecord::new(scope, name),
+        |r| {
+            counted.clear();
+            for o in outcomes {
+                if r.apply(o) {
+                    counted.push(o);
                 }
-                touch(m, stale);
-                true
-            },
-            &team.metrics,
-        )
-        .await?;
-        if let Some(m) = written {
-            team.roster.note(&mkey, m, at_ms);
-        }
-    }
-    // A cancelled attempt says nothing about the agent.
-    if cancelled {
-        return Ok(());
-    }
-    let outcome = AttemptOutcome {
-        key,
-        run_id: e.run_id,
-        task_id: task.clone(),
-        attempt,
-        success,
-        error: w.error.as_ref().map(|x| (x.kind, x.message.clone())),
-        at: Timestamp::from_unix_ms(at_ms),
-    };
-    let records = [
-        w.agent.as_deref().map(|a| (RecordScope::Agent, a)),
-        w.role.as_deref().map(|r| (RecordScope::Role, r)),
-    ];
-    for (scope, name) in records.into_iter().flatten() {
-        let rkey = record_key(scope, name);
-        let written = modify(
-            &team.failures_kv,
-            &rkey,
-            || FailureRecord::new(scope, name),
-            |r| r.apply(&outcome),
-            &team.metrics,
-        )
-        .await?;
-        if let Some(r) = written {
-            if scope == RecordScope::Agent {
+            }
+            !counted.is_empty()
+        },
+        &team.metrics,
+    )
+    .await?;
+    if let Some(r) = written {
+        if scope == RecordScope::Agent {
+            for o in &counted {
                 AttemptCounted {
                     agent: name,
-                    run: e.run_id,
-                    task,
-                    attempt,
-                    success,
+                    run: o.run_id,
+                    task: &o.task_id,
+                    attempt: o.attempt,
+                    success: o.success,
                     consecutive_failures: r.consecutive_failures,
                 }
                 .emit(&team.metrics);
             }
-            team.failures.note(&rkey, r, at_ms);
         }
-    }
-    Ok(())
-}
-
-/// An attempt emitted events at `at_ms`: its member made progress.
-async fn progressed(team: &Team, attempt: &str, at_ms: i64) -> Result<(), SupervisorError> {
-    let resolution = i64::try_from(team.opts.progress_resolution.as_millis()).unwrap_or(i64::MAX);
-    let fresh = |m: &Member| {
-        m.last_progress
-            .is_some_and(|p| p.unix_ms() > at_ms - resolution)
-    };
-    let member = team
-        .roster
-        .matching(|m| !fresh(m) && m.tasks.iter().any(|t| t.key() == attempt))
-        .into_iter()
-        .next();
-    let Some((key, m)) = member else {
-        return Ok(());
-    };
-    let stale = team.stale_after_ms();
-    let written = modify(
-        &team.team_kv,
-        &key,
-        || m.clone(),
-        |m| {
-            if fresh(m) || !m.tasks.iter().any(|t| t.key() == attempt) {
-                return false;
-            }
-            m.last_progress = Some(Timestamp::from_unix_ms(at_ms));
-            touch(m, stale);
-            true
-        },
-        &team.metrics,
-    )
-    .await?;
-    if let Some(m) = written {
-        team.roster.note(&key, m, at_ms);
-    }
-    Ok(())
-}
-
-/// A run ended: its attempts still listed (cancelled with the run) are no longer running.
-async fn end_run(team: &Team, run: RunId, at_ms: i64) -> Result<(), SupervisorError> {
-    let stale = team.stale_after_ms();
-    for (key, m) in team
-        .roster
-        .matching(|m| m.tasks.iter().any(|t| t.run_id == run))
-    {
-        let written = modify(
-            &team.team_kv,
-            &key,
-            || m.clone(),
-            |m| {
-                let before = m.tasks.len();
-                m.tasks.retain(|t| t.run_id != run);
-                if before == m.tasks.len() {
-                    return false;
-                }
-                touch(m, stale);
-                true
-            },
-            &team.metrics,
-        )
-        .await?;
-        if let Some(m) = written {
-            team.roster.note(&key, m, at_ms);
-        }
+        team.failures.note(&key, r, Timestamp::now().unix_ms());
     }
     Ok(())
 }

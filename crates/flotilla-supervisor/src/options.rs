@@ -24,8 +24,9 @@ pub struct SupervisorOptions {
     /// How often presence is recomputed from the worker registry (offline, stale).
     #[serde(with = "humantime_serde")]
     pub presence_interval: Duration,
-    /// Event messages processed at once by one supervisor.
-    pub concurrency: usize,
+    /// Most event messages one supervisor handles in one batch (one write per member and
+    /// record per batch).
+    pub batch: usize,
     /// How long a delivered event message may stay unacknowledged before JetStream gives it
     /// to another supervisor replica.
     #[serde(with = "humantime_serde")]
@@ -39,7 +40,7 @@ impl Default for SupervisorOptions {
             stale_after: Duration::from_secs(120),
             progress_resolution: Duration::from_secs(5),
             presence_interval: Duration::from_secs(1),
-            concurrency: 32,
+            batch: 256,
             ack_wait: Duration::from_secs(30),
         }
     }
@@ -67,11 +68,8 @@ impl SupervisorOptions {
                 self.presence_interval
             ));
         }
-        if !(1..=1024).contains(&self.concurrency) {
-            return Err(format!(
-                "concurrency must be 1 to 1024, not {}",
-                self.concurrency
-            ));
+        if !(1..=4096).contains(&self.batch) {
+            return Err(format!("batch must be 1 to 4096, not {}", self.batch));
         }
         if self.progress_resolution >= self.stale_after {
             return Err("progress-resolution must be shorter than stale-after".into());

@@ -29,6 +29,18 @@ pub(crate) fn noop_config(
     concurrency: usize,
     listener_off: bool,
 ) -> anyhow::Result<PathBuf> {
+    noop_config_under(dir, url, "flbench", concurrency, listener_off)
+}
+
+/// [`noop_config`] under another prefix: a section whose services must not see the streams
+/// earlier sections filled.
+pub(crate) fn noop_config_under(
+    dir: &Path,
+    url: &str,
+    prefix: &str,
+    concurrency: usize,
+    listener_off: bool,
+) -> anyhow::Result<PathBuf> {
     let path = dir.join("bench.toml");
     // Several processes on one host: no health listener (for builds that have one).
     let telemetry = if listener_off {
@@ -45,7 +57,7 @@ default-agent = "noop"
 
 [nats]
 urls = ["{url}"]
-prefix = "flbench"
+prefix = "{prefix}"
 
 [agents.noop]
 kind = "scripted"

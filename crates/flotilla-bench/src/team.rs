@@ -1,0 +1,221 @@
+//! The `team` section: what the supervisor costs and how far behind it is. A coordinator and
+//! worker processes with the no-op agent (under their own prefix, so the supervisor has only
+//! this section's history to read):
+//!
+//! * throughput of 1-task runs (512 tasks in flight) without a supervisor, then with a
+//!   `flotilla supervisor` process following the events (the ratio is the supervisor's cost
+//!   to the runs: both share one nats-server), and the supervisor's CPU per run;
+//! * catch-up: from the last run's end to the failure record counting every outcome;
+//! * record lag with one run in flight: the run's outcome received → its agent's failure
+//!   record updated (a KV watch), next to the raw JetStream round trip.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use flotilla_bus::{Bus, NatsOptions};
+use flotilla_model::ids::RunId;
+use flotilla_model::run::RunStatus;
+use flotilla_model::subjects::Bucket;
+use flotilla_model::submit::SubmitRequest;
+use flotilla_model::team::{FailureRecord, RecordScope, record_key};
+use futures::StreamExt;
+use tokio::sync::Semaphore;
+
+use crate::harness::plans::independent_plan;
+use crate::harness::processes::{Processes, cpu_seconds, peak_rss_kib};
+use crate::harness::raw::RawFigures;
+use crate::harness::services::{Services, has_listener, noop_config_under, spawn_service};
+use crate::harness::stats::{ms, p50_p99};
+use crate::harness::submit::{outcomes, spawn_submitter, submit_via};
+
+/// Flags of the team section.
+#[derive(Debug, clap::Args)]
+pub(crate) struct TeamArgs {
+    /// Team: 1-task runs in each throughput measurement (without, then with a supervisor).
+    #[arg(long, default_value_t = 5_000)]
+    team_runs: usize,
+    /// Team: samples of the outcome → failure record lag.
+    #[arg(long, default_value_t = 200)]
+    team_lag_samples: usize,
+}
+
+const PREFIX: &str = "flteam";
+/// Tasks in flight in the throughput measurements, as in the raw one.
+const IN_FLIGHT: usize = 512;
+
+pub(crate) async fn run(
+    args: &TeamArgs,
+    services: &Services,
+    url: &str,
+    raw: Option<&RawFigures>,
+) -> anyhow::Result<()> {
+    let dir = tempfile::Builder::new()
+        .prefix("flotilla-bench-team-")
+        .tempdir()?;
+    let exe = &services.exe;
+    let config = noop_config_under(
+        dir.path(),
+        url,
+        PREFIX,
+        services.concurrency,
+        has_listener(exe),
+    )?;
+    let spawn = |role: &[&str]| spawn_service(exe, &config, role);
+    let mut opts = NatsOptions::with_url(url);
+    opts.prefix = PREFIX.into();
+    let bus = Bus::connect(&opts, "flotilla-bench").await?;
+    bus.provision(&Default::default()).await?;
+    let mut procs = Processes(vec![("coordinator".into(), spawn(&["coordinator"])?)]);
+    for i in 0..services.workers {
+        procs.0.push((format!("worker {i}"), spawn(&["worker"])?));
+    }
+    let inbox = format!("_INBOX.flteam.{}", RunId::new());
+    let mut ends = outcomes(&bus, inbox.clone()).await?;
+    let via = services.via;
+    let mut finished = 0u64;
+    let warm = |bus: Bus, inbox: String| async move {
+        let mut req = SubmitRequest::new(independent_plan(1));
+        req.reply_to = Some(inbox);
+        submit_via(&bus, req, via).await
+    };
+    warm(bus.clone(), inbox.clone()).await?;
+    next_end(&mut ends).await?;
+    finished += 1;
+    outln!(
+        "== team (supervisor following the events of a coordinator + {} worker process(es) × {} slots, no-op agent)",
+        services.workers,
+        services.concurrency
+    );
+
+    // Throughput without, then with a supervisor.
+    let runs = args.team_runs.max(1);
+    let without = throughput(&bus, &inbox, &mut ends, runs, via).await?;
+    finished += runs as u64;
+    procs.0.push(("supervisor".into(), spawn(&["supervisor"])?));
+    let supervisor_pid = procs.0.last().map(|(_, c)| c.id());
+    // The supervisor is up once it has counted what already ran.
+    let kv = bus.kv(Bucket::Failures).await?;
+    let key = record_key(RecordScope::Agent, "noop");
+    wait_counted(&kv, &key, finished, Duration::from_secs(120))
+        .await
+        .context("the supervisor never counted the earlier runs")?;
+    let cpu_before = supervisor_pid.and_then(cpu_seconds);
+    let with = throughput(&bus, &inbox, &mut ends, runs, via).await?;
+    let last_end = Instant::now();
+    finished += runs as u64;
+    wait_counted(&kv, &key, finished, Duration::from_secs(300))
+        .await
+        .context("the supervisor did not catch up")?;
+    let catch_up = last_end.elapsed();
+    let cpu = supervisor_pid
+        .and_then(cpu_seconds)
+        .zip(cpu_before)
+        .map(|(a, b)| a - b);
+    outln!(
+        "   throughput, 1-task runs: {without:>8.0} tasks/s without a supervisor, {with:>8.0} with one: {:.3}× (target ≥ 0.90)",
+        with / without
+    );
+    if let Some(cpu) = cpu {
+        outln!(
+            "      supervisor CPU per run: {:.0} µs (through catch-up)",
+            cpu * 1e6 / runs as f64
+        );
+    }
+    outln!(
+        "   catch-up: last run's end → every outcome counted: {:.3} s",
+        catch_up.as_secs_f64()
+    );
+
+    // Lag with one run in flight: outcome received → record updated.
+    let mut watch = kv.watch(&key).await?;
+    // The watch first delivers the current value.
+    let _ = tokio::time::timeout(Duration::from_secs(5), watch.next()).await;
+    let mut lags = Vec::with_capacity(args.team_lag_samples);
+    for _ in 0..args.team_lag_samples.max(1) {
+        warm(bus.clone(), inbox.clone()).await?;
+        next_end(&mut ends).await?;
+        let t0 = Instant::now();
+        finished += 1;
+        loop {
+            let entry = tokio::time::timeout(Duration::from_secs(30), watch.next())
+                .await
+                .context("no record update within 30 s")?
+                .context("the watch ended")??;
+            let r: FailureRecord = serde_json::from_slice(&entry.value)?;
+            if r.total_succeeded + r.total_failed >= finished {
+                break;
+            }
+        }
+        lags.push(ms(t0.elapsed()));
+    }
+    let (p50, p99) = p50_p99(&mut lags);
+    outln!(
+        "   record lag (1 run in flight, outcome received → failure record updated): p50 {p50:.3} ms   p99 {p99:.3} ms{}",
+        raw.map_or_else(String::new, |r| format!(
+            "   ({:.2}× the raw round trip p50 of {:.3} ms)",
+            p50 / r.p50_ms,
+            r.p50_ms
+        ))
+    );
+    if let Some(kib) = supervisor_pid.and_then(peak_rss_kib) {
+        outln!("   peak RSS supervisor {:>8.1} MiB", kib as f64 / 1024.0);
+    }
+    drop(procs);
+    Ok(())
+}
+
+async fn next_end(
+    ends: &mut tokio::sync::mpsc::UnboundedReceiver<flotilla_model::run::RunOutcome>,
+) -> anyhow::Result<RunStatus> {
+    let status = tokio::time::timeout(Duration::from_secs(300), ends.recv())
+        .await
+        .context("runs did not finish in 5 minutes")?
+        .context("outcome subscription ended")?
+        .status;
+    anyhow::ensure!(status == RunStatus::Succeeded, "a run {status}");
+    Ok(status)
+}
+
+/// Tasks/s of `runs` 1-task runs with [`IN_FLIGHT`] in flight.
+async fn throughput(
+    bus: &Bus,
+    inbox: &str,
+    ends: &mut tokio::sync::mpsc::UnboundedReceiver<flotilla_model::run::RunOutcome>,
+    runs: usize,
+    via: crate::harness::submit::SubmitVia,
+) -> anyhow::Result<f64> {
+    let window = Arc::new(Semaphore::new(IN_FLIGHT));
+    let start = Instant::now();
+    let submitter = spawn_submitter(bus, inbox, runs, 1, via, Arc::clone(&window));
+    for _ in 0..runs {
+        next_end(ends).await?;
+        window.add_permits(1);
+    }
+    let elapsed = start.elapsed();
+    let _ = submitter.await;
+    Ok(runs as f64 / elapsed.as_secs_f64())
+}
+
+/// Waits until the record at `key` has counted `n` outcomes.
+async fn wait_counted(
+    kv: &async_nats::jetstream::kv::Store,
+    key: &str,
+    n: u64,
+    within: Duration,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(v) = kv.get(key).await?
+            && let Ok(r) = serde_json::from_slice::<FailureRecord>(&v)
+            && r.total_succeeded + r.total_failed >= n
+        {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "{key} has not counted {n} outcomes"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
