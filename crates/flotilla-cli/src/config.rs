@@ -13,9 +13,9 @@ use figment::Figment;
 use figment::providers::{Env, Format, Serialized, Toml};
 use flotilla_bus::{JetStreamOptions, NatsOptions};
 use flotilla_coordinator::CoordinatorOptions;
+use flotilla_model::team::MemberCard;
 use flotilla_model::validate::{AgentCatalog, ValidationContext};
 use flotilla_telemetry::TelemetryOptions;
-use flotilla_model::team::MemberCard;
 use flotilla_worker::{AgentDefinition, AgentEntry, AgentRegistry, RoleConfig, WorkerOptions};
 use serde::{Deserialize, Serialize};
 
@@ -261,20 +261,24 @@ impl Config {
         Ok(())
     }
 
-    /// The agents this configuration defines.
+    /// The agents this configuration defines, with the roles their member cards give them
+    /// (a worker claims anycast tasks of those roles).
     pub(crate) fn agent_registry(&self) -> anyhow::Result<AgentRegistry> {
-        AgentRegistry::from_config(
+        let cards = self.member_cards();
+        Ok(AgentRegistry::from_config(
             &self.agent_definitions(),
             &self.roles,
             self.default_agent.clone(),
             &self.base_dir,
         )
-        .map_err(|e| anyhow::anyhow!("invalid [agents]: {e}"))
+        .map_err(|e| anyhow::anyhow!("invalid [agents]: {e}"))?
+        .with_cards(cards.iter().map(|(n, c)| (n.as_str(), c))))
     }
 
     /// The workflow agents, for the coordinators' embedded worker (empty: none defined).
     pub(crate) fn workflow_registry(&self) -> anyhow::Result<AgentRegistry> {
-        AgentRegistry::workflows(&self.agent_definitions()).map_err(|e| anyhow::anyhow!("invalid [agents]: {e}"))
+        AgentRegistry::workflows(&self.agent_definitions())
+            .map_err(|e| anyhow::anyhow!("invalid [agents]: {e}"))
     }
 
     /// The agent definitions, without their cards.
@@ -297,15 +301,23 @@ impl Config {
     pub(crate) fn validation_context(&self) -> ValidationContext {
         ValidationContext {
             pools: Some(self.pools.iter().cloned().collect::<BTreeSet<_>>()),
-            agents: (!self.agents.is_empty()).then(|| AgentCatalog {
-                names: self.agents.keys().cloned().collect(),
-                default: self.default_agent.clone(),
-                workflows: self
-                    .agents
-                    .iter()
-                    .filter(|(_, d)| d.definition.is_workflow())
-                    .map(|(n, _)| n.clone())
-                    .collect(),
+            agents: (!self.agents.is_empty()).then(|| {
+                AgentCatalog {
+                    names: self.agents.keys().cloned().collect(),
+                    default: self.default_agent.clone(),
+                    workflows: self
+                        .agents
+                        .iter()
+                        .filter(|(_, d)| d.definition.is_workflow())
+                        .map(|(n, _)| n.clone())
+                        .collect(),
+                    roles: Default::default(),
+                }
+                .with_roles(
+                    self.agents
+                        .iter()
+                        .map(|(n, e)| (n.as_str(), e.card.roles.as_slice())),
+                )
             }),
             ..ValidationContext::default()
         }

@@ -73,7 +73,11 @@ impl MemberCard {
                 Self::MAX_DESCRIPTION
             ));
         }
-        if let Some(c) = self.capabilities.iter().find(|c| c.is_empty() || c.len() > 64) {
+        if let Some(c) = self
+            .capabilities
+            .iter()
+            .find(|c| c.is_empty() || c.len() > 64)
+        {
             return Err(format!("capabilities: {c:?} must be 1 to 64 bytes"));
         }
         Ok(())
@@ -279,7 +283,9 @@ impl Member {
 }
 
 /// What a failure record counts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum RecordScope {
     /// One agent definition.

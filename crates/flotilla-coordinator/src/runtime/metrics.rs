@@ -37,7 +37,11 @@ impl Runtime {
         let plan = entry.machine.plan();
         let task = |i: u32| {
             let sub = &plan.subtasks[i as usize];
-            let agent = sub.agent.as_deref().or(self.default_agent.as_deref()).unwrap_or("default");
+            let agent = sub
+                .agent
+                .as_deref()
+                .or(self.default_agent.as_deref())
+                .unwrap_or("default");
             (sub, agent)
         };
         for action in actions {

@@ -209,10 +209,7 @@ impl Runtime {
         metrics: Metrics,
     ) -> Self {
         let submit_prefix = format!("{}.submit.", bus.names().prefix());
-        let default_agent = ctx
-            .agents
-            .as_ref()
-            .and_then(|a| a.default.clone());
+        let default_agent = ctx.agents.as_ref().and_then(|a| a.default.clone());
         let lineages = Arc::new(crate::lineage::Lineages::new(
             store.clone(),
             crate::lineage::TreeLimits::of(&opts),

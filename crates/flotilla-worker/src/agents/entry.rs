@@ -102,7 +102,10 @@ mod tests {
             "kind": "scripted", "reply": "ok", "roles": ["no spaces"],
         }))
         .expect_err("bad role");
-        assert!(bad_role.to_string().contains("role \"no spaces\""), "{bad_role}");
+        assert!(
+            bad_role.to_string().contains("role \"no spaces\""),
+            "{bad_role}"
+        );
         let unknown = serde_json::from_value::<AgentEntry>(serde_json::json!({
             "kind": "scripted", "reply": "ok", "rolez": ["a"],
         }))
