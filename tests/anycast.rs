@@ -423,3 +423,53 @@ reply = "{task_id} by echo"
     );
     Ok(())
 }
+
+/// The shipped example (`config/examples/team-roles.toml` and its plan) runs as documented:
+/// the research and checking tasks are claimed by their roles' members, on two workers; the
+/// run log shows the claims (`flotilla runs history`).
+#[tokio::test]
+async fn the_shipped_team_roles_example_runs() -> anyhow::Result<()> {
+    let mut p =
+        Processes::with_config_file(&root().join("config/examples/team-roles.toml"), &[]).await?;
+    p.coordinator().await?;
+    p.worker(&[]).await?;
+    p.worker(&[]).await?;
+    let plan_file = root().join("config/examples/plans/team-roles.json");
+    let plan: flotilla_model::Plan = serde_json::from_str(&std::fs::read_to_string(&plan_file)?)?;
+    let run = p.client.submit(SubmitRequest::new(plan)).await?;
+    let outcome = p.client.wait(run, WAIT).await?;
+    assert_eq!(outcome.status, RunStatus::Succeeded, "{outcome:?}");
+    assert_eq!(
+        outcome.final_result.expect("result").response,
+        "Report on check"
+    );
+    let mut members: BTreeMap<String, String> = BTreeMap::new();
+    for e in history(&p, run).await? {
+        if let RunInput::Claimed(c) = e.input {
+            members.insert(c.task_id.to_string(), c.agent);
+        }
+    }
+    assert_eq!(
+        members,
+        BTreeMap::from([
+            ("check".to_string(), "checker".to_string()),
+            ("sources_policy".to_string(), "researcher".to_string()),
+            ("sources_trade".to_string(), "researcher".to_string()),
+            ("sources_volume".to_string(), "researcher".to_string()),
+        ])
+    );
+    let out = p.cli(&["runs", "history", &run.to_string()])?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("claimed") && text.contains("by researcher (role research)"),
+        "{text}"
+    );
+    let out = p.cli(&["plan", "validate", plan_file.to_str().expect("utf-8")])?;
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    Ok(())
+}
