@@ -473,3 +473,68 @@ async fn the_shipped_team_roles_example_runs() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// A mailbox message to `role:research` is read by exactly one of the run's tasks playing
+/// the role: two research tasks (claimed by members on two workers) both read their mailbox
+/// with `flotilla mbox read --wait`, as exec agents; one gets the message, the other nothing.
+#[tokio::test]
+async fn a_message_to_a_role_reaches_exactly_one_task_playing_it() -> anyhow::Result<()> {
+    let mut p = Processes::start(
+        r#"
+default-agent = "echo"
+[agents.echo]
+kind = "scripted"
+reply = "{task_id} by echo"
+
+[agents.asker]
+kind = "exec"
+command = "sh"
+args = ["-c", "\"$FLOTILLA_BIN\" mbox send role:research --type request '{\"question\": 42}' >/dev/null && echo asked"]
+
+[agents.reader]
+kind = "exec"
+command = "sh"
+args = ["-c", "\"$FLOTILLA_BIN\" mbox read --wait 3s"]
+roles = ["research"]
+"#,
+    )
+    .await?;
+    p.coordinator().await?;
+    p.worker(&[]).await?;
+    p.worker(&[]).await?;
+    let mut ask = Subtask::new("ask", "").with_agent("asker");
+    ask.description = "ask the researchers".into();
+    let run = p
+        .client
+        .submit(SubmitRequest::new(plan(vec![
+            ask,
+            role_task("north", "research").after(&["ask"]),
+            role_task("south", "research").after(&["ask"]),
+        ])))
+        .await?;
+    let outcome = p
+        .client
+        .wait(run, WAIT)
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}\nwarnings:\n{}", warnings(&p, 3)))?;
+    assert_eq!(outcome.status, RunStatus::Succeeded, "{outcome:?}");
+    let mut received = Vec::new();
+    for e in history(&p, run).await? {
+        if let RunInput::TaskResult(r) = e.input
+            && r.task_id.as_str() != "ask"
+        {
+            let page: flotilla_model::mailbox::MailboxPage =
+                serde_json::from_str(r.result.response.trim())?;
+            received.extend(
+                page.messages
+                    .into_iter()
+                    .map(|m| (r.task_id.to_string(), m)),
+            );
+        }
+    }
+    assert_eq!(received.len(), 1, "{received:?}");
+    let (_, m) = &received[0];
+    assert_eq!((m.from.as_str(), m.to.as_str()), ("ask", "role:research"));
+    assert_eq!(m.payload["question"], 42);
+    Ok(())
+}

@@ -155,6 +155,7 @@ const NON_CONFIG_VARS: &[&str] = &[
     "PREFIX",
     "PRODUCES",
     "DATAFLOW",
+    "ROLE",
     "BIN",
     "SHIM_PARENT",
     "NATS_USER",

@@ -330,6 +330,13 @@ impl Names {
         )
     }
 
+    /// Key of the claim of a role's mailbox message (stream sequence `seq`) in the cursors
+    /// bucket: created by the first task playing the role that reads it, which alone gets it.
+    /// `_claim` cannot be a reader's token (task ids do not start with `_`).
+    pub fn mailbox_claim_key(&self, root: RunId, seq: u64) -> String {
+        format!("mbox.{root}._claim.{seq}")
+    }
+
     /// Key of a session-state value in the state bucket (`session` is a session id or the
     /// root run id).
     pub fn state_key(&self, session: &str, key: &str) -> String {
