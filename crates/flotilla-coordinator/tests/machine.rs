@@ -945,6 +945,8 @@ mod model {
         consumes_ext: Vec<bool>,
         /// Announce `ext` at this step (never, if absent).
         ext_written_at: Option<usize>,
+        /// Task i names a role and no agent: anycast, claimed by a member (or not in time).
+        anycast: Vec<bool>,
     }
 
     fn case() -> impl proptest::strategy::Strategy<Value = Case> {
@@ -970,6 +972,7 @@ mod model {
                         .collect::<Vec<_>>(),
                     proptest::collection::vec(prop::bool::weighted(0.1), n),
                     proptest::option::weighted(0.5, 0usize..40),
+                    proptest::collection::vec(prop::bool::weighted(0.3), n),
                 ),
             )
                 .prop_map(
@@ -982,8 +985,9 @@ mod model {
                         failure_ratio,
                         cancel_at,
                         choices,
-                        (produces, consume_sets, consumes_ext, ext_written_at),
+                        (produces, consume_sets, consumes_ext, ext_written_at, anycast),
                     )| Case {
+                        anycast,
                         consumes: consume_sets
                             .into_iter()
                             .enumerate()
@@ -1026,6 +1030,9 @@ mod model {
                 if c.consumes_ext[i] {
                     t.consumes.push("ext".into());
                 }
+                if c.anycast[i] {
+                    t.role = Some("r".into());
+                }
                 t
             }).collect();
             let p = plan(tasks, PlanConfig {
@@ -1045,7 +1052,12 @@ mod model {
             let threshold = (n as f64 * c.failure_ratio).floor() as usize + 1;
             let mut cancelled_by_input = false;
             let mut cancel_attempts = 0;
-            let (mut m, mut actions) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
+            let mut s = submitted(&p);
+            s.anycast = true;
+            let (mut m, mut actions) = RunMachine::start(RunId::new(), &s, p.clone(), 0);
+            // Anycast attempts a member claimed, and tasks whose attempt nobody claimed in time.
+            let mut claimed: std::collections::BTreeSet<(u32, u32)> = Default::default();
+            let mut unclaimed: Vec<bool> = vec![false; c.deps.len()];
             let mut now: i64 = 0;
             let mut in_flight: Vec<(u32, u32)> = Vec::new();
             let mut delivered: Vec<(TaskId, u32, TaskResult)> = Vec::new();
@@ -1080,6 +1092,19 @@ mod model {
                             // Everything in flight is cancelled: results for it are stale.
                             in_flight.clear();
                         }
+                        Action::Withdraw { task, attempt } => {
+                            // Only an anycast attempt in flight, unclaimed, past its bound.
+                            let i = *task as usize;
+                            prop_assert!(c.anycast[i]);
+                            prop_assert!(!claimed.contains(&(*task, *attempt)));
+                            let at = in_flight.iter().position(|x| *x == (*task, *attempt));
+                            prop_assert!(at.is_some(), "withdrew {:?}, not in flight", (task, attempt));
+                            in_flight.retain(|x| *x != (*task, *attempt));
+                            let t = &m.state().tasks[i];
+                            prop_assert!(now - t.dispatched_ms >= p.config.dependency_timeout.get().as_millis() as i64);
+                            prop_assert_eq!(t.error.as_ref().map(|e| e.kind), Some(TaskErrorKind::RoleUnclaimed));
+                            unclaimed[i] = true;
+                        }
                         _ => {}
                     }
                 }
@@ -1111,6 +1136,28 @@ mod model {
                 }
                 let pick = *choice.next().unwrap_or(&0);
                 now += 1 + i64::from(pick % 500);
+                // Now and then a member claims an anycast attempt in flight (a claim of an
+                // attempt already claimed, or of a pool task, changes nothing).
+                if pick % 5 == 1 && !in_flight.is_empty() {
+                    let (task, attempt) = in_flight[pick as usize % in_flight.len()];
+                    let id = TaskId::new(names[task as usize].as_str());
+                    let before = m.state().clone();
+                    let a = m.apply(Input::Claimed { task: &id, attempt }, now);
+                    prop_assert!(a.is_empty(), "a claim decides nothing: {:?}", a);
+                    if c.anycast[task as usize] && claimed.insert((task, attempt)) {
+                        prop_assert_eq!(m.state().tasks[task as usize].claimed, attempt);
+                    } else {
+                        prop_assert_eq!(m.state(), &before);
+                    }
+                    actions = Vec::new();
+                    continue;
+                }
+                // And now and then the run's timer fires while attempts are in flight.
+                if pick % 13 == 0 && let Some(t) = m.state().timer {
+                    now = now.max(t.due_ms);
+                    actions = m.apply(Input::Timer { generation: t.generation }, now);
+                    continue;
+                }
                 if !in_flight.is_empty() {
                     let (task, attempt) = in_flight.remove(pick as usize % in_flight.len());
                     let success = c.script[task as usize].get(attempt as usize - 1).copied().unwrap_or(true);
@@ -1171,6 +1218,9 @@ mod model {
                 if t.status == TaskStatus::Failed && t.attempt == 0 {
                     // Never started: checked when it timed out (above).
                     prop_assert!(timed_out[i]);
+                } else if t.status == TaskStatus::Failed && unclaimed[i] {
+                    // No member claimed its last attempt in time (checked when withdrawn).
+                    prop_assert_eq!(t.error.as_ref().map(|e| e.kind), Some(TaskErrorKind::RoleUnclaimed));
                 } else if t.status == TaskStatus::Failed {
                     // A task fails only after exhausting its script's failures within the retry budget.
                     prop_assert_eq!(t.attempt, c.max_retries + 1);
