@@ -511,6 +511,7 @@ async fn coordinator(
             names: agents().keys().cloned().collect(),
             default: Some("echo".into()),
             workflows: Default::default(),
+            roles: Default::default(),
         }),
         ..Default::default()
     };

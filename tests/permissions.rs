@@ -186,6 +186,17 @@ fn pool_consumer(pool: &str) -> consumer::pull::Config {
     }
 }
 
+/// A role's consumer (anycast tasks), as the workers hosting a member create it.
+fn role_consumer(role: &str) -> consumer::pull::Config {
+    consumer::pull::Config {
+        durable_name: Some(names().role_consumer(role)),
+        filter_subject: names().role_filter(role),
+        ack_policy: consumer::AckPolicy::Explicit,
+        max_deliver: -1,
+        ..Default::default()
+    }
+}
+
 #[tokio::test]
 async fn only_the_operator_and_the_coordinator_provision() -> anyhow::Result<()> {
     let server = server().await?;
@@ -254,7 +265,11 @@ async fn a_worker_works_its_pool_and_nothing_else() -> anyhow::Result<()> {
     let tasks = operator.js.get_stream("FLOTILLA_TASKS").await?;
     // Another pool's consumer, with a task waiting in it.
     tasks.create_consumer(pool_consumer("gpu")).await?;
-    for subject in ["flotilla.task.default.r1.t1", "flotilla.task.gpu.r1.t1"] {
+    for subject in [
+        "flotilla.task.default.r1.t1",
+        "flotilla.task.gpu.r1.t1",
+        "flotilla.role.research.r1.t2",
+    ] {
         operator.js.publish(subject, "task".into()).await?.await?;
     }
     // Stand-in API endpoints answered by the operator: a refused request is then a refusal,
@@ -309,6 +324,22 @@ async fn a_worker_works_its_pool_and_nothing_else() -> anyhow::Result<()> {
     task.ack_with(jetstream::AckKind::Progress)
         .await
         .map_err(|e| anyhow!("in-progress ack: {e}"))?;
+    task.double_ack().await.map_err(|e| anyhow!("ack: {e}"))?;
+    // The queue of a role its agents fill (anycast tasks), shared with the role's other
+    // members.
+    let role = stream.create_consumer(role_consumer("research")).await?;
+    let mut batch = role
+        .fetch()
+        .max_messages(1)
+        .expires(Duration::from_secs(5))
+        .messages()
+        .await?;
+    let task = batch
+        .next()
+        .await
+        .context("no role task pulled")?
+        .map_err(|e| anyhow!("pulling: {e}"))?;
+    ensure!(task.subject.as_str() == "flotilla.role.research.r1.t2");
     task.double_ack().await.map_err(|e| anyhow!("ack: {e}"))?;
 
     let ack = worker
@@ -406,6 +437,7 @@ async fn a_worker_works_its_pool_and_nothing_else() -> anyhow::Result<()> {
     let before = messages_in(&operator.js, "FLOTILLA_TASKS").await?;
     worker.publish_refused("flotilla.task.default.x.y").await?;
     worker.publish_refused("flotilla.task.gpu.x.y").await?;
+    worker.publish_refused("flotilla.role.research.x.y").await?;
     ensure!(messages_in(&operator.js, "FLOTILLA_TASKS").await? == before);
 
     ensure!(
@@ -461,6 +493,17 @@ async fn a_worker_works_its_pool_and_nothing_else() -> anyhow::Result<()> {
     );
     worker
         .refused("$JS.API.CONSUMER.CREATE.FLOTILLA_TASKS.pool-gpu.flotilla.task.gpu.>")
+        .await?;
+    // Nor the queue of a role its pool hosts no member of.
+    ensure!(
+        refused_stream
+            .create_consumer(role_consumer("editing"))
+            .await
+            .is_err(),
+        "a worker created the consumer of a role it has no permission for"
+    );
+    worker
+        .refused("$JS.API.CONSUMER.CREATE.FLOTILLA_TASKS.role-editing.flotilla.role.editing.>")
         .await?;
     let gpu = operator
         .js
@@ -881,6 +924,10 @@ delay = "60s"
 kind = "exec"
 command = "sh"
 args = ["-c", "\"$FLOTILLA_BIN\" call echo --description lookup"]
+[agents.researcher]
+kind = "scripted"
+reply = "{task_id} researched"
+roles = ["research"]
 "#;
 
 #[tokio::test]
@@ -1035,7 +1082,8 @@ async fn a_plan_runs_with_every_role_on_its_own_credentials() -> anyhow::Result<
             {"id":"gather","produces":["facts"],"output_key":"gathered"},
             {"id":"analyse","consumes":["facts"],"description":"about {gathered}"},
             {"id":"delegate","agent":"caller"},
-            {"id":"report","dependencies":["analyse","delegate"]}]}"#,
+            {"id":"look","role":"research"},
+            {"id":"report","dependencies":["analyse","delegate","look"]}]}"#,
     )?;
     let plan = plan.to_string_lossy().into_owned();
     let (root, session) = (

@@ -81,7 +81,8 @@ reply = "{task_id} <- [{dependencies}]"
                 RunInput::TimerFired { .. }
                 | RunInput::Control(_)
                 | RunInput::TopicWritten { .. }
-                | RunInput::Planned(_) => {}
+                | RunInput::Planned(_)
+                | RunInput::Claimed(_) => {}
                 RunInput::Rejected(_) => panic!("{run} was rejected"),
             }
         }

@@ -66,6 +66,11 @@ args = ["-c", "echo $FLOTILLA_TASK_ID >> {}; sleep {sleep}"]
         )
     }
 
+    /// Where the executions are logged.
+    pub fn path(&self) -> &Path {
+        self.0.path()
+    }
+
     /// The task ids logged so far, in the order they ran.
     pub fn executions(&self) -> anyhow::Result<Vec<String>> {
         Ok(std::fs::read_to_string(self.0.path())?
@@ -148,6 +153,7 @@ impl InProcess {
                 names: self.agents.keys().cloned().collect(),
                 default: self.agents.keys().next().cloned(),
                 workflows: Default::default(),
+                roles: Default::default(),
             }),
             ..ValidationContext::default()
         }
@@ -361,6 +367,20 @@ impl Processes {
         self.spawn_with(args, env, false)
     }
 
+    /// Starts a worker with a config file of its own (another pool's agents, as the Helm
+    /// chart gives each pool) instead of the shared one, and waits until it has registered.
+    pub async fn worker_with_config(
+        &mut self,
+        config: &Path,
+        extra: &[&str],
+    ) -> anyhow::Result<usize> {
+        let mut args = vec!["worker"];
+        args.extend_from_slice(extra);
+        let i = self.spawn_full(&args, &[], false, Some(config))?;
+        self.wait_registered(i).await?;
+        Ok(i)
+    }
+
     /// Starts `flotilla <args>` with the HTTP listener the configuration gives it — the
     /// default, unless `args` or `env` say otherwise — as a person would start it (other
     /// processes of the tests start with none).
@@ -378,6 +398,16 @@ impl Processes {
         env: &[(&str, &str)],
         default_listener: bool,
     ) -> anyhow::Result<usize> {
+        self.spawn_full(args, env, default_listener, None)
+    }
+
+    fn spawn_full(
+        &mut self,
+        args: &[&str],
+        env: &[(&str, &str)],
+        default_listener: bool,
+        config: Option<&Path>,
+    ) -> anyhow::Result<usize> {
         let log = std::fs::File::create(
             self.dir
                 .path()
@@ -385,7 +415,7 @@ impl Processes {
         )?;
         let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_flotilla"));
         cmd.arg("--config")
-            .arg(&self.config)
+            .arg(config.unwrap_or(&self.config))
             .args(&self.global_args)
             .args(args)
             .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))

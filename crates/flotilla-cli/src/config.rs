@@ -160,6 +160,7 @@ const NON_CONFIG_VARS: &[&str] = &[
     "PREFIX",
     "PRODUCES",
     "DATAFLOW",
+    "ROLE",
     "BIN",
     "SHIM_PARENT",
     "NATS_USER",
@@ -269,15 +270,18 @@ impl Config {
         Ok(())
     }
 
-    /// The agents this configuration defines.
+    /// The agents this configuration defines, with the roles their member cards give them
+    /// (a worker claims anycast tasks of those roles).
     pub(crate) fn agent_registry(&self) -> anyhow::Result<AgentRegistry> {
-        AgentRegistry::from_config(
+        let cards = self.member_cards();
+        Ok(AgentRegistry::from_config(
             &self.agent_definitions(),
             &self.roles,
             self.default_agent.clone(),
             &self.base_dir,
         )
-        .map_err(|e| anyhow::anyhow!("invalid [agents]: {e}"))
+        .map_err(|e| anyhow::anyhow!("invalid [agents]: {e}"))?
+        .with_cards(cards.iter().map(|(n, c)| (n.as_str(), c))))
     }
 
     /// The workflow agents, for the coordinators' embedded worker (empty: none defined).
@@ -306,15 +310,23 @@ impl Config {
     pub(crate) fn validation_context(&self) -> ValidationContext {
         ValidationContext {
             pools: Some(self.pools.iter().cloned().collect::<BTreeSet<_>>()),
-            agents: (!self.agents.is_empty()).then(|| AgentCatalog {
-                names: self.agents.keys().cloned().collect(),
-                default: self.default_agent.clone(),
-                workflows: self
-                    .agents
-                    .iter()
-                    .filter(|(_, d)| d.definition.is_workflow())
-                    .map(|(n, _)| n.clone())
-                    .collect(),
+            agents: (!self.agents.is_empty()).then(|| {
+                AgentCatalog {
+                    names: self.agents.keys().cloned().collect(),
+                    default: self.default_agent.clone(),
+                    workflows: self
+                        .agents
+                        .iter()
+                        .filter(|(_, d)| d.definition.is_workflow())
+                        .map(|(n, _)| n.clone())
+                        .collect(),
+                    roles: Default::default(),
+                }
+                .with_roles(
+                    self.agents
+                        .iter()
+                        .map(|(n, e)| (n.as_str(), e.card.roles.as_slice())),
+                )
             }),
             ..ValidationContext::default()
         }

@@ -35,6 +35,13 @@
 //! reader re-reads a few times within about a second (backing off) before it sleeps again,
 //! and a reader quiet for two seconds re-reads once in case a wake-up was lost.
 //!
+//! **Role addresses: exactly one claim.** A message to `role:<name>` goes to the role's box
+//! (`_role-<name>` in the `to` position). A reader whose scope plays the role (the task's
+//! `role`) reads that box too, and takes a message from it only by claiming it — a create of
+//! `mbox.<root>._claim.<seq>` in the cursors bucket, so exactly one reader wins; a reader's
+//! retries find their own claim and read it again, other readers pass it over. Peeks and
+//! negotiations never claim.
+//!
 //! **Caps are visible.** The stream keeps the newest N posts per pair; the numbering makes the
 //! loss countable ([`Mailbox::stats`]: `dropped = first retained n − 1`).
 //!
@@ -52,11 +59,12 @@ use flotilla_bus::{StoredMessage, classify_publish_error, wire};
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::mailbox::{
     BROADCAST, BROADCAST_TO, DEFAULT_READ_LIMIT, MAX_PAYLOAD_BYTES, MAX_READ_LIMIT, MailboxKind,
-    MailboxMessage, MailboxPage, MailboxPost, MailboxStats, SenderStats,
+    MailboxMessage, MailboxPage, MailboxPost, MailboxStats, ROLE_ADDRESS, ROLE_BOX, SenderStats,
+    addressed_role, role_box,
 };
 use flotilla_model::subjects::StreamKind;
 use flotilla_model::time::Timestamp;
-use flotilla_model::token::check_token;
+use flotilla_model::token::{check_name, check_token};
 use futures::{Stream, StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -117,7 +125,9 @@ pub fn check_address(address: &str) -> Result<(), ContextError> {
     if let Err(e) = check_token(address) {
         return Err(ContextError::new(
             ErrorKind::InvalidAddress,
-            format!("address {address:?} {e}; addresses are task ids (or * to broadcast)"),
+            format!(
+                "address {address:?} {e}; addresses are task ids (or * to broadcast, role:<name> for one task playing a role)"
+            ),
         ));
     }
     if address.starts_with('_') {
@@ -135,6 +145,15 @@ pub fn check_address(address: &str) -> Result<(), ContextError> {
 fn recipient(to: &str) -> Result<(String, String), ContextError> {
     if to == BROADCAST_TO {
         return Ok((BROADCAST.to_owned(), BROADCAST_TO.to_owned()));
+    }
+    if let Some(role) = addressed_role(to) {
+        if let Err(e) = check_name(role) {
+            return Err(ContextError::new(
+                ErrorKind::InvalidAddress,
+                format!("address {to:?}: the role {role:?} {e}"),
+            ));
+        }
+        return Ok((role_box(role), to.to_owned()));
     }
     check_address(to)?;
     Ok((to.to_owned(), to.to_owned()))
@@ -161,7 +180,11 @@ fn decode_post(m: &StoredMessage) -> Result<MailboxMessage, String> {
     let post: MailboxPost =
         wire::decode(Some(&m.headers), &m.payload).map_err(|e| e.to_string())?;
     let (to, from) = pair_of(&m.subject);
-    let to_body = if to == BROADCAST { BROADCAST_TO } else { to };
+    let to_body = match to.strip_prefix(ROLE_BOX) {
+        _ if to == BROADCAST => BROADCAST_TO.to_owned(),
+        Some(role) => format!("{ROLE_ADDRESS}{role}"),
+        None => to.to_owned(),
+    };
     if post.from != from || post.to != to_body {
         return Err(format!(
             "the body says from {:?} to {:?}, the subject from {from:?} to {to_body:?}",
@@ -395,7 +418,7 @@ impl Mailbox {
             &[]
         };
         let page = loop {
-            let mut page = self.read_page(&reader, after, limit).await?;
+            let mut page = self.read_page(&reader, after, limit, true).await?;
             skipped += page.skipped;
             after = page.next_since_seq;
             if !page.messages.is_empty() {
@@ -459,11 +482,12 @@ impl Mailbox {
         limit: Option<usize>,
     ) -> Result<MailboxPage, ContextError> {
         let reader = self.address()?.to_owned();
-        self.read_page(&reader, since_seq, effective_limit(limit))
+        self.read_page(&reader, since_seq, effective_limit(limit), false)
             .await
     }
 
-    /// Subscribes to the reader's inbox and the broadcast box: the wake-up signal.
+    /// Subscribes to the reader's inbox, the broadcast box and its role's box: the wake-up
+    /// signal.
     pub(crate) async fn subscribe(&self, reader: &str) -> Result<Wake, ContextError> {
         let scope = self.c.scope();
         let client = self.c.bus().client();
@@ -475,49 +499,76 @@ impl Mailbox {
             .subscribe(scope.names.mailbox_inbox(scope.root_run_id, BROADCAST))
             .await
             .map_err(|e| unavailable("subscribing to broadcasts", e))?;
-        Ok(Box::pin(futures::stream::select(inbox, broadcast)))
+        let both = futures::stream::select(inbox, broadcast);
+        match &scope.role {
+            Some(role) => {
+                let role = client
+                    .subscribe(
+                        scope
+                            .names
+                            .mailbox_inbox(scope.root_run_id, &role_box(role)),
+                    )
+                    .await
+                    .map_err(|e| unavailable("subscribing to the role's box", e))?;
+                Ok(Box::pin(futures::stream::select(both, role)))
+            }
+            None => Ok(Box::pin(both)),
+        }
     }
 
-    /// One page for `reader` after `after`: its inbox and the broadcast box merged by
-    /// sequence. Each filter is read up to `limit`; the merge keeps only sequences both reads
-    /// cover, so no message is skipped between pages.
+    /// One page for `reader` after `after`: its inbox, the broadcast box and — with `claim`,
+    /// when the scope plays a role — the role's box, merged by sequence. Each filter is read
+    /// up to `limit`; the merge keeps only sequences every read covers, so no message is
+    /// skipped between pages. A role's message is in the page only when this reader claims it
+    /// (or already had); one another reader claimed is passed over, as read.
     pub(crate) async fn read_page(
         &self,
         reader: &str,
         after: u64,
         limit: usize,
+        claim: bool,
     ) -> Result<MailboxPage, ContextError> {
         let scope = self.c.scope();
         let bus = self.c.bus();
         let inbox = scope.names.mailbox_inbox(scope.root_run_id, reader);
         let broadcast = scope.names.mailbox_inbox(scope.root_run_id, BROADCAST);
         let own_broadcast = scope.names.mailbox(scope.root_run_id, BROADCAST, reader);
-        let (a, b) = tokio::try_join!(
+        let role_filter = scope
+            .role
+            .as_deref()
+            .filter(|_| claim)
+            .map(|r| scope.names.mailbox_inbox(scope.root_run_id, &role_box(r)));
+        let read = |filter: String| async move {
             bus.direct_batch(
                 StreamKind::Mailbox,
-                &inbox,
+                &filter,
                 after,
                 limit,
-                Some(PAGE_MAX_BYTES)
-            ),
-            bus.direct_batch(
-                StreamKind::Mailbox,
-                &broadcast,
-                after,
-                limit,
-                Some(PAGE_MAX_BYTES)
-            ),
-        )?;
+                Some(PAGE_MAX_BYTES),
+            )
+            .await
+        };
+        let (a, b, c) = tokio::try_join!(read(inbox), read(broadcast), async {
+            match role_filter {
+                Some(f) => read(f).await,
+                None => Ok(Vec::new()),
+            }
+        })?;
         // A list that stopped with more pending covers its filter only up to its last
         // sequence.
         let truncated = |l: &[StoredMessage]| l.last().filter(|m| m.num_pending > 0).map(|m| m.seq);
-        let cutoff = [truncated(&a), truncated(&b)]
+        let cutoff = [truncated(&a), truncated(&b), truncated(&c)]
             .into_iter()
             .flatten()
             .min()
             .unwrap_or(u64::MAX);
-        let mut merged: Vec<StoredMessage> =
-            a.into_iter().chain(b).filter(|m| m.seq <= cutoff).collect();
+        let role_seqs: std::collections::HashSet<u64> = c.iter().map(|m| m.seq).collect();
+        let mut merged: Vec<StoredMessage> = a
+            .into_iter()
+            .chain(b)
+            .chain(c)
+            .filter(|m| m.seq <= cutoff)
+            .collect();
         merged.sort_by_key(|m| m.seq);
         let more = cutoff != u64::MAX || merged.len() > limit;
         merged.truncate(limit);
@@ -532,7 +583,12 @@ impl Mailbox {
                 continue;
             }
             match decode_post(&m) {
-                Ok(msg) => page.messages.push(msg),
+                Ok(msg) => {
+                    if role_seqs.contains(&m.seq) && !self.claim(reader, m.seq).await? {
+                        continue;
+                    }
+                    page.messages.push(msg);
+                }
                 Err(why) => {
                     warn!(subject = %m.subject, seq = m.seq, error = %why, "Skipping a malformed mailbox message");
                     page.skipped += 1;
@@ -540,6 +596,26 @@ impl Mailbox {
             }
         }
         Ok(page)
+    }
+
+    /// Claims the role message at `seq` for `reader`: `true` when it is this reader's (it
+    /// claimed it now, or did before — a retried attempt reads it again), `false` when
+    /// another reader of the role has it. The claim is a compare-and-set create in the
+    /// cursors bucket, so exactly one reader wins; it expires with the mailboxes.
+    async fn claim(&self, reader: &str, seq: u64) -> Result<bool, ContextError> {
+        let scope = self.c.scope();
+        let key = scope.names.mailbox_claim_key(scope.root_run_id, seq);
+        let kv = self.c.cursors_kv().await?;
+        match kv.create(&key, Bytes::from(reader.to_owned())).await {
+            Ok(_) => return Ok(true),
+            Err(e) if e.kind() == async_nats::jetstream::kv::CreateErrorKind::AlreadyExists => {}
+            Err(e) => return Err(unavailable(format!("claiming {key}"), e)),
+        }
+        let holder = kv
+            .get(&key)
+            .await
+            .map_err(|e| unavailable(format!("reading {key}"), e))?;
+        Ok(holder.is_some_and(|h| h.as_ref() == reader.as_bytes()))
     }
 
     /// The read position, loaded on first use: the committed cursor, or — for an exec

@@ -105,7 +105,7 @@ impl Mailbox {
         // the first read: the start counts as a wake-up.
         let mut settle: &[u64] = &SETTLE_DELAYS_MS;
         loop {
-            let page = self.read_page(&reader, after, 1000).await?;
+            let page = self.read_page(&reader, after, 1000, false).await?;
             after = page.next_since_seq;
             let found_new = !page.messages.is_empty();
             for m in &page.messages {

@@ -54,6 +54,8 @@ pub const ENV_PREFIX: &str = "FLOTILLA_PREFIX";
 pub const ENV_PRODUCES: &str = "FLOTILLA_PRODUCES";
 /// `FLOTILLA_DATAFLOW`: `strict` or `lenient`.
 pub const ENV_DATAFLOW: &str = "FLOTILLA_DATAFLOW";
+/// `FLOTILLA_ROLE`: the task's team role (it reads the messages sent to `role:<name>`).
+pub const ENV_ROLE: &str = "FLOTILLA_ROLE";
 
 /// `TRACEPARENT`: the W3C trace context of the attempt (the OpenTelemetry convention for
 /// passing it through the environment), so the child runs an exec agent starts with
@@ -94,6 +96,9 @@ pub struct Scope {
     /// The attempt's trace context (the envelope's `trace`): child runs started in this scope
     /// carry it to the coordinator, so they join the run's trace.
     pub trace: Option<TraceContext>,
+    /// The task's team role, when it names one that is a valid name: the task reads the
+    /// mailbox messages sent to `role:<name>`, each claimed by the first such reader.
+    pub role: Option<String>,
 }
 
 fn invalid_scope(message: String) -> ContextError {
@@ -121,6 +126,7 @@ impl Scope {
             dataflow: task.dataflow_validation,
             by: None,
             trace: task.trace.clone(),
+            role: task.role.clone().filter(|r| check_name(r).is_ok()),
         }
     }
 
@@ -140,12 +146,20 @@ impl Scope {
             dataflow: DataflowValidation::Lenient,
             by: Some(OPERATOR.to_owned()),
             trace: None,
+            role: None,
         }
     }
 
     /// Acts as `task` (mailbox address, writer task).
     pub fn with_task(mut self, task: TaskId) -> Self {
         self.task_id = Some(task);
+        self
+    }
+
+    /// Gives the scope a team role: its reads then claim the messages sent to
+    /// `role:<role>`.
+    pub fn with_role(mut self, role: impl Into<String>) -> Self {
+        self.role = Some(role.into());
         self
     }
 
@@ -227,6 +241,7 @@ impl Scope {
                 traceparent,
                 tracestate: nonempty(ENV_TRACESTATE),
             });
+        let role = nonempty(ENV_ROLE).filter(|r| check_name(r).is_ok());
         Ok(Self {
             names,
             run_id,
@@ -240,6 +255,7 @@ impl Scope {
             produces,
             dataflow,
             trace,
+            role,
         })
     }
 
@@ -280,6 +296,9 @@ impl Scope {
             if let Some(state) = &t.tracestate {
                 env.push((ENV_TRACESTATE, state.clone()));
             }
+        }
+        if let Some(r) = &self.role {
+            env.push((ENV_ROLE, r.clone()));
         }
         env
     }

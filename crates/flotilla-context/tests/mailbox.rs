@@ -473,3 +473,152 @@ async fn bad_addresses_oversize_payloads_and_missing_identity_are_refused() -> a
     assert_eq!(info.state.messages, 1);
     Ok(())
 }
+
+/// Clients of a fresh attempt of `task`, which plays `role`.
+fn playing(
+    bus: &flotilla_bus::Bus,
+    run: RunId,
+    task: &str,
+    role: &str,
+) -> anyhow::Result<flotilla_context::Clients> {
+    clients(bus, task_scope(bus, run, task).with_role(role))
+}
+
+#[tokio::test]
+async fn a_message_to_a_role_is_read_by_exactly_one_task_playing_it() -> anyhow::Result<()> {
+    let (_server, bus) = server().await?;
+    let run = RunId::new();
+    let lead = task(&bus, run, "lead")?;
+    let sent: BTreeSet<u64> = {
+        let mut seqs = BTreeSet::new();
+        for i in 0..20 {
+            let s = lead
+                .mailbox()
+                .send(
+                    "role:analyst",
+                    MailboxKind::Request,
+                    json!({ "i": i }),
+                    None,
+                )
+                .await?;
+            seqs.insert(s.seq);
+        }
+        seqs
+    };
+    // Two tasks play the role and read at the same time, in small pages; a third plays
+    // another role, a fourth none.
+    let (a, b) = (
+        playing(&bus, run, "north", "analyst")?,
+        playing(&bus, run, "south", "analyst")?,
+    );
+    let read_all = |c: flotilla_context::Clients| async move {
+        let mut got = Vec::new();
+        loop {
+            let page = c.mailbox().receive(Some(3), NOW).await?;
+            got.extend(page.messages);
+            if !page.more {
+                break;
+            }
+        }
+        c.mailbox().commit().await?;
+        Ok::<_, anyhow::Error>(got)
+    };
+    let (got_a, got_b) = tokio::try_join!(read_all(a), read_all(b))?;
+    let seqs_a: BTreeSet<u64> = got_a.iter().map(|m| m.seq).collect();
+    let seqs_b: BTreeSet<u64> = got_b.iter().map(|m| m.seq).collect();
+    assert!(seqs_a.is_disjoint(&seqs_b), "{seqs_a:?} / {seqs_b:?}");
+    assert_eq!(
+        seqs_a.union(&seqs_b).copied().collect::<BTreeSet<_>>(),
+        sent,
+        "every message reached one of them"
+    );
+    assert!(
+        got_a
+            .iter()
+            .chain(&got_b)
+            .all(|m| m.to == "role:analyst" && m.from == "lead")
+    );
+    for other in [
+        playing(&bus, run, "critic", "reviewer")?,
+        task(&bus, run, "bystander")?,
+    ] {
+        assert!(
+            other
+                .mailbox()
+                .receive(None, NOW)
+                .await?
+                .messages
+                .is_empty()
+        );
+    }
+
+    // A retried attempt of a reader that did not commit reads its own claims again; the
+    // other reader never sees them.
+    lead.mailbox()
+        .send("role:analyst", MailboxKind::Info, json!("late"), None)
+        .await?;
+    let first = playing(&bus, run, "north", "analyst")?;
+    let page = first.mailbox().receive(None, NOW).await?;
+    assert_eq!(page.messages.len(), 1, "{page:?}");
+    drop(first);
+    let south = playing(&bus, run, "south", "analyst")?;
+    assert!(
+        south
+            .mailbox()
+            .receive(None, NOW)
+            .await?
+            .messages
+            .is_empty()
+    );
+    let retry = playing(&bus, run, "north", "analyst")?;
+    let again = retry.mailbox().receive(None, NOW).await?;
+    assert_eq!(again.messages.len(), 1);
+    assert_eq!(again.messages[0].payload, json!("late"));
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_waiting_member_of_a_role_wakes_on_a_message_to_the_role() -> anyhow::Result<()> {
+    let (_server, bus) = server().await?;
+    let run = RunId::new();
+    let reader = playing(&bus, run, "north", "analyst")?;
+    let waiting = tokio::spawn(async move {
+        let started = Instant::now();
+        let page = reader
+            .mailbox()
+            .receive(None, Duration::from_secs(20))
+            .await?;
+        Ok::<_, anyhow::Error>((page, started.elapsed()))
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    task(&bus, run, "lead")?
+        .mailbox()
+        .send("role:analyst", MailboxKind::Info, json!("wake"), None)
+        .await?;
+    let (page, took) = waiting.await??;
+    assert_eq!(page.messages.len(), 1);
+    assert!(
+        took < Duration::from_secs(10),
+        "woken, not timed out: {took:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn bad_role_addresses_are_refused() -> anyhow::Result<()> {
+    let (_server, bus) = server().await?;
+    let lead = task(&bus, RunId::new(), "lead")?;
+    for to in ["role:", "role:two words", "role:a.b"] {
+        let e = lead
+            .mailbox()
+            .send(to, MailboxKind::Info, json!(1), None)
+            .await
+            .expect_err(to);
+        assert_eq!(
+            e.kind(),
+            flotilla_context::ErrorKind::InvalidAddress,
+            "{to}: {e}"
+        );
+    }
+    Ok(())
+}

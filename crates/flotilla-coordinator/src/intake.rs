@@ -298,8 +298,14 @@ impl Intake {
             };
             return self.reject(run, rejected, source).await;
         }
-        let pools: std::collections::BTreeSet<&str> =
-            plan.subtasks.iter().map(|t| t.pool.as_str()).collect();
+        let anycast = self.ctx.agents.as_ref().is_some_and(|a| a.has_roles());
+        // Anycast tasks wait in their role's queue, whatever their pool.
+        let pools: std::collections::BTreeSet<&str> = plan
+            .subtasks
+            .iter()
+            .filter(|t| t.anycast_role(anycast).is_none())
+            .map(|t| t.pool.as_str())
+            .collect();
         if let Some(missing) = self.live.pools_without_workers(pools, source.now_ms()) {
             for pool in missing {
                 warnings.push(Problem::new(
@@ -330,6 +336,7 @@ impl Intake {
             planning,
             depth: lineage.depth,
             budget_scopes: lineage.budget_scopes,
+            anycast,
         };
         let entry = RunLogEntry {
             protocol: PROTOCOL_VERSION,

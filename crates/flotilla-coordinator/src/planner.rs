@@ -95,6 +95,9 @@ pub fn planner_task_id(round: u32) -> TaskId {
 /// deployment and, on a repair, the problems).
 const INSTRUCTION: &str = "Plan how a team of agents answers the query in the input. Answer with a JSON object {\"subtasks\": [...]}, one entry per subtask: `id` (letters, digits, `-` and `_`; unique; not starting with `_`), `description` (what the agent does, in words), and where useful `role`, `agent` and `pool` (only those listed under `deployment` in the input), `dependencies` (ids of subtasks that must finish first), `produces` / `consumes` (workspace topics). A subtask with role `synthesis` gives the final answer. Use as few subtasks as the query needs; one is fine for a simple question.";
 
+/// Added to [`INSTRUCTION`] when the deployment's member cards define roles.
+const ROLES_INSTRUCTION: &str = "The team has the roles listed under `deployment.roles` (each with the agents that fill it): a subtask with a `role` and no `agent` is taken by whichever member of that role is free, so name only a listed role there; with an `agent`, the role only sets that agent's system prompt.";
+
 /// The planning plan of round `round`: one planner task. `problems` and `previous` (the
 /// rejected answer) are given on a repair.
 pub fn planning_plan(
@@ -106,13 +109,16 @@ pub fn planning_plan(
     previous: Option<&Value>,
 ) -> Plan {
     let id = planner_task_id(round);
-    let description = if problems.is_empty() {
-        INSTRUCTION.to_owned()
-    } else {
-        format!(
-            "{INSTRUCTION}\n\nYour previous plan (`previous_answer` in the input) was rejected for the `problems` listed in the input. Answer again with a corrected plan."
-        )
-    };
+    let mut description = INSTRUCTION.to_owned();
+    if ctx.agents.as_ref().is_some_and(|a| a.has_roles()) {
+        description.push(' ');
+        description.push_str(ROLES_INSTRUCTION);
+    }
+    if !problems.is_empty() {
+        description.push_str(
+            "\n\nYour previous plan (`previous_answer` in the input) was rejected for the `problems` listed in the input. Answer again with a corrected plan.",
+        );
+    }
     let mut task = Subtask::new(id.as_str(), &description);
     task.role = Some(PLANNER_ROLE.to_owned());
     task.agent = opts.agent.clone();
@@ -141,13 +147,16 @@ pub fn planning_plan(
     }
 }
 
-/// The agents and pools a plan may name, as the planner is told them.
+/// The agents, roles and pools a plan may name, as the planner is told them.
 fn deployment(ctx: &ValidationContext) -> Value {
     let mut d = json!({});
     if let Some(agents) = &ctx.agents {
         d["agents"] = json!(agents.names);
         if let Some(default) = &agents.default {
             d["default_agent"] = json!(default);
+        }
+        if agents.has_roles() {
+            d["roles"] = json!(agents.roles);
         }
     }
     if let Some(pools) = &ctx.pools {
@@ -340,6 +349,7 @@ mod tests {
                 names: BTreeSet::from(["planner".to_owned(), "writer".to_owned()]),
                 default: Some("writer".into()),
                 workflows: BTreeSet::new(),
+                roles: Default::default(),
             }),
             ..ValidationContext::default()
         }
@@ -359,6 +369,39 @@ mod tests {
         assert_eq!(item["agent"]["enum"], json!(["planner", "writer"]));
         assert_eq!(item["pool"]["enum"], json!(["default"]));
         assert!(jsonschema::validator_for(&s).is_ok());
+    }
+
+    #[test]
+    fn the_planner_is_told_the_roles_and_an_unknown_one_is_repaired() {
+        let plain = planning_plan("q", &opts(), &ctx(), 1, &[], None);
+        assert!(plain.subtasks[0].input["deployment"].get("roles").is_none());
+        assert!(!plain.subtasks[0].description.contains("deployment.roles"));
+
+        let mut with_roles = ctx();
+        with_roles.agents = with_roles
+            .agents
+            .map(|a| a.with_roles([("writer", &["writing".to_owned()][..])]));
+        let planning = planning_plan("q", &opts(), &with_roles, 1, &[], None);
+        let task = &planning.subtasks[0];
+        assert_eq!(
+            task.input["deployment"]["roles"],
+            json!({"writing": ["writer"]})
+        );
+        assert!(task.description.contains("deployment.roles"));
+        let d = review(
+            r#"{"subtasks":[{"id":"a","description":"x","role":"editing"}]}"#,
+            "q",
+            1,
+            1,
+            &opts(),
+            &with_roles,
+            &planning,
+        );
+        let PlanDecision::Repair { problems, .. } = d else {
+            panic!("{d:?}")
+        };
+        assert_eq!(problems[0].code, ProblemCode::UnknownRole);
+        assert_eq!(problems[0].path, "subtasks[0].role");
     }
 
     #[test]

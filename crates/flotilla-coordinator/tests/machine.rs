@@ -36,6 +36,7 @@ fn submitted(p: &Plan) -> Submitted {
         planning: None,
         depth: 0,
         budget_scopes: Vec::new(),
+        anycast: false,
     }
 }
 
@@ -80,6 +81,7 @@ fn result<'a>(t: &'a (TaskId, TaskResult), attempt: u32, seq: u64) -> Input<'a> 
         seq,
         worker: None,
         started_at: None,
+        agent: None,
     }
 }
 
@@ -723,6 +725,199 @@ fn restore_keeps_which_topics_have_entries() {
     assert_eq!(m.state(), restored.state());
 }
 
+/// Anycast: a plan with a role task `r` (role `research`, no agent) and a task `after` that
+/// depends on it, in a deployment whose cards define roles; the claim window is 10 s.
+fn anycast_plan() -> (Arc<Plan>, Submitted) {
+    let mut r = Subtask::new("r", "");
+    r.role = Some("research".into());
+    let p = plan(
+        vec![r, Subtask::new("after", "").after(&["r"])],
+        PlanConfig {
+            dependency_timeout: Secs::from_secs(10),
+            ..PlanConfig::default()
+        },
+    );
+    let mut s = submitted(&p);
+    s.anycast = true;
+    (p, s)
+}
+
+fn timers(actions: &[Action]) -> Vec<(u64, i64)> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::ArmTimer { generation, due_ms } => Some((*generation, *due_ms)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn claim(task: &TaskId, attempt: u32) -> Input<'_> {
+    Input::Claimed { task, attempt }
+}
+
+#[test]
+fn an_unclaimed_anycast_attempt_fails_role_unclaimed_at_its_bound_and_is_withdrawn() {
+    let (p, s) = anycast_plan();
+    let (mut m, actions) = RunMachine::start(RunId::new(), &s, p.clone(), 1_000);
+    assert_eq!(m.anycast_role(0), Some("research"));
+    assert_eq!(m.anycast_role(1), None);
+    assert_eq!(dispatched(&actions), vec![(0, 1)]);
+    assert_eq!(
+        timers(&actions),
+        vec![(1, 11_000)],
+        "the wait for a member is bounded"
+    );
+    // A firing of that timer before any claim: the attempt fails, final, and is withdrawn.
+    let actions = m.apply(Input::Timer { generation: 1 }, 11_000);
+    assert!(
+        actions.contains(&Action::Withdraw {
+            task: 0,
+            attempt: 1
+        }),
+        "{actions:?}"
+    );
+    let t = &m.state().tasks[0];
+    assert_eq!(t.status, TaskStatus::Failed);
+    let error = t.error.as_ref().expect("error");
+    assert_eq!(error.kind, TaskErrorKind::RoleUnclaimed);
+    assert!(error.message.contains("\"research\""), "{error}");
+    assert!(!error.kind.is_retryable());
+    assert_eq!(m.state().tasks[1].status, TaskStatus::Skipped);
+    assert_eq!(m.state().status, RunStatus::Failed);
+    assert_eq!(m.in_flight(), 0);
+    // A claim and a result arriving after the decision change nothing.
+    let before = m.state().clone();
+    let r = TaskId::new("r");
+    assert!(m.apply(claim(&r, 1), 11_001).is_empty());
+    let late = ok("r");
+    assert!(m.apply(result(&late, 1, 9), 11_002).is_empty());
+    assert_eq!(m.state(), &before);
+}
+
+#[test]
+fn a_claim_before_the_bound_ends_the_wait_and_the_attempt_runs_on() {
+    let (p, s) = anycast_plan();
+    let (mut m, _) = RunMachine::start(RunId::new(), &s, p.clone(), 1_000);
+    let r = TaskId::new("r");
+    assert!(m.apply(claim(&r, 1), 5_000).is_empty());
+    assert_eq!(m.state().tasks[0].claimed, 1);
+    assert_eq!(
+        m.state().applied,
+        2,
+        "the claim is an input that changed the run"
+    );
+    // The same claim again (a redelivered worker's) changes nothing.
+    let before = m.state().clone();
+    assert!(m.apply(claim(&r, 1), 5_001).is_empty());
+    assert_eq!(m.state(), &before);
+    // The deadline's firing finds the attempt claimed: it runs on. (Its dependent still
+    // counts `dependency_timeout` from the dispatch, queue time included, as for any task
+    // whose dependency waits in a queue.)
+    let actions = m.apply(Input::Timer { generation: 1 }, 11_000);
+    assert!(
+        !actions.iter().any(|a| matches!(a, Action::Withdraw { .. })),
+        "{actions:?}"
+    );
+    assert_eq!(m.state().tasks[0].status, TaskStatus::Dispatched);
+    assert_eq!(
+        m.state().tasks[1].error.as_ref().map(|e| e.kind),
+        Some(TaskErrorKind::DependencyTimeout)
+    );
+    // Its result goes on as any task's, with the member that ran it on the event.
+    let done = ok("r");
+    let actions = m.apply(
+        Input::Result {
+            task: &done.0,
+            attempt: 1,
+            result: &done.1,
+            seq: 7,
+            worker: Some("w1"),
+            started_at: None,
+            agent: Some("analyst"),
+        },
+        12_000,
+    );
+    let agents: Vec<_> = actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Emit(e) if e.event.phase == WorkflowPhase::TaskSucceeded => {
+                e.event.agent.clone()
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(agents, vec!["analyst".to_string()]);
+}
+
+#[test]
+fn a_result_ends_the_wait_too_and_a_retry_waits_again() {
+    let (p, s) = anycast_plan();
+    let (mut m, _) = RunMachine::start(RunId::new(), &s, p.clone(), 1_000);
+    // A failed first attempt whose claim never came (a quick agent, its claim lost): the
+    // result ended the wait, and the attempt is retried after its backoff.
+    let failed = fail("r");
+    let actions = m.apply(result(&failed, 1, 3), 2_000);
+    assert_eq!(m.state().tasks[0].status, TaskStatus::Retrying);
+    let due = m.state().tasks[0].retry_ms;
+    let (generation, at) = timers(&actions)[0];
+    assert_eq!(at, due, "the retry is earlier than the old claim bound");
+    let actions = m.apply(Input::Timer { generation }, due);
+    assert_eq!(dispatched(&actions), vec![(0, 2)]);
+    // Attempt 2 waits for a member again, from its own dispatch.
+    assert_eq!(timers(&actions).last().map(|t| t.1), Some(due + 10_000));
+    let r = TaskId::new("r");
+    assert!(
+        m.apply(claim(&r, 1), due + 1).is_empty(),
+        "a claim of attempt 1 is stale"
+    );
+    assert_eq!(m.state().tasks[0].claimed, 0);
+    m.apply(claim(&r, 2), due + 2);
+    assert_eq!(m.state().tasks[0].claimed, 2);
+}
+
+#[test]
+fn without_roles_a_role_names_a_prompt_and_nothing_waits_for_a_claim() {
+    let (p, mut s) = anycast_plan();
+    s.anycast = false;
+    let (mut m, actions) = RunMachine::start(RunId::new(), &s, p.clone(), 1_000);
+    assert_eq!(m.anycast_role(0), None);
+    assert_eq!(dispatched(&actions), vec![(0, 1)]);
+    let before = m.state().clone();
+    assert!(m.apply(claim(&TaskId::new("r"), 1), 2_000).is_empty());
+    assert_eq!(m.state(), &before, "only anycast tasks are claimed");
+    // The run's timer (the dependent's deadline) fires: the pool task waits on, unbounded.
+    let (generation, at) = timers(&actions)[0];
+    let actions = m.apply(Input::Timer { generation }, at);
+    assert!(
+        !actions.iter().any(|a| matches!(a, Action::Withdraw { .. })),
+        "{actions:?}"
+    );
+    assert_eq!(m.state().tasks[0].status, TaskStatus::Dispatched);
+}
+
+#[test]
+fn restore_keeps_claims_and_the_anycast_flag() {
+    let (p, s) = anycast_plan();
+    let (mut m, _) = RunMachine::start(RunId::new(), &s, p.clone(), 1_000);
+    m.apply(claim(&TaskId::new("r"), 1), 2_000);
+    let bytes = rmp_serde::to_vec_named(m.state()).expect("encode");
+    let mut restored =
+        RunMachine::restore(p.clone(), rmp_serde::from_slice(&bytes).expect("decode"));
+    assert_eq!(m.state(), restored.state());
+    assert_eq!(restored.anycast_role(0), Some("research"));
+    let a = m.apply(Input::Timer { generation: 1 }, 11_000);
+    let b = restored.apply(Input::Timer { generation: 1 }, 11_000);
+    assert_eq!(a, b);
+    assert_eq!(m.state().tasks[0].status, TaskStatus::Dispatched);
+    // Plain runs store neither field.
+    let plain = plan(diamond(), PlanConfig::default());
+    let (m, _) = RunMachine::start(RunId::new(), &submitted(&plain), plain.clone(), 0);
+    let json = serde_json::to_value(m.state()).expect("json");
+    assert!(json.get("anycast").is_none());
+    assert!(json["tasks"][0].get("cl").is_none());
+}
+
 mod model {
     //! Random plans, random failures, duplicate deliveries and timer firings, checked against
     //! the invariants a simple model of the scheduler must keep.
@@ -750,6 +945,8 @@ mod model {
         consumes_ext: Vec<bool>,
         /// Announce `ext` at this step (never, if absent).
         ext_written_at: Option<usize>,
+        /// Task i names a role and no agent: anycast, claimed by a member (or not in time).
+        anycast: Vec<bool>,
     }
 
     fn case() -> impl proptest::strategy::Strategy<Value = Case> {
@@ -775,6 +972,7 @@ mod model {
                         .collect::<Vec<_>>(),
                     proptest::collection::vec(prop::bool::weighted(0.1), n),
                     proptest::option::weighted(0.5, 0usize..40),
+                    proptest::collection::vec(prop::bool::weighted(0.3), n),
                 ),
             )
                 .prop_map(
@@ -787,8 +985,9 @@ mod model {
                         failure_ratio,
                         cancel_at,
                         choices,
-                        (produces, consume_sets, consumes_ext, ext_written_at),
+                        (produces, consume_sets, consumes_ext, ext_written_at, anycast),
                     )| Case {
+                        anycast,
                         consumes: consume_sets
                             .into_iter()
                             .enumerate()
@@ -831,6 +1030,9 @@ mod model {
                 if c.consumes_ext[i] {
                     t.consumes.push("ext".into());
                 }
+                if c.anycast[i] {
+                    t.role = Some("r".into());
+                }
                 t
             }).collect();
             let p = plan(tasks, PlanConfig {
@@ -850,7 +1052,12 @@ mod model {
             let threshold = (n as f64 * c.failure_ratio).floor() as usize + 1;
             let mut cancelled_by_input = false;
             let mut cancel_attempts = 0;
-            let (mut m, mut actions) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
+            let mut s = submitted(&p);
+            s.anycast = true;
+            let (mut m, mut actions) = RunMachine::start(RunId::new(), &s, p.clone(), 0);
+            // Anycast attempts a member claimed, and tasks whose attempt nobody claimed in time.
+            let mut claimed: std::collections::BTreeSet<(u32, u32)> = Default::default();
+            let mut unclaimed: Vec<bool> = vec![false; c.deps.len()];
             let mut now: i64 = 0;
             let mut in_flight: Vec<(u32, u32)> = Vec::new();
             let mut delivered: Vec<(TaskId, u32, TaskResult)> = Vec::new();
@@ -885,6 +1092,19 @@ mod model {
                             // Everything in flight is cancelled: results for it are stale.
                             in_flight.clear();
                         }
+                        Action::Withdraw { task, attempt } => {
+                            // Only an anycast attempt in flight, unclaimed, past its bound.
+                            let i = *task as usize;
+                            prop_assert!(c.anycast[i]);
+                            prop_assert!(!claimed.contains(&(*task, *attempt)));
+                            let at = in_flight.iter().position(|x| *x == (*task, *attempt));
+                            prop_assert!(at.is_some(), "withdrew {:?}, not in flight", (task, attempt));
+                            in_flight.retain(|x| *x != (*task, *attempt));
+                            let t = &m.state().tasks[i];
+                            prop_assert!(now - t.dispatched_ms >= p.config.dependency_timeout.get().as_millis() as i64);
+                            prop_assert_eq!(t.error.as_ref().map(|e| e.kind), Some(TaskErrorKind::RoleUnclaimed));
+                            unclaimed[i] = true;
+                        }
                         _ => {}
                     }
                 }
@@ -916,6 +1136,28 @@ mod model {
                 }
                 let pick = *choice.next().unwrap_or(&0);
                 now += 1 + i64::from(pick % 500);
+                // Now and then a member claims an anycast attempt in flight (a claim of an
+                // attempt already claimed, or of a pool task, changes nothing).
+                if pick % 5 == 1 && !in_flight.is_empty() {
+                    let (task, attempt) = in_flight[pick as usize % in_flight.len()];
+                    let id = TaskId::new(names[task as usize].as_str());
+                    let before = m.state().clone();
+                    let a = m.apply(Input::Claimed { task: &id, attempt }, now);
+                    prop_assert!(a.is_empty(), "a claim decides nothing: {:?}", a);
+                    if c.anycast[task as usize] && claimed.insert((task, attempt)) {
+                        prop_assert_eq!(m.state().tasks[task as usize].claimed, attempt);
+                    } else {
+                        prop_assert_eq!(m.state(), &before);
+                    }
+                    actions = Vec::new();
+                    continue;
+                }
+                // And now and then the run's timer fires while attempts are in flight.
+                if pick % 13 == 0 && let Some(t) = m.state().timer {
+                    now = now.max(t.due_ms);
+                    actions = m.apply(Input::Timer { generation: t.generation }, now);
+                    continue;
+                }
                 if !in_flight.is_empty() {
                     let (task, attempt) = in_flight.remove(pick as usize % in_flight.len());
                     let success = c.script[task as usize].get(attempt as usize - 1).copied().unwrap_or(true);
@@ -926,13 +1168,13 @@ mod model {
                     };
                     let id = TaskId::new(names[task as usize].as_str());
                     seq += 1;
-                    actions = m.apply(Input::Result { task: &id, attempt, result: &r, seq, worker: None, started_at: None }, now);
+                    actions = m.apply(Input::Result { task: &id, attempt, result: &r, seq, worker: None, started_at: None, agent: None }, now);
                     delivered.push((id, attempt, r));
                     // Redeliver an old result now and then: it must change nothing.
                     if pick % 3 == 0 {
                         let (id, attempt, r) = &delivered[pick as usize % delivered.len()];
                         let before = m.state().clone();
-                        let dup = m.apply(Input::Result { task: id, attempt: *attempt, result: r, seq: 999_999, worker: None, started_at: None }, now);
+                        let dup = m.apply(Input::Result { task: id, attempt: *attempt, result: r, seq: 999_999, worker: None, started_at: None, agent: None }, now);
                         prop_assert!(dup.is_empty());
                         prop_assert_eq!(m.state(), &before);
                     }
@@ -976,6 +1218,9 @@ mod model {
                 if t.status == TaskStatus::Failed && t.attempt == 0 {
                     // Never started: checked when it timed out (above).
                     prop_assert!(timed_out[i]);
+                } else if t.status == TaskStatus::Failed && unclaimed[i] {
+                    // No member claimed its last attempt in time (checked when withdrawn).
+                    prop_assert_eq!(t.error.as_ref().map(|e| e.kind), Some(TaskErrorKind::RoleUnclaimed));
                 } else if t.status == TaskStatus::Failed {
                     // A task fails only after exhausting its script's failures within the retry budget.
                     prop_assert_eq!(t.attempt, c.max_retries + 1);

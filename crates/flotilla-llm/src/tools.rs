@@ -185,16 +185,16 @@ fn builtin_spec(name: &str) -> (&'static str, Value) {
             }, "required": ["topic", "entry"], "additionalProperties": false}),
         ),
         "mailbox_send" => (
-            "Sends a message to another task of the team by its task id, or to every task with \"*\". Does not wait for an answer.",
+            "Sends a message to another task of the team by its task id, to every task with \"*\", or to whichever task playing a role reads it first with \"role:<name>\". Does not wait for an answer.",
             json!({"type": "object", "properties": {
-                "to": {"type": "string", "description": "Recipient task id, or * for all"},
+                "to": {"type": "string", "description": "Recipient task id, * for all, or role:<name> for one task playing that role"},
                 "kind": {"type": "string", "enum": ["request", "offer", "accept", "delegation", "info"], "description": "Message type (default info)"},
                 "payload": {"description": "The message (any JSON)"},
                 "correlation_id": {"type": "string", "description": "Ties a reply to a request"}
             }, "required": ["to", "payload"], "additionalProperties": false}),
         ),
         "mailbox_read" => (
-            "Reads the messages sent to this task (and broadcasts) that it has not read yet.",
+            "Reads the messages sent to this task (and broadcasts, and messages to its role that no other task took first) that it has not read yet.",
             json!({"type": "object", "properties": {
                 "limit": {"type": "integer", "minimum": 1, "maximum": 1000, "description": "Most messages (default 100)"},
                 "wait_ms": {"type": "integer", "minimum": 0, "maximum": MAX_MAILBOX_WAIT_MS, "description": "Wait this long for a message when none is there (default 0)"}

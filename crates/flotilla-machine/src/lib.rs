@@ -25,6 +25,15 @@
 //! any unfinished task ──run cancelled, or aborted by failure_ratio──► cancelled
 //! ```
 //!
+//! **Anycast tasks** (a `role` and no `agent`, in a run whose deployment defines roles:
+//! [`RunState::anycast`]) are dispatched to their role's queue, where one free member claims
+//! each attempt ([`Input::Claimed`], appended by the member's worker before its agent runs).
+//! The wait for a claim is bounded: an attempt neither claimed nor finished within
+//! `dependency_timeout` of its dispatch fails `role_unclaimed` (not retried), and its queued
+//! message is withdrawn ([`Action::Withdraw`]). A claim or a result that reaches the run log
+//! before the timer's firing wins; one after it changes nothing. The claim only ends the
+//! wait: how long the claimed attempt runs is bounded by its timeout, as for any task.
+//!
 //! **Failure policy.** A run aborts once its failed tasks reach
 //! `floor(len × failure_ratio) + 1` (0 aborts at the first failure, 1 never aborts):
 //! dispatch stops, running attempts are cancelled on their workers
@@ -76,6 +85,15 @@ pub enum Input<'a> {
         worker: Option<&'a str>,
         /// When the worker started it (worker clock).
         started_at: Option<Timestamp>,
+        /// The member that ran it, for anycast tasks.
+        agent: Option<&'a str>,
+    },
+    /// A member claimed an attempt of an anycast task: its wait for a member is over.
+    Claimed {
+        /// Task.
+        task: &'a TaskId,
+        /// Attempt number.
+        attempt: u32,
     },
     /// A durable timer fired.
     Timer {
@@ -223,6 +241,7 @@ impl RunMachine {
             strategy: strategy.clone(),
             depth: submitted.depth,
             budget_scopes: submitted.budget_scopes.clone(),
+            anycast: submitted.anycast,
         };
         let mut m = Self::restore_with_graph(plan, graph, state);
         let mut actions = vec![Action::Emit(Box::new(Emission {
@@ -326,6 +345,14 @@ impl RunMachine {
         self.in_flight
     }
 
+    /// The role whose member claims task `i`, when it is an anycast task.
+    pub fn anycast_role(&self, i: u32) -> Option<&str> {
+        self.plan
+            .subtasks
+            .get(i as usize)
+            .and_then(|s| s.anycast_role(self.state.anycast))
+    }
+
     /// Applies one input at server time `now_ms`. Returns no actions, and changes nothing,
     /// when the input is a duplicate, stale, or the run has ended.
     pub fn apply(&mut self, input: Input<'_>, now_ms: i64) -> Vec<Action> {
@@ -341,6 +368,7 @@ impl RunMachine {
                 seq,
                 worker,
                 started_at,
+                agent,
             } => {
                 let Some(i) = self.graph.index_of(task) else {
                     return actions;
@@ -354,6 +382,7 @@ impl RunMachine {
                 let by = WorkflowEvent {
                     worker: worker.map(str::to_owned),
                     started_at,
+                    agent: agent.map(str::to_owned),
                     ..WorkflowEvent::phase(WorkflowPhase::TaskSucceeded)
                 };
                 if result.success {
@@ -365,6 +394,25 @@ impl RunMachine {
                     });
                     self.attempt_failed(i, error, now_ms, by, &mut actions);
                 }
+            }
+            Input::Claimed { task, attempt } => {
+                let Some(i) = self.graph.index_of(task) else {
+                    return actions;
+                };
+                if self.anycast_role(i).is_none() {
+                    return actions;
+                }
+                let t = &mut self.state.tasks[i as usize];
+                if t.status != TaskStatus::Dispatched
+                    || t.attempt != attempt
+                    || t.claimed == attempt
+                {
+                    return actions;
+                }
+                t.claimed = attempt;
+                self.state.applied += 1;
+                // The armed timer may be this claim's deadline: it fires and finds nothing due,
+                // then is re-armed for what remains (cheaper than a scan per claim).
             }
             Input::Timer { generation } => {
                 if self.state.timer.map(|t| t.generation) != Some(generation) {
@@ -797,12 +845,26 @@ impl RunMachine {
         Some(latest + self.plan.config.dependency_timeout.get().as_millis() as i64)
     }
 
+    /// When an anycast task's dispatched attempt stops waiting for a member: unclaimed (and
+    /// unfinished) `dependency_timeout` after its dispatch, it fails `role_unclaimed`.
+    fn claim_deadline(&self, i: u32) -> Option<i64> {
+        let t = &self.state.tasks[i as usize];
+        (t.status == TaskStatus::Dispatched && t.claimed != t.attempt)
+            .then(|| self.anycast_role(i))
+            .flatten()
+            .map(|_| t.dispatched_ms + self.plan.config.dependency_timeout.get().as_millis() as i64)
+    }
+
     fn on_timer(&mut self, now_ms: i64, actions: &mut Vec<Action>) {
         let n = self.graph.len() as u32;
         let mut timed_out = Vec::new();
+        let mut unclaimed = Vec::new();
         for i in 0..n {
             let t = &self.state.tasks[i as usize];
             match t.status {
+                TaskStatus::Dispatched if self.claim_deadline(i).is_some_and(|d| d <= now_ms) => {
+                    unclaimed.push(i);
+                }
                 TaskStatus::Retrying if t.retry_ms <= now_ms => {
                     self.state.tasks[i as usize].status = TaskStatus::Waiting;
                     if self.remaining[i as usize] == 0 && self.missing[i as usize] == 0 {
@@ -816,6 +878,33 @@ impl RunMachine {
             }
         }
         let timeout = self.plan.config.dependency_timeout.get();
+        for i in unclaimed {
+            if self.state.tasks[i as usize].status != TaskStatus::Dispatched {
+                // Skipped or cancelled by an earlier failure of this firing.
+                continue;
+            }
+            let attempt = self.state.tasks[i as usize].attempt;
+            let role = self.anycast_role(i).unwrap_or_default().to_owned();
+            self.in_flight -= 1;
+            actions.push(Action::Withdraw { task: i, attempt });
+            let error = TaskError {
+                kind: TaskErrorKind::RoleUnclaimed,
+                message: format!(
+                    "no member of role {role:?} claimed the task within {} of its dispatch (none was online, or all were busy)",
+                    humantime_duration(timeout)
+                ),
+            };
+            self.fail(
+                i,
+                error,
+                now_ms,
+                WorkflowEvent::phase(WorkflowPhase::TaskFailed),
+                actions,
+            );
+            if self.state.status.is_terminal() {
+                return;
+            }
+        }
         for i in timed_out {
             if self.state.tasks[i as usize].status == TaskStatus::Waiting {
                 let message = if self.remaining[i as usize] == 0 {
@@ -898,6 +987,7 @@ impl RunMachine {
                 let due = match t.status {
                     TaskStatus::Retrying => Some(t.retry_ms),
                     TaskStatus::Waiting => self.dependency_deadline(i),
+                    TaskStatus::Dispatched => self.claim_deadline(i),
                     _ => None,
                 };
                 if let Some(d) = due {
@@ -921,6 +1011,10 @@ impl RunMachine {
         // the run view shows dispatched tasks; an event per dispatch would cost a stored
         // write per task for no new information.
         actions.push(Action::Dispatch { task: i, attempt });
+        // An anycast attempt waits for a member of its role, at most `dependency_timeout`.
+        if let Some(deadline) = self.claim_deadline(i) {
+            self.arm_if_earlier(deadline, actions);
+        }
         // Dependents whose dependencies are now all under way start their dependency clock.
         let graph = Arc::clone(&self.graph);
         for &d in &graph.dependents[i as usize] {

@@ -62,6 +62,14 @@ pub struct TaskState {
     /// (Unix ms): its wait for the topic is bounded from here by `dependency_timeout`.
     #[serde(rename = "g", default, skip_serializing_if = "is_zero_ms")]
     pub gated_ms: i64,
+    /// The latest attempt of an anycast task that a member claimed (0: none): an attempt
+    /// dispatched and not claimed waits for a member, bounded by `dependency_timeout`.
+    #[serde(rename = "cl", default, skip_serializing_if = "is_zero_attempt")]
+    pub claimed: u32,
+}
+
+fn is_zero_attempt(a: &u32) -> bool {
+    *a == 0
 }
 
 fn is_zero_ms(ms: &i64) -> bool {
@@ -81,6 +89,7 @@ impl TaskState {
             cause: None,
             via_topic: None,
             gated_ms: 0,
+            claimed: 0,
         }
     }
 }
@@ -194,6 +203,10 @@ pub struct RunState {
     /// admission): every task's envelope carries them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub budget_scopes: Vec<BudgetScope>,
+    /// Whether tasks naming a role and no agent are anycast (claimed from their role's queue
+    /// by one member), fixed at admission: the deployment's member cards defined roles.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub anycast: bool,
 }
 
 fn is_zero_depth(depth: &u32) -> bool {
@@ -275,6 +288,7 @@ impl RunState {
             strategy: None,
             depth: 0,
             budget_scopes: Vec::new(),
+            anycast: false,
             outcome: Some(RunOutcome {
                 run_id,
                 status: RunStatus::Rejected,
@@ -401,6 +415,14 @@ pub enum Action {
     StoreOutput {
         /// Task index.
         task: u32,
+    },
+    /// Remove the queued message of attempt `attempt` of anycast task `task` from its role's
+    /// queue: no member claimed it in time, and none may start it now.
+    Withdraw {
+        /// Task index.
+        task: u32,
+        /// Attempt number.
+        attempt: u32,
     },
     /// Schedule a durable timer firing into the run log at `due_ms`.
     ArmTimer {

@@ -286,7 +286,8 @@ pub struct WorkflowEvent {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub worker: Option<String>,
     /// The agent definition that runs the task (on task-level events: the task's `agent`,
-    /// or the deployment's default agent).
+    /// or the deployment's default agent; for an anycast task — a `role` and no `agent` —
+    /// the member of the role that claimed it, absent on events before a claim).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent: Option<String>,
     /// The task's role (on task-level events, when the plan names one).

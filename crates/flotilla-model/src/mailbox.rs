@@ -24,6 +24,24 @@ pub const BROADCAST: &str = "_all";
 /// How a broadcast's `to` is recorded in the body.
 pub const BROADCAST_TO: &str = "*";
 
+/// How a role's address is written: `role:<name>`. A message to a role is read by exactly
+/// one of the run tree's tasks playing that role (the first to read it claims it).
+pub const ROLE_ADDRESS: &str = "role:";
+
+/// The `to` token of a role's box starts with this: `_role-<name>` (task ids cannot start
+/// with `_`, so no task has such an address).
+pub const ROLE_BOX: &str = "_role-";
+
+/// The role an address names (`role:<name>`), if it names one.
+pub fn addressed_role(address: &str) -> Option<&str> {
+    address.strip_prefix(ROLE_ADDRESS)
+}
+
+/// The `to` token of `role`'s box.
+pub fn role_box(role: &str) -> String {
+    format!("{ROLE_BOX}{role}")
+}
+
 /// Largest mailbox payload (the encoded post), in bytes.
 pub const MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
 
@@ -92,7 +110,8 @@ pub struct MailboxPost {
     pub kind: MailboxKind,
     /// Sender address (a task id); must equal the subject's `from` token.
     pub from: String,
-    /// Recipient address (a task id), or `*` for a broadcast.
+    /// Recipient address (a task id), `*` for a broadcast, or `role:<name>` for whichever
+    /// task playing the role reads it first.
     pub to: String,
     /// Body (JSON).
     #[serde(default)]
@@ -121,7 +140,8 @@ pub struct MailboxMessage {
     pub kind: MailboxKind,
     /// Sender address.
     pub from: String,
-    /// Recipient address, or `*` for a broadcast.
+    /// Recipient address, `*` for a broadcast, or `role:<name>` for a role's message (claimed
+    /// by this reader).
     pub to: String,
     /// Body.
     #[serde(default)]

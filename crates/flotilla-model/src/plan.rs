@@ -42,7 +42,11 @@ pub struct Subtask {
     #[serde(default)]
     pub description: String,
     /// The team role that performs it (`analyst`, `synthesis`). The task whose role is
-    /// `synthesis` provides the run's final result.
+    /// `synthesis` provides the run's final result. With an `agent`, the role picks that
+    /// agent's system prompt. Without one, in a deployment whose member cards define roles,
+    /// the task is *anycast*: exactly one free member of the role claims it (see
+    /// [`Subtask::anycast_role`]); in a deployment without roles the default agent runs it
+    /// with the role's prompt.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub role: Option<String>,
     /// The agent definition that runs it (`[agents.NAME]` in the worker config). When absent,
@@ -321,6 +325,18 @@ impl Subtask {
     pub fn with_agent(mut self, agent: &str) -> Self {
         self.agent = Some(agent.to_owned());
         self
+    }
+
+    /// The role whose member claims this task, when it is an anycast task: it names a
+    /// `role` and no `agent`, in a deployment whose member cards define roles
+    /// (`roles_defined`). Such a task waits in its role's queue until one free member of the
+    /// role takes it; its `pool` is not used. Otherwise (`None`) the role only picks the
+    /// system prompt of the agent that runs it.
+    pub fn anycast_role(&self, roles_defined: bool) -> Option<&str> {
+        match (&self.role, &self.agent) {
+            (Some(role), None) if roles_defined => Some(role),
+            _ => None,
+        }
     }
 }
 

@@ -109,6 +109,9 @@ pub enum ProblemCode {
     TreeTooDeep,
     /// A child run would make its tree larger than `coordinator.max-runs-per-tree` allows.
     TreeTooLarge,
+    /// A subtask names a `role` and no `agent` (anycast: one free member of the role claims
+    /// it), but no member card of this deployment has that role.
+    UnknownRole,
 }
 
 impl ProblemCode {
@@ -159,6 +162,7 @@ impl ProblemCode {
             Self::InvalidRunId => "invalid_run_id",
             Self::TreeTooDeep => "tree_too_deep",
             Self::TreeTooLarge => "tree_too_large",
+            Self::UnknownRole => "unknown_role",
         }
     }
 }

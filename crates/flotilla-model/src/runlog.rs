@@ -59,6 +59,11 @@ pub enum RunInput {
         /// The entry's workspace sequence.
         seq: u64,
     },
+    /// A worker took an attempt of an anycast task (a `role` and no `agent`) from its role's
+    /// queue and runs it with one of its members of the role: the attempt's wait for a
+    /// member is over. Appended by that worker before the agent runs (message id
+    /// `claimed.<run>.<task>.<attempt>`); one later than the wait's bound changes nothing.
+    Claimed(Box<Claimed>),
 }
 
 /// A control input.
@@ -145,6 +150,12 @@ pub struct Submitted {
     /// ancestors' with a budget, then its own): fixed when the run is admitted.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub budget_scopes: Vec<crate::task::BudgetScope>,
+    /// Whether the deployment's member cards defined roles when the run was admitted: then
+    /// its tasks naming a `role` and no `agent` are anycast — queued on their role's queue
+    /// and claimed by one member ([`crate::plan::Subtask::anycast_role`]). Fixed here so
+    /// that every coordinator, and every replay, routes and bounds them alike.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub anycast: bool,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -206,6 +217,28 @@ pub enum PlanDecision {
     },
 }
 
+/// A worker's claim of an anycast task's attempt.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Claimed {
+    /// The task.
+    pub task_id: TaskId,
+    /// The attempt number.
+    pub attempt: u32,
+    /// The attempt id from the envelope.
+    pub attempt_id: AttemptId,
+    /// The worker that took it.
+    pub worker: String,
+    /// The member (agent definition) that runs it.
+    pub agent: String,
+    /// The role it was claimed for.
+    pub role: String,
+}
+
+/// `Nats-Msg-Id` of a claim on the run log: one claim per attempt is recorded.
+pub fn claimed_msg_id(run: RunId, task: &TaskId, attempt: u32) -> String {
+    format!("claimed.{run}.{task}.{attempt}")
+}
+
 /// A finished attempt.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct TaskResultInput {
@@ -220,6 +253,10 @@ pub struct TaskResultInput {
     /// When the worker started the agent (worker clock; informational).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub started_at: Option<Timestamp>,
+    /// The member that ran an anycast task (absent for tasks whose envelope names their
+    /// agent, or that run the default agent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent: Option<String>,
     /// The result.
     pub result: TaskResult,
 }

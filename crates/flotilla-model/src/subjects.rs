@@ -6,7 +6,7 @@
 //! | What | Name |
 //! |---|---|
 //! | intake stream / subject | `P_INTAKE` / `p.submit` |
-//! | task stream / subjects | `P_TASKS` / `p.task.<pool>.<run>.<task>` |
+//! | task stream / subjects | `P_TASKS` / `p.task.<pool>.<run>.<task>`, role queues `p.role.<role>.<run>.<task>` |
 //! | run log stream / subjects | `P_RUNLOG` / `p.submit.<run>` (durable submissions), `p.runlog.<run>`, timers `p.timer.<run>.<generation>` |
 //! | event stream / subjects | `P_EVENTS` / `p.event.<run>` |
 //! | workspace stream / subjects | `P_WORKSPACE` / `p.ws.<root-run>.<topic>` |
@@ -169,7 +169,7 @@ impl Names {
         let p = &self.prefix;
         match kind {
             StreamKind::Intake => vec![format!("{p}.submit")],
-            StreamKind::Tasks => vec![format!("{p}.task.>")],
+            StreamKind::Tasks => vec![format!("{p}.task.>"), format!("{p}.role.>")],
             StreamKind::RunLog => vec![
                 format!("{p}.submit.*"),
                 format!("{p}.runlog.*"),
@@ -232,6 +232,29 @@ impl Names {
     /// Durable consumer shared by a pool's workers.
     pub fn pool_consumer(&self, pool: &str) -> String {
         format!("pool-{pool}")
+    }
+
+    /// Subject of one attempt of an anycast task: a task naming a `role` and no `agent`,
+    /// claimed by exactly one free member of the role (see [`Names::role_consumer`]).
+    pub fn role_task(&self, role: &str, run: RunId, task: &TaskId) -> String {
+        format!("{}.role.{role}.{run}.{task}", self.prefix)
+    }
+
+    /// Filter for a role's queue.
+    pub fn role_filter(&self, role: &str) -> String {
+        format!("{}.role.{role}.>", self.prefix)
+    }
+
+    /// Filter for every role queue's tasks of one run (a stopped run's queued tasks are
+    /// purged with it).
+    pub fn role_run_filter(&self, run: RunId) -> String {
+        format!("{}.role.*.{run}.*", self.prefix)
+    }
+
+    /// Durable consumer of a role's queue, shared by every worker hosting a member of the
+    /// role (whatever its pool).
+    pub fn role_consumer(&self, role: &str) -> String {
+        format!("role-{role}")
     }
 
     /// A run's log subject.
@@ -307,6 +330,13 @@ impl Names {
         )
     }
 
+    /// Key of the claim of a role's mailbox message (stream sequence `seq`) in the cursors
+    /// bucket: created by the first task playing the role that reads it, which alone gets it.
+    /// `_claim` cannot be a reader's token (task ids do not start with `_`).
+    pub fn mailbox_claim_key(&self, root: RunId, seq: u64) -> String {
+        format!("mbox.{root}._claim.{seq}")
+    }
+
     /// Key of a session-state value in the state bucket (`session` is a session id or the
     /// root run id).
     pub fn state_key(&self, session: &str, key: &str) -> String {
@@ -370,6 +400,11 @@ mod tests {
             n.task("gpu", run, &TaskId::new("t1")),
             format!("acme-ai.task.gpu.{run}.t1")
         );
+        assert_eq!(
+            n.role_task("analyst", run, &TaskId::new("t1")),
+            format!("acme-ai.role.analyst.{run}.t1")
+        );
+        assert_eq!(n.role_consumer("analyst"), "role-analyst");
         assert!(Names::new("a.b").is_err());
     }
 

@@ -257,6 +257,10 @@ pub enum TaskErrorKind {
     /// was rejected (`tree_too_deep`, `tree_too_large`, or any other plan problem), or a
     /// transfer would have looped (`transfer_loop`). Another attempt would be refused alike.
     ChildRejected,
+    /// An anycast task (a `role` and no `agent`) was not claimed by any member of its role
+    /// within the plan's `dependency_timeout` after its dispatch: no member was online, or
+    /// all were busy. Its queued message is withdrawn.
+    RoleUnclaimed,
 }
 
 impl TaskErrorKind {
@@ -276,6 +280,7 @@ impl TaskErrorKind {
             Self::InvalidOutput => "invalid_output",
             Self::BudgetExhausted => "budget_exhausted",
             Self::ChildRejected => "child_rejected",
+            Self::RoleUnclaimed => "role_unclaimed",
         }
     }
 
@@ -284,8 +289,8 @@ impl TaskErrorKind {
     /// retried; configuration and input errors (`unknown_agent`, `bad_envelope`,
     /// `result_too_large`, `missing_state_key`), an answer that stayed invalid after a repair
     /// (`invalid_output`), a spent budget (`budget_exhausted`), a refused child run
-    /// (`child_rejected`), dependency timeouts and cancellation are final: another attempt
-    /// would fail the same way.
+    /// (`child_rejected`), dependency timeouts, an anycast task no member claimed
+    /// (`role_unclaimed`) and cancellation are final: another attempt would fail the same way.
     pub fn is_retryable(self) -> bool {
         matches!(
             self,

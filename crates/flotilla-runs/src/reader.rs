@@ -415,6 +415,7 @@ impl RunReader {
                         planning: None,
                         depth: 0,
                         budget_scopes: Vec::new(),
+                        anycast: false,
                     })),
                 }
             } else {

@@ -1,6 +1,7 @@
 //! Running one delivered task: checks before it runs (cancelled run, too many deliveries, a
-//! result already stored), waiting for an agent slot, the agent's run under heartbeats, its
-//! timeout and cancellation, and the attempt's span and duration metric.
+//! result already stored), waiting for an agent slot, the claim of a role task, the agent's
+//! run under heartbeats, its timeout and cancellation, and the attempt's span and duration
+//! metric.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -21,34 +22,44 @@ use tracing::{Instrument, debug, info, warn};
 
 use crate::agent::{AgentContext, AgentError, EventEmitter};
 use crate::cancel::LeaveRun;
+use crate::claim::{Claim, send_claim};
 use crate::registry::InFlight;
 use crate::result::{finish, report_bad_envelope};
 use crate::shared::Shared;
 
 /// Runs one delivered task message to the end. `held` is the message's place among those the
 /// worker holds (running or prefetched); it is released as soon as the agent is done, so the
-/// next task is pulled while this one's result is being stored.
+/// next task is pulled while this one's result is being stored. `claim`: the task came from a
+/// role's queue, and the member named there runs it.
 pub(crate) async fn handle(
     shared: &Shared,
     msg: jetstream::Message,
     held: tokio::sync::OwnedSemaphorePermit,
     stopping: &CancellationToken,
+    claim: Option<Claim>,
 ) {
     let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
-    let task: TaskEnvelope = match wire::decode(msg.headers.as_ref(), &msg.payload) {
+    let mut task: TaskEnvelope = match wire::decode(msg.headers.as_ref(), &msg.payload) {
         Ok(t) => t,
         Err(e) => {
             report_bad_envelope(shared, &msg, &e.to_string()).await;
             return;
         }
     };
+    // A role task runs with this worker's member of the role: the agent, its events, its
+    // span and its result name it.
+    if let Some(c) = &claim {
+        task.agent = Some(c.agent.clone());
+    }
+    let claim = claim.as_ref();
+    let task = task;
     let started_at = Timestamp::now();
     let mut attempt = Attempt::new(shared, &task);
     trace_context::set_parent(&attempt.span, task.trace.as_ref());
     if shared.is_cancelled(task.run_id) {
         debug!(run = %task.run_id, task = %task.task_id, "Task of a cancelled run; not running it");
         let result = TaskResult::failure(TaskErrorKind::Cancelled, "the run was cancelled");
-        attempt.ended(finish(shared, &msg, &task, result, started_at).await);
+        attempt.ended(finish(shared, &msg, &task, claim, result, started_at).await);
         return;
     }
     if delivered > shared.opts.max_deliveries {
@@ -59,7 +70,7 @@ pub(crate) async fn handle(
                 "delivered {delivered} times without a result (workers stopped while running it)"
             ),
         );
-        attempt.ended(finish(shared, &msg, &task, result, started_at).await);
+        attempt.ended(finish(shared, &msg, &task, claim, result, started_at).await);
         return;
     }
     if delivered > 1 && already_done(&shared.bus, &task).await {
@@ -95,10 +106,15 @@ pub(crate) async fn handle(
             warn!(run = %task.run_id, task = %task.task_id, error = %e, "Cannot build the agent context");
             let result = TaskResult::failure(TaskErrorKind::Internal, e.to_string());
             slot.end();
-            attempt.ended(finish(shared, &msg, &task, result, started_at).await);
+            attempt.ended(finish(shared, &msg, &task, claim, result, started_at).await);
             return;
         }
     };
+    // A role task is claimed now that a slot runs it: sent before the agent starts, stored
+    // while it runs.
+    if let Some(c) = claim {
+        tokio::spawn(send_claim(shared, &task, c).await);
+    }
     let started_event = Event::Workflow(WorkflowEvent {
         worker: Some(shared.id.clone()),
         started_at: Some(started_at),
@@ -222,7 +238,7 @@ pub(crate) async fn handle(
         },
     };
     let success = result.success;
-    let stored = finish(shared, &msg, &task, result, started_at).await;
+    let stored = finish(shared, &msg, &task, claim, result, started_at).await;
     attempt.ended(stored);
     if stored.is_some() && success {
         // At-least-once mailboxes: what the attempt read counts as consumed only now that its

@@ -34,10 +34,14 @@
 //! * Graceful stop: stop pulling, let in-flight tasks finish within the grace period, then
 //!   cancel the rest and hand them back (NAK) so another worker starts them at once.
 //! * Live registry: the worker keeps its entry in the `flotilla-workers` KV bucket (TTL).
+//! * Anycast: a worker whose agents fill team roles (their member cards) also pulls each
+//!   role's queue (`role-<role>`, shared by every worker hosting a member), only while it has
+//!   a free slot, and claims what it takes on the run log before its member runs it
+//!   (`claim`).
 //!
 //! The worker's parts: `worker` (setup, the pull loop, the graceful stop), `attempt` (one
-//! delivered task, from checks to the agent's run), `result` (storing results, then the
-//! acknowledgement), `cancel` (cancelled runs and the control bucket's notices), `pace`
+//! delivered task, from checks to the agent's run), `claim` (role queues and claims), `result`
+//! (storing results, then the acknowledgement), `cancel` (cancelled runs and the control bucket's notices), `pace`
 //! (whether prefetch pays), `registry` (the live registry entry), `shared` (state
 //! shared by the worker's tasks) and `error`.
 
@@ -47,6 +51,7 @@ pub mod options;
 
 mod attempt;
 mod cancel;
+mod claim;
 mod error;
 mod pace;
 mod registry;
@@ -55,6 +60,7 @@ mod shared;
 mod worker;
 
 pub use crate::agents::{AgentDefinition, AgentEntry, AgentRegistry, RoleConfig};
+pub use crate::claim::role_consumer;
 pub use crate::error::{WorkerError, WorkerErrorKind};
 pub use crate::options::WorkerOptions;
 pub use crate::pace::PREFETCH_MAX_ATTEMPT;

@@ -16,6 +16,7 @@ use flotilla_telemetry::AttemptOutcome;
 use serde::Deserialize;
 use tracing::{debug, warn};
 
+use crate::claim::Claim;
 use crate::shared::Shared;
 
 /// Publishes the result durably, then acknowledges the task. Returns the outcome of the
@@ -24,9 +25,13 @@ pub(crate) async fn finish(
     shared: &Shared,
     msg: &jetstream::Message,
     task: &TaskEnvelope,
+    claim: Option<&Claim>,
     result: TaskResult,
     started_at: Timestamp,
 ) -> Option<AttemptOutcome> {
+    // The member that ran a role task (other results name no agent: their plan or the
+    // default does).
+    let agent = claim.map(|c| c.agent.clone());
     let success = result.success;
     let mut outcome = match &result.error {
         _ if success => AttemptOutcome::Succeeded,
@@ -42,6 +47,7 @@ pub(crate) async fn finish(
             attempt_id: task.attempt_id,
             worker: shared.id.clone(),
             started_at: Some(started_at),
+            agent: agent.clone(),
             result,
         })),
     };
@@ -60,7 +66,7 @@ pub(crate) async fn finish(
         let size = out.payload.len();
         warn!(run = %task.run_id, task = %task.task_id, size, limit, "Result too large for this deployment; reporting result_too_large");
         outcome = AttemptOutcome::Failed(TaskErrorKind::ResultTooLarge);
-        match too_large_entry(shared, task, started_at, size, limit) {
+        match too_large_entry(shared, task, agent.clone(), started_at, size, limit) {
             Some(o) => o,
             None => {
                 let _ = msg.ack_with(AckKind::Nak(None)).await;
@@ -88,7 +94,14 @@ pub(crate) async fn finish(
                         // The server's limit is lower than the one announced at connect time.
                         warn!(run = %task.run_id, task = %task.task_id, error = %e, "Result refused as too large; reporting result_too_large");
                         outcome = AttemptOutcome::Failed(TaskErrorKind::ResultTooLarge);
-                        match too_large_entry(shared, task, started_at, out.payload.len(), limit) {
+                        match too_large_entry(
+                            shared,
+                            task,
+                            agent.clone(),
+                            started_at,
+                            out.payload.len(),
+                            limit,
+                        ) {
                             Some(o) => out = o,
                             None => return false,
                         }
@@ -139,6 +152,7 @@ const RESULT_HEADROOM: usize = 512;
 fn too_large_entry(
     shared: &Shared,
     task: &TaskEnvelope,
+    agent: Option<String>,
     started_at: Timestamp,
     size: usize,
     limit: usize,
@@ -158,6 +172,7 @@ fn too_large_entry(
             attempt_id: task.attempt_id,
             worker: shared.id.clone(),
             started_at: Some(started_at),
+            agent,
             result,
         })),
     };
@@ -197,6 +212,7 @@ pub(crate) async fn report_bad_envelope(shared: &Shared, msg: &jetstream::Messag
             attempt_id: ids.attempt_id,
             worker: shared.id.clone(),
             started_at: Some(Timestamp::now()),
+            agent: None,
             result: TaskResult::failure(
                 TaskErrorKind::BadEnvelope,
                 format!("the task envelope could not be read: {error}"),

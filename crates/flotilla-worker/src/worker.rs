@@ -22,6 +22,7 @@ use tracing::{debug, info, warn};
 use crate::agents::AgentRegistry;
 use crate::attempt::handle;
 use crate::cancel::watch_cancellations;
+use crate::claim::{Claim, pull_role, role_consumer};
 use crate::error::{WorkerError, WorkerErrorKind, setup};
 use crate::options::WorkerOptions;
 use crate::pace::Pace;
@@ -29,10 +30,10 @@ use crate::registry::register;
 use crate::shared::Shared;
 
 /// How long one pull request waits for tasks.
-const PULL_EXPIRY: Duration = Duration::from_secs(1);
+pub(crate) const PULL_EXPIRY: Duration = Duration::from_secs(1);
 
 /// How long a pull request waits while tasks flow (the last one brought some).
-const BUSY_PULL_EXPIRY: Duration = Duration::from_millis(20);
+pub(crate) const BUSY_PULL_EXPIRY: Duration = Duration::from_millis(20);
 
 /// How long a busy worker gathers freed slots before asking for more tasks.
 const GATHER: Duration = Duration::from_millis(1);
@@ -106,12 +107,32 @@ impl Worker {
             .map_err(|e| setup("setting up the pool consumer", e))
     }
 
+    /// The role queues this worker claims from: one consumer per role its agents fill, with
+    /// the member that runs the role's tasks here.
+    async fn role_consumers(&self) -> Result<Vec<(PullConsumer, Claim)>, WorkerError> {
+        let mut out = Vec::new();
+        for role in self.agents.roles() {
+            let Some(agent) = self.agents.member_of(&role) else {
+                continue;
+            };
+            let consumer = self
+                .bus
+                .shared_consumer(role_consumer(self.bus.names(), &role, &self.opts))
+                .await
+                .map_err(|e| setup(format!("setting up the consumer of role {role}"), e))?;
+            let agent = agent.to_owned();
+            out.push((consumer, Claim { role, agent }));
+        }
+        Ok(out)
+    }
+
     /// Runs until `shutdown` is cancelled, then drains (see the module docs).
     pub async fn run(mut self, shutdown: CancellationToken) -> Result<(), WorkerError> {
         self.opts
             .validate()
             .map_err(|e| WorkerError::new(WorkerErrorKind::Config, e))?;
         let consumer = self.consumer().await?;
+        let roles = self.role_consumers().await?;
         let registry = self
             .bus
             .kv(Bucket::Workers)
@@ -165,7 +186,17 @@ impl Worker {
         if let Some(ready) = self.ready.take() {
             let _ = ready.send(());
         }
-        info!(worker = %self.id, pool = %self.opts.pool, concurrency = self.opts.concurrency, "Worker started");
+        info!(worker = %self.id, pool = %self.opts.pool, concurrency = self.opts.concurrency, roles = ?roles.iter().map(|(_, c)| c.role.as_str()).collect::<Vec<_>>(), "Worker started");
+        // Role queues, beside the pool's: pulled only while a slot is free here.
+        let mut role_loops = tokio::task::JoinSet::new();
+        for (consumer, claim) in roles {
+            role_loops.spawn(pull_role(
+                Arc::clone(&shared),
+                consumer,
+                claim,
+                shutdown.clone(),
+            ));
+        }
 
         // Messages held at once: the running ones plus `prefetch` waiting for a slot, so a
         // slot that frees finds its next task already here instead of idling on a pull.
@@ -249,7 +280,7 @@ impl Worker {
                         let shared = Arc::clone(&shared);
                         let stopping = shutdown.clone();
                         running.spawn(async move {
-                            handle(&shared, msg, permit, &stopping).await;
+                            handle(&shared, msg, permit, &stopping, None).await;
                         });
                     }
                     Some(Err(e)) => {
@@ -268,13 +299,16 @@ impl Worker {
         info!(worker = %self.id, in_flight = running.len(), "Worker stopping: no new tasks; draining");
         let grace = tokio::time::sleep(self.opts.shutdown_grace);
         tokio::pin!(grace);
-        loop {
+        // The role loops end once their own attempts have (handed back at the grace's end).
+        while !(running.is_empty() && role_loops.is_empty()) {
             tokio::select! {
-                next = running.join_next() => if next.is_none() { break },
+                Some(_) = running.join_next(), if !running.is_empty() => {}
+                Some(_) = role_loops.join_next(), if !role_loops.is_empty() => {}
                 _ = &mut grace, if !shared.hard_stop.is_cancelled() => {
                     warn!(worker = %self.id, in_flight = running.len(), "Grace period over: handing back unfinished tasks");
                     shared.hard_stop.cancel();
                 }
+                else => break,
             }
         }
         register_stop.cancel();

@@ -51,6 +51,7 @@ async fn main() -> anyhow::Result<()> {
             names: BTreeSet::from(["lead".to_string(), "analyst".to_string()]),
             default: None,
             workflows: BTreeSet::new(),
+            roles: Default::default(),
         }),
         ..ValidationContext::default()
     };

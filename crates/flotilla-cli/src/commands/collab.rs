@@ -169,7 +169,8 @@ enum MboxCommand {
     /// Send a message to a task of the run (or `*`: every task). Never waits for the
     /// receiver. Prints {seq, n, duplicate}.
     Send {
-        /// Recipient: a task id, or `*` to broadcast.
+        /// Recipient: a task id, `*` to broadcast, or `role:<name>` (read by exactly one task
+        /// of the run tree playing the role: the first to read it).
         to: String,
         /// The payload (any JSON); `-` or absent: read it from stdin.
         #[arg(conflicts_with = "file")]
@@ -187,8 +188,8 @@ enum MboxCommand {
         #[arg(long, value_name = "KEY")]
         idempotency_key: Option<String>,
     },
-    /// The messages after the read position (the inbox and the broadcasts of the others),
-    /// oldest first; moves the position past them. Prints {messages, next_since_seq, more}.
+    /// The messages after the read position (the inbox, the broadcasts of the others and,
+    /// inside a task with a role, the role's messages it claims first), oldest first; moves the position past them. Prints {messages, next_since_seq, more}.
     /// Inside an agent the position persists across calls of the same execution and is
     /// committed when the attempt succeeds; an operator's read (--run --as) moves nothing
     /// unless --commit.

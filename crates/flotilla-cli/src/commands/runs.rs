@@ -229,6 +229,13 @@ pub(crate) async fn history(config: &Config, run: RunId, json: bool) -> anyhow::
                     }
                 ),
             ),
+            RunInput::Claimed(c) => (
+                "claimed",
+                format!(
+                    "{} attempt {} by {} (role {}) on {}",
+                    c.task_id, c.attempt, c.agent, c.role, c.worker
+                ),
+            ),
             RunInput::TimerFired { generation } => {
                 ("timer_fired", format!("generation {generation}"))
             }

@@ -230,8 +230,14 @@ pub(crate) async fn follow(
                 }
             }
             WorkflowPhase::TaskStarted => {
+                // A task with a role says who plays it (for a role task: the member that
+                // claimed it).
+                let playing = match (&w.role, &w.agent) {
+                    (Some(role), Some(agent)) => format!(" as {agent} ({role})"),
+                    _ => String::new(),
+                };
                 line(format!(
-                    "{t}  ▶ {task} started on {}",
+                    "{t}  ▶ {task} started on {}{playing}",
                     w.worker.unwrap_or_default()
                 ));
                 if let Some(b) = &bar {

@@ -38,6 +38,7 @@ pub fn task_scope(bus: &Bus, run: RunId, task: &str) -> Scope {
         dataflow: DataflowValidation::Lenient,
         by: None,
         trace: None,
+        role: None,
     }
 }
 

@@ -138,6 +138,7 @@ impl Runtime {
         submitted.session_id = lineage.session_id;
         submitted.depth = lineage.depth;
         submitted.budget_scopes = lineage.budget_scopes;
+        submitted.anycast = self.ctx.agents.as_ref().is_some_and(|a| a.has_roles());
         Ok(Ok(submitted))
     }
 
@@ -264,10 +265,12 @@ impl Runtime {
                 return Ok(None);
             }
         };
+        // Anycast tasks wait in their role's queue, whatever their pool.
         let pools: std::collections::BTreeSet<&str> = submitted
             .plan
             .subtasks
             .iter()
+            .filter(|t| t.anycast_role(submitted.anycast).is_none())
             .map(|t| t.pool.as_str())
             .collect();
         if let Some(missing) = self.live.pools_without_workers(pools, d.ts_ms) {
@@ -408,5 +411,6 @@ fn submitted_of(
         planning: None,
         depth: 0,
         budget_scopes: Vec::new(),
+        anycast: false,
     }
 }

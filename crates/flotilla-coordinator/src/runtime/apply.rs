@@ -288,6 +288,7 @@ impl Runtime {
                         seq: d.seq,
                         worker: Some(&r.worker),
                         started_at: r.started_at,
+                        agent: r.agent.as_deref(),
                     };
                     let a = e.machine.apply(input, d.ts_ms);
                     hops.extend(a.iter().filter_map(|a| match a {
@@ -318,6 +319,16 @@ impl Runtime {
                         info!(%run, round = p.round, decision = p.decision.as_str(), tasks = e.machine.plan().subtasks.len(), "Planner answer reviewed");
                     }
                     actions.extend(a);
+                }
+                RunInput::Claimed(c) => {
+                    let Some(e) = entry.as_mut() else { continue };
+                    actions.extend(e.machine.apply(
+                        Input::Claimed {
+                            task: &c.task_id,
+                            attempt: c.attempt,
+                        },
+                        d.ts_ms,
+                    ));
                 }
                 RunInput::TimerFired { generation } => {
                     let Some(e) = entry.as_mut() else { continue };
@@ -456,6 +467,7 @@ fn still_relevant(action: &Action, machine: &RunMachine) -> bool {
         }),
         Action::ArmTimer { generation, .. } => s.timer.is_some_and(|t| t.generation == *generation),
         Action::Emit(_)
+        | Action::Withdraw { .. }
         | Action::CancelAttempts
         | Action::Produce { .. }
         | Action::StoreOutput { .. } => true,

@@ -1,5 +1,6 @@
 //! Cancelling the attempts of a stopped run: a notice in the control bucket, which workers
-//! watch, and the run's queued tasks purged from the task stream.
+//! watch, and the run's queued tasks purged from the task stream; and withdrawing an anycast
+//! task no member claimed in time from its role's queue.
 
 use super::{Cached, Runtime, StepError};
 
@@ -36,6 +37,43 @@ impl Runtime {
             .filter(format!("{}.task.*.{run}.*", names.prefix()))
             .await
             .map_err(|e| StepError::Failed(format!("removing the queued tasks of {run}: {e}")))?;
+        if state.anycast {
+            stream
+                .purge()
+                .filter(names.role_run_filter(run))
+                .await
+                .map_err(|e| {
+                    StepError::Failed(format!("removing the queued role tasks of {run}: {e}"))
+                })?;
+        }
+        Ok(())
+    }
+
+    /// Removes the queued message of an anycast task that no member claimed in time, so a
+    /// member coming online later does not start an attempt that already failed.
+    pub(super) async fn withdraw(&self, entry: &Cached, task: u32) -> Result<(), StepError> {
+        let Some(role) = entry.machine.anycast_role(task) else {
+            return Ok(());
+        };
+        let state = entry.machine.state();
+        let names = self.bus.names();
+        let subject = names.role_task(
+            role,
+            state.run_id,
+            &entry.machine.plan().subtasks[task as usize].id,
+        );
+        let stream_name = names.stream(flotilla_model::subjects::StreamKind::Tasks);
+        let stream = self
+            .bus
+            .js()
+            .get_stream(&stream_name)
+            .await
+            .map_err(|e| StepError::Failed(format!("opening {stream_name}: {e}")))?;
+        stream
+            .purge()
+            .filter(subject.as_str())
+            .await
+            .map_err(|e| StepError::Failed(format!("withdrawing {subject}: {e}")))?;
         Ok(())
     }
 }

@@ -204,6 +204,7 @@ impl Runtime {
                 attempt_id: attempt_id(run, task, attempt, s.tasks[task as usize].dispatched_ms),
                 worker: "coordinator".into(),
                 started_at: None,
+                agent: None,
                 result: TaskResult {
                     response: String::new(),
                     tokens: 0,

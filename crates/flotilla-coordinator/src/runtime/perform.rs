@@ -60,6 +60,7 @@ impl Runtime {
         for action in actions {
             let (subject, out) = match action {
                 Action::Dispatch { task, attempt } => {
+                    let role = entry.machine.anycast_role(*task).map(str::to_owned);
                     let sub = &entry.machine.plan().subtasks[*task as usize];
                     if unflushed_writes
                         && (!sub.consumes.is_empty() || sub.description.contains('{'))
@@ -71,14 +72,16 @@ impl Runtime {
                         }
                         unflushed_writes = false;
                     }
+                    let claimed_by = role.as_ref().map(|r| format!("role:{r}"));
                     let span = spans::dispatch(
                         step,
                         run,
                         &sub.id,
                         *attempt,
                         &sub.pool,
-                        sub.agent
+                        claimed_by
                             .as_deref()
+                            .or(sub.agent.as_deref())
                             .or(self.default_agent.as_deref())
                             .unwrap_or("default"),
                     );
@@ -90,11 +93,12 @@ impl Runtime {
                             }
                             // Workflow agents run on the coordinators' own pool: a workflow
                             // waiting on its children holds no worker slot.
-                            if self
-                                .ctx
-                                .agents
-                                .as_ref()
-                                .is_some_and(|a| a.is_workflow(env.agent.as_deref()))
+                            if role.is_none()
+                                && self
+                                    .ctx
+                                    .agents
+                                    .as_ref()
+                                    .is_some_and(|a| a.is_workflow(env.agent.as_deref()))
                             {
                                 env.pool = WORKFLOW_POOL.to_owned();
                             }
@@ -121,7 +125,16 @@ impl Runtime {
                         out.headers
                             .insert(wire::TRACEPARENT, t.traceparent.as_str());
                     }
-                    (names.task(&env.pool, run, &env.task_id), out)
+                    // An anycast task goes to its role's queue, where one member claims it.
+                    let subject = match &role {
+                        Some(r) => names.role_task(r, run, &env.task_id),
+                        None => names.task(&env.pool, run, &env.task_id),
+                    };
+                    (subject, out)
+                }
+                Action::Withdraw { task, .. } => {
+                    Box::pin(self.withdraw(entry, *task)).await?;
+                    continue;
                 }
                 Action::Produce { task } => {
                     for (subject, out) in self.produced_entries(entry, *task).await? {
@@ -250,13 +263,18 @@ impl Runtime {
     }
 
     /// The envelope of an emission. Task-level events name the task's agent (or the default
-    /// agent) and role, so followers such as the supervisor need not read the plan.
+    /// agent; for an anycast task, the member that ran it) and role, so followers such as the
+    /// supervisor need not read the plan.
     fn event_of(&self, entry: &Cached, e: &Emission) -> EventEnvelope {
         let plan = entry.machine.plan();
         let mut event = e.event.clone();
         let sub = e.task.map(|i| &plan.subtasks[i as usize]);
         if let Some(sub) = sub {
-            event.agent = sub.agent.clone().or_else(|| self.default_agent.clone());
+            // An anycast task's agent is the member that claimed it, as its result says
+            // (none before a claim); any other task's is its own or the default.
+            if sub.anycast_role(entry.machine.state().anycast).is_none() {
+                event.agent = sub.agent.clone().or_else(|| self.default_agent.clone());
+            }
             event.role = sub.role.clone();
         }
         EventEnvelope {

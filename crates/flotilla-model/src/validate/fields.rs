@@ -1,6 +1,6 @@
 //! Checks of single values: the plan's settings (concurrency, failure ratio, budgets,
 //! retries, timeouts, strategy) and each subtask's fields (sizes, timeout, pool and agent
-//! names against the context, topics, output key and schema).
+//! names against the context, an anycast task's role, topics, output key and schema).
 
 use std::time::Duration;
 
@@ -169,6 +169,21 @@ impl Validator {
                     );
                 }
             }
+            // Anycast: one free member of the role claims it; the role must have one.
+            (None, Some(catalog)) if task.anycast_role(catalog.has_roles()).is_some() => {
+                let role = task.role.as_deref().unwrap_or_default();
+                if !catalog.roles.contains_key(role) {
+                    self.error(
+                        ProblemCode::UnknownRole,
+                        format!("subtasks[{i}].role"),
+                        format!(
+                            "task {:?} names role {role:?} and no agent, so a member of the role would claim it, but no member card has that role (roles: {}); name a role that exists, or an agent",
+                            task.id.as_str(),
+                            catalog.roles.keys().cloned().collect::<Vec<_>>().join(", ")
+                        ),
+                    );
+                }
+            }
             (None, Some(catalog)) if catalog.default.is_none() => self.error(
                 ProblemCode::NoAgent,
                 format!("subtasks[{i}]"),
@@ -310,6 +325,7 @@ mod tests {
                 names: ["echo".to_string()].into(),
                 default: None,
                 workflows: BTreeSet::new(),
+                roles: Default::default(),
             }),
             limits: Limits::default(),
         };
@@ -329,6 +345,69 @@ mod tests {
                 ProblemCode::NoAgent
             ]
         );
+    }
+
+    #[test]
+    fn a_role_without_an_agent_needs_a_member_when_cards_define_roles() {
+        let catalog = AgentCatalog {
+            names: [
+                "analyst".to_string(),
+                "writer".to_string(),
+                "flow".to_string(),
+            ]
+            .into(),
+            default: None,
+            workflows: ["flow".to_string()].into(),
+            ..AgentCatalog::default()
+        }
+        .with_roles([
+            ("analyst", &["research".to_string()][..]),
+            (
+                "writer",
+                &["writing".to_string(), "research".to_string()][..],
+            ),
+            ("flow", &["review".to_string()][..]),
+        ]);
+        assert_eq!(
+            catalog.roles["research"],
+            ["analyst".to_string(), "writer".to_string()].into()
+        );
+        assert!(
+            !catalog.roles.contains_key("review"),
+            "workflow agents claim nothing"
+        );
+        let ctx = ValidationContext {
+            agents: Some(catalog),
+            ..Default::default()
+        };
+        let mut claimed = Subtask::new("a", "");
+        claimed.role = Some("research".into());
+        let mut unknown = Subtask::new("b", "");
+        unknown.role = Some("review".into());
+        // A role beside an agent is the agent's prompt, as before.
+        let mut prompt = Subtask::new("c", "").with_agent("writer");
+        prompt.role = Some("synthesis".into());
+        let r = validate_plan(&plan(vec![claimed, unknown, prompt]), &ctx);
+        assert_eq!(codes(&r), vec![ProblemCode::UnknownRole], "{r:#?}");
+        assert_eq!(r.errors[0].path, "subtasks[1].role");
+        assert!(
+            r.errors[0].message.contains("roles: research, writing"),
+            "{r:#?}"
+        );
+
+        // Without roles on any card, a role names a prompt: no agent and no default is
+        // `no_agent`, as before.
+        let ctx = ValidationContext {
+            agents: Some(AgentCatalog {
+                names: ["analyst".to_string()].into(),
+                ..AgentCatalog::default()
+            }),
+            ..Default::default()
+        };
+        let mut t = Subtask::new("a", "");
+        t.role = Some("research".into());
+        let r = validate_plan(&plan(vec![t]), &ctx);
+        assert_eq!(codes(&r), vec![ProblemCode::NoAgent], "{r:#?}");
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! limits on sizes, counts and durations, and how the size and depth of JSON values are
 //! measured against them.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use crate::plan::Plan;
@@ -74,9 +74,40 @@ pub struct AgentCatalog {
     /// The workflow agents among `names` (`sequential`, `parallel`, `loop`): their tasks are
     /// dispatched to the coordinators' pool [`crate::subjects::WORKFLOW_POOL`].
     pub workflows: BTreeSet<String>,
+    /// The team roles the member cards define (`roles = [...]` in `[agents.NAME]`), each with
+    /// the agents that fill it. Workflow agents are left out: they run on the coordinators,
+    /// which claim no role's tasks. Empty: the deployment defines no roles, and a subtask's
+    /// `role` only picks the system prompt of the agent that runs it.
+    pub roles: BTreeMap<String, BTreeSet<String>>,
 }
 
 impl AgentCatalog {
+    /// Whether the member cards define any role: then a subtask naming a `role` and no
+    /// `agent` is an anycast task, claimed by one free member of the role.
+    pub fn has_roles(&self) -> bool {
+        !self.roles.is_empty()
+    }
+
+    /// The catalog's roles from member cards: `cards` gives each agent's roles; workflow
+    /// agents (in `self.workflows`) are left out.
+    pub fn with_roles<'a>(
+        mut self,
+        cards: impl IntoIterator<Item = (&'a str, &'a [String])>,
+    ) -> Self {
+        for (agent, roles) in cards {
+            if self.workflows.contains(agent) {
+                continue;
+            }
+            for role in roles {
+                self.roles
+                    .entry(role.clone())
+                    .or_default()
+                    .insert(agent.to_owned());
+            }
+        }
+        self
+    }
+
     /// Whether a task naming `agent` (or none: the default) runs a workflow agent.
     pub fn is_workflow(&self, agent: Option<&str>) -> bool {
         agent

@@ -216,11 +216,13 @@ impl Default for ScriptedConfig {
     }
 }
 
-/// The agents a worker can run, by name.
+/// The agents a worker can run, by name, and the team roles they fill.
 #[derive(Debug, Clone, Default)]
 pub struct AgentRegistry {
     agents: BTreeMap<String, Arc<dyn Agent>>,
     default: Option<String>,
+    /// Role → the agents here that fill it (from their member cards), in name order.
+    roles: BTreeMap<String, Vec<String>>,
 }
 
 impl AgentRegistry {
@@ -274,7 +276,48 @@ impl AgentRegistry {
             };
             return Err(format!("default-agent {d:?} {why}"));
         }
-        Ok(Self { agents, default })
+        Ok(Self {
+            agents,
+            default,
+            roles: BTreeMap::new(),
+        })
+    }
+
+    /// The team roles the agents fill, from their member cards (`roles = [...]` in
+    /// `[agents.NAME]`): a worker running this registry claims anycast tasks of these roles
+    /// (one role queue consumer each). Cards of agents it does not run are ignored.
+    pub fn with_cards<'a>(
+        mut self,
+        cards: impl IntoIterator<Item = (&'a str, &'a flotilla_model::team::MemberCard)>,
+    ) -> Self {
+        self.roles.clear();
+        for (name, card) in cards {
+            if !self.agents.contains_key(name) {
+                continue;
+            }
+            for role in &card.roles {
+                let members = self.roles.entry(role.clone()).or_default();
+                if !members.iter().any(|m| m == name) {
+                    members.push(name.to_owned());
+                    members.sort();
+                }
+            }
+        }
+        self
+    }
+
+    /// The roles the agents here fill.
+    pub fn roles(&self) -> Vec<String> {
+        self.roles.keys().cloned().collect()
+    }
+
+    /// The agent that runs an anycast task of `role` here: its first member by name (a
+    /// deterministic choice), or `None` when no agent here fills the role.
+    pub fn member_of(&self, role: &str) -> Option<&str> {
+        self.roles
+            .get(role)
+            .and_then(|m| m.first())
+            .map(String::as_str)
     }
 
     /// The workflow agents among `defs`, for the coordinators' embedded worker of
@@ -294,6 +337,7 @@ impl AgentRegistry {
         Ok(Self {
             agents,
             default: None,
+            roles: BTreeMap::new(),
         })
     }
 

@@ -1,0 +1,231 @@
+//! Anycast: claiming tasks that name a team role and no agent.
+//!
+//! ```text
+//!  coordinator ── <prefix>.role.<role>.<run>.<task> ──► FLOTILLA_TASKS (work queue)
+//!                                                          │ consumer "role-<role>", shared by
+//!                                                          │ every worker hosting a member
+//!            a free slot here? ── pull (up to the free slots) ◄┘
+//!                 │
+//!                 ▼
+//!  claim ── runlog.<run>: claimed {agent, worker} (msg id claimed.<run>.<task>.<attempt>)
+//!    └──► the member (first agent of the role here, by name) runs it; result, then ack
+//! ```
+//!
+//! A worker pulls from one role consumer per role its agents fill, beside its pool's
+//! consumer, sharing its agent slots with it: a role pull is made only while a slot is free
+//! (a worker whose slots are all taken waits for one, in turn with the tasks already waiting
+//! here), and asks for at most as many tasks as there are free slots, so the member that
+//! claims a task is a free one. Two pulls made at the same moment (the pool's and a role's)
+//! may bring more tasks than slots: the extra ones wait here for a slot, kept alive, like a
+//! prefetched task — rare, and bounded by the free slots of one pull. The pool's own pull
+//! loop is unchanged, and a worker whose agents fill no role has no role consumer at all.
+//!
+//! The work queue gives each message to one consumer and each delivery to one worker; the
+//! acknowledgement after the stored result makes the attempt run once, as for pool tasks
+//! (a redelivery after a worker's death asks whether the attempt already has a result).
+//! The claim tells the run machine that the attempt's wait for a member is over: an anycast
+//! attempt that no member claims within the plan's `dependency_timeout` fails
+//! `role_unclaimed` (a decision of the machine, in run-log order). The claim is sent before
+//! the agent starts and its acknowledgement awaited alongside the run, so it costs the
+//! attempt no round trip.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::AckKind;
+use async_nats::jetstream::consumer::PullConsumer;
+use flotilla_bus::{SharedConsumer, wire};
+use flotilla_model::PROTOCOL_VERSION;
+use flotilla_model::codec::Codec;
+use flotilla_model::runlog::{Claimed, RunInput, RunLogEntry, claimed_msg_id};
+use flotilla_model::subjects::StreamKind;
+use flotilla_model::task::TaskEnvelope;
+use futures::StreamExt;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use crate::attempt::handle;
+use crate::options::WorkerOptions;
+use crate::shared::Shared;
+
+/// How long a claim that could not be stored is sent again before the worker gives up on it
+/// (the run log without a leader for a few seconds while a cluster node dies).
+const CLAIM_RIDE_OUT: Duration = Duration::from_secs(20);
+
+/// What a worker claimed a role task as: the role, and the member of it that runs the task.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Claim {
+    /// The role whose queue delivered the task.
+    pub(crate) role: String,
+    /// The agent definition here that fills the role and runs the task.
+    pub(crate) agent: String,
+}
+
+/// The shared durable consumer of `role`'s queue (`role-<role>` on the tasks stream), as the
+/// workers hosting a member of the role create it.
+pub fn role_consumer(
+    names: &flotilla_model::Names,
+    role: &str,
+    opts: &WorkerOptions,
+) -> SharedConsumer {
+    SharedConsumer {
+        stream: StreamKind::Tasks,
+        durable: names.role_consumer(role),
+        description: format!("Flotilla members of role {role}"),
+        filters: vec![names.role_filter(role)],
+        ack_wait: opts.ack_wait(),
+        max_ack_pending: 100_000,
+    }
+}
+
+/// Pulls `claim.role`'s queue while this worker has a free slot, until `shutdown`; then
+/// waits for the attempts it started (the worker's graceful stop hands them back).
+pub(crate) async fn pull_role(
+    shared: Arc<Shared>,
+    consumer: PullConsumer,
+    claim: Claim,
+    shutdown: CancellationToken,
+) {
+    let mut running = tokio::task::JoinSet::new();
+    // Tasks of this role held here at once, running or waiting for a slot.
+    let held = Arc::new(Semaphore::new(shared.opts.concurrency));
+    let mut busy = false;
+    'pull: while !shutdown.is_cancelled() {
+        // Claim only with a free slot: wait for one, in turn with the tasks already waiting
+        // for a slot here (the semaphore is fair), and leave it to them.
+        while shared.run_slots.available_permits() == 0 {
+            tokio::select! {
+                _ = shutdown.cancelled() => break 'pull,
+                p = Arc::clone(&shared.run_slots).acquire_owned() => match p {
+                    Ok(p) => drop(p),
+                    Err(_) => break 'pull,
+                },
+            }
+        }
+        let free = shared.run_slots.available_permits().max(1);
+        let first = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            p = Arc::clone(&held).acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+        };
+        let mut permits = vec![first];
+        while permits.len() < free {
+            match Arc::clone(&held).try_acquire_owned() {
+                Ok(p) => permits.push(p),
+                Err(_) => break,
+            }
+        }
+        let batch = consumer
+            .batch()
+            .max_messages(permits.len())
+            .expires(if busy {
+                crate::worker::BUSY_PULL_EXPIRY
+            } else {
+                crate::worker::PULL_EXPIRY
+            })
+            .messages()
+            .await;
+        let mut batch = match batch {
+            Ok(b) => b,
+            Err(e) => {
+                debug!(role = %claim.role, error = %e, "Role pull request failed; retrying");
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tokio::time::sleep(Duration::from_millis(250)) => continue,
+                }
+            }
+        };
+        let request_over =
+            tokio::time::Instant::now() + crate::worker::PULL_EXPIRY + Duration::from_millis(500);
+        let mut received = 0usize;
+        loop {
+            let next = tokio::select! {
+                next = tokio::time::timeout_at(request_over, batch.next()) => next.unwrap_or(None),
+                _ = shutdown.cancelled() => {
+                    while let Ok(Some(Ok(m))) = tokio::time::timeout(Duration::from_millis(50), batch.next()).await {
+                        let _ = m.ack_with(AckKind::Nak(None)).await;
+                    }
+                    break 'pull;
+                }
+            };
+            match next {
+                Some(Ok(msg)) => {
+                    received += 1;
+                    let Some(permit) = permits.pop() else {
+                        let _ = msg.ack_with(AckKind::Nak(None)).await;
+                        continue;
+                    };
+                    let shared = Arc::clone(&shared);
+                    let stopping = shutdown.clone();
+                    let claim = claim.clone();
+                    running.spawn(async move {
+                        handle(&shared, msg, permit, &stopping, Some(claim)).await;
+                    });
+                }
+                Some(Err(e)) => {
+                    debug!(role = %claim.role, error = %e, "Role pull interrupted");
+                    break;
+                }
+                None => break,
+            }
+        }
+        drop(permits);
+        busy = received > 0;
+        while running.try_join_next().is_some() {}
+    }
+    while running.join_next().await.is_some() {}
+}
+
+/// Sends the claim of `task`'s attempt to its run log now, and returns a future that stores
+/// it for sure (waiting for the acknowledgement, sending again while the run log is briefly
+/// unavailable): the caller runs the agent meanwhile.
+pub(crate) async fn send_claim(
+    shared: &Shared,
+    task: &TaskEnvelope,
+    claim: &Claim,
+) -> impl std::future::Future<Output = ()> + Send + 'static {
+    let entry = RunLogEntry {
+        protocol: PROTOCOL_VERSION,
+        run_id: task.run_id,
+        input: RunInput::Claimed(Box::new(Claimed {
+            task_id: task.task_id.clone(),
+            attempt: task.attempt,
+            attempt_id: task.attempt_id,
+            worker: shared.id.clone(),
+            agent: claim.agent.clone(),
+            role: claim.role.clone(),
+        })),
+    };
+    let msg_id = claimed_msg_id(task.run_id, &task.task_id, task.attempt);
+    let bus = shared.bus.clone();
+    let subject = bus.names().runlog(task.run_id);
+    let (run, task_id) = (task.run_id, task.task_id.clone());
+    let out = wire::encode(&entry, Codec::Json, Some(&msg_id));
+    // Sent at once, on the connection the result will follow on: the claim is stored first.
+    let first = match &out {
+        Ok(out) => Some(
+            bus.js()
+                .publish_with_headers(subject.clone(), out.headers.clone(), out.payload.clone())
+                .await,
+        ),
+        Err(_) => None,
+    };
+    async move {
+        let out = match out {
+            Ok(o) => o,
+            Err(e) => {
+                warn!(%run, task = %task_id, error = %e, "Cannot encode a claim");
+                return;
+            }
+        };
+        if let Some(Ok(ack)) = first
+            && ack.await.is_ok()
+        {
+            return;
+        }
+        let until = tokio::time::Instant::now() + CLAIM_RIDE_OUT;
+        if let Err(e) = bus.publish_retrying(subject, out, until).await {
+            warn!(%run, task = %task_id, error = %e, "The claim of a role task could not be stored; its attempt may be failed as unclaimed");
+        }
+    }
+}
