@@ -7,7 +7,9 @@
 //!   to the runs: both share one nats-server), and the supervisor's CPU per run;
 //! * catch-up: from the last run's end to the failure record counting every outcome;
 //! * record lag with one run in flight: the run's outcome received → its agent's failure
-//!   record updated (a KV watch), next to the raw JetStream round trip.
+//!   record updated (a KV watch), next to the raw JetStream round trip;
+//! * anycast claim: the dependency hop of a chain whose tasks name a role (claimed from the
+//!   role's queue by a free member) next to the hop of the same chain on the pool.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -22,7 +24,7 @@ use flotilla_model::team::{FailureRecord, RecordScope, record_key};
 use futures::StreamExt;
 use tokio::sync::Semaphore;
 
-use crate::harness::plans::independent_plan;
+use crate::harness::plans::{chain_hops, chain_plan, independent_plan};
 use crate::harness::processes::{Processes, cpu_seconds, peak_rss_kib};
 use crate::harness::raw::RawFigures;
 use crate::harness::services::{Services, has_listener, noop_config_under, spawn_service};
@@ -38,7 +40,13 @@ pub(crate) struct TeamArgs {
     /// Team: samples of the outcome → failure record lag.
     #[arg(long, default_value_t = 200)]
     team_lag_samples: usize,
+    /// Team: chains of each kind (pool, anycast) in the claim-latency measurement.
+    #[arg(long, default_value_t = 3)]
+    team_chains: usize,
 }
+
+/// The role the no-op agent fills in this section.
+const ROLE: &str = "member";
 
 const PREFIX: &str = "flteam";
 /// Tasks in flight in the throughput measurements, as in the raw one.
@@ -60,6 +68,15 @@ pub(crate) async fn run(
         PREFIX,
         services.concurrency,
         has_listener(exe),
+    )?;
+    // The no-op agent is a member of a role, so anycast tasks have someone to claim them.
+    let text = std::fs::read_to_string(&config)?;
+    std::fs::write(
+        &config,
+        text.replace(
+            "reply = \"ok\"\n",
+            &format!("reply = \"ok\"\nroles = [\"{ROLE}\"]\n"),
+        ),
     )?;
     let spawn = |role: &[&str]| spawn_service(exe, &config, role);
     let mut opts = NatsOptions::with_url(url);
@@ -161,6 +178,40 @@ pub(crate) async fn run(
     if let Some(kib) = supervisor_pid.and_then(peak_rss_kib) {
         outln!("   peak RSS supervisor {:>8.1} MiB", kib as f64 / 1024.0);
     }
+
+    // Anycast claim: the same chain on the pool, then with every task naming the role.
+    let client = flotilla_client::Client::new(bus.clone());
+    let mut hops = [Vec::new(), Vec::new()];
+    for _ in 0..args.team_chains.max(1) {
+        for (k, anycast) in [false, true].into_iter().enumerate() {
+            let mut plan = chain_plan(services.chain);
+            if anycast {
+                for t in &mut plan.subtasks {
+                    t.role = Some(ROLE.into());
+                }
+            }
+            let run = submit_via(&bus, SubmitRequest::new(plan), via).await?;
+            let outcome = client.wait(run, Duration::from_secs(300)).await?;
+            anyhow::ensure!(
+                outcome.status == RunStatus::Succeeded,
+                "a chain {}",
+                outcome.status
+            );
+            hops[k].extend(chain_hops(&client, run).await?);
+        }
+    }
+    let [mut pool, mut role] = hops;
+    let (pool50, pool99) = p50_p99(&mut pool);
+    let (role50, role99) = p50_p99(&mut role);
+    outln!(
+        "   dependency hop on the pool:            p50 {pool50:.3} ms   p99 {pool99:.3} ms   ({} hops)",
+        pool.len()
+    );
+    outln!(
+        "   anycast hop (claimed from the role's queue): p50 {role50:.3} ms   p99 {role99:.3} ms   ({} hops): {:.2}× the pool hop (target ≤ 1.5×)",
+        role.len(),
+        role50 / pool50
+    );
     drop(procs);
     Ok(())
 }
