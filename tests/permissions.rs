@@ -7,7 +7,8 @@
 //! never slept on); the operation itself fails; and the operator sees that nothing changed.
 //! Every allowed step ends by checking that the role's connection saw no violation at all, so
 //! an over-tight permission fails the test too. The last test runs a real plan with the
-//! `flotilla` binary, coordinator and worker each connecting with its own credentials.
+//! `flotilla` binary, coordinator, worker, supervisor and client each connecting with its own
+//! credentials; the supervisor's roster and failure records answer the client.
 
 mod support;
 
@@ -21,6 +22,7 @@ use flotilla_bus::provision::{Action, provision};
 use flotilla_bus::{Bus, JetStreamOptions, NatsAuth, NatsOptions, Secret};
 use flotilla_model::Names;
 use flotilla_model::subjects::StreamKind;
+use flotilla_model::team::{RecordScope, TeamListRequest, TeamStatsRequest};
 use flotilla_testkit::NatsServer;
 use futures::StreamExt;
 use tokio::sync::mpsc;
@@ -691,9 +693,39 @@ async fn a_client_submits_and_reads_but_writes_nothing_else() -> anyhow::Result<
     Ok(())
 }
 
+/// The supervisors' consumer of the event stream exactly as `flotilla_bus::Bus::shared_consumer`
+/// creates it for `flotilla supervisor` (the same JetStream API subject: durable name and
+/// filter in the subject).
+fn supervisor_consumer() -> consumer::pull::Config {
+    consumer::pull::Config {
+        durable_name: Some(flotilla_supervisor::CONSUMER.into()),
+        filter_subject: names().event_all(),
+        ack_policy: consumer::AckPolicy::Explicit,
+        ack_wait: Duration::from_secs(30),
+        max_deliver: -1,
+        ..Default::default()
+    }
+}
+
+/// Pulls the next message of `consumer` (within 5 s).
+async fn pull_one(
+    consumer: &consumer::Consumer<consumer::pull::Config>,
+) -> anyhow::Result<jetstream::Message> {
+    let mut batch = consumer
+        .fetch()
+        .max_messages(1)
+        .expires(Duration::from_secs(5))
+        .messages()
+        .await?;
+    batch
+        .next()
+        .await
+        .context("nothing pulled")?
+        .map_err(|e| anyhow!("pulling: {e}"))
+}
+
 #[tokio::test]
-async fn a_supervisor_follows_runs_and_keeps_its_buckets_but_writes_no_run_input()
--> anyhow::Result<()> {
+async fn a_supervisor_keeps_the_team_and_writes_nothing_else() -> anyhow::Result<()> {
     let server = server().await?;
     let operator = Role::connect(&server, OPERATOR).await?;
     provision(&operator.js, &names(), &JetStreamOptions::default()).await?;
@@ -717,6 +749,7 @@ async fn a_supervisor_follows_runs_and_keeps_its_buckets_but_writes_no_run_input
         .await?;
     for (subject, body) in [
         ("flotilla.runlog.r1", "result"),
+        ("flotilla.event.r1", "task_started"),
         ("flotilla.event.r1", "task_failed"),
         ("flotilla.task.default.r1.t1", "task"),
     ] {
@@ -728,12 +761,19 @@ async fn a_supervisor_follows_runs_and_keeps_its_buckets_but_writes_no_run_input
         .await?
         .put("r1", "record".into())
         .await?;
-    // A stand-in API answered by the operator, so a refused request is a refusal.
-    let mut api = operator.client.subscribe("flotilla.api.>").await?;
+    // Stand-ins for the coordinators' API answered by the operator, so a refused request is
+    // a refusal, not a missing responder.
+    let mut api = operator.client.subscribe("flotilla.api.run.>").await?;
+    let mut submit = operator.client.subscribe("flotilla.api.submit").await?;
     let responder = tokio::spawn({
         let client = operator.client.clone();
         async move {
-            while let Some(m) = api.next().await {
+            loop {
+                let m = tokio::select! {
+                    Some(m) = api.next() => m,
+                    Some(m) = submit.next() => m,
+                    else => break,
+                };
                 if let Some(reply) = m.reply {
                     let _ = client.publish(reply, "{}".into()).await;
                 }
@@ -745,100 +785,116 @@ async fn a_supervisor_follows_runs_and_keeps_its_buckets_but_writes_no_run_input
     let mut supervisor = Role::connect(&server, SUPERVISOR).await?;
 
     // --- its job ---
-    // Follow the run log with its own durable consumer (shared by its replicas).
-    let runlog = supervisor.js.get_stream("FLOTILLA_RUNLOG").await?;
-    let follow = runlog
-        .create_consumer(consumer::pull::Config {
-            durable_name: Some("supervisor".into()),
-            filter_subject: names().runlog_all(),
-            ack_policy: consumer::AckPolicy::Explicit,
-            ..Default::default()
-        })
-        .await?;
-    let mut batch = follow
-        .fetch()
-        .max_messages(1)
-        .expires(Duration::from_secs(5))
-        .messages()
-        .await?;
-    let entry = batch
-        .next()
-        .await
-        .context("no run-log entry")?
-        .map_err(|e| anyhow!("pulling: {e}"))?;
-    ensure!(entry.payload.as_ref() == b"result");
-    entry.double_ack().await.map_err(|e| anyhow!("ack: {e}"))?;
-    runlog
-        .direct_get_first_for_subject("flotilla.runlog.r1")
-        .await?;
-    // Events: its durable consumer, and ordered readers.
+    supervisor.js.query_account().await?;
+    // The start-up check is a read-only plan: everything exists, nothing to create.
+    let plan =
+        flotilla_bus::provision::plan(&supervisor.js, &names(), &JetStreamOptions::default())
+            .await?;
+    ensure!(
+        plan.report()
+            .resources
+            .iter()
+            .all(|r| r.action == Action::Unchanged),
+        "{}",
+        plan.report()
+    );
+    // Events: the shared durable consumer, created (or bound) as the service does; pulled,
+    // and acknowledged all three ways (nak: delivered again; term; ack; confirmed by the
+    // server here, so the next pull sees their effect).
     let events = supervisor.js.get_stream("FLOTILLA_EVENTS").await?;
-    let durable = events
-        .create_consumer(consumer::pull::Config {
-            durable_name: Some("supervisor".into()),
-            filter_subject: "flotilla.event.*".into(),
-            ack_policy: consumer::AckPolicy::Explicit,
-            ..Default::default()
-        })
-        .await?;
-    let mut batch = durable
-        .fetch()
-        .max_messages(1)
-        .expires(Duration::from_secs(5))
-        .messages()
-        .await?;
-    let event = batch
-        .next()
+    let mut follow = events.create_consumer(supervisor_consumer()).await?;
+    let first = pull_one(&follow).await?;
+    ensure!(first.payload.as_ref() == b"task_started");
+    first
+        .double_ack_with(jetstream::AckKind::Nak(None))
         .await
-        .context("no event")?
-        .map_err(|e| anyhow!("pulling: {e}"))?;
-    event.double_ack().await.map_err(|e| anyhow!("ack: {e}"))?;
-    let mut ordered = events
-        .create_consumer(consumer::pull::OrderedConfig {
-            filter_subject: "flotilla.event.r1".into(),
-            ..Default::default()
-        })
-        .await?
-        .messages()
-        .await?;
-    tokio::time::timeout(Duration::from_secs(10), ordered.next())
+        .map_err(|e| anyhow!("nak: {e}"))?;
+    let again = pull_one(&follow).await?;
+    ensure!(
+        again.payload.as_ref() == b"task_started",
+        "the nak redelivers"
+    );
+    again.double_ack().await.map_err(|e| anyhow!("ack: {e}"))?;
+    let second = pull_one(&follow).await?;
+    ensure!(second.payload.as_ref() == b"task_failed");
+    second
+        .double_ack_with(jetstream::AckKind::Term)
         .await
-        .context("no ordered event")?
-        .context("events ended")??;
-    // Its buckets, read and written.
+        .map_err(|e| anyhow!("term: {e}"))?;
+    // After a reconnect the pull loop reads the consumer's info.
+    ensure!(follow.info().await?.num_ack_pending == 0);
+    // Its buckets: read, watched, written with compare-and-set.
     for (bucket, key) in [
-        ("flotilla-team", "researcher-1"),
-        ("flotilla-failures", "r1.t1"),
-        ("flotilla-escalations", "e1"),
-        ("flotilla-trust", "researcher"),
+        ("flotilla-team", "member.echo"),
+        ("flotilla-failures", "agent.echo"),
     ] {
         let kv = supervisor.js.get_key_value(bucket).await?;
-        kv.put(key, "{}".into()).await?;
-        ensure!(kv.get(key).await?.is_some(), "{bucket}");
+        let mut watch = kv.watch_all().await?;
+        let rev = kv.create(key, "{\"v\":1}".into()).await?;
+        kv.update(key, "{\"v\":2}".into(), rev).await?;
+        // A write on a stale revision loses the race (what a replica's retry is for).
+        ensure!(
+            kv.update(key, "{\"v\":3}".into(), rev).await.is_err(),
+            "{bucket}: a stale compare-and-set was stored"
+        );
+        let entry = kv.entry(key).await?.context("no entry")?;
+        ensure!(entry.value.as_ref() == b"{\"v\":2}", "{bucket}: {entry:?}");
+        let seen = tokio::time::timeout(Duration::from_secs(10), watch.next())
+            .await
+            .with_context(|| format!("the {bucket} watch saw nothing"))?
+            .context("watch ended")??;
+        ensure!(seen.key == key, "{bucket}: {seen:?}");
     }
-    // Run controls: written and watched.
-    let control = supervisor.js.get_key_value("flotilla-control").await?;
-    let mut watch = control.watch_all().await?;
-    control.put("pause.r1", "{}".into()).await?;
-    let change = tokio::time::timeout(Duration::from_secs(10), watch.next())
-        .await
-        .context("the control watch saw nothing")?
-        .context("watch ended")??;
-    ensure!(change.key == "pause.r1");
-    // Runs and workers: read.
-    let runs = supervisor.js.get_key_value("flotilla-runs").await?;
-    ensure!(runs.get("r1").await?.is_some());
+    // Live workers: watched (presence) and the bucket's status read.
     let workers = supervisor.js.get_key_value("flotilla-workers").await?;
-    ensure!(workers.get("nobody").await?.is_none());
-    // The API (run.cancel applies an abort decision).
-    let answer = supervisor
-        .client
-        .request("flotilla.api.run.cancel", "{}".into())
+    let mut watch = workers.watch_all().await?;
+    workers.status().await?;
+    operator
+        .js
+        .get_key_value("flotilla-workers")
+        .await?
+        .put("worker-1", "{}".into())
         .await?;
-    ensure!(answer.payload.as_ref() == b"{}");
+    let seen = tokio::time::timeout(Duration::from_secs(10), watch.next())
+        .await
+        .context("the workers watch saw nothing")?
+        .context("watch ended")??;
+    ensure!(seen.key == "worker-1");
+    // The team API: a micro service `flotilla-supervisor` with endpoints under
+    // `flotilla.api.team.`, answering a client's request and discovery.
+    let service = async_nats::service::ServiceExt::service_builder(&supervisor.client)
+        .start("flotilla-supervisor", "0.0.0")
+        .await
+        .map_err(|e| anyhow!("starting the service: {e}"))?;
+    let mut list = service
+        .group("flotilla.api")
+        .endpoint("team.list")
+        .await
+        .map_err(|e| anyhow!("adding an endpoint: {e}"))?;
+    let answering = tokio::spawn(async move {
+        while let Some(req) = list.next().await {
+            let _ = req.respond(Ok("roster".into())).await;
+        }
+    });
+    supervisor.client.flush().await?;
+    let client = Role::connect(&server, CLIENT).await?;
+    let answer = client
+        .client
+        .request("flotilla.api.team.list", "{}".into())
+        .await?;
+    ensure!(answer.payload.as_ref() == b"roster");
+    let pong = client
+        .client
+        .request("$SRV.PING.flotilla-supervisor", "".into())
+        .await?;
+    ensure!(
+        String::from_utf8_lossy(&pong.payload).contains("flotilla-supervisor"),
+        "{pong:?}"
+    );
     supervisor.no_violations().await?;
 
     // --- refused ---
+    // Run inputs of any kind.
     supervisor.request_refused("flotilla.api.submit").await?;
     for subject in [
         "flotilla.submit".to_string(),
@@ -847,9 +903,16 @@ async fn a_supervisor_follows_runs_and_keeps_its_buckets_but_writes_no_run_input
         "flotilla.timer.r1.1".into(),
         "flotilla.task.default.r1.t2".into(),
         "flotilla.event.r1".into(),
+        // Buckets it does not own (runs, workers, session state), and those reserved for
+        // later work (run controls, escalations, trust).
         "$KV.flotilla-runs.r1".into(),
-        "$KV.flotilla-state.s1.k".into(),
         "$KV.flotilla-workers.w1".into(),
+        "$KV.flotilla-state.s1.k".into(),
+        "$KV.flotilla-control.cancel.r1".into(),
+        "$KV.flotilla-escalations.e1".into(),
+        "$KV.flotilla-trust.researcher".into(),
+        // A reply it was not asked for.
+        "_INBOX.forged".into(),
     ] {
         supervisor.publish_refused(&subject).await?;
     }
@@ -857,26 +920,71 @@ async fn a_supervisor_follows_runs_and_keeps_its_buckets_but_writes_no_run_input
         messages_in(&operator.js, "FLOTILLA_INTAKE").await? == 0
             && messages_in(&operator.js, "FLOTILLA_RUNLOG").await? == 1
             && messages_in(&operator.js, "FLOTILLA_TASKS").await? == 1
-            && messages_in(&operator.js, "FLOTILLA_EVENTS").await? == 1,
+            && messages_in(&operator.js, "FLOTILLA_EVENTS").await? == 2
+            && messages_in(&operator.js, "KV_flotilla-control").await? == 0
+            && messages_in(&operator.js, "KV_flotilla-escalations").await? == 0,
         "a refused publish was stored"
     );
-    // Neither the coordinators' consumer nor a pool's.
+    // The coordinators' API (reserved: run.cancel for later policy decisions).
+    supervisor
+        .request_refused("flotilla.api.run.cancel")
+        .await?;
+    // Run logs (reserved: recruitment will follow them), the coordinators' consumer, a
+    // pool's consumer.
     let refused_runlog = supervisor.js_refused.get_stream("FLOTILLA_RUNLOG").await?;
+    for durable in [flotilla_supervisor::CONSUMER, "coordinator"] {
+        ensure!(
+            refused_runlog
+                .create_consumer(consumer::pull::Config {
+                    durable_name: Some(durable.into()),
+                    filter_subject: names().runlog_all(),
+                    ..Default::default()
+                })
+                .await
+                .is_err(),
+            "the supervisor created or changed run-log consumer {durable}"
+        );
+        supervisor
+            .refused(&format!(
+                "$JS.API.CONSUMER.CREATE.FLOTILLA_RUNLOG.{durable}.flotilla.runlog.*"
+            ))
+            .await?;
+    }
+    supervisor
+        .publish_refused("$JS.API.CONSUMER.MSG.NEXT.FLOTILLA_RUNLOG.coordinator")
+        .await?;
+    supervisor
+        .publish_refused("$JS.API.CONSUMER.MSG.NEXT.FLOTILLA_TASKS.pool-default")
+        .await?;
+    supervisor
+        .publish_refused("$JS.API.DIRECT.GET.FLOTILLA_RUNLOG")
+        .await?;
+    // On the event stream: no other consumer, no ordered reader, no deleting its own.
+    let refused_events = supervisor.js_refused.get_stream("FLOTILLA_EVENTS").await?;
     ensure!(
-        refused_runlog
-            .create_consumer(consumer::pull::Config {
-                durable_name: Some("coordinator".into()),
-                filter_subject: names().runlog_all(),
+        refused_events
+            .create_consumer(consumer::pull::OrderedConfig {
+                filter_subject: "flotilla.event.r1".into(),
                 ..Default::default()
             })
             .await
             .is_err()
     );
     supervisor
-        .refused("$JS.API.CONSUMER.CREATE.FLOTILLA_RUNLOG.coordinator.flotilla.runlog.*")
+        .refused("$JS.API.CONSUMER.CREATE.FLOTILLA_EVENTS")
         .await?;
+    ensure!(
+        refused_events
+            .delete_consumer(flotilla_supervisor::CONSUMER)
+            .await
+            .is_err()
+    );
     supervisor
-        .publish_refused("$JS.API.CONSUMER.MSG.NEXT.FLOTILLA_TASKS.pool-default")
+        .refused("$JS.API.CONSUMER.DELETE.FLOTILLA_EVENTS.supervisor")
+        .await?;
+    // Reads of runs (reserved).
+    supervisor
+        .publish_refused("$JS.API.DIRECT.GET.KV_flotilla-runs.$KV.flotilla-runs.r1")
         .await?;
     // No stream administration.
     ensure!(
@@ -889,14 +997,42 @@ async fn a_supervisor_follows_runs_and_keeps_its_buckets_but_writes_no_run_input
     supervisor
         .refused("$JS.API.STREAM.DELETE.FLOTILLA_EVENTS")
         .await?;
-    let refused_events = supervisor.js_refused.get_stream("FLOTILLA_EVENTS").await?;
     ensure!(refused_events.purge().await.is_err());
     supervisor
         .refused("$JS.API.STREAM.PURGE.FLOTILLA_EVENTS")
         .await?;
-    ensure!(messages_in(&operator.js, "FLOTILLA_EVENTS").await? == 1);
+    ensure!(messages_in(&operator.js, "FLOTILLA_EVENTS").await? == 2);
+    // Subscriptions outside its replies and its own service: neither the coordinators' API
+    // (it could answer a submission), their discovery, nor the event stream as published.
+    supervisor.subscribe_refused("flotilla.api.submit").await?;
+    supervisor.subscribe_refused("$SRV.PING.flotilla").await?;
+    supervisor.subscribe_refused("flotilla.event.>").await?;
+    let info = operator
+        .js
+        .get_consumer_from_stream::<consumer::pull::Config, _, _>("coordinator", "FLOTILLA_RUNLOG")
+        .await?
+        .info()
+        .await?
+        .clone();
+    ensure!(
+        info.num_ack_pending == 0 && info.num_pending == 1,
+        "the coordinators' consumer was touched: {info:?}"
+    );
+    answering.abort();
     responder.abort();
     Ok(())
+}
+
+/// The permission violations the server logged for `user` (nats-server 2.15 names the user
+/// as `"FLOTILLA/user:NAME"`, earlier releases as `User "NAME"`).
+fn refusals_in_server_log(server: &NatsServer, user: &str) -> anyhow::Result<Vec<String>> {
+    let log = std::fs::read_to_string(server.dir().join("nats-server.log"))?;
+    let (new, old) = (format!("/user:{user}\""), format!("User \"{user}\""));
+    Ok(log
+        .lines()
+        .filter(|l| l.contains("Violation") && (l.contains(&new) || l.contains(&old)))
+        .map(str::to_owned)
+        .collect())
 }
 
 /// `FLOTILLA_NATS__AUTH__*`: how the Helm chart hands credentials to a pod.
@@ -1067,6 +1203,7 @@ async fn a_plan_runs_with_every_role_on_its_own_credentials() -> anyhow::Result<
     let coordinator_env = credentials_env(COORDINATOR);
     let worker_env = credentials_env(WORKER);
     let client_env = credentials_env(CLIENT);
+    let supervisor_env = credentials_env(SUPERVISOR);
 
     let c = p.spawn_env(&["coordinator"], &refs(&coordinator_env))?;
     if let Err(e) = support::wait_for_api(&p.bus).await {
@@ -1074,6 +1211,43 @@ async fn a_plan_runs_with_every_role_on_its_own_credentials() -> anyhow::Result<
     }
     let w = p.spawn_env(&["worker"], &refs(&worker_env))?;
     p.wait_registered(w).await?;
+    // A client library connection with the client's credentials (no operator rights).
+    let opts = NatsOptions {
+        auth: NatsAuth::UserPassword {
+            user: CLIENT.0.into(),
+            password: Secret::new(CLIENT.1),
+        },
+        ..NatsOptions::with_url(p.server.url())
+    };
+    let client = flotilla_client::Client::new(Bus::connect(&opts, "permissions-test").await?);
+
+    // The supervisor: its roster (every configured agent) answers the client.
+    let s = p.spawn_env(&["supervisor"], &refs(&supervisor_env))?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let asked = client
+            .request(
+                &TeamListRequest {
+                    protocol: flotilla_model::PROTOCOL_VERSION,
+                    role: None,
+                },
+                Duration::from_secs(2),
+            )
+            .await;
+        if let Ok(list) = &asked {
+            let mut members: Vec<&str> = list.members.iter().map(|m| m.name.as_str()).collect();
+            members.sort_unstable();
+            if members == ["caller", "echo", "long"] {
+                break;
+            }
+        }
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the supervisor's roster is not complete ({asked:?}):\n{}",
+            p.log(s)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 
     let plan = p.dir().join("plan.json");
     std::fs::write(
@@ -1170,14 +1344,6 @@ async fn a_plan_runs_with_every_role_on_its_own_credentials() -> anyhow::Result<
         }
     }
     // And reads the run store through its own connection (no operator rights).
-    let opts = NatsOptions {
-        auth: NatsAuth::UserPassword {
-            user: CLIENT.0.into(),
-            password: Secret::new(CLIENT.1),
-        },
-        ..NatsOptions::with_url(p.server.url())
-    };
-    let client = flotilla_client::Client::new(Bus::connect(&opts, "permissions-test").await?);
     let runs = flotilla_coordinator::store::RunStore::open(client.bus()).await?;
     // The plan's run and the child run its `delegate` task started.
     ensure!(runs.list().await?.len() == 2);
@@ -1223,11 +1389,61 @@ async fn a_plan_runs_with_every_role_on_its_own_credentials() -> anyhow::Result<
         );
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
-    for (name, i) in [("coordinator", c), ("worker", w)] {
+    // The supervisor counted the plan's attempt outcomes, each once: `echo` ran gather,
+    // analyse, report and the child run's task, `caller` ran delegate (the cancelled
+    // attempt counts for nobody).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let stats = client
+            .request(
+                &TeamStatsRequest {
+                    protocol: flotilla_model::PROTOCOL_VERSION,
+                    name: None,
+                    scope: Some(RecordScope::Agent),
+                },
+                Duration::from_secs(5),
+            )
+            .await?;
+        let of = |name: &str| {
+            stats
+                .records
+                .iter()
+                .find(|r| r.name == name)
+                .map(|r| (r.total_succeeded, r.total_failed))
+        };
+        if of("echo") == Some((4, 0)) && of("caller") == Some((1, 0)) {
+            ensure!(of("long").is_none(), "{stats:?}");
+            break;
+        }
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the supervisor did not count the run: {stats:?}\nsupervisor:\n{}",
+            p.log(s)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The team as a person reads it, with the client's credentials.
+    for args in [&["team", "--json"][..], &["team", "stats", "echo"]] {
+        let i = p.spawn_env(args, &refs(&client_env))?;
+        let code = p.wait_exit(i, support::WAIT).await?;
+        ensure!(code == Some(0), "{args:?} exited {code:?}:\n{}", p.log(i));
+        ensure!(p.log(i).contains("echo"), "{args:?}:\n{}", p.log(i));
+    }
+    for (name, i) in [("coordinator", c), ("worker", w), ("supervisor", s)] {
         ensure!(
             !p.log(i).contains("Permissions Violation"),
             "{name} was refused something:\n{}",
             p.log(i)
+        );
+    }
+    // The server's log too, whatever the processes' log level: nothing any role did,
+    // start-up included, was refused.
+    for (user, _) in [COORDINATOR, WORKER, CLIENT, SUPERVISOR] {
+        let refused = refusals_in_server_log(&p.server, user)?;
+        ensure!(
+            refused.is_empty(),
+            "{user} was refused:\n{}",
+            refused.join("\n")
         );
     }
     Ok(())

@@ -242,9 +242,11 @@ give comes from workerPoolDefaults; keda and hpa are filled key by key. (Zero va
 {{- end -}}
 
 {{/*
-flotilla.toml of one role. Args: root, pool (a worker pool; nil for the coordinator).
-The coordinator knows every pool's agents, so plan validation rejects unknown agents; an
-agent defined by two pools must be defined the same way.
+flotilla.toml of one role. Args: root, pool (a worker pool; nil for the coordinator and the
+supervisor), role (the name in the file's heading when pool is nil; default coordinator).
+The coordinator knows every pool's agents, so plan validation rejects unknown agents; the
+supervisor knows them too (every agent is a team member, with its card). An agent defined by
+two pools must be defined the same way.
 */}}
 {{- define "flotilla.config" -}}
 {{- $v := .root.Values -}}
@@ -281,7 +283,7 @@ fails loudly instead. */ -}}
 {{- if $agents -}}{{- $_ := set $cfg "agents" $agents -}}{{- end -}}
 {{- if $v.defaultAgent -}}
 {{- if not (hasKey $agents $v.defaultAgent) -}}
-{{- fail (printf "defaultAgent %q is not defined for %s: add it to agents (shared by every pool)" $v.defaultAgent (ternary (printf "worker pool %s" (.pool | default dict).name) "the coordinator" (not (empty .pool)))) -}}
+{{- fail (printf "defaultAgent %q is not defined for %s: add it to agents (shared by every pool)" $v.defaultAgent (ternary (printf "worker pool %s" (.pool | default dict).name) (printf "the %s" (.role | default "coordinator")) (not (empty .pool)))) -}}
 {{- end -}}
 {{- $_ := set $cfg "default-agent" $v.defaultAgent -}}
 {{- end -}}
@@ -291,7 +293,7 @@ fails loudly instead. */ -}}
 {{- $extra := dict -}}
 {{- include "flotilla.mergeToml" (dict "into" $extra "toml" $v.extraConfig "what" "extraConfig") -}}
 {{- $cfg = mustMergeOverwrite $extra $cfg -}}
-# flotilla.toml rendered by the Helm chart helm/flotilla ({{ if .pool }}worker pool {{ .pool.name }}{{ else }}coordinator{{ end }}).
+# flotilla.toml rendered by the Helm chart helm/flotilla ({{ if .pool }}worker pool {{ .pool.name }}{{ else }}{{ .role | default "coordinator" }}{{ end }}).
 # NATS credentials come from the environment (FLOTILLA_NATS__AUTH__*), not from this file.
 {{ toToml $cfg }}
 {{- end -}}

@@ -116,7 +116,7 @@ ALL_ON = {
         "authKind": "creds-file",
         "tls": {"enabled": True, "caSecret": "nats-ca"},
     },
-    "extraConfig": '[coordinator]\nshards = 32\n[worker]\nheartbeat = "3s"\n',
+    "extraConfig": '[coordinator]\nshards = 32\n[worker]\nheartbeat = "3s"\n[supervisor]\nstale-after = "5m"\n',
     "workerPools": [
         {"name": "default", "replicas": 7},
         {
@@ -137,6 +137,7 @@ ALL_ON = {
     ],
     "metrics": {"serviceMonitor": {"enabled": True}},
     "networkPolicy": {"enabled": True},
+    "supervisor": {"replicas": 3, "nodeSelector": {"pool": "system"}},
 }
 
 
@@ -226,6 +227,80 @@ def coordinators_are_replicated_and_protected():
 
 
 @check
+def supervisors_are_replicated_and_protected():
+    objects = render({})
+    d = one(objects, "Deployment", "rel-flotilla-supervisor")
+    assert d["spec"]["replicas"] == 2
+    spec = d["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    assert c["args"] == ["supervisor"]
+    pdb = one(objects, "PodDisruptionBudget", "rel-flotilla-supervisor")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == d["spec"]["selector"]["matchLabels"]
+    assert d["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "supervisor"
+    # Its own NATS user (least privilege), its own config (every agent's member card).
+    env = {e["name"]: e for e in c["env"]}
+    assert env["FLOTILLA_NATS__AUTH__KIND"]["value"] == "user-password"
+    for key in ("user", "password"):
+        assert env[f"FLOTILLA_NATS__AUTH__{key.upper()}"]["valueFrom"]["secretKeyRef"] == {
+            "name": "flotilla-nats-supervisor",
+            "key": key,
+        }
+    vols = {v["name"]: v for v in spec["volumes"]}
+    assert vols["config"]["configMap"]["items"] == [{"key": "supervisor.toml", "path": "flotilla.toml"}]
+    cfg = configs(objects)["supervisor.toml"]
+    assert cfg["telemetry"]["http-addr"] == "0.0.0.0:9464"
+    cm = one(objects, "ConfigMap", "rel-flotilla-config")
+    assert cm["data"]["supervisor.toml"].startswith("# flotilla.toml rendered by the Helm chart helm/flotilla (supervisor)")
+    # A config change rolls the supervisors, not because the coordinators' config changed.
+    ann = d["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+    coord = one(objects, "Deployment", "rel-flotilla-coordinator")
+    assert ann != coord["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+
+
+@check
+def supervisor_values_reach_its_pods():
+    objects = render(ALL_ON)
+    d = one(objects, "Deployment", "rel-flotilla-supervisor")
+    assert d["spec"]["replicas"] == 3
+    spec = d["spec"]["template"]["spec"]
+    assert spec["nodeSelector"] == {"pool": "system"}
+    # creds-file: the supervisor's Secret mounted as its creds file; TLS CA mounted.
+    vols = {v["name"]: v for v in spec["volumes"]}
+    assert vols["nats-credentials"]["secret"]["secretName"] == "flotilla-nats-supervisor"
+    assert vols["nats-ca"]["secret"]["secretName"] == "nats-ca"
+    env = {e["name"]: e for e in spec["containers"][0]["env"]}
+    assert env["FLOTILLA_NATS__AUTH__PATH"]["value"] == "/etc/flotilla/nats/nats.creds"
+    objects = render({"nats": {"credentials": {"supervisor": "team-keeper"}}})
+    env = {e["name"]: e for e in one(objects, "Deployment", "rel-flotilla-supervisor")["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["FLOTILLA_NATS__AUTH__USER"]["valueFrom"]["secretKeyRef"]["name"] == "team-keeper"
+
+
+@check
+def the_supervisor_can_be_left_out_or_run_alone():
+    objects = render({"supervisor": {"enabled": False}})
+    assert not [o for o in objects if o["metadata"]["name"] == "rel-flotilla-supervisor"]
+    assert "supervisor.toml" not in one(objects, "ConfigMap", "rel-flotilla-config")["data"]
+    kubernetes_validate(objects)
+    # One replica: no budget that would block every drain.
+    objects = render({"supervisor": {"replicas": 1}})
+    assert one(objects, "Deployment", "rel-flotilla-supervisor")["spec"]["replicas"] == 1
+    assert [o["metadata"]["name"] for o in objects if o["kind"] == "PodDisruptionBudget"] == ["rel-flotilla-coordinator"]
+
+
+@check
+def notes_name_every_service():
+    with helm_python.Chart.load(str(CHART)) as chart:
+        on = chart.render({}, name="rel", namespace="flotilla", is_install=True)
+        off = chart.render({"supervisor": {"enabled": False}}, name="rel", namespace="flotilla", is_install=True)
+    notes = next(v for k, v in on.items() if k.endswith("NOTES.txt"))
+    assert "coordinators: 2" in notes and "supervisors: 2" in notes, notes
+    assert "flotilla --nats-url <url> team" in notes, notes
+    notes = next(v for k, v in off.items() if k.endswith("NOTES.txt"))
+    assert "supervisors: off" in notes and " team" not in notes, notes
+
+
+@check
 def worker_pools_become_deployments():
     objects = render(ALL_ON)
     default = one(objects, "Deployment", "rel-flotilla-worker-default")
@@ -282,7 +357,7 @@ def keda_scales_on_the_pool_consumer():
 @check
 def rendered_configs_say_what_each_role_needs():
     cfgs = configs(render(ALL_ON))
-    assert set(cfgs) == {"coordinator.toml", "pool-default.toml", "pool-gpu.toml", "pool-batch.toml"}
+    assert set(cfgs) == {"coordinator.toml", "supervisor.toml", "pool-default.toml", "pool-gpu.toml", "pool-batch.toml"}
     for name, cfg in cfgs.items():
         assert cfg["pools"] == ["default", "gpu", "batch"], name
         assert cfg["nats"]["urls"] == ["nats://nats-0.nats:4222", "nats://nats-1.nats:4222"], name
@@ -292,9 +367,15 @@ def rendered_configs_say_what_each_role_needs():
         assert cfg["jetstream"] == {"replicas": 3, "storage": "file"}, name
         assert cfg["coordinator"]["shards"] == 32, "extraConfig reaches every role"
         assert cfg["default-agent"] == "echo"
-    assert "worker" not in cfgs["coordinator.toml"] or "pool" not in cfgs["coordinator.toml"]["worker"]
-    # The coordinator knows every pool's agents; each pool only its own.
+    for name in ("coordinator.toml", "supervisor.toml"):
+        assert "worker" not in cfgs[name] or "pool" not in cfgs[name]["worker"], name
+    # The coordinator knows every pool's agents, and so does the supervisor (every agent is a
+    # team member); each pool only its own.
     assert set(cfgs["coordinator.toml"]["agents"]) == {"echo", "vision"}
+    assert cfgs["supervisor.toml"]["agents"] == cfgs["coordinator.toml"]["agents"]
+    # Presence follows the workers' heartbeat; [supervisor] settings arrive through extraConfig.
+    assert cfgs["supervisor.toml"]["worker"]["heartbeat"] == "3s"
+    assert cfgs["supervisor.toml"]["supervisor"] == {"stale-after": "5m"}
     assert set(cfgs["pool-default.toml"]["agents"]) == {"echo"}
     assert set(cfgs["pool-gpu.toml"]["agents"]) == {"echo", "vision"}
     gpu = cfgs["pool-gpu.toml"]["worker"]
@@ -346,6 +427,33 @@ def chart_secrets_store_every_scalar_as_text():
 
 
 @check
+def an_evaluation_install_creates_every_roles_secret():
+    """The README's evaluation values: every Secret a pod reads is one the chart creates."""
+    values = {
+        "secrets": {
+            f"flotilla-nats-{role}": {"user": user, "password": f"{user}-dev-password"}
+            for role, user in (
+                ("operator", "operator"),
+                ("coordinator", "coordinator"),
+                ("supervisor", "supervisor"),
+                ("worker-default", "worker-default"),
+            )
+        }
+    }
+    objects = render(values)
+    kubernetes_validate(objects)
+    created = {o["metadata"]["name"] for o in objects if o["kind"] == "Secret"}
+    read = set()
+    for obj, spec in pod_specs(objects):
+        for e in spec["containers"][0]["env"]:
+            ref = e.get("valueFrom", {}).get("secretKeyRef")
+            if ref:
+                read.add((obj["metadata"]["name"], ref["name"]))
+    assert ("rel-flotilla-supervisor", "flotilla-nats-supervisor") in read, read
+    assert {secret for _, secret in read} == created, (read, created)
+
+
+@check
 def hooks_need_nothing_the_release_creates():
     """A pre-install hook runs before the release's own objects exist."""
     objects = render({})
@@ -387,7 +495,7 @@ def with_the_nats_dependency_flotilla_finds_it():
 @check
 def a_single_coordinator_gets_no_blocking_budget():
     objects = render({"coordinator": {"replicas": 1}})
-    assert not [o for o in objects if o["kind"] == "PodDisruptionBudget"]
+    assert [o["metadata"]["name"] for o in objects if o["kind"] == "PodDisruptionBudget"] == ["rel-flotilla-supervisor"]
     assert one(objects, "Deployment", "rel-flotilla-coordinator")["spec"]["replicas"] == 1
 
 
@@ -402,6 +510,12 @@ def metrics_service_monitor_and_network_policy():
     assert sm["spec"]["endpoints"][0]["port"] == "http"
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     (np,) = find(objects, "NetworkPolicy")
+    # One Service and one policy for every Flotilla pod: the supervisors are scraped through
+    # the same ServiceMonitor endpoint and restricted by the same policy as the coordinators.
+    for name in ("rel-flotilla-coordinator", "rel-flotilla-supervisor", "rel-flotilla-worker-gpu"):
+        labels = one(objects, "Deployment", name)["spec"]["template"]["metadata"]["labels"]
+        assert svc["spec"]["selector"].items() <= labels.items(), name
+        assert np["spec"]["podSelector"]["matchLabels"].items() <= labels.items(), name
     ports = [p["port"] for rule in np["spec"]["egress"] for p in rule.get("ports", [])]
     assert 4222 in ports and 53 in ports and 443 in ports, ports
     assert np["spec"]["ingress"][0]["ports"] == [{"port": 9464, "protocol": "TCP"}]
@@ -420,8 +534,9 @@ def a_changed_metrics_port_reaches_the_binary():
     objects = render({"metrics": {"port": 9100}})
     for name, cfg in configs(objects).items():
         assert cfg["telemetry"]["http-addr"] == "0.0.0.0:9100", name
-    d = one(objects, "Deployment", "rel-flotilla-coordinator")
-    assert d["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] == 9100
+    for name in ("rel-flotilla-coordinator", "rel-flotilla-supervisor"):
+        d = one(objects, "Deployment", name)
+        assert d["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] == 9100, name
 
 
 @check
@@ -496,6 +611,14 @@ def nats_choices_are_checked():
     fails_with({"nats": {"authKind": "password"}}, "authKind")
     fails_with({"workerPools": [{"name": "p", "concurrency": 0}]}, "concurrency")
     fails_with({"unknownKey": 1}, "unknownKey")
+
+
+@check
+def supervisor_values_are_checked():
+    fails_with({"supervisor": {"replicas": -1}}, "supervisor/replicas")
+    fails_with({"supervisor": {"enabled": "yes"}}, "supervisor/enabled")
+    fails_with({"supervisor": {"replica": 2}}, "replica")
+    fails_with({"nats": {"credentials": {"supervisor": 1}}}, "credentials/supervisor")
 
 
 def main() -> int:
