@@ -1237,7 +1237,7 @@ async fn a_plan_runs_with_every_role_on_its_own_credentials() -> anyhow::Result<
         if let Ok(list) = &asked {
             let mut members: Vec<&str> = list.members.iter().map(|m| m.name.as_str()).collect();
             members.sort_unstable();
-            if members == ["caller", "echo", "long"] {
+            if members == ["caller", "echo", "long", "researcher"] {
                 break;
             }
         }
