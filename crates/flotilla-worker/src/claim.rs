@@ -32,7 +32,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream::AckKind;
 use async_nats::jetstream::consumer::PullConsumer;
 use flotilla_bus::{SharedConsumer, wire};
 use flotilla_model::PROTOCOL_VERSION;
@@ -40,12 +39,10 @@ use flotilla_model::codec::Codec;
 use flotilla_model::runlog::{Claimed, RunInput, RunLogEntry, claimed_msg_id};
 use flotilla_model::subjects::StreamKind;
 use flotilla_model::task::TaskEnvelope;
-use futures::StreamExt;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, warn};
+use tracing::warn;
 
-use crate::attempt::handle;
 use crate::options::WorkerOptions;
 use crate::shared::Shared;
 
@@ -115,60 +112,21 @@ pub(crate) async fn pull_role(
                 Err(_) => break,
             }
         }
-        let batch = consumer
-            .batch()
-            .max_messages(permits.len())
-            .expires(if busy {
-                crate::worker::BUSY_PULL_EXPIRY
-            } else {
-                crate::worker::PULL_EXPIRY
-            })
-            .messages()
-            .await;
-        let mut batch = match batch {
-            Ok(b) => b,
-            Err(e) => {
-                debug!(role = %claim.role, error = %e, "Role pull request failed; retrying");
-                tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    _ = tokio::time::sleep(Duration::from_millis(250)) => continue,
-                }
-            }
+        let received = match crate::worker::pull_once(
+            &shared,
+            &consumer,
+            &mut permits,
+            busy,
+            Some(&claim),
+            &mut running,
+            &shutdown,
+        )
+        .await
+        {
+            crate::worker::Pulled::Received(n) => n,
+            crate::worker::Pulled::Failed => continue,
+            crate::worker::Pulled::Stopped => break 'pull,
         };
-        let request_over =
-            tokio::time::Instant::now() + crate::worker::PULL_EXPIRY + Duration::from_millis(500);
-        let mut received = 0usize;
-        loop {
-            let next = tokio::select! {
-                next = tokio::time::timeout_at(request_over, batch.next()) => next.unwrap_or(None),
-                _ = shutdown.cancelled() => {
-                    while let Ok(Some(Ok(m))) = tokio::time::timeout(Duration::from_millis(50), batch.next()).await {
-                        let _ = m.ack_with(AckKind::Nak(None)).await;
-                    }
-                    break 'pull;
-                }
-            };
-            match next {
-                Some(Ok(msg)) => {
-                    received += 1;
-                    let Some(permit) = permits.pop() else {
-                        let _ = msg.ack_with(AckKind::Nak(None)).await;
-                        continue;
-                    };
-                    let shared = Arc::clone(&shared);
-                    let stopping = shutdown.clone();
-                    let claim = claim.clone();
-                    running.spawn(async move {
-                        handle(&shared, msg, permit, &stopping, Some(claim)).await;
-                    });
-                }
-                Some(Err(e)) => {
-                    debug!(role = %claim.role, error = %e, "Role pull interrupted");
-                    break;
-                }
-                None => break,
-            }
-        }
         drop(permits);
         busy = received > 0;
         while running.try_join_next().is_some() {}

@@ -235,61 +235,21 @@ impl Worker {
                     }
                 }
             }
-            let batch = consumer
-                .batch()
-                .max_messages(permits.len())
-                // A pull request dies with a server restart; a short expiry bounds how long a
-                // worker waits on a lost one (one tiny request per second when idle). While
-                // tasks flow, requests are short, so slots freed meanwhile are asked for soon.
-                .expires(if busy { BUSY_PULL_EXPIRY } else { PULL_EXPIRY })
-                .messages()
-                .await;
-            let mut batch = match batch {
-                Ok(b) => b,
-                Err(e) => {
-                    debug!(error = %e, "Pull request failed; retrying");
-                    tokio::select! {
-                        _ = shutdown.cancelled() => break,
-                        _ = tokio::time::sleep(Duration::from_millis(250)) => continue,
-                    }
-                }
+            let received = match pull_once(
+                &shared,
+                &consumer,
+                &mut permits,
+                busy,
+                None,
+                &mut running,
+                &shutdown,
+            )
+            .await
+            {
+                Pulled::Received(n) => n,
+                Pulled::Failed => continue,
+                Pulled::Stopped => break 'pull,
             };
-            // The server ends a pull request at its expiry; one it forgot (restarted) never
-            // ends, and the client library would wait 5 s more. Stop waiting shortly after.
-            let request_over =
-                tokio::time::Instant::now() + PULL_EXPIRY + Duration::from_millis(500);
-            let mut received = 0usize;
-            loop {
-                let next = tokio::select! {
-                    next = tokio::time::timeout_at(request_over, batch.next()) => next.unwrap_or(None),
-                    _ = shutdown.cancelled() => {
-                        // Hand back anything still arriving for this pull request.
-                        while let Ok(Some(Ok(m))) = tokio::time::timeout(Duration::from_millis(50), batch.next()).await {
-                            let _ = m.ack_with(AckKind::Nak(None)).await;
-                        }
-                        break 'pull;
-                    }
-                };
-                match next {
-                    Some(Ok(msg)) => {
-                        received += 1;
-                        let Some(permit) = permits.pop() else {
-                            let _ = msg.ack_with(AckKind::Nak(None)).await;
-                            continue;
-                        };
-                        let shared = Arc::clone(&shared);
-                        let stopping = shutdown.clone();
-                        running.spawn(async move {
-                            handle(&shared, msg, permit, &stopping, None).await;
-                        });
-                    }
-                    Some(Err(e)) => {
-                        debug!(error = %e, "Pull interrupted");
-                        break;
-                    }
-                    None => break,
-                }
-            }
             drop(permits);
             drop(keep_back);
             busy = received > 0;
@@ -337,4 +297,85 @@ pub fn pool_consumer(
         ack_wait: opts.ack_wait(),
         max_ack_pending: 100_000,
     }
+}
+
+/// How one pull request went.
+pub(crate) enum Pulled {
+    /// It ended after bringing this many messages.
+    Received(usize),
+    /// It could not be sent; the caller asks again (after a short pause, already waited).
+    Failed,
+    /// The worker is stopping: what still arrived was handed back.
+    Stopped,
+}
+
+/// Sends one pull request on `consumer` for `permits.len()` tasks and starts each task that
+/// arrives on a permit of `permits` (one that finds none is handed back), as `claim`'s
+/// member for a role queue. Pool and role loops share it, so both wait the same way on a
+/// request the server forgot and hand back the same way on a stop.
+pub(crate) async fn pull_once(
+    shared: &Arc<Shared>,
+    consumer: &PullConsumer,
+    permits: &mut Vec<tokio::sync::OwnedSemaphorePermit>,
+    busy: bool,
+    claim: Option<&Claim>,
+    running: &mut tokio::task::JoinSet<()>,
+    shutdown: &CancellationToken,
+) -> Pulled {
+    let batch = consumer
+        .batch()
+        .max_messages(permits.len())
+        // A pull request dies with a server restart; a short expiry bounds how long a worker
+        // waits on a lost one (one tiny request per second when idle). While tasks flow,
+        // requests are short, so slots freed meanwhile are asked for soon.
+        .expires(if busy { BUSY_PULL_EXPIRY } else { PULL_EXPIRY })
+        .messages()
+        .await;
+    let mut batch = match batch {
+        Ok(b) => b,
+        Err(e) => {
+            debug!(role = ?claim.map(|c| &c.role), error = %e, "Pull request failed; retrying");
+            tokio::select! {
+                _ = shutdown.cancelled() => return Pulled::Stopped,
+                _ = tokio::time::sleep(Duration::from_millis(250)) => return Pulled::Failed,
+            }
+        }
+    };
+    // The server ends a pull request at its expiry; one it forgot (restarted) never ends, and
+    // the client library would wait 5 s more. Stop waiting shortly after.
+    let request_over = tokio::time::Instant::now() + PULL_EXPIRY + Duration::from_millis(500);
+    let mut received = 0usize;
+    loop {
+        let next = tokio::select! {
+            next = tokio::time::timeout_at(request_over, batch.next()) => next.unwrap_or(None),
+            _ = shutdown.cancelled() => {
+                // Hand back anything still arriving for this pull request.
+                while let Ok(Some(Ok(m))) = tokio::time::timeout(Duration::from_millis(50), batch.next()).await {
+                    let _ = m.ack_with(AckKind::Nak(None)).await;
+                }
+                return Pulled::Stopped;
+            }
+        };
+        match next {
+            Some(Ok(msg)) => {
+                received += 1;
+                let Some(permit) = permits.pop() else {
+                    let _ = msg.ack_with(AckKind::Nak(None)).await;
+                    continue;
+                };
+                let shared = Arc::clone(shared);
+                let stopping = shutdown.clone();
+                let claim = claim.cloned();
+                running.spawn(async move {
+                    handle(&shared, msg, permit, &stopping, claim).await;
+                });
+            }
+            Some(Err(e)) => {
+                debug!(role = ?claim.map(|c| &c.role), error = %e, "Pull interrupted");
+                break;
+            }
+            None => break,
+        }
+    }
+    Pulled::Received(received)
 }
