@@ -106,8 +106,7 @@ const TOO_LARGE: &str = "ask for one role (team.list role, team.find) or one mem
 
 /// The roster's members as views at `now`, by name.
 fn views(team: &Team, now: Timestamp) -> Vec<MemberView> {
-    let timeout_ms = i64::try_from(team.presence_timeout.as_millis()).unwrap_or(i64::MAX);
-    let hosts = hosts(&team.workers.all(), now.unix_ms(), timeout_ms);
+    let hosts = hosts(team, now.unix_ms());
     team.roster
         .all()
         .into_iter()

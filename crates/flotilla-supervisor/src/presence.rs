@@ -10,7 +10,6 @@ use std::sync::Arc;
 
 use flotilla_model::team::{Member, MemberCard, MemberStatus, member_key};
 use flotilla_model::time::Timestamp;
-use flotilla_model::worker::WorkerInfo;
 use flotilla_telemetry::InternalEvent;
 use flotilla_telemetry::events::TeamPresence;
 use tokio_util::sync::CancellationToken;
@@ -19,7 +18,6 @@ use tracing::warn;
 use crate::Team;
 use crate::cas::modify;
 use crate::error::SupervisorError;
-use crate::mirror::Mirrored;
 
 /// A live worker hosting a member.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -30,14 +28,12 @@ pub(crate) struct Host {
     pub(crate) seen_ms: i64,
 }
 
-/// The live hosts of every agent named by a live worker.
-pub(crate) fn hosts(
-    workers: &[(String, Mirrored<WorkerInfo>)],
-    now_ms: i64,
-    timeout_ms: i64,
-) -> BTreeMap<String, Vec<Host>> {
+/// The live hosts of every agent named by a live worker at `now_ms`: workers whose registry
+/// entry was refreshed within the presence timeout.
+pub(crate) fn hosts(team: &Team, now_ms: i64) -> BTreeMap<String, Vec<Host>> {
+    let timeout_ms = i64::try_from(team.presence_timeout.as_millis()).unwrap_or(i64::MAX);
     let mut by_agent: BTreeMap<String, Vec<Host>> = BTreeMap::new();
-    for (id, w) in workers {
+    for (id, w) in team.workers.all() {
         if now_ms - w.at_ms > timeout_ms {
             continue;
         }
@@ -120,8 +116,7 @@ pub(crate) async fn run(team: Arc<Team>, stop: CancellationToken) -> Result<(), 
 /// member already on the roster.
 pub(crate) async fn refresh(team: &Team) -> Result<(), SupervisorError> {
     let now = Timestamp::now();
-    let timeout_ms = i64::try_from(team.presence_timeout.as_millis()).unwrap_or(i64::MAX);
-    let hosts = hosts(&team.workers.all(), now.unix_ms(), timeout_ms);
+    let hosts = hosts(team, now.unix_ms());
     let mut names: BTreeSet<String> = team.cards.keys().cloned().collect();
     names.extend(hosts.keys().cloned());
     names.extend(team.roster.all().into_iter().map(|(_, m)| m.value.name));

@@ -204,15 +204,13 @@ pub(crate) async fn supervisor(config: &Config) -> anyhow::Result<ExitCode> {
     let obs = Observability::start(config.telemetry.http_addr, health, Metrics::new()).await?;
     let shutdown = shutdown_on_signals()?;
     obs.drain_on(&shutdown);
-    let bus = async {
-        let bus = Bus::connect(&config.nats, "flotilla-supervisor").await?;
-        follow_connection(&nats, &bus);
-        if !wait_provisioned(&bus, config, &shutdown).await? {
-            return anyhow::Ok(None);
-        }
-        provisioned.set(true);
-        anyhow::Ok(Some(bus))
-    }
+    let bus = connect_provisioned(
+        config,
+        "flotilla-supervisor",
+        &nats,
+        &provisioned,
+        &shutdown,
+    )
     .instrument(info_span!("startup", flotilla.role = "supervisor"))
     .await?;
     let Some(bus) = bus else {
@@ -260,21 +258,11 @@ pub(crate) async fn worker(config: &Config) -> anyhow::Result<ExitCode> {
     let obs = Observability::start(config.telemetry.http_addr, health, Metrics::new()).await?;
     let shutdown = shutdown_on_signals()?;
     obs.drain_on(&shutdown);
-    let bus = async {
-        let bus = Bus::connect(&config.nats, "flotilla-worker").await?;
-        follow_connection(&nats, &bus);
-        // Workers only check that the resources exist (least privilege), waiting for whoever
-        // creates them; `/readyz` says `provisioned: false` meanwhile.
-        if !wait_provisioned(&bus, config, &shutdown).await? {
-            return anyhow::Ok(None);
-        }
-        provisioned.set(true);
-        anyhow::Ok(Some(bus))
-    }
-    .instrument(
-        info_span!("startup", flotilla.role = "worker", flotilla.pool = %config.worker.pool),
-    )
-    .await?;
+    let bus = connect_provisioned(config, "flotilla-worker", &nats, &provisioned, &shutdown)
+        .instrument(
+            info_span!("startup", flotilla.role = "worker", flotilla.pool = %config.worker.pool),
+        )
+        .await?;
     let Some(bus) = bus else {
         // Stopped while waiting: nothing ran.
         obs.stop().await;
@@ -296,6 +284,26 @@ pub(crate) async fn worker(config: &Config) -> anyhow::Result<ExitCode> {
         .await?;
     obs.stop().await;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Connects as `name`, follows the connection on `nats`, and waits until the streams and
+/// buckets exist, then sets `provisioned`. Workers and supervisors only check that the
+/// resources exist (least privilege), waiting for whoever creates them; `/readyz` says
+/// `provisioned: false` meanwhile. `None`: `shutdown` fired while waiting.
+async fn connect_provisioned(
+    config: &Config,
+    name: &str,
+    nats: &Condition,
+    provisioned: &Condition,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<Option<Bus>> {
+    let bus = Bus::connect(&config.nats, name).await?;
+    follow_connection(nats, &bus);
+    if !wait_provisioned(&bus, config, shutdown).await? {
+        return Ok(None);
+    }
+    provisioned.set(true);
+    Ok(Some(bus))
 }
 
 /// How often a waiting worker looks for its streams and buckets again: a dozen JetStream
