@@ -12,6 +12,7 @@
 pub mod connect;
 pub mod consume;
 pub mod error;
+pub mod mirror;
 pub mod options;
 pub mod provision;
 pub mod read;

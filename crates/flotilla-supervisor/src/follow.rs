@@ -35,8 +35,8 @@ use tracing::{debug, warn};
 
 use crate::cas::modify;
 use crate::error::SupervisorError;
-use crate::mirror::unix_ms;
 use crate::{CONSUMER, Team};
+use flotilla_bus::mirror::unix_ms;
 
 /// Binds the shared durable consumer of the event stream (created on first use: from the
 /// stream's first retained message, so a new supervisor counts the history still kept).

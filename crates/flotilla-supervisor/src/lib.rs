@@ -23,7 +23,6 @@ mod api;
 mod cas;
 mod error;
 mod follow;
-mod mirror;
 mod options;
 mod presence;
 
@@ -44,7 +43,7 @@ use tracing::info;
 pub use error::SupervisorError;
 pub use options::SupervisorOptions;
 
-use crate::mirror::Mirror;
+use flotilla_bus::mirror::KvMirror;
 
 /// The durable consumer the replicas share on the event stream.
 pub const CONSUMER: &str = "supervisor";
@@ -58,9 +57,9 @@ pub(crate) struct Team {
     pub(crate) presence_timeout: Duration,
     pub(crate) team_kv: kv::Store,
     pub(crate) failures_kv: kv::Store,
-    pub(crate) roster: Mirror<Member>,
-    pub(crate) failures: Mirror<FailureRecord>,
-    pub(crate) workers: Mirror<WorkerInfo>,
+    pub(crate) roster: KvMirror<Member>,
+    pub(crate) failures: KvMirror<FailureRecord>,
+    pub(crate) workers: KvMirror<WorkerInfo>,
     pub(crate) metrics: Metrics,
 }
 
@@ -143,9 +142,9 @@ impl Supervisor {
             cards: self.cards,
             team_kv: team_kv.clone(),
             failures_kv: failures_kv.clone(),
-            roster: Mirror::new(),
-            failures: Mirror::new(),
-            workers: Mirror::new(),
+            roster: KvMirror::new(),
+            failures: KvMirror::new(),
+            workers: KvMirror::new(),
             metrics: self.metrics,
         });
         team.roster.follow(team_kv, shutdown.clone());

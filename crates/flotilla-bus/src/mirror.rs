@@ -1,7 +1,10 @@
-//! A bucket kept in memory from a KV watch: the roster, the failure records and the worker
-//! registry are read on every event and request, so they are read from here, not from the
-//! server. Writes still go to the server with compare-and-set ([`crate::cas`]); the mirror
-//! follows them a moment later.
+//! A KV bucket kept in memory from a watch, for values read on every request or event (the
+//! worker registry, the supervisor's roster and failure records): read here, not from the
+//! server. Writes still go to the server; the mirror follows them a moment later
+//! ([`KvMirror::note`] records a process's own write at once).
+//!
+//! Entries that expire by age (the registry's TTL) leave no trace a watch reports: readers
+//! judge freshness by [`Mirrored::at_ms`], the server time of the last write.
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
@@ -16,21 +19,21 @@ use tracing::{debug, warn};
 
 /// One mirrored value.
 #[derive(Debug, Clone)]
-pub(crate) struct Mirrored<T> {
+pub struct Mirrored<T> {
     /// The value.
-    pub(crate) value: T,
+    pub value: T,
     /// When it was written (server time, Unix ms).
-    pub(crate) at_ms: i64,
+    pub at_ms: i64,
 }
 
 /// The live content of one bucket.
 #[derive(Debug)]
-pub(crate) struct Mirror<T> {
+pub struct KvMirror<T> {
     entries: Arc<RwLock<HashMap<String, Mirrored<T>>>>,
     synced: watch::Sender<bool>,
 }
 
-impl<T> Clone for Mirror<T> {
+impl<T> Clone for KvMirror<T> {
     fn clone(&self) -> Self {
         Self {
             entries: Arc::clone(&self.entries),
@@ -40,25 +43,33 @@ impl<T> Clone for Mirror<T> {
 }
 
 /// Unix ms of a server timestamp.
-pub(crate) fn unix_ms(t: time::OffsetDateTime) -> i64 {
+pub fn unix_ms(t: time::OffsetDateTime) -> i64 {
     i64::try_from(t.unix_timestamp_nanos() / 1_000_000).unwrap_or(i64::MAX)
 }
 
-impl<T: DeserializeOwned + Clone + Send + Sync + 'static> Mirror<T> {
-    pub(crate) fn new() -> Self {
+impl<T: DeserializeOwned + Clone + Send + Sync + 'static> Default for KvMirror<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<T: DeserializeOwned + Clone + Send + Sync + 'static> KvMirror<T> {
+    /// An empty mirror, not in sync until [`KvMirror::run`] has read the bucket.
+    pub fn new() -> Self {
         Self {
             entries: Arc::default(),
             synced: watch::Sender::new(false),
         }
     }
 
-    /// Follows `store` until `shutdown`, restarting the watch after errors.
-    pub(crate) fn follow(&self, store: kv::Store, shutdown: CancellationToken) {
+    /// Follows `store` in a task of its own until `shutdown`.
+    pub fn follow(&self, store: kv::Store, shutdown: CancellationToken) {
         let this = self.clone();
         tokio::spawn(async move { this.run(store, shutdown).await });
     }
 
-    async fn run(self, store: kv::Store, shutdown: CancellationToken) {
+    /// Follows `store` until `shutdown`, restarting the watch after errors.
+    pub async fn run(self, store: kv::Store, shutdown: CancellationToken) {
         while !shutdown.is_cancelled() {
             let watch = match store.watch_all().await {
                 Ok(w) => w,
@@ -105,14 +116,25 @@ impl<T: DeserializeOwned + Clone + Send + Sync + 'static> Mirror<T> {
         }
     }
 
+    /// Whether the mirror holds the bucket's content as of its start (before that, an empty
+    /// mirror says nothing about the bucket).
+    pub fn is_synced(&self) -> bool {
+        *self.synced.borrow()
+    }
+
     /// Waits until the mirror holds the bucket's content as of its start.
-    pub(crate) async fn synced(&self) {
+    pub async fn synced(&self) {
         let mut rx = self.synced.subscribe();
         let _ = rx.wait_for(|s| *s).await;
     }
 
+    /// Reads the entries in place (nothing is cloned), by key.
+    pub fn read<R>(&self, f: impl FnOnce(&HashMap<String, Mirrored<T>>) -> R) -> R {
+        f(&self.entries.read().unwrap_or_else(|p| p.into_inner()))
+    }
+
     /// One value.
-    pub(crate) fn get(&self, key: &str) -> Option<Mirrored<T>> {
+    pub fn get(&self, key: &str) -> Option<Mirrored<T>> {
         self.entries
             .read()
             .unwrap_or_else(|p| p.into_inner())
@@ -121,7 +143,7 @@ impl<T: DeserializeOwned + Clone + Send + Sync + 'static> Mirror<T> {
     }
 
     /// Every value, by key.
-    pub(crate) fn all(&self) -> Vec<(String, Mirrored<T>)> {
+    pub fn all(&self) -> Vec<(String, Mirrored<T>)> {
         let map = self.entries.read().unwrap_or_else(|p| p.into_inner());
         let mut all: Vec<(String, Mirrored<T>)> =
             map.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
@@ -130,7 +152,7 @@ impl<T: DeserializeOwned + Clone + Send + Sync + 'static> Mirror<T> {
     }
 
     /// The values for which `pred` holds, by key; only those are cloned.
-    pub(crate) fn matching(&self, pred: impl Fn(&T) -> bool) -> Vec<(String, T)> {
+    pub fn matching(&self, pred: impl Fn(&T) -> bool) -> Vec<(String, T)> {
         let map = self.entries.read().unwrap_or_else(|p| p.into_inner());
         let mut found: Vec<(String, T)> = map
             .iter()
@@ -143,7 +165,7 @@ impl<T: DeserializeOwned + Clone + Send + Sync + 'static> Mirror<T> {
 
     /// Records a value this process just wrote, so its next read sees it before the watch
     /// delivers it.
-    pub(crate) fn note(&self, key: &str, value: T, at_ms: i64) {
+    pub fn note(&self, key: &str, value: T, at_ms: i64) {
         self.entries
             .write()
             .unwrap_or_else(|p| p.into_inner())
