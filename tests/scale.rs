@@ -82,7 +82,9 @@ reply = "{task_id} <- [{dependencies}]"
                 | RunInput::Control(_)
                 | RunInput::TopicWritten { .. }
                 | RunInput::Planned(_)
-                | RunInput::Claimed(_) => {}
+                | RunInput::Claimed(_)
+                | RunInput::Recruited(_)
+                | RunInput::Retired(_) => {}
                 RunInput::Rejected(_) => panic!("{run} was rejected"),
             }
         }

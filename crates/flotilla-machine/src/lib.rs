@@ -44,6 +44,7 @@ mod finish;
 mod graph;
 mod planning;
 mod state;
+mod team;
 
 pub use graph::RunGraph;
 pub use state::{
@@ -59,7 +60,7 @@ use flotilla_model::ids::{AttemptId, RunId, TaskId};
 use flotilla_model::plan::{Plan, StrategyChoice};
 use flotilla_model::run::PlanningStatus;
 use flotilla_model::run::{EndCause, RunOutcome, RunStatus, TaskStatus};
-use flotilla_model::runlog::{PlanDecision, Submitted};
+use flotilla_model::runlog::{PlanDecision, Recruited, Retired, Submitted};
 use flotilla_model::task::{TaskError, TaskErrorKind, TaskResult};
 use flotilla_model::time::Timestamp;
 
@@ -123,6 +124,20 @@ pub enum Input<'a> {
         /// What was decided.
         decision: &'a PlanDecision,
         /// Its run-log sequence (where a restore finds the plan).
+        seq: u64,
+    },
+    /// The supervisor recruited a member: one subtask to add to the running plan.
+    Recruited {
+        /// The recruit.
+        recruited: &'a Recruited,
+        /// Its run-log sequence.
+        seq: u64,
+    },
+    /// The supervisor retired a member from the run's team.
+    Retired {
+        /// The retirement.
+        retired: &'a Retired,
+        /// Its run-log sequence.
         seq: u64,
     },
 }
@@ -242,6 +257,8 @@ impl RunMachine {
             depth: submitted.depth,
             budget_scopes: submitted.budget_scopes.clone(),
             anycast: submitted.anycast,
+            team: Vec::new(),
+            recruited: Vec::new(),
         };
         let mut m = Self::restore_with_graph(plan, graph, state);
         let mut actions = vec![Action::Emit(Box::new(Emission {
@@ -465,6 +482,16 @@ impl RunMachine {
                 }
                 self.state.applied += 1;
                 self.on_planned(decision, seq, now_ms, &mut actions);
+            }
+            Input::Recruited { recruited, seq } => {
+                if !self.on_recruited(recruited, seq, now_ms, &mut actions) {
+                    return actions;
+                }
+            }
+            Input::Retired { retired, seq } => {
+                if !self.on_retired(retired, seq, now_ms, &mut actions) {
+                    return actions;
+                }
             }
             Input::TopicWritten { topic } => {
                 let Some(t) = self.graph.topic_of(topic) else {

@@ -6,7 +6,8 @@ use std::collections::BTreeMap;
 
 use flotilla_model::event::WorkflowEvent;
 use flotilla_model::ids::{RunId, SessionId, TaskId};
-use flotilla_model::plan::{Plan, StrategyChoice};
+use flotilla_model::plan::{Plan, StrategyChoice, Subtask};
+use flotilla_model::recruit::TeamChange;
 use flotilla_model::run::PlanningStatus;
 use flotilla_model::run::{
     EndCause, RunHandle, RunOutcome, RunStatus, TaskCounts, TaskStatus, TaskView,
@@ -207,6 +208,14 @@ pub struct RunState {
     /// by one member), fixed at admission: the deployment's member cards defined roles.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub anycast: bool,
+    /// How the run's team changed while it ran (recruits, retirements, refused recruits), in
+    /// run-log order; at most [`flotilla_model::recruit::MAX_TEAM_CHANGES`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub team: Vec<TeamChange>,
+    /// The subtasks recruits added, in order: the plan a restore runs with is the stored plan
+    /// with these appended ([`RunState::amend`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub recruited: Vec<Subtask>,
 }
 
 fn is_zero_depth(depth: &u32) -> bool {
@@ -289,6 +298,8 @@ impl RunState {
             depth: 0,
             budget_scopes: Vec::new(),
             anycast: false,
+            team: Vec::new(),
+            recruited: Vec::new(),
             outcome: Some(RunOutcome {
                 run_id,
                 status: RunStatus::Rejected,

@@ -366,6 +366,14 @@ pub enum WorkflowPhase {
     RunPlanned,
     /// A planner answer had problems (`problems`); the planner runs again with them.
     PlanRepairing,
+    /// A member was recruited into the run: `task_id` is the task added, `role` its role,
+    /// `detail` the reason, `tasks_total` the plan's new size.
+    MemberRecruited,
+    /// A member was retired from the run's team: `agent` is the member, `detail` the reason
+    /// and what became of its tasks.
+    MemberRetired,
+    /// The run refused a recruit that reached its run log (`detail` says why).
+    RecruitRefused,
 }
 
 impl WorkflowPhase {

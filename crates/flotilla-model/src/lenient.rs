@@ -132,6 +132,8 @@ static CONFIG: Shape = Shape {
         typed("strategy", check::<crate::plan::Strategy>),
         typed("max_tokens", check::<Option<u64>>),
         typed("max_cost", check::<Option<f64>>),
+        typed("recruit_roles", check::<Option<Vec<String>>>),
+        typed("max_recruits", check::<Option<u32>>),
     ],
 };
 

@@ -14,6 +14,7 @@ pub mod mailbox;
 pub mod numeric;
 pub mod plan;
 pub mod problem;
+pub mod recruit;
 pub mod run;
 pub mod runlog;
 pub mod schema;

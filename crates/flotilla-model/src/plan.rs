@@ -225,6 +225,14 @@ pub struct PlanConfig {
     /// a price on every LLM agent the run uses.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_cost: Option<f64>,
+    /// Roles a recruit of this run may name (default: the deployment's `allowed-roles`); it
+    /// narrows the deployment's policy, never widens it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub recruit_roles: Option<Vec<String>>,
+    /// Most recruits of this run (default: the deployment's `max-recruits`); it narrows the
+    /// deployment's policy, never widens it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_recruits: Option<u32>,
 }
 
 /// Spending limits of a run, carried to its tasks.
@@ -261,6 +269,8 @@ impl Default for PlanConfig {
             strategy: Strategy::Auto,
             max_tokens: None,
             max_cost: None,
+            recruit_roles: None,
+            max_recruits: None,
         }
     }
 }

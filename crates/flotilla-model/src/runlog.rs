@@ -64,6 +64,41 @@ pub enum RunInput {
     /// member is over. Appended by that worker before the agent runs (message id
     /// `claimed.<run>.<task>.<attempt>`); one later than the wait's bound changes nothing.
     Claimed(Box<Claimed>),
+    /// The supervisor recruited a member into the running plan: one new subtask, checked
+    /// against its policy and validated. The run machine checks it again against the plan as
+    /// it is when the input is applied and adds it, or refuses it (kept as a `refused` team
+    /// change). Message id `recruited.<run>.<recruit_id>`.
+    Recruited(Box<Recruited>),
+    /// The supervisor retired a member from the run's team: its tasks that have not started
+    /// are reassigned to their role or failed, per `policy`. Message id
+    /// `retired.<run>.<member>`.
+    Retired(Box<Retired>),
+}
+
+/// A recruit, as recorded on the run log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Recruited {
+    /// The caller's id of the recruit (unique within the run).
+    pub recruit_id: String,
+    /// The subtask added: a `role` and no `agent`.
+    pub subtask: crate::plan::Subtask,
+    /// Who asked: `task:<id>` or `operator`.
+    pub by: String,
+    /// Why.
+    pub reason: String,
+}
+
+/// A retirement, as recorded on the run log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Retired {
+    /// The member (an agent definition).
+    pub member: String,
+    /// What becomes of its tasks that have not started.
+    pub policy: crate::recruit::RetirePolicy,
+    /// Who asked.
+    pub by: String,
+    /// Why.
+    pub reason: String,
 }
 
 /// A control input.

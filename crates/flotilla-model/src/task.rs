@@ -261,6 +261,9 @@ pub enum TaskErrorKind {
     /// within the plan's `dependency_timeout` after its dispatch: no member was online, or
     /// all were busy. Its queued message is withdrawn.
     RoleUnclaimed,
+    /// The member that was to run the task was retired from the run's team (policy `fail`,
+    /// or `reassign` for a task without a role to hand it to).
+    MemberRetired,
 }
 
 impl TaskErrorKind {
@@ -281,6 +284,7 @@ impl TaskErrorKind {
             Self::BudgetExhausted => "budget_exhausted",
             Self::ChildRejected => "child_rejected",
             Self::RoleUnclaimed => "role_unclaimed",
+            Self::MemberRetired => "member_retired",
         }
     }
 

@@ -181,6 +181,8 @@ fn plan_config() -> impl Strategy<Value = PlanConfig> {
                 strategy,
                 max_tokens: Some(u64::from(max_retries) * 1000 + 1),
                 max_cost: None,
+                recruit_roles: None,
+                max_recruits: None,
             },
         )
 }

@@ -333,6 +333,19 @@ impl RunReader {
         }
     }
 
+    /// The plan a run follows now: [`Self::plan_of`] its `plan_seq`, amended by the run's
+    /// team changes (recruited subtasks, reassigned tasks).
+    pub async fn plan_for(
+        &self,
+        run: RunId,
+        state: &flotilla_machine::RunState,
+    ) -> Result<Option<Plan>, StoreError> {
+        Ok(self
+            .plan_of(run, state.plan_seq)
+            .await?
+            .map(|base| state.amend(base)))
+    }
+
     /// A task result by run-log sequence.
     pub async fn result_at(&self, seq: u64) -> Result<TaskResultInput, StoreError> {
         let msg = self
@@ -484,7 +497,7 @@ impl RunReader {
         let plan = if state.tasks.is_empty() {
             None
         } else {
-            self.plan_of(run, state.plan_seq).await?
+            self.plan_for(run, state).await?
         };
         let mut view = view_of(state, plan.as_ref(), offset, limit);
         if state

@@ -236,6 +236,27 @@ pub(crate) async fn history(config: &Config, run: RunId, json: bool) -> anyhow::
                     c.task_id, c.attempt, c.agent, c.role, c.worker
                 ),
             ),
+            RunInput::Recruited(r) => (
+                "recruited",
+                format!(
+                    "{} as task {} (role {}) by {}: {}",
+                    r.recruit_id,
+                    r.subtask.id,
+                    r.subtask.role.as_deref().unwrap_or("-"),
+                    r.by,
+                    r.reason
+                ),
+            ),
+            RunInput::Retired(r) => (
+                "retired",
+                format!(
+                    "{} ({}) by {}: {}",
+                    r.member,
+                    r.policy.as_str(),
+                    r.by,
+                    r.reason
+                ),
+            ),
             RunInput::TimerFired { generation } => {
                 ("timer_fired", format!("generation {generation}"))
             }

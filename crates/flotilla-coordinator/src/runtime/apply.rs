@@ -99,7 +99,7 @@ impl Runtime {
                         }
                         return Ok(Stepped::Done(None));
                     }
-                    let plan = match self.store.plan_of(run, state.plan_seq).await {
+                    let plan = match self.store.plan_for(run, &state).await {
                         Ok(Some(plan)) => plan,
                         Ok(None) => {
                             return Err(StepError::Failed(format!(
@@ -317,6 +317,34 @@ impl Runtime {
                         // Task indices now name the new plan's tasks.
                         e.results.clear();
                         info!(%run, round = p.round, decision = p.decision.as_str(), tasks = e.machine.plan().subtasks.len(), "Planner answer reviewed");
+                    }
+                    actions.extend(a);
+                }
+                RunInput::Recruited(r) => {
+                    let Some(e) = entry.as_mut() else { continue };
+                    let a = e.machine.apply(
+                        Input::Recruited {
+                            recruited: r,
+                            seq: d.seq,
+                        },
+                        d.ts_ms,
+                    );
+                    if !a.is_empty() {
+                        info!(%run, recruit = %r.recruit_id, task = %r.subtask.id, by = %r.by, "Recruit applied");
+                    }
+                    actions.extend(a);
+                }
+                RunInput::Retired(r) => {
+                    let Some(e) = entry.as_mut() else { continue };
+                    let a = e.machine.apply(
+                        Input::Retired {
+                            retired: r,
+                            seq: d.seq,
+                        },
+                        d.ts_ms,
+                    );
+                    if !a.is_empty() {
+                        info!(%run, member = %r.member, policy = r.policy.as_str(), by = %r.by, "Member retired");
                     }
                     actions.extend(a);
                 }

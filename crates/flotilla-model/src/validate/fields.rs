@@ -45,6 +45,15 @@ impl Validator {
                 format!("must be a positive number of US dollars, got {cost}"),
             );
         }
+        for (i, role) in c.recruit_roles.iter().flatten().enumerate() {
+            if let Err(e) = crate::token::check_token(role) {
+                self.error(
+                    ProblemCode::InvalidConfig,
+                    format!("config.recruit_roles[{i}]"),
+                    format!("role {role:?} {e}"),
+                );
+            }
+        }
         if c.max_retries > ctx.limits.max_retries {
             self.error(
                 ProblemCode::InvalidConfig,
