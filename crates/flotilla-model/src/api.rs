@@ -183,6 +183,13 @@ pub struct ApiError {
     /// does not exist), so the client can re-read and retry.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub current_revision: Option<u64>,
+    /// For a `recruit_refused` (`403`): the policy rule that refused it
+    /// ([`crate::recruit::RecruitRule`], e.g. `team_full`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rule: Option<String>,
+    /// Validation problems behind the error (a recruit whose subtask does not validate).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub problems: Vec<crate::problem::Problem>,
 }
 
 impl ApiError {
@@ -193,6 +200,8 @@ impl ApiError {
             code: code.into(),
             message: message.into(),
             current_revision: None,
+            rule: None,
+            problems: Vec::new(),
         }
     }
 }

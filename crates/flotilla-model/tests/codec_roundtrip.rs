@@ -664,8 +664,8 @@ proptest! {
         roundtrip(&GetRunRequest { protocol: 1, run_id, tasks_offset: 3, tasks_limit: Some(10), task_id: None })?;
         roundtrip(&flotilla_model::api::CancelRunRequest { protocol: 1, run_id, reason: Some(message.clone()), by: None })?;
         roundtrip(&flotilla_model::api::CancelRunReply { protocol: 1, run_id, cancelling: true, status: RunStatus::Running })?;
-        roundtrip(&ApiError { status, code: code.clone(), message: message.clone(), current_revision: None })?;
-        roundtrip(&ApiError { status, code: code.clone(), message: message.clone(), current_revision: Some(7) })?;
+        roundtrip(&ApiError { status, code: code.clone(), message: message.clone(), current_revision: None, rule: None, problems: Vec::new() })?;
+        roundtrip(&ApiError { status, code: code.clone(), message: message.clone(), current_revision: Some(7), rule: Some("team_full".into()), problems: Vec::new() })?;
         roundtrip(&flotilla_model::api::WsReadRequest { protocol: 1, run_id, topic: Some(code.clone()), since_seq: 7, limit: Some(5) })?;
         roundtrip(&flotilla_model::api::MboxReadRequest { protocol: 1, run_id, reader: code.clone(), since_seq: None, limit: None, wait_ms: Some(100), commit: true })?;
         roundtrip(&flotilla_model::api::MboxSendRequest { protocol: 1, run_id, from: code.clone(), to: "*".into(), kind: MailboxKind::Info, payload: serde_json::json!({"m": message}), correlation_id: None, attempt: Some(1), idempotency_key: None })?;

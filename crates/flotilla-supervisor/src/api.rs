@@ -8,12 +8,16 @@
 //! | `<prefix>.api.team.get` | `TeamGetRequest` | `MemberView` (`404 not_found`) |
 //! | `<prefix>.api.team.find` | `TeamFindRequest` | `TeamList` (`404 unknown_role`) |
 //! | `<prefix>.api.team.stats` | `TeamStatsRequest` | `TeamStats` (`404 not_found` for a name with no record) |
+//! | `<prefix>.api.team.recruit` | `RecruitRequest` | `RecruitReply` (`403`/`400 recruit_refused {rule}`) |
+//! | `<prefix>.api.team.recruit_status` | `RecruitStatusRequest` | `RecruitReply` |
+//! | `<prefix>.api.team.retire` | `RetireRequest` | `RetireReply` (`403 recruit_refused {rule}`) |
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use async_nats::service::{Request, Service, ServiceExt, endpoint::Endpoint};
-use flotilla_bus::service::{parse, respond_error, respond_json};
+use flotilla_bus::service::{parse, respond_api_error, respond_error, respond_json};
+use flotilla_model::recruit::{RecruitRequest, RecruitStatusRequest, RetireRequest};
 use flotilla_model::api::ApiRequest;
 use flotilla_model::team::{
     FailureStats, Member, MemberStatus, MemberView, RecordScope, TeamFindRequest, TeamGetRequest,
@@ -34,6 +38,9 @@ pub(crate) struct Started {
     get: Endpoint,
     find: Endpoint,
     stats: Endpoint,
+    recruit: Endpoint,
+    recruit_status: Endpoint,
+    retire: Endpoint,
 }
 
 /// Starts the service (its endpoints answer once [`serve`] runs).
@@ -70,6 +77,15 @@ pub(crate) async fn start(team: &Team) -> Result<Started, SupervisorError> {
         stats: endpoint("team-stats", TeamStatsRequest::ENDPOINT)
             .await
             .map_err(setup)?,
+        recruit: endpoint("team-recruit", RecruitRequest::ENDPOINT)
+            .await
+            .map_err(setup)?,
+        recruit_status: endpoint("team-recruit-status", RecruitStatusRequest::ENDPOINT)
+            .await
+            .map_err(setup)?,
+        retire: endpoint("team-retire", RetireRequest::ENDPOINT)
+            .await
+            .map_err(setup)?,
         service,
     })
 }
@@ -86,6 +102,9 @@ pub(crate) async fn serve(
         mut get,
         mut find,
         mut stats,
+        mut recruit,
+        mut recruit_status,
+        mut retire,
     } = started;
     loop {
         let team = Arc::clone(&team);
@@ -95,11 +114,32 @@ pub(crate) async fn serve(
             Some(req) = get.next() => { tokio::spawn(async move { team_get(&team, req).await }); }
             Some(req) = find.next() => { tokio::spawn(async move { team_find(&team, req).await }); }
             Some(req) = stats.next() => { tokio::spawn(async move { team_stats(&team, req).await }); }
+            Some(req) = recruit.next() => { tokio::spawn(async move { answer(team, req, crate::recruit::recruit).await }); }
+            Some(req) = recruit_status.next() => { tokio::spawn(async move { answer(team, req, crate::recruit::status).await }); }
+            Some(req) = retire.next() => { tokio::spawn(async move { answer(team, req, crate::recruit::retire).await }); }
             else => break,
         }
     }
     let _ = service.stop().await;
     Ok(())
+}
+
+/// Parses a request, runs `handle`, and answers its reply or its `ApiError`.
+async fn answer<R, T, F, Fut>(team: Arc<Team>, req: Request, handle: F)
+where
+    R: serde::de::DeserializeOwned + flotilla_model::api::HasProtocol,
+    T: serde::Serialize,
+    F: FnOnce(Arc<Team>, R) -> Fut,
+    Fut: std::future::Future<Output = Result<T, flotilla_model::api::ApiError>>,
+{
+    let Some(r) = parse::<R>(&req).await else {
+        return;
+    };
+    let max_payload = team.bus.max_payload();
+    match handle(team, r).await {
+        Ok(reply) => respond_json(&req, max_payload, &reply, TOO_LARGE).await,
+        Err(e) => respond_api_error(&req, &e).await,
+    }
 }
 
 const TOO_LARGE: &str = "ask for one role (team.list role, team.find) or one member (team.get)";

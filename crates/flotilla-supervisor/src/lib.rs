@@ -10,11 +10,12 @@
 //!   across restarts and replicas.
 //!
 //! It answers the team API (`<prefix>.api.team.list|get|find|stats`, a NATS micro service
-//! named `<prefix>-supervisor`).
+//! named `<prefix>-supervisor`), and decides recruitment and retirement under policy
+//! (`team.recruit|recruit_status|retire`, [`recruit`]).
 //!
 //! **It decides no run.** The run machine in the coordinator stays the only decider; the
-//! supervisor records facts and (in later work) answers policy questions whose decisions
-//! the machine applies from the run log. It is stateless: N replicas share one durable
+//! supervisor records facts and answers policy questions — a recruit allowed, a member
+//! retired — as inputs on the run log, which the machine applies. It is stateless: N replicas share one durable
 //! consumer of the event stream (each event message goes to one of them) and write with
 //! compare-and-set, so a killed supervisor loses nothing — its unacknowledged messages go to
 //! another replica, and a repeated outcome is recognised and not counted twice.
@@ -25,6 +26,7 @@ mod error;
 mod follow;
 mod options;
 mod presence;
+mod recruit;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -33,6 +35,8 @@ use std::time::Duration;
 use async_nats::jetstream::kv;
 use flotilla_bus::Bus;
 use flotilla_model::subjects::Bucket;
+use flotilla_model::validate::ValidationContext;
+use flotilla_runs::RunReader;
 use flotilla_model::team::{FailureRecord, Member, MemberCard};
 use flotilla_model::worker::WorkerInfo;
 use flotilla_telemetry::Metrics;
@@ -41,7 +45,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::info;
 
 pub use error::SupervisorError;
-pub use options::SupervisorOptions;
+pub use options::{RecruitPolicy, SupervisorOptions};
 
 use flotilla_bus::mirror::KvMirror;
 
@@ -61,6 +65,13 @@ pub(crate) struct Team {
     pub(crate) failures: KvMirror<FailureRecord>,
     pub(crate) workers: KvMirror<WorkerInfo>,
     pub(crate) metrics: Metrics,
+    /// Run records and plans (recruitment checks the run it changes).
+    pub(crate) runs: RunReader,
+    /// Budgets spent (`budget.<run>` in the cursors bucket), read by recruitment.
+    pub(crate) cursors_kv: kv::Store,
+    /// What a recruit's amended plan is validated against: the deployment's agents, roles
+    /// and pools, as the coordinators validate submissions.
+    pub(crate) validation: ValidationContext,
 }
 
 impl Team {
@@ -76,6 +87,7 @@ pub struct Supervisor {
     cards: BTreeMap<String, MemberCard>,
     heartbeat: Duration,
     metrics: Metrics,
+    validation: ValidationContext,
     ready: Option<oneshot::Sender<()>>,
 }
 
@@ -104,8 +116,17 @@ impl Supervisor {
             cards,
             heartbeat,
             metrics: Metrics::new(),
+            validation: ValidationContext::default(),
             ready: None,
         }
+    }
+
+    /// Validates recruits' subtasks against `validation` (the deployment's agents, roles,
+    /// pools and limits — what the coordinators check submissions against). Without it only
+    /// the plan's structure is checked.
+    pub fn with_validation(mut self, validation: ValidationContext) -> Self {
+        self.validation = validation;
+        self
     }
 
     /// Records metrics in `metrics` (the process's registry).
@@ -135,6 +156,10 @@ impl Supervisor {
         let team_kv = open(Bucket::Team).await?;
         let failures_kv = open(Bucket::Failures).await?;
         let workers_kv = open(Bucket::Workers).await?;
+        let cursors_kv = open(Bucket::Cursors).await?;
+        let runs = RunReader::open(&self.bus)
+            .await
+            .map_err(|e| SupervisorError::Setup(e.to_string()))?;
         let team = Arc::new(Team {
             bus: self.bus.clone(),
             presence_timeout: self.opts.presence_timeout_or(self.heartbeat),
@@ -146,6 +171,9 @@ impl Supervisor {
             failures: KvMirror::new(),
             workers: KvMirror::new(),
             metrics: self.metrics,
+            runs,
+            cursors_kv,
+            validation: self.validation,
         });
         team.roster.follow(team_kv, shutdown.clone());
         team.failures.follow(failures_kv, shutdown.clone());

@@ -31,6 +31,63 @@ pub struct SupervisorOptions {
     /// to another supervisor replica.
     #[serde(with = "humantime_serde")]
     pub ack_wait: Duration,
+    /// The policy recruits and retirements are checked against (`[supervisor.recruit]`).
+    pub recruit: RecruitPolicy,
+}
+
+/// `[supervisor.recruit]`: who may recruit what into a running run.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields, default)]
+pub struct RecruitPolicy {
+    /// Roles a recruit may name. Empty: any role — in a deployment whose member cards define
+    /// roles, any of those (a plan's `recruit_roles` narrows it further).
+    pub allowed_roles: Vec<String>,
+    /// Most members of one run's team: the distinct agents and roles its tasks name, a
+    /// recruit's role included.
+    pub max_team: usize,
+    /// Most recruits one run may take (a plan's `max_recruits` may lower it).
+    pub max_recruits: u32,
+    /// The agents or roles whose tasks may recruit (`role:<name>` or an agent name). Empty:
+    /// any running task of the run. Operators (requests naming no task) always may.
+    pub recruiters: Vec<String>,
+    /// How long a recruit's answer waits for the run to apply it; past it the answer is
+    /// `recorded` and the run's events tell the rest.
+    #[serde(with = "humantime_serde")]
+    pub answer_wait: Duration,
+}
+
+impl Default for RecruitPolicy {
+    fn default() -> Self {
+        Self {
+            allowed_roles: Vec::new(),
+            max_team: 10,
+            max_recruits: 5,
+            recruiters: Vec::new(),
+            answer_wait: Duration::from_secs(5),
+        }
+    }
+}
+
+impl RecruitPolicy {
+    /// Checks the values; the error names the key.
+    pub fn validate(&self) -> Result<(), String> {
+        for role in &self.allowed_roles {
+            flotilla_model::token::check_token(role)
+                .map_err(|e| format!("recruit.allowed-roles: {role:?} {e}"))?;
+        }
+        for who in &self.recruiters {
+            let name = who.strip_prefix("role:").unwrap_or(who);
+            flotilla_model::token::check_token(name)
+                .map_err(|e| format!("recruit.recruiters: {who:?} {e}"))?;
+        }
+        if self.max_team == 0 {
+            return Err("recruit.max-team must be at least 1".into());
+        }
+        if self.answer_wait > Duration::from_secs(60) {
+            return Err("recruit.answer-wait must be at most 60s".into());
+        }
+        Ok(())
+    }
 }
 
 impl Default for SupervisorOptions {
@@ -42,6 +99,7 @@ impl Default for SupervisorOptions {
             presence_interval: Duration::from_secs(1),
             batch: 256,
             ack_wait: Duration::from_secs(30),
+            recruit: RecruitPolicy::default(),
         }
     }
 }
@@ -74,7 +132,7 @@ impl SupervisorOptions {
         if self.progress_resolution >= self.stale_after {
             return Err("progress-resolution must be shorter than stale-after".into());
         }
-        Ok(())
+        self.recruit.validate()
     }
 
     /// The presence timeout, with two heartbeats of `heartbeat` as the default.

@@ -192,6 +192,7 @@ fn supervisor_of(config: &Config, bus: Bus) -> Supervisor {
         config.member_cards(),
         config.worker.heartbeat,
     )
+    .with_validation(config.validation_context())
 }
 
 /// `flotilla supervisor`: the team roster, presence and failure records; the team API.

@@ -1,5 +1,10 @@
-//! `flotilla team [--role R]`, `team show MEMBER`, `team find ROLE`, `team stats [NAME]`:
-//! the supervisor's team API (`<prefix>.api.team.*`).
+//! `flotilla team [--role R]`, `team show MEMBER`, `team find ROLE`, `team stats [NAME]`,
+//! `team recruit`, `team recruit-status`, `team retire`: the supervisor's team API
+//! (`<prefix>.api.team.*`).
+//!
+//! Inside an exec agent (its environment names the run and task), `recruit` and `retire`
+//! act for the agent's task on its own run and connection; elsewhere they need `--run` and
+//! act as an operator.
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -7,6 +12,11 @@ use std::time::Duration;
 use flotilla_bus::Bus;
 use flotilla_client::{Client, ClientErrorKind};
 use flotilla_model::api::{ApiError, ApiRequest};
+use flotilla_model::ids::{RunId, TaskId};
+use flotilla_model::recruit::{
+    RecruitReply, RecruitRequest, RecruitStatus, RecruitStatusRequest, RetirePolicy, RetireReply,
+    RetireRequest,
+};
 use flotilla_model::team::{
     FailureStats, MemberView, RecordScope, TeamFindRequest, TeamGetRequest, TeamList,
     TeamListRequest, TeamStatsRequest,
@@ -43,6 +53,33 @@ enum TeamCommand {
         /// The role.
         role: String,
     },
+    /// Ask the supervisor for a new member of a role to take one subtask of a running run.
+    /// Exit 0 accepted or recorded, 1 refused (the rule is printed), 2 no supervisor,
+    /// 3 uncertain (no answer: ask `recruit-status` with the printed id; never repeat it
+    /// under a new id).
+    Recruit(RecruitArgs),
+    /// What became of a recruit: accepted, refused or unknown.
+    RecruitStatus {
+        /// The run.
+        run: RunId,
+        /// The recruit id.
+        recruit_id: String,
+    },
+    /// Retire a member from a running run's team: its tasks that have not started go to their
+    /// role, or fail (`--policy fail`).
+    Retire {
+        /// The member (an agent definition the run's tasks name).
+        member: String,
+        /// Why (recorded).
+        #[arg(long)]
+        reason: String,
+        /// The run (default inside an exec agent: the agent's run).
+        #[arg(long)]
+        run: Option<RunId>,
+        /// What becomes of its tasks that have not started.
+        #[arg(long, value_enum, default_value = "reassign")]
+        policy: Policy,
+    },
     /// Failure records: every agent and role, or one.
     Stats {
         /// An agent or a role.
@@ -53,6 +90,48 @@ enum TeamCommand {
     },
 }
 
+/// `flotilla team recruit`.
+#[derive(Debug, clap::Args)]
+struct RecruitArgs {
+    /// The role wanted.
+    #[arg(long)]
+    role: String,
+    /// What the recruit is to do (its subtask's description).
+    #[arg(long)]
+    description: String,
+    /// Why the team needs it (recorded).
+    #[arg(long)]
+    reason: String,
+    /// The run (default inside an exec agent: the agent's run).
+    #[arg(long)]
+    run: Option<RunId>,
+    /// The recruit's id (default: derived from the agent's attempt and the request inside an
+    /// agent, so a repeated attempt asks again under the same id; random for an operator).
+    #[arg(long)]
+    id: Option<String>,
+    /// The new task's id (default `recruit-<id>`).
+    #[arg(long)]
+    task_id: Option<TaskId>,
+    /// Tasks it waits for (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    after: Vec<TaskId>,
+    /// Workspace topics it writes (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    produces: Vec<String>,
+    /// Workspace topics it reads (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    consumes: Vec<String>,
+    /// The run fails if the recruit's task fails.
+    #[arg(long)]
+    required: bool,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum Policy {
+    Reassign,
+    Fail,
+}
+
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
 enum Scope {
     Agent,
@@ -60,9 +139,33 @@ enum Scope {
 }
 
 pub(crate) async fn team(config: &Config, args: TeamArgs) -> anyhow::Result<ExitCode> {
+    let json = args.json;
+    match args.command {
+        Some(TeamCommand::Recruit(r)) => return recruit(config, r, json).await,
+        Some(TeamCommand::Retire {
+            member,
+            reason,
+            run,
+            policy,
+        }) => {
+            let (client, run, by_task) = acting(config, run).await?;
+            let r = RetireRequest {
+                protocol: flotilla_model::PROTOCOL_VERSION,
+                run_id: run,
+                member,
+                reason,
+                policy: match policy {
+                    Policy::Reassign => RetirePolicy::Reassign,
+                    Policy::Fail => RetirePolicy::Fail,
+                },
+                by_task,
+            };
+            return answer(&client, &r, json, print_retire).await;
+        }
+        _ => {}
+    }
     let bus = Bus::connect(&config.nats, "flotilla-cli").await?;
     let client = Client::new(bus);
-    let json = args.json;
     match args.command {
         None => {
             let r = TeamListRequest {
@@ -85,6 +188,17 @@ pub(crate) async fn team(config: &Config, args: TeamArgs) -> anyhow::Result<Exit
             };
             answer(&client, &r, json, print_member).await
         }
+        Some(TeamCommand::RecruitStatus { run, recruit_id }) => {
+            let r = RecruitStatusRequest {
+                protocol: flotilla_model::PROTOCOL_VERSION,
+                run_id: run,
+                recruit_id,
+            };
+            answer(&client, &r, json, print_recruit).await
+        }
+        Some(TeamCommand::Recruit(_)) | Some(TeamCommand::Retire { .. }) => {
+            unreachable!("answered above")
+        }
         Some(TeamCommand::Stats { name, scope }) => {
             let r = TeamStatsRequest {
                 protocol: flotilla_model::PROTOCOL_VERSION,
@@ -97,6 +211,135 @@ pub(crate) async fn team(config: &Config, args: TeamArgs) -> anyhow::Result<Exit
             answer(&client, &r, json, |s| print_stats(&s.records)).await
         }
     }
+}
+
+/// The client, run and asking task of `recruit` / `retire`: inside an exec agent (without
+/// `--run`) the agent's connection, run and task; otherwise the configuration's connection,
+/// `--run`, and no task (an operator).
+async fn acting(
+    config: &Config,
+    run: Option<RunId>,
+) -> anyhow::Result<(Client, RunId, Option<TaskId>)> {
+    if run.is_none()
+        && let Some(opts) = flotilla_context::connection_from_env()?
+    {
+        let scope = flotilla_context::Scope::from_env()?;
+        let mut opts = opts;
+        opts.prefix = scope.names.prefix().to_owned();
+        let bus = Bus::connect(&opts, "flotilla-cli").await?;
+        return Ok((Client::new(bus), scope.run_id, scope.task_id));
+    }
+    let Some(run) = run else {
+        anyhow::bail!("--run is needed outside an agent (no FLOTILLA_NATS_URL in the environment)");
+    };
+    let bus = Bus::connect(&config.nats, "flotilla-cli").await?;
+    Ok((Client::new(bus), run, None))
+}
+
+/// `flotilla team recruit`.
+async fn recruit(config: &Config, a: RecruitArgs, json: bool) -> anyhow::Result<ExitCode> {
+    let (client, run, by_task) = acting(config, a.run).await?;
+    let recruit_id = match a.id {
+        Some(id) => id,
+        None => match std::env::var(flotilla_context::scope::ENV_ATTEMPT_ID) {
+            // The same request of the same attempt gets the same id: asking again (a
+            // redelivered attempt) cannot recruit twice.
+            Ok(attempt) if by_task.is_some() => format!(
+                "r{}",
+                &flotilla_model::team::attempt_digest(&format!(
+                    "{attempt}\u{0}{}\u{0}{}\u{0}{}",
+                    a.role, a.description, a.reason
+                ))[..12]
+            ),
+            _ => {
+                // The random tail of a fresh UUIDv7.
+                let u = RunId::new().to_string().replace('-', "");
+                format!("r{}", &u[u.len() - 12..])
+            }
+        },
+    };
+    let r = RecruitRequest {
+        protocol: flotilla_model::PROTOCOL_VERSION,
+        run_id: run,
+        recruit_id: recruit_id.clone(),
+        role: a.role,
+        description: a.description,
+        reason: a.reason,
+        task_id: a.task_id,
+        dependencies: a.after,
+        produces: a.produces,
+        consumes: a.consumes,
+        required: a.required,
+        by_task,
+    };
+    match client.call(&r, TIMEOUT).await {
+        Err(e) if e.kind() == ClientErrorKind::TimedOut => {
+            if json {
+                outln!(
+                    "{}",
+                    serde_json::to_string_pretty(&serde_json::json!({
+                        "status": "uncertain", "recruit_id": recruit_id, "run_id": run,
+                        "message": e.to_string(),
+                    }))?
+                );
+            } else {
+                errln!(
+                    "uncertain: recruit {recruit_id} of run {run}: {e}; it may have been recorded. Ask `flotilla team recruit-status {run} {recruit_id}`; do not repeat it under a new id"
+                );
+            }
+            Ok(ExitCode::from(3))
+        }
+        _ => answer(&client, &r, json, print_recruit).await,
+    }
+}
+
+fn print_recruit(r: &RecruitReply) {
+    match r.status {
+        RecruitStatus::Accepted => outln!(
+            "accepted: recruit {} joined the run as task {} (run-log seq {})",
+            r.recruit_id,
+            r.task_id,
+            r.seq.unwrap_or_default()
+        ),
+        RecruitStatus::Recorded => outln!(
+            "recorded: recruit {} (task {}) is on the run log; the run has not applied it yet",
+            r.recruit_id,
+            r.task_id
+        ),
+        RecruitStatus::Refused => outln!(
+            "refused: recruit {} was refused by the run: {}",
+            r.recruit_id,
+            r.refusal.as_deref().unwrap_or("-")
+        ),
+        RecruitStatus::Unknown => outln!(
+            "unknown: the run has not applied recruit {} (never recorded, or not applied yet); asking again with the same id is safe",
+            r.recruit_id
+        ),
+    }
+}
+
+fn print_retire(r: &RetireReply) {
+    match &r.change {
+        Some(c) => outln!(
+            "retired: {} ({} reassigned: {}; {} failed: {})",
+            r.member,
+            c.reassigned.len(),
+            join_ids(&c.reassigned),
+            c.failed.len(),
+            join_ids(&c.failed)
+        ),
+        None => outln!(
+            "recorded: the retirement of {} is on the run log; the run has not applied it yet",
+            r.member
+        ),
+    }
+}
+
+fn join_ids(ids: &[TaskId]) -> String {
+    if ids.is_empty() {
+        return "-".to_owned();
+    }
+    ids.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
 }
 
 /// Sends `request`; prints the answer as JSON or with `print`; a refusal is printed as
@@ -124,17 +367,31 @@ async fn answer<R: ApiRequest>(
             print(&reply);
             Ok(ExitCode::SUCCESS)
         }
-        Err(ApiError { code, message, .. }) if json => {
-            outln!(
-                "{}",
-                serde_json::to_string_pretty(
-                    &serde_json::json!({"error": code, "message": message})
-                )?
-            );
+        Err(e) if json => {
+            let mut out = serde_json::json!({"error": e.code, "message": e.message});
+            if let Some(rule) = &e.rule {
+                out["rule"] = serde_json::json!(rule);
+            }
+            if !e.problems.is_empty() {
+                out["problems"] = serde_json::to_value(&e.problems)?;
+            }
+            outln!("{}", serde_json::to_string_pretty(&out)?);
             Ok(ExitCode::from(1))
         }
-        Err(ApiError { code, message, .. }) => {
-            errln!("error: {code}: {message}");
+        Err(ApiError {
+            code,
+            message,
+            rule,
+            problems,
+            ..
+        }) => {
+            match rule {
+                Some(rule) => errln!("error: {code} ({rule}): {message}"),
+                None => errln!("error: {code}: {message}"),
+            }
+            for p in problems {
+                errln!("  {p}");
+            }
             Ok(ExitCode::from(1))
         }
     }
