@@ -891,15 +891,28 @@ async fn a_supervisor_keeps_the_team_and_writes_nothing_else() -> anyhow::Result
         String::from_utf8_lossy(&pong.payload).contains("flotilla-supervisor"),
         "{pong:?}"
     );
+    // Recruitment: a run's record read and watched, its run log read by sequence and by
+    // subject, a budget read, and an input appended to a run's log.
+    let runs = supervisor.js.get_key_value("flotilla-runs").await?;
+    runs.entry("r1").await?;
+    let _watch = runs.watch("r1").await?;
+    let runlog = supervisor.js.get_stream("FLOTILLA_RUNLOG").await?;
+    runlog.direct_get(1).await?;
+    let cursors = supervisor.js.get_key_value("flotilla-cursors").await?;
+    ensure!(cursors.entry("budget.r1").await?.is_none());
+    supervisor
+        .js
+        .publish("flotilla.runlog.r1", "recruited".into())
+        .await?
+        .await?;
     supervisor.no_violations().await?;
 
     // --- refused ---
-    // Run inputs of any kind.
+    // Run inputs of any kind but its own.
     supervisor.request_refused("flotilla.api.submit").await?;
     for subject in [
         "flotilla.submit".to_string(),
         format!("flotilla.submit.{}", flotilla_model::RunId::new()),
-        "flotilla.runlog.r1".into(),
         "flotilla.timer.r1.1".into(),
         "flotilla.task.default.r1.t2".into(),
         "flotilla.event.r1".into(),
@@ -918,7 +931,7 @@ async fn a_supervisor_keeps_the_team_and_writes_nothing_else() -> anyhow::Result
     }
     ensure!(
         messages_in(&operator.js, "FLOTILLA_INTAKE").await? == 0
-            && messages_in(&operator.js, "FLOTILLA_RUNLOG").await? == 1
+            && messages_in(&operator.js, "FLOTILLA_RUNLOG").await? == 2
             && messages_in(&operator.js, "FLOTILLA_TASKS").await? == 1
             && messages_in(&operator.js, "FLOTILLA_EVENTS").await? == 2
             && messages_in(&operator.js, "KV_flotilla-control").await? == 0
@@ -929,7 +942,7 @@ async fn a_supervisor_keeps_the_team_and_writes_nothing_else() -> anyhow::Result
     supervisor
         .request_refused("flotilla.api.run.cancel")
         .await?;
-    // Run logs (reserved: recruitment will follow them), the coordinators' consumer, a
+    // No consumer on run logs (it reads single entries), the coordinators' consumer, a
     // pool's consumer.
     let refused_runlog = supervisor.js_refused.get_stream("FLOTILLA_RUNLOG").await?;
     for durable in [flotilla_supervisor::CONSUMER, "coordinator"] {
@@ -956,9 +969,6 @@ async fn a_supervisor_keeps_the_team_and_writes_nothing_else() -> anyhow::Result
     supervisor
         .publish_refused("$JS.API.CONSUMER.MSG.NEXT.FLOTILLA_TASKS.pool-default")
         .await?;
-    supervisor
-        .publish_refused("$JS.API.DIRECT.GET.FLOTILLA_RUNLOG")
-        .await?;
     // On the event stream: no other consumer, no ordered reader, no deleting its own.
     let refused_events = supervisor.js_refused.get_stream("FLOTILLA_EVENTS").await?;
     ensure!(
@@ -982,9 +992,9 @@ async fn a_supervisor_keeps_the_team_and_writes_nothing_else() -> anyhow::Result
     supervisor
         .refused("$JS.API.CONSUMER.DELETE.FLOTILLA_EVENTS.supervisor")
         .await?;
-    // Reads of runs (reserved).
+    // Cursors other than budgets (mailbox positions, claims).
     supervisor
-        .publish_refused("$JS.API.DIRECT.GET.KV_flotilla-runs.$KV.flotilla-runs.r1")
+        .publish_refused("$JS.API.DIRECT.GET.KV_flotilla-cursors.$KV.flotilla-cursors.mbox.r1.t1")
         .await?;
     // No stream administration.
     ensure!(
@@ -1015,7 +1025,7 @@ async fn a_supervisor_keeps_the_team_and_writes_nothing_else() -> anyhow::Result
         .await?
         .clone();
     ensure!(
-        info.num_ack_pending == 0 && info.num_pending == 1,
+        info.num_ack_pending == 0 && info.num_pending == 2,
         "the coordinators' consumer was touched: {info:?}"
     );
     answering.abort();

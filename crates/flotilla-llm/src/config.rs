@@ -45,6 +45,10 @@ pub const BUILTIN_TOOLS: &[&str] = &[
     "state_set",
 ];
 
+/// Built-in tools an agent gets only when its `tools` lists them (they change the team, so
+/// they are never a default): `recruit`.
+pub const OPT_IN_TOOLS: &[&str] = &[crate::recruit::RECRUIT];
+
 /// The tool offered when an agent lists `agent-tools`: no `exec-tools` command may take its
 /// name.
 pub const CALL_AGENT: &str = "call_agent";

@@ -46,6 +46,7 @@ pub mod mcp;
 pub mod prompt;
 pub mod provider;
 pub mod ratelimit;
+pub mod recruit;
 pub mod roles;
 pub mod tools;
 

@@ -43,7 +43,7 @@ use crate::mcp::{McpServer, offered_name};
 
 // Tool names are configuration's vocabulary (what `tools` may list, what `exec-tools` may
 // not be named); here is where they are offered.
-pub use crate::config::{BUILTIN_TOOLS, CALL_AGENT};
+pub use crate::config::{BUILTIN_TOOLS, CALL_AGENT, OPT_IN_TOOLS};
 
 /// Longest tool output handed back to the model, in bytes; longer output is cut with a
 /// marker.
@@ -108,7 +108,7 @@ pub struct ToolOutcome {
 }
 
 impl ToolOutcome {
-    fn ok(output: Value) -> Self {
+    pub(crate) fn ok(output: Value) -> Self {
         Self {
             output,
             error: None,
@@ -169,6 +169,7 @@ fn cut(text: &str, max: usize) -> String {
 
 fn builtin_spec(name: &str) -> (&'static str, Value) {
     match name {
+        crate::recruit::RECRUIT => crate::recruit::spec(),
         "workspace_read" => (
             "Reads entries of a workspace topic shared by the team, oldest first. Continue from next_since_seq while more is true.",
             json!({"type": "object", "properties": {
@@ -234,7 +235,11 @@ impl ToolSet {
                 })
         };
         for name in &config.tools {
-            let Some(&builtin) = BUILTIN_TOOLS.iter().find(|b| **b == name.as_str()) else {
+            let Some(&builtin) = BUILTIN_TOOLS
+                .iter()
+                .chain(OPT_IN_TOOLS)
+                .find(|b| **b == name.as_str())
+            else {
                 return Err(ConfigError::UnknownTool {
                     agent: agent.to_owned(),
                     tool: name.clone(),
@@ -432,6 +437,9 @@ impl ToolSet {
             );
         }
         match &tool.action {
+            Action::Builtin(crate::recruit::RECRUIT) => {
+                crate::recruit::recruit(ctx, call_id, &args).await
+            }
             Action::Builtin(b) => builtin(ctx, b, &args)
                 .await
                 .unwrap_or_else(|e| ToolOutcome::err(e.code(), e.message())),

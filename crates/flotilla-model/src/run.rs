@@ -420,4 +420,8 @@ pub struct RunView {
     /// validated and normalised), which the run's tasks follow.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plan: Option<crate::plan::Plan>,
+    /// How the run's team changed while it ran (recruits, retirements, refused recruits),
+    /// in order, with who asked and why.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub team: Vec<crate::recruit::TeamChange>,
 }

@@ -638,6 +638,7 @@ proptest! {
             }).collect(),
             tasks_offset: 7,
             plan: None,
+            team: vec![flotilla_model::recruit::TeamChange { kind: flotilla_model::recruit::TeamChangeKind::Recruited, id: "r1".into(), member: "role:patents".into(), task_id: Some(TaskId::new("recruit-r1")), reassigned: Vec::new(), failed: Vec::new(), by: "operator".into(), reason: "why".into(), refusal: None, seq: 3, at: Timestamp::from_unix_ms(5) }],
         };
         roundtrip(&view)?;
     }

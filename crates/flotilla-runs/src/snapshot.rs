@@ -64,6 +64,7 @@ pub fn view_of(state: &RunState, plan: Option<&Plan>, offset: usize, limit: usiz
         tasks: state.task_views(plan, offset, limit),
         tasks_offset: offset.min(u32::MAX as usize) as u32,
         plan: None,
+        team: state.team.clone(),
     }
 }
 

@@ -17,8 +17,8 @@ use std::sync::Arc;
 
 use async_nats::service::{Request, Service, ServiceExt, endpoint::Endpoint};
 use flotilla_bus::service::{parse, respond_api_error, respond_error, respond_json};
-use flotilla_model::recruit::{RecruitRequest, RecruitStatusRequest, RetireRequest};
 use flotilla_model::api::ApiRequest;
+use flotilla_model::recruit::{RecruitRequest, RecruitStatusRequest, RetireRequest};
 use flotilla_model::team::{
     FailureStats, Member, MemberStatus, MemberView, RecordScope, TeamFindRequest, TeamGetRequest,
     TeamList, TeamListRequest, TeamStats, TeamStatsRequest, member_key, record_key,

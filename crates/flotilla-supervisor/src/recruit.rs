@@ -136,8 +136,7 @@ fn check_running(run: &Running) -> Result<(), ApiError> {
             format!("run {} has ended ({})", s.run_id, s.status.as_str()),
         ));
     }
-    if s
-        .planning
+    if s.planning
         .as_ref()
         .is_some_and(|p| p.status != PlanningStatus::Planned)
     {
@@ -151,7 +150,11 @@ fn check_running(run: &Running) -> Result<(), ApiError> {
 
 /// Who asks: `task:<id>` for a running task of the run (checked against `recruiters`), else
 /// `operator`.
-fn recruiter(team: &Team, run: &Running, by_task: Option<&flotilla_model::TaskId>) -> Result<String, ApiError> {
+fn recruiter(
+    team: &Team,
+    run: &Running,
+    by_task: Option<&flotilla_model::TaskId>,
+) -> Result<String, ApiError> {
     let Some(task) = by_task else {
         return Ok("operator".to_owned());
     };
@@ -171,10 +174,12 @@ fn recruiter(team: &Team, run: &Running, by_task: Option<&flotilla_model::TaskId
     let allowed = &team.opts.recruit.recruiters;
     if !allowed.is_empty() {
         let t = &run.plan.subtasks[i];
-        let agent = t
-            .agent
-            .clone()
-            .or_else(|| team.validation.agents.as_ref().and_then(|a| a.default.clone()));
+        let agent = t.agent.clone().or_else(|| {
+            team.validation
+                .agents
+                .as_ref()
+                .and_then(|a| a.default.clone())
+        });
         let as_role = t.role.as_ref().map(|r| format!("role:{r}"));
         let ok = allowed
             .iter()
@@ -227,8 +232,14 @@ async fn spent_budget(team: &Team, state: &RunState) -> Result<Option<String>, A
             continue;
         };
         let spent: serde_json::Value = serde_json::from_slice(&entry.value).unwrap_or_default();
-        let tokens = spent.get("tokens").and_then(serde_json::Value::as_u64).unwrap_or(0);
-        let cost = spent.get("cost").and_then(serde_json::Value::as_f64).unwrap_or(0.0);
+        let tokens = spent
+            .get("tokens")
+            .and_then(serde_json::Value::as_u64)
+            .unwrap_or(0);
+        let cost = spent
+            .get("cost")
+            .and_then(serde_json::Value::as_f64)
+            .unwrap_or(0.0);
         if let Some(max) = scope.limits.max_tokens
             && tokens >= max
         {
@@ -252,14 +263,18 @@ async fn spent_budget(team: &Team, state: &RunState) -> Result<Option<String>, A
 /// `team.recruit`.
 pub(crate) async fn recruit(team: Arc<Team>, r: RecruitRequest) -> Result<RecruitReply, ApiError> {
     let team = &*team;
-    check_token(&r.recruit_id).map_err(|e| invalid(format!("recruit_id {:?} {e}", r.recruit_id)))?;
+    check_token(&r.recruit_id)
+        .map_err(|e| invalid(format!("recruit_id {:?} {e}", r.recruit_id)))?;
     check_token(&r.role).map_err(|e| invalid(format!("role {:?} {e}", r.role)))?;
     if r.description.trim().is_empty() {
         return Err(invalid("description must say what the recruit is to do"));
     }
     check_reason(&r.reason)?;
     let run = load(team, r.run_id).await?;
-    if let Some(change) = run.state.team_change(TeamChangeKind::Recruited, &r.recruit_id) {
+    if let Some(change) = run
+        .state
+        .team_change(TeamChangeKind::Recruited, &r.recruit_id)
+    {
         return Ok(answer(change));
     }
     check_running(&run)?;
@@ -282,7 +297,11 @@ pub(crate) async fn recruit(team: Arc<Team>, r: RecruitRequest) -> Result<Recrui
             RecruitRule::RoleNotAllowed,
             format!(
                 "the plan allows recruits of {} only, not {}",
-                if roles.is_empty() { "no role".to_owned() } else { roles.join(", ") },
+                if roles.is_empty() {
+                    "no role".to_owned()
+                } else {
+                    roles.join(", ")
+                },
                 r.role
             ),
         ));
@@ -301,7 +320,10 @@ pub(crate) async fn recruit(team: Arc<Team>, r: RecruitRequest) -> Result<Recrui
     if recruited >= max as usize {
         return Err(refused(
             RecruitRule::TooManyRecruits,
-            format!("run {} has {recruited} recruits, the most it may take is {max}", r.run_id),
+            format!(
+                "run {} has {recruited} recruits, the most it may take is {max}",
+                r.run_id
+            ),
         ));
     }
     let mut team_now = members(team, &run);
@@ -345,7 +367,11 @@ pub(crate) async fn recruit(team: Arc<Team>, r: RecruitRequest) -> Result<Recrui
         return Err(ApiError {
             rule: Some(RecruitRule::InvalidSubtask.as_str().to_owned()),
             problems,
-            ..ApiError::new(400, "recruit_refused", format!("the recruit's subtask does not fit the plan: {first}"))
+            ..ApiError::new(
+                400,
+                "recruit_refused",
+                format!("the recruit's subtask does not fit the plan: {first}"),
+            )
         });
     }
     let subtask = normalize_plan(amended)
@@ -379,16 +405,24 @@ pub(crate) async fn recruit(team: Arc<Team>, r: RecruitRequest) -> Result<Recrui
 }
 
 /// `team.recruit_status`.
-pub(crate) async fn status(team: Arc<Team>, r: RecruitStatusRequest) -> Result<RecruitReply, ApiError> {
+pub(crate) async fn status(
+    team: Arc<Team>,
+    r: RecruitStatusRequest,
+) -> Result<RecruitReply, ApiError> {
     let team = &*team;
-    check_token(&r.recruit_id).map_err(|e| invalid(format!("recruit_id {:?} {e}", r.recruit_id)))?;
+    check_token(&r.recruit_id)
+        .map_err(|e| invalid(format!("recruit_id {:?} {e}", r.recruit_id)))?;
     let stored = team
         .runs
         .load(r.run_id)
         .await
         .map_err(|e| unavailable("reading the run", e))?;
     let Some(stored) = stored else {
-        return Err(ApiError::new(404, "not_found", format!("no run {}", r.run_id)));
+        return Err(ApiError::new(
+            404,
+            "not_found",
+            format!("no run {}", r.run_id),
+        ));
     };
     Ok(
         match stored

@@ -122,6 +122,35 @@ pub(crate) async fn show(config: &Config, run: RunId, json: bool) -> anyhow::Res
     for p in &r.warnings {
         outln!("warning   {p}");
     }
+    if !view.team.is_empty() {
+        // Who joined and left the run's team while it ran, and why.
+        outln!();
+        outln!("team changes:");
+        for c in &view.team {
+            use flotilla_model::recruit::TeamChangeKind;
+            let what = match c.kind {
+                TeamChangeKind::Recruited => format!(
+                    "recruited {} as task {} ({})",
+                    c.member,
+                    c.task_id.as_ref().map(|t| t.as_str()).unwrap_or("-"),
+                    c.id
+                ),
+                TeamChangeKind::Retired => format!(
+                    "retired {} ({} reassigned, {} failed)",
+                    c.member,
+                    c.reassigned.len(),
+                    c.failed.len()
+                ),
+                TeamChangeKind::Refused => format!(
+                    "refused recruit {} of {}: {}",
+                    c.id,
+                    c.member,
+                    c.refusal.as_deref().unwrap_or("-")
+                ),
+            };
+            outln!("  {}  {what}, by {}: {}", c.at, c.by, c.reason);
+        }
+    }
     if !view.tasks.is_empty() {
         outln!();
         outln!(

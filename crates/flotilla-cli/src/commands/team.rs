@@ -339,7 +339,10 @@ fn join_ids(ids: &[TaskId]) -> String {
     if ids.is_empty() {
         return "-".to_owned();
     }
-    ids.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+    ids.iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Sends `request`; prints the answer as JSON or with `print`; a refusal is printed as
