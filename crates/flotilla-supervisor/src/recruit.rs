@@ -80,20 +80,47 @@ struct Running {
     plan: Plan,
 }
 
-async fn load(team: &Team, run: RunId) -> Result<Running, ApiError> {
-    let stored = team
-        .runs
-        .load(run)
-        .await
-        .map_err(|e| unavailable("reading the run", e))?;
-    let Some(stored) = stored else {
+/// The run's record. A run started a moment ago may not be recorded yet (a coordinator
+/// records a start lazily, `start-flush-delay` later): when its first message exists, the
+/// record is awaited (bounded by `answer-wait`) rather than the run called unknown.
+async fn state_of(team: &Team, run: RunId) -> Result<RunState, ApiError> {
+    let read = |e| unavailable("reading the run", e);
+    if let Some(stored) = team.runs.load(run).await.map_err(read)? {
+        return Ok(stored.snapshot.state);
+    }
+    if team.runs.first_message(run).await.map_err(read)?.is_none() {
         return Err(ApiError::new(
             404,
             "not_found",
             format!("no run {run} (or it was never accepted)"),
         ));
-    };
-    let state = stored.snapshot.state;
+    }
+    let mut watch = team
+        .runs
+        .runs_bucket()
+        .watch(run.to_string())
+        .await
+        .map_err(|e| unavailable("watching the run", e))?;
+    let deadline = tokio::time::Instant::now() + team.opts.recruit.answer_wait;
+    loop {
+        if let Some(stored) = team.runs.load(run).await.map_err(read)? {
+            return Ok(stored.snapshot.state);
+        }
+        match tokio::time::timeout_at(deadline, watch.next()).await {
+            Ok(Some(_)) => {}
+            Ok(None) | Err(_) => {
+                return Err(ApiError::new(
+                    503,
+                    "unavailable",
+                    format!("run {run} exists but is not recorded yet; ask again"),
+                ));
+            }
+        }
+    }
+}
+
+async fn load(team: &Team, run: RunId) -> Result<Running, ApiError> {
+    let state = state_of(team, run).await?;
     let plan = if state.tasks.is_empty() {
         None
     } else {
@@ -412,24 +439,9 @@ pub(crate) async fn status(
     let team = &*team;
     check_token(&r.recruit_id)
         .map_err(|e| invalid(format!("recruit_id {:?} {e}", r.recruit_id)))?;
-    let stored = team
-        .runs
-        .load(r.run_id)
-        .await
-        .map_err(|e| unavailable("reading the run", e))?;
-    let Some(stored) = stored else {
-        return Err(ApiError::new(
-            404,
-            "not_found",
-            format!("no run {}", r.run_id),
-        ));
-    };
+    let state = state_of(team, r.run_id).await?;
     Ok(
-        match stored
-            .snapshot
-            .state
-            .team_change(TeamChangeKind::Recruited, &r.recruit_id)
-        {
+        match state.team_change(TeamChangeKind::Recruited, &r.recruit_id) {
             Some(change) => answer(change),
             None => RecruitReply {
                 task_id: flotilla_model::TaskId::new(""),
