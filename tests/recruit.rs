@@ -64,7 +64,12 @@ max-team = 3
 
 /// Starts a coordinator, a worker and a supervisor; waits until the team API answers.
 async fn services() -> anyhow::Result<Processes> {
-    let mut p = Processes::start(&config()).await?;
+    services_with("").await
+}
+
+/// As [`services`], with `extra` configuration (more agents).
+async fn services_with(extra: &str) -> anyhow::Result<Processes> {
+    let mut p = Processes::start(&format!("{}{extra}", config())).await?;
     p.coordinator().await?;
     p.worker(&[]).await?;
     let i = p.spawn(&["supervisor"])?;
@@ -339,6 +344,61 @@ async fn every_policy_rule_refuses_with_its_name_and_changes_nothing() -> anyhow
 
     let outcome = p.client.wait(run, Duration::from_secs(60)).await?;
     assert_eq!(outcome.status, RunStatus::Succeeded, "{outcome:?}");
+    Ok(())
+}
+
+/// The opt-in `recruit` tool of an LLM agent (the OpenAI-compatible test double replies from a
+/// script): the first call is accepted and the recruit runs; the second names a role the
+/// policy does not allow, and the model gets the rule as the tool's error.
+#[tokio::test]
+async fn an_llm_agent_recruits_with_its_tool_and_hears_refusals() -> anyhow::Result<()> {
+    use flotilla_testkit::openai::{OpenAiServer, Reply};
+    use serde_json::json;
+    let llm = OpenAiServer::start().await?;
+    llm.push(Reply::tool_call(
+        "recruit",
+        json!({"role": "patents", "description": "find the patents", "reason": "a skill we lack"}),
+    ));
+    llm.push(Reply::tool_call(
+        "recruit",
+        json!({"role": "chef", "description": "cook", "reason": "hungry"}),
+    ));
+    llm.push(Reply::text("The patent analyst is on it."));
+    let p = services_with(&format!(
+        r#"
+[agents.lead-llm]
+kind = "llm"
+base-url = "{}"
+model = "scripted-model"
+tools = ["recruit"]
+"#,
+        llm.base_url()
+    ))
+    .await?;
+    let run = submit(
+        &p,
+        vec![Subtask::new("lead", "analyse the competitor").with_agent("lead-llm")],
+        PlanConfig::default(),
+    )
+    .await?;
+    let outcome = p.client.wait(run, Duration::from_secs(60)).await?;
+    assert_eq!(outcome.status, RunStatus::Succeeded, "{outcome:?}");
+    let requests = llm.requests();
+    assert_eq!(requests.len(), 3);
+    assert_eq!(requests[0].tool_names(), vec!["recruit"]);
+    let results: Vec<String> = requests[2]
+        .messages()
+        .iter()
+        .filter(|m| m["role"] == "tool")
+        .filter_map(|m| m["content"].as_str().map(str::to_owned))
+        .collect();
+    assert_eq!(results.len(), 2, "{results:?}");
+    assert!(results[0].contains("accepted"), "{}", results[0]);
+    assert!(results[1].contains("role_not_allowed"), "{}", results[1]);
+    let v = view(&p, run).await?;
+    assert_eq!(v.tasks.len(), 2, "{:?}", v.tasks);
+    assert_eq!(v.team.len(), 1);
+    assert_eq!(v.team[0].by, "task:lead");
     Ok(())
 }
 

@@ -451,7 +451,7 @@ impl LlmConfig {
             ));
         }
         for t in &self.tools {
-            if !BUILTIN_TOOLS.contains(&t.as_str()) {
+            if !BUILTIN_TOOLS.contains(&t.as_str()) && !OPT_IN_TOOLS.contains(&t.as_str()) {
                 return Err(ConfigError::UnknownTool {
                     agent: agent.to_owned(),
                     tool: t.clone(),
@@ -585,7 +585,7 @@ pub enum ConfigError {
         message: String,
     },
     /// `tools` names a built-in tool that does not exist.
-    #[error("agents.{agent}.tools: no built-in tool is named {tool:?} (built-in tools: {list})", list = BUILTIN_TOOLS.join(", "))]
+    #[error("agents.{agent}.tools: no built-in tool is named {tool:?} (built-in tools: {list}; opt-in: {opt_in})", list = BUILTIN_TOOLS.join(", "), opt_in = OPT_IN_TOOLS.join(", "))]
     UnknownTool {
         /// The agent.
         agent: String,
