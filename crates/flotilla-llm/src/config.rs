@@ -43,6 +43,10 @@ pub const BUILTIN_TOOLS: &[&str] = &[
     "mailbox_read",
     "state_get",
     "state_set",
+    "negotiate",
+    "next_request",
+    "offer",
+    "await_award",
 ];
 
 /// The tool offered when an agent lists `agent-tools`: no `exec-tools` command may take its
