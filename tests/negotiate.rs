@@ -317,7 +317,84 @@ async fn an_exec_task_negotiates_with_two_others_and_the_winner_gets_the_work() 
         ],
     )?)?;
     assert_eq!(closed, json!({"awarded": false, "delegation": null}));
+
+    // The API: mbox.role expands by the member cards; mbox.negotiate runs a negotiation for
+    // a client outside the plan; bad input is a structured error that sends nothing.
+    let role = api(&p, "mbox.role", json!({"run_id": run_s, "role": "bidder"})).await?;
+    assert_eq!(
+        role,
+        Ok(json!({"protocol": 1, "role": "bidder", "tasks": ["b1", "b2"]}))
+    );
+    let e = api(&p, "mbox.role", json!({"run_id": run_s, "role": "nobody"})).await?;
+    assert_eq!(
+        e.clone().err().map(|e| e["code"].clone()),
+        Some(json!("unknown_role")),
+        "{e:?}"
+    );
+    let before = (sent_to(&p, &run_s, "b1")?, sent_to(&p, &run_s, "b2")?);
+    for (body, code) in [
+        (
+            json!({"run_id": run_s, "from": "dashboard", "candidates": ["b1"], "deadline_ms": 0}),
+            "invalid_deadline",
+        ),
+        (
+            json!({"run_id": run_s, "from": "dashboard", "candidates": [], "deadline_ms": 100}),
+            "invalid_address",
+        ),
+        (
+            json!({"run_id": run_s, "from": "dashboard", "candidates": ["role:nobody"], "deadline_ms": 100}),
+            "unknown_role",
+        ),
+        (
+            json!({"run_id": run_s, "from": "_x", "candidates": ["b1"], "deadline_ms": 100}),
+            "invalid_address",
+        ),
+    ] {
+        let e = api(&p, "mbox.negotiate", body.clone()).await?;
+        assert_eq!(
+            e.clone().err().map(|e| e["code"].clone()),
+            Some(json!(code)),
+            "{body}: {e:?}"
+        );
+    }
+    assert_eq!(
+        (sent_to(&p, &run_s, "b1")?, sent_to(&p, &run_s, "b2")?),
+        before
+    );
+    let reply = api(
+        &p,
+        "mbox.negotiate",
+        json!({"run_id": run_s, "from": "dashboard", "candidates": ["role:bidder"],
+               "request": {"job": "late"}, "work": {}, "deadline_ms": 200, "correlation_id": "dash-1"}),
+    )
+    .await?
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    assert_eq!(reply["outcome"], "no_offers", "{reply}");
+    assert_eq!(reply["correlation_id"], "dash-1");
+    assert_eq!(reply["candidates"], json!(["b1", "b2"]));
+    assert_eq!(
+        (sent_to(&p, &run_s, "b1")?, sent_to(&p, &run_s, "b2")?),
+        (before.0 + 2, before.1 + 2)
+    );
     Ok(())
+}
+
+/// One API request: `Ok(answer)` or `Err(ApiError)`.
+async fn api(p: &Processes, endpoint: &str, body: Value) -> anyhow::Result<Result<Value, Value>> {
+    let reply = p
+        .bus
+        .client()
+        .request(
+            p.bus.names().api(endpoint),
+            serde_json::to_vec(&body)?.into(),
+        )
+        .await?;
+    let value: Value = serde_json::from_slice(&reply.payload)?;
+    let failed = reply
+        .headers
+        .as_ref()
+        .is_some_and(|h| h.get("Nats-Service-Error-Code").is_some());
+    Ok(if failed { Err(value) } else { Ok(value) })
 }
 
 /// An LLM agent calls the `negotiate` tool: first with a role nobody plays (the tool result
