@@ -48,6 +48,8 @@ pub enum ErrorKind {
     /// tree's limits: `tree_too_deep`, `tree_too_large`), so it never ran.
     /// [`ContextError::problems`] lists them. Asking again is refused alike.
     ChildRejected,
+    /// A negotiation candidate `role:<name>` names a role no task of the run tree plays.
+    UnknownRole,
 }
 
 impl ErrorKind {
@@ -68,6 +70,7 @@ impl ErrorKind {
             Self::InvalidScope => "invalid_scope",
             Self::InvalidName => "invalid_name",
             Self::ChildRejected => "child_rejected",
+            Self::UnknownRole => "unknown_role",
         }
     }
 
@@ -78,7 +81,7 @@ impl ErrorKind {
             Self::ChildRejected => 422,
             Self::EntryTooLarge | Self::PayloadTooLarge | Self::ValueTooLarge => 413,
             Self::Conflict => 409,
-            Self::NotFound => 404,
+            Self::NotFound | Self::UnknownRole => 404,
             Self::Unavailable => 503,
             _ => 400,
         }

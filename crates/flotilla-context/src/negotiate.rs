@@ -21,20 +21,41 @@
 //!
 //! Within an attempt, correlation ids are derived from the attempt id and a counter
 //! (`<attempt>.neg<k>`), so a redelivered attempt that negotiates again reuses its
-//! predecessor's requests (deduplicated) and finds the offers already made to them.
+//! predecessor's requests (deduplicated) and finds the offers already made to them. Callers
+//! that are not one process per attempt (the CLI, a tool call) give their own deterministic
+//! correlation id ([`Mailbox::run_negotiation`]).
+//!
+//! **Candidates by role.** A candidate `role:<name>` stands for every task of the run tree
+//! that plays the role — its subtask names the role, or its agent's member card lists it —
+//! as the coordinator's `mbox.role` endpoint answers ([`Mailbox::role_tasks`]); the initiator
+//! is left out of its own role. Unlike a message to `role:<name>` (claimed by exactly one
+//! reader), a call for offers goes to all of them. A role no task plays is `unknown_role`.
+//!
+//! **Responders in separate processes** (exec agents: each `flotilla mbox next-request` is a
+//! new process) keep the request cursor of their execution in the cursors bucket, next to the
+//! read position, and find a request again by its correlation id
+//! ([`Mailbox::find_request`]).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use flotilla_model::mailbox::{MailboxKind, MailboxMessage};
+use async_nats::jetstream::kv::Operation;
+use bytes::Bytes;
+use flotilla_model::PROTOCOL_VERSION;
+use flotilla_model::api::{
+    ApiError, ApiRequest, MboxNegotiateReply, MboxRoleReply, MboxRoleRequest, NegotiationOffer,
+    NegotiationOutcome,
+};
+use flotilla_model::mailbox::{MailboxKind, MailboxMessage, addressed_role};
+use flotilla_model::token::check_name;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use tokio::time::Instant;
 use tracing::warn;
 
-use crate::error::{ContextError, ErrorKind};
+use crate::error::{ContextError, ErrorKind, unavailable};
 use crate::mailbox::{MAX_QUIET, Mailbox, SETTLE_DELAYS_MS, Sent, check_address};
 
 /// The payload field of an offer holding its confidence (a number; higher wins).
@@ -72,6 +93,49 @@ pub struct Award {
     pub accept: Sent,
     /// The delegation (carrying the work) sent to the winner.
     pub delegation: Sent,
+}
+
+/// A decided negotiation: its candidates and offers, and the award when one was made.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Negotiated {
+    /// Ties the request, offers, accept and delegation together.
+    pub correlation_id: String,
+    /// The candidates asked (roles expanded), sorted.
+    pub candidates: Vec<String>,
+    /// Every valid offer received before the deadline, by candidate id.
+    pub offers: Vec<Offer>,
+    /// The award; `None` when no candidate offered in time.
+    pub award: Option<Award>,
+}
+
+impl Negotiated {
+    /// The wire form (`mbox.negotiate`'s reply; what `flotilla mbox negotiate` prints and the
+    /// `negotiate` tool returns).
+    pub fn reply(&self) -> MboxNegotiateReply {
+        MboxNegotiateReply {
+            protocol: PROTOCOL_VERSION,
+            outcome: if self.award.is_some() {
+                NegotiationOutcome::Awarded
+            } else {
+                NegotiationOutcome::NoOffers
+            },
+            correlation_id: self.correlation_id.clone(),
+            candidates: self.candidates.clone(),
+            winner: self.award.as_ref().map(|a| a.winner.clone()),
+            confidence: self.award.as_ref().map(|a| a.confidence),
+            offers: self
+                .offers
+                .iter()
+                .map(|o| NegotiationOffer {
+                    from: o.from.clone(),
+                    confidence: o.confidence,
+                    payload: o.payload.clone(),
+                    seq: o.seq,
+                })
+                .collect(),
+            delegation_seq: self.award.as_ref().map(|a| a.delegation.seq),
+        }
+    }
 }
 
 /// Picks the winner: highest confidence, ties to the lowest candidate id.
@@ -144,7 +208,8 @@ impl Mailbox {
     /// message), collects `offer`s until every candidate answered or `deadline` passed, then
     /// sends the best candidate an `accept` and a `delegation` carrying `work`. Returns the
     /// award, or `None` when no candidate offered in time. Offers without a numeric
-    /// `confidence`, or from others than the candidates, are ignored.
+    /// `confidence`, or from others than the candidates, are ignored. A candidate
+    /// `role:<name>` stands for every task of the run tree playing the role (module docs).
     pub async fn negotiate(
         &self,
         candidates: &[String],
@@ -152,27 +217,32 @@ impl Mailbox {
         work: Value,
         deadline: Duration,
     ) -> Result<Option<Award>, ContextError> {
-        let me = self.address()?.to_owned();
-        let mut unique: Vec<String> = candidates.to_vec();
-        unique.sort();
-        unique.dedup();
-        if unique.is_empty() {
-            return Err(ContextError::new(
-                ErrorKind::InvalidAddress,
-                "a negotiation needs at least one candidate",
-            ));
-        }
-        for c in &unique {
-            check_address(c)?;
-            if *c == me {
-                return Err(ContextError::new(
-                    ErrorKind::InvalidAddress,
-                    format!("{me} cannot negotiate with itself"),
-                ));
+        Ok(self
+            .run_negotiation(None, candidates, request, work, deadline)
+            .await?
+            .award)
+    }
+
+    /// [`negotiate`](Self::negotiate) with a chosen correlation id (`None`: the next one of
+    /// this handle), answering the candidates and offers as well as the award. Every input is
+    /// checked before anything is sent: a refused negotiation sends nothing.
+    pub async fn run_negotiation(
+        &self,
+        correlation: Option<&str>,
+        candidates: &[String],
+        request: Value,
+        work: Value,
+        deadline: Duration,
+    ) -> Result<Negotiated, ContextError> {
+        let unique = self.expand_candidates(candidates).await?;
+        let correlation = match correlation {
+            Some(c) => {
+                check_correlation(c)?;
+                c.to_owned()
             }
-        }
+            None => self.fresh_correlation(),
+        };
         let ends = Instant::now() + deadline;
-        let correlation = self.fresh_correlation();
         let mut first_seq = u64::MAX;
         for c in &unique {
             let sent = self
@@ -180,6 +250,8 @@ impl Mailbox {
                 .await?;
             first_seq = first_seq.min(sent.seq);
         }
+        // A repeated negotiation (same correlation) sends nothing new (the requests are
+        // deduplicated, answering the first ones' sequences) and finds the offers made to it.
         let mut offers: BTreeMap<String, Offer> = BTreeMap::new();
         self.scan(first_seq, ends, |m| {
             if m.kind != MailboxKind::Offer || m.correlation_id.as_deref() != Some(&correlation) {
@@ -214,7 +286,12 @@ impl Mailbox {
         let offers: Vec<Offer> = offers.into_values().collect();
         let Some(best) = pick_winner(&offers).cloned() else {
             self.close(&unique, None, &correlation).await?;
-            return Ok(None);
+            return Ok(Negotiated {
+                correlation_id: correlation,
+                candidates: unique,
+                offers,
+                award: None,
+            });
         };
         let mut accept_body = Map::new();
         accept_body.insert(CONFIDENCE.into(), Value::from(best.confidence));
@@ -234,16 +311,99 @@ impl Mailbox {
                 Some(&correlation),
             )
             .await?;
-        let others: Vec<String> = unique.into_iter().filter(|c| *c != best.from).collect();
+        let others: Vec<String> = unique
+            .iter()
+            .filter(|c| **c != best.from)
+            .cloned()
+            .collect();
         self.close(&others, Some(&best.from), &correlation).await?;
-        Ok(Some(Award {
+        Ok(Negotiated {
+            award: Some(Award {
+                correlation_id: correlation.clone(),
+                winner: best.from,
+                confidence: best.confidence,
+                offers: offers.clone(),
+                accept,
+                delegation,
+            }),
             correlation_id: correlation,
-            winner: best.from,
-            confidence: best.confidence,
+            candidates: unique,
             offers,
-            accept,
-            delegation,
-        }))
+        })
+    }
+
+    /// The candidates as addresses: each checked, `role:<name>` expanded to the tasks of the
+    /// run tree playing the role (without this task), sorted, without repeats. None given,
+    /// or none left, is `invalid_address`; a role nobody plays is `unknown_role`.
+    pub async fn expand_candidates(
+        &self,
+        candidates: &[String],
+    ) -> Result<Vec<String>, ContextError> {
+        let me = self.address()?.to_owned();
+        if candidates.is_empty() {
+            return Err(ContextError::new(
+                ErrorKind::InvalidAddress,
+                "a negotiation needs at least one candidate (a task id, or role:<name>)",
+            ));
+        }
+        let mut unique: Vec<String> = Vec::with_capacity(candidates.len());
+        let mut roles = Vec::new();
+        for c in candidates {
+            match addressed_role(c) {
+                Some(role) => {
+                    check_name(role).map_err(|e| {
+                        ContextError::new(
+                            ErrorKind::InvalidAddress,
+                            format!("candidate {c:?}: the role {role:?} {e}"),
+                        )
+                    })?;
+                    roles.push(role);
+                }
+                None => {
+                    check_address(c)?;
+                    if *c == me {
+                        return Err(ContextError::new(
+                            ErrorKind::InvalidAddress,
+                            format!("{me} cannot negotiate with itself"),
+                        ));
+                    }
+                    unique.push(c.clone());
+                }
+            }
+        }
+        for role in roles {
+            let tasks = self.role_tasks(role).await?;
+            unique.extend(tasks.into_iter().filter(|t| *t != me));
+        }
+        unique.sort();
+        unique.dedup();
+        if unique.is_empty() {
+            return Err(ContextError::new(
+                ErrorKind::InvalidAddress,
+                format!(
+                    "no candidate is left: the roles named are played only by {me}, the initiator"
+                ),
+            ));
+        }
+        Ok(unique)
+    }
+
+    /// The tasks of the run tree playing `role`, from the coordinator's `mbox.role` endpoint
+    /// (it knows the plans and the member cards): sorted, `unknown_role` when none plays it.
+    pub async fn role_tasks(&self, role: &str) -> Result<Vec<String>, ContextError> {
+        check_name(role).map_err(|e| {
+            ContextError::new(ErrorKind::InvalidAddress, format!("the role {role:?} {e}"))
+        })?;
+        let reply: MboxRoleReply = api_request(
+            &self.c,
+            &MboxRoleRequest {
+                protocol: PROTOCOL_VERSION,
+                run_id: self.c.scope().run_id,
+                role: role.to_owned(),
+            },
+        )
+        .await?;
+        Ok(reply.tasks)
     }
 
     /// Tells `candidates` the negotiation is decided without them (a reject, in contract-net
@@ -277,15 +437,18 @@ impl Mailbox {
     }
 
     /// Responder: the next `request` after the read position that this handle has not
-    /// returned yet, waiting up to `wait` for one.
+    /// returned yet, waiting up to `wait` for one. With the read position persisted (exec
+    /// agents), the request cursor is persisted too, so the next process of the execution
+    /// continues after the request this one returned.
     pub async fn next_request(
         &self,
         wait: Duration,
     ) -> Result<Option<MailboxMessage>, ContextError> {
         let position = self.position().await?;
+        let persisted = self.load_request_cursor().await?;
         let from = {
             let state = self.c.handles.reader.lock().await;
-            state.request_cursor.max(position)
+            state.request_cursor.max(position).max(persisted)
         };
         let mut found = None;
         self.scan(from, Instant::now() + wait, |m| {
@@ -300,8 +463,87 @@ impl Mailbox {
         if let Some(m) = &found {
             let mut state = self.c.handles.reader.lock().await;
             state.request_cursor = state.request_cursor.max(m.seq);
+            drop(state);
+            self.store_request_cursor(m.seq).await;
         }
         Ok(found)
+    }
+
+    /// The key of this execution's request cursor (exec agents), beside its read position.
+    fn request_cursor_key(&self) -> Option<String> {
+        if !self.c.persist_position {
+            return None;
+        }
+        let scope = self.c.scope();
+        Some(format!(
+            "{}.req",
+            scope.names.mailbox_position_key(
+                scope.root_run_id,
+                scope.address().ok()?,
+                scope.attempt_id?,
+                scope.delivery?,
+            )
+        ))
+    }
+
+    async fn load_request_cursor(&self) -> Result<u64, ContextError> {
+        let Some(key) = self.request_cursor_key() else {
+            return Ok(0);
+        };
+        let kv = self.c.cursors_kv().await?;
+        let entry = kv
+            .entry(key.clone())
+            .await
+            .map_err(|e| unavailable(format!("reading {key}"), e))?;
+        Ok(entry
+            .filter(|e| e.operation == Operation::Put)
+            .and_then(|e| std::str::from_utf8(&e.value).ok()?.trim().parse().ok())
+            .unwrap_or(0))
+    }
+
+    /// Best effort, like the read position: losing it only means the next process of the
+    /// execution returns the same request again.
+    async fn store_request_cursor(&self, seq: u64) {
+        let Some(key) = self.request_cursor_key() else {
+            return;
+        };
+        let stored = match self.c.cursors_kv().await {
+            Ok(kv) => kv
+                .put(&key, Bytes::from(seq.to_string()))
+                .await
+                .map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        if let Err(e) = stored {
+            warn!(%key, error = %e, "Could not persist the request cursor");
+        }
+    }
+
+    /// Responder: the `request` with `correlation` in this task's mailbox (its inbox and the
+    /// broadcasts, from the start of what the stream keeps), without moving anything — how a
+    /// responder that kept only the correlation id (a CLI call, a tool call) finds it again.
+    /// `not_found` when there is none.
+    pub async fn find_request(&self, correlation: &str) -> Result<MailboxMessage, ContextError> {
+        check_correlation(correlation)?;
+        let mut found = None;
+        self.scan(0, Instant::now(), |m| {
+            if m.kind == MailboxKind::Request && m.correlation_id.as_deref() == Some(correlation) {
+                found = Some(m.clone());
+                Scan::Stop
+            } else {
+                Scan::Next
+            }
+        })
+        .await?;
+        found.ok_or_else(|| {
+            ContextError::new(
+                ErrorKind::NotFound,
+                format!(
+                    "no request with correlation id {correlation:?} was sent to {}",
+                    self.address().unwrap_or("this task")
+                ),
+            )
+        })
     }
 
     /// Responder: offers to do what `request` asks, with `confidence`; `payload` (an object,
@@ -366,6 +608,91 @@ impl Mailbox {
         .await?;
         Ok(found)
     }
+}
+
+/// Longest correlation id accepted from a caller.
+pub const MAX_CORRELATION_LEN: usize = 256;
+
+/// Checks a caller's correlation id: 1 to 256 characters, no control characters.
+fn check_correlation(c: &str) -> Result<(), ContextError> {
+    if c.is_empty() || c.len() > MAX_CORRELATION_LEN || c.chars().any(char::is_control) {
+        return Err(ContextError::new(
+            ErrorKind::Malformed,
+            format!(
+                "correlation id {c:?} must be 1 to {MAX_CORRELATION_LEN} characters without control characters"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// One request to the coordinators' API, asked again while no coordinator answers (a
+/// restart) until the connection's request timeout; an `ApiError` answer becomes the
+/// matching context error.
+async fn api_request<R: ApiRequest>(
+    c: &crate::Clients,
+    request: &R,
+) -> Result<R::Reply, ContextError> {
+    let body = serde_json::to_vec(request)
+        .map_err(|e| ContextError::with_source(ErrorKind::Malformed, "encoding", e))?;
+    let bus = c.bus();
+    let subject = bus.names().api(R::ENDPOINT);
+    let body = Bytes::from(body);
+    let timeout = bus.options().request_timeout;
+    let deadline = Instant::now() + timeout;
+    let mut pause = Duration::from_millis(50);
+    let reply = loop {
+        let sent = tokio::time::timeout_at(
+            deadline,
+            bus.client().request(subject.clone(), body.clone()),
+        )
+        .await
+        .map_err(|_| {
+            ContextError::new(
+                ErrorKind::Unavailable,
+                format!("no coordinator answered {} within {timeout:?}", R::ENDPOINT),
+            )
+        })?;
+        match sent {
+            Ok(reply) => break reply,
+            Err(e)
+                if e.kind() == async_nats::RequestErrorKind::NoResponders
+                    && Instant::now() + pause < deadline =>
+            {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(1));
+            }
+            Err(e) => return Err(unavailable(format!("asking {}", R::ENDPOINT), e)),
+        }
+    };
+    let failed = reply
+        .headers
+        .as_ref()
+        .is_some_and(|h| h.get("Nats-Service-Error-Code").is_some());
+    if failed {
+        let e: ApiError = serde_json::from_slice(&reply.payload).map_err(|e| {
+            ContextError::with_source(
+                ErrorKind::Malformed,
+                format!("reading {}'s error", R::ENDPOINT),
+                e,
+            )
+        })?;
+        let kind = match (e.status, e.code.as_str()) {
+            (_, "unknown_role") => ErrorKind::UnknownRole,
+            (_, "invalid_address") => ErrorKind::InvalidAddress,
+            (404, _) => ErrorKind::NotFound,
+            (503 | 504, _) => ErrorKind::Unavailable,
+            _ => ErrorKind::Malformed,
+        };
+        return Err(ContextError::new(kind, e.message));
+    }
+    serde_json::from_slice(&reply.payload).map_err(|e| {
+        ContextError::with_source(
+            ErrorKind::Malformed,
+            format!("reading {}'s answer", R::ENDPOINT),
+            e,
+        )
+    })
 }
 
 fn correlation_of(request: &MailboxMessage) -> Result<&str, ContextError> {

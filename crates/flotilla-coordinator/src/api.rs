@@ -9,7 +9,7 @@
 //! | `<prefix>.api.run.tree` | `RunTreeRequest` | `RunTree` |
 //! | `<prefix>.api.session.get` | `SessionRequest` | `SessionView` |
 //! | `<prefix>.api.plan.validate` | `ValidatePlanRequest` | `ValidatePlanReply` |
-//! | `<prefix>.api.ws.append`, `ws.read`, `mbox.send`, `mbox.read`, `state.get`, `state.set` | see [`collab`] | |
+//! | `<prefix>.api.ws.append`, `ws.read`, `mbox.send`, `mbox.read`, `mbox.role`, `mbox.negotiate`, `state.get`, `state.set` | see [`collab`] | |
 //!
 //! The service's `$SRV.INFO` metadata carries what the process was given
 //! ([`crate::Coordinator::with_service_metadata`]): `flotilla coordinator` and `flotilla up`
@@ -30,8 +30,9 @@ use flotilla_bus::wire;
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::api::{
     ApiRequest, CancelRunReply, CancelRunRequest, ChildStartRequest, GetRunRequest,
-    MAX_TASKS_PER_VIEW, MboxReadRequest, MboxSendRequest, StateGetRequest, StateSetRequest,
-    ValidatePlanReply, ValidatePlanRequest, WsAppendRequest, WsReadRequest,
+    MAX_TASKS_PER_VIEW, MboxNegotiateRequest, MboxReadRequest, MboxRoleRequest, MboxSendRequest,
+    StateGetRequest, StateSetRequest, ValidatePlanReply, ValidatePlanRequest, WsAppendRequest,
+    WsReadRequest,
 };
 use flotilla_model::codec::{CodecError, check_protocol};
 use flotilla_model::ids::RunId;
@@ -143,6 +144,12 @@ pub(crate) async fn serve(
     let mut mbox_read = endpoint("mbox-read", MboxReadRequest::ENDPOINT)
         .await
         .map_err(setup)?;
+    let mut mbox_role = endpoint("mbox-role", MboxRoleRequest::ENDPOINT)
+        .await
+        .map_err(setup)?;
+    let mut mbox_negotiate = endpoint("mbox-negotiate", MboxNegotiateRequest::ENDPOINT)
+        .await
+        .map_err(setup)?;
     let mut state_get = endpoint("state-get", StateGetRequest::ENDPOINT)
         .await
         .map_err(setup)?;
@@ -184,6 +191,8 @@ pub(crate) async fn serve(
             Some(req) = ws_read.next() => { tokio::spawn(async move { api.ws_read(req).await }); }
             Some(req) = mbox_send.next() => { tokio::spawn(async move { api.mbox_send(req).await }); }
             Some(req) = mbox_read.next() => { tokio::spawn(async move { api.mbox_read(req).await }); }
+            Some(req) = mbox_role.next() => { tokio::spawn(async move { api.mbox_role(req).await }); }
+            Some(req) = mbox_negotiate.next() => { tokio::spawn(async move { api.mbox_negotiate(req).await }); }
             Some(req) = state_get.next() => { tokio::spawn(async move { api.state_get(req).await }); }
             Some(req) = state_set.next() => { tokio::spawn(async move { api.state_set(req).await }); }
             Some(req) = child_start.next() => { tokio::spawn(async move { api.child_start(req).await }); }

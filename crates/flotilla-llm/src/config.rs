@@ -45,9 +45,16 @@ pub const BUILTIN_TOOLS: &[&str] = &[
     "state_set",
 ];
 
-/// Built-in tools an agent gets only when its `tools` lists them (they change the team, so
-/// they are never a default): `recruit`.
-pub const OPT_IN_TOOLS: &[&str] = &[crate::recruit::RECRUIT];
+/// Built-in tools an agent gets only when its `tools` lists them: `recruit` changes the team,
+/// and the contract-net tools (`negotiate`, `next_request`, `offer`, `await_award`) are four
+/// more schemas in every prompt — neither is a default.
+pub const OPT_IN_TOOLS: &[&str] = &[
+    crate::recruit::RECRUIT,
+    "negotiate",
+    "next_request",
+    "offer",
+    "await_award",
+];
 
 /// The tool offered when an agent lists `agent-tools`: no `exec-tools` command may take its
 /// name.
@@ -471,7 +478,7 @@ impl LlmConfig {
                     "tool names are 1 to 64 letters, digits, `_` or `-`".into(),
                 ));
             }
-            if BUILTIN_TOOLS.contains(&name.as_str()) {
+            if BUILTIN_TOOLS.contains(&name.as_str()) || OPT_IN_TOOLS.contains(&name.as_str()) {
                 return Err(bad(
                     &field,
                     format!("{name:?} is the name of a built-in tool"),

@@ -9,7 +9,8 @@
 //! * [`provider`]: the HTTP calls — streaming, retries of 429/5xx honouring `Retry-After`
 //!   within the attempt's deadline, a per-worker cap on concurrent requests per provider,
 //!   prompt cancellation.
-//! * [`tools`]: the agent context as tools (`workspace_*`, `mailbox_*`, `state_*`),
+//! * [`tools`]: the agent context as tools (`workspace_*`, `mailbox_*`, `state_*`, and
+//!   [`contract_net`]'s `negotiate`, `next_request`, `offer`, `await_award`),
 //!   commands declared in config, and ([`mcp`]) the tools of MCP servers, with JSON Schema
 //!   checks of the arguments.
 //! * [`budget`]: the run's `max_tokens` / `max_cost`, reserved before every call across all
@@ -41,6 +42,7 @@
 pub mod agent;
 pub mod budget;
 pub mod config;
+pub mod contract_net;
 pub mod journal;
 pub mod mcp;
 pub mod prompt;

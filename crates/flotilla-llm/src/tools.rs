@@ -9,6 +9,7 @@
 //! | `mailbox_read` | `limit`?, `wait_ms`? | `{messages, next_since_seq, more}` |
 //! | `state_get` | `key` | `{key, found, value, revision}` |
 //! | `state_set` | `key`, `value` | `{key, revision}` |
+//! | `negotiate`, `next_request`, `offer`, `await_award` | see [`crate::contract_net`] | |
 //! | `transfer_to_agent` (agents in the tree around it) | `agent_name` (parent, sub-agent or peer), `reason`? | ends the attempt: the target continues the conversation as a child run, and its answer is the task's (unless refused: `transfer_loop`, a rejected child) |
 //! | `call_agent` (with `agent-tools`) | `agent` (one of them), `request`, `input`? | `{agent, response, numeric_value}`; the child run in `tool_end.run_link` |
 //!
@@ -168,6 +169,9 @@ fn cut(text: &str, max: usize) -> String {
 }
 
 fn builtin_spec(name: &str) -> (&'static str, Value) {
+    if let Some(spec) = crate::contract_net::spec(name) {
+        return spec;
+    }
     match name {
         crate::recruit::RECRUIT => crate::recruit::spec(),
         "workspace_read" => (
@@ -439,6 +443,11 @@ impl ToolSet {
         match &tool.action {
             Action::Builtin(crate::recruit::RECRUIT) => {
                 crate::recruit::recruit(ctx, call_id, &args).await
+            }
+            Action::Builtin(b) if crate::contract_net::TOOLS.contains(b) => {
+                crate::contract_net::call(ctx, call_id, b, &args)
+                    .await
+                    .map_or_else(|e| ToolOutcome::err(e.code(), e.message()), ToolOutcome::ok)
             }
             Action::Builtin(b) => builtin(ctx, b, &args)
                 .await
@@ -714,6 +723,11 @@ mod tests {
         let config = LlmConfig::new("http://h/v1", "m");
         let set = ToolSet::from_config("a", &config, Path::new(".")).expect("tools");
         assert_eq!(set.tools().count(), BUILTIN_TOOLS.len());
+        // The opt-in tools' schemas compile too.
+        let mut config = LlmConfig::new("http://h/v1", "m");
+        config.tools = OPT_IN_TOOLS.iter().map(|t| (*t).to_owned()).collect();
+        let set = ToolSet::from_config("a", &config, Path::new(".")).expect("opt-in tools");
+        assert_eq!(set.tools().count(), OPT_IN_TOOLS.len());
         let text = cut(&"é".repeat(100), 51);
         assert!(text.starts_with(&"é".repeat(25)));
         assert!(text.contains("bytes cut"), "{text}");

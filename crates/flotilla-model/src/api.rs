@@ -44,6 +44,8 @@ has_protocol!(
     StateGetRequest,
     StateSetRequest,
     ChildStartRequest,
+    MboxRoleRequest,
+    MboxNegotiateRequest,
     crate::tree::RunTreeRequest,
     crate::tree::SessionRequest,
 );
@@ -455,4 +457,126 @@ pub struct ChildStartReply {
 impl ApiRequest for ChildStartRequest {
     const ENDPOINT: &'static str = "child.start";
     type Reply = ChildStartReply;
+}
+
+/// The tasks of a run tree that play a role (`mbox.role`): how a `role:<name>` candidate of a
+/// negotiation is expanded. A task plays a role when its subtask names it as its `role`, or
+/// when its agent (the subtask's `agent`, else the deployment's default agent) lists it among
+/// its member card's `roles`. Every run of the tree counts (the root and its child runs).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct MboxRoleRequest {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// A run of the tree.
+    pub run_id: RunId,
+    /// The role (a name: letters, digits, `_`, `-`).
+    pub role: String,
+}
+
+/// The answer to [`MboxRoleRequest`]: the tasks playing the role, sorted, without repeats.
+/// None play it: `404 unknown_role`, whose message lists the roles the tree's tasks play.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct MboxRoleReply {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// The role asked about.
+    pub role: String,
+    /// Its tasks (mailbox addresses), sorted.
+    pub tasks: Vec<String>,
+}
+
+impl ApiRequest for MboxRoleRequest {
+    const ENDPOINT: &'static str = "mbox.role";
+    type Reply = MboxRoleReply;
+}
+
+/// Longest `deadline_ms` of `mbox.negotiate`: 30 seconds.
+pub const MAX_NEGOTIATE_DEADLINE_MS: u64 = 30_000;
+
+/// Run a contract-net negotiation as `from` (`mbox.negotiate`): a `request` to every
+/// candidate, their `offer`s until all answered or the deadline, then `accept` and
+/// `delegation` (carrying `work`) to the best (highest confidence, ties to the lowest address)
+/// and `info {closed: true}` to the others. The reply comes when the negotiation is decided,
+/// so the client's request timeout must exceed `deadline_ms`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct MboxNegotiateRequest {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// A run of the tree.
+    pub run_id: RunId,
+    /// The initiator's address (a task of the plan, or a client's name outside it).
+    pub from: String,
+    /// Task ids, or `role:<name>` for every task of the tree playing the role (see
+    /// [`MboxRoleRequest`]; the initiator itself is left out of a role).
+    pub candidates: Vec<String>,
+    /// The call for offers (the `request` message's payload).
+    #[serde(default)]
+    pub request: serde_json::Value,
+    /// The work delegated to the winner (the `delegation` message's payload).
+    #[serde(default)]
+    pub work: serde_json::Value,
+    /// How long to collect offers: 1 to 30,000 ms.
+    pub deadline_ms: u64,
+    /// Ties the negotiation's messages together; absent: a fresh one. Asking again with the
+    /// same id finds the offers already made (a client retrying after a lost reply).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub correlation_id: Option<String>,
+}
+
+/// One offer a negotiation received.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct NegotiationOffer {
+    /// The candidate that offered.
+    pub from: String,
+    /// Its confidence (higher wins).
+    pub confidence: f64,
+    /// The whole offer payload.
+    pub payload: serde_json::Value,
+    /// Stream sequence of the offer.
+    pub seq: u64,
+}
+
+/// How a negotiation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum NegotiationOutcome {
+    /// A winner was chosen and sent the delegation.
+    Awarded,
+    /// No candidate offered before the deadline; every candidate was told it is closed.
+    NoOffers,
+}
+
+/// The answer to [`MboxNegotiateRequest`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct MboxNegotiateReply {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// `awarded` or `no_offers`.
+    pub outcome: NegotiationOutcome,
+    /// The negotiation's correlation id.
+    pub correlation_id: String,
+    /// The candidates asked (roles expanded), sorted.
+    pub candidates: Vec<String>,
+    /// The winner (`awarded`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub winner: Option<String>,
+    /// The winner's confidence (`awarded`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub confidence: Option<f64>,
+    /// Every valid offer received before the deadline, by candidate.
+    pub offers: Vec<NegotiationOffer>,
+    /// Stream sequence of the delegation sent to the winner (`awarded`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delegation_seq: Option<u64>,
+}
+
+impl ApiRequest for MboxNegotiateRequest {
+    const ENDPOINT: &'static str = "mbox.negotiate";
+    type Reply = MboxNegotiateReply;
 }

@@ -97,6 +97,22 @@ pub fn public_schemas() -> Vec<(&'static str, Schema)> {
             schema_for!(crate::api::MboxReadRequest),
         ),
         (
+            "mbox-role-request.json",
+            schema_for!(crate::api::MboxRoleRequest),
+        ),
+        (
+            "mbox-role-reply.json",
+            schema_for!(crate::api::MboxRoleReply),
+        ),
+        (
+            "mbox-negotiate-request.json",
+            schema_for!(crate::api::MboxNegotiateRequest),
+        ),
+        (
+            "mbox-negotiate-reply.json",
+            schema_for!(crate::api::MboxNegotiateReply),
+        ),
+        (
             "state-get-request.json",
             schema_for!(crate::api::StateGetRequest),
         ),

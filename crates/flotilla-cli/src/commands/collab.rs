@@ -49,9 +49,9 @@ and \"problems\"), and the exit code:
   0  success
   2  invalid input, nothing was changed: invalid_topic, undeclared_topic, entry_too_large,
      invalid_address, payload_too_large, invalid_key, value_too_large, invalid_name,
-     invalid_json, invalid_argument, invalid_scope, invalid_config
+     invalid_json, invalid_argument, invalid_scope, invalid_config, unknown_role
   1  anything else: not_found, conflict, timeout, unavailable, malformed, io, child_failed,
-     child_rejected
+     child_rejected, no_offers (`mbox negotiate`: nobody offered in time)
 Usage errors found by the argument parser (unknown flags, missing arguments) are plain text,
 exit 2.
 
@@ -216,6 +216,66 @@ enum MboxCommand {
     /// Commit the read position now (inside an agent the worker also commits it when the
     /// attempt succeeds). Prints {committed, cursor}.
     Commit,
+    /// Contract-net initiator: send a call for offers (`request`) to every candidate, collect
+    /// their offers until all answered or --deadline, then award the work (`accept` and
+    /// `delegation`) to the highest confidence (ties: the lowest task id) and tell the others
+    /// it is closed. Prints {outcome: "awarded", correlation_id, candidates, winner,
+    /// confidence, offers, delegation_seq}; with no offer in time, exit 1 and the error
+    /// no_offers (carrying correlation_id and candidates).
+    Negotiate {
+        /// Comma separated: task ids, and `role:<name>` for every task of the run tree that
+        /// plays the role (this task left out).
+        #[arg(long, value_name = "LIST")]
+        candidates: String,
+        /// The call for offers (any JSON).
+        #[arg(long, value_name = "JSON")]
+        request: String,
+        /// The work delegated to the winner (any JSON).
+        #[arg(long, value_name = "JSON")]
+        work: String,
+        /// How long to collect offers (seconds, or e.g. `500ms`, `2m`).
+        #[arg(long, value_name = "SECS", value_parser = parse_duration, default_value = "5s")]
+        deadline: Duration,
+        /// Ties the messages together. Default inside an agent: derived from the attempt,
+        /// the candidates, the request and the work, so a retried delivery that negotiates the
+        /// same again finds its predecessor's offers (and two identical negotiations of one
+        /// attempt are one); outside one: a fresh id.
+        #[arg(long, value_name = "ID")]
+        correlation_id: Option<String>,
+    },
+    /// Contract-net responder: the next call for offers (`request`) after the read position
+    /// that this execution has not been given yet, without moving the read position. Prints
+    /// {request: MESSAGE or null}.
+    NextRequest {
+        /// With none there, wait this long for one (bare --wait: 30 s).
+        #[arg(long, value_name = "SECS", value_parser = parse_duration, num_args = 0..=1, default_missing_value = "30")]
+        wait: Option<Duration>,
+    },
+    /// Contract-net responder: offer to do the request with this correlation id. Prints
+    /// {seq, n, duplicate}.
+    Offer {
+        /// The request's correlation id.
+        #[arg(long = "correlation", value_name = "ID")]
+        correlation: String,
+        /// How well this task can do it (a number; the highest wins).
+        #[arg(long, value_name = "X")]
+        confidence: String,
+        /// More for the initiator (any JSON; an object's fields travel beside confidence).
+        #[arg(long, value_name = "JSON")]
+        payload: Option<String>,
+    },
+    /// Contract-net responder: wait for the outcome of the request with this correlation id.
+    /// Prints {awarded: true, delegation: MESSAGE} when this task won (the delegation carries
+    /// the work), else {awarded: false, delegation: null} (another won, or nothing was
+    /// decided within --wait).
+    AwaitAward {
+        /// The request's correlation id.
+        #[arg(long = "correlation", value_name = "ID")]
+        correlation: String,
+        /// How long to wait (bare --wait: 30 s; default 0: look once).
+        #[arg(long, value_name = "SECS", value_parser = parse_duration, num_args = 0..=1, default_missing_value = "30")]
+        wait: Option<Duration>,
+    },
 }
 
 /// `flotilla state`.
@@ -444,7 +504,8 @@ impl CliError {
         match self.code {
             "invalid_topic" | "undeclared_topic" | "entry_too_large" | "invalid_address"
             | "payload_too_large" | "invalid_key" | "value_too_large" | "invalid_name"
-            | "invalid_json" | "invalid_argument" | "invalid_scope" | "invalid_config" => 2,
+            | "invalid_json" | "invalid_argument" | "invalid_scope" | "invalid_config"
+            | "unknown_role" => 2,
             _ => 1,
         }
     }
@@ -609,7 +670,83 @@ async fn watch(
     }
 }
 
+/// A negotiation's inputs, checked before anything connects: candidates (split), request,
+/// work.
+type NegotiateInput = (Vec<String>, Value, Value);
+
+/// Checks `negotiate`'s arguments: at least one candidate, JSON request and work.
+fn negotiate_input(
+    candidates: &str,
+    request: &str,
+    work: &str,
+) -> Result<NegotiateInput, CliError> {
+    let list: Vec<String> = candidates
+        .split(',')
+        .map(str::trim)
+        .filter(|c| !c.is_empty())
+        .map(str::to_owned)
+        .collect();
+    if list.is_empty() {
+        return Err(CliError::new(
+            "invalid_address",
+            "--candidates names no candidate: give task ids or role:<name>, comma separated",
+        ));
+    }
+    let parse = |flag: &str, text: &str| {
+        serde_json::from_str::<Value>(text)
+            .map_err(|e| CliError::new("invalid_json", format!("{flag} is not valid JSON: {e}")))
+    };
+    Ok((list, parse("--request", request)?, parse("--work", work)?))
+}
+
+/// `offer`'s confidence: a finite number.
+fn confidence_of(text: &str) -> Result<f64, CliError> {
+    match text.trim().parse::<f64>() {
+        Ok(x) if x.is_finite() => Ok(x),
+        _ => Err(CliError::new(
+            "invalid_argument",
+            format!("--confidence {text:?} is not a finite number (e.g. 0.8)"),
+        )),
+    }
+}
+
+/// The default correlation id of a negotiation inside an attempt: the attempt and a digest
+/// of what is negotiated (see `Negotiate::correlation_id`).
+fn negotiation_correlation(clients: &Clients, input: &NegotiateInput) -> Option<String> {
+    use sha2::Digest;
+    let attempt = clients.scope().attempt_id?;
+    let key = json!([input.0, input.1, input.2]);
+    let digest = sha2::Sha256::digest(key.to_string().as_bytes());
+    let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+    Some(format!("{attempt}.neg-{hex}"))
+}
+
 async fn run_mbox(global: Global<'_>, args: MboxArgs) -> Result<(), CliError> {
+    let negotiation = match &args.command {
+        MboxCommand::Negotiate {
+            candidates,
+            request,
+            work,
+            ..
+        } => Some(negotiate_input(candidates, request, work)?),
+        _ => None,
+    };
+    let offer = match &args.command {
+        MboxCommand::Offer {
+            confidence,
+            payload,
+            ..
+        } => Some((
+            confidence_of(confidence)?,
+            match payload {
+                Some(text) => serde_json::from_str::<Value>(text).map_err(|e| {
+                    CliError::new("invalid_json", format!("--payload is not valid JSON: {e}"))
+                })?,
+                None => Value::Null,
+            },
+        )),
+        _ => None,
+    };
     let input = match &args.command {
         MboxCommand::Send {
             payload,
@@ -670,6 +807,55 @@ async fn run_mbox(global: Global<'_>, args: MboxArgs) -> Result<(), CliError> {
             let committed = mbox.commit().await?;
             let cursor = mbox.committed().await?;
             print_json(&json!({ "committed": committed, "cursor": cursor }))
+        }
+        MboxCommand::Negotiate {
+            deadline,
+            correlation_id,
+            ..
+        } => {
+            let Some(input) = negotiation else {
+                return Err(CliError::new("invalid_argument", "negotiate: no input"));
+            };
+            let correlation = correlation_id.or_else(|| negotiation_correlation(&clients, &input));
+            let (candidates, request, work) = input;
+            let negotiated = mbox
+                .run_negotiation(correlation.as_deref(), &candidates, request, work, deadline)
+                .await?;
+            let reply = negotiated.reply();
+            if negotiated.award.is_some() {
+                return print_json(&reply);
+            }
+            let mut e = CliError::new(
+                "no_offers",
+                format!(
+                    "no candidate offered within {}; every candidate was told the negotiation is closed",
+                    humantime_serde::re::humantime::format_duration(deadline)
+                ),
+            );
+            e.detail = Some(json!({
+                "correlation_id": reply.correlation_id,
+                "candidates": reply.candidates,
+            }));
+            Err(e)
+        }
+        MboxCommand::NextRequest { wait } => {
+            let request = mbox.next_request(wait.unwrap_or_default()).await?;
+            print_json(&json!({ "request": request }))
+        }
+        MboxCommand::Offer { correlation, .. } => {
+            let Some((confidence, payload)) = offer else {
+                return Err(CliError::new("invalid_argument", "offer: no input"));
+            };
+            let request = mbox.find_request(&correlation).await?;
+            print_json(&mbox.offer(&request, confidence, payload).await?)
+        }
+        MboxCommand::AwaitAward { correlation, wait } => {
+            let request = mbox.find_request(&correlation).await?;
+            let delegation = mbox.await_award(&request, wait.unwrap_or_default()).await?;
+            print_json(&json!({
+                "awarded": delegation.is_some(),
+                "delegation": delegation,
+            }))
         }
     }
 }

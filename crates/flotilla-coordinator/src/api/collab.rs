@@ -7,6 +7,7 @@
 //! | `<prefix>.api.ws.read` | `WsReadRequest` | `WorkspacePage` |
 //! | `<prefix>.api.mbox.send` | `MboxSendRequest` | `MboxSendReply` |
 //! | `<prefix>.api.mbox.read` | `MboxReadRequest` | `MailboxPage` |
+//! | `<prefix>.api.mbox.role`, `mbox.negotiate` | see [`negotiate`] | |
 //! | `<prefix>.api.state.get` | `StateGetRequest` | `StateValue` |
 //! | `<prefix>.api.state.set` | `StateSetRequest` | `StateSetReply` |
 //!
@@ -67,6 +68,8 @@ use serde::Serialize;
 use tracing::{debug, warn};
 
 use super::{Api, parse, respond_api_error, respond_json};
+
+mod negotiate;
 use crate::error::{StoreError, StoreErrorKind};
 use crate::lineage::{root_of, session_of};
 use crate::store::{First, FirstMessage};
