@@ -166,6 +166,27 @@ pub fn public_schemas() -> Vec<(&'static str, Schema)> {
             "failure-record.json",
             schema_for!(crate::team::FailureRecord),
         ),
+        (
+            "recruit-request.json",
+            schema_for!(crate::recruit::RecruitRequest),
+        ),
+        (
+            "recruit-reply.json",
+            schema_for!(crate::recruit::RecruitReply),
+        ),
+        (
+            "recruit-status-request.json",
+            schema_for!(crate::recruit::RecruitStatusRequest),
+        ),
+        (
+            "retire-request.json",
+            schema_for!(crate::recruit::RetireRequest),
+        ),
+        (
+            "retire-reply.json",
+            schema_for!(crate::recruit::RetireReply),
+        ),
+        ("team-change.json", schema_for!(crate::recruit::TeamChange)),
     ]
 }
 
