@@ -22,6 +22,7 @@ pub mod subjects;
 pub mod submit;
 pub mod task;
 pub mod team;
+pub mod teammate;
 pub mod template;
 pub mod time;
 pub mod token;
