@@ -101,6 +101,9 @@ pub struct Teammate {
     /// Turns whose agent failed.
     #[serde(default)]
     pub turns_failed: u64,
+    /// Its cap of turns per hour (the supervisor's `turns-per-hour` when it was spawned).
+    #[serde(default = "default_turns_per_hour")]
+    pub turns_per_hour: u32,
     /// Start times (Unix ms) of the turns dispatched in the last hour: the hourly cap.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub recent_turns: Vec<i64>,
@@ -168,6 +171,7 @@ impl Teammate {
             shutdown_requested: false,
             turns: 0,
             turns_failed: 0,
+            turns_per_hour: default_turns_per_hour(),
             recent_turns: Vec::new(),
             transitions: VecDeque::new(),
             last_progress: None,
@@ -315,6 +319,10 @@ impl Teammate {
             }
         }
     }
+}
+
+fn default_turns_per_hour() -> u32 {
+    120
 }
 
 fn cut(s: &str, max: usize) -> String {

@@ -8,6 +8,7 @@
 //! | `<prefix>.api.team.get` | `TeamGetRequest` | `MemberView` (`404 not_found`) |
 //! | `<prefix>.api.team.find` | `TeamFindRequest` | `TeamList` (`404 unknown_role`) |
 //! | `<prefix>.api.team.stats` | `TeamStatsRequest` | `TeamStats` (`404 not_found` for a name with no record) |
+//! | `<prefix>.api.team.spawn` / `send` / `broadcast` / `shutdown` / `mates` | teammates ([`crate::teammates`]) | |
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -26,6 +27,10 @@ use tokio_util::sync::CancellationToken;
 use crate::Team;
 use crate::error::SupervisorError;
 use crate::presence::hosts;
+use crate::teammates;
+use flotilla_model::teammate::{
+    TeamBroadcastRequest, TeamMatesRequest, TeamSendRequest, TeamShutdownRequest, TeamSpawnRequest,
+};
 
 /// The started service and its endpoints.
 pub(crate) struct Started {
@@ -34,6 +39,7 @@ pub(crate) struct Started {
     get: Endpoint,
     find: Endpoint,
     stats: Endpoint,
+    mates: [Endpoint; 5],
 }
 
 /// Starts the service (its endpoints answer once [`serve`] runs).
@@ -70,6 +76,23 @@ pub(crate) async fn start(team: &Team) -> Result<Started, SupervisorError> {
         stats: endpoint("team-stats", TeamStatsRequest::ENDPOINT)
             .await
             .map_err(setup)?,
+        mates: [
+            endpoint("team-spawn", TeamSpawnRequest::ENDPOINT)
+                .await
+                .map_err(setup)?,
+            endpoint("team-send", TeamSendRequest::ENDPOINT)
+                .await
+                .map_err(setup)?,
+            endpoint("team-broadcast", TeamBroadcastRequest::ENDPOINT)
+                .await
+                .map_err(setup)?,
+            endpoint("team-shutdown", TeamShutdownRequest::ENDPOINT)
+                .await
+                .map_err(setup)?,
+            endpoint("team-mates", TeamMatesRequest::ENDPOINT)
+                .await
+                .map_err(setup)?,
+        ],
         service,
     })
 }
@@ -86,6 +109,7 @@ pub(crate) async fn serve(
         mut get,
         mut find,
         mut stats,
+        mates: [mut spawn, mut send, mut broadcast, mut shut, mut mates],
     } = started;
     loop {
         let team = Arc::clone(&team);
@@ -95,6 +119,11 @@ pub(crate) async fn serve(
             Some(req) = get.next() => { tokio::spawn(async move { team_get(&team, req).await }); }
             Some(req) = find.next() => { tokio::spawn(async move { team_find(&team, req).await }); }
             Some(req) = stats.next() => { tokio::spawn(async move { team_stats(&team, req).await }); }
+            Some(req) = spawn.next() => { tokio::spawn(async move { teammates::spawn(&team, req).await }); }
+            Some(req) = send.next() => { tokio::spawn(async move { teammates::send(&team, req).await }); }
+            Some(req) = broadcast.next() => { tokio::spawn(async move { teammates::broadcast(&team, req).await }); }
+            Some(req) = shut.next() => { tokio::spawn(async move { teammates::shutdown(&team, req).await }); }
+            Some(req) = mates.next() => { tokio::spawn(async move { teammates::mates(&team, req).await }); }
             else => break,
         }
     }
@@ -163,6 +192,10 @@ async fn team_list(team: &Team, req: Request) {
     let reply = TeamList {
         members,
         roles: roles(team),
+        teammates: teammates::views(team, None)
+            .into_iter()
+            .filter(|t| r.role.as_ref().is_none_or(|role| *role == t.role))
+            .collect(),
     };
     respond_json(&req, team.bus.max_payload(), &reply, TOO_LARGE).await;
 }
@@ -248,7 +281,11 @@ async fn team_find(team: &Team, req: Request) {
     respond_json(
         &req,
         team.bus.max_payload(),
-        &TeamList { members, roles },
+        &TeamList {
+            members,
+            roles,
+            teammates: Vec::new(),
+        },
         TOO_LARGE,
     )
     .await;
