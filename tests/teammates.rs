@@ -163,7 +163,10 @@ async fn a_teammate_wakes_remembers_broadcasts_and_shuts_down() -> anyhow::Resul
     // It is listed in the roster with its status, role, team and turns.
     let out = p.cli(&["team"])?;
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("ann") && text.contains("t1") && text.contains("analyst"), "{text}");
+    assert!(
+        text.contains("ann") && text.contains("t1") && text.contains("analyst"),
+        "{text}"
+    );
 
     // Broadcast reaches every teammate of the team, not another team's.
     p.client
@@ -204,8 +207,13 @@ async fn a_teammate_wakes_remembers_broadcasts_and_shuts_down() -> anyhow::Resul
     assert_eq!(mate(&p, "t2", "cid").await?.turns, 0);
 
     // Shutdown during a turn: it ends after the turn, then refuses mail.
-    p.client.request(&send("t1", "ann", "slow one"), ASK).await?;
-    until(&p, "t1", "ann", Duration::from_secs(10), |m| m.host.is_some()).await?;
+    p.client
+        .request(&send("t1", "ann", "slow one"), ASK)
+        .await?;
+    until(&p, "t1", "ann", Duration::from_secs(10), |m| {
+        m.host.is_some()
+    })
+    .await?;
     let (code, body) = cli_json(&p, &["team", "shutdown", "ann", "--team", "t1"])?;
     assert_eq!(code, 0, "{body}");
     assert_eq!(body["status"], "working");
@@ -216,13 +224,17 @@ async fn a_teammate_wakes_remembers_broadcasts_and_shuts_down() -> anyhow::Resul
     .await?;
     assert_eq!(m.turns, 4, "the current turn finished first");
     let (code, body) = cli_json(&p, &["team", "send", "ann", "still there?", "--team", "t1"])?;
-    assert_eq!((code, body["error"].as_str()), (1, Some("shut_down")), "{body}");
+    assert_eq!(
+        (code, body["error"].as_str()),
+        (1, Some("shut_down")),
+        "{body}"
+    );
     Ok(())
 }
 
 #[tokio::test]
-async fn a_worker_killed_mid_turn_hands_the_turn_to_another_and_is_fenced_out()
--> anyhow::Result<()> {
+async fn a_worker_killed_mid_turn_hands_the_turn_to_another_and_is_fenced_out() -> anyhow::Result<()>
+{
     let log = tempfile::NamedTempFile::new()?;
     let mut p = Processes::start(&config(log.path(), "")).await?;
     supervisor(&mut p).await?;
@@ -243,8 +255,22 @@ async fn a_worker_killed_mid_turn_hands_the_turn_to_another_and_is_fenced_out()
             ASK,
         )
         .await?;
-    p.client.request(&send("k", "dora", "slow work"), ASK).await?;
-    let first = until(&p, "k", "dora", Duration::from_secs(10), |m| m.host.is_some()).await?;
+    p.client
+        .request(&send("k", "dora", "slow work"), ASK)
+        .await?;
+    let first = until(&p, "k", "dora", Duration::from_secs(10), |m| {
+        m.host.is_some()
+    })
+    .await?;
+    // Kill its host once the agent runs there.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while std::fs::read_to_string(log.path())?.lines().count() < 1 {
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the turn never started"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let host = first.host.clone().unwrap_or_default();
     let workers = p.bus.kv(Bucket::Workers).await?;
     let info: WorkerInfo = serde_json::from_slice(
@@ -266,8 +292,16 @@ async fn a_worker_killed_mid_turn_hands_the_turn_to_another_and_is_fenced_out()
     })
     .await?;
     assert_eq!(m.turns, 1, "{m:?}");
-    let hosts: Vec<String> = m.transitions.iter().filter_map(|t| t.host.clone()).collect();
-    assert_eq!(hosts.len(), 2, "claimed by the killed worker, then another: {m:?}");
+    let hosts: Vec<String> = m
+        .transitions
+        .iter()
+        .filter_map(|t| t.host.clone())
+        .collect();
+    assert_eq!(
+        hosts.len(),
+        2,
+        "claimed by the killed worker, then another: {m:?}"
+    );
     assert_ne!(hosts[0], hosts[1]);
     let starts = std::fs::read_to_string(log.path())?;
     assert_eq!(starts.lines().count(), 2, "{starts}");
@@ -297,7 +331,11 @@ async fn a_worker_killed_mid_turn_hands_the_turn_to_another_and_is_fenced_out()
         "{finished:?}"
     );
     let after = mate(&p, "k", "dora").await?;
-    assert_eq!((after.turns, after.epoch), (m.turns, m.epoch), "nothing changed");
+    assert_eq!(
+        (after.turns, after.epoch),
+        (m.turns, m.epoch),
+        "nothing changed"
+    );
     // Its conversation holds one exchange.
     let conv: flotilla_model::teammate::Conversation = serde_json::from_slice(
         &team_kv
@@ -339,19 +377,30 @@ async fn caps_and_bad_input_are_refused_and_change_nothing() -> anyhow::Result<(
         (spawn("_hidden", None), "invalid_name"),
         (spawn("a4", Some("nobody")), "unknown_agent"),
     ] {
-        let err = p
-            .client
-            .call(&req, ASK)
-            .await?
-            .expect_err("refused");
+        let err = p.client.call(&req, ASK).await?.expect_err("refused");
         assert_eq!(err.code, code, "{err:?}");
     }
     let (code, body) = cli_json(
         &p,
-        &["team", "spawn", "a5", "--role", "analyst", "--instructions", "x", "--team", "c"],
+        &[
+            "team",
+            "spawn",
+            "a5",
+            "--role",
+            "analyst",
+            "--instructions",
+            "x",
+            "--team",
+            "c",
+        ],
     )?;
     assert_eq!((code, body["error"].as_str()), (1, Some("team_full")));
-    assert!(body["message"].as_str().is_some_and(|m| m.contains("team-size")), "{body}");
+    assert!(
+        body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("team-size")),
+        "{body}"
+    );
 
     // Messages: too large, to nobody, then over the hourly turn cap.
     let big = "x".repeat(101);
@@ -397,23 +446,22 @@ async fn caps_and_bad_input_are_refused_and_change_nothing() -> anyhow::Result<(
     Ok(())
 }
 
+/// Consumers on every stream of the installation.
+async fn consumers(p: &Processes) -> anyhow::Result<usize> {
+    let mut total = 0;
+    for kind in StreamKind::ALL {
+        let mut s = p.bus.js().get_stream(p.bus.names().stream(kind)).await?;
+        total += s.info().await?.state.consumer_count;
+    }
+    Ok(total)
+}
+
 #[tokio::test]
 async fn a_thousand_idle_teammates_have_no_consumer_each() -> anyhow::Result<()> {
     let log = tempfile::NamedTempFile::new()?;
     let mut p = Processes::start(&config(log.path(), "team-size = 2000")).await?;
     supervisor(&mut p).await?;
     p.worker(&[]).await?;
-    let consumers = |p: &Processes| {
-        let js = p.bus.js().clone();
-        async move {
-            let mut total = 0;
-            for kind in StreamKind::ALL {
-                let mut s = js.get_stream(p.bus.names().stream(kind)).await?;
-                total += s.info().await?.state.consumer_count;
-            }
-            anyhow::Ok(total)
-        }
-    };
     let before = consumers(&p).await?;
     let mut spawns = futures::stream::FuturesUnordered::new();
     for i in 0..1000 {

@@ -178,6 +178,10 @@ async fn do_spawn(team: &Team, r: &TeamSpawnRequest) -> Result<TeammateView, Ref
             .and_then(|m| m.value.pools.first().cloned())
             .unwrap_or_else(|| "default".to_owned()),
     };
+    let key = teammate_key(t, &r.name);
+    if read(team, &key).await.map_err(internal)?.is_some() {
+        return Err(duplicate(t, &r.name));
+    }
     let members = team
         .mates
         .matching(|m| m.team == t && m.status != TeammateStatus::Shutdown)
@@ -196,21 +200,24 @@ async fn do_spawn(team: &Team, r: &TeamSpawnRequest) -> Result<TeammateView, Ref
     let mut mate = Teammate::spawn(t, &r.name, &r.role, &agent, &pool, &r.instructions, now);
     mate.spawned_by = r.by.clone();
     mate.turns_per_hour = team.opts.turns_per_hour;
-    let key = teammate_key(t, &r.name);
     let bytes = serde_json::to_vec(&mate).map_err(internal)?;
     match team.team_kv.create(&key, bytes.into()).await {
         Ok(_) => {}
         Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
-            return Err((
-                409,
-                "duplicate_name",
-                format!("team {t:?} already has a teammate named {:?}", r.name),
-            ));
+            return Err(duplicate(t, &r.name));
         }
         Err(e) => return Err(internal(e)),
     }
     team.mates.note(&key, mate.clone(), now.unix_ms());
     Ok(view(&mate, Some(now.unix_ms())))
+}
+
+fn duplicate(t: &str, name: &str) -> Refusal {
+    (
+        409,
+        "duplicate_name",
+        format!("team {t:?} already has a teammate named {name:?}"),
+    )
 }
 
 fn list(names: &[String]) -> String {
