@@ -227,7 +227,7 @@ pub async fn finish(
         Ok(Some(m))
     })
     .await?;
-    m.ok_or_else(|| TurnError::NotFound(key))
+    m.ok_or(TurnError::NotFound(key))
 }
 
 /// Wakes an idle teammate whose inbox holds mail after `cursor` (what the supervisor does on
