@@ -68,10 +68,32 @@ impl<T: DeserializeOwned + Clone + Send + Sync + 'static> KvMirror<T> {
         tokio::spawn(async move { this.run(store, shutdown).await });
     }
 
+    /// Follows the keys of `store` matching `filter` (KV key wildcards: `agent.>`) in a task
+    /// of its own until `shutdown`: a bucket holding several kinds of values mirrors each
+    /// kind apart.
+    pub fn follow_keys(&self, store: kv::Store, filter: &str, shutdown: CancellationToken) {
+        let this = self.clone();
+        let filter = filter.to_owned();
+        tokio::spawn(async move { this.run_filtered(store, Some(filter), shutdown).await });
+    }
+
     /// Follows `store` until `shutdown`, restarting the watch after errors.
     pub async fn run(self, store: kv::Store, shutdown: CancellationToken) {
+        self.run_filtered(store, None, shutdown).await
+    }
+
+    async fn run_filtered(
+        self,
+        store: kv::Store,
+        filter: Option<String>,
+        shutdown: CancellationToken,
+    ) {
         while !shutdown.is_cancelled() {
-            let watch = match store.watch_all().await {
+            let watch = match &filter {
+                Some(f) => store.watch_with_history(f).await,
+                None => store.watch_all().await,
+            };
+            let watch = match watch {
                 Ok(w) => w,
                 Err(e) => {
                     debug!(error = %e, "Cannot watch a bucket; retrying");
@@ -82,7 +104,18 @@ impl<T: DeserializeOwned + Clone + Send + Sync + 'static> KvMirror<T> {
                 }
             };
             // An empty bucket delivers nothing: it is in sync at once.
-            if store.status().await.is_ok_and(|s| s.values() == 0) {
+            let empty = match &filter {
+                None => store.status().await.is_ok_and(|s| s.values() == 0),
+                Some(f) => match store
+                    .stream
+                    .info_with_subjects(format!("{}{f}", store.prefix))
+                    .await
+                {
+                    Ok(mut subjects) => matches!(subjects.next().await, None | Some(Err(_))),
+                    Err(_) => false,
+                },
+            };
+            if empty {
                 self.synced.send_replace(true);
             }
             let watch = watch.take_until(shutdown.cancelled());

@@ -23,6 +23,7 @@ pub mod subjects;
 pub mod submit;
 pub mod task;
 pub mod team;
+pub mod teammate;
 pub mod template;
 pub mod time;
 pub mod token;

@@ -187,6 +187,45 @@ pub fn public_schemas() -> Vec<(&'static str, Schema)> {
             schema_for!(crate::recruit::RetireReply),
         ),
         ("team-change.json", schema_for!(crate::recruit::TeamChange)),
+        ("teammate.json", schema_for!(crate::teammate::Teammate)),
+        (
+            "teammate-conversation.json",
+            schema_for!(crate::teammate::Conversation),
+        ),
+        (
+            "teammate-turn.json",
+            schema_for!(crate::teammate::TurnEnvelope),
+        ),
+        (
+            "teammate-post.json",
+            schema_for!(crate::teammate::TeammatePost),
+        ),
+        (
+            "teammate-view.json",
+            schema_for!(crate::teammate::TeammateView),
+        ),
+        (
+            "team-spawn-request.json",
+            schema_for!(crate::teammate::TeamSpawnRequest),
+        ),
+        (
+            "team-send-request.json",
+            schema_for!(crate::teammate::TeamSendRequest),
+        ),
+        ("team-sent.json", schema_for!(crate::teammate::TeamSent)),
+        (
+            "team-broadcast-request.json",
+            schema_for!(crate::teammate::TeamBroadcastRequest),
+        ),
+        (
+            "team-shutdown-request.json",
+            schema_for!(crate::teammate::TeamShutdownRequest),
+        ),
+        (
+            "team-mates-request.json",
+            schema_for!(crate::teammate::TeamMatesRequest),
+        ),
+        ("team-mates.json", schema_for!(crate::teammate::TeamMates)),
     ]
 }
 

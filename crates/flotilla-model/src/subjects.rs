@@ -6,11 +6,11 @@
 //! | What | Name |
 //! |---|---|
 //! | intake stream / subject | `P_INTAKE` / `p.submit` |
-//! | task stream / subjects | `P_TASKS` / `p.task.<pool>.<run>.<task>`, role queues `p.role.<role>.<run>.<task>` |
+//! | task stream / subjects | `P_TASKS` / `p.task.<pool>.<run>.<task>`, role queues `p.role.<role>.<run>.<task>`, teammate turns `p.turn.<pool>.<team>.<name>` |
 //! | run log stream / subjects | `P_RUNLOG` / `p.submit.<run>` (durable submissions), `p.runlog.<run>`, timers `p.timer.<run>.<generation>` |
 //! | event stream / subjects | `P_EVENTS` / `p.event.<run>` |
 //! | workspace stream / subjects | `P_WORKSPACE` / `p.ws.<root-run>.<topic>` |
-//! | mailbox stream / subjects | `P_MAILBOX` / `p.mbox.<root-run>.<to>.<from>` |
+//! | mailbox stream / subjects | `P_MAILBOX` / `p.mbox.<root-run>.<to>.<from>`, teammate inboxes `p.tmbox.<team>.<to>.<from>` |
 //! | KV buckets | `p-runs`, `p-control`, `p-state`, `p-workers`, `p-cursors`, `p-team` and `p-failures` (the supervisor's); reserved for the human-in-the-loop work (provisioned, unused): `p-escalations`, `p-trust` |
 //! | request/reply API | `p.api.<endpoint>` (NATS micro service `p`) |
 
@@ -169,7 +169,11 @@ impl Names {
         let p = &self.prefix;
         match kind {
             StreamKind::Intake => vec![format!("{p}.submit")],
-            StreamKind::Tasks => vec![format!("{p}.task.>"), format!("{p}.role.>")],
+            StreamKind::Tasks => vec![
+                format!("{p}.task.>"),
+                format!("{p}.role.>"),
+                format!("{p}.turn.>"),
+            ],
             StreamKind::RunLog => vec![
                 format!("{p}.submit.*"),
                 format!("{p}.runlog.*"),
@@ -177,7 +181,7 @@ impl Names {
             ],
             StreamKind::Events => vec![format!("{p}.event.*")],
             StreamKind::Workspace => vec![format!("{p}.ws.*.*")],
-            StreamKind::Mailbox => vec![format!("{p}.mbox.*.*.*")],
+            StreamKind::Mailbox => vec![format!("{p}.mbox.*.*.*"), format!("{p}.tmbox.*.*.*")],
         }
     }
 
@@ -306,6 +310,36 @@ impl Names {
     /// Filter for every post to `to` in a run tree, from anyone.
     pub fn mailbox_inbox(&self, root: RunId, to: &str) -> String {
         format!("{}.mbox.{root}.{to}.*", self.prefix)
+    }
+
+    /// The subject of a message to teammate `to` of `team` from `from`.
+    pub fn teammate_inbox(&self, team: &str, to: &str, from: &str) -> String {
+        format!("{}.tmbox.{team}.{to}.{from}", self.prefix)
+    }
+
+    /// Filter for every message to teammate `to` of `team`.
+    pub fn teammate_inbox_filter(&self, team: &str, to: &str) -> String {
+        format!("{}.tmbox.{team}.{to}.*", self.prefix)
+    }
+
+    /// Filter for every teammate inbox (the supervisor's wake consumer).
+    pub fn teammate_inbox_all(&self) -> String {
+        format!("{}.tmbox.*.*.*", self.prefix)
+    }
+
+    /// The subject of a turn of teammate `name` of `team`, run by `pool`.
+    pub fn turn(&self, pool: &str, team: &str, name: &str) -> String {
+        format!("{}.turn.{pool}.{team}.{name}", self.prefix)
+    }
+
+    /// Filter for every turn of `pool`.
+    pub fn turn_filter(&self, pool: &str) -> String {
+        format!("{}.turn.{pool}.>", self.prefix)
+    }
+
+    /// The workers' shared durable consumer of `pool`'s turns.
+    pub fn turn_consumer(&self, pool: &str) -> String {
+        format!("turns-{pool}")
     }
 
     /// Key of a reader's committed mailbox cursor in the cursors bucket. The reader is

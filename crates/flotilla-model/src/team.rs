@@ -676,6 +676,9 @@ pub struct TeamList {
     pub members: Vec<MemberView>,
     /// Every role some member fills.
     pub roles: Vec<String>,
+    /// Persistent teammates (`team.list` only; of the role asked for), by team then name.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub teammates: Vec<crate::teammate::TeammateView>,
 }
 
 /// `team.get`: one member.

@@ -11,6 +11,7 @@
 //! | `<prefix>.api.team.recruit` | `RecruitRequest` | `RecruitReply` (`403`/`400 recruit_refused {rule}`) |
 //! | `<prefix>.api.team.recruit_status` | `RecruitStatusRequest` | `RecruitReply` |
 //! | `<prefix>.api.team.retire` | `RetireRequest` | `RetireReply` (`403 recruit_refused {rule}`) |
+//! | `<prefix>.api.team.spawn` / `send` / `broadcast` / `shutdown` / `mates` | teammates ([`crate::teammates`]) | |
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -30,6 +31,10 @@ use tokio_util::sync::CancellationToken;
 use crate::Team;
 use crate::error::SupervisorError;
 use crate::presence::hosts;
+use crate::teammates;
+use flotilla_model::teammate::{
+    TeamBroadcastRequest, TeamMatesRequest, TeamSendRequest, TeamShutdownRequest, TeamSpawnRequest,
+};
 
 /// The started service and its endpoints.
 pub(crate) struct Started {
@@ -41,6 +46,7 @@ pub(crate) struct Started {
     recruit: Endpoint,
     recruit_status: Endpoint,
     retire: Endpoint,
+    mates: [Endpoint; 5],
 }
 
 /// Starts the service (its endpoints answer once [`serve`] runs).
@@ -86,6 +92,23 @@ pub(crate) async fn start(team: &Team) -> Result<Started, SupervisorError> {
         retire: endpoint("team-retire", RetireRequest::ENDPOINT)
             .await
             .map_err(setup)?,
+        mates: [
+            endpoint("team-spawn", TeamSpawnRequest::ENDPOINT)
+                .await
+                .map_err(setup)?,
+            endpoint("team-send", TeamSendRequest::ENDPOINT)
+                .await
+                .map_err(setup)?,
+            endpoint("team-broadcast", TeamBroadcastRequest::ENDPOINT)
+                .await
+                .map_err(setup)?,
+            endpoint("team-shutdown", TeamShutdownRequest::ENDPOINT)
+                .await
+                .map_err(setup)?,
+            endpoint("team-mates", TeamMatesRequest::ENDPOINT)
+                .await
+                .map_err(setup)?,
+        ],
         service,
     })
 }
@@ -105,6 +128,7 @@ pub(crate) async fn serve(
         mut recruit,
         mut recruit_status,
         mut retire,
+        mates: [mut spawn, mut send, mut broadcast, mut shut, mut mates],
     } = started;
     loop {
         let team = Arc::clone(&team);
@@ -117,6 +141,11 @@ pub(crate) async fn serve(
             Some(req) = recruit.next() => { tokio::spawn(async move { answer(team, req, crate::recruit::recruit).await }); }
             Some(req) = recruit_status.next() => { tokio::spawn(async move { answer(team, req, crate::recruit::status).await }); }
             Some(req) = retire.next() => { tokio::spawn(async move { answer(team, req, crate::recruit::retire).await }); }
+            Some(req) = spawn.next() => { tokio::spawn(async move { teammates::spawn(&team, req).await }); }
+            Some(req) = send.next() => { tokio::spawn(async move { teammates::send(&team, req).await }); }
+            Some(req) = broadcast.next() => { tokio::spawn(async move { teammates::broadcast(&team, req).await }); }
+            Some(req) = shut.next() => { tokio::spawn(async move { teammates::shutdown(&team, req).await }); }
+            Some(req) = mates.next() => { tokio::spawn(async move { teammates::mates(&team, req).await }); }
             else => break,
         }
     }
@@ -203,6 +232,10 @@ async fn team_list(team: &Team, req: Request) {
     let reply = TeamList {
         members,
         roles: roles(team),
+        teammates: teammates::views(team, None)
+            .into_iter()
+            .filter(|t| r.role.as_ref().is_none_or(|role| *role == t.role))
+            .collect(),
     };
     respond_json(&req, team.bus.max_payload(), &reply, TOO_LARGE).await;
 }
@@ -288,7 +321,11 @@ async fn team_find(team: &Team, req: Request) {
     respond_json(
         &req,
         team.bus.max_payload(),
-        &TeamList { members, roles },
+        &TeamList {
+            members,
+            roles,
+            teammates: Vec::new(),
+        },
         TOO_LARGE,
     )
     .await;

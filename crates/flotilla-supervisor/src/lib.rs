@@ -10,8 +10,10 @@
 //!   across restarts and replicas.
 //!
 //! It answers the team API (`<prefix>.api.team.list|get|find|stats`, a NATS micro service
-//! named `<prefix>-supervisor`), and decides recruitment and retirement under policy
-//! (`team.recruit|recruit_status|retire`, [`recruit`]).
+//! named `<prefix>-supervisor`); it decides recruitment and retirement under policy
+//! (`team.recruit|recruit_status|retire`, [`recruit`]) and keeps **persistent teammates**
+//! (`teammates`): spawned by `team.spawn`, woken by mail to their inboxes (`team.send`,
+//! `team.broadcast`), ended by `team.shutdown`.
 //!
 //! **It decides no run.** The run machine in the coordinator stays the only decider; the
 //! supervisor records facts and answers policy questions — a recruit allowed, a member
@@ -27,6 +29,7 @@ mod follow;
 mod options;
 mod presence;
 mod recruit;
+mod teammates;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -62,6 +65,8 @@ pub(crate) struct Team {
     pub(crate) team_kv: kv::Store,
     pub(crate) failures_kv: kv::Store,
     pub(crate) roster: KvMirror<Member>,
+    /// Persistent teammates (`teammate.<team>.<name>`).
+    pub(crate) mates: KvMirror<flotilla_model::teammate::Teammate>,
     pub(crate) failures: KvMirror<FailureRecord>,
     pub(crate) workers: KvMirror<WorkerInfo>,
     pub(crate) metrics: Metrics,
@@ -168,6 +173,7 @@ impl Supervisor {
             team_kv: team_kv.clone(),
             failures_kv: failures_kv.clone(),
             roster: KvMirror::new(),
+            mates: KvMirror::new(),
             failures: KvMirror::new(),
             workers: KvMirror::new(),
             metrics: self.metrics,
@@ -175,18 +181,25 @@ impl Supervisor {
             cursors_kv,
             validation: self.validation,
         });
-        team.roster.follow(team_kv, shutdown.clone());
+        // The team bucket holds members, teammates and conversations: each mirror takes its
+        // own keys (conversations are read by the workers only).
+        team.roster
+            .follow_keys(team_kv.clone(), "agent.>", shutdown.clone());
+        team.mates
+            .follow_keys(team_kv, "teammate.>", shutdown.clone());
         team.failures.follow(failures_kv, shutdown.clone());
         team.workers.follow(workers_kv, shutdown.clone());
         tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),
             _ = async {
                 team.roster.synced().await;
+                team.mates.synced().await;
                 team.failures.synced().await;
                 team.workers.synced().await;
             } => {}
         }
         let consumer = follow::consumer(&team).await?;
+        let inbox = teammates::consumer(&team).await?;
         let service = api::start(&team).await?;
         let mut tasks = tokio::task::JoinSet::new();
         {
@@ -200,6 +213,10 @@ impl Supervisor {
         {
             let (team, stop) = (Arc::clone(&team), shutdown.clone());
             tasks.spawn(async move { api::serve(team, service, stop).await });
+        }
+        {
+            let (team, stop) = (Arc::clone(&team), shutdown.clone());
+            tasks.spawn(async move { teammates::follow(team, inbox, stop).await });
         }
         info!(members = team.cards.len(), "Supervisor started");
         if let Some(ready) = self.ready {

@@ -31,6 +31,12 @@ pub struct SupervisorOptions {
     /// to another supervisor replica.
     #[serde(with = "humantime_serde")]
     pub ack_wait: Duration,
+    /// Most teammates of one team that are not shut down (`team_full` beyond).
+    pub team_size: usize,
+    /// Most turns one teammate is dispatched per hour (`turns_per_hour` beyond).
+    pub turns_per_hour: u32,
+    /// Longest message to a teammate, in bytes (`message_too_large` beyond).
+    pub max_message_bytes: usize,
     /// The policy recruits and retirements are checked against (`[supervisor.recruit]`).
     pub recruit: RecruitPolicy,
 }
@@ -100,6 +106,9 @@ impl Default for SupervisorOptions {
             batch: 256,
             ack_wait: Duration::from_secs(30),
             recruit: RecruitPolicy::default(),
+            team_size: 10,
+            turns_per_hour: 120,
+            max_message_bytes: 64 * 1024,
         }
     }
 }
@@ -128,6 +137,15 @@ impl SupervisorOptions {
         }
         if !(1..=4096).contains(&self.batch) {
             return Err(format!("batch must be 1 to 4096, not {}", self.batch));
+        }
+        if self.team_size == 0 || self.turns_per_hour == 0 {
+            return Err("team-size and turns-per-hour must be more than 0".into());
+        }
+        if !(1..=flotilla_model::mailbox::MAX_PAYLOAD_BYTES / 2).contains(&self.max_message_bytes) {
+            return Err(format!(
+                "max-message-bytes must be 1 to {}",
+                flotilla_model::mailbox::MAX_PAYLOAD_BYTES / 2
+            ));
         }
         if self.progress_resolution >= self.stale_after {
             return Err("progress-resolution must be shorter than stale-after".into());

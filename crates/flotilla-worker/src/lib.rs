@@ -57,6 +57,7 @@ mod pace;
 mod registry;
 mod result;
 mod shared;
+pub mod turn;
 mod worker;
 
 pub use crate::agents::{AgentDefinition, AgentEntry, AgentRegistry, RoleConfig};

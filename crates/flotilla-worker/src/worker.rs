@@ -133,6 +133,20 @@ impl Worker {
             .map_err(|e| WorkerError::new(WorkerErrorKind::Config, e))?;
         let consumer = self.consumer().await?;
         let roles = self.role_consumers().await?;
+        let turns = self
+            .bus
+            .shared_consumer(crate::turn::turn_consumer(
+                self.bus.names(),
+                &self.opts.pool,
+                &self.opts,
+            ))
+            .await
+            .map_err(|e| setup("setting up the teammate turn consumer", e))?;
+        let team_kv = self
+            .bus
+            .kv(Bucket::Team)
+            .await
+            .map_err(|e| setup("opening the team bucket", e))?;
         let registry = self
             .bus
             .kv(Bucket::Workers)
@@ -197,6 +211,14 @@ impl Worker {
                 shutdown.clone(),
             ));
         }
+
+        // Teammate turns, beside the pool's tasks: pulled only while a slot is free here.
+        role_loops.spawn(crate::turn::pull_turns(
+            Arc::clone(&shared),
+            turns,
+            team_kv,
+            shutdown.clone(),
+        ));
 
         // Messages held at once: the running ones plus `prefetch` waiting for a slot, so a
         // slot that frees finds its next task already here instead of idling on a pull.

@@ -1,10 +1,12 @@
 //! `flotilla team [--role R]`, `team show MEMBER`, `team find ROLE`, `team stats [NAME]`,
 //! `team recruit`, `team recruit-status`, `team retire`: the supervisor's team API
-//! (`<prefix>.api.team.*`).
+//! (`<prefix>.api.team.*`); persistent teammates with `team spawn NAME`, `team send NAME
+//! TEXT`, `team broadcast TEXT`, `team shutdown NAME`.
 //!
 //! Inside an exec agent (its environment names the run and task), `recruit` and `retire`
 //! act for the agent's task on its own run and connection; elsewhere they need `--run` and
-//! act as an operator.
+//! act as an operator. Inside a teammate's turn `--team` defaults to `FLOTILLA_TEAM`, else
+//! `FLOTILLA_SESSION_ID`, and the sender to `FLOTILLA_TASK_ID` (the teammate's name).
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -20,6 +22,10 @@ use flotilla_model::recruit::{
 use flotilla_model::team::{
     FailureStats, MemberView, RecordScope, TeamFindRequest, TeamGetRequest, TeamList,
     TeamListRequest, TeamStatsRequest,
+};
+use flotilla_model::teammate::{
+    TeamBroadcastRequest, TeamSendRequest, TeamSent, TeamShutdownRequest, TeamSpawnRequest,
+    TeammateView,
 };
 use flotilla_model::time::Timestamp;
 
@@ -88,6 +94,71 @@ enum TeamCommand {
         #[arg(long, value_enum)]
         scope: Option<Scope>,
     },
+    /// Spawn a persistent teammate: idle until a message wakes it.
+    Spawn {
+        /// Its name (its mailbox address within the team).
+        name: String,
+        /// Its role.
+        #[arg(long)]
+        role: String,
+        /// What it is for.
+        #[arg(long)]
+        instructions: String,
+        /// The agent definition its turns run (default: a member filling the role).
+        #[arg(long)]
+        agent: Option<String>,
+        /// The pool running its turns.
+        #[arg(long)]
+        pool: Option<String>,
+        /// The team (default: `FLOTILLA_TEAM`, the session, else `default`).
+        #[arg(long)]
+        team: Option<String>,
+    },
+    /// Send a message to a teammate (wakes it).
+    Send {
+        /// The teammate.
+        to: String,
+        /// The message.
+        text: String,
+        /// The sender (default: the task this runs in, else `operator`).
+        #[arg(long)]
+        from: Option<String>,
+        /// The team.
+        #[arg(long)]
+        team: Option<String>,
+    },
+    /// Send a message to every teammate of a team.
+    Broadcast {
+        /// The message.
+        text: String,
+        /// The sender.
+        #[arg(long)]
+        from: Option<String>,
+        /// The team.
+        #[arg(long)]
+        team: Option<String>,
+    },
+    /// Shut a teammate down after its current turn.
+    Shutdown {
+        /// The teammate.
+        name: String,
+        /// The team.
+        #[arg(long)]
+        team: Option<String>,
+    },
+}
+
+/// The team a verb acts in: `--team`, else the environment of a teammate's turn.
+fn team_of(team: Option<String>) -> Option<String> {
+    team.or_else(|| std::env::var("FLOTILLA_TEAM").ok())
+        .or_else(|| std::env::var("FLOTILLA_SESSION_ID").ok())
+        .filter(|t| !t.is_empty())
+}
+
+/// The sender of a verb: `--from`, else the task this runs in.
+fn sender_of(from: Option<String>) -> Option<String> {
+    from.or_else(|| std::env::var("FLOTILLA_TASK_ID").ok())
+        .filter(|f| !f.is_empty())
 }
 
 /// `flotilla team recruit`.
@@ -210,6 +281,106 @@ pub(crate) async fn team(config: &Config, args: TeamArgs) -> anyhow::Result<Exit
             };
             answer(&client, &r, json, |s| print_stats(&s.records)).await
         }
+        Some(TeamCommand::Spawn {
+            name,
+            role,
+            instructions,
+            agent,
+            pool,
+            team,
+        }) => {
+            let r = TeamSpawnRequest {
+                protocol: flotilla_model::PROTOCOL_VERSION,
+                team: team_of(team),
+                name,
+                role,
+                instructions,
+                agent,
+                pool,
+                by: sender_of(None),
+            };
+            answer(&client, &r, json, print_mate).await
+        }
+        Some(TeamCommand::Send {
+            to,
+            text,
+            from,
+            team,
+        }) => {
+            let r = TeamSendRequest {
+                protocol: flotilla_model::PROTOCOL_VERSION,
+                team: team_of(team),
+                to,
+                from: sender_of(from),
+                text,
+            };
+            answer(&client, &r, json, print_sent).await
+        }
+        Some(TeamCommand::Broadcast { text, from, team }) => {
+            let r = TeamBroadcastRequest {
+                protocol: flotilla_model::PROTOCOL_VERSION,
+                team: team_of(team),
+                from: sender_of(from),
+                text,
+            };
+            answer(&client, &r, json, print_sent).await
+        }
+        Some(TeamCommand::Shutdown { name, team }) => {
+            let r = TeamShutdownRequest {
+                protocol: flotilla_model::PROTOCOL_VERSION,
+                team: team_of(team),
+                name,
+            };
+            answer(&client, &r, json, print_mate).await
+        }
+    }
+}
+
+fn print_sent(s: &TeamSent) {
+    for (name, seq) in s.delivered.iter().zip(&s.seqs) {
+        outln!("sent to {name} (seq {seq})");
+    }
+}
+
+fn print_mate(m: &TeammateView) {
+    outln!(
+        "teammate {} of team {}: {} (role {}, agent {}, pool {}, epoch {}, turns {}{})",
+        m.name,
+        m.team,
+        m.status.as_str(),
+        m.role,
+        m.agent,
+        m.pool,
+        m.epoch,
+        m.turns,
+        if m.shutdown_requested && m.status.as_str() != "shutdown" {
+            ", shutting down after this turn"
+        } else {
+            ""
+        }
+    );
+}
+
+fn print_mates(list: &[TeammateView]) {
+    outln!(
+        "{:<20}  {:<12}  {:<9}  {:<16}  {:>5}  {:<12}",
+        "TEAMMATE",
+        "TEAM",
+        "STATUS",
+        "ROLE",
+        "TURNS",
+        "PROGRESS"
+    );
+    for m in list {
+        outln!(
+            "{:<20}  {:<12}  {:<9}  {:<16}  {:>5}  {:<12}",
+            m.name.chars().take(20).collect::<String>(),
+            m.team.chars().take(12).collect::<String>(),
+            m.status.as_str(),
+            m.role.chars().take(16).collect::<String>(),
+            m.turns,
+            ago(m.last_progress),
+        );
     }
 }
 
@@ -450,6 +621,10 @@ fn print_list(list: &TeamList) {
     }
     if list.members.is_empty() {
         outln!("(no members)");
+    }
+    if !list.teammates.is_empty() {
+        outln!();
+        print_mates(&list.teammates);
     }
     outln!(
         "roles: {}",

@@ -1,0 +1,589 @@
+//! Persistent teammates on the supervisor's side: the API verbs (`team.spawn`, `team.send`,
+//! `team.broadcast`, `team.shutdown`, `team.mates`) and the **wake**.
+//!
+//! ```text
+//!  team.send ──► <prefix>.tmbox.<team>.<to>.<from> (mailbox stream, stored)
+//!      │                 │ consumer "supervisor-inbox" (shared by the replicas)
+//!      └── wake ◄────────┘
+//!           │ CAS teammate.<team>.<to>: idle → working (epoch + 1)
+//!           ▼
+//!  <prefix>.turn.<pool>.<team>.<to>  (tasks stream, Nats-Msg-Id turn.<team>.<to>.<epoch>)
+//!           └──► consumer "turns-<pool>", pulled by the pool's workers
+//! ```
+//!
+//! The send answers after waking the teammate itself (the fast path); the shared durable
+//! consumer of every teammate inbox wakes it too, so a replica killed between storing a
+//! message and waking its teammate loses nothing. Waking twice is harmless: the second
+//! finds it `working`. A teammate `working` without a host (dispatched, not yet claimed) is
+//! dispatched again with the same message id, so a turn message lost with a replica is
+//! published again and a duplicate is dropped by JetStream.
+//!
+//! An idle teammate costs one KV entry and one conversation entry: no consumer, no task, no
+//! worker slot.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::AckKind;
+use async_nats::jetstream::consumer::PullConsumer;
+use async_nats::jetstream::kv;
+use async_nats::service::Request;
+use flotilla_bus::SharedConsumer;
+use flotilla_bus::service::{parse, respond_error, respond_json};
+use flotilla_model::subjects::StreamKind;
+use flotilla_model::team::member_key;
+use flotilla_model::teammate::{
+    Refused, TeamBroadcastRequest, TeamMates, TeamMatesRequest, TeamSendRequest, TeamSent,
+    TeamShutdownRequest, TeamSpawnRequest, Teammate, TeammatePost, TeammateStatus, TeammateView,
+    TurnEnvelope, team_or_default, teammate_key,
+};
+use flotilla_model::time::Timestamp;
+use flotilla_model::token::check_name;
+use futures::StreamExt;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use crate::Team;
+use crate::cas::modify;
+use crate::error::SupervisorError;
+
+/// The durable consumer the replicas share on the teammate inboxes.
+pub(crate) const INBOX_CONSUMER: &str = "supervisor-inbox";
+
+/// Longest teammate name, in bytes.
+const MAX_NAME: usize = 64;
+
+/// A refusal: status, code, message.
+type Refusal = (u16, &'static str, String);
+
+fn check_team(team: &str) -> Result<(), Refusal> {
+    check_name(team).map_err(|e| (400, "invalid_team", format!("team {team:?} {e}")))
+}
+
+fn check_mate_name(name: &str) -> Result<(), Refusal> {
+    check_name(name)
+        .map_err(|e| e.to_string())
+        .and_then(|()| {
+            if name.starts_with('_') {
+                Err("must not start with `_`".to_owned())
+            } else if name.len() > MAX_NAME {
+                Err(format!("is longer than {MAX_NAME} bytes"))
+            } else {
+                Ok(())
+            }
+        })
+        .map_err(|e| (400, "invalid_name", format!("teammate name {name:?} {e}")))
+}
+
+/// The senders a subject token can carry: names, else `operator`.
+fn sender(from: &Option<String>) -> Result<String, Refusal> {
+    let from = from.clone().unwrap_or_else(|| "operator".to_owned());
+    check_name(&from).map_err(|e| (400, "invalid_sender", format!("sender {from:?} {e}")))?;
+    Ok(from)
+}
+
+async fn refuse(req: &Request, (status, code, message): Refusal) {
+    respond_error(req, status, code, message).await;
+}
+
+fn view(t: &Teammate, updated_ms: Option<i64>) -> TeammateView {
+    TeammateView::of(t, Timestamp::now(), updated_ms.map(Timestamp::from_unix_ms))
+}
+
+/// Reads a teammate's entry from the bucket (not the mirror: a send right after a spawn
+/// must find it).
+async fn read(team: &Team, key: &str) -> Result<Option<(Teammate, i64)>, SupervisorError> {
+    match team
+        .team_kv
+        .entry(key)
+        .await
+        .map_err(|e| SupervisorError::store(format!("reading {key}"), e))?
+    {
+        Some(e) if e.operation == kv::Operation::Put => {
+            let t = serde_json::from_slice::<Teammate>(&e.value).map_err(|err| {
+                SupervisorError::Decode {
+                    key: key.to_owned(),
+                    message: err.to_string(),
+                }
+            })?;
+            Ok(Some((t, flotilla_bus::mirror::unix_ms(e.created))))
+        }
+        _ => Ok(None),
+    }
+}
+
+fn internal(e: impl std::fmt::Display) -> Refusal {
+    (503, "unavailable", e.to_string())
+}
+
+pub(crate) async fn spawn(team: &Team, req: Request) {
+    let Some(r) = parse::<TeamSpawnRequest>(&req).await else {
+        return;
+    };
+    match do_spawn(team, &r).await {
+        Ok(v) => respond_json(&req, team.bus.max_payload(), &v, "").await,
+        Err(e) => refuse(&req, e).await,
+    }
+}
+
+async fn do_spawn(team: &Team, r: &TeamSpawnRequest) -> Result<TeammateView, Refusal> {
+    let t = team_or_default(&r.team);
+    check_team(t)?;
+    check_mate_name(&r.name)?;
+    check_name(&r.role).map_err(|e| (400, "invalid_role", format!("role {:?} {e}", r.role)))?;
+    if r.instructions.len() > Teammate::MAX_INSTRUCTIONS {
+        return Err((
+            413,
+            "instructions_too_large",
+            format!(
+                "instructions are {} bytes; at most {} are allowed",
+                r.instructions.len(),
+                Teammate::MAX_INSTRUCTIONS
+            ),
+        ));
+    }
+    let known = known_agents(team);
+    let agent = match &r.agent {
+        Some(a) if known.iter().any(|k| k == a) => a.clone(),
+        Some(a) => {
+            return Err((
+                404,
+                "unknown_agent",
+                format!(
+                    "no agent definition is named {a:?} (agents: {})",
+                    list(&known)
+                ),
+            ));
+        }
+        None => agent_for_role(team, &r.role).ok_or_else(|| {
+            (
+                404,
+                "unknown_agent",
+                format!(
+                    "no agent definition fills the role {:?}: name one with `agent` (agents: {})",
+                    r.role,
+                    list(&known)
+                ),
+            )
+        })?,
+    };
+    let pool = match &r.pool {
+        Some(p) => {
+            check_name(p).map_err(|e| (400, "invalid_pool", format!("pool {p:?} {e}")))?;
+            p.clone()
+        }
+        None => team
+            .roster
+            .get(&member_key(&agent))
+            .and_then(|m| m.value.pools.first().cloned())
+            .unwrap_or_else(|| "default".to_owned()),
+    };
+    let key = teammate_key(t, &r.name);
+    if read(team, &key).await.map_err(internal)?.is_some() {
+        return Err(duplicate(t, &r.name));
+    }
+    let members = team
+        .mates
+        .matching(|m| m.team == t && m.status != TeammateStatus::Shutdown)
+        .len();
+    if members >= team.opts.team_size {
+        return Err((
+            409,
+            "team_full",
+            format!(
+                "team {t:?} has {members} teammates; the team size cap (team-size) is {}",
+                team.opts.team_size
+            ),
+        ));
+    }
+    let now = Timestamp::now();
+    let mut mate = Teammate::spawn(t, &r.name, &r.role, &agent, &pool, &r.instructions, now);
+    mate.spawned_by = r.by.clone();
+    mate.turns_per_hour = team.opts.turns_per_hour;
+    let bytes = serde_json::to_vec(&mate).map_err(internal)?;
+    match team.team_kv.create(&key, bytes.into()).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
+            return Err(duplicate(t, &r.name));
+        }
+        Err(e) => return Err(internal(e)),
+    }
+    team.mates.note(&key, mate.clone(), now.unix_ms());
+    Ok(view(&mate, Some(now.unix_ms())))
+}
+
+fn duplicate(t: &str, name: &str) -> Refusal {
+    (
+        409,
+        "duplicate_name",
+        format!("team {t:?} already has a teammate named {name:?}"),
+    )
+}
+
+fn list(names: &[String]) -> String {
+    if names.is_empty() {
+        "none".to_owned()
+    } else {
+        names.join(", ")
+    }
+}
+
+/// The agent definitions a teammate may run: the configured members and those on the roster.
+fn known_agents(team: &Team) -> Vec<String> {
+    let mut names: Vec<String> = team.cards.keys().cloned().collect();
+    names.extend(team.roster.all().into_iter().map(|(_, m)| m.value.name));
+    names.sort();
+    names.dedup();
+    names
+}
+
+/// The first agent (by name) whose card fills `role`.
+fn agent_for_role(team: &Team, role: &str) -> Option<String> {
+    let mut agents: Vec<String> = team
+        .cards
+        .iter()
+        .filter(|(_, c)| c.roles.iter().any(|r| r == role))
+        .map(|(n, _)| n.clone())
+        .collect();
+    agents.extend(
+        team.roster
+            .matching(|m| m.has_role(role))
+            .into_iter()
+            .map(|(_, m)| m.name),
+    );
+    agents.sort();
+    agents.into_iter().next()
+}
+
+fn check_text(team: &Team, text: &str) -> Result<(), Refusal> {
+    if text.len() > team.opts.max_message_bytes {
+        return Err((
+            413,
+            "message_too_large",
+            format!(
+                "the message is {} bytes; the message size cap (max-message-bytes) is {}",
+                text.len(),
+                team.opts.max_message_bytes
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Whether `mate` may take one more message now.
+fn check_accepts(mate: &Teammate) -> Result<(), Refusal> {
+    if mate.status == TeammateStatus::Shutdown || mate.shutdown_requested {
+        return Err((
+            409,
+            "shut_down",
+            format!(
+                "teammate {:?} of team {:?} is shut down",
+                mate.name, mate.team
+            ),
+        ));
+    }
+    if let Err(Refused::TurnsPerHour(cap)) = mate.check_rate(Timestamp::now(), mate.turns_per_hour)
+    {
+        return Err((
+            429,
+            "turns_per_hour",
+            format!(
+                "teammate {:?} ran {cap} turns in the last hour; the cap (turns-per-hour) is {cap}",
+                mate.name
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Stores one message in `to`'s inbox and wakes it; the message's stream sequence.
+async fn deliver(team: &Team, t: &str, to: &str, from: &str, text: &str) -> Result<u64, Refusal> {
+    let post = TeammatePost {
+        protocol: flotilla_model::PROTOCOL_VERSION,
+        from: from.to_owned(),
+        text: text.to_owned(),
+    };
+    let ack = team
+        .bus
+        .publish(team.bus.names().teammate_inbox(t, to, from), &post, None)
+        .await
+        .map_err(internal)?;
+    if let Err(e) = wake(team, t, to).await {
+        // The inbox consumer wakes it in a moment.
+        debug!(team = t, teammate = to, error = %e, "Could not wake a teammate at once");
+    }
+    Ok(ack.sequence)
+}
+
+pub(crate) async fn send(team: &Team, req: Request) {
+    let Some(r) = parse::<TeamSendRequest>(&req).await else {
+        return;
+    };
+    match do_send(team, &r).await {
+        Ok(v) => respond_json(&req, team.bus.max_payload(), &v, "").await,
+        Err(e) => refuse(&req, e).await,
+    }
+}
+
+async fn do_send(team: &Team, r: &TeamSendRequest) -> Result<TeamSent, Refusal> {
+    let t = team_or_default(&r.team);
+    check_team(t)?;
+    check_mate_name(&r.to)?;
+    let from = sender(&r.from)?;
+    check_text(team, &r.text)?;
+    let Some((mate, _)) = read(team, &teammate_key(t, &r.to))
+        .await
+        .map_err(internal)?
+    else {
+        return Err(not_found(team, t, &r.to));
+    };
+    check_accepts(&mate)?;
+    let seq = deliver(team, t, &r.to, &from, &r.text).await?;
+    Ok(TeamSent {
+        delivered: vec![r.to.clone()],
+        seqs: vec![seq],
+    })
+}
+
+fn not_found(team: &Team, t: &str, name: &str) -> Refusal {
+    let mut names: Vec<String> = team
+        .mates
+        .matching(|m| m.team == t)
+        .into_iter()
+        .map(|(_, m)| m.name)
+        .collect();
+    names.sort();
+    (
+        404,
+        "not_found",
+        format!(
+            "team {t:?} has no teammate named {name:?} (teammates: {})",
+            list(&names)
+        ),
+    )
+}
+
+pub(crate) async fn broadcast(team: &Team, req: Request) {
+    let Some(r) = parse::<TeamBroadcastRequest>(&req).await else {
+        return;
+    };
+    match do_broadcast(team, &r).await {
+        Ok(v) => respond_json(&req, team.bus.max_payload(), &v, "").await,
+        Err(e) => refuse(&req, e).await,
+    }
+}
+
+async fn do_broadcast(team: &Team, r: &TeamBroadcastRequest) -> Result<TeamSent, Refusal> {
+    let t = team_or_default(&r.team);
+    check_team(t)?;
+    let from = sender(&r.from)?;
+    check_text(team, &r.text)?;
+    let mut mates: Vec<Teammate> = team
+        .mates
+        .matching(|m| m.team == t && m.name != from)
+        .into_iter()
+        .map(|(_, m)| m)
+        .collect();
+    mates.sort_by(|a, b| a.name.cmp(&b.name));
+    let open: Vec<&Teammate> = mates.iter().filter(|m| check_accepts(m).is_ok()).collect();
+    if open.is_empty() {
+        return Err((
+            404,
+            "no_teammates",
+            format!("team {t:?} has no teammate that takes messages"),
+        ));
+    }
+    let mut sent = TeamSent {
+        delivered: Vec::new(),
+        seqs: Vec::new(),
+    };
+    for m in open {
+        let seq = deliver(team, t, &m.name, &from, &r.text).await?;
+        sent.delivered.push(m.name.clone());
+        sent.seqs.push(seq);
+    }
+    Ok(sent)
+}
+
+pub(crate) async fn shutdown(team: &Team, req: Request) {
+    let Some(r) = parse::<TeamShutdownRequest>(&req).await else {
+        return;
+    };
+    let t = team_or_default(&r.team).to_owned();
+    if let Err(e) = check_team(&t).and_then(|()| check_mate_name(&r.name)) {
+        return refuse(&req, e).await;
+    }
+    let key = teammate_key(&t, &r.name);
+    match read(team, &key).await {
+        Ok(Some(_)) => {}
+        Ok(None) => return refuse(&req, not_found(team, &t, &r.name)).await,
+        Err(e) => return refuse(&req, internal(e)).await,
+    }
+    let now = Timestamp::now();
+    let written = modify(
+        &team.team_kv,
+        &key,
+        || Teammate::spawn(&t, &r.name, "", "", "", "", now),
+        |m: &mut Teammate| m.shutdown(now),
+        &team.metrics,
+    )
+    .await;
+    match written {
+        Ok(Some(m)) => {
+            team.mates.note(&key, m.clone(), now.unix_ms());
+            respond_json(&req, team.bus.max_payload(), &view(&m, None), "").await;
+        }
+        Ok(None) => match read(team, &key).await {
+            Ok(Some((m, at))) => {
+                respond_json(&req, team.bus.max_payload(), &view(&m, Some(at)), "").await
+            }
+            Ok(None) => refuse(&req, not_found(team, &t, &r.name)).await,
+            Err(e) => refuse(&req, internal(e)).await,
+        },
+        Err(e) => refuse(&req, internal(e)).await,
+    }
+}
+
+/// The teammates as views (of one team), by team then name.
+pub(crate) fn views(team: &Team, only: Option<&str>) -> Vec<TeammateView> {
+    let now = Timestamp::now();
+    let mut out: Vec<TeammateView> = team
+        .mates
+        .all()
+        .into_iter()
+        .filter(|(_, m)| only.is_none_or(|t| m.value.team == t))
+        .map(|(_, m)| TeammateView::of(&m.value, now, Some(Timestamp::from_unix_ms(m.at_ms))))
+        .collect();
+    out.sort_by(|a, b| a.team.cmp(&b.team).then(a.name.cmp(&b.name)));
+    out
+}
+
+pub(crate) async fn mates(team: &Team, req: Request) {
+    let Some(r) = parse::<TeamMatesRequest>(&req).await else {
+        return;
+    };
+    if let Some(t) = &r.team
+        && let Err(e) = check_team(t)
+    {
+        return refuse(&req, e).await;
+    }
+    let reply = TeamMates {
+        teammates: views(team, r.team.as_deref()),
+    };
+    respond_json(
+        &req,
+        team.bus.max_payload(),
+        &reply,
+        "ask for one team (team.mates team)",
+    )
+    .await;
+}
+
+/// Wakes `name` of `t` if it is idle (or dispatched and not claimed: the turn is published
+/// again, de-duplicated by its message id). Returns the epoch dispatched, if any.
+pub(crate) async fn wake(team: &Team, t: &str, name: &str) -> Result<Option<u64>, SupervisorError> {
+    let key = teammate_key(t, name);
+    let now = Timestamp::now();
+    let mut again: Option<Teammate> = None;
+    let written = modify(
+        &team.team_kv,
+        &key,
+        || Teammate::spawn(t, name, "", "", "", "", now),
+        |m: &mut Teammate| {
+            if m.agent.is_empty() {
+                // No such teammate (the placeholder): nothing to wake.
+                return false;
+            }
+            if m.status == TeammateStatus::Working && m.host.is_none() {
+                again = Some(m.clone());
+                return false;
+            }
+            again = None;
+            let cap = m.turns_per_hour;
+            m.wake(now, cap).is_ok()
+        },
+        &team.metrics,
+    )
+    .await?;
+    let mate = match (written, again) {
+        (Some(m), _) => {
+            team.mates.note(&key, m.clone(), now.unix_ms());
+            m
+        }
+        (None, Some(m)) => m,
+        (None, None) => return Ok(None),
+    };
+    let turn = TurnEnvelope {
+        protocol: flotilla_model::PROTOCOL_VERSION,
+        team: mate.team.clone(),
+        name: mate.name.clone(),
+        epoch: mate.dispatch,
+    };
+    team.bus
+        .publish(
+            team.bus.names().turn(&mate.pool, &mate.team, &mate.name),
+            &turn,
+            Some(&turn.msg_id()),
+        )
+        .await
+        .map_err(|e| SupervisorError::store(format!("dispatching a turn of {key}"), e))?;
+    Ok(Some(mate.dispatch))
+}
+
+/// Binds the shared durable consumer of the teammate inboxes.
+pub(crate) async fn consumer(team: &Team) -> Result<PullConsumer, SupervisorError> {
+    team.bus
+        .shared_consumer(SharedConsumer {
+            stream: StreamKind::Mailbox,
+            durable: INBOX_CONSUMER.to_owned(),
+            description: "Flotilla supervisors: waking teammates on mail".to_owned(),
+            filters: vec![team.bus.names().teammate_inbox_all()],
+            ack_wait: team.opts.ack_wait,
+            max_ack_pending: 10_000,
+        })
+        .await
+        .map_err(|e| SupervisorError::Setup(e.to_string()))
+}
+
+/// Wakes the teammates whose inboxes receive mail, until `stop`.
+pub(crate) async fn follow(
+    team: Arc<Team>,
+    consumer: PullConsumer,
+    stop: CancellationToken,
+) -> Result<(), SupervisorError> {
+    while !stop.is_cancelled() {
+        let messages = match consumer.messages().await {
+            Ok(m) => m,
+            Err(e) => {
+                warn!(error = %e, "Cannot read the teammate inboxes; retrying");
+                tokio::select! {
+                    _ = stop.cancelled() => return Ok(()),
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
+                }
+            }
+        };
+        let messages = messages.take_until(stop.cancelled());
+        futures::pin_mut!(messages);
+        while let Some(msg) = messages.next().await {
+            let Ok(msg) = msg else { break };
+            // <prefix>.tmbox.<team>.<to>.<from>
+            let tokens: Vec<&str> = msg.subject.split('.').collect();
+            let (Some(t), Some(to)) = (tokens.get(2), tokens.get(3)) else {
+                let _ = msg.ack_with(AckKind::Term).await;
+                continue;
+            };
+            match wake(&team, t, to).await {
+                Ok(_) => {
+                    let _ = msg.ack().await;
+                }
+                Err(e) => {
+                    warn!(team = t, teammate = to, error = %e, "Could not wake a teammate; retrying");
+                    let _ = msg
+                        .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                        .await;
+                }
+            }
+        }
+    }
+    Ok(())
+}

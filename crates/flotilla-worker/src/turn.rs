@@ -1,0 +1,544 @@
+//! Teammate turns: a worker pulls its pool's turn queue (`turns-<pool>` on the tasks stream,
+//! filter `<prefix>.turn.<pool>.>`), shared by the pool's workers, only while it has a free
+//! agent slot.
+//!
+//! One turn, fenced by the teammate's epoch (see `flotilla_model::teammate`):
+//!
+//! 1. **claim** — compare-and-set the entry: the dispatch the message carries must still be
+//!    the current one; the epoch moves on and names this worker the host. A redelivered turn
+//!    (its first host died or stalled) is claimed again by the next worker, which fences the
+//!    first out.
+//! 2. **fence the conversation** — write it back with the host's epoch (compare-and-set on its
+//!    revision): a stale host's later save, based on an older revision, is refused.
+//! 3. read the inbox after the conversation's cursor; nothing new → back to `idle`.
+//! 4. run the agent (the teammate's definition) on its instructions, its conversation and the
+//!    new messages, under in-progress acknowledgements (heartbeats) like an attempt.
+//! 5. **save** the conversation (bounded, compacted), then **finish**: `idle` (or `shutdown`
+//!    when asked for), both refused unless the epoch is still this host's.
+//! 6. acknowledge; if mail arrived meanwhile, wake it again (compare-and-set, de-duplicated
+//!    turn message).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::consumer::PullConsumer;
+use async_nats::jetstream::{self, AckKind, kv};
+use flotilla_bus::{Bus, SharedConsumer, wire};
+use flotilla_context::{Clients, Scope};
+use flotilla_model::subjects::StreamKind;
+use flotilla_model::task::TaskEnvelope;
+use flotilla_model::teammate::{
+    Conversation, Line, Refused, Speaker, Teammate, TeammatePost, TurnEnvelope, conversation_key,
+    teammate_key,
+};
+use flotilla_model::time::Timestamp;
+use futures::StreamExt;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::agent::{AgentContext, EventEmitter};
+use crate::options::WorkerOptions;
+use crate::shared::Shared;
+
+/// How long one turn's agent may run.
+pub const TURN_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Messages read into one turn at most (the rest wait for the next turn).
+const MAX_MESSAGES: usize = 100;
+
+/// Compare-and-set attempts before a write gives up.
+const MAX_TRIES: usize = 20;
+
+/// The shared durable consumer of `pool`'s teammate turns.
+pub fn turn_consumer(
+    names: &flotilla_model::Names,
+    pool: &str,
+    opts: &WorkerOptions,
+) -> SharedConsumer {
+    SharedConsumer {
+        stream: StreamKind::Tasks,
+        durable: names.turn_consumer(pool),
+        description: format!("Flotilla teammate turns of pool {pool}"),
+        filters: vec![names.turn_filter(pool)],
+        ack_wait: opts.ack_wait(),
+        max_ack_pending: 100_000,
+    }
+}
+
+/// Why a fenced write was not made.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TurnError {
+    /// Another host owns the teammate now (or the turn is over).
+    #[error("fenced: {0}")]
+    Fenced(String),
+    /// The teammate does not exist.
+    #[error("no teammate {0}")]
+    NotFound(String),
+    /// The bucket could not be read or written.
+    #[error("{0}")]
+    Store(String),
+}
+
+fn store(e: impl std::fmt::Display) -> TurnError {
+    TurnError::Store(e.to_string())
+}
+
+/// Read-modify-write of one JSON value with compare-and-set. `change` returns `Err` to stop
+/// without writing.
+async fn cas<T, F>(kv: &kv::Store, key: &str, mut change: F) -> Result<(T, u64), TurnError>
+where
+    T: serde::Serialize + serde::de::DeserializeOwned + Default,
+    F: FnMut(Option<T>) -> Result<T, TurnError>,
+{
+    for _ in 0..MAX_TRIES {
+        let entry = kv.entry(key).await.map_err(store)?;
+        let (current, revision) = match entry {
+            Some(e) if e.operation == kv::Operation::Put => (
+                Some(serde_json::from_slice::<T>(&e.value).map_err(store)?),
+                Some(e.revision),
+            ),
+            Some(e) => (None, Some(e.revision)),
+            None => (None, None),
+        };
+        let next = change(current)?;
+        let bytes = serde_json::to_vec(&next).map_err(store)?;
+        let written = match revision {
+            Some(rev) => match kv.update(key, bytes.into(), rev).await {
+                Ok(r) => Some(r),
+                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => None,
+                Err(e) => return Err(store(e)),
+            },
+            None => match kv.create(key, bytes.into()).await {
+                Ok(r) => Some(r),
+                Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => None,
+                Err(e) => return Err(store(e)),
+            },
+        };
+        if let Some(rev) = written {
+            return Ok((next, rev));
+        }
+    }
+    Err(TurnError::Store(format!("{key} kept changing")))
+}
+
+fn fenced(r: Refused) -> TurnError {
+    TurnError::Fenced(format!("{r:?}"))
+}
+
+/// Claims the turn dispatched with `dispatched` for `host`: the host's epoch.
+pub async fn claim(
+    kv: &kv::Store,
+    team: &str,
+    name: &str,
+    dispatched: u64,
+    host: &str,
+) -> Result<(Teammate, u64), TurnError> {
+    let key = teammate_key(team, name);
+    let now = Timestamp::now();
+    let (mate, _) = cas::<Option<Teammate>, _>(kv, &key, |m| {
+        let mut m = m
+            .flatten()
+            .ok_or_else(|| TurnError::NotFound(key.clone()))?;
+        m.claim(dispatched, host, now).map_err(fenced)?;
+        Ok(Some(m))
+    })
+    .await?;
+    let mate = mate.ok_or_else(|| TurnError::NotFound(key.clone()))?;
+    let epoch = mate.epoch;
+    Ok((mate, epoch))
+}
+
+/// Writes the conversation as the host of `epoch`: refused when it holds a later epoch, and
+/// (with `revision`) when anybody wrote it since that revision. Returns the new revision.
+pub async fn save_conversation(
+    kv: &kv::Store,
+    team: &str,
+    name: &str,
+    epoch: u64,
+    revision: Option<u64>,
+    mut conversation: Conversation,
+) -> Result<u64, TurnError> {
+    let key = conversation_key(team, name);
+    if let Some(rev) = revision {
+        conversation.epoch = epoch;
+        let bytes = serde_json::to_vec(&conversation).map_err(store)?;
+        return match kv.update(&key, bytes.into(), rev).await {
+            Ok(r) => Ok(r),
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Err(TurnError::Fenced(
+                format!("{key} changed since revision {rev}"),
+            )),
+            Err(e) => Err(store(e)),
+        };
+    }
+    let (_, rev) = cas::<Conversation, _>(kv, &key, |c| {
+        let c = c.unwrap_or_default();
+        if c.epoch > epoch {
+            return Err(TurnError::Fenced(format!(
+                "{key} was written by epoch {} (mine: {epoch})",
+                c.epoch
+            )));
+        }
+        let mut next = conversation.clone();
+        next.epoch = epoch;
+        Ok(next)
+    })
+    .await?;
+    Ok(rev)
+}
+
+/// Reads the conversation with its revision.
+async fn load_conversation(
+    kv: &kv::Store,
+    team: &str,
+    name: &str,
+) -> Result<Conversation, TurnError> {
+    match kv
+        .entry(conversation_key(team, name))
+        .await
+        .map_err(store)?
+    {
+        Some(e) if e.operation == kv::Operation::Put => {
+            serde_json::from_slice(&e.value).map_err(store)
+        }
+        _ => Ok(Conversation::default()),
+    }
+}
+
+/// Ends the host's turn: `idle` (or `shutdown`), refused unless `epoch` is still the entry's.
+/// `ran: false`: there was nothing to read; no turn is counted.
+pub async fn finish(
+    kv: &kv::Store,
+    team: &str,
+    name: &str,
+    epoch: u64,
+    ran: Option<(bool, &str)>,
+) -> Result<Teammate, TurnError> {
+    let key = teammate_key(team, name);
+    let now = Timestamp::now();
+    let (m, _) = cas::<Option<Teammate>, _>(kv, &key, |m| {
+        let mut m = m
+            .flatten()
+            .ok_or_else(|| TurnError::NotFound(key.clone()))?;
+        match ran {
+            Some((success, reply)) => m.finish(epoch, success, Some(reply), now),
+            None => m.nothing_to_do(epoch, now),
+        }
+        .map_err(fenced)?;
+        Ok(Some(m))
+    })
+    .await?;
+    m.ok_or(TurnError::NotFound(key))
+}
+
+/// Wakes an idle teammate whose inbox holds mail after `cursor` (what the supervisor does on
+/// mail, done here for mail that came during a turn). The turn dispatched, if any.
+async fn wake_if_pending(bus: &Bus, kv: &kv::Store, mate: &Teammate, cursor: u64) {
+    let names = bus.names();
+    let filter = names.teammate_inbox_filter(&mate.team, &mate.name);
+    match bus
+        .direct_batch(StreamKind::Mailbox, &filter, cursor, 1, None)
+        .await
+    {
+        Ok(m) if !m.is_empty() => {}
+        Ok(_) => return,
+        Err(e) => {
+            debug!(error = %e, "Cannot look for pending teammate mail");
+            return;
+        }
+    }
+    let key = teammate_key(&mate.team, &mate.name);
+    let now = Timestamp::now();
+    let woken = cas::<Option<Teammate>, _>(kv, &key, |m| {
+        let mut m = m
+            .flatten()
+            .ok_or_else(|| TurnError::NotFound(key.clone()))?;
+        let cap = m.turns_per_hour;
+        m.wake(now, cap).map_err(fenced)?;
+        Ok(Some(m))
+    })
+    .await;
+    let Ok((Some(m), _)) = woken else { return };
+    let turn = TurnEnvelope {
+        protocol: flotilla_model::PROTOCOL_VERSION,
+        team: m.team.clone(),
+        name: m.name.clone(),
+        epoch: m.dispatch,
+    };
+    if let Err(e) = bus
+        .publish(
+            names.turn(&m.pool, &m.team, &m.name),
+            &turn,
+            Some(&turn.msg_id()),
+        )
+        .await
+    {
+        warn!(teammate = %key, error = %e, "Could not dispatch the next turn; the supervisor dispatches it on the next message");
+    }
+}
+
+/// Pulls `pool`'s turns while this worker has a free slot, until `shutdown`.
+pub(crate) async fn pull_turns(
+    shared: Arc<Shared>,
+    consumer: PullConsumer,
+    kv: kv::Store,
+    shutdown: CancellationToken,
+) {
+    let mut running = tokio::task::JoinSet::new();
+    'pull: while !shutdown.is_cancelled() {
+        while shared.run_slots.available_permits() == 0 {
+            tokio::select! {
+                _ = shutdown.cancelled() => break 'pull,
+                p = Arc::clone(&shared.run_slots).acquire_owned() => match p {
+                    Ok(p) => drop(p),
+                    Err(_) => break 'pull,
+                },
+            }
+        }
+        let batch = consumer
+            .batch()
+            .max_messages(shared.run_slots.available_permits().max(1))
+            .expires(crate::worker::PULL_EXPIRY)
+            .messages()
+            .await;
+        let mut batch = match batch {
+            Ok(b) => b,
+            Err(e) => {
+                debug!(error = %e, "Turn pull failed; retrying");
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tokio::time::sleep(Duration::from_millis(250)) => continue,
+                }
+            }
+        };
+        let over =
+            tokio::time::Instant::now() + crate::worker::PULL_EXPIRY + Duration::from_millis(500);
+        loop {
+            let next = tokio::select! {
+                n = tokio::time::timeout_at(over, batch.next()) => n.unwrap_or(None),
+                _ = shutdown.cancelled() => break 'pull,
+            };
+            match next {
+                Some(Ok(msg)) => {
+                    let (shared, kv, stop) = (Arc::clone(&shared), kv.clone(), shutdown.clone());
+                    running.spawn(async move { run_turn(&shared, &kv, msg, &stop).await });
+                }
+                _ => break,
+            }
+        }
+        while running.try_join_next().is_some() {}
+    }
+    while running.join_next().await.is_some() {}
+}
+
+async fn run_turn(
+    shared: &Shared,
+    kv: &kv::Store,
+    msg: jetstream::Message,
+    stopping: &CancellationToken,
+) {
+    let turn: TurnEnvelope = match wire::decode(msg.headers.as_ref(), &msg.payload) {
+        Ok(t) => t,
+        Err(e) => {
+            warn!(error = %e, "Unreadable turn message; dropping it");
+            let _ = msg.ack_with(AckKind::Term).await;
+            return;
+        }
+    };
+    let slot = tokio::select! {
+        p = Arc::clone(&shared.run_slots).acquire_owned() => p,
+        _ = stopping.cancelled() => {
+            let _ = msg.ack_with(AckKind::Nak(None)).await;
+            return;
+        }
+    };
+    let Ok(_slot) = slot else { return };
+    match turn_body(shared, kv, &msg, &turn).await {
+        Ok(()) => {}
+        Err(TurnError::Fenced(why)) | Err(TurnError::NotFound(why)) => {
+            // Another host owns it, or the turn is over: this delivery changes nothing.
+            info!(team = %turn.team, teammate = %turn.name, why, "Turn fenced out");
+            let _ = msg.ack().await;
+        }
+        Err(TurnError::Store(e)) => {
+            warn!(team = %turn.team, teammate = %turn.name, error = %e, "Turn could not be stored; it will be delivered again");
+            let _ = msg
+                .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                .await;
+        }
+    }
+}
+
+async fn turn_body(
+    shared: &Shared,
+    kv: &kv::Store,
+    msg: &jetstream::Message,
+    turn: &TurnEnvelope,
+) -> Result<(), TurnError> {
+    let (team, name) = (turn.team.as_str(), turn.name.as_str());
+    let (mate, epoch) = claim(kv, team, name, turn.epoch, &shared.id).await?;
+    // The fence: from here on an older host's save of the conversation is refused.
+    let mut conv = load_conversation(kv, team, name).await?;
+    let rev = save_conversation(kv, team, name, epoch, None, conv.clone()).await?;
+    conv.epoch = epoch;
+    let filter = shared.bus.names().teammate_inbox_filter(team, name);
+    let stored = shared
+        .bus
+        .direct_batch(
+            StreamKind::Mailbox,
+            &filter,
+            conv.cursor,
+            MAX_MESSAGES,
+            Some(1 << 20),
+        )
+        .await
+        .map_err(store)?;
+    let Some(last) = stored.last().map(|m| m.seq) else {
+        let m = finish(kv, team, name, epoch, None).await?;
+        let _ = msg.ack().await;
+        wake_if_pending(&shared.bus, kv, &m, conv.cursor).await;
+        return Ok(());
+    };
+    let new: Vec<Line> = stored
+        .iter()
+        .map(|m| {
+            let post = serde_json::from_slice::<TeammatePost>(&m.payload);
+            let at = Timestamp::from_unix_ms(m.ts_ms);
+            match post {
+                Ok(p) => Line {
+                    speaker: Speaker::User,
+                    from: Some(p.from),
+                    text: p.text,
+                    at,
+                },
+                Err(e) => Line {
+                    speaker: Speaker::User,
+                    from: None,
+                    text: format!("(an unreadable message: {e})"),
+                    at,
+                },
+            }
+        })
+        .collect();
+    let (success, reply) = run_agent(shared, msg, &mate, &conv, &new).await;
+    conv.lines.extend(new);
+    conv.lines.push(Line {
+        speaker: Speaker::Assistant,
+        from: None,
+        text: reply.clone(),
+        at: Timestamp::now(),
+    });
+    conv.cursor = last;
+    conv.turns += 1;
+    conv.compact();
+    save_conversation(kv, team, name, epoch, Some(rev), conv).await?;
+    let m = finish(kv, team, name, epoch, Some((success, &reply))).await?;
+    let _ = msg.ack().await;
+    wake_if_pending(&shared.bus, kv, &m, last).await;
+    Ok(())
+}
+
+fn render(mate: &Teammate, conv: &Conversation, new: &[Line]) -> (String, String) {
+    let line = |l: &Line| match (l.speaker, &l.from) {
+        (Speaker::Assistant, _) => format!("you: {}", l.text),
+        (Speaker::User, Some(f)) => format!("{f}: {}", l.text),
+        (Speaker::User, None) => l.text.clone(),
+    };
+    let mut description = format!(
+        "You are {}, a persistent teammate with the role {} in team {}.\n{}\n",
+        mate.name, mate.role, mate.team, mate.instructions
+    );
+    if !conv.lines.is_empty() {
+        description.push_str("\nConversation so far");
+        if conv.dropped > 0 {
+            description.push_str(&format!(" ({} older lines dropped)", conv.dropped));
+        }
+        description.push_str(":\n");
+        for l in &conv.lines {
+            description.push_str(&line(l));
+            description.push('\n');
+        }
+    }
+    let query: Vec<String> = new.iter().map(line).collect();
+    (description, query.join("\n"))
+}
+
+/// Runs the teammate's agent on one turn: `(success, reply or error)`.
+async fn run_agent(
+    shared: &Shared,
+    msg: &jetstream::Message,
+    mate: &Teammate,
+    conv: &Conversation,
+    new: &[Line],
+) -> (bool, String) {
+    let (description, query) = render(mate, conv, new);
+    let envelope = serde_json::json!({
+        "run_id": flotilla_model::RunId::new(),
+        "session_id": mate.team.parse::<flotilla_model::SessionId>().ok(),
+        "task_id": mate.name,
+        "attempt": conv.turns + 1,
+        "attempt_id": flotilla_model::ids::AttemptId::new(),
+        "agent": mate.agent,
+        "pool": mate.pool,
+        "role": mate.role,
+        "required": true,
+        "timeout": TURN_TIMEOUT.as_secs(),
+        "description": description,
+        "query": query,
+        "input": {
+            "teammate": {"name": mate.name, "team": mate.team, "role": mate.role, "epoch": mate.epoch},
+            "turn": conv.turns + 1,
+            "conversation": conv.lines,
+            "dropped": conv.dropped,
+            "messages": new,
+        },
+        "dispatched_at": Timestamp::now(),
+    });
+    let task: TaskEnvelope = match serde_json::from_value(envelope) {
+        Ok(t) => t,
+        Err(e) => return (false, format!("cannot build the turn's envelope: {e}")),
+    };
+    let agent = match shared.agents.resolve(Some(&mate.agent)) {
+        Ok((_, a)) => Arc::clone(a),
+        Err(e) => return (false, e),
+    };
+    let scope = Scope::from_envelope(&task, 1, shared.bus.names().clone());
+    let clients = match Clients::new(shared.bus.clone(), scope) {
+        Ok(c) => c,
+        Err(e) => return (false, e.to_string()),
+    };
+    let cancel = shared.hard_stop.child_token();
+    let events = EventEmitter::new(Some(shared.bus.clone()), &task, &shared.id, 1);
+    let ctx = AgentContext::new(
+        clients,
+        cancel.clone(),
+        Instant::now() + TURN_TIMEOUT,
+        events,
+        shared.id.clone(),
+    );
+    let run = agent.run(&task, ctx);
+    tokio::pin!(run);
+    let deadline = tokio::time::sleep(TURN_TIMEOUT);
+    tokio::pin!(deadline);
+    let mut heartbeat = tokio::time::interval_at(
+        tokio::time::Instant::now() + shared.opts.progress_interval(),
+        shared.opts.progress_interval(),
+    );
+    loop {
+        tokio::select! {
+            biased;
+            r = &mut run => {
+                return match r {
+                    Ok(reply) => (true, reply.response),
+                    Err(e) => (false, e.to_string()),
+                };
+            }
+            _ = heartbeat.tick() => {
+                let _ = msg.ack_with(AckKind::Progress).await;
+            }
+            _ = &mut deadline => {
+                cancel.cancel();
+                return (false, format!("the turn exceeded {}s", TURN_TIMEOUT.as_secs()));
+            }
+        }
+    }
+}

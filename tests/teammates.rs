@@ -1,0 +1,507 @@
+//! Persistent teammates across processes against a real nats-server: spawn → message → turn →
+//! idle, woken again with its conversation; a worker killed mid-turn (the turn completes on
+//! another worker, the stale host's writes refused); shutdown after the current turn;
+//! broadcast; every cap and bad input refused, structured, changing nothing; 1,000 idle
+//! teammates without a consumer each.
+//!
+//! The agent is a deterministic exec script (`python3`): it answers `turn N history H` (its
+//! turn number and how many conversation lines it was given, which proves the conversation
+//! was loaded), logs `start <name> <pid>` to a file, and sleeps when a message says `slow`.
+
+mod support;
+
+use std::time::Duration;
+
+use flotilla_model::subjects::{Bucket, StreamKind};
+use flotilla_model::teammate::{
+    TeamMates, TeamMatesRequest, TeamSendRequest, TeamSpawnRequest, TeammateStatus, TeammateView,
+};
+use flotilla_model::worker::WorkerInfo;
+use support::*;
+
+const ASK: Duration = Duration::from_secs(10);
+
+fn config(log: &std::path::Path, supervisor: &str) -> String {
+    format!(
+        r#"
+default-agent = "mate"
+
+[agents.mate]
+kind = "exec"
+command = "python3"
+args = ["-c", "import json,sys,os,time\ne=json.load(sys.stdin)\ni=e['input']\nopen('{log}','a').write('start %s %d\\n' % (i['teammate']['name'], os.getppid()))\nif any('slow' in m['text'] for m in i['messages']): time.sleep(3)\nprint('turn %d history %d' % (i['turn'], len(i['conversation'])))"]
+roles = ["analyst"]
+
+[supervisor]
+ack-wait = "2s"
+{supervisor}
+"#,
+        log = log.display()
+    )
+}
+
+/// Starts `flotilla supervisor` and waits until the team API answers.
+async fn supervisor(p: &mut Processes) -> anyhow::Result<usize> {
+    let i = p.spawn(&["supervisor"])?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        if p.client.request(&mates(None), ASK).await.is_ok() {
+            return Ok(i);
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the supervisor never answered:\n{}",
+            p.log(i)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn mates(team: Option<&str>) -> TeamMatesRequest {
+    TeamMatesRequest {
+        protocol: 1,
+        team: team.map(str::to_owned),
+    }
+}
+
+async fn mate(p: &Processes, team: &str, name: &str) -> anyhow::Result<TeammateView> {
+    let list: TeamMates = p.client.request(&mates(Some(team)), ASK).await?;
+    list.teammates
+        .into_iter()
+        .find(|m| m.name == name)
+        .ok_or_else(|| anyhow::anyhow!("no teammate {name}"))
+}
+
+/// Waits until `pred` holds for the teammate.
+async fn until(
+    p: &Processes,
+    team: &str,
+    name: &str,
+    within: Duration,
+    pred: impl Fn(&TeammateView) -> bool,
+) -> anyhow::Result<TeammateView> {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let m = mate(p, team, name).await?;
+        if pred(&m) {
+            return Ok(m);
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "teammate {name} never got there: {m:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn cli_json(p: &Processes, args: &[&str]) -> anyhow::Result<(i32, serde_json::Value)> {
+    let mut all = args.to_vec();
+    all.push("--json");
+    let out = p.cli(&all)?;
+    let body = serde_json::from_slice(&out.stdout).map_err(|e| {
+        anyhow::anyhow!(
+            "{e}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })?;
+    Ok((out.status.code().unwrap_or(-1), body))
+}
+
+fn send(team: &str, to: &str, text: &str) -> TeamSendRequest {
+    TeamSendRequest {
+        protocol: 1,
+        team: Some(team.into()),
+        to: to.into(),
+        from: None,
+        text: text.into(),
+    }
+}
+
+#[tokio::test]
+async fn a_teammate_wakes_remembers_broadcasts_and_shuts_down() -> anyhow::Result<()> {
+    let log = tempfile::NamedTempFile::new()?;
+    let mut p = Processes::start(&config(log.path(), "")).await?;
+    supervisor(&mut p).await?;
+    p.worker(&[]).await?;
+
+    let (code, body) = cli_json(
+        &p,
+        &[
+            "team",
+            "spawn",
+            "ann",
+            "--role",
+            "analyst",
+            "--instructions",
+            "answer briefly",
+            "--team",
+            "t1",
+        ],
+    )?;
+    assert_eq!(code, 0, "{body}");
+    assert_eq!(body["status"], "spawned");
+    assert_eq!(body["agent"], "mate", "the member filling the role");
+
+    // A message wakes it; the turn runs and it goes back to idle.
+    let (code, body) = cli_json(&p, &["team", "send", "ann", "hello", "--team", "t1"])?;
+    assert_eq!(code, 0, "{body}");
+    let m = until(&p, "t1", "ann", Duration::from_secs(20), |m| {
+        m.status == TeammateStatus::Idle && m.turns == 1
+    })
+    .await?;
+    assert_eq!(m.last_reply.as_deref(), Some("turn 1 history 0"));
+    assert_eq!(m.host, None, "an idle teammate holds no worker");
+    let statuses: Vec<&str> = m.transitions.iter().map(|t| t.status.as_str()).collect();
+    assert_eq!(statuses, ["spawned", "working", "working", "idle"], "{m:?}");
+
+    // The second message finds its conversation: the first message and its reply.
+    p.client.request(&send("t1", "ann", "again"), ASK).await?;
+    let m = until(&p, "t1", "ann", Duration::from_secs(20), |m| m.turns == 2).await?;
+    assert_eq!(m.last_reply.as_deref(), Some("turn 2 history 2"));
+
+    // It is listed in the roster with its status, role, team and turns.
+    let out = p.cli(&["team"])?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("ann") && text.contains("t1") && text.contains("analyst"),
+        "{text}"
+    );
+
+    // Broadcast reaches every teammate of the team, not another team's.
+    p.client
+        .request(
+            &TeamSpawnRequest {
+                protocol: 1,
+                team: Some("t1".into()),
+                name: "bob".into(),
+                role: "analyst".into(),
+                instructions: "check".into(),
+                agent: None,
+                pool: None,
+                by: None,
+            },
+            ASK,
+        )
+        .await?;
+    p.client
+        .request(
+            &TeamSpawnRequest {
+                protocol: 1,
+                team: Some("t2".into()),
+                name: "cid".into(),
+                role: "analyst".into(),
+                instructions: "elsewhere".into(),
+                agent: None,
+                pool: None,
+                by: None,
+            },
+            ASK,
+        )
+        .await?;
+    let (code, body) = cli_json(&p, &["team", "broadcast", "all hands", "--team", "t1"])?;
+    assert_eq!(code, 0, "{body}");
+    assert_eq!(body["delivered"], serde_json::json!(["ann", "bob"]));
+    until(&p, "t1", "ann", Duration::from_secs(20), |m| m.turns == 3).await?;
+    until(&p, "t1", "bob", Duration::from_secs(20), |m| m.turns == 1).await?;
+    assert_eq!(mate(&p, "t2", "cid").await?.turns, 0);
+
+    // Shutdown during a turn: it ends after the turn, then refuses mail.
+    p.client
+        .request(&send("t1", "ann", "slow one"), ASK)
+        .await?;
+    until(&p, "t1", "ann", Duration::from_secs(10), |m| {
+        m.host.is_some()
+    })
+    .await?;
+    let (code, body) = cli_json(&p, &["team", "shutdown", "ann", "--team", "t1"])?;
+    assert_eq!(code, 0, "{body}");
+    assert_eq!(body["status"], "working");
+    assert_eq!(body["shutdown_requested"], true);
+    let m = until(&p, "t1", "ann", Duration::from_secs(20), |m| {
+        m.status == TeammateStatus::Shutdown
+    })
+    .await?;
+    assert_eq!(m.turns, 4, "the current turn finished first");
+    let (code, body) = cli_json(&p, &["team", "send", "ann", "still there?", "--team", "t1"])?;
+    assert_eq!(
+        (code, body["error"].as_str()),
+        (1, Some("shut_down")),
+        "{body}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_worker_killed_mid_turn_hands_the_turn_to_another_and_is_fenced_out() -> anyhow::Result<()>
+{
+    let log = tempfile::NamedTempFile::new()?;
+    let mut p = Processes::start(&config(log.path(), "")).await?;
+    supervisor(&mut p).await?;
+    let w1 = p.worker(&[]).await?;
+    let w2 = p.worker(&[]).await?;
+    p.client
+        .request(
+            &TeamSpawnRequest {
+                protocol: 1,
+                team: Some("k".into()),
+                name: "dora".into(),
+                role: "analyst".into(),
+                instructions: "work".into(),
+                agent: Some("mate".into()),
+                pool: None,
+                by: None,
+            },
+            ASK,
+        )
+        .await?;
+    p.client
+        .request(&send("k", "dora", "slow work"), ASK)
+        .await?;
+    let first = until(&p, "k", "dora", Duration::from_secs(10), |m| {
+        m.host.is_some()
+    })
+    .await?;
+    // Kill its host once the agent runs there.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while std::fs::read_to_string(log.path())?.lines().count() < 1 {
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the turn never started"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let host = first.host.clone().unwrap_or_default();
+    let workers = p.bus.kv(Bucket::Workers).await?;
+    let info: WorkerInfo = serde_json::from_slice(
+        &workers
+            .get(&host)
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("no worker {host}"))?,
+    )?;
+    let (victim, survivor) = if p.pid(w1) == Some(info.pid) {
+        (w1, w2)
+    } else {
+        (w2, w1)
+    };
+    p.kill(victim);
+
+    // The turn is redelivered and completes on the other worker, once.
+    let m = until(&p, "k", "dora", Duration::from_secs(30), |m| {
+        m.status == TeammateStatus::Idle
+    })
+    .await?;
+    assert_eq!(m.turns, 1, "{m:?}");
+    let hosts: Vec<String> = m
+        .transitions
+        .iter()
+        .filter_map(|t| t.host.clone())
+        .collect();
+    assert_eq!(
+        hosts.len(),
+        2,
+        "claimed by the killed worker, then another: {m:?}"
+    );
+    assert_ne!(hosts[0], hosts[1]);
+    let starts = std::fs::read_to_string(log.path())?;
+    assert_eq!(starts.lines().count(), 2, "{starts}");
+    let _ = survivor;
+
+    // The stale host's writes are refused: the conversation and the status, directly.
+    let team_kv = p.bus.kv(Bucket::Team).await?;
+    let stale_epoch = first.epoch;
+    let saved = flotilla_worker::turn::save_conversation(
+        &team_kv,
+        "k",
+        "dora",
+        stale_epoch,
+        None,
+        flotilla_model::teammate::Conversation::default(),
+    )
+    .await;
+    assert!(
+        matches!(saved, Err(flotilla_worker::turn::TurnError::Fenced(_))),
+        "{saved:?}"
+    );
+    let finished =
+        flotilla_worker::turn::finish(&team_kv, "k", "dora", stale_epoch, Some((true, "late")))
+            .await;
+    assert!(
+        matches!(finished, Err(flotilla_worker::turn::TurnError::Fenced(_))),
+        "{finished:?}"
+    );
+    let after = mate(&p, "k", "dora").await?;
+    assert_eq!(
+        (after.turns, after.epoch),
+        (m.turns, m.epoch),
+        "nothing changed"
+    );
+    // Its conversation holds one exchange.
+    let conv: flotilla_model::teammate::Conversation = serde_json::from_slice(
+        &team_kv
+            .get("conv.k.dora")
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("no conversation"))?,
+    )?;
+    assert_eq!(conv.lines.len(), 2, "{conv:?}");
+    assert_eq!(conv.turns, 1);
+    Ok(())
+}
+
+#[tokio::test]
+async fn caps_and_bad_input_are_refused_and_change_nothing() -> anyhow::Result<()> {
+    let log = tempfile::NamedTempFile::new()?;
+    let mut p = Processes::start(&config(
+        log.path(),
+        "team-size = 2\nturns-per-hour = 1\nmax-message-bytes = 100",
+    ))
+    .await?;
+    supervisor(&mut p).await?;
+    p.worker(&[]).await?;
+    let spawn = |name: &str, agent: Option<&str>| TeamSpawnRequest {
+        protocol: 1,
+        team: Some("c".into()),
+        name: name.into(),
+        role: "analyst".into(),
+        instructions: "x".into(),
+        agent: agent.map(str::to_owned),
+        pool: None,
+        by: None,
+    };
+    p.client.request(&spawn("a1", None), ASK).await?;
+    p.client.request(&spawn("a2", None), ASK).await?;
+    for (req, code) in [
+        (spawn("a3", None), "team_full"),
+        (spawn("a1", None), "duplicate_name"),
+        (spawn("bad.name", None), "invalid_name"),
+        (spawn("_hidden", None), "invalid_name"),
+        (spawn("a4", Some("nobody")), "unknown_agent"),
+    ] {
+        let err = p.client.call(&req, ASK).await?.expect_err("refused");
+        assert_eq!(err.code, code, "{err:?}");
+    }
+    let (code, body) = cli_json(
+        &p,
+        &[
+            "team",
+            "spawn",
+            "a5",
+            "--role",
+            "analyst",
+            "--instructions",
+            "x",
+            "--team",
+            "c",
+        ],
+    )?;
+    assert_eq!((code, body["error"].as_str()), (1, Some("team_full")));
+    assert!(
+        body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("team-size")),
+        "{body}"
+    );
+
+    // Messages: too large, to nobody, then over the hourly turn cap.
+    let big = "x".repeat(101);
+    for (req, code) in [
+        (send("c", "a1", &big), "message_too_large"),
+        (send("c", "nobody", "hi"), "not_found"),
+        (send("no.team", "a1", "hi"), "invalid_team"),
+    ] {
+        let err = p.client.call(&req, ASK).await?.expect_err("refused");
+        assert_eq!(err.code, code, "{err:?}");
+    }
+    p.client.request(&send("c", "a1", "one"), ASK).await?;
+    until(&p, "c", "a1", Duration::from_secs(20), |m| m.turns == 1).await?;
+    let err = p
+        .client
+        .call(&send("c", "a1", "two"), ASK)
+        .await?
+        .expect_err("refused");
+    assert_eq!(err.code, "turns_per_hour", "{err:?}");
+    assert_eq!(err.status, 429);
+
+    // Nothing changed: two teammates, a1 ran one turn, a2 none, and the refused messages
+    // were never stored.
+    let list: TeamMates = p.client.request(&mates(Some("c")), ASK).await?;
+    let summary: Vec<(String, u64)> = list
+        .teammates
+        .iter()
+        .map(|m| (m.name.clone(), m.turns))
+        .collect();
+    assert_eq!(summary, [("a1".to_owned(), 1), ("a2".to_owned(), 0)]);
+    let stream = p
+        .bus
+        .js()
+        .get_stream(p.bus.names().stream(StreamKind::Mailbox))
+        .await?;
+    let mut info = stream.info_with_subjects("flotilla.tmbox.>").await?;
+    let mut stored = 0;
+    use futures::TryStreamExt;
+    while let Some((_, n)) = info.try_next().await? {
+        stored += n;
+    }
+    assert_eq!(stored, 1, "only the accepted message is in an inbox");
+    Ok(())
+}
+
+/// Consumers on every stream of the installation.
+async fn consumers(p: &Processes) -> anyhow::Result<usize> {
+    let mut total = 0;
+    for kind in StreamKind::ALL {
+        let mut s = p.bus.js().get_stream(p.bus.names().stream(kind)).await?;
+        total += s.info().await?.state.consumer_count;
+    }
+    Ok(total)
+}
+
+#[tokio::test]
+async fn a_thousand_idle_teammates_have_no_consumer_each() -> anyhow::Result<()> {
+    let log = tempfile::NamedTempFile::new()?;
+    let mut p = Processes::start(&config(log.path(), "team-size = 2000")).await?;
+    supervisor(&mut p).await?;
+    p.worker(&[]).await?;
+    let before = consumers(&p).await?;
+    let mut spawns = futures::stream::FuturesUnordered::new();
+    for i in 0..1000 {
+        let client = p.client.clone();
+        spawns.push(async move {
+            client
+                .request(
+                    &TeamSpawnRequest {
+                        protocol: 1,
+                        team: Some("big".into()),
+                        name: format!("m{i}"),
+                        role: "analyst".into(),
+                        instructions: "idle".into(),
+                        agent: None,
+                        pool: None,
+                        by: None,
+                    },
+                    Duration::from_secs(30),
+                )
+                .await
+        });
+        if spawns.len() >= 50 {
+            use futures::StreamExt;
+            if let Some(r) = spawns.next().await {
+                r?;
+            }
+        }
+    }
+    {
+        use futures::StreamExt;
+        while let Some(r) = spawns.next().await {
+            r?;
+        }
+    }
+    let list: TeamMates = p.client.request(&mates(Some("big")), ASK).await?;
+    assert_eq!(list.teammates.len(), 1000);
+    assert_eq!(consumers(&p).await?, before, "no consumer per teammate");
+    // One of them still wakes on a message.
+    p.client.request(&send("big", "m500", "wake"), ASK).await?;
+    until(&p, "big", "m500", Duration::from_secs(20), |m| m.turns == 1).await?;
+    assert_eq!(consumers(&p).await?, before);
+    Ok(())
+}
