@@ -402,6 +402,77 @@ tools = ["recruit"]
     Ok(())
 }
 
+/// A supervisor that died after appending a recruit and before answering: the input is on the
+/// run log (appended here exactly as the supervisor does), the caller never heard back and
+/// asks again with the same recruit id — of the surviving replica, after the run applied it —
+/// and gets the recorded outcome; the run has the recruit once.
+#[tokio::test]
+async fn a_recruit_whose_answer_was_lost_is_answered_again_never_doubled() -> anyhow::Result<()> {
+    use flotilla_model::runlog::{Recruited, RunInput, RunLogEntry};
+    let p = services().await?;
+    let run = submit(
+        &p,
+        vec![Subtask::new("hold", "hold the run open").with_agent("slow")],
+        PlanConfig::default(),
+    )
+    .await?;
+    task_started(&p.client, run, "hold").await?;
+    let request = recruit(run, "lost1", "patents");
+    let mut subtask = flotilla_model::recruit::recruit_subtask(&request);
+    subtask.pool = "default".into();
+    let entry = RunLogEntry {
+        protocol: 1,
+        run_id: run,
+        input: RunInput::Recruited(Box::new(Recruited {
+            recruit_id: "lost1".into(),
+            subtask,
+            by: "operator".into(),
+            reason: request.reason.clone(),
+        })),
+    };
+    let msg_id = flotilla_model::recruit::recruited_msg_id(run, "lost1");
+    let out =
+        flotilla_bus::wire::encode(&entry, flotilla_model::codec::Codec::Json, Some(&msg_id))?;
+    // Twice, as a supervisor retrying its publish would: stored once.
+    for _ in 0..2 {
+        p.bus
+            .js()
+            .publish_with_headers(
+                p.bus.names().runlog(run),
+                out.headers.clone(),
+                out.payload.clone(),
+            )
+            .await?
+            .await?;
+    }
+    // The caller asks again with the same id until the run has applied it: the recorded
+    // outcome, the same task, never a second recruit.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let answer = loop {
+        let a = accepted(&p, &request).await?;
+        if a.status == RecruitStatus::Accepted {
+            break a;
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "never applied: {a:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(answer.task_id, TaskId::new("recruit-lost1"));
+    let v = view(&p, run).await?;
+    let recruited: Vec<_> = v
+        .team
+        .iter()
+        .filter(|c| c.kind == TeamChangeKind::Recruited)
+        .collect();
+    assert_eq!(recruited.len(), 1, "{:?}", v.team);
+    assert_eq!(v.tasks.len(), 2);
+    let outcome = p.client.wait(run, Duration::from_secs(60)).await?;
+    assert_eq!(outcome.status, RunStatus::Succeeded, "{outcome:?}");
+    Ok(())
+}
+
 #[tokio::test]
 async fn retiring_a_member_hands_its_unstarted_task_to_the_role() -> anyhow::Result<()> {
     let p = services().await?;

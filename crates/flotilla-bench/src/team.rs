@@ -9,7 +9,10 @@
 //! * record lag with one run in flight: the run's outcome received → its agent's failure
 //!   record updated (a KV watch), next to the raw JetStream round trip;
 //! * anycast claim: the dependency hop of a chain whose tasks name a role (claimed from the
-//!   role's queue by a free member) next to the hop of the same chain on the pool.
+//!   role's queue by a free member) next to the hop of the same chain on the pool;
+//! * recruit: a `team.recruit` request for a running run → the recruited task's first
+//!   attempt claimed by a member of the role (its `claimed` entry on the run log), next to the
+//!   pool's dependency hop.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -43,6 +46,9 @@ pub(crate) struct TeamArgs {
     /// Team: chains of each kind (pool, anycast) in the claim-latency measurement.
     #[arg(long, default_value_t = 3)]
     team_chains: usize,
+    /// Team: recruits in the recruit → first attempt measurement (one run each).
+    #[arg(long, default_value_t = 30)]
+    team_recruits: usize,
 }
 
 /// The role the no-op agent fills in this section.
@@ -211,6 +217,73 @@ pub(crate) async fn run(
         "   anycast hop (claimed from the role's queue): p50 {role50:.3} ms   p99 {role99:.3} ms   ({} hops): {:.2}× the pool hop (target ≤ 1.5×)",
         role.len(),
         role50 / pool50
+    );
+
+    // Recruit → the recruit's first attempt claimed, on runs held open by a task waiting for
+    // a workspace topic nobody writes (cancelled after each sample).
+    let store = flotilla_client::open_store(&bus).await?;
+    let mut recruits = Vec::with_capacity(args.team_recruits);
+    for i in 0..args.team_recruits.max(1) {
+        let mut plan = independent_plan(1);
+        plan.config.dataflow_validation = flotilla_model::plan::DataflowValidation::Lenient;
+        plan.subtasks[0].consumes = vec!["gate".into()];
+        let run = submit_via(&bus, SubmitRequest::new(plan), via).await?;
+        let request = flotilla_model::recruit::RecruitRequest {
+            protocol: flotilla_model::PROTOCOL_VERSION,
+            run_id: run,
+            recruit_id: format!("bench{i}"),
+            role: ROLE.into(),
+            description: "help".into(),
+            reason: "bench".into(),
+            task_id: None,
+            dependencies: Vec::new(),
+            produces: Vec::new(),
+            consumes: Vec::new(),
+            required: false,
+            by_task: None,
+        };
+        // The run's start is recorded lazily: the supervisor waits for it, which is not what
+        // this measures — ask once it is recorded.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while store.load(run).await?.is_none() {
+            anyhow::ensure!(Instant::now() < deadline, "run {run} was never recorded");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let sent = flotilla_model::time::Timestamp::now();
+        let reply = client
+            .call(&request, Duration::from_secs(30))
+            .await?
+            .map_err(|e| anyhow::anyhow!("recruit refused: {e:?}"))?;
+        anyhow::ensure!(
+            reply.status == flotilla_model::recruit::RecruitStatus::Accepted,
+            "recruit {reply:?}"
+        );
+        let claimed = loop {
+            let found = store
+                .history(run)
+                .await?
+                .into_iter()
+                .find_map(|(_, ts, e)| {
+                    matches!(e.input, flotilla_model::runlog::RunInput::Claimed(_)).then_some(ts)
+                });
+            if let Some(ts) = found {
+                break ts;
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "the recruit of {run} was never claimed"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
+        let ns = claimed.0.unix_timestamp_nanos() - sent.0.unix_timestamp_nanos();
+        recruits.push((ns.max(0) as f64) / 1e6);
+        client.cancel(run, Some("bench sample done".into())).await?;
+    }
+    let (r50, r99) = p50_p99(&mut recruits);
+    outln!(
+        "   recruit → first attempt claimed:       p50 {r50:.3} ms   p99 {r99:.3} ms   ({} recruits): {:.2}× the pool hop (target ≤ 2×)",
+        recruits.len(),
+        r50 / pool50
     );
     drop(procs);
     Ok(())
