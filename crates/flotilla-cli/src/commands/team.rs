@@ -211,7 +211,7 @@ enum Scope {
 
 pub(crate) async fn team(config: &Config, args: TeamArgs) -> anyhow::Result<ExitCode> {
     let json = args.json;
-    match args.command {
+    let command = match args.command {
         Some(TeamCommand::Recruit(r)) => return recruit(config, r, json).await,
         Some(TeamCommand::Retire {
             member,
@@ -233,11 +233,10 @@ pub(crate) async fn team(config: &Config, args: TeamArgs) -> anyhow::Result<Exit
             };
             return answer(&client, &r, json, print_retire).await;
         }
-        _ => {}
-    }
-    let bus = Bus::connect(&config.nats, "flotilla-cli").await?;
-    let client = Client::new(bus);
-    match args.command {
+        other => other,
+    };
+    let client = connect(config).await?;
+    match command {
         None => {
             let r = TeamListRequest {
                 protocol: flotilla_model::PROTOCOL_VERSION,
@@ -267,9 +266,8 @@ pub(crate) async fn team(config: &Config, args: TeamArgs) -> anyhow::Result<Exit
             };
             answer(&client, &r, json, print_recruit).await
         }
-        Some(TeamCommand::Recruit(_)) | Some(TeamCommand::Retire { .. }) => {
-            unreachable!("answered above")
-        }
+        // Answered above: they act for the agent's task.
+        Some(TeamCommand::Recruit(_)) | Some(TeamCommand::Retire { .. }) => Ok(ExitCode::SUCCESS),
         Some(TeamCommand::Stats { name, scope }) => {
             let r = TeamStatsRequest {
                 protocol: flotilla_model::PROTOCOL_VERSION,
@@ -382,6 +380,16 @@ fn print_mates(list: &[TeammateView]) {
             ago(m.last_progress),
         );
     }
+}
+
+/// A client on the agent's own connection inside an exec agent (its environment names the
+/// worker's NATS and prefix), else on the configuration's.
+async fn connect(config: &Config) -> anyhow::Result<Client> {
+    // The prefix comes with it (`FLOTILLA_PREFIX`).
+    if let Some(opts) = flotilla_context::connection_from_env()? {
+        return Ok(Client::new(Bus::connect(&opts, "flotilla-cli").await?));
+    }
+    Ok(Client::new(Bus::connect(&config.nats, "flotilla-cli").await?))
 }
 
 /// The client, run and asking task of `recruit` / `retire`: inside an exec agent (without
