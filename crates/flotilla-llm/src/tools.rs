@@ -172,6 +172,9 @@ fn builtin_spec(name: &str) -> (&'static str, Value) {
     if let Some(spec) = crate::contract_net::spec(name) {
         return spec;
     }
+    if let Some(spec) = crate::teammate_tools::spec(name) {
+        return spec;
+    }
     match name {
         crate::recruit::RECRUIT => crate::recruit::spec(),
         "workspace_read" => (
@@ -443,6 +446,9 @@ impl ToolSet {
         match &tool.action {
             Action::Builtin(crate::recruit::RECRUIT) => {
                 crate::recruit::recruit(ctx, call_id, &args).await
+            }
+            Action::Builtin(b) if crate::teammate_tools::TOOLS.contains(b) => {
+                crate::teammate_tools::call(ctx, b, &args).await
             }
             Action::Builtin(b) if crate::contract_net::TOOLS.contains(b) => {
                 crate::contract_net::call(ctx, call_id, b, &args)
