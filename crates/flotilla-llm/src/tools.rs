@@ -734,6 +734,10 @@ mod tests {
         config.tools = OPT_IN_TOOLS.iter().map(|t| (*t).to_owned()).collect();
         let set = ToolSet::from_config("a", &config, Path::new(".")).expect("opt-in tools");
         assert_eq!(set.tools().count(), OPT_IN_TOOLS.len());
+        // Each has its own spec (an unmatched name would fall through to `state_set`'s).
+        let described: std::collections::BTreeSet<&str> =
+            set.tools().map(|t| t.description.as_str()).collect();
+        assert_eq!(described.len(), OPT_IN_TOOLS.len(), "{described:?}");
         let text = cut(&"é".repeat(100), 51);
         assert!(text.starts_with(&"é".repeat(25)));
         assert!(text.contains("bytes cut"), "{text}");
