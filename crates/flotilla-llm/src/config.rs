@@ -45,15 +45,22 @@ pub const BUILTIN_TOOLS: &[&str] = &[
     "state_set",
 ];
 
-/// Built-in tools an agent gets only when its `tools` lists them: `recruit` changes the team,
-/// and the contract-net tools (`negotiate`, `next_request`, `offer`, `await_award`) are four
-/// more schemas in every prompt — neither is a default.
+/// Built-in tools an agent gets only when its `tools` lists them: `recruit` and the
+/// persistent-teammate tools (`spawn_teammate`, `send_message`, `broadcast`, `list_team`,
+/// `shutdown_teammate`) change the team, and the contract-net tools (`negotiate`,
+/// `next_request`, `offer`, `await_award`) are four more schemas in every prompt — none is a
+/// default.
 pub const OPT_IN_TOOLS: &[&str] = &[
     crate::recruit::RECRUIT,
     "negotiate",
     "next_request",
     "offer",
     "await_award",
+    crate::teammate_tools::SPAWN_TEAMMATE,
+    crate::teammate_tools::SEND_MESSAGE,
+    crate::teammate_tools::BROADCAST,
+    crate::teammate_tools::LIST_TEAM,
+    crate::teammate_tools::SHUTDOWN_TEAMMATE,
 ];
 
 /// The tool offered when an agent lists `agent-tools`: no `exec-tools` command may take its

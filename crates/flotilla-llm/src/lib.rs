@@ -10,7 +10,9 @@
 //!   within the attempt's deadline, a per-worker cap on concurrent requests per provider,
 //!   prompt cancellation.
 //! * [`tools`]: the agent context as tools (`workspace_*`, `mailbox_*`, `state_*`, and
-//!   [`contract_net`]'s `negotiate`, `next_request`, `offer`, `await_award`),
+//!   [`contract_net`]'s `negotiate`, `next_request`, `offer`, `await_award`; the opt-in
+//!   [`recruit`] and [`teammate_tools`]' `spawn_teammate`, `send_message`, `broadcast`,
+//!   `list_team`, `shutdown_teammate`),
 //!   commands declared in config, and ([`mcp`]) the tools of MCP servers, with JSON Schema
 //!   checks of the arguments.
 //! * [`budget`]: the run's `max_tokens` / `max_cost`, reserved before every call across all
@@ -50,6 +52,7 @@ pub mod provider;
 pub mod ratelimit;
 pub mod recruit;
 pub mod roles;
+pub mod teammate_tools;
 pub mod tools;
 
 pub use agent::LlmAgent;

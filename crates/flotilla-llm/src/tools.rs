@@ -172,6 +172,9 @@ fn builtin_spec(name: &str) -> (&'static str, Value) {
     if let Some(spec) = crate::contract_net::spec(name) {
         return spec;
     }
+    if let Some(spec) = crate::teammate_tools::spec(name) {
+        return spec;
+    }
     match name {
         crate::recruit::RECRUIT => crate::recruit::spec(),
         "workspace_read" => (
@@ -443,6 +446,9 @@ impl ToolSet {
         match &tool.action {
             Action::Builtin(crate::recruit::RECRUIT) => {
                 crate::recruit::recruit(ctx, call_id, &args).await
+            }
+            Action::Builtin(b) if crate::teammate_tools::TOOLS.contains(b) => {
+                crate::teammate_tools::call(ctx, b, &args).await
             }
             Action::Builtin(b) if crate::contract_net::TOOLS.contains(b) => {
                 crate::contract_net::call(ctx, call_id, b, &args)
@@ -728,6 +734,10 @@ mod tests {
         config.tools = OPT_IN_TOOLS.iter().map(|t| (*t).to_owned()).collect();
         let set = ToolSet::from_config("a", &config, Path::new(".")).expect("opt-in tools");
         assert_eq!(set.tools().count(), OPT_IN_TOOLS.len());
+        // Each has its own spec (an unmatched name would fall through to `state_set`'s).
+        let described: std::collections::BTreeSet<&str> =
+            set.tools().map(|t| t.description.as_str()).collect();
+        assert_eq!(described.len(), OPT_IN_TOOLS.len(), "{described:?}");
         let text = cut(&"é".repeat(100), 51);
         assert!(text.starts_with(&"é".repeat(25)));
         assert!(text.contains("bytes cut"), "{text}");

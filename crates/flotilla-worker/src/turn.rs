@@ -501,7 +501,11 @@ async fn run_agent(
         Ok((_, a)) => Arc::clone(a),
         Err(e) => return (false, e),
     };
-    let scope = Scope::from_envelope(&task, 1, shared.bus.names().clone());
+    let mut scope = Scope::from_envelope(&task, 1, shared.bus.names().clone());
+    // The team is the turn's session key (also when it is not a session id): its session
+    // state lasts across turns, and `flotilla team ...` (`FLOTILLA_SESSION_ID`) and the LLM
+    // teammate tools act in the teammate's own team.
+    scope.session = mate.team.clone();
     let clients = match Clients::new(shared.bus.clone(), scope) {
         Ok(c) => c,
         Err(e) => return (false, e.to_string()),
