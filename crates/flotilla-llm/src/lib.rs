@@ -52,6 +52,7 @@ pub mod provider;
 pub mod ratelimit;
 pub mod recruit;
 pub mod roles;
+mod supervisor_api;
 pub mod teammate_tools;
 pub mod tools;
 

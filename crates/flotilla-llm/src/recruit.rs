@@ -10,10 +10,7 @@
 //! answer is lost (no answer within the timeout) the outcome is `uncertain`: the model is
 //! told the id and that the recruit may have happened — it is never re-issued automatically.
 
-use std::time::Duration;
-
 use flotilla_context::AgentContext;
-use flotilla_model::api::{ApiError, ApiRequest};
 use flotilla_model::ids::TaskId;
 use flotilla_model::recruit::{RecruitReply, RecruitRequest};
 use serde_json::{Value, json};
@@ -22,9 +19,6 @@ use crate::tools::ToolOutcome;
 
 /// The tool's name, as `tools` lists it.
 pub const RECRUIT: &str = "recruit";
-
-/// How long the tool waits for the supervisor's answer.
-const TIMEOUT: Duration = Duration::from_secs(15);
 
 /// The tool's description and parameters.
 pub(crate) fn spec() -> (&'static str, Value) {
@@ -81,51 +75,28 @@ pub(crate) async fn recruit(ctx: &AgentContext, call_id: &str, args: &Value) -> 
         required: false,
         by_task: scope.task_id.clone(),
     };
-    let body = match serde_json::to_vec(&request) {
-        Ok(b) => b,
-        Err(e) => return ToolOutcome::err("internal", e.to_string()),
-    };
-    let bus = ctx.clients().bus();
-    let subject = bus.names().api(RecruitRequest::ENDPOINT);
-    let reply = match tokio::time::timeout(TIMEOUT, bus.client().request(subject, body.into()))
-        .await
+    let lost = format!(
+        "recruit {recruit_id} may or may not have happened; watch for a task recruit-{recruit_id} and do not ask again for the same help"
+    );
+    let missing = "recruiting is not available; carry on with the team you have";
+    let reply: RecruitReply = match crate::supervisor_api::ask(
+        ctx,
+        &request,
+        missing,
+        crate::supervisor_api::Lost {
+            code: "uncertain",
+            message: &lost,
+        },
+    )
+    .await
     {
-        Err(_) => {
-            return ToolOutcome::err(
-                "uncertain",
-                format!(
-                    "no answer from the supervisor within {TIMEOUT:?}: recruit {recruit_id} may or may not have happened; watch for a task recruit-{recruit_id} and do not ask again for the same help"
-                ),
-            );
-        }
-        Ok(Err(e)) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
-            return ToolOutcome::err(
-                "no_supervisor",
-                "no supervisor runs in this deployment: recruiting is not available; carry on with the team you have",
-            );
-        }
-        Ok(Err(e)) => return ToolOutcome::err("unavailable", e.to_string()),
-        Ok(Ok(reply)) => reply,
+        Ok(r) => r,
+        Err(outcome) => return outcome,
     };
-    if reply
-        .headers
-        .as_ref()
-        .is_some_and(|h| h.get("Nats-Service-Error-Code").is_some())
-    {
-        let e: ApiError = match serde_json::from_slice(&reply.payload) {
-            Ok(e) => e,
-            Err(e) => return ToolOutcome::err("internal", e.to_string()),
-        };
-        let code = e.rule.as_deref().unwrap_or(&e.code).to_owned();
-        return ToolOutcome::err(&code, e.message);
-    }
-    match serde_json::from_slice::<RecruitReply>(&reply.payload) {
-        Ok(r) => ToolOutcome::ok(json!({
-            "recruit_id": r.recruit_id,
-            "status": r.status.as_str(),
-            "task_id": r.task_id,
-            "refusal": r.refusal,
-        })),
-        Err(e) => ToolOutcome::err("internal", e.to_string()),
-    }
+    ToolOutcome::ok(json!({
+        "recruit_id": reply.recruit_id,
+        "status": reply.status.as_str(),
+        "task_id": reply.task_id,
+        "refusal": reply.refusal,
+    }))
 }

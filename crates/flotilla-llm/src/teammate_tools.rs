@@ -18,10 +18,8 @@
 //! nothing; no supervisor → `no_supervisor`; no answer within the timeout → `timeout`, with
 //! what to check before asking again (the request may have been applied).
 
-use std::time::Duration;
-
 use flotilla_context::AgentContext;
-use flotilla_model::api::{ApiError, ApiRequest};
+use flotilla_model::api::ApiRequest;
 use flotilla_model::teammate::{
     TeamBroadcastRequest, TeamMatesRequest, TeamSendRequest, TeamShutdownRequest, TeamSpawnRequest,
     TeammateView,
@@ -49,9 +47,6 @@ pub const TOOLS: &[&str] = &[
     LIST_TEAM,
     SHUTDOWN_TEAMMATE,
 ];
-
-/// How long a tool waits for the supervisor's answer.
-const TIMEOUT: Duration = Duration::from_secs(15);
 
 /// The tool's description and parameters; `None` for a name not of this module.
 pub(crate) fn spec(name: &str) -> Option<(&'static str, Value)> {
@@ -219,37 +214,14 @@ async fn ask<R: ApiRequest>(
     request: &R,
     lost: &str,
 ) -> Result<R::Reply, ToolOutcome> {
-    let body =
-        serde_json::to_vec(request).map_err(|e| ToolOutcome::err("internal", e.to_string()))?;
-    let bus = ctx.clients().bus();
-    let subject = bus.names().api(R::ENDPOINT);
-    let reply = match tokio::time::timeout(TIMEOUT, bus.client().request(subject, body.into()))
-        .await
-    {
-        Err(_) => {
-            return Err(ToolOutcome::err(
-                "timeout",
-                format!("no answer from the supervisor within {TIMEOUT:?}: {lost}"),
-            ));
-        }
-        Ok(Err(e)) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
-            return Err(ToolOutcome::err(
-                "no_supervisor",
-                "no supervisor runs in this deployment: teammates are not available; carry on without them",
-            ));
-        }
-        Ok(Err(e)) => return Err(ToolOutcome::err("unavailable", e.to_string())),
-        Ok(Ok(reply)) => reply,
-    };
-    if reply
-        .headers
-        .as_ref()
-        .is_some_and(|h| h.get("Nats-Service-Error-Code").is_some())
-    {
-        let e: ApiError = serde_json::from_slice(&reply.payload)
-            .map_err(|e| ToolOutcome::err("internal", e.to_string()))?;
-        let code = e.rule.as_deref().unwrap_or(&e.code).to_owned();
-        return Err(ToolOutcome::err(&code, e.message));
-    }
-    serde_json::from_slice(&reply.payload).map_err(|e| ToolOutcome::err("internal", e.to_string()))
+    crate::supervisor_api::ask(
+        ctx,
+        request,
+        "teammates are not available; carry on without them",
+        crate::supervisor_api::Lost {
+            code: "timeout",
+            message: lost,
+        },
+    )
+    .await
 }

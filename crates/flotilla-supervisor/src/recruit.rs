@@ -529,13 +529,6 @@ async fn append_and_wait(
     msg_id: &str,
     applied: impl Fn(&RunState) -> Option<TeamChange>,
 ) -> Result<(Option<TeamChange>, u64), ApiError> {
-    // Watched before the append, so an application right after it is not missed.
-    let mut watch = team
-        .runs
-        .runs_bucket()
-        .watch(run.to_string())
-        .await
-        .map_err(|e| unavailable("watching the run", e))?;
     let entry = RunLogEntry {
         protocol: PROTOCOL_VERSION,
         run_id: run,
@@ -551,6 +544,14 @@ async fn append_and_wait(
         .map_err(|e| unavailable("appending to the run log", e))?
         .await
         .map_err(|e| unavailable("appending to the run log", e))?;
+    // Watched after the append, off the recruit's path: a KV watch starts with the record's
+    // latest value, so an application that came first is seen all the same.
+    let mut watch = team
+        .runs
+        .runs_bucket()
+        .watch(run.to_string())
+        .await
+        .map_err(|e| unavailable("watching the run", e))?;
     let deadline = tokio::time::Instant::now() + team.opts.recruit.answer_wait;
     loop {
         match tokio::time::timeout_at(deadline, watch.next()).await {

@@ -389,7 +389,9 @@ async fn connect(config: &Config) -> anyhow::Result<Client> {
     if let Some(opts) = flotilla_context::connection_from_env()? {
         return Ok(Client::new(Bus::connect(&opts, "flotilla-cli").await?));
     }
-    Ok(Client::new(Bus::connect(&config.nats, "flotilla-cli").await?))
+    Ok(Client::new(
+        Bus::connect(&config.nats, "flotilla-cli").await?,
+    ))
 }
 
 /// The client, run and asking task of `recruit` / `retire`: inside an exec agent (without
