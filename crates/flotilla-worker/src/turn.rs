@@ -276,6 +276,9 @@ async fn wake_if_pending(bus: &Bus, kv: &kv::Store, mate: &Teammate, cursor: u64
     }
 }
 
+/// How often a worker with no free slot looks again before it pulls turns.
+const SLOT_POLL: Duration = Duration::from_millis(50);
+
 /// Pulls `pool`'s turns while this worker has a free slot, until `shutdown`.
 pub(crate) async fn pull_turns(
     shared: Arc<Shared>,
@@ -285,13 +288,13 @@ pub(crate) async fn pull_turns(
 ) {
     let mut running = tokio::task::JoinSet::new();
     'pull: while !shutdown.is_cancelled() {
+        // A saturated worker is polled, not queued on: tokio's semaphore is fair, so a waiter
+        // here would take every slot the pool's tasks free first, only to hand it back — a
+        // wake-up per task under load. A turn waits at most `SLOT_POLL` longer instead.
         while shared.run_slots.available_permits() == 0 {
             tokio::select! {
                 _ = shutdown.cancelled() => break 'pull,
-                p = Arc::clone(&shared.run_slots).acquire_owned() => match p {
-                    Ok(p) => drop(p),
-                    Err(_) => break 'pull,
-                },
+                _ = tokio::time::sleep(SLOT_POLL) => {}
             }
         }
         let batch = consumer
