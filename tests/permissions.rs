@@ -895,7 +895,7 @@ async fn a_supervisor_keeps_the_team_and_writes_nothing_else() -> anyhow::Result
     // subject, a budget read, and an input appended to a run's log.
     let runs = supervisor.js.get_key_value("flotilla-runs").await?;
     runs.entry("r1").await?;
-    let _watch = runs.watch("r1").await?;
+    let _watch = runs.watch_with_history("r1").await?;
     let runlog = supervisor.js.get_stream("FLOTILLA_RUNLOG").await?;
     runlog.direct_get(1).await?;
     let cursors = supervisor.js.get_key_value("flotilla-cursors").await?;

@@ -95,26 +95,45 @@ async fn state_of(team: &Team, run: RunId) -> Result<RunState, ApiError> {
             format!("no run {run} (or it was never accepted)"),
         ));
     }
+    watch_record(team, run, |state| Some(state.clone()))
+        .await?
+        .ok_or_else(|| {
+            ApiError::new(
+                503,
+                "unavailable",
+                format!("run {run} exists but is not recorded yet; ask again"),
+            )
+        })
+}
+
+/// Follows the run's record for up to `answer-wait`: the first `Some` that `decide` returns
+/// for a stored state, else `None`. The watch starts with the key's latest value
+/// (`watch_with_history`; a plain `watch` delivers only later changes), so a change made
+/// before the watch began is seen too; a record that cannot be read is taken as no news (the
+/// deadline bounds the wait).
+async fn watch_record<T>(
+    team: &Team,
+    run: RunId,
+    decide: impl Fn(&RunState) -> Option<T>,
+) -> Result<Option<T>, ApiError> {
     let mut watch = team
         .runs
         .runs_bucket()
-        .watch(run.to_string())
+        .watch_with_history(run.to_string())
         .await
         .map_err(|e| unavailable("watching the run", e))?;
     let deadline = tokio::time::Instant::now() + team.opts.recruit.answer_wait;
     loop {
-        if let Some(stored) = team.runs.load(run).await.map_err(read)? {
-            return Ok(stored.snapshot.state);
-        }
         match tokio::time::timeout_at(deadline, watch.next()).await {
-            Ok(Some(_)) => {}
-            Ok(None) | Err(_) => {
-                return Err(ApiError::new(
-                    503,
-                    "unavailable",
-                    format!("run {run} exists but is not recorded yet; ask again"),
-                ));
+            Ok(Some(Ok(_))) => {
+                if let Ok(Some(stored)) = team.runs.load(run).await
+                    && let Some(found) = decide(&stored.snapshot.state)
+                {
+                    return Ok(Some(found));
+                }
             }
+            Ok(Some(Err(_))) => continue,
+            Ok(None) | Err(_) => return Ok(None),
         }
     }
 }
@@ -544,37 +563,27 @@ async fn append_and_wait(
         .map_err(|e| unavailable("appending to the run log", e))?
         .await
         .map_err(|e| unavailable("appending to the run log", e))?;
-    // Watched after the append, off the recruit's path: a KV watch starts with the record's
-    // latest value, so an application that came first is seen all the same.
-    let mut watch = team
-        .runs
-        .runs_bucket()
-        .watch(run.to_string())
-        .await
-        .map_err(|e| unavailable("watching the run", e))?;
-    let deadline = tokio::time::Instant::now() + team.opts.recruit.answer_wait;
-    loop {
-        match tokio::time::timeout_at(deadline, watch.next()).await {
-            Ok(Some(Ok(_))) => {
-                if let Ok(Some(stored)) = team.runs.load(run).await {
-                    let state = &stored.snapshot.state;
-                    if let Some(change) = applied(state) {
-                        return Ok((Some(change), ack.sequence));
-                    }
-                    if state.status.is_terminal() {
-                        // Ended before it got to the input: it never will.
-                        return Err(refused(
-                            RecruitRule::RunNotRunning,
-                            format!(
-                                "run {run} ended ({}) before it applied the change",
-                                state.status.as_str()
-                            ),
-                        ));
-                    }
-                }
-            }
-            Ok(Some(Err(_))) => continue,
-            Ok(None) | Err(_) => return Ok((None, ack.sequence)),
+    // Watched after the append, off the recruit's path (the watch sees an earlier
+    // application all the same).
+    let decided = watch_record(team, run, |state| {
+        if let Some(change) = applied(state) {
+            return Some(Ok(change));
         }
+        // Ended before it got to the input: it never will.
+        state.status.is_terminal().then(|| {
+            Err(refused(
+                RecruitRule::RunNotRunning,
+                format!(
+                    "run {run} ended ({}) before it applied the change",
+                    state.status.as_str()
+                ),
+            ))
+        })
+    })
+    .await?;
+    match decided {
+        Some(Ok(change)) => Ok((Some(change), ack.sequence)),
+        Some(Err(e)) => Err(e),
+        None => Ok((None, ack.sequence)),
     }
 }
