@@ -55,23 +55,35 @@ pub(crate) async fn consumer(team: &Team) -> Result<PullConsumer, SupervisorErro
         .map_err(|e| SupervisorError::Setup(e.to_string()))
 }
 
+/// The message stream of a shared consumer (`what` names it in the log), retried every second
+/// while the server cannot open it; `None` once `stop` is cancelled.
+pub(crate) async fn messages_of(
+    consumer: &PullConsumer,
+    stop: &CancellationToken,
+    what: &str,
+) -> Option<async_nats::jetstream::consumer::pull::Stream> {
+    while !stop.is_cancelled() {
+        match consumer.messages().await {
+            Ok(m) => return Some(m),
+            Err(e) => {
+                warn!(error = %e, "Cannot read {what}; retrying");
+                tokio::select! {
+                    _ = stop.cancelled() => return None,
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
+            }
+        }
+    }
+    None
+}
+
 /// Handles event messages in batches until `stop`.
 pub(crate) async fn run(
     team: Arc<Team>,
     consumer: PullConsumer,
     stop: CancellationToken,
 ) -> Result<(), SupervisorError> {
-    while !stop.is_cancelled() {
-        let messages = match consumer.messages().await {
-            Ok(m) => m,
-            Err(e) => {
-                warn!(error = %e, "Cannot read the event stream; retrying");
-                tokio::select! {
-                    _ = stop.cancelled() => return Ok(()),
-                    _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
-                }
-            }
-        };
+    while let Some(messages) = messages_of(&consumer, &stop, "the event stream").await {
         let batches = messages
             .take_until(stop.cancelled())
             .ready_chunks(team.opts.batch);

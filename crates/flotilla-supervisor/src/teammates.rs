@@ -551,17 +551,9 @@ pub(crate) async fn follow(
     consumer: PullConsumer,
     stop: CancellationToken,
 ) -> Result<(), SupervisorError> {
-    while !stop.is_cancelled() {
-        let messages = match consumer.messages().await {
-            Ok(m) => m,
-            Err(e) => {
-                warn!(error = %e, "Cannot read the teammate inboxes; retrying");
-                tokio::select! {
-                    _ = stop.cancelled() => return Ok(()),
-                    _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
-                }
-            }
-        };
+    while let Some(messages) =
+        crate::follow::messages_of(&consumer, &stop, "the teammate inboxes").await
+    {
         let messages = messages.take_until(stop.cancelled());
         futures::pin_mut!(messages);
         while let Some(msg) = messages.next().await {

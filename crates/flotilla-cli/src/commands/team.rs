@@ -401,17 +401,14 @@ async fn acting(
     config: &Config,
     run: Option<RunId>,
 ) -> anyhow::Result<(Client, RunId, Option<TaskId>)> {
-    if run.is_none()
-        && let Some(opts) = flotilla_context::connection_from_env()?
-    {
-        let scope = flotilla_context::Scope::from_env()?;
-        let mut opts = opts;
-        opts.prefix = scope.names.prefix().to_owned();
-        let bus = Bus::connect(&opts, "flotilla-cli").await?;
-        return Ok((Client::new(bus), scope.run_id, scope.task_id));
-    }
     let Some(run) = run else {
-        anyhow::bail!("--run is needed outside an agent (no FLOTILLA_NATS_URL in the environment)");
+        if flotilla_context::connection_from_env()?.is_none() {
+            anyhow::bail!(
+                "--run is needed outside an agent (no FLOTILLA_NATS_URL in the environment)"
+            );
+        }
+        let scope = flotilla_context::Scope::from_env()?;
+        return Ok((connect(config).await?, scope.run_id, scope.task_id));
     };
     let bus = Bus::connect(&config.nats, "flotilla-cli").await?;
     Ok((Client::new(bus), run, None))
