@@ -81,6 +81,11 @@ pub struct JetStreamOptions {
     /// How long artifacts (large results and files, in the object store) are kept.
     #[serde(with = "humantime_serde")]
     pub artifacts_max_age: Duration,
+    /// How long remembered runs (`<prefix>-memory`) are kept; zero keeps them until forgotten.
+    /// Set from `[supervisor.memory] max-age` (not a `[jetstream]` key), so every process
+    /// that provisions the bucket gives it the same age.
+    #[serde(skip)]
+    pub memory_max_age: Duration,
     /// Consumers each stream allows. nats-server (2.15 and later) gives a stream without a
     /// limit of its own a default of 1,000; every live `flotilla watch`, event follower and
     /// workspace watcher holds one (on the events or workspace stream) while it runs.
@@ -112,6 +117,8 @@ impl Default for JetStreamOptions {
             artifacts_max_age: 7 * DAY,
             // Room for thousands of concurrent watchers; the server's default is 1,000.
             max_consumers: 10_000,
+            // A month of runs to learn from.
+            memory_max_age: 30 * DAY,
         }
     }
 }
@@ -234,6 +241,7 @@ pub fn desired_buckets(names: &Names, opts: &JetStreamOptions) -> Vec<kv::Config
                 Bucket::Workers => opts.worker_ttl,
                 Bucket::Runs => opts.runlog_max_age,
                 Bucket::Cursors => opts.mailbox_max_age,
+                Bucket::Memory => opts.memory_max_age,
                 _ => Duration::ZERO,
             },
 

@@ -405,6 +405,45 @@ impl Bus {
         Ok(keys)
     }
 
+    /// The newest values of KV bucket `bucket` under `key_prefix` (a dot-terminated prefix of
+    /// whole tokens), newest first: those among the bucket stream's last `limit` messages,
+    /// without deleted or purged keys. Bounded by design — one stream-info request and
+    /// batch direct gets of at most `limit` messages, no consumer and no key listing — so a
+    /// bucket of any size costs the same to scan. With history 1 each message is the current
+    /// value of its key; its `subject` is `$KV.<bucket>.<key>`.
+    pub async fn kv_newest(
+        &self,
+        bucket: Bucket,
+        key_prefix: &str,
+        limit: usize,
+    ) -> Result<Vec<StoredMessage>, ReadError> {
+        let bucket = self.names().bucket(bucket);
+        let stream = format!("KV_{bucket}");
+        let info = self.js().get_stream(&stream).await.map_err(|e| {
+            ReadError::with_source(ReadErrorKind::NoStream, format!("reading {stream}"), e)
+        })?;
+        let last = info.cached_info().state.last_sequence;
+        let mut out = Vec::new();
+        let mut pages = self.stream_pages(
+            &stream,
+            &format!("$KV.{bucket}.{key_prefix}>"),
+            last.saturating_sub(limit as u64),
+        );
+        while let Some(page) = pages.next().await? {
+            out.extend(page.into_iter().filter(|m| {
+                m.headers
+                    .get("KV-Operation")
+                    .is_none_or(|op| op.as_str() == "PUT")
+            }));
+            if pages.after() >= last {
+                break;
+            }
+        }
+        out.retain(|m| m.seq <= last);
+        out.reverse();
+        Ok(out)
+    }
+
     /// Reads the messages of `subject` in stream `kind` — those stored, then new ones as they
     /// are published — until `find` returns `Some`, and returns that; `None` when `until`
     /// passes first. No consumer is created on the server (a stream allows a limited number,

@@ -123,6 +123,9 @@ pub(crate) fn load(explicit: Option<&Path>, nats_url: Option<&str>) -> anyhow::R
         .and_then(|f| f.parent().map(Path::to_path_buf))
         .filter(|d| !d.as_os_str().is_empty())
         .unwrap_or_else(|| PathBuf::from("."));
+    // The memory bucket's age is the supervisor's setting; every process that provisions
+    // gives the bucket the same age.
+    config.jetstream.memory_max_age = config.supervisor.memory.max_age;
     config.validate()?;
     tracing::debug!(file = ?file, "Configuration loaded");
     Ok(config)

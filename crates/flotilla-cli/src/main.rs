@@ -147,6 +147,10 @@ enum Command {
     /// The team: members with their presence (`team`), one member (`team show`), failure
     /// records (`team stats`). Served by `flotilla supervisor`.
     Team(commands::team::TeamArgs),
+    /// Remembered runs (`memory list`, `memory show RUN`, `memory forget RUN`): what bare
+    /// queries' planners learn from. Served by `flotilla supervisor`.
+    #[command(subcommand)]
+    Memory(commands::memory::MemoryCommand),
     /// List live workers.
     Workers {
         /// Machine-readable output.
@@ -545,6 +549,7 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
             json,
         }) => commands::runs::cancel(&load()?, run, reason, !no_wait, json).await,
         Command::Team(args) => commands::team::team(&load()?, args).await,
+        Command::Memory(command) => commands::memory::memory(&load()?, command).await,
         Command::Workers { json } => commands::runs::workers(&load()?, json).await,
         Command::Watch(args) => commands::watch::watch(&load()?, args).await,
         Command::Plan(PlanCommand::Validate {

@@ -262,7 +262,7 @@ impl Client {
             .map_err(|e| {
                 if e.kind() == async_nats::RequestErrorKind::NoResponders {
                     // The cause ("no responders") says nothing more than the kind.
-                    let (kind, service) = if R::ENDPOINT.starts_with("team.") {
+                    let (kind, service) = if R::ENDPOINT.starts_with("team.") || R::ENDPOINT.starts_with("memory.") {
                         (ClientErrorKind::NoSupervisor, "flotilla supervisor")
                     } else {
                         (ClientErrorKind::NoCoordinator, "flotilla coordinator")

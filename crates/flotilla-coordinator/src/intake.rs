@@ -97,6 +97,8 @@ pub(crate) struct Intake {
     metrics: Metrics,
     planner: PlannerOptions,
     lineages: std::sync::Arc<crate::lineage::Lineages>,
+    /// The supervisor's memory, consulted for bare queries (absent: planned without it).
+    memory: Option<crate::memory::Memory>,
 }
 
 fn reply(run_id: Option<RunId>, status: SubmitStatus) -> SubmitReply {
@@ -127,6 +129,61 @@ impl Intake {
             metrics,
             planner,
             lineages,
+            memory: None,
+        }
+    }
+
+    /// Consults `memory` for bare queries (when it is enabled).
+    pub(crate) fn with_memory(mut self, memory: crate::memory::Memory) -> Self {
+        self.memory = memory.enabled().then_some(memory);
+        self
+    }
+
+    /// Memory's advice for a bare query whose planning plan is `planning`: a past plan to
+    /// run instead (with its warnings), or the planning plan with examples added.
+    async fn from_memory(
+        &self,
+        run: RunId,
+        query: &str,
+        session: Option<flotilla_model::ids::SessionId>,
+        mut planning: Plan,
+    ) -> (
+        Result<(Plan, Vec<Problem>), Plan>,
+        Option<flotilla_model::memory::MemoryUse>,
+    ) {
+        let Some(memory) = &self.memory else {
+            return (Err(planning), None);
+        };
+        let max_plan_bytes = self
+            .store
+            .bus()
+            .max_payload()
+            .saturating_sub(flotilla_model::validate::PLAN_ENVELOPE_ROOM);
+        match memory
+            .advise(run, query, session, &self.ctx, max_plan_bytes)
+            .await
+        {
+            crate::memory::Advice::Reuse {
+                plan,
+                warnings,
+                used,
+            } => {
+                info!(%run, source = ?used.source_run, confidence = ?used.confidence, "Plan reused from memory");
+                (Ok((plan, warnings)), Some(used))
+            }
+            crate::memory::Advice::Plan { examples, used } => {
+                if !examples.is_empty()
+                    && let Some(task) = planning.subtasks.first_mut()
+                {
+                    task.description.push(' ');
+                    task.description
+                        .push_str(crate::memory::EXAMPLES_INSTRUCTION);
+                    if let Some(input) = task.input.as_object_mut() {
+                        input.insert("examples".into(), crate::memory::examples_input(&examples));
+                    }
+                }
+                (Err(planning), Some(used))
+            }
         }
     }
 
@@ -261,17 +318,27 @@ impl Intake {
             crate::lineage::Lineage::default()
         };
         let mut planning = None;
+        let mut memory = None;
         let prepared = match request.form() {
             Err(problem) => Err(ValidationReport::single(problem)),
             Ok(SubmitForm::Plan(plan)) => prepare_plan(plan, &self.ctx),
             Ok(SubmitForm::Query(query)) => match self.planning_plan(query, source.now_ms()) {
-                Ok(plan) => {
-                    planning = Some(PlanningSpec {
-                        query: query.to_owned(),
-                        max_repairs: self.planner.max_repairs,
-                    });
-                    Ok((plan, Vec::new()))
+                Ok(plan) if errors.is_empty() => {
+                    let (advice, used) =
+                        self.from_memory(run, query, lineage.session_id, plan).await;
+                    memory = used;
+                    match advice {
+                        Ok(reused) => Ok(reused),
+                        Err(plan) => {
+                            planning = Some(PlanningSpec {
+                                query: query.to_owned(),
+                                max_repairs: self.planner.max_repairs,
+                            });
+                            Ok((plan, Vec::new()))
+                        }
+                    }
                 }
+                Ok(plan) => Ok((plan, Vec::new())),
                 Err(problem) => Err(ValidationReport::single(problem)),
             },
         };
@@ -337,6 +404,7 @@ impl Intake {
             depth: lineage.depth,
             budget_scopes: lineage.budget_scopes,
             anycast,
+            memory,
         };
         let entry = RunLogEntry {
             protocol: PROTOCOL_VERSION,

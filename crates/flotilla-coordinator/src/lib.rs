@@ -26,6 +26,7 @@ pub mod error;
 mod intake;
 mod lineage;
 mod live;
+pub mod memory;
 pub mod options;
 pub mod planner;
 mod runtime;
@@ -198,17 +199,23 @@ impl Coordinator {
             .kv(flotilla_model::subjects::Bucket::Workers)
             .await
             .map_err(|e| setup("opening the workers bucket", e))?;
-        let intake = Arc::new(Intake::new(
-            store.clone(),
-            self.ctx.clone(),
-            live.clone(),
-            self.metrics.clone(),
-            self.opts.planner.clone(),
-            Arc::new(lineage::Lineages::new(
+        let intake = Arc::new(
+            Intake::new(
                 store.clone(),
-                lineage::TreeLimits::of(&self.opts),
+                self.ctx.clone(),
+                live.clone(),
+                self.metrics.clone(),
+                self.opts.planner.clone(),
+                Arc::new(lineage::Lineages::new(
+                    store.clone(),
+                    lineage::TreeLimits::of(&self.opts),
+                )),
+            )
+            .with_memory(memory::Memory::new(
+                self.bus.clone(),
+                self.opts.memory.clone(),
             )),
-        ));
+        );
         if let Some(ready) = self.ready.take() {
             let _ = ready.send(());
         }

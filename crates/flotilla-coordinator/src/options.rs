@@ -45,6 +45,8 @@ pub struct CoordinatorOptions {
     pub max_runs_per_tree: u32,
     /// `[coordinator.planner]`: the agent that plans bare queries (`submit --query`).
     pub planner: crate::planner::PlannerOptions,
+    /// `[coordinator.memory]`: bare queries reuse or learn from past runs' plans.
+    pub memory: crate::memory::MemoryOptions,
 }
 
 impl Default for CoordinatorOptions {
@@ -74,6 +76,7 @@ impl Default for CoordinatorOptions {
             max_runs_per_tree: 100,
             // No planner: bare queries are rejected until one is configured.
             planner: crate::planner::PlannerOptions::default(),
+            memory: crate::memory::MemoryOptions::default(),
         }
     }
 }
@@ -110,6 +113,7 @@ impl CoordinatorOptions {
             );
         }
         self.planner.validate()?;
+        self.memory.validate()?;
         Ok(())
     }
 }

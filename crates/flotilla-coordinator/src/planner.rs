@@ -317,7 +317,7 @@ fn check_answer(
 }
 
 /// A run name from the query: its first words.
-fn short_name(query: &str) -> String {
+pub(crate) fn short_name(query: &str) -> String {
     let mut name = String::new();
     for word in query.split_whitespace() {
         if name.len() + word.len() > 60 {

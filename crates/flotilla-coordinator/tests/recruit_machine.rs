@@ -42,6 +42,7 @@ fn submitted(p: &Plan) -> Submitted {
         depth: 0,
         budget_scopes: Vec::new(),
         anycast: true,
+        memory: None,
     }
 }
 

@@ -259,6 +259,7 @@ impl RunMachine {
             anycast: submitted.anycast,
             team: Vec::new(),
             recruited: Vec::new(),
+            memory: submitted.memory.clone(),
         };
         let mut m = Self::restore_with_graph(plan, graph, state);
         let mut actions = vec![Action::Emit(Box::new(Emission {
@@ -269,6 +270,7 @@ impl RunMachine {
             event: WorkflowEvent {
                 tasks_total: Some(m.graph.len() as u32),
                 strategy,
+                memory: submitted.memory.clone().map(Box::new),
                 ..WorkflowEvent::phase(WorkflowPhase::RunStarted)
             },
         }))];

@@ -216,6 +216,9 @@ pub struct RunState {
     /// with these appended ([`RunState::amend`]).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub recruited: Vec<Subtask>,
+    /// What a bare query took from memory (from its `submitted` input).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<flotilla_model::memory::MemoryUse>,
 }
 
 fn is_zero_depth(depth: &u32) -> bool {
@@ -300,6 +303,7 @@ impl RunState {
             anycast: false,
             team: Vec::new(),
             recruited: Vec::new(),
+            memory: None,
             outcome: Some(RunOutcome {
                 run_id,
                 status: RunStatus::Rejected,

@@ -315,6 +315,10 @@ pub struct WorkflowEvent {
     /// failed).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub problems: Vec<Problem>,
+    /// What a bare query's run took from memory (on `run_started`): a past plan reused, or
+    /// the planner called and why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<Box<crate::memory::MemoryUse>>,
 }
 
 impl WorkflowEvent {
@@ -333,6 +337,7 @@ impl WorkflowEvent {
             outcome: None,
             strategy: None,
             problems: Vec::new(),
+            memory: None,
         }
     }
 }

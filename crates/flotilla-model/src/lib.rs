@@ -11,6 +11,7 @@ pub mod event;
 pub mod ids;
 pub mod lenient;
 pub mod mailbox;
+pub mod memory;
 pub mod numeric;
 pub mod plan;
 pub mod problem;

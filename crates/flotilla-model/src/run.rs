@@ -230,6 +230,10 @@ pub struct RunRecord {
     /// For runs submitted as a bare query: how planning went.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub planning: Option<PlanningView>,
+    /// For runs submitted as a bare query: what memory gave — a past plan reused (with the
+    /// source run, confidence and measure) or the planner called, and why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<crate::memory::MemoryUse>,
 }
 
 /// Planning of a run submitted as a bare query.

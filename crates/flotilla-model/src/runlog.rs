@@ -191,6 +191,11 @@ pub struct Submitted {
     /// that every coordinator, and every replay, routes and bounds them alike.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub anycast: bool,
+    /// For a bare query: what the coordinator decided with the supervisor's memory — a past
+    /// plan reused (`plan` is then that plan and `planning` is absent), or the planner called
+    /// with past matches as examples. Absent when memory was off or from older coordinators.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<crate::memory::MemoryUse>,
 }
 
 fn is_zero(n: &u32) -> bool {

@@ -11,7 +11,7 @@
 //! | event stream / subjects | `P_EVENTS` / `p.event.<run>` |
 //! | workspace stream / subjects | `P_WORKSPACE` / `p.ws.<root-run>.<topic>` |
 //! | mailbox stream / subjects | `P_MAILBOX` / `p.mbox.<root-run>.<to>.<from>`, teammate inboxes `p.tmbox.<team>.<to>.<from>` |
-//! | KV buckets | `p-runs`, `p-control`, `p-state`, `p-workers`, `p-cursors`, `p-team` and `p-failures` (the supervisor's); reserved for the human-in-the-loop work (provisioned, unused): `p-escalations`, `p-trust` |
+//! | KV buckets | `p-runs`, `p-control`, `p-state`, `p-workers`, `p-cursors`, `p-team`, `p-failures` and `p-memory` (the supervisor's); reserved for the human-in-the-loop work (provisioned, unused): `p-escalations`, `p-trust` |
 //! | request/reply API | `p.api.<endpoint>` (NATS micro service `p`) |
 
 use std::fmt;
@@ -71,11 +71,14 @@ pub enum Bucket {
     Workers,
     /// Durable reader cursors (mailboxes), expiring with the mailboxes.
     Cursors,
+    /// Remembered finished root runs (`run.<run>`), written by the supervisor, read by the
+    /// coordinators' planners ([`crate::memory`]).
+    Memory,
 }
 
 impl Bucket {
     /// Every bucket.
-    pub const ALL: [Bucket; 9] = [
+    pub const ALL: [Bucket; 10] = [
         Self::Runs,
         Self::Team,
         Self::Failures,
@@ -85,6 +88,7 @@ impl Bucket {
         Self::State,
         Self::Workers,
         Self::Cursors,
+        Self::Memory,
     ];
 
     /// Suffix after the prefix.
@@ -99,6 +103,7 @@ impl Bucket {
             Self::State => "state",
             Self::Workers => "workers",
             Self::Cursors => "cursors",
+            Self::Memory => "memory",
         }
     }
 }

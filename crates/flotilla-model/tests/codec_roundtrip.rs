@@ -385,6 +385,7 @@ fn record() -> impl Strategy<Value = RunRecord> {
                     reason: "auto: 2 subtasks".into(),
                 }),
                 planning: None,
+                memory: None,
             },
         )
 }
@@ -433,6 +434,7 @@ fn workflow() -> impl Strategy<Value = Event> {
                     },
                     detail,
                     outcome: outcome.map(Box::new),
+                    memory: None,
                 })
             },
         )
@@ -590,7 +592,7 @@ proptest! {
         trace in option::of(trace()),
     ) {
         let input = match which {
-            0 => RunInput::Submitted(Box::new(Submitted { plan: p, labels, session_id: None, parent: None, reply_to: None, wait_reply_to: Some("_INBOX.w".into()), intake_seq: Some(generation), warnings: Vec::new(), trace, planning: None, depth: (generation % 3) as u32, budget_scopes: vec![flotilla_model::task::BudgetScope { run_id, limits: flotilla_model::task::Budget { max_tokens: Some(generation), max_cost: None } }], anycast: generation % 2 == 0 })),
+            0 => RunInput::Submitted(Box::new(Submitted { plan: p, labels, session_id: None, parent: None, reply_to: None, wait_reply_to: Some("_INBOX.w".into()), intake_seq: Some(generation), warnings: Vec::new(), trace, planning: None, depth: (generation % 3) as u32, budget_scopes: vec![flotilla_model::task::BudgetScope { run_id, limits: flotilla_model::task::Budget { max_tokens: Some(generation), max_cost: None } }], anycast: generation % 2 == 0, memory: None })),
             1 => RunInput::TaskResult(Box::new(TaskResultInput { task_id, attempt, attempt_id, worker: "w1".into(), started_at: started, agent: None, result })),
             2 => RunInput::Rejected(Box::new(flotilla_model::runlog::Rejected {
                 errors: vec![flotilla_model::validate::Problem::new(flotilla_model::validate::ProblemCode::Cycle, "subtasks[0]", "cycle")],
@@ -615,7 +617,7 @@ proptest! {
                 round: attempt,
                 decision: flotilla_model::runlog::PlanDecision::Failed { problems: Vec::new() },
             })),
-            8 => RunInput::Submitted(Box::new(Submitted { plan: p, labels, session_id: None, parent: None, reply_to: None, wait_reply_to: None, intake_seq: None, warnings: Vec::new(), trace, planning: Some(flotilla_model::runlog::PlanningSpec { query: "why?".into(), max_repairs: generation as u32 % 5 }), depth: 0, budget_scopes: Vec::new(), anycast: false })),
+            8 => RunInput::Submitted(Box::new(Submitted { plan: p, labels, session_id: None, parent: None, reply_to: None, wait_reply_to: None, intake_seq: None, warnings: Vec::new(), trace, planning: Some(flotilla_model::runlog::PlanningSpec { query: "why?".into(), max_repairs: generation as u32 % 5 }), depth: 0, budget_scopes: Vec::new(), anycast: false, memory: None })),
             9 => RunInput::Claimed(Box::new(flotilla_model::runlog::Claimed { task_id, attempt, attempt_id, worker: "w1".into(), agent: "analyst".into(), role: "research".into() })),
             10 => RunInput::TaskResult(Box::new(TaskResultInput { task_id, attempt, attempt_id, worker: "w2".into(), started_at: started, agent: Some("analyst".into()), result })),
             _ => RunInput::TimerFired { generation },

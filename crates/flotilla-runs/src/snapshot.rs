@@ -98,5 +98,6 @@ pub fn record_of(state: &RunState) -> RunRecord {
             max_repairs: p.max_repairs,
             status: p.status,
         }),
+        memory: state.memory.clone(),
     }
 }

@@ -12,6 +12,7 @@
 //! | `<prefix>.api.team.recruit_status` | `RecruitStatusRequest` | `RecruitReply` |
 //! | `<prefix>.api.team.retire` | `RetireRequest` | `RetireReply` (`403 recruit_refused {rule}`) |
 //! | `<prefix>.api.team.spawn` / `send` / `broadcast` / `shutdown` / `mates` | teammates ([`crate::teammates`]) | |
+//! | `<prefix>.api.memory.list` / `get` / `forget` | remembered runs ([`crate::memory`]) | |
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -19,6 +20,7 @@ use std::sync::Arc;
 use async_nats::service::{Request, Service, ServiceExt, endpoint::Endpoint};
 use flotilla_bus::service::{parse, respond_api_error, respond_error, respond_json};
 use flotilla_model::api::ApiRequest;
+use flotilla_model::memory::{MemoryForgetRequest, MemoryGetRequest, MemoryListRequest};
 use flotilla_model::recruit::{RecruitRequest, RecruitStatusRequest, RetireRequest};
 use flotilla_model::team::{
     FailureStats, Member, MemberStatus, MemberView, RecordScope, TeamFindRequest, TeamGetRequest,
@@ -47,6 +49,7 @@ pub(crate) struct Started {
     recruit_status: Endpoint,
     retire: Endpoint,
     mates: [Endpoint; 5],
+    memory: [Endpoint; 3],
 }
 
 /// Starts the service (its endpoints answer once [`serve`] runs).
@@ -109,6 +112,17 @@ pub(crate) async fn start(team: &Team) -> Result<Started, SupervisorError> {
                 .await
                 .map_err(setup)?,
         ],
+        memory: [
+            endpoint("memory-list", MemoryListRequest::ENDPOINT)
+                .await
+                .map_err(setup)?,
+            endpoint("memory-get", MemoryGetRequest::ENDPOINT)
+                .await
+                .map_err(setup)?,
+            endpoint("memory-forget", MemoryForgetRequest::ENDPOINT)
+                .await
+                .map_err(setup)?,
+        ],
         service,
     })
 }
@@ -129,6 +143,7 @@ pub(crate) async fn serve(
         mut recruit_status,
         mut retire,
         mates: [mut spawn, mut send, mut broadcast, mut shut, mut mates],
+        memory: [mut memory_list, mut memory_get, mut memory_forget],
     } = started;
     loop {
         let team = Arc::clone(&team);
@@ -146,6 +161,9 @@ pub(crate) async fn serve(
             Some(req) = broadcast.next() => { tokio::spawn(async move { teammates::broadcast(&team, req).await }); }
             Some(req) = shut.next() => { tokio::spawn(async move { teammates::shutdown(&team, req).await }); }
             Some(req) = mates.next() => { tokio::spawn(async move { teammates::mates(&team, req).await }); }
+            Some(req) = memory_list.next() => { tokio::spawn(async move { answer(team, req, crate::memory::list).await }); }
+            Some(req) = memory_get.next() => { tokio::spawn(async move { answer(team, req, crate::memory::get).await }); }
+            Some(req) = memory_forget.next() => { tokio::spawn(async move { answer(team, req, crate::memory::forget).await }); }
             else => break,
         }
     }

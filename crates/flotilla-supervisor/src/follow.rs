@@ -104,6 +104,7 @@ pub(crate) async fn run(
 
 async fn handle(team: &Team, batch: Vec<async_nats::jetstream::Message>) {
     let mut changes = Changes::default();
+    let mut ended = Vec::new();
     let mut readable = Vec::with_capacity(batch.len());
     for msg in batch {
         let at_ms = msg
@@ -113,6 +114,7 @@ async fn handle(team: &Team, batch: Vec<async_nats::jetstream::Message>) {
         match decode_events(wire::codec_of(msg.headers.as_ref()), &msg.payload) {
             Ok(events) => {
                 changes.gather(&events, at_ms);
+                crate::memory::ended_in(&events, at_ms, &mut ended);
                 readable.push(msg);
             }
             Err(e) => {
@@ -121,7 +123,11 @@ async fn handle(team: &Team, batch: Vec<async_nats::jetstream::Message>) {
             }
         }
     }
-    match changes.write(team).await {
+    let written = match changes.write(team).await {
+        Ok(()) => crate::memory::record_all(team, &ended).await,
+        Err(e) => Err(e),
+    };
+    match written {
         Ok(()) => {
             for msg in readable {
                 if let Err(e) = msg.ack().await {

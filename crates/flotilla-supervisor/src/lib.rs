@@ -15,6 +15,10 @@
 //! (`teammates`): spawned by `team.spawn`, woken by mail to their inboxes (`team.send`,
 //! `team.broadcast`), ended by `team.shutdown`.
 //!
+//! It **remembers** every finished root run once in `<prefix>-memory` (query, plan shape,
+//! team, outcome, duration, cost) for the coordinators' planners, and answers
+//! `memory.list|get|forget` ([`memory`]).
+//!
 //! **It decides no run.** The run machine in the coordinator stays the only decider; the
 //! supervisor records facts and answers policy questions — a recruit allowed, a member
 //! retired — as inputs on the run log, which the machine applies. It is stateless: N replicas share one durable
@@ -26,6 +30,7 @@ mod api;
 mod cas;
 mod error;
 mod follow;
+mod memory;
 mod options;
 mod presence;
 mod recruit;
@@ -48,7 +53,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::info;
 
 pub use error::SupervisorError;
-pub use options::{RecruitPolicy, SupervisorOptions};
+pub use options::{MemoryOptions, RecruitPolicy, SupervisorOptions};
 
 use flotilla_bus::mirror::KvMirror;
 
@@ -77,6 +82,8 @@ pub(crate) struct Team {
     /// What a recruit's amended plan is validated against: the deployment's agents, roles
     /// and pools, as the coordinators validate submissions.
     pub(crate) validation: ValidationContext,
+    /// Remembered runs (`run.<run>`), written once per finished root run ([`memory`]).
+    pub(crate) memory_kv: kv::Store,
 }
 
 impl Team {
@@ -162,6 +169,7 @@ impl Supervisor {
         let failures_kv = open(Bucket::Failures).await?;
         let workers_kv = open(Bucket::Workers).await?;
         let cursors_kv = open(Bucket::Cursors).await?;
+        let memory_kv = open(Bucket::Memory).await?;
         let runs = RunReader::open(&self.bus)
             .await
             .map_err(|e| SupervisorError::Setup(e.to_string()))?;
@@ -180,6 +188,7 @@ impl Supervisor {
             runs,
             cursors_kv,
             validation: self.validation,
+            memory_kv,
         });
         // The team bucket holds members, teammates and conversations: each mirror takes its
         // own keys (conversations are read by the workers only).

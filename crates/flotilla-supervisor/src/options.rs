@@ -39,6 +39,32 @@ pub struct SupervisorOptions {
     pub max_message_bytes: usize,
     /// The policy recruits and retirements are checked against (`[supervisor.recruit]`).
     pub recruit: RecruitPolicy,
+    /// `[supervisor.memory]`: remembering finished runs for the planners.
+    pub memory: MemoryOptions,
+}
+
+/// `[supervisor.memory]`: what finished runs are remembered, and for how long.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields, default)]
+pub struct MemoryOptions {
+    /// Record every finished root run in `<prefix>-memory` (the API answers either way).
+    pub enabled: bool,
+    /// How long an entry is kept (the bucket's max age, set when it is provisioned); `0s`
+    /// keeps entries until they are forgotten.
+    #[serde(with = "humantime_serde")]
+    pub max_age: Duration,
+    /// Most entries one `memory.list` reads: the newest stored.
+    pub scan_limit: usize,
+}
+
+impl Default for MemoryOptions {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            max_age: Duration::from_secs(30 * 24 * 3600),
+            scan_limit: 1000,
+        }
+    }
 }
 
 /// `[supervisor.recruit]`: who may recruit what into a running run.
@@ -106,6 +132,7 @@ impl Default for SupervisorOptions {
             batch: 256,
             ack_wait: Duration::from_secs(30),
             recruit: RecruitPolicy::default(),
+            memory: MemoryOptions::default(),
             team_size: 10,
             turns_per_hour: 120,
             max_message_bytes: 64 * 1024,
@@ -146,6 +173,12 @@ impl SupervisorOptions {
                 "max-message-bytes must be 1 to {}",
                 flotilla_model::mailbox::MAX_PAYLOAD_BYTES / 2
             ));
+        }
+        if !(1..=100_000).contains(&self.memory.scan_limit) {
+            return Err("memory.scan-limit must be 1 to 100000".into());
+        }
+        if !self.memory.max_age.is_zero() && self.memory.max_age < Duration::from_secs(1) {
+            return Err("memory.max-age must be 0 (keep) or at least 1s".into());
         }
         if self.progress_resolution >= self.stale_after {
             return Err("progress-resolution must be shorter than stale-after".into());

@@ -1,6 +1,7 @@
 //! One module per command group.
 
 pub(crate) mod collab;
+pub(crate) mod memory;
 pub(crate) mod nats;
 pub(crate) mod plan;
 pub(crate) mod runs;

@@ -384,7 +384,7 @@ fn print_mates(list: &[TeammateView]) {
 
 /// A client on the agent's own connection inside an exec agent (its environment names the
 /// worker's NATS and prefix), else on the configuration's.
-async fn connect(config: &Config) -> anyhow::Result<Client> {
+pub(super) async fn connect(config: &Config) -> anyhow::Result<Client> {
     // The prefix comes with it (`FLOTILLA_PREFIX`).
     if let Some(opts) = flotilla_context::connection_from_env()? {
         return Ok(Client::new(Bus::connect(&opts, "flotilla-cli").await?));
@@ -525,7 +525,7 @@ fn join_ids(ids: &[TaskId]) -> String {
 
 /// Sends `request`; prints the answer as JSON or with `print`; a refusal is printed as
 /// `error: <code>: <message>` (as JSON with `--json`) and exits 1.
-async fn answer<R: ApiRequest>(
+pub(super) async fn answer<R: ApiRequest>(
     client: &Client,
     request: &R,
     json: bool,

@@ -200,9 +200,13 @@ fn line(e: &ProjectedEvent) -> Option<String> {
                 .ok()
                 .and_then(|v| v.as_str().map(str::to_owned))
                 .unwrap_or_default();
-            match &e.event.task_id {
+            let line = match &e.event.task_id {
                 Some(t) if e.depth == 0 || e.agent.is_some() => format!("{phase} {t}"),
                 _ => phase,
+            };
+            match &w.memory {
+                Some(m) => format!("{line} ({})", m.summary()),
+                None => line,
             }
         }
         Event::AgentStep { step, entry, .. } => match entry {

@@ -412,5 +412,6 @@ fn submitted_of(
         depth: 0,
         budget_scopes: Vec::new(),
         anycast: false,
+        memory: None,
     }
 }
