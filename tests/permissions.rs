@@ -1076,6 +1076,88 @@ reply = "{task_id} researched"
 roles = ["research"]
 "#;
 
+/// A `Bus` (the library's connection) with `role`'s credentials.
+async fn bus_as(server: &NatsServer, (user, password): (&str, &str)) -> anyhow::Result<Bus> {
+    let opts = NatsOptions {
+        auth: NatsAuth::UserPassword {
+            user: user.into(),
+            password: Secret::new(password),
+        },
+        ..NatsOptions::with_url(server.url())
+    };
+    Ok(Bus::connect(&opts, "permissions-test").await?)
+}
+
+#[tokio::test]
+async fn memory_is_written_by_the_supervisor_and_read_by_the_coordinators() -> anyhow::Result<()> {
+    use flotilla_model::subjects::Bucket;
+    let server = server().await?;
+    let operator = Role::connect(&server, OPERATOR).await?;
+    provision(&operator.js, &names(), &JetStreamOptions::default()).await?;
+
+    // The supervisor: creates an entry once (create-if-absent), reads it by key and with the
+    // bounded scan memory.list uses, purges it (memory.forget), serves memory.*.
+    let mut supervisor = Role::connect(&server, SUPERVISOR).await?;
+    let memory = supervisor.js.get_key_value("flotilla-memory").await?;
+    memory.create("run.r1", "{\"v\":1}".into()).await?;
+    ensure!(
+        memory.create("run.r1", "{\"v\":2}".into()).await.is_err(),
+        "a second create of one run was stored"
+    );
+    memory.create("run.r2", "{\"v\":1}".into()).await?;
+    ensure!(memory.entry("run.r1").await?.is_some());
+    let as_supervisor = bus_as(&server, SUPERVISOR).await?;
+    let newest = as_supervisor
+        .kv_newest(Bucket::Memory, "run.", 1000)
+        .await?;
+    ensure!(newest.len() == 2, "{newest:?}");
+    memory.purge("run.r2").await?;
+    let _api = supervisor
+        .client
+        .subscribe("flotilla.api.memory.list")
+        .await?;
+    supervisor.no_violations().await?;
+
+    // The coordinator reads with the same bounded scan, and writes nothing there.
+    let mut coordinator = Role::connect(&server, COORDINATOR).await?;
+    let as_coordinator = bus_as(&server, COORDINATOR).await?;
+    let newest = as_coordinator
+        .kv_newest(Bucket::Memory, "run.", 1000)
+        .await?;
+    ensure!(
+        newest.len() == 1 && newest[0].subject.ends_with("run.r1"),
+        "the purged entry is not read: {newest:?}"
+    );
+    coordinator.no_violations().await?;
+    coordinator
+        .publish_refused("$KV.flotilla-memory.run.r3")
+        .await?;
+
+    // A client reaches memory only through the API: no reads, no writes.
+    let mut client = Role::connect(&server, CLIENT).await?;
+    client.publish_refused("$KV.flotilla-memory.run.r3").await?;
+    client
+        .publish_refused("$JS.API.DIRECT.GET.KV_flotilla-memory")
+        .await?;
+    // A worker neither.
+    let mut worker = Role::connect(&server, WORKER).await?;
+    worker.publish_refused("$KV.flotilla-memory.run.r3").await?;
+    // The supervisor writes run entries only.
+    supervisor
+        .publish_refused("$KV.flotilla-memory.other.key")
+        .await?;
+    let stored = operator.js.get_key_value("flotilla-memory").await?;
+    ensure!(
+        stored.entry("run.r3").await?.is_none(),
+        "a refused write was stored"
+    );
+    ensure!(
+        messages_in(&operator.js, "KV_flotilla-memory").await? == 2,
+        "run.r1 and run.r2's purge marker only"
+    );
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_worker_does_not_provision_and_says_so() -> anyhow::Result<()> {
     let empty = server().await?;
