@@ -67,7 +67,11 @@ fn plan_reply() -> Reply {
 }
 
 /// A coordinator, a worker and `supervisors` supervisors; waits until memory answers.
-async fn services(llm: &OpenAiServer, explore: u8, supervisors: usize) -> anyhow::Result<Processes> {
+async fn services(
+    llm: &OpenAiServer,
+    explore: u8,
+    supervisors: usize,
+) -> anyhow::Result<Processes> {
     let mut p = Processes::start(&config(&llm.base_url(), explore)).await?;
     p.coordinator().await?;
     p.worker(&[]).await?;
@@ -99,7 +103,10 @@ async fn run_query(p: &Processes, query: &str) -> anyhow::Result<RunId> {
             .client
             .submit_request(&SubmitRequest::query(query), ASK)
             .await?;
-        if reply.errors.iter().any(|e| e.code == ProblemCode::NoPlanner)
+        if reply
+            .errors
+            .iter()
+            .any(|e| e.code == ProblemCode::NoPlanner)
             && Instant::now() < deadline
         {
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -141,7 +148,13 @@ async fn memory_of(p: &Processes, run: RunId) -> anyhow::Result<MemoryUse> {
 async fn started_memory(p: &Processes, run: RunId) -> anyhow::Result<Option<MemoryUse>> {
     let stored = p
         .bus
-        .direct_batch(StreamKind::Events, &format!("flotilla.event.{run}"), 0, 100, None)
+        .direct_batch(
+            StreamKind::Events,
+            &format!("flotilla.event.{run}"),
+            0,
+            100,
+            None,
+        )
         .await?;
     for m in stored {
         for e in decode_events(flotilla_bus::wire::codec_of(Some(&m.headers)), &m.payload)? {
@@ -174,9 +187,16 @@ async fn a_run_is_remembered_once_and_a_similar_query_reuses_its_plan() -> anyho
     // Two supervisor replicas share the event stream.
     let p = services(&llm, 0, 2).await?;
 
-    let first = run_query(&p, "Summarise the quarterly revenue report for ACME Corporation").await?;
+    let first = run_query(
+        &p,
+        "Summarise the quarterly revenue report for ACME Corporation",
+    )
+    .await?;
     let entry = remembered(&p, first).await?;
-    assert_eq!(entry.query, "Summarise the quarterly revenue report for ACME Corporation");
+    assert_eq!(
+        entry.query,
+        "Summarise the quarterly revenue report for ACME Corporation"
+    );
     assert_eq!(entry.query_source, QuerySource::Query);
     assert_eq!(entry.outcome, RunStatus::Succeeded);
     let ids: Vec<&str> = entry.plan.subtasks.iter().map(|t| t.id.as_str()).collect();
@@ -193,7 +213,8 @@ async fn a_run_is_remembered_once_and_a_similar_query_reuses_its_plan() -> anyho
 
     // A child run of a tree is not remembered.
     let mut child = SubmitRequest::new(plan(vec![flotilla_model::plan::Subtask::new(
-        "c", "child work",
+        "c",
+        "child work",
     )]));
     child.parent = Some(RunHandle::root(first));
     let child_run = p.client.submit(child).await?;
@@ -214,7 +235,9 @@ async fn a_run_is_remembered_once_and_a_similar_query_reuses_its_plan() -> anyho
     assert!(view.record.planning.is_none(), "{:?}", view.record);
     assert_eq!(view.tasks.len(), 2);
     // The `run_started` event (shown by `flotilla watch`'s user profile) says so too.
-    let on_event = started_memory(&p, second).await?.expect("memory on run_started");
+    let on_event = started_memory(&p, second)
+        .await?
+        .expect("memory on run_started");
     assert_eq!(on_event.source_run, Some(first));
     let reused = remembered(&p, second).await?;
     assert_eq!(reused.reused_from, Some(first));
@@ -229,7 +252,13 @@ async fn a_run_is_remembered_once_and_a_similar_query_reuses_its_plan() -> anyho
     // it): the same event message, stored once more, is handled again and records nothing.
     let stored = p
         .bus
-        .direct_batch(StreamKind::Events, &format!("flotilla.event.{first}"), 0, 1000, None)
+        .direct_batch(
+            StreamKind::Events,
+            &format!("flotilla.event.{first}"),
+            0,
+            1000,
+            None,
+        )
         .await?;
     let end = stored
         .into_iter()
@@ -271,10 +300,17 @@ async fn a_run_is_remembered_once_and_a_similar_query_reuses_its_plan() -> anyho
         if info.num_pending == 0 && info.num_ack_pending == 0 {
             break;
         }
-        anyhow::ensure!(Instant::now() < deadline, "the supervisors never caught up: {info:?}");
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the supervisors never caught up: {info:?}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert_eq!(memory_writes(&p).await?, 2, "a redelivered end was recorded again");
+    assert_eq!(
+        memory_writes(&p).await?,
+        2,
+        "a redelivered end was recorded again"
+    );
     assert_eq!(remembered(&p, first).await?, entry);
     Ok(())
 }
@@ -406,15 +442,28 @@ async fn forget_removes_an_entry_and_bad_input_changes_nothing() -> anyhow::Resu
     // The CLI lists and shows it.
     let out = p.cli(&["memory", "list"])?;
     let listed = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success() && listed.contains(&run.to_string()), "{listed}");
+    assert!(
+        out.status.success() && listed.contains(&run.to_string()),
+        "{listed}"
+    );
     let out = p.cli(&["memory", "show", &run.to_string()])?;
     let shown = String::from_utf8_lossy(&out.stdout);
-    assert!(shown.contains("research [researcher]: Find the quarter's figures."), "{shown}");
-    assert!(shown.contains("report [synthesis] after research"), "{shown}");
+    assert!(
+        shown.contains("research [researcher]: Find the quarter's figures."),
+        "{shown}"
+    );
+    assert!(
+        shown.contains("report [synthesis] after research"),
+        "{shown}"
+    );
 
     // Forgotten: gone from get and list, and not recorded again.
     let out = p.cli(&["memory", "forget", &run.to_string(), "--json"])?;
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let e = refused(
         &p,
         &MemoryGetRequest {
@@ -435,5 +484,86 @@ async fn forget_removes_an_entry_and_bad_input_changes_nothing() -> anyhow::Resu
     )
     .await?;
     assert_eq!(e.code, "not_found", "forgetting twice");
+    Ok(())
+}
+
+/// The lookup a bare query pays, over a bucket holding more than the scan limit: 1,200
+/// entries of a realistic size (a query, four subtasks); the scan reads the newest 1,000 and
+/// scores them. Prints the time (`--no-capture` shows it); bounded generously so a loaded
+/// machine does not fail it, while a scan of the whole bucket or one read per key would.
+#[tokio::test]
+async fn a_lookup_reads_the_newest_thousand_entries_once() -> anyhow::Result<()> {
+    use flotilla_model::memory::{KEY_PREFIX, MemoryEntry, memory_key};
+    use flotilla_model::subjects::Bucket;
+    let server = flotilla_testkit::NatsServer::start().await?;
+    let bus = server.provisioned_bus().await?;
+    let kv = bus.kv(Bucket::Memory).await?;
+    let mut plan = flotilla_model::plan::Plan::empty();
+    for (i, d) in [
+        "Find the figures.",
+        "Compare with last year.",
+        "Check the sources.",
+        "Write the report.",
+    ]
+    .iter()
+    .enumerate()
+    {
+        plan.subtasks
+            .push(flotilla_model::plan::Subtask::new(&format!("t{i}"), d));
+    }
+    let (shape, team) = MemoryEntry::shape_of(&plan);
+    for i in 0..1200 {
+        let run = RunId::new();
+        let e = MemoryEntry {
+            run_id: run,
+            session_id: None,
+            query: format!("Summarise the quarterly revenue report number {i} for customer {i}"),
+            query_source: QuerySource::Query,
+            name: None,
+            plan: shape.clone(),
+            team: team.clone(),
+            outcome: RunStatus::Succeeded,
+            cause: None,
+            duration_ms: 1000,
+            tokens: Some(1234),
+            cost_usd: None,
+            created_at: flotilla_model::time::Timestamp::now(),
+            finished_at: flotilla_model::time::Timestamp::now(),
+            recorded_at: flotilla_model::time::Timestamp::now(),
+            reused_from: None,
+            truncated: false,
+        };
+        kv.create(memory_key(run), serde_json::to_vec(&e)?.into())
+            .await?;
+    }
+    let mut times = Vec::new();
+    for _ in 0..5 {
+        let t = Instant::now();
+        let stored = bus.kv_newest(Bucket::Memory, KEY_PREFIX, 1000).await?;
+        let entries: Vec<MemoryEntry> = stored
+            .iter()
+            .filter_map(|m| serde_json::from_slice(&m.payload).ok())
+            .collect();
+        assert_eq!(entries.len(), 1000);
+        let advice = flotilla_coordinator::memory::decide(
+            RunId::new(),
+            "Summarise the quarterly revenue report for ACME",
+            None,
+            &entries,
+            &flotilla_coordinator::memory::MemoryOptions::default(),
+            |p| Ok((p.clone(), Vec::new())),
+        );
+        assert!(matches!(
+            advice,
+            flotilla_coordinator::memory::Advice::Plan { .. }
+        ));
+        times.push(t.elapsed());
+    }
+    times.sort();
+    eprintln!(
+        "memory lookup over 1000 of 1200 entries: median {:?}, min {:?}, max {:?}",
+        times[2], times[0], times[4]
+    );
+    assert!(times[2] < Duration::from_secs(2), "{times:?}");
     Ok(())
 }

@@ -226,6 +226,25 @@ pub fn public_schemas() -> Vec<(&'static str, Schema)> {
             schema_for!(crate::teammate::TeamMatesRequest),
         ),
         ("team-mates.json", schema_for!(crate::teammate::TeamMates)),
+        ("memory-entry.json", schema_for!(crate::memory::MemoryEntry)),
+        ("memory-use.json", schema_for!(crate::memory::MemoryUse)),
+        (
+            "memory-list-request.json",
+            schema_for!(crate::memory::MemoryListRequest),
+        ),
+        ("memory-list.json", schema_for!(crate::memory::MemoryList)),
+        (
+            "memory-get-request.json",
+            schema_for!(crate::memory::MemoryGetRequest),
+        ),
+        (
+            "memory-forget-request.json",
+            schema_for!(crate::memory::MemoryForgetRequest),
+        ),
+        (
+            "memory-forgotten.json",
+            schema_for!(crate::memory::MemoryForgotten),
+        ),
     ]
 }
 
