@@ -141,7 +141,7 @@ impl Intake {
 
     /// Memory's advice for a bare query whose planning plan is `planning`: a past plan to
     /// run instead (with its warnings), or the planning plan with examples added.
-    async fn from_memory(
+    async fn advised_by_memory(
         &self,
         run: RunId,
         query: &str,
@@ -324,8 +324,9 @@ impl Intake {
             Ok(SubmitForm::Plan(plan)) => prepare_plan(plan, &self.ctx),
             Ok(SubmitForm::Query(query)) => match self.planning_plan(query, source.now_ms()) {
                 Ok(plan) if errors.is_empty() => {
-                    let (advice, used) =
-                        self.from_memory(run, query, lineage.session_id, plan).await;
+                    let (advice, used) = self
+                        .advised_by_memory(run, query, lineage.session_id, plan)
+                        .await;
                     memory = used;
                     match advice {
                         Ok(reused) => Ok(reused),

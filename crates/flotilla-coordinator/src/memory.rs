@@ -345,7 +345,14 @@ mod tests {
     #[test]
     fn an_identical_successful_query_is_reused() {
         let old = entry(Q, RunStatus::Succeeded, None);
-        let a = decide(RunId::new(), Q, None, &[old.clone()], &opts(0), valid);
+        let a = decide(
+            RunId::new(),
+            Q,
+            None,
+            std::slice::from_ref(&old),
+            &opts(0),
+            valid,
+        );
         let Advice::Reuse { plan, used, .. } = a else {
             panic!("{a:?}")
         };
@@ -398,7 +405,14 @@ mod tests {
     #[test]
     fn exploring_runs_call_the_planner_with_the_match() {
         let old = entry(Q, RunStatus::Succeeded, None);
-        let a = decide(RunId::new(), Q, None, &[old.clone()], &opts(100), valid);
+        let a = decide(
+            RunId::new(),
+            Q,
+            None,
+            std::slice::from_ref(&old),
+            &opts(100),
+            valid,
+        );
         let Advice::Plan { used, examples } = a else {
             panic!("{a:?}")
         };
