@@ -239,6 +239,14 @@ async fn a_run_is_remembered_once_and_a_similar_query_reuses_its_plan() -> anyho
         .await?
         .expect("memory on run_started");
     assert_eq!(on_event.source_run, Some(first));
+    let out = p.cli(&["watch", &second.to_string()])?;
+    let watched = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        watched.contains(&format!(
+            "run_started (plan reused from run {first} (confidence 0.833"
+        )),
+        "{watched}"
+    );
     let reused = remembered(&p, second).await?;
     assert_eq!(reused.reused_from, Some(first));
 

@@ -20,8 +20,21 @@ async fn provisioning_twice_is_a_no_op() -> anyhow::Result<()> {
     );
     assert_eq!(
         first.resources.len(),
-        6 + 9 + 1,
+        6 + 10 + 1,
         "streams, buckets, object store"
+    );
+    // Remembered runs: one value per run, kept for `[supervisor.memory] max-age`.
+    let memory = bus
+        .js()
+        .get_key_value("flotilla-memory")
+        .await?
+        .status()
+        .await?;
+    assert_eq!(memory.history(), 1);
+    assert_eq!(memory.max_age(), opts.memory_max_age);
+    assert_eq!(
+        opts.memory_max_age,
+        std::time::Duration::from_secs(30 * 24 * 3600)
     );
     let second = bus.provision(&opts).await?;
     assert!(!second.changed(), "{second}");
