@@ -337,6 +337,12 @@ impl Intake {
             depth: lineage.depth,
             budget_scopes: lineage.budget_scopes,
             anycast,
+            lead: self
+                .ctx
+                .agents
+                .as_ref()
+                .and_then(|a| a.lead())
+                .map(str::to_owned),
         };
         let entry = RunLogEntry {
             protocol: PROTOCOL_VERSION,

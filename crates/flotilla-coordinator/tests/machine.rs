@@ -37,6 +37,7 @@ fn submitted(p: &Plan) -> Submitted {
         depth: 0,
         budget_scopes: Vec::new(),
         anycast: false,
+        lead: None,
     }
 }
 

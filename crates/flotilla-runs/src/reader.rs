@@ -429,6 +429,7 @@ impl RunReader {
                         depth: 0,
                         budget_scopes: Vec::new(),
                         anycast: false,
+                        lead: None,
                     })),
                 }
             } else {
