@@ -26,6 +26,7 @@ mod api;
 mod cas;
 mod error;
 mod follow;
+mod lead;
 mod options;
 mod presence;
 mod recruit;
