@@ -316,26 +316,46 @@ async fn auto_leads_a_recruiting_plan_and_refusals_change_nothing() -> anyhow::R
         "a refusal wrote to the run log: {inputs:?}"
     );
 
-    // An operator assigns and finishes through the same endpoints; a repeat is answered,
-    // never doubled.
-    let reply: LeadReply = p
-        .client
-        .call(&ask_assign(run, "hiring"), ASK)
-        .await?
-        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
-    assert_eq!(reply.status.as_str(), "accepted", "{reply:?}");
+    // An operator assigns (the CLI) and finishes through the same endpoints; a repeat is
+    // answered, never doubled.
+    let out = p.cli(&[
+        "team",
+        "assign",
+        "hiring",
+        "--run",
+        &run.to_string(),
+        "--reason",
+        "by hand",
+    ])?;
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("assigned: task hiring"), "{text}");
+    let out = p.cli(&[
+        "team",
+        "assign",
+        "nope",
+        "--run",
+        &run.to_string(),
+        "--json",
+    ])?;
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(json["error"], "unknown_task", "{json}");
     let again: LeadReply = p
         .client
         .call(&ask_assign(run, "hiring"), ASK)
         .await?
         .map_err(|e| anyhow::anyhow!("{e:?}"))?;
     assert_eq!(again.status.as_str(), "accepted", "{again:?}");
-    let reply: LeadReply = p
-        .client
-        .call(&finish(run, "finished by hand"), ASK)
-        .await?
-        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
-    assert_eq!(reply.status.as_str(), "accepted", "{reply:?}");
+    let out = p.cli(&[
+        "team",
+        "finish",
+        "--run",
+        &run.to_string(),
+        "--result",
+        "finished by hand",
+    ])?;
+    assert!(out.status.success(), "{out:?}");
     let outcome = p.client.wait(run, Duration::from_secs(30)).await?;
     assert_eq!(outcome.status, RunStatus::Succeeded, "{outcome:?}");
     assert_eq!(

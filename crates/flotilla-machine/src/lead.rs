@@ -48,7 +48,7 @@ impl RunMachine {
 
     /// Ends the run `failed` when its lead did not finish it in time. `true`: it ended.
     pub(crate) fn lead_overdue(&mut self, now_ms: i64, actions: &mut Vec<Action>) -> bool {
-        if !self.lead_deadline().is_some_and(|d| d <= now_ms) {
+        if self.lead_deadline().is_none_or(|d| d > now_ms) {
             return false;
         }
         let timeout = self.plan.config.lead_timeout.get();

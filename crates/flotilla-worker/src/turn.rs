@@ -476,7 +476,7 @@ async fn run_agent(
     let (description, query) = render(mate, conv, new);
     let envelope = serde_json::json!({
         // A run's lead acts in its run; another teammate's turn is a run of its own.
-        "run_id": mate.run.unwrap_or_else(flotilla_model::RunId::new),
+        "run_id": mate.run.unwrap_or_default(),
         "session_id": mate.team.parse::<flotilla_model::SessionId>().ok(),
         "task_id": mate.name,
         "attempt": conv.turns + 1,
