@@ -5,7 +5,8 @@
 //! skipped. `auto` picks the strategy for a recruiting plan where a lead exists. Every
 //! refusal of `team.assign` / `team.finish` is structured and changes nothing.
 //!
-//! Agents are deterministic: the lead's model is the OpenAI-compatible test double
+//! The first test runs the shipped example (`config/examples/supervised-team.toml` and its
+//! plan). Agents are deterministic: the lead's model is the OpenAI-compatible test double
 //! (`flotilla_testkit::openai`, scripted replies matched on the mail the lead was sent), and
 //! the members are `scripted` agents.
 
@@ -62,7 +63,11 @@ allowed-roles = ["patents"]
 }
 
 async fn services(base_url: &str) -> anyhow::Result<Processes> {
-    let mut p = Processes::start(&config(base_url)).await?;
+    up(Processes::start(&config(base_url)).await?).await
+}
+
+/// Starts a coordinator, a worker and a supervisor; waits until the team API answers.
+async fn up(mut p: Processes) -> anyhow::Result<Processes> {
     p.coordinator().await?;
     p.worker(&[]).await?;
     let i = p.spawn(&["supervisor"])?;
@@ -143,11 +148,18 @@ async fn a_lead_assigns_recruits_mid_run_and_finishes_the_run() -> anyhow::Resul
         Reply::text("done"),
         Reply::text("done"),
     ]);
-    let p = services(&llm.base_url()).await?;
-    let run = p
-        .client
-        .submit(SubmitRequest::new(analysis_plan(Strategy::Supervisor)))
-        .await?;
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let base_url = llm.base_url();
+    let p = up(Processes::with_config_file(
+        &root.join("config/examples/supervised-team.toml"),
+        &[("FLOTILLA_AGENTS__CHIEF__BASE_URL", base_url.as_str())],
+    )
+    .await?)
+    .await?;
+    let plan: flotilla_model::Plan = serde_json::from_str(&std::fs::read_to_string(
+        root.join("config/examples/plans/supervised-team.json"),
+    )?)?;
+    let run = p.client.submit(SubmitRequest::new(plan)).await?;
     let outcome = p.client.wait(run, Duration::from_secs(90)).await?;
     assert_eq!(outcome.status, RunStatus::Succeeded, "{outcome:?}");
     assert_eq!(outcome.cause, Some(EndCause::LeadFinished), "{outcome:?}");

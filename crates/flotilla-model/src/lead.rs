@@ -27,7 +27,7 @@ pub struct AssignRequest {
     pub run_id: RunId,
     /// The subtask to run (it still waits for its dependencies).
     pub task_id: TaskId,
-    /// Why (recorded; at most 512 bytes).
+    /// Why (recorded; at most 1,024 bytes).
     #[serde(default)]
     pub reason: String,
     /// Who assigns: `lead` (its tool) or `operator` (default).
