@@ -22,7 +22,6 @@ use flotilla_model::run::{EndCause, RunStatus, TaskStatus};
 use flotilla_model::runlog::RunInput;
 use flotilla_model::subjects::Bucket;
 use flotilla_model::submit::SubmitRequest;
-use flotilla_model::team::{TeamList, TeamListRequest};
 use flotilla_model::teammate::{Teammate, TeammateStatus, teammate_key};
 use flotilla_testkit::openai::{OpenAiServer, Reply};
 use serde_json::json;
@@ -70,29 +69,8 @@ async fn services(base_url: &str) -> anyhow::Result<Processes> {
 async fn up(mut p: Processes) -> anyhow::Result<Processes> {
     p.coordinator().await?;
     p.worker(&[]).await?;
-    let i = p.spawn(&["supervisor"])?;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let list: Result<TeamList, _> = p
-            .client
-            .request(
-                &TeamListRequest {
-                    protocol: 1,
-                    role: None,
-                },
-                ASK,
-            )
-            .await;
-        if list.is_ok_and(|l| !l.members.is_empty()) {
-            return Ok(p);
-        }
-        anyhow::ensure!(
-            tokio::time::Instant::now() < deadline,
-            "the supervisor never answered:\n{}",
-            p.log(i)
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    p.supervisor().await?;
+    Ok(p)
 }
 
 fn analysis_plan(strategy: Strategy) -> flotilla_model::plan::Plan {
