@@ -36,13 +36,12 @@ use flotilla_model::plan::{LEAD_ROLE, Strategy};
 use flotilla_model::recruit::{MAX_REASON, RecruitStatus};
 use flotilla_model::run::{EndCause, TaskStatus};
 use flotilla_model::runlog::{Assigned, Finished, RunInput};
-use flotilla_model::teammate::{Teammate, TeammatePost, teammate_key};
+use flotilla_model::teammate::{Teammate, teammate_key};
 use flotilla_model::time::Timestamp;
 use flotilla_model::token::check_token;
-use tracing::{debug, info};
+use tracing::info;
 
 use crate::Team;
-use crate::cas::modify;
 use crate::error::SupervisorError;
 use crate::recruit::{Running, append_and_wait, invalid, load};
 
@@ -450,42 +449,24 @@ async fn status_of(team: &Team, run: &Running) -> String {
 
 /// Mails the run's lead (de-duplicated by `id`) and wakes it.
 async fn mail(team: &Team, run: RunId, id: &str, text: &str) -> Result<(), SupervisorError> {
-    let t = run.to_string();
-    let post = TeammatePost {
-        protocol: flotilla_model::PROTOCOL_VERSION,
-        from: "flotilla".to_owned(),
-        text: text.to_owned(),
-    };
-    team.bus
-        .publish(
-            team.bus.names().teammate_inbox(&t, LEAD_NAME, "flotilla"),
-            &post,
-            Some(id),
-        )
-        .await
-        .map_err(|e| store_err("mailing a lead", e))?;
-    if let Err(e) = crate::teammates::wake(team, &t, LEAD_NAME).await {
-        // The inbox consumer wakes it in a moment.
-        debug!(%run, error = %e, "Could not wake a lead at once");
-    }
+    crate::teammates::post(
+        team,
+        &run.to_string(),
+        LEAD_NAME,
+        "flotilla",
+        text,
+        Some(id),
+    )
+    .await?;
     Ok(())
 }
 
 /// Shuts the run's lead down (after its current turn).
 async fn end_lead(team: &Team, run: RunId) -> Result<(), SupervisorError> {
-    let t = run.to_string();
-    let key = teammate_key(&t, LEAD_NAME);
-    let now = Timestamp::now();
-    let written = modify(
-        &team.team_kv,
-        &key,
-        || Teammate::spawn(&t, LEAD_NAME, "", "", "", "", now),
-        |m: &mut Teammate| !m.agent.is_empty() && m.shutdown(now),
-        &team.metrics,
-    )
-    .await?;
-    if let Some(m) = written {
-        team.mates.note(&key, m, now.unix_ms());
+    if crate::teammates::end(team, &run.to_string(), LEAD_NAME)
+        .await?
+        .is_some()
+    {
         info!(%run, "Lead shut down: its run ended");
     }
     Ok(())
