@@ -18,7 +18,7 @@ use flotilla_model::event::{WorkflowEvent, WorkflowPhase};
 use flotilla_model::numeric::extract_numeric_value;
 use flotilla_model::plan::Strategy;
 use flotilla_model::recruit::MAX_REASON;
-use flotilla_model::run::{EndCause, FinalResult, RunStatus, TaskStatus};
+use flotilla_model::run::{EndCause, FinalResult, RunStatus};
 use flotilla_model::runlog::{Assigned, Finished};
 
 use crate::{Action, RunMachine, truncate_message};
@@ -101,15 +101,7 @@ impl RunMachine {
             },
             actions,
         );
-        if self.state.tasks[i as usize].status == TaskStatus::Waiting
-            && self.remaining[i as usize] == 0
-        {
-            if self.missing[i as usize] == 0 {
-                self.ready.insert(i);
-            } else {
-                self.gate(i, now_ms, actions);
-            }
-        }
+        self.release(i, now_ms, actions);
         // Its dependency clock may run from now on.
         self.rescan_deadlines = true;
         true

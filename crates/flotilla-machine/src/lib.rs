@@ -624,16 +624,21 @@ impl RunMachine {
         }
         for &d in &graph.dependents[i as usize] {
             self.remaining[d as usize] -= 1;
-            if self.remaining[d as usize] == 0
-                && self.state.tasks[d as usize].status == TaskStatus::Waiting
-                && !self.state.tasks[d as usize].held
-            {
-                if self.missing[d as usize] == 0 {
-                    self.ready.insert(d);
-                } else {
-                    self.gate(d, now_ms, actions);
-                }
-            }
+            self.release(d, now_ms, actions);
+        }
+    }
+
+    /// Task `i`'s dependencies may all have succeeded: a waiting task that is not held then
+    /// starts, or (a consumed topic without an entry yet) starts its wait for the topic.
+    pub(crate) fn release(&mut self, i: u32, now_ms: i64, actions: &mut Vec<Action>) {
+        let t = &self.state.tasks[i as usize];
+        if self.remaining[i as usize] != 0 || t.status != TaskStatus::Waiting || t.held {
+            return;
+        }
+        if self.missing[i as usize] == 0 {
+            self.ready.insert(i);
+        } else {
+            self.gate(i, now_ms, actions);
         }
     }
 
