@@ -18,7 +18,6 @@ use flotilla_model::recruit::{
 };
 use flotilla_model::run::{RunStatus, RunView};
 use flotilla_model::submit::SubmitRequest;
-use flotilla_model::team::{TeamList, TeamListRequest};
 use support::*;
 
 const ASK: Duration = Duration::from_secs(15);
@@ -72,29 +71,8 @@ async fn services_with(extra: &str) -> anyhow::Result<Processes> {
     let mut p = Processes::start(&format!("{}{extra}", config())).await?;
     p.coordinator().await?;
     p.worker(&[]).await?;
-    let i = p.spawn(&["supervisor"])?;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let list: Result<TeamList, _> = p
-            .client
-            .request(
-                &TeamListRequest {
-                    protocol: 1,
-                    role: None,
-                },
-                ASK,
-            )
-            .await;
-        if list.is_ok_and(|l| !l.members.is_empty()) {
-            return Ok(p);
-        }
-        anyhow::ensure!(
-            tokio::time::Instant::now() < deadline,
-            "the supervisor never answered:\n{}",
-            p.log(i)
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    p.supervisor().await?;
+    Ok(p)
 }
 
 async fn submit(p: &Processes, tasks: Vec<Subtask>, config: PlanConfig) -> anyhow::Result<RunId> {

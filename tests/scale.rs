@@ -84,7 +84,9 @@ reply = "{task_id} <- [{dependencies}]"
                 | RunInput::Planned(_)
                 | RunInput::Claimed(_)
                 | RunInput::Recruited(_)
-                | RunInput::Retired(_) => {}
+                | RunInput::Retired(_)
+                | RunInput::Assigned(_)
+                | RunInput::Finished(_) => {}
                 RunInput::Rejected(_) => panic!("{run} was rejected"),
             }
         }

@@ -62,25 +62,6 @@ fn stats_request(name: Option<&str>) -> TeamStatsRequest {
     }
 }
 
-/// Starts `flotilla supervisor` and waits until the team API answers with the roster.
-async fn supervisor(p: &mut Processes) -> anyhow::Result<usize> {
-    let i = p.spawn(&["supervisor"])?;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Ok(list) = p.client.request(&list_request(None), ASK).await
-            && !list.members.is_empty()
-        {
-            return Ok(i);
-        }
-        anyhow::ensure!(
-            tokio::time::Instant::now() < deadline,
-            "the supervisor never answered:\n{}",
-            p.log(i)
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 async fn member(p: &Processes, name: &str) -> anyhow::Result<MemberView> {
     Ok(p.client
         .request(
@@ -127,7 +108,7 @@ fn stats_of(stats: &TeamStats, scope: RecordScope, name: &str) -> Option<(u64, u
 async fn roster_presence_and_failure_records() -> anyhow::Result<()> {
     let mut p = Processes::start(TEAM).await?;
     p.coordinator().await?;
-    supervisor(&mut p).await?;
+    p.supervisor().await?;
     // No worker yet: every configured member is on the roster, offline, with its card.
     let list: TeamList = p.client.request(&list_request(None), ASK).await?;
     let names: Vec<&str> = list.members.iter().map(|m| m.name.as_str()).collect();
@@ -246,8 +227,8 @@ fn plan_of_one(agent: &str) -> flotilla_model::plan::Plan {
 async fn outcomes_count_once_across_a_supervisor_crash_and_two_replicas() -> anyhow::Result<()> {
     let mut p = Processes::start(TEAM).await?;
     p.coordinator().await?;
-    let first = supervisor(&mut p).await?;
-    supervisor(&mut p).await?;
+    let first = p.supervisor().await?;
+    p.supervisor().await?;
     p.worker(&["--concurrency", "8"]).await?;
     // 4 runs × 15 tasks of `good`, with one supervisor frozen, then killed, while they run.
     let mut runs = Vec::new();
@@ -275,7 +256,7 @@ async fn outcomes_count_once_across_a_supervisor_crash_and_two_replicas() -> any
         );
     }
     // A new replica joins later; nothing is counted twice.
-    supervisor(&mut p).await?;
+    p.supervisor().await?;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
     loop {
         let s: TeamStats = p.client.request(&stats_request(Some("good")), ASK).await?;
@@ -309,7 +290,7 @@ async fn team_api_refuses_bad_requests() -> anyhow::Result<()> {
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("flotilla supervisor"), "{err}");
 
-    supervisor(&mut p).await?;
+    p.supervisor().await?;
     let out = p.cli(&["team", "show", "nobody"])?;
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");

@@ -448,6 +448,23 @@ impl Processes {
         Ok(i)
     }
 
+    /// Starts `flotilla supervisor` and waits until its team API answers with the roster.
+    pub async fn supervisor(&mut self) -> anyhow::Result<usize> {
+        let i = self.spawn(&["supervisor"])?;
+        self.ready(i, |bus, _| async move {
+            let request = flotilla_model::team::TeamListRequest {
+                protocol: 1,
+                role: None,
+            };
+            Client::new(bus)
+                .request(&request, Duration::from_secs(5))
+                .await
+                .is_ok_and(|list| !list.members.is_empty())
+        })
+        .await?;
+        Ok(i)
+    }
+
     /// Starts a worker and waits until it has registered.
     pub async fn worker(&mut self, extra: &[&str]) -> anyhow::Result<usize> {
         let mut args = vec!["worker"];

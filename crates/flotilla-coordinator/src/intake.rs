@@ -406,6 +406,12 @@ impl Intake {
             budget_scopes: lineage.budget_scopes,
             anycast,
             memory,
+            lead: self
+                .ctx
+                .agents
+                .as_ref()
+                .and_then(|a| a.lead())
+                .map(str::to_owned),
         };
         let entry = RunLogEntry {
             protocol: PROTOCOL_VERSION,

@@ -38,6 +38,7 @@ fn submitted(p: &Plan) -> Submitted {
         budget_scopes: Vec::new(),
         anycast: false,
         memory: None,
+        lead: None,
     }
 }
 

@@ -1,6 +1,8 @@
 //! Team changes in the run machine, without I/O: recruits added to a running plan (and
-//! refused when they no longer fit), retirements reassigning or failing a member's tasks, and
-//! restores that rebuild the amended plan from the stored state alone.
+//! refused when they no longer fit), retirements reassigning or failing a member's tasks,
+//! restores that rebuild the amended plan from the stored state alone, and led runs (the
+//! `supervisor` strategy: tasks held until the lead assigns them, the run ended by the lead's
+//! finish or its deadline).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -8,10 +10,10 @@ use std::sync::Arc;
 use flotilla_machine::{Action, Input, RunMachine};
 use flotilla_model::event::WorkflowPhase;
 use flotilla_model::ids::{RunId, TaskId};
-use flotilla_model::plan::{Plan, PlanConfig, Subtask};
+use flotilla_model::plan::{Plan, PlanConfig, Strategy, StrategyChoice, Subtask};
 use flotilla_model::recruit::{RetirePolicy, TeamChangeKind};
-use flotilla_model::run::{RunStatus, TaskStatus};
-use flotilla_model::runlog::{Recruited, Retired, Submitted};
+use flotilla_model::run::{EndCause, RunStatus, TaskStatus};
+use flotilla_model::runlog::{Assigned, Finished, Recruited, Retired, Submitted};
 use flotilla_model::task::{TaskErrorKind, TaskResult};
 
 fn plan(tasks: Vec<Subtask>) -> Arc<Plan> {
@@ -43,6 +45,7 @@ fn submitted(p: &Plan) -> Submitted {
         budget_scopes: Vec::new(),
         anycast: true,
         memory: None,
+        lead: None,
     }
 }
 
@@ -333,4 +336,206 @@ fn retiring_a_member_reassigns_or_fails_its_tasks_that_have_not_started() {
         vec![TaskId::new("later"), TaskId::new("no-role")]
     );
     assert_eq!(m.state().tasks[0].status, TaskStatus::Dispatched);
+}
+
+fn led(mut p: Plan) -> (Arc<Plan>, Submitted) {
+    p.config.strategy = Strategy::Supervisor;
+    let p = Arc::new(p);
+    let mut s = submitted(&p);
+    s.lead = Some("lead".into());
+    (p, s)
+}
+
+fn assign(task: &str) -> Assigned {
+    Assigned {
+        task_id: TaskId::new(task),
+        by: "lead".into(),
+        reason: "its turn".into(),
+    }
+}
+
+#[test]
+fn a_led_run_runs_only_what_its_lead_assigns_and_ends_with_the_leads_result() {
+    let (p, s) = led((*plan(vec![
+        Subtask::new("a", ""),
+        Subtask::new("b", "").after(&["a"]),
+        Subtask::new("c", ""),
+    ]))
+    .clone());
+    let (mut m, actions) = RunMachine::start(RunId::new(), &s, p, 0);
+    assert!(dispatched(&actions).is_empty(), "nothing runs unassigned");
+    assert_eq!(
+        m.state().strategy.as_ref().map(|c| c.strategy),
+        Some(Strategy::Supervisor)
+    );
+    assert!(m.state().tasks.iter().all(|t| t.held));
+
+    // b is assigned first: it waits for a, which is not assigned.
+    let actions = m.apply(
+        Input::Assigned {
+            assigned: &assign("b"),
+        },
+        10,
+    );
+    assert_eq!(phases(&actions), vec![WorkflowPhase::TaskAssigned]);
+    assert!(dispatched(&actions).is_empty());
+    let actions = m.apply(
+        Input::Assigned {
+            assigned: &assign("a"),
+        },
+        20,
+    );
+    assert_eq!(dispatched(&actions), vec![(0, 1)]);
+    // A repeated assignment changes nothing.
+    assert!(
+        m.apply(
+            Input::Assigned {
+                assigned: &assign("a")
+            },
+            21
+        )
+        .is_empty()
+    );
+    // An unknown task changes nothing.
+    assert!(
+        m.apply(
+            Input::Assigned {
+                assigned: &assign("zz")
+            },
+            22
+        )
+        .is_empty()
+    );
+
+    let actions = finish(&mut m, "a", 1, 3, true);
+    assert_eq!(dispatched(&actions), vec![(1, 1)]);
+    let actions = finish(&mut m, "b", 1, 4, true);
+    assert!(
+        !actions.iter().any(|a| matches!(a, Action::Finish)),
+        "a led run waits for its lead even when its assigned tasks are done"
+    );
+    assert_eq!(m.state().status, RunStatus::Running);
+
+    let f = Finished {
+        result: "the answer is 42".into(),
+        by: "lead".into(),
+    };
+    let actions = m.apply(Input::Finished { finished: &f }, 100);
+    assert!(actions.iter().any(|a| matches!(a, Action::Finish)));
+    assert_eq!(m.state().status, RunStatus::Succeeded);
+    let outcome = m
+        .state()
+        .outcome
+        .clone()
+        .unwrap_or_else(|| panic!("no outcome"));
+    assert_eq!(outcome.cause, Some(EndCause::LeadFinished));
+    let fr = outcome
+        .final_result
+        .unwrap_or_else(|| panic!("no final result"));
+    assert_eq!(fr.response, "the answer is 42");
+    assert_eq!(fr.numeric_value, Some(42.0));
+    // c was never assigned: listed as skipped, not failed.
+    assert_eq!(outcome.skipped.len(), 1);
+    assert_eq!(m.state().tasks[2].status, TaskStatus::Cancelled);
+    // A second finish changes nothing.
+    assert!(m.apply(Input::Finished { finished: &f }, 101).is_empty());
+}
+
+#[test]
+fn a_led_run_fails_when_its_lead_does_not_finish_in_time() {
+    let mut base = (*plan(vec![Subtask::new("a", "")])).clone();
+    base.config.lead_timeout = flotilla_model::time::Secs::from_secs(60);
+    let (p, s) = led(base);
+    let (mut m, actions) = RunMachine::start(RunId::new(), &s, p, 0);
+    let due = actions
+        .iter()
+        .find_map(|a| match a {
+            Action::ArmTimer { generation, due_ms } => Some((*generation, *due_ms)),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no timer armed: {actions:?}"));
+    assert_eq!(due.1, 60_000);
+    let actions = m.apply(Input::Timer { generation: due.0 }, 60_000);
+    assert!(actions.iter().any(|a| matches!(a, Action::Finish)));
+    assert_eq!(m.state().status, RunStatus::Failed);
+    assert_eq!(
+        m.state().outcome.as_ref().and_then(|o| o.cause),
+        Some(EndCause::LeadTimeout)
+    );
+}
+
+#[test]
+fn a_led_run_still_aborts_at_the_failure_ratio_and_restores_its_holds() {
+    let mut base = (*plan(vec![
+        Subtask::new("a", ""),
+        Subtask::new("b", ""),
+        Subtask::new("c", ""),
+    ]))
+    .clone();
+    base.config.failure_ratio = 0.0;
+    let (p, s) = led(base);
+    let (mut m, _) = RunMachine::start(RunId::new(), &s, p.clone(), 0);
+    m.apply(
+        Input::Assigned {
+            assigned: &assign("a"),
+        },
+        10,
+    );
+    // A restore keeps b and c held.
+    let restored = RunMachine::restore(p, m.state().clone());
+    assert!(restored.state().tasks[1].held && restored.state().tasks[2].held);
+    assert!(!restored.state().tasks[0].held);
+    let actions = finish(&mut m, "a", 1, 3, false);
+    assert!(actions.iter().any(|a| matches!(a, Action::Finish)));
+    assert_eq!(m.state().status, RunStatus::Failed);
+    assert_eq!(
+        m.state().outcome.as_ref().and_then(|o| o.cause),
+        Some(EndCause::FailureThreshold)
+    );
+}
+
+#[test]
+fn assignments_and_finishes_change_nothing_in_a_run_that_is_not_led() {
+    let p = plan(vec![Subtask::new("a", ""), Subtask::new("b", "")]);
+    let (mut m, _) = RunMachine::start(RunId::new(), &submitted(&p), p, 0);
+    assert!(
+        m.apply(
+            Input::Assigned {
+                assigned: &assign("a")
+            },
+            10
+        )
+        .is_empty()
+    );
+    let f = Finished {
+        result: "x".into(),
+        by: "lead".into(),
+    };
+    assert!(m.apply(Input::Finished { finished: &f }, 11).is_empty());
+    assert_eq!(m.state().status, RunStatus::Running);
+}
+
+#[test]
+fn auto_picks_the_supervisor_strategy_only_where_a_lead_exists() {
+    let many: Vec<Subtask> = (0..6).map(|i| Subtask::new(&format!("t{i}"), "")).collect();
+    let p = plan(many);
+    assert_eq!(
+        StrategyChoice::resolve(&p, true).strategy,
+        Strategy::Supervisor
+    );
+    assert_eq!(StrategyChoice::resolve(&p, false).strategy, Strategy::Dag);
+    let mut small = (*plan(vec![Subtask::new("a", ""), Subtask::new("b", "")])).clone();
+    assert_eq!(
+        StrategyChoice::resolve(&small, true).strategy,
+        Strategy::Dag
+    );
+    small.config.recruit_roles = Some(vec!["patents".into()]);
+    let c = StrategyChoice::resolve(&small, true);
+    assert_eq!(c.strategy, Strategy::Supervisor);
+    assert!(c.reason.contains("recruit"), "{}", c.reason);
+    let one = plan(vec![Subtask::new("a", "")]);
+    assert_eq!(
+        StrategyChoice::resolve(&one, true).strategy,
+        Strategy::Simple
+    );
 }

@@ -48,8 +48,8 @@ pub const BUILTIN_TOOLS: &[&str] = &[
 /// Built-in tools an agent gets only when its `tools` lists them: `recruit` and the
 /// persistent-teammate tools (`spawn_teammate`, `send_message`, `broadcast`, `list_team`,
 /// `shutdown_teammate`) change the team, and the contract-net tools (`negotiate`,
-/// `next_request`, `offer`, `await_award`) are four more schemas in every prompt — none is a
-/// default.
+/// `next_request`, `offer`, `await_award`) are four more schemas in every prompt, and a run's
+/// lead needs `assign_task` and `finish_run` — none is a default.
 pub const OPT_IN_TOOLS: &[&str] = &[
     crate::recruit::RECRUIT,
     "negotiate",
@@ -61,6 +61,8 @@ pub const OPT_IN_TOOLS: &[&str] = &[
     crate::teammate_tools::BROADCAST,
     crate::teammate_tools::LIST_TEAM,
     crate::teammate_tools::SHUTDOWN_TEAMMATE,
+    crate::lead_tools::ASSIGN_TASK,
+    crate::lead_tools::FINISH_RUN,
 ];
 
 /// The tool offered when an agent lists `agent-tools`: no `exec-tools` command may take its

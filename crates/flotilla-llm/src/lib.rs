@@ -46,6 +46,7 @@ pub mod budget;
 pub mod config;
 pub mod contract_net;
 pub mod journal;
+pub mod lead_tools;
 pub mod mcp;
 pub mod prompt;
 pub mod provider;

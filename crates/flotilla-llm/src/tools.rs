@@ -175,6 +175,9 @@ fn builtin_spec(name: &str) -> (&'static str, Value) {
     if let Some(spec) = crate::teammate_tools::spec(name) {
         return spec;
     }
+    if let Some(spec) = crate::lead_tools::spec(name) {
+        return spec;
+    }
     match name {
         crate::recruit::RECRUIT => crate::recruit::spec(),
         "workspace_read" => (
@@ -446,6 +449,9 @@ impl ToolSet {
         match &tool.action {
             Action::Builtin(crate::recruit::RECRUIT) => {
                 crate::recruit::recruit(ctx, call_id, &args).await
+            }
+            Action::Builtin(b) if crate::lead_tools::TOOLS.contains(b) => {
+                crate::lead_tools::call(ctx, b, &args).await
             }
             Action::Builtin(b) if crate::teammate_tools::TOOLS.contains(b) => {
                 crate::teammate_tools::call(ctx, b, &args).await

@@ -42,6 +42,7 @@
 
 mod finish;
 mod graph;
+mod lead;
 mod planning;
 mod state;
 mod team;
@@ -57,10 +58,10 @@ use std::sync::Arc;
 
 use flotilla_model::event::{WorkflowEvent, WorkflowPhase};
 use flotilla_model::ids::{AttemptId, RunId, TaskId};
-use flotilla_model::plan::{Plan, StrategyChoice};
+use flotilla_model::plan::{Plan, Strategy, StrategyChoice};
 use flotilla_model::run::PlanningStatus;
 use flotilla_model::run::{EndCause, RunOutcome, RunStatus, TaskStatus};
-use flotilla_model::runlog::{PlanDecision, Recruited, Retired, Submitted};
+use flotilla_model::runlog::{Assigned, Finished, PlanDecision, Recruited, Retired, Submitted};
 use flotilla_model::task::{TaskError, TaskErrorKind, TaskResult};
 use flotilla_model::time::Timestamp;
 
@@ -139,6 +140,16 @@ pub enum Input<'a> {
         retired: &'a Retired,
         /// Its run-log sequence.
         seq: u64,
+    },
+    /// The run's lead assigned a task (the `supervisor` strategy).
+    Assigned {
+        /// The assignment.
+        assigned: &'a Assigned,
+    },
+    /// The run's lead finished the run with its result (the `supervisor` strategy).
+    Finished {
+        /// The end.
+        finished: &'a Finished,
     },
 }
 
@@ -227,7 +238,12 @@ impl RunMachine {
             status: PlanningStatus::Planning,
         });
         // A bare query's strategy is chosen for the plan its planner writes.
-        let strategy = planning.is_none().then(|| StrategyChoice::of(&plan));
+        let strategy = planning
+            .is_none()
+            .then(|| StrategyChoice::resolve(&plan, submitted.lead.is_some()));
+        let led = strategy
+            .as_ref()
+            .is_some_and(|s| s.strategy == Strategy::Supervisor);
         let state = RunState {
             run_id,
             status: RunStatus::Running,
@@ -242,7 +258,7 @@ impl RunMachine {
             trace: submitted.trace.clone(),
             warnings: submitted.warnings.clone(),
             errors: Vec::new(),
-            tasks: vec![TaskState::new(); plan.subtasks.len()],
+            tasks: vec![TaskState::held(led); plan.subtasks.len()],
             timer: None,
             next_generation: 1,
             applied: 1,
@@ -260,6 +276,8 @@ impl RunMachine {
             team: Vec::new(),
             recruited: Vec::new(),
             memory: submitted.memory.clone(),
+            lead: submitted.lead.clone(),
+            lead_deadline_ms: 0,
         };
         let mut m = Self::restore_with_graph(plan, graph, state);
         let mut actions = vec![Action::Emit(Box::new(Emission {
@@ -275,9 +293,12 @@ impl RunMachine {
             },
         }))];
         for i in 0..m.graph.len() as u32 {
-            if m.remaining[i as usize] == 0 && m.missing[i as usize] > 0 {
+            if m.remaining[i as usize] == 0 && m.missing[i as usize] > 0 && !led {
                 m.gate(i, now_ms, &mut actions);
             }
+        }
+        if led {
+            m.await_lead(now_ms, &mut actions);
         }
         m.after(now_ms, &mut actions);
         (m, actions)
@@ -312,7 +333,7 @@ impl RunMachine {
                 .filter(|&&d| state.tasks[d as usize].status != TaskStatus::Succeeded)
                 .count() as u32;
             match state.tasks[i].status {
-                TaskStatus::Waiting if *left == 0 && missing[i] == 0 => {
+                TaskStatus::Waiting if *left == 0 && missing[i] == 0 && !state.tasks[i].held => {
                     ready.insert(i as u32);
                 }
                 TaskStatus::Dispatched => in_flight += 1,
@@ -495,6 +516,16 @@ impl RunMachine {
                     return actions;
                 }
             }
+            Input::Assigned { assigned } => {
+                if !self.on_assigned(assigned, now_ms, &mut actions) {
+                    return actions;
+                }
+            }
+            Input::Finished { finished } => {
+                // Applied or not, nothing follows: the run ended, or nothing changed.
+                self.on_finished(finished, now_ms, &mut actions);
+                return actions;
+            }
             Input::TopicWritten { topic } => {
                 let Some(t) = self.graph.topic_of(topic) else {
                     return actions;
@@ -595,15 +626,21 @@ impl RunMachine {
         }
         for &d in &graph.dependents[i as usize] {
             self.remaining[d as usize] -= 1;
-            if self.remaining[d as usize] == 0
-                && self.state.tasks[d as usize].status == TaskStatus::Waiting
-            {
-                if self.missing[d as usize] == 0 {
-                    self.ready.insert(d);
-                } else {
-                    self.gate(d, now_ms, actions);
-                }
-            }
+            self.release(d, now_ms, actions);
+        }
+    }
+
+    /// Task `i`'s dependencies may all have succeeded: a waiting task that is not held then
+    /// starts, or (a consumed topic without an entry yet) starts its wait for the topic.
+    pub(crate) fn release(&mut self, i: u32, now_ms: i64, actions: &mut Vec<Action>) {
+        let t = &self.state.tasks[i as usize];
+        if self.remaining[i as usize] != 0 || t.status != TaskStatus::Waiting || t.held {
+            return;
+        }
+        if self.missing[i as usize] == 0 {
+            self.ready.insert(i);
+        } else {
+            self.gate(i, now_ms, actions);
         }
     }
 
@@ -621,6 +658,7 @@ impl RunMachine {
             if self.missing[c as usize] == 0
                 && self.remaining[c as usize] == 0
                 && self.state.tasks[c as usize].status == TaskStatus::Waiting
+                && !self.state.tasks[c as usize].held
             {
                 self.ready.insert(c);
             }
@@ -850,6 +888,10 @@ impl RunMachine {
     /// When a waiting task's dependencies have all been dispatched at least once and are not
     /// all done, it waits at most `dependency_timeout` after the latest of those dispatches.
     fn dependency_deadline(&self, i: u32) -> Option<i64> {
+        if self.state.tasks[i as usize].held {
+            // Not assigned yet: it waits for the lead, whose wait has its own deadline.
+            return None;
+        }
         let timeout = self.plan.config.dependency_timeout.get().as_millis() as i64;
         if self.remaining[i as usize] == 0 {
             // Dependencies met: a wait for a consumed topic is bounded from its start.
@@ -885,6 +927,9 @@ impl RunMachine {
     }
 
     fn on_timer(&mut self, now_ms: i64, actions: &mut Vec<Action>) {
+        if self.lead_overdue(now_ms, actions) {
+            return;
+        }
         let n = self.graph.len() as u32;
         let mut timed_out = Vec::new();
         let mut unclaimed = Vec::new();
@@ -988,7 +1033,7 @@ impl RunMachine {
             };
             self.dispatch(i, now_ms, actions);
         }
-        if self.terminal as usize == self.graph.len() {
+        if self.terminal as usize == self.graph.len() && !self.led() {
             if let Some(p) = self.state.planning.as_mut() {
                 match p.status {
                     PlanningStatus::Planning
@@ -1010,7 +1055,7 @@ impl RunMachine {
         if self.rescan_deadlines {
             self.rescan_deadlines = false;
             // The timer fired: re-arm it for the earliest remaining deadline.
-            let mut next: Option<i64> = None;
+            let mut next: Option<i64> = self.lead_deadline();
             for i in 0..self.graph.len() as u32 {
                 let t = &self.state.tasks[i as usize];
                 let due = match t.status {

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use flotilla_model::event::{WorkflowEvent, WorkflowPhase};
-use flotilla_model::plan::{Plan, StrategyChoice};
+use flotilla_model::plan::{Plan, Strategy, StrategyChoice};
 use flotilla_model::run::PlanningStatus;
 use flotilla_model::run::{EndCause, RunStatus};
 use flotilla_model::runlog::PlanDecision;
@@ -22,12 +22,16 @@ impl RunMachine {
     ) {
         match decision {
             PlanDecision::Accepted { plan, warnings } => {
-                let choice = StrategyChoice::of(plan);
-                self.replan(Arc::new(plan.clone()), seq, now_ms, actions);
+                let choice = StrategyChoice::resolve(plan, self.state.lead.is_some());
+                let led = choice.strategy == Strategy::Supervisor;
+                self.replan(Arc::new(plan.clone()), seq, led, now_ms, actions);
                 self.state.warnings.extend(warnings.iter().cloned());
                 self.state.strategy = Some(choice.clone());
                 if let Some(p) = self.state.planning.as_mut() {
                     p.status = PlanningStatus::Planned;
+                }
+                if led {
+                    self.await_lead(now_ms, actions);
                 }
                 let event = WorkflowEvent {
                     tasks_total: Some(self.graph.len() as u32),
@@ -38,7 +42,7 @@ impl RunMachine {
                 self.emit(None, None, now_ms, event, actions);
             }
             PlanDecision::Repair { plan, problems } => {
-                self.replan(Arc::new(plan.clone()), seq, now_ms, actions);
+                self.replan(Arc::new(plan.clone()), seq, false, now_ms, actions);
                 let round = self.state.planning.as_ref().map_or(1, |p| p.round);
                 if let Some(p) = self.state.planning.as_mut() {
                     p.round += 1;
@@ -78,17 +82,18 @@ impl RunMachine {
     }
 
     /// Switches the run to `plan` (the planned plan, or the next planning plan) stored at
-    /// run-log sequence `seq`: fresh tasks, same run.
+    /// run-log sequence `seq`: fresh tasks (`held` for the lead's assignment), same run.
     pub(crate) fn replan(
         &mut self,
         plan: Arc<Plan>,
         seq: u64,
+        held: bool,
         now_ms: i64,
         actions: &mut Vec<Action>,
     ) {
         let graph = Arc::new(RunGraph::new(&plan));
         let mut state = self.state.clone();
-        state.tasks = vec![TaskState::new(); plan.subtasks.len()];
+        state.tasks = vec![TaskState::held(held); plan.subtasks.len()];
         state.topics_ready.clear();
         // Timers of the previous plan are stale: their firings no longer match.
         state.timer = None;
@@ -100,7 +105,7 @@ impl RunMachine {
         }
         *self = Self::restore_with_graph(plan, graph, state);
         for i in 0..self.graph.len() as u32 {
-            if self.remaining[i as usize] == 0 && self.missing[i as usize] > 0 {
+            if self.remaining[i as usize] == 0 && self.missing[i as usize] > 0 && !held {
                 self.gate(i, now_ms, actions);
             }
         }

@@ -67,6 +67,10 @@ pub struct TaskState {
     /// dispatched and not claimed waits for a member, bounded by `dependency_timeout`.
     #[serde(rename = "cl", default, skip_serializing_if = "is_zero_attempt")]
     pub claimed: u32,
+    /// Under the `supervisor` strategy: the lead has not assigned the task yet, so it does
+    /// not run (nor wait on a deadline) however ready it is.
+    #[serde(rename = "h", default, skip_serializing_if = "std::ops::Not::not")]
+    pub held: bool,
 }
 
 fn is_zero_attempt(a: &u32) -> bool {
@@ -78,6 +82,14 @@ fn is_zero_ms(ms: &i64) -> bool {
 }
 
 impl TaskState {
+    /// A waiting task, held for the lead's assignment when `held`.
+    pub(crate) fn held(held: bool) -> Self {
+        Self {
+            held,
+            ..Self::new()
+        }
+    }
+
     pub(crate) fn new() -> Self {
         Self {
             status: TaskStatus::Waiting,
@@ -91,6 +103,7 @@ impl TaskState {
             via_topic: None,
             gated_ms: 0,
             claimed: 0,
+            held: false,
         }
     }
 }
@@ -219,6 +232,13 @@ pub struct RunState {
     /// What a bare query took from memory (from its `submitted` input).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory: Option<flotilla_model::memory::MemoryUse>,
+    /// The agent that leads the run under the `supervisor` strategy (fixed at admission).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lead: Option<String>,
+    /// Under the `supervisor` strategy, once the plan runs: when the run stops waiting for
+    /// its lead's `finished` (Unix ms; 0: no such wait).
+    #[serde(default, skip_serializing_if = "is_zero_ms")]
+    pub lead_deadline_ms: i64,
 }
 
 fn is_zero_depth(depth: &u32) -> bool {
@@ -304,6 +324,8 @@ impl RunState {
             team: Vec::new(),
             recruited: Vec::new(),
             memory: None,
+            lead: None,
+            lead_deadline_ms: 0,
             outcome: Some(RunOutcome {
                 run_id,
                 status: RunStatus::Rejected,

@@ -34,6 +34,8 @@ pub(crate) use has_protocol;
 
 has_protocol!(
     crate::watch::WatchRequest,
+    crate::lead::AssignRequest,
+    crate::lead::FinishRequest,
     GetRunRequest,
     CancelRunRequest,
     ValidatePlanRequest,

@@ -379,6 +379,9 @@ pub enum WorkflowPhase {
     MemberRetired,
     /// The run refused a recruit that reached its run log (`detail` says why).
     RecruitRefused,
+    /// Under the `supervisor` strategy, the lead assigned a task: it may run once its
+    /// dependencies are met (`task_id`; `detail` is who assigned it and why).
+    TaskAssigned,
 }
 
 impl WorkflowPhase {

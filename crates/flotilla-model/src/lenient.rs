@@ -134,6 +134,7 @@ static CONFIG: Shape = Shape {
         typed("max_cost", check::<Option<f64>>),
         typed("recruit_roles", check::<Option<Vec<String>>>),
         typed("max_recruits", check::<Option<u32>>),
+        typed("lead_timeout", check::<crate::time::Secs>),
     ],
 };
 

@@ -9,6 +9,7 @@ pub mod artifact;
 pub mod codec;
 pub mod event;
 pub mod ids;
+pub mod lead;
 pub mod lenient;
 pub mod mailbox;
 pub mod memory;

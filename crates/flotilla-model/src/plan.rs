@@ -146,7 +146,10 @@ pub enum Strategy {
     Simple,
     /// Dependency-driven: a task starts as soon as its dependencies have succeeded.
     Dag,
-    /// Supervisor-driven scheduling (recruitment, escalation). Not accepted by this release.
+    /// Led: a lead agent (an LLM agent with the role `supervisor`, a persistent teammate of
+    /// the run) decides which subtasks run and when (`assigned`), recruits and retires
+    /// members, and ends the run with its result (`finished`). No subtask runs until the lead
+    /// assigns it; the failure ratio still aborts the run.
     Supervisor,
 }
 
@@ -162,6 +165,13 @@ impl Strategy {
     }
 }
 
+/// The role of the agent that leads a run under the `supervisor` strategy.
+pub const LEAD_ROLE: &str = "supervisor";
+
+/// Plans with more subtasks than this are led (`auto` picks `supervisor` when the deployment
+/// has a lead).
+pub const LEAD_ABOVE_SUBTASKS: usize = 5;
+
 /// The strategy a run uses, and why: `auto` resolved, or the plan's explicit choice.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct StrategyChoice {
@@ -172,13 +182,39 @@ pub struct StrategyChoice {
 }
 
 impl StrategyChoice {
-    /// Resolves a plan's strategy: `auto` becomes `simple` for one subtask and `dag`
-    /// otherwise; an explicit strategy is kept. Pure, so replaying a run chooses the same.
+    /// Resolves a plan's strategy in a deployment without a lead agent: see
+    /// [`StrategyChoice::resolve`].
     pub fn of(plan: &Plan) -> Self {
+        Self::resolve(plan, false)
+    }
+
+    /// Resolves a plan's strategy: `auto` becomes `simple` for one subtask; `supervisor` when
+    /// the deployment has a lead (`led`) and the plan is large (more than
+    /// [`LEAD_ABOVE_SUBTASKS`] subtasks) or dynamic (it lets its members recruit:
+    /// `recruit_roles` or `max_recruits` set); `dag` otherwise. An explicit strategy is kept.
+    /// Pure, and `led` is fixed when the run is admitted, so replaying a run chooses the same.
+    pub fn resolve(plan: &Plan, led: bool) -> Self {
+        let n = plan.subtasks.len();
+        let dynamic = plan
+            .config
+            .recruit_roles
+            .as_ref()
+            .is_some_and(|r| !r.is_empty())
+            || plan.config.max_recruits.is_some_and(|m| m > 0);
         match plan.config.strategy {
-            Strategy::Auto if plan.subtasks.len() == 1 => Self {
+            Strategy::Auto if led && dynamic => Self {
+                strategy: Strategy::Supervisor,
+                reason: "auto: the plan recruits at run time (recruit_roles / max_recruits): a lead directs it".into(),
+            },
+            Strategy::Auto if n == 1 => Self {
                 strategy: Strategy::Simple,
                 reason: "auto: one subtask, answered directly".into(),
+            },
+            Strategy::Auto if led && n > LEAD_ABOVE_SUBTASKS => Self {
+                strategy: Strategy::Supervisor,
+                reason: format!(
+                    "auto: {n} subtasks (more than {LEAD_ABOVE_SUBTASKS}): a lead directs them"
+                ),
             },
             Strategy::Auto => Self {
                 strategy: Strategy::Dag,
@@ -233,6 +269,9 @@ pub struct PlanConfig {
     /// deployment's policy, never widens it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_recruits: Option<u32>,
+    /// Under the `supervisor` strategy: how long the run waits for its lead to finish it
+    /// (default 1 h); then it fails with `lead_timeout`.
+    pub lead_timeout: Secs,
 }
 
 /// Spending limits of a run, carried to its tasks.
@@ -271,6 +310,7 @@ impl Default for PlanConfig {
             max_cost: None,
             recruit_roles: None,
             max_recruits: None,
+            lead_timeout: Secs::from_secs(3600),
         }
     }
 }

@@ -52,7 +52,7 @@ pub enum ProblemCode {
     InvalidTimeout,
     /// A plan setting is out of range.
     InvalidConfig,
-    /// The strategy is not supported by this release.
+    /// The strategy cannot run in this deployment (`supervisor` without a lead agent).
     UnsupportedStrategy,
     /// A dependency is listed twice (warning).
     DuplicateDependency,

@@ -314,6 +314,12 @@ pub enum EndCause {
     /// The run could not continue: an input could not be read, or an action can never
     /// succeed in this deployment (a message too large for it).
     Aborted,
+    /// Under the `supervisor` strategy, the lead ended the run with its result (the run
+    /// succeeded; tasks it never assigned, or that still ran, are listed as skipped).
+    LeadFinished,
+    /// Under the `supervisor` strategy, the lead did not finish the run within its
+    /// `lead_timeout`.
+    LeadTimeout,
 }
 
 impl EndCause {
@@ -328,6 +334,8 @@ impl EndCause {
             Self::PlanningFailed => "planning_failed",
             Self::Rejected => "rejected",
             Self::Aborted => "aborted",
+            Self::LeadFinished => "lead_finished",
+            Self::LeadTimeout => "lead_timeout",
         }
     }
 }

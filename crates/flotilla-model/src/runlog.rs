@@ -73,6 +73,41 @@ pub enum RunInput {
     /// are reassigned to their role or failed, per `policy`. Message id
     /// `retired.<run>.<member>`.
     Retired(Box<Retired>),
+    /// Under the `supervisor` strategy, the lead assigned a subtask of the plan: it runs once
+    /// its dependencies are met. Appended by the supervisor (message id
+    /// `assigned.<run>.<task>`); an assignment of a task that is not waiting for one changes
+    /// nothing.
+    Assigned(Box<Assigned>),
+    /// Under the `supervisor` strategy, the lead ended the run with its result: unfinished
+    /// tasks are cancelled and the run succeeds with `result` as its final result. Appended by
+    /// the supervisor (message id `finished.<run>`); the first one wins.
+    Finished(Box<Finished>),
+}
+
+/// An assignment by a run's lead, as recorded on the run log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Assigned {
+    /// The subtask assigned.
+    pub task_id: TaskId,
+    /// Who assigned it (`lead`, or `operator`).
+    pub by: String,
+    /// Why, in words.
+    #[serde(default)]
+    pub reason: String,
+}
+
+/// The end of a led run, as recorded on the run log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Finished {
+    /// The run's final result (at most [`Finished::MAX_RESULT`] bytes).
+    pub result: String,
+    /// Who finished it (`lead`, or `operator`).
+    pub by: String,
+}
+
+impl Finished {
+    /// Longest final result a lead may give, in bytes.
+    pub const MAX_RESULT: usize = 64 * 1024;
 }
 
 /// A recruit, as recorded on the run log.
@@ -196,6 +231,11 @@ pub struct Submitted {
     /// with past matches as examples. Absent when memory was off or from older coordinators.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory: Option<crate::memory::MemoryUse>,
+    /// The agent that leads the run under the `supervisor` strategy (the deployment's first
+    /// agent with the role `supervisor` when the run was admitted; absent when it has none).
+    /// Fixed here so that `auto` resolves alike on every coordinator and every replay.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lead: Option<String>,
 }
 
 fn is_zero(n: &u32) -> bool {

@@ -186,6 +186,15 @@ pub fn public_schemas() -> Vec<(&'static str, Schema)> {
             "retire-reply.json",
             schema_for!(crate::recruit::RetireReply),
         ),
+        (
+            "assign-request.json",
+            schema_for!(crate::lead::AssignRequest),
+        ),
+        (
+            "finish-request.json",
+            schema_for!(crate::lead::FinishRequest),
+        ),
+        ("lead-reply.json", schema_for!(crate::lead::LeadReply)),
         ("team-change.json", schema_for!(crate::recruit::TeamChange)),
         ("teammate.json", schema_for!(crate::teammate::Teammate)),
         (

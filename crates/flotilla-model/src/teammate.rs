@@ -119,6 +119,11 @@ pub struct Teammate {
     /// Who spawned it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub spawned_by: Option<String>,
+    /// The run it leads (the lead of a run under the `supervisor` strategy): its turns act in
+    /// that run — their events join the run's stream, and its tools assign, recruit and
+    /// finish there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run: Option<crate::ids::RunId>,
 }
 
 /// Why a lifecycle change was refused.
@@ -177,6 +182,7 @@ impl Teammate {
             last_progress: None,
             last_reply: None,
             spawned_by: None,
+            run: None,
         };
         t.record(TeammateStatus::Spawned, now);
         t

@@ -183,6 +183,7 @@ fn plan_config() -> impl Strategy<Value = PlanConfig> {
                 max_cost: None,
                 recruit_roles: None,
                 max_recruits: None,
+                lead_timeout: task_timeout,
             },
         )
 }
@@ -584,7 +585,7 @@ proptest! {
     #[test]
     fn runlog_entry_roundtrips(
         run_id in run_id(),
-        which in 0u8..12,
+        which in 0u8..14,
         p in plan(),
         labels in labels(),
         (task_id, attempt, attempt_id, result, started) in (task_id(), 1u32..4, attempt_id(), task_result(), option::of(ts())),
@@ -592,7 +593,7 @@ proptest! {
         trace in option::of(trace()),
     ) {
         let input = match which {
-            0 => RunInput::Submitted(Box::new(Submitted { plan: p, labels, session_id: None, parent: None, reply_to: None, wait_reply_to: Some("_INBOX.w".into()), intake_seq: Some(generation), warnings: Vec::new(), trace, planning: None, depth: (generation % 3) as u32, budget_scopes: vec![flotilla_model::task::BudgetScope { run_id, limits: flotilla_model::task::Budget { max_tokens: Some(generation), max_cost: None } }], anycast: generation % 2 == 0, memory: None })),
+            0 => RunInput::Submitted(Box::new(Submitted { plan: p, labels, session_id: None, parent: None, reply_to: None, wait_reply_to: Some("_INBOX.w".into()), intake_seq: Some(generation), warnings: Vec::new(), trace, planning: None, depth: (generation % 3) as u32, budget_scopes: vec![flotilla_model::task::BudgetScope { run_id, limits: flotilla_model::task::Budget { max_tokens: Some(generation), max_cost: None } }], anycast: generation % 2 == 0, memory: None, lead: (generation % 2 == 1).then(|| "lead".into()) })),
             1 => RunInput::TaskResult(Box::new(TaskResultInput { task_id, attempt, attempt_id, worker: "w1".into(), started_at: started, agent: None, result })),
             2 => RunInput::Rejected(Box::new(flotilla_model::runlog::Rejected {
                 errors: vec![flotilla_model::validate::Problem::new(flotilla_model::validate::ProblemCode::Cycle, "subtasks[0]", "cycle")],
@@ -617,9 +618,11 @@ proptest! {
                 round: attempt,
                 decision: flotilla_model::runlog::PlanDecision::Failed { problems: Vec::new() },
             })),
-            8 => RunInput::Submitted(Box::new(Submitted { plan: p, labels, session_id: None, parent: None, reply_to: None, wait_reply_to: None, intake_seq: None, warnings: Vec::new(), trace, planning: Some(flotilla_model::runlog::PlanningSpec { query: "why?".into(), max_repairs: generation as u32 % 5 }), depth: 0, budget_scopes: Vec::new(), anycast: false, memory: None })),
+            8 => RunInput::Submitted(Box::new(Submitted { plan: p, labels, session_id: None, parent: None, reply_to: None, wait_reply_to: None, intake_seq: None, warnings: Vec::new(), trace, planning: Some(flotilla_model::runlog::PlanningSpec { query: "why?".into(), max_repairs: generation as u32 % 5 }), depth: 0, budget_scopes: Vec::new(), anycast: false, memory: None, lead: None })),
             9 => RunInput::Claimed(Box::new(flotilla_model::runlog::Claimed { task_id, attempt, attempt_id, worker: "w1".into(), agent: "analyst".into(), role: "research".into() })),
             10 => RunInput::TaskResult(Box::new(TaskResultInput { task_id, attempt, attempt_id, worker: "w2".into(), started_at: started, agent: Some("analyst".into()), result })),
+            11 => RunInput::Assigned(Box::new(flotilla_model::runlog::Assigned { task_id, by: "lead".into(), reason: "next".into() })),
+            12 => RunInput::Finished(Box::new(flotilla_model::runlog::Finished { result: result.response, by: "lead".into() })),
             _ => RunInput::TimerFired { generation },
         };
         roundtrip(&RunLogEntry { protocol: 1, run_id, input })?;

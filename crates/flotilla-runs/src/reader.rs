@@ -430,6 +430,7 @@ impl RunReader {
                         budget_scopes: Vec::new(),
                         anycast: false,
                         memory: None,
+                        lead: None,
                     })),
                 }
             } else {

@@ -21,6 +21,7 @@ use async_nats::service::{Request, Service, ServiceExt, endpoint::Endpoint};
 use flotilla_bus::service::{parse, respond_api_error, respond_error, respond_json};
 use flotilla_model::api::ApiRequest;
 use flotilla_model::memory::{MemoryForgetRequest, MemoryGetRequest, MemoryListRequest};
+use flotilla_model::lead::{AssignRequest, FinishRequest};
 use flotilla_model::recruit::{RecruitRequest, RecruitStatusRequest, RetireRequest};
 use flotilla_model::team::{
     FailureStats, Member, MemberStatus, MemberView, RecordScope, TeamFindRequest, TeamGetRequest,
@@ -50,6 +51,8 @@ pub(crate) struct Started {
     retire: Endpoint,
     mates: [Endpoint; 5],
     memory: [Endpoint; 3],
+    /// `team.assign`, `team.finish`.
+    lead: [Endpoint; 2],
 }
 
 /// Starts the service (its endpoints answer once [`serve`] runs).
@@ -95,6 +98,14 @@ pub(crate) async fn start(team: &Team) -> Result<Started, SupervisorError> {
         retire: endpoint("team-retire", RetireRequest::ENDPOINT)
             .await
             .map_err(setup)?,
+        lead: [
+            endpoint("team-assign", AssignRequest::ENDPOINT)
+                .await
+                .map_err(setup)?,
+            endpoint("team-finish", FinishRequest::ENDPOINT)
+                .await
+                .map_err(setup)?,
+        ],
         mates: [
             endpoint("team-spawn", TeamSpawnRequest::ENDPOINT)
                 .await
@@ -144,6 +155,7 @@ pub(crate) async fn serve(
         mut retire,
         mates: [mut spawn, mut send, mut broadcast, mut shut, mut mates],
         memory: [mut memory_list, mut memory_get, mut memory_forget],
+        lead: [mut assign, mut finish],
     } = started;
     loop {
         let team = Arc::clone(&team);
@@ -156,6 +168,8 @@ pub(crate) async fn serve(
             Some(req) = recruit.next() => { tokio::spawn(async move { answer(team, req, crate::recruit::recruit).await }); }
             Some(req) = recruit_status.next() => { tokio::spawn(async move { answer(team, req, crate::recruit::status).await }); }
             Some(req) = retire.next() => { tokio::spawn(async move { answer(team, req, crate::recruit::retire).await }); }
+            Some(req) = assign.next() => { tokio::spawn(async move { answer(team, req, crate::lead::assign).await }); }
+            Some(req) = finish.next() => { tokio::spawn(async move { answer(team, req, crate::lead::finish).await }); }
             Some(req) = spawn.next() => { tokio::spawn(async move { teammates::spawn(&team, req).await }); }
             Some(req) = send.next() => { tokio::spawn(async move { teammates::send(&team, req).await }); }
             Some(req) = broadcast.next() => { tokio::spawn(async move { teammates::broadcast(&team, req).await }); }

@@ -35,6 +35,7 @@ use tracing::{debug, warn};
 
 use crate::cas::modify;
 use crate::error::SupervisorError;
+use crate::lead::LeadFeed;
 use crate::{CONSUMER, Team};
 use flotilla_bus::mirror::unix_ms;
 
@@ -105,16 +106,18 @@ pub(crate) async fn run(
 async fn handle(team: &Team, batch: Vec<async_nats::jetstream::Message>) {
     let mut changes = Changes::default();
     let mut ended = Vec::new();
+    let mut leads = LeadFeed::default();
     let mut readable = Vec::with_capacity(batch.len());
     for msg in batch {
-        let at_ms = msg
+        let (at_ms, seq) = msg
             .info()
-            .map(|i| unix_ms(i.published))
-            .unwrap_or_else(|_| Timestamp::now().unix_ms());
+            .map(|i| (unix_ms(i.published), i.stream_sequence))
+            .unwrap_or_else(|_| (Timestamp::now().unix_ms(), 0));
         match decode_events(wire::codec_of(msg.headers.as_ref()), &msg.payload) {
             Ok(events) => {
                 changes.gather(&events, at_ms);
                 crate::memory::ended_in(&events, at_ms, &mut ended);
+                leads.gather(team, &events, seq);
                 readable.push(msg);
             }
             Err(e) => {
@@ -124,7 +127,10 @@ async fn handle(team: &Team, batch: Vec<async_nats::jetstream::Message>) {
         }
     }
     let written = match changes.write(team).await {
-        Ok(()) => crate::memory::record_all(team, &ended).await,
+        Ok(()) => match crate::memory::record_all(team, &ended).await {
+            Ok(()) if !leads.is_empty() => leads.apply(team).await,
+            other => other,
+        },
         Err(e) => Err(e),
     };
     match written {

@@ -31,6 +31,7 @@ mod cas;
 mod error;
 mod follow;
 mod memory;
+mod lead;
 mod options;
 mod presence;
 mod recruit;

@@ -27,6 +27,7 @@ use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::api::ApiError;
 use flotilla_model::codec::Codec;
 use flotilla_model::ids::RunId;
+use flotilla_model::lead::LEAD_NAME;
 use flotilla_model::plan::Plan;
 use flotilla_model::problem::Problem;
 use flotilla_model::recruit::{
@@ -46,7 +47,7 @@ use std::sync::Arc;
 
 use crate::Team;
 
-fn invalid(message: impl Into<String>) -> ApiError {
+pub(crate) fn invalid(message: impl Into<String>) -> ApiError {
     ApiError::new(400, "invalid_request", message)
 }
 
@@ -57,7 +58,7 @@ fn refused(rule: RecruitRule, message: impl Into<String>) -> ApiError {
     }
 }
 
-fn unavailable(what: &str, e: impl std::fmt::Display) -> ApiError {
+pub(crate) fn unavailable(what: &str, e: impl std::fmt::Display) -> ApiError {
     ApiError::new(503, "unavailable", format!("{what}: {e}"))
 }
 
@@ -75,9 +76,9 @@ fn check_reason(reason: &str) -> Result<(), ApiError> {
 }
 
 /// A run as the supervisor checks it: its record and the plan it follows now.
-struct Running {
-    state: RunState,
-    plan: Plan,
+pub(crate) struct Running {
+    pub(crate) state: RunState,
+    pub(crate) plan: Plan,
 }
 
 /// The run's record. A run started a moment ago may not be recorded yet (a coordinator
@@ -138,7 +139,7 @@ async fn watch_record<T>(
     }
 }
 
-async fn load(team: &Team, run: RunId) -> Result<Running, ApiError> {
+pub(crate) async fn load(team: &Team, run: RunId) -> Result<Running, ApiError> {
     let state = state_of(team, run).await?;
     let plan = if state.tasks.is_empty() {
         None
@@ -204,6 +205,10 @@ fn recruiter(
     let Some(task) = by_task else {
         return Ok("operator".to_owned());
     };
+    if task.as_str() == LEAD_NAME && crate::lead::is_led(&run.state) {
+        // The run's lead: it directs the team, so it may always ask.
+        return Ok(LEAD_NAME.to_owned());
+    }
     let i = run.plan.subtasks.iter().position(|t| &t.id == task);
     let running = i.is_some_and(|i| {
         run.state
@@ -541,13 +546,13 @@ pub(crate) async fn retire(team: Arc<Team>, r: RetireRequest) -> Result<RetireRe
 /// Appends `input` to the run's log under `msg_id`, then waits up to `answer-wait` for the
 /// run's record to show it (`applied`). Returns what `applied` found, and the input's
 /// run-log sequence.
-async fn append_and_wait(
+pub(crate) async fn append_and_wait<T>(
     team: &Team,
     run: RunId,
     input: RunInput,
     msg_id: &str,
-    applied: impl Fn(&RunState) -> Option<TeamChange>,
-) -> Result<(Option<TeamChange>, u64), ApiError> {
+    applied: impl Fn(&RunState) -> Option<T>,
+) -> Result<(Option<T>, u64), ApiError> {
     let entry = RunLogEntry {
         protocol: PROTOCOL_VERSION,
         run_id: run,

@@ -298,16 +298,31 @@ fn check_accepts(mate: &Teammate) -> Result<(), Refusal> {
 
 /// Stores one message in `to`'s inbox and wakes it; the message's stream sequence.
 async fn deliver(team: &Team, t: &str, to: &str, from: &str, text: &str) -> Result<u64, Refusal> {
+    post(team, t, to, from, text, None).await.map_err(internal)
+}
+
+/// Stores one message in `to`'s inbox (de-duplicated by `msg_id` when given) and wakes it;
+/// the message's stream sequence. What [`deliver`] does for a request, and the supervisor's
+/// own mail to a run's lead.
+pub(crate) async fn post(
+    team: &Team,
+    t: &str,
+    to: &str,
+    from: &str,
+    text: &str,
+    msg_id: Option<&str>,
+) -> Result<u64, SupervisorError> {
     let post = TeammatePost {
         protocol: flotilla_model::PROTOCOL_VERSION,
         from: from.to_owned(),
         text: text.to_owned(),
     };
+    let subject = team.bus.names().teammate_inbox(t, to, from);
     let ack = team
         .bus
-        .publish(team.bus.names().teammate_inbox(t, to, from), &post, None)
+        .publish(subject, &post, msg_id)
         .await
-        .map_err(internal)?;
+        .map_err(|e| SupervisorError::store(format!("mailing {t}.{to}"), e))?;
     if let Err(e) = wake(team, t, to).await {
         // The inbox consumer wakes it in a moment.
         debug!(team = t, teammate = to, error = %e, "Could not wake a teammate at once");
@@ -419,18 +434,8 @@ pub(crate) async fn shutdown(team: &Team, req: Request) {
         Ok(None) => return refuse(&req, not_found(team, &t, &r.name)).await,
         Err(e) => return refuse(&req, internal(e)).await,
     }
-    let now = Timestamp::now();
-    let written = modify(
-        &team.team_kv,
-        &key,
-        || Teammate::spawn(&t, &r.name, "", "", "", "", now),
-        |m: &mut Teammate| m.shutdown(now),
-        &team.metrics,
-    )
-    .await;
-    match written {
+    match end(team, &t, &r.name).await {
         Ok(Some(m)) => {
-            team.mates.note(&key, m.clone(), now.unix_ms());
             respond_json(&req, team.bus.max_payload(), &view(&m, None), "").await;
         }
         Ok(None) => match read(team, &key).await {
@@ -442,6 +447,29 @@ pub(crate) async fn shutdown(team: &Team, req: Request) {
         },
         Err(e) => refuse(&req, internal(e)).await,
     }
+}
+
+/// Shuts `name` of `t` down (after its current turn): the entry written, or `None` when it
+/// was already shut down (or is no teammate).
+pub(crate) async fn end(
+    team: &Team,
+    t: &str,
+    name: &str,
+) -> Result<Option<Teammate>, SupervisorError> {
+    let key = teammate_key(t, name);
+    let now = Timestamp::now();
+    let written = modify(
+        &team.team_kv,
+        &key,
+        || Teammate::spawn(t, name, "", "", "", "", now),
+        |m: &mut Teammate| !m.agent.is_empty() && m.shutdown(now),
+        &team.metrics,
+    )
+    .await?;
+    if let Some(m) = &written {
+        team.mates.note(&key, m.clone(), now.unix_ms());
+    }
+    Ok(written)
 }
 
 /// The teammates as views (of one team), by team then name.

@@ -475,7 +475,8 @@ async fn run_agent(
 ) -> (bool, String) {
     let (description, query) = render(mate, conv, new);
     let envelope = serde_json::json!({
-        "run_id": flotilla_model::RunId::new(),
+        // A run's lead acts in its run; another teammate's turn is a run of its own.
+        "run_id": mate.run.unwrap_or_default(),
         "session_id": mate.team.parse::<flotilla_model::SessionId>().ok(),
         "task_id": mate.name,
         "attempt": conv.turns + 1,

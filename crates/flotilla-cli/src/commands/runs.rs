@@ -276,6 +276,14 @@ pub(crate) async fn history(config: &Config, run: RunId, json: bool) -> anyhow::
                     r.reason
                 ),
             ),
+            RunInput::Assigned(a) => (
+                "assigned",
+                format!("{} by {}: {}", a.task_id, a.by, a.reason),
+            ),
+            RunInput::Finished(f) => (
+                "finished",
+                format!("by {}: {} bytes of result", f.by, f.result.len()),
+            ),
             RunInput::Retired(r) => (
                 "retired",
                 format!(

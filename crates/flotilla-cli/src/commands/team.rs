@@ -1,5 +1,5 @@
 //! `flotilla team [--role R]`, `team show MEMBER`, `team find ROLE`, `team stats [NAME]`,
-//! `team recruit`, `team recruit-status`, `team retire`: the supervisor's team API
+//! `team recruit`, `team recruit-status`, `team retire`, `team assign`, `team finish`: the supervisor's team API
 //! (`<prefix>.api.team.*`); persistent teammates with `team spawn NAME`, `team send NAME
 //! TEXT`, `team broadcast TEXT`, `team shutdown NAME`.
 //!
@@ -15,6 +15,7 @@ use flotilla_bus::Bus;
 use flotilla_client::{Client, ClientErrorKind};
 use flotilla_model::api::{ApiError, ApiRequest};
 use flotilla_model::ids::{RunId, TaskId};
+use flotilla_model::lead::{AssignRequest, FinishRequest, LeadReply};
 use flotilla_model::recruit::{
     RecruitReply, RecruitRequest, RecruitStatus, RecruitStatusRequest, RetirePolicy, RetireReply,
     RetireRequest,
@@ -85,6 +86,28 @@ enum TeamCommand {
         /// What becomes of its tasks that have not started.
         #[arg(long, value_enum, default_value = "reassign")]
         policy: Policy,
+    },
+    /// Under the supervisor strategy: let one of a led run's held tasks run (it still waits
+    /// for its dependencies). Inside a lead's turn it acts for the lead on its run.
+    Assign {
+        /// The task.
+        task: TaskId,
+        /// Why (recorded).
+        #[arg(long, default_value = "")]
+        reason: String,
+        /// The run (default inside an agent: the agent's run).
+        #[arg(long)]
+        run: Option<RunId>,
+    },
+    /// Under the supervisor strategy: end a led run with its final result (tasks not
+    /// assigned are skipped, running ones cancelled).
+    Finish {
+        /// The run's final result.
+        #[arg(long)]
+        result: String,
+        /// The run (default inside an agent: the agent's run).
+        #[arg(long)]
+        run: Option<RunId>,
     },
     /// Failure records: every agent and role, or one.
     Stats {
@@ -233,6 +256,27 @@ pub(crate) async fn team(config: &Config, args: TeamArgs) -> anyhow::Result<Exit
             };
             return answer(&client, &r, json, print_retire).await;
         }
+        Some(TeamCommand::Assign { task, reason, run }) => {
+            let (client, run, by_task) = acting(config, run).await?;
+            let r = AssignRequest {
+                protocol: flotilla_model::PROTOCOL_VERSION,
+                run_id: run,
+                task_id: task,
+                reason,
+                by: by_task.map(|t| t.to_string()),
+            };
+            return answer(&client, &r, json, print_lead).await;
+        }
+        Some(TeamCommand::Finish { result, run }) => {
+            let (client, run, by_task) = acting(config, run).await?;
+            let r = FinishRequest {
+                protocol: flotilla_model::PROTOCOL_VERSION,
+                run_id: run,
+                result,
+                by: by_task.map(|t| t.to_string()),
+            };
+            return answer(&client, &r, json, print_lead).await;
+        }
         other => other,
     };
     let client = connect(config).await?;
@@ -267,7 +311,10 @@ pub(crate) async fn team(config: &Config, args: TeamArgs) -> anyhow::Result<Exit
             answer(&client, &r, json, print_recruit).await
         }
         // Answered above: they act for the agent's task.
-        Some(TeamCommand::Recruit(_)) | Some(TeamCommand::Retire { .. }) => Ok(ExitCode::SUCCESS),
+        Some(TeamCommand::Recruit(_))
+        | Some(TeamCommand::Retire { .. })
+        | Some(TeamCommand::Assign { .. })
+        | Some(TeamCommand::Finish { .. }) => Ok(ExitCode::SUCCESS),
         Some(TeamCommand::Stats { name, scope }) => {
             let r = TeamStatsRequest {
                 protocol: flotilla_model::PROTOCOL_VERSION,
@@ -492,6 +539,26 @@ fn print_recruit(r: &RecruitReply) {
         RecruitStatus::Unknown => outln!(
             "unknown: the run has not applied recruit {} (never recorded, or not applied yet); asking again with the same id is safe",
             r.recruit_id
+        ),
+    }
+}
+
+fn print_lead(r: &LeadReply) {
+    let what = r.task_id.as_ref().map_or_else(
+        || format!("run {}", r.run_id),
+        |t| format!("task {t} of run {}", r.run_id),
+    );
+    match r.status {
+        RecruitStatus::Recorded => outln!(
+            "recorded: the change to {what} is on the run log; the run has not applied it yet"
+        ),
+        _ => outln!(
+            "{}: {what}",
+            if r.task_id.is_some() {
+                "assigned"
+            } else {
+                "finished"
+            }
         ),
     }
 }

@@ -139,6 +139,12 @@ impl Runtime {
         submitted.depth = lineage.depth;
         submitted.budget_scopes = lineage.budget_scopes;
         submitted.anycast = self.ctx.agents.as_ref().is_some_and(|a| a.has_roles());
+        submitted.lead = self
+            .ctx
+            .agents
+            .as_ref()
+            .and_then(|a| a.lead())
+            .map(str::to_owned);
         Ok(Ok(submitted))
     }
 
@@ -413,5 +419,6 @@ fn submitted_of(
         budget_scopes: Vec::new(),
         anycast: false,
         memory: None,
+        lead: None,
     }
 }

@@ -348,6 +348,22 @@ impl Runtime {
                     }
                     actions.extend(a);
                 }
+                RunInput::Assigned(a) => {
+                    let Some(e) = entry.as_mut() else { continue };
+                    let acts = e.machine.apply(Input::Assigned { assigned: a }, d.ts_ms);
+                    if !acts.is_empty() {
+                        info!(%run, task = %a.task_id, by = %a.by, "Task assigned by the lead");
+                    }
+                    actions.extend(acts);
+                }
+                RunInput::Finished(f) => {
+                    let Some(e) = entry.as_mut() else { continue };
+                    let acts = e.machine.apply(Input::Finished { finished: f }, d.ts_ms);
+                    if !acts.is_empty() {
+                        info!(%run, by = %f.by, "Run finished by its lead");
+                    }
+                    actions.extend(acts);
+                }
                 RunInput::Claimed(c) => {
                     let Some(e) = entry.as_mut() else { continue };
                     actions.extend(e.machine.apply(

@@ -66,11 +66,20 @@ impl Validator {
         }
         self.check_timeout("config.dependency_timeout", c.dependency_timeout.get(), ctx);
         self.check_timeout("config.task_timeout", c.task_timeout.get(), ctx);
-        if c.strategy == Strategy::Supervisor {
+        self.check_timeout("config.lead_timeout", c.lead_timeout.get(), ctx);
+        if c.strategy == Strategy::Supervisor
+            && let Some(agents) = &ctx.agents
+            && agents.lead().is_none()
+        {
+            let roles: Vec<&str> = agents.roles.keys().map(String::as_str).collect();
             self.error(
                 ProblemCode::UnsupportedStrategy,
                 "config.strategy",
-                "the supervisor strategy is not available in this release; use auto, simple or dag",
+                format!(
+                    "the supervisor strategy needs a lead: an agent whose card has the role `{}`, and this deployment has none (roles: {})",
+                    crate::plan::LEAD_ROLE,
+                    if roles.is_empty() { "none".to_owned() } else { roles.join(", ") }
+                ),
             );
         }
     }
@@ -436,6 +445,10 @@ mod tests {
         p.config.failure_ratio = 1.5;
         p.config.max_concurrency = 0;
         p.config.strategy = Strategy::Supervisor;
+        let ctx = ValidationContext {
+            agents: Some(crate::validate::AgentCatalog::default()),
+            ..ctx
+        };
         let r = validate_plan(&p, &ctx);
         let got: BTreeSet<_> = codes(&r).into_iter().collect();
         for c in [

@@ -88,6 +88,15 @@ impl AgentCatalog {
         !self.roles.is_empty()
     }
 
+    /// The agent that leads runs under the `supervisor` strategy: the first (by name) whose
+    /// card has the role [`crate::plan::LEAD_ROLE`].
+    pub fn lead(&self) -> Option<&str> {
+        self.roles
+            .get(crate::plan::LEAD_ROLE)
+            .and_then(|agents| agents.first())
+            .map(String::as_str)
+    }
+
     /// The catalog's roles from member cards: `cards` gives each agent's roles; workflow
     /// agents (in `self.workflows`) are left out.
     pub fn with_roles<'a>(
