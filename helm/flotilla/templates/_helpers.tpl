@@ -242,6 +242,40 @@ give comes from workerPoolDefaults; keda and hpa are filled key by key. (Zero va
 {{- end -}}
 
 {{/*
+The structured `supervisor.settings` values as `[supervisor]` (and `[supervisor.recruit]`) keys
+of the dict `into`. Only keys that are set (not null) are written, so everything left unset
+keeps the binary's default. Args: into, root. Integers are converted back from the floats
+Helm reads YAML numbers as (`team-size = 10`, not `10.0`).
+*/}}
+{{- define "flotilla.supervisorSettings" -}}
+{{- $s := .root.Values.supervisor.settings | default dict -}}
+{{- $sup := dict -}}
+{{- $recruit := dict -}}
+{{- range $key, $kebab := dict "presenceTimeout" "presence-timeout" "staleAfter" "stale-after" -}}
+{{- $v := ternary (get $s $key) nil (hasKey $s $key) -}}
+{{- if not (kindIs "invalid" $v) -}}{{- $_ := set $sup $kebab (toString $v) -}}{{- end -}}
+{{- end -}}
+{{- range $key, $kebab := dict "teamSize" "team-size" "turnsPerHour" "turns-per-hour" "maxMessageBytes" "max-message-bytes" -}}
+{{- $v := ternary (get $s $key) nil (hasKey $s $key) -}}
+{{- if not (kindIs "invalid" $v) -}}{{- $_ := set $sup $kebab (int64 $v) -}}{{- end -}}
+{{- end -}}
+{{- $r := get $s "recruit" | default dict -}}
+{{- range $key, $kebab := dict "allowedRoles" "allowed-roles" "recruiters" "recruiters" -}}
+{{- $v := ternary (get $r $key) nil (hasKey $r $key) -}}
+{{- if not (kindIs "invalid" $v) -}}{{- $_ := set $recruit $kebab $v -}}{{- end -}}
+{{- end -}}
+{{- range $key, $kebab := dict "maxTeam" "max-team" "maxRecruits" "max-recruits" -}}
+{{- $v := ternary (get $r $key) nil (hasKey $r $key) -}}
+{{- if not (kindIs "invalid" $v) -}}{{- $_ := set $recruit $kebab (int64 $v) -}}{{- end -}}
+{{- end -}}
+{{- if and (hasKey $r "answerWait") (not (kindIs "invalid" (get $r "answerWait"))) -}}
+{{- $_ := set $recruit "answer-wait" (toString (get $r "answerWait")) -}}
+{{- end -}}
+{{- if $recruit -}}{{- $_ := set $sup "recruit" $recruit -}}{{- end -}}
+{{- if $sup -}}{{- $_ := set .into "supervisor" $sup -}}{{- end -}}
+{{- end -}}
+
+{{/*
 flotilla.toml of one role. Args: root, pool (a worker pool; nil for the coordinator and the
 supervisor), role (the name in the file's heading when pool is nil; default coordinator).
 The coordinator knows every pool's agents, so plan validation rejects unknown agents; the
@@ -286,6 +320,9 @@ fails loudly instead. */ -}}
 {{- fail (printf "defaultAgent %q is not defined for %s: add it to agents (shared by every pool)" $v.defaultAgent (ternary (printf "worker pool %s" (.pool | default dict).name) (printf "the %s" (.role | default "coordinator")) (not (empty .pool)))) -}}
 {{- end -}}
 {{- $_ := set $cfg "default-agent" $v.defaultAgent -}}
+{{- end -}}
+{{- if and (not .pool) (eq (.role | default "") "supervisor") -}}
+{{- include "flotilla.supervisorSettings" (dict "into" $cfg "root" .root) -}}
 {{- end -}}
 {{- if .pool -}}
 {{- $_ := set $cfg "worker" (dict "pool" .pool.name "concurrency" (int .pool.concurrency) "shutdown-grace" (printf "%ds" (int .pool.shutdownGraceSeconds))) -}}

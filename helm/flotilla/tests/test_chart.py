@@ -137,7 +137,11 @@ ALL_ON = {
     ],
     "metrics": {"serviceMonitor": {"enabled": True}},
     "networkPolicy": {"enabled": True},
-    "supervisor": {"replicas": 3, "nodeSelector": {"pool": "system"}},
+    "supervisor": {
+        "replicas": 3,
+        "nodeSelector": {"pool": "system"},
+        "settings": {"teamSize": 20, "recruit": {"allowedRoles": ["analyst"], "answerWait": "10s"}},
+    },
 }
 
 
@@ -373,9 +377,14 @@ def rendered_configs_say_what_each_role_needs():
     # team member); each pool only its own.
     assert set(cfgs["coordinator.toml"]["agents"]) == {"echo", "vision"}
     assert cfgs["supervisor.toml"]["agents"] == cfgs["coordinator.toml"]["agents"]
-    # Presence follows the workers' heartbeat; [supervisor] settings arrive through extraConfig.
+    # Presence follows the workers' heartbeat; [supervisor] settings arrive through
+    # supervisor.settings, merged over extraConfig's.
     assert cfgs["supervisor.toml"]["worker"]["heartbeat"] == "3s"
-    assert cfgs["supervisor.toml"]["supervisor"] == {"stale-after": "5m"}
+    assert cfgs["supervisor.toml"]["supervisor"] == {
+        "stale-after": "5m",
+        "team-size": 20,
+        "recruit": {"allowed-roles": ["analyst"], "answer-wait": "10s"},
+    }
     assert set(cfgs["pool-default.toml"]["agents"]) == {"echo"}
     assert set(cfgs["pool-gpu.toml"]["agents"]) == {"echo", "vision"}
     gpu = cfgs["pool-gpu.toml"]["worker"]
@@ -619,6 +628,129 @@ def supervisor_values_are_checked():
     fails_with({"supervisor": {"enabled": "yes"}}, "supervisor/enabled")
     fails_with({"supervisor": {"replica": 2}}, "replica")
     fails_with({"nats": {"credentials": {"supervisor": 1}}}, "credentials/supervisor")
+
+
+SUPERVISOR_SETTINGS = {
+    "presenceTimeout": "15s",
+    "staleAfter": "10m",
+    "teamSize": 25,
+    "turnsPerHour": 600,
+    "maxMessageBytes": 131072,
+    "recruit": {
+        "allowedRoles": ["analyst", "reviewer"],
+        "maxTeam": 12,
+        "maxRecruits": 0,
+        "recruiters": ["role:lead", "planner"],
+        "answerWait": "20s",
+    },
+}
+
+
+@check
+def supervisor_settings_are_unset_by_default():
+    # Nothing set: no [supervisor] table, so every key keeps the binary's default.
+    cfgs = configs(render({}))
+    assert "supervisor" not in cfgs["supervisor.toml"], cfgs["supervisor.toml"]
+    # A key set alone is rendered alone (0 is a value, not "unset").
+    cfgs = configs(render({"supervisor": {"settings": {"recruit": {"maxRecruits": 0}}}}))
+    assert cfgs["supervisor.toml"]["supervisor"] == {"recruit": {"max-recruits": 0}}
+    # Explicit nulls are unset too.
+    cfgs = configs(render({"supervisor": {"settings": {"teamSize": None, "recruit": None}}}))
+    assert "supervisor" not in cfgs["supervisor.toml"], cfgs["supervisor.toml"]
+
+
+@check
+def supervisor_settings_render_into_its_config_only():
+    cfgs = configs(render({"supervisor": {"settings": SUPERVISOR_SETTINGS}}))
+    assert cfgs["supervisor.toml"]["supervisor"] == {
+        "presence-timeout": "15s",
+        "stale-after": "10m",
+        "team-size": 25,
+        "turns-per-hour": 600,
+        "max-message-bytes": 131072,
+        "recruit": {
+            "allowed-roles": ["analyst", "reviewer"],
+            "max-team": 12,
+            "max-recruits": 0,
+            "recruiters": ["role:lead", "planner"],
+            "answer-wait": "20s",
+        },
+    }
+    # Integers stay integers (Helm reads YAML numbers as floats).
+    text = one(render({"supervisor": {"settings": SUPERVISOR_SETTINGS}}), "ConfigMap", "rel-flotilla-config")["data"]["supervisor.toml"]
+    assert "team-size = 25\n" in text and "max-team = 12\n" in text, text
+    for name, cfg in cfgs.items():
+        if name != "supervisor.toml":
+            assert "supervisor" not in cfg, name
+
+
+@check
+def supervisor_settings_win_over_extra_config_key_by_key():
+    values = {
+        "extraConfig": '[supervisor]\nstale-after = "5m"\nbatch = 64\n[supervisor.recruit]\nmax-team = 3\nanswer-wait = "1s"\n',
+        "supervisor": {"settings": {"staleAfter": "7m", "recruit": {"maxTeam": 4}}},
+    }
+    cfgs = configs(render(values))
+    assert cfgs["supervisor.toml"]["supervisor"] == {
+        "stale-after": "7m",
+        "batch": 64,
+        "recruit": {"max-team": 4, "answer-wait": "1s"},
+    }
+    # The other roles keep extraConfig as written.
+    assert cfgs["coordinator.toml"]["supervisor"]["stale-after"] == "5m"
+
+
+@check
+def supervisor_settings_are_checked():
+    for bad, needle in (
+        ({"teamSize": 0}, "teamSize"),
+        ({"teamSize": "10"}, "teamSize"),
+        ({"turnsPerHour": 0}, "turnsPerHour"),
+        ({"maxMessageBytes": 524289}, "maxMessageBytes"),
+        ({"staleAfter": "120"}, "staleAfter"),
+        ({"staleAfter": 120}, "staleAfter"),
+        ({"presenceTimeout": "soon"}, "presenceTimeout"),
+        ({"teamsize": 10}, "teamsize"),
+        ({"recruit": {"maxTeam": 0}}, "maxTeam"),
+        ({"recruit": {"maxRecruits": -1}}, "maxRecruits"),
+        ({"recruit": {"allowedRoles": ["a.b"]}}, "allowedRoles"),
+        ({"recruit": {"allowedRoles": "analyst"}}, "allowedRoles"),
+        ({"recruit": {"recruiters": ["has space"]}}, "recruiters"),
+        ({"recruit": {"answerWait": "5"}}, "answerWait"),
+        ({"recruit": {"max-team": 3}}, "max-team"),
+    ):
+        fails_with({"supervisor": {"settings": bad}}, needle)
+
+
+@check
+def supervisor_settings_load_in_the_real_binary():
+    """The rendered [supervisor] table is the binary's: it loads, and what only the binary
+    checks (answer-wait at most 60s, progress-resolution below stale-after) is refused."""
+    binary = os.environ.get("FLOTILLA_BIN")
+    if not binary:
+        print("    (skipped: FLOTILLA_BIN not set)")
+        return
+
+    def load(settings: dict) -> subprocess.CompletedProcess:
+        text = one(render({"supervisor": {"settings": settings}}), "ConfigMap", "rel-flotilla-config")["data"]["supervisor.toml"]
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "supervisor.toml"
+            path.write_text(text)
+            plan = Path(d) / "plan.json"
+            plan.write_text('{"subtasks":[{"id":"a"}]}')
+            return subprocess.run(
+                [binary, "--config", str(path), "plan", "validate", str(plan)],
+                capture_output=True,
+                text=True,
+                env={k: v for k, v in os.environ.items() if not k.startswith("FLOTILLA_")},
+            )
+
+    out = load(SUPERVISOR_SETTINGS)
+    assert out.returncode == 0, out.stdout + out.stderr
+    out = load({"recruit": {"answerWait": "2m"}})
+    assert out.returncode != 0 and "answer-wait must be at most 60s" in out.stderr, out.stdout + out.stderr
+    out = load({"staleAfter": "1s"})
+    assert out.returncode != 0 and "progress-resolution must be shorter than stale-after" in out.stderr, out.stderr
 
 
 def main() -> int:
