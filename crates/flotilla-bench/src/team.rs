@@ -310,7 +310,7 @@ pub(crate) async fn run(
     let before = teammates::baseline(&bus, &pids).await?;
     teammates::idle(&bus, &pids, ROLE, args.teammates, before).await?;
     let reader = Bus::connect(&opts, "flotilla-bench-reader").await?;
-    teammates::wake(&bus, &reader, ROLE, args.team_wakes).await?;
+    teammates::wake(&bus, &reader, &pids, ROLE, args.team_wakes).await?;
     drop(procs);
     Ok(())
 }

@@ -28,8 +28,8 @@ use flotilla_bus::Bus;
 use flotilla_client::Client;
 use flotilla_model::subjects::{Bucket, StreamKind};
 use flotilla_model::teammate::{
-    Conversation, TeamMates, TeamMatesRequest, TeamSendRequest, TeamSpawnRequest, Teammate,
-    TeammateStatus, conversation_key, teammate_key,
+    Conversation, TeamSendRequest, TeamSpawnRequest, Teammate, TeammateStatus, conversation_key,
+    teammate_key,
 };
 use flotilla_model::time::Timestamp;
 use futures::StreamExt;
@@ -59,11 +59,18 @@ pub(crate) struct Pids {
     pub(crate) workers: Vec<u32>,
 }
 
-/// What was read with no teammate: resident memory (KiB) and consumers.
-pub(crate) struct Baseline {
+/// Resident memory (KiB) and consumers at one moment.
+struct Reading {
     supervisor_kib: Option<u64>,
     workers_kib: Option<u64>,
     consumers: BTreeSet<String>,
+}
+
+/// What was read with no teammate, and the watch of the idle team's keys (opened first, so
+/// its consumer is in both readings).
+pub(crate) struct Baseline {
+    reading: Reading,
+    watch: kv::Watch,
 }
 
 impl Pids {
@@ -79,7 +86,21 @@ impl Pids {
 
 /// Reads the baseline: call before the first teammate is spawned.
 pub(crate) async fn baseline(bus: &Bus, pids: &Pids) -> anyhow::Result<Baseline> {
+    let kv = bus.kv(Bucket::Team).await?;
+    let watch = kv
+        .watch_many([
+            teammate_key(IDLE_TEAM, "*"),
+            conversation_key(IDLE_TEAM, "*"),
+        ])
+        .await?;
     Ok(Baseline {
+        reading: read(bus, pids).await?,
+        watch,
+    })
+}
+
+async fn read(bus: &Bus, pids: &Pids) -> anyhow::Result<Reading> {
+    Ok(Reading {
         supervisor_kib: pids.supervisor_kib(),
         workers_kib: pids.workers_kib(),
         consumers: consumers(bus).await?,
@@ -215,9 +236,11 @@ impl Watcher {
 pub(crate) async fn wake(
     bus: &Bus,
     reader: &Bus,
+    pids: &Pids,
     role: &str,
     samples: usize,
 ) -> anyhow::Result<()> {
+    let rss_before = (pids.supervisor_kib(), pids.workers_kib());
     let client = Client::new(bus.clone());
     let name = "w";
     let key = teammate_key(WAKE_TEAM, name);
@@ -289,12 +312,15 @@ pub(crate) async fn wake(
         "      → conversation fenced (the agent starts after one inbox read): p50 {fence50:.3} ms   p99 {fence99:.3} ms: {:.2}×",
         fence50 / raw50
     );
+    // The supervisor stores the message and marks the teammate working at once, and
+    // publishes the turn once both are done.
     let parts: [(&str, Span); 6] = [
         ("send → inbox message stored", |w| w.stored - w.sent),
-        ("stored → teammate woken (CAS)", |w| w.woken - w.stored),
-        ("woken → claimed (turn published, pulled, CAS)", |w| {
-            w.claimed - w.woken
-        }),
+        ("send → teammate marked working", |w| w.woken - w.sent),
+        (
+            "both → claimed (turn published, pulled, claim CAS)",
+            |w| w.claimed - w.stored.max(w.woken),
+        ),
         ("claimed → conversation fenced", |w| w.fenced - w.claimed),
         ("send → its answer", |w| w.answered - w.sent),
         ("fenced → idle again (agent, save, finish)", |w| {
@@ -308,6 +334,22 @@ pub(crate) async fn wake(
     outln!(
         "      p50 steps (ms, server times): {}",
         breakdown.join("; ")
+    );
+    // Memory that follows turns, not teammates: the same reading after this teammate's
+    // turns (one more teammate, many more turns).
+    let turns = WARM_UP + samples.max(1);
+    let delta = |a: Option<u64>, b: Option<u64>| match (a, b) {
+        (Some(a), Some(b)) => format!(
+            "{:+.1} MiB ({:+.2} KiB per turn)",
+            (a as f64 - b as f64) / 1024.0,
+            (a as f64 - b as f64) / turns as f64
+        ),
+        _ => "n/a".to_owned(),
+    };
+    outln!(
+        "   RSS over these {turns} turns of one teammate: supervisor {}, workers {}",
+        delta(pids.supervisor_kib(), rss_before.0),
+        delta(pids.workers_kib(), rss_before.1)
     );
     Ok(())
 }
@@ -338,36 +380,40 @@ pub(crate) async fn idle(
     })
     .await
     .context("team.send")?;
-    let deadline = Instant::now() + Duration::from_secs(300);
-    loop {
-        let list: TeamMates = client
-            .request(
-                &TeamMatesRequest {
-                    protocol: flotilla_model::PROTOCOL_VERSION,
-                    team: Some(IDLE_TEAM.into()),
-                },
-                ASK,
-            )
+    // Each teammate's entries as they change (no team.mates polling: its replies would
+    // be the supervisor's memory measured here): done once idle after a turn.
+    let Baseline {
+        reading: before,
+        mut watch,
+    } = before;
+    let teammate_prefix = teammate_key(IDLE_TEAM, "");
+    let mut done: BTreeSet<String> = BTreeSet::new();
+    let mut sizes: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(300);
+    while done.len() < n {
+        let e = tokio::time::timeout_at(deadline, watch.next())
             .await
-            .context("team.mates")?;
-        let done = list
-            .teammates
-            .iter()
-            .filter(|m| m.status == TeammateStatus::Idle && m.turns >= 1)
-            .count();
-        if done >= n {
-            break;
+            .with_context(|| {
+                format!(
+                    "{} of {n} teammates ran their turn and went idle in 5 minutes",
+                    done.len()
+                )
+            })?
+            .context("the watch ended")??;
+        sizes.insert(e.key.clone(), e.value.len());
+        if e.key.starts_with(&teammate_prefix) {
+            let m: Teammate = serde_json::from_slice(&e.value)?;
+            if m.status == TeammateStatus::Idle && m.turns >= 1 {
+                done.insert(e.key);
+            }
         }
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "{done} of {n} teammates ran their turn and went idle in 5 minutes"
-        );
-        tokio::time::sleep(Duration::from_millis(250)).await;
     }
     let ready = t0.elapsed();
     // Let the last turns' buffers and the supervisor's batches settle before reading memory.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let after = baseline(bus, pids).await?;
+    let after = read(bus, pids).await?;
+    drop(watch);
+    let stored: usize = sizes.values().sum();
     outln!(
         "   {n} teammates spawned, each ran one turn and went idle in {:.1} s",
         ready.as_secs_f64()
@@ -391,6 +437,10 @@ pub(crate) async fn idle(
         mib(before.workers_kib),
         mib(after.workers_kib),
         per(after.workers_kib, before.workers_kib)
+    );
+    outln!(
+        "      (their entries and conversations hold {:.2} KiB per teammate in the bucket)",
+        stored as f64 / 1024.0 / n.max(1) as f64
     );
     let created: Vec<&String> = after.consumers.difference(&before.consumers).collect();
     outln!(
