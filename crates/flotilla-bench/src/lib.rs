@@ -30,7 +30,10 @@
 //!   children are deterministic Rust agents run by an in-process worker in the bench.
 //! * **team** — the supervisor (module `team`): throughput of 1-task runs without and with a
 //!   `flotilla supervisor` following the events; its CPU per run; catch-up after a burst;
-//!   the lag from a run's outcome to its agent's failure record, next to the raw round trip.
+//!   the lag from a run's outcome to its agent's failure record, next to the raw round trip;
+//!   anycast and recruit latency next to the dependency hop; the supervisor's and workers'
+//!   memory and the consumers with `--teammates` idle teammates; an idle teammate's message
+//!   → its turn started, next to the raw mailbox hop.
 //!
 //! The services run as child processes of the `flotilla` binary that runs the bench (or
 //! `--services-binary`, to measure another build back to back), so the bench is a library
@@ -156,7 +159,8 @@ enum Section {
     /// Run trees: child spawn latency, nested agent-as-tool vs dependency hops, delivery lag
     /// of flattened projections with many concurrent children.
     Tree,
-    /// The supervisor: its cost to run throughput, catch-up, outcome → failure record lag.
+    /// The supervisor: its cost to run throughput, catch-up, outcome → failure record lag,
+    /// anycast and recruit latency, idle teammates' memory, a teammate's wake.
     Team,
 }
 
@@ -279,6 +283,8 @@ mod tests {
             "250ms",
             "--submit-via",
             "intake",
+            "--teammates",
+            "50",
         ])
         .expect("valid flags");
         let b = cli.bench;
@@ -290,5 +296,7 @@ mod tests {
         assert!(format!("{:?}", b.tree).contains("tree_spawns: 20,"));
         assert!(format!("{:?}", b.llm).contains("llm_delay: 250ms,"));
         assert!(format!("{:?}", b.collab).contains("page_entries: 100000,"));
+        assert!(format!("{:?}", b.team).contains("teammates: 50 }"));
+        assert!(format!("{:?}", b.team).contains("team_wakes: 200,"));
     }
 }

@@ -12,7 +12,10 @@
 //!   role's queue by a free member) next to the hop of the same chain on the pool;
 //! * recruit: a `team.recruit` request for a running run → the recruited task's first
 //!   attempt claimed by a member of the role (its `claimed` entry on the run log), next to the
-//!   pool's dependency hop.
+//!   pool's dependency hop;
+//! * persistent teammates (module [`teammates`]): the supervisor's and workers' memory and
+//!   the consumers with `--teammates` idle teammates against none; an idle teammate woken by
+//!   a message → its turn started on a worker, next to the raw mailbox hop.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -34,6 +37,8 @@ use crate::harness::services::{Services, has_listener, noop_config_under, spawn_
 use crate::harness::stats::{ms, p50_p99};
 use crate::harness::submit::{outcomes, spawn_submitter, submit_via};
 
+mod teammates;
+
 /// Flags of the team section.
 #[derive(Debug, clap::Args)]
 pub(crate) struct TeamArgs {
@@ -49,6 +54,12 @@ pub(crate) struct TeamArgs {
     /// Team: recruits in the recruit → first attempt measurement (one run each).
     #[arg(long, default_value_t = 30)]
     team_recruits: usize,
+    /// Team: messages to one idle teammate in the message → turn started measurement.
+    #[arg(long, default_value_t = 200)]
+    team_wakes: usize,
+    /// Team: idle teammates (each after one turn) in the memory and consumer measurement.
+    #[arg(long, default_value_t = 1_000)]
+    teammates: usize,
 }
 
 /// The role the no-op agent fills in this section.
@@ -82,7 +93,7 @@ pub(crate) async fn run(
         text.replace(
             "reply = \"ok\"\n",
             &format!("reply = \"ok\"\nroles = [\"{ROLE}\"]\n"),
-        ),
+        ) + &teammate_caps(args),
     )?;
     let spawn = |role: &[&str]| spawn_service(exe, &config, role);
     let mut opts = NatsOptions::with_url(url);
@@ -285,8 +296,33 @@ pub(crate) async fn run(
         recruits.len(),
         r50 / pool50
     );
+
+    // Persistent teammates: memory and consumers with many idle, then one woken among them.
+    let pids = teammates::Pids {
+        supervisor: supervisor_pid,
+        workers: procs
+            .0
+            .iter()
+            .filter(|(name, _)| name.starts_with("worker"))
+            .map(|(_, c)| c.id())
+            .collect(),
+    };
+    let before = teammates::baseline(&bus, &pids).await?;
+    teammates::idle(&bus, &pids, ROLE, args.teammates, before).await?;
+    let reader = Bus::connect(&opts, "flotilla-bench-reader").await?;
+    teammates::wake(&bus, &reader, &pids, ROLE, args.team_wakes).await?;
     drop(procs);
     Ok(())
+}
+
+/// `[supervisor]` caps that let the teammate measurements run: `--teammates` in one team
+/// (plus the woken one's), `--team-wakes` turns of one teammate within the hour.
+fn teammate_caps(args: &TeamArgs) -> String {
+    format!(
+        "\n[supervisor]\nteam-size = {}\nturns-per-hour = {}\n",
+        args.teammates.max(1) + 10,
+        (args.team_wakes + 100).min(u32::MAX as usize)
+    )
 }
 
 async fn next_end(

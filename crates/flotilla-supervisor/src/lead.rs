@@ -456,6 +456,7 @@ async fn mail(team: &Team, run: RunId, id: &str, text: &str) -> Result<(), Super
         "flotilla",
         text,
         Some(id),
+        None,
     )
     .await?;
     Ok(())

@@ -11,7 +11,9 @@
 //!           └──► consumer "turns-<pool>", pulled by the pool's workers
 //! ```
 //!
-//! The send answers after waking the teammate itself (the fast path); the shared durable
+//! The send stores the message and marks the teammate `working` at once (both after the one
+//! read its checks need), publishes the turn once both are done, and answers (the fast
+//! path: three round trips to JetStream on the message's way to a worker); the shared durable
 //! consumer of every teammate inbox wakes it too, so a replica killed between storing a
 //! message and waking its teammate loses nothing. Waking twice is harmless: the second
 //! finds it `working`. A teammate `working` without a host (dispatched, not yet claimed) is
@@ -44,7 +46,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::Team;
-use crate::cas::modify;
+use crate::cas::{modify, modify_from};
 use crate::error::SupervisorError;
 
 /// The durable consumer the replicas share on the teammate inboxes.
@@ -91,8 +93,8 @@ fn view(t: &Teammate, updated_ms: Option<i64>) -> TeammateView {
 }
 
 /// Reads a teammate's entry from the bucket (not the mirror: a send right after a spawn
-/// must find it).
-async fn read(team: &Team, key: &str) -> Result<Option<(Teammate, i64)>, SupervisorError> {
+/// must find it): the teammate, the entry's time and its revision.
+async fn read(team: &Team, key: &str) -> Result<Option<(Teammate, i64, u64)>, SupervisorError> {
     match team
         .team_kv
         .entry(key)
@@ -106,7 +108,11 @@ async fn read(team: &Team, key: &str) -> Result<Option<(Teammate, i64)>, Supervi
                     message: err.to_string(),
                 }
             })?;
-            Ok(Some((t, flotilla_bus::mirror::unix_ms(e.created))))
+            Ok(Some((
+                t,
+                flotilla_bus::mirror::unix_ms(e.created),
+                e.revision,
+            )))
         }
         _ => Ok(None),
     }
@@ -296,14 +302,30 @@ fn check_accepts(mate: &Teammate) -> Result<(), Refusal> {
     Ok(())
 }
 
-/// Stores one message in `to`'s inbox and wakes it; the message's stream sequence.
-async fn deliver(team: &Team, t: &str, to: &str, from: &str, text: &str) -> Result<u64, Refusal> {
-    post(team, t, to, from, text, None).await.map_err(internal)
+/// Stores one message in `to`'s inbox and wakes it; the message's stream sequence. `known`:
+/// `to`'s entry as just read, with its revision.
+async fn deliver(
+    team: &Team,
+    t: &str,
+    to: &str,
+    from: &str,
+    text: &str,
+    known: Option<(Teammate, u64)>,
+) -> Result<u64, Refusal> {
+    post(team, t, to, from, text, None, known)
+        .await
+        .map_err(internal)
 }
 
 /// Stores one message in `to`'s inbox (de-duplicated by `msg_id` when given) and wakes it;
 /// the message's stream sequence. What [`deliver`] does for a request, and the supervisor's
-/// own mail to a run's lead.
+/// own mail to a run's lead. `known`: `to`'s entry as just read, with its revision.
+///
+/// The message is stored while the teammate is marked `working` (two round trips at once,
+/// on the path of every message), and its turn is published only once both are done, so a
+/// worker that claims the turn finds the message. A message that could not be stored still
+/// gets its turn published (it finds nothing new and the teammate goes back to `idle`), so
+/// no teammate is left `working` without a turn.
 pub(crate) async fn post(
     team: &Team,
     t: &str,
@@ -311,6 +333,7 @@ pub(crate) async fn post(
     from: &str,
     text: &str,
     msg_id: Option<&str>,
+    known: Option<(Teammate, u64)>,
 ) -> Result<u64, SupervisorError> {
     let post = TeammatePost {
         protocol: flotilla_model::PROTOCOL_VERSION,
@@ -318,16 +341,25 @@ pub(crate) async fn post(
         text: text.to_owned(),
     };
     let subject = team.bus.names().teammate_inbox(t, to, from);
-    let ack = team
-        .bus
-        .publish(subject, &post, msg_id)
-        .await
-        .map_err(|e| SupervisorError::store(format!("mailing {t}.{to}"), e))?;
-    if let Err(e) = wake(team, t, to).await {
+    let (ack, woken) = tokio::join!(
+        team.bus.publish(subject, &post, msg_id),
+        mark_working(team, t, to, known)
+    );
+    match woken {
+        Ok(Some(mate)) => {
+            if let Err(e) = dispatch(team, &mate).await {
+                // Working without a turn: the next message, or the inbox consumer, dispatches
+                // it again (same message id).
+                debug!(team = t, teammate = to, error = %e, "Could not dispatch a turn at once");
+            }
+        }
+        Ok(None) => {}
         // The inbox consumer wakes it in a moment.
-        debug!(team = t, teammate = to, error = %e, "Could not wake a teammate at once");
+        Err(e) => debug!(team = t, teammate = to, error = %e, "Could not wake a teammate at once"),
     }
-    Ok(ack.sequence)
+    Ok(ack
+        .map_err(|e| SupervisorError::store(format!("mailing {t}.{to}"), e))?
+        .sequence)
 }
 
 pub(crate) async fn send(team: &Team, req: Request) {
@@ -346,14 +378,14 @@ async fn do_send(team: &Team, r: &TeamSendRequest) -> Result<TeamSent, Refusal> 
     check_mate_name(&r.to)?;
     let from = sender(&r.from)?;
     check_text(team, &r.text)?;
-    let Some((mate, _)) = read(team, &teammate_key(t, &r.to))
+    let Some((mate, _, revision)) = read(team, &teammate_key(t, &r.to))
         .await
         .map_err(internal)?
     else {
         return Err(not_found(team, t, &r.to));
     };
     check_accepts(&mate)?;
-    let seq = deliver(team, t, &r.to, &from, &r.text).await?;
+    let seq = deliver(team, t, &r.to, &from, &r.text, Some((mate, revision))).await?;
     Ok(TeamSent {
         delivered: vec![r.to.clone()],
         seqs: vec![seq],
@@ -413,7 +445,7 @@ async fn do_broadcast(team: &Team, r: &TeamBroadcastRequest) -> Result<TeamSent,
         seqs: Vec::new(),
     };
     for m in open {
-        let seq = deliver(team, t, &m.name, &from, &r.text).await?;
+        let seq = deliver(team, t, &m.name, &from, &r.text, None).await?;
         sent.delivered.push(m.name.clone());
         sent.seqs.push(seq);
     }
@@ -439,7 +471,7 @@ pub(crate) async fn shutdown(team: &Team, req: Request) {
             respond_json(&req, team.bus.max_payload(), &view(&m, None), "").await;
         }
         Ok(None) => match read(team, &key).await {
-            Ok(Some((m, at))) => {
+            Ok(Some((m, at, _))) => {
                 respond_json(&req, team.bus.max_payload(), &view(&m, Some(at)), "").await
             }
             Ok(None) => refuse(&req, not_found(team, &t, &r.name)).await,
@@ -510,12 +542,28 @@ pub(crate) async fn mates(team: &Team, req: Request) {
 /// Wakes `name` of `t` if it is idle (or dispatched and not claimed: the turn is published
 /// again, de-duplicated by its message id). Returns the epoch dispatched, if any.
 pub(crate) async fn wake(team: &Team, t: &str, name: &str) -> Result<Option<u64>, SupervisorError> {
+    match mark_working(team, t, name, None).await? {
+        Some(mate) => dispatch(team, &mate).await.map(Some),
+        None => Ok(None),
+    }
+}
+
+/// The first half of a wake: marks `name` of `t` `working` if it is idle (compare-and-set,
+/// starting from `known` when the caller has just read the entry). The teammate whose turn
+/// is to be published: just woken, or dispatched earlier and not yet claimed.
+async fn mark_working(
+    team: &Team,
+    t: &str,
+    name: &str,
+    known: Option<(Teammate, u64)>,
+) -> Result<Option<Teammate>, SupervisorError> {
     let key = teammate_key(t, name);
     let now = Timestamp::now();
     let mut again: Option<Teammate> = None;
-    let written = modify(
+    let written = modify_from(
         &team.team_kv,
         &key,
+        known,
         || Teammate::spawn(t, name, "", "", "", "", now),
         |m: &mut Teammate| {
             if m.agent.is_empty() {
@@ -533,14 +581,20 @@ pub(crate) async fn wake(team: &Team, t: &str, name: &str) -> Result<Option<u64>
         &team.metrics,
     )
     .await?;
-    let mate = match (written, again) {
+    Ok(match (written, again) {
         (Some(m), _) => {
             team.mates.note(&key, m.clone(), now.unix_ms());
-            m
+            Some(m)
         }
-        (None, Some(m)) => m,
-        (None, None) => return Ok(None),
-    };
+        (None, Some(m)) => Some(m),
+        (None, None) => None,
+    })
+}
+
+/// The second half of a wake: publishes `mate`'s turn (de-duplicated by its dispatch).
+/// Returns the epoch dispatched.
+async fn dispatch(team: &Team, mate: &Teammate) -> Result<u64, SupervisorError> {
+    let key = teammate_key(&mate.team, &mate.name);
     let turn = TurnEnvelope {
         protocol: flotilla_model::PROTOCOL_VERSION,
         team: mate.team.clone(),
@@ -555,7 +609,7 @@ pub(crate) async fn wake(team: &Team, t: &str, name: &str) -> Result<Option<u64>
         )
         .await
         .map_err(|e| SupervisorError::store(format!("dispatching a turn of {key}"), e))?;
-    Ok(Some(mate.dispatch))
+    Ok(mate.dispatch)
 }
 
 /// Binds the shared durable consumer of the teammate inboxes.

@@ -11,6 +11,13 @@
 //! 2. **fence the conversation** — write it back with the host's epoch (compare-and-set on its
 //!    revision): a stale host's later save, based on an older revision, is refused.
 //! 3. read the inbox after the conversation's cursor; nothing new → back to `idle`.
+//!
+//! Steps 1–3 take two round trips to JetStream after the claim's read, not five: the
+//! conversation is read while the claim is written (the fence is conditional on the revision
+//! read, so a write in between is noticed and the fence redone from a fresh read), and the
+//! inbox is read while the fence is written (again after a redone fence that moved the
+//! cursor). A turn's start is on the path of every message to an idle teammate.
+//!
 //! 4. run the agent (the teammate's definition) on its instructions, its conversation and the
 //!    new messages, under in-progress acknowledgements (heartbeats) like an attempt.
 //! 5. **save** the conversation (bounded, compacted), then **finish**: `idle` (or `shutdown`
@@ -186,22 +193,77 @@ pub async fn save_conversation(
     Ok(rev)
 }
 
-/// Reads the conversation with its revision.
+/// Reads the conversation with its revision (`None`: the key was never written).
 async fn load_conversation(
     kv: &kv::Store,
     team: &str,
     name: &str,
-) -> Result<Conversation, TurnError> {
+) -> Result<(Conversation, Option<u64>), TurnError> {
     match kv
         .entry(conversation_key(team, name))
         .await
         .map_err(store)?
     {
-        Some(e) if e.operation == kv::Operation::Put => {
-            serde_json::from_slice(&e.value).map_err(store)
-        }
-        _ => Ok(Conversation::default()),
+        Some(e) if e.operation == kv::Operation::Put => Ok((
+            serde_json::from_slice(&e.value).map_err(store)?,
+            Some(e.revision),
+        )),
+        Some(e) => Ok((Conversation::default(), Some(e.revision))),
+        None => Ok((Conversation::default(), None)),
     }
+}
+
+/// The fence: writes `conv`, read at `read_at` (see [`load_conversation`]), back with the
+/// host's `epoch`. The write is conditional on that revision, so it needs no second read;
+/// when somebody wrote the conversation since, it is done by compare-and-set from a fresh
+/// read instead ([`save_conversation`]'s rule: refused when a later epoch wrote it), and the
+/// conversation as it is now comes back too. Returns the new revision.
+async fn fence(
+    kv: &kv::Store,
+    team: &str,
+    name: &str,
+    epoch: u64,
+    conv: &Conversation,
+    read_at: Option<u64>,
+) -> Result<(u64, Option<Conversation>), TurnError> {
+    let key = conversation_key(team, name);
+    if conv.epoch > epoch {
+        return Err(TurnError::Fenced(format!(
+            "{key} was written by epoch {} (mine: {epoch})",
+            conv.epoch
+        )));
+    }
+    let mut mine = conv.clone();
+    mine.epoch = epoch;
+    let bytes = serde_json::to_vec(&mine).map_err(store)?;
+    let written = match read_at {
+        Some(rev) => match kv.update(&key, bytes.into(), rev).await {
+            Ok(r) => Some(r),
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => None,
+            Err(e) => return Err(store(e)),
+        },
+        None => match kv.create(&key, bytes.into()).await {
+            Ok(r) => Some(r),
+            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => None,
+            Err(e) => return Err(store(e)),
+        },
+    };
+    if let Some(rev) = written {
+        return Ok((rev, None));
+    }
+    let (now, rev) = cas::<Conversation, _>(kv, &key, |c| {
+        let mut c = c.unwrap_or_default();
+        if c.epoch > epoch {
+            return Err(TurnError::Fenced(format!(
+                "{key} was written by epoch {} (mine: {epoch})",
+                c.epoch
+            )));
+        }
+        c.epoch = epoch;
+        Ok(c)
+    })
+    .await?;
+    Ok((rev, Some(now)))
 }
 
 /// Ends the host's turn: `idle` (or `shutdown`), refused unless `epoch` is still the entry's.
@@ -378,23 +440,40 @@ async fn turn_body(
     turn: &TurnEnvelope,
 ) -> Result<(), TurnError> {
     let (team, name) = (turn.team.as_str(), turn.name.as_str());
-    let (mate, epoch) = claim(kv, team, name, turn.epoch, &shared.id).await?;
-    // The fence: from here on an older host's save of the conversation is refused.
-    let mut conv = load_conversation(kv, team, name).await?;
-    let rev = save_conversation(kv, team, name, epoch, None, conv.clone()).await?;
-    conv.epoch = epoch;
+    // The claim and the conversation's read at once: the fence below is conditional on the
+    // revision read, so a write between the read and the claim (a stale host's) is noticed.
+    let (claimed, loaded) = tokio::join!(
+        claim(kv, team, name, turn.epoch, &shared.id),
+        load_conversation(kv, team, name)
+    );
+    let (mate, epoch) = claimed?;
+    let (mut conv, read_at) = loaded?;
+    // The fence (from here on an older host's save of the conversation is refused) and the
+    // inbox read after the conversation's cursor at once; the read is repeated only when the
+    // conversation had changed and its cursor with it.
     let filter = shared.bus.names().teammate_inbox_filter(team, name);
-    let stored = shared
-        .bus
-        .direct_batch(
+    let inbox = |cursor: u64| {
+        shared.bus.direct_batch(
             StreamKind::Mailbox,
             &filter,
-            conv.cursor,
+            cursor,
             MAX_MESSAGES,
             Some(1 << 20),
         )
-        .await
-        .map_err(store)?;
+    };
+    let (fenced, stored) = tokio::join!(
+        fence(kv, team, name, epoch, &conv, read_at),
+        inbox(conv.cursor)
+    );
+    let (rev, fresh) = fenced?;
+    let mut stored = stored.map_err(store)?;
+    if let Some(fresh) = fresh {
+        if fresh.cursor != conv.cursor {
+            stored = inbox(fresh.cursor).await.map_err(store)?;
+        }
+        conv = fresh;
+    }
+    conv.epoch = epoch;
     let Some(last) = stored.last().map(|m| m.seq) else {
         let m = finish(kv, team, name, epoch, None).await?;
         let _ = msg.ack().await;
@@ -548,5 +627,82 @@ async fn run_agent(
                 return (false, format!("the turn exceeded {}s", TURN_TIMEOUT.as_secs()));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The fence against a real nats-server: written on the revision read in one round
+    //! trip; redone from a fresh read when the conversation changed since; refused, changing
+    //! nothing, when a later epoch wrote it.
+
+    use flotilla_model::subjects::Bucket;
+    use flotilla_testkit::NatsServer;
+
+    use super::*;
+
+    fn line(text: &str) -> Line {
+        Line {
+            speaker: Speaker::User,
+            from: Some("op".into()),
+            text: text.into(),
+            at: Timestamp::now(),
+        }
+    }
+
+    async fn stored(kv: &kv::Store) -> anyhow::Result<(Conversation, u64)> {
+        let e = kv
+            .entry(conversation_key("t", "ann"))
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("no conversation"))?;
+        Ok((serde_json::from_slice(&e.value)?, e.revision))
+    }
+
+    #[tokio::test]
+    async fn the_fence_writes_on_the_revision_read_or_redoes_it_from_a_fresh_read()
+    -> anyhow::Result<()> {
+        let server = NatsServer::start().await?;
+        let bus = server.provisioned_bus().await?;
+        let kv = bus.kv(Bucket::Team).await?;
+
+        // Never written: created with the host's epoch.
+        let (conv, read_at) = load_conversation(&kv, "t", "ann").await?;
+        assert_eq!(read_at, None);
+        let (rev, fresh) = fence(&kv, "t", "ann", 2, &conv, read_at).await?;
+        assert!(fresh.is_none(), "nothing changed since the read");
+        let (now, at) = stored(&kv).await?;
+        assert_eq!((now.epoch, at), (2, rev));
+
+        // Read, then written by someone else (a stale host's save): the fence notices and
+        // fences what is there now, returning it (its cursor moved).
+        let (conv, read_at) = load_conversation(&kv, "t", "ann").await?;
+        assert_eq!(read_at, Some(rev));
+        let mut other = conv.clone();
+        other.lines.push(line("late save"));
+        other.cursor = 7;
+        let other_rev = save_conversation(&kv, "t", "ann", 2, Some(rev), other).await?;
+        let (rev, fresh) = fence(&kv, "t", "ann", 3, &conv, read_at).await?;
+        let fresh = fresh.ok_or_else(|| anyhow::anyhow!("the fence should have re-read"))?;
+        assert_eq!((fresh.cursor, fresh.epoch, fresh.lines.len()), (7, 3, 1));
+        assert!(rev > other_rev);
+        let (now, _) = stored(&kv).await?;
+        assert_eq!(
+            (now.cursor, now.epoch, now.lines.len()),
+            (7, 3, 1),
+            "the late save is kept"
+        );
+
+        // A later epoch wrote it: refused, nothing written — read before, and read after
+        // the later write.
+        let (conv, read_at) = load_conversation(&kv, "t", "ann").await?;
+        let before = stored(&kv).await?.1;
+        let refused = fence(&kv, "t", "ann", 2, &conv, read_at).await;
+        assert!(matches!(refused, Err(TurnError::Fenced(_))), "{refused:?}");
+        let mut stale = conv.clone();
+        stale.epoch = 1;
+        let refused = fence(&kv, "t", "ann", 2, &stale, Some(before - 1)).await;
+        assert!(matches!(refused, Err(TurnError::Fenced(_))), "{refused:?}");
+        assert_eq!(stored(&kv).await?.1, before, "nothing changed");
+        Ok(())
     }
 }
