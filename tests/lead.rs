@@ -105,6 +105,12 @@ async fn a_lead_assigns_recruits_mid_run_and_finishes_the_run() -> anyhow::Resul
     // Each reply answers the first request that contains its needle (the mail so far); the
     // unmatched ones end a turn after its tool call.
     llm.push_all([
+        // The plan's agents are the lead's teammates: it asks one before assigning.
+        Reply::tool_call(
+            "send_message",
+            json!({"to": "analyst", "text": "which market do you size first?"}),
+        )
+        .when("Your team (message a member with send_message): analyst (analyst: market, pricing, hiring);"),
         Reply::tool_call(
             "assign_task",
             json!({"task_id": "market", "reason": "the market first"}),
@@ -220,10 +226,29 @@ async fn a_lead_assigns_recruits_mid_run_and_finishes_the_run() -> anyhow::Resul
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // The plan's agent and the recruit's were its teammates: the analyst answered the lead
+    // (a turn of the scripted agent), and both were shut down with the run.
+    for (name, role, turns) in [("analyst", "analyst", 1), ("patents", "patents", 0)] {
+        let entry = kv
+            .get(teammate_key(&run.to_string(), name))
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("no teammate {name}"))?;
+        let mate: Teammate = serde_json::from_slice(&entry)?;
+        assert_eq!((mate.agent.as_str(), mate.role.as_str()), (name, role));
+        assert_eq!(mate.run, Some(run));
+        assert!(mate.turns >= turns, "{mate:?}");
+        assert!(
+            mate.status == TeammateStatus::Shutdown || mate.shutdown_requested,
+            "{mate:?}"
+        );
+    }
     // The lead was offered its tools, and only them.
     let mut offered = llm.requests()[0].tool_names();
     offered.sort();
-    assert_eq!(offered, ["assign_task", "finish_run", "recruit"]);
+    assert_eq!(
+        offered,
+        ["assign_task", "finish_run", "list_team", "recruit", "send_message"]
+    );
     Ok(())
 }
 

@@ -2,13 +2,20 @@
 //! `team.finish`) and their feed.
 //!
 //! ```text
-//! run_started (strategy supervisor) ──► spawn teammate `lead` in team <run> (create-if-absent)
-//!                                       mail it the plan: tasks, roles, dependencies
+//! run_started (strategy supervisor) ──► spawn teammate `lead` in team <run> (create-if-absent),
+//!                                       and one teammate per agent of the plan (its members)
+//!                                       mail the lead the plan: tasks, roles, dependencies, team
 //! task ended / member recruited, retired / recruit refused ──► mail it what happened,
-//!                                       with the run's task states (each mail wakes it)
+//!                                       with the run's task states (each mail wakes it);
+//!                                       a recruit's agent joins the team as a teammate
 //! lead's tools ──► team.assign / team.recruit / team.finish ──► run-log inputs
-//! run ended ──► shut the lead down
+//!                  send_message / list_team ──► its teammates (members answer between tasks)
+//! run ended ──► shut the lead and the members down
 //! ```
+//!
+//! A member teammate is the conversational side of a plan agent: its tasks run as tasks (on
+//! the lead's assignment), and between them the lead can message it, which wakes it for a
+//! turn like any teammate. Idle members hold nothing but their entry.
 //!
 //! The lead is a persistent teammate like any other: idle between messages (no worker slot,
 //! no process), hosted turn by turn on its pool's workers, fenced by its epoch. The feed runs
@@ -32,11 +39,11 @@ use flotilla_model::ids::RunId;
 use flotilla_model::lead::{
     AssignRequest, FinishRequest, LEAD_NAME, LeadReply, assigned_msg_id, finished_msg_id,
 };
-use flotilla_model::plan::{LEAD_ROLE, Strategy};
+use flotilla_model::plan::{LEAD_ROLE, Strategy, Subtask};
 use flotilla_model::recruit::{MAX_REASON, RecruitStatus};
 use flotilla_model::run::{EndCause, TaskStatus};
 use flotilla_model::runlog::{Assigned, Finished, RunInput};
-use flotilla_model::teammate::{Teammate, teammate_key};
+use flotilla_model::teammate::{Teammate, TeammateStatus, teammate_key};
 use flotilla_model::time::Timestamp;
 use flotilla_model::token::check_token;
 use tracing::info;
@@ -231,6 +238,8 @@ pub(crate) struct LeadFeed {
     notes: BTreeMap<RunId, Vec<(String, String)>>,
     /// Runs that ended.
     ended: Vec<RunId>,
+    /// Tasks recruited into led runs (their agents join the team).
+    recruits: Vec<(RunId, String)>,
 }
 
 impl LeadFeed {
@@ -278,11 +287,15 @@ impl LeadFeed {
                     "Task {task} was skipped: {}",
                     w.detail.clone().unwrap_or_default()
                 ),
-                WorkflowPhase::MemberRecruited => format!(
-                    "A member of role {} was recruited as task {task}: {}",
-                    w.role.clone().unwrap_or_default(),
-                    w.detail.clone().unwrap_or_default()
-                ),
+                WorkflowPhase::MemberRecruited => {
+                    self.recruits.push((run, task.to_owned()));
+                    format!(
+                        "A member of role {} was recruited as task {task}: {} (it is on your team \
+                         now; assign {task} to run it)",
+                        w.role.clone().unwrap_or_default(),
+                        w.detail.clone().unwrap_or_default()
+                    )
+                }
                 WorkflowPhase::RecruitRefused | WorkflowPhase::MemberRetired => {
                     w.detail.clone().unwrap_or_default()
                 }
@@ -305,6 +318,9 @@ impl LeadFeed {
     pub(crate) async fn apply(self, team: &Team) -> Result<(), SupervisorError> {
         for run in &self.starts {
             start_lead(team, *run).await?;
+        }
+        for (run, task) in &self.recruits {
+            join_recruit(team, *run, task).await?;
         }
         for (run, notes) in self.notes {
             let loaded = load(team, run).await.ok();
@@ -342,7 +358,98 @@ fn instructions(run: RunId) -> String {
     )
 }
 
-/// Spawns the run's lead (once) and mails it the plan.
+/// Spawns a teammate of a led run's team (create-if-absent): whether it is new.
+async fn spawn_mate(
+    team: &Team,
+    run: RunId,
+    name: &str,
+    role: &str,
+    agent: &str,
+    instructions: &str,
+) -> Result<bool, SupervisorError> {
+    let pool = team
+        .roster
+        .get(&flotilla_model::team::member_key(agent))
+        .and_then(|m| m.value.pools.first().cloned())
+        .unwrap_or_else(|| "default".to_owned());
+    let t = run.to_string();
+    let key = teammate_key(&t, name);
+    let now = Timestamp::now();
+    let mut mate = Teammate::spawn(&t, name, role, agent, &pool, instructions, now);
+    mate.spawned_by = Some("supervisor".to_owned());
+    mate.turns_per_hour = team.opts.turns_per_hour;
+    mate.run = Some(run);
+    let bytes = serde_json::to_vec(&mate).map_err(|e| store_err("encoding a teammate", e))?;
+    match team.team_kv.create(&key, bytes.into()).await {
+        Ok(_) => {
+            team.mates.note(&key, mate, now.unix_ms());
+            info!(%run, name, agent, pool, "Teammate of a led run spawned");
+            Ok(true)
+        }
+        Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => Ok(false),
+        Err(e) => Err(store_err("spawning a teammate of a led run", e)),
+    }
+}
+
+/// The agent that runs a subtask: the one it names, else the first that fills its role.
+fn agent_of(team: &Team, s: &Subtask) -> Option<String> {
+    s.agent.clone().or_else(|| {
+        s.role
+            .as_deref()
+            .and_then(|r| crate::teammates::agent_for_role(team, r))
+    })
+}
+
+/// A plan's members: each agent that runs one of its subtasks, with its role and its tasks,
+/// by first appearance. The name `lead` is the lead's, so an agent of that name is left out.
+fn members_of<'a>(team: &Team, subtasks: impl Iterator<Item = &'a Subtask>) -> Vec<Member> {
+    let mut out: Vec<Member> = Vec::new();
+    for s in subtasks {
+        let Some(agent) = agent_of(team, s) else {
+            continue;
+        };
+        if agent == LEAD_NAME || check_token(&agent).is_err() {
+            continue;
+        }
+        match out.iter_mut().find(|m| m.agent == agent) {
+            Some(m) => m.tasks.push(s.id.to_string()),
+            None => {
+                let role = s
+                    .role
+                    .clone()
+                    .or_else(|| team.cards.get(&agent).and_then(|c| c.roles.first().cloned()))
+                    .unwrap_or_else(|| "member".to_owned());
+                out.push(Member {
+                    agent,
+                    role,
+                    tasks: vec![s.id.to_string()],
+                });
+            }
+        }
+    }
+    out
+}
+
+/// One member of a led run's team.
+#[derive(Debug)]
+struct Member {
+    agent: String,
+    role: String,
+    tasks: Vec<String>,
+}
+
+/// A member teammate's standing instructions.
+fn member_instructions(run: RunId, m: &Member) -> String {
+    format!(
+        "You are a member of the team of run {run}, led by the teammate `lead`. Your tasks in its \
+         plan ({}) run as tasks of their own when the lead assigns them. Between them, the lead or \
+         a teammate may message you: answer what you are asked with send_message to the sender, \
+         briefly.",
+        m.tasks.join(", ")
+    )
+}
+
+/// Spawns the run's lead and its members (once each) and mails the lead the plan.
 async fn start_lead(team: &Team, run: RunId) -> Result<(), SupervisorError> {
     let loaded = match load(team, run).await {
         Ok(r) => r,
@@ -360,34 +467,17 @@ async fn start_lead(team: &Team, run: RunId) -> Result<(), SupervisorError> {
                 .and_then(|a| a.lead().map(str::to_owned))
         })
         .unwrap_or_else(|| LEAD_ROLE.to_owned());
-    let pool = team
-        .roster
-        .get(&flotilla_model::team::member_key(&agent))
-        .and_then(|m| m.value.pools.first().cloned())
-        .unwrap_or_else(|| "default".to_owned());
-    let t = run.to_string();
-    let key = teammate_key(&t, LEAD_NAME);
-    let now = Timestamp::now();
-    let mut mate = Teammate::spawn(
-        &t,
-        LEAD_NAME,
-        LEAD_ROLE,
-        &agent,
-        &pool,
-        &instructions(run),
-        now,
-    );
-    mate.spawned_by = Some("supervisor".to_owned());
-    mate.turns_per_hour = team.opts.turns_per_hour;
-    mate.run = Some(run);
-    let bytes = serde_json::to_vec(&mate).map_err(|e| store_err("encoding a lead", e))?;
-    match team.team_kv.create(&key, bytes.into()).await {
-        Ok(_) => {
-            team.mates.note(&key, mate, now.unix_ms());
-            info!(%run, agent, pool, "Lead spawned");
-        }
-        Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {}
-        Err(e) => return Err(store_err("spawning a lead", e)),
+    spawn_mate(team, run, LEAD_NAME, LEAD_ROLE, &agent, &instructions(run)).await?;
+    // The lead counts against the team size cap, as every teammate does.
+    let room = team.opts.team_size.saturating_sub(1);
+    let members = members_of(team, loaded.plan.subtasks.iter());
+    let mut joined = Vec::new();
+    for m in members.iter().take(room) {
+        spawn_mate(team, run, &m.agent, &m.role, &m.agent, &member_instructions(run, m)).await?;
+        joined.push(m);
+    }
+    if members.len() > room {
+        info!(%run, members = members.len(), room, "A led run has more agents than the team size cap; the rest work by tasks only");
     }
     let mut text = format!(
         "Run {run} started{}. Its plan:\n",
@@ -412,8 +502,39 @@ async fn start_lead(team: &Team, run: RunId) -> Result<(), SupervisorError> {
         }
         let _ = writeln!(text, ": {}", s.description);
     }
+    if !joined.is_empty() {
+        text.push_str("Your team (message a member with send_message):");
+        for m in &joined {
+            let _ = write!(text, " {} ({}: {});", m.agent, m.role, m.tasks.join(", "));
+        }
+        text.push('\n');
+    }
     text.push_str("Assign what should run first.");
     mail(team, run, &format!("lead.{run}.start"), &text).await
+}
+
+/// Adds the agent of a task recruited into a led run to its team (if it is not on it yet).
+async fn join_recruit(team: &Team, run: RunId, task: &str) -> Result<(), SupervisorError> {
+    let loaded = match load(team, run).await {
+        Ok(r) => r,
+        Err(e) if e.status == 404 => return Ok(()),
+        Err(e) => return Err(store_err("reading a led run", e.message)),
+    };
+    let t = run.to_string();
+    let on_team = team
+        .mates
+        .matching(|m| m.team == t && m.status != TeammateStatus::Shutdown)
+        .len();
+    if on_team >= team.opts.team_size {
+        return Ok(());
+    }
+    let Some(s) = loaded.plan.subtasks.iter().find(|s| s.id.as_str() == task) else {
+        return Ok(());
+    };
+    if let Some(m) = members_of(team, std::iter::once(s)).first() {
+        spawn_mate(team, run, &m.agent, &m.role, &m.agent, &member_instructions(run, m)).await?;
+    }
+    Ok(())
 }
 
 /// Each task's state, and the results of those that succeeded (excerpts).
@@ -462,13 +583,23 @@ async fn mail(team: &Team, run: RunId, id: &str, text: &str) -> Result<(), Super
     Ok(())
 }
 
-/// Shuts the run's lead down (after its current turn).
+/// Shuts the run's lead and members down (each after its current turn).
 async fn end_lead(team: &Team, run: RunId) -> Result<(), SupervisorError> {
-    if crate::teammates::end(team, &run.to_string(), LEAD_NAME)
-        .await?
-        .is_some()
-    {
-        info!(%run, "Lead shut down: its run ended");
+    let t = run.to_string();
+    let mut names: Vec<String> = team
+        .mates
+        .matching(|m| m.team == t && m.status != TeammateStatus::Shutdown)
+        .into_iter()
+        .map(|(_, m)| m.name)
+        .collect();
+    if !names.iter().any(|n| n == LEAD_NAME) {
+        // The mirror may lag behind the lead's spawn: end it by name regardless.
+        names.push(LEAD_NAME.to_owned());
+    }
+    for name in names {
+        if crate::teammates::end(team, &t, &name).await?.is_some() {
+            info!(%run, name, "Teammate of a led run shut down: its run ended");
+        }
     }
     Ok(())
 }

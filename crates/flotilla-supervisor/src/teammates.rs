@@ -244,7 +244,7 @@ fn known_agents(team: &Team) -> Vec<String> {
 }
 
 /// The first agent (by name) whose card fills `role`.
-fn agent_for_role(team: &Team, role: &str) -> Option<String> {
+pub(crate) fn agent_for_role(team: &Team, role: &str) -> Option<String> {
     let mut agents: Vec<String> = team
         .cards
         .iter()
