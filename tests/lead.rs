@@ -247,7 +247,13 @@ async fn a_lead_assigns_recruits_mid_run_and_finishes_the_run() -> anyhow::Resul
     offered.sort();
     assert_eq!(
         offered,
-        ["assign_task", "finish_run", "list_team", "recruit", "send_message"]
+        [
+            "assign_task",
+            "finish_run",
+            "list_team",
+            "recruit",
+            "send_message"
+        ]
     );
     Ok(())
 }

@@ -169,7 +169,7 @@ impl Intake {
                 used,
             } => {
                 info!(%run, source = ?used.source_run, confidence = ?used.confidence, "Plan reused from memory");
-                (Ok((plan, warnings)), Some(used))
+                (Ok((*plan, warnings)), Some(used))
             }
             crate::memory::Advice::Plan { examples, used } => {
                 if !examples.is_empty()

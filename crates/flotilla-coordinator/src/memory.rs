@@ -90,8 +90,9 @@ impl MemoryOptions {
 pub enum Advice {
     /// Run this past plan (validated) instead of planning.
     Reuse {
-        /// The plan, validated and normalised.
-        plan: Plan,
+        /// The plan, validated and normalised (boxed: a plan is far larger than the other
+        /// variant).
+        plan: Box<Plan>,
         /// Its tolerated validation problems.
         warnings: Vec<Problem>,
         /// What to record.
@@ -187,7 +188,7 @@ pub fn decide(
             used.decision = MemoryDecision::Reused;
             used.reason = MemoryReason::AboveThreshold;
             Advice::Reuse {
-                plan,
+                plan: Box::new(plan),
                 warnings,
                 used,
             }

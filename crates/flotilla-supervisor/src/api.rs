@@ -20,8 +20,8 @@ use std::sync::Arc;
 use async_nats::service::{Request, Service, ServiceExt, endpoint::Endpoint};
 use flotilla_bus::service::{parse, respond_api_error, respond_error, respond_json};
 use flotilla_model::api::ApiRequest;
-use flotilla_model::memory::{MemoryForgetRequest, MemoryGetRequest, MemoryListRequest};
 use flotilla_model::lead::{AssignRequest, FinishRequest};
+use flotilla_model::memory::{MemoryForgetRequest, MemoryGetRequest, MemoryListRequest};
 use flotilla_model::recruit::{RecruitRequest, RecruitStatusRequest, RetireRequest};
 use flotilla_model::team::{
     FailureStats, Member, MemberStatus, MemberView, RecordScope, TeamFindRequest, TeamGetRequest,

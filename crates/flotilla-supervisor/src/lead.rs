@@ -417,7 +417,11 @@ fn members_of<'a>(team: &Team, subtasks: impl Iterator<Item = &'a Subtask>) -> V
                 let role = s
                     .role
                     .clone()
-                    .or_else(|| team.cards.get(&agent).and_then(|c| c.roles.first().cloned()))
+                    .or_else(|| {
+                        team.cards
+                            .get(&agent)
+                            .and_then(|c| c.roles.first().cloned())
+                    })
                     .unwrap_or_else(|| "member".to_owned());
                 out.push(Member {
                     agent,
@@ -473,7 +477,15 @@ async fn start_lead(team: &Team, run: RunId) -> Result<(), SupervisorError> {
     let members = members_of(team, loaded.plan.subtasks.iter());
     let mut joined = Vec::new();
     for m in members.iter().take(room) {
-        spawn_mate(team, run, &m.agent, &m.role, &m.agent, &member_instructions(run, m)).await?;
+        spawn_mate(
+            team,
+            run,
+            &m.agent,
+            &m.role,
+            &m.agent,
+            &member_instructions(run, m),
+        )
+        .await?;
         joined.push(m);
     }
     if members.len() > room {
@@ -532,7 +544,15 @@ async fn join_recruit(team: &Team, run: RunId, task: &str) -> Result<(), Supervi
         return Ok(());
     };
     if let Some(m) = members_of(team, std::iter::once(s)).first() {
-        spawn_mate(team, run, &m.agent, &m.role, &m.agent, &member_instructions(run, m)).await?;
+        spawn_mate(
+            team,
+            run,
+            &m.agent,
+            &m.role,
+            &m.agent,
+            &member_instructions(run, m),
+        )
+        .await?;
     }
     Ok(())
 }
