@@ -13,6 +13,8 @@
 //! * recruit: a `team.recruit` request for a running run → the recruited task's first
 //!   attempt claimed by a member of the role (its `claimed` entry on the run log), next to the
 //!   pool's dependency hop;
+//! * led runs (module [`led`]): `team.assign` → the task claimed, the dependency hop inside a
+//!   led run, and a task's result → the lead woken by its mail, next to the pool's hop;
 //! * persistent teammates (module [`teammates`]): the supervisor's and workers' memory and
 //!   the consumers with `--teammates` idle teammates against none; an idle teammate woken by
 //!   a message → its turn started on a worker, next to the raw mailbox hop.
@@ -37,6 +39,7 @@ use crate::harness::services::{Services, has_listener, noop_config_under, spawn_
 use crate::harness::stats::{ms, p50_p99};
 use crate::harness::submit::{outcomes, spawn_submitter, submit_via};
 
+mod led;
 mod teammates;
 
 /// Flags of the team section.
@@ -54,6 +57,9 @@ pub(crate) struct TeamArgs {
     /// Team: recruits in the recruit → first attempt measurement (one run each).
     #[arg(long, default_value_t = 30)]
     team_recruits: usize,
+    /// Team: led runs (a 2-task chain each) in the lead's measurement.
+    #[arg(long, default_value_t = 30)]
+    team_leads: usize,
     /// Team: messages to one idle teammate in the message → turn started measurement.
     #[arg(long, default_value_t = 200)]
     team_wakes: usize,
@@ -93,7 +99,8 @@ pub(crate) async fn run(
         text.replace(
             "reply = \"ok\"\n",
             &format!("reply = \"ok\"\nroles = [\"{ROLE}\"]\n"),
-        ) + &teammate_caps(args),
+        ) + led::LEAD_AGENT
+            + &teammate_caps(args),
     )?;
     let spawn = |role: &[&str]| spawn_service(exe, &config, role);
     let mut opts = NatsOptions::with_url(url);
@@ -202,6 +209,8 @@ pub(crate) async fn run(
     for _ in 0..args.team_chains.max(1) {
         for (k, anycast) in [false, true].into_iter().enumerate() {
             let mut plan = chain_plan(services.chain);
+            // A DAG, as `auto` would choose without the section's lead.
+            plan.config.strategy = flotilla_model::plan::Strategy::Dag;
             if anycast {
                 for t in &mut plan.subtasks {
                     t.role = Some(ROLE.into());
@@ -296,6 +305,8 @@ pub(crate) async fn run(
         recruits.len(),
         r50 / pool50
     );
+
+    led::run(&bus, via, args.team_leads, pool50).await?;
 
     // Persistent teammates: memory and consumers with many idle, then one woken among them.
     let pids = teammates::Pids {
