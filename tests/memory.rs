@@ -45,6 +45,12 @@ tools = []
 kind = "scripted"
 reply = "{{task_id}}: done"
 
+[agents.writer]
+kind = "llm"
+base-url = "{base_url}"
+model = "scripted-model"
+tools = []
+
 [coordinator.planner]
 agent = "planner"
 
@@ -320,6 +326,32 @@ async fn a_run_is_remembered_once_and_a_similar_query_reuses_its_plan() -> anyho
         "a redelivered end was recorded again"
     );
     assert_eq!(remembered(&p, first).await?, entry);
+    Ok(())
+}
+
+/// What a run spent is remembered from its budget entry; a run without a budget of its own
+/// has none to read (and its entry says nothing was counted, not zero).
+#[tokio::test]
+async fn a_run_with_a_budget_is_remembered_with_what_it_spent() -> anyhow::Result<()> {
+    let llm = OpenAiServer::start().await?;
+    llm.push_all([Reply::text("the figures"), Reply::text("the figures")]);
+    let p = services(&llm, 0, 1).await?;
+    let mut runs = Vec::new();
+    for budget in [Some(100_000), None] {
+        let mut plan = flotilla_model::plan::Plan::empty();
+        let mut task = flotilla_model::plan::Subtask::new("figures", "Find the figures.");
+        task.agent = Some("writer".into());
+        plan.subtasks.push(task);
+        plan.config.max_tokens = budget;
+        let run = p.client.submit(SubmitRequest::new(plan)).await?;
+        let outcome = p.client.wait(run, WAIT).await?;
+        anyhow::ensure!(outcome.status == RunStatus::Succeeded, "{outcome:?}");
+        runs.push(run);
+    }
+    let with = remembered(&p, runs[0]).await?;
+    assert!(with.tokens.is_some_and(|t| t > 0), "{with:?}");
+    let without = remembered(&p, runs[1]).await?;
+    assert_eq!(without.tokens, None, "{without:?}");
     Ok(())
 }
 

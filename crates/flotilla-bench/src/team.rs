@@ -13,8 +13,10 @@
 //! * recruit: a `team.recruit` request for a running run → the recruited task's first
 //!   attempt claimed by a member of the role (its `claimed` entry on the run log), next to the
 //!   pool's dependency hop;
-//! * led runs (module [`led`]): `team.assign` → the task claimed, the dependency hop inside a
+//! * led runs (module [`led`]): `team.assign` → the task started, the dependency hop inside a
 //!   led run, and a task's result → the lead woken by its mail, next to the pool's hop;
+//! * supervisor memory (module [`memory`]): the lookup a bare query pays over 1,200 stored
+//!   runs, next to the raw round trip;
 //! * persistent teammates (module [`teammates`]): the supervisor's and workers' memory and
 //!   the consumers with `--teammates` idle teammates against none; an idle teammate woken by
 //!   a message → its turn started on a worker, next to the raw mailbox hop.
@@ -40,6 +42,7 @@ use crate::harness::stats::{ms, p50_p99};
 use crate::harness::submit::{outcomes, spawn_submitter, submit_via};
 
 mod led;
+mod memory;
 mod teammates;
 
 /// Flags of the team section.
@@ -307,6 +310,7 @@ pub(crate) async fn run(
     );
 
     led::run(&bus, via, args.team_leads, pool50).await?;
+    memory::lookup(&bus, raw, 20).await?;
 
     // Persistent teammates: memory and consumers with many idle, then one woken among them.
     let pids = teammates::Pids {

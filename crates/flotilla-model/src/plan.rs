@@ -270,8 +270,18 @@ pub struct PlanConfig {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_recruits: Option<u32>,
     /// Under the `supervisor` strategy: how long the run waits for its lead to finish it
-    /// (default 1 h); then it fails with `lead_timeout`.
+    /// (default 1 h); then it fails with `lead_timeout`. Left out of the encoding while it
+    /// is the default, so a plan that does not set it reads as before on older coordinators.
+    #[serde(skip_serializing_if = "is_default_lead_timeout")]
+    #[schemars(extend("default" = 3600))]
     pub lead_timeout: Secs,
+}
+
+/// The default `lead_timeout`: 1 h.
+pub const DEFAULT_LEAD_TIMEOUT: Secs = Secs::from_secs(3600);
+
+fn is_default_lead_timeout(t: &Secs) -> bool {
+    *t == DEFAULT_LEAD_TIMEOUT
 }
 
 /// Spending limits of a run, carried to its tasks.
@@ -310,7 +320,7 @@ impl Default for PlanConfig {
             max_cost: None,
             recruit_roles: None,
             max_recruits: None,
-            lead_timeout: Secs::from_secs(3600),
+            lead_timeout: DEFAULT_LEAD_TIMEOUT,
         }
     }
 }

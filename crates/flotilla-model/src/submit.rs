@@ -200,5 +200,14 @@ mod tests {
         let v = serde_json::to_value(&r).expect("encodes");
         assert!(v.get("plan").is_some());
         assert!(v.get("query").is_none());
+        // Settings added later stay out of the encoding while they are the defaults, so
+        // older coordinators read the plan as before.
+        assert_eq!(
+            v["plan"]["config"]
+                .as_object()
+                .map(|c| c.contains_key("lead_timeout")),
+            Some(false),
+            "{v}"
+        );
     }
 }

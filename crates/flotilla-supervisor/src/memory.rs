@@ -84,19 +84,15 @@ pub(crate) async fn record_all(team: &Team, ended: &[Ended]) -> Result<(), Super
 async fn record(team: &Team, ended: Ended) -> Result<(), SupervisorError> {
     let run = ended.run;
     let key = memory_key(run);
-    let existing = team
-        .memory_kv
-        .entry(&key)
-        .await
-        .map_err(|e| SupervisorError::store(format!("reading {key}"), e))?;
-    if existing.is_some() {
+    // Both reads at once: the entry's absence is the common case.
+    let (existing, stored) = tokio::join!(team.memory_kv.entry(&key), team.runs.load(run));
+    if existing
+        .map_err(|e| SupervisorError::store(format!("reading {key}"), e))?
+        .is_some()
+    {
         return Ok(());
     }
-    let stored = team
-        .runs
-        .load(run)
-        .await
-        .map_err(|e| SupervisorError::store(format!("reading run {run}"), e))?;
+    let stored = stored.map_err(|e| SupervisorError::store(format!("reading run {run}"), e))?;
     let Some(stored) = stored else {
         warn!(%run, "A finished run has no record; not remembered");
         return Ok(());
@@ -122,14 +118,27 @@ async fn record(team: &Team, ended: Ended) -> Result<(), SupervisorError> {
         .planning
         .as_ref()
         .is_some_and(|p| p.status != PlanningStatus::Planned);
-    let plan = if planning_failed {
-        None
-    } else {
-        team.runs
-            .plan_for(run, state)
-            .await
-            .map_err(|e| SupervisorError::store(format!("reading the plan of run {run}"), e))?
-    };
+    // The plan and the spending at once; only a run with a budget of its own has a budget
+    // entry to read.
+    let has_budget = state.budget_scopes.iter().any(|s| s.run_id == run);
+    let (plan, (tokens, cost_usd)) = tokio::join!(
+        async {
+            if planning_failed {
+                Ok(None)
+            } else {
+                team.runs.plan_for(run, state).await
+            }
+        },
+        async {
+            if has_budget {
+                spent(team, run).await
+            } else {
+                (None, None)
+            }
+        }
+    );
+    let plan =
+        plan.map_err(|e| SupervisorError::store(format!("reading the plan of run {run}"), e))?;
     let (mut shape, members) = plan
         .as_ref()
         .map(MemoryEntry::shape_of)
@@ -140,7 +149,6 @@ async fn record(team: &Team, ended: Ended) -> Result<(), SupervisorError> {
         .as_ref()
         .map(MemoryEntry::plan_text)
         .unwrap_or_default();
-    let (tokens, cost_usd) = spent(team, run).await;
     let finished_ms = state.finished_ms.unwrap_or(ended.at_ms);
     let mut entry = MemoryEntry {
         run_id: run,

@@ -4,7 +4,8 @@
 //! tasks through `team.assign` as an operator would, then finishes the run with `team.finish`,
 //! and reads the server times off the run log and the lead's teammate entry:
 //!
-//! * assignment: `team.assign` sent → the task's first attempt claimed (its `claimed` entry);
+//! * assignment: `team.assign` sent → the task's first attempt started on a worker (its
+//!   result's `started_at`; the same host's clock);
 //! * the dependency hop inside a led run (`s0`'s result stored → `s1` started);
 //! * the lead's mail: `s0`'s result stored → the lead's turn claimed by a worker (the event
 //!   reaches the supervisor's follower, which mails the lead with the run's task states and
@@ -78,7 +79,7 @@ pub(crate) async fn run(
         out.len()
     );
     outln!(
-        "      team.assign → the task's first attempt claimed: p50 {a50:.3} ms   p99 {a99:.3} ms: {:.2}× the pool hop",
+        "      team.assign → the task's first attempt started: p50 {a50:.3} ms   p99 {a99:.3} ms: {:.2}× the pool hop",
         a50 / pool_hop
     );
     outln!(
@@ -126,15 +127,13 @@ async fn sample(
         anyhow::ensure!(reply.status == RecruitStatus::Accepted, "assign {reply:?}");
     }
     // Both tasks ran: s0's result, then s1's.
-    let (mut claimed0, mut stored0, mut started1) = (None, None, None);
+    let (mut started0, mut stored0, mut started1) = (None, None, None);
     while started1.is_none() {
         for (_, ts, e) in store.history(run).await? {
             match e.input {
-                RunInput::Claimed(c) if c.task_id.as_str() == "s0" => {
-                    claimed0.get_or_insert(nanos(&ts));
-                }
                 RunInput::TaskResult(r) if r.task_id.as_str() == "s0" => {
                     stored0.get_or_insert(nanos(&ts));
+                    started0 = r.started_at.as_ref().map(nanos);
                 }
                 RunInput::TaskResult(r) if r.task_id.as_str() == "s1" => {
                     started1 = r.started_at.as_ref().map(nanos);
@@ -147,7 +146,7 @@ async fn sample(
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
-    let claimed0 = claimed0.context("s0 ran without a claim")?;
+    let started0 = started0.context("s0 ran without a start time")?;
     let stored0 = stored0.context("s1 ran before s0's result")?;
     let started1 = started1.context("s1 never started")?;
     // The lead's turns: the first claimed after s0's result.
@@ -195,7 +194,7 @@ async fn sample(
         outcome.status
     );
     Ok(Sample {
-        assign: ms_between(sent, claimed0),
+        assign: ms_between(sent, started0),
         hop: ms_between(stored0, started1),
         mail: ms_between(stored0, mail),
         finish,
