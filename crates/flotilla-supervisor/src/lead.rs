@@ -261,6 +261,20 @@ impl LeadFeed {
                 self.starts.push(run);
                 continue;
             }
+            // Only these concern a lead: look the lead up for nothing else (most events).
+            let relevant = w.phase.ends_run()
+                || matches!(
+                    w.phase,
+                    WorkflowPhase::TaskSucceeded
+                        | WorkflowPhase::TaskFailed
+                        | WorkflowPhase::TaskSkipped
+                        | WorkflowPhase::MemberRecruited
+                        | WorkflowPhase::RecruitRefused
+                        | WorkflowPhase::MemberRetired
+                );
+            if !relevant {
+                continue;
+            }
             let led = self.starts.contains(&run)
                 || team
                     .mates

@@ -191,7 +191,7 @@ async fn record(team: &Team, ended: Ended) -> Result<(), SupervisorError> {
     })?;
     match team.memory_kv.create(&key, bytes.into()).await {
         Ok(_) => {
-            info!(%run, outcome = %entry.outcome, subtasks = entry.plan.subtasks.len(), "Run remembered");
+            debug!(%run, outcome = %entry.outcome, subtasks = entry.plan.subtasks.len(), "Run remembered");
             Ok(())
         }
         Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {

@@ -118,8 +118,11 @@ async fn sample(
         reason: "bench".into(),
         by: None,
     };
-    let sent = nanos(&Timestamp::now());
-    for task in ["s0", "s1"] {
+    // s1 first: assigned, it waits for s0, so its start measures the hop from s0's result
+    // (assigned second, a no-op s0 could end before s1's assignment arrived).
+    let mut sent = 0;
+    for task in ["s1", "s0"] {
+        sent = nanos(&Timestamp::now());
         let reply = client
             .call(&assign(task), ASK)
             .await?
