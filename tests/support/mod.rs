@@ -607,16 +607,29 @@ pub async fn task_started(
     Ok(found)
 }
 
-/// Every run-log entry of a run, by input kind.
+/// Every stored task result of a run: task, attempt, success. Read again for up to 30 s
+/// while JetStream does not answer (a cluster whose leaders were just killed is still
+/// settling; what the run did is already stored).
 pub async fn results_of(
     bus: &Bus,
     run: flotilla_model::RunId,
 ) -> anyhow::Result<Vec<(String, u32, bool)>> {
     use flotilla_model::runlog::RunInput;
-    let store = flotilla_coordinator::store::RunStore::open(bus).await?;
-    Ok(store
-        .history(run)
-        .await?
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let history = loop {
+        let read = async {
+            let store = flotilla_coordinator::store::RunStore::open(bus).await?;
+            anyhow::Ok(store.history(run).await?)
+        };
+        match read.await {
+            Ok(h) => break h,
+            Err(_) if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => return Err(e),
+        }
+    };
+    Ok(history
         .into_iter()
         .filter_map(|(_, _, e)| match e.input {
             RunInput::TaskResult(r) => Some((r.task_id.to_string(), r.attempt, r.result.success)),
