@@ -456,6 +456,28 @@ struct Member {
     tasks: Vec<String>,
 }
 
+/// A led run's record, or `None` when it is gone (nothing to do for it).
+async fn load_led(team: &Team, run: RunId) -> Result<Option<Running>, SupervisorError> {
+    match load(team, run).await {
+        Ok(r) => Ok(Some(r)),
+        Err(e) if e.status == 404 => Ok(None),
+        Err(e) => Err(store_err("reading a led run", e.message)),
+    }
+}
+
+/// Spawns one member of a led run's team, named after its agent (create-if-absent).
+async fn spawn_member(team: &Team, run: RunId, m: &Member) -> Result<bool, SupervisorError> {
+    spawn_mate(
+        team,
+        run,
+        &m.agent,
+        &m.role,
+        &m.agent,
+        &member_instructions(run, m),
+    )
+    .await
+}
+
 /// A member teammate's standing instructions.
 fn member_instructions(run: RunId, m: &Member) -> String {
     format!(
@@ -469,10 +491,8 @@ fn member_instructions(run: RunId, m: &Member) -> String {
 
 /// Spawns the run's lead and its members (once each) and mails the lead the plan.
 async fn start_lead(team: &Team, run: RunId) -> Result<(), SupervisorError> {
-    let loaded = match load(team, run).await {
-        Ok(r) => r,
-        Err(e) if e.status == 404 => return Ok(()),
-        Err(e) => return Err(store_err("reading a led run", e.message)),
+    let Some(loaded) = load_led(team, run).await? else {
+        return Ok(());
     };
     let agent = loaded
         .state
@@ -491,15 +511,7 @@ async fn start_lead(team: &Team, run: RunId) -> Result<(), SupervisorError> {
     let members = members_of(team, loaded.plan.subtasks.iter());
     let mut joined = Vec::new();
     for m in members.iter().take(room) {
-        spawn_mate(
-            team,
-            run,
-            &m.agent,
-            &m.role,
-            &m.agent,
-            &member_instructions(run, m),
-        )
-        .await?;
+        spawn_member(team, run, m).await?;
         joined.push(m);
     }
     if members.len() > room {
@@ -541,10 +553,8 @@ async fn start_lead(team: &Team, run: RunId) -> Result<(), SupervisorError> {
 
 /// Adds the agent of a task recruited into a led run to its team (if it is not on it yet).
 async fn join_recruit(team: &Team, run: RunId, task: &str) -> Result<(), SupervisorError> {
-    let loaded = match load(team, run).await {
-        Ok(r) => r,
-        Err(e) if e.status == 404 => return Ok(()),
-        Err(e) => return Err(store_err("reading a led run", e.message)),
+    let Some(loaded) = load_led(team, run).await? else {
+        return Ok(());
     };
     let t = run.to_string();
     let on_team = team
@@ -558,15 +568,7 @@ async fn join_recruit(team: &Team, run: RunId, task: &str) -> Result<(), Supervi
         return Ok(());
     };
     if let Some(m) = members_of(team, std::iter::once(s)).first() {
-        spawn_mate(
-            team,
-            run,
-            &m.agent,
-            &m.role,
-            &m.agent,
-            &member_instructions(run, m),
-        )
-        .await?;
+        spawn_member(team, run, m).await?;
     }
     Ok(())
 }
