@@ -533,7 +533,7 @@ async fn forget_removes_an_entry_and_bad_input_changes_nothing() -> anyhow::Resu
 /// machine does not fail it, while a scan of the whole bucket or one read per key would.
 #[tokio::test]
 async fn a_lookup_reads_the_newest_thousand_entries_once() -> anyhow::Result<()> {
-    use flotilla_model::memory::{KEY_PREFIX, MemoryEntry, memory_key};
+    use flotilla_model::memory::{MemoryEntry, memory_key};
     use flotilla_model::subjects::Bucket;
     let server = flotilla_testkit::NatsServer::start().await?;
     let bus = server.provisioned_bus().await?;
@@ -576,14 +576,14 @@ async fn a_lookup_reads_the_newest_thousand_entries_once() -> anyhow::Result<()>
         kv.create(memory_key(run), serde_json::to_vec(&e)?.into())
             .await?;
     }
+    let memory = flotilla_coordinator::memory::Memory::new(
+        bus.clone(),
+        flotilla_coordinator::memory::MemoryOptions::default(),
+    );
     let mut times = Vec::new();
     for _ in 0..5 {
         let t = Instant::now();
-        let stored = bus.kv_newest(Bucket::Memory, KEY_PREFIX, 1000).await?;
-        let entries: Vec<MemoryEntry> = stored
-            .iter()
-            .filter_map(|m| serde_json::from_slice(&m.payload).ok())
-            .collect();
+        let entries = memory.newest().await?;
         assert_eq!(entries.len(), 1000);
         let advice = flotilla_coordinator::memory::decide(
             RunId::new(),

@@ -219,15 +219,16 @@ pub fn examples_input(examples: &[(MemoryMatch, MemoryEntry)]) -> Value {
 /// Added to the planner's description when it is given examples.
 pub const EXAMPLES_INSTRUCTION: &str = "The input's `examples` are plans of similar past queries that succeeded, with how alike each query is to this one (`confidence`, 0 to 1): follow them where they fit this query.";
 
-/// The coordinator's view of the memory bucket.
+/// The coordinator's view of the memory bucket (public for the bench and tests, which time
+/// the lookup a bare query pays).
 #[derive(Debug, Clone)]
-pub(crate) struct Memory {
+pub struct Memory {
     bus: Bus,
     opts: MemoryOptions,
 }
 
 impl Memory {
-    pub(crate) fn new(bus: Bus, opts: MemoryOptions) -> Self {
+    pub fn new(bus: Bus, opts: MemoryOptions) -> Self {
         Self { bus, opts }
     }
 
@@ -236,7 +237,7 @@ impl Memory {
     }
 
     /// The newest entries (at most `scan-limit`), newest first.
-    pub(crate) async fn newest(&self) -> Result<Vec<MemoryEntry>, flotilla_bus::ReadError> {
+    pub async fn newest(&self) -> Result<Vec<MemoryEntry>, flotilla_bus::ReadError> {
         let stored = self
             .bus
             .kv_newest(Bucket::Memory, KEY_PREFIX, self.opts.scan_limit)

@@ -1,14 +1,14 @@
 //! Supervisor memory: what a bare query pays before it is planned. The bucket is filled with
-//! 1,200 entries of a realistic size (a query, four subtasks); each lookup is what the
-//! coordinator does (`Memory::newest` then `decide`): one stream-info request and batch direct
+//! 1,200 entries of a realistic size (a query, four subtasks); each lookup is the
+//! coordinator's own code (`Memory::newest` then `decide`): one stream-info request and batch direct
 //! gets of the newest `scan-limit` (1,000) entries, decoded and scored.
 
 use std::time::Instant;
 
 use flotilla_bus::Bus;
-use flotilla_coordinator::memory::{Advice, MemoryOptions, decide};
+use flotilla_coordinator::memory::{Advice, Memory, MemoryOptions, decide};
 use flotilla_model::ids::RunId;
-use flotilla_model::memory::{KEY_PREFIX, MemoryEntry, QuerySource, memory_key};
+use flotilla_model::memory::{MemoryEntry, QuerySource, memory_key};
 use flotilla_model::plan::{Plan, Subtask};
 use flotilla_model::run::RunStatus;
 use flotilla_model::subjects::Bucket;
@@ -66,17 +66,12 @@ pub(crate) async fn lookup(
             .await?;
     }
     let opts = MemoryOptions::default();
+    let memory = Memory::new(bus.clone(), opts.clone());
     let mut times = Vec::with_capacity(samples);
     let mut scanned = 0;
     for _ in 0..samples.max(1) {
         let t = Instant::now();
-        let stored = bus
-            .kv_newest(Bucket::Memory, KEY_PREFIX, opts.scan_limit)
-            .await?;
-        let entries: Vec<MemoryEntry> = stored
-            .iter()
-            .filter_map(|m| serde_json::from_slice(&m.payload).ok())
-            .collect();
+        let entries = memory.newest().await?;
         let advice = decide(
             RunId::new(),
             "Summarise the quarterly revenue report for ACME",
