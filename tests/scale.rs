@@ -86,7 +86,8 @@ reply = "{task_id} <- [{dependencies}]"
                 | RunInput::Recruited(_)
                 | RunInput::Retired(_)
                 | RunInput::Assigned(_)
-                | RunInput::Finished(_) => {}
+                | RunInput::Finished(_)
+                | RunInput::ApprovalDecided(_) => {}
                 RunInput::Rejected(_) => panic!("{run} was rejected"),
             }
         }

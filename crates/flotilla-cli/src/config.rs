@@ -42,6 +42,8 @@ pub(crate) struct Config {
     pub(crate) worker: WorkerOptions,
     /// Supervisor settings.
     pub(crate) supervisor: SupervisorOptions,
+    /// Humans in the loop: which tasks wait for a person's approval, and for how long.
+    pub(crate) hitl: flotilla_model::approval::HitlConfig,
     /// Health, readiness and metrics listener; log format.
     pub(crate) telemetry: TelemetryOptions,
     /// Directory of the config file: relative agent paths resolve against it.
@@ -62,6 +64,7 @@ impl Default for Config {
             coordinator: CoordinatorOptions::default(),
             worker: WorkerOptions::default(),
             supervisor: SupervisorOptions::default(),
+            hitl: flotilla_model::approval::HitlConfig::default(),
             telemetry: TelemetryOptions::default(),
             base_dir: PathBuf::from("."),
         }
@@ -126,6 +129,8 @@ pub(crate) fn load(explicit: Option<&Path>, nats_url: Option<&str>) -> anyhow::R
     // The memory bucket's age is the supervisor's setting; every process that provisions
     // gives the bucket the same age.
     config.jetstream.memory_max_age = config.supervisor.memory.max_age;
+    // The coordinator admits runs with the deployment's escalation policy.
+    config.coordinator.hitl = config.hitl.clone();
     config.validate()?;
     tracing::debug!(file = ?file, "Configuration loaded");
     Ok(config)
@@ -246,6 +251,9 @@ impl Config {
         self.coordinator
             .validate()
             .map_err(|e| anyhow::anyhow!("invalid [coordinator] section: {e}"))?;
+        if let Some(p) = self.hitl.problems().first() {
+            bail!("invalid [hitl] section: {p}");
+        }
         let planner = &self.coordinator.planner;
         if let Some(agent) = &planner.agent
             && !self.agents.contains_key(agent)

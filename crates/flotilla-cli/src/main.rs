@@ -151,6 +151,10 @@ enum Command {
     /// queries' planners learn from. Served by `flotilla supervisor`.
     #[command(subcommand)]
     Memory(commands::memory::MemoryCommand),
+    /// Tasks waiting for a person (`approvals list [--watch]`, `show`, `history`) and the
+    /// answers (`approve`, `reject`, `edit`, `respond`). Served by `flotilla coordinator`.
+    #[command(subcommand)]
+    Approvals(commands::approvals::ApprovalsCommand),
     /// List live workers.
     Workers {
         /// Machine-readable output.
@@ -550,6 +554,7 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
         }) => commands::runs::cancel(&load()?, run, reason, !no_wait, json).await,
         Command::Team(args) => commands::team::team(&load()?, args).await,
         Command::Memory(command) => commands::memory::memory(&load()?, command).await,
+        Command::Approvals(command) => commands::approvals::approvals(&load()?, command).await,
         Command::Workers { json } => commands::runs::workers(&load()?, json).await,
         Command::Watch(args) => commands::watch::watch(&load()?, args).await,
         Command::Plan(PlanCommand::Validate {

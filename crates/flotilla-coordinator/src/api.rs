@@ -9,6 +9,7 @@
 //! | `<prefix>.api.run.tree` | `RunTreeRequest` | `RunTree` |
 //! | `<prefix>.api.session.get` | `SessionRequest` | `SessionView` |
 //! | `<prefix>.api.plan.validate` | `ValidatePlanRequest` | `ValidatePlanReply` |
+//! | `<prefix>.api.approval.list`, `approval.get`, `approval.answer` | see [`approvals`] | |
 //! | `<prefix>.api.ws.append`, `ws.read`, `mbox.send`, `mbox.read`, `mbox.role`, `mbox.negotiate`, `state.get`, `state.set` | see [`collab`] | |
 //!
 //! The service's `$SRV.INFO` metadata carries what the process was given
@@ -55,6 +56,7 @@ use crate::store::{RunStore, record_of};
 /// Longest a waiting duplicate submission is held before it is answered `504 timeout`.
 const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
 
+mod approvals;
 mod collab;
 
 /// `404 not_found` for a run that does not exist.
@@ -85,6 +87,8 @@ struct Api {
     runs: collab::RunCache,
     /// Ends server-side watches when the coordinator stops.
     shutdown: CancellationToken,
+    /// Approvals (the operator's inbox).
+    escalations: crate::approvals::Escalations,
 }
 
 /// Serves the API until `shutdown`.
@@ -171,7 +175,26 @@ pub(crate) async fn serve(
     )
     .await
     .map_err(setup)?;
+    let mut approval_list = endpoint(
+        "approval-list",
+        flotilla_model::approval::ApprovalListRequest::ENDPOINT,
+    )
+    .await
+    .map_err(setup)?;
+    let mut approval_get = endpoint(
+        "approval-get",
+        flotilla_model::approval::ApprovalGetRequest::ENDPOINT,
+    )
+    .await
+    .map_err(setup)?;
+    let mut approval_answer = endpoint(
+        "approval-answer",
+        flotilla_model::approval::ApprovalAnswerRequest::ENDPOINT,
+    )
+    .await
+    .map_err(setup)?;
     let api = Arc::new(Api {
+        escalations: crate::approvals::Escalations::new(bus.clone()),
         store,
         intake,
         ctx,
@@ -199,6 +222,9 @@ pub(crate) async fn serve(
             Some(req) = watch.next() => { tokio::spawn(async move { api.watch(req).await }); }
             Some(req) = tree.next() => { tokio::spawn(async move { api.tree(req).await }); }
             Some(req) = session.next() => { tokio::spawn(async move { api.session(req).await }); }
+            Some(req) = approval_list.next() => { tokio::spawn(async move { api.approval_list(req).await }); }
+            Some(req) = approval_get.next() => { tokio::spawn(async move { api.approval_get(req).await }); }
+            Some(req) = approval_answer.next() => { tokio::spawn(async move { api.approval_answer(req).await }); }
             else => break,
         }
     }

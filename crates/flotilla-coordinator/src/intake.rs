@@ -99,6 +99,8 @@ pub(crate) struct Intake {
     lineages: std::sync::Arc<crate::lineage::Lineages>,
     /// The supervisor's memory, consulted for bare queries (absent: planned without it).
     memory: Option<crate::memory::Memory>,
+    /// The deployment's escalation policy, resolved with each plan's at admission.
+    hitl: flotilla_model::approval::HitlConfig,
 }
 
 fn reply(run_id: Option<RunId>, status: SubmitStatus) -> SubmitReply {
@@ -130,7 +132,14 @@ impl Intake {
             planner,
             lineages,
             memory: None,
+            hitl: flotilla_model::approval::HitlConfig::default(),
         }
+    }
+
+    /// Admits runs with the deployment's escalation policy `hitl`.
+    pub(crate) fn with_hitl(mut self, hitl: flotilla_model::approval::HitlConfig) -> Self {
+        self.hitl = hitl;
+        self
     }
 
     /// Consults `memory` for bare queries (when it is enabled).
@@ -391,6 +400,11 @@ impl Intake {
         };
         let waiting = wait_inbox.is_some();
         let name = plan.name.clone();
+        let hitl = flotilla_model::approval::HitlPolicy::resolve(
+            &self.hitl,
+            plan.config.hitl.as_ref(),
+            self.ctx.agents.as_ref().and_then(|a| a.default.as_deref()),
+        );
         let submitted = Submitted {
             plan,
             labels: request.labels,
@@ -412,6 +426,7 @@ impl Intake {
                 .as_ref()
                 .and_then(|a| a.lead())
                 .map(str::to_owned),
+            hitl,
         };
         let entry = RunLogEntry {
             protocol: PROTOCOL_VERSION,

@@ -22,6 +22,7 @@
 //! ```
 
 mod api;
+mod approvals;
 pub mod error;
 mod intake;
 mod lineage;
@@ -214,7 +215,8 @@ impl Coordinator {
             .with_memory(memory::Memory::new(
                 self.bus.clone(),
                 self.opts.memory.clone(),
-            )),
+            ))
+            .with_hitl(self.opts.hitl.clone()),
         );
         if let Some(ready) = self.ready.take() {
             let _ = ready.send(());

@@ -47,6 +47,10 @@ pub struct CoordinatorOptions {
     pub planner: crate::planner::PlannerOptions,
     /// `[coordinator.memory]`: bare queries reuse or learn from past runs' plans.
     pub memory: crate::memory::MemoryOptions,
+    /// The deployment's escalation policy (the top-level `[hitl]` section, set by the
+    /// binary): which tasks wait for a person.
+    #[serde(skip)]
+    pub hitl: flotilla_model::approval::HitlConfig,
 }
 
 impl Default for CoordinatorOptions {
@@ -77,6 +81,7 @@ impl Default for CoordinatorOptions {
             // No planner: bare queries are rejected until one is configured.
             planner: crate::planner::PlannerOptions::default(),
             memory: crate::memory::MemoryOptions::default(),
+            hitl: flotilla_model::approval::HitlConfig::default(),
         }
     }
 }

@@ -39,6 +39,7 @@ fn submitted(p: &Plan) -> Submitted {
         anycast: false,
         memory: None,
         lead: None,
+        hitl: None,
     }
 }
 

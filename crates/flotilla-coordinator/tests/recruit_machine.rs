@@ -46,6 +46,7 @@ fn submitted(p: &Plan) -> Submitted {
         anycast: true,
         memory: None,
         lead: None,
+        hitl: None,
     }
 }
 

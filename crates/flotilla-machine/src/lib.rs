@@ -40,6 +40,7 @@
 //! ([`Action::CancelAttempts`]), and the run ends `failed` with the partial results and the
 //! reason. A cancel control ends the run `cancelled` the same way.
 
+mod approval;
 mod finish;
 mod graph;
 mod lead;
@@ -50,7 +51,7 @@ mod team;
 pub use graph::RunGraph;
 pub use state::{
     Action, ArmedTimer, Emission, MAX_ERROR_MESSAGE, MAX_ERROR_MESSAGES_KEPT, MAX_LISTED,
-    PlanningState, RunState, TaskState, truncate_message,
+    PendingApproval, PlanningState, RunState, TaskState, truncate_message,
 };
 
 use std::collections::BTreeSet;
@@ -150,6 +151,13 @@ pub enum Input<'a> {
     Finished {
         /// The end.
         finished: &'a Finished,
+    },
+    /// A waiting task's approval was decided.
+    ApprovalDecided {
+        /// The decision.
+        decided: &'a flotilla_model::approval::ApprovalDecided,
+        /// Its run-log sequence (where an edited input or a supplied result is read).
+        seq: u64,
     },
 }
 
@@ -278,6 +286,7 @@ impl RunMachine {
             memory: submitted.memory.clone(),
             lead: submitted.lead.clone(),
             lead_deadline_ms: 0,
+            hitl: submitted.hitl.clone(),
         };
         let mut m = Self::restore_with_graph(plan, graph, state);
         let mut actions = vec![Action::Emit(Box::new(Emission {
@@ -521,6 +530,11 @@ impl RunMachine {
                     return actions;
                 }
             }
+            Input::ApprovalDecided { decided, seq } => {
+                if !self.on_approval_decided(decided, seq, now_ms, &mut actions) {
+                    return actions;
+                }
+            }
             Input::Finished { finished } => {
                 // Applied or not, nothing follows: the run ended, or nothing changed.
                 self.on_finished(finished, now_ms, &mut actions);
@@ -562,11 +576,17 @@ impl RunMachine {
         actions: &mut Vec<Action>,
     ) {
         let mut running = false;
-        for t in &mut self.state.tasks {
+        for (i, t) in self.state.tasks.iter_mut().enumerate() {
             if t.status.is_terminal() {
                 continue;
             }
             running |= t.status == TaskStatus::Dispatched;
+            if let Some(p) = t.approval.take() {
+                actions.push(Action::WithdrawApproval {
+                    task: i as u32,
+                    attempt: p.attempt,
+                });
+            }
             t.status = TaskStatus::Cancelled;
             self.terminal += 1;
         }
@@ -783,6 +803,35 @@ impl RunMachine {
             },
             actions,
         );
+        self.skip_dependents(i, now_ms, actions);
+        self.state.failed += 1;
+        let threshold = self.abort_threshold();
+        let unfinished = (self.terminal as usize) < self.graph.len();
+        if self.state.failed >= threshold && unfinished && !self.state.status.is_terminal() {
+            let reason = format!(
+                "aborted: {}; last failure: {} ({})",
+                self.threshold_reached(),
+                self.plan.subtasks[i as usize].id,
+                self.state.tasks[i as usize]
+                    .error
+                    .as_ref()
+                    .map(ToString::to_string)
+                    .unwrap_or_default()
+            );
+            self.stop(
+                RunStatus::Failed,
+                reason,
+                EndCause::FailureThreshold,
+                now_ms,
+                actions,
+            );
+        }
+    }
+
+    /// Task `i` ended without succeeding (failed, or skipped by a person's rejection): what
+    /// depends on it is skipped, and so are consumers of topics that can no longer get an
+    /// entry.
+    pub(crate) fn skip_dependents(&mut self, i: u32, now_ms: i64, actions: &mut Vec<Action>) {
         let reason = format!("dependency_failed: {}", self.plan.subtasks[i as usize].id);
         let graph = Arc::clone(&self.graph);
         // Dependents are skipped; so are consumers of topics that can no longer get an
@@ -850,28 +899,6 @@ impl RunMachine {
                 actions,
             );
         }
-        self.state.failed += 1;
-        let threshold = self.abort_threshold();
-        let unfinished = (self.terminal as usize) < self.graph.len();
-        if self.state.failed >= threshold && unfinished && !self.state.status.is_terminal() {
-            let reason = format!(
-                "aborted: {}; last failure: {} ({})",
-                self.threshold_reached(),
-                self.plan.subtasks[i as usize].id,
-                self.state.tasks[i as usize]
-                    .error
-                    .as_ref()
-                    .map(ToString::to_string)
-                    .unwrap_or_default()
-            );
-            self.stop(
-                RunStatus::Failed,
-                reason,
-                EndCause::FailureThreshold,
-                now_ms,
-                actions,
-            );
-        }
     }
 
     /// Says that the failure threshold was reached, with the figures.
@@ -936,6 +963,11 @@ impl RunMachine {
         for i in 0..n {
             let t = &self.state.tasks[i as usize];
             match t.status {
+                TaskStatus::AwaitingApproval
+                    if self.approval_deadline(i).is_some_and(|d| d <= now_ms) =>
+                {
+                    self.expire_approval(i, actions);
+                }
                 TaskStatus::Dispatched if self.claim_deadline(i).is_some_and(|d| d <= now_ms) => {
                     unclaimed.push(i);
                 }
@@ -1031,6 +1063,10 @@ impl RunMachine {
             let Some(i) = self.ready.pop_first() else {
                 break;
             };
+            // A task a person must approve waits for them without taking a slot.
+            if self.ask_first(i, now_ms, actions) {
+                continue;
+            }
             self.dispatch(i, now_ms, actions);
         }
         if self.terminal as usize == self.graph.len() && !self.led() {
@@ -1062,6 +1098,7 @@ impl RunMachine {
                     TaskStatus::Retrying => Some(t.retry_ms),
                     TaskStatus::Waiting => self.dependency_deadline(i),
                     TaskStatus::Dispatched => self.claim_deadline(i),
+                    TaskStatus::AwaitingApproval => self.approval_deadline(i),
                     _ => None,
                 };
                 if let Some(d) = due {

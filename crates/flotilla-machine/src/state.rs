@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 
+use flotilla_model::approval::{HitlPolicy, Trigger};
 use flotilla_model::event::WorkflowEvent;
 use flotilla_model::ids::{RunId, SessionId, TaskId};
 use flotilla_model::plan::{Plan, StrategyChoice, Subtask};
@@ -71,6 +72,34 @@ pub struct TaskState {
     /// not run (nor wait on a deadline) however ready it is.
     #[serde(rename = "h", default, skip_serializing_if = "std::ops::Not::not")]
     pub held: bool,
+    /// While the task waits for a person's approval: what was asked and until when.
+    #[serde(rename = "ap", default, skip_serializing_if = "Option::is_none")]
+    pub approval: Option<PendingApproval>,
+    /// The attempt a person (or a deadline's default) let run: it is dispatched without
+    /// asking again (0: none).
+    #[serde(rename = "ok", default, skip_serializing_if = "is_zero_attempt")]
+    pub approved: u32,
+    /// Run-log sequence of the `approval_decided` entry whose edited input the approved
+    /// attempt runs with (0: the plan's input).
+    #[serde(rename = "es", default, skip_serializing_if = "is_zero_seq")]
+    pub edit_seq: u64,
+}
+
+/// A task's wait for a person.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PendingApproval {
+    /// The attempt it would let run.
+    #[serde(rename = "a")]
+    pub attempt: u32,
+    /// When the deadline's default decides (Unix ms, server time).
+    #[serde(rename = "d")]
+    pub deadline_ms: i64,
+    /// What triggered it.
+    #[serde(rename = "t")]
+    pub trigger: Trigger,
+    /// The deadline passed and its default is being settled (asked once).
+    #[serde(rename = "x", default, skip_serializing_if = "std::ops::Not::not")]
+    pub expiring: bool,
 }
 
 fn is_zero_attempt(a: &u32) -> bool {
@@ -104,6 +133,9 @@ impl TaskState {
             gated_ms: 0,
             claimed: 0,
             held: false,
+            approval: None,
+            approved: 0,
+            edit_seq: 0,
         }
     }
 }
@@ -239,6 +271,9 @@ pub struct RunState {
     /// its lead's `finished` (Unix ms; 0: no such wait).
     #[serde(default, skip_serializing_if = "is_zero_ms")]
     pub lead_deadline_ms: i64,
+    /// The run's escalation policy (fixed at admission; absent: nothing waits for a person).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hitl: Option<HitlPolicy>,
 }
 
 fn is_zero_depth(depth: &u32) -> bool {
@@ -326,6 +361,7 @@ impl RunState {
             memory: None,
             lead: None,
             lead_deadline_ms: 0,
+            hitl: None,
             outcome: Some(RunOutcome {
                 run_id,
                 status: RunStatus::Rejected,
@@ -348,7 +384,9 @@ impl RunState {
         };
         for t in &self.tasks {
             match t.status {
-                TaskStatus::Waiting | TaskStatus::Retrying => c.waiting += 1,
+                TaskStatus::Waiting | TaskStatus::Retrying | TaskStatus::AwaitingApproval => {
+                    c.waiting += 1
+                }
                 TaskStatus::Dispatched => c.running += 1,
                 TaskStatus::Succeeded => c.succeeded += 1,
                 TaskStatus::Failed => c.failed += 1,
@@ -474,6 +512,37 @@ pub enum Action {
     /// The run ended: complete its outcome (final result), emit the terminal event and answer
     /// a waiting submitter.
     Finish,
+    /// Task `task` waits for a person before attempt `attempt` is dispatched (or, with
+    /// `notify_only`, is dispatched with a notice): store the request in the escalations
+    /// bucket (create-if-absent) and notify `<prefix>.notify.approval.<run>`.
+    RequestApproval {
+        /// Task index.
+        task: u32,
+        /// The attempt it would let run.
+        attempt: u32,
+        /// What triggered it.
+        trigger: Trigger,
+        /// When its default decides (Unix ms).
+        deadline_ms: i64,
+        /// Only notify: nothing waits.
+        notify_only: bool,
+    },
+    /// The deadline of task `task`'s approval passed: settle it with its default unless an
+    /// answer came first, and append the winner to the run log (`approval_decided`).
+    ExpireApproval {
+        /// Task index.
+        task: u32,
+        /// The attempt it would let run.
+        attempt: u32,
+    },
+    /// The run ended while task `task` waited for a person: mark its approval `withdrawn`
+    /// unless an answer came first.
+    WithdrawApproval {
+        /// Task index.
+        task: u32,
+        /// The attempt it would have let run.
+        attempt: u32,
+    },
     /// The planner task of round `round` (task 0 of the planning plan) succeeded: review its
     /// answer and append the decision to the run log (`planned`, message id
     /// `planned.<run>.<round>`). The run waits for that entry.

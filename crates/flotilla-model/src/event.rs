@@ -319,6 +319,10 @@ pub struct WorkflowEvent {
     /// the planner called and why.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory: Option<Box<crate::memory::MemoryUse>>,
+    /// The approval (on `approval_requested` and `approval_decided`): its id within the run;
+    /// the request itself is in the escalations bucket under `<run>.<approval_id>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval_id: Option<String>,
 }
 
 impl WorkflowEvent {
@@ -338,6 +342,7 @@ impl WorkflowEvent {
             strategy: None,
             problems: Vec::new(),
             memory: None,
+            approval_id: None,
         }
     }
 }
@@ -382,6 +387,13 @@ pub enum WorkflowPhase {
     /// Under the `supervisor` strategy, the lead assigned a task: it may run once its
     /// dependencies are met (`task_id`; `detail` is who assigned it and why).
     TaskAssigned,
+    /// A task waits for a person's approval before it is dispatched (`approval_id`; `detail`
+    /// is the trigger and the deadline). Its request is in the escalations bucket and on
+    /// `<prefix>.notify.approval.<run>`.
+    ApprovalRequested,
+    /// A task's approval was decided (`approval_id`; `detail` is the decision and who made
+    /// it), or — under `human_on_the_loop` — a sensitive task was dispatched with a notice.
+    ApprovalDecided,
 }
 
 impl WorkflowPhase {

@@ -135,6 +135,7 @@ static CONFIG: Shape = Shape {
         typed("recruit_roles", check::<Option<Vec<String>>>),
         typed("max_recruits", check::<Option<u32>>),
         typed("lead_timeout", check::<crate::time::Secs>),
+        typed("hitl", check::<Option<crate::approval::PlanHitl>>),
     ],
 };
 

@@ -5,6 +5,7 @@
 //! `docs/schema/`) agree on one protocol, versioned by [`PROTOCOL_VERSION`].
 
 pub mod api;
+pub mod approval;
 pub mod artifact;
 pub mod codec;
 pub mod event;

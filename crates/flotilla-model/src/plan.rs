@@ -275,6 +275,11 @@ pub struct PlanConfig {
     #[serde(skip_serializing_if = "is_default_lead_timeout")]
     #[schemars(extend("default" = 3600))]
     pub lead_timeout: Secs,
+    /// Oversight of this run by people: a stricter mode, more sensitive actions, its approval
+    /// deadline (default: the deployment's `[hitl]`). It tightens the deployment's policy,
+    /// never loosens it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hitl: Option<crate::approval::PlanHitl>,
 }
 
 /// The default `lead_timeout`: 1 h.
@@ -321,6 +326,7 @@ impl Default for PlanConfig {
             recruit_roles: None,
             max_recruits: None,
             lead_timeout: DEFAULT_LEAD_TIMEOUT,
+            hitl: None,
         }
     }
 }

@@ -138,6 +138,8 @@ pub enum TaskStatus {
     Dispatched,
     /// Waiting out a retry backoff.
     Retrying,
+    /// Waiting for a person's approval before it is dispatched (no worker slot held).
+    AwaitingApproval,
     /// Done.
     Succeeded,
     /// Failed for good.
@@ -163,6 +165,7 @@ impl TaskStatus {
             Self::Waiting => "waiting",
             Self::Dispatched => "dispatched",
             Self::Retrying => "retrying",
+            Self::AwaitingApproval => "awaiting_approval",
             Self::Succeeded => "succeeded",
             Self::Failed => "failed",
             Self::Skipped => "skipped",
@@ -320,6 +323,8 @@ pub enum EndCause {
     /// Under the `supervisor` strategy, the lead did not finish the run within its
     /// `lead_timeout`.
     LeadTimeout,
+    /// A person rejected a required task (or its approval's deadline defaulted to reject).
+    ApprovalRejected,
 }
 
 impl EndCause {
@@ -336,6 +341,7 @@ impl EndCause {
             Self::Aborted => "aborted",
             Self::LeadFinished => "lead_finished",
             Self::LeadTimeout => "lead_timeout",
+            Self::ApprovalRejected => "approval_rejected",
         }
     }
 }

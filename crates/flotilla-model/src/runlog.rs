@@ -82,6 +82,11 @@ pub enum RunInput {
     /// tasks are cancelled and the run succeeds with `result` as its final result. Appended by
     /// the supervisor (message id `finished.<run>`); the first one wins.
     Finished(Box<Finished>),
+    /// An approval was decided — by a person, by its deadline's default, or withdrawn — and
+    /// the decision applies to the waiting task. Appended by whoever settled the approval in
+    /// the escalations bucket (message id `approval.<run>.<approval>`); one for an attempt
+    /// that no longer waits changes nothing.
+    ApprovalDecided(Box<crate::approval::ApprovalDecided>),
 }
 
 /// An assignment by a run's lead, as recorded on the run log.
@@ -236,6 +241,11 @@ pub struct Submitted {
     /// Fixed here so that `auto` resolves alike on every coordinator and every replay.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lead: Option<String>,
+    /// The run's escalation policy: the deployment's `[hitl]` tightened by the plan's
+    /// `config.hitl` when the run was admitted (absent: nothing in the run waits for a
+    /// person). Fixed here so every coordinator, and every replay, gates the same tasks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hitl: Option<crate::approval::HitlPolicy>,
 }
 
 fn is_zero(n: &u32) -> bool {

@@ -254,6 +254,42 @@ pub fn public_schemas() -> Vec<(&'static str, Schema)> {
             "memory-forgotten.json",
             schema_for!(crate::memory::MemoryForgotten),
         ),
+        (
+            "approval-record.json",
+            schema_for!(crate::approval::ApprovalRecord),
+        ),
+        (
+            "approval-notification.json",
+            schema_for!(crate::approval::Notification),
+        ),
+        (
+            "approval-list-request.json",
+            schema_for!(crate::approval::ApprovalListRequest),
+        ),
+        (
+            "approval-list.json",
+            schema_for!(crate::approval::ApprovalList),
+        ),
+        (
+            "approval-get-request.json",
+            schema_for!(crate::approval::ApprovalGetRequest),
+        ),
+        (
+            "approval-view.json",
+            schema_for!(crate::approval::ApprovalView),
+        ),
+        (
+            "approval-answer-request.json",
+            schema_for!(crate::approval::AnswerWire),
+        ),
+        (
+            "approval-answer-reply.json",
+            schema_for!(crate::approval::ApprovalAnswerReply),
+        ),
+        (
+            "hitl-config.json",
+            schema_for!(crate::approval::HitlConfig),
+        ),
     ]
 }
 

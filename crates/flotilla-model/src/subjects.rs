@@ -11,7 +11,8 @@
 //! | event stream / subjects | `P_EVENTS` / `p.event.<run>` |
 //! | workspace stream / subjects | `P_WORKSPACE` / `p.ws.<root-run>.<topic>` |
 //! | mailbox stream / subjects | `P_MAILBOX` / `p.mbox.<root-run>.<to>.<from>`, teammate inboxes `p.tmbox.<team>.<to>.<from>` |
-//! | KV buckets | `p-runs`, `p-control`, `p-state`, `p-workers`, `p-cursors`, `p-team`, `p-failures` and `p-memory` (the supervisor's); reserved for the human-in-the-loop work (provisioned, unused): `p-escalations`, `p-trust` |
+//! | KV buckets | `p-runs`, `p-control`, `p-state`, `p-workers`, `p-cursors`, `p-team`, `p-failures` and `p-memory` (the supervisor's), `p-escalations` (approvals, `<run>.<approval>`); reserved for the human-in-the-loop work (provisioned, unused): `p-trust` |
+//! | notices | `p.notify.<kind>.<run>` (core NATS) |
 //! | request/reply API | `p.api.<endpoint>` (NATS micro service `p`) |
 
 use std::fmt;
@@ -59,7 +60,8 @@ pub enum Bucket {
     /// Failure records per agent and role (`agent.<name>`, `role.<name>`), written by the
     /// supervisor.
     Failures,
-    /// Escalations. Reserved for the human-in-the-loop work: provisioned, unused.
+    /// Approvals (`<run>.<approval>`): each revision whole — requested, then decided,
+    /// expired or withdrawn, written with compare-and-set so the first settles it.
     Escalations,
     /// Run controls (pause, cancel).
     Control,
@@ -279,6 +281,18 @@ impl Names {
     /// Subject holding one timer schedule of a run.
     pub fn timer(&self, run: RunId, generation: u64) -> String {
         format!("{}.timer.{run}.{generation}", self.prefix)
+    }
+
+    /// Where people and webhooks hear that something of run `run` waits for them (`kind`:
+    /// `approval`). Core NATS: a notice, not a record (the record is in the escalations
+    /// bucket).
+    pub fn notify(&self, kind: &str, run: RunId) -> String {
+        format!("{}.notify.{kind}.{run}", self.prefix)
+    }
+
+    /// Filter for every notice.
+    pub fn notify_all(&self) -> String {
+        format!("{}.notify.>", self.prefix)
     }
 
     /// A run's event subject.

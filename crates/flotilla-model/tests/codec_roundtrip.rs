@@ -184,6 +184,11 @@ fn plan_config() -> impl Strategy<Value = PlanConfig> {
                 recruit_roles: None,
                 max_recruits: None,
                 lead_timeout: task_timeout,
+                hitl: (max_retries % 2 == 0).then(|| flotilla_model::approval::PlanHitl {
+                    mode: Some(flotilla_model::approval::HitlMode::HumanInCommand),
+                    sensitive_actions: vec!["deploy".into()],
+                    approval_timeout: Some(task_timeout),
+                }),
             },
         )
 }
@@ -410,6 +415,7 @@ fn workflow() -> impl Strategy<Value = Event> {
         .prop_map(
             |(phase, tasks_total, worker, error, retry_at, detail, outcome)| {
                 Event::Workflow(WorkflowEvent {
+                    approval_id: detail.as_ref().map(|_| "t0a1".into()),
                     phase,
                     tasks_total,
                     agent: worker.clone(),
@@ -585,7 +591,7 @@ proptest! {
     #[test]
     fn runlog_entry_roundtrips(
         run_id in run_id(),
-        which in 0u8..14,
+        which in 0u8..16,
         p in plan(),
         labels in labels(),
         (task_id, attempt, attempt_id, result, started) in (task_id(), 1u32..4, attempt_id(), task_result(), option::of(ts())),
@@ -593,7 +599,7 @@ proptest! {
         trace in option::of(trace()),
     ) {
         let input = match which {
-            0 => RunInput::Submitted(Box::new(Submitted { plan: p, labels, session_id: None, parent: None, reply_to: None, wait_reply_to: Some("_INBOX.w".into()), intake_seq: Some(generation), warnings: Vec::new(), trace, planning: None, depth: (generation % 3) as u32, budget_scopes: vec![flotilla_model::task::BudgetScope { run_id, limits: flotilla_model::task::Budget { max_tokens: Some(generation), max_cost: None } }], anycast: generation % 2 == 0, memory: None, lead: (generation % 2 == 1).then(|| "lead".into()) })),
+            0 => RunInput::Submitted(Box::new(Submitted { plan: p, labels, session_id: None, parent: None, reply_to: None, wait_reply_to: Some("_INBOX.w".into()), intake_seq: Some(generation), warnings: Vec::new(), trace, planning: None, depth: (generation % 3) as u32, budget_scopes: vec![flotilla_model::task::BudgetScope { run_id, limits: flotilla_model::task::Budget { max_tokens: Some(generation), max_cost: None } }], anycast: generation % 2 == 0, memory: None, lead: (generation % 2 == 1).then(|| "lead".into()), hitl: flotilla_model::approval::HitlPolicy::resolve(&flotilla_model::approval::HitlConfig::default(), None, Some("bot")) })),
             1 => RunInput::TaskResult(Box::new(TaskResultInput { task_id, attempt, attempt_id, worker: "w1".into(), started_at: started, agent: None, result })),
             2 => RunInput::Rejected(Box::new(flotilla_model::runlog::Rejected {
                 errors: vec![flotilla_model::validate::Problem::new(flotilla_model::validate::ProblemCode::Cycle, "subtasks[0]", "cycle")],
@@ -618,11 +624,13 @@ proptest! {
                 round: attempt,
                 decision: flotilla_model::runlog::PlanDecision::Failed { problems: Vec::new() },
             })),
-            8 => RunInput::Submitted(Box::new(Submitted { plan: p, labels, session_id: None, parent: None, reply_to: None, wait_reply_to: None, intake_seq: None, warnings: Vec::new(), trace, planning: Some(flotilla_model::runlog::PlanningSpec { query: "why?".into(), max_repairs: generation as u32 % 5 }), depth: 0, budget_scopes: Vec::new(), anycast: false, memory: None, lead: None })),
+            8 => RunInput::Submitted(Box::new(Submitted { plan: p, labels, session_id: None, parent: None, reply_to: None, wait_reply_to: None, intake_seq: None, warnings: Vec::new(), trace, planning: Some(flotilla_model::runlog::PlanningSpec { query: "why?".into(), max_repairs: generation as u32 % 5 }), depth: 0, budget_scopes: Vec::new(), anycast: false, memory: None, lead: None, hitl: None })),
             9 => RunInput::Claimed(Box::new(flotilla_model::runlog::Claimed { task_id, attempt, attempt_id, worker: "w1".into(), agent: "analyst".into(), role: "research".into() })),
             10 => RunInput::TaskResult(Box::new(TaskResultInput { task_id, attempt, attempt_id, worker: "w2".into(), started_at: started, agent: Some("analyst".into()), result })),
             11 => RunInput::Assigned(Box::new(flotilla_model::runlog::Assigned { task_id, by: "lead".into(), reason: "next".into() })),
             12 => RunInput::Finished(Box::new(flotilla_model::runlog::Finished { result: result.response, by: "lead".into() })),
+            13 => RunInput::ApprovalDecided(Box::new(flotilla_model::approval::ApprovalDecided { approval_id: "t0a1".into(), task_id, attempt, status: flotilla_model::approval::ApprovalStatus::Decided, decision: flotilla_model::approval::Decision::Respond { result: result.response }, by: "alice".into() })),
+            14 => RunInput::ApprovalDecided(Box::new(flotilla_model::approval::ApprovalDecided { approval_id: "t0a1".into(), task_id, attempt, status: flotilla_model::approval::ApprovalStatus::Expired, decision: flotilla_model::approval::Decision::Edit { input: serde_json::json!({"a": [1, 2]}) }, by: "deadline".into() })),
             _ => RunInput::TimerFired { generation },
         };
         roundtrip(&RunLogEntry { protocol: 1, run_id, input })?;

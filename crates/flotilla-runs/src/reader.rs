@@ -346,7 +346,8 @@ impl RunReader {
             .map(|base| state.amend(base)))
     }
 
-    /// A task result by run-log sequence.
+    /// A task result by run-log sequence: a worker's, or one a person supplied in answer to
+    /// an approval (`respond`, recorded as worker `human:<who>`).
     pub async fn result_at(&self, seq: u64) -> Result<TaskResultInput, StoreError> {
         let msg = self
             .runlog
@@ -357,9 +358,50 @@ impl RunReader {
             .map_err(|e| decode_err(format!("run-log entry {seq}"), e))?;
         match entry.input {
             RunInput::TaskResult(r) => Ok(*r),
+            RunInput::ApprovalDecided(d) => match d.decision {
+                flotilla_model::approval::Decision::Respond { result } => Ok(TaskResultInput {
+                    task_id: d.task_id,
+                    attempt: d.attempt,
+                    attempt_id: flotilla_machine::attempt_id(
+                        entry.run_id,
+                        0,
+                        d.attempt,
+                        msg.time.unix_timestamp() * 1000,
+                    ),
+                    worker: format!("human:{}", d.by),
+                    started_at: None,
+                    agent: None,
+                    result: flotilla_model::task::TaskResult::success(result),
+                }),
+                _ => Err(StoreError::new(
+                    StoreErrorKind::Decode,
+                    format!("run-log entry {seq} is an approval without a result"),
+                )),
+            },
             _ => Err(StoreError::new(
                 StoreErrorKind::Decode,
                 format!("run-log entry {seq} is not a task result"),
+            )),
+        }
+    }
+
+    /// An approval's decision by run-log sequence (where an edited input is read).
+    pub async fn approval_at(
+        &self,
+        seq: u64,
+    ) -> Result<flotilla_model::approval::ApprovalDecided, StoreError> {
+        let msg = self
+            .runlog
+            .direct_get(seq)
+            .await
+            .map_err(|e| nats(format!("reading run-log entry {seq}"), e))?;
+        let entry: RunLogEntry = wire::decode(Some(&msg.headers), &msg.payload)
+            .map_err(|e| decode_err(format!("run-log entry {seq}"), e))?;
+        match entry.input {
+            RunInput::ApprovalDecided(d) => Ok(*d),
+            _ => Err(StoreError::new(
+                StoreErrorKind::Decode,
+                format!("run-log entry {seq} is not an approval's decision"),
             )),
         }
     }
@@ -431,6 +473,7 @@ impl RunReader {
                         anycast: false,
                         memory: None,
                         lead: None,
+                        hitl: None,
                     })),
                 }
             } else {

@@ -1,5 +1,6 @@
 //! One module per command group.
 
+pub(crate) mod approvals;
 pub(crate) mod collab;
 pub(crate) mod memory;
 pub(crate) mod nats;

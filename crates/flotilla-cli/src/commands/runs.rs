@@ -280,6 +280,17 @@ pub(crate) async fn history(config: &Config, run: RunId, json: bool) -> anyhow::
                 "assigned",
                 format!("{} by {}: {}", a.task_id, a.by, a.reason),
             ),
+            RunInput::ApprovalDecided(a) => (
+                "approval_decided",
+                format!(
+                    "{} {} (attempt {}): {} by {}",
+                    a.approval_id,
+                    a.task_id,
+                    a.attempt,
+                    a.decision.as_str(),
+                    a.by
+                ),
+            ),
             RunInput::Finished(f) => (
                 "finished",
                 format!("by {}: {} bytes of result", f.by, f.result.len()),

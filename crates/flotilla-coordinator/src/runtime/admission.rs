@@ -145,6 +145,11 @@ impl Runtime {
             .as_ref()
             .and_then(|a| a.lead())
             .map(str::to_owned);
+        submitted.hitl = flotilla_model::approval::HitlPolicy::resolve(
+            &self.opts.hitl,
+            submitted.plan.config.hitl.as_ref(),
+            self.default_agent.as_deref(),
+        );
         Ok(Ok(submitted))
     }
 
@@ -420,5 +425,6 @@ fn submitted_of(
         anycast: false,
         memory: None,
         lead: None,
+        hitl: None,
     }
 }

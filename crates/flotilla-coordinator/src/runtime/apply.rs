@@ -364,6 +364,20 @@ impl Runtime {
                     }
                     actions.extend(acts);
                 }
+                RunInput::ApprovalDecided(a) => {
+                    let Some(e) = entry.as_mut() else { continue };
+                    let acts = e.machine.apply(
+                        Input::ApprovalDecided {
+                            decided: a,
+                            seq: d.seq,
+                        },
+                        d.ts_ms,
+                    );
+                    if !acts.is_empty() {
+                        info!(%run, approval = %a.approval_id, task = %a.task_id, decision = a.decision.as_str(), by = %a.by, "Approval applied");
+                    }
+                    actions.extend(acts);
+                }
                 RunInput::Claimed(c) => {
                     let Some(e) = entry.as_mut() else { continue };
                     actions.extend(e.machine.apply(
@@ -516,6 +530,22 @@ fn still_relevant(action: &Action, machine: &RunMachine) -> bool {
         | Action::Produce { .. }
         | Action::StoreOutput { .. } => true,
         Action::Finish => s.status.is_terminal(),
+        Action::RequestApproval {
+            task,
+            attempt,
+            notify_only,
+            ..
+        } => {
+            *notify_only
+                || s.tasks
+                    .get(*task as usize)
+                    .is_some_and(|t| t.approval.is_some_and(|p| p.attempt == *attempt))
+        }
+        Action::ExpireApproval { task, attempt } => s
+            .tasks
+            .get(*task as usize)
+            .is_some_and(|t| t.approval.is_some_and(|p| p.attempt == *attempt)),
+        Action::WithdrawApproval { .. } => true,
         Action::ReviewPlan { round } => s.planning.as_ref().is_some_and(|p| {
             p.round == *round && p.status == flotilla_model::run::PlanningStatus::Reviewing
         }),

@@ -108,6 +108,18 @@ impl Runtime {
                 },
             );
         }
+        // A person approved this attempt with an edited input: it runs with theirs.
+        let input = {
+            let t = &entry.machine.state().tasks[task as usize];
+            if t.edit_seq != 0 && t.approved == attempt {
+                match self.store.approval_at(t.edit_seq).await?.decision {
+                    flotilla_model::approval::Decision::Edit { input } => input,
+                    _ => sub.input.clone(),
+                }
+            } else {
+                sub.input.clone()
+            }
+        };
         Ok(Ok(TaskEnvelope {
             protocol: PROTOCOL_VERSION,
             run_id,
@@ -124,7 +136,7 @@ impl Runtime {
             risk: sub.risk,
             required: sub.required,
             query: plan.query.clone(),
-            input: sub.input.clone(),
+            input,
             timeout: sub.timeout.unwrap_or(plan.config.task_timeout),
             previous_results,
             dependency_results,

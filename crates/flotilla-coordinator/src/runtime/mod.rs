@@ -47,6 +47,7 @@
 
 mod admission;
 mod apply;
+mod approvals;
 mod cancel;
 mod envelope;
 mod inputs;
@@ -196,6 +197,8 @@ pub(crate) struct Runtime {
     default_agent: Option<String>,
     /// Parents' facts and tree counts, for admitting child runs.
     lineages: Arc<crate::lineage::Lineages>,
+    /// Approvals of waiting tasks.
+    escalations: crate::approvals::Escalations,
 }
 
 impl Runtime {
@@ -215,6 +218,7 @@ impl Runtime {
             crate::lineage::TreeLimits::of(&opts),
         ));
         Self {
+            escalations: crate::approvals::Escalations::new(bus.clone()),
             metrics,
             default_agent,
             lineages,

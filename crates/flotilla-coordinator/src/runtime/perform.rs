@@ -174,6 +174,32 @@ impl Runtime {
                     schedule_headers(&mut out.headers, *due_ms, &names.runlog(run));
                     (names.timer(run, *generation), out)
                 }
+                Action::RequestApproval {
+                    task,
+                    attempt,
+                    trigger,
+                    deadline_ms,
+                    notify_only,
+                } => {
+                    self.request_approval(
+                        entry,
+                        *task,
+                        *attempt,
+                        *trigger,
+                        *deadline_ms,
+                        *notify_only,
+                    )
+                    .await?;
+                    continue;
+                }
+                Action::ExpireApproval { task, attempt } => {
+                    self.expire_approval(entry, *task, *attempt).await?;
+                    continue;
+                }
+                Action::WithdrawApproval { task, attempt } => {
+                    self.withdraw_approval(entry, *task, *attempt).await?;
+                    continue;
+                }
                 Action::CancelAttempts => {
                     Box::pin(self.cancel_attempts(entry)).await?;
                     continue;

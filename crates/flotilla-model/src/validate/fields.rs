@@ -67,6 +67,9 @@ impl Validator {
         self.check_timeout("config.dependency_timeout", c.dependency_timeout.get(), ctx);
         self.check_timeout("config.task_timeout", c.task_timeout.get(), ctx);
         self.check_timeout("config.lead_timeout", c.lead_timeout.get(), ctx);
+        if let Some(h) = &c.hitl {
+            self.report.errors.extend(h.problems());
+        }
         if c.strategy == Strategy::Supervisor
             && let Some(agents) = &ctx.agents
             && agents.lead().is_none()

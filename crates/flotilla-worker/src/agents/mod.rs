@@ -177,6 +177,7 @@ pub struct ExecConfig {
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
 pub struct ScriptedConfig {
     /// Reply template. Placeholders: `{task_id}`, `{run_id}`, `{attempt}`, `{description}`,
+    /// `{input}` (the task's input as JSON),
     /// `{dependencies}` (ids of the injected dependency results, comma separated),
     /// `{previous}` (ids of the injected previous results), `{dependency_numbers}` (their
     /// `numeric_value`s, `id=value`, comma separated).

@@ -41,6 +41,7 @@ impl ScriptedAgent {
             .replace("{run_id}", &task.run_id.to_string())
             .replace("{attempt}", &task.attempt.to_string())
             .replace("{description}", &task.description)
+            .replace("{input}", &task.input.to_string())
             .replace("{dependencies}", &ids(&task.dependency_results))
             .replace("{previous}", &ids(&task.previous_results))
             .replace("{dependency_numbers}", &numbers)

@@ -1,0 +1,304 @@
+//! `flotilla approvals list|show|approve|reject|edit|respond|history`: the operator's inbox
+//! of tasks waiting for a person (`<prefix>.api.approval.*`, served by the coordinator).
+//! `list --watch` follows `<prefix>.notify.approval.*` and lists again on each notice.
+//! Exit 0 done (also `already_decided`, which prints what decided), 1 refused
+//! (`not_found`, `digest_mismatch`, a malformed answer), 2 no coordinator.
+
+use std::process::ExitCode;
+
+use flotilla_model::approval::{
+    AnswerOutcome, ApprovalAnswerReply, ApprovalAnswerRequest, ApprovalGetRequest, ApprovalList,
+    ApprovalListRequest, ApprovalRecord, ApprovalStatus, ApprovalView, Decision,
+};
+use flotilla_model::ids::RunId;
+use futures::StreamExt;
+
+use super::team::{answer, connect};
+use crate::config::Config;
+
+/// `flotilla approvals`.
+#[derive(Debug, clap::Subcommand)]
+pub(crate) enum ApprovalsCommand {
+    /// Pending approvals across runs (or of one run), oldest first.
+    List {
+        /// Only this run's.
+        #[arg(long)]
+        run: Option<RunId>,
+        /// Settled ones too.
+        #[arg(long)]
+        all: bool,
+        /// Keep listing as requests arrive (until Ctrl-C).
+        #[arg(long)]
+        watch: bool,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// One approval: what is asked, the digest, its deadline and default, and its history.
+    Show {
+        /// The run.
+        run: RunId,
+        /// The approval (`t<task>a<attempt>`).
+        approval: String,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Every approval of a run with who answered, when, and how (its audit trail).
+    History {
+        /// The run.
+        run: RunId,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Let the task run as asked.
+    Approve(AnswerArgs),
+    /// Do not run the task (a required task fails the run; an optional one is skipped).
+    Reject {
+        #[command(flatten)]
+        args: AnswerArgs,
+        /// Why (shown in the run's outcome).
+        #[arg(long, default_value = "")]
+        message: String,
+    },
+    /// Run the task with this input instead (JSON).
+    Edit {
+        #[command(flatten)]
+        args: AnswerArgs,
+        /// The input, as JSON.
+        #[arg(long)]
+        input: String,
+    },
+    /// Do not run the task: this is its result.
+    Respond {
+        #[command(flatten)]
+        args: AnswerArgs,
+        /// The result.
+        #[arg(long)]
+        result: String,
+    },
+}
+
+/// What every answer names.
+#[derive(Debug, clap::Args)]
+pub(crate) struct AnswerArgs {
+    /// The run.
+    run: RunId,
+    /// The approval (`t<task>a<attempt>`).
+    approval: String,
+    /// Who answers (default: `$USER`).
+    #[arg(long)]
+    by: Option<String>,
+    /// A comment for the record.
+    #[arg(long)]
+    comment: Option<String>,
+    /// The digest of the request you reviewed (`approvals show`): refused if it changed.
+    #[arg(long)]
+    digest: Option<String>,
+    /// Machine-readable output.
+    #[arg(long)]
+    json: bool,
+}
+
+pub(crate) async fn approvals(
+    config: &Config,
+    command: ApprovalsCommand,
+) -> anyhow::Result<ExitCode> {
+    let client = connect(config).await?;
+    let protocol = flotilla_model::PROTOCOL_VERSION;
+    let (args, decision) = match command {
+        ApprovalsCommand::List {
+            run,
+            all,
+            watch,
+            json,
+        } => {
+            let r = ApprovalListRequest {
+                protocol,
+                run_id: run,
+                all,
+                limit: None,
+            };
+            if !watch {
+                return answer(&client, &r, json, print_list).await;
+            }
+            let filter = match run {
+                Some(run) => client.bus().names().notify("approval", run),
+                None => format!("{}.notify.approval.*", client.bus().names().prefix()),
+            };
+            let mut notices = client.bus().client().subscribe(filter).await?;
+            loop {
+                let code = answer(&client, &r, json, print_list).await?;
+                if code != ExitCode::SUCCESS {
+                    return Ok(code);
+                }
+                tokio::select! {
+                    n = notices.next() => if n.is_none() { return Ok(ExitCode::SUCCESS) },
+                    _ = tokio::signal::ctrl_c() => return Ok(ExitCode::SUCCESS),
+                }
+            }
+        }
+        ApprovalsCommand::Show {
+            run,
+            approval,
+            json,
+        } => {
+            let r = ApprovalGetRequest {
+                protocol,
+                run_id: run,
+                approval_id: approval,
+            };
+            return answer(&client, &r, json, print_view).await;
+        }
+        ApprovalsCommand::History { run, json } => {
+            let r = ApprovalListRequest {
+                protocol,
+                run_id: Some(run),
+                all: true,
+                limit: None,
+            };
+            return answer(&client, &r, json, print_history).await;
+        }
+        ApprovalsCommand::Approve(args) => (args, Decision::Approve),
+        ApprovalsCommand::Reject { args, message } => (args, Decision::Reject { message }),
+        ApprovalsCommand::Edit { args, input } => {
+            let input = serde_json::from_str(&input)
+                .map_err(|e| anyhow::anyhow!("--input is not JSON: {e}"))?;
+            (args, Decision::Edit { input })
+        }
+        ApprovalsCommand::Respond { args, result } => (args, Decision::Respond { result }),
+    };
+    let by = args
+        .by
+        .or_else(|| std::env::var("USER").ok())
+        .unwrap_or_default();
+    let r = ApprovalAnswerRequest {
+        protocol,
+        run_id: args.run,
+        approval_id: args.approval,
+        decision,
+        by,
+        comment: args.comment,
+        digest: args.digest,
+    };
+    answer(&client, &r, args.json, |a: &ApprovalAnswerReply| {
+        match a.outcome {
+            AnswerOutcome::Decided => outln!("decided: {}", settled_line(&a.record)),
+            AnswerOutcome::AlreadyDecided => {
+                outln!("already_decided: {}", settled_line(&a.record))
+            }
+        }
+    })
+    .await
+}
+
+fn status_str(s: ApprovalStatus) -> &'static str {
+    match s {
+        ApprovalStatus::Pending => "pending",
+        ApprovalStatus::Decided => "decided",
+        ApprovalStatus::Expired => "expired",
+        ApprovalStatus::Withdrawn => "withdrawn",
+    }
+}
+
+fn settled_line(r: &ApprovalRecord) -> String {
+    match &r.answer {
+        Some(a) => {
+            let mut line = format!(
+                "{} {} by {} at {}",
+                status_str(r.status),
+                a.decision.as_str(),
+                a.by,
+                a.at
+            );
+            if let Some(c) = &a.comment {
+                line.push_str(&format!(" ({c})"));
+            }
+            line
+        }
+        None => status_str(r.status).to_owned(),
+    }
+}
+
+fn print_list(l: &ApprovalList) {
+    if l.approvals.is_empty() {
+        outln!("no approvals waiting");
+        return;
+    }
+    outln!(
+        "{:<36}  {:<9}  {:<16}  {:<16}  {:<9}  DEADLINE",
+        "RUN",
+        "APPROVAL",
+        "TASK",
+        "TRIGGER",
+        "STATUS"
+    );
+    for r in &l.approvals {
+        let q = &r.request;
+        outln!(
+            "{:<36}  {:<9}  {:<16}  {:<16}  {:<9}  {}",
+            q.run_id,
+            q.approval_id,
+            q.task_id,
+            q.trigger.as_str(),
+            status_str(r.status),
+            q.deadline
+        );
+    }
+    if l.truncated {
+        outln!("(more not listed)");
+    }
+}
+
+fn print_view(v: &ApprovalView) {
+    let q = &v.record.request;
+    outln!("approval {} of run {}", q.approval_id, q.run_id);
+    outln!("  task      {} (attempt {})", q.task_id, q.attempt);
+    outln!("  trigger   {} ({})", q.trigger.as_str(), q.mode.as_str());
+    if let Some(a) = &q.action {
+        outln!("  action    {a} (risk {:?})", q.risk);
+    }
+    if let Some(a) = &q.agent {
+        outln!("  agent     {a}");
+    }
+    outln!("  asks      {}", q.description);
+    if !q.input.is_null() {
+        outln!("  input     {}", q.input);
+    }
+    outln!("  digest    {}", q.digest);
+    outln!("  deadline  {} (then {:?})", q.deadline, q.default);
+    outln!("  status    {}", settled_line(&v.record));
+    for h in &v.history {
+        outln!(
+            "  rev {:<4} {}  {}{}",
+            h.revision,
+            h.at,
+            status_str(h.status),
+            h.answer
+                .as_ref()
+                .map(|a| format!(" {} by {}", a.decision.as_str(), a.by))
+                .unwrap_or_default()
+        );
+    }
+}
+
+fn print_history(l: &ApprovalList) {
+    if l.approvals.is_empty() {
+        outln!("no approvals");
+        return;
+    }
+    for r in &l.approvals {
+        let q = &r.request;
+        outln!(
+            "{}  {} {} (attempt {}), {}: asked {}, {}",
+            q.approval_id,
+            q.task_id,
+            q.action.as_deref().unwrap_or("-"),
+            q.attempt,
+            q.trigger.as_str(),
+            q.requested_at,
+            settled_line(r)
+        );
+    }
+}

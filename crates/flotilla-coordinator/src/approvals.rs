@@ -1,0 +1,319 @@
+//! Approvals in the escalations bucket: asking, settling (an answer, a deadline's default,
+//! a withdrawal) and handing the winner to the run machine.
+//!
+//! An approval is one key, `<run>.<approval>`; every revision holds the whole record. It is
+//! created `pending` (create-if-absent: a step performed again asks once), and settled by
+//! exactly one update written at the pending revision — an answer and the deadline race
+//! there, and the loser reads the winner. Whoever reads a settled approval appends it to the
+//! run log as `approval_decided` under the message id `approval.<run>.<approval>`, so a
+//! relay repeated after a crash is dropped by JetStream, and the machine, which applies one
+//! decision per waiting attempt, ignores any later one.
+
+use async_nats::jetstream::kv;
+use flotilla_bus::Bus;
+use flotilla_model::PROTOCOL_VERSION;
+use flotilla_model::approval::{
+    ApprovalAnswer, ApprovalDecided, ApprovalRecord, ApprovalRevision, ApprovalStatus,
+    Notification, approval_key, decided_msg_id,
+};
+use flotilla_model::ids::RunId;
+use flotilla_model::runlog::{RunInput, RunLogEntry};
+use flotilla_model::subjects::Bucket;
+use flotilla_model::time::Timestamp;
+use futures::StreamExt;
+use tokio::sync::OnceCell;
+use tracing::debug;
+
+/// Why an approval operation failed.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ApprovalError {
+    /// No such approval.
+    #[error("{0}")]
+    NotFound(String),
+    /// A stored record could not be read.
+    #[error("{0}")]
+    Unreadable(String),
+    /// NATS did not answer; try again.
+    #[error("{0}")]
+    Unavailable(String),
+}
+
+/// How often a compare-and-set is retried after losing a race before giving up.
+const MAX_RACES: usize = 8;
+
+/// The escalations bucket, opened on first use.
+#[derive(Debug)]
+pub(crate) struct Escalations {
+    bus: Bus,
+    kv: OnceCell<kv::Store>,
+}
+
+fn unavailable(what: &str, e: impl std::fmt::Display) -> ApprovalError {
+    ApprovalError::Unavailable(format!("{what}: {e}"))
+}
+
+fn decode(key: &str, bytes: &[u8]) -> Result<ApprovalRecord, ApprovalError> {
+    serde_json::from_slice(bytes)
+        .map_err(|e| ApprovalError::Unreadable(format!("approval {key} could not be read: {e}")))
+}
+
+impl Escalations {
+    pub(crate) fn new(bus: Bus) -> Self {
+        Self {
+            bus,
+            kv: OnceCell::new(),
+        }
+    }
+
+    async fn kv(&self) -> Result<&kv::Store, ApprovalError> {
+        self.kv
+            .get_or_try_init(|| async {
+                self.bus
+                    .kv(Bucket::Escalations)
+                    .await
+                    .map_err(|e| unavailable("opening the escalations bucket", e))
+            })
+            .await
+    }
+
+    /// Stores a new request (nothing when it exists: asked already) and publishes its notice.
+    pub(crate) async fn request(
+        &self,
+        record: &ApprovalRecord,
+        notify_only: bool,
+    ) -> Result<(), ApprovalError> {
+        let run = record.request.run_id;
+        if !notify_only {
+            let key = approval_key(run, &record.request.approval_id);
+            let body =
+                serde_json::to_vec(record).map_err(|e| ApprovalError::Unreadable(e.to_string()))?;
+            match self.kv().await?.create(&key, body.into()).await {
+                Ok(_) => {}
+                Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
+                    debug!(%run, %key, "Approval already requested");
+                    return Ok(());
+                }
+                Err(e) => return Err(unavailable("storing an approval request", e)),
+            }
+        }
+        let notice = Notification {
+            protocol: PROTOCOL_VERSION,
+            kind: "approval".into(),
+            notify_only,
+            approval: record.clone(),
+        };
+        let body =
+            serde_json::to_vec(&notice).map_err(|e| ApprovalError::Unreadable(e.to_string()))?;
+        // A notice is best effort: the record is what counts, and `approval.list` shows it.
+        let _ = self
+            .bus
+            .client()
+            .publish(self.bus.names().notify("approval", run), body.into())
+            .await;
+        Ok(())
+    }
+
+    /// The approval and its revision.
+    pub(crate) async fn get(
+        &self,
+        run: RunId,
+        approval: &str,
+    ) -> Result<Option<(ApprovalRecord, u64)>, ApprovalError> {
+        let key = approval_key(run, approval);
+        match self.kv().await?.entry(&key).await {
+            Ok(Some(e)) if e.operation == kv::Operation::Put => {
+                Ok(Some((decode(&key, &e.value)?, e.revision)))
+            }
+            Ok(_) => Ok(None),
+            Err(e) => Err(unavailable("reading an approval", e)),
+        }
+    }
+
+    /// Settles a pending approval with `settle` (given the pending record), unless something
+    /// settled it first. Returns the settled record and whether this call settled it. When
+    /// the request is missing (its step was not performed), `missing` is stored settled.
+    pub(crate) async fn settle(
+        &self,
+        run: RunId,
+        approval: &str,
+        missing: Option<&ApprovalRecord>,
+        settle: impl Fn(&ApprovalRecord) -> ApprovalRecord,
+    ) -> Result<(ApprovalRecord, bool), ApprovalError> {
+        let key = approval_key(run, approval);
+        let kv = self.kv().await?;
+        for _ in 0..MAX_RACES {
+            let Some((current, revision)) = self.get(run, approval).await? else {
+                let Some(m) = missing else {
+                    return Err(ApprovalError::NotFound(format!(
+                        "run {run} has no approval {approval}"
+                    )));
+                };
+                let settled = settle(m);
+                let body = serde_json::to_vec(&settled)
+                    .map_err(|e| ApprovalError::Unreadable(e.to_string()))?;
+                match kv.create(&key, body.into()).await {
+                    Ok(_) => return Ok((settled, true)),
+                    Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => continue,
+                    Err(e) => return Err(unavailable("settling an approval", e)),
+                }
+            };
+            if current.status != ApprovalStatus::Pending {
+                return Ok((current, false));
+            }
+            let settled = settle(&current);
+            let body = serde_json::to_vec(&settled)
+                .map_err(|e| ApprovalError::Unreadable(e.to_string()))?;
+            match kv.update(&key, body.into(), revision).await {
+                Ok(_) => return Ok((settled, true)),
+                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
+                Err(e) => return Err(unavailable("settling an approval", e)),
+            }
+        }
+        Err(ApprovalError::Unavailable(format!(
+            "approval {key} kept changing while it was settled"
+        )))
+    }
+
+    /// Appends a settled approval's decision to its run's log (once: a message id per
+    /// approval). A withdrawn approval is not relayed: its run has ended.
+    pub(crate) async fn relay(&self, record: &ApprovalRecord) -> Result<(), ApprovalError> {
+        let Some(answer) = record.answer.as_ref() else {
+            return Ok(());
+        };
+        if matches!(
+            record.status,
+            ApprovalStatus::Pending | ApprovalStatus::Withdrawn
+        ) {
+            return Ok(());
+        }
+        let run = record.request.run_id;
+        let entry = RunLogEntry {
+            protocol: PROTOCOL_VERSION,
+            run_id: run,
+            input: RunInput::ApprovalDecided(Box::new(ApprovalDecided {
+                approval_id: record.request.approval_id.clone(),
+                task_id: record.request.task_id.clone(),
+                attempt: record.request.attempt,
+                status: record.status,
+                decision: answer.decision.clone(),
+                by: answer.by.clone(),
+            })),
+        };
+        self.bus
+            .publish(
+                self.bus.names().runlog(run),
+                &entry,
+                Some(&decided_msg_id(run, &record.request.approval_id)),
+            )
+            .await
+            .map_err(|e| unavailable("appending an approval's decision to the run log", e))?;
+        Ok(())
+    }
+
+    /// Every revision of an approval, oldest first.
+    pub(crate) async fn history(
+        &self,
+        run: RunId,
+        approval: &str,
+    ) -> Result<Vec<ApprovalRevision>, ApprovalError> {
+        let key = approval_key(run, approval);
+        let mut entries = self
+            .kv()
+            .await?
+            .history(&key)
+            .await
+            .map_err(|e| unavailable("reading an approval's history", e))?;
+        let mut out = Vec::new();
+        while let Some(e) = entries.next().await {
+            let e = e.map_err(|e| unavailable("reading an approval's history", e))?;
+            if e.operation != kv::Operation::Put {
+                continue;
+            }
+            let r = decode(&key, &e.value)?;
+            out.push(ApprovalRevision {
+                revision: e.revision,
+                at: Timestamp(e.created),
+                status: r.status,
+                answer: r.answer,
+            });
+            if e.delta == 0 {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Approvals of one run or of all, pending only unless `all`, oldest request first, at
+    /// most `limit` (and whether more matched).
+    pub(crate) async fn list(
+        &self,
+        run: Option<RunId>,
+        all: bool,
+        limit: usize,
+    ) -> Result<(Vec<ApprovalRecord>, bool), ApprovalError> {
+        use async_nats::jetstream::consumer::{DeliverPolicy, pull};
+        let kv = self.kv().await?;
+        let filter = match run {
+            Some(r) => format!("{}{r}.>", kv.prefix),
+            None => format!("{}>", kv.prefix),
+        };
+        // An ordered consumer over the last revision of each matching key: one pass, however
+        // many approvals wait, and an empty answer at once when none matches.
+        let consumer = kv
+            .stream
+            .create_consumer(pull::OrderedConfig {
+                filter_subject: filter,
+                deliver_policy: DeliverPolicy::LastPerSubject,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| unavailable("listing approvals", e))?;
+        let mut out = Vec::new();
+        let mut truncated = false;
+        if consumer.cached_info().num_pending == 0 {
+            return Ok((out, truncated));
+        }
+        let mut messages = consumer
+            .messages()
+            .await
+            .map_err(|e| unavailable("listing approvals", e))?;
+        while let Some(msg) = messages.next().await {
+            let msg = msg.map_err(|e| unavailable("listing approvals", e))?;
+            let pending = msg.info().map(|i| i.pending).unwrap_or(0);
+            let deleted = msg
+                .headers
+                .as_ref()
+                .and_then(|h| h.get("KV-Operation"))
+                .is_some();
+            if !deleted {
+                let r = decode(&msg.subject, &msg.payload)?;
+                if all || r.status == ApprovalStatus::Pending {
+                    if out.len() < limit {
+                        out.push(r);
+                    } else {
+                        truncated = true;
+                    }
+                }
+            }
+            if pending == 0 {
+                break;
+            }
+        }
+        out.sort_by_key(|r| r.request.requested_at);
+        Ok((out, truncated))
+    }
+}
+
+/// A settled copy of `pending`: `status` with `answer`.
+pub(crate) fn settled(
+    pending: &ApprovalRecord,
+    status: ApprovalStatus,
+    answer: ApprovalAnswer,
+) -> ApprovalRecord {
+    ApprovalRecord {
+        protocol: PROTOCOL_VERSION,
+        status,
+        request: pending.request.clone(),
+        answer: Some(answer),
+    }
+}

@@ -1,0 +1,228 @@
+//! Tasks that wait for a person: asking before a dispatch, the deadline, and applying the
+//! decision. A waiting task is only a state ([`TaskStatus::AwaitingApproval`] with its
+//! [`PendingApproval`]) and a deadline on the run's one durable timer: it holds no slot.
+//!
+//! ```text
+//! ready ──gated by the run's policy──► awaiting_approval ──approve / edit──► waiting (runs next)
+//!                                            │  │
+//!                                            │  └──respond──► succeeded (the person's result)
+//!                                            └──reject──► required: the run fails
+//!                                                         optional: skipped (dependents too)
+//! ```
+//!
+//! The deadline does not decide by itself: the machine asks the runtime to settle the
+//! approval in the escalations bucket ([`Action::ExpireApproval`]), where an answer that came
+//! first wins, and the winner comes back as an [`Input::ApprovalDecided`] like any answer.
+
+use flotilla_model::approval::{ApprovalDecided, ApprovalStatus, Decision, approval_id};
+use flotilla_model::event::{WorkflowEvent, WorkflowPhase};
+use flotilla_model::run::{EndCause, RunStatus, TaskStatus};
+use flotilla_model::time::Timestamp;
+
+use crate::{Action, PendingApproval, RunMachine};
+
+impl RunMachine {
+    /// Before ready task `i` is dispatched: when the run's policy gates it and its next
+    /// attempt is not approved yet, it starts waiting for a person (true: do not dispatch).
+    /// Under `human_on_the_loop` the person is only notified, once per attempt.
+    pub(crate) fn ask_first(&mut self, i: u32, now_ms: i64, actions: &mut Vec<Action>) -> bool {
+        let Some(policy) = self.state.hitl.as_ref() else {
+            return false;
+        };
+        let next = self.state.tasks[i as usize].attempt + 1;
+        if self.state.tasks[i as usize].approved == next {
+            return false;
+        }
+        let Some(gate) = policy.gate(&self.plan.subtasks[i as usize]) else {
+            return false;
+        };
+        let timeout_ms = policy.timeout.get().as_millis() as i64;
+        let deadline_ms = now_ms + timeout_ms;
+        actions.push(Action::RequestApproval {
+            task: i,
+            attempt: next,
+            trigger: gate.trigger,
+            deadline_ms,
+            notify_only: gate.notify_only,
+        });
+        let id = approval_id(i, next);
+        if gate.notify_only {
+            self.state.tasks[i as usize].approved = next;
+            self.emit(
+                Some(i),
+                None,
+                now_ms,
+                WorkflowEvent {
+                    detail: Some(format!(
+                        "{}: notified (human_on_the_loop), dispatched without waiting",
+                        gate.trigger.as_str()
+                    )),
+                    approval_id: Some(id),
+                    ..WorkflowEvent::phase(WorkflowPhase::ApprovalDecided)
+                },
+                actions,
+            );
+            return false;
+        }
+        let t = &mut self.state.tasks[i as usize];
+        t.status = TaskStatus::AwaitingApproval;
+        t.approval = Some(PendingApproval {
+            attempt: next,
+            deadline_ms,
+            trigger: gate.trigger,
+            expiring: false,
+        });
+        self.emit(
+            Some(i),
+            None,
+            now_ms,
+            WorkflowEvent {
+                detail: Some(format!(
+                    "{}: waiting for approval until {}",
+                    gate.trigger.as_str(),
+                    Timestamp::from_unix_ms(deadline_ms)
+                )),
+                approval_id: Some(id),
+                ..WorkflowEvent::phase(WorkflowPhase::ApprovalRequested)
+            },
+            actions,
+        );
+        self.arm_if_earlier(deadline_ms, actions);
+        true
+    }
+
+    /// When task `i`'s wait for a person ends by its default (once: not while it is being
+    /// settled).
+    pub(crate) fn approval_deadline(&self, i: u32) -> Option<i64> {
+        let t = &self.state.tasks[i as usize];
+        t.approval
+            .filter(|p| t.status == TaskStatus::AwaitingApproval && !p.expiring)
+            .map(|p| p.deadline_ms)
+    }
+
+    /// Task `i`'s deadline passed: the runtime settles its approval with the default unless
+    /// an answer came first.
+    pub(crate) fn expire_approval(&mut self, i: u32, actions: &mut Vec<Action>) {
+        if let Some(p) = self.state.tasks[i as usize].approval.as_mut() {
+            p.expiring = true;
+            actions.push(Action::ExpireApproval {
+                task: i,
+                attempt: p.attempt,
+            });
+        }
+    }
+
+    /// Applies a decided approval. False when it changes nothing: the task does not wait for
+    /// this approval (decided already, another attempt, the run moved on).
+    pub(crate) fn on_approval_decided(
+        &mut self,
+        decided: &ApprovalDecided,
+        seq: u64,
+        now_ms: i64,
+        actions: &mut Vec<Action>,
+    ) -> bool {
+        let Some(i) = self.graph.index_of(&decided.task_id) else {
+            return false;
+        };
+        let t = &self.state.tasks[i as usize];
+        let Some(pending) = t.approval else {
+            return false;
+        };
+        if t.status != TaskStatus::AwaitingApproval
+            || pending.attempt != decided.attempt
+            || approval_id(i, pending.attempt) != decided.approval_id
+            || decided.status == ApprovalStatus::Pending
+        {
+            return false;
+        }
+        self.state.applied += 1;
+        let attempt = pending.attempt;
+        let t = &mut self.state.tasks[i as usize];
+        t.approval = None;
+        let how = match decided.status {
+            ApprovalStatus::Expired => "by its deadline's default",
+            _ => "by",
+        };
+        let who = if decided.status == ApprovalStatus::Expired {
+            String::new()
+        } else {
+            format!(" {}", decided.by)
+        };
+        let detail = format!("{} {how}{who}", decided.decision.as_str());
+        self.emit(
+            Some(i),
+            Some(attempt),
+            now_ms,
+            WorkflowEvent {
+                detail: Some(detail),
+                approval_id: Some(decided.approval_id.clone()),
+                ..WorkflowEvent::phase(WorkflowPhase::ApprovalDecided)
+            },
+            actions,
+        );
+        let id = self.plan.subtasks[i as usize].id.clone();
+        match &decided.decision {
+            Decision::Approve | Decision::Edit { .. } => {
+                let t = &mut self.state.tasks[i as usize];
+                t.approved = attempt;
+                t.edit_seq = match decided.decision {
+                    Decision::Edit { .. } => seq,
+                    _ => 0,
+                };
+                t.status = TaskStatus::Waiting;
+                self.release(i, now_ms, actions);
+            }
+            Decision::Respond { .. } => {
+                // The person's result stands for the attempt: it succeeds as if a worker had
+                // answered (the run log's entry at `seq` is read as its result).
+                let t = &mut self.state.tasks[i as usize];
+                t.attempt = attempt;
+                t.dispatched_ms = now_ms;
+                self.succeed(
+                    i,
+                    seq,
+                    now_ms,
+                    WorkflowEvent {
+                        detail: Some(format!("result supplied by {}", decided.by)),
+                        ..WorkflowEvent::phase(WorkflowPhase::TaskSucceeded)
+                    },
+                    actions,
+                );
+            }
+            Decision::Reject { message } => {
+                let why = if message.is_empty() {
+                    format!("approval rejected {how}{who}")
+                } else {
+                    format!("approval rejected {how}{who}: {message}")
+                };
+                if self.plan.subtasks[i as usize].required {
+                    self.state.tasks[i as usize].status = TaskStatus::Waiting;
+                    self.stop(
+                        RunStatus::Failed,
+                        format!("required task {id}: {why}"),
+                        EndCause::ApprovalRejected,
+                        now_ms,
+                        actions,
+                    );
+                } else {
+                    let t = &mut self.state.tasks[i as usize];
+                    t.status = TaskStatus::Skipped;
+                    t.skip_reason = Some(why.clone());
+                    self.terminal += 1;
+                    self.emit(
+                        Some(i),
+                        None,
+                        now_ms,
+                        WorkflowEvent {
+                            detail: Some(why),
+                            ..WorkflowEvent::phase(WorkflowPhase::TaskSkipped)
+                        },
+                        actions,
+                    );
+                    self.skip_dependents(i, now_ms, actions);
+                }
+            }
+        }
+        true
+    }
+}

@@ -1,0 +1,955 @@
+//! Humans in the loop: the escalation policy a run is admitted with, approval requests and
+//! their decisions.
+//!
+//! The policy ([`HitlPolicy`]) is fixed when a run is admitted — the deployment's `[hitl]`
+//! section, tightened by the plan's `config.hitl` — and carried in the run's state, so every
+//! coordinator and every replay decides alike which task waits for a person
+//! ([`HitlPolicy::gate`]). A waiting task is a state of the run machine plus its durable
+//! timer: it holds no worker slot and no consumer.
+//!
+//! An approval's life is the revisions of one key of the escalations bucket
+//! (`<run>.<approval>`, [`approval_key`]): `pending` when requested, then exactly one of a
+//! person's answer, the deadline's default (`expired`), or `withdrawn` (the run ended first).
+//! Each later revision is written at the revision it read (compare-and-set), so the first
+//! wins and a later answer is told `already_decided` with the decision. The winner is then
+//! appended to the run log ([`crate::runlog::RunInput::ApprovalDecided`]), where the run
+//! machine applies it once.
+
+use std::collections::BTreeMap;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::ids::{RunId, TaskId};
+use crate::plan::{Risk, Subtask};
+use crate::problem::{Problem, ProblemCode};
+use crate::time::{Secs, Timestamp};
+
+/// How much a person oversees an agent, strictest last.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    Default,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Serialize,
+    Deserialize,
+    JsonSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum HitlMode {
+    /// Monitor only: escalations are notified, nothing waits.
+    HumanOnTheLoop,
+    /// Escalation triggers (sensitive actions) wait for a person; the rest runs.
+    #[default]
+    HumanInTheLoop,
+    /// Every dispatch waits for a person's approval.
+    HumanInCommand,
+}
+
+impl HitlMode {
+    /// The mode as it appears on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::HumanOnTheLoop => "human_on_the_loop",
+            Self::HumanInTheLoop => "human_in_the_loop",
+            Self::HumanInCommand => "human_in_command",
+        }
+    }
+}
+
+/// Why a person is asked.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Trigger {
+    /// The task's `action` is in the sensitive list, or its `risk` reaches the sensitive
+    /// risk.
+    SensitiveAction,
+    /// The task's agent or role is overseen `human_in_command`: every dispatch is approved.
+    HumanInCommand,
+}
+
+impl Trigger {
+    /// The trigger as it appears on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::SensitiveAction => "sensitive_action",
+            Self::HumanInCommand => "human_in_command",
+        }
+    }
+}
+
+/// What a wait decides when nobody answers before its deadline.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum DefaultDecision {
+    /// The task is rejected (a required task fails the run, an optional one is skipped).
+    #[default]
+    Reject,
+    /// The task runs as asked.
+    Approve,
+}
+
+/// The default approval deadline: 30 min.
+pub const DEFAULT_APPROVAL_TIMEOUT: Secs = Secs::from_secs(1800);
+/// Longest approval deadline: 7 days.
+pub const MAX_APPROVAL_TIMEOUT: Secs = Secs::from_secs(7 * 24 * 3600);
+/// Actions that are sensitive unless the deployment says otherwise.
+pub const DEFAULT_SENSITIVE_ACTIONS: [&str; 4] = ["delete", "publish", "pay", "send_email"];
+
+/// The deployment's `[hitl]` section: who is overseen how, and what waits for a person.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields, default)]
+pub struct HitlConfig {
+    /// The mode of agents and roles not listed below (default `human_in_the_loop`).
+    pub mode: HitlMode,
+    /// Task actions that wait for approval (compared lower-case; default `delete`,
+    /// `publish`, `pay`, `send_email`).
+    pub sensitive_actions: Vec<String>,
+    /// Tasks whose `risk` is at least this wait for approval too (default: none — risk alone
+    /// asks nobody).
+    pub sensitive_risk: Option<Risk>,
+    /// How long a request waits for an answer (default 30 min, at most 7 days).
+    pub approval_timeout: Secs,
+    /// What an unanswered request decides, per trigger (default `reject` for both).
+    pub on_timeout: OnTimeout,
+    /// Modes of agents, by agent name (a stricter or looser oversight than `mode`).
+    pub agents: BTreeMap<String, HitlMode>,
+    /// Modes of roles, by role name; an agent's own mode wins over its role's.
+    pub roles: BTreeMap<String, HitlMode>,
+}
+
+impl Default for HitlConfig {
+    fn default() -> Self {
+        Self {
+            mode: HitlMode::default(),
+            sensitive_actions: DEFAULT_SENSITIVE_ACTIONS
+                .iter()
+                .map(|s| (*s).to_owned())
+                .collect(),
+            sensitive_risk: None,
+            approval_timeout: DEFAULT_APPROVAL_TIMEOUT,
+            on_timeout: OnTimeout::default(),
+            agents: BTreeMap::new(),
+            roles: BTreeMap::new(),
+        }
+    }
+}
+
+/// The default decision of an unanswered request, per trigger.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case", deny_unknown_fields, default)]
+pub struct OnTimeout {
+    /// For a sensitive action (default `reject`).
+    pub sensitive_action: DefaultDecision,
+    /// For a dispatch under `human_in_command` (default `reject`).
+    pub human_in_command: DefaultDecision,
+}
+
+impl OnTimeout {
+    /// The default for `trigger`.
+    pub fn of(&self, trigger: Trigger) -> DefaultDecision {
+        match trigger {
+            Trigger::SensitiveAction => self.sensitive_action,
+            Trigger::HumanInCommand => self.human_in_command,
+        }
+    }
+}
+
+impl HitlConfig {
+    /// Problems of the section: an empty action name, a deadline out of range.
+    pub fn problems(&self) -> Vec<Problem> {
+        let mut out = Vec::new();
+        for (i, a) in self.sensitive_actions.iter().enumerate() {
+            if a.trim().is_empty() {
+                out.push(Problem::new(
+                    ProblemCode::InvalidConfig,
+                    format!("hitl.sensitive-actions[{i}]"),
+                    "a sensitive action must name an action",
+                ));
+            }
+        }
+        out.extend(check_timeout(
+            self.approval_timeout,
+            "hitl.approval-timeout".into(),
+        ));
+        out
+    }
+}
+
+fn check_timeout(t: Secs, field: String) -> Option<Problem> {
+    (t.get().is_zero() || t > MAX_APPROVAL_TIMEOUT).then(|| {
+        Problem::new(
+            ProblemCode::InvalidConfig,
+            field,
+            format!(
+                "an approval deadline must be between 1 s and 7 days, not {} s",
+                t.get().as_secs()
+            ),
+        )
+    })
+}
+
+/// A plan's `config.hitl`: it may tighten the deployment's oversight, never loosen it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct PlanHitl {
+    /// A stricter mode for the whole run (a looser one than the deployment's is ignored).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mode: Option<HitlMode>,
+    /// More sensitive actions (added to the deployment's).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub sensitive_actions: Vec<String>,
+    /// The run's approval deadline (1 s to 7 days; default the deployment's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub approval_timeout: Option<Secs>,
+}
+
+impl PlanHitl {
+    /// Problems of the plan's section, named under `config.hitl`.
+    pub fn problems(&self) -> Vec<Problem> {
+        let mut out = Vec::new();
+        for (i, a) in self.sensitive_actions.iter().enumerate() {
+            if a.trim().is_empty() {
+                out.push(Problem::new(
+                    ProblemCode::InvalidConfig,
+                    format!("config.hitl.sensitive_actions[{i}]"),
+                    "a sensitive action must name an action",
+                ));
+            }
+        }
+        if let Some(t) = self.approval_timeout {
+            out.extend(check_timeout(t, "config.hitl.approval_timeout".into()));
+        }
+        out
+    }
+}
+
+/// The escalation policy of one run, fixed at admission. Field names are short: it is part
+/// of the run's state, written on every change.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct HitlPolicy {
+    /// Mode of agents and roles not listed.
+    #[serde(rename = "m", default)]
+    pub mode: HitlMode,
+    /// Sensitive actions, lower-case.
+    #[serde(rename = "sa", default, skip_serializing_if = "Vec::is_empty")]
+    pub sensitive_actions: Vec<String>,
+    /// Sensitive risk.
+    #[serde(rename = "sr", default, skip_serializing_if = "Option::is_none")]
+    pub sensitive_risk: Option<Risk>,
+    /// Approval deadline, in seconds.
+    #[serde(rename = "t")]
+    pub timeout: Secs,
+    /// Defaults of unanswered requests.
+    #[serde(rename = "d", default)]
+    pub on_timeout: OnTimeout,
+    /// Modes by `agent:<name>` and `role:<name>`.
+    #[serde(rename = "ms", default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub modes: BTreeMap<String, HitlMode>,
+    /// The deployment's default agent: the agent of tasks naming none and no role.
+    #[serde(rename = "da", default, skip_serializing_if = "Option::is_none")]
+    pub default_agent: Option<String>,
+}
+
+/// Why and how a task waits for a person before it is dispatched.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Gate {
+    /// What triggered it.
+    pub trigger: Trigger,
+    /// Only notify (`human_on_the_loop`): the task runs without waiting.
+    pub notify_only: bool,
+}
+
+impl HitlPolicy {
+    /// The run's policy: the deployment's, tightened by the plan's. `None` when nothing could
+    /// ever wait or notify (no sensitive action or risk, no `human_in_command` anywhere).
+    pub fn resolve(
+        deployment: &HitlConfig,
+        plan: Option<&PlanHitl>,
+        default_agent: Option<&str>,
+    ) -> Option<Self> {
+        let mut mode = deployment.mode;
+        let mut actions: Vec<String> = deployment
+            .sensitive_actions
+            .iter()
+            .map(|a| a.trim().to_lowercase())
+            .collect();
+        let mut timeout = deployment.approval_timeout;
+        if let Some(p) = plan {
+            if let Some(m) = p.mode {
+                mode = mode.max(m);
+            }
+            actions.extend(p.sensitive_actions.iter().map(|a| a.trim().to_lowercase()));
+            if let Some(t) = p.approval_timeout {
+                timeout = t;
+            }
+        }
+        actions.sort();
+        actions.dedup();
+        let mut modes = BTreeMap::new();
+        for (r, m) in &deployment.roles {
+            modes.insert(format!("role:{r}"), *m);
+        }
+        for (a, m) in &deployment.agents {
+            modes.insert(format!("agent:{a}"), *m);
+        }
+        let plan_mode = plan.and_then(|p| p.mode);
+        if let Some(pm) = plan_mode {
+            // The plan tightens every listed agent and role too.
+            for m in modes.values_mut() {
+                *m = (*m).max(pm);
+            }
+        }
+        let policy = Self {
+            mode,
+            sensitive_actions: actions,
+            sensitive_risk: deployment.sensitive_risk,
+            timeout,
+            on_timeout: deployment.on_timeout,
+            default_agent: default_agent
+                .filter(|a| modes.contains_key(&format!("agent:{a}")))
+                .map(str::to_owned),
+            modes,
+        };
+        let can_gate = !policy.sensitive_actions.is_empty()
+            || policy.sensitive_risk.is_some()
+            || policy.mode == HitlMode::HumanInCommand
+            || policy
+                .modes
+                .values()
+                .any(|m| *m == HitlMode::HumanInCommand);
+        can_gate.then_some(policy)
+    }
+
+    /// The mode of the agent or role that runs `sub`: the agent's own, else its role's, else
+    /// the run's.
+    pub fn mode_of(&self, sub: &Subtask) -> HitlMode {
+        let agent = sub
+            .agent
+            .as_ref()
+            .or(self.default_agent.as_ref().filter(|_| sub.role.is_none()));
+        agent
+            .and_then(|a| self.modes.get(&format!("agent:{a}")))
+            .or_else(|| {
+                sub.role
+                    .as_ref()
+                    .and_then(|r| self.modes.get(&format!("role:{r}")))
+            })
+            .copied()
+            .unwrap_or(self.mode)
+    }
+
+    /// Whether `sub` waits for a person before it is dispatched (or, on the loop, is only
+    /// notified). A sensitive action outranks `human_in_command`.
+    pub fn gate(&self, sub: &Subtask) -> Option<Gate> {
+        let mode = self.mode_of(sub);
+        let sensitive = sub.action.as_ref().is_some_and(|a| {
+            let a = a.trim().to_lowercase();
+            self.sensitive_actions.contains(&a)
+        }) || self.sensitive_risk.is_some_and(|r| sub.risk >= r);
+        let trigger = if sensitive {
+            Trigger::SensitiveAction
+        } else if mode == HitlMode::HumanInCommand {
+            Trigger::HumanInCommand
+        } else {
+            return None;
+        };
+        Some(Gate {
+            trigger,
+            notify_only: mode == HitlMode::HumanOnTheLoop,
+        })
+    }
+}
+
+/// The approval id of attempt `attempt` of task `index` (its position in the plan):
+/// deterministic, so a replay asks the same question.
+pub fn approval_id(index: u32, attempt: u32) -> String {
+    format!("t{index}a{attempt}")
+}
+
+/// The escalations-bucket key of an approval.
+pub fn approval_key(run: RunId, approval: &str) -> String {
+    format!("{run}.{approval}")
+}
+
+/// A person's decision.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "decision", rename_all = "snake_case")]
+pub enum Decision {
+    /// Run as asked.
+    Approve,
+    /// Do not run. A required task fails the run; an optional one is skipped.
+    Reject {
+        /// Why (shown in the run's outcome; an LLM sees it as the tool's result).
+        #[serde(default)]
+        message: String,
+    },
+    /// Run with this input instead of the plan's (recorded).
+    Edit {
+        /// The input the task runs with.
+        input: serde_json::Value,
+    },
+    /// Do not run: this is the task's result, supplied by the person.
+    Respond {
+        /// The result (the task's response).
+        result: String,
+    },
+}
+
+impl Decision {
+    /// The decision as it appears on the wire.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Approve => "approve",
+            Self::Reject { .. } => "reject",
+            Self::Edit { .. } => "edit",
+            Self::Respond { .. } => "respond",
+        }
+    }
+
+    /// The decision a default stands for.
+    pub fn of_default(d: DefaultDecision, timeout: Secs) -> Self {
+        match d {
+            DefaultDecision::Approve => Self::Approve,
+            DefaultDecision::Reject => Self::Reject {
+                message: format!(
+                    "nobody answered within {} s; the default is reject",
+                    timeout.get().as_secs()
+                ),
+            },
+        }
+    }
+}
+
+/// Longest rejection message, comment or supplied result, in bytes.
+pub const MAX_ANSWER_TEXT: usize = 64 * 1024;
+
+/// Where an approval stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ApprovalStatus {
+    /// Waiting for an answer.
+    Pending,
+    /// A person answered.
+    Decided,
+    /// Nobody answered before the deadline: its default decided.
+    Expired,
+    /// The run ended (cancelled, failed) before anyone answered.
+    Withdrawn,
+}
+
+/// What a person is asked.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ApprovalRequest {
+    /// The approval (unique within the run: `t<task index>a<attempt>`).
+    pub approval_id: String,
+    /// The run.
+    pub run_id: RunId,
+    /// The task.
+    pub task_id: TaskId,
+    /// The attempt the approval lets run.
+    pub attempt: u32,
+    /// What triggered it.
+    pub trigger: Trigger,
+    /// The oversight mode of the task's agent or role.
+    pub mode: HitlMode,
+    /// The task's action.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub action: Option<String>,
+    /// The task's risk.
+    pub risk: Risk,
+    /// The task's agent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent: Option<String>,
+    /// The task's role.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
+    /// The task's description.
+    pub description: String,
+    /// The task's input, as it would run.
+    #[serde(default, skip_serializing_if = "serde_json::Value::is_null")]
+    pub input: serde_json::Value,
+    /// SHA-256 (hex) of the description and input: an answer naming another digest was given
+    /// for other arguments and does not apply.
+    pub digest: String,
+    /// When it was asked (server time of the deciding input).
+    pub requested_at: Timestamp,
+    /// When its default decides.
+    pub deadline: Timestamp,
+    /// What the deadline decides.
+    pub default: DefaultDecision,
+}
+
+/// The answer that decided an approval.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ApprovalAnswer {
+    /// The decision.
+    #[serde(flatten)]
+    pub decision: Decision,
+    /// Who decided (`deadline` for an expiry, `run` for a withdrawal).
+    pub by: String,
+    /// A comment for the record.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comment: Option<String>,
+    /// When (the deciding process's clock; the escalations bucket's revision has the
+    /// server's).
+    pub at: Timestamp,
+}
+
+/// An approval as stored in the escalations bucket (each revision whole).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ApprovalRecord {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// Where it stands.
+    pub status: ApprovalStatus,
+    /// What was asked.
+    pub request: ApprovalRequest,
+    /// What decided it (absent while pending).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub answer: Option<ApprovalAnswer>,
+}
+
+/// The decision of an approval, as recorded on the run log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ApprovalDecided {
+    /// The approval.
+    pub approval_id: String,
+    /// The task.
+    pub task_id: TaskId,
+    /// The attempt it lets run.
+    pub attempt: u32,
+    /// How it ended.
+    pub status: ApprovalStatus,
+    /// The decision that applies.
+    #[serde(flatten)]
+    pub decision: Decision,
+    /// Who decided.
+    pub by: String,
+}
+
+/// `Nats-Msg-Id` of an approval's decision on the run log.
+pub fn decided_msg_id(run: RunId, approval: &str) -> String {
+    format!("approval.{run}.{approval}")
+}
+
+/// A notice on `<prefix>.notify.<kind>.<run>` (core NATS, not stored): something waits for a
+/// person, or — under `human_on_the_loop` — a person should know.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Notification {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// What it is about: `approval`.
+    pub kind: String,
+    /// Nothing waits: the task was dispatched (`human_on_the_loop`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub notify_only: bool,
+    /// The approval as stored (for a notice only: as it would have been asked).
+    pub approval: ApprovalRecord,
+}
+
+/// List approvals (`approval.list`): pending ones across runs, or every approval of one run
+/// (its audit trail).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ApprovalListRequest {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// Only this run's approvals.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<RunId>,
+    /// Decided, expired and withdrawn approvals too (default: pending only).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub all: bool,
+    /// Most approvals answered (default and maximum [`MAX_LISTED_APPROVALS`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u32>,
+}
+
+/// Most approvals one `approval.list` answers.
+pub const MAX_LISTED_APPROVALS: u32 = 1000;
+
+/// Approvals, oldest request first.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ApprovalList {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// The approvals.
+    pub approvals: Vec<ApprovalRecord>,
+    /// More matched than `limit`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub truncated: bool,
+}
+
+/// One approval with its history (`approval.get`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ApprovalGetRequest {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// The run.
+    pub run_id: RunId,
+    /// The approval.
+    pub approval_id: String,
+}
+
+/// An approval and every revision of it, oldest first, with the server's time of each.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ApprovalView {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// The approval now.
+    pub record: ApprovalRecord,
+    /// Its revisions: requested, then what settled it.
+    pub history: Vec<ApprovalRevision>,
+}
+
+/// One revision of an approval.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ApprovalRevision {
+    /// The escalations bucket's revision.
+    pub revision: u64,
+    /// When it was stored (server time).
+    pub at: Timestamp,
+    /// Where the approval stood.
+    pub status: ApprovalStatus,
+    /// The answer, once settled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub answer: Option<ApprovalAnswer>,
+}
+
+/// Answer an approval (`approval.answer`): the first answer wins. On the wire the decision's
+/// fields sit beside the others: `"decision": "reject", "message": "…"`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(try_from = "AnswerWire", into = "AnswerWire")]
+pub struct ApprovalAnswerRequest {
+    /// Wire protocol version.
+    pub protocol: u32,
+    /// The run.
+    pub run_id: RunId,
+    /// The approval.
+    pub approval_id: String,
+    /// The decision.
+    pub decision: Decision,
+    /// Who answers (a person's name; required).
+    pub by: String,
+    /// A comment for the record.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comment: Option<String>,
+    /// The digest of the request the person saw: when given and different from the stored
+    /// request's, the answer was for other arguments and is refused (`409 digest_mismatch`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
+}
+
+/// What became of an answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum AnswerOutcome {
+    /// This answer decided the approval.
+    Decided,
+    /// Something decided it first (another answer, the deadline, the run's end): `record`
+    /// says what.
+    AlreadyDecided,
+}
+
+/// The answer to `approval.answer`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ApprovalAnswerReply {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// Whether this answer decided.
+    pub outcome: AnswerOutcome,
+    /// The approval as settled.
+    pub record: ApprovalRecord,
+}
+
+/// The kind of a decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum DecisionKind {
+    /// See [`Decision::Approve`].
+    Approve,
+    /// See [`Decision::Reject`].
+    Reject,
+    /// See [`Decision::Edit`].
+    Edit,
+    /// See [`Decision::Respond`].
+    Respond,
+}
+
+/// `approval.answer` as it is encoded: strict about unknown fields, and about the field each
+/// decision needs (`input` for `edit`, `result` for `respond`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AnswerWire {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// The run.
+    pub run_id: RunId,
+    /// The approval.
+    pub approval_id: String,
+    /// `approve`, `reject`, `edit` or `respond`.
+    pub decision: DecisionKind,
+    /// For `reject`: why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// For `edit`: the input the task runs with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input: Option<serde_json::Value>,
+    /// For `respond`: the task's result.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<String>,
+    /// Who answers.
+    pub by: String,
+    /// A comment for the record.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comment: Option<String>,
+    /// The digest of the request the person saw.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
+}
+
+impl TryFrom<AnswerWire> for ApprovalAnswerRequest {
+    type Error = String;
+
+    fn try_from(w: AnswerWire) -> Result<Self, String> {
+        let stray = |field: &str| format!("`{field}` does not go with decision {:?}", w.decision);
+        let decision = match w.decision {
+            DecisionKind::Approve => {
+                if w.message.is_some() || w.input.is_some() || w.result.is_some() {
+                    return Err(stray("message/input/result"));
+                }
+                Decision::Approve
+            }
+            DecisionKind::Reject => {
+                if w.input.is_some() || w.result.is_some() {
+                    return Err(stray("input/result"));
+                }
+                Decision::Reject {
+                    message: w.message.clone().unwrap_or_default(),
+                }
+            }
+            DecisionKind::Edit => Decision::Edit {
+                input: w
+                    .input
+                    .clone()
+                    .ok_or("decision edit needs `input` (the input the task runs with)")?,
+            },
+            DecisionKind::Respond => Decision::Respond {
+                result: w
+                    .result
+                    .clone()
+                    .ok_or("decision respond needs `result` (the task's result)")?,
+            },
+        };
+        Ok(Self {
+            protocol: w.protocol,
+            run_id: w.run_id,
+            approval_id: w.approval_id,
+            decision,
+            by: w.by,
+            comment: w.comment,
+            digest: w.digest,
+        })
+    }
+}
+
+impl From<ApprovalAnswerRequest> for AnswerWire {
+    fn from(r: ApprovalAnswerRequest) -> Self {
+        let (decision, message, input, result) = match r.decision {
+            Decision::Approve => (DecisionKind::Approve, None, None, None),
+            Decision::Reject { message } => (DecisionKind::Reject, Some(message), None, None),
+            Decision::Edit { input } => (DecisionKind::Edit, None, Some(input), None),
+            Decision::Respond { result } => (DecisionKind::Respond, None, None, Some(result)),
+        };
+        Self {
+            protocol: r.protocol,
+            run_id: r.run_id,
+            approval_id: r.approval_id,
+            decision,
+            message,
+            input,
+            result,
+            by: r.by,
+            comment: r.comment,
+            digest: r.digest,
+        }
+    }
+}
+
+impl crate::api::ApiRequest for ApprovalListRequest {
+    const ENDPOINT: &'static str = "approval.list";
+    type Reply = ApprovalList;
+}
+
+impl crate::api::ApiRequest for ApprovalGetRequest {
+    const ENDPOINT: &'static str = "approval.get";
+    type Reply = ApprovalView;
+}
+
+impl crate::api::ApiRequest for ApprovalAnswerRequest {
+    const ENDPOINT: &'static str = "approval.answer";
+    type Reply = ApprovalAnswerReply;
+}
+
+crate::api::has_protocol!(
+    ApprovalListRequest,
+    ApprovalGetRequest,
+    ApprovalAnswerRequest
+);
+
+impl ApprovalAnswerRequest {
+    /// Problems of the answer itself (before any approval is read).
+    pub fn problems(&self) -> Vec<Problem> {
+        let mut out = Vec::new();
+        if self.by.trim().is_empty() {
+            out.push(Problem::new(
+                ProblemCode::InvalidConfig,
+                "by",
+                "an answer must say who gives it",
+            ));
+        }
+        if crate::token::check_name(&self.approval_id).is_err() {
+            out.push(Problem::new(
+                ProblemCode::InvalidConfig,
+                "approval_id",
+                format!(
+                    "{:?} is not an approval id (`t<task>a<attempt>`)",
+                    self.approval_id
+                ),
+            ));
+        }
+        let text = match &self.decision {
+            Decision::Reject { message } => message.len(),
+            Decision::Respond { result } => result.len(),
+            Decision::Edit { input } => input.to_string().len(),
+            Decision::Approve => 0,
+        };
+        if text > MAX_ANSWER_TEXT
+            || self
+                .comment
+                .as_ref()
+                .is_some_and(|c| c.len() > MAX_ANSWER_TEXT)
+        {
+            out.push(Problem::new(
+                ProblemCode::InvalidConfig,
+                "decision",
+                format!(
+                    "a message, result, input or comment is longer than {MAX_ANSWER_TEXT} bytes"
+                ),
+            ));
+        }
+        out
+    }
+}
+
+/// The SHA-256 (hex) of what a task runs with: its description and input.
+pub fn digest_of(description: &str, input: &serde_json::Value) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(description.as_bytes());
+    h.update([0u8]);
+    h.update(input.to_string().as_bytes());
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sub(action: Option<&str>, agent: Option<&str>, role: Option<&str>) -> Subtask {
+        let mut s = Subtask::new("t", "do it");
+        s.action = action.map(str::to_owned);
+        s.agent = agent.map(str::to_owned);
+        s.role = role.map(str::to_owned);
+        s
+    }
+
+    #[test]
+    fn the_default_deployment_gates_sensitive_actions_only() {
+        let p = HitlPolicy::resolve(&HitlConfig::default(), None, None).expect("a policy");
+        assert_eq!(
+            p.gate(&sub(Some("Publish"), None, None)).map(|g| g.trigger),
+            Some(Trigger::SensitiveAction)
+        );
+        assert_eq!(p.gate(&sub(Some("read"), None, None)), None);
+        assert_eq!(p.gate(&sub(None, None, None)), None);
+    }
+
+    #[test]
+    fn modes_go_agent_then_role_then_run_and_plans_only_tighten() {
+        let mut d = HitlConfig::default();
+        d.roles.insert("writer".into(), HitlMode::HumanInCommand);
+        d.agents.insert("bot".into(), HitlMode::HumanOnTheLoop);
+        let p = HitlPolicy::resolve(&d, None, None).expect("a policy");
+        let g = p.gate(&sub(None, None, Some("writer"))).expect("gated");
+        assert_eq!(g.trigger, Trigger::HumanInCommand);
+        assert!(!g.notify_only);
+        // The agent's own mode wins over its role's: on the loop, a sensitive action only
+        // notifies.
+        let g = p
+            .gate(&sub(Some("pay"), Some("bot"), Some("writer")))
+            .expect("gated");
+        assert!(g.notify_only);
+        // A plan asking for less oversight changes nothing; asking for more tightens all.
+        let loose = PlanHitl {
+            mode: Some(HitlMode::HumanOnTheLoop),
+            ..PlanHitl::default()
+        };
+        assert_eq!(HitlPolicy::resolve(&d, Some(&loose), None), Some(p.clone()));
+        let strict = PlanHitl {
+            mode: Some(HitlMode::HumanInCommand),
+            sensitive_actions: vec!["Deploy".into()],
+            ..PlanHitl::default()
+        };
+        let s = HitlPolicy::resolve(&d, Some(&strict), None).expect("a policy");
+        assert!(
+            !s.gate(&sub(None, Some("bot"), None))
+                .expect("gated")
+                .notify_only
+        );
+        assert_eq!(
+            s.gate(&sub(Some("deploy"), None, None)).map(|g| g.trigger),
+            Some(Trigger::SensitiveAction)
+        );
+    }
+
+    #[test]
+    fn nothing_to_gate_is_no_policy() {
+        let d = HitlConfig {
+            sensitive_actions: Vec::new(),
+            ..HitlConfig::default()
+        };
+        assert_eq!(HitlPolicy::resolve(&d, None, None), None);
+    }
+
+    #[test]
+    fn bad_sections_are_named() {
+        let d = HitlConfig {
+            sensitive_actions: vec![" ".into()],
+            approval_timeout: Secs::from_secs(0),
+            ..HitlConfig::default()
+        };
+        let fields: Vec<String> = d.problems().into_iter().map(|p| p.path).collect();
+        assert_eq!(
+            fields,
+            ["hitl.sensitive-actions[0]", "hitl.approval-timeout"]
+        );
+    }
+}

@@ -1,0 +1,556 @@
+//! Humans in the loop, approvals: a sensitive task waits for a person without holding a
+//! worker slot; approve, reject (required fails the run, optional is skipped), edit,
+//! respond; the deadline's default applied once; racing answers; bound to the digest; bad
+//! answers refused and changing nothing; a cancelled run withdraws its approvals; modes.
+//! Services run in-process against a real nats-server; agents are the deterministic
+//! `scripted` test agent.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use flotilla_coordinator::CoordinatorOptions;
+use flotilla_model::PROTOCOL_VERSION;
+use flotilla_model::approval::{
+    AnswerOutcome, ApprovalAnswerReply, ApprovalAnswerRequest, ApprovalGetRequest,
+    ApprovalListRequest, ApprovalRecord, ApprovalStatus, Decision, DefaultDecision, HitlConfig,
+    HitlMode, OnTimeout,
+};
+use flotilla_model::ids::RunId;
+use flotilla_model::plan::Subtask;
+use flotilla_model::run::{EndCause, RunStatus, TaskStatus};
+use flotilla_model::submit::SubmitRequest;
+use flotilla_model::time::Secs;
+use flotilla_worker::WorkerOptions;
+use futures::StreamExt;
+use support::*;
+
+const ASK: Duration = Duration::from_secs(5);
+
+async fn services(hitl: HitlConfig) -> anyhow::Result<InProcess> {
+    let mut agents = BTreeMap::new();
+    agents.insert(
+        "bot".to_string(),
+        flotilla_worker::agents::AgentDefinition::Scripted(
+            flotilla_worker::agents::ScriptedConfig {
+                reply: "{task_id} done with {input} after [{dependency_numbers}]".into(),
+                ..Default::default()
+            },
+        ),
+    );
+    let opts = CoordinatorOptions {
+        hitl,
+        ..CoordinatorOptions::default()
+    };
+    InProcess::start_configured(
+        1,
+        agents,
+        WorkerOptions {
+            started_event_delay: Duration::ZERO,
+            ..WorkerOptions::default()
+        },
+        opts,
+    )
+    .await
+}
+
+fn sensitive(id: &str, after: &[&str]) -> Subtask {
+    let mut s = Subtask::new(id, "publish the report").after(after);
+    s.action = Some("publish".into());
+    s.input = serde_json::json!({"channel": "news"});
+    s
+}
+
+/// The run's approvals, once `n` are listed (pending only unless `all`).
+async fn approvals(
+    f: &InProcess,
+    run: RunId,
+    all: bool,
+    n: usize,
+) -> anyhow::Result<Vec<ApprovalRecord>> {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let l = f
+            .client
+            .request(
+                &ApprovalListRequest {
+                    protocol: PROTOCOL_VERSION,
+                    run_id: Some(run),
+                    all,
+                    limit: None,
+                },
+                ASK,
+            )
+            .await?;
+        if l.approvals.len() >= n {
+            return Ok(l.approvals);
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "run {run} has {} approvals, not {n}",
+            l.approvals.len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn answer(run: RunId, id: &str, decision: Decision) -> ApprovalAnswerRequest {
+    ApprovalAnswerRequest {
+        protocol: PROTOCOL_VERSION,
+        run_id: run,
+        approval_id: id.into(),
+        decision,
+        by: "alice".into(),
+        comment: Some("looked at it".into()),
+        digest: None,
+    }
+}
+
+/// A task's status in the run's view (once the run's start is recorded).
+async fn task_status(f: &InProcess, run: RunId, task: &str) -> anyhow::Result<TaskStatus> {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let view = f.client.run(run).await?.expect("the run exists");
+        if let Some(t) = view.tasks.iter().find(|t| t.task_id.as_str() == task) {
+            return Ok(t.status);
+        }
+        anyhow::ensure!(tokio::time::Instant::now() < deadline, "no task {task}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_sensitive_task_waits_until_approved_and_a_second_answer_is_told_what_decided()
+-> anyhow::Result<()> {
+    let f = services(HitlConfig::default()).await?;
+    let mut notices = f
+        .bus
+        .client()
+        .subscribe(format!("{}.notify.approval.*", f.bus.names().prefix()))
+        .await?;
+    let run = f
+        .client
+        .submit(SubmitRequest::new(plan(vec![
+            Subtask::new("draft", "write it"),
+            sensitive("publish", &["draft"]),
+            Subtask::new("announce", "tell people").after(&["publish"]),
+        ])))
+        .await?;
+    let pending = approvals(&f, run, false, 1).await?;
+    let a = &pending[0];
+    assert_eq!(a.request.task_id.as_str(), "publish");
+    assert_eq!(a.request.approval_id, "t1a1");
+    assert_eq!(a.request.trigger.as_str(), "sensitive_action");
+    assert_eq!(a.request.input, serde_json::json!({"channel": "news"}));
+    // Notified, and the task holds no slot: it is waiting for a person, not dispatched.
+    let notice = tokio::time::timeout(ASK, notices.next())
+        .await?
+        .expect("a notice");
+    let notice: flotilla_model::approval::Notification = serde_json::from_slice(&notice.payload)?;
+    assert_eq!(notice.approval.request.approval_id, "t1a1");
+    assert_eq!(
+        task_status(&f, run, "publish").await?,
+        TaskStatus::AwaitingApproval
+    );
+    assert_eq!(task_status(&f, run, "announce").await?, TaskStatus::Waiting);
+    // Bound to the arguments: an answer for another digest does not apply.
+    let mut wrong = answer(run, "t1a1", Decision::Approve);
+    wrong.digest = Some("0".repeat(64));
+    let refused = f.client.call(&wrong, ASK).await?.expect_err("refused");
+    assert_eq!(
+        (refused.status, refused.code.as_str()),
+        (409, "digest_mismatch")
+    );
+    let mut right = answer(run, "t1a1", Decision::Approve);
+    right.digest = Some(a.request.digest.clone());
+    let reply: ApprovalAnswerReply = f.client.request(&right, ASK).await?;
+    assert_eq!(reply.outcome, AnswerOutcome::Decided);
+    let outcome = f.client.wait(run, WAIT).await?;
+    assert_eq!(outcome.status, RunStatus::Succeeded, "{outcome:?}");
+    let later: ApprovalAnswerReply = f
+        .client
+        .request(
+            &answer(
+                run,
+                "t1a1",
+                Decision::Reject {
+                    message: "no".into(),
+                },
+            ),
+            ASK,
+        )
+        .await?;
+    assert_eq!(later.outcome, AnswerOutcome::AlreadyDecided);
+    assert_eq!(
+        later.record.answer.expect("answer").decision,
+        Decision::Approve
+    );
+    // The audit trail: requested, then decided by alice with her comment.
+    let view = f
+        .client
+        .request(
+            &ApprovalGetRequest {
+                protocol: PROTOCOL_VERSION,
+                run_id: run,
+                approval_id: "t1a1".into(),
+            },
+            ASK,
+        )
+        .await?;
+    let statuses: Vec<ApprovalStatus> = view.history.iter().map(|h| h.status).collect();
+    assert_eq!(statuses, [ApprovalStatus::Pending, ApprovalStatus::Decided]);
+    let by = view.history[1].answer.as_ref().expect("answer");
+    assert_eq!(
+        (by.by.as_str(), by.comment.as_deref()),
+        ("alice", Some("looked at it"))
+    );
+    f.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_rejected_required_task_fails_the_run_and_an_optional_one_is_skipped()
+-> anyhow::Result<()> {
+    let f = services(HitlConfig::default()).await?;
+    let required = f
+        .client
+        .submit(SubmitRequest::new(plan(vec![sensitive("publish", &[])])))
+        .await?;
+    let mut optional_task = sensitive("publish", &[]);
+    optional_task.required = false;
+    let optional = f
+        .client
+        .submit(SubmitRequest::new(plan(vec![
+            optional_task,
+            {
+                let mut t = Subtask::new("after_publish", "x").after(&["publish"]);
+                t.required = false;
+                t
+            },
+            Subtask::new("other", "y"),
+        ])))
+        .await?;
+    for run in [required, optional] {
+        approvals(&f, run, false, 1).await?;
+        let r: ApprovalAnswerReply = f
+            .client
+            .request(
+                &answer(
+                    run,
+                    "t0a1",
+                    Decision::Reject {
+                        message: "not today".into(),
+                    },
+                ),
+                ASK,
+            )
+            .await?;
+        assert_eq!(r.outcome, AnswerOutcome::Decided);
+    }
+    let o = f.client.wait(required, WAIT).await?;
+    assert_eq!(o.status, RunStatus::Failed);
+    assert_eq!(o.cause, Some(EndCause::ApprovalRejected));
+    let reason = o.reason.unwrap_or_default();
+    assert!(
+        reason.contains("publish") && reason.contains("not today"),
+        "{reason}"
+    );
+    let o = f.client.wait(optional, WAIT).await?;
+    assert_eq!(o.status, RunStatus::Succeeded, "{o:?}");
+    assert_eq!(
+        task_status(&f, optional, "publish").await?,
+        TaskStatus::Skipped
+    );
+    assert_eq!(
+        task_status(&f, optional, "after_publish").await?,
+        TaskStatus::Skipped
+    );
+    f.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_edit_runs_with_the_persons_input_and_a_response_stands_for_the_result()
+-> anyhow::Result<()> {
+    let f = services(HitlConfig::default()).await?;
+    let edited = f
+        .client
+        .submit(SubmitRequest::new(plan(vec![sensitive("publish", &[])])))
+        .await?;
+    let responded = f
+        .client
+        .submit(SubmitRequest::new(plan(vec![
+            sensitive("publish", &[]),
+            Subtask::new("announce", "tell").after(&["publish"]),
+        ])))
+        .await?;
+    approvals(&f, edited, false, 1).await?;
+    approvals(&f, responded, false, 1).await?;
+    f.client
+        .request(
+            &answer(
+                edited,
+                "t0a1",
+                Decision::Edit {
+                    input: serde_json::json!({"channel": "internal"}),
+                },
+            ),
+            ASK,
+        )
+        .await?;
+    f.client
+        .request(
+            &answer(
+                responded,
+                "t0a1",
+                Decision::Respond {
+                    result: "42 items published by hand".into(),
+                },
+            ),
+            ASK,
+        )
+        .await?;
+    let o = f.client.wait(edited, WAIT).await?;
+    let response = o.final_result.expect("a result").response;
+    assert!(response.contains(r#"{"channel":"internal"}"#), "{response}");
+    let o = f.client.wait(responded, WAIT).await?;
+    assert_eq!(o.status, RunStatus::Succeeded);
+    // The dependent got the person's result as its dependency's.
+    assert_eq!(
+        o.final_result.expect("a result").response,
+        "announce done with null after [publish=42]"
+    );
+    f.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_deadline_applies_its_default_once_and_a_late_answer_is_told() -> anyhow::Result<()> {
+    let hitl = HitlConfig {
+        approval_timeout: Secs::from_secs(1),
+        ..HitlConfig::default()
+    };
+    let f = services(hitl).await?;
+    let run = f
+        .client
+        .submit(SubmitRequest::new(plan(vec![sensitive("publish", &[])])))
+        .await?;
+    let o = f.client.wait(run, WAIT).await?;
+    assert_eq!(o.status, RunStatus::Failed);
+    assert_eq!(o.cause, Some(EndCause::ApprovalRejected));
+    assert!(o.reason.unwrap_or_default().contains("deadline"));
+    let all = approvals(&f, run, true, 1).await?;
+    assert_eq!(all.len(), 1);
+    assert_eq!(all[0].status, ApprovalStatus::Expired);
+    let late: ApprovalAnswerReply = f
+        .client
+        .request(&answer(run, "t0a1", Decision::Approve), ASK)
+        .await?;
+    assert_eq!(late.outcome, AnswerOutcome::AlreadyDecided);
+    assert_eq!(late.record.status, ApprovalStatus::Expired);
+    f.stop().await;
+
+    // A deployment whose sensitive actions default to approve runs the task at the deadline.
+    let hitl = HitlConfig {
+        approval_timeout: Secs::from_secs(1),
+        on_timeout: OnTimeout {
+            sensitive_action: DefaultDecision::Approve,
+            ..OnTimeout::default()
+        },
+        ..HitlConfig::default()
+    };
+    let f = services(hitl).await?;
+    let run = f
+        .client
+        .submit(SubmitRequest::new(plan(vec![sensitive("publish", &[])])))
+        .await?;
+    let o = f.client.wait(run, WAIT).await?;
+    assert_eq!(o.status, RunStatus::Succeeded);
+    f.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn racing_answers_decide_once() -> anyhow::Result<()> {
+    let f = services(HitlConfig::default()).await?;
+    let run = f
+        .client
+        .submit(SubmitRequest::new(plan(vec![sensitive("publish", &[])])))
+        .await?;
+    approvals(&f, run, false, 1).await?;
+    let mut racers = tokio::task::JoinSet::new();
+    for i in 0..8 {
+        let client = f.client.clone();
+        let d = if i % 2 == 0 {
+            Decision::Approve
+        } else {
+            Decision::Reject {
+                message: format!("racer {i}"),
+            }
+        };
+        racers.spawn(async move {
+            client
+                .request(&answer(run, "t0a1", d), ASK)
+                .await
+                .map(|r: ApprovalAnswerReply| r)
+        });
+    }
+    let mut decided = Vec::new();
+    let mut records = Vec::new();
+    while let Some(r) = racers.join_next().await {
+        let r = r??;
+        if r.outcome == AnswerOutcome::Decided {
+            decided.push(r.record.clone());
+        }
+        records.push(r.record);
+    }
+    assert_eq!(decided.len(), 1, "exactly one answer decides");
+    // Everyone is told the same winner, and the run follows it.
+    let winner = decided[0].answer.clone().expect("answer");
+    assert!(records.iter().all(|r| r.answer.as_ref() == Some(&winner)));
+    let o = f.client.wait(run, WAIT).await?;
+    let expected = match winner.decision {
+        Decision::Approve => RunStatus::Succeeded,
+        _ => RunStatus::Failed,
+    };
+    assert_eq!(o.status, expected);
+    f.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn bad_answers_are_refused_and_change_nothing() -> anyhow::Result<()> {
+    let f = services(HitlConfig::default()).await?;
+    let run = f
+        .client
+        .submit(SubmitRequest::new(plan(vec![sensitive("publish", &[])])))
+        .await?;
+    approvals(&f, run, false, 1).await?;
+    let mut nobody = answer(run, "t0a1", Decision::Approve);
+    nobody.by = " ".into();
+    let e = f.client.call(&nobody, ASK).await?.expect_err("refused");
+    assert_eq!((e.status, e.code.as_str()), (400, "invalid_answer"));
+    assert_eq!(e.problems[0].path, "by");
+    let e = f
+        .client
+        .call(&answer(run, "t9a1", Decision::Approve), ASK)
+        .await?
+        .expect_err("refused");
+    assert_eq!((e.status, e.code.as_str()), (404, "not_found"));
+    let e = f
+        .client
+        .call(&answer(run, "no.such", Decision::Approve), ASK)
+        .await?
+        .expect_err("refused");
+    assert_eq!(e.code, "invalid_answer");
+    let e = f
+        .client
+        .call(&answer(RunId::new(), "t0a1", Decision::Approve), ASK)
+        .await?
+        .expect_err("refused");
+    assert_eq!(e.code, "not_found");
+    let huge = answer(
+        run,
+        "t0a1",
+        Decision::Respond {
+            result: "x".repeat(70 * 1024),
+        },
+    );
+    let e = f.client.call(&huge, ASK).await?.expect_err("refused");
+    assert_eq!(e.code, "invalid_answer");
+    // Malformed JSON.
+    let raw = f
+        .bus
+        .client()
+        .request(
+            format!("{}.api.approval.answer", f.bus.names().prefix()),
+            "{not json".into(),
+        )
+        .await?;
+    let body: flotilla_model::api::ApiError = serde_json::from_slice(&raw.payload)?;
+    assert_eq!(body.code, "malformed");
+    // Still waiting, still pending.
+    let pending = approvals(&f, run, false, 1).await?;
+    assert_eq!(pending[0].status, ApprovalStatus::Pending);
+    assert_eq!(
+        task_status(&f, run, "publish").await?,
+        TaskStatus::AwaitingApproval
+    );
+    // A cancelled run withdraws what it waited for.
+    f.client.cancel(run, Some("changed my mind".into())).await?;
+    let o = f.client.wait(run, WAIT).await?;
+    assert_eq!(o.status, RunStatus::Cancelled);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let all = approvals(&f, run, true, 1).await?;
+        if all[0].status == ApprovalStatus::Withdrawn {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{:?}",
+            all[0].status
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(approvals(&f, run, false, 0).await?.is_empty());
+    f.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn human_in_command_asks_for_every_task_and_on_the_loop_only_notifies() -> anyhow::Result<()>
+{
+    let mut hitl = HitlConfig::default();
+    hitl.agents.insert("bot".into(), HitlMode::HumanInCommand);
+    let f = services(hitl).await?;
+    let run = f
+        .client
+        .submit(SubmitRequest::new(plan(vec![
+            Subtask::new("a", "x"),
+            Subtask::new("b", "y"),
+        ])))
+        .await?;
+    // Both are asked at once (asking holds no slot), as human_in_command.
+    let pending = approvals(&f, run, false, 2).await?;
+    assert!(
+        pending
+            .iter()
+            .all(|p| p.request.trigger.as_str() == "human_in_command")
+    );
+    for p in &pending {
+        f.client
+            .request(&answer(run, &p.request.approval_id, Decision::Approve), ASK)
+            .await?;
+    }
+    assert_eq!(f.client.wait(run, WAIT).await?.status, RunStatus::Succeeded);
+    f.stop().await;
+
+    let hitl = HitlConfig {
+        mode: HitlMode::HumanOnTheLoop,
+        ..HitlConfig::default()
+    };
+    let f = services(hitl).await?;
+    let mut notices = f
+        .bus
+        .client()
+        .subscribe(format!("{}.notify.approval.*", f.bus.names().prefix()))
+        .await?;
+    let run = f
+        .client
+        .submit(SubmitRequest::new(plan(vec![sensitive("publish", &[])])))
+        .await?;
+    assert_eq!(f.client.wait(run, WAIT).await?.status, RunStatus::Succeeded);
+    let notice = tokio::time::timeout(ASK, notices.next())
+        .await?
+        .expect("a notice");
+    let notice: flotilla_model::approval::Notification = serde_json::from_slice(&notice.payload)?;
+    assert!(notice.notify_only);
+    assert!(
+        approvals(&f, run, true, 0).await?.is_empty(),
+        "nothing waited"
+    );
+    f.stop().await;
+    Ok(())
+}
