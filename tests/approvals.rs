@@ -554,3 +554,124 @@ async fn human_in_command_asks_for_every_task_and_on_the_loop_only_notifies() ->
     f.stop().await;
     Ok(())
 }
+
+const PROCESSES: &str = r#"
+default-agent = "bot"
+[agents.bot]
+kind = "scripted"
+reply = "{task_id} done with {input}"
+
+[hitl]
+approval-timeout = "4s"
+"#;
+
+fn json_of(out: &std::process::Output) -> anyhow::Result<serde_json::Value> {
+    anyhow::ensure!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+/// Across processes, through the CLI: the coordinator that asked is killed and NATS
+/// restarted while the task waits; the operator's approval, given while no coordinator
+/// runs, is applied exactly once by the next one. A second run's deadline passes while its
+/// coordinator is down: the default is applied once by the next coordinator.
+#[tokio::test]
+async fn approvals_survive_coordinator_kills_and_a_nats_restart_through_the_cli()
+-> anyhow::Result<()> {
+    let mut p = Processes::start(PROCESSES).await?;
+    let c1 = p.coordinator().await?;
+    p.worker(&[]).await?;
+    let mut patient = plan(vec![
+        sensitive("publish", &[]),
+        Subtask::new("announce", "tell").after(&["publish"]),
+    ]);
+    patient.config.hitl = Some(flotilla_model::approval::PlanHitl {
+        approval_timeout: Some(Secs::from_secs(120)),
+        ..Default::default()
+    });
+    let approved = p.client.submit(SubmitRequest::new(patient)).await?;
+    let mut expiring = plan(vec![sensitive("publish", &[])]);
+    expiring.config.hitl = Some(flotilla_model::approval::PlanHitl {
+        approval_timeout: Some(Secs::from_secs(3)),
+        ..Default::default()
+    });
+    let expiring = p.client.submit(SubmitRequest::new(expiring)).await?;
+    // Both wait, listed in the operator's inbox.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let list = json_of(&p.cli(&["approvals", "list", "--json"])?)?;
+        let n = list["approvals"].as_array().map_or(0, Vec::len);
+        if n >= 2 {
+            break;
+        }
+        anyhow::ensure!(tokio::time::Instant::now() < deadline, "inbox: {list}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let shown =
+        json_of(&p.cli(&["approvals", "show", &approved.to_string(), "t0a1", "--json"])?)?;
+    let digest = shown["record"]["request"]["digest"]
+        .as_str()
+        .expect("a digest")
+        .to_owned();
+    p.kill(c1);
+    p.server.restart().await?;
+    // No coordinator serves the API: an answer now is refused, and nothing changes.
+    let out = p.cli(&[
+        "approvals",
+        "approve",
+        &approved.to_string(),
+        "t0a1",
+        "--by",
+        "carol",
+        "--digest",
+        &digest,
+        "--json",
+    ])?;
+    assert!(!out.status.success());
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    p.coordinator().await?;
+    let answered = json_of(&p.cli(&[
+        "approvals",
+        "approve",
+        &approved.to_string(),
+        "t0a1",
+        "--by",
+        "carol",
+        "--digest",
+        &digest,
+        "--json",
+    ])?)?;
+    // The expiring run's 3 s deadline passed while no coordinator ran.
+    assert_eq!(answered["outcome"], "decided", "{answered}");
+    let o = p.client.wait(approved, WAIT).await?;
+    assert_eq!(o.status, RunStatus::Succeeded, "{o:?}");
+    let o = p.client.wait(expiring, WAIT).await?;
+    assert_eq!(o.status, RunStatus::Failed);
+    assert_eq!(o.cause, Some(EndCause::ApprovalRejected));
+    // Each decision was applied once: one approval_decided input each on the run logs.
+    let store = flotilla_coordinator::store::RunStore::open(&p.bus).await?;
+    for run in [approved, expiring] {
+        let history = store.history(run).await?;
+        let decided = history
+            .iter()
+            .filter(|(_, _, e)| {
+                matches!(
+                    e.input,
+                    flotilla_model::runlog::RunInput::ApprovalDecided(_)
+                )
+            })
+            .count();
+        assert_eq!(decided, 1, "run {run}");
+    }
+    let history = p.cli(&["approvals", "history", &approved.to_string()])?;
+    let text = String::from_utf8_lossy(&history.stdout);
+    assert!(text.contains("decided approve by carol"), "{text}");
+    let history = p.cli(&["approvals", "history", &expiring.to_string()])?;
+    let text = String::from_utf8_lossy(&history.stdout);
+    assert!(text.contains("expired reject by deadline"), "{text}");
+    Ok(())
+}

@@ -61,6 +61,7 @@
 mod harness;
 mod collab;
 mod flotilla;
+mod hitl;
 mod llm;
 mod recovery;
 mod team;
@@ -137,6 +138,8 @@ pub struct BenchArgs {
     tree: Box<tree::TreeArgs>,
     #[command(flatten)]
     team: team::TeamArgs,
+    #[command(flatten)]
+    hitl: hitl::HitlArgs,
 }
 
 /// A section of the bench (`--only`).
@@ -162,6 +165,9 @@ enum Section {
     /// The supervisor: its cost to run throughput, catch-up, outcome → failure record lag,
     /// anycast and recruit latency, idle teammates' memory, a teammate's wake.
     Team,
+    /// Humans in the loop: an approval's overhead next to a dependency hop, and the cost of
+    /// runs waiting for a person.
+    Hitl,
 }
 
 /// Runs the selected sections against the server at `nats_url` (the CLI's global
@@ -179,6 +185,7 @@ pub async fn run(args: BenchArgs, nats_url: Option<&str>) -> anyhow::Result<()> 
         && !want(Section::Llm)
         && !want(Section::Tree)
         && !want(Section::Team)
+        && !want(Section::Hitl)
     {
         return Ok(());
     }
@@ -246,6 +253,9 @@ pub async fn run(args: BenchArgs, nats_url: Option<&str>) -> anyhow::Result<()> 
     }
     if want(Section::Team) {
         team::run(&args.team, &services, &url, raw.as_ref()).await?;
+    }
+    if want(Section::Hitl) {
+        hitl::run(&args.hitl, &services, &url).await?;
     }
     Ok(())
 }

@@ -132,17 +132,24 @@ impl Escalations {
     /// Settles a pending approval with `settle` (given the pending record), unless something
     /// settled it first. Returns the settled record and whether this call settled it. When
     /// the request is missing (its step was not performed), `missing` is stored settled.
+    /// `known` is the approval as just read (saves a read; a stale one loses the race and is
+    /// read again).
     pub(crate) async fn settle(
         &self,
         run: RunId,
         approval: &str,
         missing: Option<&ApprovalRecord>,
+        mut known: Option<(ApprovalRecord, u64)>,
         settle: impl Fn(&ApprovalRecord) -> ApprovalRecord,
     ) -> Result<(ApprovalRecord, bool), ApprovalError> {
         let key = approval_key(run, approval);
         let kv = self.kv().await?;
         for _ in 0..MAX_RACES {
-            let Some((current, revision)) = self.get(run, approval).await? else {
+            let read = match known.take() {
+                Some(k) => Some(k),
+                None => self.get(run, approval).await?,
+            };
+            let Some((current, revision)) = read else {
                 let Some(m) = missing else {
                     return Err(ApprovalError::NotFound(format!(
                         "run {run} has no approval {approval}"

@@ -144,7 +144,7 @@ impl Default for HitlConfig {
 
 /// The default decision of an unanswered request, per trigger.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "snake_case", deny_unknown_fields, default)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields, default)]
 pub struct OnTimeout {
     /// For a sensitive action (default `reject`).
     pub sensitive_action: DefaultDecision,

@@ -286,10 +286,7 @@ pub fn public_schemas() -> Vec<(&'static str, Schema)> {
             "approval-answer-reply.json",
             schema_for!(crate::approval::ApprovalAnswerReply),
         ),
-        (
-            "hitl-config.json",
-            schema_for!(crate::approval::HitlConfig),
-        ),
+        ("hitl-config.json", schema_for!(crate::approval::HitlConfig)),
     ]
 }
 

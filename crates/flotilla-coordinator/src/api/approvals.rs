@@ -106,8 +106,8 @@ impl Api {
             return respond_api_error(&req, &body).await;
         }
         // Bound to what was asked: an answer for other arguments does not apply.
-        match self.escalations.get(r.run_id, &r.approval_id).await {
-            Ok(Some((record, _))) => {
+        let known = match self.escalations.get(r.run_id, &r.approval_id).await {
+            Ok(Some((record, revision))) => {
                 if let Some(d) = r.digest.as_ref().filter(|d| **d != record.request.digest) {
                     return respond_error(
                         &req,
@@ -120,6 +120,7 @@ impl Api {
                     )
                     .await;
                 }
+                (record, revision)
             }
             Ok(None) => {
                 return respond_error(
@@ -131,7 +132,7 @@ impl Api {
                 .await;
             }
             Err(e) => return respond_approval_error(&req, e).await,
-        }
+        };
         let answer = ApprovalAnswer {
             decision: r.decision.clone(),
             by: r.by.trim().to_owned(),
@@ -140,7 +141,7 @@ impl Api {
         };
         let settled = self
             .escalations
-            .settle(r.run_id, &r.approval_id, None, |p| {
+            .settle(r.run_id, &r.approval_id, None, Some(known), |p| {
                 settled(p, ApprovalStatus::Decided, answer.clone())
             })
             .await;

@@ -92,7 +92,7 @@ impl Runtime {
         let id = approval_id(task, attempt);
         let (record, ours) = self
             .escalations
-            .settle(run, &id, Some(&missing), |p| {
+            .settle(run, &id, Some(&missing), None, |p| {
                 settled(
                     p,
                     ApprovalStatus::Expired,
@@ -131,7 +131,7 @@ impl Runtime {
         let id = approval_id(task, attempt);
         let result = self
             .escalations
-            .settle(run, &id, None, |p| {
+            .settle(run, &id, None, None, |p| {
                 settled(
                     p,
                     ApprovalStatus::Withdrawn,
