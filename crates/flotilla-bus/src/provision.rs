@@ -236,8 +236,7 @@ pub fn desired_buckets(names: &Names, opts: &JetStreamOptions) -> Vec<kv::Config
         .map(|&b| kv::Config {
             bucket: names.bucket(b),
             description: format!("Flotilla {}", b.suffix()),
-            // An approval's revisions are its audit trail: requested, then what settled it.
-            history: if b == Bucket::Escalations { 8 } else { 1 },
+            history: 1,
             max_age: match b {
                 Bucket::Workers => opts.worker_ttl,
                 Bucket::Runs => opts.runlog_max_age,

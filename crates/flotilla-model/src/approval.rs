@@ -613,7 +613,8 @@ pub struct ApprovalView {
     pub protocol: u32,
     /// The approval now.
     pub record: ApprovalRecord,
-    /// Its revisions: requested, then what settled it.
+    /// The revisions the bucket keeps (the latest: the record itself says when it was
+    /// requested and answered), oldest first, with the server's time.
     pub history: Vec<ApprovalRevision>,
 }
 
