@@ -165,22 +165,29 @@ impl OnTimeout {
 impl HitlConfig {
     /// Problems of the section: an empty action name, a deadline out of range.
     pub fn problems(&self) -> Vec<Problem> {
-        let mut out = Vec::new();
-        for (i, a) in self.sensitive_actions.iter().enumerate() {
-            if a.trim().is_empty() {
-                out.push(Problem::new(
-                    ProblemCode::InvalidConfig,
-                    format!("hitl.sensitive-actions[{i}]"),
-                    "a sensitive action must name an action",
-                ));
-            }
-        }
+        let mut out = check_actions(&self.sensitive_actions, "hitl.sensitive-actions");
         out.extend(check_timeout(
             self.approval_timeout,
             "hitl.approval-timeout".into(),
         ));
         out
     }
+}
+
+/// A problem per sensitive action of `actions` that names none, at `field[i]`.
+fn check_actions(actions: &[String], field: &str) -> Vec<Problem> {
+    actions
+        .iter()
+        .enumerate()
+        .filter(|(_, a)| a.trim().is_empty())
+        .map(|(i, _)| {
+            Problem::new(
+                ProblemCode::InvalidConfig,
+                format!("{field}[{i}]"),
+                "a sensitive action must name an action",
+            )
+        })
+        .collect()
 }
 
 fn check_timeout(t: Secs, field: String) -> Option<Problem> {
@@ -214,16 +221,7 @@ pub struct PlanHitl {
 impl PlanHitl {
     /// Problems of the plan's section, named under `config.hitl`.
     pub fn problems(&self) -> Vec<Problem> {
-        let mut out = Vec::new();
-        for (i, a) in self.sensitive_actions.iter().enumerate() {
-            if a.trim().is_empty() {
-                out.push(Problem::new(
-                    ProblemCode::InvalidConfig,
-                    format!("config.hitl.sensitive_actions[{i}]"),
-                    "a sensitive action must name an action",
-                ));
-            }
-        }
+        let mut out = check_actions(&self.sensitive_actions, "config.hitl.sensitive_actions");
         if let Some(t) = self.approval_timeout {
             out.extend(check_timeout(t, "config.hitl.approval_timeout".into()));
         }
@@ -443,6 +441,18 @@ pub enum ApprovalStatus {
     Expired,
     /// The run ended (cancelled, failed) before anyone answered.
     Withdrawn,
+}
+
+impl ApprovalStatus {
+    /// The status as it appears on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Decided => "decided",
+            Self::Expired => "expired",
+            Self::Withdrawn => "withdrawn",
+        }
+    }
 }
 
 /// What a person is asked.

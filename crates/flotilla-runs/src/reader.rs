@@ -309,13 +309,7 @@ impl RunReader {
         if plan_seq == 0 {
             return self.plan(run).await;
         }
-        let msg = self
-            .runlog
-            .direct_get(plan_seq)
-            .await
-            .map_err(|e| nats(format!("reading run-log entry {plan_seq}"), e))?;
-        let entry: RunLogEntry = wire::decode(Some(&msg.headers), &msg.payload)
-            .map_err(|e| decode_err(format!("run-log entry {plan_seq}"), e))?;
+        let (entry, _) = self.entry_at(plan_seq).await?;
         match entry.input {
             RunInput::Planned(p) if entry.run_id == run => match p.decision {
                 PlanDecision::Accepted { plan, .. } | PlanDecision::Repair { plan, .. } => {
@@ -346,9 +340,8 @@ impl RunReader {
             .map(|base| state.amend(base)))
     }
 
-    /// A task result by run-log sequence: a worker's, or one a person supplied in answer to
-    /// an approval (`respond`, recorded as worker `human:<who>`).
-    pub async fn result_at(&self, seq: u64) -> Result<TaskResultInput, StoreError> {
+    /// The run-log entry at `seq`, with the server's time of it.
+    async fn entry_at(&self, seq: u64) -> Result<(RunLogEntry, i64), StoreError> {
         let msg = self
             .runlog
             .direct_get(seq)
@@ -356,18 +349,20 @@ impl RunReader {
             .map_err(|e| nats(format!("reading run-log entry {seq}"), e))?;
         let entry: RunLogEntry = wire::decode(Some(&msg.headers), &msg.payload)
             .map_err(|e| decode_err(format!("run-log entry {seq}"), e))?;
+        Ok((entry, msg.time.unix_timestamp() * 1000))
+    }
+
+    /// A task result by run-log sequence: a worker's, or one a person supplied in answer to
+    /// an approval (`respond`, recorded as worker `human:<who>`).
+    pub async fn result_at(&self, seq: u64) -> Result<TaskResultInput, StoreError> {
+        let (entry, at_ms) = self.entry_at(seq).await?;
         match entry.input {
             RunInput::TaskResult(r) => Ok(*r),
             RunInput::ApprovalDecided(d) => match d.decision {
                 flotilla_model::approval::Decision::Respond { result } => Ok(TaskResultInput {
                     task_id: d.task_id,
                     attempt: d.attempt,
-                    attempt_id: flotilla_machine::attempt_id(
-                        entry.run_id,
-                        0,
-                        d.attempt,
-                        msg.time.unix_timestamp() * 1000,
-                    ),
+                    attempt_id: flotilla_machine::attempt_id(entry.run_id, 0, d.attempt, at_ms),
                     worker: format!("human:{}", d.by),
                     started_at: None,
                     agent: None,
@@ -390,14 +385,7 @@ impl RunReader {
         &self,
         seq: u64,
     ) -> Result<flotilla_model::approval::ApprovalDecided, StoreError> {
-        let msg = self
-            .runlog
-            .direct_get(seq)
-            .await
-            .map_err(|e| nats(format!("reading run-log entry {seq}"), e))?;
-        let entry: RunLogEntry = wire::decode(Some(&msg.headers), &msg.payload)
-            .map_err(|e| decode_err(format!("run-log entry {seq}"), e))?;
-        match entry.input {
+        match self.entry_at(seq).await?.0.input {
             RunInput::ApprovalDecided(d) => Ok(*d),
             _ => Err(StoreError::new(
                 StoreErrorKind::Decode,

@@ -8,7 +8,7 @@ use std::process::ExitCode;
 
 use flotilla_model::approval::{
     AnswerOutcome, ApprovalAnswerReply, ApprovalAnswerRequest, ApprovalGetRequest, ApprovalList,
-    ApprovalListRequest, ApprovalRecord, ApprovalStatus, ApprovalView, Decision,
+    ApprovalListRequest, ApprovalRecord, ApprovalView, Decision,
 };
 use flotilla_model::ids::RunId;
 use futures::StreamExt;
@@ -193,21 +193,12 @@ pub(crate) async fn approvals(
     .await
 }
 
-fn status_str(s: ApprovalStatus) -> &'static str {
-    match s {
-        ApprovalStatus::Pending => "pending",
-        ApprovalStatus::Decided => "decided",
-        ApprovalStatus::Expired => "expired",
-        ApprovalStatus::Withdrawn => "withdrawn",
-    }
-}
-
 fn settled_line(r: &ApprovalRecord) -> String {
     match &r.answer {
         Some(a) => {
             let mut line = format!(
                 "{} {} by {} at {}",
-                status_str(r.status),
+                r.status.as_str(),
                 a.decision.as_str(),
                 a.by,
                 a.at
@@ -217,7 +208,7 @@ fn settled_line(r: &ApprovalRecord) -> String {
             }
             line
         }
-        None => status_str(r.status).to_owned(),
+        None => r.status.as_str().to_owned(),
     }
 }
 
@@ -242,7 +233,7 @@ fn print_list(l: &ApprovalList) {
             q.approval_id,
             q.task_id,
             q.trigger.as_str(),
-            status_str(r.status),
+            r.status.as_str(),
             q.deadline
         );
     }
@@ -274,7 +265,7 @@ fn print_view(v: &ApprovalView) {
             "  rev {:<4} {}  {}{}",
             h.revision,
             h.at,
-            status_str(h.status),
+            h.status.as_str(),
             h.answer
                 .as_ref()
                 .map(|a| format!(" {} by {}", a.decision.as_str(), a.by))

@@ -26,6 +26,17 @@ async fn respond_approval_error(req: &Request, e: ApprovalError) {
     respond_error(req, status, code, e.to_string()).await;
 }
 
+/// `404 not_found`: the run has no such approval.
+async fn approval_not_found(req: &Request, run: flotilla_model::ids::RunId, approval: &str) {
+    respond_error(
+        req,
+        404,
+        "not_found",
+        format!("run {run} has no approval {approval}"),
+    )
+    .await;
+}
+
 impl Api {
     pub(super) async fn approval_list(&self, req: Request) {
         let Some(r) = parse::<ApprovalListRequest>(&req).await else {
@@ -64,13 +75,7 @@ impl Api {
         let record = match self.escalations.get(r.run_id, &r.approval_id).await {
             Ok(Some((record, _))) => record,
             Ok(None) => {
-                return respond_error(
-                    &req,
-                    404,
-                    "not_found",
-                    format!("run {} has no approval {}", r.run_id, r.approval_id),
-                )
-                .await;
+                return approval_not_found(&req, r.run_id, &r.approval_id).await;
             }
             Err(e) => return respond_approval_error(&req, e).await,
         };
@@ -123,13 +128,7 @@ impl Api {
                 (record, revision)
             }
             Ok(None) => {
-                return respond_error(
-                    &req,
-                    404,
-                    "not_found",
-                    format!("run {} has no approval {}", r.run_id, r.approval_id),
-                )
-                .await;
+                return approval_not_found(&req, r.run_id, &r.approval_id).await;
             }
             Err(e) => return respond_approval_error(&req, e).await,
         };

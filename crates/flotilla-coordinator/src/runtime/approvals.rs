@@ -66,7 +66,7 @@ impl Runtime {
         self.escalations
             .request(&record, notify_only)
             .await
-            .map_err(|e| StepError::Failed(e.to_string()))
+            .map_err(StepError::from)
     }
 
     /// The deadline passed: the default settles the approval unless an answer came first;
@@ -104,15 +104,14 @@ impl Runtime {
                     },
                 )
             })
-            .await
-            .map_err(|e| StepError::Failed(e.to_string()))?;
+            .await?;
         if ours {
             info!(%run, approval = %id, decision = record.answer.as_ref().map_or("", |a| a.decision.as_str()), "Approval expired: its default decides");
         }
         self.escalations
             .relay(&record)
             .await
-            .map_err(|e| StepError::Failed(e.to_string()))
+            .map_err(StepError::from)
     }
 
     /// The run ended while the task waited: its approval is withdrawn unless settled first.
@@ -148,7 +147,7 @@ impl Runtime {
             .await;
         match result {
             Ok(_) | Err(crate::approvals::ApprovalError::NotFound(_)) => Ok(()),
-            Err(e) => Err(StepError::Failed(e.to_string())),
+            Err(e) => Err(e.into()),
         }
     }
 }

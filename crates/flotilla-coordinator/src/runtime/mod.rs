@@ -166,6 +166,14 @@ impl From<StoreError> for StepError {
     }
 }
 
+impl From<crate::approvals::ApprovalError> for StepError {
+    /// Approvals fail only for reasons that may pass (NATS unavailable, a race lost too
+    /// often) or that retrying reports again: the inputs are handed back.
+    fn from(e: crate::approvals::ApprovalError) -> Self {
+        Self::Failed(e.to_string())
+    }
+}
+
 impl From<flotilla_bus::PublishError> for StepError {
     fn from(e: flotilla_bus::PublishError) -> Self {
         match e.kind() {
