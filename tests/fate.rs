@@ -600,6 +600,7 @@ async fn an_invalid_fast_path_plan_is_never_started_by_another_coordinator() -> 
                 action: ControlAction::Cancel,
                 reason: Some("probe".into()),
                 by: None,
+                timeout_ms: None,
             }),
         };
         bus.publish(bus.names().runlog(*run), &entry, None).await?;

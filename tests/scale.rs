@@ -87,7 +87,8 @@ reply = "{task_id} <- [{dependencies}]"
                 | RunInput::Retired(_)
                 | RunInput::Assigned(_)
                 | RunInput::Finished(_)
-                | RunInput::ApprovalDecided(_) => {}
+                | RunInput::ApprovalDecided(_)
+                | RunInput::Completed(_) => {}
                 RunInput::Rejected(_) => panic!("{run} was rejected"),
             }
         }

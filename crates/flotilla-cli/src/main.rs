@@ -241,6 +241,8 @@ enum RunsCommand {
         #[arg(long)]
         json: bool,
     },
+    #[command(flatten)]
+    Control(commands::controls::ControlCommand),
 }
 
 #[derive(Debug, Subcommand)]
@@ -552,6 +554,9 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
             no_wait,
             json,
         }) => commands::runs::cancel(&load()?, run, reason, !no_wait, json).await,
+        Command::Runs(RunsCommand::Control(command)) => {
+            commands::controls::control(&load()?, command).await
+        }
         Command::Team(args) => commands::team::team(&load()?, args).await,
         Command::Memory(command) => commands::memory::memory(&load()?, command).await,
         Command::Approvals(command) => commands::approvals::approvals(&load()?, command).await,

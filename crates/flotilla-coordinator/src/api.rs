@@ -6,6 +6,7 @@
 //! | `<prefix>.api.submit` | `SubmitRequest` | `SubmitReply` (at acceptance, or at the end with `wait: true`) |
 //! | `<prefix>.api.run.get` | `GetRunRequest` | `RunView` |
 //! | `<prefix>.api.run.cancel` | `CancelRunRequest` | `CancelRunReply` |
+//! | `<prefix>.api.run.pause`, `run.resume`, `run.takeover`, `run.complete` | see [`controls`] | |
 //! | `<prefix>.api.run.tree` | `RunTreeRequest` | `RunTree` |
 //! | `<prefix>.api.session.get` | `SessionRequest` | `SessionView` |
 //! | `<prefix>.api.plan.validate` | `ValidatePlanRequest` | `ValidatePlanReply` |
@@ -58,6 +59,7 @@ const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
 
 mod approvals;
 mod collab;
+mod controls;
 
 /// `404 not_found` for a run that does not exist.
 async fn run_not_found(req: &Request, run: RunId) {
@@ -111,7 +113,7 @@ pub(crate) async fn serve(
         .client()
         .service_builder()
         .description(
-            "Flotilla coordinator API: submit, read, cancel runs; run trees and sessions; validate plans; workspace, mailboxes, session state; watch",
+            "Flotilla coordinator API: submit, read, cancel, pause, resume, take over runs; run trees and sessions; validate plans; workspace, mailboxes, session state; watch",
         )
         // The deployment's configuration fingerprint and where this coordinator runs, for
         // `flotilla up --nats-url` and operators (`nats micro info <prefix>`).
@@ -193,6 +195,30 @@ pub(crate) async fn serve(
     )
     .await
     .map_err(setup)?;
+    let mut run_pause = endpoint(
+        "run-pause",
+        flotilla_model::control::PauseRunRequest::ENDPOINT,
+    )
+    .await
+    .map_err(setup)?;
+    let mut run_resume = endpoint(
+        "run-resume",
+        flotilla_model::control::ResumeRunRequest::ENDPOINT,
+    )
+    .await
+    .map_err(setup)?;
+    let mut run_takeover = endpoint(
+        "run-takeover",
+        flotilla_model::control::TakeoverRunRequest::ENDPOINT,
+    )
+    .await
+    .map_err(setup)?;
+    let mut run_complete = endpoint(
+        "run-complete",
+        flotilla_model::control::CompleteTaskRequest::ENDPOINT,
+    )
+    .await
+    .map_err(setup)?;
     let api = Arc::new(Api {
         escalations: crate::approvals::Escalations::new(bus.clone()),
         store,
@@ -225,6 +251,10 @@ pub(crate) async fn serve(
             Some(req) = approval_list.next() => { tokio::spawn(async move { api.approval_list(req).await }); }
             Some(req) = approval_get.next() => { tokio::spawn(async move { api.approval_get(req).await }); }
             Some(req) = approval_answer.next() => { tokio::spawn(async move { api.approval_answer(req).await }); }
+            Some(req) = run_pause.next() => { tokio::spawn(async move { api.run_pause(req).await }); }
+            Some(req) = run_resume.next() => { tokio::spawn(async move { api.run_resume(req).await }); }
+            Some(req) = run_takeover.next() => { tokio::spawn(async move { api.run_takeover(req).await }); }
+            Some(req) = run_complete.next() => { tokio::spawn(async move { api.run_complete(req).await }); }
             else => break,
         }
     }
@@ -529,6 +559,7 @@ impl Api {
                 action: ControlAction::Cancel,
                 reason: (!reason.is_empty()).then_some(reason),
                 by: r.by,
+                timeout_ms: None,
             }),
         };
         match bus

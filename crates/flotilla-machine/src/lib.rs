@@ -41,6 +41,7 @@
 //! reason. A cancel control ends the run `cancelled` the same way.
 
 mod approval;
+mod control;
 mod finish;
 mod graph;
 mod lead;
@@ -50,7 +51,7 @@ mod team;
 
 pub use graph::RunGraph;
 pub use state::{
-    Action, ArmedTimer, Emission, MAX_ERROR_MESSAGE, MAX_ERROR_MESSAGES_KEPT, MAX_LISTED,
+    Action, ArmedTimer, Emission, Hold, MAX_ERROR_MESSAGE, MAX_ERROR_MESSAGES_KEPT, MAX_LISTED,
     PendingApproval, PlanningState, RunState, TaskState, truncate_message,
 };
 
@@ -62,7 +63,9 @@ use flotilla_model::ids::{AttemptId, RunId, TaskId};
 use flotilla_model::plan::{Plan, Strategy, StrategyChoice};
 use flotilla_model::run::PlanningStatus;
 use flotilla_model::run::{EndCause, RunOutcome, RunStatus, TaskStatus};
-use flotilla_model::runlog::{Assigned, Finished, PlanDecision, Recruited, Retired, Submitted};
+use flotilla_model::runlog::{
+    Assigned, ControlAction, Finished, PlanDecision, Recruited, Retired, Submitted,
+};
 use flotilla_model::task::{TaskError, TaskErrorKind, TaskResult};
 use flotilla_model::time::Timestamp;
 
@@ -151,6 +154,26 @@ pub enum Input<'a> {
     Finished {
         /// The end.
         finished: &'a Finished,
+    },
+    /// A person paused, took over or resumed the run ([`ControlAction::Cancel`] is
+    /// [`Input::Cancel`]).
+    Control {
+        /// Pause, takeover or resume.
+        action: ControlAction,
+        /// Who.
+        by: Option<&'a str>,
+        /// Why.
+        reason: Option<&'a str>,
+        /// How long a hold lasts (ms; absent: the default).
+        timeout_ms: Option<u64>,
+    },
+    /// A person completed a task by hand, at run-log sequence `seq` (where its result is
+    /// read).
+    Completed {
+        /// The completion.
+        completed: &'a flotilla_model::control::Completed,
+        /// Its run-log sequence.
+        seq: u64,
     },
     /// A waiting task's approval was decided.
     ApprovalDecided {
@@ -287,6 +310,8 @@ impl RunMachine {
             lead: submitted.lead.clone(),
             lead_deadline_ms: 0,
             hitl: submitted.hitl.clone(),
+            hold: None,
+            resumed_ms: 0,
         };
         let mut m = Self::restore_with_graph(plan, graph, state);
         let mut actions = vec![Action::Emit(Box::new(Emission {
@@ -535,6 +560,33 @@ impl RunMachine {
                     return actions;
                 }
             }
+            Input::Control {
+                action: ControlAction::Cancel,
+                reason,
+                ..
+            } => {
+                return self.apply(
+                    Input::Cancel {
+                        reason: reason.unwrap_or_default(),
+                    },
+                    now_ms,
+                );
+            }
+            Input::Control {
+                action,
+                by,
+                reason,
+                timeout_ms,
+            } => {
+                if !self.on_control(action, by, reason, timeout_ms, now_ms, &mut actions) {
+                    return actions;
+                }
+            }
+            Input::Completed { completed, seq } => {
+                if !self.on_completed(completed, seq, now_ms, &mut actions) {
+                    return actions;
+                }
+            }
             Input::Finished { finished } => {
                 // Applied or not, nothing follows: the run ended, or nothing changed.
                 self.on_finished(finished, now_ms, &mut actions);
@@ -591,6 +643,7 @@ impl RunMachine {
             self.terminal += 1;
         }
         self.state.stop_reason = Some(reason.clone());
+        self.state.hold = None;
         self.in_flight = 0;
         self.ready.clear();
         if running {
@@ -920,10 +973,16 @@ impl RunMachine {
             return None;
         }
         let timeout = self.plan.config.dependency_timeout.get().as_millis() as i64;
+        // After a hold, every wait gets at least its full timeout again.
+        let floor = if self.state.resumed_ms > 0 {
+            self.state.resumed_ms + timeout
+        } else {
+            i64::MIN
+        };
         if self.remaining[i as usize] == 0 {
             // Dependencies met: a wait for a consumed topic is bounded from its start.
             return (self.missing[i as usize] > 0)
-                .then(|| self.state.tasks[i as usize].gated_ms + timeout);
+                .then(|| (self.state.tasks[i as usize].gated_ms + timeout).max(floor));
         }
         let deps = self.graph.deps(i);
         if deps.is_empty() {
@@ -940,7 +999,7 @@ impl RunMachine {
                 _ => return None,
             }
         }
-        Some(latest + self.plan.config.dependency_timeout.get().as_millis() as i64)
+        Some((latest + timeout).max(floor))
     }
 
     /// When an anycast task's dispatched attempt stops waiting for a member: unclaimed (and
@@ -950,11 +1009,20 @@ impl RunMachine {
         (t.status == TaskStatus::Dispatched && t.claimed != t.attempt)
             .then(|| self.anycast_role(i))
             .flatten()
-            .map(|_| t.dispatched_ms + self.plan.config.dependency_timeout.get().as_millis() as i64)
+            .map(|_| {
+                let timeout = self.plan.config.dependency_timeout.get().as_millis() as i64;
+                let due = t.dispatched_ms + timeout;
+                if self.state.resumed_ms > 0 {
+                    due.max(self.state.resumed_ms + timeout)
+                } else {
+                    due
+                }
+            })
     }
 
     fn on_timer(&mut self, now_ms: i64, actions: &mut Vec<Action>) {
-        if self.lead_overdue(now_ms, actions) {
+        let held = self.hold_overdue(now_ms, actions);
+        if self.state.status.is_terminal() || (!held && self.lead_overdue(now_ms, actions)) {
             return;
         }
         let n = self.graph.len() as u32;
@@ -968,7 +1036,10 @@ impl RunMachine {
                 {
                     self.expire_approval(i, actions);
                 }
-                TaskStatus::Dispatched if self.claim_deadline(i).is_some_and(|d| d <= now_ms) => {
+                // While a person holds the run, no wait times out.
+                TaskStatus::Dispatched
+                    if !held && self.claim_deadline(i).is_some_and(|d| d <= now_ms) =>
+                {
                     unclaimed.push(i);
                 }
                 TaskStatus::Retrying if t.retry_ms <= now_ms => {
@@ -977,7 +1048,9 @@ impl RunMachine {
                         self.ready.insert(i);
                     }
                 }
-                TaskStatus::Waiting if self.dependency_deadline(i).is_some_and(|d| d <= now_ms) => {
+                TaskStatus::Waiting
+                    if !held && self.dependency_deadline(i).is_some_and(|d| d <= now_ms) =>
+                {
                     timed_out.push(i);
                 }
                 _ => {}
@@ -1059,7 +1132,8 @@ impl RunMachine {
     /// run when every task has ended.
     fn after(&mut self, now_ms: i64, actions: &mut Vec<Action>) {
         let limit = self.plan.config.max_concurrency;
-        while self.in_flight < limit {
+        // While a person holds the run, nothing new is dispatched.
+        while self.in_flight < limit && !self.held() {
             let Some(i) = self.ready.pop_first() else {
                 break;
             };
@@ -1091,13 +1165,19 @@ impl RunMachine {
         if self.rescan_deadlines {
             self.rescan_deadlines = false;
             // The timer fired: re-arm it for the earliest remaining deadline.
-            let mut next: Option<i64> = self.lead_deadline();
+            // While held, only the hold's own deadline, approvals and retries are clocked.
+            let held = self.held();
+            let mut next: Option<i64> = if held {
+                self.hold_deadline()
+            } else {
+                self.lead_deadline()
+            };
             for i in 0..self.graph.len() as u32 {
                 let t = &self.state.tasks[i as usize];
                 let due = match t.status {
                     TaskStatus::Retrying => Some(t.retry_ms),
-                    TaskStatus::Waiting => self.dependency_deadline(i),
-                    TaskStatus::Dispatched => self.claim_deadline(i),
+                    TaskStatus::Waiting if !held => self.dependency_deadline(i),
+                    TaskStatus::Dispatched if !held => self.claim_deadline(i),
                     TaskStatus::AwaitingApproval => self.approval_deadline(i),
                     _ => None,
                 };

@@ -274,6 +274,31 @@ pub struct RunState {
     /// The run's escalation policy (fixed at admission; absent: nothing waits for a person).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hitl: Option<HitlPolicy>,
+    /// While a person holds the run (`paused`, `human_control`): since when, until when, by
+    /// whom.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hold: Option<Hold>,
+    /// When the run last resumed from a hold (Unix ms; 0: never): every wait's clock
+    /// (dependencies, topics, claims) gives at least its full timeout from here.
+    #[serde(default, skip_serializing_if = "is_zero_ms")]
+    pub resumed_ms: i64,
+}
+
+/// A person's hold on a run.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hold {
+    /// Since when (Unix ms, server time).
+    #[serde(rename = "s")]
+    pub since_ms: i64,
+    /// When its default applies (a pause resumes, a takeover cancels).
+    #[serde(rename = "d")]
+    pub deadline_ms: i64,
+    /// Who holds it.
+    #[serde(rename = "b", default, skip_serializing_if = "Option::is_none")]
+    pub by: Option<String>,
+    /// Why.
+    #[serde(rename = "r", default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
 
 fn is_zero_depth(depth: &u32) -> bool {
@@ -361,6 +386,8 @@ impl RunState {
             memory: None,
             lead: None,
             lead_deadline_ms: 0,
+            hold: None,
+            resumed_ms: 0,
             hitl: None,
             outcome: Some(RunOutcome {
                 run_id,

@@ -394,6 +394,14 @@ pub enum WorkflowPhase {
     /// A task's approval was decided (`approval_id`; `detail` is the decision and who made
     /// it), or — under `human_on_the_loop` — a sensitive task was dispatched with a notice.
     ApprovalDecided,
+    /// A person paused the run (`detail`: who and why, and until when): nothing new is
+    /// dispatched.
+    RunPaused,
+    /// The run resumed (`detail`: who, or the pause's deadline): dispatch continues.
+    RunResumed,
+    /// A person took the run over (`detail`: who and why, and until when): it is under human
+    /// control.
+    RunTakenOver,
 }
 
 impl WorkflowPhase {

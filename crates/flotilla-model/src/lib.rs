@@ -8,6 +8,7 @@ pub mod api;
 pub mod approval;
 pub mod artifact;
 pub mod codec;
+pub mod control;
 pub mod event;
 pub mod ids;
 pub mod lead;

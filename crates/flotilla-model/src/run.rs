@@ -94,12 +94,26 @@ pub enum RunStatus {
     Rejected,
     /// Cancelled by a person or a policy.
     Cancelled,
+    /// Held by a person (`pause`): nothing new is dispatched until `resume` (or the pause's
+    /// deadline).
+    Paused,
+    /// Taken over by a person (`takeover`): the agents dispatch nothing; the person completes
+    /// tasks, resumes or cancels (at the takeover's deadline the run is cancelled).
+    HumanControl,
 }
 
 impl RunStatus {
     /// Whether the run has ended.
     pub fn is_terminal(self) -> bool {
-        !matches!(self, Self::Pending | Self::Running)
+        !matches!(
+            self,
+            Self::Pending | Self::Running | Self::Paused | Self::HumanControl
+        )
+    }
+
+    /// Whether a person holds the run (paused, or under human control).
+    pub fn is_held(self) -> bool {
+        matches!(self, Self::Paused | Self::HumanControl)
     }
 
     /// The status as it appears on the wire.
@@ -111,6 +125,8 @@ impl RunStatus {
             Self::Failed => "failed",
             Self::Rejected => "rejected",
             Self::Cancelled => "cancelled",
+            Self::Paused => "paused",
+            Self::HumanControl => "human_control",
         }
     }
 }

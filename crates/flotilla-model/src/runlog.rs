@@ -44,7 +44,7 @@ pub enum RunInput {
         /// Which arming of the run's timer fired; stale generations are ignored.
         generation: u64,
     },
-    /// A person or a policy controls the run (cancel).
+    /// A person or a policy controls the run: cancel, pause, resume, take over.
     Control(Control),
     /// The coordinator's review of a planner answer (runs submitted as a bare query): the
     /// planned plan the run continues with, a repair round, or the end of planning. Appended
@@ -87,6 +87,10 @@ pub enum RunInput {
     /// the escalations bucket (message id `approval.<run>.<approval>`); one for an attempt
     /// that no longer waits changes nothing.
     ApprovalDecided(Box<crate::approval::ApprovalDecided>),
+    /// A person completed a task by hand: their result stands as the task's, its dependents
+    /// get it. Appended by the API (`run.complete`, message id `completed.<run>.<task>`);
+    /// one for a task that is running or has ended changes nothing.
+    Completed(Box<crate::control::Completed>),
 }
 
 /// An assignment by a run's lead, as recorded on the run log.
@@ -152,6 +156,10 @@ pub struct Control {
     /// Who asked (a user name, `supervisor`, …), for the record.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub by: Option<String>,
+    /// For `pause` and `takeover`: how long the hold lasts before its default applies (a
+    /// pause resumes, a takeover cancels), in ms. Absent: 24 h.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
 }
 
 /// Control actions.
@@ -161,6 +169,27 @@ pub enum ControlAction {
     /// Stop the run: nothing new is dispatched, running attempts are cancelled on their
     /// workers, and the run ends `cancelled`.
     Cancel,
+    /// Hold the run (`paused`): nothing new is dispatched; attempts already running finish
+    /// and their results apply. Until `resume`, or the pause's deadline (then it resumes).
+    Pause,
+    /// End a hold (`paused` or `human_control`): dispatch continues where it stopped.
+    Resume,
+    /// Hand the run to a person (`human_control`): nothing is dispatched by the agents; the
+    /// person completes tasks, resumes or cancels. At the takeover's deadline the run is
+    /// cancelled.
+    Takeover,
+}
+
+impl ControlAction {
+    /// The action as it appears on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Cancel => "cancel",
+            Self::Pause => "pause",
+            Self::Resume => "resume",
+            Self::Takeover => "takeover",
+        }
+    }
 }
 
 /// A rejected submission, as recorded on the run log.

@@ -287,6 +287,30 @@ pub fn public_schemas() -> Vec<(&'static str, Schema)> {
             schema_for!(crate::approval::ApprovalAnswerReply),
         ),
         ("hitl-config.json", schema_for!(crate::approval::HitlConfig)),
+        (
+            "pause-run-request.json",
+            schema_for!(crate::control::PauseRunRequest),
+        ),
+        (
+            "resume-run-request.json",
+            schema_for!(crate::control::ResumeRunRequest),
+        ),
+        (
+            "takeover-run-request.json",
+            schema_for!(crate::control::TakeoverRunRequest),
+        ),
+        (
+            "control-run-reply.json",
+            schema_for!(crate::control::ControlRunReply),
+        ),
+        (
+            "complete-task-request.json",
+            schema_for!(crate::control::CompleteTaskRequest),
+        ),
+        (
+            "complete-task-reply.json",
+            schema_for!(crate::control::CompleteTaskReply),
+        ),
     ]
 }
 

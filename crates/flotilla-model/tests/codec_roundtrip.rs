@@ -591,7 +591,7 @@ proptest! {
     #[test]
     fn runlog_entry_roundtrips(
         run_id in run_id(),
-        which in 0u8..16,
+        which in 0u8..18,
         p in plan(),
         labels in labels(),
         (task_id, attempt, attempt_id, result, started) in (task_id(), 1u32..4, attempt_id(), task_result(), option::of(ts())),
@@ -606,7 +606,7 @@ proptest! {
                 name: p.name.clone(), labels, reply_to: Some("a.b".into()), intake_seq: None,
             })),
             3 => RunInput::Control(flotilla_model::runlog::Control {
-                action: flotilla_model::runlog::ControlAction::Cancel, reason: Some("stop".into()), by: None,
+                action: flotilla_model::runlog::ControlAction::Cancel, reason: Some("stop".into()), by: None, timeout_ms: None,
             }),
             4 => RunInput::TopicWritten { topic: "figures".into(), seq: generation },
             5 => RunInput::Planned(Box::new(flotilla_model::runlog::Planned {
@@ -631,6 +631,10 @@ proptest! {
             12 => RunInput::Finished(Box::new(flotilla_model::runlog::Finished { result: result.response, by: "lead".into() })),
             13 => RunInput::ApprovalDecided(Box::new(flotilla_model::approval::ApprovalDecided { approval_id: "t0a1".into(), task_id, attempt, status: flotilla_model::approval::ApprovalStatus::Decided, decision: flotilla_model::approval::Decision::Respond { result: result.response }, by: "alice".into() })),
             14 => RunInput::ApprovalDecided(Box::new(flotilla_model::approval::ApprovalDecided { approval_id: "t0a1".into(), task_id, attempt, status: flotilla_model::approval::ApprovalStatus::Expired, decision: flotilla_model::approval::Decision::Edit { input: serde_json::json!({"a": [1, 2]}) }, by: "deadline".into() })),
+            15 => RunInput::Control(flotilla_model::runlog::Control {
+                action: [flotilla_model::runlog::ControlAction::Pause, flotilla_model::runlog::ControlAction::Resume, flotilla_model::runlog::ControlAction::Takeover][generation as usize % 3], reason: Some("look".into()), by: Some("alice".into()), timeout_ms: Some(generation),
+            }),
+            16 => RunInput::Completed(Box::new(flotilla_model::control::Completed { task_id, result: result.response, by: "alice".into(), comment: Some("done by hand".into()) })),
             _ => RunInput::TimerFired { generation },
         };
         roundtrip(&RunLogEntry { protocol: 1, run_id, input })?;
@@ -678,6 +682,18 @@ proptest! {
         roundtrip(&GetRunRequest { protocol: 1, run_id, tasks_offset: 3, tasks_limit: Some(10), task_id: None })?;
         roundtrip(&flotilla_model::api::CancelRunRequest { protocol: 1, run_id, reason: Some(message.clone()), by: None })?;
         roundtrip(&flotilla_model::api::CancelRunReply { protocol: 1, run_id, cancelling: true, status: RunStatus::Running })?;
+        roundtrip(&flotilla_model::control::PauseRunRequest { protocol: 1, run_id, reason: Some(message.clone()), by: Some(code.clone()), timeout_ms: Some(5000), children: false })?;
+        roundtrip(&flotilla_model::control::ResumeRunRequest { protocol: 1, run_id, reason: None, by: None, children: true })?;
+        roundtrip(&flotilla_model::control::TakeoverRunRequest { protocol: 1, run_id, reason: None, by: Some(code.clone()), timeout_ms: None, children: true })?;
+        roundtrip(&flotilla_model::control::CompleteTaskRequest { protocol: 1, run_id, task_id: flotilla_model::TaskId::new("t1"), result: message.clone(), by: code.clone(), comment: None })?;
+        roundtrip(&flotilla_model::control::ControlRunReply { protocol: 1, run_id, applied: true, status: RunStatus::HumanControl, children: vec![run_id], context: Some(Box::new(flotilla_model::control::TakeoverContext {
+            run_id, status: RunStatus::Paused, tasks_total: 3, step: 1,
+            completed: vec![flotilla_model::control::ContextResult { task_id: flotilla_model::TaskId::new("a"), by: "human:alice".into(), result: message.clone(), truncated: true }],
+            pending: vec![flotilla_model::control::PendingTask { task_id: flotilla_model::TaskId::new("b"), status: flotilla_model::run::TaskStatus::Waiting, waiting_on: vec![flotilla_model::TaskId::new("a")], ready: false }],
+            failed: Vec::new(),
+            suggested_next: flotilla_model::control::SuggestedAction { action: "resume".into(), task_id: None, detail: message.clone() },
+            failure_reason: None, omitted: 2,
+        })) })?;
         roundtrip(&ApiError { status, code: code.clone(), message: message.clone(), current_revision: None, rule: None, problems: Vec::new() })?;
         roundtrip(&ApiError { status, code: code.clone(), message: message.clone(), current_revision: Some(7), rule: Some("team_full".into()), problems: Vec::new() })?;
         roundtrip(&flotilla_model::api::WsReadRequest { protocol: 1, run_id, topic: Some(code.clone()), since_seq: 7, limit: Some(5) })?;

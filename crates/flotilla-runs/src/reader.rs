@@ -352,8 +352,9 @@ impl RunReader {
         Ok((entry, msg.time.unix_timestamp() * 1000))
     }
 
-    /// A task result by run-log sequence: a worker's, or one a person supplied in answer to
-    /// an approval (`respond`, recorded as worker `human:<who>`).
+    /// A task result by run-log sequence: a worker's, or one a person supplied — in answer to
+    /// an approval (`respond`) or by completing the task by hand (`completed`) — recorded as
+    /// worker `human:<who>`.
     pub async fn result_at(&self, seq: u64) -> Result<TaskResultInput, StoreError> {
         let (entry, at_ms) = self.entry_at(seq).await?;
         match entry.input {
@@ -373,6 +374,15 @@ impl RunReader {
                     format!("run-log entry {seq} is an approval without a result"),
                 )),
             },
+            RunInput::Completed(c) => Ok(TaskResultInput {
+                task_id: c.task_id,
+                attempt: 0,
+                attempt_id: flotilla_machine::attempt_id(entry.run_id, 0, 0, at_ms),
+                worker: format!("human:{}", c.by),
+                started_at: None,
+                agent: None,
+                result: flotilla_model::task::TaskResult::success(c.result),
+            }),
             _ => Err(StoreError::new(
                 StoreErrorKind::Decode,
                 format!("run-log entry {seq} is not a task result"),
@@ -544,16 +554,37 @@ impl RunReader {
         Ok(Some(view))
     }
 
-    /// The view of a run that has a first message but no record yet. A coordinator's
-    /// `submitted` entry was validated: the run is rebuilt as a coordinator would rebuild it
-    /// (status `running`). A client's own submission is not validated yet, so nothing about its
-    /// fate is known: the run is `pending`, with no tasks.
+    /// The view of a run that has a first message but no record yet (see
+    /// [`Self::unrecorded_state`]).
     async fn unrecorded_view(
         &self,
         run: RunId,
         offset: usize,
         limit: usize,
     ) -> Result<Option<RunView>, StoreError> {
+        Ok(self
+            .unrecorded_state(run)
+            .await?
+            .map(|(state, plan)| view_of(&state, plan.as_ref(), offset, limit)))
+    }
+
+    /// A run's state: its record or, when it has none yet, [`Self::unrecorded_state`].
+    pub async fn state(&self, run: RunId) -> Result<Option<RunState>, StoreError> {
+        match self.load(run).await? {
+            Some(stored) => Ok(Some(stored.snapshot.state)),
+            None => Ok(self.unrecorded_state(run).await?.map(|(state, _)| state)),
+        }
+    }
+
+    /// The state of a run that has a first message but no record yet, with its plan. A
+    /// coordinator's `submitted` entry was validated: the run is rebuilt as a coordinator
+    /// would rebuild it (status `running`; its start is performed before it is recorded). A
+    /// client's own submission is not validated yet, so nothing about its fate is known: the
+    /// run is `pending`, with no tasks.
+    async fn unrecorded_state(
+        &self,
+        run: RunId,
+    ) -> Result<Option<(RunState, Option<Plan>)>, StoreError> {
         let Some(first) = self.first_message(run).await? else {
             return Ok(None);
         };
@@ -567,12 +598,12 @@ impl RunReader {
                     request.session_id,
                     request.parent,
                 );
-                return Ok(Some(view_of(&state, None, offset, limit)));
+                return Ok(Some((state, None)));
             }
             FirstMessage::Unreadable(_) => {
                 let state =
                     RunState::pending(run, first.ts_ms, None, Default::default(), None, None);
-                return Ok(Some(view_of(&state, None, offset, limit)));
+                return Ok(Some((state, None)));
             }
             FirstMessage::Entry(RunLogEntry {
                 input: RunInput::Submitted(s),
@@ -582,12 +613,7 @@ impl RunReader {
         };
         let plan = std::sync::Arc::new(submitted.plan.clone());
         let (machine, _) = flotilla_machine::RunMachine::start(run, &submitted, plan, first.ts_ms);
-        Ok(Some(view_of(
-            machine.state(),
-            Some(&submitted.plan),
-            offset,
-            limit,
-        )))
+        Ok(Some((machine.state().clone(), Some(submitted.plan))))
     }
 
     /// The run an idempotency key names, if it was claimed.

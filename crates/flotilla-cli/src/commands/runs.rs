@@ -325,17 +325,32 @@ pub(crate) async fn history(config: &Config, run: RunId, json: bool) -> anyhow::
             RunInput::Control(c) => (
                 "control",
                 format!(
-                    "{:?}{}{}",
-                    c.action,
+                    "{}{}{}{}",
+                    c.action.as_str(),
                     c.reason
                         .as_deref()
                         .map(|r| format!(": {r}"))
                         .unwrap_or_default(),
                     c.by.as_deref()
                         .map(|b| format!(" (by {b})"))
+                        .unwrap_or_default(),
+                    c.timeout_ms
+                        .map(|ms| format!(" for {} s", ms / 1000))
                         .unwrap_or_default()
-                )
-                .to_lowercase(),
+                ),
+            ),
+            RunInput::Completed(c) => (
+                "completed",
+                format!(
+                    "{} by {}: {} bytes of result{}",
+                    c.task_id,
+                    c.by,
+                    c.result.len(),
+                    c.comment
+                        .as_deref()
+                        .map(|m| format!(" ({m})"))
+                        .unwrap_or_default()
+                ),
             ),
         };
         outln!("{seq:>8}  {:<30}  {kind:<13}  {detail}", ts.to_rfc3339());

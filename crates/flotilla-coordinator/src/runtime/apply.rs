@@ -260,6 +260,21 @@ impl Runtime {
                             info!(%run, reason, by = c.by.as_deref().unwrap_or("-"), "Cancelling the run");
                             actions.extend(e.machine.apply(Input::Cancel { reason }, d.ts_ms));
                         }
+                        action => {
+                            let a = e.machine.apply(
+                                Input::Control {
+                                    action,
+                                    by: c.by.as_deref(),
+                                    reason: c.reason.as_deref(),
+                                    timeout_ms: c.timeout_ms,
+                                },
+                                d.ts_ms,
+                            );
+                            if !a.is_empty() {
+                                info!(%run, action = action.as_str(), by = c.by.as_deref().unwrap_or("-"), status = %e.machine.state().status, "Run control applied");
+                            }
+                            actions.extend(a);
+                        }
                     }
                 }
                 RunInput::Submitted(s) => {
@@ -375,6 +390,20 @@ impl Runtime {
                     );
                     if !acts.is_empty() {
                         info!(%run, approval = %a.approval_id, task = %a.task_id, decision = a.decision.as_str(), by = %a.by, "Approval applied");
+                    }
+                    actions.extend(acts);
+                }
+                RunInput::Completed(c) => {
+                    let Some(e) = entry.as_mut() else { continue };
+                    let acts = e.machine.apply(
+                        Input::Completed {
+                            completed: c,
+                            seq: d.seq,
+                        },
+                        d.ts_ms,
+                    );
+                    if !acts.is_empty() {
+                        info!(%run, task = %c.task_id, by = %c.by, "Task completed by hand");
                     }
                     actions.extend(acts);
                 }

@@ -1,0 +1,236 @@
+//! `flotilla runs pause|resume|takeover|complete`: a person's hand on a running run
+//! (`<prefix>.api.run.pause|resume|takeover|complete`, served by the coordinator). Exit 0
+//! done (also when the run was already in the asked state), 1 refused (`not_found`,
+//! `task_not_pending`, bad input), 2 no coordinator.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use flotilla_model::control::{
+    CompleteTaskReply, CompleteTaskRequest, ControlRunReply, PauseRunRequest, ResumeRunRequest,
+    TakeoverContext, TakeoverRunRequest,
+};
+use flotilla_model::ids::{RunId, TaskId};
+
+use super::team::{answer, connect};
+use crate::config::Config;
+
+/// The run-control commands of `flotilla runs`.
+#[derive(Debug, clap::Subcommand)]
+pub(crate) enum ControlCommand {
+    /// Hold a run: nothing new is dispatched (running attempts finish); its child runs pause
+    /// too. It resumes by itself after --for (default 24h).
+    Pause {
+        run: RunId,
+        #[command(flatten)]
+        args: ControlArgs,
+        /// How long the pause lasts before the run resumes by itself (1s to 7d).
+        #[arg(long = "for", value_parser = humantime::parse_duration)]
+        hold: Option<Duration>,
+    },
+    /// Continue a paused or taken-over run where it stopped (its child runs too).
+    Resume {
+        run: RunId,
+        #[command(flatten)]
+        args: ControlArgs,
+    },
+    /// Take a run over: the agents dispatch nothing; prints where the run stands (completed
+    /// and pending tasks, results, the suggested next step). Then `runs complete`, `runs
+    /// resume` or `runs cancel`. Cancelled by itself after --for (default 24h).
+    Takeover {
+        run: RunId,
+        #[command(flatten)]
+        args: ControlArgs,
+        /// How long you hold the run before it is cancelled (1s to 7d).
+        #[arg(long = "for", value_parser = humantime::parse_duration)]
+        hold: Option<Duration>,
+    },
+    /// Complete a task by hand: your result stands as the task's and its dependents get it.
+    Complete {
+        run: RunId,
+        task: TaskId,
+        /// The result.
+        #[arg(long)]
+        result: String,
+        /// Who completes it (default: $USER).
+        #[arg(long)]
+        by: Option<String>,
+        /// Why.
+        #[arg(long)]
+        comment: Option<String>,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// What every pause, resume and takeover takes.
+#[derive(Debug, clap::Args)]
+pub(crate) struct ControlArgs {
+    /// Why (recorded in the run's events).
+    #[arg(long)]
+    reason: Option<String>,
+    /// Who asks (default: $USER).
+    #[arg(long)]
+    by: Option<String>,
+    /// Leave the run's child runs as they are.
+    #[arg(long)]
+    no_children: bool,
+    /// Machine-readable output.
+    #[arg(long)]
+    json: bool,
+}
+
+fn who(by: Option<String>) -> Option<String> {
+    by.or_else(|| std::env::var("USER").ok())
+}
+
+fn ms(d: Option<Duration>) -> Option<u64> {
+    d.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+pub(crate) async fn control(config: &Config, command: ControlCommand) -> anyhow::Result<ExitCode> {
+    let client = connect(config).await?;
+    let protocol = flotilla_model::PROTOCOL_VERSION;
+    match command {
+        ControlCommand::Pause { run, args, hold } => {
+            let r = PauseRunRequest {
+                protocol,
+                run_id: run,
+                reason: args.reason,
+                by: who(args.by),
+                timeout_ms: ms(hold),
+                children: !args.no_children,
+            };
+            answer(&client, &r, args.json, |a| print_control(a, "paused")).await
+        }
+        ControlCommand::Resume { run, args } => {
+            let r = ResumeRunRequest {
+                protocol,
+                run_id: run,
+                reason: args.reason,
+                by: who(args.by),
+                children: !args.no_children,
+            };
+            answer(&client, &r, args.json, |a| print_control(a, "resumed")).await
+        }
+        ControlCommand::Takeover { run, args, hold } => {
+            let r = TakeoverRunRequest {
+                protocol,
+                run_id: run,
+                reason: args.reason,
+                by: who(args.by),
+                timeout_ms: ms(hold),
+                children: !args.no_children,
+            };
+            answer(&client, &r, args.json, |a| {
+                print_control(a, "taken over");
+                if let Some(c) = &a.context {
+                    print_context(c);
+                }
+            })
+            .await
+        }
+        ControlCommand::Complete {
+            run,
+            task,
+            result,
+            by,
+            comment,
+            json,
+        } => {
+            let r = CompleteTaskRequest {
+                protocol,
+                run_id: run,
+                task_id: task,
+                result,
+                by: who(by).unwrap_or_default(),
+                comment,
+            };
+            answer(&client, &r, json, |a: &CompleteTaskReply| {
+                outln!(
+                    "Task {} of run {} completed by hand; its dependents get your result",
+                    a.task_id,
+                    a.run_id
+                );
+            })
+            .await
+        }
+    }
+}
+
+fn print_control(a: &ControlRunReply, what: &str) {
+    if a.status.is_terminal() {
+        outln!("Run {} had already ended: {}", a.run_id, a.status);
+    } else if a.applied {
+        outln!("Run {} {what} (it was {})", a.run_id, a.status);
+    } else {
+        outln!("Run {} is already {}: nothing changed", a.run_id, a.status);
+    }
+    if !a.children.is_empty() {
+        outln!("  and {} child run(s):", a.children.len());
+        for c in &a.children {
+            outln!("    {c}");
+        }
+    }
+}
+
+fn print_context(c: &TakeoverContext) {
+    outln!(
+        "\nStep {} of {} tasks ended.  Next: {}",
+        c.step,
+        c.tasks_total,
+        c.suggested_next.detail
+    );
+    if let Some(reason) = &c.failure_reason {
+        outln!("Failure: {reason}");
+    }
+    if !c.completed.is_empty() {
+        outln!("\nCompleted:");
+        for t in &c.completed {
+            let mut preview: String = t.result.chars().take(100).collect();
+            if preview.len() < t.result.len() || t.truncated {
+                preview.push('…');
+            }
+            outln!(
+                "  {:<24} by {:<20} {}",
+                t.task_id.as_str(),
+                t.by,
+                preview.replace('\n', " ")
+            );
+        }
+    }
+    if !c.pending.is_empty() {
+        outln!("\nPending:");
+        for t in &c.pending {
+            let waiting = if t.ready {
+                "ready".to_owned()
+            } else if t.waiting_on.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "waiting on {}",
+                    t.waiting_on
+                        .iter()
+                        .map(|d| d.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            };
+            outln!(
+                "  {:<24} {:<18} {waiting}",
+                t.task_id.as_str(),
+                t.status.as_str()
+            );
+        }
+    }
+    if !c.failed.is_empty() {
+        outln!("\nFailed:");
+        for t in &c.failed {
+            outln!("  {:<24} {}", t.task_id.as_str(), t.error);
+        }
+    }
+    if c.omitted > 0 {
+        outln!("\n({} more tasks not listed)", c.omitted);
+    }
+}

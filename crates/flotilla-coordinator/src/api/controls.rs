@@ -1,0 +1,559 @@
+//! `run.pause`, `run.resume`, `run.takeover`, `run.complete`: a person's hand on a running
+//! run. Each appends one input to the run's log — the run machine decides what it does — and
+//! a pause, resume or takeover is also appended for the run's descendants (found through
+//! their links on the run's events, breadth first, at most [`MAX_CONTROLLED_RUNS`]).
+
+use async_nats::service::Request;
+use flotilla_model::PROTOCOL_VERSION;
+use flotilla_model::control::{
+    CompleteTaskReply, CompleteTaskRequest, Completed, ContextResult, ControlRunReply,
+    DEFAULT_PAUSE_TIMEOUT, DEFAULT_TAKEOVER_TIMEOUT, MAX_COMPLETED_RESULT, MAX_CONTEXT_RESULT,
+    MAX_CONTEXT_TASKS, MAX_CONTROL_TEXT, MAX_CONTROLLED_RUNS, PauseRunRequest, PendingTask,
+    ResumeRunRequest, SuggestedAction, TakeoverContext, TakeoverRunRequest, completed_msg_id,
+    hold_timeout,
+};
+use flotilla_model::ids::RunId;
+use flotilla_model::problem::{Problem, ProblemCode};
+use flotilla_model::run::{FailedTask, RunStatus, TaskStatus};
+use flotilla_model::runlog::{Control, ControlAction, RunInput, RunLogEntry};
+use flotilla_model::task::{TaskError, TaskErrorKind};
+use tracing::{info, warn};
+
+use flotilla_model::api::ApiError;
+
+use super::{Api, parse, respond_api_error, respond_error, respond_json, run_not_found};
+
+/// What a control asks, after its request was read.
+struct Asked {
+    run: RunId,
+    action: ControlAction,
+    by: Option<String>,
+    reason: Option<String>,
+    timeout_ms: Option<u64>,
+    children: bool,
+}
+
+/// The control descendants get: a takeover pauses them (the person holds the root).
+fn for_children(action: ControlAction) -> ControlAction {
+    match action {
+        ControlAction::Takeover => ControlAction::Pause,
+        a => a,
+    }
+}
+
+/// Whether `action` would change a run in `status`.
+fn changes(action: ControlAction, status: RunStatus) -> bool {
+    match action {
+        ControlAction::Pause => status == RunStatus::Running,
+        ControlAction::Takeover => matches!(status, RunStatus::Running | RunStatus::Paused),
+        ControlAction::Resume => status.is_held(),
+        ControlAction::Cancel => !status.is_terminal(),
+    }
+}
+
+/// Refuses text over [`MAX_CONTROL_TEXT`] (`400 invalid_request` naming the field).
+async fn text_too_long(req: &Request, fields: &[(&str, &Option<String>)]) -> bool {
+    for (name, value) in fields {
+        if value.as_ref().is_some_and(|v| v.len() > MAX_CONTROL_TEXT) {
+            respond_error(
+                req,
+                400,
+                "invalid_request",
+                format!("{name} is longer than {MAX_CONTROL_TEXT} bytes"),
+            )
+            .await;
+            return true;
+        }
+    }
+    false
+}
+
+impl Api {
+    pub(super) async fn run_pause(&self, req: Request) {
+        let Some(r) = parse::<PauseRunRequest>(&req).await else {
+            return;
+        };
+        if text_too_long(&req, &[("reason", &r.reason), ("by", &r.by)]).await {
+            return;
+        }
+        if let Err(m) = hold_timeout(r.timeout_ms, DEFAULT_PAUSE_TIMEOUT) {
+            return respond_error(&req, 400, "invalid_timeout", m).await;
+        }
+        let asked = Asked {
+            run: r.run_id,
+            action: ControlAction::Pause,
+            by: r.by,
+            reason: r.reason,
+            timeout_ms: r.timeout_ms,
+            children: r.children,
+        };
+        self.control(&req, asked).await;
+    }
+
+    pub(super) async fn run_resume(&self, req: Request) {
+        let Some(r) = parse::<ResumeRunRequest>(&req).await else {
+            return;
+        };
+        if text_too_long(&req, &[("reason", &r.reason), ("by", &r.by)]).await {
+            return;
+        }
+        let asked = Asked {
+            run: r.run_id,
+            action: ControlAction::Resume,
+            by: r.by,
+            reason: r.reason,
+            timeout_ms: None,
+            children: r.children,
+        };
+        self.control(&req, asked).await;
+    }
+
+    pub(super) async fn run_takeover(&self, req: Request) {
+        let Some(r) = parse::<TakeoverRunRequest>(&req).await else {
+            return;
+        };
+        if text_too_long(&req, &[("reason", &r.reason), ("by", &r.by)]).await {
+            return;
+        }
+        if let Err(m) = hold_timeout(r.timeout_ms, DEFAULT_TAKEOVER_TIMEOUT) {
+            return respond_error(&req, 400, "invalid_timeout", m).await;
+        }
+        let asked = Asked {
+            run: r.run_id,
+            action: ControlAction::Takeover,
+            by: r.by,
+            reason: r.reason,
+            timeout_ms: r.timeout_ms,
+            children: r.children,
+        };
+        self.control(&req, asked).await;
+    }
+
+    /// Appends the control to the run's log (unless it would change nothing) and to its
+    /// descendants' logs, and answers.
+    async fn control(&self, req: &Request, asked: Asked) {
+        let run = asked.run;
+        let Some(state) = self.control_state(req, run).await else {
+            return;
+        };
+        let status = state.status;
+        // A run whose start is not recorded yet: the machine decides once it is (the run log
+        // keeps the order).
+        let applied = status == RunStatus::Pending || changes(asked.action, status);
+        if applied && let Err(e) = self.append_control(run, &asked, asked.action).await {
+            return respond_error(req, 503, "unavailable", e).await;
+        }
+        let mut children = Vec::new();
+        if asked.children && !status.is_terminal() {
+            match self.descendants(run).await {
+                Ok(runs) => {
+                    let action = for_children(asked.action);
+                    for (child, child_status) in runs {
+                        // A child that ended or is already so changes nothing: skip it (one
+                        // whose start is not recorded yet gets it: its machine decides).
+                        if child_status != RunStatus::Pending && !changes(action, child_status) {
+                            continue;
+                        }
+                        match self.append_control(child, &asked, action).await {
+                            Ok(()) => children.push(child),
+                            Err(e) => {
+                                warn!(%run, %child, error = %e, "Could not pass a control to a child run")
+                            }
+                        }
+                    }
+                }
+                Err(e) => warn!(%run, error = %e, "Could not read the run's children"),
+            }
+        }
+        info!(%run, action = asked.action.as_str(), applied, children = children.len(), by = asked.by.as_deref().unwrap_or("-"), "Run control requested");
+        let recorded = if status == RunStatus::Pending {
+            self.recorded_state(run).await
+        } else {
+            Some(state)
+        };
+        let context = if let Some(state) = recorded
+            .as_ref()
+            .filter(|_| asked.action == ControlAction::Takeover && !status.is_terminal())
+        {
+            match self.takeover_context(run, state).await {
+                Ok(c) => Some(Box::new(c)),
+                Err(e) => return respond_error(req, 503, "unavailable", e).await,
+            }
+        } else {
+            None
+        };
+        let reply = ControlRunReply {
+            protocol: PROTOCOL_VERSION,
+            run_id: run,
+            applied,
+            status,
+            children,
+            context,
+        };
+        respond_json(req, self.max_payload(), &reply).await;
+    }
+
+    /// The run's state (its record, or its start rebuilt while not recorded yet; `pending`
+    /// when its submission's start is not recorded yet — a coordinator records a start with
+    /// the run's next input), or an answer: `404` for no such run.
+    async fn control_state(&self, req: &Request, run: RunId) -> Option<flotilla_machine::RunState> {
+        match self.store.state(run).await {
+            Ok(Some(s)) => Some(s),
+            Ok(None) => {
+                run_not_found(req, run).await;
+                None
+            }
+            Err(e) => {
+                respond_error(req, 503, "unavailable", e.to_string()).await;
+                None
+            }
+        }
+    }
+
+    /// The run's state once its start is recorded (the control just appended records it),
+    /// waiting at most a few seconds.
+    async fn recorded_state(&self, run: RunId) -> Option<flotilla_machine::RunState> {
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+        loop {
+            if let Ok(Some(stored)) = self.store.load(run).await {
+                return Some(stored.snapshot.state);
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn append_control(
+        &self,
+        run: RunId,
+        asked: &Asked,
+        action: ControlAction,
+    ) -> Result<(), String> {
+        let bus = self.store.bus();
+        let entry = RunLogEntry {
+            protocol: PROTOCOL_VERSION,
+            run_id: run,
+            input: RunInput::Control(Control {
+                action,
+                reason: asked.reason.clone().filter(|r| !r.is_empty()),
+                by: asked.by.clone(),
+                timeout_ms: asked.timeout_ms,
+            }),
+        };
+        bus.publish(bus.names().runlog(run), &entry, None)
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    }
+
+    /// The run's descendants with their status, breadth first (the run itself left out).
+    async fn descendants(&self, run: RunId) -> Result<Vec<(RunId, RunStatus)>, String> {
+        let tree = flotilla_runs::tree::run_tree(&self.store, run, MAX_CONTROLLED_RUNS)
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut out = Vec::new();
+        let Some(tree) = tree else {
+            return Ok(out);
+        };
+        let mut level: Vec<&flotilla_model::tree::RunTreeNode> =
+            tree.root.children.iter().collect();
+        while !level.is_empty() {
+            let mut next = Vec::new();
+            for node in level {
+                out.push((node.run_id, node.status));
+                next.extend(node.children.iter());
+            }
+            level = next;
+        }
+        Ok(out)
+    }
+
+    /// Where the run stands, for the person taking it over.
+    async fn takeover_context(
+        &self,
+        run: RunId,
+        state: &flotilla_machine::RunState,
+    ) -> Result<TakeoverContext, String> {
+        let plan = self
+            .store
+            .plan_for(run, state)
+            .await
+            .map_err(|e| e.to_string())?
+            .ok_or_else(|| format!("run {run} has no plan"))?;
+        let index: std::collections::HashMap<&str, usize> = plan
+            .subtasks
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.id.as_str(), i))
+            .collect();
+        let succeeded =
+            |i: usize| state.tasks.get(i).map(|t| t.status) == Some(TaskStatus::Succeeded);
+        let mut completed = Vec::new();
+        let mut pending = Vec::new();
+        let mut failed = Vec::new();
+        let mut omitted = 0u32;
+        let mut step = 0u32;
+        let mut failure_reason = None;
+        for (sub, t) in plan.subtasks.iter().zip(&state.tasks) {
+            if t.status.is_terminal() {
+                step += 1;
+            }
+            match t.status {
+                TaskStatus::Succeeded if completed.len() < MAX_CONTEXT_TASKS => {
+                    let r = self
+                        .store
+                        .result_at(t.result_seq)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    let mut result = r.result.response;
+                    let truncated = result.len() > MAX_CONTEXT_RESULT;
+                    if truncated {
+                        let mut end = MAX_CONTEXT_RESULT;
+                        while !result.is_char_boundary(end) {
+                            end -= 1;
+                        }
+                        result.truncate(end);
+                    }
+                    completed.push(ContextResult {
+                        task_id: sub.id.clone(),
+                        by: r.worker,
+                        result,
+                        truncated,
+                    });
+                }
+                TaskStatus::Failed => {
+                    let error = t.error.clone().unwrap_or(TaskError {
+                        kind: TaskErrorKind::Internal,
+                        message: "failed".into(),
+                    });
+                    failure_reason = Some(format!("task {} failed: {error}", sub.id));
+                    if failed.len() < MAX_CONTEXT_TASKS {
+                        failed.push(FailedTask {
+                            task_id: sub.id.clone(),
+                            attempts: t.attempt,
+                            error,
+                        });
+                    } else {
+                        omitted += 1;
+                    }
+                }
+                s if !s.is_terminal() && pending.len() < MAX_CONTEXT_TASKS => {
+                    let waiting_on: Vec<_> = sub
+                        .dependencies
+                        .iter()
+                        .filter(|d| !index.get(d.as_str()).is_some_and(|&j| succeeded(j)))
+                        .cloned()
+                        .collect();
+                    pending.push(PendingTask {
+                        task_id: sub.id.clone(),
+                        status: s,
+                        ready: s == TaskStatus::Waiting && waiting_on.is_empty(),
+                        waiting_on,
+                    });
+                }
+                TaskStatus::Succeeded => omitted += 1,
+                s if !s.is_terminal() => omitted += 1,
+                _ => {}
+            }
+        }
+        let suggested_next = suggest(&pending, run);
+        Ok(TakeoverContext {
+            run_id: run,
+            status: state.status,
+            tasks_total: plan.subtasks.len() as u32,
+            step,
+            completed,
+            pending,
+            failed,
+            suggested_next,
+            failure_reason: failure_reason.or_else(|| state.stop_reason.clone()),
+            omitted,
+        })
+    }
+
+    pub(super) async fn run_complete(&self, req: Request) {
+        let Some(r) = parse::<CompleteTaskRequest>(&req).await else {
+            return;
+        };
+        let mut problems = Vec::new();
+        if r.by.trim().is_empty() {
+            problems.push(Problem::new(
+                ProblemCode::InvalidConfig,
+                "by",
+                "who completes the task is required",
+            ));
+        } else if r.by.len() > MAX_CONTROL_TEXT {
+            problems.push(Problem::new(
+                ProblemCode::InvalidConfig,
+                "by",
+                format!("longer than {MAX_CONTROL_TEXT} bytes"),
+            ));
+        }
+        if r.result.len() > MAX_COMPLETED_RESULT {
+            problems.push(Problem::new(
+                ProblemCode::InvalidConfig,
+                "result",
+                format!(
+                    "{} bytes is more than the {MAX_COMPLETED_RESULT} a completion may carry",
+                    r.result.len()
+                ),
+            ));
+        }
+        if r.comment
+            .as_ref()
+            .is_some_and(|c| c.len() > MAX_CONTROL_TEXT)
+        {
+            problems.push(Problem::new(
+                ProblemCode::InvalidConfig,
+                "comment",
+                format!("longer than {MAX_CONTROL_TEXT} bytes"),
+            ));
+        }
+        if !problems.is_empty() {
+            let mut body = ApiError::new(
+                400,
+                "invalid_request",
+                problems
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join("; "),
+            );
+            body.problems = problems;
+            return respond_api_error(&req, &body).await;
+        }
+        let run = r.run_id;
+        let Some(state) = self.control_state(&req, run).await else {
+            return;
+        };
+        if state.status == RunStatus::Pending {
+            return respond_error(
+                &req,
+                409,
+                "not_started",
+                format!(
+                    "run {run}'s start is not recorded yet, so its tasks' state is not known: take the run over (or pause it) first, then complete the task"
+                ),
+            )
+            .await;
+        }
+        if state.status.is_terminal() {
+            return respond_error(
+                &req,
+                409,
+                "run_ended",
+                format!("run {run} has ended ({})", state.status),
+            )
+            .await;
+        }
+        let plan = match self.store.plan_for(run, &state).await {
+            Ok(Some(p)) => p,
+            Ok(None) => return run_not_found(&req, run).await,
+            Err(e) => return respond_error(&req, 503, "unavailable", e.to_string()).await,
+        };
+        let Some(i) = plan.subtasks.iter().position(|s| s.id == r.task_id) else {
+            return respond_error(
+                &req,
+                404,
+                "task_not_found",
+                format!("run {run} has no task {}", r.task_id),
+            )
+            .await;
+        };
+        let status = state.tasks.get(i).map_or(TaskStatus::Waiting, |t| t.status);
+        if !matches!(
+            status,
+            TaskStatus::Waiting | TaskStatus::Retrying | TaskStatus::AwaitingApproval
+        ) {
+            let why = if status == TaskStatus::Dispatched {
+                "it is running on a worker: wait for its result, or cancel the run"
+            } else {
+                "it has ended"
+            };
+            return respond_error(
+                &req,
+                409,
+                "task_not_pending",
+                format!(
+                    "task {} of run {run} is {}: {why}",
+                    r.task_id,
+                    status.as_str()
+                ),
+            )
+            .await;
+        }
+        let bus = self.store.bus();
+        let msg_id = completed_msg_id(run, &r.task_id);
+        let entry = RunLogEntry {
+            protocol: PROTOCOL_VERSION,
+            run_id: run,
+            input: RunInput::Completed(Box::new(Completed {
+                task_id: r.task_id.clone(),
+                result: r.result,
+                by: r.by,
+                comment: r.comment.filter(|c| !c.is_empty()),
+            })),
+        };
+        if let Err(e) = bus
+            .publish(bus.names().runlog(run), &entry, Some(&msg_id))
+            .await
+        {
+            return respond_error(&req, 503, "unavailable", e.to_string()).await;
+        }
+        info!(%run, task = %r.task_id, "Task completion requested");
+        let reply = CompleteTaskReply {
+            protocol: PROTOCOL_VERSION,
+            run_id: run,
+            task_id: r.task_id,
+            completing: true,
+        };
+        respond_json(&req, self.max_payload(), &reply).await;
+    }
+}
+
+/// The next step for the person: a ready task first (do it, or resume), then one that waits
+/// for a person, then one running; otherwise hand the run back.
+fn suggest(pending: &[PendingTask], run: RunId) -> SuggestedAction {
+    if let Some(t) = pending.iter().find(|t| t.ready) {
+        return SuggestedAction {
+            action: "complete".into(),
+            task_id: Some(t.task_id.clone()),
+            detail: format!(
+                "task {id} is ready: complete it yourself (flotilla runs complete {run} {id} --result …), or resume the run and its agent runs it",
+                id = t.task_id
+            ),
+        };
+    }
+    if let Some(t) = pending
+        .iter()
+        .find(|t| t.status == TaskStatus::AwaitingApproval)
+    {
+        return SuggestedAction {
+            action: "answer_approval".into(),
+            task_id: Some(t.task_id.clone()),
+            detail: format!(
+                "task {} waits for an approval: answer it (flotilla approvals list --run {run}), or complete the task yourself",
+                t.task_id
+            ),
+        };
+    }
+    if let Some(t) = pending.iter().find(|t| t.status == TaskStatus::Dispatched) {
+        return SuggestedAction {
+            action: "wait".into(),
+            task_id: Some(t.task_id.clone()),
+            detail: format!(
+                "task {} is running on a worker: wait for its result",
+                t.task_id
+            ),
+        };
+    }
+    SuggestedAction {
+        action: "resume".into(),
+        task_id: None,
+        detail:
+            "nothing is ready to do by hand: resume the run (flotilla runs resume) or cancel it"
+                .into(),
+    }
+}
