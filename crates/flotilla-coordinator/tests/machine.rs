@@ -1626,3 +1626,106 @@ fn outcomes_name_their_cause_and_a_spent_budget_comes_first() {
     m.apply(result(&a, 1, 10), 5);
     assert_eq!(m.state().outcome.as_ref().and_then(|o| o.cause), None);
 }
+
+fn armed(actions: &[Action]) -> Vec<(u64, i64)> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::ArmTimer { generation, due_ms } => Some((*generation, *due_ms)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A hold stops every wait's clock: a dependency deadline that passes while the run is paused
+/// fails nothing; on resume the wait gets its full timeout again; a running attempt's result
+/// applies while paused but its dependent is dispatched only on resume; a takeover's deadline
+/// cancels the run.
+#[test]
+fn a_hold_stops_the_clocks_and_dispatch_and_its_deadline_applies_its_default() {
+    use flotilla_model::runlog::ControlAction;
+    let tasks = vec![
+        Subtask::new("slow", ""),
+        Subtask::new("next", "").after(&["slow"]),
+        Subtask::new("last", "").after(&["next"]),
+    ];
+    let p = plan(
+        tasks,
+        PlanConfig {
+            dependency_timeout: Secs::from_secs(10),
+            ..PlanConfig::default()
+        },
+    );
+    let (mut m, _) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
+    let pause = |timeout_ms| Input::Control {
+        action: ControlAction::Pause,
+        by: Some("alice"),
+        reason: None,
+        timeout_ms,
+    };
+    let actions = m.apply(pause(Some(60_000)), 1_000);
+    assert_eq!(m.state().status, RunStatus::Paused);
+    assert_eq!(phases(&actions), vec![WorkflowPhase::RunPaused]);
+    // A second pause changes nothing.
+    assert!(m.apply(pause(None), 1_500).is_empty());
+    // next's dependency deadline (10 s) passes while paused: nothing fails.
+    let timer = m.state().timer.expect("next's dependency clock is armed");
+    assert_eq!(timer.due_ms, 10_000);
+    let actions = m.apply(
+        Input::Timer {
+            generation: timer.generation,
+        },
+        10_000,
+    );
+    assert_eq!(
+        m.state().tasks[1].status,
+        TaskStatus::Waiting,
+        "{actions:?}"
+    );
+    assert_eq!(
+        m.state().timer.map(|t| t.due_ms),
+        Some(61_000),
+        "only the pause's deadline is clocked while held"
+    );
+    // The running attempt's result applies; its dependent waits for the resume.
+    let slow = ok("slow");
+    let actions = m.apply(result(&slow, 1, 5), 20_000);
+    assert_eq!(m.state().tasks[0].status, TaskStatus::Succeeded);
+    assert!(dispatched(&actions).is_empty(), "{actions:?}");
+    // Resumed: next is dispatched now, and last's clock gives a full 10 s from the resume.
+    let actions = m.apply(
+        Input::Control {
+            action: ControlAction::Resume,
+            by: Some("alice"),
+            reason: None,
+            timeout_ms: None,
+        },
+        30_000,
+    );
+    assert_eq!(m.state().status, RunStatus::Running);
+    assert_eq!(dispatched(&actions), vec![(1, 1)]);
+    assert!(phases(&actions).contains(&WorkflowPhase::RunResumed));
+    assert!(
+        armed(&actions).iter().all(|&(_, due)| due >= 40_000),
+        "{actions:?}"
+    );
+
+    // Taken over with a 5 s deadline: at it the run is cancelled.
+    let actions = m.apply(
+        Input::Control {
+            action: ControlAction::Takeover,
+            by: Some("bob"),
+            reason: Some("stuck"),
+            timeout_ms: Some(5_000),
+        },
+        31_000,
+    );
+    assert_eq!(m.state().status, RunStatus::HumanControl);
+    assert_eq!(phases(&actions), vec![WorkflowPhase::RunTakenOver]);
+    let generation = m.state().timer.map(|t| t.generation).unwrap_or_default();
+    assert_eq!(m.state().timer.map(|t| t.due_ms), Some(36_000));
+    let actions = m.apply(Input::Timer { generation }, 36_000);
+    assert_eq!(m.state().status, RunStatus::Cancelled);
+    assert!(actions.contains(&Action::CancelAttempts));
+    assert!(actions.contains(&Action::Finish));
+}

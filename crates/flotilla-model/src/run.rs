@@ -76,7 +76,10 @@ impl RunHandle {
 /// Lifecycle of a run.
 ///
 /// ```text
-/// pending ──► running ──► succeeded | failed
+/// pending ──► running ──► succeeded | failed | cancelled
+///    │          ▲  │
+///    │          │  └──pause / takeover──► paused | human_control (held by a person)
+///    │          └──────resume─────────────────┘
 ///    └──► rejected (invalid plan, nothing dispatched)
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
