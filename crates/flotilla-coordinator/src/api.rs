@@ -62,6 +62,22 @@ mod collab;
 mod controls;
 
 /// `404 not_found` for a run that does not exist.
+/// `400 <code>` naming every problem of a request at once (in `problems`, and joined in the
+/// message).
+async fn respond_problems(req: &Request, code: &str, problems: Vec<Problem>) {
+    let mut body = flotilla_model::api::ApiError::new(
+        400,
+        code,
+        problems
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("; "),
+    );
+    body.problems = problems;
+    respond_api_error(req, &body).await;
+}
+
 async fn run_not_found(req: &Request, run: RunId) {
     respond_error(req, 404, "not_found", format!("run {run} does not exist")).await;
 }

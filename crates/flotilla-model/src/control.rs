@@ -22,6 +22,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::ids::{RunId, TaskId};
+use crate::problem::{Problem, ProblemCode};
 use crate::run::{FailedTask, RunStatus, TaskStatus};
 
 /// How long a pause lasts when the request does not say: then the run resumes.
@@ -189,6 +190,48 @@ pub struct CompleteTaskRequest {
     /// Why, in words.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub comment: Option<String>,
+}
+
+impl CompleteTaskRequest {
+    /// Every problem of the request at once: no `by`, text longer than allowed.
+    pub fn problems(&self) -> Vec<Problem> {
+        let mut out = Vec::new();
+        if self.by.trim().is_empty() {
+            out.push(Problem::new(
+                ProblemCode::InvalidConfig,
+                "by",
+                "who completes the task is required",
+            ));
+        } else if self.by.len() > MAX_CONTROL_TEXT {
+            out.push(Problem::new(
+                ProblemCode::InvalidConfig,
+                "by",
+                format!("longer than {MAX_CONTROL_TEXT} bytes"),
+            ));
+        }
+        if self.result.len() > MAX_COMPLETED_RESULT {
+            out.push(Problem::new(
+                ProblemCode::InvalidConfig,
+                "result",
+                format!(
+                    "{} bytes is more than the {MAX_COMPLETED_RESULT} a completion may carry",
+                    self.result.len()
+                ),
+            ));
+        }
+        if self
+            .comment
+            .as_ref()
+            .is_some_and(|c| c.len() > MAX_CONTROL_TEXT)
+        {
+            out.push(Problem::new(
+                ProblemCode::InvalidConfig,
+                "comment",
+                format!("longer than {MAX_CONTROL_TEXT} bytes"),
+            ));
+        }
+        out
+    }
 }
 
 /// The answer to `run.complete`.

@@ -5,7 +5,6 @@
 
 use async_nats::service::Request;
 use flotilla_model::PROTOCOL_VERSION;
-use flotilla_model::api::ApiError;
 use flotilla_model::approval::{
     AnswerOutcome, ApprovalAnswer, ApprovalAnswerReply, ApprovalAnswerRequest, ApprovalGetRequest,
     ApprovalList, ApprovalListRequest, ApprovalStatus, ApprovalView, MAX_LISTED_APPROVALS,
@@ -15,7 +14,7 @@ use tracing::info;
 
 use crate::approvals::{ApprovalError, settled};
 
-use super::{Api, parse, respond_api_error, respond_error, respond_json};
+use super::{Api, parse, respond_error, respond_json};
 
 async fn respond_approval_error(req: &Request, e: ApprovalError) {
     let (status, code) = match &e {
@@ -98,17 +97,7 @@ impl Api {
         };
         let problems = r.problems();
         if !problems.is_empty() {
-            let mut body = ApiError::new(
-                400,
-                "invalid_answer",
-                problems
-                    .iter()
-                    .map(ToString::to_string)
-                    .collect::<Vec<_>>()
-                    .join("; "),
-            );
-            body.problems = problems;
-            return respond_api_error(&req, &body).await;
+            return super::respond_problems(&req, "invalid_answer", problems).await;
         }
         // Bound to what was asked: an answer for other arguments does not apply.
         let known = match self.escalations.get(r.run_id, &r.approval_id).await {

@@ -7,21 +7,17 @@ use async_nats::service::Request;
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::control::{
     CompleteTaskReply, CompleteTaskRequest, Completed, ContextResult, ControlRunReply,
-    DEFAULT_PAUSE_TIMEOUT, DEFAULT_TAKEOVER_TIMEOUT, MAX_COMPLETED_RESULT, MAX_CONTEXT_RESULT,
-    MAX_CONTEXT_TASKS, MAX_CONTROL_TEXT, MAX_CONTROLLED_RUNS, PauseRunRequest, PendingTask,
-    ResumeRunRequest, SuggestedAction, TakeoverContext, TakeoverRunRequest, completed_msg_id,
-    hold_timeout,
+    DEFAULT_PAUSE_TIMEOUT, DEFAULT_TAKEOVER_TIMEOUT, MAX_CONTEXT_RESULT, MAX_CONTEXT_TASKS,
+    MAX_CONTROL_TEXT, MAX_CONTROLLED_RUNS, PauseRunRequest, PendingTask, ResumeRunRequest,
+    SuggestedAction, TakeoverContext, TakeoverRunRequest, completed_msg_id, hold_timeout,
 };
 use flotilla_model::ids::RunId;
-use flotilla_model::problem::{Problem, ProblemCode};
 use flotilla_model::run::{FailedTask, RunStatus, TaskStatus};
 use flotilla_model::runlog::{Control, ControlAction, RunInput, RunLogEntry};
 use flotilla_model::task::{TaskError, TaskErrorKind};
 use tracing::{info, warn};
 
-use flotilla_model::api::ApiError;
-
-use super::{Api, parse, respond_api_error, respond_error, respond_json, run_not_found};
+use super::{Api, parse, respond_error, respond_json, run_not_found};
 
 /// What a control asks, after its request was read.
 struct Asked {
@@ -377,52 +373,9 @@ impl Api {
         let Some(r) = parse::<CompleteTaskRequest>(&req).await else {
             return;
         };
-        let mut problems = Vec::new();
-        if r.by.trim().is_empty() {
-            problems.push(Problem::new(
-                ProblemCode::InvalidConfig,
-                "by",
-                "who completes the task is required",
-            ));
-        } else if r.by.len() > MAX_CONTROL_TEXT {
-            problems.push(Problem::new(
-                ProblemCode::InvalidConfig,
-                "by",
-                format!("longer than {MAX_CONTROL_TEXT} bytes"),
-            ));
-        }
-        if r.result.len() > MAX_COMPLETED_RESULT {
-            problems.push(Problem::new(
-                ProblemCode::InvalidConfig,
-                "result",
-                format!(
-                    "{} bytes is more than the {MAX_COMPLETED_RESULT} a completion may carry",
-                    r.result.len()
-                ),
-            ));
-        }
-        if r.comment
-            .as_ref()
-            .is_some_and(|c| c.len() > MAX_CONTROL_TEXT)
-        {
-            problems.push(Problem::new(
-                ProblemCode::InvalidConfig,
-                "comment",
-                format!("longer than {MAX_CONTROL_TEXT} bytes"),
-            ));
-        }
+        let problems = r.problems();
         if !problems.is_empty() {
-            let mut body = ApiError::new(
-                400,
-                "invalid_request",
-                problems
-                    .iter()
-                    .map(ToString::to_string)
-                    .collect::<Vec<_>>()
-                    .join("; "),
-            );
-            body.problems = problems;
-            return respond_api_error(&req, &body).await;
+            return super::respond_problems(&req, "invalid_request", problems).await;
         }
         let run = r.run_id;
         let Some(state) = self.control_state(&req, run).await else {
