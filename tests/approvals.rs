@@ -147,8 +147,12 @@ async fn a_sensitive_task_waits_until_approved_and_a_second_answer_is_told_what_
     let notice = tokio::time::timeout(ASK, notices.next())
         .await?
         .expect("a notice");
-    let notice: flotilla_model::approval::Notification = serde_json::from_slice(&notice.payload)?;
-    assert_eq!(notice.approval.request.approval_id, "t1a1");
+    let notice: flotilla_model::notify::Notification = serde_json::from_slice(&notice.payload)?;
+    assert_eq!(
+        notice.approval.map(|a| a.request.approval_id).as_deref(),
+        Some("t1a1")
+    );
+    assert_eq!(notice.id, format!("approval.{run}.t1a1"));
     assert_eq!(
         task_status(&f, run, "publish").await?,
         TaskStatus::AwaitingApproval
@@ -547,7 +551,7 @@ async fn human_in_command_asks_for_every_task_and_on_the_loop_only_notifies() ->
     let notice = tokio::time::timeout(ASK, notices.next())
         .await?
         .expect("a notice");
-    let notice: flotilla_model::approval::Notification = serde_json::from_slice(&notice.payload)?;
+    let notice: flotilla_model::notify::Notification = serde_json::from_slice(&notice.payload)?;
     assert!(notice.notify_only);
     assert!(
         approvals(&f, run, true, 0).await?.is_empty(),

@@ -752,6 +752,8 @@ async fn a_supervisor_keeps_the_team_and_writes_nothing_else() -> anyhow::Result
         ("flotilla.event.r1", "task_started"),
         ("flotilla.event.r1", "task_failed"),
         ("flotilla.task.default.r1.t1", "task"),
+        ("flotilla.notify.pause.r1", "pause"),
+        ("flotilla.notify.approval.r1", "approval"),
     ] {
         operator.js.publish(subject, body.into()).await?.await?;
     }
@@ -823,6 +825,47 @@ async fn a_supervisor_keeps_the_team_and_writes_nothing_else() -> anyhow::Result
         .map_err(|e| anyhow!("term: {e}"))?;
     // After a reconnect the pull loop reads the consumer's info.
     ensure!(follow.info().await?.num_ack_pending == 0);
+    // Webhooks: a consumer per webhook on the notice stream, with one kind (its filter in
+    // the API subject) or several (not); pulled, retried by a delayed nak, acknowledged.
+    let notices = supervisor.js.get_stream("FLOTILLA_NOTIFY").await?;
+    let mut pauses = notices
+        .create_consumer(consumer::pull::Config {
+            durable_name: Some("webhook-pauses".into()),
+            filter_subject: "flotilla.notify.pause.*".into(),
+            deliver_policy: consumer::DeliverPolicy::All,
+            ack_policy: consumer::AckPolicy::Explicit,
+            max_deliver: 3,
+            ..Default::default()
+        })
+        .await?;
+    let notice = pull_one(&pauses).await?;
+    ensure!(notice.payload.as_ref() == b"pause");
+    notice
+        .double_ack_with(jetstream::AckKind::Nak(Some(Duration::from_millis(100))))
+        .await
+        .map_err(|e| anyhow!("delayed nak: {e}"))?;
+    let again = pull_one(&pauses).await?;
+    ensure!(again.payload.as_ref() == b"pause", "the nak redelivers");
+    again.double_ack().await.map_err(|e| anyhow!("ack: {e}"))?;
+    ensure!(pauses.info().await?.num_ack_pending == 0);
+    let all = notices
+        .create_consumer(consumer::pull::Config {
+            durable_name: Some("webhook-ops".into()),
+            filter_subjects: vec![
+                "flotilla.notify.approval.*".into(),
+                "flotilla.notify.takeover.*".into(),
+            ],
+            deliver_policy: consumer::DeliverPolicy::All,
+            ack_policy: consumer::AckPolicy::Explicit,
+            ..Default::default()
+        })
+        .await?;
+    let approval = pull_one(&all).await?;
+    ensure!(approval.payload.as_ref() == b"approval");
+    approval
+        .double_ack_with(jetstream::AckKind::Term)
+        .await
+        .map_err(|e| anyhow!("term: {e}"))?;
     // Its buckets: read, watched, written with compare-and-set.
     for (bucket, key) in [
         ("flotilla-team", "member.echo"),
@@ -924,6 +967,8 @@ async fn a_supervisor_keeps_the_team_and_writes_nothing_else() -> anyhow::Result
         "$KV.flotilla-control.cancel.r1".into(),
         "$KV.flotilla-escalations.e1".into(),
         "$KV.flotilla-trust.researcher".into(),
+        // Notices are the coordinators' to publish.
+        "flotilla.notify.pause.r2".into(),
         // A reply it was not asked for.
         "_INBOX.forged".into(),
     ] {

@@ -450,7 +450,12 @@ impl Processes {
 
     /// Starts `flotilla supervisor` and waits until its team API answers with the roster.
     pub async fn supervisor(&mut self) -> anyhow::Result<usize> {
-        let i = self.spawn(&["supervisor"])?;
+        self.supervisor_env(&[]).await
+    }
+
+    /// A supervisor with extra environment variables (a webhook's secret), once it answers.
+    pub async fn supervisor_env(&mut self, env: &[(&str, &str)]) -> anyhow::Result<usize> {
+        let i = self.spawn_env(&["supervisor"], env)?;
         self.ready(i, |bus, _| async move {
             let request = flotilla_model::team::TeamListRequest {
                 protocol: 1,

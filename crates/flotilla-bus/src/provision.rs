@@ -68,6 +68,10 @@ pub struct JetStreamOptions {
     /// How long mailbox messages are kept.
     #[serde(with = "humantime_serde")]
     pub mailbox_max_age: Duration,
+    /// How long notices (`<prefix>.notify.*.*`: approvals requested, runs paused or taken
+    /// over) are kept for webhooks and late readers.
+    #[serde(with = "humantime_serde")]
+    pub notify_max_age: Duration,
     /// Messages kept per mailbox and sender (the newest win): a flooding sender evicts only
     /// its own old messages. Losses are counted (`flotilla mbox stats`).
     #[serde(alias = "mailbox-max-per-agent")]
@@ -107,6 +111,8 @@ impl Default for JetStreamOptions {
             // The source material's workspace TTL.
             workspace_max_age: 2 * DAY,
             mailbox_max_age: 2 * DAY,
+            // A webhook endpoint down for a weekend still gets its notices.
+            notify_max_age: 7 * DAY,
             // Mailbox cap: keep the newest N per recipient and sender.
             mailbox_max_per_sender: 1000,
             // JetStream's default; results and tasks carry deterministic ids within it.
@@ -138,6 +144,7 @@ impl JetStreamOptions {
             ("intake-max-age", self.intake_max_age),
             ("workspace-max-age", self.workspace_max_age),
             ("mailbox-max-age", self.mailbox_max_age),
+            ("notify-max-age", self.notify_max_age),
             ("worker-ttl", self.worker_ttl),
             ("artifacts-max-age", self.artifacts_max_age),
         ] {
@@ -210,6 +217,12 @@ pub fn desired_streams(names: &Names, opts: &JetStreamOptions) -> Vec<stream::Co
                     c.description = Some("Flotilla agent mailboxes".into());
                     c.max_age = opts.mailbox_max_age;
                     c.max_messages_per_subject = opts.mailbox_max_per_sender;
+                }
+                StreamKind::Notify => {
+                    c.description = Some(
+                        "Flotilla notices: approvals, pauses, takeovers (for webhooks)".into(),
+                    );
+                    c.max_age = opts.notify_max_age;
                 }
             }
             c

@@ -20,7 +20,7 @@ async fn provisioning_twice_is_a_no_op() -> anyhow::Result<()> {
     );
     assert_eq!(
         first.resources.len(),
-        6 + 10 + 1,
+        7 + 10 + 1,
         "streams, buckets, object store"
     );
     // Remembered runs: one value per run, kept for `[supervisor.memory] max-age`.

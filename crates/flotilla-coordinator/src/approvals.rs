@@ -14,9 +14,10 @@ use flotilla_bus::Bus;
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::approval::{
     ApprovalAnswer, ApprovalDecided, ApprovalRecord, ApprovalRevision, ApprovalStatus,
-    Notification, approval_key, decided_msg_id,
+    approval_key, decided_msg_id,
 };
 use flotilla_model::ids::RunId;
+use flotilla_model::notify::{NoticeKind, Notification, approval_notice_id};
 use flotilla_model::runlog::{RunInput, RunLogEntry};
 use flotilla_model::subjects::Bucket;
 use flotilla_model::time::Timestamp;
@@ -98,18 +99,15 @@ impl Escalations {
         }
         let notice = Notification {
             protocol: PROTOCOL_VERSION,
-            kind: "approval".into(),
+            id: approval_notice_id(run, &record.request.approval_id),
+            kind: NoticeKind::Approval,
+            run_id: Some(run),
+            at: Some(Timestamp::now()),
             notify_only,
-            approval: record.clone(),
+            approval: Some(record.clone()),
+            control: None,
         };
-        let body =
-            serde_json::to_vec(&notice).map_err(|e| ApprovalError::Unreadable(e.to_string()))?;
-        // A notice is best effort: the record is what counts, and `approval.list` shows it.
-        let _ = self
-            .bus
-            .client()
-            .publish(self.bus.names().notify("approval", run), body.into())
-            .await;
+        crate::notices::publish(&self.bus, &notice).await;
         Ok(())
     }
 

@@ -28,6 +28,7 @@ mod intake;
 mod lineage;
 mod live;
 pub mod memory;
+mod notices;
 pub mod options;
 pub mod planner;
 mod runtime;

@@ -551,22 +551,6 @@ pub fn decided_msg_id(run: RunId, approval: &str) -> String {
     format!("approval.{run}.{approval}")
 }
 
-/// A notice on `<prefix>.notify.<kind>.<run>` (core NATS, not stored): something waits for a
-/// person, or — under `human_on_the_loop` — a person should know.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
-pub struct Notification {
-    /// Wire protocol version.
-    #[serde(default = "crate::protocol_v1")]
-    pub protocol: u32,
-    /// What it is about: `approval`.
-    pub kind: String,
-    /// Nothing waits: the task was dispatched (`human_on_the_loop`).
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub notify_only: bool,
-    /// The approval as stored (for a notice only: as it would have been asked).
-    pub approval: ApprovalRecord,
-}
-
 /// List approvals (`approval.list`): pending ones across runs, or every approval of one run
 /// (its audit trail).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

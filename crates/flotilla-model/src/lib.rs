@@ -15,6 +15,7 @@ pub mod lead;
 pub mod lenient;
 pub mod mailbox;
 pub mod memory;
+pub mod notify;
 pub mod numeric;
 pub mod plan;
 pub mod problem;

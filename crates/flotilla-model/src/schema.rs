@@ -259,8 +259,8 @@ pub fn public_schemas() -> Vec<(&'static str, Schema)> {
             schema_for!(crate::approval::ApprovalRecord),
         ),
         (
-            "approval-notification.json",
-            schema_for!(crate::approval::Notification),
+            "notification.json",
+            schema_for!(crate::notify::Notification),
         ),
         (
             "approval-list-request.json",

@@ -12,7 +12,7 @@
 //! | workspace stream / subjects | `P_WORKSPACE` / `p.ws.<root-run>.<topic>` |
 //! | mailbox stream / subjects | `P_MAILBOX` / `p.mbox.<root-run>.<to>.<from>`, teammate inboxes `p.tmbox.<team>.<to>.<from>` |
 //! | KV buckets | `p-runs`, `p-control`, `p-state`, `p-workers`, `p-cursors`, `p-team`, `p-failures` and `p-memory` (the supervisor's), `p-escalations` (approvals, `<run>.<approval>`); reserved for the human-in-the-loop work (provisioned, unused): `p-trust` |
-//! | notices | `p.notify.<kind>.<run>` (core NATS) |
+//! | notice stream / subjects | `P_NOTIFY` / `p.notify.<kind>.<run>` (`approval`, `pause`, `takeover`) |
 //! | request/reply API | `p.api.<endpoint>` (NATS micro service `p`) |
 
 use std::fmt;
@@ -125,17 +125,20 @@ pub enum StreamKind {
     Workspace,
     /// Mailboxes.
     Mailbox,
+    /// Notices for people and webhooks (limits, by age).
+    Notify,
 }
 
 impl StreamKind {
     /// Every stream.
-    pub const ALL: [StreamKind; 6] = [
+    pub const ALL: [StreamKind; 7] = [
         Self::Intake,
         Self::Tasks,
         Self::RunLog,
         Self::Events,
         Self::Workspace,
         Self::Mailbox,
+        Self::Notify,
     ];
 
     /// Suffix after the upper-case prefix.
@@ -147,6 +150,7 @@ impl StreamKind {
             Self::Events => "EVENTS",
             Self::Workspace => "WORKSPACE",
             Self::Mailbox => "MAILBOX",
+            Self::Notify => "NOTIFY",
         }
     }
 }
@@ -189,6 +193,7 @@ impl Names {
             StreamKind::Events => vec![format!("{p}.event.*")],
             StreamKind::Workspace => vec![format!("{p}.ws.*.*")],
             StreamKind::Mailbox => vec![format!("{p}.mbox.*.*.*"), format!("{p}.tmbox.*.*.*")],
+            StreamKind::Notify => vec![format!("{p}.notify.*.*")],
         }
     }
 
@@ -284,8 +289,8 @@ impl Names {
     }
 
     /// Where people and webhooks hear that something of run `run` waits for them (`kind`:
-    /// `approval`). Core NATS: a notice, not a record (the record is in the escalations
-    /// bucket).
+    /// `approval`, `pause`, `takeover`). Kept on the notice stream; a notice, not a record
+    /// (the record is the escalations bucket or the run log).
     pub fn notify(&self, kind: &str, run: RunId) -> String {
         format!("{}.notify.{kind}.{run}", self.prefix)
     }
@@ -293,6 +298,11 @@ impl Names {
     /// Filter for every notice.
     pub fn notify_all(&self) -> String {
         format!("{}.notify.>", self.prefix)
+    }
+
+    /// Filter for every notice of one kind.
+    pub fn notify_kind(&self, kind: &str) -> String {
+        format!("{}.notify.{kind}.*", self.prefix)
     }
 
     /// A run's event subject.

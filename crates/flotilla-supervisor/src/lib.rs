@@ -36,6 +36,7 @@ mod options;
 mod presence;
 mod recruit;
 mod teammates;
+mod webhooks;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -54,7 +55,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::info;
 
 pub use error::SupervisorError;
-pub use options::{MemoryOptions, RecruitPolicy, SupervisorOptions};
+pub use options::{MemoryOptions, RecruitPolicy, SupervisorOptions, WebhookOptions};
 
 use flotilla_bus::mirror::KvMirror;
 
@@ -210,6 +211,9 @@ impl Supervisor {
         }
         let consumer = follow::consumer(&team).await?;
         let inbox = teammates::consumer(&team).await?;
+        // Before the API answers (readiness): a notice published once the supervisor is
+        // ready reaches every webhook.
+        let hooks = webhooks::prepare(&team).await?;
         let service = api::start(&team).await?;
         let mut tasks = tokio::task::JoinSet::new();
         {
@@ -227,6 +231,10 @@ impl Supervisor {
         {
             let (team, stop) = (Arc::clone(&team), shutdown.clone());
             tasks.spawn(async move { teammates::follow(team, inbox, stop).await });
+        }
+        for (hook, consumer) in hooks {
+            let (team, stop) = (Arc::clone(&team), shutdown.clone());
+            tasks.spawn(async move { webhooks::deliver(team, hook, consumer, stop).await });
         }
         info!(members = team.cards.len(), "Supervisor started");
         if let Some(ready) = self.ready {

@@ -41,6 +41,110 @@ pub struct SupervisorOptions {
     pub recruit: RecruitPolicy,
     /// `[supervisor.memory]`: remembering finished runs for the planners.
     pub memory: MemoryOptions,
+    /// `[[supervisor.webhooks]]`: where notices (approvals requested, runs paused or taken
+    /// over) are POSTed.
+    pub webhooks: Vec<WebhookOptions>,
+}
+
+/// `[[supervisor.webhooks]]`: one HTTP endpoint that receives notices.
+///
+/// Each webhook has its own durable consumer (`webhook-<name>`) on the notice stream, which
+/// the supervisor replicas share: a notice is POSTed by one of them, retried with backoff
+/// until the endpoint answers 2xx or `max-attempts` is reached, and a slow or dead endpoint
+/// delays only its own notices — never a run.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+pub struct WebhookOptions {
+    /// Names the webhook (a token: its consumer is `webhook-<name>`, its metrics carry it).
+    pub name: String,
+    /// `http://` or `https://` URL the notices are POSTed to.
+    pub url: String,
+    /// Which notices: `approval`, `pause`, `takeover`. Empty: all.
+    #[serde(default)]
+    pub kinds: Vec<flotilla_model::notify::NoticeKind>,
+    /// The environment variable holding the signing secret: each POST carries
+    /// `X-Flotilla-Signature: sha256=<hex HMAC-SHA256 of "<timestamp>.<body>">`. Without it
+    /// deliveries are unsigned (a warning at start).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_env: Option<String>,
+    /// How long one POST may take.
+    #[serde(default = "webhook_timeout", with = "humantime_serde")]
+    pub timeout: Duration,
+    /// Most POSTs of one notice (the first included); after the last failure it is dropped
+    /// and counted (`flotilla_webhook_deliveries_total{outcome="dropped"}`).
+    #[serde(default = "webhook_max_attempts")]
+    pub max_attempts: u32,
+    /// The pause before the first retry; each further retry waits twice as long, up to
+    /// `max-backoff`.
+    #[serde(default = "webhook_backoff", with = "humantime_serde")]
+    pub backoff: Duration,
+    /// The longest pause between retries.
+    #[serde(default = "webhook_max_backoff", with = "humantime_serde")]
+    pub max_backoff: Duration,
+}
+
+fn webhook_timeout() -> Duration {
+    Duration::from_secs(10)
+}
+
+fn webhook_max_attempts() -> u32 {
+    10
+}
+
+fn webhook_backoff() -> Duration {
+    Duration::from_secs(1)
+}
+
+fn webhook_max_backoff() -> Duration {
+    Duration::from_secs(300)
+}
+
+impl WebhookOptions {
+    /// Checks the values; the error names the webhook and the key.
+    pub fn validate(&self) -> Result<(), String> {
+        let at = format!("webhooks[{}]", self.name);
+        flotilla_model::token::check_token(&self.name)
+            .map_err(|e| format!("webhooks: name {:?} {e}", self.name))?;
+        let uri: http::Uri = self
+            .url
+            .parse()
+            .map_err(|e| format!("{at}.url {:?} is not a URL: {e}", self.url))?;
+        if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.host().is_none() {
+            return Err(format!(
+                "{at}.url {:?} must be an http:// or https:// URL with a host",
+                self.url
+            ));
+        }
+        if let Some(var) = &self.secret_env
+            && var.is_empty()
+        {
+            return Err(format!("{at}.secret-env must name an environment variable"));
+        }
+        if !(Duration::from_secs(1)..=Duration::from_secs(300)).contains(&self.timeout) {
+            return Err(format!("{at}.timeout must be 1s to 5m"));
+        }
+        if !(1..=100).contains(&self.max_attempts) {
+            return Err(format!("{at}.max-attempts must be 1 to 100"));
+        }
+        if self.backoff < Duration::from_millis(10) || self.max_backoff < self.backoff {
+            return Err(format!(
+                "{at}.backoff must be at least 10ms and at most max-backoff"
+            ));
+        }
+        if self.max_backoff > Duration::from_secs(24 * 3600) {
+            return Err(format!("{at}.max-backoff must be at most 24h"));
+        }
+        Ok(())
+    }
+
+    /// The pause after failed attempt `attempt` (1-based): `backoff`, doubled per attempt,
+    /// at most `max-backoff`.
+    pub fn pause_after(&self, attempt: u32) -> Duration {
+        let doublings = attempt.saturating_sub(1).min(20);
+        self.backoff
+            .saturating_mul(1u32 << doublings)
+            .min(self.max_backoff)
+    }
 }
 
 /// `[supervisor.memory]`: what finished runs are remembered, and for how long.
@@ -136,6 +240,7 @@ impl Default for SupervisorOptions {
             team_size: 10,
             turns_per_hour: 120,
             max_message_bytes: 64 * 1024,
+            webhooks: Vec::new(),
         }
     }
 }
@@ -182,6 +287,13 @@ impl SupervisorOptions {
         }
         if self.progress_resolution >= self.stale_after {
             return Err("progress-resolution must be shorter than stale-after".into());
+        }
+        let mut names = std::collections::BTreeSet::new();
+        for w in &self.webhooks {
+            w.validate()?;
+            if !names.insert(w.name.as_str()) {
+                return Err(format!("webhooks: the name {:?} is used twice", w.name));
+            }
         }
         self.recruit.validate()
     }

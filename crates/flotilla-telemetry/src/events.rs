@@ -513,3 +513,26 @@ impl InternalEvent for SupervisorCasConflict<'_> {
         metrics.families().supervisor_cas_conflicts.inc();
     }
 }
+
+/// One attempt to deliver a notice to a webhook ended: `delivered` (a 2xx answer), `retried`
+/// (it failed and will be repeated after a pause) or `dropped` (its last attempt failed).
+#[derive(Debug, Clone, Copy)]
+pub struct WebhookDelivery<'a> {
+    /// The webhook's name.
+    pub webhook: &'a str,
+    /// `delivered`, `retried` or `dropped`.
+    pub outcome: &'static str,
+}
+
+impl InternalEvent for WebhookDelivery<'_> {
+    fn emit(self, metrics: &Metrics) {
+        metrics
+            .families()
+            .webhook_deliveries
+            .get_or_create(&crate::metrics::WebhookLabels {
+                webhook: self.webhook.to_owned(),
+                outcome: self.outcome,
+            })
+            .inc();
+    }
+}

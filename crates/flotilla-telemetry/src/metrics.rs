@@ -139,6 +139,12 @@ pub(crate) struct AgentOutcomeLabels {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub(crate) struct WebhookLabels {
+    pub(crate) webhook: String,
+    pub(crate) outcome: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub(crate) struct AgentLabels {
     pub(crate) agent: String,
 }
@@ -179,6 +185,7 @@ pub(crate) struct Families {
     pub(crate) team_consecutive_failures: Family<AgentLabels, Gauge>,
     pub(crate) team_members: Family<StatusLabels, Gauge>,
     pub(crate) supervisor_cas_conflicts: Counter,
+    pub(crate) webhook_deliveries: Family<WebhookLabels, Counter>,
 }
 
 /// The series of one (pool, agent) pair, resolved once: recording a task is then an atomic
@@ -322,6 +329,7 @@ impl Metrics {
             team_consecutive_failures: Family::default(),
             team_members: Family::default(),
             supervisor_cas_conflicts: Counter::default(),
+            webhook_deliveries: Family::default(),
         };
         // Series of a fixed label set exist from the start (at 0), so dashboards and rate()
         // see them before the first event; pool and agent series appear with their first
@@ -434,6 +442,11 @@ impl Metrics {
             "supervisor_cas_conflicts",
             "Team and failure-record writes that lost a compare-and-set race and were redone",
             f.supervisor_cas_conflicts.clone(),
+        );
+        r.register(
+            "webhook_deliveries",
+            "Notice deliveries to webhooks, by webhook and outcome (delivered, retried: an attempt failed and will be repeated, dropped: the last attempt failed)",
+            f.webhook_deliveries.clone(),
         );
         r.register(
             "build",

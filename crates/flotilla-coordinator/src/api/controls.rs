@@ -12,9 +12,11 @@ use flotilla_model::control::{
     SuggestedAction, TakeoverContext, TakeoverRunRequest, completed_msg_id, hold_timeout,
 };
 use flotilla_model::ids::RunId;
+use flotilla_model::notify::{ControlNotice, NoticeKind, Notification, control_notice_id};
 use flotilla_model::run::{FailedTask, RunStatus, TaskStatus};
 use flotilla_model::runlog::{Control, ControlAction, RunInput, RunLogEntry};
 use flotilla_model::task::{TaskError, TaskErrorKind};
+use flotilla_model::time::Timestamp;
 use tracing::{info, warn};
 
 use super::{Api, parse, respond_error, respond_json, run_not_found};
@@ -136,8 +138,12 @@ impl Api {
         // A run whose start is not recorded yet: the machine decides once it is (the run log
         // keeps the order).
         let applied = status == RunStatus::Pending || changes(asked.action, status);
-        if applied && let Err(e) = self.append_control(run, &asked, asked.action).await {
-            return respond_error(req, 503, "unavailable", e).await;
+        let mut recorded_at = None;
+        if applied {
+            match self.append_control(run, &asked, asked.action).await {
+                Ok(seq) => recorded_at = Some(seq),
+                Err(e) => return respond_error(req, 503, "unavailable", e).await,
+            }
         }
         let mut children = Vec::new();
         if asked.children && !status.is_terminal() {
@@ -151,7 +157,7 @@ impl Api {
                             continue;
                         }
                         match self.append_control(child, &asked, action).await {
-                            Ok(()) => children.push(child),
+                            Ok(_) => children.push(child),
                             Err(e) => {
                                 warn!(%run, %child, error = %e, "Could not pass a control to a child run")
                             }
@@ -162,6 +168,9 @@ impl Api {
             }
         }
         info!(%run, action = asked.action.as_str(), applied, children = children.len(), by = asked.by.as_deref().unwrap_or("-"), "Run control requested");
+        if let Some(seq) = recorded_at {
+            self.notify_control(&asked, seq, status, &children).await;
+        }
         let recorded = if status == RunStatus::Pending {
             self.recorded_state(run).await
         } else {
@@ -221,12 +230,48 @@ impl Api {
         }
     }
 
+    /// A pause or takeover is a person's hand on the run: others (webhooks, an operator's
+    /// inbox) hear of it on `<prefix>.notify.<pause|takeover>.<run>`. A resume is not a
+    /// request to anyone and has no notice.
+    async fn notify_control(&self, asked: &Asked, seq: u64, status: RunStatus, children: &[RunId]) {
+        let (kind, default) = match asked.action {
+            ControlAction::Pause => (NoticeKind::Pause, DEFAULT_PAUSE_TIMEOUT),
+            ControlAction::Takeover => (NoticeKind::Takeover, DEFAULT_TAKEOVER_TIMEOUT),
+            ControlAction::Cancel | ControlAction::Resume => return,
+        };
+        let hold = hold_timeout(asked.timeout_ms, default).unwrap_or(default);
+        let now = Timestamp::now();
+        let until = Timestamp::from_unix_ms(
+            now.unix_ms()
+                .saturating_add(i64::try_from(hold.as_millis()).unwrap_or(i64::MAX)),
+        );
+        let notice = Notification {
+            protocol: PROTOCOL_VERSION,
+            id: control_notice_id(kind, asked.run, seq),
+            kind,
+            run_id: Some(asked.run),
+            at: Some(now),
+            notify_only: false,
+            approval: None,
+            control: Some(ControlNotice {
+                action: asked.action,
+                by: asked.by.clone(),
+                reason: asked.reason.clone().filter(|r| !r.is_empty()),
+                until,
+                status,
+                children: children.to_vec(),
+            }),
+        };
+        crate::notices::publish(self.store.bus(), &notice).await;
+    }
+
+    /// Appends the control to `run`'s log; the entry's sequence.
     async fn append_control(
         &self,
         run: RunId,
         asked: &Asked,
         action: ControlAction,
-    ) -> Result<(), String> {
+    ) -> Result<u64, String> {
         let bus = self.store.bus();
         let entry = RunLogEntry {
             protocol: PROTOCOL_VERSION,
@@ -240,7 +285,7 @@ impl Api {
         };
         bus.publish(bus.names().runlog(run), &entry, None)
             .await
-            .map(|_| ())
+            .map(|ack| ack.sequence)
             .map_err(|e| e.to_string())
     }
 
