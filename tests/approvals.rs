@@ -15,7 +15,7 @@ use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::approval::{
     AnswerOutcome, ApprovalAnswerReply, ApprovalAnswerRequest, ApprovalGetRequest,
     ApprovalListRequest, ApprovalRecord, ApprovalStatus, Decision, DefaultDecision, HitlConfig,
-    HitlMode, OnTimeout,
+    HitlMode, OnTimeout, Trigger,
 };
 use flotilla_model::ids::RunId;
 use flotilla_model::plan::Subtask;
@@ -30,6 +30,18 @@ const ASK: Duration = Duration::from_secs(5);
 
 async fn services(hitl: HitlConfig) -> anyhow::Result<InProcess> {
     let mut agents = BTreeMap::new();
+    // Always fails (the deterministic test double's scripted failure).
+    agents.insert(
+        "flaky".to_string(),
+        flotilla_worker::agents::AgentDefinition::Scripted(
+            flotilla_worker::agents::ScriptedConfig {
+                reply: "never".into(),
+                fail_first: 1000,
+                failure: "the source is down".into(),
+                ..Default::default()
+            },
+        ),
+    );
     agents.insert(
         "bot".to_string(),
         flotilla_worker::agents::AgentDefinition::Scripted(
@@ -373,6 +385,63 @@ async fn the_deadline_applies_its_default_once_and_a_late_answer_is_told() -> an
         .await?;
     let o = f.client.wait(run, WAIT).await?;
     assert_eq!(o.status, RunStatus::Succeeded);
+    f.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn consecutive_failures_ask_a_person_before_the_next_retry() -> anyhow::Result<()> {
+    let f = services(HitlConfig {
+        consecutive_failures: 2,
+        ..HitlConfig::default()
+    })
+    .await?;
+    let run = f
+        .client
+        .submit(SubmitRequest::new(plan(vec![
+            Subtask::new("fetch", "fetch the feed").with_agent("flaky"),
+        ])))
+        .await?;
+    // Two failed attempts, then the third waits for a person instead of the retry policy.
+    let pending = approvals(&f, run, false, 1).await?;
+    let a = &pending[0];
+    assert_eq!(a.request.approval_id, "t0a3");
+    assert_eq!(a.request.trigger, Trigger::ConsecutiveFailures);
+    assert_eq!(a.request.attempt, 3);
+    assert_eq!(
+        task_status(&f, run, "fetch").await?,
+        TaskStatus::AwaitingApproval
+    );
+    // Approved: the third attempt runs (and fails); the fourth asks again.
+    let r: ApprovalAnswerReply = f
+        .client
+        .request(&answer(run, "t0a3", Decision::Approve), ASK)
+        .await?;
+    assert_eq!(r.outcome, AnswerOutcome::Decided);
+    let all = approvals(&f, run, true, 2).await?;
+    assert!(
+        all.iter().any(|a| a.request.approval_id == "t0a4"),
+        "{all:?}"
+    );
+    // Rejected: the task is not tried again and the run fails, saying why.
+    let _: ApprovalAnswerReply = f
+        .client
+        .request(
+            &answer(
+                run,
+                "t0a4",
+                Decision::Reject {
+                    message: "the feed is gone for good".into(),
+                },
+            ),
+            ASK,
+        )
+        .await?;
+    let o = f.client.wait(run, WAIT).await?;
+    assert_eq!(o.status, RunStatus::Failed);
+    assert_eq!(o.cause, Some(EndCause::ApprovalRejected));
+    let view = f.client.run(run).await?.expect("the run");
+    assert_eq!(view.tasks[0].attempts, 3, "no fourth attempt ran");
     f.stop().await;
     Ok(())
 }

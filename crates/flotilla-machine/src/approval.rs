@@ -33,7 +33,9 @@ impl RunMachine {
         if self.state.tasks[i as usize].approved == next {
             return false;
         }
-        let Some(gate) = policy.gate(&self.plan.subtasks[i as usize]) else {
+        // Every attempt before the next one failed: a task that succeeded is not retried.
+        let failed = next - 1;
+        let Some(gate) = policy.gate(&self.plan.subtasks[i as usize], failed) else {
             return false;
         };
         let timeout_ms = policy.timeout.get().as_millis() as i64;

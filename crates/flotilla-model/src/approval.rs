@@ -73,6 +73,9 @@ pub enum Trigger {
     SensitiveAction,
     /// The task's agent or role is overseen `human_in_command`: every dispatch is approved.
     HumanInCommand,
+    /// The task failed `[hitl] consecutive-failures` attempts in a row: a person decides
+    /// whether it is tried again instead of the retry policy alone.
+    ConsecutiveFailures,
 }
 
 impl Trigger {
@@ -81,6 +84,7 @@ impl Trigger {
         match self {
             Self::SensitiveAction => "sensitive_action",
             Self::HumanInCommand => "human_in_command",
+            Self::ConsecutiveFailures => "consecutive_failures",
         }
     }
 }
@@ -96,12 +100,21 @@ pub enum DefaultDecision {
     Approve,
 }
 
+impl DefaultDecision {
+    /// Whether it is `reject`.
+    pub fn is_reject(&self) -> bool {
+        *self == Self::Reject
+    }
+}
+
 /// The default approval deadline: 30 min.
 pub const DEFAULT_APPROVAL_TIMEOUT: Secs = Secs::from_secs(1800);
 /// Longest approval deadline: 7 days.
 pub const MAX_APPROVAL_TIMEOUT: Secs = Secs::from_secs(7 * 24 * 3600);
 /// Actions that are sensitive unless the deployment says otherwise.
 pub const DEFAULT_SENSITIVE_ACTIONS: [&str; 4] = ["delete", "publish", "pay", "send_email"];
+/// The most `consecutive-failures` may be.
+pub const MAX_CONSECUTIVE_FAILURES: u32 = 100;
 
 /// The deployment's `[hitl]` section: who is overseen how, and what waits for a person.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -123,6 +136,11 @@ pub struct HitlConfig {
     pub agents: BTreeMap<String, HitlMode>,
     /// Modes of roles, by role name; an agent's own mode wins over its role's.
     pub roles: BTreeMap<String, HitlMode>,
+    /// After this many failed attempts of a task in a row, its next retry waits for a
+    /// person (trigger `consecutive_failures`) instead of running by the retry policy
+    /// alone; 0: never (the default, so that upgrading turns no existing retry into a wait;
+    /// 3 is a good start; at most 100). A task allowed fewer attempts never reaches it.
+    pub consecutive_failures: u32,
 }
 
 impl Default for HitlConfig {
@@ -138,6 +156,7 @@ impl Default for HitlConfig {
             on_timeout: OnTimeout::default(),
             agents: BTreeMap::new(),
             roles: BTreeMap::new(),
+            consecutive_failures: 0,
         }
     }
 }
@@ -150,6 +169,11 @@ pub struct OnTimeout {
     pub sensitive_action: DefaultDecision,
     /// For a dispatch under `human_in_command` (default `reject`).
     pub human_in_command: DefaultDecision,
+    /// For a retry after consecutive failures (default `reject`: the task is not tried
+    /// again). Written only when not the default, so coordinators that predate it read the
+    /// run's state.
+    #[serde(skip_serializing_if = "DefaultDecision::is_reject")]
+    pub consecutive_failures: DefaultDecision,
 }
 
 impl OnTimeout {
@@ -158,6 +182,7 @@ impl OnTimeout {
         match trigger {
             Trigger::SensitiveAction => self.sensitive_action,
             Trigger::HumanInCommand => self.human_in_command,
+            Trigger::ConsecutiveFailures => self.consecutive_failures,
         }
     }
 }
@@ -170,6 +195,16 @@ impl HitlConfig {
             self.approval_timeout,
             "hitl.approval-timeout".into(),
         ));
+        if self.consecutive_failures > MAX_CONSECUTIVE_FAILURES {
+            out.push(Problem::new(
+                ProblemCode::InvalidConfig,
+                "hitl.consecutive-failures",
+                format!(
+                    "must be 0 (never) to {MAX_CONSECUTIVE_FAILURES}, not {}",
+                    self.consecutive_failures
+                ),
+            ));
+        }
         out
     }
 }
@@ -254,6 +289,14 @@ pub struct HitlPolicy {
     /// The deployment's default agent: the agent of tasks naming none and no role.
     #[serde(rename = "da", default, skip_serializing_if = "Option::is_none")]
     pub default_agent: Option<String>,
+    /// Failed attempts in a row after which a retry waits for a person; 0: never (and for
+    /// runs admitted before the trigger existed).
+    #[serde(rename = "cf", default, skip_serializing_if = "is_zero")]
+    pub consecutive_failures: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// Why and how a task waits for a person before it is dispatched.
@@ -311,6 +354,7 @@ impl HitlPolicy {
             sensitive_risk: deployment.sensitive_risk,
             timeout,
             on_timeout: deployment.on_timeout,
+            consecutive_failures: deployment.consecutive_failures,
             default_agent: default_agent
                 .filter(|a| modes.contains_key(&format!("agent:{a}")))
                 .map(str::to_owned),
@@ -318,6 +362,7 @@ impl HitlPolicy {
         };
         let can_gate = !policy.sensitive_actions.is_empty()
             || policy.sensitive_risk.is_some()
+            || policy.consecutive_failures > 0
             || policy.mode == HitlMode::HumanInCommand
             || policy
                 .modes
@@ -345,8 +390,10 @@ impl HitlPolicy {
     }
 
     /// Whether `sub` waits for a person before it is dispatched (or, on the loop, is only
-    /// notified). A sensitive action outranks `human_in_command`.
-    pub fn gate(&self, sub: &Subtask) -> Option<Gate> {
+    /// notified), when `failed` attempts of it have failed so far (each retry follows a
+    /// failure, so they are in a row). A sensitive action outranks `human_in_command`, which
+    /// outranks consecutive failures.
+    pub fn gate(&self, sub: &Subtask, failed: u32) -> Option<Gate> {
         let mode = self.mode_of(sub);
         let sensitive = sub.action.as_ref().is_some_and(|a| {
             let a = a.trim().to_lowercase();
@@ -356,6 +403,8 @@ impl HitlPolicy {
             Trigger::SensitiveAction
         } else if mode == HitlMode::HumanInCommand {
             Trigger::HumanInCommand
+        } else if self.consecutive_failures > 0 && failed >= self.consecutive_failures {
+            Trigger::ConsecutiveFailures
         } else {
             return None;
         };
@@ -880,11 +929,12 @@ mod tests {
     fn the_default_deployment_gates_sensitive_actions_only() {
         let p = HitlPolicy::resolve(&HitlConfig::default(), None, None).expect("a policy");
         assert_eq!(
-            p.gate(&sub(Some("Publish"), None, None)).map(|g| g.trigger),
+            p.gate(&sub(Some("Publish"), None, None), 0)
+                .map(|g| g.trigger),
             Some(Trigger::SensitiveAction)
         );
-        assert_eq!(p.gate(&sub(Some("read"), None, None)), None);
-        assert_eq!(p.gate(&sub(None, None, None)), None);
+        assert_eq!(p.gate(&sub(Some("read"), None, None), 0), None);
+        assert_eq!(p.gate(&sub(None, None, None), 0), None);
     }
 
     #[test]
@@ -893,13 +943,13 @@ mod tests {
         d.roles.insert("writer".into(), HitlMode::HumanInCommand);
         d.agents.insert("bot".into(), HitlMode::HumanOnTheLoop);
         let p = HitlPolicy::resolve(&d, None, None).expect("a policy");
-        let g = p.gate(&sub(None, None, Some("writer"))).expect("gated");
+        let g = p.gate(&sub(None, None, Some("writer")), 0).expect("gated");
         assert_eq!(g.trigger, Trigger::HumanInCommand);
         assert!(!g.notify_only);
         // The agent's own mode wins over its role's: on the loop, a sensitive action only
         // notifies.
         let g = p
-            .gate(&sub(Some("pay"), Some("bot"), Some("writer")))
+            .gate(&sub(Some("pay"), Some("bot"), Some("writer")), 0)
             .expect("gated");
         assert!(g.notify_only);
         // A plan asking for less oversight changes nothing; asking for more tightens all.
@@ -915,12 +965,13 @@ mod tests {
         };
         let s = HitlPolicy::resolve(&d, Some(&strict), None).expect("a policy");
         assert!(
-            !s.gate(&sub(None, Some("bot"), None))
+            !s.gate(&sub(None, Some("bot"), None), 0)
                 .expect("gated")
                 .notify_only
         );
         assert_eq!(
-            s.gate(&sub(Some("deploy"), None, None)).map(|g| g.trigger),
+            s.gate(&sub(Some("deploy"), None, None), 0)
+                .map(|g| g.trigger),
             Some(Trigger::SensitiveAction)
         );
     }
@@ -939,12 +990,48 @@ mod tests {
         let d = HitlConfig {
             sensitive_actions: vec![" ".into()],
             approval_timeout: Secs::from_secs(0),
+            consecutive_failures: MAX_CONSECUTIVE_FAILURES + 1,
             ..HitlConfig::default()
         };
         let fields: Vec<String> = d.problems().into_iter().map(|p| p.path).collect();
         assert_eq!(
             fields,
-            ["hitl.sensitive-actions[0]", "hitl.approval-timeout"]
+            [
+                "hitl.sensitive-actions[0]",
+                "hitl.approval-timeout",
+                "hitl.consecutive-failures"
+            ]
         );
+    }
+
+    #[test]
+    fn a_retry_after_consecutive_failures_is_gated_below_the_other_triggers() {
+        let d = HitlConfig {
+            sensitive_actions: Vec::new(),
+            consecutive_failures: 2,
+            ..HitlConfig::default()
+        };
+        let p = HitlPolicy::resolve(&d, None, None).expect("a policy: the trigger can fire");
+        assert_eq!(p.gate(&sub(None, None, None), 0), None);
+        assert_eq!(p.gate(&sub(None, None, None), 1), None);
+        let g = p.gate(&sub(None, None, None), 2).expect("gated");
+        assert_eq!(g.trigger, Trigger::ConsecutiveFailures);
+        assert_eq!(p.on_timeout.of(g.trigger), DefaultDecision::Reject);
+        // A sensitive action still says so.
+        let mut with_actions = d.clone();
+        with_actions.sensitive_actions = vec!["pay".into()];
+        let p = HitlPolicy::resolve(&with_actions, None, None).expect("a policy");
+        assert_eq!(
+            p.gate(&sub(Some("pay"), None, None), 5).map(|g| g.trigger),
+            Some(Trigger::SensitiveAction)
+        );
+        // Off (the default): never.
+        let off = HitlPolicy::resolve(&HitlConfig::default(), None, None).expect("a policy");
+        assert_eq!(off.gate(&sub(None, None, None), 50), None);
+        // A policy stored before the trigger existed reads as off, and the default decision
+        // is written only when it is not `reject`.
+        let json = serde_json::to_value(&off).expect("encodes");
+        assert!(json.get("cf").is_none(), "{json}");
+        assert!(json["d"].get("consecutive-failures").is_none(), "{json}");
     }
 }
