@@ -870,6 +870,7 @@ async fn a_supervisor_keeps_the_team_and_writes_nothing_else() -> anyhow::Result
     for (bucket, key) in [
         ("flotilla-team", "member.echo"),
         ("flotilla-failures", "agent.echo"),
+        ("flotilla-trust", "agent.echo"),
     ] {
         let kv = supervisor.js.get_key_value(bucket).await?;
         let mut watch = kv.watch_all().await?;
@@ -960,13 +961,12 @@ async fn a_supervisor_keeps_the_team_and_writes_nothing_else() -> anyhow::Result
         "flotilla.task.default.r1.t2".into(),
         "flotilla.event.r1".into(),
         // Buckets it does not own (runs, workers, session state), and those reserved for
-        // later work (run controls, escalations, trust).
+        // later work (run controls, escalations).
         "$KV.flotilla-runs.r1".into(),
         "$KV.flotilla-workers.w1".into(),
         "$KV.flotilla-state.s1.k".into(),
         "$KV.flotilla-control.cancel.r1".into(),
         "$KV.flotilla-escalations.e1".into(),
-        "$KV.flotilla-trust.researcher".into(),
         // Notices are the coordinators' to publish.
         "flotilla.notify.pause.r2".into(),
         // A reply it was not asked for.

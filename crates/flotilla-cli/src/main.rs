@@ -151,6 +151,10 @@ enum Command {
     /// queries' planners learn from. Served by `flotilla supervisor`.
     #[command(subcommand)]
     Memory(commands::memory::MemoryCommand),
+    /// Earned trust of agents and roles (`trust show [NAME]`, `trust set NAME LEVEL`, `trust
+    /// incident NAME`). Served by `flotilla supervisor`.
+    #[command(subcommand)]
+    Trust(commands::trust::TrustCommand),
     /// Tasks waiting for a person (`approvals list [--watch]`, `show`, `history`) and the
     /// answers (`approve`, `reject`, `edit`, `respond`). Served by `flotilla coordinator`.
     #[command(subcommand)]
@@ -559,6 +563,7 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
         }
         Command::Team(args) => commands::team::team(&load()?, args).await,
         Command::Memory(command) => commands::memory::memory(&load()?, command).await,
+        Command::Trust(command) => commands::trust::trust(&load()?, command).await,
         Command::Approvals(command) => commands::approvals::approvals(&load()?, command).await,
         Command::Workers { json } => commands::runs::workers(&load()?, json).await,
         Command::Watch(args) => commands::watch::watch(&load()?, args).await,

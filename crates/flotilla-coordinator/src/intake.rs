@@ -101,6 +101,7 @@ pub(crate) struct Intake {
     memory: Option<crate::memory::Memory>,
     /// The deployment's escalation policy, resolved with each plan's at admission.
     hitl: flotilla_model::approval::HitlConfig,
+    trust: crate::trust::Trust,
 }
 
 fn reply(run_id: Option<RunId>, status: SubmitStatus) -> SubmitReply {
@@ -133,10 +134,17 @@ impl Intake {
             lineages,
             memory: None,
             hitl: flotilla_model::approval::HitlConfig::default(),
+            trust: crate::trust::Trust::default(),
         }
     }
 
     /// Admits runs with the deployment's escalation policy `hitl`.
+    /// Admits runs with the earned trust levels of `trust`.
+    pub(crate) fn with_trust(mut self, trust: crate::trust::Trust) -> Self {
+        self.trust = trust;
+        self
+    }
+
     pub(crate) fn with_hitl(mut self, hitl: flotilla_model::approval::HitlConfig) -> Self {
         self.hitl = hitl;
         self
@@ -400,9 +408,9 @@ impl Intake {
         };
         let waiting = wait_inbox.is_some();
         let name = plan.name.clone();
-        let hitl = flotilla_model::approval::HitlPolicy::resolve(
+        let hitl = self.trust.policy(
             &self.hitl,
-            plan.config.hitl.as_ref(),
+            &plan,
             self.ctx.agents.as_ref().and_then(|a| a.default.as_deref()),
         );
         let submitted = Submitted {

@@ -34,6 +34,7 @@ pub mod planner;
 mod runtime;
 pub mod store;
 mod topics;
+mod trust;
 
 /// The run machine, re-exported: the coordinator applies inputs through it.
 pub use flotilla_machine as machine;
@@ -187,15 +188,35 @@ impl Coordinator {
             )
             .await?;
         let live = LiveWorkers::new(self.jetstream.worker_ttl);
-        let runtime = Arc::new(Runtime::new(
-            store.clone(),
-            self.bus.clone(),
-            self.opts.clone(),
-            self.ctx.clone(),
-            live.clone(),
-            self.jetstream.duplicate_window,
-            self.metrics.clone(),
-        ));
+        let trust = if self.opts.hitl.trust.enabled {
+            let kv = self
+                .bus
+                .kv(flotilla_model::subjects::Bucket::Trust)
+                .await
+                .map_err(|e| setup("opening the trust bucket", e))?;
+            let mirror = flotilla_bus::mirror::KvMirror::new();
+            mirror.follow(kv, shutdown.clone());
+            // Admit nothing with levels not read yet.
+            tokio::select! {
+                _ = mirror.synced() => {}
+                _ = shutdown.cancelled() => return Ok(()),
+            }
+            trust::Trust::from_mirror(mirror)
+        } else {
+            trust::Trust::default()
+        };
+        let runtime = Arc::new(
+            Runtime::new(
+                store.clone(),
+                self.bus.clone(),
+                self.opts.clone(),
+                self.ctx.clone(),
+                live.clone(),
+                self.jetstream.duplicate_window,
+                self.metrics.clone(),
+            )
+            .with_trust(trust.clone()),
+        );
         let workers = self
             .bus
             .kv(flotilla_model::subjects::Bucket::Workers)
@@ -217,7 +238,8 @@ impl Coordinator {
                 self.bus.clone(),
                 self.opts.memory.clone(),
             ))
-            .with_hitl(self.opts.hitl.clone()),
+            .with_hitl(self.opts.hitl.clone())
+            .with_trust(trust),
         );
         if let Some(ready) = self.ready.take() {
             let _ = ready.send(());

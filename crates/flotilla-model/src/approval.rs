@@ -141,6 +141,8 @@ pub struct HitlConfig {
     /// alone; 0: never (the default, so that upgrading turns no existing retry into a wait;
     /// 3 is a good start; at most 100). A task allowed fewer attempts never reaches it.
     pub consecutive_failures: u32,
+    /// `[hitl.trust]`: earned trust levels, and whether admissions use them.
+    pub trust: crate::trust::TrustConfig,
 }
 
 impl Default for HitlConfig {
@@ -157,6 +159,7 @@ impl Default for HitlConfig {
             agents: BTreeMap::new(),
             roles: BTreeMap::new(),
             consecutive_failures: 0,
+            trust: crate::trust::TrustConfig::default(),
         }
     }
 }
@@ -195,6 +198,7 @@ impl HitlConfig {
             self.approval_timeout,
             "hitl.approval-timeout".into(),
         ));
+        out.extend(self.trust.problems());
         if self.consecutive_failures > MAX_CONSECUTIVE_FAILURES {
             out.push(Problem::new(
                 ProblemCode::InvalidConfig,
@@ -316,6 +320,18 @@ impl HitlPolicy {
         plan: Option<&PlanHitl>,
         default_agent: Option<&str>,
     ) -> Option<Self> {
+        Self::resolve_trusted(deployment, plan, default_agent, &BTreeMap::new())
+    }
+
+    /// [`HitlPolicy::resolve`] with earned modes (`agent:<name>` / `role:<name>` → the mode
+    /// of its trust level): each applies where the deployment lists no mode of its own for
+    /// that agent or role, and the plan may tighten it like any other.
+    pub fn resolve_trusted(
+        deployment: &HitlConfig,
+        plan: Option<&PlanHitl>,
+        default_agent: Option<&str>,
+        trusted: &BTreeMap<String, HitlMode>,
+    ) -> Option<Self> {
         let mut mode = deployment.mode;
         let mut actions: Vec<String> = deployment
             .sensitive_actions
@@ -340,6 +356,9 @@ impl HitlPolicy {
         }
         for (a, m) in &deployment.agents {
             modes.insert(format!("agent:{a}"), *m);
+        }
+        for (key, m) in trusted {
+            modes.entry(key.clone()).or_insert(*m);
         }
         let plan_mode = plan.and_then(|p| p.mode);
         if let Some(pm) = plan_mode {

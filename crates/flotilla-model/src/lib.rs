@@ -33,6 +33,7 @@ pub mod template;
 pub mod time;
 pub mod token;
 pub mod tree;
+pub mod trust;
 pub mod validate;
 pub mod watch;
 pub mod worker;

@@ -254,6 +254,24 @@ pub fn public_schemas() -> Vec<(&'static str, Schema)> {
             "memory-forgotten.json",
             schema_for!(crate::memory::MemoryForgotten),
         ),
+        ("trust-record.json", schema_for!(crate::trust::TrustRecord)),
+        ("trust-list.json", schema_for!(crate::trust::TrustList)),
+        (
+            "trust-list-request.json",
+            schema_for!(crate::trust::TrustListRequest),
+        ),
+        (
+            "trust-get-request.json",
+            schema_for!(crate::trust::TrustGetRequest),
+        ),
+        (
+            "trust-set-request.json",
+            schema_for!(crate::trust::TrustSetRequest),
+        ),
+        (
+            "trust-incident-request.json",
+            schema_for!(crate::trust::TrustIncidentRequest),
+        ),
         (
             "approval-record.json",
             schema_for!(crate::approval::ApprovalRecord),

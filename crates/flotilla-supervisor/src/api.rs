@@ -13,6 +13,7 @@
 //! | `<prefix>.api.team.retire` | `RetireRequest` | `RetireReply` (`403 recruit_refused {rule}`) |
 //! | `<prefix>.api.team.spawn` / `send` / `broadcast` / `shutdown` / `mates` | teammates ([`crate::teammates`]) | |
 //! | `<prefix>.api.memory.list` / `get` / `forget` | remembered runs ([`crate::memory`]) | |
+//! | `<prefix>.api.trust.list` / `get` / `set` / `incident` | earned trust ([`crate::trust`]) | `TrustList`, `TrustRecord` |
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -28,6 +29,9 @@ use flotilla_model::team::{
     TeamList, TeamListRequest, TeamStats, TeamStatsRequest, member_key, record_key,
 };
 use flotilla_model::time::Timestamp;
+use flotilla_model::trust::{
+    TrustGetRequest, TrustIncidentRequest, TrustListRequest, TrustSetRequest,
+};
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
@@ -53,6 +57,8 @@ pub(crate) struct Started {
     memory: [Endpoint; 3],
     /// `team.assign`, `team.finish`.
     lead: [Endpoint; 2],
+    /// `trust.list`, `trust.get`, `trust.set`, `trust.incident`.
+    trust: [Endpoint; 4],
 }
 
 /// Starts the service (its endpoints answer once [`serve`] runs).
@@ -134,6 +140,20 @@ pub(crate) async fn start(team: &Team) -> Result<Started, SupervisorError> {
                 .await
                 .map_err(setup)?,
         ],
+        trust: [
+            endpoint("trust-list", TrustListRequest::ENDPOINT)
+                .await
+                .map_err(setup)?,
+            endpoint("trust-get", TrustGetRequest::ENDPOINT)
+                .await
+                .map_err(setup)?,
+            endpoint("trust-set", TrustSetRequest::ENDPOINT)
+                .await
+                .map_err(setup)?,
+            endpoint("trust-incident", TrustIncidentRequest::ENDPOINT)
+                .await
+                .map_err(setup)?,
+        ],
         service,
     })
 }
@@ -156,6 +176,13 @@ pub(crate) async fn serve(
         mates: [mut spawn, mut send, mut broadcast, mut shut, mut mates],
         memory: [mut memory_list, mut memory_get, mut memory_forget],
         lead: [mut assign, mut finish],
+        trust:
+            [
+                mut trust_list,
+                mut trust_get,
+                mut trust_set,
+                mut trust_incident,
+            ],
     } = started;
     loop {
         let team = Arc::clone(&team);
@@ -178,6 +205,10 @@ pub(crate) async fn serve(
             Some(req) = memory_list.next() => { tokio::spawn(async move { answer(team, req, crate::memory::list).await }); }
             Some(req) = memory_get.next() => { tokio::spawn(async move { answer(team, req, crate::memory::get).await }); }
             Some(req) = memory_forget.next() => { tokio::spawn(async move { answer(team, req, crate::memory::forget).await }); }
+            Some(req) = trust_list.next() => { tokio::spawn(async move { answer(team, req, crate::trust::list).await }); }
+            Some(req) = trust_get.next() => { tokio::spawn(async move { answer(team, req, crate::trust::get).await }); }
+            Some(req) = trust_set.next() => { tokio::spawn(async move { answer(team, req, crate::trust::set).await }); }
+            Some(req) = trust_incident.next() => { tokio::spawn(async move { answer(team, req, crate::trust::incident).await }); }
             else => break,
         }
     }

@@ -420,6 +420,7 @@ async fn count(
                 .emit(&team.metrics);
             }
         }
+        crate::trust::evaluate(team, &r).await?;
         team.failures.note(&key, r, Timestamp::now().unix_ms());
     }
     Ok(())

@@ -36,6 +36,7 @@ mod options;
 mod presence;
 mod recruit;
 mod teammates;
+mod trust;
 mod webhooks;
 
 use std::collections::BTreeMap;
@@ -86,6 +87,11 @@ pub(crate) struct Team {
     pub(crate) validation: ValidationContext,
     /// Remembered runs (`run.<run>`), written once per finished root run ([`memory`]).
     pub(crate) memory_kv: kv::Store,
+    /// Trust records (`<scope>.<name>`), kept by [`trust`].
+    pub(crate) trust_kv: kv::Store,
+    pub(crate) trusts: KvMirror<flotilla_model::trust::TrustRecord>,
+    /// The rules levels are earned by (`[hitl.trust]`).
+    pub(crate) trust: flotilla_model::trust::TrustConfig,
 }
 
 impl Team {
@@ -102,6 +108,7 @@ pub struct Supervisor {
     heartbeat: Duration,
     metrics: Metrics,
     validation: ValidationContext,
+    trust: flotilla_model::trust::TrustConfig,
     ready: Option<oneshot::Sender<()>>,
 }
 
@@ -131,6 +138,7 @@ impl Supervisor {
             heartbeat,
             metrics: Metrics::new(),
             validation: ValidationContext::default(),
+            trust: flotilla_model::trust::TrustConfig::default(),
             ready: None,
         }
     }
@@ -140,6 +148,12 @@ impl Supervisor {
     /// the plan's structure is checked.
     pub fn with_validation(mut self, validation: ValidationContext) -> Self {
         self.validation = validation;
+        self
+    }
+
+    /// Earns trust levels by `trust` (`[hitl.trust]`; the default rules without it).
+    pub fn with_trust(mut self, trust: flotilla_model::trust::TrustConfig) -> Self {
+        self.trust = trust;
         self
     }
 
@@ -172,6 +186,7 @@ impl Supervisor {
         let workers_kv = open(Bucket::Workers).await?;
         let cursors_kv = open(Bucket::Cursors).await?;
         let memory_kv = open(Bucket::Memory).await?;
+        let trust_kv = open(Bucket::Trust).await?;
         let runs = RunReader::open(&self.bus)
             .await
             .map_err(|e| SupervisorError::Setup(e.to_string()))?;
@@ -191,6 +206,9 @@ impl Supervisor {
             cursors_kv,
             validation: self.validation,
             memory_kv,
+            trust_kv: trust_kv.clone(),
+            trusts: KvMirror::new(),
+            trust: self.trust,
         });
         // The team bucket holds members, teammates and conversations: each mirror takes its
         // own keys (conversations are read by the workers only).
@@ -200,6 +218,7 @@ impl Supervisor {
             .follow_keys(team_kv, "teammate.>", shutdown.clone());
         team.failures.follow(failures_kv, shutdown.clone());
         team.workers.follow(workers_kv, shutdown.clone());
+        team.trusts.follow(trust_kv, shutdown.clone());
         tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),
             _ = async {
@@ -207,6 +226,7 @@ impl Supervisor {
                 team.mates.synced().await;
                 team.failures.synced().await;
                 team.workers.synced().await;
+                team.trusts.synced().await;
             } => {}
         }
         let consumer = follow::consumer(&team).await?;

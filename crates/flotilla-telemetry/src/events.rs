@@ -536,3 +536,28 @@ impl InternalEvent for WebhookDelivery<'_> {
             .inc();
     }
 }
+
+/// An agent's or role's trust level as the supervisor last wrote it (0 novice, 1 proficient,
+/// 2 expert).
+#[derive(Debug, Clone, Copy)]
+pub struct TrustLevelSet<'a> {
+    /// `agent` or `role`.
+    pub scope: &'static str,
+    /// The agent's or role's name.
+    pub name: &'a str,
+    /// 0, 1 or 2.
+    pub level: i64,
+}
+
+impl InternalEvent for TrustLevelSet<'_> {
+    fn emit(self, metrics: &Metrics) {
+        metrics
+            .families()
+            .trust_level
+            .get_or_create(&crate::metrics::ScopeNameLabels {
+                scope: self.scope,
+                name: self.name.to_owned(),
+            })
+            .set(self.level);
+    }
+}

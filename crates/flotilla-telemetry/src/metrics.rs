@@ -139,6 +139,12 @@ pub(crate) struct AgentOutcomeLabels {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub(crate) struct ScopeNameLabels {
+    pub(crate) scope: &'static str,
+    pub(crate) name: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub(crate) struct WebhookLabels {
     pub(crate) webhook: String,
     pub(crate) outcome: &'static str,
@@ -186,6 +192,7 @@ pub(crate) struct Families {
     pub(crate) team_members: Family<StatusLabels, Gauge>,
     pub(crate) supervisor_cas_conflicts: Counter,
     pub(crate) webhook_deliveries: Family<WebhookLabels, Counter>,
+    pub(crate) trust_level: Family<ScopeNameLabels, Gauge>,
 }
 
 /// The series of one (pool, agent) pair, resolved once: recording a task is then an atomic
@@ -330,6 +337,7 @@ impl Metrics {
             team_members: Family::default(),
             supervisor_cas_conflicts: Counter::default(),
             webhook_deliveries: Family::default(),
+            trust_level: Family::default(),
         };
         // Series of a fixed label set exist from the start (at 0), so dashboards and rate()
         // see them before the first event; pool and agent series appear with their first
@@ -447,6 +455,11 @@ impl Metrics {
             "webhook_deliveries",
             "Notice deliveries to webhooks, by webhook and outcome (delivered, retried: an attempt failed and will be repeated, dropped: the last attempt failed)",
             f.webhook_deliveries.clone(),
+        );
+        r.register(
+            "trust_level",
+            "Trust level of an agent or role as the supervisor last wrote it (0 novice, 1 proficient, 2 expert), by scope and name",
+            f.trust_level.clone(),
         );
         r.register(
             "build",

@@ -11,4 +11,5 @@ pub(crate) mod schema;
 pub(crate) mod services;
 pub(crate) mod submit;
 pub(crate) mod team;
+pub(crate) mod trust;
 pub(crate) mod watch;

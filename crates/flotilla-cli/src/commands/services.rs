@@ -193,6 +193,7 @@ fn supervisor_of(config: &Config, bus: Bus) -> Supervisor {
         config.worker.heartbeat,
     )
     .with_validation(config.validation_context())
+    .with_trust(config.hitl.trust.clone())
 }
 
 /// `flotilla supervisor`: the team roster, presence and failure records; the team API.

@@ -145,9 +145,9 @@ impl Runtime {
             .as_ref()
             .and_then(|a| a.lead())
             .map(str::to_owned);
-        submitted.hitl = flotilla_model::approval::HitlPolicy::resolve(
+        submitted.hitl = self.trust.policy(
             &self.opts.hitl,
-            submitted.plan.config.hitl.as_ref(),
+            &submitted.plan,
             self.default_agent.as_deref(),
         );
         Ok(Ok(submitted))

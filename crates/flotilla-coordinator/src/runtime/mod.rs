@@ -207,6 +207,8 @@ pub(crate) struct Runtime {
     lineages: Arc<crate::lineage::Lineages>,
     /// Approvals of waiting tasks.
     escalations: crate::approvals::Escalations,
+    /// Earned trust levels admissions use (`[hitl.trust] enabled`).
+    trust: crate::trust::Trust,
 }
 
 impl Runtime {
@@ -227,6 +229,7 @@ impl Runtime {
         ));
         Self {
             escalations: crate::approvals::Escalations::new(bus.clone()),
+            trust: crate::trust::Trust::default(),
             metrics,
             default_agent,
             lineages,
@@ -238,6 +241,12 @@ impl Runtime {
             duplicate_window_ms: duplicate_window.as_millis() as i64,
             submit_prefix,
         }
+    }
+
+    /// Admits runs with the earned trust levels of `trust`.
+    pub(crate) fn with_trust(mut self, trust: crate::trust::Trust) -> Self {
+        self.trust = trust;
+        self
     }
 
     /// Consumes the run-log stream until `shutdown`.

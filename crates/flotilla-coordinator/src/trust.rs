@@ -1,0 +1,86 @@
+//! Earned trust at admission: with `[hitl.trust] enabled`, a run's escalation policy takes
+//! the mode each agent and role its tasks name has earned (novice: `human_in_command`,
+//! proficient: `human_in_the_loop`, expert: `human_on_the_loop`).
+//!
+//! The levels are the supervisor's (`<prefix>-trust`); a coordinator mirrors the bucket in
+//! memory, so admitting a run reads nothing over the network. An agent or role nothing was
+//! counted for yet is a novice. The policy is fixed at admission and carried in the run's
+//! state, so a level that changes later changes the runs admitted after it, and every
+//! coordinator and every replay decides a run alike.
+
+use std::collections::BTreeMap;
+
+use flotilla_bus::mirror::KvMirror;
+use flotilla_model::approval::{HitlConfig, HitlMode, HitlPolicy};
+use flotilla_model::plan::Plan;
+use flotilla_model::team::RecordScope;
+use flotilla_model::trust::{TrustLevel, TrustRecord, trust_key};
+
+/// The trust levels a coordinator admits runs with (none when trust is not enabled).
+#[derive(Clone, Default)]
+pub(crate) struct Trust {
+    levels: Option<KvMirror<TrustRecord>>,
+}
+
+impl std::fmt::Debug for Trust {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Trust")
+            .field("enabled", &self.levels.is_some())
+            .finish()
+    }
+}
+
+impl Trust {
+    /// Admissions use the levels in `mirror` (kept in sync by its follower).
+    pub(crate) fn from_mirror(mirror: KvMirror<TrustRecord>) -> Self {
+        Self {
+            levels: Some(mirror),
+        }
+    }
+
+    fn level(mirror: &KvMirror<TrustRecord>, scope: RecordScope, name: &str) -> TrustLevel {
+        mirror
+            .get(&trust_key(scope, name))
+            .map(|m| m.value.level())
+            .unwrap_or_default()
+    }
+
+    /// The earned mode of every agent and role `plan` names (keys `agent:<name>`,
+    /// `role:<name>`); empty when trust is not enabled.
+    pub(crate) fn modes(
+        &self,
+        plan: &Plan,
+        default_agent: Option<&str>,
+    ) -> BTreeMap<String, HitlMode> {
+        let mut out = BTreeMap::new();
+        let Some(mirror) = &self.levels else {
+            return out;
+        };
+        for sub in &plan.subtasks {
+            let agent = sub
+                .agent
+                .as_deref()
+                .or(default_agent.filter(|_| sub.role.is_none()));
+            if let Some(a) = agent {
+                out.entry(format!("agent:{a}"))
+                    .or_insert_with(|| Self::level(mirror, RecordScope::Agent, a).mode());
+            }
+            if let Some(r) = sub.role.as_deref() {
+                out.entry(format!("role:{r}"))
+                    .or_insert_with(|| Self::level(mirror, RecordScope::Role, r).mode());
+            }
+        }
+        out
+    }
+
+    /// The policy a run of `plan` is admitted with.
+    pub(crate) fn policy(
+        &self,
+        hitl: &HitlConfig,
+        plan: &Plan,
+        default_agent: Option<&str>,
+    ) -> Option<HitlPolicy> {
+        let trusted = self.modes(plan, default_agent);
+        HitlPolicy::resolve_trusted(hitl, plan.config.hitl.as_ref(), default_agent, &trusted)
+    }
+}

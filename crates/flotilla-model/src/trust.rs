@@ -1,0 +1,529 @@
+//! Earned trust: how much a person oversees an agent or role, from what it has done.
+//!
+//! Levels rise `novice → proficient → expert` by the rules of `[hitl.trust]` (tasks counted,
+//! success rate, days known, days since the last incident — the source's 50 tasks, 90 %,
+//! 7 days, 7 incident-free days; 200, 98 %, 30, 30) and fall at once with an incident (a day
+//! without one is needed again before any level above novice). The supervisor keeps one
+//! [`TrustRecord`] per agent and per role in `<prefix>-trust` (`agent.<name>`,
+//! `role.<name>`), re-evaluated whenever it counts an outcome into the failure records, and
+//! answers `trust.list|get|set|incident`. With `[hitl.trust] enabled`, a run is admitted with
+//! each level's mode ([`TrustLevel::mode`]) for the agents and roles its tasks name — unless
+//! the deployment pins their mode in `[hitl.agents]` / `[hitl.roles]`, or an operator pinned
+//! their level (`trust set`).
+
+use std::collections::VecDeque;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::approval::HitlMode;
+use crate::problem::{Problem, ProblemCode};
+use crate::team::{FailureRecord, RecordScope};
+use crate::time::Timestamp;
+
+/// How far an agent or role is trusted, least first.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    Default,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Serialize,
+    Deserialize,
+    JsonSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum TrustLevel {
+    /// New or recently at fault: every dispatch is approved (`human_in_command`).
+    #[default]
+    Novice,
+    /// Escalation triggers wait for a person (`human_in_the_loop`).
+    Proficient,
+    /// Monitored only: escalations notify (`human_on_the_loop`).
+    Expert,
+}
+
+impl TrustLevel {
+    /// The level as it appears on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Novice => "novice",
+            Self::Proficient => "proficient",
+            Self::Expert => "expert",
+        }
+    }
+
+    /// The level named `s`.
+    pub fn parse(s: &str) -> Option<Self> {
+        [Self::Novice, Self::Proficient, Self::Expert]
+            .into_iter()
+            .find(|l| l.as_str() == s)
+    }
+
+    /// The oversight the level earns.
+    pub fn mode(self) -> HitlMode {
+        match self {
+            Self::Novice => HitlMode::HumanInCommand,
+            Self::Proficient => HitlMode::HumanInTheLoop,
+            Self::Expert => HitlMode::HumanOnTheLoop,
+        }
+    }
+
+    /// As a number for metrics: 0, 1, 2.
+    pub fn rank(self) -> i64 {
+        self as i64
+    }
+}
+
+/// What one level takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+pub struct LevelRule {
+    /// Attempts counted (succeeded and failed).
+    pub min_tasks: u64,
+    /// Succeeded over counted, in percent (0 to 100).
+    pub min_success_percent: u32,
+    /// Days since the agent or role was first counted.
+    pub min_days: u32,
+    /// Days since the last incident (or since first counted, without one).
+    pub incident_free_days: u32,
+}
+
+/// `[hitl.trust]`: earned trust.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields, default)]
+pub struct TrustConfig {
+    /// Admit runs with each agent's and role's earned mode (default false: the levels are
+    /// kept and shown, the modes of `[hitl]` apply).
+    pub enabled: bool,
+    /// What `proficient` takes (default 50 tasks, 90 %, 7 days, 7 incident-free days).
+    pub proficient: LevelRule,
+    /// What `expert` takes (default 200 tasks, 98 %, 30 days, 30 incident-free days).
+    pub expert: LevelRule,
+}
+
+impl Default for TrustConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            proficient: LevelRule {
+                min_tasks: 50,
+                min_success_percent: 90,
+                min_days: 7,
+                incident_free_days: 7,
+            },
+            expert: LevelRule {
+                min_tasks: 200,
+                min_success_percent: 98,
+                min_days: 30,
+                incident_free_days: 30,
+            },
+        }
+    }
+}
+
+impl TrustConfig {
+    /// Every problem of the section, each naming its key.
+    pub fn problems(&self) -> Vec<Problem> {
+        let mut out = Vec::new();
+        for (name, r) in [("proficient", &self.proficient), ("expert", &self.expert)] {
+            if r.min_success_percent > 100 {
+                out.push(Problem::new(
+                    ProblemCode::InvalidConfig,
+                    format!("hitl.trust.{name}.min-success-percent"),
+                    format!("must be 0 to 100, not {}", r.min_success_percent),
+                ));
+            }
+        }
+        let (p, e) = (&self.proficient, &self.expert);
+        if e.min_tasks < p.min_tasks
+            || e.min_success_percent < p.min_success_percent
+            || e.min_days < p.min_days
+            || e.incident_free_days < p.incident_free_days
+        {
+            out.push(Problem::new(
+                ProblemCode::InvalidConfig,
+                "hitl.trust.expert",
+                "expert must take at least what proficient takes, rule by rule",
+            ));
+        }
+        out
+    }
+
+    /// The level `record` (counted outcomes) earns for `trust` at `now`, before any pin.
+    pub fn earned(
+        &self,
+        record: &FailureRecord,
+        trust: &TrustRecord,
+        now: Timestamp,
+    ) -> TrustLevel {
+        let tasks = record.total_succeeded + record.total_failed;
+        let days = |since: Timestamp| (now.unix_ms() - since.unix_ms()).max(0) / 86_400_000;
+        let known = days(trust.first_seen);
+        let clean = days(
+            trust
+                .last_incident
+                .as_ref()
+                .map_or(trust.first_seen, |i| i.at),
+        );
+        let meets = |r: &LevelRule| {
+            tasks >= r.min_tasks
+                && tasks > 0
+                && u128::from(record.total_succeeded) * 100
+                    >= u128::from(r.min_success_percent) * u128::from(tasks)
+                && known >= i64::from(r.min_days)
+                && clean >= i64::from(r.incident_free_days)
+        };
+        if meets(&self.expert) {
+            TrustLevel::Expert
+        } else if meets(&self.proficient) {
+            TrustLevel::Proficient
+        } else {
+            TrustLevel::Novice
+        }
+    }
+}
+
+/// Something that cost an agent or role its trust.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct TrustIncident {
+    /// When.
+    pub at: Timestamp,
+    /// What happened.
+    pub reason: String,
+    /// Who recorded it.
+    pub by: String,
+}
+
+/// One change of level, for the record.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct TrustChange {
+    /// When.
+    pub at: Timestamp,
+    /// The level before (the effective one: a pin counts).
+    pub from: TrustLevel,
+    /// The level after.
+    pub to: TrustLevel,
+    /// Why: `earned: …`, `incident: …`, `pinned: …`, `unpinned: …`.
+    pub reason: String,
+    /// Who: `supervisor` for levels earned or lost by the rules, else the operator.
+    pub by: String,
+}
+
+/// An agent's or role's trust (`<prefix>-trust`, `<scope>.<name>`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct TrustRecord {
+    /// What it is about.
+    pub scope: RecordScope,
+    /// The agent's or role's name.
+    pub name: String,
+    /// The level earned by the rules.
+    pub earned: TrustLevel,
+    /// A level an operator set; it wins over the earned one until unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pinned: Option<TrustLevel>,
+    /// When it was first counted.
+    pub first_seen: Timestamp,
+    /// Incidents recorded.
+    #[serde(default)]
+    pub incidents: u64,
+    /// The last incident.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_incident: Option<TrustIncident>,
+    /// The latest changes, newest last (at most [`TrustRecord::MAX_HISTORY`]).
+    #[serde(default, skip_serializing_if = "VecDeque::is_empty")]
+    pub history: VecDeque<TrustChange>,
+    /// When it last changed.
+    pub updated_at: Timestamp,
+}
+
+impl TrustRecord {
+    /// Changes kept in [`TrustRecord::history`].
+    pub const MAX_HISTORY: usize = 20;
+
+    /// A record first seen at `now`: novice.
+    pub fn new(scope: RecordScope, name: &str, now: Timestamp) -> Self {
+        Self {
+            scope,
+            name: name.to_owned(),
+            earned: TrustLevel::Novice,
+            pinned: None,
+            first_seen: now,
+            incidents: 0,
+            last_incident: None,
+            history: VecDeque::new(),
+            updated_at: now,
+        }
+    }
+
+    /// The level that applies: the pin, else the earned level.
+    pub fn level(&self) -> TrustLevel {
+        self.pinned.unwrap_or(self.earned)
+    }
+
+    fn note(&mut self, from: TrustLevel, reason: String, by: &str, now: Timestamp) {
+        let to = self.level();
+        self.updated_at = now;
+        if from != to || reason.starts_with("incident") || reason.starts_with("pinned") {
+            self.history.push_back(TrustChange {
+                at: now,
+                from,
+                to,
+                reason,
+                by: by.to_owned(),
+            });
+            while self.history.len() > Self::MAX_HISTORY {
+                self.history.pop_front();
+            }
+        }
+    }
+
+    /// Re-evaluates the earned level from `record`; true when it changed.
+    pub fn evaluate(&mut self, cfg: &TrustConfig, record: &FailureRecord, now: Timestamp) -> bool {
+        let earned = cfg.earned(record, self, now);
+        if earned == self.earned {
+            return false;
+        }
+        let from = self.level();
+        self.earned = earned;
+        let tasks = record.total_succeeded + record.total_failed;
+        self.note(
+            from,
+            format!(
+                "earned: {} ({tasks} tasks, {} succeeded)",
+                earned.as_str(),
+                record.total_succeeded
+            ),
+            "supervisor",
+            now,
+        );
+        true
+    }
+
+    /// Records an incident: the earned level falls to novice at once; the rules raise it
+    /// again from the next counted outcome on (after `incident-free-days`).
+    pub fn incident(&mut self, reason: &str, by: &str, now: Timestamp) {
+        let from = self.level();
+        self.incidents += 1;
+        self.last_incident = Some(TrustIncident {
+            at: now,
+            reason: reason.to_owned(),
+            by: by.to_owned(),
+        });
+        self.earned = TrustLevel::Novice;
+        self.note(from, format!("incident: {reason}"), by, now);
+    }
+
+    /// Pins the level (`Some`) or returns to the earned one (`None`).
+    pub fn pin(&mut self, level: Option<TrustLevel>, reason: &str, by: &str, now: Timestamp) {
+        let from = self.level();
+        self.pinned = level;
+        let what = match level {
+            Some(l) => format!("pinned {}: {reason}", l.as_str()),
+            None => format!("unpinned: {reason}"),
+        };
+        self.note(from, what, by, now);
+    }
+}
+
+/// The KV key of a trust record: `<scope>.<name>`.
+pub fn trust_key(scope: RecordScope, name: &str) -> String {
+    crate::team::record_key(scope, name)
+}
+
+/// `trust.list`: every trust record.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TrustListRequest {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+}
+
+/// The answer of `trust.list`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct TrustList {
+    /// Whether admissions use the levels (`[hitl.trust] enabled`).
+    pub enabled: bool,
+    /// Every record, agents then roles, by name.
+    pub records: Vec<TrustRecord>,
+}
+
+/// `trust.get`: one agent's or role's record (`404 not_found` when nothing was counted for
+/// it and nothing was set).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TrustGetRequest {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// `agent` (default) or `role`.
+    #[serde(default = "agent_scope")]
+    pub scope: RecordScope,
+    /// The agent's or role's name.
+    pub name: String,
+}
+
+fn agent_scope() -> RecordScope {
+    RecordScope::Agent
+}
+
+/// `trust.set`: pin a level (`level`), or go back to the earned one (`level` absent).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TrustSetRequest {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// `agent` (default) or `role`.
+    #[serde(default = "agent_scope")]
+    pub scope: RecordScope,
+    /// The agent's or role's name (a configured one).
+    pub name: String,
+    /// The level to pin; absent: the earned level applies again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub level: Option<TrustLevel>,
+    /// Why (required, at most 1024 bytes).
+    pub reason: String,
+    /// Who (required, at most 1024 bytes).
+    pub by: String,
+}
+
+/// `trust.incident`: record an incident (the earned level falls at once).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TrustIncidentRequest {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// `agent` (default) or `role`.
+    #[serde(default = "agent_scope")]
+    pub scope: RecordScope,
+    /// The agent's or role's name (a configured one).
+    pub name: String,
+    /// What happened (required, at most 1024 bytes).
+    pub reason: String,
+    /// Who records it (required, at most 1024 bytes).
+    pub by: String,
+}
+
+/// Longest `reason` or `by`, in bytes.
+pub const MAX_TRUST_TEXT: usize = 1024;
+
+impl crate::api::ApiRequest for TrustListRequest {
+    const ENDPOINT: &'static str = "trust.list";
+    type Reply = TrustList;
+}
+
+impl crate::api::ApiRequest for TrustGetRequest {
+    const ENDPOINT: &'static str = "trust.get";
+    type Reply = TrustRecord;
+}
+
+impl crate::api::ApiRequest for TrustSetRequest {
+    const ENDPOINT: &'static str = "trust.set";
+    type Reply = TrustRecord;
+}
+
+impl crate::api::ApiRequest for TrustIncidentRequest {
+    const ENDPOINT: &'static str = "trust.incident";
+    type Reply = TrustRecord;
+}
+
+crate::api::has_protocol!(
+    TrustListRequest,
+    TrustGetRequest,
+    TrustSetRequest,
+    TrustIncidentRequest
+);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn counted(succeeded: u64, failed: u64) -> FailureRecord {
+        let mut r = FailureRecord::new(RecordScope::Agent, "bot");
+        r.total_succeeded = succeeded;
+        r.total_failed = failed;
+        r
+    }
+
+    const DAY: i64 = 86_400_000;
+
+    #[test]
+    fn levels_rise_by_the_rules_and_an_incident_drops_them_at_once() {
+        let cfg = TrustConfig::default();
+        let t0 = Timestamp::from_unix_ms(1_700_000_000_000);
+        let mut t = TrustRecord::new(RecordScope::Agent, "bot", t0);
+        // 50 tasks at 90 % but only 6 days known: novice.
+        assert!(!t.evaluate(
+            &cfg,
+            &counted(45, 5),
+            Timestamp::from_unix_ms(t0.unix_ms() + 6 * DAY)
+        ));
+        assert_eq!(t.level(), TrustLevel::Novice);
+        // Day 7: proficient.
+        let day7 = Timestamp::from_unix_ms(t0.unix_ms() + 7 * DAY);
+        assert!(t.evaluate(&cfg, &counted(45, 5), day7));
+        assert_eq!(t.level(), TrustLevel::Proficient);
+        // 89 %: back to novice.
+        assert!(t.evaluate(&cfg, &counted(89, 11), day7));
+        assert_eq!(t.level(), TrustLevel::Novice);
+        // 200 tasks at 98 % on day 30: expert.
+        let day30 = Timestamp::from_unix_ms(t0.unix_ms() + 30 * DAY);
+        assert!(t.evaluate(&cfg, &counted(196, 4), day30));
+        assert_eq!(t.level(), TrustLevel::Expert);
+        // An incident: novice at once, and 7 clean days bring proficient back, 30 expert.
+        t.incident("published early", "alice", day30);
+        assert_eq!(t.level(), TrustLevel::Novice);
+        assert_eq!(t.incidents, 1);
+        let later = Timestamp::from_unix_ms(day30.unix_ms() + 7 * DAY);
+        assert!(t.evaluate(&cfg, &counted(196, 4), later));
+        assert_eq!(t.level(), TrustLevel::Proficient);
+        let reasons: Vec<&str> = t.history.iter().map(|c| c.reason.as_str()).collect();
+        assert!(
+            reasons
+                .iter()
+                .any(|r| r.starts_with("incident: published early")),
+            "{reasons:?}"
+        );
+    }
+
+    #[test]
+    fn a_pin_wins_until_it_is_lifted() {
+        let cfg = TrustConfig::default();
+        let now = Timestamp::from_unix_ms(1_700_000_000_000);
+        let mut t = TrustRecord::new(RecordScope::Role, "writer", now);
+        t.pin(Some(TrustLevel::Expert), "trusted vendor", "bob", now);
+        assert_eq!(t.level(), TrustLevel::Expert);
+        assert!(
+            !t.evaluate(&cfg, &counted(1, 0), now),
+            "earned stays novice"
+        );
+        assert_eq!(t.level(), TrustLevel::Expert);
+        t.pin(None, "contract ended", "bob", now);
+        assert_eq!(t.level(), TrustLevel::Novice);
+        assert_eq!(t.history.len(), 2);
+        assert_eq!(TrustLevel::Novice.mode(), HitlMode::HumanInCommand);
+        assert_eq!(TrustLevel::Expert.mode(), HitlMode::HumanOnTheLoop);
+    }
+
+    #[test]
+    fn bad_rules_are_named() {
+        let mut cfg = TrustConfig::default();
+        cfg.proficient.min_success_percent = 150;
+        cfg.expert.min_tasks = 10;
+        let paths: Vec<String> = cfg.problems().into_iter().map(|p| p.path).collect();
+        assert_eq!(
+            paths,
+            [
+                "hitl.trust.proficient.min-success-percent",
+                "hitl.trust.expert"
+            ]
+        );
+    }
+}
