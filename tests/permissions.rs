@@ -521,6 +521,11 @@ async fn a_worker_works_its_pool_and_nothing_else() -> anyhow::Result<()> {
 
     // Buckets it does not own; subscriptions outside its inbox.
     worker.publish_refused("$KV.flotilla-runs.r1").await?;
+    // An agent may not change its own oversight.
+    worker.publish_refused("flotilla.api.trust.set").await?;
+    worker
+        .publish_refused("flotilla.api.trust.incident")
+        .await?;
     worker.publish_refused("$KV.flotilla-control.r1").await?;
     worker.subscribe_refused("flotilla.task.>").await?;
     ensure!(

@@ -77,13 +77,17 @@ impl Escalations {
             .await
     }
 
-    /// Stores a new request (nothing when it exists: asked already) and publishes its notice.
+    /// Stores a new request and publishes its notice. When it exists (asked already —
+    /// perhaps by a coordinator that died before its notice went out) the stored request's
+    /// notice is published again while it is still pending: the same id, so it is stored
+    /// once within the duplicate window and a receiver de-duplicates it after.
     pub(crate) async fn request(
         &self,
         record: &ApprovalRecord,
         notify_only: bool,
     ) -> Result<(), ApprovalError> {
         let run = record.request.run_id;
+        let mut stored = None;
         if !notify_only {
             let key = approval_key(run, &record.request.approval_id);
             let body =
@@ -91,8 +95,16 @@ impl Escalations {
             match self.kv().await?.create(&key, body.into()).await {
                 Ok(_) => {}
                 Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
-                    debug!(%run, %key, "Approval already requested");
-                    return Ok(());
+                    match self.get(run, &record.request.approval_id).await? {
+                        Some((r, _)) if r.status == ApprovalStatus::Pending => {
+                            debug!(%run, %key, "Approval already requested; its notice is published again");
+                            stored = Some(r);
+                        }
+                        _ => {
+                            debug!(%run, %key, "Approval already requested and settled");
+                            return Ok(());
+                        }
+                    }
                 }
                 Err(e) => return Err(unavailable("storing an approval request", e)),
             }
@@ -104,7 +116,7 @@ impl Escalations {
             run_id: Some(run),
             at: Some(Timestamp::now()),
             notify_only,
-            approval: Some(record.clone()),
+            approval: Some(stored.unwrap_or_else(|| record.clone())),
             control: None,
         };
         crate::notices::publish(&self.bus, &notice).await;

@@ -408,10 +408,12 @@ impl Intake {
         };
         let waiting = wait_inbox.is_some();
         let name = plan.name.clone();
+        // The intake records the start it decides, so the levels now are the run's for good.
         let hitl = self.trust.policy(
             &self.hitl,
             &plan,
             self.ctx.agents.as_ref().and_then(|a| a.default.as_deref()),
+            flotilla_model::time::Timestamp::now(),
         );
         let submitted = Submitted {
             plan,

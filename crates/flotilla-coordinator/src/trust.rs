@@ -4,9 +4,11 @@
 //!
 //! The levels are the supervisor's (`<prefix>-trust`); a coordinator mirrors the bucket in
 //! memory, so admitting a run reads nothing over the network. An agent or role nothing was
-//! counted for yet is a novice. The policy is fixed at admission and carried in the run's
-//! state, so a level that changes later changes the runs admitted after it, and every
-//! coordinator and every replay decides a run alike.
+//! counted for yet is a novice. Levels are read as of the submission's time (through each
+//! record's history), and the policy is carried in the run's state: a level that changes
+//! later changes the runs submitted after it, and every coordinator and every replay decides
+//! a run alike (but for a change made within a moment of the submission that a coordinator's
+//! mirror had not received yet).
 
 use std::collections::BTreeMap;
 
@@ -14,6 +16,7 @@ use flotilla_bus::mirror::KvMirror;
 use flotilla_model::approval::{HitlConfig, HitlMode, HitlPolicy};
 use flotilla_model::plan::Plan;
 use flotilla_model::team::RecordScope;
+use flotilla_model::time::Timestamp;
 use flotilla_model::trust::{TrustLevel, TrustRecord, trust_key};
 
 /// The trust levels a coordinator admits runs with (none when trust is not enabled).
@@ -38,19 +41,25 @@ impl Trust {
         }
     }
 
-    fn level(mirror: &KvMirror<TrustRecord>, scope: RecordScope, name: &str) -> TrustLevel {
+    fn level(
+        mirror: &KvMirror<TrustRecord>,
+        scope: RecordScope,
+        name: &str,
+        at: Timestamp,
+    ) -> TrustLevel {
         mirror
             .get(&trust_key(scope, name))
-            .map(|m| m.value.level())
+            .map(|m| m.value.level_at(at))
             .unwrap_or_default()
     }
 
-    /// The earned mode of every agent and role `plan` names (keys `agent:<name>`,
-    /// `role:<name>`); empty when trust is not enabled.
+    /// The earned mode, as of `at` (the submission's time), of every agent and role `plan`
+    /// names (keys `agent:<name>`, `role:<name>`); empty when trust is not enabled.
     pub(crate) fn modes(
         &self,
         plan: &Plan,
         default_agent: Option<&str>,
+        at: Timestamp,
     ) -> BTreeMap<String, HitlMode> {
         let mut out = BTreeMap::new();
         let Some(mirror) = &self.levels else {
@@ -63,24 +72,27 @@ impl Trust {
                 .or(default_agent.filter(|_| sub.role.is_none()));
             if let Some(a) = agent {
                 out.entry(format!("agent:{a}"))
-                    .or_insert_with(|| Self::level(mirror, RecordScope::Agent, a).mode());
+                    .or_insert_with(|| Self::level(mirror, RecordScope::Agent, a, at).mode());
             }
             if let Some(r) = sub.role.as_deref() {
                 out.entry(format!("role:{r}"))
-                    .or_insert_with(|| Self::level(mirror, RecordScope::Role, r).mode());
+                    .or_insert_with(|| Self::level(mirror, RecordScope::Role, r, at).mode());
             }
         }
         out
     }
 
-    /// The policy a run of `plan` is admitted with.
+    /// The policy a run of `plan` submitted at `at` is admitted with. The levels are read
+    /// as of `at`, so computing the admission again later (a start performed but not yet
+    /// recorded, rebuilt by another coordinator) gives the same policy.
     pub(crate) fn policy(
         &self,
         hitl: &HitlConfig,
         plan: &Plan,
         default_agent: Option<&str>,
+        at: Timestamp,
     ) -> Option<HitlPolicy> {
-        let trusted = self.modes(plan, default_agent);
+        let trusted = self.modes(plan, default_agent, at);
         HitlPolicy::resolve_trusted(hitl, plan.config.hitl.as_ref(), default_agent, &trusted)
     }
 }

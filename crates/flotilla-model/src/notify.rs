@@ -8,9 +8,10 @@
 //! list --watch` or any client may subscribe to the subject directly.
 //!
 //! A notice is never the record: the escalations bucket and the run log are. It is published
-//! after the record is stored, with its [`Notification::id`] as `Nats-Msg-Id`, so the same
-//! notice published twice (a step performed again after a crash) is stored once and a webhook
-//! receiver can use the id as its idempotency key.
+//! after the record is stored, with its [`Notification::id`] as `Nats-Msg-Id`: the same
+//! notice published twice (a step performed again after a crash) within the stream's
+//! duplicate window is stored once, and a webhook receiver de-duplicates by the id after
+//! (notices are delivered at least once, always with the same id).
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};

@@ -239,6 +239,10 @@ pub struct TrustRecord {
     pub history: VecDeque<TrustChange>,
     /// When it last changed.
     pub updated_at: Timestamp,
+    /// Outcomes counted in the failure record it was last evaluated from: an evaluation from
+    /// an older copy (another replica counted more since) is skipped.
+    #[serde(default)]
+    pub counted: u64,
 }
 
 impl TrustRecord {
@@ -257,12 +261,26 @@ impl TrustRecord {
             last_incident: None,
             history: VecDeque::new(),
             updated_at: now,
+            counted: 0,
         }
     }
 
     /// The level that applies: the pin, else the earned level.
     pub fn level(&self) -> TrustLevel {
         self.pinned.unwrap_or(self.earned)
+    }
+
+    /// The level that applied at `at`, read back through the history: admitting a run at
+    /// its submission's time gives the same answer whenever — and by whichever coordinator
+    /// — the admission is computed again. Before the record existed: novice.
+    pub fn level_at(&self, at: Timestamp) -> TrustLevel {
+        if self.first_seen > at {
+            return TrustLevel::Novice;
+        }
+        match self.history.iter().find(|c| c.at > at) {
+            Some(c) => c.from,
+            None => self.level(),
+        }
     }
 
     fn note(&mut self, from: TrustLevel, reason: String, by: &str, now: Timestamp) {
@@ -282,15 +300,20 @@ impl TrustRecord {
         }
     }
 
-    /// Re-evaluates the earned level from `record`; true when it changed.
+    /// Re-evaluates the earned level from `record`; true when it changed. A record that
+    /// counted fewer outcomes than the last evaluation's (an older copy) changes nothing.
     pub fn evaluate(&mut self, cfg: &TrustConfig, record: &FailureRecord, now: Timestamp) -> bool {
+        let tasks = record.total_succeeded + record.total_failed;
+        if tasks < self.counted {
+            return false;
+        }
         let earned = cfg.earned(record, self, now);
         if earned == self.earned {
             return false;
         }
+        self.counted = tasks;
         let from = self.level();
         self.earned = earned;
-        let tasks = record.total_succeeded + record.total_failed;
         self.note(
             from,
             format!(
@@ -490,7 +513,27 @@ mod tests {
                 .iter()
                 .any(|r| r.starts_with("incident: published early")),
             "{reasons:?}"
+        ); // Read back at earlier times, through the history.
+        assert_eq!(
+            t.level_at(Timestamp::from_unix_ms(t0.unix_ms() - 1)),
+            TrustLevel::Novice
         );
+        assert_eq!(
+            t.level_at(Timestamp::from_unix_ms(day7.unix_ms() + 1)),
+            TrustLevel::Novice
+        );
+        assert_eq!(
+            t.level_at(Timestamp::from_unix_ms(day30.unix_ms() - 1)),
+            TrustLevel::Novice
+        );
+        assert_eq!(
+            t.level_at(day30),
+            TrustLevel::Novice,
+            "the incident at day 30"
+        );
+        assert_eq!(t.level_at(later), TrustLevel::Proficient);
+        // An evaluation from an older copy of the counts changes nothing.
+        assert!(!t.evaluate(&cfg, &counted(10, 0), later));
     }
 
     #[test]

@@ -420,7 +420,11 @@ async fn count(
                 .emit(&team.metrics);
             }
         }
-        crate::trust::evaluate(team, &r).await?;
+        // Trust follows the counts; a level not written now is written at the next outcome,
+        // and never holds up the team's accounting.
+        if let Err(e) = crate::trust::evaluate(team, &r).await {
+            tracing::warn!(key, error = %e, "Could not re-evaluate a trust level");
+        }
         team.failures.note(&key, r, Timestamp::now().unix_ms());
     }
     Ok(())

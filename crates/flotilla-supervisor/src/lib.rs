@@ -229,6 +229,7 @@ impl Supervisor {
                 team.trusts.synced().await;
             } => {}
         }
+        trust::export_all(&team);
         let consumer = follow::consumer(&team).await?;
         let inbox = teammates::consumer(&team).await?;
         // Before the API answers (readiness): a notice published once the supervisor is

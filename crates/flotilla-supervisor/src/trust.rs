@@ -56,6 +56,14 @@ pub(crate) async fn evaluate(team: &Team, record: &FailureRecord) -> Result<(), 
     Ok(())
 }
 
+/// Exports every mirrored level (at start: the gauge of each agent and role from any
+/// replica, not only from the one that last changed it).
+pub(crate) fn export_all(team: &Team) {
+    for (_, t) in team.trusts.all() {
+        emit(team, &t.value);
+    }
+}
+
 fn emit(team: &Team, t: &TrustRecord) {
     TrustLevelSet {
         scope: t.scope.as_str(),

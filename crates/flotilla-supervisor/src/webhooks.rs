@@ -210,8 +210,7 @@ pub(crate) async fn deliver(
 ) -> Result<(), SupervisorError> {
     let http = client();
     let hook = Arc::new(hook);
-    let what = format!("the notices for webhook {}", hook.opts.name);
-    while let Some(messages) = crate::follow::messages_of(&consumer, &stop, &what).await {
+    while let Some(messages) = small_batches(&consumer, &stop, &hook.opts.name).await {
         messages
             .take_until(stop.cancelled())
             .for_each_concurrent(CONCURRENCY, |msg| {
@@ -226,6 +225,34 @@ pub(crate) async fn deliver(
             .await;
     }
     Ok(())
+}
+
+/// The consumer's messages pulled at most [`CONCURRENCY`] at a time: a delivery's
+/// acknowledgement clock starts when it is pulled, so nothing waits in a local buffer while
+/// its `ack_wait` runs out (which would redeliver it and spend attempts without a POST).
+async fn small_batches(
+    consumer: &PullConsumer,
+    stop: &CancellationToken,
+    webhook: &str,
+) -> Option<async_nats::jetstream::consumer::pull::Stream> {
+    while !stop.is_cancelled() {
+        match consumer
+            .stream()
+            .max_messages_per_batch(CONCURRENCY)
+            .messages()
+            .await
+        {
+            Ok(m) => return Some(m),
+            Err(e) => {
+                warn!(webhook, error = %e, "Cannot read the notices; retrying");
+                tokio::select! {
+                    _ = stop.cancelled() => return None,
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
+            }
+        }
+    }
+    None
 }
 
 /// Why one POST failed.
@@ -265,6 +292,8 @@ async fn deliver_one(
         .map(|v| v.as_str().to_owned())
         .unwrap_or_else(|| format!("notice.{seq}"));
     let name = hook.opts.name.as_str();
+    // The POST may take up to its timeout: restart the acknowledgement clock first.
+    let _ = msg.ack_with(AckKind::Progress).await;
     match post(hook, http, &id, &kind, attempt, msg.payload.clone()).await {
         Ok(()) => {
             let _ = msg.ack().await;

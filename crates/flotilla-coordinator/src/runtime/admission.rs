@@ -35,6 +35,7 @@ impl Runtime {
         run: RunId,
         submission: Result<&SubmitRequest, &UnreadableSubmission>,
         trace: TraceContext,
+        submitted_ms: i64,
     ) -> Result<Result<Submitted, Rejected>, StepError> {
         let request = match submission {
             Ok(r) => r,
@@ -149,6 +150,7 @@ impl Runtime {
             &self.opts.hitl,
             &submitted.plan,
             self.default_agent.as_deref(),
+            flotilla_model::time::Timestamp::from_unix_ms(submitted_ms),
         );
         Ok(Ok(submitted))
     }
@@ -248,7 +250,7 @@ impl Runtime {
         span: &tracing::Span,
     ) -> Result<Option<Submitted>, StepError> {
         let trace = crate::intake::admitted_trace(d.msg.headers.as_ref(), run, span);
-        let mut verdict = self.verdict(run, request, trace).await?;
+        let mut verdict = self.verdict(run, request, trace, d.ts_ms).await?;
         if let Ok(submitted) = &verdict {
             let lineage = crate::lineage::Lineage {
                 tree: submitted.parent.as_ref().map(RunHandle::root_run),

@@ -118,7 +118,7 @@ impl Runtime {
         }
         let submitted = match first.content {
             FirstMessage::Submission { request, trace } => {
-                match self.verdict(run, Ok(&request), trace).await? {
+                match self.verdict(run, Ok(&request), trace, first.ts_ms).await? {
                     Ok(submitted) => submitted,
                     Err(rejected) => {
                         self.reject(run, &rejected, first.ts_ms).await?;
