@@ -34,7 +34,6 @@ use bytes::Bytes;
 use futures::StreamExt;
 use futures::future::BoxFuture;
 use hyper_util::client::legacy::Client as HyperClient;
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -136,7 +135,7 @@ struct TransportError(String);
 /// platform's roots (the webpki roots when the platform has none).
 #[derive(Clone)]
 struct Transport {
-    client: HyperClient<hyper_rustls::HttpsConnector<HttpConnector>, reqwest::Body>,
+    client: HyperClient<flotilla_http::HttpsConnector, reqwest::Body>,
 }
 
 /// Largest error body kept from a 429 / 5xx answer.
@@ -144,30 +143,9 @@ const MAX_ERROR_BODY: usize = 4096;
 
 impl Transport {
     fn new() -> Self {
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let builder = match hyper_rustls::HttpsConnectorBuilder::new()
-            .with_provider_and_native_roots(Arc::clone(&provider))
-        {
-            Ok(b) => b,
-            Err(e) => {
-                tracing::debug!(error = %e, "No usable platform certificate roots; using the webpki roots");
-                match hyper_rustls::HttpsConnectorBuilder::new()
-                    .with_provider_and_webpki_roots(provider)
-                {
-                    Ok(b) => b,
-                    // The ring provider supports the default protocol versions; this cannot
-                    // fail in practice. Fall back to plain defaults rather than panic.
-                    Err(_) => hyper_rustls::HttpsConnectorBuilder::new().with_webpki_roots(),
-                }
-            }
-        };
-        let connector = builder
-            .https_or_http()
-            .enable_http1()
-            .enable_http2()
-            .build();
         Self {
-            client: HyperClient::builder(TokioExecutor::new()).build(connector),
+            client: HyperClient::builder(TokioExecutor::new())
+                .build(flotilla_http::https_connector()),
         }
     }
 }

@@ -283,10 +283,12 @@ impl TrustRecord {
         }
     }
 
-    fn note(&mut self, from: TrustLevel, reason: String, by: &str, now: Timestamp) {
+    /// Marks the record changed at `now` and keeps the change in the history when the level
+    /// moved, or `always` (an incident or a pin is on the record whatever it changed).
+    fn note(&mut self, from: TrustLevel, reason: String, by: &str, now: Timestamp, always: bool) {
         let to = self.level();
         self.updated_at = now;
-        if from != to || reason.starts_with("incident") || reason.starts_with("pinned") {
+        if from != to || always {
             self.history.push_back(TrustChange {
                 at: now,
                 from,
@@ -323,6 +325,7 @@ impl TrustRecord {
             ),
             "supervisor",
             now,
+            false,
         );
         true
     }
@@ -338,7 +341,7 @@ impl TrustRecord {
             by: by.to_owned(),
         });
         self.earned = TrustLevel::Novice;
-        self.note(from, format!("incident: {reason}"), by, now);
+        self.note(from, format!("incident: {reason}"), by, now, true);
     }
 
     /// Pins the level (`Some`) or returns to the earned one (`None`).
@@ -349,7 +352,7 @@ impl TrustRecord {
             Some(l) => format!("pinned {}: {reason}", l.as_str()),
             None => format!("unpinned: {reason}"),
         };
-        self.note(from, what, by, now);
+        self.note(from, what, by, now, level.is_some());
     }
 }
 

@@ -57,14 +57,20 @@ pub(crate) async fn consumer(team: &Team) -> Result<PullConsumer, SupervisorErro
 }
 
 /// The message stream of a shared consumer (`what` names it in the log), retried every second
-/// while the server cannot open it; `None` once `stop` is cancelled.
+/// while the server cannot open it; `None` once `stop` is cancelled. `batch`: the most
+/// messages pulled at once (`None`: the client's default).
 pub(crate) async fn messages_of(
     consumer: &PullConsumer,
     stop: &CancellationToken,
     what: &str,
+    batch: Option<usize>,
 ) -> Option<async_nats::jetstream::consumer::pull::Stream> {
     while !stop.is_cancelled() {
-        match consumer.messages().await {
+        let opened = match batch {
+            Some(n) => consumer.stream().max_messages_per_batch(n).messages().await,
+            None => consumer.messages().await,
+        };
+        match opened {
             Ok(m) => return Some(m),
             Err(e) => {
                 warn!(error = %e, "Cannot read {what}; retrying");
@@ -84,7 +90,7 @@ pub(crate) async fn run(
     consumer: PullConsumer,
     stop: CancellationToken,
 ) -> Result<(), SupervisorError> {
-    while let Some(messages) = messages_of(&consumer, &stop, "the event stream").await {
+    while let Some(messages) = messages_of(&consumer, &stop, "the event stream", None).await {
         let batches = messages
             .take_until(stop.cancelled())
             .ready_chunks(team.opts.batch);

@@ -634,7 +634,7 @@ pub(crate) async fn follow(
     stop: CancellationToken,
 ) -> Result<(), SupervisorError> {
     while let Some(messages) =
-        crate::follow::messages_of(&consumer, &stop, "the teammate inboxes").await
+        crate::follow::messages_of(&consumer, &stop, "the teammate inboxes", None).await
     {
         let messages = messages.take_until(stop.cancelled());
         futures::pin_mut!(messages);

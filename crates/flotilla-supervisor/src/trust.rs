@@ -16,7 +16,6 @@ use flotilla_model::trust::{
 };
 use flotilla_telemetry::InternalEvent;
 use flotilla_telemetry::events::TrustLevelSet;
-use futures::StreamExt;
 use tracing::info;
 
 use crate::Team;
@@ -196,18 +195,15 @@ pub(crate) async fn get(team: Arc<Team>, r: TrustGetRequest) -> Result<TrustReco
     }
 }
 
-/// `trust.list`.
+/// `trust.list`: from the mirror the supervisor keeps of the bucket (as the team API answers
+/// from its mirrors), not a read of every key per request.
 pub(crate) async fn list(team: Arc<Team>, _r: TrustListRequest) -> Result<TrustList, ApiError> {
-    let mut keys = team.trust_kv.keys().await.map_err(unavailable)?;
-    let mut records = Vec::new();
-    while let Some(key) = keys.next().await {
-        let key = key.map_err(unavailable)?;
-        if let Some(bytes) = team.trust_kv.get(&key).await.map_err(unavailable)?
-            && let Ok(t) = serde_json::from_slice::<TrustRecord>(&bytes)
-        {
-            records.push(t);
-        }
-    }
+    let mut records: Vec<TrustRecord> = team
+        .trusts
+        .all()
+        .into_iter()
+        .map(|(_, t)| t.value)
+        .collect();
     records.sort_by(|a, b| (a.scope, &a.name).cmp(&(b.scope, &b.name)));
     Ok(TrustList {
         enabled: team.trust.enabled,

@@ -30,7 +30,6 @@ use futures::StreamExt;
 use hmac::{Hmac, Mac};
 use http_body_util::Full;
 use hyper_util::client::legacy::Client as HyperClient;
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use sha2::Sha256;
 use tokio_util::sync::CancellationToken;
@@ -47,7 +46,7 @@ const CONCURRENCY: usize = 8;
 /// it to another replica.
 const ACK_MARGIN: Duration = Duration::from_secs(5);
 
-type Https = hyper_rustls::HttpsConnector<HttpConnector>;
+type Https = flotilla_http::HttpsConnector;
 
 /// One configured webhook, ready to deliver.
 pub(crate) struct Webhook {
@@ -156,30 +155,9 @@ pub(crate) async fn prepare(team: &Team) -> Result<Vec<(Webhook, PullConsumer)>,
     Ok(out)
 }
 
-/// An HTTP(S) client: rustls on ring with the platform's roots (the webpki roots when the
-/// platform has none), HTTP/1.1 and HTTP/2.
+/// An HTTP(S) client on Flotilla's one outbound connector ([`flotilla_http`]).
 pub(crate) fn client() -> HyperClient<Https, Full<Bytes>> {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let builder = match hyper_rustls::HttpsConnectorBuilder::new()
-        .with_provider_and_native_roots(Arc::clone(&provider))
-    {
-        Ok(b) => b,
-        Err(e) => {
-            debug!(error = %e, "No usable platform certificate roots; using the webpki roots");
-            match hyper_rustls::HttpsConnectorBuilder::new()
-                .with_provider_and_webpki_roots(provider)
-            {
-                Ok(b) => b,
-                Err(_) => hyper_rustls::HttpsConnectorBuilder::new().with_webpki_roots(),
-            }
-        }
-    };
-    let connector = builder
-        .https_or_http()
-        .enable_http1()
-        .enable_http2()
-        .build();
-    HyperClient::builder(TokioExecutor::new()).build(connector)
+    HyperClient::builder(TokioExecutor::new()).build(flotilla_http::https_connector())
 }
 
 /// `sha256=<hex>`: the HMAC-SHA256 of `<timestamp>.<body>` under `secret`.
@@ -210,7 +188,13 @@ pub(crate) async fn deliver(
 ) -> Result<(), SupervisorError> {
     let http = client();
     let hook = Arc::new(hook);
-    while let Some(messages) = small_batches(&consumer, &stop, &hook.opts.name).await {
+    let what = format!("the notices for webhook {}", hook.opts.name);
+    // At most CONCURRENCY pulled at once: a delivery's acknowledgement clock starts when it is
+    // pulled, so nothing waits in a local buffer while its `ack_wait` runs out (which would
+    // redeliver it and spend attempts without a POST).
+    while let Some(messages) =
+        crate::follow::messages_of(&consumer, &stop, &what, Some(CONCURRENCY)).await
+    {
         messages
             .take_until(stop.cancelled())
             .for_each_concurrent(CONCURRENCY, |msg| {
@@ -225,34 +209,6 @@ pub(crate) async fn deliver(
             .await;
     }
     Ok(())
-}
-
-/// The consumer's messages pulled at most [`CONCURRENCY`] at a time: a delivery's
-/// acknowledgement clock starts when it is pulled, so nothing waits in a local buffer while
-/// its `ack_wait` runs out (which would redeliver it and spend attempts without a POST).
-async fn small_batches(
-    consumer: &PullConsumer,
-    stop: &CancellationToken,
-    webhook: &str,
-) -> Option<async_nats::jetstream::consumer::pull::Stream> {
-    while !stop.is_cancelled() {
-        match consumer
-            .stream()
-            .max_messages_per_batch(CONCURRENCY)
-            .messages()
-            .await
-        {
-            Ok(m) => return Some(m),
-            Err(e) => {
-                warn!(webhook, error = %e, "Cannot read the notices; retrying");
-                tokio::select! {
-                    _ = stop.cancelled() => return None,
-                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-                }
-            }
-        }
-    }
-    None
 }
 
 /// Why one POST failed.

@@ -169,10 +169,7 @@ pub(crate) async fn approvals(
         }
         ApprovalsCommand::Respond { args, result } => (args, Decision::Respond { result }),
     };
-    let by = args
-        .by
-        .or_else(|| std::env::var("USER").ok())
-        .unwrap_or_default();
+    let by = super::caller(args.by).unwrap_or_default();
     let r = ApprovalAnswerRequest {
         protocol,
         run_id: args.run,

@@ -12,6 +12,7 @@ use flotilla_model::control::{
 };
 use flotilla_model::ids::{RunId, TaskId};
 
+use super::caller;
 use super::team::{answer, connect};
 use crate::config::Config;
 
@@ -81,10 +82,6 @@ pub(crate) struct ControlArgs {
     json: bool,
 }
 
-fn who(by: Option<String>) -> Option<String> {
-    by.or_else(|| std::env::var("USER").ok())
-}
-
 fn ms(d: Option<Duration>) -> Option<u64> {
     d.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
@@ -98,7 +95,7 @@ pub(crate) async fn control(config: &Config, command: ControlCommand) -> anyhow:
                 protocol,
                 run_id: run,
                 reason: args.reason,
-                by: who(args.by),
+                by: caller(args.by),
                 timeout_ms: ms(hold),
                 children: !args.no_children,
             };
@@ -109,7 +106,7 @@ pub(crate) async fn control(config: &Config, command: ControlCommand) -> anyhow:
                 protocol,
                 run_id: run,
                 reason: args.reason,
-                by: who(args.by),
+                by: caller(args.by),
                 children: !args.no_children,
             };
             answer(&client, &r, args.json, |a| print_control(a, "resumed")).await
@@ -119,7 +116,7 @@ pub(crate) async fn control(config: &Config, command: ControlCommand) -> anyhow:
                 protocol,
                 run_id: run,
                 reason: args.reason,
-                by: who(args.by),
+                by: caller(args.by),
                 timeout_ms: ms(hold),
                 children: !args.no_children,
             };
@@ -144,7 +141,7 @@ pub(crate) async fn control(config: &Config, command: ControlCommand) -> anyhow:
                 run_id: run,
                 task_id: task,
                 result,
-                by: who(by).unwrap_or_default(),
+                by: caller(by).unwrap_or_default(),
                 comment,
             };
             answer(&client, &r, json, |a: &CompleteTaskReply| {

@@ -13,3 +13,8 @@ pub(crate) mod submit;
 pub(crate) mod team;
 pub(crate) mod trust;
 pub(crate) mod watch;
+
+/// Who a person's request is from: `--by`, else `$USER`.
+pub(crate) fn caller(by: Option<String>) -> Option<String> {
+    by.or_else(|| std::env::var("USER").ok())
+}

@@ -10,6 +10,7 @@ use flotilla_model::trust::{
     TrustSetRequest,
 };
 
+use super::caller;
 use super::team::{answer, connect};
 use crate::config::Config;
 
@@ -87,11 +88,6 @@ fn scope(role: bool) -> RecordScope {
     }
 }
 
-fn who(by: Option<String>) -> String {
-    by.or_else(|| std::env::var("USER").ok())
-        .unwrap_or_default()
-}
-
 pub(crate) async fn trust(config: &Config, command: TrustCommand) -> anyhow::Result<ExitCode> {
     let client = connect(config).await?;
     let protocol = flotilla_model::PROTOCOL_VERSION;
@@ -125,7 +121,7 @@ pub(crate) async fn trust(config: &Config, command: TrustCommand) -> anyhow::Res
                 name,
                 level: level.0,
                 reason,
-                by: who(by),
+                by: caller(by).unwrap_or_default(),
             };
             answer(&client, &r, json, print_record).await
         }
@@ -141,7 +137,7 @@ pub(crate) async fn trust(config: &Config, command: TrustCommand) -> anyhow::Res
                 scope: scope(role),
                 name,
                 reason,
-                by: who(by),
+                by: caller(by).unwrap_or_default(),
             };
             answer(&client, &r, json, print_record).await
         }
