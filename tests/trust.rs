@@ -167,6 +167,10 @@ async fn trust_is_earned_lost_by_an_incident_and_pinned() -> anyhow::Result<()> 
     let mut p = Processes::start(CONFIG).await?;
     p.coordinator().await?;
     p.worker(&[]).await?;
+    // Without a supervisor the CLI says which service to start.
+    let (code, out) = cli(&p, &["trust", "show"])?;
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("flotilla supervisor"), "{out}");
     p.supervisor().await?;
 
     // A novice: every dispatch waits for a person, until three successes are counted.

@@ -111,6 +111,10 @@ fn publish_error(e: flotilla_bus::PublishError) -> ClientError {
 /// `wait_ms`).
 const API_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The API groups `flotilla supervisor` serves (every other endpoint is a coordinator's): a
+/// request nothing answers names the service to start.
+const SUPERVISOR_ENDPOINTS: [&str; 3] = ["team.", "memory.", "trust."];
+
 /// A Flotilla client.
 #[derive(Debug, Clone)]
 pub struct Client {
@@ -262,7 +266,7 @@ impl Client {
             .map_err(|e| {
                 if e.kind() == async_nats::RequestErrorKind::NoResponders {
                     // The cause ("no responders") says nothing more than the kind.
-                    let (kind, service) = if R::ENDPOINT.starts_with("team.") || R::ENDPOINT.starts_with("memory.") {
+                    let (kind, service) = if SUPERVISOR_ENDPOINTS.iter().any(|p| R::ENDPOINT.starts_with(p)) {
                         (ClientErrorKind::NoSupervisor, "flotilla supervisor")
                     } else {
                         (ClientErrorKind::NoCoordinator, "flotilla coordinator")
