@@ -88,7 +88,8 @@ reply = "{task_id} <- [{dependencies}]"
                 | RunInput::Assigned(_)
                 | RunInput::Finished(_)
                 | RunInput::ApprovalDecided(_)
-                | RunInput::Completed(_) => {}
+                | RunInput::Completed(_)
+                | RunInput::Suspended(_) => {}
                 RunInput::Rejected(_) => panic!("{run} was rejected"),
             }
         }

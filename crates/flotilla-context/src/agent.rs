@@ -109,7 +109,11 @@ impl EventEmitter {
             task_id: task.task_id.clone(),
             attempt: task.attempt,
             source: format!("worker/{worker_id}"),
-            id_prefix: format!("{}.{}.{delivery}", task.run_id, task.attempt_id),
+            // A continued attempt (after a suspension) is told apart by its segment.
+            id_prefix: match task.resume.as_ref().map_or(0, |r| r.segment) {
+                0 => format!("{}.{}.{delivery}", task.run_id, task.attempt_id),
+                segment => format!("{}.{}.r{segment}.{delivery}", task.run_id, task.attempt_id),
+            },
             counter: Arc::new(AtomicU64::new(0)),
         }
     }
@@ -190,9 +194,42 @@ pub struct AgentContext {
     clients: Clients,
     /// The worker slot the attempt occupies, given back while it waits for children.
     slot: crate::WorkerSlot,
+    /// Where the agent leaves the tool call it stopped at to wait for a person.
+    suspension: Suspension,
+}
+
+/// The tool call an attempt stopped at to wait for a person ([`AgentContext::suspend`]):
+/// shared between the agent's context and the worker, which reports it instead of a result.
+#[derive(Debug, Clone, Default)]
+pub struct Suspension(Arc<std::sync::Mutex<Option<flotilla_model::runlog::SuspendedCall>>>);
+
+impl Suspension {
+    /// The call the attempt stopped at, if it did.
+    pub fn take(&self) -> Option<flotilla_model::runlog::SuspendedCall> {
+        self.0.lock().ok().and_then(|mut s| s.take())
+    }
 }
 
 impl AgentContext {
+    /// Stops the attempt at `call` to wait for a person: return the error this gives. The
+    /// worker then reports the suspension (not a failure), gives the slot back, and the
+    /// attempt continues — on any worker — once the call is decided, from its step journal.
+    pub fn suspend(&self, call: flotilla_model::runlog::SuspendedCall) -> AgentError {
+        let message = format!(
+            "waits for a person at tool call {} ({})",
+            call.call_id, call.tool
+        );
+        if let Ok(mut s) = self.suspension.0.lock() {
+            *s = Some(call);
+        }
+        AgentError::failed(message)
+    }
+
+    /// The handle the worker reads a suspension from.
+    pub fn suspension(&self) -> Suspension {
+        self.suspension.clone()
+    }
+
     /// The context of one attempt; the scope is the clients'.
     pub fn new(
         clients: Clients,
@@ -209,6 +246,7 @@ impl AgentContext {
             scope: clients.scope_arc(),
             clients,
             slot: crate::WorkerSlot::default(),
+            suspension: Suspension::default(),
         }
     }
 

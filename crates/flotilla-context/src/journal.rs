@@ -35,14 +35,16 @@ pub fn step_event_id(
 
 impl Clients {
     /// The steps earlier deliveries of this attempt recorded, by step number. Empty for an
-    /// operator scope or a first delivery (nothing can have been recorded).
-    pub async fn journal(&self) -> Result<BTreeMap<u32, StepEntry>, ContextError> {
+    /// operator scope or a first delivery (nothing can have been recorded) — unless
+    /// `resumed`: the attempt suspended at a tool call earlier and continues now, so its
+    /// first delivery follows steps recorded by an earlier one.
+    pub async fn journal(&self, resumed: bool) -> Result<BTreeMap<u32, StepEntry>, ContextError> {
         let scope = self.scope();
         let mut steps = BTreeMap::new();
         let Some(attempt_id) = scope.attempt_id else {
             return Ok(steps);
         };
-        if scope.delivery.is_none_or(|d| d <= 1) {
+        if !resumed && scope.delivery.is_none_or(|d| d <= 1) {
             return Ok(steps);
         }
         let bus = self.bus();

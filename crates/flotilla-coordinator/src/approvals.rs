@@ -214,6 +214,12 @@ impl Escalations {
                 status: record.status,
                 decision: answer.decision.clone(),
                 by: answer.by.clone(),
+                tool_call: record.request.tool_call.clone(),
+                digest: record
+                    .request
+                    .tool_call
+                    .is_some()
+                    .then(|| record.request.digest.clone()),
             })),
         };
         self.bus

@@ -530,6 +530,65 @@ impl LlmAgent {
         }
     }
 
+    /// Runs a round as planned: the calls to run (with a person's edited arguments where
+    /// given), and the results a person gave instead of the others, in the calls' order.
+    async fn run_round(
+        &self,
+        tools: &ToolSet,
+        calls: &[ToolCallRequest],
+        plan: &[crate::gate::CallPlan],
+        ctx: &AgentContext,
+    ) -> Result<(Vec<String>, bool), AgentError> {
+        use crate::gate::CallPlan;
+        let runnable: Vec<ToolCallRequest> = calls
+            .iter()
+            .zip(plan)
+            .filter_map(|(call, p)| match p {
+                CallPlan::Run(arguments) => Some(ToolCallRequest {
+                    arguments: arguments.clone(),
+                    ..call.clone()
+                }),
+                CallPlan::Answer { .. } => None,
+            })
+            .collect();
+        let (ran, refused) = if runnable.is_empty() {
+            (Vec::new(), false)
+        } else {
+            self.run_tools(tools, &runnable, ctx).await?
+        };
+        let mut ran = ran.into_iter();
+        let mut results = Vec::with_capacity(calls.len());
+        for (call, p) in calls.iter().zip(plan) {
+            match p {
+                CallPlan::Run(_) => results.push(ran.next().unwrap_or_default()),
+                CallPlan::Answer { text, ok } => {
+                    let input = serde_json::from_str::<Value>(&call.arguments)
+                        .unwrap_or_else(|_| Value::String(call.arguments.clone()));
+                    ctx.events
+                        .emit(Event::ToolStart {
+                            call_id: call.id.clone(),
+                            tool: call.name.clone(),
+                            input,
+                        })
+                        .await;
+                    ctx.events
+                        .emit(Event::ToolEnd {
+                            call_id: call.id.clone(),
+                            ok: *ok,
+                            output: Value::String(text.clone()),
+                            run_link: None,
+                            tool: Some(call.name.clone()),
+                            duration_ms: Some(0),
+                            error: (!ok).then(|| text.clone()),
+                        })
+                        .await;
+                    results.push(text.clone());
+                }
+            }
+        }
+        Ok((results, refused))
+    }
+
     async fn attempt(
         &self,
         task: &TaskEnvelope,
@@ -577,7 +636,7 @@ impl LlmAgent {
         let limit = RateLimit::open(ctx, &self.config)
             .await
             .map_err(|e| AgentError::failed(format!("agent {}: {e}", self.name)))?;
-        let mut journal = Journal::open(ctx, &self.name).await;
+        let mut journal = Journal::open(ctx, task, &self.name).await;
         let mut tokens = 0u64;
         let mut tools_used: Vec<String> = Vec::new();
         let mut rounds = 0u32;
@@ -658,8 +717,11 @@ impl LlmAgent {
                             }
                         }
                         None => {
+                            // Calls a person must decide first stop the attempt here.
+                            let plan =
+                                crate::gate::plan_round(&tools, task, ctx, &c.tool_calls).await?;
                             let (r, was_refused) =
-                                self.run_tools(&tools, &c.tool_calls, ctx).await?;
+                                self.run_round(&tools, &c.tool_calls, &plan, ctx).await?;
                             refused |= was_refused;
                             journal.record_tool_results(ctx, task, &r).await;
                             r

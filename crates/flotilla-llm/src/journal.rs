@@ -38,8 +38,8 @@ pub(crate) struct Journal {
 impl Journal {
     /// The journal of the attempt: the recorded steps on a redelivery, else empty. A journal
     /// that cannot be read is treated as empty (the steps are done again).
-    pub(crate) async fn open(ctx: &AgentContext, agent: &str) -> Self {
-        let recorded = match ctx.clients().journal().await {
+    pub(crate) async fn open(ctx: &AgentContext, task: &TaskEnvelope, agent: &str) -> Self {
+        let recorded = match ctx.clients().journal(task.resume.is_some()).await {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(agent, error = %e, "Could not read the attempt's step journal; its steps are done again");

@@ -45,6 +45,7 @@ pub mod agent;
 pub mod budget;
 pub mod config;
 pub mod contract_net;
+pub mod gate;
 pub mod journal;
 pub mod lead_tools;
 pub mod mcp;

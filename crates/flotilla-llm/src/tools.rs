@@ -180,6 +180,7 @@ fn builtin_spec(name: &str) -> (&'static str, Value) {
     }
     match name {
         crate::recruit::RECRUIT => crate::recruit::spec(),
+        crate::gate::ASK_USER => crate::gate::ask_user_spec(),
         "workspace_read" => (
             "Reads entries of a workspace topic shared by the team, oldest first. Continue from next_since_seq while more is true.",
             json!({"type": "object", "properties": {
@@ -397,6 +398,11 @@ impl ToolSet {
         self.tools.values()
     }
 
+    /// Whether the agent has a tool named `name`.
+    pub fn has(&self, name: &str) -> bool {
+        self.tools.contains_key(name)
+    }
+
     /// Whether there are none.
     pub fn is_empty(&self) -> bool {
         self.tools.is_empty()
@@ -450,6 +456,10 @@ impl ToolSet {
             Action::Builtin(crate::recruit::RECRUIT) => {
                 crate::recruit::recruit(ctx, call_id, &args).await
             }
+            Action::Builtin(crate::gate::ASK_USER) => ToolOutcome::err(
+                "not_answered",
+                "ask_user is answered by a person; this call could not wait for one",
+            ),
             Action::Builtin(b) if crate::lead_tools::TOOLS.contains(b) => {
                 crate::lead_tools::call(ctx, b, &args).await
             }

@@ -14,9 +14,13 @@
 //! approval in the escalations bucket ([`Action::ExpireApproval`]), where an answer that came
 //! first wins, and the winner comes back as an [`Input::ApprovalDecided`] like any answer.
 
-use flotilla_model::approval::{ApprovalDecided, ApprovalStatus, Decision, approval_id};
+use flotilla_model::approval::{
+    ApprovalDecided, ApprovalStatus, Decision, approval_id, tool_approval_id,
+};
 use flotilla_model::event::{WorkflowEvent, WorkflowPhase};
 use flotilla_model::run::{EndCause, RunStatus, TaskStatus};
+use flotilla_model::runlog::Suspended;
+use flotilla_model::task::{TaskError, TaskErrorKind};
 use flotilla_model::time::Timestamp;
 
 use crate::{Action, PendingApproval, RunMachine};
@@ -29,6 +33,10 @@ impl RunMachine {
         let Some(policy) = self.state.hitl.as_ref() else {
             return false;
         };
+        if self.state.tasks[i as usize].resume {
+            // A suspended attempt continuing: its dispatch was decided long ago.
+            return false;
+        }
         let next = self.state.tasks[i as usize].attempt + 1;
         if self.state.tasks[i as usize].approved == next {
             return false;
@@ -46,6 +54,8 @@ impl RunMachine {
             trigger: gate.trigger,
             deadline_ms,
             notify_only: gate.notify_only,
+            call: 0,
+            from_seq: 0,
         });
         let id = approval_id(i, next);
         if gate.notify_only {
@@ -73,6 +83,8 @@ impl RunMachine {
             deadline_ms,
             trigger: gate.trigger,
             expiring: false,
+            call: 0,
+            from_seq: 0,
         });
         self.emit(
             Some(i),
@@ -110,6 +122,7 @@ impl RunMachine {
             actions.push(Action::ExpireApproval {
                 task: i,
                 attempt: p.attempt,
+                call: p.call,
             });
         }
     }
@@ -132,7 +145,7 @@ impl RunMachine {
         };
         if t.status != TaskStatus::AwaitingApproval
             || pending.attempt != decided.attempt
-            || approval_id(i, pending.attempt) != decided.approval_id
+            || pending.id(i) != decided.approval_id
             || decided.status == ApprovalStatus::Pending
         {
             return false;
@@ -163,6 +176,17 @@ impl RunMachine {
             actions,
         );
         let id = self.plan.subtasks[i as usize].id.clone();
+        if pending.call > 0 {
+            // A tool call's decision, whatever it is, goes to the suspended attempt: it
+            // continues on some worker, which runs the call or hands the model the person's
+            // answer (a rejection's message, a supplied result).
+            let t = &mut self.state.tasks[i as usize];
+            t.decisions.push(seq);
+            t.resume = true;
+            t.status = TaskStatus::Waiting;
+            self.release(i, now_ms, actions);
+            return true;
+        }
         match &decided.decision {
             Decision::Approve | Decision::Edit { .. } => {
                 let t = &mut self.state.tasks[i as usize];
@@ -225,6 +249,101 @@ impl RunMachine {
                 }
             }
         }
+        true
+    }
+
+    /// Dispatched task `i`'s attempt stopped at a tool call that waits for a person: it gives
+    /// its slot back and waits like a task before its dispatch, until the decision (or the
+    /// deadline's default) continues it. False when it changes nothing (another attempt, a
+    /// segment already applied, the task no longer running).
+    pub(crate) fn on_suspended(
+        &mut self,
+        s: &Suspended,
+        seq: u64,
+        now_ms: i64,
+        actions: &mut Vec<Action>,
+    ) -> bool {
+        let Some(i) = self.graph.index_of(&s.task_id) else {
+            return false;
+        };
+        let t = &self.state.tasks[i as usize];
+        if t.status != TaskStatus::Dispatched
+            || t.attempt != s.attempt
+            || t.suspensions != s.segment
+        {
+            return false;
+        }
+        self.state.applied += 1;
+        self.in_flight -= 1;
+        let attempt = s.attempt;
+        let call = s.segment + 1;
+        if call > crate::MAX_SUSPENSIONS {
+            let error = TaskError {
+                kind: TaskErrorKind::AgentFailed,
+                message: format!(
+                    "the attempt waited for a person at more than {} tool calls",
+                    crate::MAX_SUSPENSIONS
+                ),
+            };
+            self.attempt_failed(
+                i,
+                error,
+                now_ms,
+                WorkflowEvent::phase(WorkflowPhase::TaskFailed),
+                actions,
+            );
+            return true;
+        }
+        let timeout = self
+            .state
+            .hitl
+            .as_ref()
+            .map_or(flotilla_model::approval::DEFAULT_APPROVAL_TIMEOUT, |p| {
+                p.timeout
+            });
+        let timeout_ms = timeout.get().as_millis() as i64;
+        let deadline_ms = now_ms + timeout_ms;
+        let t = &mut self.state.tasks[i as usize];
+        t.suspensions = call;
+        if t.attempt_ms == 0 {
+            t.attempt_ms = t.dispatched_ms;
+        }
+        t.status = TaskStatus::AwaitingApproval;
+        t.approval = Some(PendingApproval {
+            attempt,
+            deadline_ms,
+            trigger: s.call.trigger,
+            expiring: false,
+            call,
+            from_seq: seq,
+        });
+        actions.push(Action::RequestApproval {
+            task: i,
+            attempt,
+            trigger: s.call.trigger,
+            deadline_ms,
+            notify_only: false,
+            call,
+            from_seq: seq,
+        });
+        self.emit(
+            Some(i),
+            Some(attempt),
+            now_ms,
+            WorkflowEvent {
+                detail: Some(format!(
+                    "{}: tool {} waits for a person until {}",
+                    s.call.trigger.as_str(),
+                    s.call.tool,
+                    Timestamp::from_unix_ms(deadline_ms)
+                )),
+                approval_id: Some(tool_approval_id(i, attempt, call)),
+                worker: Some(s.worker.clone()),
+                ..WorkflowEvent::phase(WorkflowPhase::ApprovalRequested)
+            },
+            actions,
+        );
+        self.arm_if_earlier(deadline_ms, actions);
         true
     }
 }

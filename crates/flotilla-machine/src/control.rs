@@ -210,8 +210,10 @@ impl RunMachine {
             actions.push(Action::WithdrawApproval {
                 task: i,
                 attempt: p.attempt,
+                call: p.call,
             });
         }
+        t.resume = false;
         t.held = false;
         t.dispatched_ms = now_ms;
         self.ready.remove(&i);

@@ -52,7 +52,7 @@ mod team;
 pub use graph::RunGraph;
 pub use state::{
     Action, ArmedTimer, Emission, Hold, MAX_ERROR_MESSAGE, MAX_ERROR_MESSAGES_KEPT, MAX_LISTED,
-    PendingApproval, PlanningState, RunState, TaskState, truncate_message,
+    MAX_SUSPENSIONS, PendingApproval, PlanningState, RunState, TaskState, truncate_message,
 };
 
 use std::collections::BTreeSet;
@@ -173,6 +173,13 @@ pub enum Input<'a> {
         /// The completion.
         completed: &'a flotilla_model::control::Completed,
         /// Its run-log sequence.
+        seq: u64,
+    },
+    /// A dispatched LLM attempt stopped at a tool call that waits for a person.
+    Suspended {
+        /// The suspension.
+        suspended: &'a flotilla_model::runlog::Suspended,
+        /// Its run-log sequence (where the call is read).
         seq: u64,
     },
     /// A waiting task's approval was decided.
@@ -560,6 +567,11 @@ impl RunMachine {
                     return actions;
                 }
             }
+            Input::Suspended { suspended, seq } => {
+                if !self.on_suspended(suspended, seq, now_ms, &mut actions) {
+                    return actions;
+                }
+            }
             Input::Control {
                 action: ControlAction::Cancel,
                 reason,
@@ -637,6 +649,7 @@ impl RunMachine {
                 actions.push(Action::WithdrawApproval {
                     task: i as u32,
                     attempt: p.attempt,
+                    call: p.call,
                 });
             }
             t.status = TaskStatus::Cancelled;
@@ -1193,7 +1206,17 @@ impl RunMachine {
 
     fn dispatch(&mut self, i: u32, now_ms: i64, actions: &mut Vec<Action>) {
         let t = &mut self.state.tasks[i as usize];
-        t.attempt += 1;
+        if std::mem::take(&mut t.resume) {
+            // The suspended attempt continues: same attempt, same attempt id.
+            if t.attempt_ms == 0 {
+                t.attempt_ms = t.dispatched_ms;
+            }
+        } else {
+            t.attempt += 1;
+            t.suspensions = 0;
+            t.attempt_ms = 0;
+            t.decisions.clear();
+        }
         t.status = TaskStatus::Dispatched;
         t.dispatched_ms = now_ms;
         let attempt = t.attempt;

@@ -83,7 +83,26 @@ pub struct TaskState {
     /// attempt runs with (0: the plan's input).
     #[serde(rename = "es", default, skip_serializing_if = "is_zero_seq")]
     pub edit_seq: u64,
+    /// How many times the latest attempt suspended at a tool call waiting for a person.
+    #[serde(rename = "su", default, skip_serializing_if = "is_zero_attempt")]
+    pub suspensions: u32,
+    /// The latest attempt suspended and its wait is decided: its next dispatch continues it
+    /// (same attempt, same attempt id) instead of starting a new one.
+    #[serde(rename = "rp", default, skip_serializing_if = "std::ops::Not::not")]
+    pub resume: bool,
+    /// When the latest attempt was first dispatched (Unix ms; 0: `dispatched_ms`), once it
+    /// was dispatched again to continue after a suspension: its attempt id derives from it.
+    #[serde(rename = "am", default, skip_serializing_if = "is_zero_ms")]
+    pub attempt_ms: i64,
+    /// Run-log sequences of the decisions about the latest attempt's suspended tool calls,
+    /// in order (at most [`MAX_SUSPENSIONS`]).
+    #[serde(rename = "ds", default, skip_serializing_if = "Vec::is_empty")]
+    pub decisions: Vec<u64>,
 }
+
+/// How many times one attempt may suspend at a tool call waiting for a person; the next
+/// suspension fails the attempt (`agent_failed`), which bounds the state an attempt keeps.
+pub const MAX_SUSPENSIONS: u32 = 64;
 
 /// A task's wait for a person.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -100,6 +119,20 @@ pub struct PendingApproval {
     /// The deadline passed and its default is being settled (asked once).
     #[serde(rename = "x", default, skip_serializing_if = "std::ops::Not::not")]
     pub expiring: bool,
+    /// 0: the wait is for the attempt's dispatch; n ≥ 1: for the n-th tool call the
+    /// dispatched attempt suspended at.
+    #[serde(rename = "c", default, skip_serializing_if = "is_zero_attempt")]
+    pub call: u32,
+    /// For a tool call: the run-log sequence of the suspension (the call and its arguments).
+    #[serde(rename = "f", default, skip_serializing_if = "is_zero_seq")]
+    pub from_seq: u64,
+}
+
+impl PendingApproval {
+    /// The approval's id for task `task`.
+    pub fn id(&self, task: u32) -> String {
+        flotilla_model::approval::wait_id(task, self.attempt, self.call)
+    }
 }
 
 fn is_zero_attempt(a: &u32) -> bool {
@@ -111,6 +144,15 @@ fn is_zero_ms(ms: &i64) -> bool {
 }
 
 impl TaskState {
+    /// When the latest attempt was first dispatched: where its attempt id comes from.
+    pub fn attempt_started_ms(&self) -> i64 {
+        if self.attempt_ms != 0 {
+            self.attempt_ms
+        } else {
+            self.dispatched_ms
+        }
+    }
+
     /// A waiting task, held for the lead's assignment when `held`.
     pub(crate) fn held(held: bool) -> Self {
         Self {
@@ -136,6 +178,10 @@ impl TaskState {
             approval: None,
             approved: 0,
             edit_seq: 0,
+            suspensions: 0,
+            resume: false,
+            attempt_ms: 0,
+            decisions: Vec::new(),
         }
     }
 }
@@ -553,6 +599,10 @@ pub enum Action {
         deadline_ms: i64,
         /// Only notify: nothing waits.
         notify_only: bool,
+        /// 0: the dispatch; n ≥ 1: the attempt's n-th suspended tool call.
+        call: u32,
+        /// For a tool call: the run-log sequence of its suspension.
+        from_seq: u64,
     },
     /// The deadline of task `task`'s approval passed: settle it with its default unless an
     /// answer came first, and append the winner to the run log (`approval_decided`).
@@ -561,6 +611,8 @@ pub enum Action {
         task: u32,
         /// The attempt it would let run.
         attempt: u32,
+        /// 0: the dispatch; n ≥ 1: the attempt's n-th suspended tool call.
+        call: u32,
     },
     /// The run ended while task `task` waited for a person: mark its approval `withdrawn`
     /// unless an answer came first.
@@ -569,6 +621,8 @@ pub enum Action {
         task: u32,
         /// The attempt it would have let run.
         attempt: u32,
+        /// 0: the dispatch; n ≥ 1: the attempt's n-th suspended tool call.
+        call: u32,
     },
     /// The planner task of round `round` (task 0 of the planning plan) succeeded: review its
     /// answer and append the decision to the run log (`planned`, message id

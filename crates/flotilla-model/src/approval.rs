@@ -76,6 +76,12 @@ pub enum Trigger {
     /// The task failed `[hitl] consecutive-failures` attempts in a row: a person decides
     /// whether it is tried again instead of the retry policy alone.
     ConsecutiveFailures,
+    /// An LLM agent called a tool it does not have (`[hitl] out-of-scope = true`): a person
+    /// answers in the tool's place (`respond`), or refuses (`reject`, the model reads why).
+    OutOfScope,
+    /// An LLM agent asked the user a question (its `ask_user` tool): the answer (`respond`)
+    /// is the tool's result.
+    Question,
 }
 
 impl Trigger {
@@ -85,6 +91,8 @@ impl Trigger {
             Self::SensitiveAction => "sensitive_action",
             Self::HumanInCommand => "human_in_command",
             Self::ConsecutiveFailures => "consecutive_failures",
+            Self::OutOfScope => "out_of_scope",
+            Self::Question => "question",
         }
     }
 }
@@ -141,6 +149,11 @@ pub struct HitlConfig {
     /// alone; 0: never (the default, so that upgrading turns no existing retry into a wait;
     /// 3 is a good start; at most 100). A task allowed fewer attempts never reaches it.
     pub consecutive_failures: u32,
+    /// An LLM agent's call of a tool it does not have waits for a person (trigger
+    /// `out_of_scope`), who may answer in the tool's place, instead of the model being told
+    /// at once that no such tool exists. Default false: models do misname tools, and each
+    /// such call would otherwise wait for a person.
+    pub out_of_scope: bool,
     /// `[hitl.trust]`: earned trust levels, and whether admissions use them.
     pub trust: crate::trust::TrustConfig,
 }
@@ -159,6 +172,7 @@ impl Default for HitlConfig {
             agents: BTreeMap::new(),
             roles: BTreeMap::new(),
             consecutive_failures: 0,
+            out_of_scope: false,
             trust: crate::trust::TrustConfig::default(),
         }
     }
@@ -177,6 +191,14 @@ pub struct OnTimeout {
     /// run's state.
     #[serde(skip_serializing_if = "DefaultDecision::is_reject")]
     pub consecutive_failures: DefaultDecision,
+    /// For an LLM agent's call of a tool it does not have (default `reject`: the model is
+    /// told nobody answered). Written only when not the default.
+    #[serde(skip_serializing_if = "DefaultDecision::is_reject")]
+    pub out_of_scope: DefaultDecision,
+    /// For an LLM agent's question (`ask_user`; default `reject`: the model is told nobody
+    /// answered). Written only when not the default.
+    #[serde(skip_serializing_if = "DefaultDecision::is_reject")]
+    pub question: DefaultDecision,
 }
 
 impl OnTimeout {
@@ -186,6 +208,8 @@ impl OnTimeout {
             Trigger::SensitiveAction => self.sensitive_action,
             Trigger::HumanInCommand => self.human_in_command,
             Trigger::ConsecutiveFailures => self.consecutive_failures,
+            Trigger::OutOfScope => self.out_of_scope,
+            Trigger::Question => self.question,
         }
     }
 }
@@ -297,6 +321,9 @@ pub struct HitlPolicy {
     /// runs admitted before the trigger existed).
     #[serde(rename = "cf", default, skip_serializing_if = "is_zero")]
     pub consecutive_failures: u32,
+    /// Whether an LLM agent's call of a tool it does not have waits for a person.
+    #[serde(rename = "os", default, skip_serializing_if = "std::ops::Not::not")]
+    pub out_of_scope: bool,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -374,6 +401,7 @@ impl HitlPolicy {
             timeout,
             on_timeout: deployment.on_timeout,
             consecutive_failures: deployment.consecutive_failures,
+            out_of_scope: deployment.out_of_scope,
             default_agent: default_agent
                 .filter(|a| modes.contains_key(&format!("agent:{a}")))
                 .map(str::to_owned),
@@ -382,6 +410,7 @@ impl HitlPolicy {
         let can_gate = !policy.sensitive_actions.is_empty()
             || policy.sensitive_risk.is_some()
             || policy.consecutive_failures > 0
+            || policy.out_of_scope
             || policy.mode == HitlMode::HumanInCommand
             || policy
                 .modes
@@ -434,10 +463,53 @@ impl HitlPolicy {
     }
 }
 
+impl HitlPolicy {
+    /// Which tool calls of an LLM attempt of `sub` wait for a person: every call under
+    /// `human_in_command`, calls of sensitive tools (by name) otherwise, and calls of tools
+    /// the agent does not have when `out_of_scope` is set. `None` on the loop (nothing waits)
+    /// or when nothing is gated.
+    pub fn tool_gate(&self, sub: &Subtask) -> Option<crate::task::ToolGate> {
+        let mode = self.mode_of(sub);
+        if mode == HitlMode::HumanOnTheLoop {
+            return None;
+        }
+        let gate = crate::task::ToolGate {
+            all: mode == HitlMode::HumanInCommand,
+            sensitive: self.sensitive_actions.clone(),
+            out_of_scope: self.out_of_scope,
+        };
+        (gate.all || !gate.sensitive.is_empty() || gate.out_of_scope).then_some(gate)
+    }
+}
+
 /// The approval id of attempt `attempt` of task `index` (its position in the plan):
 /// deterministic, so a replay asks the same question.
 pub fn approval_id(index: u32, attempt: u32) -> String {
     format!("t{index}a{attempt}")
+}
+
+/// The approval id of the `call`-th tool call (1, 2, …) that attempt `attempt` of task
+/// `index` suspended at: deterministic, so a replay asks the same question.
+pub fn tool_approval_id(index: u32, attempt: u32, call: u32) -> String {
+    format!("t{index}a{attempt}c{call}")
+}
+
+/// The approval id of a wait: a dispatch's (`call` 0) or a tool call's.
+pub fn wait_id(index: u32, attempt: u32, call: u32) -> String {
+    if call == 0 {
+        approval_id(index, attempt)
+    } else {
+        tool_approval_id(index, attempt, call)
+    }
+}
+
+/// The tool call an approval is about.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ToolCallRef {
+    /// The model's id of the call.
+    pub call_id: String,
+    /// The tool's name.
+    pub tool: String,
 }
 
 /// The escalations-bucket key of an approval.
@@ -551,12 +623,18 @@ pub struct ApprovalRequest {
     pub role: Option<String>,
     /// The task's description.
     pub description: String,
-    /// The task's input, as it would run.
+    /// The task's input, as it would run — or, for a tool call, the call's arguments.
     #[serde(default, skip_serializing_if = "serde_json::Value::is_null")]
     pub input: serde_json::Value,
-    /// SHA-256 (hex) of the description and input: an answer naming another digest was given
-    /// for other arguments and does not apply.
+    /// SHA-256 (hex) of the description and input (for a tool call: of the tool's name and
+    /// the arguments): an answer naming another digest was given for other arguments and
+    /// does not apply.
     pub digest: String,
+    /// The tool call an LLM attempt suspended at (absent: the approval is of the task's
+    /// dispatch). `description` is then the agent's question (trigger `question`) or says
+    /// which tool it calls.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call: Option<ToolCallRef>,
     /// When it was asked (server time of the deciding input).
     pub requested_at: Timestamp,
     /// When its default decides.
@@ -612,6 +690,13 @@ pub struct ApprovalDecided {
     pub decision: Decision,
     /// Who decided.
     pub by: String,
+    /// For a tool call's approval: the call, and the digest of the arguments decided on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call: Option<ToolCallRef>,
+    /// The request's digest (written for tool calls, whose decision must match the
+    /// arguments the resumed attempt replays).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
 }
 
 /// `Nats-Msg-Id` of an approval's decision on the run log.

@@ -174,14 +174,15 @@ pub enum Event {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         error: Option<String>,
     },
-    /// The agent needs an answer from the user. Reserved for the human-in-the-loop work:
-    /// nothing in Flotilla emits it yet.
+    /// The agent asked the user a question (its `ask_user` tool) and its attempt waits for
+    /// the answer: a pending approval of trigger `question` (answer it with
+    /// `flotilla runs answer`, or `approval.answer` with `respond`).
     AwaitClarification {
         /// The question.
         question: String,
     },
-    /// The agent waits for tools executed outside Flotilla. Reserved for the human-in-the-loop
-    /// work: nothing in Flotilla emits it yet.
+    /// The agent waits for tools executed outside Flotilla. Reserved, not yet emitted:
+    /// client-run tools are not built yet.
     AwaitExternalTools {
         /// Pending calls.
         calls: Vec<ExternalToolCall>,

@@ -91,6 +91,13 @@ pub enum RunInput {
     /// get it. Appended by the API (`run.complete`, message id `completed.<run>.<task>`);
     /// one for a task that is running or has ended changes nothing.
     Completed(Box<crate::control::Completed>),
+    /// An LLM attempt stopped at a tool call that waits for a person (a gated tool, a tool
+    /// it does not have, a question to the user): the attempt gives its worker slot back and
+    /// waits as an approval; the decision dispatches it again, where it continues from its
+    /// step journal. Appended by the worker (message id
+    /// `suspended.<run>.<task>.<attempt>.<segment>`); one for an attempt that is not running
+    /// that segment changes nothing.
+    Suspended(Box<Suspended>),
 }
 
 /// An assignment by a run's lead, as recorded on the run log.
@@ -356,6 +363,47 @@ pub struct Claimed {
 /// `Nats-Msg-Id` of a claim on the run log: one claim per attempt is recorded.
 pub fn claimed_msg_id(run: RunId, task: &TaskId, attempt: u32) -> String {
     format!("claimed.{run}.{task}.{attempt}")
+}
+
+/// An attempt that stopped at a tool call waiting for a person.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Suspended {
+    /// The task.
+    pub task_id: TaskId,
+    /// The attempt number.
+    pub attempt: u32,
+    /// The attempt id from the envelope.
+    pub attempt_id: AttemptId,
+    /// The worker that ran it.
+    pub worker: String,
+    /// How many times the attempt had suspended before (the envelope's `resume.segment`, 0
+    /// on its first run).
+    pub segment: u32,
+    /// The call it waits at.
+    pub call: SuspendedCall,
+}
+
+/// The tool call an attempt suspended at.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct SuspendedCall {
+    /// Why it waits.
+    pub trigger: crate::approval::Trigger,
+    /// The model's id of the call.
+    pub call_id: String,
+    /// The tool.
+    pub tool: String,
+    /// The call's arguments (a JSON value; a string when they were not JSON).
+    pub arguments: serde_json::Value,
+    /// `digest_of(tool, arguments)`: the decision applies to these arguments only.
+    pub digest: String,
+    /// The question, for trigger `question`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub question: Option<String>,
+}
+
+/// `Nats-Msg-Id` of an attempt's suspension.
+pub fn suspended_msg_id(run: RunId, task: &TaskId, attempt: u32, segment: u32) -> String {
+    format!("suspended.{run}.{task}.{attempt}.{segment}")
 }
 
 /// A finished attempt.

@@ -111,6 +111,14 @@ pub struct TaskEnvelope {
     /// Trace context of the run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trace: Option<TraceContext>,
+    /// Which of the attempt's tool calls wait for a person (LLM agents; absent: none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_gate: Option<ToolGate>,
+    /// Set when the attempt suspended earlier (at a tool call waiting for a person) and
+    /// continues now: the agent rebuilds its conversation from its step journal, without
+    /// calling the model or running a tool again, and applies the decisions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resume: Option<Resume>,
 }
 
 /// One budget a run's model calls count against: the limits of run `run_id` (the run itself
@@ -328,8 +336,87 @@ impl TaskEnvelope {
     /// The `Nats-Msg-Id` of this attempt's task message: publishing the same attempt twice is
     /// dropped by JetStream.
     pub fn msg_id(&self) -> String {
-        task_msg_id(self.run_id, &self.task_id, self.attempt)
+        match &self.resume {
+            Some(r) if r.segment > 0 => format!(
+                "{}.r{}",
+                task_msg_id(self.run_id, &self.task_id, self.attempt),
+                r.segment
+            ),
+            _ => task_msg_id(self.run_id, &self.task_id, self.attempt),
+        }
     }
+
+    /// The person's decision about tool call `call_id` with these arguments, if any.
+    pub fn decision_for(&self, call_id: &str, digest: &str) -> Option<&ToolDecision> {
+        self.resume
+            .as_ref()?
+            .decisions
+            .iter()
+            .find(|d| d.call_id == call_id && d.digest == digest)
+    }
+}
+
+/// Which tool calls of an LLM attempt wait for a person before they run (from the run's
+/// escalation policy, see `HitlPolicy::tool_gate`).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+pub struct ToolGate {
+    /// Every call (the agent is overseen `human_in_command`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub all: bool,
+    /// Calls of tools with these names (lower-case; the deployment's and the plan's
+    /// sensitive actions).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sensitive: Vec<String>,
+    /// Calls of tools the agent does not have.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub out_of_scope: bool,
+}
+
+impl ToolGate {
+    /// Why a call of `tool` waits for a person (`known`: the agent has that tool), if it
+    /// does. A sensitive name outranks `human_in_command`.
+    pub fn trigger(&self, tool: &str, known: bool) -> Option<crate::approval::Trigger> {
+        use crate::approval::Trigger;
+        if !known {
+            return self.out_of_scope.then_some(Trigger::OutOfScope);
+        }
+        if self.sensitive.iter().any(|s| s.eq_ignore_ascii_case(tool)) {
+            Some(Trigger::SensitiveAction)
+        } else if self.all {
+            Some(Trigger::HumanInCommand)
+        } else {
+            None
+        }
+    }
+}
+
+/// An attempt continuing after it suspended.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, JsonSchema)]
+pub struct Resume {
+    /// How many times the attempt suspended so far (1 on its first resumption).
+    pub segment: u32,
+    /// The decisions about the calls it suspended at, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub decisions: Vec<ToolDecision>,
+}
+
+/// A person's decision (or a deadline's default) about one tool call.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ToolDecision {
+    /// The approval.
+    pub approval_id: String,
+    /// The model's id of the call.
+    pub call_id: String,
+    /// The digest of the tool's name and arguments the decision is for: it applies to that
+    /// call with those arguments only.
+    pub digest: String,
+    /// The decision: `approve` runs the tool, `edit` runs it with `input` as the
+    /// arguments, `respond` gives `result` to the model as the tool's result without running
+    /// it, `reject` gives the model `message` and never runs it.
+    #[serde(flatten)]
+    pub decision: crate::approval::Decision,
+    /// Who decided (`deadline` for a default).
+    pub by: String,
 }
 
 /// `Nats-Msg-Id` of a task message.

@@ -582,6 +582,11 @@ proptest! {
             })].into_iter().collect(),
             dataflow_validation: flotilla_model::plan::DataflowValidation::Lenient,
             dispatched_at, trace,
+            tool_gate: required.then(|| flotilla_model::task::ToolGate { all: attempt % 2 == 0, sensitive: vec!["send_email".into()], out_of_scope: true }),
+            resume: (attempt > 1).then(|| flotilla_model::task::Resume { segment: attempt - 1, decisions: vec![flotilla_model::task::ToolDecision {
+                approval_id: "t0a1c1".into(), call_id: "call_1".into(), digest: "ab".into(),
+                decision: flotilla_model::approval::Decision::Reject { message: "no".into() }, by: "alice".into(),
+            }] }),
         })?;
     }
 
@@ -591,7 +596,7 @@ proptest! {
     #[test]
     fn runlog_entry_roundtrips(
         run_id in run_id(),
-        which in 0u8..18,
+        which in 0u8..19,
         p in plan(),
         labels in labels(),
         (task_id, attempt, attempt_id, result, started) in (task_id(), 1u32..4, attempt_id(), task_result(), option::of(ts())),
@@ -629,12 +634,16 @@ proptest! {
             10 => RunInput::TaskResult(Box::new(TaskResultInput { task_id, attempt, attempt_id, worker: "w2".into(), started_at: started, agent: Some("analyst".into()), result })),
             11 => RunInput::Assigned(Box::new(flotilla_model::runlog::Assigned { task_id, by: "lead".into(), reason: "next".into() })),
             12 => RunInput::Finished(Box::new(flotilla_model::runlog::Finished { result: result.response, by: "lead".into() })),
-            13 => RunInput::ApprovalDecided(Box::new(flotilla_model::approval::ApprovalDecided { approval_id: "t0a1".into(), task_id, attempt, status: flotilla_model::approval::ApprovalStatus::Decided, decision: flotilla_model::approval::Decision::Respond { result: result.response }, by: "alice".into() })),
-            14 => RunInput::ApprovalDecided(Box::new(flotilla_model::approval::ApprovalDecided { approval_id: "t0a1".into(), task_id, attempt, status: flotilla_model::approval::ApprovalStatus::Expired, decision: flotilla_model::approval::Decision::Edit { input: serde_json::json!({"a": [1, 2]}) }, by: "deadline".into() })),
+            13 => RunInput::ApprovalDecided(Box::new(flotilla_model::approval::ApprovalDecided { approval_id: "t0a1".into(), task_id, attempt, status: flotilla_model::approval::ApprovalStatus::Decided, decision: flotilla_model::approval::Decision::Respond { result: result.response }, by: "alice".into(), tool_call: None, digest: None })),
+            14 => RunInput::ApprovalDecided(Box::new(flotilla_model::approval::ApprovalDecided { approval_id: "t0a1".into(), task_id, attempt, status: flotilla_model::approval::ApprovalStatus::Expired, decision: flotilla_model::approval::Decision::Edit { input: serde_json::json!({"a": [1, 2]}) }, by: "deadline".into(), tool_call: Some(flotilla_model::approval::ToolCallRef { call_id: "call_1".into(), tool: "send_email".into() }), digest: Some("ab".into()) })),
             15 => RunInput::Control(flotilla_model::runlog::Control {
                 action: [flotilla_model::runlog::ControlAction::Pause, flotilla_model::runlog::ControlAction::Resume, flotilla_model::runlog::ControlAction::Takeover][generation as usize % 3], reason: Some("look".into()), by: Some("alice".into()), timeout_ms: Some(generation),
             }),
             16 => RunInput::Completed(Box::new(flotilla_model::control::Completed { task_id, result: result.response, by: "alice".into(), comment: Some("done by hand".into()) })),
+            17 => RunInput::Suspended(Box::new(flotilla_model::runlog::Suspended { task_id, attempt, attempt_id, worker: "w1".into(), segment: attempt - 1, call: flotilla_model::runlog::SuspendedCall {
+                trigger: flotilla_model::approval::Trigger::Question, call_id: "call_2".into(), tool: "ask_user".into(),
+                arguments: serde_json::json!({"question": "which?"}), digest: "cd".into(), question: Some("which?".into()),
+            } })),
             _ => RunInput::TimerFired { generation },
         };
         roundtrip(&RunLogEntry { protocol: 1, run_id, input })?;

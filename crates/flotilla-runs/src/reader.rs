@@ -404,6 +404,20 @@ impl RunReader {
         }
     }
 
+    /// An attempt's suspension by run-log sequence (the tool call it waits at).
+    pub async fn suspension_at(
+        &self,
+        seq: u64,
+    ) -> Result<flotilla_model::runlog::Suspended, StoreError> {
+        match self.entry_at(seq).await?.0.input {
+            RunInput::Suspended(s) => Ok(*s),
+            _ => Err(StoreError::new(
+                StoreErrorKind::Decode,
+                format!("run-log entry {seq} is not an attempt's suspension"),
+            )),
+        }
+    }
+
     /// Every entry of a run's log with its sequence and server time.
     pub async fn history(
         &self,

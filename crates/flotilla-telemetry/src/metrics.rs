@@ -72,6 +72,9 @@ pub enum AttemptOutcome {
     Failed(TaskErrorKind),
     /// The worker stopped and handed the task back for another worker.
     HandedBack,
+    /// The agent stopped at a tool call that waits for a person; the attempt continues
+    /// later (on any worker) once it is decided.
+    Suspended,
 }
 
 impl AttemptOutcome {
@@ -81,6 +84,7 @@ impl AttemptOutcome {
             Self::Succeeded => "succeeded",
             Self::Failed(kind) => kind.as_str(),
             Self::HandedBack => "handed_back",
+            Self::Suspended => "suspended",
         }
     }
 }

@@ -24,7 +24,7 @@ use crate::agent::{AgentContext, AgentError, EventEmitter};
 use crate::cancel::LeaveRun;
 use crate::claim::{Claim, send_claim};
 use crate::registry::InFlight;
-use crate::result::{finish, report_bad_envelope};
+use crate::result::{finish, report_bad_envelope, suspend};
 use crate::shared::Shared;
 
 /// Runs one delivered task message to the end. `held` is the message's place among those the
@@ -130,6 +130,8 @@ pub(crate) async fn handle(
         events.emit(started_event.clone()).await;
     }
 
+    // Where the agent leaves the tool call it stops at to wait for a person.
+    let mut suspension = None;
     let outcome = match shared.agents.resolve(task.agent.as_deref()) {
         Err(message) => Err(AgentError {
             kind: TaskErrorKind::UnknownAgent,
@@ -148,6 +150,7 @@ pub(crate) async fn handle(
                 shared.id.clone(),
             )
             .with_slot(slot.clone());
+            suspension = Some(ctx.suspension());
             let announce = tokio::time::sleep(shared.opts.started_event_delay);
             tokio::pin!(announce);
             // Model calls and tools of the agent nest in its `invoke_agent` span.
@@ -215,6 +218,12 @@ pub(crate) async fn handle(
     // The agent is done: its slot and its place go to the next task now.
     slot.end();
     shared.pace.record(attempt.started.elapsed());
+    if let Some(call) = suspension.and_then(|s| s.take()) {
+        // The agent stopped at a tool call that waits for a person: the attempt is not over.
+        // Its mailbox reads stay uncommitted and its child runs keep running.
+        attempt.ended(suspend(shared, &msg, &task, call).await);
+        return;
+    }
     let result = match outcome {
         Ok(reply) => {
             let numeric_value = reply

@@ -9,7 +9,9 @@ use flotilla_bus::{PublishErrorKind, wire};
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::codec::Codec;
 use flotilla_model::ids::RunId;
-use flotilla_model::runlog::{RunInput, RunLogEntry, TaskResultInput};
+use flotilla_model::runlog::{
+    RunInput, RunLogEntry, Suspended, SuspendedCall, TaskResultInput, suspended_msg_id,
+};
 use flotilla_model::task::{TaskEnvelope, TaskErrorKind, TaskResult, result_msg_id};
 use flotilla_model::time::Timestamp;
 use flotilla_telemetry::AttemptOutcome;
@@ -143,6 +145,66 @@ pub(crate) async fn finish(
     }
     debug!(run = %task.run_id, task = %task.task_id, attempt = task.attempt, success, "Task finished");
     Some(outcome)
+}
+
+/// Reports that the attempt stopped at `call` to wait for a person (a `suspended` run-log
+/// entry), then acknowledges its message: the attempt waits without a worker. `None` when it
+/// could not be stored (the message is handed back; a later delivery replays its journal and
+/// stops at the same call, whose suspension is then stored once).
+pub(crate) async fn suspend(
+    shared: &Shared,
+    msg: &jetstream::Message,
+    task: &TaskEnvelope,
+    call: SuspendedCall,
+) -> Option<AttemptOutcome> {
+    let segment = task.resume.as_ref().map_or(0, |r| r.segment);
+    let entry = RunLogEntry {
+        protocol: PROTOCOL_VERSION,
+        run_id: task.run_id,
+        input: RunInput::Suspended(Box::new(Suspended {
+            task_id: task.task_id.clone(),
+            attempt: task.attempt,
+            attempt_id: task.attempt_id,
+            worker: shared.id.clone(),
+            segment,
+            call,
+        })),
+    };
+    let msg_id = suspended_msg_id(task.run_id, &task.task_id, task.attempt, segment);
+    let out = match wire::encode(&entry, Codec::Json, Some(&msg_id)) {
+        Ok(o) => o,
+        Err(e) => {
+            warn!(error = %e, "Cannot encode a suspension; handing the task back");
+            let _ = msg.ack_with(AckKind::Nak(None)).await;
+            return None;
+        }
+    };
+    let subject = shared.bus.names().runlog(task.run_id);
+    let mut backoff = Duration::from_millis(100);
+    for _ in 0..8 {
+        match shared
+            .bus
+            .publish_encoded(subject.clone(), out.clone())
+            .await
+        {
+            Ok(_) => {
+                if let Err(e) = msg.ack().await {
+                    debug!(error = %e, "Task ack failed after its suspension was stored");
+                }
+                debug!(run = %task.run_id, task = %task.task_id, attempt = task.attempt, segment, "Attempt suspended");
+                return Some(AttemptOutcome::Suspended);
+            }
+            Err(e) if !shared.hard_stop.is_cancelled() => {
+                warn!(run = %task.run_id, task = %task.task_id, error = %e, "Suspension not stored yet; retrying");
+                let _ = msg.ack_with(AckKind::Progress).await;
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+            }
+            Err(_) => break,
+        }
+    }
+    let _ = msg.ack_with(AckKind::Nak(None)).await;
+    None
 }
 
 /// Room kept below the server's max payload for a result's headers.

@@ -190,7 +190,7 @@ pub(crate) async fn approvals(
     .await
 }
 
-fn settled_line(r: &ApprovalRecord) -> String {
+pub(crate) fn settled_line(r: &ApprovalRecord) -> String {
     match &r.answer {
         Some(a) => {
             let mut line = format!(

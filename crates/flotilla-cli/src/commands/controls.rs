@@ -1,7 +1,8 @@
-//! `flotilla runs pause|resume|takeover|complete`: a person's hand on a running run
-//! (`<prefix>.api.run.pause|resume|takeover|complete`, served by the coordinator). Exit 0
-//! done (also when the run was already in the asked state), 1 refused (`not_found`,
-//! `task_not_pending`, bad input), 2 no coordinator.
+//! `flotilla runs pause|resume|takeover|complete|answer`: a person's hand on a running run
+//! (`<prefix>.api.run.pause|resume|takeover|complete`, and `approval.answer` for an
+//! agent's question, served by the coordinator). Exit 0 done (also when the run was already
+//! in the asked state), 1 refused (`not_found`, `task_not_pending`, bad input, a question
+//! answered already), 2 no coordinator.
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -57,6 +58,26 @@ pub(crate) enum ControlCommand {
         #[arg(long)]
         by: Option<String>,
         /// Why.
+        #[arg(long)]
+        comment: Option<String>,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Answer an agent's question (`ask_user`) or a tool call waiting for a person: the text
+    /// is the tool's result the agent continues with. TOKEN is the request's approval id
+    /// (`t<task>a<attempt>c<n>`, from the run's events or `approvals list`). A second
+    /// answer is refused (`already_decided`, exit 1).
+    Answer {
+        run: RunId,
+        token: String,
+        /// The answer.
+        #[arg(long)]
+        text: String,
+        /// Who answers (default: $USER).
+        #[arg(long)]
+        by: Option<String>,
+        /// A comment for the record.
         #[arg(long)]
         comment: Option<String>,
         /// Machine-readable output.
@@ -152,6 +173,42 @@ pub(crate) async fn control(config: &Config, command: ControlCommand) -> anyhow:
                 );
             })
             .await
+        }
+        ControlCommand::Answer {
+            run,
+            token,
+            text,
+            by,
+            comment,
+            json,
+        } => {
+            let r = flotilla_model::approval::ApprovalAnswerRequest {
+                protocol,
+                run_id: run,
+                approval_id: token,
+                decision: flotilla_model::approval::Decision::Respond { result: text },
+                by: caller(by).unwrap_or_default(),
+                comment,
+                digest: None,
+            };
+            use flotilla_model::approval::{AnswerOutcome, ApprovalAnswerReply};
+            let refused = std::cell::Cell::new(false);
+            let code = answer(&client, &r, json, |a: &ApprovalAnswerReply| {
+                let line = super::approvals::settled_line(&a.record);
+                match a.outcome {
+                    AnswerOutcome::Decided => outln!("answered: {line}"),
+                    AnswerOutcome::AlreadyDecided => {
+                        refused.set(true);
+                        errln!("already_decided: {line}");
+                    }
+                }
+            })
+            .await?;
+            Ok(if refused.get() {
+                ExitCode::from(1)
+            } else {
+                code
+            })
         }
     }
 }

@@ -291,6 +291,17 @@ pub(crate) async fn history(config: &Config, run: RunId, json: bool) -> anyhow::
                     a.by
                 ),
             ),
+            RunInput::Suspended(su) => (
+                "suspended",
+                format!(
+                    "{} (attempt {}) at tool {} ({}) on {}",
+                    su.task_id,
+                    su.attempt,
+                    su.call.tool,
+                    su.call.trigger.as_str(),
+                    su.worker
+                ),
+            ),
             RunInput::Finished(f) => (
                 "finished",
                 format!("by {}: {} bytes of result", f.by, f.result.len()),

@@ -393,6 +393,20 @@ impl Runtime {
                     }
                     actions.extend(acts);
                 }
+                RunInput::Suspended(su) => {
+                    let Some(e) = entry.as_mut() else { continue };
+                    let acts = e.machine.apply(
+                        Input::Suspended {
+                            suspended: su,
+                            seq: d.seq,
+                        },
+                        d.ts_ms,
+                    );
+                    if !acts.is_empty() {
+                        info!(%run, task = %su.task_id, attempt = su.attempt, tool = %su.call.tool, trigger = su.call.trigger.as_str(), "Attempt suspended: a tool call waits for a person");
+                    }
+                    actions.extend(acts);
+                }
                 RunInput::Completed(c) => {
                     let Some(e) = entry.as_mut() else { continue };
                     let acts = e.machine.apply(
@@ -563,17 +577,23 @@ fn still_relevant(action: &Action, machine: &RunMachine) -> bool {
             task,
             attempt,
             notify_only,
+            call,
             ..
         } => {
             *notify_only
-                || s.tasks
-                    .get(*task as usize)
-                    .is_some_and(|t| t.approval.is_some_and(|p| p.attempt == *attempt))
+                || s.tasks.get(*task as usize).is_some_and(|t| {
+                    t.approval
+                        .is_some_and(|p| p.attempt == *attempt && p.call == *call)
+                })
         }
-        Action::ExpireApproval { task, attempt } => s
-            .tasks
-            .get(*task as usize)
-            .is_some_and(|t| t.approval.is_some_and(|p| p.attempt == *attempt)),
+        Action::ExpireApproval {
+            task,
+            attempt,
+            call,
+        } => s.tasks.get(*task as usize).is_some_and(|t| {
+            t.approval
+                .is_some_and(|p| p.attempt == *attempt && p.call == *call)
+        }),
         Action::WithdrawApproval { .. } => true,
         Action::ReviewPlan { round } => s.planning.as_ref().is_some_and(|p| {
             p.round == *round && p.status == flotilla_model::run::PlanningStatus::Reviewing

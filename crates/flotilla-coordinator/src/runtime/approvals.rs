@@ -4,8 +4,8 @@
 
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::approval::{
-    ApprovalAnswer, ApprovalRecord, ApprovalRequest, ApprovalStatus, Decision, Trigger,
-    approval_id, digest_of,
+    ApprovalAnswer, ApprovalRecord, ApprovalRequest, ApprovalStatus, Decision, ToolCallRef,
+    Trigger, digest_of, wait_id,
 };
 use flotilla_model::time::Timestamp;
 use tracing::info;
@@ -14,55 +14,92 @@ use crate::approvals::settled;
 
 use super::{Cached, Runtime, StepError};
 
+/// One wait for a person: a dispatch's (`call` 0) or a suspended tool call's.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Wait {
+    pub(super) task: u32,
+    pub(super) attempt: u32,
+    pub(super) call: u32,
+    /// For a tool call: the run-log sequence of the suspension.
+    pub(super) from_seq: u64,
+}
+
 impl Runtime {
-    /// The request of attempt `attempt` of task `task`, as a pending record.
-    fn approval_record(
+    /// The request of `wait`, as a pending record.
+    async fn approval_record(
         &self,
         entry: &Cached,
-        task: u32,
-        attempt: u32,
+        wait: Wait,
         trigger: Trigger,
         deadline_ms: i64,
-    ) -> ApprovalRecord {
+    ) -> Result<ApprovalRecord, StepError> {
         let state = entry.machine.state();
-        let sub = &entry.machine.plan().subtasks[task as usize];
+        let sub = &entry.machine.plan().subtasks[wait.task as usize];
         let policy = state.hitl.as_ref();
-        let timeout_ms = policy.map_or(0, |p| p.timeout.get().as_millis() as i64);
-        ApprovalRecord {
+        let timeout_ms = policy.map_or(
+            flotilla_model::approval::DEFAULT_APPROVAL_TIMEOUT
+                .get()
+                .as_millis() as i64,
+            |p| p.timeout.get().as_millis() as i64,
+        );
+        let mut request = ApprovalRequest {
+            approval_id: wait_id(wait.task, wait.attempt, wait.call),
+            run_id: state.run_id,
+            task_id: sub.id.clone(),
+            attempt: wait.attempt,
+            trigger,
+            mode: policy.map(|p| p.mode_of(sub)).unwrap_or_default(),
+            action: sub.action.clone(),
+            risk: sub.risk,
+            agent: sub.agent.clone().or_else(|| self.default_agent.clone()),
+            role: sub.role.clone(),
+            description: sub.description.clone(),
+            input: sub.input.clone(),
+            digest: digest_of(&sub.description, &sub.input),
+            requested_at: Timestamp::from_unix_ms(deadline_ms - timeout_ms),
+            deadline: Timestamp::from_unix_ms(deadline_ms),
+            default: policy.map(|p| p.on_timeout.of(trigger)).unwrap_or_default(),
+            tool_call: None,
+        };
+        if wait.call > 0 {
+            // The call the attempt suspended at: what is asked is about it.
+            let s = self.store.suspension_at(wait.from_seq).await?;
+            request.description = match &s.call.question {
+                Some(q) => q.clone(),
+                None => format!(
+                    "{} calls tool {} (task {}: {})",
+                    request.agent.as_deref().unwrap_or("the agent"),
+                    s.call.tool,
+                    sub.id,
+                    sub.description
+                ),
+            };
+            request.input = s.call.arguments;
+            request.digest = s.call.digest;
+            request.tool_call = Some(ToolCallRef {
+                call_id: s.call.call_id,
+                tool: s.call.tool,
+            });
+        }
+        Ok(ApprovalRecord {
             protocol: PROTOCOL_VERSION,
             status: ApprovalStatus::Pending,
-            request: ApprovalRequest {
-                approval_id: approval_id(task, attempt),
-                run_id: state.run_id,
-                task_id: sub.id.clone(),
-                attempt,
-                trigger,
-                mode: policy.map(|p| p.mode_of(sub)).unwrap_or_default(),
-                action: sub.action.clone(),
-                risk: sub.risk,
-                agent: sub.agent.clone().or_else(|| self.default_agent.clone()),
-                role: sub.role.clone(),
-                description: sub.description.clone(),
-                input: sub.input.clone(),
-                digest: digest_of(&sub.description, &sub.input),
-                requested_at: Timestamp::from_unix_ms(deadline_ms - timeout_ms),
-                deadline: Timestamp::from_unix_ms(deadline_ms),
-                default: policy.map(|p| p.on_timeout.of(trigger)).unwrap_or_default(),
-            },
+            request,
             answer: None,
-        }
+        })
     }
 
     pub(super) async fn request_approval(
         &self,
         entry: &Cached,
-        task: u32,
-        attempt: u32,
+        wait: Wait,
         trigger: Trigger,
         deadline_ms: i64,
         notify_only: bool,
     ) -> Result<(), StepError> {
-        let record = self.approval_record(entry, task, attempt, trigger, deadline_ms);
+        let record = self
+            .approval_record(entry, wait, trigger, deadline_ms)
+            .await?;
         self.escalations
             .request(&record, notify_only)
             .await
@@ -76,20 +113,28 @@ impl Runtime {
         entry: &Cached,
         task: u32,
         attempt: u32,
+        call: u32,
     ) -> Result<(), StepError> {
         let state = entry.machine.state();
         let run = state.run_id;
         let Some(pending) = state.tasks[task as usize].approval else {
             return Ok(());
         };
-        let missing =
-            self.approval_record(entry, task, attempt, pending.trigger, pending.deadline_ms);
+        let wait = Wait {
+            task,
+            attempt,
+            call,
+            from_seq: pending.from_seq,
+        };
+        let missing = self
+            .approval_record(entry, wait, pending.trigger, pending.deadline_ms)
+            .await?;
         let timeout = state
             .hitl
             .as_ref()
             .map(|p| p.timeout)
             .unwrap_or(flotilla_model::approval::DEFAULT_APPROVAL_TIMEOUT);
-        let id = approval_id(task, attempt);
+        let id = wait_id(task, attempt, call);
         let (record, ours) = self
             .escalations
             .settle(run, &id, Some(&missing), None, |p| {
@@ -120,6 +165,7 @@ impl Runtime {
         entry: &Cached,
         task: u32,
         attempt: u32,
+        call: u32,
     ) -> Result<(), StepError> {
         let state = entry.machine.state();
         let run = state.run_id;
@@ -127,7 +173,7 @@ impl Runtime {
             .stop_reason
             .clone()
             .unwrap_or_else(|| "the run ended".into());
-        let id = approval_id(task, attempt);
+        let id = wait_id(task, attempt, call);
         let result = self
             .escalations
             .settle(run, &id, None, None, |p| {

@@ -34,14 +34,45 @@ impl Runtime {
         let plan = Arc::clone(entry.machine.plan());
         let graph = Arc::clone(entry.machine.graph());
         let sub = &plan.subtasks[task as usize];
-        let (run_id, dispatched_ms, trace) = {
+        let (run_id, dispatched_ms, attempt_ms, trace) = {
             let s = entry.machine.state();
             (
                 s.run_id,
                 s.tasks[task as usize].dispatched_ms,
+                s.tasks[task as usize].attempt_started_ms(),
                 s.trace.clone(),
             )
         };
+        // An attempt continuing after it suspended carries the decisions about its calls.
+        let resume = {
+            let t = &entry.machine.state().tasks[task as usize];
+            if t.suspensions == 0 {
+                None
+            } else {
+                let mut decisions = Vec::with_capacity(t.decisions.len());
+                for &seq in &t.decisions {
+                    let d = self.store.approval_at(seq).await?;
+                    let Some(call) = d.tool_call else { continue };
+                    decisions.push(flotilla_model::task::ToolDecision {
+                        approval_id: d.approval_id,
+                        call_id: call.call_id,
+                        digest: d.digest.unwrap_or_default(),
+                        decision: d.decision,
+                        by: d.by,
+                    });
+                }
+                Some(flotilla_model::task::Resume {
+                    segment: t.suspensions,
+                    decisions,
+                })
+            }
+        };
+        let tool_gate = entry
+            .machine
+            .state()
+            .hitl
+            .as_ref()
+            .and_then(|p| p.tool_gate(sub));
         let mut previous_results = std::collections::BTreeMap::new();
         let mut dependency_results = std::collections::BTreeMap::new();
         if plan.config.pass_dependency_results {
@@ -127,7 +158,7 @@ impl Runtime {
             session_id: entry.machine.state().session_id,
             task_id: sub.id.clone(),
             attempt,
-            attempt_id: attempt_id(run_id, task, attempt, dispatched_ms),
+            attempt_id: attempt_id(run_id, task, attempt, attempt_ms),
             agent: sub.agent.clone(),
             pool: sub.pool.clone(),
             role: sub.role.clone(),
@@ -149,6 +180,8 @@ impl Runtime {
             dataflow_validation: plan.config.dataflow_validation,
             dispatched_at: Timestamp::from_unix_ms(dispatched_ms),
             trace: trace.map(|t| child_trace(&t, run_id, task, attempt)),
+            tool_gate,
+            resume,
         }))
     }
 
@@ -213,7 +246,12 @@ impl Runtime {
             input: RunInput::TaskResult(Box::new(flotilla_model::runlog::TaskResultInput {
                 task_id: task_id.clone(),
                 attempt,
-                attempt_id: attempt_id(run, task, attempt, s.tasks[task as usize].dispatched_ms),
+                attempt_id: attempt_id(
+                    run,
+                    task,
+                    attempt,
+                    s.tasks[task as usize].attempt_started_ms(),
+                ),
                 worker: "coordinator".into(),
                 started_at: None,
                 agent: None,

@@ -180,24 +180,34 @@ impl Runtime {
                     trigger,
                     deadline_ms,
                     notify_only,
+                    call,
+                    from_seq,
                 } => {
-                    self.request_approval(
-                        entry,
-                        *task,
-                        *attempt,
-                        *trigger,
-                        *deadline_ms,
-                        *notify_only,
-                    )
-                    .await?;
+                    let wait = super::approvals::Wait {
+                        task: *task,
+                        attempt: *attempt,
+                        call: *call,
+                        from_seq: *from_seq,
+                    };
+                    self.request_approval(entry, wait, *trigger, *deadline_ms, *notify_only)
+                        .await?;
                     continue;
                 }
-                Action::ExpireApproval { task, attempt } => {
-                    self.expire_approval(entry, *task, *attempt).await?;
+                Action::ExpireApproval {
+                    task,
+                    attempt,
+                    call,
+                } => {
+                    self.expire_approval(entry, *task, *attempt, *call).await?;
                     continue;
                 }
-                Action::WithdrawApproval { task, attempt } => {
-                    self.withdraw_approval(entry, *task, *attempt).await?;
+                Action::WithdrawApproval {
+                    task,
+                    attempt,
+                    call,
+                } => {
+                    self.withdraw_approval(entry, *task, *attempt, *call)
+                        .await?;
                     continue;
                 }
                 Action::CancelAttempts => {

@@ -1,0 +1,164 @@
+//! Tool calls that wait for a person, enforced here — never left to the model.
+//!
+//! Before a round of tool calls runs, each call is checked against the task's
+//! [`ToolGate`](flotilla_model::task::ToolGate) (the run's escalation policy: every call under
+//! `human_in_command`, tools named as sensitive actions, tools the agent does not have when
+//! `out_of_scope` is on) and against `ask_user` (a question to the user is always a person's to
+//! answer). A gated call that nobody has decided stops the attempt
+//! ([`AgentContext::suspend`]): the worker reports the suspension and gives its slot back; the
+//! coordinator asks a person. The decision dispatches the attempt again — on any worker — and
+//! the agent replays its step journal up to this round (no model call paid twice, no tool run
+//! twice) and applies it here:
+//!
+//! - `approve` runs the call as the model made it; `edit` runs it with the person's arguments;
+//! - `respond` does not run it: the person's text is the tool's result;
+//! - `reject` does not run it: the model reads the rejection (with its message).
+//!
+//! A decision applies only to the call it was asked about (call id and the digest of the tool
+//! name and arguments); a call the journal no longer reproduces is asked about again. A
+//! rejected tool is never executed, whatever the model does next: the check is here, before
+//! the tool runs, on every delivery.
+
+use flotilla_context::AgentContext;
+use flotilla_context::agent::AgentError;
+use flotilla_model::approval::{Decision, Trigger, digest_of};
+use flotilla_model::event::Event;
+use flotilla_model::runlog::SuspendedCall;
+use flotilla_model::task::TaskEnvelope;
+use serde_json::{Value, json};
+
+use crate::provider::ToolCallRequest;
+use crate::tools::ToolSet;
+
+/// The built-in tool with which an agent asks the user a question (opt-in: list it in
+/// `tools`).
+pub const ASK_USER: &str = "ask_user";
+
+/// The tool's description and parameters.
+pub(crate) fn ask_user_spec() -> (&'static str, Value) {
+    (
+        "Asks the user a question and waits for the answer (it may take a while; you continue with the answer as this tool's result). Ask only what you cannot find out yourself.",
+        json!({"type": "object", "properties": {
+            "question": {"type": "string", "minLength": 1, "description": "The question, complete enough to answer without more context"}
+        }, "required": ["question"], "additionalProperties": false}),
+    )
+}
+
+/// What to do with one call of a round.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum CallPlan {
+    /// Run it, with these arguments (the model's, or a person's edit).
+    Run(String),
+    /// Do not run it: the model gets this text as the tool's result.
+    Answer {
+        /// The result.
+        text: String,
+        /// Whether it counts as a success in the call's `tool_end` event.
+        ok: bool,
+    },
+}
+
+/// The plan of a round: what runs and what a person answered. Stops the attempt (the
+/// returned error, after [`AgentContext::suspend`]) at the first gated call nobody decided.
+pub(crate) async fn plan_round(
+    tools: &ToolSet,
+    task: &TaskEnvelope,
+    ctx: &AgentContext,
+    calls: &[ToolCallRequest],
+) -> Result<Vec<CallPlan>, AgentError> {
+    let mut plan = Vec::with_capacity(calls.len());
+    for call in calls {
+        let trigger = if call.name == ASK_USER {
+            Some(Trigger::Question)
+        } else {
+            task.tool_gate
+                .as_ref()
+                .and_then(|g| g.trigger(&call.name, tools.has(&call.name)))
+        };
+        let Some(trigger) = trigger else {
+            plan.push(CallPlan::Run(call.arguments.clone()));
+            continue;
+        };
+        let arguments = arguments_value(&call.arguments);
+        let digest = digest_of(&call.name, &arguments);
+        let Some(decided) = task.decision_for(&call.id, &digest) else {
+            let question = (trigger == Trigger::Question).then(|| {
+                arguments["question"]
+                    .as_str()
+                    .map_or_else(|| call.arguments.clone(), str::to_owned)
+            });
+            if let Some(q) = &question {
+                ctx.events
+                    .emit(Event::AwaitClarification {
+                        question: q.clone(),
+                    })
+                    .await;
+            }
+            return Err(ctx.suspend(SuspendedCall {
+                trigger,
+                call_id: call.id.clone(),
+                tool: call.name.clone(),
+                arguments,
+                digest,
+                question,
+            }));
+        };
+        let who = &decided.by;
+        plan.push(match &decided.decision {
+            Decision::Approve if trigger == Trigger::Question => CallPlan::Answer {
+                text: format!("{who} approved without answering"),
+                ok: true,
+            },
+            Decision::Approve => CallPlan::Run(call.arguments.clone()),
+            Decision::Edit { input } if trigger == Trigger::Question => CallPlan::Answer {
+                text: text_of(input),
+                ok: true,
+            },
+            Decision::Edit { input } => CallPlan::Run(input.to_string()),
+            Decision::Respond { result } => CallPlan::Answer {
+                text: result.clone(),
+                ok: true,
+            },
+            Decision::Reject { message } => CallPlan::Answer {
+                text: json!({"error": {
+                    "code": "rejected",
+                    "message": if message.is_empty() {
+                        format!("{who} rejected this call; it was not run")
+                    } else {
+                        format!("{who} rejected this call; it was not run: {message}")
+                    },
+                }})
+                .to_string(),
+                ok: false,
+            },
+        });
+    }
+    Ok(plan)
+}
+
+/// A call's arguments as JSON (a string when they are not JSON).
+fn arguments_value(arguments: &str) -> Value {
+    if arguments.trim().is_empty() {
+        return json!({});
+    }
+    serde_json::from_str(arguments).unwrap_or_else(|_| Value::String(arguments.to_owned()))
+}
+
+fn text_of(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arguments_that_are_not_json_are_kept_as_text() {
+        assert_eq!(arguments_value(""), json!({}));
+        assert_eq!(arguments_value("{\"a\":1}"), json!({"a": 1}));
+        assert_eq!(arguments_value("nope"), json!("nope"));
+    }
+}

@@ -1,0 +1,399 @@
+//! Humans in the loop inside an LLM attempt, across processes against a real nats-server: a
+//! tool call that waits for a person (a sensitive tool, a tool the agent does not have, the
+//! agent's question to the user) suspends the attempt — its worker slot is given back and no
+//! process holds the wait — and the decision continues it on any worker from its step
+//! journal: no model call paid twice, no tool run twice, a rejected tool never run.
+//!
+//! Agents are deterministic: the model is the OpenAI-compatible test double
+//! (`flotilla_testkit::openai`, scripted replies and tool calls); the `send_email` tool is an
+//! exec script (`python3`) that appends each call to a file, so the test counts executions.
+
+mod support;
+
+use std::time::Duration;
+
+use flotilla_model::PROTOCOL_VERSION;
+use flotilla_model::approval::{
+    AnswerOutcome, ApprovalAnswerReply, ApprovalAnswerRequest, ApprovalListRequest, ApprovalRecord,
+    ApprovalStatus, Decision, PlanHitl, Trigger,
+};
+use flotilla_model::event::{Event, EventEnvelope};
+use flotilla_model::ids::RunId;
+use flotilla_model::plan::Subtask;
+use flotilla_model::run::{RunStatus, TaskStatus};
+use flotilla_model::submit::SubmitRequest;
+use flotilla_model::time::Secs;
+use flotilla_testkit::openai::{OpenAiServer, Reply};
+use futures::StreamExt;
+use serde_json::json;
+use support::*;
+
+const ASK: Duration = Duration::from_secs(5);
+
+fn config(base_url: &str, dir: &std::path::Path) -> String {
+    let log = dir.join("sent.log");
+    format!(
+        r#"
+[hitl]
+sensitive-actions = ["send_email"]
+out-of-scope = true
+
+[agents.mailer]
+kind = "llm"
+base-url = "{base_url}"
+model = "scripted-model"
+tools = ["ask_user"]
+
+[agents.mailer.exec-tools.send_email]
+command = "python3"
+args = ["-c", '''
+import json, sys
+a = json.load(sys.stdin)
+open({log:?}, 'a').write(json.dumps(a) + '\n')
+print('sent to ' + a['to'])
+''']
+description = "Sends an email"
+parameters = {{ type = "object", properties = {{ to = {{ type = "string" }}, body = {{ type = "string" }} }}, required = ["to"] }}
+
+[agents.echo]
+kind = "exec"
+command = "python3"
+args = ["-c", "print('echo')"]
+"#
+    )
+}
+
+/// The emails `send_email` sent.
+fn sent(dir: &std::path::Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(dir.join("sent.log"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+/// Waits until run `run` has the approval `id` and returns it.
+async fn approval(p: &Processes, run: RunId, id: &str) -> anyhow::Result<ApprovalRecord> {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let l = p
+            .client
+            .request(
+                &ApprovalListRequest {
+                    protocol: PROTOCOL_VERSION,
+                    run_id: Some(run),
+                    all: true,
+                    limit: None,
+                },
+                ASK,
+            )
+            .await?;
+        if let Some(r) = l
+            .approvals
+            .into_iter()
+            .find(|r| r.request.approval_id == id)
+        {
+            return Ok(r);
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "run {run} never asked {id}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn task_status(p: &Processes, run: RunId, task: &str) -> anyhow::Result<TaskStatus> {
+    let view = p.client.run(run).await?.expect("the run exists");
+    Ok(view
+        .tasks
+        .iter()
+        .find(|t| t.task_id.as_str() == task)
+        .map(|t| t.status)
+        .expect("the task exists"))
+}
+
+fn answer(run: RunId, id: &str, decision: Decision) -> ApprovalAnswerRequest {
+    ApprovalAnswerRequest {
+        protocol: PROTOCOL_VERSION,
+        run_id: run,
+        approval_id: id.into(),
+        decision,
+        by: "alice".into(),
+        comment: None,
+        digest: None,
+    }
+}
+
+fn mail(description: &str) -> flotilla_model::plan::Plan {
+    plan(vec![Subtask::new("mail", description).with_agent("mailer")])
+}
+
+/// The tool results the model was given in request `i` (0-based).
+fn tool_results(model: &OpenAiServer, i: usize) -> Vec<String> {
+    model
+        .requests()
+        .get(i)
+        .map(|r| r.texts("tool"))
+        .unwrap_or_default()
+}
+
+/// A sensitive tool call waits for a person with the call's arguments; meanwhile the only
+/// worker slot runs other work, and the worker that ran the attempt is killed. Approved, the
+/// attempt continues on another worker: the model is called once more (its first reply comes
+/// from the journal), the tool runs exactly once, and the run succeeds.
+#[tokio::test]
+async fn a_sensitive_tool_call_waits_without_a_slot_and_runs_once_approved_on_another_worker()
+-> anyhow::Result<()> {
+    let model = OpenAiServer::start().await?;
+    let dir = tempfile::tempdir()?;
+    let mut p = Processes::start(&config(&model.base_url(), dir.path())).await?;
+    p.coordinator().await?;
+    let w1 = p.worker(&["--concurrency", "1"]).await?;
+    model.push_all([
+        Reply::tool_call(
+            "send_email",
+            json!({"to": "ana@example.com", "body": "the report is out"}),
+        ),
+        Reply::text("mailed ana"),
+    ]);
+    let run = p
+        .client
+        .submit(SubmitRequest::new(mail("mail ana")))
+        .await?;
+    let asked = approval(&p, run, "t0a1c1").await?;
+    assert_eq!(asked.status, ApprovalStatus::Pending);
+    let q = &asked.request;
+    assert_eq!(q.trigger, Trigger::SensitiveAction);
+    assert_eq!(
+        q.tool_call.as_ref().map(|c| c.tool.as_str()),
+        Some("send_email")
+    );
+    assert_eq!(q.input["to"], "ana@example.com", "{q:?}");
+    assert_eq!(q.agent.as_deref(), Some("mailer"));
+    assert_eq!(
+        task_status(&p, run, "mail").await?,
+        TaskStatus::AwaitingApproval
+    );
+    assert!(
+        sent(dir.path()).is_empty(),
+        "nothing is sent before the approval"
+    );
+    // The wait holds no slot: the worker's only slot runs another run meanwhile.
+    let other = p
+        .client
+        .submit(SubmitRequest::new(plan(vec![
+            Subtask::new("ping", "ping").with_agent("echo"),
+        ])))
+        .await?;
+    let o = p.client.wait(other, WAIT).await?;
+    assert_eq!(o.status, RunStatus::Succeeded, "{o:?}");
+    // And no process: the worker that ran the attempt dies; another continues it.
+    p.kill(w1);
+    p.worker(&["--concurrency", "1"]).await?;
+    let out = p.cli(&[
+        "approvals",
+        "approve",
+        &run.to_string(),
+        "t0a1c1",
+        "--by",
+        "carol",
+        "--digest",
+        &q.digest,
+    ])?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let o = p.client.wait(run, WAIT).await?;
+    assert_eq!(o.status, RunStatus::Succeeded, "{o:?}");
+    assert_eq!(
+        o.final_result.as_ref().map(|f| f.response.as_str()),
+        Some("mailed ana"),
+        "{o:?}"
+    );
+    let emails = sent(dir.path());
+    assert_eq!(emails.len(), 1, "the tool ran exactly once: {emails:?}");
+    assert_eq!(emails[0]["to"], "ana@example.com");
+    // Two model calls in all: the first reply was replayed from the journal.
+    assert_eq!(model.requests().len(), 2);
+    assert!(
+        tool_results(&model, 1)
+            .iter()
+            .any(|t| t.contains("sent to ana@example.com")),
+        "{:?}",
+        tool_results(&model, 1)
+    );
+    // The suspension is on the run log, and the decision is in the audit trail.
+    let history = p.cli(&["runs", "history", &run.to_string()])?;
+    let text = String::from_utf8_lossy(&history.stdout);
+    assert!(text.contains("suspended"), "{text}");
+    let trail = p.cli(&["approvals", "history", &run.to_string()])?;
+    let text = String::from_utf8_lossy(&trail.stdout);
+    assert!(text.contains("decided approve by carol"), "{text}");
+    Ok(())
+}
+
+/// A rejected tool never runs and the model reads why; a question to the user is answered
+/// with `runs answer` (a second answer and an unknown token are refused); an out-of-scope
+/// tool nobody answers gets its deadline's default.
+#[tokio::test]
+async fn rejections_questions_and_defaults_reach_the_model_as_tool_results() -> anyhow::Result<()> {
+    let model = OpenAiServer::start().await?;
+    let dir = tempfile::tempdir()?;
+    let mut p = Processes::start(&config(&model.base_url(), dir.path())).await?;
+    p.coordinator().await?;
+    p.worker(&[]).await?;
+
+    // Rejected: never run; the model gets the rejection as the tool's result.
+    model.push_all([
+        Reply::tool_call("send_email", json!({"to": "all-customers@example.com"})),
+        Reply::text("did not mail"),
+    ]);
+    let run = p
+        .client
+        .submit(SubmitRequest::new(mail("mail everyone")))
+        .await?;
+    approval(&p, run, "t0a1c1").await?;
+    let a: ApprovalAnswerReply = p
+        .client
+        .request(
+            &answer(
+                run,
+                "t0a1c1",
+                Decision::Reject {
+                    message: "not to customers".into(),
+                },
+            ),
+            ASK,
+        )
+        .await?;
+    assert_eq!(a.outcome, AnswerOutcome::Decided);
+    let o = p.client.wait(run, WAIT).await?;
+    assert_eq!(o.status, RunStatus::Succeeded, "{o:?}");
+    assert!(sent(dir.path()).is_empty(), "a rejected tool never runs");
+    let results = tool_results(&model, 1);
+    assert!(
+        results
+            .iter()
+            .any(|t| t.contains("not to customers") && t.contains("rejected")),
+        "{results:?}"
+    );
+    // A second answer is told what decided.
+    let again: ApprovalAnswerReply = p
+        .client
+        .request(&answer(run, "t0a1c1", Decision::Approve), ASK)
+        .await?;
+    assert_eq!(again.outcome, AnswerOutcome::AlreadyDecided);
+    assert!(sent(dir.path()).is_empty());
+
+    // A question: `await_clarification`, answered through the CLI.
+    model.push_all([
+        Reply::tool_call("ask_user", json!({"question": "Which colour?"})),
+        Reply::text("painted it blue"),
+    ]);
+    let run = p
+        .client
+        .submit(SubmitRequest::new(mail("paint the shed")))
+        .await?;
+    let asked = approval(&p, run, "t0a1c1").await?;
+    assert_eq!(asked.request.trigger, Trigger::Question);
+    assert_eq!(asked.request.description, "Which colour?");
+    let events = p.client.events(run).await?;
+    futures::pin_mut!(events);
+    let question = tokio::time::timeout(WAIT, async {
+        while let Some(e) = events.next().await {
+            let e: EventEnvelope = e?;
+            if let Event::AwaitClarification { question } = e.event {
+                return Ok::<_, anyhow::Error>(question);
+            }
+        }
+        anyhow::bail!("the event stream ended")
+    })
+    .await??;
+    assert_eq!(question, "Which colour?");
+    let out = p.cli(&[
+        "runs",
+        "answer",
+        &run.to_string(),
+        "t0a1c1",
+        "--text",
+        "blue",
+        "--by",
+        "dave",
+    ])?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let o = p.client.wait(run, WAIT).await?;
+    assert_eq!(
+        o.final_result.as_ref().map(|f| f.response.as_str()),
+        Some("painted it blue"),
+        "{o:?}"
+    );
+    assert_eq!(tool_results(&model, 3), vec!["blue".to_string()]);
+    // A second answer is refused; so is a token nobody asked.
+    let out = p.cli(&[
+        "runs",
+        "answer",
+        &run.to_string(),
+        "t0a1c1",
+        "--text",
+        "red",
+        "--by",
+        "eve",
+    ])?;
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("already_decided"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = p.cli(&[
+        "runs",
+        "answer",
+        &run.to_string(),
+        "t9a9c9",
+        "--text",
+        "red",
+        "--by",
+        "eve",
+    ])?;
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("not_found"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // A tool the agent does not have: nobody answers; the default (reject) reaches the model.
+    model.push_all([
+        Reply::tool_call("launch_rocket", json!({})),
+        Reply::text("no rocket"),
+    ]);
+    let mut rocket = mail("launch");
+    rocket.config.hitl = Some(PlanHitl {
+        approval_timeout: Some(Secs::from_secs(2)),
+        ..Default::default()
+    });
+    let run = p.client.submit(SubmitRequest::new(rocket)).await?;
+    let asked = approval(&p, run, "t0a1c1").await?;
+    assert_eq!(asked.request.trigger, Trigger::OutOfScope);
+    let o = p.client.wait(run, WAIT).await?;
+    assert_eq!(
+        o.final_result.as_ref().map(|f| f.response.as_str()),
+        Some("no rocket"),
+        "{o:?}"
+    );
+    let results = tool_results(&model, 5);
+    assert!(
+        results.iter().any(|t| t.contains("nobody answered")),
+        "{results:?}"
+    );
+    let expired = approval(&p, run, "t0a1c1").await?;
+    assert_eq!(expired.status, ApprovalStatus::Expired);
+    Ok(())
+}
