@@ -486,15 +486,7 @@ impl LlmAgent {
         ctx: &AgentContext,
     ) -> Result<(Vec<String>, bool), AgentError> {
         let runs = calls.iter().map(|call| async move {
-            let input = serde_json::from_str::<Value>(&call.arguments)
-                .unwrap_or_else(|_| Value::String(call.arguments.clone()));
-            ctx.events
-                .emit(Event::ToolStart {
-                    call_id: call.id.clone(),
-                    tool: call.name.clone(),
-                    input,
-                })
-                .await;
+            emit_tool_start(ctx, call).await;
             let started = Instant::now();
             let span = spans::execute_tool(&call.name, &call.id);
             let outcome = tools
@@ -562,15 +554,7 @@ impl LlmAgent {
             match p {
                 CallPlan::Run(_) => results.push(ran.next().unwrap_or_default()),
                 CallPlan::Answer { text, ok } => {
-                    let input = serde_json::from_str::<Value>(&call.arguments)
-                        .unwrap_or_else(|_| Value::String(call.arguments.clone()));
-                    ctx.events
-                        .emit(Event::ToolStart {
-                            call_id: call.id.clone(),
-                            tool: call.name.clone(),
-                            input,
-                        })
-                        .await;
+                    emit_tool_start(ctx, call).await;
                     ctx.events
                         .emit(Event::ToolEnd {
                             call_id: call.id.clone(),
@@ -797,6 +781,19 @@ enum Handover {
 
 /// The results of a round whose transfer (call `transfer`) was refused: the refusal, and for
 /// the round's other calls a note that they did not run (a transfer ends the round).
+/// The `tool_start` event of `call`: its arguments as JSON (as text when they are not).
+async fn emit_tool_start(ctx: &AgentContext, call: &ToolCallRequest) {
+    let input = serde_json::from_str::<Value>(&call.arguments)
+        .unwrap_or_else(|_| Value::String(call.arguments.clone()));
+    ctx.events
+        .emit(Event::ToolStart {
+            call_id: call.id.clone(),
+            tool: call.name.clone(),
+            input,
+        })
+        .await;
+}
+
 fn refused_round(calls: &[ToolCallRequest], transfer: usize, outcome: &ToolOutcome) -> Vec<String> {
     calls
         .iter()
