@@ -4,6 +4,9 @@
 //! process holds the wait — and the decision continues it on any worker from its step
 //! journal: no model call paid twice, no tool run twice, a rejected tool never run.
 //!
+//! A tool the client runs (the plan's `client_tools`, the agent's `client-tools`) waits the
+//! same way for the client's result (`await_external_tools`).
+//!
 //! Agents are deterministic: the model is the OpenAI-compatible test double
 //! (`flotilla_testkit::openai`, scripted replies and tool calls); the `send_email` tool is an
 //! exec script (`python3`) that appends each call to a file, so the test counts executions.
@@ -54,6 +57,10 @@ print('sent to ' + a['to'])
 ''']
 description = "Sends an email"
 parameters = {{ type = "object", properties = {{ to = {{ type = "string" }}, body = {{ type = "string" }} }}, required = ["to"] }}
+
+[agents.mailer.client-tools.pick_colour]
+description = "Shows the user a colour picker and returns the colour chosen"
+parameters = {{ type = "object", properties = {{ palette = {{ type = "string" }} }} }}
 
 [agents.echo]
 kind = "exec"
@@ -305,7 +312,9 @@ async fn rejections_questions_and_defaults_reach_the_model_as_tool_results() -> 
     let question = tokio::time::timeout(WAIT, async {
         while let Some(e) = events.next().await {
             let e: EventEnvelope = e?;
-            if let Event::AwaitClarification { question } = e.event {
+            if let Event::AwaitClarification { question, token } = e.event {
+                assert_eq!(token, "t0a1c1", "the event names its reply token");
+                assert_eq!(e.source, "coordinator");
                 return Ok::<_, anyhow::Error>(question);
             }
         }
@@ -395,5 +404,170 @@ async fn rejections_questions_and_defaults_reach_the_model_as_tool_results() -> 
     );
     let expired = approval(&p, run, "t0a1c1").await?;
     assert_eq!(expired.status, ApprovalStatus::Expired);
+    Ok(())
+}
+
+/// A tool the client runs: the model's call with bad arguments is answered at once with the
+/// schema's complaint (the client never sees it); a valid call suspends the attempt, the
+/// coordinator publishes `await_external_tools` with the reply token and a `client_tool`
+/// notice once the request is stored, and the client's result (`runs answer`) is the tool's
+/// result. The agent's own client tool, unanswered, gets its deadline's default. A plan
+/// whose client tools are malformed is refused with a problem per field.
+#[tokio::test]
+async fn a_client_tool_call_waits_for_the_clients_result() -> anyhow::Result<()> {
+    let model = OpenAiServer::start().await?;
+    let dir = tempfile::tempdir()?;
+    let mut p = Processes::start(&config(&model.base_url(), dir.path())).await?;
+    p.coordinator().await?;
+    p.worker(&[]).await?;
+    let mut notices = p
+        .bus
+        .client()
+        .subscribe(format!("{}.notify.client_tool.*", p.bus.names().prefix()))
+        .await?;
+    let ticket = flotilla_model::plan::ClientTool {
+        name: "open_ticket".into(),
+        description: "Opens a ticket in the user's tracker and returns its number".into(),
+        parameters: json!({"type": "object", "properties": {"title": {"type": "string"}},
+            "required": ["title"], "additionalProperties": false}),
+    };
+    model.push_all([
+        Reply::tool_call("open_ticket", json!({"summary": "disk full"})),
+        Reply::tool_call("open_ticket", json!({"title": "disk full"})),
+        Reply::text("opened ticket 42"),
+    ]);
+    let mut with_ticket = mail("file a ticket about the disk");
+    with_ticket.config.client_tools = vec![ticket.clone()];
+    let run = p.client.submit(SubmitRequest::new(with_ticket)).await?;
+    let asked = approval(&p, run, "t0a1c1").await?;
+    assert_eq!(asked.request.trigger, Trigger::ClientTool);
+    assert_eq!(asked.request.input, json!({"title": "disk full"}));
+    // The call with bad arguments never reached the client: the model read why.
+    let first = tool_results(&model, 1);
+    assert!(
+        first.iter().any(|t| t.contains("invalid_arguments")),
+        "{first:?}"
+    );
+    // The event names the call and its token; the notice carries the stored request.
+    let events = p.client.events(run).await?;
+    futures::pin_mut!(events);
+    let calls = tokio::time::timeout(WAIT, async {
+        while let Some(e) = events.next().await {
+            let e: EventEnvelope = e?;
+            if let Event::AwaitExternalTools { calls } = e.event {
+                assert_eq!(e.source, "coordinator");
+                return Ok::<_, anyhow::Error>(calls);
+            }
+        }
+        anyhow::bail!("the event stream ended")
+    })
+    .await??;
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0].tool, "open_ticket");
+    assert_eq!(calls[0].token, "t0a1c1");
+    assert_eq!(calls[0].input, json!({"title": "disk full"}));
+    let notice = tokio::time::timeout(WAIT, notices.next())
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no notice"))?;
+    let notice: flotilla_model::notify::Notification = serde_json::from_slice(&notice.payload)?;
+    assert_eq!(notice.kind, flotilla_model::notify::NoticeKind::ClientTool);
+    assert_eq!(
+        notice.approval.map(|a| a.request.approval_id),
+        Some("t0a1c1".to_owned())
+    );
+    let out = p.cli(&[
+        "runs",
+        "answer",
+        &run.to_string(),
+        &calls[0].token,
+        "--text",
+        r#"{"ticket": 42}"#,
+        "--by",
+        "tracker",
+    ])?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let o = p.client.wait(run, WAIT).await?;
+    assert_eq!(
+        o.final_result.as_ref().map(|f| f.response.as_str()),
+        Some("opened ticket 42"),
+        "{o:?}"
+    );
+    let results = tool_results(&model, 2);
+    assert_eq!(
+        results.last().map(String::as_str),
+        Some(r#"{"ticket": 42}"#),
+        "{results:?}"
+    );
+    assert!(sent(dir.path()).is_empty());
+
+    // The agent's own client tool; nobody answers within the plan's deadline.
+    model.push_all([
+        Reply::tool_call("pick_colour", json!({"palette": "warm"})),
+        Reply::text("no colour"),
+    ]);
+    let mut colour = mail("pick a colour");
+    colour.config.hitl = Some(PlanHitl {
+        approval_timeout: Some(Secs::from_secs(2)),
+        ..Default::default()
+    });
+    let run = p.client.submit(SubmitRequest::new(colour)).await?;
+    let asked = approval(&p, run, "t0a1c1").await?;
+    assert_eq!(asked.request.trigger, Trigger::ClientTool);
+    let o = p.client.wait(run, WAIT).await?;
+    assert_eq!(
+        o.final_result.as_ref().map(|f| f.response.as_str()),
+        Some("no colour"),
+        "{o:?}"
+    );
+    let results = tool_results(&model, 4);
+    assert!(
+        results.iter().any(|t| t.contains("nobody answered")),
+        "{results:?}"
+    );
+
+    // Malformed client tools: every problem named, nothing started.
+    let mut bad = mail("never runs");
+    bad.config.client_tools = vec![
+        flotilla_model::plan::ClientTool {
+            name: "ask_user".into(),
+            ..ticket.clone()
+        },
+        flotilla_model::plan::ClientTool {
+            name: "bad name".into(),
+            ..ticket.clone()
+        },
+        flotilla_model::plan::ClientTool {
+            parameters: json!({"type": "string"}),
+            description: String::new(),
+            ..ticket.clone()
+        },
+    ];
+    let reply = p.client.validate(&bad).await?;
+    let paths: Vec<&str> = reply.errors.iter().map(|e| e.path.as_str()).collect();
+    assert_eq!(
+        paths,
+        vec![
+            "config.client_tools[0].name",
+            "config.client_tools[1].name",
+            "config.client_tools[2].description",
+            "config.client_tools[2].parameters",
+        ],
+        "{:?}",
+        reply.errors
+    );
+    assert!(
+        reply.errors[0].message.contains("built-in tool"),
+        "{:?}",
+        reply.errors
+    );
+    let requests = model.requests().len();
+    let rejected = p.client.submit(SubmitRequest::new(bad)).await?;
+    let o = p.client.wait(rejected, WAIT).await?;
+    assert_eq!(o.status, RunStatus::Rejected, "{o:?}");
+    assert_eq!(model.requests().len(), requests, "no model call was made");
     Ok(())
 }

@@ -112,7 +112,7 @@ impl Escalations {
         let notice = Notification {
             protocol: PROTOCOL_VERSION,
             id: approval_notice_id(run, &record.request.approval_id),
-            kind: NoticeKind::Approval,
+            kind: NoticeKind::of_trigger(record.request.trigger),
             run_id: Some(run),
             at: Some(Timestamp::now()),
             notify_only,

@@ -590,7 +590,8 @@ impl LlmAgent {
             .tools
             .for_attempt()
             .await
-            .map_err(|e| AgentError::failed(format!("agent {}: {e}", self.name)))?;
+            .map_err(|e| AgentError::failed(format!("agent {}: {e}", self.name)))?
+            .with_client_tools(&task.client_tools);
         let mut messages = vec![ChatCompletionRequestMessage::System(
             ChatCompletionRequestSystemMessage {
                 content: ChatCompletionRequestSystemMessageContent::Text(

@@ -154,6 +154,11 @@ pub struct LlmConfig {
     /// Commands offered to the model as tools, by tool name.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub exec_tools: BTreeMap<String, ExecToolConfig>,
+    /// Tools the client that submits a run executes, by tool name (`await_external_tools`):
+    /// a call suspends the attempt until the client answers with the result. The plan's
+    /// `config.client_tools` add to these for one run.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub client_tools: BTreeMap<String, ClientToolConfig>,
     /// The agents below this one in the agent tree: `transfer_to_agent` may hand the
     /// conversation to them (and to this agent's parent and peers, unless disallowed).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -236,6 +241,18 @@ pub struct ExecToolConfig {
     pub env: BTreeMap<String, String>,
 }
 
+/// A tool the client runs (`[agents.<name>.client-tools.<tool>]`): offered to the model like
+/// any tool; Flotilla never runs it, the client answers each call.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+pub struct ClientToolConfig {
+    /// What the tool does, for the model.
+    pub description: String,
+    /// JSON Schema of the arguments (default: any object).
+    #[serde(default = "default_parameters")]
+    pub parameters: Value,
+}
+
 fn default_request_timeout() -> Duration {
     // Long answers of slow models take a minute or more; a hung server should not hold a
     // worker slot for the whole task timeout.
@@ -300,6 +317,7 @@ impl LlmConfig {
             stream: true,
             tools: default_tools(),
             exec_tools: BTreeMap::new(),
+            client_tools: BTreeMap::new(),
             mcp_servers: BTreeMap::new(),
             agent_tools: Vec::new(),
             sub_agents: Vec::new(),
@@ -378,6 +396,7 @@ impl LlmConfig {
         if self.tool_choice == ToolChoice::Required
             && self.tools.is_empty()
             && self.exec_tools.is_empty()
+            && self.client_tools.is_empty()
             && self.agent_tools.is_empty()
             && self.mcp_servers.is_empty()
             && self.sub_agents.is_empty()
@@ -519,6 +538,47 @@ impl LlmConfig {
                 });
             }
         }
+        for (name, tool) in &self.client_tools {
+            let field = format!("client-tools.{name}");
+            if !flotilla_model::plan::is_tool_name(name) {
+                return Err(bad(
+                    &field,
+                    "tool names are 1 to 64 letters, digits, `_` or `-`".into(),
+                ));
+            }
+            if flotilla_model::plan::RESERVED_TOOL_NAMES.contains(&name.as_str()) {
+                return Err(bad(
+                    &field,
+                    format!("{name:?} is the name of a built-in tool"),
+                ));
+            }
+            if self.exec_tools.contains_key(name) {
+                return Err(bad(
+                    &field,
+                    format!("{name:?} is also an exec tool of this agent; a tool has one runner"),
+                ));
+            }
+            if tool.description.trim().is_empty() {
+                return Err(bad(
+                    &format!("{field}.description"),
+                    "say what the tool does, for the model".into(),
+                ));
+            }
+            if tool.parameters.get("type").and_then(Value::as_str) != Some("object") {
+                return Err(ConfigError::InvalidSchema {
+                    agent: agent.to_owned(),
+                    field: format!("{field}.parameters"),
+                    message: "must be a JSON Schema with \"type\": \"object\" (tool arguments are objects)".into(),
+                });
+            }
+            if let Err(e) = jsonschema::validator_for(&tool.parameters) {
+                return Err(ConfigError::InvalidSchema {
+                    agent: agent.to_owned(),
+                    field: format!("{field}.parameters"),
+                    message: e.to_string(),
+                });
+            }
+        }
         for a in &self.agent_tools {
             if flotilla_model::token::check_name(a).is_err() {
                 return Err(bad(
@@ -580,6 +640,10 @@ impl fmt::Debug for LlmConfig {
             .field("stream", &self.stream)
             .field("tools", &self.tools)
             .field("exec_tools", &self.exec_tools.keys().collect::<Vec<_>>())
+            .field(
+                "client_tools",
+                &self.client_tools.keys().collect::<Vec<_>>(),
+            )
             .field("mcp_servers", &self.mcp_servers.keys().collect::<Vec<_>>())
             .field("agent_tools", &self.agent_tools)
             .field("sub_agents", &self.sub_agents)
@@ -695,6 +759,26 @@ mod tests {
                 "mcp-servers.files.url",
             ),
             ("[mcp-servers.\"a b\"]\ncommand = \"x\"", "mcp-servers.a b"),
+            (
+                "[client-tools.ask_user]\ndescription = \"asks\"",
+                "client-tools.ask_user",
+            ),
+            (
+                "[client-tools.pick]\ndescription = \" \"",
+                "client-tools.pick.description",
+            ),
+            (
+                "[client-tools.pick]\ndescription = \"picks\"\nparameters = { type = \"array\" }",
+                "client-tools.pick.parameters",
+            ),
+            (
+                "[client-tools.\"a b\"]\ndescription = \"picks\"",
+                "client-tools.a b",
+            ),
+            (
+                "[client-tools.count]\ndescription = \"counts\"\n[exec-tools.count]\ncommand = \"wc\"",
+                "client-tools.count",
+            ),
         ];
         for (extra, field) in cases {
             // Later keys override the defaults above; TOML forbids repeats, so rebuild.
@@ -712,6 +796,20 @@ mod tests {
             let e = c.validate("writer").expect_err(extra);
             assert_eq!(e.field(), *field, "{extra}: {e}");
             assert!(e.to_string().starts_with("agents.writer."), "{e}");
+        }
+    }
+
+    /// Client tools may not take the name of a tool Flotilla offers itself: the plan's are
+    /// checked against `RESERVED_TOOL_NAMES` by the coordinator, which knows no LLM crate.
+    #[test]
+    fn reserved_tool_names_cover_every_built_in_tool() {
+        let reserved = flotilla_model::plan::RESERVED_TOOL_NAMES;
+        for t in BUILTIN_TOOLS
+            .iter()
+            .chain(OPT_IN_TOOLS)
+            .chain([&CALL_AGENT, &crate::tools::TRANSFER])
+        {
+            assert!(reserved.contains(t), "{t} is not reserved");
         }
     }
 

@@ -3,8 +3,10 @@
 //! Before a round of tool calls runs, each call is checked against the task's
 //! [`ToolGate`](flotilla_model::task::ToolGate) (the run's escalation policy: every call under
 //! `human_in_command`, tools named as sensitive actions, tools the agent does not have when
-//! `out_of_scope` is on) and against `ask_user` (a question to the user is always a person's to
-//! answer). A gated call that nobody has decided stops the attempt
+//! `out_of_scope` is on), against `ask_user` (a question to the user is always a person's to
+//! answer) and against the client's tools (the client runs them and answers with the result;
+//! their arguments are checked against the tool's schema first, so the client only sees
+//! valid calls). A gated call that nobody has decided stops the attempt
 //! ([`AgentContext::suspend`]): the worker reports the suspension and gives its slot back; the
 //! coordinator asks a person. The decision dispatches the attempt again — on any worker — and
 //! the agent replays its step journal up to this round (no model call paid twice, no tool run
@@ -22,7 +24,6 @@
 use flotilla_context::AgentContext;
 use flotilla_context::agent::AgentError;
 use flotilla_model::approval::{Decision, Trigger, digest_of};
-use flotilla_model::event::Event;
 use flotilla_model::runlog::SuspendedCall;
 use flotilla_model::task::TaskEnvelope;
 use serde_json::{Value, json};
@@ -70,6 +71,15 @@ pub(crate) async fn plan_round(
     for call in calls {
         let trigger = if call.name == ASK_USER {
             Some(Trigger::Question)
+        } else if tools.is_client(&call.name) {
+            if let Err(problem) = tools.checked_arguments(&call.name, &call.arguments) {
+                plan.push(CallPlan::Answer {
+                    text: problem.text(),
+                    ok: false,
+                });
+                continue;
+            }
+            Some(Trigger::ClientTool)
         } else {
             task.tool_gate
                 .as_ref()
@@ -87,13 +97,6 @@ pub(crate) async fn plan_round(
                     .as_str()
                     .map_or_else(|| call.arguments.clone(), str::to_owned)
             });
-            if let Some(q) = &question {
-                ctx.events
-                    .emit(Event::AwaitClarification {
-                        question: q.clone(),
-                    })
-                    .await;
-            }
             return Err(ctx.suspend(SuspendedCall {
                 trigger,
                 call_id: call.id.clone(),
@@ -104,13 +107,15 @@ pub(crate) async fn plan_round(
             }));
         };
         let who = &decided.by;
+        // A question and a client's tool are answered, never run here.
+        let answered = matches!(trigger, Trigger::Question | Trigger::ClientTool);
         plan.push(match &decided.decision {
-            Decision::Approve if trigger == Trigger::Question => CallPlan::Answer {
+            Decision::Approve if answered => CallPlan::Answer {
                 text: format!("{who} approved without answering"),
                 ok: true,
             },
             Decision::Approve => CallPlan::Run(call.arguments.clone()),
-            Decision::Edit { input } if trigger == Trigger::Question => CallPlan::Answer {
+            Decision::Edit { input } if answered => CallPlan::Answer {
                 text: text_of(input),
                 ok: true,
             },

@@ -66,6 +66,9 @@ enum Action {
     Transfer,
     Exec(Arc<ExecTool>),
     Mcp(Arc<McpServer>, String),
+    /// Run by the client (`client-tools`, the plan's `client_tools`): a call waits for the
+    /// client's answer ([`crate::gate`]); it never runs here.
+    Client,
 }
 
 #[derive(Debug)]
@@ -288,6 +291,21 @@ impl ToolSet {
                 },
             );
         }
+        for (name, tool) in &config.client_tools {
+            tools.insert(
+                name.clone(),
+                Tool {
+                    name: name.clone(),
+                    description: tool.description.clone(),
+                    validator: compile(
+                        format!("client-tools.{name}.parameters"),
+                        &tool.parameters,
+                    )?,
+                    parameters: tool.parameters.clone(),
+                    action: Action::Client,
+                },
+            );
+        }
         if !config.agent_tools.is_empty() {
             let parameters = json!({"type": "object", "properties": {
                 "agent": {"type": "string", "enum": config.agent_tools, "description": "The agent to ask"},
@@ -377,6 +395,81 @@ impl ToolSet {
         self
     }
 
+    /// Offers the run's client tools (the plan's `client_tools`). A tool of the agent's own
+    /// with the same name keeps it (logged); a schema that does not compile is skipped
+    /// (plans are validated before they run, so neither happens to a checked plan).
+    pub fn with_client_tools(mut self, client: &[flotilla_model::plan::ClientTool]) -> Self {
+        for t in client {
+            if self.tools.contains_key(&t.name) {
+                tracing::warn!(tool = %t.name, "The plan's client tool has the name of one of the agent's tools; the agent's is offered");
+                continue;
+            }
+            let Ok(validator) = jsonschema::validator_for(&t.parameters) else {
+                tracing::warn!(tool = %t.name, "Skipping a client tool whose parameters are not a JSON Schema");
+                continue;
+            };
+            self.tools.insert(
+                t.name.clone(),
+                Tool {
+                    name: t.name.clone(),
+                    description: t.description.clone(),
+                    parameters: t.parameters.clone(),
+                    validator: Arc::new(validator),
+                    action: Action::Client,
+                },
+            );
+        }
+        self
+    }
+
+    /// Whether `name` is a tool the client runs.
+    pub fn is_client(&self, name: &str) -> bool {
+        self.tools
+            .get(name)
+            .is_some_and(|t| matches!(t.action, Action::Client))
+    }
+
+    /// The arguments of a call of `name`, parsed and checked against its schema; the
+    /// problem, as the tool's outcome for the model, when they are not valid.
+    pub(crate) fn checked_arguments(
+        &self,
+        name: &str,
+        arguments: &str,
+    ) -> Result<Value, Box<ToolOutcome>> {
+        let Some(tool) = self.tools.get(name) else {
+            return Err(Box::new(ToolOutcome::err(
+                "unknown_tool",
+                format!(
+                    "there is no tool named {name:?}; the tools are: {}",
+                    self.tools.keys().cloned().collect::<Vec<_>>().join(", ")
+                ),
+            )));
+        };
+        let args: Value = if arguments.trim().is_empty() {
+            Value::Object(Map::new())
+        } else {
+            serde_json::from_str(arguments).map_err(|e| {
+                Box::new(ToolOutcome::err(
+                    "invalid_arguments",
+                    format!(
+                        "the arguments are not valid JSON ({e}); send a JSON object matching the tool's parameters"
+                    ),
+                ))
+            })?
+        };
+        let problems = schema_problems(&tool.validator, &args);
+        if !problems.is_empty() {
+            return Err(Box::new(ToolOutcome::err(
+                "invalid_arguments",
+                format!(
+                    "the arguments do not match the tool's parameters: {}",
+                    problems.join("; ")
+                ),
+            )));
+        }
+        Ok(args)
+    }
+
     /// Whether `name` with `arguments` is a valid transfer; the target when it is.
     pub fn transfer_target(&self, name: &str, arguments: &str) -> Option<(String, String)> {
         let tool = self.tools.get(name)?;
@@ -418,40 +511,13 @@ impl ToolSet {
         name: &str,
         arguments: &str,
     ) -> ToolOutcome {
+        let args = match self.checked_arguments(name, arguments) {
+            Ok(args) => args,
+            Err(problem) => return *problem,
+        };
         let Some(tool) = self.tools.get(name) else {
-            return ToolOutcome::err(
-                "unknown_tool",
-                format!(
-                    "there is no tool named {name:?}; the tools are: {}",
-                    self.tools.keys().cloned().collect::<Vec<_>>().join(", ")
-                ),
-            );
+            return ToolOutcome::err("unknown_tool", format!("there is no tool named {name:?}"));
         };
-        let args: Value = if arguments.trim().is_empty() {
-            Value::Object(Map::new())
-        } else {
-            match serde_json::from_str(arguments) {
-                Ok(v) => v,
-                Err(e) => {
-                    return ToolOutcome::err(
-                        "invalid_arguments",
-                        format!(
-                            "the arguments are not valid JSON ({e}); send a JSON object matching the tool's parameters"
-                        ),
-                    );
-                }
-            }
-        };
-        let problems = schema_problems(&tool.validator, &args);
-        if !problems.is_empty() {
-            return ToolOutcome::err(
-                "invalid_arguments",
-                format!(
-                    "the arguments do not match the tool's parameters: {}",
-                    problems.join("; ")
-                ),
-            );
-        }
         match &tool.action {
             Action::Builtin(crate::recruit::RECRUIT) => {
                 crate::recruit::recruit(ctx, call_id, &args).await
@@ -484,6 +550,10 @@ impl ToolSet {
                 Ok(v) => ToolOutcome::ok(v),
                 Err(m) => ToolOutcome::err("tool_failed", m),
             },
+            Action::Client => ToolOutcome::err(
+                "not_answered",
+                format!("{name} is run by the client; this call could not wait for it"),
+            ),
         }
     }
 }

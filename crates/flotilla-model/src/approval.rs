@@ -82,6 +82,9 @@ pub enum Trigger {
     /// An LLM agent asked the user a question (its `ask_user` tool): the answer (`respond`)
     /// is the tool's result.
     Question,
+    /// An LLM agent called a tool the client runs (`client_tools`): the client's answer
+    /// (`respond`) is the tool's result.
+    ClientTool,
 }
 
 impl Trigger {
@@ -93,6 +96,7 @@ impl Trigger {
             Self::ConsecutiveFailures => "consecutive_failures",
             Self::OutOfScope => "out_of_scope",
             Self::Question => "question",
+            Self::ClientTool => "client_tool",
         }
     }
 }
@@ -199,6 +203,10 @@ pub struct OnTimeout {
     /// answered). Written only when not the default.
     #[serde(skip_serializing_if = "DefaultDecision::is_reject")]
     pub question: DefaultDecision,
+    /// For a client tool's call (default `reject`: the model is told the client did not
+    /// answer). Written only when not the default.
+    #[serde(skip_serializing_if = "DefaultDecision::is_reject")]
+    pub client_tool: DefaultDecision,
 }
 
 impl OnTimeout {
@@ -210,6 +218,7 @@ impl OnTimeout {
             Trigger::ConsecutiveFailures => self.consecutive_failures,
             Trigger::OutOfScope => self.out_of_scope,
             Trigger::Question => self.question,
+            Trigger::ClientTool => self.client_tool,
         }
     }
 }

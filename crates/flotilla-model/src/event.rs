@@ -176,15 +176,21 @@ pub enum Event {
     },
     /// The agent asked the user a question (its `ask_user` tool) and its attempt waits for
     /// the answer: a pending approval of trigger `question` (answer it with
-    /// `flotilla runs answer`, or `approval.answer` with `respond`).
+    /// `flotilla runs answer RUN TOKEN`, or `approval.answer` with `respond`). Published by
+    /// the coordinator once the request is stored, so the token can be answered at once.
     AwaitClarification {
         /// The question.
         question: String,
+        /// The reply token: the approval id to answer (absent on events of older
+        /// coordinators, which workers published).
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        token: String,
     },
-    /// The agent waits for tools executed outside Flotilla. Reserved, not yet emitted:
-    /// client-run tools are not built yet.
+    /// The agent called a tool the client runs (the plan's `client_tools` or the agent's
+    /// `client-tools`) and its attempt waits for the result: a pending approval of trigger
+    /// `client_tool` per call. Published by the coordinator once the request is stored.
     AwaitExternalTools {
-        /// Pending calls.
+        /// The calls waiting (one per event: the attempt stops at the first).
         calls: Vec<ExternalToolCall>,
     },
     /// Token usage of one model call.
@@ -266,13 +272,16 @@ pub struct StepToolCall {
 /// A tool call to be executed by the client.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ExternalToolCall {
-    /// Call id.
+    /// Call id (the model's).
     pub call_id: String,
     /// Tool name.
     pub tool: String,
-    /// Arguments.
+    /// Arguments, checked against the tool's parameters.
     #[serde(default)]
     pub input: serde_json::Value,
+    /// The reply token: the approval id whose `respond` carries the tool's result.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub token: String,
 }
 
 /// A lifecycle change.

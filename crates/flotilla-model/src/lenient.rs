@@ -136,6 +136,7 @@ static CONFIG: Shape = Shape {
         typed("max_recruits", check::<Option<u32>>),
         typed("lead_timeout", check::<crate::time::Secs>),
         typed("hitl", check::<Option<crate::approval::PlanHitl>>),
+        typed("client_tools", check::<Vec<crate::plan::ClientTool>>),
     ],
 };
 

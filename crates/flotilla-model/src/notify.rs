@@ -30,6 +30,10 @@ use crate::time::Timestamp;
 pub enum NoticeKind {
     /// An approval was requested (or, `notify_only`, a gated dispatch went ahead).
     Approval,
+    /// An LLM agent asked the user a question (an approval of trigger `question`).
+    Question,
+    /// An LLM agent called a tool the client runs (an approval of trigger `client_tool`).
+    ClientTool,
     /// A run was paused.
     Pause,
     /// A run was taken over by a person.
@@ -37,10 +41,21 @@ pub enum NoticeKind {
 }
 
 impl NoticeKind {
+    /// The kind of the notice of an approval requested by `trigger`.
+    pub fn of_trigger(trigger: crate::approval::Trigger) -> Self {
+        match trigger {
+            crate::approval::Trigger::Question => Self::Question,
+            crate::approval::Trigger::ClientTool => Self::ClientTool,
+            _ => Self::Approval,
+        }
+    }
+
     /// The kind as it appears on the wire and in the subject.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Approval => "approval",
+            Self::Question => "question",
+            Self::ClientTool => "client_tool",
             Self::Pause => "pause",
             Self::Takeover => "takeover",
         }
@@ -118,6 +133,8 @@ mod tests {
     fn kinds_are_named_on_the_wire_as_in_subjects() {
         for k in [
             NoticeKind::Approval,
+            NoticeKind::Question,
+            NoticeKind::ClientTool,
             NoticeKind::Pause,
             NoticeKind::Takeover,
         ] {
@@ -130,6 +147,7 @@ mod tests {
                 Some(k)
             );
         }
-        assert!(serde_json::from_value::<NoticeKind>(serde_json::json!("question")).is_err());
+        assert_eq!(NoticeKind::ClientTool.as_str(), "client_tool");
+        assert!(serde_json::from_value::<NoticeKind>(serde_json::json!("approvals")).is_err());
     }
 }

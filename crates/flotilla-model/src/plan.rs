@@ -280,6 +280,68 @@ pub struct PlanConfig {
     /// never loosens it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hitl: Option<crate::approval::PlanHitl>,
+    /// Tools the submitting client runs itself (`await_external_tools`): offered to the
+    /// run's LLM agents next to their own tools; a call waits — no slot held — until the
+    /// client answers with the tool's result (`approval.answer` with `respond`, or
+    /// `flotilla runs answer`). At most 16.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub client_tools: Vec<ClientTool>,
+}
+
+/// A tool the client executes: its name, what it does and the JSON Schema of its arguments,
+/// as the model is offered them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ClientTool {
+    /// The name the model calls it by: 1 to 64 letters, digits, `_` or `-`, not a
+    /// built-in tool's ([`RESERVED_TOOL_NAMES`]).
+    pub name: String,
+    /// What it does, for the model (1 to 1,024 bytes).
+    pub description: String,
+    /// JSON Schema of its arguments (`"type": "object"`; at most 16 KiB as JSON).
+    #[serde(default = "empty_object_schema")]
+    pub parameters: serde_json::Value,
+}
+
+fn empty_object_schema() -> serde_json::Value {
+    serde_json::json!({"type": "object"})
+}
+
+/// Most client tools of one plan.
+pub const MAX_CLIENT_TOOLS: usize = 16;
+
+/// Names of Flotilla's own LLM tools, which a client tool may not take.
+pub const RESERVED_TOOL_NAMES: &[&str] = &[
+    "workspace_read",
+    "workspace_write",
+    "mailbox_send",
+    "mailbox_read",
+    "state_get",
+    "state_set",
+    "recruit",
+    "negotiate",
+    "next_request",
+    "offer",
+    "await_award",
+    "spawn_teammate",
+    "send_message",
+    "broadcast",
+    "list_team",
+    "shutdown_teammate",
+    "assign_task",
+    "finish_run",
+    "ask_user",
+    "call_agent",
+    "transfer_to_agent",
+];
+
+/// Whether `name` may name a tool: 1 to 64 letters, digits, `_` or `-`.
+pub fn is_tool_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
 }
 
 /// The default `lead_timeout`: 1 h.
@@ -327,6 +389,7 @@ impl Default for PlanConfig {
             max_recruits: None,
             lead_timeout: DEFAULT_LEAD_TIMEOUT,
             hitl: None,
+            client_tools: Vec::new(),
         }
     }
 }

@@ -119,6 +119,10 @@ pub struct TaskEnvelope {
     /// calling the model or running a tool again, and applies the decisions.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resume: Option<Resume>,
+    /// The run's client tools (the plan's `client_tools`), offered to an LLM agent next to
+    /// its own: a call waits for the client's answer.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub client_tools: Vec<crate::plan::ClientTool>,
 }
 
 /// One budget a run's model calls count against: the limits of run `run_id` (the run itself

@@ -189,6 +189,15 @@ fn plan_config() -> impl Strategy<Value = PlanConfig> {
                     sensitive_actions: vec!["deploy".into()],
                     approval_timeout: Some(task_timeout),
                 }),
+                client_tools: if max_retries % 3 == 0 {
+                    vec![flotilla_model::plan::ClientTool {
+                        name: "pick_file".into(),
+                        description: "Asks the user's editor for a file".into(),
+                        parameters: serde_json::json!({"type": "object"}),
+                    }]
+                } else {
+                    Vec::new()
+                },
             },
         )
 }
@@ -476,16 +485,20 @@ fn event() -> impl Strategy<Value = Event> {
                     error,
                 }
             ),
-        text().prop_map(|question| Event::AwaitClarification { question }),
-        vec((token(), token(), json()), 0..3).prop_map(|calls| Event::AwaitExternalTools {
-            calls: calls
-                .into_iter()
-                .map(|(call_id, tool, input)| ExternalToolCall {
-                    call_id,
-                    tool,
-                    input
-                })
-                .collect()
+        (text(), token())
+            .prop_map(|(question, token)| Event::AwaitClarification { question, token }),
+        vec((token(), token(), json(), token()), 0..3).prop_map(|calls| {
+            Event::AwaitExternalTools {
+                calls: calls
+                    .into_iter()
+                    .map(|(call_id, tool, input, token)| ExternalToolCall {
+                        call_id,
+                        tool,
+                        input,
+                        token,
+                    })
+                    .collect(),
+            }
         }),
         (
             any::<u32>(),
@@ -587,6 +600,10 @@ proptest! {
                 approval_id: "t0a1c1".into(), call_id: "call_1".into(), digest: "ab".into(),
                 decision: flotilla_model::approval::Decision::Reject { message: "no".into() }, by: "alice".into(),
             }] }),
+            client_tools: if required { vec![flotilla_model::plan::ClientTool {
+                name: "open_file".into(), description: "Opens a file in the user's editor".into(),
+                parameters: serde_json::json!({"type": "object", "properties": {"path": {"type": "string"}}}),
+            }] } else { Vec::new() },
         })?;
     }
 

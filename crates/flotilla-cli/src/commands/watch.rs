@@ -217,7 +217,21 @@ fn line(e: &ProjectedEvent) -> Option<String> {
                 format!("step {step}: {} tool results", results.len())
             }
         },
-        Event::AwaitClarification { question } => format!("asks: {question}"),
+        Event::AwaitClarification { question, token } => {
+            format!("asks: {question} (answer: flotilla runs answer RUN {token} --text …)")
+        }
+        Event::AwaitExternalTools { calls } => calls
+            .iter()
+            .map(|c| {
+                format!(
+                    "waits for the client's tool {}({}) (token {})",
+                    c.tool,
+                    cut(&c.input.to_string(), 120),
+                    c.token
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("; "),
         other => serde_json::to_value(other)
             .ok()
             .and_then(|v| v.get("type").and_then(|t| t.as_str()).map(str::to_owned))

@@ -96,14 +96,55 @@ impl Runtime {
         trigger: Trigger,
         deadline_ms: i64,
         notify_only: bool,
-    ) -> Result<(), StepError> {
+    ) -> Result<ApprovalRecord, StepError> {
         let record = self
             .approval_record(entry, wait, trigger, deadline_ms)
             .await?;
         self.escalations
             .request(&record, notify_only)
             .await
-            .map_err(StepError::from)
+            .map_err(StepError::from)?;
+        Ok(record)
+    }
+
+    /// The run's `await_clarification` / `await_external_tools` event for a question or a
+    /// client's tool call, published with the step's events — after the request is stored,
+    /// so whoever reads the event can answer its token at once. Its id is the approval's: a
+    /// step performed again publishes it again, and the repeat is dropped.
+    pub(super) fn await_event(
+        &self,
+        entry: &Cached,
+        record: &ApprovalRecord,
+    ) -> Option<flotilla_model::event::EventEnvelope> {
+        use flotilla_model::event::{Event, EventEnvelope, ExternalToolCall};
+        let r = &record.request;
+        let call = r.tool_call.as_ref()?;
+        let event = match r.trigger {
+            Trigger::Question => Event::AwaitClarification {
+                question: r.description.clone(),
+                token: r.approval_id.clone(),
+            },
+            Trigger::ClientTool => Event::AwaitExternalTools {
+                calls: vec![ExternalToolCall {
+                    call_id: call.call_id.clone(),
+                    tool: call.tool.clone(),
+                    input: r.input.clone(),
+                    token: r.approval_id.clone(),
+                }],
+            },
+            _ => return None,
+        };
+        let run = entry.machine.state().run_id;
+        Some(EventEnvelope {
+            protocol: PROTOCOL_VERSION,
+            id: format!("{run}.await.{}", r.approval_id),
+            run_id: run,
+            task_id: Some(r.task_id.clone()),
+            attempt: Some(r.attempt),
+            ts: r.requested_at,
+            source: "coordinator".into(),
+            event,
+        })
     }
 
     /// The deadline passed: the default settles the approval unless an answer came first;

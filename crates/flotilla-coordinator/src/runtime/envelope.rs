@@ -182,6 +182,7 @@ impl Runtime {
             trace: trace.map(|t| child_trace(&t, run_id, task, attempt)),
             tool_gate,
             resume,
+            client_tools: plan.config.client_tools.clone(),
         }))
     }
 

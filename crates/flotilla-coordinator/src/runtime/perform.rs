@@ -189,8 +189,10 @@ impl Runtime {
                         call: *call,
                         from_seq: *from_seq,
                     };
-                    self.request_approval(entry, wait, *trigger, *deadline_ms, *notify_only)
+                    let record = self
+                        .request_approval(entry, wait, *trigger, *deadline_ms, *notify_only)
                         .await?;
+                    events.extend(self.await_event(entry, &record));
                     continue;
                 }
                 Action::ExpireApproval {

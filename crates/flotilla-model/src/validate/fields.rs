@@ -70,6 +70,7 @@ impl Validator {
         if let Some(h) = &c.hitl {
             self.report.errors.extend(h.problems());
         }
+        self.check_client_tools(&c.client_tools);
         if c.strategy == Strategy::Supervisor
             && let Some(agents) = &ctx.agents
             && agents.lead().is_none()
@@ -84,6 +85,74 @@ impl Validator {
                     if roles.is_empty() { "none".to_owned() } else { roles.join(", ") }
                 ),
             );
+        }
+    }
+
+    /// The plan's client tools: a bounded list of distinct, well-named tools with an object
+    /// schema each, none taking a built-in tool's name.
+    fn check_client_tools(&mut self, tools: &[crate::plan::ClientTool]) {
+        use crate::plan::{MAX_CLIENT_TOOLS, RESERVED_TOOL_NAMES, is_tool_name};
+        if tools.len() > MAX_CLIENT_TOOLS {
+            self.error(
+                ProblemCode::InvalidConfig,
+                "config.client_tools",
+                format!(
+                    "{} client tools exceed the limit of {MAX_CLIENT_TOOLS}",
+                    tools.len()
+                ),
+            );
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for (i, t) in tools.iter().enumerate() {
+            let at = |field: &str| format!("config.client_tools[{i}].{field}");
+            if !is_tool_name(&t.name) {
+                self.error(
+                    ProblemCode::InvalidConfig,
+                    at("name"),
+                    format!(
+                        "tool name {:?} must be 1 to 64 letters, digits, `_` or `-`",
+                        t.name
+                    ),
+                );
+            } else if RESERVED_TOOL_NAMES.contains(&t.name.as_str()) {
+                self.error(
+                    ProblemCode::InvalidConfig,
+                    at("name"),
+                    format!("{:?} is the name of a built-in tool", t.name),
+                );
+            } else if !seen.insert(t.name.as_str()) {
+                self.error(
+                    ProblemCode::InvalidConfig,
+                    at("name"),
+                    format!("client tool {:?} is declared twice", t.name),
+                );
+            }
+            if t.description.trim().is_empty() || t.description.len() > 1024 {
+                self.error(
+                    ProblemCode::InvalidConfig,
+                    at("description"),
+                    format!(
+                        "must say what the tool does in 1 to 1024 bytes, got {}",
+                        t.description.len()
+                    ),
+                );
+            }
+            if t.parameters.get("type").and_then(serde_json::Value::as_str) != Some("object") {
+                self.error(
+                    ProblemCode::InvalidConfig,
+                    at("parameters"),
+                    "must be a JSON Schema with \"type\": \"object\" (tool arguments are objects)",
+                );
+            } else if json_size(&t.parameters) > 16 * 1024 {
+                self.error(
+                    ProblemCode::InvalidConfig,
+                    at("parameters"),
+                    format!(
+                        "{} bytes exceed the limit of 16384",
+                        json_size(&t.parameters)
+                    ),
+                );
+            }
         }
     }
 
