@@ -116,6 +116,7 @@ fn answer(run: RunId, id: &str, decision: Decision) -> ApprovalAnswerRequest {
         by: "alice".into(),
         comment: Some("looked at it".into()),
         digest: None,
+        always: false,
     }
 }
 

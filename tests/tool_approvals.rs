@@ -129,6 +129,7 @@ fn answer(run: RunId, id: &str, decision: Decision) -> ApprovalAnswerRequest {
         by: "alice".into(),
         comment: None,
         digest: None,
+        always: false,
     }
 }
 
@@ -569,5 +570,203 @@ async fn a_client_tool_call_waits_for_the_clients_result() -> anyhow::Result<()>
     let o = p.client.wait(rejected, WAIT).await?;
     assert_eq!(o.status, RunStatus::Rejected, "{o:?}");
     assert_eq!(model.requests().len(), requests, "no model call was made");
+    Ok(())
+}
+
+/// `approve --always`: the tool is approved for the rest of the session — its next call in
+/// another run of the session runs without asking — until `approvals revoke`, after which it
+/// waits again. The grant lives in session state under a key only Flotilla writes: a client's
+/// `state.set` of it is refused. `always` with another decision, or on a question, is refused
+/// and changes nothing.
+#[tokio::test]
+async fn a_tool_approved_always_runs_without_asking_in_its_session_until_revoked()
+-> anyhow::Result<()> {
+    use flotilla_model::api::StateSetRequest;
+    use flotilla_model::approval::{GrantList, GrantListRequest};
+    use flotilla_model::ids::SessionId;
+    let model = OpenAiServer::start().await?;
+    let dir = tempfile::tempdir()?;
+    let mut p = Processes::start(&config(&model.base_url(), dir.path())).await?;
+    p.coordinator().await?;
+    p.worker(&[]).await?;
+    let session = SessionId::new();
+    let in_session = |description: &str| {
+        let mut r = SubmitRequest::new(mail(description));
+        r.session_id = Some(session);
+        r
+    };
+    let email = |to: &str| Reply::tool_call("send_email", json!({"to": to}));
+
+    // Run 1 asks; `always` with a rejection is refused, then approve --always.
+    model.push_all([email("ana@example.com"), Reply::text("mailed ana")]);
+    let first = p.client.submit(in_session("mail ana")).await?;
+    approval(&p, first, "t0a1c1").await?;
+    let refused = p
+        .client
+        .call(
+            &ApprovalAnswerRequest {
+                always: true,
+                ..answer(
+                    first,
+                    "t0a1c1",
+                    Decision::Reject {
+                        message: String::new(),
+                    },
+                )
+            },
+            ASK,
+        )
+        .await?;
+    let e = refused.expect_err("always goes with approve only");
+    assert_eq!(e.code, "invalid_answer", "{e:?}");
+    let out = p.cli(&[
+        "approvals",
+        "approve",
+        &first.to_string(),
+        "t0a1c1",
+        "--always",
+        "--by",
+        "carol",
+        "--comment",
+        "fine for this session",
+    ])?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("approved for the session"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let o = p.client.wait(first, WAIT).await?;
+    assert_eq!(o.status, RunStatus::Succeeded, "{o:?}");
+    let grants: GrantList = p
+        .client
+        .request(
+            &GrantListRequest {
+                protocol: PROTOCOL_VERSION,
+                run_id: None,
+                session_id: Some(session),
+            },
+            ASK,
+        )
+        .await?;
+    assert_eq!(grants.grants.len(), 1, "{grants:?}");
+    assert_eq!(grants.grants[0].tool, "send_email");
+    assert_eq!(grants.grants[0].by, "carol");
+    assert_eq!(grants.grants[0].run_id, first);
+
+    // Run 2 of the session: the call runs without a wait.
+    model.push_all([email("bo@example.com"), Reply::text("mailed bo")]);
+    let second = p.client.submit(in_session("mail bo")).await?;
+    let o = p.client.wait(second, WAIT).await?;
+    assert_eq!(o.status, RunStatus::Succeeded, "{o:?}");
+    let l = p
+        .client
+        .request(
+            &ApprovalListRequest {
+                protocol: PROTOCOL_VERSION,
+                run_id: Some(second),
+                all: true,
+                limit: None,
+            },
+            ASK,
+        )
+        .await?;
+    assert!(l.approvals.is_empty(), "{:?}", l.approvals);
+    assert_eq!(sent(dir.path()).len(), 2);
+
+    // Nobody else writes a grant: a client's state.set of the key is refused.
+    let forged = p
+        .client
+        .call(
+            &StateSetRequest {
+                protocol: PROTOCOL_VERSION,
+                run_id: None,
+                session_id: Some(SessionId::new()),
+                key: "_always_send_email".into(),
+                value: json!({"tool": "send_email"}),
+                expected_revision: None,
+            },
+            ASK,
+        )
+        .await?;
+    let e = forged.expect_err("reserved keys are Flotilla's");
+    assert_eq!(e.code, "invalid_key", "{e:?}");
+
+    // Revoked: the next call waits again; revoking twice is refused.
+    let out = p.cli(&[
+        "approvals",
+        "revoke",
+        "send_email",
+        "--session",
+        &session.to_string(),
+        "--by",
+        "carol",
+    ])?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = p.cli(&[
+        "approvals",
+        "revoke",
+        "send_email",
+        "--run",
+        &first.to_string(),
+        "--by",
+        "carol",
+    ])?;
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("not_found"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    model.push_all([
+        email("cy@example.com"),
+        Reply::tool_call("ask_user", json!({"question": "Really?"})),
+        Reply::text("asked"),
+    ]);
+    let third = p.client.submit(in_session("mail cy")).await?;
+    let asked = approval(&p, third, "t0a1c1").await?;
+    assert_eq!(asked.request.trigger, Trigger::SensitiveAction);
+    assert_eq!(sent(dir.path()).len(), 2, "the revoked tool waits again");
+    p.client
+        .request(&answer(third, "t0a1c1", Decision::Approve), ASK)
+        .await?;
+    // `always` on a question is refused; nothing is granted.
+    let asked = approval(&p, third, "t0a1c2").await?;
+    assert_eq!(asked.request.trigger, Trigger::Question);
+    let refused = p
+        .client
+        .call(
+            &ApprovalAnswerRequest {
+                always: true,
+                ..answer(third, "t0a1c2", Decision::Approve)
+            },
+            ASK,
+        )
+        .await?;
+    let e = refused.expect_err("a question is answered call by call");
+    assert_eq!(e.code, "always_not_applicable", "{e:?}");
+    assert_eq!(
+        approval(&p, third, "t0a1c2").await?.status,
+        ApprovalStatus::Pending
+    );
+    p.client
+        .request(&answer(third, "t0a1c2", Decision::Approve), ASK)
+        .await?;
+    let o = p.client.wait(third, WAIT).await?;
+    assert_eq!(o.status, RunStatus::Succeeded, "{o:?}");
+    let out = p.cli(&["approvals", "grants", "--session", &session.to_string()])?;
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("no tools approved"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
     Ok(())
 }

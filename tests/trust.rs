@@ -76,6 +76,7 @@ async fn approve(p: &Processes, run: RunId) -> anyhow::Result<()> {
                         by: "alice".into(),
                         comment: None,
                         digest: None,
+                        always: false,
                     },
                     ASK,
                 )

@@ -217,6 +217,7 @@ async fn approved_sample(
         by: "bench".into(),
         comment: None,
         digest: None,
+        always: false,
     };
     client
         .call(&answer, ASK)

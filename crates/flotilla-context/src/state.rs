@@ -8,6 +8,10 @@
 //!   race is a `conflict` carrying the current revision — the way parallel writers avoid
 //!   overwriting each other.
 //! * Reads return the server's write time, never a worker's clock.
+//! * Keys starting with `_` are Flotilla's own (a tool approved for the session,
+//!   `_always_<tool>`): everyone reads them, only Flotilla writes them
+//!   ([`State::grant_tool`], [`State::revoke_tool`]); `set`, `compare_and_set` and `delete`
+//!   refuse them (`invalid_key`), so an agent cannot approve its own tools.
 
 use std::collections::BTreeMap;
 
@@ -66,6 +70,85 @@ impl State {
         Ok(scope.names.state_key(&scope.session, key))
     }
 
+    /// The key, for a write by an agent or a client: not one of Flotilla's own.
+    fn writable_key(&self, key: &str) -> Result<String, ContextError> {
+        if key.starts_with(flotilla_model::approval::RESERVED_STATE_PREFIX) {
+            return Err(ContextError::new(
+                ErrorKind::InvalidKey,
+                format!(
+                    "key {key:?} starts with `_`: such keys are Flotilla's own (tools approved for the session); read them, revoke a grant with `flotilla approvals revoke`"
+                ),
+            ));
+        }
+        self.full_key(key)
+    }
+
+    /// The grant of `tool` in this session, if a person approved it for the session.
+    pub async fn tool_grant(
+        &self,
+        tool: &str,
+    ) -> Result<Option<flotilla_model::approval::ToolGrant>, ContextError> {
+        let key = flotilla_model::approval::grant_key(tool);
+        let Some(v) = self.get(&key).await? else {
+            return Ok(None);
+        };
+        serde_json::from_value(v.value).map(Some).map_err(|e| {
+            ContextError::with_source(
+                ErrorKind::Malformed,
+                format!("state {key} does not hold a tool grant"),
+                e,
+            )
+        })
+    }
+
+    /// Records that `grant.tool` is approved for the rest of this session.
+    pub async fn grant_tool(
+        &self,
+        grant: &flotilla_model::approval::ToolGrant,
+    ) -> Result<u64, ContextError> {
+        let key = flotilla_model::approval::grant_key(&grant.tool);
+        let full = self.full_key(&key)?;
+        let value = serde_json::to_value(grant).map_err(|e| {
+            ContextError::with_source(ErrorKind::Malformed, "encoding a tool grant", e)
+        })?;
+        let bytes = self.encode(&key, &value)?;
+        let kv = self.c.state_kv().await?;
+        kv.put(&full, bytes)
+            .await
+            .map_err(|e| unavailable(format!("writing state {full}"), e))
+    }
+
+    /// Withdraws `tool`'s grant in this session; returns it (`None`: there was none).
+    pub async fn revoke_tool(
+        &self,
+        tool: &str,
+    ) -> Result<Option<flotilla_model::approval::ToolGrant>, ContextError> {
+        let grant = self.tool_grant(tool).await?;
+        if grant.is_some() {
+            let full = self.full_key(&flotilla_model::approval::grant_key(tool))?;
+            let kv = self.c.state_kv().await?;
+            kv.delete(&full)
+                .await
+                .map_err(|e| unavailable(format!("deleting state {full}"), e))?;
+        }
+        Ok(grant)
+    }
+
+    /// Every tool granted in this session.
+    pub async fn tool_grants(
+        &self,
+    ) -> Result<Vec<flotilla_model::approval::ToolGrant>, ContextError> {
+        let mut out = Vec::new();
+        for key in self.list().await? {
+            if let Some(tool) = key.strip_prefix("_always_")
+                && let Some(g) = self.tool_grant(tool).await?
+            {
+                out.push(g);
+            }
+        }
+        Ok(out)
+    }
+
     fn encode(&self, key: &str, value: &Value) -> Result<Bytes, ContextError> {
         let bytes = serde_json::to_vec(value).map_err(|e| {
             ContextError::with_source(ErrorKind::Malformed, "encoding the value", e)
@@ -111,7 +194,7 @@ impl State {
 
     /// Sets `key` to `value`; returns the new revision.
     pub async fn set(&self, key: &str, value: &Value) -> Result<u64, ContextError> {
-        let full = self.full_key(key)?;
+        let full = self.writable_key(key)?;
         let bytes = self.encode(key, value)?;
         let kv = self.c.state_kv().await?;
         kv.put(&full, bytes)
@@ -128,7 +211,7 @@ impl State {
         value: &Value,
         expected_revision: u64,
     ) -> Result<u64, ContextError> {
-        let full = self.full_key(key)?;
+        let full = self.writable_key(key)?;
         let bytes = self.encode(key, value)?;
         let kv = self.c.state_kv().await?;
         let written = if expected_revision == 0 {
@@ -167,7 +250,7 @@ impl State {
 
     /// Deletes `key` (a no-op when it is not set).
     pub async fn delete(&self, key: &str) -> Result<(), ContextError> {
-        let full = self.full_key(key)?;
+        let full = self.writable_key(key)?;
         let kv = self.c.state_kv().await?;
         kv.delete(&full)
             .await

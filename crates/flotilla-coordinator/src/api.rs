@@ -10,7 +10,7 @@
 //! | `<prefix>.api.run.tree` | `RunTreeRequest` | `RunTree` |
 //! | `<prefix>.api.session.get` | `SessionRequest` | `SessionView` |
 //! | `<prefix>.api.plan.validate` | `ValidatePlanRequest` | `ValidatePlanReply` |
-//! | `<prefix>.api.approval.list`, `approval.get`, `approval.answer` | see [`approvals`] | |
+//! | `<prefix>.api.approval.list`, `approval.get`, `approval.answer`, `approval.grants`, `approval.revoke` | see [`approvals`] | |
 //! | `<prefix>.api.ws.append`, `ws.read`, `mbox.send`, `mbox.read`, `mbox.role`, `mbox.negotiate`, `state.get`, `state.set` | see [`collab`] | |
 //!
 //! The service's `$SRV.INFO` metadata carries what the process was given
@@ -211,6 +211,18 @@ pub(crate) async fn serve(
     )
     .await
     .map_err(setup)?;
+    let mut approval_grants = endpoint(
+        "approval-grants",
+        flotilla_model::approval::GrantListRequest::ENDPOINT,
+    )
+    .await
+    .map_err(setup)?;
+    let mut approval_revoke = endpoint(
+        "approval-revoke",
+        flotilla_model::approval::GrantRevokeRequest::ENDPOINT,
+    )
+    .await
+    .map_err(setup)?;
     let mut run_pause = endpoint(
         "run-pause",
         flotilla_model::control::PauseRunRequest::ENDPOINT,
@@ -267,6 +279,8 @@ pub(crate) async fn serve(
             Some(req) = approval_list.next() => { tokio::spawn(async move { api.approval_list(req).await }); }
             Some(req) = approval_get.next() => { tokio::spawn(async move { api.approval_get(req).await }); }
             Some(req) = approval_answer.next() => { tokio::spawn(async move { api.approval_answer(req).await }); }
+            Some(req) = approval_grants.next() => { tokio::spawn(async move { api.approval_grants(req).await }); }
+            Some(req) = approval_revoke.next() => { tokio::spawn(async move { api.approval_revoke(req).await }); }
             Some(req) = run_pause.next() => { tokio::spawn(async move { api.run_pause(req).await }); }
             Some(req) = run_resume.next() => { tokio::spawn(async move { api.run_resume(req).await }); }
             Some(req) = run_takeover.next() => { tokio::spawn(async move { api.run_takeover(req).await }); }

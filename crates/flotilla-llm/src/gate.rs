@@ -92,6 +92,14 @@ pub(crate) async fn plan_round(
         let arguments = arguments_value(&call.arguments);
         let digest = digest_of(&call.name, &arguments);
         let Some(decided) = task.decision_for(&call.id, &digest) else {
+            // A tool a person approved for the session (`approve --always`) runs without
+            // asking again, until the grant is revoked. Only Flotilla writes grants.
+            if matches!(trigger, Trigger::SensitiveAction | Trigger::HumanInCommand)
+                && granted(ctx, &call.name).await?
+            {
+                plan.push(CallPlan::Run(call.arguments.clone()));
+                continue;
+            }
             let question = (trigger == Trigger::Question).then(|| {
                 arguments["question"]
                     .as_str()
@@ -139,6 +147,24 @@ pub(crate) async fn plan_round(
         });
     }
     Ok(plan)
+}
+
+/// Whether `tool` is approved for the session. A grant that cannot be read is no grant: the
+/// call waits for a person (failing closed) — unless the state cannot be reached at all,
+/// which fails the attempt to be retried rather than asking a person needlessly.
+async fn granted(ctx: &AgentContext, tool: &str) -> Result<bool, AgentError> {
+    match ctx.state().tool_grant(tool).await {
+        Ok(g) => Ok(g.is_some()),
+        Err(e) if e.kind() == flotilla_context::error::ErrorKind::Unavailable => {
+            Err(AgentError::failed(format!(
+                "reading the session's approval of tool {tool}: {e}"
+            )))
+        }
+        Err(e) => {
+            tracing::warn!(tool, error = %e, "Unreadable tool grant; the call waits for a person");
+            Ok(false)
+        }
+    }
 }
 
 /// A call's arguments as JSON (a string when they are not JSON).

@@ -666,6 +666,10 @@ pub struct ApprovalAnswer {
     /// When (the deciding process's clock; the escalations bucket's revision has the
     /// server's).
     pub at: Timestamp,
+    /// The tool was approved for the rest of the session too (see
+    /// [`ApprovalAnswerRequest::always`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub always: bool,
 }
 
 /// An approval as stored in the escalations bucket (each revision whole).
@@ -810,6 +814,11 @@ pub struct ApprovalAnswerRequest {
     /// request's, the answer was for other arguments and is refused (`409 digest_mismatch`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub digest: Option<String>,
+    /// With `approve` of a tool call (trigger `sensitive_action` or `human_in_command`):
+    /// approve this tool for the rest of the run's session too — its later calls in the
+    /// session run without asking until the grant is revoked (`approval.revoke`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub always: bool,
 }
 
 /// What became of an answer.
@@ -880,6 +889,9 @@ pub struct AnswerWire {
     /// The digest of the request the person saw.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub digest: Option<String>,
+    /// With `approve` of a tool call: approve the tool for the session.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub always: bool,
 }
 
 impl TryFrom<AnswerWire> for ApprovalAnswerRequest {
@@ -923,6 +935,7 @@ impl TryFrom<AnswerWire> for ApprovalAnswerRequest {
             by: w.by,
             comment: w.comment,
             digest: w.digest,
+            always: w.always,
         })
     }
 }
@@ -946,6 +959,7 @@ impl From<ApprovalAnswerRequest> for AnswerWire {
             by: r.by,
             comment: r.comment,
             digest: r.digest,
+            always: r.always,
         }
     }
 }
@@ -968,8 +982,105 @@ impl crate::api::ApiRequest for ApprovalAnswerRequest {
 crate::api::has_protocol!(
     ApprovalListRequest,
     ApprovalGetRequest,
-    ApprovalAnswerRequest
+    ApprovalAnswerRequest,
+    GrantListRequest,
+    GrantRevokeRequest
 );
+
+/// Session-state keys starting with this are Flotilla's own: agents and clients read them but
+/// only Flotilla writes them (`_always_<tool>`: a tool approved for the session).
+pub const RESERVED_STATE_PREFIX: &str = "_";
+
+/// The session-state key of a tool's grant.
+pub fn grant_key(tool: &str) -> String {
+    format!("_always_{tool}")
+}
+
+/// A tool approved for the rest of a session (`approve` with `always`): stored in session
+/// state under [`grant_key`]; its calls in the session's runs no longer wait for a person on
+/// the `sensitive_action` and `human_in_command` triggers. Questions, client tools and
+/// out-of-scope calls still wait. Revoked with `approval.revoke`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ToolGrant {
+    /// The tool.
+    pub tool: String,
+    /// Who approved it.
+    pub by: String,
+    /// The run and approval it was approved in.
+    pub run_id: RunId,
+    /// The approval.
+    pub approval_id: String,
+    /// When (the answering coordinator's clock).
+    pub at: Timestamp,
+    /// Their comment.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comment: Option<String>,
+}
+
+/// `approval.grants`: the tools approved for a session (give `run_id` for its run's
+/// session, or `session_id`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct GrantListRequest {
+    /// Wire protocol version.
+    pub protocol: u32,
+    /// A run of the session.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<RunId>,
+    /// The session.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_id: Option<crate::ids::SessionId>,
+}
+
+/// Reply to `approval.grants`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct GrantList {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// The session.
+    pub session_id: String,
+    /// Its grants, by tool.
+    #[serde(default)]
+    pub grants: Vec<ToolGrant>,
+}
+
+/// `approval.revoke`: withdraws a tool's grant in a session; its next call waits for a
+/// person again.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct GrantRevokeRequest {
+    /// Wire protocol version.
+    pub protocol: u32,
+    /// A run of the session.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<RunId>,
+    /// The session.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_id: Option<crate::ids::SessionId>,
+    /// The tool.
+    pub tool: String,
+    /// Who revokes it (required).
+    pub by: String,
+}
+
+/// Reply to `approval.revoke`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct GrantRevokeReply {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// The grant withdrawn (a tool without one is `404 not_found`, and nothing changes).
+    pub revoked: ToolGrant,
+}
+
+impl crate::api::ApiRequest for GrantListRequest {
+    const ENDPOINT: &'static str = "approval.grants";
+    type Reply = GrantList;
+}
+
+impl crate::api::ApiRequest for GrantRevokeRequest {
+    const ENDPOINT: &'static str = "approval.revoke";
+    type Reply = GrantRevokeReply;
+}
 
 impl ApprovalAnswerRequest {
     /// Problems of the answer itself (before any approval is read).
@@ -989,6 +1100,16 @@ impl ApprovalAnswerRequest {
                 format!(
                     "{:?} is not an approval id (`t<task>a<attempt>`)",
                     self.approval_id
+                ),
+            ));
+        }
+        if self.always && self.decision != Decision::Approve {
+            out.push(Problem::new(
+                ProblemCode::InvalidConfig,
+                "always",
+                format!(
+                    "`always` goes with decision approve only, not {}",
+                    self.decision.as_str()
                 ),
             ));
         }

@@ -304,6 +304,20 @@ pub fn public_schemas() -> Vec<(&'static str, Schema)> {
             "approval-answer-reply.json",
             schema_for!(crate::approval::ApprovalAnswerReply),
         ),
+        (
+            "grant-list-request.json",
+            schema_for!(crate::approval::GrantListRequest),
+        ),
+        ("grant-list.json", schema_for!(crate::approval::GrantList)),
+        (
+            "grant-revoke-request.json",
+            schema_for!(crate::approval::GrantRevokeRequest),
+        ),
+        (
+            "grant-revoke-reply.json",
+            schema_for!(crate::approval::GrantRevokeReply),
+        ),
+        ("tool-grant.json", schema_for!(crate::approval::ToolGrant)),
         ("hitl-config.json", schema_for!(crate::approval::HitlConfig)),
         (
             "pause-run-request.json",

@@ -1,6 +1,7 @@
-//! `flotilla approvals list|show|approve|reject|edit|respond|history`: the operator's inbox
-//! of tasks waiting for a person (`<prefix>.api.approval.*`, served by the coordinator).
-//! `list --watch` follows `<prefix>.notify.approval.*` and lists again on each notice.
+//! `flotilla approvals list|show|approve|reject|edit|respond|history|grants|revoke`: the
+//! operator's inbox of tasks waiting for a person (`<prefix>.api.approval.*`, served by the
+//! coordinator), and the tools approved for a session (`approve --always`).
+//! `list --watch` follows `<prefix>.notify.*.*` and lists again on each notice.
 //! Exit 0 done (also `already_decided`, which prints what decided), 1 refused
 //! (`not_found`, `digest_mismatch`, a malformed answer), 2 no coordinator.
 
@@ -8,9 +9,10 @@ use std::process::ExitCode;
 
 use flotilla_model::approval::{
     AnswerOutcome, ApprovalAnswerReply, ApprovalAnswerRequest, ApprovalGetRequest, ApprovalList,
-    ApprovalListRequest, ApprovalRecord, ApprovalView, Decision,
+    ApprovalListRequest, ApprovalRecord, ApprovalView, Decision, GrantList, GrantListRequest,
+    GrantRevokeReply, GrantRevokeRequest,
 };
-use flotilla_model::ids::RunId;
+use flotilla_model::ids::{RunId, SessionId};
 use futures::StreamExt;
 
 use super::team::{answer, connect};
@@ -52,8 +54,44 @@ pub(crate) enum ApprovalsCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Let the task run as asked.
-    Approve(AnswerArgs),
+    /// Let the task (or tool call) run as asked.
+    Approve {
+        #[command(flatten)]
+        args: AnswerArgs,
+        /// For a tool call: approve the tool for the rest of the run's session (its later
+        /// calls run without asking until `approvals revoke`).
+        #[arg(long)]
+        always: bool,
+    },
+    /// The tools approved for a session (`approve --always`).
+    Grants {
+        /// A run of the session.
+        #[arg(long, conflicts_with = "session", required_unless_present = "session")]
+        run: Option<RunId>,
+        /// The session.
+        #[arg(long)]
+        session: Option<SessionId>,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Withdraw a tool's approval for a session: its next call waits for a person again.
+    Revoke {
+        /// The tool.
+        tool: String,
+        /// A run of the session.
+        #[arg(long, conflicts_with = "session", required_unless_present = "session")]
+        run: Option<RunId>,
+        /// The session.
+        #[arg(long)]
+        session: Option<SessionId>,
+        /// Who revokes it (default: `$USER`).
+        #[arg(long)]
+        by: Option<String>,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
     /// Do not run the task (a required task fails the run; an optional one is skipped).
     Reject {
         #[command(flatten)]
@@ -107,7 +145,7 @@ pub(crate) async fn approvals(
 ) -> anyhow::Result<ExitCode> {
     let client = connect(config).await?;
     let protocol = flotilla_model::PROTOCOL_VERSION;
-    let (args, decision) = match command {
+    let (args, decision, always) = match command {
         ApprovalsCommand::List {
             run,
             all,
@@ -123,9 +161,11 @@ pub(crate) async fn approvals(
             if !watch {
                 return answer(&client, &r, json, print_list).await;
             }
+            // Approvals, questions and client tools each have their notice kind.
+            let prefix = client.bus().names().prefix();
             let filter = match run {
-                Some(run) => client.bus().names().notify("approval", run),
-                None => format!("{}.notify.approval.*", client.bus().names().prefix()),
+                Some(run) => format!("{prefix}.notify.*.{run}"),
+                None => format!("{prefix}.notify.*.*"),
             };
             let mut notices = client.bus().client().subscribe(filter).await?;
             loop {
@@ -160,14 +200,48 @@ pub(crate) async fn approvals(
             };
             return answer(&client, &r, json, print_history).await;
         }
-        ApprovalsCommand::Approve(args) => (args, Decision::Approve),
-        ApprovalsCommand::Reject { args, message } => (args, Decision::Reject { message }),
+        ApprovalsCommand::Grants { run, session, json } => {
+            let r = GrantListRequest {
+                protocol,
+                run_id: run,
+                session_id: session,
+            };
+            return answer(&client, &r, json, print_grants).await;
+        }
+        ApprovalsCommand::Revoke {
+            tool,
+            run,
+            session,
+            by,
+            json,
+        } => {
+            let r = GrantRevokeRequest {
+                protocol,
+                run_id: run,
+                session_id: session,
+                tool,
+                by: super::caller(by).unwrap_or_default(),
+            };
+            return answer(&client, &r, json, |a: &GrantRevokeReply| {
+                let g = &a.revoked;
+                outln!(
+                    "revoked: {} (approved by {} in run {} at {})",
+                    g.tool,
+                    g.by,
+                    g.run_id,
+                    g.at
+                )
+            })
+            .await;
+        }
+        ApprovalsCommand::Approve { args, always } => (args, Decision::Approve, always),
+        ApprovalsCommand::Reject { args, message } => (args, Decision::Reject { message }, false),
         ApprovalsCommand::Edit { args, input } => {
             let input = serde_json::from_str(&input)
                 .map_err(|e| anyhow::anyhow!("--input is not JSON: {e}"))?;
-            (args, Decision::Edit { input })
+            (args, Decision::Edit { input }, false)
         }
-        ApprovalsCommand::Respond { args, result } => (args, Decision::Respond { result }),
+        ApprovalsCommand::Respond { args, result } => (args, Decision::Respond { result }, false),
     };
     let by = super::caller(args.by).unwrap_or_default();
     let r = ApprovalAnswerRequest {
@@ -178,6 +252,7 @@ pub(crate) async fn approvals(
         by,
         comment: args.comment,
         digest: args.digest,
+        always,
     };
     answer(&client, &r, args.json, |a: &ApprovalAnswerReply| {
         match a.outcome {
@@ -203,9 +278,36 @@ pub(crate) fn settled_line(r: &ApprovalRecord) -> String {
             if let Some(c) = &a.comment {
                 line.push_str(&format!(" ({c})"));
             }
+            if a.always {
+                line.push_str(" — the tool is approved for the session");
+            }
             line
         }
         None => r.status.as_str().to_owned(),
+    }
+}
+
+fn print_grants(l: &GrantList) {
+    if l.grants.is_empty() {
+        outln!("no tools approved for session {}", l.session_id);
+        return;
+    }
+    outln!(
+        "{:<24}  {:<16}  {:<36}  {:<9}  AT",
+        "TOOL",
+        "BY",
+        "RUN",
+        "APPROVAL"
+    );
+    for g in &l.grants {
+        outln!(
+            "{:<24}  {:<16}  {:<36}  {:<9}  {}",
+            g.tool,
+            g.by,
+            g.run_id,
+            g.approval_id,
+            g.at
+        );
     }
 }
 

@@ -190,6 +190,7 @@ pub(crate) async fn control(config: &Config, command: ControlCommand) -> anyhow:
                 by: caller(by).unwrap_or_default(),
                 comment,
                 digest: None,
+                always: false,
             };
             use flotilla_model::approval::{AnswerOutcome, ApprovalAnswerReply};
             let refused = std::cell::Cell::new(false);

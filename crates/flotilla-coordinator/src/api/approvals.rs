@@ -1,13 +1,17 @@
 //! `approval.list`, `approval.get`, `approval.answer`: the operator's inbox. An answer
 //! settles the approval in the escalations bucket (the first answer wins; a later one is
 //! told `already_decided` with what decided) and is relayed to the run log, where the run
-//! machine applies it.
+//! machine applies it. `approval.grants` and `approval.revoke`: the tools approved for a
+//! session (an `approve` with `always`), kept in its session state.
 
 use async_nats::service::Request;
 use flotilla_model::PROTOCOL_VERSION;
+use flotilla_model::api::ApiError;
 use flotilla_model::approval::{
     AnswerOutcome, ApprovalAnswer, ApprovalAnswerReply, ApprovalAnswerRequest, ApprovalGetRequest,
-    ApprovalList, ApprovalListRequest, ApprovalStatus, ApprovalView, MAX_LISTED_APPROVALS,
+    ApprovalList, ApprovalListRequest, ApprovalRecord, ApprovalStatus, ApprovalView, GrantList,
+    GrantListRequest, GrantRevokeReply, GrantRevokeRequest, MAX_LISTED_APPROVALS, ToolGrant,
+    Trigger,
 };
 use flotilla_model::time::Timestamp;
 use tracing::info;
@@ -114,6 +118,22 @@ impl Api {
                     )
                     .await;
                 }
+                if r.always && !grantable(&record) {
+                    return respond_error(
+                        &req,
+                        400,
+                        "always_not_applicable",
+                        format!(
+                            "`always` approves a tool for the session; approval {} is {}, not a tool call of trigger sensitive_action or human_in_command",
+                            r.approval_id,
+                            match &record.request.tool_call {
+                                Some(_) => format!("a tool call of trigger {}", record.request.trigger.as_str()),
+                                None => "a task's dispatch".to_owned(),
+                            }
+                        ),
+                    )
+                    .await;
+                }
                 (record, revision)
             }
             Ok(None) => {
@@ -126,6 +146,7 @@ impl Api {
             by: r.by.trim().to_owned(),
             comment: r.comment.clone(),
             at: Timestamp::now(),
+            always: r.always,
         };
         let settled = self
             .escalations
@@ -138,7 +159,25 @@ impl Api {
             Err(e) => return respond_approval_error(&req, e).await,
         };
         if ours {
-            info!(run = %r.run_id, approval = %r.approval_id, decision = r.decision.as_str(), by = %answer.by, "Approval answered");
+            info!(run = %r.run_id, approval = %r.approval_id, decision = r.decision.as_str(), by = %answer.by, always = r.always, "Approval answered");
+        }
+        // The grant is written by the answer that decided (a retry of it writes it again),
+        // before the relay: the tool's next call in the session finds it.
+        if ours
+            && r.always
+            && let Some(call) = &record.request.tool_call
+        {
+            let grant = ToolGrant {
+                tool: call.tool.clone(),
+                by: answer.by.clone(),
+                run_id: r.run_id,
+                approval_id: r.approval_id.clone(),
+                at: answer.at,
+                comment: r.comment.clone(),
+            };
+            if let Err(e) = self.write_grant(&grant).await {
+                return super::respond_api_error(&req, &e).await;
+            }
         }
         // Relayed whoever settled it: a relay lost to a crash is made again by the next
         // reader (this answer's retry, or the deadline), and the run log keeps one.
@@ -155,5 +194,99 @@ impl Api {
             record,
         };
         respond_json(&req, self.max_payload(), &reply).await;
+    }
+}
+
+/// Whether `always` may go with an answer to this approval: a tool call that waits because of
+/// what the tool is or who calls it. Questions, client tools and out-of-scope calls are
+/// answered call by call.
+fn grantable(record: &ApprovalRecord) -> bool {
+    record.request.tool_call.is_some()
+        && matches!(
+            record.request.trigger,
+            Trigger::SensitiveAction | Trigger::HumanInCommand
+        )
+}
+
+impl Api {
+    async fn write_grant(&self, grant: &ToolGrant) -> Result<(), ApiError> {
+        let scope = self.session_scope(Some(grant.run_id), None).await?;
+        self.clients(scope)?
+            .state()
+            .grant_tool(grant)
+            .await
+            .map_err(super::collab::context_error)?;
+        info!(run = %grant.run_id, tool = %grant.tool, by = %grant.by, "Tool approved for the session");
+        Ok(())
+    }
+
+    /// `approval.grants`.
+    pub(super) async fn approval_grants(&self, req: Request) {
+        let Some(r) = parse::<GrantListRequest>(&req).await else {
+            return;
+        };
+        let answer = async {
+            let scope = self.session_scope(r.run_id, r.session_id).await?;
+            let session_id = scope.session.clone();
+            let grants = self
+                .clients(scope)?
+                .state()
+                .tool_grants()
+                .await
+                .map_err(super::collab::context_error)?;
+            Ok(GrantList {
+                protocol: PROTOCOL_VERSION,
+                session_id,
+                grants,
+            })
+        }
+        .await;
+        self.answer(&req, "approval.grants", answer).await;
+    }
+
+    /// `approval.revoke`.
+    pub(super) async fn approval_revoke(&self, req: Request) {
+        let Some(r) = parse::<GrantRevokeRequest>(&req).await else {
+            return;
+        };
+        let answer = async {
+            if r.by.trim().is_empty() {
+                return Err(super::collab::bad(
+                    "invalid_answer",
+                    "a revocation must say who gives it (`by`)",
+                ));
+            }
+            if !flotilla_model::plan::is_tool_name(&r.tool) {
+                return Err(super::collab::bad(
+                    "invalid_tool",
+                    format!(
+                        "{:?} is not a tool name (1 to 64 letters, digits, `_` or `-`)",
+                        r.tool
+                    ),
+                ));
+            }
+            let scope = self.session_scope(r.run_id, r.session_id).await?;
+            let session = scope.session.clone();
+            let revoked = self
+                .clients(scope)?
+                .state()
+                .revoke_tool(&r.tool)
+                .await
+                .map_err(super::collab::context_error)?
+                .ok_or_else(|| {
+                    ApiError::new(
+                        404,
+                        "not_found",
+                        format!("tool {} is not approved for session {session}", r.tool),
+                    )
+                })?;
+            info!(tool = %r.tool, %session, by = %r.by.trim(), "Tool grant revoked");
+            Ok(GrantRevokeReply {
+                protocol: PROTOCOL_VERSION,
+                revoked,
+            })
+        }
+        .await;
+        self.answer(&req, "approval.revoke", answer).await;
     }
 }

@@ -206,13 +206,13 @@ impl RunCache {
 }
 
 /// A `400` answer.
-fn bad(code: &str, message: impl Into<String>) -> ApiError {
+pub(super) fn bad(code: &str, message: impl Into<String>) -> ApiError {
     ApiError::new(400, code, message)
 }
 
 /// The answer for a context error: its code and status, and for a `conflict` the current
 /// revision.
-fn context_error(e: ContextError) -> ApiError {
+pub(super) fn context_error(e: ContextError) -> ApiError {
     let message = match std::error::Error::source(&e) {
         Some(source) => format!("{}: {source}", e.message()),
         None => e.message().to_owned(),
@@ -310,7 +310,7 @@ fn fitting<T: Serialize>(items: &[T], max_payload: usize) -> usize {
 
 impl Api {
     /// Answers with `answer`'s value or error.
-    async fn answer<T: Serialize>(
+    pub(super) async fn answer<T: Serialize>(
         &self,
         req: &Request,
         endpoint: &str,
@@ -380,7 +380,7 @@ impl Api {
         Ok(facts)
     }
 
-    fn clients(&self, scope: Scope) -> Result<Clients, ApiError> {
+    pub(super) fn clients(&self, scope: Scope) -> Result<Clients, ApiError> {
         Clients::new(self.store.bus().clone(), scope).map_err(context_error)
     }
 
@@ -573,7 +573,7 @@ impl Api {
     }
 
     /// The scope of a session-state request: `session_id`, else the run's session.
-    async fn session_scope(
+    pub(super) async fn session_scope(
         &self,
         run: Option<RunId>,
         session: Option<SessionId>,

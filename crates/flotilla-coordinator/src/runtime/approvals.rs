@@ -187,6 +187,7 @@ impl Runtime {
                         by: "deadline".into(),
                         comment: None,
                         at: Timestamp::from_unix_ms(pending.deadline_ms),
+                        always: false,
                     },
                 )
             })
@@ -228,6 +229,7 @@ impl Runtime {
                         by: "run".into(),
                         comment: None,
                         at: Timestamp::now(),
+                        always: false,
                     },
                 )
             })
