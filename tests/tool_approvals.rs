@@ -35,6 +35,8 @@ const ASK: Duration = Duration::from_secs(5);
 
 fn config(base_url: &str, dir: &std::path::Path) -> String {
     let log = dir.join("sent.log");
+    let started = dir.join("slow.started");
+    let go = dir.join("slow.go");
     format!(
         r#"
 [hitl]
@@ -57,6 +59,17 @@ print('sent to ' + a['to'])
 ''']
 description = "Sends an email"
 parameters = {{ type = "object", properties = {{ to = {{ type = "string" }}, body = {{ type = "string" }} }}, required = ["to"] }}
+
+[agents.mailer.exec-tools.slow_step]
+command = "python3"
+args = ["-c", '''
+import os, time
+open({started:?}, 'a').write('started\n')
+while not os.path.exists({go:?}):
+    time.sleep(0.05)
+print('step done')
+''']
+description = "A step that takes a while"
 
 [agents.mailer.client-tools.pick_colour]
 description = "Shows the user a colour picker and returns the colour chosen"
@@ -768,5 +781,112 @@ async fn a_tool_approved_always_runs_without_asking_in_its_session_until_revoked
         "{}",
         String::from_utf8_lossy(&out.stdout)
     );
+    Ok(())
+}
+
+/// Pause stops a running LLM attempt at its next step boundary: the tool it is running
+/// finishes, then — before the next model call — the attempt suspends (`task_suspended`), its
+/// slot is free for other work, and nothing runs while the run is paused. Resumed, the same
+/// attempt continues from its journal on any worker: the model is not asked again for what it
+/// already said and the tool does not run twice.
+#[tokio::test]
+async fn a_paused_run_stops_its_llm_attempt_at_the_next_step_and_resume_continues_it()
+-> anyhow::Result<()> {
+    let model = OpenAiServer::start().await?;
+    let dir = tempfile::tempdir()?;
+    let mut p = Processes::start(&config(&model.base_url(), dir.path())).await?;
+    p.coordinator().await?;
+    let w1 = p.worker(&["--concurrency", "1"]).await?;
+    model.push_all([
+        Reply::tool_call("slow_step", json!({})),
+        Reply::text("all steps done"),
+    ]);
+    let run = p
+        .client
+        .submit(SubmitRequest::new(mail("take the slow step")))
+        .await?;
+    let started = dir.path().join("slow.started");
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !started.exists() {
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the tool never started"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let out = p.cli(&["runs", "pause", &run.to_string(), "--by", "ops"])?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Give the worker a moment to hear of the hold, then let the tool finish.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    std::fs::write(dir.path().join("slow.go"), "go")?;
+    let events = p.client.events(run).await?;
+    futures::pin_mut!(events);
+    let suspended = tokio::time::timeout(WAIT, async {
+        while let Some(e) = events.next().await {
+            let e: EventEnvelope = e?;
+            if let Event::Workflow(w) = &e.event
+                && w.phase == flotilla_model::event::WorkflowPhase::TaskSuspended
+            {
+                return Ok::<_, anyhow::Error>(e);
+            }
+        }
+        anyhow::bail!("the event stream ended")
+    })
+    .await??;
+    assert_eq!(suspended.attempt, Some(1));
+    assert_eq!(task_status(&p, run, "mail").await?, TaskStatus::Waiting);
+    assert_eq!(model.requests().len(), 1, "no model call after the pause");
+    // The slot is free: the worker's only slot runs another run meanwhile.
+    let other = p
+        .client
+        .submit(SubmitRequest::new(plan(vec![
+            Subtask::new("ping", "ping").with_agent("echo"),
+        ])))
+        .await?;
+    let o = p.client.wait(other, WAIT).await?;
+    assert_eq!(o.status, RunStatus::Succeeded, "{o:?}");
+    // Still paused: nothing of the run runs.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(task_status(&p, run, "mail").await?, TaskStatus::Waiting);
+    assert_eq!(model.requests().len(), 1);
+    // Resumed on another worker: the same attempt continues from its journal.
+    p.kill(w1);
+    p.worker(&["--concurrency", "1"]).await?;
+    let out = p.cli(&["runs", "resume", &run.to_string(), "--by", "ops"])?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let o = p.client.wait(run, WAIT).await?;
+    assert_eq!(o.status, RunStatus::Succeeded, "{o:?}");
+    assert_eq!(
+        o.final_result.as_ref().map(|f| f.response.as_str()),
+        Some("all steps done"),
+        "{o:?}"
+    );
+    assert_eq!(
+        model.requests().len(),
+        2,
+        "the first reply came from the journal"
+    );
+    assert!(
+        tool_results(&model, 1)
+            .iter()
+            .any(|t| t.contains("step done")),
+        "{:?}",
+        tool_results(&model, 1)
+    );
+    let runs_of_tool = std::fs::read_to_string(&started)?;
+    assert_eq!(runs_of_tool.lines().count(), 1, "the tool ran once");
+    let view = p.client.run(run).await?.expect("exists");
+    assert_eq!(view.tasks[0].attempts, 1, "{:?}", view.tasks[0]);
+    let history = p.cli(&["runs", "history", &run.to_string()])?;
+    let text = String::from_utf8_lossy(&history.stdout);
+    assert!(text.contains("at a step boundary"), "{text}");
     Ok(())
 }

@@ -196,16 +196,27 @@ pub struct AgentContext {
     slot: crate::WorkerSlot,
     /// Where the agent leaves the tool call it stopped at to wait for a person.
     suspension: Suspension,
+    /// Fires when the run is held (paused, taken over).
+    hold: CancellationToken,
 }
 
-/// The tool call an attempt stopped at to wait for a person ([`AgentContext::suspend`]):
+/// Where an attempt stopped to wait ([`AgentContext::suspend`], [`AgentContext::suspend_held`]):
 /// shared between the agent's context and the worker, which reports it instead of a result.
 #[derive(Debug, Clone, Default)]
-pub struct Suspension(Arc<std::sync::Mutex<Option<flotilla_model::runlog::SuspendedCall>>>);
+pub struct Suspension(Arc<std::sync::Mutex<Option<Stop>>>);
+
+/// Why an attempt stopped.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Stop {
+    /// At a tool call that waits for a person.
+    Call(flotilla_model::runlog::SuspendedCall),
+    /// At a step boundary, because its run is held (paused, taken over).
+    Held,
+}
 
 impl Suspension {
-    /// The call the attempt stopped at, if it did.
-    pub fn take(&self) -> Option<flotilla_model::runlog::SuspendedCall> {
+    /// Where the attempt stopped, if it did.
+    pub fn take(&self) -> Option<Stop> {
         self.0.lock().ok().and_then(|mut s| s.take())
     }
 }
@@ -220,9 +231,32 @@ impl AgentContext {
             call.call_id, call.tool
         );
         if let Ok(mut s) = self.suspension.0.lock() {
-            *s = Some(call);
+            *s = Some(Stop::Call(call));
         }
         AgentError::failed(message)
+    }
+
+    /// Whether the attempt's run is held (paused or taken over): an agent that can stop at a
+    /// step boundary and continue from its journal (the LLM agent) stops at its next one with
+    /// [`suspend_held`](Self::suspend_held); others finish.
+    pub fn held(&self) -> bool {
+        self.hold.is_cancelled()
+    }
+
+    /// Stops the attempt because its run is held: return the error this gives. The worker
+    /// reports the suspension and gives the slot back; the attempt continues from its step
+    /// journal once the run is resumed.
+    pub fn suspend_held(&self) -> AgentError {
+        if let Ok(mut s) = self.suspension.0.lock() {
+            *s = Some(Stop::Held);
+        }
+        AgentError::failed("stopped at a step boundary: the run is held")
+    }
+
+    /// The context with the token that fires when the attempt's run is held.
+    pub fn with_hold(mut self, hold: CancellationToken) -> Self {
+        self.hold = hold;
+        self
     }
 
     /// The handle the worker reads a suspension from.
@@ -247,6 +281,7 @@ impl AgentContext {
             clients,
             slot: crate::WorkerSlot::default(),
             suspension: Suspension::default(),
+            hold: CancellationToken::new(),
         }
     }
 

@@ -1753,14 +1753,14 @@ fn a_suspended_attempt_frees_its_slot_and_continues_the_same_attempt() {
         attempt_id: AttemptId::new(),
         worker: "w1".into(),
         segment,
-        call: SuspendedCall {
+        call: Some(SuspendedCall {
             trigger: Trigger::SensitiveAction,
             call_id: "call_1".into(),
             tool: "send_email".into(),
             arguments: serde_json::json!({"to": "ana"}),
             digest: "ab".into(),
             question: None,
-        },
+        }),
     };
     let first = suspended(0);
     let actions = m.apply(
@@ -1848,4 +1848,88 @@ fn a_suspended_attempt_frees_its_slot_and_continues_the_same_attempt() {
     let actions = m.apply(result(&mail, 1, 12), 1_400);
     assert!(actions.contains(&Action::Finish));
     assert_eq!(m.state().status, RunStatus::Succeeded);
+}
+
+/// A hold tells the workers (`HoldAttempts`); an LLM attempt that stops at a step boundary
+/// because its run is held (a `suspended` input without a call) frees its slot, waits without
+/// an approval, and the resume dispatches the same attempt again. A suspension that arrives
+/// after the resume is dispatched again at once; a repeated one changes nothing; ending the
+/// run while held lifts the hold.
+#[test]
+fn a_held_runs_attempt_stops_at_a_step_and_the_resume_continues_it() {
+    use flotilla_model::ids::AttemptId;
+    use flotilla_model::runlog::{ControlAction, Suspended};
+    let p = plan(
+        vec![Subtask::new("write", ""), Subtask::new("other", "")],
+        PlanConfig {
+            max_concurrency: 1,
+            ..PlanConfig::default()
+        },
+    );
+    let (mut m, actions) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 1_000);
+    assert_eq!(dispatched(&actions), vec![(0, 1)]);
+    let control = |action| Input::Control {
+        action,
+        by: Some("ops"),
+        reason: None,
+        timeout_ms: None,
+    };
+    let actions = m.apply(control(ControlAction::Pause), 1_100);
+    assert!(
+        actions.contains(&Action::HoldAttempts { held: true }),
+        "{actions:?}"
+    );
+    let held = |segment: u32| Suspended {
+        task_id: TaskId::new("write"),
+        attempt: 1,
+        attempt_id: AttemptId::new(),
+        worker: "w1".into(),
+        segment,
+        call: None,
+    };
+    let first = held(0);
+    let actions = m.apply(
+        Input::Suspended {
+            suspended: &first,
+            seq: 7,
+        },
+        1_200,
+    );
+    assert!(phases(&actions).contains(&WorkflowPhase::TaskSuspended));
+    assert!(dispatched(&actions).is_empty(), "nothing runs while paused");
+    let t = &m.state().tasks[0];
+    assert_eq!(t.status, TaskStatus::Waiting);
+    assert!(t.approval.is_none(), "a held stop asks nobody");
+    assert!(
+        m.apply(
+            Input::Suspended {
+                suspended: &first,
+                seq: 8,
+            },
+            1_300,
+        )
+        .is_empty(),
+        "a repeated suspension changes nothing"
+    );
+    // Resumed: the same attempt goes out again (its slot was free all along).
+    let actions = m.apply(control(ControlAction::Resume), 2_000);
+    assert!(actions.contains(&Action::HoldAttempts { held: false }));
+    assert_eq!(dispatched(&actions), vec![(0, 1)]);
+    assert_eq!(m.state().tasks[0].attempt_started_ms(), 1_000);
+    // A stop that reaches the run after it resumed: dispatched again at once.
+    let actions = m.apply(
+        Input::Suspended {
+            suspended: &held(1),
+            seq: 9,
+        },
+        2_100,
+    );
+    assert_eq!(dispatched(&actions), vec![(0, 1)]);
+    // Paused again and cancelled while held: the hold is lifted with the run.
+    m.apply(control(ControlAction::Pause), 2_200);
+    let actions = m.apply(Input::Cancel { reason: "enough" }, 2_300);
+    assert!(
+        actions.contains(&Action::HoldAttempts { held: false }),
+        "{actions:?}"
+    );
 }

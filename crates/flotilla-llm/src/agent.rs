@@ -634,6 +634,11 @@ impl LlmAgent {
             let c = match journal.replay_model_reply() {
                 Some(c) => c,
                 None => {
+                    // The run is held (paused, taken over): stop at this step boundary; the
+                    // attempt continues from its journal when the run resumes.
+                    if ctx.held() {
+                        return Err(ctx.suspend_held());
+                    }
                     let request = self.request(
                         &tools,
                         &messages,

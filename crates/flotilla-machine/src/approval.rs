@@ -294,6 +294,34 @@ impl RunMachine {
             );
             return true;
         }
+        let Some(stopped_at) = &s.call else {
+            // Stopped because the run is held: it waits like a task not yet dispatched, and
+            // the same attempt continues from its journal once the run is resumed (at once,
+            // if it already was).
+            let t = &mut self.state.tasks[i as usize];
+            t.suspensions = call;
+            if t.attempt_ms == 0 {
+                t.attempt_ms = t.dispatched_ms;
+            }
+            t.status = TaskStatus::Waiting;
+            t.resume = true;
+            self.emit(
+                Some(i),
+                Some(attempt),
+                now_ms,
+                WorkflowEvent {
+                    detail: Some(
+                        "stopped at a step boundary: the run is held; continues from its journal when resumed"
+                            .into(),
+                    ),
+                    worker: Some(s.worker.clone()),
+                    ..WorkflowEvent::phase(WorkflowPhase::TaskSuspended)
+                },
+                actions,
+            );
+            self.release(i, now_ms, actions);
+            return true;
+        };
         let timeout = self
             .state
             .hitl
@@ -312,7 +340,7 @@ impl RunMachine {
         t.approval = Some(PendingApproval {
             attempt,
             deadline_ms,
-            trigger: s.call.trigger,
+            trigger: stopped_at.trigger,
             expiring: false,
             call,
             from_seq: seq,
@@ -320,7 +348,7 @@ impl RunMachine {
         actions.push(Action::RequestApproval {
             task: i,
             attempt,
-            trigger: s.call.trigger,
+            trigger: stopped_at.trigger,
             deadline_ms,
             notify_only: false,
             call,
@@ -333,8 +361,8 @@ impl RunMachine {
             WorkflowEvent {
                 detail: Some(format!(
                     "{}: tool {} waits for a person until {}",
-                    s.call.trigger.as_str(),
-                    s.call.tool,
+                    stopped_at.trigger.as_str(),
+                    stopped_at.tool,
                     Timestamp::from_unix_ms(deadline_ms)
                 )),
                 approval_id: Some(tool_approval_id(i, attempt, call)),

@@ -97,6 +97,9 @@ impl RunMachine {
             (Some(h), RunStatus::Paused) => h.since_ms,
             _ => now_ms,
         };
+        if self.state.status == RunStatus::Running {
+            actions.push(Action::HoldAttempts { held: true });
+        }
         self.state.status = status;
         self.state.hold = Some(Hold {
             since_ms,
@@ -128,6 +131,7 @@ impl RunMachine {
 
     fn resume(&mut self, detail: String, now_ms: i64, actions: &mut Vec<Action>) {
         let hold = self.state.hold.take();
+        actions.push(Action::HoldAttempts { held: false });
         self.state.status = RunStatus::Running;
         self.state.resumed_ms = now_ms;
         if let Some(h) = hold

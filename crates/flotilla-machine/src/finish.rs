@@ -22,6 +22,10 @@ impl RunMachine {
         now_ms: i64,
         actions: &mut Vec<Action>,
     ) {
+        if self.state.hold.is_some() {
+            // Ending while held: the workers' hold on its attempts is lifted with it.
+            actions.push(Action::HoldAttempts { held: false });
+        }
         let mut failed = Vec::new();
         let mut skipped = Vec::new();
         let (mut failed_omitted, mut skipped_omitted) = (0u32, 0u32);

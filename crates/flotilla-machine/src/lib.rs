@@ -656,7 +656,10 @@ impl RunMachine {
             self.terminal += 1;
         }
         self.state.stop_reason = Some(reason.clone());
-        self.state.hold = None;
+        if self.state.hold.take().is_some() {
+            // Stopped while held: the workers' hold on its attempts is lifted with it.
+            actions.push(Action::HoldAttempts { held: false });
+        }
         self.in_flight = 0;
         self.ready.clear();
         if running {

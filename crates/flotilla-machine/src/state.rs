@@ -582,6 +582,12 @@ pub enum Action {
     /// Attempts of this run are still running although the run stopped (cancelled,
     /// aborted): tell their workers to cancel them.
     CancelAttempts,
+    /// The run is held (paused, taken over) or no longer: tell the workers, whose running
+    /// LLM attempts of the run stop at their next step boundary while it is.
+    HoldAttempts {
+        /// Held (true) or released (false).
+        held: bool,
+    },
     /// The run ended: complete its outcome (final result), emit the terminal event and answer
     /// a waiting submitter.
     Finish,

@@ -412,6 +412,10 @@ pub enum WorkflowPhase {
     /// A person took the run over (`detail`: who and why, and until when): it is under human
     /// control.
     RunTakenOver,
+    /// A running LLM attempt stopped at a step boundary because its run is held (paused or
+    /// taken over): its slot is free; it continues from its step journal, the same attempt,
+    /// once the run resumes (`attempt`, `worker`).
+    TaskSuspended,
 }
 
 impl WorkflowPhase {

@@ -379,8 +379,10 @@ pub struct Suspended {
     /// How many times the attempt had suspended before (the envelope's `resume.segment`, 0
     /// on its first run).
     pub segment: u32,
-    /// The call it waits at.
-    pub call: SuspendedCall,
+    /// The call it waits at; absent when it stopped because its run is held (paused or
+    /// taken over): it continues from its journal once the run is resumed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub call: Option<SuspendedCall>,
 }
 
 /// The tool call an attempt suspended at.

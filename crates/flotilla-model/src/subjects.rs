@@ -213,6 +213,12 @@ impl Names {
         format!("cancel.{run}")
     }
 
+    /// Key of a run's hold in the control bucket, present while the run is paused or taken
+    /// over: workers watch these to stop the run's LLM attempts at their next step.
+    pub fn hold_key(&self, run: RunId) -> String {
+        format!("hold.{run}")
+    }
+
     /// Intake subject.
     pub fn submit(&self) -> String {
         format!("{}.submit", self.prefix)

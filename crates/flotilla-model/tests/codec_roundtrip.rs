@@ -657,10 +657,10 @@ proptest! {
                 action: [flotilla_model::runlog::ControlAction::Pause, flotilla_model::runlog::ControlAction::Resume, flotilla_model::runlog::ControlAction::Takeover][generation as usize % 3], reason: Some("look".into()), by: Some("alice".into()), timeout_ms: Some(generation),
             }),
             16 => RunInput::Completed(Box::new(flotilla_model::control::Completed { task_id, result: result.response, by: "alice".into(), comment: Some("done by hand".into()) })),
-            17 => RunInput::Suspended(Box::new(flotilla_model::runlog::Suspended { task_id, attempt, attempt_id, worker: "w1".into(), segment: attempt - 1, call: flotilla_model::runlog::SuspendedCall {
+            17 => RunInput::Suspended(Box::new(flotilla_model::runlog::Suspended { task_id, attempt, attempt_id, worker: "w1".into(), segment: attempt - 1, call: (attempt % 3 != 0).then(|| flotilla_model::runlog::SuspendedCall {
                 trigger: flotilla_model::approval::Trigger::Question, call_id: "call_2".into(), tool: "ask_user".into(),
                 arguments: serde_json::json!({"question": "which?"}), digest: "cd".into(), question: Some("which?".into()),
-            } })),
+            }) })),
             _ => RunInput::TimerFired { generation },
         };
         roundtrip(&RunLogEntry { protocol: 1, run_id, input })?;

@@ -138,7 +138,7 @@ pub(crate) async fn handle(
             message,
         }),
         Ok((_, agent)) => {
-            let run_cancelled = shared.enter_run(task.run_id);
+            let (run_cancelled, run_held) = shared.enter_run(task.run_id);
             let _leave = LeaveRun(shared, task.run_id);
             let cancel = shared.hard_stop.child_token();
             let timeout = task.timeout.get();
@@ -149,7 +149,8 @@ pub(crate) async fn handle(
                 events.clone(),
                 shared.id.clone(),
             )
-            .with_slot(slot.clone());
+            .with_slot(slot.clone())
+            .with_hold(run_held);
             suspension = Some(ctx.suspension());
             let announce = tokio::time::sleep(shared.opts.started_event_delay);
             tokio::pin!(announce);
@@ -218,9 +219,14 @@ pub(crate) async fn handle(
     // The agent is done: its slot and its place go to the next task now.
     slot.end();
     shared.pace.record(attempt.started.elapsed());
-    if let Some(call) = suspension.and_then(|s| s.take()) {
-        // The agent stopped at a tool call that waits for a person: the attempt is not over.
-        // Its mailbox reads stay uncommitted and its child runs keep running.
+    if let Some(stop) = suspension.and_then(|s| s.take()) {
+        // The agent stopped at a tool call that waits for a person, or at a step boundary of
+        // a held run: the attempt is not over. Its mailbox reads stay uncommitted and its
+        // child runs keep running.
+        let call = match stop {
+            flotilla_context::agent::Stop::Call(call) => Some(call),
+            flotilla_context::agent::Stop::Held => None,
+        };
         attempt.ended(suspend(shared, &msg, &task, call).await);
         return;
     }

@@ -14,29 +14,36 @@ use tracing::{debug, info};
 use crate::shared::Shared;
 
 impl Shared {
-    /// Registers an attempt of `run`; the token fires when the run is cancelled.
-    pub(crate) fn enter_run(&self, run: RunId) -> CancellationToken {
+    /// Registers an attempt of `run`: the tokens that fire when the run is cancelled, and
+    /// when it is held.
+    pub(crate) fn enter_run(&self, run: RunId) -> (CancellationToken, CancellationToken) {
         let mut runs = self.runs.lock().unwrap_or_else(|p| p.into_inner());
-        let entry = runs
-            .entry(run)
-            .or_insert_with(|| (CancellationToken::new(), 0));
-        entry.1 += 1;
+        let entry = runs.entry(run).or_default();
+        entry.attempts += 1;
         if self
             .cancelled
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .contains(&run)
         {
-            entry.0.cancel();
+            entry.cancel.cancel();
         }
-        entry.0.clone()
+        if self
+            .held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(&run)
+        {
+            entry.hold.cancel();
+        }
+        (entry.cancel.clone(), entry.hold.clone())
     }
 
     pub(crate) fn leave_run(&self, run: RunId) {
         let mut runs = self.runs.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(entry) = runs.get_mut(&run) {
-            entry.1 -= 1;
-            if entry.1 == 0 {
+            entry.attempts -= 1;
+            if entry.attempts == 0 {
                 runs.remove(&run);
             }
         }
@@ -48,14 +55,37 @@ impl Shared {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(run);
-        if let Some((token, n)) = self
+        if let Some(entry) = self
             .runs
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .get(&run)
         {
-            info!(%run, attempts = n, "Run cancelled: cancelling its attempts here");
-            token.cancel();
+            info!(%run, attempts = entry.attempts, "Run cancelled: cancelling its attempts here");
+            entry.cancel.cancel();
+        }
+    }
+
+    /// `run` is held (`true`: its LLM attempts here stop at their next step boundary) or
+    /// released (attempts starting from now on run on).
+    pub(crate) fn hold_run(&self, run: RunId, held: bool) {
+        let mut set = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        let changed = if held {
+            set.insert(run)
+        } else {
+            set.remove(&run)
+        };
+        drop(set);
+        let mut runs = self.runs.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(entry) = runs.get_mut(&run) {
+            if held {
+                if changed {
+                    info!(%run, attempts = entry.attempts, "Run held: its LLM attempts here stop at their next step");
+                }
+                entry.hold.cancel();
+            } else {
+                entry.hold = CancellationToken::new();
+            }
         }
     }
 
@@ -76,17 +106,18 @@ impl Drop for LeaveRun<'_> {
     }
 }
 
-/// Follows cancel notices in the control bucket (`cancel.<run>`), from the current ones on.
+/// Follows the control bucket, from the current entries on: cancel notices (`cancel.<run>`)
+/// and holds (`hold.<run>`, present while the run is paused or taken over).
 pub(crate) async fn watch_cancellations(
     kv: jetstream::kv::Store,
     shared: Arc<Shared>,
     stop: CancellationToken,
 ) {
     while !stop.is_cancelled() {
-        let watch = match kv.watch_with_history("cancel.*").await {
+        let watch = match kv.watch_with_history(">").await {
             Ok(w) => w,
             Err(e) => {
-                debug!(error = %e, "Cannot watch cancel notices; retrying");
+                debug!(error = %e, "Cannot watch the control bucket; retrying");
                 tokio::select! {
                     _ = stop.cancelled() => return,
                     _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
@@ -97,15 +128,21 @@ pub(crate) async fn watch_cancellations(
         futures::pin_mut!(watch);
         while let Some(entry) = watch.next().await {
             let Ok(entry) = entry else { break };
-            if entry.operation != jetstream::kv::Operation::Put {
-                continue;
-            }
+            let put = entry.operation == jetstream::kv::Operation::Put;
             if let Some(run) = entry
                 .key
                 .strip_prefix("cancel.")
                 .and_then(|r| r.parse::<RunId>().ok())
             {
-                shared.cancel_run(run);
+                if put {
+                    shared.cancel_run(run);
+                }
+            } else if let Some(run) = entry
+                .key
+                .strip_prefix("hold.")
+                .and_then(|r| r.parse::<RunId>().ok())
+            {
+                shared.hold_run(run, put);
             }
         }
     }

@@ -147,15 +147,16 @@ pub(crate) async fn finish(
     Some(outcome)
 }
 
-/// Reports that the attempt stopped at `call` to wait for a person (a `suspended` run-log
-/// entry), then acknowledges its message: the attempt waits without a worker. `None` when it
+/// Reports that the attempt stopped at `call` to wait for a person — or, `None`, at a step
+/// boundary because its run is held — (a `suspended` run-log entry), then acknowledges its
+/// message: the attempt waits without a worker. `None` when it
 /// could not be stored (the message is handed back; a later delivery replays its journal and
 /// stops at the same call, whose suspension is then stored once).
 pub(crate) async fn suspend(
     shared: &Shared,
     msg: &jetstream::Message,
     task: &TaskEnvelope,
-    call: SuspendedCall,
+    call: Option<SuspendedCall>,
 ) -> Option<AttemptOutcome> {
     let segment = task.resume.as_ref().map_or(0, |r| r.segment);
     let entry = RunLogEntry {

@@ -16,6 +16,17 @@ use crate::agents::AgentRegistry;
 use crate::options::WorkerOptions;
 use crate::pace::Pace;
 
+/// A run with attempts running on this worker.
+#[derive(Debug, Default)]
+pub(crate) struct RunEntry {
+    /// Fires when the run is cancelled.
+    pub(crate) cancel: CancellationToken,
+    /// Fires when the run is held; replaced by a fresh one when it is released.
+    pub(crate) hold: CancellationToken,
+    /// Attempts of the run running here.
+    pub(crate) attempts: usize,
+}
+
 /// State shared by a worker's tasks.
 pub(crate) struct Shared {
     pub(crate) bus: Bus,
@@ -27,10 +38,13 @@ pub(crate) struct Shared {
     pub(crate) run_slots: Arc<Semaphore>,
     /// Fires when the grace period is over: running agents are cancelled and handed back.
     pub(crate) hard_stop: CancellationToken,
-    /// Cancellation of the runs with attempts running here, with how many are running.
-    pub(crate) runs: Mutex<HashMap<RunId, (CancellationToken, usize)>>,
+    /// The runs with attempts running here: their cancellation, the token that fires while
+    /// they are held (paused, taken over), and how many attempts are running.
+    pub(crate) runs: Mutex<HashMap<RunId, RunEntry>>,
     /// Runs known to be cancelled (from the control bucket).
     pub(crate) cancelled: Mutex<HashSet<RunId>>,
+    /// Runs known to be held (from the control bucket).
+    pub(crate) held: Mutex<HashSet<RunId>>,
     pub(crate) metrics: Metrics,
     /// This worker's share of the pool's slot gauges.
     pub(crate) slots: WorkerSlots,

@@ -162,6 +162,7 @@ impl Worker {
             hard_stop: CancellationToken::new(),
             runs: Mutex::new(HashMap::new()),
             cancelled: Mutex::new(HashSet::new()),
+            held: Mutex::new(HashSet::new()),
             slots: self
                 .metrics
                 .worker_slots(&self.opts.pool, self.opts.concurrency),

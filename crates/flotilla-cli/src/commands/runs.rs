@@ -293,14 +293,20 @@ pub(crate) async fn history(config: &Config, run: RunId, json: bool) -> anyhow::
             ),
             RunInput::Suspended(su) => (
                 "suspended",
-                format!(
-                    "{} (attempt {}) at tool {} ({}) on {}",
-                    su.task_id,
-                    su.attempt,
-                    su.call.tool,
-                    su.call.trigger.as_str(),
-                    su.worker
-                ),
+                match &su.call {
+                    Some(c) => format!(
+                        "{} (attempt {}) at tool {} ({}) on {}",
+                        su.task_id,
+                        su.attempt,
+                        c.tool,
+                        c.trigger.as_str(),
+                        su.worker
+                    ),
+                    None => format!(
+                        "{} (attempt {}) at a step boundary, the run being held, on {}",
+                        su.task_id, su.attempt, su.worker
+                    ),
+                },
             ),
             RunInput::Finished(f) => (
                 "finished",

@@ -403,7 +403,14 @@ impl Runtime {
                         d.ts_ms,
                     );
                     if !acts.is_empty() {
-                        info!(%run, task = %su.task_id, attempt = su.attempt, tool = %su.call.tool, trigger = su.call.trigger.as_str(), "Attempt suspended: a tool call waits for a person");
+                        match &su.call {
+                            Some(c) => {
+                                info!(%run, task = %su.task_id, attempt = su.attempt, tool = %c.tool, trigger = c.trigger.as_str(), "Attempt suspended: a tool call waits for a person")
+                            }
+                            None => {
+                                info!(%run, task = %su.task_id, attempt = su.attempt, "Attempt suspended: its run is held")
+                            }
+                        }
                     }
                     actions.extend(acts);
                 }
@@ -573,6 +580,8 @@ fn still_relevant(action: &Action, machine: &RunMachine) -> bool {
         | Action::Produce { .. }
         | Action::StoreOutput { .. } => true,
         Action::Finish => s.status.is_terminal(),
+        // A hold written again after the run was resumed would stop its attempts for nothing.
+        Action::HoldAttempts { held } => s.status.is_held() == *held,
         Action::RequestApproval {
             task,
             attempt,

@@ -64,21 +64,27 @@ impl Runtime {
         if wait.call > 0 {
             // The call the attempt suspended at: what is asked is about it.
             let s = self.store.suspension_at(wait.from_seq).await?;
-            request.description = match &s.call.question {
+            let Some(call) = s.call else {
+                return Err(StepError::Failed(format!(
+                    "run-log entry {} is a held run's suspension, not a tool call's",
+                    wait.from_seq
+                )));
+            };
+            request.description = match &call.question {
                 Some(q) => q.clone(),
                 None => format!(
                     "{} calls tool {} (task {}: {})",
                     request.agent.as_deref().unwrap_or("the agent"),
-                    s.call.tool,
+                    call.tool,
                     sub.id,
                     sub.description
                 ),
             };
-            request.input = s.call.arguments;
-            request.digest = s.call.digest;
+            request.input = call.arguments;
+            request.digest = call.digest;
             request.tool_call = Some(ToolCallRef {
-                call_id: s.call.call_id,
-                tool: s.call.tool,
+                call_id: call.call_id,
+                tool: call.tool,
             });
         }
         Ok(ApprovalRecord {

@@ -76,4 +76,27 @@ impl Runtime {
             .map_err(|e| StepError::Failed(format!("withdrawing {subject}: {e}")))?;
         Ok(())
     }
+
+    /// The run is held (paused, taken over) or released: its hold key in the control bucket
+    /// tells the workers, whose LLM attempts of the run stop at their next step while it is
+    /// there. Idempotent: a step performed again writes (or deletes) it again.
+    pub(super) async fn hold_attempts(&self, entry: &Cached, held: bool) -> Result<(), StepError> {
+        let run = entry.machine.state().run_id;
+        let key = self.bus.names().hold_key(run);
+        let kv = self
+            .bus
+            .kv(flotilla_model::subjects::Bucket::Control)
+            .await
+            .map_err(|e| StepError::Failed(e.to_string()))?;
+        let failed = |e: String| StepError::Failed(format!("writing the hold of {run}: {e}"));
+        if held {
+            let notice = serde_json::json!({"run_id": run, "action": "hold"});
+            kv.put(&key, notice.to_string().into())
+                .await
+                .map_err(|e| failed(e.to_string()))?;
+        } else {
+            kv.delete(&key).await.map_err(|e| failed(e.to_string()))?;
+        }
+        Ok(())
+    }
 }

@@ -216,6 +216,10 @@ impl Runtime {
                     Box::pin(self.cancel_attempts(entry)).await?;
                     continue;
                 }
+                Action::HoldAttempts { held } => {
+                    self.hold_attempts(entry, *held).await?;
+                    continue;
+                }
                 Action::ReviewPlan { round } => {
                     let body = self.review_plan(entry, *round).await?;
                     let out =
