@@ -1,5 +1,6 @@
 //! Humans in the loop: what a person's approval adds to a run, beyond the person's own time,
-//! and what waiting approvals cost. Services are a coordinator and one worker process with
+//! and what waiting approvals cost. Services are a coordinator, a supervisor and one worker
+//! process with
 //! the no-op `scripted` agent (no model) and the default `[hitl]` policy (`publish` is a
 //! sensitive action). Each sample is a run of a two-task chain (`s0`, then `s1` after it):
 //!
@@ -10,8 +11,12 @@
 //! * the answer sent (`approval.answer`, the bench answering at once, as a person's click
 //!   would) → `s1` started on the worker (its result's `started_at`; the same host's clock):
 //!   the overhead of the approval's path, target ≤ 2× the dependency hop;
-//! * then `pending` runs left waiting: the coordinator's resident memory before and after,
-//!   and the server's consumer count (a wait holds none).
+//! * a pause: runs of a 30-task chain paused once their third task succeeded: `run.pause`
+//!   sent → answered (the control stored and the hold recorded), and how many tasks were
+//!   dispatched after the pause entry's server time (target: none — the one attempt in
+//!   flight finishes, nothing new starts: at most one step), then resumed to the end;
+//! * then `pending` runs left waiting: the coordinator's and the supervisor's resident memory
+//!   before and after, and the server's consumer count (a wait holds none).
 
 use std::time::{Duration, Instant};
 
@@ -78,13 +83,20 @@ pub(crate) async fn run(args: &HitlArgs, services: &Services, url: &str) -> anyh
     procs
         .0
         .push(("worker".into(), spawn_service(exe, &config, &["worker"])?));
+    // The supervisor follows every run's events (the team's records, trust, notices'
+    // webhooks): its memory while approvals wait is measured too.
+    procs.0.push((
+        "supervisor".into(),
+        spawn_service(exe, &config, &["supervisor"])?,
+    ));
+    let supervisor = procs.0[2].1.id();
     let client = Client::new(bus.clone());
     let store = flotilla_client::open_store(&bus).await?;
     // Warm up: one plain run.
     let warm = submit_via(&bus, SubmitRequest::new(chain_plan(1)), services.via).await?;
     client.wait(warm, ASK).await?;
     outln!(
-        "== hitl (a coordinator + 1 worker process × {} slots, no-op agent; the bench answers each approval at once)",
+        "== hitl (a coordinator, a supervisor + 1 worker process × {} slots, no-op agent; the bench answers each approval at once)",
         services.concurrency
     );
     let mut hops = Vec::new();
@@ -113,8 +125,24 @@ pub(crate) async fn run(args: &HitlArgs, services: &Services, url: &str) -> anyh
         o50 / h50.max(f64::EPSILON)
     );
 
+    // A pause: nothing new is dispatched after it is stored.
+    let mut pause_ms = Vec::new();
+    let (mut dispatched_after, mut finished_after) = (0usize, 0usize);
+    let pauses = args.hitl_samples.clamp(1, 10);
+    for _ in 0..pauses {
+        let (ms, dispatched, finished) = paused_sample(&bus, &client, &store, services).await?;
+        pause_ms.push(ms);
+        dispatched_after += dispatched;
+        finished_after += finished;
+    }
+    let (p50, p99) = p50_p99(&mut pause_ms);
+    outln!(
+        "   pause sent → answered: p50 {p50:.3} ms   p99 {p99:.3} ms; after the pause entry, over {pauses} runs: {dispatched_after} tasks dispatched (target 0), {finished_after} in-flight attempts finished (≤ 1 per run)"
+    );
+
     // Waiting costs nothing: runs left waiting for a person.
     let before = rss_kib(coordinator).unwrap_or(0);
+    let supervisor_before = rss_kib(supervisor).unwrap_or(0);
     let consumers_before = consumers(&bus).await?;
     let started = Instant::now();
     let mut waiting = Vec::with_capacity(args.hitl_pending);
@@ -128,19 +156,102 @@ pub(crate) async fn run(args: &HitlArgs, services: &Services, url: &str) -> anyh
     let took = started.elapsed();
     tokio::time::sleep(Duration::from_secs(2)).await;
     let after = rss_kib(coordinator).unwrap_or(0);
+    let supervisor_after = rss_kib(supervisor).unwrap_or(0);
     let consumers_after = consumers(&bus).await?;
     outln!(
-        "   {} runs waiting for approval (submitted and asked in {:.1} s): coordinator RSS {:.1} → {:.1} MiB, consumers {consumers_before} → {consumers_after}",
+        "   {} runs waiting for approval (submitted and asked in {:.1} s): coordinator RSS {:.1} → {:.1} MiB, supervisor RSS {:.1} → {:.1} MiB, consumers {consumers_before} → {consumers_after}",
         waiting.len(),
         took.as_secs_f64(),
         before as f64 / 1024.0,
-        after as f64 / 1024.0
+        after as f64 / 1024.0,
+        supervisor_before as f64 / 1024.0,
+        supervisor_after as f64 / 1024.0
     );
     for run in waiting {
         let _ = client.cancel(run, Some("bench".into())).await;
     }
     drop(procs);
     Ok(())
+}
+
+/// A 30-task chain paused once its third task succeeded: how long `run.pause` took to
+/// answer, how many tasks were dispatched after the pause entry's server time, and how many
+/// results arrived after it; then resumed, it must succeed.
+async fn paused_sample(
+    bus: &Bus,
+    client: &Client,
+    store: &flotilla_runs::RunReader,
+    services: &Services,
+) -> anyhow::Result<(f64, usize, usize)> {
+    use flotilla_model::control::{PauseRunRequest, ResumeRunRequest};
+    use flotilla_model::run::TaskStatus;
+    use flotilla_model::runlog::ControlAction;
+    let run = submit_via(bus, SubmitRequest::new(chain_plan(30)), services.via).await?;
+    let deadline = Instant::now() + ASK;
+    loop {
+        let view = client.run(run).await?.context("the run exists")?;
+        if view.tasks.get(2).map(|t| t.status) == Some(TaskStatus::Succeeded) {
+            break;
+        }
+        anyhow::ensure!(Instant::now() < deadline, "run {run} never reached s2");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let sent = Instant::now();
+    client
+        .call(
+            &PauseRunRequest {
+                protocol: PROTOCOL_VERSION,
+                run_id: run,
+                reason: Some("bench".into()),
+                by: Some("bench".into()),
+                timeout_ms: None,
+                children: false,
+            },
+            ASK,
+        )
+        .await?
+        .map_err(|e| anyhow::anyhow!("pause refused: {e:?}"))?;
+    let took = sent.elapsed().as_secs_f64() * 1e3;
+    // Long enough for a chain step to run several times over, were anything dispatched.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let history = store.history(run).await?;
+    let paused_at = history
+        .iter()
+        .find_map(|(_, ts, e)| match &e.input {
+            RunInput::Control(c) if c.action == ControlAction::Pause => Some(nanos(ts)),
+            _ => None,
+        })
+        .context("no pause on the run log")?;
+    let finished = history
+        .iter()
+        .filter(|(_, ts, e)| matches!(e.input, RunInput::TaskResult(_)) && nanos(ts) > paused_at)
+        .count();
+    let view = client.run(run).await?.context("the run exists")?;
+    let dispatched = view
+        .tasks
+        .iter()
+        .filter(|t| {
+            t.dispatched_at
+                .as_ref()
+                .is_some_and(|d| nanos(d) > paused_at)
+        })
+        .count();
+    client
+        .call(
+            &ResumeRunRequest {
+                protocol: PROTOCOL_VERSION,
+                run_id: run,
+                reason: None,
+                by: Some("bench".into()),
+                children: false,
+            },
+            ASK,
+        )
+        .await?
+        .map_err(|e| anyhow::anyhow!("resume refused: {e:?}"))?;
+    let outcome = client.wait(run, ASK).await?;
+    anyhow::ensure!(outcome.status == RunStatus::Succeeded, "{outcome:?}");
+    Ok((took, dispatched, finished))
 }
 
 /// A chain of `n` tasks whose last is a sensitive action (`publish`).
