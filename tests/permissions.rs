@@ -526,6 +526,16 @@ async fn a_worker_works_its_pool_and_nothing_else() -> anyhow::Result<()> {
     worker
         .publish_refused("flotilla.api.trust.incident")
         .await?;
+    // Nor answer an approval, nor grant itself a tool for the session.
+    worker
+        .publish_refused("flotilla.api.approval.answer")
+        .await?;
+    worker
+        .publish_refused("flotilla.api.approval.revoke")
+        .await?;
+    worker
+        .publish_refused("$KV.flotilla-state.s1._grant.send_email")
+        .await?;
     worker.publish_refused("$KV.flotilla-control.r1").await?;
     worker.subscribe_refused("flotilla.task.>").await?;
     ensure!(

@@ -559,6 +559,11 @@ async fn a_client_tool_call_waits_for_the_clients_result() -> anyhow::Result<()>
             description: String::new(),
             ..ticket.clone()
         },
+        flotilla_model::plan::ClientTool {
+            name: "broken_schema".into(),
+            parameters: json!({"type": "object", "properties": {"a": {"type": "nonsense"}}}),
+            ..ticket.clone()
+        },
     ];
     let reply = p.client.validate(&bad).await?;
     let paths: Vec<&str> = reply.errors.iter().map(|e| e.path.as_str()).collect();
@@ -569,6 +574,7 @@ async fn a_client_tool_call_waits_for_the_clients_result() -> anyhow::Result<()>
             "config.client_tools[1].name",
             "config.client_tools[2].description",
             "config.client_tools[2].parameters",
+            "config.client_tools[3].parameters",
         ],
         "{:?}",
         reply.errors
@@ -708,6 +714,16 @@ async fn a_tool_approved_always_runs_without_asking_in_its_session_until_revoked
         .await?;
     let e = forged.expect_err("reserved keys are Flotilla's");
     assert_eq!(e.code, "invalid_key", "{e:?}");
+    // Nor through a task's output key.
+    let mut sneaky = mail("write a grant");
+    sneaky.subtasks[0].output_key = Some("_grant".into());
+    let reply = p.client.validate(&sneaky).await?;
+    assert_eq!(
+        reply.errors.first().map(|e| e.path.as_str()),
+        Some("subtasks[0].output_key"),
+        "{:?}",
+        reply.errors
+    );
 
     // Revoked: the next call waits again; revoking twice is refused.
     let out = p.cli(&[

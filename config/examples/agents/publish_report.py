@@ -9,7 +9,7 @@ Flotilla writes the task envelope as JSON on stdin; the writer's report is the r
 task this one depends on (`dependency_results`). It is published by writing it as Markdown to
 the file named by $MARKET_REPORT_PATH (default: flotilla-market-report.md in the system's
 temporary directory) — atomically, so a reader never sees half a report, and a retried
-attempt writes the same file again. The writer answers in JSON (title, summary,
+attempt replaces the file (only its footer's time differs). The writer answers in JSON (title, summary,
 recommendation: the plan's output_schema); any other text is published as it is.
 
 Stdout is the task's result: where the report went. Standard library only.

@@ -12,7 +12,8 @@
 //!   would) → `s1` started on the worker (its result's `started_at`; the same host's clock):
 //!   the overhead of the approval's path, target ≤ 2× the dependency hop;
 //! * a pause: runs of a 30-task chain paused once their third task succeeded: `run.pause`
-//!   sent → answered (the control stored and the hold recorded), and how many tasks were
+//!   sent → answered (the control appended to the run log; the machine applies it, and
+//!   writes the workers' hold, after), and how many tasks were
 //!   dispatched after the pause entry's server time (target: none — the one attempt in
 //!   flight finishes, nothing new starts: at most one step), then resumed to the end;
 //! * then `pending` runs left waiting: the coordinator's and the supervisor's resident memory

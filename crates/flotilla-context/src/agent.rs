@@ -196,8 +196,8 @@ pub struct AgentContext {
     slot: crate::WorkerSlot,
     /// Where the agent leaves the tool call it stopped at to wait for a person.
     suspension: Suspension,
-    /// Fires when the run is held (paused, taken over).
-    hold: CancellationToken,
+    /// Whether the run is held (paused, taken over), as the worker hears it.
+    hold: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 /// Where an attempt stopped to wait ([`AgentContext::suspend`], [`AgentContext::suspend_held`]):
@@ -240,7 +240,7 @@ impl AgentContext {
     /// step boundary and continue from its journal (the LLM agent) stops at its next one with
     /// [`suspend_held`](Self::suspend_held); others finish.
     pub fn held(&self) -> bool {
-        self.hold.is_cancelled()
+        self.hold.as_ref().is_some_and(|h| *h.borrow())
     }
 
     /// Stops the attempt because its run is held: return the error this gives. The worker
@@ -253,9 +253,10 @@ impl AgentContext {
         AgentError::failed("stopped at a step boundary: the run is held")
     }
 
-    /// The context with the token that fires when the attempt's run is held.
-    pub fn with_hold(mut self, hold: CancellationToken) -> Self {
-        self.hold = hold;
+    /// The context with whether the attempt's run is held, as its worker hears it (true
+    /// while the run is paused or taken over; false again once it is resumed).
+    pub fn with_hold(mut self, hold: tokio::sync::watch::Receiver<bool>) -> Self {
+        self.hold = Some(hold);
         self
     }
 
@@ -281,7 +282,7 @@ impl AgentContext {
             clients,
             slot: crate::WorkerSlot::default(),
             suspension: Suspension::default(),
-            hold: CancellationToken::new(),
+            hold: None,
         }
     }
 

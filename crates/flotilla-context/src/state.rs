@@ -9,7 +9,7 @@
 //!   overwriting each other.
 //! * Reads return the server's write time, never a worker's clock.
 //! * Keys starting with `_` are Flotilla's own (a tool approved for the session,
-//!   `_always_<tool>`): everyone reads them, only Flotilla writes them
+//!   `_grant.<tool>`): everyone reads them, only Flotilla writes them
 //!   ([`State::grant_tool`], [`State::revoke_tool`]); `set`, `compare_and_set` and `delete`
 //!   refuse them (`invalid_key`), so an agent cannot approve its own tools.
 
@@ -83,22 +83,42 @@ impl State {
         self.full_key(key)
     }
 
-    /// The grant of `tool` in this session, if a person approved it for the session.
+    /// The bucket key of `tool`'s grant in this session (`<session>._grant.<tool>`).
+    fn grant_full_key(&self, tool: &str) -> Result<String, ContextError> {
+        if !flotilla_model::plan::is_tool_name(tool) {
+            return Err(ContextError::new(
+                ErrorKind::InvalidKey,
+                format!("{tool:?} is not a tool name (1 to 64 letters, digits, `_` or `-`)"),
+            ));
+        }
+        let scope = self.c.scope();
+        Ok(scope
+            .names
+            .state_key(&scope.session, &flotilla_model::approval::grant_key(tool)))
+    }
+
+    /// The grant of `tool` in this session, if a person approved it for the session. A value
+    /// that is not a grant is no grant (the call waits for a person).
     pub async fn tool_grant(
         &self,
         tool: &str,
     ) -> Result<Option<flotilla_model::approval::ToolGrant>, ContextError> {
-        let key = flotilla_model::approval::grant_key(tool);
-        let Some(v) = self.get(&key).await? else {
+        let full = self.grant_full_key(tool)?;
+        let kv = self.c.state_kv().await?;
+        let entry = kv
+            .entry(full.clone())
+            .await
+            .map_err(|e| unavailable(format!("reading state {full}"), e))?;
+        let Some(entry) = entry.filter(|e| e.operation == Operation::Put) else {
             return Ok(None);
         };
-        serde_json::from_value(v.value).map(Some).map_err(|e| {
-            ContextError::with_source(
-                ErrorKind::Malformed,
-                format!("state {key} does not hold a tool grant"),
-                e,
-            )
-        })
+        match serde_json::from_slice(&entry.value) {
+            Ok(g) => Ok(Some(g)),
+            Err(e) => {
+                tracing::warn!(key = %full, error = %e, "A grant key holds no grant; ignored");
+                Ok(None)
+            }
+        }
     }
 
     /// Records that `grant.tool` is approved for the rest of this session.
@@ -106,42 +126,54 @@ impl State {
         &self,
         grant: &flotilla_model::approval::ToolGrant,
     ) -> Result<u64, ContextError> {
-        let key = flotilla_model::approval::grant_key(&grant.tool);
-        let full = self.full_key(&key)?;
-        let value = serde_json::to_value(grant).map_err(|e| {
+        let full = self.grant_full_key(&grant.tool)?;
+        let value = serde_json::to_vec(grant).map_err(|e| {
             ContextError::with_source(ErrorKind::Malformed, "encoding a tool grant", e)
         })?;
-        let bytes = self.encode(&key, &value)?;
         let kv = self.c.state_kv().await?;
-        kv.put(&full, bytes)
+        kv.put(&full, value.into())
             .await
             .map_err(|e| unavailable(format!("writing state {full}"), e))
     }
 
-    /// Withdraws `tool`'s grant in this session; returns it (`None`: there was none).
+    /// Withdraws `tool`'s grant in this session; returns it (`None`: there was none). A value
+    /// there that is not a grant is deleted too.
     pub async fn revoke_tool(
         &self,
         tool: &str,
     ) -> Result<Option<flotilla_model::approval::ToolGrant>, ContextError> {
-        let grant = self.tool_grant(tool).await?;
-        if grant.is_some() {
-            let full = self.full_key(&flotilla_model::approval::grant_key(tool))?;
-            let kv = self.c.state_kv().await?;
-            kv.delete(&full)
-                .await
-                .map_err(|e| unavailable(format!("deleting state {full}"), e))?;
-        }
-        Ok(grant)
+        let full = self.grant_full_key(tool)?;
+        let kv = self.c.state_kv().await?;
+        let entry = kv
+            .entry(full.clone())
+            .await
+            .map_err(|e| unavailable(format!("reading state {full}"), e))?;
+        let Some(entry) = entry.filter(|e| e.operation == Operation::Put) else {
+            return Ok(None);
+        };
+        kv.delete(&full)
+            .await
+            .map_err(|e| unavailable(format!("deleting state {full}"), e))?;
+        Ok(serde_json::from_slice(&entry.value).ok().or_else(|| {
+            Some(flotilla_model::approval::ToolGrant {
+                tool: tool.to_owned(),
+                by: "unknown (the value was not a grant)".into(),
+                run_id: flotilla_model::ids::RunId::from_uuid(uuid::Uuid::nil()),
+                approval_id: String::new(),
+                at: Timestamp::from(entry.created),
+                comment: None,
+            })
+        }))
     }
 
-    /// Every tool granted in this session.
+    /// Every tool granted in this session (values that are not grants are skipped).
     pub async fn tool_grants(
         &self,
     ) -> Result<Vec<flotilla_model::approval::ToolGrant>, ContextError> {
         let mut out = Vec::new();
         for key in self.list().await? {
-            if let Some(tool) = key.strip_prefix("_always_")
-                && let Some(g) = self.tool_grant(tool).await?
+            if let Some(tool) = key.strip_prefix(flotilla_model::approval::GRANT_PREFIX)
+                && let Ok(Some(g)) = self.tool_grant(tool).await
             {
                 out.push(g);
             }

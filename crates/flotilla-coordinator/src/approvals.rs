@@ -85,7 +85,7 @@ impl Escalations {
         &self,
         record: &ApprovalRecord,
         notify_only: bool,
-    ) -> Result<(), ApprovalError> {
+    ) -> Result<bool, ApprovalError> {
         let run = record.request.run_id;
         let mut stored = None;
         if !notify_only {
@@ -102,7 +102,7 @@ impl Escalations {
                         }
                         _ => {
                             debug!(%run, %key, "Approval already requested and settled");
-                            return Ok(());
+                            return Ok(false);
                         }
                     }
                 }
@@ -120,7 +120,7 @@ impl Escalations {
             control: None,
         };
         crate::notices::publish(&self.bus, &notice).await;
-        Ok(())
+        Ok(true)
     }
 
     /// The approval and its revision.

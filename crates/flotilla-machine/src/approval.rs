@@ -273,17 +273,30 @@ impl RunMachine {
         {
             return false;
         }
+        let held_stops = t.held_stops + u32::from(s.call.is_none());
         self.state.applied += 1;
         self.in_flight -= 1;
         let attempt = s.attempt;
         let call = s.segment + 1;
-        if call > crate::MAX_SUSPENSIONS {
-            let error = TaskError {
-                kind: TaskErrorKind::AgentFailed,
-                message: format!(
+        let too_many = if s.call.is_some() {
+            (call - held_stops > crate::MAX_SUSPENSIONS).then(|| {
+                format!(
                     "the attempt waited for a person at more than {} tool calls",
                     crate::MAX_SUSPENSIONS
-                ),
+                )
+            })
+        } else {
+            (held_stops > crate::MAX_HELD_STOPS).then(|| {
+                format!(
+                    "the attempt stopped for its run's holds more than {} times",
+                    crate::MAX_HELD_STOPS
+                )
+            })
+        };
+        if let Some(message) = too_many {
+            let error = TaskError {
+                kind: TaskErrorKind::AgentFailed,
+                message,
             };
             self.attempt_failed(
                 i,
@@ -300,11 +313,17 @@ impl RunMachine {
             // if it already was).
             let t = &mut self.state.tasks[i as usize];
             t.suspensions = call;
+            t.held_stops = held_stops;
             if t.attempt_ms == 0 {
                 t.attempt_ms = t.dispatched_ms;
             }
             t.status = TaskStatus::Waiting;
             t.resume = true;
+            if !self.held() {
+                // The run is not held (any more): a hold key left behind (a coordinator that
+                // knew no holds applied the resume) is lifted, or the attempt would stop again.
+                actions.push(Action::HoldAttempts { held: false });
+            }
             self.emit(
                 Some(i),
                 Some(attempt),

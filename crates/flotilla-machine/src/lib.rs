@@ -51,8 +51,9 @@ mod team;
 
 pub use graph::RunGraph;
 pub use state::{
-    Action, ArmedTimer, Emission, Hold, MAX_ERROR_MESSAGE, MAX_ERROR_MESSAGES_KEPT, MAX_LISTED,
-    MAX_SUSPENSIONS, PendingApproval, PlanningState, RunState, TaskState, truncate_message,
+    Action, ArmedTimer, Emission, Hold, MAX_ERROR_MESSAGE, MAX_ERROR_MESSAGES_KEPT, MAX_HELD_STOPS,
+    MAX_LISTED, MAX_SUSPENSIONS, PendingApproval, PlanningState, RunState, TaskState,
+    truncate_message,
 };
 
 use std::collections::BTreeSet;
@@ -1217,6 +1218,7 @@ impl RunMachine {
         } else {
             t.attempt += 1;
             t.suspensions = 0;
+            t.held_stops = 0;
             t.attempt_ms = 0;
             t.decisions.clear();
         }

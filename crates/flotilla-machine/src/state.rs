@@ -98,11 +98,19 @@ pub struct TaskState {
     /// in order (at most [`MAX_SUSPENSIONS`]).
     #[serde(rename = "ds", default, skip_serializing_if = "Vec::is_empty")]
     pub decisions: Vec<u64>,
+    /// How many of the latest attempt's suspensions were stops of a held run (they count in
+    /// `suspensions`, not against [`MAX_SUSPENSIONS`]; at most [`MAX_HELD_STOPS`]).
+    #[serde(rename = "hs", default, skip_serializing_if = "is_zero_attempt")]
+    pub held_stops: u32,
 }
 
 /// How many times one attempt may suspend at a tool call waiting for a person; the next
 /// suspension fails the attempt (`agent_failed`), which bounds the state an attempt keeps.
 pub const MAX_SUSPENSIONS: u32 = 64;
+
+/// How many times one attempt may stop at a step boundary because its run is held; the next
+/// stop fails the attempt (a bound on the state it keeps, and on a hold that never lifts).
+pub const MAX_HELD_STOPS: u32 = 1024;
 
 /// A task's wait for a person.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -182,6 +190,7 @@ impl TaskState {
             resume: false,
             attempt_ms: 0,
             decisions: Vec::new(),
+            held_stops: 0,
         }
     }
 }

@@ -988,13 +988,19 @@ crate::api::has_protocol!(
 );
 
 /// Session-state keys starting with this are Flotilla's own: agents and clients read them but
-/// only Flotilla writes them (`_always_<tool>`: a tool approved for the session).
+/// only Flotilla writes them (`_grant.<tool>`: a tool approved for the session).
 pub const RESERVED_STATE_PREFIX: &str = "_";
 
-/// The session-state key of a tool's grant.
+/// The session-state key of a tool's grant, `_grant.<tool>`: a key of its own token in the
+/// state bucket (`<session>._grant.<tool>`), which the NATS permissions of workers deny
+/// (`$KV.flotilla-state.*._grant.>`), and which no `state.set` key can name (keys have no
+/// dots).
 pub fn grant_key(tool: &str) -> String {
-    format!("_always_{tool}")
+    format!("{GRANT_PREFIX}{tool}")
 }
+
+/// What every grant key starts with.
+pub const GRANT_PREFIX: &str = "_grant.";
 
 /// A tool approved for the rest of a session (`approve` with `always`): stored in session
 /// state under [`grant_key`]; its calls in the session's runs no longer wait for a person on

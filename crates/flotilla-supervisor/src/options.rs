@@ -59,7 +59,8 @@ pub struct WebhookOptions {
     pub name: String,
     /// `http://` or `https://` URL the notices are POSTed to.
     pub url: String,
-    /// Which notices: `approval`, `pause`, `takeover`. Empty: all.
+    /// Which notices: `approval`, `question`, `client_tool`, `pause`, `takeover`. Empty:
+    /// all.
     #[serde(default)]
     pub kinds: Vec<flotilla_model::notify::NoticeKind>,
     /// The environment variable holding the signing secret: each POST carries

@@ -14,9 +14,12 @@ use tracing::{debug, info};
 use crate::shared::Shared;
 
 impl Shared {
-    /// Registers an attempt of `run`: the tokens that fire when the run is cancelled, and
-    /// when it is held.
-    pub(crate) fn enter_run(&self, run: RunId) -> (CancellationToken, CancellationToken) {
+    /// Registers an attempt of `run`: the token that fires when the run is cancelled, and
+    /// whether it is held (now and as it changes).
+    pub(crate) fn enter_run(
+        &self,
+        run: RunId,
+    ) -> (CancellationToken, tokio::sync::watch::Receiver<bool>) {
         let mut runs = self.runs.lock().unwrap_or_else(|p| p.into_inner());
         let entry = runs.entry(run).or_default();
         entry.attempts += 1;
@@ -34,9 +37,9 @@ impl Shared {
             .unwrap_or_else(|p| p.into_inner())
             .contains(&run)
         {
-            entry.hold.cancel();
+            entry.hold.send_replace(true);
         }
-        (entry.cancel.clone(), entry.hold.clone())
+        (entry.cancel.clone(), entry.hold.subscribe())
     }
 
     pub(crate) fn leave_run(&self, run: RunId) {
@@ -67,7 +70,7 @@ impl Shared {
     }
 
     /// `run` is held (`true`: its LLM attempts here stop at their next step boundary) or
-    /// released (attempts starting from now on run on).
+    /// released (they run on, also those running now).
     pub(crate) fn hold_run(&self, run: RunId, held: bool) {
         let mut set = self.held.lock().unwrap_or_else(|p| p.into_inner());
         let changed = if held {
@@ -78,14 +81,10 @@ impl Shared {
         drop(set);
         let mut runs = self.runs.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(entry) = runs.get_mut(&run) {
-            if held {
-                if changed {
-                    info!(%run, attempts = entry.attempts, "Run held: its LLM attempts here stop at their next step");
-                }
-                entry.hold.cancel();
-            } else {
-                entry.hold = CancellationToken::new();
+            if held && changed {
+                info!(%run, attempts = entry.attempts, "Run held: its LLM attempts here stop at their next step");
             }
+            entry.hold.send_replace(held);
         }
     }
 

@@ -17,14 +17,24 @@ use crate::options::WorkerOptions;
 use crate::pace::Pace;
 
 /// A run with attempts running on this worker.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct RunEntry {
     /// Fires when the run is cancelled.
     pub(crate) cancel: CancellationToken,
-    /// Fires when the run is held; replaced by a fresh one when it is released.
-    pub(crate) hold: CancellationToken,
+    /// Whether the run is held now (its attempts read it at each step boundary).
+    pub(crate) hold: tokio::sync::watch::Sender<bool>,
     /// Attempts of the run running here.
     pub(crate) attempts: usize,
+}
+
+impl Default for RunEntry {
+    fn default() -> Self {
+        Self {
+            cancel: CancellationToken::new(),
+            hold: tokio::sync::watch::Sender::new(false),
+            attempts: 0,
+        }
+    }
 }
 
 /// State shared by a worker's tasks.

@@ -161,19 +161,20 @@ impl Api {
         if ours {
             info!(run = %r.run_id, approval = %r.approval_id, decision = r.decision.as_str(), by = %answer.by, always = r.always, "Approval answered");
         }
-        // The grant is written by the answer that decided (a retry of it writes it again),
-        // before the relay: the tool's next call in the session finds it.
-        if ours
-            && r.always
+        // A decision with `always` grants the tool before it is relayed — written by whoever
+        // reads the decided record (this answer, or its retry after a crash or a failed
+        // write: the put is idempotent), so the grant is never lost behind the decision.
+        if record.status == ApprovalStatus::Decided
+            && let Some(a) = record.answer.as_ref().filter(|a| a.always)
             && let Some(call) = &record.request.tool_call
         {
             let grant = ToolGrant {
                 tool: call.tool.clone(),
-                by: answer.by.clone(),
-                run_id: r.run_id,
-                approval_id: r.approval_id.clone(),
-                at: answer.at,
-                comment: r.comment.clone(),
+                by: a.by.clone(),
+                run_id: record.request.run_id,
+                approval_id: record.request.approval_id.clone(),
+                at: a.at,
+                comment: a.comment.clone(),
             };
             if let Err(e) = self.write_grant(&grant).await {
                 return super::respond_api_error(&req, &e).await;
@@ -201,7 +202,11 @@ impl Api {
 /// what the tool is or who calls it. Questions, client tools and out-of-scope calls are
 /// answered call by call.
 fn grantable(record: &ApprovalRecord) -> bool {
-    record.request.tool_call.is_some()
+    record
+        .request
+        .tool_call
+        .as_ref()
+        .is_some_and(|c| flotilla_model::plan::is_tool_name(&c.tool))
         && matches!(
             record.request.trigger,
             Trigger::SensitiveAction | Trigger::HumanInCommand

@@ -102,21 +102,24 @@ impl Runtime {
         trigger: Trigger,
         deadline_ms: i64,
         notify_only: bool,
-    ) -> Result<ApprovalRecord, StepError> {
+    ) -> Result<Option<ApprovalRecord>, StepError> {
         let record = self
             .approval_record(entry, wait, trigger, deadline_ms)
             .await?;
-        self.escalations
+        let pending = self
+            .escalations
             .request(&record, notify_only)
             .await
             .map_err(StepError::from)?;
-        Ok(record)
+        // Settled already (the step performed again after an answer): nothing waits.
+        Ok(pending.then_some(record))
     }
 
     /// The run's `await_clarification` / `await_external_tools` event for a question or a
     /// client's tool call, published with the step's events — after the request is stored,
-    /// so whoever reads the event can answer its token at once. Its id is the approval's: a
-    /// step performed again publishes it again, and the repeat is dropped.
+    /// so whoever reads the event can answer its token at once; not once it is settled. Its
+    /// id is the approval's: a step performed again within the event stream's duplicate
+    /// window publishes it again and the repeat is dropped (later, readers drop it by id).
     pub(super) fn await_event(
         &self,
         entry: &Cached,

@@ -192,7 +192,9 @@ impl Runtime {
                     let record = self
                         .request_approval(entry, wait, *trigger, *deadline_ms, *notify_only)
                         .await?;
-                    events.extend(self.await_event(entry, &record));
+                    if let Some(record) = record {
+                        events.extend(self.await_event(entry, &record));
+                    }
                     continue;
                 }
                 Action::ExpireApproval {

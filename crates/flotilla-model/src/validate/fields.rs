@@ -143,6 +143,12 @@ impl Validator {
                     at("parameters"),
                     "must be a JSON Schema with \"type\": \"object\" (tool arguments are objects)",
                 );
+            } else if let Err(e) = jsonschema::validator_for(&t.parameters) {
+                self.error(
+                    ProblemCode::InvalidConfig,
+                    at("parameters"),
+                    format!("is not a JSON Schema: {e}"),
+                );
             } else if json_size(&t.parameters) > 16 * 1024 {
                 self.error(
                     ProblemCode::InvalidConfig,
@@ -303,6 +309,9 @@ impl Validator {
         if let Some(key) = &task.output_key {
             let problem = match check_name(key) {
                 Err(e) => Some(format!("output_key {key:?} {e}")),
+                Ok(()) if key.starts_with(crate::approval::RESERVED_STATE_PREFIX) => Some(format!(
+                    "output_key {key:?} starts with `_`: such session-state keys are Flotilla's own"
+                )),
                 Ok(()) if key.len() > crate::state::MAX_KEY_LEN => Some(format!(
                     "output_key {key:?} is longer than {} characters",
                     crate::state::MAX_KEY_LEN
