@@ -51,6 +51,16 @@ async fn services(hitl: HitlConfig) -> anyhow::Result<InProcess> {
             },
         ),
     );
+    // Answers with its input: a JSON input with a `confidence` states how sure it is.
+    agents.insert(
+        "echo".to_string(),
+        flotilla_worker::agents::AgentDefinition::Scripted(
+            flotilla_worker::agents::ScriptedConfig {
+                reply: "{input}".into(),
+                ..Default::default()
+            },
+        ),
+    );
     let opts = CoordinatorOptions {
         hitl,
         ..CoordinatorOptions::default()
@@ -749,5 +759,154 @@ async fn approvals_survive_coordinator_kills_and_a_nats_restart_through_the_cli(
     let history = p.cli(&["approvals", "history", &expiring.to_string()])?;
     let text = String::from_utf8_lossy(&history.stdout);
     assert!(text.contains("expired reject by deadline"), "{text}");
+    Ok(())
+}
+
+/// A result stating a confidence below `[hitl] low-confidence` (0.6 by default) is held for
+/// review before its dependents run: the task waits (`t<i>a<n>r`, trigger `low_confidence`,
+/// the result as what is asked about) holding no slot. Approved, the dependent gets the
+/// worker's result; responded, the person's; rejected, a required task fails the run. A
+/// confident result and one stating none are never held; a bad threshold is refused.
+#[tokio::test]
+async fn a_low_confidence_result_is_held_for_review_before_its_dependents_run() -> anyhow::Result<()>
+{
+    let f = services(HitlConfig::default()).await?;
+    let guess = |confidence: f64| {
+        let mut s = Subtask::new("guess", "estimate the market").with_agent("echo");
+        s.input = serde_json::json!({"answer": "about 42", "confidence": confidence});
+        s
+    };
+    let two_step = |confidence: f64| {
+        plan(vec![
+            guess(confidence),
+            Subtask::new("use", "use it")
+                .with_agent("bot")
+                .after(&["guess"]),
+        ])
+    };
+
+    // Approved: the worker's result goes on.
+    let run = f.client.submit(SubmitRequest::new(two_step(0.3))).await?;
+    let held = approvals(&f, run, false, 1).await?;
+    let q = &held[0].request;
+    assert_eq!(q.approval_id, "t0a1r");
+    assert_eq!(q.trigger, Trigger::LowConfidence);
+    assert!(
+        q.input.as_str().is_some_and(|t| t.contains("about 42")),
+        "{q:?}"
+    );
+    assert!(q.description.contains("confidence 0.30"), "{q:?}");
+    let view = f.client.run(run).await?.expect("exists");
+    assert_eq!(view.tasks[0].status, TaskStatus::AwaitingApproval);
+    assert_eq!(
+        view.tasks[1].status,
+        TaskStatus::Waiting,
+        "the dependent waits"
+    );
+    let a: ApprovalAnswerReply = f
+        .client
+        .request(&answer(run, "t0a1r", Decision::Approve), ASK)
+        .await?;
+    assert_eq!(a.outcome, AnswerOutcome::Decided);
+    let o = f.client.wait(run, WAIT).await?;
+    assert_eq!(o.status, RunStatus::Succeeded, "{o:?}");
+    let used = o
+        .final_result
+        .as_ref()
+        .map(|r| r.response.clone())
+        .unwrap_or_default();
+    assert!(used.starts_with("use done"), "{used}");
+
+    // Responded: the person's result replaces it.
+    let run = f.client.submit(SubmitRequest::new(two_step(0.1))).await?;
+    approvals(&f, run, false, 1).await?;
+    f.client
+        .request(
+            &answer(
+                run,
+                "t0a1r",
+                Decision::Respond {
+                    result: "exactly 40".into(),
+                },
+            ),
+            ASK,
+        )
+        .await?;
+    let o = f.client.wait(run, WAIT).await?;
+    assert_eq!(o.status, RunStatus::Succeeded, "{o:?}");
+    let used = o
+        .final_result
+        .as_ref()
+        .map(|r| r.response.clone())
+        .unwrap_or_default();
+    assert!(
+        used.contains("40") && !used.contains("42"),
+        "the person's result: {used}"
+    );
+
+    // Rejected: a required task fails the run.
+    let run = f.client.submit(SubmitRequest::new(two_step(0.2))).await?;
+    approvals(&f, run, false, 1).await?;
+    f.client
+        .request(
+            &answer(
+                run,
+                "t0a1r",
+                Decision::Reject {
+                    message: "a guess".into(),
+                },
+            ),
+            ASK,
+        )
+        .await?;
+    let o = f.client.wait(run, WAIT).await?;
+    assert_eq!(o.status, RunStatus::Failed, "{o:?}");
+    assert_eq!(o.cause, Some(EndCause::ApprovalRejected));
+
+    // Confident, or stating nothing: never held.
+    let run = f.client.submit(SubmitRequest::new(two_step(0.9))).await?;
+    let o = f.client.wait(run, WAIT).await?;
+    assert_eq!(o.status, RunStatus::Succeeded, "{o:?}");
+    let mut plain = two_step(0.1);
+    plain.subtasks[0].input = serde_json::json!({"answer": "no confidence stated"});
+    let run = f.client.submit(SubmitRequest::new(plain)).await?;
+    let o = f.client.wait(run, WAIT).await?;
+    assert_eq!(o.status, RunStatus::Succeeded, "{o:?}");
+    let l = f
+        .client
+        .request(
+            &ApprovalListRequest {
+                protocol: PROTOCOL_VERSION,
+                run_id: Some(run),
+                all: true,
+                limit: None,
+            },
+            ASK,
+        )
+        .await?;
+    assert!(l.approvals.is_empty());
+
+    // A threshold outside 0 to 1 is refused, naming the field.
+    let mut bad = two_step(0.5);
+    bad.config.hitl = Some(flotilla_model::approval::PlanHitl {
+        low_confidence: Some(1.5),
+        ..Default::default()
+    });
+    let reply = f.client.validate(&bad).await?;
+    assert_eq!(
+        reply.errors.first().map(|e| e.path.as_str()),
+        Some("config.hitl.low_confidence"),
+        "{:?}",
+        reply.errors
+    );
+    let problems = HitlConfig {
+        low_confidence: -0.1,
+        ..HitlConfig::default()
+    }
+    .problems();
+    assert_eq!(
+        problems.first().map(|p| p.path.as_str()),
+        Some("hitl.low-confidence")
+    );
     Ok(())
 }

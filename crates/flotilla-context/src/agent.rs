@@ -37,6 +37,8 @@ pub struct AgentReply {
     pub tools_used: Vec<String>,
     /// The salient number, if the agent knows it (otherwise it is extracted from the response).
     pub numeric_value: Option<f64>,
+    /// How sure the agent is, 0 to 1, if it says (otherwise a JSON answer's `confidence`).
+    pub confidence: Option<f64>,
 }
 
 impl AgentReply {

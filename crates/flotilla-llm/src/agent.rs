@@ -213,6 +213,7 @@ impl LlmAgent {
                             tokens,
                             tools_used: vec![call.name.clone()],
                             numeric_value: f.numeric_value,
+                            confidence: None,
                         }),
                         (status, _) => Err(AgentError {
                             // A spent tree budget stays `budget_exhausted` up the chain.
@@ -734,6 +735,7 @@ impl LlmAgent {
                     tokens,
                     tools_used,
                     numeric_value: None,
+                    confidence: None,
                 });
             };
             match check_output(validator, &c.content) {
@@ -743,6 +745,7 @@ impl LlmAgent {
                         tokens,
                         tools_used,
                         numeric_value: None,
+                        confidence: None,
                     });
                 }
                 Err(problem) if !repaired => {

@@ -15,7 +15,7 @@
 //! first wins, and the winner comes back as an [`Input::ApprovalDecided`] like any answer.
 
 use flotilla_model::approval::{
-    ApprovalDecided, ApprovalStatus, Decision, approval_id, tool_approval_id,
+    ApprovalDecided, ApprovalStatus, Decision, Trigger, approval_id, tool_approval_id,
 };
 use flotilla_model::event::{WorkflowEvent, WorkflowPhase};
 use flotilla_model::run::{EndCause, RunStatus, TaskStatus};
@@ -105,6 +105,78 @@ impl RunMachine {
         true
     }
 
+    /// The confidence and the threshold when task `i`'s result, stating `confidence`, is
+    /// held for review (trigger `low_confidence`): below the run's threshold, and the task
+    /// not overseen `human_on_the_loop` (notified only: nothing waits).
+    pub(crate) fn review_threshold(&self, i: u32, confidence: Option<f64>) -> Option<(f64, f64)> {
+        let confidence = confidence?;
+        let policy = self.state.hitl.as_ref()?;
+        let sub = &self.plan.subtasks[i as usize];
+        (confidence < policy.low_confidence
+            && policy.mode_of(sub) != flotilla_model::approval::HitlMode::HumanOnTheLoop)
+            .then_some((confidence, policy.low_confidence))
+    }
+
+    /// Task `i`'s successful result (at run-log `seq`) is held for review: the task waits
+    /// for a person (approval `t<i>a<attempt>r`) with the result as what is asked about,
+    /// holding no slot; its dependents wait.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn ask_review(
+        &mut self,
+        i: u32,
+        attempt: u32,
+        (confidence, threshold): (f64, f64),
+        seq: u64,
+        now_ms: i64,
+        worker: Option<&str>,
+        actions: &mut Vec<Action>,
+    ) {
+        let timeout = self
+            .state
+            .hitl
+            .as_ref()
+            .map_or(flotilla_model::approval::DEFAULT_APPROVAL_TIMEOUT, |p| {
+                p.timeout
+            });
+        let deadline_ms = now_ms + timeout.get().as_millis() as i64;
+        let call = flotilla_model::approval::REVIEW_CALL;
+        let t = &mut self.state.tasks[i as usize];
+        t.status = TaskStatus::AwaitingApproval;
+        t.approval = Some(PendingApproval {
+            attempt,
+            deadline_ms,
+            trigger: Trigger::LowConfidence,
+            expiring: false,
+            call,
+            from_seq: seq,
+        });
+        actions.push(Action::RequestApproval {
+            task: i,
+            attempt,
+            trigger: Trigger::LowConfidence,
+            deadline_ms,
+            notify_only: false,
+            call,
+            from_seq: seq,
+        });
+        self.emit(
+            Some(i),
+            Some(attempt),
+            now_ms,
+            WorkflowEvent {
+                detail: Some(format!(
+                    "low_confidence: result confidence {confidence:.2} is below {threshold:.2}; held for review until {}",
+                    Timestamp::from_unix_ms(deadline_ms)
+                )),
+                approval_id: Some(flotilla_model::approval::wait_id(i, attempt, call)),
+                worker: worker.map(str::to_owned),
+                ..WorkflowEvent::phase(WorkflowPhase::ApprovalRequested)
+            },
+            actions,
+        );
+        self.arm_if_earlier(deadline_ms, actions);
+    }
+
     /// When task `i`'s wait for a person ends by its default (once: not while it is being
     /// settled).
     pub(crate) fn approval_deadline(&self, i: u32) -> Option<i64> {
@@ -176,7 +248,36 @@ impl RunMachine {
             actions,
         );
         let id = self.plan.subtasks[i as usize].id.clone();
-        if pending.call > 0 {
+        if pending.call == flotilla_model::approval::REVIEW_CALL {
+            // A held result's review: approve keeps the worker's result, respond and edit
+            // replace it with the person's (the decision's entry is read as the result);
+            // reject is a rejection like any other (below).
+            let (result_seq, detail) = match &decided.decision {
+                Decision::Approve => (
+                    pending.from_seq,
+                    format!("result approved on review {how}{who}"),
+                ),
+                Decision::Respond { .. } | Decision::Edit { .. } => {
+                    (seq, format!("result replaced on review {how}{who}"))
+                }
+                Decision::Reject { .. } => (0, String::new()),
+            };
+            if result_seq != 0 {
+                let t = &mut self.state.tasks[i as usize];
+                t.attempt = attempt;
+                self.succeed(
+                    i,
+                    result_seq,
+                    now_ms,
+                    WorkflowEvent {
+                        detail: Some(detail),
+                        ..WorkflowEvent::phase(WorkflowPhase::TaskSucceeded)
+                    },
+                    actions,
+                );
+                return true;
+            }
+        } else if pending.call > 0 {
             // A tool call's decision, whatever it is, goes to the suspended attempt: it
             // continues on some worker, which runs the call or hands the model the person's
             // answer (a rejection's message, a supplied result).

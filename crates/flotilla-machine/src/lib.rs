@@ -468,7 +468,18 @@ impl RunMachine {
                     ..WorkflowEvent::phase(WorkflowPhase::TaskSucceeded)
                 };
                 if result.success {
-                    self.succeed(i, seq, now_ms, by, &mut actions);
+                    match self.review_threshold(i, result.confidence) {
+                        Some((confidence, threshold)) => self.ask_review(
+                            i,
+                            attempt,
+                            (confidence, threshold),
+                            seq,
+                            now_ms,
+                            worker,
+                            &mut actions,
+                        ),
+                        None => self.succeed(i, seq, now_ms, by, &mut actions),
+                    }
                 } else {
                     let error = result.error.clone().unwrap_or_else(|| TaskError {
                         kind: TaskErrorKind::AgentFailed,

@@ -85,6 +85,10 @@ pub enum Trigger {
     /// An LLM agent called a tool the client runs (`client_tools`): the client's answer
     /// (`respond`) is the tool's result.
     ClientTool,
+    /// A task's result carried a `confidence` below `[hitl] low-confidence`: it is held for
+    /// review before its dependents run (approve keeps it, `respond`/`edit` replace it,
+    /// reject fails the task).
+    LowConfidence,
 }
 
 impl Trigger {
@@ -97,6 +101,7 @@ impl Trigger {
             Self::OutOfScope => "out_of_scope",
             Self::Question => "question",
             Self::ClientTool => "client_tool",
+            Self::LowConfidence => "low_confidence",
         }
     }
 }
@@ -129,7 +134,7 @@ pub const DEFAULT_SENSITIVE_ACTIONS: [&str; 4] = ["delete", "publish", "pay", "s
 pub const MAX_CONSECUTIVE_FAILURES: u32 = 100;
 
 /// The deployment's `[hitl]` section: who is overseen how, and what waits for a person.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields, default)]
 pub struct HitlConfig {
     /// The mode of agents and roles not listed below (default `human_in_the_loop`).
@@ -158,6 +163,10 @@ pub struct HitlConfig {
     /// at once that no such tool exists. Default false: models do misname tools, and each
     /// such call would otherwise wait for a person.
     pub out_of_scope: bool,
+    /// A successful result whose `confidence` (0 to 1, when the agent gives one) is below
+    /// this is held for review before its dependents run (trigger `low_confidence`); 0: never
+    /// (default 0.6). Results without a confidence are never held.
+    pub low_confidence: f64,
     /// `[hitl.trust]`: earned trust levels, and whether admissions use them.
     pub trust: crate::trust::TrustConfig,
 }
@@ -177,6 +186,7 @@ impl Default for HitlConfig {
             roles: BTreeMap::new(),
             consecutive_failures: 0,
             out_of_scope: false,
+            low_confidence: DEFAULT_LOW_CONFIDENCE,
             trust: crate::trust::TrustConfig::default(),
         }
     }
@@ -207,6 +217,10 @@ pub struct OnTimeout {
     /// answer). Written only when not the default.
     #[serde(skip_serializing_if = "DefaultDecision::is_reject")]
     pub client_tool: DefaultDecision,
+    /// For a result held for review (default `reject`: the task fails, as a rejected
+    /// review does; `approve` keeps the result). Written only when not the default.
+    #[serde(skip_serializing_if = "DefaultDecision::is_reject")]
+    pub low_confidence: DefaultDecision,
 }
 
 impl OnTimeout {
@@ -219,6 +233,7 @@ impl OnTimeout {
             Trigger::OutOfScope => self.out_of_scope,
             Trigger::Question => self.question,
             Trigger::ClientTool => self.client_tool,
+            Trigger::LowConfidence => self.low_confidence,
         }
     }
 }
@@ -232,6 +247,7 @@ impl HitlConfig {
             "hitl.approval-timeout".into(),
         ));
         out.extend(self.trust.problems());
+        out.extend(check_confidence(self.low_confidence, "hitl.low-confidence"));
         if self.consecutive_failures > MAX_CONSECUTIVE_FAILURES {
             out.push(Problem::new(
                 ProblemCode::InvalidConfig,
@@ -244,6 +260,17 @@ impl HitlConfig {
         }
         out
     }
+}
+
+/// A problem when `value` is not a confidence threshold (0 to 1).
+fn check_confidence(value: f64, field: &str) -> Option<Problem> {
+    (!(0.0..=1.0).contains(&value)).then(|| {
+        Problem::new(
+            ProblemCode::InvalidConfig,
+            field,
+            format!("must be between 0 (never hold a result) and 1, not {value}"),
+        )
+    })
 }
 
 /// A problem per sensitive action of `actions` that names none, at `field[i]`.
@@ -288,6 +315,10 @@ pub struct PlanHitl {
     /// The run's approval deadline (1 s to 7 days; default the deployment's).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub approval_timeout: Option<Secs>,
+    /// A higher review threshold for results' confidence (0 to 1; a lower one than the
+    /// deployment's is ignored).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub low_confidence: Option<f64>,
 }
 
 impl PlanHitl {
@@ -296,6 +327,9 @@ impl PlanHitl {
         let mut out = check_actions(&self.sensitive_actions, "config.hitl.sensitive_actions");
         if let Some(t) = self.approval_timeout {
             out.extend(check_timeout(t, "config.hitl.approval_timeout".into()));
+        }
+        if let Some(l) = self.low_confidence {
+            out.extend(check_confidence(l, "config.hitl.low_confidence"));
         }
         out
     }
@@ -333,7 +367,18 @@ pub struct HitlPolicy {
     /// Whether an LLM agent's call of a tool it does not have waits for a person.
     #[serde(rename = "os", default, skip_serializing_if = "std::ops::Not::not")]
     pub out_of_scope: bool,
+    /// Results with a confidence below this are held for review; 0: never (and for runs
+    /// admitted before the trigger existed).
+    #[serde(rename = "lc", default, skip_serializing_if = "is_zero_f64")]
+    pub low_confidence: f64,
 }
+
+fn is_zero_f64(n: &f64) -> bool {
+    *n == 0.0
+}
+
+/// The default `[hitl] low-confidence`.
+pub const DEFAULT_LOW_CONFIDENCE: f64 = 0.6;
 
 fn is_zero(n: &u32) -> bool {
     *n == 0
@@ -411,6 +456,11 @@ impl HitlPolicy {
             on_timeout: deployment.on_timeout,
             consecutive_failures: deployment.consecutive_failures,
             out_of_scope: deployment.out_of_scope,
+            low_confidence: plan
+                .and_then(|p| p.low_confidence)
+                .map_or(deployment.low_confidence, |l| {
+                    l.max(deployment.low_confidence)
+                }),
             default_agent: default_agent
                 .filter(|a| modes.contains_key(&format!("agent:{a}")))
                 .map(str::to_owned),
@@ -420,6 +470,7 @@ impl HitlPolicy {
             || policy.sensitive_risk.is_some()
             || policy.consecutive_failures > 0
             || policy.out_of_scope
+            || policy.low_confidence > 0.0
             || policy.mode == HitlMode::HumanInCommand
             || policy
                 .modes
@@ -503,10 +554,17 @@ pub fn tool_approval_id(index: u32, attempt: u32, call: u32) -> String {
     format!("t{index}a{attempt}c{call}")
 }
 
-/// The approval id of a wait: a dispatch's (`call` 0) or a tool call's.
+/// The `call` of a wait that reviews an attempt's result (trigger `low_confidence`): its
+/// approval id is `t<task>a<attempt>r`.
+pub const REVIEW_CALL: u32 = u32::MAX;
+
+/// The approval id of a wait: a dispatch's (`call` 0), a result's review ([`REVIEW_CALL`]) or
+/// a tool call's.
 pub fn wait_id(index: u32, attempt: u32, call: u32) -> String {
     if call == 0 {
         approval_id(index, attempt)
+    } else if call == REVIEW_CALL {
+        format!("t{index}a{attempt}r")
     } else {
         tool_approval_id(index, attempt, call)
     }
@@ -1220,9 +1278,17 @@ mod tests {
     fn nothing_to_gate_is_no_policy() {
         let d = HitlConfig {
             sensitive_actions: Vec::new(),
+            low_confidence: 0.0,
             ..HitlConfig::default()
         };
         assert_eq!(HitlPolicy::resolve(&d, None, None), None);
+        // A review threshold alone is something to gate (results stating low confidence).
+        let reviewing = HitlConfig {
+            sensitive_actions: Vec::new(),
+            ..HitlConfig::default()
+        };
+        let p = HitlPolicy::resolve(&reviewing, None, None).expect("a policy");
+        assert_eq!(p.low_confidence, DEFAULT_LOW_CONFIDENCE);
     }
 
     #[test]
@@ -1231,6 +1297,7 @@ mod tests {
             sensitive_actions: vec![" ".into()],
             approval_timeout: Secs::from_secs(0),
             consecutive_failures: MAX_CONSECUTIVE_FAILURES + 1,
+            low_confidence: 2.0,
             ..HitlConfig::default()
         };
         let fields: Vec<String> = d.problems().into_iter().map(|p| p.path).collect();
@@ -1239,6 +1306,7 @@ mod tests {
             [
                 "hitl.sensitive-actions[0]",
                 "hitl.approval-timeout",
+                "hitl.low-confidence",
                 "hitl.consecutive-failures"
             ]
         );

@@ -176,6 +176,26 @@ pub struct TaskResult {
     /// Why the attempt failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<TaskError>,
+    /// How sure the agent is of the answer, 0 to 1, when it says: a successful result
+    /// below the run's `[hitl] low-confidence` is held for review before its dependents run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub confidence: Option<f64>,
+}
+
+/// The confidence an answer states: a JSON object's numeric `confidence` from 0 to 1 (the
+/// shape an agent with an `output_schema` answers in); anything else states none.
+pub fn stated_confidence(response: &str) -> Option<f64> {
+    let trimmed = response.trim();
+    if !trimmed.starts_with('{') {
+        return None;
+    }
+    let v: serde_json::Value = serde_json::from_str(trimmed).ok()?;
+    valid_confidence(v.get("confidence")?.as_f64()?)
+}
+
+/// `c` when it is a confidence (finite, 0 to 1).
+pub fn valid_confidence(c: f64) -> Option<f64> {
+    (c.is_finite() && (0.0..=1.0).contains(&c)).then_some(c)
 }
 
 impl TaskResult {
@@ -190,6 +210,7 @@ impl TaskResult {
             tools_used: Vec::new(),
             numeric_value,
             error: None,
+            confidence: None,
         }
     }
 
@@ -205,6 +226,7 @@ impl TaskResult {
                 kind,
                 message: message.into(),
             }),
+            confidence: None,
         }
     }
 

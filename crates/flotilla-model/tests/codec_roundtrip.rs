@@ -188,6 +188,7 @@ fn plan_config() -> impl Strategy<Value = PlanConfig> {
                     mode: Some(flotilla_model::approval::HitlMode::HumanInCommand),
                     sensitive_actions: vec!["deploy".into()],
                     approval_timeout: Some(task_timeout),
+                    low_confidence: Some(0.75),
                 }),
                 client_tools: if max_retries % 3 == 0 {
                     vec![flotilla_model::plan::ClientTool {
@@ -273,6 +274,7 @@ fn task_result() -> impl Strategy<Value = TaskResult> {
         success: d.success,
         tools_used: d.tools_used,
         numeric_value: d.numeric_value,
+        confidence: d.tokens.is_multiple_of(2).then_some(0.25),
         error,
     })
 }

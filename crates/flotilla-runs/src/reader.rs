@@ -369,6 +369,19 @@ impl RunReader {
                     agent: None,
                     result: flotilla_model::task::TaskResult::success(result),
                 }),
+                // A held result replaced on review with the person's edit.
+                flotilla_model::approval::Decision::Edit { input } => Ok(TaskResultInput {
+                    task_id: d.task_id,
+                    attempt: d.attempt,
+                    attempt_id: flotilla_machine::attempt_id(entry.run_id, 0, d.attempt, at_ms),
+                    worker: format!("human:{}", d.by),
+                    started_at: None,
+                    agent: None,
+                    result: flotilla_model::task::TaskResult::success(match input {
+                        serde_json::Value::String(s) => s,
+                        other => other.to_string(),
+                    }),
+                }),
                 _ => Err(StoreError::new(
                     StoreErrorKind::Decode,
                     format!("run-log entry {seq} is an approval without a result"),

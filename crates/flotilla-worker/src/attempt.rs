@@ -235,6 +235,10 @@ pub(crate) async fn handle(
             let numeric_value = reply
                 .numeric_value
                 .or_else(|| extract_numeric_value(&reply.response));
+            let confidence = reply
+                .confidence
+                .and_then(flotilla_model::task::valid_confidence)
+                .or_else(|| flotilla_model::task::stated_confidence(&reply.response));
             TaskResult {
                 response: reply.response,
                 tokens: reply.tokens,
@@ -242,6 +246,7 @@ pub(crate) async fn handle(
                 tools_used: reply.tools_used,
                 numeric_value,
                 error: None,
+                confidence,
             }
         }
         Err(e) => TaskResult {

@@ -310,9 +310,12 @@ impl Runtime {
                         Action::Dispatch { task, attempt: 1 } => Some((*task, d.published_ns)),
                         _ => None,
                     }));
+                    // Cached as the task's result only when it is (a result held for review
+                    // is not, yet; a person may replace it).
                     if !a.is_empty()
                         && r.result.success
                         && let Some(i) = e.machine.graph().index_of(&r.task_id)
+                        && e.machine.state().tasks[i as usize].result_seq == d.seq
                     {
                         e.results.insert(i, r.result.clone());
                     }

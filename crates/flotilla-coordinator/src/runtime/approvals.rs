@@ -61,7 +61,20 @@ impl Runtime {
             default: policy.map(|p| p.on_timeout.of(trigger)).unwrap_or_default(),
             tool_call: None,
         };
-        if wait.call > 0 {
+        if wait.call == flotilla_model::approval::REVIEW_CALL {
+            // A held result: what is asked about is the result itself.
+            let r = self.store.result_at(wait.from_seq).await?;
+            let confidence = r
+                .result
+                .confidence
+                .map_or_else(String::new, |c| format!(" (confidence {c:.2})"));
+            request.description = format!(
+                "review the result of task {}{confidence} before its dependents run: {}",
+                sub.id, sub.description
+            );
+            request.input = serde_json::Value::String(r.result.response);
+            request.digest = digest_of(&sub.description, &request.input);
+        } else if wait.call > 0 {
             // The call the attempt suspended at: what is asked is about it.
             let s = self.store.suspension_at(wait.from_seq).await?;
             let Some(call) = s.call else {

@@ -263,6 +263,7 @@ impl Runtime {
                     tools_used: Vec::new(),
                     numeric_value: None,
                     error: Some(error),
+                    confidence: None,
                 },
             })),
         };

@@ -118,6 +118,10 @@ fn parse_stdout(stdout: &str) -> AgentReply {
                 })
                 .unwrap_or_default(),
             numeric_value: v.get("numeric_value").and_then(serde_json::Value::as_f64),
+            confidence: v
+                .get("confidence")
+                .and_then(serde_json::Value::as_f64)
+                .and_then(flotilla_model::task::valid_confidence),
         };
     }
     AgentReply::text(trimmed)

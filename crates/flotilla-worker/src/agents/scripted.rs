@@ -72,6 +72,7 @@ impl Agent for ScriptedAgent {
                 tokens: self.config.tokens,
                 tools_used: Vec::new(),
                 numeric_value: None,
+                confidence: None,
             })
         })
     }

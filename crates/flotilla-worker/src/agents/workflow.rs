@@ -377,6 +377,7 @@ impl WorkflowAgent {
             tokens: 0,
             tools_used: Vec::new(),
             numeric_value,
+            confidence: None,
         };
         match self.kind {
             WorkflowKind::Sequential => {
