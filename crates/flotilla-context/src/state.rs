@@ -83,6 +83,19 @@ impl State {
         self.full_key(key)
     }
 
+    /// The value stored under bucket key `full`, unless it is unset or deleted.
+    async fn current(
+        &self,
+        full: &str,
+    ) -> Result<Option<async_nats::jetstream::kv::Entry>, ContextError> {
+        let kv = self.c.state_kv().await?;
+        let entry = kv
+            .entry(full)
+            .await
+            .map_err(|e| unavailable(format!("reading state {full}"), e))?;
+        Ok(entry.filter(|e| e.operation == Operation::Put))
+    }
+
     /// The bucket key of `tool`'s grant in this session (`<session>._grant.<tool>`).
     fn grant_full_key(&self, tool: &str) -> Result<String, ContextError> {
         if !flotilla_model::plan::is_tool_name(tool) {
@@ -104,12 +117,7 @@ impl State {
         tool: &str,
     ) -> Result<Option<flotilla_model::approval::ToolGrant>, ContextError> {
         let full = self.grant_full_key(tool)?;
-        let kv = self.c.state_kv().await?;
-        let entry = kv
-            .entry(full.clone())
-            .await
-            .map_err(|e| unavailable(format!("reading state {full}"), e))?;
-        let Some(entry) = entry.filter(|e| e.operation == Operation::Put) else {
+        let Some(entry) = self.current(&full).await? else {
             return Ok(None);
         };
         match serde_json::from_slice(&entry.value) {
@@ -143,15 +151,13 @@ impl State {
         tool: &str,
     ) -> Result<Option<flotilla_model::approval::ToolGrant>, ContextError> {
         let full = self.grant_full_key(tool)?;
-        let kv = self.c.state_kv().await?;
-        let entry = kv
-            .entry(full.clone())
-            .await
-            .map_err(|e| unavailable(format!("reading state {full}"), e))?;
-        let Some(entry) = entry.filter(|e| e.operation == Operation::Put) else {
+        let Some(entry) = self.current(&full).await? else {
             return Ok(None);
         };
-        kv.delete(&full)
+        self.c
+            .state_kv()
+            .await?
+            .delete(&full)
             .await
             .map_err(|e| unavailable(format!("deleting state {full}"), e))?;
         Ok(serde_json::from_slice(&entry.value).ok().or_else(|| {
@@ -201,12 +207,7 @@ impl State {
     /// The value of `key`, if set.
     pub async fn get(&self, key: &str) -> Result<Option<StateValue>, ContextError> {
         let full = self.full_key(key)?;
-        let kv = self.c.state_kv().await?;
-        let entry = kv
-            .entry(full.clone())
-            .await
-            .map_err(|e| unavailable(format!("reading state {full}"), e))?;
-        let Some(entry) = entry.filter(|e| e.operation == Operation::Put) else {
+        let Some(entry) = self.current(&full).await? else {
             return Ok(None);
         };
         let value = serde_json::from_slice(&entry.value).map_err(|e| {

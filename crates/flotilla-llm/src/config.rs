@@ -497,12 +497,7 @@ impl LlmConfig {
         }
         for (name, tool) in &self.exec_tools {
             let field = format!("exec-tools.{name}");
-            if name.is_empty()
-                || name.len() > 64
-                || !name
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
-            {
+            if !flotilla_model::plan::is_tool_name(name) {
                 return Err(bad(
                     &field,
                     "tool names are 1 to 64 letters, digits, `_` or `-`".into(),
@@ -523,20 +518,7 @@ impl LlmConfig {
                     "must be above zero".into(),
                 ));
             }
-            if tool.parameters.get("type").and_then(Value::as_str) != Some("object") {
-                return Err(ConfigError::InvalidSchema {
-                    agent: agent.to_owned(),
-                    field: format!("{field}.parameters"),
-                    message: "must be a JSON Schema with \"type\": \"object\" (tool arguments are objects)".into(),
-                });
-            }
-            if let Err(e) = jsonschema::validator_for(&tool.parameters) {
-                return Err(ConfigError::InvalidSchema {
-                    agent: agent.to_owned(),
-                    field: format!("{field}.parameters"),
-                    message: e.to_string(),
-                });
-            }
+            check_parameters(agent, &field, &tool.parameters)?;
         }
         for (name, tool) in &self.client_tools {
             let field = format!("client-tools.{name}");
@@ -564,20 +546,7 @@ impl LlmConfig {
                     "say what the tool does, for the model".into(),
                 ));
             }
-            if tool.parameters.get("type").and_then(Value::as_str) != Some("object") {
-                return Err(ConfigError::InvalidSchema {
-                    agent: agent.to_owned(),
-                    field: format!("{field}.parameters"),
-                    message: "must be a JSON Schema with \"type\": \"object\" (tool arguments are objects)".into(),
-                });
-            }
-            if let Err(e) = jsonschema::validator_for(&tool.parameters) {
-                return Err(ConfigError::InvalidSchema {
-                    agent: agent.to_owned(),
-                    field: format!("{field}.parameters"),
-                    message: e.to_string(),
-                });
-            }
+            check_parameters(agent, &field, &tool.parameters)?;
         }
         for a in &self.agent_tools {
             if flotilla_model::token::check_name(a).is_err() {
@@ -612,6 +581,24 @@ impl LlmConfig {
         }
         Ok(())
     }
+}
+
+/// A tool's `parameters` (at `<field>.parameters`): a JSON Schema of an object (tool
+/// arguments are objects) that compiles.
+fn check_parameters(agent: &str, field: &str, parameters: &Value) -> Result<(), ConfigError> {
+    let invalid = |message: String| ConfigError::InvalidSchema {
+        agent: agent.to_owned(),
+        field: format!("{field}.parameters"),
+        message,
+    };
+    if parameters.get("type").and_then(Value::as_str) != Some("object") {
+        return Err(invalid(
+            "must be a JSON Schema with \"type\": \"object\" (tool arguments are objects)".into(),
+        ));
+    }
+    jsonschema::validator_for(parameters)
+        .map(|_| ())
+        .map_err(|e| invalid(e.to_string()))
 }
 
 impl fmt::Debug for LlmConfig {

@@ -429,13 +429,14 @@ impl ToolSet {
             .is_some_and(|t| matches!(t.action, Action::Client))
     }
 
-    /// The arguments of a call of `name`, parsed and checked against its schema; the
-    /// problem, as the tool's outcome for the model, when they are not valid.
+    /// The tool `name` and the arguments of a call of it, parsed and checked against its
+    /// schema; the problem, as the tool's outcome for the model, when there is no such tool
+    /// or they are not valid.
     pub(crate) fn checked_arguments(
         &self,
         name: &str,
         arguments: &str,
-    ) -> Result<Value, Box<ToolOutcome>> {
+    ) -> Result<(&Tool, Value), Box<ToolOutcome>> {
         let Some(tool) = self.tools.get(name) else {
             return Err(Box::new(ToolOutcome::err(
                 "unknown_tool",
@@ -467,7 +468,7 @@ impl ToolSet {
                 ),
             )));
         }
-        Ok(args)
+        Ok((tool, args))
     }
 
     /// Whether `name` with `arguments` is a valid transfer; the target when it is.
@@ -511,12 +512,9 @@ impl ToolSet {
         name: &str,
         arguments: &str,
     ) -> ToolOutcome {
-        let args = match self.checked_arguments(name, arguments) {
-            Ok(args) => args,
+        let (tool, args) = match self.checked_arguments(name, arguments) {
+            Ok(checked) => checked,
             Err(problem) => return *problem,
-        };
-        let Some(tool) = self.tools.get(name) else {
-            return ToolOutcome::err("unknown_tool", format!("there is no tool named {name:?}"));
         };
         match &tool.action {
             Action::Builtin(crate::recruit::RECRUIT) => {

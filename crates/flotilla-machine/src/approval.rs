@@ -14,9 +14,7 @@
 //! approval in the escalations bucket ([`Action::ExpireApproval`]), where an answer that came
 //! first wins, and the winner comes back as an [`Input::ApprovalDecided`] like any answer.
 
-use flotilla_model::approval::{
-    ApprovalDecided, ApprovalStatus, Decision, Trigger, approval_id, tool_approval_id,
-};
+use flotilla_model::approval::{ApprovalDecided, ApprovalStatus, Decision, Trigger, approval_id};
 use flotilla_model::event::{WorkflowEvent, WorkflowPhase};
 use flotilla_model::run::{EndCause, RunStatus, TaskStatus};
 use flotilla_model::runlog::Suspended;
@@ -46,19 +44,18 @@ impl RunMachine {
         let Some(gate) = policy.gate(&self.plan.subtasks[i as usize], failed) else {
             return false;
         };
-        let timeout_ms = policy.timeout.get().as_millis() as i64;
-        let deadline_ms = now_ms + timeout_ms;
-        actions.push(Action::RequestApproval {
-            task: i,
-            attempt: next,
-            trigger: gate.trigger,
-            deadline_ms,
-            notify_only: gate.notify_only,
-            call: 0,
-            from_seq: 0,
-        });
-        let id = approval_id(i, next);
+        let trigger = gate.trigger;
         if gate.notify_only {
+            let deadline_ms = now_ms + policy.timeout.get().as_millis() as i64;
+            actions.push(Action::RequestApproval {
+                task: i,
+                attempt: next,
+                trigger,
+                deadline_ms,
+                notify_only: true,
+                call: 0,
+                from_seq: 0,
+            });
             self.state.tasks[i as usize].approved = next;
             self.emit(
                 Some(i),
@@ -67,42 +64,67 @@ impl RunMachine {
                 WorkflowEvent {
                     detail: Some(format!(
                         "{}: notified (human_on_the_loop), dispatched without waiting",
-                        gate.trigger.as_str()
+                        trigger.as_str()
                     )),
-                    approval_id: Some(id),
+                    approval_id: Some(approval_id(i, next)),
                     ..WorkflowEvent::phase(WorkflowPhase::ApprovalDecided)
                 },
                 actions,
             );
             return false;
         }
-        let t = &mut self.state.tasks[i as usize];
-        t.status = TaskStatus::AwaitingApproval;
-        t.approval = Some(PendingApproval {
-            attempt: next,
-            deadline_ms,
-            trigger: gate.trigger,
-            expiring: false,
-            call: 0,
-            from_seq: 0,
-        });
-        self.emit(
-            Some(i),
-            None,
+        self.wait_for_person(
+            i,
+            PendingApproval::new(next, trigger, 0, 0),
+            WorkflowEvent::phase(WorkflowPhase::ApprovalRequested),
+            |until| format!("{}: waiting for approval until {until}", trigger.as_str()),
             now_ms,
-            WorkflowEvent {
-                detail: Some(format!(
-                    "{}: waiting for approval until {}",
-                    gate.trigger.as_str(),
-                    Timestamp::from_unix_ms(deadline_ms)
-                )),
-                approval_id: Some(id),
-                ..WorkflowEvent::phase(WorkflowPhase::ApprovalRequested)
-            },
             actions,
         );
-        self.arm_if_earlier(deadline_ms, actions);
         true
+    }
+
+    /// Task `i` starts waiting for a person: `pending` gets its deadline (the run's approval
+    /// timeout from now), the task is `awaiting_approval` (no slot), the runtime is asked to
+    /// store the request, `event` goes out as `approval_requested` with the approval id and
+    /// `detail(deadline)`, and the deadline joins the run's timer. Every wait — a dispatch, a
+    /// suspended tool call, a result's review — starts here.
+    fn wait_for_person(
+        &mut self,
+        i: u32,
+        mut pending: PendingApproval,
+        mut event: WorkflowEvent,
+        detail: impl FnOnce(Timestamp) -> String,
+        now_ms: i64,
+        actions: &mut Vec<Action>,
+    ) {
+        let timeout = self
+            .state
+            .hitl
+            .as_ref()
+            .map_or(flotilla_model::approval::DEFAULT_APPROVAL_TIMEOUT, |p| {
+                p.timeout
+            });
+        pending.deadline_ms = now_ms + timeout.get().as_millis() as i64;
+        let t = &mut self.state.tasks[i as usize];
+        t.status = TaskStatus::AwaitingApproval;
+        t.approval = Some(pending);
+        actions.push(Action::RequestApproval {
+            task: i,
+            attempt: pending.attempt,
+            trigger: pending.trigger,
+            deadline_ms: pending.deadline_ms,
+            notify_only: false,
+            call: pending.call,
+            from_seq: pending.from_seq,
+        });
+        event.detail = Some(detail(Timestamp::from_unix_ms(pending.deadline_ms)));
+        event.approval_id = Some(pending.id(i));
+        // A dispatch's wait is before its attempt exists; a tool call's or a review's is of a
+        // running or finished attempt.
+        let attempt = (pending.call != 0).then_some(pending.attempt);
+        self.emit(Some(i), attempt, now_ms, event, actions);
+        self.arm_if_earlier(pending.deadline_ms, actions);
     }
 
     /// The confidence and the threshold when task `i`'s result, stating `confidence`, is
@@ -131,50 +153,27 @@ impl RunMachine {
         worker: Option<&str>,
         actions: &mut Vec<Action>,
     ) {
-        let timeout = self
-            .state
-            .hitl
-            .as_ref()
-            .map_or(flotilla_model::approval::DEFAULT_APPROVAL_TIMEOUT, |p| {
-                p.timeout
-            });
-        let deadline_ms = now_ms + timeout.get().as_millis() as i64;
-        let call = flotilla_model::approval::REVIEW_CALL;
-        let t = &mut self.state.tasks[i as usize];
-        t.status = TaskStatus::AwaitingApproval;
-        t.approval = Some(PendingApproval {
+        let pending = PendingApproval::new(
             attempt,
-            deadline_ms,
-            trigger: Trigger::LowConfidence,
-            expiring: false,
-            call,
-            from_seq: seq,
-        });
-        actions.push(Action::RequestApproval {
-            task: i,
-            attempt,
-            trigger: Trigger::LowConfidence,
-            deadline_ms,
-            notify_only: false,
-            call,
-            from_seq: seq,
-        });
-        self.emit(
-            Some(i),
-            Some(attempt),
-            now_ms,
+            Trigger::LowConfidence,
+            flotilla_model::approval::REVIEW_CALL,
+            seq,
+        );
+        self.wait_for_person(
+            i,
+            pending,
             WorkflowEvent {
-                detail: Some(format!(
-                    "low_confidence: result confidence {confidence:.2} is below {threshold:.2}; held for review until {}",
-                    Timestamp::from_unix_ms(deadline_ms)
-                )),
-                approval_id: Some(flotilla_model::approval::wait_id(i, attempt, call)),
                 worker: worker.map(str::to_owned),
                 ..WorkflowEvent::phase(WorkflowPhase::ApprovalRequested)
             },
+            |until| {
+                format!(
+                    "low_confidence: result confidence {confidence:.2} is below {threshold:.2}; held for review until {until}"
+                )
+            },
+            now_ms,
             actions,
         );
-        self.arm_if_earlier(deadline_ms, actions);
     }
 
     /// When task `i`'s wait for a person ends by its default (once: not while it is being
@@ -442,56 +441,28 @@ impl RunMachine {
             self.release(i, now_ms, actions);
             return true;
         };
-        let timeout = self
-            .state
-            .hitl
-            .as_ref()
-            .map_or(flotilla_model::approval::DEFAULT_APPROVAL_TIMEOUT, |p| {
-                p.timeout
-            });
-        let timeout_ms = timeout.get().as_millis() as i64;
-        let deadline_ms = now_ms + timeout_ms;
         let t = &mut self.state.tasks[i as usize];
         t.suspensions = call;
         if t.attempt_ms == 0 {
             t.attempt_ms = t.dispatched_ms;
         }
-        t.status = TaskStatus::AwaitingApproval;
-        t.approval = Some(PendingApproval {
-            attempt,
-            deadline_ms,
-            trigger: stopped_at.trigger,
-            expiring: false,
-            call,
-            from_seq: seq,
-        });
-        actions.push(Action::RequestApproval {
-            task: i,
-            attempt,
-            trigger: stopped_at.trigger,
-            deadline_ms,
-            notify_only: false,
-            call,
-            from_seq: seq,
-        });
-        self.emit(
-            Some(i),
-            Some(attempt),
-            now_ms,
+        let (trigger, tool) = (stopped_at.trigger, &stopped_at.tool);
+        self.wait_for_person(
+            i,
+            PendingApproval::new(attempt, trigger, call, seq),
             WorkflowEvent {
-                detail: Some(format!(
-                    "{}: tool {} waits for a person until {}",
-                    stopped_at.trigger.as_str(),
-                    stopped_at.tool,
-                    Timestamp::from_unix_ms(deadline_ms)
-                )),
-                approval_id: Some(tool_approval_id(i, attempt, call)),
                 worker: Some(s.worker.clone()),
                 ..WorkflowEvent::phase(WorkflowPhase::ApprovalRequested)
             },
+            |until| {
+                format!(
+                    "{}: tool {tool} waits for a person until {until}",
+                    trigger.as_str()
+                )
+            },
+            now_ms,
             actions,
         );
-        self.arm_if_earlier(deadline_ms, actions);
         true
     }
 }

@@ -128,15 +128,30 @@ pub struct PendingApproval {
     #[serde(rename = "x", default, skip_serializing_if = "std::ops::Not::not")]
     pub expiring: bool,
     /// 0: the wait is for the attempt's dispatch; n ≥ 1: for the n-th tool call the
-    /// dispatched attempt suspended at.
+    /// dispatched attempt suspended at; `REVIEW_CALL`: for the attempt's result.
     #[serde(rename = "c", default, skip_serializing_if = "is_zero_attempt")]
     pub call: u32,
-    /// For a tool call: the run-log sequence of the suspension (the call and its arguments).
+    /// For a tool call: the run-log sequence of the suspension (the call and its arguments);
+    /// for a review: the result's.
     #[serde(rename = "f", default, skip_serializing_if = "is_zero_seq")]
     pub from_seq: u64,
 }
 
 impl PendingApproval {
+    /// A wait of `attempt` for `trigger` (`call`: 0 a dispatch, n a suspended tool call,
+    /// `REVIEW_CALL` a result's review at run-log `from_seq`); its deadline is set when it
+    /// starts.
+    pub fn new(attempt: u32, trigger: Trigger, call: u32, from_seq: u64) -> Self {
+        Self {
+            attempt,
+            deadline_ms: 0,
+            trigger,
+            expiring: false,
+            call,
+            from_seq,
+        }
+    }
+
     /// The approval's id for task `task`.
     pub fn id(&self, task: u32) -> String {
         flotilla_model::approval::wait_id(task, self.attempt, self.call)
