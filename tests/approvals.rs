@@ -13,9 +13,8 @@ use std::time::Duration;
 use flotilla_coordinator::CoordinatorOptions;
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::approval::{
-    AnswerOutcome, ApprovalAnswerReply, ApprovalAnswerRequest, ApprovalGetRequest,
-    ApprovalListRequest, ApprovalRecord, ApprovalStatus, Decision, DefaultDecision, HitlConfig,
-    HitlMode, OnTimeout, Trigger,
+    AnswerOutcome, ApprovalAnswerReply, ApprovalAnswerRequest, ApprovalGetRequest, ApprovalRecord,
+    ApprovalStatus, Decision, DefaultDecision, HitlConfig, HitlMode, OnTimeout, Trigger,
 };
 use flotilla_model::ids::RunId;
 use flotilla_model::plan::Subtask;
@@ -93,25 +92,14 @@ async fn approvals(
 ) -> anyhow::Result<Vec<ApprovalRecord>> {
     let deadline = tokio::time::Instant::now() + WAIT;
     loop {
-        let l = f
-            .client
-            .request(
-                &ApprovalListRequest {
-                    protocol: PROTOCOL_VERSION,
-                    run_id: Some(run),
-                    all,
-                    limit: None,
-                },
-                ASK,
-            )
-            .await?;
-        if l.approvals.len() >= n {
-            return Ok(l.approvals);
+        let l = approvals_of(&f.client, run, all).await?;
+        if l.len() >= n {
+            return Ok(l);
         }
         anyhow::ensure!(
             tokio::time::Instant::now() < deadline,
             "run {run} has {} approvals, not {n}",
-            l.approvals.len()
+            l.len()
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -872,19 +860,8 @@ async fn a_low_confidence_result_is_held_for_review_before_its_dependents_run() 
     let run = f.client.submit(SubmitRequest::new(plain)).await?;
     let o = f.client.wait(run, WAIT).await?;
     assert_eq!(o.status, RunStatus::Succeeded, "{o:?}");
-    let l = f
-        .client
-        .request(
-            &ApprovalListRequest {
-                protocol: PROTOCOL_VERSION,
-                run_id: Some(run),
-                all: true,
-                limit: None,
-            },
-            ASK,
-        )
-        .await?;
-    assert!(l.approvals.is_empty());
+    let l = approvals_of(&f.client, run, true).await?;
+    assert!(l.is_empty());
 
     // A threshold outside 0 to 1 is refused, naming the field.
     let mut bad = two_step(0.5);

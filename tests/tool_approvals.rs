@@ -17,8 +17,8 @@ use std::time::Duration;
 
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::approval::{
-    AnswerOutcome, ApprovalAnswerReply, ApprovalAnswerRequest, ApprovalListRequest, ApprovalRecord,
-    ApprovalStatus, Decision, PlanHitl, Trigger,
+    AnswerOutcome, ApprovalAnswerReply, ApprovalAnswerRequest, ApprovalRecord, ApprovalStatus,
+    Decision, PlanHitl, Trigger,
 };
 use flotilla_model::event::{Event, EventEnvelope};
 use flotilla_model::ids::RunId;
@@ -96,23 +96,8 @@ fn sent(dir: &std::path::Path) -> Vec<serde_json::Value> {
 async fn approval(p: &Processes, run: RunId, id: &str) -> anyhow::Result<ApprovalRecord> {
     let deadline = tokio::time::Instant::now() + WAIT;
     loop {
-        let l = p
-            .client
-            .request(
-                &ApprovalListRequest {
-                    protocol: PROTOCOL_VERSION,
-                    run_id: Some(run),
-                    all: true,
-                    limit: None,
-                },
-                ASK,
-            )
-            .await?;
-        if let Some(r) = l
-            .approvals
-            .into_iter()
-            .find(|r| r.request.approval_id == id)
-        {
+        let l = approvals_of(&p.client, run, true).await?;
+        if let Some(r) = l.into_iter().find(|r| r.request.approval_id == id) {
             return Ok(r);
         }
         anyhow::ensure!(
@@ -682,19 +667,8 @@ async fn a_tool_approved_always_runs_without_asking_in_its_session_until_revoked
     let second = p.client.submit(in_session("mail bo")).await?;
     let o = p.client.wait(second, WAIT).await?;
     assert_eq!(o.status, RunStatus::Succeeded, "{o:?}");
-    let l = p
-        .client
-        .request(
-            &ApprovalListRequest {
-                protocol: PROTOCOL_VERSION,
-                run_id: Some(second),
-                all: true,
-                limit: None,
-            },
-            ASK,
-        )
-        .await?;
-    assert!(l.approvals.is_empty(), "{:?}", l.approvals);
+    let l = approvals_of(&p.client, second, true).await?;
+    assert!(l.is_empty(), "{l:?}");
     assert_eq!(sent(dir.path()).len(), 2);
 
     // Nobody else writes a grant: a client's state.set of the key is refused.

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::approval::{
-    AnswerOutcome, ApprovalAnswerReply, ApprovalAnswerRequest, ApprovalListRequest, Decision,
+    AnswerOutcome, ApprovalAnswerReply, ApprovalAnswerRequest, Decision,
 };
 use flotilla_model::ids::RunId;
 use flotilla_model::plan::Subtask;
@@ -51,19 +51,8 @@ async fn submit(p: &Processes) -> anyhow::Result<RunId> {
 async fn approve(p: &Processes, run: RunId) -> anyhow::Result<()> {
     let deadline = tokio::time::Instant::now() + WAIT;
     loop {
-        let l = p
-            .client
-            .request(
-                &ApprovalListRequest {
-                    protocol: PROTOCOL_VERSION,
-                    run_id: Some(run),
-                    all: false,
-                    limit: None,
-                },
-                ASK,
-            )
-            .await?;
-        if let Some(a) = l.approvals.first() {
+        let l = approvals_of(&p.client, run, false).await?;
+        if let Some(a) = l.first() {
             assert_eq!(a.request.trigger.as_str(), "human_in_command");
             let r: ApprovalAnswerReply = p
                 .client
@@ -135,19 +124,8 @@ async fn level_becomes(p: &Processes, level: TrustLevel) -> anyhow::Result<Trust
 async fn runs_unasked(p: &Processes, run: RunId) -> anyhow::Result<()> {
     let outcome = p.client.wait(run, WAIT).await?;
     assert_eq!(outcome.status, RunStatus::Succeeded);
-    let l = p
-        .client
-        .request(
-            &ApprovalListRequest {
-                protocol: PROTOCOL_VERSION,
-                run_id: Some(run),
-                all: true,
-                limit: None,
-            },
-            ASK,
-        )
-        .await?;
-    assert!(l.approvals.is_empty(), "{:?}", l.approvals);
+    let l = approvals_of(&p.client, run, true).await?;
+    assert!(l.is_empty(), "{l:?}");
     Ok(())
 }
 

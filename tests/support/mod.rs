@@ -690,3 +690,23 @@ pub async fn projection(
     .await??;
     Ok(out)
 }
+
+/// The approvals of `run` as `approval.list` answers them (settled ones too with `all`).
+pub async fn approvals_of(
+    client: &Client,
+    run: flotilla_model::ids::RunId,
+    all: bool,
+) -> anyhow::Result<Vec<flotilla_model::approval::ApprovalRecord>> {
+    let list = client
+        .request(
+            &flotilla_model::approval::ApprovalListRequest {
+                protocol: flotilla_model::PROTOCOL_VERSION,
+                run_id: Some(run),
+                all,
+                limit: None,
+            },
+            Duration::from_secs(5),
+        )
+        .await?;
+    Ok(list.approvals)
+}
