@@ -512,6 +512,7 @@ async fn coordinator(
             default: Some("echo".into()),
             workflows: Default::default(),
             roles: Default::default(),
+            compensations: Default::default(),
         }),
         ..Default::default()
     };
@@ -601,6 +602,7 @@ async fn an_invalid_fast_path_plan_is_never_started_by_another_coordinator() -> 
                 reason: Some("probe".into()),
                 by: None,
                 timeout_ms: None,
+                rollback: false,
             }),
         };
         bus.publish(bus.names().runlog(*run), &entry, None).await?;

@@ -154,6 +154,7 @@ impl InProcess {
                 default: self.agents.keys().next().cloned(),
                 workflows: Default::default(),
                 roles: Default::default(),
+                compensations: Default::default(),
             }),
             ..ValidationContext::default()
         }

@@ -277,6 +277,15 @@ impl Config {
         self.telemetry
             .validate()
             .map_err(|e| anyhow::anyhow!("invalid [telemetry] section: {e}"))?;
+        for (name, entry) in &self.agents {
+            if let Some(undo) = &entry.compensate
+                && !self.agents.contains_key(undo)
+            {
+                bail!(
+                    "invalid [agents.{name}]: compensate names agent {undo:?}, which is not defined in [agents]"
+                );
+            }
+        }
         self.agent_registry()?;
         Ok(())
     }
@@ -332,6 +341,11 @@ impl Config {
                         .map(|(n, _)| n.clone())
                         .collect(),
                     roles: Default::default(),
+                    compensations: self
+                        .agents
+                        .iter()
+                        .filter_map(|(n, e)| e.compensate.clone().map(|c| (n.clone(), c)))
+                        .collect(),
                 }
                 .with_roles(
                     self.agents

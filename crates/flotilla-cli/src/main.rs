@@ -238,6 +238,11 @@ enum RunsCommand {
         /// Why (recorded in the outcome).
         #[arg(long)]
         reason: Option<String>,
+        /// Then undo the succeeded tasks that declare a compensation (`compensate`), in
+        /// reverse dependency order, in a rollback run (a child of the run); waits for it too
+        /// and exits 1 if a compensation failed.
+        #[arg(long)]
+        rollback: bool,
         /// Return once the cancellation is recorded.
         #[arg(long)]
         no_wait: bool,
@@ -555,9 +560,17 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
         Command::Runs(RunsCommand::Cancel {
             run,
             reason,
+            rollback,
             no_wait,
             json,
-        }) => commands::runs::cancel(&load()?, run, reason, !no_wait, json).await,
+        }) => {
+            let how = commands::runs::CancelHow {
+                rollback,
+                wait: !no_wait,
+                json,
+            };
+            commands::runs::cancel(&load()?, run, reason, how).await
+        }
         Command::Runs(RunsCommand::Control(command)) => {
             commands::controls::control(&load()?, command).await
         }

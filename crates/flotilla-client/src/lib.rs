@@ -198,6 +198,24 @@ impl Client {
             run_id: run,
             reason,
             by: None,
+            rollback: false,
+        };
+        self.request(&request, Duration::from_secs(10)).await
+    }
+
+    /// Asks the coordinators to cancel a run and undo its succeeded tasks that declare a
+    /// compensation (the reply names the rollback run).
+    pub async fn cancel_and_roll_back(
+        &self,
+        run: RunId,
+        reason: Option<String>,
+    ) -> Result<CancelRunReply, ClientError> {
+        let request = CancelRunRequest {
+            protocol: flotilla_model::PROTOCOL_VERSION,
+            run_id: run,
+            reason,
+            by: None,
+            rollback: true,
         };
         self.request(&request, Duration::from_secs(10)).await
     }

@@ -344,6 +344,7 @@ impl Clients {
                     scope.run_id,
                     scope.task_id.as_ref().map_or("", TaskId::as_str)
                 )),
+                rollback: false,
             };
             let body = serde_json::to_vec(&request)
                 .map_err(|e| ContextError::with_source(ErrorKind::Malformed, "encoding", e))?;

@@ -572,6 +572,7 @@ impl Api {
                 run_id: run,
                 cancelling: false,
                 status: state.status,
+                rollback_run_id: state.outcome.as_ref().and_then(|o| o.rollback_run_id),
             };
             return respond_json(&req, self.max_payload(), &reply).await;
         }
@@ -590,6 +591,7 @@ impl Api {
                 reason: (!reason.is_empty()).then_some(reason),
                 by: r.by,
                 timeout_ms: None,
+                rollback: r.rollback,
             }),
         };
         match bus
@@ -602,6 +604,9 @@ impl Api {
                     run_id: r.run_id,
                     cancelling: true,
                     status: flotilla_model::run::RunStatus::Running,
+                    rollback_run_id: r
+                        .rollback
+                        .then(|| flotilla_model::rollback::rollback_run_id(r.run_id)),
                 };
                 respond_json(req, self.max_payload(), &reply).await;
             }

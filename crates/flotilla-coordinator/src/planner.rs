@@ -350,6 +350,7 @@ mod tests {
                 default: Some("writer".into()),
                 workflows: BTreeSet::new(),
                 roles: Default::default(),
+                compensations: Default::default(),
             }),
             ..ValidationContext::default()
         }

@@ -482,6 +482,54 @@ fn failure_ratio_counts_failed_tasks_against_the_threshold() {
 }
 
 #[test]
+fn cancel_with_rollback_undoes_the_succeeded_tasks_that_declare_a_compensation() {
+    let mut tasks = diamond();
+    for t in &mut tasks[..3] {
+        t.compensate = Some("undo".into());
+    }
+    let p = plan(tasks, PlanConfig::default());
+    let run = RunId::new();
+    let (mut m, _) = RunMachine::start(run, &submitted(&p), p.clone(), 0);
+    let (a, b) = (ok("a"), ok("b"));
+    m.apply(result(&a, 1, 1), 1);
+    m.apply(result(&b, 1, 2), 2);
+    // a and b succeeded, c is running, d waits: only a and b are undone.
+    let actions = m.apply(
+        Input::Cancel {
+            reason: "wrong data",
+            rollback: true,
+        },
+        3,
+    );
+    assert!(actions.contains(&Action::CancelAttempts));
+    assert!(actions.contains(&Action::Rollback { tasks: vec![0, 1] }));
+    let o = m.state().outcome.as_ref().expect("outcome");
+    assert_eq!(
+        o.rollback_run_id,
+        Some(flotilla_model::rollback::rollback_run_id(run))
+    );
+    assert_eq!(
+        o.reason.as_deref(),
+        Some("cancelled: wrong data; rolling back 2 succeeded tasks")
+    );
+    // Nothing to undo (no compensation declared, or nothing succeeded): no rollback run.
+    let p = plan(diamond(), PlanConfig::default());
+    let (mut m, _) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
+    m.apply(result(&a, 1, 1), 1);
+    let actions = m.apply(
+        Input::Cancel {
+            reason: "",
+            rollback: true,
+        },
+        2,
+    );
+    assert!(!actions.iter().any(|a| matches!(a, Action::Rollback { .. })));
+    let o = m.state().outcome.as_ref().expect("outcome");
+    assert_eq!(o.rollback_run_id, None);
+    assert_eq!(o.reason.as_deref(), Some("cancelled"));
+}
+
+#[test]
 fn cancel_stops_the_run_and_cancels_running_attempts() {
     let p = plan(diamond(), PlanConfig::default());
     let (mut m, _) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
@@ -490,6 +538,7 @@ fn cancel_stops_the_run_and_cancels_running_attempts() {
     let actions = m.apply(
         Input::Cancel {
             reason: "not needed",
+            rollback: false,
         },
         2,
     );
@@ -507,7 +556,16 @@ fn cancel_stops_the_run_and_cancels_running_attempts() {
     assert_eq!(s.counts().cancelled, 3);
     // A second cancel, or anything else, changes nothing.
     let before = m.state().clone();
-    assert!(m.apply(Input::Cancel { reason: "again" }, 3).is_empty());
+    assert!(
+        m.apply(
+            Input::Cancel {
+                reason: "again",
+                rollback: false
+            },
+            3
+        )
+        .is_empty()
+    );
     assert_eq!(m.state(), &before);
 }
 
@@ -1129,7 +1187,7 @@ mod model {
                 }
                 if c.cancel_at == Some(step) {
                     cancelled_by_input = true;
-                    actions = m.apply(Input::Cancel { reason: "test" }, now);
+                    actions = m.apply(Input::Cancel { reason: "test", rollback: false }, now);
                     continue;
                 }
                 if c.ext_written_at == Some(step) {
@@ -1522,7 +1580,13 @@ mod planning {
         let (mut m, _) = start(2);
         let t = (TaskId::new("_plan-1"), TaskResult::success("{}"));
         m.apply(result_of(&t, 5), 5);
-        let actions = m.apply(Input::Cancel { reason: "stop" }, 6);
+        let actions = m.apply(
+            Input::Cancel {
+                reason: "stop",
+                rollback: false,
+            },
+            6,
+        );
         assert!(actions.contains(&Action::Finish));
         assert_eq!(m.state().status, RunStatus::Cancelled);
         assert_eq!(
@@ -1615,7 +1679,13 @@ fn outcomes_name_their_cause_and_a_spent_budget_comes_first() {
     // Cancelled, and succeeded (no cause).
     let p = plan(two(), cfg.clone());
     let (mut m, _) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
-    m.apply(Input::Cancel { reason: "stop" }, 5);
+    m.apply(
+        Input::Cancel {
+            reason: "stop",
+            rollback: false,
+        },
+        5,
+    );
     assert_eq!(
         m.state().outcome.as_ref().and_then(|o| o.cause),
         Some(EndCause::Cancelled)
@@ -1927,7 +1997,13 @@ fn a_held_runs_attempt_stops_at_a_step_and_the_resume_continues_it() {
     assert_eq!(dispatched(&actions), vec![(0, 1)]);
     // Paused again and cancelled while held: the hold is lifted with the run.
     m.apply(control(ControlAction::Pause), 2_200);
-    let actions = m.apply(Input::Cancel { reason: "enough" }, 2_300);
+    let actions = m.apply(
+        Input::Cancel {
+            reason: "enough",
+            rollback: false,
+        },
+        2_300,
+    );
     assert!(
         actions.contains(&Action::HoldAttempts { held: false }),
         "{actions:?}"

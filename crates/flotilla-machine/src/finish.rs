@@ -147,6 +147,7 @@ impl RunMachine {
             skipped_omitted,
             reason: blocking,
             cause,
+            rollback_run_id: None,
         });
         actions.push(Action::Finish);
     }
@@ -172,6 +173,14 @@ impl RunMachine {
             .tasks
             .iter()
             .any(|t| t.status == TaskStatus::Cancelled)
+    }
+
+    /// Every task that succeeded, in plan order, as plan indexes (a bare query's planner
+    /// task included).
+    pub(crate) fn succeeded_tasks_all(&self) -> Vec<usize> {
+        (0..self.graph.len())
+            .filter(|&i| self.state.tasks[i].status == TaskStatus::Succeeded)
+            .collect()
     }
 
     /// Every task that succeeded, in plan order (none while a bare query is unplanned).

@@ -111,6 +111,8 @@ pub enum Input<'a> {
     Cancel {
         /// Why, in words.
         reason: &'a str,
+        /// Undo its succeeded tasks that declare a compensation ([`Action::Rollback`]).
+        rollback: bool,
     },
     /// A workspace topic of the run got an entry from some writer.
     TopicWritten {
@@ -516,7 +518,7 @@ impl RunMachine {
                 self.rescan_deadlines = true;
                 self.on_timer(now_ms, &mut actions);
             }
-            Input::Cancel { reason } => {
+            Input::Cancel { reason, rollback } => {
                 self.state.applied += 1;
                 let reason = if reason.is_empty() {
                     "cancelled".to_owned()
@@ -530,6 +532,9 @@ impl RunMachine {
                     now_ms,
                     &mut actions,
                 );
+                if rollback {
+                    self.roll_back(&mut actions);
+                }
                 return actions;
             }
             Input::Abort { reason } => {
@@ -592,6 +597,7 @@ impl RunMachine {
                 return self.apply(
                     Input::Cancel {
                         reason: reason.unwrap_or_default(),
+                        rollback: false,
                     },
                     now_ms,
                 );
@@ -678,6 +684,29 @@ impl RunMachine {
             actions.push(Action::CancelAttempts);
         }
         self.finish_with(Some((status, reason, cause)), now_ms, actions);
+    }
+
+    /// The run was just cancelled with `rollback`: when some of its succeeded tasks declare
+    /// a compensation, their rollback run is started and named in the outcome.
+    fn roll_back(&mut self, actions: &mut Vec<Action>) {
+        let undo =
+            flotilla_model::rollback::compensated_tasks(&self.plan, &self.succeeded_tasks_all());
+        if undo.is_empty() {
+            return;
+        }
+        if let Some(o) = self.state.outcome.as_mut() {
+            o.rollback_run_id = Some(flotilla_model::rollback::rollback_run_id(self.state.run_id));
+            let n = undo.len();
+            o.reason = o.reason.take().map(|r| {
+                format!(
+                    "{r}; rolling back {n} succeeded task{}",
+                    if n == 1 { "" } else { "s" }
+                )
+            });
+        }
+        actions.push(Action::Rollback {
+            tasks: undo.into_iter().map(|i| i as u32).collect(),
+        });
     }
 
     fn emit(

@@ -469,6 +469,7 @@ impl RunState {
                 skipped_omitted: 0,
                 reason: Some(reason),
                 cause: Some(EndCause::Rejected),
+                rollback_run_id: None,
             }),
         }
     }
@@ -615,6 +616,13 @@ pub enum Action {
     /// The run ended: complete its outcome (final result), emit the terminal event and answer
     /// a waiting submitter.
     Finish,
+    /// The run was cancelled with `rollback`: submit its rollback run (id
+    /// [`flotilla_model::rollback::rollback_run_id`]), a child that undoes `tasks` (plan
+    /// indexes, succeeded, each with a compensation) in reverse dependency order.
+    Rollback {
+        /// The tasks to undo.
+        tasks: Vec<u32>,
+    },
     /// Task `task` waits for a person before attempt `attempt` is dispatched (or, with
     /// `notify_only`, is dispatched with a notice): store the request in the escalations
     /// bucket (create-if-absent) and notify `<prefix>.notify.approval.<run>`.

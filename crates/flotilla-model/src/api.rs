@@ -114,6 +114,11 @@ pub struct CancelRunRequest {
     /// Who asks, for the record.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub by: Option<String>,
+    /// Undo what the run did: once it is stopped, its succeeded tasks that declare a
+    /// compensation (`compensate`) are compensated in reverse dependency order by a rollback
+    /// run, a child of this one (`rollback_run_id` in the answer and the outcome).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub rollback: bool,
 }
 
 /// The answer to a cancellation.
@@ -129,6 +134,11 @@ pub struct CancelRunReply {
     pub cancelling: bool,
     /// The run's status when the request was handled.
     pub status: RunStatus,
+    /// With `rollback`, when the cancellation was recorded: the run that will undo the
+    /// succeeded tasks that declare a compensation (it starts only if there are any; the
+    /// cancelled run's outcome says whether it did).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollback_run_id: Option<RunId>,
 }
 
 impl ApiRequest for CancelRunRequest {

@@ -108,6 +108,7 @@ static SUBTASK: Shape = Shape {
         typed("consumes", check::<Vec<String>>),
         typed("action", check::<Option<String>>),
         typed("risk", check::<crate::plan::Risk>),
+        typed("compensate", check::<Option<String>>),
         typed("required", check::<bool>),
         typed("timeout", check::<Option<crate::time::Secs>>),
         typed("input", check::<Value>),

@@ -20,6 +20,7 @@ pub mod numeric;
 pub mod plan;
 pub mod problem;
 pub mod recruit;
+pub mod rollback;
 pub mod run;
 pub mod runlog;
 pub mod schema;

@@ -67,14 +67,20 @@ pub struct Subtask {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub consumes: Vec<String>,
     /// The kind of action the task takes (`read`, `publish`, `pay`…). Passed to the agent in
-    /// its envelope; reserved for escalation policy, which is not built yet (nothing decides
-    /// on it today).
+    /// its envelope; an action in the deployment's `[hitl] sensitive-actions` waits for a
+    /// person's approval before it is dispatched.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub action: Option<String>,
-    /// How risky the action is. Passed to the agent in its envelope; reserved for escalation
-    /// policy, which is not built yet.
+    /// How risky the action is. Passed to the agent in its envelope; at or above
+    /// `[hitl] sensitive-risk` (when set) the task waits for approval too.
     #[serde(default)]
     pub risk: Risk,
+    /// The agent that undoes this task's work (a compensation) when its run is cancelled with
+    /// `rollback` after the task succeeded. Absent: the task's agent's own `compensate`
+    /// (`[agents.NAME] compensate = "…"`), filled in when the plan is accepted; a task with
+    /// neither is not undone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compensate: Option<String>,
     /// Whether the run fails when this task fails. Optional tasks may fail or be skipped
     /// without failing the run.
     #[serde(default = "default_true")]
@@ -435,6 +441,7 @@ impl Subtask {
             consumes: Vec::new(),
             action: None,
             risk: Risk::Low,
+            compensate: None,
             required: true,
             timeout: None,
             input: serde_json::Value::Null,

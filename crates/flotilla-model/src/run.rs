@@ -312,6 +312,10 @@ pub struct RunOutcome {
     /// words); absent when it succeeded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cause: Option<EndCause>,
+    /// A run cancelled with `rollback` whose succeeded tasks declare compensations: the child
+    /// run that undoes them (its own outcome says whether every compensation succeeded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollback_run_id: Option<RunId>,
 }
 
 /// Why a run did not succeed.

@@ -167,6 +167,10 @@ pub struct Control {
     /// pause resumes, a takeover cancels), in ms. Absent: 24 h.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_ms: Option<u64>,
+    /// For `cancel`: undo the tasks that succeeded and declare a compensation, in reverse
+    /// dependency order, in a rollback run (see [`crate::rollback`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub rollback: bool,
 }
 
 /// Control actions.

@@ -133,6 +133,7 @@ fn subtask() -> impl Strategy<Value = Subtask> {
                 consumes,
                 action,
                 risk,
+                compensate: None,
                 required,
                 timeout,
                 input,
@@ -355,6 +356,7 @@ fn outcome() -> impl Strategy<Value = RunOutcome> {
                 skipped_omitted: omitted * 2,
                 cause: (!partial).then_some(flotilla_model::run::EndCause::BudgetExhausted),
                 reason,
+                rollback_run_id: partial.then_some(run_id),
             },
         )
 }
@@ -630,7 +632,7 @@ proptest! {
                 name: p.name.clone(), labels, reply_to: Some("a.b".into()), intake_seq: None,
             })),
             3 => RunInput::Control(flotilla_model::runlog::Control {
-                action: flotilla_model::runlog::ControlAction::Cancel, reason: Some("stop".into()), by: None, timeout_ms: None,
+                action: flotilla_model::runlog::ControlAction::Cancel, reason: Some("stop".into()), by: None, timeout_ms: None, rollback: true,
             }),
             4 => RunInput::TopicWritten { topic: "figures".into(), seq: generation },
             5 => RunInput::Planned(Box::new(flotilla_model::runlog::Planned {
@@ -656,7 +658,7 @@ proptest! {
             13 => RunInput::ApprovalDecided(Box::new(flotilla_model::approval::ApprovalDecided { approval_id: "t0a1".into(), task_id, attempt, status: flotilla_model::approval::ApprovalStatus::Decided, decision: flotilla_model::approval::Decision::Respond { result: result.response }, by: "alice".into(), tool_call: None, digest: None })),
             14 => RunInput::ApprovalDecided(Box::new(flotilla_model::approval::ApprovalDecided { approval_id: "t0a1".into(), task_id, attempt, status: flotilla_model::approval::ApprovalStatus::Expired, decision: flotilla_model::approval::Decision::Edit { input: serde_json::json!({"a": [1, 2]}) }, by: "deadline".into(), tool_call: Some(flotilla_model::approval::ToolCallRef { call_id: "call_1".into(), tool: "send_email".into() }), digest: Some("ab".into()) })),
             15 => RunInput::Control(flotilla_model::runlog::Control {
-                action: [flotilla_model::runlog::ControlAction::Pause, flotilla_model::runlog::ControlAction::Resume, flotilla_model::runlog::ControlAction::Takeover][generation as usize % 3], reason: Some("look".into()), by: Some("alice".into()), timeout_ms: Some(generation),
+                action: [flotilla_model::runlog::ControlAction::Pause, flotilla_model::runlog::ControlAction::Resume, flotilla_model::runlog::ControlAction::Takeover][generation as usize % 3], reason: Some("look".into()), by: Some("alice".into()), timeout_ms: Some(generation), rollback: false,
             }),
             16 => RunInput::Completed(Box::new(flotilla_model::control::Completed { task_id, result: result.response, by: "alice".into(), comment: Some("done by hand".into()) })),
             17 => RunInput::Suspended(Box::new(flotilla_model::runlog::Suspended { task_id, attempt, attempt_id, worker: "w1".into(), segment: attempt - 1, call: (attempt % 3 != 0).then(|| flotilla_model::runlog::SuspendedCall {
@@ -708,8 +710,8 @@ proptest! {
     #[test]
     fn api_messages_roundtrip(run_id in run_id(), status in 400u16..600, code in token(), message in text()) {
         roundtrip(&GetRunRequest { protocol: 1, run_id, tasks_offset: 3, tasks_limit: Some(10), task_id: None })?;
-        roundtrip(&flotilla_model::api::CancelRunRequest { protocol: 1, run_id, reason: Some(message.clone()), by: None })?;
-        roundtrip(&flotilla_model::api::CancelRunReply { protocol: 1, run_id, cancelling: true, status: RunStatus::Running })?;
+        roundtrip(&flotilla_model::api::CancelRunRequest { protocol: 1, run_id, reason: Some(message.clone()), by: None, rollback: true })?;
+        roundtrip(&flotilla_model::api::CancelRunReply { protocol: 1, run_id, cancelling: true, status: RunStatus::Running, rollback_run_id: Some(run_id) })?;
         roundtrip(&flotilla_model::control::PauseRunRequest { protocol: 1, run_id, reason: Some(message.clone()), by: Some(code.clone()), timeout_ms: Some(5000), children: false })?;
         roundtrip(&flotilla_model::control::ResumeRunRequest { protocol: 1, run_id, reason: None, by: None, children: true })?;
         roundtrip(&flotilla_model::control::TakeoverRunRequest { protocol: 1, run_id, reason: None, by: Some(code.clone()), timeout_ms: None, children: true })?;

@@ -52,6 +52,7 @@ async fn main() -> anyhow::Result<()> {
             default: None,
             workflows: BTreeSet::new(),
             roles: Default::default(),
+            compensations: Default::default(),
         }),
         ..ValidationContext::default()
     };

@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use flotilla_bus::Bus;
 use flotilla_model::ids::RunId;
+use flotilla_model::run::RunStatus;
 use flotilla_model::runlog::{PlanDecision, RunInput};
 use flotilla_model::time::Timestamp;
 use flotilla_runs::RunReader;
@@ -442,18 +443,35 @@ pub(crate) async fn workers(config: &Config, json: bool) -> anyhow::Result<ExitC
     Ok(ExitCode::SUCCESS)
 }
 
-/// `flotilla runs cancel RUN [--reason] [--no-wait]`: asks the coordinators to cancel, then
-/// (by default) waits for the run to end.
+/// How `flotilla runs cancel` cancels and what it waits for.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CancelHow {
+    /// Undo the succeeded tasks that declare a compensation.
+    pub(crate) rollback: bool,
+    /// Wait for the run's end (and its rollback's).
+    pub(crate) wait: bool,
+    /// Machine-readable output.
+    pub(crate) json: bool,
+}
+
+/// `flotilla runs cancel RUN [--reason] [--rollback] [--no-wait]`: asks the coordinators to
+/// cancel, then (by default) waits for the run to end — and, with `--rollback`, for its
+/// rollback run, exiting 1 when a compensation failed.
 pub(crate) async fn cancel(
     config: &Config,
     run: RunId,
     reason: Option<String>,
-    wait: bool,
-    json: bool,
+    how: CancelHow,
 ) -> anyhow::Result<ExitCode> {
+    let json = how.json;
     let bus = Bus::connect(&config.nats, "flotilla-cli").await?;
     let client = flotilla_client::Client::new(bus);
-    let reply = match client.cancel(run, reason).await {
+    let asked = if how.rollback {
+        client.cancel_and_roll_back(run, reason).await
+    } else {
+        client.cancel(run, reason).await
+    };
+    let reply = match asked {
         Ok(r) => r,
         Err(e) if e.kind() == flotilla_client::ClientErrorKind::Api => {
             errln!("error: {e}");
@@ -469,11 +487,14 @@ pub(crate) async fn cancel(
         }
         return Ok(ExitCode::SUCCESS);
     }
-    if !wait {
+    if !how.wait {
         if json {
             outln!("{}", serde_json::to_string_pretty(&reply)?);
         } else {
             errln!("Cancelling run {run}");
+            if let Some(r) = reply.rollback_run_id {
+                errln!("  its rollback, if any task needs undoing: run {r}");
+            }
         }
         return Ok(ExitCode::SUCCESS);
     }
@@ -481,15 +502,49 @@ pub(crate) async fn cancel(
     let outcome = client
         .wait(run, std::time::Duration::from_secs(120))
         .await?;
-    if json {
-        outln!("{}", serde_json::to_string_pretty(&outcome)?);
-    } else {
+    if !json {
         errln!("Run {run} {}", outcome.status);
         if let Some(reason) = &outcome.reason {
             errln!("  reason: {reason}");
         }
     }
-    Ok(ExitCode::SUCCESS)
+    let Some(rollback) = outcome.rollback_run_id else {
+        if json {
+            outln!("{}", serde_json::to_string_pretty(&outcome)?);
+        } else if how.rollback && outcome.status == RunStatus::Cancelled {
+            errln!("  nothing to roll back: no succeeded task declares a compensation");
+        }
+        return Ok(ExitCode::SUCCESS);
+    };
+    if !json {
+        errln!("Rolling back in run {rollback}…");
+    }
+    let undone = client
+        .wait(rollback, std::time::Duration::from_secs(600))
+        .await?;
+    let ok = undone.status == RunStatus::Succeeded;
+    if json {
+        outln!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "outcome": outcome,
+                "rollback": undone,
+            }))?
+        );
+    } else {
+        errln!("Rollback run {rollback} {}", undone.status);
+        for f in &undone.failed {
+            errln!("  compensation {} failed: {}", f.task_id, f.error);
+        }
+        for s in &undone.skipped {
+            errln!("  compensation {} not run: {}", s.task_id, s.reason);
+        }
+    }
+    Ok(if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
 }
 
 /// `flotilla runs tree RUN`: the run and, recursively, the child runs its agents started,

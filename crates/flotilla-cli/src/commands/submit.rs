@@ -297,6 +297,7 @@ pub(crate) async fn follow(
                     skipped_omitted: 0,
                     reason: w.detail,
                     cause: None,
+                    rollback_run_id: None,
                 });
                 return Ok(outcome);
             }

@@ -281,6 +281,7 @@ impl Api {
                 reason: asked.reason.clone().filter(|r| !r.is_empty()),
                 by: asked.by.clone(),
                 timeout_ms: asked.timeout_ms,
+                rollback: false,
             }),
         };
         bus.publish(bus.names().runlog(run), &entry, None)

@@ -257,8 +257,14 @@ impl Runtime {
                     match c.action {
                         ControlAction::Cancel => {
                             let reason = c.reason.as_deref().unwrap_or_default();
-                            info!(%run, reason, by = c.by.as_deref().unwrap_or("-"), "Cancelling the run");
-                            actions.extend(e.machine.apply(Input::Cancel { reason }, d.ts_ms));
+                            info!(%run, reason, by = c.by.as_deref().unwrap_or("-"), rollback = c.rollback, "Cancelling the run");
+                            actions.extend(e.machine.apply(
+                                Input::Cancel {
+                                    reason,
+                                    rollback: c.rollback,
+                                },
+                                d.ts_ms,
+                            ));
                         }
                         action => {
                             let a = e.machine.apply(
@@ -580,6 +586,7 @@ fn still_relevant(action: &Action, machine: &RunMachine) -> bool {
         Action::Emit(_)
         | Action::Withdraw { .. }
         | Action::CancelAttempts
+        | Action::Rollback { .. }
         | Action::Produce { .. }
         | Action::StoreOutput { .. } => true,
         Action::Finish => s.status.is_terminal(),

@@ -1,6 +1,18 @@
 //! Cancelling the attempts of a stopped run: a notice in the control bucket, which workers
 //! watch, and the run's queued tasks purged from the task stream; and withdrawing an anycast
-//! task no member claimed in time from its role's queue.
+//! task no member claimed in time from its role's queue; starting the rollback run of a run
+//! cancelled with `rollback`.
+
+use flotilla_bus::wire;
+use flotilla_model::PROTOCOL_VERSION;
+use flotilla_model::codec::Codec;
+use flotilla_model::event::{Event, EventEnvelope};
+use flotilla_model::rollback::{
+    Compensated, MAX_COMPENSATED_RESULT, ROLLBACK_OF_LABEL, rollback_plan, rollback_run_id,
+};
+use flotilla_model::run::RunHandle;
+use flotilla_model::submit::SubmitRequest;
+use flotilla_model::time::Timestamp;
 
 use super::{Cached, Runtime, StepError};
 
@@ -98,5 +110,79 @@ impl Runtime {
             kv.delete(&key).await.map_err(|e| failed(e.to_string()))?;
         }
         Ok(())
+    }
+}
+
+impl Runtime {
+    /// Starts the rollback run of a run cancelled with `rollback`: a child of the run whose
+    /// plan undoes `tasks` in reverse dependency order (see [`flotilla_model::rollback`]).
+    /// It goes through the durable intake like any submission, under an id derived from the
+    /// run and with a message id, so performing this again starts nothing twice (the intake
+    /// answers the repeat `duplicate`). Returns the run-tree link for the step's events.
+    pub(super) async fn roll_back(
+        &self,
+        entry: &mut Cached,
+        tasks: &[u32],
+    ) -> Result<Option<EventEnvelope>, StepError> {
+        let mut undo = Vec::with_capacity(tasks.len());
+        for &t in tasks {
+            let mut result = self.result_of(entry, t).await?.response;
+            super::results::shorten_response(&mut result, MAX_COMPENSATED_RESULT);
+            undo.push(Compensated {
+                index: t as usize,
+                result,
+            });
+        }
+        let state = entry.machine.state();
+        let run = state.run_id;
+        let Some(plan) = rollback_plan(run, entry.machine.plan(), &undo) else {
+            return Ok(None);
+        };
+        let child = rollback_run_id(run);
+        let root = crate::lineage::root_of(state);
+        let parent = RunHandle {
+            run_id: run,
+            agent_id: None,
+            parent_run_id: None,
+            parent_tool_call_id: None,
+            parent_task_id: None,
+            root_run_id: Some(root),
+        };
+        let mut request = SubmitRequest::new(plan);
+        request.run_id = Some(child);
+        request.parent = Some(parent);
+        request.labels = [(ROLLBACK_OF_LABEL.to_owned(), run.to_string())].into();
+        let out = wire::encode(&request, Codec::Json, Some(&format!("rollback.{run}")))?;
+        let subject = self.bus.names().submit();
+        let size = out.payload.len();
+        let max = self.bus.max_payload();
+        self.bus
+            .js()
+            .publish_with_headers(subject.clone(), out.headers, out.payload)
+            .await
+            .map_err(|e| flotilla_bus::classify_publish_error(&subject, size, max, e))?
+            .await
+            .map_err(|e| flotilla_bus::classify_publish_error(&subject, size, max, e))?;
+        tracing::info!(%run, rollback = %child, tasks = tasks.len(), "Rolling back the cancelled run");
+        Ok(Some(EventEnvelope {
+            protocol: PROTOCOL_VERSION,
+            id: format!("{run}.child.{child}"),
+            run_id: run,
+            task_id: None,
+            attempt: None,
+            ts: Timestamp::from_unix_ms(state.finished_ms.unwrap_or_default()),
+            source: "coordinator".into(),
+            event: Event::AgentRunStarted {
+                child: RunHandle {
+                    run_id: child,
+                    agent_id: None,
+                    parent_run_id: Some(run),
+                    parent_tool_call_id: None,
+                    parent_task_id: None,
+                    root_run_id: Some(root),
+                },
+                agent: None,
+            },
+        }))
     }
 }

@@ -218,6 +218,12 @@ impl Runtime {
                     Box::pin(self.cancel_attempts(entry)).await?;
                     continue;
                 }
+                Action::Rollback { tasks } => {
+                    if let Some(link) = Box::pin(self.roll_back(entry, tasks)).await? {
+                        events.push(link);
+                    }
+                    continue;
+                }
                 Action::HoldAttempts { held } => {
                     self.hold_attempts(entry, *held).await?;
                     continue;

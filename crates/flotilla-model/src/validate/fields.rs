@@ -244,6 +244,26 @@ impl Validator {
                 }
             }
         }
+        if let Some(agent) = &task.compensate {
+            if let Err(e) = check_name(agent) {
+                self.error(
+                    ProblemCode::UnknownAgent,
+                    format!("subtasks[{i}].compensate"),
+                    format!("agent name {agent:?} {e}"),
+                );
+            } else if let Some(catalog) = &ctx.agents
+                && !catalog.names.contains(agent)
+            {
+                self.error(
+                    ProblemCode::UnknownAgent,
+                    format!("subtasks[{i}].compensate"),
+                    format!(
+                        "compensating agent {agent:?} is not defined (defined agents: {})",
+                        catalog.names.iter().cloned().collect::<Vec<_>>().join(", ")
+                    ),
+                );
+            }
+        }
         match (&task.agent, &ctx.agents) {
             (Some(agent), catalog) => {
                 if let Err(e) = check_name(agent) {
@@ -425,6 +445,7 @@ mod tests {
                 default: None,
                 workflows: BTreeSet::new(),
                 roles: Default::default(),
+                compensations: Default::default(),
             }),
             limits: Limits::default(),
         };

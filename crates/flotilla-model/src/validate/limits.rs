@@ -79,6 +79,9 @@ pub struct AgentCatalog {
     /// which claim no role's tasks. Empty: the deployment defines no roles, and a subtask's
     /// `role` only picks the system prompt of the agent that runs it.
     pub roles: BTreeMap<String, BTreeSet<String>>,
+    /// Each agent's compensation (`[agents.NAME] compensate = "…"`): the agent that undoes
+    /// its tasks when their run is cancelled with `rollback`.
+    pub compensations: BTreeMap<String, String>,
 }
 
 impl AgentCatalog {
@@ -115,6 +118,15 @@ impl AgentCatalog {
             }
         }
         self
+    }
+
+    /// The agent that undoes a task naming `agent` (or none: the default), if its agent
+    /// declares one.
+    pub fn compensation(&self, agent: Option<&str>) -> Option<&str> {
+        agent
+            .or(self.default.as_deref())
+            .and_then(|a| self.compensations.get(a))
+            .map(String::as_str)
     }
 
     /// Whether a task naming `agent` (or none: the default) runs a workflow agent.

@@ -51,7 +51,19 @@ pub fn prepare_plan(
     if !report.is_valid() {
         return Err(report);
     }
-    Ok((normalize_plan(plan.clone()), report.warnings))
+    let mut plan = normalize_plan(plan.clone());
+    if let Some(catalog) = &ctx.agents {
+        // A task without its own compensation gets its agent's: the stored plan says how
+        // each task is undone, whatever the deployment says later.
+        for task in &mut plan.subtasks {
+            if task.compensate.is_none() && task.anycast_role(catalog.has_roles()).is_none() {
+                task.compensate = catalog
+                    .compensation(task.agent.as_deref())
+                    .map(str::to_owned);
+            }
+        }
+    }
+    Ok((plan, report.warnings))
 }
 
 /// The plan as it runs: topics normalised. Pure and deterministic, so a coordinator that

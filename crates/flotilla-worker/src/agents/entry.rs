@@ -7,10 +7,11 @@
 //! roles = ["analyst", "writer"]          # the member card: team roles,
 //! description = "Reads filings"          # what it is for,
 //! capabilities = ["filings", "tables"]   # and what it can do
+//! compensate = "retract"                 # the agent that undoes its tasks on a rollback
 //! ```
 //!
-//! The card's keys are taken out before the rest is read as the definition, so every kind
-//! keeps refusing keys it does not know.
+//! The card's keys (and `compensate`) are taken out before the rest is read as the
+//! definition, so every kind keeps refusing keys it does not know.
 
 use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
@@ -29,6 +30,9 @@ pub struct AgentEntry {
     pub definition: AgentDefinition,
     /// What the team knows of it.
     pub card: MemberCard,
+    /// The agent that undoes its tasks' work when their run is cancelled with `rollback`
+    /// (a plan's subtask may name its own).
+    pub compensate: Option<String>,
 }
 
 impl From<AgentDefinition> for AgentEntry {
@@ -36,6 +40,7 @@ impl From<AgentDefinition> for AgentEntry {
         Self {
             definition,
             card: MemberCard::default(),
+            compensate: None,
         }
     }
 }
@@ -49,13 +54,30 @@ impl<'de> Deserialize<'de> for AgentEntry {
                 card.insert(k.to_owned(), v);
             }
         }
+        let compensate = match table.remove("compensate") {
+            None => None,
+            Some(serde_json::Value::String(agent)) => {
+                flotilla_model::token::check_name(&agent)
+                    .map_err(|e| D::Error::custom(format!("compensate: agent {agent:?} {e}")))?;
+                Some(agent)
+            }
+            Some(other) => {
+                return Err(D::Error::custom(format!(
+                    "compensate: expected an agent name, found {other}"
+                )));
+            }
+        };
         let card = MemberCard::deserialize(serde_json::Value::Object(card))
             .map_err(|e| D::Error::custom(format!("member card: {e}")))?;
         card.validate()
             .map_err(|e| D::Error::custom(format!("member card: {e}")))?;
         let definition = AgentDefinition::deserialize(serde_json::Value::Object(table))
             .map_err(D::Error::custom)?;
-        Ok(Self { definition, card })
+        Ok(Self {
+            definition,
+            card,
+            compensate,
+        })
     }
 }
 
@@ -68,6 +90,9 @@ impl Serialize for AgentEntry {
             serde_json::to_value(&self.card).map_err(S::Error::custom)?,
         ) {
             table.extend(card);
+            if let Some(agent) = &self.compensate {
+                table.insert("compensate".into(), agent.clone().into());
+            }
         }
         v.serialize(s)
     }
@@ -84,9 +109,11 @@ mod tests {
             "reply": "ok",
             "roles": ["analyst"],
             "description": "answers",
+            "compensate": "retract",
         }))
         .expect("entry");
         assert_eq!(e.card.roles, ["analyst"]);
+        assert_eq!(e.compensate.as_deref(), Some("retract"));
         assert!(matches!(e.definition, AgentDefinition::Scripted(_)));
         let back = serde_json::to_value(&e).expect("encode");
         assert_eq!(back["roles"], serde_json::json!(["analyst"]));
@@ -111,5 +138,13 @@ mod tests {
         }))
         .expect_err("unknown key");
         assert!(unknown.to_string().contains("rolez"), "{unknown}");
+        let bad_compensation = serde_json::from_value::<AgentEntry>(serde_json::json!({
+            "kind": "scripted", "reply": "ok", "compensate": 3,
+        }))
+        .expect_err("not a name");
+        assert!(
+            bad_compensation.to_string().contains("compensate"),
+            "{bad_compensation}"
+        );
     }
 }

@@ -1,0 +1,302 @@
+//! Undoing a cancelled run's work: `cancel` with `rollback`.
+//!
+//! When a run is cancelled with `rollback`, the tasks that had succeeded and declare a
+//! compensation (`compensate` on the subtask, or the agent's `[agents.NAME] compensate`) are
+//! undone by a **rollback run**: a child run of the cancelled one, with one subtask per
+//! compensated task, ordered in reverse dependency order — the compensation of a task runs
+//! only after the compensations of every compensated task that depended on it succeeded.
+//!
+//! The rollback run is an ordinary run: every compensation is a recorded task (its attempts,
+//! result or error are on the rollback run's log and events), a failed compensation fails the
+//! rollback run and skips the compensations of what came before it (undoing a foundation while
+//! what was built on it is still there would make things worse), and it appears in the run
+//! tree under the cancelled run. Its id is derived from the cancelled run's
+//! ([`rollback_run_id`]), so a coordinator that performs the cancellation again submits the
+//! same run, which the intake answers `duplicate`.
+//!
+//! ```text
+//! plan:      fetch ──► transform ──► publish          (all three succeeded, then cancel --rollback)
+//! rollback:  undo-publish ──► undo-transform ──► undo-fetch
+//! ```
+
+use std::collections::BTreeSet;
+
+use serde_json::json;
+use uuid::Uuid;
+
+use crate::ids::{RunId, TaskId};
+use crate::plan::{Plan, PlanConfig, Subtask};
+use crate::token::MAX_TOKEN_LEN;
+
+/// The label a rollback run carries, whose value is the cancelled run's id.
+pub const ROLLBACK_OF_LABEL: &str = "rollback_of";
+
+/// Longest part of a compensated task's result handed to its compensation, in bytes (the
+/// whole result stays on the cancelled run's log).
+pub const MAX_COMPENSATED_RESULT: usize = 16 * 1024;
+
+/// The id of the run that rolls `run` back: a UUIDv7 with `run`'s timestamp (so it sorts next
+/// to it) and bits hashed from it — the same on every coordinator and every replay.
+pub fn rollback_run_id(run: RunId) -> RunId {
+    let bytes = run.as_uuid().as_bytes();
+    let hi = u64::from_le_bytes(bytes[..8].try_into().unwrap_or([0; 8]));
+    let lo = u64::from_le_bytes(bytes[8..].try_into().unwrap_or([0; 8]));
+    let a = mix(hi ^ 0x726f_6c6c_6261_636b); // "rollback"
+    let b = mix(lo ^ a);
+    let mut random = [0u8; 10];
+    random[..8].copy_from_slice(&a.to_le_bytes());
+    random[8..].copy_from_slice(&b.to_le_bytes()[..2]);
+    let ms = run
+        .as_uuid()
+        .get_timestamp()
+        .map(|t| {
+            let (secs, nanos) = t.to_unix();
+            secs * 1000 + u64::from(nanos) / 1_000_000
+        })
+        .unwrap_or(0);
+    let uuid: Uuid = uuid::Builder::from_unix_timestamp_millis(ms, &random).into_uuid();
+    RunId::from_uuid(uuid)
+}
+
+/// splitmix64 finaliser.
+fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// The id of the subtask that undoes `task` (at plan index `index`): `undo-<task>`, or
+/// `undo-<index>` when that would be too long for a task id.
+pub fn undo_task_id(task: &TaskId, index: usize) -> TaskId {
+    let id = format!("undo-{task}");
+    if id.len() <= MAX_TOKEN_LEN {
+        TaskId::new(id)
+    } else {
+        TaskId::new(format!("undo-{index}"))
+    }
+}
+
+/// A succeeded task of the cancelled run, to be undone.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Compensated {
+    /// Its index in the cancelled run's plan.
+    pub index: usize,
+    /// Its result's response (cut to [`MAX_COMPENSATED_RESULT`] bytes).
+    pub result: String,
+}
+
+/// The indexes of the tasks of `plan` that a rollback undoes: those in `succeeded` that name
+/// a compensation.
+pub fn compensated_tasks(plan: &Plan, succeeded: &[usize]) -> Vec<usize> {
+    succeeded
+        .iter()
+        .copied()
+        .filter(|&i| plan.subtasks.get(i).is_some_and(|t| t.compensate.is_some()))
+        .collect()
+}
+
+/// The plan of the run that rolls back `run` (whose plan is `plan`): one subtask per
+/// compensated task, run by its compensation agent in the task's pool, with the task's
+/// description, input and result as its input, after the compensations of the compensated
+/// tasks downstream of it. `None` when nothing is to be undone.
+///
+/// The rollback keeps going on independent branches when a compensation fails
+/// (`failure_ratio` 1); the plan's retry settings and task timeout are the cancelled plan's.
+pub fn rollback_plan(run: RunId, plan: &Plan, undo: &[Compensated]) -> Option<Plan> {
+    if undo.is_empty() {
+        return None;
+    }
+    let index_of = |id: &TaskId| plan.subtasks.iter().position(|t| &t.id == id);
+    // Dependents of each task (the plan names dependencies).
+    let mut dependents: Vec<Vec<usize>> = vec![Vec::new(); plan.subtasks.len()];
+    for (i, t) in plan.subtasks.iter().enumerate() {
+        for d in &t.dependencies {
+            if let Some(d) = index_of(d) {
+                dependents[d].push(i);
+            }
+        }
+    }
+    let undone: BTreeSet<usize> = undo.iter().map(|c| c.index).collect();
+    let mut subtasks = Vec::with_capacity(undo.len());
+    for c in undo {
+        let task = &plan.subtasks[c.index];
+        // The first compensated tasks on every path downstream: their compensations go
+        // first (what lies beyond them is ordered by their own).
+        let mut after = BTreeSet::new();
+        let mut seen = BTreeSet::new();
+        let mut stack = dependents[c.index].clone();
+        while let Some(d) = stack.pop() {
+            if !seen.insert(d) {
+                continue;
+            }
+            if undone.contains(&d) {
+                after.insert(d);
+            } else {
+                stack.extend(dependents[d].iter().copied());
+            }
+        }
+        let mut result = c.result.clone();
+        if result.len() > MAX_COMPENSATED_RESULT {
+            let total = result.len();
+            let mut cut = MAX_COMPENSATED_RESULT;
+            while !result.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            result.truncate(cut);
+            result.push_str(&format!(" (result cut from {total} bytes)"));
+        }
+        let mut sub = Subtask::new(
+            undo_task_id(&task.id, c.index).as_str(),
+            &format!(
+                "Undo what task {} of run {run} did (the run was cancelled with rollback). The task was: {}",
+                task.id, task.description
+            ),
+        );
+        sub.agent = task.compensate.clone();
+        sub.pool = task.pool.clone();
+        sub.timeout = task.timeout;
+        sub.dependencies = after
+            .iter()
+            .map(|&d| undo_task_id(&plan.subtasks[d].id, d))
+            .collect();
+        sub.input = json!({
+            "compensates": {
+                "run_id": run,
+                "task_id": task.id,
+                "description": task.description,
+                "action": task.action,
+                "agent": task.agent,
+                "input": task.input,
+                "result": result,
+            }
+        });
+        subtasks.push(sub);
+    }
+    Some(Plan {
+        name: Some(format!(
+            "rollback of {}",
+            plan.name.clone().unwrap_or_else(|| run.to_string())
+        )),
+        query: None,
+        subtasks,
+        config: PlanConfig {
+            failure_ratio: 1.0,
+            max_retries: plan.config.max_retries,
+            task_timeout: plan.config.task_timeout,
+            ..PlanConfig::default()
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn task(id: &str, after: &[&str], undo: Option<&str>) -> Subtask {
+        let mut t = Subtask::new(id, &format!("do {id}")).after(after);
+        t.compensate = undo.map(str::to_owned);
+        t
+    }
+
+    fn plan(subtasks: Vec<Subtask>) -> Plan {
+        Plan {
+            subtasks,
+            ..Plan::empty()
+        }
+    }
+
+    fn ids(p: &Plan, i: usize) -> (String, Vec<String>) {
+        let t = &p.subtasks[i];
+        (
+            t.id.to_string(),
+            t.dependencies.iter().map(ToString::to_string).collect(),
+        )
+    }
+
+    #[test]
+    fn compensations_run_in_reverse_dependency_order() {
+        // fetch ─► transform ─► publish, and notify (no compensation) after publish.
+        let p = plan(vec![
+            task("fetch", &[], Some("unfetch")),
+            task("transform", &["fetch"], Some("untransform")),
+            task("publish", &["transform"], Some("retract")),
+            task("notify", &["publish"], None),
+        ]);
+        let run = RunId::new();
+        let undo: Vec<Compensated> = compensated_tasks(&p, &[0, 1, 2, 3])
+            .into_iter()
+            .map(|index| Compensated {
+                index,
+                result: format!("result {index}"),
+            })
+            .collect();
+        assert_eq!(undo.len(), 3, "notify declares nothing");
+        let r = rollback_plan(run, &p, &undo).expect("a plan");
+        assert_eq!(
+            ids(&r, 0),
+            ("undo-fetch".into(), vec!["undo-transform".into()])
+        );
+        assert_eq!(
+            ids(&r, 1),
+            ("undo-transform".into(), vec!["undo-publish".into()])
+        );
+        assert_eq!(ids(&r, 2), ("undo-publish".into(), vec![]));
+        assert_eq!(r.subtasks[2].agent.as_deref(), Some("retract"));
+        assert_eq!(r.subtasks[2].input["compensates"]["result"], "result 2");
+        assert_eq!(r.subtasks[2].input["compensates"]["task_id"], "publish");
+        assert_eq!(r.config.failure_ratio, 1.0);
+        let report = crate::validate::validate_plan(&r, &Default::default());
+        assert!(report.is_valid(), "{:?}", report.errors);
+    }
+
+    #[test]
+    fn order_passes_through_tasks_without_a_compensation() {
+        // a ─► b (nothing to undo) ─► c: undo-a waits for undo-c.
+        let p = plan(vec![
+            task("a", &[], Some("x")),
+            task("b", &["a"], None),
+            task("c", &["b"], Some("y")),
+        ]);
+        let undo = [0, 2].map(|index| Compensated {
+            index,
+            result: String::new(),
+        });
+        let r = rollback_plan(RunId::new(), &p, &undo).expect("a plan");
+        assert_eq!(ids(&r, 0), ("undo-a".into(), vec!["undo-c".into()]));
+        assert!(rollback_plan(RunId::new(), &p, &[]).is_none());
+    }
+
+    #[test]
+    fn the_rollback_id_is_derived_and_long_results_are_cut() {
+        let run = RunId::new();
+        assert_eq!(rollback_run_id(run), rollback_run_id(run));
+        assert_ne!(rollback_run_id(run), run);
+        assert_ne!(rollback_run_id(run), rollback_run_id(RunId::new()));
+        assert_eq!(
+            rollback_run_id(run)
+                .as_uuid()
+                .get_timestamp()
+                .map(|t| t.to_unix().0),
+            run.as_uuid().get_timestamp().map(|t| t.to_unix().0)
+        );
+        let p = plan(vec![task("a", &[], Some("x"))]);
+        let undo = [Compensated {
+            index: 0,
+            result: "é".repeat(MAX_COMPENSATED_RESULT),
+        }];
+        let r = rollback_plan(run, &p, &undo).expect("a plan");
+        let result = r.subtasks[0].input["compensates"]["result"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        assert!(
+            result.len() < MAX_COMPENSATED_RESULT + 64,
+            "{}",
+            result.len()
+        );
+        assert!(result.ends_with("bytes)"), "cut noted");
+        let long = TaskId::new("t".repeat(MAX_TOKEN_LEN));
+        assert_eq!(undo_task_id(&long, 7).as_str(), "undo-7");
+    }
+}
