@@ -18,7 +18,9 @@
 //! model, latency, cost when the agent has a price). The reply's `tokens` is the sum of
 //! prompt and completion tokens over all calls of the attempt. When the run has a budget,
 //! every call is reserved first ([`crate::budget`]); a call that could pass it is not made
-//! and the task fails with `budget_exhausted`. Every model reply and tool round is journaled
+//! and the task fails with `budget_exhausted` — or, when the run's policy says to ask, the
+//! attempt waits for a person to extend the budget (trigger `budget`). A call estimated above
+//! the policy's cost limit waits for approval before it is made (trigger `cost`). Every model reply and tool round is journaled
 //! ([`crate::journal`]), so a redelivered attempt resumes instead of paying again.
 //!
 //! **Transfers.** `transfer_to_agent` hands the conversation to another agent as a child run
@@ -61,8 +63,11 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 use tracing::Instrument;
 
+use flotilla_model::approval::{Decision, Trigger};
+
 use crate::budget::BudgetGuard;
 use crate::config::{ConfigError, LlmConfig, ToolChoice};
+use crate::gate;
 use crate::journal::Journal;
 use crate::prompt;
 use crate::provider::{CallError, Completion, KeySource, Provider, Providers, ToolCallRequest};
@@ -379,24 +384,45 @@ impl LlmAgent {
 
     /// One model call with its events, within the run's budget and the provider's shared
     /// rate limit.
+    #[allow(clippy::too_many_arguments)]
     async fn call(
         &self,
         request: CreateChatCompletionRequest,
+        task: &TaskEnvelope,
         ctx: &AgentContext,
+        step: u32,
         budget: Option<&BudgetGuard>,
         limit: Option<&RateLimit>,
     ) -> Result<Completion, AgentError> {
-        let (prompt_estimate, max_output) = if budget.is_some() || limit.is_some() {
-            (
-                estimate_prompt_tokens(&request),
-                self.config.max_output_tokens.map_or(0, u64::from),
-            )
-        } else {
-            (0, 0)
-        };
+        let cost_limit = task
+            .tool_gate
+            .as_ref()
+            .and_then(|g| g.cost_limit)
+            .zip(self.config.price);
+        let (prompt_estimate, max_output) =
+            if budget.is_some() || limit.is_some() || cost_limit.is_some() {
+                (
+                    estimate_prompt_tokens(&request),
+                    self.config.max_output_tokens.map_or(0, u64::from),
+                )
+            } else {
+                (0, 0)
+            };
+        if let Some((limit_usd, price)) = cost_limit {
+            self.check_cost(
+                task,
+                ctx,
+                step,
+                limit_usd,
+                price.cost(prompt_estimate, max_output),
+            )?;
+        }
         let reservation = match budget {
             None => None,
-            Some(b) => Some(b.reserve(prompt_estimate, max_output).await?),
+            Some(b) => Some(
+                self.reserve(b, task, ctx, step, prompt_estimate, max_output)
+                    .await?,
+            ),
         };
         let estimate = prompt_estimate + max_output;
         let span = spans::chat(
@@ -438,6 +464,127 @@ impl LlmAgent {
             })
             .await;
         Ok(completion)
+    }
+
+    /// A call estimated above the run's cost limit (`[hitl] cost-limit`) is made only once a
+    /// person approved it (trigger `cost`): the attempt suspends until then.
+    fn check_cost(
+        &self,
+        task: &TaskEnvelope,
+        ctx: &AgentContext,
+        step: u32,
+        limit_usd: f64,
+        estimate_usd: f64,
+    ) -> Result<(), AgentError> {
+        if estimate_usd <= limit_usd {
+            return Ok(());
+        }
+        // Rounded to a millionth of a dollar so that the digest is the same on every delivery.
+        let arguments = serde_json::json!({
+            "agent": self.name,
+            "model": self.config.model,
+            "estimated_cost_usd": (estimate_usd * 1e6).round() / 1e6,
+            "cost_limit_usd": limit_usd,
+        });
+        let decided =
+            gate::decision_at_step(task, ctx, Trigger::Cost, step, gate::MODEL_CALL, arguments)?;
+        match &decided.decision {
+            Decision::Approve | Decision::Edit { .. } => Ok(()),
+            Decision::Reject { message } | Decision::Respond { result: message } => {
+                Err(AgentError {
+                    kind: TaskErrorKind::CallDeclined,
+                    message: format!(
+                        "agent {}: {} declined a model call estimated at ${estimate_usd:.4} (above the cost limit of ${limit_usd}){}",
+                        self.name,
+                        decided.by,
+                        if message.is_empty() {
+                            String::new()
+                        } else {
+                            format!(": {message}")
+                        }
+                    ),
+                })
+            }
+        }
+    }
+
+    /// Reserves the call on the run's budgets. A call that would pass one fails the task
+    /// `budget_exhausted` — or, under `[hitl] on-budget-exhausted = "ask"`, suspends the
+    /// attempt until a person decides (trigger `budget`): approve extends that budget by its
+    /// own limits (`edit` with `{"max_tokens": N, "max_cost": X}` by those amounts), once
+    /// per decision however often the attempt is delivered, and the call is reserved again;
+    /// reject fails it as without asking.
+    async fn reserve(
+        &self,
+        budget: &BudgetGuard,
+        task: &TaskEnvelope,
+        ctx: &AgentContext,
+        step: u32,
+        prompt_estimate: u64,
+        max_output: u64,
+    ) -> Result<crate::budget::Reservation, AgentError> {
+        let refusal = match budget.reserve(prompt_estimate, max_output).await {
+            Ok(r) => return Ok(r),
+            Err(r) => r,
+        };
+        let ask = task.tool_gate.as_ref().is_some_and(|g| g.budget_ask);
+        let Some(run) = refusal.run.filter(|_| ask) else {
+            return Err(refusal.error);
+        };
+        let limits = refusal.limits;
+        // Bound to the budget (its run and limits) and the step, not to what was spent (which
+        // changes as the tree spends): the same on every delivery.
+        let arguments = serde_json::json!({
+            "run_id": run,
+            "max_tokens": limits.max_tokens,
+            "max_cost": limits.max_cost,
+        });
+        let decided = gate::decision_at_step(
+            task,
+            ctx,
+            Trigger::Budget,
+            step,
+            gate::EXTEND_BUDGET,
+            arguments,
+        )?;
+        let (tokens, cost) = match &decided.decision {
+            Decision::Approve => (
+                limits.max_tokens.unwrap_or(0),
+                limits.max_cost.unwrap_or(0.0),
+            ),
+            Decision::Edit { input } => (
+                input["max_tokens"].as_u64().unwrap_or(0),
+                input["max_cost"].as_f64().unwrap_or(0.0),
+            ),
+            Decision::Reject { message } | Decision::Respond { result: message } => {
+                let mut error = refusal.error;
+                error.message = format!(
+                    "{}; {} declined to extend the budget{}",
+                    error.message,
+                    decided.by,
+                    if message.is_empty() {
+                        String::new()
+                    } else {
+                        format!(": {message}")
+                    }
+                );
+                return Err(error);
+            }
+        };
+        budget
+            .extend(run, &decided.approval_id, tokens, cost)
+            .await?;
+        budget
+            .reserve(prompt_estimate, max_output)
+            .await
+            .map_err(|r| {
+                let mut error = r.error;
+                error.message = format!(
+                    "{} (after {} extended the budget by {tokens} tokens and ${cost})",
+                    error.message, decided.by
+                );
+                error
+            })
     }
 
     async fn call_model(
@@ -647,7 +794,14 @@ impl LlmAgent {
                         task.output_schema.as_ref(),
                     );
                     let c = self
-                        .call(request, ctx, budget.as_ref(), limit.as_ref())
+                        .call(
+                            request,
+                            task,
+                            ctx,
+                            journal.next_step(),
+                            budget.as_ref(),
+                            limit.as_ref(),
+                        )
                         .await?;
                     journal.record_model_reply(ctx, task, &c).await;
                     c

@@ -23,6 +23,10 @@
 //! with one) fails on an agent without a price rather than spend blindly. A worker that dies
 //! during a call leaves its reservation counted (the safe side).
 //!
+//! A person may extend a budget (`[hitl] on-budget-exhausted = "ask"`, trigger `budget`):
+//! [`BudgetGuard::extend`] adds to the entry's `extra_tokens` / `extra_cost`, once per
+//! approval (`extended_by`), and every reservation is checked against the limits plus them.
+//!
 //! An envelope without `budget_scopes` (from a coordinator that does not fill them) counts
 //! against its own run's `budget` only, under `budget.<run>`, as before.
 
@@ -40,13 +44,49 @@ use crate::config::Price;
 /// Compare-and-set tries before giving up on a contended entry.
 const MAX_TRIES: u32 = 50;
 
-/// What a run has spent (and reserved).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+/// What a run has spent (and reserved), and what people added to its limits.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Spent {
     /// Tokens.
     pub tokens: u64,
     /// US dollars.
     pub cost: f64,
+    /// Tokens people added to the run's `max_tokens` (trigger `budget`).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub extra_tokens: u64,
+    /// US dollars people added to the run's `max_cost`.
+    #[serde(default, skip_serializing_if = "is_zero_f64")]
+    pub extra_cost: f64,
+    /// The approvals whose extensions are counted (each counts once, however often the
+    /// attempt that applies it is delivered).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub extended_by: Vec<String>,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+fn is_zero_f64(n: &f64) -> bool {
+    *n == 0.0
+}
+
+/// A model call that would pass a budget: the run whose budget it is and that budget's
+/// limits (a person may be asked to extend them), and the error that fails the task.
+#[derive(Debug)]
+pub struct Refusal {
+    /// The run whose budget would be passed (none: no scope could be read, say).
+    pub run: Option<RunId>,
+    /// Its limits as the attempt knows them.
+    pub limits: Budget,
+    /// `budget_exhausted`, in words.
+    pub error: AgentError,
+}
+
+impl From<Refusal> for AgentError {
+    fn from(r: Refusal) -> Self {
+        r.error
+    }
 }
 
 /// A call's reservation (the same on every scope), to settle or release.
@@ -172,6 +212,33 @@ impl BudgetGuard {
         Ok(out)
     }
 
+    /// Adds `tokens` and `cost` to the limits of run `run`'s budget, once per `approval`
+    /// (a person's decision to extend it): every call of the run tree counts against the
+    /// extended limits from now on.
+    pub async fn extend(
+        &self,
+        run: RunId,
+        approval: &str,
+        tokens: u64,
+        cost: f64,
+    ) -> Result<(), AgentError> {
+        let Some(scope) = self.scopes.iter().find(|s| s.run == run) else {
+            return Err(AgentError::failed(format!(
+                "run {run} is not one of the attempt's budgets"
+            )));
+        };
+        self.update(scope, |mut spent| {
+            if !spent.extended_by.iter().any(|a| a == approval) {
+                spent.extended_by.push(approval.to_owned());
+                spent.extra_tokens += tokens;
+                spent.extra_cost += cost;
+            }
+            Ok(spent)
+        })
+        .await
+        .map(|_| ())
+    }
+
     async fn read(&self, scope: &Scope) -> Result<(Spent, u64), AgentError> {
         let entry = self.kv.entry(&scope.key).await.map_err(|e| {
             AgentError::failed(format!("reading the budget of run {}: {e}", scope.run))
@@ -232,7 +299,7 @@ impl BudgetGuard {
         &self,
         prompt_tokens: u64,
         max_output: u64,
-    ) -> Result<Reservation, AgentError> {
+    ) -> Result<Reservation, Refusal> {
         let r = Reservation {
             tokens: prompt_tokens + max_output,
             cost: self.cost(prompt_tokens, max_output),
@@ -256,10 +323,14 @@ impl BudgetGuard {
         )
         .await;
         let mut results = results;
-        Err(results
-            .swap_remove(refused)
-            .err()
-            .unwrap_or_else(|| AgentError::failed("a budget reservation failed without an error")))
+        let scope = &self.scopes[refused];
+        Err(Refusal {
+            run: Some(scope.run),
+            limits: scope.limits,
+            error: results.swap_remove(refused).err().unwrap_or_else(|| {
+                AgentError::failed("a budget reservation failed without an error")
+            }),
+        })
     }
 
     async fn reserve_on(
@@ -271,7 +342,7 @@ impl BudgetGuard {
     ) -> Result<(), AgentError> {
         let limits = scope.limits;
         self.update(scope, |spent| {
-            if let Some(max) = limits.max_tokens
+            if let Some(max) = limits.max_tokens.map(|m| m + spent.extra_tokens)
                 && spent.tokens + r.tokens > max
             {
                 return Err(exhausted(format!(
@@ -279,7 +350,7 @@ impl BudgetGuard {
                     scope.run, scope.whose, spent.tokens, r.tokens
                 )));
             }
-            if let Some(max) = limits.max_cost
+            if let Some(max) = limits.max_cost.map(|m| m + spent.extra_cost)
                 && spent.cost + r.cost > max
             {
                 return Err(exhausted(format!(
@@ -290,6 +361,7 @@ impl BudgetGuard {
             Ok(Spent {
                 tokens: spent.tokens + r.tokens,
                 cost: spent.cost + r.cost,
+                ..spent
             })
         })
         .await
@@ -304,6 +376,7 @@ impl BudgetGuard {
                 Ok(Spent {
                     tokens: (spent.tokens + input + output).saturating_sub(r.tokens),
                     cost: (spent.cost + cost - r.cost).max(0.0),
+                    ..spent
                 })
             })
         }))
@@ -321,6 +394,7 @@ impl BudgetGuard {
                 Ok(Spent {
                     tokens: spent.tokens.saturating_sub(r.tokens),
                     cost: (spent.cost - r.cost).max(0.0),
+                    ..spent
                 })
             })
             .await;

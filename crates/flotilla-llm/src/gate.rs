@@ -149,6 +149,39 @@ pub(crate) async fn plan_round(
     Ok(plan)
 }
 
+/// The name an approval gives a model call estimated above the cost limit (trigger `cost`).
+pub const MODEL_CALL: &str = "model_call";
+/// The name an approval gives a request to extend a budget (trigger `budget`).
+pub const EXTEND_BUDGET: &str = "extend_budget";
+
+/// A person's decision about something an attempt may not do on its own at step `step` — a
+/// costly model call, a call past its budget — asked about like a tool call named `tool`
+/// with `arguments` (which must be the same on every delivery: they are the decision's
+/// digest). Stops the attempt (the returned error, after [`AgentContext::suspend`]) when
+/// nobody decided yet.
+pub(crate) fn decision_at_step<'t>(
+    task: &'t TaskEnvelope,
+    ctx: &AgentContext,
+    trigger: Trigger,
+    step: u32,
+    tool: &str,
+    arguments: Value,
+) -> Result<&'t flotilla_model::task::ToolDecision, AgentError> {
+    let call_id = format!("{}-{step}", trigger.as_str());
+    let digest = digest_of(tool, &arguments);
+    match task.decision_for(&call_id, &digest) {
+        Some(d) => Ok(d),
+        None => Err(ctx.suspend(SuspendedCall {
+            trigger,
+            call_id,
+            tool: tool.to_owned(),
+            arguments,
+            digest,
+            question: None,
+        })),
+    }
+}
+
 /// Whether `tool` is approved for the session. A grant that cannot be read is no grant: the
 /// call waits for a person (failing closed) — unless the state cannot be reached at all,
 /// which fails the attempt to be retried rather than asking a person needlessly.

@@ -61,6 +61,11 @@ impl Journal {
         }
     }
 
+    /// The position of the next step in the attempt (0, 1, …): the same on every delivery.
+    pub(crate) fn next_step(&self) -> u32 {
+        self.next
+    }
+
     /// The recorded reply to the next model call, if any.
     pub(crate) fn replay_model_reply(&mut self) -> Option<Completion> {
         match self.recorded.get(&self.next) {

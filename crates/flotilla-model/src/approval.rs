@@ -89,6 +89,14 @@ pub enum Trigger {
     /// review before its dependents run (approve keeps it, `respond`/`edit` replace it,
     /// reject fails the task).
     LowConfidence,
+    /// An LLM agent's model call is estimated to cost more than `[hitl] cost-limit` (US
+    /// dollars per call): it is made once a person approves (reject fails the task).
+    Cost,
+    /// An LLM agent's model call would pass its run's (or its tree's) budget, and the
+    /// deployment says `[hitl] on-budget-exhausted = "ask"`: approve (or `edit` with
+    /// `{"max_tokens": N, "max_cost": X}`) extends that budget and the call is made; reject
+    /// fails the task `budget_exhausted` as without asking.
+    Budget,
 }
 
 impl Trigger {
@@ -102,6 +110,8 @@ impl Trigger {
             Self::Question => "question",
             Self::ClientTool => "client_tool",
             Self::LowConfidence => "low_confidence",
+            Self::Cost => "cost",
+            Self::Budget => "budget",
         }
     }
 }
@@ -167,8 +177,27 @@ pub struct HitlConfig {
     /// this is held for review before its dependents run (trigger `low_confidence`); 0: never
     /// (default 0.6). Results without a confidence are never held.
     pub low_confidence: f64,
+    /// A model call of an LLM agent whose estimated cost (its prompt and `max-output-tokens`
+    /// at the agent's `price`) is above this many US dollars waits for a person (trigger
+    /// `cost`). Default: none. Agents without a price are never asked.
+    pub cost_limit: Option<f64>,
+    /// What a model call that would pass its run's budget does: `fail` the task with
+    /// `budget_exhausted` (the default), or `ask` a person to extend the budget (trigger
+    /// `budget`) while the attempt waits without a worker slot.
+    pub on_budget_exhausted: OnBudgetExhausted,
     /// `[hitl.trust]`: earned trust levels, and whether admissions use them.
     pub trust: crate::trust::TrustConfig,
+}
+
+/// `[hitl] on-budget-exhausted`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum OnBudgetExhausted {
+    /// The task fails `budget_exhausted`.
+    #[default]
+    Fail,
+    /// A person is asked to extend the budget.
+    Ask,
 }
 
 impl Default for HitlConfig {
@@ -187,6 +216,8 @@ impl Default for HitlConfig {
             consecutive_failures: 0,
             out_of_scope: false,
             low_confidence: DEFAULT_LOW_CONFIDENCE,
+            cost_limit: None,
+            on_budget_exhausted: OnBudgetExhausted::Fail,
             trust: crate::trust::TrustConfig::default(),
         }
     }
@@ -221,6 +252,15 @@ pub struct OnTimeout {
     /// review does; `approve` keeps the result). Written only when not the default.
     #[serde(skip_serializing_if = "DefaultDecision::is_reject")]
     pub low_confidence: DefaultDecision,
+    /// For a model call over the cost limit (default `reject`: the task fails). Written only
+    /// when not the default.
+    #[serde(skip_serializing_if = "DefaultDecision::is_reject")]
+    pub cost: DefaultDecision,
+    /// For a request to extend a budget (default `reject`: the task fails
+    /// `budget_exhausted`; `approve` extends it by its own limits). Written only when not the
+    /// default.
+    #[serde(skip_serializing_if = "DefaultDecision::is_reject")]
+    pub budget: DefaultDecision,
 }
 
 impl OnTimeout {
@@ -234,6 +274,8 @@ impl OnTimeout {
             Trigger::Question => self.question,
             Trigger::ClientTool => self.client_tool,
             Trigger::LowConfidence => self.low_confidence,
+            Trigger::Cost => self.cost,
+            Trigger::Budget => self.budget,
         }
     }
 }
@@ -248,6 +290,15 @@ impl HitlConfig {
         ));
         out.extend(self.trust.problems());
         out.extend(check_confidence(self.low_confidence, "hitl.low-confidence"));
+        if let Some(l) = self.cost_limit
+            && !(l.is_finite() && l > 0.0)
+        {
+            out.push(Problem::new(
+                ProblemCode::InvalidConfig,
+                "hitl.cost-limit",
+                format!("must be a positive amount of US dollars per model call, not {l}"),
+            ));
+        }
         if self.consecutive_failures > MAX_CONSECUTIVE_FAILURES {
             out.push(Problem::new(
                 ProblemCode::InvalidConfig,
@@ -371,6 +422,12 @@ pub struct HitlPolicy {
     /// admitted before the trigger existed).
     #[serde(rename = "lc", default, skip_serializing_if = "is_zero_f64")]
     pub low_confidence: f64,
+    /// Model calls estimated above this many US dollars wait for a person.
+    #[serde(rename = "cl", default, skip_serializing_if = "Option::is_none")]
+    pub cost_limit: Option<f64>,
+    /// A model call that would pass a budget asks a person to extend it.
+    #[serde(rename = "ba", default, skip_serializing_if = "std::ops::Not::not")]
+    pub budget_ask: bool,
 }
 
 fn is_zero_f64(n: &f64) -> bool {
@@ -456,6 +513,8 @@ impl HitlPolicy {
             on_timeout: deployment.on_timeout,
             consecutive_failures: deployment.consecutive_failures,
             out_of_scope: deployment.out_of_scope,
+            cost_limit: deployment.cost_limit,
+            budget_ask: deployment.on_budget_exhausted == OnBudgetExhausted::Ask,
             low_confidence: plan
                 .and_then(|p| p.low_confidence)
                 .map_or(deployment.low_confidence, |l| {
@@ -471,6 +530,8 @@ impl HitlPolicy {
             || policy.consecutive_failures > 0
             || policy.out_of_scope
             || policy.low_confidence > 0.0
+            || policy.cost_limit.is_some()
+            || policy.budget_ask
             || policy.mode == HitlMode::HumanInCommand
             || policy
                 .modes
@@ -537,8 +598,15 @@ impl HitlPolicy {
             all: mode == HitlMode::HumanInCommand,
             sensitive: self.sensitive_actions.clone(),
             out_of_scope: self.out_of_scope,
+            cost_limit: self.cost_limit,
+            budget_ask: self.budget_ask,
         };
-        (gate.all || !gate.sensitive.is_empty() || gate.out_of_scope).then_some(gate)
+        (gate.all
+            || !gate.sensitive.is_empty()
+            || gate.out_of_scope
+            || gate.cost_limit.is_some()
+            || gate.budget_ask)
+            .then_some(gate)
     }
 }
 

@@ -316,7 +316,8 @@ fn empty_object_schema() -> serde_json::Value {
 /// Most client tools of one plan.
 pub const MAX_CLIENT_TOOLS: usize = 16;
 
-/// Names of Flotilla's own LLM tools, which a client tool may not take.
+/// Names of Flotilla's own LLM tools, which a client tool may not take (`model_call` and
+/// `extend_budget` name what a `cost` and a `budget` approval ask about).
 pub const RESERVED_TOOL_NAMES: &[&str] = &[
     "workspace_read",
     "workspace_write",
@@ -339,6 +340,8 @@ pub const RESERVED_TOOL_NAMES: &[&str] = &[
     "ask_user",
     "call_agent",
     "transfer_to_agent",
+    "model_call",
+    "extend_budget",
 ];
 
 /// Whether `name` may name a tool: 1 to 64 letters, digits, `_` or `-`.

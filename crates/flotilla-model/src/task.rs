@@ -298,6 +298,10 @@ pub enum TaskErrorKind {
     /// The member that was to run the task was retired from the run's team (policy `fail`,
     /// or `reassign` for a task without a role to hand it to).
     MemberRetired,
+    /// A person declined a model call the attempt needed (it was estimated above
+    /// `[hitl] cost-limit`): the call was not made. Not retried: another attempt would ask
+    /// for the same call.
+    CallDeclined,
 }
 
 impl TaskErrorKind {
@@ -319,6 +323,7 @@ impl TaskErrorKind {
             Self::ChildRejected => "child_rejected",
             Self::RoleUnclaimed => "role_unclaimed",
             Self::MemberRetired => "member_retired",
+            Self::CallDeclined => "call_declined",
         }
     }
 
@@ -384,7 +389,7 @@ impl TaskEnvelope {
 
 /// Which tool calls of an LLM attempt wait for a person before they run (from the run's
 /// escalation policy, see `HitlPolicy::tool_gate`).
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, JsonSchema)]
 pub struct ToolGate {
     /// Every call (the agent is overseen `human_in_command`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -396,6 +401,13 @@ pub struct ToolGate {
     /// Calls of tools the agent does not have.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub out_of_scope: bool,
+    /// Model calls estimated to cost more than this many US dollars (trigger `cost`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost_limit: Option<f64>,
+    /// A model call that would pass a budget asks a person to extend it (trigger `budget`)
+    /// instead of failing the task.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub budget_ask: bool,
 }
 
 impl ToolGate {

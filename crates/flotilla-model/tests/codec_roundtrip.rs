@@ -599,7 +599,7 @@ proptest! {
             })].into_iter().collect(),
             dataflow_validation: flotilla_model::plan::DataflowValidation::Lenient,
             dispatched_at, trace,
-            tool_gate: required.then(|| flotilla_model::task::ToolGate { all: attempt % 2 == 0, sensitive: vec!["send_email".into()], out_of_scope: true }),
+            tool_gate: required.then(|| flotilla_model::task::ToolGate { all: attempt % 2 == 0, sensitive: vec!["send_email".into()], out_of_scope: true, cost_limit: Some(0.5), budget_ask: true }),
             resume: (attempt > 1).then(|| flotilla_model::task::Resume { segment: attempt - 1, decisions: vec![flotilla_model::task::ToolDecision {
                 approval_id: "t0a1c1".into(), call_id: "call_1".into(), digest: "ab".into(),
                 decision: flotilla_model::approval::Decision::Reject { message: "no".into() }, by: "alice".into(),
