@@ -115,6 +115,7 @@ fn answer(run: RunId, id: &str, decision: Decision) -> ApprovalAnswerRequest {
         comment: Some("looked at it".into()),
         digest: None,
         always: false,
+        incident: false,
     }
 }
 

@@ -128,6 +128,7 @@ fn answer(run: RunId, id: &str, decision: Decision) -> ApprovalAnswerRequest {
         comment: None,
         digest: None,
         always: false,
+        incident: false,
     }
 }
 
@@ -610,6 +611,7 @@ async fn a_tool_approved_always_runs_without_asking_in_its_session_until_revoked
         .call(
             &ApprovalAnswerRequest {
                 always: true,
+                incident: false,
                 ..answer(
                     first,
                     "t0a1c1",
@@ -749,6 +751,7 @@ async fn a_tool_approved_always_runs_without_asking_in_its_session_until_revoked
         .call(
             &ApprovalAnswerRequest {
                 always: true,
+                incident: false,
                 ..answer(third, "t0a1c2", Decision::Approve)
             },
             ASK,

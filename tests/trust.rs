@@ -66,6 +66,7 @@ async fn approve(p: &Processes, run: RunId) -> anyhow::Result<()> {
                         comment: None,
                         digest: None,
                         always: false,
+                        incident: false,
                     },
                     ASK,
                 )
@@ -273,5 +274,161 @@ async fn trust_is_earned_lost_by_an_incident_and_pinned() -> anyhow::Result<()> 
             && reasons.contains(&"unpinned: audit"),
         "{reasons:?}"
     );
+    Ok(())
+}
+
+/// The trust record of agent `name`, once it has recorded `n` incidents.
+async fn incidents_of(p: &Processes, name: &str, n: u64) -> anyhow::Result<TrustRecord> {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let r: Result<TrustRecord, _> = p
+            .client
+            .request(
+                &TrustGetRequest {
+                    protocol: PROTOCOL_VERSION,
+                    scope: RecordScope::Agent,
+                    name: name.into(),
+                },
+                ASK,
+            )
+            .await;
+        if let Ok(t) = &r
+            && t.incidents >= n
+        {
+            return Ok(t.clone());
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "{name} never had {n} incidents: {r:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Waits for the run's pending approval and returns its id.
+async fn asked(p: &Processes, run: RunId) -> anyhow::Result<String> {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        if let Some(a) = approvals_of(&p.client, run, false).await?.first() {
+            return Ok(a.request.approval_id.clone());
+        }
+        anyhow::ensure!(tokio::time::Instant::now() < deadline, "{run} never asked");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flotilla_records_incidents_itself() -> anyhow::Result<()> {
+    let config = "[agents.good]\nkind = \"scripted\"\nreply = \"done\"\n\
+        [agents.clumsy]\nkind = \"exec\"\ncommand = \"sh\"\nargs = [\"-c\", \"echo broke >&2; exit 3\"]\n\
+        [hitl]\nsensitive-actions = [\"publish\"]\n";
+    let mut p = Processes::start(config).await?;
+    p.coordinator().await?;
+    p.worker(&[]).await?;
+    p.supervisor().await?;
+    let publish = |agent: &str| {
+        let mut t = Subtask::new("release", "publish the report").with_agent(agent);
+        t.action = Some("publish".into());
+        let mut plan = plan(vec![t]);
+        plan.config.max_retries = 0;
+        plan
+    };
+
+    // A sensitive action that fails after it was approved is an incident of its agent.
+    let run = p
+        .client
+        .submit(SubmitRequest::new(publish("clumsy")))
+        .await?;
+    let id = asked(&p, run).await?;
+    let (code, out) = cli(
+        &p,
+        &[
+            "approvals",
+            "approve",
+            &run.to_string(),
+            &id,
+            "--by",
+            "alice",
+        ],
+    )?;
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(p.client.wait(run, WAIT).await?.status, RunStatus::Failed);
+    let t = incidents_of(&p, "clumsy", 1).await?;
+    let last = t.last_incident.as_ref().expect("the incident");
+    assert_eq!(last.by, "flotilla");
+    assert!(
+        last.reason
+            .contains("sensitive action publish of task release")
+            && last.reason.contains("failed"),
+        "{last:?}"
+    );
+    assert_eq!(t.level(), TrustLevel::Novice);
+
+    // A rejection marked as an incident is one; a plain rejection is not.
+    let run = p.client.submit(SubmitRequest::new(publish("good"))).await?;
+    let id = asked(&p, run).await?;
+    let (code, out) = cli(
+        &p,
+        &[
+            "approvals",
+            "reject",
+            &run.to_string(),
+            &id,
+            "--by",
+            "alice",
+            "--message",
+            "it should never have asked to publish",
+            "--incident",
+        ],
+    )?;
+    assert_eq!(code, 0, "{out}");
+    let t = incidents_of(&p, "good", 1).await?;
+    let last = t.last_incident.as_ref().expect("the incident");
+    assert!(
+        last.reason
+            .contains("rejected by alice as an incident: it should never have asked"),
+        "{last:?}"
+    );
+    let run = p.client.submit(SubmitRequest::new(publish("good"))).await?;
+    let id = asked(&p, run).await?;
+    // `incident` goes with reject only: refused, and the approval is still pending.
+    let r: Result<ApprovalAnswerReply, _> = p
+        .client
+        .request(
+            &ApprovalAnswerRequest {
+                protocol: PROTOCOL_VERSION,
+                run_id: run,
+                approval_id: id.clone(),
+                decision: Decision::Approve,
+                by: "alice".into(),
+                comment: None,
+                digest: None,
+                always: false,
+                incident: true,
+            },
+            ASK,
+        )
+        .await;
+    let e = r.expect_err("refused").to_string();
+    assert!(
+        e.contains("invalid_answer") && e.contains("incident"),
+        "{e}"
+    );
+    assert_eq!(approvals_of(&p.client, run, false).await?.len(), 1);
+    let (code, out) = cli(
+        &p,
+        &[
+            "approvals",
+            "reject",
+            &run.to_string(),
+            &id,
+            "--by",
+            "alice",
+        ],
+    )?;
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(p.client.wait(run, WAIT).await?.status, RunStatus::Failed);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(incidents_of(&p, "good", 1).await?.incidents, 1);
     Ok(())
 }

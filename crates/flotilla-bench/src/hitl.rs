@@ -330,6 +330,7 @@ async fn approved_sample(
         comment: None,
         digest: None,
         always: false,
+        incident: false,
     };
     client
         .call(&answer, ASK)

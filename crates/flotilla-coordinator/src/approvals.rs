@@ -220,6 +220,7 @@ impl Escalations {
                     .tool_call
                     .is_some()
                     .then(|| record.request.digest.clone()),
+                incident: answer.incident,
             })),
         };
         self.bus

@@ -1897,6 +1897,7 @@ fn a_suspended_attempt_frees_its_slot_and_continues_the_same_attempt() {
         by: "alice".into(),
         tool_call: None,
         digest: None,
+        incident: false,
     };
     let actions = m.apply(
         Input::ApprovalDecided {

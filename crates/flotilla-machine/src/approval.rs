@@ -235,6 +235,20 @@ impl RunMachine {
             format!(" {}", decided.by)
         };
         let detail = format!("{} {how}{who}", decided.decision.as_str());
+        let incident = match &decided.decision {
+            Decision::Reject { message } if decided.incident => Some(format!(
+                "approval {} of run {} rejected by {} as an incident{}",
+                decided.approval_id,
+                self.state.run_id,
+                decided.by,
+                if message.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {message}")
+                }
+            )),
+            _ => None,
+        };
         self.emit(
             Some(i),
             Some(attempt),
@@ -242,6 +256,7 @@ impl RunMachine {
             WorkflowEvent {
                 detail: Some(detail),
                 approval_id: Some(decided.approval_id.clone()),
+                incident,
                 ..WorkflowEvent::phase(WorkflowPhase::ApprovalDecided)
             },
             actions,

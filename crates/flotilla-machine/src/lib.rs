@@ -902,6 +902,7 @@ impl RunMachine {
         });
         self.terminal += 1;
         self.ready.remove(&i);
+        let incident = self.failed_sensitive_action(i, attempt, &error);
         self.emit(
             Some(i),
             (attempt > 0).then_some(attempt),
@@ -909,6 +910,7 @@ impl RunMachine {
             WorkflowEvent {
                 phase: WorkflowPhase::TaskFailed,
                 error: Some(error),
+                incident,
                 ..by
             },
             actions,
@@ -936,6 +938,26 @@ impl RunMachine {
                 actions,
             );
         }
+    }
+
+    /// A task whose action is sensitive under the run's policy that failed for good after
+    /// running is an incident of its agent (a cancellation is not): its words, if so.
+    fn failed_sensitive_action(&self, i: u32, attempt: u32, error: &TaskError) -> Option<String> {
+        let sub = &self.plan.subtasks[i as usize];
+        let sensitive = self
+            .state
+            .hitl
+            .as_ref()
+            .and_then(|p| p.gate(sub, 0))
+            .is_some_and(|g| g.trigger == flotilla_model::approval::Trigger::SensitiveAction);
+        (sensitive && attempt > 0 && error.kind != TaskErrorKind::Cancelled).then(|| {
+            format!(
+                "sensitive action {} of task {} (run {}) failed: {error}",
+                sub.action.as_deref().unwrap_or("(risk)"),
+                sub.id,
+                self.state.run_id
+            )
+        })
     }
 
     /// Task `i` ended without succeeding (failed, or skipped by a person's rejection): what

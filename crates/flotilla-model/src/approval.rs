@@ -796,6 +796,10 @@ pub struct ApprovalAnswer {
     /// [`ApprovalAnswerRequest::always`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub always: bool,
+    /// The rejection was marked as an incident of the task's agent (see
+    /// [`ApprovalAnswerRequest::incident`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub incident: bool,
 }
 
 /// An approval as stored in the escalations bucket (each revision whole).
@@ -836,6 +840,10 @@ pub struct ApprovalDecided {
     /// arguments the resumed attempt replays).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub digest: Option<String>,
+    /// The rejection is an incident of the task's agent (the run machine says so on the
+    /// `approval_decided` event, and the supervisor records it).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub incident: bool,
 }
 
 /// `Nats-Msg-Id` of an approval's decision on the run log.
@@ -945,6 +953,11 @@ pub struct ApprovalAnswerRequest {
     /// session run without asking until the grant is revoked (`approval.revoke`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub always: bool,
+    /// With `reject`: the rejection is an incident of the task's agent (and role) — what it
+    /// asked to do should not have been asked — recorded in their trust records (downgraded
+    /// to novice at once), as an operator's `trust.incident` would.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub incident: bool,
 }
 
 /// What became of an answer.
@@ -1018,6 +1031,9 @@ pub struct AnswerWire {
     /// With `approve` of a tool call: approve the tool for the session.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub always: bool,
+    /// With `reject`: the rejection is an incident of the task's agent.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub incident: bool,
 }
 
 impl TryFrom<AnswerWire> for ApprovalAnswerRequest {
@@ -1062,6 +1078,7 @@ impl TryFrom<AnswerWire> for ApprovalAnswerRequest {
             comment: w.comment,
             digest: w.digest,
             always: w.always,
+            incident: w.incident,
         })
     }
 }
@@ -1086,6 +1103,7 @@ impl From<ApprovalAnswerRequest> for AnswerWire {
             comment: r.comment,
             digest: r.digest,
             always: r.always,
+            incident: r.incident,
         }
     }
 }
@@ -1232,6 +1250,16 @@ impl ApprovalAnswerRequest {
                 format!(
                     "{:?} is not an approval id (`t<task>a<attempt>`)",
                     self.approval_id
+                ),
+            ));
+        }
+        if self.incident && !matches!(self.decision, Decision::Reject { .. }) {
+            out.push(Problem::new(
+                ProblemCode::InvalidConfig,
+                "incident",
+                format!(
+                    "`incident` goes with decision reject only, not {}",
+                    self.decision.as_str()
                 ),
             ));
         }

@@ -333,6 +333,12 @@ pub struct WorkflowEvent {
     /// the request itself is in the escalations bucket under `<run>.<approval_id>`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub approval_id: Option<String>,
+    /// An incident Flotilla records against the task's agent and role (their trust drops to
+    /// novice at once), in words: on `approval_decided` when a person rejected with
+    /// `incident`, on `task_failed` when a sensitive action failed. The supervisor records
+    /// it, once per reason.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub incident: Option<String>,
 }
 
 impl WorkflowEvent {
@@ -353,6 +359,7 @@ impl WorkflowEvent {
             problems: Vec::new(),
             memory: None,
             approval_id: None,
+            incident: None,
         }
     }
 }

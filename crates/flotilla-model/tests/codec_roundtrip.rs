@@ -429,6 +429,7 @@ fn workflow() -> impl Strategy<Value = Event> {
             |(phase, tasks_total, worker, error, retry_at, detail, outcome)| {
                 Event::Workflow(WorkflowEvent {
                     approval_id: detail.as_ref().map(|_| "t0a1".into()),
+                    incident: detail.as_ref().map(|d| format!("incident: {d}")),
                     phase,
                     tasks_total,
                     agent: worker.clone(),
@@ -655,8 +656,8 @@ proptest! {
             10 => RunInput::TaskResult(Box::new(TaskResultInput { task_id, attempt, attempt_id, worker: "w2".into(), started_at: started, agent: Some("analyst".into()), result })),
             11 => RunInput::Assigned(Box::new(flotilla_model::runlog::Assigned { task_id, by: "lead".into(), reason: "next".into() })),
             12 => RunInput::Finished(Box::new(flotilla_model::runlog::Finished { result: result.response, by: "lead".into() })),
-            13 => RunInput::ApprovalDecided(Box::new(flotilla_model::approval::ApprovalDecided { approval_id: "t0a1".into(), task_id, attempt, status: flotilla_model::approval::ApprovalStatus::Decided, decision: flotilla_model::approval::Decision::Respond { result: result.response }, by: "alice".into(), tool_call: None, digest: None })),
-            14 => RunInput::ApprovalDecided(Box::new(flotilla_model::approval::ApprovalDecided { approval_id: "t0a1".into(), task_id, attempt, status: flotilla_model::approval::ApprovalStatus::Expired, decision: flotilla_model::approval::Decision::Edit { input: serde_json::json!({"a": [1, 2]}) }, by: "deadline".into(), tool_call: Some(flotilla_model::approval::ToolCallRef { call_id: "call_1".into(), tool: "send_email".into() }), digest: Some("ab".into()) })),
+            13 => RunInput::ApprovalDecided(Box::new(flotilla_model::approval::ApprovalDecided { approval_id: "t0a1".into(), task_id, attempt, status: flotilla_model::approval::ApprovalStatus::Decided, decision: flotilla_model::approval::Decision::Respond { result: result.response }, by: "alice".into(), tool_call: None, digest: None, incident: true })),
+            14 => RunInput::ApprovalDecided(Box::new(flotilla_model::approval::ApprovalDecided { approval_id: "t0a1".into(), task_id, attempt, status: flotilla_model::approval::ApprovalStatus::Expired, decision: flotilla_model::approval::Decision::Edit { input: serde_json::json!({"a": [1, 2]}) }, by: "deadline".into(), tool_call: Some(flotilla_model::approval::ToolCallRef { call_id: "call_1".into(), tool: "send_email".into() }), digest: Some("ab".into()), incident: false })),
             15 => RunInput::Control(flotilla_model::runlog::Control {
                 action: [flotilla_model::runlog::ControlAction::Pause, flotilla_model::runlog::ControlAction::Resume, flotilla_model::runlog::ControlAction::Takeover][generation as usize % 3], reason: Some("look".into()), by: Some("alice".into()), timeout_ms: Some(generation), rollback: false,
             }),

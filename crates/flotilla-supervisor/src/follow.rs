@@ -178,12 +178,26 @@ pub(crate) struct Changes {
     progress: BTreeMap<String, i64>,
     /// Runs that ended.
     runs_ended: BTreeSet<RunId>,
+    /// Incidents Flotilla noticed (`incident` on an event): scope, name, reason.
+    incidents: Vec<(RecordScope, String, String)>,
 }
 
 impl Changes {
     /// Adds what `events` (one message, published at `at_ms`) say about the team.
     pub(crate) fn gather(&mut self, events: &[EventEnvelope], at_ms: i64) {
         for e in events {
+            if let Event::Workflow(w) = &e.event
+                && let Some(reason) = &w.incident
+            {
+                let named = [
+                    w.agent.as_deref().map(|a| (RecordScope::Agent, a)),
+                    w.role.as_deref().map(|r| (RecordScope::Role, r)),
+                ];
+                for (scope, name) in named.into_iter().flatten() {
+                    self.incidents
+                        .push((scope, name.to_owned(), reason.clone()));
+                }
+            }
             let (Some(task), Some(attempt)) = (&e.task_id, e.attempt) else {
                 if let Event::Workflow(w) = &e.event
                     && w.phase.ends_run()
@@ -267,7 +281,11 @@ impl Changes {
             outcomes,
             progress,
             runs_ended,
+            incidents,
         } = self;
+        for (scope, name, reason) in &incidents {
+            crate::trust::flotilla_incident(team, *scope, name, reason).await?;
+        }
         // Members: everything the batch says about one member in one write.
         let mut agents: BTreeSet<String> = started.keys().cloned().collect();
         agents.extend(ended.keys().cloned());

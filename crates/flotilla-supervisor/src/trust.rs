@@ -55,6 +55,50 @@ pub(crate) async fn evaluate(team: &Team, record: &FailureRecord) -> Result<(), 
     Ok(())
 }
 
+/// Who records the incidents Flotilla itself notices.
+const FLOTILLA: &str = "flotilla";
+
+/// Records an incident Flotilla noticed (a rejection marked as one, a failed sensitive
+/// action: `incident` on a workflow event) against `scope`/`name`: its level drops to novice
+/// as with an operator's `trust.incident`. Once per reason: the events are read at least
+/// once, and a reason already in the record's recent history is not counted again.
+pub(crate) async fn flotilla_incident(
+    team: &Team,
+    scope: RecordScope,
+    name: &str,
+    reason: &str,
+) -> Result<(), SupervisorError> {
+    let now = Timestamp::now();
+    let key = trust_key(scope, name);
+    let noted = format!("incident: {reason}");
+    let written = modify(
+        &team.trust_kv,
+        &key,
+        || TrustRecord::new(scope, name, now),
+        |t| {
+            if t.history.iter().any(|c| c.reason == noted) {
+                return false;
+            }
+            t.incident(reason, FLOTILLA, now);
+            true
+        },
+        &team.metrics,
+    )
+    .await?;
+    if let Some(t) = written {
+        info!(
+            scope = scope.as_str(),
+            name,
+            reason,
+            level = t.level().as_str(),
+            "Trust incident recorded by Flotilla"
+        );
+        emit(team, &t);
+        team.trusts.note(&key, t, now.unix_ms());
+    }
+    Ok(())
+}
+
 /// Exports every mirrored level (at start: the gauge of each agent and role from any
 /// replica, not only from the one that last changed it).
 pub(crate) fn export_all(team: &Team) {

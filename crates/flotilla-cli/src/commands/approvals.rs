@@ -99,6 +99,10 @@ pub(crate) enum ApprovalsCommand {
         /// Why (shown in the run's outcome).
         #[arg(long, default_value = "")]
         message: String,
+        /// Record the rejection as an incident of the task's agent (and role): its trust
+        /// drops to novice at once, as with `flotilla trust incident`.
+        #[arg(long)]
+        incident: bool,
     },
     /// Run the task with this input instead (JSON).
     Edit {
@@ -145,7 +149,7 @@ pub(crate) async fn approvals(
 ) -> anyhow::Result<ExitCode> {
     let client = connect(config).await?;
     let protocol = flotilla_model::PROTOCOL_VERSION;
-    let (args, decision, always) = match command {
+    let (args, decision, always, incident) = match command {
         ApprovalsCommand::List {
             run,
             all,
@@ -234,14 +238,20 @@ pub(crate) async fn approvals(
             })
             .await;
         }
-        ApprovalsCommand::Approve { args, always } => (args, Decision::Approve, always),
-        ApprovalsCommand::Reject { args, message } => (args, Decision::Reject { message }, false),
+        ApprovalsCommand::Approve { args, always } => (args, Decision::Approve, always, false),
+        ApprovalsCommand::Reject {
+            args,
+            message,
+            incident,
+        } => (args, Decision::Reject { message }, false, incident),
         ApprovalsCommand::Edit { args, input } => {
             let input = serde_json::from_str(&input)
                 .map_err(|e| anyhow::anyhow!("--input is not JSON: {e}"))?;
-            (args, Decision::Edit { input }, false)
+            (args, Decision::Edit { input }, false, false)
         }
-        ApprovalsCommand::Respond { args, result } => (args, Decision::Respond { result }, false),
+        ApprovalsCommand::Respond { args, result } => {
+            (args, Decision::Respond { result }, false, false)
+        }
     };
     let by = super::caller(args.by).unwrap_or_default();
     let r = ApprovalAnswerRequest {
@@ -253,6 +263,7 @@ pub(crate) async fn approvals(
         comment: args.comment,
         digest: args.digest,
         always,
+        incident,
     };
     answer(&client, &r, args.json, |a: &ApprovalAnswerReply| {
         match a.outcome {

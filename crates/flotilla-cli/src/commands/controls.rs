@@ -191,6 +191,7 @@ pub(crate) async fn control(config: &Config, command: ControlCommand) -> anyhow:
                 comment,
                 digest: None,
                 always: false,
+                incident: false,
             };
             use flotilla_model::approval::{AnswerOutcome, ApprovalAnswerReply};
             let refused = std::cell::Cell::new(false);

@@ -147,6 +147,7 @@ impl Api {
             comment: r.comment.clone(),
             at: Timestamp::now(),
             always: r.always,
+            incident: r.incident,
         };
         let settled = self
             .escalations

@@ -210,6 +210,7 @@ impl Runtime {
                         comment: None,
                         at: Timestamp::from_unix_ms(pending.deadline_ms),
                         always: false,
+                        incident: false,
                     },
                 )
             })
@@ -252,6 +253,7 @@ impl Runtime {
                         comment: None,
                         at: Timestamp::now(),
                         always: false,
+                        incident: false,
                     },
                 )
             })
