@@ -2,8 +2,9 @@
 //!
 //! * `[hitl] on-budget-exhausted = "ask"`: a model call that would pass the run's budget does
 //!   not fail the task — the attempt suspends (no worker slot held) with a request to extend
-//!   the budget (trigger `budget`); approve extends it by its own limits (`edit` by the
-//!   amounts given) and the call is made; reject fails the task `budget_exhausted`.
+//!   the budget (trigger `budget`) and the run is paused until it is decided; approve extends
+//!   the budget by its own limits (`edit` by the amounts given) and the call is made; reject
+//!   fails the task `budget_exhausted`.
 //! * `[hitl] cost-limit`: a model call estimated above the limit waits for approval (trigger
 //!   `cost`) before it is made; reject fails the task `call_declined`, no call made.
 //! * A bad `cost-limit` stops a service at start, naming the setting.
@@ -16,12 +17,14 @@ mod support;
 use std::time::Duration;
 
 use flotilla_model::approval::{ApprovalRecord, ApprovalStatus, Trigger};
+use flotilla_model::event::{Event, WorkflowPhase};
 use flotilla_model::ids::RunId;
 use flotilla_model::plan::Subtask;
 use flotilla_model::run::{RunStatus, TaskStatus};
 use flotilla_model::submit::SubmitRequest;
 use flotilla_model::task::TaskErrorKind;
 use flotilla_testkit::openai::{OpenAiServer, Reply};
+use futures::StreamExt;
 use support::*;
 
 /// `researcher` has no price (budgets in tokens only); `pricey` has a price and a 1,000-token
@@ -62,6 +65,31 @@ async fn pending(p: &Processes, run: RunId) -> anyhow::Result<ApprovalRecord> {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// The details of the run's `run_paused` and `run_resumed` events, in order (the run ended).
+async fn holds_of(p: &Processes, run: RunId) -> anyhow::Result<Vec<String>> {
+    let events = p.client.events(run).await?;
+    futures::pin_mut!(events);
+    let mut out = Vec::new();
+    tokio::time::timeout(WAIT, async {
+        while let Some(e) = events.next().await {
+            if let Event::Workflow(w) = e?.event {
+                if matches!(
+                    w.phase,
+                    WorkflowPhase::RunPaused | WorkflowPhase::RunResumed
+                ) {
+                    out.push(w.detail.unwrap_or_default());
+                }
+                if w.phase.ends_run() {
+                    return anyhow::Ok(());
+                }
+            }
+        }
+        anyhow::bail!("the events ended")
+    })
+    .await??;
+    Ok(out)
 }
 
 fn two_steps() -> flotilla_model::plan::Plan {
@@ -105,6 +133,9 @@ async fn a_spent_budget_asks_for_more_and_a_costly_call_asks_first() -> anyhow::
     assert_eq!(arguments["max_tokens"], 1200, "{arguments}");
     assert_eq!(arguments["run_id"], run.to_string());
     assert_eq!(llm.requests().len(), 1, "the second call waits");
+    // The run is paused meanwhile (its other attempts would run into the same budget).
+    let view = p.client.run(run).await?.expect("the run");
+    assert_eq!(view.record.status, RunStatus::Paused, "{view:?}");
     // The waiting attempt holds no slot: the only slot runs another run meanwhile.
     llm.push(Reply::text("Quick answer.").usage(10, 5));
     let other = p
@@ -133,6 +164,13 @@ async fn a_spent_budget_asks_for_more_and_a_costly_call_asks_first() -> anyhow::
     let outcome = p.client.wait(run, WAIT).await?;
     assert_eq!(outcome.status, RunStatus::Succeeded, "{outcome:?}");
     assert_eq!(llm.requests().len(), 3);
+    let holds = holds_of(&p, run).await?;
+    assert_eq!(holds.len(), 2, "{holds:?}");
+    assert!(
+        holds[0].contains("the run's budget is spent; approval t1a1c1 asks a person to extend it"),
+        "{holds:?}"
+    );
+    assert_eq!(holds[1], "resumed: the budget request t1a1c1 was decided");
 
     // Rejected: the task fails budget_exhausted, as without asking, and says who declined.
     llm.push(Reply::text("Revenue was 1250.").usage(900, 80));

@@ -223,6 +223,9 @@ impl RunMachine {
         }
         self.state.applied += 1;
         let attempt = pending.attempt;
+        if pending.trigger == Trigger::Budget {
+            self.end_budget_pause(&decided.approval_id, now_ms, actions);
+        }
         let t = &mut self.state.tasks[i as usize];
         t.approval = None;
         let how = match decided.status {
@@ -478,6 +481,9 @@ impl RunMachine {
             now_ms,
             actions,
         );
+        if trigger == Trigger::Budget {
+            self.pause_for_budget(i, now_ms, actions);
+        }
         true
     }
 }

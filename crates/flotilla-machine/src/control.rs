@@ -106,6 +106,7 @@ impl RunMachine {
             deadline_ms,
             by: by.map(str::to_owned),
             reason: reason.map(str::to_owned),
+            approval: None,
         });
         let (phase, what, then) = match status {
             RunStatus::Paused => (WorkflowPhase::RunPaused, "paused", "resumes"),
@@ -127,6 +128,51 @@ impl RunMachine {
             actions,
         );
         self.arm_if_earlier(deadline_ms, actions);
+    }
+
+    /// Task `i` waits for a person to extend the run's budget: the run is paused until that
+    /// request is decided (the pause's deadline is the request's; its default decides then),
+    /// so that its other attempts do not run into the same budget meanwhile. A run already
+    /// held stays as it is.
+    pub(crate) fn pause_for_budget(&mut self, i: u32, now_ms: i64, actions: &mut Vec<Action>) {
+        let Some(pending) = self.state.tasks[i as usize].approval else {
+            return;
+        };
+        if self.state.status != RunStatus::Running {
+            return;
+        }
+        let id = pending.id(i);
+        let timeout = (pending.deadline_ms - now_ms).max(MIN_HOLD_TIMEOUT.as_millis() as i64);
+        self.hold(
+            RunStatus::Paused,
+            Some("flotilla"),
+            Some(&format!(
+                "the run's budget is spent; approval {id} asks a person to extend it"
+            )),
+            Some(timeout as u64),
+            now_ms,
+            actions,
+        );
+        if let Some(h) = self.state.hold.as_mut() {
+            h.approval = Some(id);
+        }
+    }
+
+    /// Approval `id` was decided: a pause Flotilla made for it ends.
+    pub(crate) fn end_budget_pause(&mut self, id: &str, now_ms: i64, actions: &mut Vec<Action>) {
+        let ours = self.state.status == RunStatus::Paused
+            && self
+                .state
+                .hold
+                .as_ref()
+                .is_some_and(|h| h.approval.as_deref() == Some(id));
+        if ours {
+            self.resume(
+                format!("resumed: the budget request {id} was decided"),
+                now_ms,
+                actions,
+            );
+        }
     }
 
     fn resume(&mut self, detail: String, now_ms: i64, actions: &mut Vec<Action>) {

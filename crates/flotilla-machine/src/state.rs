@@ -369,6 +369,10 @@ pub struct Hold {
     /// Why.
     #[serde(rename = "r", default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+    /// The approval whose decision ends the hold: a pause Flotilla made while a request to
+    /// extend the run's budget waits (trigger `budget`).
+    #[serde(rename = "a", default, skip_serializing_if = "Option::is_none")]
+    pub approval: Option<String>,
 }
 
 fn is_zero_depth(depth: &u32) -> bool {
