@@ -594,3 +594,197 @@ async fn a_pause_reaches_child_runs_and_survives_a_coordinator_kill() -> anyhow:
     assert!(text.contains("resume"), "{text}");
     Ok(())
 }
+
+#[tokio::test]
+async fn a_person_edits_the_plan_of_a_taken_over_run_and_hands_it_back() -> anyhow::Result<()> {
+    use flotilla_model::control::{EditPlanReply, EditPlanRequest};
+    let f = services(Duration::from_millis(600)).await?;
+    let original = plan(vec![
+        Subtask::new("research", "find facts").with_agent("bot"),
+        Subtask::new("analyse", "weigh them")
+            .with_agent("bot")
+            .after(&["research"]),
+        Subtask::new("report", "write it up")
+            .with_agent("bot")
+            .after(&["analyse"]),
+    ]);
+    let run = f
+        .client
+        .submit(SubmitRequest::new(original.clone()))
+        .await?;
+    let edit = |plan: flotilla_model::plan::Plan| EditPlanRequest {
+        protocol: PROTOCOL_VERSION,
+        run_id: run,
+        plan,
+        by: "bob".into(),
+        reason: Some("a fact check first".into()),
+    };
+    // Not taken over: refused.
+    let early = f.client.call(&edit(original.clone()), ASK).await?;
+    assert_eq!(early.err().map(|e| e.code), Some("not_taken_over".into()));
+    task_started(&f.client, run, "research").await?;
+    f.client.request(&takeover(run), ASK).await?;
+    task_is(&f, run, "research", TaskStatus::Succeeded).await?;
+    run_status(&f, run, RunStatus::HumanControl).await?;
+
+    // Bad edits: each refused with what is wrong, and nothing changes.
+    let mut started = original.clone();
+    started.subtasks[0].description = "find other facts".into();
+    let mut cycle = original.clone();
+    cycle.subtasks[1].dependencies = vec![TaskId::new("report")];
+    let mut dropped = original.clone();
+    dropped.subtasks.pop();
+    for (bad, code, field) in [
+        (started, "invalid_edit", "subtasks[0]"),
+        (cycle, "invalid_plan", "cycle"),
+        (dropped, "invalid_edit", "keeps every task"),
+    ] {
+        let e = f.client.call(&edit(bad), ASK).await?.expect_err("refused");
+        assert_eq!(e.code, code, "{e:?}");
+        assert!(
+            e.message.contains(field) || e.problems.iter().any(|p| p.to_string().contains(field)),
+            "{e:?}"
+        );
+    }
+    assert_eq!(run_status(&f, run, RunStatus::HumanControl).await?.len(), 3);
+
+    // The edit: a new `check` task after research, and the report waits for it too.
+    let mut edited = original.clone();
+    edited.subtasks[2].dependencies.push(TaskId::new("check"));
+    edited.subtasks.push(
+        Subtask::new("check", "check the facts")
+            .with_agent("bot")
+            .after(&["research"]),
+    );
+    let reply: EditPlanReply = f.client.request(&edit(edited), ASK).await?;
+    assert_eq!((reply.tasks_total, reply.added), (4, 1));
+    assert_eq!(reply.changed, vec![TaskId::new("report")]);
+    let tasks = run_status(&f, run, RunStatus::HumanControl).await?;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let mut tasks = tasks;
+    while tasks.len() != 4 {
+        anyhow::ensure!(tokio::time::Instant::now() < deadline, "never edited");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        tasks = run_status(&f, run, RunStatus::HumanControl).await?;
+    }
+    assert_eq!(tasks[3], ("check".into(), TaskStatus::Waiting));
+
+    // Handed back: the new task runs and the report gets both results.
+    f.client.request(&resume(run), ASK).await?;
+    let outcome = f.client.wait(run, WAIT).await?;
+    assert_eq!(outcome.status, RunStatus::Succeeded, "{outcome:?}");
+    let store = flotilla_coordinator::store::RunStore::open(&f.bus).await?;
+    let history = store.history(run).await?;
+    let report = history
+        .iter()
+        .find_map(|(_, _, e)| match &e.input {
+            RunInput::TaskResult(r) if r.task_id.as_str() == "report" => Some(r.clone()),
+            _ => None,
+        })
+        .expect("the report's result");
+    assert!(
+        report.result.response.contains("check") && report.result.response.contains("analyse"),
+        "{report:?}"
+    );
+    assert!(
+        history
+            .iter()
+            .any(|(_, _, e)| matches!(e.input, RunInput::PlanEdited(_)))
+    );
+    // An edit of an ended run: refused.
+    let late = f.client.call(&edit(original), ASK).await?;
+    assert_eq!(late.err().map(|e| e.code), Some("not_taken_over".into()));
+    f.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plan_edit_through_the_cli_survives_a_coordinator_kill() -> anyhow::Result<()> {
+    let config = "[agents.step]\nkind = \"exec\"\ncommand = \"sh\"\n\
+                  args = [\"-c\", \"sleep 0.3; echo $FLOTILLA_TASK_ID done\"]\n";
+    let mut p = Processes::start(config).await?;
+    let coordinator = p.coordinator().await?;
+    p.worker(&[]).await?;
+    let original = plan(vec![
+        Subtask::new("first", "one").with_agent("step"),
+        Subtask::new("second", "two")
+            .with_agent("step")
+            .after(&["first"]),
+    ]);
+    let run = p
+        .client
+        .submit(SubmitRequest::new(original.clone()))
+        .await?;
+    let out = p.cli(&["runs", "takeover", &run.to_string(), "--by", "bob"])?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut edited = original.clone();
+    edited.subtasks.push(
+        Subtask::new("third", "three")
+            .with_agent("step")
+            .after(&["second"]),
+    );
+    let file = p.dir().join("edited.json");
+    std::fs::write(&file, serde_json::to_vec(&edited)?)?;
+    let out = p.cli(&[
+        "runs",
+        "edit",
+        &run.to_string(),
+        "--plan",
+        &file.to_string_lossy(),
+        "--by",
+        "bob",
+        "--reason",
+        "one more step",
+    ])?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("3 tasks, 1 added"), "{stdout}");
+    // A bad edit through the CLI: exit 1, the problem named.
+    let mut bad = edited.clone();
+    bad.subtasks[2].dependencies = vec![TaskId::new("nowhere")];
+    std::fs::write(&file, serde_json::to_vec(&bad)?)?;
+    let out = p.cli(&[
+        "runs",
+        "edit",
+        &run.to_string(),
+        "--plan",
+        &file.to_string_lossy(),
+        "--by",
+        "bob",
+    ])?;
+    assert_eq!(out.status.code(), Some(1));
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(said.contains("nowhere"), "{said}");
+
+    // The edited plan is the run's, in its log: a new coordinator runs it.
+    p.kill(coordinator);
+    p.coordinator().await?;
+    let out = p.cli(&["runs", "resume", &run.to_string(), "--by", "bob"])?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let outcome = p.client.wait(run, WAIT).await?;
+    assert_eq!(outcome.status, RunStatus::Succeeded, "{outcome:?}");
+    let view = p.client.run(run).await?.expect("the run");
+    let ids: Vec<&str> = view.tasks.iter().map(|t| t.task_id.as_str()).collect();
+    assert_eq!(ids, ["first", "second", "third"]);
+    assert!(
+        view.tasks.iter().all(|t| t.status == TaskStatus::Succeeded),
+        "{view:?}"
+    );
+    Ok(())
+}

@@ -89,7 +89,8 @@ reply = "{task_id} <- [{dependencies}]"
                 | RunInput::Finished(_)
                 | RunInput::ApprovalDecided(_)
                 | RunInput::Completed(_)
-                | RunInput::Suspended(_) => {}
+                | RunInput::Suspended(_)
+                | RunInput::PlanEdited(_) => {}
                 RunInput::Rejected(_) => panic!("{run} was rejected"),
             }
         }

@@ -6,7 +6,7 @@
 //! | `<prefix>.api.submit` | `SubmitRequest` | `SubmitReply` (at acceptance, or at the end with `wait: true`) |
 //! | `<prefix>.api.run.get` | `GetRunRequest` | `RunView` |
 //! | `<prefix>.api.run.cancel` | `CancelRunRequest` | `CancelRunReply` |
-//! | `<prefix>.api.run.pause`, `run.resume`, `run.takeover`, `run.complete` | see [`controls`] | |
+//! | `<prefix>.api.run.pause`, `run.resume`, `run.takeover`, `run.complete`, `run.edit` | see [`controls`] | |
 //! | `<prefix>.api.run.tree` | `RunTreeRequest` | `RunTree` |
 //! | `<prefix>.api.session.get` | `SessionRequest` | `SessionView` |
 //! | `<prefix>.api.plan.validate` | `ValidatePlanRequest` | `ValidatePlanReply` |
@@ -247,6 +247,12 @@ pub(crate) async fn serve(
     )
     .await
     .map_err(setup)?;
+    let mut run_edit = endpoint(
+        "run-edit",
+        flotilla_model::control::EditPlanRequest::ENDPOINT,
+    )
+    .await
+    .map_err(setup)?;
     let api = Arc::new(Api {
         escalations: crate::approvals::Escalations::new(bus.clone()),
         store,
@@ -285,6 +291,7 @@ pub(crate) async fn serve(
             Some(req) = run_resume.next() => { tokio::spawn(async move { api.run_resume(req).await }); }
             Some(req) = run_takeover.next() => { tokio::spawn(async move { api.run_takeover(req).await }); }
             Some(req) = run_complete.next() => { tokio::spawn(async move { api.run_complete(req).await }); }
+            Some(req) = run_edit.next() => { tokio::spawn(async move { api.run_edit(req).await }); }
             else => break,
         }
     }

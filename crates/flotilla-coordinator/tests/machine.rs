@@ -2010,3 +2010,57 @@ fn a_held_runs_attempt_stops_at_a_step_and_the_resume_continues_it() {
         "{actions:?}"
     );
 }
+
+#[test]
+fn a_plan_edit_applies_under_human_control_only_and_keeps_started_tasks() {
+    use flotilla_model::control::PlanEdited;
+    use flotilla_model::runlog::ControlAction;
+    let p = plan(diamond(), PlanConfig::default());
+    let (mut m, _) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
+    let edited = |plan: Plan| PlanEdited {
+        plan,
+        by: "bob".into(),
+        reason: None,
+    };
+    let mut grown = (*p).clone();
+    grown.subtasks.push(Subtask::new("e", "").after(&["d"]));
+    // Running, not taken over: refused, nothing changes.
+    let e = edited(grown.clone());
+    let actions = m.apply(Input::PlanEdited { edited: &e, seq: 7 }, 1);
+    assert_eq!(phases(&actions), vec![WorkflowPhase::PlanEditRefused]);
+    assert_eq!(m.graph().len(), 4);
+    let a = ok("a");
+    m.apply(result(&a, 1, 2), 2);
+    m.apply(
+        Input::Control {
+            action: ControlAction::Takeover,
+            by: Some("bob"),
+            reason: None,
+            timeout_ms: None,
+        },
+        3,
+    );
+    // A started task changed: refused.
+    let mut changed = grown.clone();
+    changed.subtasks[0].description = "other".into();
+    let e = edited(changed);
+    let actions = m.apply(Input::PlanEdited { edited: &e, seq: 8 }, 4);
+    assert_eq!(phases(&actions), vec![WorkflowPhase::PlanEditRefused]);
+    // Applied: the new task waits, the plan's entry is where a restore reads it.
+    let e = edited(grown);
+    let actions = m.apply(Input::PlanEdited { edited: &e, seq: 9 }, 5);
+    assert_eq!(phases(&actions), vec![WorkflowPhase::PlanEdited]);
+    assert_eq!(m.graph().len(), 5);
+    assert_eq!(m.state().plan_seq, 9);
+    assert_eq!(m.state().tasks[0].status, TaskStatus::Succeeded);
+    assert_eq!(m.state().tasks[4].status, TaskStatus::Waiting);
+    assert!(dispatched(&actions).is_empty(), "held: nothing dispatched");
+    // Replayed from its state, the machine is the same.
+    let bytes = rmp_serde::to_vec_named(m.state()).expect("encode");
+    let restored = RunMachine::restore(
+        Arc::new(e.plan.clone()),
+        rmp_serde::from_slice(&bytes).expect("decode"),
+    );
+    assert_eq!(restored.state(), m.state());
+    assert_eq!(restored.state().amend(e.plan.clone()), e.plan);
+}

@@ -236,6 +236,144 @@ impl RunMachine {
         true
     }
 
+    /// Whether task `i` has started: dispatched at least once, waiting for a person, or
+    /// ended — what a plan edit may not change.
+    pub(crate) fn started(&self, i: usize) -> bool {
+        let t = &self.state.tasks[i];
+        t.status != TaskStatus::Waiting || t.attempt > 0 || t.approval.is_some()
+    }
+
+    /// Applies a person's edit of the plan (the run under human control): the run follows the
+    /// edited plan from here — waiting tasks as edited, new tasks appended. Refused (an event
+    /// says why, nothing changes) when the run is not under human control, or the edit changes
+    /// a task that started meanwhile, or its structure does not hold.
+    pub(crate) fn on_plan_edited(
+        &mut self,
+        e: &flotilla_model::control::PlanEdited,
+        seq: u64,
+        now_ms: i64,
+        actions: &mut Vec<Action>,
+    ) {
+        self.state.applied += 1;
+        let mut problems: Vec<String> = Vec::new();
+        if self.state.status != RunStatus::HumanControl || self.unplanned() {
+            problems.push(format!(
+                "the run is {}, not under human control",
+                self.state.status
+            ));
+        } else {
+            problems.extend(
+                flotilla_model::control::edit_problems(&self.plan, &e.plan, |i| self.started(i))
+                    .iter()
+                    .map(ToString::to_string),
+            );
+            // Structure only: what the deployment allows was checked by the API, and must
+            // not make replays differ.
+            let report = flotilla_model::validate::validate_plan(
+                &e.plan,
+                &flotilla_model::validate::ValidationContext::default(),
+            );
+            problems.extend(report.errors.iter().map(ToString::to_string));
+        }
+        if !problems.is_empty() {
+            problems.truncate(5);
+            self.emit(
+                None,
+                None,
+                now_ms,
+                WorkflowEvent {
+                    detail: Some(format!(
+                        "plan edit by {} refused: {}",
+                        e.by,
+                        problems.join("; ")
+                    )),
+                    ..WorkflowEvent::phase(WorkflowPhase::PlanEditRefused)
+                },
+                actions,
+            );
+            return;
+        }
+        let before = self.plan.subtasks.len();
+        let changed: Vec<String> = self
+            .plan
+            .subtasks
+            .iter()
+            .zip(&e.plan.subtasks)
+            .filter(|(a, b)| a != b)
+            .map(|(a, _)| a.id.to_string())
+            .collect();
+        let led = self
+            .state
+            .strategy
+            .as_ref()
+            .is_some_and(|s| s.strategy == flotilla_model::plan::Strategy::Supervisor);
+        let plan = std::sync::Arc::new(e.plan.clone());
+        let graph = std::sync::Arc::new(crate::RunGraph::new(&plan));
+        let mut state = self.state.clone();
+        state
+            .tasks
+            .resize(plan.subtasks.len(), crate::TaskState::held(led));
+        state.plan_seq = seq;
+        state.edit_mark = Some((state.recruited.len() as u32, state.team.len() as u32));
+        *self = Self::restore_with_graph(plan, graph, state);
+        self.rescan_deadlines = true;
+        let added = self.graph.len() - before;
+        self.emit(
+            None,
+            None,
+            now_ms,
+            WorkflowEvent {
+                tasks_total: Some(self.graph.len() as u32),
+                detail: Some(format!(
+                    "plan edited by {}{}: {added} task(s) added{}",
+                    e.by,
+                    e.reason
+                        .as_deref()
+                        .map_or_else(String::new, |r| format!(" ({r})")),
+                    if changed.is_empty() {
+                        String::new()
+                    } else {
+                        format!(", changed: {}", changed.join(", "))
+                    }
+                )),
+                ..WorkflowEvent::phase(WorkflowPhase::PlanEdited)
+            },
+            actions,
+        );
+        // A waiting task whose (new) dependency already ended without succeeding is skipped
+        // now, as it would have been had the dependency been there from the start.
+        for i in 0..self.graph.len() as u32 {
+            if self.state.tasks[i as usize].status != TaskStatus::Waiting {
+                continue;
+            }
+            let failed = self.graph.deps(i).iter().copied().find(|&d| {
+                matches!(
+                    self.state.tasks[d as usize].status,
+                    TaskStatus::Failed | TaskStatus::Skipped | TaskStatus::Cancelled
+                )
+            });
+            if let Some(d) = failed {
+                let t = &mut self.state.tasks[i as usize];
+                t.status = TaskStatus::Skipped;
+                t.cause = Some(d);
+                self.terminal += 1;
+                self.ready.remove(&i);
+                let detail = format!("dependency_failed: {}", self.plan.subtasks[d as usize].id);
+                self.emit(
+                    Some(i),
+                    None,
+                    now_ms,
+                    WorkflowEvent {
+                        detail: Some(detail),
+                        ..WorkflowEvent::phase(WorkflowPhase::TaskSkipped)
+                    },
+                    actions,
+                );
+                self.skip_dependents(i, now_ms, actions);
+            }
+        }
+    }
+
     /// Applies a task a person completed by hand. False when it changes nothing: no such
     /// task, or it runs or has ended.
     pub(crate) fn on_completed(

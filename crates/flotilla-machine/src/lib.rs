@@ -185,6 +185,14 @@ pub enum Input<'a> {
         /// Its run-log sequence (where the call is read).
         seq: u64,
     },
+    /// A person edited the plan of the run under human control, at run-log sequence `seq`
+    /// (where a restore reads the plan).
+    PlanEdited {
+        /// The edit.
+        edited: &'a flotilla_model::control::PlanEdited,
+        /// Its run-log sequence.
+        seq: u64,
+    },
     /// A waiting task's approval was decided.
     ApprovalDecided {
         /// The decision.
@@ -322,6 +330,7 @@ impl RunMachine {
             hitl: submitted.hitl.clone(),
             hold: None,
             resumed_ms: 0,
+            edit_mark: None,
         };
         let mut m = Self::restore_with_graph(plan, graph, state);
         let mut actions = vec![Action::Emit(Box::new(Emission {
@@ -611,6 +620,9 @@ impl RunMachine {
                 if !self.on_control(action, by, reason, timeout_ms, now_ms, &mut actions) {
                     return actions;
                 }
+            }
+            Input::PlanEdited { edited, seq } => {
+                self.on_plan_edited(edited, seq, now_ms, &mut actions);
             }
             Input::Completed { completed, seq } => {
                 if !self.on_completed(completed, seq, now_ms, &mut actions) {

@@ -300,11 +300,15 @@ pub struct RunState {
     /// The outcome, once terminal.
     #[serde(default)]
     pub outcome: Option<RunOutcome>,
-    /// Run-log sequence of the `planned` entry holding the plan the run follows now; 0 when
-    /// it is the submission's (every plan run, and a bare query until it is planned). A
-    /// restore reads the plan from there: one read, as for any run.
+    /// Run-log sequence of the `planned` (or `plan_edited`) entry holding the plan the run
+    /// follows now; 0 when it is the submission's (every plan run, and a bare query until it
+    /// is planned). A restore reads the plan from there: one read, as for any run.
     #[serde(default, skip_serializing_if = "is_zero_seq")]
     pub plan_seq: u64,
+    /// After a person's plan edit: how many recruited subtasks and team changes the edited
+    /// plan already holds ([`RunState::amend`] applies only later ones).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub edit_mark: Option<(u32, u32)>,
     /// Planning of a bare query.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub planning: Option<PlanningState>,
@@ -463,6 +467,7 @@ impl RunState {
             hold: None,
             resumed_ms: 0,
             hitl: None,
+            edit_mark: None,
             outcome: Some(RunOutcome {
                 run_id,
                 status: RunStatus::Rejected,

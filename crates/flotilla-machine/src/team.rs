@@ -33,8 +33,13 @@ impl RunState {
     /// recruited subtasks appended, the reassigned tasks' agents cleared. What a restore and
     /// a reader must run and show.
     pub fn amend(&self, mut base: Plan) -> Plan {
-        base.subtasks.extend(self.recruited.iter().cloned());
-        for change in &self.team {
+        // An edited plan holds what came before the edit.
+        let (recruited, team) = self
+            .edit_mark
+            .map_or((0, 0), |(r, t)| (r as usize, t as usize));
+        base.subtasks
+            .extend(self.recruited.iter().skip(recruited).cloned());
+        for change in self.team.iter().skip(team) {
             for id in &change.reassigned {
                 if let Some(t) = base.subtasks.iter_mut().find(|t| &t.id == id) {
                     t.agent = None;

@@ -273,7 +273,113 @@ crate::api::has_protocol!(
     ResumeRunRequest,
     TakeoverRunRequest,
     CompleteTaskRequest,
+    EditPlanRequest,
 );
+
+/// `<prefix>.api.run.edit`: replace the remaining plan of a run under human control (taken
+/// over). The edited plan keeps every task of the current plan at its position with its id;
+/// tasks that have started (dispatched, waiting for approval, ended) stay exactly as they are,
+/// waiting tasks may change, new tasks may be appended, and `config` stays as it is. It is
+/// validated like a submission (`400 invalid_plan` with every problem); a run not under human
+/// control is `409 not_taken_over`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EditPlanRequest {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// The run.
+    pub run_id: RunId,
+    /// The whole plan as it should run from here.
+    pub plan: crate::plan::Plan,
+    /// Who edits (recorded).
+    pub by: String,
+    /// Why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// The answer to a plan edit.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct EditPlanReply {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// The run.
+    pub run_id: RunId,
+    /// Tasks of the edited plan.
+    pub tasks_total: u32,
+    /// Tasks it adds.
+    pub added: u32,
+    /// Waiting tasks it changes.
+    pub changed: Vec<TaskId>,
+}
+
+impl crate::api::ApiRequest for EditPlanRequest {
+    const ENDPOINT: &'static str = "run.edit";
+    type Reply = EditPlanReply;
+}
+
+/// A plan edit, as recorded on the run log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct PlanEdited {
+    /// The plan the run follows from here (normalised).
+    pub plan: crate::plan::Plan,
+    /// Who edited it.
+    pub by: String,
+    /// Why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// Why `edited` may not replace `current` for a run whose task `i` has `started(i)` (it was
+/// dispatched at least once, waits for a person, or ended): one problem per thing it changes
+/// that it may not. Pure: the API checks an edit with it, and the run machine again when it
+/// applies the edit (the run may have moved on in between).
+pub fn edit_problems(
+    current: &crate::plan::Plan,
+    edited: &crate::plan::Plan,
+    started: impl Fn(usize) -> bool,
+) -> Vec<Problem> {
+    let mut out = Vec::new();
+    if edited.config != current.config {
+        out.push(Problem::new(
+            ProblemCode::InvalidConfig,
+            "config",
+            "an edit keeps the plan's config as it is",
+        ));
+    }
+    if edited.subtasks.len() < current.subtasks.len() {
+        out.push(Problem::new(
+            ProblemCode::InvalidConfig,
+            "subtasks",
+            format!(
+                "the edited plan has {} tasks, the run {}: an edit keeps every task (complete one by hand to settle it)",
+                edited.subtasks.len(),
+                current.subtasks.len()
+            ),
+        ));
+    }
+    for (i, (was, now)) in current.subtasks.iter().zip(&edited.subtasks).enumerate() {
+        if was.id != now.id {
+            out.push(Problem::new(
+                ProblemCode::InvalidConfig,
+                format!("subtasks[{i}].id"),
+                format!(
+                    "task {} must stay at position {i} (found {}): an edit keeps every task where it is",
+                    was.id, now.id
+                ),
+            ));
+        } else if started(i) && was != now {
+            out.push(Problem::new(
+                ProblemCode::InvalidConfig,
+                format!("subtasks[{i}]"),
+                format!("task {} has started: it cannot change", was.id),
+            ));
+        }
+    }
+    out
+}
 
 /// A task completed by a person, as recorded on the run log (message id
 /// `completed.<run>.<task>`: the first completion of a task is the one recorded).

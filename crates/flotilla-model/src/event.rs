@@ -423,6 +423,13 @@ pub enum WorkflowPhase {
     /// taken over): its slot is free; it continues from its step journal, the same attempt,
     /// once the run resumes (`attempt`, `worker`).
     TaskSuspended,
+    /// A person edited the plan of the run under human control (`run.edit`): `tasks_total`
+    /// is the edited plan's, `detail` says who, why, how many tasks were added and which
+    /// changed.
+    PlanEdited,
+    /// A plan edit reached the run but was not applied (`detail` says why: the run was no
+    /// longer under human control, or a task it changes had started meanwhile).
+    PlanEditRefused,
 }
 
 impl WorkflowPhase {

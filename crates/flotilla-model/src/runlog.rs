@@ -98,6 +98,11 @@ pub enum RunInput {
     /// `suspended.<run>.<task>.<attempt>.<segment>`); one for an attempt that is not running
     /// that segment changes nothing.
     Suspended(Box<Suspended>),
+    /// A person edited the remaining plan of a run under human control (`run.edit`): the plan
+    /// the run follows from here. Appended by the API after checking it; the run machine
+    /// applies it only while the run is under human control and its started tasks are
+    /// unchanged (else `plan_edit_refused`).
+    PlanEdited(Box<crate::control::PlanEdited>),
 }
 
 /// An assignment by a run's lead, as recorded on the run log.

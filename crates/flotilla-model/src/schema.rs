@@ -343,6 +343,14 @@ pub fn public_schemas() -> Vec<(&'static str, Schema)> {
             "complete-task-reply.json",
             schema_for!(crate::control::CompleteTaskReply),
         ),
+        (
+            "edit-plan-request.json",
+            schema_for!(crate::control::EditPlanRequest),
+        ),
+        (
+            "edit-plan-reply.json",
+            schema_for!(crate::control::EditPlanReply),
+        ),
     ]
 }
 

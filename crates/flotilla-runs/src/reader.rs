@@ -320,6 +320,7 @@ impl RunReader {
                     format!("run-log entry {plan_seq} of {run} holds no plan"),
                 )),
             },
+            RunInput::PlanEdited(e) if entry.run_id == run => Ok(Some(e.plan)),
             _ => Err(StoreError::new(
                 StoreErrorKind::Decode,
                 format!("run-log entry {plan_seq} is not a planned plan of {run}"),

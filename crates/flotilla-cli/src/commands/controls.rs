@@ -8,8 +8,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use flotilla_model::control::{
-    CompleteTaskReply, CompleteTaskRequest, ControlRunReply, PauseRunRequest, ResumeRunRequest,
-    TakeoverContext, TakeoverRunRequest,
+    CompleteTaskReply, CompleteTaskRequest, ControlRunReply, EditPlanReply, EditPlanRequest,
+    PauseRunRequest, ResumeRunRequest, TakeoverContext, TakeoverRunRequest,
 };
 use flotilla_model::ids::{RunId, TaskId};
 
@@ -60,6 +60,25 @@ pub(crate) enum ControlCommand {
         /// Why.
         #[arg(long)]
         comment: Option<String>,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Edit the remaining plan of a run you took over: PLAN is the whole plan as it should
+    /// run from here — every task of the run kept at its position, started tasks unchanged,
+    /// waiting tasks as you want them, new tasks at the end (`flotilla runs show RUN --json`
+    /// has the current one). Checked like a submission; then `runs resume` hands it back.
+    Edit {
+        run: RunId,
+        /// The edited plan file (.json, or .msgpack).
+        #[arg(long)]
+        plan: std::path::PathBuf,
+        /// Who edits (default: $USER).
+        #[arg(long)]
+        by: Option<String>,
+        /// Why.
+        #[arg(long)]
+        reason: Option<String>,
         /// Machine-readable output.
         #[arg(long)]
         json: bool,
@@ -170,6 +189,51 @@ pub(crate) async fn control(config: &Config, command: ControlCommand) -> anyhow:
                     "Task {} of run {} completed by hand; its dependents get your result",
                     a.task_id,
                     a.run_id
+                );
+            })
+            .await
+        }
+        ControlCommand::Edit {
+            run,
+            plan,
+            by,
+            reason,
+            json,
+        } => {
+            let plan = match super::plan::read_plan(&plan, &config.validation_context())? {
+                Ok(p) => p,
+                Err(report) => {
+                    for p in &report.errors {
+                        errln!("error: {p}");
+                    }
+                    return Ok(ExitCode::from(1));
+                }
+            };
+            let r = EditPlanRequest {
+                protocol,
+                run_id: run,
+                plan,
+                by: caller(by).unwrap_or_default(),
+                reason,
+            };
+            answer(&client, &r, json, |a: &EditPlanReply| {
+                outln!(
+                    "Plan of run {} edited: {} tasks, {} added{}; resume the run to hand it back",
+                    a.run_id,
+                    a.tasks_total,
+                    a.added,
+                    if a.changed.is_empty() {
+                        String::new()
+                    } else {
+                        format!(
+                            ", changed: {}",
+                            a.changed
+                                .iter()
+                                .map(ToString::to_string)
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        )
+                    }
                 );
             })
             .await

@@ -357,6 +357,18 @@ pub(crate) async fn history(config: &Config, run: RunId, json: bool) -> anyhow::
                         .unwrap_or_default()
                 ),
             ),
+            RunInput::PlanEdited(pe) => (
+                "plan_edited",
+                format!(
+                    "by {}: {} subtasks{}",
+                    pe.by,
+                    pe.plan.subtasks.len(),
+                    pe.reason
+                        .as_deref()
+                        .map(|r| format!(" ({r})"))
+                        .unwrap_or_default()
+                ),
+            ),
             RunInput::Completed(c) => (
                 "completed",
                 format!(

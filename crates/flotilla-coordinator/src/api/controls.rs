@@ -1,4 +1,4 @@
-//! `run.pause`, `run.resume`, `run.takeover`, `run.complete`: a person's hand on a running
+//! `run.pause`, `run.resume`, `run.takeover`, `run.complete`, `run.edit`: a person's hand on a running
 //! run. Each appends one input to the run's log — the run machine decides what it does — and
 //! a pause, resume or takeover is also appended for the run's descendants (found through
 //! their links on the run's events, breadth first, at most [`MAX_CONTROLLED_RUNS`]).
@@ -7,9 +7,10 @@ use async_nats::service::Request;
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::control::{
     CompleteTaskReply, CompleteTaskRequest, Completed, ContextResult, ControlRunReply,
-    DEFAULT_PAUSE_TIMEOUT, DEFAULT_TAKEOVER_TIMEOUT, MAX_CONTEXT_RESULT, MAX_CONTEXT_TASKS,
-    MAX_CONTROL_TEXT, MAX_CONTROLLED_RUNS, PauseRunRequest, PendingTask, ResumeRunRequest,
-    SuggestedAction, TakeoverContext, TakeoverRunRequest, completed_msg_id, hold_timeout,
+    DEFAULT_PAUSE_TIMEOUT, DEFAULT_TAKEOVER_TIMEOUT, EditPlanReply, EditPlanRequest,
+    MAX_CONTEXT_RESULT, MAX_CONTEXT_TASKS, MAX_CONTROL_TEXT, MAX_CONTROLLED_RUNS, PauseRunRequest,
+    PendingTask, PlanEdited, ResumeRunRequest, SuggestedAction, TakeoverContext,
+    TakeoverRunRequest, completed_msg_id, edit_problems, hold_timeout,
 };
 use flotilla_model::ids::RunId;
 use flotilla_model::notify::{ControlNotice, NoticeKind, Notification, control_notice_id};
@@ -508,6 +509,96 @@ impl Api {
             task_id: r.task_id,
             completing: true,
         };
+        respond_json(&req, self.max_payload(), &reply).await;
+    }
+
+    /// `run.edit`: checks an edit of a taken-over run's plan (what may change, and the plan
+    /// as a submission) and appends it to the run log; the run machine applies it.
+    pub(super) async fn run_edit(&self, req: Request) {
+        let Some(r) = parse::<EditPlanRequest>(&req).await else {
+            return;
+        };
+        if r.by.trim().is_empty() {
+            return respond_error(
+                &req,
+                400,
+                "invalid_request",
+                "by is required: who edits".into(),
+            )
+            .await;
+        }
+        if text_too_long(&req, &[("reason", &r.reason), ("by", &Some(r.by.clone()))]).await {
+            return;
+        }
+        let run = r.run_id;
+        let Some(state) = self.control_state(&req, run).await else {
+            return;
+        };
+        if state.status != RunStatus::HumanControl {
+            return respond_error(
+                &req,
+                409,
+                "not_taken_over",
+                format!(
+                    "run {run} is {}: take it over first (flotilla runs takeover), then edit its plan",
+                    state.status
+                ),
+            )
+            .await;
+        }
+        let current = match self.store.plan_for(run, &state).await {
+            Ok(Some(p)) => p,
+            Ok(None) => return run_not_found(&req, run).await,
+            Err(e) => return respond_error(&req, 503, "unavailable", e.to_string()).await,
+        };
+        let mut ctx = self.ctx.clone();
+        ctx.limits.max_plan_bytes = Some(
+            self.max_payload()
+                .saturating_sub(flotilla_model::validate::PLAN_ENVELOPE_ROOM),
+        );
+        let edited = match flotilla_model::validate::prepare_plan(&r.plan, &ctx) {
+            Ok((plan, _)) => plan,
+            Err(report) => {
+                return super::respond_problems(&req, "invalid_plan", report.errors).await;
+            }
+        };
+        let started = |i: usize| {
+            state.tasks.get(i).is_some_and(|t| {
+                t.status != TaskStatus::Waiting || t.attempt > 0 || t.approval.is_some()
+            })
+        };
+        let problems = edit_problems(&current, &edited, started);
+        if !problems.is_empty() {
+            return super::respond_problems(&req, "invalid_edit", problems).await;
+        }
+        let changed: Vec<flotilla_model::ids::TaskId> = current
+            .subtasks
+            .iter()
+            .zip(&edited.subtasks)
+            .filter(|(a, b)| a != b)
+            .map(|(a, _)| a.id.clone())
+            .collect();
+        let reply = EditPlanReply {
+            protocol: PROTOCOL_VERSION,
+            run_id: run,
+            tasks_total: edited.subtasks.len() as u32,
+            added: (edited.subtasks.len() - current.subtasks.len()) as u32,
+            changed,
+        };
+        let entry = RunLogEntry {
+            protocol: PROTOCOL_VERSION,
+            run_id: run,
+            input: RunInput::PlanEdited(Box::new(PlanEdited {
+                plan: edited,
+                by: r.by.trim().to_owned(),
+                reason: r.reason.filter(|x| !x.is_empty()),
+            })),
+        };
+        let bus = self.store.bus();
+        if let Err(e) = bus.publish(bus.names().runlog(run), &entry, None).await {
+            return respond_error(&req, 503, "unavailable", e.to_string()).await;
+        }
+        info!(%run, added = reply.added, changed = reply.changed.len(), "Plan edit requested");
         respond_json(&req, self.max_payload(), &reply).await;
     }
 }

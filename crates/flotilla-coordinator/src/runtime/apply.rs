@@ -423,6 +423,14 @@ impl Runtime {
                     }
                     actions.extend(acts);
                 }
+                RunInput::PlanEdited(edited) => {
+                    let Some(e) = entry.as_mut() else { continue };
+                    actions.extend(
+                        e.machine
+                            .apply(Input::PlanEdited { edited, seq: d.seq }, d.ts_ms),
+                    );
+                    info!(%run, by = %edited.by, tasks = e.machine.graph().len(), "Plan edit applied or refused");
+                }
                 RunInput::Completed(c) => {
                     let Some(e) = entry.as_mut() else { continue };
                     let acts = e.machine.apply(
