@@ -769,6 +769,11 @@ async fn a_plan_edit_through_the_cli_survives_a_coordinator_kill() -> anyhow::Re
     assert!(said.contains("nowhere"), "{said}");
 
     // The edited plan is the run's, in its log: a new coordinator runs it.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while p.client.run(run).await?.map_or(0, |v| v.tasks.len()) != 3 {
+        anyhow::ensure!(tokio::time::Instant::now() < deadline, "never edited");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     p.kill(coordinator);
     p.coordinator().await?;
     let out = p.cli(&["runs", "resume", &run.to_string(), "--by", "bob"])?;

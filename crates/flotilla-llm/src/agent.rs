@@ -479,15 +479,26 @@ impl LlmAgent {
         if estimate_usd <= limit_usd {
             return Ok(());
         }
-        // Rounded to a millionth of a dollar so that the digest is the same on every delivery.
-        let arguments = serde_json::json!({
+        // The person sees the estimate; the decision is bound to the call (agent, model, limit
+        // and step), which is the same on every delivery even if the prompt's estimate is not.
+        let shown = serde_json::json!({
             "agent": self.name,
             "model": self.config.model,
             "estimated_cost_usd": (estimate_usd * 1e6).round() / 1e6,
             "cost_limit_usd": limit_usd,
         });
-        let decided =
-            gate::decision_at_step(task, ctx, Trigger::Cost, step, gate::MODEL_CALL, arguments)?;
+        let bound = serde_json::json!({
+            "agent": self.name,
+            "model": self.config.model,
+            "cost_limit_usd": limit_usd,
+        });
+        let decided = gate::decision_at_step(
+            task,
+            ctx,
+            (Trigger::Cost, step, gate::MODEL_CALL),
+            shown,
+            &bound,
+        )?;
         match &decided.decision {
             Decision::Approve | Decision::Edit { .. } => Ok(()),
             Decision::Reject { message } | Decision::Respond { result: message } => {
@@ -527,7 +538,10 @@ impl LlmAgent {
             Ok(r) => return Ok(r),
             Err(r) => r,
         };
-        let ask = task.tool_gate.as_ref().is_some_and(|g| g.budget_ask);
+        // Only a spent budget is a person's to extend; a budget that could not be read is an
+        // ordinary failure (retried).
+        let ask = task.tool_gate.as_ref().is_some_and(|g| g.budget_ask)
+            && refusal.error.kind == TaskErrorKind::BudgetExhausted;
         let Some(run) = refusal.run.filter(|_| ask) else {
             return Err(refusal.error);
         };
@@ -542,20 +556,26 @@ impl LlmAgent {
         let decided = gate::decision_at_step(
             task,
             ctx,
-            Trigger::Budget,
-            step,
-            gate::EXTEND_BUDGET,
-            arguments,
+            (Trigger::Budget, step, gate::EXTEND_BUDGET),
+            arguments.clone(),
+            &arguments,
         )?;
         let (tokens, cost) = match &decided.decision {
             Decision::Approve => (
                 limits.max_tokens.unwrap_or(0),
                 limits.max_cost.unwrap_or(0.0),
             ),
-            Decision::Edit { input } => (
-                input["max_tokens"].as_u64().unwrap_or(0),
-                input["max_cost"].as_f64().unwrap_or(0.0),
-            ),
+            Decision::Edit { input } => match extension_of(input) {
+                Ok(amounts) => amounts,
+                Err(why) => {
+                    let mut error = refusal.error;
+                    error.message = format!(
+                        "{}; {} answered with an extension that is not one: {why}",
+                        error.message, decided.by
+                    );
+                    return Err(error);
+                }
+            },
             Decision::Reject { message } | Decision::Respond { result: message } => {
                 let mut error = refusal.error;
                 error.message = format!(
@@ -571,8 +591,14 @@ impl LlmAgent {
                 return Err(error);
             }
         };
+        // Approval ids are a run's own; the budget may be an ancestor's, shared by the tree.
         budget
-            .extend(run, &decided.approval_id, tokens, cost)
+            .extend(
+                run,
+                &format!("{}.{}", task.run_id, decided.approval_id),
+                tokens,
+                cost,
+            )
             .await?;
         budget
             .reserve(prompt_estimate, max_output)
@@ -1161,9 +1187,51 @@ async fn publish_deltas(events: EventEmitter, mut rx: mpsc::UnboundedReceiver<St
     }
 }
 
+/// The amounts a person's `edit` of a budget request adds: `{"max_tokens": N, "max_cost": X}`,
+/// each optional, neither negative.
+fn extension_of(input: &Value) -> Result<(u64, f64), String> {
+    let tokens = match input.get("max_tokens") {
+        None | Some(Value::Null) => 0,
+        Some(v) => v
+            .as_u64()
+            .ok_or_else(|| format!("max_tokens must be a whole number of tokens, not {v}"))?,
+    };
+    let cost = match input.get("max_cost") {
+        None | Some(Value::Null) => 0.0,
+        Some(v) => v
+            .as_f64()
+            .filter(|c| c.is_finite() && *c >= 0.0)
+            .ok_or_else(|| {
+                format!("max_cost must be a non-negative amount of US dollars, not {v}")
+            })?,
+    };
+    if tokens == 0 && cost == 0.0 {
+        return Err("it adds nothing (give max_tokens or max_cost)".into());
+    }
+    Ok((tokens, cost))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_budget_extension_adds_something_and_nothing_negative() {
+        use serde_json::json;
+        assert_eq!(extension_of(&json!({"max_tokens": 500})), Ok((500, 0.0)));
+        assert_eq!(
+            extension_of(&json!({"max_tokens": 5, "max_cost": 0.5})),
+            Ok((5, 0.5))
+        );
+        for bad in [
+            json!({}),
+            json!({"max_tokens": "lots"}),
+            json!({"max_cost": -1.0}),
+            json!({"max_tokens": -3}),
+        ] {
+            assert!(extension_of(&bad).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn output_is_checked_with_fences_tolerated() {

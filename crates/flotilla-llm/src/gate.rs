@@ -155,27 +155,26 @@ pub const MODEL_CALL: &str = "model_call";
 pub const EXTEND_BUDGET: &str = "extend_budget";
 
 /// A person's decision about something an attempt may not do on its own at step `step` — a
-/// costly model call, a call past its budget — asked about like a tool call named `tool`
-/// with `arguments` (which must be the same on every delivery: they are the decision's
-/// digest). Stops the attempt (the returned error, after [`AgentContext::suspend`]) when
-/// nobody decided yet.
+/// costly model call, a call past its budget — asked about like a tool call named `tool`,
+/// showing the person `shown`; the decision is bound to `bound` (its digest), which must be
+/// the same on every delivery. Stops the attempt (the returned error, after
+/// [`AgentContext::suspend`]) when nobody decided yet.
 pub(crate) fn decision_at_step<'t>(
     task: &'t TaskEnvelope,
     ctx: &AgentContext,
-    trigger: Trigger,
-    step: u32,
-    tool: &str,
-    arguments: Value,
+    (trigger, step, tool): (Trigger, u32, &str),
+    shown: Value,
+    bound: &Value,
 ) -> Result<&'t flotilla_model::task::ToolDecision, AgentError> {
     let call_id = format!("{}-{step}", trigger.as_str());
-    let digest = digest_of(tool, &arguments);
+    let digest = digest_of(tool, bound);
     match task.decision_for(&call_id, &digest) {
         Some(d) => Ok(d),
         None => Err(ctx.suspend(SuspendedCall {
             trigger,
             call_id,
             tool: tool.to_owned(),
-            arguments,
+            arguments: shown,
             digest,
             question: None,
         })),

@@ -239,8 +239,7 @@ impl RunMachine {
     /// Whether task `i` has started: dispatched at least once, waiting for a person, or
     /// ended — what a plan edit may not change.
     pub(crate) fn started(&self, i: usize) -> bool {
-        let t = &self.state.tasks[i];
-        t.status != TaskStatus::Waiting || t.attempt > 0 || t.approval.is_some()
+        self.state.tasks[i].started()
     }
 
     /// Applies a person's edit of the plan (the run under human control): the run follows the
@@ -254,6 +253,10 @@ impl RunMachine {
         now_ms: i64,
         actions: &mut Vec<Action>,
     ) {
+        if seq <= self.state.plan_seq {
+            // This edit (or an older one) is already the run's plan: a redelivery.
+            return;
+        }
         self.state.applied += 1;
         let mut problems: Vec<String> = Vec::new();
         if self.state.status != RunStatus::HumanControl || self.unplanned() {
@@ -313,6 +316,16 @@ impl RunMachine {
         state
             .tasks
             .resize(plan.subtasks.len(), crate::TaskState::held(led));
+        // Topic indexes are the graph's: the topics with an entry are carried over by name
+        // (an edit uses no new topic).
+        let ready: Vec<&str> = self
+            .state
+            .topics_ready
+            .iter()
+            .map(|&t| self.graph.topic_name(t))
+            .collect();
+        state.topics_ready = ready.iter().filter_map(|n| graph.topic_of(n)).collect();
+        state.topics_ready.sort_unstable();
         state.plan_seq = seq;
         state.edit_mark = Some((state.recruited.len() as u32, state.team.len() as u32));
         *self = Self::restore_with_graph(plan, graph, state);
@@ -394,17 +407,25 @@ impl RunMachine {
             return false;
         }
         self.state.applied += 1;
-        if let Some(p) = t.approval.take() {
+        let withdrawn = t.approval.take();
+        if let Some(p) = withdrawn {
             actions.push(Action::WithdrawApproval {
                 task: i,
                 attempt: p.attempt,
                 call: p.call,
             });
         }
+        let t = &mut self.state.tasks[i as usize];
         t.resume = false;
         t.held = false;
         t.dispatched_ms = now_ms;
         self.ready.remove(&i);
+        if let Some(p) =
+            withdrawn.filter(|p| p.trigger == flotilla_model::approval::Trigger::Budget)
+        {
+            // Settled by hand: a pause made for its budget request ends with it.
+            self.end_budget_pause(&p.id(i), now_ms, actions);
+        }
         let comment = completed
             .comment
             .as_deref()

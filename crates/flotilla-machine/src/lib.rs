@@ -962,7 +962,17 @@ impl RunMachine {
             .as_ref()
             .and_then(|p| p.gate(sub, 0))
             .is_some_and(|g| g.trigger == flotilla_model::approval::Trigger::SensitiveAction);
-        (sensitive && attempt > 0 && error.kind != TaskErrorKind::Cancelled).then(|| {
+        // The agent's own failures only: not a cancellation, a refused call or budget, a
+        // task nobody claimed.
+        let agents_doing = matches!(
+            error.kind,
+            TaskErrorKind::AgentFailed
+                | TaskErrorKind::Timeout
+                | TaskErrorKind::InvalidOutput
+                | TaskErrorKind::ResultTooLarge
+                | TaskErrorKind::RedeliveriesExhausted
+        );
+        (sensitive && attempt > 0 && agents_doing).then(|| {
             format!(
                 "sensitive action {} of task {} (run {}) failed: {error}",
                 sub.action.as_deref().unwrap_or("(risk)"),

@@ -177,6 +177,16 @@ impl TaskState {
     }
 
     /// A waiting task, held for the lead's assignment when `held`.
+    /// Whether the task has started as far as a plan edit is concerned: dispatched at least
+    /// once, waiting for a person or let through by one, or ended.
+    pub fn started(&self) -> bool {
+        self.status != TaskStatus::Waiting
+            || self.attempt > 0
+            || self.approval.is_some()
+            || self.approved != 0
+            || self.edit_seq != 0
+    }
+
     pub(crate) fn held(held: bool) -> Self {
         Self {
             held,

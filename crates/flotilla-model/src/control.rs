@@ -360,6 +360,27 @@ pub fn edit_problems(
             ),
         ));
     }
+    // Topics are the run's workspace: which have entries is known for the current plan's
+    // topics only, so an edit works with those.
+    let known: std::collections::BTreeSet<&str> = current
+        .subtasks
+        .iter()
+        .flat_map(|t| t.produces.iter().chain(&t.consumes))
+        .map(String::as_str)
+        .collect();
+    for (i, t) in edited.subtasks.iter().enumerate() {
+        for (field, topics) in [("produces", &t.produces), ("consumes", &t.consumes)] {
+            if let Some(new) = topics.iter().find(|x| !known.contains(x.as_str())) {
+                out.push(Problem::new(
+                    ProblemCode::InvalidConfig,
+                    format!("subtasks[{i}].{field}"),
+                    format!(
+                        "topic {new:?} is not one of the run's: an edit may use only the workspace topics the plan already has"
+                    ),
+                ));
+            }
+        }
+    }
     for (i, (was, now)) in current.subtasks.iter().zip(&edited.subtasks).enumerate() {
         if was.id != now.id {
             out.push(Problem::new(

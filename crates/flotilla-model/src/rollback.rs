@@ -31,8 +31,9 @@ use crate::token::MAX_TOKEN_LEN;
 /// The label a rollback run carries, whose value is the cancelled run's id.
 pub const ROLLBACK_OF_LABEL: &str = "rollback_of";
 
-/// Longest part of a compensated task's result handed to its compensation, in bytes (the
-/// whole result stays on the cancelled run's log).
+/// Longest part of a compensated task's result (and description, and input) handed to its
+/// compensation, in bytes (the whole stays on the cancelled run's log and plan); less when
+/// the rollback plan would not fit in one message otherwise.
 pub const MAX_COMPENSATED_RESULT: usize = 16 * 1024;
 
 /// The id of the run that rolls `run` back: a UUIDv7 with `run`'s timestamp (so it sorts next
@@ -98,22 +99,33 @@ pub fn compensated_tasks(plan: &Plan, succeeded: &[usize]) -> Vec<usize> {
 
 /// The plan of the run that rolls back `run` (whose plan is `plan`): one subtask per
 /// compensated task, run by its compensation agent in the task's pool, with the task's
-/// description, input and result as its input, after the compensations of the compensated
-/// tasks downstream of it. `None` when nothing is to be undone.
+/// description, input and result as its input (each cut to `max_text` bytes), after the
+/// compensations of the compensated tasks downstream of it — its dependents, and the
+/// consumers of the topics it produces. `None` when nothing is to be undone.
 ///
 /// The rollback keeps going on independent branches when a compensation fails
 /// (`failure_ratio` 1); the plan's retry settings and task timeout are the cancelled plan's.
-pub fn rollback_plan(run: RunId, plan: &Plan, undo: &[Compensated]) -> Option<Plan> {
+pub fn rollback_plan(
+    run: RunId,
+    plan: &Plan,
+    undo: &[Compensated],
+    max_text: usize,
+) -> Option<Plan> {
     if undo.is_empty() {
         return None;
     }
     let index_of = |id: &TaskId| plan.subtasks.iter().position(|t| &t.id == id);
-    // Dependents of each task (the plan names dependencies).
+    // What is built on each task: its dependents, and the consumers of what it produces.
     let mut dependents: Vec<Vec<usize>> = vec![Vec::new(); plan.subtasks.len()];
     for (i, t) in plan.subtasks.iter().enumerate() {
         for d in &t.dependencies {
             if let Some(d) = index_of(d) {
                 dependents[d].push(i);
+            }
+        }
+        for (p, producer) in plan.subtasks.iter().enumerate() {
+            if p != i && t.consumes.iter().any(|c| producer.produces.contains(c)) {
+                dependents[p].push(i);
             }
         }
     }
@@ -136,21 +148,19 @@ pub fn rollback_plan(run: RunId, plan: &Plan, undo: &[Compensated]) -> Option<Pl
                 stack.extend(dependents[d].iter().copied());
             }
         }
-        let mut result = c.result.clone();
-        if result.len() > MAX_COMPENSATED_RESULT {
-            let total = result.len();
-            let mut cut = MAX_COMPENSATED_RESULT;
-            while !result.is_char_boundary(cut) {
-                cut -= 1;
-            }
-            result.truncate(cut);
-            result.push_str(&format!(" (result cut from {total} bytes)"));
-        }
+        let result = cut(c.result.clone(), max_text, "result");
+        let input_text = task.input.to_string();
+        let input = if input_text.len() > max_text {
+            json!({"omitted": format!("the task's input, {} bytes as JSON, is on the cancelled run's plan", input_text.len())})
+        } else {
+            task.input.clone()
+        };
         let mut sub = Subtask::new(
             undo_task_id(&task.id, c.index).as_str(),
             &format!(
                 "Undo what task {} of run {run} did (the run was cancelled with rollback). The task was: {}",
-                task.id, task.description
+                task.id,
+                cut(task.description.clone(), max_text, "description")
             ),
         );
         sub.agent = task.compensate.clone();
@@ -164,10 +174,10 @@ pub fn rollback_plan(run: RunId, plan: &Plan, undo: &[Compensated]) -> Option<Pl
             "compensates": {
                 "run_id": run,
                 "task_id": task.id,
-                "description": task.description,
+                "description": cut(task.description.clone(), max_text, "description"),
                 "action": task.action,
                 "agent": task.agent,
-                "input": task.input,
+                "input": input,
                 "result": result,
             }
         });
@@ -187,6 +197,20 @@ pub fn rollback_plan(run: RunId, plan: &Plan, undo: &[Compensated]) -> Option<Pl
             ..PlanConfig::default()
         },
     })
+}
+
+/// `text` cut to about `max` bytes, saying so.
+fn cut(mut text: String, max: usize, what: &str) -> String {
+    if text.len() > max {
+        let total = text.len();
+        let mut at = max;
+        while !text.is_char_boundary(at) {
+            at -= 1;
+        }
+        text.truncate(at);
+        text.push_str(&format!(" ({what} cut from {total} bytes)"));
+    }
+    text
 }
 
 #[cfg(test)]
@@ -232,7 +256,7 @@ mod tests {
             })
             .collect();
         assert_eq!(undo.len(), 3, "notify declares nothing");
-        let r = rollback_plan(run, &p, &undo).expect("a plan");
+        let r = rollback_plan(run, &p, &undo, MAX_COMPENSATED_RESULT).expect("a plan");
         assert_eq!(
             ids(&r, 0),
             ("undo-fetch".into(), vec!["undo-transform".into()])
@@ -262,9 +286,27 @@ mod tests {
             index,
             result: String::new(),
         });
-        let r = rollback_plan(RunId::new(), &p, &undo).expect("a plan");
+        let r = rollback_plan(RunId::new(), &p, &undo, MAX_COMPENSATED_RESULT).expect("a plan");
         assert_eq!(ids(&r, 0), ("undo-a".into(), vec!["undo-c".into()]));
-        assert!(rollback_plan(RunId::new(), &p, &[]).is_none());
+        assert!(rollback_plan(RunId::new(), &p, &[], MAX_COMPENSATED_RESULT).is_none());
+    }
+
+    #[test]
+    fn consumers_of_a_topic_are_undone_before_its_producer() {
+        let mut writer = task("writer", &[], Some("x"));
+        writer.produces = vec!["draft".into()];
+        let mut reader = task("reader", &[], Some("y"));
+        reader.consumes = vec!["draft".into()];
+        let p = plan(vec![writer, reader]);
+        let undo = [0, 1].map(|index| Compensated {
+            index,
+            result: String::new(),
+        });
+        let r = rollback_plan(RunId::new(), &p, &undo, MAX_COMPENSATED_RESULT).expect("a plan");
+        assert_eq!(
+            ids(&r, 0),
+            ("undo-writer".into(), vec!["undo-reader".into()])
+        );
     }
 
     #[test]
@@ -285,7 +327,7 @@ mod tests {
             index: 0,
             result: "é".repeat(MAX_COMPENSATED_RESULT),
         }];
-        let r = rollback_plan(run, &p, &undo).expect("a plan");
+        let r = rollback_plan(run, &p, &undo, MAX_COMPENSATED_RESULT).expect("a plan");
         let result = r.subtasks[0].input["compensates"]["result"]
             .as_str()
             .unwrap_or_default()

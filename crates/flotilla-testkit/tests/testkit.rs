@@ -107,7 +107,18 @@ async fn three_node_cluster_replicates() -> anyhow::Result<()> {
         ..Default::default()
     })
     .await?;
-    js.publish("r3.x", "x".into()).await?.await?;
+    // The stream's placement reaches every server of the cluster shortly after it is
+    // created: until then a publish through another server finds no stream.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        match js.publish("r3.x", "x".into()).await?.await {
+            Ok(_) => break,
+            Err(_) if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
     let mut sub = client.subscribe("r3.echo").await?;
     client.publish("r3.echo", "hi".into()).await?;
     assert!(sub.next().await.is_some());

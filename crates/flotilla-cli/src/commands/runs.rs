@@ -545,6 +545,9 @@ pub(crate) async fn cancel(
         );
     } else {
         errln!("Rollback run {rollback} {}", undone.status);
+        if !ok && let Some(reason) = &undone.reason {
+            errln!("  reason: {reason}");
+        }
         for f in &undone.failed {
             errln!("  compensation {} failed: {}", f.task_id, f.error);
         }

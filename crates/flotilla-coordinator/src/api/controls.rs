@@ -562,11 +562,7 @@ impl Api {
                 return super::respond_problems(&req, "invalid_plan", report.errors).await;
             }
         };
-        let started = |i: usize| {
-            state.tasks.get(i).is_some_and(|t| {
-                t.status != TaskStatus::Waiting || t.attempt > 0 || t.approval.is_some()
-            })
-        };
+        let started = |i: usize| state.tasks.get(i).is_some_and(|t| t.started());
         let problems = edit_problems(&current, &edited, started);
         if !problems.is_empty() {
             return super::respond_problems(&req, "invalid_edit", problems).await;
@@ -594,8 +590,23 @@ impl Api {
                 reason: r.reason.filter(|x| !x.is_empty()),
             })),
         };
+        // The same edit sent again (a client's retry) is stored once.
+        let digest = match &entry.input {
+            RunInput::PlanEdited(e) => flotilla_model::approval::digest_of(
+                &e.by,
+                &serde_json::to_value(&e.plan).unwrap_or_default(),
+            ),
+            _ => String::new(),
+        };
         let bus = self.store.bus();
-        if let Err(e) = bus.publish(bus.names().runlog(run), &entry, None).await {
+        if let Err(e) = bus
+            .publish(
+                bus.names().runlog(run),
+                &entry,
+                Some(&format!("edited.{run}.{digest}")),
+            )
+            .await
+        {
             return respond_error(&req, 503, "unavailable", e.to_string()).await;
         }
         info!(%run, added = reply.added, changed = reply.changed.len(), "Plan edit requested");

@@ -135,7 +135,22 @@ impl Runtime {
         }
         let state = entry.machine.state();
         let run = state.run_id;
-        let Some(plan) = rollback_plan(run, entry.machine.plan(), &undo) else {
+        let max = self.bus.max_payload();
+        // The texts handed to the compensations shrink until the plan fits in one message.
+        let room = max.saturating_sub(flotilla_model::validate::PLAN_ENVELOPE_ROOM);
+        let mut fitting = None;
+        for max_text in [MAX_COMPENSATED_RESULT, 4096, 1024, 256] {
+            let Some(plan) = rollback_plan(run, entry.machine.plan(), &undo, max_text) else {
+                return Ok(None);
+            };
+            if flotilla_model::validate::check_plan_size(&plan, room).is_none() {
+                fitting = Some(plan);
+                break;
+            }
+        }
+        let Some(plan) = fitting else {
+            // Never fits (thousands of compensations): nothing to retry; said loudly.
+            tracing::error!(%run, tasks = tasks.len(), "The rollback plan does not fit in one message of this deployment; no rollback run was started");
             return Ok(None);
         };
         let child = rollback_run_id(run);
@@ -155,7 +170,6 @@ impl Runtime {
         let out = wire::encode(&request, Codec::Json, Some(&format!("rollback.{run}")))?;
         let subject = self.bus.names().submit();
         let size = out.payload.len();
-        let max = self.bus.max_payload();
         self.bus
             .js()
             .publish_with_headers(subject.clone(), out.headers, out.payload)
