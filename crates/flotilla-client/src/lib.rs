@@ -193,14 +193,7 @@ impl Client {
         run: RunId,
         reason: Option<String>,
     ) -> Result<CancelRunReply, ClientError> {
-        let request = CancelRunRequest {
-            protocol: flotilla_model::PROTOCOL_VERSION,
-            run_id: run,
-            reason,
-            by: None,
-            rollback: false,
-        };
-        self.request(&request, Duration::from_secs(10)).await
+        self.cancel_with(run, reason, false).await
     }
 
     /// Asks the coordinators to cancel a run and undo its succeeded tasks that declare a
@@ -210,12 +203,21 @@ impl Client {
         run: RunId,
         reason: Option<String>,
     ) -> Result<CancelRunReply, ClientError> {
+        self.cancel_with(run, reason, true).await
+    }
+
+    async fn cancel_with(
+        &self,
+        run: RunId,
+        reason: Option<String>,
+        rollback: bool,
+    ) -> Result<CancelRunReply, ClientError> {
         let request = CancelRunRequest {
             protocol: flotilla_model::PROTOCOL_VERSION,
             run_id: run,
             reason,
             by: None,
-            rollback: true,
+            rollback,
         };
         self.request(&request, Duration::from_secs(10)).await
     }

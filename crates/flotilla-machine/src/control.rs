@@ -356,33 +356,8 @@ impl RunMachine {
         // A waiting task whose (new) dependency already ended without succeeding is skipped
         // now, as it would have been had the dependency been there from the start.
         for i in 0..self.graph.len() as u32 {
-            if self.state.tasks[i as usize].status != TaskStatus::Waiting {
-                continue;
-            }
-            let failed = self.graph.deps(i).iter().copied().find(|&d| {
-                matches!(
-                    self.state.tasks[d as usize].status,
-                    TaskStatus::Failed | TaskStatus::Skipped | TaskStatus::Cancelled
-                )
-            });
-            if let Some(d) = failed {
-                let t = &mut self.state.tasks[i as usize];
-                t.status = TaskStatus::Skipped;
-                t.cause = Some(d);
-                self.terminal += 1;
-                self.ready.remove(&i);
-                let detail = format!("dependency_failed: {}", self.plan.subtasks[d as usize].id);
-                self.emit(
-                    Some(i),
-                    None,
-                    now_ms,
-                    WorkflowEvent {
-                        detail: Some(detail),
-                        ..WorkflowEvent::phase(WorkflowPhase::TaskSkipped)
-                    },
-                    actions,
-                );
-                self.skip_dependents(i, now_ms, actions);
+            if self.state.tasks[i as usize].status == TaskStatus::Waiting {
+                self.skip_if_dependency_ended(i, now_ms, actions);
             }
         }
     }

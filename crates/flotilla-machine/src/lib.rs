@@ -952,6 +952,45 @@ impl RunMachine {
         }
     }
 
+    /// Skips task `i` — added to a running plan, or given new dependencies by an edit — when
+    /// one of its dependencies already ended without succeeding, as that dependency's end
+    /// would have had it been there from the start (and what depends on it). True when it
+    /// did.
+    pub(crate) fn skip_if_dependency_ended(
+        &mut self,
+        i: u32,
+        now_ms: i64,
+        actions: &mut Vec<Action>,
+    ) -> bool {
+        let ended = self.graph.deps(i).iter().copied().find(|&d| {
+            matches!(
+                self.state.tasks[d as usize].status,
+                TaskStatus::Failed | TaskStatus::Skipped | TaskStatus::Cancelled
+            )
+        });
+        let Some(d) = ended else {
+            return false;
+        };
+        let t = &mut self.state.tasks[i as usize];
+        t.status = TaskStatus::Skipped;
+        t.cause = Some(d);
+        self.terminal += 1;
+        self.ready.remove(&i);
+        let detail = format!("dependency_failed: {}", self.plan.subtasks[d as usize].id);
+        self.emit(
+            Some(i),
+            None,
+            now_ms,
+            WorkflowEvent {
+                detail: Some(detail),
+                ..WorkflowEvent::phase(WorkflowPhase::TaskSkipped)
+            },
+            actions,
+        );
+        self.skip_dependents(i, now_ms, actions);
+        true
+    }
+
     /// A task whose action is sensitive under the run's policy that failed for good after
     /// running is an incident of its agent (a cancellation is not): its words, if so.
     fn failed_sensitive_action(&self, i: u32, attempt: u32, error: &TaskError) -> Option<String> {

@@ -182,32 +182,10 @@ impl RunMachine {
             },
             actions,
         );
-        // A dependency that already failed (or was skipped, or cancelled) skips it now, as
-        // its failure would have had it been there.
-        let failed_dep = self.graph.deps(i).iter().copied().find(|&d| {
-            matches!(
-                self.state.tasks[d as usize].status,
-                TaskStatus::Failed | TaskStatus::Skipped | TaskStatus::Cancelled
-            )
-        });
-        if let Some(d) = failed_dep {
-            let t = &mut self.state.tasks[i as usize];
-            t.status = TaskStatus::Skipped;
-            t.cause = Some(d);
-            self.terminal += 1;
-            self.ready.remove(&i);
-            let detail = format!("dependency_failed: {}", self.plan.subtasks[d as usize].id);
-            self.emit(
-                Some(i),
-                None,
-                now_ms,
-                WorkflowEvent {
-                    detail: Some(detail),
-                    ..WorkflowEvent::phase(WorkflowPhase::TaskSkipped)
-                },
-                actions,
-            );
-        } else if self.remaining[i as usize] == 0 && self.missing[i as usize] > 0 {
+        if !self.skip_if_dependency_ended(i, now_ms, actions)
+            && self.remaining[i as usize] == 0
+            && self.missing[i as usize] > 0
+        {
             self.gate(i, now_ms, actions);
         }
     }
