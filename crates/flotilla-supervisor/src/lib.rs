@@ -53,7 +53,7 @@ use flotilla_runs::RunReader;
 use flotilla_telemetry::Metrics;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
-use tracing::info;
+use tracing::{info, warn};
 
 pub use error::SupervisorError;
 pub use options::{MemoryOptions, RecruitPolicy, SupervisorOptions, WebhookOptions};
@@ -230,6 +230,11 @@ impl Supervisor {
             } => {}
         }
         trust::export_all(&team);
+        // Every configured member is on the roster before the API answers (readiness): a
+        // client that lists the team at once sees all of it, not the part written so far.
+        if let Err(e) = presence::refresh(&team).await {
+            warn!(error = %e, "Could not write the roster at start; the presence pass will retry");
+        }
         let consumer = follow::consumer(&team).await?;
         let inbox = teammates::consumer(&team).await?;
         // Before the API answers (readiness): a notice published once the supervisor is
