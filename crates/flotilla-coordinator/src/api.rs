@@ -42,9 +42,7 @@ use flotilla_model::run::RunOutcome;
 use flotilla_model::runlog::{Control, ControlAction, RunInput, RunLogEntry};
 use flotilla_model::submit::{SubmitReply, SubmitRequest, SubmitStatus};
 use flotilla_model::time::Timestamp;
-use flotilla_model::validate::{
-    PLAN_ENVELOPE_ROOM, Problem, ProblemCode, ValidationContext, validate_plan,
-};
+use flotilla_model::validate::{Problem, ProblemCode, ValidationContext, validate_plan};
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
@@ -622,8 +620,7 @@ impl Api {
     }
 
     async fn validate(&self, req: Request) {
-        let mut ctx = self.ctx.clone();
-        ctx.limits.max_plan_bytes = Some(self.max_payload().saturating_sub(PLAN_ENVELOPE_ROOM));
+        let ctx = self.ctx.for_payload(self.max_payload());
         let headers = req.message.headers.as_ref();
         let r = match wire::decode::<ValidatePlanRequest>(headers, &req.message.payload) {
             Ok(r) => r,

@@ -297,13 +297,9 @@ impl RunMachine {
             return;
         }
         let before = self.plan.subtasks.len();
-        let changed: Vec<String> = self
-            .plan
-            .subtasks
+        let changed: Vec<String> = flotilla_model::control::changed_tasks(&self.plan, &e.plan)
             .iter()
-            .zip(&e.plan.subtasks)
-            .filter(|(a, b)| a != b)
-            .map(|(a, _)| a.id.to_string())
+            .map(ToString::to_string)
             .collect();
         let led = self
             .state

@@ -249,13 +249,7 @@ pub fn attempt_id(run: RunId, task: u32, attempt: u32, dispatched_ms: i64) -> At
     AttemptId::from_uuid(uuid)
 }
 
-/// splitmix64 finaliser: a cheap, well-mixed hash step.
-fn mix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
-}
+use flotilla_model::ids::splitmix64 as mix;
 
 /// Backoff before attempt `attempt + 1`: 1 s doubling per attempt, capped at 30 s, with
 /// "equal jitter" (half fixed, half pseudo-random) derived from the run, task and attempt so

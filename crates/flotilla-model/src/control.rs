@@ -332,6 +332,17 @@ pub struct PlanEdited {
     pub reason: Option<String>,
 }
 
+/// The tasks of `current` that `edited` changes, in plan order.
+pub fn changed_tasks(current: &crate::plan::Plan, edited: &crate::plan::Plan) -> Vec<TaskId> {
+    current
+        .subtasks
+        .iter()
+        .zip(&edited.subtasks)
+        .filter(|(a, b)| a != b)
+        .map(|(a, _)| a.id.clone())
+        .collect()
+}
+
 /// Why `edited` may not replace `current` for a run whose task `i` has `started(i)` (it was
 /// dispatched at least once, waits for a person, or ended): one problem per thing it changes
 /// that it may not. Pure: the API checks an edit with it, and the run machine again when it

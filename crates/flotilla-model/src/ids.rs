@@ -208,6 +208,15 @@ impl std::borrow::Borrow<str> for TaskId {
     }
 }
 
+/// splitmix64 finaliser: a cheap, well-mixed hash step, for ids and jitter derived
+/// deterministically from other ids (the same on every coordinator and replay).
+pub fn splitmix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

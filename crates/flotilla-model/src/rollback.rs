@@ -24,7 +24,7 @@ use std::collections::BTreeSet;
 use serde_json::json;
 use uuid::Uuid;
 
-use crate::ids::{RunId, TaskId};
+use crate::ids::{RunId, TaskId, splitmix64 as mix};
 use crate::plan::{Plan, PlanConfig, Subtask};
 use crate::token::MAX_TOKEN_LEN;
 
@@ -57,14 +57,6 @@ pub fn rollback_run_id(run: RunId) -> RunId {
         .unwrap_or(0);
     let uuid: Uuid = uuid::Builder::from_unix_timestamp_millis(ms, &random).into_uuid();
     RunId::from_uuid(uuid)
-}
-
-/// splitmix64 finaliser.
-fn mix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
 }
 
 /// The id of the subtask that undoes `task` (at plan index `index`): `undo-<task>`, or

@@ -358,45 +358,36 @@ impl RunReader {
     /// worker `human:<who>`.
     pub async fn result_at(&self, seq: u64) -> Result<TaskResultInput, StoreError> {
         let (entry, at_ms) = self.entry_at(seq).await?;
+        // A result a person gave, as the task's attempt `attempt`.
+        let by_person = |task_id, attempt, by: &str, text| TaskResultInput {
+            task_id,
+            attempt,
+            attempt_id: flotilla_machine::attempt_id(entry.run_id, 0, attempt, at_ms),
+            worker: format!("human:{by}"),
+            started_at: None,
+            agent: None,
+            result: flotilla_model::task::TaskResult::success(text),
+        };
         match entry.input {
             RunInput::TaskResult(r) => Ok(*r),
             RunInput::ApprovalDecided(d) => match d.decision {
-                flotilla_model::approval::Decision::Respond { result } => Ok(TaskResultInput {
-                    task_id: d.task_id,
-                    attempt: d.attempt,
-                    attempt_id: flotilla_machine::attempt_id(entry.run_id, 0, d.attempt, at_ms),
-                    worker: format!("human:{}", d.by),
-                    started_at: None,
-                    agent: None,
-                    result: flotilla_model::task::TaskResult::success(result),
-                }),
+                flotilla_model::approval::Decision::Respond { result } => {
+                    Ok(by_person(d.task_id, d.attempt, &d.by, result))
+                }
                 // A held result replaced on review with the person's edit.
-                flotilla_model::approval::Decision::Edit { input } => Ok(TaskResultInput {
-                    task_id: d.task_id,
-                    attempt: d.attempt,
-                    attempt_id: flotilla_machine::attempt_id(entry.run_id, 0, d.attempt, at_ms),
-                    worker: format!("human:{}", d.by),
-                    started_at: None,
-                    agent: None,
-                    result: flotilla_model::task::TaskResult::success(match input {
+                flotilla_model::approval::Decision::Edit { input } => {
+                    let text = match input {
                         serde_json::Value::String(s) => s,
                         other => other.to_string(),
-                    }),
-                }),
+                    };
+                    Ok(by_person(d.task_id, d.attempt, &d.by, text))
+                }
                 _ => Err(StoreError::new(
                     StoreErrorKind::Decode,
                     format!("run-log entry {seq} is an approval without a result"),
                 )),
             },
-            RunInput::Completed(c) => Ok(TaskResultInput {
-                task_id: c.task_id,
-                attempt: 0,
-                attempt_id: flotilla_machine::attempt_id(entry.run_id, 0, 0, at_ms),
-                worker: format!("human:{}", c.by),
-                started_at: None,
-                agent: None,
-                result: flotilla_model::task::TaskResult::success(c.result),
-            }),
+            RunInput::Completed(c) => Ok(by_person(c.task_id, 0, &c.by, c.result)),
             _ => Err(StoreError::new(
                 StoreErrorKind::Decode,
                 format!("run-log entry {seq} is not a task result"),

@@ -10,7 +10,7 @@ use flotilla_model::control::{
     DEFAULT_PAUSE_TIMEOUT, DEFAULT_TAKEOVER_TIMEOUT, EditPlanReply, EditPlanRequest,
     MAX_CONTEXT_RESULT, MAX_CONTEXT_TASKS, MAX_CONTROL_TEXT, MAX_CONTROLLED_RUNS, PauseRunRequest,
     PendingTask, PlanEdited, ResumeRunRequest, SuggestedAction, TakeoverContext,
-    TakeoverRunRequest, completed_msg_id, edit_problems, hold_timeout,
+    TakeoverRunRequest, changed_tasks, completed_msg_id, edit_problems, hold_timeout,
 };
 use flotilla_model::ids::RunId;
 use flotilla_model::notify::{ControlNotice, NoticeKind, Notification, control_notice_id};
@@ -551,11 +551,7 @@ impl Api {
             Ok(None) => return run_not_found(&req, run).await,
             Err(e) => return respond_error(&req, 503, "unavailable", e.to_string()).await,
         };
-        let mut ctx = self.ctx.clone();
-        ctx.limits.max_plan_bytes = Some(
-            self.max_payload()
-                .saturating_sub(flotilla_model::validate::PLAN_ENVELOPE_ROOM),
-        );
+        let ctx = self.ctx.for_payload(self.max_payload());
         let edited = match flotilla_model::validate::prepare_plan(&r.plan, &ctx) {
             Ok((plan, _)) => plan,
             Err(report) => {
@@ -567,36 +563,27 @@ impl Api {
         if !problems.is_empty() {
             return super::respond_problems(&req, "invalid_edit", problems).await;
         }
-        let changed: Vec<flotilla_model::ids::TaskId> = current
-            .subtasks
-            .iter()
-            .zip(&edited.subtasks)
-            .filter(|(a, b)| a != b)
-            .map(|(a, _)| a.id.clone())
-            .collect();
         let reply = EditPlanReply {
             protocol: PROTOCOL_VERSION,
             run_id: run,
             tasks_total: edited.subtasks.len() as u32,
             added: (edited.subtasks.len() - current.subtasks.len()) as u32,
-            changed,
+            changed: changed_tasks(&current, &edited),
         };
+        let by = r.by.trim().to_owned();
+        // The same edit sent again (a client's retry) is stored once.
+        let digest = flotilla_model::approval::digest_of(
+            &by,
+            &serde_json::to_value(&edited).unwrap_or_default(),
+        );
         let entry = RunLogEntry {
             protocol: PROTOCOL_VERSION,
             run_id: run,
             input: RunInput::PlanEdited(Box::new(PlanEdited {
                 plan: edited,
-                by: r.by.trim().to_owned(),
+                by,
                 reason: r.reason.filter(|x| !x.is_empty()),
             })),
-        };
-        // The same edit sent again (a client's retry) is stored once.
-        let digest = match &entry.input {
-            RunInput::PlanEdited(e) => flotilla_model::approval::digest_of(
-                &e.by,
-                &serde_json::to_value(&e.plan).unwrap_or_default(),
-            ),
-            _ => String::new(),
         };
         let bus = self.store.bus();
         if let Err(e) = bus

@@ -126,12 +126,7 @@ impl Runtime {
         let max_repairs = state.planning.as_ref().map_or(0, |p| p.max_repairs);
         let planning = Arc::clone(entry.machine.plan());
         let query = planning.query.clone().unwrap_or_default();
-        let mut ctx = self.ctx.clone();
-        ctx.limits.max_plan_bytes = Some(
-            self.bus
-                .max_payload()
-                .saturating_sub(flotilla_model::validate::PLAN_ENVELOPE_ROOM),
-        );
+        let ctx = self.ctx.for_payload(self.bus.max_payload());
         let decision = crate::planner::review(
             &answer.response,
             &query,

@@ -64,6 +64,16 @@ pub struct ValidationContext {
     pub limits: Limits,
 }
 
+impl ValidationContext {
+    /// This context, with plans bounded to what one message of `max_payload` bytes holds
+    /// besides the envelope around a plan ([`PLAN_ENVELOPE_ROOM`]).
+    pub fn for_payload(&self, max_payload: usize) -> Self {
+        let mut ctx = self.clone();
+        ctx.limits.max_plan_bytes = Some(max_payload.saturating_sub(PLAN_ENVELOPE_ROOM));
+        ctx
+    }
+}
+
 /// The agent definitions a plan may name.
 #[derive(Debug, Clone, Default)]
 pub struct AgentCatalog {
