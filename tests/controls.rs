@@ -60,6 +60,7 @@ fn pause(run: RunId) -> PauseRunRequest {
         by: Some("alice".into()),
         timeout_ms: None,
         children: true,
+        task_id: None,
     }
 }
 
@@ -70,6 +71,7 @@ fn resume(run: RunId) -> ResumeRunRequest {
         reason: None,
         by: Some("alice".into()),
         children: true,
+        task_id: None,
     }
 }
 

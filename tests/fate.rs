@@ -603,6 +603,7 @@ async fn an_invalid_fast_path_plan_is_never_started_by_another_coordinator() -> 
                 by: None,
                 timeout_ms: None,
                 rollback: false,
+                task_id: None,
             }),
         };
         bus.publish(bus.names().runlog(*run), &entry, None).await?;

@@ -256,6 +256,7 @@ async fn notices_reach_webhooks_signed_retried_across_a_supervisor_kill_and_once
                 by: Some("alice".into()),
                 timeout_ms: Some(60_000),
                 children: true,
+                task_id: None,
             },
             Duration::from_secs(10),
         )

@@ -207,6 +207,7 @@ async fn paused_sample(
                 by: Some("bench".into()),
                 timeout_ms: None,
                 children: false,
+                task_id: None,
             },
             ASK,
         )
@@ -245,6 +246,7 @@ async fn paused_sample(
                 reason: None,
                 by: Some("bench".into()),
                 children: false,
+                task_id: None,
             },
             ASK,
         )

@@ -597,6 +597,7 @@ impl Api {
                 by: r.by,
                 timeout_ms: None,
                 rollback: r.rollback,
+                task_id: None,
             }),
         };
         match bus

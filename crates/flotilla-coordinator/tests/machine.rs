@@ -1732,6 +1732,7 @@ fn a_hold_stops_the_clocks_and_dispatch_and_its_deadline_applies_its_default() {
         by: Some("alice"),
         reason: None,
         timeout_ms,
+        task: None,
     };
     let actions = m.apply(pause(Some(60_000)), 1_000);
     assert_eq!(m.state().status, RunStatus::Paused);
@@ -1769,6 +1770,7 @@ fn a_hold_stops_the_clocks_and_dispatch_and_its_deadline_applies_its_default() {
             by: Some("alice"),
             reason: None,
             timeout_ms: None,
+            task: None,
         },
         30_000,
     );
@@ -1787,6 +1789,7 @@ fn a_hold_stops_the_clocks_and_dispatch_and_its_deadline_applies_its_default() {
             by: Some("bob"),
             reason: Some("stuck"),
             timeout_ms: Some(5_000),
+            task: None,
         },
         31_000,
     );
@@ -1944,6 +1947,7 @@ fn a_held_runs_attempt_stops_at_a_step_and_the_resume_continues_it() {
         by: Some("ops"),
         reason: None,
         timeout_ms: None,
+        task: None,
     };
     let actions = m.apply(control(ControlAction::Pause), 1_100);
     assert!(
@@ -2011,6 +2015,144 @@ fn a_held_runs_attempt_stops_at_a_step_and_the_resume_continues_it() {
     );
 }
 
+/// One task paused by itself (a lead's `pause_member`, `run.pause` with a task): the rest of
+/// the run goes on; the paused task is not dispatched when its dependency succeeds, and its
+/// dependency clock stands still; a running paused task's workers are told (`HoldTask`) and
+/// its attempt, stopped at a step, waits; resume dispatches the same attempt again; the
+/// pause's deadline resumes it; repeats change nothing; the run's end lifts the task's hold.
+#[test]
+fn a_paused_task_waits_while_the_rest_of_the_run_goes_on() {
+    use flotilla_model::ids::AttemptId;
+    use flotilla_model::runlog::{ControlAction, Suspended};
+    let tasks = vec![
+        Subtask::new("a", ""),
+        Subtask::new("b", "").after(&["a"]),
+        Subtask::new("c", ""),
+        Subtask::new("d", "").after(&["c"]),
+    ];
+    let p = plan(
+        tasks,
+        PlanConfig {
+            dependency_timeout: Secs::from_secs(10),
+            ..PlanConfig::default()
+        },
+    );
+    let (mut m, actions) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
+    assert_eq!(dispatched(&actions), vec![(0, 1), (2, 1)]);
+    fn control(action: ControlAction, task: &TaskId, timeout_ms: Option<u64>) -> Input<'_> {
+        Input::Control {
+            action,
+            by: Some("lead"),
+            reason: Some("hold on"),
+            timeout_ms,
+            task: Some(task),
+        }
+    }
+    let (b, c) = (&TaskId::new("b"), &TaskId::new("c"));
+    // b waits for a: paused, it is not dispatched when a succeeds; the run runs on.
+    let actions = m.apply(control(ControlAction::Pause, b, Some(60_000)), 100);
+    assert_eq!(phases(&actions), vec![WorkflowPhase::TaskPaused]);
+    assert!(
+        !actions.iter().any(|a| matches!(a, Action::HoldTask { .. })),
+        "b never ran: no worker to tell {actions:?}"
+    );
+    assert!(m.state().tasks[1].paused());
+    assert_eq!(m.state().status, RunStatus::Running);
+    assert!(
+        m.apply(control(ControlAction::Pause, b, None), 150)
+            .is_empty(),
+        "a second pause changes nothing"
+    );
+    let a = ok("a");
+    let actions = m.apply(result(&a, 1, 5), 1_000);
+    assert!(dispatched(&actions).is_empty(), "{actions:?}");
+    // Its dependency clock stands still: nothing fails at 10 s.
+    if let Some(timer) = m.state().timer.filter(|t| t.due_ms <= 20_000) {
+        m.apply(
+            Input::Timer {
+                generation: timer.generation,
+            },
+            timer.due_ms,
+        );
+    }
+    assert_eq!(m.state().tasks[1].status, TaskStatus::Waiting);
+    // c is running: paused, its workers are told; its attempt stops at a step and waits.
+    let actions = m.apply(control(ControlAction::Pause, c, Some(5_000)), 2_000);
+    assert!(
+        actions.contains(&Action::HoldTask {
+            task: 2,
+            held: true
+        }),
+        "{actions:?}"
+    );
+    let stop = Suspended {
+        task_id: TaskId::new("c"),
+        attempt: 1,
+        attempt_id: AttemptId::new(),
+        worker: "w1".into(),
+        segment: 0,
+        call: None,
+    };
+    let actions = m.apply(
+        Input::Suspended {
+            suspended: &stop,
+            seq: 9,
+        },
+        2_100,
+    );
+    assert!(phases(&actions).contains(&WorkflowPhase::TaskSuspended));
+    assert!(dispatched(&actions).is_empty());
+    assert!(
+        !actions.iter().any(|a| matches!(
+            a,
+            Action::HoldTask { held: false, .. } | Action::HoldAttempts { .. }
+        )),
+        "the task's hold stays while it is paused {actions:?}"
+    );
+    // c's pause deadline (5 s) passes: it resumes by itself, the same attempt continues.
+    let due = m.state().timer.map(|t| t.due_ms);
+    assert_eq!(due, Some(7_000), "the earliest deadline is c's pause");
+    let generation = m.state().timer.map(|t| t.generation).unwrap_or_default();
+    let actions = m.apply(Input::Timer { generation }, 7_000);
+    assert!(phases(&actions).contains(&WorkflowPhase::TaskResumed));
+    assert!(actions.contains(&Action::HoldTask {
+        task: 2,
+        held: false
+    }));
+    assert_eq!(dispatched(&actions), vec![(2, 1)]);
+    // b resumed by hand: dispatched now (its dependency succeeded long ago).
+    let actions = m.apply(control(ControlAction::Resume, b, None), 8_000);
+    assert!(phases(&actions).contains(&WorkflowPhase::TaskResumed));
+    assert_eq!(dispatched(&actions), vec![(1, 1)]);
+    assert!(
+        m.apply(control(ControlAction::Resume, b, None), 8_100)
+            .is_empty(),
+        "a second resume changes nothing"
+    );
+    // Paused while running, then the run is cancelled: the task's hold is lifted with it.
+    m.apply(control(ControlAction::Pause, b, None), 8_200);
+    let actions = m.apply(
+        Input::Cancel {
+            reason: "enough",
+            rollback: false,
+        },
+        8_300,
+    );
+    assert!(
+        actions.contains(&Action::HoldTask {
+            task: 1,
+            held: false
+        }),
+        "{actions:?}"
+    );
+    // Unknown and ended tasks change nothing.
+    let ghost = TaskId::new("ghost");
+    assert!(
+        m.apply(control(ControlAction::Pause, &ghost, None), 9_000)
+            .is_empty()
+    );
+}
+
 #[test]
 fn a_plan_edit_applies_under_human_control_only_and_keeps_started_tasks() {
     use flotilla_model::control::PlanEdited;
@@ -2037,6 +2179,7 @@ fn a_plan_edit_applies_under_human_control_only_and_keeps_started_tasks() {
             by: Some("bob"),
             reason: None,
             timeout_ms: None,
+            task: None,
         },
         3,
     );

@@ -49,7 +49,7 @@ pub const BUILTIN_TOOLS: &[&str] = &[
 /// persistent-teammate tools (`spawn_teammate`, `send_message`, `broadcast`, `list_team`,
 /// `shutdown_teammate`) change the team, and the contract-net tools (`negotiate`,
 /// `next_request`, `offer`, `await_award`) are four more schemas in every prompt, and a run's
-/// lead needs `assign_task` and `finish_run`, and `ask_user` makes the attempt wait for a
+/// lead needs `assign_task` and `finish_run` (and may pause members with `pause_member`), and `ask_user` makes the attempt wait for a
 /// person — none is a default.
 pub const OPT_IN_TOOLS: &[&str] = &[
     crate::recruit::RECRUIT,
@@ -64,6 +64,8 @@ pub const OPT_IN_TOOLS: &[&str] = &[
     crate::teammate_tools::SHUTDOWN_TEAMMATE,
     crate::lead_tools::ASSIGN_TASK,
     crate::lead_tools::FINISH_RUN,
+    crate::lead_tools::PAUSE_MEMBER,
+    crate::lead_tools::RESUME_MEMBER,
     crate::gate::ASK_USER,
 ];
 

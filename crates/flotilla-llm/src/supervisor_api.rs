@@ -1,7 +1,8 @@
-//! One request of an LLM tool to the supervisor's API (`<prefix>.api.team.*`) over the
-//! agent's own connection, with every way it can go wrong turned into the tool's error for the
-//! model: a refusal names its rule or code, no supervisor says so (the model carries on
-//! without), and a lost answer says what may already have happened.
+//! One request of an LLM tool to Flotilla's API — the supervisor's (`<prefix>.api.team.*`),
+//! or the coordinators' for a lead's member pause — over the agent's own connection, with
+//! every way it can go wrong turned into the tool's error for the model: a refusal names its
+//! rule or code, a missing service says so (the model carries on without), and a lost answer
+//! says what may already have happened.
 
 use std::time::Duration;
 
@@ -20,7 +21,17 @@ pub(crate) struct Lost<'a> {
     pub(crate) message: &'a str,
 }
 
-/// Sends `request`: the supervisor's reply, or the tool's error. `missing` says what is not
+/// The service that answers `endpoint`: `team.*` is the supervisor's, the rest the
+/// coordinators'.
+fn service_of(endpoint: &str) -> &'static str {
+    if endpoint.starts_with("team.") {
+        "supervisor"
+    } else {
+        "coordinator"
+    }
+}
+
+/// Sends `request`: the service's reply, or the tool's error. `missing` says what is not
 /// available without a supervisor.
 pub(crate) async fn ask<R: ApiRequest>(
     ctx: &AgentContext,
@@ -38,15 +49,17 @@ pub(crate) async fn ask<R: ApiRequest>(
                 return Err(ToolOutcome::err(
                     lost.code,
                     format!(
-                        "no answer from the supervisor within {TIMEOUT:?}: {}",
+                        "no answer from the {} within {TIMEOUT:?}: {}",
+                        service_of(R::ENDPOINT),
                         lost.message
                     ),
                 ));
             }
             Ok(Err(e)) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
+                let service = service_of(R::ENDPOINT);
                 return Err(ToolOutcome::err(
-                    "no_supervisor",
-                    format!("no supervisor runs in this deployment: {missing}"),
+                    &format!("no_{service}"),
+                    format!("no {service} runs in this deployment: {missing}"),
                 ));
             }
             Ok(Err(e)) => return Err(ToolOutcome::err("unavailable", e.to_string())),

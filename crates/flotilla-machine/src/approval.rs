@@ -437,20 +437,30 @@ impl RunMachine {
             }
             t.status = TaskStatus::Waiting;
             t.resume = true;
-            if !self.held() {
-                // The run is not held (any more): a hold key left behind (a coordinator that
-                // knew no holds applied the resume) is lifted, or the attempt would stop again.
+            let paused = t.paused();
+            if !self.held() && !paused {
+                // Neither the run nor the task is held (any more): a hold key left behind (a
+                // coordinator that knew no holds applied the resume) is lifted, or the attempt
+                // would stop again.
                 actions.push(Action::HoldAttempts { held: false });
+                actions.push(Action::HoldTask {
+                    task: i,
+                    held: false,
+                });
             }
+            let what = if paused && !self.held() {
+                "the task is paused"
+            } else {
+                "the run is held"
+            };
             self.emit(
                 Some(i),
                 Some(attempt),
                 now_ms,
                 WorkflowEvent {
-                    detail: Some(
-                        "stopped at a step boundary: the run is held; continues from its journal when resumed"
-                            .into(),
-                    ),
+                    detail: Some(format!(
+                        "stopped at a step boundary: {what}; continues from its journal when resumed"
+                    )),
                     worker: Some(s.worker.clone()),
                     ..WorkflowEvent::phase(WorkflowPhase::TaskSuspended)
                 },

@@ -71,6 +71,132 @@ impl RunMachine {
         }
     }
 
+    /// Applies a pause or resume of one task (a member) of the run: a paused task is not
+    /// dispatched and its running LLM attempt stops at its next step boundary, while the rest
+    /// of the run goes on; the pause lasts until resumed or its deadline (then it resumes).
+    /// False when it changes nothing (no such task, the task has ended, already in that state,
+    /// the run has ended, or another action).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn on_task_control(
+        &mut self,
+        action: ControlAction,
+        task: &flotilla_model::ids::TaskId,
+        by: Option<&str>,
+        reason: Option<&str>,
+        timeout_ms: Option<u64>,
+        now_ms: i64,
+        actions: &mut Vec<Action>,
+    ) -> bool {
+        let Some(i) = self.graph.index_of(task) else {
+            return false;
+        };
+        let t = &self.state.tasks[i as usize];
+        if self.state.status.is_terminal() || t.status.is_terminal() {
+            return false;
+        }
+        let who = by.map_or_else(String::new, |b| format!(" by {b}"));
+        let why = reason.map_or_else(String::new, |r| format!(": {r}"));
+        match action {
+            ControlAction::Pause if !t.paused() => {
+                let timeout = timeout_ms.map_or(DEFAULT_PAUSE_TIMEOUT.as_millis() as i64, |ms| {
+                    (ms as i64).clamp(
+                        MIN_HOLD_TIMEOUT.as_millis() as i64,
+                        MAX_HOLD_TIMEOUT.as_millis() as i64,
+                    )
+                });
+                let deadline_ms = now_ms + timeout;
+                self.state.applied += 1;
+                let dispatched = t.status == TaskStatus::Dispatched;
+                self.state.tasks[i as usize].paused_until_ms = deadline_ms;
+                self.ready.remove(&i);
+                if dispatched {
+                    actions.push(Action::HoldTask {
+                        task: i,
+                        held: true,
+                    });
+                }
+                let running = if dispatched {
+                    "; its running attempt stops at its next step boundary"
+                } else {
+                    ""
+                };
+                self.emit(
+                    Some(i),
+                    None,
+                    now_ms,
+                    WorkflowEvent {
+                        detail: Some(format!(
+                            "paused{who}{why}{running}; resumes at {} unless resumed first",
+                            Timestamp::from_unix_ms(deadline_ms)
+                        )),
+                        ..WorkflowEvent::phase(WorkflowPhase::TaskPaused)
+                    },
+                    actions,
+                );
+                self.arm_if_earlier(deadline_ms, actions);
+                true
+            }
+            ControlAction::Resume if t.paused() => {
+                self.state.applied += 1;
+                self.resume_task(i, format!("resumed{who}{why}"), now_ms, actions);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Ends task `i`'s own pause: it runs once its dependencies are met (a suspended attempt
+    /// continues from its journal).
+    fn resume_task(&mut self, i: u32, detail: String, now_ms: i64, actions: &mut Vec<Action>) {
+        let t = &mut self.state.tasks[i as usize];
+        t.paused_until_ms = 0;
+        t.resumed_ms = now_ms;
+        if t.attempt > 0 {
+            // It ran before: a hold key may be there for it.
+            actions.push(Action::HoldTask {
+                task: i,
+                held: false,
+            });
+        }
+        self.emit(
+            Some(i),
+            None,
+            now_ms,
+            WorkflowEvent {
+                detail: Some(detail),
+                ..WorkflowEvent::phase(WorkflowPhase::TaskResumed)
+            },
+            actions,
+        );
+        self.release(i, now_ms, actions);
+        self.rescan_deadlines = true;
+    }
+
+    /// The earliest deadline of a task's own pause.
+    pub(crate) fn task_pause_deadline(&self) -> Option<i64> {
+        self.state
+            .tasks
+            .iter()
+            .filter(|t| t.paused() && !t.status.is_terminal())
+            .map(|t| t.paused_until_ms)
+            .min()
+    }
+
+    /// The timer fired: tasks whose own pause's deadline passed resume.
+    pub(crate) fn task_pauses_overdue(&mut self, now_ms: i64, actions: &mut Vec<Action>) {
+        for i in 0..self.state.tasks.len() as u32 {
+            let t = &self.state.tasks[i as usize];
+            if t.paused() && !t.status.is_terminal() && t.paused_until_ms <= now_ms {
+                self.resume_task(
+                    i,
+                    "resumed: the pause's deadline passed".into(),
+                    now_ms,
+                    actions,
+                );
+            }
+        }
+    }
+
     fn hold(
         &mut self,
         status: RunStatus,

@@ -26,6 +26,15 @@ impl RunMachine {
             // Ending while held: the workers' hold on its attempts is lifted with it.
             actions.push(Action::HoldAttempts { held: false });
         }
+        // Tasks paused by themselves: their holds end with the run.
+        for (i, t) in self.state.tasks.iter_mut().enumerate() {
+            if std::mem::take(&mut t.paused_until_ms) > 0 && t.attempt > 0 {
+                actions.push(Action::HoldTask {
+                    task: i as u32,
+                    held: false,
+                });
+            }
+        }
         let mut failed = Vec::new();
         let mut skipped = Vec::new();
         let (mut failed_omitted, mut skipped_omitted) = (0u32, 0u32);

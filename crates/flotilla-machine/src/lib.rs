@@ -169,6 +169,8 @@ pub enum Input<'a> {
         reason: Option<&'a str>,
         /// How long a hold lasts (ms; absent: the default).
         timeout_ms: Option<u64>,
+        /// A pause or resume of this one task (absent: the whole run).
+        task: Option<&'a TaskId>,
     },
     /// A person completed a task by hand, at run-log sequence `seq` (where its result is
     /// read).
@@ -380,7 +382,9 @@ impl RunMachine {
                 .filter(|&&d| state.tasks[d as usize].status != TaskStatus::Succeeded)
                 .count() as u32;
             match state.tasks[i].status {
-                TaskStatus::Waiting if *left == 0 && missing[i] == 0 && !state.tasks[i].held => {
+                TaskStatus::Waiting
+                    if *left == 0 && missing[i] == 0 && !state.tasks[i].blocked() =>
+                {
                     ready.insert(i as u32);
                 }
                 TaskStatus::Dispatched => in_flight += 1,
@@ -610,6 +614,19 @@ impl RunMachine {
                 by,
                 reason,
                 timeout_ms,
+                task: Some(task),
+            } => {
+                if !self.on_task_control(action, task, by, reason, timeout_ms, now_ms, &mut actions)
+                {
+                    return actions;
+                }
+            }
+            Input::Control {
+                action,
+                by,
+                reason,
+                timeout_ms,
+                task: None,
             } => {
                 if !self.on_control(action, by, reason, timeout_ms, now_ms, &mut actions) {
                     return actions;
@@ -770,7 +787,7 @@ impl RunMachine {
     /// starts, or (a consumed topic without an entry yet) starts its wait for the topic.
     pub(crate) fn release(&mut self, i: u32, now_ms: i64, actions: &mut Vec<Action>) {
         let t = &self.state.tasks[i as usize];
-        if self.remaining[i as usize] != 0 || t.status != TaskStatus::Waiting || t.held {
+        if self.remaining[i as usize] != 0 || t.status != TaskStatus::Waiting || t.blocked() {
             return;
         }
         if self.missing[i as usize] == 0 {
@@ -794,7 +811,7 @@ impl RunMachine {
             if self.missing[c as usize] == 0
                 && self.remaining[c as usize] == 0
                 && self.state.tasks[c as usize].status == TaskStatus::Waiting
-                && !self.state.tasks[c as usize].held
+                && !self.state.tasks[c as usize].blocked()
             {
                 self.ready.insert(c);
             }
@@ -1102,14 +1119,18 @@ impl RunMachine {
     /// When a waiting task's dependencies have all been dispatched at least once and are not
     /// all done, it waits at most `dependency_timeout` after the latest of those dispatches.
     fn dependency_deadline(&self, i: u32) -> Option<i64> {
-        if self.state.tasks[i as usize].held {
-            // Not assigned yet: it waits for the lead, whose wait has its own deadline.
+        let task = &self.state.tasks[i as usize];
+        if task.blocked() {
+            // Not assigned yet: it waits for the lead, whose wait has its own deadline; or
+            // paused by itself, until its pause's deadline.
             return None;
         }
         let timeout = self.plan.config.dependency_timeout.get().as_millis() as i64;
-        // After a hold, every wait gets at least its full timeout again.
-        let floor = if self.state.resumed_ms > 0 {
-            self.state.resumed_ms + timeout
+        // After a hold (of the run, or of this task), every wait gets at least its full
+        // timeout again.
+        let resumed = self.state.resumed_ms.max(task.resumed_ms);
+        let floor = if resumed > 0 {
+            resumed + timeout
         } else {
             i64::MIN
         };
@@ -1159,6 +1180,7 @@ impl RunMachine {
         if self.state.status.is_terminal() || (!held && self.lead_overdue(now_ms, actions)) {
             return;
         }
+        self.task_pauses_overdue(now_ms, actions);
         let n = self.graph.len() as u32;
         let mut timed_out = Vec::new();
         let mut unclaimed = Vec::new();
@@ -1178,7 +1200,10 @@ impl RunMachine {
                 }
                 TaskStatus::Retrying if t.retry_ms <= now_ms => {
                     self.state.tasks[i as usize].status = TaskStatus::Waiting;
-                    if self.remaining[i as usize] == 0 && self.missing[i as usize] == 0 {
+                    if self.remaining[i as usize] == 0
+                        && self.missing[i as usize] == 0
+                        && !self.state.tasks[i as usize].blocked()
+                    {
                         self.ready.insert(i);
                     }
                 }
@@ -1306,6 +1331,10 @@ impl RunMachine {
             } else {
                 self.lead_deadline()
             };
+            // A task's own pause keeps its clock whether or not the run is held.
+            if let Some(d) = self.task_pause_deadline() {
+                next = Some(next.map_or(d, |n| n.min(d)));
+            }
             for i in 0..self.graph.len() as u32 {
                 let t = &self.state.tasks[i as usize];
                 let due = match t.status {

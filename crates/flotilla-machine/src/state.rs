@@ -102,6 +102,14 @@ pub struct TaskState {
     /// `suspensions`, not against [`MAX_SUSPENSIONS`]; at most [`MAX_HELD_STOPS`]).
     #[serde(rename = "hs", default, skip_serializing_if = "is_zero_attempt")]
     pub held_stops: u32,
+    /// Paused by itself (a lead's `pause_member`, `run.pause` with a task): not dispatched
+    /// until resumed or until this time (Unix ms), when it resumes. 0: not paused.
+    #[serde(rename = "pu", default, skip_serializing_if = "is_zero_ms")]
+    pub paused_until_ms: i64,
+    /// When the task last resumed from its own pause (Unix ms): its dependency and topic
+    /// clocks give at least their full timeout again from then.
+    #[serde(rename = "pr", default, skip_serializing_if = "is_zero_ms")]
+    pub resumed_ms: i64,
 }
 
 /// How many times one attempt may suspend at a tool call waiting for a person; the next
@@ -176,7 +184,17 @@ impl TaskState {
         }
     }
 
-    /// A waiting task, held for the lead's assignment when `held`.
+    /// Whether the task is paused by itself (see [`TaskState::paused_until_ms`]).
+    pub fn paused(&self) -> bool {
+        self.paused_until_ms > 0
+    }
+
+    /// Whether the task may not be dispatched whatever its dependencies: held for the lead's
+    /// assignment, or paused by itself.
+    pub fn blocked(&self) -> bool {
+        self.held || self.paused()
+    }
+
     /// Whether the task has started as far as a plan edit is concerned: dispatched at least
     /// once, waiting for a person or let through by one, or ended.
     pub fn started(&self) -> bool {
@@ -187,6 +205,7 @@ impl TaskState {
             || self.edit_seq != 0
     }
 
+    /// A waiting task, held for the lead's assignment when `held`.
     pub(crate) fn held(held: bool) -> Self {
         Self {
             held,
@@ -216,6 +235,8 @@ impl TaskState {
             attempt_ms: 0,
             decisions: Vec::new(),
             held_stops: 0,
+            paused_until_ms: 0,
+            resumed_ms: 0,
         }
     }
 }
@@ -562,6 +583,8 @@ impl RunState {
                 skip_reason: self.skip_reason(i, plan),
                 dispatched_at: (t.attempt > 0).then(|| Timestamp::from_unix_ms(t.dispatched_ms)),
                 pool: plan.and_then(|p| p.subtasks.get(i)).map(|s| s.pool.clone()),
+                paused_until: (t.paused() && !t.status.is_terminal())
+                    .then(|| Timestamp::from_unix_ms(t.paused_until_ms)),
             })
             .collect()
     }
@@ -629,6 +652,14 @@ pub enum Action {
     /// The run is held (paused, taken over) or no longer: tell the workers, whose running
     /// LLM attempts of the run stop at their next step boundary while it is.
     HoldAttempts {
+        /// Held (true) or released (false).
+        held: bool,
+    },
+    /// Task `task` is paused by itself or no longer: tell the workers, whose running LLM
+    /// attempt of it stops at its next step boundary while it is.
+    HoldTask {
+        /// Task index.
+        task: u32,
         /// Held (true) or released (false).
         held: bool,
     },

@@ -82,9 +82,13 @@ pub struct PauseRunRequest {
     /// default 24 h).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_ms: Option<u64>,
-    /// Whether the run's descendant runs are paused too (default true).
+    /// Whether the run's descendant runs are paused too (default true; not with `task_id`).
     #[serde(default = "yes", skip_serializing_if = "is_true")]
     pub children: bool,
+    /// Pause only this task of the run (a member): it is not dispatched, and a running LLM
+    /// attempt of it stops at its next step boundary, while the rest of the run goes on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task_id: Option<TaskId>,
 }
 
 /// Resume a paused or taken-over run (`<prefix>.api.run.resume`): dispatch continues exactly
@@ -104,9 +108,12 @@ pub struct ResumeRunRequest {
     /// Who asks, for the record.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub by: Option<String>,
-    /// Whether the run's descendant runs resume too (default true).
+    /// Whether the run's descendant runs resume too (default true; not with `task_id`).
     #[serde(default = "yes", skip_serializing_if = "is_true")]
     pub children: bool,
+    /// Resume only this task, paused by itself (`run.pause` with `task_id`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task_id: Option<TaskId>,
 }
 
 /// Take a run over (`<prefix>.api.run.takeover`): it moves to `human_control` — nothing is
@@ -167,6 +174,10 @@ pub struct ControlRunReply {
     /// within a few seconds: take it over again to read it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub context: Option<Box<TakeoverContext>>,
+    /// The task paused or resumed, for a control of one task; `applied` then says whether
+    /// the task was not already in the asked state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task_id: Option<TaskId>,
 }
 
 /// Complete a task by hand (`<prefix>.api.run.complete`): the person's `result` stands as

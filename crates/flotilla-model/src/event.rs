@@ -430,6 +430,14 @@ pub enum WorkflowPhase {
     /// A plan edit reached the run but was not applied (`detail` says why: the run was no
     /// longer under human control, or a task it changes had started meanwhile).
     PlanEditRefused,
+    /// One task of the run was paused by itself (`run.pause` with `task_id`; a lead's
+    /// `pause_member` tool): it is not dispatched, and a running LLM attempt of it stops at
+    /// its next step boundary (`task_suspended`) — the rest of the run goes on. `detail`: who
+    /// and why, and until when (then it resumes).
+    TaskPaused,
+    /// A paused task resumed (`detail`: who, or the pause's deadline): it runs once its
+    /// dependencies are met, a suspended attempt from its journal.
+    TaskResumed,
 }
 
 impl WorkflowPhase {

@@ -337,6 +337,8 @@ pub const RESERVED_TOOL_NAMES: &[&str] = &[
     "shutdown_teammate",
     "assign_task",
     "finish_run",
+    "pause_member",
+    "resume_member",
     "ask_user",
     "call_agent",
     "transfer_to_agent",

@@ -444,6 +444,10 @@ pub struct TaskView {
     /// The worker pool the task runs in.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pool: Option<String>,
+    /// Paused by itself (`run.pause` with `task_id`, a lead's `pause_member`): until when,
+    /// unless resumed first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub paused_until: Option<Timestamp>,
 }
 
 /// A run record with its tasks (the reply of the `run.get` endpoint).

@@ -176,6 +176,10 @@ pub struct Control {
     /// dependency order, in a rollback run (see [`crate::rollback`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub rollback: bool,
+    /// For `pause` and `resume`: the one task it applies to (the rest of the run goes on).
+    /// Absent: the whole run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task_id: Option<TaskId>,
 }
 
 /// Control actions.

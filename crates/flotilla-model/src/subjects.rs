@@ -219,6 +219,13 @@ impl Names {
         format!("hold.{run}")
     }
 
+    /// Key of one task's own hold in the control bucket (`hold.<run>.<task>`, the task id
+    /// written with [`kv_key_token`]), present while that task alone is paused: workers stop
+    /// its running LLM attempt at its next step.
+    pub fn task_hold_key(&self, run: RunId, task: &TaskId) -> String {
+        format!("hold.{run}.{}", kv_key_token(task.as_str()))
+    }
+
     /// Intake subject.
     pub fn submit(&self) -> String {
         format!("{}.submit", self.prefix)

@@ -138,8 +138,9 @@ pub(crate) async fn handle(
             message,
         }),
         Ok((_, agent)) => {
-            let (run_cancelled, run_held) = shared.enter_run(task.run_id);
-            let _leave = LeaveRun(shared, task.run_id);
+            let (run_cancelled, run_held, registered) =
+                shared.enter_run(task.run_id, &task.task_id);
+            let _leave = LeaveRun(shared, task.run_id, registered);
             let cancel = shared.hard_stop.child_token();
             let timeout = task.timeout.get();
             let ctx = AgentContext::new(

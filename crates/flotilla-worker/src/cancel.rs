@@ -1,28 +1,36 @@
-//! Cancellation of runs: the attempts running here per run, the cancel notices of the
-//! control bucket that cancel them at once, and the runs known cancelled, whose later tasks
-//! are answered `cancelled` without running.
+//! Cancellation and holds of runs: the attempts running here per run, the cancel notices of
+//! the control bucket that cancel them at once, the runs known cancelled, whose later tasks
+//! are answered `cancelled` without running, and the holds — of a run (`hold.<run>`) or of one
+//! task alone (`hold.<run>.<task>`) — that stop their LLM attempts at the next step.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream;
-use flotilla_model::ids::RunId;
+use flotilla_model::ids::{RunId, TaskId};
+use flotilla_model::subjects::kv_key_token;
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info};
 
-use crate::shared::Shared;
+use crate::shared::{HeldAttempt, Shared};
 
 impl Shared {
-    /// Registers an attempt of `run`: the token that fires when the run is cancelled, and
-    /// whether it is held (now and as it changes).
+    /// Registers an attempt of `run`'s task `task`: the token that fires when the run is
+    /// cancelled, whether it is held — its run or its task alone — now and as it changes, and
+    /// the attempt's registration (for [`LeaveRun`]).
     pub(crate) fn enter_run(
         &self,
         run: RunId,
-    ) -> (CancellationToken, tokio::sync::watch::Receiver<bool>) {
+        task: &TaskId,
+    ) -> (CancellationToken, tokio::sync::watch::Receiver<bool>, u64) {
+        let id = self
+            .next_attempt
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let task = kv_key_token(task.as_str());
         let mut runs = self.runs.lock().unwrap_or_else(|p| p.into_inner());
+        let held = self.is_held(run, &task);
         let entry = runs.entry(run).or_default();
-        entry.attempts += 1;
         if self
             .cancelled
             .lock()
@@ -31,25 +39,33 @@ impl Shared {
         {
             entry.cancel.cancel();
         }
-        if self
-            .held
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .contains(&run)
-        {
-            entry.hold.send_replace(true);
-        }
-        (entry.cancel.clone(), entry.hold.subscribe())
+        let hold = tokio::sync::watch::Sender::new(held);
+        let receiver = hold.subscribe();
+        entry.attempts.push(HeldAttempt { id, task, hold });
+        (entry.cancel.clone(), receiver, id)
     }
 
-    pub(crate) fn leave_run(&self, run: RunId) {
+    pub(crate) fn leave_run(&self, run: RunId, id: u64) {
         let mut runs = self.runs.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(entry) = runs.get_mut(&run) {
-            entry.attempts -= 1;
-            if entry.attempts == 0 {
+            entry.attempts.retain(|a| a.id != id);
+            if entry.attempts.is_empty() {
                 runs.remove(&run);
             }
         }
+    }
+
+    /// Whether an attempt of `run`'s task (its key token) is held: its run, or the task.
+    fn is_held(&self, run: RunId, task: &str) -> bool {
+        self.held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(&run)
+            || self
+                .held_tasks
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .contains(&(run, task.to_owned()))
     }
 
     /// A cancel notice arrived for `run`.
@@ -64,13 +80,18 @@ impl Shared {
             .unwrap_or_else(|p| p.into_inner())
             .get(&run)
         {
-            info!(%run, attempts = entry.attempts, "Run cancelled: cancelling its attempts here");
+            info!(%run, attempts = entry.attempts.len(), "Run cancelled: cancelling its attempts here");
             entry.cancel.cancel();
         }
+        // Its tasks' own holds end with it.
+        self.held_tasks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|(r, _)| *r != run);
     }
 
     /// `run` is held (`true`: its LLM attempts here stop at their next step boundary) or
-    /// released (they run on, also those running now).
+    /// released (they run on, also those running now, unless their task is paused).
     pub(crate) fn hold_run(&self, run: RunId, held: bool) {
         let mut set = self.held.lock().unwrap_or_else(|p| p.into_inner());
         let changed = if held {
@@ -79,12 +100,37 @@ impl Shared {
             set.remove(&run)
         };
         drop(set);
-        let mut runs = self.runs.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(entry) = runs.get_mut(&run) {
-            if held && changed {
-                info!(%run, attempts = entry.attempts, "Run held: its LLM attempts here stop at their next step");
+        self.tell_attempts(run, None, held && changed);
+    }
+
+    /// Task `task` (its key token) of `run` is paused by itself (`true`: its LLM attempt
+    /// here stops at its next step boundary) or no longer.
+    pub(crate) fn hold_task(&self, run: RunId, task: &str, held: bool) {
+        let mut set = self.held_tasks.lock().unwrap_or_else(|p| p.into_inner());
+        let changed = if held {
+            set.insert((run, task.to_owned()))
+        } else {
+            set.remove(&(run, task.to_owned()))
+        };
+        drop(set);
+        self.tell_attempts(run, Some(task), held && changed);
+    }
+
+    /// Tells `run`'s attempts here (those of `task` only, if given) whether they are held.
+    fn tell_attempts(&self, run: RunId, task: Option<&str>, announce: bool) {
+        let runs = self.runs.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(entry) = runs.get(&run) else {
+            return;
+        };
+        for a in &entry.attempts {
+            if task.is_some_and(|t| t != a.task) {
+                continue;
             }
-            entry.hold.send_replace(held);
+            let held = self.is_held(run, &a.task);
+            if announce && held {
+                info!(%run, task = %a.task, "Held: the attempt here stops at its next step");
+            }
+            a.hold.send_replace(held);
         }
     }
 
@@ -96,12 +142,12 @@ impl Shared {
     }
 }
 
-/// Unregisters an attempt from its run's cancellation when the attempt ends.
-pub(crate) struct LeaveRun<'a>(pub(crate) &'a Shared, pub(crate) RunId);
+/// Unregisters an attempt from its run's cancellation and holds when the attempt ends.
+pub(crate) struct LeaveRun<'a>(pub(crate) &'a Shared, pub(crate) RunId, pub(crate) u64);
 
 impl Drop for LeaveRun<'_> {
     fn drop(&mut self) {
-        self.0.leave_run(self.1);
+        self.0.leave_run(self.1, self.2);
     }
 }
 
@@ -136,12 +182,19 @@ pub(crate) async fn watch_cancellations(
                 if put {
                     shared.cancel_run(run);
                 }
-            } else if let Some(run) = entry
-                .key
-                .strip_prefix("hold.")
-                .and_then(|r| r.parse::<RunId>().ok())
-            {
-                shared.hold_run(run, put);
+            } else if let Some(rest) = entry.key.strip_prefix("hold.") {
+                // `hold.<run>`: the run; `hold.<run>.<task>`: one task alone.
+                let (run, task) = match rest.split_once('.') {
+                    Some((run, task)) => (run, Some(task)),
+                    None => (rest, None),
+                };
+                let Ok(run) = run.parse::<RunId>() else {
+                    continue;
+                };
+                match task {
+                    Some(task) => shared.hold_task(run, task, put),
+                    None => shared.hold_run(run, put),
+                }
             }
         }
     }

@@ -21,20 +21,29 @@ use crate::pace::Pace;
 pub(crate) struct RunEntry {
     /// Fires when the run is cancelled.
     pub(crate) cancel: CancellationToken,
-    /// Whether the run is held now (its attempts read it at each step boundary).
-    pub(crate) hold: tokio::sync::watch::Sender<bool>,
     /// Attempts of the run running here.
-    pub(crate) attempts: usize,
+    pub(crate) attempts: Vec<HeldAttempt>,
 }
 
 impl Default for RunEntry {
     fn default() -> Self {
         Self {
             cancel: CancellationToken::new(),
-            hold: tokio::sync::watch::Sender::new(false),
-            attempts: 0,
+            attempts: Vec::new(),
         }
     }
+}
+
+/// One attempt running here, as holds see it.
+#[derive(Debug)]
+pub(crate) struct HeldAttempt {
+    /// Which of the run's attempts here this is.
+    pub(crate) id: u64,
+    /// Its task, as the token of its control-bucket hold key (`hold.<run>.<task>`).
+    pub(crate) task: String,
+    /// Whether it is held now — its run, or its task alone (it reads this at each step
+    /// boundary).
+    pub(crate) hold: tokio::sync::watch::Sender<bool>,
 }
 
 /// State shared by a worker's tasks.
@@ -55,6 +64,11 @@ pub(crate) struct Shared {
     pub(crate) cancelled: Mutex<HashSet<RunId>>,
     /// Runs known to be held (from the control bucket).
     pub(crate) held: Mutex<HashSet<RunId>>,
+    /// Tasks known to be paused by themselves (from the control bucket): the run and the
+    /// task's key token.
+    pub(crate) held_tasks: Mutex<HashSet<(RunId, String)>>,
+    /// Numbers the attempts registered in [`Shared::runs`].
+    pub(crate) next_attempt: std::sync::atomic::AtomicU64,
     pub(crate) metrics: Metrics,
     /// This worker's share of the pool's slot gauges.
     pub(crate) slots: WorkerSlots,

@@ -163,6 +163,8 @@ impl Worker {
             runs: Mutex::new(HashMap::new()),
             cancelled: Mutex::new(HashSet::new()),
             held: Mutex::new(HashSet::new()),
+            held_tasks: Mutex::new(HashSet::new()),
+            next_attempt: std::sync::atomic::AtomicU64::new(0),
             slots: self
                 .metrics
                 .worker_slots(&self.opts.pool, self.opts.concurrency),

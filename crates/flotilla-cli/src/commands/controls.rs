@@ -1,4 +1,5 @@
 //! `flotilla runs pause|resume|takeover|complete|answer`: a person's hand on a running run
+//! (or, with `--task`, on one of its tasks)
 //! (`<prefix>.api.run.pause|resume|takeover|complete`, and `approval.answer` for an
 //! agent's question, served by the coordinator). Exit 0 done (also when the run was already
 //! in the asked state), 1 refused (`not_found`, `task_not_pending`, bad input, a question
@@ -21,20 +22,29 @@ use crate::config::Config;
 #[derive(Debug, clap::Subcommand)]
 pub(crate) enum ControlCommand {
     /// Hold a run: nothing new is dispatched (running attempts finish); its child runs pause
-    /// too. It resumes by itself after --for (default 24h).
+    /// too. It resumes by itself after --for (default 24h). With --task, only that task
+    /// (a member) pauses: it is not dispatched, its running LLM attempt stops at its next
+    /// step, and the rest of the run goes on.
     Pause {
         run: RunId,
         #[command(flatten)]
         args: ControlArgs,
-        /// How long the pause lasts before the run resumes by itself (1s to 7d).
+        /// How long the pause lasts before it resumes by itself (1s to 7d).
         #[arg(long = "for", value_parser = humantime::parse_duration)]
         hold: Option<Duration>,
+        /// Pause this task alone.
+        #[arg(long)]
+        task: Option<TaskId>,
     },
-    /// Continue a paused or taken-over run where it stopped (its child runs too).
+    /// Continue a paused or taken-over run where it stopped (its child runs too); with
+    /// --task, a task paused by itself.
     Resume {
         run: RunId,
         #[command(flatten)]
         args: ControlArgs,
+        /// Resume this task, paused by itself (`runs pause --task`).
+        #[arg(long)]
+        task: Option<TaskId>,
     },
     /// Take a run over: the agents dispatch nothing; prints where the run stands (completed
     /// and pending tasks, results, the suggested next step). Then `runs complete`, `runs
@@ -130,24 +140,31 @@ pub(crate) async fn control(config: &Config, command: ControlCommand) -> anyhow:
     let client = connect(config).await?;
     let protocol = flotilla_model::PROTOCOL_VERSION;
     match command {
-        ControlCommand::Pause { run, args, hold } => {
+        ControlCommand::Pause {
+            run,
+            args,
+            hold,
+            task,
+        } => {
             let r = PauseRunRequest {
                 protocol,
                 run_id: run,
                 reason: args.reason,
                 by: caller(args.by),
                 timeout_ms: ms(hold),
-                children: !args.no_children,
+                children: !args.no_children && task.is_none(),
+                task_id: task,
             };
             answer(&client, &r, args.json, |a| print_control(a, "paused")).await
         }
-        ControlCommand::Resume { run, args } => {
+        ControlCommand::Resume { run, args, task } => {
             let r = ResumeRunRequest {
                 protocol,
                 run_id: run,
                 reason: args.reason,
                 by: caller(args.by),
-                children: !args.no_children,
+                children: !args.no_children && task.is_none(),
+                task_id: task,
             };
             answer(&client, &r, args.json, |a| print_control(a, "resumed")).await
         }
@@ -280,6 +297,19 @@ pub(crate) async fn control(config: &Config, command: ControlCommand) -> anyhow:
 }
 
 fn print_control(a: &ControlRunReply, what: &str) {
+    if let Some(task) = &a.task_id {
+        if a.applied {
+            outln!("Task {task} of run {} {what}", a.run_id);
+        } else if a.status.is_terminal() {
+            outln!("Run {} had already ended: {}", a.run_id, a.status);
+        } else {
+            outln!(
+                "Task {task} of run {} is already {what} or has ended: nothing changed",
+                a.run_id
+            );
+        }
+        return;
+    }
     if a.status.is_terminal() {
         outln!("Run {} had already ended: {}", a.run_id, a.status);
     } else if a.applied {

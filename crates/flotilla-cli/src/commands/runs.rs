@@ -167,6 +167,7 @@ pub(crate) async fn show(config: &Config, run: RunId, json: bool) -> anyhow::Res
                 .as_ref()
                 .map(ToString::to_string)
                 .or_else(|| t.skip_reason.clone())
+                .or_else(|| t.paused_until.map(|u| format!("paused until {u}")))
                 .unwrap_or_default();
             outln!(
                 "{:<24}  {:<10}  {:<10}  {:>8}  {detail}",
@@ -343,8 +344,12 @@ pub(crate) async fn history(config: &Config, run: RunId, json: bool) -> anyhow::
             RunInput::Control(c) => (
                 "control",
                 format!(
-                    "{}{}{}{}",
+                    "{}{}{}{}{}",
                     c.action.as_str(),
+                    c.task_id
+                        .as_ref()
+                        .map(|t| format!(" task {t}"))
+                        .unwrap_or_default(),
                     c.reason
                         .as_deref()
                         .map(|r| format!(": {r}"))

@@ -12,7 +12,7 @@ use flotilla_model::control::{
     PendingTask, PlanEdited, ResumeRunRequest, SuggestedAction, TakeoverContext,
     TakeoverRunRequest, changed_tasks, completed_msg_id, edit_problems, hold_timeout,
 };
-use flotilla_model::ids::RunId;
+use flotilla_model::ids::{RunId, TaskId};
 use flotilla_model::notify::{ControlNotice, NoticeKind, Notification, control_notice_id};
 use flotilla_model::run::{FailedTask, RunStatus, TaskStatus};
 use flotilla_model::runlog::{Control, ControlAction, RunInput, RunLogEntry};
@@ -30,6 +30,8 @@ struct Asked {
     reason: Option<String>,
     timeout_ms: Option<u64>,
     children: bool,
+    /// A pause or resume of this task alone.
+    task: Option<TaskId>,
 }
 
 /// The control descendants get: a takeover pauses them (the person holds the root).
@@ -85,6 +87,7 @@ impl Api {
             reason: r.reason,
             timeout_ms: r.timeout_ms,
             children: r.children,
+            task: r.task_id,
         };
         self.control(&req, asked).await;
     }
@@ -103,6 +106,7 @@ impl Api {
             reason: r.reason,
             timeout_ms: None,
             children: r.children,
+            task: r.task_id,
         };
         self.control(&req, asked).await;
     }
@@ -124,6 +128,7 @@ impl Api {
             reason: r.reason,
             timeout_ms: r.timeout_ms,
             children: r.children,
+            task: None,
         };
         self.control(&req, asked).await;
     }
@@ -135,6 +140,9 @@ impl Api {
         let Some(state) = self.control_state(req, run).await else {
             return;
         };
+        if asked.task.is_some() {
+            return self.task_control(req, asked, state).await;
+        }
         let status = state.status;
         // A run whose start is not recorded yet: the machine decides once it is (the run log
         // keeps the order).
@@ -195,6 +203,67 @@ impl Api {
             status,
             children,
             context,
+            task_id: None,
+        };
+        respond_json(req, self.max_payload(), &reply).await;
+    }
+
+    /// A pause or resume of one task (a member) of a running run: checked against the run's
+    /// plan and state, appended to its log unless it would change nothing; the run machine
+    /// decides. No descendants, no notice: the rest of the run goes on and nobody is asked
+    /// for anything.
+    async fn task_control(&self, req: &Request, asked: Asked, state: flotilla_machine::RunState) {
+        let run = asked.run;
+        let Some(task) = asked.task.clone() else {
+            return;
+        };
+        let status = state.status;
+        if status == RunStatus::Pending {
+            return respond_error(
+                req,
+                409,
+                "not_started",
+                format!(
+                    "run {run}'s start is not recorded yet, so its tasks are not known: pause or resume task {task} once the run is running"
+                ),
+            )
+            .await;
+        }
+        let plan = match self.store.plan_for(run, &state).await {
+            Ok(Some(p)) => p,
+            Ok(None) => return run_not_found(req, run).await,
+            Err(e) => return respond_error(req, 503, "unavailable", e.to_string()).await,
+        };
+        let Some(i) = plan.subtasks.iter().position(|s| s.id == task) else {
+            return respond_error(
+                req,
+                404,
+                "task_not_found",
+                format!("run {run} has no task {task}"),
+            )
+            .await;
+        };
+        let t = state.tasks.get(i);
+        let paused = t.is_some_and(|t| t.paused());
+        let ended = status.is_terminal() || t.is_some_and(|t| t.status.is_terminal());
+        let applied = !ended
+            && match asked.action {
+                ControlAction::Pause => !paused,
+                ControlAction::Resume => paused,
+                _ => false,
+            };
+        if applied && let Err(e) = self.append_control(run, &asked, asked.action).await {
+            return respond_error(req, 503, "unavailable", e).await;
+        }
+        info!(%run, %task, action = asked.action.as_str(), applied, by = asked.by.as_deref().unwrap_or("-"), "Task control requested");
+        let reply = ControlRunReply {
+            protocol: PROTOCOL_VERSION,
+            run_id: run,
+            applied,
+            status,
+            children: Vec::new(),
+            context: None,
+            task_id: Some(task),
         };
         respond_json(req, self.max_payload(), &reply).await;
     }
@@ -283,6 +352,7 @@ impl Api {
                 by: asked.by.clone(),
                 timeout_ms: asked.timeout_ms,
                 rollback: false,
+                task_id: asked.task.clone(),
             }),
         };
         bus.publish(bus.names().runlog(run), &entry, None)

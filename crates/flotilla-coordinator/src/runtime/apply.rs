@@ -273,11 +273,12 @@ impl Runtime {
                                     by: c.by.as_deref(),
                                     reason: c.reason.as_deref(),
                                     timeout_ms: c.timeout_ms,
+                                    task: c.task_id.as_ref(),
                                 },
                                 d.ts_ms,
                             );
                             if !a.is_empty() {
-                                info!(%run, action = action.as_str(), by = c.by.as_deref().unwrap_or("-"), status = %e.machine.state().status, "Run control applied");
+                                info!(%run, action = action.as_str(), task = c.task_id.as_ref().map_or("-", |t| t.as_str()), by = c.by.as_deref().unwrap_or("-"), status = %e.machine.state().status, "Run control applied");
                             }
                             actions.extend(a);
                         }
@@ -600,6 +601,10 @@ fn still_relevant(action: &Action, machine: &RunMachine) -> bool {
         Action::Finish => s.status.is_terminal(),
         // A hold written again after the run was resumed would stop its attempts for nothing.
         Action::HoldAttempts { held } => s.status.is_held() == *held,
+        Action::HoldTask { task, held } => s
+            .tasks
+            .get(*task as usize)
+            .is_some_and(|t| t.paused() == *held),
         Action::RequestApproval {
             task,
             attempt,

@@ -7,6 +7,7 @@ use flotilla_bus::wire;
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::codec::Codec;
 use flotilla_model::event::{Event, EventEnvelope};
+use flotilla_model::ids::RunId;
 use flotilla_model::rollback::{
     Compensated, MAX_COMPENSATED_RESULT, ROLLBACK_OF_LABEL, rollback_plan, rollback_run_id,
 };
@@ -95,6 +96,26 @@ impl Runtime {
     pub(super) async fn hold_attempts(&self, entry: &Cached, held: bool) -> Result<(), StepError> {
         let run = entry.machine.state().run_id;
         let key = self.bus.names().hold_key(run);
+        self.write_hold(run, &key, held).await
+    }
+
+    /// Writes (held) or deletes the hold key of task `task` alone (`hold.<run>.<task>`):
+    /// workers stop its running LLM attempt at its next step boundary while it is there.
+    pub(super) async fn hold_task(
+        &self,
+        entry: &Cached,
+        task: u32,
+        held: bool,
+    ) -> Result<(), StepError> {
+        let run = entry.machine.state().run_id;
+        let Some(sub) = entry.machine.plan().subtasks.get(task as usize) else {
+            return Ok(());
+        };
+        let key = self.bus.names().task_hold_key(run, &sub.id);
+        self.write_hold(run, &key, held).await
+    }
+
+    async fn write_hold(&self, run: RunId, key: &str, held: bool) -> Result<(), StepError> {
         let kv = self
             .bus
             .kv(flotilla_model::subjects::Bucket::Control)
@@ -103,11 +124,11 @@ impl Runtime {
         let failed = |e: String| StepError::Failed(format!("writing the hold of {run}: {e}"));
         if held {
             let notice = serde_json::json!({"run_id": run, "action": "hold"});
-            kv.put(&key, notice.to_string().into())
+            kv.put(key, notice.to_string().into())
                 .await
                 .map_err(|e| failed(e.to_string()))?;
         } else {
-            kv.delete(&key).await.map_err(|e| failed(e.to_string()))?;
+            kv.delete(key).await.map_err(|e| failed(e.to_string()))?;
         }
         Ok(())
     }

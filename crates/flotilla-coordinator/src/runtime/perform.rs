@@ -228,6 +228,10 @@ impl Runtime {
                     self.hold_attempts(entry, *held).await?;
                     continue;
                 }
+                Action::HoldTask { task, held } => {
+                    self.hold_task(entry, *task, *held).await?;
+                    continue;
+                }
                 Action::ReviewPlan { round } => {
                     let body = self.review_plan(entry, *round).await?;
                     let out =
