@@ -29,6 +29,13 @@
 //!   --concurrency 1` with the provider answering at once and a backlog, where holding the
 //!   next task saves a pull round trip per task.
 //!
+//! * **a pause of a running LLM attempt** — on the one worker of figure 2, 1-task runs of an
+//!   agent with one `state_get` round (two model calls), paused while the first call is in
+//!   flight: the run (`run.pause`), or its task alone (`run.pause` with `task_id`, as a lead's
+//!   `pause_member`). Pause recorded → `suspended` recorded (the rest of the in-flight call
+//!   and the tool included), the model calls started after the pause (target 0: the attempt
+//!   stops at its next step), and after the resume the run's calls (exactly 2: none paid twice).
+//!
 //! Figures 3 and 4 run once per `worker.prefetch` setting (`--llm-scale-prefetch`, default
 //! `1,0`): the default (1, applied only while a worker's attempts are short) should match the
 //! better of the two on both workloads.
@@ -98,6 +105,10 @@ pub(crate) struct LlmArgs {
     /// once, 16 runs in flight); 0 skips it.
     #[arg(long, default_value_t = 2000)]
     llm_quick_runs: usize,
+    /// LLM: runs paused while their first model call is in flight, per kind of pause (the
+    /// run, its task alone).
+    #[arg(long, default_value_t = 10)]
+    llm_pause_samples: usize,
 }
 
 /// Runs in flight in the quick-task figure: a backlog behind two one-slot workers.
@@ -121,6 +132,8 @@ struct Sim {
     delay_micros: AtomicU64,
     server_nanos: AtomicU64,
     requests: AtomicU64,
+    /// Requests received (counted on arrival; `requests` counts them answered).
+    arrived: AtomicU64,
     bad_requests: AtomicU64,
 }
 
@@ -176,6 +189,7 @@ impl Provider {
 
 async fn chat(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
     let t0 = Instant::now();
+    sim.arrived.fetch_add(1, Ordering::SeqCst);
     let response = answer(&sim, &body).await;
     sim.server_nanos
         .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::SeqCst);
@@ -517,6 +531,14 @@ base-url = "{base_url}"
 model = "simulated"
 tools = []
 max-concurrent-requests = {max_requests}
+
+# Two model calls per task (one `state_get` round): a step boundary for the pause figure.
+[agents.stepper]
+kind = "llm"
+base-url = "{base_url}"
+model = "simulated"
+tools = ["state_get"]
+max-concurrent-requests = {max_requests}
 {worker}{telemetry}"#
         ),
     )
@@ -585,6 +607,109 @@ async fn wait_for_workers(bus: &Bus, k: usize, since: i128) -> anyhow::Result<()
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// One pause of a running LLM attempt: (pause recorded → attempt stopped, ms; model calls
+/// started after the pause was recorded; model calls of the whole run).
+type PauseSample = (f64, u64, u64);
+
+/// Figure 5: a run of one two-call LLM task (`stepper`), paused — the run, or its task alone
+/// (`task`) — while its first model call is in flight, then resumed to the end.
+async fn pause_sample(
+    client: &Client,
+    provider: &Provider,
+    task: bool,
+) -> anyhow::Result<PauseSample> {
+    use flotilla_model::control::{PauseRunRequest, ResumeRunRequest};
+    use flotilla_model::plan::{Plan, PlanConfig, Subtask};
+    use flotilla_model::runlog::RunInput;
+    use flotilla_model::submit::SubmitRequest;
+    const ASK: Duration = Duration::from_secs(30);
+    let plan = Plan {
+        name: Some("bench-llm-pause".into()),
+        query: None,
+        subtasks: vec![Subtask::new("step", "Report the quarter's figure.").with_agent("stepper")],
+        config: PlanConfig::default(),
+    };
+    let arrived = || provider.sim.arrived.load(Ordering::SeqCst);
+    let before = arrived();
+    let run = client.submit(SubmitRequest::new(plan)).await?;
+    let deadline = Instant::now() + ASK;
+    while arrived() == before {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the LLM task never called the provider"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let task_id = task.then(|| flotilla_model::ids::TaskId::new("step"));
+    client
+        .call(
+            &PauseRunRequest {
+                protocol: flotilla_model::PROTOCOL_VERSION,
+                run_id: run,
+                reason: Some("bench".into()),
+                by: Some("bench".into()),
+                timeout_ms: None,
+                children: false,
+                task_id: task_id.clone(),
+            },
+            ASK,
+        )
+        .await?
+        .map_err(|e| anyhow::anyhow!("pause refused: {e:?}"))?;
+    let store = flotilla_client::open_store(client.bus()).await?;
+    let nanos = |t: &flotilla_model::time::Timestamp| t.0.unix_timestamp_nanos();
+    let (paused, stopped, calls_then) = loop {
+        let history = store.history(run).await?;
+        let paused = history.iter().find_map(|(_, ts, e)| {
+            matches!(&e.input, RunInput::Control(c) if c.action == flotilla_model::runlog::ControlAction::Pause)
+                .then(|| nanos(ts))
+        });
+        let stopped = history
+            .iter()
+            .find_map(|(_, ts, e)| matches!(&e.input, RunInput::Suspended(_)).then(|| nanos(ts)));
+        if let (Some(p), Some(s)) = (paused, stopped) {
+            break (p, s, arrived());
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the paused LLM attempt never stopped at its step (run {run}; its log: {:?})",
+            history
+                .iter()
+                .map(|(_, _, e)| format!("{:?}", e.input)
+                    .chars()
+                    .take(60)
+                    .collect::<String>())
+                .collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    client
+        .call(
+            &ResumeRunRequest {
+                protocol: flotilla_model::PROTOCOL_VERSION,
+                run_id: run,
+                reason: None,
+                by: Some("bench".into()),
+                children: false,
+                task_id,
+            },
+            ASK,
+        )
+        .await?
+        .map_err(|e| anyhow::anyhow!("resume refused: {e:?}"))?;
+    let outcome = client.wait(run, ASK).await?;
+    anyhow::ensure!(
+        outcome.status == RunStatus::Succeeded,
+        "the paused LLM run did not succeed: {outcome:?}"
+    );
+    let calls = arrived() - before;
+    Ok((
+        (stopped - paused).max(0) as f64 / 1e6,
+        (calls_then - before).saturating_sub(1),
+        calls,
+    ))
 }
 
 fn not_succeeded(failed: usize) -> String {
@@ -721,6 +846,31 @@ pub(crate) async fn run(args: &LlmArgs, services: &Services, url: &str) -> anyho
         {
             outln!("   coordinator peak RSS {:.1} MiB", kib as f64 / 1024.0);
         }
+    }
+
+    // Figure 5: a pause of a running LLM attempt (the one worker of figure 2).
+    let pause_delay = Duration::from_millis(100);
+    provider.set_delay(pause_delay);
+    let client = Client::new(bus.clone());
+    let mut pauses: Vec<(&str, Vec<PauseSample>)> = Vec::new();
+    for (what, task) in [("the run", false), ("its task alone", true)] {
+        let mut samples = Vec::new();
+        for _ in 0..args.llm_pause_samples {
+            samples.push(pause_sample(&client, &provider, task).await?);
+        }
+        pauses.push((what, samples));
+    }
+    for (what, samples) in &pauses {
+        if samples.is_empty() {
+            continue;
+        }
+        let (s50, s99) = p50_p99(&mut samples.iter().map(|s| s.0).collect::<Vec<_>>());
+        let after = samples.iter().map(|s| s.1).max().unwrap_or(0);
+        let extra = samples.iter().filter(|s| s.2 != 2).count();
+        outln!(
+            "   pause of a running LLM attempt ({what}; 2 model calls per task, the first in flight, {pause_delay:?} simulated latency, {} runs): pause recorded → attempt stopped p50 {s50:.1} ms   p99 {s99:.1} ms (the rest of the in-flight call included); model calls started after the pause: at most {after} (target 0: it stops at its next step); runs whose calls were not exactly 2 after the resume: {extra} (target 0: no call paid twice)",
+            samples.len()
+        );
     }
 
     // Figure 3: 1 → 2 → 4 worker processes, for each prefetch setting.

@@ -218,21 +218,38 @@ impl Api {
             return;
         };
         let status = state.status;
-        if status == RunStatus::Pending {
+        let plan = if status == RunStatus::Pending {
+            // Its start is not recorded yet (a coordinator records it with the run's next
+            // input): the task is checked against the submission's plan, and the machine
+            // decides once the start is recorded (the run log keeps the order).
+            match self.store.first_message(run).await {
+                Ok(Some(first)) => match first.content {
+                    flotilla_runs::first::FirstMessage::Submission { request, .. } => request.plan,
+                    flotilla_runs::first::FirstMessage::Entry(RunLogEntry {
+                        input: RunInput::Submitted(s),
+                        ..
+                    }) => Some(s.plan),
+                    _ => None,
+                },
+                Ok(None) => return run_not_found(req, run).await,
+                Err(e) => return respond_error(req, 503, "unavailable", e.to_string()).await,
+            }
+        } else {
+            match self.store.plan_for(run, &state).await {
+                Ok(p) => p,
+                Err(e) => return respond_error(req, 503, "unavailable", e.to_string()).await,
+            }
+        };
+        let Some(plan) = plan else {
             return respond_error(
                 req,
                 409,
                 "not_started",
                 format!(
-                    "run {run}'s start is not recorded yet, so its tasks are not known: pause or resume task {task} once the run is running"
+                    "run {run} has no plan yet (a query being planned, or a submission not yet read), so its tasks are not known: pause or resume task {task} once it is planned"
                 ),
             )
             .await;
-        }
-        let plan = match self.store.plan_for(run, &state).await {
-            Ok(Some(p)) => p,
-            Ok(None) => return run_not_found(req, run).await,
-            Err(e) => return respond_error(req, 503, "unavailable", e.to_string()).await,
         };
         let Some(i) = plan.subtasks.iter().position(|s| s.id == task) else {
             return respond_error(
@@ -248,8 +265,9 @@ impl Api {
         let ended = status.is_terminal() || t.is_some_and(|t| t.status.is_terminal());
         let applied = !ended
             && match asked.action {
-                ControlAction::Pause => !paused,
-                ControlAction::Resume => paused,
+                // A pending run's tasks are not known to be either: its machine decides.
+                ControlAction::Pause => !paused || status == RunStatus::Pending,
+                ControlAction::Resume => paused || status == RunStatus::Pending,
                 _ => false,
             };
         if applied && let Err(e) = self.append_control(run, &asked, asked.action).await {
