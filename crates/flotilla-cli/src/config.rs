@@ -46,6 +46,8 @@ pub(crate) struct Config {
     pub(crate) hitl: flotilla_model::approval::HitlConfig,
     /// Health, readiness and metrics listener; log format.
     pub(crate) telemetry: TelemetryOptions,
+    /// The web console: where it listens, identities and operators.
+    pub(crate) console: flotilla_console::ConsoleOptions,
     /// Directory of the config file: relative agent paths resolve against it.
     #[serde(skip)]
     pub(crate) base_dir: PathBuf,
@@ -66,6 +68,7 @@ impl Default for Config {
             supervisor: SupervisorOptions::default(),
             hitl: flotilla_model::approval::HitlConfig::default(),
             telemetry: TelemetryOptions::default(),
+            console: flotilla_console::ConsoleOptions::default(),
             base_dir: PathBuf::from("."),
         }
     }
@@ -149,6 +152,7 @@ const TOP_LEVEL_KEYS: &[&str] = &[
     "worker",
     "supervisor",
     "telemetry",
+    "console",
 ];
 
 /// `FLOTILLA_*` variables that are not configuration: Flotilla's own (set for exec agents,
@@ -251,6 +255,7 @@ impl Config {
         self.coordinator
             .validate()
             .map_err(|e| anyhow::anyhow!("invalid [coordinator] section: {e}"))?;
+        self.console.validate()?;
         if let Some(p) = self.hitl.problems().first() {
             bail!("invalid [hitl] section: {p}");
         }
@@ -540,6 +545,24 @@ mod tests {
         std::fs::write(&path, "[telemetry]\nconsumer-lag-interval = \"1ms\"\n").expect("write");
         let err = load(Some(&path), None).expect_err("too short");
         assert!(err.to_string().contains("[telemetry]"), "{err}");
+    }
+
+    #[test]
+    fn the_console_section_loads_and_is_validated() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("f.toml");
+        std::fs::write(
+            &path,
+            "[console]\nlisten = \"0.0.0.0:9480\"\nidentity-header = \"X-Forwarded-User\"\noperators = [\"alice\"]\n[console.tokens]\nbob = \"bob-token-0123456789\"\n",
+        )
+        .expect("write");
+        let loaded = load(Some(&path), None).expect("loads");
+        assert_eq!(loaded.console.operators, vec!["alice".to_owned()]);
+        assert_eq!(loaded.console.tokens.len(), 1);
+        // Off loopback without identities, anyone would be an operator: refused.
+        std::fs::write(&path, "[console]\nlisten = \"0.0.0.0:9480\"\n").expect("write");
+        let err = load(Some(&path), None).expect_err("open to the network");
+        assert!(err.to_string().contains("console.listen"), "{err}");
     }
 
     #[test]

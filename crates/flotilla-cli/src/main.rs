@@ -79,8 +79,19 @@ enum Command {
         #[arg(long, value_name = "ADDR|auto|off")]
         http_addr: Option<HttpAddr>,
     },
+    /// The web console: run trees, events, the inbox, the team and workers, live in a
+    /// browser (`[console]` configures where it listens and who may act).
+    Console {
+        /// Listen here (overrides console.listen; default 127.0.0.1:9480).
+        #[arg(long, value_name = "ADDR")]
+        listen: Option<std::net::SocketAddr>,
+        /// Serve /healthz, /readyz and /metrics here, `auto` or `off` (overrides
+        /// telemetry.http-addr).
+        #[arg(long, value_name = "ADDR|auto|off")]
+        http_addr: Option<HttpAddr>,
+    },
     /// Everything in one process: embedded nats-server (unless --nats-url), a coordinator,
-    /// a supervisor and workers.
+    /// a supervisor, workers and the web console (its URL is printed).
     Up {
         /// Workers to run.
         #[arg(long, default_value_t = 2)]
@@ -343,6 +354,7 @@ fn service_name(command: &Command) -> Option<&'static str> {
         Command::Coordinator { .. } => Some("flotilla-coordinator"),
         Command::Worker { .. } => Some("flotilla-worker"),
         Command::Supervisor { .. } => Some("flotilla-supervisor"),
+        Command::Console { .. } => Some("flotilla-console"),
         Command::Up { submit: None, .. } => Some("flotilla-up"),
         _ => None,
     }
@@ -469,6 +481,17 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
                 c.telemetry.http_addr = a;
             }
             commands::services::supervisor(&c).await
+        }
+        Command::Console { listen, http_addr } => {
+            let mut c = load()?;
+            if let Some(a) = listen {
+                c.console.listen = a;
+            }
+            if let Some(a) = http_addr {
+                c.telemetry.http_addr = a;
+            }
+            c.validate()?;
+            commands::console::console(&c).await
         }
         Command::Worker {
             pool,

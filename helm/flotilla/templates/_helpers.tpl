@@ -324,6 +324,13 @@ fails loudly instead. */ -}}
 {{- if and (not .pool) (eq (.role | default "") "supervisor") -}}
 {{- include "flotilla.supervisorSettings" (dict "into" $cfg "root" .root) -}}
 {{- end -}}
+{{- if and (not .pool) (eq (.role | default "") "console") -}}
+{{- /* The console listens on every interface of its pod (the Service and Ingress reach it);
+identity comes from the proxy header and/or the tokens Secret (environment). */ -}}
+{{- $con := dict "listen" (printf "0.0.0.0:%d" (int $v.console.port)) "operators" ($v.console.operators | default list) -}}
+{{- if $v.console.identityHeader -}}{{- $_ := set $con "identity-header" $v.console.identityHeader -}}{{- end -}}
+{{- $_ := set $cfg "console" $con -}}
+{{- end -}}
 {{- if .pool -}}
 {{- $_ := set $cfg "worker" (dict "pool" .pool.name "concurrency" (int .pool.concurrency) "shutdown-grace" (printf "%ds" (int .pool.shutdownGraceSeconds))) -}}
 {{- end -}}

@@ -570,6 +570,64 @@ def rendered_configs_load_in_the_real_binary():
                 assert out.returncode == 0, f"{name}: {out.stdout}{out.stderr}"
 
 
+CONSOLE_ON = {
+    "networkPolicy": {"enabled": True},
+    "console": {
+        "enabled": True,
+        "identityHeader": "X-Forwarded-User",
+        "operators": ["alice@example.com"],
+        "tokensSecret": "console-tokens",
+        "ingress": {"enabled": True, "className": "nginx", "host": "flotilla.example.com",
+                    "tls": [{"hosts": ["flotilla.example.com"], "secretName": "flotilla-tls"}]},
+    },
+}
+
+
+@check
+def the_console_gets_a_deployment_a_service_and_an_ingress():
+    assert not [o for o in render({}) if "console" in o["metadata"]["name"]], "off by default"
+    objects = render(CONSOLE_ON)
+    kubernetes_validate(objects)
+    d = one(objects, "Deployment", "rel-flotilla-console")
+    (c,) = d["spec"]["template"]["spec"]["containers"]
+    assert c["args"] == ["console"]
+    assert {"name": "console", "containerPort": 9480, "protocol": "TCP"} in c["ports"]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert c["envFrom"] == [{"prefix": "FLOTILLA_CONSOLE__TOKENS__", "secretRef": {"name": "console-tokens"}}]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["FLOTILLA_NATS__AUTH__USER"]["valueFrom"]["secretKeyRef"]["name"] == "flotilla-nats-console"
+    svc = one(objects, "Service", "rel-flotilla-console")
+    assert svc["spec"]["ports"] == [{"name": "console", "port": 80, "targetPort": "console", "protocol": "TCP"}]
+    assert svc["spec"]["selector"].items() <= d["spec"]["template"]["metadata"]["labels"].items()
+    ing = one(objects, "Ingress", "rel-flotilla-console")
+    assert ing["spec"]["ingressClassName"] == "nginx"
+    backend = ing["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+    assert backend == {"name": "rel-flotilla-console", "port": {"name": "console"}}
+    cfg = configs(objects)["console.toml"]["console"]
+    assert cfg == {"listen": "0.0.0.0:9480", "identity-header": "X-Forwarded-User", "operators": ["alice@example.com"]}, cfg
+    (np,) = find(objects, "NetworkPolicy")
+    assert {"port": 9480, "protocol": "TCP"} in [p for r in np["spec"]["ingress"] for p in r["ports"]]
+    binary = os.environ.get("FLOTILLA_BIN")
+    if binary:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "console.toml"
+            path.write_text(one(objects, "ConfigMap", "rel-flotilla-config")["data"]["console.toml"])
+            plan = Path(tmp) / "plan.json"
+            plan.write_text('{"subtasks":[{"id":"a"}]}')
+            out = subprocess.run(
+                [binary, "--config", str(path), "plan", "validate", "--offline", str(plan)],
+                capture_output=True,
+                text=True,
+                env={k: v for k, v in os.environ.items() if not k.startswith("FLOTILLA_")},
+            )
+            assert out.returncode == 0, out.stdout + out.stderr
+
+
+@check
+def a_console_without_identities_is_refused():
+    fails_with({"console": {"enabled": True}}, "console.identityHeader", "console.tokensSecret")
+
+
 # --- bad values fail with a clear message ------------------------------------------------
 
 

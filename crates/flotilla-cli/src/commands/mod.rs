@@ -2,6 +2,7 @@
 
 pub(crate) mod approvals;
 pub(crate) mod collab;
+pub(crate) mod console;
 pub(crate) mod controls;
 pub(crate) mod memory;
 pub(crate) mod nats;

@@ -578,6 +578,19 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
         let token = shutdown.clone();
         services.spawn(async move { worker.run(token).await.map_err(|e| e.to_string()) });
     }
+    // The web console, unless `[console] enabled = false` or this is a one-shot `--submit`.
+    if config.console.enabled && opts.submit.is_none() {
+        let bus = Bus::connect(&config.nats, "flotilla-console").await?;
+        match super::console::bind(bus, &config, true).await {
+            Ok(console) => {
+                errln!("{}", super::console::url_line(&console, &config));
+                let token = shutdown.clone();
+                services
+                    .spawn(async move { console.serve(token).await.map_err(|e| e.to_string()) });
+            }
+            Err(e) => warn!(error = %e, "The console did not start"),
+        }
+    }
     let code = match &opts.submit {
         Some(plan) => {
             let opts = super::submit::SubmitOptions {

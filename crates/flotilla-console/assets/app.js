@@ -1,0 +1,721 @@
+// The Flotilla console: plain ES module, no build step. Every view is reachable by URL
+// (hash routes); live data comes from the console service over server-sent events.
+//
+//   #/runs?status=&label=&session=&q=   the runs list (virtualised, paged from the server)
+//   #/run/<id>?profile=&children=       a run: tree, DAG, tasks, events, workspace, inbox
+//   #/inbox                             pending approvals, questions, client tools
+//   #/team                              the roster with presence, trust, failures
+//   #/workers                           live workers, slots, backlog per pool
+
+const $ = (sel, root = document) => root.querySelector(sel);
+const main = () => $('#main');
+let me = { name: '?', operator: false };
+let cleanup = [];
+
+// ---------- helpers ----------
+
+function esc(s) {
+  return String(s ?? '').replace(/[&<>"']/g, (c) => ({ '&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;', "'": '&#39;' }[c]));
+}
+
+// Sets an element's HTML when it is still on the page (a view's late answer after the
+// person moved on is dropped).
+const shown = new WeakMap();
+function set(sel, html) {
+  const el = $(sel);
+  // Unchanged content is left alone: no re-layout while a run's events stream in.
+  if (el && shown.get(el) !== html) {
+    el.innerHTML = html;
+    shown.set(el, html);
+  }
+  return el;
+}
+
+function h(html) {
+  const t = document.createElement('template');
+  t.innerHTML = html.trim();
+  return t.content.firstElementChild;
+}
+
+async function api(path, opts = {}) {
+  const init = { headers: { Accept: 'application/json' }, credentials: 'same-origin' };
+  if (opts.body !== undefined) {
+    init.method = 'POST';
+    init.headers['Content-Type'] = 'application/json';
+    // The console's CSRF guard: a cross-site page cannot send this header.
+    init.headers['X-Flotilla-Console'] = '1';
+    init.body = JSON.stringify(opts.body);
+  }
+  const r = await fetch(path, init);
+  const text = await r.text();
+  let data = null;
+  try { data = text ? JSON.parse(text) : null; } catch { data = { message: text }; }
+  if (!r.ok) {
+    const e = new Error((data && (data.message || data.error)) || r.statusText);
+    e.status = r.status;
+    e.code = data && (data.error || data.code);
+    throw e;
+  }
+  return data;
+}
+
+function toast(msg, error = false) {
+  const t = $('#toast');
+  t.textContent = msg;
+  t.className = error ? 'error' : '';
+  t.hidden = false;
+  clearTimeout(toast.timer);
+  toast.timer = setTimeout(() => { t.hidden = true; }, 5000);
+}
+
+function live(url, handlers) {
+  const es = new EventSource(url);
+  for (const [name, fn] of Object.entries(handlers)) es.addEventListener(name, fn);
+  cleanup.push(() => es.close());
+  return es;
+}
+
+function every(ms, fn) {
+  const id = setInterval(fn, ms);
+  cleanup.push(() => clearInterval(id));
+}
+
+function debounce(ms, fn) {
+  let t = null;
+  return () => { if (!t) t = setTimeout(() => { t = null; fn(); }, ms); };
+}
+
+function ms(d) {
+  if (d == null) return '';
+  if (d < 1000) return `${d} ms`;
+  const s = d / 1000;
+  if (s < 60) return `${s.toFixed(1)} s`;
+  const m = Math.floor(s / 60);
+  return m < 60 ? `${m}m ${Math.round(s % 60)}s` : `${Math.floor(m / 60)}h ${m % 60}m`;
+}
+
+function time(ts) {
+  if (!ts) return '';
+  const d = new Date(ts);
+  return d.toLocaleString(undefined, { hour12: false });
+}
+
+function durationOf(r) {
+  const end = r.finished_at ? Date.parse(r.finished_at) : Date.now();
+  return end - Date.parse(r.created_at);
+}
+
+const status = (s) => `<span class="status s-${esc(s)}" data-status="${esc(s)}">${esc(s)}</span>`;
+const short = (id) => String(id).slice(0, 8);
+const terminal = (s) => ['succeeded', 'failed', 'cancelled', 'rejected'].includes(s);
+
+function query() {
+  const [, q = ''] = location.hash.split('?');
+  return new URLSearchParams(q);
+}
+
+function setQuery(path, params) {
+  const q = new URLSearchParams();
+  for (const [k, v] of Object.entries(params)) if (v) q.set(k, v);
+  const s = q.toString();
+  history.replaceState(null, '', `#${path}${s ? `?${s}` : ''}`);
+}
+
+// A virtualised list: only the rows in view (plus a margin) are in the DOM, so 10,000 runs
+// or a long event stream stay smooth. `row(i)` returns the HTML of row i (or null: not loaded).
+function vlist(container, rowHeight, count, row, onMissing) {
+  container.innerHTML = '';
+  const spacer = h('<div class="spacer"></div>');
+  container.appendChild(spacer);
+  let n = count;
+  const render = () => {
+    spacer.style.height = `${n * rowHeight}px`;
+    const top = container.scrollTop;
+    const first = Math.max(0, Math.floor(top / rowHeight) - 10);
+    const last = Math.min(n, Math.ceil((top + container.clientHeight) / rowHeight) + 10);
+    const parts = [];
+    let missing = -1;
+    for (let i = first; i < last; i++) {
+      const html = row(i);
+      if (html == null && missing < 0) missing = i;
+      parts.push(`<div class="${container.dataset.rowClass || 'vrow'}" data-i="${i}">${html ?? '<span class="muted">…</span>'}</div>`);
+    }
+    spacer.innerHTML = parts.join('');
+    // Positions through the CSSOM: the Content-Security-Policy forbids inline style attributes.
+    for (const el of spacer.children) el.style.top = `${el.dataset.i * rowHeight}px`;
+    if (missing >= 0 && onMissing) onMissing(missing);
+  };
+  let raf = 0;
+  const schedule = () => { if (!raf) raf = requestAnimationFrame(() => { raf = 0; render(); }); };
+  container.addEventListener('scroll', schedule);
+  render();
+  return {
+    setCount(c) { n = c; schedule(); },
+    refresh: schedule,
+    atBottom: () => container.scrollTop + container.clientHeight >= container.scrollHeight - 2 * rowHeight,
+    toBottom() { container.scrollTop = container.scrollHeight; },
+  };
+}
+
+// ---------- runs list ----------
+
+async function viewRuns() {
+  const q = query();
+  const f = { status: q.get('status') || '', label: q.get('label') || '', session: q.get('session') || '', q: q.get('q') || '' };
+  main().innerHTML = `
+    <h1>Runs <span id="runs-total" class="muted"></span></h1>
+    <div class="filters">
+      <select id="f-status" title="status">
+        ${['', 'accepted', 'running', 'paused', 'taken_over', 'succeeded', 'failed', 'cancelled', 'rejected']
+          .map((s) => `<option value="${s}" ${s === f.status ? 'selected' : ''}>${s || 'any status'}</option>`).join('')}
+      </select>
+      <input id="f-label" placeholder="label key=value" value="${esc(f.label)}">
+      <input id="f-session" placeholder="session id" value="${esc(f.session)}" size="36">
+      <input id="f-q" placeholder="name or id" value="${esc(f.q)}">
+      <span id="runs-counts" class="muted"></span>
+    </div>
+    <div class="vhead runs-grid"><span>RUN</span><span>STATUS</span><span>NAME</span><span>AGENT</span><span>STARTED</span><span>DURATION</span><span>TASKS</span><span>TOKENS</span><span>COST</span><span>LABELS</span></div>
+    <div id="runs" class="vlist" data-row-class="vrow runs-grid"></div>`;
+  const PAGE = 500;
+  let rows = []; // index -> record (sparse: pages load on demand)
+  let total = 0;
+  const loading = new Set();
+  const params = () => new URLSearchParams(Object.entries(f).filter(([, v]) => v)).toString();
+  const row = (i) => {
+    const r = rows[i];
+    if (!r) return null;
+    const labels = Object.entries(r.labels || {}).map(([k, v]) => `${k}=${v}`).join(' ');
+    const id = r.handle.run_id;
+    const sum = summaries.get(id);
+    if (!sum || sum.stale) wantSummary(id);
+    const u = sum && sum.usage;
+    return `<span class="mono"><a href="#/run/${id}">${id}</a></span>${status(r.status)}
+      <span>${esc(r.name || '-')}</span><span>${esc((sum && sum.agent) || '')}</span><span>${time(r.created_at)}</span><span>${ms(durationOf(r))}</span>
+      <span>${r.tasks.succeeded}/${r.tasks.total}</span><span>${u ? u.prompt_tokens + u.completion_tokens : ''}</span>
+      <span>${u && u.cost_usd ? `$${u.cost_usd.toFixed(4)}` : ''}</span><span class="muted">${esc(labels)}</span>`;
+  };
+  // Agent, tokens and cost of the rows in view: read in batches, again when a run changes.
+  const summaries = new Map();
+  const wanted = new Set();
+  const fetchSummaries = debounce(150, async () => {
+    const ids = [...wanted].slice(0, 100);
+    ids.forEach((id) => wanted.delete(id));
+    if (!ids.length) return;
+    ids.forEach((id) => summaries.set(id, { ...(summaries.get(id) || {}), stale: false }));
+    try {
+      const got = await api(`/api/runs/summaries?ids=${ids.join(',')}`);
+      for (const [id, v] of Object.entries(got)) summaries.set(id, v);
+      list.refresh();
+    } catch { /* shown again on the next change */ }
+    if (wanted.size) fetchSummaries();
+  });
+  function wantSummary(id) { wanted.add(id); fetchSummaries(); }
+  const list = vlist($('#runs'), 30, 0, row, (i) => load(Math.floor(i / PAGE) * PAGE));
+  $('#runs').addEventListener('click', (e) => {
+    const el = e.target.closest('[data-i]');
+    if (el && rows[el.dataset.i] && e.target.tagName !== 'A') location.hash = `#/run/${rows[el.dataset.i].handle.run_id}`;
+  });
+  async function load(offset) {
+    if (loading.has(offset)) return;
+    loading.add(offset);
+    try {
+      const p = await api(`/api/runs?${params()}&offset=${offset}&limit=${PAGE}`);
+      total = p.total;
+      p.runs.forEach((r, k) => { rows[offset + k] = r; });
+      ($('#runs-total') || {}).textContent = `${total}${p.loading ? ' (loading…)' : ''}`;
+      ($('#runs-counts') || {}).textContent = Object.entries(p.counts).map(([k, v]) => `${k} ${v}`).join(' · ');
+      list.setCount(total);
+      if (p.loading) setTimeout(() => { loading.delete(offset); load(offset); }, 500);
+    } catch (e) {
+      toast(e.message, true);
+    } finally {
+      setTimeout(() => loading.delete(offset), 1000);
+    }
+  }
+  const reload = () => { rows = []; loading.clear(); load(0); };
+  for (const id of ['f-status', 'f-label', 'f-session', 'f-q']) {
+    $(`#${id}`).addEventListener('change', () => {
+      f[id.slice(2)] = $(`#${id}`).value.trim();
+      setQuery('/runs', f);
+      reload();
+    });
+  }
+  await load(0);
+  // Live: a changed run is patched in place; a new one matching the filter goes on top.
+  const refresh = debounce(200, () => list.refresh());
+  // Counts by status follow the changes (one small read, at most every 2 s).
+  const recount = debounce(2000, async () => {
+    try {
+      const p = await api(`/api/runs?${params()}&offset=0&limit=1`);
+      ($('#runs-counts') || {}).textContent = Object.entries(p.counts).map(([k, v]) => `${k} ${v}`).join(' · ');
+    } catch { /* the next change tries again */ }
+  });
+  live('/api/runs/stream', {
+    run: (m) => {
+      recount();
+      const c = JSON.parse(m.data);
+      if (c.kind !== 'put') return;
+      const r = c.record;
+      const i = rows.findIndex((x) => x && x.handle.run_id === r.handle.run_id);
+      const known = summaries.get(r.handle.run_id);
+      if (known) known.stale = true;
+      if (i >= 0) { rows[i] = r; refresh(); return; }
+      if (r.handle.parent_run_id) return;
+      if (f.status && !f.status.split(',').includes(r.status)) return;
+      if (f.session && r.session_id !== f.session) return;
+      if (f.q && !(`${r.name || ''} ${r.handle.run_id}`.toLowerCase().includes(f.q.toLowerCase()))) return;
+      if (f.label) {
+        const [k, v] = f.label.split('=');
+        if (!(k in (r.labels || {})) || (v !== undefined && r.labels[k] !== v)) return;
+      }
+      rows.unshift(r);
+      total += 1;
+      ($('#runs-total') || {}).textContent = `${total}`;
+      list.setCount(total);
+    },
+    reload: () => reload(),
+  });
+  every(1000, () => list.refresh()); // running durations tick
+}
+
+// ---------- one run ----------
+
+function flattenTree(node, depth = 0, out = []) {
+  out.push({ node, depth });
+  for (const c of node.children || []) flattenTree(c, depth + 1, out);
+  return out;
+}
+
+// The plan's DAG: tasks in columns by dependency depth, coloured by state.
+function dag(plan, tasks) {
+  if (!plan || !plan.subtasks || !plan.subtasks.length) return '<p class="muted">No plan yet.</p>';
+  const byId = new Map(plan.subtasks.map((t) => [t.id, t]));
+  const level = new Map();
+  const depth = (id, seen = new Set()) => {
+    if (level.has(id)) return level.get(id);
+    if (seen.has(id)) return 0;
+    seen.add(id);
+    const t = byId.get(id);
+    const d = t && t.dependencies && t.dependencies.length ? 1 + Math.max(...t.dependencies.map((x) => depth(x, seen))) : 0;
+    level.set(id, d);
+    return d;
+  };
+  plan.subtasks.forEach((t) => depth(t.id));
+  const cols = [];
+  for (const t of plan.subtasks) (cols[level.get(t.id)] ||= []).push(t.id);
+  const W = 150, H = 30, GX = 40, GY = 12;
+  const pos = new Map();
+  cols.forEach((ids, c) => ids.forEach((id, r) => pos.set(id, { x: 10 + c * (W + GX), y: 10 + r * (H + GY) })));
+  const height = 20 + Math.max(...cols.map((c) => c.length)) * (H + GY);
+  const width = 20 + cols.length * (W + GX);
+  const state = new Map((tasks || []).map((t) => [t.task_id, t.status]));
+  let svg = '';
+  for (const t of plan.subtasks) {
+    for (const d of t.dependencies || []) {
+      const a = pos.get(d), b = pos.get(t.id);
+      if (a && b) svg += `<path d="M${a.x + W},${a.y + H / 2} C${a.x + W + GX / 2},${a.y + H / 2} ${b.x - GX / 2},${b.y + H / 2} ${b.x},${b.y + H / 2}"/>`;
+    }
+  }
+  for (const t of plan.subtasks) {
+    const p = pos.get(t.id);
+    const s = state.get(t.id) || 'waiting';
+    svg += `<g class="t-${esc(s)}" data-task="${esc(t.id)}" data-state="${esc(s)}"><rect x="${p.x}" y="${p.y}" width="${W}" height="${H}"/>
+      <text x="${p.x + 6}" y="${p.y + 13}">${esc(String(t.id).slice(0, 22))}</text>
+      <text x="${p.x + 6}" y="${p.y + 25}" fill="#6b7280">${esc(s)}</text></g>`;
+  }
+  return `<svg viewBox="0 0 ${width} ${height}" height="${Math.min(height, 400)}" preserveAspectRatio="xMinYMin meet">${svg}</svg>`;
+}
+
+function eventLine(pe) {
+  const env = pe.event;
+  const ev = env.event;
+  const who = pe.agent ? `${pe.agent}·${short(pe.run_id)}` : (env.task_id || 'run');
+  const indent = '  '.repeat(pe.depth);
+  const t = new Date(env.ts).toLocaleTimeString(undefined, { hour12: false });
+  let what;
+  let cls = '';
+  switch (ev.type) {
+    case 'assistant_reply': what = `says: ${ev.text}`; break;
+    case 'tool_start': what = `→ ${ev.tool} ${JSON.stringify(ev.input)}`; break;
+    case 'tool_end':
+      what = `← ${ev.tool || 'tool'} ${ev.ok ? 'ok' : 'failed'}${ev.duration_ms != null ? ` in ${ev.duration_ms} ms` : ''}${ev.error ? `: ${ev.error}` : ''}`;
+      if (!ev.ok) cls = 'tool-failed';
+      break;
+    case 'agent_run_started': what = `⇢ child run ${short(ev.child.run_id)} (${ev.agent || 'agent'})`; break;
+    case 'usage': what = `usage ${ev.prompt_tokens} + ${ev.completion_tokens} tokens${ev.model ? ` (${ev.model})` : ''}${ev.cost_usd != null ? ` $${ev.cost_usd.toFixed(4)}` : ''}`; break;
+    case 'workflow': what = `${ev.phase}${env.task_id ? ` ${env.task_id}` : ''}`; break;
+    case 'agent_step': {
+      const e = ev.entry || {};
+      what = `step ${ev.step}: ${e.results ? `${e.results.length} tool results` : `model reply (${(e.tool_calls || []).length} tool calls)`}`;
+      break;
+    }
+    case 'await_clarification': what = `asks: ${ev.question} (answer in the inbox)`; break;
+    case 'await_external_tools': what = `waits for client tools: ${(ev.calls || []).map((c) => `${c.tool}(${JSON.stringify(c.input)})`).join('; ')}`; break;
+    default: what = ev.type;
+  }
+  return { text: `${t} ${indent}[${who}] ${what}`, cls };
+}
+
+async function viewRun(runId) {
+  const q = query();
+  const profile = q.get('profile') || 'user';
+  const children = q.get('children') || 'linked';
+  main().innerHTML = `
+    <div class="run-head card">
+      <div><h1 id="run-title">Run <span class="mono">${esc(runId)}</span></h1>
+        <div id="run-meta" class="muted"></div></div>
+      <div class="actions">
+        ${['pause', 'resume', 'takeover', 'cancel'].map((a) => `<button data-action="${a}" class="${a === 'cancel' ? 'danger' : ''}" ${me.operator ? '' : 'disabled title="operators only"'}>${a}</button>`).join('')}
+      </div>
+    </div>
+    <div id="run-inbox"></div>
+    <div class="cols">
+      <div>
+        <div class="card"><h2>Tree <span id="tree-count" class="muted"></span></h2><div id="tree" class="tree"></div></div>
+        <div class="card"><h2>Tasks</h2><div id="tasks"></div></div>
+      </div>
+      <div>
+        <div class="card dag"><h2>Plan</h2><div id="dag"></div></div>
+        <div class="card">
+          <div class="tabs"><button id="tab-events" class="on">Events</button><button id="tab-ws">Workspace</button><button id="tab-mbox">Mailboxes</button><button id="tab-state">Session state</button></div>
+          <div id="pane-events">
+            <div class="filters">
+              profile <select id="profile">${['user', 'debug', 'metrics'].map((p) => `<option ${p === profile ? 'selected' : ''}>${p}</option>`).join('')}</select>
+              children <select id="children">${['off', 'linked', 'flatten'].map((p) => `<option ${p === children ? 'selected' : ''}>${p}</option>`).join('')}</select>
+              <span id="events-state" class="muted"></span>
+            </div>
+            <div id="events" class="vlist events" data-row-class="ev"></div>
+          </div>
+          <div id="pane-ws" hidden><div id="ws"></div></div>
+          <div id="pane-mbox" hidden><div class="filters">mailbox of task <select id="mbox-reader"></select></div><div id="mbox"></div></div>
+          <div id="pane-state" hidden><div class="filters">key <input id="state-key" placeholder="a session-state key"><button id="state-get">Read</button></div><div id="state"></div></div>
+        </div>
+      </div>
+    </div>`;
+  for (const sel of ['#profile', '#children']) {
+    $(sel).addEventListener('change', () => {
+      setQuery(`/run/${runId}`, { profile: $('#profile').value, children: $('#children').value });
+      route();
+    });
+  }
+  const tabs = ['events', 'ws', 'mbox', 'state'];
+  const show = (name) => tabs.forEach((t) => { $(`#pane-${t}`).hidden = t !== name; $(`#tab-${t}`).className = t === name ? 'on' : ''; });
+  $('#tab-events').onclick = () => show('events');
+  $('#tab-ws').onclick = () => { show('ws'); loadWorkspace(runId); };
+  $('#tab-mbox').onclick = () => { show('mbox'); loadMailbox(runId); };
+  $('#mbox-reader').onchange = () => loadMailbox(runId);
+  $('#tab-state').onclick = () => show('state');
+  $('#state-get').onclick = async () => {
+    const key = $('#state-key').value.trim();
+    if (!key) return;
+    try {
+      const v = await api(`/api/runs/${runId}/state/${encodeURIComponent(key)}`);
+      set('#state', `<div class="kv"><span>revision</span><span>${v.revision}</span><span>written</span><span>${time(v.ts)}</span></div><pre class="mono">${esc(JSON.stringify(v.value, null, 2))}</pre>`);
+    } catch (e) { set('#state', `<p class="muted">${esc(e.message)}</p>`); }
+  };
+  main().querySelectorAll('[data-action]').forEach((b) => {
+    b.onclick = async () => {
+      const action = b.dataset.action;
+      if (action === 'cancel' && !confirm('Cancel this run?')) return;
+      try {
+        const r = await api(`/api/runs/${runId}/${action}`, { body: { reason: `from the console` } });
+        toast(`${action}: ${r.applied === false ? `already ${r.status}` : 'done'}`);
+        refreshRun();
+      } catch (e) { toast(`${action}: ${e.message}`, true); }
+    };
+  });
+
+  let ended = false;
+  const refreshRun = async () => {
+    try {
+      const { view, plan } = await api(`/api/runs/${runId}`);
+      if (!$('#run-title')) return; // the person moved on
+      const r = view.record;
+      set('#run-title', `${esc(r.name || 'Run')} ${status(r.status)} <span class="mono muted">${esc(runId)}</span>`);
+      const labels = Object.entries(r.labels || {}).map(([k, v]) => `${k}=${v}`).join(' ');
+      set('#run-meta', `started ${time(r.created_at)} · ${ms(durationOf(r))} · tasks ${r.tasks.succeeded}/${r.tasks.total}
+        ${r.session_id ? ` · session <a href="#/runs?session=${r.session_id}">${short(r.session_id)}</a>` : ''}
+        ${r.handle.parent_run_id ? ` · parent <a href="#/run/${r.handle.parent_run_id}">${short(r.handle.parent_run_id)}</a>` : ''}
+        ${labels ? ` · ${esc(labels)}` : ''}${r.outcome && r.outcome.reason ? ` · ${esc(r.outcome.reason)}` : ''}`);
+      set('#tasks', `<table><tr><th>TASK</th><th>STATUS</th><th>ATTEMPTS</th><th>POOL</th><th>DETAIL</th></tr>
+        ${view.tasks.map((t) => `<tr data-task="${esc(t.task_id)}"><td>${esc(t.task_id)}</td><td>${status(t.status)}</td><td>${t.attempts}</td><td>${esc(t.pool || '-')}</td>
+          <td class="muted">${esc(t.error ? (t.error.message || JSON.stringify(t.error)) : (t.skip_reason || ''))}</td></tr>`).join('')}</table>
+        ${r.outcome && r.outcome.final_result ? `<h2>Result</h2><pre class="mono">${esc(r.outcome.final_result.response)}</pre>` : ''}`);
+      set('#dag', dag(view.plan || plan, view.tasks));
+      const readers = $('#mbox-reader');
+      if (readers && readers.options.length !== view.tasks.length) {
+        const was = readers.value;
+        readers.innerHTML = view.tasks.map((t) => `<option>${esc(t.task_id)}</option>`).join('');
+        if (was) readers.value = was;
+      }
+      ended = terminal(r.status);
+    } catch (e) { toast(e.message, true); }
+    try {
+      const t = await api(`/api/runs/${runId}/tree`);
+      const rows = flattenTree(t.root);
+      ($('#tree-count') || {}).textContent = `${t.runs} run(s)${t.omitted ? `, ${t.omitted} not listed` : ''}`;
+      set('#tree', rows.map(({ node, depth }) => `<div class="node d${Math.min(depth, 12)}" data-run="${node.run_id}">
+        ${depth ? '└ ' : ''}<a href="#/run/${node.run_id}">${esc(node.agent || node.name || short(node.run_id))}</a> ${status(node.status)}
+        <span class="muted">${ms(node.duration_ms)} · ${node.usage.prompt_tokens + node.usage.completion_tokens} tok${node.subtree_usage.cost_usd ? ` · $${node.subtree_usage.cost_usd.toFixed(4)}` : ''}</span></div>`).join(''));
+    } catch (e) { /* the run may not be recorded yet */ }
+    loadInbox(runId, $('#run-inbox'));
+  };
+  await refreshRun();
+  const refreshSoon = debounce(500, refreshRun);
+  // Tree and tasks follow the run's record changes (and its children's).
+  live('/api/runs/stream', {
+    run: (m) => {
+      const c = JSON.parse(m.data);
+      const h2 = c.record && c.record.handle;
+      if (h2 && (h2.run_id === runId || h2.root_run_id === runId || h2.parent_run_id === runId)) refreshSoon();
+    },
+  });
+  live('/api/inbox/stream', { inbox: () => loadInbox(runId, $('#run-inbox')) });
+  every(2000, () => { if (!ended) refreshRun(); });
+
+  // Events: the `flotilla watch` projection, streamed; replies stream in as increments.
+  const lines = [];
+  const streaming = new Map(); // run+task -> index of its live reply line
+  const box = $('#events');
+  const list = vlist(box, 24, 0, (i) => {
+    const l = lines[i];
+    return l ? `<span class="${l.cls}" title="${esc(l.text)}">${esc(l.text)}</span>` : '';
+  });
+  const es = live(`/api/runs/${runId}/events?profile=${profile}&children=${children}`, {
+    event: (m) => {
+      const pe = JSON.parse(m.data);
+      const ev = pe.event.event;
+      const key = `${pe.run_id}/${pe.event.task_id || ''}`;
+      const follow = list.atBottom();
+      if (ev.type === 'assistant_reply' && !ev.final) {
+        const i = streaming.get(key);
+        if (i !== undefined) {
+          lines[i].text += ev.text;
+        } else {
+          const l = eventLine(pe);
+          l.cls = 'streaming';
+          streaming.set(key, lines.length);
+          lines.push(l);
+        }
+      } else if (ev.type === 'assistant_reply' && streaming.has(key)) {
+        const i = streaming.get(key);
+        lines[i] = eventLine(pe);
+        streaming.delete(key);
+      } else {
+        lines.push(eventLine(pe));
+      }
+      ($('#events-state') || {}).textContent = `${lines.length} events · live`;
+      list.setCount(lines.length);
+      if (follow) requestAnimationFrame(() => list.toBottom());
+      // For extensions and measurements: each projected event once it is on the page.
+      window.dispatchEvent(new CustomEvent('flotilla:event', { detail: pe }));
+      if (ev.type === 'workflow' || ev.type === 'agent_run_started') refreshSoon();
+    },
+    end: () => {
+      ($('#events-state') || {}).textContent = `${lines.length} events · the run ended`;
+      es.close();
+      refreshRun();
+    },
+    failed: (m) => toast(m.data, true),
+  });
+}
+
+async function loadWorkspace(runId) {
+  try {
+    const page = await api(`/api/runs/${runId}/workspace`);
+    const entries = page.entries || [];
+    set('#ws', entries.length
+      ? `<table><tr><th>SEQ</th><th>TOPIC</th><th>BY</th><th>ENTRY</th></tr>${entries.map((e) => `<tr><td>${e.seq}</td><td>${esc(e.topic)}</td>
+          <td>${esc((e.writer && e.writer.task_id) || '')}</td><td class="mono wrap">${esc(JSON.stringify(e.entry))}</td></tr>`).join('')}</table>`
+      : '<p class="muted">No workspace entries.</p>');
+  } catch (e) { set('#ws', `<p class="muted">${esc(e.message)}</p>`); }
+}
+
+async function loadMailbox(runId) {
+  const reader = $('#mbox-reader').value;
+  if (!reader) return;
+  try {
+    const page = await api(`/api/runs/${runId}/mailbox/${encodeURIComponent(reader)}?since=0`);
+    const m = page.messages || [];
+    set('#mbox', m.length
+      ? `<table><tr><th>SEQ</th><th>KIND</th><th>FROM</th><th>TO</th><th>PAYLOAD</th></tr>${m.map((x) => `<tr><td>${x.seq}</td><td>${esc(x.kind)}</td>
+          <td>${esc(x.from)}</td><td>${esc(x.to)}</td><td class="mono wrap">${esc(JSON.stringify(x.payload))}</td></tr>`).join('')}</table>`
+      : '<p class="muted">No messages.</p>');
+  } catch (e) { set('#mbox', `<p class="muted">${esc(e.message)}</p>`); }
+}
+
+// ---------- inbox ----------
+
+function approvalCard(rec) {
+  const q = rec.request;
+  const input = q.input == null ? '' : JSON.stringify(q.input, null, 2);
+  const canAnswer = me.operator && rec.status === 'pending';
+  return `<div class="card approval" data-approval="${esc(q.approval_id)}" data-run="${q.run_id}">
+    <div><b>${esc(q.trigger)}</b> · task <b>${esc(q.task_id)}</b>${q.action ? ` · action <b>${esc(q.action)}</b>` : ''}${q.agent ? ` · agent ${esc(q.agent)}` : ''}
+      · run <a href="#/run/${q.run_id}" class="mono">${short(q.run_id)}</a> · ${esc(q.approval_id)} · ${status(rec.status)}
+      <span class="muted">deadline ${time(q.deadline)}</span></div>
+    <p>${esc(q.description)}</p>
+    ${input ? `<pre class="mono">${esc(input)}</pre>` : ''}
+    ${q.tool_call ? `<div>tool call <b>${esc(q.tool_call.tool)}</b> <span class="mono muted">${esc(q.tool_call.call_id)}</span></div>` : ''}
+    <div class="muted">default at the deadline: ${esc(JSON.stringify(q.default))} · the agent's reasoning so far: <a href="#/run/${q.run_id}?profile=debug">the run's events</a></div>
+    <div class="answer">
+      <input class="comment" placeholder="comment for the record" size="40" ${canAnswer ? '' : 'disabled'}>
+      <button class="primary" data-decision="approve" ${canAnswer ? '' : 'disabled'}>Approve</button>
+      <button class="danger" data-decision="reject" ${canAnswer ? '' : 'disabled'}>Reject</button>
+      <button data-decision="edit" ${canAnswer ? '' : 'disabled'}>Edit input…</button>
+      <button data-decision="respond" ${canAnswer ? '' : 'disabled'}>Respond…</button>
+      ${me.operator ? '' : '<span class="muted">operators only</span>'}
+    </div>
+    <textarea class="payload" hidden></textarea>
+  </div>`;
+}
+
+function wireApprovals(root, records, reload) {
+  root.querySelectorAll('.approval').forEach((card) => {
+    const rec = records.find((r) => r.request.approval_id === card.dataset.approval && r.request.run_id === card.dataset.run);
+    card.querySelectorAll('[data-decision]').forEach((b) => {
+      b.onclick = async () => {
+        const decision = b.dataset.decision;
+        const payload = card.querySelector('.payload');
+        const body = { decision, comment: card.querySelector('.comment').value, digest: rec.request.digest };
+        if (decision === 'edit' || decision === 'respond') {
+          if (payload.hidden) {
+            payload.hidden = false;
+            payload.value = decision === 'edit' ? JSON.stringify(rec.request.input ?? {}, null, 2) : '';
+            payload.placeholder = decision === 'edit' ? 'the input to run with (JSON)' : 'the result';
+            b.textContent = decision === 'edit' ? 'Run with this input' : 'Send result';
+            return;
+          }
+          if (decision === 'edit') {
+            try { body.input = JSON.parse(payload.value); } catch { toast('the input is not JSON', true); return; }
+          } else body.result = payload.value;
+        }
+        if (decision === 'reject') body.message = body.comment;
+        try {
+          const r = await api(`/api/approvals/${card.dataset.run}/${card.dataset.approval}`, { body });
+          const a = r.record.answer;
+          toast(r.outcome === 'decided' ? `${a.decision} by ${a.by}` : `already decided: ${a ? `${a.decision} by ${a.by}` : r.record.status}`);
+          reload();
+        } catch (e) { toast(`${decision}: ${e.message}`, true); }
+      };
+    });
+  });
+}
+
+async function loadInbox(runId, root) {
+  if (!root) return;
+  try {
+    const l = await api(`/api/inbox${runId ? `?run=${runId}` : ''}`);
+    const recs = l.approvals || [];
+    if (!root.isConnected) return;
+    if (!runId) {
+      const c = $('#inbox-count');
+      c.hidden = !recs.length;
+      c.textContent = recs.length;
+    }
+    root.innerHTML = recs.length ? `${runId ? '<h2>Waiting for a person</h2>' : ''}${recs.map(approvalCard).join('')}`
+      : (runId ? '' : '<p class="muted" id="inbox-empty">Nothing is waiting for a person.</p>');
+    wireApprovals(root, recs, () => loadInbox(runId, root));
+  } catch (e) {
+    root.innerHTML = `<p class="muted">${esc(e.message)}</p>`;
+  }
+}
+
+async function viewInbox() {
+  main().innerHTML = '<h1>Inbox</h1><p class="muted">Approvals, questions and client tool requests across runs and sessions.</p><div id="inbox"></div>';
+  const reload = () => loadInbox(null, $('#inbox'));
+  await reload();
+  live('/api/inbox/stream', { inbox: debounce(200, reload) });
+  every(10000, reload);
+}
+
+// ---------- team ----------
+
+async function viewTeam() {
+  main().innerHTML = '<h1>Team</h1><div id="team"></div>';
+  const load = async () => {
+    try {
+      const { team, trust } = await api('/api/team');
+      const level = new Map(((trust && trust.records) || []).map((r) => [`${r.scope}/${r.name}`, r.pinned || r.earned]));
+      set('#team', `<table><tr><th>MEMBER</th><th>STATUS</th><th>ROLES</th><th>TRUST</th><th>WORKERS</th><th>RUNNING</th><th>LAST PROGRESS</th><th>FAILURES (1h / 24h)</th><th>CONSECUTIVE</th><th>LAST INCIDENT</th></tr>
+        ${team.members.map((m) => {
+          const f = m.failures;
+          return `<tr data-member="${esc(m.name)}"><td><b>${esc(m.name)}</b><div class="muted">${esc((m.card && m.card.description) || '')}</div></td>
+            <td>${status(m.status)}</td><td>${esc((m.card.roles || []).join(', '))}</td>
+            <td>${esc(level.get(`agent/${m.name}`) || '-')}</td><td>${(m.workers || []).length}</td><td>${(m.tasks || []).length}</td>
+            <td>${time(m.last_progress)}</td>
+            <td>${f ? `${f.last_hour.failed} / ${f.last_day.failed}` : '-'}</td><td>${f ? f.consecutive_failures : '-'}</td>
+            <td class="muted">${f && f.last_incident ? esc(f.last_incident.message || JSON.stringify(f.last_incident)) : ''}</td></tr>`;
+        }).join('')}</table>
+        ${(team.teammates || []).length ? `<h2>Teammates</h2><table><tr><th>NAME</th><th>TEAM</th><th>STATUS</th><th>ROLE</th></tr>${team.teammates.map((t) => `<tr><td>${esc(t.name)}</td><td>${esc(t.team)}</td><td>${status(t.status)}</td><td>${esc(t.role)}</td></tr>`).join('')}</table>` : ''}`);
+    } catch (e) { set('#team', `<p class="muted">${esc(e.message)}</p>`); }
+  };
+  await load();
+  every(2000, load);
+}
+
+// ---------- workers ----------
+
+async function viewWorkers() {
+  main().innerHTML = '<h1>Workers and pools</h1><div id="pools"></div><h2>Live workers</h2><div id="workers"></div>';
+  const load = async () => {
+    try {
+      const w = await api('/api/workers');
+      set('#pools', `<table><tr><th>POOL</th><th>WORKERS</th><th>SLOTS IN USE</th><th>BACKLOG</th><th>DELIVERED, NOT DONE</th></tr>
+        ${w.pools.map((p) => `<tr data-pool="${esc(p.pool)}"><td>${esc(p.pool)}</td><td>${p.workers}</td><td>${p.in_use} / ${p.slots}</td><td>${p.backlog ?? '-'}</td><td>${p.ack_pending ?? '-'}</td></tr>`).join('')}</table>
+        <p class="muted">${w.active_runs} run(s) not ended.</p>`);
+      set('#workers', `<table><tr><th>WORKER</th><th>POOL</th><th>HOST</th><th>SLOTS</th><th>AGENTS</th><th>VERSION</th><th>LAST SEEN</th></tr>
+        ${w.workers.map(({ worker: x, last_seen }) => `<tr class="worker"><td class="mono">${esc(x.id)}</td><td>${esc(x.pool)}</td><td>${esc(x.host)}</td>
+          <td>${x.in_flight} / ${x.concurrency}</td><td>${esc((x.agents || []).join(', '))}</td><td>${esc(x.version)}</td><td>${time(last_seen)}</td></tr>`).join('')}</table>`);
+    } catch (e) { set('#pools', `<p class="muted">${esc(e.message)}</p>`); }
+  };
+  await load();
+  every(2000, load);
+}
+
+// ---------- router ----------
+
+async function route() {
+  for (const c of cleanup) c();
+  cleanup = [];
+  const path = (location.hash.slice(1) || '/runs').split('?')[0];
+  const [, page, arg] = path.split('/');
+  document.querySelectorAll('[data-nav]').forEach((a) => a.classList.toggle('active', a.dataset.nav === page || (page === 'run' && a.dataset.nav === 'runs')));
+  try {
+    if (page === 'run' && arg) await viewRun(arg);
+    else if (page === 'inbox') await viewInbox();
+    else if (page === 'team') await viewTeam();
+    else if (page === 'workers') await viewWorkers();
+    else await viewRuns();
+  } catch (e) {
+    main().innerHTML = `<p class="muted">${esc(e.message)}</p>`;
+  }
+}
+
+async function start() {
+  try {
+    me = await api('/api/me');
+    set('#me', `${esc(me.name)} · ${me.operator ? 'operator' : 'viewer'}`);
+    $('#me').dataset.role = me.operator ? 'operator' : 'viewer';
+  } catch (e) {
+    main().innerHTML = `<div class="card"><h1>Sign in</h1><p>${esc(e.message)}</p></div>`;
+    return;
+  }
+  window.addEventListener('hashchange', route);
+  // The inbox badge follows notices on every page.
+  const badge = async () => {
+    try {
+      const l = await api('/api/inbox');
+      const c = $('#inbox-count');
+      c.hidden = !l.approvals.length;
+      c.textContent = l.approvals.length;
+    } catch { /* no coordinator yet */ }
+  };
+  badge();
+  const es = new EventSource('/api/inbox/stream');
+  es.addEventListener('inbox', debounce(300, badge));
+  await route();
+  document.body.dataset.ready = '1';
+}
+
+start();

@@ -1,0 +1,193 @@
+// The console as a person uses it, in headless Chromium (Debian's, through playwright-core's
+// protocol client). Started by `tests/console.rs` (in_a_real_browser) against real services:
+// it prints `SUBMIT` when the runs page is open and reads the run id the test submitted.
+// Checks: the run appears and its tree and DAG fill live; reload mid-run shows the same
+// state; a viewer cannot approve (the button is off and the API refuses); the operator's
+// approval in the page resumes the run. Writes docs/screenshots/console-*.png.
+
+import { chromium } from 'playwright-core';
+import { createInterface } from 'node:readline';
+import { join } from 'node:path';
+
+const url = process.env.CONSOLE_URL;
+const shots = process.env.SCREENSHOTS;
+const input = createInterface({ input: process.stdin });
+const nextLine = () => new Promise((resolve) => input.once('line', resolve));
+
+function check(cond, what) {
+  if (!cond) throw new Error(`check failed: ${what}`);
+  console.log(`ok: ${what}`);
+}
+
+const browser = await chromium.launch({
+  executablePath: process.env.CHROMIUM || '/usr/bin/chromium',
+  headless: true,
+  args: ['--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
+    '--disable-background-networking', '--disable-component-update', '--disable-sync'],
+});
+const errors = [];
+async function signIn(token) {
+  const ctx = await browser.newContext({ viewport: { width: 1440, height: 900 } });
+  const page = await ctx.newPage();
+  page.on('pageerror', (e) => errors.push(String(e)));
+  page.setDefaultTimeout(30000);
+  await page.goto(`${url}/?token=${token}`);
+  await page.waitForSelector('body[data-ready="1"]');
+  return page;
+}
+const shot = (page, name) => page.screenshot({ path: join(shots, `console-${name}.png`) });
+
+// Polls `fn(arg)` in the page until it is true (page.waitForFunction would evaluate a string,
+// which the console's Content-Security-Policy forbids).
+async function until(page, fn, arg, timeout = 30000) {
+  const end = Date.now() + timeout;
+  for (;;) {
+    if (await page.evaluate(fn, arg).catch(() => false)) return;
+    if (Date.now() > end) throw new Error(`timed out waiting for ${fn}`);
+    await new Promise((r) => setTimeout(r, 50));
+  }
+}
+
+// What a person sees of a run: its status, the DAG's task states, the tree, the events.
+const seen = (page) => page.evaluate(() => ({
+  status: document.querySelector('#run-title [data-status]')?.dataset.status,
+  tasks: [...document.querySelectorAll('#dag g[data-task]')].map((g) => `${g.dataset.task}:${g.dataset.state}`).join(','),
+  tree: [...document.querySelectorAll('#tree .node')].map((n) => n.dataset.run).join(','),
+  events: parseInt(document.querySelector('#events-state')?.textContent || '0', 10),
+}));
+
+try {
+  const alice = await signIn(process.env.ALICE_TOKEN);
+  check((await alice.textContent('#me')).includes('alice · operator'), 'alice is signed in as an operator');
+  await alice.waitForSelector('#runs-total');
+
+  console.log('SUBMIT');
+  const run = (await nextLine()).trim();
+  // The run appears in the list without a reload.
+  const t0 = Date.now();
+  await alice.waitForSelector(`#runs a[href="#/run/${run}"]`);
+  console.log(`ok: the run appeared in the list ${Date.now() - t0} ms after submission`);
+  await alice.waitForSelector(`#runs [data-status="running"], #runs [data-status="accepted"]`);
+
+  // Its page: the tree and the DAG fill live until `publish` waits for a person.
+  await alice.click(`#runs a[href="#/run/${run}"]`);
+  await alice.waitForSelector(`#tree .node[data-run="${run}"]`);
+  await alice.waitForSelector('#dag g[data-task="research"]');
+  await alice.waitForSelector('#dag g[data-task="publish"][data-state="awaiting_approval"]', { timeout: 60000 });
+  await alice.waitForSelector('#dag g[data-task="draft"][data-state="succeeded"]');
+  // The survey workflow's two steps are child runs: the tree has them, with their agents.
+  await until(alice, () => document.querySelectorAll('#tree .node').length >= 3);
+  check(true, 'the tree (with the workflow\'s child runs) and the DAG filled live');
+  await alice.waitForSelector('#run-inbox .approval[data-approval]');
+  await until(alice, () => parseInt(document.querySelector('#events-state').textContent, 10) > 0);
+  // The analyst's tool call (with its arguments) and its streamed reply, in full once final.
+  const lines = () => alice.evaluate(() => [...document.querySelectorAll('#events .ev span')].map((e) => e.title).join('\n'));
+  await until(alice, () => [...document.querySelectorAll('#events .ev span')].some((e) => e.title.includes('says: Revenue was 1250 this quarter')));
+  const text = await lines();
+  check(text.includes('→ workspace_write {"entry":{"revenue":1250},"topic":"figures"}') || text.includes('→ workspace_write {"topic":"figures","entry":{"revenue":1250}}'), 'the tool call shows with its arguments');
+  check(/← workspace_write ok in \d+ ms/.test(text), `the tool call shows its duration:\n${text}`);
+  check(text.includes('says: Revenue was 1250 this quarter, up 6.7% on the last one.'), 'the model reply is shown in full');
+  const userEvents = (await seen(alice)).events;
+
+  // The debug profile (chosen in the page, kept in the URL) shows more of the same stream.
+  await alice.selectOption('#profile', 'debug');
+  await until(alice, () => location.hash.includes('profile=debug'));
+  await until(alice, (n) => parseInt(document.querySelector('#events-state').textContent, 10) > n, userEvents);
+  await alice.waitForSelector('#dag g[data-task="publish"][data-state="awaiting_approval"]');
+  check(true, 'the debug profile shows more events than the user profile');
+  const tops = await alice.evaluate(() => [...document.querySelectorAll('#events .ev')].map((e) => e.getBoundingClientRect().top));
+  check(new Set(tops).size === tops.length && tops.length > 1, `event rows are laid out one under another (${tops.length})`);
+  await alice.waitForTimeout(300);
+
+  // Reload mid-run: the same state.
+  const before = await seen(alice);
+  await alice.reload();
+  await alice.waitForSelector('body[data-ready="1"]');
+  await alice.waitForSelector('#dag g[data-task="publish"]');
+  await until(alice, (n) => parseInt(document.querySelector('#events-state').textContent, 10) >= n, before.events);
+  const after = await seen(alice);
+  check(JSON.stringify(before) === JSON.stringify(after), `reload shows the same state ${JSON.stringify(after)}`);
+  check(await alice.inputValue('#profile') === 'debug', 'the profile survives the reload');
+  await shot(alice, 'run');
+  // The run's workspace, mailboxes and session state are browsable (this run has none).
+  await alice.click('#tab-ws');
+  await alice.waitForSelector('#ws table');
+  check((await alice.textContent('#ws')).includes('figures'), 'the workspace shows the analyst\'s topic');
+  await alice.click('#tab-mbox');
+  await alice.waitForSelector('#mbox p, #mbox table');
+  await alice.click('#tab-state');
+  await alice.fill('#state-key', 'draft');
+  await alice.click('#state-get');
+  await alice.waitForSelector('#state p, #state pre');
+  check(true, 'workspace, mailboxes and session state answer');
+  await alice.click('#tab-events');
+
+  // A viewer sees the request but cannot approve it: the buttons are off and the API refuses.
+  const bob = await signIn(process.env.BOB_TOKEN);
+  check((await bob.textContent('#me')).includes('bob · viewer'), 'bob is signed in as a viewer');
+  await bob.goto(`${url}/#/inbox`);
+  const card = await bob.waitForSelector('#inbox .approval');
+  const approval = await card.getAttribute('data-approval');
+  check(await bob.isDisabled('#inbox .approval button[data-decision="approve"]'), 'the viewer\'s Approve button is disabled');
+  const refused = await bob.evaluate(async ([r, a]) => {
+    const res = await fetch(`/api/approvals/${r}/${a}`, {
+      method: 'POST',
+      headers: { 'Content-Type': 'application/json', 'X-Flotilla-Console': '1' },
+      body: JSON.stringify({ decision: 'approve' }),
+    });
+    return [res.status, (await res.json()).error];
+  }, [run, approval]);
+  check(refused[0] === 403 && refused[1] === 'not_operator', `the viewer's approval is refused (${refused})`);
+  check(await alice.isVisible('#dag g[data-task="publish"][data-state="awaiting_approval"]'), 'the run still waits');
+
+  // The operator approves in the inbox; the run resumes and succeeds.
+  await alice.goto(`${url}/#/inbox`);
+  await alice.waitForSelector(`#inbox .approval[data-approval="${approval}"]`);
+  await shot(alice, 'inbox');
+  await alice.fill(`#inbox .approval[data-approval="${approval}"] input.comment`, 'checked in the console');
+  await alice.click(`#inbox .approval[data-approval="${approval}"] button[data-decision="approve"]`);
+  await alice.waitForSelector('#inbox-empty');
+  check(true, 'the approval left the inbox');
+  await alice.goto(`${url}/#/run/${run}`);
+  await alice.waitForSelector('#run-title [data-status="succeeded"]', { timeout: 60000 });
+  await alice.waitForSelector('#dag g[data-task="announce"][data-state="succeeded"]');
+  await until(alice, () => /ended/.test(document.querySelector('#events-state').textContent));
+  check(true, 'the approved run resumed and succeeded');
+  await shot(alice, 'run-done');
+  // Children flattened into the stream: the workflow's child runs' events, attributed.
+  await alice.selectOption('#children', 'flatten');
+  await until(alice, () => location.hash.includes('children=flatten'));
+  await until(alice, () => [...document.querySelectorAll('#events .ev span')].some((e) => /\[(writer|checker)·[0-9a-f]{8}\]/.test(e.title)));
+  check(true, 'children=flatten shows the child runs\' events, attributed to their agents');
+
+  // The runs list again: the run succeeded, with its agent.
+  await alice.goto(`${url}/#/runs`);
+  await alice.waitForSelector(`#runs a[href="#/run/${run}"]`);
+  await alice.waitForSelector('#runs [data-status="succeeded"]');
+  // Its tokens come from the run's usage events (read for the rows in view).
+  await until(alice, () => document.querySelector('#runs .vrow span:nth-child(8)')?.textContent.trim() !== '');
+  await shot(alice, 'runs');
+
+  // The team and the workers.
+  await alice.goto(`${url}/#/team`);
+  await alice.waitForSelector('#team tr[data-member="writer"]');
+  // Presence follows the worker registry (the page re-reads the roster every 2 s).
+  const present = await alice.waitForSelector('#team tr[data-member="writer"] [data-status="idle"]', { timeout: 15000 })
+    .then(() => true, () => false);
+  console.log(present ? 'ok: the writer is idle on the roster' : 'note: the roster still says the writer is offline');
+  await shot(alice, 'team');
+  await alice.goto(`${url}/#/workers`);
+  await alice.waitForSelector('#workers tr.worker');
+  await alice.waitForSelector('#pools tr[data-pool="default"]');
+  await shot(alice, 'workers');
+
+  check(errors.length === 0, `no script errors in the page ${errors.join('; ')}`);
+  await browser.close();
+  input.close();
+  process.exit(0);
+} catch (e) {
+  console.log(`FAILED: ${e.stack || e}`);
+  if (errors.length) console.log(`page errors: ${errors.join('; ')}`);
+  await browser.close();
+  process.exit(1);
+}

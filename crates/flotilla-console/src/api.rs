@@ -1,0 +1,779 @@
+//! The console's HTTP API: JSON reads, server-sent event streams and the operator's
+//! actions. Every read and action is one of the Flotilla API requests the CLI sends
+//! (`approval.*`, `run.pause|resume|takeover|cancel`, `team.list`, `ws.read`), or a read of
+//! the run store through the client library; run events come from the same projection as
+//! `flotilla watch` ([`Client::watch`]).
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::{Path, Query, State};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use flotilla_client::{Client, ClientError, ClientErrorKind, WatchOptions};
+use flotilla_model::RunId;
+use flotilla_model::api::{ApiRequest, CancelRunRequest};
+use flotilla_model::approval::{
+    ApprovalAnswerRequest, ApprovalGetRequest, ApprovalListRequest, Decision,
+};
+use flotilla_model::control::{PauseRunRequest, ResumeRunRequest, TakeoverRunRequest};
+use flotilla_model::ids::SessionId;
+use flotilla_model::subjects::StreamKind;
+use flotilla_model::team::TeamListRequest;
+use flotilla_model::time::Timestamp;
+use flotilla_model::trust::TrustListRequest;
+use flotilla_model::watch::{ChildPolicy, Profile};
+use futures::{Stream, StreamExt};
+use http::{HeaderMap, StatusCode};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use tokio::sync::broadcast;
+use tracing::info;
+
+use crate::auth::{self, Identity, Refusal};
+use crate::index::{Change, Filter, RunIndex};
+use crate::options::ConsoleOptions;
+
+/// How long an API request to a coordinator or supervisor may take.
+const API_TIMEOUT: Duration = Duration::from_secs(10);
+/// Audit entries kept for `/api/audit` (the log has all of them).
+const AUDIT_KEPT: usize = 500;
+/// The most runs a tree answer lists (the API's maximum).
+const TREE_RUNS: usize = 1000;
+
+/// What every handler shares.
+#[derive(Debug, Clone)]
+pub(crate) struct AppState {
+    pub(crate) client: Client,
+    /// The run store, opened once (the reads `Client::run` and `Client::tree` make, without
+    /// opening the store on every request).
+    pub(crate) store: Arc<flotilla_runs::RunReader>,
+    pub(crate) index: RunIndex,
+    pub(crate) opts: Arc<ConsoleOptions>,
+    pub(crate) audit: Arc<Mutex<VecDeque<AuditEntry>>>,
+    /// A ping per notice on `<prefix>.notify.>` (approvals, questions, client tools).
+    pub(crate) notices: broadcast::Sender<()>,
+}
+
+/// One operator action, as audited.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct AuditEntry {
+    pub(crate) at: Timestamp,
+    pub(crate) by: String,
+    pub(crate) action: String,
+    pub(crate) run_id: RunId,
+    pub(crate) target: Option<String>,
+    pub(crate) outcome: String,
+}
+
+/// An error answer: `{"error": code, "message": …}`.
+fn error(status: StatusCode, code: &str, message: impl Into<String>) -> Response {
+    (
+        status,
+        Json(json!({"error": code, "message": message.into()})),
+    )
+        .into_response()
+}
+
+fn refused(r: Refusal) -> Response {
+    error(r.status(), r.code(), r.message())
+}
+
+fn client_error(e: &ClientError) -> Response {
+    let (status, code) = match e.kind() {
+        ClientErrorKind::NotFound => (StatusCode::NOT_FOUND, "not_found"),
+        ClientErrorKind::NoCoordinator => (StatusCode::SERVICE_UNAVAILABLE, "no_coordinator"),
+        ClientErrorKind::NoSupervisor => (StatusCode::SERVICE_UNAVAILABLE, "no_supervisor"),
+        ClientErrorKind::TimedOut => (StatusCode::GATEWAY_TIMEOUT, "timed_out"),
+        _ => (StatusCode::BAD_GATEWAY, "upstream"),
+    };
+    error(status, code, e.to_string())
+}
+
+fn store_error(e: &flotilla_runs::StoreError) -> Response {
+    error(StatusCode::BAD_GATEWAY, "upstream", e.to_string())
+}
+
+impl AppState {
+    fn who(&self, headers: &HeaderMap) -> Result<Identity, Refusal> {
+        auth::identify(&self.opts, headers)
+    }
+
+    /// An operator, on a same-site request.
+    fn operator(&self, headers: &HeaderMap) -> Result<Identity, Refusal> {
+        auth::same_site(headers)?;
+        let who = self.who(headers)?;
+        if !who.operator {
+            return Err(Refusal::NotOperator);
+        }
+        Ok(who)
+    }
+
+    /// An API request's answer as JSON: the reply, or the service's refusal with its status.
+    async fn call<R: ApiRequest>(&self, request: &R) -> Response
+    where
+        R::Reply: Serialize,
+    {
+        match self.client.call(request, API_TIMEOUT).await {
+            Ok(Ok(reply)) => Json(reply).into_response(),
+            Ok(Err(refusal)) => (
+                StatusCode::from_u16(refusal.status).unwrap_or(StatusCode::BAD_REQUEST),
+                Json(refusal),
+            )
+                .into_response(),
+            Err(e) => client_error(&e),
+        }
+    }
+
+    /// Records an action: a log line (`flotilla_console::audit`) and the recent list.
+    fn audit(
+        &self,
+        who: &Identity,
+        action: &str,
+        run: RunId,
+        target: Option<&str>,
+        status: StatusCode,
+    ) {
+        let outcome = if status.is_success() {
+            "done".to_owned()
+        } else {
+            format!("refused ({})", status.as_u16())
+        };
+        info!(
+            target: "flotilla_console::audit",
+            by = %who.name, action, run = %run, target = target.unwrap_or("-"), %outcome,
+            "Console action"
+        );
+        if let Ok(mut audit) = self.audit.lock() {
+            if audit.len() >= AUDIT_KEPT {
+                audit.pop_front();
+            }
+            audit.push_back(AuditEntry {
+                at: Timestamp::now(),
+                by: who.name.clone(),
+                action: action.to_owned(),
+                run_id: run,
+                target: target.map(str::to_owned),
+                outcome,
+            });
+        }
+    }
+}
+
+macro_rules! who {
+    ($e:expr) => {
+        match $e {
+            Ok(w) => w,
+            Err(r) => return refused(r),
+        }
+    };
+}
+
+pub(crate) async fn me(State(s): State<AppState>, headers: HeaderMap) -> Response {
+    Json(who!(s.who(&headers))).into_response()
+}
+
+/// `/api/runs` query: the filter and the page.
+#[derive(Debug, Deserialize)]
+pub(crate) struct ListQuery {
+    #[serde(default)]
+    status: Option<String>,
+    #[serde(default)]
+    label: Option<String>,
+    #[serde(default)]
+    session: Option<String>,
+    #[serde(default)]
+    q: Option<String>,
+    #[serde(default)]
+    children: Option<String>,
+    #[serde(default)]
+    offset: Option<usize>,
+    #[serde(default)]
+    limit: Option<usize>,
+}
+
+pub(crate) async fn runs(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Query(q): Query<ListQuery>,
+) -> Response {
+    who!(s.who(&headers));
+    let session = match q.session.as_deref().filter(|s| !s.is_empty()) {
+        None => None,
+        Some(v) => match v.parse::<SessionId>() {
+            Ok(s) => Some(s),
+            Err(_) => return error(StatusCode::BAD_REQUEST, "invalid_session", v.to_owned()),
+        },
+    };
+    let filter = Filter {
+        status: q.status,
+        label: q.label,
+        session,
+        q: q.q,
+        children: matches!(q.children.as_deref(), Some("1" | "true")),
+    };
+    Json(
+        s.index
+            .page(&filter, q.offset.unwrap_or(0), q.limit.unwrap_or(200)),
+    )
+    .into_response()
+}
+
+/// A broadcast receiver as a stream (a lagging page is told to reload).
+fn changes<T: Clone + Send + 'static>(
+    rx: broadcast::Receiver<T>,
+) -> impl Stream<Item = Result<T, u64>> + Send {
+    futures::stream::unfold(rx, |mut rx| async move {
+        match rx.recv().await {
+            Ok(v) => Some((Ok(v), rx)),
+            Err(broadcast::error::RecvError::Lagged(n)) => Some((Err(n), rx)),
+            Err(broadcast::error::RecvError::Closed) => None,
+        }
+    })
+}
+
+pub(crate) async fn runs_stream(State(s): State<AppState>, headers: HeaderMap) -> Response {
+    who!(s.who(&headers));
+    let stream = changes::<Change>(s.index.subscribe()).map(|c| {
+        Ok::<_, Infallible>(match c {
+            Ok(change) => SseEvent::default()
+                .event("run")
+                .json_data(&change)
+                .unwrap_or_else(|_| SseEvent::default().comment("unencodable")),
+            Err(_) => SseEvent::default().event("reload").data("lagged"),
+        })
+    });
+    Sse::new(stream)
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
+
+pub(crate) async fn run(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(run): Path<RunId>,
+) -> Response {
+    who!(s.who(&headers));
+    // The engine of `Client::run` and `flotilla runs show`.
+    let view = match s.store.view(run, 0, usize::MAX).await {
+        Ok(Some(v)) => v,
+        Ok(None) => {
+            return error(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                format!("run {run} does not exist"),
+            );
+        }
+        Err(e) => return store_error(&e),
+    };
+    // The plan (task dependencies) for the DAG; a run still being planned has none yet.
+    let plan = s.store.plan(run).await.ok().flatten();
+    Json(json!({"view": view, "plan": plan})).into_response()
+}
+
+pub(crate) async fn tree(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(run): Path<RunId>,
+) -> Response {
+    who!(s.who(&headers));
+    // The engine of `Client::tree` and `flotilla runs tree`.
+    match flotilla_runs::tree::run_tree(&s.store, run, TREE_RUNS).await {
+        Ok(Some(t)) => Json(t).into_response(),
+        Ok(None) => error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("run {run} does not exist"),
+        ),
+        Err(e) => store_error(&e),
+    }
+}
+
+/// `/api/runs/{run}/events` query.
+#[derive(Debug, Deserialize)]
+pub(crate) struct EventsQuery {
+    #[serde(default)]
+    profile: Profile,
+    #[serde(default)]
+    children: ChildPolicy,
+    #[serde(default)]
+    since: u64,
+    #[serde(default)]
+    since_index: Option<u32>,
+}
+
+/// `Last-Event-ID` (`<seq>.<index>`, as sent) of a reconnecting `EventSource`.
+fn last_event_id(headers: &HeaderMap) -> Option<(u64, u32)> {
+    let v = headers.get("last-event-id")?.to_str().ok()?;
+    let (seq, index) = v.split_once('.')?;
+    Some((seq.parse().ok()?, index.parse().ok()?))
+}
+
+/// The run's events as `flotilla watch` projects them, live, as server-sent events: `event`
+/// (a `ProjectedEvent`, id `<seq>.<index>` so a reconnecting browser resumes after it),
+/// then `end` once the run and the children shown have ended.
+pub(crate) async fn events(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(run): Path<RunId>,
+    Query(q): Query<EventsQuery>,
+) -> Response {
+    who!(s.who(&headers));
+    let (since, since_index) = match last_event_id(&headers) {
+        Some((seq, index)) => (seq, Some(index)),
+        None => (q.since, q.since_index),
+    };
+    let opts = WatchOptions {
+        profile: q.profile,
+        children: q.children,
+        since,
+        since_index,
+    };
+    let stream = match s.client.watch(run, opts).await {
+        Ok(stream) => stream,
+        Err(e) => return client_error(&e),
+    };
+    let events = stream
+        .map(|r| match r {
+            Ok(e) => SseEvent::default()
+                .id(format!("{}.{}", e.seq, e.index))
+                .event("event")
+                .json_data(&e)
+                .unwrap_or_else(|_| SseEvent::default().comment("unencodable")),
+            Err(e) => SseEvent::default().event("failed").data(e.to_string()),
+        })
+        .chain(futures::stream::once(async {
+            SseEvent::default().event("end").data("ended")
+        }))
+        .map(Ok::<_, Infallible>);
+    Sse::new(events)
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
+
+/// `/api/runs/{run}/workspace` query.
+#[derive(Debug, Deserialize)]
+pub(crate) struct WorkspaceQuery {
+    #[serde(default)]
+    since: u64,
+    #[serde(default)]
+    topic: Option<String>,
+}
+
+pub(crate) async fn workspace(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(run): Path<RunId>,
+    Query(q): Query<WorkspaceQuery>,
+) -> Response {
+    who!(s.who(&headers));
+    let r = flotilla_model::api::WsReadRequest {
+        protocol: flotilla_model::PROTOCOL_VERSION,
+        run_id: run,
+        topic: q.topic.filter(|t| !t.is_empty()),
+        since_seq: q.since,
+        limit: Some(200),
+    };
+    s.call(&r).await
+}
+
+/// A task's mailbox, read without moving its cursor (`mbox.read`, `commit: false`).
+pub(crate) async fn mailbox(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path((run, reader)): Path<(RunId, String)>,
+    Query(q): Query<WorkspaceQuery>,
+) -> Response {
+    who!(s.who(&headers));
+    s.call(&flotilla_model::api::MboxReadRequest {
+        protocol: flotilla_model::PROTOCOL_VERSION,
+        run_id: run,
+        reader,
+        since_seq: Some(q.since),
+        limit: Some(200),
+        wait_ms: None,
+        commit: false,
+    })
+    .await
+}
+
+/// A session-state value of the run's session (`state.get`).
+pub(crate) async fn state(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path((run, key)): Path<(RunId, String)>,
+) -> Response {
+    who!(s.who(&headers));
+    s.call(&flotilla_model::api::StateGetRequest {
+        protocol: flotilla_model::PROTOCOL_VERSION,
+        run_id: Some(run),
+        session_id: None,
+        key,
+    })
+    .await
+}
+
+/// `/api/runs/summaries` query: comma-separated run ids.
+#[derive(Debug, Deserialize)]
+pub(crate) struct SummariesQuery {
+    ids: String,
+}
+
+/// Most runs one summaries request reads (the rows in view).
+const MAX_SUMMARIES: usize = 100;
+
+/// The agent, tokens and cost of each listed run (its own usage events: the engine of
+/// `flotilla runs tree`, one run deep), for the rows in view of the runs list.
+pub(crate) async fn summaries(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Query(q): Query<SummariesQuery>,
+) -> Response {
+    who!(s.who(&headers));
+    let ids: Vec<RunId> = q
+        .ids
+        .split(',')
+        .filter_map(|id| id.trim().parse().ok())
+        .take(MAX_SUMMARIES)
+        .collect();
+    let out: serde_json::Map<String, serde_json::Value> = futures::stream::iter(ids)
+        .map(|run| {
+            let store = s.store.clone();
+            async move {
+                let node = flotilla_runs::tree::run_tree(&store, run, 1)
+                    .await
+                    .ok()
+                    .flatten()
+                    .map(|t| t.root);
+                (run, node)
+            }
+        })
+        .buffer_unordered(8)
+        .filter_map(|(run, node)| async move {
+            node.map(|n| {
+                (
+                    run.to_string(),
+                    json!({"agent": n.agent, "usage": n.usage, "children": n.children.len()}),
+                )
+            })
+        })
+        .collect()
+        .await;
+    Json(out).into_response()
+}
+
+pub(crate) async fn session(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(session): Path<SessionId>,
+) -> Response {
+    who!(s.who(&headers));
+    match s.client.session(session).await {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => client_error(&e),
+    }
+}
+
+/// The body of a run control.
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct ControlBody {
+    #[serde(default)]
+    reason: Option<String>,
+}
+
+/// Pause, resume, take over or cancel a run — operators only, audited, `by` the identity.
+pub(crate) async fn control(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path((run, action)): Path<(RunId, String)>,
+    body: Option<Json<ControlBody>>,
+) -> Response {
+    let who = who!(s.operator(&headers));
+    let reason = body.and_then(|b| b.0.reason).filter(|r| !r.is_empty());
+    let protocol = flotilla_model::PROTOCOL_VERSION;
+    let by = Some(who.name.clone());
+    let response = match action.as_str() {
+        "pause" => {
+            s.call(&PauseRunRequest {
+                protocol,
+                run_id: run,
+                reason,
+                by,
+                timeout_ms: None,
+                children: true,
+                task_id: None,
+            })
+            .await
+        }
+        "resume" => {
+            s.call(&ResumeRunRequest {
+                protocol,
+                run_id: run,
+                reason,
+                by,
+                children: true,
+                task_id: None,
+            })
+            .await
+        }
+        "takeover" => {
+            s.call(&TakeoverRunRequest {
+                protocol,
+                run_id: run,
+                reason,
+                by,
+                timeout_ms: None,
+                children: true,
+            })
+            .await
+        }
+        "cancel" => {
+            s.call(&CancelRunRequest {
+                protocol,
+                run_id: run,
+                reason,
+                by,
+                rollback: false,
+            })
+            .await
+        }
+        other => {
+            return error(
+                StatusCode::NOT_FOUND,
+                "unknown_action",
+                format!("no action {other:?}: pause, resume, takeover or cancel"),
+            );
+        }
+    };
+    s.audit(&who, &action, run, None, response.status());
+    response
+}
+
+/// `/api/inbox` query.
+#[derive(Debug, Deserialize)]
+pub(crate) struct InboxQuery {
+    #[serde(default)]
+    run: Option<RunId>,
+    #[serde(default)]
+    all: Option<String>,
+}
+
+/// Pending approvals, questions and client tool requests across runs (`approval.list`).
+pub(crate) async fn inbox(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Query(q): Query<InboxQuery>,
+) -> Response {
+    who!(s.who(&headers));
+    s.call(&ApprovalListRequest {
+        protocol: flotilla_model::PROTOCOL_VERSION,
+        run_id: q.run,
+        all: matches!(q.all.as_deref(), Some("1" | "true")),
+        limit: None,
+    })
+    .await
+}
+
+/// A ping each time a notice says the inbox changed.
+pub(crate) async fn inbox_stream(State(s): State<AppState>, headers: HeaderMap) -> Response {
+    who!(s.who(&headers));
+    let stream = changes(s.notices.subscribe())
+        .map(|_| Ok::<_, Infallible>(SseEvent::default().event("inbox").data("changed")));
+    Sse::new(stream)
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
+
+pub(crate) async fn approval(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path((run, id)): Path<(RunId, String)>,
+) -> Response {
+    who!(s.who(&headers));
+    s.call(&ApprovalGetRequest {
+        protocol: flotilla_model::PROTOCOL_VERSION,
+        run_id: run,
+        approval_id: id,
+    })
+    .await
+}
+
+/// An answer from the page.
+#[derive(Debug, Deserialize)]
+pub(crate) struct AnswerBody {
+    /// `approve`, `reject`, `edit` or `respond`.
+    decision: String,
+    #[serde(default)]
+    message: Option<String>,
+    #[serde(default)]
+    input: Option<serde_json::Value>,
+    #[serde(default)]
+    result: Option<String>,
+    #[serde(default)]
+    comment: Option<String>,
+    /// The digest of the request the person reviewed.
+    #[serde(default)]
+    digest: Option<String>,
+}
+
+/// Answers an approval (`approval.answer`) as the signed-in operator, audited.
+pub(crate) async fn answer(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path((run, id)): Path<(RunId, String)>,
+    Json(body): Json<AnswerBody>,
+) -> Response {
+    let who = who!(s.operator(&headers));
+    let decision = match body.decision.as_str() {
+        "approve" => Decision::Approve,
+        "reject" => Decision::Reject {
+            message: body.message.unwrap_or_default(),
+        },
+        "edit" => match body.input {
+            Some(input) => Decision::Edit { input },
+            None => {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_answer",
+                    "edit needs input",
+                );
+            }
+        },
+        "respond" => match body.result {
+            Some(result) => Decision::Respond { result },
+            None => {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_answer",
+                    "respond needs result",
+                );
+            }
+        },
+        other => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "invalid_answer",
+                format!("no decision {other:?}: approve, reject, edit or respond"),
+            );
+        }
+    };
+    let action = format!("approval.{}", decision.as_str());
+    let response = s
+        .call(&ApprovalAnswerRequest {
+            protocol: flotilla_model::PROTOCOL_VERSION,
+            run_id: run,
+            approval_id: id.clone(),
+            decision,
+            by: who.name.clone(),
+            comment: body.comment.filter(|c| !c.is_empty()),
+            digest: body.digest,
+            always: false,
+            incident: false,
+        })
+        .await;
+    s.audit(&who, &action, run, Some(&id), response.status());
+    response
+}
+
+pub(crate) async fn team(State(s): State<AppState>, headers: HeaderMap) -> Response {
+    who!(s.who(&headers));
+    let protocol = flotilla_model::PROTOCOL_VERSION;
+    let team = s
+        .client
+        .call(
+            &TeamListRequest {
+                protocol,
+                role: None,
+            },
+            API_TIMEOUT,
+        )
+        .await;
+    // Trust levels by agent and role (`trust.list`), when the supervisor serves them.
+    let trust = s
+        .client
+        .call(&TrustListRequest { protocol }, API_TIMEOUT)
+        .await
+        .ok()
+        .and_then(Result::ok);
+    match team {
+        Ok(Ok(team)) => Json(json!({"team": team, "trust": trust})).into_response(),
+        Ok(Err(refusal)) => (
+            StatusCode::from_u16(refusal.status).unwrap_or(StatusCode::BAD_REQUEST),
+            Json(refusal),
+        )
+            .into_response(),
+        Err(e) => client_error(&e),
+    }
+}
+
+/// A pool's live capacity and backlog.
+#[derive(Debug, Serialize)]
+struct PoolView {
+    pool: String,
+    workers: usize,
+    slots: usize,
+    in_use: usize,
+    /// Tasks waiting in the pool's queue (the pool consumer's pending count), when known.
+    backlog: Option<u64>,
+    /// Tasks delivered and not acknowledged yet.
+    ack_pending: Option<usize>,
+}
+
+/// Live workers, and per pool: slots in use and backlog.
+pub(crate) async fn workers(State(s): State<AppState>, headers: HeaderMap) -> Response {
+    who!(s.who(&headers));
+    let live = match s.client.live_workers().await {
+        Ok(w) => w,
+        Err(e) => return client_error(&e),
+    };
+    let mut pools: Vec<PoolView> = Vec::new();
+    for (w, _) in &live {
+        match pools.iter_mut().find(|p| p.pool == w.pool) {
+            Some(p) => {
+                p.workers += 1;
+                p.slots += w.concurrency;
+                p.in_use += w.in_flight;
+            }
+            None => pools.push(PoolView {
+                pool: w.pool.clone(),
+                workers: 1,
+                slots: w.concurrency,
+                in_use: w.in_flight,
+                backlog: None,
+                ack_pending: None,
+            }),
+        }
+    }
+    let bus = s.client.bus();
+    let stream = bus.names().stream(StreamKind::Tasks);
+    if let Ok(tasks) = bus.js().get_stream_no_info(&stream).await {
+        for p in &mut pools {
+            if let Ok(info) = tasks
+                .consumer_info(&bus.names().pool_consumer(&p.pool))
+                .await
+            {
+                p.backlog = Some(info.num_pending);
+                p.ack_pending = Some(info.num_ack_pending);
+            }
+        }
+    }
+    let workers: Vec<_> = live
+        .into_iter()
+        .map(|(w, seen)| json!({"worker": w, "last_seen": seen}))
+        .collect();
+    Json(json!({"workers": workers, "pools": pools, "active_runs": s.index.active()}))
+        .into_response()
+}
+
+pub(crate) async fn audit(State(s): State<AppState>, headers: HeaderMap) -> Response {
+    who!(s.who(&headers));
+    let entries: Vec<AuditEntry> = s
+        .audit
+        .lock()
+        .map(|a| a.iter().rev().cloned().collect())
+        .unwrap_or_default();
+    Json(entries).into_response()
+}

@@ -1,0 +1,264 @@
+//! The runs list: every run's record, kept in memory from a watch of the `flotilla-runs`
+//! bucket (the records the coordinators write), so listing 10,000 runs, filtering and paging
+//! them costs no NATS request, and every change is pushed to the open pages.
+//!
+//! ```text
+//! flotilla-runs KV ──watch (history, then live)──► RunIndex ──page──► GET /api/runs
+//!                                                     └──broadcast──► SSE /api/runs/stream
+//! ```
+//!
+//! A record is the same [`record_of`] projection `flotilla runs list` prints; nothing here
+//! interprets a run differently.
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use async_nats::jetstream::kv;
+use flotilla_model::RunId;
+use flotilla_model::ids::SessionId;
+use flotilla_model::run::{RunRecord, RunStatus};
+use flotilla_runs::{RunReader, Snapshot, record_of};
+use futures::StreamExt;
+use serde::Serialize;
+use tokio::sync::broadcast;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+/// How many changes an open page may lag before it is told to reload.
+const CHANGES: usize = 4096;
+/// Most runs one page of the list answers.
+pub(crate) const MAX_PAGE: usize = 1000;
+
+/// A change of the runs list.
+#[derive(Debug, Clone, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub(crate) enum Change {
+    /// A run's record is new or changed.
+    Put {
+        /// The record.
+        record: Box<RunRecord>,
+    },
+    /// A run's record was removed.
+    Removed {
+        /// The run.
+        run_id: RunId,
+    },
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    records: HashMap<RunId, RunRecord>,
+    /// The initial catch-up is done.
+    loaded: bool,
+}
+
+/// Every run's record, live.
+#[derive(Debug, Clone)]
+pub(crate) struct RunIndex {
+    inner: Arc<RwLock<Inner>>,
+    changes: broadcast::Sender<Change>,
+}
+
+/// Which runs a page of the list shows.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Filter {
+    /// Comma-separated statuses (`running,failed`).
+    pub(crate) status: Option<String>,
+    /// `key=value` (or just `key`) of a label.
+    pub(crate) label: Option<String>,
+    /// Only this session's runs.
+    pub(crate) session: Option<SessionId>,
+    /// Text in the name or id.
+    pub(crate) q: Option<String>,
+    /// Child runs too (default: root runs only; children are in their tree).
+    pub(crate) children: bool,
+}
+
+impl Filter {
+    pub(crate) fn matches(&self, r: &RunRecord) -> bool {
+        if !self.children && r.handle.parent_run_id.is_some() {
+            return false;
+        }
+        if let Some(s) = self.status.as_deref().filter(|s| !s.is_empty())
+            && !s.split(',').any(|s| s.trim() == r.status.as_str())
+        {
+            return false;
+        }
+        if let Some(l) = self.label.as_deref().filter(|s| !s.is_empty()) {
+            let ok = match l.split_once('=') {
+                Some((k, v)) => r.labels.get(k).is_some_and(|x| x == v),
+                None => r.labels.contains_key(l),
+            };
+            if !ok {
+                return false;
+            }
+        }
+        if let Some(s) = self.session
+            && r.session_id != Some(s)
+        {
+            return false;
+        }
+        if let Some(q) = self.q.as_deref().filter(|s| !s.is_empty()) {
+            let q = q.to_lowercase();
+            let name = r.name.as_deref().unwrap_or_default().to_lowercase();
+            if !name.contains(&q) && !r.handle.run_id.to_string().contains(&q) {
+                return false;
+            }
+        }
+        true
+    }
+}
+
+/// One page of the list.
+#[derive(Debug, Serialize)]
+pub(crate) struct Page {
+    /// Runs matching the filter.
+    pub(crate) total: usize,
+    /// The first run's position.
+    pub(crate) offset: usize,
+    /// The runs, newest first.
+    pub(crate) runs: Vec<RunRecord>,
+    /// Runs by status over the whole list (before the filter).
+    pub(crate) counts: HashMap<&'static str, usize>,
+    /// Still reading the bucket: more runs may appear.
+    pub(crate) loading: bool,
+}
+
+impl RunIndex {
+    /// An index fed by a watch of the runs bucket until `stop`.
+    pub(crate) fn start(store: &RunReader, stop: CancellationToken) -> Self {
+        let (changes, _) = broadcast::channel(CHANGES);
+        let index = Self {
+            inner: Arc::default(),
+            changes,
+        };
+        let kv = store.runs_bucket().clone();
+        let this = index.clone();
+        tokio::spawn(async move {
+            loop {
+                if let Err(e) = this.follow(&kv, &stop).await {
+                    warn!(error = %e, "The runs watch failed; watching again");
+                }
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
+            }
+        });
+        index
+    }
+
+    async fn follow(
+        &self,
+        kv: &kv::Store,
+        stop: &CancellationToken,
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        if kv.status().await?.values() == 0 {
+            self.set_loaded();
+        }
+        let mut watch = kv.watch_with_history(">").await?;
+        loop {
+            let entry = tokio::select! {
+                _ = stop.cancelled() => return Ok(()),
+                e = watch.next() => match e {
+                    Some(e) => e?,
+                    None => return Ok(()),
+                },
+            };
+            if entry.delta == 0 {
+                self.set_loaded();
+            }
+            let Ok(run) = entry.key.parse::<RunId>() else {
+                continue; // a session index or idempotency key
+            };
+            match entry.operation {
+                kv::Operation::Put => match rmp_serde::from_slice::<Snapshot>(&entry.value) {
+                    Ok(s) => self.put(record_of(&s.state)),
+                    Err(e) => debug!(%run, error = %e, "Unreadable run record"),
+                },
+                kv::Operation::Delete | kv::Operation::Purge => self.remove(run),
+            }
+        }
+    }
+
+    fn set_loaded(&self) {
+        if let Ok(mut inner) = self.inner.write() {
+            inner.loaded = true;
+        }
+    }
+
+    pub(crate) fn put(&self, record: RunRecord) {
+        if let Ok(mut inner) = self.inner.write() {
+            inner.records.insert(record.handle.run_id, record.clone());
+        }
+        let _ = self.changes.send(Change::Put {
+            record: Box::new(record),
+        });
+    }
+
+    fn remove(&self, run: RunId) {
+        if let Ok(mut inner) = self.inner.write() {
+            inner.records.remove(&run);
+        }
+        let _ = self.changes.send(Change::Removed { run_id: run });
+    }
+
+    /// Changes from now on.
+    pub(crate) fn subscribe(&self) -> broadcast::Receiver<Change> {
+        self.changes.subscribe()
+    }
+
+    /// The runs matching `filter`, newest first, from `offset`, at most `limit`.
+    pub(crate) fn page(&self, filter: &Filter, offset: usize, limit: usize) -> Page {
+        let Ok(inner) = self.inner.read() else {
+            return Page {
+                total: 0,
+                offset,
+                runs: Vec::new(),
+                counts: HashMap::new(),
+                loading: true,
+            };
+        };
+        let mut counts: HashMap<&'static str, usize> = HashMap::new();
+        let mut matching: Vec<&RunRecord> = Vec::new();
+        for r in inner.records.values() {
+            if r.handle.parent_run_id.is_none() || filter.children {
+                *counts.entry(r.status.as_str()).or_default() += 1;
+            }
+            if filter.matches(r) {
+                matching.push(r);
+            }
+        }
+        matching.sort_by(|a, b| {
+            b.created_at
+                .unix_ms()
+                .cmp(&a.created_at.unix_ms())
+                .then(b.handle.run_id.cmp(&a.handle.run_id))
+        });
+        let total = matching.len();
+        let runs = matching
+            .into_iter()
+            .skip(offset)
+            .take(limit.min(MAX_PAGE))
+            .cloned()
+            .collect();
+        Page {
+            total,
+            offset,
+            runs,
+            counts,
+            loading: !inner.loaded,
+        }
+    }
+
+    /// Runs not ended yet (for the overview).
+    pub(crate) fn active(&self) -> usize {
+        self.inner.read().map_or(0, |i| {
+            i.records
+                .values()
+                .filter(|r| !r.status.is_terminal() && r.status != RunStatus::Rejected)
+                .count()
+        })
+    }
+}

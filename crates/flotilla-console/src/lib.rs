@@ -1,0 +1,276 @@
+//! The web console: a page where a platform team watches run trees live, answers
+//! approvals and sees the team and the workers. It is a view, not a second engine: every
+//! read and action goes through the client library and the same API requests as the CLI,
+//! and a run's events through the same projection as `flotilla watch`.
+//!
+//! ```text
+//!  browser ──HTTP/SSE──► Console (axum) ──Client──► NATS: API requests, run store, events
+//!     ▲                      │  RunIndex ◄── watch of the flotilla-runs bucket
+//!     └──── live: SSE ◄──────┘  notices ◄── <prefix>.notify.>
+//! ```
+//!
+//! The browser never talks to NATS. The page is plain ES modules and CSS embedded in the
+//! binary (`assets/`, `include_str!`): no build step, nothing to install at run time.
+//! Security: see [`ConsoleOptions`] (identity) and the `auth` module (operator role, CSRF).
+//!
+//! ```no_run
+//! # async fn demo(bus: flotilla_bus::Bus) -> Result<(), flotilla_console::ConsoleError> {
+//! use flotilla_console::{Console, ConsoleOptions};
+//! let console = Console::bind(bus, ConsoleOptions::default()).await?;
+//! println!("console at {}", console.url());
+//! console.serve(tokio_util::sync::CancellationToken::new()).await?;
+//! # Ok(()) }
+//! ```
+
+mod api;
+mod auth;
+mod index;
+mod options;
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use axum::Router;
+use axum::extract::{Query, State};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use flotilla_bus::Bus;
+use flotilla_client::Client;
+use futures::StreamExt;
+use http::{HeaderValue, StatusCode, header};
+use tokio::net::TcpListener;
+use tokio::sync::broadcast;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+pub use auth::Identity;
+pub use options::{ConsoleOptions, ConsoleOptionsError, DEFAULT_PORT};
+
+use api::AppState;
+use index::RunIndex;
+
+/// Why the console could not start or stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum ConsoleError {
+    /// The settings cannot be used.
+    #[error("invalid [console] section: {0}")]
+    Options(#[from] ConsoleOptionsError),
+    /// The run store could not be opened (not provisioned, NATS down).
+    #[error("opening the run store: {0}")]
+    Store(#[from] flotilla_client::ClientError),
+    /// Subscribing to notices failed.
+    #[error("subscribing to notices: {0}")]
+    Subscribe(#[from] async_nats::SubscribeError),
+    /// The listener could not bind or failed.
+    #[error("console listener on {addr}: {source}")]
+    Listen {
+        /// The address.
+        addr: SocketAddr,
+        /// The cause.
+        source: std::io::Error,
+    },
+}
+
+impl ConsoleError {
+    /// The address was taken by another process.
+    pub fn is_addr_in_use(&self) -> bool {
+        matches!(self, Self::Listen { source, .. } if source.kind() == std::io::ErrorKind::AddrInUse)
+    }
+}
+
+/// The embedded page.
+const INDEX_HTML: &str = include_str!("../assets/index.html");
+const APP_JS: &str = include_str!("../assets/app.js");
+const APP_CSS: &str = include_str!("../assets/app.css");
+
+/// A bound console, ready to serve.
+#[derive(Debug)]
+pub struct Console {
+    listener: TcpListener,
+    addr: SocketAddr,
+    state: AppState,
+    stop_index: CancellationToken,
+}
+
+impl Console {
+    /// Checks `opts`, opens the run store, starts following the runs bucket and the
+    /// notices, and binds `opts.listen`.
+    pub async fn bind(bus: Bus, opts: ConsoleOptions) -> Result<Self, ConsoleError> {
+        Self::bind_to(bus, opts.listen, opts).await
+    }
+
+    /// As [`bind`](Self::bind), on `addr` instead of `opts.listen` (port 0: any free port).
+    pub async fn bind_to(
+        bus: Bus,
+        addr: SocketAddr,
+        opts: ConsoleOptions,
+    ) -> Result<Self, ConsoleError> {
+        opts.validate()?;
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|source| ConsoleError::Listen { addr, source })?;
+        let addr = listener
+            .local_addr()
+            .map_err(|source| ConsoleError::Listen { addr, source })?;
+        let store = flotilla_client::open_store(&bus).await?;
+        let stop_index = CancellationToken::new();
+        let index = RunIndex::start(&store, stop_index.clone());
+        let (notices, _) = broadcast::channel(64);
+        let mut sub = bus
+            .client()
+            .subscribe(format!("{}.notify.>", bus.names().prefix()))
+            .await?;
+        let tx = notices.clone();
+        let stop = stop_index.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    n = sub.next() => match n {
+                        Some(_) => { let _ = tx.send(()); }
+                        None => return,
+                    },
+                }
+            }
+        });
+        let state = AppState {
+            client: Client::new(bus),
+            store: Arc::new(store),
+            index,
+            opts: Arc::new(opts),
+            audit: Arc::new(Mutex::new(VecDeque::new())),
+            notices,
+        };
+        Ok(Self {
+            listener,
+            addr,
+            state,
+            stop_index,
+        })
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The URL to open (no secret in it: with tokens, add `?token=…` once).
+    pub fn url(&self) -> String {
+        format!("http://{}/", self.addr)
+    }
+
+    /// Serves until `stop`.
+    pub async fn serve(self, stop: CancellationToken) -> Result<(), ConsoleError> {
+        let addr = self.addr;
+        info!(%addr, "Console listening");
+        let app = router(self.state);
+        let result = axum::serve(self.listener, app)
+            .with_graceful_shutdown(stop.cancelled_owned())
+            .await
+            .map_err(|source| ConsoleError::Listen { addr, source });
+        self.stop_index.cancel();
+        result
+    }
+}
+
+fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/", get(page))
+        .route("/assets/app.js", get(|| asset(APP_JS, "text/javascript")))
+        .route("/assets/app.css", get(|| asset(APP_CSS, "text/css")))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/api/me", get(api::me))
+        .route("/api/runs", get(api::runs))
+        .route("/api/runs/stream", get(api::runs_stream))
+        .route("/api/runs/summaries", get(api::summaries))
+        .route("/api/runs/{run}", get(api::run))
+        .route("/api/runs/{run}/tree", get(api::tree))
+        .route("/api/runs/{run}/events", get(api::events))
+        .route("/api/runs/{run}/workspace", get(api::workspace))
+        .route("/api/runs/{run}/mailbox/{reader}", get(api::mailbox))
+        .route("/api/runs/{run}/state/{key}", get(api::state))
+        .route("/api/runs/{run}/{action}", post(api::control))
+        .route("/api/sessions/{session}", get(api::session))
+        .route("/api/inbox", get(api::inbox))
+        .route("/api/inbox/stream", get(api::inbox_stream))
+        .route(
+            "/api/approvals/{run}/{id}",
+            get(api::approval).post(api::answer),
+        )
+        .route("/api/team", get(api::team))
+        .route("/api/workers", get(api::workers))
+        .route("/api/audit", get(api::audit))
+        .with_state(state)
+        .layer(axum::middleware::map_response(security_headers))
+}
+
+/// Headers every answer carries: no framing by other sites, no sniffing, no referrer
+/// leaking run ids, scripts only from the console itself.
+async fn security_headers(mut r: Response) -> Response {
+    let h = r.headers_mut();
+    h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    h.insert(
+        header::REFERRER_POLICY,
+        HeaderValue::from_static("no-referrer"),
+    );
+    h.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(
+            "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
+        ),
+    );
+    r
+}
+
+async fn asset(body: &'static str, content_type: &'static str) -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, content_type),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        body,
+    )
+        .into_response()
+}
+
+/// The page; `/?token=…` signs in: the token goes to an HttpOnly, SameSite=Strict cookie
+/// and the browser is sent to `/` so the token leaves the address bar and the history.
+async fn page(
+    State(s): State<AppState>,
+    headers: http::HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    if let Some(token) = q.get("token") {
+        if auth::identity_of_token(&s.opts, token).is_none() {
+            warn!("A console sign-in with an unknown token");
+            return (StatusCode::UNAUTHORIZED, "unknown token").into_response();
+        }
+        // Behind a TLS-terminating proxy or Ingress, the cookie is for HTTPS only.
+        let secure = headers
+            .get("x-forwarded-proto")
+            .is_some_and(|p| p.as_bytes().eq_ignore_ascii_case(b"https"));
+        let cookie = format!(
+            "{}={token}; HttpOnly; SameSite=Strict; Path=/{}",
+            auth::TOKEN_COOKIE,
+            if secure { "; Secure" } else { "" }
+        );
+        let mut r = Redirect::to("/").into_response();
+        if let Ok(v) = HeaderValue::from_str(&cookie) {
+            r.headers_mut().insert(header::SET_COOKIE, v);
+        }
+        return r;
+    }
+    (
+        [
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        INDEX_HTML,
+    )
+        .into_response()
+}
