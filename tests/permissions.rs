@@ -1634,3 +1634,61 @@ fn the_shipped_server_configs_are_valid() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// A person of account PEOPLE calls the API as themselves: the server stamps the request
+/// with their NATS user (the shared import of `deploy/nats/accounts.conf`), and Flotilla
+/// records that user as who acted — not the `by` the request claims. The person reaches the
+/// API and nothing else of the FLOTILLA account.
+#[tokio::test]
+async fn a_person_acts_as_their_nats_user_whatever_the_request_claims() -> anyhow::Result<()> {
+    use flotilla_model::runlog::{ControlAction, RunInput};
+    const ALICE: (&str, &str) = ("alice", "alice-dev-password");
+    let mut p = support::Processes::with_server(server().await?, AGENTS).await?;
+    let coordinator_env = credentials_env(COORDINATOR);
+    let c = p.spawn_env(&["coordinator"], &refs(&coordinator_env))?;
+    if let Err(e) = support::wait_for_api(&p.bus).await {
+        bail!("{e}\ncoordinator log:\n{}", p.log(c));
+    }
+    // A run that waits: its one task has no worker.
+    let run = p
+        .client
+        .submit(flotilla_model::submit::SubmitRequest::new(support::plan(
+            vec![flotilla_model::plan::Subtask::new(
+                "wait",
+                "no worker runs this",
+            )],
+        )))
+        .await?;
+    let alice = async_nats::ConnectOptions::with_user_and_password(ALICE.0.into(), ALICE.1.into())
+        .connect(p.server.url())
+        .await?;
+    let body = serde_json::json!({"run_id": run, "by": "mallory", "reason": "checking"});
+    let reply = tokio::time::timeout(
+        Duration::from_secs(10),
+        alice.request("flotilla.api.run.pause", body.to_string().into()),
+    )
+    .await
+    .context("no answer to the person's pause")??;
+    let answer: flotilla_model::control::ControlRunReply =
+        serde_json::from_slice(&reply.payload)
+            .with_context(|| String::from_utf8_lossy(&reply.payload).into_owned())?;
+    ensure!(answer.applied, "{answer:?}");
+    let store = flotilla_client::open_store(&p.bus).await?;
+    let by: Vec<Option<String>> = store
+        .history(run)
+        .await?
+        .into_iter()
+        .filter_map(|(_, _, e)| match e.input {
+            RunInput::Control(c) if c.action == ControlAction::Pause => Some(c.by),
+            _ => None,
+        })
+        .collect();
+    ensure!(by == [Some("alice".to_owned())], "{by:?}");
+    // Nothing but the API: no stream of the FLOTILLA account (its run log among them).
+    let js = async_nats::jetstream::new(alice.clone());
+    ensure!(
+        js.get_stream("FLOTILLA_RUNLOG").await.is_err(),
+        "a person read a FLOTILLA stream"
+    );
+    Ok(())
+}

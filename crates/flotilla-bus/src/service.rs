@@ -82,3 +82,31 @@ pub async fn parse<T: DeserializeOwned + HasProtocol>(req: &Request) -> Option<T
         }
     }
 }
+
+/// The header nats-server stamps on a request that crossed a service import marked
+/// `share: true` — another account's user calling this one's API — with who sent it.
+pub const REQUEST_INFO: &str = "Nats-Request-Info";
+
+/// Longest NATS user name taken from [`REQUEST_INFO`].
+const MAX_REQUESTER: usize = 256;
+
+/// Who sent `req`, as the NATS server says: the `user` of its [`REQUEST_INFO`] header
+/// (a user name, an NKey or a JWT user's public key), when there is one.
+///
+/// The server stamps the header itself on requests that reach this account through a shared
+/// service import (`share: true`, e.g. the people's account of `deploy/nats/accounts.conf`),
+/// replacing anything the client sent, so the name cannot be claimed: Flotilla records it as
+/// who answered or acted, whatever the request's own `by` says. A request from inside the
+/// account carries no header (a client there could write one itself, but such a client may
+/// write the run log directly anyway), and its `by` stands. A bare token login is `[REDACTED]`
+/// by the server and names nobody.
+pub fn requester(req: &Request) -> Option<String> {
+    let value = req.message.headers.as_ref()?.get(REQUEST_INFO)?;
+    let info: serde_json::Value = serde_json::from_str(value.as_str()).ok()?;
+    let user = info.get("user")?.as_str()?.trim();
+    let usable = !user.is_empty()
+        && user != "[REDACTED]"
+        && user.len() <= MAX_REQUESTER
+        && !user.chars().any(char::is_control);
+    usable.then(|| user.to_owned())
+}

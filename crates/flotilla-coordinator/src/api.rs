@@ -537,9 +537,13 @@ impl Api {
     }
 
     async fn cancel(&self, req: Request) {
-        let Some(r) = parse::<CancelRunRequest>(&req).await else {
+        let Some(mut r) = parse::<CancelRunRequest>(&req).await else {
             return;
         };
+        // A person calling through a shared import is who the NATS server says.
+        if let Some(who) = flotilla_bus::service::requester(&req) {
+            r.by = Some(who);
+        }
         let run = r.run_id;
         let state = match self.store.load(run).await {
             Ok(Some(s)) => s.snapshot.state,

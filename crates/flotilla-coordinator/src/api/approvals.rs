@@ -96,9 +96,13 @@ impl Api {
     }
 
     pub(super) async fn approval_answer(&self, req: Request) {
-        let Some(r) = parse::<ApprovalAnswerRequest>(&req).await else {
+        let Some(mut r) = parse::<ApprovalAnswerRequest>(&req).await else {
             return;
         };
+        // A person calling through a shared import is who the NATS server says.
+        if let Some(who) = flotilla_bus::service::requester(&req) {
+            r.by = who;
+        }
         let problems = r.problems();
         if !problems.is_empty() {
             return super::respond_problems(&req, "invalid_answer", problems).await;
@@ -252,9 +256,13 @@ impl Api {
 
     /// `approval.revoke`.
     pub(super) async fn approval_revoke(&self, req: Request) {
-        let Some(r) = parse::<GrantRevokeRequest>(&req).await else {
+        let Some(mut r) = parse::<GrantRevokeRequest>(&req).await else {
             return;
         };
+        // A person calling through a shared import is who the NATS server says.
+        if let Some(who) = flotilla_bus::service::requester(&req) {
+            r.by = who;
+        }
         let answer = async {
             if r.by.trim().is_empty() {
                 return Err(super::collab::bad(

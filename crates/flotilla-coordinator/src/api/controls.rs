@@ -71,9 +71,13 @@ async fn text_too_long(req: &Request, fields: &[(&str, &Option<String>)]) -> boo
 
 impl Api {
     pub(super) async fn run_pause(&self, req: Request) {
-        let Some(r) = parse::<PauseRunRequest>(&req).await else {
+        let Some(mut r) = parse::<PauseRunRequest>(&req).await else {
             return;
         };
+        // A person calling through a shared import is who the NATS server says.
+        if let Some(who) = flotilla_bus::service::requester(&req) {
+            r.by = Some(who);
+        }
         if text_too_long(&req, &[("reason", &r.reason), ("by", &r.by)]).await {
             return;
         }
@@ -93,9 +97,13 @@ impl Api {
     }
 
     pub(super) async fn run_resume(&self, req: Request) {
-        let Some(r) = parse::<ResumeRunRequest>(&req).await else {
+        let Some(mut r) = parse::<ResumeRunRequest>(&req).await else {
             return;
         };
+        // A person calling through a shared import is who the NATS server says.
+        if let Some(who) = flotilla_bus::service::requester(&req) {
+            r.by = Some(who);
+        }
         if text_too_long(&req, &[("reason", &r.reason), ("by", &r.by)]).await {
             return;
         }
@@ -112,9 +120,13 @@ impl Api {
     }
 
     pub(super) async fn run_takeover(&self, req: Request) {
-        let Some(r) = parse::<TakeoverRunRequest>(&req).await else {
+        let Some(mut r) = parse::<TakeoverRunRequest>(&req).await else {
             return;
         };
+        // A person calling through a shared import is who the NATS server says.
+        if let Some(who) = flotilla_bus::service::requester(&req) {
+            r.by = Some(who);
+        }
         if text_too_long(&req, &[("reason", &r.reason), ("by", &r.by)]).await {
             return;
         }
@@ -505,9 +517,13 @@ impl Api {
     }
 
     pub(super) async fn run_complete(&self, req: Request) {
-        let Some(r) = parse::<CompleteTaskRequest>(&req).await else {
+        let Some(mut r) = parse::<CompleteTaskRequest>(&req).await else {
             return;
         };
+        // A person calling through a shared import is who the NATS server says.
+        if let Some(who) = flotilla_bus::service::requester(&req) {
+            r.by = who;
+        }
         let problems = r.problems();
         if !problems.is_empty() {
             return super::respond_problems(&req, "invalid_request", problems).await;
@@ -603,9 +619,13 @@ impl Api {
     /// `run.edit`: checks an edit of a taken-over run's plan (what may change, and the plan
     /// as a submission) and appends it to the run log; the run machine applies it.
     pub(super) async fn run_edit(&self, req: Request) {
-        let Some(r) = parse::<EditPlanRequest>(&req).await else {
+        let Some(mut r) = parse::<EditPlanRequest>(&req).await else {
             return;
         };
+        // A person calling through a shared import is who the NATS server says.
+        if let Some(who) = flotilla_bus::service::requester(&req) {
+            r.by = who;
+        }
         if r.by.trim().is_empty() {
             return respond_error(
                 &req,
