@@ -95,11 +95,12 @@ const MAX_REQUESTER: usize = 256;
 ///
 /// The server stamps the header itself on requests that reach this account through a shared
 /// service import (`share: true`, e.g. the people's account of `deploy/nats/accounts.conf`),
-/// replacing anything the client sent, so the name cannot be claimed: Flotilla records it as
-/// who answered or acted, whatever the request's own `by` says. A request from inside the
-/// account carries no header (a client there could write one itself, but such a client may
-/// write the run log directly anyway), and its `by` stands. A bare token login is `[REDACTED]`
-/// by the server and names nobody.
+/// replacing anything the client sent, so across the import the name cannot be claimed:
+/// Flotilla records it as who answered or acted, whatever the request's own `by` says. A
+/// request from inside the account normally carries no header, and its `by` stands; a caller
+/// there could write the header itself, so deployments give people users of the importing
+/// account (`deploy/nats/accounts.conf`: PEOPLE). A bare token login is `[REDACTED]` by the
+/// server and names nobody.
 pub fn requester(req: &Request) -> Option<String> {
     let value = req.message.headers.as_ref()?.get(REQUEST_INFO)?;
     let info: serde_json::Value = serde_json::from_str(value.as_str()).ok()?;

@@ -2153,6 +2153,43 @@ fn a_paused_task_waits_while_the_rest_of_the_run_goes_on() {
     );
 }
 
+/// The lead lifts its own pause of a member but not a person's; a person lifts either.
+#[test]
+fn the_lead_does_not_lift_a_persons_pause() {
+    use flotilla_model::runlog::ControlAction;
+    let p = plan(
+        vec![Subtask::new("a", ""), Subtask::new("b", "").after(&["a"])],
+        PlanConfig::default(),
+    );
+    let (mut m, _) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
+    let b = TaskId::new("b");
+    let control = |action, by| Input::Control {
+        action,
+        by: Some(by),
+        reason: None,
+        timeout_ms: None,
+        task: Some(&b),
+    };
+    m.apply(control(ControlAction::Pause, "alice"), 10);
+    assert!(
+        m.apply(control(ControlAction::Resume, "lead"), 20)
+            .is_empty(),
+        "the lead may not lift alice's pause"
+    );
+    assert!(m.state().tasks[1].paused());
+    let actions = m.apply(control(ControlAction::Resume, "alice"), 30);
+    assert!(phases(&actions).contains(&WorkflowPhase::TaskResumed));
+    m.apply(control(ControlAction::Pause, "lead"), 40);
+    let actions = m.apply(control(ControlAction::Resume, "lead"), 50);
+    assert!(phases(&actions).contains(&WorkflowPhase::TaskResumed));
+    m.apply(control(ControlAction::Pause, "lead"), 60);
+    let actions = m.apply(control(ControlAction::Resume, "bob"), 70);
+    assert!(
+        phases(&actions).contains(&WorkflowPhase::TaskResumed),
+        "a person lifts the lead's pause"
+    );
+}
+
 #[test]
 fn a_plan_edit_applies_under_human_control_only_and_keeps_started_tasks() {
     use flotilla_model::control::PlanEdited;

@@ -19,6 +19,7 @@ use flotilla_model::control::{
     Completed, DEFAULT_PAUSE_TIMEOUT, DEFAULT_TAKEOVER_TIMEOUT, MAX_HOLD_TIMEOUT, MIN_HOLD_TIMEOUT,
 };
 use flotilla_model::event::{WorkflowEvent, WorkflowPhase};
+use flotilla_model::lead::LEAD_NAME;
 use flotilla_model::run::{EndCause, RunStatus, TaskStatus};
 use flotilla_model::runlog::ControlAction;
 use flotilla_model::time::Timestamp;
@@ -75,7 +76,7 @@ impl RunMachine {
     /// dispatched and its running LLM attempt stops at its next step boundary, while the rest
     /// of the run goes on; the pause lasts until resumed or its deadline (then it resumes).
     /// False when it changes nothing (no such task, the task has ended, already in that state,
-    /// the run has ended, or another action).
+    /// the run has ended, the lead resuming a person's pause, or another action).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn on_task_control(
         &mut self,
@@ -107,7 +108,9 @@ impl RunMachine {
                 let deadline_ms = now_ms + timeout;
                 self.state.applied += 1;
                 let dispatched = t.status == TaskStatus::Dispatched;
-                self.state.tasks[i as usize].paused_until_ms = deadline_ms;
+                let t = &mut self.state.tasks[i as usize];
+                t.paused_until_ms = deadline_ms;
+                t.paused_by_lead = by == Some(LEAD_NAME);
                 self.ready.remove(&i);
                 if dispatched {
                     actions.push(Action::HoldTask {
@@ -136,7 +139,8 @@ impl RunMachine {
                 self.arm_if_earlier(deadline_ms, actions);
                 true
             }
-            ControlAction::Resume if t.paused() => {
+            // The lead does not lift a person's pause.
+            ControlAction::Resume if t.paused() && (t.paused_by_lead || by != Some(LEAD_NAME)) => {
                 self.state.applied += 1;
                 self.resume_task(i, format!("resumed{who}{why}"), now_ms, actions);
                 true
@@ -150,6 +154,7 @@ impl RunMachine {
     fn resume_task(&mut self, i: u32, detail: String, now_ms: i64, actions: &mut Vec<Action>) {
         let t = &mut self.state.tasks[i as usize];
         t.paused_until_ms = 0;
+        t.paused_by_lead = false;
         t.resumed_ms = now_ms;
         if t.attempt > 0 {
             // It ran before: a hold key may be there for it.

@@ -28,6 +28,7 @@ impl RunMachine {
         }
         // Tasks paused by themselves: their holds end with the run.
         for (i, t) in self.state.tasks.iter_mut().enumerate() {
+            t.paused_by_lead = false;
             if std::mem::take(&mut t.paused_until_ms) > 0 && t.attempt > 0 {
                 actions.push(Action::HoldTask {
                     task: i as u32,

@@ -106,6 +106,10 @@ pub struct TaskState {
     /// until resumed or until this time (Unix ms), when it resumes. 0: not paused.
     #[serde(rename = "pu", default, skip_serializing_if = "is_zero_ms")]
     pub paused_until_ms: i64,
+    /// The pause is the run's lead's (`by: "lead"`): the lead may lift it. A person's pause
+    /// only a person lifts (or its deadline).
+    #[serde(rename = "pl", default, skip_serializing_if = "std::ops::Not::not")]
+    pub paused_by_lead: bool,
     /// When the task last resumed from its own pause (Unix ms): its dependency and topic
     /// clocks give at least their full timeout again from then.
     #[serde(rename = "pr", default, skip_serializing_if = "is_zero_ms")]
@@ -236,6 +240,7 @@ impl TaskState {
             decisions: Vec::new(),
             held_stops: 0,
             paused_until_ms: 0,
+            paused_by_lead: false,
             resumed_ms: 0,
         }
     }

@@ -298,15 +298,16 @@ pub(crate) async fn control(config: &Config, command: ControlCommand) -> anyhow:
 
 fn print_control(a: &ControlRunReply, what: &str) {
     if let Some(task) = &a.task_id {
+        let action = if what == "paused" { "pause" } else { "resume" };
         if a.applied {
-            outln!("Task {task} of run {} {what}", a.run_id);
+            outln!(
+                "The {action} of task {task} of run {} is recorded: the run applies it (a task already so stays as it is)",
+                a.run_id
+            );
         } else if a.status.is_terminal() {
             outln!("Run {} had already ended: {}", a.run_id, a.status);
         } else {
-            outln!(
-                "Task {task} of run {} is already {what} or has ended: nothing changed",
-                a.run_id
-            );
+            outln!("Task {task} of run {} has ended: nothing changed", a.run_id);
         }
         return;
     }

@@ -273,15 +273,26 @@ impl Api {
             .await;
         };
         let t = state.tasks.get(i);
-        let paused = t.is_some_and(|t| t.paused());
+        let lead = flotilla_model::lead::LEAD_NAME;
+        if asked.action == ControlAction::Resume
+            && asked.by.as_deref() == Some(lead)
+            && t.is_some_and(|t| t.paused() && !t.paused_by_lead)
+        {
+            return respond_error(
+                req,
+                409,
+                "paused_by_person",
+                format!(
+                    "task {task} of run {run} was paused by a person: only a person resumes it (or its deadline does)"
+                ),
+            )
+            .await;
+        }
+        // Appended whenever the task may still run: the record read here may be a step
+        // behind the run log (a pause just appended, not yet applied), so whether the task is
+        // paused is the machine's to decide — a repeat changes nothing there.
         let ended = status.is_terminal() || t.is_some_and(|t| t.status.is_terminal());
-        let applied = !ended
-            && match asked.action {
-                // A pending run's tasks are not known to be either: its machine decides.
-                ControlAction::Pause => !paused || status == RunStatus::Pending,
-                ControlAction::Resume => paused || status == RunStatus::Pending,
-                _ => false,
-            };
+        let applied = !ended;
         if applied && let Err(e) = self.append_control(run, &asked, asked.action).await {
             return respond_error(req, 503, "unavailable", e).await;
         }
