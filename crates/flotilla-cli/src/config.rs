@@ -553,7 +553,7 @@ mod tests {
         let path = dir.path().join("f.toml");
         std::fs::write(
             &path,
-            "[console]\nlisten = \"0.0.0.0:9480\"\nidentity-header = \"X-Forwarded-User\"\noperators = [\"alice\"]\n[console.tokens]\nbob = \"bob-token-0123456789\"\n",
+            "[console]\nlisten = \"0.0.0.0:9480\"\nidentity-header = \"X-Forwarded-User\"\ntrusted-proxies = [\"10.0.0.0/8\"]\noperators = [\"alice\"]\n[console.tokens]\nbob = \"bob-token-0123456789\"\n",
         )
         .expect("write");
         let loaded = load(Some(&path), None).expect("loads");
@@ -563,6 +563,11 @@ mod tests {
         std::fs::write(&path, "[console]\nlisten = \"0.0.0.0:9480\"\n").expect("write");
         let err = load(Some(&path), None).expect_err("open to the network");
         assert!(err.to_string().contains("console.listen"), "{err}");
+        // A proxy header read from anyone would let anyone name an operator: refused.
+        std::fs::write(&path, "[console]\nidentity-header = \"X-Forwarded-User\"\n")
+            .expect("write");
+        let err = load(Some(&path), None).expect_err("a header from anyone");
+        assert!(err.to_string().contains("trusted-proxies"), "{err}");
     }
 
     #[test]

@@ -78,7 +78,7 @@ fn error(status: StatusCode, code: &str, message: impl Into<String>) -> Response
         .into_response()
 }
 
-fn refused(r: Refusal) -> Response {
+pub(crate) fn refused(r: Refusal) -> Response {
     error(r.status(), r.code(), r.message())
 }
 

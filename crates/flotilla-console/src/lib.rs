@@ -32,7 +32,8 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
 use axum::Router;
-use axum::extract::{Query, State};
+use axum::extract::{ConnectInfo, Query, Request, State};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use flotilla_bus::Bus;
@@ -45,7 +46,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 pub use auth::Identity;
-pub use options::{ConsoleOptions, ConsoleOptionsError, DEFAULT_PORT};
+pub use options::{
+    BadTrustedProxy, ConsoleOptions, ConsoleOptionsError, DEFAULT_PORT, TrustedProxy,
+};
 
 use api::AppState;
 use index::RunIndex;
@@ -165,10 +168,14 @@ impl Console {
         let addr = self.addr;
         info!(%addr, "Console listening");
         let app = router(self.state);
-        let result = axum::serve(self.listener, app)
-            .with_graceful_shutdown(stop.cancelled_owned())
-            .await
-            .map_err(|source| ConsoleError::Listen { addr, source });
+        // The peer's address reaches the handlers: the proxy header is trusted by it.
+        let result = axum::serve(
+            self.listener,
+            app.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .with_graceful_shutdown(stop.cancelled_owned())
+        .await
+        .map_err(|source| ConsoleError::Listen { addr, source });
         self.stop_index.cancel();
         result
     }
@@ -201,8 +208,41 @@ fn router(state: AppState) -> Router {
         .route("/api/team", get(api::team))
         .route("/api/workers", get(api::workers))
         .route("/api/audit", get(api::audit))
-        .with_state(state)
+        .with_state(state.clone())
+        // Every route, the fallback too: reads as much as actions.
+        .layer(axum::middleware::from_fn_with_state(state, guard))
         .layer(axum::middleware::map_response(security_headers))
+}
+
+/// [`auth::admit`] before every route, with the connection's peer (none known: not a
+/// trusted proxy).
+async fn guard(State(s): State<AppState>, mut req: Request, next: Next) -> Response {
+    let peer = req
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|ConnectInfo(a)| a.ip());
+    let uri = req.uri().clone();
+    match auth::admit(&s.opts, peer, &uri, req.headers_mut()) {
+        Ok(auth::Admitted::AsIs) => {}
+        Ok(auth::Admitted::DroppedIdentity) => warn!(
+            peer = ?peer,
+            header = s.opts.identity_header.as_deref().unwrap_or_default(),
+            "A request carried the proxy identity header from a peer not in console.trusted-proxies; ignored it"
+        ),
+        Err(r) => {
+            warn!(
+                peer = ?peer,
+                host = req
+                    .headers()
+                    .get(header::HOST)
+                    .and_then(|h| h.to_str().ok())
+                    .unwrap_or_default(),
+                "A console request addressed to a name other than localhost or a loopback address; refused"
+            );
+            return api::refused(r);
+        }
+    }
+    next.run(req).await
 }
 
 /// Headers every answer carries: no framing by other sites, no sniffing, no referrer

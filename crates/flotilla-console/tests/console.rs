@@ -35,7 +35,7 @@ const WAIT: Duration = Duration::from_secs(60);
 
 /// Services and the console, stopped on drop of `shutdown`.
 struct Fixture {
-    _server: NatsServer,
+    server: NatsServer,
     /// The scripted OpenAI-compatible server the `analyst` LLM agent calls (a test double).
     llm: OpenAiServer,
     client: Client,
@@ -197,7 +197,7 @@ impl Fixture {
         });
         Ok(Self {
             client: Client::new(bus),
-            _server: server,
+            server,
             llm,
             console: addr,
             shutdown,
@@ -223,6 +223,20 @@ impl Fixture {
                 .when("Your task (research)"),
         );
         Ok(self.client.submit(SubmitRequest::new(plan())).await?)
+    }
+
+    /// Another console on the same deployment, with `opts`, on a free loopback port.
+    async fn console_with(&mut self, opts: ConsoleOptions) -> anyhow::Result<SocketAddr> {
+        let console =
+            Console::bind_to(self.server.bus().await?, "127.0.0.1:0".parse()?, opts).await?;
+        let addr = console.local_addr();
+        let token = self.shutdown.clone();
+        self.services.spawn(async move {
+            if let Err(e) = console.serve(token).await {
+                panic!("console failed: {e}");
+            }
+        });
+        Ok(addr)
     }
 
     async fn stop(mut self) {
@@ -278,7 +292,8 @@ fn plan() -> Plan {
     }
 }
 
-/// One HTTP/1.1 request: the status and the body.
+/// One HTTP/1.1 request: the status and the body. `Host` is the address unless `headers`
+/// name one.
 async fn http(
     addr: SocketAddr,
     method: &str,
@@ -287,7 +302,10 @@ async fn http(
     body: Option<&str>,
 ) -> anyhow::Result<(u16, String)> {
     let mut s = tokio::net::TcpStream::connect(addr).await?;
-    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    let mut req = format!("{method} {path} HTTP/1.1\r\nConnection: close\r\n");
+    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
+        req.push_str(&format!("Host: {addr}\r\n"));
+    }
     for (k, v) in headers {
         req.push_str(&format!("{k}: {v}\r\n"));
     }
@@ -344,7 +362,7 @@ async fn pending(client: &Client, run: flotilla_model::RunId) -> anyhow::Result<
 
 #[tokio::test]
 async fn the_api_needs_an_identity_and_only_operators_act() -> anyhow::Result<()> {
-    let f = Fixture::start().await?;
+    let mut f = Fixture::start().await?;
     let addr = f.console;
     let alice = format!("Bearer {ALICE}");
     let bob = format!("Bearer {BOB}");
@@ -488,6 +506,90 @@ async fn the_api_needs_an_identity_and_only_operators_act() -> anyhow::Result<()
     ] {
         let (code, body) = http(addr, "GET", &p, &[("Authorization", &bob)], None).await?;
         assert_eq!(code, 200, "{p}: {body}");
+    }
+
+    // The proxy identity header counts only on connections from `trusted-proxies`: this
+    // test connects from 127.0.0.1, a proxy to the second console, not to the first.
+    let proxied = |trusted: &str| {
+        let mut opts = ConsoleOptions {
+            identity_header: Some("X-Forwarded-User".into()),
+            trusted_proxies: vec![trusted.parse().expect("a network")],
+            operators: vec!["alice".into()],
+            ..ConsoleOptions::default()
+        };
+        opts.tokens.insert("bob".into(), BOB.into());
+        opts
+    };
+    let around = f.console_with(proxied("192.0.2.0/24")).await?;
+    let through = f.console_with(proxied("127.0.0.1")).await?;
+    let as_alice = ("X-Forwarded-User", "alice");
+    let (code, body) = http(around, "GET", "/api/me", &[as_alice], None).await?;
+    assert_eq!(
+        (code, body.contains("unauthenticated")),
+        (401, true),
+        "{body}"
+    );
+    let (code, _) = http(around, "GET", "/api/runs", &[as_alice], None).await?;
+    assert_eq!(code, 401);
+    let (code, body) = http(
+        around,
+        "POST",
+        &control,
+        &[as_alice, csrf],
+        Some(r#"{"reason":"as alice"}"#),
+    )
+    .await?;
+    assert_eq!(code, 401, "{body}");
+    // A token still signs in there; the header does not turn bob into alice.
+    let (code, me) = http(
+        around,
+        "GET",
+        "/api/me",
+        &[as_alice, ("Authorization", &bob)],
+        None,
+    )
+    .await?;
+    assert_eq!((code, me.contains(r#""name":"bob""#)), (200, true), "{me}");
+    let (code, me) = http(through, "GET", "/api/me", &[as_alice], None).await?;
+    assert_eq!(code, 200, "{me}");
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&me)?,
+        serde_json::json!({"name": "alice", "operator": true})
+    );
+
+    // Local mode (no tokens, no proxy: everyone is `local`, an operator) answers only
+    // requests addressed to localhost or a loopback address: a DNS-rebinding page
+    // (evil.test resolved to 127.0.0.1) is refused, reads and actions alike.
+    let local = f.console_with(ConsoleOptions::default()).await?;
+    let port = local.port();
+    let evil = format!("evil.test:{port}");
+    let origin = format!("http://{evil}");
+    for (method, path, headers, body) in [
+        ("GET", "/api/me", vec![("Host", evil.as_str())], None),
+        ("GET", "/api/runs", vec![("Host", evil.as_str())], None),
+        ("GET", "/", vec![("Host", evil.as_str())], None),
+        (
+            "POST",
+            control.as_str(),
+            vec![("Host", evil.as_str()), csrf, ("Origin", origin.as_str())],
+            Some("{}"),
+        ),
+    ] {
+        let (code, answer) = http(local, method, path, &headers, body).await?;
+        assert_eq!(
+            (code, answer.contains("bad_host")),
+            (403, true),
+            "{method} {path}: {answer}"
+        );
+    }
+    let localhost = format!("localhost:{port}");
+    for host in [local.to_string(), localhost] {
+        let (code, me) = http(local, "GET", "/api/me", &[("Host", &host)], None).await?;
+        assert_eq!(code, 200, "{host}: {me}");
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(&me)?,
+            serde_json::json!({"name": "local", "operator": true})
+        );
     }
     f.stop().await;
     Ok(())

@@ -326,9 +326,11 @@ fails loudly instead. */ -}}
 {{- end -}}
 {{- if and (not .pool) (eq (.role | default "") "console") -}}
 {{- /* The console listens on every interface of its pod (the Service and Ingress reach it);
-identity comes from the proxy header and/or the tokens Secret (environment). */ -}}
+identity comes from the proxy header, read only from the trusted proxies' addresses, and/or
+the tokens Secret (environment). */ -}}
 {{- $con := dict "listen" (printf "0.0.0.0:%d" (int $v.console.port)) "operators" ($v.console.operators | default list) -}}
 {{- if $v.console.identityHeader -}}{{- $_ := set $con "identity-header" $v.console.identityHeader -}}{{- end -}}
+{{- if $v.console.trustedProxies -}}{{- $_ := set $con "trusted-proxies" $v.console.trustedProxies -}}{{- end -}}
 {{- $_ := set $cfg "console" $con -}}
 {{- end -}}
 {{- if .pool -}}

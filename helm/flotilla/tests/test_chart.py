@@ -575,6 +575,7 @@ CONSOLE_ON = {
     "console": {
         "enabled": True,
         "identityHeader": "X-Forwarded-User",
+        "trustedProxies": ["10.244.0.0/16", "127.0.0.1"],
         "operators": ["alice@example.com"],
         "tokensSecret": "console-tokens",
         "ingress": {"enabled": True, "className": "nginx", "host": "flotilla.example.com",
@@ -604,9 +605,18 @@ def the_console_gets_a_deployment_a_service_and_an_ingress():
     backend = ing["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
     assert backend == {"name": "rel-flotilla-console", "port": {"name": "console"}}
     cfg = configs(objects)["console.toml"]["console"]
-    assert cfg == {"listen": "0.0.0.0:9480", "identity-header": "X-Forwarded-User", "operators": ["alice@example.com"]}, cfg
+    assert cfg == {
+        "listen": "0.0.0.0:9480",
+        "identity-header": "X-Forwarded-User",
+        "trusted-proxies": ["10.244.0.0/16", "127.0.0.1"],
+        "operators": ["alice@example.com"],
+    }, cfg
     (np,) = find(objects, "NetworkPolicy")
-    assert {"port": 9480, "protocol": "TCP"} in [p for r in np["spec"]["ingress"] for p in r["ports"]]
+    (rule,) = [r for r in np["spec"]["ingress"] if {"port": 9480, "protocol": "TCP"} in r["ports"]]
+    # Only the ingress controller's namespace reaches the console's port by default.
+    assert rule["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}}
+    ], rule
     binary = os.environ.get("FLOTILLA_BIN")
     if binary:
         with tempfile.TemporaryDirectory() as tmp:
@@ -624,8 +634,42 @@ def the_console_gets_a_deployment_a_service_and_an_ingress():
 
 
 @check
+def the_console_port_admits_whom_network_policy_from_says():
+    proxy = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "auth"}},
+              "podSelector": {"matchLabels": {"app": "oauth2-proxy"}}}]
+    for peers, expected in ((proxy, proxy), ([], None)):
+        values = {**CONSOLE_ON, "console": {**CONSOLE_ON["console"], "networkPolicy": {"from": peers}}}
+        objects = render(values)
+        kubernetes_validate(objects)
+        (np,) = find(objects, "NetworkPolicy")
+        (rule,) = [r for r in np["spec"]["ingress"] if {"port": 9480, "protocol": "TCP"} in r["ports"]]
+        assert rule.get("from") == expected, rule
+        # The metrics rule is its own.
+        assert np["spec"]["ingress"][0]["ports"] == [{"port": 9464, "protocol": "TCP"}]
+
+
+@check
 def a_console_without_identities_is_refused():
     fails_with({"console": {"enabled": True}}, "console.identityHeader", "console.tokensSecret")
+
+
+@check
+def a_proxy_header_without_trusted_proxies_is_refused():
+    # Any pod reaching the console could send the header and be anyone.
+    fails_with(
+        {"console": {"enabled": True, "identityHeader": "X-Forwarded-User"}},
+        "console.identityHeader needs console.trustedProxies",
+    )
+    fails_with(
+        {"console": {"enabled": True, "identityHeader": "X-Forwarded-User", "tokensSecret": "t"}},
+        "console.trustedProxies",
+    )
+    fails_with(
+        {"console": {"enabled": True, "identityHeader": "X-Forwarded-User", "trustedProxies": ["anywhere"]}},
+        "trustedProxies",
+    )
+    # With tokens only, no proxy is needed.
+    render({"console": {"enabled": True, "tokensSecret": "console-tokens"}})
 
 
 # --- bad values fail with a clear message ------------------------------------------------
