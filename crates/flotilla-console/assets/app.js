@@ -108,6 +108,7 @@ function durationOf(r) {
 const status = (s) => `<span class="status s-${esc(s)}" data-status="${esc(s)}">${esc(s)}</span>`;
 const short = (id) => String(id).slice(0, 8);
 const terminal = (s) => ['succeeded', 'failed', 'cancelled', 'rejected'].includes(s);
+const taskDone = (s) => ['succeeded', 'failed', 'skipped', 'cancelled'].includes(s);
 
 function query() {
   const [, q = ''] = location.hash.split('?');
@@ -425,6 +426,25 @@ async function viewRun(runId) {
     };
   });
 
+  // A task's own pause and resume, and completing a task of a run under human control.
+  $('#tasks').addEventListener('click', async (ev) => {
+    const b = ev.target.closest('[data-task-action]');
+    if (!b) return;
+    const action = b.dataset.taskAction;
+    const task = b.closest('tr').dataset.task;
+    const body = { task, reason: 'from the console' };
+    if (action === 'complete') {
+      const result = prompt(`The result of task ${task}:`);
+      if (result == null) return;
+      body.result = result;
+    }
+    try {
+      const r = await api(`/api/runs/${runId}/${action}`, { body });
+      toast(`${action} ${task}: ${r.applied === false ? 'nothing to do' : (action === 'complete' ? 'completed' : 'recorded')}`);
+      refreshRun();
+    } catch (e) { toast(`${action} ${task}: ${e.message}`, true); }
+  });
+
   let ended = false;
   const refreshRun = async () => {
     try {
@@ -437,9 +457,25 @@ async function viewRun(runId) {
         ${r.session_id ? ` · session <a href="#/runs?session=${r.session_id}">${short(r.session_id)}</a>` : ''}
         ${r.handle.parent_run_id ? ` · parent <a href="#/run/${r.handle.parent_run_id}">${short(r.handle.parent_run_id)}</a>` : ''}
         ${labels ? ` · ${esc(labels)}` : ''}${r.outcome && r.outcome.reason ? ` · ${esc(r.outcome.reason)}` : ''}`);
-      set('#tasks', `<table><tr><th>TASK</th><th>STATUS</th><th>ATTEMPTS</th><th>POOL</th><th>DETAIL</th></tr>
+      const going = !terminal(r.status);
+      const off = me.operator ? '' : 'disabled title="operators only"';
+      const taskActions = (t) => {
+        if (!going || taskDone(t.status)) return '';
+        const b = [t.paused_until
+          ? `<button data-task-action="resume" ${off}>resume</button>`
+          : `<button data-task-action="pause" ${off}>pause</button>`];
+        if (r.status === 'human_control' && ['waiting', 'retrying', 'awaiting_approval'].includes(t.status)) {
+          b.push(`<button data-task-action="complete" ${off}>complete…</button>`);
+        }
+        return b.join(' ');
+      };
+      const detail = (t) => [
+        t.paused_until ? `paused until ${time(t.paused_until)}` : '',
+        t.error ? (t.error.message || JSON.stringify(t.error)) : (t.skip_reason || ''),
+      ].filter(Boolean).join(' · ');
+      set('#tasks', `<table><tr><th>TASK</th><th>STATUS</th><th>ATTEMPTS</th><th>POOL</th><th>DETAIL</th><th></th></tr>
         ${view.tasks.map((t) => `<tr data-task="${esc(t.task_id)}"><td>${esc(t.task_id)}</td><td>${status(t.status)}</td><td>${t.attempts}</td><td>${esc(t.pool || '-')}</td>
-          <td class="muted">${esc(t.error ? (t.error.message || JSON.stringify(t.error)) : (t.skip_reason || ''))}</td></tr>`).join('')}</table>
+          <td class="muted">${esc(detail(t))}</td><td class="task-actions">${taskActions(t)}</td></tr>`).join('')}</table>
         ${r.outcome && r.outcome.final_result ? `<h2>Result</h2><pre class="mono">${esc(r.outcome.final_result.response)}</pre>` : ''}`);
       set('#dag', dag(view.plan || plan, view.tasks));
       const readers = $('#mbox-reader');
@@ -561,7 +597,9 @@ function approvalCard(rec) {
     <div class="answer">
       <input class="comment" placeholder="comment for the record" size="40" ${canAnswer ? '' : 'disabled'}>
       <button class="primary" data-decision="approve" ${canAnswer ? '' : 'disabled'}>Approve</button>
+      <label title="approve this tool for the rest of the run's session"><input type="checkbox" class="always" ${canAnswer ? '' : 'disabled'}> always (this session)</label>
       <button class="danger" data-decision="reject" ${canAnswer ? '' : 'disabled'}>Reject</button>
+      <label title="record the rejection as an incident of the task's agent (and role)"><input type="checkbox" class="incident" ${canAnswer ? '' : 'disabled'}> incident</label>
       <button data-decision="edit" ${canAnswer ? '' : 'disabled'}>Edit input…</button>
       <button data-decision="respond" ${canAnswer ? '' : 'disabled'}>Respond…</button>
       ${me.operator ? '' : '<span class="muted">operators only</span>'}
@@ -590,7 +628,11 @@ function wireApprovals(root, records, reload) {
             try { body.input = JSON.parse(payload.value); } catch { toast('the input is not JSON', true); return; }
           } else body.result = payload.value;
         }
-        if (decision === 'reject') body.message = body.comment;
+        if (decision === 'approve' && card.querySelector('.always').checked) body.always = true;
+        if (decision === 'reject') {
+          body.message = body.comment;
+          if (card.querySelector('.incident').checked) body.incident = true;
+        }
         try {
           const r = await api(`/api/approvals/${card.dataset.run}/${card.dataset.approval}`, { body });
           const a = r.record.answer;

@@ -2,8 +2,9 @@
 // protocol client). Started by `tests/console.rs` (in_a_real_browser) against real services:
 // it prints `SUBMIT` when the runs page is open and reads the run id the test submitted.
 // Checks: the run appears and its tree and DAG fill live; reload mid-run shows the same
-// state; a viewer cannot approve (the button is off and the API refuses); the operator's
-// approval in the page resumes the run. Writes docs/screenshots/console-*.png.
+// state; a task is paused and resumed from the tasks table; a viewer cannot approve (the
+// button is off and the API refuses); the operator's approval in the page resumes the run.
+// Writes docs/screenshots/console-*.png.
 
 import { chromium } from 'playwright-core';
 import { createInterface } from 'node:readline';
@@ -121,6 +122,12 @@ try {
   await alice.waitForSelector('#state p, #state pre');
   check(true, 'workspace, mailboxes and session state answer');
   await alice.click('#tab-events');
+  // One task paused and resumed from the tasks table (`run.pause`/`run.resume` with `task_id`).
+  await alice.click('#tasks tr[data-task="announce"] button[data-task-action="pause"]');
+  await until(alice, () => /paused until/.test(document.querySelector('#tasks tr[data-task="announce"]').textContent));
+  await alice.click('#tasks tr[data-task="announce"] button[data-task-action="resume"]');
+  await alice.waitForSelector('#tasks tr[data-task="announce"] button[data-task-action="pause"]');
+  check(!/paused until/.test(await alice.textContent('#tasks tr[data-task="announce"]')), 'a task is paused and resumed from the tasks table');
 
   // A viewer sees the request but cannot approve it: the buttons are off and the API refuses.
   const bob = await signIn(process.env.BOB_TOKEN);
@@ -129,6 +136,7 @@ try {
   const card = await bob.waitForSelector('#inbox .approval');
   const approval = await card.getAttribute('data-approval');
   check(await bob.isDisabled('#inbox .approval button[data-decision="approve"]'), 'the viewer\'s Approve button is disabled');
+  check(await bob.isDisabled('#inbox .approval input.always') && await bob.isDisabled('#inbox .approval input.incident'), 'the viewer\'s always and incident boxes are disabled');
   const refused = await bob.evaluate(async ([r, a]) => {
     const res = await fetch(`/api/approvals/${r}/${a}`, {
       method: 'POST',

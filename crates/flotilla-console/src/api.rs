@@ -1,8 +1,8 @@
 //! The console's HTTP API: JSON reads, server-sent event streams and the operator's
 //! actions. Every read and action is one of the Flotilla API requests the CLI sends
-//! (`approval.*`, `run.pause|resume|takeover|cancel`, `team.list`, `ws.read`), or a read of
-//! the run store through the client library; run events come from the same projection as
-//! `flotilla watch` ([`Client::watch`]).
+//! (`approval.*`, `run.pause|resume|takeover|cancel|complete`, `team.list`, `ws.read`), or a
+//! read of the run store through the client library; run events come from the same
+//! projection as `flotilla watch` ([`Client::watch`]).
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -19,8 +19,10 @@ use flotilla_model::api::{ApiRequest, CancelRunRequest};
 use flotilla_model::approval::{
     ApprovalAnswerRequest, ApprovalGetRequest, ApprovalListRequest, Decision,
 };
-use flotilla_model::control::{PauseRunRequest, ResumeRunRequest, TakeoverRunRequest};
-use flotilla_model::ids::SessionId;
+use flotilla_model::control::{
+    CompleteTaskRequest, PauseRunRequest, ResumeRunRequest, TakeoverRunRequest,
+};
+use flotilla_model::ids::{SessionId, TaskId};
 use flotilla_model::subjects::StreamKind;
 use flotilla_model::team::TeamListRequest;
 use flotilla_model::time::Timestamp;
@@ -482,9 +484,17 @@ pub(crate) async fn session(
 pub(crate) struct ControlBody {
     #[serde(default)]
     reason: Option<String>,
+    /// With `pause` and `resume`: only this task (its descendants' runs are not touched);
+    /// with `complete`: the task to complete (required).
+    #[serde(default)]
+    task: Option<TaskId>,
+    /// With `complete`: the task's result (required).
+    #[serde(default)]
+    result: Option<String>,
 }
 
-/// Pause, resume, take over or cancel a run — operators only, audited, `by` the identity.
+/// Pause, resume, take over or cancel a run, pause or resume one of its tasks, complete a
+/// task of a run under human control — operators only, audited, `by` the identity.
 pub(crate) async fn control(
     State(s): State<AppState>,
     headers: HeaderMap,
@@ -492,7 +502,10 @@ pub(crate) async fn control(
     body: Option<Json<ControlBody>>,
 ) -> Response {
     let who = who!(s.operator(&headers));
-    let reason = body.and_then(|b| b.0.reason).filter(|r| !r.is_empty());
+    let body = body.map(|b| b.0).unwrap_or_default();
+    let reason = body.reason.filter(|r| !r.is_empty());
+    let task = body.task;
+    let target = task.as_ref().map(|t| t.as_str().to_owned());
     let protocol = flotilla_model::PROTOCOL_VERSION;
     let by = Some(who.name.clone());
     let response = match action.as_str() {
@@ -503,8 +516,8 @@ pub(crate) async fn control(
                 reason,
                 by,
                 timeout_ms: None,
-                children: true,
-                task_id: None,
+                children: task.is_none(),
+                task_id: task,
             })
             .await
         }
@@ -514,8 +527,26 @@ pub(crate) async fn control(
                 run_id: run,
                 reason,
                 by,
-                children: true,
-                task_id: None,
+                children: task.is_none(),
+                task_id: task,
+            })
+            .await
+        }
+        "complete" => {
+            let (Some(task_id), Some(result)) = (task, body.result) else {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_control",
+                    "complete needs task and result",
+                );
+            };
+            s.call(&CompleteTaskRequest {
+                protocol,
+                run_id: run,
+                task_id,
+                result,
+                by: who.name.clone(),
+                comment: reason,
             })
             .await
         }
@@ -544,11 +575,11 @@ pub(crate) async fn control(
             return error(
                 StatusCode::NOT_FOUND,
                 "unknown_action",
-                format!("no action {other:?}: pause, resume, takeover or cancel"),
+                format!("no action {other:?}: pause, resume, takeover, cancel or complete"),
             );
         }
     };
-    s.audit(&who, &action, run, None, response.status());
+    s.audit(&who, &action, run, target.as_deref(), response.status());
     response
 }
 
@@ -617,6 +648,12 @@ pub(crate) struct AnswerBody {
     /// The digest of the request the person reviewed.
     #[serde(default)]
     digest: Option<String>,
+    /// With `approve`: the tool is approved for the rest of the run's session too.
+    #[serde(default)]
+    always: bool,
+    /// With `reject`: the rejection is an incident of the task's agent (and role).
+    #[serde(default)]
+    incident: bool,
 }
 
 /// Answers an approval (`approval.answer`) as the signed-in operator, audited.
@@ -670,8 +707,8 @@ pub(crate) async fn answer(
             by: who.name.clone(),
             comment: body.comment.filter(|c| !c.is_empty()),
             digest: body.digest,
-            always: false,
-            incident: false,
+            always: body.always,
+            incident: body.incident,
         })
         .await;
     s.audit(&who, &action, run, Some(&id), response.status());

@@ -17,6 +17,7 @@ use flotilla_coordinator::{Coordinator, CoordinatorOptions};
 use flotilla_model::approval::ApprovalListRequest;
 use flotilla_model::plan::{Plan, PlanConfig, Subtask};
 use flotilla_model::run::RunStatus;
+use flotilla_model::runlog::{ControlAction, RunInput};
 use flotilla_model::submit::SubmitRequest;
 use flotilla_model::team::MemberCard;
 use flotilla_model::validate::{AgentCatalog, ValidationContext};
@@ -426,6 +427,105 @@ async fn the_api_needs_an_identity_and_only_operators_act() -> anyhow::Result<()
     .await?;
     assert_eq!(code, 403);
     assert_eq!(pending(&f.client, run).await?, ids, "still pending");
+    // One task's pause and resume (`run.pause`/`run.resume` with `task_id`): a viewer is
+    // refused; the operator's are recorded, `by` her, and the task shows its pause.
+    let pause = format!("/api/runs/{run}/pause");
+    let resume = format!("/api/runs/{run}/resume");
+    let announce = r#"{"task":"announce","reason":"hold it"}"#;
+    let (code, body) = http(
+        addr,
+        "POST",
+        &pause,
+        &[("Authorization", &bob), csrf],
+        Some(announce),
+    )
+    .await?;
+    assert_eq!((code, body.contains("not_operator")), (403, true), "{body}");
+    let (code, body) = http(
+        addr,
+        "POST",
+        &pause,
+        &[("Authorization", &alice), csrf],
+        Some(announce),
+    )
+    .await?;
+    assert_eq!(code, 200, "{body}");
+    let reply: serde_json::Value = serde_json::from_str(&body)?;
+    assert_eq!(reply["applied"], true, "{body}");
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let (code, body) = http(
+            addr,
+            "GET",
+            &format!("/api/runs/{run}"),
+            &[("Authorization", &bob)],
+            None,
+        )
+        .await?;
+        assert_eq!(code, 200, "{body}");
+        let v: serde_json::Value = serde_json::from_str(&body)?;
+        let tasks = v["view"]["tasks"].as_array().cloned().unwrap_or_default();
+        if tasks
+            .iter()
+            .any(|t| t["task_id"] == "announce" && t["paused_until"].is_string())
+        {
+            break;
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "no paused_until: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (code, body) = http(
+        addr,
+        "POST",
+        &resume,
+        &[("Authorization", &alice), csrf],
+        Some(r#"{"task":"announce"}"#),
+    )
+    .await?;
+    assert_eq!(code, 200, "{body}");
+    let reply: serde_json::Value = serde_json::from_str(&body)?;
+    assert_eq!(reply["applied"], true, "{body}");
+    let (_, audit) = http(addr, "GET", "/api/audit", &[("Authorization", &bob)], None).await?;
+    let audit: serde_json::Value = serde_json::from_str(&audit)?;
+    assert_eq!(
+        (
+            audit[0]["by"].as_str(),
+            audit[0]["action"].as_str(),
+            audit[0]["target"].as_str(),
+            audit[0]["outcome"].as_str()
+        ),
+        (
+            Some("alice"),
+            Some("resume"),
+            Some("announce"),
+            Some("done")
+        ),
+        "{audit}"
+    );
+    let store = flotilla_client::open_store(&f.server.bus().await?).await?;
+    let controls: Vec<(ControlAction, Option<String>, Option<String>)> = store
+        .history(run)
+        .await?
+        .into_iter()
+        .filter_map(|(_, _, e)| match e.input {
+            RunInput::Control(c) => {
+                Some((c.action, c.by, c.task_id.map(|t| t.as_str().to_owned())))
+            }
+            _ => None,
+        })
+        .collect();
+    let announce = Some("announce".to_owned());
+    let alice_by = Some("alice".to_owned());
+    assert_eq!(
+        controls,
+        vec![
+            (ControlAction::Pause, alice_by.clone(), announce.clone()),
+            (ControlAction::Resume, alice_by, announce),
+        ]
+    );
     // The operator's answer is the API's, recorded as hers, and audited.
     let (code, body) = http(
         addr,
