@@ -26,6 +26,17 @@ use flotilla_model::time::Timestamp;
 
 use crate::{Action, Hold, RunMachine};
 
+/// How long a hold lasts, in ms: the entry's `timeout_ms`, or `default`. The API checks the
+/// range; an entry from elsewhere is brought into it.
+fn hold_ms(timeout_ms: Option<u64>, default: std::time::Duration) -> i64 {
+    timeout_ms.map_or(default.as_millis() as i64, |ms| {
+        (ms as i64).clamp(
+            MIN_HOLD_TIMEOUT.as_millis() as i64,
+            MAX_HOLD_TIMEOUT.as_millis() as i64,
+        )
+    })
+}
+
 impl RunMachine {
     /// Whether a person holds the run (nothing is dispatched, no wait times out).
     pub fn held(&self) -> bool {
@@ -99,13 +110,7 @@ impl RunMachine {
         let why = reason.map_or_else(String::new, |r| format!(": {r}"));
         match action {
             ControlAction::Pause if !t.paused() => {
-                let timeout = timeout_ms.map_or(DEFAULT_PAUSE_TIMEOUT.as_millis() as i64, |ms| {
-                    (ms as i64).clamp(
-                        MIN_HOLD_TIMEOUT.as_millis() as i64,
-                        MAX_HOLD_TIMEOUT.as_millis() as i64,
-                    )
-                });
-                let deadline_ms = now_ms + timeout;
+                let deadline_ms = now_ms + hold_ms(timeout_ms, DEFAULT_PAUSE_TIMEOUT);
                 self.state.applied += 1;
                 let dispatched = t.status == TaskStatus::Dispatched;
                 let t = &mut self.state.tasks[i as usize];
@@ -177,16 +182,6 @@ impl RunMachine {
         self.rescan_deadlines = true;
     }
 
-    /// The earliest deadline of a task's own pause.
-    pub(crate) fn task_pause_deadline(&self) -> Option<i64> {
-        self.state
-            .tasks
-            .iter()
-            .filter(|t| t.paused() && !t.status.is_terminal())
-            .map(|t| t.paused_until_ms)
-            .min()
-    }
-
     /// The timer fired: tasks whose own pause's deadline passed resume.
     pub(crate) fn task_pauses_overdue(&mut self, now_ms: i64, actions: &mut Vec<Action>) {
         for i in 0..self.state.tasks.len() as u32 {
@@ -215,14 +210,7 @@ impl RunMachine {
             RunStatus::Paused => DEFAULT_PAUSE_TIMEOUT,
             _ => DEFAULT_TAKEOVER_TIMEOUT,
         };
-        // The API checks the range; an entry from elsewhere is brought into it.
-        let timeout = timeout_ms.map_or(default.as_millis() as i64, |ms| {
-            (ms as i64).clamp(
-                MIN_HOLD_TIMEOUT.as_millis() as i64,
-                MAX_HOLD_TIMEOUT.as_millis() as i64,
-            )
-        });
-        let deadline_ms = now_ms + timeout;
+        let deadline_ms = now_ms + hold_ms(timeout_ms, default);
         let since_ms = match (&self.state.hold, self.state.status) {
             // A takeover of a paused run: the clocks stopped at the pause.
             (Some(h), RunStatus::Paused) => h.since_ms,

@@ -1331,10 +1331,6 @@ impl RunMachine {
             } else {
                 self.lead_deadline()
             };
-            // A task's own pause keeps its clock whether or not the run is held.
-            if let Some(d) = self.task_pause_deadline() {
-                next = Some(next.map_or(d, |n| n.min(d)));
-            }
             for i in 0..self.graph.len() as u32 {
                 let t = &self.state.tasks[i as usize];
                 let due = match t.status {
@@ -1344,7 +1340,9 @@ impl RunMachine {
                     TaskStatus::AwaitingApproval => self.approval_deadline(i),
                     _ => None,
                 };
-                if let Some(d) = due {
+                // A task's own pause keeps its clock whether or not the run is held.
+                let paused = (t.paused() && !t.status.is_terminal()).then_some(t.paused_until_ms);
+                for d in due.into_iter().chain(paused) {
                     next = Some(next.map_or(d, |n: i64| n.min(d)));
                 }
             }

@@ -3,7 +3,8 @@
 //! are answered `cancelled` without running, and the holds — of a run (`hold.<run>`) or of one
 //! task alone (`hold.<run>.<task>`) — that stop their LLM attempts at the next step.
 
-use std::sync::Arc;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream;
@@ -93,27 +94,15 @@ impl Shared {
     /// `run` is held (`true`: its LLM attempts here stop at their next step boundary) or
     /// released (they run on, also those running now, unless their task is paused).
     pub(crate) fn hold_run(&self, run: RunId, held: bool) {
-        let mut set = self.held.lock().unwrap_or_else(|p| p.into_inner());
-        let changed = if held {
-            set.insert(run)
-        } else {
-            set.remove(&run)
-        };
-        drop(set);
-        self.tell_attempts(run, None, held && changed);
+        let newly = mark(&self.held, run, held);
+        self.tell_attempts(run, None, newly);
     }
 
     /// Task `task` (its key token) of `run` is paused by itself (`true`: its LLM attempt
     /// here stops at its next step boundary) or no longer.
     pub(crate) fn hold_task(&self, run: RunId, task: &str, held: bool) {
-        let mut set = self.held_tasks.lock().unwrap_or_else(|p| p.into_inner());
-        let changed = if held {
-            set.insert((run, task.to_owned()))
-        } else {
-            set.remove(&(run, task.to_owned()))
-        };
-        drop(set);
-        self.tell_attempts(run, Some(task), held && changed);
+        let newly = mark(&self.held_tasks, (run, task.to_owned()), held);
+        self.tell_attempts(run, Some(task), newly);
     }
 
     /// Tells `run`'s attempts here (those of `task` only, if given) whether they are held.
@@ -139,6 +128,18 @@ impl Shared {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .contains(&run)
+    }
+}
+
+/// Puts `key` in `set` (held) or takes it out; whether it was newly held. The lock is
+/// released before the attempts are told.
+fn mark<K: std::hash::Hash + Eq>(set: &Mutex<HashSet<K>>, key: K, held: bool) -> bool {
+    let mut set = set.lock().unwrap_or_else(|p| p.into_inner());
+    if held {
+        set.insert(key)
+    } else {
+        set.remove(&key);
+        false
     }
 }
 
