@@ -33,6 +33,7 @@ const COORDINATOR: (&str, &str) = ("coordinator", "coordinator-dev-password");
 const WORKER: (&str, &str) = ("worker-default", "worker-default-dev-password");
 const CLIENT: (&str, &str) = ("client", "client-dev-password");
 const SUPERVISOR: (&str, &str) = ("supervisor", "supervisor-dev-password");
+const CONSOLE: (&str, &str) = ("console", "console-dev-password");
 
 /// Timeout of JetStream calls that are expected to be refused (they get no answer).
 const REFUSED_TIMEOUT: Duration = Duration::from_secs(1);
@@ -1690,5 +1691,216 @@ async fn a_person_acts_as_their_nats_user_whatever_the_request_claims() -> anyho
         js.get_stream("FLOTILLA_RUNLOG").await.is_err(),
         "a person read a FLOTILLA stream"
     );
+    Ok(())
+}
+
+/// One HTTP/1.1 request to the console, signed in with [`CONSOLE_TOKEN`] (a POST with the
+/// console's CSRF header): the status and the body.
+async fn console_http(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> anyhow::Result<(u16, String)> {
+    let auth = format!("Bearer {CONSOLE_TOKEN}");
+    let mut headers = vec![("Authorization", auth.as_str())];
+    if method == "POST" {
+        headers.push(("X-Flotilla-Console", "1"));
+    }
+    Ok(flotilla_testkit::http::request(addr, method, path, &headers, body).await?)
+}
+
+const CONSOLE_TOKEN: &str = "alice-console-token-0123456789";
+
+const EXPOSED: &str = r#"
+[agents.greeter]
+kind = "scripted"
+reply = "hello from the greeter"
+expose = true
+[agents.asker]
+kind = "exec"
+command = "sh"
+args = ["-c", '"$FLOTILLA_BIN" call agents:greeter "say hello" --wait 1m']
+"#;
+
+/// The web console on the `console` user of the shipped accounts.conf: every page and action
+/// works — runs, a run, its tree, events, workspace, mailbox, state, grants, the inbox, an
+/// approval, a pause, the team, the workers with their pools' backlog — and the server
+/// refused it nothing. The same deployment exposes an agent on the NATS Agent Protocol and
+/// a plan calls it: the coordinator, the worker and the supervisor are refused nothing.
+#[tokio::test]
+async fn the_console_works_on_its_own_credentials() -> anyhow::Result<()> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    // An exposed agent and an exec agent that calls it through the NATS Agent Protocol: the
+    // coordinator serves the `agents` service, the worker calls it, the supervisor
+    // discovers agents — each on its own credentials.
+    let config = format!(
+        "{AGENTS}{EXPOSED}\n[console]\nlisten = \"{addr}\"\noperators = [\"alice\"]\n[console.tokens]\nalice = \"{CONSOLE_TOKEN}\"\n"
+    );
+    let mut p = support::Processes::with_server(server().await?, &config).await?;
+    let c = p.spawn_env(&["coordinator"], &refs(&credentials_env(COORDINATOR)))?;
+    if let Err(e) = support::wait_for_api(&p.bus).await {
+        bail!("{e}\ncoordinator log:\n{}", p.log(c));
+    }
+    let w = p.spawn_env(&["worker"], &refs(&credentials_env(WORKER)))?;
+    p.wait_registered(w).await?;
+    let s = p.spawn_env(&["supervisor"], &refs(&credentials_env(SUPERVISOR)))?;
+    let console = p.spawn_env(&["console"], &refs(&credentials_env(CONSOLE)))?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while console_http(&addr, "GET", "/healthz", None)
+        .await
+        .map(|r| r.0)
+        .ok()
+        != Some(200)
+    {
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the console did not start:\n{}",
+            p.log(console)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // A run waiting for a person (the `publish` action is sensitive by default).
+    let client = flotilla_client::Client::new(bus_as(&p.server, CLIENT).await?);
+    let mut publish = flotilla_model::plan::Subtask::new("publish", "publish it");
+    publish.action = Some("publish".into());
+    let run = client
+        .submit(flotilla_model::submit::SubmitRequest::new(support::plan(
+            vec![
+                flotilla_model::plan::Subtask::new("gather", ""),
+                publish.after(&["gather"]),
+            ],
+        )))
+        .await?;
+    let run_s = run.to_string();
+    let deadline = tokio::time::Instant::now() + support::WAIT;
+    let approval = loop {
+        let (code, body) =
+            console_http(&addr, "GET", &format!("/api/inbox?run={run}"), None).await?;
+        ensure!(code == 200, "inbox: {code} {body}");
+        let inbox: serde_json::Value = serde_json::from_str(&body)?;
+        if let Some(id) = inbox["approvals"][0]["request"]["approval_id"].as_str() {
+            break id.to_owned();
+        }
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "no approval: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let (code, body) = console_http(
+        &addr,
+        "POST",
+        &format!("/api/approvals/{run}/{approval}"),
+        Some(r#"{"decision":"approve","comment":"on the console's credentials"}"#),
+    )
+    .await?;
+    ensure!(code == 200, "approve: {code} {body}");
+    let outcome = client.wait(run, support::WAIT).await?;
+    ensure!(
+        outcome.status == flotilla_model::run::RunStatus::Succeeded,
+        "{outcome:?}"
+    );
+    for path in [
+        "/api/runs".to_owned(),
+        format!("/api/runs/{run}"),
+        format!("/api/runs/{run}/tree"),
+        format!("/api/runs/summaries?ids={run}"),
+        format!("/api/runs/{run}/workspace"),
+        format!("/api/runs/{run}/mailbox/publish"),
+        format!("/api/runs/{run}/grants"),
+        format!("/api/runs/{run}/state"),
+        "/api/inbox".to_owned(),
+        "/api/team".to_owned(),
+        "/api/workers".to_owned(),
+    ] {
+        let mut answer = console_http(&addr, "GET", &path, None).await?;
+        // The supervisor may still be starting: the team page says so (503) until it answers.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while answer.0 == 503 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            answer = console_http(&addr, "GET", &path, None).await?;
+        }
+        let (code, body) = answer;
+        ensure!(
+            code == 200,
+            "{path}: {code} {body}\nrefused: {:?}",
+            [COORDINATOR, CONSOLE, SUPERVISOR]
+                .map(|(u, _)| refusals_in_server_log(&p.server, u).unwrap_or_default())
+        );
+        if path == "/api/workers" {
+            // The pool's backlog needs the consumer info the `console` user may read.
+            ensure!(body.contains("\"backlog\":0"), "{body}");
+        }
+        if path == "/api/runs" {
+            ensure!(body.contains(&run_s), "{body}");
+        }
+    }
+    // A key never written is the API's 404, not a permission error.
+    let (code, body) = console_http(
+        &addr,
+        "GET",
+        &format!("/api/runs/{run}/state/nothing"),
+        None,
+    )
+    .await?;
+    ensure!(code == 404, "state: {code} {body}");
+    // The run's events, to their end.
+    let (code, body) = console_http(
+        &addr,
+        "GET",
+        &format!("/api/runs/{run}/events?profile=debug"),
+        None,
+    )
+    .await?;
+    ensure!(
+        code == 200 && body.contains("event: end"),
+        "events: {code} {body}"
+    );
+    ensure!(
+        body.contains("run_succeeded") || body.contains("succeeded"),
+        "{body}"
+    );
+    // A control: the run has ended, so the pause changes nothing, but it is the API's answer.
+    let (code, body) =
+        console_http(&addr, "POST", &format!("/api/runs/{run}/pause"), Some("{}")).await?;
+    ensure!(code == 200, "pause: {code} {body}");
+    // A plan's exec agent calls the exposed agent over the protocol.
+    let asked = client
+        .submit(flotilla_model::submit::SubmitRequest::new(support::plan(
+            vec![flotilla_model::plan::Subtask::new("ask", "").with_agent("asker")],
+        )))
+        .await?;
+    let outcome = client.wait(asked, support::WAIT).await?;
+    ensure!(
+        outcome.status == flotilla_model::run::RunStatus::Succeeded
+            && format!("{outcome:?}").contains("hello from the greeter"),
+        "{outcome:?}\ncoordinator:\n{}\nworker:\n{}",
+        p.log(c),
+        p.log(w)
+    );
+    for (user, _) in [COORDINATOR, WORKER, SUPERVISOR] {
+        let refused = refusals_in_server_log(&p.server, user)?;
+        ensure!(
+            refused.is_empty(),
+            "{user} was refused:\n{}",
+            refused.join("\n")
+        );
+    }
+    ensure!(
+        !p.log(console).contains("Permissions Violation"),
+        "the console was refused something:\n{}",
+        p.log(console)
+    );
+    let refused = refusals_in_server_log(&p.server, CONSOLE.0)?;
+    ensure!(
+        refused.is_empty(),
+        "console was refused:\n{}",
+        refused.join("\n")
+    );
+    let _ = s;
     Ok(())
 }

@@ -34,6 +34,16 @@
 //!   anycast and recruit latency next to the dependency hop; the supervisor's and workers'
 //!   memory and the consumers with `--teammates` idle teammates; an idle teammate's message
 //!   → its turn started, next to the raw mailbox hop.
+//! * **hitl** — humans in the loop (module `hitl`): an approval's overhead next to the
+//!   dependency hop, a pause, and what runs waiting for a person cost.
+//! * **console** — the web console (module `console`): event stored → visible in the page
+//!   (a headless Chromium, when one can be driven) and on the console's event stream, next
+//!   to `flotilla watch` in the same run; the runs list with 10,000 runs; a 1,000-run tree;
+//!   the console's memory with 100 open pages.
+//! * **agents** — the NATS Agent Protocol (module `agents`): prompt → first streamed token
+//!   over the protocol (the bench as its client) next to the same run submitted directly, in
+//!   the same run; the idle coordinator's CPU and memory with 1 and with 100 exposed agents
+//!   beating.
 //!
 //! The services run as child processes of the `flotilla` binary that runs the bench (or
 //! `--services-binary`, to measure another build back to back), so the bench is a library
@@ -43,8 +53,9 @@
 //! # Layout
 //!
 //! `harness` holds what sections share: the processes a section starts and their CPU and
-//! RSS readings (`processes`), the services' configurations and spawning (`services`),
-//! submitting and observing runs (`submit`), shared plans and the dependency hop read from
+//! RSS readings (`processes`), the simulated OpenAI-compatible provider (`provider`), the
+//! services' configurations and spawning (`services`), submitting and observing runs
+//! (`submit`), shared plans and the dependency hop read from
 //! a run log (`plans`), percentiles (`stats`), the raw JetStream round trip (`raw`) and the
 //! output macros (`output`). Each section is one module that imports the harness and never
 //! another section; the harness imports no section; [`run`] dispatches. New sections (team,
@@ -59,7 +70,9 @@
 
 #[macro_use]
 mod harness;
+mod agents;
 mod collab;
+mod console;
 mod flotilla;
 mod hitl;
 mod llm;
@@ -140,6 +153,12 @@ pub struct BenchArgs {
     team: team::TeamArgs,
     #[command(flatten)]
     hitl: hitl::HitlArgs,
+    // Boxed, as `tree`.
+    #[command(flatten)]
+    console: Box<console::ConsoleArgs>,
+    // Boxed, as `tree`.
+    #[command(flatten)]
+    agents: Box<agents::AgentsArgs>,
 }
 
 /// A section of the bench (`--only`).
@@ -168,6 +187,12 @@ enum Section {
     /// Humans in the loop: an approval's overhead next to a dependency hop, and the cost of
     /// runs waiting for a person.
     Hitl,
+    /// The web console: event stored → visible in the page next to `flotilla watch`, the
+    /// runs list with 10,000 runs, a 1,000-run tree, the memory of 100 open pages.
+    Console,
+    /// The NATS Agent Protocol: prompt → first streamed token next to a direct submission,
+    /// and the coordinator's cost of 100 exposed agents' heartbeats.
+    Agents,
 }
 
 /// Runs the selected sections against the server at `nats_url` (the CLI's global
@@ -186,6 +211,8 @@ pub async fn run(args: BenchArgs, nats_url: Option<&str>) -> anyhow::Result<()> 
         && !want(Section::Tree)
         && !want(Section::Team)
         && !want(Section::Hitl)
+        && !want(Section::Console)
+        && !want(Section::Agents)
     {
         return Ok(());
     }
@@ -257,6 +284,12 @@ pub async fn run(args: BenchArgs, nats_url: Option<&str>) -> anyhow::Result<()> 
     if want(Section::Hitl) {
         hitl::run(&args.hitl, &services, &url).await?;
     }
+    if want(Section::Console) {
+        console::run(&args.console, &services, &url).await?;
+    }
+    if want(Section::Agents) {
+        agents::run(&args.agents, &services, &url).await?;
+    }
     Ok(())
 }
 
@@ -295,6 +328,8 @@ mod tests {
             "intake",
             "--teammates",
             "50",
+            "--agents-samples",
+            "7",
         ])
         .expect("valid flags");
         let b = cli.bench;
@@ -308,5 +343,6 @@ mod tests {
         assert!(format!("{:?}", b.collab).contains("page_entries: 100000,"));
         assert!(format!("{:?}", b.team).contains("teammates: 50 }"));
         assert!(format!("{:?}", b.team).contains("team_wakes: 200,"));
+        assert!(format!("{:?}", b.agents).contains("agents_samples: 7,"));
     }
 }

@@ -1,12 +1,9 @@
 //! The `llm` section (`flotilla bench --only llm`): LLM agents against a **simulated** OpenAI-compatible provider.
 //!
-//! The provider is a test double inside the bench, not a model: a small HTTP server on a free
-//! loopback port answering `POST /v1/chat/completions` after a configurable delay with a
-//! short reply, streamed (SSE `data:` chunks, a usage chunk when the request asks with
-//! `stream_options.include_usage`, then `data: [DONE]`) or as one JSON body. It asks for one
-//! `state_get` tool call when the request offers that tool and holds no tool result yet, so a
-//! task can take one tool round. It records the time each request spent in its handler
-//! (body parsed → reply handed to the HTTP layer, the delay included): the *server time*.
+//! The provider is the bench's test double (`harness::provider`, shared with the `agents`
+//! section), not a model: it answers after a configurable delay with a short reply, streamed or
+//! not, asks for one `state_get` tool call when offered that tool, and records the time each
+//! request spent in its handler (the *server time*).
 //!
 //! Figures (against the bench's nats-server, prefix `flbllm`):
 //!
@@ -46,12 +43,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use axum::Router;
-use axum::body::{Body, Bytes};
-use axum::extract::State;
-use axum::http::{StatusCode, header};
-use axum::response::{IntoResponse, Response};
-use axum::routing::post;
 use flotilla_bus::{Bus, NatsOptions};
 use flotilla_client::Client;
 use flotilla_context::{Agent, AgentContext, Clients, EventEmitter, Scope};
@@ -59,12 +50,13 @@ use flotilla_llm::{LlmAgent, LlmConfig, Providers, Roles};
 use flotilla_model::ids::{AttemptId, RunId};
 use flotilla_model::run::{RunOutcome, RunStatus};
 use flotilla_model::task::TaskEnvelope;
-use serde_json::{Value, json};
+use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 
 use crate::harness::processes::{Processes, peak_rss_kib, rss_kib};
+use crate::harness::provider::{Provider, REPLY};
 use crate::harness::services::{Services, has_listener, spawn_service};
 use crate::harness::stats::{ms, p50_p99};
 use crate::harness::submit::{SubmitVia, outcomes, spawn_submitter};
@@ -118,186 +110,8 @@ const QUICK_IN_FLIGHT: usize = 16;
 const PREFIX: &str = "flbllm";
 /// Attempts dropped before each overhead measurement (connections, streams, caches warm).
 const WARM_UP: usize = 30;
-/// The reply text of the simulated provider.
-const REPLY: &str = "Done: the figure is 42.";
 /// The worker's default `worker.prefetch` (the one-worker figure runs with it).
 const DEFAULT_PREFETCH: usize = 1;
-
-// ---------------------------------------------------------------------------------------
-// The simulated provider (a test double, not a model).
-
-/// Counters of the simulated provider.
-#[derive(Default)]
-struct Sim {
-    delay_micros: AtomicU64,
-    server_nanos: AtomicU64,
-    requests: AtomicU64,
-    /// Requests received (counted on arrival; `requests` counts them answered).
-    arrived: AtomicU64,
-    bad_requests: AtomicU64,
-}
-
-/// The simulated OpenAI-compatible provider; stops on drop.
-struct Provider {
-    addr: std::net::SocketAddr,
-    sim: Arc<Sim>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for Provider {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-impl Provider {
-    async fn start() -> anyhow::Result<Self> {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .context("binding the simulated provider to a loopback port")?;
-        let addr = listener.local_addr()?;
-        let sim = Arc::new(Sim::default());
-        let app = Router::new()
-            .route("/v1/chat/completions", post(chat))
-            .with_state(Arc::clone(&sim));
-        let task = tokio::spawn(async move {
-            if let Err(e) = axum::serve(listener, app).await {
-                errln!("flotilla bench: the simulated provider stopped: {e}");
-            }
-        });
-        Ok(Self { addr, sim, task })
-    }
-
-    fn base_url(&self) -> String {
-        format!("http://{}/v1", self.addr)
-    }
-
-    fn set_delay(&self, d: Duration) {
-        self.sim
-            .delay_micros
-            .store(d.as_micros() as u64, Ordering::SeqCst);
-    }
-
-    /// (server nanoseconds, requests) so far.
-    fn totals(&self) -> (u64, u64) {
-        (
-            self.sim.server_nanos.load(Ordering::SeqCst),
-            self.sim.requests.load(Ordering::SeqCst),
-        )
-    }
-}
-
-async fn chat(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
-    let t0 = Instant::now();
-    sim.arrived.fetch_add(1, Ordering::SeqCst);
-    let response = answer(&sim, &body).await;
-    sim.server_nanos
-        .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::SeqCst);
-    sim.requests.fetch_add(1, Ordering::SeqCst);
-    response
-}
-
-async fn answer(sim: &Sim, body: &[u8]) -> Response {
-    let Ok(request) = serde_json::from_slice::<Value>(body) else {
-        sim.bad_requests.fetch_add(1, Ordering::SeqCst);
-        return (
-            StatusCode::BAD_REQUEST,
-            [(header::CONTENT_TYPE, "application/json")],
-            json!({"error": {"message": "the request body is not JSON", "type": "invalid_request_error"}}).to_string(),
-        )
-            .into_response();
-    };
-    let delay = sim.delay_micros.load(Ordering::SeqCst);
-    if delay > 0 {
-        tokio::time::sleep(Duration::from_micros(delay)).await;
-    }
-    let offers_state_get = request
-        .get("tools")
-        .and_then(Value::as_array)
-        .is_some_and(|tools| {
-            tools
-                .iter()
-                .any(|t| t.pointer("/function/name").and_then(Value::as_str) == Some("state_get"))
-        });
-    let has_tool_result = request
-        .get("messages")
-        .and_then(Value::as_array)
-        .is_some_and(|m| {
-            m.iter()
-                .any(|m| m.get("role").and_then(Value::as_str) == Some("tool"))
-        });
-    let tool_call = offers_state_get && !has_tool_result;
-    let model = request
-        .get("model")
-        .and_then(Value::as_str)
-        .unwrap_or("simulated")
-        .to_owned();
-    let usage = json!({"prompt_tokens": (body.len() / 4).max(1), "completion_tokens": 8, "total_tokens": (body.len() / 4).max(1) + 8});
-    let id = "chatcmpl-simulated";
-    let call = json!({"id": "call_0", "type": "function",
-                      "function": {"name": "state_get", "arguments": "{\"key\": \"figure\"}"}});
-    if request.get("stream").and_then(Value::as_bool) != Some(true) {
-        let mut message = json!({"role": "assistant", "content": if tool_call { Value::Null } else { REPLY.into() }});
-        if tool_call {
-            message["tool_calls"] = json!([call]);
-        }
-        let reply = json!({
-            "id": id, "object": "chat.completion", "created": 1_700_000_000u32, "model": model,
-            "choices": [{"index": 0, "message": message,
-                         "finish_reason": if tool_call { "tool_calls" } else { "stop" }}],
-            "usage": usage,
-        });
-        return (
-            StatusCode::OK,
-            [(header::CONTENT_TYPE, "application/json")],
-            reply.to_string(),
-        )
-            .into_response();
-    }
-    let include_usage = request
-        .pointer("/stream_options/include_usage")
-        .and_then(Value::as_bool)
-        == Some(true);
-    let chunk = |delta: Value, finish: Option<&str>| {
-        json!({"id": id, "object": "chat.completion.chunk", "created": 1_700_000_000u32,
-               "model": model, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
-    };
-    let mut events = vec![chunk(json!({"role": "assistant", "content": ""}), None)];
-    if tool_call {
-        events.push(chunk(
-            json!({"tool_calls": [{"index": 0, "id": "call_0", "type": "function",
-                                   "function": {"name": "state_get", "arguments": ""}}]}),
-            None,
-        ));
-        events.push(chunk(
-            json!({"tool_calls": [{"index": 0, "function": {"arguments": "{\"key\": \"figure\"}"}}]}),
-            None,
-        ));
-        events.push(chunk(json!({}), Some("tool_calls")));
-    } else {
-        for piece in REPLY.split_inclusive(' ') {
-            events.push(chunk(json!({"content": piece}), None));
-        }
-        events.push(chunk(json!({}), Some("stop")));
-    }
-    if include_usage {
-        events.push(
-            json!({"id": id, "object": "chat.completion.chunk", "created": 1_700_000_000u32,
-                           "model": model, "choices": [], "usage": usage}),
-        );
-    }
-    let mut frames: Vec<Result<Bytes, std::convert::Infallible>> = events
-        .iter()
-        .map(|e| Ok(Bytes::from(format!("data: {e}\n\n"))))
-        .collect();
-    frames.push(Ok(Bytes::from_static(b"data: [DONE]\n\n")));
-    Response::builder()
-        .status(StatusCode::OK)
-        .header(header::CONTENT_TYPE, "text/event-stream")
-        .header(header::CACHE_CONTROL, "no-cache")
-        .body(Body::from_stream(futures::stream::iter(frames)))
-        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
-}
 
 // ---------------------------------------------------------------------------------------
 // Figure 1: orchestration overhead per model call, in process.
@@ -475,7 +289,7 @@ async fn bare_puback(bus: &Bus, samples: usize) -> anyhow::Result<Vec<f64>> {
         ..Default::default()
     })
     .await?;
-    let payload = Bytes::from(
+    let payload = bytes::Bytes::from(
         json!({"type": "agent_step", "step": 0, "content": REPLY, "tool_calls": [],
                "usage": {"prompt_tokens": 100, "completion_tokens": 8}, "padding": "x".repeat(300)})
         .to_string(),
@@ -631,7 +445,7 @@ async fn pause_sample(
         subtasks: vec![Subtask::new("step", "Report the quarter's figure.").with_agent("stepper")],
         config: PlanConfig::default(),
     };
-    let arrived = || provider.sim.arrived.load(Ordering::SeqCst);
+    let arrived = || provider.arrived();
     let before = arrived();
     let run = client.submit(SubmitRequest::new(plan)).await?;
     let deadline = Instant::now() + ASK;
@@ -1007,7 +821,7 @@ pub(crate) async fn run(args: &LlmArgs, services: &Services, url: &str) -> anyho
             );
         }
     }
-    let bad = provider.sim.bad_requests.load(Ordering::SeqCst);
+    let bad = provider.bad_requests();
     if bad > 0 {
         outln!("   the simulated provider received {bad} requests that were not JSON");
     }

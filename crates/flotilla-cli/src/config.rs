@@ -48,6 +48,9 @@ pub(crate) struct Config {
     pub(crate) telemetry: TelemetryOptions,
     /// The web console: where it listens, identities and operators.
     pub(crate) console: flotilla_console::ConsoleOptions,
+    /// The NATS Agent Protocol: which agents the coordinators expose on the `agents` micro
+    /// service, under which owner, how often they beat.
+    pub(crate) agents_protocol: flotilla_agents::AgentsProtocolOptions,
     /// Directory of the config file: relative agent paths resolve against it.
     #[serde(skip)]
     pub(crate) base_dir: PathBuf,
@@ -69,6 +72,7 @@ impl Default for Config {
             hitl: flotilla_model::approval::HitlConfig::default(),
             telemetry: TelemetryOptions::default(),
             console: flotilla_console::ConsoleOptions::default(),
+            agents_protocol: flotilla_agents::AgentsProtocolOptions::default(),
             base_dir: PathBuf::from("."),
         }
     }
@@ -153,6 +157,7 @@ const TOP_LEVEL_KEYS: &[&str] = &[
     "supervisor",
     "telemetry",
     "console",
+    "agents-protocol",
 ];
 
 /// `FLOTILLA_*` variables that are not configuration: Flotilla's own (set for exec agents,
@@ -256,6 +261,15 @@ impl Config {
             .validate()
             .map_err(|e| anyhow::anyhow!("invalid [coordinator] section: {e}"))?;
         self.console.validate()?;
+        self.agents_protocol
+            .validate()
+            .map_err(|e| anyhow::anyhow!("invalid [agents-protocol] section: {e}"))?;
+        flotilla_agents::Exposer::addresses(
+            &self.agents_protocol,
+            self.nats.prefix.as_str(),
+            &self.exposed_agents(),
+        )
+        .map_err(|e| anyhow::anyhow!("{}", e.detail()))?;
         if let Some(p) = self.hitl.problems().first() {
             bail!("invalid [hitl] section: {p}");
         }
@@ -320,6 +334,19 @@ impl Config {
         self.agents
             .iter()
             .map(|(n, e)| (n.clone(), e.definition.clone()))
+            .collect()
+    }
+
+    /// The agent definitions the coordinators expose on the NATS Agent Protocol: those with
+    /// `expose = true`, or all with `[agents-protocol] expose-all`.
+    pub(crate) fn exposed_agents(&self) -> Vec<flotilla_agents::ExposedAgent> {
+        self.agents
+            .iter()
+            .filter(|(_, e)| e.expose || self.agents_protocol.expose_all)
+            .map(|(n, e)| flotilla_agents::ExposedAgent {
+                name: n.clone(),
+                card: e.card.clone(),
+            })
             .collect()
     }
 
@@ -452,6 +479,52 @@ mod tests {
         // without it (two services on one host: `auto` listeners).
         assert_eq!(loaded.telemetry, TelemetryOptions::default());
         assert_eq!(loaded.worker, WorkerOptions::default());
+        assert_eq!(
+            loaded.agents_protocol,
+            flotilla_agents::AgentsProtocolOptions::default()
+        );
+        assert!(
+            loaded.exposed_agents().is_empty(),
+            "nothing exposed unasked"
+        );
+    }
+
+    #[test]
+    fn exposed_agents_opt_in_and_need_distinct_tokens() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("f.toml");
+        let agents = "[agents.writer]\nkind = \"scripted\"\nexpose = true\nroles = [\"writer\"]\n[agents.quiet]\nkind = \"scripted\"\n";
+        std::fs::write(&path, agents).expect("write");
+        let c = load(Some(&path), None).expect("loads");
+        let names: Vec<String> = c.exposed_agents().into_iter().map(|a| a.name).collect();
+        assert_eq!(names, ["writer"]);
+        std::fs::write(
+            &path,
+            format!("{agents}[agents-protocol]\nexpose-all = true\n"),
+        )
+        .expect("write");
+        assert_eq!(
+            load(Some(&path), None)
+                .expect("loads")
+                .exposed_agents()
+                .len(),
+            2
+        );
+        for (extra, text) in [
+            (
+                "[agents.Writer]\nkind = \"scripted\"\nexpose = true\n",
+                "agent token",
+            ),
+            ("[agents-protocol]\nowner = \"Not A Token\"\n", "owner"),
+            (
+                "[agents.x]\nkind = \"scripted\"\nexpose = \"yes\"\n",
+                "expose",
+            ),
+        ] {
+            std::fs::write(&path, format!("{agents}{extra}")).expect("write");
+            let err = load(Some(&path), None).expect_err(extra);
+            assert!(err.to_string().contains(text), "{extra}: {err}");
+        }
     }
 
     #[test]

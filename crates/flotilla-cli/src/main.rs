@@ -105,6 +105,11 @@ enum Command {
         /// Run this plan to the end, print its result and exit with its status.
         #[arg(long, value_name = "PLAN")]
         submit: Option<PathBuf>,
+        /// With --submit: start the web console too (its URL is printed before the run
+        /// starts, to follow it there) and stay up after the run ends, until Ctrl-C; the exit
+        /// status is still the run's.
+        #[arg(long, requires = "submit")]
+        stay: bool,
         /// Serve /healthz, /readyz and /metrics here, `auto` or `off` (overrides
         /// telemetry.http-addr; default auto: port 9464, or the next free one; with --submit,
         /// off unless given).
@@ -355,7 +360,7 @@ fn service_name(command: &Command) -> Option<&'static str> {
         Command::Worker { .. } => Some("flotilla-worker"),
         Command::Supervisor { .. } => Some("flotilla-supervisor"),
         Command::Console { .. } => Some("flotilla-console"),
-        Command::Up { submit: None, .. } => Some("flotilla-up"),
+        Command::Up { submit: None, .. } | Command::Up { stay: true, .. } => Some("flotilla-up"),
         _ => None,
     }
 }
@@ -516,6 +521,7 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
             concurrency,
             data_dir,
             submit,
+            stay,
             http_addr,
         } => {
             let mut c = load()?;
@@ -524,16 +530,18 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
                 c.validate()?;
             }
             // A one-shot `up --submit` is a command, not a service: it listens only when asked.
+            // (`--stay` makes it a service again.)
             c.telemetry.http_addr = match (http_addr, &submit) {
                 (Some(a), _) => a,
-                (None, Some(_)) => HttpAddr::Off,
-                (None, None) => c.telemetry.http_addr,
+                (None, Some(_)) if !stay => HttpAddr::Off,
+                (None, _) => c.telemetry.http_addr,
             };
             let embedded = cli.nats_url.is_none();
             let opts = commands::services::UpOptions {
                 workers,
                 data_dir,
                 submit,
+                stay,
                 embedded,
             };
             commands::services::up(c, opts).await

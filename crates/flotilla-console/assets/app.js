@@ -54,6 +54,7 @@ async function api(path, opts = {}) {
     const e = new Error((data && (data.message || data.error)) || r.statusText);
     e.status = r.status;
     e.code = data && (data.error || data.code);
+    e.data = data;
     throw e;
   }
   return data;
@@ -74,6 +75,13 @@ function live(url, handlers) {
   cleanup.push(() => es.close());
   return es;
 }
+
+// Resolves when the page has a moment (at most 250 ms later): work that can wait lets the
+// next frame of a stream be drawn first.
+const idle = () => new Promise((resolve) => {
+  if (window.requestIdleCallback) requestIdleCallback(() => resolve(), { timeout: 250 });
+  else setTimeout(resolve, 0);
+});
 
 function every(ms, fn) {
   const id = setInterval(fn, ms);
@@ -124,26 +132,41 @@ function setQuery(path, params) {
 
 // A virtualised list: only the rows in view (plus a margin) are in the DOM, so 10,000 runs
 // or a long event stream stay smooth. `row(i)` returns the HTML of row i (or null: not loaded).
+// Rows are kept by index between draws: a draw adds the rows that came into view, removes
+// those that left it and rewrites only a row whose HTML changed (a reply streaming in).
 function vlist(container, rowHeight, count, row, onMissing) {
   container.innerHTML = '';
   const spacer = h('<div class="spacer"></div>');
   container.appendChild(spacer);
+  const cls = container.dataset.rowClass || 'vrow';
+  const shownRows = new Map(); // index -> element
   let n = count;
-  const render = () => {
+  const render = (toEnd = false) => {
     spacer.style.height = `${n * rowHeight}px`;
+    if (toEnd) container.scrollTop = n * rowHeight;
     const top = container.scrollTop;
     const first = Math.max(0, Math.floor(top / rowHeight) - 10);
     const last = Math.min(n, Math.ceil((top + container.clientHeight) / rowHeight) + 10);
-    const parts = [];
+    for (const [i, el] of shownRows) {
+      if (i < first || i >= last) { el.remove(); shownRows.delete(i); }
+    }
     let missing = -1;
     for (let i = first; i < last; i++) {
       const html = row(i);
       if (html == null && missing < 0) missing = i;
-      parts.push(`<div class="${container.dataset.rowClass || 'vrow'}" data-i="${i}">${html ?? '<span class="muted">…</span>'}</div>`);
+      const want = html ?? '<span class="muted">…</span>';
+      let el = shownRows.get(i);
+      if (!el) {
+        el = document.createElement('div');
+        el.className = cls;
+        el.dataset.i = i;
+        // Positions through the CSSOM: the Content-Security-Policy forbids inline style attributes.
+        el.style.top = `${i * rowHeight}px`;
+        spacer.appendChild(el);
+        shownRows.set(i, el);
+      }
+      if (el.drawn !== want) { el.innerHTML = want; el.drawn = want; }
     }
-    spacer.innerHTML = parts.join('');
-    // Positions through the CSSOM: the Content-Security-Policy forbids inline style attributes.
-    for (const el of spacer.children) el.style.top = `${el.dataset.i * rowHeight}px`;
     if (missing >= 0 && onMissing) onMissing(missing);
   };
   let raf = 0;
@@ -153,8 +176,11 @@ function vlist(container, rowHeight, count, row, onMissing) {
   return {
     setCount(c) { n = c; schedule(); },
     refresh: schedule,
+    // Now, inside a frame callback that batches changes (a frame requested from a frame
+    // callback would draw one frame late); `toEnd` scrolls to the last row first.
+    renderNow(c = n, toEnd = false) { n = c; render(toEnd); },
     atBottom: () => container.scrollTop + container.clientHeight >= container.scrollHeight - 2 * rowHeight,
-    toBottom() { container.scrollTop = container.scrollHeight; },
+    toBottom() { render(true); },
   };
 }
 
@@ -167,7 +193,7 @@ async function viewRuns() {
     <h1>Runs <span id="runs-total" class="muted"></span></h1>
     <div class="filters">
       <select id="f-status" title="status">
-        ${['', 'accepted', 'running', 'paused', 'taken_over', 'succeeded', 'failed', 'cancelled', 'rejected']
+        ${['', 'pending', 'running', 'paused', 'human_control', 'succeeded', 'failed', 'cancelled', 'rejected']
           .map((s) => `<option value="${s}" ${s === f.status ? 'selected' : ''}>${s || 'any status'}</option>`).join('')}
       </select>
       <input id="f-label" placeholder="label key=value" value="${esc(f.label)}">
@@ -287,21 +313,32 @@ function flattenTree(node, depth = 0, out = []) {
   return out;
 }
 
-// The plan's DAG: tasks in columns by dependency depth, coloured by state.
-function dag(plan, tasks) {
-  if (!plan || !plan.subtasks || !plan.subtasks.length) return '<p class="muted">No plan yet.</p>';
+// The plan's DAG: tasks in columns by dependency depth, coloured by state. The layout is drawn
+// once per plan; a state change patches its node in place (a 1,000-task plan is not redrawn
+// every time a task moves).
+function dagLayout(plan) {
   const byId = new Map(plan.subtasks.map((t) => [t.id, t]));
   const level = new Map();
-  const depth = (id, seen = new Set()) => {
-    if (level.has(id)) return level.get(id);
-    if (seen.has(id)) return 0;
-    seen.add(id);
-    const t = byId.get(id);
-    const d = t && t.dependencies && t.dependencies.length ? 1 + Math.max(...t.dependencies.map((x) => depth(x, seen))) : 0;
-    level.set(id, d);
-    return d;
-  };
-  plan.subtasks.forEach((t) => depth(t.id));
+  // Iterative depth (a 1,000-long chain would overflow a recursive one): each task's level is
+  // one more than its deepest dependency's.
+  for (const root of plan.subtasks) {
+    const stack = [[root.id, false]];
+    const open = new Set();
+    while (stack.length) {
+      const [id, expanded] = stack.pop();
+      if (level.has(id)) continue;
+      const deps = ((byId.get(id) || {}).dependencies || []).filter((d) => byId.has(d));
+      if (expanded || !deps.length) {
+        open.delete(id);
+        level.set(id, deps.length ? 1 + Math.max(...deps.map((d) => level.get(d) ?? 0)) : 0);
+        continue;
+      }
+      if (open.has(id)) { level.set(id, 0); continue; } // a cycle: validation refuses these
+      open.add(id);
+      stack.push([id, true]);
+      for (const d of deps) if (!level.has(d)) stack.push([d, false]);
+    }
+  }
   const cols = [];
   for (const t of plan.subtasks) (cols[level.get(t.id)] ||= []).push(t.id);
   const W = 150, H = 30, GX = 40, GY = 12;
@@ -309,7 +346,6 @@ function dag(plan, tasks) {
   cols.forEach((ids, c) => ids.forEach((id, r) => pos.set(id, { x: 10 + c * (W + GX), y: 10 + r * (H + GY) })));
   const height = 20 + Math.max(...cols.map((c) => c.length)) * (H + GY);
   const width = 20 + cols.length * (W + GX);
-  const state = new Map((tasks || []).map((t) => [t.task_id, t.status]));
   let svg = '';
   for (const t of plan.subtasks) {
     for (const d of t.dependencies || []) {
@@ -319,12 +355,33 @@ function dag(plan, tasks) {
   }
   for (const t of plan.subtasks) {
     const p = pos.get(t.id);
-    const s = state.get(t.id) || 'waiting';
-    svg += `<g class="t-${esc(s)}" data-task="${esc(t.id)}" data-state="${esc(s)}"><rect x="${p.x}" y="${p.y}" width="${W}" height="${H}"/>
+    svg += `<g class="t-waiting" data-task="${esc(t.id)}" data-state="waiting"><rect x="${p.x}" y="${p.y}" width="${W}" height="${H}"/>
       <text x="${p.x + 6}" y="${p.y + 13}">${esc(String(t.id).slice(0, 22))}</text>
-      <text x="${p.x + 6}" y="${p.y + 25}" fill="#6b7280">${esc(s)}</text></g>`;
+      <text x="${p.x + 6}" y="${p.y + 25}" fill="#6b7280">waiting</text></g>`;
   }
   return `<svg viewBox="0 0 ${width} ${height}" height="${Math.min(height, 400)}" preserveAspectRatio="xMinYMin meet">${svg}</svg>`;
+}
+
+function drawDag(root, plan, tasks) {
+  if (!root) return;
+  if (!plan || !plan.subtasks || !plan.subtasks.length) {
+    set('#dag', '<p class="muted">No plan yet.</p>');
+    root.dagKey = null;
+    return;
+  }
+  const key = plan.subtasks.map((t) => `${t.id}<${(t.dependencies || []).join(',')}`).join(';');
+  if (root.dagKey !== key) {
+    set('#dag', dagLayout(plan));
+    root.dagKey = key;
+    root.dagNodes = new Map([...root.querySelectorAll('g[data-task]')].map((g) => [g.dataset.task, g]));
+  }
+  for (const t of tasks || []) {
+    const g = root.dagNodes.get(t.task_id);
+    if (!g || g.dataset.state === t.status) continue;
+    g.dataset.state = t.status;
+    g.setAttribute('class', `t-${t.status}`);
+    g.lastElementChild.textContent = t.status;
+  }
 }
 
 function eventLine(pe) {
@@ -357,6 +414,9 @@ function eventLine(pe) {
   return { text: `${t} ${indent}[${who}] ${what}`, cls };
 }
 
+const TREE_ROW = 22;
+const TASK_ROW = 30;
+
 async function viewRun(runId) {
   const q = query();
   const profile = q.get('profile') || 'user';
@@ -366,14 +426,23 @@ async function viewRun(runId) {
       <div><h1 id="run-title">Run <span class="mono">${esc(runId)}</span></h1>
         <div id="run-meta" class="muted"></div></div>
       <div class="actions">
-        ${['pause', 'resume', 'takeover', 'cancel'].map((a) => `<button data-action="${a}" class="${a === 'cancel' ? 'danger' : ''}" ${me.operator ? '' : 'disabled title="operators only"'}>${a}</button>`).join('')}
+        <label class="muted" title="how long a pause or takeover lasts before its default (empty: the deployment's default)">for <input id="hold-min" type="number" min="1" placeholder="default" ${me.operator ? '' : 'disabled'}> min</label>
+        ${['pause', 'resume', 'takeover', 'edit', 'cancel'].map((a) => `<button data-action="${a}" class="${a === 'cancel' ? 'danger' : ''}" ${a === 'edit' ? 'hidden' : ''} ${me.operator ? '' : 'disabled title="operators only"'}>${a === 'edit' ? 'edit plan…' : a}</button>`).join('')}
+        <label class="muted" title="compensate the tasks that succeeded, in reverse dependency order"><input type="checkbox" id="rollback" ${me.operator ? '' : 'disabled'}> rollback</label>
       </div>
     </div>
+    <div id="edit-plan" class="card" hidden>
+      <h2>Edit the plan</h2>
+      <p class="muted">The whole plan as it should run from here: tasks that started stay as they are, waiting tasks may change, new tasks may be appended.</p>
+      <textarea id="plan-text" class="mono" rows="16" spellcheck="false"></textarea>
+      <div class="filters"><button id="plan-save" class="primary">Save the plan</button><button id="plan-close">Close</button><span id="plan-problems" class="error-text"></span></div>
+    </div>
     <div id="run-inbox"></div>
+    <div id="grants"></div>
     <div class="cols">
       <div>
-        <div class="card"><h2>Tree <span id="tree-count" class="muted"></span></h2><div id="tree" class="tree"></div></div>
-        <div class="card"><h2>Tasks</h2><div id="tasks"></div></div>
+        <div class="card"><h2>Tree <span id="tree-count" class="muted"></span></h2><div id="tree" class="tree vlist" data-row-class="trow"></div></div>
+        <div class="card"><h2>Tasks <span id="tasks-count" class="muted"></span></h2><div class="vhead tasks-grid"><span>TASK</span><span>STATUS</span><span>ATTEMPTS</span><span>POOL</span><span>DETAIL</span></div><div id="tasks" class="vlist tasks" data-row-class="vrow tasks-grid"></div><div id="result"></div></div>
       </div>
       <div>
         <div class="card dag"><h2>Plan</h2><div id="dag"></div></div>
@@ -389,7 +458,7 @@ async function viewRun(runId) {
           </div>
           <div id="pane-ws" hidden><div id="ws"></div></div>
           <div id="pane-mbox" hidden><div class="filters">mailbox of task <select id="mbox-reader"></select></div><div id="mbox"></div></div>
-          <div id="pane-state" hidden><div class="filters">key <input id="state-key" placeholder="a session-state key"><button id="state-get">Read</button></div><div id="state"></div></div>
+          <div id="pane-state" hidden><div id="state-keys" class="filters"></div><div class="filters">key <input id="state-key" placeholder="a session-state key"><button id="state-get">Read</button></div><div id="state"></div></div>
         </div>
       </div>
     </div>`;
@@ -405,7 +474,22 @@ async function viewRun(runId) {
   $('#tab-ws').onclick = () => { show('ws'); loadWorkspace(runId); };
   $('#tab-mbox').onclick = () => { show('mbox'); loadMailbox(runId); };
   $('#mbox-reader').onchange = () => loadMailbox(runId);
-  $('#tab-state').onclick = () => show('state');
+  // The session's keys (`state.list`), each a button that reads it.
+  $('#tab-state').onclick = async () => {
+    show('state');
+    try {
+      const k = await api(`/api/runs/${runId}/state`);
+      set('#state-keys', k.keys.length
+        ? `keys of session <span class="mono">${esc(short(k.session_id))}</span>: ${k.keys.map((x) => `<button class="mono" data-state-key="${esc(x)}">${esc(x)}</button>`).join(' ')}`
+        : '<span class="muted">No keys are set in this run\'s session.</span>');
+    } catch (e) { set('#state-keys', `<span class="muted">${esc(e.message)}</span>`); }
+  };
+  $('#state-keys').addEventListener('click', (ev) => {
+    const b = ev.target.closest('[data-state-key]');
+    if (!b) return;
+    $('#state-key').value = b.dataset.stateKey;
+    $('#state-get').click();
+  });
   $('#state-get').onclick = async () => {
     const key = $('#state-key').value.trim();
     if (!key) return;
@@ -414,25 +498,82 @@ async function viewRun(runId) {
       set('#state', `<div class="kv"><span>revision</span><span>${v.revision}</span><span>written</span><span>${time(v.ts)}</span></div><pre class="mono">${esc(JSON.stringify(v.value, null, 2))}</pre>`);
     } catch (e) { set('#state', `<p class="muted">${esc(e.message)}</p>`); }
   };
+  let currentPlan = null;
   main().querySelectorAll('[data-action]').forEach((b) => {
     b.onclick = async () => {
       const action = b.dataset.action;
-      if (action === 'cancel' && !confirm('Cancel this run?')) return;
+      if (action === 'edit') {
+        $('#plan-text').value = JSON.stringify(currentPlan || {}, null, 2);
+        set('#plan-problems', '');
+        $('#edit-plan').hidden = false;
+        return;
+      }
+      const rollback = $('#rollback').checked;
+      if (action === 'cancel' && !confirm(`Cancel this run${rollback ? ' and roll back what it did' : ''}?`)) return;
+      const body = { reason: 'from the console' };
+      const minutes = parseInt($('#hold-min').value, 10);
+      if ((action === 'pause' || action === 'takeover') && minutes > 0) body.timeout_ms = minutes * 60000;
+      if (action === 'cancel') body.rollback = rollback;
       try {
-        const r = await api(`/api/runs/${runId}/${action}`, { body: { reason: `from the console` } });
+        const r = await api(`/api/runs/${runId}/${action}`, { body });
         toast(`${action}: ${r.applied === false ? `already ${r.status}` : 'done'}`);
         refreshRun();
       } catch (e) { toast(`${action}: ${e.message}`, true); }
     };
   });
+  $('#plan-close').onclick = () => { $('#edit-plan').hidden = true; };
+  $('#plan-save').onclick = async () => {
+    let plan;
+    try { plan = JSON.parse($('#plan-text').value); } catch (e) { set('#plan-problems', esc(`not JSON: ${e.message}`)); return; }
+    try {
+      const r = await api(`/api/runs/${runId}/edit`, { body: { plan, reason: 'edited in the console' } });
+      toast(`plan edited${r.changed ? `: ${r.changed.length} task(s) changed` : ''}`);
+      $('#edit-plan').hidden = true;
+      refreshRun();
+    } catch (e) {
+      const problems = (e.data && e.data.problems) || [];
+      set('#plan-problems', esc([e.message, ...problems.map((p) => p.message || JSON.stringify(p))].join(' · ')));
+    }
+  };
+  // The tools approved for the rest of the run's session, each revocable.
+  const loadGrants = async (session) => {
+    if (!session) return;
+    try {
+      const g = await api(`/api/runs/${runId}/grants`);
+      const off = me.operator ? '' : 'disabled title="operators only"';
+      set('#grants', g.grants.length ? `<div class="card"><h2>Approved for this session</h2><table><tr><th>TOOL</th><th>BY</th><th>AT</th><th>COMMENT</th><th></th></tr>
+        ${g.grants.map((x) => `<tr data-grant="${esc(x.tool)}"><td class="mono">${esc(x.tool)}</td><td>${esc(x.by)}</td><td>${time(x.at)}</td><td class="muted">${esc(x.comment || '')}</td>
+          <td><button data-revoke="${esc(x.tool)}" ${off}>revoke</button></td></tr>`).join('')}</table></div>` : '');
+    } catch (e) { set('#grants', `<p class="muted">${esc(e.message)}</p>`); }
+  };
+  $('#grants').addEventListener('click', async (ev) => {
+    const b = ev.target.closest('[data-revoke]');
+    if (!b) return;
+    try {
+      await api(`/api/runs/${runId}/revoke`, { body: { tool: b.dataset.revoke } });
+      toast(`revoked: ${b.dataset.revoke} waits for a person again`);
+    } catch (e) { toast(`revoke: ${e.message}`, true); }
+    loadGrants(sessionOf);
+  });
+  let sessionOf = null;
+  const answered = () => loadGrants(sessionOf);
+  window.addEventListener('flotilla:answered', answered);
+  cleanup.push(() => window.removeEventListener('flotilla:answered', answered));
 
   // A task's own pause and resume, and completing a task of a run under human control.
   $('#tasks').addEventListener('click', async (ev) => {
     const b = ev.target.closest('[data-task-action]');
     if (!b) return;
     const action = b.dataset.taskAction;
-    const task = b.closest('tr').dataset.task;
+    const task = b.closest('[data-task]').dataset.task;
     const body = { task, reason: 'from the console' };
+    if (action === 'pause') {
+      const m = prompt(`Pause task ${task} for how many minutes? (empty: the default, 24 h)`, '');
+      if (m == null) return;
+      const minutes = parseInt(m, 10);
+      if (m.trim() && !(minutes > 0)) { toast(`not a number of minutes: ${m}`, true); return; }
+      if (minutes > 0) body.timeout_ms = minutes * 60000;
+    }
     if (action === 'complete') {
       const result = prompt(`The result of task ${task}:`);
       if (result == null) return;
@@ -446,9 +587,12 @@ async function viewRun(runId) {
   });
 
   let ended = false;
-  const refreshRun = async () => {
+  // The run's record, tasks and DAG; its tree and what waits for a person when asked. Drawn
+  // when the page is idle (events streaming in are drawn first).
+  const readRun = async ({ tree: withTree = true, inbox = true } = {}) => {
     try {
       const { view, plan } = await api(`/api/runs/${runId}`);
+      await idle();
       if (!$('#run-title')) return; // the person moved on
       const r = view.record;
       set('#run-title', `${esc(r.name || 'Run')} ${status(r.status)} <span class="mono muted">${esc(runId)}</span>`);
@@ -458,6 +602,11 @@ async function viewRun(runId) {
         ${r.handle.parent_run_id ? ` · parent <a href="#/run/${r.handle.parent_run_id}">${short(r.handle.parent_run_id)}</a>` : ''}
         ${labels ? ` · ${esc(labels)}` : ''}${r.outcome && r.outcome.reason ? ` · ${esc(r.outcome.reason)}` : ''}`);
       const going = !terminal(r.status);
+      currentPlan = view.plan || plan;
+      // A plan is edited while the run is under human control (taken over).
+      const edit = main().querySelector('[data-action="edit"]');
+      if (edit) edit.hidden = r.status !== 'human_control';
+      sessionOf = r.session_id || null;
       const off = me.operator ? '' : 'disabled title="operators only"';
       const taskActions = (t) => {
         if (!going || taskDone(t.status)) return '';
@@ -473,11 +622,14 @@ async function viewRun(runId) {
         t.paused_until ? `paused until ${time(t.paused_until)}` : '',
         t.error ? (t.error.message || JSON.stringify(t.error)) : (t.skip_reason || ''),
       ].filter(Boolean).join(' · ');
-      set('#tasks', `<table><tr><th>TASK</th><th>STATUS</th><th>ATTEMPTS</th><th>POOL</th><th>DETAIL</th><th></th></tr>
-        ${view.tasks.map((t) => `<tr data-task="${esc(t.task_id)}"><td>${esc(t.task_id)}</td><td>${status(t.status)}</td><td>${t.attempts}</td><td>${esc(t.pool || '-')}</td>
-          <td class="muted">${esc(detail(t))}</td><td class="task-actions">${taskActions(t)}</td></tr>`).join('')}</table>
-        ${r.outcome && r.outcome.final_result ? `<h2>Result</h2><pre class="mono">${esc(r.outcome.final_result.response)}</pre>` : ''}`);
-      set('#dag', dag(view.plan || plan, view.tasks));
+      // Virtualised like the events: a 1,000-task run draws the rows in view.
+      taskRows = view.tasks.map((t) => `<div class="task" data-task="${esc(t.task_id)}"><span class="mono">${esc(t.task_id)}</span>${status(t.status)}<span>${t.attempts}</span><span>${esc(t.pool || '-')}</span>
+          <span title="${esc(detail(t))}"><span class="task-actions">${taskActions(t)}</span> <span class="muted">${esc(detail(t))}</span></span></div>`);
+      ($('#tasks-count') || {}).textContent = `${view.tasks.length}`;
+      $('#tasks').style.height = `${Math.min(taskRows.length * TASK_ROW + 2, 420)}px`;
+      tasksList.renderNow(taskRows.length);
+      set('#result', r.outcome && r.outcome.final_result ? `<h2>Result</h2><pre class="mono">${esc(r.outcome.final_result.response)}</pre>` : '');
+      drawDag($('#dag'), view.plan || plan, view.tasks);
       const readers = $('#mbox-reader');
       if (readers && readers.options.length !== view.tasks.length) {
         const was = readers.value;
@@ -486,28 +638,61 @@ async function viewRun(runId) {
       }
       ended = terminal(r.status);
     } catch (e) { toast(e.message, true); }
+    if (inbox) { loadInbox(runId, $('#run-inbox')); loadGrants(sessionOf); }
+    if (!withTree) return;
     try {
       const t = await api(`/api/runs/${runId}/tree`);
+      await idle();
       const rows = flattenTree(t.root);
       ($('#tree-count') || {}).textContent = `${t.runs} run(s)${t.omitted ? `, ${t.omitted} not listed` : ''}`;
-      set('#tree', rows.map(({ node, depth }) => `<div class="node d${Math.min(depth, 12)}" data-run="${node.run_id}">
-        ${depth ? '└ ' : ''}<a href="#/run/${node.run_id}">${esc(node.agent || node.name || short(node.run_id))}</a> ${status(node.status)}
-        <span class="muted">${ms(node.duration_ms)} · ${node.usage.prompt_tokens + node.usage.completion_tokens} tok${node.subtree_usage.cost_usd ? ` · $${node.subtree_usage.cost_usd.toFixed(4)}` : ''}</span></div>`).join(''));
+      treeRows = rows;
+      // Virtualised: a 1,000-run tree keeps only the rows in view in the page.
+      $('#tree').style.height = `${Math.min(rows.length * TREE_ROW + 2, 360)}px`;
+      tree.renderNow(rows.length);
     } catch (e) { /* the run may not be recorded yet */ }
-    loadInbox(runId, $('#run-inbox'));
   };
+  // One refresh at a time, and a large run's (a long read: a 1,000-run tree) at most every
+  // four times its duration: the page keeps drawing events in between.
+  let busy = null;
+  let lastTook = 0;
+  let lastAt = 0;
+  const refreshRun = (parts) => {
+    if (busy) return busy;
+    const t0 = performance.now();
+    busy = readRun(parts).finally(() => { busy = null; lastTook = performance.now() - t0; lastAt = performance.now(); });
+    return busy;
+  };
+  const tree = vlist($('#tree'), TREE_ROW, 0, (i) => {
+    const { node, depth } = treeRows[i] || {};
+    if (!node) return '';
+    return `<div class="node d${Math.min(depth, 12)}" data-run="${node.run_id}">${depth ? '└ ' : ''}<a href="#/run/${node.run_id}">${esc(node.agent || node.name || short(node.run_id))}</a> ${status(node.status)}
+        <span class="muted">${ms(node.duration_ms)} · ${node.usage.prompt_tokens + node.usage.completion_tokens} tok${node.subtree_usage.cost_usd ? ` · $${node.subtree_usage.cost_usd.toFixed(4)}` : ''}</span></div>`;
+  });
+  let treeRows = [];
+  let taskRows = [];
+  const tasksList = vlist($('#tasks'), TASK_ROW, 0, (i) => taskRows[i] ?? '');
   await refreshRun();
-  const refreshSoon = debounce(500, refreshRun);
-  // Tree and tasks follow the run's record changes (and its children's).
+  // At most once a second, and for a large run at most every 4× its read (see refreshRun).
+  // The tree is read again when a run under this one changed; the inbox has its own stream.
+  let treeChanged = false;
+  const refreshSoon = debounce(1000, () => {
+    if (performance.now() - lastAt < 3 * lastTook) { refreshSoon(); return; }
+    refreshRun({ tree: treeChanged, inbox: false });
+    treeChanged = false;
+  });
+  // Tasks follow the run's record changes, the tree its children's.
   live('/api/runs/stream', {
     run: (m) => {
       const c = JSON.parse(m.data);
       const h2 = c.record && c.record.handle;
-      if (h2 && (h2.run_id === runId || h2.root_run_id === runId || h2.parent_run_id === runId)) refreshSoon();
+      if (!h2) return;
+      if (h2.run_id === runId) refreshSoon();
+      else if (h2.root_run_id === runId || h2.parent_run_id === runId) { treeChanged = true; refreshSoon(); }
     },
   });
-  live('/api/inbox/stream', { inbox: () => loadInbox(runId, $('#run-inbox')) });
-  every(2000, () => { if (!ended) refreshRun(); });
+  live('/api/inbox/stream', { inbox: () => { loadInbox(runId, $('#run-inbox')); loadGrants(sessionOf); } });
+  // Durations tick while the run goes on.
+  every(2000, () => { if (!ended && performance.now() - lastAt >= 3 * lastTook) refreshRun({ inbox: false }); });
 
   // Events: the `flotilla watch` projection, streamed; replies stream in as increments.
   const lines = [];
@@ -517,12 +702,23 @@ async function viewRun(runId) {
     const l = lines[i];
     return l ? `<span class="${l.cls}" title="${esc(l.text)}">${esc(l.text)}</span>` : '';
   });
+  // Follow the end unless the person scrolled up; read on scroll, not per event (reading the
+  // layout per event would force one per event in a burst).
+  let follow = true;
+  box.addEventListener('scroll', () => { follow = list.atBottom(); });
+  // Events are drawn once per frame, however many arrived in it.
+  let frame = 0;
+  const draw = () => {
+    frame = 0;
+    ($('#events-state') || {}).textContent = `${lines.length} events · ${streamEnded ? 'the run ended' : 'live'}`;
+    list.renderNow(lines.length, follow);
+  };
+  let streamEnded = false;
   const es = live(`/api/runs/${runId}/events?profile=${profile}&children=${children}`, {
     event: (m) => {
       const pe = JSON.parse(m.data);
       const ev = pe.event.event;
       const key = `${pe.run_id}/${pe.event.task_id || ''}`;
-      const follow = list.atBottom();
       if (ev.type === 'assistant_reply' && !ev.final) {
         const i = streaming.get(key);
         if (i !== undefined) {
@@ -540,15 +736,17 @@ async function viewRun(runId) {
       } else {
         lines.push(eventLine(pe));
       }
-      ($('#events-state') || {}).textContent = `${lines.length} events · live`;
-      list.setCount(lines.length);
-      if (follow) requestAnimationFrame(() => list.toBottom());
-      // For extensions and measurements: each projected event once it is on the page.
+      if (!frame) frame = requestAnimationFrame(draw);
+      // For extensions and measurements: each projected event once handled (drawn in the
+      // next frame).
       window.dispatchEvent(new CustomEvent('flotilla:event', { detail: pe }));
       if (ev.type === 'workflow' || ev.type === 'agent_run_started') refreshSoon();
     },
     end: () => {
-      ($('#events-state') || {}).textContent = `${lines.length} events · the run ended`;
+      streamEnded = true;
+      ended = true;
+      if (frame) { cancelAnimationFrame(frame); frame = 0; }
+      draw();
       es.close();
       refreshRun();
     },
@@ -638,6 +836,7 @@ function wireApprovals(root, records, reload) {
           const a = r.record.answer;
           toast(r.outcome === 'decided' ? `${a.decision} by ${a.by}` : `already decided: ${a ? `${a.decision} by ${a.by}` : r.record.status}`);
           reload();
+          window.dispatchEvent(new CustomEvent('flotilla:answered'));
         } catch (e) { toast(`${decision}: ${e.message}`, true); }
       };
     });

@@ -2,8 +2,13 @@
 // protocol client). Started by `tests/console.rs` (in_a_real_browser) against real services:
 // it prints `SUBMIT` when the runs page is open and reads the run id the test submitted.
 // Checks: the run appears and its tree and DAG fill live; reload mid-run shows the same
-// state; a task is paused and resumed from the tasks table; a viewer cannot approve (the
-// button is off and the API refuses); the operator's approval in the page resumes the run.
+// state; a task is paused for a chosen time and resumed from the tasks table; a viewer cannot
+// approve (the button is off and the API refuses); the operator's approval in the page
+// resumes the run. A second run (SUBMIT2): "always" refused for an action, a takeover for a
+// chosen time, a plan edit refused then saved, both tasks completed by hand. A third
+// (SUBMIT3): rejected as an incident.
+// Lines: SUBMIT, SUBMIT2, SUBMIT3 (the test answers with the run id), CHECK3 (it answers
+// once it has checked the incident).
 // Writes docs/screenshots/console-*.png.
 
 import { chromium } from 'playwright-core';
@@ -117,17 +122,25 @@ try {
   await alice.click('#tab-mbox');
   await alice.waitForSelector('#mbox p, #mbox table');
   await alice.click('#tab-state');
+  await until(alice, () => document.querySelector('#state-keys').textContent.length > 0);
   await alice.fill('#state-key', 'draft');
   await alice.click('#state-get');
   await alice.waitForSelector('#state p, #state pre');
   check(true, 'workspace, mailboxes and session state answer');
   await alice.click('#tab-events');
-  // One task paused and resumed from the tasks table (`run.pause`/`run.resume` with `task_id`).
-  await alice.click('#tasks tr[data-task="announce"] button[data-task-action="pause"]');
-  await until(alice, () => /paused until/.test(document.querySelector('#tasks tr[data-task="announce"]').textContent));
-  await alice.click('#tasks tr[data-task="announce"] button[data-task-action="resume"]');
-  await alice.waitForSelector('#tasks tr[data-task="announce"] button[data-task-action="pause"]');
-  check(!/paused until/.test(await alice.textContent('#tasks tr[data-task="announce"]')), 'a task is paused and resumed from the tasks table');
+  // One task paused (for a chosen 5 minutes) and resumed from the tasks table
+  // (`run.pause`/`run.resume` with `task_id` and `timeout_ms`).
+  alice.once('dialog', (d) => d.accept('5'));
+  await alice.click('#tasks [data-task="announce"] button[data-task-action="pause"]');
+  await until(alice, () => /paused until/.test(document.querySelector('#tasks [data-task="announce"]').textContent));
+  const pausedFor = await alice.evaluate(async (r) => {
+    const { view } = await (await fetch(`/api/runs/${r}`)).json();
+    return Date.parse(view.tasks.find((t) => t.task_id === 'announce').paused_until) - Date.now();
+  }, run);
+  check(pausedFor > 4 * 60000 && pausedFor <= 5 * 60000, `the task is paused for the 5 minutes chosen (${Math.round(pausedFor / 1000)} s left)`);
+  await alice.click('#tasks [data-task="announce"] button[data-task-action="resume"]');
+  await alice.waitForSelector('#tasks [data-task="announce"] button[data-task-action="pause"]');
+  check(!/paused until/.test(await alice.textContent('#tasks [data-task="announce"]')), 'a task is paused and resumed from the tasks table');
 
   // A viewer sees the request but cannot approve it: the buttons are off and the API refuses.
   const bob = await signIn(process.env.BOB_TOKEN);
@@ -167,6 +180,56 @@ try {
   await until(alice, () => location.hash.includes('children=flatten'));
   await until(alice, () => [...document.querySelectorAll('#events .ev span')].some((e) => /\[(writer|checker)·[0-9a-f]{8}\]/.test(e.title)));
   check(true, 'children=flatten shows the child runs\' events, attributed to their agents');
+
+  // A second run, in a session: `always` is refused for an action (it approves a tool for
+  // the session; the page says why), the operator takes the run over for 5 minutes, a bad
+  // plan edit is refused with its problems, a good one is recorded, and she completes both
+  // tasks by hand.
+  console.log('SUBMIT2');
+  const run2 = (await nextLine()).trim();
+  await alice.goto(`${url}/#/run/${run2}`);
+  const card2 = await alice.waitForSelector('#run-inbox .approval[data-approval]');
+  await alice.check('#run-inbox .approval input.always');
+  await alice.click('#run-inbox .approval button[data-decision="approve"]');
+  await until(alice, () => /always_not_applicable|approves a tool for the session/.test(document.querySelector('#toast').textContent));
+  check(await card2.isVisible(), '"always" on an action is refused and the request still waits');
+  await alice.fill('#hold-min', '5');
+  await alice.click('[data-action="takeover"]');
+  await alice.waitForSelector('#run-title [data-status="human_control"]');
+  await alice.waitForSelector('[data-action="edit"]:not([hidden])');
+  check(true, 'the run is taken over and its plan can be edited');
+  await alice.click('[data-action="edit"]');
+  const planText = await alice.inputValue('#plan-text');
+  const plan2 = JSON.parse(planText);
+  await alice.fill('#plan-text', JSON.stringify({ ...plan2, subtasks: plan2.subtasks.slice(1) }));
+  await alice.click('#plan-save');
+  await until(alice, () => document.querySelector('#plan-problems').textContent.length > 0);
+  check(!await alice.isHidden('#edit-plan'), `a plan edit that drops a task is refused: ${await alice.textContent('#plan-problems')}`);
+  plan2.subtasks.find((t) => t.id === 'announce').description = 'tell everyone, edited in the console';
+  await alice.fill('#plan-text', JSON.stringify(plan2, null, 2));
+  await alice.click('#plan-save');
+  await alice.waitForSelector('#edit-plan', { state: 'hidden' });
+  check(true, 'the edited plan is saved');
+  alice.once('dialog', (d) => d.accept('published by hand'));
+  await alice.click('#tasks [data-task="publish"] button[data-task-action="complete"]');
+  await alice.waitForSelector('#tasks [data-task="announce"] button[data-task-action="complete"]');
+  alice.once('dialog', (d) => d.accept('announced by hand'));
+  await alice.click('#tasks [data-task="announce"] button[data-task-action="complete"]');
+  await alice.waitForSelector('#run-title [data-status="succeeded"]', { timeout: 60000 });
+  check(true, 'both tasks completed by hand: the run succeeded');
+
+  // A third run: rejected as an incident (recorded in the writer's trust).
+  console.log('SUBMIT3');
+  const run3 = (await nextLine()).trim();
+  await alice.goto(`${url}/#/run/${run3}`);
+  await alice.waitForSelector('#run-inbox .approval[data-approval]');
+  await alice.fill('#run-inbox .approval input.comment', 'not this one');
+  await alice.check('#run-inbox .approval input.incident');
+  await alice.click('#run-inbox .approval button[data-decision="reject"]');
+  await alice.waitForSelector('#run-title [data-status="failed"]', { timeout: 60000 });
+  check(true, 'rejected as an incident: the run failed');
+  console.log('CHECK3');
+  await nextLine();
 
   // The runs list again: the run succeeded, with its agent.
   await alice.goto(`${url}/#/runs`);

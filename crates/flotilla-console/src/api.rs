@@ -17,12 +17,14 @@ use flotilla_client::{Client, ClientError, ClientErrorKind, WatchOptions};
 use flotilla_model::RunId;
 use flotilla_model::api::{ApiRequest, CancelRunRequest};
 use flotilla_model::approval::{
-    ApprovalAnswerRequest, ApprovalGetRequest, ApprovalListRequest, Decision,
+    ApprovalAnswerRequest, ApprovalGetRequest, ApprovalListRequest, Decision, GrantListRequest,
+    GrantRevokeRequest,
 };
 use flotilla_model::control::{
-    CompleteTaskRequest, PauseRunRequest, ResumeRunRequest, TakeoverRunRequest,
+    CompleteTaskRequest, EditPlanRequest, PauseRunRequest, ResumeRunRequest, TakeoverRunRequest,
 };
 use flotilla_model::ids::{SessionId, TaskId};
+use flotilla_model::plan::Plan;
 use flotilla_model::subjects::StreamKind;
 use flotilla_model::team::TeamListRequest;
 use flotilla_model::time::Timestamp;
@@ -418,6 +420,21 @@ pub(crate) async fn state(
     .await
 }
 
+/// The keys of the run's session state (`state.list`).
+pub(crate) async fn state_keys(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(run): Path<RunId>,
+) -> Response {
+    who!(s.who(&headers));
+    s.call(&flotilla_model::api::StateListRequest {
+        protocol: flotilla_model::PROTOCOL_VERSION,
+        run_id: Some(run),
+        session_id: None,
+    })
+    .await
+}
+
 /// `/api/runs/summaries` query: comma-separated run ids.
 #[derive(Debug, Deserialize)]
 pub(crate) struct SummariesQuery {
@@ -491,10 +508,24 @@ pub(crate) struct ControlBody {
     /// With `complete`: the task's result (required).
     #[serde(default)]
     result: Option<String>,
+    /// With `pause` and `takeover`: how long the hold lasts before its default (the
+    /// coordinator's default when absent; its limits apply).
+    #[serde(default)]
+    timeout_ms: Option<u64>,
+    /// With `cancel`: compensate the tasks that succeeded, in reverse dependency order.
+    #[serde(default)]
+    rollback: bool,
+    /// With `edit`: the whole plan as it should run from here (required).
+    #[serde(default)]
+    plan: Option<Plan>,
+    /// With `revoke`: the tool whose session grant is withdrawn (required).
+    #[serde(default)]
+    tool: Option<String>,
 }
 
 /// Pause, resume, take over or cancel a run, pause or resume one of its tasks, complete a
-/// task of a run under human control — operators only, audited, `by` the identity.
+/// task or edit the plan of a run under human control, withdraw a tool's grant in the run's
+/// session — operators only, audited, `by` the identity.
 pub(crate) async fn control(
     State(s): State<AppState>,
     headers: HeaderMap,
@@ -505,7 +536,11 @@ pub(crate) async fn control(
     let body = body.map(|b| b.0).unwrap_or_default();
     let reason = body.reason.filter(|r| !r.is_empty());
     let task = body.task;
-    let target = task.as_ref().map(|t| t.as_str().to_owned());
+    let target = match (&task, &body.tool) {
+        (Some(t), _) => Some(t.as_str().to_owned()),
+        (None, Some(tool)) => Some(format!("tool {tool}")),
+        (None, None) => None,
+    };
     let protocol = flotilla_model::PROTOCOL_VERSION;
     let by = Some(who.name.clone());
     let response = match action.as_str() {
@@ -515,7 +550,7 @@ pub(crate) async fn control(
                 run_id: run,
                 reason,
                 by,
-                timeout_ms: None,
+                timeout_ms: body.timeout_ms,
                 children: task.is_none(),
                 task_id: task,
             })
@@ -556,7 +591,7 @@ pub(crate) async fn control(
                 run_id: run,
                 reason,
                 by,
-                timeout_ms: None,
+                timeout_ms: body.timeout_ms,
                 children: true,
             })
             .await
@@ -567,7 +602,41 @@ pub(crate) async fn control(
                 run_id: run,
                 reason,
                 by,
-                rollback: false,
+                rollback: body.rollback,
+            })
+            .await
+        }
+        "edit" => {
+            let Some(plan) = body.plan else {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_control",
+                    "edit needs plan: the whole plan as it should run from here",
+                );
+            };
+            s.call(&EditPlanRequest {
+                protocol,
+                run_id: run,
+                plan,
+                by: who.name.clone(),
+                reason,
+            })
+            .await
+        }
+        "revoke" => {
+            let Some(tool) = body.tool.filter(|t| !t.is_empty()) else {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_control",
+                    "revoke needs tool: the tool whose grant is withdrawn",
+                );
+            };
+            s.call(&GrantRevokeRequest {
+                protocol,
+                run_id: Some(run),
+                session_id: None,
+                tool,
+                by: who.name.clone(),
             })
             .await
         }
@@ -575,12 +644,29 @@ pub(crate) async fn control(
             return error(
                 StatusCode::NOT_FOUND,
                 "unknown_action",
-                format!("no action {other:?}: pause, resume, takeover, cancel or complete"),
+                format!(
+                    "no action {other:?}: pause, resume, takeover, cancel, complete, edit or revoke"
+                ),
             );
         }
     };
     s.audit(&who, &action, run, target.as_deref(), response.status());
     response
+}
+
+/// The tools approved for the rest of the run's session (`approval.grants`).
+pub(crate) async fn grants(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(run): Path<RunId>,
+) -> Response {
+    who!(s.who(&headers));
+    s.call(&GrantListRequest {
+        protocol: flotilla_model::PROTOCOL_VERSION,
+        run_id: Some(run),
+        session_id: None,
+    })
+    .await
 }
 
 /// `/api/inbox` query.

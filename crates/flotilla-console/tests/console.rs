@@ -26,7 +26,7 @@ use flotilla_testkit::NatsServer;
 use flotilla_testkit::openai::{OpenAiServer, Reply};
 use flotilla_worker::agents::{AgentDefinition, ScriptedConfig};
 use flotilla_worker::{AgentRegistry, Worker, WorkerOptions};
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -293,8 +293,26 @@ fn plan() -> Plan {
     }
 }
 
-/// One HTTP/1.1 request: the status and the body. `Host` is the address unless `headers`
-/// name one.
+/// `publish` (a sensitive action, so it waits for a person) then `announce`, in a new
+/// session; `announce` only with `announce`.
+fn gated_in_a_session(announce: bool) -> SubmitRequest {
+    let mut publish = Subtask::new("publish", "publish the report");
+    publish.action = Some("publish".into());
+    let mut subtasks = vec![publish];
+    if announce {
+        subtasks.push(Subtask::new("announce", "tell people").after(&["publish"]));
+    }
+    let mut req = SubmitRequest::new(Plan {
+        name: Some("by-hand".into()),
+        query: None,
+        subtasks,
+        config: PlanConfig::default(),
+    });
+    req.session_id = Some(flotilla_model::SessionId::new());
+    req
+}
+
+/// One HTTP/1.1 request to `addr`: the status and the body (the test kit's).
 async fn http(
     addr: SocketAddr,
     method: &str,
@@ -302,36 +320,7 @@ async fn http(
     headers: &[(&str, &str)],
     body: Option<&str>,
 ) -> anyhow::Result<(u16, String)> {
-    let mut s = tokio::net::TcpStream::connect(addr).await?;
-    let mut req = format!("{method} {path} HTTP/1.1\r\nConnection: close\r\n");
-    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
-        req.push_str(&format!("Host: {addr}\r\n"));
-    }
-    for (k, v) in headers {
-        req.push_str(&format!("{k}: {v}\r\n"));
-    }
-    let body = body.unwrap_or_default();
-    if method == "POST" {
-        req.push_str(&format!(
-            "Content-Type: application/json\r\nContent-Length: {}\r\n",
-            body.len()
-        ));
-    }
-    req.push_str("\r\n");
-    req.push_str(body);
-    s.write_all(req.as_bytes()).await?;
-    let mut out = String::new();
-    tokio::time::timeout(Duration::from_secs(20), s.read_to_string(&mut out)).await??;
-    let status = out
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = out
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b)
-        .unwrap_or_default();
-    Ok((status, body.to_owned()))
+    Ok(flotilla_testkit::http::request(&addr.to_string(), method, path, headers, body).await?)
 }
 
 /// The pending approvals of `run`, once there are some.
@@ -607,6 +596,94 @@ async fn the_api_needs_an_identity_and_only_operators_act() -> anyhow::Result<()
         let (code, body) = http(addr, "GET", &p, &[("Authorization", &bob)], None).await?;
         assert_eq!(code, 200, "{p}: {body}");
     }
+    // Bad input to the plan edit and the grant revocation: a structured refusal, audited,
+    // nothing changed.
+    let plan_json = serde_json::to_string(&plan())?;
+    for (action, body, status, code_is) in [
+        ("edit", "{}".to_owned(), 400, "invalid_control"),
+        (
+            "revoke",
+            r#"{"tool":""}"#.to_owned(),
+            400,
+            "invalid_control",
+        ),
+        ("frobnicate", "{}".to_owned(), 404, "unknown_action"),
+        // The run was never taken over: its plan is not a person's to edit.
+        ("edit", format!(r#"{{"plan":{plan_json}}}"#), 409, ""),
+    ] {
+        let (code, answer) = http(
+            addr,
+            "POST",
+            &format!("/api/runs/{run}/{action}"),
+            &[("Authorization", &alice), csrf],
+            Some(&body),
+        )
+        .await?;
+        assert_eq!(code, status, "{action} {body}: {answer}");
+        assert!(answer.contains(code_is), "{action}: {answer}");
+    }
+    // The session state's keys (`state.list`): a key set through the API is listed and
+    // readable from the page's API.
+    f.client
+        .request(
+            &flotilla_model::api::StateSetRequest {
+                protocol: flotilla_model::PROTOCOL_VERSION,
+                run_id: Some(run),
+                session_id: None,
+                key: "notes".into(),
+                value: serde_json::json!({"checked": true}),
+                expected_revision: None,
+            },
+            Duration::from_secs(10),
+        )
+        .await?;
+    let (code, answer) = http(
+        addr,
+        "GET",
+        &format!("/api/runs/{run}/state"),
+        &[("Authorization", &bob)],
+        None,
+    )
+    .await?;
+    assert_eq!(code, 200, "{answer}");
+    let keys: serde_json::Value = serde_json::from_str(&answer)?;
+    assert!(
+        keys["keys"]
+            .as_array()
+            .is_some_and(|k| k.iter().any(|k| k == "notes")),
+        "{answer}"
+    );
+    let (code, answer) = http(
+        addr,
+        "GET",
+        &format!("/api/runs/{run}/state/notes"),
+        &[("Authorization", &bob)],
+        None,
+    )
+    .await?;
+    assert_eq!(code, 200, "{answer}");
+    assert!(answer.contains("\"checked\":true"), "{answer}");
+    // The run's session has no grants; revoking one it does not have is the API's 404.
+    let (code, answer) = http(
+        addr,
+        "GET",
+        &format!("/api/runs/{run}/grants"),
+        &[("Authorization", &bob)],
+        None,
+    )
+    .await?;
+    assert_eq!(code, 200, "{answer}");
+    assert!(answer.contains("\"grants\":[]"), "{answer}");
+    let (code, answer) = http(
+        addr,
+        "POST",
+        &format!("/api/runs/{run}/revoke"),
+        &[("Authorization", &alice), csrf],
+        Some(r#"{"tool":"no_such_tool"}"#),
+    )
+    .await?;
+    assert_eq!(code, 404, "{answer}");
+    assert!(answer.contains("not_found"), "{answer}");
 
     // The proxy identity header counts only on connections from `trusted-proxies`: this
     // test connects from 127.0.0.1, a proxy to the second console, not to the first.
@@ -755,21 +832,60 @@ async fn in_a_real_browser() -> anyhow::Result<()> {
         .spawn()?;
     let mut stdin = node.stdin.take().expect("piped");
     let mut lines = BufReader::new(node.stdout.take().expect("piped")).lines();
-    let mut run = None;
+    let (mut run, mut run2, mut run3) = (None, None, None);
     // The script says what it waits for; this side submits when asked.
-    let finished = tokio::time::timeout(Duration::from_secs(240), async {
+    let finished = tokio::time::timeout(Duration::from_secs(300), async {
         while let Some(line) = lines.next_line().await? {
             eprintln!("browser: {line}");
-            if line == "SUBMIT" {
-                let id = f.submit_plan().await?;
-                run = Some(id);
-                stdin.write_all(format!("{id}\n").as_bytes()).await?;
-                stdin.flush().await?;
-            }
+            let id = match line.as_str() {
+                "SUBMIT" => *run.insert(f.submit_plan().await?),
+                "SUBMIT2" => *run2.insert(f.client.submit(gated_in_a_session(true)).await?),
+                "SUBMIT3" => *run3.insert(f.client.submit(gated_in_a_session(false)).await?),
+                "CHECK3" => {
+                    // The rejection counted as an incident of the writer, recorded as alice's.
+                    let deadline = tokio::time::Instant::now() + WAIT;
+                    loop {
+                        let trust = f
+                            .client
+                            .request(
+                                &flotilla_model::trust::TrustGetRequest {
+                                    protocol: flotilla_model::PROTOCOL_VERSION,
+                                    scope: flotilla_model::team::RecordScope::Agent,
+                                    name: "writer".into(),
+                                },
+                                Duration::from_secs(10),
+                            )
+                            .await;
+                        if let Ok(t) = &trust
+                            && t.incidents >= 1
+                            && t.last_incident.as_ref().is_some_and(|i| {
+                                i.reason.contains("rejected by alice as an incident")
+                            })
+                        {
+                            break;
+                        }
+                        anyhow::ensure!(
+                            tokio::time::Instant::now() < deadline,
+                            "no incident recorded for the writer: {trust:?}"
+                        );
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    stdin.write_all(b"ok\n").await?;
+                    stdin.flush().await?;
+                    continue;
+                }
+                _ => continue,
+            };
+            stdin.write_all(format!("{id}\n").as_bytes()).await?;
+            stdin.flush().await?;
         }
         anyhow::Ok(())
     })
     .await;
+    if !matches!(finished, Ok(Ok(()))) {
+        // Timed out or failed here: the script waits for a line that will not come.
+        let _ = node.start_kill();
+    }
     let status = node.wait().await?;
     finished??;
     anyhow::ensure!(status.success(), "the browser test failed: {status}");
@@ -792,258 +908,28 @@ async fn in_a_real_browser() -> anyhow::Result<()> {
     let answer = all.approvals[0].answer.as_ref().expect("answered");
     assert_eq!(answer.by, "alice");
     assert_eq!(answer.comment.as_deref(), Some("checked in the console"));
-    f.stop().await;
-    Ok(())
-}
-
-/// The p-th percentile of sorted `v`.
-fn percentile(v: &[u64], p: f64) -> u64 {
-    if v.is_empty() {
-        return 0;
-    }
-    let i = ((v.len() as f64 - 1.0) * p).round() as usize;
-    v[i.min(v.len() - 1)]
-}
-
-/// This process's resident memory in KiB.
-fn rss_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1).and_then(|n| n.parse().ok()))
-        })
-        .unwrap_or(0)
-}
-
-/// Figures for docs/console.md, printed, not asserted (beyond the page working): the runs
-/// page with 10,000 runs, event stored → visible in the page against `Client::watch` in the
-/// same run, and the memory of 100 open pages' streams. `cargo test -p flotilla-console
-/// --test console -- --ignored --nocapture measurements` (CONSOLE_RUNS sets the run count).
-#[tokio::test]
-#[ignore = "a measurement: minutes of work, run on demand"]
-async fn measurements() -> anyhow::Result<()> {
-    use futures::StreamExt;
-    if let Some(why) = browser_missing() {
-        eprintln!("SKIPPED: {why}");
-        return Ok(());
-    }
-    let runs: usize = std::env::var("CONSOLE_RUNS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(10_000);
-    let f = Fixture::start_with(Duration::ZERO, 64).await?;
-    let alice = format!("Bearer {ALICE}");
-    // First, on a fresh process: the memory 100 open pages' streams take.
-    // 100 open pages: each holds the runs stream, the inbox stream and a run's events.
-    let waiting = f.submit_plan().await?;
-    pending(&f.client, waiting).await?;
-    let before = rss_kib();
-    let mut held = Vec::new();
-    let mut by_kind = Vec::new();
-    for path in [
-        "/api/runs/stream".to_owned(),
-        "/api/inbox/stream".to_owned(),
-        format!("/api/runs/{waiting}/events?profile=user&children=linked"),
-    ] {
-        let at = rss_kib();
-        for _ in 0..100 {
-            let mut s = tokio::net::TcpStream::connect(f.console).await?;
-            s.write_all(
-                format!(
-                    "GET {path} HTTP/1.1\r\nHost: {}\r\nAuthorization: {alice}\r\nAccept: text/event-stream\r\n\r\n",
-                    f.console
-                )
-                .as_bytes(),
-            )
-            .await?;
-            // Open: the answer's head has arrived.
-            let mut head = [0u8; 12];
-            s.read_exact(&mut head).await?;
-            anyhow::ensure!(head.starts_with(b"HTTP/1.1 200"), "{path}: {head:?}");
-            held.push(s);
-        }
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        by_kind.push(format!(
-            "{}: +{} KiB",
-            path.split('?').next().unwrap_or_default(),
-            rss_kib().saturating_sub(at)
-        ));
-    }
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let after = rss_kib();
-    eprintln!("100 streams each: {}", by_kind.join(", "));
-    eprintln!(
-        "100 open pages (300 SSE streams, 100 projections): RSS of the test process {} MiB → {} MiB (+{} MiB)",
-        before / 1024,
-        after / 1024,
-        after.saturating_sub(before) / 1024
-    );
-    drop(held);
-    // Many runs: one task each, submitted 64 at a time.
-    let started = std::time::Instant::now();
-    let one = Plan {
-        name: Some("bulk".into()),
-        query: None,
-        subtasks: vec![Subtask::new("only", "one step")],
-        config: PlanConfig::default(),
-    };
-    futures::stream::iter(0..runs)
-        .map(|_| {
-            let c = f.client.clone();
-            let p = one.clone();
-            async move { c.submit(SubmitRequest::new(p)).await }
-        })
-        .buffer_unordered(64)
-        .collect::<Vec<_>>()
-        .await
-        .into_iter()
-        .collect::<Result<Vec<_>, _>>()?;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(900);
-    loop {
-        let (_, body) = http(
-            f.console,
-            "GET",
-            "/api/runs?status=succeeded&limit=1",
-            &[("Authorization", &alice)],
-            None,
-        )
+    // The second run: taken over, its plan edited, its tasks completed by alice.
+    let run2 = run2.expect("the script asked for a second run");
+    let view = f.client.run(run2).await?.expect("recorded");
+    assert_eq!(view.record.status, RunStatus::Succeeded);
+    let history = flotilla_client::open_store(f.client.bus())
+        .await?
+        .history(run2)
         .await?;
-        let page: serde_json::Value = serde_json::from_str(&body)?;
-        if page["total"].as_u64().unwrap_or(0) >= runs as u64 {
-            break;
-        }
-        anyhow::ensure!(
-            tokio::time::Instant::now() < deadline,
-            "runs did not finish"
-        );
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-    eprintln!(
-        "{runs} runs submitted and finished in {:?}",
-        started.elapsed()
-    );
-    let t = std::time::Instant::now();
-    let (_, body) = http(
-        f.console,
-        "GET",
-        "/api/runs?limit=500",
-        &[("Authorization", &alice)],
-        None,
-    )
-    .await?;
-    eprintln!(
-        "GET /api/runs?limit=500 over {runs} runs: {:?}, {} bytes",
-        t.elapsed(),
-        body.len()
-    );
-
-    // A fan-out behind an approval: the page and a `Client::watch` follow it from the start.
-    let mut tasks = vec![{
-        let mut gate = Subtask::new("gate", "publish the plan");
-        gate.action = Some("publish".into());
-        gate
-    }];
-    for i in 0..200 {
-        tasks.push(Subtask::new(&format!("t{i}"), "work").after(&["gate"]));
-    }
-    let fan = Plan {
-        name: Some("fan-out".into()),
-        query: None,
-        subtasks: tasks,
-        config: PlanConfig::default(),
+    let by_alice = |want: &str| {
+        history.iter().any(|(_, _, e)| {
+            let s = serde_json::to_string(e).unwrap_or_default();
+            s.contains(want) && s.contains("\"alice\"")
+        })
     };
-    let run = f.client.submit(SubmitRequest::new(fan)).await?;
-    let gate = pending(&f.client, run).await?;
-    let mut node = tokio::process::Command::new("node")
-        .arg(browser_dir().join("measure.mjs"))
-        .env("CONSOLE_URL", format!("http://{}", f.console))
-        .env("ALICE_TOKEN", ALICE)
-        .env("RUNS", runs.to_string())
-        .env("CHROMIUM", chromium().unwrap_or_default())
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()?;
-    let mut stdin = node.stdin.take().expect("piped");
-    let mut lines = BufReader::new(node.stdout.take().expect("piped")).lines();
-    let mut result = None;
-    let mut watch_lags: Vec<u64> = Vec::new();
-    while let Some(line) = lines.next_line().await? {
-        if line == "OPEN" {
-            stdin.write_all(format!("{run}\n").as_bytes()).await?;
-        } else if line == "GO" {
-            let stream = f
-                .client
-                .watch(
-                    run,
-                    flotilla_client::WatchOptions {
-                        profile: flotilla_model::watch::Profile::Debug,
-                        children: flotilla_model::watch::ChildPolicy::Linked,
-                        since: 0,
-                        since_index: None,
-                    },
-                )
-                .await?;
-            let answer = r#"{"decision":"approve","comment":"measure"}"#;
-            http(
-                f.console,
-                "POST",
-                &format!("/api/approvals/{run}/{}", gate[0]),
-                &[("Authorization", &alice), ("X-Flotilla-Console", "1")],
-                Some(answer),
-            )
-            .await?;
-            futures::pin_mut!(stream);
-            let approved_at = flotilla_model::time::Timestamp::now().0;
-            while let Some(e) = stream.next().await {
-                let e = e?;
-                // Only events stored after the page and this watch were following.
-                if e.event.ts.0 < approved_at {
-                    continue;
-                }
-                let lag = (flotilla_model::time::Timestamp::now().0 - e.event.ts.0)
-                    .whole_milliseconds()
-                    .max(0) as u64;
-                watch_lags.push(lag);
-            }
-            stdin.write_all(b"done\n").await?;
-        } else if let Some(json) = line.strip_prefix("RESULT ") {
-            result = Some(serde_json::from_str::<serde_json::Value>(json)?);
-        } else {
-            eprintln!("browser: {line}");
-        }
-    }
-    anyhow::ensure!(
-        node.wait().await?.success(),
-        "the measurement script failed"
+    assert!(by_alice("takeover"), "{history:?}");
+    assert!(
+        by_alice("tell everyone, edited in the console"),
+        "{history:?}"
     );
-    let result = result.expect("a result");
-    let mut page_lags: Vec<u64> = result["page_lags_ms"]
-        .as_array()
-        .map(|a| a.iter().filter_map(|v| v.as_u64()).collect())
-        .unwrap_or_default();
-    page_lags.sort_unstable();
-    // The page also shows the events stored before it opened: compare the same tail.
-    let n = watch_lags.len().min(page_lags.len());
-    watch_lags.sort_unstable();
-    eprintln!(
-        "runs page, {runs} runs: first rows {} ms, scroll to the end {} ms, {} rows in the DOM, next frame {} ms",
-        result["runs_first_rows_ms"],
-        result["runs_scroll_to_end_ms"],
-        result["runs_dom_rows"],
-        result["runs_next_frame_ms"]
-    );
-    eprintln!(
-        "event stored → visible (debug profile, {} events): page p50 {} ms p99 {} ms; flotilla watch (Client::watch) p50 {} ms p99 {} ms",
-        n,
-        percentile(&page_lags[page_lags.len() - n..], 0.5),
-        percentile(&page_lags[page_lags.len() - n..], 0.99),
-        percentile(&watch_lags, 0.5),
-        percentile(&watch_lags, 0.99)
-    );
-
+    assert!(by_alice("announced by hand"), "{history:?}");
+    let run3 = run3.expect("the script asked for a third run");
+    assert_eq!(f.client.wait(run3, WAIT).await?.status, RunStatus::Failed);
     f.stop().await;
     Ok(())
 }

@@ -10,8 +10,8 @@
 //! | `<prefix>.api.run.tree` | `RunTreeRequest` | `RunTree` |
 //! | `<prefix>.api.session.get` | `SessionRequest` | `SessionView` |
 //! | `<prefix>.api.plan.validate` | `ValidatePlanRequest` | `ValidatePlanReply` |
-//! | `<prefix>.api.approval.list`, `approval.get`, `approval.answer`, `approval.grants`, `approval.revoke` | see [`approvals`] | |
-//! | `<prefix>.api.ws.append`, `ws.read`, `mbox.send`, `mbox.read`, `mbox.role`, `mbox.negotiate`, `state.get`, `state.set` | see [`collab`] | |
+//! | `<prefix>.api.approval.ask`, `approval.list`, `approval.get`, `approval.answer`, `approval.grants`, `approval.revoke` | see [`approvals`] | |
+//! | `<prefix>.api.ws.append`, `ws.read`, `mbox.send`, `mbox.read`, `mbox.role`, `mbox.negotiate`, `state.get`, `state.list`, `state.set` | see [`collab`] | |
 //!
 //! The service's `$SRV.INFO` metadata carries what the process was given
 //! ([`crate::Coordinator::with_service_metadata`]): `flotilla coordinator` and `flotilla up`
@@ -33,8 +33,8 @@ use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::api::{
     ApiRequest, CancelRunReply, CancelRunRequest, ChildStartRequest, GetRunRequest,
     MAX_TASKS_PER_VIEW, MboxNegotiateRequest, MboxReadRequest, MboxRoleRequest, MboxSendRequest,
-    StateGetRequest, StateSetRequest, ValidatePlanReply, ValidatePlanRequest, WsAppendRequest,
-    WsReadRequest,
+    StateGetRequest, StateListRequest, StateSetRequest, ValidatePlanReply, ValidatePlanRequest,
+    WsAppendRequest, WsReadRequest,
 };
 use flotilla_model::codec::{CodecError, check_protocol};
 use flotilla_model::ids::RunId;
@@ -173,6 +173,9 @@ pub(crate) async fn serve(
     let mut state_get = endpoint("state-get", StateGetRequest::ENDPOINT)
         .await
         .map_err(setup)?;
+    let mut state_list = endpoint("state-list", StateListRequest::ENDPOINT)
+        .await
+        .map_err(setup)?;
     let mut child_start = endpoint("child-start", ChildStartRequest::ENDPOINT)
         .await
         .map_err(setup)?;
@@ -188,6 +191,12 @@ pub(crate) async fn serve(
     let mut session = endpoint(
         "session-get",
         flotilla_model::tree::SessionRequest::ENDPOINT,
+    )
+    .await
+    .map_err(setup)?;
+    let mut approval_ask = endpoint(
+        "approval-ask",
+        flotilla_model::approval::ApprovalAskRequest::ENDPOINT,
     )
     .await
     .map_err(setup)?;
@@ -275,11 +284,13 @@ pub(crate) async fn serve(
             Some(req) = mbox_role.next() => { tokio::spawn(async move { api.mbox_role(req).await }); }
             Some(req) = mbox_negotiate.next() => { tokio::spawn(async move { api.mbox_negotiate(req).await }); }
             Some(req) = state_get.next() => { tokio::spawn(async move { api.state_get(req).await }); }
+            Some(req) = state_list.next() => { tokio::spawn(async move { api.state_list(req).await }); }
             Some(req) = state_set.next() => { tokio::spawn(async move { api.state_set(req).await }); }
             Some(req) = child_start.next() => { tokio::spawn(async move { api.child_start(req).await }); }
             Some(req) = watch.next() => { tokio::spawn(async move { api.watch(req).await }); }
             Some(req) = tree.next() => { tokio::spawn(async move { api.tree(req).await }); }
             Some(req) = session.next() => { tokio::spawn(async move { api.session(req).await }); }
+            Some(req) = approval_ask.next() => { tokio::spawn(async move { api.approval_ask(req).await }); }
             Some(req) = approval_list.next() => { tokio::spawn(async move { api.approval_list(req).await }); }
             Some(req) = approval_get.next() => { tokio::spawn(async move { api.approval_get(req).await }); }
             Some(req) = approval_answer.next() => { tokio::spawn(async move { api.approval_answer(req).await }); }

@@ -192,11 +192,16 @@ impl Escalations {
     }
 
     /// Appends a settled approval's decision to its run's log (once: a message id per
-    /// approval). A withdrawn approval is not relayed: its run has ended.
+    /// approval). A withdrawn approval is not relayed: its run has ended. Nor is an external
+    /// agent's question: the attempt that asked waits for it in the bucket, the run machine
+    /// does not.
     pub(crate) async fn relay(&self, record: &ApprovalRecord) -> Result<(), ApprovalError> {
         let Some(answer) = record.answer.as_ref() else {
             return Ok(());
         };
+        if record.request.trigger == flotilla_model::approval::Trigger::ExternalAgent {
+            return Ok(());
+        }
         if matches!(
             record.status,
             ApprovalStatus::Pending | ApprovalStatus::Withdrawn

@@ -73,6 +73,10 @@ pub const OPT_IN_TOOLS: &[&str] = &[
 /// name.
 pub const CALL_AGENT: &str = "call_agent";
 
+/// An `agent-tools` entry with this prefix (`agents:AGENT[.OWNER[.SESSION]]`) names an agent
+/// of the NATS Agent Protocol, not an agent definition of this deployment.
+pub const EXTERNAL_PREFIX: &str = "agents:";
+
 /// An LLM agent's configuration.
 #[derive(Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
@@ -172,7 +176,9 @@ pub struct LlmConfig {
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub disallow_transfer_to_peers: bool,
     /// Agents offered to the model through the `call_agent` tool (agent-as-tool): each call
-    /// runs the named agent as a child run and returns its answer.
+    /// runs the named agent as a child run and returns its answer. An entry
+    /// `agents:AGENT[.OWNER[.SESSION]]` is an agent of the NATS Agent Protocol on this NATS,
+    /// prompted directly (its streamed answer in the run's events).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub agent_tools: Vec<String>,
     /// MCP servers whose tools are offered to the model (as `<server>__<tool>`), by name.
@@ -551,6 +557,15 @@ impl LlmConfig {
             check_parameters(agent, &field, &tool.parameters)?;
         }
         for a in &self.agent_tools {
+            if let Some(target) = a.strip_prefix(EXTERNAL_PREFIX) {
+                if let Err(e) = target.parse::<flotilla_agents::call::Target>() {
+                    return Err(bad(
+                        "agent-tools",
+                        format!("{a:?} is not an agent of the NATS Agent Protocol: {e}"),
+                    ));
+                }
+                continue;
+            }
             if flotilla_model::token::check_name(a).is_err() {
                 return Err(bad(
                     "agent-tools",
@@ -713,6 +728,11 @@ mod tests {
         assert!(c.stream);
         assert!(c.validate("a").is_ok());
         assert!(parse("api-key = \"sk-inline\"").is_err(), "no inline keys");
+        let c = parse("agent-tools = [\"writer\", \"agents:coder.alice\"]").expect("parses");
+        assert!(
+            c.validate("a").is_ok(),
+            "an external target is an agent tool"
+        );
     }
 
     #[test]
@@ -734,6 +754,8 @@ mod tests {
             ("tokens-per-minute = 0", "tokens-per-minute"),
             ("max-prompt-chars = 10", "max-prompt-chars"),
             ("tools = [\"rm_rf\"]", "tools"),
+            ("agent-tools = [\"agents:Bad Name\"]", "agent-tools"),
+            ("agent-tools = [\"agents:a.b.c.d\"]", "agent-tools"),
             (
                 "[exec-tools.count]\ncommand = \"wc\"\nparameters = { type = \"string\" }",
                 "exec-tools.count.parameters",

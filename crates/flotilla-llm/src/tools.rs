@@ -11,7 +11,19 @@
 //! | `state_set` | `key`, `value` | `{key, revision}` |
 //! | `negotiate`, `next_request`, `offer`, `await_award` | see [`crate::contract_net`] | |
 //! | `transfer_to_agent` (agents in the tree around it) | `agent_name` (parent, sub-agent or peer), `reason`? | ends the attempt: the target continues the conversation as a child run, and its answer is the task's (unless refused: `transfer_loop`, a rejected child) |
-//! | `call_agent` (with `agent-tools`) | `agent` (one of them), `request`, `input`? | `{agent, response, numeric_value}`; the child run in `tool_end.run_link` |
+//! | `call_agent` (with `agent-tools`) | `agent` (one of them), `request`, `input`?, `timeout_s`? | `{agent, response, numeric_value}`; the child run in `tool_end.run_link` |
+//!
+//! An `agent-tools` entry `agents:AGENT[.OWNER[.SESSION]]` is an agent of the NATS Agent
+//! Protocol on this NATS ([`flotilla_agents::call`], the client behind `flotilla call
+//! agents:…`): the call discovers it, prompts it with `request` (and `input` as JSON after
+//! it), streams each piece of its answer into the run's events as a `tool_update` of the
+//! call, and returns `{agent, response}`. `timeout_s` (default 600, never past the attempt's
+//! deadline) bounds it; a dead agent (three heartbeat intervals without one), a stalled
+//! stream or the timeout are errors for the model (`agent_dead`, `stalled`, `timeout`), as
+//! are `unknown_agent` and the agent's own error frames. A question the agent asks (`query`,
+//! how the protocol carries permission requests) is put to a person as an approval of the
+//! attempt ([`flotilla_agents::ask`]: approve → `yes`, respond → the text, reject or the
+//! deadline → `no`) while the stream goes on, and a `tool_update` records the answer.
 //!
 //! Arguments are checked against each tool's JSON Schema before anything runs. Every problem
 //! — arguments that are not JSON or do not match, an unknown tool, a context error such as
@@ -44,7 +56,7 @@ use crate::mcp::{McpServer, offered_name};
 
 // Tool names are configuration's vocabulary (what `tools` may list, what `exec-tools` may
 // not be named); here is where they are offered.
-pub use crate::config::{BUILTIN_TOOLS, CALL_AGENT, OPT_IN_TOOLS};
+pub use crate::config::{BUILTIN_TOOLS, CALL_AGENT, EXTERNAL_PREFIX, OPT_IN_TOOLS};
 
 /// Longest tool output handed back to the model, in bytes; longer output is cut with a
 /// marker.
@@ -310,7 +322,8 @@ impl ToolSet {
             let parameters = json!({"type": "object", "properties": {
                 "agent": {"type": "string", "enum": config.agent_tools, "description": "The agent to ask"},
                 "request": {"type": "string", "description": "What the agent should do"},
-                "input": {"description": "Data for the agent (any JSON)"}
+                "input": {"description": "Data for the agent (any JSON)"},
+                "timeout_s": {"type": "integer", "minimum": 1, "maximum": MAX_EXTERNAL_TIMEOUT_S, "description": "For an agents: target, longest the call may take, in seconds (default 600)"}
             }, "required": ["agent", "request"], "additionalProperties": false});
             tools.insert(
                 CALL_AGENT.to_owned(),
@@ -690,7 +703,16 @@ pub(crate) fn child_call_key(call_id: &str) -> String {
     }
 }
 
+/// Longest `timeout_s` of a call to an external agent.
+const MAX_EXTERNAL_TIMEOUT_S: u64 = 3600;
+
+/// How long a call to an external agent waits for `$SRV.INFO.agents` answers.
+const DISCOVERY_WAIT: Duration = Duration::from_secs(1);
+
 async fn call_agent(ctx: &AgentContext, call_id: &str, args: &Value) -> ToolOutcome {
+    if let Some(target) = str_arg(args, "agent").strip_prefix(EXTERNAL_PREFIX) {
+        return call_external(ctx, call_id, target, args).await;
+    }
     let key = child_call_key(call_id);
     let call = flotilla_context::ChildCall {
         agent: str_arg(args, "agent").to_owned(),
@@ -733,6 +755,115 @@ async fn call_agent(ctx: &AgentContext, call_id: &str, args: &Value) -> ToolOutc
             result.run_link = Some(child.handle);
             result
         }
+    }
+}
+
+/// Calls an agent of the NATS Agent Protocol (see the module's docs): its streamed pieces
+/// are `tool_update` events of the call `call_id`.
+async fn call_external(
+    ctx: &AgentContext,
+    call_id: &str,
+    target: &str,
+    args: &Value,
+) -> ToolOutcome {
+    use flotilla_agents::call::{self, CallEvent, CallOptions, Target};
+    let parsed: Target = match target.parse() {
+        Ok(t) => t,
+        Err(e) => return ToolOutcome::err("invalid_arguments", e),
+    };
+    let request = str_arg(args, "request");
+    let prompt = match args.get("input") {
+        None | Some(Value::Null) => request.to_owned(),
+        Some(input) => format!("{request}\n\nInput (JSON):\n{input}"),
+    };
+    if prompt.trim().is_empty() {
+        return ToolOutcome::err("invalid_arguments", "request is empty");
+    }
+    let asked = args
+        .get("timeout_s")
+        .and_then(Value::as_u64)
+        .map_or(Duration::from_secs(600), Duration::from_secs);
+    // Never past the attempt's deadline: the attempt would be gone before the answer.
+    let left = ctx
+        .deadline
+        .saturating_duration_since(std::time::Instant::now());
+    let opts = CallOptions {
+        timeout: asked.min(left).max(Duration::from_millis(1)),
+        ..CallOptions::default()
+    };
+    let nats = ctx.clients().bus().client().clone();
+    let work = async {
+        let found = call::discover(&nats, DISCOVERY_WAIT).await?;
+        let agent = parsed.resolve(&found)?.clone();
+        // The agent's questions go to a person as approvals of this attempt.
+        let asker = ctx
+            .scope
+            .task_id
+            .clone()
+            .zip(ctx.scope.attempt)
+            .map(|(task_id, attempt)| flotilla_agents::ask::Asker {
+                client: flotilla_client::Client::new(ctx.clients().bus().clone()),
+                run_id: ctx.scope.run_id,
+                task_id,
+                attempt,
+                agent: format!(
+                    "{EXTERNAL_PREFIX}{}.{}.{}",
+                    agent.address.agent, agent.address.owner, agent.address.session
+                ),
+                context: prompt.clone(),
+                call_ends: tokio::time::Instant::now() + opts.timeout,
+            });
+        let envelope = flotilla_agents::wire::Envelope::text(prompt);
+        let mut questions = tokio::task::JoinSet::new();
+        let response = call::call(&nats, &agent, &envelope, opts, |event| {
+            let output = match event {
+                CallEvent::Text(t) => Some(json!({"text": t})),
+                CallEvent::Query(q) => match asker.clone() {
+                    // Answered while the stream goes on (a person's wait may be long).
+                    Some(asker) => {
+                        let events = ctx.events.clone();
+                        let call_id = call_id.to_owned();
+                        questions.spawn(async move {
+                            let output = match flotilla_agents::ask::ask_and_answer(&asker, &q).await {
+                                Ok(a) => json!({"query": q.prompt, "answered": true, "approval_id": a.approval_id,
+                                                "status": a.status.as_str(), "reply": a.reply}),
+                                Err(e) => json!({"query": q.prompt, "answered": false, "error": e}),
+                            };
+                            events
+                                .emit(flotilla_model::event::Event::ToolUpdate { call_id, output })
+                                .await;
+                        });
+                        None
+                    }
+                    None => Some(json!({"query": q.prompt, "answered": false})),
+                },
+                CallEvent::Status(_) => None,
+            };
+            let events = ctx.events.clone();
+            let call_id = call_id.to_owned();
+            async move {
+                if let Some(output) = output {
+                    events
+                        .emit(flotilla_model::event::Event::ToolUpdate { call_id, output })
+                        .await;
+                }
+            }
+        })
+        .await;
+        // A question still waiting when the call ends is moot: nobody reads its answer.
+        questions.abort_all();
+        let response = response?;
+        Ok::<_, call::CallError>((agent, response))
+    };
+    tokio::select! {
+        r = work => match r {
+            Ok((agent, response)) => ToolOutcome::ok(json!({
+                "agent": format!("{EXTERNAL_PREFIX}{}.{}.{}", agent.address.agent, agent.address.owner, agent.address.session),
+                "response": response,
+            })),
+            Err(e) => ToolOutcome::err(e.code(), e.to_string()),
+        },
+        _ = ctx.cancel.cancelled() => ToolOutcome::err("cancelled", "the attempt was cancelled during the call"),
     }
 }
 

@@ -44,6 +44,7 @@ has_protocol!(
     MboxSendRequest,
     MboxReadRequest,
     StateGetRequest,
+    StateListRequest,
     StateSetRequest,
     ChildStartRequest,
     MboxRoleRequest,
@@ -401,6 +402,40 @@ pub struct StateGetRequest {
 impl ApiRequest for StateGetRequest {
     const ENDPOINT: &'static str = "state.get";
     type Reply = crate::state::StateValue;
+}
+
+/// The keys set in a session's state (`state.list`): give `run_id` for its run's session, or
+/// `session_id`. Flotilla's own keys (a tool's session grant, `_grant.<tool>`: see
+/// `approval.grants`) are not listed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StateListRequest {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// A run of the session.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<RunId>,
+    /// The session.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_id: Option<crate::ids::SessionId>,
+}
+
+/// Reply to `state.list`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct StateKeys {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// The session.
+    pub session_id: String,
+    /// Its keys, in order.
+    pub keys: Vec<String>,
+}
+
+impl ApiRequest for StateListRequest {
+    const ENDPOINT: &'static str = "state.list";
+    type Reply = StateKeys;
 }
 
 /// Write a session-state value (`state.set`), optionally as a compare-and-set.

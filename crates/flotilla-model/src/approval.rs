@@ -97,6 +97,13 @@ pub enum Trigger {
     /// `{"max_tokens": N, "max_cost": X}`) extends that budget and the call is made; reject
     /// fails the task `budget_exhausted` as without asking.
     Budget,
+    /// An agent of the NATS Agent Protocol that the task called (`call_agent`, `flotilla
+    /// call agents:…`) asked a question mid-call (`query`), which is how that protocol frames
+    /// a permission request: approve answers it `yes`, `respond` with the person's text,
+    /// reject (and the deadline, whose default is always reject) `no`. Asked with
+    /// `approval.ask` by the calling attempt, which waits for it; the run machine does not
+    /// (its decision is not appended to the run log).
+    ExternalAgent,
 }
 
 impl Trigger {
@@ -112,6 +119,7 @@ impl Trigger {
             Self::LowConfidence => "low_confidence",
             Self::Cost => "cost",
             Self::Budget => "budget",
+            Self::ExternalAgent => "external_agent",
         }
     }
 }
@@ -276,6 +284,8 @@ impl OnTimeout {
             Trigger::LowConfidence => self.low_confidence,
             Trigger::Cost => self.cost,
             Trigger::Budget => self.budget,
+            // The protocol's own default for a permission request: deny.
+            Trigger::ExternalAgent => DefaultDecision::Reject,
         }
     }
 }
@@ -1123,7 +1133,13 @@ impl crate::api::ApiRequest for ApprovalAnswerRequest {
     type Reply = ApprovalAnswerReply;
 }
 
+impl crate::api::ApiRequest for ApprovalAskRequest {
+    const ENDPOINT: &'static str = "approval.ask";
+    type Reply = ApprovalAskReply;
+}
+
 crate::api::has_protocol!(
+    ApprovalAskRequest,
     ApprovalListRequest,
     ApprovalGetRequest,
     ApprovalAnswerRequest,
@@ -1295,6 +1311,138 @@ impl ApprovalAnswerRequest {
         }
         out
     }
+}
+
+/// Default deadline of an `approval.ask`, seconds.
+pub const DEFAULT_ASK_TIMEOUT_S: u64 = 300;
+/// Longest deadline of an `approval.ask`, seconds.
+pub const MAX_ASK_TIMEOUT_S: u64 = 3600;
+/// Longest `query_id` of an `approval.ask`, bytes.
+pub const MAX_QUERY_ID: usize = 256;
+
+/// Ask a person on behalf of a running attempt (`approval.ask`): an agent of the NATS Agent
+/// Protocol the attempt called asked a question mid-call (its `query`, the protocol's frame
+/// for a permission request). Stored like every approval (trigger `external_agent`), so
+/// `approval.list`, the console's inbox and the notices show it, and answered with
+/// `approval.answer`. Asking again with the same `query_id` answers the same approval; asked
+/// again past its deadline, the approval is settled `expired` (its default: reject) unless an
+/// answer came first — that is how the waiting attempt ends its wait.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ApprovalAskRequest {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// The calling run.
+    pub run_id: RunId,
+    /// The calling task.
+    pub task_id: TaskId,
+    /// The calling attempt (the task's current one).
+    pub attempt: u32,
+    /// The agent that asks (`agents:<agent>.<owner>.<session>`).
+    pub agent: String,
+    /// The query's id as the agent sent it (with the run, task and attempt, the approval's
+    /// identity).
+    pub query_id: String,
+    /// What the agent asks (the query's `prompt`).
+    pub question: String,
+    /// What the call was about (the prompt sent to the agent), for the person's context.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub context: String,
+    /// Seconds until the default (reject) decides: default [`DEFAULT_ASK_TIMEOUT_S`], 1 to
+    /// [`MAX_ASK_TIMEOUT_S`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_s: Option<u64>,
+}
+
+/// The answer to `approval.ask`: the approval as stored now (pending, or settled when
+/// answered or past its deadline).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ApprovalAskReply {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// The approval.
+    pub record: ApprovalRecord,
+}
+
+impl ApprovalAskRequest {
+    /// Problems of the request itself (before any run is read).
+    pub fn problems(&self) -> Vec<Problem> {
+        let mut out = Vec::new();
+        if self.attempt == 0 {
+            out.push(Problem::new(
+                ProblemCode::InvalidConfig,
+                "attempt",
+                "attempts count from 1",
+            ));
+        }
+        if !self.agent.starts_with("agents:") || self.agent.len() <= "agents:".len() {
+            out.push(Problem::new(
+                ProblemCode::InvalidConfig,
+                "agent",
+                format!(
+                    "{:?} is not an external agent (`agents:<agent>.<owner>.<session>`)",
+                    self.agent
+                ),
+            ));
+        }
+        if self.query_id.trim().is_empty() || self.query_id.len() > MAX_QUERY_ID {
+            out.push(Problem::new(
+                ProblemCode::InvalidConfig,
+                "query_id",
+                format!("a query id is 1 to {MAX_QUERY_ID} bytes"),
+            ));
+        }
+        if self.question.trim().is_empty() {
+            out.push(Problem::new(
+                ProblemCode::InvalidConfig,
+                "question",
+                "the question is empty",
+            ));
+        }
+        if self.question.len() > MAX_ANSWER_TEXT || self.context.len() > MAX_ANSWER_TEXT {
+            out.push(Problem::new(
+                ProblemCode::InvalidConfig,
+                "question",
+                format!("the question or its context is longer than {MAX_ANSWER_TEXT} bytes"),
+            ));
+        }
+        if let Some(t) = self.timeout_s
+            && !(1..=MAX_ASK_TIMEOUT_S).contains(&t)
+        {
+            out.push(Problem::new(
+                ProblemCode::InvalidTimeout,
+                "timeout_s",
+                format!("timeout_s must be 1 to {MAX_ASK_TIMEOUT_S}, not {t}"),
+            ));
+        }
+        out
+    }
+
+    /// The approval's id: `t<task index>a<attempt>x<12 hex digits of the query id's
+    /// SHA-256>` — the same query asked again is the same approval.
+    pub fn approval_id(&self, task_index: u32) -> String {
+        use sha2::Digest;
+        let d = sha2::Sha256::digest(self.query_id.as_bytes());
+        let hex: String = d[..6].iter().map(|b| format!("{b:02x}")).collect();
+        format!("t{task_index}a{}x{hex}", self.attempt)
+    }
+}
+
+/// What an external agent's query is answered with, once its approval is settled: `yes` for
+/// approve, the person's text for respond, `no` for anything else (reject, the deadline, a
+/// withdrawal); `None` while it is pending.
+pub fn external_reply(record: &ApprovalRecord) -> Option<String> {
+    let answer = record.answer.as_ref()?;
+    if record.status == ApprovalStatus::Pending {
+        return None;
+    }
+    Some(match (&record.status, &answer.decision) {
+        (ApprovalStatus::Decided, Decision::Approve) => "yes".to_owned(),
+        (ApprovalStatus::Decided, Decision::Respond { result }) => result.clone(),
+        _ => "no".to_owned(),
+    })
 }
 
 /// The SHA-256 (hex) of what a task runs with: its description and input.

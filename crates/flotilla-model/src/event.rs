@@ -144,7 +144,11 @@ pub enum Event {
         #[serde(default)]
         input: serde_json::Value,
     },
-    /// Partial output of a running tool call. Reserved: nothing in Flotilla emits it yet.
+    /// Partial output of a running tool call: a call to an agent of the NATS Agent Protocol
+    /// (`flotilla call agents:…` from an exec agent, `call_agent` with an `agents:` target
+    /// from an LLM agent) emits one per streamed piece (`{"text"}`) and per question the
+    /// agent asked (`{"query", "answered"}`; answered by a person through an approval:
+    /// `approval_id`, `status`, `reply`), so its answer can be followed before it ends.
     ToolUpdate {
         /// Call id.
         call_id: String,

@@ -117,6 +117,11 @@ pub fn public_schemas() -> Vec<(&'static str, Schema)> {
             schema_for!(crate::api::StateGetRequest),
         ),
         (
+            "state-list-request.json",
+            schema_for!(crate::api::StateListRequest),
+        ),
+        ("state-keys.json", schema_for!(crate::api::StateKeys)),
+        (
             "state-set-request.json",
             schema_for!(crate::api::StateSetRequest),
         ),
@@ -295,6 +300,14 @@ pub fn public_schemas() -> Vec<(&'static str, Schema)> {
         (
             "approval-view.json",
             schema_for!(crate::approval::ApprovalView),
+        ),
+        (
+            "approval-ask-request.json",
+            schema_for!(crate::approval::ApprovalAskRequest),
+        ),
+        (
+            "approval-ask-reply.json",
+            schema_for!(crate::approval::ApprovalAskReply),
         ),
         (
             "approval-answer-request.json",

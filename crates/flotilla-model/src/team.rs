@@ -619,6 +619,36 @@ pub struct MemberView {
     /// Its agent's failure record.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failures: Option<FailureStats>,
+    /// Set for an agent of the NATS Agent Protocol found on this NATS (not one of this
+    /// deployment's agent definitions): how to reach it. Its name is then
+    /// `agents:<agent>.<owner>.<session>`, the target `flotilla call` and `call_agent` take.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub external: Option<ExternalMember>,
+}
+
+/// What the roster knows of an external member: an agent of the NATS Agent Protocol,
+/// discovered with `$SRV.INFO.agents`, alive while its heartbeat (`agents.hb.…`) is younger
+/// than three of its intervals. Nothing of it is stored: every supervisor replica rebuilds
+/// it from discovery and heartbeats.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ExternalMember {
+    /// The `agent` token.
+    pub agent: String,
+    /// The `owner` token.
+    pub owner: String,
+    /// The `session` token.
+    pub session: String,
+    /// Its service instances (`$SRV.INFO` ids) that answered discovery.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub instances: Vec<String>,
+    /// Its heartbeat interval, in seconds (from its last heartbeat or status answer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interval_s: Option<u64>,
+    /// The protocol version it says it speaks (`metadata.protocol_version`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub protocol_version: Option<String>,
+    /// Whether the last discovery round found it (an instance still registered).
+    pub discovered: bool,
 }
 
 impl MemberView {
@@ -641,6 +671,7 @@ impl MemberView {
             last_heartbeat,
             counters: member.counters,
             failures,
+            external: None,
         }
     }
 }

@@ -1,6 +1,8 @@
 //! The team API: a NATS micro service named `<prefix>-supervisor` with endpoints under
 //! `<prefix>.api.team.`, answered by whichever replica the service's queue group picks,
-//! from its mirrors of the buckets.
+//! from its mirrors of the buckets. `team.list`, `team.get` and `team.find` also answer the
+//! external members (agents of the NATS Agent Protocol, [`crate::external`]), after the
+//! agent definitions.
 //!
 //! | Subject | Request | Reply |
 //! |---|---|---|
@@ -236,8 +238,15 @@ where
 
 const TOO_LARGE: &str = "ask for one role (team.list role, team.find) or one member (team.get)";
 
-/// The roster's members as views at `now`, by name.
+/// The roster's members as views at `now`: the agent definitions by name, then the
+/// external members (`agents:…`) by name.
 fn views(team: &Team, now: Timestamp) -> Vec<MemberView> {
+    let mut all = own_views(team, now);
+    all.extend(team.external.views(now));
+    all
+}
+
+fn own_views(team: &Team, now: Timestamp) -> Vec<MemberView> {
     let hosts = hosts(team, now.unix_ms());
     team.roster
         .all()
@@ -281,6 +290,12 @@ fn roles(team: &Team) -> Vec<String> {
             .into_iter()
             .flat_map(|(_, m)| m.value.card.roles),
     );
+    roles.extend(
+        team.external
+            .views(Timestamp::now())
+            .into_iter()
+            .flat_map(|m| m.card.roles),
+    );
     roles.into_iter().collect()
 }
 
@@ -308,18 +323,32 @@ async fn team_get(team: &Team, req: Request) {
         return;
     };
     let key = member_key(&r.name);
-    match views(team, Timestamp::now())
-        .into_iter()
-        .find(|m| member_key(&m.name) == key)
-    {
+    let all = views(team, Timestamp::now());
+    let exact = all.iter().position(|m| member_key(&m.name) == key);
+    // An external member may be named as `flotilla call` names it (`agents:coder`, or
+    // `agents:coder.alice`) when that names one agent.
+    let external = || {
+        let target: flotilla_agents::call::Target = r
+            .name
+            .strip_prefix(crate::external::NAME_PREFIX)?
+            .parse()
+            .ok()?;
+        let mut matching = all.iter().enumerate().filter(|(_, m)| {
+            m.external.as_ref().is_some_and(|e| {
+                e.agent == target.agent
+                    && target.owner.as_ref().is_none_or(|o| *o == e.owner)
+                    && target.session.as_ref().is_none_or(|s| *s == e.session)
+            })
+        });
+        match (matching.next(), matching.next()) {
+            (Some((i, _)), None) => Some(i),
+            _ => None,
+        }
+    };
+    match exact.or_else(external).and_then(|i| all.get(i)) {
         Some(view) => respond_json(&req, team.bus.max_payload(), &view, TOO_LARGE).await,
         None => {
-            let known: Vec<String> = team
-                .roster
-                .all()
-                .into_iter()
-                .map(|(_, m)| m.value.name)
-                .collect();
+            let known: Vec<String> = all.into_iter().map(|m| m.name).collect();
             respond_error(
                 &req,
                 404,

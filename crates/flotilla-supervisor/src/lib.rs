@@ -15,6 +15,10 @@
 //! (`teammates`): spawned by `team.spawn`, woken by mail to their inboxes (`team.send`,
 //! `team.broadcast`), ended by `team.shutdown`.
 //!
+//! Agents of the NATS Agent Protocol on the same NATS (not this deployment's own exposed
+//! ones) are listed as **external members** ([`external`]): from `$SRV.INFO.agents` and their
+//! heartbeats, in memory on every replica.
+//!
 //! It **remembers** every finished root run once in `<prefix>-memory` (query, plan shape,
 //! team, outcome, duration, cost) for the coordinators' planners, and answers
 //! `memory.list|get|forget` ([`memory`]).
@@ -29,6 +33,7 @@
 mod api;
 mod cas;
 mod error;
+mod external;
 mod follow;
 mod lead;
 mod memory;
@@ -92,6 +97,9 @@ pub(crate) struct Team {
     pub(crate) trusts: KvMirror<flotilla_model::trust::TrustRecord>,
     /// The rules levels are earned by (`[hitl.trust]`).
     pub(crate) trust: flotilla_model::trust::TrustConfig,
+    /// External members: agents of the NATS Agent Protocol, kept in memory
+    /// ([`external`]).
+    pub(crate) external: external::External,
 }
 
 impl Team {
@@ -209,6 +217,7 @@ impl Supervisor {
             trust_kv: trust_kv.clone(),
             trusts: KvMirror::new(),
             trust: self.trust,
+            external: external::External::default(),
         });
         // The team bucket holds members, teammates and conversations: each mirror takes its
         // own keys (conversations are read by the workers only).
@@ -249,6 +258,10 @@ impl Supervisor {
         {
             let (team, stop) = (Arc::clone(&team), shutdown.clone());
             tasks.spawn(async move { follow::run(team, consumer, stop).await });
+        }
+        if team.opts.external_agents {
+            let (team, stop) = (Arc::clone(&team), shutdown.clone());
+            tasks.spawn(async move { external::run(team, stop).await });
         }
         {
             let (team, stop) = (Arc::clone(&team), shutdown.clone());

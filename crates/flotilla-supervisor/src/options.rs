@@ -44,6 +44,14 @@ pub struct SupervisorOptions {
     /// `[[supervisor.webhooks]]`: where notices (approvals requested, runs paused or taken
     /// over) are POSTed.
     pub webhooks: Vec<WebhookOptions>,
+    /// List the agents of the NATS Agent Protocol on this NATS (not this deployment's own)
+    /// as external members of the roster. On by default: discovery is one `$SRV.INFO.agents`
+    /// request per `agents-discovery` and a subscription to their heartbeats.
+    pub external_agents: bool,
+    /// How often `$SRV.INFO.agents` is asked (a heartbeat of an agent not yet listed asks at
+    /// once). Default 30 s, the protocol's heartbeat interval.
+    #[serde(with = "humantime_serde")]
+    pub agents_discovery: Duration,
 }
 
 /// `[[supervisor.webhooks]]`: one HTTP endpoint that receives notices.
@@ -242,6 +250,8 @@ impl Default for SupervisorOptions {
             turns_per_hour: 120,
             max_message_bytes: 64 * 1024,
             webhooks: Vec::new(),
+            external_agents: true,
+            agents_discovery: Duration::from_secs(30),
         }
     }
 }
@@ -254,6 +264,7 @@ impl SupervisorOptions {
             ("progress-resolution", self.progress_resolution),
             ("presence-interval", self.presence_interval),
             ("ack-wait", self.ack_wait),
+            ("agents-discovery", self.agents_discovery),
         ];
         for (key, d) in positive {
             if d.is_zero() {

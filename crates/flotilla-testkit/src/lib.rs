@@ -26,6 +26,7 @@
 //! double that answers what the test scripted (text, tool calls, rate limits, failures,
 //! hangs) and records every request.
 
+pub mod http;
 pub mod openai;
 pub mod otlp;
 

@@ -7,6 +7,7 @@
 pub(crate) mod output;
 pub(crate) mod plans;
 pub(crate) mod processes;
+pub(crate) mod provider;
 pub(crate) mod raw;
 pub(crate) mod services;
 pub(crate) mod stats;

@@ -350,9 +350,12 @@ enum ArtifactsCommand {
 /// `flotilla call`.
 #[derive(Debug, Args)]
 pub(crate) struct CallArgs {
-    /// The agent definition to run as a child run of this task.
+    /// The agent definition to run as a child run of this task; or `agents:AGENT[.OWNER[.SESSION]]`,
+    /// an agent of the NATS Agent Protocol on this NATS (discovered with `$SRV.INFO.agents`),
+    /// prompted with INPUT as text.
     agent: String,
-    /// Input for the agent (JSON); `-`: stdin. Default: none.
+    /// Input for the agent (JSON; for an `agents:` target the prompt, as text); `-`: stdin.
+    /// Default: none.
     input: Option<String>,
     /// The child task's instruction.
     #[arg(long, default_value = "")]
@@ -385,6 +388,9 @@ pub(crate) async fn call(global: Global<'_>, args: CallArgs) -> anyhow::Result<E
 
 async fn run_call(global: Global<'_>, args: CallArgs) -> Result<(), CliError> {
     use sha2::Digest;
+    if let Some(target) = args.agent.strip_prefix(EXTERNAL_PREFIX) {
+        return call_external(global, target, &args).await;
+    }
     let input = match args.input.as_deref() {
         None => Value::Null,
         Some(text) => json_value(Some(text), &None)?,
@@ -535,6 +541,226 @@ impl From<ContextError> for CliError {
             current_revision: e.current_revision(),
             detail: (!e.problems().is_empty()).then(|| json!({ "problems": e.problems() })),
         }
+    }
+}
+
+/// The prefix naming an agent of the NATS Agent Protocol in `flotilla call`.
+const EXTERNAL_PREFIX: &str = "agents:";
+
+/// How long `flotilla call agents:…` waits for `$SRV.INFO.agents` answers.
+const DISCOVERY_WAIT: Duration = Duration::from_secs(1);
+
+/// `flotilla call agents:TARGET PROMPT`: prompts an agent of the NATS Agent Protocol and
+/// prints `{agent, instance_id, status, response}`. Inside an agent's attempt the call is a
+/// tool call on the calling run's events (`tool_start`, a `tool_update` per streamed piece,
+/// `tool_end`). A question the agent asks (`query`, also a permission request) becomes an
+/// approval of the calling attempt (`approval.ask`) that a person answers (`yes`, `no`, or
+/// their text; `no` at its deadline), recorded in the run's events; outside an attempt it is
+/// not answered — the agent's default (deny) applies — and said on stderr. A dead agent (no
+/// heartbeat for three intervals), a stalled stream or `--wait` ending the call are errors
+/// (`agent_dead`, `stalled`, `timeout`), never a hang.
+async fn call_external(global: Global<'_>, target: &str, args: &CallArgs) -> Result<(), CliError> {
+    let target: flotilla_agents::call::Target = target
+        .parse()
+        .map_err(|e: String| CliError::new("invalid_argument", e))?;
+    let prompt = match args.input.as_deref() {
+        None => return Err(CliError::new("invalid_argument", "the prompt is missing")),
+        Some("-") => {
+            let mut text = String::new();
+            std::io::stdin()
+                .read_to_string(&mut text)
+                .map_err(|e| io_error("reading the prompt from stdin", e))?;
+            text
+        }
+        Some(text) => text.to_owned(),
+    };
+    if prompt.trim().is_empty() {
+        return Err(CliError::new("invalid_argument", "the prompt is empty"));
+    }
+    let mut opts = nats_options(global)?;
+    let scope = Scope::from_env().ok();
+    if let Some(scope) = &scope {
+        opts.prefix = scope.names.prefix().to_owned();
+    }
+    let bus = bus(&opts).await?;
+    let nats = bus.client().clone();
+    let found = flotilla_agents::call::discover(&nats, DISCOVERY_WAIT)
+        .await
+        .map_err(external_error)?;
+    let agent = target.resolve(&found).map_err(external_error)?.clone();
+    // Inside an attempt, the agent's questions go to a person as approvals of this run.
+    let asker = scope.as_ref().and_then(|s| {
+        Some(flotilla_agents::ask::Asker {
+            client: flotilla_client::Client::new(bus.clone()),
+            run_id: s.run_id,
+            task_id: s.task_id.clone()?,
+            attempt: s.attempt?,
+            agent: format!(
+                "{EXTERNAL_PREFIX}{}.{}.{}",
+                agent.address.agent, agent.address.owner, agent.address.session
+            ),
+            context: prompt.clone(),
+            call_ends: tokio::time::Instant::now() + args.wait,
+        })
+    });
+    let events = scope.map(|s| ToolEvents::new(bus.clone(), s, &agent.address.display(), &prompt));
+    if let Some(e) = &events {
+        e.start().await;
+    }
+    let call_opts = flotilla_agents::call::CallOptions {
+        timeout: args.wait,
+        ..Default::default()
+    };
+    let envelope = flotilla_agents::wire::Envelope::text(prompt.clone());
+    let result = flotilla_agents::call::call(&nats, &agent, &envelope, call_opts, |event| {
+        let events = events.clone();
+        let asker = asker.clone();
+        async move {
+            match event {
+                flotilla_agents::call::CallEvent::Text(t) => {
+                    if let Some(e) = &events {
+                        e.update(json!({"text": t})).await;
+                    }
+                }
+                flotilla_agents::call::CallEvent::Query(q) => match asker {
+                    // Answered by a person while the stream goes on (the wait may be long).
+                    Some(asker) => {
+                        tokio::spawn(async move {
+                            let outcome = flotilla_agents::ask::ask_and_answer(&asker, &q).await;
+                            if let Some(e) = &events {
+                                e.update(query_update(&q, &outcome)).await;
+                            }
+                        });
+                    }
+                    None => {
+                        errln!(
+                            "The agent asked {:?}; a call outside an attempt cannot ask a person, so its default (deny) applies",
+                            q.prompt
+                        );
+                    }
+                },
+                flotilla_agents::call::CallEvent::Status(_) => {}
+            }
+        }
+    })
+    .await;
+    if let Some(e) = &events {
+        e.end(&result).await;
+    }
+    let response = result.map_err(external_error)?;
+    print_json(&json!({
+        "agent": agent.address.display(),
+        "instance_id": agent.instance_id,
+        "status": "succeeded",
+        "response": response,
+    }))
+}
+
+/// The `tool_update` recording how an agent's question was answered.
+fn query_update(
+    q: &flotilla_agents::wire::Query,
+    outcome: &Result<flotilla_agents::ask::Asked, String>,
+) -> serde_json::Value {
+    match outcome {
+        Ok(a) => json!({"query": q.prompt, "answered": true, "approval_id": a.approval_id,
+                        "status": a.status.as_str(), "reply": a.reply}),
+        Err(e) => json!({"query": q.prompt, "answered": false, "error": e}),
+    }
+}
+
+fn external_error(e: flotilla_agents::call::CallError) -> CliError {
+    CliError::new(e.code(), e.to_string())
+}
+
+/// The calling attempt's events of one external call: a tool call named `call_agent`.
+#[derive(Clone)]
+struct ToolEvents {
+    bus: Bus,
+    scope: std::sync::Arc<Scope>,
+    call_id: String,
+    agent: String,
+    prompt: String,
+    seq: std::sync::Arc<std::sync::atomic::AtomicU32>,
+    started: std::time::Instant,
+}
+
+impl ToolEvents {
+    fn new(bus: Bus, scope: Scope, agent: &str, prompt: &str) -> Self {
+        use sha2::Digest;
+        let digest = sha2::Sha256::digest(format!("{agent}\n{prompt}").as_bytes());
+        let hex: String = digest[..6].iter().map(|b| format!("{b:02x}")).collect();
+        Self {
+            bus,
+            scope: std::sync::Arc::new(scope),
+            call_id: format!("agents-{hex}"),
+            agent: agent.to_owned(),
+            prompt: prompt.to_owned(),
+            seq: Default::default(),
+            started: std::time::Instant::now(),
+        }
+    }
+
+    async fn emit(&self, event: flotilla_model::event::Event) {
+        use flotilla_model::event::{EventBatch, EventEnvelope};
+        let n = self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let scope = &self.scope;
+        let attempt = scope.attempt_id.map(|a| a.to_string()).unwrap_or_default();
+        let envelope = EventEnvelope {
+            protocol: flotilla_model::PROTOCOL_VERSION,
+            id: format!("{}.{attempt}.{}.{n}", scope.run_id, self.call_id),
+            run_id: scope.run_id,
+            task_id: scope.task_id.clone(),
+            attempt: scope.attempt,
+            ts: flotilla_model::time::Timestamp::now(),
+            source: format!("task/{}", scope.task_id.as_ref().map_or("", TaskId::as_str)),
+            event,
+        };
+        let batch = EventBatch::new(scope.run_id, vec![envelope]);
+        if let Ok(out) = flotilla_bus::wire::encode(
+            &batch,
+            flotilla_model::codec::Codec::Json,
+            Some(&batch.msg_id()),
+        ) && let Err(e) = self
+            .bus
+            .publish_encoded(self.bus.names().event(scope.run_id), out)
+            .await
+        {
+            tracing::warn!(error = %e, "An external call's event was not published");
+        }
+    }
+
+    async fn start(&self) {
+        self.emit(flotilla_model::event::Event::ToolStart {
+            call_id: self.call_id.clone(),
+            tool: "call_agent".into(),
+            input: json!({"agent": format!("{EXTERNAL_PREFIX}{}", self.agent), "request": self.prompt}),
+        })
+        .await;
+    }
+
+    async fn update(&self, output: Value) {
+        self.emit(flotilla_model::event::Event::ToolUpdate {
+            call_id: self.call_id.clone(),
+            output,
+        })
+        .await;
+    }
+
+    async fn end(&self, result: &Result<String, flotilla_agents::call::CallError>) {
+        let (ok, output, error) = match result {
+            Ok(text) => (true, json!({"agent": self.agent, "response": text}), None),
+            Err(e) => (false, json!({"code": e.code()}), Some(e.to_string())),
+        };
+        self.emit(flotilla_model::event::Event::ToolEnd {
+            call_id: self.call_id.clone(),
+            ok,
+            output,
+            run_link: None,
+            tool: Some("call_agent".into()),
+            duration_ms: Some(self.started.elapsed().as_millis() as u64),
+            error,
+        })
+        .await;
     }
 }
 

@@ -166,6 +166,13 @@ pub(crate) async fn coordinator(config: &Config) -> anyhow::Result<ExitCode> {
         }
         None => None,
     };
+    let exposer = match agents_exposer(config).await? {
+        Some(e) => {
+            let token = shutdown.clone();
+            Some(tokio::spawn(async move { e.run(token).await }))
+        }
+        None => None,
+    };
     Coordinator::new(
         bus,
         config.coordinator.clone(),
@@ -180,8 +187,28 @@ pub(crate) async fn coordinator(config: &Config) -> anyhow::Result<ExitCode> {
     if let Some(w) = workflows {
         w.await??;
     }
+    if let Some(e) = exposer {
+        e.await??;
+    }
     obs.stop().await;
     Ok(ExitCode::SUCCESS)
+}
+
+/// The coordinators' server of the NATS Agent Protocol, when the configuration exposes
+/// agents (`expose = true` on an agent, or `[agents-protocol] expose-all`): each coordinator
+/// process registers every exposed agent on the `agents` micro service, so prompts are
+/// shared among the replicas.
+async fn agents_exposer(config: &Config) -> anyhow::Result<Option<flotilla_agents::Exposer>> {
+    let agents = config.exposed_agents();
+    if agents.is_empty() {
+        return Ok(None);
+    }
+    let bus = Bus::connect(&config.nats, "flotilla-agents").await?;
+    Ok(Some(flotilla_agents::Exposer::new(
+        bus,
+        config.agents_protocol.clone(),
+        agents,
+    )))
 }
 
 /// The supervisor of this configuration's members.
@@ -468,17 +495,23 @@ pub(crate) struct UpOptions {
     pub(crate) workers: usize,
     pub(crate) data_dir: PathBuf,
     pub(crate) submit: Option<PathBuf>,
+    /// With `submit`: the console too, and stay up after the run until a signal.
+    pub(crate) stay: bool,
     pub(crate) embedded: bool,
 }
 
 /// Everything in one process: an embedded nats-server (unless `--nats-url`), one coordinator
-/// and N workers. With `--submit`, runs that plan to the end and exits with its status.
+/// and N workers. With `--submit`, runs that plan to the end and exits with its status (with
+/// `--stay`, after a signal: the console shows the run meanwhile).
 pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<ExitCode> {
+    // A one-shot `--submit` is a command; without it, or with `--stay`, `up` is a service.
+    let service = opts.submit.is_none() || opts.stay;
     // Signals are handled from the start: a SIGTERM during start-up still stops cleanly
     // (and removes the URL file).
-    let shutdown = match opts.submit {
-        Some(_) => CancellationToken::new(),
-        None => shutdown_on_signals()?,
+    let shutdown = if service {
+        shutdown_on_signals()?
+    } else {
+        CancellationToken::new()
     };
     let mut url_file = None;
     // One registry and one listener for the coordinator and every worker of this process.
@@ -550,6 +583,10 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
         let token = shutdown.clone();
         services.spawn(async move { w.run(token).await.map_err(|e| e.to_string()) });
     }
+    if let Some(e) = agents_exposer(&config).await? {
+        let token = shutdown.clone();
+        services.spawn(async move { e.run(token).await.map_err(|e| e.to_string()) });
+    }
     {
         let (tx, rx) = oneshot::channel();
         set_when_ready(rx, vec![supervisor_ready]);
@@ -579,7 +616,7 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
         services.spawn(async move { worker.run(token).await.map_err(|e| e.to_string()) });
     }
     // The web console, unless `[console] enabled = false` or this is a one-shot `--submit`.
-    if config.console.enabled && opts.submit.is_none() {
+    if config.console.enabled && service {
         let bus = Bus::connect(&config.nats, "flotilla-console").await?;
         match super::console::bind(bus, &config, true).await {
             Ok(console) => {
@@ -597,7 +634,17 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
                 follow: true,
                 ..Default::default()
             };
-            let code = super::submit::submit_on(&bus, plan, opts).await;
+            // With `--stay`, a signal during the run stops `up` (the run stays stored).
+            let code = tokio::select! {
+                code = super::submit::submit_on(&bus, plan, opts) => code,
+                () = shutdown.cancelled() => Ok(ExitCode::from(130)),
+            };
+            if service && !shutdown.is_cancelled() && code.is_ok() {
+                errln!(
+                    "The run ended; Flotilla stays up to look at it (the console above). Ctrl-C stops it."
+                );
+                shutdown.cancelled().await;
+            }
             shutdown.cancel();
             code?
         }

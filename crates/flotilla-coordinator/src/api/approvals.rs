@@ -1,3 +1,5 @@
+//! `approval.ask`: a running attempt asks a person on behalf of an agent of the NATS Agent
+//! Protocol it called (trigger `external_agent`; the attempt waits, not the run machine).
 //! `approval.list`, `approval.get`, `approval.answer`: the operator's inbox. An answer
 //! settles the approval in the escalations bucket (the first answer wins; a later one is
 //! told `already_decided` with what decided) and is relayed to the run log, where the run
@@ -8,10 +10,11 @@ use async_nats::service::Request;
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::api::ApiError;
 use flotilla_model::approval::{
-    AnswerOutcome, ApprovalAnswer, ApprovalAnswerReply, ApprovalAnswerRequest, ApprovalGetRequest,
-    ApprovalList, ApprovalListRequest, ApprovalRecord, ApprovalStatus, ApprovalView, GrantList,
-    GrantListRequest, GrantRevokeReply, GrantRevokeRequest, MAX_LISTED_APPROVALS, ToolGrant,
-    Trigger,
+    AnswerOutcome, ApprovalAnswer, ApprovalAnswerReply, ApprovalAnswerRequest, ApprovalAskReply,
+    ApprovalAskRequest, ApprovalGetRequest, ApprovalList, ApprovalListRequest, ApprovalRecord,
+    ApprovalRequest, ApprovalStatus, ApprovalView, DEFAULT_ASK_TIMEOUT_S, Decision,
+    DefaultDecision, GrantList, GrantListRequest, GrantRevokeReply, GrantRevokeRequest,
+    MAX_LISTED_APPROVALS, ToolGrant, Trigger,
 };
 use flotilla_model::time::Timestamp;
 use tracing::info;
@@ -41,6 +44,209 @@ async fn approval_not_found(req: &Request, run: flotilla_model::ids::RunId, appr
 }
 
 impl Api {
+    /// `approval.ask`: stores the question of an external agent as a pending approval of
+    /// the calling attempt (create-if-absent: asking again answers the same record), or —
+    /// asked again once it is due — settles it first (see [`Api::settle_if_due`]). Refused
+    /// unless the task's current attempt is the caller and the run goes on: nothing is
+    /// stored then.
+    pub(super) async fn approval_ask(&self, req: Request) {
+        let Some(r) = parse::<ApprovalAskRequest>(&req).await else {
+            return;
+        };
+        let problems = r.problems();
+        if !problems.is_empty() {
+            return super::respond_problems(&req, "invalid_request", problems).await;
+        }
+        let run = r.run_id;
+        let state = match self.store.state(run).await {
+            Ok(Some(s)) => s,
+            Ok(None) => return super::run_not_found(&req, run).await,
+            Err(e) => return respond_error(&req, 503, "unavailable", e.to_string()).await,
+        };
+        let plan = match self.store.plan_for(run, &state).await {
+            Ok(p) => p,
+            Err(e) => return respond_error(&req, 503, "unavailable", e.to_string()).await,
+        };
+        let Some((index, sub)) = plan.as_ref().and_then(|p| {
+            p.subtasks
+                .iter()
+                .enumerate()
+                .find(|(_, t)| t.id == r.task_id)
+        }) else {
+            return respond_error(
+                &req,
+                404,
+                "unknown_task",
+                format!("run {run} has no task {}", r.task_id),
+            )
+            .await;
+        };
+        let id = r.approval_id(index as u32);
+        match self.escalations.get(run, &id).await {
+            Ok(Some((record, revision))) => {
+                return self.answer_ask(&req, record, revision, state.status).await;
+            }
+            Ok(None) => {}
+            Err(e) => return respond_approval_error(&req, e).await,
+        }
+        if state.status.is_terminal() {
+            return respond_error(
+                &req,
+                409,
+                "run_ended",
+                format!(
+                    "run {run} ended ({:?}): nobody is waiting for an answer",
+                    state.status
+                ),
+            )
+            .await;
+        }
+        let task = state.tasks.get(index);
+        if task.is_none_or(|t| t.attempt != r.attempt || t.status.is_terminal()) {
+            return respond_error(
+                &req,
+                409,
+                "not_running",
+                format!(
+                    "attempt {} of task {} is not running (the task is {}, attempt {})",
+                    r.attempt,
+                    r.task_id,
+                    task.map_or("unknown".into(), |t| format!("{:?}", t.status)
+                        .to_lowercase()),
+                    task.map_or(0, |t| t.attempt)
+                ),
+            )
+            .await;
+        }
+        let now = Timestamp::now();
+        let timeout_s = r.timeout_s.unwrap_or(DEFAULT_ASK_TIMEOUT_S);
+        let input = serde_json::json!({
+            "agent": r.agent,
+            "query_id": r.query_id,
+            "question": r.question,
+            "context": r.context,
+        });
+        let description = format!("{} asks: {}", r.agent, r.question);
+        let record = ApprovalRecord {
+            protocol: PROTOCOL_VERSION,
+            status: ApprovalStatus::Pending,
+            request: ApprovalRequest {
+                approval_id: id.clone(),
+                run_id: run,
+                task_id: r.task_id.clone(),
+                attempt: r.attempt,
+                trigger: Trigger::ExternalAgent,
+                mode: Default::default(),
+                action: sub.action.clone(),
+                risk: sub.risk,
+                agent: sub.agent.clone(),
+                role: sub.role.clone(),
+                digest: flotilla_model::approval::digest_of(&description, &input),
+                description,
+                input,
+                tool_call: None,
+                requested_at: now,
+                deadline: Timestamp::from_unix_ms(now.unix_ms() + (timeout_s as i64) * 1000),
+                default: DefaultDecision::Reject,
+            },
+            answer: None,
+        };
+        if let Err(e) = self.escalations.request(&record, false).await {
+            return respond_approval_error(&req, e).await;
+        }
+        info!(%run, approval = %id, agent = %r.agent, "An external agent's question asked of a person");
+        match self.escalations.get(run, &id).await {
+            Ok(Some((record, revision))) => {
+                self.answer_ask(&req, record, revision, state.status).await
+            }
+            Ok(None) => approval_not_found(&req, run, &id).await,
+            Err(e) => respond_approval_error(&req, e).await,
+        }
+    }
+
+    /// Answers `approval.ask` with the approval, settled first when it is due.
+    async fn answer_ask(
+        &self,
+        req: &Request,
+        record: ApprovalRecord,
+        revision: u64,
+        run_status: flotilla_model::run::RunStatus,
+    ) {
+        match self.settle_if_due(record, revision, run_status).await {
+            Ok(record) => {
+                let reply = ApprovalAskReply {
+                    protocol: PROTOCOL_VERSION,
+                    record,
+                };
+                respond_json(req, self.max_payload(), &reply).await;
+            }
+            Err(e) => respond_approval_error(req, e).await,
+        }
+    }
+
+    /// An `external_agent` approval nobody but its asker waits for, settled when it is due:
+    /// `withdrawn` once its run has ended, `expired` (its default, reject) past its deadline
+    /// — unless something settled it first. No timer does this: the asker asks again at the
+    /// deadline, and an answer that comes late reads the approval through here too.
+    async fn settle_if_due(
+        &self,
+        record: ApprovalRecord,
+        revision: u64,
+        run_status: flotilla_model::run::RunStatus,
+    ) -> Result<ApprovalRecord, ApprovalError> {
+        if record.status != ApprovalStatus::Pending
+            || record.request.trigger != Trigger::ExternalAgent
+        {
+            return Ok(record);
+        }
+        let now = Timestamp::now();
+        let (status, by, message) = if run_status.is_terminal() {
+            (
+                ApprovalStatus::Withdrawn,
+                "run",
+                format!("the run ended ({run_status:?}) before anyone answered"),
+            )
+        } else if now >= record.request.deadline {
+            (
+                ApprovalStatus::Expired,
+                "deadline",
+                "nobody answered before the deadline; the default is reject".to_owned(),
+            )
+        } else {
+            return Ok(record);
+        };
+        let run = record.request.run_id;
+        let id = record.request.approval_id.clone();
+        let at = if status == ApprovalStatus::Expired {
+            record.request.deadline
+        } else {
+            now
+        };
+        let (settled_record, ours) = self
+            .escalations
+            .settle(run, &id, None, Some((record, revision)), |p| {
+                settled(
+                    p,
+                    status,
+                    ApprovalAnswer {
+                        decision: Decision::Reject {
+                            message: message.clone(),
+                        },
+                        by: by.into(),
+                        comment: None,
+                        at,
+                        always: false,
+                        incident: false,
+                    },
+                )
+            })
+            .await?;
+        if ours {
+            info!(%run, approval = %id, status = status.as_str(), "An external agent's question settled without an answer");
+        }
+        Ok(settled_record)
+    }
+
     pub(super) async fn approval_list(&self, req: Request) {
         let Some(r) = parse::<ApprovalListRequest>(&req).await else {
             return;
@@ -144,6 +350,48 @@ impl Api {
                 return approval_not_found(&req, r.run_id, &r.approval_id).await;
             }
             Err(e) => return respond_approval_error(&req, e).await,
+        };
+        // An external agent's question: its wait has no timer of its own, so an answer that
+        // comes after its run ended or past its deadline finds it settled here first.
+        let known = if known.0.request.trigger == Trigger::ExternalAgent {
+            if matches!(r.decision, Decision::Edit { .. }) {
+                return respond_error(
+                    &req,
+                    400,
+                    "decision_not_applicable",
+                    format!(
+                        "approval {} is an external agent's question: approve (answered yes), reject (no) or respond (your text), not edit",
+                        r.approval_id
+                    ),
+                )
+                .await;
+            }
+            let status = match self.store.state(r.run_id).await {
+                Ok(Some(s)) => s.status,
+                Ok(None) => flotilla_model::run::RunStatus::Running,
+                Err(e) => return respond_error(&req, 503, "unavailable", e.to_string()).await,
+            };
+            match self.settle_if_due(known.0, known.1, status).await {
+                Ok(record) if record.status != ApprovalStatus::Pending => {
+                    let reply = ApprovalAnswerReply {
+                        protocol: PROTOCOL_VERSION,
+                        outcome: AnswerOutcome::AlreadyDecided,
+                        record,
+                    };
+                    return respond_json(&req, self.max_payload(), &reply).await;
+                }
+                Ok(record) => match self.escalations.get(r.run_id, &r.approval_id).await {
+                    Ok(Some(k)) => k,
+                    Ok(None) => {
+                        return approval_not_found(&req, r.run_id, &record.request.approval_id)
+                            .await;
+                    }
+                    Err(e) => return respond_approval_error(&req, e).await,
+                },
+                Err(e) => return respond_approval_error(&req, e).await,
+            }
+        } else {
+            known
         };
         let answer = ApprovalAnswer {
             decision: r.decision.clone(),

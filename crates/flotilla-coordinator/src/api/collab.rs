@@ -9,6 +9,7 @@
 //! | `<prefix>.api.mbox.read` | `MboxReadRequest` | `MailboxPage` |
 //! | `<prefix>.api.mbox.role`, `mbox.negotiate` | see [`negotiate`] | |
 //! | `<prefix>.api.state.get` | `StateGetRequest` | `StateValue` |
+//! | `<prefix>.api.state.list` | `StateListRequest` | `StateKeys` |
 //! | `<prefix>.api.state.set` | `StateSetRequest` | `StateSetReply` |
 //!
 //! ```text
@@ -53,8 +54,8 @@ use flotilla_context::{Clients, ContextError, Scope};
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::api::{
     ApiError, ChildStartReply, ChildStartRequest, MAX_MBOX_WAIT_MS, MboxReadRequest, MboxSendReply,
-    MboxSendRequest, StateGetRequest, StateSetReply, StateSetRequest, WsAppendReply,
-    WsAppendRequest, WsReadRequest,
+    MboxSendRequest, StateGetRequest, StateKeys, StateListRequest, StateSetReply, StateSetRequest,
+    WsAppendReply, WsAppendRequest, WsReadRequest,
 };
 use flotilla_model::ids::{RunId, SessionId, TaskId};
 use flotilla_model::mailbox::{MAX_READ_LIMIT as MBOX_MAX_LIMIT, MailboxPage};
@@ -636,6 +637,33 @@ impl Api {
                 format!("state key {:?} is not set in session {session}", r.key),
             )
         })
+    }
+
+    /// `state.list`: the session's keys, without Flotilla's own (session grants).
+    pub(super) async fn state_list(&self, req: Request) {
+        let Some(r) = parse::<StateListRequest>(&req).await else {
+            return;
+        };
+        let answer = async {
+            let scope = self.session_scope(r.run_id, r.session_id).await?;
+            let session_id = scope.session.clone();
+            let keys = self
+                .clients(scope)?
+                .state()
+                .list()
+                .await
+                .map_err(context_error)?
+                .into_iter()
+                .filter(|k| !k.starts_with(flotilla_model::approval::GRANT_PREFIX))
+                .collect();
+            Ok(StateKeys {
+                protocol: PROTOCOL_VERSION,
+                session_id,
+                keys,
+            })
+        }
+        .await;
+        self.answer(&req, "state.list", answer).await;
     }
 
     /// `state.set`.

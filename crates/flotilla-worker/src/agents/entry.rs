@@ -8,9 +8,10 @@
 //! description = "Reads filings"          # what it is for,
 //! capabilities = ["filings", "tables"]   # and what it can do
 //! compensate = "retract"                 # the agent that undoes its tasks on a rollback
+//! expose = true                          # an agent of the NATS Agent Protocol too
 //! ```
 //!
-//! The card's keys (and `compensate`) are taken out before the rest is read as the
+//! The card's keys (and `compensate`, `expose`) are taken out before the rest is read as the
 //! definition, so every kind keeps refusing keys it does not know.
 
 use serde::de::Error as _;
@@ -33,6 +34,9 @@ pub struct AgentEntry {
     /// The agent that undoes its tasks' work when their run is cancelled with `rollback`
     /// (a plan's subtask may name its own).
     pub compensate: Option<String>,
+    /// Whether the coordinators expose it as an agent of the NATS Agent Protocol (the
+    /// `agents` micro service), so any client of that protocol can prompt it.
+    pub expose: bool,
 }
 
 impl From<AgentDefinition> for AgentEntry {
@@ -41,6 +45,7 @@ impl From<AgentDefinition> for AgentEntry {
             definition,
             card: MemberCard::default(),
             compensate: None,
+            expose: false,
         }
     }
 }
@@ -67,6 +72,15 @@ impl<'de> Deserialize<'de> for AgentEntry {
                 )));
             }
         };
+        let expose = match table.remove("expose") {
+            None => false,
+            Some(serde_json::Value::Bool(b)) => b,
+            Some(other) => {
+                return Err(D::Error::custom(format!(
+                    "expose: expected true or false, found {other}"
+                )));
+            }
+        };
         let card = MemberCard::deserialize(serde_json::Value::Object(card))
             .map_err(|e| D::Error::custom(format!("member card: {e}")))?;
         card.validate()
@@ -77,6 +91,7 @@ impl<'de> Deserialize<'de> for AgentEntry {
             definition,
             card,
             compensate,
+            expose,
         })
     }
 }
@@ -92,6 +107,9 @@ impl Serialize for AgentEntry {
             table.extend(card);
             if let Some(agent) = &self.compensate {
                 table.insert("compensate".into(), agent.clone().into());
+            }
+            if self.expose {
+                table.insert("expose".into(), true.into());
             }
         }
         v.serialize(s)
@@ -110,8 +128,10 @@ mod tests {
             "roles": ["analyst"],
             "description": "answers",
             "compensate": "retract",
+            "expose": true,
         }))
         .expect("entry");
+        assert!(e.expose);
         assert_eq!(e.card.roles, ["analyst"]);
         assert_eq!(e.compensate.as_deref(), Some("retract"));
         assert!(matches!(e.definition, AgentDefinition::Scripted(_)));
