@@ -24,6 +24,10 @@ pub struct Mirrored<T> {
     pub value: T,
     /// When it was written (server time, Unix ms).
     pub at_ms: i64,
+    /// Its revision in the bucket: a value is replaced only by a later revision, so a
+    /// process's [`KvMirror::note`] of its own write that comes after the watch delivered a
+    /// later one does not put the older value back.
+    pub revision: u64,
 }
 
 /// The live content of one bucket.
@@ -126,6 +130,13 @@ impl<T: DeserializeOwned + Clone + Send + Sync + 'static> KvMirror<T> {
                     self.synced.send_replace(true);
                 }
                 let mut map = self.entries.write().unwrap_or_else(|p| p.into_inner());
+                // A noted write may be ahead of the watch: older revisions change nothing.
+                if map
+                    .get(&entry.key)
+                    .is_some_and(|m| m.revision > entry.revision)
+                {
+                    continue;
+                }
                 match entry.operation {
                     kv::Operation::Put => match serde_json::from_slice::<T>(&entry.value) {
                         Ok(value) => {
@@ -134,6 +145,7 @@ impl<T: DeserializeOwned + Clone + Send + Sync + 'static> KvMirror<T> {
                                 Mirrored {
                                     value,
                                     at_ms: unix_ms(entry.created),
+                                    revision: entry.revision,
                                 },
                             );
                         }
@@ -196,12 +208,21 @@ impl<T: DeserializeOwned + Clone + Send + Sync + 'static> KvMirror<T> {
         found
     }
 
-    /// Records a value this process just wrote, so its next read sees it before the watch
-    /// delivers it.
-    pub fn note(&self, key: &str, value: T, at_ms: i64) {
-        self.entries
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(key.to_owned(), Mirrored { value, at_ms });
+    /// Records a value this process just wrote at `revision`, so its next read sees it
+    /// before the watch delivers it. A later revision already mirrored (the watch delivered
+    /// another writer's change first: this process was slow to note its own) is kept.
+    pub fn note(&self, key: &str, value: T, at_ms: i64, revision: u64) {
+        let mut map = self.entries.write().unwrap_or_else(|p| p.into_inner());
+        if map.get(key).is_some_and(|m| m.revision >= revision) {
+            return;
+        }
+        map.insert(
+            key.to_owned(),
+            Mirrored {
+                value,
+                at_ms,
+                revision,
+            },
+        );
     }
 }

@@ -15,15 +15,15 @@ const MAX_TRIES: usize = 50;
 
 /// Reads `key` (or starts from `init()` when it does not exist), applies `change`, and writes
 /// the result only if nobody wrote the key in between; on a lost race, reads again. `change`
-/// returns `false` to leave the value as it is. Returns the value written, or `None` when
-/// `change` changed nothing.
+/// returns `false` to leave the value as it is. Returns the value written with its revision
+/// (for [`flotilla_bus::mirror::KvMirror::note`]), or `None` when `change` changed nothing.
 pub(crate) async fn modify<T, I, F>(
     kv: &kv::Store,
     key: &str,
     init: I,
     change: F,
     metrics: &Metrics,
-) -> Result<Option<T>, SupervisorError>
+) -> Result<Option<(T, u64)>, SupervisorError>
 where
     T: Serialize + DeserializeOwned,
     I: Fn() -> T,
@@ -42,7 +42,7 @@ pub(crate) async fn modify_from<T, I, F>(
     init: I,
     mut change: F,
     metrics: &Metrics,
-) -> Result<Option<T>, SupervisorError>
+) -> Result<Option<(T, u64)>, SupervisorError>
 where
     T: Serialize + DeserializeOwned,
     I: Fn() -> T,
@@ -63,18 +63,18 @@ where
         })?;
         let written = match revision {
             Some(rev) => match kv.update(key, bytes.into(), rev).await {
-                Ok(_) => true,
-                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => false,
+                Ok(rev) => Some(rev),
+                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => None,
                 Err(e) => return Err(SupervisorError::store(format!("writing {key}"), e)),
             },
             None => match kv.create(key, bytes.into()).await {
-                Ok(_) => true,
-                Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => false,
+                Ok(rev) => Some(rev),
+                Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => None,
                 Err(e) => return Err(SupervisorError::store(format!("creating {key}"), e)),
             },
         };
-        if written {
-            return Ok(Some(value));
+        if let Some(rev) = written {
+            return Ok(Some((value, rev)));
         }
         SupervisorCasConflict { key }.emit(metrics);
     }
@@ -145,7 +145,7 @@ mod tests {
             &metrics,
         )
         .await?;
-        assert_eq!(written, Some(vec![1, 2]));
+        assert_eq!(written.map(|w| w.0), Some(vec![1, 2]));
 
         // Someone wrote since the caller's read: the change lands on their value.
         let current = kv.put("n", b"[1,2,9]".to_vec().into()).await?;
@@ -161,7 +161,7 @@ mod tests {
             &metrics,
         )
         .await?;
-        assert_eq!(written, Some(vec![1, 2, 9, 3]));
+        assert_eq!(written.map(|w| w.0), Some(vec![1, 2, 9, 3]));
         let e = kv
             .entry("n")
             .await?

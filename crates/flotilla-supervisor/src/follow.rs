@@ -399,8 +399,8 @@ async fn member_changes(
         &team.metrics,
     )
     .await?;
-    if let Some(m) = written {
-        team.roster.note(&key, m, now.unix_ms());
+    if let Some((m, revision)) = written {
+        team.roster.note(&key, m, now.unix_ms(), revision);
     }
     Ok(())
 }
@@ -430,7 +430,7 @@ async fn count(
         &team.metrics,
     )
     .await?;
-    if let Some(r) = written {
+    if let Some((r, revision)) = written {
         if scope == RecordScope::Agent {
             for o in &counted {
                 AttemptCounted {
@@ -449,7 +449,8 @@ async fn count(
         if let Err(e) = crate::trust::evaluate(team, &r).await {
             tracing::warn!(key, error = %e, "Could not re-evaluate a trust level");
         }
-        team.failures.note(&key, r, Timestamp::now().unix_ms());
+        team.failures
+            .note(&key, r, Timestamp::now().unix_ms(), revision);
     }
     Ok(())
 }

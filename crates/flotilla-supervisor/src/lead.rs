@@ -395,8 +395,8 @@ async fn spawn_mate(
     mate.run = Some(run);
     let bytes = serde_json::to_vec(&mate).map_err(|e| store_err("encoding a teammate", e))?;
     match team.team_kv.create(&key, bytes.into()).await {
-        Ok(_) => {
-            team.mates.note(&key, mate, now.unix_ms());
+        Ok(revision) => {
+            team.mates.note(&key, mate, now.unix_ms(), revision);
             info!(%run, name, agent, pool, "Teammate of a led run spawned");
             Ok(true)
         }

@@ -141,9 +141,9 @@ pub(crate) async fn refresh(team: &Team) -> Result<(), SupervisorError> {
             )
             .await?;
             match written {
-                Some(m) => {
+                Some((m, revision)) => {
                     let status = m.status;
-                    team.roster.note(&key, m, now.unix_ms());
+                    team.roster.note(&key, m, now.unix_ms(), revision);
                     status
                 }
                 None => current.map_or(MemberStatus::Offline, |m| m.status),

@@ -207,14 +207,14 @@ async fn do_spawn(team: &Team, r: &TeamSpawnRequest) -> Result<TeammateView, Ref
     mate.spawned_by = r.by.clone();
     mate.turns_per_hour = team.opts.turns_per_hour;
     let bytes = serde_json::to_vec(&mate).map_err(internal)?;
-    match team.team_kv.create(&key, bytes.into()).await {
-        Ok(_) => {}
+    let revision = match team.team_kv.create(&key, bytes.into()).await {
+        Ok(revision) => revision,
         Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
             return Err(duplicate(t, &r.name));
         }
         Err(e) => return Err(internal(e)),
-    }
-    team.mates.note(&key, mate.clone(), now.unix_ms());
+    };
+    team.mates.note(&key, mate.clone(), now.unix_ms(), revision);
     Ok(view(&mate, Some(now.unix_ms())))
 }
 
@@ -498,10 +498,10 @@ pub(crate) async fn end(
         &team.metrics,
     )
     .await?;
-    if let Some(m) = &written {
-        team.mates.note(&key, m.clone(), now.unix_ms());
-    }
-    Ok(written)
+    Ok(written.map(|(m, revision)| {
+        team.mates.note(&key, m.clone(), now.unix_ms(), revision);
+        m
+    }))
 }
 
 /// The teammates as views (of one team), by team then name.
@@ -582,8 +582,8 @@ async fn mark_working(
     )
     .await?;
     Ok(match (written, again) {
-        (Some(m), _) => {
-            team.mates.note(&key, m.clone(), now.unix_ms());
+        (Some((m, revision)), _) => {
+            team.mates.note(&key, m.clone(), now.unix_ms(), revision);
             Some(m)
         }
         (None, Some(m)) => Some(m),

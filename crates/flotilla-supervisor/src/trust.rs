@@ -45,12 +45,12 @@ pub(crate) async fn evaluate(team: &Team, record: &FailureRecord) -> Result<(), 
         &team.metrics,
     )
     .await?;
-    if let Some(t) = written {
+    if let Some((t, revision)) = written {
         if let Some(change) = t.history.back().filter(|c| c.at == now) {
             info!(scope = t.scope.as_str(), name = %t.name, from = change.from.as_str(), to = change.to.as_str(), reason = %change.reason, "Trust level changed");
         }
         emit(team, &t);
-        team.trusts.note(&key, t, now.unix_ms());
+        team.trusts.note(&key, t, now.unix_ms(), revision);
     }
     Ok(())
 }
@@ -85,7 +85,7 @@ pub(crate) async fn flotilla_incident(
         &team.metrics,
     )
     .await?;
-    if let Some(t) = written {
+    if let Some((t, revision)) = written {
         info!(
             scope = scope.as_str(),
             name,
@@ -94,7 +94,7 @@ pub(crate) async fn flotilla_incident(
             "Trust incident recorded by Flotilla"
         );
         emit(team, &t);
-        team.trusts.note(&key, t, now.unix_ms());
+        team.trusts.note(&key, t, now.unix_ms(), revision);
     }
     Ok(())
 }
@@ -177,7 +177,7 @@ async fn change(
 ) -> Result<TrustRecord, ApiError> {
     let now = Timestamp::now();
     let record = counted(team, scope, name);
-    let written = modify(
+    let (written, revision) = modify(
         &team.trust_kv,
         &trust_key(scope, name),
         || TrustRecord::new(scope, name, now),
@@ -191,8 +191,12 @@ async fn change(
     .map_err(unavailable)?
     .ok_or_else(|| unavailable("the trust record was not written"))?;
     emit(team, &written);
-    team.trusts
-        .note(&trust_key(scope, name), written.clone(), now.unix_ms());
+    team.trusts.note(
+        &trust_key(scope, name),
+        written.clone(),
+        now.unix_ms(),
+        revision,
+    );
     Ok(written)
 }
 
