@@ -560,6 +560,62 @@ async fn asked_of_a_person(
     }
 }
 
+/// The current attempt id of task `index` of `run`, as its envelope carries it.
+async fn attempt_id_of(
+    p: &Processes,
+    run: flotilla_model::ids::RunId,
+    index: u32,
+) -> anyhow::Result<flotilla_model::ids::AttemptId> {
+    let reader = flotilla_runs::RunReader::open(&p.bus).await?;
+    let state = reader
+        .state(run)
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no run {run}"))?;
+    let t = state
+        .tasks
+        .get(index as usize)
+        .ok_or_else(|| anyhow::anyhow!("no task {index}"))?;
+    Ok(flotilla_machine::attempt_id(
+        run,
+        index,
+        t.attempt,
+        t.attempt_started_ms(),
+    ))
+}
+
+/// The approval events of `approval` on `run`'s events (phase, task, attempt), read until
+/// the stream has nothing more for a moment.
+async fn approval_phases(
+    p: &Processes,
+    run: flotilla_model::ids::RunId,
+    approval: &str,
+) -> anyhow::Result<Vec<(String, String, u32)>> {
+    use flotilla_model::event::Event;
+    use futures::StreamExt;
+    let events = p.client.events(run).await?;
+    futures::pin_mut!(events);
+    let mut out = Vec::new();
+    while let Ok(Some(e)) = tokio::time::timeout(Duration::from_millis(500), events.next()).await {
+        let e = e?;
+        if let Event::Workflow(w) = &e.event
+            && w.approval_id.as_deref() == Some(approval)
+        {
+            out.push((
+                serde_json::to_value(w.phase)?
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+                e.task_id
+                    .as_ref()
+                    .map(|t| t.to_string())
+                    .unwrap_or_default(),
+                e.attempt.unwrap_or(0),
+            ));
+        }
+    }
+    Ok(out)
+}
+
 fn answer(
     record: &flotilla_model::approval::ApprovalRecord,
     decision: flotilla_model::approval::Decision,
@@ -641,6 +697,24 @@ args = ["-c", '"$FLOTILLA_BIN" call agents:gate "clean up the stale files" --wai
         (400, "decision_not_applicable"),
         "{e:?}"
     );
+    // Nor is an external agent's question an incident of this deployment's agents.
+    let mut incident = answer(
+        &pending[0],
+        Decision::Reject {
+            message: "no".into(),
+        },
+    );
+    incident.incident = true;
+    let e = p
+        .client
+        .call(&incident, WAIT)
+        .await?
+        .expect_err("incident refused");
+    assert_eq!(
+        (e.status, e.code.as_str()),
+        (400, "incident_not_applicable"),
+        "{e:?}"
+    );
     let reply = p
         .client
         .call(&answer(&pending[0], Decision::Approve), WAIT)
@@ -670,6 +744,16 @@ args = ["-c", '"$FLOTILLA_BIN" call agents:gate "clean up the stale files" --wai
     assert_eq!(update["answered"], true, "{update}");
     assert_eq!(update["reply"], "yes", "{update}");
     assert_eq!(update["status"], "decided", "{update}");
+    // The run's events say a person was asked and how it was decided, once each.
+    let phases = approval_phases(&p, run, &pending[0].request.approval_id).await?;
+    assert_eq!(
+        phases,
+        [
+            ("approval_requested".to_owned(), "ask".to_owned(), 1),
+            ("approval_decided".to_owned(), "ask".to_owned(), 1)
+        ],
+        "{phases:?}"
+    );
 
     // Rejected: the agent hears no.
     let run = p.client.submit(once()).await?;
@@ -699,6 +783,7 @@ args = ["-c", '"$FLOTILLA_BIN" call agents:gate "clean up the stale files" --wai
         run_id: run,
         task_id: task.into(),
         attempt,
+        attempt_id: flotilla_model::ids::AttemptId::new(),
         agent: "agents:gate.ext.default".into(),
         query_id: "q-test".into(),
         question: question.into(),
@@ -745,8 +830,15 @@ args = ["-c", '"$FLOTILLA_BIN" call agents:gate "clean up the stale files" --wai
         refused(p.client.call(&ask(run, "nope", 1, "?", None), WAIT).await?),
         (404, "unknown_task".into())
     );
+    // Another attempt's id: not the attempt that runs (or ran) the task.
     assert_eq!(
         refused(p.client.call(&ask(run, "ask", 1, "?", None), WAIT).await?),
+        (409, "not_the_attempt".into())
+    );
+    let mut ended = ask(run, "ask", 1, "?", None);
+    ended.attempt_id = attempt_id_of(&p, run, 0).await?;
+    assert_eq!(
+        refused(p.client.call(&ended, WAIT).await?),
         (409, "run_ended".into())
     );
     let all = p
@@ -774,16 +866,29 @@ args = ["-c", '"$FLOTILLA_BIN" call agents:gate "clean up the stale files" --wai
         .await?
         .expect_err("attempt 2");
     assert_eq!((e.status, e.code.as_str()), (409, "not_running"), "{e:?}");
+    let current = attempt_id_of(&p, run, 0).await?;
+    let asked = |question: &str, query: &str, timeout_s| {
+        let mut a = ask(run, "ask", 1, question, timeout_s);
+        a.attempt_id = current;
+        a.query_id = query.into();
+        a
+    };
     let short = p
         .client
-        .call(&ask(run, "ask", 1, "Quick: may I?", Some(1)), WAIT)
+        .call(&asked("Quick: may I?", "q-test", Some(1)), WAIT)
         .await?
         .map_err(|e| anyhow::anyhow!("{e:?}"))?;
     assert_eq!(short.record.status, ApprovalStatus::Pending);
+    // One asked once and never again (its asker gone): the coordinators' sweep settles it.
+    let orphan = p
+        .client
+        .call(&asked("Anyone there?", "q-orphan", Some(1)), WAIT)
+        .await?
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let again = p
         .client
-        .call(&ask(run, "ask", 1, "Quick: may I?", Some(1)), WAIT)
+        .call(&asked("Quick: may I?", "q-test", Some(1)), WAIT)
         .await?
         .map_err(|e| anyhow::anyhow!("{e:?}"))?;
     assert_eq!(
@@ -798,6 +903,38 @@ args = ["-c", '"$FLOTILLA_BIN" call agents:gate "clean up the stale files" --wai
             .as_ref()
             .map(|a| (a.decision.as_str(), a.by.as_str())),
         Some(("reject", "deadline"))
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(40);
+    loop {
+        let got = p
+            .client
+            .call(
+                &flotilla_model::approval::ApprovalGetRequest {
+                    protocol: 1,
+                    run_id: run,
+                    approval_id: orphan.record.request.approval_id.clone(),
+                },
+                WAIT,
+            )
+            .await?
+            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        if got.record.status == ApprovalStatus::Expired {
+            break;
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the orphaned question was never settled: {got:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let phases = approval_phases(&p, run, &orphan.record.request.approval_id).await?;
+    assert_eq!(
+        phases
+            .iter()
+            .map(|(p, _, _)| p.as_str())
+            .collect::<Vec<_>>(),
+        ["approval_requested", "approval_decided"],
+        "{phases:?}"
     );
     p.client.cancel(run, Some("test".into())).await?;
     p.client.wait(run, WAIT).await?;

@@ -1685,6 +1685,24 @@ async fn a_person_acts_as_their_nats_user_whatever_the_request_claims() -> anyho
         })
         .collect();
     ensure!(by == [Some("alice".to_owned())], "{by:?}");
+    // A person cannot ask on behalf of an attempt (an external agent's question): the
+    // server says who asks, and it is not a worker.
+    let ask = serde_json::json!({
+        "run_id": run, "task_id": "wait", "attempt": 1,
+        "attempt_id": uuid::Uuid::now_v7(), "agent": "agents:gate.ext.default",
+        "query_id": "q", "question": "may I?"
+    });
+    let reply = tokio::time::timeout(
+        Duration::from_secs(10),
+        alice.request("flotilla.api.approval.ask", ask.to_string().into()),
+    )
+    .await
+    .context("no answer to the person's approval.ask")??;
+    let refused: serde_json::Value = serde_json::from_slice(&reply.payload)?;
+    ensure!(
+        refused["status"] == 403 && refused["code"] == "forbidden",
+        "{refused}"
+    );
     // Nothing but the API: no stream of the FLOTILLA account (its run log among them).
     let js = async_nats::jetstream::new(alice.clone());
     ensure!(

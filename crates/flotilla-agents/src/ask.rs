@@ -37,6 +37,8 @@ pub struct Asker {
     pub task_id: TaskId,
     /// The calling attempt.
     pub attempt: u32,
+    /// The calling attempt's id (its envelope's).
+    pub attempt_id: flotilla_model::ids::AttemptId,
     /// The agent called (`agents:<agent>.<owner>.<session>`).
     pub agent: String,
     /// What it was asked (the person's context).
@@ -86,6 +88,7 @@ pub async fn ask_and_answer(asker: &Asker, query: &Query) -> Result<Asked, Strin
         run_id: asker.run_id,
         task_id: asker.task_id.clone(),
         attempt: asker.attempt,
+        attempt_id: asker.attempt_id,
         agent: asker.agent.clone(),
         query_id: query.id.clone(),
         question: query.prompt.clone(),

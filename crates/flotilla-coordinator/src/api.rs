@@ -107,6 +107,10 @@ struct Api {
     escalations: crate::approvals::Escalations,
 }
 
+/// How often a coordinator settles external agents' questions nobody waits for any more
+/// (see [`Api::sweep_external_questions`]).
+const EXTERNAL_SWEEP: std::time::Duration = std::time::Duration::from_secs(15);
+
 /// Serves the API until `shutdown`.
 pub(crate) async fn serve(
     store: RunStore,
@@ -269,10 +273,22 @@ pub(crate) async fn serve(
         runs: collab::RunCache::default(),
         shutdown: shutdown.clone(),
     });
+    // External agents' questions wait in their calling attempt, not in a run machine: a
+    // sweep settles those whose asker is gone (its worker died, the run ended). Every
+    // coordinator sweeps; settling is a compare-and-set, so replicas never settle one twice.
+    let mut sweep =
+        tokio::time::interval_at(tokio::time::Instant::now() + EXTERNAL_SWEEP, EXTERNAL_SWEEP);
+    sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut sweeping: Option<tokio::task::JoinHandle<()>> = None;
     loop {
         let api = Arc::clone(&api);
         tokio::select! {
             _ = shutdown.cancelled() => break,
+            _ = sweep.tick() => {
+                if sweeping.as_ref().is_none_or(tokio::task::JoinHandle::is_finished) {
+                    sweeping = Some(tokio::spawn(async move { api.sweep_external_questions().await }));
+                }
+            }
             Some(req) = submit.next() => { tokio::spawn(async move { api.submit(req).await }); }
             Some(req) = get.next() => { tokio::spawn(async move { api.get(req).await }); }
             Some(req) = cancel.next() => { tokio::spawn(async move { api.cancel(req).await }); }

@@ -801,18 +801,22 @@ async fn call_external(
             .task_id
             .clone()
             .zip(ctx.scope.attempt)
-            .map(|(task_id, attempt)| flotilla_agents::ask::Asker {
-                client: flotilla_client::Client::new(ctx.clients().bus().clone()),
-                run_id: ctx.scope.run_id,
-                task_id,
-                attempt,
-                agent: format!(
-                    "{EXTERNAL_PREFIX}{}.{}.{}",
-                    agent.address.agent, agent.address.owner, agent.address.session
-                ),
-                context: prompt.clone(),
-                call_ends: tokio::time::Instant::now() + opts.timeout,
-            });
+            .zip(ctx.scope.attempt_id)
+            .map(
+                |((task_id, attempt), attempt_id)| flotilla_agents::ask::Asker {
+                    client: flotilla_client::Client::new(ctx.clients().bus().clone()),
+                    run_id: ctx.scope.run_id,
+                    task_id,
+                    attempt,
+                    attempt_id,
+                    agent: format!(
+                        "{EXTERNAL_PREFIX}{}.{}.{}",
+                        agent.address.agent, agent.address.owner, agent.address.session
+                    ),
+                    context: prompt.clone(),
+                    call_ends: tokio::time::Instant::now() + opts.timeout,
+                },
+            );
         let envelope = flotilla_agents::wire::Envelope::text(prompt);
         let mut questions = tokio::task::JoinSet::new();
         let response = call::call(&nats, &agent, &envelope, opts, |event| {

@@ -1339,6 +1339,9 @@ pub struct ApprovalAskRequest {
     pub task_id: TaskId,
     /// The calling attempt (the task's current one).
     pub attempt: u32,
+    /// The calling attempt's id, from its task envelope (`FLOTILLA_ATTEMPT_ID` of an exec
+    /// agent): a question of an attempt that is not the task's current one is refused.
+    pub attempt_id: crate::ids::AttemptId,
     /// The agent that asks (`agents:<agent>.<owner>.<session>`).
     pub agent: String,
     /// The query's id as the agent sent it (with the run, task and attempt, the approval's

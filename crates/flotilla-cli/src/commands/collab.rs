@@ -595,6 +595,7 @@ async fn call_external(global: Global<'_>, target: &str, args: &CallArgs) -> Res
             run_id: s.run_id,
             task_id: s.task_id.clone()?,
             attempt: s.attempt?,
+            attempt_id: s.attempt_id?,
             agent: format!(
                 "{EXTERNAL_PREFIX}{}.{}.{}",
                 agent.address.agent, agent.address.owner, agent.address.session

@@ -53,6 +53,20 @@ impl Api {
         let Some(r) = parse::<ApprovalAskRequest>(&req).await else {
             return;
         };
+        // Asked by the attempt that called the agent (a worker, inside Flotilla's account),
+        // never by a person: a request that crossed the people's shared import says who sent
+        // it, and is refused.
+        if let Some(who) = flotilla_bus::service::requester(&req) {
+            return respond_error(
+                &req,
+                403,
+                "forbidden",
+                format!(
+                    "approval.ask is asked by the running attempt that called an external agent, not by a person ({who})"
+                ),
+            )
+            .await;
+        }
         let problems = r.problems();
         if !problems.is_empty() {
             return super::respond_problems(&req, "invalid_request", problems).await;
@@ -81,6 +95,26 @@ impl Api {
             )
             .await;
         };
+        // The attempt's id (its envelope's) names the attempt that asks: a caller holding
+        // another attempt's envelope (an earlier, retried one) is not it.
+        if let Some(t) = state.tasks.get(index)
+            && t.attempt == r.attempt
+        {
+            let current =
+                flotilla_machine::attempt_id(run, index as u32, t.attempt, t.attempt_started_ms());
+            if current != r.attempt_id {
+                return respond_error(
+                    &req,
+                    409,
+                    "not_the_attempt",
+                    format!(
+                        "attempt {} of task {} has another id: {} is not the attempt running",
+                        r.attempt, r.task_id, r.attempt_id
+                    ),
+                )
+                .await;
+            }
+        }
         let id = r.approval_id(index as u32);
         match self.escalations.get(run, &id).await {
             Ok(Some((record, revision))) => {
@@ -155,6 +189,7 @@ impl Api {
             return respond_approval_error(&req, e).await;
         }
         info!(%run, approval = %id, agent = %r.agent, "An external agent's question asked of a person");
+        self.external_event(&record).await;
         match self.escalations.get(run, &id).await {
             Ok(Some((record, revision))) => {
                 self.answer_ask(&req, record, revision, state.status).await
@@ -243,8 +278,111 @@ impl Api {
             .await?;
         if ours {
             info!(%run, approval = %id, status = status.as_str(), "An external agent's question settled without an answer");
+            self.external_event(&settled_record).await;
         }
         Ok(settled_record)
+    }
+
+    /// Settles the external agents' questions that are due — past their deadline
+    /// (`expired`, the default: reject) or of a run that ended (`withdrawn`) — whoever asked:
+    /// the attempt that asked settles its own at its deadline, but one whose worker died
+    /// (or whose call ended without asking again) leaves it pending. At most
+    /// [`MAX_LISTED_APPROVALS`] pending approvals are looked at per sweep.
+    pub(super) async fn sweep_external_questions(&self) {
+        let pending = match self
+            .escalations
+            .list(None, false, MAX_LISTED_APPROVALS as usize)
+            .await
+        {
+            Ok((list, _)) => list,
+            Err(e) => {
+                tracing::debug!(error = %e, "Could not list approvals to sweep");
+                return;
+            }
+        };
+        let now = Timestamp::now();
+        for record in pending
+            .into_iter()
+            .filter(|r| r.request.trigger == Trigger::ExternalAgent)
+        {
+            let run = record.request.run_id;
+            let status = match self.store.state(run).await {
+                Ok(Some(s)) => s.status,
+                Ok(None) => continue,
+                Err(e) => {
+                    tracing::debug!(%run, error = %e, "Could not read a run to sweep its question");
+                    continue;
+                }
+            };
+            if !status.is_terminal() && now < record.request.deadline {
+                continue;
+            }
+            let id = record.request.approval_id.clone();
+            let current = match self.escalations.get(run, &id).await {
+                Ok(Some(k)) => k,
+                Ok(None) => continue,
+                Err(e) => {
+                    tracing::debug!(%run, approval = %id, error = %e, "Could not read a question to sweep");
+                    continue;
+                }
+            };
+            if let Err(e) = self.settle_if_due(current.0, current.1, status).await {
+                tracing::debug!(%run, approval = %id, error = %e, "Could not settle a question; the next sweep tries again");
+            }
+        }
+    }
+
+    /// The calling run's event for an external agent's question: `approval_requested` while
+    /// it waits, `approval_decided` once settled (the run machine emits these for the waits
+    /// it decides; this one is the attempt's, so the API says it). Published once per
+    /// approval and phase (its message id), on the run's events with the task and attempt.
+    pub(super) async fn external_event(&self, record: &ApprovalRecord) {
+        use flotilla_model::event::{
+            Event, EventBatch, EventEnvelope, WorkflowEvent, WorkflowPhase,
+        };
+        let r = &record.request;
+        let (phase, name, detail) = match (&record.status, &record.answer) {
+            (ApprovalStatus::Pending, _) | (_, None) => (
+                WorkflowPhase::ApprovalRequested,
+                "requested",
+                format!(
+                    "external_agent: {} waits for a person until {}",
+                    r.description, r.deadline
+                ),
+            ),
+            (status, Some(a)) => (
+                WorkflowPhase::ApprovalDecided,
+                "decided",
+                match status {
+                    ApprovalStatus::Decided => format!("{} by {}", a.decision.as_str(), a.by),
+                    other => format!("{} ({}): {}", a.decision.as_str(), other.as_str(), a.by),
+                },
+            ),
+        };
+        let event = EventEnvelope {
+            protocol: PROTOCOL_VERSION,
+            id: format!("{}.approval.{}.{name}", r.run_id, r.approval_id),
+            run_id: r.run_id,
+            task_id: Some(r.task_id.clone()),
+            attempt: Some(r.attempt),
+            ts: Timestamp::now(),
+            source: "coordinator".into(),
+            event: Event::Workflow(WorkflowEvent {
+                agent: r.agent.clone(),
+                role: r.role.clone(),
+                detail: Some(detail),
+                approval_id: Some(r.approval_id.clone()),
+                ..WorkflowEvent::phase(phase)
+            }),
+        };
+        let batch = EventBatch::new(r.run_id, vec![event]);
+        let bus = self.store.bus();
+        if let Err(e) = bus
+            .publish(bus.names().event(r.run_id), &batch, Some(&batch.msg_id()))
+            .await
+        {
+            tracing::warn!(run = %r.run_id, approval = %r.approval_id, error = %e, "Could not publish an external agent's question's event");
+        }
     }
 
     pub(super) async fn approval_list(&self, req: Request) {
@@ -366,6 +504,21 @@ impl Api {
                 )
                 .await;
             }
+            // Incidents count against this deployment's agents and roles (their trust); the
+            // external agent is none of them, and the calling attempt did nothing wrong.
+            if r.incident {
+                return respond_error(
+                    &req,
+                    400,
+                    "incident_not_applicable",
+                    format!(
+                        "approval {} is an external agent's question: it cannot be rejected as an incident (incidents count against this deployment's agents and roles, and {} is not one); reject it without incident",
+                        r.approval_id,
+                        known.0.request.input["agent"].as_str().unwrap_or("the agent")
+                    ),
+                )
+                .await;
+            }
             let status = match self.store.state(r.run_id).await {
                 Ok(Some(s)) => s.status,
                 Ok(None) => flotilla_model::run::RunStatus::Running,
@@ -413,6 +566,9 @@ impl Api {
         };
         if ours {
             info!(run = %r.run_id, approval = %r.approval_id, decision = r.decision.as_str(), by = %answer.by, always = r.always, "Approval answered");
+            if record.request.trigger == Trigger::ExternalAgent {
+                self.external_event(&record).await;
+            }
         }
         // A decision with `always` grants the tool before it is relayed — written by whoever
         // reads the decided record (this answer, or its retry after a crash or a failed
