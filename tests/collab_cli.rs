@@ -525,6 +525,54 @@ async fn operators_reach_a_runs_workspace_state_mail_and_artifacts_with_run() ->
     let keys = ok_json(&cli(&p, &["state", "list", "--run", r])?)?;
     assert_eq!(keys["keys"], json!(["plan_version"]));
     assert_eq!(keys["session"], r);
+    // Through the API, a page at a time.
+    for k in ["a_key", "z_key"] {
+        ok_json(&cli(&p, &["state", "set", k, "1", "--run", r])?)?;
+    }
+    let page = |after: Option<&str>, limit| flotilla_model::api::StateListRequest {
+        protocol: 1,
+        run_id: Some(run),
+        session_id: None,
+        after: after.map(str::to_owned),
+        limit,
+    };
+    let first = p
+        .client
+        .call(&page(None, Some(2)), std::time::Duration::from_secs(10))
+        .await?
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    assert_eq!(
+        (first.keys.as_slice(), first.more),
+        (
+            ["a_key".to_owned(), "plan_version".to_owned()].as_slice(),
+            true
+        )
+    );
+    let rest = p
+        .client
+        .call(
+            &page(first.keys.last().map(String::as_str), Some(2)),
+            std::time::Duration::from_secs(10),
+        )
+        .await?
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    assert_eq!(
+        (rest.keys.as_slice(), rest.more),
+        (["z_key".to_owned()].as_slice(), false)
+    );
+    let bad = p
+        .client
+        .call(&page(None, Some(0)), std::time::Duration::from_secs(10))
+        .await?
+        .expect_err("limit 0");
+    assert_eq!(
+        (bad.status, bad.code.as_str()),
+        (400, "invalid_limit"),
+        "{bad:?}"
+    );
+    for k in ["a_key", "z_key"] {
+        ok_json(&cli(&p, &["state", "delete", k, "--run", r])?)?;
+    }
     ok_json(&cli(&p, &["state", "delete", "plan_version", "--run", r])?)?;
     let gone = cli(&p, &["state", "get", "plan_version", "--run", r])?;
     assert_eq!(failure(&gone)?, (1, "not_found".to_owned()));

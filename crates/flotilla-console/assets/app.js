@@ -480,7 +480,7 @@ async function viewRun(runId) {
     try {
       const k = await api(`/api/runs/${runId}/state`);
       set('#state-keys', k.keys.length
-        ? `keys of session <span class="mono">${esc(short(k.session_id))}</span>: ${k.keys.map((x) => `<button class="mono" data-state-key="${esc(x)}">${esc(x)}</button>`).join(' ')}`
+        ? `keys of session <span class="mono">${esc(short(k.session_id))}</span>: ${k.keys.map((x) => `<button class="mono" data-state-key="${esc(x)}">${esc(x)}</button>`).join(' ')}${k.more ? ` <span class="muted">— the first ${k.keys.length} keys; read any other by its name below</span>` : ''}`
         : '<span class="muted">No keys are set in this run\'s session.</span>');
     } catch (e) { set('#state-keys', `<span class="muted">${esc(e.message)}</span>`); }
   };
@@ -606,6 +606,16 @@ async function viewRun(runId) {
       // A plan is edited while the run is under human control (taken over).
       const edit = main().querySelector('[data-action="edit"]');
       if (edit) edit.hidden = r.status !== 'human_control';
+      // A run that has ended takes no more controls: its buttons say so instead of
+      // answering "not applied".
+      if (!going) {
+        main().querySelectorAll('[data-action]').forEach((b) => {
+          b.disabled = true;
+          b.title = `the run has ended (${r.status})`;
+        });
+        const hold = $('#hold-min');
+        if (hold) hold.disabled = true;
+      }
       sessionOf = r.session_id || null;
       const off = me.operator ? '' : 'disabled title="operators only"';
       const taskActions = (t) => {

@@ -174,6 +174,8 @@ try {
   await alice.waitForSelector('#dag g[data-task="announce"][data-state="succeeded"]');
   await until(alice, () => /ended/.test(document.querySelector('#events-state').textContent));
   check(true, 'the approved run resumed and succeeded');
+  await until(alice, () => document.querySelector('[data-action="pause"]').disabled);
+  check(await alice.isDisabled('[data-action="takeover"]') && await alice.isDisabled('[data-action="cancel"]'), 'an ended run\'s controls are disabled');
   await shot(alice, 'run-done');
   // Children flattened into the stream: the workflow's child runs' events, attributed.
   await alice.selectOption('#children', 'flatten');

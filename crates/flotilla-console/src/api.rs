@@ -431,6 +431,8 @@ pub(crate) async fn state_keys(
         protocol: flotilla_model::PROTOCOL_VERSION,
         run_id: Some(run),
         session_id: None,
+        after: None,
+        limit: None,
     })
     .await
 }

@@ -404,9 +404,14 @@ impl ApiRequest for StateGetRequest {
     type Reply = crate::state::StateValue;
 }
 
+/// Most keys one `state.list` answers (keys are at most 128 bytes: a page stays far under
+/// the NATS payload limit however many keys a session has).
+pub const MAX_STATE_KEYS: u32 = 1000;
+
 /// The keys set in a session's state (`state.list`): give `run_id` for its run's session, or
 /// `session_id`. Flotilla's own keys (a tool's session grant, `_grant.<tool>`: see
-/// `approval.grants`) are not listed.
+/// `approval.grants`) are not listed. Keys come in order, a page at a time: `after` the last
+/// key of the previous page, at most `limit`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct StateListRequest {
@@ -419,6 +424,23 @@ pub struct StateListRequest {
     /// The session.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session_id: Option<crate::ids::SessionId>,
+    /// Only keys after this one (the last key of the previous page).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub after: Option<String>,
+    /// Most keys to answer: 1 to [`MAX_STATE_KEYS`] (the default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u32>,
+}
+
+impl StateListRequest {
+    /// The page size asked for, or why it cannot be.
+    pub fn page(&self) -> Result<usize, String> {
+        match self.limit {
+            None => Ok(MAX_STATE_KEYS as usize),
+            Some(n) if (1..=MAX_STATE_KEYS).contains(&n) => Ok(n as usize),
+            Some(n) => Err(format!("limit must be 1 to {MAX_STATE_KEYS}, not {n}")),
+        }
+    }
 }
 
 /// Reply to `state.list`.
@@ -431,6 +453,9 @@ pub struct StateKeys {
     pub session_id: String,
     /// Its keys, in order.
     pub keys: Vec<String>,
+    /// More keys follow the last one (ask again with it as `after`).
+    #[serde(default)]
+    pub more: bool,
 }
 
 impl ApiRequest for StateListRequest {

@@ -645,9 +645,12 @@ impl Api {
             return;
         };
         let answer = async {
+            let page = r
+                .page()
+                .map_err(|m| ApiError::new(400, "invalid_limit", m))?;
             let scope = self.session_scope(r.run_id, r.session_id).await?;
             let session_id = scope.session.clone();
-            let keys = self
+            let mut keys: Vec<String> = self
                 .clients(scope)?
                 .state()
                 .list()
@@ -655,11 +658,16 @@ impl Api {
                 .map_err(context_error)?
                 .into_iter()
                 .filter(|k| !k.starts_with(flotilla_model::approval::GRANT_PREFIX))
+                .filter(|k| r.after.as_ref().is_none_or(|a| k > a))
                 .collect();
+            keys.sort();
+            let more = keys.len() > page;
+            keys.truncate(page);
             Ok(StateKeys {
                 protocol: PROTOCOL_VERSION,
                 session_id,
                 keys,
+                more,
             })
         }
         .await;
