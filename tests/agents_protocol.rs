@@ -1271,3 +1271,234 @@ agent-tools = ["agents:helper", "agents:zombie.ext", "agents:nobody", "agents:ga
     );
     Ok(())
 }
+
+/// Persistent teammates spawned with `expose` are agents of the protocol, served by the
+/// supervisor: discovered with their metadata, a prompt is a message to the teammate and the
+/// reply of the turn that reads it comes back; a second prompt is the next turn of the same
+/// conversation; a failed turn, caps and bad input are error frames; a teammate without
+/// `expose` is not discoverable, and one shut down leaves discovery (a prompt then gets
+/// `unknown_agent`). The roster does not list them as external members.
+///
+/// The teammates' agents are `scripted` (deterministic): `mate` answers `<name> turn <n>`,
+/// the turn number being the conversation's (1 + the turns it recorded), which shows the
+/// second prompt continued the first one's conversation; `breaks` always fails.
+#[tokio::test(flavor = "multi_thread")]
+async fn exposed_teammates_speak_the_protocol() -> anyhow::Result<()> {
+    use flotilla_model::teammate::{
+        TeamMates, TeamMatesRequest, TeamShutdownRequest, TeamSpawnRequest,
+    };
+    let script = match client_script() {
+        Ok(s) => s,
+        Err(why) => {
+            eprintln!("SKIPPED: the protocol client cannot run: {why}");
+            return Ok(());
+        }
+    };
+    let mut p = Processes::start(
+        r#"
+[supervisor]
+agents-discovery = "1s"
+max-message-bytes = 200
+
+[agents-protocol]
+heartbeat = "1s"
+keepalive = "300ms"
+
+[agents.echo]
+kind = "scripted"
+reply = "echo: {description}"
+expose = true
+
+[agents.mate]
+kind = "scripted"
+reply = "{task_id} turn {attempt}"
+roles = ["analyst"]
+
+[agents.breaks]
+kind = "scripted"
+fail-first = 99
+failure = "it always breaks"
+"#,
+    )
+    .await?;
+    p.coordinator().await?;
+    p.supervisor().await?;
+    p.worker(&[]).await?;
+    let ask = Duration::from_secs(10);
+    let spawn = |team: &str, name: &str, agent: &str, expose: bool| TeamSpawnRequest {
+        protocol: 1,
+        team: Some(team.into()),
+        name: name.into(),
+        role: "analyst".into(),
+        instructions: "Answers questions about the crew.\nSecond line.".into(),
+        agent: Some(agent.into()),
+        pool: None,
+        by: None,
+        expose,
+    };
+    let ann = p
+        .client
+        .request(&spawn("crew", "ann", "mate", true), ask)
+        .await?;
+    assert!(ann.expose, "{ann:?}");
+    p.client
+        .request(&spawn("crew", "bob", "mate", false), ask)
+        .await?;
+    p.client
+        .request(&spawn("crew", "cy", "breaks", true), ask)
+        .await?;
+
+    // Bad input: an address that is an exposed definition's, or another exposed teammate's.
+    for (req, code) in [
+        (spawn("default", "echo", "mate", true), "address_taken"),
+        (spawn("crew", "Ann", "mate", true), "address_taken"),
+    ] {
+        let err = p.client.call(&req, ask).await?.expect_err("refused");
+        assert_eq!((err.status, err.code.as_str()), (409, code), "{err:?}");
+    }
+
+    // Discovery: one instance per exposed teammate, with the protocol's metadata.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let found = loop {
+        let found = call(&script, &p, &["discover"])?;
+        let agents: BTreeSet<String> = found
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|i| i["metadata"]["agent"].as_str().map(str::to_owned))
+            .collect();
+        if agents.contains("ann") && agents.contains("cy") {
+            assert!(
+                !agents.contains("bob"),
+                "only teammates that opt in: {found}"
+            );
+            break found;
+        }
+        anyhow::ensure!(tokio::time::Instant::now() < deadline, "discovered {found}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let ann_info = found
+        .as_array()
+        .and_then(|f| f.iter().find(|i| i["metadata"]["agent"] == "ann"))
+        .cloned()
+        .unwrap_or(Value::Null);
+    assert_eq!(ann_info["description"], "Answers questions about the crew.");
+    let meta = &ann_info["metadata"];
+    assert_eq!(meta["owner"], "flotilla", "{meta}");
+    assert_eq!(meta["session"], "crew", "{meta}");
+    assert_eq!(meta["protocol_version"], "0.3", "{meta}");
+    assert_eq!(meta["capabilities"], "analyst", "{meta}");
+    assert_eq!(meta["flotilla_teammate"], "ann", "{meta}");
+    assert_eq!(meta["flotilla_team"], "crew", "{meta}");
+    assert_eq!(meta["flotilla_prefix"], "flotilla", "{meta}");
+    let prompt_ep = ann_info["endpoints"]
+        .as_array()
+        .and_then(|e| e.iter().find(|e| e["name"] == "prompt"))
+        .cloned()
+        .unwrap_or(Value::Null);
+    assert_eq!(prompt_ep["subject"], "agents.prompt.ann.flotilla.crew");
+    assert_eq!(prompt_ep["queue_group"], "agents");
+    let hb = call(&script, &p, &["heartbeat", "ann", "5"])?;
+    assert_eq!(hb["subject"], "agents.hb.ann.flotilla.crew");
+    assert_eq!(hb["payload"]["instance_id"], ann_info["id"]);
+
+    // A prompt: ack, the turn's reply, the end; the next prompt is the next turn.
+    let subject = "agents.prompt.ann.flotilla.crew";
+    for turn in [1, 2] {
+        let s = call(&script, &p, &["prompt", subject, "How are we doing?"])?;
+        assert_eq!(
+            s["chunks"][0],
+            json!({"type": "status", "data": "ack"}),
+            "{s}"
+        );
+        assert_eq!(said(&s), format!("ann turn {turn}"), "{s}");
+        assert_eq!(s["terminated"], true, "{s}");
+        assert!(s["errors"].as_array().is_some_and(Vec::is_empty), "{s}");
+    }
+    let mates: TeamMates = p
+        .client
+        .request(
+            &TeamMatesRequest {
+                protocol: 1,
+                team: Some("crew".into()),
+            },
+            ask,
+        )
+        .await?;
+    let view = mates
+        .teammates
+        .iter()
+        .find(|m| m.name == "ann")
+        .expect("ann");
+    assert_eq!((view.turns, view.expose), (2, true), "{view:?}");
+
+    // A failed turn, caps and bad frames: an error frame, then the end.
+    let s = call(
+        &script,
+        &p,
+        &["prompt", "agents.prompt.cy.flotilla.crew", "go"],
+    )?;
+    assert_error(&s, 500, "turn_failed");
+    assert!(
+        s["errors"][0]["body"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("it always breaks")),
+        "{s}"
+    );
+    let big = "x".repeat(201);
+    let s = call(&script, &p, &["prompt", subject, &big])?;
+    assert_error(&s, 413, "message_too_large");
+    let s = call(&script, &p, &["raw", subject, "fffe00"])?;
+    assert_error(&s, 400, "malformed_prompt");
+    let s = call(
+        &script,
+        &p,
+        &[
+            "prompt",
+            subject,
+            r#"{"prompt": "look", "attachments": [{"filename": "a.txt", "content": "aGk="}]}"#,
+        ],
+    )?;
+    assert_error(&s, 400, "attachments_unsupported");
+
+    // The roster: exposed teammates are this deployment's own, not external members.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let list = roster(&p, None).await?;
+    assert!(
+        member(&list, "agents:ann.flotilla.crew").is_none()
+            && member(&list, "agents:echo.flotilla.default").is_none(),
+        "{list}"
+    );
+
+    // Shut down: it leaves discovery, and a prompt is answered unknown_agent.
+    p.client
+        .request(
+            &TeamShutdownRequest {
+                protocol: 1,
+                team: Some("crew".into()),
+                name: "ann".into(),
+            },
+            ask,
+        )
+        .await?;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let found = call(&script, &p, &["discover"])?;
+        let listed = found
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|i| i["metadata"]["agent"] == "ann");
+        if !listed {
+            break;
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "still discovered {found}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let s = call(&script, &p, &["prompt", subject, "still there?"])?;
+    assert_error(&s, 404, "unknown_agent");
+    Ok(())
+}

@@ -1137,6 +1137,34 @@ reply = "{task_id} researched"
 roles = ["research"]
 "#;
 
+/// Sends `body` to the prompt `subject` of the NATS Agent Protocol and reads the stream to
+/// its end: each message's `Nats-Service-Error-Code` (an error frame) and body.
+async fn prompt_stream(
+    nats: &async_nats::Client,
+    subject: &str,
+    body: &str,
+) -> anyhow::Result<Vec<(Option<String>, String)>> {
+    let inbox = nats.new_inbox();
+    let mut sub = nats.subscribe(inbox.clone()).await?;
+    nats.publish_with_reply(subject.to_owned(), inbox, body.to_owned().into())
+        .await?;
+    let mut out = Vec::new();
+    loop {
+        let msg = tokio::time::timeout(Duration::from_secs(20), sub.next())
+            .await?
+            .ok_or_else(|| anyhow!("the stream's subscription ended"))?;
+        let code = msg
+            .headers
+            .as_ref()
+            .and_then(|h| h.get("Nats-Service-Error-Code"))
+            .map(|v| v.as_str().to_owned());
+        if msg.payload.is_empty() && code.is_none() {
+            return Ok(out);
+        }
+        out.push((code, String::from_utf8_lossy(&msg.payload).into_owned()));
+    }
+}
+
 /// A `Bus` (the library's connection) with `role`'s credentials.
 async fn bus_as(server: &NatsServer, (user, password): (&str, &str)) -> anyhow::Result<Bus> {
     let opts = NatsOptions {
@@ -1400,6 +1428,46 @@ async fn a_plan_runs_with_every_role_on_its_own_credentials() -> anyhow::Result<
             p.log(s)
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // The supervisor serves an exposed teammate on the NATS Agent Protocol with its own
+    // credentials: the `agents` service instance, its prompt endpoint and the streamed
+    // answer on the caller's inbox (a turn run by the worker on its credentials).
+    client
+        .request(
+            &flotilla_model::teammate::TeamSpawnRequest {
+                protocol: flotilla_model::PROTOCOL_VERSION,
+                team: Some("crew".into()),
+                name: "ann".into(),
+                role: "helper".into(),
+                instructions: "x".into(),
+                agent: Some("echo".into()),
+                pool: None,
+                by: None,
+                expose: true,
+            },
+            Duration::from_secs(5),
+        )
+        .await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let stream = prompt_stream(p.bus.client(), "agents.prompt.ann.flotilla.crew", "hi").await?;
+        if stream
+            .iter()
+            .any(|(code, body)| code.is_none() && body.contains("ann done"))
+        {
+            break;
+        }
+        // Answered `unknown_agent` until the instance is registered.
+        ensure!(
+            tokio::time::Instant::now() < deadline
+                && stream
+                    .iter()
+                    .all(|(code, _)| code.is_none() || code.as_deref() == Some("404")),
+            "no answer from the exposed teammate: {stream:?}\n{}",
+            p.log(s)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
     let plan = p.dir().join("plan.json");

@@ -285,6 +285,7 @@ async fn a_teammate_turn_acts_in_its_own_team() -> anyhow::Result<()> {
                 agent: None,
                 pool: None,
                 by: None,
+                expose: false,
             },
             ASK,
         )

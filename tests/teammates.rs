@@ -180,6 +180,7 @@ async fn a_teammate_wakes_remembers_broadcasts_and_shuts_down() -> anyhow::Resul
                 agent: None,
                 pool: None,
                 by: None,
+                expose: false,
             },
             ASK,
         )
@@ -195,6 +196,7 @@ async fn a_teammate_wakes_remembers_broadcasts_and_shuts_down() -> anyhow::Resul
                 agent: None,
                 pool: None,
                 by: None,
+                expose: false,
             },
             ASK,
         )
@@ -251,6 +253,7 @@ async fn a_worker_killed_mid_turn_hands_the_turn_to_another_and_is_fenced_out() 
                 agent: Some("mate".into()),
                 pool: None,
                 by: None,
+                expose: false,
             },
             ASK,
         )
@@ -367,6 +370,7 @@ async fn caps_and_bad_input_are_refused_and_change_nothing() -> anyhow::Result<(
         agent: agent.map(str::to_owned),
         pool: None,
         by: None,
+        expose: false,
     };
     p.client.request(&spawn("a1", None), ASK).await?;
     p.client.request(&spawn("a2", None), ASK).await?;
@@ -478,6 +482,7 @@ async fn a_thousand_idle_teammates_have_no_consumer_each() -> anyhow::Result<()>
                         agent: None,
                         pool: None,
                         by: None,
+                        expose: false,
                     },
                     Duration::from_secs(30),
                 )

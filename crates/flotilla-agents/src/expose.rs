@@ -20,14 +20,15 @@
 //!
 //! A prompt for this deployment's owner that names no exposed agent (or another session) is
 //! answered `404 unknown_agent`; prompts for other owners are not this process's to answer.
+//!
+//! The service instances, heartbeats, `status`, the shared refusals, keep-alives, error frames
+//! and the end are [`crate::serve`]'s; this module says what a prompt for a definition does
+//! (the supervisors' exposed teammates use the same machinery).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::HeaderMap;
-use async_nats::service::ServiceExt;
-use bytes::Bytes;
 use flotilla_bus::Bus;
 use flotilla_client::{Client, WatchOptions};
 use flotilla_model::approval::{ApprovalAnswerRequest, Decision};
@@ -37,7 +38,6 @@ use flotilla_model::plan::{Plan, Subtask};
 use flotilla_model::run::{RunOutcome, RunStatus};
 use flotilla_model::submit::SubmitRequest;
 use flotilla_model::team::MemberCard;
-use flotilla_model::time::Timestamp;
 use flotilla_model::watch::{ChildPolicy, Profile};
 use futures::StreamExt;
 use tokio::task::JoinSet;
@@ -45,27 +45,15 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::options::AgentsProtocolOptions;
-use crate::wire::{
-    self, AgentAddress, Chunk, ErrorBody, Heartbeat, Query, decode_envelope, header_description,
-};
-use crate::{AgentsError, AgentsErrorKind};
+use crate::serve::{Ending, Failure, Instance, InstanceSpec, Outbox, Prompter, UnknownAgents};
+use crate::wire::{self, AgentAddress, Chunk, Envelope, Query, decode_envelope};
+use crate::{AgentsError, AgentsErrorKind, Registration};
 
 /// The id of the one task of a prompt's run.
 pub const PROMPT_TASK: &str = "prompt";
 
 /// The run label naming the agent a prompt was for.
 pub const AGENT_LABEL: &str = "agents-protocol.agent";
-
-/// The queue group of the subscription that answers prompts naming no exposed agent: every
-/// process serving the deployment has one, and one of them answers.
-const UNKNOWN_QUEUE: &str = "flotilla-agents-unknown";
-
-/// How long a keep-alive waits to learn that nobody listens on the caller's inbox (the
-/// server answers "no responders" at once; a listening caller never answers).
-const PROBE_WAIT: Duration = Duration::from_secs(1);
-
-/// How long a stopping process gives its running prompts to say so to their callers.
-const STOP_GRACE: Duration = Duration::from_secs(5);
 
 /// An agent definition to expose, with what the team knows of it.
 #[derive(Debug, Clone, PartialEq)]
@@ -85,23 +73,26 @@ pub struct Exposer {
     ready: Option<tokio::sync::oneshot::Sender<Vec<Registration>>>,
 }
 
-/// One exposed agent as registered: what a caller discovers.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Registration {
-    /// The agent definition.
-    pub name: String,
-    /// Its subjects' tokens.
-    pub address: AgentAddress,
-    /// The service instance's id (`$SRV.INFO`, heartbeats' `instance_id`).
-    pub instance_id: String,
-}
+/// What a prompt for an agent definition does: a one-task run of the agent.
+#[derive(Clone)]
+struct RunPrompter(Arc<Shared>);
 
 /// What the prompt handlers share.
 struct Shared {
     client: Client,
-    nats: async_nats::Client,
     opts: AgentsProtocolOptions,
     shutdown: CancellationToken,
+}
+
+impl Prompter for RunPrompter {
+    fn prompt(
+        &self,
+        agent: Registration,
+        envelope: Envelope,
+        out: Outbox,
+    ) -> impl std::future::Future<Output = Ending> + Send {
+        prompt(Arc::clone(&self.0), agent, envelope, out)
+    }
 }
 
 impl Exposer {
@@ -160,78 +151,40 @@ impl Exposer {
         self.opts
             .validate()
             .map_err(|e| AgentsError::new(AgentsErrorKind::Config, e))?;
-        let addresses = Self::addresses(&self.opts, self.bus.names().prefix(), &self.agents)?;
+        let prefix = self.bus.names().prefix();
+        let addresses = Self::addresses(&self.opts, prefix, &self.agents)?;
         let nats = self.bus.client().clone();
-        let setup = |e: async_nats::Error| {
-            AgentsError::new(
-                AgentsErrorKind::Nats,
-                format!("registering the agents service: {e}"),
-            )
-        };
-        let max_payload = human_bytes(self.bus.max_payload());
-        let mut services = Vec::with_capacity(self.agents.len());
-        let mut prompts = futures::stream::SelectAll::new();
-        let mut statuses = futures::stream::SelectAll::new();
-        let mut registrations = Vec::with_capacity(self.agents.len());
-        for (i, (agent, address)) in self.agents.iter().zip(&addresses).enumerate() {
-            let service = nats
-                .service_builder()
-                .description(
-                    agent
-                        .card
-                        .description
-                        .clone()
-                        .unwrap_or_else(|| format!("Flotilla agent {}", agent.name)),
-                )
-                .metadata(service_metadata(agent, address, self.bus.names().prefix()))
-                .start(wire::SERVICE_NAME, env!("CARGO_PKG_VERSION"))
-                .await
-                .map_err(setup)?;
-            let prompt = service
-                .endpoint_builder()
-                .name(wire::VERB_PROMPT)
-                .queue_group(wire::QUEUE_GROUP)
-                .metadata(HashMap::from([
-                    (wire::metadata::MAX_PAYLOAD.to_owned(), max_payload.clone()),
-                    (
-                        wire::metadata::ATTACHMENTS_OK.to_owned(),
-                        "false".to_owned(),
-                    ),
-                ]))
-                .add(address.prompt())
-                .await
-                .map_err(setup)?;
-            let status = service
-                .endpoint_builder()
-                .name(wire::VERB_STATUS)
-                .queue_group(wire::QUEUE_GROUP)
-                .add(address.status())
-                .await
-                .map_err(setup)?;
-            prompts.push(prompt.map(move |r| (i, r)));
-            statuses.push(status.map(move |r| (i, r)));
-            registrations.push(Registration {
+        let mut instances = Vec::with_capacity(self.agents.len());
+        for (agent, address) in self.agents.iter().zip(&addresses) {
+            let spec = InstanceSpec {
                 name: agent.name.clone(),
                 address: address.clone(),
-                instance_id: service.info().await.id,
-            });
-            services.push(service);
+                description: agent
+                    .card
+                    .description
+                    .clone()
+                    .unwrap_or_else(|| format!("Flotilla agent {}", agent.name)),
+                metadata: service_metadata(agent, address, prefix),
+            };
+            instances.push(
+                Instance::start(&nats, spec, self.bus.max_payload(), self.opts.heartbeat).await?,
+            );
         }
-        let owner = self.opts.owner_for(self.bus.names().prefix());
+        let registrations: Vec<Registration> =
+            instances.iter().map(|i| i.registration().clone()).collect();
+        let owner = self.opts.owner_for(prefix);
         let known: BTreeSet<String> = addresses.iter().map(AgentAddress::prompt).collect();
-        let mut unknown = nats
-            .queue_subscribe(
-                format!("{}.{}.*.{owner}.*", wire::ROOT, wire::VERB_PROMPT),
-                UNKNOWN_QUEUE.to_owned(),
-            )
-            .await
-            .map_err(|e| {
-                AgentsError::with_source(AgentsErrorKind::Nats, "subscribing to prompts", e)
-            })?;
-        let beats = heartbeats(&registrations, self.opts.heartbeat);
-        let beating = tokio::spawn(beat(nats.clone(), beats.clone(), self.opts.heartbeat, {
-            shutdown.clone()
+        let unknown = UnknownAgents::subscribe(&nats, &owner, known).await?;
+        let prompter = RunPrompter(Arc::new(Shared {
+            client: Client::new(self.bus.clone()),
+            opts: self.opts.clone(),
+            shutdown: shutdown.clone(),
         }));
+        let mut serving = JoinSet::new();
+        for instance in instances {
+            serving.spawn(instance.serve(prompter.clone(), shutdown.clone(), shutdown.clone()));
+        }
+        serving.spawn(unknown.run(shutdown.clone()));
         nats.flush().await.map_err(|e| {
             AgentsError::with_source(AgentsErrorKind::Nats, "registering the agents", e)
         })?;
@@ -242,67 +195,12 @@ impl Exposer {
             "Agents exposed on the NATS Agent Protocol"
         );
         if let Some(tx) = self.ready {
-            let _ = tx.send(registrations.clone());
+            let _ = tx.send(registrations);
         }
-        let shared = Arc::new(Shared {
-            client: Client::new(self.bus.clone()),
-            nats: nats.clone(),
-            opts: self.opts.clone(),
-            shutdown: shutdown.clone(),
-        });
-        let mut running = JoinSet::new();
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => break,
-                Some((i, request)) = prompts.next() => {
-                    let agent = registrations[i].clone();
-                    running.spawn(prompt(shared.clone(), agent, request.message));
-                }
-                Some((i, request)) = statuses.next() => {
-                    let beat = Heartbeat { ts: Timestamp::now().to_rfc3339(), ..beats[i].1.clone() };
-                    let body = serde_json::to_vec(&beat).unwrap_or_default();
-                    let _ = request.respond(Ok(body.into())).await;
-                }
-                Some(msg) = unknown.next() => {
-                    if !known.contains(msg.subject.as_str())
-                        && let Some(reply) = msg.reply.clone()
-                    {
-                        let out = Outbox { nats: nats.clone(), reply: reply.to_string() };
-                        let name = AgentAddress::parse(&msg.subject, wire::VERB_PROMPT)
-                            .map(|a| a.display())
-                            .unwrap_or_else(|| msg.subject.to_string());
-                        out.error(404, "unknown_agent", &format!("no agent {name} is exposed here"), None).await;
-                        out.end().await;
-                    }
-                }
-                Some(_) = running.join_next(), if !running.is_empty() => {}
-            }
-        }
-        // Running prompts saw the same token: give them a moment to tell their callers.
-        let _ = tokio::time::timeout(STOP_GRACE, async {
-            while running.join_next().await.is_some() {}
-        })
-        .await;
-        running.abort_all();
-        let _ = beating.await;
-        let _ = unknown.unsubscribe().await;
-        for s in services {
-            let _ = s.stop().await;
-        }
+        while serving.join_next().await.is_some() {}
         let _ = nats.flush().await;
         info!("Agents left the NATS Agent Protocol service");
         Ok(())
-    }
-}
-
-/// `1MB`, `512KB`, `64B`: a size the way the protocol's `max_payload` says it (base 1024).
-fn human_bytes(n: usize) -> String {
-    if n >= 1 << 20 && n.is_multiple_of(1 << 20) {
-        format!("{}MB", n >> 20)
-    } else if n >= 1 << 10 && n.is_multiple_of(1 << 10) {
-        format!("{}KB", n >> 10)
-    } else {
-        format!("{n}B")
     }
 }
 
@@ -319,17 +217,8 @@ fn service_metadata(
             capabilities.push(c);
         }
     }
-    let mut m = HashMap::from([
-        (wire::metadata::AGENT.to_owned(), address.agent.clone()),
-        (wire::metadata::OWNER.to_owned(), address.owner.clone()),
-        (wire::metadata::SESSION.to_owned(), address.session.clone()),
-        (
-            wire::metadata::PROTOCOL_VERSION.to_owned(),
-            wire::PROTOCOL_VERSION.to_owned(),
-        ),
-        ("flotilla_agent".to_owned(), agent.name.clone()),
-        ("flotilla_prefix".to_owned(), prefix.to_owned()),
-    ]);
+    let mut m = protocol_metadata(address, prefix);
+    m.insert("flotilla_agent".to_owned(), agent.name.clone());
     if !capabilities.is_empty() {
         m.insert("capabilities".to_owned(), capabilities.join(","));
     }
@@ -339,114 +228,20 @@ fn service_metadata(
     m
 }
 
-/// Each registration's heartbeat subject and payload (its `ts` set when sent).
-fn heartbeats(registrations: &[Registration], every: Duration) -> Vec<(String, Heartbeat)> {
-    registrations
-        .iter()
-        .map(|r| {
-            (
-                r.address.heartbeat(),
-                Heartbeat {
-                    agent: r.address.agent.clone(),
-                    owner: r.address.owner.clone(),
-                    session: Some(r.address.session.clone()),
-                    instance_id: r.instance_id.clone(),
-                    ts: String::new(),
-                    interval_s: every.as_secs().max(1),
-                    extra: BTreeMap::new(),
-                },
-            )
-        })
-        .collect()
-}
-
-/// Publishes every agent's heartbeat now and then every `every` until `shutdown`: one timer
-/// for all of them.
-async fn beat(
-    nats: async_nats::Client,
-    beats: Vec<(String, Heartbeat)>,
-    every: Duration,
-    shutdown: CancellationToken,
-) {
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tick.tick() => {}
-        }
-        let ts = Timestamp::now().to_rfc3339();
-        for (subject, beat) in &beats {
-            let beat = Heartbeat {
-                ts: ts.clone(),
-                ..beat.clone()
-            };
-            let body = serde_json::to_vec(&beat).unwrap_or_default();
-            if let Err(e) = nats.publish(subject.clone(), body.into()).await {
-                debug!(error = %e, %subject, "A heartbeat was not sent");
-            }
-        }
-    }
-}
-
-/// The caller's reply inbox: chunks, error frames and the end go there.
-#[derive(Clone)]
-struct Outbox {
-    nats: async_nats::Client,
-    reply: String,
-}
-
-impl Outbox {
-    async fn chunk(&self, chunk: &Chunk) {
-        if let Err(e) = self.nats.publish(self.reply.clone(), chunk.encode()).await {
-            debug!(error = %e, "A chunk was not sent");
-        }
-    }
-
-    /// An error frame: the micro-service error headers and an [`ErrorBody`]. Not the end.
-    async fn error(&self, status: u16, code: &str, message: &str, run: Option<RunId>) {
-        let mut headers = HeaderMap::new();
-        headers.insert(wire::ERROR_HEADER, header_description(message).as_str());
-        headers.insert(wire::ERROR_CODE_HEADER, status.to_string().as_str());
-        headers.insert(
-            flotilla_model::codec::CONTENT_TYPE,
-            flotilla_model::codec::JSON,
-        );
-        let body = ErrorBody {
-            status,
-            code: code.to_owned(),
-            message: message.to_owned(),
-            run_id: run.map(|r| r.to_string()),
-        };
-        let payload = serde_json::to_vec(&body).unwrap_or_default();
-        if let Err(e) = self
-            .nats
-            .publish_with_headers(self.reply.clone(), headers, payload.into())
-            .await
-        {
-            debug!(error = %e, "An error frame was not sent");
-        }
-    }
-
-    /// The end of the stream: an empty message without headers.
-    async fn end(&self) {
-        let _ = self.nats.publish(self.reply.clone(), Bytes::new()).await;
-        let _ = self.nats.flush().await;
-    }
-
-    /// A keep-alive `ack`, sent as a request: the server answers "no responders" when
-    /// nothing listens on the inbox any more — the caller went away (the protocol has no
-    /// cancel message: a caller cancels by unsubscribing). A listening caller just sees the
-    /// ack.
-    async fn still_listening(&self) -> bool {
-        let request = async_nats::Request::new()
-            .payload(Chunk::ack().encode())
-            .timeout(Some(PROBE_WAIT));
-        match self.nats.send_request(self.reply.clone(), request).await {
-            Err(e) => e.kind() != async_nats::RequestErrorKind::NoResponders,
-            Ok(_) => true,
-        }
-    }
+/// The metadata every Flotilla agent of the protocol carries: the protocol's keys and the
+/// deployment's prefix (`flotilla_prefix`, which tells the supervisor's roster its own
+/// agents apart from external ones).
+pub(crate) fn protocol_metadata(address: &AgentAddress, prefix: &str) -> HashMap<String, String> {
+    HashMap::from([
+        (wire::metadata::AGENT.to_owned(), address.agent.clone()),
+        (wire::metadata::OWNER.to_owned(), address.owner.clone()),
+        (wire::metadata::SESSION.to_owned(), address.session.clone()),
+        (
+            wire::metadata::PROTOCOL_VERSION.to_owned(),
+            wire::PROTOCOL_VERSION.to_owned(),
+        ),
+        ("flotilla_prefix".to_owned(), prefix.to_owned()),
+    ])
 }
 
 /// The one-task plan a prompt runs.
@@ -462,37 +257,13 @@ fn prompt_plan(agent: &str, prompt: &str, pool: &str) -> Plan {
 }
 
 /// Answers one prompt: see the module's diagram.
-async fn prompt(shared: Arc<Shared>, agent: Registration, msg: async_nats::Message) {
-    let Some(reply) = msg.reply.clone() else {
-        debug!(subject = %msg.subject, "A prompt without a reply subject: nobody to answer");
-        return;
-    };
-    let out = Outbox {
-        nats: shared.nats.clone(),
-        reply: reply.to_string(),
-    };
-    let envelope = match decode_envelope(&msg.payload) {
-        Ok(e) => e,
-        Err(e) => {
-            out.error(400, "malformed_prompt", &e.to_string(), None)
-                .await;
-            out.end().await;
-            return;
-        }
-    };
-    if !envelope.attachments.is_empty() {
-        out.error(
-            400,
-            "attachments_unsupported",
-            "attachments are not supported by this endpoint (attachments_ok is false)",
-            None,
-        )
-        .await;
-        out.end().await;
-        return;
-    }
-    out.chunk(&Chunk::ack()).await;
-    let _ = out.nats.flush().await;
+async fn prompt(
+    shared: Arc<Shared>,
+    agent: Registration,
+    envelope: Envelope,
+    out: Outbox,
+) -> Ending {
+    out.ack().await;
     let run = RunId::new();
     let mut request = SubmitRequest::new(prompt_plan(
         &agent.name,
@@ -525,31 +296,13 @@ async fn prompt(shared: Arc<Shared>, agent: Registration, msg: async_nats::Messa
         Ok(events) => events,
         Err(e) => {
             warn!(error = %e, agent = %agent.name, "A prompt's run could not start");
-            out.error(500, "submit_failed", &e.to_string(), Some(run))
-                .await;
-            out.end().await;
-            return;
+            return failure(500, "submit_failed", e.to_string(), run);
         }
     };
     debug!(%run, agent = %agent.name, "Prompt started a run");
     futures::pin_mut!(events);
     // Keep-alives, and the news that the caller went away.
-    let (gone_tx, mut gone) = tokio::sync::oneshot::channel::<()>();
-    let keepalive = tokio::spawn({
-        let out = out.clone();
-        let every = shared.opts.keepalive;
-        async move {
-            let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
-                if !out.still_listening().await {
-                    let _ = gone_tx.send(());
-                    return;
-                }
-            }
-        }
-    });
+    let (keepalive, mut gone) = out.keepalive(shared.opts.keepalive);
     let mut questions: JoinSet<()> = JoinSet::new();
     let deadline = tokio::time::sleep(shared.opts.prompt_timeout);
     tokio::pin!(deadline);
@@ -597,43 +350,45 @@ async fn prompt(shared: Arc<Shared>, agent: Registration, msg: async_nats::Messa
             _ = shared.shutdown.cancelled() => break End::Stopping,
         }
     };
-    keepalive.abort();
-    let _ = keepalive.await;
+    drop(keepalive);
     questions.abort_all();
     match end {
         End::Gone => {
             info!(%run, agent = %agent.name, "The caller went away: cancelling its run");
             cancel(&shared.client, run, "the caller of agents.prompt went away").await;
-            return;
+            Ending::Gone
         }
         End::TimedOut => {
             cancel(&shared.client, run, "agents-protocol prompt-timeout").await;
-            out.error(
+            failure(
                 500,
                 "timeout",
-                &format!(
+                format!(
                     "run {run} took longer than {:?} (prompt-timeout) and was cancelled",
                     shared.opts.prompt_timeout
                 ),
-                Some(run),
+                run,
             )
-            .await;
         }
-        End::Stopping => {
-            out.error(
-                500,
-                "unavailable",
-                &format!(
-                    "the process serving this prompt is stopping; run {run} goes on in Flotilla"
-                ),
-                Some(run),
-            )
-            .await;
-        }
-        End::Error(status, code, message) => out.error(status, code, &message, Some(run)).await,
+        End::Stopping => failure(
+            500,
+            "unavailable",
+            format!("the process serving this prompt is stopping; run {run} goes on in Flotilla"),
+            run,
+        ),
+        End::Error(status, code, message) => failure(status, code, message, run),
         End::Outcome(o) => finish(&out, *o, said).await,
     }
-    out.end().await;
+}
+
+/// An error frame about `run`.
+fn failure(status: u16, code: &'static str, message: String, run: RunId) -> Ending {
+    Ending::Error(Failure {
+        status,
+        code,
+        message,
+        run: Some(run),
+    })
 }
 
 /// How a prompt's stream ends.
@@ -647,7 +402,7 @@ enum End {
 
 /// The run ended: its answer when nothing was said yet, or the error frame of a run that did
 /// not succeed.
-async fn finish(out: &Outbox, o: RunOutcome, said: bool) {
+async fn finish(out: &Outbox, o: RunOutcome, said: bool) -> Ending {
     let run = o.run_id;
     match o.status {
         RunStatus::Succeeded => {
@@ -657,6 +412,7 @@ async fn finish(out: &Outbox, o: RunOutcome, said: bool) {
             {
                 out.chunk(&Chunk::text(answer)).await;
             }
+            Ending::End
         }
         status => {
             let (code, label) = match status {
@@ -668,7 +424,7 @@ async fn finish(out: &Outbox, o: RunOutcome, said: bool) {
                 .reason
                 .clone()
                 .unwrap_or_else(|| format!("run {run} ended {}", status.as_str()));
-            out.error(code, label, &reason, Some(run)).await;
+            failure(code, label, reason, run)
         }
     }
 }
@@ -681,8 +437,8 @@ async fn ask(
     question: &str,
     token: &str,
 ) -> Result<async_nats::Subscriber, async_nats::SubscribeError> {
-    let inbox = out.nats.new_inbox();
-    let answers = out.nats.subscribe(inbox.clone()).await?;
+    let inbox = out.nats().new_inbox();
+    let answers = out.nats().subscribe(inbox.clone()).await?;
     out.chunk(&Chunk::Query(Query {
         id: token.to_owned(),
         reply_subject: inbox,
@@ -690,7 +446,7 @@ async fn ask(
         attachments: Vec::new(),
     }))
     .await;
-    let _ = out.nats.flush().await;
+    let _ = out.nats().flush().await;
     Ok(answers)
 }
 
@@ -735,14 +491,6 @@ async fn cancel(client: &Client, run: RunId, reason: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sizes_are_said_in_base_1024() {
-        assert_eq!(human_bytes(1 << 20), "1MB");
-        assert_eq!(human_bytes(8 << 20), "8MB");
-        assert_eq!(human_bytes(512 << 10), "512KB");
-        assert_eq!(human_bytes(1000), "1000B");
-    }
 
     #[test]
     fn names_that_collide_as_tokens_are_refused() {

@@ -9,6 +9,12 @@
 //!   run of the agent and streams its replies back; its questions become the protocol's
 //!   `query`; a caller that goes away cancels the run. Started by `flotilla coordinator`
 //!   (and `flotilla up`), stateless, one service instance per agent per process.
+//! * [`serve`]: what every Flotilla agent of the protocol shares (the service instance,
+//!   heartbeats, `status`, refusals, keep-alives, error frames, the end); a [`serve::Prompter`]
+//!   says what a prompt does.
+//! * [`teammate`]: persistent teammates as agents of the protocol (served by the
+//!   supervisors): their addresses and metadata, and how the reply to a prompt is read from
+//!   the teammate's conversation.
 //! * [`call`]: calling an agent of the protocol (`flotilla call agents:…`, an LLM agent's
 //!   `call_agent`), and [`ask`]: the question such an agent asks a calling attempt, put to a
 //!   person as a Flotilla approval.
@@ -26,10 +32,13 @@ pub mod ask;
 pub mod call;
 pub mod expose;
 pub mod options;
+pub mod serve;
+pub mod teammate;
 pub mod wire;
 
-pub use expose::{ExposedAgent, Exposer, Registration};
+pub use expose::{ExposedAgent, Exposer};
 pub use options::AgentsProtocolOptions;
+pub use serve::Registration;
 
 flotilla_bus::error_kinds!(
     /// Why speaking the protocol failed.

@@ -13,6 +13,10 @@ pub struct AgentsProtocolOptions {
     /// whoever can publish to `agents.prompt.…` on this NATS can start runs of an exposed
     /// agent, so each one is a choice.
     pub expose_all: bool,
+    /// Expose every persistent teammate (served by the supervisors), not only those spawned
+    /// with `expose`. Off by default, for the same reason as `expose-all`: a prompt is a
+    /// message to the teammate and costs a turn.
+    pub expose_teammates: bool,
     /// The `owner` token of the exposed agents (`[a-z0-9_-]+`). Default: the deployment's
     /// NATS prefix, so two deployments on one NATS never answer each other's prompts.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -41,6 +45,7 @@ impl Default for AgentsProtocolOptions {
     fn default() -> Self {
         Self {
             expose_all: false,
+            expose_teammates: false,
             owner: None,
             session: crate::wire::DEFAULT_SESSION.to_owned(),
             heartbeat: Duration::from_secs(crate::wire::DEFAULT_HEARTBEAT_SECS),

@@ -110,6 +110,7 @@ pub(crate) async fn call(ctx: &AgentContext, name: &str, args: &Value) -> ToolOu
                 agent: args.get("agent").and_then(Value::as_str).map(str::to_owned),
                 pool: None,
                 by: me,
+                expose: false,
             };
             ask(
                 ctx,

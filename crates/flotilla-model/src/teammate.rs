@@ -124,6 +124,11 @@ pub struct Teammate {
     /// finish there.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub run: Option<crate::ids::RunId>,
+    /// Served as an agent of the NATS Agent Protocol by the supervisors (`team.spawn` with
+    /// `expose`; `[agents-protocol] expose-teammates` exposes every teammate whatever this
+    /// says).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub expose: bool,
 }
 
 /// Why a lifecycle change was refused.
@@ -183,6 +188,7 @@ impl Teammate {
             last_reply: None,
             spawned_by: None,
             run: None,
+            expose: false,
         };
         t.record(TeammateStatus::Spawned, now);
         t
@@ -379,6 +385,10 @@ pub struct Line {
     pub text: String,
     /// When it was stored (server time of the message; the worker's clock for replies).
     pub at: Timestamp,
+    /// A reply whose turn failed: `text` is why (what the agent said instead of a reply).
+    /// Tells a waiting caller (an agents-protocol prompt) that its turn failed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub failed: bool,
 }
 
 /// A teammate's memory (`<prefix>-team`, key [`conversation_key`]): its newest lines, bounded
@@ -495,6 +505,9 @@ pub struct TeammateView {
     /// When the entry was last written (server time).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub updated_at: Option<Timestamp>,
+    /// Spawned with `expose`: served as an agent of the NATS Agent Protocol.
+    #[serde(default)]
+    pub expose: bool,
 }
 
 impl TeammateView {
@@ -517,6 +530,7 @@ impl TeammateView {
             last_reply: t.last_reply.clone(),
             transitions: t.transitions.iter().cloned().collect(),
             updated_at,
+            expose: t.expose,
         }
     }
 }
@@ -547,6 +561,11 @@ pub struct TeamSpawnRequest {
     /// Who asks (recorded).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub by: Option<String>,
+    /// Serve it as an agent of the NATS Agent Protocol (`agents.prompt.<name>.<owner>.<team>`,
+    /// names made tokens): a prompt is a message to it and its turn's reply the answer.
+    /// Default `false`; `[agents-protocol] expose-teammates` exposes every teammate.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub expose: bool,
 }
 
 /// `team.send`: a message to a teammate's inbox; wakes it.
@@ -735,6 +754,7 @@ mod tests {
                 from: None,
                 text: format!("{i}"),
                 at: at(i),
+                failed: false,
             });
         }
         c.compact();

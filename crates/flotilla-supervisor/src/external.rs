@@ -1,6 +1,7 @@
 //! External members: agents of the NATS Agent Protocol on this NATS that are not this
-//! deployment's own (Flotilla's exposed agents carry `metadata.flotilla_prefix`; those of this
-//! prefix are already members as agent definitions).
+//! deployment's own (Flotilla's exposed agents and exposed teammates carry
+//! `metadata.flotilla_prefix`; those of this prefix are already members as agent definitions
+//! and teammates).
 //!
 //! ```text
 //!  every `agents-discovery` ─► $SRV.INFO.agents ─► one entry per agent address
@@ -392,5 +393,22 @@ mod tests {
             .insert(FLOTILLA_PREFIX_KEY.into(), "flotilla".into());
         assert!(own(&d, "flotilla"));
         assert!(!own(&d, "other"));
+        // An exposed teammate carries the prefix too: a member as a teammate, not external.
+        let mate = flotilla_model::teammate::Teammate::spawn(
+            "crew",
+            "ann",
+            "analyst",
+            "mate",
+            "default",
+            "",
+            Timestamp::from_unix_ms(0),
+        );
+        let address = flotilla_agents::teammate::address("flotilla", "crew", "ann").expect("ok");
+        let mut t = found("ann", "j", "analyst");
+        t.metadata = flotilla_agents::teammate::spec(&mate, address, "flotilla")
+            .metadata
+            .into_iter()
+            .collect();
+        assert!(own(&t, "flotilla"));
     }
 }

@@ -15,6 +15,10 @@
 //! (`teammates`): spawned by `team.spawn`, woken by mail to their inboxes (`team.send`,
 //! `team.broadcast`), ended by `team.shutdown`.
 //!
+//! Teammates spawned with `expose` (or all, `[agents-protocol] expose-teammates`) are served
+//! as agents of the NATS Agent Protocol by every replica ([`exposed`]): a prompt is a
+//! message to the teammate, answered with its turn's reply.
+//!
 //! Agents of the NATS Agent Protocol on the same NATS (not this deployment's own exposed
 //! ones) are listed as **external members** ([`external`]): from `$SRV.INFO.agents` and their
 //! heartbeats, in memory on every replica.
@@ -33,6 +37,7 @@
 mod api;
 mod cas;
 mod error;
+mod exposed;
 mod external;
 mod follow;
 mod lead;
@@ -100,6 +105,12 @@ pub(crate) struct Team {
     /// External members: agents of the NATS Agent Protocol, kept in memory
     /// ([`external`]).
     pub(crate) external: external::External,
+    /// `[agents-protocol]`: which teammates are served as agents of the protocol, under
+    /// which owner ([`exposed`]).
+    pub(crate) agents: flotilla_agents::AgentsProtocolOptions,
+    /// The addresses of the agent definitions the coordinators expose: a teammate whose
+    /// address is one of them is not served (the definition keeps it).
+    pub(crate) exposed_definitions: std::collections::BTreeSet<flotilla_agents::wire::AgentAddress>,
 }
 
 impl Team {
@@ -117,6 +128,8 @@ pub struct Supervisor {
     metrics: Metrics,
     validation: ValidationContext,
     trust: flotilla_model::trust::TrustConfig,
+    agents: flotilla_agents::AgentsProtocolOptions,
+    exposed_definitions: std::collections::BTreeSet<flotilla_agents::wire::AgentAddress>,
     ready: Option<oneshot::Sender<()>>,
 }
 
@@ -147,8 +160,24 @@ impl Supervisor {
             metrics: Metrics::new(),
             validation: ValidationContext::default(),
             trust: flotilla_model::trust::TrustConfig::default(),
+            agents: flotilla_agents::AgentsProtocolOptions::default(),
+            exposed_definitions: Default::default(),
             ready: None,
         }
+    }
+
+    /// Serves persistent teammates as agents of the NATS Agent Protocol under `opts`
+    /// (`[agents-protocol]`: `expose-teammates`, owner, heartbeat, keep-alives, timeout);
+    /// `definitions`: the addresses of the agent definitions the coordinators expose, which
+    /// no teammate takes.
+    pub fn with_agents_protocol(
+        mut self,
+        opts: flotilla_agents::AgentsProtocolOptions,
+        definitions: impl IntoIterator<Item = flotilla_agents::wire::AgentAddress>,
+    ) -> Self {
+        self.agents = opts;
+        self.exposed_definitions = definitions.into_iter().collect();
+        self
     }
 
     /// Validates recruits' subtasks against `validation` (the deployment's agents, roles,
@@ -181,6 +210,9 @@ impl Supervisor {
     /// Runs until `shutdown`.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), SupervisorError> {
         self.opts.validate().map_err(SupervisorError::Setup)?;
+        self.agents
+            .validate()
+            .map_err(|e| SupervisorError::Setup(format!("[agents-protocol] {e}")))?;
         let open = |b: Bucket| {
             let bus = self.bus.clone();
             async move {
@@ -218,6 +250,8 @@ impl Supervisor {
             trusts: KvMirror::new(),
             trust: self.trust,
             external: external::External::default(),
+            agents: self.agents,
+            exposed_definitions: self.exposed_definitions,
         });
         // The team bucket holds members, teammates and conversations: each mirror takes its
         // own keys (conversations are read by the workers only).
@@ -270,6 +304,10 @@ impl Supervisor {
         {
             let (team, stop) = (Arc::clone(&team), shutdown.clone());
             tasks.spawn(async move { teammates::follow(team, inbox, stop).await });
+        }
+        {
+            let (team, stop) = (Arc::clone(&team), shutdown.clone());
+            tasks.spawn(async move { exposed::run(team, stop).await });
         }
         for (hook, consumer) in hooks {
             let (team, stop) = (Arc::clone(&team), shutdown.clone());

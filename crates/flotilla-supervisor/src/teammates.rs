@@ -56,7 +56,7 @@ pub(crate) const INBOX_CONSUMER: &str = "supervisor-inbox";
 const MAX_NAME: usize = 64;
 
 /// A refusal: status, code, message.
-type Refusal = (u16, &'static str, String);
+pub(crate) type Refusal = (u16, &'static str, String);
 
 fn check_team(team: &str) -> Result<(), Refusal> {
     check_name(team).map_err(|e| (400, "invalid_team", format!("team {team:?} {e}")))
@@ -94,7 +94,10 @@ fn view(t: &Teammate, updated_ms: Option<i64>) -> TeammateView {
 
 /// Reads a teammate's entry from the bucket (not the mirror: a send right after a spawn
 /// must find it): the teammate, the entry's time and its revision.
-async fn read(team: &Team, key: &str) -> Result<Option<(Teammate, i64, u64)>, SupervisorError> {
+pub(crate) async fn read(
+    team: &Team,
+    key: &str,
+) -> Result<Option<(Teammate, i64, u64)>, SupervisorError> {
     match team
         .team_kv
         .entry(key)
@@ -118,7 +121,7 @@ async fn read(team: &Team, key: &str) -> Result<Option<(Teammate, i64, u64)>, Su
     }
 }
 
-fn internal(e: impl std::fmt::Display) -> Refusal {
+pub(crate) fn internal(e: impl std::fmt::Display) -> Refusal {
     (503, "unavailable", e.to_string())
 }
 
@@ -184,6 +187,9 @@ async fn do_spawn(team: &Team, r: &TeamSpawnRequest) -> Result<TeammateView, Ref
             .and_then(|m| m.value.pools.first().cloned())
             .unwrap_or_else(|| "default".to_owned()),
     };
+    if r.expose {
+        crate::exposed::check_address(team, t, &r.name)?;
+    }
     let key = teammate_key(t, &r.name);
     if read(team, &key).await.map_err(internal)?.is_some() {
         return Err(duplicate(t, &r.name));
@@ -206,6 +212,7 @@ async fn do_spawn(team: &Team, r: &TeamSpawnRequest) -> Result<TeammateView, Ref
     let mut mate = Teammate::spawn(t, &r.name, &r.role, &agent, &pool, &r.instructions, now);
     mate.spawned_by = r.by.clone();
     mate.turns_per_hour = team.opts.turns_per_hour;
+    mate.expose = r.expose;
     let bytes = serde_json::to_vec(&mate).map_err(internal)?;
     let revision = match team.team_kv.create(&key, bytes.into()).await {
         Ok(revision) => revision,
@@ -261,7 +268,7 @@ pub(crate) fn agent_for_role(team: &Team, role: &str) -> Option<String> {
     agents.into_iter().next()
 }
 
-fn check_text(team: &Team, text: &str) -> Result<(), Refusal> {
+pub(crate) fn check_text(team: &Team, text: &str) -> Result<(), Refusal> {
     if text.len() > team.opts.max_message_bytes {
         return Err((
             413,
@@ -277,7 +284,7 @@ fn check_text(team: &Team, text: &str) -> Result<(), Refusal> {
 }
 
 /// Whether `mate` may take one more message now.
-fn check_accepts(mate: &Teammate) -> Result<(), Refusal> {
+pub(crate) fn check_accepts(mate: &Teammate) -> Result<(), Refusal> {
     if mate.status == TeammateStatus::Shutdown || mate.shutdown_requested {
         return Err((
             409,

@@ -491,12 +491,14 @@ async fn turn_body(
                     from: Some(p.from),
                     text: p.text,
                     at,
+                    failed: false,
                 },
                 Err(e) => Line {
                     speaker: Speaker::User,
                     from: None,
                     text: format!("(an unreadable message: {e})"),
                     at,
+                    failed: false,
                 },
             }
         })
@@ -508,6 +510,8 @@ async fn turn_body(
         from: None,
         text: reply.clone(),
         at: Timestamp::now(),
+        // Marked, so a caller waiting for this turn (an agents-protocol prompt) knows.
+        failed: !success,
     });
     conv.cursor = last;
     conv.turns += 1;
@@ -647,6 +651,7 @@ mod tests {
             from: Some("op".into()),
             text: text.into(),
             at: Timestamp::now(),
+            failed: false,
         }
     }
 

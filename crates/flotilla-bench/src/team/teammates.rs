@@ -142,6 +142,7 @@ fn spawn_request(team: &str, name: &str, role: &str) -> TeamSpawnRequest {
         agent: None,
         pool: None,
         by: None,
+        expose: false,
     }
 }
 

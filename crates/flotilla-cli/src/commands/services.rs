@@ -211,8 +211,17 @@ async fn agents_exposer(config: &Config) -> anyhow::Result<Option<flotilla_agent
     )))
 }
 
-/// The supervisor of this configuration's members.
+/// The supervisor of this configuration's members. It also serves the exposed persistent
+/// teammates on the NATS Agent Protocol; the exposed definitions' addresses are the
+/// coordinators', never a teammate's (a configuration whose exposed definitions collide is
+/// refused when the coordinator starts, so here they are just left out).
 fn supervisor_of(config: &Config, bus: Bus) -> Supervisor {
+    let definitions = flotilla_agents::Exposer::addresses(
+        &config.agents_protocol,
+        bus.names().prefix(),
+        &config.exposed_agents(),
+    )
+    .unwrap_or_default();
     Supervisor::new(
         bus,
         config.supervisor.clone(),
@@ -221,6 +230,7 @@ fn supervisor_of(config: &Config, bus: Bus) -> Supervisor {
     )
     .with_validation(config.validation_context())
     .with_trust(config.hitl.trust.clone())
+    .with_agents_protocol(config.agents_protocol.clone(), definitions)
 }
 
 /// `flotilla supervisor`: the team roster, presence and failure records; the team API.

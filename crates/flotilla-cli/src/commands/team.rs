@@ -136,6 +136,11 @@ enum TeamCommand {
         /// The team (default: `FLOTILLA_TEAM`, the session, else `default`).
         #[arg(long)]
         team: Option<String>,
+        /// Serve it as an agent of the NATS Agent Protocol
+        /// (`agents.prompt.<name>.<owner>.<team>`): a prompt is a message to it, and its
+        /// turn's reply the answer.
+        #[arg(long)]
+        expose: bool,
     },
     /// Send a message to a teammate (wakes it).
     Send {
@@ -333,6 +338,7 @@ pub(crate) async fn team(config: &Config, args: TeamArgs) -> anyhow::Result<Exit
             agent,
             pool,
             team,
+            expose,
         }) => {
             let r = TeamSpawnRequest {
                 protocol: flotilla_model::PROTOCOL_VERSION,
@@ -343,6 +349,7 @@ pub(crate) async fn team(config: &Config, args: TeamArgs) -> anyhow::Result<Exit
                 agent,
                 pool,
                 by: sender_of(None),
+                expose,
             };
             answer(&client, &r, json, print_mate).await
         }
@@ -389,7 +396,7 @@ fn print_sent(s: &TeamSent) {
 
 fn print_mate(m: &TeammateView) {
     outln!(
-        "teammate {} of team {}: {} (role {}, agent {}, pool {}, epoch {}, turns {}{})",
+        "teammate {} of team {}: {} (role {}, agent {}, pool {}, epoch {}, turns {}{}{})",
         m.name,
         m.team,
         m.status.as_str(),
@@ -398,6 +405,11 @@ fn print_mate(m: &TeammateView) {
         m.pool,
         m.epoch,
         m.turns,
+        if m.expose {
+            ", exposed on the NATS Agent Protocol"
+        } else {
+            ""
+        },
         if m.shutdown_requested && m.status.as_str() != "shutdown" {
             ", shutting down after this turn"
         } else {
