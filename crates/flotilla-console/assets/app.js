@@ -418,6 +418,9 @@ const TREE_ROW = 22;
 const TASK_ROW = 30;
 
 async function viewRun(runId) {
+  // Reads still in flight when the person opens another page (or another run) are dropped.
+  let left = false;
+  cleanup.push(() => { left = true; });
   const q = query();
   const profile = q.get('profile') || 'user';
   const children = q.get('children') || 'linked';
@@ -593,7 +596,7 @@ async function viewRun(runId) {
     try {
       const { view, plan } = await api(`/api/runs/${runId}`);
       await idle();
-      if (!$('#run-title')) return; // the person moved on
+      if (left || !$('#run-title')) return; // the person moved on
       const r = view.record;
       set('#run-title', `${esc(r.name || 'Run')} ${status(r.status)} <span class="mono muted">${esc(runId)}</span>`);
       const labels = Object.entries(r.labels || {}).map(([k, v]) => `${k}=${v}`).join(' ');
@@ -608,14 +611,15 @@ async function viewRun(runId) {
       if (edit) edit.hidden = r.status !== 'human_control';
       // A run that has ended takes no more controls: its buttons say so instead of
       // answering "not applied".
-      if (!going) {
-        main().querySelectorAll('[data-action]').forEach((b) => {
-          b.disabled = true;
-          b.title = `the run has ended (${r.status})`;
-        });
-        const hold = $('#hold-min');
-        if (hold) hold.disabled = true;
-      }
+      // Set on every draw from this run's status (and the person's role), so it follows the
+      // run however the page was reached.
+      const endedNote = `the run has ended (${r.status})`;
+      main().querySelectorAll('[data-action]').forEach((b) => {
+        b.disabled = !going || !me.operator;
+        b.title = !me.operator ? 'operators only' : (going ? '' : endedNote);
+      });
+      const hold = $('#hold-min');
+      if (hold) hold.disabled = !going || !me.operator;
       sessionOf = r.session_id || null;
       const off = me.operator ? '' : 'disabled title="operators only"';
       const taskActions = (t) => {
