@@ -277,38 +277,25 @@ async fn exposed_agents_speak_the_protocol() -> anyhow::Result<()> {
 
     // Bad input: a structured error frame, then the end; nothing runs.
     let before = prompt_runs(&p, "writer").await?.len();
-    let s = call(
-        &script,
-        &p,
-        &["raw", "agents.prompt.writer.flotilla.default", "fffe00"],
-    )?;
-    assert_error(&s, 400, "malformed_prompt");
-    let s = call(
-        &script,
-        &p,
-        &[
+    let bad = [
+        ("raw", "fffe00", 400, "malformed_prompt"),
+        ("prompt", r#"{"prompt": 3}"#, 400, "malformed_prompt"),
+        ("prompt", "   ", 400, "malformed_prompt"),
+        (
             "prompt",
-            "agents.prompt.writer.flotilla.default",
-            r#"{"prompt": 3}"#,
-        ],
-    )?;
-    assert_error(&s, 400, "malformed_prompt");
-    let s = call(
-        &script,
-        &p,
-        &["prompt", "agents.prompt.writer.flotilla.default", "   "],
-    )?;
-    assert_error(&s, 400, "malformed_prompt");
-    let s = call(
-        &script,
-        &p,
-        &[
-            "prompt",
-            "agents.prompt.writer.flotilla.default",
             r#"{"prompt": "look", "attachments": [{"filename": "a.txt", "content": "aGk="}]}"#,
-        ],
-    )?;
-    assert_error(&s, 400, "attachments_unsupported");
+            400,
+            "attachments_unsupported",
+        ),
+    ];
+    for (how, body, status, code) in bad {
+        let s = call(
+            &script,
+            &p,
+            &[how, "agents.prompt.writer.flotilla.default", body],
+        )?;
+        assert_error(&s, status, code);
+    }
     assert_eq!(
         prompt_runs(&p, "writer").await?.len(),
         before,

@@ -11,7 +11,7 @@
 // once it has checked the incident).
 // Writes docs/screenshots/console-*.png.
 
-import { chromium } from 'playwright-core';
+import { launch, check } from './common.mjs';
 import { createInterface } from 'node:readline';
 import { join } from 'node:path';
 
@@ -20,17 +20,8 @@ const shots = process.env.SCREENSHOTS;
 const input = createInterface({ input: process.stdin });
 const nextLine = () => new Promise((resolve) => input.once('line', resolve));
 
-function check(cond, what) {
-  if (!cond) throw new Error(`check failed: ${what}`);
-  console.log(`ok: ${what}`);
-}
 
-const browser = await chromium.launch({
-  executablePath: process.env.CHROMIUM || '/usr/bin/chromium',
-  headless: true,
-  args: ['--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
-    '--disable-background-networking', '--disable-component-update', '--disable-sync'],
-});
+const browser = await launch();
 const errors = [];
 async function signIn(token) {
   const ctx = await browser.newContext({ viewport: { width: 1440, height: 900 } });

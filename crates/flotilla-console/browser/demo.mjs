@@ -3,20 +3,11 @@
 // earnings-analysis run, opens it and checks its four tasks succeeded and the workspace
 // topic they share; writes docs/screenshots/console-demo.png.
 
-import { chromium } from 'playwright-core';
+import { launch, check } from './common.mjs';
 import { join } from 'node:path';
 
 const [url, shots] = process.argv.slice(2);
-function check(cond, what) {
-  if (!cond) throw new Error(`check failed: ${what}`);
-  console.log(`ok: ${what}`);
-}
-const browser = await chromium.launch({
-  executablePath: process.env.CHROMIUM || '/usr/bin/chromium',
-  headless: true,
-  args: ['--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
-    '--disable-background-networking', '--disable-component-update', '--disable-sync'],
-});
+const browser = await launch();
 const errors = [];
 try {
   const page = await (await browser.newContext({ viewport: { width: 1440, height: 900 } })).newPage();

@@ -5,19 +5,14 @@
 // and stdout: prints OPEN (reads the run to follow), GO (reads a line once the run ended),
 // TREE (reads the tree's run), then one JSON line `RESULT {...}`.
 
-import { chromium } from 'playwright-core';
+import { launch } from './common.mjs';
 import { createInterface } from 'node:readline';
 
 const url = process.env.CONSOLE_URL;
 const input = createInterface({ input: process.stdin });
 const nextLine = () => new Promise((resolve) => input.once('line', resolve));
 
-const browser = await chromium.launch({
-  executablePath: process.env.CHROMIUM || '/usr/bin/chromium',
-  headless: true,
-  args: ['--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
-    '--disable-background-networking', '--disable-component-update', '--disable-sync'],
-});
+const browser = await launch();
 const result = {};
 let step = 'start';
 try {
