@@ -1334,6 +1334,26 @@ failure = "it always breaks"
     p.client
         .request(&spawn("crew", "cy", "breaks", true), ask)
         .await?;
+    // As an operator does it: `flotilla team spawn --expose`.
+    let out = p.cli(&[
+        "team",
+        "spawn",
+        "dee",
+        "--role",
+        "analyst",
+        "--instructions",
+        "Spawned from the CLI.",
+        "--agent",
+        "mate",
+        "--team",
+        "crew",
+        "--expose",
+    ])?;
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("exposed on the NATS Agent Protocol"),
+        "{out:?}"
+    );
 
     // Bad input: an address that is an exposed definition's, or another exposed teammate's.
     for (req, code) in [
@@ -1354,7 +1374,7 @@ failure = "it always breaks"
             .flatten()
             .filter_map(|i| i["metadata"]["agent"].as_str().map(str::to_owned))
             .collect();
-        if agents.contains("ann") && agents.contains("cy") {
+        if agents.contains("ann") && agents.contains("cy") && agents.contains("dee") {
             assert!(
                 !agents.contains("bob"),
                 "only teammates that opt in: {found}"
