@@ -733,11 +733,7 @@ pub(crate) async fn record_rejection(
             ..WorkflowEvent::phase(WorkflowPhase::RunRejected)
         }),
     };
-    let batch = flotilla_model::event::EventBatch::new(run, vec![event]);
-    if let Err(e) = bus
-        .publish(bus.names().event(run), &batch, Some(&batch.msg_id()))
-        .await
-    {
+    if let Err(e) = crate::publish_event(bus, event).await {
         warn!(%run, error = %e, "Could not publish the rejection event");
     }
     if let Some(to) = &rejected.reply_to {

@@ -62,6 +62,20 @@ use crate::live::LiveWorkers;
 use crate::runtime::Runtime;
 use crate::store::{RunStore, unix_ms};
 
+/// Publishes one event on its run's events (a batch of one, de-duplicated by the event's id):
+/// for the events the coordinator says outside a machine step — a rejection at intake, a run
+/// failed at admission, an external agent's question.
+pub(crate) async fn publish_event(
+    bus: &Bus,
+    event: flotilla_model::event::EventEnvelope,
+) -> Result<(), flotilla_bus::PublishError> {
+    let run = event.run_id;
+    let batch = flotilla_model::event::EventBatch::new(run, vec![event]);
+    bus.publish(bus.names().event(run), &batch, Some(&batch.msg_id()))
+        .await?;
+    Ok(())
+}
+
 /// Idle heartbeat of the coordinator's pull requests: after a NATS restart or a lost
 /// connection, two missed heartbeats make the consumer loop re-issue its pull, so failover
 /// takes seconds. The cost is one tiny message per second per idle pull.

@@ -337,9 +337,7 @@ impl Api {
     /// it decides; this one is the attempt's, so the API says it). Published once per
     /// approval and phase (its message id), on the run's events with the task and attempt.
     pub(super) async fn external_event(&self, record: &ApprovalRecord) {
-        use flotilla_model::event::{
-            Event, EventBatch, EventEnvelope, WorkflowEvent, WorkflowPhase,
-        };
+        use flotilla_model::event::{Event, EventEnvelope, WorkflowEvent, WorkflowPhase};
         let r = &record.request;
         let (phase, name, detail) = match (&record.status, &record.answer) {
             (ApprovalStatus::Pending, _) | (_, None) => (
@@ -375,12 +373,7 @@ impl Api {
                 ..WorkflowEvent::phase(phase)
             }),
         };
-        let batch = EventBatch::new(r.run_id, vec![event]);
-        let bus = self.store.bus();
-        if let Err(e) = bus
-            .publish(bus.names().event(r.run_id), &batch, Some(&batch.msg_id()))
-            .await
-        {
+        if let Err(e) = crate::publish_event(self.store.bus(), event).await {
             tracing::warn!(run = %r.run_id, approval = %r.approval_id, error = %e, "Could not publish an external agent's question's event");
         }
     }

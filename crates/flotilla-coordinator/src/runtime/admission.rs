@@ -393,10 +393,7 @@ impl Runtime {
             source: "coordinator".into(),
             event: Event::Workflow(e.event),
         };
-        let batch = flotilla_model::event::EventBatch::new(run, vec![ev]);
-        self.bus
-            .publish(self.bus.names().event(run), &batch, Some(&batch.msg_id()))
-            .await?;
+        crate::publish_event(&self.bus, ev).await?;
         Ok(())
     }
 }
