@@ -3,6 +3,11 @@
 //! server. Writes still go to the server; the mirror follows them a moment later
 //! ([`KvMirror::note`] records a process's own write at once).
 //!
+//! The watch starts with the bucket's history — the last value of every key — and then
+//! follows new writes, so a process started on a lived-in deployment holds what was written
+//! before it started. The mirror is *synced* once that history is delivered (or the bucket is
+//! found empty): being ready never waits for a write, which only this process might make.
+//!
 //! Entries that expire by age (the registry's TTL) leave no trace a watch reports: readers
 //! judge freshness by [`Mirrored::at_ms`], the server time of the last write.
 
@@ -57,6 +62,29 @@ impl<T: DeserializeOwned + Clone + Send + Sync + 'static> Default for KvMirror<T
     }
 }
 
+/// Every key of a bucket (a KV key wildcard).
+const ALL_KEYS: &str = ">";
+
+/// How often a mirror whose history has not arrived yet looks whether the bucket holds
+/// anything it could deliver.
+const EMPTY_LOOK: Duration = Duration::from_millis(250);
+
+/// Whether `store` holds no message under `filter` (a key wildcard): its history delivers
+/// nothing. A failed look says "not known", never "empty".
+async fn nothing_matches(store: &kv::Store, filter: &str) -> bool {
+    if filter == ALL_KEYS {
+        return store.status().await.is_ok_and(|s| s.values() == 0);
+    }
+    match store
+        .stream
+        .info_with_subjects(format!("{}{filter}", store.prefix))
+        .await
+    {
+        Ok(mut subjects) => subjects.next().await.is_none(),
+        Err(_) => false,
+    }
+}
+
 impl<T: DeserializeOwned + Clone + Send + Sync + 'static> KvMirror<T> {
     /// An empty mirror, not in sync until [`KvMirror::run`] has read the bucket.
     pub fn new() -> Self {
@@ -92,11 +120,10 @@ impl<T: DeserializeOwned + Clone + Send + Sync + 'static> KvMirror<T> {
         filter: Option<String>,
         shutdown: CancellationToken,
     ) {
+        let filter = filter.unwrap_or_else(|| ALL_KEYS.to_owned());
         while !shutdown.is_cancelled() {
-            let watch = match &filter {
-                Some(f) => store.watch_with_history(f).await,
-                None => store.watch_all().await,
-            };
+            // History first (the last value of every key), then new writes.
+            let watch = store.watch_with_history(&filter).await;
             let watch = match watch {
                 Ok(w) => w,
                 Err(e) => {
@@ -107,25 +134,23 @@ impl<T: DeserializeOwned + Clone + Send + Sync + 'static> KvMirror<T> {
                     }
                 }
             };
-            // An empty bucket delivers nothing: it is in sync at once.
-            let empty = match &filter {
-                None => store.status().await.is_ok_and(|s| s.values() == 0),
-                Some(f) => match store
-                    .stream
-                    .info_with_subjects(format!("{}{f}", store.prefix))
-                    .await
-                {
-                    Ok(mut subjects) => matches!(subjects.next().await, None | Some(Err(_))),
-                    Err(_) => false,
-                },
-            };
-            if empty {
-                self.synced.send_replace(true);
-            }
             let watch = watch.take_until(shutdown.cancelled());
             futures::pin_mut!(watch);
-            while let Some(entry) = watch.next().await {
-                let Ok(entry) = entry else { break };
+            // Until the history is delivered, the bucket is looked at again now and then: one
+            // with nothing matching delivers nothing (nor does one whose only values expired
+            // by age before they were delivered), and is in sync as it is.
+            let mut look = tokio::time::interval(EMPTY_LOOK);
+            loop {
+                let entry = tokio::select! {
+                    entry = watch.next() => entry,
+                    _ = look.tick(), if !self.is_synced() => {
+                        if nothing_matches(&store, &filter).await {
+                            self.synced.send_replace(true);
+                        }
+                        continue;
+                    }
+                };
+                let Some(Ok(entry)) = entry else { break };
                 if entry.delta == 0 || entry.seen_current {
                     self.synced.send_replace(true);
                 }
@@ -161,8 +186,9 @@ impl<T: DeserializeOwned + Clone + Send + Sync + 'static> KvMirror<T> {
         }
     }
 
-    /// Whether the mirror holds the bucket's content as of its start (before that, an empty
-    /// mirror says nothing about the bucket).
+    /// Whether the mirror holds the bucket's content as of its start — every value written
+    /// before it started watching — (before that, an empty mirror says nothing about the
+    /// bucket).
     pub fn is_synced(&self) -> bool {
         *self.synced.borrow()
     }

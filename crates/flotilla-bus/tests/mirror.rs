@@ -53,3 +53,63 @@ async fn a_late_note_of_an_older_write_keeps_the_newer_value() -> anyhow::Result
     stop.cancel();
     Ok(())
 }
+
+/// A mirror started on a bucket with history (a restarted service on a lived-in deployment)
+/// holds every value written before it started, and is synced without any new write — the
+/// whole bucket, and the keys of one filter (a deleted key is not held).
+#[tokio::test]
+async fn a_mirror_started_on_history_holds_it_and_is_synced_without_a_new_write()
+-> anyhow::Result<()> {
+    let server = NatsServer::start().await?;
+    let bus = server.provisioned_bus().await?;
+    let kv = bus.kv(Bucket::Team).await?;
+    let first = kv.put("agent.a", b"1".to_vec().into()).await?;
+    kv.update("agent.a", b"2".to_vec().into(), first).await?;
+    kv.put("agent.b", b"3".to_vec().into()).await?;
+    kv.put("agent.gone", b"4".to_vec().into()).await?;
+    kv.delete("agent.gone").await?;
+    kv.put("teammate.t.ann", b"5".to_vec().into()).await?;
+
+    let stop = CancellationToken::new();
+    let all: KvMirror<u32> = KvMirror::new();
+    all.follow(kv.clone(), stop.clone());
+    let agents: KvMirror<u32> = KvMirror::new();
+    agents.follow_keys(kv.clone(), "agent.>", stop.clone());
+    let mates: KvMirror<u32> = KvMirror::new();
+    mates.follow_keys(kv.clone(), "teammate.>", stop.clone());
+    let none: KvMirror<u32> = KvMirror::new();
+    none.follow_keys(kv.clone(), "nothing.>", stop.clone());
+    for (what, m) in [
+        ("all", &all),
+        ("agents", &agents),
+        ("mates", &mates),
+        ("none", &none),
+    ] {
+        tokio::time::timeout(Duration::from_secs(5), m.synced())
+            .await
+            .map_err(|_| anyhow::anyhow!("the {what} mirror never synced on history"))?;
+    }
+    let values = |m: &KvMirror<u32>| -> Vec<(String, u32)> {
+        m.all().into_iter().map(|(k, v)| (k, v.value)).collect()
+    };
+    assert_eq!(
+        values(&all),
+        [
+            ("agent.a".to_owned(), 2),
+            ("agent.b".to_owned(), 3),
+            ("teammate.t.ann".to_owned(), 5)
+        ]
+    );
+    assert_eq!(
+        values(&agents),
+        [("agent.a".to_owned(), 2), ("agent.b".to_owned(), 3)]
+    );
+    assert_eq!(values(&mates), [("teammate.t.ann".to_owned(), 5)]);
+    assert!(values(&none).is_empty());
+
+    // And it follows what is written after.
+    kv.put("agent.c", b"6".to_vec().into()).await?;
+    until(&agents, "agent.c", 6).await?;
+    stop.cancel();
+    Ok(())
+}
