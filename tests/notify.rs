@@ -315,6 +315,50 @@ async fn notices_reach_webhooks_signed_retried_across_a_supervisor_kill_and_once
     Ok(())
 }
 
+/// A fresh deployment whose first supervisor starts after a notice was published: the
+/// webhook still gets it (its consumer, created then, starts `backfill` back), once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_notice_published_before_any_supervisor_was_up_reaches_the_webhook() -> anyhow::Result<()>
+{
+    let (endpoint, url) = endpoint().await?;
+    let mut p = Processes::start(&config(&url)).await?;
+    p.coordinator().await?;
+    p.worker(&[]).await?;
+    let mut ship = Subtask::new("ship", "Publish the report").with_agent("bot");
+    ship.action = Some("publish".into());
+    let run = p
+        .client
+        .submit(SubmitRequest::new(plan(vec![ship])))
+        .await?;
+    let id = format!("approval.{run}.t0a1");
+    // The notice is stored before any supervisor exists.
+    let stream = p
+        .bus
+        .names()
+        .stream(flotilla_model::subjects::StreamKind::Notify);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let mut s = p.bus.js().get_stream(&stream).await?;
+        if s.info().await?.state.messages > 0 {
+            break;
+        }
+        anyhow::ensure!(tokio::time::Instant::now() < deadline, "no notice stored");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let sup = p.supervisor_env(&[("TEST_WEBHOOK_SECRET", SECRET)]).await?;
+    if let Err(e) = endpoint
+        .until("the early approval notice", |s| {
+            s.iter()
+                .any(|r| r.hook == "ops" && r.delivery == id && r.accepted)
+        })
+        .await
+    {
+        anyhow::bail!("{e}\nsupervisor:\n{}", p.log(sup));
+    }
+    assert_eq!(endpoint.of("ops").len(), 1, "{:#?}", endpoint.of("ops"));
+    Ok(())
+}
+
 /// Runs `flotilla supervisor` with `extra` config and no secret in the environment; its
 /// exit status and output.
 fn supervisor_with(p: &Processes, extra: &str) -> anyhow::Result<(bool, String)> {

@@ -90,6 +90,12 @@ pub struct WebhookOptions {
     /// The longest pause between retries.
     #[serde(default = "webhook_max_backoff", with = "humantime_serde")]
     pub max_backoff: Duration,
+    /// How far back a webhook met for the first time starts: the notices published in this
+    /// window before its consumer was created (those of a fresh deployment before its first
+    /// supervisor was up, those of a webhook added to a running one) are delivered too. A
+    /// webhook already known goes on where it left off, whatever this says.
+    #[serde(default = "webhook_backfill", with = "humantime_serde")]
+    pub backfill: Duration,
 }
 
 fn webhook_timeout() -> Duration {
@@ -106,6 +112,10 @@ fn webhook_backoff() -> Duration {
 
 fn webhook_max_backoff() -> Duration {
     Duration::from_secs(300)
+}
+
+fn webhook_backfill() -> Duration {
+    Duration::from_secs(3600)
 }
 
 impl WebhookOptions {

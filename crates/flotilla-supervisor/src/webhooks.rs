@@ -71,8 +71,8 @@ pub(crate) fn consumer_name(webhook: &str) -> String {
     format!("webhook-{webhook}")
 }
 
-/// The webhooks of `team`'s options with their consumers (created or updated; a new one
-/// starts with the notices published from now on). A secret variable that is not set is an
+/// The webhooks of `team`'s options with their consumers (created or updated; see [`bind`]
+/// for where a new one starts). A secret variable that is not set is an
 /// error: signed deliveries were asked for.
 pub(crate) async fn prepare(team: &Team) -> Result<Vec<(Webhook, PullConsumer)>, SupervisorError> {
     let mut out = Vec::new();
@@ -122,22 +122,22 @@ pub(crate) async fn prepare(team: &Team) -> Result<Vec<(Webhook, PullConsumer)>,
             _ => (String::new(), filters),
         };
         let durable = consumer_name(&opts.name);
-        let consumer = stream
-            .create_consumer(pull::Config {
-                durable_name: Some(durable.clone()),
-                description: Some(format!(
-                    "Flotilla supervisors: notices to webhook {}",
-                    opts.name
-                )),
-                filter_subject,
-                filter_subjects,
-                deliver_policy: DeliverPolicy::New,
-                ack_policy: AckPolicy::Explicit,
-                ack_wait: opts.timeout + ACK_MARGIN,
-                max_deliver: i64::from(opts.max_attempts),
-                max_ack_pending: 1000,
-                ..Default::default()
-            })
+        let config = |deliver_policy| pull::Config {
+            durable_name: Some(durable.clone()),
+            description: Some(format!(
+                "Flotilla supervisors: notices to webhook {}",
+                opts.name
+            )),
+            filter_subject: filter_subject.clone(),
+            filter_subjects: filter_subjects.clone(),
+            deliver_policy,
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: opts.timeout + ACK_MARGIN,
+            max_deliver: i64::from(opts.max_attempts),
+            max_ack_pending: 1000,
+            ..Default::default()
+        };
+        let consumer = bind(&stream, &durable, &opts.backfill, config)
             .await
             .map_err(|e| {
                 SupervisorError::Setup(format!("creating consumer {durable} on {stream_name}: {e}"))
@@ -153,6 +153,45 @@ pub(crate) async fn prepare(team: &Team) -> Result<Vec<(Webhook, PullConsumer)>,
         ));
     }
     Ok(out)
+}
+
+/// Creates or updates the webhook's consumer. One met for the first time starts `backfill`
+/// before now (a notice published before any supervisor was up is delivered too); one that
+/// exists keeps where it started — JetStream cannot change that, and its position is what
+/// has been delivered — while its other settings (kinds, timeouts, attempts) follow the
+/// configuration. Two replicas creating it at once: the one that loses takes the winner's.
+async fn bind(
+    stream: &async_nats::jetstream::stream::Stream,
+    durable: &str,
+    backfill: &Duration,
+    config: impl Fn(DeliverPolicy) -> pull::Config,
+) -> Result<PullConsumer, async_nats::Error> {
+    let existing = || async {
+        match stream.consumer_info(durable).await {
+            Ok(info) => Ok(Some(info.config.deliver_policy)),
+            Err(e) if is_not_found(&e) => Ok(None),
+            Err(e) => Err(async_nats::Error::from(e)),
+        }
+    };
+    let first = match existing().await? {
+        Some(policy) => policy,
+        None => DeliverPolicy::ByStartTime {
+            start_time: time::OffsetDateTime::now_utc()
+                - time::Duration::try_from(*backfill).unwrap_or(time::Duration::ZERO),
+        },
+    };
+    match stream.create_consumer(config(first)).await {
+        Ok(c) => Ok(c),
+        // Created meanwhile by another replica: take its start.
+        Err(e) => match existing().await? {
+            Some(policy) => Ok(stream.create_consumer(config(policy)).await?),
+            None => Err(e.into()),
+        },
+    }
+}
+
+fn is_not_found(e: &async_nats::jetstream::context::ConsumerInfoError) -> bool {
+    e.kind() == async_nats::jetstream::context::ConsumerInfoErrorKind::NotFound
 }
 
 /// An HTTP(S) client on Flotilla's one outbound connector ([`flotilla_http`]).
