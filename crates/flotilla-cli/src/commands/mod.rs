@@ -4,6 +4,7 @@ pub(crate) mod approvals;
 pub(crate) mod collab;
 pub(crate) mod console;
 pub(crate) mod controls;
+pub(crate) mod datadir;
 pub(crate) mod memory;
 pub(crate) mod nats;
 pub(crate) mod plan;

@@ -6,7 +6,7 @@
 //! `consumer_bound` (signalled by the coordinator or worker itself). SIGTERM marks the service
 //! draining, so `/readyz` answers 503 until it exits; the listener stops last.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -523,6 +523,8 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
     } else {
         CancellationToken::new()
     };
+    // One deployment per store: before anything listens, starts or is written.
+    let mut lock = super::datadir::DataDirLock::take(&opts.data_dir)?;
     let mut url_file = None;
     // One registry and one listener for the coordinator and every worker of this process.
     let health = Health::new();
@@ -537,7 +539,11 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
     let server = if opts.embedded {
         let s = LocalNatsServer::start_in(&opts.data_dir.join("nats")).await?;
         config.nats.urls = vec![s.url()];
-        url_file = Some(UrlFile::write(&opts.data_dir, &s.url())?);
+        url_file = Some(super::datadir::UrlFile::write(
+            &lock,
+            &opts.data_dir,
+            &s.url(),
+        )?);
         errln!(
             "Embedded nats-server {} (store in {}); other flotilla commands run in this directory use it while `up` runs (elsewhere: --nats-url {})",
             s.url(),
@@ -548,6 +554,7 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
     } else {
         None
     };
+    lock.set_nats_url(&config.nats.urls.join(","))?;
     let bus = async {
         let bus = Bus::connect(&config.nats, "flotilla-up").await?;
         // The services' own connections go to the same servers; this one stands for them.
@@ -631,6 +638,7 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
         match super::console::bind(bus, &config, true).await {
             Ok(console) => {
                 errln!("{}", super::console::url_line(&console, &config));
+                lock.set_console_url(&console.url())?;
                 let token = shutdown.clone();
                 services
                     .spawn(async move { console.serve(token).await.map_err(|e| e.to_string()) });
@@ -676,24 +684,7 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
     obs.stop().await;
     drop(url_file);
     drop(server);
+    // Released last: the store is free only once its server has stopped.
+    drop(lock);
     Ok(code)
-}
-
-/// `<data-dir>/nats-url`: the embedded server's URL and this process's id, so other commands
-/// in the same directory find the server (see `config::running_up_url`). Removed on exit.
-struct UrlFile(PathBuf);
-
-impl UrlFile {
-    fn write(dir: &Path, url: &str) -> anyhow::Result<Self> {
-        let path = dir.join("nats-url");
-        std::fs::write(&path, format!("{url}\n{}\n", std::process::id()))
-            .with_context(|| format!("writing {}", path.display()))?;
-        Ok(Self(path))
-    }
-}
-
-impl Drop for UrlFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
 }
