@@ -27,6 +27,7 @@
 //! hangs) and records every request.
 
 pub mod http;
+pub mod lived_in;
 pub mod openai;
 pub mod otlp;
 
