@@ -263,8 +263,9 @@ impl Deployment {
         eprintln!("{what}: ready in {took:?}");
         let mut after = self.history.reads(&client).await?;
         let mut before = before;
-        if matches!(service, Service::Worker) {
-            // The worker that comes back is another worker (a new id hosts the members).
+        if matches!(service, Service::Worker | Service::Coordinator) {
+            // The worker that comes back is another worker (a new id hosts the members); so
+            // is a coordinator's embedded worker of the workflow pool.
             (before, after) = (before.without_presence(), after.without_presence());
         } else {
             // The roster's presence is computed again from the same live workers.

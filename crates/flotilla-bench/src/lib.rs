@@ -44,6 +44,9 @@
 //!   over the protocol (the bench as its client) next to the same run submitted directly, in
 //!   the same run; the idle coordinator's CPU and memory with 1 and with 100 exposed agents
 //!   beating.
+//! * **restart** — restarts onto history (module `restart`): each service's time to ready on
+//!   an empty deployment, then restarted with SIGTERM and kill -9 onto 10,000 runs of history
+//!   of every kind (the test kit's lived-in deployment), with its reads checked unchanged.
 //!
 //! The services run as child processes of the `flotilla` binary that runs the bench (or
 //! `--services-binary`, to measure another build back to back), so the bench is a library
@@ -77,6 +80,7 @@ mod flotilla;
 mod hitl;
 mod llm;
 mod recovery;
+mod restart;
 mod team;
 mod tree;
 mod validate;
@@ -159,6 +163,8 @@ pub struct BenchArgs {
     // Boxed, as `tree`.
     #[command(flatten)]
     agents: Box<agents::AgentsArgs>,
+    #[command(flatten)]
+    restart: restart::RestartArgs,
 }
 
 /// A section of the bench (`--only`).
@@ -193,6 +199,9 @@ enum Section {
     /// The NATS Agent Protocol: prompt → first streamed token next to a direct submission,
     /// and the coordinator's cost of 100 exposed agents' heartbeats.
     Agents,
+    /// Restarts onto history: each service's time to ready on an empty deployment and
+    /// restarted (SIGTERM, kill -9) onto 10,000 runs of history of every kind.
+    Restart,
 }
 
 /// Runs the selected sections against the server at `nats_url` (the CLI's global
@@ -213,6 +222,7 @@ pub async fn run(args: BenchArgs, nats_url: Option<&str>) -> anyhow::Result<()> 
         && !want(Section::Hitl)
         && !want(Section::Console)
         && !want(Section::Agents)
+        && !want(Section::Restart)
     {
         return Ok(());
     }
@@ -289,6 +299,9 @@ pub async fn run(args: BenchArgs, nats_url: Option<&str>) -> anyhow::Result<()> 
     }
     if want(Section::Agents) {
         agents::run(&args.agents, &services, &url).await?;
+    }
+    if want(Section::Restart) {
+        restart::run(&args.restart, &services, &url).await?;
     }
     Ok(())
 }

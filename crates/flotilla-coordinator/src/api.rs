@@ -119,6 +119,7 @@ pub(crate) async fn serve(
     live: LiveWorkers,
     metadata: std::collections::HashMap<String, String>,
     shutdown: CancellationToken,
+    bound: tokio::sync::oneshot::Sender<()>,
 ) -> Result<(), CoordinatorError> {
     let bus = store.bus().clone();
     let setup = |e: async_nats::Error| {
@@ -264,6 +265,13 @@ pub(crate) async fn serve(
     )
     .await
     .map_err(setup)?;
+    // Every endpoint's subscription is at the server before the coordinator says it is
+    // ready: a request sent once it is ready finds its endpoint.
+    bus.client()
+        .flush()
+        .await
+        .map_err(|e| setup(async_nats::Error::from(e)))?;
+    let _ = bound.send(());
     let api = Arc::new(Api {
         escalations: crate::approvals::Escalations::new(bus.clone()),
         store,

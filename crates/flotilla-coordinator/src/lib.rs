@@ -255,11 +255,6 @@ impl Coordinator {
             .with_hitl(self.opts.hitl.clone())
             .with_trust(trust),
         );
-        if let Some(ready) = self.ready.take() {
-            let _ = ready.send(());
-        }
-        info!(prefix = self.bus.names().prefix(), "Coordinator started");
-
         let mut tasks = tokio::task::JoinSet::new();
         tasks.spawn(live.clone().follow(workers, shutdown.clone()));
         tasks.spawn(Arc::clone(&runtime).run(runlog, shutdown.clone()));
@@ -274,15 +269,43 @@ impl Coordinator {
             self.opts.intake_concurrency,
             shutdown.clone(),
         ));
-        if self.opts.api {
+        // Ready once it answers as it should: the live workers known (from the registry's
+        // history) and, with the API, every endpoint subscribed.
+        let answering = {
+            let live = live.clone();
+            async move { live.synced().await }
+        };
+        let api_bound = if self.opts.api {
             let (store, intake, shutdown) = (store.clone(), Arc::clone(&intake), shutdown.clone());
             let ctx = self.ctx.clone();
             let metadata = std::mem::take(&mut self.service_metadata);
+            let (bound, api_bound) = tokio::sync::oneshot::channel();
             tasks.spawn(async move {
-                if let Err(e) = api::serve(store, intake, ctx, live, metadata, shutdown).await {
+                if let Err(e) =
+                    api::serve(store, intake, ctx, live, metadata, shutdown, bound).await
+                {
                     warn!(error = %e, "The API service stopped");
                 }
             });
+            Some(api_bound)
+        } else {
+            None
+        };
+        let started = async {
+            answering.await;
+            match api_bound {
+                Some(bound) => bound.await.is_ok(),
+                None => true,
+            }
+        };
+        tokio::select! {
+            _ = shutdown.cancelled() => {}
+            started = started => if started {
+                if let Some(ready) = self.ready.take() {
+                    let _ = ready.send(());
+                }
+                info!(prefix = self.bus.names().prefix(), "Coordinator started");
+            }
         }
         while tasks.join_next().await.is_some() {}
         info!("Coordinator stopped");

@@ -33,6 +33,12 @@ impl LiveWorkers {
         self.workers.run(store, shutdown).await;
     }
 
+    /// Waits until the registry's entries as of the watch's start are held: only then does
+    /// a missing pool mean no live worker.
+    pub(crate) async fn synced(&self) {
+        self.workers.synced().await;
+    }
+
     /// The pools among `pools` with no live worker, or `None` while that is not known yet.
     pub(crate) fn pools_without_workers<'a>(
         &self,

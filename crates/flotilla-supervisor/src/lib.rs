@@ -284,6 +284,13 @@ impl Supervisor {
         // ready reaches every webhook.
         let hooks = webhooks::prepare(&team).await?;
         let service = api::start(&team).await?;
+        // Every endpoint's subscription is at the server before the supervisor says it is
+        // ready: a request sent once it is ready finds its endpoint.
+        team.bus
+            .client()
+            .flush()
+            .await
+            .map_err(|e| SupervisorError::Setup(format!("starting the team API: {e}")))?;
         let mut tasks = tokio::task::JoinSet::new();
         {
             let (team, stop) = (Arc::clone(&team), shutdown.clone());

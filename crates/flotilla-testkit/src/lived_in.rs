@@ -90,6 +90,12 @@ const ASK: Duration = Duration::from_secs(10);
 /// How long a run or a change may take to show.
 const WAIT: Duration = Duration::from_secs(60);
 
+/// Bulk runs read back by [`LivedIn::reads`] at most (the first ones).
+const MAX_BULK_READS: usize = 200;
+
+/// Bulk runs submitted and waited for at once.
+const BULK_BATCH: usize = 256;
+
 /// Seven days: every hold and deadline of the history outlives any test.
 const WEEK_MS: u64 = 7 * 24 * 3600 * 1000;
 
@@ -579,23 +585,21 @@ impl LivedIn {
         })
         .await?;
 
-        // Bulk runs, a few at a time.
+        // Bulk runs, a batch at a time.
         let mut bulk_runs = Vec::with_capacity(bulk);
-        for chunk in (0..bulk).collect::<Vec<_>>().chunks(64) {
-            let mut ids = Vec::new();
-            for i in chunk {
-                ids.push(
-                    submit(
-                        client,
-                        plan_of(&format!("bulk-{i}"), vec![Subtask::new("t", "one task")]),
-                        None,
-                    )
-                    .await?,
-                );
-            }
-            for id in &ids {
-                ends(client, *id, RunStatus::Succeeded).await?;
-            }
+        for chunk in (0..bulk).collect::<Vec<_>>().chunks(BULK_BATCH) {
+            let ids = futures::future::try_join_all(chunk.iter().map(|i| {
+                submit(
+                    client,
+                    plan_of(&format!("bulk-{i}"), vec![Subtask::new("t", "one task")]),
+                    None,
+                )
+            }))
+            .await?;
+            futures::future::try_join_all(
+                ids.iter().map(|id| ends(client, *id, RunStatus::Succeeded)),
+            )
+            .await?;
             bulk_runs.extend(ids);
         }
 
@@ -684,13 +688,15 @@ impl LivedIn {
         out.insert(
             "runs.bulk".into(),
             json!(
-                futures::future::try_join_all(self.bulk.iter().map(|r| async move {
-                    client
-                        .run(*r)
-                        .await
-                        .map(|v| v.map(|v| v.record.status))
-                        .map_err(client_err("reading a bulk run"))
-                }))
+                futures::future::try_join_all(self.bulk.iter().take(MAX_BULK_READS).map(
+                    |r| async move {
+                        client
+                            .run(*r)
+                            .await
+                            .map(|v| v.map(|v| v.record.status))
+                            .map_err(client_err("reading a bulk run"))
+                    }
+                ))
                 .await?
             ),
         );
@@ -848,6 +854,16 @@ impl LivedIn {
         client: &Client,
         model: &OpenAiServer,
     ) -> Result<(), LivedInError> {
+        // The coordinators know the live workers (from the registry's history, not from the
+        // heartbeats since they started).
+        let checked = client
+            .validate(&plan_of("new-check", vec![Subtask::new("a", "first")]))
+            .await
+            .map_err(client_err("validating a plan"))?;
+        expect(
+            checked.errors.is_empty() && checked.warnings.is_empty(),
+            &format!("a plan for a live pool was not clean: {checked:?}"),
+        )?;
         let dag = submit(
             client,
             plan_of(
@@ -1044,22 +1060,48 @@ impl Reads {
         self
     }
 
-    /// The reads that differ from `other`'s: name, this value, the other's.
+    /// Where these reads differ from `other`'s: the read's name with the path inside it
+    /// (`team/members/5/workers`), this value and the other's (`(missing)` where one has
+    /// none).
     pub fn differences(&self, other: &Reads) -> Vec<(String, String, String)> {
+        fn show(v: Option<&Value>) -> String {
+            v.map(|v| serde_json::to_string(v).unwrap_or_default())
+                .unwrap_or_else(|| "(missing)".into())
+        }
+        fn walk(
+            path: String,
+            a: Option<&Value>,
+            b: Option<&Value>,
+            out: &mut Vec<(String, String, String)>,
+        ) {
+            if a == b {
+                return;
+            }
+            match (a, b) {
+                (Some(Value::Object(x)), Some(Value::Object(y))) => {
+                    let mut keys: Vec<&String> = x.keys().chain(y.keys()).collect();
+                    keys.sort();
+                    keys.dedup();
+                    for k in keys {
+                        walk(format!("{path}/{k}"), x.get(k), y.get(k), out);
+                    }
+                }
+                (Some(Value::Array(x)), Some(Value::Array(y))) if x.len() == y.len() => {
+                    for (i, (p, q)) in x.iter().zip(y).enumerate() {
+                        walk(format!("{path}/{i}"), Some(p), Some(q), out);
+                    }
+                }
+                _ => out.push((path, show(a), show(b))),
+            }
+        }
         let mut names: Vec<&String> = self.0.keys().chain(other.0.keys()).collect();
         names.sort();
         names.dedup();
-        names
-            .into_iter()
-            .filter(|n| self.0.get(*n) != other.0.get(*n))
-            .map(|n| {
-                let show = |v: Option<&Value>| {
-                    v.map(|v| serde_json::to_string(v).unwrap_or_default())
-                        .unwrap_or_else(|| "(missing)".into())
-                };
-                (n.clone(), show(self.0.get(n)), show(other.0.get(n)))
-            })
-            .collect()
+        let mut out = Vec::new();
+        for n in names {
+            walk(n.clone(), self.0.get(n), other.0.get(n), &mut out);
+        }
+        out
     }
 }
 
