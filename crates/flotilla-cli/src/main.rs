@@ -191,7 +191,7 @@ enum Command {
     #[command(subcommand)]
     Schema(SchemaCommand),
     /// Measure performance (figures are printed, not asserted).
-    Bench(flotilla_bench::BenchArgs),
+    Bench(Box<flotilla_bench::BenchArgs>),
     /// Workspace topics of a run: write, read, watch entries (inside an exec agent: its own
     /// run, no flags needed).
     #[command(after_long_help = commands::collab::EXIT_CODES)]
@@ -624,7 +624,7 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
         Command::Schema(SchemaCommand::Write { dir }) => commands::schema::write(&dir),
         Command::Schema(SchemaCommand::Check { dir }) => commands::schema::check(&dir),
         Command::Bench(args) => {
-            flotilla_bench::run(args, cli.nats_url.as_deref()).await?;
+            flotilla_bench::run(*args, cli.nats_url.as_deref()).await?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Ws(args) => {
