@@ -152,6 +152,10 @@ error_kinds!(
         JetStreamUnavailable => "JetStream unavailable", Retryable;
         /// The server refused a request.
         Server => "JetStream request failed", Retryable;
+        /// The NATS user's permissions do not allow it (the server reported a permissions
+        /// violation): the message names the subject, the user and, for a shared consumer,
+        /// the lines its permissions need.
+        PermissionDenied => "permission_denied", Terminal;
     }
 );
 
@@ -174,6 +178,9 @@ error_kinds!(
         /// The subject already has messages and the publish expected none (a run's first
         /// run-log entry decides its fate, once).
         NotFirst => "the subject already has a first message", Terminal;
+        /// The NATS user may not publish to the subject (the server reported a permissions
+        /// violation; the message names the subject and the user).
+        PermissionDenied => "permission_denied", Terminal;
         /// The message could not be sent or no stream acknowledged it (connection lost,
         /// timeout, server restarting).
         Publish => "publish failed", Retryable;

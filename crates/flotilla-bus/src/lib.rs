@@ -1,7 +1,11 @@
 //! Flotilla's NATS layer.
 //!
 //! * [`options`]: connection options from config (auth as a tagged enum, TLS, redacted secrets).
-//! * [`connect`](mod@connect): connecting with those options.
+//! * [`connect`](mod@connect): connecting with those options (a silent link is given up
+//!   within three pings, and the client reconnects to another server).
+//! * [`link`]: what a connection has seen — its server, reconnects, and the permission
+//!   violations the server reported, which turn a refused operation into
+//!   `permission_denied` at once instead of a timeout.
 //! * [`provision`]: idempotent creation and drift checks of the streams and KV buckets.
 //! * [`wire`]: typed, versioned messages with JSON/MessagePack codecs.
 //! * [`read`]: stored messages read back by sequence (batch direct gets), the paging primitive
@@ -12,6 +16,7 @@
 pub mod connect;
 pub mod consume;
 pub mod error;
+pub mod link;
 pub mod mirror;
 pub mod options;
 pub mod provision;
@@ -20,8 +25,9 @@ pub mod server;
 pub mod service;
 pub mod wire;
 
+use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer, pull};
 use async_nats::jetstream::{self, kv};
@@ -33,6 +39,7 @@ pub use error::{
     ConnectError, ConnectErrorKind, ProvisionError, ProvisionErrorKind, PublishError,
     PublishErrorKind, ReadError, ReadErrorKind, Retry,
 };
+pub use link::{Link, Refusal};
 pub use options::{NatsAuth, NatsOptions, Secret, TlsOptions};
 pub use provision::JetStreamOptions;
 pub use read::StoredMessage;
@@ -53,6 +60,33 @@ pub struct SharedConsumer {
     pub ack_wait: Duration,
     /// Most unacknowledged messages across all replicas.
     pub max_ack_pending: i64,
+}
+
+impl SharedConsumer {
+    /// The JetStream API subject that creates (or updates) it on `stream`, as async-nats
+    /// sends it: the filter is part of the subject when there is exactly one.
+    fn create_subject(&self, stream: &str) -> String {
+        match self.filters.as_slice() {
+            [one] => format!("$JS.API.CONSUMER.CREATE.{stream}.{}.{one}", self.durable),
+            _ => format!("$JS.API.CONSUMER.CREATE.{stream}.{}", self.durable),
+        }
+    }
+
+    /// What a user needs in its publish allow list (`deploy/nats/accounts.conf`) to use it:
+    /// create it, read its info, pull from it and acknowledge, each line quoted as the file
+    /// writes them.
+    pub fn permission_lines(&self, stream: &str) -> Vec<String> {
+        let durable = &self.durable;
+        [
+            self.create_subject(stream),
+            format!("$JS.API.CONSUMER.INFO.{stream}.{durable}"),
+            format!("$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"),
+            format!("$JS.ACK.{stream}.{durable}.>"),
+        ]
+        .into_iter()
+        .map(|l| format!("\"{l}\""))
+        .collect()
+    }
 }
 
 /// Maps a JetStream publish error to a [`PublishError`] whose kind says whether retrying can
@@ -154,30 +188,19 @@ pub struct Bus {
     opts: Arc<NatsOptions>,
     /// The connected server's `max_payload`, read once per connection: it is asked on every
     /// publish that checks a size, and the client's server info is a copy of many strings.
-    max_payload: Arc<MaxPayload>,
-}
-
-/// The server's `max_payload` as last read, and whether the client connected again since.
-#[derive(Debug, Default)]
-struct MaxPayload {
-    bytes: std::sync::atomic::AtomicUsize,
-    reconnected: Arc<std::sync::atomic::AtomicBool>,
+    max_payload: Arc<std::sync::atomic::AtomicUsize>,
+    /// What the connection has seen: reconnects (the cached `max_payload` is then out of
+    /// date) and the server's refusals.
+    link: Arc<Link>,
 }
 
 impl Bus {
     /// Connects with `opts`. `role` names the connection (`flotilla-worker`).
     pub async fn connect(opts: &NatsOptions, role: &str) -> Result<Self, ConnectError> {
-        let max_payload = Arc::new(MaxPayload::default());
-        let client = connect::connect_noting_reconnects(
-            opts,
-            role,
-            Some(Arc::clone(&max_payload.reconnected)),
-        )
-        .await?;
-        max_payload.bytes.store(
-            server_max_payload(&client),
-            std::sync::atomic::Ordering::Release,
-        );
+        let (client, link) = connect::connect_watched(opts, role).await?;
+        let max_payload = Arc::new(std::sync::atomic::AtomicUsize::new(server_max_payload(
+            &client,
+        )));
         let names = Names::new(&opts.prefix).map_err(|e| {
             ConnectError::new(
                 ConnectErrorKind::InvalidOptions,
@@ -192,7 +215,55 @@ impl Bus {
             names,
             opts: Arc::new(opts.clone()),
             max_payload,
+            link,
         })
+    }
+
+    /// What the connection has seen: its server, and the server's recent refusals.
+    pub fn link(&self) -> &Link {
+        &self.link
+    }
+
+    /// Runs `op` — a request, JetStream API call or publish whose subjects `is_ours` accepts
+    /// — and answers the server's refusal instead of its outcome: at once when the server
+    /// reports a permissions violation for one of those subjects (or for the reply inbox)
+    /// while `op` runs, and when `op` fails (a timeout, typically) after such a report.
+    /// Refusals of other subjects pass by. The server reports violations asynchronously,
+    /// so without this a refused request only times out.
+    pub async fn refusable<T, E>(
+        &self,
+        is_ours: impl Fn(&str) -> bool,
+        op: impl Future<Output = Result<T, E>>,
+    ) -> Result<Result<T, E>, Refusal> {
+        let since = Instant::now();
+        let mut refusals = self.link.watch();
+        let mut watching = true;
+        tokio::pin!(op);
+        loop {
+            tokio::select! {
+                biased;
+                out = &mut op => {
+                    return match out {
+                        Ok(v) => Ok(Ok(v)),
+                        Err(e) => match self.link.refused_since(since, &is_ours) {
+                            Some(refusal) => Err(refusal),
+                            None => Ok(Err(e)),
+                        },
+                    };
+                }
+                r = refusals.recv(), if watching => match r {
+                    Ok(refusal) if refusal.concerns(&is_ours) => return Err(refusal),
+                    Ok(_) => {}
+                    // Missed announcements are still kept: look there.
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
+                        if let Some(refusal) = self.link.refused_since(since, &is_ours) {
+                            return Err(refusal);
+                        }
+                    }
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => watching = false,
+                },
+            }
+        }
     }
 
     /// The options this bus connected with (URLs, credentials, timeouts). The worker hands
@@ -221,18 +292,64 @@ impl Bus {
         &self,
         opts: &JetStreamOptions,
     ) -> Result<provision::ProvisionReport, ProvisionError> {
-        provision::provision(&self.js, &self.names, opts).await
+        self.refusable(
+            |s| s.starts_with("$JS.API."),
+            provision::provision(&self.js, &self.names, opts),
+        )
+        .await
+        .unwrap_or_else(|refusal| {
+            Err(ProvisionError::new(
+                ProvisionErrorKind::PermissionDenied,
+                format!(
+                    "provisioning streams and buckets: {refusal}; provision with credentials allowed to create streams (the operator's or the coordinator's in deploy/nats/accounts.conf)"
+                ),
+            ))
+        })
     }
 
     /// Creates, or updates to `spec`, a shared durable pull consumer: explicit acks, every
     /// message from the start, and no server-side delivery limit — each role decides what
     /// repeated delivery means (the worker turns it into a failed attempt).
+    ///
+    /// A user whose permissions do not allow the consumer gets
+    /// [`PermissionDenied`](ProvisionErrorKind::PermissionDenied) as soon as the server
+    /// refuses it, with the lines to add to its permissions
+    /// ([`SharedConsumer::permission_lines`]).
     pub async fn shared_consumer(
         &self,
         spec: SharedConsumer,
     ) -> Result<PullConsumer, ProvisionError> {
         let name = self.names.stream(spec.stream);
-        let stream = self.js.get_stream(&name).await.map_err(|e| {
+        let info = format!("$JS.API.STREAM.INFO.{name}");
+        let create = spec.create_subject(&name);
+        // Several filters: async-nats names the consumer without them.
+        let create_prefix = format!("$JS.API.CONSUMER.CREATE.{name}.{}.", spec.durable);
+        let lines = spec.permission_lines(&name);
+        let durable = spec.durable.clone();
+        let is_ours = |s: &str| s == info || s == create || s.starts_with(&create_prefix);
+        let created = self.refusable(is_ours, self.create_shared_consumer(&name, spec));
+        created.await.unwrap_or_else(|refusal| {
+            let add = if refusal.subject == info {
+                format!("\"{info}\"")
+            } else {
+                lines.join(" ")
+            };
+            Err(ProvisionError::new(
+                ProvisionErrorKind::PermissionDenied,
+                format!(
+                    "creating consumer {durable} on {name}: {refusal}; add to the publish allow list of {} in deploy/nats/accounts.conf: {add}",
+                    self.link.user()
+                ),
+            ))
+        })
+    }
+
+    async fn create_shared_consumer(
+        &self,
+        name: &str,
+        spec: SharedConsumer,
+    ) -> Result<PullConsumer, ProvisionError> {
+        let stream = self.js.get_stream(name).await.map_err(|e| {
             ProvisionError::with_source(
                 ProvisionErrorKind::Server,
                 format!("opening stream {name} (run `flotilla nats provision`?)"),
@@ -270,13 +387,22 @@ impl Bus {
     /// Opens a KV bucket (it must have been provisioned).
     pub async fn kv(&self, bucket: Bucket) -> Result<kv::Store, ProvisionError> {
         let name = self.names.bucket(bucket);
-        self.js.get_key_value(&name).await.map_err(|e| {
-            ProvisionError::with_source(
+        let info = format!("$JS.API.STREAM.INFO.KV_{name}");
+        match self
+            .refusable(|s| s == info, self.js.get_key_value(&name))
+            .await
+        {
+            Ok(Ok(store)) => Ok(store),
+            Ok(Err(e)) => Err(ProvisionError::with_source(
                 ProvisionErrorKind::Server,
                 format!("opening bucket {name} (run `flotilla nats provision`?)"),
                 e,
-            )
-        })
+            )),
+            Err(refusal) => Err(ProvisionError::new(
+                ProvisionErrorKind::PermissionDenied,
+                format!("opening bucket {name}: {refusal}"),
+            )),
+        }
     }
 
     /// Publishes a typed message to JetStream and waits for the stream's acknowledgement.
@@ -301,20 +427,26 @@ impl Bus {
         out: wire::Outgoing,
     ) -> Result<jetstream::publish::PublishAck, PublishError> {
         let size = out.payload.len();
-        let acked = match self
-            .js
-            .publish_with_headers(subject.clone(), out.headers, out.payload)
-            .await
-        {
-            Ok(fut) => fut.await,
-            Err(e) => Err(e),
-        };
-        match acked {
-            Ok(ack) => Ok(ack),
-            Err(e) => {
+        let acked = self.refusable(|s| s == subject, async {
+            match self
+                .js
+                .publish_with_headers(subject.clone(), out.headers, out.payload)
+                .await
+            {
+                Ok(fut) => fut.await,
+                Err(e) => Err(e),
+            }
+        });
+        match acked.await {
+            Ok(Ok(ack)) => Ok(ack),
+            Ok(Err(e)) => {
                 let e = classify_publish_error(&subject, size, self.max_payload(), e);
                 Err(self.confirm_unavailable(&subject, e).await)
             }
+            Err(refusal) => Err(PublishError::new(
+                PublishErrorKind::PermissionDenied,
+                refusal.to_string(),
+            )),
         }
     }
 
@@ -387,13 +519,11 @@ impl Bus {
     /// The largest message the connected server accepts (its `max_payload`).
     pub fn max_payload(&self) -> usize {
         use std::sync::atomic::Ordering;
-        let cached = &self.max_payload;
-        if cached.reconnected.swap(false, Ordering::AcqRel) {
-            cached
-                .bytes
+        if self.link.take_reconnected() {
+            self.max_payload
                 .store(server_max_payload(&self.client), Ordering::Release);
         }
-        cached.bytes.load(Ordering::Acquire)
+        self.max_payload.load(Ordering::Acquire)
     }
 
     /// Waits until JetStream answers API requests (after a connect or a server restart).
@@ -401,7 +531,13 @@ impl Bus {
         let deadline = tokio::time::Instant::now() + timeout;
         let mut backoff = Duration::from_millis(5);
         loop {
-            match self.js.query_account().await {
+            let answered = self.refusable(|s| s == "$JS.API.INFO", self.js.query_account());
+            match answered.await.map_err(|refusal| {
+                ProvisionError::new(
+                    ProvisionErrorKind::PermissionDenied,
+                    format!("asking JetStream for the account's info: {refusal}"),
+                )
+            })? {
                 Ok(_) => return Ok(()),
                 Err(e) if tokio::time::Instant::now() >= deadline => {
                     return Err(ProvisionError::with_source(

@@ -30,6 +30,18 @@ pub struct NatsOptions {
     /// Default timeout of requests (JetStream API calls, KV operations).
     #[serde(with = "humantime_serde")]
     pub request_timeout: Duration,
+    /// How long the client may hear nothing from its server before it sends a ping. A
+    /// connection whose link went silent (packets dropped, a node cut off from the network)
+    /// is closed when a third ping falls due with two unanswered, so within
+    /// [`dead_link_after`](Self::dead_link_after) (three intervals) of the last byte
+    /// received; the client then reconnects to another of its servers.
+    #[serde(with = "humantime_serde")]
+    pub ping_interval: Duration,
+    /// Whether the client also fails over to the servers its cluster advertises (each
+    /// node's client URL, learnt on connecting) besides `urls`. Turn it off where those
+    /// addresses cannot be reached from the client (a proxy or NAT in front of each node):
+    /// then only `urls` are tried.
+    pub discover_servers: bool,
 }
 
 impl Default for NatsOptions {
@@ -46,9 +58,26 @@ impl Default for NatsOptions {
             // JetStream API calls normally answer in milliseconds; 10 s rides out a leader
             // election in a cluster.
             request_timeout: Duration::from_secs(10),
+            // A silent link is given up within 9 s (three intervals): less than two worker
+            // heartbeats at their default of 5 s, so a cut-off worker reconnects elsewhere
+            // before its tasks are handed to another worker. An idle connection costs a
+            // ping and a pong every 3 s.
+            ping_interval: Duration::from_secs(3),
+            // Clusters advertise reachable client URLs unless told otherwise.
+            discover_servers: true,
         }
     }
 }
+
+/// How many pings may go unanswered: async-nats 0.51 closes the connection when a ping
+/// falls due with this many outstanding (its fixed `MAX_PENDING_PINGS`), so a silent link is
+/// given up when the `PINGS_OUTSTANDING + 1`-th ping is due.
+pub const PINGS_OUTSTANDING: u32 = 2;
+
+/// The shortest `ping-interval` accepted: below it, a busy moment on a shared machine (a
+/// server that answers a ping a few tens of milliseconds late) would close healthy
+/// connections.
+pub const MIN_PING_INTERVAL: Duration = Duration::from_millis(100);
 
 /// Reads URLs from a list or a comma-separated string.
 fn urls_from_list_or_text<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
@@ -157,6 +186,13 @@ impl NatsOptions {
         }
     }
 
+    /// How long a connection whose link went silent stays open before the client gives it up
+    /// and reconnects elsewhere: three [`ping_interval`](Self::ping_interval)s after the
+    /// last byte from the server (see [`PINGS_OUTSTANDING`]).
+    pub fn dead_link_after(&self) -> Duration {
+        self.ping_interval * (PINGS_OUTSTANDING + 1)
+    }
+
     /// Checks the options without doing I/O.
     pub fn validate(&self) -> Result<(), ConnectError> {
         let invalid = |msg: String| Err(ConnectError::new(ConnectErrorKind::InvalidOptions, msg));
@@ -180,6 +216,13 @@ impl NatsOptions {
             return invalid(
                 "nats.connect-timeout and nats.request-timeout must be more than 0".into(),
             );
+        }
+        if self.ping_interval < MIN_PING_INTERVAL {
+            return invalid(format!(
+                "nats.ping-interval is {}: it must be at least {} (a silent link is given up after three intervals)",
+                humantime::format_duration(self.ping_interval),
+                humantime::format_duration(MIN_PING_INTERVAL)
+            ));
         }
         if let NatsAuth::UserPassword { user, .. } = &self.auth
             && user.is_empty()
@@ -257,5 +300,38 @@ mod tests {
             ..NatsOptions::default()
         };
         assert!(opts.validate().is_err());
+    }
+
+    #[test]
+    fn a_silent_link_is_given_up_within_two_worker_heartbeats_by_default() {
+        let opts = NatsOptions::default();
+        // The worker heartbeat's default (flotilla-worker's `WorkerOptions::heartbeat`).
+        let heartbeat = Duration::from_secs(5);
+        assert!(opts.dead_link_after() <= 2 * heartbeat, "{opts:?}");
+        assert_eq!(opts.dead_link_after(), 3 * opts.ping_interval);
+        assert!(opts.discover_servers);
+        assert!(opts.validate().is_ok());
+    }
+
+    #[test]
+    fn the_ping_interval_is_read_and_checked() {
+        let opts: NatsOptions =
+            toml::from_str("ping-interval = \"1s\"\ndiscover-servers = false").expect("parses");
+        assert_eq!(opts.ping_interval, Duration::from_secs(1));
+        assert_eq!(opts.dead_link_after(), Duration::from_secs(3));
+        assert!(!opts.discover_servers);
+        assert!(opts.validate().is_ok());
+        for bad in ["0s", "50ms"] {
+            let opts: NatsOptions =
+                toml::from_str(&format!("ping-interval = \"{bad}\"")).expect("parses");
+            let err = opts.validate().expect_err(bad);
+            assert_eq!(err.kind(), ConnectErrorKind::InvalidOptions, "{bad}");
+            assert!(
+                err.to_string().contains("nats.ping-interval is")
+                    && err.to_string().contains("at least 100ms"),
+                "{err}"
+            );
+        }
+        assert!(toml::from_str::<NatsOptions>("ping-interval = \"soon\"").is_err());
     }
 }

@@ -479,6 +479,7 @@ mod tests {
         // without it (two services on one host: `auto` listeners).
         assert_eq!(loaded.telemetry, TelemetryOptions::default());
         assert_eq!(loaded.worker, WorkerOptions::default());
+        assert_eq!(loaded.nats, NatsOptions::default());
         assert_eq!(
             loaded.agents_protocol,
             flotilla_agents::AgentsProtocolOptions::default()
@@ -487,6 +488,12 @@ mod tests {
             loaded.exposed_agents().is_empty(),
             "nothing exposed unasked"
         );
+    }
+
+    #[test]
+    fn a_silent_link_is_given_up_within_two_worker_heartbeats_by_default() {
+        // A worker cut off from its node reconnects elsewhere before its tasks are handed on.
+        assert!(NatsOptions::default().dead_link_after() <= 2 * WorkerOptions::default().heartbeat);
     }
 
     #[test]

@@ -63,6 +63,9 @@ flotilla_bus::error_kinds!(
         Api => "the API refused the request", Terminal;
         /// The run does not exist (`not_found`, as the API says).
         NotFound => "not_found", Terminal;
+        /// The NATS user may not send the request (the server reported a permissions
+        /// violation): the message names the subject and the user.
+        PermissionDenied => "permission_denied", Terminal;
     }
 );
 
@@ -103,6 +106,9 @@ fn publish_error(e: flotilla_bus::PublishError) -> ClientError {
             "the submission is larger than this deployment accepts",
             e,
         ),
+        flotilla_bus::PublishErrorKind::PermissionDenied => {
+            ClientError::new(ClientErrorKind::PermissionDenied, e.detail())
+        }
         _ => nats("publishing the submission", e),
     }
 }
@@ -266,17 +272,27 @@ impl Client {
                 insert_trace(&mut headers, &trace);
                 self.bus
                     .client()
-                    .request_with_headers(subject, headers, body.into())
+                    .request_with_headers(subject.clone(), headers, body.into())
                     .left_future()
             }
             None => self
                 .bus
                 .client()
-                .request(subject, body.into())
+                .request(subject.clone(), body.into())
                 .right_future(),
         };
-        let reply = tokio::time::timeout(timeout, sent)
+        // A refused request gets no answer: the server's refusal, reported on the side, is
+        // the answer, at once.
+        let reply = self
+            .bus
+            .refusable(|s| s == subject, tokio::time::timeout(timeout, sent))
             .await
+            .map_err(|refusal| {
+                ClientError::new(
+                    ClientErrorKind::PermissionDenied,
+                    format!("{}: {refusal}", R::ENDPOINT),
+                )
+            })?
             .map_err(|_| {
                 ClientError::new(
                     ClientErrorKind::TimedOut,

@@ -8,6 +8,10 @@
 //! with `sync_interval: always`) and kills and restarts chosen nodes — the leader of a given
 //! stream — for fault injection.
 //!
+//! [`proxy::TcpProxy`] puts a link between a client and a server that the test can cut
+//! without closing it ([`blackhole`](proxy::TcpProxy::blackhole): packets dropped, as in a
+//! network partition) and restore.
+//!
 //! ```no_run
 //! # async fn t() -> Result<(), Box<dyn std::error::Error>> {
 //! let server = flotilla_testkit::NatsServer::start().await?;
@@ -30,6 +34,7 @@ pub mod http;
 pub mod lived_in;
 pub mod openai;
 pub mod otlp;
+pub mod proxy;
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};

@@ -126,3 +126,62 @@ async fn three_node_cluster_replicates() -> anyhow::Result<()> {
     assert_eq!(s.info().await?.config.num_replicas, 3);
     Ok(())
 }
+
+/// The proxy forwards, holds a blackholed link open without a byte through it, and heals.
+#[tokio::test]
+async fn a_blackholed_proxy_forwards_nothing_and_closes_nothing() -> anyhow::Result<()> {
+    use flotilla_testkit::proxy::TcpProxy;
+    let server = NatsServer::start().await?;
+    let proxy = TcpProxy::start(&server.url()).await?;
+    // Pings far apart: the client must not give the link up during the test.
+    let client = async_nats::ConnectOptions::new()
+        .ping_interval(Duration::from_secs(600))
+        .request_timeout(Some(Duration::from_millis(500)))
+        .connect(proxy.url())
+        .await?;
+    let direct = server.client().await?;
+    let mut echo = direct.subscribe("echo").await?;
+    direct.flush().await?;
+    tokio::spawn(async move {
+        while let Some(m) = echo.next().await {
+            if let Some(reply) = m.reply {
+                let _ = direct.publish(reply, m.payload).await;
+            }
+        }
+    });
+    // The first answer may be slow on a busy machine: ask until one comes.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while let Err(e) = client.request("echo", "a".into()).await {
+        if tokio::time::Instant::now() > deadline {
+            return Err(e).context("no answer through the proxy");
+        }
+    }
+    assert_eq!((proxy.accepted(), proxy.connections()), (1, 1));
+
+    proxy.blackhole();
+    let cut = client.request("echo", "b".into()).await;
+    assert!(cut.is_err(), "a request crossed a blackholed link: {cut:?}");
+    assert_eq!(proxy.connections(), 1, "the link stays open");
+    assert_eq!(
+        client.connection_state(),
+        async_nats::connection::State::Connected,
+        "the client was told nothing"
+    );
+
+    proxy.heal();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match client.request("echo", "c".into()).await {
+            Ok(m) => {
+                assert_eq!(&m.payload[..], b"c");
+                break;
+            }
+            Err(e) if tokio::time::Instant::now() > deadline => {
+                return Err(e).context("the healed link does not carry requests");
+            }
+            Err(_) => {}
+        }
+    }
+    assert_eq!(proxy.accepted(), 1, "the same connection carried on");
+    Ok(())
+}

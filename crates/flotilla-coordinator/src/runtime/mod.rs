@@ -179,8 +179,10 @@ impl From<flotilla_bus::PublishError> for StepError {
         match e.kind() {
             // A stream the deployment has can be briefly unknown while a cluster elects its
             // leader (a node was killed): the step is retried, the run never ends on it. A
-            // stream that is really gone stops every run alike, visibly, in the logs.
-            flotilla_bus::PublishErrorKind::NoStream => Self::Failed(e.to_string()),
+            // stream that is really gone stops every run alike, visibly, in the logs. So does
+            // a permission the coordinator's NATS user lacks, until its permissions are fixed.
+            flotilla_bus::PublishErrorKind::NoStream
+            | flotilla_bus::PublishErrorKind::PermissionDenied => Self::Failed(e.to_string()),
             kind => match kind.retry() {
                 flotilla_bus::Retry::Terminal => Self::Terminal(e.to_string()),
                 flotilla_bus::Retry::Retryable => Self::Failed(e.to_string()),
