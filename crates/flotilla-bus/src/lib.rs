@@ -4,6 +4,8 @@
 //! * [`connect`](mod@connect): connecting with those options.
 //! * [`provision`]: idempotent creation and drift checks of the streams and KV buckets.
 //! * [`wire`]: typed, versioned messages with JSON/MessagePack codecs.
+//! * [`liveness`]: a watchdog that restarts a pull loop which stopped pulling while its
+//!   consumer holds messages.
 //! * [`read`]: stored messages read back by sequence (batch direct gets), the paging primitive
 //!   of workspace and mailbox reads.
 //! * [`server`]: a local `nats-server` child process for `flotilla up` and tests.
@@ -12,6 +14,7 @@
 pub mod connect;
 pub mod consume;
 pub mod error;
+pub mod liveness;
 pub mod mirror;
 pub mod options;
 pub mod provision;
