@@ -6,6 +6,7 @@
 //! * [`wire`]: typed, versioned messages with JSON/MessagePack codecs.
 //! * [`liveness`]: a watchdog that restarts a pull loop which stopped pulling while its
 //!   consumer holds messages.
+//! * [`startup`]: start-up steps that ride out a cluster's leader election.
 //! * [`read`]: stored messages read back by sequence (batch direct gets), the paging primitive
 //!   of workspace and mailbox reads.
 //! * [`server`]: a local `nats-server` child process for `flotilla up` and tests.
@@ -21,6 +22,7 @@ pub mod provision;
 pub mod read;
 pub mod server;
 pub mod service;
+pub mod startup;
 pub mod wire;
 
 use std::sync::Arc;
