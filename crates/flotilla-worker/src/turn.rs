@@ -1,6 +1,8 @@
 //! Teammate turns: a worker pulls its pool's turn queue (`turns-<pool>` on the tasks stream,
-//! filter `<prefix>.turn.<pool>.>`), shared by the pool's workers, only while it has a free
-//! agent slot.
+//! filter `<prefix>.turn.<pool>.>`), shared by the pool's workers, while it has a free agent
+//! slot — or, every slot taken, in line with the tasks waiting for one here, so a worker kept
+//! busy by its pool's tasks still takes turns (the turn it pulls waits for a slot, kept
+//! alive).
 //!
 //! One turn, fenced by the teammate's epoch (see `flotilla_model::teammate`):
 //!
@@ -30,6 +32,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, AckKind, kv};
+use flotilla_bus::liveness::Pulse;
 use flotilla_bus::{Bus, SharedConsumer, wire};
 use flotilla_context::{Clients, Scope};
 use flotilla_model::subjects::StreamKind;
@@ -338,57 +341,63 @@ async fn wake_if_pending(bus: &Bus, kv: &kv::Store, mate: &Teammate, cursor: u64
     }
 }
 
-/// How often a worker with no free slot looks again before it pulls turns.
-const SLOT_POLL: Duration = Duration::from_millis(50);
-
-/// Pulls `pool`'s turns while this worker has a free slot, until `shutdown`.
+/// Pulls `pool`'s turns while this worker has a free slot (or, all taken, in turn with what
+/// waits for one here: [`Shared::wait_for_turn`]), until `shutdown`.
 pub(crate) async fn pull_turns(
     shared: Arc<Shared>,
     consumer: PullConsumer,
     kv: kv::Store,
+    pulse: Pulse,
     shutdown: CancellationToken,
 ) {
     let mut running = tokio::task::JoinSet::new();
-    'pull: while !shutdown.is_cancelled() {
-        // A saturated worker is polled, not queued on: tokio's semaphore is fair, so a waiter
-        // here would take every slot the pool's tasks free first, only to hand it back — a
-        // wake-up per task under load. A turn waits at most `SLOT_POLL` longer instead.
-        while shared.run_slots.available_permits() == 0 {
-            tokio::select! {
-                _ = shutdown.cancelled() => break 'pull,
-                _ = tokio::time::sleep(SLOT_POLL) => {}
+    while !shutdown.is_cancelled() {
+        let pull = async {
+            let waiting = pulse.busy();
+            if !shared.wait_for_turn(&shutdown).await {
+                return false;
             }
-        }
-        let batch = consumer
-            .batch()
-            .max_messages(shared.run_slots.available_permits().max(1))
-            .expires(crate::worker::PULL_EXPIRY)
-            .messages()
-            .await;
-        let mut batch = match batch {
-            Ok(b) => b,
-            Err(e) => {
-                debug!(error = %e, "Turn pull failed; retrying");
-                tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    _ = tokio::time::sleep(Duration::from_millis(250)) => continue,
+            drop(waiting);
+            let batch = consumer
+                .batch()
+                .max_messages(shared.run_slots.available_permits().max(1))
+                .expires(crate::worker::PULL_EXPIRY)
+                .messages()
+                .await;
+            let mut batch = match batch {
+                Ok(b) => {
+                    pulse.pulled();
+                    b
+                }
+                Err(e) => {
+                    debug!(error = %e, "Turn pull failed; retrying");
+                    return tokio::select! {
+                        _ = shutdown.cancelled() => false,
+                        _ = tokio::time::sleep(Duration::from_millis(250)) => true,
+                    };
+                }
+            };
+            let over = tokio::time::Instant::now()
+                + crate::worker::PULL_EXPIRY
+                + Duration::from_millis(500);
+            loop {
+                let next = tokio::select! {
+                    n = tokio::time::timeout_at(over, batch.next()) => n.unwrap_or(None),
+                    _ = shutdown.cancelled() => return false,
+                };
+                match next {
+                    Some(Ok(msg)) => {
+                        pulse.pulled();
+                        let (shared, kv, stop) =
+                            (Arc::clone(&shared), kv.clone(), shutdown.clone());
+                        running.spawn(async move { run_turn(&shared, &kv, msg, &stop).await });
+                    }
+                    _ => return true,
                 }
             }
         };
-        let over =
-            tokio::time::Instant::now() + crate::worker::PULL_EXPIRY + Duration::from_millis(500);
-        loop {
-            let next = tokio::select! {
-                n = tokio::time::timeout_at(over, batch.next()) => n.unwrap_or(None),
-                _ = shutdown.cancelled() => break 'pull,
-            };
-            match next {
-                Some(Ok(msg)) => {
-                    let (shared, kv, stop) = (Arc::clone(&shared), kv.clone(), shutdown.clone());
-                    running.spawn(async move { run_turn(&shared, &kv, msg, &stop).await });
-                }
-                _ => break,
-            }
+        if pulse.attend(pull).await == Some(false) {
+            break;
         }
         while running.try_join_next().is_some() {}
     }
@@ -409,14 +418,12 @@ async fn run_turn(
             return;
         }
     };
-    let slot = tokio::select! {
-        p = Arc::clone(&shared.run_slots).acquire_owned() => p,
-        _ = stopping.cancelled() => {
-            let _ = msg.ack_with(AckKind::Nak(None)).await;
-            return;
-        }
+    // A turn pulled while every slot was taken waits for one, kept alive like a prefetched
+    // task; a stopping worker hands it back.
+    let Some(_slot) = crate::attempt::wait_for_slot(shared, &msg, stopping).await else {
+        let _ = msg.ack_with(AckKind::Nak(None)).await;
+        return;
     };
-    let Ok(_slot) = slot else { return };
     match turn_body(shared, kv, &msg, &turn).await {
         Ok(()) => {}
         Err(TurnError::Fenced(why)) | Err(TurnError::NotFound(why)) => {
