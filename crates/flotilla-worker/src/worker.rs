@@ -10,6 +10,7 @@ use std::time::Duration;
 use async_nats::jetstream::AckKind;
 use async_nats::jetstream::consumer::PullConsumer;
 use flotilla_bus::liveness::{Pulse, Stall, Watchdog};
+use flotilla_bus::startup::Patience;
 use flotilla_bus::{Bus, SharedConsumer};
 use flotilla_model::subjects::{Bucket, StreamKind};
 use flotilla_model::time::Timestamp;
@@ -102,58 +103,99 @@ impl Worker {
         &self.id
     }
 
-    async fn consumer(&self) -> Result<PullConsumer, WorkerError> {
-        self.bus
-            .shared_consumer(pool_consumer(self.bus.names(), &self.opts.pool, &self.opts))
+    /// Binds the shared consumer of `spec` (`what` in errors and logs), riding out JetStream
+    /// being briefly unavailable.
+    async fn bind(
+        &self,
+        spec: SharedConsumer,
+        what: &str,
+        patience: &Patience,
+    ) -> Result<PullConsumer, WorkerError> {
+        patience
+            .ride_out(what, || self.bus.shared_consumer(spec.clone()))
             .await
-            .map_err(|e| setup("setting up the pool consumer", e))
+            .map_err(|e| setup(what.to_owned(), e))
+    }
+
+    /// Opens `bucket` (`what` in errors and logs), riding out JetStream being briefly
+    /// unavailable.
+    async fn open(
+        &self,
+        bucket: Bucket,
+        what: &str,
+        patience: &Patience,
+    ) -> Result<async_nats::jetstream::kv::Store, WorkerError> {
+        patience
+            .ride_out(what, || self.bus.kv(bucket))
+            .await
+            .map_err(|e| setup(what.to_owned(), e))
     }
 
     /// The role queues this worker claims from: one consumer per role its agents fill, with
     /// the member that runs the role's tasks here.
-    async fn role_consumers(&self) -> Result<Vec<(PullConsumer, Claim)>, WorkerError> {
+    async fn role_consumers(
+        &self,
+        patience: &Patience,
+    ) -> Result<Vec<(PullConsumer, Claim)>, WorkerError> {
         let mut out = Vec::new();
         for role in self.agents.roles() {
             let Some(agent) = self.agents.member_of(&role) else {
                 continue;
             };
             let consumer = self
-                .bus
-                .shared_consumer(role_consumer(self.bus.names(), &role, &self.opts))
-                .await
-                .map_err(|e| setup(format!("setting up the consumer of role {role}"), e))?;
+                .bind(
+                    role_consumer(self.bus.names(), &role, &self.opts),
+                    &format!("setting up the consumer of role {role}"),
+                    patience,
+                )
+                .await?;
             let agent = agent.to_owned();
             out.push((consumer, Claim { role, agent }));
         }
         Ok(out)
     }
 
-    /// Runs until `shutdown` is cancelled, then drains (see the module docs).
-    pub async fn run(mut self, shutdown: CancellationToken) -> Result<(), WorkerError> {
+    /// Runs until `shutdown` is cancelled, then drains (see the module docs). Starting, it
+    /// rides out JetStream being briefly unavailable (a cluster node restarting, a leader
+    /// election) for up to `worker.provision-wait`; stopped meanwhile, it returns without an
+    /// error.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<(), WorkerError> {
         self.opts
             .validate()
             .map_err(|e| WorkerError::new(WorkerErrorKind::Config, e))?;
-        let consumer = self.consumer().await?;
-        let roles = self.role_consumers().await?;
+        let stopping = shutdown.clone();
+        match self.serve(shutdown).await {
+            Err(e) if stopping.is_cancelled() => {
+                info!(error = %e, "Worker stopped while starting");
+                Ok(())
+            }
+            other => other,
+        }
+    }
+
+    async fn serve(mut self, shutdown: CancellationToken) -> Result<(), WorkerError> {
+        let patience = Patience::new(self.opts.provision_wait, shutdown.clone());
+        let consumer = self
+            .bind(
+                pool_consumer(self.bus.names(), &self.opts.pool, &self.opts),
+                "setting up the pool consumer",
+                &patience,
+            )
+            .await?;
+        let roles = self.role_consumers(&patience).await?;
         let turns = self
-            .bus
-            .shared_consumer(crate::turn::turn_consumer(
-                self.bus.names(),
-                &self.opts.pool,
-                &self.opts,
-            ))
-            .await
-            .map_err(|e| setup("setting up the teammate turn consumer", e))?;
+            .bind(
+                crate::turn::turn_consumer(self.bus.names(), &self.opts.pool, &self.opts),
+                "setting up the teammate turn consumer",
+                &patience,
+            )
+            .await?;
         let team_kv = self
-            .bus
-            .kv(Bucket::Team)
-            .await
-            .map_err(|e| setup("opening the team bucket", e))?;
+            .open(Bucket::Team, "opening the team bucket", &patience)
+            .await?;
         let registry = self
-            .bus
-            .kv(Bucket::Workers)
-            .await
-            .map_err(|e| setup("opening the workers bucket", e))?;
+            .open(Bucket::Workers, "opening the workers bucket", &patience)
+            .await?;
         let shared = Arc::new(Shared {
             bus: self.bus.clone(),
             opts: self.opts.clone(),
@@ -174,10 +216,8 @@ impl Worker {
             pace: Pace::new(),
         });
         let control = self
-            .bus
-            .kv(Bucket::Control)
-            .await
-            .map_err(|e| setup("opening the control bucket", e))?;
+            .open(Bucket::Control, "opening the control bucket", &patience)
+            .await?;
         let watcher_stop = CancellationToken::new();
         let watcher = tokio::spawn(watch_cancellations(
             control,
