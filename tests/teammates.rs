@@ -651,3 +651,104 @@ args = ["-c", "sleep 60"]
     assert_eq!(m.last_reply.as_deref(), Some("turn 1 history 0"));
     Ok(())
 }
+
+/// A teammate whose conversation cannot be read: its turn is delivered again a bounded number
+/// of times (`worker.max-deliveries`), then given up — the teammate is idle again with the
+/// reason in the team API and `flotilla team show`, its mail unread, and the turn message
+/// terminated, not retried (issue 38: an unreadable conversation key was retried every second
+/// without bound). Once the key is readable again, the next message's turn runs and clears
+/// the reason.
+#[tokio::test]
+async fn a_turn_whose_conversation_cannot_be_read_is_given_up_visibly() -> anyhow::Result<()> {
+    let log = tempfile::NamedTempFile::new()?;
+    let mut p = Processes::start(&config(log.path(), "")).await?;
+    supervisor(&mut p).await?;
+    let w = p.spawn_env(&["worker"], &[("FLOTILLA_WORKER__MAX_DELIVERIES", "3")])?;
+    p.wait_registered(w).await?;
+    let (code, body) = cli_json(
+        &p,
+        &[
+            "team",
+            "spawn",
+            "eve",
+            "--role",
+            "analyst",
+            "--instructions",
+            "answer briefly",
+            "--team",
+            "u",
+        ],
+    )?;
+    assert_eq!(code, 0, "{body}");
+    // Its conversation holds what no Flotilla wrote.
+    let team_kv = p.bus.kv(Bucket::Team).await?;
+    team_kv.put("conv.u.eve", "not json".into()).await?;
+    p.client.request(&send("u", "eve", "hello"), ASK).await?;
+
+    // Given up after its deliveries, and the team API says why.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let eve = loop {
+        let (_, body) = cli_json(&p, &["team"])?;
+        let eve = body["teammates"]
+            .as_array()
+            .and_then(|l| l.iter().find(|m| m["name"] == "eve").cloned())
+            .ok_or_else(|| anyhow::anyhow!("no teammate eve: {body}"))?;
+        if eve.get("last_error").is_some() {
+            break eve;
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the turn was never given up: {eve}\n{}",
+            p.log(w)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(eve["status"], "idle", "{eve}");
+    assert_eq!(
+        (eve["turns"].as_u64(), eve["turns_failed"].as_u64()),
+        (Some(0), Some(1))
+    );
+    let why = eve["last_error"].as_str().unwrap_or_default();
+    assert!(
+        why.contains("conv.u.eve") && why.contains("3 deliveries"),
+        "{why}"
+    );
+    // The turn message was terminated: delivered three times, nothing left to deliver.
+    let turns = p
+        .bus
+        .js()
+        .get_stream_no_info(p.bus.names().stream(StreamKind::Tasks))
+        .await?
+        .consumer_info(p.bus.names().turn_consumer("default"))
+        .await?;
+    assert_eq!(
+        (
+            turns.num_pending,
+            turns.num_ack_pending,
+            turns.delivered.consumer_sequence
+        ),
+        (0, 0, 3),
+        "{turns:?}"
+    );
+    // `flotilla team show` says it too.
+    let out = p.cli(&["team", "show", "eve"])?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("last turn failed") && text.contains("conv.u.eve"),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // Readable again: the next message's turn runs, and the reason is gone.
+    team_kv.delete("conv.u.eve").await?;
+    p.client.request(&send("u", "eve", "again"), ASK).await?;
+    let m = until(&p, "u", "eve", Duration::from_secs(20), |m| m.turns == 1).await?;
+    assert_eq!(m.last_reply.as_deref(), Some("turn 1 history 0"));
+    let (_, body) = cli_json(&p, &["team"])?;
+    let eve = body["teammates"]
+        .as_array()
+        .and_then(|l| l.iter().find(|m| m["name"] == "eve").cloned())
+        .ok_or_else(|| anyhow::anyhow!("no teammate eve: {body}"))?;
+    assert!(eve.get("last_error").is_none(), "{eve}");
+    Ok(())
+}

@@ -26,6 +26,12 @@
 //!    when asked for), both refused unless the epoch is still this host's.
 //! 6. acknowledge; if mail arrived meanwhile, wake it again (compare-and-set, de-duplicated
 //!    turn message).
+//!
+//! A turn whose conversation or mail cannot be read or stored is delivered again, pausing
+//! 1 s doubling to 30 s, up to `worker.max-deliveries` in all; then it is given up: the
+//! teammate goes back to `idle` with the reason as its `last_error` (shown by the team API
+//! and `flotilla team`), its mail unread for the next turn, and the turn message is
+//! terminated.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -93,6 +99,11 @@ fn store(e: impl std::fmt::Display) -> TurnError {
     TurnError::Store(e.to_string())
 }
 
+/// A stored value of `key` that does not decode.
+fn unreadable(key: &str, e: impl std::fmt::Display) -> TurnError {
+    TurnError::Store(format!("{key} could not be read: {e}"))
+}
+
 /// Read-modify-write of one JSON value with compare-and-set. `change` returns `Err` to stop
 /// without writing.
 async fn cas<T, F>(kv: &kv::Store, key: &str, mut change: F) -> Result<(T, u64), TurnError>
@@ -104,7 +115,7 @@ where
         let entry = kv.entry(key).await.map_err(store)?;
         let (current, revision) = match entry {
             Some(e) if e.operation == kv::Operation::Put => (
-                Some(serde_json::from_slice::<T>(&e.value).map_err(store)?),
+                Some(serde_json::from_slice::<T>(&e.value).map_err(|e| unreadable(key, e))?),
                 Some(e.revision),
             ),
             Some(e) => (None, Some(e.revision)),
@@ -202,13 +213,10 @@ async fn load_conversation(
     team: &str,
     name: &str,
 ) -> Result<(Conversation, Option<u64>), TurnError> {
-    match kv
-        .entry(conversation_key(team, name))
-        .await
-        .map_err(store)?
-    {
+    let key = conversation_key(team, name);
+    match kv.entry(&key).await.map_err(store)? {
         Some(e) if e.operation == kv::Operation::Put => Ok((
-            serde_json::from_slice(&e.value).map_err(store)?,
+            serde_json::from_slice(&e.value).map_err(|e| unreadable(&key, e))?,
             Some(e.revision),
         )),
         Some(e) => Ok((Conversation::default(), Some(e.revision))),
@@ -432,12 +440,58 @@ async fn run_turn(
             let _ = msg.ack().await;
         }
         Err(TurnError::Store(e)) => {
-            warn!(team = %turn.team, teammate = %turn.name, error = %e, "Turn could not be stored; it will be delivered again");
-            let _ = msg
-                .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
-                .await;
+            let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
+            if delivered < shared.opts.max_deliveries {
+                let pause = flotilla_bus::consume::redelivery_delay(
+                    delivered,
+                    Duration::from_secs(1),
+                    MAX_REDELIVERY_DELAY,
+                );
+                warn!(team = %turn.team, teammate = %turn.name, delivered, retry_in = ?pause, error = %e, "Turn could not be read or stored; it will be delivered again");
+                let _ = msg.ack_with(AckKind::Nak(Some(pause))).await;
+                return;
+            }
+            // It failed the same way delivery after delivery: give the turn up, visibly.
+            let reason = format!("its turn could not run, {delivered} deliveries: {e}");
+            match give_up(kv, &turn.team, &turn.name, turn.epoch, &shared.id, &reason).await {
+                Ok(_) => {
+                    warn!(team = %turn.team, teammate = %turn.name, delivered, error = %e, "Turn given up: the teammate is idle again with the reason, its mail unread")
+                }
+                Err(not_recorded) => {
+                    tracing::error!(team = %turn.team, teammate = %turn.name, delivered, error = %e, not_recorded = %not_recorded, "Turn given up, and the teammate's entry could not say why")
+                }
+            }
+            let _ = msg.ack_with(AckKind::Term).await;
         }
     }
+}
+
+/// The longest pause before a turn that could not be read or stored is delivered again.
+const MAX_REDELIVERY_DELAY: Duration = Duration::from_secs(30);
+
+/// Gives up the turn dispatched with `dispatched` as `host`, which could not run it at all:
+/// the teammate goes back to `idle` with `reason` as its `last_error` (see
+/// [`Teammate::give_up_turn`]); refused when another host holds the turn or it is over.
+pub async fn give_up(
+    kv: &kv::Store,
+    team: &str,
+    name: &str,
+    dispatched: u64,
+    host: &str,
+    reason: &str,
+) -> Result<Teammate, TurnError> {
+    let key = teammate_key(team, name);
+    let now = Timestamp::now();
+    let (m, _) = cas::<Option<Teammate>, _>(kv, &key, |m| {
+        let mut m = m
+            .flatten()
+            .ok_or_else(|| TurnError::NotFound(key.clone()))?;
+        m.give_up_turn(dispatched, host, reason, now)
+            .map_err(fenced)?;
+        Ok(Some(m))
+    })
+    .await?;
+    m.ok_or(TurnError::NotFound(key))
 }
 
 async fn turn_body(
