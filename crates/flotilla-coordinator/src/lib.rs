@@ -88,6 +88,15 @@ pub(crate) const PULL_HEARTBEAT: std::time::Duration = std::time::Duration::from
 /// set aside (terminated) instead of redelivered forever.
 const MAX_INTAKE_DELIVERIES: i64 = 5;
 
+/// Deliveries of an intake message that keeps failing for a reason that may pass (NATS
+/// unavailable) before it is set aside with an error line: pausing 1 s doubling to
+/// [`MAX_REDELIVERY_DELAY`], about a quarter of an hour — far beyond a leader election or a
+/// server restart.
+const MAX_INTAKE_RETRIES: i64 = 30;
+
+/// The longest pause before a message handed back is delivered again.
+pub(crate) const MAX_REDELIVERY_DELAY: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// A coordinator process.
 #[derive(Debug)]
 pub struct Coordinator {
@@ -428,7 +437,8 @@ async fn consume_intake(
 }
 
 /// Validates and accepts or rejects one submission from the intake stream, then acknowledges
-/// it — or hands it back for another try; see [`MAX_INTAKE_DELIVERIES`].
+/// it — or hands it back for another try, bounded: see [`MAX_INTAKE_DELIVERIES`] and
+/// [`MAX_INTAKE_RETRIES`].
 async fn submit_one(intake: &Intake, msg: async_nats::jetstream::Message) {
     let Ok(info) = msg.info() else {
         let _ = msg.ack_with(AckKind::Term).await;
@@ -454,11 +464,19 @@ async fn submit_one(intake: &Intake, msg: async_nats::jetstream::Message) {
             tracing::error!(error = %e, delivered, "Submission cannot be processed; terminating it");
             let _ = msg.ack_with(AckKind::Term).await;
         }
+        Err(e) if delivered >= MAX_INTAKE_RETRIES => {
+            // It kept failing for a quarter of an hour: set it aside, loudly.
+            tracing::error!(error = %e, delivered, "Submission could not be handled, delivery after delivery; terminating it");
+            let _ = msg.ack_with(AckKind::Term).await;
+        }
         Err(e) => {
-            warn!(error = %e, delivered, "Submission could not be handled; it will be redelivered");
-            let _ = msg
-                .ack_with(AckKind::Nak(Some(std::time::Duration::from_secs(1))))
-                .await;
+            let pause = flotilla_bus::consume::redelivery_delay(
+                delivered,
+                std::time::Duration::from_secs(1),
+                MAX_REDELIVERY_DELAY,
+            );
+            warn!(error = %e, delivered, retry_in = ?pause, "Submission could not be handled; it will be redelivered");
+            let _ = msg.ack_with(AckKind::Nak(Some(pause))).await;
         }
     }
 }

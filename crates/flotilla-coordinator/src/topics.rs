@@ -33,6 +33,10 @@ const RECENT_CAPACITY: usize = 50_000;
 /// Entries announced at once.
 const CONCURRENCY: usize = 64;
 
+/// Deliveries of an entry whose announcement keeps failing (the run log refusing it) before
+/// it is set aside with an error line: about five minutes, pausing 1 s doubling to 30 s.
+const MAX_DELIVERIES: i64 = 15;
+
 /// Consumes the workspace stream until `shutdown`. `pulse` marks each pull for the stall
 /// check; waiting for a free place among the announcements under way is busy, not stalled.
 pub(crate) async fn watch_workspace(
@@ -93,10 +97,21 @@ pub(crate) async fn watch_workspace(
                             let _ = msg.ack().await;
                         }
                         Err(e) => {
-                            warn!(subject = %msg.subject, error = %e, "Could not announce a workspace entry; it will be redelivered");
-                            let _ = msg
-                                .ack_with(AckKind::Nak(Some(std::time::Duration::from_secs(1))))
-                                .await;
+                            let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
+                            if delivered >= MAX_DELIVERIES {
+                                // Tasks consuming the topic wait for their dependency timeout,
+                                // which fails them visibly.
+                                tracing::error!(subject = %msg.subject, delivered, error = %e, "Could not announce a workspace entry, delivery after delivery; terminating it");
+                                let _ = msg.ack_with(AckKind::Term).await;
+                            } else {
+                                let pause = flotilla_bus::consume::redelivery_delay(
+                                    delivered,
+                                    std::time::Duration::from_secs(1),
+                                    crate::MAX_REDELIVERY_DELAY,
+                                );
+                                warn!(subject = %msg.subject, delivered, retry_in = ?pause, error = %e, "Could not announce a workspace entry; it will be redelivered");
+                                let _ = msg.ack_with(AckKind::Nak(Some(pause))).await;
+                            }
                         }
                     }
                     drop(place);

@@ -167,11 +167,25 @@ async fn handle(team: &Team, batch: Vec<async_nats::jetstream::Message>) {
             }
         }
         Err(e) => {
-            warn!(messages = readable.len(), error = %e, "Could not record events; they will be delivered again");
-            for msg in readable {
-                let _ = msg
-                    .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
-                    .await;
+            let mut set_aside = 0;
+            for msg in &readable {
+                let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
+                if delivered >= crate::MAX_DELIVERIES {
+                    set_aside += 1;
+                    let _ = msg.ack_with(AckKind::Term).await;
+                } else {
+                    let pause = flotilla_bus::consume::redelivery_delay(
+                        delivered,
+                        Duration::from_secs(1),
+                        crate::MAX_REDELIVERY_DELAY,
+                    );
+                    let _ = msg.ack_with(AckKind::Nak(Some(pause))).await;
+                }
+            }
+            if set_aside > 0 {
+                tracing::error!(messages = set_aside, error = %e, "Events could not be recorded, delivery after delivery: set aside, the team's records miss them");
+            } else {
+                warn!(messages = readable.len(), error = %e, "Could not record events; they will be delivered again");
             }
         }
     }

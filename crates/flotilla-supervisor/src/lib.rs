@@ -75,6 +75,15 @@ use flotilla_bus::mirror::KvMirror;
 /// The durable consumer the replicas share on the event stream.
 pub const CONSUMER: &str = "supervisor";
 
+/// Deliveries of an event or inbox message that keeps failing (its write refused, delivery
+/// after delivery, pausing 1 s doubling to [`MAX_REDELIVERY_DELAY`]: about two and a half
+/// minutes in all) before it is set aside with an error line instead of retried forever.
+/// Webhook notices have their own bound (`max-attempts`).
+pub(crate) const MAX_DELIVERIES: i64 = 10;
+
+/// The longest pause before such a message is delivered again.
+pub(crate) const MAX_REDELIVERY_DELAY: Duration = Duration::from_secs(30);
+
 /// What every part of the supervisor reads and writes.
 pub(crate) struct Team {
     pub(crate) bus: Bus,

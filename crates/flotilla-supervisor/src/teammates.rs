@@ -679,10 +679,20 @@ async fn wake_on(team: &Team, msg: async_nats::jetstream::Message) {
             let _ = msg.ack().await;
         }
         Err(e) => {
-            warn!(team = t, teammate = to, error = %e, "Could not wake a teammate; retrying");
-            let _ = msg
-                .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
-                .await;
+            let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
+            if delivered >= crate::MAX_DELIVERIES {
+                // The mail stays in its inbox: the next message (or `team send`) wakes it.
+                tracing::error!(team = t, teammate = to, delivered, error = %e, "Could not wake a teammate, delivery after delivery; its mail waits for the next message");
+                let _ = msg.ack_with(AckKind::Term).await;
+                return;
+            }
+            let pause = flotilla_bus::consume::redelivery_delay(
+                delivered,
+                Duration::from_secs(1),
+                crate::MAX_REDELIVERY_DELAY,
+            );
+            warn!(team = t, teammate = to, delivered, retry_in = ?pause, error = %e, "Could not wake a teammate; retrying");
+            let _ = msg.ack_with(AckKind::Nak(Some(pause))).await;
         }
     }
 }
