@@ -50,6 +50,9 @@ const AFTER_PANIC: Duration = Duration::from_secs(1);
 /// `since_pull` while the consumer held `pending` messages. It has been restarted.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Stall {
+    /// The stream the consumer reads (durable names repeat across streams: the coordinators'
+    /// intake and run-log consumers are both `coordinator`).
+    pub stream: String,
     /// The durable consumer's name.
     pub consumer: String,
     /// Messages not yet delivered to anyone, as the consumer reported them.
@@ -96,8 +99,10 @@ impl Watchdog {
     /// Watches the loop that pulls from `consumer`: it marks its pulls on the returned
     /// [`Pulse`] (one per loop; clones share it).
     pub fn watch(&self, consumer: &PullConsumer) -> Pulse {
+        let info = consumer.cached_info();
         let watched = Arc::new(Watched::new(
-            consumer.cached_info().name.clone(),
+            info.stream_name.clone(),
+            info.name.clone(),
             Some(consumer.clone()),
         ));
         self.watched
@@ -162,6 +167,7 @@ impl Watchdog {
         }
         w.suspect.store(false, Ordering::Relaxed);
         (self.on_stall)(&Stall {
+            stream: w.stream.clone(),
             consumer: w.name.clone(),
             pending,
             since_pull,
@@ -172,6 +178,8 @@ impl Watchdog {
 
 /// The state of one watched loop.
 struct Watched {
+    /// The stream its consumer reads.
+    stream: String,
     /// The durable consumer's name.
     name: String,
     /// Asked for its pending messages (`None`: a pulse nobody watches).
@@ -189,8 +197,9 @@ struct Watched {
 }
 
 impl Watched {
-    fn new(name: String, consumer: Option<PullConsumer>) -> Self {
+    fn new(stream: String, name: String, consumer: Option<PullConsumer>) -> Self {
         Self {
+            stream,
             name,
             consumer,
             origin: Instant::now(),
@@ -245,7 +254,7 @@ impl Pulse {
     /// A pulse no watchdog checks (an embedder's loop without one): marks cost the same and
     /// change nothing; panics are still caught by [`attend`](Self::attend).
     pub fn unwatched(name: impl Into<String>) -> Self {
-        Self(Arc::new(Watched::new(name.into(), None)))
+        Self(Arc::new(Watched::new(String::new(), name.into(), None)))
     }
 
     /// The loop made a pull (sent a pull request, opened a message stream, or received a

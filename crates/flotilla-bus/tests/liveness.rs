@@ -71,6 +71,7 @@ async fn a_loop_that_stops_pulling_with_messages_pending_is_restarted_and_counte
             HEARTBEAT,
             Arc::new(move |s: &Stall| {
                 ConsumerStalled {
+                    stream: &s.stream,
                     consumer: &s.consumer,
                     pending: s.pending,
                     since_pull: s.since_pull,
@@ -123,11 +124,14 @@ async fn a_loop_that_stops_pulling_with_messages_pending_is_restarted_and_counte
     let stalls = seen.lock().expect("not poisoned").clone();
     assert_eq!(stalls.len(), 1, "{stalls:?}");
     assert_eq!(stalls[0].consumer, bus.names().pool_consumer("stuck"));
+    assert_eq!(stalls[0].stream, bus.names().stream(StreamKind::Tasks));
     assert_eq!(stalls[0].pending, 5);
     assert!(stalls[0].since_pull >= HEARTBEAT * 2, "{stalls:?}");
     let text = metrics.encode()?;
     assert!(
-        text.contains("flotilla_consumer_stalls_total{consumer=\"pool-stuck\"} 1\n"),
+        text.contains(
+            "flotilla_consumer_stalls_total{stream=\"FLOTILLA_TASKS\",consumer=\"pool-stuck\"} 1\n"
+        ),
         "{text}"
     );
 

@@ -326,6 +326,7 @@ impl Coordinator {
             self.heartbeat,
             Arc::new(move |s: &Stall| {
                 ConsumerStalled {
+                    stream: &s.stream,
                     consumer: &s.consumer,
                     pending: s.pending,
                     since_pull: s.since_pull,

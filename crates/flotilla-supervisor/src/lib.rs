@@ -302,6 +302,7 @@ impl Supervisor {
             self.heartbeat,
             Arc::new(move |s: &Stall| {
                 ConsumerStalled {
+                    stream: &s.stream,
                     consumer: &s.consumer,
                     pending: s.pending,
                     since_pull: s.since_pull,

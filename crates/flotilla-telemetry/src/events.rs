@@ -276,6 +276,8 @@ impl InternalEvent for ConsumerLag<'_> {
 /// been silent).
 #[derive(Debug, Clone, Copy)]
 pub struct ConsumerStalled<'a> {
+    /// The stream the consumer reads (`FLOTILLA_TASKS`, …).
+    pub stream: &'a str,
     /// The durable consumer's name (`pool-default`, `turns-default`, `coordinators`, …): a
     /// label from the deployment's configuration, never a run's.
     pub consumer: &'a str,
@@ -288,6 +290,7 @@ pub struct ConsumerStalled<'a> {
 impl InternalEvent for ConsumerStalled<'_> {
     fn emit(self, metrics: &Metrics) {
         warn!(
+            stream = self.stream,
             consumer = self.consumer,
             pending = self.pending,
             seconds_since_pull = self.since_pull.as_secs_f64(),
@@ -297,6 +300,7 @@ impl InternalEvent for ConsumerStalled<'_> {
             .families()
             .consumer_stalls
             .get_or_create(&ConsumerLabels {
+                stream: self.stream.to_owned(),
                 consumer: self.consumer.to_owned(),
             })
             .inc();

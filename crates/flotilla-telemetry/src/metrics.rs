@@ -26,7 +26,7 @@
 //! | `flotilla_pool_consumer_pending_messages` | gauge | `pool` |
 //! | `flotilla_pool_consumer_ack_pending_messages` | gauge | `pool` |
 //! | `flotilla_coordinator_cas_conflicts_total` | counter | — |
-//! | `flotilla_consumer_stalls_total` | counter | `consumer` (a durable consumer's name) |
+//! | `flotilla_consumer_stalls_total` | counter | `stream`, `consumer` (a durable consumer's name) |
 //! | `flotilla_llm_tokens_total` | counter | `model`, `kind` (input, output) |
 //! | `flotilla_llm_cost_usd_total` | counter | `model` |
 //! | `flotilla_build_info` | info | `version` |
@@ -157,6 +157,7 @@ pub(crate) struct WebhookLabels {
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub(crate) struct ConsumerLabels {
+    pub(crate) stream: String,
     pub(crate) consumer: String,
 }
 
@@ -435,7 +436,7 @@ impl Metrics {
         );
         r.register(
             "consumer_stalls",
-            "Pull loops restarted because they stopped pulling while their consumer held messages, by durable consumer",
+            "Pull loops restarted because they stopped pulling while their consumer held messages, by stream and durable consumer",
             f.consumer_stalls.clone(),
         );
         r.register(
@@ -749,6 +750,7 @@ mod tests {
         }
         .emit(&metrics);
         ConsumerStalled {
+            stream: "FLOTILLA_TASKS",
             consumer: "pool-default",
             pending: 2,
             since_pull: Duration::from_secs(11),

@@ -249,6 +249,7 @@ impl Worker {
             self.opts.heartbeat,
             Arc::new(move |s: &Stall| {
                 ConsumerStalled {
+                    stream: &s.stream,
                     consumer: &s.consumer,
                     pending: s.pending,
                     since_pull: s.since_pull,
