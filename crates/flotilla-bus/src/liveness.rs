@@ -24,7 +24,9 @@
 //! pull on purpose — a worker whose slots are all taken, a coordinator whose shards are
 //! behind — says so with [`Pulse::busy`] and is not checked meanwhile. A consumer seen with
 //! messages pending once is checked again a heartbeat later before anything happens, so a
-//! message on its way to an idle loop at the moment of the check is not taken for a stall.
+//! message on its way to an idle loop at the moment of the check is not taken for a stall;
+//! nor is a consumer with all the unacknowledged messages it allows out (`max_ack_pending`),
+//! to which the server delivers nothing whoever pulls.
 //!
 //! Restarting is cooperative: a loop runs each pull (or each life of a message stream) under
 //! [`Pulse::attend`], which drops it when the watchdog asks; what the loop owns outside it
@@ -145,6 +147,14 @@ impl Watchdog {
         }
         let Some(consumer) = &w.consumer else { return };
         let pending = match tokio::time::timeout(self.heartbeat, consumer.get_info()).await {
+            // Every message it may have out is out (`max_ack_pending`): the server delivers
+            // nothing more until some are acknowledged, whoever pulls. Not this loop's stall.
+            Ok(Ok(info))
+                if info.config.max_ack_pending > 0
+                    && info.num_ack_pending as i64 >= info.config.max_ack_pending =>
+            {
+                0
+            }
             Ok(Ok(info)) => info.num_pending,
             Ok(Err(e)) => {
                 tracing::debug!(consumer = %w.name, error = %e, "Cannot read a consumer's state for the stall check");
