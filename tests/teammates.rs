@@ -2,7 +2,9 @@
 //! idle, woken again with its conversation; a worker killed mid-turn (the turn completes on
 //! another worker, the stale host's writes refused); shutdown after the current turn;
 //! broadcast; every cap and bad input refused, structured, changing nothing; 1,000 idle
-//! teammates without a consumer each.
+//! teammates without a consumer each; a worker kept busy by short pool tasks (after a
+//! paused-then-cancelled attempt and a neighbour killed mid-attempt) still taking a turn; a
+//! turn whose conversation cannot be read given up after its deliveries, the reason shown.
 //!
 //! The agent is a deterministic exec script (`python3`): it answers `turn N history H` (its
 //! turn number and how many conversation lines it was given, which proves the conversation
