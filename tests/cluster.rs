@@ -50,13 +50,18 @@ struct Services {
 
 impl Services {
     fn new(cluster: &NatsCluster) -> anyhow::Result<Self> {
+        Self::with_nats(cluster, "")
+    }
+
+    /// Services whose `[nats]` section also has `nats` (one `key = value` per line).
+    fn with_nats(cluster: &NatsCluster, nats: &str) -> anyhow::Result<Self> {
         let dir = tempfile::tempdir()?;
         let config = dir.path().join("flotilla.toml");
         let urls: Vec<String> = cluster.urls().iter().map(|u| format!("{u:?}")).collect();
         std::fs::write(
             &config,
             format!(
-                "pools = [\"default\"]\n{AGENTS}\n[nats]\nurls = [{}]\n\n[jetstream]\nreplicas = 3\n\n[coordinator]\nack-wait = \"2s\"\n\n[worker]\nheartbeat = \"300ms\"\nshutdown-grace = \"10s\"\nstarted-event-delay = \"0s\"\n",
+                "pools = [\"default\"]\n{AGENTS}\n[nats]\nurls = [{}]\n{nats}\n\n[jetstream]\nreplicas = 3\n\n[coordinator]\nack-wait = \"2s\"\n\n[worker]\nheartbeat = \"300ms\"\nshutdown-grace = \"10s\"\nstarted-event-delay = \"0s\"\n",
                 urls.join(", ")
             ),
         )?;
@@ -85,6 +90,11 @@ impl Services {
             .spawn()?;
         self.children.push(child);
         Ok(i)
+    }
+
+    /// How process `i` exited, if it did.
+    fn exited(&mut self, i: usize) -> anyhow::Result<Option<std::process::ExitStatus>> {
+        Ok(self.children[i].try_wait()?)
     }
 
     fn log(&self, i: usize) -> String {
@@ -698,5 +708,69 @@ async fn a_result_waiting_for_its_stream_keeps_its_task() -> anyhow::Result<()> 
     let outcome = p.client.wait(run, support::WAIT).await?;
     assert_eq!(outcome.status, RunStatus::Succeeded);
     assert_eq!(log.executions()?, vec!["t"], "the attempt ran once");
+    Ok(())
+}
+
+/// A coordinator and a worker started while the cluster has no quorum — two of its three
+/// nodes down, so no stream has a leader and JetStream answers nothing, or "temporarily
+/// unavailable" — wait, saying what they wait for, instead of exiting; once the nodes are
+/// back both come up and a run succeeds (issue 38: both exited with code 2 after a request
+/// timed out, "reading stream FLOTILLA_… timed out").
+#[tokio::test]
+async fn services_started_while_the_cluster_has_no_leader_wait_and_come_up() -> anyhow::Result<()> {
+    let mut cluster = NatsCluster::builder().sync_always(true).start().await?;
+    // A deployment that ran before: provisioned at replicas 3.
+    let opts = JetStreamOptions {
+        replicas: 3,
+        ..JetStreamOptions::default()
+    };
+    cluster.bus().provision(&opts).await?;
+    cluster.kill_node(1);
+    cluster.kill_node(2);
+    // Requests time out quickly here: without waiting, each service would give up at once.
+    let mut services = Services::with_nats(&cluster, "request-timeout = \"2s\"")?;
+    let coordinator = services.spawn(&["coordinator"])?;
+    let worker = services.spawn(&["worker"])?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for i in [coordinator, worker] {
+        while !services.log(i).contains("not answering for now") {
+            if let Some(status) = services.exited(i)? {
+                anyhow::bail!("process {i} exited with {status}:\n{}", services.log(i));
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "process {i} never said what it waits for:\n{}",
+                services.log(i)
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    for i in [coordinator, worker] {
+        if let Some(status) = services.exited(i)? {
+            anyhow::bail!("process {i} exited with {status}:\n{}", services.log(i));
+        }
+    }
+
+    cluster.start_node(1).await?;
+    cluster.start_node(2).await?;
+    let client = Client::new(cluster.bus().clone());
+    let run = RunId::new();
+    let mut req = SubmitRequest::new(chain(2));
+    req.run_id = Some(run);
+    submit_acknowledged(&client, req).await?;
+    let outcome = client
+        .wait(run, Duration::from_secs(60))
+        .await
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "{e}\ncoordinator:\n{}\nworker:\n{}",
+                services.log(coordinator),
+                services.log(worker)
+            )
+        })?;
+    assert_eq!(outcome.status, RunStatus::Succeeded, "{outcome:?}");
+    for i in [coordinator, worker] {
+        assert!(services.exited(i)?.is_none(), "{}", services.log(i));
+    }
     Ok(())
 }

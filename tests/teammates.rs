@@ -2,7 +2,9 @@
 //! idle, woken again with its conversation; a worker killed mid-turn (the turn completes on
 //! another worker, the stale host's writes refused); shutdown after the current turn;
 //! broadcast; every cap and bad input refused, structured, changing nothing; 1,000 idle
-//! teammates without a consumer each.
+//! teammates without a consumer each; a worker kept busy by short pool tasks (after a
+//! paused-then-cancelled attempt and a neighbour killed mid-attempt) still taking a turn; a
+//! turn whose conversation cannot be read given up after its deliveries, the reason shown.
 //!
 //! The agent is a deterministic exec script (`python3`): it answers `turn N history H` (its
 //! turn number and how many conversation lines it was given, which proves the conversation
@@ -508,5 +510,247 @@ async fn a_thousand_idle_teammates_have_no_consumer_each() -> anyhow::Result<()>
     p.client.request(&send("big", "m500", "wake"), ASK).await?;
     until(&p, "big", "m500", Duration::from_secs(20), |m| m.turns == 1).await?;
     assert_eq!(consumers(&p).await?, before);
+    Ok(())
+}
+
+/// A worker kept busy by short pool tasks — prefetched tasks always waiting for its slot —
+/// after it has run a paused-then-cancelled attempt and taken over the task of a neighbour
+/// killed mid-attempt, still takes a teammate's turn (issue 38: a live worker left its turns
+/// pending for minutes while it ran ordinary tasks; a fresh worker took them at once).
+#[tokio::test]
+async fn a_worker_busy_with_its_pool_still_takes_teammate_turns() -> anyhow::Result<()> {
+    use flotilla_model::plan::Subtask;
+    use flotilla_model::run::RunStatus;
+    use flotilla_model::submit::SubmitRequest;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    let log = tempfile::NamedTempFile::new()?;
+    let agents = r#"
+[agents.quick]
+kind = "scripted"
+reply = "ok"
+delay = "15ms"
+
+[agents.slow]
+kind = "exec"
+command = "sh"
+args = ["-c", "sleep 2; echo done"]
+
+[agents.stuck]
+kind = "exec"
+command = "sh"
+args = ["-c", "sleep 60"]
+"#;
+    let mut p = Processes::start(&format!("{}{agents}", config(log.path(), ""))).await?;
+    supervisor(&mut p).await?;
+    p.coordinator().await?;
+    let one =
+        |agent: &str| SubmitRequest::new(plan(vec![Subtask::new("t", "x").with_agent(agent)]));
+
+    // A neighbour killed mid-attempt: its task goes to the worker under test.
+    let neighbour = p.worker(&["--concurrency", "1"]).await?;
+    let handed = p.client.submit(one("slow")).await?;
+    task_started(&p.client, handed, "t").await?;
+    p.kill(neighbour);
+    // One slot, and prefetch: tasks wait here for it, so a slot that frees goes to one of them.
+    let w = p.spawn_env(
+        &["worker", "--concurrency", "1"],
+        &[("FLOTILLA_WORKER__PREFETCH", "4")],
+    )?;
+    p.wait_registered(w).await?;
+    let outcome = p.client.wait(handed, WAIT).await?;
+    assert_eq!(
+        outcome.status,
+        RunStatus::Succeeded,
+        "{outcome:?}\n{}",
+        p.log(w)
+    );
+
+    // A paused, then cancelled attempt on it.
+    let held = p.client.submit(one("stuck")).await?;
+    task_started(&p.client, held, "t").await?;
+    for args in [
+        ["pause", "--reason", "look"],
+        ["cancel", "--reason", "enough"],
+    ] {
+        let out = p.cli(&["runs", args[0], &held.to_string(), args[1], args[2]])?;
+        anyhow::ensure!(
+            out.status.success(),
+            "runs {}: {}",
+            args[0],
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let outcome = p.client.wait(held, WAIT).await?;
+    assert_eq!(outcome.status, RunStatus::Cancelled, "{outcome:?}");
+
+    // Its pool kept busy until the turn is taken: a run of eight short tasks every 40 ms,
+    // more than its one slot runs, so a task always waits for the slot.
+    let stop = tokio_util::sync::CancellationToken::new();
+    let finished = Arc::new(AtomicUsize::new(0));
+    let feeder = {
+        let (client, stop) = (p.client.clone(), stop.clone());
+        let finished = Arc::clone(&finished);
+        tokio::spawn(async move {
+            let mut runs = tokio::task::JoinSet::new();
+            let mut every = tokio::time::interval(Duration::from_millis(40));
+            while !stop.is_cancelled() {
+                every.tick().await;
+                let mut load = plan(
+                    (0..8)
+                        .map(|i| Subtask::new(&format!("q{i}"), "x").with_agent("quick"))
+                        .collect(),
+                );
+                load.config.max_concurrency = 8;
+                let run = client.submit(SubmitRequest::new(load)).await?;
+                let (client, finished) = (client.clone(), Arc::clone(&finished));
+                runs.spawn(async move {
+                    let outcome = client.wait(run, Duration::from_secs(600)).await?;
+                    anyhow::ensure!(outcome.status == RunStatus::Succeeded, "{outcome:?}");
+                    finished.fetch_add(1, Ordering::Relaxed);
+                    anyhow::Ok(())
+                });
+                while let Some(done) = runs.try_join_next() {
+                    done??;
+                }
+            }
+            anyhow::Ok(())
+        })
+    };
+    // The load flows before the teammate gets mail: a dozen of its runs finished, so the
+    // worker's attempts are short again after the long ones above (it prefetches only
+    // then), and its slot has been taken without a break for a while.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while finished.load(Ordering::Relaxed) < 12 {
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the load never ran:\n{}",
+            p.log(w)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (code, body) = cli_json(
+        &p,
+        &[
+            "team",
+            "spawn",
+            "ann",
+            "--role",
+            "analyst",
+            "--instructions",
+            "answer briefly",
+            "--team",
+            "busy",
+        ],
+    )?;
+    assert_eq!(code, 0, "{body}");
+    p.client.request(&send("busy", "ann", "hello"), ASK).await?;
+    let turned = until(&p, "busy", "ann", Duration::from_secs(30), |m| m.turns == 1).await;
+    stop.cancel();
+    feeder.await??;
+    let m = turned.map_err(|e| anyhow::anyhow!("{e}\n{}", p.log(w)))?;
+    assert_eq!(m.last_reply.as_deref(), Some("turn 1 history 0"));
+    Ok(())
+}
+
+/// A teammate whose conversation cannot be read: its turn is delivered again a bounded number
+/// of times (`worker.max-deliveries`), then given up — the teammate is idle again with the
+/// reason in the team API and `flotilla team show`, its mail unread, and the turn message
+/// terminated, not retried (issue 38: an unreadable conversation key was retried every second
+/// without bound). Once the key is readable again, the next message's turn runs and clears
+/// the reason.
+#[tokio::test]
+async fn a_turn_whose_conversation_cannot_be_read_is_given_up_visibly() -> anyhow::Result<()> {
+    let log = tempfile::NamedTempFile::new()?;
+    let mut p = Processes::start(&config(log.path(), "")).await?;
+    supervisor(&mut p).await?;
+    let w = p.spawn_env(&["worker"], &[("FLOTILLA_WORKER__MAX_DELIVERIES", "3")])?;
+    p.wait_registered(w).await?;
+    let (code, body) = cli_json(
+        &p,
+        &[
+            "team",
+            "spawn",
+            "eve",
+            "--role",
+            "analyst",
+            "--instructions",
+            "answer briefly",
+            "--team",
+            "u",
+        ],
+    )?;
+    assert_eq!(code, 0, "{body}");
+    // Its conversation holds what no Flotilla wrote.
+    let team_kv = p.bus.kv(Bucket::Team).await?;
+    team_kv.put("conv.u.eve", "not json".into()).await?;
+    p.client.request(&send("u", "eve", "hello"), ASK).await?;
+
+    // Given up after its deliveries, and the team API says why.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let eve = loop {
+        let (_, body) = cli_json(&p, &["team"])?;
+        let eve = body["teammates"]
+            .as_array()
+            .and_then(|l| l.iter().find(|m| m["name"] == "eve").cloned())
+            .ok_or_else(|| anyhow::anyhow!("no teammate eve: {body}"))?;
+        if eve.get("last_error").is_some() {
+            break eve;
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the turn was never given up: {eve}\n{}",
+            p.log(w)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(eve["status"], "idle", "{eve}");
+    assert_eq!(
+        (eve["turns"].as_u64(), eve["turns_failed"].as_u64()),
+        (Some(0), Some(1))
+    );
+    let why = eve["last_error"].as_str().unwrap_or_default();
+    assert!(
+        why.contains("conv.u.eve") && why.contains("3 deliveries"),
+        "{why}"
+    );
+    // The turn message was terminated: delivered three times, nothing left to deliver.
+    let turns = p
+        .bus
+        .js()
+        .get_stream_no_info(p.bus.names().stream(StreamKind::Tasks))
+        .await?
+        .consumer_info(p.bus.names().turn_consumer("default"))
+        .await?;
+    assert_eq!(
+        (
+            turns.num_pending,
+            turns.num_ack_pending,
+            turns.delivered.consumer_sequence
+        ),
+        (0, 0, 3),
+        "{turns:?}"
+    );
+    // `flotilla team show` says it too.
+    let out = p.cli(&["team", "show", "eve"])?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("last turn failed") && text.contains("conv.u.eve"),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // Readable again: the next message's turn runs, and the reason is gone.
+    team_kv.delete("conv.u.eve").await?;
+    p.client.request(&send("u", "eve", "again"), ASK).await?;
+    let m = until(&p, "u", "eve", Duration::from_secs(20), |m| m.turns == 1).await?;
+    assert_eq!(m.last_reply.as_deref(), Some("turn 1 history 0"));
+    let (_, body) = cli_json(&p, &["team"])?;
+    let eve = body["teammates"]
+        .as_array()
+        .and_then(|l| l.iter().find(|m| m["name"] == "eve").cloned())
+        .ok_or_else(|| anyhow::anyhow!("no teammate eve: {body}"))?;
+    assert!(eve.get("last_error").is_none(), "{eve}");
     Ok(())
 }

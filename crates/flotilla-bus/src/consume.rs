@@ -8,6 +8,10 @@
 //! although a new leader is elected in seconds. [`until_stalled`] ends the stream at the first
 //! missed heartbeat instead, so the caller's loop opens a new one at once: a fresh pull
 //! request, sent again every two heartbeats until a leader takes it.
+//!
+//! A message that cannot be handled now is handed back with a delay that grows with its
+//! deliveries ([`redelivery_delay`]); every consumer bounds its deliveries and then fails
+//! visibly rather than retrying forever.
 
 use async_nats::jetstream::Message;
 use async_nats::jetstream::consumer::pull::{MessagesError, MessagesErrorKind};
@@ -26,4 +30,34 @@ where
         }
         futures::future::ready(!stalled)
     })
+}
+
+/// How long a message handed back after a failed try waits before its next delivery:
+/// `first`, doubling with each delivery up to `max`. A fault that lasts (a leader election,
+/// NATS restarting) is retried without a storm; the caller bounds the deliveries and ends
+/// in a visible failure.
+pub fn redelivery_delay(
+    delivered: i64,
+    first: std::time::Duration,
+    max: std::time::Duration,
+) -> std::time::Duration {
+    let doublings = u32::try_from(delivered.saturating_sub(1).clamp(0, 16)).unwrap_or(16);
+    first.saturating_mul(1 << doublings).min(max)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::redelivery_delay;
+
+    #[test]
+    fn redeliveries_back_off_to_a_ceiling() {
+        let (first, max) = (Duration::from_secs(1), Duration::from_secs(30));
+        let delays: Vec<u64> = (0..8)
+            .map(|d| redelivery_delay(d, first, max).as_secs())
+            .collect();
+        assert_eq!(delays, [1, 1, 2, 4, 8, 16, 30, 30]);
+        assert_eq!(redelivery_delay(i64::MAX, first, max), max);
+    }
 }

@@ -8,6 +8,9 @@
 //!   `permission_denied` at once instead of a timeout.
 //! * [`provision`]: idempotent creation and drift checks of the streams and KV buckets.
 //! * [`wire`]: typed, versioned messages with JSON/MessagePack codecs.
+//! * [`liveness`]: a watchdog that restarts a pull loop which stopped pulling while its
+//!   consumer holds messages.
+//! * [`startup`]: start-up steps that ride out a cluster's leader election.
 //! * [`read`]: stored messages read back by sequence (batch direct gets), the paging primitive
 //!   of workspace and mailbox reads.
 //! * [`server`]: a local `nats-server` child process for `flotilla up` and tests.
@@ -17,12 +20,14 @@ pub mod connect;
 pub mod consume;
 pub mod error;
 pub mod link;
+pub mod liveness;
 pub mod mirror;
 pub mod options;
 pub mod provision;
 pub mod read;
 pub mod server;
 pub mod service;
+pub mod startup;
 pub mod wire;
 
 use std::future::Future;

@@ -45,10 +45,13 @@ use std::sync::Arc;
 
 use async_nats::jetstream::AckKind;
 use async_nats::jetstream::consumer::PullConsumer;
+use flotilla_bus::liveness::{Pulse, Stall, Watchdog};
+use flotilla_bus::startup::Patience;
 use flotilla_bus::{Bus, JetStreamOptions, SharedConsumer};
 use flotilla_model::subjects::StreamKind;
 use flotilla_model::validate::ValidationContext;
-use flotilla_telemetry::Metrics;
+use flotilla_telemetry::events::ConsumerStalled;
+use flotilla_telemetry::{InternalEvent, Metrics};
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -85,6 +88,15 @@ pub(crate) const PULL_HEARTBEAT: std::time::Duration = std::time::Duration::from
 /// set aside (terminated) instead of redelivered forever.
 const MAX_INTAKE_DELIVERIES: i64 = 5;
 
+/// Deliveries of an intake message that keeps failing for a reason that may pass (NATS
+/// unavailable) before it is set aside with an error line: pausing 1 s doubling to
+/// [`MAX_REDELIVERY_DELAY`], about a quarter of an hour — far beyond a leader election or a
+/// server restart.
+const MAX_INTAKE_RETRIES: i64 = 30;
+
+/// The longest pause before a message handed back is delivered again.
+pub(crate) const MAX_REDELIVERY_DELAY: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// A coordinator process.
 #[derive(Debug)]
 pub struct Coordinator {
@@ -96,7 +108,12 @@ pub struct Coordinator {
     metrics: Metrics,
     /// Metadata of the API micro service (`$SRV.INFO`).
     service_metadata: std::collections::HashMap<String, String>,
+    /// The interval of the stall check of its pull loops ([`Coordinator::with_heartbeat`]).
+    heartbeat: std::time::Duration,
 }
+
+/// The stall check's interval when nobody sets one: the workers' default heartbeat.
+const DEFAULT_HEARTBEAT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// The `$SRV.INFO` metadata key under which a coordinator advertises its deployment's
 /// configuration fingerprint (see [`Coordinator::with_service_metadata`]).
@@ -125,7 +142,17 @@ impl Coordinator {
             ready: None,
             metrics: Metrics::new(),
             service_metadata: Default::default(),
+            heartbeat: DEFAULT_HEARTBEAT,
         }
+    }
+
+    /// The interval of the stall check of its pull loops (the run log, the intake, the
+    /// workspace): a loop that makes no pull for two of them while its consumer holds
+    /// messages is restarted, logged and counted (`flotilla_consumer_stalls_total`).
+    /// `flotilla coordinator` gives it the deployment's `[worker] heartbeat` (5 s by default).
+    pub fn with_heartbeat(mut self, heartbeat: std::time::Duration) -> Self {
+        self.heartbeat = heartbeat;
+        self
     }
 
     /// Advertises `metadata` with the API micro service (`$SRV.INFO.<prefix>`): standard NATS
@@ -158,54 +185,85 @@ impl Coordinator {
         &self,
         kind: StreamKind,
         filters: Vec<String>,
+        patience: &Patience,
     ) -> Result<PullConsumer, CoordinatorError> {
         let durable = match kind {
             StreamKind::Intake => self.bus.names().intake_consumer(),
             StreamKind::Workspace => self.bus.names().workspace_consumer(),
             _ => self.bus.names().runlog_consumer(),
         };
-        self.bus
-            .shared_consumer(SharedConsumer {
-                stream: kind,
-                durable: durable.to_owned(),
-                description: "Flotilla coordinators (shared)".into(),
-                filters,
-                ack_wait: self.opts.ack_wait,
-                max_ack_pending: 20_000,
+        let spec = SharedConsumer {
+            stream: kind,
+            durable: durable.to_owned(),
+            description: "Flotilla coordinators (shared)".into(),
+            filters,
+            ack_wait: self.opts.ack_wait,
+            max_ack_pending: 20_000,
+        };
+        patience
+            .ride_out(&format!("binding consumer {durable}"), || {
+                self.bus.shared_consumer(spec.clone())
             })
             .await
             .map_err(|e| setup("setting up a coordinator consumer", e))
     }
 
-    /// Runs until `shutdown` is cancelled.
-    pub async fn run(mut self, shutdown: CancellationToken) -> Result<(), CoordinatorError> {
+    /// Runs until `shutdown` is cancelled. Starting, it rides out JetStream being briefly
+    /// unavailable (a cluster node restarting, a leader election) for up to
+    /// `coordinator.startup-wait`; stopped meanwhile, it returns without an error.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<(), CoordinatorError> {
         self.opts
             .validate()
             .map_err(|e| CoordinatorError::new(CoordinatorErrorKind::Config, e))?;
-        self.bus
-            .provision(&self.jetstream)
+        let stopping = shutdown.clone();
+        match self.serve(shutdown).await {
+            Err(e) if stopping.is_cancelled() => {
+                info!(error = %e, "Coordinator stopped while starting");
+                Ok(())
+            }
+            other => other,
+        }
+    }
+
+    async fn serve(mut self, shutdown: CancellationToken) -> Result<(), CoordinatorError> {
+        let patience = Patience::new(self.opts.startup_wait, shutdown.clone());
+        patience
+            .ride_out("provisioning streams and buckets", || {
+                self.bus.provision(&self.jetstream)
+            })
             .await
             .map_err(|e| setup("provisioning streams and buckets", e))?;
-        let store = RunStore::open(&self.bus)
+        let store = patience
+            .ride_out("opening the run store", || RunStore::open(&self.bus))
             .await
             .map_err(|e| setup("opening the run store", e))?;
         let runlog = self
-            .consumer(StreamKind::RunLog, vec![self.bus.names().run_inputs_all()])
+            .consumer(
+                StreamKind::RunLog,
+                vec![self.bus.names().run_inputs_all()],
+                &patience,
+            )
             .await?;
         let intake_consumer = self
-            .consumer(StreamKind::Intake, vec![self.bus.names().submit()])
+            .consumer(
+                StreamKind::Intake,
+                vec![self.bus.names().submit()],
+                &patience,
+            )
             .await?;
         let workspace_consumer = self
             .consumer(
                 StreamKind::Workspace,
                 vec![self.bus.names().workspace_everything()],
+                &patience,
             )
             .await?;
         let live = LiveWorkers::new(self.jetstream.worker_ttl);
         let trust = if self.opts.hitl.trust.enabled {
-            let kv = self
-                .bus
-                .kv(flotilla_model::subjects::Bucket::Trust)
+            let kv = patience
+                .ride_out("opening the trust bucket", || {
+                    self.bus.kv(flotilla_model::subjects::Bucket::Trust)
+                })
                 .await
                 .map_err(|e| setup("opening the trust bucket", e))?;
             let mirror = flotilla_bus::mirror::KvMirror::new();
@@ -231,9 +289,10 @@ impl Coordinator {
             )
             .with_trust(trust.clone()),
         );
-        let workers = self
-            .bus
-            .kv(flotilla_model::subjects::Bucket::Workers)
+        let workers = patience
+            .ride_out("opening the workers bucket", || {
+                self.bus.kv(flotilla_model::subjects::Bucket::Workers)
+            })
             .await
             .map_err(|e| setup("opening the workers bucket", e))?;
         let intake = Arc::new(
@@ -255,18 +314,39 @@ impl Coordinator {
             .with_hitl(self.opts.hitl.clone())
             .with_trust(trust),
         );
+        // Every pull loop marks its pulls; one that stops pulling while its consumer holds
+        // messages is restarted (`flotilla_bus::liveness`).
+        let metrics = self.metrics.clone();
+        let watchdog = Watchdog::new(
+            self.heartbeat,
+            Arc::new(move |s: &Stall| {
+                ConsumerStalled {
+                    stream: &s.stream,
+                    consumer: &s.consumer,
+                    pending: s.pending,
+                    since_pull: s.since_pull,
+                }
+                .emit(&metrics);
+            }),
+        );
+        let runlog_pulse = watchdog.watch(&runlog);
+        let intake_pulse = watchdog.watch(&intake_consumer);
+        let workspace_pulse = watchdog.watch(&workspace_consumer);
         let mut tasks = tokio::task::JoinSet::new();
+        tasks.spawn(Arc::clone(&watchdog).run(shutdown.clone()));
         tasks.spawn(live.clone().follow(workers, shutdown.clone()));
-        tasks.spawn(Arc::clone(&runtime).run(runlog, shutdown.clone()));
+        tasks.spawn(Arc::clone(&runtime).run(runlog, runlog_pulse, shutdown.clone()));
         tasks.spawn(topics::watch_workspace(
             self.bus.clone(),
             workspace_consumer,
+            workspace_pulse,
             shutdown.clone(),
         ));
         tasks.spawn(consume_intake(
             intake_consumer,
             Arc::clone(&intake),
             self.opts.intake_concurrency,
+            intake_pulse,
             shutdown.clone(),
         ));
         // Ready once it answers as it should: the live workers known (from the registry's
@@ -313,59 +393,114 @@ impl Coordinator {
     }
 }
 
-/// Consumes the intake stream: each submission is validated and accepted or rejected.
+/// Consumes the intake stream: each submission is validated and accepted or rejected, up to
+/// `concurrency` at once. `pulse` marks each pull for the stall check; waiting for a free
+/// place among the submissions under way is busy, not stalled.
 async fn consume_intake(
     consumer: PullConsumer,
     intake: Arc<Intake>,
     concurrency: usize,
+    pulse: Pulse,
     shutdown: CancellationToken,
 ) {
+    let places = Arc::new(tokio::sync::Semaphore::new(concurrency));
+    let mut handling = tokio::task::JoinSet::new();
     while !shutdown.is_cancelled() {
-        let messages = match consumer
-            .stream()
-            .max_messages_per_batch(concurrency)
-            .heartbeat(crate::PULL_HEARTBEAT)
-            .messages()
-            .await
-        {
-            Ok(m) => m,
-            Err(e) => {
-                warn!(error = %e, "Cannot pull from the intake; retrying");
-                tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    _ = tokio::time::sleep(std::time::Duration::from_millis(500)) => continue,
+        // One life of the message stream; the submissions it started run on in `handling`.
+        let life = async {
+            let messages = match consumer
+                .stream()
+                .max_messages_per_batch(concurrency)
+                .heartbeat(crate::PULL_HEARTBEAT)
+                .messages()
+                .await
+            {
+                Ok(m) => m,
+                Err(e) => {
+                    warn!(error = %e, "Cannot pull from the intake; retrying");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => {}
+                        _ = tokio::time::sleep(std::time::Duration::from_millis(500)) => {}
+                    }
+                    return;
                 }
+            };
+            pulse.pulled();
+            // A lost pull request (its consumer's leader died) ends the stream: pull again.
+            let messages = flotilla_bus::consume::until_stalled(messages);
+            futures::pin_mut!(messages);
+            loop {
+                let place = {
+                    let _full = pulse.busy();
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        p = Arc::clone(&places).acquire_owned() => match p { Ok(p) => p, Err(_) => return },
+                    }
+                };
+                let msg = tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    m = messages.next() => match m {
+                        Some(Ok(m)) => m,
+                        Some(Err(_)) => continue,
+                        None => return,
+                    },
+                };
+                pulse.pulled();
+                let intake = Arc::clone(&intake);
+                handling.spawn(async move {
+                    submit_one(&intake, msg).await;
+                    drop(place);
+                });
+                while handling.try_join_next().is_some() {}
             }
         };
-        // A lost pull request (its consumer's leader died) ends the stream: pull again.
-        let work = flotilla_bus::consume::until_stalled(messages)
-            .take_until(shutdown.cancelled())
-            .for_each_concurrent(concurrency, |msg| {
-                let intake = Arc::clone(&intake);
-                async move {
-                    let Ok(msg) = msg else { return };
-                    let Ok(info) = msg.info() else {
-                        let _ = msg.ack_with(AckKind::Term).await;
-                        return;
-                    };
-                    let source = Source::Intake { seq: info.stream_sequence, now_ms: unix_ms(info.published) };
-                    let delivered = info.delivered;
-                    match intake.submit(msg.headers.as_ref(), &msg.payload, source).await {
-                        Ok(Answer::Now(_) | Answer::AtEnd | Answer::WaitFor(_)) => {
-                            let _ = msg.ack().await;
-                        }
-                        Err(e) if delivered >= MAX_INTAKE_DELIVERIES && e.kind().retry() == flotilla_bus::Retry::Terminal => {
-                            // It fails the same way every time: set it aside, loudly.
-                            tracing::error!(error = %e, delivered, "Submission cannot be processed; terminating it");
-                            let _ = msg.ack_with(AckKind::Term).await;
-                        }
-                        Err(e) => {
-                            warn!(error = %e, delivered, "Submission could not be handled; it will be redelivered");
-                            let _ = msg.ack_with(AckKind::Nak(Some(std::time::Duration::from_secs(1)))).await;
-                        }
-                    }
-                }
-            });
-        work.await;
+        let _ = pulse.attend(life).await;
+    }
+    // Submissions under way finish (their acknowledgement decides what happens to them).
+    while handling.join_next().await.is_some() {}
+}
+
+/// Validates and accepts or rejects one submission from the intake stream, then acknowledges
+/// it — or hands it back for another try, bounded: see [`MAX_INTAKE_DELIVERIES`] and
+/// [`MAX_INTAKE_RETRIES`].
+async fn submit_one(intake: &Intake, msg: async_nats::jetstream::Message) {
+    let Ok(info) = msg.info() else {
+        let _ = msg.ack_with(AckKind::Term).await;
+        return;
+    };
+    let source = Source::Intake {
+        seq: info.stream_sequence,
+        now_ms: unix_ms(info.published),
+    };
+    let delivered = info.delivered;
+    match intake
+        .submit(msg.headers.as_ref(), &msg.payload, source)
+        .await
+    {
+        Ok(Answer::Now(_) | Answer::AtEnd | Answer::WaitFor(_)) => {
+            let _ = msg.ack().await;
+        }
+        Err(e)
+            if delivered >= MAX_INTAKE_DELIVERIES
+                && e.kind().retry() == flotilla_bus::Retry::Terminal =>
+        {
+            // It fails the same way every time: set it aside, loudly.
+            tracing::error!(error = %e, delivered, "Submission cannot be processed; terminating it");
+            let _ = msg.ack_with(AckKind::Term).await;
+        }
+        Err(e) if delivered >= MAX_INTAKE_RETRIES => {
+            // It kept failing for a quarter of an hour: set it aside, loudly.
+            tracing::error!(error = %e, delivered, "Submission could not be handled, delivery after delivery; terminating it");
+            let _ = msg.ack_with(AckKind::Term).await;
+        }
+        Err(e) => {
+            let pause = flotilla_bus::consume::redelivery_delay(
+                delivered,
+                std::time::Duration::from_secs(1),
+                MAX_REDELIVERY_DELAY,
+            );
+            warn!(error = %e, delivered, retry_in = ?pause, "Submission could not be handled; it will be redelivered");
+            let _ = msg.ack_with(AckKind::Nak(Some(pause))).await;
+        }
     }
 }

@@ -43,6 +43,13 @@ pub struct CoordinatorOptions {
     /// Most runs one run tree may hold, its root included; further child runs are refused
     /// with `tree_too_large`.
     pub max_runs_per_tree: u32,
+    /// How long a starting coordinator waits out JetStream answering nothing or "no leader
+    /// for now" (a cluster node restarting, a leader election) while it provisions and opens
+    /// its streams, buckets and consumers, before it gives up and exits. An error that will
+    /// not pass (refused permissions, incompatible resources) stops it at once. `0s` gives up
+    /// at the first failure.
+    #[serde(with = "humantime_serde")]
+    pub startup_wait: Duration,
     /// `[coordinator.planner]`: the agent that plans bare queries (`submit --query`).
     pub planner: crate::planner::PlannerOptions,
     /// `[coordinator.memory]`: bare queries reuse or learn from past runs' plans.
@@ -78,6 +85,9 @@ impl Default for CoordinatorOptions {
             max_depth: 8,
             // A research team with a few dozen tool calls; a runaway tree stops here.
             max_runs_per_tree: 100,
+            // As long as a worker waits for its streams (`worker.provision-wait`): far beyond
+            // an election's seconds, short enough that a broken cluster is reported.
+            startup_wait: Duration::from_secs(300),
             // No planner: bare queries are rejected until one is configured.
             planner: crate::planner::PlannerOptions::default(),
             memory: crate::memory::MemoryOptions::default(),

@@ -204,6 +204,9 @@ fn mate(v: &TeammateView, listing: bool) -> Value {
         if let Some(r) = &v.last_reply {
             out["last_reply"] = json!(r);
         }
+        if let Some(e) = &v.last_error {
+            out["last_error"] = json!(e);
+        }
     }
     out
 }

@@ -116,6 +116,12 @@ pub struct Teammate {
     /// The start of its last reply (at most [`Teammate::MAX_REPLY`] bytes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_reply: Option<String>,
+    /// Why its last turn could not run at all (its conversation or mail could not be read or
+    /// written, delivery after delivery): the turn was given up and it went back to `idle`,
+    /// its mail still unread. Cleared by the next turn that runs. At most
+    /// [`Teammate::MAX_REPLY`] bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
     /// Who spawned it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub spawned_by: Option<String>,
@@ -186,6 +192,7 @@ impl Teammate {
             transitions: VecDeque::new(),
             last_progress: None,
             last_reply: None,
+            last_error: None,
             spawned_by: None,
             run: None,
             expose: false,
@@ -287,6 +294,7 @@ impl Teammate {
         if let Some(r) = reply {
             self.last_reply = Some(cut(r, Self::MAX_REPLY));
         }
+        self.last_error = None;
         self.last_progress = Some(now);
         self.host = None;
         let next = if self.shutdown_requested {
@@ -303,7 +311,40 @@ impl Teammate {
     pub fn nothing_to_do(&mut self, epoch: u64, now: Timestamp) -> Result<(), Refused> {
         self.fence(epoch)?;
         self.host = None;
+        self.last_error = None;
         self.recent_turns.pop();
+        let next = if self.shutdown_requested {
+            TeammateStatus::Shutdown
+        } else {
+            TeammateStatus::Idle
+        };
+        self.record(next, now);
+        Ok(())
+    }
+
+    /// The turn dispatched with `dispatched` could not run at all (see
+    /// [`last_error`](Self::last_error)), and `host` gives it up: back to `idle` (or
+    /// `shutdown` when asked for) with `reason`; its mail stays unread for the next turn, and
+    /// the turn counts as failed. Refused unless that turn is still the current one and no
+    /// other worker holds it.
+    pub fn give_up_turn(
+        &mut self,
+        dispatched: u64,
+        host: &str,
+        reason: &str,
+        now: Timestamp,
+    ) -> Result<(), Refused> {
+        let held_elsewhere = self.host.as_deref().is_some_and(|h| h != host);
+        if self.status != TeammateStatus::Working || self.dispatch != dispatched || held_elsewhere {
+            return Err(Refused::StaleEpoch {
+                mine: dispatched,
+                current: self.epoch,
+            });
+        }
+        self.turns_failed += 1;
+        self.last_error = Some(cut(reason, Self::MAX_REPLY));
+        self.last_progress = Some(now);
+        self.host = None;
         let next = if self.shutdown_requested {
             TeammateStatus::Shutdown
         } else {
@@ -500,6 +541,10 @@ pub struct TeammateView {
     /// The start of its last reply.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_reply: Option<String>,
+    /// Why its last turn could not run at all (given up after its deliveries); absent once a
+    /// turn runs again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
     /// Its newest transitions.
     pub transitions: Vec<Transition>,
     /// When the entry was last written (server time).
@@ -528,6 +573,7 @@ impl TeammateView {
             turns_last_hour: t.turns_last_hour(now) as u64,
             last_progress: t.last_progress,
             last_reply: t.last_reply.clone(),
+            last_error: t.last_error.clone(),
             transitions: t.transitions.iter().cloned().collect(),
             updated_at,
             expose: t.expose,
@@ -717,6 +763,47 @@ mod tests {
         assert_eq!(
             statuses,
             ["spawned", "working", "working", "working", "idle"]
+        );
+    }
+
+    #[test]
+    fn a_turn_given_up_says_why_and_the_next_one_that_runs_clears_it() {
+        let mut t = Teammate::spawn("s", "ann", "analyst", "good", "default", "help", at(0));
+        let d = t.wake(at(1), 10).expect("wakes");
+        let epoch = t.claim(d, "w1", at(2)).expect("claimed");
+        // Another worker may not give up a turn w1 holds, nor anybody an older dispatch.
+        assert!(t.give_up_turn(d, "w2", "x", at(3)).is_err());
+        assert!(t.give_up_turn(d - 1, "w1", "x", at(3)).is_err());
+        t.give_up_turn(d, "w1", "conv.s.ann unreadable", at(4))
+            .expect("given up");
+        assert_eq!(
+            (t.status, t.turns, t.turns_failed, t.host.as_deref()),
+            (TeammateStatus::Idle, 0, 1, None)
+        );
+        assert_eq!(t.last_error.as_deref(), Some("conv.s.ann unreadable"));
+        assert!(
+            matches!(
+                t.finish(epoch, true, None, at(5)),
+                Err(Refused::StaleEpoch { .. })
+            ),
+            "the host's turn is over"
+        );
+        // A turn nobody claimed (the conversation failed before the claim) can be given up too.
+        let d = t.wake(at(6), 10).expect("wakes");
+        t.give_up_turn(d, "w2", "again", at(7)).expect("given up");
+        assert_eq!(t.last_error.as_deref(), Some("again"));
+        // The view shows it; the next turn that runs clears it.
+        let view = TeammateView::of(&t, at(8), None);
+        assert_eq!(view.last_error.as_deref(), Some("again"));
+        let d = t.wake(at(9), 10).expect("wakes");
+        let epoch = t.claim(d, "w1", at(10)).expect("claimed");
+        t.finish(epoch, true, Some("fine"), at(11))
+            .expect("finished");
+        assert_eq!(t.last_error, None);
+        let json = serde_json::to_value(TeammateView::of(&t, at(12), None)).expect("json");
+        assert!(
+            json.get("last_error").is_none(),
+            "omitted when absent: {json}"
         );
     }
 

@@ -17,6 +17,7 @@ use std::time::Duration;
 use async_nats::jetstream::AckKind;
 use async_nats::jetstream::consumer::PullConsumer;
 use flotilla_bus::SharedConsumer;
+use flotilla_bus::liveness::Pulse;
 use flotilla_bus::wire;
 use flotilla_model::event::{Event, EventEnvelope, WorkflowPhase, decode_events};
 use flotilla_model::ids::RunId;
@@ -58,9 +59,11 @@ pub(crate) async fn consumer(team: &Team) -> Result<PullConsumer, SupervisorErro
 
 /// The message stream of a shared consumer (`what` names it in the log), retried every second
 /// while the server cannot open it; `None` once `stop` is cancelled. `batch`: the most
-/// messages pulled at once (`None`: the client's default).
+/// messages pulled at once (`None`: the client's default). Opening it counts as a pull of
+/// `pulse`.
 pub(crate) async fn messages_of(
     consumer: &PullConsumer,
+    pulse: &Pulse,
     stop: &CancellationToken,
     what: &str,
     batch: Option<usize>,
@@ -71,7 +74,10 @@ pub(crate) async fn messages_of(
             None => consumer.messages().await,
         };
         match opened {
-            Ok(m) => return Some(m),
+            Ok(m) => {
+                pulse.pulled();
+                return Some(m);
+            }
             Err(e) => {
                 warn!(error = %e, "Cannot read {what}; retrying");
                 tokio::select! {
@@ -84,27 +90,40 @@ pub(crate) async fn messages_of(
     None
 }
 
-/// Handles event messages in batches until `stop`.
+/// Handles event messages in batches until `stop`. `pulse` marks each batch taken for the
+/// stall check; writing a batch is busy (the stream is not read meanwhile, on purpose).
 pub(crate) async fn run(
     team: Arc<Team>,
     consumer: PullConsumer,
+    pulse: Pulse,
     stop: CancellationToken,
 ) -> Result<(), SupervisorError> {
-    while let Some(messages) = messages_of(&consumer, &stop, "the event stream", None).await {
-        let batches = messages
-            .take_until(stop.cancelled())
-            .ready_chunks(team.opts.batch);
-        futures::pin_mut!(batches);
-        while let Some(batch) = batches.next().await {
-            let batch: Vec<async_nats::jetstream::Message> = batch
-                .into_iter()
-                .filter_map(|m| {
-                    m.map_err(|e| debug!(error = %e, "Event stream read error"))
-                        .ok()
-                })
-                .collect();
-            handle(&team, batch).await;
-        }
+    while !stop.is_cancelled() {
+        // One life of the message stream: a new one after the stall check restarts it.
+        let life = async {
+            let Some(messages) =
+                messages_of(&consumer, &pulse, &stop, "the event stream", None).await
+            else {
+                return;
+            };
+            let batches = messages
+                .take_until(stop.cancelled())
+                .ready_chunks(team.opts.batch);
+            futures::pin_mut!(batches);
+            while let Some(batch) = batches.next().await {
+                pulse.pulled();
+                let batch: Vec<async_nats::jetstream::Message> = batch
+                    .into_iter()
+                    .filter_map(|m| {
+                        m.map_err(|e| debug!(error = %e, "Event stream read error"))
+                            .ok()
+                    })
+                    .collect();
+                let _writing = pulse.busy();
+                handle(&team, batch).await;
+            }
+        };
+        let _ = pulse.attend(life).await;
     }
     Ok(())
 }
@@ -148,11 +167,25 @@ async fn handle(team: &Team, batch: Vec<async_nats::jetstream::Message>) {
             }
         }
         Err(e) => {
-            warn!(messages = readable.len(), error = %e, "Could not record events; they will be delivered again");
-            for msg in readable {
-                let _ = msg
-                    .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
-                    .await;
+            let mut set_aside = 0;
+            for msg in &readable {
+                let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
+                if delivered >= crate::MAX_DELIVERIES {
+                    set_aside += 1;
+                    let _ = msg.ack_with(AckKind::Term).await;
+                } else {
+                    let pause = flotilla_bus::consume::redelivery_delay(
+                        delivered,
+                        Duration::from_secs(1),
+                        crate::MAX_REDELIVERY_DELAY,
+                    );
+                    let _ = msg.ack_with(AckKind::Nak(Some(pause))).await;
+                }
+            }
+            if set_aside > 0 {
+                tracing::error!(messages = set_aside, error = %e, "Events could not be recorded, delivery after delivery: set aside, the team's records miss them");
+            } else {
+                warn!(messages = readable.len(), error = %e, "Could not record events; they will be delivered again");
             }
         }
     }

@@ -55,12 +55,14 @@ use std::time::Duration;
 
 use async_nats::jetstream::kv;
 use flotilla_bus::Bus;
+use flotilla_bus::liveness::{Stall, Watchdog};
 use flotilla_model::subjects::Bucket;
 use flotilla_model::team::{FailureRecord, Member, MemberCard};
 use flotilla_model::validate::ValidationContext;
 use flotilla_model::worker::WorkerInfo;
 use flotilla_runs::RunReader;
-use flotilla_telemetry::Metrics;
+use flotilla_telemetry::events::ConsumerStalled;
+use flotilla_telemetry::{InternalEvent, Metrics};
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -72,6 +74,15 @@ use flotilla_bus::mirror::KvMirror;
 
 /// The durable consumer the replicas share on the event stream.
 pub const CONSUMER: &str = "supervisor";
+
+/// Deliveries of an event or inbox message that keeps failing (its write refused, delivery
+/// after delivery, pausing 1 s doubling to [`MAX_REDELIVERY_DELAY`]: about two and a half
+/// minutes in all) before it is set aside with an error line instead of retried forever.
+/// Webhook notices have their own bound (`max-attempts`).
+pub(crate) const MAX_DELIVERIES: i64 = 10;
+
+/// The longest pause before such a message is delivered again.
+pub(crate) const MAX_REDELIVERY_DELAY: Duration = Duration::from_secs(30);
 
 /// What every part of the supervisor reads and writes.
 pub(crate) struct Team {
@@ -291,14 +302,42 @@ impl Supervisor {
             .flush()
             .await
             .map_err(|e| SupervisorError::Setup(format!("starting the team API: {e}")))?;
+        // Every pull loop marks its pulls; one that stops pulling while its consumer holds
+        // messages is restarted (`flotilla_bus::liveness`), checked every heartbeat.
+        let metrics = team.metrics.clone();
+        let watchdog = Watchdog::new(
+            self.heartbeat,
+            Arc::new(move |s: &Stall| {
+                ConsumerStalled {
+                    stream: &s.stream,
+                    consumer: &s.consumer,
+                    pending: s.pending,
+                    since_pull: s.since_pull,
+                }
+                .emit(&metrics);
+            }),
+        );
+        let events_pulse = watchdog.watch(&consumer);
+        let inbox_pulse = watchdog.watch(&inbox);
+        let hooks: Vec<_> = hooks
+            .into_iter()
+            .map(|(hook, c)| (watchdog.watch(&c), hook, c))
+            .collect();
         let mut tasks = tokio::task::JoinSet::new();
+        {
+            let stop = shutdown.clone();
+            tasks.spawn(async move {
+                watchdog.run(stop).await;
+                Ok(())
+            });
+        }
         {
             let (team, stop) = (Arc::clone(&team), shutdown.clone());
             tasks.spawn(async move { presence::run(team, stop).await });
         }
         {
             let (team, stop) = (Arc::clone(&team), shutdown.clone());
-            tasks.spawn(async move { follow::run(team, consumer, stop).await });
+            tasks.spawn(async move { follow::run(team, consumer, events_pulse, stop).await });
         }
         if team.opts.external_agents {
             let (team, stop) = (Arc::clone(&team), shutdown.clone());
@@ -310,15 +349,15 @@ impl Supervisor {
         }
         {
             let (team, stop) = (Arc::clone(&team), shutdown.clone());
-            tasks.spawn(async move { teammates::follow(team, inbox, stop).await });
+            tasks.spawn(async move { teammates::follow(team, inbox, inbox_pulse, stop).await });
         }
         {
             let (team, stop) = (Arc::clone(&team), shutdown.clone());
             tasks.spawn(async move { exposed::run(team, stop).await });
         }
-        for (hook, consumer) in hooks {
+        for (pulse, hook, consumer) in hooks {
             let (team, stop) = (Arc::clone(&team), shutdown.clone());
-            tasks.spawn(async move { webhooks::deliver(team, hook, consumer, stop).await });
+            tasks.spawn(async move { webhooks::deliver(team, hook, consumer, pulse, stop).await });
         }
         info!(members = team.cards.len(), "Supervisor started");
         if let Some(ready) = self.ready {

@@ -31,6 +31,7 @@ use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::kv;
 use async_nats::service::Request;
 use flotilla_bus::SharedConsumer;
+use flotilla_bus::liveness::Pulse;
 use flotilla_bus::service::{parse, respond_error, respond_json};
 use flotilla_model::subjects::StreamKind;
 use flotilla_model::team::member_key;
@@ -634,37 +635,64 @@ pub(crate) async fn consumer(team: &Team) -> Result<PullConsumer, SupervisorErro
         .map_err(|e| SupervisorError::Setup(e.to_string()))
 }
 
-/// Wakes the teammates whose inboxes receive mail, until `stop`.
+/// Wakes the teammates whose inboxes receive mail, until `stop`. `pulse` marks each message
+/// for the stall check; waking is busy (the stream is not read meanwhile, on purpose).
 pub(crate) async fn follow(
     team: Arc<Team>,
     consumer: PullConsumer,
+    pulse: Pulse,
     stop: CancellationToken,
 ) -> Result<(), SupervisorError> {
-    while let Some(messages) =
-        crate::follow::messages_of(&consumer, &stop, "the teammate inboxes", None).await
-    {
-        let messages = messages.take_until(stop.cancelled());
-        futures::pin_mut!(messages);
-        while let Some(msg) = messages.next().await {
-            let Ok(msg) = msg else { break };
-            // <prefix>.tmbox.<team>.<to>.<from>
-            let tokens: Vec<&str> = msg.subject.split('.').collect();
-            let (Some(t), Some(to)) = (tokens.get(2), tokens.get(3)) else {
-                let _ = msg.ack_with(AckKind::Term).await;
-                continue;
+    while !stop.is_cancelled() {
+        // One life of the message stream: a new one after the stall check restarts it.
+        let life = async {
+            let Some(messages) =
+                crate::follow::messages_of(&consumer, &pulse, &stop, "the teammate inboxes", None)
+                    .await
+            else {
+                return;
             };
-            match wake(&team, t, to).await {
-                Ok(_) => {
-                    let _ = msg.ack().await;
-                }
-                Err(e) => {
-                    warn!(team = t, teammate = to, error = %e, "Could not wake a teammate; retrying");
-                    let _ = msg
-                        .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
-                        .await;
-                }
+            let messages = messages.take_until(stop.cancelled());
+            futures::pin_mut!(messages);
+            while let Some(msg) = messages.next().await {
+                pulse.pulled();
+                let Ok(msg) = msg else { break };
+                let _waking = pulse.busy();
+                wake_on(&team, msg).await;
             }
-        }
+        };
+        let _ = pulse.attend(life).await;
     }
     Ok(())
+}
+
+/// Wakes the teammate a message on its inbox is for.
+async fn wake_on(team: &Team, msg: async_nats::jetstream::Message) {
+    // <prefix>.tmbox.<team>.<to>.<from>
+    let tokens: Vec<&str> = msg.subject.split('.').collect();
+    let (Some(t), Some(to)) = (tokens.get(2), tokens.get(3)) else {
+        let _ = msg.ack_with(AckKind::Term).await;
+        return;
+    };
+    match wake(team, t, to).await {
+        Ok(_) => {
+            let _ = msg.ack().await;
+        }
+        Err(e) => {
+            let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
+            if delivered >= crate::MAX_DELIVERIES {
+                // The mail stays in its inbox: the next message (or `team send`) wakes it.
+                tracing::error!(team = t, teammate = to, delivered, error = %e, "Could not wake a teammate, delivery after delivery; its mail waits for the next message");
+                let _ = msg.ack_with(AckKind::Term).await;
+                return;
+            }
+            let pause = flotilla_bus::consume::redelivery_delay(
+                delivered,
+                Duration::from_secs(1),
+                crate::MAX_REDELIVERY_DELAY,
+            );
+            warn!(team = t, teammate = to, delivered, retry_in = ?pause, error = %e, "Could not wake a teammate; retrying");
+            let _ = msg.ack_with(AckKind::Nak(Some(pause))).await;
+        }
+    }
 }

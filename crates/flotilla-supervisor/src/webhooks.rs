@@ -23,6 +23,7 @@ use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::consumer::pull;
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy};
 use bytes::Bytes;
+use flotilla_bus::liveness::Pulse;
 use flotilla_model::subjects::StreamKind;
 use flotilla_telemetry::InternalEvent;
 use flotilla_telemetry::events::WebhookDelivery;
@@ -32,6 +33,7 @@ use http_body_util::Full;
 use hyper_util::client::legacy::Client as HyperClient;
 use hyper_util::rt::TokioExecutor;
 use sha2::Sha256;
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
@@ -218,35 +220,63 @@ pub(crate) fn signature(secret: &[u8], timestamp: &str, body: &[u8]) -> String {
     out
 }
 
-/// Delivers `hook`'s notices until `stop`.
+/// Delivers `hook`'s notices until `stop`. `pulse` marks each notice taken for the stall
+/// check; waiting for a free place among the deliveries under way is busy, not stalled.
 pub(crate) async fn deliver(
     team: Arc<Team>,
     hook: Webhook,
     consumer: PullConsumer,
+    pulse: Pulse,
     stop: CancellationToken,
 ) -> Result<(), SupervisorError> {
     let http = client();
     let hook = Arc::new(hook);
     let what = format!("the notices for webhook {}", hook.opts.name);
+    let places = Arc::new(Semaphore::new(CONCURRENCY));
+    let mut delivering = tokio::task::JoinSet::new();
     // At most CONCURRENCY pulled at once: a delivery's acknowledgement clock starts when it is
     // pulled, so nothing waits in a local buffer while its `ack_wait` runs out (which would
     // redeliver it and spend attempts without a POST).
-    while let Some(messages) =
-        crate::follow::messages_of(&consumer, &stop, &what, Some(CONCURRENCY)).await
-    {
-        messages
-            .take_until(stop.cancelled())
-            .for_each_concurrent(CONCURRENCY, |msg| {
+    while !stop.is_cancelled() {
+        // One life of the message stream; the deliveries it started run on.
+        let life = async {
+            let Some(messages) =
+                crate::follow::messages_of(&consumer, &pulse, &stop, &what, Some(CONCURRENCY))
+                    .await
+            else {
+                return;
+            };
+            futures::pin_mut!(messages);
+            loop {
+                let place = {
+                    let _full = pulse.busy();
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        p = Arc::clone(&places).acquire_owned() => match p { Ok(p) => p, Err(_) => return },
+                    }
+                };
+                let msg = tokio::select! {
+                    _ = stop.cancelled() => return,
+                    m = messages.next() => match m {
+                        Some(m) => m,
+                        None => return,
+                    },
+                };
+                pulse.pulled();
                 let (team, hook, http) = (Arc::clone(&team), Arc::clone(&hook), http.clone());
-                async move {
+                delivering.spawn(async move {
                     match msg {
                         Ok(msg) => deliver_one(&team, &hook, &http, msg).await,
                         Err(e) => debug!(webhook = %hook.opts.name, error = %e, "Reading notices"),
                     }
-                }
-            })
-            .await;
+                    drop(place);
+                });
+                while delivering.try_join_next().is_some() {}
+            }
+        };
+        let _ = pulse.attend(life).await;
     }
+    while delivering.join_next().await.is_some() {}
     Ok(())
 }
 

@@ -21,11 +21,11 @@ use std::time::Duration;
 use flotilla_model::ids::{RunId, TaskId};
 use flotilla_model::run::{RunStatus, TaskStatus};
 use flotilla_model::submit::SubmitStatus;
-use tracing::{debug, info, trace};
+use tracing::{debug, info, trace, warn};
 
 use crate::metrics::{
-    AgentLabels, AgentOutcomeLabels, AttemptOutcome, Metrics, ModelLabels, OutcomeLabels,
-    PoolLabels, StatusLabels, TokenLabels,
+    AgentLabels, AgentOutcomeLabels, AttemptOutcome, ConsumerLabels, Metrics, ModelLabels,
+    OutcomeLabels, PoolLabels, StatusLabels, TokenLabels,
 };
 
 /// Something that happened, recorded as a log line and a metric together.
@@ -267,6 +267,43 @@ impl InternalEvent for ConsumerLag<'_> {
         f.consumer_ack_pending
             .get_or_create(&labels)
             .set(i64::try_from(self.ack_pending).unwrap_or(i64::MAX));
+    }
+}
+
+/// A pull loop stopped pulling while its durable consumer held messages, and was restarted
+/// (`flotilla_bus::liveness`): messages were waiting on a process that no longer asked for
+/// them. Rare by design; each one is worth a look (the log line says how long the loop had
+/// been silent).
+#[derive(Debug, Clone, Copy)]
+pub struct ConsumerStalled<'a> {
+    /// The stream the consumer reads (`FLOTILLA_TASKS`, …).
+    pub stream: &'a str,
+    /// The durable consumer's name (`pool-default`, `turns-default`, `coordinators`, …): a
+    /// label from the deployment's configuration, never a run's.
+    pub consumer: &'a str,
+    /// Messages the consumer held, not yet delivered, when the stall was seen.
+    pub pending: u64,
+    /// How long the loop had made no pull.
+    pub since_pull: Duration,
+}
+
+impl InternalEvent for ConsumerStalled<'_> {
+    fn emit(self, metrics: &Metrics) {
+        warn!(
+            stream = self.stream,
+            consumer = self.consumer,
+            pending = self.pending,
+            seconds_since_pull = self.since_pull.as_secs_f64(),
+            "Pull loop stalled with messages pending; restarting it"
+        );
+        metrics
+            .families()
+            .consumer_stalls
+            .get_or_create(&ConsumerLabels {
+                stream: self.stream.to_owned(),
+                consumer: self.consumer.to_owned(),
+            })
+            .inc();
     }
 }
 

@@ -26,6 +26,7 @@
 //! | `flotilla_pool_consumer_pending_messages` | gauge | `pool` |
 //! | `flotilla_pool_consumer_ack_pending_messages` | gauge | `pool` |
 //! | `flotilla_coordinator_cas_conflicts_total` | counter | — |
+//! | `flotilla_consumer_stalls_total` | counter | `stream`, `consumer` (a durable consumer's name) |
 //! | `flotilla_llm_tokens_total` | counter | `model`, `kind` (input, output) |
 //! | `flotilla_llm_cost_usd_total` | counter | `model` |
 //! | `flotilla_build_info` | info | `version` |
@@ -155,6 +156,12 @@ pub(crate) struct WebhookLabels {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub(crate) struct ConsumerLabels {
+    pub(crate) stream: String,
+    pub(crate) consumer: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub(crate) struct AgentLabels {
     pub(crate) agent: String,
 }
@@ -189,6 +196,7 @@ pub(crate) struct Families {
     pub(crate) consumer_pending: Family<PoolLabels, Gauge>,
     pub(crate) consumer_ack_pending: Family<PoolLabels, Gauge>,
     pub(crate) cas_conflicts: Counter,
+    pub(crate) consumer_stalls: Family<ConsumerLabels, Counter>,
     pub(crate) llm_tokens: Family<TokenLabels, Counter>,
     pub(crate) llm_cost_usd: Family<ModelLabels, Counter<f64, AtomicU64>>,
     pub(crate) team_outcomes: Family<AgentOutcomeLabels, Counter>,
@@ -334,6 +342,7 @@ impl Metrics {
             consumer_pending: Family::default(),
             consumer_ack_pending: Family::default(),
             cas_conflicts: Counter::default(),
+            consumer_stalls: Family::default(),
             llm_tokens: Family::default(),
             llm_cost_usd: Family::default(),
             team_outcomes: Family::default(),
@@ -424,6 +433,11 @@ impl Metrics {
             "coordinator_cas_conflicts",
             "Run snapshot writes that lost a compare-and-set race and were reapplied",
             f.cas_conflicts.clone(),
+        );
+        r.register(
+            "consumer_stalls",
+            "Pull loops restarted because they stopped pulling while their consumer held messages, by stream and durable consumer",
+            f.consumer_stalls.clone(),
         );
         r.register(
             "llm_tokens",
@@ -621,7 +635,7 @@ mod tests {
     use super::*;
 
     /// Every family's `# TYPE` line, as Prometheus sees it.
-    const FAMILIES: [(&str, &str); 15] = [
+    const FAMILIES: [(&str, &str); 16] = [
         ("flotilla_runs_submitted", "counter"),
         ("flotilla_runs_finished", "counter"),
         ("flotilla_tasks_dispatched", "counter"),
@@ -634,6 +648,7 @@ mod tests {
         ("flotilla_pool_consumer_pending_messages", "gauge"),
         ("flotilla_pool_consumer_ack_pending_messages", "gauge"),
         ("flotilla_coordinator_cas_conflicts", "counter"),
+        ("flotilla_consumer_stalls", "counter"),
         ("flotilla_llm_tokens", "counter"),
         ("flotilla_llm_cost_usd", "counter"),
         ("flotilla_build", "info"),
@@ -670,7 +685,9 @@ mod tests {
     #[test]
     fn every_family_is_exposed_with_help_once_recorded() {
         use crate::InternalEvent;
-        use crate::events::{LlmUsage, RunFinished, TaskAttemptFinished, TaskDispatched};
+        use crate::events::{
+            ConsumerStalled, LlmUsage, RunFinished, TaskAttemptFinished, TaskDispatched,
+        };
         use crate::events::{TaskFinished, TaskRetried};
         use flotilla_model::ids::{RunId, TaskId};
         use flotilla_model::run::TaskStatus;
@@ -730,6 +747,13 @@ mod tests {
             input_tokens,
             output_tokens,
             cost_usd: Some(0.1),
+        }
+        .emit(&metrics);
+        ConsumerStalled {
+            stream: "FLOTILLA_TASKS",
+            consumer: "pool-default",
+            pending: 2,
+            since_pull: Duration::from_secs(11),
         }
         .emit(&metrics);
 

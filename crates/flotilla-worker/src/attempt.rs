@@ -317,7 +317,7 @@ async fn already_done(bus: &Bus, task: &TaskEnvelope) -> bool {
 
 /// Waits for a free agent slot, sending in-progress acknowledgements meanwhile so the waiting
 /// message is not redelivered. `None` when the worker stops first.
-async fn wait_for_slot(
+pub(crate) async fn wait_for_slot(
     shared: &Shared,
     msg: &jetstream::Message,
     stopping: &CancellationToken,

@@ -12,13 +12,15 @@
 //! ```
 //!
 //! A worker pulls from one role consumer per role its agents fill, beside its pool's
-//! consumer, sharing its agent slots with it: a role pull is made only while a slot is free
-//! (a worker whose slots are all taken waits for one, in turn with the tasks already waiting
-//! here), and asks for at most as many tasks as there are free slots, so the member that
-//! claims a task is a free one. Two pulls made at the same moment (the pool's and a role's)
-//! may bring more tasks than slots: the extra ones wait here for a slot, kept alive, like a
-//! prefetched task — rare, and bounded by the free slots of one pull. The pool's own pull
-//! loop is unchanged, and a worker whose agents fill no role has no role consumer at all.
+//! consumer, sharing its agent slots with it: a role pull is made while a slot is free, and
+//! asks for at most as many tasks as there are free slots, so the member that claims a task
+//! is a free one. A worker whose slots are all taken waits in line with the tasks already
+//! waiting for a slot here, then pulls one task, which waits for a slot in turn (kept alive,
+//! like a prefetched task): a worker kept busy by its pool still takes its share of the
+//! role's work. Two pulls made at the same moment (the pool's and a role's) may bring more
+//! tasks than slots: the extra ones wait here the same way — rare, and bounded by the free
+//! slots of one pull. The pool's own pull loop is unchanged, and a worker whose agents fill
+//! no role has no role consumer at all.
 //!
 //! The work queue gives each message to one consumer and each delivery to one worker; the
 //! acknowledgement after the stored result makes the attempt run once, as for pool tasks
@@ -33,6 +35,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::PullConsumer;
+use flotilla_bus::liveness::Pulse;
 use flotilla_bus::{SharedConsumer, wire};
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::codec::Codec;
@@ -45,6 +48,7 @@ use tracing::warn;
 
 use crate::options::WorkerOptions;
 use crate::shared::Shared;
+use crate::worker::{Pulled, Queue, pull_once};
 
 /// How long a claim that could not be stored is sent again before the worker gives up on it
 /// (the run log without a leader for a few seconds while a cluster node dies).
@@ -82,53 +86,47 @@ pub(crate) async fn pull_role(
     shared: Arc<Shared>,
     consumer: PullConsumer,
     claim: Claim,
+    pulse: Pulse,
     shutdown: CancellationToken,
 ) {
     let mut running = tokio::task::JoinSet::new();
     // Tasks of this role held here at once, running or waiting for a slot.
     let held = Arc::new(Semaphore::new(shared.opts.concurrency));
     let mut busy = false;
-    'pull: while !shutdown.is_cancelled() {
-        // Claim only with a free slot: wait for one, in turn with the tasks already waiting
-        // for a slot here (the semaphore is fair), and leave it to them.
-        while shared.run_slots.available_permits() == 0 {
-            tokio::select! {
-                _ = shutdown.cancelled() => break 'pull,
-                p = Arc::clone(&shared.run_slots).acquire_owned() => match p {
-                    Ok(p) => drop(p),
-                    Err(_) => break 'pull,
-                },
+    while !shutdown.is_cancelled() {
+        let pull = async {
+            // Claim only with a free slot, or — all taken — in turn with the tasks already
+            // waiting for one here ([`Shared::wait_for_turn`]).
+            let waiting = pulse.busy();
+            if !shared.wait_for_turn(&shutdown).await {
+                return Pulled::Stopped;
             }
-        }
-        let free = shared.run_slots.available_permits().max(1);
-        let first = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            p = Arc::clone(&held).acquire_owned() => match p { Ok(p) => p, Err(_) => break },
-        };
-        let mut permits = vec![first];
-        while permits.len() < free {
-            match Arc::clone(&held).try_acquire_owned() {
-                Ok(p) => permits.push(p),
-                Err(_) => break,
+            let free = shared.run_slots.available_permits().max(1);
+            let first = tokio::select! {
+                _ = shutdown.cancelled() => return Pulled::Stopped,
+                p = Arc::clone(&held).acquire_owned() => match p { Ok(p) => p, Err(_) => return Pulled::Stopped },
+            };
+            drop(waiting);
+            let mut permits = vec![first];
+            while permits.len() < free {
+                match Arc::clone(&held).try_acquire_owned() {
+                    Ok(p) => permits.push(p),
+                    Err(_) => break,
+                }
             }
-        }
-        let received = match crate::worker::pull_once(
-            &shared,
-            &consumer,
-            &mut permits,
-            busy,
-            Some(&claim),
-            &mut running,
-            &shutdown,
-        )
-        .await
-        {
-            crate::worker::Pulled::Received(n) => n,
-            crate::worker::Pulled::Failed => continue,
-            crate::worker::Pulled::Stopped => break 'pull,
+            let queue = Queue {
+                consumer: &consumer,
+                pulse: &pulse,
+                claim: Some(&claim),
+            };
+            pull_once(&shared, queue, &mut permits, busy, &mut running, &shutdown).await
         };
-        drop(permits);
-        busy = received > 0;
+        match pulse.attend(pull).await {
+            Some(Pulled::Received(n)) => busy = n > 0,
+            Some(Pulled::Failed) => continue,
+            Some(Pulled::Stopped) => break,
+            None => busy = false,
+        }
         while running.try_join_next().is_some() {}
     }
     while running.join_next().await.is_some() {}

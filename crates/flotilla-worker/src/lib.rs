@@ -35,9 +35,15 @@
 //!   cancel the rest and hand them back (NAK) so another worker starts them at once.
 //! * Live registry: the worker keeps its entry in the `flotilla-workers` KV bucket (TTL).
 //! * Anycast: a worker whose agents fill team roles (their member cards) also pulls each
-//!   role's queue (`role-<role>`, shared by every worker hosting a member), only while it has
-//!   a free slot, and claims what it takes on the run log before its member runs it
-//!   (`claim`).
+//!   role's queue (`role-<role>`, shared by every worker hosting a member) while it has a
+//!   free slot — or, every slot taken, in line with the tasks waiting for one, so a worker
+//!   kept busy by its pool still takes its share — and claims what it takes on the run log
+//!   before its member runs it (`claim`). Teammate turns (`turns-<pool>`) are pulled the same
+//!   way (`turn`).
+//! * Liveness: every pull loop (pool, roles, turns) marks its pulls; one that makes none for
+//!   two heartbeats while its consumer holds messages is restarted, with a warning and
+//!   `flotilla_consumer_stalls_total{consumer}` (`flotilla_bus::liveness`). A loop waiting
+//!   for a free slot is not pulling on purpose and is never taken for stalled.
 //!
 //! The worker's parts: `worker` (setup, the pull loop, the graceful stop), `attempt` (one
 //! delivered task, from checks to the agent's run), `claim` (role queues and claims), `result`

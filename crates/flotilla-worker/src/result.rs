@@ -251,7 +251,8 @@ fn too_large_entry(
 
 /// A task message that does not decode: if its run, task and attempt can still be read, its
 /// attempt fails with `bad_envelope` (final), so the run does not wait for it forever;
-/// otherwise it is terminated with a log line.
+/// otherwise it is terminated with a log line. A report the run log refuses is tried again
+/// (1 s doubling to 30 s) up to `worker.max-deliveries`, then terminated with an error line.
 pub(crate) async fn report_bad_envelope(shared: &Shared, msg: &jetstream::Message, error: &str) {
     #[derive(Deserialize)]
     struct Ids {
@@ -292,10 +293,21 @@ pub(crate) async fn report_bad_envelope(shared: &Shared, msg: &jetstream::Messag
             let _ = msg.ack().await;
         }
         Err(e) => {
-            warn!(error = %e, "Could not report a bad envelope; it will be redelivered");
-            let _ = msg
-                .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
-                .await;
+            let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
+            if delivered >= shared.opts.max_deliveries {
+                // The run log refused the report delivery after delivery: set the message
+                // aside, loudly; the run ends on its own deadlines.
+                tracing::error!(run = %ids.run_id, task = %ids.task_id, delivered, error = %e, "Could not report a bad envelope, delivery after delivery; terminating it");
+                let _ = msg.ack_with(AckKind::Term).await;
+                return;
+            }
+            let pause = flotilla_bus::consume::redelivery_delay(
+                delivered,
+                Duration::from_secs(1),
+                Duration::from_secs(30),
+            );
+            warn!(run = %ids.run_id, task = %ids.task_id, delivered, retry_in = ?pause, error = %e, "Could not report a bad envelope; it will be redelivered");
+            let _ = msg.ack_with(AckKind::Nak(Some(pause))).await;
         }
     }
 }

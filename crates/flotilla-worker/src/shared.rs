@@ -75,3 +75,24 @@ pub(crate) struct Shared {
     /// How long this worker's attempts take lately: prefetch only while they are short.
     pub(crate) pace: Pace,
 }
+
+impl Shared {
+    /// Waits until a side queue of this worker (a role's queue, the teammate turns) may be
+    /// pulled: at once while an agent slot is free; while every slot is taken, in line with
+    /// what already waits for one here (the slot semaphore is fair) — the slot that comes is
+    /// passed on at once to whoever is next, and the queue is pulled for one message, which
+    /// then waits for a slot in turn like a prefetched task. Looking at the free count again
+    /// instead, until a slot is free, never sees one while a worker is kept busy by short
+    /// pool tasks: each slot that frees goes straight to the prefetched task already waiting,
+    /// and the side queue starves for as long as the pool has work (a teammate's turn left
+    /// pending for minutes on a live worker). `false`: the worker is stopping.
+    pub(crate) async fn wait_for_turn(&self, stop: &CancellationToken) -> bool {
+        if self.run_slots.available_permits() > 0 {
+            return true;
+        }
+        tokio::select! {
+            () = stop.cancelled() => false,
+            p = Arc::clone(&self.run_slots).acquire_owned() => p.is_ok(),
+        }
+    }
+}

@@ -1,6 +1,8 @@
 //! Teammate turns: a worker pulls its pool's turn queue (`turns-<pool>` on the tasks stream,
-//! filter `<prefix>.turn.<pool>.>`), shared by the pool's workers, only while it has a free
-//! agent slot.
+//! filter `<prefix>.turn.<pool>.>`), shared by the pool's workers, while it has a free agent
+//! slot — or, every slot taken, in line with the tasks waiting for one here, so a worker kept
+//! busy by its pool's tasks still takes turns (the turn it pulls waits for a slot, kept
+//! alive).
 //!
 //! One turn, fenced by the teammate's epoch (see `flotilla_model::teammate`):
 //!
@@ -24,12 +26,19 @@
 //!    when asked for), both refused unless the epoch is still this host's.
 //! 6. acknowledge; if mail arrived meanwhile, wake it again (compare-and-set, de-duplicated
 //!    turn message).
+//!
+//! A turn whose conversation or mail cannot be read or stored is delivered again, pausing
+//! 1 s doubling to 30 s, up to `worker.max-deliveries` in all; then it is given up: the
+//! teammate goes back to `idle` with the reason as its `last_error` (shown by the team API
+//! and `flotilla team`), its mail unread for the next turn, and the turn message is
+//! terminated.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, AckKind, kv};
+use flotilla_bus::liveness::Pulse;
 use flotilla_bus::{Bus, SharedConsumer, wire};
 use flotilla_context::{Clients, Scope};
 use flotilla_model::subjects::StreamKind;
@@ -90,6 +99,11 @@ fn store(e: impl std::fmt::Display) -> TurnError {
     TurnError::Store(e.to_string())
 }
 
+/// A stored value of `key` that does not decode.
+fn unreadable(key: &str, e: impl std::fmt::Display) -> TurnError {
+    TurnError::Store(format!("{key} could not be read: {e}"))
+}
+
 /// Read-modify-write of one JSON value with compare-and-set. `change` returns `Err` to stop
 /// without writing.
 async fn cas<T, F>(kv: &kv::Store, key: &str, mut change: F) -> Result<(T, u64), TurnError>
@@ -101,7 +115,7 @@ where
         let entry = kv.entry(key).await.map_err(store)?;
         let (current, revision) = match entry {
             Some(e) if e.operation == kv::Operation::Put => (
-                Some(serde_json::from_slice::<T>(&e.value).map_err(store)?),
+                Some(serde_json::from_slice::<T>(&e.value).map_err(|e| unreadable(key, e))?),
                 Some(e.revision),
             ),
             Some(e) => (None, Some(e.revision)),
@@ -199,13 +213,10 @@ async fn load_conversation(
     team: &str,
     name: &str,
 ) -> Result<(Conversation, Option<u64>), TurnError> {
-    match kv
-        .entry(conversation_key(team, name))
-        .await
-        .map_err(store)?
-    {
+    let key = conversation_key(team, name);
+    match kv.entry(&key).await.map_err(store)? {
         Some(e) if e.operation == kv::Operation::Put => Ok((
-            serde_json::from_slice(&e.value).map_err(store)?,
+            serde_json::from_slice(&e.value).map_err(|e| unreadable(&key, e))?,
             Some(e.revision),
         )),
         Some(e) => Ok((Conversation::default(), Some(e.revision))),
@@ -338,57 +349,63 @@ async fn wake_if_pending(bus: &Bus, kv: &kv::Store, mate: &Teammate, cursor: u64
     }
 }
 
-/// How often a worker with no free slot looks again before it pulls turns.
-const SLOT_POLL: Duration = Duration::from_millis(50);
-
-/// Pulls `pool`'s turns while this worker has a free slot, until `shutdown`.
+/// Pulls `pool`'s turns while this worker has a free slot (or, all taken, in turn with what
+/// waits for one here: [`Shared::wait_for_turn`]), until `shutdown`.
 pub(crate) async fn pull_turns(
     shared: Arc<Shared>,
     consumer: PullConsumer,
     kv: kv::Store,
+    pulse: Pulse,
     shutdown: CancellationToken,
 ) {
     let mut running = tokio::task::JoinSet::new();
-    'pull: while !shutdown.is_cancelled() {
-        // A saturated worker is polled, not queued on: tokio's semaphore is fair, so a waiter
-        // here would take every slot the pool's tasks free first, only to hand it back — a
-        // wake-up per task under load. A turn waits at most `SLOT_POLL` longer instead.
-        while shared.run_slots.available_permits() == 0 {
-            tokio::select! {
-                _ = shutdown.cancelled() => break 'pull,
-                _ = tokio::time::sleep(SLOT_POLL) => {}
+    while !shutdown.is_cancelled() {
+        let pull = async {
+            let waiting = pulse.busy();
+            if !shared.wait_for_turn(&shutdown).await {
+                return false;
             }
-        }
-        let batch = consumer
-            .batch()
-            .max_messages(shared.run_slots.available_permits().max(1))
-            .expires(crate::worker::PULL_EXPIRY)
-            .messages()
-            .await;
-        let mut batch = match batch {
-            Ok(b) => b,
-            Err(e) => {
-                debug!(error = %e, "Turn pull failed; retrying");
-                tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    _ = tokio::time::sleep(Duration::from_millis(250)) => continue,
+            drop(waiting);
+            let batch = consumer
+                .batch()
+                .max_messages(shared.run_slots.available_permits().max(1))
+                .expires(crate::worker::PULL_EXPIRY)
+                .messages()
+                .await;
+            let mut batch = match batch {
+                Ok(b) => {
+                    pulse.pulled();
+                    b
+                }
+                Err(e) => {
+                    debug!(error = %e, "Turn pull failed; retrying");
+                    return tokio::select! {
+                        _ = shutdown.cancelled() => false,
+                        _ = tokio::time::sleep(Duration::from_millis(250)) => true,
+                    };
+                }
+            };
+            let over = tokio::time::Instant::now()
+                + crate::worker::PULL_EXPIRY
+                + Duration::from_millis(500);
+            loop {
+                let next = tokio::select! {
+                    n = tokio::time::timeout_at(over, batch.next()) => n.unwrap_or(None),
+                    _ = shutdown.cancelled() => return false,
+                };
+                match next {
+                    Some(Ok(msg)) => {
+                        pulse.pulled();
+                        let (shared, kv, stop) =
+                            (Arc::clone(&shared), kv.clone(), shutdown.clone());
+                        running.spawn(async move { run_turn(&shared, &kv, msg, &stop).await });
+                    }
+                    _ => return true,
                 }
             }
         };
-        let over =
-            tokio::time::Instant::now() + crate::worker::PULL_EXPIRY + Duration::from_millis(500);
-        loop {
-            let next = tokio::select! {
-                n = tokio::time::timeout_at(over, batch.next()) => n.unwrap_or(None),
-                _ = shutdown.cancelled() => break 'pull,
-            };
-            match next {
-                Some(Ok(msg)) => {
-                    let (shared, kv, stop) = (Arc::clone(&shared), kv.clone(), shutdown.clone());
-                    running.spawn(async move { run_turn(&shared, &kv, msg, &stop).await });
-                }
-                _ => break,
-            }
+        if pulse.attend(pull).await == Some(false) {
+            break;
         }
         while running.try_join_next().is_some() {}
     }
@@ -409,14 +426,12 @@ async fn run_turn(
             return;
         }
     };
-    let slot = tokio::select! {
-        p = Arc::clone(&shared.run_slots).acquire_owned() => p,
-        _ = stopping.cancelled() => {
-            let _ = msg.ack_with(AckKind::Nak(None)).await;
-            return;
-        }
+    // A turn pulled while every slot was taken waits for one, kept alive like a prefetched
+    // task; a stopping worker hands it back.
+    let Some(_slot) = crate::attempt::wait_for_slot(shared, &msg, stopping).await else {
+        let _ = msg.ack_with(AckKind::Nak(None)).await;
+        return;
     };
-    let Ok(_slot) = slot else { return };
     match turn_body(shared, kv, &msg, &turn).await {
         Ok(()) => {}
         Err(TurnError::Fenced(why)) | Err(TurnError::NotFound(why)) => {
@@ -425,12 +440,58 @@ async fn run_turn(
             let _ = msg.ack().await;
         }
         Err(TurnError::Store(e)) => {
-            warn!(team = %turn.team, teammate = %turn.name, error = %e, "Turn could not be stored; it will be delivered again");
-            let _ = msg
-                .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
-                .await;
+            let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
+            if delivered < shared.opts.max_deliveries {
+                let pause = flotilla_bus::consume::redelivery_delay(
+                    delivered,
+                    Duration::from_secs(1),
+                    MAX_REDELIVERY_DELAY,
+                );
+                warn!(team = %turn.team, teammate = %turn.name, delivered, retry_in = ?pause, error = %e, "Turn could not be read or stored; it will be delivered again");
+                let _ = msg.ack_with(AckKind::Nak(Some(pause))).await;
+                return;
+            }
+            // It failed the same way delivery after delivery: give the turn up, visibly.
+            let reason = format!("its turn could not run, {delivered} deliveries: {e}");
+            match give_up(kv, &turn.team, &turn.name, turn.epoch, &shared.id, &reason).await {
+                Ok(_) => {
+                    warn!(team = %turn.team, teammate = %turn.name, delivered, error = %e, "Turn given up: the teammate is idle again with the reason, its mail unread")
+                }
+                Err(not_recorded) => {
+                    tracing::error!(team = %turn.team, teammate = %turn.name, delivered, error = %e, not_recorded = %not_recorded, "Turn given up, and the teammate's entry could not say why")
+                }
+            }
+            let _ = msg.ack_with(AckKind::Term).await;
         }
     }
+}
+
+/// The longest pause before a turn that could not be read or stored is delivered again.
+const MAX_REDELIVERY_DELAY: Duration = Duration::from_secs(30);
+
+/// Gives up the turn dispatched with `dispatched` as `host`, which could not run it at all:
+/// the teammate goes back to `idle` with `reason` as its `last_error` (see
+/// [`Teammate::give_up_turn`]); refused when another host holds the turn or it is over.
+pub async fn give_up(
+    kv: &kv::Store,
+    team: &str,
+    name: &str,
+    dispatched: u64,
+    host: &str,
+    reason: &str,
+) -> Result<Teammate, TurnError> {
+    let key = teammate_key(team, name);
+    let now = Timestamp::now();
+    let (m, _) = cas::<Option<Teammate>, _>(kv, &key, |m| {
+        let mut m = m
+            .flatten()
+            .ok_or_else(|| TurnError::NotFound(key.clone()))?;
+        m.give_up_turn(dispatched, host, reason, now)
+            .map_err(fenced)?;
+        Ok(Some(m))
+    })
+    .await?;
+    m.ok_or(TurnError::NotFound(key))
 }
 
 async fn turn_body(

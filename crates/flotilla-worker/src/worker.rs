@@ -9,11 +9,14 @@ use std::time::Duration;
 
 use async_nats::jetstream::AckKind;
 use async_nats::jetstream::consumer::PullConsumer;
+use flotilla_bus::liveness::{Pulse, Stall, Watchdog};
+use flotilla_bus::startup::Patience;
 use flotilla_bus::{Bus, SharedConsumer};
 use flotilla_model::subjects::{Bucket, StreamKind};
 use flotilla_model::time::Timestamp;
 use flotilla_model::worker::WorkerInfo;
-use flotilla_telemetry::Metrics;
+use flotilla_telemetry::events::ConsumerStalled;
+use flotilla_telemetry::{InternalEvent, Metrics};
 use futures::StreamExt;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -100,58 +103,99 @@ impl Worker {
         &self.id
     }
 
-    async fn consumer(&self) -> Result<PullConsumer, WorkerError> {
-        self.bus
-            .shared_consumer(pool_consumer(self.bus.names(), &self.opts.pool, &self.opts))
+    /// Binds the shared consumer of `spec` (`what` in errors and logs), riding out JetStream
+    /// being briefly unavailable.
+    async fn bind(
+        &self,
+        spec: SharedConsumer,
+        what: &str,
+        patience: &Patience,
+    ) -> Result<PullConsumer, WorkerError> {
+        patience
+            .ride_out(what, || self.bus.shared_consumer(spec.clone()))
             .await
-            .map_err(|e| setup("setting up the pool consumer", e))
+            .map_err(|e| setup(what.to_owned(), e))
+    }
+
+    /// Opens `bucket` (`what` in errors and logs), riding out JetStream being briefly
+    /// unavailable.
+    async fn open(
+        &self,
+        bucket: Bucket,
+        what: &str,
+        patience: &Patience,
+    ) -> Result<async_nats::jetstream::kv::Store, WorkerError> {
+        patience
+            .ride_out(what, || self.bus.kv(bucket))
+            .await
+            .map_err(|e| setup(what.to_owned(), e))
     }
 
     /// The role queues this worker claims from: one consumer per role its agents fill, with
     /// the member that runs the role's tasks here.
-    async fn role_consumers(&self) -> Result<Vec<(PullConsumer, Claim)>, WorkerError> {
+    async fn role_consumers(
+        &self,
+        patience: &Patience,
+    ) -> Result<Vec<(PullConsumer, Claim)>, WorkerError> {
         let mut out = Vec::new();
         for role in self.agents.roles() {
             let Some(agent) = self.agents.member_of(&role) else {
                 continue;
             };
             let consumer = self
-                .bus
-                .shared_consumer(role_consumer(self.bus.names(), &role, &self.opts))
-                .await
-                .map_err(|e| setup(format!("setting up the consumer of role {role}"), e))?;
+                .bind(
+                    role_consumer(self.bus.names(), &role, &self.opts),
+                    &format!("setting up the consumer of role {role}"),
+                    patience,
+                )
+                .await?;
             let agent = agent.to_owned();
             out.push((consumer, Claim { role, agent }));
         }
         Ok(out)
     }
 
-    /// Runs until `shutdown` is cancelled, then drains (see the module docs).
-    pub async fn run(mut self, shutdown: CancellationToken) -> Result<(), WorkerError> {
+    /// Runs until `shutdown` is cancelled, then drains (see the module docs). Starting, it
+    /// rides out JetStream being briefly unavailable (a cluster node restarting, a leader
+    /// election) for up to `worker.provision-wait`; stopped meanwhile, it returns without an
+    /// error.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<(), WorkerError> {
         self.opts
             .validate()
             .map_err(|e| WorkerError::new(WorkerErrorKind::Config, e))?;
-        let consumer = self.consumer().await?;
-        let roles = self.role_consumers().await?;
+        let stopping = shutdown.clone();
+        match self.serve(shutdown).await {
+            Err(e) if stopping.is_cancelled() => {
+                info!(error = %e, "Worker stopped while starting");
+                Ok(())
+            }
+            other => other,
+        }
+    }
+
+    async fn serve(mut self, shutdown: CancellationToken) -> Result<(), WorkerError> {
+        let patience = Patience::new(self.opts.provision_wait, shutdown.clone());
+        let consumer = self
+            .bind(
+                pool_consumer(self.bus.names(), &self.opts.pool, &self.opts),
+                "setting up the pool consumer",
+                &patience,
+            )
+            .await?;
+        let roles = self.role_consumers(&patience).await?;
         let turns = self
-            .bus
-            .shared_consumer(crate::turn::turn_consumer(
-                self.bus.names(),
-                &self.opts.pool,
-                &self.opts,
-            ))
-            .await
-            .map_err(|e| setup("setting up the teammate turn consumer", e))?;
+            .bind(
+                crate::turn::turn_consumer(self.bus.names(), &self.opts.pool, &self.opts),
+                "setting up the teammate turn consumer",
+                &patience,
+            )
+            .await?;
         let team_kv = self
-            .bus
-            .kv(Bucket::Team)
-            .await
-            .map_err(|e| setup("opening the team bucket", e))?;
+            .open(Bucket::Team, "opening the team bucket", &patience)
+            .await?;
         let registry = self
-            .bus
-            .kv(Bucket::Workers)
-            .await
-            .map_err(|e| setup("opening the workers bucket", e))?;
+            .open(Bucket::Workers, "opening the workers bucket", &patience)
+            .await?;
         let shared = Arc::new(Shared {
             bus: self.bus.clone(),
             opts: self.opts.clone(),
@@ -172,10 +216,8 @@ impl Worker {
             pace: Pace::new(),
         });
         let control = self
-            .bus
-            .kv(Bucket::Control)
-            .await
-            .map_err(|e| setup("opening the control bucket", e))?;
+            .open(Bucket::Control, "opening the control bucket", &patience)
+            .await?;
         let watcher_stop = CancellationToken::new();
         let watcher = tokio::spawn(watch_cancellations(
             control,
@@ -200,17 +242,40 @@ impl Worker {
             Arc::clone(&shared),
             register_stop.clone(),
         ));
+        // Every pull loop below marks its pulls; a loop that stops pulling while its consumer
+        // holds messages is restarted (`flotilla_bus::liveness`).
+        let metrics = self.metrics.clone();
+        let watchdog = Watchdog::new(
+            self.opts.heartbeat,
+            Arc::new(move |s: &Stall| {
+                ConsumerStalled {
+                    stream: &s.stream,
+                    consumer: &s.consumer,
+                    pending: s.pending,
+                    since_pull: s.since_pull,
+                }
+                .emit(&metrics);
+            }),
+        );
+        let pulse = watchdog.watch(&consumer);
+        let roles: Vec<_> = roles
+            .into_iter()
+            .map(|(c, claim)| (watchdog.watch(&c), c, claim))
+            .collect();
+        let turns_pulse = watchdog.watch(&turns);
+        let watching = tokio::spawn(Arc::clone(&watchdog).run(shutdown.clone()));
         if let Some(ready) = self.ready.take() {
             let _ = ready.send(());
         }
-        info!(worker = %self.id, pool = %self.opts.pool, concurrency = self.opts.concurrency, roles = ?roles.iter().map(|(_, c)| c.role.as_str()).collect::<Vec<_>>(), "Worker started");
+        info!(worker = %self.id, pool = %self.opts.pool, concurrency = self.opts.concurrency, roles = ?roles.iter().map(|(_, _, c)| c.role.as_str()).collect::<Vec<_>>(), "Worker started");
         // Role queues, beside the pool's: pulled only while a slot is free here.
         let mut role_loops = tokio::task::JoinSet::new();
-        for (consumer, claim) in roles {
+        for (pulse, consumer, claim) in roles {
             role_loops.spawn(pull_role(
                 Arc::clone(&shared),
                 consumer,
                 claim,
+                pulse,
                 shutdown.clone(),
             ));
         }
@@ -220,6 +285,7 @@ impl Worker {
             Arc::clone(&shared),
             turns,
             team_kv,
+            turns_pulse,
             shutdown.clone(),
         ));
 
@@ -229,55 +295,26 @@ impl Worker {
         let mut running = tokio::task::JoinSet::new();
         // Whether the last pull request brought tasks.
         let mut busy = false;
-        'pull: while !shutdown.is_cancelled() {
-            // While attempts are long (or not known yet), the prefetch places are held back
-            // for this pull request: it asks only for free slots.
-            let keep_back = match self.opts.prefetch {
-                0 => None,
-                _ if shared.pace.short() => None,
-                n => Some(tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    p = Arc::clone(&slots).acquire_many_owned(n as u32) => match p { Ok(p) => p, Err(_) => break },
-                }),
-            };
-            let first = tokio::select! {
-                _ = shutdown.cancelled() => break,
-                p = Arc::clone(&slots).acquire_owned() => match p { Ok(p) => p, Err(_) => break },
-            };
-            let mut permits = vec![first];
-            while let Ok(p) = Arc::clone(&slots).try_acquire_owned() {
-                permits.push(p);
+        while !shutdown.is_cancelled() {
+            // One pull, under the watchdog: a restart drops it (its permits go back) and the
+            // loop pulls again; the attempts it started run on in `running`.
+            let pulled = pulse
+                .attend(pull_pool(
+                    &shared,
+                    &consumer,
+                    &slots,
+                    busy,
+                    &pulse,
+                    &mut running,
+                    &shutdown,
+                ))
+                .await;
+            match pulled {
+                Some(Pulled::Received(n)) => busy = n > 0,
+                Some(Pulled::Failed) => continue,
+                Some(Pulled::Stopped) => break,
+                None => busy = false,
             }
-            // A busy worker with many slots gathers freed slots for a moment, so it asks for
-            // tasks in batches rather than one pull request per finished task.
-            let gather = (self.opts.concurrency / 4).max(1);
-            if busy && permits.len() < gather {
-                let until = tokio::time::Instant::now() + GATHER;
-                while permits.len() < gather {
-                    match tokio::time::timeout_at(until, Arc::clone(&slots).acquire_owned()).await {
-                        Ok(Ok(p)) => permits.push(p),
-                        _ => break,
-                    }
-                }
-            }
-            let received = match pull_once(
-                &shared,
-                &consumer,
-                &mut permits,
-                busy,
-                None,
-                &mut running,
-                &shutdown,
-            )
-            .await
-            {
-                Pulled::Received(n) => n,
-                Pulled::Failed => continue,
-                Pulled::Stopped => break 'pull,
-            };
-            drop(permits);
-            drop(keep_back);
-            busy = received > 0;
             // Reap finished tasks so the set does not grow.
             while running.try_join_next().is_some() {}
         }
@@ -298,12 +335,67 @@ impl Worker {
         }
         register_stop.cancel();
         watcher_stop.cancel();
+        let _ = watching.await;
         let _ = registration.await;
         let _ = watcher.await;
         let _ = registry.delete(&self.id).await;
         info!(worker = %self.id, "Worker stopped");
         Ok(())
     }
+}
+
+/// One pull of the pool loop: waits for free places (the running tasks plus `prefetch`; busy
+/// meanwhile — a worker with no free slot does not pull, on purpose), asks for that many
+/// tasks and starts what arrives in `running`.
+async fn pull_pool(
+    shared: &Arc<Shared>,
+    consumer: &PullConsumer,
+    slots: &Arc<Semaphore>,
+    busy: bool,
+    pulse: &Pulse,
+    running: &mut tokio::task::JoinSet<()>,
+    shutdown: &CancellationToken,
+) -> Pulled {
+    let waiting = pulse.busy();
+    // While attempts are long (or not known yet), the prefetch places are held back for this
+    // pull request: it asks only for free slots.
+    let keep_back = match shared.opts.prefetch {
+        0 => None,
+        _ if shared.pace.short() => None,
+        n => Some(tokio::select! {
+            _ = shutdown.cancelled() => return Pulled::Stopped,
+            p = Arc::clone(slots).acquire_many_owned(n as u32) => match p { Ok(p) => p, Err(_) => return Pulled::Stopped },
+        }),
+    };
+    let first = tokio::select! {
+        _ = shutdown.cancelled() => return Pulled::Stopped,
+        p = Arc::clone(slots).acquire_owned() => match p { Ok(p) => p, Err(_) => return Pulled::Stopped },
+    };
+    drop(waiting);
+    let mut permits = vec![first];
+    while let Ok(p) = Arc::clone(slots).try_acquire_owned() {
+        permits.push(p);
+    }
+    // A busy worker with many slots gathers freed slots for a moment, so it asks for tasks in
+    // batches rather than one pull request per finished task.
+    let gather = (shared.opts.concurrency / 4).max(1);
+    if busy && permits.len() < gather {
+        let until = tokio::time::Instant::now() + GATHER;
+        while permits.len() < gather {
+            match tokio::time::timeout_at(until, Arc::clone(slots).acquire_owned()).await {
+                Ok(Ok(p)) => permits.push(p),
+                _ => break,
+            }
+        }
+    }
+    let queue = Queue {
+        consumer,
+        pulse,
+        claim: None,
+    };
+    let pulled = pull_once(shared, queue, &mut permits, busy, running, shutdown).await;
+    drop(keep_back);
+    pulled
 }
 
 /// The shared durable consumer of `pool` (`pool-<name>` on the tasks stream) as the pool's
@@ -324,6 +416,15 @@ pub fn pool_consumer(
     }
 }
 
+/// A queue this worker pulls: its consumer, the pulse its loop marks, and — for a role's
+/// queue — the member here that runs what it brings.
+#[derive(Clone, Copy)]
+pub(crate) struct Queue<'a> {
+    pub(crate) consumer: &'a PullConsumer,
+    pub(crate) pulse: &'a Pulse,
+    pub(crate) claim: Option<&'a Claim>,
+}
+
 /// How one pull request went.
 pub(crate) enum Pulled {
     /// It ended after bringing this many messages.
@@ -340,13 +441,17 @@ pub(crate) enum Pulled {
 /// request the server forgot and hand back the same way on a stop.
 pub(crate) async fn pull_once(
     shared: &Arc<Shared>,
-    consumer: &PullConsumer,
+    queue: Queue<'_>,
     permits: &mut Vec<tokio::sync::OwnedSemaphorePermit>,
     busy: bool,
-    claim: Option<&Claim>,
     running: &mut tokio::task::JoinSet<()>,
     shutdown: &CancellationToken,
 ) -> Pulled {
+    let Queue {
+        consumer,
+        pulse,
+        claim,
+    } = queue;
     let batch = consumer
         .batch()
         .max_messages(permits.len())
@@ -357,7 +462,10 @@ pub(crate) async fn pull_once(
         .messages()
         .await;
     let mut batch = match batch {
-        Ok(b) => b,
+        Ok(b) => {
+            pulse.pulled();
+            b
+        }
         Err(e) => {
             debug!(role = ?claim.map(|c| &c.role), error = %e, "Pull request failed; retrying");
             tokio::select! {
@@ -383,6 +491,7 @@ pub(crate) async fn pull_once(
         };
         match next {
             Some(Ok(msg)) => {
+                pulse.pulled();
                 received += 1;
                 let Some(permit) = permits.pop() else {
                     let _ = msg.ack_with(AckKind::Nak(None)).await;

@@ -180,6 +180,7 @@ pub(crate) async fn coordinator(config: &Config) -> anyhow::Result<ExitCode> {
         config.jetstream.clone(),
     )
     .with_metrics(obs.metrics.clone())
+    .with_heartbeat(config.worker.heartbeat)
     .with_service_metadata(service_metadata(config))
     .on_ready(tx)
     .run(shutdown)
@@ -354,10 +355,12 @@ const PROVISION_LOG_EVERY: Duration = Duration::from_secs(5);
 /// A worker only checks that the streams and buckets exist: creating and updating them is the
 /// coordinator's and the operator's right (least privilege, `deploy/nats/accounts.conf`).
 /// Missing resources are waited for — a worker that starts before any coordinator, as on a
-/// fresh Kubernetes install, is not ready but does not crash — for up to
+/// fresh Kubernetes install, is not ready but does not crash — and so is JetStream answering
+/// nothing or "no leader" for now (a cluster node restarting, a leader election), for up to
 /// `worker.provision-wait`, with a log line every few seconds; then the worker stops with a
-/// message saying how to create them. Drift is logged and left to whoever provisions.
-/// `Ok(false)`: `shutdown` fired while waiting.
+/// message saying how to create them. An error that will not pass (refused permissions)
+/// stops it at once. Drift is logged and left to whoever provisions. `Ok(false)`: `shutdown`
+/// fired while waiting.
 async fn wait_provisioned(
     bus: &Bus,
     config: &Config,
@@ -367,37 +370,56 @@ async fn wait_provisioned(
     let give_up = started + config.worker.provision_wait;
     let mut next_log = started;
     loop {
-        let (missing, drifted) = check_resources(bus, config).await?;
-        if missing.is_empty() {
-            for name in drifted {
-                warn!(resource = %name, "JetStream resource differs from this configuration; run `flotilla nats provision`");
-            }
-            if started.elapsed() >= PROVISION_POLL {
-                info!("The streams and buckets exist now: starting");
-            }
-            return Ok(true);
-        }
         let now = tokio::time::Instant::now();
-        let what = format!(
-            "{} of Flotilla's streams and buckets are missing on {} under prefix `{}` ({})",
-            missing.len(),
-            config.nats.urls.join(","),
-            bus.names().prefix(),
-            missing.join(", ")
-        );
+        let what = match check_resources(bus, config).await {
+            Ok((missing, drifted)) if missing.is_empty() => {
+                for name in drifted {
+                    warn!(resource = %name, "JetStream resource differs from this configuration; run `flotilla nats provision`");
+                }
+                if started.elapsed() >= PROVISION_POLL {
+                    info!("The streams and buckets exist now: starting");
+                }
+                return Ok(true);
+            }
+            Ok((missing, _)) => Waiting::Missing(format!(
+                "{} of Flotilla's streams and buckets are missing on {} under prefix `{}` ({})",
+                missing.len(),
+                config.nats.urls.join(","),
+                bus.names().prefix(),
+                missing.join(", ")
+            )),
+            Err(e) if flotilla_bus::startup::is_transient(&e) => Waiting::Unavailable(format!(
+                "JetStream on {} is not answering for now ({})",
+                config.nats.urls.join(","),
+                flotilla_bus::error::report(&e)
+            )),
+            Err(e) => {
+                return Err(anyhow::Error::new(e).context("checking JetStream streams and buckets"));
+            }
+        };
         if now >= give_up {
-            anyhow::bail!(
-                "{what}, and waiting {} did not bring them. Workers do not create them: start `flotilla coordinator` (it creates them) or run `flotilla nats provision` with credentials allowed to create streams; `worker.provision-wait` sets how long a worker waits",
-                humantime::format_duration(config.worker.provision_wait)
-            );
+            let waited = humantime::format_duration(config.worker.provision_wait);
+            match what {
+                Waiting::Missing(what) => anyhow::bail!(
+                    "{what}, and waiting {waited} did not bring them. Workers do not create them: start `flotilla coordinator` (it creates them) or run `flotilla nats provision` with credentials allowed to create streams; `worker.provision-wait` sets how long a worker waits"
+                ),
+                Waiting::Unavailable(what) => anyhow::bail!(
+                    "{what}, and waiting {waited} did not change that: check the NATS cluster (a node down, no quorum); `worker.provision-wait` sets how long a worker waits"
+                ),
+            }
         }
         if now >= next_log {
             let left = humantime::format_duration(Duration::from_secs(
                 give_up.saturating_duration_since(now).as_secs_f64().ceil() as u64,
             ));
-            warn!(
-                "{what}: waiting for a coordinator (or `flotilla nats provision`) to create them; giving up in {left}"
-            );
+            match what {
+                Waiting::Missing(what) => warn!(
+                    "{what}: waiting for a coordinator (or `flotilla nats provision`) to create them; giving up in {left}"
+                ),
+                Waiting::Unavailable(what) => warn!(
+                    "{what} (a cluster node restarting, or a leader election): waiting; giving up in {left}"
+                ),
+            }
             next_log = now + PROVISION_LOG_EVERY;
         }
         tokio::select! {
@@ -407,13 +429,22 @@ async fn wait_provisioned(
     }
 }
 
+/// What a starting worker waits for.
+enum Waiting {
+    /// Streams or buckets that do not exist yet.
+    Missing(String),
+    /// JetStream, briefly unavailable.
+    Unavailable(String),
+}
+
 /// The streams and buckets of this deployment that do not exist yet, and those that differ
 /// from this configuration.
-async fn check_resources(bus: &Bus, config: &Config) -> anyhow::Result<(Vec<String>, Vec<String>)> {
+async fn check_resources(
+    bus: &Bus,
+    config: &Config,
+) -> Result<(Vec<String>, Vec<String>), flotilla_bus::ProvisionError> {
     use flotilla_bus::provision::{Action, plan};
-    let plan = plan(bus.js(), bus.names(), &config.jetstream)
-        .await
-        .context("checking JetStream streams and buckets")?;
+    let plan = plan(bus.js(), bus.names(), &config.jetstream).await?;
     let (mut missing, mut drifted) = (Vec::new(), Vec::new());
     for r in &plan.report().resources {
         match &r.action {
@@ -591,6 +622,7 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
     set_when_ready(rx, vec![coordinator_ready]);
     let coordinator = coordinator
         .with_metrics(obs.metrics.clone())
+        .with_heartbeat(config.worker.heartbeat)
         .with_service_metadata(service_metadata(&config))
         .on_ready(tx);
     let token = shutdown.clone();

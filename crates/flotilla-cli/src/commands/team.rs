@@ -25,8 +25,8 @@ use flotilla_model::team::{
     TeamListRequest, TeamStatsRequest,
 };
 use flotilla_model::teammate::{
-    TeamBroadcastRequest, TeamSendRequest, TeamSent, TeamShutdownRequest, TeamSpawnRequest,
-    TeammateView,
+    TeamBroadcastRequest, TeamMatesRequest, TeamSendRequest, TeamSent, TeamShutdownRequest,
+    TeamSpawnRequest, TeammateView,
 };
 use flotilla_model::time::Timestamp;
 
@@ -50,10 +50,15 @@ pub(crate) struct TeamArgs {
 
 #[derive(Debug, clap::Subcommand)]
 enum TeamCommand {
-    /// One member: card, presence, attempts, failure figures.
+    /// One member: card, presence, attempts, failure figures — or, when no member has the
+    /// name, the persistent teammate(s) of that name: status, turns, last reply, and why its
+    /// last turn could not run.
     Show {
-        /// The member (an agent definition's name).
+        /// The member (an agent definition's name) or teammate.
         member: String,
+        /// The teammate's team, when several teams have one of that name.
+        #[arg(long)]
+        team: Option<String>,
     },
     /// The members of a role that can take work now, best first (idle, then working).
     Find {
@@ -300,11 +305,25 @@ pub(crate) async fn team(config: &Config, args: TeamArgs) -> anyhow::Result<Exit
             };
             answer(&client, &r, json, print_list).await
         }
-        Some(TeamCommand::Show { member }) => {
+        Some(TeamCommand::Show { member, team }) => {
             let r = TeamGetRequest {
                 protocol: flotilla_model::PROTOCOL_VERSION,
-                name: member,
+                name: member.clone(),
             };
+            // A member first; a teammate of that name when no member has it.
+            if let Ok(Err(e)) = client.call(&r, TIMEOUT).await
+                && e.code == "not_found"
+                && let Some(mates) = teammates_named(&client, &member, team.as_deref()).await?
+            {
+                if json {
+                    outln!("{}", serde_json::to_string_pretty(&mates)?);
+                } else {
+                    for m in &mates {
+                        print_mate(m);
+                    }
+                }
+                return Ok(ExitCode::SUCCESS);
+            }
             answer(&client, &r, json, print_member).await
         }
         Some(TeamCommand::RecruitStatus { run, recruit_id }) => {
@@ -394,6 +413,27 @@ fn print_sent(s: &TeamSent) {
     }
 }
 
+/// The teammates named `name` (of `team`, when given); `None` when there are none.
+async fn teammates_named(
+    client: &Client,
+    name: &str,
+    team: Option<&str>,
+) -> anyhow::Result<Option<Vec<TeammateView>>> {
+    let r = TeamMatesRequest {
+        protocol: flotilla_model::PROTOCOL_VERSION,
+        team: team.map(str::to_owned),
+    };
+    let Ok(list) = client.call(&r, TIMEOUT).await? else {
+        return Ok(None);
+    };
+    let found: Vec<TeammateView> = list
+        .teammates
+        .into_iter()
+        .filter(|m| m.name == name)
+        .collect();
+    Ok((!found.is_empty()).then_some(found))
+}
+
 fn print_mate(m: &TeammateView) {
     outln!(
         "teammate {} of team {}: {} (role {}, agent {}, pool {}, epoch {}, turns {}{}{})",
@@ -416,6 +456,12 @@ fn print_mate(m: &TeammateView) {
             ""
         }
     );
+    if let Some(reply) = &m.last_reply {
+        outln!("  last reply: {reply}");
+    }
+    if let Some(error) = &m.last_error {
+        outln!("  last turn failed: {error}");
+    }
 }
 
 fn print_mates(list: &[TeammateView]) {
@@ -438,6 +484,11 @@ fn print_mates(list: &[TeammateView]) {
             m.turns,
             ago(m.last_progress),
         );
+    }
+    for m in list {
+        if let Some(error) = &m.last_error {
+            outln!("{} of team {}: last turn failed: {error}", m.name, m.team);
+        }
     }
 }
 

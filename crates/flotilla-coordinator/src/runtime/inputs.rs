@@ -2,7 +2,8 @@
 //! stream is decoded into an [`Inbound`] (an entry, a durable submission, a misaddressed or
 //! an unreadable message), the batch is stepped through [`Runtime::step`] with
 //! compare-and-set retries, and the messages are then acknowledged, or handed back for
-//! redelivery with a growing delay. Also how a subject token names a run: canonical run ids,
+//! redelivery with a growing delay — up to [`MAX_INPUT_DELIVERIES`], after which the run is
+//! ended with the reason. Also how a subject token names a run: canonical run ids,
 //! and the ids misaddressed submissions are recorded under.
 
 use std::time::Duration;
@@ -29,6 +30,11 @@ fn seqs_of(inputs: &[Decoded]) -> Vec<(u64, i64)> {
 
 /// How often a run is reloaded and re-applied after losing compare-and-set races in a row.
 const MAX_CAS_ATTEMPTS: usize = 8;
+
+/// Deliveries of a run-log input whose step keeps failing for a reason that may pass (NATS
+/// unavailable) before the run is ended with that reason: with the redelivery delay (250 ms
+/// doubling to 5 s) about five minutes — far beyond a leader election's seconds.
+const MAX_INPUT_DELIVERIES: i64 = 60;
 
 impl Runtime {
     /// Applies one run's inputs; acks them when done, hands them back on failure.
@@ -132,9 +138,21 @@ impl Runtime {
         // Set once a step changed nothing on a copy that may be stale: the next reads the run
         // from the leader.
         let mut from_leader = false;
+        // Handed back this often already: a failure that may pass has not, and the run is
+        // ended with it instead of retried forever.
+        let delivered = inputs.iter().map(|d| d.delivered).max().unwrap_or(1);
         for _ in 0..MAX_CAS_ATTEMPTS {
             // Boxed: the step is a large future; moving it costs more than allocating it.
-            match Box::pin(self.step(run, cached.take(), &inputs, None, from_leader)).await {
+            let stepped = Box::pin(self.step(run, cached.take(), &inputs, None, from_leader)).await;
+            let stepped = match stepped {
+                Err(StepError::Failed(reason)) if delivered >= MAX_INPUT_DELIVERIES => {
+                    Err(StepError::Terminal(format!(
+                        "its run-log inputs could not be applied, {delivered} deliveries over several minutes: {reason}"
+                    )))
+                }
+                other => other,
+            };
+            match stepped {
                 Ok(Stepped::Done(entry)) => {
                     debug!(%run, seqs = ?seqs_of(&inputs), owed = owed.len(), "Inputs applied; acknowledging");
                     self.ack_all(run, &inputs).await;

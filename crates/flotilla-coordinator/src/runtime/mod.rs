@@ -63,6 +63,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind};
 use flotilla_bus::Bus;
+use flotilla_bus::liveness::Pulse;
 use flotilla_model::ids::RunId;
 use flotilla_model::runlog::{Rejected, RunLogEntry};
 use flotilla_model::submit::SubmitRequest;
@@ -251,10 +252,13 @@ impl Runtime {
         self
     }
 
-    /// Consumes the run-log stream until `shutdown`.
+    /// Consumes the run-log stream until `shutdown`. `pulse` is the stall check's view of the
+    /// loop: it marks each message and each new pull, and says when it waits for a shard
+    /// that is behind (not pulling, on purpose).
     pub(crate) async fn run(
         self: Arc<Self>,
         consumer: jetstream::consumer::PullConsumer,
+        pulse: Pulse,
         shutdown: CancellationToken,
     ) {
         let mut lanes = Vec::with_capacity(self.opts.shards);
@@ -264,69 +268,98 @@ impl Runtime {
             lanes.push(tx);
             tasks.push(tokio::spawn(Arc::clone(&self).shard(rx)));
         }
-        'outer: while !shutdown.is_cancelled() {
-            let stream = consumer
-                .stream()
-                .max_messages_per_batch(self.opts.batch)
-                .heartbeat(PULL_HEARTBEAT)
-                .messages()
+        while !shutdown.is_cancelled() {
+            // One life of the message stream: a new one after it ends, after the stall check
+            // restarts it, or after it could not be opened.
+            let life = pulse
+                .attend(self.route(&consumer, &pulse, &lanes, &shutdown))
                 .await;
-            let mut messages = match stream {
-                // A lost pull request (its consumer's leader died) ends the stream: pull again.
-                Ok(m) => Box::pin(flotilla_bus::consume::until_stalled(m)),
-                Err(e) => {
-                    warn!(error = %e, "Cannot pull from the run log; retrying");
-                    tokio::select! {
-                        _ = shutdown.cancelled() => break 'outer,
-                        _ = tokio::time::sleep(Duration::from_millis(500)) => continue,
-                    }
-                }
-            };
-            loop {
-                let next = tokio::select! {
-                    _ = shutdown.cancelled() => break 'outer,
-                    next = messages.next() => next,
-                };
-                match next {
-                    Some(Ok(msg)) => {
-                        // `<prefix>.runlog.<run>` or `<prefix>.submit.<run>`: the run is the
-                        // last token, spelled canonically (one run, one subject).
-                        let token = msg.subject.rsplit('.').next().unwrap_or_default();
-                        let run = match canonical_run_id(token) {
-                            Some(run) => run,
-                            // A submission on a subject that is not a run's: refused visibly,
-                            // as a rejected run under an id derived from the token.
-                            None if msg.subject.starts_with(self.submit_prefix.as_str()) => {
-                                misaddressed_run_id(token)
-                            }
-                            None => {
-                                warn!(subject = %msg.subject, "Run-log message on a subject that names no run; dropping");
-                                let _ = msg.ack_with(AckKind::Term).await;
-                                continue;
-                            }
-                        };
-                        let lane = shard_of(run, lanes.len());
-                        if lanes[lane].send((run, msg)).await.is_err() {
-                            break 'outer;
-                        }
-                    }
-                    Some(Err(e)) => {
-                        debug!(error = %e, "Run-log pull interrupted");
-                        if matches!(
-                            e.kind(),
-                            jetstream::consumer::pull::MessagesErrorKind::ConsumerDeleted
-                                | jetstream::consumer::pull::MessagesErrorKind::NoResponders
-                        ) {
-                            break;
-                        }
-                    }
-                    None => break,
-                }
+            if life == Some(Routed::Stopped) {
+                break;
             }
         }
         drop(lanes);
         for t in tasks {
             let _ = t.await;
+        }
+    }
+
+    /// Routes the messages of one stream of the run-log consumer to the shards, until it ends.
+    async fn route(
+        &self,
+        consumer: &jetstream::consumer::PullConsumer,
+        pulse: &Pulse,
+        lanes: &[mpsc::Sender<(RunId, jetstream::Message)>],
+        shutdown: &CancellationToken,
+    ) -> Routed {
+        let stream = consumer
+            .stream()
+            .max_messages_per_batch(self.opts.batch)
+            .heartbeat(PULL_HEARTBEAT)
+            .messages()
+            .await;
+        let mut messages = match stream {
+            // A lost pull request (its consumer's leader died) ends the stream: pull again.
+            Ok(m) => Box::pin(flotilla_bus::consume::until_stalled(m)),
+            Err(e) => {
+                warn!(error = %e, "Cannot pull from the run log; retrying");
+                return tokio::select! {
+                    _ = shutdown.cancelled() => Routed::Stopped,
+                    _ = tokio::time::sleep(Duration::from_millis(500)) => Routed::Ended,
+                };
+            }
+        };
+        pulse.pulled();
+        loop {
+            let next = tokio::select! {
+                _ = shutdown.cancelled() => return Routed::Stopped,
+                next = messages.next() => next,
+            };
+            match next {
+                Some(Ok(msg)) => {
+                    pulse.pulled();
+                    // `<prefix>.runlog.<run>` or `<prefix>.submit.<run>`: the run is the
+                    // last token, spelled canonically (one run, one subject).
+                    let token = msg.subject.rsplit('.').next().unwrap_or_default();
+                    let run = match canonical_run_id(token) {
+                        Some(run) => run,
+                        // A submission on a subject that is not a run's: refused visibly, as
+                        // a rejected run under an id derived from the token.
+                        None if msg.subject.starts_with(self.submit_prefix.as_str()) => {
+                            misaddressed_run_id(token)
+                        }
+                        None => {
+                            warn!(subject = %msg.subject, "Run-log message on a subject that names no run; dropping");
+                            let _ = msg.ack_with(AckKind::Term).await;
+                            continue;
+                        }
+                    };
+                    let lane = &lanes[shard_of(run, lanes.len())];
+                    let sent = match lane.try_send((run, msg)) {
+                        Ok(()) => Ok(()),
+                        Err(mpsc::error::TrySendError::Full(m)) => {
+                            // The shard is behind: wait for it (busy, not stalled).
+                            let _behind = pulse.busy();
+                            lane.send(m).await.map_err(|_| ())
+                        }
+                        Err(mpsc::error::TrySendError::Closed(_)) => Err(()),
+                    };
+                    if sent.is_err() {
+                        return Routed::Stopped;
+                    }
+                }
+                Some(Err(e)) => {
+                    debug!(error = %e, "Run-log pull interrupted");
+                    if matches!(
+                        e.kind(),
+                        jetstream::consumer::pull::MessagesErrorKind::ConsumerDeleted
+                            | jetstream::consumer::pull::MessagesErrorKind::NoResponders
+                    ) {
+                        return Routed::Ended;
+                    }
+                }
+                None => return Routed::Ended,
+            }
         }
     }
 
@@ -414,6 +447,15 @@ impl Runtime {
             }
         }
     }
+}
+
+/// How one stream of the run-log consumer ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Routed {
+    /// It ended (or could not be opened): open another.
+    Ended,
+    /// The coordinator is stopping.
+    Stopped,
 }
 
 /// Sleeps until `at`, or forever without one.
