@@ -731,8 +731,9 @@ async fn services_started_while_the_cluster_has_no_leader_wait_and_come_up() -> 
     let mut services = Services::with_nats(&cluster, "request-timeout = \"2s\"")?;
     let coordinator = services.spawn(&["coordinator"])?;
     let worker = services.spawn(&["worker"])?;
+    let supervisor = services.spawn(&["supervisor"])?;
     let deadline = Instant::now() + Duration::from_secs(60);
-    for i in [coordinator, worker] {
+    for i in [coordinator, worker, supervisor] {
         while !services.log(i).contains("not answering for now") {
             if let Some(status) = services.exited(i)? {
                 anyhow::bail!("process {i} exited with {status}:\n{}", services.log(i));
@@ -745,7 +746,7 @@ async fn services_started_while_the_cluster_has_no_leader_wait_and_come_up() -> 
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
-    for i in [coordinator, worker] {
+    for i in [coordinator, worker, supervisor] {
         if let Some(status) = services.exited(i)? {
             anyhow::bail!("process {i} exited with {status}:\n{}", services.log(i));
         }
@@ -769,7 +770,29 @@ async fn services_started_while_the_cluster_has_no_leader_wait_and_come_up() -> 
             )
         })?;
     assert_eq!(outcome.status, RunStatus::Succeeded, "{outcome:?}");
-    for i in [coordinator, worker] {
+    // The supervisor came up too: the team answers.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let asked = client
+            .request(
+                &flotilla_model::team::TeamListRequest {
+                    protocol: flotilla_model::PROTOCOL_VERSION,
+                    role: None,
+                },
+                Duration::from_secs(5),
+            )
+            .await;
+        if asked.is_ok() {
+            break;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the supervisor never answered: {asked:?}\n{}",
+            services.log(supervisor)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    for i in [coordinator, worker, supervisor] {
         assert!(services.exited(i)?.is_none(), "{}", services.log(i));
     }
     Ok(())

@@ -42,16 +42,22 @@ use flotilla_bus::mirror::unix_ms;
 
 /// Binds the shared durable consumer of the event stream (created on first use: from the
 /// stream's first retained message, so a new supervisor counts the history still kept).
-pub(crate) async fn consumer(team: &Team) -> Result<PullConsumer, SupervisorError> {
+pub(crate) async fn consumer(
+    team: &Team,
+    patience: &flotilla_bus::startup::Patience,
+) -> Result<PullConsumer, SupervisorError> {
     let max_ack_pending = i64::try_from(team.opts.batch * 4).unwrap_or(i64::MAX);
-    team.bus
-        .shared_consumer(SharedConsumer {
-            stream: StreamKind::Events,
-            durable: CONSUMER.to_owned(),
-            description: "Flotilla supervisors: team presence and failure records".to_owned(),
-            filters: vec![team.bus.names().event_all()],
-            ack_wait: team.opts.ack_wait,
-            max_ack_pending,
+    let spec = SharedConsumer {
+        stream: StreamKind::Events,
+        durable: CONSUMER.to_owned(),
+        description: "Flotilla supervisors: team presence and failure records".to_owned(),
+        filters: vec![team.bus.names().event_all()],
+        ack_wait: team.opts.ack_wait,
+        max_ack_pending,
+    };
+    patience
+        .ride_out("setting up the event consumer", || {
+            team.bus.shared_consumer(spec.clone())
         })
         .await
         .map_err(|e| SupervisorError::Setup(e.to_string()))

@@ -224,10 +224,14 @@ impl Supervisor {
         self.agents
             .validate()
             .map_err(|e| SupervisorError::Setup(format!("[agents-protocol] {e}")))?;
+        // Opening rides out a cluster's leader election (`startup-wait`).
+        let patience =
+            flotilla_bus::startup::Patience::new(self.opts.startup_wait, shutdown.clone());
         let open = |b: Bucket| {
-            let bus = self.bus.clone();
+            let (bus, patience) = (self.bus.clone(), patience.clone());
             async move {
-                bus.kv(b)
+                patience
+                    .ride_out("opening a bucket", || bus.kv(b))
                     .await
                     .map_err(|e| SupervisorError::Setup(e.to_string()))
             }
@@ -238,7 +242,8 @@ impl Supervisor {
         let cursors_kv = open(Bucket::Cursors).await?;
         let memory_kv = open(Bucket::Memory).await?;
         let trust_kv = open(Bucket::Trust).await?;
-        let runs = RunReader::open(&self.bus)
+        let runs = patience
+            .ride_out("opening the run store", || RunReader::open(&self.bus))
             .await
             .map_err(|e| SupervisorError::Setup(e.to_string()))?;
         let team = Arc::new(Team {
@@ -289,11 +294,11 @@ impl Supervisor {
         if let Err(e) = presence::refresh(&team).await {
             warn!(error = %e, "Could not write the roster at start; the presence pass will retry");
         }
-        let consumer = follow::consumer(&team).await?;
-        let inbox = teammates::consumer(&team).await?;
+        let consumer = follow::consumer(&team, &patience).await?;
+        let inbox = teammates::consumer(&team, &patience).await?;
         // Before the API answers (readiness): a notice published once the supervisor is
         // ready reaches every webhook.
-        let hooks = webhooks::prepare(&team).await?;
+        let hooks = webhooks::prepare(&team, &patience).await?;
         let service = api::start(&team).await?;
         // Every endpoint's subscription is at the server before the supervisor says it is
         // ready: a request sent once it is ready finds its endpoint.

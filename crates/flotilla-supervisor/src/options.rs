@@ -52,6 +52,11 @@ pub struct SupervisorOptions {
     /// once). Default 30 s, the protocol's heartbeat interval.
     #[serde(with = "humantime_serde")]
     pub agents_discovery: Duration,
+    /// How long a starting supervisor waits out JetStream answering nothing or saying it has
+    /// no leader (a cluster node restarting, an election) while it opens its buckets and
+    /// consumers; an error that will not pass (refused permissions) stops it at once.
+    #[serde(with = "humantime_serde")]
+    pub startup_wait: Duration,
 }
 
 /// `[[supervisor.webhooks]]`: one HTTP endpoint that receives notices.
@@ -262,6 +267,9 @@ impl Default for SupervisorOptions {
             webhooks: Vec::new(),
             external_agents: true,
             agents_discovery: Duration::from_secs(30),
+            // As the coordinator's `startup-wait`: far beyond an election's seconds, short
+            // enough that a broken cluster is reported.
+            startup_wait: Duration::from_secs(300),
         }
     }
 }

@@ -621,15 +621,21 @@ async fn dispatch(team: &Team, mate: &Teammate) -> Result<u64, SupervisorError> 
 }
 
 /// Binds the shared durable consumer of the teammate inboxes.
-pub(crate) async fn consumer(team: &Team) -> Result<PullConsumer, SupervisorError> {
-    team.bus
-        .shared_consumer(SharedConsumer {
-            stream: StreamKind::Mailbox,
-            durable: INBOX_CONSUMER.to_owned(),
-            description: "Flotilla supervisors: waking teammates on mail".to_owned(),
-            filters: vec![team.bus.names().teammate_inbox_all()],
-            ack_wait: team.opts.ack_wait,
-            max_ack_pending: 10_000,
+pub(crate) async fn consumer(
+    team: &Team,
+    patience: &flotilla_bus::startup::Patience,
+) -> Result<PullConsumer, SupervisorError> {
+    let spec = SharedConsumer {
+        stream: StreamKind::Mailbox,
+        durable: INBOX_CONSUMER.to_owned(),
+        description: "Flotilla supervisors: waking teammates on mail".to_owned(),
+        filters: vec![team.bus.names().teammate_inbox_all()],
+        ack_wait: team.opts.ack_wait,
+        max_ack_pending: 10_000,
+    };
+    patience
+        .ride_out("setting up the teammate inbox consumer", || {
+            team.bus.shared_consumer(spec.clone())
         })
         .await
         .map_err(|e| SupervisorError::Setup(e.to_string()))

@@ -76,18 +76,26 @@ pub(crate) fn consumer_name(webhook: &str) -> String {
 /// The webhooks of `team`'s options with their consumers (created or updated; see [`bind`]
 /// for where a new one starts). A secret variable that is not set is an
 /// error: signed deliveries were asked for.
-pub(crate) async fn prepare(team: &Team) -> Result<Vec<(Webhook, PullConsumer)>, SupervisorError> {
+pub(crate) async fn prepare(
+    team: &Team,
+    patience: &flotilla_bus::startup::Patience,
+) -> Result<Vec<(Webhook, PullConsumer)>, SupervisorError> {
     let mut out = Vec::new();
     if team.opts.webhooks.is_empty() {
         return Ok(out);
     }
     let names = team.bus.names();
     let stream_name = names.stream(StreamKind::Notify);
-    let stream = team.bus.js().get_stream(&stream_name).await.map_err(|e| {
-        SupervisorError::Setup(format!(
-            "opening stream {stream_name} (run `flotilla nats provision`?): {e}"
-        ))
-    })?;
+    let stream = patience
+        .ride_out("opening the notice stream", || {
+            team.bus.js().get_stream(&stream_name)
+        })
+        .await
+        .map_err(|e| {
+            SupervisorError::Setup(format!(
+                "opening stream {stream_name} (run `flotilla nats provision`?): {e}"
+            ))
+        })?;
     for opts in &team.opts.webhooks {
         let secret = match &opts.secret_env {
             Some(var) => match std::env::var(var) {
