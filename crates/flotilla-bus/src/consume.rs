@@ -13,6 +13,17 @@
 //! deliveries ([`redelivery_delay`]); every consumer bounds its deliveries and then fails
 //! visibly rather than retrying forever.
 
+/// How long one pull request of a long-lived message stream stays open at the server. A
+/// connection cut off without a word (a partition, not a crash) leaves its pull request at the
+/// server, which goes on delivering to it until the request expires — those messages then wait
+/// out their ack wait. A short expiry bounds that: after the client reconnects elsewhere, the
+/// dead connection's request takes at most this long more. The cost is one small request per
+/// expiry per idle consumer.
+pub const LONG_PULL_EXPIRY: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// The idle heartbeat of a long-lived message stream's pull requests (see [`until_stalled`]).
+pub const LONG_PULL_HEARTBEAT: std::time::Duration = std::time::Duration::from_secs(1);
+
 use async_nats::jetstream::Message;
 use async_nats::jetstream::consumer::pull::{MessagesError, MessagesErrorKind};
 use futures::{Stream, StreamExt};

@@ -412,6 +412,7 @@ async fn consume_intake(
                 .stream()
                 .max_messages_per_batch(concurrency)
                 .heartbeat(crate::PULL_HEARTBEAT)
+                .expires(flotilla_bus::consume::LONG_PULL_EXPIRY)
                 .messages()
                 .await
             {

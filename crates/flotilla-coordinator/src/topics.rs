@@ -56,6 +56,7 @@ pub(crate) async fn watch_workspace(
                 .stream()
                 .max_messages_per_batch(256)
                 .heartbeat(crate::PULL_HEARTBEAT)
+                .expires(flotilla_bus::consume::LONG_PULL_EXPIRY)
                 .messages()
                 .await
             {

@@ -76,8 +76,23 @@ pub(crate) async fn messages_of(
 ) -> Option<async_nats::jetstream::consumer::pull::Stream> {
     while !stop.is_cancelled() {
         let opened = match batch {
-            Some(n) => consumer.stream().max_messages_per_batch(n).messages().await,
-            None => consumer.messages().await,
+            Some(n) => {
+                consumer
+                    .stream()
+                    .max_messages_per_batch(n)
+                    .heartbeat(flotilla_bus::consume::LONG_PULL_HEARTBEAT)
+                    .expires(flotilla_bus::consume::LONG_PULL_EXPIRY)
+                    .messages()
+                    .await
+            }
+            None => {
+                consumer
+                    .stream()
+                    .heartbeat(flotilla_bus::consume::LONG_PULL_HEARTBEAT)
+                    .expires(flotilla_bus::consume::LONG_PULL_EXPIRY)
+                    .messages()
+                    .await
+            }
         };
         match opened {
             Ok(m) => {

@@ -296,6 +296,7 @@ impl Runtime {
             .stream()
             .max_messages_per_batch(self.opts.batch)
             .heartbeat(PULL_HEARTBEAT)
+            .expires(flotilla_bus::consume::LONG_PULL_EXPIRY)
             .messages()
             .await;
         let mut messages = match stream {
