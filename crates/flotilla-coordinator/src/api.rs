@@ -629,6 +629,7 @@ impl Api {
                 timeout_ms: None,
                 rollback: r.rollback,
                 task_id: None,
+                reply_to: None,
             }),
         };
         match bus

@@ -349,6 +349,10 @@ pub fn public_schemas() -> Vec<(&'static str, Schema)> {
             schema_for!(crate::control::ControlRunReply),
         ),
         (
+            "control-verdict.json",
+            schema_for!(crate::control::ControlVerdict),
+        ),
+        (
             "complete-task-request.json",
             schema_for!(crate::control::CompleteTaskRequest),
         ),
