@@ -111,13 +111,15 @@ struct Api {
 /// (see [`Api::sweep_external_questions`]).
 const EXTERNAL_SWEEP: std::time::Duration = std::time::Duration::from_secs(15);
 
-/// Serves the API until `shutdown`.
+/// Serves the API until `shutdown`; `registered` fires once every endpoint is subscribed
+/// (dropped unsent when the service cannot start).
 pub(crate) async fn serve(
     store: RunStore,
     intake: Arc<Intake>,
     ctx: ValidationContext,
     live: LiveWorkers,
     metadata: std::collections::HashMap<String, String>,
+    registered: tokio::sync::oneshot::Sender<()>,
     shutdown: CancellationToken,
 ) -> Result<(), CoordinatorError> {
     let bus = store.bus().clone();
@@ -264,6 +266,9 @@ pub(crate) async fn serve(
     )
     .await
     .map_err(setup)?;
+    // Every endpoint's subscription reached the server: requests are answered from now on.
+    bus.client().flush().await.map_err(|e| setup(Box::new(e)))?;
+    let _ = registered.send(());
     let api = Arc::new(Api {
         escalations: crate::approvals::Escalations::new(bus.clone()),
         store,

@@ -210,7 +210,9 @@ impl Coordinator {
                 .map_err(|e| setup("opening the trust bucket", e))?;
             let mirror = flotilla_bus::mirror::KvMirror::new();
             mirror.follow(kv, shutdown.clone());
-            // Admit nothing with levels not read yet.
+            // Admit nothing with levels not read yet (this coordinator is not ready, and
+            // nothing relying on it answers, until they are).
+            info!("Reading the earned trust levels before starting");
             tokio::select! {
                 _ = mirror.synced() => {}
                 _ = shutdown.cancelled() => return Ok(()),
@@ -255,12 +257,30 @@ impl Coordinator {
             .with_hitl(self.opts.hitl.clone())
             .with_trust(trust),
         );
+        let mut tasks = tokio::task::JoinSet::new();
+        if self.opts.api {
+            // Ready means answering: the API's endpoints are registered before anyone who
+            // waits for this coordinator (its exposed agents, workflow worker) is told.
+            let (serving, registered) = tokio::sync::oneshot::channel();
+            let (store, intake, shutdown) = (store.clone(), Arc::clone(&intake), shutdown.clone());
+            let (ctx, live) = (self.ctx.clone(), live.clone());
+            let metadata = std::mem::take(&mut self.service_metadata);
+            tasks.spawn(async move {
+                if let Err(e) =
+                    api::serve(store, intake, ctx, live, metadata, serving, shutdown).await
+                {
+                    warn!(error = %e, "The API service stopped");
+                }
+            });
+            // A service that failed to start is logged above; the rest of the coordinator
+            // still works.
+            let _ = registered.await;
+        }
         if let Some(ready) = self.ready.take() {
             let _ = ready.send(());
         }
         info!(prefix = self.bus.names().prefix(), "Coordinator started");
 
-        let mut tasks = tokio::task::JoinSet::new();
         tasks.spawn(live.clone().follow(workers, shutdown.clone()));
         tasks.spawn(Arc::clone(&runtime).run(runlog, shutdown.clone()));
         tasks.spawn(topics::watch_workspace(
@@ -274,16 +294,6 @@ impl Coordinator {
             self.opts.intake_concurrency,
             shutdown.clone(),
         ));
-        if self.opts.api {
-            let (store, intake, shutdown) = (store.clone(), Arc::clone(&intake), shutdown.clone());
-            let ctx = self.ctx.clone();
-            let metadata = std::mem::take(&mut self.service_metadata);
-            tasks.spawn(async move {
-                if let Err(e) = api::serve(store, intake, ctx, live, metadata, shutdown).await {
-                    warn!(error = %e, "The API service stopped");
-                }
-            });
-        }
         while tasks.join_next().await.is_some() {}
         info!("Coordinator stopped");
         Ok(())
