@@ -23,6 +23,7 @@ use std::time::Duration;
 
 use flotilla_model::run::RunStatus;
 use flotilla_testkit::openai::{OpenAiServer, Reply};
+use futures::StreamExt as _;
 use serde_json::{Value, json};
 use support::*;
 
@@ -1507,5 +1508,155 @@ failure = "it always breaks"
     }
     let s = call(&script, &p, &["prompt", subject, "still there?"])?;
     assert_error(&s, 404, "unknown_agent");
+    Ok(())
+}
+
+/// The prompt subject of the exposed `echo` agent of the tests below.
+const ECHO_PROMPT: &str = "agents.prompt.echo.flotilla.default";
+
+/// An exposed scripted agent, short keep-alives.
+const ECHO: &str = r#"
+[agents-protocol]
+heartbeat = "1s"
+keepalive = "300ms"
+
+[agents.echo]
+kind = "scripted"
+reply = "echo: {description}"
+expose = true
+"#;
+
+/// Waits until process `i`'s log holds `line`.
+async fn logged(p: &Processes, i: usize, line: &str) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !p.log(i).contains(line) {
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "process {i} never logged {line:?}: {}",
+            p.log(i)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
+}
+
+/// A coordinator process answers prompts of the NATS Agent Protocol only once its coordinator
+/// has started: one that cannot finish starting (here its user may not read the trust bucket,
+/// so it never has the earned levels it admits runs with) registers no agent, and a prompt
+/// finds nobody (NATS says "no responders") rather than a process that would start a run it
+/// could not cancel; once a ready coordinator runs, it answers.
+#[tokio::test(flavor = "multi_thread")]
+async fn only_a_started_coordinator_answers_prompts() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let conf = dir.path().join("users.conf");
+    std::fs::write(
+        &conf,
+        r#"
+authorization {
+  users = [
+    { user: admin, password: admin-password }
+    { user: stuck, password: stuck-password, permissions: {
+        publish: { allow: [">"], deny: ["$JS.API.CONSUMER.CREATE.KV_flotilla-trust", "$JS.API.CONSUMER.CREATE.KV_flotilla-trust.>"] }
+        subscribe: { allow: [">"] }
+    } }
+  ]
+}
+"#,
+    )?;
+    let server = flotilla_testkit::NatsServer::builder()
+        .config_file(&conf)
+        .connect_as("admin", "admin-password")
+        .start()
+        .await?;
+    let mut p =
+        Processes::with_server(server, &format!("{ECHO}\n[hitl.trust]\nenabled = true\n")).await?;
+    let as_user = |user: &'static str, password: &'static str| {
+        [
+            ("FLOTILLA_NATS__AUTH__KIND", "user-password"),
+            ("FLOTILLA_NATS__AUTH__USER", user),
+            ("FLOTILLA_NATS__AUTH__PASSWORD", password),
+        ]
+    };
+    let stuck = p.spawn_env(&["coordinator"], &as_user("stuck", "stuck-password"))?;
+    // Past connecting, provisioning and its consumers: waiting for what it cannot read.
+    logged(&p, stuck, "Reading the earned trust levels before starting").await?;
+    let nc = p.bus.client().clone();
+    let asked = nc.request(ECHO_PROMPT, "hello".into()).await;
+    assert!(
+        asked
+            .as_ref()
+            .is_err_and(|e| e.kind() == async_nats::RequestErrorKind::NoResponders),
+        "a half-started process answered: {:?}\n{}",
+        asked.map(|m| m.payload),
+        p.log(stuck)
+    );
+
+    // A coordinator that starts answers.
+    p.spawn_env(&["coordinator"], &as_user("admin", "admin-password"))?;
+    wait_for_api(&p.bus).await?;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let ack = loop {
+        match nc.request(ECHO_PROMPT, "hello".into()).await {
+            Ok(m) => break m,
+            Err(e) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
+                anyhow::ensure!(tokio::time::Instant::now() < deadline, "nobody answered");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    };
+    let ack: Value = serde_json::from_slice(&ack.payload)?;
+    assert_eq!(ack, json!({"type": "status", "data": "ack"}));
+    let log = p.log(stuck);
+    assert!(
+        !log.contains("Coordinator started") && !log.contains("Agents exposed"),
+        "the stuck process started after all: {log}"
+    );
+    Ok(())
+}
+
+/// A caller that goes away gets its run cancelled even when no coordinator answers the first
+/// cancel: here the only coordinator serves no API (`coordinator.api = false`), so the exposed
+/// agent's cancel is tried again until one that does is started.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_abandoned_prompts_run_is_cancelled_once_a_coordinator_answers() -> anyhow::Result<()> {
+    let mut p = Processes::start(ECHO).await?;
+    let first = p.spawn_env(&["coordinator"], &[("FLOTILLA_COORDINATOR__API", "false")])?;
+    logged(&p, first, "Agents exposed on the NATS Agent Protocol").await?;
+    // No worker: the run waits for one. The caller takes the ack and goes away.
+    let nc = p.bus.client().clone();
+    let inbox = nc.new_inbox();
+    let mut stream = nc.subscribe(inbox.clone()).await?;
+    nc.publish_with_reply(ECHO_PROMPT, inbox, "hello".into())
+        .await?;
+    let ack = tokio::time::timeout(WAIT, stream.next())
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no ack"))?;
+    assert_eq!(
+        serde_json::from_slice::<Value>(&ack.payload)?,
+        json!({"type": "status", "data": "ack"})
+    );
+    stream.unsubscribe().await?;
+    nc.flush().await?;
+    // Its cancel found no coordinator.
+    logged(&p, first, "could not be cancelled").await?;
+    let run = prompt_runs(&p, "echo")
+        .await?
+        .first()
+        .map(|r| r.handle.run_id)
+        .ok_or_else(|| anyhow::anyhow!("no prompt run"))?;
+    assert!(p.log(first).contains(&run.to_string()), "{}", p.log(first));
+    // One that answers: the cancel is tried again and goes through.
+    p.coordinator().await?;
+    let outcome = p.client.wait(run, WAIT).await?;
+    assert_eq!(outcome.status, RunStatus::Cancelled, "{outcome:?}");
+    assert!(
+        outcome
+            .reason
+            .as_deref()
+            .is_some_and(|r| r.contains("went away")),
+        "{outcome:?}"
+    );
+    logged(&p, first, "cancelled after all").await?;
     Ok(())
 }

@@ -521,6 +521,46 @@ fail-first = 99
         let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
         assert_eq!(v["checked"], "deployment");
         assert_eq!(v["errors"][0]["code"], "unknown_agent");
+        // One field of the wrong type hides nothing: it is reported, and the rest of the plan
+        // is still checked against the deployment, whose agents are not the local config's
+        // (`broken` is the deployment's only, `ghost` nobody's).
+        let typed = write_plan(
+            dir.path(),
+            "typed.json",
+            serde_json::json!({"subtasks": [
+                {"id": "a", "timeout": "banana"},
+                {"id": "b", "agent": "ghost", "dependencies": ["a"]},
+                {"id": "c", "agent": "broken"}
+            ]}),
+        );
+        let out = flotilla(&["--nats-url", &url, "plan", "validate", "--json", &typed]);
+        assert_eq!(out.status.code(), Some(1), "{}", stdout(&out));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        assert_eq!(v["checked"], "deployment", "{v}");
+        assert_eq!(v["subtasks"], 3, "{v}");
+        let found: Vec<(&str, &str)> = v["errors"]
+            .as_array()
+            .expect("errors")
+            .iter()
+            .map(|p| {
+                (
+                    p["path"].as_str().unwrap_or_default(),
+                    p["code"].as_str().unwrap_or_default(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            found,
+            [
+                ("subtasks[0].timeout", "malformed"),
+                ("subtasks[1].agent", "unknown_agent")
+            ],
+            "{v}"
+        );
+        assert!(
+            v["note"].as_str().is_some_and(|n| n.contains("left out")),
+            "{v}"
+        );
 
         // A pool nobody serves: the submission warns, runs show says what the tasks wait on.
         let gpu = write_plan(

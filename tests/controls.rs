@@ -238,6 +238,113 @@ async fn a_paused_run_dispatches_nothing_new_and_resumes_where_it_stopped() -> a
     Ok(())
 }
 
+/// How many notices of `kind` (`pause`, `takeover`) the notice stream holds for `run`.
+async fn notices(f: &InProcess, kind: &str, run: RunId) -> anyhow::Result<u64> {
+    use futures::TryStreamExt;
+    let stream = f
+        .bus
+        .js()
+        .get_stream(
+            f.bus
+                .names()
+                .stream(flotilla_model::subjects::StreamKind::Notify),
+        )
+        .await?;
+    let mut info = stream
+        .info_builder()
+        .subjects(f.bus.names().notify(kind, run))
+        .fetch()
+        .await?;
+    let mut count = 0;
+    while let Some((_, n)) = info.try_next().await? {
+        count += n as u64;
+    }
+    Ok(count)
+}
+
+/// The same control sent twice at once — two people, or a double click — is decided once, by
+/// the run machine: one answer `applied: true`, the other `applied: false` saying why, one
+/// event and one notice. For the run's pause, resume and takeover, and a task's pause and
+/// resume.
+#[tokio::test]
+async fn a_control_sent_twice_at_once_applies_once_and_the_second_says_why() -> anyhow::Result<()> {
+    let f = services(Duration::from_millis(1500)).await?;
+    let run = f
+        .client
+        .submit(SubmitRequest::new(plan(vec![
+            Subtask::new("slow", "take time").with_agent("bot"),
+            Subtask::new("next", "then")
+                .with_agent("bot")
+                .after(&["slow"]),
+        ])))
+        .await?;
+    task_started(&f.client, run, "slow").await?;
+    // Both answers, the applied one first.
+    async fn twice<R>(f: &InProcess, request: &R) -> anyhow::Result<[ControlRunReply; 2]>
+    where
+        R: flotilla_model::api::ApiRequest<Reply = ControlRunReply>,
+    {
+        let (a, b) = tokio::join!(
+            f.client.request(request, ASK),
+            f.client.request(request, ASK)
+        );
+        let (a, b) = (a?, b?);
+        anyhow::ensure!(a.applied != b.applied, "applied once: {a:?} {b:?}");
+        Ok(if a.applied { [a, b] } else { [b, a] })
+    }
+    let says = |r: &ControlRunReply, what: &str| {
+        assert!(
+            !r.pending && r.detail.as_deref().is_some_and(|d| d.contains(what)),
+            "{what:?}: {r:?}"
+        );
+    };
+
+    let [first, second] = twice(&f, &pause(run)).await?;
+    assert_eq!(first.status, RunStatus::Running, "{first:?}");
+    assert_eq!(second.status, RunStatus::Paused, "{second:?}");
+    says(&second, "already paused by alice until");
+    assert_eq!(notices(&f, "pause", run).await?, 1, "one notice");
+
+    let [_, second] = twice(&f, &resume(run)).await?;
+    says(&second, "nothing holds it");
+
+    let [first, second] = twice(&f, &takeover(run)).await?;
+    assert_eq!(first.status, RunStatus::Running, "{first:?}");
+    says(&second, "already under human control by bob");
+    assert!(first.context.is_some() && second.context.is_some());
+    assert_eq!(notices(&f, "takeover", run).await?, 1, "one notice");
+    f.client.request(&resume(run), ASK).await?;
+
+    // One task's pause and resume.
+    let mut hold = pause(run);
+    hold.task_id = Some(TaskId::new("next"));
+    let [first, second] = twice(&f, &hold).await?;
+    assert_eq!(first.task_id, Some(TaskId::new("next")));
+    says(&second, "task next is already paused");
+    let mut release = resume(run);
+    release.task_id = Some(TaskId::new("next"));
+    let [_, second] = twice(&f, &release).await?;
+    says(&second, "task next is not paused");
+
+    let counts = |phase: WorkflowPhase, seen: &[(WorkflowPhase, String)]| {
+        seen.iter().filter(|(p, _)| *p == phase).count()
+    };
+    let outcome = f.client.wait(run, WAIT).await?;
+    assert_eq!(outcome.status, RunStatus::Succeeded, "{outcome:?}");
+    let seen = phases(&f, run).await?;
+    for (phase, n) in [
+        (WorkflowPhase::RunPaused, 1),
+        (WorkflowPhase::RunTakenOver, 1),
+        (WorkflowPhase::RunResumed, 2),
+        (WorkflowPhase::TaskPaused, 1),
+        (WorkflowPhase::TaskResumed, 1),
+    ] {
+        assert_eq!(counts(phase, &seen), n, "{phase:?} in {seen:?}");
+    }
+    f.stop().await;
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_person_takes_over_completes_a_task_by_hand_and_hands_the_run_back() -> anyhow::Result<()>
 {
@@ -458,14 +565,23 @@ async fn bad_controls_are_refused_with_what_is_wrong_and_change_nothing() -> any
     let body: serde_json::Value = serde_json::from_slice(&reply.payload)?;
     assert_eq!(body["code"], "malformed", "{body}");
 
-    // Pausing a run under human control changes nothing.
+    // Pausing a run under human control changes nothing: the run machine says why (the
+    // control is on the run log, where it changed nothing).
     let r: ControlRunReply = f.client.request(&pause(run), ASK).await?;
-    assert!(!r.applied);
+    assert!(!r.applied, "{r:?}");
+    assert_eq!(r.status, RunStatus::HumanControl);
+    assert!(
+        r.detail
+            .as_deref()
+            .is_some_and(|d| d.contains("a pause does not apply")),
+        "{r:?}"
+    );
     assert_eq!(
         entries(&f, run).await?.len(),
-        before,
-        "nothing was recorded"
+        before + 1,
+        "only the pause was recorded"
     );
+    run_status(&f, run, RunStatus::HumanControl).await?;
     f.client.request(&resume(run), ASK).await?;
     let outcome = f.client.wait(run, WAIT).await?;
     assert_eq!(outcome.status, RunStatus::Succeeded);

@@ -604,6 +604,7 @@ async fn an_invalid_fast_path_plan_is_never_started_by_another_coordinator() -> 
                 timeout_ms: None,
                 rollback: false,
                 task_id: None,
+                reply_to: None,
             }),
         };
         bus.publish(bus.names().runlog(*run), &entry, None).await?;

@@ -223,7 +223,7 @@ async fn a_lead_pauses_a_member_mid_task_and_an_operator_resumes_it() -> anyhow:
     ])?;
     assert_eq!(out.status.code(), Some(1), "{}", stdout(&out));
     assert!(stdout(&out).contains("invalid_timeout"), "{}", stdout(&out));
-    // Pausing it again is recorded and changes nothing (the machine decides).
+    // Pausing it again changes nothing, and the run machine says why.
     let out = p.cli(&[
         "runs",
         "pause",
@@ -235,7 +235,7 @@ async fn a_lead_pauses_a_member_mid_task_and_an_operator_resumes_it() -> anyhow:
     ])?;
     assert!(out.status.success(), "{}", stdout(&out));
     assert!(
-        stdout(&out).contains("The pause of task draft"),
+        stdout(&out).contains("nothing changed: task draft is already paused until"),
         "{}",
         stdout(&out)
     );
@@ -254,7 +254,7 @@ async fn a_lead_pauses_a_member_mid_task_and_an_operator_resumes_it() -> anyhow:
     ])?;
     assert!(out.status.success(), "{}", stdout(&out));
     assert!(
-        stdout(&out).contains("resume of task draft of run"),
+        stdout(&out).contains("Task draft of run") && stdout(&out).contains("resumed"),
         "{}",
         stdout(&out)
     );
@@ -335,6 +335,10 @@ async fn a_lead_pauses_a_member_mid_task_and_an_operator_resumes_it() -> anyhow:
         "ops",
     ])?;
     assert!(out.status.success(), "{}", stdout(&out));
-    assert!(stdout(&out).contains("already ended"), "{}", stdout(&out));
+    assert!(
+        stdout(&out).contains("nothing changed: the run has ended (succeeded)"),
+        "{}",
+        stdout(&out)
+    );
     Ok(())
 }

@@ -730,3 +730,117 @@ async fn collaboration_endpoints_refuse_bad_input_and_store_nothing() -> anyhow:
     f.stop().await;
     Ok(())
 }
+
+/// `protocol` is optional on every request, as the conventions of docs/protocol.md say: each
+/// request kind of the coordinators' and the supervisors' APIs, sent without it, is read
+/// (whatever the answer, never `400 malformed`); the same body with `"protocol": 1` shows the
+/// rest of the body is a well-formed request of its kind.
+#[tokio::test]
+async fn every_request_kind_is_read_without_protocol() -> anyhow::Result<()> {
+    let mut p = Processes::start(
+        "[agents.echo]\nkind = \"scripted\"\nreply = \"done\"\nroles = [\"writer\"]\n",
+    )
+    .await?;
+    p.coordinator().await?;
+    p.supervisor().await?;
+    let nc = p.bus.client().clone();
+    // A run that exists (no worker: it waits), and one that does not.
+    let run = p
+        .client
+        .submit(flotilla_model::submit::SubmitRequest::new(plan(vec![
+            flotilla_model::plan::Subtask::new("a", "x"),
+        ])))
+        .await?
+        .to_string();
+    let ghost = "0190f0c4-8a3e-7cc1-9a39-6f1c1b7d2e00";
+    let session = "0190f0c4-8a3e-7cc1-9a39-6f1c1b7d2e01";
+    let attempt = "0190f0c4-8a3e-7cc1-9a39-6f1c1b7d2e02";
+    let subtasks = json!({"subtasks": [{"id": "a"}]});
+    #[rustfmt::skip]
+    let requests: Vec<(&str, Value)> = vec![
+        ("submit", json!({"plan": subtasks})),
+        ("run.get", json!({"run_id": run})),
+        ("run.cancel", json!({"run_id": ghost})),
+        ("run.pause", json!({"run_id": ghost})),
+        ("run.resume", json!({"run_id": ghost})),
+        ("run.takeover", json!({"run_id": ghost})),
+        ("run.complete", json!({"run_id": ghost, "task_id": "a", "result": "r", "by": "me"})),
+        ("run.edit", json!({"run_id": ghost, "plan": subtasks, "by": "me"})),
+        ("run.tree", json!({"run_id": run})),
+        ("session.get", json!({"session_id": session})),
+        ("plan.validate", json!({"plan": subtasks})),
+        ("watch", json!({"run_id": ghost, "deliver_subject": "_INBOX.nobody"})),
+        ("child.start", json!({"submission": {"plan": subtasks}})),
+        ("ws.append", json!({"run_id": run, "topic": "t", "entry": {}})),
+        ("ws.read", json!({"run_id": run})),
+        ("mbox.send", json!({"run_id": run, "from": "me", "to": "a", "type": "info"})),
+        ("mbox.read", json!({"run_id": run, "reader": "a"})),
+        ("mbox.role", json!({"run_id": run, "role": "writer"})),
+        ("mbox.negotiate", json!({"run_id": ghost, "from": "me", "candidates": ["a"], "deadline_ms": 1000})),
+        ("state.get", json!({"run_id": run, "key": "k"})),
+        ("state.list", json!({"run_id": run})),
+        ("state.set", json!({"run_id": run, "key": "k", "value": 1})),
+        ("approval.ask", json!({"run_id": ghost, "task_id": "a", "attempt": 1, "attempt_id": attempt,
+            "agent": "ext", "query_id": "q1", "question": "may I?"})),
+        ("approval.list", json!({})),
+        ("approval.get", json!({"run_id": run, "approval_id": "a.1"})),
+        ("approval.answer", json!({"run_id": run, "approval_id": "a.1", "decision": "approve", "by": "me"})),
+        ("approval.grants", json!({"run_id": run})),
+        ("approval.revoke", json!({"run_id": run, "tool": "shell", "by": "me"})),
+        ("team.list", json!({})),
+        ("team.get", json!({"name": "echo"})),
+        ("team.find", json!({"role": "writer"})),
+        ("team.stats", json!({})),
+        ("team.recruit", json!({"run_id": ghost, "recruit_id": "r1", "role": "writer",
+            "description": "d", "reason": "why"})),
+        ("team.recruit_status", json!({"run_id": ghost, "recruit_id": "r1"})),
+        ("team.retire", json!({"run_id": ghost, "member": "echo", "reason": "why"})),
+        ("team.assign", json!({"run_id": ghost, "task_id": "a"})),
+        ("team.finish", json!({"run_id": ghost, "result": "r"})),
+        ("team.spawn", json!({"name": "mate", "role": "writer", "instructions": "help", "agent": "ghost-agent"})),
+        ("team.send", json!({"to": "nobody", "text": "hi"})),
+        ("team.broadcast", json!({"text": "hi", "team": "nobody"})),
+        ("team.shutdown", json!({"name": "nobody"})),
+        ("team.mates", json!({})),
+        ("memory.list", json!({})),
+        ("memory.get", json!({"run_id": ghost})),
+        ("memory.forget", json!({"run_id": ghost})),
+        ("trust.list", json!({})),
+        ("trust.get", json!({"name": "echo"})),
+        ("trust.set", json!({"name": "echo", "level": "novice", "reason": "test", "by": "me"})),
+        ("trust.incident", json!({"name": "echo", "reason": "test", "by": "me"})),
+    ];
+    // Every request kind is in the table.
+    let kinds: std::collections::BTreeSet<&str> = requests.iter().map(|(k, _)| *k).collect();
+    let schemas: Vec<String> = flotilla_model::schema::public_schemas()
+        .into_iter()
+        .map(|(name, _)| name.to_owned())
+        .filter(|n| n.ends_with("-request.json"))
+        .collect();
+    assert_eq!(kinds.len(), requests.len(), "each kind once");
+    assert_eq!(
+        kinds.len(),
+        schemas.len(),
+        "one row per request kind: {kinds:?} vs {schemas:?}"
+    );
+    for (endpoint, body) in requests {
+        assert!(body.get("protocol").is_none());
+        let mut versioned = body.clone();
+        versioned["protocol"] = json!(1);
+        for sent in [versioned, body] {
+            let reply = tokio::time::timeout(
+                Duration::from_secs(30),
+                call(&nc, endpoint, serde_json::to_vec(&sent)?),
+            )
+            .await
+            .map_err(|_| anyhow::anyhow!("{endpoint} {sent}: no answer"))??;
+            assert_ne!(
+                (reply.0, reply.1["code"].as_str()),
+                (Some(400), Some("malformed")),
+                "{endpoint} {sent}: {}",
+                reply.1
+            );
+        }
+    }
+    Ok(())
+}

@@ -13,7 +13,8 @@
 //!          ──► ack ──► submit a one-task plan for the agent (a Flotilla run)
 //!          ──► watch the run: assistant_reply ─► response chunks
 //!                             await_clarification ─► query; the caller's answer ─► approval.answer
-//!                             keep-alive ack every `keepalive` (no listener left ─► cancel the run)
+//!                             keep-alive ack every `keepalive` (no listener left ─► cancel the run,
+//!                             tried again while no coordinator answers, up to 2 min)
 //!          ──► run succeeded: its answer when nothing was streamed, then the end
 //!              run failed, cancelled, rejected, timed out: an error frame, then the end
 //! ```
@@ -42,7 +43,7 @@ use flotilla_model::watch::{ChildPolicy, Profile};
 use futures::StreamExt;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::options::AgentsProtocolOptions;
 use crate::serve::{Ending, Failure, Instance, InstanceSpec, Outbox, Prompter, UnknownAgents};
@@ -355,11 +356,23 @@ async fn prompt(
     match end {
         End::Gone => {
             info!(%run, agent = %agent.name, "The caller went away: cancelling its run");
-            cancel(&shared.client, run, "the caller of agents.prompt went away").await;
+            cancel(
+                &shared.client,
+                run,
+                "the caller of agents.prompt went away",
+                &shared.shutdown,
+            )
+            .await;
             Ending::Gone
         }
         End::TimedOut => {
-            cancel(&shared.client, run, "agents-protocol prompt-timeout").await;
+            cancel(
+                &shared.client,
+                run,
+                "agents-protocol prompt-timeout",
+                &shared.shutdown,
+            )
+            .await;
             failure(
                 500,
                 "timeout",
@@ -481,11 +494,67 @@ async fn answer(client: Client, run: RunId, token: String, mut answers: async_na
     }
 }
 
-/// Cancels `run`, saying why; a failure is logged (the run's own deadlines still end it).
-async fn cancel(client: &Client, run: RunId, reason: &str) {
-    if let Err(e) = client.cancel(run, Some(reason.to_owned())).await {
-        warn!(error = %e, %run, "The run of an abandoned prompt could not be cancelled");
-    }
+/// How long the cancel of an abandoned prompt's run is tried again while no coordinator
+/// answers it (one restarting, all of them busy): a run nobody reads any more should not
+/// run to its end for want of one answer.
+const CANCEL_RETRY_FOR: Duration = Duration::from_secs(120);
+/// The first pause between two tries; it doubles up to [`CANCEL_RETRY_MAX_PAUSE`].
+const CANCEL_RETRY_PAUSE: Duration = Duration::from_millis(250);
+/// The longest pause between two tries.
+const CANCEL_RETRY_MAX_PAUSE: Duration = Duration::from_secs(5);
+
+/// Cancels `run`, saying why. A cancel no coordinator could answer (none answered, no
+/// answer in time, NATS failed, a `5xx` refusal) is tried again with growing pauses for up
+/// to [`CANCEL_RETRY_FOR`], or until this process stops; if it still fails, or a
+/// coordinator refuses it for good, that is logged as an error naming the run, which is
+/// then left to its own deadlines (each task's `task_timeout`), or to `flotilla runs
+/// cancel`.
+async fn cancel(client: &Client, run: RunId, reason: &str, shutdown: &CancellationToken) {
+    use flotilla_bus::error::Retry;
+    use flotilla_model::api::CancelRunRequest;
+    let request = CancelRunRequest {
+        protocol: flotilla_model::PROTOCOL_VERSION,
+        run_id: run,
+        reason: Some(reason.to_owned()),
+        by: None,
+        rollback: false,
+    };
+    let give_up = tokio::time::Instant::now() + CANCEL_RETRY_FOR;
+    let mut pause = CANCEL_RETRY_PAUSE;
+    let mut tries = 0u32;
+    let why = loop {
+        tries += 1;
+        let why = match client.call(&request, Duration::from_secs(10)).await {
+            Ok(Ok(reply)) => {
+                if tries > 1 {
+                    info!(%run, tries, status = %reply.status, "The run of an abandoned prompt is cancelled after all");
+                }
+                return;
+            }
+            Ok(Err(refused)) if refused.status < 500 => {
+                break format!("{} ({}): {}", refused.code, refused.status, refused.message);
+            }
+            Ok(Err(refused)) => {
+                format!("{} ({}): {}", refused.code, refused.status, refused.message)
+            }
+            Err(e) if e.kind().retry() == Retry::Terminal => break e.to_string(),
+            Err(e) => e.to_string(),
+        };
+        let now = tokio::time::Instant::now();
+        if now + pause > give_up {
+            break format!(
+                "{why} (tried {tries} times over {} s)",
+                CANCEL_RETRY_FOR.as_secs()
+            );
+        }
+        warn!(%run, tries, error = %why, "The run of an abandoned prompt could not be cancelled yet; trying again");
+        tokio::select! {
+            () = tokio::time::sleep(pause) => {}
+            () = shutdown.cancelled() => break format!("{why} (this process stopped before a coordinator answered)"),
+        }
+        pause = (pause * 2).min(CANCEL_RETRY_MAX_PAUSE);
+    };
+    error!(%run, error = %why, "The run of an abandoned prompt could not be cancelled: it runs until its own deadlines, or `flotilla runs cancel`");
 }
 
 #[cfg(test)]

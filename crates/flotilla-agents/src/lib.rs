@@ -8,7 +8,8 @@
 //!   `[agents-protocol] expose-all`) as agents of the protocol. A prompt starts a Flotilla
 //!   run of the agent and streams its replies back; its questions become the protocol's
 //!   `query`; a caller that goes away cancels the run. Started by `flotilla coordinator`
-//!   (and `flotilla up`), stateless, one service instance per agent per process.
+//!   (and `flotilla up`) once its coordinator is ready, stateless, one service instance per
+//!   agent per process.
 //! * [`serve`]: what every Flotilla agent of the protocol shares (the service instance,
 //!   heartbeats, `status`, refusals, keep-alives, error frames, the end); a [`serve::Prompter`]
 //!   says what a prompt does.

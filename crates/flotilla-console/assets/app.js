@@ -519,7 +519,7 @@ async function viewRun(runId) {
       if (action === 'cancel') body.rollback = rollback;
       try {
         const r = await api(`/api/runs/${runId}/${action}`, { body });
-        toast(`${action}: ${r.applied === false ? `already ${r.status}` : 'done'}`);
+        toast(`${action}: ${r.applied === false ? (r.detail || `already ${r.status}`) : (r.pending ? 'recorded, not applied yet' : 'done')}`);
         refreshRun();
       } catch (e) { toast(`${action}: ${e.message}`, true); }
     };
@@ -584,7 +584,7 @@ async function viewRun(runId) {
     }
     try {
       const r = await api(`/api/runs/${runId}/${action}`, { body });
-      toast(`${action} ${task}: ${r.applied === false ? 'nothing to do' : (action === 'complete' ? 'completed' : 'recorded')}`);
+      toast(`${action} ${task}: ${r.applied === false ? (r.detail || 'nothing to do') : (action === 'complete' ? 'completed' : (r.pending ? 'recorded, not applied yet' : 'done'))}`);
       refreshRun();
     } catch (e) { toast(`${action} ${task}: ${e.message}`, true); }
   });

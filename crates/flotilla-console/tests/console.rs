@@ -350,6 +350,85 @@ async fn pending(client: &Client, run: flotilla_model::RunId) -> anyhow::Result<
     }
 }
 
+/// The `event` frames of a server-sent event stream: their ids and the projected events.
+fn sse_events(body: &str) -> Vec<(String, serde_json::Value)> {
+    body.split("\n\n")
+        .filter_map(|frame| {
+            let field = |name: &str| {
+                frame
+                    .lines()
+                    .find_map(|l| l.strip_prefix(name).map(str::trim_start))
+            };
+            (field("event:")? == "event").then_some(())?;
+            let data = serde_json::from_str(field("data:")?).ok()?;
+            Some((field("id:")?.to_owned(), data))
+        })
+        .collect()
+}
+
+/// A browser that reconnects to a run's events (`Last-Event-ID`: the `<seq>.<index>` id of
+/// the last event it got) is given exactly the events after that one — the rest of its
+/// message too, when one message held several — and none twice; so is a page that asks
+/// with `since` and `since_index`.
+#[tokio::test]
+async fn the_api_resumes_a_runs_events_inside_a_message() -> anyhow::Result<()> {
+    let f = Fixture::start().await?;
+    let bob = format!("Bearer {BOB}");
+    let run = f
+        .client
+        .submit(SubmitRequest::new(Plan {
+            name: None,
+            query: None,
+            subtasks: vec![
+                Subtask::new("one", "write"),
+                Subtask::new("two", "write").after(&["one"]),
+            ],
+            config: PlanConfig::default(),
+        }))
+        .await?;
+    let outcome = f.client.wait(run, WAIT).await?;
+    assert_eq!(outcome.status, RunStatus::Succeeded, "{outcome:?}");
+    let path = format!("/api/runs/{run}/events?profile=debug");
+    let (code, body) = http(f.console, "GET", &path, &[("Authorization", &bob)], None).await?;
+    assert_eq!(code, 200, "{body}");
+    let all = sse_events(&body);
+    // The last step's message holds the last task's success and the run's end.
+    let seq = |id: &str| id.split('.').next().unwrap_or_default().to_owned();
+    let at = all
+        .iter()
+        .position(|(id, _)| seq(id) == seq(&all[all.len() - 1].0))
+        .expect("the last message");
+    assert!(
+        at + 1 < all.len(),
+        "one message holds several events: {all:?}"
+    );
+    let (id, _) = &all[at];
+    let (index, message) = (id.split('.').nth(1).unwrap_or_default().to_owned(), seq(id));
+    for (path, headers) in [
+        (
+            path.clone(),
+            vec![
+                ("Authorization", bob.as_str()),
+                ("Last-Event-ID", id.as_str()),
+            ],
+        ),
+        (
+            format!("{path}&since={message}&since_index={index}"),
+            vec![("Authorization", bob.as_str())],
+        ),
+    ] {
+        let (code, body) = http(f.console, "GET", &path, &headers, None).await?;
+        assert_eq!(code, 200, "{body}");
+        assert_eq!(
+            sse_events(&body),
+            all[at + 1..].to_vec(),
+            "{path} {headers:?}"
+        );
+    }
+    f.stop().await;
+    Ok(())
+}
+
 #[tokio::test]
 async fn the_api_needs_an_identity_and_only_operators_act() -> anyhow::Result<()> {
     let mut f = Fixture::start().await?;

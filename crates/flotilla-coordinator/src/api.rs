@@ -111,7 +111,8 @@ struct Api {
 /// (see [`Api::sweep_external_questions`]).
 const EXTERNAL_SWEEP: std::time::Duration = std::time::Duration::from_secs(15);
 
-/// Serves the API until `shutdown`.
+/// Serves the API until `shutdown`; `registered` fires once every endpoint is subscribed
+/// (dropped unsent when the service cannot start).
 pub(crate) async fn serve(
     store: RunStore,
     intake: Arc<Intake>,
@@ -637,6 +638,7 @@ impl Api {
                 timeout_ms: None,
                 rollback: r.rollback,
                 task_id: None,
+                reply_to: None,
             }),
         };
         match bus

@@ -268,7 +268,9 @@ impl Coordinator {
                 .map_err(|e| setup("opening the trust bucket", e))?;
             let mirror = flotilla_bus::mirror::KvMirror::new();
             mirror.follow(kv, shutdown.clone());
-            // Admit nothing with levels not read yet.
+            // Admit nothing with levels not read yet (this coordinator is not ready, and
+            // nothing relying on it answers, until they are).
+            info!("Reading the earned trust levels before starting");
             tokio::select! {
                 _ = mirror.synced() => {}
                 _ = shutdown.cancelled() => return Ok(()),

@@ -1707,6 +1707,135 @@ fn armed(actions: &[Action]) -> Vec<(u64, i64)> {
         .collect()
 }
 
+/// Whether a pause, resume or takeover changes the run is the machine's decision, and
+/// [`RunMachine::check_control`] says it before the input is applied — the same answer
+/// `apply` gives (actions or none) — and why not: a second pause right after the first, a
+/// takeover twice, a resume of a running run, a pause under human control, a task paused
+/// twice or resumed while not paused, the lead lifting a person's pause, no such task, an
+/// ended run.
+#[test]
+fn the_machine_says_why_a_control_changes_nothing() {
+    use flotilla_machine::Unchanged;
+    use flotilla_model::runlog::ControlAction::{self, Pause, Resume, Takeover};
+    let p = plan(
+        vec![Subtask::new("a", ""), Subtask::new("b", "").after(&["a"])],
+        PlanConfig::default(),
+    );
+    let (mut m, _) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
+    let (a, ghost) = (TaskId::new("a"), TaskId::new("ghost"));
+    // Checks, then applies: both say the same.
+    let step = |m: &mut RunMachine,
+                action: ControlAction,
+                task: Option<&TaskId>,
+                by: &str,
+                now_ms: i64|
+     -> Result<(), Unchanged> {
+        let checked = m.check_control(action, task, Some(by));
+        let actions = m.apply(
+            Input::Control {
+                action,
+                by: Some(by),
+                reason: None,
+                timeout_ms: Some(60_000),
+                task,
+            },
+            now_ms,
+        );
+        assert_eq!(
+            checked.is_ok(),
+            !actions.is_empty(),
+            "{checked:?} {actions:?}"
+        );
+        checked
+    };
+    assert_eq!(step(&mut m, Pause, None, "alice", 1_000), Ok(()));
+    let again = step(&mut m, Pause, None, "bob", 1_001).expect_err("already paused");
+    assert_eq!(
+        again,
+        Unchanged::Run {
+            action: Pause,
+            status: RunStatus::Paused,
+            by: Some("alice".into()),
+            until_ms: Some(61_000),
+        }
+    );
+    assert!(
+        again
+            .to_string()
+            .starts_with("the run is already paused by alice until"),
+        "{again}"
+    );
+    assert_eq!(step(&mut m, Takeover, None, "alice", 2_000), Ok(()));
+    let twice = step(&mut m, Takeover, None, "bob", 2_001).expect_err("already taken over");
+    assert!(
+        twice
+            .to_string()
+            .contains("already under human control by alice"),
+        "{twice}"
+    );
+    let pause = step(&mut m, Pause, None, "bob", 2_002).expect_err("a takeover stands");
+    assert!(
+        pause.to_string().contains("a pause does not apply"),
+        "{pause}"
+    );
+    assert_eq!(step(&mut m, Resume, None, "alice", 3_000), Ok(()));
+    let resume = step(&mut m, Resume, None, "alice", 3_001).expect_err("nothing holds it");
+    assert_eq!(
+        resume,
+        Unchanged::Run {
+            action: Resume,
+            status: RunStatus::Running,
+            by: None,
+            until_ms: None,
+        }
+    );
+    // One task's pause and resume.
+    assert_eq!(step(&mut m, Pause, Some(&a), "alice", 4_000), Ok(()));
+    assert_eq!(
+        step(&mut m, Pause, Some(&a), "alice", 4_001),
+        Err(Unchanged::Task {
+            action: Pause,
+            task: a.clone(),
+            until_ms: Some(64_000),
+        })
+    );
+    assert_eq!(
+        step(
+            &mut m,
+            Resume,
+            Some(&a),
+            flotilla_model::lead::LEAD_NAME,
+            4_002
+        ),
+        Err(Unchanged::PausedByPerson(a.clone()))
+    );
+    assert_eq!(step(&mut m, Resume, Some(&a), "alice", 4_003), Ok(()));
+    assert_eq!(
+        step(&mut m, Resume, Some(&a), "alice", 4_004),
+        Err(Unchanged::Task {
+            action: Resume,
+            task: a.clone(),
+            until_ms: None,
+        })
+    );
+    assert_eq!(
+        step(&mut m, Pause, Some(&ghost), "alice", 4_005),
+        Err(Unchanged::NoSuchTask(ghost.clone()))
+    );
+    // An ended run changes no more.
+    m.apply(
+        Input::Cancel {
+            reason: "enough",
+            rollback: false,
+        },
+        5_000,
+    );
+    assert_eq!(
+        step(&mut m, Pause, None, "alice", 5_001),
+        Err(Unchanged::Ended(RunStatus::Cancelled))
+    );
+}
+
 /// A hold stops every wait's clock: a dependency deadline that passes while the run is paused
 /// fails nothing; on resume the wait gets its full timeout again; a running attempt's result
 /// applies while paused but its dependent is dispatched only on resume; a takeover's deadline

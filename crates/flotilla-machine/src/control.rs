@@ -14,11 +14,17 @@
 //!    └──────────────────────────────────────────┘
 //!                        human_control ──deadline──► cancelled
 //! ```
+//!
+//! Whether a pause, resume or takeover changes the run is decided here alone
+//! ([`RunMachine::check_control`]): the API appends every control of a run that has not
+//! ended, and answers with what the machine made of it — a control that changes nothing (a
+//! second pause right after the first) says why ([`Unchanged`]).
 
 use flotilla_model::control::{
     Completed, DEFAULT_PAUSE_TIMEOUT, DEFAULT_TAKEOVER_TIMEOUT, MAX_HOLD_TIMEOUT, MIN_HOLD_TIMEOUT,
 };
 use flotilla_model::event::{WorkflowEvent, WorkflowPhase};
+use flotilla_model::ids::TaskId;
 use flotilla_model::lead::LEAD_NAME;
 use flotilla_model::run::{EndCause, RunStatus, TaskStatus};
 use flotilla_model::runlog::ControlAction;
@@ -37,14 +43,176 @@ fn hold_ms(timeout_ms: Option<u64>, default: std::time::Duration) -> i64 {
     })
 }
 
+/// Why a pause, resume or takeover changes nothing, in words for the person who asked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Unchanged {
+    /// The run has ended.
+    Ended(RunStatus),
+    /// The run is already as asked (a pause of a paused run, a takeover of a run under human
+    /// control), holds nothing to resume, or is under human control (a pause does not apply):
+    /// its status, and who holds it until when.
+    Run {
+        /// What was asked.
+        action: ControlAction,
+        /// The run's status.
+        status: RunStatus,
+        /// Who holds the run.
+        by: Option<String>,
+        /// Until when (Unix ms), when held.
+        until_ms: Option<i64>,
+    },
+    /// The run's plan has no such task.
+    NoSuchTask(TaskId),
+    /// The task has ended.
+    TaskEnded(TaskId, TaskStatus),
+    /// A pause of a paused task (until when), or a resume of one that is not paused.
+    Task {
+        /// What was asked.
+        action: ControlAction,
+        /// The task.
+        task: TaskId,
+        /// Until when the task is paused (Unix ms), when it is.
+        until_ms: Option<i64>,
+    },
+    /// The lead resuming a task a person paused: only a person (or the pause's deadline)
+    /// lifts it.
+    PausedByPerson(TaskId),
+    /// Not a pause, resume or takeover (a cancel is not decided here).
+    NotAHold(ControlAction),
+}
+
+impl std::fmt::Display for Unchanged {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let until = |ms: &Option<i64>| {
+            ms.map_or_else(String::new, |ms| {
+                format!(" until {}", Timestamp::from_unix_ms(ms))
+            })
+        };
+        match self {
+            Self::Ended(status) => write!(f, "the run has ended ({status})"),
+            Self::Run {
+                action,
+                status,
+                by,
+                until_ms,
+            } => {
+                let who = by
+                    .as_deref()
+                    .map_or_else(String::new, |b| format!(" by {b}"));
+                let until = until(until_ms);
+                match (action, status) {
+                    (ControlAction::Pause, RunStatus::Paused) => {
+                        write!(f, "the run is already paused{who}{until}")
+                    }
+                    (ControlAction::Pause, RunStatus::HumanControl) => write!(
+                        f,
+                        "the run is under human control{who}{until}: a pause does not apply (resume or cancel it)"
+                    ),
+                    (ControlAction::Takeover, RunStatus::HumanControl) => {
+                        write!(f, "the run is already under human control{who}{until}")
+                    }
+                    (ControlAction::Resume, status) => {
+                        write!(f, "the run is {status}: nothing holds it to resume")
+                    }
+                    (_, status) => write!(f, "the run is {status}"),
+                }
+            }
+            Self::NoSuchTask(task) => write!(f, "the run has no task {task}"),
+            Self::TaskEnded(task, status) => {
+                write!(f, "task {task} has ended ({})", status.as_str())
+            }
+            Self::Task {
+                action: ControlAction::Pause,
+                task,
+                until_ms,
+            } => write!(f, "task {task} is already paused{}", until(until_ms)),
+            Self::Task { task, .. } => write!(f, "task {task} is not paused"),
+            Self::PausedByPerson(task) => write!(
+                f,
+                "task {task} was paused by a person: only a person (or the pause's deadline) resumes it"
+            ),
+            Self::NotAHold(action) => write!(f, "{} is not a hold", action.as_str()),
+        }
+    }
+}
+
 impl RunMachine {
     /// Whether a person holds the run (nothing is dispatched, no wait times out).
     pub fn held(&self) -> bool {
         self.state.status.is_held()
     }
 
-    /// Applies a pause, takeover or resume. False when it changes nothing (the run is
-    /// already in that state; a pause of a run under human control).
+    /// Whether a pause, resume or takeover — of the run, or of its task `task` — asked `by`
+    /// someone would change the run now, and if not why: the rule
+    /// [`on_control`](Self::on_control) and [`on_task_control`](Self::on_task_control)
+    /// apply. A pause applies to a running run, a takeover to one not under human control
+    /// already, a resume to a held one; a task's pause to a task not paused, its resume to a
+    /// paused one (the lead does not lift a person's pause); nothing to an ended run or task.
+    pub fn check_control(
+        &self,
+        action: ControlAction,
+        task: Option<&TaskId>,
+        by: Option<&str>,
+    ) -> Result<(), Unchanged> {
+        let status = self.state.status;
+        if status.is_terminal() {
+            return Err(Unchanged::Ended(status));
+        }
+        if let Some(task) = task {
+            return self.check_task_control(action, task, by);
+        }
+        let applies = match action {
+            ControlAction::Pause => status == RunStatus::Running,
+            ControlAction::Takeover => status != RunStatus::HumanControl,
+            ControlAction::Resume => self.held(),
+            ControlAction::Cancel => return Err(Unchanged::NotAHold(action)),
+        };
+        if applies {
+            return Ok(());
+        }
+        let hold = self.state.hold.as_ref().filter(|_| self.held());
+        Err(Unchanged::Run {
+            action,
+            status,
+            by: hold.and_then(|h| h.by.clone()),
+            until_ms: hold.map(|h| h.deadline_ms),
+        })
+    }
+
+    /// [`check_control`](Self::check_control) of a task's pause or resume, the run not ended.
+    fn check_task_control(
+        &self,
+        action: ControlAction,
+        task: &TaskId,
+        by: Option<&str>,
+    ) -> Result<(), Unchanged> {
+        let Some(i) = self.graph.index_of(task) else {
+            return Err(Unchanged::NoSuchTask(task.clone()));
+        };
+        let t = &self.state.tasks[i as usize];
+        if t.status.is_terminal() {
+            return Err(Unchanged::TaskEnded(task.clone(), t.status));
+        }
+        let unchanged = |until_ms: Option<i64>| Unchanged::Task {
+            action,
+            task: task.clone(),
+            until_ms,
+        };
+        match action {
+            ControlAction::Pause if t.paused() => Err(unchanged(Some(t.paused_until_ms))),
+            ControlAction::Pause => Ok(()),
+            ControlAction::Resume if !t.paused() => Err(unchanged(None)),
+            // The lead does not lift a person's pause.
+            ControlAction::Resume if !t.paused_by_lead && by == Some(LEAD_NAME) => {
+                Err(Unchanged::PausedByPerson(task.clone()))
+            }
+            ControlAction::Resume => Ok(()),
+            ControlAction::Takeover | ControlAction::Cancel => Err(Unchanged::NotAHold(action)),
+        }
+    }
+
+    /// Applies a pause, takeover or resume. False when it changes nothing
+    /// ([`check_control`](Self::check_control) says why).
     pub(crate) fn on_control(
         &mut self,
         action: ControlAction,
@@ -54,13 +222,15 @@ impl RunMachine {
         now_ms: i64,
         actions: &mut Vec<Action>,
     ) -> bool {
+        if self.check_control(action, None, by).is_err() {
+            return false;
+        }
         match action {
-            ControlAction::Pause if self.state.status == RunStatus::Running => {
+            ControlAction::Pause => {
                 self.state.applied += 1;
                 self.hold(RunStatus::Paused, by, reason, timeout_ms, now_ms, actions);
-                true
             }
-            ControlAction::Takeover if self.state.status != RunStatus::HumanControl => {
+            ControlAction::Takeover => {
                 self.state.applied += 1;
                 self.hold(
                     RunStatus::HumanControl,
@@ -70,46 +240,46 @@ impl RunMachine {
                     now_ms,
                     actions,
                 );
-                true
             }
-            ControlAction::Resume if self.held() => {
+            ControlAction::Resume => {
                 self.state.applied += 1;
                 let who = by.map_or_else(String::new, |b| format!(" by {b}"));
                 let why = reason.map_or_else(String::new, |r| format!(": {r}"));
                 self.resume(format!("resumed{who}{why}"), now_ms, actions);
-                true
             }
-            _ => false,
+            ControlAction::Cancel => return false,
         }
+        true
     }
 
     /// Applies a pause or resume of one task (a member) of the run: a paused task is not
     /// dispatched and its running LLM attempt stops at its next step boundary, while the rest
     /// of the run goes on; the pause lasts until resumed or its deadline (then it resumes).
-    /// False when it changes nothing (no such task, the task has ended, already in that state,
-    /// the run has ended, the lead resuming a person's pause, or another action).
+    /// False when it changes nothing ([`check_control`](Self::check_control) says why: no
+    /// such task, the task has ended, already in that state, the run has ended, the lead
+    /// resuming a person's pause, or another action).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn on_task_control(
         &mut self,
         action: ControlAction,
-        task: &flotilla_model::ids::TaskId,
+        task: &TaskId,
         by: Option<&str>,
         reason: Option<&str>,
         timeout_ms: Option<u64>,
         now_ms: i64,
         actions: &mut Vec<Action>,
     ) -> bool {
+        if self.check_control(action, Some(task), by).is_err() {
+            return false;
+        }
         let Some(i) = self.graph.index_of(task) else {
             return false;
         };
         let t = &self.state.tasks[i as usize];
-        if self.state.status.is_terminal() || t.status.is_terminal() {
-            return false;
-        }
         let who = by.map_or_else(String::new, |b| format!(" by {b}"));
         let why = reason.map_or_else(String::new, |r| format!(": {r}"));
         match action {
-            ControlAction::Pause if !t.paused() => {
+            ControlAction::Pause => {
                 let deadline_ms = now_ms + hold_ms(timeout_ms, DEFAULT_PAUSE_TIMEOUT);
                 self.state.applied += 1;
                 let dispatched = t.status == TaskStatus::Dispatched;
@@ -144,13 +314,12 @@ impl RunMachine {
                 self.arm_if_earlier(deadline_ms, actions);
                 true
             }
-            // The lead does not lift a person's pause.
-            ControlAction::Resume if t.paused() && (t.paused_by_lead || by != Some(LEAD_NAME)) => {
+            ControlAction::Resume => {
                 self.state.applied += 1;
                 self.resume_task(i, format!("resumed{who}{why}"), now_ms, actions);
                 true
             }
-            _ => false,
+            ControlAction::Takeover | ControlAction::Cancel => false,
         }
     }
 

@@ -49,6 +49,7 @@ mod planning;
 mod state;
 mod team;
 
+pub use control::Unchanged;
 pub use graph::RunGraph;
 pub use state::{
     Action, ArmedTimer, Emission, Hold, MAX_ERROR_MESSAGE, MAX_ERROR_MESSAGES_KEPT, MAX_HELD_STOPS,

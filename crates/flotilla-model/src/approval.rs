@@ -1188,6 +1188,7 @@ pub struct ToolGrant {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct GrantListRequest {
     /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
     pub protocol: u32,
     /// A run of the session.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -1215,6 +1216,7 @@ pub struct GrantList {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct GrantRevokeRequest {
     /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
     pub protocol: u32,
     /// A run of the session.
     #[serde(default, skip_serializing_if = "Option::is_none")]

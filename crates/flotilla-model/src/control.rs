@@ -178,6 +178,36 @@ pub struct ControlRunReply {
     /// the task was not already in the asked state.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub task_id: Option<TaskId>,
+    /// Why the control changed nothing (`applied: false`: "the run is already paused by
+    /// alice until …"), or, with `pending`, that the run has not applied it yet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+    /// The control is on the run log, but no coordinator applied it within a few seconds
+    /// (none is running, or the run's is busy): `applied` says only that it was recorded, and
+    /// the run's events say what it did once it is applied.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pending: bool,
+}
+
+/// What the run machine made of a pause, resume or takeover whose run-log entry named a
+/// `reply_to` ([`crate::runlog::Control::reply_to`]): published there by the coordinator
+/// that applied the entry, once the run's record holds the decision.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ControlVerdict {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// The run.
+    pub run_id: RunId,
+    /// The entry's run-log sequence.
+    pub seq: u64,
+    /// Whether it changed the run (or its task).
+    pub applied: bool,
+    /// The run's status before the entry applied (its status, when it changed nothing).
+    pub status: RunStatus,
+    /// Why it changed nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
 }
 
 /// Complete a task by hand (`<prefix>.api.run.complete`): the person's `result` stands as

@@ -403,8 +403,9 @@ fn under(path: &str, reported: &str) -> bool {
     }
 }
 
-/// Adds `found` to `problems`, except those at or under a path `problems` already names.
-fn add_unreported(problems: &mut Vec<Problem>, found: impl IntoIterator<Item = Problem>) {
+/// Adds `found` to `problems`, except those at or under a path `problems` already names:
+/// what validation says of a stand-in, or of a field left out, repeats what reading it said.
+pub fn add_unreported(problems: &mut Vec<Problem>, found: impl IntoIterator<Item = Problem>) {
     let reported: Vec<String> = problems.iter().map(|p| p.path.clone()).collect();
     problems.extend(
         found
@@ -458,23 +459,44 @@ pub fn submission_problems(
     finish(problems, codec, bytes)
 }
 
-/// Every problem of a plan document that did not decode: the fields of the wrong type,
-/// unknown or missing, then the validation problems of the rest (against `ctx`). At most
-/// [`MAX_REPORTED_PROBLEMS`]; never empty. `flotilla plan validate` reads plan files with it.
-pub fn plan_problems(codec: Codec, bytes: &[u8], ctx: &ValidationContext) -> Vec<Problem> {
+/// A plan document that did not decode, read leniently ([`read_plan`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LenientPlan {
+    /// The plan without the fields that could not be read (their defaults apply; a required
+    /// one has a stand-in), so the rest can still be validated — against a deployment too;
+    /// `None` when not even that decodes (not an object, not JSON or MessagePack at all).
+    pub plan: Option<Plan>,
+    /// Each field of the wrong type, unknown or missing; never empty.
+    pub problems: Vec<Problem>,
+}
+
+/// Reads a plan document that did not decode field by field: what could not be read, and
+/// the rest as a plan. Validate the rest wherever the deployment is known and add its
+/// problems with [`add_unreported`] (those at a path already reported repeat it).
+pub fn read_plan(codec: Codec, bytes: &[u8]) -> LenientPlan {
     let Read {
         value,
         mut problems,
     } = read::<Plan>(codec, bytes, &PLAN);
-    if let Some(plan) = value {
+    if problems.is_empty() {
+        // Not reachable for a document that failed to decode; never answer "valid" for one.
+        problems = check_plan_decodes(codec, bytes);
+    }
+    LenientPlan {
+        plan: value,
+        problems,
+    }
+}
+
+/// Every problem of a plan document that did not decode: the fields of the wrong type,
+/// unknown or missing, then the validation problems of the rest (against `ctx`). At most
+/// [`MAX_REPORTED_PROBLEMS`]; never empty. Submissions from a file (`flotilla submit`) are
+/// read with it.
+pub fn plan_problems(codec: Codec, bytes: &[u8], ctx: &ValidationContext) -> Vec<Problem> {
+    let LenientPlan { plan, mut problems } = read_plan(codec, bytes);
+    if let Some(plan) = plan {
         add_unreported(&mut problems, validate_plan(&plan, ctx).errors);
     }
-    let problems = if problems.is_empty() {
-        // Not reachable for a document that failed to decode; never answer "valid" for one.
-        check_plan_decodes(codec, bytes)
-    } else {
-        problems
-    };
     truncate_problems(problems, MAX_REPORTED_PROBLEMS)
 }
 

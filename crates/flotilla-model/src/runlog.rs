@@ -180,6 +180,11 @@ pub struct Control {
     /// Absent: the whole run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub task_id: Option<TaskId>,
+    /// For `pause`, `resume` and `takeover`: a subject where the coordinator that applies the
+    /// entry says what the run machine made of it ([`crate::control::ControlVerdict`]) — the
+    /// API answering the person who asked. Absent: nobody waits for it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reply_to: Option<String>,
 }
 
 /// Control actions.

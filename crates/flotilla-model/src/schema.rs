@@ -349,6 +349,10 @@ pub fn public_schemas() -> Vec<(&'static str, Schema)> {
             schema_for!(crate::control::ControlRunReply),
         ),
         (
+            "control-verdict.json",
+            schema_for!(crate::control::ControlVerdict),
+        ),
+        (
             "complete-task-request.json",
             schema_for!(crate::control::CompleteTaskRequest),
         ),
@@ -372,4 +376,34 @@ pub fn render(schema: &Schema) -> String {
     let mut text = serde_json::to_string_pretty(schema).unwrap_or_default();
     text.push('\n');
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `protocol` is optional on input (docs/protocol.md, conventions): no request, and no
+    /// message a client or agent writes, requires it.
+    #[test]
+    fn no_request_requires_protocol() {
+        let written = [
+            "mailbox-post.json",
+            "workspace-write.json",
+            "runlog-entry.json",
+            "task-envelope.json",
+            "event.json",
+        ];
+        for (name, schema) in public_schemas() {
+            if !(name.ends_with("-request.json") || written.contains(&name)) {
+                continue;
+            }
+            let required = schema.as_value()["required"].clone();
+            assert!(
+                !required
+                    .as_array()
+                    .is_some_and(|r| r.iter().any(|f| f == "protocol")),
+                "{name} requires protocol: {required}"
+            );
+        }
+    }
 }

@@ -633,7 +633,7 @@ proptest! {
                 name: p.name.clone(), labels, reply_to: Some("a.b".into()), intake_seq: None,
             })),
             3 => RunInput::Control(flotilla_model::runlog::Control {
-                action: flotilla_model::runlog::ControlAction::Cancel, reason: Some("stop".into()), by: None, timeout_ms: None, rollback: true, task_id: None,
+                action: flotilla_model::runlog::ControlAction::Cancel, reason: Some("stop".into()), by: None, timeout_ms: None, rollback: true, task_id: None, reply_to: None,
             }),
             4 => RunInput::TopicWritten { topic: "figures".into(), seq: generation },
             5 => RunInput::Planned(Box::new(flotilla_model::runlog::Planned {
@@ -659,7 +659,7 @@ proptest! {
             13 => RunInput::ApprovalDecided(Box::new(flotilla_model::approval::ApprovalDecided { approval_id: "t0a1".into(), task_id, attempt, status: flotilla_model::approval::ApprovalStatus::Decided, decision: flotilla_model::approval::Decision::Respond { result: result.response }, by: "alice".into(), tool_call: None, digest: None, incident: true })),
             14 => RunInput::ApprovalDecided(Box::new(flotilla_model::approval::ApprovalDecided { approval_id: "t0a1".into(), task_id, attempt, status: flotilla_model::approval::ApprovalStatus::Expired, decision: flotilla_model::approval::Decision::Edit { input: serde_json::json!({"a": [1, 2]}) }, by: "deadline".into(), tool_call: Some(flotilla_model::approval::ToolCallRef { call_id: "call_1".into(), tool: "send_email".into() }), digest: Some("ab".into()), incident: false })),
             15 => RunInput::Control(flotilla_model::runlog::Control {
-                action: [flotilla_model::runlog::ControlAction::Pause, flotilla_model::runlog::ControlAction::Resume, flotilla_model::runlog::ControlAction::Takeover][generation as usize % 3], reason: Some("look".into()), by: Some("alice".into()), timeout_ms: Some(generation), rollback: false, task_id: (generation % 2 == 0).then(|| TaskId::new("t1")),
+                action: [flotilla_model::runlog::ControlAction::Pause, flotilla_model::runlog::ControlAction::Resume, flotilla_model::runlog::ControlAction::Takeover][generation as usize % 3], reason: Some("look".into()), by: Some("alice".into()), timeout_ms: Some(generation), rollback: false, task_id: (generation % 2 == 0).then(|| TaskId::new("t1")), reply_to: (generation % 3 == 0).then(|| "_INBOX.abc".into()),
             }),
             16 => RunInput::Completed(Box::new(flotilla_model::control::Completed { task_id, result: result.response, by: "alice".into(), comment: Some("done by hand".into()) })),
             17 => RunInput::Suspended(Box::new(flotilla_model::runlog::Suspended { task_id, attempt, attempt_id, worker: "w1".into(), segment: attempt - 1, call: (attempt % 3 != 0).then(|| flotilla_model::runlog::SuspendedCall {
@@ -724,7 +724,9 @@ proptest! {
             failed: Vec::new(),
             suggested_next: flotilla_model::control::SuggestedAction { action: "resume".into(), task_id: None, detail: message.clone() },
             failure_reason: None, omitted: 2,
-        })), task_id: None })?;
+        })), task_id: None, detail: None, pending: false })?;
+        roundtrip(&flotilla_model::control::ControlRunReply { protocol: 1, run_id, applied: true, status: RunStatus::Running, children: Vec::new(), context: None, task_id: Some(TaskId::new("t1")), detail: Some(message.clone()), pending: true })?;
+        roundtrip(&flotilla_model::control::ControlVerdict { protocol: 1, run_id, seq: 7, applied: false, status: RunStatus::Paused, detail: Some(message.clone()) })?;
         roundtrip(&ApiError { status, code: code.clone(), message: message.clone(), current_revision: None, rule: None, problems: Vec::new() })?;
         roundtrip(&ApiError { status, code: code.clone(), message: message.clone(), current_revision: Some(7), rule: Some("team_full".into()), problems: Vec::new() })?;
         roundtrip(&flotilla_model::api::WsReadRequest { protocol: 1, run_id, topic: Some(code.clone()), since_seq: 7, limit: Some(5) })?;

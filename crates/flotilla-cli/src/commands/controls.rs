@@ -296,27 +296,43 @@ pub(crate) async fn control(config: &Config, command: ControlCommand) -> anyhow:
     }
 }
 
+/// The answer to a pause, resume or takeover: what the run machine made of it (`detail`
+/// says why nothing changed, or that no coordinator applied it yet).
 fn print_control(a: &ControlRunReply, what: &str) {
+    let why = |fallback: String| a.detail.clone().unwrap_or(fallback);
     if let Some(task) = &a.task_id {
         let action = if what == "paused" { "pause" } else { "resume" };
-        if a.applied {
+        if a.pending {
             outln!(
-                "The {action} of task {task} of run {} is recorded: the run applies it (a task already so stays as it is)",
-                a.run_id
+                "The {action} of task {task} of run {} is recorded: {}",
+                a.run_id,
+                why("it applies once a coordinator gets to it".into())
             );
-        } else if a.status.is_terminal() {
-            outln!("Run {} had already ended: {}", a.run_id, a.status);
+        } else if a.applied {
+            outln!("Task {task} of run {} {what}", a.run_id);
         } else {
-            outln!("Task {task} of run {} has ended: nothing changed", a.run_id);
+            outln!(
+                "Task {task} of run {}: nothing changed: {}",
+                a.run_id,
+                why(format!("the run is {}", a.status))
+            );
         }
         return;
     }
-    if a.status.is_terminal() {
-        outln!("Run {} had already ended: {}", a.run_id, a.status);
+    if a.pending {
+        outln!(
+            "Run {}: recorded, not applied yet: {}",
+            a.run_id,
+            why("it applies once a coordinator gets to it".into())
+        );
     } else if a.applied {
         outln!("Run {} {what} (it was {})", a.run_id, a.status);
     } else {
-        outln!("Run {} is already {}: nothing changed", a.run_id, a.status);
+        outln!(
+            "Run {}: nothing changed: {}",
+            a.run_id,
+            why(format!("it is {}", a.status))
+        );
     }
     if !a.children.is_empty() {
         outln!("  and {} child run(s):", a.children.len());

@@ -11,7 +11,8 @@ use flotilla_client::Client;
 use flotilla_model::Plan;
 use flotilla_model::codec::Codec;
 use flotilla_model::validate::{
-    DEFAULT_MAX_PAYLOAD, PLAN_ENVELOPE_ROOM, ValidationContext, ValidationReport, validate_plan,
+    DEFAULT_MAX_PAYLOAD, MAX_REPORTED_PROBLEMS, PLAN_ENVELOPE_ROOM, ValidationContext,
+    ValidationReport, truncate_problems, validate_plan,
 };
 use serde::Serialize;
 
@@ -32,6 +33,17 @@ struct Output<'a> {
     report: &'a ValidationReport,
 }
 
+/// A plan file's bytes and how they are encoded (`.msgpack`: MessagePack, else JSON).
+fn read_file(path: &Path) -> anyhow::Result<(Codec, Vec<u8>)> {
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    let codec = if path.extension().is_some_and(|e| e == "msgpack") {
+        Codec::MsgPack
+    } else {
+        Codec::Json
+    };
+    Ok((codec, bytes))
+}
+
 /// Reads a plan file. A document that does not decode is not an error but a report of every
 /// problem in it: each field of the wrong type, unknown or missing, and what validation
 /// against `ctx` finds in the rest.
@@ -39,12 +51,7 @@ pub(crate) fn read_plan(
     path: &Path,
     ctx: &ValidationContext,
 ) -> anyhow::Result<Result<Plan, ValidationReport>> {
-    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-    let codec = if path.extension().is_some_and(|e| e == "msgpack") {
-        Codec::MsgPack
-    } else {
-        Codec::Json
-    };
+    let (codec, bytes) = read_file(path)?;
     Ok(codec.decode::<Plan>(&bytes).map_err(|_| ValidationReport {
         errors: flotilla_model::lenient::plan_problems(codec, &bytes, ctx),
         warnings: Vec::new(),
@@ -108,39 +115,63 @@ fn validate_offline(
 }
 
 /// Validates a plan file. Exit code 0 when valid, 1 when not.
+///
+/// A file that does not decode is read field by field: the fields that cannot be read are
+/// reported, and the rest of the plan (without them: their defaults apply) is validated like
+/// any plan — against the deployment when a coordinator answers — so one wrong type hides
+/// nothing else.
 pub(crate) async fn validate(
     config: &Config,
     path: &Path,
     json: bool,
     offline: bool,
 ) -> anyhow::Result<ExitCode> {
-    let (report, subtasks, checked, note) = match read_plan(
-        path,
-        &offline_context(config, offline),
-    )? {
-        Ok(plan) => {
+    let (codec, bytes) = read_file(path)?;
+    let (plan, unread) = match codec.decode::<Plan>(&bytes) {
+        Ok(plan) => (Some(plan), Vec::new()),
+        Err(_) => {
+            let read = flotilla_model::lenient::read_plan(codec, &bytes);
+            (read.plan, read.problems)
+        }
+    };
+    let (report, subtasks, checked, note) = match plan {
+        Some(plan) => {
             let online = if offline {
                 Err("--offline".to_owned())
             } else {
                 validate_online(config, &plan).await
             };
-            match online {
-                Ok(report) => (report, plan.subtasks.len(), "deployment", None),
+            let (mut report, checked, mut note) = match online {
+                Ok(report) => (report, "deployment", None),
                 Err(why) => {
                     let (report, mut note) = validate_offline(config, &plan, offline);
                     if !offline {
                         note = format!("{note} (no coordinator to ask: {why})");
                     }
-                    (report, plan.subtasks.len(), "offline", Some(note))
+                    (report, "offline", Some(note))
                 }
+            };
+            if !unread.is_empty() {
+                let mut errors = unread;
+                flotilla_model::lenient::add_unreported(&mut errors, report.errors);
+                report.errors = truncate_problems(errors, MAX_REPORTED_PROBLEMS);
+                let left_out = "the fields that could not be read were left out (their defaults apply) to check the rest";
+                note = Some(match note {
+                    Some(n) => format!("{n}; {left_out}"),
+                    None => left_out.to_owned(),
+                });
             }
+            (report, plan.subtasks.len(), checked, note)
         }
-        Err(report) => (
-            report,
+        None => (
+            ValidationReport {
+                errors: unread,
+                warnings: Vec::new(),
+            },
             0,
             "offline",
             Some(
-                "the plan does not decode, so it was validated offline against the local config"
+                "the file holds no plan document (an object of plan fields), so nothing else in it could be checked, against the deployment or the local config"
                     .to_owned(),
             ),
         ),

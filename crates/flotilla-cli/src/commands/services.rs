@@ -21,7 +21,7 @@ use flotilla_telemetry::events::ConsumerLag;
 use flotilla_telemetry::{Condition, Health, HttpAddr, HttpServer, InternalEvent, Metrics};
 use flotilla_worker::Worker;
 use futures::StreamExt;
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
@@ -105,6 +105,46 @@ fn set_when_ready(ready: oneshot::Receiver<()>, conditions: Vec<Condition>) {
     });
 }
 
+/// Sets `conditions` when `ready` fires (this process's coordinator answers its API), and
+/// returns what the services that rely on that coordinator wait for: they answer nobody
+/// before it does (a prompt taken by a half-started process could not be cancelled).
+fn when_coordinator_ready(
+    ready: oneshot::Receiver<()>,
+    conditions: Vec<Condition>,
+) -> watch::Receiver<bool> {
+    let (tx, rx) = watch::channel(false);
+    tokio::spawn(async move {
+        if ready.await.is_ok() {
+            for c in conditions {
+                c.set(true);
+            }
+            let _ = tx.send(true);
+        }
+    });
+    rx
+}
+
+/// Waits until this process's coordinator is ready: false when `shutdown` fires first or the
+/// coordinator stopped before it was.
+async fn wait_coordinator(mut ready: watch::Receiver<bool>, shutdown: &CancellationToken) -> bool {
+    tokio::select! {
+        r = ready.wait_for(|r| *r) => r.is_ok(),
+        () = shutdown.cancelled() => false,
+    }
+}
+
+/// Runs `service` once this process's coordinator is ready; nothing if it never is.
+async fn once_ready<E>(
+    ready: watch::Receiver<bool>,
+    shutdown: CancellationToken,
+    service: impl std::future::Future<Output = Result<(), E>>,
+) -> Result<(), E> {
+    if !wait_coordinator(ready, &shutdown).await {
+        return Ok(());
+    }
+    service.await
+}
+
 /// Samples a pool consumer's backlog every `interval` until `stop`: one JetStream API request
 /// per sample, off the task path.
 fn sample_consumer_lag(
@@ -157,19 +197,29 @@ pub(crate) async fn coordinator(config: &Config) -> anyhow::Result<ExitCode> {
         .await?;
     follow_connection(&nats, &bus);
     let (tx, rx) = oneshot::channel();
-    set_when_ready(rx, ready);
+    // The workflow worker (child runs through the API) and the exposed agents (runs
+    // submitted, watched and cancelled through it) start once the coordinator answers.
+    let started = when_coordinator_ready(rx, ready);
     let workflows = match workflow_worker(config).await? {
         Some(w) => {
             let w = w.with_metrics(obs.metrics.clone());
             let token = shutdown.clone();
-            Some(tokio::spawn(async move { w.run(token).await }))
+            Some(tokio::spawn(once_ready(
+                started.clone(),
+                shutdown.clone(),
+                async move { w.run(token).await },
+            )))
         }
         None => None,
     };
     let exposer = match agents_exposer(config).await? {
         Some(e) => {
             let token = shutdown.clone();
-            Some(tokio::spawn(async move { e.run(token).await }))
+            Some(tokio::spawn(once_ready(
+                started,
+                shutdown.clone(),
+                async move { e.run(token).await },
+            )))
         }
         None => None,
     };
@@ -619,7 +669,7 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
         config.jetstream.clone(),
     );
     let (tx, rx) = oneshot::channel();
-    set_when_ready(rx, vec![coordinator_ready]);
+    let started = when_coordinator_ready(rx, vec![coordinator_ready]);
     let coordinator = coordinator
         .with_metrics(obs.metrics.clone())
         .with_heartbeat(config.worker.heartbeat)
@@ -627,14 +677,19 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
         .on_ready(tx);
     let token = shutdown.clone();
     services.spawn(async move { coordinator.run(token).await.map_err(|e| e.to_string()) });
+    // What relies on the coordinator answers once it does.
     if let Some(w) = workflow_worker(&config).await? {
         let w = w.with_metrics(obs.metrics.clone());
         let token = shutdown.clone();
-        services.spawn(async move { w.run(token).await.map_err(|e| e.to_string()) });
+        services.spawn(once_ready(started.clone(), shutdown.clone(), async move {
+            w.run(token).await.map_err(|e| e.to_string())
+        }));
     }
     if let Some(e) = agents_exposer(&config).await? {
         let token = shutdown.clone();
-        services.spawn(async move { e.run(token).await.map_err(|e| e.to_string()) });
+        services.spawn(once_ready(started.clone(), shutdown.clone(), async move {
+            e.run(token).await.map_err(|e| e.to_string())
+        }));
     }
     {
         let (tx, rx) = oneshot::channel();
@@ -664,8 +719,9 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
         let token = shutdown.clone();
         services.spawn(async move { worker.run(token).await.map_err(|e| e.to_string()) });
     }
-    // The web console, unless `[console] enabled = false` or this is a one-shot `--submit`.
-    if config.console.enabled && service {
+    // The web console, unless `[console] enabled = false` or this is a one-shot `--submit`;
+    // once the coordinator answers (its actions are the coordinator's API).
+    if config.console.enabled && service && wait_coordinator(started, &shutdown).await {
         let bus = Bus::connect(&config.nats, "flotilla-console").await?;
         match super::console::bind(bus, &config, true).await {
             Ok(console) => {

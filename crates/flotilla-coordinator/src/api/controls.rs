@@ -2,14 +2,23 @@
 //! run. Each appends one input to the run's log — the run machine decides what it does — and
 //! a pause, resume or takeover is also appended for the run's descendants (found through
 //! their links on the run's events, breadth first, at most [`MAX_CONTROLLED_RUNS`]).
+//!
+//! A pause, resume or takeover is answered with the machine's decision, not with a guess from
+//! the run's record (which may be a step behind its log: a second pause sent right after the
+//! first would find the run still running). The entry names an inbox as its `reply_to`; the
+//! coordinator that applies it publishes there whether it changed the run and, if not, why
+//! ([`ControlVerdict`]). Only that changes the answer's `applied`; a notice goes out only for
+//! a control that applied. A verdict that does not come within [`VERDICT_WAIT`] (no
+//! coordinator applies the run's log right now) is answered `pending`: the control is on the
+//! log and applies when one does.
 
 use async_nats::service::Request;
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::control::{
     CompleteTaskReply, CompleteTaskRequest, Completed, ContextResult, ControlRunReply,
-    DEFAULT_PAUSE_TIMEOUT, DEFAULT_TAKEOVER_TIMEOUT, EditPlanReply, EditPlanRequest,
-    MAX_CONTEXT_RESULT, MAX_CONTEXT_TASKS, MAX_CONTROL_TEXT, MAX_CONTROLLED_RUNS, PauseRunRequest,
-    PendingTask, PlanEdited, ResumeRunRequest, SuggestedAction, TakeoverContext,
+    ControlVerdict, DEFAULT_PAUSE_TIMEOUT, DEFAULT_TAKEOVER_TIMEOUT, EditPlanReply,
+    EditPlanRequest, MAX_CONTEXT_RESULT, MAX_CONTEXT_TASKS, MAX_CONTROL_TEXT, MAX_CONTROLLED_RUNS,
+    PauseRunRequest, PendingTask, PlanEdited, ResumeRunRequest, SuggestedAction, TakeoverContext,
     TakeoverRunRequest, changed_tasks, completed_msg_id, edit_problems, hold_timeout,
 };
 use flotilla_model::ids::{RunId, TaskId};
@@ -18,9 +27,29 @@ use flotilla_model::run::{FailedTask, RunStatus, TaskStatus};
 use flotilla_model::runlog::{Control, ControlAction, RunInput, RunLogEntry};
 use flotilla_model::task::{TaskError, TaskErrorKind};
 use flotilla_model::time::Timestamp;
+use futures::StreamExt;
 use tracing::{info, warn};
 
 use super::{Api, parse, respond_error, respond_json, run_not_found};
+
+/// How long a pause, resume or takeover waits for the run machine's verdict before it is
+/// answered `pending` (recorded, not applied yet). A coordinator applies an entry within
+/// milliseconds; this covers a busy one, not a missing one.
+pub(crate) const VERDICT_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// What became of a control appended to a run's log.
+struct Decided {
+    /// The entry's run-log sequence.
+    seq: u64,
+    /// It changed the run (or, `pending`, it is recorded).
+    applied: bool,
+    /// The run's status before it applied.
+    status: RunStatus,
+    /// Why it changed nothing, or that it is not applied yet.
+    detail: Option<String>,
+    /// No verdict came in time.
+    pending: bool,
+}
 
 /// What a control asks, after its request was read.
 struct Asked {
@@ -145,8 +174,8 @@ impl Api {
         self.control(&req, asked).await;
     }
 
-    /// Appends the control to the run's log (unless it would change nothing) and to its
-    /// descendants' logs, and answers.
+    /// Appends the control to the run's log (unless the run has ended) and to its
+    /// descendants' logs, and answers with what the run machine made of it.
     async fn control(&self, req: &Request, asked: Asked) {
         let run = asked.run;
         let Some(state) = self.control_state(req, run).await else {
@@ -156,16 +185,16 @@ impl Api {
             return self.task_control(req, asked, state).await;
         }
         let status = state.status;
-        // A run whose start is not recorded yet: the machine decides once it is (the run log
-        // keeps the order).
-        let applied = status == RunStatus::Pending || changes(asked.action, status);
-        let mut recorded_at = None;
-        if applied {
-            match self.append_control(run, &asked, asked.action).await {
-                Ok(seq) => recorded_at = Some(seq),
+        // An ended run changes no more; anything else is the machine's to decide, in log
+        // order (a run whose start is not recorded yet decides once it is).
+        let decided = if status.is_terminal() {
+            None
+        } else {
+            match self.decide(run, &asked, status).await {
+                Ok(d) => Some(d),
                 Err(e) => return respond_error(req, 503, "unavailable", e).await,
             }
-        }
+        };
         let mut children = Vec::new();
         if asked.children && !status.is_terminal() {
             match self.descendants(run).await {
@@ -177,7 +206,7 @@ impl Api {
                         if child_status != RunStatus::Pending && !changes(action, child_status) {
                             continue;
                         }
-                        match self.append_control(child, &asked, action).await {
+                        match self.append_control(child, &asked, action, None).await {
                             Ok(_) => children.push(child),
                             Err(e) => {
                                 warn!(%run, %child, error = %e, "Could not pass a control to a child run")
@@ -188,25 +217,37 @@ impl Api {
                 Err(e) => warn!(%run, error = %e, "Could not read the run's children"),
             }
         }
-        info!(%run, action = asked.action.as_str(), applied, children = children.len(), by = asked.by.as_deref().unwrap_or("-"), "Run control requested");
-        if let Some(seq) = recorded_at {
-            self.notify_control(&asked, seq, status, &children).await;
+        let applied = decided.as_ref().is_some_and(|d| d.applied);
+        info!(%run, action = asked.action.as_str(), applied, pending = decided.as_ref().is_some_and(|d| d.pending), children = children.len(), by = asked.by.as_deref().unwrap_or("-"), "Run control requested");
+        if let Some(d) = decided.as_ref().filter(|d| d.applied) {
+            self.notify_control(&asked, d.seq, d.status, &children)
+                .await;
         }
-        let recorded = if status == RunStatus::Pending {
-            self.recorded_state(run).await
-        } else {
-            Some(state)
-        };
-        let context = if let Some(state) = recorded
-            .as_ref()
-            .filter(|_| asked.action == ControlAction::Takeover && !status.is_terminal())
-        {
-            match self.takeover_context(run, state).await {
-                Ok(c) => Some(Box::new(c)),
-                Err(e) => return respond_error(req, 503, "unavailable", e).await,
+        // A takeover answers where the run stands now: read again once the control is in
+        // the record (a run whose start was not recorded yet is awaited a few seconds).
+        let context = if asked.action == ControlAction::Takeover && !status.is_terminal() {
+            let recorded = if applied || status == RunStatus::Pending {
+                self.recorded_state(run).await
+            } else {
+                Some(state)
+            };
+            match recorded {
+                Some(state) => match self.takeover_context(run, &state).await {
+                    Ok(c) => Some(Box::new(c)),
+                    Err(e) => return respond_error(req, 503, "unavailable", e).await,
+                },
+                None => None,
             }
         } else {
             None
+        };
+        let (status, detail, pending) = match decided {
+            Some(d) => (d.status, d.detail, d.pending),
+            None => (
+                status,
+                Some(flotilla_machine::Unchanged::Ended(status).to_string()),
+                false,
+            ),
         };
         let reply = ControlRunReply {
             protocol: PROTOCOL_VERSION,
@@ -216,14 +257,72 @@ impl Api {
             children,
             context,
             task_id: None,
+            detail,
+            pending,
         };
         respond_json(req, self.max_payload(), &reply).await;
     }
 
+    /// Appends the control to `run`'s log with an inbox of this request as its `reply_to`,
+    /// and waits (at most [`VERDICT_WAIT`]) for the run machine's verdict; without one, the
+    /// control is `pending` (recorded, applied when a coordinator gets to it). `status`: the
+    /// run's status as read, for a control still pending.
+    async fn decide(
+        &self,
+        run: RunId,
+        asked: &Asked,
+        status: RunStatus,
+    ) -> Result<Decided, String> {
+        let nats = self.store.bus().client();
+        let inbox = nats.new_inbox();
+        // Subscribed before the append: the verdict cannot come before anyone listens.
+        let mut verdicts = nats
+            .subscribe(inbox.clone())
+            .await
+            .map_err(|e| e.to_string())?;
+        let seq = self
+            .append_control(run, asked, asked.action, Some(inbox))
+            .await?;
+        let verdict = tokio::time::timeout(VERDICT_WAIT, async {
+            while let Some(m) = verdicts.next().await {
+                match serde_json::from_slice::<ControlVerdict>(&m.payload) {
+                    Ok(v) if v.run_id == run && v.seq == seq => return Some(v),
+                    _ => {}
+                }
+            }
+            None
+        })
+        .await
+        .ok()
+        .flatten();
+        Ok(match verdict {
+            Some(v) => Decided {
+                seq,
+                applied: v.applied,
+                status: v.status,
+                detail: v.detail,
+                pending: false,
+            },
+            None => {
+                warn!(%run, seq, action = asked.action.as_str(), "No coordinator applied a control in time; answering pending");
+                Decided {
+                    seq,
+                    applied: true,
+                    status,
+                    detail: Some(format!(
+                        "recorded on the run log (sequence {seq}), but no coordinator applied it within {} s: it applies when one does, and the run's events say what it did",
+                        VERDICT_WAIT.as_secs()
+                    )),
+                    pending: true,
+                }
+            }
+        })
+    }
+
     /// A pause or resume of one task (a member) of a running run: checked against the run's
-    /// plan and state, appended to its log unless it would change nothing; the run machine
-    /// decides. No descendants, no notice: the rest of the run goes on and nobody is asked
-    /// for anything.
+    /// plan, appended to its log unless the task or the run has ended, and answered with
+    /// what the run machine made of it (a task already so: `applied: false`, saying why). No
+    /// descendants, no notice: the rest of the run goes on and nobody is asked for anything.
     async fn task_control(&self, req: &Request, asked: Asked, state: flotilla_machine::RunState) {
         let run = asked.run;
         let Some(task) = asked.task.clone() else {
@@ -288,23 +387,38 @@ impl Api {
             )
             .await;
         }
-        // Appended whenever the task may still run: the record read here may be a step
-        // behind the run log (a pause just appended, not yet applied), so whether the task is
-        // paused is the machine's to decide — a repeat changes nothing there.
-        let ended = status.is_terminal() || t.is_some_and(|t| t.status.is_terminal());
-        let applied = !ended;
-        if applied && let Err(e) = self.append_control(run, &asked, asked.action).await {
-            return respond_error(req, 503, "unavailable", e).await;
-        }
-        info!(%run, %task, action = asked.action.as_str(), applied, by = asked.by.as_deref().unwrap_or("-"), "Task control requested");
+        // An ended run or task changes no more; whether the task is already so is the
+        // machine's to decide (the record read here may be a step behind the run log).
+        let ended = if status.is_terminal() {
+            Some(flotilla_machine::Unchanged::Ended(status))
+        } else {
+            t.filter(|t| t.status.is_terminal())
+                .map(|t| flotilla_machine::Unchanged::TaskEnded(task.clone(), t.status))
+        };
+        let decided = match ended {
+            Some(why) => Decided {
+                seq: 0,
+                applied: false,
+                status,
+                detail: Some(why.to_string()),
+                pending: false,
+            },
+            None => match self.decide(run, &asked, status).await {
+                Ok(d) => d,
+                Err(e) => return respond_error(req, 503, "unavailable", e).await,
+            },
+        };
+        info!(%run, %task, action = asked.action.as_str(), applied = decided.applied, pending = decided.pending, by = asked.by.as_deref().unwrap_or("-"), "Task control requested");
         let reply = ControlRunReply {
             protocol: PROTOCOL_VERSION,
             run_id: run,
-            applied,
-            status,
+            applied: decided.applied,
+            status: decided.status,
             children: Vec::new(),
             context: None,
             task_id: Some(task),
+            detail: decided.detail,
+            pending: decided.pending,
         };
         respond_json(req, self.max_payload(), &reply).await;
     }
@@ -376,12 +490,14 @@ impl Api {
         crate::notices::publish(self.store.bus(), &notice).await;
     }
 
-    /// Appends the control to `run`'s log; the entry's sequence.
+    /// Appends the control to `run`'s log (its verdict to `reply_to`, when given); the
+    /// entry's sequence.
     async fn append_control(
         &self,
         run: RunId,
         asked: &Asked,
         action: ControlAction,
+        reply_to: Option<String>,
     ) -> Result<u64, String> {
         let bus = self.store.bus();
         let entry = RunLogEntry {
@@ -394,6 +510,7 @@ impl Api {
                 timeout_ms: asked.timeout_ms,
                 rollback: false,
                 task_id: asked.task.clone(),
+                reply_to,
             }),
         };
         bus.publish(bus.names().runlog(run), &entry, None)

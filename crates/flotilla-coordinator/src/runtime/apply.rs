@@ -6,12 +6,14 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use flotilla_model::PROTOCOL_VERSION;
+use flotilla_model::control::ControlVerdict;
 use flotilla_model::ids::RunId;
 use flotilla_model::run::RunStatus;
 use flotilla_model::runlog::{ControlAction, RunInput, RunLogEntry};
 use flotilla_model::submit::SubmitRequest;
 use flotilla_telemetry::{spans, trace_context};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::error::StoreErrorKind;
 use crate::machine::{Action, Input, RunMachine};
@@ -154,6 +156,9 @@ impl Runtime {
         let applied_before = entry.as_ref().map(|e| e.machine.state().applied);
         let mut started = false;
         let mut actions = Vec::new();
+        // What the machine made of the controls whose askers wait: answered once the step
+        // is committed.
+        let mut verdicts: Vec<(String, ControlVerdict)> = Vec::new();
         for d in inputs {
             let input = match &d.inbound {
                 Inbound::Entry(e) => &e.input,
@@ -267,6 +272,13 @@ impl Runtime {
                             ));
                         }
                         action => {
+                            let (status, counted) =
+                                (e.machine.state().status, e.machine.state().applied);
+                            // Why it would change nothing: the rule `apply` follows.
+                            let unchanged = e
+                                .machine
+                                .check_control(action, c.task_id.as_ref(), c.by.as_deref())
+                                .err();
                             let a = e.machine.apply(
                                 Input::Control {
                                     action,
@@ -277,8 +289,24 @@ impl Runtime {
                                 },
                                 d.ts_ms,
                             );
-                            if !a.is_empty() {
+                            let applied = e.machine.state().applied != counted;
+                            if applied {
                                 info!(%run, action = action.as_str(), task = c.task_id.as_ref().map_or("-", |t| t.as_str()), by = c.by.as_deref().unwrap_or("-"), status = %e.machine.state().status, "Run control applied");
+                            }
+                            if let Some(to) = &c.reply_to {
+                                verdicts.push((
+                                    to.clone(),
+                                    ControlVerdict {
+                                        protocol: PROTOCOL_VERSION,
+                                        run_id: run,
+                                        seq: d.seq,
+                                        applied,
+                                        status,
+                                        detail: unchanged
+                                            .filter(|_| !applied)
+                                            .map(|u| u.to_string()),
+                                    },
+                                ));
                             }
                             actions.extend(a);
                         }
@@ -577,10 +605,34 @@ impl Runtime {
         self.record(&entry, &to_perform[new_from..], admitted);
         Box::pin(self.perform(&mut entry, &to_perform, &span, Replies::Send)).await?;
         self.record_hops(run, &entry, &hops);
+        self.answer_controls(&verdicts).await;
         if entry.machine.state().status.is_terminal() {
             return Ok(Stepped::Done(None));
         }
         Ok(Stepped::Done(Some(entry)))
+    }
+}
+
+impl Runtime {
+    /// Tells the askers waiting for controls of this step what the machine made of them
+    /// (the API answering a person). Best effort: an asker that has gone needs no answer,
+    /// and one that gets none answers `pending` (the run log holds the control either way).
+    async fn answer_controls(&self, verdicts: &[(String, ControlVerdict)]) {
+        for (to, verdict) in verdicts {
+            if flotilla_model::token::check_subject(to).is_err() {
+                continue;
+            }
+            let body = match serde_json::to_vec(verdict) {
+                Ok(b) => b,
+                Err(e) => {
+                    warn!(error = %e, "Could not encode a control's verdict");
+                    continue;
+                }
+            };
+            if let Err(e) = self.bus.client().publish(to.clone(), body.into()).await {
+                debug!(run = %verdict.run_id, error = %e, "Could not answer a control");
+            }
+        }
     }
 }
 
