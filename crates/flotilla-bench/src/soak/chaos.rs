@@ -84,8 +84,8 @@ pub(crate) fn order(kinds: &[Kind]) -> Vec<usize> {
 /// service alternates too — with an even `n` shifted by one every turn (else a service would
 /// always get the same signal).
 pub(crate) fn stop_of(k: usize, n: usize) -> Stop {
-    let shift = if n % 2 == 0 { k / n.max(1) } else { 0 };
-    if (k + shift) % 2 == 0 {
+    let shift = if n.is_multiple_of(2) { k / n.max(1) } else { 0 };
+    if (k + shift).is_multiple_of(2) {
         Stop::Term
     } else {
         Stop::Kill

@@ -48,6 +48,8 @@ set -e
 mode="$1"
 effects="$2"
 cat > /dev/null
+# Some work: a worker killed meanwhile leaves the attempt to a redelivery.
+sleep 0.3
 case "$mode" in
   write)
     "$FLOTILLA_BIN" ws write figures '{"n": 1}' > /dev/null

@@ -96,6 +96,11 @@ pub struct SoakArgs {
     /// The memory slope each service must stay under, MiB per hour.
     #[arg(long, default_value_t = 5.0)]
     rss_slope_target: f64,
+    /// A memory slope is judged only when it is fitted over at least this much of the
+    /// service's life (summed over its incarnations, after their warm-ups): over a few
+    /// minutes an allocator's steps read as tens of MiB per hour.
+    #[arg(long, default_value = "20m", value_parser = humantime::parse_duration)]
+    rss_min_span: Duration,
     /// A consumer with messages pending, no pull waiting and no ack progress for longer than
     /// this while its services are up is stuck (default: two worker heartbeats).
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
@@ -256,6 +261,7 @@ async fn soak(
         deadline: args.scenario_deadline,
         started: Default::default(),
         saturated: Default::default(),
+        peak_in_flight: Default::default(),
         console_requests: Default::default(),
         console_failures: Default::default(),
     });
@@ -422,6 +428,7 @@ async fn soak(
         stuck_after_s: args.stuck_after.as_secs_f64(),
         drain_s: args.drain.as_secs_f64(),
         rss_slope_target: args.rss_slope_target,
+        rss_min_span_s: args.rss_min_span.as_secs_f64(),
         worker_concurrency: args.concurrency,
         started_ms,
         workload_end_ms,
@@ -445,6 +452,7 @@ async fn soak(
         exits: &exits,
         stuck: &stuck,
         saturated_ticks: w.saturated.load(Ordering::Relaxed),
+        peak_in_flight: w.peak_in_flight.load(Ordering::Relaxed),
         console_requests: w.console_requests.load(Ordering::Relaxed),
         console_failures: w.console_failures.load(Ordering::Relaxed),
     });

@@ -111,6 +111,8 @@ pub(crate) struct Settings {
     pub(crate) stuck_after_s: f64,
     pub(crate) drain_s: f64,
     pub(crate) rss_slope_target: f64,
+    /// Least fitted span (summed over incarnations) for a slope to be judged, seconds.
+    pub(crate) rss_min_span_s: f64,
     pub(crate) worker_concurrency: usize,
     pub(crate) started_ms: i64,
     /// When the workload and the chaos stopped (the drain began).
@@ -145,6 +147,7 @@ pub(crate) struct Inputs<'a> {
     pub(crate) exits: &'a [UnexpectedExit],
     pub(crate) stuck: &'a [StuckEpisode],
     pub(crate) saturated_ticks: u64,
+    pub(crate) peak_in_flight: u64,
     pub(crate) console_requests: u64,
     pub(crate) console_failures: u64,
 }
@@ -263,8 +266,10 @@ pub(crate) struct Rss {
     /// Mean resident memory per window (MiB), absent where there was no sample.
     pub(crate) mean_mib: Vec<Option<f64>>,
     pub(crate) max_mib: Option<f64>,
-    /// Samples the slope is fitted on (after each incarnation's warm-up).
+    /// Samples the slope is fitted on (after each incarnation's warm-up), and the time they
+    /// span, summed over incarnations (minutes).
     pub(crate) samples_fitted: usize,
+    pub(crate) span_min: f64,
     pub(crate) slope_mib_per_h: Option<f64>,
     /// Whether the target applies (not to the nats-server).
     pub(crate) targeted: bool,
@@ -295,6 +300,7 @@ pub(crate) struct Report {
     pub(crate) unexpected_exits: Vec<UnexpectedExit>,
     pub(crate) driver_errors: Vec<String>,
     pub(crate) saturated_ticks: u64,
+    pub(crate) peak_in_flight: u64,
     pub(crate) console_requests: u64,
     pub(crate) console_failures: u64,
     pub(crate) messages_read: u64,
@@ -674,12 +680,19 @@ pub(crate) fn compute(i: &Inputs<'_>) -> Report {
                 .filter(|r| r.at_ms - r.started_ms >= warm_up)
                 .map(|r| (r.incarnation, r.at_ms as f64 / 3_600_000.0, mib(r)))
                 .collect();
+            let mut spans: BTreeMap<u32, (f64, f64)> = BTreeMap::new();
+            for (inc, h, _) in &fitted {
+                let e = spans.entry(*inc).or_insert((*h, *h));
+                e.0 = e.0.min(*h);
+                e.1 = e.1.max(*h);
+            }
             Rss {
                 service: svc.name.clone(),
                 incarnations: mine.iter().map(|r| r.incarnation).max().unwrap_or(0),
                 mean_mib,
                 max_mib: mine.iter().map(|r| mib(r)).reduce(f64::max),
                 samples_fitted: fitted.len(),
+                span_min: spans.values().map(|(a, b)| (b - a) * 60.0).sum(),
                 slope_mib_per_h: within_slope(&fitted),
                 targeted: svc.kind.is_some(),
             }
@@ -737,15 +750,22 @@ pub(crate) fn compute(i: &Inputs<'_>) -> Report {
         },
     ];
     for r in rss.iter().filter(|r| r.targeted) {
+        let judged = r.span_min * 60.0 >= s.rss_min_span_s;
         targets.push(Target {
             check: format!("RSS slope, {}", r.service),
-            figure: r
-                .slope_mib_per_h
-                .map_or("no samples after the warm-up".into(), |v| {
-                    format!("{v:+.2} MiB/h")
-                }),
+            figure: match r.slope_mib_per_h {
+                None => "no samples after the warm-up".into(),
+                Some(v) if judged => format!("{v:+.2} MiB/h"),
+                Some(v) => format!(
+                    "{v:+.2} MiB/h over {:.0} min: too short to judge",
+                    r.span_min
+                ),
+            },
             target: format!("≤ {} MiB/h", s.rss_slope_target),
-            pass: r.slope_mib_per_h.map(|v| v <= s.rss_slope_target),
+            pass: r
+                .slope_mib_per_h
+                .filter(|_| judged)
+                .map(|v| v <= s.rss_slope_target),
         });
     }
     let driver_errors = l
@@ -775,6 +795,7 @@ pub(crate) fn compute(i: &Inputs<'_>) -> Report {
         unexpected_exits: i.exits.to_vec(),
         driver_errors,
         saturated_ticks: i.saturated_ticks,
+        peak_in_flight: i.peak_in_flight,
         console_requests: i.console_requests,
         console_failures: i.console_failures,
         messages_read: l.messages_read,
@@ -820,11 +841,12 @@ pub(crate) fn markdown(r: &Report) -> String {
     );
     let _ = writeln!(
         out,
-        "One scenario every {} ms (at most {} in flight; {} ticks found that many running); a \
-         service stopped every {:.0} s (SIGTERM and kill -9 alternately), down {:.0} s; drain {:.0} s. \
-         Workers of pool `default`: {} slots each.\n",
+        "One scenario every {} ms (at most {} in flight, {} at the most; {} ticks found the \
+         limit reached); a service stopped every {:.0} s (SIGTERM and kill -9 alternately), down \
+         {:.0} s; drain {:.0} s. Workers of pool `default`: {} slots each.\n",
         s.every_ms,
         s.max_in_flight,
+        r.peak_in_flight,
         r.saturated_ticks,
         s.chaos_every_s,
         s.down_for_s,
@@ -970,8 +992,8 @@ pub(crate) fn markdown(r: &Report) -> String {
             cells.join(" | "),
             row.max_mib.map_or("—".into(), |v| format!("{v:.1}")),
             row.slope_mib_per_h.map_or("—".into(), |v| format!(
-                "{v:+.2} MiB/h ({} samples)",
-                row.samples_fitted
+                "{v:+.2} MiB/h ({} samples, {:.0} min)",
+                row.samples_fitted, row.span_min
             ))
         );
     }
@@ -1139,6 +1161,7 @@ mod tests {
             stuck_after_s: 10.0,
             drain_s: 120.0,
             rss_slope_target: 5.0,
+            rss_min_span_s: 600.0,
             worker_concurrency: 16,
             started_ms: 1_000_000,
             workload_end_ms: 1_000_000 + 600_000,
@@ -1198,6 +1221,34 @@ mod tests {
             name: "worker-1".into(),
             kind: Some(Kind::Worker),
         }];
+        let judged = |min_span_s: f64| {
+            let mut s = s.clone();
+            s.rss_min_span_s = min_span_s;
+            compute(&Inputs {
+                settings: s,
+                ledger: &ledger,
+                effects: &[],
+                effects_unparsed: 0,
+                records: &HashMap::new(),
+                teammates: &[],
+                services: &services,
+                rss: &rss,
+                chaos: &[],
+                exits: &[],
+                stuck: &[],
+                saturated_ticks: 0,
+                peak_in_flight: 0,
+                console_requests: 0,
+                console_failures: 0,
+            })
+            .targets
+            .iter()
+            .find(|t| t.check == "RSS slope, worker-1")
+            .and_then(|t| t.pass)
+        };
+        // Fitted over 2 × 4 minutes: judged against a 5-minute least span, not a 10-minute one.
+        assert_eq!(judged(300.0), Some(true));
+        assert_eq!(judged(600.0), None);
         let r = compute(&Inputs {
             settings: s,
             ledger: &ledger,
@@ -1211,6 +1262,7 @@ mod tests {
             exits: &[],
             stuck: &[],
             saturated_ticks: 0,
+            peak_in_flight: 0,
             console_requests: 0,
             console_failures: 0,
         });
@@ -1219,6 +1271,11 @@ mod tests {
         assert!((slope - 4.0).abs() < 0.2, "{slope}");
         assert_eq!(r.rss[0].incarnations, 2);
         assert_eq!(r.rss[0].samples_fitted, 2 * 49);
+        assert!(
+            (r.rss[0].span_min - 8.0).abs() < 1e-9,
+            "{}",
+            r.rss[0].span_min
+        );
         assert!(r.passed());
     }
 
@@ -1358,6 +1415,7 @@ mod tests {
             exits: &[],
             stuck: &[],
             saturated_ticks: 0,
+            peak_in_flight: 0,
             console_requests: 0,
             console_failures: 0,
         });
@@ -1471,6 +1529,7 @@ mod tests {
             exits: &[],
             stuck: &[],
             saturated_ticks: 0,
+            peak_in_flight: 0,
             console_requests: 0,
             console_failures: 0,
         });

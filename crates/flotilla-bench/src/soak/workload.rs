@@ -282,6 +282,8 @@ pub(crate) struct Workload {
     pub(crate) started: AtomicU64,
     /// Ticks of `--every` at which `--max-in-flight` scenarios were running already.
     pub(crate) saturated: AtomicU64,
+    /// Most scenarios running at once.
+    pub(crate) peak_in_flight: AtomicU64,
     /// Requests the bench sent the console, and those that failed.
     pub(crate) console_requests: AtomicU64,
     pub(crate) console_failures: AtomicU64,
@@ -324,6 +326,8 @@ pub(crate) async fn schedule(
         next += 1;
         let k = w.started.fetch_add(1, Ordering::Relaxed);
         drivers.spawn(drive(Arc::clone(&w), s, k));
+        w.peak_in_flight
+            .fetch_max(drivers.len() as u64, Ordering::Relaxed);
     }
     drivers
 }
@@ -514,7 +518,8 @@ impl Workload {
                 body["message"] = json!(message);
                 body["incident"] = json!(incident);
             }
-            match self
+            // The console down or refusing: the same answer through the API, below.
+            if let Ok((200, reply)) = self
                 .console_call(
                     "POST",
                     &format!("/api/approvals/{run}/{approval}"),
@@ -522,15 +527,11 @@ impl Workload {
                 )
                 .await
             {
-                Ok((200, reply)) => {
-                    return Ok(if reply.contains("\"already_decided\"") {
-                        "already_decided".into()
-                    } else {
-                        "decided".into()
-                    });
-                }
-                // The console is down or refused: the same answer through the API.
-                _ => {}
+                return Ok(if reply.contains("\"already_decided\"") {
+                    "already_decided".into()
+                } else {
+                    "decided".into()
+                });
             }
         }
         let request = ApprovalAnswerRequest {
@@ -770,7 +771,19 @@ async fn teammate(w: &Workload, k: u64, deadline: Instant) -> anyhow::Result<()>
         by: Some(BY.into()),
         expose: false,
     };
-    w.until_answered(&spawn, deadline, "team.spawn").await?;
+    // A retry after a lost answer finds the teammate it spawned.
+    loop {
+        let last = match w.client.call(&spawn, ASK).await {
+            Ok(Ok(_)) => break,
+            Ok(Err(refused)) if refused.code == "duplicate_name" => break,
+            Ok(Err(refused)) => {
+                format!("{} ({}): {}", refused.code, refused.status, refused.message)
+            }
+            Err(e) => e.to_string(),
+        };
+        anyhow::ensure!(Instant::now() < deadline, "team.spawn: {last}");
+        tokio::time::sleep(AGAIN).await;
+    }
     let index = {
         let mut l = lock(&w.ledger);
         l.teammates.push(TeammateRec {
