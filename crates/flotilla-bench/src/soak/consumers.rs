@@ -3,8 +3,8 @@
 //! *stuck* while messages wait for it (`num_pending > 0`), no pull request waits on it
 //! (`num_waiting == 0`) and its ack floor has not moved for longer than `--stuck-after` (two
 //! worker heartbeats by default) — all while the services that consume it are up: the clock
-//! starts no earlier than the last start of any of them, and does not run while one of them
-//! is down. A backlog that drains (acks move) is not stuck, nor is a consumer whose services
+//! starts no earlier than the moment the last of them said it was ready (`/readyz`), and does
+//! not run while one of them is down or not ready yet. A backlog that drains (acks move) is not stuck, nor is a consumer whose services
 //! are restarting; one that nobody pulls from after they are back is.
 
 use std::collections::HashMap;

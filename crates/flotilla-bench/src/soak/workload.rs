@@ -424,10 +424,8 @@ impl Workload {
                     );
                     return Ok(run);
                 }
-                Err(e) if Instant::now() < deadline => {
-                    let _ = e;
-                    tokio::time::sleep(AGAIN).await;
-                }
+                // No leader, no connection for a moment: the same submission again.
+                Err(_) if Instant::now() < deadline => tokio::time::sleep(AGAIN).await,
                 Err(e) => return Err(e).context("submitting"),
             }
         }
