@@ -647,3 +647,49 @@ async fn progress(w: Arc<Workload>, started_ms: i64, stop: CancellationToken) {
         );
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::*;
+
+    /// `SoakArgs` as the CLI takes them.
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        soak: SoakArgs,
+    }
+
+    #[test]
+    fn the_flags_form_one_valid_command_and_reach_the_soak() {
+        Cli::command().debug_assert();
+        let a = Cli::try_parse_from([
+            "soak",
+            "--minutes",
+            "5",
+            "--json",
+            "--report",
+            "soak.md",
+            "--scenarios",
+            "single,task-pause",
+            "--chaos-every",
+            "30s",
+        ])
+        .expect("valid flags")
+        .soak;
+        assert_eq!(a.minutes, 5.0);
+        assert!(a.json);
+        assert_eq!(a.report, Some(PathBuf::from("soak.md")));
+        assert_eq!(a.scenarios, vec![Scenario::Single, Scenario::TaskPause]);
+        assert_eq!(a.chaos_every, Duration::from_secs(30));
+        // The defaults the docs promise.
+        assert_eq!(a.every, Duration::from_secs(1));
+        assert_eq!(a.drain, Duration::from_secs(180));
+        assert_eq!(a.rss_warm_up, Duration::from_secs(180));
+        assert_eq!(a.rss_min_span, Duration::from_secs(1200));
+        assert_eq!(a.stuck_after, Duration::from_secs(10));
+        assert_eq!(a.rss_slope_target, 5.0);
+        assert_eq!(a.max_in_flight, 32);
+    }
+}
