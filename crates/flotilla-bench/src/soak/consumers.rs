@@ -108,6 +108,10 @@ pub(crate) struct StuckTracker {
     threshold_ms: i64,
     tracks: HashMap<String, Track>,
     pub(crate) episodes: Vec<StuckEpisode>,
+    /// Rounds of sampling that read every stream's consumers, and those that failed: a
+    /// figure of 0 stuck is worth what was sampled.
+    pub(crate) rounds: u64,
+    pub(crate) failed_rounds: u64,
 }
 
 impl StuckTracker {
@@ -116,7 +120,16 @@ impl StuckTracker {
             threshold_ms: threshold.as_millis() as i64,
             tracks: HashMap::new(),
             episodes: Vec::new(),
+            rounds: 0,
+            failed_rounds: 0,
         }
+    }
+
+    /// The consumers seen so far (`STREAM_SUFFIX/name`), in order.
+    pub(crate) fn consumers(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.tracks.keys().cloned().collect();
+        v.sort();
+        v
     }
 
     /// Takes one sample at `at_ms`. `quiet_since_ms`: since when every service consuming it

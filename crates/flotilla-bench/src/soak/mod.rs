@@ -396,12 +396,17 @@ async fn soak(
     chaos::lock(&dep).stop_all(Duration::from_secs(30));
     drop(server);
 
-    let stuck = r
-        .stuck
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .episodes
-        .clone();
+    let (stuck, sampling) = {
+        let t = r.stuck.lock().unwrap_or_else(PoisonError::into_inner);
+        (
+            t.episodes.clone(),
+            report::ConsumerSampling {
+                rounds: t.rounds,
+                failed_rounds: t.failed_rounds,
+                consumers: t.consumers(),
+            },
+        )
+    };
     let settings = report::Settings {
         minutes: (workload_end_ms - started_ms) as f64 / 60_000.0,
         build: format!(
@@ -451,6 +456,7 @@ async fn soak(
         chaos: &chaos_log,
         exits: &exits,
         stuck: &stuck,
+        sampling,
         saturated_ticks: w.saturated.load(Ordering::Relaxed),
         peak_in_flight: w.peak_in_flight.load(Ordering::Relaxed),
         console_requests: w.console_requests.load(Ordering::Relaxed),
@@ -592,11 +598,16 @@ async fn sample_consumers(
             }
         }
         let Ok(samples) = consumers::sample(&bus).await else {
+            stuck
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .failed_rounds += 1;
             continue;
         };
         let at = unix_ms();
         let d = chaos::lock(&dep);
         let mut t = stuck.lock().unwrap_or_else(PoisonError::into_inner);
+        t.rounds += 1;
         for s in &samples {
             let owners = consumers::owners(s.stream, &s.name);
             let quiet = d
