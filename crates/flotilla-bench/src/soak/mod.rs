@@ -172,7 +172,7 @@ pub async fn run(args: SoakArgs, nats_url: Option<&str>) -> anyhow::Result<bool>
     {
         let kept = t.keep();
         errln!(
-            "soak: its files (configuration, service logs in logs/, the effects file) are kept in {}",
+            "soak: its files (configuration, service logs in logs/, the effects file, runs.tsv) are kept in {}",
             kept.display()
         );
     }
@@ -462,6 +462,8 @@ async fn soak(
         console_requests: w.console_requests.load(Ordering::Relaxed),
         console_failures: w.console_failures.load(Ordering::Relaxed),
     });
+    std::fs::write(dir.join("runs.tsv"), report::runs_tsv(&l, &records))
+        .context("writing runs.tsv")?;
     let md = report::markdown(&report);
     if let Some(path) = &args.report {
         std::fs::write(path, &md).with_context(|| format!("writing {}", path.display()))?;

@@ -821,6 +821,35 @@ pub(crate) fn compute(i: &Inputs<'_>) -> Report {
     }
 }
 
+/// Every submitted run, one line each (`runs.tsv` in the soak's directory): run id, scenario,
+/// submitted (unix ms), how it ended (its first end event's phase, or what its record said,
+/// or `lost`), and submission → end in ms.
+pub(crate) fn runs_tsv(l: &Ledger, records: &HashMap<RunId, Option<RunStatus>>) -> String {
+    let mut out = String::from("run\tscenario\tsubmitted_ms\tend\tlatency_ms\n");
+    for (run, sub) in &l.submitted {
+        let (end, latency) = match l.runs.get(run).and_then(|o| o.first_end()) {
+            Some(e) => (
+                format!("{:?}", e.phase),
+                (e.stored_ms - sub.submitted_ms).to_string(),
+            ),
+            None => (
+                match records.get(run) {
+                    Some(Some(status)) if status.is_terminal() => format!("record:{status}"),
+                    _ => "lost".to_owned(),
+                },
+                String::new(),
+            ),
+        };
+        let _ = writeln!(
+            out,
+            "{run}\t{}\t{}\t{end}\t{latency}",
+            sub.scenario.name(),
+            sub.submitted_ms
+        );
+    }
+    out
+}
+
 fn ms(v: Option<f64>) -> String {
     v.map_or("—".into(), |v| {
         if v >= 10_000.0 {
@@ -1496,6 +1525,21 @@ mod tests {
         assert!(!r.passed());
         let md = markdown(&r);
         assert!(md.contains("| runs lost | 1 of 6 | 0 | **fail** |"), "{md}");
+        let tsv = runs_tsv(&l, &records);
+        assert_eq!(tsv.lines().count(), 7);
+        assert!(
+            tsv.contains(&format!(
+                "{}\tsingle\t{}\tRunSucceeded\t200\n",
+                run_id(1),
+                t0 + 1_000
+            )),
+            "{tsv}"
+        );
+        assert!(
+            tsv.contains(&format!("{}\tfan\t{}\tlost\t\n", run_id(3), t0 + 3_000)),
+            "{tsv}"
+        );
+        assert!(tsv.contains("\trecord:succeeded\t"), "{tsv}");
     }
 
     #[test]
