@@ -19,7 +19,7 @@
 //! | `workflow` | a sequential workflow whose first step is a parallel one (child runs) | — |
 //! | `llm` | two LLM tasks on the simulated provider, one tool round each | — |
 //! | `approve` | a task whose action is `publish`, after another | approves (API or console) |
-//! | `reject` | the same, optional | rejects (half as incidents) |
+//! | `reject` | the same, optional | rejects (every fourth as an incident) |
 //! | `conflict` | a `publish` task, optional | approve and reject sent at once |
 //! | `expire` | a `publish` task, optional, a 4 s deadline | nothing: the deadline decides |
 //! | `apprentice` | two tasks of the novice `apprentice` (every dispatch asks) | approves each |
