@@ -48,6 +48,13 @@
 //!   an empty deployment, then restarted with SIGTERM and kill -9 onto 10,000 runs of history
 //!   of every kind (the test kit's lived-in deployment), with its reads checked unchanged.
 //!
+//! Apart from the sections, [`soak`] (`flotilla soak`) runs hours of mixed work while every
+//! service is stopped and started again in turn, and judges what it finds against targets
+//! (runs lost, applied twice, approvals decided once, stuck consumers, memory growth): the
+//! one part of this crate whose figures fail a command. It is not a section — `flotilla
+//! bench` runs every section by default, and a soak takes an hour — and it uses the harness
+//! the same way.
+//!
 //! The services run as child processes of the `flotilla` binary that runs the bench (or
 //! `--services-binary`, to measure another build back to back), so the bench is a library
 //! the CLI calls: `flotilla bench` takes [`BenchArgs`] as they are and hands them to
@@ -81,12 +88,15 @@ mod hitl;
 mod llm;
 mod recovery;
 mod restart;
+mod soak;
 mod team;
 mod tree;
 mod validate;
 
 use flotilla_bus::NatsOptions;
 use flotilla_bus::server::LocalNatsServer;
+
+pub use crate::soak::{SoakArgs, run as soak};
 
 use crate::harness::services::Services;
 use crate::harness::submit::SubmitVia;

@@ -155,6 +155,7 @@ const TOP_LEVEL_KEYS: &[&str] = &[
     "coordinator",
     "worker",
     "supervisor",
+    "hitl",
     "telemetry",
     "console",
     "agents-protocol",
@@ -445,6 +446,26 @@ fn canonical_json(v: &serde_json::Value) -> String {
 
 #[cfg(test)]
 mod tests {
+
+    /// Every top-level section of the configuration can be set from the environment:
+    /// `FLOTILLA_HITL__TRUST__ENABLED` was once ignored as "not a Flotilla setting".
+    #[test]
+    fn every_top_level_key_is_reachable_from_the_environment() {
+        let value = serde_json::to_value(Config::default()).expect("the defaults serialize");
+        let keys: Vec<String> = value
+            .as_object()
+            .map(|m| m.keys().cloned().collect())
+            .unwrap_or_default();
+        assert!(keys.len() > 5, "{keys:?}");
+        for key in keys {
+            assert!(
+                TOP_LEVEL_KEYS.contains(&key.as_str()),
+                "[{key}] cannot be set by a FLOTILLA_ variable"
+            );
+        }
+        assert!(is_config_key(&env_key("HITL__TRUST__ENABLED")));
+    }
+
     use super::*;
 
     #[test]

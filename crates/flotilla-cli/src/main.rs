@@ -192,6 +192,10 @@ enum Command {
     Schema(SchemaCommand),
     /// Measure performance (figures are printed, not asserted).
     Bench(Box<flotilla_bench::BenchArgs>),
+    /// Hours of mixed work while every service is stopped and started again: reports runs
+    /// lost and applied twice, approvals decided once, stuck consumers and memory growth
+    /// against their targets (exit 1 when one is missed).
+    Soak(flotilla_bench::SoakArgs),
     /// Workspace topics of a run: write, read, watch entries (inside an exec agent: its own
     /// run, no flags needed).
     #[command(after_long_help = commands::collab::EXIT_CODES)]
@@ -627,6 +631,13 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
             flotilla_bench::run(*args, cli.nats_url.as_deref()).await?;
             Ok(ExitCode::SUCCESS)
         }
+        Command::Soak(args) => Ok(
+            if flotilla_bench::soak(args, cli.nats_url.as_deref()).await? {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            },
+        ),
         Command::Ws(args) => {
             commands::collab::ws(collab_global(&cli.config, &cli.nats_url), args).await
         }

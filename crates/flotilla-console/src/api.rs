@@ -60,6 +60,10 @@ pub(crate) struct AppState {
     pub(crate) audit: Arc<Mutex<VecDeque<AuditEntry>>>,
     /// A ping per notice on `<prefix>.notify.>` (approvals, questions, client tools).
     pub(crate) notices: broadcast::Sender<()>,
+    /// Fires when the console stops: every open event stream ends (a browser reconnects to
+    /// another replica, resuming where it was), so the graceful stop does not wait on pages
+    /// that never close their streams.
+    pub(crate) closing: tokio_util::sync::CancellationToken,
 }
 
 /// One operator action, as audited.
@@ -250,7 +254,7 @@ pub(crate) async fn runs_stream(State(s): State<AppState>, headers: HeaderMap) -
             Err(_) => SseEvent::default().event("reload").data("lagged"),
         })
     });
-    Sse::new(stream)
+    Sse::new(stream.take_until(s.closing.clone().cancelled_owned()))
         .keep_alive(KeepAlive::default())
         .into_response()
 }
@@ -353,7 +357,7 @@ pub(crate) async fn events(
             SseEvent::default().event("end").data("ended")
         }))
         .map(Ok::<_, Infallible>);
-    Sse::new(events)
+    Sse::new(events.take_until(s.closing.clone().cancelled_owned()))
         .keep_alive(KeepAlive::default())
         .into_response()
 }
@@ -701,7 +705,7 @@ pub(crate) async fn inbox_stream(State(s): State<AppState>, headers: HeaderMap) 
     who!(s.who(&headers));
     let stream = changes(s.notices.subscribe())
         .map(|_| Ok::<_, Infallible>(SseEvent::default().event("inbox").data("changed")));
-    Sse::new(stream)
+    Sse::new(stream.take_until(s.closing.clone().cancelled_owned()))
         .keep_alive(KeepAlive::default())
         .into_response()
 }

@@ -144,6 +144,7 @@ impl Console {
             opts: Arc::new(opts),
             audit: Arc::new(Mutex::new(VecDeque::new())),
             notices,
+            closing: CancellationToken::new(),
         };
         Ok(Self {
             listener,
@@ -167,13 +168,19 @@ impl Console {
     pub async fn serve(self, stop: CancellationToken) -> Result<(), ConsoleError> {
         let addr = self.addr;
         info!(%addr, "Console listening");
+        let closing = self.state.closing.clone();
         let app = router(self.state);
         // The peer's address reaches the handlers: the proxy header is trusted by it.
         let result = axum::serve(
             self.listener,
             app.into_make_service_with_connect_info::<SocketAddr>(),
         )
-        .with_graceful_shutdown(stop.cancelled_owned())
+        // A graceful stop waits for open connections; the event streams end with it (a page
+        // holds one open for as long as it is shown).
+        .with_graceful_shutdown(async move {
+            stop.cancelled().await;
+            closing.cancel();
+        })
         .await
         .map_err(|source| ConsoleError::Listen { addr, source });
         self.stop_index.cancel();

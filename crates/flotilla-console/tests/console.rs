@@ -1012,3 +1012,47 @@ async fn in_a_real_browser() -> anyhow::Result<()> {
     f.stop().await;
     Ok(())
 }
+
+/// A console stopped while pages hold their event streams open (the runs list's, the inbox's)
+/// ends those streams and stops: a graceful stop waited for them forever, so every rolling
+/// update with a page open ended in a SIGKILL.
+#[tokio::test]
+async fn a_console_stops_while_pages_hold_event_streams_open() -> anyhow::Result<()> {
+    let server = NatsServer::start().await?;
+    let bus = server.provisioned_bus().await?;
+    let mut opts = ConsoleOptions::default();
+    opts.tokens.insert("alice".into(), ALICE.into());
+    let console = Console::bind_to(bus, "127.0.0.1:0".parse()?, opts).await?;
+    let addr = console.local_addr();
+    let stop = CancellationToken::new();
+    let serving = tokio::spawn(console.serve(stop.clone()));
+    let mut streams = Vec::new();
+    for path in ["/api/runs/stream", "/api/inbox/stream"] {
+        let mut s = tokio::net::TcpStream::connect(addr).await?;
+        s.write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {ALICE}\r\n\r\n")
+                .as_bytes(),
+        )
+        .await?;
+        let mut reader = BufReader::new(s);
+        let mut status = String::new();
+        reader.read_line(&mut status).await?;
+        assert!(status.contains("200"), "{path}: {status}");
+        streams.push(reader);
+    }
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(10), serving)
+        .await
+        .map_err(|_| anyhow::anyhow!("the console did not stop while streams were open"))???;
+    for mut reader in streams {
+        // The stream was ended: the connection reaches its end.
+        let mut rest = Vec::new();
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            tokio::io::AsyncReadExt::read_to_end(&mut reader, &mut rest),
+        )
+        .await
+        .map_err(|_| anyhow::anyhow!("an event stream stayed open"))??;
+    }
+    Ok(())
+}

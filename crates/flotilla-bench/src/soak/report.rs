@@ -1,0 +1,1634 @@
+//! The soak's report, computed from what was recorded — pure arithmetic over the ledger, the
+//! samples and the chaos log, so it is unit-tested on synthetic input — and rendered as
+//! markdown (`--report FILE`, and stdout) or JSON (`--json`).
+//!
+//! Definitions:
+//!
+//! * **submitted**: root runs whose submission JetStream acknowledged. **Lost**: submitted,
+//!   and by the end of the drain neither a run-terminal event stored nor a terminal status in
+//!   the run's record. A run whose record is terminal without its end event is listed apart
+//!   (*ended without an end event*). A teammate message `team.send` confirmed and never
+//!   received in the teammate's conversation is lost too.
+//! * **Applied twice**, any of: a run with two run-terminal events of different ids (the
+//!   machine ended it twice; a repeat of one id is a re-published step, which followers drop
+//!   by id); a task with two `task_succeeded` events of different ids; a task with succeeded
+//!   results of two different attempts (attempt ids) on its run log; an exec side effect
+//!   executed by two different attempts that both stored a succeeded result; a teammate
+//!   message received twice in its conversation. Listed for information, not counted: a
+//!   succeeded result of one attempt stored twice (the machine drops the second), and a side
+//!   effect executed again by the same attempt (a redelivery after its worker was killed:
+//!   at-least-once execution).
+//! * **Approvals decided once**: each approval requested has exactly one `approval_decided`
+//!   event (distinct ids); of two answers sent at once, exactly one was told `decided`.
+//! * **RSS slope**: per service, a least-squares line through its resident-memory samples
+//!   after each incarnation's warm-up (`--rss-warm-up` after its start), one slope shared by
+//!   all incarnations and an intercept per incarnation (the *within* estimator): a restarted
+//!   process starts from its own baseline, and only growth inside a process counts.
+//! * **Latency**: a root run's submission (the bench's clock, just before the acknowledged
+//!   publish) → its end event stored (the server's clock; same host), p50 and p99 per
+//!   `--window` of submission time, over the *plain* scenarios (no person, pause or lead).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt::Write as _;
+
+use flotilla_model::event::WorkflowPhase;
+use flotilla_model::ids::RunId;
+use flotilla_model::run::RunStatus;
+use serde::Serialize;
+
+use super::chaos::{ChaosEvent, UnexpectedExit};
+use super::consumers::StuckEpisode;
+use super::deployment::Kind;
+use super::ledger::Ledger;
+use super::workload::Scenario;
+use crate::harness::stats::percentile;
+
+/// One execution of an exec agent's side effect (a line of the effects file).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Effect {
+    pub(crate) run: String,
+    pub(crate) task: String,
+    pub(crate) attempt: u32,
+    pub(crate) attempt_id: String,
+}
+
+/// Parses the effects file: `run task attempt attempt_id delivery` per line; a line that
+/// does not parse (one cut by a crash mid-write) is skipped and counted.
+pub(crate) fn parse_effects(text: &str) -> (Vec<Effect>, usize) {
+    let mut out = Vec::new();
+    let mut bad = 0;
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        match (
+            f.first(),
+            f.get(1),
+            f.get(2).and_then(|a| a.parse().ok()),
+            f.get(3),
+        ) {
+            (Some(run), Some(task), Some(attempt), Some(id)) if f.len() == 5 => out.push(Effect {
+                run: (*run).into(),
+                task: (*task).into(),
+                attempt,
+                attempt_id: (*id).into(),
+            }),
+            _ => bad += 1,
+        }
+    }
+    (out, bad)
+}
+
+/// One resident-memory reading of a service.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct RssSample {
+    /// Index of the service in [`Inputs::services`].
+    pub(crate) service: usize,
+    pub(crate) incarnation: u32,
+    /// When the incarnation started (unix ms).
+    pub(crate) started_ms: i64,
+    pub(crate) at_ms: i64,
+    pub(crate) kib: u64,
+}
+
+/// What one teammate's conversation showed at the end.
+#[derive(Debug, Clone)]
+pub(crate) struct TeammateCheck {
+    pub(crate) name: String,
+    /// Times each confirmed message was received (in the order sent).
+    pub(crate) received: Vec<usize>,
+}
+
+/// The soak's settings, as the report states them.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Settings {
+    pub(crate) minutes: f64,
+    pub(crate) build: String,
+    pub(crate) every_ms: u64,
+    pub(crate) max_in_flight: usize,
+    pub(crate) chaos_every_s: f64,
+    pub(crate) down_for_s: f64,
+    pub(crate) window_s: f64,
+    pub(crate) rss_warm_up_s: f64,
+    pub(crate) stuck_after_s: f64,
+    pub(crate) drain_s: f64,
+    pub(crate) rss_slope_target: f64,
+    /// Least fitted span (summed over incarnations) for a slope to be judged, seconds.
+    pub(crate) rss_min_span_s: f64,
+    pub(crate) worker_concurrency: usize,
+    pub(crate) started_ms: i64,
+    /// When the workload and the chaos stopped (the drain began).
+    pub(crate) workload_end_ms: i64,
+    /// When the drain ended.
+    pub(crate) end_ms: i64,
+    pub(crate) nats_server: String,
+}
+
+/// A service, as the report names it.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Service {
+    pub(crate) name: String,
+    /// Absent for the nats-server (no target: its memory holds the streams' caches).
+    pub(crate) kind: Option<Kind>,
+}
+
+/// How the durable consumers were sampled.
+#[derive(Debug, Clone, Default, Serialize)]
+pub(crate) struct ConsumerSampling {
+    pub(crate) rounds: u64,
+    pub(crate) failed_rounds: u64,
+    /// `STREAM_SUFFIX/name` of each durable consumer seen.
+    pub(crate) consumers: Vec<String>,
+}
+
+/// Everything the report is computed from.
+#[derive(Debug)]
+pub(crate) struct Inputs<'a> {
+    pub(crate) settings: Settings,
+    pub(crate) ledger: &'a Ledger,
+    pub(crate) effects: &'a [Effect],
+    pub(crate) effects_unparsed: usize,
+    /// For submitted runs without a stored end: the record's status at the end (absent: no
+    /// record).
+    pub(crate) records: &'a HashMap<RunId, Option<RunStatus>>,
+    pub(crate) teammates: &'a [TeammateCheck],
+    pub(crate) services: &'a [Service],
+    pub(crate) rss: &'a [RssSample],
+    pub(crate) chaos: &'a [ChaosEvent],
+    pub(crate) exits: &'a [UnexpectedExit],
+    pub(crate) stuck: &'a [StuckEpisode],
+    pub(crate) sampling: ConsumerSampling,
+    pub(crate) saturated_ticks: u64,
+    pub(crate) peak_in_flight: u64,
+    pub(crate) console_requests: u64,
+    pub(crate) console_failures: u64,
+}
+
+/// A run named in the report.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct RunNote {
+    pub(crate) run: String,
+    pub(crate) scenario: String,
+    /// Minutes after the start it was submitted.
+    pub(crate) submitted_min: f64,
+    pub(crate) what: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct ScenarioRow {
+    pub(crate) scenario: String,
+    pub(crate) submitted: usize,
+    pub(crate) ended: usize,
+    pub(crate) succeeded: usize,
+    pub(crate) lost: usize,
+    pub(crate) p50_ms: Option<f64>,
+    pub(crate) p99_ms: Option<f64>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Runs {
+    pub(crate) submitted: usize,
+    pub(crate) ended: usize,
+    pub(crate) succeeded: usize,
+    pub(crate) lost: Vec<RunNote>,
+    pub(crate) ended_without_end_event: Vec<RunNote>,
+    /// Ended otherwise than `succeeded` (every scenario's right outcome).
+    pub(crate) other_outcome: Vec<RunNote>,
+    pub(crate) by_scenario: Vec<ScenarioRow>,
+    /// Runs the installation started that the bench did not submit (child runs, workflow
+    /// steps), and how many of them ended.
+    pub(crate) children: usize,
+    pub(crate) children_ended: usize,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Twice {
+    pub(crate) runs_ended_twice: Vec<String>,
+    pub(crate) successes_applied_twice: Vec<String>,
+    pub(crate) tasks_succeeded_by_two_attempts: Vec<String>,
+    pub(crate) effects_of_two_successful_attempts: Vec<String>,
+    pub(crate) teammate_messages_received_twice: Vec<String>,
+    /// Not counted: one attempt's success stored twice on the run log.
+    pub(crate) results_stored_twice: usize,
+    /// Not counted: side effects executed again by the same attempt (redeliveries).
+    pub(crate) effects_executed_again: usize,
+    pub(crate) effects: usize,
+    pub(crate) effects_unparsed: usize,
+}
+
+impl Twice {
+    pub(crate) fn count(&self) -> usize {
+        self.runs_ended_twice.len()
+            + self.successes_applied_twice.len()
+            + self.tasks_succeeded_by_two_attempts.len()
+            + self.effects_of_two_successful_attempts.len()
+            + self.teammate_messages_received_twice.len()
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Approvals {
+    pub(crate) requested: usize,
+    pub(crate) decided_once: usize,
+    pub(crate) never_decided: Vec<String>,
+    pub(crate) decided_more_than_once: Vec<String>,
+    /// Not counted: decisions stored twice on the run log (the machine applies the first).
+    pub(crate) decision_inputs_stored_twice: usize,
+    /// Approvals of `expire` runs, and those the deadline decided.
+    pub(crate) to_expire: usize,
+    pub(crate) expired: usize,
+    pub(crate) conflicts: usize,
+    pub(crate) conflicts_one_decided: usize,
+    pub(crate) conflicts_both_decided: Vec<String>,
+    pub(crate) conflicts_unanswered: usize,
+}
+
+impl Approvals {
+    pub(crate) fn not_once(&self) -> usize {
+        self.never_decided.len()
+            + self.decided_more_than_once.len()
+            + self.conflicts_both_decided.len()
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Teammates {
+    pub(crate) spawned: usize,
+    pub(crate) messages: usize,
+    pub(crate) received_once: usize,
+    pub(crate) lost: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Window {
+    pub(crate) from_min: f64,
+    pub(crate) to_min: f64,
+    pub(crate) submitted: usize,
+    pub(crate) ended: usize,
+    pub(crate) plain: usize,
+    pub(crate) p50_ms: Option<f64>,
+    pub(crate) p99_ms: Option<f64>,
+    pub(crate) chaos: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Rss {
+    pub(crate) service: String,
+    pub(crate) incarnations: u32,
+    /// Mean resident memory per window (MiB), absent where there was no sample.
+    pub(crate) mean_mib: Vec<Option<f64>>,
+    pub(crate) max_mib: Option<f64>,
+    /// Samples the slope is fitted on (after each incarnation's warm-up), and the time they
+    /// span, summed over incarnations (minutes).
+    pub(crate) samples_fitted: usize,
+    pub(crate) span_min: f64,
+    pub(crate) slope_mib_per_h: Option<f64>,
+    /// Whether the target applies (not to the nats-server).
+    pub(crate) targeted: bool,
+}
+
+/// One target and how the soak did.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Target {
+    pub(crate) check: String,
+    pub(crate) figure: String,
+    pub(crate) target: String,
+    /// `None`: no data to judge (an RSS slope without samples after the warm-up).
+    pub(crate) pass: Option<bool>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Report {
+    pub(crate) settings: Settings,
+    pub(crate) targets: Vec<Target>,
+    pub(crate) runs: Runs,
+    pub(crate) twice: Twice,
+    pub(crate) approvals: Approvals,
+    pub(crate) teammates: Teammates,
+    pub(crate) windows: Vec<Window>,
+    pub(crate) rss: Vec<Rss>,
+    pub(crate) stuck: Vec<StuckEpisode>,
+    pub(crate) consumer_sampling: ConsumerSampling,
+    pub(crate) chaos: Vec<ChaosEvent>,
+    pub(crate) unexpected_exits: Vec<UnexpectedExit>,
+    pub(crate) driver_errors: Vec<String>,
+    pub(crate) saturated_ticks: u64,
+    pub(crate) peak_in_flight: u64,
+    pub(crate) console_requests: u64,
+    pub(crate) console_failures: u64,
+    pub(crate) messages_read: u64,
+    pub(crate) undecodable: u64,
+}
+
+impl Report {
+    /// Whether every target with data was met.
+    pub(crate) fn passed(&self) -> bool {
+        self.targets.iter().all(|t| t.pass != Some(false))
+    }
+}
+
+/// The least-squares slope shared by every group (`(group, x, y)`), each with its own
+/// intercept: Σ(x − x̄ᵍ)(y − ȳᵍ) / Σ(x − x̄ᵍ)². `None` without two distinct x in one group.
+pub(crate) fn within_slope(points: &[(u32, f64, f64)]) -> Option<f64> {
+    let mut groups: BTreeMap<u32, (f64, f64, f64)> = BTreeMap::new();
+    for &(g, x, y) in points {
+        let e = groups.entry(g).or_insert((0.0, 0.0, 0.0));
+        e.0 += x;
+        e.1 += y;
+        e.2 += 1.0;
+    }
+    let (mut sxy, mut sxx) = (0.0, 0.0);
+    for &(g, x, y) in points {
+        let (sx, sy, n) = groups[&g];
+        let (dx, dy) = (x - sx / n, y - sy / n);
+        sxy += dx * dy;
+        sxx += dx * dx;
+    }
+    (sxx > 0.0).then(|| sxy / sxx)
+}
+
+/// p50 and p99 of unsorted samples (`None` without samples).
+pub(crate) fn p50_p99(samples: &mut [f64]) -> (Option<f64>, Option<f64>) {
+    if samples.is_empty() {
+        return (None, None);
+    }
+    samples.sort_by(f64::total_cmp);
+    (
+        Some(percentile(samples, 0.5)),
+        Some(percentile(samples, 0.99)),
+    )
+}
+
+fn minutes(s: &Settings, at_ms: i64) -> f64 {
+    (at_ms - s.started_ms) as f64 / 60_000.0
+}
+
+/// Computes the report.
+pub(crate) fn compute(i: &Inputs<'_>) -> Report {
+    let s = &i.settings;
+    let l = i.ledger;
+    let note = |run: &RunId, what: String| {
+        let sub = l.submitted.get(run);
+        RunNote {
+            run: run.to_string(),
+            scenario: sub.map_or("child", |x| x.scenario.name()).into(),
+            submitted_min: sub.map_or(f64::NAN, |x| minutes(s, x.submitted_ms)),
+            what,
+        }
+    };
+
+    // Runs.
+    let mut lost = Vec::new();
+    let mut no_end_event = Vec::new();
+    let mut other = Vec::new();
+    let mut rows: BTreeMap<Scenario, (ScenarioRow, Vec<f64>)> = BTreeMap::new();
+    let (mut ended, mut succeeded) = (0, 0);
+    for (run, sub) in &l.submitted {
+        let row = &mut rows.entry(sub.scenario).or_insert_with(|| {
+            (
+                ScenarioRow {
+                    scenario: sub.scenario.name().into(),
+                    submitted: 0,
+                    ended: 0,
+                    succeeded: 0,
+                    lost: 0,
+                    p50_ms: None,
+                    p99_ms: None,
+                },
+                Vec::new(),
+            )
+        });
+        row.0.submitted += 1;
+        match l.runs.get(run).and_then(|o| o.first_end()) {
+            Some(end) => {
+                ended += 1;
+                row.0.ended += 1;
+                row.1.push((end.stored_ms - sub.submitted_ms).max(0) as f64);
+                if end.phase == WorkflowPhase::RunSucceeded {
+                    succeeded += 1;
+                    row.0.succeeded += 1;
+                } else {
+                    other.push(note(run, format!("{:?}", end.phase)));
+                }
+            }
+            None => match i.records.get(run) {
+                Some(Some(status)) if status.is_terminal() => {
+                    no_end_event.push(note(run, format!("record says {status}")));
+                }
+                record => {
+                    row.0.lost += 1;
+                    let observed = l.runs.get(run);
+                    let mut what = match record {
+                        Some(Some(status)) => format!("record says {status}"),
+                        Some(None) => "no record".to_owned(),
+                        None => "record not read".to_owned(),
+                    };
+                    if let Some(o) = observed {
+                        if !o.started {
+                            what.push_str(", no run_started event");
+                        }
+                        let pending = o.pending_approvals();
+                        if !pending.is_empty() {
+                            what.push_str(&format!(", approvals pending: {}", pending.join(" ")));
+                        }
+                    } else {
+                        what.push_str(", nothing stored");
+                    }
+                    lost.push(note(run, what));
+                }
+            },
+        }
+    }
+    let by_scenario = rows
+        .into_values()
+        .map(|(mut row, mut lat)| {
+            (row.p50_ms, row.p99_ms) = p50_p99(&mut lat);
+            row
+        })
+        .collect();
+    let children: Vec<&RunId> = l
+        .runs
+        .iter()
+        .filter(|(r, o)| o.started && !l.submitted.contains_key(r))
+        .map(|(r, _)| r)
+        .collect();
+    let children_ended = children
+        .iter()
+        .filter(|r| l.runs.get(r).is_some_and(|o| o.ended()))
+        .count();
+    let runs = Runs {
+        submitted: l.submitted.len(),
+        ended,
+        succeeded,
+        lost,
+        ended_without_end_event: no_end_event,
+        other_outcome: other,
+        by_scenario,
+        children: children.len(),
+        children_ended,
+    };
+
+    // Applied twice.
+    let mut twice = Twice {
+        runs_ended_twice: Vec::new(),
+        successes_applied_twice: Vec::new(),
+        tasks_succeeded_by_two_attempts: Vec::new(),
+        effects_of_two_successful_attempts: Vec::new(),
+        teammate_messages_received_twice: Vec::new(),
+        results_stored_twice: 0,
+        effects_executed_again: 0,
+        effects: i.effects.len(),
+        effects_unparsed: i.effects_unparsed,
+    };
+    let mut succeeded_attempts: HashMap<(String, String), HashSet<String>> = HashMap::new();
+    let mut sorted_runs: Vec<(&RunId, &super::ledger::Observed)> = l.runs.iter().collect();
+    sorted_runs.sort_by_key(|(r, _)| **r);
+    for (run, o) in sorted_runs {
+        if o.ends.len() > 1 {
+            let phases: Vec<String> = o.ends.values().map(|e| format!("{:?}", e.phase)).collect();
+            twice
+                .runs_ended_twice
+                .push(format!("{run} ({})", phases.join(", ")));
+        }
+        let mut tasks: Vec<&String> = o.task_succeeded.keys().collect();
+        tasks.sort();
+        for task in tasks {
+            let ids = &o.task_succeeded[task];
+            if ids.len() > 1 {
+                twice.successes_applied_twice.push(format!(
+                    "{run} {task} ({} task_succeeded events)",
+                    ids.len()
+                ));
+            }
+        }
+        let mut tasks: Vec<&String> = o.results.keys().collect();
+        tasks.sort();
+        for task in tasks {
+            let results = &o.results[task];
+            let ids: HashSet<String> = results.iter().map(|r| r.attempt_id.clone()).collect();
+            twice.results_stored_twice += results.len() - ids.len();
+            if ids.len() > 1 {
+                let mut attempts: Vec<u32> = results.iter().map(|r| r.attempt).collect();
+                attempts.sort_unstable();
+                attempts.dedup();
+                twice
+                    .tasks_succeeded_by_two_attempts
+                    .push(format!("{run} {task} (attempts {attempts:?})"));
+            }
+            succeeded_attempts.insert((run.to_string(), task.clone()), ids);
+        }
+    }
+    let mut executed: BTreeMap<(String, String), Vec<&Effect>> = BTreeMap::new();
+    for e in i.effects {
+        executed
+            .entry((e.run.clone(), e.task.clone()))
+            .or_default()
+            .push(e);
+    }
+    for ((run, task), effects) in &executed {
+        let distinct: HashSet<&str> = effects.iter().map(|e| e.attempt_id.as_str()).collect();
+        twice.effects_executed_again += effects.len() - distinct.len();
+        if let Some(ok) = succeeded_attempts.get(&(run.clone(), task.clone())) {
+            let both: Vec<&&str> = distinct.iter().filter(|a| ok.contains(**a)).collect();
+            if both.len() > 1 {
+                twice
+                    .effects_of_two_successful_attempts
+                    .push(format!("{run} {task} ({} attempts)", both.len()));
+            }
+        }
+    }
+
+    // Approvals.
+    let mut approvals = Approvals {
+        requested: 0,
+        decided_once: 0,
+        never_decided: Vec::new(),
+        decided_more_than_once: Vec::new(),
+        decision_inputs_stored_twice: 0,
+        to_expire: 0,
+        expired: 0,
+        conflicts: l.conflicts.len(),
+        conflicts_one_decided: 0,
+        conflicts_both_decided: Vec::new(),
+        conflicts_unanswered: 0,
+    };
+    let mut approval_runs: Vec<(&RunId, &super::ledger::Observed)> = l
+        .runs
+        .iter()
+        .filter(|(_, o)| !o.approvals.is_empty())
+        .collect();
+    approval_runs.sort_by_key(|(r, _)| **r);
+    for (run, o) in approval_runs {
+        let expiring = l
+            .submitted
+            .get(run)
+            .is_some_and(|x| x.scenario == Scenario::Expire);
+        for (id, a) in &o.approvals {
+            if !a.requested {
+                continue;
+            }
+            approvals.requested += 1;
+            match a.decided_events.len() {
+                0 => approvals.never_decided.push(format!("{run} {id}")),
+                1 => approvals.decided_once += 1,
+                n => approvals
+                    .decided_more_than_once
+                    .push(format!("{run} {id} ({n} decisions)")),
+            }
+            approvals.decision_inputs_stored_twice += a.decided_inputs.len().saturating_sub(1);
+            if expiring {
+                approvals.to_expire += 1;
+                if a.decided_inputs
+                    .values()
+                    .any(|st| *st == flotilla_model::approval::ApprovalStatus::Expired)
+                {
+                    approvals.expired += 1;
+                }
+            }
+        }
+    }
+    for c in &l.conflicts {
+        let decided = c.replies.iter().filter(|r| *r == "decided").count();
+        if c.replies.iter().all(|r| r.starts_with("error")) {
+            approvals.conflicts_unanswered += 1;
+        } else if decided == 1 {
+            approvals.conflicts_one_decided += 1;
+        } else if decided > 1 {
+            approvals
+                .conflicts_both_decided
+                .push(format!("{} {}", c.run, c.approval));
+        }
+    }
+
+    // Teammates.
+    let mut teammates = Teammates {
+        spawned: l.teammates.len(),
+        messages: 0,
+        received_once: 0,
+        lost: Vec::new(),
+    };
+    for t in i.teammates {
+        for (k, n) in t.received.iter().enumerate() {
+            teammates.messages += 1;
+            match n {
+                0 => teammates.lost.push(format!("{} message {}", t.name, k + 1)),
+                1 => teammates.received_once += 1,
+                n => twice.teammate_messages_received_twice.push(format!(
+                    "{} message {} ({n} times)",
+                    t.name,
+                    k + 1
+                )),
+            }
+        }
+    }
+
+    // Windows.
+    let width = (s.window_s * 1000.0).max(1.0) as i64;
+    let mut windows = Vec::new();
+    let mut from = s.started_ms;
+    while from < s.workload_end_ms {
+        let mut to = (from + width).min(s.workload_end_ms);
+        // A tail shorter than a quarter window joins the window before it.
+        if s.workload_end_ms - to < width / 4 {
+            to = s.workload_end_ms;
+        }
+        let mut lat = Vec::new();
+        let (mut submitted, mut ended_n) = (0, 0);
+        for (run, sub) in &l.submitted {
+            if sub.submitted_ms < from || sub.submitted_ms >= to {
+                continue;
+            }
+            submitted += 1;
+            if let Some(end) = l.runs.get(run).and_then(|o| o.first_end()) {
+                ended_n += 1;
+                if sub.scenario.plain() {
+                    lat.push((end.stored_ms - sub.submitted_ms).max(0) as f64);
+                }
+            }
+        }
+        let plain = lat.len();
+        let (p50, p99) = p50_p99(&mut lat);
+        windows.push(Window {
+            from_min: minutes(s, from),
+            to_min: minutes(s, to),
+            submitted,
+            ended: ended_n,
+            plain,
+            p50_ms: p50,
+            p99_ms: p99,
+            chaos: i
+                .chaos
+                .iter()
+                .filter(|c| c.at_ms >= from && c.at_ms < to)
+                .map(|c| format!("{} {}", c.service, c.how.as_str()))
+                .collect(),
+        });
+        from = to;
+    }
+
+    // Memory.
+    let warm_up = (s.rss_warm_up_s * 1000.0) as i64;
+    let rss: Vec<Rss> = i
+        .services
+        .iter()
+        .enumerate()
+        .map(|(k, svc)| {
+            let mine: Vec<&RssSample> = i.rss.iter().filter(|r| r.service == k).collect();
+            let mib = |r: &RssSample| r.kib as f64 / 1024.0;
+            let mean_mib = windows
+                .iter()
+                .map(|w| {
+                    let from = s.started_ms + (w.from_min * 60_000.0).round() as i64;
+                    let to = s.started_ms + (w.to_min * 60_000.0).round() as i64;
+                    let v: Vec<f64> = mine
+                        .iter()
+                        .filter(|r| r.at_ms >= from && r.at_ms < to)
+                        .map(|r| mib(r))
+                        .collect();
+                    (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+                })
+                .collect();
+            let fitted: Vec<(u32, f64, f64)> = mine
+                .iter()
+                .filter(|r| r.at_ms - r.started_ms >= warm_up)
+                .map(|r| (r.incarnation, r.at_ms as f64 / 3_600_000.0, mib(r)))
+                .collect();
+            let mut spans: BTreeMap<u32, (f64, f64)> = BTreeMap::new();
+            for (inc, h, _) in &fitted {
+                let e = spans.entry(*inc).or_insert((*h, *h));
+                e.0 = e.0.min(*h);
+                e.1 = e.1.max(*h);
+            }
+            Rss {
+                service: svc.name.clone(),
+                incarnations: mine.iter().map(|r| r.incarnation).max().unwrap_or(0),
+                mean_mib,
+                max_mib: mine.iter().map(|r| mib(r)).reduce(f64::max),
+                samples_fitted: fitted.len(),
+                span_min: spans.values().map(|(a, b)| (b - a) * 60.0).sum(),
+                slope_mib_per_h: within_slope(&fitted),
+                targeted: svc.kind.is_some(),
+            }
+        })
+        .collect();
+
+    // Targets.
+    let pass = |ok: bool| Some(ok);
+    let mut targets = vec![
+        Target {
+            check: "runs lost".into(),
+            figure: format!("{} of {}", runs.lost.len(), runs.submitted),
+            target: "0".into(),
+            pass: pass(runs.lost.is_empty()),
+        },
+        Target {
+            check: "teammate messages lost".into(),
+            figure: format!("{} of {}", teammates.lost.len(), teammates.messages),
+            target: "0".into(),
+            pass: pass(teammates.lost.is_empty()),
+        },
+        Target {
+            check: "applied twice".into(),
+            figure: twice.count().to_string(),
+            target: "0".into(),
+            pass: pass(twice.count() == 0),
+        },
+        Target {
+            check: "approvals not decided exactly once".into(),
+            figure: format!("{} of {}", approvals.not_once(), approvals.requested),
+            target: "0".into(),
+            pass: pass(approvals.not_once() == 0),
+        },
+        Target {
+            check: "stuck consumers".into(),
+            figure: format!(
+                "{} ({} durable consumers sampled {} times)",
+                i.stuck.len(),
+                i.sampling.consumers.len(),
+                i.sampling.rounds
+            ),
+            target: "0".into(),
+            // Nothing sampled is no evidence.
+            pass: (i.sampling.rounds > 0).then_some(i.stuck.is_empty()),
+        },
+        Target {
+            check: "services not ready again within 2 min of a restart".into(),
+            figure: format!(
+                "{} of {}",
+                i.chaos.iter().filter(|c| c.ready_ms.is_none()).count(),
+                i.chaos.len()
+            ),
+            target: "0".into(),
+            pass: pass(i.chaos.iter().all(|c| c.ready_ms.is_some())),
+        },
+        Target {
+            check: "services that exited on their own".into(),
+            figure: i.exits.len().to_string(),
+            target: "0".into(),
+            pass: pass(i.exits.is_empty()),
+        },
+    ];
+    for r in rss.iter().filter(|r| r.targeted) {
+        let judged = r.span_min * 60.0 >= s.rss_min_span_s;
+        targets.push(Target {
+            check: format!("RSS slope, {}", r.service),
+            figure: match r.slope_mib_per_h {
+                None => "no samples after the warm-up".into(),
+                Some(v) if judged => format!("{v:+.2} MiB/h"),
+                Some(v) => format!(
+                    "{v:+.2} MiB/h over {:.0} min: too short to judge",
+                    r.span_min
+                ),
+            },
+            target: format!("≤ {} MiB/h", s.rss_slope_target),
+            pass: r
+                .slope_mib_per_h
+                .filter(|_| judged)
+                .map(|v| v <= s.rss_slope_target),
+        });
+    }
+    let driver_errors = l
+        .driver_errors
+        .iter()
+        .map(|e| {
+            format!(
+                "{:.1} min, {}{}: {}",
+                minutes(s, e.at_ms),
+                e.scenario.name(),
+                e.run.map_or(String::new(), |r| format!(" {r}")),
+                e.what
+            )
+        })
+        .collect();
+    Report {
+        settings: s.clone(),
+        targets,
+        runs,
+        twice,
+        approvals,
+        teammates,
+        windows,
+        rss,
+        stuck: i.stuck.to_vec(),
+        consumer_sampling: i.sampling.clone(),
+        chaos: i.chaos.to_vec(),
+        unexpected_exits: i.exits.to_vec(),
+        driver_errors,
+        saturated_ticks: i.saturated_ticks,
+        peak_in_flight: i.peak_in_flight,
+        console_requests: i.console_requests,
+        console_failures: i.console_failures,
+        messages_read: l.messages_read,
+        undecodable: l.undecodable,
+    }
+}
+
+/// Every submitted run, one line each (`runs.tsv` in the soak's directory): run id, scenario,
+/// submitted (unix ms), how it ended (its first end event's phase, or what its record said,
+/// or `lost`), and submission → end in ms.
+pub(crate) fn runs_tsv(l: &Ledger, records: &HashMap<RunId, Option<RunStatus>>) -> String {
+    let mut out = String::from("run\tscenario\tsubmitted_ms\tend\tlatency_ms\n");
+    for (run, sub) in &l.submitted {
+        let (end, latency) = match l.runs.get(run).and_then(|o| o.first_end()) {
+            Some(e) => (
+                format!("{:?}", e.phase),
+                (e.stored_ms - sub.submitted_ms).to_string(),
+            ),
+            None => (
+                match records.get(run) {
+                    Some(Some(status)) if status.is_terminal() => format!("record:{status}"),
+                    _ => "lost".to_owned(),
+                },
+                String::new(),
+            ),
+        };
+        let _ = writeln!(
+            out,
+            "{run}\t{}\t{}\t{end}\t{latency}",
+            sub.scenario.name(),
+            sub.submitted_ms
+        );
+    }
+    out
+}
+
+fn ms(v: Option<f64>) -> String {
+    v.map_or("—".into(), |v| {
+        if v >= 10_000.0 {
+            format!("{:.1} s", v / 1000.0)
+        } else {
+            format!("{v:.0} ms")
+        }
+    })
+}
+
+fn list(out: &mut String, title: &str, items: &[String]) {
+    if items.is_empty() {
+        return;
+    }
+    let _ = writeln!(out, "\n{title} ({}):\n", items.len());
+    for it in items.iter().take(50) {
+        let _ = writeln!(out, "- {it}");
+    }
+    if items.len() > 50 {
+        let _ = writeln!(
+            out,
+            "- … and {} more (`--json` lists all)",
+            items.len() - 50
+        );
+    }
+}
+
+/// The report as markdown, for `docs/performance.md`.
+pub(crate) fn markdown(r: &Report) -> String {
+    let s = &r.settings;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "### Soak: {:.0} minutes ({} build, {})\n",
+        s.minutes, s.build, s.nats_server
+    );
+    let _ = writeln!(
+        out,
+        "One scenario every {} ms (at most {} in flight, {} at the most; {} ticks found the \
+         limit reached); a service stopped every {:.0} s (SIGTERM and kill -9 alternately), down \
+         {:.0} s; drain {:.0} s. Workers of pool `default`: {} slots each.\n",
+        s.every_ms,
+        s.max_in_flight,
+        r.peak_in_flight,
+        r.saturated_ticks,
+        s.chaos_every_s,
+        s.down_for_s,
+        s.drain_s,
+        s.worker_concurrency
+    );
+    let _ = writeln!(out, "| Check | Figure | Target | |\n|---|---|---|---|");
+    for t in &r.targets {
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} |",
+            t.check,
+            t.figure,
+            t.target,
+            match t.pass {
+                Some(true) => "pass",
+                Some(false) => "**fail**",
+                None => "no data",
+            }
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\n**Runs**: {} submitted, {} ended ({} succeeded), {} lost, {} ended without an end event, \
+         {} ended otherwise than succeeded; {} child runs seen ({} ended).\n",
+        r.runs.submitted,
+        r.runs.ended,
+        r.runs.succeeded,
+        r.runs.lost.len(),
+        r.runs.ended_without_end_event.len(),
+        r.runs.other_outcome.len(),
+        r.runs.children,
+        r.runs.children_ended
+    );
+    let _ = writeln!(
+        out,
+        "| Scenario | submitted | ended | succeeded | lost | p50 | p99 |\n|---|---|---|---|---|---|---|"
+    );
+    for row in &r.runs.by_scenario {
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {} | {} |",
+            row.scenario,
+            row.submitted,
+            row.ended,
+            row.succeeded,
+            row.lost,
+            ms(row.p50_ms),
+            ms(row.p99_ms)
+        );
+    }
+    let t = &r.twice;
+    let _ = writeln!(
+        out,
+        "\n**Applied twice**: runs ended twice {}, task successes applied twice {}, tasks succeeded \
+         by two attempts {}, exec side effects of two successful attempts {} (of {} executions), \
+         teammate messages received twice {}. Not counted: one attempt's success stored twice {}, \
+         side effects executed again by the same attempt (redeliveries) {}.",
+        t.runs_ended_twice.len(),
+        t.successes_applied_twice.len(),
+        t.tasks_succeeded_by_two_attempts.len(),
+        t.effects_of_two_successful_attempts.len(),
+        t.effects,
+        t.teammate_messages_received_twice.len(),
+        t.results_stored_twice,
+        t.effects_executed_again
+    );
+    let a = &r.approvals;
+    let _ = writeln!(
+        out,
+        "\n**Approvals**: {} requested, {} decided exactly once, {} never decided, {} decided more \
+         than once; of the `expire` runs' {} approvals the deadline decided {}; {} pairs of \
+         answers sent at once: {} with exactly one told `decided`, {} with both, {} that reached \
+         nobody. Decisions stored twice on the run log (not counted): {}.",
+        a.requested,
+        a.decided_once,
+        a.never_decided.len(),
+        a.decided_more_than_once.len(),
+        a.to_expire,
+        a.expired,
+        a.conflicts,
+        a.conflicts_one_decided,
+        a.conflicts_both_decided.len(),
+        a.conflicts_unanswered,
+        a.decision_inputs_stored_twice
+    );
+    let tm = &r.teammates;
+    let _ = writeln!(
+        out,
+        "\n**Teammates**: {} spawned, {} messages confirmed, {} received exactly once, {} lost.",
+        tm.spawned,
+        tm.messages,
+        tm.received_once,
+        tm.lost.len()
+    );
+    let _ = writeln!(
+        out,
+        "\n**Run latency** (plain scenarios: submission → end event stored), per window of \
+         submission time:\n\n| Window (min) | submitted | ended | plain | p50 | p99 | chaos |\n|---|---|---|---|---|---|---|"
+    );
+    for w in &r.windows {
+        let _ = writeln!(
+            out,
+            "| {:.0}–{:.0} | {} | {} | {} | {} | {} | {} |",
+            w.from_min,
+            w.to_min,
+            w.submitted,
+            w.ended,
+            w.plain,
+            ms(w.p50_ms),
+            ms(w.p99_ms),
+            w.chaos.join(", ")
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\n**Resident memory** (MiB, mean per window) and its slope after each incarnation's \
+         first {:.0} s:\n",
+        s.rss_warm_up_s
+    );
+    let header: Vec<String> = r
+        .windows
+        .iter()
+        .map(|w| format!("{:.0}–{:.0}", w.from_min, w.to_min))
+        .collect();
+    let _ = writeln!(
+        out,
+        "| Service | incarnations | {} | max | slope |\n|---|---|{}---|---|",
+        header.join(" | "),
+        "---|".repeat(header.len())
+    );
+    for row in &r.rss {
+        let cells: Vec<String> = row
+            .mean_mib
+            .iter()
+            .map(|v| v.map_or("—".into(), |v| format!("{v:.1}")))
+            .collect();
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} |",
+            row.service,
+            row.incarnations,
+            cells.join(" | "),
+            row.max_mib.map_or("—".into(), |v| format!("{v:.1}")),
+            row.slope_mib_per_h.map_or("—".into(), |v| format!(
+                "{v:+.2} MiB/h ({} samples, {:.0} min)",
+                row.samples_fitted, row.span_min
+            ))
+        );
+    }
+    if !r.chaos.is_empty() {
+        let _ = writeln!(
+            out,
+            "\n**Chaos** ({} stops):\n\n| At (min) | service | signal | exited after | ready after | |\n|---|---|---|---|---|---|",
+            r.chaos.len()
+        );
+        for c in &r.chaos {
+            let secs = |t: Option<i64>| {
+                t.map_or("—".into(), |t| {
+                    format!("{:.1} s", (t - c.at_ms) as f64 / 1000.0)
+                })
+            };
+            let _ = writeln!(
+                out,
+                "| {:.1} | {} | {} | {} | {} | {}{} |",
+                minutes(s, c.at_ms),
+                c.service,
+                c.how.as_str(),
+                secs(c.exited_ms),
+                secs(c.ready_ms),
+                if c.killed_after_term {
+                    "killed after the grace; "
+                } else {
+                    ""
+                },
+                c.error.as_deref().unwrap_or("")
+            );
+        }
+    }
+    list(
+        &mut out,
+        "Lost runs",
+        &r.runs
+            .lost
+            .iter()
+            .map(|n| {
+                format!(
+                    "{} ({}, submitted at {:.1} min): {}",
+                    n.run, n.scenario, n.submitted_min, n.what
+                )
+            })
+            .collect::<Vec<_>>(),
+    );
+    let notes = |v: &[RunNote]| -> Vec<String> {
+        v.iter()
+            .map(|n| {
+                format!(
+                    "{} ({}, {:.1} min): {}",
+                    n.run, n.scenario, n.submitted_min, n.what
+                )
+            })
+            .collect()
+    };
+    list(
+        &mut out,
+        "Ended without an end event",
+        &notes(&r.runs.ended_without_end_event),
+    );
+    list(
+        &mut out,
+        "Ended otherwise than succeeded",
+        &notes(&r.runs.other_outcome),
+    );
+    list(&mut out, "Runs ended twice", &t.runs_ended_twice);
+    list(
+        &mut out,
+        "Task successes applied twice",
+        &t.successes_applied_twice,
+    );
+    list(
+        &mut out,
+        "Tasks succeeded by two attempts",
+        &t.tasks_succeeded_by_two_attempts,
+    );
+    list(
+        &mut out,
+        "Side effects of two successful attempts",
+        &t.effects_of_two_successful_attempts,
+    );
+    list(
+        &mut out,
+        "Teammate messages received twice",
+        &t.teammate_messages_received_twice,
+    );
+    list(&mut out, "Teammate messages lost", &tm.lost);
+    list(&mut out, "Approvals never decided", &a.never_decided);
+    list(
+        &mut out,
+        "Approvals decided more than once",
+        &a.decided_more_than_once,
+    );
+    list(
+        &mut out,
+        "Answers sent at once both told decided",
+        &a.conflicts_both_decided,
+    );
+    list(
+        &mut out,
+        "Stuck consumers",
+        &r.stuck
+            .iter()
+            .map(|e| {
+                format!(
+                    "{}: stuck from {:.1} min (seen {:.1} min) to {}, up to {} pending, ack floor {}",
+                    e.consumer,
+                    minutes(s, e.since_ms),
+                    minutes(s, e.seen_ms),
+                    e.until_ms
+                        .map_or("the end".into(), |u| format!("{:.1} min", minutes(s, u))),
+                    e.max_pending,
+                    e.ack_floor
+                )
+            })
+            .collect::<Vec<_>>(),
+    );
+    list(
+        &mut out,
+        "Services that exited on their own",
+        &r.unexpected_exits
+            .iter()
+            .map(|e| {
+                format!(
+                    "{} (incarnation {}) at {:.1} min: {}",
+                    e.service,
+                    e.incarnation,
+                    minutes(s, e.at_ms),
+                    e.status
+                )
+            })
+            .collect::<Vec<_>>(),
+    );
+    list(
+        &mut out,
+        "What the bench could not drive (its requests went unanswered until the scenario's deadline)",
+        &r.driver_errors,
+    );
+    let c = &r.consumer_sampling;
+    let _ = writeln!(
+        out,
+        "\nThe bench read {} stored messages ({} undecodable), sampled the durable consumers {} \
+         times ({} rounds failed; {}), and sent the console {} requests ({} failed or refused, \
+         mostly while it was down).",
+        r.messages_read,
+        r.undecodable,
+        c.rounds,
+        c.failed_rounds,
+        c.consumers.join(", "),
+        r.console_requests,
+        r.console_failures
+    );
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::soak::ledger::{ApprovalSeen, ConflictRec, End, ResultSeen, Submission};
+    use flotilla_model::approval::ApprovalStatus;
+
+    fn settings() -> Settings {
+        Settings {
+            minutes: 10.0,
+            build: "debug".into(),
+            every_ms: 1000,
+            max_in_flight: 32,
+            chaos_every_s: 120.0,
+            down_for_s: 3.0,
+            window_s: 300.0,
+            rss_warm_up_s: 60.0,
+            stuck_after_s: 10.0,
+            drain_s: 120.0,
+            rss_slope_target: 5.0,
+            rss_min_span_s: 600.0,
+            worker_concurrency: 16,
+            started_ms: 1_000_000,
+            workload_end_ms: 1_000_000 + 600_000,
+            end_ms: 1_000_000 + 720_000,
+            nats_server: "nats-server".into(),
+        }
+    }
+
+    #[test]
+    fn the_within_slope_ignores_restarts() {
+        // Two incarnations growing 2 MiB/h from different baselines, a restart between.
+        let mut points = Vec::new();
+        for k in 0..10 {
+            let x = k as f64 * 0.1;
+            points.push((1, x, 100.0 + 2.0 * x));
+            points.push((2, 2.0 + x, 40.0 + 2.0 * (2.0 + x)));
+        }
+        let slope = within_slope(&points).expect("a slope");
+        assert!((slope - 2.0).abs() < 1e-9, "{slope}");
+        // Pooled naively, the drop at the restart would read as shrinking.
+        assert!(within_slope(&[(1, 0.0, 1.0)]).is_none());
+        assert!(within_slope(&[(1, 0.0, 1.0), (2, 1.0, 5.0)]).is_none());
+        let flat = [(1, 0.0, 7.0), (1, 1.0, 7.0), (1, 2.0, 7.0)];
+        assert_eq!(within_slope(&flat), Some(0.0));
+    }
+
+    #[test]
+    fn memory_is_fitted_after_each_incarnations_warm_up() {
+        let s = settings();
+        let ledger = Ledger::default();
+        let hour = 3_600_000i64;
+        // Incarnation 1 starts flat at 50 MiB but jumps during its first minute (warm-up),
+        // then grows 4 MiB/h; incarnation 2 the same from 30 MiB.
+        let mut rss = Vec::new();
+        for (inc, start, base) in [
+            (1u32, s.started_ms, 50.0),
+            (2, s.started_ms + 300_000, 30.0),
+        ] {
+            for k in 0..=60 {
+                let at = start + k * 5_000;
+                let warm = at - start < 60_000;
+                let mib = if warm {
+                    base / 2.0
+                } else {
+                    base + 4.0 * (at - start) as f64 / hour as f64
+                };
+                rss.push(RssSample {
+                    service: 0,
+                    incarnation: inc,
+                    started_ms: start,
+                    at_ms: at,
+                    kib: (mib * 1024.0).round() as u64,
+                });
+            }
+        }
+        let services = [Service {
+            name: "worker-1".into(),
+            kind: Some(Kind::Worker),
+        }];
+        let judged = |min_span_s: f64| {
+            let mut s = s.clone();
+            s.rss_min_span_s = min_span_s;
+            compute(&Inputs {
+                settings: s,
+                ledger: &ledger,
+                effects: &[],
+                effects_unparsed: 0,
+                records: &HashMap::new(),
+                teammates: &[],
+                services: &services,
+                rss: &rss,
+                chaos: &[],
+                exits: &[],
+                stuck: &[],
+                sampling: ConsumerSampling::default(),
+                saturated_ticks: 0,
+                peak_in_flight: 0,
+                console_requests: 0,
+                console_failures: 0,
+            })
+            .targets
+            .iter()
+            .find(|t| t.check == "RSS slope, worker-1")
+            .and_then(|t| t.pass)
+        };
+        // Fitted over 2 × 4 minutes: judged against a 5-minute least span, not a 10-minute one.
+        assert_eq!(judged(300.0), Some(true));
+        assert_eq!(judged(600.0), None);
+        let r = compute(&Inputs {
+            settings: s,
+            ledger: &ledger,
+            effects: &[],
+            effects_unparsed: 0,
+            records: &HashMap::new(),
+            teammates: &[],
+            services: &services,
+            rss: &rss,
+            chaos: &[],
+            exits: &[],
+            stuck: &[],
+            sampling: ConsumerSampling::default(),
+            saturated_ticks: 0,
+            peak_in_flight: 0,
+            console_requests: 0,
+            console_failures: 0,
+        });
+        let slope = r.rss[0].slope_mib_per_h.expect("a slope");
+        // KiB rounding only.
+        assert!((slope - 4.0).abs() < 0.2, "{slope}");
+        assert_eq!(r.rss[0].incarnations, 2);
+        assert_eq!(r.rss[0].samples_fitted, 2 * 49);
+        assert!(
+            (r.rss[0].span_min - 8.0).abs() < 1e-9,
+            "{}",
+            r.rss[0].span_min
+        );
+        assert!(r.passed());
+    }
+
+    fn run_id(n: u128) -> RunId {
+        serde_json::from_value(serde_json::json!(format!(
+            "0190f0c4-8a3e-7cc1-9a39-{:012x}",
+            n
+        )))
+        .expect("a run id")
+    }
+
+    fn end(phase: WorkflowPhase, at: i64) -> End {
+        End {
+            phase,
+            stored_ms: at,
+        }
+    }
+
+    #[test]
+    fn runs_are_counted_lost_and_twice_as_defined() {
+        let s = settings();
+        let t0 = s.started_ms;
+        let mut l = Ledger::default();
+        let submit = |l: &mut Ledger, n: u128, sc: Scenario, at: i64| {
+            l.submitted.insert(
+                run_id(n),
+                Submission {
+                    scenario: sc,
+                    submitted_ms: at,
+                },
+            );
+        };
+        // 1: ended once, plain, 200 ms. 2: ended twice (two ids). 3: no end, record running
+        // (lost). 4: no end, record succeeded (no end event). 5: ended, one end id seen twice
+        // is still one end. 6: failed.
+        for (n, sc) in [
+            (1, Scenario::Single),
+            (2, Scenario::Chain),
+            (3, Scenario::Fan),
+            (4, Scenario::Single),
+            (5, Scenario::Diamond),
+            (6, Scenario::Approve),
+        ] {
+            submit(&mut l, n, sc, t0 + 1_000 * n as i64);
+        }
+        let o1 = l.runs.entry(run_id(1)).or_default();
+        o1.started = true;
+        o1.ends
+            .insert("e1".into(), end(WorkflowPhase::RunSucceeded, t0 + 1_200));
+        // Task a: one attempt's success stored twice (not counted); task b: two attempts.
+        o1.results.insert(
+            "a".into(),
+            vec![
+                ResultSeen {
+                    attempt: 1,
+                    attempt_id: "x".into(),
+                    seq: 10,
+                },
+                ResultSeen {
+                    attempt: 1,
+                    attempt_id: "x".into(),
+                    seq: 11,
+                },
+            ],
+        );
+        o1.results.insert(
+            "b".into(),
+            vec![
+                ResultSeen {
+                    attempt: 1,
+                    attempt_id: "y1".into(),
+                    seq: 12,
+                },
+                ResultSeen {
+                    attempt: 2,
+                    attempt_id: "y2".into(),
+                    seq: 13,
+                },
+            ],
+        );
+        o1.task_succeeded
+            .entry("a".into())
+            .or_default()
+            .extend(["s1".to_owned(), "s2".to_owned()]);
+        let o2 = l.runs.entry(run_id(2)).or_default();
+        o2.started = true;
+        o2.ends
+            .insert("e2".into(), end(WorkflowPhase::RunSucceeded, t0 + 3_000));
+        o2.ends
+            .insert("e2b".into(), end(WorkflowPhase::RunFailed, t0 + 4_000));
+        l.runs.entry(run_id(3)).or_default().started = true;
+        let o5 = l.runs.entry(run_id(5)).or_default();
+        o5.ends
+            .insert("e5".into(), end(WorkflowPhase::RunSucceeded, t0 + 9_000));
+        l.runs
+            .entry(run_id(6))
+            .or_default()
+            .ends
+            .insert("e6".into(), end(WorkflowPhase::RunFailed, t0 + 8_000));
+        // A child run the bench did not submit, ended.
+        let child = l.runs.entry(run_id(99)).or_default();
+        child.started = true;
+        child
+            .ends
+            .insert("c".into(), end(WorkflowPhase::RunSucceeded, t0 + 5_000));
+        let mut records = HashMap::new();
+        records.insert(run_id(3), Some(RunStatus::Running));
+        records.insert(run_id(4), Some(RunStatus::Succeeded));
+        // Effects: task b of run 1 executed by both successful attempts (counted); task a
+        // executed twice by attempt x (a redelivery: not counted).
+        let r1 = run_id(1).to_string();
+        let effect = |task: &str, attempt: u32, id: &str| Effect {
+            run: r1.clone(),
+            task: task.into(),
+            attempt,
+            attempt_id: id.into(),
+        };
+        let effects = vec![
+            effect("a", 1, "x"),
+            effect("a", 1, "x"),
+            effect("b", 1, "y1"),
+            effect("b", 2, "y2"),
+        ];
+        let r = compute(&Inputs {
+            settings: s,
+            ledger: &l,
+            effects: &effects,
+            effects_unparsed: 0,
+            records: &records,
+            teammates: &[TeammateCheck {
+                name: "tm1".into(),
+                received: vec![1, 0, 2],
+            }],
+            services: &[],
+            rss: &[],
+            chaos: &[],
+            exits: &[],
+            stuck: &[],
+            sampling: ConsumerSampling::default(),
+            saturated_ticks: 0,
+            peak_in_flight: 0,
+            console_requests: 0,
+            console_failures: 0,
+        });
+        assert_eq!(r.runs.submitted, 6);
+        assert_eq!(r.runs.ended, 4);
+        assert_eq!(r.runs.succeeded, 3);
+        assert_eq!(r.runs.lost.len(), 1);
+        assert!(r.runs.lost[0].run == run_id(3).to_string());
+        assert!(
+            r.runs.lost[0].what.contains("record says running"),
+            "{:?}",
+            r.runs.lost
+        );
+        assert_eq!(r.runs.ended_without_end_event.len(), 1);
+        assert_eq!(r.runs.other_outcome.len(), 1);
+        assert_eq!((r.runs.children, r.runs.children_ended), (1, 1));
+        assert_eq!(r.twice.runs_ended_twice.len(), 1);
+        assert_eq!(r.twice.successes_applied_twice.len(), 1);
+        assert_eq!(r.twice.tasks_succeeded_by_two_attempts.len(), 1);
+        assert_eq!(r.twice.effects_of_two_successful_attempts.len(), 1);
+        assert_eq!(r.twice.teammate_messages_received_twice.len(), 1);
+        assert_eq!(r.twice.count(), 5);
+        assert_eq!(r.twice.results_stored_twice, 1);
+        assert_eq!(r.twice.effects_executed_again, 1);
+        assert_eq!(r.teammates.lost.len(), 1);
+        assert_eq!(r.teammates.received_once, 1);
+        // Latency of run 1: 200 ms, in the first window, plain.
+        let single = r
+            .runs
+            .by_scenario
+            .iter()
+            .find(|x| x.scenario == "single")
+            .expect("a row");
+        assert_eq!((single.submitted, single.ended), (2, 1));
+        assert_eq!(single.p50_ms, Some(200.0));
+        assert_eq!(r.windows.len(), 2);
+        assert_eq!(r.windows[0].submitted, 6);
+        assert_eq!(r.windows[0].plain, 3);
+        let failed: Vec<&str> = r
+            .targets
+            .iter()
+            .filter(|t| t.pass == Some(false))
+            .map(|t| t.check.as_str())
+            .collect();
+        assert_eq!(
+            failed,
+            ["runs lost", "teammate messages lost", "applied twice"]
+        );
+        assert!(!r.passed());
+        let md = markdown(&r);
+        assert!(md.contains("| runs lost | 1 of 6 | 0 | **fail** |"), "{md}");
+        let tsv = runs_tsv(&l, &records);
+        assert_eq!(tsv.lines().count(), 7);
+        assert!(
+            tsv.contains(&format!(
+                "{}\tsingle\t{}\tRunSucceeded\t200\n",
+                run_id(1),
+                t0 + 1_000
+            )),
+            "{tsv}"
+        );
+        assert!(
+            tsv.contains(&format!("{}\tfan\t{}\tlost\t\n", run_id(3), t0 + 3_000)),
+            "{tsv}"
+        );
+        assert!(tsv.contains("\trecord:succeeded\t"), "{tsv}");
+    }
+
+    #[test]
+    fn approvals_are_decided_once_or_counted() {
+        let s = settings();
+        let mut l = Ledger::default();
+        l.submitted.insert(
+            run_id(1),
+            Submission {
+                scenario: Scenario::Expire,
+                submitted_ms: s.started_ms,
+            },
+        );
+        let seen = |ids: &[&str], status: Option<ApprovalStatus>| {
+            let mut a = ApprovalSeen {
+                requested: true,
+                ..Default::default()
+            };
+            a.decided_events.extend(ids.iter().map(|i| (*i).to_owned()));
+            if let Some(st) = status {
+                a.decided_inputs.insert(1, st);
+                a.decided_inputs.insert(2, st);
+            }
+            a
+        };
+        let o = l.runs.entry(run_id(1)).or_default();
+        o.approvals
+            .insert("t0a1".into(), seen(&["d1"], Some(ApprovalStatus::Expired)));
+        let o = l.runs.entry(run_id(2)).or_default();
+        o.approvals.insert("t0a1".into(), seen(&[], None));
+        o.approvals.insert("t1a1".into(), seen(&["d1", "d2"], None));
+        o.approvals.insert(
+            "t2a1".into(),
+            ApprovalSeen {
+                requested: false,
+                ..Default::default()
+            },
+        );
+        for replies in [
+            vec!["decided", "already_decided"],
+            vec!["decided", "decided"],
+            vec!["error: timed out", "error: timed out"],
+        ] {
+            l.conflicts.push(ConflictRec {
+                run: run_id(3),
+                approval: "t0a1".into(),
+                replies: replies.into_iter().map(String::from).collect(),
+            });
+        }
+        let r = compute(&Inputs {
+            settings: s,
+            ledger: &l,
+            effects: &[],
+            effects_unparsed: 0,
+            records: &HashMap::new(),
+            teammates: &[],
+            services: &[],
+            rss: &[],
+            chaos: &[],
+            exits: &[],
+            stuck: &[],
+            sampling: ConsumerSampling::default(),
+            saturated_ticks: 0,
+            peak_in_flight: 0,
+            console_requests: 0,
+            console_failures: 0,
+        });
+        let a = &r.approvals;
+        assert_eq!(a.requested, 3);
+        assert_eq!(a.decided_once, 1);
+        assert_eq!(a.never_decided.len(), 1);
+        assert_eq!(a.decided_more_than_once.len(), 1);
+        assert_eq!(a.decision_inputs_stored_twice, 1);
+        assert_eq!((a.to_expire, a.expired), (1, 1));
+        assert_eq!(a.conflicts, 3);
+        assert_eq!(a.conflicts_one_decided, 1);
+        assert_eq!(a.conflicts_both_decided.len(), 1);
+        assert_eq!(a.conflicts_unanswered, 1);
+        assert_eq!(a.not_once(), 3);
+        // No consumer was sampled: no evidence either way.
+        let stuck = r.targets.iter().find(|t| t.check == "stuck consumers");
+        assert_eq!(stuck.map(|t| t.pass), Some(None));
+    }
+
+    #[test]
+    fn effects_lines_parse_and_torn_ones_are_counted() {
+        let (e, bad) = parse_effects("r1 t 1 a1 1\nr1 t 2 a2\n\nr2 u 1 b1 3\n");
+        assert_eq!(bad, 1);
+        assert_eq!(e.len(), 2);
+        assert_eq!(e[1].attempt_id, "b1");
+    }
+}
