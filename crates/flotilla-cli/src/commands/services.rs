@@ -604,8 +604,13 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
     } else {
         CancellationToken::new()
     };
-    // One deployment per store: before anything listens, starts or is written.
-    let mut lock = super::datadir::DataDirLock::take(&opts.data_dir)?;
+    // One deployment per store: before anything listens, starts or is written. (With
+    // `--nats-url` the store is elsewhere: the data directory holds nothing of it.)
+    let mut lock = if opts.embedded {
+        Some(super::datadir::DataDirLock::take(&opts.data_dir)?)
+    } else {
+        None
+    };
     let mut url_file = None;
     // One registry and one listener for the coordinator and every worker of this process.
     let health = Health::new();
@@ -620,8 +625,11 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
     let server = if opts.embedded {
         let s = LocalNatsServer::start_in(&opts.data_dir.join("nats")).await?;
         config.nats.urls = vec![s.url()];
+        let Some(held) = &lock else {
+            anyhow::bail!("an embedded server without the data directory's lock");
+        };
         url_file = Some(super::datadir::UrlFile::write(
-            &lock,
+            held,
             &opts.data_dir,
             &s.url(),
         )?);
@@ -635,7 +643,9 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
     } else {
         None
     };
-    lock.set_nats_url(&config.nats.urls.join(","))?;
+    if let Some(lock) = &mut lock {
+        lock.set_nats_url(&config.nats.urls.join(","))?;
+    }
     let bus = async {
         let bus = Bus::connect(&config.nats, "flotilla-up").await?;
         // The services' own connections go to the same servers; this one stands for them.
@@ -726,7 +736,9 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
         match super::console::bind(bus, &config, true).await {
             Ok(console) => {
                 errln!("{}", super::console::url_line(&console, &config));
-                lock.set_console_url(&console.url())?;
+                if let Some(lock) = &mut lock {
+                    lock.set_console_url(&console.url())?;
+                }
                 let token = shutdown.clone();
                 services
                     .spawn(async move { console.serve(token).await.map_err(|e| e.to_string()) });
