@@ -336,7 +336,13 @@ impl Processes {
     /// `flotilla <args>` as an operator would run it against these services (same config,
     /// NATS URL and overrides; none of the test's own `FLOTILLA_*` variables), to the end.
     pub fn cli(&self, args: &[&str]) -> anyhow::Result<std::process::Output> {
-        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_flotilla"));
+        self.cli_of(Path::new(env!("CARGO_BIN_EXE_flotilla")), args)
+    }
+
+    /// [`Processes::cli`] with another build of `flotilla` (an older release's binary, for
+    /// a rolling upgrade's old client).
+    pub fn cli_of(&self, bin: &Path, args: &[&str]) -> anyhow::Result<std::process::Output> {
+        let mut cmd = std::process::Command::new(bin);
         for (k, _) in std::env::vars() {
             if k.starts_with("FLOTILLA_") {
                 cmd.env_remove(k);
@@ -377,7 +383,7 @@ impl Processes {
     ) -> anyhow::Result<usize> {
         let mut args = vec!["worker"];
         args.extend_from_slice(extra);
-        let i = self.spawn_full(&args, &[], false, Some(config))?;
+        let i = self.spawn_full(&args, &[], false, Some(config), None)?;
         self.wait_registered(i).await?;
         Ok(i)
     }
@@ -399,7 +405,18 @@ impl Processes {
         env: &[(&str, &str)],
         default_listener: bool,
     ) -> anyhow::Result<usize> {
-        self.spawn_full(args, env, default_listener, None)
+        self.spawn_full(args, env, default_listener, None, None)
+    }
+
+    /// Starts `bin <args>` — another build of `flotilla` (an older release's binary, for a
+    /// rolling upgrade) — on this deployment's config, as [`Processes::spawn_env`] does.
+    pub fn spawn_bin(
+        &mut self,
+        bin: &Path,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<usize> {
+        self.spawn_full(args, env, false, None, Some(bin))
     }
 
     fn spawn_full(
@@ -408,14 +425,20 @@ impl Processes {
         env: &[(&str, &str)],
         default_listener: bool,
         config: Option<&Path>,
+        bin: Option<&Path>,
     ) -> anyhow::Result<usize> {
         let log = std::fs::File::create(
             self.dir
                 .path()
                 .join(format!("p{}.log", self.children.len())),
         )?;
-        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_flotilla"));
-        cmd.arg("--config")
+        let mut cmd = std::process::Command::new(
+            bin.unwrap_or_else(|| Path::new(env!("CARGO_BIN_EXE_flotilla"))),
+        );
+        // The upgrade tests' own setting (which binary is the old release) is none of the
+        // processes' configuration.
+        cmd.env_remove("FLOTILLA_OLD_BIN")
+            .arg("--config")
             .arg(config.unwrap_or(&self.config))
             .args(&self.global_args)
             .args(args)
