@@ -231,6 +231,12 @@ fn up_runs_the_earnings_example_end_to_end() {
             "{task}: {stderr}"
         );
     }
+    // A run that went well ends without a warning: `up` stopping its own embedded server is
+    // not a lost connection.
+    assert!(
+        !stderr.contains(" WARN ") && !stderr.contains(" ERROR "),
+        "{stderr}"
+    );
 }
 
 #[test]

@@ -782,6 +782,15 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
         }
     }
     obs.stop().await;
+    // `up`'s own connection is closed before its embedded server stops: the server going away
+    // under an open connection reads as a lost link (a warning) at the end of a good run.
+    if server.is_some()
+        && tokio::time::timeout(std::time::Duration::from_secs(2), bus.client().drain())
+            .await
+            .is_err()
+    {
+        debug!("Closing the connection to the embedded server timed out");
+    }
     drop(url_file);
     drop(server);
     // Released last: the store is free only once its server has stopped.
