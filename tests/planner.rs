@@ -503,3 +503,45 @@ async fn planning_survives_coordinator_crashes() -> anyhow::Result<()> {
     assert_eq!(view.plan.map(|p| p.subtasks.len()), Some(2));
     Ok(())
 }
+
+/// A coordinator restarted while the planner's pool has a live worker admits a bare query at
+/// once. Its view of the live workers starts from the registry's history: before, it watched
+/// from "now", and the first heartbeat it saw — here another pool's worker, heartbeating
+/// every 100 ms — made it "synced" with that worker alone, so bare queries were refused
+/// `no_planner` until the planner pool's worker wrote its entry again.
+#[tokio::test]
+async fn a_restarted_coordinator_knows_the_live_workers_at_once() -> anyhow::Result<()> {
+    let llm = OpenAiServer::start().await?;
+    let mut p = Processes::start(&config(&llm.base_url(), 2)).await?;
+    let mut coordinator = p.coordinator().await?;
+    // The planner's pool's worker writes its entry every 10 s (the registry keeps it 30 s),
+    // the other pool's every 100 ms.
+    let planner_pool = p.spawn_env(&["worker"], &[("FLOTILLA_WORKER__HEARTBEAT", "10s")])?;
+    p.wait_registered(planner_pool).await?;
+    let other = p.spawn_env(
+        &["worker", "--pool", "elsewhere"],
+        &[("FLOTILLA_WORKER__HEARTBEAT", "100ms")],
+    )?;
+    p.wait_registered(other).await?;
+    wait_for_live_worker(&p).await?;
+
+    for round in 0..3 {
+        p.kill(coordinator);
+        let started = Instant::now();
+        coordinator = p.coordinator().await?;
+        let reply = p
+            .client
+            .submit_request(
+                &SubmitRequest::query("What was the revenue?"),
+                Duration::from_secs(10),
+            )
+            .await?;
+        anyhow::ensure!(
+            reply.status == SubmitStatus::Accepted,
+            "round {round}: a bare query {:?} after the coordinator's restart, {:?} after its start: {reply:?}",
+            reply.status,
+            started.elapsed()
+        );
+    }
+    Ok(())
+}
