@@ -199,3 +199,107 @@ roles = ["editing"]
     }
     Ok(())
 }
+
+/// An LLM agent's tool whose request its worker's NATS user may not make is answered
+/// `permission_denied` at once, naming the endpoint, the subject and the user, and the agent
+/// carries on with that answer — not "no answer from the supervisor" after the tool's 10 s
+/// timeout. Here the deployment's `accounts.conf` takes `team.recruit` from pool `default`'s
+/// workers (a copy of the shipped file with one more deny line). The model is the test kit's
+/// scripted OpenAI-compatible server (a test double): it calls `recruit`, then answers.
+#[tokio::test]
+async fn an_agents_tool_refused_by_nats_is_told_so_by_name() -> anyhow::Result<()> {
+    let shipped = std::fs::read_to_string(support::root().join("deploy/nats/accounts.conf"))?;
+    let at = shipped
+        .find("WORKER_DEFAULT = {")
+        .context("the worker's permissions")?;
+    let (head, tail) = shipped.split_at(at);
+    let deny = "\"flotilla.api.approval.revoke\"\n";
+    ensure!(tail.contains(deny), "the worker's deny list");
+    let conf = format!(
+        "{head}{}",
+        tail.replacen(
+            deny,
+            &format!("{deny}      \"flotilla.api.team.recruit\"\n"),
+            1
+        )
+    );
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("accounts.conf");
+    std::fs::write(&path, conf)?;
+    let server = NatsServer::builder()
+        .config_file(&path)
+        .connect_as(OPERATOR.0, OPERATOR.1)
+        .start()
+        .await?;
+
+    let llm = flotilla_testkit::openai::OpenAiServer::start().await?;
+    llm.push(flotilla_testkit::openai::Reply::tool_call(
+        "recruit",
+        serde_json::json!({"role": "editor", "description": "Edit the draft.", "reason": "help"}),
+    ));
+    llm.push(flotilla_testkit::openai::Reply::text("Carried on alone."));
+    let mut p = support::Processes::with_server(
+        server,
+        &format!(
+            "default-agent = \"writer\"\n\n[agents.writer]\nkind = \"llm\"\nbase-url = \"{}\"\nmodel = \"scripted-model\"\ntools = [\"recruit\"]\n",
+            llm.base_url()
+        ),
+    )
+    .await?;
+    let as_user = |(user, password): (&'static str, &'static str)| {
+        [
+            ("FLOTILLA_NATS__AUTH__KIND", "user-password"),
+            ("FLOTILLA_NATS__AUTH__USER", user),
+            ("FLOTILLA_NATS__AUTH__PASSWORD", password),
+        ]
+    };
+    let coordinator = p.spawn_env(
+        &["coordinator"],
+        &as_user(("coordinator", "coordinator-dev-password")),
+    )?;
+    support::wait_for_api(&p.bus).await?;
+    let worker = p.spawn_env(&["worker"], &as_user(WORKER))?;
+    p.wait_registered(worker).await?;
+
+    let started = std::time::Instant::now();
+    let run = p
+        .client
+        .submit(flotilla_model::submit::SubmitRequest::new(support::plan(
+            vec![flotilla_model::plan::Subtask::new(
+                "draft",
+                "Write the draft.",
+            )],
+        )))
+        .await?;
+    let outcome = p.client.wait(run, WAIT).await?;
+    let took = started.elapsed();
+    ensure!(
+        outcome.status == flotilla_model::run::RunStatus::Succeeded,
+        "{outcome:?}\n{}\n{}",
+        p.log(coordinator),
+        p.log(worker)
+    );
+    let requests = llm.requests();
+    let told = requests
+        .get(1)
+        .map(|r| r.texts("tool").join("\n"))
+        .unwrap_or_default();
+    let told: serde_json::Value =
+        serde_json::from_str(&told).with_context(|| format!("the tool's answer: {told}"))?;
+    let message = told
+        .pointer("/error/message")
+        .and_then(serde_json::Value::as_str)
+        .unwrap_or_default();
+    ensure!(
+        told.pointer("/error/code") == Some(&serde_json::json!("permission_denied"))
+            && message.starts_with("team.recruit: ")
+            && message.contains("\"flotilla.api.team.recruit\"")
+            && message.contains("user \"worker-default\""),
+        "the tool's answer: {told}"
+    );
+    ensure!(
+        took < Duration::from_secs(8),
+        "the refusal waited for the tool's timeout: {took:?}"
+    );
+    Ok(())
+}

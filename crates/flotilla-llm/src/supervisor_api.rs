@@ -43,28 +43,39 @@ pub(crate) async fn ask<R: ApiRequest>(
         serde_json::to_vec(request).map_err(|e| ToolOutcome::err("internal", e.to_string()))?;
     let bus = ctx.clients().bus();
     let subject = bus.names().api(R::ENDPOINT);
-    let reply =
-        match tokio::time::timeout(TIMEOUT, bus.client().request(subject, body.into())).await {
-            Err(_) => {
-                return Err(ToolOutcome::err(
-                    lost.code,
-                    format!(
-                        "no answer from the {} within {TIMEOUT:?}: {}",
-                        service_of(R::ENDPOINT),
-                        lost.message
-                    ),
-                ));
-            }
-            Ok(Err(e)) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
-                let service = service_of(R::ENDPOINT);
-                return Err(ToolOutcome::err(
-                    &format!("no_{service}"),
-                    format!("no {service} runs in this deployment: {missing}"),
-                ));
-            }
-            Ok(Err(e)) => return Err(ToolOutcome::err("unavailable", e.to_string())),
-            Ok(Ok(reply)) => reply,
-        };
+    // A request the agent's NATS user may not make gets no answer: the server's refusal,
+    // reported on the side, is the answer, at once and by name.
+    let sent = tokio::time::timeout(TIMEOUT, bus.client().request(subject.clone(), body.into()));
+    let reply = match bus.refusable(|s| s == subject, sent).await {
+        Err(refusal) => {
+            return Err(ToolOutcome::err(
+                "permission_denied",
+                format!("{}: {refusal}", R::ENDPOINT),
+            ));
+        }
+        Ok(sent) => sent,
+    };
+    let reply = match reply {
+        Err(_) => {
+            return Err(ToolOutcome::err(
+                lost.code,
+                format!(
+                    "no answer from the {} within {TIMEOUT:?}: {}",
+                    service_of(R::ENDPOINT),
+                    lost.message
+                ),
+            ));
+        }
+        Ok(Err(e)) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
+            let service = service_of(R::ENDPOINT);
+            return Err(ToolOutcome::err(
+                &format!("no_{service}"),
+                format!("no {service} runs in this deployment: {missing}"),
+            ));
+        }
+        Ok(Err(e)) => return Err(ToolOutcome::err("unavailable", e.to_string())),
+        Ok(Ok(reply)) => reply,
+    };
     if reply
         .headers
         .as_ref()
