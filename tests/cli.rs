@@ -944,6 +944,29 @@ reply = "{task_id} done"
         Ok(())
     }
 
+    /// The collaboration commands answer in JSON, and an unreachable NATS exits 2 there too
+    /// (nothing was asked, nothing changed), with code `unavailable` naming the URL.
+    #[test]
+    fn collaboration_commands_exit_2_when_nats_is_unreachable() -> anyhow::Result<()> {
+        let run = RunId::new().to_string();
+        for args in [
+            vec!["ws", "read", "--run", &run, "notes"],
+            vec!["state", "get", "--run", &run, "key"],
+            vec!["mbox", "read", "--run", &run],
+        ] {
+            let mut all = vec!["--nats-url", "nats://127.0.0.1:1"];
+            all.extend(args.iter().copied());
+            let out = run_within(&all, Stdio::piped(), Duration::from_secs(30))?;
+            let err = stderr(&out);
+            assert_eq!(out.status.code(), Some(2), "{all:?}: {err}");
+            let error: serde_json::Value = serde_json::from_str(err.trim())?;
+            assert_eq!(error["error"]["code"], "unavailable", "{all:?}: {err}");
+            let message = error["error"]["message"].as_str().unwrap_or_default();
+            assert!(message.contains("nats://127.0.0.1:1"), "{all:?}: {err}");
+        }
+        Ok(())
+    }
+
     /// `up --nats-url` against a NATS whose prefix another deployment serves stops before it
     /// provisions or submits anything, naming the other deployment's fingerprint and what to
     /// do; with the same configuration it is the same deployment and runs.

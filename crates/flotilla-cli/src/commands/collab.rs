@@ -493,6 +493,9 @@ struct CliError {
     current_revision: Option<u64>,
     /// More fields of the error object (a rejected child's `run_id`, its `problems`).
     detail: Option<Value>,
+    /// NATS could not be reached: nothing was asked, so nothing changed (exit 2, as for
+    /// every command; the code stays `unavailable`).
+    unreachable: bool,
 }
 
 impl CliError {
@@ -502,11 +505,23 @@ impl CliError {
             message: message.into(),
             current_revision: None,
             detail: None,
+            unreachable: false,
         }
     }
 
-    /// 2 for invalid input (nothing was changed), 1 otherwise.
+    /// NATS could not be reached (code `unavailable`, exit 2).
+    fn unreachable(message: impl Into<String>) -> Self {
+        Self {
+            unreachable: true,
+            ..Self::new("unavailable", message)
+        }
+    }
+
+    /// 2 for invalid input or an unreachable NATS (nothing was changed), 1 otherwise.
     fn exit_code(&self) -> u8 {
+        if self.unreachable {
+            return 2;
+        }
         match self.code {
             "invalid_topic" | "undeclared_topic" | "entry_too_large" | "invalid_address"
             | "payload_too_large" | "invalid_key" | "value_too_large" | "invalid_name"
@@ -540,6 +555,7 @@ impl From<ContextError> for CliError {
                 .unwrap_or_else(|| e.message().to_owned()),
             current_revision: e.current_revision(),
             detail: (!e.problems().is_empty()).then(|| json!({ "problems": e.problems() })),
+            unreachable: false,
         }
     }
 }
@@ -1206,10 +1222,7 @@ fn nats_options(global: Global<'_>) -> Result<NatsOptions, CliError> {
 
 async fn bus(opts: &NatsOptions) -> Result<Bus, CliError> {
     Bus::connect(opts, "flotilla-cli").await.map_err(|e| {
-        CliError::new(
-            "unavailable",
-            format!("connecting to NATS ({}): {e}", opts.urls.join(",")),
-        )
+        CliError::unreachable(format!("connecting to NATS ({}): {e}", opts.urls.join(",")))
     })
 }
 
@@ -1357,6 +1370,11 @@ mod tests {
         for code in ["not_found", "conflict", "unavailable", "timeout", "io"] {
             assert_eq!(CliError::new(code, "x").exit_code(), 1, "{code}");
         }
+        assert_eq!(CliError::unreachable("x").exit_code(), 2);
+        assert_eq!(
+            CliError::unreachable("x").to_json()["error"]["code"],
+            "unavailable"
+        );
         let e: CliError = ContextError::conflict("lost", 4).into();
         assert_eq!(
             e.to_json(),
