@@ -351,11 +351,27 @@ async fn a_rejected_report_is_never_published_and_the_run_fails() -> anyhow::Res
         "the publisher never ran"
     );
     // A later approval changes nothing: the first answer decided.
-    let late = cli_json(
-        &p,
-        &["approvals", "approve", &run_id, APPROVAL, "--by", "carol"],
-    )?;
+    // It is told what decided, and exits 1: it decided nothing.
+    let late = p.cli(&[
+        "approvals",
+        "approve",
+        &run_id,
+        APPROVAL,
+        "--by",
+        "carol",
+        "--json",
+    ])?;
+    assert_eq!(late.status.code(), Some(1), "{}", text(&late));
+    let late: serde_json::Value = serde_json::from_slice(&late.stdout)?;
     assert_eq!(late["outcome"], "already_decided", "{late}");
+    let said = p.cli(&["approvals", "reject", &run_id, APPROVAL, "--by", "carol"])?;
+    assert_eq!(said.status.code(), Some(1), "{}", text(&said));
+    let err = String::from_utf8_lossy(&said.stderr);
+    assert!(
+        err.starts_with("already_decided: decided reject by bob"),
+        "{}",
+        text(&said)
+    );
     assert!(!report.exists());
 
     let history = p.cli(&["approvals", "history", &run_id])?;

@@ -2,8 +2,9 @@
 //! operator's inbox of tasks waiting for a person (`<prefix>.api.approval.*`, served by the
 //! coordinator), and the tools approved for a session (`approve --always`).
 //! `list --watch` follows `<prefix>.notify.*.*` and lists again on each notice.
-//! Exit 0 done (also `already_decided`, which prints what decided), 1 refused
-//! (`not_found`, `digest_mismatch`, a malformed answer), 2 no coordinator.
+//! Exit 0 done, 1 refused (`already_decided` — another answer or the deadline decided
+//! first; it prints what decided —, `not_found`, `digest_mismatch`, a malformed answer), 2 no
+//! coordinator.
 
 use std::process::ExitCode;
 
@@ -15,7 +16,7 @@ use flotilla_model::approval::{
 use flotilla_model::ids::{RunId, SessionId};
 use futures::StreamExt;
 
-use super::team::{answer, connect};
+use super::team::{answer, answer_with, connect};
 use crate::config::Config;
 
 /// `flotilla approvals`.
@@ -265,14 +266,22 @@ pub(crate) async fn approvals(
         always,
         incident,
     };
-    answer(&client, &r, args.json, |a: &ApprovalAnswerReply| {
-        match a.outcome {
-            AnswerOutcome::Decided => outln!("decided: {}", settled_line(&a.record)),
+    answer_with(
+        &client,
+        &r,
+        args.json,
+        |a: &ApprovalAnswerReply| match a.outcome {
+            AnswerOutcome::Decided => outln!("{}", settled_line(&a.record)),
             AnswerOutcome::AlreadyDecided => {
-                outln!("already_decided: {}", settled_line(&a.record))
+                errln!("already_decided: {}", settled_line(&a.record))
             }
-        }
-    })
+        },
+        // An answer that lost to an earlier one decided nothing.
+        |a: &ApprovalAnswerReply| match a.outcome {
+            AnswerOutcome::Decided => ExitCode::SUCCESS,
+            AnswerOutcome::AlreadyDecided => ExitCode::FAILURE,
+        },
+    )
     .await
 }
 

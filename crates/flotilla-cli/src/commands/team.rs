@@ -661,6 +661,18 @@ pub(super) async fn answer<R: ApiRequest>(
     json: bool,
     print: impl FnOnce(&R::Reply),
 ) -> anyhow::Result<ExitCode> {
+    answer_with(client, request, json, print, |_| ExitCode::SUCCESS).await
+}
+
+/// [`answer`], with the exit code of an answered request taken from its reply (a decision
+/// that lost to an earlier one is answered, and is not success).
+pub(super) async fn answer_with<R: ApiRequest>(
+    client: &Client,
+    request: &R,
+    json: bool,
+    print: impl FnOnce(&R::Reply),
+    exit_of: impl FnOnce(&R::Reply) -> ExitCode,
+) -> anyhow::Result<ExitCode> {
     let reply = match client.call(request, TIMEOUT).await {
         Ok(r) => r,
         Err(e) if e.kind() == ClientErrorKind::NoSupervisor => {
@@ -672,11 +684,11 @@ pub(super) async fn answer<R: ApiRequest>(
     match reply {
         Ok(reply) if json => {
             outln!("{}", serde_json::to_string_pretty(&reply)?);
-            Ok(ExitCode::SUCCESS)
+            Ok(exit_of(&reply))
         }
         Ok(reply) => {
             print(&reply);
-            Ok(ExitCode::SUCCESS)
+            Ok(exit_of(&reply))
         }
         Err(e) if json => {
             let mut out = serde_json::json!({"error": e.code, "message": e.message});
