@@ -378,5 +378,30 @@ async fn a_rejected_report_is_never_published_and_the_run_fails() -> anyhow::Res
     assert!(history.status.success(), "{}", text(&history));
     let trail = text(&history);
     assert!(trail.contains("decided reject by bob"), "{trail}");
+
+    // A run with nothing waiting lists nothing (exit 0); a run that does not exist is
+    // `not_found` (exit 1), not an empty list.
+    let listed = p.cli(&["approvals", "list", "--run", &run_id])?;
+    assert!(listed.status.success(), "{}", text(&listed));
+    let ghost = RunId::new().to_string();
+    for args in [
+        vec!["approvals", "list", "--run", &ghost],
+        vec!["approvals", "history", &ghost],
+    ] {
+        let out = p.cli(&args)?;
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", text(&out));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(
+            err.trim(),
+            format!("error: not_found: run {ghost} does not exist"),
+            "{args:?}"
+        );
+        let mut json = args.clone();
+        json.push("--json");
+        let out = p.cli(&json)?;
+        assert_eq!(out.status.code(), Some(1), "{json:?}: {}", text(&out));
+        let said: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        assert_eq!(said["error"], "not_found", "{said}");
+    }
     Ok(())
 }

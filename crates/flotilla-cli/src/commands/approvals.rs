@@ -3,8 +3,8 @@
 //! coordinator), and the tools approved for a session (`approve --always`).
 //! `list --watch` follows `<prefix>.notify.*.*` and lists again on each notice.
 //! Exit 0 done, 1 refused (`already_decided` — another answer or the deadline decided
-//! first; it prints what decided —, `not_found`, `digest_mismatch`, a malformed answer), 2 no
-//! coordinator.
+//! first; it prints what decided —, `not_found`, also for `list --run` and `history` of a
+//! run that does not exist, `digest_mismatch`, a malformed answer), 2 no coordinator.
 
 use std::process::ExitCode;
 
@@ -157,6 +157,11 @@ pub(crate) async fn approvals(
             watch,
             json,
         } => {
+            if let Some(run) = run
+                && let Some(code) = unknown_run(&client, run, json).await?
+            {
+                return Ok(code);
+            }
             let r = ApprovalListRequest {
                 protocol,
                 run_id: run,
@@ -197,6 +202,9 @@ pub(crate) async fn approvals(
             return answer(&client, &r, json, print_view).await;
         }
         ApprovalsCommand::History { run, json } => {
+            if let Some(code) = unknown_run(&client, run, json).await? {
+                return Ok(code);
+            }
             let r = ApprovalListRequest {
                 protocol,
                 run_id: Some(run),
@@ -283,6 +291,27 @@ pub(crate) async fn approvals(
         },
     )
     .await
+}
+
+/// `--run RUN` of a run that does not exist is `not_found` (exit 1), printed as an API
+/// refusal is, rather than an empty list that looks like a run with nothing waiting.
+async fn unknown_run(
+    client: &flotilla_client::Client,
+    run: RunId,
+    json: bool,
+) -> anyhow::Result<Option<ExitCode>> {
+    let store = flotilla_client::open_store(client.bus()).await?;
+    if store.record(run).await?.is_some() {
+        return Ok(None);
+    }
+    let message = format!("run {run} does not exist");
+    if json {
+        let out = serde_json::json!({"error": "not_found", "message": message});
+        outln!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        errln!("error: not_found: {message}");
+    }
+    Ok(Some(ExitCode::from(1)))
 }
 
 pub(crate) fn settled_line(r: &ApprovalRecord) -> String {
