@@ -944,6 +944,58 @@ reply = "{task_id} done"
         Ok(())
     }
 
+    /// With no `--by`, no `$USER` or `$LOGNAME`, and a user id the system has no name for (a
+    /// container's), a decision asks for `--by` (exit 2) instead of sending an answer by
+    /// nobody. It runs the command as uid 65532 through `setpriv`, so it needs the tests to
+    /// run as root (CI does); elsewhere it says so and passes.
+    #[tokio::test]
+    async fn a_decision_with_nobody_to_name_asks_for_by() -> anyhow::Result<()> {
+        const NAMELESS: u32 = 65532;
+        if !nix::unistd::getuid().is_root()
+            || Command::new("setpriv").arg("--version").output().is_err()
+            || nix::unistd::User::from_uid(NAMELESS.into())?.is_some()
+        {
+            eprintln!("skipped: needs root, setpriv and a uid {NAMELESS} without a name");
+            return Ok(());
+        }
+        let server = NatsServer::start().await?;
+        server.provisioned_bus().await?;
+        // A copy of the binary that uid can run, whatever the checkout's permissions.
+        let dir = tempfile::tempdir()?;
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
+        let bin = dir.path().join("flotilla");
+        std::fs::copy(env!("CARGO_BIN_EXE_flotilla"), &bin)?;
+        std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755))?;
+        let run = RunId::new().to_string();
+        let id = NAMELESS.to_string();
+        let out = Command::new("setpriv")
+            .args(["--reuid", &id, "--regid", &id, "--clear-groups"])
+            .arg(&bin)
+            .args([
+                "--nats-url",
+                &server.url(),
+                "approvals",
+                "approve",
+                &run,
+                "t0a1",
+            ])
+            .env_remove("USER")
+            .env_remove("LOGNAME")
+            .env_remove("FLOTILLA_CONFIG")
+            .current_dir("/")
+            .stdin(Stdio::null())
+            .output()?;
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(
+            err.starts_with("error: who decides is unknown: pass --by NAME")
+                && err.contains(&format!("user id {NAMELESS} has no name")),
+            "{err}"
+        );
+        Ok(())
+    }
+
     /// The collaboration commands answer in JSON, and an unreachable NATS exits 2 there too
     /// (nothing was asked, nothing changed), with code `unavailable` naming the URL.
     #[test]

@@ -339,10 +339,33 @@ impl Processes {
         self.cli_of(Path::new(env!("CARGO_BIN_EXE_flotilla")), args)
     }
 
+    /// [`Processes::cli`] with the environment variables `unset` removed (`USER`, as in a
+    /// container).
+    #[allow(dead_code)]
+    pub fn cli_without(
+        &self,
+        unset: &[&str],
+        args: &[&str],
+    ) -> anyhow::Result<std::process::Output> {
+        self.cli_full(Path::new(env!("CARGO_BIN_EXE_flotilla")), unset, args)
+    }
+
     /// [`Processes::cli`] with another build of `flotilla` (an older release's binary, for
     /// a rolling upgrade's old client).
     pub fn cli_of(&self, bin: &Path, args: &[&str]) -> anyhow::Result<std::process::Output> {
+        self.cli_full(bin, &[], args)
+    }
+
+    fn cli_full(
+        &self,
+        bin: &Path,
+        unset: &[&str],
+        args: &[&str],
+    ) -> anyhow::Result<std::process::Output> {
         let mut cmd = std::process::Command::new(bin);
+        for k in unset {
+            cmd.env_remove(k);
+        }
         for (k, _) in std::env::vars() {
             if k.starts_with("FLOTILLA_") {
                 cmd.env_remove(k);

@@ -86,7 +86,7 @@ pub(crate) enum ApprovalsCommand {
         /// The session.
         #[arg(long)]
         session: Option<SessionId>,
-        /// Who revokes it (default: `$USER`).
+        /// Who revokes it (default: `$USER`, else your operating-system user name).
         #[arg(long)]
         by: Option<String>,
         /// Machine-readable output.
@@ -130,7 +130,7 @@ pub(crate) struct AnswerArgs {
     run: RunId,
     /// The approval (`t<task>a<attempt>`).
     approval: String,
-    /// Who answers (default: `$USER`).
+    /// Who answers (default: `$USER`, else your operating-system user name).
     #[arg(long)]
     by: Option<String>,
     /// A comment for the record.
@@ -233,7 +233,7 @@ pub(crate) async fn approvals(
                 run_id: run,
                 session_id: session,
                 tool,
-                by: super::caller(by).unwrap_or_default(),
+                by: super::person(by)?,
             };
             return answer(&client, &r, json, |a: &GrantRevokeReply| {
                 let g = &a.revoked;
@@ -262,7 +262,7 @@ pub(crate) async fn approvals(
             (args, Decision::Respond { result }, false, false)
         }
     };
-    let by = super::caller(args.by).unwrap_or_default();
+    let by = super::person(args.by)?;
     let r = ApprovalAnswerRequest {
         protocol,
         run_id: args.run,

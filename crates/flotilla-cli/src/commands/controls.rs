@@ -14,8 +14,8 @@ use flotilla_model::control::{
 };
 use flotilla_model::ids::{RunId, TaskId};
 
-use super::caller;
 use super::team::{answer, connect};
+use super::{caller, person};
 use crate::config::Config;
 
 /// The run-control commands of `flotilla runs`.
@@ -64,7 +64,7 @@ pub(crate) enum ControlCommand {
         /// The result.
         #[arg(long)]
         result: String,
-        /// Who completes it (default: $USER).
+        /// Who completes it (default: $USER, else your operating-system user name).
         #[arg(long)]
         by: Option<String>,
         /// Why.
@@ -83,7 +83,7 @@ pub(crate) enum ControlCommand {
         /// The edited plan file (.json, or .msgpack).
         #[arg(long)]
         plan: std::path::PathBuf,
-        /// Who edits (default: $USER).
+        /// Who edits (default: $USER, else your operating-system user name).
         #[arg(long)]
         by: Option<String>,
         /// Why.
@@ -103,7 +103,7 @@ pub(crate) enum ControlCommand {
         /// The answer.
         #[arg(long)]
         text: String,
-        /// Who answers (default: $USER).
+        /// Who answers (default: $USER, else your operating-system user name).
         #[arg(long)]
         by: Option<String>,
         /// A comment for the record.
@@ -121,7 +121,7 @@ pub(crate) struct ControlArgs {
     /// Why (recorded in the run's events).
     #[arg(long)]
     reason: Option<String>,
-    /// Who asks (default: $USER).
+    /// Who asks (default: $USER, else your operating-system user name).
     #[arg(long)]
     by: Option<String>,
     /// Leave the run's child runs as they are.
@@ -198,7 +198,7 @@ pub(crate) async fn control(config: &Config, command: ControlCommand) -> anyhow:
                 run_id: run,
                 task_id: task,
                 result,
-                by: caller(by).unwrap_or_default(),
+                by: person(by)?,
                 comment,
             };
             answer(&client, &r, json, |a: &CompleteTaskReply| {
@@ -230,7 +230,7 @@ pub(crate) async fn control(config: &Config, command: ControlCommand) -> anyhow:
                 protocol,
                 run_id: run,
                 plan,
-                by: caller(by).unwrap_or_default(),
+                by: person(by)?,
                 reason,
             };
             answer(&client, &r, json, |a: &EditPlanReply| {
@@ -268,7 +268,7 @@ pub(crate) async fn control(config: &Config, command: ControlCommand) -> anyhow:
                 run_id: run,
                 approval_id: token,
                 decision: flotilla_model::approval::Decision::Respond { result: text },
-                by: caller(by).unwrap_or_default(),
+                by: person(by)?,
                 comment,
                 digest: None,
                 always: false,

@@ -16,7 +16,33 @@ pub(crate) mod team;
 pub(crate) mod trust;
 pub(crate) mod watch;
 
-/// Who a person's request is from: `--by`, else `$USER`.
+/// Who a person's request is from: `--by`, else `$USER`, else `$LOGNAME`, else the operating
+/// system's name of the user running the command (containers, CI and Kubernetes pods often
+/// set neither variable). `None` when none of them names anyone.
 pub(crate) fn caller(by: Option<String>) -> Option<String> {
-    by.or_else(|| std::env::var("USER").ok())
+    let named = |v: String| {
+        let v = v.trim().to_owned();
+        (!v.is_empty()).then_some(v)
+    };
+    by.and_then(named)
+        .or_else(|| std::env::var("USER").ok().and_then(named))
+        .or_else(|| std::env::var("LOGNAME").ok().and_then(named))
+        .or_else(|| {
+            nix::unistd::User::from_uid(nix::unistd::getuid())
+                .ok()
+                .flatten()
+                .map(|u| u.name)
+                .and_then(named)
+        })
+}
+
+/// [`caller`] for a decision that must name a person (an answer, a trust change): an error
+/// naming `--by` when nothing names one.
+pub(crate) fn person(by: Option<String>) -> anyhow::Result<String> {
+    caller(by).ok_or_else(|| {
+        anyhow::anyhow!(
+            "who decides is unknown: pass --by NAME (no $USER or $LOGNAME is set, and user id {} has no name)",
+            nix::unistd::getuid()
+        )
+    })
 }

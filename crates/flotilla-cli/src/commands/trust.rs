@@ -10,7 +10,7 @@ use flotilla_model::trust::{
     TrustSetRequest,
 };
 
-use super::caller;
+use super::person;
 use super::team::{answer, connect};
 use crate::config::Config;
 
@@ -41,7 +41,7 @@ pub(crate) enum TrustCommand {
         /// Why (recorded).
         #[arg(long)]
         reason: String,
-        /// Who (default: $USER).
+        /// Who (default: $USER, else your operating-system user name).
         #[arg(long)]
         by: Option<String>,
         /// Machine-readable output.
@@ -58,7 +58,7 @@ pub(crate) enum TrustCommand {
         /// What happened (recorded).
         #[arg(long)]
         reason: String,
-        /// Who (default: $USER).
+        /// Who (default: $USER, else your operating-system user name).
         #[arg(long)]
         by: Option<String>,
         /// Machine-readable output.
@@ -121,7 +121,7 @@ pub(crate) async fn trust(config: &Config, command: TrustCommand) -> anyhow::Res
                 name,
                 level: level.0,
                 reason,
-                by: caller(by).unwrap_or_default(),
+                by: person(by)?,
             };
             answer(&client, &r, json, print_record).await
         }
@@ -137,7 +137,7 @@ pub(crate) async fn trust(config: &Config, command: TrustCommand) -> anyhow::Res
                 scope: scope(role),
                 name,
                 reason,
-                by: caller(by).unwrap_or_default(),
+                by: person(by)?,
             };
             answer(&client, &r, json, print_record).await
         }
