@@ -148,6 +148,25 @@ fn schemas_are_current() {
 async fn provision_creates_then_reports_unchanged() -> anyhow::Result<()> {
     let server = NatsServer::start().await?;
     let url = server.url();
+    // A dry run says what it would do, and does nothing.
+    let dry = flotilla(&[
+        "--nats-url",
+        &url,
+        "nats",
+        "provision",
+        "--dry-run",
+        "--pools",
+        "default",
+    ]);
+    assert_eq!(dry.status.code(), Some(0));
+    let said = stdout(&dry);
+    assert!(
+        said.lines().all(|l| l.contains("would create")) && !said.contains("created"),
+        "{said}"
+    );
+    assert!(said.contains("pool-default"), "{said}");
+    let js = async_nats::jetstream::new(server.client().await?);
+    assert!(js.get_stream("FLOTILLA_TASKS").await.is_err(), "{said}");
     let first = flotilla(&["--nats-url", &url, "nats", "provision"]);
     assert_eq!(
         first.status.code(),
@@ -180,6 +199,12 @@ async fn provision_refuses_incompatible_streams() -> anyhow::Result<()> {
     assert_eq!(out.status.code(), Some(1));
     assert!(stdout(&out).contains("INCOMPATIBLE"), "{}", stdout(&out));
     assert!(stdout(&out).contains("storage"));
+    // What it did not do is said as what it would do.
+    assert!(
+        stdout(&out).contains("FLOTILLA_TASKS           would create"),
+        "{}",
+        stdout(&out)
+    );
     assert!(
         js.get_stream("FLOTILLA_TASKS").await.is_err(),
         "nothing else was created"

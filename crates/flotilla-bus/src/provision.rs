@@ -346,8 +346,23 @@ impl ProvisionReport {
     }
 }
 
-impl fmt::Display for ProvisionReport {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+/// A report read as a plan (a dry run, or nothing applied because of incompatible drift):
+/// "would create", "would update".
+#[derive(Debug)]
+pub struct Planned<'a>(&'a ProvisionReport);
+
+impl ProvisionReport {
+    /// This report as what provisioning would do, for a dry run.
+    pub fn planned(&self) -> Planned<'_> {
+        Planned(self)
+    }
+
+    fn write(&self, f: &mut fmt::Formatter<'_>, applied: bool) -> fmt::Result {
+        let (created, updated) = if applied {
+            ("created", "updated")
+        } else {
+            ("would create", "would update")
+        };
         for r in &self.resources {
             let kind = match r.kind {
                 ResourceKind::Stream => "stream",
@@ -355,10 +370,10 @@ impl fmt::Display for ProvisionReport {
                 ResourceKind::ObjectStore => "object",
             };
             match &r.action {
-                Action::Create => writeln!(f, "{kind:<6} {:<24} created", r.name)?,
+                Action::Create => writeln!(f, "{kind:<6} {:<24} {created}", r.name)?,
                 Action::Unchanged => writeln!(f, "{kind:<6} {:<24} unchanged", r.name)?,
                 Action::Update { changes } => {
-                    writeln!(f, "{kind:<6} {:<24} updated", r.name)?;
+                    writeln!(f, "{kind:<6} {:<24} {updated}", r.name)?;
                     for c in changes {
                         writeln!(f, "         {}: {} -> {}", c.field, c.actual, c.expected)?;
                     }
@@ -379,6 +394,18 @@ impl fmt::Display for ProvisionReport {
             }
         }
         Ok(())
+    }
+}
+
+impl fmt::Display for ProvisionReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.write(f, true)
+    }
+}
+
+impl fmt::Display for Planned<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.write(f, false)
     }
 }
 

@@ -76,11 +76,16 @@ pub(crate) async fn provision(
         }
         outln!("{}", serde_json::to_string_pretty(&out)?);
     } else {
-        out!("{report}");
+        if dry_run || !compatible {
+            out!("{}", report.planned());
+        } else {
+            out!("{report}");
+        }
         for c in &consumers {
             let what = match c.action {
                 ConsumerAction::Create => "created",
                 ConsumerAction::Exists => "exists",
+                ConsumerAction::Missing if dry_run && compatible => "would create",
                 ConsumerAction::Missing => "missing",
             };
             outln!("{:<6} {:<24} {what} (on {})", "pool", c.name, c.stream);
