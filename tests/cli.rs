@@ -264,6 +264,33 @@ fn up_runs_the_earnings_example_end_to_end() {
     );
 }
 
+/// Outside the repository, with no configuration file, `up` says so before it starts and
+/// what to do; the run then fails naming the missing agent and that the worker has none.
+#[test]
+fn up_without_a_configuration_says_it_has_no_agents() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = Command::new(env!("CARGO_BIN_EXE_flotilla"))
+        .args(["up", "--submit"])
+        .arg(root().join("config/examples/plans/earnings.json"))
+        .current_dir(dir.path())
+        .env_remove("FLOTILLA_CONFIG")
+        .output()
+        .expect("the flotilla binary runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let first = stderr.lines().next().unwrap_or_default();
+    assert!(
+        first.starts_with("warning: no configuration file found")
+            && first.contains("--config FILE")
+            && first.contains("unknown_agent"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("no agent named \"fetch_data\" (it has no agents"),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn up_runs_the_workflow_example_end_to_end() {
     let data = tempfile::tempdir().expect("tempdir");

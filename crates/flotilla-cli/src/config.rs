@@ -54,6 +54,9 @@ pub(crate) struct Config {
     /// Directory of the config file: relative agent paths resolve against it.
     #[serde(skip)]
     pub(crate) base_dir: PathBuf,
+    /// The config file read, if any (none: defaults and `FLOTILLA_*` variables only).
+    #[serde(skip)]
+    pub(crate) file: Option<PathBuf>,
 }
 
 impl Default for Config {
@@ -74,6 +77,7 @@ impl Default for Config {
             console: flotilla_console::ConsoleOptions::default(),
             agents_protocol: flotilla_agents::AgentsProtocolOptions::default(),
             base_dir: PathBuf::from("."),
+            file: None,
         }
     }
 }
@@ -97,6 +101,17 @@ fn config_file(explicit: Option<&Path>) -> anyhow::Result<Option<PathBuf>> {
         .iter()
         .map(PathBuf::from)
         .find(|p| p.is_file()))
+}
+
+/// What to say when a deployment starts without agents and without a config file: it would
+/// run, and fail every task `unknown_agent`. `None` when there is a file or an agent.
+pub(crate) fn no_agents_warning(config: &Config) -> Option<String> {
+    if config.file.is_some() || !config.agents.is_empty() {
+        return None;
+    }
+    Some(
+        "warning: no configuration file found (--config, $FLOTILLA_CONFIG, ./flotilla.toml, ./config/flotilla.toml) and no agents in FLOTILLA_AGENTS__*: this deployment has no agents, so every task fails unknown_agent. Run it in the Flotilla repository's root (its config/flotilla.toml has the example agents) or pass --config FILE (config/flotilla.toml is a commented starting point)".to_owned(),
+    )
 }
 
 /// Loads and validates the configuration.
@@ -138,6 +153,7 @@ pub(crate) fn load(explicit: Option<&Path>, nats_url: Option<&str>) -> anyhow::R
     config.jetstream.memory_max_age = config.supervisor.memory.max_age;
     // The coordinator admits runs with the deployment's escalation policy.
     config.coordinator.hitl = config.hitl.clone();
+    config.file = file.clone();
     config.validate()?;
     tracing::debug!(file = ?file, "Configuration loaded");
     Ok(config)

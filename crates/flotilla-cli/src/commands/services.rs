@@ -341,6 +341,9 @@ async fn workflow_worker(config: &Config) -> anyhow::Result<Option<Worker>> {
 }
 
 pub(crate) async fn worker(config: &Config) -> anyhow::Result<ExitCode> {
+    if let Some(warning) = crate::config::no_agents_warning(config) {
+        warn!("{}", warning.trim_start_matches("warning: "));
+    }
     let health = Health::new();
     let nats = health.condition("nats_connected");
     let provisioned = health.condition("provisioned");
@@ -597,6 +600,9 @@ pub(crate) struct UpOptions {
 pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<ExitCode> {
     // A one-shot `--submit` is a command; without it, or with `--stay`, `up` is a service.
     let service = opts.submit.is_none() || opts.stay;
+    if let Some(warning) = crate::config::no_agents_warning(&config) {
+        errln!("{warning}");
+    }
     // Signals are handled from the start: a SIGTERM during start-up still stops cleanly
     // (and removes the URL file).
     let shutdown = if service {

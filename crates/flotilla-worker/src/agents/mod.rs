@@ -368,11 +368,14 @@ impl AgentRegistry {
         self.agents
             .get_key_value(name)
             .map(|(k, v)| (k.as_str(), v))
-            .ok_or_else(|| {
-                format!(
+            .ok_or_else(|| match self.names().as_slice() {
+                [] => format!(
+                    "this worker has no agent named {name:?} (it has no agents: is its configuration file found?)"
+                ),
+                names => format!(
                     "this worker has no agent named {name:?} (it has: {})",
-                    self.names().join(", ")
-                )
+                    names.join(", ")
+                ),
             })
     }
 
