@@ -803,6 +803,67 @@ fn up_publishes_its_url_for_commands_in_the_same_directory() -> anyhow::Result<(
     Ok(())
 }
 
+/// `up --nats-port` and `--console-listen` put the embedded server and the console on the
+/// ports asked for; `--nats-port` with `--nats-url` (no embedded server) is refused.
+#[test]
+fn up_listens_where_it_is_told() -> anyhow::Result<()> {
+    let free = || -> anyhow::Result<u16> {
+        Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port())
+    };
+    let (nats, console) = (free()?, free()?);
+    let dir = tempfile::tempdir()?;
+    let mut up = Command::new(env!("CARGO_BIN_EXE_flotilla"))
+        .args(["up", "--workers", "1", "--http-addr", "off"])
+        .args(["--nats-port", &nats.to_string()])
+        .args(["--console-listen", &format!("127.0.0.1:{console}")])
+        .current_dir(dir.path())
+        .env_remove("FLOTILLA_CONFIG")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    let url_file = dir.path().join(".flotilla/nats-url");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let mut answered = false;
+    while std::time::Instant::now() < deadline && !answered {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        answered = std::net::TcpStream::connect(("127.0.0.1", console)).is_ok();
+    }
+    let url = std::fs::read_to_string(&url_file).unwrap_or_default();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(up.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )?;
+    let out = up.wait_with_output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        url.lines().next().unwrap_or_default(),
+        format!("nats://127.0.0.1:{nats}"),
+        "{err}"
+    );
+    assert!(answered, "no console on port {console}: {err}");
+    assert!(
+        err.contains(&format!("Console: http://127.0.0.1:{console}/")),
+        "{err}"
+    );
+
+    let refused = flotilla(&[
+        "--nats-url",
+        "nats://127.0.0.1:4222",
+        "up",
+        "--nats-port",
+        "4333",
+    ]);
+    assert_eq!(refused.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        err.contains("--nats-port") && err.contains("--nats-url"),
+        "{err}"
+    );
+    Ok(())
+}
+
 mod first_use {
     //! What a new user meets first: a reader that goes away, a run that does not exist,
     //! errors that say their cause once and what to do, and `up` against a NATS another

@@ -116,6 +116,11 @@ impl LocalNatsServer {
     /// The server `flotilla up` and `flotilla bench` run when no URL is given: its store and
     /// run files in `data_dir` (created if missing), on a free port.
     pub async fn start_in(data_dir: &Path) -> Result<Self, ServerError> {
+        Self::start_in_on(data_dir, None).await
+    }
+
+    /// [`LocalNatsServer::start_in`] on client port `port` (`None`: a free one).
+    pub async fn start_in_on(data_dir: &Path, port: Option<u16>) -> Result<Self, ServerError> {
         std::fs::create_dir_all(data_dir).map_err(|e| {
             ServerError::with_source(
                 ServerErrorKind::Spawn,
@@ -123,7 +128,11 @@ impl LocalNatsServer {
                 e,
             )
         })?;
-        Self::start(LocalServerOptions::in_dir(data_dir)).await
+        Self::start(LocalServerOptions {
+            port,
+            ..LocalServerOptions::in_dir(data_dir)
+        })
+        .await
     }
 
     async fn spawn(&mut self) -> Result<(), ServerError> {

@@ -102,6 +102,14 @@ enum Command {
         /// Where the embedded nats-server keeps its data.
         #[arg(long, default_value = ".flotilla")]
         data_dir: PathBuf,
+        /// The embedded nats-server's client port (default: a free one). Not with --nats-url,
+        /// which replaces the embedded server.
+        #[arg(long, value_name = "PORT")]
+        nats_port: Option<u16>,
+        /// Where the web console listens (overrides console.listen; default 127.0.0.1:9480,
+        /// or a free port when that one is taken — not when this flag names it).
+        #[arg(long, value_name = "ADDR")]
+        console_listen: Option<std::net::SocketAddr>,
         /// Run this plan to the end, print its result and exit with its status.
         #[arg(long, value_name = "PLAN")]
         submit: Option<PathBuf>,
@@ -524,11 +532,21 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
             workers,
             concurrency,
             data_dir,
+            nats_port,
+            console_listen,
             submit,
             stay,
             http_addr,
         } => {
+            if nats_port.is_some() && cli.nats_url.is_some() {
+                anyhow::bail!(
+                    "--nats-port sets the port of up's embedded nats-server, and --nats-url replaces that server: give one of them"
+                );
+            }
             let mut c = load()?;
+            if let Some(listen) = console_listen {
+                c.console.listen = listen;
+            }
             if let Some(n) = concurrency {
                 c.worker.concurrency = n;
                 c.validate()?;
@@ -544,6 +562,8 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
             let opts = commands::services::UpOptions {
                 workers,
                 data_dir,
+                nats_port,
+                console_port_fallback: console_listen.is_none(),
                 submit,
                 stay,
                 embedded,

@@ -588,6 +588,11 @@ async fn refuse_foreign_deployment(bus: &Bus, config: &Config) -> anyhow::Result
 pub(crate) struct UpOptions {
     pub(crate) workers: usize,
     pub(crate) data_dir: PathBuf,
+    /// The embedded server's client port (`None`: a free one).
+    pub(crate) nats_port: Option<u16>,
+    /// Whether a taken console port falls back to a free one (not when the port was asked
+    /// for with `--console-listen`).
+    pub(crate) console_port_fallback: bool,
     pub(crate) submit: Option<PathBuf>,
     /// With `submit`: the console too, and stay up after the run until a signal.
     pub(crate) stay: bool,
@@ -629,7 +634,7 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
         .collect();
     let obs = Observability::start(config.telemetry.http_addr, health, Metrics::new()).await?;
     let server = if opts.embedded {
-        let s = LocalNatsServer::start_in(&opts.data_dir.join("nats")).await?;
+        let s = LocalNatsServer::start_in_on(&opts.data_dir.join("nats"), opts.nats_port).await?;
         config.nats.urls = vec![s.url()];
         let Some(held) = &lock else {
             anyhow::bail!("an embedded server without the data directory's lock");
@@ -739,7 +744,7 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
     // once the coordinator answers (its actions are the coordinator's API).
     if config.console.enabled && service && wait_coordinator(started, &shutdown).await {
         let bus = Bus::connect(&config.nats, "flotilla-console").await?;
-        match super::console::bind(bus, &config, true).await {
+        match super::console::bind(bus, &config, opts.console_port_fallback).await {
             Ok(console) => {
                 errln!("{}", super::console::url_line(&console, &config));
                 if let Some(lock) = &mut lock {
