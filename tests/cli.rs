@@ -814,7 +814,7 @@ fn up_listens_where_it_is_told() -> anyhow::Result<()> {
     };
     let (nats, console) = (free()?, free()?);
     let dir = tempfile::tempdir()?;
-    let mut up = Command::new(env!("CARGO_BIN_EXE_flotilla"))
+    let up = Command::new(env!("CARGO_BIN_EXE_flotilla"))
         .args(["up", "--workers", "1", "--http-addr", "off"])
         .args(["--nats-port", &nats.to_string()])
         .args(["--console-listen", &format!("127.0.0.1:{console}")])
