@@ -391,7 +391,15 @@ fn init_logging(
         .unwrap_or_default();
     let logging = LoggingConfig::new(
         // Services report their life at info; client commands speak through their output.
-        if service.is_some() { "info" } else { "warn" },
+        // The NATS client's own info lines (each connection's "connected", an "IO error" when
+        // a connection closes at shutdown) say again what Flotilla's own lines say
+        // (`Connected to NATS`, `Lost the connection…`, `Reconnected…`), so only its warnings
+        // show unless FLOTILLA_LOG asks.
+        if service.is_some() {
+            "info,async_nats=warn"
+        } else {
+            "warn"
+        },
         format,
         service.unwrap_or(match cli.command {
             Command::Up { .. } => "flotilla-up",
