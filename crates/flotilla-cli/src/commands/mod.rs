@@ -24,8 +24,8 @@ pub(crate) fn caller(by: Option<String>) -> Option<String> {
         let v = v.trim().to_owned();
         (!v.is_empty()).then_some(v)
     };
-    by.and_then(named)
-        .or_else(|| std::env::var("USER").ok().and_then(named))
+    // An explicit `--by` is sent as given: an empty one is refused by name (`by is required`).
+    by.or_else(|| std::env::var("USER").ok().and_then(named))
         .or_else(|| std::env::var("LOGNAME").ok().and_then(named))
         .or_else(|| {
             nix::unistd::User::from_uid(nix::unistd::getuid())
