@@ -63,22 +63,6 @@ async fn ready(port: u16, since: Instant, log: impl Fn() -> String) -> anyhow::R
     }
 }
 
-fn same(before: &Reads, after: &Reads, what: &str) -> anyhow::Result<()> {
-    let diff = before.differences(after);
-    if diff.is_empty() {
-        return Ok(());
-    }
-    let shown: Vec<String> = diff
-        .iter()
-        .map(|(name, b, a)| format!("- {name}\n  before: {b}\n  after:  {a}"))
-        .collect();
-    bail!(
-        "{what}: {} read(s) changed:\n{}",
-        diff.len(),
-        shown.join("\n")
-    )
-}
-
 /// Which service a cell restarts.
 #[derive(Debug, Clone, Copy)]
 enum Service {
@@ -271,7 +255,9 @@ impl Deployment {
             // The roster's presence is computed again from the same live workers.
             after = self.presence_settled(&before, after).await?;
         }
-        same(&before, &after, &what).with_context(|| self.logs())?;
+        before
+            .ensure_same(&after, &what)
+            .with_context(|| self.logs())?;
         let console_after = self.console_reads().await?;
         ensure!(
             console_before == console_after,
@@ -498,7 +484,9 @@ async fn up_restarts_onto_its_data_dir() -> anyhow::Result<()> {
         eprintln!("up after {stop:?}: ready in {took:?}");
         client = client_of(&up.url).await?;
         let after = history.reads(&client).await?.without_presence();
-        same(&before, &after, &format!("up after {stop:?}")).with_context(|| up.log())?;
+        before
+            .ensure_same(&after, &format!("up after {stop:?}"))
+            .with_context(|| up.log())?;
         if let Err(e) = history.exercise(&client, &model).await {
             bail!("up after {stop:?}: new runs: {e}\n{}", up.log());
         }

@@ -132,23 +132,6 @@ where
     }
 }
 
-/// Where two reads differ, as a failure naming each path.
-pub(crate) fn same(before: &Reads, after: &Reads, what: &str) -> anyhow::Result<()> {
-    let diff = before.differences(after);
-    if diff.is_empty() {
-        return Ok(());
-    }
-    let shown: Vec<String> = diff
-        .iter()
-        .map(|(name, b, a)| format!("- {name}\n  before: {b}\n  after:  {a}"))
-        .collect();
-    bail!(
-        "{what}: {} read(s) changed:\n{}",
-        diff.len(),
-        shown.join("\n")
-    )
-}
-
 /// The reads about the history alone: approvals and remembered runs of the history's runs,
 /// without the deployment-wide tallies (failure records, the roster's counters) that work
 /// in flight moves.
@@ -441,7 +424,9 @@ impl Mixed {
         let s = self.launch(kind, version).await?;
         self.services.push(s);
         let after = self.reads().await?;
-        same(&self.before, &after, &what).with_context(|| self.logs())?;
+        self.before
+            .ensure_same(&after, &what)
+            .with_context(|| self.logs())?;
         self.consoles_same(&what).await?;
         self.work(&what).await?;
         say(&format!(
@@ -482,7 +467,9 @@ impl Mixed {
             .with_context(|| self.logs())?;
         self.settle().await?;
         let after = history_only(self.reads().await?, &self.history);
-        same(&before, &after, &what).with_context(|| self.logs())?;
+        before
+            .ensure_same(&after, &what)
+            .with_context(|| self.logs())?;
         self.work(&what).await?;
         say(&format!(
             "✓ {what} ({}): work in flight carried over, history reads unchanged, new runs of every kind, clients' work done",

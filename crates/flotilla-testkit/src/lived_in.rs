@@ -1060,6 +1060,24 @@ impl Reads {
         self
     }
 
+    /// An error naming every path where `after` differs from these reads (`what` says when
+    /// they were taken), or `Ok` when they are the same.
+    pub fn ensure_same(&self, after: &Reads, what: &str) -> Result<(), LivedInError> {
+        let diff = self.differences(after);
+        if diff.is_empty() {
+            return Ok(());
+        }
+        let shown: Vec<String> = diff
+            .iter()
+            .map(|(name, b, a)| format!("- {name}\n  before: {b}\n  after:  {a}"))
+            .collect();
+        Err(LivedInError::Unexpected(format!(
+            "{what}: {} read(s) changed:\n{}",
+            diff.len(),
+            shown.join("\n")
+        )))
+    }
+
     /// Where these reads differ from `other`'s: the read's name with the path inside it
     /// (`team/members/5/workers`), this value and the other's (`(missing)` where one has
     /// none).
