@@ -503,7 +503,18 @@ async fn projections_flatten_grandchildren_the_same_in_library_and_server() -> a
     // Profiles and policies.
     let user = library_watch(&p, run, Profile::User, ChildPolicy::Flatten).await?;
     assert!(user.iter().all(|e| match &e.event.event {
-        Event::Workflow(w) => w.phase == WorkflowPhase::RunStarted || w.phase.ends_run(),
+        Event::Workflow(w) => match w.phase {
+            WorkflowPhase::RunStarted
+            | WorkflowPhase::ApprovalRequested
+            | WorkflowPhase::ApprovalDecided => true,
+            p if p.ends_run() => true,
+            WorkflowPhase::TaskStarted
+            | WorkflowPhase::TaskSucceeded
+            | WorkflowPhase::TaskFailed
+            | WorkflowPhase::TaskRetrying
+            | WorkflowPhase::TaskSkipped => e.depth == 0,
+            _ => false,
+        },
         Event::ToolStart { .. } | Event::ToolEnd { .. } => e.depth == 0,
         Event::Usage { .. } | Event::AgentStep { .. } => false,
         _ => true,
@@ -512,6 +523,14 @@ async fn projections_flatten_grandchildren_the_same_in_library_and_server() -> a
         user.iter().any(|e| e.depth == 2),
         "flatten reaches the grandchildren"
     );
+    // A person sees the watched run's tasks start and end, not the children's.
+    for phase in [WorkflowPhase::TaskStarted, WorkflowPhase::TaskSucceeded] {
+        assert!(
+            user.iter().any(|e| e.depth == 0
+                && matches!(&e.event.event, Event::Workflow(w) if w.phase == phase)),
+            "the user profile shows {phase:?} of the watched run"
+        );
+    }
     let metrics = library_watch(&p, run, Profile::Metrics, ChildPolicy::Linked).await?;
     assert!(
         metrics

@@ -39,6 +39,8 @@ use flotilla_runs::RunReader;
 
 /// How [`Client::watch`] projects a run tree's events (the read model's options).
 pub use flotilla_runs::watch::WatchOptions;
+
+pub mod progress;
 use futures::{FutureExt, Stream, StreamExt};
 use tracing::Instrument;
 

@@ -5,7 +5,7 @@
 //!
 //! | Profile | Events |
 //! |---|---|
-//! | `user` | `assistant_reply`, tool calls of the root run's agents (`tool_start` / `tool_end`), child-run cards (`agent_run_started`), awaits (reserved events, not emitted yet), and the run phases (`run_*` workflow events) |
+//! | `user` | `assistant_reply`, tool calls of the root run's agents (`tool_start` / `tool_end`), child-run cards (`agent_run_started`), awaits (`await_clarification`, `await_external_tools`), the run phases (`run_started`, `run_succeeded`, …), approvals and questions asked and answered (`approval_requested`, `approval_decided`, at every depth), and of the watched run: its tasks started and ended (`task_started`, `task_succeeded`, `task_retrying`, `task_failed`, `task_skipped`), its holds (`run_paused`, `run_resumed`, `run_taken_over`, `task_paused`, `task_resumed`), `run_planned` and `plan_edited` |
 //! | `debug` | everything, `agent_step` included |
 //! | `metrics` | `usage` and `workflow` events |
 //!
@@ -103,9 +103,33 @@ pub fn shows(profile: Profile, children: ChildPolicy, depth: u32, event: &Event)
             | Event::AwaitClarification { .. }
             | Event::AwaitExternalTools { .. } => true,
             Event::ToolStart { .. } | Event::ToolEnd { .. } => depth == 0,
-            Event::Workflow(w) => w.phase == WorkflowPhase::RunStarted || w.phase.ends_run(),
+            Event::Workflow(w) => user_sees(w.phase, depth),
             _ => false,
         },
+    }
+}
+
+/// Whether the `user` profile shows a workflow event of a run at `depth`: the run's phases
+/// at every depth; the watched run's tasks starting and ending and its holds; approvals and
+/// questions asked and answered at every depth (a person is waited for wherever it is).
+fn user_sees(phase: WorkflowPhase, depth: u32) -> bool {
+    use WorkflowPhase as P;
+    match phase {
+        P::RunStarted | P::ApprovalRequested | P::ApprovalDecided => true,
+        p if p.ends_run() => true,
+        P::TaskStarted
+        | P::TaskSucceeded
+        | P::TaskRetrying
+        | P::TaskFailed
+        | P::TaskSkipped
+        | P::RunPlanned
+        | P::RunPaused
+        | P::RunResumed
+        | P::RunTakenOver
+        | P::TaskPaused
+        | P::TaskResumed
+        | P::PlanEdited => depth == 0,
+        _ => false,
     }
 }
 

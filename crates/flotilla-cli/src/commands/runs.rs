@@ -3,6 +3,7 @@
 use std::process::ExitCode;
 
 use flotilla_bus::Bus;
+use flotilla_client::progress;
 use flotilla_model::ids::RunId;
 use flotilla_model::run::RunStatus;
 use flotilla_model::runlog::{PlanDecision, RunInput};
@@ -19,38 +20,88 @@ async fn store(config: &Config) -> anyhow::Result<RunReader> {
 }
 
 pub(crate) async fn list(config: &Config, limit: usize, json: bool) -> anyhow::Result<ExitCode> {
-    let store = store(config).await?;
+    let bus = Bus::connect(&config.nats, "flotilla-cli").await?;
+    let store = flotilla_client::open_store(&bus).await?;
     // Newest first, by submission time (clients may choose any UUID as run id).
     let records = store.recent(limit).await?;
     if json {
         outln!("{}", serde_json::to_string_pretty(&records)?);
         return Ok(ExitCode::SUCCESS);
     }
+    // A live run some person must act on reads `waiting`: the pending approvals say which
+    // (without a coordinator to list them, only paused and taken-over runs do).
+    let pending = if records.iter().any(|r| !r.status.is_terminal()) {
+        flotilla_client::Client::new(bus.clone())
+            .pending_approvals(None)
+            .await
+            .unwrap_or_default()
+    } else {
+        Vec::new()
+    };
+    let width = records
+        .iter()
+        .filter_map(|r| r.name.as_deref())
+        .map(|n| n.chars().count())
+        .max()
+        .unwrap_or(4)
+        .clamp(4, 24);
     outln!(
-        "{:<36}  {:<10}  {:<20}  {:>9}  {:<24}",
+        "{:<36}  {:<9}  {:<width$}  {:>9}  {:<24}",
         "RUN",
         "STATUS",
         "NAME",
         "TASKS",
         "CREATED"
     );
-    for r in records {
+    let mut waiting = Vec::new();
+    for r in &records {
         let c = &r.tasks;
+        let waits = progress::waits(r, &pending);
         outln!(
-            "{:<36}  {:<10}  {:<20}  {:>9}  {:<24}",
+            "{:<36}  {:<9}  {:<width$}  {:>9}  {:<24}",
             r.handle.run_id.to_string(),
-            r.status.as_str(),
-            r.name
-                .as_deref()
-                .unwrap_or("-")
-                .chars()
-                .take(20)
-                .collect::<String>(),
+            progress::run_label(r.status, &waits),
+            fit(r.name.as_deref().unwrap_or("-"), width),
             format!("{}/{}", c.succeeded, c.total),
             r.created_at.to_string()
         );
+        waiting.extend(waits.into_iter().map(|w| (r.handle.run_id, w)));
+    }
+    if !waiting.is_empty() {
+        outln!();
+        outln!("waiting for a person:");
+        for (run, w) in waiting {
+            outln!("  {run}  {}", wait_line(&w));
+        }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `s` in at most `width` characters, cut with an ellipsis.
+pub(crate) fn fit(s: &str, width: usize) -> String {
+    if s.chars().count() <= width {
+        return s.to_owned();
+    }
+    let mut cut: String = s.chars().take(width.saturating_sub(1)).collect();
+    cut.push('…');
+    cut
+}
+
+/// One wait in a line: what, of which task, until when, and the command that answers it.
+pub(crate) fn wait_line(w: &progress::Wait) -> String {
+    let mut line = w.kind.as_str().to_owned();
+    if let Some(id) = &w.approval_id {
+        line.push_str(&format!(" {id}"));
+    }
+    if let Some(t) = &w.task_id {
+        line.push_str(&format!(" of task {t}"));
+    }
+    line.push_str(&format!(": {}", w.what));
+    if let Some(d) = w.deadline {
+        line.push_str(&format!(" (default at {d})"));
+    }
+    line.push_str(&format!("\n      answer: {}", w.answer));
+    line
 }
 
 pub(crate) async fn show(config: &Config, run: RunId, json: bool) -> anyhow::Result<ExitCode> {
@@ -65,11 +116,21 @@ pub(crate) async fn show(config: &Config, run: RunId, json: bool) -> anyhow::Res
         return Ok(ExitCode::SUCCESS);
     }
     let r = &view.record;
+    let progress = flotilla_client::Client::new(bus.clone())
+        .progress(&view)
+        .await
+        .unwrap_or_default();
     outln!("run       {}", r.handle.run_id);
     if let Some(n) = &r.name {
         outln!("name      {n}");
     }
-    outln!("status    {}", r.status);
+    match progress::run_label(r.status, &progress.waiting) {
+        "waiting" => outln!("status    waiting (the run is {})", r.status),
+        label => outln!("status    {label}"),
+    }
+    for w in &progress.waiting {
+        outln!("waits for {}", wait_line(w));
+    }
     outln!("created   {}", r.created_at);
     if let Some(f) = r.finished_at {
         outln!("finished  {f}");
@@ -154,25 +215,49 @@ pub(crate) async fn show(config: &Config, run: RunId, json: bool) -> anyhow::Res
     }
     if !view.tasks.is_empty() {
         outln!();
+        let width = view
+            .tasks
+            .iter()
+            .map(|t| t.task_id.as_str().chars().count())
+            .max()
+            .unwrap_or(4)
+            .clamp(4, 32);
         outln!(
-            "{:<24}  {:<10}  {:<10}  {:>8}  DETAIL",
+            "{:<width$}  {:<17}  {:<10}  {:>8}  DETAIL",
             "TASK",
             "STATUS",
             "POOL",
             "ATTEMPTS"
         );
+        let now = Timestamp::now();
         for t in &view.tasks {
-            let detail = t
-                .error
-                .as_ref()
-                .map(ToString::to_string)
+            let running = progress.running.get(&t.task_id).map(|a| {
+                format!(
+                    "on {} for {}",
+                    a.worker,
+                    format_duration_ms(
+                        u64::try_from(now.unix_ms() - a.started_at.unix_ms()).unwrap_or(0)
+                    )
+                )
+            });
+            let asked = progress
+                .waits_of(&t.task_id)
+                .next()
+                .map(|w| format!("{}: {}", w.what, w.answer));
+            let detail = asked
+                .or(running)
+                .or_else(|| t.error.as_ref().map(ToString::to_string))
                 .or_else(|| t.skip_reason.clone())
                 .or_else(|| t.paused_until.map(|u| format!("paused until {u}")))
+                .or_else(|| {
+                    (t.status == flotilla_model::run::TaskStatus::Dispatched)
+                        .then(|| "queued for a worker".to_owned())
+                })
                 .unwrap_or_default();
             outln!(
-                "{:<24}  {:<10}  {:<10}  {:>8}  {detail}",
-                t.task_id.as_str(),
-                t.status.as_str(),
+                "{:<width$}  {:<17}  {:<10}  {:>8}  {detail}",
+                fit(t.task_id.as_str(), width),
+                progress::task_label(t, &progress),
                 t.pool.as_deref().unwrap_or("-"),
                 t.attempts
             );

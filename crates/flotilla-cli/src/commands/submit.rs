@@ -218,11 +218,39 @@ pub(crate) async fn follow(
             anyhow::bail!("the event stream of run {run} ended unexpectedly");
         };
         let event = event?;
-        let Event::Workflow(w) = event.event else {
-            continue;
-        };
-        let task = event.task_id.map(|t| t.to_string()).unwrap_or_default();
         let t = format!("{:>7.2}s", started.elapsed().as_secs_f64());
+        let task = event
+            .task_id
+            .as_ref()
+            .map(|t| t.to_string())
+            .unwrap_or_default();
+        let w = match event.event {
+            Event::Workflow(w) => w,
+            // An agent waits for a person or the client: say so, with the command that
+            // answers, instead of a silence until the timeout.
+            Event::AwaitClarification { question, token } if !token.is_empty() => {
+                line(format!(
+                    "{t}  ? {task} asks: {question}\n           answer: flotilla runs answer {run} {token} --text …"
+                ));
+                if let Some(b) = &bar {
+                    b.set_message(format!("waiting: {task} asks a question"));
+                }
+                continue;
+            }
+            Event::AwaitExternalTools { calls } => {
+                for c in calls {
+                    line(format!(
+                        "{t}  ? {task} waits for the client's tool {} (token {})",
+                        c.tool, c.token
+                    ));
+                }
+                if let Some(b) = &bar {
+                    b.set_message(format!("waiting: {task} waits for the client"));
+                }
+                continue;
+            }
+            _ => continue,
+        };
         match w.phase {
             WorkflowPhase::RunStarted => {
                 if let Some(b) = &bar {
@@ -282,6 +310,62 @@ pub(crate) async fn follow(
                 if let Some(b) = &bar {
                     b.inc(1);
                 }
+            }
+            WorkflowPhase::ApprovalRequested => {
+                let id = w.approval_id.unwrap_or_default();
+                line(format!(
+                    "{t}  ⏸ {task} waits for a person: approval {id} ({})\n           answer: flotilla approvals approve {run} {id} (or reject)",
+                    w.detail.unwrap_or_default()
+                ));
+                if let Some(b) = &bar {
+                    b.set_message(format!("waiting for approval {id} of {task}"));
+                }
+            }
+            WorkflowPhase::ApprovalDecided => {
+                let id = w.approval_id.unwrap_or_default();
+                let what = w.detail.unwrap_or_default();
+                line(if id.is_empty() {
+                    format!("{t}  ⏵ {task} {what}")
+                } else {
+                    format!("{t}  ⏵ approval {id} of {task}: {what}")
+                });
+                if let Some(b) = &bar {
+                    b.set_message(String::new());
+                }
+            }
+            WorkflowPhase::RunPaused | WorkflowPhase::RunTakenOver => {
+                let what = if w.phase == WorkflowPhase::RunPaused {
+                    "paused"
+                } else {
+                    "taken over"
+                };
+                line(format!(
+                    "{t}  ⏸ run {what}: {}\n           resume: flotilla runs resume {run}",
+                    w.detail.unwrap_or_default()
+                ));
+                if let Some(b) = &bar {
+                    b.set_message(format!("waiting: the run is {what}"));
+                }
+            }
+            WorkflowPhase::RunResumed => {
+                line(format!(
+                    "{t}  ⏵ run resumed: {}",
+                    w.detail.unwrap_or_default()
+                ));
+                if let Some(b) = &bar {
+                    b.set_message(String::new());
+                }
+            }
+            WorkflowPhase::TaskPaused | WorkflowPhase::TaskResumed => {
+                let what = if w.phase == WorkflowPhase::TaskPaused {
+                    "⏸ paused"
+                } else {
+                    "⏵ resumed"
+                };
+                line(format!(
+                    "{t}  {task} {what}: {}",
+                    w.detail.unwrap_or_default()
+                ));
             }
             phase if phase.ends_run() => {
                 if let Some(b) = &bar {

@@ -11,7 +11,7 @@ use flotilla_bus::Bus;
 use flotilla_client::WatchOptions;
 use flotilla_client::{Client, ClientErrorKind};
 use flotilla_model::RunId;
-use flotilla_model::event::{Event, StepEntry};
+use flotilla_model::event::{Event, StepEntry, WorkflowPhase};
 use flotilla_model::watch::{
     ChildPolicy, Profile, ProjectedEvent, WatchEnd, WatchReply, WatchRequest,
 };
@@ -203,6 +203,50 @@ fn line(e: &ProjectedEvent) -> Option<String> {
             let line = match &e.event.task_id {
                 Some(t) if e.depth == 0 || e.agent.is_some() => format!("{phase} {t}"),
                 _ => phase,
+            };
+            let run = e.run_id;
+            let detail = w
+                .detail
+                .as_deref()
+                .map(|d| format!(": {d}"))
+                .unwrap_or_default();
+            let line = match w.phase {
+                WorkflowPhase::TaskStarted => {
+                    format!("{line} on {}", w.worker.as_deref().unwrap_or("a worker"))
+                }
+                WorkflowPhase::TaskSucceeded => {
+                    let took = w
+                        .started_at
+                        .map(|s| {
+                            format!(
+                                " in {:.2}s",
+                                (e.event.ts.unix_ms() - s.unix_ms()).max(0) as f64 / 1000.0
+                            )
+                        })
+                        .unwrap_or_default();
+                    format!("{line}{took}")
+                }
+                WorkflowPhase::TaskFailed | WorkflowPhase::TaskRetrying => format!(
+                    "{line}{}",
+                    w.error
+                        .as_ref()
+                        .map(|m| format!(": {m}"))
+                        .unwrap_or_default()
+                ),
+                WorkflowPhase::ApprovalRequested => {
+                    let id = w.approval_id.as_deref().unwrap_or("-");
+                    format!(
+                        "{line}: waits for a person, approval {id}{detail} (answer: flotilla approvals approve {run} {id}, or reject)"
+                    )
+                }
+                WorkflowPhase::ApprovalDecided => match &w.approval_id {
+                    Some(id) => format!("{line}: approval {id}{detail}"),
+                    None => format!("{line}{detail}"),
+                },
+                WorkflowPhase::RunPaused | WorkflowPhase::RunTakenOver => {
+                    format!("{line}{detail} (resume: flotilla runs resume {run})")
+                }
+                _ => format!("{line}{detail}"),
             };
             match &w.memory {
                 Some(m) => format!("{line} ({})", m.summary()),
