@@ -262,3 +262,135 @@ async fn a_paused_run_reads_waiting_with_the_command_that_resumes_it() -> anyhow
     .await?;
     Ok(())
 }
+
+/// `flotilla status`: which services answer, the pools and their workers, pending approvals,
+/// and what needs attention (exit 1), on a deployment that changes under it; exit 2 for an
+/// unreachable NATS.
+#[tokio::test]
+async fn status_says_what_answers_and_what_needs_attention() -> anyhow::Result<()> {
+    let mut p = Processes::start(CONFIG).await?;
+    p.coordinator().await?;
+    let worker = p.worker(&[]).await?;
+
+    // No supervisor: attention, exit 1.
+    let out = p.cli(&["status"])?;
+    let shown = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{shown}");
+    assert!(
+        line_of(&shown, "coordinator")
+            .contains(&format!("1 answering ({})", env!("CARGO_PKG_VERSION"))),
+        "{shown}"
+    );
+    assert!(
+        line_of(&shown, "supervisor").contains("none answers"),
+        "{shown}"
+    );
+    assert!(
+        shown.contains("attention:    no supervisor answers"),
+        "{shown}"
+    );
+    assert!(
+        line_of(&shown, "pool").contains("default: 1 live worker(s), 0/"),
+        "{shown}"
+    );
+
+    // Everything answers: ok, exit 0; a waiting approval is counted.
+    p.supervisor().await?;
+    let plan = p.dir().join("ask.json");
+    std::fs::write(
+        &plan,
+        r#"{"name": "ask", "subtasks": [{"id": "publish", "description": "publish",
+            "action": "publish", "input": {"channel": "news"}}]}"#,
+    )?;
+    let out = p.cli(&["submit", &plan.to_string_lossy()])?;
+    assert!(out.status.success(), "{}", text(&out));
+    let shown = until(&p, &["status"], |s| s.contains("1 pending")).await?;
+    assert!(shown.trim_end().ends_with("ok"), "{shown}");
+    assert!(
+        line_of(&shown, "approvals").contains("1 pending (flotilla approvals list)"),
+        "{shown}"
+    );
+    let json: serde_json::Value = serde_json::from_slice(&p.cli(&["status", "--json"])?.stdout)?;
+    assert_eq!(json["pending_approvals"], 1, "{json}");
+    assert_eq!(json["attention"], serde_json::json!([]), "{json}");
+
+    // The pool's only worker gone: its tasks wait, and status says so.
+    p.kill(worker);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let out = p.cli(&["status"])?;
+        let shown = text(&out);
+        if shown.contains("attention:    pool default has no live worker") {
+            assert_eq!(out.status.code(), Some(1), "{shown}");
+            break;
+        }
+        anyhow::ensure!(tokio::time::Instant::now() < deadline, "{shown}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+
+    // No NATS: exit 2, one line naming the URL.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_flotilla"))
+        .args(["--nats-url", "nats://127.0.0.1:1", "status"])
+        .env_remove("FLOTILLA_CONFIG")
+        .current_dir(p.dir())
+        .stdin(Stdio::null())
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("nats://127.0.0.1:1"), "{err}");
+    Ok(())
+}
+
+/// `flotilla init` outside any repository writes a starter configuration and a plan that
+/// `flotilla up --submit` runs to its end there; a second `init` refuses to overwrite them by
+/// name (exit 2) and changes nothing.
+#[test]
+fn init_writes_a_starter_that_up_runs() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let bin = env!("CARGO_BIN_EXE_flotilla");
+    let run = |args: &[&str]| {
+        std::process::Command::new(bin)
+            .args(args)
+            .current_dir(dir.path())
+            .env_remove("FLOTILLA_CONFIG")
+            .env_remove("FLOTILLA_LOG")
+            .stdin(Stdio::null())
+            .output()
+    };
+    let out = run(&["init"])?;
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("Next: flotilla up --submit hello.json"),
+        "{}",
+        text(&out)
+    );
+    let config = std::fs::read_to_string(dir.path().join("flotilla.toml"))?;
+
+    let out = run(&["up", "--workers", "1", "--submit", "hello.json"])?;
+    let said = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{said}");
+    assert!(!said.contains("warning: no configuration"), "{said}");
+    assert!(
+        said.contains("summarise: done (inputs: count,gather)"),
+        "{said}"
+    );
+    assert!(said.contains("✓ count succeeded"), "{said}");
+
+    std::fs::write(dir.path().join("hello.json"), "mine")?;
+    let out = run(&["init"])?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("flotilla.toml and ./hello.json already exist") && err.contains("--force"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("hello.json"))?,
+        "mine"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("flotilla.toml"))?,
+        config
+    );
+    Ok(())
+}

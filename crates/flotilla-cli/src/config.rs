@@ -110,7 +110,7 @@ pub(crate) fn no_agents_warning(config: &Config) -> Option<String> {
         return None;
     }
     Some(
-        "warning: no configuration file found (--config, $FLOTILLA_CONFIG, ./flotilla.toml, ./config/flotilla.toml) and no agents in FLOTILLA_AGENTS__*: this deployment has no agents, so every task fails unknown_agent. Run it in the Flotilla repository's root (its config/flotilla.toml has the example agents) or pass --config FILE (config/flotilla.toml is a commented starting point)".to_owned(),
+        "warning: no configuration file found (--config, $FLOTILLA_CONFIG, ./flotilla.toml, ./config/flotilla.toml) and no agents in FLOTILLA_AGENTS__*: this deployment has no agents, so every task fails unknown_agent. Run `flotilla init` for a starter flotilla.toml with working agents, pass --config FILE, or run it in the Flotilla repository's root (its config/flotilla.toml has the example agents)".to_owned(),
     )
 }
 

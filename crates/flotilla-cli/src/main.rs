@@ -183,6 +183,24 @@ enum Command {
     /// answers (`approve`, `reject`, `edit`, `respond`). Served by `flotilla coordinator`.
     #[command(subcommand)]
     Approvals(commands::approvals::ApprovalsCommand),
+    /// Write a commented starter `flotilla.toml` (agents that work on any machine) and
+    /// `hello.json`, a plan that runs on it: then `flotilla up --submit hello.json`.
+    Init {
+        /// Where (default: here).
+        #[arg(default_value = ".")]
+        dir: PathBuf,
+        /// Overwrite files that exist.
+        #[arg(long)]
+        force: bool,
+    },
+    /// The deployment at a glance: NATS, which coordinators and supervisors answer, pools
+    /// and their live workers, pending approvals, consumers nobody pulls. Exit 0 when nothing
+    /// needs attention, 1 when something does, 2 when NATS is unreachable.
+    Status {
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
     /// List live workers.
     Workers {
         /// Machine-readable output.
@@ -641,6 +659,8 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
         Command::Memory(command) => commands::memory::memory(&load()?, command).await,
         Command::Trust(command) => commands::trust::trust(&load()?, command).await,
         Command::Approvals(command) => commands::approvals::approvals(&load()?, command).await,
+        Command::Init { dir, force } => commands::init::init(&dir, force),
+        Command::Status { json } => commands::status::status(&load()?, json).await,
         Command::Workers { json } => commands::runs::workers(&load()?, json).await,
         Command::Watch(args) => commands::watch::watch(&load()?, args).await,
         Command::Plan(PlanCommand::Validate {
