@@ -394,3 +394,40 @@ fn init_writes_a_starter_that_up_runs() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// A deployment with no agents — `up` outside the repository before `init` — says so at
+/// `plan validate` and at `submit`, naming each task's agent that no live worker runs,
+/// instead of `✓ valid` and runs whose every task fails.
+#[tokio::test]
+async fn a_deployment_without_the_plans_agents_says_so_at_validate_and_submit() -> anyhow::Result<()>
+{
+    let mut p = Processes::start("").await?;
+    p.coordinator().await?;
+    p.worker(&[]).await?;
+    let plan = p.dir().join("two.json");
+    std::fs::write(
+        &plan,
+        r#"{"name": "two", "subtasks": [
+            {"id": "fetch", "description": "fetch", "agent": "fetcher"},
+            {"id": "sum", "description": "sum", "dependencies": ["fetch"]}]}"#,
+    )?;
+    let plan = plan.to_string_lossy().into_owned();
+    let expected = [
+        "warning [unknown_agent] subtasks.fetch.agent: no live worker of pool \"default\" runs agent \"fetcher\" (they run: no agents",
+        "warning [unknown_agent] subtasks.sum.agent: the live workers of pool \"default\" have no agents",
+    ];
+    let out = until(&p, &["plan", "validate", &plan], |s| {
+        s.contains("unknown_agent")
+    })
+    .await?;
+    for line in expected {
+        assert!(out.contains(line), "{line}\n{out}");
+    }
+    let out = p.cli(&["submit", &plan])?;
+    let said = text(&out);
+    assert!(out.status.success(), "{said}");
+    for line in expected {
+        assert!(said.contains(line), "{line}\n{said}");
+    }
+    Ok(())
+}

@@ -716,6 +716,17 @@ impl Api {
                 ));
             }
         }
+        if ctx.agents.is_none() {
+            warnings.extend(
+                self.live.unserved_agents(
+                    r.plan
+                        .subtasks
+                        .iter()
+                        .map(|t| (t.id.as_str(), t.pool.as_str(), t.agent.as_deref())),
+                    Timestamp::now().unix_ms(),
+                ),
+            );
+        }
         let reply = ValidatePlanReply {
             protocol: PROTOCOL_VERSION,
             errors: flotilla_model::validate::truncate_problems(

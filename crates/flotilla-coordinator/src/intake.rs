@@ -402,6 +402,17 @@ impl Intake {
                 ));
             }
         }
+        if self.ctx.agents.is_none() {
+            warnings.extend(
+                self.live.unserved_agents(
+                    plan.subtasks
+                        .iter()
+                        .filter(|t| t.anycast_role(anycast).is_none())
+                        .map(|t| (t.id.as_str(), t.pool.as_str(), t.agent.as_deref())),
+                    source.now_ms(),
+                ),
+            );
+        }
         let wait_inbox = match source {
             Source::Api { inbox, .. } if request.wait => inbox.map(str::to_owned),
             _ => None,

@@ -60,4 +60,61 @@ impl LiveWorkers {
             missing.into_iter().map(str::to_owned).collect()
         }))
     }
+
+    /// For a coordinator whose configuration defines no agents (so plans are not checked
+    /// against a catalog): the problems of `tasks` — `(task, pool, agent)` — that the live
+    /// workers already show, as `unknown_agent` warnings: an agent no live worker of its pool
+    /// runs, or a task naming no agent in a pool whose live workers have no agents at all.
+    /// Pools without live workers are `no_live_worker`'s business; nothing while the
+    /// registry is not known yet.
+    pub(crate) fn unserved_agents<'a>(
+        &self,
+        tasks: impl IntoIterator<Item = (&'a str, &'a str, Option<&'a str>)>,
+        now_ms: i64,
+    ) -> Vec<flotilla_model::problem::Problem> {
+        use flotilla_model::problem::{Problem, ProblemCode};
+        if !self.workers.is_synced() {
+            return Vec::new();
+        }
+        let by_pool: std::collections::BTreeMap<String, BTreeSet<String>> =
+            self.workers.read(|map| {
+                let mut out: std::collections::BTreeMap<String, BTreeSet<String>> =
+                    Default::default();
+                for w in map.values().filter(|w| now_ms - w.at_ms < self.ttl_ms) {
+                    out.entry(w.value.pool.clone())
+                        .or_default()
+                        .extend(w.value.agents.iter().cloned());
+                }
+                out
+            });
+        let mut problems = Vec::new();
+        for (task, pool, agent) in tasks {
+            let Some(served) = by_pool.get(pool) else {
+                continue;
+            };
+            let they_run = if served.is_empty() {
+                "no agents: its configuration defines none".to_owned()
+            } else {
+                served.iter().cloned().collect::<Vec<_>>().join(", ")
+            };
+            match agent {
+                Some(a) if !served.contains(a) => problems.push(Problem::new(
+                    ProblemCode::UnknownAgent,
+                    format!("subtasks.{task}.agent"),
+                    format!(
+                        "no live worker of pool {pool:?} runs agent {a:?} (they run: {they_run}); the task fails unknown_agent unless one that does starts"
+                    ),
+                )),
+                None if served.is_empty() => problems.push(Problem::new(
+                    ProblemCode::UnknownAgent,
+                    format!("subtasks.{task}.agent"),
+                    format!(
+                        "the live workers of pool {pool:?} have no agents (their configuration defines none): the task fails unknown_agent"
+                    ),
+                )),
+                _ => {}
+            }
+        }
+        problems
+    }
 }
