@@ -754,3 +754,79 @@ async fn a_turn_whose_conversation_cannot_be_read_is_given_up_visibly() -> anyho
     assert!(eve.get("last_error").is_none(), "{eve}");
     Ok(())
 }
+
+/// From the CLI a teammate is not a dead end: `team send --wait` prints its reply to that
+/// message, `team log` its conversation, `team show` finds it; a teammate nobody has is
+/// `not_found` (exit 1).
+#[tokio::test]
+async fn a_teammates_reply_and_conversation_read_from_the_cli() -> anyhow::Result<()> {
+    let log = tempfile::NamedTempFile::new()?;
+    let mut p = Processes::start(&config(log.path(), "")).await?;
+    supervisor(&mut p).await?;
+    p.worker(&[]).await?;
+    let (code, body) = cli_json(
+        &p,
+        &[
+            "team",
+            "spawn",
+            "ann",
+            "--role",
+            "analyst",
+            "--instructions",
+            "answer briefly",
+            "--team",
+            "t1",
+        ],
+    )?;
+    assert_eq!(code, 0, "{body}");
+
+    let out = p.cli(&["team", "send", "ann", "hello", "--wait", "--timeout", "30s"])?;
+    let said = String::from_utf8_lossy(&out.stdout);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}{err}");
+    assert_eq!(said.trim(), "turn 1 history 0", "{err}");
+    assert!(err.contains("sent to ann (seq "), "{err}");
+
+    let out = p.cli(&[
+        "team", "send", "ann", "again", "--team", "t1", "--wait", "--json",
+    ])?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let reply: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(reply["reply"], "turn 2 history 2", "{reply}");
+    assert_eq!(reply["failed"], false, "{reply}");
+
+    let out = p.cli(&["team", "log", "ann"])?;
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{shown}");
+    let lines: Vec<&str> = shown.lines().collect();
+    assert_eq!(lines[0], "teammate ann of team t1: 2 turn(s)", "{shown}");
+    assert!(lines[1].ends_with("operator → hello"), "{shown}");
+    assert!(lines[2].ends_with("ann: turn 1 history 0"), "{shown}");
+    assert!(lines[3].ends_with("operator → again"), "{shown}");
+    assert!(lines[4].ends_with("ann: turn 2 history 2"), "{shown}");
+
+    let out = p.cli(&["team", "show", "ann"])?;
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && shown.contains("teammate ann of team t1"),
+        "{shown}"
+    );
+
+    for args in [
+        vec!["team", "log", "nobody"],
+        vec!["team", "send", "nobody", "hi", "--wait"],
+    ] {
+        let out = p.cli(&args)?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.starts_with("error: not_found: no teammate \"nobody\""),
+            "{args:?}: {err}"
+        );
+    }
+    Ok(())
+}

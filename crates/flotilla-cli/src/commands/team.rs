@@ -25,8 +25,8 @@ use flotilla_model::team::{
     TeamListRequest, TeamStatsRequest,
 };
 use flotilla_model::teammate::{
-    TeamBroadcastRequest, TeamMatesRequest, TeamSendRequest, TeamSent, TeamShutdownRequest,
-    TeamSpawnRequest, TeammateView,
+    Conversation, TeamBroadcastRequest, TeamMatesRequest, TeamSendRequest, TeamSent,
+    TeamShutdownRequest, TeamSpawnRequest, TeammateView,
 };
 use flotilla_model::time::Timestamp;
 
@@ -157,6 +157,22 @@ enum TeamCommand {
         #[arg(long)]
         from: Option<String>,
         /// The team.
+        #[arg(long)]
+        team: Option<String>,
+        /// Wait for the teammate's reply to this message and print it (exit 1 when its turn
+        /// failed or no reply came within --timeout).
+        #[arg(long)]
+        wait: bool,
+        /// How long --wait waits.
+        #[arg(long, default_value = "2m", value_parser = humantime::parse_duration)]
+        timeout: Duration,
+    },
+    /// A teammate's conversation: the messages it received and its replies, oldest first
+    /// (its newest 64 lines; older ones are compacted away and counted).
+    Log {
+        /// The teammate.
+        name: String,
+        /// Its team, when several teams have one of that name.
         #[arg(long)]
         team: Option<String>,
     },
@@ -377,16 +393,24 @@ pub(crate) async fn team(config: &Config, args: TeamArgs) -> anyhow::Result<Exit
             text,
             from,
             team,
+            wait,
+            timeout,
         }) => {
+            let team = team_of(team);
+            let from = sender_of(from);
+            if wait {
+                return send_and_wait(&client, to, text, from, team, timeout, json).await;
+            }
             let r = TeamSendRequest {
                 protocol: flotilla_model::PROTOCOL_VERSION,
-                team: team_of(team),
+                team,
                 to,
-                from: sender_of(from),
+                from,
                 text,
             };
             answer(&client, &r, json, print_sent).await
         }
+        Some(TeamCommand::Log { name, team }) => log(&client, &name, team_of(team), json).await,
         Some(TeamCommand::Broadcast { text, from, team }) => {
             let r = TeamBroadcastRequest {
                 protocol: flotilla_model::PROTOCOL_VERSION,
@@ -870,4 +894,187 @@ fn print_stats(records: &[FailureStats]) {
     if records.is_empty() {
         outln!("(no records yet)");
     }
+}
+
+/// The one teammate named `name` (of `team`, when given), or what a person reads instead
+/// (exit 1): none of that name, or several teams have one (name them).
+async fn the_teammate(
+    client: &Client,
+    name: &str,
+    team: Option<&str>,
+) -> anyhow::Result<Result<TeammateView, String>> {
+    let Some(mut found) = teammates_named(client, name, team).await? else {
+        return Ok(Err(format!(
+            "not_found: no teammate {name:?}{} (flotilla team lists them)",
+            team.map(|t| format!(" in team {t:?}")).unwrap_or_default()
+        )));
+    };
+    if found.len() > 1 {
+        let teams: Vec<&str> = found.iter().map(|m| m.team.as_str()).collect();
+        return Ok(Err(format!(
+            "teams {} each have a teammate {name:?}: pass --team",
+            teams.join(", ")
+        )));
+    }
+    Ok(Ok(found.remove(0)))
+}
+
+/// Reads a teammate's conversation from the team bucket (empty before its first turn).
+async fn conversation_of(
+    bus: &Bus,
+    team: &str,
+    name: &str,
+) -> anyhow::Result<(Option<async_nats::jetstream::kv::Store>, Conversation)> {
+    let kv = bus.kv(flotilla_model::subjects::Bucket::Team).await?;
+    let conv = match kv
+        .get(flotilla_model::teammate::conversation_key(team, name))
+        .await?
+    {
+        Some(v) => serde_json::from_slice(&v)?,
+        None => Conversation::default(),
+    };
+    Ok((Some(kv), conv))
+}
+
+/// `flotilla team log NAME`.
+async fn log(
+    client: &Client,
+    name: &str,
+    team: Option<String>,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    let mate = match the_teammate(client, name, team.as_deref()).await? {
+        Ok(m) => m,
+        Err(why) => {
+            errln!("error: {why}");
+            return Ok(ExitCode::from(1));
+        }
+    };
+    let (_, conv) = conversation_of(client.bus(), &mate.team, &mate.name).await?;
+    if json {
+        outln!("{}", serde_json::to_string_pretty(&conv)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    outln!(
+        "teammate {} of team {}: {} turn(s){}",
+        mate.name,
+        mate.team,
+        conv.turns,
+        if conv.dropped > 0 {
+            format!(", {} older line(s) compacted away", conv.dropped)
+        } else {
+            String::new()
+        }
+    );
+    if conv.lines.is_empty() {
+        outln!("(no messages yet)");
+    }
+    for l in &conv.lines {
+        let who = match l.speaker {
+            flotilla_model::teammate::Speaker::User => {
+                format!("{} →", l.from.as_deref().unwrap_or("?"))
+            }
+            flotilla_model::teammate::Speaker::Assistant if l.failed => {
+                format!("{} (turn failed):", mate.name)
+            }
+            flotilla_model::teammate::Speaker::Assistant => format!("{}:", mate.name),
+        };
+        outln!("{}  {who} {}", l.at, l.text);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `flotilla team send NAME TEXT --wait`: sends, then follows the teammate's conversation
+/// until the turn that read this message saved its reply.
+async fn send_and_wait(
+    client: &Client,
+    to: String,
+    text: String,
+    from: Option<String>,
+    team: Option<String>,
+    timeout: Duration,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    use flotilla_agents::teammate::{TurnOutcome, outcome};
+    use futures::StreamExt;
+    let mate = match the_teammate(client, &to, team.as_deref()).await? {
+        Ok(m) => m,
+        Err(why) => {
+            errln!("error: {why}");
+            return Ok(ExitCode::from(1));
+        }
+    };
+    // Watch before sending: no revision after the message is missed.
+    let (kv, _) = conversation_of(client.bus(), &mate.team, &mate.name).await?;
+    let kv = kv.ok_or_else(|| anyhow::anyhow!("the team bucket is not provisioned"))?;
+    let key = flotilla_model::teammate::conversation_key(&mate.team, &mate.name);
+    let mut watch = kv.watch(&key).await?;
+    let sender = from.clone().unwrap_or_else(|| "operator".to_owned());
+    let r = TeamSendRequest {
+        protocol: flotilla_model::PROTOCOL_VERSION,
+        team: Some(mate.team.clone()),
+        to,
+        from,
+        text: text.clone(),
+    };
+    let sent = match client.call(&r, TIMEOUT).await {
+        Ok(Ok(sent)) => sent,
+        Ok(Err(e)) => {
+            errln!("error: {}: {}", e.code, e.message);
+            return Ok(ExitCode::from(1));
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let Some(&seq) = sent.seqs.first() else {
+        errln!("error: the message was not delivered to {}", mate.name);
+        return Ok(ExitCode::from(1));
+    };
+    if !json {
+        errln!("sent to {} (seq {seq}); waiting for the reply…", mate.name);
+    }
+    let deadline = tokio::time::Instant::now() + timeout;
+    let (reply, failed) = loop {
+        let entry = match tokio::time::timeout_at(deadline, watch.next()).await {
+            Err(_) => {
+                errln!(
+                    "error: {} did not reply within {}; the message stays in its conversation (flotilla team log {})",
+                    mate.name,
+                    humantime::format_duration(timeout),
+                    mate.name
+                );
+                return Ok(ExitCode::from(1));
+            }
+            Ok(None) => anyhow::bail!("the conversation's watch ended"),
+            Ok(Some(e)) => e?,
+        };
+        if entry.operation != async_nats::jetstream::kv::Operation::Put {
+            continue;
+        }
+        let Ok(conv) = serde_json::from_slice::<Conversation>(&entry.value) else {
+            continue;
+        };
+        match outcome(&conv, seq, &sender, &text) {
+            TurnOutcome::Pending => {}
+            TurnOutcome::Replied(r) => break (r, false),
+            TurnOutcome::Failed(r) => break (r, true),
+        }
+    };
+    if json {
+        outln!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "teammate": mate.name, "team": mate.team, "seq": seq,
+                "reply": reply, "failed": failed,
+            }))?
+        );
+    } else if failed {
+        errln!("error: {}'s turn failed: {reply}", mate.name);
+    } else {
+        outln!("{reply}");
+    }
+    Ok(if failed {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
 }
