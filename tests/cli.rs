@@ -843,10 +843,15 @@ fn up_listens_where_it_is_told() -> anyhow::Result<()> {
         "{err}"
     );
     assert!(answered, "no console on port {console}: {err}");
-    // The NATS client's own info lines (connected, an IO error at shutdown) are not shown:
-    // Flotilla's own lines say it.
+    // The NATS client's own info lines (connected, an IO error at shutdown) are not shown,
+    // nor each in-process service's "Connected to NATS": `up` names its server once.
     assert!(!err.contains("async_nats"), "{err}");
-    assert!(err.contains("Connected to NATS"), "{err}");
+    assert!(!err.contains("Connected to NATS"), "{err}");
+    assert_eq!(
+        err.matches(&format!("nats://127.0.0.1:{nats}")).count(),
+        2,
+        "the embedded server's line names it (and where else to use it): {err}"
+    );
     assert!(
         err.contains(&format!("Console: http://127.0.0.1:{console}/")),
         "{err}"

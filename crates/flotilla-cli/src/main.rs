@@ -413,7 +413,11 @@ fn init_logging(
         // a connection closes at shutdown) say again what Flotilla's own lines say
         // (`Connected to NATS`, `Lost the connection…`, `Reconnected…`), so only its warnings
         // show unless FLOTILLA_LOG asks.
-        if service.is_some() {
+        // `up` runs every service on one embedded server it has just named: each of its
+        // connections saying "Connected to NATS" again is noise (a lost link still warns).
+        if matches!(cli.command, Command::Up { .. }) {
+            "info,async_nats=warn,flotilla_bus::connect=warn"
+        } else if service.is_some() {
             "info,async_nats=warn"
         } else {
             "warn"
