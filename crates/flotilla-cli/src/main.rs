@@ -216,11 +216,14 @@ enum Command {
     /// JSON Schemas of the wire protocol.
     #[command(subcommand)]
     Schema(SchemaCommand),
-    /// Measure performance (figures are printed, not asserted).
+    /// Measure performance against raw JetStream in the same run (figures are printed, not
+    /// asserted), on a nats-server of its own in a temporary directory — not the
+    /// configuration's `nats.urls` — unless --nats-url names one.
     Bench(Box<flotilla_bench::BenchArgs>),
     /// Hours of mixed work while every service is stopped and started again: reports runs
     /// lost and applied twice, approvals decided once, stuck consumers and memory growth
-    /// against their targets (exit 1 when one is missed).
+    /// against their targets (exit 1 when one is missed). On a nats-server of its own
+    /// unless --nats-url names one.
     Soak(flotilla_bench::SoakArgs),
     /// Workspace topics of a run: write, read, watch entries (inside an exec agent: its own
     /// run, no flags needed).
