@@ -390,13 +390,14 @@ async fn team_find(team: &Team, req: Request) {
             404,
             "unknown_role",
             format!(
-                "no team member fills the role {:?} (roles: {})",
+                "no team member fills the role {:?} (roles members fill: {}); a member fills a role when its agent's card says roles = [{:?}]",
                 r.role,
                 if roles.is_empty() {
-                    "none configured".to_owned()
+                    "none".to_owned()
                 } else {
                     roles.join(", ")
-                }
+                },
+                r.role
             ),
         )
         .await;

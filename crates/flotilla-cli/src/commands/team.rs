@@ -802,7 +802,7 @@ fn print_list(list: &TeamList) {
     outln!(
         "roles: {}",
         if list.roles.is_empty() {
-            "none".to_owned()
+            "none filled (a member fills a role when its agent's card says roles = [\"…\"]; a task's `role` names one)".to_owned()
         } else {
             list.roles.join(", ")
         }
