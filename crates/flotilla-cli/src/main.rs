@@ -25,7 +25,9 @@ use flotilla_telemetry::{HttpAddr, TelemetryGuard};
 
 /// Services allocate many small, short-lived buffers per message; mimalloc handles that
 /// pattern with far less CPU than glibc's allocator (measured with `flotilla bench`, see
-/// docs/performance.md).
+/// docs/performance.md). The `system-allocator` feature leaves it out, for heap profilers
+/// that intercept `malloc` (heaptrack).
+#[cfg(not(feature = "system-allocator"))]
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
