@@ -296,6 +296,14 @@ async fn outcomes_count_once_across_a_supervisor_crash_and_two_replicas() -> any
     // note of a replica's own older write once put a stale count back there).
     assert_eq!(good.counters.succeeded, 60, "{good:?}");
     assert!(good.tasks.is_empty(), "{good:?}");
+    // A person reads the attempts that ended, not an undercount of announced starts (an
+    // attempt shorter than `started-event-delay` announces none).
+    let out = p.cli(&["team", "show", "good"])?;
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        shown.contains("attempts        60 ended: 60 succeeded, 0 failed; 0 running"),
+        "{shown}"
+    );
     Ok(())
 }
 

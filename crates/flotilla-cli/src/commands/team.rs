@@ -833,12 +833,22 @@ fn print_member(m: &MemberView) {
         outln!("pools           {}", m.pools.join(", "));
     }
     outln!("last heartbeat  {}", ago(m.last_heartbeat));
-    outln!("last progress   {}", ago(m.last_progress));
+    // Progress is reported by attempts still running; an idle member shows when it last did.
     outln!(
-        "attempts        {} started, {} succeeded, {} failed",
-        m.counters.started,
+        "last progress   {}",
+        match m.last_progress {
+            Some(_) => ago(m.last_progress),
+            None => "none reported while running".to_owned(),
+        }
+    );
+    // An attempt shorter than the workers' `started-event-delay` announces no start, so
+    // "started" would undercount: the ended attempts are what a person reads.
+    outln!(
+        "attempts        {} ended: {} succeeded, {} failed; {} running",
+        m.counters.succeeded + m.counters.failed,
         m.counters.succeeded,
-        m.counters.failed
+        m.counters.failed,
+        m.tasks.len()
     );
     for t in &m.tasks {
         outln!(
