@@ -141,9 +141,22 @@ impl fmt::Debug for Timestamp {
     }
 }
 
+/// What a person reads: RFC 3339 in UTC with milliseconds always (`2026-11-28T08:31:20.200Z`),
+/// so times line up in columns; the wire keeps full precision ([`Timestamp::to_rfc3339`]).
 impl fmt::Display for Timestamp {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.to_rfc3339())
+        let t = self.0.to_offset(time::UtcOffset::UTC);
+        write!(
+            f,
+            "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:03}Z",
+            t.year(),
+            u8::from(t.month()),
+            t.day(),
+            t.hour(),
+            t.minute(),
+            t.second(),
+            t.millisecond()
+        )
     }
 }
 
@@ -192,6 +205,17 @@ mod tests {
         assert!(serde_json::from_str::<Secs>("-1").is_err());
         assert!(serde_json::from_str::<Secs>("\"soon\"").is_err());
         assert_eq!(serde_json::to_string(&a).expect("ser"), "360");
+    }
+
+    #[test]
+    fn a_person_reads_milliseconds_always() {
+        for (ms, shown) in [
+            (1_700_000_000_000, "2023-11-14T22:13:20.000Z"),
+            (1_700_000_000_200, "2023-11-14T22:13:20.200Z"),
+            (1_700_000_000_215, "2023-11-14T22:13:20.215Z"),
+        ] {
+            assert_eq!(Timestamp::from_unix_ms(ms).to_string(), shown);
+        }
     }
 
     #[test]
