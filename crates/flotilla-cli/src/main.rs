@@ -209,6 +209,9 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// The example plans of config/examples/, each on the config it names: list them, or run
+    /// one with `example NAME` (LLM agents on a scripted test double unless --model-url).
+    Example(commands::example::ExampleArgs),
     /// Work with plan files.
     #[command(subcommand)]
     Plan(PlanCommand),
@@ -669,6 +672,9 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
         Command::Trust(command) => commands::trust::trust(&load()?, command).await,
         Command::Approvals(command) => commands::approvals::approvals(&load()?, command).await,
         Command::Init { dir, force } => commands::init::init(&dir, force),
+        Command::Example(args) => {
+            commands::example::example(args, cli.config.as_deref(), cli.nats_url.as_deref()).await
+        }
         Command::Status { json } => commands::status::status(&load()?, json).await,
         Command::Workers { json } => commands::runs::workers(&load()?, json).await,
         Command::Watch(args) => commands::watch::watch(&load()?, args).await,
