@@ -2,7 +2,8 @@
 // (hash routes); live data comes from the console service over server-sent events.
 //
 //   #/runs?status=&label=&session=&q=   the runs list (virtualised, paged from the server)
-//   #/run/<id>?profile=&children=       a run: tree, DAG, tasks, events, workspace, inbox
+//   #/run/<id>?profile=&children=&task= a run: tree, DAG, tasks, timeline, events, workspace,
+//                                       inbox; `task` opens that task's panel
 //   #/inbox                             pending approvals, questions, client tools
 //   #/team                              the roster with presence, trust, failures
 //   #/workers                           live workers, slots, backlog per pool
@@ -10,6 +11,10 @@
 const $ = (sel, root = document) => root.querySelector(sel);
 const main = () => $('#main');
 let me = { name: '?', operator: false };
+// How many trailing hex digits of a run id tell the runs known apart (the server counts them:
+// `short_len` of /api/runs, at least 8). A UUIDv7 begins with its creation time, which runs
+// started together share; it ends with random digits.
+let shortLen = 8;
 let cleanup = [];
 
 // ---------- helpers ----------
@@ -102,11 +107,16 @@ function ms(d) {
   return m < 60 ? `${m}m ${Math.round(s % 60)}s` : `${Math.floor(m / 60)}h ${m % 60}m`;
 }
 
+// Times as the CLI prints them: ISO 8601 in UTC, to the millisecond (2026-11-28T08:31:20.215Z),
+// whatever the browser's locale.
 function time(ts) {
   if (!ts) return '';
   const d = new Date(ts);
-  return d.toLocaleString(undefined, { hour12: false });
+  return Number.isNaN(d.getTime()) ? '' : d.toISOString();
 }
+// The time of day of `time` (08:31:20.215Z), for lines of one run.
+const clock = (ts) => time(ts).slice(11);
+const since = (ts) => (ts ? Math.max(0, Date.now() - Date.parse(ts)) : null);
 
 function durationOf(r) {
   const end = r.finished_at ? Date.parse(r.finished_at) : Date.now();
@@ -114,7 +124,9 @@ function durationOf(r) {
 }
 
 const status = (s) => `<span class="status s-${esc(s)}" data-status="${esc(s)}">${esc(s)}</span>`;
-const short = (id) => String(id).slice(0, 8);
+const short = (id) => String(id).replace(/-/g, '').slice(-shortLen);
+// A run as a person names it: its plan's name and its short id.
+const runName = (name, id) => `${name || 'run'} · ${short(id)}`;
 const terminal = (s) => ['succeeded', 'failed', 'cancelled', 'rejected'].includes(s);
 const taskDone = (s) => ['succeeded', 'failed', 'skipped', 'cancelled'].includes(s);
 
@@ -186,6 +198,19 @@ function vlist(container, rowHeight, count, row, onMissing) {
 
 // ---------- runs list ----------
 
+// The runs list's columns; agent, tokens, cost and labels only when some run has one.
+const RUN_COLS = [
+  { key: 'run', title: 'RUN', width: 'minmax(200px, 1.4fr)' },
+  { key: 'status', title: 'STATUS', width: '110px' },
+  { key: 'agent', title: 'AGENT', width: 'minmax(90px, 1fr)' },
+  { key: 'started', title: 'STARTED (UTC)', width: '200px' },
+  { key: 'duration', title: 'DURATION', width: '80px' },
+  { key: 'tasks', title: 'TASKS', width: '60px' },
+  { key: 'tokens', title: 'TOKENS', width: '70px' },
+  { key: 'cost', title: 'COST', width: '80px' },
+  { key: 'labels', title: 'LABELS', width: 'minmax(80px, 1fr)' },
+];
+
 async function viewRuns() {
   const q = query();
   const f = { status: q.get('status') || '', label: q.get('label') || '', session: q.get('session') || '', q: q.get('q') || '' };
@@ -193,7 +218,7 @@ async function viewRuns() {
     <h1>Runs <span id="runs-total" class="muted"></span></h1>
     <div class="filters">
       <select id="f-status" title="status">
-        ${['', 'pending', 'running', 'paused', 'human_control', 'succeeded', 'failed', 'cancelled', 'rejected']
+        ${['', 'pending', 'running', 'waiting', 'paused', 'human_control', 'succeeded', 'failed', 'cancelled', 'rejected']
           .map((s) => `<option value="${s}" ${s === f.status ? 'selected' : ''}>${s || 'any status'}</option>`).join('')}
       </select>
       <input id="f-label" placeholder="label key=value" value="${esc(f.label)}">
@@ -201,13 +226,25 @@ async function viewRuns() {
       <input id="f-q" placeholder="name or id" value="${esc(f.q)}">
       <span id="runs-counts" class="muted"></span>
     </div>
-    <div class="vhead runs-grid"><span>RUN</span><span>STATUS</span><span>NAME</span><span>AGENT</span><span>STARTED</span><span>DURATION</span><span>TASKS</span><span>TOKENS</span><span>COST</span><span>LABELS</span></div>
-    <div id="runs" class="vlist" data-row-class="vrow runs-grid"></div>`;
+    <div id="runs-view">
+    <div id="runs-head" class="vhead runs-grid">${RUN_COLS.map((c) => `<span class="c-${c.key}" data-col="${c.key}">${c.title}</span>`).join('')}</div>
+    <div id="runs" class="vlist" data-row-class="vrow runs-grid"></div>
+    </div>`;
   const PAGE = 500;
   let rows = []; // index -> record (sparse: pages load on demand)
   let total = 0;
   const loading = new Set();
   const params = () => new URLSearchParams(Object.entries(f).filter(([, v]) => v)).toString();
+  // A column that would be blank on every run loaded (agent, tokens, cost, labels: exec and
+  // scripted agents report no tokens, most runs have no labels) is not shown.
+  const filled = { agent: false, tokens: false, cost: false, labels: false };
+  const showColumns = () => {
+    const view = $('#runs-view');
+    if (!view) return;
+    const cols = RUN_COLS.filter((c) => !(c.key in filled) || filled[c.key]);
+    view.style.setProperty('--runs-cols', cols.map((c) => c.width).join(' '));
+    for (const k of Object.keys(filled)) view.classList.toggle(`hide-${k}`, !filled[k]);
+  };
   const row = (i) => {
     const r = rows[i];
     if (!r) return null;
@@ -216,10 +253,25 @@ async function viewRuns() {
     const sum = summaries.get(id);
     if (!sum || sum.stale) wantSummary(id);
     const u = sum && sum.usage;
-    return `<span class="mono"><a href="#/run/${id}">${id}</a></span>${status(r.status)}
-      <span>${esc(r.name || '-')}</span><span>${esc((sum && sum.agent) || '')}</span><span>${time(r.created_at)}</span><span>${ms(durationOf(r))}</span>
-      <span>${r.tasks.succeeded}/${r.tasks.total}</span><span>${u ? u.prompt_tokens + u.completion_tokens : ''}</span>
-      <span>${u && u.cost_usd ? `$${u.cost_usd.toFixed(4)}` : ''}</span><span class="muted">${esc(labels)}</span>`;
+    const tokens = u ? u.prompt_tokens + u.completion_tokens : 0;
+    const waits = (r.waiting || []).map((w) => `${w.kind}${w.task_id ? ` of ${w.task_id}` : ''}: ${w.what}`).join('; ');
+    return `<span class="c-run"><a href="#/run/${id}" title="${esc(id)}">${esc(r.name || 'run')} <span class="mono muted">${short(id)}</span></a></span>
+      <span class="c-status" title="${esc(waits || r.status)}">${status(r.label || r.status)}</span>
+      <span class="c-agent">${esc((sum && sum.agent) || '')}</span><span class="c-started mono">${time(r.created_at)}</span><span class="c-duration">${ms(durationOf(r))}</span>
+      <span class="c-tasks">${r.tasks.succeeded}/${r.tasks.total}</span><span class="c-tokens">${tokens || ''}</span>
+      <span class="c-cost">${u && u.cost_usd ? `$${u.cost_usd.toFixed(4)}` : ''}</span><span class="c-labels muted">${esc(labels)}</span>`;
+  };
+  // Columns fill in as rows and their summaries load.
+  const note = (r, sum) => {
+    let more = false;
+    const mark = (k, v) => { if (v && !filled[k]) { filled[k] = true; more = true; } };
+    if (r) mark('labels', Object.keys(r.labels || {}).length > 0);
+    if (sum) {
+      mark('agent', !!sum.agent);
+      mark('tokens', !!(sum.usage && sum.usage.prompt_tokens + sum.usage.completion_tokens));
+      mark('cost', !!(sum.usage && sum.usage.cost_usd));
+    }
+    if (more) showColumns();
   };
   // Agent, tokens and cost of the rows in view: read in batches, again when a run changes.
   const summaries = new Map();
@@ -231,12 +283,13 @@ async function viewRuns() {
     ids.forEach((id) => summaries.set(id, { ...(summaries.get(id) || {}), stale: false }));
     try {
       const got = await api(`/api/runs/summaries?ids=${ids.join(',')}`);
-      for (const [id, v] of Object.entries(got)) summaries.set(id, v);
+      for (const [id, v] of Object.entries(got)) { summaries.set(id, v); note(null, v); }
       list.refresh();
     } catch { /* shown again on the next change */ }
     if (wanted.size) fetchSummaries();
   });
   function wantSummary(id) { wanted.add(id); fetchSummaries(); }
+  showColumns();
   const list = vlist($('#runs'), 30, 0, row, (i) => load(Math.floor(i / PAGE) * PAGE));
   $('#runs').addEventListener('click', (e) => {
     const el = e.target.closest('[data-i]');
@@ -248,7 +301,8 @@ async function viewRuns() {
     try {
       const p = await api(`/api/runs?${params()}&offset=${offset}&limit=${PAGE}`);
       total = p.total;
-      p.runs.forEach((r, k) => { rows[offset + k] = r; });
+      if (p.short_len) shortLen = p.short_len;
+      p.runs.forEach((r, k) => { rows[offset + k] = r; note(r); });
       ($('#runs-total') || {}).textContent = `${total}${p.loading ? ' (loading…)' : ''}`;
       ($('#runs-counts') || {}).textContent = Object.entries(p.counts).map(([k, v]) => `${k} ${v}`).join(' · ');
       list.setCount(total);
@@ -274,6 +328,7 @@ async function viewRuns() {
   const recount = debounce(2000, async () => {
     try {
       const p = await api(`/api/runs?${params()}&offset=0&limit=1`);
+      if (p.short_len) shortLen = p.short_len;
       ($('#runs-counts') || {}).textContent = Object.entries(p.counts).map(([k, v]) => `${k} ${v}`).join(' · ');
     } catch { /* the next change tries again */ }
   });
@@ -283,12 +338,13 @@ async function viewRuns() {
       const c = JSON.parse(m.data);
       if (c.kind !== 'put') return;
       const r = c.record;
+      note(r);
       const i = rows.findIndex((x) => x && x.handle.run_id === r.handle.run_id);
       const known = summaries.get(r.handle.run_id);
       if (known) known.stale = true;
       if (i >= 0) { rows[i] = r; refresh(); return; }
       if (r.handle.parent_run_id) return;
-      if (f.status && !f.status.split(',').includes(r.status)) return;
+      if (f.status && !f.status.split(',').some((x) => x === r.status || x === r.label)) return;
       if (f.session && r.session_id !== f.session) return;
       if (f.q && !(`${r.name || ''} ${r.handle.run_id}`.toLowerCase().includes(f.q.toLowerCase()))) return;
       if (f.label) {
@@ -362,7 +418,9 @@ function dagLayout(plan) {
   return `<svg viewBox="0 0 ${width} ${height}" height="${Math.min(height, 400)}" preserveAspectRatio="xMinYMin meet">${svg}</svg>`;
 }
 
-function drawDag(root, plan, tasks) {
+// `labels`: what a person reads of each task (`running` once a worker started it, …);
+// `detail`: a second line for a task (a running task's elapsed time).
+function drawDag(root, plan, tasks, labels = {}, detail = () => '') {
   if (!root) return;
   if (!plan || !plan.subtasks || !plan.subtasks.length) {
     set('#dag', '<p class="muted">No plan yet.</p>');
@@ -377,11 +435,58 @@ function drawDag(root, plan, tasks) {
   }
   for (const t of tasks || []) {
     const g = root.dagNodes.get(t.task_id);
-    if (!g || g.dataset.state === t.status) continue;
-    g.dataset.state = t.status;
-    g.setAttribute('class', `t-${t.status}`);
-    g.lastElementChild.textContent = t.status;
+    if (!g) continue;
+    const state = labels[t.task_id] || t.status;
+    const text = `${state}${detail(t) ? ` · ${detail(t)}` : ''}`;
+    if (g.dataset.state !== state) {
+      g.dataset.state = state;
+      g.setAttribute('class', `t-${state}`);
+    }
+    if (g.lastElementChild.textContent !== text) g.lastElementChild.textContent = text;
   }
+}
+
+// The run's tasks in time: per task its queue (dispatched, not started), its attempts (from
+// start to end, coloured by outcome), its waits for a person; the run's holds behind them.
+// SVG: its geometry is attributes, which the Content-Security-Policy allows (no inline styles).
+const TL_ROWS = 200;
+function drawTimeline(tl, labels = {}) {
+  if (!tl || !tl.tasks || !tl.tasks.length) return '<p class="muted">No tasks yet.</p>';
+  const t0 = Date.parse(tl.start);
+  const t1 = Math.max(tl.end ? Date.parse(tl.end) : Date.now(), t0 + 1);
+  const L = 130, W = 620, R = 10, H = 16, G = 4;
+  const x = (ts) => L + Math.max(0, Math.min(1, ((ts == null ? t1 : Date.parse(ts)) - t0) / (t1 - t0))) * (W - L - R);
+  const rows = tl.tasks.slice(0, TL_ROWS);
+  const height = 22 + rows.length * (H + G);
+  const bar = (cls, from, to, title, y, h = H) => {
+    const a = x(from), b = Math.max(x(to), a + 2);
+    return `<rect class="${cls}" x="${a.toFixed(1)}" y="${y}" width="${(b - a).toFixed(1)}" height="${h}"><title>${esc(title)}</title></rect>`;
+  };
+  let svg = '';
+  for (const hd of tl.holds || []) {
+    svg += bar(`hold h-${hd.kind}`, hd.from, hd.to, `${hd.kind} ${time(hd.from)} → ${hd.to ? time(hd.to) : 'now'}${hd.what ? `: ${hd.what}` : ''}`, 0, height - 18);
+  }
+  rows.forEach((line, i) => {
+    const y = i * (H + G);
+    const state = labels[line.task_id] || line.ended || '';
+    let g = `<text x="0" y="${y + 12}">${esc(String(line.task_id).slice(0, 20))}</text>`;
+    const first = (line.attempts || []).find((a) => !line.queued_at || Date.parse(a.started_at) >= Date.parse(line.queued_at));
+    if (line.queued_at && (first || !line.ended)) {
+      g += bar('q', line.queued_at, first ? first.started_at : (line.ended_at || null), `${line.task_id}: queued for a worker ${time(line.queued_at)}${first ? ` → started ${time(first.started_at)}` : ''}`, y + 5, H - 10);
+    }
+    for (const a of line.attempts || []) {
+      g += bar(`a a-${a.outcome}`, a.started_at, a.ended_at || null, `${line.task_id}: attempt ${a.attempt}${a.worker ? ` on ${a.worker}` : ''} ${time(a.started_at)} → ${a.ended_at ? time(a.ended_at) : 'now'} (${a.outcome})`, y);
+    }
+    for (const w of line.waits || []) {
+      g += bar(`w w-${w.kind.replace(' ', '_')}`, w.from, w.to || null, `${line.task_id}: waits for a person (${w.kind}) ${time(w.from)} → ${w.to ? time(w.to) : 'now'}${w.what ? `: ${w.what}` : ''}`, y + 3, H - 6);
+    }
+    svg += `<g class="tl-row" data-task="${esc(line.task_id)}" data-state="${esc(state)}">${g}</g>`;
+  });
+  const axis = `<text x="${L}" y="${height - 4}" class="axis">${esc(time(tl.start))}</text>
+    <text x="${W - R}" y="${height - 4}" class="axis" text-anchor="end">${tl.end ? esc(time(tl.end)) : 'now'} · ${ms(t1 - t0)}</text>`;
+  const more = tl.tasks.length - rows.length + (tl.omitted || 0);
+  return `<svg viewBox="0 0 ${W} ${height}" preserveAspectRatio="xMinYMin meet">${svg}${axis}</svg>
+    <div class="muted tl-legend"><span class="key q"></span> queued <span class="key a-running"></span> running <span class="key a-succeeded"></span> succeeded <span class="key a-failed"></span> failed or retried <span class="key w"></span> waits for a person <span class="key hold"></span> run held${more > 0 ? ` · ${more} more task(s) not drawn` : ''}</div>`;
 }
 
 function eventLine(pe) {
@@ -389,7 +494,7 @@ function eventLine(pe) {
   const ev = env.event;
   const who = pe.agent ? `${pe.agent}·${short(pe.run_id)}` : (env.task_id || 'run');
   const indent = '  '.repeat(pe.depth);
-  const t = new Date(env.ts).toLocaleTimeString(undefined, { hour12: false });
+  const t = clock(env.ts);
   let what;
   let cls = '';
   switch (ev.type) {
@@ -401,7 +506,9 @@ function eventLine(pe) {
       break;
     case 'agent_run_started': what = `⇢ child run ${short(ev.child.run_id)} (${ev.agent || 'agent'})`; break;
     case 'usage': what = `usage ${ev.prompt_tokens} + ${ev.completion_tokens} tokens${ev.model ? ` (${ev.model})` : ''}${ev.cost_usd != null ? ` $${ev.cost_usd.toFixed(4)}` : ''}`; break;
-    case 'workflow': what = `${ev.phase}${env.task_id ? ` ${env.task_id}` : ''}`; break;
+    case 'workflow':
+      what = `${ev.phase}${env.task_id ? ` ${env.task_id}` : ''}${env.attempt > 1 ? ` (attempt ${env.attempt})` : ''}${ev.worker && ev.phase === 'task_started' ? ` on ${ev.worker}` : ''}${ev.detail ? `: ${ev.detail}` : ''}${ev.error ? `: ${ev.error.message || ev.error.kind || ''}` : ''}`;
+      break;
     case 'agent_step': {
       const e = ev.entry || {};
       what = `step ${ev.step}: ${e.results ? `${e.results.length} tool results` : `model reply (${(e.tool_calls || []).length} tool calls)`}`;
@@ -412,6 +519,57 @@ function eventLine(pe) {
     default: what = ev.type;
   }
   return { text: `${t} ${indent}[${who}] ${what}`, cls };
+}
+
+// How a person answers a wait in the page.
+function answerHere(w) {
+  switch (w.kind) {
+    case 'approval': return 'approve, reject or edit its input in the request below';
+    case 'question': return 'respond in the request below';
+    case 'client tool': return 'the client answers it, or respond in the request below';
+    case 'pause': return 'resume (the button above)';
+    case 'takeover': return 'complete its waiting tasks (complete… in the tasks), resume or cancel above';
+    default: return 'see the requests below';
+  }
+}
+
+// One task's panel, from /api/runs/RUN/tasks/TASK.
+function taskPanel(d) {
+  const t = d.task;
+  const sub = d.subtask || {};
+  const line = d.timeline || { attempts: [], waits: [] };
+  const attempts = line.attempts || [];
+  const last = attempts[attempts.length - 1];
+  const a = d.activity;
+  const worker = (a && a.worker) || (d.result && d.result.worker) || (last && last.worker) || '';
+  const started = (a && a.started_at) || (last && last.started_at) || (d.result && d.result.started_at);
+  const endedAt = line.ended_at || (last && last.ended_at);
+  const kv = (k, v) => (v === '' || v == null ? '' : `<span>${k}</span><span>${v}</span>`);
+  const input = sub.input == null ? '' : JSON.stringify(sub.input, null, 2);
+  const result = d.result && d.result.result;
+  const lines = (d.events || []).map((env) => eventLine({ run_id: env.run_id, depth: 0, event: env }));
+  return `<div class="panel-head"><h2>Task <span class="mono">${esc(t.task_id)}</span> ${status(d.label || t.status)}</h2><button id="task-close" title="close">×</button></div>
+    <div class="kv" id="task-facts">
+      ${kv('agent', esc((line.agent || sub.agent || (d.result && d.result.agent) || (sub.role ? `a member of role ${sub.role}` : 'the default agent'))))}
+      ${kv('pool', esc(t.pool || sub.pool || ''))}
+      ${kv('after', esc((sub.dependencies || []).join(', ')))}
+      ${kv('action', esc(sub.action || ''))}
+      ${kv('attempts', String(t.attempts))}
+      ${kv('worker', worker ? `<span class="mono" data-worker>${esc(worker)}</span>` : '')}
+      ${kv('queued', t.dispatched_at ? `<span class="mono">${time(t.dispatched_at)}</span>` : '')}
+      ${kv('started', started ? `<span class="mono">${time(started)}</span>` : '')}
+      ${kv('ended', endedAt ? `<span class="mono">${time(endedAt)}</span>` : '')}
+      ${kv('took', started ? `${endedAt ? ms(Date.parse(endedAt) - Date.parse(started)) : `${ms(since(started))} so far`}` : '')}
+      ${kv('paused until', t.paused_until ? `<span class="mono">${time(t.paused_until)}</span>` : '')}
+    </div>
+    ${(d.waiting || []).map((w) => `<div class="wait"><b>waits for ${esc(w.kind)}</b>: ${esc(w.what)}<div class="muted">answer: ${esc(answerHere(w))} — or <code>${esc(w.answer)}</code></div></div>`).join('')}
+    <h3>Input</h3><p class="wrap">${esc(sub.description || '')}</p>${input ? `<pre class="mono" id="task-input">${esc(input)}</pre>` : ''}
+    <h3>Result</h3>${result ? `<pre class="mono" id="task-result">${esc(result.response)}</pre>${d.result.worker ? `<div class="muted">from ${esc(d.result.worker)}, attempt ${d.result.attempt}${result.tokens ? ` · ${result.tokens} tokens` : ''}</div>` : ''}`
+      : (t.error ? `<p class="error-text">${esc(t.error.message || JSON.stringify(t.error))}</p>` : `<p class="muted">${t.skip_reason ? esc(t.skip_reason) : 'none yet'}</p>`)}
+    <h3>Attempts <span class="muted">(UTC)</span></h3>${attempts.length ? `<table id="task-attempts"><tr><th>#</th><th>WORKER</th><th>STARTED</th><th>ENDED</th><th>OUTCOME</th></tr>${attempts.map((x) => `<tr><td>${x.attempt}</td><td class="mono">${esc(x.worker || '')}</td><td class="mono" title="${time(x.started_at)}">${clock(x.started_at)}</td><td class="mono" title="${time(x.ended_at)}">${clock(x.ended_at)}</td><td>${status(x.outcome)}</td></tr>`).join('')}</table>` : '<p class="muted">not started</p>'}
+    ${(line.waits || []).length ? `<h3>Waits</h3><table><tr><th>FOR</th><th>FROM</th><th>UNTIL</th><th>WHAT</th></tr>${line.waits.map((w) => `<tr><td>${esc(w.kind)}</td><td class="mono" title="${time(w.from)}">${clock(w.from)}</td><td class="mono">${w.to ? clock(w.to) : 'now'}</td><td class="wrap">${esc(w.what || '')}</td></tr>`).join('')}</table>` : ''}
+    <h3>Events <span class="muted">(${d.events_total}${d.events_total > lines.length ? `, the last ${lines.length}` : ''})</span></h3>
+    <div id="task-events" class="task-events">${lines.map((l) => `<div class="${l.cls}" title="${esc(l.text)}">${esc(l.text)}</div>`).join('')}</div>`;
 }
 
 const TREE_ROW = 22;
@@ -440,12 +598,14 @@ async function viewRun(runId) {
       <textarea id="plan-text" class="mono" rows="16" spellcheck="false"></textarea>
       <div class="filters"><button id="plan-save" class="primary">Save the plan</button><button id="plan-close">Close</button><span id="plan-problems" class="error-text"></span></div>
     </div>
+    <div id="run-waits"></div>
     <div id="run-inbox"></div>
     <div id="grants"></div>
     <div class="cols">
       <div>
         <div class="card"><h2>Tree <span id="tree-count" class="muted"></span></h2><div id="tree" class="tree vlist" data-row-class="trow"></div></div>
         <div class="card"><h2>Tasks <span id="tasks-count" class="muted"></span></h2><div class="vhead tasks-grid"><span>TASK</span><span>STATUS</span><span>ATTEMPTS</span><span>POOL</span><span>DETAIL</span></div><div id="tasks" class="vlist tasks" data-row-class="vrow tasks-grid"></div><div id="result"></div></div>
+        <div class="card"><h2>Timeline <span class="muted">(UTC; click a task for its panel)</span></h2><div id="timeline" class="timeline"></div></div>
       </div>
       <div>
         <div class="card dag"><h2>Plan</h2><div id="dag"></div></div>
@@ -464,10 +624,14 @@ async function viewRun(runId) {
           <div id="pane-state" hidden><div id="state-keys" class="filters"></div><div class="filters">key <input id="state-key" placeholder="a session-state key"><button id="state-get">Read</button></div><div id="state"></div></div>
         </div>
       </div>
-    </div>`;
+    </div>
+    <aside id="task-panel" class="card" hidden></aside>`;
+  // The task whose panel is open (kept in the URL: a link opens it too).
+  let openTask = q.get('task') || null;
+  const keepQuery = () => setQuery(`/run/${runId}`, { profile: $('#profile').value, children: $('#children').value, task: openTask });
   for (const sel of ['#profile', '#children']) {
     $(sel).addEventListener('change', () => {
-      setQuery(`/run/${runId}`, { profile: $('#profile').value, children: $('#children').value });
+      keepQuery();
       route();
     });
   }
@@ -502,6 +666,8 @@ async function viewRun(runId) {
     } catch (e) { set('#state', `<p class="muted">${esc(e.message)}</p>`); }
   };
   let currentPlan = null;
+  // The run's plan name, for what the page says about it (toasts).
+  let runTitle = null;
   main().querySelectorAll('[data-action]').forEach((b) => {
     b.onclick = async () => {
       const action = b.dataset.action;
@@ -519,9 +685,9 @@ async function viewRun(runId) {
       if (action === 'cancel') body.rollback = rollback;
       try {
         const r = await api(`/api/runs/${runId}/${action}`, { body });
-        toast(`${action}: ${r.applied === false ? (r.detail || `already ${r.status}`) : (r.pending ? 'recorded, not applied yet' : 'done')}`);
+        toast(`${action} run ${runName(runTitle, runId)}: ${r.applied === false ? (r.detail || `already ${r.status}`) : (r.pending ? 'recorded, not applied yet' : 'done')}`);
         refreshRun();
-      } catch (e) { toast(`${action}: ${e.message}`, true); }
+      } catch (e) { toast(`${action} run ${runName(runTitle, runId)}: ${e.message}`, true); }
     };
   });
   $('#plan-close').onclick = () => { $('#edit-plan').hidden = true; };
@@ -566,7 +732,12 @@ async function viewRun(runId) {
   // A task's own pause and resume, and completing a task of a run under human control.
   $('#tasks').addEventListener('click', async (ev) => {
     const b = ev.target.closest('[data-task-action]');
-    if (!b) return;
+    if (!b) {
+      // A click anywhere else on a task's row opens its panel.
+      const row = ev.target.closest('[data-task]');
+      if (row) showTask(row.dataset.task);
+      return;
+    }
     const action = b.dataset.taskAction;
     const task = b.closest('[data-task]').dataset.task;
     const body = { task, reason: 'from the console' };
@@ -584,26 +755,79 @@ async function viewRun(runId) {
     }
     try {
       const r = await api(`/api/runs/${runId}/${action}`, { body });
-      toast(`${action} ${task}: ${r.applied === false ? (r.detail || 'nothing to do') : (action === 'complete' ? 'completed' : (r.pending ? 'recorded, not applied yet' : 'done'))}`);
+      toast(`${action} task ${task} of run ${runName(runTitle, runId)}: ${r.applied === false ? (r.detail || 'nothing to do') : (action === 'complete' ? 'completed' : (r.pending ? 'recorded, not applied yet' : 'done'))}`);
       refreshRun();
-    } catch (e) { toast(`${action} ${task}: ${e.message}`, true); }
+    } catch (e) { toast(`${action} task ${task} of run ${runName(runTitle, runId)}: ${e.message}`, true); }
   });
+
+  // The task panel: one task's input, result, attempts, worker, timings, waits and events
+  // (`/api/runs/RUN/tasks/TASK`), opened by a click on its DAG node, its row or its timeline
+  // line, read again with the run while it is open.
+  let running = {};
+  const panel = $('#task-panel');
+  let taskReading = false;
+  async function loadTask() {
+    const task = openTask;
+    if (!task || taskReading) return;
+    taskReading = true;
+    try {
+      const d = await api(`/api/runs/${runId}/tasks/${encodeURIComponent(task)}`);
+      if (left || openTask !== task) return;
+      panel.hidden = false;
+      panel.dataset.task = task;
+      set('#task-panel', taskPanel(d));
+    } catch (e) {
+      if (openTask === task) set('#task-panel', `<div class="panel-head"><h2>Task <span class="mono">${esc(task)}</span></h2><button id="task-close" title="close">×</button></div><p class="muted">${esc(e.message)}</p>`);
+    } finally { taskReading = false; }
+  }
+  function showTask(task) {
+    openTask = task;
+    keepQuery();
+    panel.hidden = false;
+    panel.dataset.task = task;
+    loadTask();
+  }
+  panel.addEventListener('click', (ev) => {
+    if (!ev.target.closest('#task-close')) return;
+    openTask = null;
+    panel.hidden = true;
+    delete panel.dataset.task;
+    keepQuery();
+  });
+  for (const sel of ['#dag', '#timeline']) {
+    $(sel).addEventListener('click', (ev) => {
+      const g = ev.target.closest('g[data-task]');
+      if (g) showTask(g.dataset.task);
+    });
+  }
+  if (openTask) showTask(openTask);
 
   let ended = false;
   // The run's record, tasks and DAG; its tree and what waits for a person when asked. Drawn
   // when the page is idle (events streaming in are drawn first).
   const readRun = async ({ tree: withTree = true, inbox = true } = {}) => {
     try {
-      const { view, plan } = await api(`/api/runs/${runId}`);
+      const { view, plan, label, progress, task_labels: labels = {}, timeline } = await api(`/api/runs/${runId}`);
       await idle();
       if (left || !$('#run-title')) return; // the person moved on
       const r = view.record;
-      set('#run-title', `${esc(r.name || 'Run')} ${status(r.status)} <span class="mono muted">${esc(runId)}</span>`);
-      const labels = Object.entries(r.labels || {}).map(([k, v]) => `${k}=${v}`).join(' ');
+      // What a person reads (as `flotilla runs show`): `waiting` for a run someone must act
+      // on, with the record's own status beside it.
+      const shownAs = label || r.status;
+      runTitle = r.name;
+      set('#run-title', `${esc(r.name || 'Run')} <span class="mono muted" title="${esc(runId)}">${short(runId)}</span> ${status(shownAs)}${shownAs !== r.status ? ` <span class="muted run-status">(the run is ${esc(r.status)})</span>` : ''} <span class="mono muted run-id">${esc(runId)}</span>`);
+      $('#run-title').dataset.runStatus = r.status;
+      const waiting = (progress && progress.waiting) || [];
+      running = (progress && progress.running) || {};
+      set('#run-waits', waiting.length ? `<div class="card waits"><h2>Waiting for a person</h2>${waiting.map((w) => `
+        <div class="wait" data-wait-kind="${esc(w.kind)}"${w.task_id ? ` data-task="${esc(w.task_id)}"` : ''}>
+          <b>${esc(w.kind)}</b>${w.task_id ? ` of task <b>${esc(w.task_id)}</b>` : ''}: ${esc(w.what)}${w.deadline ? ` <span class="muted">(its default at ${time(w.deadline)})</span>` : ''}
+          <div class="muted">answer: ${esc(answerHere(w))} — or <code>${esc(w.answer)}</code></div></div>`).join('')}</div>` : '');
+      const runLabels = Object.entries(r.labels || {}).map(([k, v]) => `${k}=${v}`).join(' ');
       set('#run-meta', `started ${time(r.created_at)} · ${ms(durationOf(r))} · tasks ${r.tasks.succeeded}/${r.tasks.total}
         ${r.session_id ? ` · session <a href="#/runs?session=${r.session_id}">${short(r.session_id)}</a>` : ''}
         ${r.handle.parent_run_id ? ` · parent <a href="#/run/${r.handle.parent_run_id}">${short(r.handle.parent_run_id)}</a>` : ''}
-        ${labels ? ` · ${esc(labels)}` : ''}${r.outcome && r.outcome.reason ? ` · ${esc(r.outcome.reason)}` : ''}`);
+        ${runLabels ? ` · ${esc(runLabels)}` : ''}${r.outcome && r.outcome.reason ? ` · ${esc(r.outcome.reason)}` : ''}`);
       const going = !terminal(r.status);
       currentPlan = view.plan || plan;
       // A plan is edited while the run is under human control (taken over).
@@ -632,18 +856,29 @@ async function viewRun(runId) {
         }
         return b.join(' ');
       };
-      const detail = (t) => [
-        t.paused_until ? `paused until ${time(t.paused_until)}` : '',
-        t.error ? (t.error.message || JSON.stringify(t.error)) : (t.skip_reason || ''),
-      ].filter(Boolean).join(' · ');
+      // What a task does now: what it waits for, the worker running it and for how long,
+      // queued for a worker, paused, its error.
+      const detail = (t) => {
+        const w = waiting.find((x) => x.task_id === t.task_id);
+        const a = running[t.task_id];
+        return [
+          w ? `waits for ${w.kind}: ${w.what}` : '',
+          a ? `on ${a.worker} for ${ms(since(a.started_at))}` : '',
+          !w && !a && t.status === 'dispatched' ? 'queued for a worker' : '',
+          t.paused_until ? `paused until ${time(t.paused_until)}` : '',
+          t.error ? (t.error.message || JSON.stringify(t.error)) : (t.skip_reason || ''),
+        ].filter(Boolean).join(' · ');
+      };
       // Virtualised like the events: a 1,000-task run draws the rows in view.
-      taskRows = view.tasks.map((t) => `<div class="task" data-task="${esc(t.task_id)}"><span class="mono">${esc(t.task_id)}</span>${status(t.status)}<span>${t.attempts}</span><span>${esc(t.pool || '-')}</span>
-          <span title="${esc(detail(t))}"><span class="task-actions">${taskActions(t)}</span> <span class="muted">${esc(detail(t))}</span></span></div>`);
+      taskRows = view.tasks.map((t) => `<div class="task" data-task="${esc(t.task_id)}"><span class="mono">${esc(t.task_id)}</span>${status(labels[t.task_id] || t.status)}<span>${t.attempts}</span><span>${esc(t.pool || '-')}</span>
+          <span class="detail" title="${esc(detail(t))}"><span class="task-actions">${taskActions(t)}</span><span class="muted">${esc(detail(t))}</span></span></div>`);
       ($('#tasks-count') || {}).textContent = `${view.tasks.length}`;
       $('#tasks').style.height = `${Math.min(taskRows.length * TASK_ROW + 2, 420)}px`;
       tasksList.renderNow(taskRows.length);
       set('#result', r.outcome && r.outcome.final_result ? `<h2>Result</h2><pre class="mono">${esc(r.outcome.final_result.response)}</pre>` : '');
-      drawDag($('#dag'), view.plan || plan, view.tasks);
+      drawDag($('#dag'), view.plan || plan, view.tasks, labels, (t) => (running[t.task_id] ? ms(since(running[t.task_id].started_at)) : ''));
+      set('#timeline', drawTimeline(timeline, labels));
+      if (openTask) loadTask();
       const readers = $('#mbox-reader');
       if (readers && readers.options.length !== view.tasks.length) {
         const was = readers.value;
@@ -794,13 +1029,17 @@ async function loadMailbox(runId) {
 
 // ---------- inbox ----------
 
+// The plan names of the runs the inbox lists (its answer's `names`), for its cards and toasts.
+const runNames = new Map();
+
 function approvalCard(rec) {
   const q = rec.request;
+  const name = runName(runNames.get(q.run_id), q.run_id);
   const input = q.input == null ? '' : JSON.stringify(q.input, null, 2);
   const canAnswer = me.operator && rec.status === 'pending';
   return `<div class="card approval" data-approval="${esc(q.approval_id)}" data-run="${q.run_id}">
-    <div><b>${esc(q.trigger)}</b> · task <b>${esc(q.task_id)}</b>${q.action ? ` · action <b>${esc(q.action)}</b>` : ''}${q.agent ? ` · agent ${esc(q.agent)}` : ''}
-      · run <a href="#/run/${q.run_id}" class="mono">${short(q.run_id)}</a> · ${esc(q.approval_id)} · ${status(rec.status)}
+    <div><b>${esc(q.trigger)}</b> · task <b class="card-task">${esc(q.task_id)}</b> of run <a href="#/run/${q.run_id}" class="card-run" title="${esc(q.run_id)}">${esc(name)}</a>${q.action ? ` · action <b>${esc(q.action)}</b>` : ''}${q.agent ? ` · agent ${esc(q.agent)}` : ''}
+      · ${esc(q.approval_id)} · ${status(rec.status)}
       <span class="muted">deadline ${time(q.deadline)}</span></div>
     <p>${esc(q.description)}</p>
     ${input ? `<pre class="mono">${esc(input)}</pre>` : ''}
@@ -848,7 +1087,12 @@ function wireApprovals(root, records, reload) {
         try {
           const r = await api(`/api/approvals/${card.dataset.run}/${card.dataset.approval}`, { body });
           const a = r.record.answer;
-          toast(r.outcome === 'decided' ? `${a.decision} by ${a.by}` : `already decided: ${a ? `${a.decision} by ${a.by}` : r.record.status}`);
+          // Which task of which run, and what became of it.
+          const what = `task ${rec.request.task_id} of run ${runName(runNames.get(rec.request.run_id), rec.request.run_id)}`;
+          const done = { approve: 'approved', reject: 'rejected', edit: 'ran with an edited input:', respond: 'answered:' };
+          toast(r.outcome === 'decided'
+            ? `${done[a.decision] || a.decision} ${what}, by ${a.by}`
+            : `${what}: already decided${a ? ` (${done[a.decision] || a.decision} by ${a.by})` : ` (${r.record.status})`}`);
           reload();
           window.dispatchEvent(new CustomEvent('flotilla:answered'));
         } catch (e) { toast(`${decision}: ${e.message}`, true); }
@@ -862,13 +1106,14 @@ async function loadInbox(runId, root) {
   try {
     const l = await api(`/api/inbox${runId ? `?run=${runId}` : ''}`);
     const recs = l.approvals || [];
+    for (const [id, n] of Object.entries(l.names || {})) runNames.set(id, n);
     if (!root.isConnected) return;
     if (!runId) {
       const c = $('#inbox-count');
       c.hidden = !recs.length;
       c.textContent = recs.length;
     }
-    root.innerHTML = recs.length ? `${runId ? '<h2>Waiting for a person</h2>' : ''}${recs.map(approvalCard).join('')}`
+    root.innerHTML = recs.length ? recs.map(approvalCard).join('')
       : (runId ? '' : '<p class="muted" id="inbox-empty">Nothing is waiting for a person.</p>');
     wireApprovals(root, recs, () => loadInbox(runId, root));
   } catch (e) {
@@ -891,16 +1136,28 @@ async function viewTeam() {
   const load = async () => {
     try {
       const { team, trust } = await api('/api/team');
-      const level = new Map(((trust && trust.records) || []).map((r) => [`${r.scope}/${r.name}`, r.pinned || r.earned]));
+      const trusted = new Map(((trust && trust.records) || []).map((r) => [`${r.scope}/${r.name}`, r]));
+      const level = (name) => { const r = trusted.get(`agent/${name}`); return r ? (r.pinned || r.earned) : ''; };
+      // The last incident, as `flotilla trust show` reports it (a rejection as an incident, a
+      // sensitive action that failed: the trust record's), or the last failure the failure
+      // record counted — whichever is newer.
+      const incident = (m) => {
+        const t = (trusted.get(`agent/${m.name}`) || {}).last_incident;
+        const f = m.failures && m.failures.last_incident;
+        const fromTrust = t ? { at: t.at, text: `${t.reason} (recorded by ${t.by})` } : null;
+        const fromFailures = f ? { at: f.at, text: `${f.kind}: ${f.message} (task ${f.task_id}#${f.attempt} of run ${short(f.run_id)})` } : null;
+        const last = [fromTrust, fromFailures].filter(Boolean).sort((a, b) => Date.parse(b.at) - Date.parse(a.at))[0];
+        return last ? `<span class="mono">${time(last.at)}</span> ${esc(last.text)}` : '';
+      };
       set('#team', `<table><tr><th>MEMBER</th><th>STATUS</th><th>ROLES</th><th>TRUST</th><th>WORKERS</th><th>RUNNING</th><th>LAST PROGRESS</th><th>FAILURES (1h / 24h)</th><th>CONSECUTIVE</th><th>LAST INCIDENT</th></tr>
         ${team.members.map((m) => {
           const f = m.failures;
           return `<tr data-member="${esc(m.name)}"><td><b>${esc(m.name)}</b><div class="muted">${esc((m.card && m.card.description) || '')}</div></td>
             <td>${status(m.status)}</td><td>${esc((m.card.roles || []).join(', '))}</td>
-            <td>${esc(level.get(`agent/${m.name}`) || '-')}</td><td>${(m.workers || []).length}</td><td>${(m.tasks || []).length}</td>
+            <td>${esc(level(m.name) || '-')}</td><td>${(m.workers || []).length}</td><td>${(m.tasks || []).length}</td>
             <td>${time(m.last_progress)}</td>
             <td>${f ? `${f.last_hour.failed} / ${f.last_day.failed}` : '-'}</td><td>${f ? f.consecutive_failures : '-'}</td>
-            <td class="muted">${f && f.last_incident ? esc(f.last_incident.message || JSON.stringify(f.last_incident)) : ''}</td></tr>`;
+            <td class="muted wrap incident">${incident(m)}</td></tr>`;
         }).join('')}</table>
         ${(team.teammates || []).length ? `<h2>Teammates</h2><table><tr><th>NAME</th><th>TEAM</th><th>STATUS</th><th>ROLE</th></tr>${team.teammates.map((t) => `<tr><td>${esc(t.name)}</td><td>${esc(t.team)}</td><td>${status(t.status)}</td><td>${esc(t.role)}</td></tr>`).join('')}</table>` : ''}`);
     } catch (e) { set('#team', `<p class="muted">${esc(e.message)}</p>`); }
@@ -956,6 +1213,10 @@ async function start() {
     main().innerHTML = `<div class="card"><h1>Sign in</h1><p>${esc(e.message)}</p></div>`;
     return;
   }
+  try {
+    const p = await api('/api/runs?limit=0');
+    if (p.short_len) shortLen = p.short_len;
+  } catch { /* the runs page reads it again */ }
   window.addEventListener('hashchange', route);
   // The inbox badge follows notices on every page.
   const badge = async () => {

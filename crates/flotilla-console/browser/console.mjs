@@ -6,14 +6,22 @@
 // approve (the button is off and the API refuses); the operator's approval in the page
 // resumes the run. A second run (SUBMIT2): "always" refused for an action, a takeover for a
 // chosen time, a plan edit refused then saved, both tasks completed by hand. A third
-// (SUBMIT3): rejected as an incident.
-// Lines: SUBMIT, SUBMIT2, SUBMIT3 (the test answers with the run id), CHECK3 (it answers
-// once it has checked the incident).
+// (SUBMIT3): rejected as an incident. A fourth (SUBMIT4): a task a worker runs for long reads
+// `running`, with its worker and the time it has run, and is cancelled.
+// What a person reads is checked as text in the page: a run waiting for an approval reads
+// `waiting` (its page, with what for and how to answer; the runs list), runs are named by
+// plan name and short id, times are ISO (UTC), a click on a task (DAG node, row) opens its
+// panel (input, result, attempts, worker, timings, events), the inbox and the toast name the
+// run and the task, the team's LAST INCIDENT is the trust record's, and no page, asset or
+// favicon answers an error.
+// Lines: SUBMIT, SUBMIT2, SUBMIT3, SUBMIT4 (the test answers with the run id), CHECK3 (it
+// answers once it has checked the incident).
 // Writes docs/screenshots/console-*.png.
 
 import { launch, check } from './common.mjs';
 import { createInterface } from 'node:readline';
 import { join } from 'node:path';
+import { tmpdir } from 'node:os';
 
 const url = process.env.CONSOLE_URL;
 const shots = process.env.SCREENSHOTS;
@@ -23,10 +31,24 @@ const nextLine = () => new Promise((resolve) => input.once('line', resolve));
 
 const browser = await launch();
 const errors = [];
+// Answers of 400 and more to anything but the API (whose refusals the test provokes): the
+// page, its assets, the favicon a browser asks for.
+const failed = [];
+const icons = [];
+const pages = [];
 async function signIn(token) {
   const ctx = await browser.newContext({ viewport: { width: 1440, height: 900 } });
   const page = await ctx.newPage();
+  pages.push(page);
   page.on('pageerror', (e) => errors.push(String(e)));
+  page.on('response', (r) => {
+    const path = new URL(r.url()).pathname;
+    if (path.startsWith('/favicon')) icons.push(`${path} ${r.status()}`);
+    if (r.status() >= 400 && !path.startsWith('/api/')) failed.push(`${r.status()} ${r.url()}`);
+  });
+  page.on('requestfailed', (r) => {
+    if (!new URL(r.url()).pathname.startsWith('/api/')) failed.push(`failed ${r.url()}`);
+  });
   page.setDefaultTimeout(30000);
   await page.goto(`${url}/?token=${token}`);
   await page.waitForSelector('body[data-ready="1"]');
@@ -46,6 +68,10 @@ async function until(page, fn, arg, timeout = 30000) {
 }
 
 // What a person sees of a run: its status, the DAG's task states, the tree, the events.
+// A run's short id: its last hex digits (8 unless two runs shown share them).
+const shortOf = (id) => id.replace(/-/g, '').slice(-8);
+const ISO = /^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$/;
+
 const seen = (page) => page.evaluate(() => ({
   status: document.querySelector('#run-title [data-status]')?.dataset.status,
   tasks: [...document.querySelectorAll('#dag g[data-task]')].map((g) => `${g.dataset.task}:${g.dataset.state}`).join(','),
@@ -76,11 +102,49 @@ try {
   await until(alice, () => document.querySelectorAll('#tree .node').length >= 3);
   check(true, 'the tree (with the workflow\'s child runs) and the DAG filled live');
   await alice.waitForSelector('#run-inbox .approval[data-approval]');
+  // A run waiting for a person reads `waiting`, says what for and how to answer it.
+  await alice.waitForSelector('#run-title [data-status="waiting"]');
+  const title = await alice.textContent('#run-title');
+  check(title.includes('quarterly-report') && title.includes(shortOf(run)), `the run is named by its plan and short id: ${title}`);
+  check(title.includes('(the run is running)'), 'the header reads waiting, the run\'s own status beside it');
+  const wait = await alice.textContent('#run-waits .wait[data-wait-kind="approval"][data-task="publish"]');
+  check(wait.includes('approve, reject or edit its input in the request below') && /flotilla approvals approve [0-9a-f-]{36} \S+ \(or reject\)/.test(wait),
+    `the wait says what it waits for and how to answer, here or with the CLI: ${wait.trim()}`);
+  // The timeline: draft ran and succeeded, publish waits for a person.
+  await alice.waitForSelector('#timeline g[data-task="draft"] rect.a-succeeded');
+  await alice.waitForSelector('#timeline g[data-task="publish"] rect.w');
+  check(true, 'the timeline has each task\'s attempts and the wait for a person');
+  // A click on a task (its DAG node) opens its panel: input, result, attempts, worker,
+  // timings, events; the panel is in the URL.
+  await alice.click('#dag g[data-task="draft"]');
+  await alice.waitForSelector('#task-panel[data-task="draft"] #task-result');
+  const draft = await alice.textContent('#task-panel');
+  check((await alice.textContent('#task-result')).includes('draft done'), 'the panel has the task\'s result');
+  check(draft.includes('write the report'), 'the panel has what the plan asked');
+  check((await alice.textContent('#task-facts [data-worker]')).trim().length > 0, 'the panel names the worker');
+  check(await alice.isVisible('#task-attempts') && /succeeded/.test(await alice.textContent('#task-attempts')), 'the panel lists the attempts');
+  const times = await alice.$$eval('#task-facts .mono', (els) => els.map((e) => e.textContent.trim()).filter((t) => t.includes('T')));
+  check(times.length >= 3 && times.every((t) => ISO.test(t)), `queued, started and ended, in ISO (UTC): ${times}`);
+  const taskEvents = await alice.textContent('#task-events');
+  check(/task_started draft on \S+/.test(taskEvents) && /task_succeeded draft/.test(taskEvents), `the panel has the task's events: ${taskEvents}`);
+  check((await alice.evaluate(() => location.hash)).includes('task=draft'), 'the open panel is in the URL');
+  await shot(alice, 'task');
+  await alice.click('#task-close');
+  await alice.waitForSelector('#task-panel', { state: 'hidden' });
+  // … and a click on its row in the tasks table.
+  await alice.click('#tasks [data-task="research"] .mono');
+  await alice.waitForSelector('#task-panel[data-task="research"] #task-result');
+  check((await alice.textContent('#task-panel')).includes('Gather the quarter\'s figures.') && (await alice.textContent('#task-result')).includes('Revenue was 1250'),
+    'a click on a task\'s row opens its panel');
+  await alice.click('#task-close');
+  await alice.waitForSelector('#task-panel', { state: 'hidden' });
+  check(!(await alice.evaluate(() => location.hash)).includes('task='), 'closing the panel leaves the URL');
   await until(alice, () => parseInt(document.querySelector('#events-state').textContent, 10) > 0);
   // The analyst's tool call (with its arguments) and its streamed reply, in full once final.
   const lines = () => alice.evaluate(() => [...document.querySelectorAll('#events .ev span')].map((e) => e.title).join('\n'));
   await until(alice, () => [...document.querySelectorAll('#events .ev span')].some((e) => e.title.includes('says: Revenue was 1250 this quarter')));
   const text = await lines();
+  check(text.split('\n').every((l) => /^\d\d:\d\d:\d\d\.\d{3}Z /.test(l)), 'event lines carry ISO times (UTC)');
   check(text.includes('→ workspace_write {"entry":{"revenue":1250},"topic":"figures"}') || text.includes('→ workspace_write {"topic":"figures","entry":{"revenue":1250}}'), 'the tool call shows with its arguments');
   check(/← workspace_write ok in \d+ ms/.test(text), `the tool call shows its duration:\n${text}`);
   check(text.includes('says: Revenue was 1250 this quarter, up 6.7% on the last one.'), 'the model reply is shown in full');
@@ -136,6 +200,13 @@ try {
   // A viewer sees the request but cannot approve it: the buttons are off and the API refuses.
   const bob = await signIn(process.env.BOB_TOKEN);
   check((await bob.textContent('#me')).includes('bob · viewer'), 'bob is signed in as a viewer');
+  // The runs list: the run reads `waiting`, named by plan and short id, started in ISO.
+  const listed = `#runs .vrow:has(a[href="#/run/${run}"])`;
+  await bob.waitForSelector(`${listed} [data-status="waiting"]`);
+  const rowText = await bob.textContent(`${listed} .c-run`);
+  check(rowText.includes('quarterly-report') && rowText.includes(shortOf(run)) && !rowText.includes(run), `the list names the run by plan and short id: ${rowText.trim()}`);
+  check(ISO.test((await bob.textContent(`${listed} .c-started`)).trim()), 'the list\'s start time is ISO (UTC)');
+  check(true, 'the runs list reads waiting for the run waiting for an approval');
   await bob.goto(`${url}/#/inbox`);
   const card = await bob.waitForSelector('#inbox .approval');
   const approval = await card.getAttribute('data-approval');
@@ -155,11 +226,15 @@ try {
   // The operator approves in the inbox; the run resumes and succeeds.
   await alice.goto(`${url}/#/inbox`);
   await alice.waitForSelector(`#inbox .approval[data-approval="${approval}"]`);
+  const cardText = await alice.textContent(`#inbox .approval[data-approval="${approval}"] div`);
+  check(cardText.includes(`task publish of run quarterly-report · ${shortOf(run)}`), `the inbox card names the task and the run: ${cardText.trim().slice(0, 160)}`);
   await shot(alice, 'inbox');
   await alice.fill(`#inbox .approval[data-approval="${approval}"] input.comment`, 'checked in the console');
   await alice.click(`#inbox .approval[data-approval="${approval}"] button[data-decision="approve"]`);
   await alice.waitForSelector('#inbox-empty');
   check(true, 'the approval left the inbox');
+  const said = await alice.textContent('#toast');
+  check(said.includes(`approved task publish of run quarterly-report · ${shortOf(run)}, by alice`), `the toast names the task and the run: ${said}`);
   await alice.goto(`${url}/#/run/${run}`);
   await alice.waitForSelector('#run-title [data-status="succeeded"]', { timeout: 60000 });
   await alice.waitForSelector('#dag g[data-task="announce"][data-state="succeeded"]');
@@ -171,7 +246,7 @@ try {
   // Children flattened into the stream: the workflow's child runs' events, attributed.
   await alice.selectOption('#children', 'flatten');
   await until(alice, () => location.hash.includes('children=flatten'));
-  await until(alice, () => [...document.querySelectorAll('#events .ev span')].some((e) => /\[(writer|checker)·[0-9a-f]{8}\]/.test(e.title)));
+  await until(alice, () => [...document.querySelectorAll('#events .ev span')].some((e) => /\[(writer|checker)·[0-9a-f]{8,}\]/.test(e.title)));
   check(true, 'children=flatten shows the child runs\' events, attributed to their agents');
 
   // A second run, in a session: `always` is refused for an action (it approves a tool for
@@ -188,7 +263,8 @@ try {
   check(await card2.isVisible(), '"always" on an action is refused and the request still waits');
   await alice.fill('#hold-min', '5');
   await alice.click('[data-action="takeover"]');
-  await alice.waitForSelector('#run-title [data-status="human_control"]');
+  await alice.waitForSelector('#run-title[data-run-status="human_control"] [data-status="waiting"]');
+  check((await alice.textContent('#run-waits')).includes('takeover'), 'a run taken over reads waiting, for its takeover');
   await alice.waitForSelector('[data-action="edit"]:not([hidden])');
   check(true, 'the run is taken over and its plan can be edited');
   await alice.click('[data-action="edit"]');
@@ -224,12 +300,49 @@ try {
   console.log('CHECK3');
   await nextLine();
 
+  // A fourth run: a task a worker runs for long reads `running`, with its worker and the
+  // time it has run (in the tasks, the DAG and its panel); then it is cancelled.
+  console.log('SUBMIT4');
+  const run4 = (await nextLine()).trim();
+  await alice.goto(`${url}/#/run/${run4}`);
+  await alice.waitForSelector('#dag g[data-task="crunch"][data-state="running"]');
+  await alice.waitForSelector('#run-title [data-status="running"]');
+  const ran = async () => {
+    const t = await alice.textContent('#tasks [data-task="crunch"]');
+    const m = /on (\S+) for ([\d.]+) s/.exec(t);
+    return m ? [m[1], parseFloat(m[2]), t] : [null, 0, t];
+  };
+  const [worker, first, row4] = await ran();
+  check(worker && (await alice.textContent('#tasks [data-task="crunch"] [data-status]')) === 'running', `the task reads running on its worker: ${row4}`);
+  await until(alice, () => /running · [\d.]+ s/.test(document.querySelector('#dag g[data-task="crunch"]').textContent));
+  await alice.waitForTimeout(2500);
+  const [, later] = await ran();
+  check(later > first, `the time it has run goes on (${first} s, then ${later} s)`);
+  await alice.click('#dag g[data-task="crunch"]');
+  await alice.waitForSelector('#task-panel[data-task="crunch"] #task-attempts');
+  check((await alice.textContent('#task-facts [data-worker]')).trim() === worker && /running/.test(await alice.textContent('#task-attempts')),
+    'its panel names the worker and the running attempt');
+  await alice.waitForSelector('#timeline g[data-task="crunch"] rect.a-running');
+  await shot(alice, 'running');
+  await alice.click('#task-close');
+  alice.once('dialog', (d) => d.accept());
+  await alice.click('[data-action="cancel"]');
+  await alice.waitForSelector('#run-title [data-status="cancelled"]', { timeout: 60000 });
+  check(true, 'the long task is cancelled');
+
   // The runs list again: the run succeeded, with its agent.
   await alice.goto(`${url}/#/runs`);
   await alice.waitForSelector(`#runs a[href="#/run/${run}"]`);
   await alice.waitForSelector('#runs [data-status="succeeded"]');
   // Its tokens come from the run's usage events (read for the rows in view).
-  await until(alice, () => document.querySelector('#runs .vrow span:nth-child(8)')?.textContent.trim() !== '');
+  await until(alice, () => [...document.querySelectorAll('#runs .vrow .c-tokens')].some((c) => c.textContent.trim() !== ''));
+  await until(alice, () => [...document.querySelectorAll('#runs .vrow .c-agent')].some((c) => c.textContent.trim() !== ''));
+  // A column is shown when some run has a value in it: the agents and tokens are; no run
+  // here has labels or a cost, so those columns are not shown.
+  const heads = await alice.$$eval('#runs-head span', (s) => s.filter((x) => x.offsetParent !== null).map((x) => x.dataset.col));
+  check(heads.includes('agent') && heads.includes('tokens') && !heads.includes('labels') && !heads.includes('cost'), `the columns shown are the filled ones: ${heads}`);
+  const agents = await alice.textContent(`#runs .vrow:has(a[href="#/run/${run}"]) .c-agent`);
+  check(agents.includes('analyst') && agents.includes('survey'), `a run of several tasks lists its agents: ${agents}`);
   await shot(alice, 'runs');
 
   // The team and the workers.
@@ -239,6 +352,9 @@ try {
   const present = await alice.waitForSelector('#team tr[data-member="writer"] [data-status="idle"]', { timeout: 15000 })
     .then(() => true, () => false);
   console.log(present ? 'ok: the writer is idle on the roster' : 'note: the roster still says the writer is offline');
+  // LAST INCIDENT: the rejection recorded as an incident, as `flotilla trust show` reports it.
+  await until(alice, () => /rejected by alice as an incident/.test(document.querySelector('#team tr[data-member="writer"] .incident')?.textContent || ''));
+  check(ISO.test((await alice.textContent('#team tr[data-member="writer"] .incident .mono')).trim()), `the team's last incident is the writer's trust incident: ${(await alice.textContent('#team tr[data-member="writer"] .incident')).trim()}`);
   await shot(alice, 'team');
   await alice.goto(`${url}/#/workers`);
   await alice.waitForSelector('#workers tr.worker');
@@ -246,12 +362,19 @@ try {
   await shot(alice, 'workers');
 
   check(errors.length === 0, `no script errors in the page ${errors.join('; ')}`);
+  // The favicon answers (whether or not headless Chromium asked for it on its own).
+  const icon = await alice.evaluate(async () => [(await fetch('/favicon.ico')).status, (await fetch('/favicon.svg')).status]);
+  check(icon[0] === 200 && icon[1] === 200, `the favicon answers (${icon}; asked by the browser: ${icons.join(', ') || 'none'})`);
+  check(failed.length === 0, `no page, asset or favicon answered an error: ${failed.join('; ')}`);
   await browser.close();
   input.close();
   process.exit(0);
 } catch (e) {
   console.log(`FAILED: ${e.stack || e}`);
   if (errors.length) console.log(`page errors: ${errors.join('; ')}`);
+  // What the operator's page showed when it failed (not a documentation screenshot).
+  const at = join(tmpdir(), 'flotilla-console-failure.png');
+  if (pages[0]) await pages[0].screenshot({ path: at }).then(() => console.log(`the page when it failed: ${at}`), () => {});
   await browser.close();
   process.exit(1);
 }

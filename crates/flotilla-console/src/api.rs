@@ -13,6 +13,7 @@ use axum::Json;
 use axum::extract::{Path, Query, State};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
+use flotilla_client::progress::{self, Progress};
 use flotilla_client::{Client, ClientError, ClientErrorKind, WatchOptions};
 use flotilla_model::RunId;
 use flotilla_model::api::{ApiRequest, CancelRunRequest};
@@ -23,8 +24,10 @@ use flotilla_model::approval::{
 use flotilla_model::control::{
     CompleteTaskRequest, EditPlanRequest, PauseRunRequest, ResumeRunRequest, TakeoverRunRequest,
 };
+use flotilla_model::event::EventEnvelope;
 use flotilla_model::ids::{SessionId, TaskId};
 use flotilla_model::plan::Plan;
+use flotilla_model::run::RunView;
 use flotilla_model::subjects::StreamKind;
 use flotilla_model::team::TeamListRequest;
 use flotilla_model::time::Timestamp;
@@ -39,6 +42,7 @@ use tracing::info;
 
 use crate::auth::{self, Identity, Refusal};
 use crate::index::{Change, Filter, RunIndex};
+use crate::monitor;
 use crate::options::ConsoleOptions;
 
 /// How long an API request to a coordinator or supervisor may take.
@@ -106,6 +110,27 @@ fn store_error(e: &flotilla_runs::StoreError) -> Response {
 }
 
 impl AppState {
+    /// What `view`'s run waits for and which of its tasks run where — the
+    /// [`Client::progress`] of `flotilla runs show` — with the run's events it read (for the
+    /// timeline). Without a coordinator to list approvals, the waits are the run's holds.
+    async fn progress(&self, view: &RunView) -> (Progress, Vec<EventEnvelope>) {
+        let run = view.record.handle.run_id;
+        let events = self.client.events_so_far(run).await.unwrap_or_default();
+        if view.record.status.is_terminal() {
+            return (Progress::default(), events);
+        }
+        let pending = self
+            .client
+            .pending_approvals(Some(run))
+            .await
+            .unwrap_or_default();
+        let progress = Progress {
+            waiting: progress::waits(&view.record, &pending),
+            running: progress::activity(&view.tasks, &events),
+        };
+        (progress, events)
+    }
+
     fn who(&self, headers: &HeaderMap) -> Result<Identity, Refusal> {
         auth::identify(&self.opts, headers)
     }
@@ -279,7 +304,105 @@ pub(crate) async fn run(
     };
     // The plan (task dependencies) for the DAG; a run still being planned has none yet.
     let plan = s.store.plan(run).await.ok().flatten();
-    Json(json!({"view": view, "plan": plan})).into_response()
+    let (progress, events) = s.progress(&view).await;
+    let mut timeline = monitor::timeline(&view, &events);
+    monitor::settle(&mut timeline, &view);
+    // What a person reads (the labels `flotilla runs show` prints): `waiting` for a run some
+    // person must act on, `running` for a task a worker started.
+    let label = progress::run_label(view.record.status, &progress.waiting);
+    let task_labels: serde_json::Map<String, serde_json::Value> = view
+        .tasks
+        .iter()
+        .map(|t| {
+            (
+                t.task_id.as_str().to_owned(),
+                progress::task_label(t, &progress).into(),
+            )
+        })
+        .collect();
+    Json(json!({
+        "view": view,
+        "plan": plan,
+        "label": label,
+        "progress": progress,
+        "task_labels": task_labels,
+        "timeline": timeline,
+    }))
+    .into_response()
+}
+
+/// Most of a task's events one answer of `/api/runs/{run}/tasks/{task}` carries (its last).
+const TASK_EVENTS: usize = 300;
+
+/// One task as its panel shows it: the task's state, what the plan asked (input), its
+/// result, attempts, worker and timings, what it waits for, and its events.
+pub(crate) async fn task(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path((run, task)): Path<(RunId, String)>,
+) -> Response {
+    who!(s.who(&headers));
+    let view = match s.store.view(run, 0, usize::MAX).await {
+        Ok(Some(v)) => v,
+        Ok(None) => {
+            return error(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                format!("run {run} does not exist"),
+            );
+        }
+        Err(e) => return store_error(&e),
+    };
+    let Some(at) = view.tasks.iter().position(|t| t.task_id.as_str() == task) else {
+        return error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("run {run} has no task {task:?}"),
+        );
+    };
+    let plan = match &view.plan {
+        Some(p) => Some(p.clone()),
+        None => s.store.plan(run).await.ok().flatten(),
+    };
+    let subtask = plan.and_then(|p| p.subtasks.into_iter().find(|t| t.id.as_str() == task));
+    // The result the run kept (a worker's, or a person's), by its run-log sequence.
+    let result = match s.store.state(run).await {
+        Ok(Some(state)) => match state.tasks.get(at).map(|t| t.result_seq) {
+            Some(seq) if seq > 0 => s.store.result_at(seq).await.ok(),
+            _ => None,
+        },
+        _ => None,
+    };
+    let (progress, events) = s.progress(&view).await;
+    let t = &view.tasks[at];
+    let label = progress::task_label(t, &progress);
+    let activity = progress.running.get(&t.task_id).cloned();
+    let waits: Vec<_> = progress.waits_of(&t.task_id).cloned().collect();
+    let mut timeline = monitor::timeline(&view, &events);
+    monitor::settle(&mut timeline, &view);
+    let line = timeline.tasks.into_iter().nth(at);
+    let mine: Vec<_> = events
+        .into_iter()
+        .filter(|e| e.task_id.as_ref().is_some_and(|id| id.as_str() == task))
+        .collect();
+    let total = mine.len();
+    let events: Vec<_> = mine
+        .into_iter()
+        .skip(total.saturating_sub(TASK_EVENTS))
+        .collect();
+    Json(json!({
+        "run_id": run,
+        "task": t,
+        "label": label,
+        "subtask": subtask,
+        "result": result,
+        "activity": activity,
+        "waiting": waits,
+        "timeline": line,
+        "events": events,
+        "events_total": total,
+    }))
+    .into_response()
 }
 
 pub(crate) async fn tree(
@@ -473,21 +596,49 @@ pub(crate) async fn summaries(
                     .ok()
                     .flatten()
                     .map(|t| t.root);
-                (run, node)
+                // A run of several tasks has no one agent: the agents its plan names.
+                let agents = match &node {
+                    Some(n) if n.agent.is_none() => plan_agents(&store, run).await,
+                    _ => Vec::new(),
+                };
+                (run, node, agents)
             }
         })
         .buffer_unordered(8)
-        .filter_map(|(run, node)| async move {
+        .filter_map(|(run, node, agents)| async move {
             node.map(|n| {
+                let agent = n.agent.clone().or_else(|| {
+                    (!agents.is_empty()).then(|| agents.join(", "))
+                });
                 (
                     run.to_string(),
-                    json!({"agent": n.agent, "usage": n.usage, "children": n.children.len()}),
+                    json!({"agent": agent, "agents": agents, "usage": n.usage, "children": n.children.len()}),
                 )
             })
         })
         .collect()
         .await;
     Json(out).into_response()
+}
+
+/// The agents `run`'s plan names, in plan order, each once; a task without one runs the
+/// deployment's default agent (`default`), or a member of its role (the role's name).
+async fn plan_agents(store: &flotilla_runs::RunReader, run: RunId) -> Vec<String> {
+    let Ok(Some(plan)) = store.plan(run).await else {
+        return Vec::new();
+    };
+    let mut out: Vec<String> = Vec::new();
+    for t in &plan.subtasks {
+        let who = match (&t.agent, &t.role) {
+            (Some(a), _) => a.clone(),
+            (None, Some(r)) => format!("role {r}"),
+            (None, None) => "default".to_owned(),
+        };
+        if !out.contains(&who) {
+            out.push(who);
+        }
+    }
+    out
 }
 
 pub(crate) async fn session(
@@ -691,13 +842,31 @@ pub(crate) async fn inbox(
     Query(q): Query<InboxQuery>,
 ) -> Response {
     who!(s.who(&headers));
-    s.call(&ApprovalListRequest {
+    let request = ApprovalListRequest {
         protocol: flotilla_model::PROTOCOL_VERSION,
         run_id: q.run,
         all: matches!(q.all.as_deref(), Some("1" | "true")),
         limit: None,
-    })
-    .await
+    };
+    match s.client.call(&request, API_TIMEOUT).await {
+        // Each request's run by its plan name, as the cards name it.
+        Ok(Ok(list)) => {
+            let names = s
+                .index
+                .names(list.approvals.iter().map(|a| a.request.run_id));
+            let mut v = serde_json::to_value(&list).unwrap_or_default();
+            if let Some(o) = v.as_object_mut() {
+                o.insert("names".into(), json!(names));
+            }
+            Json(v).into_response()
+        }
+        Ok(Err(refusal)) => (
+            StatusCode::from_u16(refusal.status).unwrap_or(StatusCode::BAD_REQUEST),
+            Json(refusal),
+        )
+            .into_response(),
+        Err(e) => client_error(&e),
+    }
 }
 
 /// A ping each time a notice says the inbox changed.

@@ -8,14 +8,18 @@
 //! ```
 //!
 //! A record is the same [`record_of`] projection `flotilla runs list` prints; nothing here
-//! interprets a run differently.
+//! interprets a run differently. Next to the records it keeps the pending approvals (re-read
+//! on every notice), so each row says what a person reads — `waiting` for a live run some
+//! person must act on, as `flotilla runs list` says it ([`progress::run_label`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use async_nats::jetstream::kv;
+use flotilla_client::progress::{self, Wait};
 use flotilla_model::RunId;
+use flotilla_model::approval::ApprovalRecord;
 use flotilla_model::ids::SessionId;
 use flotilla_model::run::{RunRecord, RunStatus};
 use flotilla_runs::{RunReader, Snapshot, record_of};
@@ -30,14 +34,39 @@ const CHANGES: usize = 4096;
 /// Most runs one page of the list answers.
 pub(crate) const MAX_PAGE: usize = 1000;
 
+/// A run as the list shows it: its record, and what a person reads of it.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Row {
+    /// The record.
+    #[serde(flatten)]
+    pub(crate) record: RunRecord,
+    /// `waiting` for a live run some person must act on (a pending approval, a question, a
+    /// client tool, a pause, a takeover), else the record's status.
+    pub(crate) label: &'static str,
+    /// What it waits for, with the command that answers each.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub(crate) waiting: Vec<Wait>,
+}
+
+impl Row {
+    fn of(record: &RunRecord, pending: Option<&Vec<ApprovalRecord>>) -> Self {
+        let waiting = progress::waits(record, pending.map_or(&[][..], Vec::as_slice));
+        Self {
+            label: progress::run_label(record.status, &waiting),
+            record: record.clone(),
+            waiting,
+        }
+    }
+}
+
 /// A change of the runs list.
 #[derive(Debug, Clone, Serialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub(crate) enum Change {
-    /// A run's record is new or changed.
+    /// A run's record is new or changed, or what it waits for changed.
     Put {
-        /// The record.
-        record: Box<RunRecord>,
+        /// The row.
+        record: Box<Row>,
     },
     /// A run's record was removed.
     Removed {
@@ -49,6 +78,8 @@ pub(crate) enum Change {
 #[derive(Debug, Default)]
 struct Inner {
     records: HashMap<RunId, RunRecord>,
+    /// Pending approvals, by run.
+    pending: HashMap<RunId, Vec<ApprovalRecord>>,
     /// The initial catch-up is done.
     loaded: bool,
 }
@@ -63,7 +94,8 @@ pub(crate) struct RunIndex {
 /// Which runs a page of the list shows.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Filter {
-    /// Comma-separated statuses (`running,failed`).
+    /// Comma-separated statuses (`running,failed`), each a record's status or what a person
+    /// reads (`waiting`).
     pub(crate) status: Option<String>,
     /// `key=value` (or just `key`) of a label.
     pub(crate) label: Option<String>,
@@ -76,12 +108,14 @@ pub(crate) struct Filter {
 }
 
 impl Filter {
-    pub(crate) fn matches(&self, r: &RunRecord) -> bool {
+    pub(crate) fn matches(&self, r: &RunRecord, label: &str) -> bool {
         if !self.children && r.handle.parent_run_id.is_some() {
             return false;
         }
         if let Some(s) = self.status.as_deref().filter(|s| !s.is_empty())
-            && !s.split(',').any(|s| s.trim() == r.status.as_str())
+            && !s
+                .split(',')
+                .any(|s| s.trim() == r.status.as_str() || s.trim() == label)
         {
             return false;
         }
@@ -118,9 +152,13 @@ pub(crate) struct Page {
     /// The first run's position.
     pub(crate) offset: usize,
     /// The runs, newest first.
-    pub(crate) runs: Vec<RunRecord>,
-    /// Runs by status over the whole list (before the filter).
+    pub(crate) runs: Vec<Row>,
+    /// Runs by what a person reads (`waiting`, else the status) over the whole list (before
+    /// the filter).
     pub(crate) counts: HashMap<&'static str, usize>,
+    /// How many trailing hex digits of a run id tell every run known apart (at least 8):
+    /// the short id the pages show.
+    pub(crate) short_len: usize,
     /// Still reading the bucket: more runs may appear.
     pub(crate) loading: bool,
 }
@@ -189,12 +227,77 @@ impl RunIndex {
     }
 
     pub(crate) fn put(&self, record: RunRecord) {
-        if let Ok(mut inner) = self.inner.write() {
-            inner.records.insert(record.handle.run_id, record.clone());
-        }
+        let row = match self.inner.write() {
+            Ok(mut inner) => {
+                let row = Row::of(&record, inner.pending.get(&record.handle.run_id));
+                inner.records.insert(record.handle.run_id, record);
+                row
+            }
+            Err(_) => Row::of(&record, None),
+        };
         let _ = self.changes.send(Change::Put {
-            record: Box::new(record),
+            record: Box::new(row),
         });
+    }
+
+    /// The approvals pending now (every run's): the rows whose waits changed are sent again.
+    pub(crate) fn set_pending(&self, approvals: Vec<ApprovalRecord>) {
+        let mut pending: HashMap<RunId, Vec<ApprovalRecord>> = HashMap::new();
+        for a in approvals {
+            pending.entry(a.request.run_id).or_default().push(a);
+        }
+        let ids = |m: &HashMap<RunId, Vec<ApprovalRecord>>, run: &RunId| -> Vec<String> {
+            m.get(run).map_or_else(Vec::new, |v| {
+                v.iter().map(|a| a.request.approval_id.clone()).collect()
+            })
+        };
+        let changed: Vec<Row> = match self.inner.write() {
+            Ok(mut inner) => {
+                let runs: std::collections::HashSet<RunId> = inner
+                    .pending
+                    .keys()
+                    .chain(pending.keys())
+                    .copied()
+                    .collect();
+                let changed: Vec<RunId> = runs
+                    .into_iter()
+                    .filter(|r| ids(&inner.pending, r) != ids(&pending, r))
+                    .collect();
+                inner.pending = pending;
+                changed
+                    .iter()
+                    .filter_map(|r| {
+                        inner
+                            .records
+                            .get(r)
+                            .map(|rec| Row::of(rec, inner.pending.get(r)))
+                    })
+                    .collect()
+            }
+            Err(_) => Vec::new(),
+        };
+        for row in changed {
+            let _ = self.changes.send(Change::Put {
+                record: Box::new(row),
+            });
+        }
+    }
+
+    /// The plan name of each of `runs` that has one.
+    pub(crate) fn names(&self, runs: impl Iterator<Item = RunId>) -> HashMap<RunId, String> {
+        self.inner.read().map_or_else(
+            |_| HashMap::new(),
+            |inner| {
+                runs.filter_map(|r| {
+                    inner
+                        .records
+                        .get(&r)
+                        .and_then(|rec| rec.name.clone())
+                        .map(|n| (r, n))
+                })
+                .collect()
+            },
+        )
     }
 
     fn remove(&self, run: RunId) {
@@ -217,16 +320,25 @@ impl RunIndex {
                 offset,
                 runs: Vec::new(),
                 counts: HashMap::new(),
+                short_len: crate::monitor::MIN_SHORT,
                 loading: true,
             };
         };
         let mut counts: HashMap<&'static str, usize> = HashMap::new();
         let mut matching: Vec<&RunRecord> = Vec::new();
         for r in inner.records.values() {
+            let waits = progress::waits(
+                r,
+                inner
+                    .pending
+                    .get(&r.handle.run_id)
+                    .map_or(&[][..], Vec::as_slice),
+            );
+            let label = progress::run_label(r.status, &waits);
             if r.handle.parent_run_id.is_none() || filter.children {
-                *counts.entry(r.status.as_str()).or_default() += 1;
+                *counts.entry(label).or_default() += 1;
             }
-            if filter.matches(r) {
+            if filter.matches(r, label) {
                 matching.push(r);
             }
         }
@@ -241,13 +353,14 @@ impl RunIndex {
             .into_iter()
             .skip(offset)
             .take(limit.min(MAX_PAGE))
-            .cloned()
+            .map(|r| Row::of(r, inner.pending.get(&r.handle.run_id)))
             .collect();
         Page {
             total,
             offset,
             runs,
             counts,
+            short_len: crate::monitor::short_len(inner.records.keys()),
             loading: !inner.loaded,
         }
     }

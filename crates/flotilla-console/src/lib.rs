@@ -25,6 +25,7 @@
 mod api;
 mod auth;
 mod index;
+mod monitor;
 mod options;
 
 use std::collections::{HashMap, VecDeque};
@@ -82,10 +83,17 @@ impl ConsoleError {
     }
 }
 
+/// How often the pending approvals are read again without a notice.
+const PENDING_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+/// How long a notice waits for the rest of its burst before the approvals are read.
+const PENDING_SETTLE: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// The embedded page.
 const INDEX_HTML: &str = include_str!("../assets/index.html");
 const APP_JS: &str = include_str!("../assets/app.js");
 const APP_CSS: &str = include_str!("../assets/app.css");
+/// The icon browsers ask for (`/favicon.ico`, `/favicon.svg`).
+const FAVICON_SVG: &str = include_str!("../assets/favicon.svg");
 
 /// A bound console, ready to serve.
 #[derive(Debug)]
@@ -134,6 +142,28 @@ impl Console {
                         Some(_) => { let _ = tx.send(()); }
                         None => return,
                     },
+                }
+            }
+        });
+        // The pending approvals behind the runs list's `waiting`: read at start, after each
+        // notice (approvals, questions and client tools each publish one) and every few
+        // seconds (a deadline's default, an answer another console or the CLI gave).
+        let client = Client::new(bus.clone());
+        let (pending_index, stop, mut notified) =
+            (index.clone(), stop_index.clone(), notices.subscribe());
+        tokio::spawn(async move {
+            loop {
+                if let Ok(p) = client.pending_approvals(None).await {
+                    pending_index.set_pending(p);
+                }
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = notified.recv() => {
+                        // A burst of notices is read once.
+                        tokio::time::sleep(PENDING_SETTLE).await;
+                        while notified.try_recv().is_ok() {}
+                    }
+                    _ = tokio::time::sleep(PENDING_EVERY) => {}
                 }
             }
         });
@@ -193,6 +223,9 @@ fn router(state: AppState) -> Router {
         .route("/", get(page))
         .route("/assets/app.js", get(|| asset(APP_JS, "text/javascript")))
         .route("/assets/app.css", get(|| asset(APP_CSS, "text/css")))
+        // Browsers ask for /favicon.ico whatever the page links: both answer the same icon.
+        .route("/favicon.svg", get(|| asset(FAVICON_SVG, "image/svg+xml")))
+        .route("/favicon.ico", get(|| asset(FAVICON_SVG, "image/svg+xml")))
         .route("/healthz", get(|| async { "ok" }))
         .route("/api/me", get(api::me))
         .route("/api/runs", get(api::runs))
@@ -206,6 +239,7 @@ fn router(state: AppState) -> Router {
         .route("/api/runs/{run}/state", get(api::state_keys))
         .route("/api/runs/{run}/state/{key}", get(api::state))
         .route("/api/runs/{run}/grants", get(api::grants))
+        .route("/api/runs/{run}/tasks/{task}", get(api::task))
         .route("/api/runs/{run}/{action}", post(api::control))
         .route("/api/sessions/{session}", get(api::session))
         .route("/api/inbox", get(api::inbox))

@@ -79,6 +79,15 @@ impl Fixture {
                 ..ScriptedConfig::default()
             }),
         );
+        // A task a worker runs for long (until its run is cancelled): it reads `running`.
+        agents.insert(
+            "slow".to_owned(),
+            AgentDefinition::Scripted(ScriptedConfig {
+                reply: "crunched".into(),
+                delay: Duration::from_secs(300),
+                ..ScriptedConfig::default()
+            }),
+        );
         agents.insert(
             "checker".to_owned(),
             AgentDefinition::Scripted(ScriptedConfig {
@@ -423,6 +432,286 @@ async fn the_api_resumes_a_runs_events_inside_a_message() -> anyhow::Result<()> 
             sse_events(&body),
             all[at + 1..].to_vec(),
             "{path} {headers:?}"
+        );
+    }
+    f.stop().await;
+    Ok(())
+}
+
+/// GETs `path` as bob (a viewer) until `done` holds of its JSON answer; the last answer.
+async fn poll(
+    addr: SocketAddr,
+    path: &str,
+    what: &str,
+    done: impl Fn(&serde_json::Value) -> bool,
+) -> anyhow::Result<serde_json::Value> {
+    let bob = format!("Bearer {BOB}");
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let (code, body) = http(addr, "GET", path, &[("Authorization", &bob)], None).await?;
+        anyhow::ensure!(code == 200, "{path}: {code} {body}");
+        let v: serde_json::Value = serde_json::from_str(&body)?;
+        if done(&v) {
+            return Ok(v);
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "{path}: never {what}: {v:#}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// What a person reads of a run, through the console's API (the labels `flotilla runs show`
+/// prints): on a worker of one slot, of two tasks the one a worker started reads `running`,
+/// with its worker, and the other `dispatched` (queued) until the worker takes it; a run
+/// whose task waits for an approval reads `waiting`, with what it waits for and the command
+/// that answers — on its page and in the runs list (`status=waiting` finds it), and the inbox
+/// names its run by plan name. A task's panel has its input, result, worker, attempts and
+/// events; the timeline lays the tasks out in time. Runs' short ids are their last digits;
+/// the favicon answers. Real services; the agents are scripted (deterministic) and take 2 s.
+#[tokio::test]
+async fn the_api_says_what_a_run_waits_for_and_what_runs() -> anyhow::Result<()> {
+    let f = Fixture::start_with(Duration::from_secs(2), 1).await?;
+    let addr = f.console;
+    let mut one = Subtask::new("one", "write the first part").with_agent("writer");
+    one.input = serde_json::json!({"part": 1});
+    let run = f
+        .client
+        .submit(SubmitRequest::new(Plan {
+            name: Some("two-parts".into()),
+            query: None,
+            subtasks: vec![one, Subtask::new("two", "check").with_agent("checker")],
+            config: PlanConfig::default(),
+        }))
+        .await?;
+    let page = format!("/api/runs/{run}");
+    let v = poll(addr, &page, "one task running, one queued", |v| {
+        let l = &v["task_labels"];
+        let running: Vec<_> = ["one", "two"]
+            .into_iter()
+            .filter(|t| l[*t] == "running")
+            .collect();
+        running.len() == 1
+            && ["one", "two"]
+                .iter()
+                .any(|t| l[*t] == "dispatched" && v["progress"]["running"][*t].is_null())
+    })
+    .await?;
+    assert_eq!(v["label"], "running", "{v:#}");
+    let (task, activity) = v["progress"]["running"]
+        .as_object()
+        .and_then(|m| m.iter().next())
+        .expect("a running task");
+    let worker = activity["worker"].as_str().unwrap_or_default().to_owned();
+    assert!(!worker.is_empty(), "{v:#}");
+    assert!(
+        activity["started_at"]
+            .as_str()
+            .is_some_and(|t| t.ends_with('Z'))
+    );
+    // The running task's timeline: queued, then started on that worker, not ended.
+    let line = v["timeline"]["tasks"]
+        .as_array()
+        .and_then(|t| t.iter().find(|l| l["task_id"] == task.as_str()))
+        .expect("a line");
+    assert!(line["queued_at"].is_string(), "{line:#}");
+    assert_eq!(line["attempts"][0]["worker"], worker.as_str(), "{line:#}");
+    assert_eq!(line["attempts"][0]["outcome"], "running", "{line:#}");
+    assert_eq!(f.client.wait(run, WAIT).await?.status, RunStatus::Succeeded);
+
+    // The run ended: its timeline has each attempt from start to end, one after the other
+    // (one slot), and a task's panel has what the plan asked, what came back and its events.
+    let v = poll(addr, &page, "ended", |v| v["label"] == "succeeded").await?;
+    let lines = v["timeline"]["tasks"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let span = |i: usize, at: &str| {
+        lines[i]["attempts"][0][at]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    };
+    assert_eq!(lines.len(), 2, "{v:#}");
+    assert!(
+        lines
+            .iter()
+            .all(|l| l["ended"] == "succeeded" && l["attempts"][0]["outcome"] == "succeeded"),
+        "{v:#}"
+    );
+    let (first, second) = if span(0, "started_at") < span(1, "started_at") {
+        (0, 1)
+    } else {
+        (1, 0)
+    };
+    assert!(
+        span(first, "ended_at") <= span(second, "started_at"),
+        "{v:#}"
+    );
+    let t = poll(
+        addr,
+        &format!("/api/runs/{run}/tasks/one"),
+        "the task",
+        |_| true,
+    )
+    .await?;
+    assert_eq!(t["label"], "succeeded", "{t:#}");
+    assert_eq!(t["subtask"]["description"], "write the first part", "{t:#}");
+    assert_eq!(t["subtask"]["input"]["part"], 1, "{t:#}");
+    assert_eq!(t["result"]["result"]["response"], "one done", "{t:#}");
+    assert!(
+        t["result"]["worker"]
+            .as_str()
+            .is_some_and(|w| !w.is_empty()),
+        "{t:#}"
+    );
+    assert_eq!(t["task"]["attempts"], 1, "{t:#}");
+    assert_eq!(
+        t["timeline"]["attempts"][0]["outcome"], "succeeded",
+        "{t:#}"
+    );
+    let phases: Vec<_> = t["events"]
+        .as_array()
+        .map(|e| {
+            e.iter()
+                .filter_map(|e| e["event"]["phase"].as_str())
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(
+        phases.contains(&"task_started") && phases.contains(&"task_succeeded"),
+        "{t:#}"
+    );
+    let bob = format!("Bearer {BOB}");
+    let (code, body) = http(
+        addr,
+        "GET",
+        &format!("/api/runs/{run}/tasks/nope"),
+        &[("Authorization", &bob)],
+        None,
+    )
+    .await?;
+    assert_eq!((code, body.contains("not_found")), (404, true), "{body}");
+    // The runs list names the agents of a run of several tasks.
+    let sums = poll(
+        addr,
+        &format!("/api/runs/summaries?ids={run}"),
+        "summarised",
+        |v| v[run.to_string()].is_object(),
+    )
+    .await?;
+    assert_eq!(
+        sums[run.to_string()]["agent"],
+        "writer, checker",
+        "{sums:#}"
+    );
+
+    // A run waiting for an approval reads `waiting`, with what for and how to answer.
+    let gated = f.client.submit(gated_in_a_session(false)).await?;
+    let page = format!("/api/runs/{gated}");
+    // (Its record says `running`: to the run machine it is.)
+    let v = poll(addr, &page, "waiting", |v| {
+        v["label"] == "waiting" && v["view"]["record"]["status"] == "running"
+    })
+    .await?;
+    let w = &v["progress"]["waiting"][0];
+    assert_eq!(
+        (w["kind"].as_str(), w["task_id"].as_str()),
+        (Some("approval"), Some("publish")),
+        "{v:#}"
+    );
+    let approval = w["approval_id"].as_str().unwrap_or_default().to_owned();
+    assert_eq!(
+        w["answer"],
+        format!("flotilla approvals approve {gated} {approval} (or reject)"),
+        "{v:#}"
+    );
+    assert_eq!(v["task_labels"]["publish"], "awaiting_approval", "{v:#}");
+    let line = &v["timeline"]["tasks"][0];
+    assert_eq!(
+        (
+            line["waits"][0]["kind"].as_str(),
+            line["waits"][0]["to"].as_str()
+        ),
+        (Some("approval"), None),
+        "{v:#}"
+    );
+    // In the runs list too, and the inbox names the run.
+    let list = poll(addr, "/api/runs?status=waiting", "listed as waiting", |v| {
+        v["runs"]
+            .as_array()
+            .is_some_and(|r| r.iter().any(|r| r["handle"]["run_id"] == gated.to_string()))
+    })
+    .await?;
+    let row = list["runs"]
+        .as_array()
+        .and_then(|r| {
+            r.iter()
+                .find(|r| r["handle"]["run_id"] == gated.to_string())
+        })
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(
+        (row["label"].as_str(), row["status"].as_str()),
+        (Some("waiting"), Some("running")),
+        "{row:#}"
+    );
+    assert_eq!(
+        row["waiting"][0]["approval_id"],
+        approval.as_str(),
+        "{row:#}"
+    );
+    assert!(list["counts"]["waiting"].as_u64() >= Some(1), "{list:#}");
+    let short = list["short_len"].as_u64().unwrap_or_default();
+    assert!(short >= 8, "{list:#}");
+    let inbox = poll(addr, "/api/inbox", "names the run", |v| {
+        v["names"][gated.to_string()] == "by-hand"
+    })
+    .await?;
+    assert_eq!(
+        inbox["approvals"][0]["request"]["task_id"], "publish",
+        "{inbox:#}"
+    );
+    // Answered: the run goes on and ends; the list says so.
+    f.client
+        .request(
+            &flotilla_model::approval::ApprovalAnswerRequest {
+                protocol: flotilla_model::PROTOCOL_VERSION,
+                run_id: gated,
+                approval_id: approval.clone(),
+                decision: flotilla_model::approval::Decision::Approve,
+                by: "alice".into(),
+                comment: None,
+                digest: None,
+                always: false,
+                incident: false,
+            },
+            Duration::from_secs(10),
+        )
+        .await?;
+    let v = poll(addr, &page, "ended", |v| v["label"] == "succeeded").await?;
+    let wait = &v["timeline"]["tasks"][0]["waits"][0];
+    assert!(wait["to"].is_string(), "{v:#}");
+    assert!(
+        wait["what"].as_str().is_some_and(|w| w.contains("alice")),
+        "{v:#}"
+    );
+    poll(addr, "/api/runs", "listed as succeeded", |v| {
+        v["runs"].as_array().is_some_and(|r| {
+            r.iter()
+                .any(|r| r["handle"]["run_id"] == gated.to_string() && r["label"] == "succeeded")
+        })
+    })
+    .await?;
+
+    // The favicon browsers ask for on every page.
+    for path in ["/favicon.ico", "/favicon.svg"] {
+        let (code, body) = http(addr, "GET", path, &[], None).await?;
+        assert_eq!(
+            (code, body.starts_with("<svg")),
+            (200, true),
+            "{path}: {body}"
         );
     }
     f.stop().await;
@@ -912,6 +1201,14 @@ async fn in_a_real_browser() -> anyhow::Result<()> {
     let mut stdin = node.stdin.take().expect("piped");
     let mut lines = BufReader::new(node.stdout.take().expect("piped")).lines();
     let (mut run, mut run2, mut run3) = (None, None, None);
+    let long = || {
+        SubmitRequest::new(Plan {
+            name: Some("long-crunch".into()),
+            query: None,
+            subtasks: vec![Subtask::new("crunch", "crunch the numbers").with_agent("slow")],
+            config: PlanConfig::default(),
+        })
+    };
     // The script says what it waits for; this side submits when asked.
     let finished = tokio::time::timeout(Duration::from_secs(300), async {
         while let Some(line) = lines.next_line().await? {
@@ -920,6 +1217,7 @@ async fn in_a_real_browser() -> anyhow::Result<()> {
                 "SUBMIT" => *run.insert(f.submit_plan().await?),
                 "SUBMIT2" => *run2.insert(f.client.submit(gated_in_a_session(true)).await?),
                 "SUBMIT3" => *run3.insert(f.client.submit(gated_in_a_session(false)).await?),
+                "SUBMIT4" => f.client.submit(long()).await?,
                 "CHECK3" => {
                     // The rejection counted as an incident of the writer, recorded as alice's.
                     let deadline = tokio::time::Instant::now() + WAIT;
