@@ -752,3 +752,63 @@ async fn a_worker_gives_up_waiting_for_provisioning_after_the_bound() -> anyhow:
     }
     Ok(())
 }
+
+/// A run that waits costs its coordinator no memory: a run waiting for a person is held in
+/// the coordinator's run cache (`flotilla_coordinator_cached_runs`) only until `cache-idle`
+/// passes without an input, then dropped; the person's answer reads it back from its record
+/// and the run ends as it would have.
+#[tokio::test]
+async fn a_waiting_run_leaves_the_coordinators_memory_and_comes_back_on_its_answer()
+-> anyhow::Result<()> {
+    let mut p = Processes::start(QUICK).await?;
+    let port = free_port()?;
+    let addr = format!("127.0.0.1:{port}");
+    let c = p.spawn_env(
+        &["coordinator", "--http-addr", &addr],
+        &[("FLOTILLA_COORDINATOR__CACHE_IDLE", "2s")],
+    )?;
+    p.worker(&[]).await?;
+    until(port, "/readyz", "ready", |s, _| s == 200).await?;
+    let mut ask = Subtask::new("publish", "publish the report");
+    ask.action = Some("publish".into());
+    let run = p
+        .client
+        .submit(SubmitRequest::new(plan(vec![
+            ask,
+            Subtask::new("tell", "tell").after(&["publish"]),
+        ])))
+        .await?;
+    // Held while it is touched, then let go.
+    metrics_show(port, &[("flotilla_coordinator_cached_runs", 1.0)])
+        .await
+        .map_err(|e| e.context(p.log(c)))?;
+    metrics_show(port, &[("flotilla_coordinator_cached_runs", 0.0)])
+        .await
+        .map_err(|e| e.context(p.log(c)))?;
+    // The answer brings it back from its record; it ends, and leaves the cache at once.
+    let out = p.cli(&[
+        "approvals",
+        "approve",
+        &run.to_string(),
+        "t0a1",
+        "--by",
+        "ann",
+    ])?;
+    anyhow::ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let outcome = p.client.wait(run, WAIT).await?;
+    assert_eq!(outcome.status, RunStatus::Succeeded);
+    metrics_show(
+        port,
+        &[
+            ("flotilla_coordinator_cached_runs", 0.0),
+            ("flotilla_runs_finished_total{status=\"succeeded\"}", 1.0),
+        ],
+    )
+    .await
+    .map_err(|e| e.context(p.log(c)))?;
+    Ok(())
+}

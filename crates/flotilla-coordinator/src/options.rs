@@ -13,8 +13,15 @@ pub struct CoordinatorOptions {
     pub shards: usize,
     /// Most run-log messages taken in one batch.
     pub batch: usize,
-    /// Runs whose state is cached in memory (finished runs are dropped at once).
+    /// Most runs whose state is cached in memory (finished runs are dropped at once; the
+    /// least recently used beyond this).
     pub cache_runs: usize,
+    /// A cached run no input has touched for this long is dropped: a run that waits (for a
+    /// person, a long task) costs no memory, and one another coordinator finished — the
+    /// shared run-log consumer gives a run's inputs to any coordinator — is not kept until
+    /// the cache is full. Its next input reads it back from its record.
+    #[serde(with = "humantime_serde")]
+    pub cache_idle: Duration,
     /// How long a delivered run-log or intake message may stay unacknowledged before
     /// JetStream gives it to another coordinator: the failover time after a crash.
     #[serde(with = "humantime_serde")]
@@ -67,6 +74,9 @@ impl Default for CoordinatorOptions {
             shards: 16,
             batch: 256,
             cache_runs: 20_000,
+            // Longer than the gaps between a busy run's steps; a wait for a person or a
+            // finish elsewhere is let go within a minute.
+            cache_idle: Duration::from_secs(60),
             // A crashed coordinator's in-flight inputs move to a survivor within this time.
             ack_wait: Duration::from_secs(10),
             intake_concurrency: 64,
@@ -108,6 +118,9 @@ impl CoordinatorOptions {
                 "coordinator.shards, batch, cache-runs and intake-concurrency must be at least 1"
                     .into(),
             );
+        }
+        if self.cache_idle < Duration::from_secs(1) {
+            return Err("coordinator.cache-idle must be at least 1s".into());
         }
         if self.final_result_budget < 1024 {
             return Err("coordinator.final-result-budget must be at least 1024 bytes".into());

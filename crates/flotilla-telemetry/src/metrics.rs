@@ -26,6 +26,7 @@
 //! | `flotilla_pool_consumer_pending_messages` | gauge | `pool` |
 //! | `flotilla_pool_consumer_ack_pending_messages` | gauge | `pool` |
 //! | `flotilla_coordinator_cas_conflicts_total` | counter | — |
+//! | `flotilla_coordinator_cached_runs` | gauge | — |
 //! | `flotilla_consumer_stalls_total` | counter | `stream`, `consumer` (a durable consumer's name) |
 //! | `flotilla_llm_tokens_total` | counter | `model`, `kind` (input, output) |
 //! | `flotilla_llm_cost_usd_total` | counter | `model` |
@@ -196,6 +197,7 @@ pub(crate) struct Families {
     pub(crate) consumer_pending: Family<PoolLabels, Gauge>,
     pub(crate) consumer_ack_pending: Family<PoolLabels, Gauge>,
     pub(crate) cas_conflicts: Counter,
+    pub(crate) cached_runs: Gauge,
     pub(crate) consumer_stalls: Family<ConsumerLabels, Counter>,
     pub(crate) llm_tokens: Family<TokenLabels, Counter>,
     pub(crate) llm_cost_usd: Family<ModelLabels, Counter<f64, AtomicU64>>,
@@ -342,6 +344,7 @@ impl Metrics {
             consumer_pending: Family::default(),
             consumer_ack_pending: Family::default(),
             cas_conflicts: Counter::default(),
+            cached_runs: Gauge::default(),
             consumer_stalls: Family::default(),
             llm_tokens: Family::default(),
             llm_cost_usd: Family::default(),
@@ -435,6 +438,11 @@ impl Metrics {
             f.cas_conflicts.clone(),
         );
         r.register(
+            "coordinator_cached_runs",
+            "Runs whose state a coordinator holds in memory (its run cache: live runs touched within cache-idle)",
+            f.cached_runs.clone(),
+        );
+        r.register(
             "consumer_stalls",
             "Pull loops restarted because they stopped pulling while their consumer held messages, by stream and durable consumer",
             f.consumer_stalls.clone(),
@@ -494,6 +502,11 @@ impl Metrics {
                 series: RwLock::new(HashMap::new()),
             }),
         }
+    }
+
+    /// The coordinator's run-cache size gauge (its shards add and remove their runs).
+    pub fn cached_runs(&self) -> Gauge {
+        self.families().cached_runs.clone()
     }
 
     pub(crate) fn families(&self) -> &Families {
@@ -648,6 +661,7 @@ mod tests {
         ("flotilla_pool_consumer_pending_messages", "gauge"),
         ("flotilla_pool_consumer_ack_pending_messages", "gauge"),
         ("flotilla_coordinator_cas_conflicts", "counter"),
+        ("flotilla_coordinator_cached_runs", "gauge"),
         ("flotilla_consumer_stalls", "counter"),
         ("flotilla_llm_tokens", "counter"),
         ("flotilla_llm_cost_usd", "counter"),
@@ -655,11 +669,12 @@ mod tests {
     ];
 
     /// Families with a fixed label set (or none) are exposed from the start.
-    const ALWAYS: [&str; 5] = [
+    const ALWAYS: [&str; 6] = [
         "flotilla_runs_submitted",
         "flotilla_runs_finished",
         "flotilla_dependency_hop_seconds",
         "flotilla_coordinator_cas_conflicts",
+        "flotilla_coordinator_cached_runs",
         "flotilla_build",
     ];
 

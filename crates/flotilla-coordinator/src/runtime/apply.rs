@@ -118,6 +118,7 @@ impl Runtime {
                         revision: stored.revision,
                         results: HashMap::new(),
                         last_used: 0,
+                        touched: tokio::time::Instant::now(),
                         unflushed: None,
                     };
                     // The stored outbox may not have been performed: its writer may have died
@@ -202,6 +203,7 @@ impl Runtime {
                         revision: 0,
                         results: HashMap::new(),
                         last_used: 0,
+                        touched: tokio::time::Instant::now(),
                         unflushed: None,
                     });
                     started = true;
@@ -323,6 +325,7 @@ impl Runtime {
                             revision: 0,
                             results: HashMap::new(),
                             last_used: 0,
+                            touched: tokio::time::Instant::now(),
                             unflushed: None,
                         });
                         started = true;

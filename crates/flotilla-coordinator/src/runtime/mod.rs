@@ -92,6 +92,8 @@ struct Cached {
     /// Results of succeeded tasks, for building dependents' envelopes.
     results: HashMap<u32, TaskResult>,
     last_used: u64,
+    /// When an input last touched it (`cache-idle` drops it after that long).
+    touched: tokio::time::Instant,
     /// The start step, performed but not recorded yet.
     unflushed: Option<Unflushed>,
 }
@@ -371,10 +373,32 @@ impl Runtime {
         let mut due: VecDeque<(tokio::time::Instant, RunId)> = VecDeque::new();
         let mut tick: u64 = 0;
         let per_shard_cap = (self.opts.cache_runs / self.opts.shards).max(16);
+        let idle = self.opts.cache_idle;
+        let cached = self.metrics.cached_runs();
+        // The gauge follows this shard's cache by the change in its size.
+        let mut counted: i64 = 0;
+        let mut count = |len: usize| {
+            let now = len as i64;
+            cached.inc_by(now - counted);
+            counted = now;
+        };
+        let mut sweep = tokio::time::interval((idle / 4).max(Duration::from_secs(1)));
+        sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let next_due = due.front().map(|(at, _)| *at);
             let first = tokio::select! {
                 m = rx.recv() => m,
+                _ = sweep.tick() => {
+                    // Runs no input touched for `cache-idle`: waiting, or finished by another
+                    // coordinator. Never a run whose start is unrecorded.
+                    let now = tokio::time::Instant::now();
+                    cache.retain(|_, c| c.unflushed.is_some() || now.duration_since(c.touched) < idle);
+                    if cache.capacity() > 4 * cache.len().max(64) {
+                        cache.shrink_to_fit();
+                    }
+                    count(cache.len());
+                    continue;
+                }
                 _ = sleep_until(next_due) => {
                     let now = tokio::time::Instant::now();
                     while due.front().is_some_and(|(at, _)| *at <= now) {
@@ -422,6 +446,7 @@ impl Runtime {
                 if let Some(mut e) = entry {
                     tick += 1;
                     e.last_used = tick;
+                    e.touched = tokio::time::Instant::now();
                     if e.unflushed.is_some() && e.revision == 0 {
                         due.push_back((tokio::time::Instant::now() + delay, run));
                     }
@@ -440,6 +465,7 @@ impl Runtime {
                     cache.remove(&r);
                 }
             }
+            count(cache.len());
         }
         // Stopping: record every start still owed.
         for (run, entry) in cache.drain() {

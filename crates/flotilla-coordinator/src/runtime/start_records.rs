@@ -166,6 +166,7 @@ impl Runtime {
                 revision: 0,
                 results: HashMap::new(),
                 last_used: 0,
+                touched: tokio::time::Instant::now(),
                 unflushed: None,
             },
             actions,
