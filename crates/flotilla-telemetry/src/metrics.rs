@@ -648,7 +648,7 @@ mod tests {
     use super::*;
 
     /// Every family's `# TYPE` line, as Prometheus sees it.
-    const FAMILIES: [(&str, &str); 16] = [
+    const FAMILIES: [(&str, &str); 17] = [
         ("flotilla_runs_submitted", "counter"),
         ("flotilla_runs_finished", "counter"),
         ("flotilla_tasks_dispatched", "counter"),
