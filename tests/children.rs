@@ -1282,11 +1282,14 @@ async fn projections_show_run_started_first_and_resume_inside_a_message() -> any
     .await?;
     assert_eq!(
         user.iter().map(phase_of).collect::<Vec<_>>(),
+        // The watched run's own tasks start and end; the child shows its phases only.
         vec![
             Some(P::RunStarted),
+            Some(P::TaskStarted),
             None,
             Some(P::RunStarted),
             Some(P::RunSucceeded),
+            Some(P::TaskSucceeded),
             Some(P::RunSucceeded)
         ]
     );
