@@ -118,6 +118,8 @@ try {
   // timings, events; the panel is in the URL.
   await alice.click('#dag g[data-task="draft"]');
   await alice.waitForSelector('#task-panel[data-task="draft"] #task-result');
+  await until(alice, () => (document.querySelector('#task-result')?.textContent || '').includes('draft done'))
+    .catch(() => {});
   const draft = await alice.textContent('#task-panel');
   check((await alice.textContent('#task-result')).includes('draft done'), 'the panel has the task\'s result');
   check(draft.includes('write the report'), 'the panel has what the plan asked');
@@ -134,6 +136,9 @@ try {
   // … and a click on its row in the tasks table.
   await alice.click('#tasks [data-task="research"] .mono');
   await alice.waitForSelector('#task-panel[data-task="research"] #task-result');
+  // The panel fills once the task's details arrive (slower on a loaded machine).
+  await until(alice, () => (document.querySelector('#task-result')?.textContent || '').includes('Revenue was 1250'))
+    .catch(() => {});
   check((await alice.textContent('#task-panel')).includes('Gather the quarter\'s figures.') && (await alice.textContent('#task-result')).includes('Revenue was 1250'),
     'a click on a task\'s row opens its panel');
   await alice.click('#task-close');
