@@ -400,6 +400,27 @@ impl Client {
         &self,
         run: RunId,
     ) -> Result<impl Stream<Item = Result<EventEnvelope, ClientError>> + use<>, ClientError> {
+        let consumer = self.event_consumer(run).await?;
+        let messages = consumer
+            .messages()
+            .await
+            .map_err(|e| nats("reading events", e))?;
+        // Each message carries the events of one step: flattened into one stream of events.
+        Ok(messages
+            .map(|m| decode_event_message(&m.map_err(|e| nats("reading events", e))?))
+            .flat_map(|r| {
+                futures::stream::iter(match r {
+                    Ok(events) => events.into_iter().map(Ok).collect::<Vec<_>>(),
+                    Err(e) => vec![Err(e)],
+                })
+            }))
+    }
+
+    /// An ordered consumer of `run`'s events, from its first.
+    pub(crate) async fn event_consumer(
+        &self,
+        run: RunId,
+    ) -> Result<async_nats::jetstream::consumer::Consumer<pull::OrderedConfig>, ClientError> {
         let name = self.bus.names().stream(StreamKind::Events);
         let stream = self
             .bus
@@ -407,31 +428,14 @@ impl Client {
             .get_stream(&name)
             .await
             .map_err(|e| nats(format!("opening {name}"), e))?;
-        let consumer = stream
+        stream
             .create_consumer(pull::OrderedConfig {
                 filter_subject: self.bus.names().event(run),
                 deliver_policy: DeliverPolicy::All,
                 ..Default::default()
             })
             .await
-            .map_err(|e| nats("creating an ordered consumer", e))?;
-        let messages = consumer
-            .messages()
-            .await
-            .map_err(|e| nats("reading events", e))?;
-        // Each message carries the events of one step: flattened into one stream of events.
-        Ok(messages
-            .map(|m| {
-                let m = m.map_err(|e| nats("reading events", e))?;
-                flotilla_model::event::decode_events(wire::codec_of(m.headers.as_ref()), &m.payload)
-                    .map_err(|e| ClientError::with_source(ClientErrorKind::Decode, "event", e))
-            })
-            .flat_map(|r| {
-                futures::stream::iter(match r {
-                    Ok(events) => events.into_iter().map(Ok).collect::<Vec<_>>(),
-                    Err(e) => vec![Err(e)],
-                })
-            }))
+            .map_err(|e| nats("creating an ordered consumer", e))
     }
 
     /// Follows `run`'s tree as one audience sees it ([`flotilla_model::watch`]): the events
@@ -575,4 +579,12 @@ fn insert_trace(headers: &mut async_nats::HeaderMap, trace: &flotilla_model::tas
     if let Some(state) = &trace.tracestate {
         headers.insert("tracestate", state.as_str());
     }
+}
+
+/// The events one event message carries (one step's).
+pub(crate) fn decode_event_message(
+    m: &async_nats::jetstream::Message,
+) -> Result<Vec<EventEnvelope>, ClientError> {
+    flotilla_model::event::decode_events(wire::codec_of(m.headers.as_ref()), &m.payload)
+        .map_err(|e| ClientError::with_source(ClientErrorKind::Decode, "event", e))
 }

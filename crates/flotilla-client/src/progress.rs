@@ -13,18 +13,15 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use async_nats::jetstream::consumer::{DeliverPolicy, pull};
-use flotilla_bus::wire;
 use flotilla_model::approval::{ApprovalList, ApprovalListRequest, ApprovalRecord, Trigger};
 use flotilla_model::event::{Event, EventEnvelope, WorkflowPhase};
 use flotilla_model::ids::{RunId, TaskId};
 use flotilla_model::run::{RunRecord, RunStatus, TaskStatus, TaskView};
-use flotilla_model::subjects::StreamKind;
 use flotilla_model::time::Timestamp;
 use futures::StreamExt;
 use serde::Serialize;
 
-use crate::{Client, ClientError, ClientErrorKind};
+use crate::{Client, ClientError};
 
 /// Most event messages read to find which worker runs each task (a run with more — a long
 /// LLM run's steps — shows its first tasks' workers only).
@@ -285,21 +282,7 @@ impl Client {
     /// The events `run` has stored so far (at most [`MAX_EVENT_MESSAGES`] messages' worth),
     /// in order: a snapshot, where [`Client::events`] follows live.
     pub async fn events_so_far(&self, run: RunId) -> Result<Vec<EventEnvelope>, ClientError> {
-        let name = self.bus.names().stream(StreamKind::Events);
-        let stream = self
-            .bus
-            .js()
-            .get_stream(&name)
-            .await
-            .map_err(|e| crate::nats(format!("opening {name}"), e))?;
-        let consumer = stream
-            .create_consumer(pull::OrderedConfig {
-                filter_subject: self.bus.names().event(run),
-                deliver_policy: DeliverPolicy::All,
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| crate::nats("creating an ordered consumer", e))?;
+        let consumer = self.event_consumer(run).await?;
         let mut left = consumer.cached_info().num_pending.min(MAX_EVENT_MESSAGES);
         let mut out = Vec::new();
         if left == 0 {
@@ -316,19 +299,7 @@ impl Client {
             };
             let m = m.map_err(|e| crate::nats("reading events", e))?;
             left -= 1;
-            match flotilla_model::event::decode_events(
-                wire::codec_of(m.headers.as_ref()),
-                &m.payload,
-            ) {
-                Ok(events) => out.extend(events),
-                Err(e) => {
-                    return Err(ClientError::with_source(
-                        ClientErrorKind::Decode,
-                        "event",
-                        e,
-                    ));
-                }
-            }
+            out.extend(crate::decode_event_message(&m)?);
         }
         Ok(out)
     }

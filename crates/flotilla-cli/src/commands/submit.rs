@@ -273,15 +273,7 @@ pub(crate) async fn follow(
                 }
             }
             WorkflowPhase::TaskSucceeded => {
-                let took = w
-                    .started_at
-                    .map(|s| {
-                        format!(
-                            " in {:.2}s",
-                            (event.ts.unix_ms() - s.unix_ms()).max(0) as f64 / 1000.0
-                        )
-                    })
-                    .unwrap_or_default();
+                let took = took(w.started_at, event.ts);
                 let on = w.worker.map(|w| format!(" on {w}")).unwrap_or_default();
                 line(format!("{t}  ✓ {task} succeeded{on}{took}"));
                 if let Some(b) = &bar {
@@ -388,6 +380,22 @@ pub(crate) async fn follow(
             _ => {}
         }
     }
+}
+
+/// " in 1.23s": how long an attempt that started at `started` (the worker's clock) took until
+/// its outcome's event at `ended`; empty when its start is unknown.
+pub(crate) fn took(
+    started: Option<flotilla_model::time::Timestamp>,
+    ended: flotilla_model::time::Timestamp,
+) -> String {
+    started
+        .map(|s| {
+            format!(
+                " in {:.2}s",
+                (ended.unix_ms() - s.unix_ms()).max(0) as f64 / 1000.0
+            )
+        })
+        .unwrap_or_default()
 }
 
 /// Prints the outcome: the final result on stdout, a summary on stderr.

@@ -215,16 +215,7 @@ fn line(e: &ProjectedEvent) -> Option<String> {
                     format!("{line} on {}", w.worker.as_deref().unwrap_or("a worker"))
                 }
                 WorkflowPhase::TaskSucceeded => {
-                    let took = w
-                        .started_at
-                        .map(|s| {
-                            format!(
-                                " in {:.2}s",
-                                (e.event.ts.unix_ms() - s.unix_ms()).max(0) as f64 / 1000.0
-                            )
-                        })
-                        .unwrap_or_default();
-                    format!("{line}{took}")
+                    format!("{line}{}", super::submit::took(w.started_at, e.event.ts))
                 }
                 WorkflowPhase::TaskFailed | WorkflowPhase::TaskRetrying => format!(
                     "{line}{}",
