@@ -284,6 +284,20 @@ pub(crate) async fn runs_stream(State(s): State<AppState>, headers: HeaderMap) -
         .into_response()
 }
 
+/// A run with all its tasks (the engine of `Client::run` and `flotilla runs show`), or the
+/// answer for a run that does not exist or cannot be read.
+async fn run_view(s: &AppState, run: RunId) -> Result<flotilla_model::run::RunView, Response> {
+    match s.store.view(run, 0, usize::MAX).await {
+        Ok(Some(v)) => Ok(v),
+        Ok(None) => Err(error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("run {run} does not exist"),
+        )),
+        Err(e) => Err(store_error(&e)),
+    }
+}
+
 pub(crate) async fn run(
     State(s): State<AppState>,
     headers: HeaderMap,
@@ -291,16 +305,9 @@ pub(crate) async fn run(
 ) -> Response {
     who!(s.who(&headers));
     // The engine of `Client::run` and `flotilla runs show`.
-    let view = match s.store.view(run, 0, usize::MAX).await {
-        Ok(Some(v)) => v,
-        Ok(None) => {
-            return error(
-                StatusCode::NOT_FOUND,
-                "not_found",
-                format!("run {run} does not exist"),
-            );
-        }
-        Err(e) => return store_error(&e),
+    let view = match run_view(&s, run).await {
+        Ok(v) => v,
+        Err(answer) => return answer,
     };
     // The plan (task dependencies) for the DAG; a run still being planned has none yet.
     let plan = s.store.plan(run).await.ok().flatten();
@@ -342,16 +349,9 @@ pub(crate) async fn task(
     Path((run, task)): Path<(RunId, String)>,
 ) -> Response {
     who!(s.who(&headers));
-    let view = match s.store.view(run, 0, usize::MAX).await {
-        Ok(Some(v)) => v,
-        Ok(None) => {
-            return error(
-                StatusCode::NOT_FOUND,
-                "not_found",
-                format!("run {run} does not exist"),
-            );
-        }
-        Err(e) => return store_error(&e),
+    let view = match run_view(&s, run).await {
+        Ok(v) => v,
+        Err(answer) => return answer,
     };
     let Some(at) = view.tasks.iter().position(|t| t.task_id.as_str() == task) else {
         return error(
