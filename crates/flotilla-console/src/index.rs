@@ -11,6 +11,11 @@
 //! interprets a run differently. Next to the records it keeps the pending approvals (re-read
 //! on every notice), so each row says what a person reads — `waiting` for a live run some
 //! person must act on, as `flotilla runs list` says it ([`progress::run_label`]).
+//!
+//! The index keeps of each run only what a row shows and a filter reads ([`Listed`]: about
+//! 200 bytes), never its result, problems, strategy, planning or memory use, which can be
+//! large and which the run's page reads from its record. Holding whole records made the
+//! console grow with every run the deployment ever ran (the soak measured ~13 MiB an hour).
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
@@ -20,8 +25,9 @@ use async_nats::jetstream::kv;
 use flotilla_client::progress::{self, Wait};
 use flotilla_model::RunId;
 use flotilla_model::approval::ApprovalRecord;
-use flotilla_model::ids::SessionId;
-use flotilla_model::run::{RunRecord, RunStatus};
+use flotilla_model::ids::{AgentId, SessionId, TaskId};
+use flotilla_model::run::{RunHandle, RunRecord, RunStatus, TaskCounts};
+use flotilla_model::time::Timestamp;
 use flotilla_runs::{RunReader, Snapshot, record_of};
 use futures::StreamExt;
 use serde::Serialize;
@@ -49,12 +55,77 @@ pub(crate) struct Row {
 }
 
 impl Row {
-    fn of(record: &RunRecord, pending: Option<&Vec<ApprovalRecord>>) -> Self {
-        let waiting = progress::waits(record, pending.map_or(&[][..], Vec::as_slice));
+    fn of(listed: &Listed, pending: Option<&Vec<ApprovalRecord>>) -> Self {
+        let record = listed.record();
+        let waiting = progress::waits(&record, pending.map_or(&[][..], Vec::as_slice));
         Self {
             label: progress::run_label(record.status, &waiting),
-            record: record.clone(),
+            record,
             waiting,
+        }
+    }
+}
+
+/// What the index keeps of a run: the fields a row shows and a filter reads. A row is its
+/// record without `outcome`, `errors`, `warnings`, `strategy`, `planning` and `memory`.
+#[derive(Debug, Clone)]
+pub(crate) struct Listed {
+    run_id: RunId,
+    parent_run_id: Option<RunId>,
+    root_run_id: Option<RunId>,
+    parent_task_id: Option<TaskId>,
+    agent_id: Option<AgentId>,
+    name: Option<Box<str>>,
+    status: RunStatus,
+    labels: Option<Box<std::collections::BTreeMap<String, String>>>,
+    session_id: Option<SessionId>,
+    created_at: Timestamp,
+    finished_at: Option<Timestamp>,
+    tasks: TaskCounts,
+}
+
+impl Listed {
+    pub(crate) fn of(r: &RunRecord) -> Self {
+        Self {
+            run_id: r.handle.run_id,
+            parent_run_id: r.handle.parent_run_id,
+            root_run_id: r.handle.root_run_id,
+            parent_task_id: r.handle.parent_task_id.clone(),
+            agent_id: r.handle.agent_id.clone(),
+            name: r.name.as_deref().map(Into::into),
+            status: r.status,
+            labels: (!r.labels.is_empty()).then(|| Box::new(r.labels.clone())),
+            session_id: r.session_id,
+            created_at: r.created_at,
+            finished_at: r.finished_at,
+            tasks: r.tasks.clone(),
+        }
+    }
+
+    /// The record a row shows.
+    fn record(&self) -> RunRecord {
+        RunRecord {
+            handle: RunHandle {
+                run_id: self.run_id,
+                agent_id: self.agent_id.clone(),
+                parent_run_id: self.parent_run_id,
+                parent_tool_call_id: None,
+                parent_task_id: self.parent_task_id.clone(),
+                root_run_id: self.root_run_id,
+            },
+            name: self.name.as_deref().map(Into::into),
+            status: self.status,
+            labels: self.labels.as_deref().cloned().unwrap_or_default(),
+            session_id: self.session_id,
+            created_at: self.created_at,
+            finished_at: self.finished_at,
+            tasks: self.tasks.clone(),
+            errors: Vec::new(),
+            warnings: Vec::new(),
+            outcome: None,
+            strategy: None,
+            planning: None,
+            memory: None,
         }
     }
 }
@@ -77,7 +148,7 @@ pub(crate) enum Change {
 
 #[derive(Debug, Default)]
 struct Inner {
-    records: HashMap<RunId, RunRecord>,
+    records: HashMap<RunId, Listed>,
     /// Pending approvals, by run.
     pending: HashMap<RunId, Vec<ApprovalRecord>>,
     /// The initial catch-up is done.
@@ -108,8 +179,8 @@ pub(crate) struct Filter {
 }
 
 impl Filter {
-    pub(crate) fn matches(&self, r: &RunRecord, label: &str) -> bool {
-        if !self.children && r.handle.parent_run_id.is_some() {
+    pub(crate) fn matches(&self, r: &Listed, label: &str) -> bool {
+        if !self.children && r.parent_run_id.is_some() {
             return false;
         }
         if let Some(s) = self.status.as_deref().filter(|s| !s.is_empty())
@@ -121,8 +192,12 @@ impl Filter {
         }
         if let Some(l) = self.label.as_deref().filter(|s| !s.is_empty()) {
             let ok = match l.split_once('=') {
-                Some((k, v)) => r.labels.get(k).is_some_and(|x| x == v),
-                None => r.labels.contains_key(l),
+                Some((k, v)) => r
+                    .labels
+                    .as_ref()
+                    .and_then(|m| m.get(k))
+                    .is_some_and(|x| x == v),
+                None => r.labels.as_ref().is_some_and(|m| m.contains_key(l)),
             };
             if !ok {
                 return false;
@@ -136,7 +211,7 @@ impl Filter {
         if let Some(q) = self.q.as_deref().filter(|s| !s.is_empty()) {
             let q = q.to_lowercase();
             let name = r.name.as_deref().unwrap_or_default().to_lowercase();
-            if !name.contains(&q) && !r.handle.run_id.to_string().contains(&q) {
+            if !name.contains(&q) && !r.run_id.to_string().contains(&q) {
                 return false;
             }
         }
@@ -227,13 +302,14 @@ impl RunIndex {
     }
 
     pub(crate) fn put(&self, record: RunRecord) {
+        let listed = Listed::of(&record);
         let row = match self.inner.write() {
             Ok(mut inner) => {
-                let row = Row::of(&record, inner.pending.get(&record.handle.run_id));
-                inner.records.insert(record.handle.run_id, record);
+                let row = Row::of(&listed, inner.pending.get(&listed.run_id));
+                inner.records.insert(listed.run_id, listed);
                 row
             }
-            Err(_) => Row::of(&record, None),
+            Err(_) => Row::of(&listed, None),
         };
         let _ = self.changes.send(Change::Put {
             record: Box::new(row),
@@ -292,8 +368,8 @@ impl RunIndex {
                     inner
                         .records
                         .get(&r)
-                        .and_then(|rec| rec.name.clone())
-                        .map(|n| (r, n))
+                        .and_then(|rec| rec.name.as_deref())
+                        .map(|n| (r, n.to_owned()))
                 })
                 .collect()
             },
@@ -325,17 +401,16 @@ impl RunIndex {
             };
         };
         let mut counts: HashMap<&'static str, usize> = HashMap::new();
-        let mut matching: Vec<&RunRecord> = Vec::new();
+        let mut matching: Vec<&Listed> = Vec::new();
         for r in inner.records.values() {
-            let waits = progress::waits(
-                r,
-                inner
-                    .pending
-                    .get(&r.handle.run_id)
-                    .map_or(&[][..], Vec::as_slice),
-            );
-            let label = progress::run_label(r.status, &waits);
-            if r.handle.parent_run_id.is_none() || filter.children {
+            // Only a live run's waits are worth a record: an ended run waits for nothing.
+            let label = if r.status.is_terminal() {
+                r.status.as_str()
+            } else {
+                let pending = inner.pending.get(&r.run_id).map_or(&[][..], Vec::as_slice);
+                progress::run_label(r.status, &progress::waits(&r.record(), pending))
+            };
+            if r.parent_run_id.is_none() || filter.children {
                 *counts.entry(label).or_default() += 1;
             }
             if filter.matches(r, label) {
@@ -346,14 +421,14 @@ impl RunIndex {
             b.created_at
                 .unix_ms()
                 .cmp(&a.created_at.unix_ms())
-                .then(b.handle.run_id.cmp(&a.handle.run_id))
+                .then(b.run_id.cmp(&a.run_id))
         });
         let total = matching.len();
         let runs = matching
             .into_iter()
             .skip(offset)
             .take(limit.min(MAX_PAGE))
-            .map(|r| Row::of(r, inner.pending.get(&r.handle.run_id)))
+            .map(|r| Row::of(r, inner.pending.get(&r.run_id)))
             .collect();
         Page {
             total,
@@ -373,5 +448,83 @@ impl RunIndex {
                 .filter(|r| !r.status.is_terminal() && r.status != RunStatus::Rejected)
                 .count()
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn record(run: RunId, status: &str, response: &str) -> RunRecord {
+        serde_json::from_value(json!({
+            "handle": {"run_id": run},
+            "name": "review",
+            "status": status,
+            "labels": {"team": "docs"},
+            "created_at": "2026-11-28T10:00:00Z",
+            "finished_at": "2026-11-28T10:00:01Z",
+            "tasks": {"total": 2, "waiting": 0, "running": 0, "succeeded": 2, "failed": 0,
+                      "skipped": 0, "cancelled": 0},
+            "warnings": [{"code": "unknown_agent", "path": "tasks[0]", "message": "x".repeat(4096)}],
+            "outcome": {"run_id": run, "status": status,
+                        "final_result": {"response": response, "results": {}}},
+        }))
+        .expect("a record")
+    }
+
+    /// The index keeps what a row shows and no more: a run's result (here 1 MiB) and its
+    /// problems stay in the bucket, so the console does not grow by every run's result.
+    #[tokio::test]
+    async fn the_list_keeps_a_rows_fields_and_not_the_runs_result() {
+        let index = RunIndex {
+            inner: Arc::default(),
+            changes: broadcast::channel(CHANGES).0,
+        };
+        let mut changes = index.subscribe();
+        let run = RunId::new();
+        index.put(record(run, "succeeded", &"r".repeat(1 << 20)));
+        let page = index.page(&Filter::default(), 0, 10);
+        assert_eq!(page.total, 1);
+        let row = &page.runs[0];
+        assert_eq!(row.record.handle.run_id, run);
+        assert_eq!(row.record.name.as_deref(), Some("review"));
+        assert_eq!(row.label, "succeeded");
+        assert_eq!(row.record.tasks.succeeded, 2);
+        assert_eq!(
+            row.record.labels.get("team").map(String::as_str),
+            Some("docs")
+        );
+        assert!(row.record.finished_at.is_some());
+        assert!(row.record.outcome.is_none() && row.record.warnings.is_empty());
+        let Ok(Change::Put { record }) = changes.try_recv() else {
+            panic!("a change");
+        };
+        assert!(
+            record.record.outcome.is_none(),
+            "the pushed row is the listed one"
+        );
+        // Filters read the kept fields.
+        let by_label = Filter {
+            label: Some("team=docs".into()),
+            ..Filter::default()
+        };
+        assert_eq!(index.page(&by_label, 0, 10).total, 1);
+        let by_name = Filter {
+            q: Some("REV".into()),
+            ..Filter::default()
+        };
+        assert_eq!(index.page(&by_name, 0, 10).total, 1);
+        let other = Filter {
+            status: Some("failed,waiting".into()),
+            ..Filter::default()
+        };
+        assert_eq!(index.page(&other, 0, 10).total, 0);
+        // What one run costs the index, beyond its name and labels.
+        assert!(
+            std::mem::size_of::<Listed>() <= 256,
+            "{}",
+            std::mem::size_of::<Listed>()
+        );
     }
 }
