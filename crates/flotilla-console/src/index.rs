@@ -77,7 +77,7 @@ pub(crate) struct Listed {
     agent_id: Option<AgentId>,
     name: Option<Box<str>>,
     status: RunStatus,
-    labels: Option<Box<std::collections::BTreeMap<String, String>>>,
+    labels: std::collections::BTreeMap<String, String>,
     session_id: Option<SessionId>,
     created_at: Timestamp,
     finished_at: Option<Timestamp>,
@@ -91,10 +91,10 @@ impl Listed {
             parent_run_id: r.handle.parent_run_id,
             root_run_id: r.handle.root_run_id,
             parent_task_id: r.handle.parent_task_id.clone(),
-            agent_id: r.handle.agent_id.clone(),
+            agent_id: r.handle.agent_id,
             name: r.name.as_deref().map(Into::into),
             status: r.status,
-            labels: (!r.labels.is_empty()).then(|| Box::new(r.labels.clone())),
+            labels: r.labels.clone(),
             session_id: r.session_id,
             created_at: r.created_at,
             finished_at: r.finished_at,
@@ -107,7 +107,7 @@ impl Listed {
         RunRecord {
             handle: RunHandle {
                 run_id: self.run_id,
-                agent_id: self.agent_id.clone(),
+                agent_id: self.agent_id,
                 parent_run_id: self.parent_run_id,
                 parent_tool_call_id: None,
                 parent_task_id: self.parent_task_id.clone(),
@@ -115,7 +115,7 @@ impl Listed {
             },
             name: self.name.as_deref().map(Into::into),
             status: self.status,
-            labels: self.labels.as_deref().cloned().unwrap_or_default(),
+            labels: self.labels.clone(),
             session_id: self.session_id,
             created_at: self.created_at,
             finished_at: self.finished_at,
@@ -192,12 +192,8 @@ impl Filter {
         }
         if let Some(l) = self.label.as_deref().filter(|s| !s.is_empty()) {
             let ok = match l.split_once('=') {
-                Some((k, v)) => r
-                    .labels
-                    .as_ref()
-                    .and_then(|m| m.get(k))
-                    .is_some_and(|x| x == v),
-                None => r.labels.as_ref().is_some_and(|m| m.contains_key(l)),
+                Some((k, v)) => r.labels.get(k).is_some_and(|x| x == v),
+                None => r.labels.contains_key(l),
             };
             if !ok {
                 return false;
