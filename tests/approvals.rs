@@ -888,3 +888,220 @@ async fn a_low_confidence_result_is_held_for_review_before_its_dependents_run() 
     );
     Ok(())
 }
+
+/// The run's `approval_decided` events of approval `id`, with their details, once the run
+/// ended (read up to its end).
+async fn decided_events(p: &Processes, run: RunId, id: &str) -> anyhow::Result<Vec<String>> {
+    use flotilla_model::event::{Event, WorkflowPhase};
+    let events = p.client.events(run).await?;
+    futures::pin_mut!(events);
+    let mut out = Vec::new();
+    while let Ok(Some(e)) = tokio::time::timeout(Duration::from_secs(2), events.next()).await {
+        if let Event::Workflow(w) = e?.event {
+            if w.phase.ends_run() {
+                break;
+            }
+            if w.phase == WorkflowPhase::ApprovalDecided && w.approval_id.as_deref() == Some(id) {
+                out.push(w.detail.unwrap_or_default());
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The run's approvals as `approvals list --run RUN --all --json` prints them, once none of
+/// them is pending.
+async fn settled_through_the_cli(p: &Processes, run: RunId) -> anyhow::Result<serde_json::Value> {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let all = json_of(&p.cli(&[
+            "approvals",
+            "list",
+            "--run",
+            &run.to_string(),
+            "--all",
+            "--json",
+        ])?)?;
+        let pending = all["approvals"]
+            .as_array()
+            .is_none_or(|a| a.iter().any(|r| r["status"] == "pending"));
+        if !pending {
+            return Ok(all);
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "still pending: {all}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Through the CLI: a person takes over a run whose task waits for an approval and completes
+/// its tasks by hand; another run is cancelled. Nothing of either run is left pending in
+/// `approvals list`: each approval reads `withdrawn` with why (the task completed by hand,
+/// the run's end), the run's events say `approval_decided … withdrawn`, and a late answer is
+/// refused naming it withdrawn (exit 1). An approval of the cancelled run its tasks no longer
+/// waited for (an external agent's question, or any request left behind) is withdrawn with
+/// the run's end too, not left to a sweep.
+#[tokio::test]
+async fn an_ended_run_withdraws_its_pending_approvals_through_the_cli() -> anyhow::Result<()> {
+    let mut p = Processes::start(PROCESSES).await?;
+    p.coordinator().await?;
+    p.worker(&[]).await?;
+    let patient = || {
+        let mut plan = plan(vec![
+            sensitive("publish", &[]),
+            Subtask::new("announce", "tell").after(&["publish"]),
+        ]);
+        plan.config.hitl = Some(flotilla_model::approval::PlanHitl {
+            approval_timeout: Some(Secs::from_secs(300)),
+            ..Default::default()
+        });
+        SubmitRequest::new(plan)
+    };
+    let taken = p.client.submit(patient()).await?;
+    let cancelled = p.client.submit(patient()).await?;
+    for run in [taken, cancelled] {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while approvals_of(&p.client, run, false).await?.is_empty() {
+            anyhow::ensure!(tokio::time::Instant::now() < deadline, "{run} asked nobody");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let run = taken.to_string();
+
+    // Taken over and completed by hand, task by task.
+    json_of(&p.cli(&["runs", "takeover", &run, "--by", "bob", "--json"])?)?;
+    for task in ["publish", "announce"] {
+        json_of(&p.cli(&[
+            "runs",
+            "complete",
+            &run,
+            task,
+            "--result",
+            "done by hand",
+            "--by",
+            "bob",
+            "--json",
+        ])?)?;
+    }
+    let o = p.client.wait(taken, WAIT).await?;
+    assert_eq!(o.status, RunStatus::Succeeded, "{o:?}");
+    let all = settled_through_the_cli(&p, taken).await?;
+    assert_eq!(all["approvals"].as_array().map(Vec::len), Some(1), "{all}");
+    let pending = json_of(&p.cli(&["approvals", "list", "--run", &run, "--json"])?)?;
+    assert_eq!(pending["approvals"], serde_json::json!([]), "{pending}");
+    let shown = json_of(&p.cli(&["approvals", "show", &run, "t0a1", "--json"])?)?;
+    let record = &shown["record"];
+    assert_eq!(record["status"], "withdrawn", "{shown}");
+    assert_eq!(record["answer"]["by"], "run", "{shown}");
+    assert_eq!(
+        record["answer"]["message"], "task publish was completed by hand",
+        "{shown}"
+    );
+    let text =
+        String::from_utf8_lossy(&p.cli(&["approvals", "show", &run, "t0a1"])?.stdout).into_owned();
+    assert!(
+        text.contains("status    withdrawn at ")
+            && text.contains(": task publish was completed by hand; nothing waits for an answer"),
+        "{text}"
+    );
+    // The run's events say so, once.
+    assert_eq!(
+        decided_events(&p, taken, "t0a1").await?,
+        ["withdrawn: task publish was completed by hand"]
+    );
+    // A late answer is refused, naming the withdrawal.
+    let late = p.cli(&["approvals", "approve", &run, "t0a1", "--by", "carol"])?;
+    assert_eq!(late.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&late.stderr);
+    assert!(
+        err.contains("already_decided: withdrawn at ")
+            && err.contains("task publish was completed by hand; nothing waits for an answer"),
+        "{err}"
+    );
+    let late = p.cli(&[
+        "approvals",
+        "approve",
+        &run,
+        "t0a1",
+        "--by",
+        "carol",
+        "--json",
+    ])?;
+    assert_eq!(late.status.code(), Some(1));
+    let late: serde_json::Value = serde_json::from_slice(&late.stdout)?;
+    assert_eq!(
+        (&late["outcome"], &late["record"]["status"]),
+        (
+            &serde_json::json!("already_decided"),
+            &serde_json::json!("withdrawn")
+        ),
+        "{late}"
+    );
+
+    // Cancelled, with a request left behind that no task of the run waits for: an external
+    // agent's question its attempt asked (stored as the coordinator's approval.ask stores it).
+    let mut question = approvals_of(&p.client, cancelled, false).await?[0].clone();
+    question.request.approval_id = "t0a1q1".into();
+    question.request.trigger = Trigger::ExternalAgent;
+    question.request.description = "agents:gate.ext.default asks: may I?".into();
+    let kv = p
+        .bus
+        .kv(flotilla_model::subjects::Bucket::Escalations)
+        .await?;
+    kv.create(
+        flotilla_model::approval::approval_key(cancelled, "t0a1q1"),
+        serde_json::to_vec(&question)?.into(),
+    )
+    .await?;
+    let run = cancelled.to_string();
+    let out = p.cli(&["runs", "cancel", &run, "--reason", "not this week"])?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let all = settled_through_the_cli(&p, cancelled).await?;
+    let statuses: Vec<(String, String, String)> = all["approvals"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|r| {
+                    (
+                        r["request"]["approval_id"]
+                            .as_str()
+                            .unwrap_or_default()
+                            .to_owned(),
+                        r["status"].as_str().unwrap_or_default().to_owned(),
+                        r["answer"]["message"]
+                            .as_str()
+                            .unwrap_or_default()
+                            .to_owned(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let why = "the run ended: cancelled: not this week".to_owned();
+    assert_eq!(
+        statuses,
+        [
+            ("t0a1".to_owned(), "withdrawn".to_owned(), why.clone()),
+            ("t0a1q1".to_owned(), "withdrawn".to_owned(), why.clone()),
+        ],
+        "{all}"
+    );
+    for id in ["t0a1", "t0a1q1"] {
+        assert_eq!(
+            decided_events(&p, cancelled, id).await?,
+            [format!("withdrawn: {why}")],
+            "{id}"
+        );
+    }
+    let late = p.cli(&["approvals", "reject", &run, "t0a1", "--by", "carol"])?;
+    assert_eq!(late.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&late.stderr);
+    assert!(err.contains("withdrawn at ") && err.contains(&why), "{err}");
+    Ok(())
+}

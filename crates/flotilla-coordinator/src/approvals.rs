@@ -239,6 +239,22 @@ impl Escalations {
         Ok(())
     }
 
+    /// Whether `run` has any approval, settled or not: one stream-info request, no
+    /// consumer, so asking it of every run that ends costs little.
+    pub(crate) async fn any_of(&self, run: RunId) -> Result<bool, ApprovalError> {
+        let kv = self.kv().await?;
+        let mut subjects = kv
+            .stream
+            .info_with_subjects(format!("{}{run}.*", kv.prefix))
+            .await
+            .map_err(|e| unavailable("looking for a run's approvals", e))?;
+        match subjects.next().await {
+            None => Ok(false),
+            Some(Ok(_)) => Ok(true),
+            Some(Err(e)) => Err(unavailable("looking for a run's approvals", e)),
+        }
+    }
+
     /// Every revision of an approval, oldest first.
     pub(crate) async fn history(
         &self,
@@ -344,5 +360,30 @@ pub(crate) fn settled(
         status,
         request: pending.request.clone(),
         answer: Some(answer),
+    }
+}
+
+/// The id of the run's `approval_decided` event for an approval settled outside the run
+/// machine — withdrawn, or an external agent's question answered: one per approval, so
+/// publishing it again is dropped as a duplicate.
+pub(crate) fn decided_event_id(run: RunId, approval: &str) -> String {
+    format!("{run}.approval.{approval}.decided")
+}
+
+/// What a settled approval's `approval_decided` event says: `approve by alice`,
+/// `withdrawn: the run ended cancelled: …` (why the run stopped waiting), `reject (expired):
+/// deadline`.
+pub(crate) fn settled_detail(record: &ApprovalRecord) -> String {
+    use flotilla_model::approval::Decision;
+    match (&record.status, &record.answer) {
+        (status, None) => status.as_str().to_owned(),
+        (ApprovalStatus::Decided, Some(a)) => format!("{} by {}", a.decision.as_str(), a.by),
+        (ApprovalStatus::Withdrawn, Some(a)) => match &a.decision {
+            Decision::Reject { message } if !message.is_empty() => {
+                format!("withdrawn: {message}")
+            }
+            _ => "withdrawn".to_owned(),
+        },
+        (status, Some(a)) => format!("{} ({}): {}", a.decision.as_str(), status.as_str(), a.by),
     }
 }

@@ -3,15 +3,15 @@
 //! coordinator), and the tools approved for a session (`approve --always`).
 //! `list --watch` follows `<prefix>.notify.*.*` and lists again on each notice.
 //! Exit 0 done, 1 refused (`already_decided` — another answer or the deadline decided
-//! first; it prints what decided —, `not_found`, also for `list --run` and `history` of a
+//! first, or the approval was withdrawn because its run stopped waiting; it prints which —, `not_found`, also for `list --run` and `history` of a
 //! run that does not exist, `digest_mismatch`, a malformed answer), 2 no coordinator.
 
 use std::process::ExitCode;
 
 use flotilla_model::approval::{
     AnswerOutcome, ApprovalAnswerReply, ApprovalAnswerRequest, ApprovalGetRequest, ApprovalList,
-    ApprovalListRequest, ApprovalRecord, ApprovalView, Decision, GrantList, GrantListRequest,
-    GrantRevokeReply, GrantRevokeRequest,
+    ApprovalListRequest, ApprovalRecord, ApprovalStatus, ApprovalView, Decision, GrantList,
+    GrantListRequest, GrantRevokeReply, GrantRevokeRequest,
 };
 use flotilla_model::ids::{RunId, SessionId};
 use futures::StreamExt;
@@ -316,6 +316,15 @@ async fn unknown_run(
 
 pub(crate) fn settled_line(r: &ApprovalRecord) -> String {
     match &r.answer {
+        // Nobody decided: the run stopped waiting (it ended, or its task was completed by
+        // hand), and the rejection's message says why.
+        Some(a) if r.status == ApprovalStatus::Withdrawn => {
+            let why = match &a.decision {
+                Decision::Reject { message } if !message.is_empty() => format!(": {message}"),
+                _ => String::new(),
+            };
+            format!("withdrawn at {}{why}; nothing waits for an answer", a.at)
+        }
         Some(a) => {
             let mut line = format!(
                 "{} {} by {} at {}",
@@ -416,6 +425,7 @@ fn print_view(v: &ApprovalView) {
             h.status.as_str(),
             h.answer
                 .as_ref()
+                .filter(|_| h.status != ApprovalStatus::Withdrawn)
                 .map(|a| format!(" {} by {}", a.decision.as_str(), a.by))
                 .unwrap_or_default()
         );

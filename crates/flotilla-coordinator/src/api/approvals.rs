@@ -348,13 +348,10 @@ impl Api {
                     r.description, r.deadline
                 ),
             ),
-            (status, Some(a)) => (
+            (_, Some(_)) => (
                 WorkflowPhase::ApprovalDecided,
                 "decided",
-                match status {
-                    ApprovalStatus::Decided => format!("{} by {}", a.decision.as_str(), a.by),
-                    other => format!("{} ({}): {}", a.decision.as_str(), other.as_str(), a.by),
-                },
+                crate::approvals::settled_detail(record),
             ),
         };
         let event = EventEnvelope {

@@ -1,6 +1,7 @@
 //! Performing the machine's approval actions: asking (the request in the escalations bucket
 //! and its notice), settling an expired approval with its default — or relaying the answer
-//! that won the race — and withdrawing the approvals of a run that ended.
+//! that won the race — and withdrawing the approvals the run no longer waits for (its end,
+//! a task completed by hand), with an `approval_decided` event that says `withdrawn`.
 
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::approval::{
@@ -10,7 +11,9 @@ use flotilla_model::approval::{
 use flotilla_model::time::Timestamp;
 use tracing::info;
 
-use crate::approvals::settled;
+use flotilla_model::event::EventEnvelope;
+
+use crate::approvals::{decided_event_id, settled, settled_detail};
 
 use super::{Cached, Runtime, StepError};
 
@@ -138,7 +141,7 @@ impl Runtime {
         entry: &Cached,
         record: &ApprovalRecord,
     ) -> Option<flotilla_model::event::EventEnvelope> {
-        use flotilla_model::event::{Event, EventEnvelope, ExternalToolCall};
+        use flotilla_model::event::{Event, ExternalToolCall};
         let r = &record.request;
         let call = r.tool_call.as_ref()?;
         let event = match r.trigger {
@@ -224,30 +227,80 @@ impl Runtime {
             .map_err(StepError::from)
     }
 
-    /// The run ended while the task waited: its approval is withdrawn unless settled first.
+    /// The run no longer waits for task `task`'s approval — the run ended, or a person
+    /// completed the task by hand — so it is withdrawn unless settled first. Returns the
+    /// run's `approval_decided` event saying so when the approval reads withdrawn (published
+    /// with the step's events; its id is the approval's, so a step performed again publishes
+    /// it once).
     pub(super) async fn withdraw_approval(
         &self,
         entry: &Cached,
         task: u32,
         attempt: u32,
         call: u32,
-    ) -> Result<(), StepError> {
+    ) -> Result<Option<EventEnvelope>, StepError> {
         let state = entry.machine.state();
         let run = state.run_id;
-        let reason = state
-            .stop_reason
-            .clone()
-            .unwrap_or_else(|| "the run ended".into());
+        let reason = withdrawal_reason(entry, task);
         let id = wait_id(task, attempt, call);
-        let result = self
+        match self.settle_withdrawn(run, &id, &reason).await {
+            Ok(record) => Ok(withdrawn_event(&record)),
+            Err(crate::approvals::ApprovalError::NotFound(_)) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// The run ended: every approval of it still pending is withdrawn — besides those its
+    /// tasks waited for (withdrawn by the machine's actions), an external agent's question
+    /// the attempt asked (which the coordinators' sweep would settle only later). Costs one
+    /// request for a run that never asked a person anything. Returns the events saying so.
+    pub(super) async fn withdraw_pending(
+        &self,
+        entry: &Cached,
+    ) -> Result<Vec<EventEnvelope>, StepError> {
+        let state = entry.machine.state();
+        let run = state.run_id;
+        if !self.escalations.any_of(run).await? {
+            return Ok(Vec::new());
+        }
+        let (pending, _) = self
             .escalations
-            .settle(run, &id, None, None, |p| {
+            .list(
+                Some(run),
+                false,
+                flotilla_model::approval::MAX_LISTED_APPROVALS as usize,
+            )
+            .await?;
+        let reason = ended_reason(entry);
+        let mut events = Vec::new();
+        for record in pending {
+            let id = record.request.approval_id.clone();
+            match self.settle_withdrawn(run, &id, &reason).await {
+                Ok(record) => events.extend(withdrawn_event(&record)),
+                Err(crate::approvals::ApprovalError::NotFound(_)) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(events)
+    }
+
+    /// Settles approval `id` of `run` withdrawn (by `run`, rejecting with `reason`) unless
+    /// something settled it first; returns the approval as it now reads.
+    async fn settle_withdrawn(
+        &self,
+        run: flotilla_model::ids::RunId,
+        id: &str,
+        reason: &str,
+    ) -> Result<ApprovalRecord, crate::approvals::ApprovalError> {
+        let (record, ours) = self
+            .escalations
+            .settle(run, id, None, None, |p| {
                 settled(
                     p,
                     ApprovalStatus::Withdrawn,
                     ApprovalAnswer {
                         decision: Decision::Reject {
-                            message: reason.clone(),
+                            message: reason.to_owned(),
                         },
                         by: "run".into(),
                         comment: None,
@@ -257,10 +310,61 @@ impl Runtime {
                     },
                 )
             })
-            .await;
-        match result {
-            Ok(_) | Err(crate::approvals::ApprovalError::NotFound(_)) => Ok(()),
-            Err(e) => Err(e.into()),
+            .await?;
+        if ours {
+            info!(%run, approval = %id, reason, "Approval withdrawn: the run no longer waits for it");
         }
+        Ok(record)
     }
+}
+
+/// Why the run no longer waits for task `task`'s approval, in words for the person who
+/// reads the withdrawn approval: the run's end, or the task completed by hand.
+fn withdrawal_reason(entry: &Cached, task: u32) -> String {
+    let state = entry.machine.state();
+    if state.status.is_terminal() {
+        return ended_reason(entry);
+    }
+    let sub = &entry.machine.plan().subtasks[task as usize];
+    match state.tasks.get(task as usize).map(|t| t.status) {
+        Some(flotilla_model::run::TaskStatus::Succeeded) => {
+            format!("task {} was completed by hand", sub.id)
+        }
+        _ => format!("the run no longer waits for task {}", sub.id),
+    }
+}
+
+/// The run's end, in words: its status and why it stopped early, if it did.
+fn ended_reason(entry: &Cached) -> String {
+    let state = entry.machine.state();
+    match &state.stop_reason {
+        Some(r) => format!("the run ended: {r}"),
+        None => format!("the run ended ({})", state.status),
+    }
+}
+
+/// The run's `approval_decided` event of an approval that reads withdrawn; none otherwise
+/// (an answer or the deadline settled it first, and says so itself).
+fn withdrawn_event(record: &ApprovalRecord) -> Option<EventEnvelope> {
+    use flotilla_model::event::{Event, WorkflowEvent, WorkflowPhase};
+    if record.status != ApprovalStatus::Withdrawn {
+        return None;
+    }
+    let r = &record.request;
+    Some(EventEnvelope {
+        protocol: PROTOCOL_VERSION,
+        id: decided_event_id(r.run_id, &r.approval_id),
+        run_id: r.run_id,
+        task_id: Some(r.task_id.clone()),
+        attempt: Some(r.attempt),
+        ts: record.answer.as_ref().map_or_else(Timestamp::now, |a| a.at),
+        source: "coordinator".into(),
+        event: Event::Workflow(WorkflowEvent {
+            agent: r.agent.clone(),
+            role: r.role.clone(),
+            detail: Some(settled_detail(record)),
+            approval_id: Some(r.approval_id.clone()),
+            ..WorkflowEvent::phase(WorkflowPhase::ApprovalDecided)
+        }),
+    })
 }

@@ -210,8 +210,10 @@ impl Runtime {
                     attempt,
                     call,
                 } => {
-                    self.withdraw_approval(entry, *task, *attempt, *call)
-                        .await?;
+                    events.extend(
+                        self.withdraw_approval(entry, *task, *attempt, *call)
+                            .await?,
+                    );
                     continue;
                 }
                 Action::CancelAttempts => {
@@ -239,6 +241,9 @@ impl Runtime {
                     (names.runlog(run), out)
                 }
                 Action::Finish => {
+                    // Nothing waits for a person once the run has ended; what still asks is
+                    // withdrawn, and its events precede the end's.
+                    events.extend(self.withdraw_pending(entry).await?);
                     let state = entry.machine.state();
                     let outcome = state.outcome.clone();
                     let phase = match state.status {
