@@ -210,3 +210,51 @@ async fn an_unknown_compensating_agent_is_refused() -> anyhow::Result<()> {
     assert!(String::from_utf8_lossy(&out.stderr).contains("not_found"));
     Ok(())
 }
+
+/// `runs tree` names a rollback run once, whatever the cancelled plan is called: a plan named
+/// `rollback` is shown with its rollback run as `rollback of "rollback"` (the cancelled run's
+/// name quoted), never `rollback of rollback`, which read as the rollback of a rollback.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runs_tree_names_a_rollback_run_once() -> anyhow::Result<()> {
+    let mut p = Processes::start(CONFIG).await?;
+    std::fs::write(p.dir().join("undo.py"), UNDO_PY)?;
+    p.coordinator().await?;
+    p.worker(&["--concurrency", "4"]).await?;
+    let mut named = chain("a", "b", "c");
+    named.name = Some("rollback".into());
+    let run = p.client.submit(SubmitRequest::new(named)).await?;
+    until_running_third(&p, run).await?;
+    let out = p.cli(&["runs", "cancel", &run.to_string(), "--rollback"])?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = p.cli(&["runs", "tree", &run.to_string()])?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    let rollback = rollback_run_id(run).to_string();
+    let lines: Vec<&str> = text.lines().collect();
+    let root = lines
+        .iter()
+        .find(|l| l.starts_with(&run.to_string()))
+        .unwrap_or_else(|| panic!("no line of the run: {text}"));
+    assert!(root.ends_with("  rollback"), "{text}");
+    let child = lines
+        .iter()
+        .find(|l| l.trim_start().starts_with(&rollback))
+        .unwrap_or_else(|| panic!("no line of the rollback run: {text}"));
+    assert!(child.starts_with("  "), "indented under the run: {text}");
+    assert!(child.ends_with(r#"  rollback of "rollback""#), "{text}");
+    assert!(!text.contains("rollback of rollback"), "{text}");
+    let view = p
+        .client
+        .run(rollback_run_id(run))
+        .await?
+        .expect("the rollback run");
+    assert_eq!(
+        view.record.name.as_deref(),
+        Some(r#"rollback of "rollback""#)
+    );
+    Ok(())
+}

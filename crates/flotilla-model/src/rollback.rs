@@ -176,10 +176,7 @@ pub fn rollback_plan(
         subtasks.push(sub);
     }
     Some(Plan {
-        name: Some(format!(
-            "rollback of {}",
-            plan.name.clone().unwrap_or_else(|| run.to_string())
-        )),
+        name: Some(rollback_name(plan.name.as_deref(), run)),
         query: None,
         subtasks,
         config: PlanConfig {
@@ -189,6 +186,16 @@ pub fn rollback_plan(
             ..PlanConfig::default()
         },
     })
+}
+
+/// The name of the rollback run of `run`, named `name`: `rollback of "<name>"`, quoted so
+/// that it reads once whatever the name says (a plan named `rollback` is not a rollback's
+/// rollback), or `rollback of run <id>` for a run without a name.
+pub fn rollback_name(name: Option<&str>, run: RunId) -> String {
+    match name {
+        Some(n) => format!("rollback of {n:?}"),
+        None => format!("rollback of run {run}"),
+    }
 }
 
 /// `text` cut to about `max` bytes, saying so.
@@ -228,6 +235,24 @@ mod tests {
             t.id.to_string(),
             t.dependencies.iter().map(ToString::to_string).collect(),
         )
+    }
+
+    #[test]
+    fn a_rollback_names_the_run_it_undoes_once_quoted() {
+        let run = RunId::new();
+        let mut p = plan(vec![task("a", &[], Some("undo"))]);
+        p.name = Some("rollback".into());
+        let undo = [Compensated {
+            index: 0,
+            result: "done".into(),
+        }];
+        let rb = rollback_plan(run, &p, &undo, MAX_COMPENSATED_RESULT).expect("a rollback plan");
+        assert_eq!(rb.name.as_deref(), Some(r#"rollback of "rollback""#));
+        assert_eq!(
+            rollback_name(Some(r#"the "q" report"#), run),
+            r#"rollback of "the \"q\" report""#
+        );
+        assert_eq!(rollback_name(None, run), format!("rollback of run {run}"));
     }
 
     #[test]
