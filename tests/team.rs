@@ -357,3 +357,121 @@ async fn team_api_refuses_bad_requests() -> anyhow::Result<()> {
     assert_eq!(list.members.len(), 3);
     Ok(())
 }
+
+/// "Role" means one thing in every team command: what a plan task's `role` names. A member
+/// whose card declares no role but ran a task of role `editor` serves it: `team` lists the
+/// role and shows it on the member's row, `team find editor` finds the member (not
+/// `unknown_role`), `team --role editor` lists it, `team stats editor` says who served it,
+/// and `memory show` names the same role of the plan.
+#[tokio::test]
+async fn a_role_is_a_plan_tasks_role_in_every_team_command() -> anyhow::Result<()> {
+    let mut p = Processes::start(
+        r#"
+default-agent = "scribe"
+
+[agents.scribe]
+kind = "scripted"
+reply = "{task_id}: done"
+
+[agents.idle]
+kind = "scripted"
+reply = "unused"
+roles = ["reviewer"]
+"#,
+    )
+    .await?;
+    p.coordinator().await?;
+    p.supervisor().await?;
+    p.worker(&[]).await?;
+    until_status(&p, "scribe", MemberStatus::Idle, Duration::from_secs(5)).await?;
+    let mut plan = plan_of_one("scribe");
+    plan.subtasks[0].role = Some("editor".into());
+    let run = p.client.submit(SubmitRequest::new(plan)).await?;
+    assert_eq!(p.client.wait(run, WAIT).await?.status, RunStatus::Succeeded);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while stats_of(
+        &p.client.request(&stats_request(None), ASK).await?,
+        RecordScope::Role,
+        "editor",
+    )
+    .is_none()
+    {
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "no record of editor"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // `team`: the role the task played and the role a card declares.
+    let out = p.cli(&["team", "--json"])?;
+    assert!(out.status.success(), "{out:?}");
+    let list: TeamList = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(list.roles, ["editor", "reviewer"]);
+    let scribe = list
+        .members
+        .iter()
+        .find(|m| m.name == "scribe")
+        .context("scribe listed")?;
+    assert_eq!(
+        (scribe.card.roles.len(), scribe.served.as_slice()),
+        (0, &["editor".to_owned()][..])
+    );
+    let text = String::from_utf8_lossy(&p.cli(&["team"])?.stdout).into_owned();
+    assert!(text.contains("roles: editor, reviewer"), "{text}");
+    let row = text
+        .lines()
+        .find(|l| l.starts_with("scribe "))
+        .with_context(|| format!("no scribe row: {text}"))?;
+    assert!(row.contains(" editor "), "{text}");
+    let out = p.cli(&["team", "--role", "editor"])?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let members: Vec<&str> = text
+        .lines()
+        .skip(1)
+        .take_while(|l| !l.is_empty() && !l.starts_with("roles:"))
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    assert_eq!(members, ["scribe"], "{text}");
+
+    // `team find editor`: the member that served it, not unknown_role.
+    let out = p.cli(&["team", "find", "editor", "--json"])?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let found: TeamList = serde_json::from_slice(&out.stdout)?;
+    let names: Vec<&str> = found.members.iter().map(|m| m.name.as_str()).collect();
+    assert_eq!(names, ["scribe"]);
+    // A declared role is found as before; one the team never met is still unknown_role.
+    let found: TeamList =
+        serde_json::from_slice(&p.cli(&["team", "find", "reviewer", "--json"])?.stdout)?;
+    assert_eq!(found.members.len(), 1, "{found:?}");
+    assert_eq!(found.members[0].name, "idle");
+    let out = p.cli(&["team", "find", "astronaut", "--json"])?;
+    assert_eq!(out.status.code(), Some(1));
+    let body: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(body["error"], "unknown_role", "{body}");
+    assert!(
+        body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("roles: editor, reviewer")),
+        "{body}"
+    );
+
+    // `team stats editor` and `memory show`: the same role, and who served it.
+    let text = String::from_utf8_lossy(&p.cli(&["team", "stats", "editor"])?.stdout).into_owned();
+    assert!(text.contains("role editor served by: scribe"), "{text}");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let shown = loop {
+        let out = p.cli(&["memory", "show", &run.to_string()])?;
+        if out.status.success() {
+            break String::from_utf8_lossy(&out.stdout).into_owned();
+        }
+        anyhow::ensure!(tokio::time::Instant::now() < deadline, "{out:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(shown.contains("roles: editor"), "{shown}");
+    Ok(())
+}

@@ -1153,7 +1153,7 @@ async function viewTeam() {
         ${team.members.map((m) => {
           const f = m.failures;
           return `<tr data-member="${esc(m.name)}"><td><b>${esc(m.name)}</b><div class="muted">${esc((m.card && m.card.description) || '')}</div></td>
-            <td>${status(m.status)}</td><td>${esc((m.card.roles || []).join(', '))}</td>
+            <td>${status(m.status)}</td><td>${esc([...new Set([...(m.card.roles || []), ...(m.served || [])])].join(', '))}</td>
             <td>${esc(level(m.name) || '-')}</td><td>${(m.workers || []).length}</td><td>${(m.tasks || []).length}</td>
             <td>${time(m.last_progress)}</td>
             <td>${f ? `${f.last_hour.failed} / ${f.last_day.failed}` : '-'}</td><td>${f ? f.consecutive_failures : '-'}</td>

@@ -342,6 +342,9 @@ pub struct AttemptOutcome {
     pub error: Option<(TaskErrorKind, String)>,
     /// When it ended (server time of the event).
     pub at: Timestamp,
+    /// The agent that ran it, when the event names one: a role's record notes who served
+    /// the role ([`FailureRecord::agents`]).
+    pub agent: Option<String>,
 }
 
 /// The last failure of a record.
@@ -471,6 +474,12 @@ pub struct FailureRecord {
     /// [`FailureRecord::MAX_RECENT`]): an outcome delivered again is not counted again.
     #[serde(default, skip_serializing_if = "VecDeque::is_empty")]
     pub recent: VecDeque<String>,
+    /// A role's record: the agents whose attempts of a task with this role it counted, the
+    /// one that served it last at the end (at most [`FailureRecord::MAX_AGENTS`]). What
+    /// `team.find` finds a role's members by, besides the roles their cards declare. Empty
+    /// for an agent's record, and in records written before it was kept.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub agents: Vec<String>,
 }
 
 /// A failure record's figures at one time, as the API answers them.
@@ -498,6 +507,10 @@ pub struct FailureStats {
     /// When the last outcome was counted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_outcome_at: Option<Timestamp>,
+    /// A role's record: the agents that served the role, the latest last (see
+    /// [`FailureRecord::agents`]); omitted when none is known.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub agents: Vec<String>,
 }
 
 impl FailureRecord {
@@ -505,6 +518,8 @@ impl FailureRecord {
     pub const MAX_RECENT: usize = 512;
     /// Longest incident message kept, in bytes.
     pub const MAX_MESSAGE: usize = 512;
+    /// Agents a role's record names.
+    pub const MAX_AGENTS: usize = 32;
 
     /// An empty record.
     pub fn new(scope: RecordScope, name: &str) -> Self {
@@ -520,6 +535,7 @@ impl FailureRecord {
             last_incident: None,
             last_outcome_at: None,
             recent: VecDeque::new(),
+            agents: Vec::new(),
         }
     }
 
@@ -571,6 +587,17 @@ impl FailureRecord {
         if self.last_outcome_at.is_none_or(|t| t.unix_ms() < at) {
             self.last_outcome_at = Some(outcome.at);
         }
+        if let Some(agent) = outcome
+            .agent
+            .as_ref()
+            .filter(|_| self.scope == RecordScope::Role)
+        {
+            self.agents.retain(|a| a != agent);
+            self.agents.push(agent.clone());
+            if self.agents.len() > Self::MAX_AGENTS {
+                self.agents.remove(0);
+            }
+        }
         true
     }
 
@@ -588,6 +615,7 @@ impl FailureRecord {
             last_30_days: self.month.totals(now, MONTH.0, MONTH.1),
             last_incident: self.last_incident.clone(),
             last_outcome_at: self.last_outcome_at,
+            agents: self.agents.clone(),
         }
     }
 }
@@ -619,6 +647,10 @@ pub struct MemberView {
     /// Its agent's failure record.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failures: Option<FailureStats>,
+    /// The roles it served: tasks with these roles ran on it (their roles' failure records
+    /// name it), whether or not its card declares them; omitted when none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub served: Vec<String>,
     /// Set for an agent of the NATS Agent Protocol found on this NATS (not one of this
     /// deployment's agent definitions): how to reach it. Its name is then
     /// `agents:<agent>.<owner>.<session>`, the target `flotilla call` and `call_agent` take.
@@ -671,8 +703,25 @@ impl MemberView {
             last_heartbeat,
             counters: member.counters,
             failures,
+            served: Vec::new(),
             external: None,
         }
+    }
+
+    /// Whether it has role `role`: its card declares it, or it served it.
+    pub fn has_role(&self, role: &str) -> bool {
+        self.card.roles.iter().any(|r| r == role) || self.served.iter().any(|r| r == role)
+    }
+
+    /// Its roles: those its card declares, then those it served that it does not declare.
+    pub fn roles(&self) -> Vec<&str> {
+        let mut out: Vec<&str> = self.card.roles.iter().map(String::as_str).collect();
+        for r in &self.served {
+            if !out.contains(&r.as_str()) {
+                out.push(r);
+            }
+        }
+        out
     }
 }
 
@@ -683,13 +732,15 @@ pub struct TeamListRequest {
     /// Wire protocol version.
     #[serde(default = "crate::protocol_v1")]
     pub protocol: u32,
-    /// Only members filling this role.
+    /// Only members (and teammates) with this role: declared on the card, or served.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub role: Option<String>,
 }
 
-/// `team.find`: the members of a role that can take work now — online, idle before working,
-/// then by name.
+/// `team.find`: the members of a role that can take work now — those whose card declares it
+/// or that served it (ran a task with that role), online, idle before working, then by name —
+/// and the teammates of the role. `404 unknown_role` only for a role the team does not know
+/// (see [`TeamList::roles`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct TeamFindRequest {
@@ -705,9 +756,12 @@ pub struct TeamFindRequest {
 pub struct TeamList {
     /// The members, by name (`team.find`: best first).
     pub members: Vec<MemberView>,
-    /// Every role some member fills.
+    /// Every role the team knows, sorted. A role is what a plan task's `role` names; the
+    /// team knows one that a task played (its failure record, `team.stats`), a member's card
+    /// declares (`roles = […]`) or a teammate has.
     pub roles: Vec<String>,
-    /// Persistent teammates (`team.list` only; of the role asked for), by team then name.
+    /// Persistent teammates, by team then name: `team.list` every one (of the role asked
+    /// for), `team.find` those of the role.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub teammates: Vec<crate::teammate::TeammateView>,
 }
@@ -788,6 +842,7 @@ mod tests {
             success,
             error: (!success).then(|| (TaskErrorKind::AgentFailed, "boom".into())),
             at: Timestamp::from_unix_ms(at_ms),
+            agent: Some("bot".into()),
         }
     }
 
@@ -803,6 +858,34 @@ mod tests {
         assert!(r.apply(&outcome(3, true, 1_001_000)));
         assert_eq!((r.consecutive_failures, r.total_succeeded), (0, 1));
         assert_eq!(r.last_incident.as_ref().map(|i| i.attempt), Some(2));
+    }
+
+    #[test]
+    fn a_role_record_names_the_agents_that_served_it_latest_last() {
+        let mut role = FailureRecord::new(RecordScope::Role, "analyst");
+        let mut agent = FailureRecord::new(RecordScope::Agent, "bot");
+        let by = |n: u32, who: &str| AttemptOutcome {
+            agent: Some(who.into()),
+            ..outcome(n, true, 1_000_000 + i64::from(n))
+        };
+        for (n, who) in [(1, "bot"), (2, "writer"), (3, "bot")] {
+            assert!(role.apply(&by(n, who)));
+            agent.apply(&by(n, who));
+        }
+        assert_eq!(role.agents, ["writer", "bot"]);
+        assert_eq!(role.stats_at(Timestamp::now()).agents, ["writer", "bot"]);
+        assert!(agent.agents.is_empty(), "an agent's record names no agents");
+        for n in 0..(FailureRecord::MAX_AGENTS as u32 + 4) {
+            role.apply(&by(10 + n, &format!("a{n}")));
+        }
+        assert_eq!(role.agents.len(), FailureRecord::MAX_AGENTS);
+        assert_eq!(
+            role.agents.last().map(String::as_str),
+            Some(format!("a{}", FailureRecord::MAX_AGENTS + 3).as_str())
+        );
+        // Omitted from the wire when empty: records written before it read the same.
+        let json = serde_json::to_value(agent.stats_at(Timestamp::now())).expect("json");
+        assert!(json.get("agents").is_none(), "{json}");
     }
 
     #[test]

@@ -17,7 +17,7 @@
 //! | `<prefix>.api.memory.list` / `get` / `forget` | remembered runs ([`crate::memory`]) | |
 //! | `<prefix>.api.trust.list` / `get` / `set` / `incident` | earned trust ([`crate::trust`]) | `TrustList`, `TrustRecord` |
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use async_nats::service::{Request, Service, ServiceExt, endpoint::Endpoint};
@@ -246,8 +246,28 @@ fn views(team: &Team, now: Timestamp) -> Vec<MemberView> {
     all
 }
 
+/// The roles each agent served, by agent: the roles whose failure records name it.
+fn served(team: &Team) -> BTreeMap<String, Vec<String>> {
+    let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (_, r) in team.failures.all() {
+        if r.value.scope != RecordScope::Role {
+            continue;
+        }
+        for agent in &r.value.agents {
+            out.entry(agent.clone())
+                .or_default()
+                .push(r.value.name.clone());
+        }
+    }
+    for roles in out.values_mut() {
+        roles.sort();
+    }
+    out
+}
+
 fn own_views(team: &Team, now: Timestamp) -> Vec<MemberView> {
     let hosts = hosts(team, now.unix_ms());
+    let mut served = served(team);
     team.roster
         .all()
         .into_iter()
@@ -262,7 +282,9 @@ fn own_views(team: &Team, now: Timestamp) -> Vec<MemberView> {
             if !hosts.contains_key(&m.name) {
                 m.workers.clear();
             }
-            MemberView::of(&m, now, team.stale_after_ms(), beat, failures)
+            let mut view = MemberView::of(&m, now, team.stale_after_ms(), beat, failures);
+            view.served = served.remove(&view.name).unwrap_or_default();
+            view
         })
         .collect()
 }
@@ -278,12 +300,23 @@ fn failure_stats(
         .map(|r| r.value.stats_at(now))
 }
 
+/// Every role the team knows, sorted: one that a plan task's `role` named and whose attempts
+/// were counted (its failure record), one a member's card declares (configured, on the
+/// roster, an external member's), and a teammate's.
 fn roles(team: &Team) -> Vec<String> {
     let mut roles: BTreeSet<String> = team
         .cards
         .values()
         .flat_map(|c| c.roles.iter().cloned())
         .collect();
+    roles.extend(
+        team.failures
+            .all()
+            .into_iter()
+            .filter(|(_, r)| r.value.scope == RecordScope::Role)
+            .map(|(_, r)| r.value.name),
+    );
+    roles.extend(team.mates.all().into_iter().map(|(_, m)| m.value.role));
     roles.extend(
         team.roster
             .all()
@@ -305,7 +338,7 @@ async fn team_list(team: &Team, req: Request) {
     };
     let mut members = views(team, Timestamp::now());
     if let Some(role) = &r.role {
-        members.retain(|m| m.card.roles.contains(role));
+        members.retain(|m| m.has_role(role));
     }
     let reply = TeamList {
         members,
@@ -390,7 +423,7 @@ async fn team_find(team: &Team, req: Request) {
             404,
             "unknown_role",
             format!(
-                "no team member fills the role {:?} (roles members fill: {}); a member fills a role when its agent's card says roles = [{:?}]",
+                "the team knows no role {:?} (roles: {}); a role is what a plan task's role names, known once such a task ran, or declared by a member's card (roles = [{:?}]) or a teammate",
                 r.role,
                 if roles.is_empty() {
                     "none".to_owned()
@@ -404,7 +437,7 @@ async fn team_find(team: &Team, req: Request) {
     }
     let mut members: Vec<MemberView> = views(team, Timestamp::now())
         .into_iter()
-        .filter(|m| m.card.roles.contains(&r.role) && m.status != MemberStatus::Offline)
+        .filter(|m| m.has_role(&r.role) && m.status != MemberStatus::Offline)
         .collect();
     members.sort_by(|a, b| {
         rank(a.status)
@@ -417,7 +450,10 @@ async fn team_find(team: &Team, req: Request) {
         &TeamList {
             members,
             roles,
-            teammates: Vec::new(),
+            teammates: teammates::views(team, None)
+                .into_iter()
+                .filter(|t| t.role == r.role)
+                .collect(),
         },
         TOO_LARGE,
     )

@@ -228,6 +228,7 @@ fn view(e: &Entry, now_ms: i64) -> MemberView {
         last_heartbeat: e.beat_ms.map(Timestamp::from_unix_ms),
         counters: MemberCounters::default(),
         failures: None,
+        served: Vec::new(),
         external: Some(ExternalMember {
             agent: a.agent.clone(),
             owner: a.owner.clone(),

@@ -304,6 +304,7 @@ impl Changes {
                             success,
                             error: w.error.as_ref().map(|x| (x.kind, x.message.clone())),
                             at: Timestamp::from_unix_ms(at_ms),
+                            agent: w.agent.clone(),
                         };
                         let records = [
                             w.agent.as_deref().map(|a| (RecordScope::Agent, a)),

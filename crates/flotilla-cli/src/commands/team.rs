@@ -40,7 +40,8 @@ const TIMEOUT: Duration = Duration::from_secs(10);
 pub(crate) struct TeamArgs {
     #[command(subcommand)]
     command: Option<TeamCommand>,
-    /// Only members filling this role.
+    /// Only members (and teammates) with this role: a plan task's `role`, which a member
+    /// has when its card declares it or it ran a task with that role.
     #[arg(long)]
     role: Option<String>,
     /// Machine-readable output.
@@ -60,7 +61,9 @@ enum TeamCommand {
         #[arg(long)]
         team: Option<String>,
     },
-    /// The members of a role that can take work now, best first (idle, then working).
+    /// The members of a role that can take work now, best first (idle, then working): those
+    /// whose card declares it and those that ran a task with that role; and the teammates of
+    /// the role. A role the team does not know is `unknown_role` (exit 1).
     Find {
         /// The role.
         role: String,
@@ -773,10 +776,10 @@ fn print_list(list: &TeamList) {
             "{:<20}  {:<8}  {:<24}  {:>7}  {:>5}  {:<12}  {:>9}  {:>5}",
             m.name.chars().take(20).collect::<String>(),
             m.status.as_str(),
-            if m.card.roles.is_empty() {
+            if m.roles().is_empty() {
                 "-".to_owned()
             } else {
-                m.card.roles.join(",").chars().take(24).collect()
+                m.roles().join(",").chars().take(24).collect()
             },
             m.workers.len(),
             m.tasks.len(),
@@ -802,7 +805,7 @@ fn print_list(list: &TeamList) {
     outln!(
         "roles: {}",
         if list.roles.is_empty() {
-            "none filled (a member fills a role when its agent's card says roles = [\"…\"]; a task's `role` names one)".to_owned()
+            "none yet (a role is what a plan task's `role` names: known once such a task ran, or declared by a member's card, roles = [\"…\"], or a teammate)".to_owned()
         } else {
             list.roles.join(", ")
         }
@@ -817,6 +820,9 @@ fn print_member(m: &MemberView) {
     }
     if !m.card.roles.is_empty() {
         outln!("roles           {}", m.card.roles.join(", "));
+    }
+    if !m.served.is_empty() {
+        outln!("served roles    {}", m.served.join(", "));
     }
     if !m.card.capabilities.is_empty() {
         outln!("capabilities    {}", m.card.capabilities.join(", "));
@@ -903,6 +909,9 @@ fn print_stats(records: &[FailureStats]) {
     }
     if records.is_empty() {
         outln!("(no records yet)");
+    }
+    for r in records.iter().filter(|r| !r.agents.is_empty()) {
+        outln!("role {} served by: {}", r.name, r.agents.join(", "));
     }
 }
 
