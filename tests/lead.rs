@@ -7,8 +7,8 @@
 //!
 //! The first test runs the shipped example (`config/examples/supervised-team.toml` and its
 //! plan). Agents are deterministic: the lead's model is the OpenAI-compatible test double
-//! (`flotilla_testkit::openai`, scripted replies matched on the mail the lead was sent), and
-//! the members are `scripted` agents.
+//! (`flotilla_testkit::openai`, the example's scripted replies, matched on the mail the lead
+//! was sent), and the members are `scripted` agents.
 
 mod support;
 
@@ -23,8 +23,7 @@ use flotilla_model::runlog::RunInput;
 use flotilla_model::subjects::Bucket;
 use flotilla_model::submit::SubmitRequest;
 use flotilla_model::teammate::{Teammate, TeammateStatus, teammate_key};
-use flotilla_testkit::openai::{OpenAiServer, Reply};
-use serde_json::json;
+use flotilla_testkit::openai::OpenAiServer;
 use support::*;
 
 const ASK: Duration = Duration::from_secs(15);
@@ -102,36 +101,12 @@ async fn history_kinds(p: &Processes, run: RunId) -> anyhow::Result<Vec<RunInput
 #[tokio::test]
 async fn a_lead_assigns_recruits_mid_run_and_finishes_the_run() -> anyhow::Result<()> {
     let llm = OpenAiServer::start().await?;
-    // Each reply answers the first request that contains its needle (the mail so far); the
-    // unmatched ones end a turn after its tool call.
-    llm.push_all([
-        // The plan's agents are the lead's teammates: it asks one before assigning.
-        Reply::tool_call(
-            "send_message",
-            json!({"to": "analyst", "text": "which market do you size first?"}),
-        )
-        .when("Your team (message a member with send_message): analyst (analyst: market, pricing, hiring);"),
-        Reply::tool_call(
-            "assign_task",
-            json!({"task_id": "market", "reason": "the market first"}),
-        )
-        .when("Assign what should run first"),
-        Reply::text("market assigned"),
-        Reply::tool_call(
-            "recruit",
-            json!({"role": "patents", "description": "find the competitor's patents", "reason": "growth that fast needs a patent check", "after": ["market"]}),
-        )
-        .when("Task market succeeded"),
-        Reply::text("a patent analyst is on it"),
-        Reply::tool_call(
-            "finish_run",
-            json!({"result": "The competitor grew 12% and holds three relevant patents."}),
-        )
-        .when("Result of recruit-"),
-        Reply::text("waiting for the patent analyst").when("was recruited as task"),
-        Reply::text("done"),
-        Reply::text("done"),
-    ]);
+    // The example's script (`config/examples/models/supervised-team.json`, which `flotilla
+    // example supervised-team` serves too): each reply answers the first request that
+    // contains its needle (the mail so far); the unmatched ones end a turn after its tool
+    // call. The lead asks a teammate, assigns `market`, recruits a patent analyst once it
+    // succeeded and finishes the run with the recruit's result.
+    llm.push_all(example_script("supervised-team")?);
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let base_url = llm.base_url();
     let p = up(Processes::with_config_file(

@@ -7,8 +7,9 @@
 //! validates against the example deployment.
 //!
 //! The model is not a model: it is `flotilla_testkit::openai`, a deterministic
-//! OpenAI-compatible test double whose replies (tool calls and texts) are scripted here. The
-//! `market_data` tool and the publisher are the example's real scripts (`python3`).
+//! OpenAI-compatible test double whose replies (tool calls and texts) are the example's script,
+//! `config/examples/models/market-analysis.json`. The `market_data` tool and the publisher are
+//! the example's real scripts (`python3`).
 
 mod support;
 
@@ -18,8 +19,7 @@ use std::time::Duration;
 use flotilla_model::ids::RunId;
 use flotilla_model::run::{EndCause, RunStatus, TaskStatus};
 use flotilla_model::submit::SubmitRequest;
-use flotilla_testkit::openai::{OpenAiServer, Reply};
-use serde_json::json;
+use flotilla_testkit::openai::OpenAiServer;
 use support::*;
 
 const CONFIG: &str = "config/examples/market-analysis.toml";
@@ -52,37 +52,13 @@ async fn example(llm: &OpenAiServer, dir: &Path) -> anyhow::Result<(Processes, P
 }
 
 /// What "the model" says, task by task (each reply answers the first request whose prompt
-/// names its task): the researcher calls `market_data` and then lists the figures, the
-/// analyst answers its two tasks, the writer answers in the plan's output schema.
-fn script(llm: &OpenAiServer) {
-    let answer = |task: &str, text: &str| Reply::text(text).when(format!("Your task ({task})"));
-    llm.push_all([
-        Reply::tool_call("market_data", json!({})).when("Your task (gather_data)"),
-        answer(
-            "gather_data",
-            "Sales: 8,200 bikes in 2022, 15,400 in 2025. \
-             Larkspur 34%, Oxbow 27% (+31%), Hemlin 18% (-4%).",
-        ),
-        answer(
-            "competitors",
-            "Larkspur leads on dealers; Oxbow grows fastest online; \
-             Hemlin lost ground after its recall.",
-        ),
-        answer(
-            "trends",
-            "The market nearly doubled in three years while prices fell; \
-             subsidies and delivery firms add demand.",
-        ),
-        answer(
-            "write_report",
-            &json!({
-                "title": TITLE,
-                "summary": SUMMARY,
-                "recommendation": "Launch online in 2026 at about 3,500 EUR."
-            })
-            .to_string(),
-        ),
-    ]);
+/// names its task): the example's own script (`config/examples/models/market-analysis.json`,
+/// which `flotilla example market-analysis` serves too) — the researcher calls `market_data`
+/// and then lists the figures, the analyst answers its two tasks, the writer answers in the
+/// plan's output schema with [`TITLE`] and [`SUMMARY`].
+fn script(llm: &OpenAiServer) -> anyhow::Result<()> {
+    llm.push_all(example_script("market-analysis")?);
+    Ok(())
 }
 
 fn plan() -> anyhow::Result<flotilla_model::Plan> {
@@ -240,7 +216,7 @@ async fn the_example_plan_validates_against_the_example_config() -> anyhow::Resu
 #[tokio::test]
 async fn an_approved_report_is_published_and_the_run_succeeds() -> anyhow::Result<()> {
     let llm = OpenAiServer::start().await?;
-    script(&llm);
+    script(&llm)?;
     let dir = tempfile::tempdir()?;
     let (p, report) = example(&llm, dir.path()).await?;
     let (run, asked) = until_publication_asks(&p, &llm, &report).await?;
@@ -324,7 +300,7 @@ async fn an_approved_report_is_published_and_the_run_succeeds() -> anyhow::Resul
 #[tokio::test]
 async fn a_rejected_report_is_never_published_and_the_run_fails() -> anyhow::Result<()> {
     let llm = OpenAiServer::start().await?;
-    script(&llm);
+    script(&llm)?;
     let dir = tempfile::tempdir()?;
     let (p, report) = example(&llm, dir.path()).await?;
     let (run, _) = until_publication_asks(&p, &llm, &report).await?;

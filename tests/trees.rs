@@ -20,7 +20,7 @@ use flotilla_model::event::Event;
 use flotilla_model::plan::{Plan, Subtask};
 use flotilla_model::run::{RunHandle, RunOutcome, RunStatus};
 use flotilla_model::submit::SubmitRequest;
-use flotilla_testkit::openai::{OpenAiServer, RecordedRequest, Reply};
+use flotilla_testkit::openai::{OpenAiServer, RecordedRequest};
 use futures::StreamExt;
 use serde_json::{Value, json};
 use support::*;
@@ -622,19 +622,13 @@ fn the_pattern_examples_and_their_plans_are_valid() -> anyhow::Result<()> {
 /// `transfer_to_agent`; billing continues it as a child run and its answer is the ticket's.
 #[tokio::test]
 async fn the_dispatcher_example_routes_the_ticket_to_a_specialist() -> anyhow::Result<()> {
-    // The scripted test double plays the models: the desk transfers, billing answers. Billing's
-    // request carries the desk's conversation too, so its reply is queued first and matched
-    // by what only billing is told.
+    // The scripted test double plays the models with the example's script
+    // (`config/examples/models/helpdesk.json`): the desk transfers, billing answers with
+    // `answer`. Billing's request carries the desk's conversation too, so its reply is listed
+    // first and matched by what only billing is told.
     let answer = "I have refunded the second debit of 84.20 euros; expect it within five days.";
     let llm = OpenAiServer::start().await?;
-    llm.push(Reply::text(answer).when("helpdesk handed this conversation to you"));
-    llm.push(
-        Reply::tool_call(
-            "transfer_to_agent",
-            json!({"agent_name": "billing", "reason": "a double charge"}),
-        )
-        .when("Your task (ticket)"),
-    );
+    llm.push_all(example_script("helpdesk")?);
     let p = pattern_services(&llm, 1).await?;
     let root = p
         .client
@@ -691,28 +685,12 @@ async fn the_hierarchical_example_runs_a_grandchild_and_answers_propagate_up() -
     let verdict = "Confirmed: costs.txt says the pilot cost 6.1 million euros to build.";
     let facts = "The pilot cost 6.1 million euros (verified) and earned about 249,000 euros in its first year, less than its 410,000 euros of running costs.";
     let report = "Report: the Brindle Harbour pilot cost 6.1 million euros; its electricity does not yet cover its running costs.";
-    // The scripted test double plays the three models, each matched by its task: the
-    // reporter's (`report`, from the plan) and the child tasks named after their agents.
+    // The scripted test double plays the three models with the example's script
+    // (`config/examples/models/report.json`, whose answers are these), each reply matched by
+    // its task: the reporter's (`report`, from the plan) and the child tasks named after their
+    // agents.
     let llm = OpenAiServer::start().await?;
-    llm.push_all([
-        Reply::tool_call(
-            "call_agent",
-            json!({"agent": "researcher", "request": "What did the pilot cost and earn?"}),
-        )
-        .when("Your task (report)"),
-        Reply::text(report).when("Your task (report)"),
-        Reply::tool_call("search_corpus", json!({"query": "cost earned euros"}))
-            .when("Your task (researcher)"),
-        Reply::tool_call(
-            "call_agent",
-            json!({"agent": "verifier", "request": "Check: the pilot cost 6.1 million euros."}),
-        )
-        .when("Your task (researcher)"),
-        Reply::text(facts).when("Your task (researcher)"),
-        Reply::tool_call("search_corpus", json!({"query": "6.1 million"}))
-            .when("Your task (verifier)"),
-        Reply::text(verdict).when("Your task (verifier)"),
-    ]);
+    llm.push_all(example_script("report")?);
     let p = pattern_services(&llm, 2).await?;
     let root = p
         .client

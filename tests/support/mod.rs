@@ -26,6 +26,15 @@ pub fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
+/// The scripted model replies of an example (`config/examples/models/<name>.json`), read by
+/// the loader `flotilla example` uses: the tests of an example run on the replies it ships.
+pub fn example_script(name: &str) -> anyhow::Result<Vec<flotilla_testkit::openai::Reply>> {
+    let path = root()
+        .join("config/examples/models")
+        .join(format!("{name}.json"));
+    Ok(flotilla_testkit::openai::read_script(&path)?)
+}
+
 pub fn scripted(reply: &str) -> AgentDefinition {
     AgentDefinition::Scripted(ScriptedConfig {
         reply: reply.into(),

@@ -22,6 +22,13 @@
 //! ([`OpenAiServer::requests`]) with its headers and JSON body, so tests assert on the
 //! prompts, the tools offered and the `response_format` sent.
 //!
+//! A script may also live in a file ([`read_script`]): the examples' replies in
+//! `config/examples/models/*.json`, which `flotilla example` and the tests of those examples
+//! both load. A file is a JSON list of replies, each answering one model call, in order:
+//! `{"text": "…"}` or `{"tool_calls": [{"name": "…", "arguments": {…}}]}` (with an optional
+//! `"text"` said before the calls), each optionally `"when": "…"` — then it answers only a
+//! request whose body contains that text (the prompt names its task: `Your task (ID)`).
+//!
 //! ```no_run
 //! # async fn t() -> Result<(), Box<dyn std::error::Error>> {
 //! use flotilla_testkit::openai::{OpenAiServer, Reply};
@@ -37,6 +44,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -50,6 +58,112 @@ use axum::routing::post;
 use serde_json::{Value, json};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
+
+/// Why a file of scripted replies could not be read ([`read_script`]).
+#[derive(Debug, thiserror::Error)]
+pub enum ScriptFileError {
+    /// The file could not be read.
+    #[error("reading scripted replies {}: {source}", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// It is not a list of scripted replies.
+    #[error(
+        "{}: not a list of scripted replies ({{\"text\": …}} or {{\"tool_calls\": [{{\"name\": …, \"arguments\": {{…}}}}]}}, each with an optional \"when\"): {source}",
+        path.display()
+    )]
+    Malformed {
+        /// The file.
+        path: PathBuf,
+        /// Where the JSON is wrong.
+        source: serde_json::Error,
+    },
+    /// A reply says nothing: no text and no tool call.
+    #[error("{}: reply {number} has neither text nor tool_calls", path.display())]
+    Empty {
+        /// The file.
+        path: PathBuf,
+        /// The reply's number in the list, from 1.
+        number: usize,
+    },
+}
+
+/// One reply of a script file.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileReply {
+    /// Answers only a request whose body contains this.
+    #[serde(default)]
+    when: Option<String>,
+    /// The answer's text (said before the tool calls, when there are some).
+    #[serde(default)]
+    text: Option<String>,
+    /// Tool calls the model asks for.
+    #[serde(default)]
+    tool_calls: Vec<FileToolCall>,
+}
+
+/// One tool call of a script file's reply.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileToolCall {
+    name: String,
+    /// The arguments (`{}` when left out).
+    #[serde(default)]
+    arguments: Option<Value>,
+}
+
+/// The replies of a script file (see the [module](self) for its format), in order, ready for
+/// [`OpenAiServer::push_all`].
+pub fn read_script(path: &Path) -> Result<Vec<Reply>, ScriptFileError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ScriptFileError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    parse_script(&text, path)
+}
+
+/// The replies of a script read from `path` whose text is `text`.
+pub fn parse_script(text: &str, path: &Path) -> Result<Vec<Reply>, ScriptFileError> {
+    let replies: Vec<FileReply> =
+        serde_json::from_str(text).map_err(|source| ScriptFileError::Malformed {
+            path: path.to_path_buf(),
+            source,
+        })?;
+    replies
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let reply = match (r.text, r.tool_calls.is_empty()) {
+                (None, true) => {
+                    return Err(ScriptFileError::Empty {
+                        path: path.to_path_buf(),
+                        number: i + 1,
+                    });
+                }
+                (Some(text), true) => Reply::text(text),
+                (text, false) => {
+                    let calls = r
+                        .tool_calls
+                        .into_iter()
+                        .map(|c| (c.name, c.arguments.unwrap_or_else(|| json!({}))));
+                    let reply = Reply::tool_calls(calls);
+                    match text {
+                        Some(t) => reply.with_text(t),
+                        None => reply,
+                    }
+                }
+            };
+            Ok(match r.when {
+                Some(needle) => reply.when(needle),
+                None => reply,
+            })
+        })
+        .collect()
+}
 
 /// One tool call of a scripted reply.
 #[derive(Debug, Clone, PartialEq)]

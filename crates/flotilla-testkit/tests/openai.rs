@@ -184,3 +184,75 @@ impl JsonText for reqwest::Response {
         Ok(serde_json::from_str(&self.text().await?)?)
     }
 }
+
+/// The examples' script files (`config/examples/models/`) read as the replies they list, the
+/// same as scripted by hand; a file that is not a script is refused with what is wrong.
+#[tokio::test]
+async fn script_files_read_as_scripted_replies() -> anyhow::Result<()> {
+    use flotilla_testkit::openai::{ScriptFileError, parse_script, read_script};
+    use std::path::Path;
+    let models = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config/examples/models");
+    let mut files = 0;
+    for entry in std::fs::read_dir(&models)? {
+        let path = entry?.path();
+        let listed: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
+        let replies = read_script(&path)?;
+        assert_eq!(replies.len(), listed.len(), "{}", path.display());
+        files += 1;
+    }
+    assert!(files >= 5, "the examples' model files: {files}");
+
+    let script = r#"[
+        {"when": "Your task (a)", "tool_calls": [{"name": "state_get", "arguments": {"key": "q"}}]},
+        {"text": "before", "tool_calls": [{"name": "state_get"}]},
+        {"when": "Your task (b)", "text": "b's answer"}
+    ]"#;
+    let here = Path::new("inline.json");
+    let replies = parse_script(script, here)?;
+    assert_eq!(
+        replies,
+        [
+            Reply::tool_call("state_get", json!({"key": "q"})).when("Your task (a)"),
+            Reply::tool_call("state_get", json!({})).with_text("before"),
+            Reply::text("b's answer").when("Your task (b)"),
+        ]
+    );
+    // Served like any script: the first reply whose `when` the request contains (or that has
+    // none) answers it, so the request naming task b skips a's reply and gets the next.
+    let server = OpenAiServer::start().await?;
+    server.push_all(replies);
+    let mut body = request(false);
+    body["messages"][1]["content"] = json!("Your task (b): answer");
+    let answer: Value = serde_json::from_str(&post(&server, &body).await?.text().await?)?;
+    assert_eq!(
+        answer.pointer("/choices/0/message/content"),
+        Some(&json!("before")),
+        "{answer}"
+    );
+    assert_eq!(
+        answer.pointer("/choices/0/message/tool_calls/0/function/arguments"),
+        Some(&json!("{}")),
+        "{answer}"
+    );
+    assert_eq!(server.remaining(), 2);
+
+    let e = parse_script(r#"[{"text": "fine"}, {"when": "x"}]"#, here).expect_err("empty");
+    assert!(matches!(e, ScriptFileError::Empty { number: 2, .. }), "{e}");
+    assert_eq!(
+        e.to_string(),
+        "inline.json: reply 2 has neither text nor tool_calls"
+    );
+    let e = parse_script(r#"[{"txt": "typo"}]"#, here).expect_err("an unknown field");
+    assert!(matches!(e, ScriptFileError::Malformed { .. }), "{e}");
+    assert!(
+        e.to_string()
+            .starts_with("inline.json: not a list of scripted replies")
+            && e.to_string().contains("unknown field `txt`"),
+        "{e}"
+    );
+    assert!(matches!(
+        read_script(&models.join("no-such.json")),
+        Err(ScriptFileError::Read { .. })
+    ));
+    Ok(())
+}

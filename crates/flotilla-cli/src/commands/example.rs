@@ -19,10 +19,9 @@
 //! this command approves every approval of the run (as `example`) once it is asked, through
 //! the embedded NATS server whose URL `up` leaves in `<data-dir>/nats-url`.
 //!
-//! A model file is a JSON list of replies, each answering one model call, in order:
-//! `{"text": "…"}` or `{"tool_calls": [{"name": "…", "arguments": {…}}]}` (with an optional
-//! `"text"` said before the calls), each optionally `"when": "…"` — then it answers only a
-//! request whose body contains that text (the prompt names its task: `Your task (ID)`).
+//! A model file is a script of the test double's replies, read by
+//! [`flotilla_testkit::openai::read_script`] (its format is described there), the loader the
+//! tests of the same examples use.
 
 use std::collections::BTreeSet;
 use std::path::{Component, Path, PathBuf};
@@ -37,7 +36,7 @@ use flotilla_client::Client;
 use flotilla_model::approval::{
     AnswerOutcome, ApprovalAnswerReply, ApprovalAnswerRequest, Decision,
 };
-use flotilla_testkit::openai::{OpenAiServer, Reply};
+use flotilla_testkit::openai::OpenAiServer;
 use flotilla_worker::AgentDefinition;
 use serde::{Deserialize, Serialize};
 
@@ -106,29 +105,6 @@ struct Example {
     /// Its plan is refused on purpose: running it shows the problems and exits 1.
     #[serde(default)]
     rejected: bool,
-}
-
-/// One reply of a model file.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ScriptedReply {
-    /// Answers only a request whose body contains this.
-    #[serde(default)]
-    when: Option<String>,
-    /// The answer's text (said before the tool calls, when there are some).
-    #[serde(default)]
-    text: Option<String>,
-    /// Tool calls the model asks for.
-    #[serde(default)]
-    tool_calls: Vec<ScriptedCall>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ScriptedCall {
-    name: String,
-    #[serde(default)]
-    arguments: Option<serde_json::Value>,
 }
 
 /// `flotilla example [NAME]`. `config` and `nats_url` are the global flags, which this
@@ -309,7 +285,7 @@ async fn run(dir: &Path, example: &Example, args: &ExampleArgs) -> anyhow::Resul
         (Some(_), _) => Model::Real,
         (None, Some(file)) => {
             let file = resolve(dir, file);
-            let replies = read_replies(&file)?;
+            let replies = flotilla_testkit::openai::read_script(&file)?;
             let n = replies.len();
             let server = OpenAiServer::start()
                 .await
@@ -462,47 +438,6 @@ fn agent_var(name: &str) -> Option<String> {
             )
         },
     )
-}
-
-/// The replies of a model file, for the test double.
-fn read_replies(path: &Path) -> anyhow::Result<Vec<Reply>> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("reading scripted replies {}", path.display()))?;
-    let replies: Vec<ScriptedReply> = serde_json::from_str(&text).map_err(|e| {
-        anyhow::anyhow!(
-            "{}: not a list of scripted replies ({{\"text\": …}} or {{\"tool_calls\": [{{\"name\": …, \"arguments\": {{…}}}}]}}, each with an optional \"when\"): {e}",
-            path.display()
-        )
-    })?;
-    replies
-        .into_iter()
-        .enumerate()
-        .map(|(i, r)| {
-            let reply = match (r.text, r.tool_calls.is_empty()) {
-                (None, true) => anyhow::bail!(
-                    "{}: reply {} has neither text nor tool_calls",
-                    path.display(),
-                    i + 1
-                ),
-                (Some(text), true) => Reply::text(text),
-                (text, false) => {
-                    let calls = r.tool_calls.into_iter().map(|c| {
-                        let args = c.arguments.unwrap_or_else(|| serde_json::json!({}));
-                        (c.name, args)
-                    });
-                    let reply = Reply::tool_calls(calls);
-                    match text {
-                        Some(t) => reply.with_text(t),
-                        None => reply,
-                    }
-                }
-            };
-            Ok(match r.when {
-                Some(needle) => reply.when(needle),
-                None => reply,
-            })
-        })
-        .collect()
 }
 
 /// Until the run ends, every approval the run waits for: approved as [`APPROVER`] with
@@ -690,36 +625,5 @@ mod tests {
             Some("FLOTILLA_AGENTS__LEAD_WRITER")
         );
         assert_eq!(agent_var("fetch_data"), None);
-    }
-
-    #[test]
-    fn model_files_say_what_is_wrong() -> anyhow::Result<()> {
-        let dir =
-            std::env::temp_dir().join(format!("flotilla-example-unit-{}", std::process::id()));
-        std::fs::create_dir_all(&dir)?;
-        let file = dir.join("m.json");
-        std::fs::write(
-            &file,
-            r#"[{"when": "Your task (a)", "tool_calls": [{"name": "t", "arguments": {"q": 1}}]},
-                {"text": "done"}]"#,
-        )?;
-        assert_eq!(read_replies(&file)?.len(), 2);
-        std::fs::write(&file, r#"[{"when": "x"}]"#)?;
-        let e = read_replies(&file)
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default();
-        assert!(
-            e.ends_with("reply 1 has neither text nor tool_calls"),
-            "{e}"
-        );
-        std::fs::write(&file, r#"[{"txt": "x"}]"#)?;
-        let e = read_replies(&file)
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default();
-        assert!(e.contains("unknown field `txt`"), "{e}");
-        std::fs::remove_dir_all(&dir)?;
-        Ok(())
     }
 }
