@@ -93,9 +93,9 @@ pub struct SoakArgs {
     /// Samples of each process's first this long are left out of its memory slope.
     #[arg(long, default_value = "3m", value_parser = humantime::parse_duration)]
     rss_warm_up: Duration,
-    /// The sustained memory growth each service must stay under, MiB per hour: the median of
-    /// the slopes of the run's four quarters (a one-time allocator step is not growth that
-    /// goes on); the slope over the whole run must stay under three times it.
+    /// The sustained memory growth each service must stay under, MiB per hour: the slope
+    /// fitted with one step beside it (a one-time allocator step is not growth that goes on);
+    /// the slope over the whole run must stay under three times it.
     #[arg(long, default_value_t = 5.0)]
     rss_slope_target: f64,
     /// A memory slope is judged only when it is fitted over at least this much of the

@@ -24,11 +24,11 @@
 //!   after each incarnation's warm-up (`--rss-warm-up` after its start), one slope shared by
 //!   all incarnations and an intercept per incarnation (the *within* estimator): a restarted
 //!   process starts from its own baseline, and only growth inside a process counts.
-//!   The target judges *sustained* growth: the median of the slopes fitted the same way
-//!   over each quarter of the fitted time ([`sustained_slope`]). A leak grows in every
-//!   quarter; an allocator's one-time step (a new arena, a page cache retained) lands in one
-//!   and moves the median little. A step still counts against the whole-run slope, which
-//!   must stay under three times the target: one step is allowed, a staircase is not.
+//!   The target judges *sustained* growth: the same slope fitted together with one step,
+//!   placed where it explains the samples best ([`sustained_slope`]). A leak is a slope
+//!   whatever step is fitted beside it; an allocator's one-time step (a new arena, a page
+//!   cache kept) is taken up by the step. A step still counts against the whole-run slope,
+//!   which must stay under three times the target: one step is allowed, a staircase is not.
 //! * **Latency**: a root run's submission (the bench's clock, just before the acknowledged
 //!   publish) → its end event stored (the server's clock; same host), p50 and p99 per
 //!   `--window` of submission time, over the *plain* scenarios (no person, pause or lead).
@@ -286,7 +286,7 @@ pub(crate) struct Rss {
     pub(crate) samples_fitted: usize,
     pub(crate) span_min: f64,
     pub(crate) slope_mib_per_h: Option<f64>,
-    /// The median of the four quarters' slopes ([`sustained_slope`]).
+    /// The slope with one step taken out ([`sustained_slope`]).
     pub(crate) sustained_mib_per_h: Option<f64>,
     /// Whether the target applies (not to the nats-server).
     pub(crate) targeted: bool,
@@ -352,54 +352,85 @@ pub(crate) fn within_slope(points: &[(u32, f64, f64)]) -> Option<f64> {
     (sxx > 0.0).then(|| sxy / sxx)
 }
 
-/// How many parts of the fitted time [`sustained_slope`] takes the median of.
-pub(crate) const RSS_QUARTERS: usize = 4;
-
 /// The whole-run slope may be this many times the target: room for one allocator step.
 pub(crate) const RSS_STEP_ALLOWANCE: f64 = 3.0;
 
-/// The growth that persists through the run: the fitted time (first to last point) is cut
-/// into [`RSS_QUARTERS`] equal parts, each part's [`within_slope`] is fitted on its own
-/// points, and the median of those slopes is the answer. A part whose points span less
-/// than half of it (a service down, an incarnation warming up) is left out; `None` when
-/// fewer than three parts are left.
+/// Least points on each side of a step [`sustained_slope`] considers (a minute of samples
+/// at the default 5 s).
+const STEP_SIDE: usize = 12;
+
+/// The growth that goes on through the run, told apart from one level shift: the
+/// [`within_slope`] fitted together with one step — a jump at one time inside one
+/// incarnation — placed where it explains the samples best (least squares over every
+/// possible place, at least [`STEP_SIDE`] points from either end of its incarnation). A leak
+/// is a slope whatever step is fitted beside it; an allocator's one-time step (a new arena,
+/// a page cache kept) is taken up by the step and leaves the slope flat. `None` when
+/// [`within_slope`] is.
 pub(crate) fn sustained_slope(points: &[(u32, f64, f64)]) -> Option<f64> {
-    let (lo, hi) = points.iter().fold((f64::MAX, f64::MIN), |(lo, hi), p| {
-        (lo.min(p.1), hi.max(p.1))
-    });
-    if hi <= lo {
-        return None;
+    let mut by_group: BTreeMap<u32, Vec<(f64, f64)>> = BTreeMap::new();
+    for &(g, x, y) in points {
+        by_group.entry(g).or_default().push((x, y));
     }
-    let part = (hi - lo) / RSS_QUARTERS as f64;
-    let mut slopes: Vec<f64> = (0..RSS_QUARTERS)
-        .filter_map(|k| {
-            let (from, to) = (lo + part * k as f64, lo + part * (k + 1) as f64);
-            let last = k + 1 == RSS_QUARTERS;
-            let mine: Vec<(u32, f64, f64)> = points
-                .iter()
-                .copied()
-                .filter(|p| p.1 >= from && (p.1 < to || (last && p.1 <= to)))
-                .collect();
-            let mut spans: BTreeMap<u32, (f64, f64)> = BTreeMap::new();
-            for (g, x, _) in &mine {
-                let e = spans.entry(*g).or_insert((*x, *x));
-                e.0 = e.0.min(*x);
-                e.1 = e.1.max(*x);
-            }
-            let span: f64 = spans.values().map(|(a, b)| b - a).sum();
-            (span >= part / 2.0).then(|| within_slope(&mine)).flatten()
+    // Group means of x and y, for the within (per-incarnation intercept) transform.
+    let means: BTreeMap<u32, (f64, f64)> = by_group
+        .iter()
+        .map(|(g, v)| {
+            let n = v.len() as f64;
+            (
+                *g,
+                (
+                    v.iter().map(|p| p.0).sum::<f64>() / n,
+                    v.iter().map(|p| p.1).sum::<f64>() / n,
+                ),
+            )
         })
         .collect();
-    if slopes.len() < 3 {
+    let (mut sxx, mut sxy, mut syy) = (0.0, 0.0, 0.0);
+    for (g, v) in &by_group {
+        let (mx, my) = means[g];
+        for &(x, y) in v {
+            sxx += (x - mx) * (x - mx);
+            sxy += (x - mx) * (y - my);
+            syy += (y - my) * (y - my);
+        }
+    }
+    if sxx <= 0.0 {
         return None;
     }
-    slopes.sort_by(f64::total_cmp);
-    let n = slopes.len();
-    Some(if n % 2 == 1 {
-        slopes[n / 2]
-    } else {
-        (slopes[n / 2 - 1] + slopes[n / 2]) / 2.0
-    })
+    // Without a step: slope and residual.
+    let mut best = (syy - sxy * sxy / sxx, sxy / sxx);
+    for (g, v) in &by_group {
+        let mut v = v.clone();
+        v.sort_by(|a, b| a.0.total_cmp(&b.0));
+        if v.len() < 2 * STEP_SIDE {
+            continue;
+        }
+        let (mx, my) = means[g];
+        let n = v.len() as f64;
+        for k in STEP_SIDE..=v.len() - STEP_SIDE {
+            // s = 1 for this incarnation's points from the k-th on; its within transform
+            // is s − (n − k)/n inside the group and 0 elsewhere.
+            let ms = (v.len() - k) as f64 / n;
+            let (mut sxs, mut sss, mut sys) = (0.0, 0.0, 0.0);
+            for (i, &(x, y)) in v.iter().enumerate() {
+                let ds = if i >= k { 1.0 - ms } else { -ms };
+                sxs += (x - mx) * ds;
+                sss += ds * ds;
+                sys += (y - my) * ds;
+            }
+            let det = sxx * sss - sxs * sxs;
+            if det.abs() < f64::EPSILON * sxx * sss {
+                continue;
+            }
+            let b = (sxy * sss - sys * sxs) / det;
+            let c = (sys * sxx - sxy * sxs) / det;
+            let residual = syy - b * sxy - c * sys;
+            if residual < best.0 {
+                best = (residual, b);
+            }
+        }
+    }
+    Some(best.1)
 }
 
 /// p50 and p99 of unsorted samples (`None` without samples).
@@ -834,9 +865,6 @@ pub(crate) fn compute(i: &Inputs<'_>) -> Report {
                 (Some(q), Some(v)) if judged => {
                     format!("sustained {q:+.2} MiB/h, whole run {v:+.2} MiB/h")
                 }
-                (None, Some(v)) if judged => {
-                    format!("whole run {v:+.2} MiB/h (too few quarters with samples)")
-                }
                 (_, Some(v)) => format!(
                     "{v:+.2} MiB/h over {:.0} min: too short to judge",
                     r.span_min
@@ -850,7 +878,6 @@ pub(crate) fn compute(i: &Inputs<'_>) -> Report {
                 (_, None) => None,
                 _ if !judged => None,
                 (Some(q), Some(v)) => Some(q <= s.rss_slope_target && v <= step_cap),
-                // Without quarters to take the median of, the whole run is judged alone.
                 (None, Some(v)) => Some(v <= s.rss_slope_target),
             },
         });
@@ -1317,36 +1344,49 @@ mod tests {
 
     /// A one-time step (61 → 68 MiB at minute 30 of a flat hour, as the allocator of a
     /// coordinator did in a soak) reads as +13 MiB/h fitted over the whole run, but it is not
-    /// growth that goes on; a leak of 6 MiB/h, even with a restart, is judged as one.
+    /// growth that goes on; a leak of 6 MiB/h is judged as one, with a restart, with a step
+    /// beside it, and with a staircase of steps.
     #[test]
     fn sustained_growth_is_told_from_a_one_time_step() {
         let minute = |m: f64| m / 60.0;
-        let step: Vec<(u32, f64, f64)> = (0..720)
-            .map(|k| {
-                let m = k as f64 / 12.0;
-                (1, minute(m), if m < 30.0 { 61.0 } else { 68.0 })
-            })
-            .collect();
+        // A small wobble, as resident memory has.
+        let wobble = |k: usize| [0.0, 0.6, -0.4, 0.3, -0.5][k % 5];
+        let hour = |f: &dyn Fn(f64) -> (u32, f64)| -> Vec<(u32, f64, f64)> {
+            (0..720)
+                .map(|k| {
+                    let m = k as f64 / 12.0;
+                    let (inc, y) = f(m);
+                    (inc, minute(m), y + wobble(k))
+                })
+                .collect()
+        };
+        let step = hour(&|m| (1, if m < 30.0 { 61.0 } else { 68.0 }));
         let whole = within_slope(&step).expect("a slope");
         assert!(whole > 10.0, "{whole}");
-        let sustained = sustained_slope(&step).expect("quarters");
-        assert!(sustained.abs() < 1.0, "{sustained}");
+        let sustained = sustained_slope(&step).expect("a slope");
+        assert!(sustained.abs() < 0.5, "{sustained}");
         // A leak, restarted at minute 40 from a lower baseline.
-        let leak: Vec<(u32, f64, f64)> = (0..720)
-            .map(|k| {
-                let m = k as f64 / 12.0;
-                let (inc, base) = if m < 40.0 { (1, 50.0) } else { (2, 30.0) };
-                (inc, minute(m), base + 6.0 * minute(m))
-            })
-            .collect();
-        let sustained = sustained_slope(&leak).expect("quarters");
-        assert!((sustained - 6.0).abs() < 1e-6, "{sustained}");
-        // A service down for most of the run has too few quarters to take a median of.
-        let short: Vec<(u32, f64, f64)> = (0..60)
-            .map(|k| (1, minute(k as f64 / 12.0), 10.0))
-            .chain((0..60).map(|k| (2, minute(55.0 + k as f64 / 12.0), 10.0)))
-            .collect();
-        assert_eq!(sustained_slope(&short), None);
+        let leak = hour(&|m| {
+            if m < 40.0 {
+                (1, 50.0 + 6.0 * minute(m))
+            } else {
+                (2, 30.0 + 6.0 * minute(m))
+            }
+        });
+        let sustained = sustained_slope(&leak).expect("a slope");
+        assert!((sustained - 6.0).abs() < 0.5, "{sustained}");
+        // A leak and a step.
+        let both = hour(&|m| (1, 50.0 + 6.0 * minute(m) + if m < 20.0 { 0.0 } else { 9.0 }));
+        let sustained = sustained_slope(&both).expect("a slope");
+        assert!((sustained - 6.0).abs() < 0.5, "{sustained}");
+        // A staircase: 3 MiB every 10 minutes is 18 MiB/h, one step taken out or not.
+        let stairs = hour(&|m| (1, 50.0 + 3.0 * (m / 10.0).floor()));
+        let sustained = sustained_slope(&stairs).expect("a slope");
+        assert!(sustained > 10.0, "{sustained}");
+        // Too few points for a step: the plain slope.
+        let few = [(1, 0.0, 1.0), (1, 1.0, 2.0), (1, 2.0, 3.0)];
+        assert_eq!(sustained_slope(&few), within_slope(&few));
+        assert_eq!(sustained_slope(&[(1, 0.0, 1.0)]), None);
     }
 
     #[test]
