@@ -897,13 +897,12 @@ async fn decided_events(p: &Processes, run: RunId, id: &str) -> anyhow::Result<V
     futures::pin_mut!(events);
     let mut out = Vec::new();
     while let Ok(Some(e)) = tokio::time::timeout(Duration::from_secs(2), events.next()).await {
-        if let Event::Workflow(w) = e?.event {
-            if w.phase.ends_run() {
-                break;
-            }
-            if w.phase == WorkflowPhase::ApprovalDecided && w.approval_id.as_deref() == Some(id) {
-                out.push(w.detail.unwrap_or_default());
-            }
+        // Read past the run's end: what the ended run still asked is withdrawn after it.
+        if let Event::Workflow(w) = e?.event
+            && w.phase == WorkflowPhase::ApprovalDecided
+            && w.approval_id.as_deref() == Some(id)
+        {
+            out.push(w.detail.unwrap_or_default());
         }
     }
     Ok(out)

@@ -43,10 +43,10 @@ pub(crate) enum ApprovalError {
 const MAX_RACES: usize = 8;
 
 /// The escalations bucket, opened on first use.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct Escalations {
     bus: Bus,
-    kv: OnceCell<kv::Store>,
+    kv: std::sync::Arc<OnceCell<kv::Store>>,
 }
 
 fn unavailable(what: &str, e: impl std::fmt::Display) -> ApprovalError {
@@ -62,7 +62,7 @@ impl Escalations {
     pub(crate) fn new(bus: Bus) -> Self {
         Self {
             bus,
-            kv: OnceCell::new(),
+            kv: std::sync::Arc::default(),
         }
     }
 
