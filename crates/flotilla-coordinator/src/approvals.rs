@@ -43,10 +43,10 @@ pub(crate) enum ApprovalError {
 const MAX_RACES: usize = 8;
 
 /// The escalations bucket, opened on first use.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(crate) struct Escalations {
     bus: Bus,
-    kv: std::sync::Arc<OnceCell<kv::Store>>,
+    kv: OnceCell<kv::Store>,
 }
 
 fn unavailable(what: &str, e: impl std::fmt::Display) -> ApprovalError {
@@ -62,7 +62,7 @@ impl Escalations {
     pub(crate) fn new(bus: Bus) -> Self {
         Self {
             bus,
-            kv: std::sync::Arc::default(),
+            kv: OnceCell::new(),
         }
     }
 
@@ -237,22 +237,6 @@ impl Escalations {
             .await
             .map_err(|e| unavailable("appending an approval's decision to the run log", e))?;
         Ok(())
-    }
-
-    /// Whether `run` has any approval, settled or not: one stream-info request, no
-    /// consumer, so asking it of every run that ends costs little.
-    pub(crate) async fn any_of(&self, run: RunId) -> Result<bool, ApprovalError> {
-        let kv = self.kv().await?;
-        let mut subjects = kv
-            .stream
-            .info_with_subjects(format!("{}{run}.*", kv.prefix))
-            .await
-            .map_err(|e| unavailable("looking for a run's approvals", e))?;
-        match subjects.next().await {
-            None => Ok(false),
-            Some(Ok(_)) => Ok(true),
-            Some(Err(e)) => Err(unavailable("looking for a run's approvals", e)),
-        }
     }
 
     /// Every revision of an approval, oldest first.

@@ -260,66 +260,6 @@ impl Runtime {
     ) -> Result<ApprovalRecord, crate::approvals::ApprovalError> {
         settle_withdrawn(&self.escalations, run, id, reason).await
     }
-
-    /// The run ended: what of it may still ask a person — an external agent's question its
-    /// attempt asked, an approval whose request raced the end — is withdrawn by
-    /// [`withdraw_leftovers`], after the end is answered: off the step, so a run's end costs
-    /// its client no extra round trip (the approvals its tasks waited for are withdrawn by
-    /// the machine's actions, in the step). Should it fail, the coordinators' sweep of
-    /// external questions settles them later.
-    pub(super) fn withdraw_leftovers_later(&self, entry: &Cached) {
-        let escalations = self.escalations.clone();
-        let bus = self.bus.clone();
-        let run = entry.machine.state().run_id;
-        let reason = ended_reason(entry);
-        tokio::spawn(async move {
-            if let Err(e) = withdraw_leftovers(&escalations, &bus, run, &reason).await {
-                tracing::warn!(%run, error = %e, "Could not withdraw what the ended run still asked; the sweep settles it later");
-            }
-        });
-    }
-}
-
-/// Withdraws every approval of ended run `run` still pending, and publishes the run's
-/// `approval_decided` event of each (its id is the approval's: published once). One
-/// stream-info request for a run that never asked a person anything.
-async fn withdraw_leftovers(
-    escalations: &crate::approvals::Escalations,
-    bus: &flotilla_bus::Bus,
-    run: flotilla_model::ids::RunId,
-    reason: &str,
-) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    if !escalations.any_of(run).await? {
-        return Ok(());
-    }
-    let (pending, _) = escalations
-        .list(
-            Some(run),
-            false,
-            flotilla_model::approval::MAX_LISTED_APPROVALS as usize,
-        )
-        .await?;
-    let mut events = Vec::new();
-    for record in pending {
-        let id = record.request.approval_id.clone();
-        match settle_withdrawn(escalations, run, &id, reason).await {
-            Ok(record) => events.extend(withdrawn_event(&record)),
-            Err(crate::approvals::ApprovalError::NotFound(_)) => {}
-            Err(e) => return Err(e.into()),
-        }
-    }
-    let subject = bus.names().event(run);
-    let max = bus.max_payload();
-    for out in super::perform::encode_event_batches(run, events, max / 2)? {
-        let size = out.payload.len();
-        bus.js()
-            .publish_with_headers(subject.clone(), out.headers, out.payload)
-            .await
-            .map_err(|e| flotilla_bus::classify_publish_error(&subject, size, max, e))?
-            .await
-            .map_err(|e| flotilla_bus::classify_publish_error(&subject, size, max, e))?;
-    }
-    Ok(())
 }
 
 /// Settles approval `id` of `run` withdrawn (by `run`, rejecting with `reason`) unless

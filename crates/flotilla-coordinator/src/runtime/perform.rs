@@ -57,8 +57,6 @@ impl Runtime {
         // Workspace entries and state values this step writes; a dispatch that reads the
         // workspace or state waits for them to be stored first.
         let mut unflushed_writes = false;
-        // The step ends the run.
-        let mut finished = false;
         for action in actions {
             let (subject, out) = match action {
                 Action::Dispatch { task, attempt } => {
@@ -243,7 +241,6 @@ impl Runtime {
                     (names.runlog(run), out)
                 }
                 Action::Finish => {
-                    finished = true;
                     let state = entry.machine.state();
                     let outcome = state.outcome.clone();
                     let phase = match state.status {
@@ -318,10 +315,6 @@ impl Runtime {
             ack.await
                 .map_err(|e| flotilla_bus::classify_publish_error(&subject, size, max, e))?;
         }
-        // Nothing waits for a person once the run has ended: what still asks is withdrawn.
-        if finished {
-            self.withdraw_leftovers_later(entry);
-        }
         Ok(())
     }
 
@@ -363,7 +356,7 @@ fn schedule_headers(headers: &mut HeaderMap, due_ms: i64, target: &str) {
 /// Encodes a step's events as few messages as fit `budget` bytes each (one, normally): the
 /// whole step is encoded once, and only a step too large for one message is split by the
 /// sizes of its events (measuring every event of every step would cost more than sending it).
-pub(super) fn encode_event_batches(
+fn encode_event_batches(
     run: RunId,
     events: Vec<EventEnvelope>,
     budget: usize,
