@@ -347,11 +347,11 @@ pub(crate) fn settled(
     }
 }
 
-/// The id of the run's `approval_decided` event for an approval settled outside the run
-/// machine — withdrawn, or an external agent's question answered: one per approval, so
-/// publishing it again is dropped as a duplicate.
-pub(crate) fn decided_event_id(run: RunId, approval: &str) -> String {
-    format!("{run}.approval.{approval}.decided")
+/// The id of the run's event for an approval settled (`phase` `decided`) or asked
+/// (`requested`) outside the run machine — withdrawn, or an external agent's question: one
+/// per approval and phase, so publishing it again is dropped as a duplicate.
+pub(crate) fn approval_event_id(run: RunId, approval: &str, phase: &str) -> String {
+    format!("{run}.approval.{approval}.{phase}")
 }
 
 /// What a settled approval's `approval_decided` event says: `approve by alice`,

@@ -356,7 +356,7 @@ impl Api {
         };
         let event = EventEnvelope {
             protocol: PROTOCOL_VERSION,
-            id: format!("{}.approval.{}.{name}", r.run_id, r.approval_id),
+            id: crate::approvals::approval_event_id(r.run_id, &r.approval_id, name),
             run_id: r.run_id,
             task_id: Some(r.task_id.clone()),
             attempt: Some(r.attempt),

@@ -13,7 +13,7 @@ use tracing::info;
 
 use flotilla_model::event::EventEnvelope;
 
-use crate::approvals::{decided_event_id, settled, settled_detail};
+use crate::approvals::{approval_event_id, settled, settled_detail};
 
 use super::{Cached, Runtime, StepError};
 
@@ -258,20 +258,8 @@ impl Runtime {
         id: &str,
         reason: &str,
     ) -> Result<ApprovalRecord, crate::approvals::ApprovalError> {
-        settle_withdrawn(&self.escalations, run, id, reason).await
-    }
-}
-
-/// Settles approval `id` of `run` withdrawn (by `run`, rejecting with `reason`) unless
-/// something settled it first; returns the approval as it now reads.
-async fn settle_withdrawn(
-    escalations: &crate::approvals::Escalations,
-    run: flotilla_model::ids::RunId,
-    id: &str,
-    reason: &str,
-) -> Result<ApprovalRecord, crate::approvals::ApprovalError> {
-    {
-        let (record, ours) = escalations
+        let (record, ours) = self
+            .escalations
             .settle(run, id, None, None, |p| {
                 settled(
                     p,
@@ -331,7 +319,7 @@ fn withdrawn_event(record: &ApprovalRecord) -> Option<EventEnvelope> {
     let r = &record.request;
     Some(EventEnvelope {
         protocol: PROTOCOL_VERSION,
-        id: decided_event_id(r.run_id, &r.approval_id),
+        id: approval_event_id(r.run_id, &r.approval_id, "decided"),
         run_id: r.run_id,
         task_id: Some(r.task_id.clone()),
         attempt: Some(r.attempt),
