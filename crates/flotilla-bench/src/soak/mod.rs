@@ -98,9 +98,10 @@ pub struct SoakArgs {
     /// the slope over the whole run must stay under three times it.
     #[arg(long, default_value_t = 5.0)]
     rss_slope_target: f64,
-    /// A memory slope is judged only when it is fitted over at least this much of the
-    /// service's life (summed over its incarnations, after their warm-ups): over a few
-    /// minutes an allocator's steps read as tens of MiB per hour.
+    /// Only incarnations that lived at least this long past their warm-up are fitted and
+    /// judged: over a few minutes an allocator's steps read as tens of MiB per hour. A soak
+    /// that restarts each service more often reports its memory without judging it; the
+    /// soak without stops (`--no-chaos`) judges it.
     #[arg(long, default_value = "20m", value_parser = humantime::parse_duration)]
     rss_min_span: Duration,
     /// A consumer with messages pending, no pull waiting and no ack progress for longer than
@@ -466,6 +467,8 @@ async fn soak(
     });
     std::fs::write(dir.join("runs.tsv"), report::runs_tsv(&l, &records))
         .context("writing runs.tsv")?;
+    std::fs::write(dir.join("rss.tsv"), report::rss_tsv(&services, &rss))
+        .context("writing rss.tsv")?;
     let md = report::markdown(&report);
     if let Some(path) = &args.report {
         std::fs::write(path, &md).with_context(|| format!("writing {}", path.display()))?;
