@@ -61,25 +61,12 @@ impl Trust {
         default_agent: Option<&str>,
         at: Timestamp,
     ) -> BTreeMap<String, HitlMode> {
-        let mut out = BTreeMap::new();
         let Some(mirror) = &self.levels else {
-            return out;
+            return BTreeMap::new();
         };
-        for sub in &plan.subtasks {
-            let agent = sub
-                .agent
-                .as_deref()
-                .or(default_agent.filter(|_| sub.role.is_none()));
-            if let Some(a) = agent {
-                out.entry(format!("agent:{a}"))
-                    .or_insert_with(|| Self::level(mirror, RecordScope::Agent, a, at).mode());
-            }
-            if let Some(r) = sub.role.as_deref() {
-                out.entry(format!("role:{r}"))
-                    .or_insert_with(|| Self::level(mirror, RecordScope::Role, r, at).mode());
-            }
-        }
-        out
+        flotilla_machine::policy::trust::trusted_modes(plan, default_agent, |scope, name| {
+            Self::level(mirror, scope, name, at)
+        })
     }
 
     /// The policy a run of `plan` submitted at `at` is admitted with. The levels are read
@@ -93,6 +80,11 @@ impl Trust {
         at: Timestamp,
     ) -> Option<HitlPolicy> {
         let trusted = self.modes(plan, default_agent, at);
-        HitlPolicy::resolve_trusted(hitl, plan.config.hitl.as_ref(), default_agent, &trusted)
+        flotilla_machine::policy::hitl::resolve_trusted(
+            hitl,
+            plan.config.hitl.as_ref(),
+            default_agent,
+            &trusted,
+        )
     }
 }

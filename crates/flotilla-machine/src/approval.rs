@@ -41,7 +41,8 @@ impl RunMachine {
         }
         // Every attempt before the next one failed: a task that succeeded is not retried.
         let failed = next - 1;
-        let Some(gate) = policy.gate(&self.plan.subtasks[i as usize], failed) else {
+        let Some(gate) = crate::policy::hitl::gate(policy, &self.plan.subtasks[i as usize], failed)
+        else {
             return false;
         };
         let trigger = gate.trigger;
@@ -131,12 +132,8 @@ impl RunMachine {
     /// held for review (trigger `low_confidence`): below the run's threshold, and the task
     /// not overseen `human_on_the_loop` (notified only: nothing waits).
     pub(crate) fn review_threshold(&self, i: u32, confidence: Option<f64>) -> Option<(f64, f64)> {
-        let confidence = confidence?;
         let policy = self.state.hitl.as_ref()?;
-        let sub = &self.plan.subtasks[i as usize];
-        (confidence < policy.low_confidence
-            && policy.mode_of(sub) != flotilla_model::approval::HitlMode::HumanOnTheLoop)
-            .then_some((confidence, policy.low_confidence))
+        crate::policy::hitl::review(policy, &self.plan.subtasks[i as usize], confidence?)
     }
 
     /// Task `i`'s successful result (at run-log `seq`) is held for review: the task waits

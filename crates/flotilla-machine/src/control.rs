@@ -203,7 +203,7 @@ impl RunMachine {
             ControlAction::Pause => Ok(()),
             ControlAction::Resume if !t.paused() => Err(unchanged(None)),
             // The lead does not lift a person's pause.
-            ControlAction::Resume if !t.paused_by_lead && by == Some(LEAD_NAME) => {
+            ControlAction::Resume if !crate::policy::control::may_resume_task(t, by) => {
                 Err(Unchanged::PausedByPerson(task.clone()))
             }
             ControlAction::Resume => Ok(()),

@@ -46,6 +46,7 @@ mod finish;
 mod graph;
 mod lead;
 mod planning;
+pub mod policy;
 mod state;
 mod team;
 
@@ -1011,8 +1012,7 @@ impl RunMachine {
             .state
             .hitl
             .as_ref()
-            .and_then(|p| p.gate(sub, 0))
-            .is_some_and(|g| g.trigger == flotilla_model::approval::Trigger::SensitiveAction);
+            .is_some_and(|p| policy::hitl::is_sensitive(p, sub));
         // The agent's own failures only: not a cancellation, a refused call or budget, a
         // task nobody claimed.
         let agents_doing = matches!(

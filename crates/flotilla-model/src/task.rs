@@ -388,7 +388,7 @@ impl TaskEnvelope {
 }
 
 /// Which tool calls of an LLM attempt wait for a person before they run (from the run's
-/// escalation policy, see `HitlPolicy::tool_gate`).
+/// escalation policy, see `flotilla_machine::policy::hitl::tool_gate`).
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, JsonSchema)]
 pub struct ToolGate {
     /// Every call (the agent is overseen `human_in_command`).

@@ -7,7 +7,7 @@
 //! [`TrustRecord`] per agent and per role in `<prefix>-trust` (`agent.<name>`,
 //! `role.<name>`), re-evaluated whenever it counts an outcome into the failure records, and
 //! answers `trust.list|get|set|incident`. With `[hitl.trust] enabled`, a run is admitted with
-//! each level's mode ([`TrustLevel::mode`]) for the agents and roles its tasks name — unless
+//! each level's mode (`flotilla_machine::policy::trust::mode_of_level`) for the agents and roles its tasks name — unless
 //! the deployment pins their mode in `[hitl.agents]` / `[hitl.roles]`, or an operator pinned
 //! their level (`trust set`).
 
@@ -16,9 +16,8 @@ use std::collections::VecDeque;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::approval::HitlMode;
 use crate::problem::{Problem, ProblemCode};
-use crate::team::{FailureRecord, RecordScope};
+use crate::team::RecordScope;
 use crate::time::Timestamp;
 
 /// How far an agent or role is trusted, least first.
@@ -62,15 +61,6 @@ impl TrustLevel {
         [Self::Novice, Self::Proficient, Self::Expert]
             .into_iter()
             .find(|l| l.as_str() == s)
-    }
-
-    /// The oversight the level earns.
-    pub fn mode(self) -> HitlMode {
-        match self {
-            Self::Novice => HitlMode::HumanInCommand,
-            Self::Proficient => HitlMode::HumanInTheLoop,
-            Self::Expert => HitlMode::HumanOnTheLoop,
-        }
     }
 
     /// As a number for metrics: 0, 1, 2.
@@ -152,39 +142,6 @@ impl TrustConfig {
             ));
         }
         out
-    }
-
-    /// The level `record` (counted outcomes) earns for `trust` at `now`, before any pin.
-    pub fn earned(
-        &self,
-        record: &FailureRecord,
-        trust: &TrustRecord,
-        now: Timestamp,
-    ) -> TrustLevel {
-        let tasks = record.total_succeeded + record.total_failed;
-        let days = |since: Timestamp| (now.unix_ms() - since.unix_ms()).max(0) / 86_400_000;
-        let known = days(trust.first_seen);
-        let clean = days(
-            trust
-                .last_incident
-                .as_ref()
-                .map_or(trust.first_seen, |i| i.at),
-        );
-        let meets = |r: &LevelRule| {
-            tasks >= r.min_tasks
-                && tasks > 0
-                && u128::from(record.total_succeeded) * 100
-                    >= u128::from(r.min_success_percent) * u128::from(tasks)
-                && known >= i64::from(r.min_days)
-                && clean >= i64::from(r.incident_free_days)
-        };
-        if meets(&self.expert) {
-            TrustLevel::Expert
-        } else if meets(&self.proficient) {
-            TrustLevel::Proficient
-        } else {
-            TrustLevel::Novice
-        }
     }
 }
 
@@ -302,32 +259,19 @@ impl TrustRecord {
         }
     }
 
-    /// Re-evaluates the earned level from `record`; true when it changed. A record that
-    /// counted fewer outcomes than the last evaluation's (an older copy) changes nothing.
-    pub fn evaluate(&mut self, cfg: &TrustConfig, record: &FailureRecord, now: Timestamp) -> bool {
-        let tasks = record.total_succeeded + record.total_failed;
-        if tasks < self.counted {
-            return false;
-        }
-        let earned = cfg.earned(record, self, now);
-        if earned == self.earned {
-            return false;
-        }
-        self.counted = tasks;
+    /// Records a level earned by the rules (`flotilla_machine::policy::trust::evaluate`
+    /// decides it) from `counted` outcomes, with `reason` on the history.
+    pub fn record_earned(
+        &mut self,
+        earned: TrustLevel,
+        counted: u64,
+        reason: String,
+        now: Timestamp,
+    ) {
+        self.counted = counted;
         let from = self.level();
         self.earned = earned;
-        self.note(
-            from,
-            format!(
-                "earned: {} ({tasks} tasks, {} succeeded)",
-                earned.as_str(),
-                record.total_succeeded
-            ),
-            "supervisor",
-            now,
-            false,
-        );
-        true
+        self.note(from, reason, "supervisor", now, false);
     }
 
     /// Records an incident: the earned level falls to novice at once; the rules raise it
@@ -466,110 +410,3 @@ crate::api::has_protocol!(
     TrustSetRequest,
     TrustIncidentRequest
 );
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn counted(succeeded: u64, failed: u64) -> FailureRecord {
-        let mut r = FailureRecord::new(RecordScope::Agent, "bot");
-        r.total_succeeded = succeeded;
-        r.total_failed = failed;
-        r
-    }
-
-    const DAY: i64 = 86_400_000;
-
-    #[test]
-    fn levels_rise_by_the_rules_and_an_incident_drops_them_at_once() {
-        let cfg = TrustConfig::default();
-        let t0 = Timestamp::from_unix_ms(1_700_000_000_000);
-        let mut t = TrustRecord::new(RecordScope::Agent, "bot", t0);
-        // 50 tasks at 90 % but only 6 days known: novice.
-        assert!(!t.evaluate(
-            &cfg,
-            &counted(45, 5),
-            Timestamp::from_unix_ms(t0.unix_ms() + 6 * DAY)
-        ));
-        assert_eq!(t.level(), TrustLevel::Novice);
-        // Day 7: proficient.
-        let day7 = Timestamp::from_unix_ms(t0.unix_ms() + 7 * DAY);
-        assert!(t.evaluate(&cfg, &counted(45, 5), day7));
-        assert_eq!(t.level(), TrustLevel::Proficient);
-        // 89 %: back to novice.
-        assert!(t.evaluate(&cfg, &counted(89, 11), day7));
-        assert_eq!(t.level(), TrustLevel::Novice);
-        // 200 tasks at 98 % on day 30: expert.
-        let day30 = Timestamp::from_unix_ms(t0.unix_ms() + 30 * DAY);
-        assert!(t.evaluate(&cfg, &counted(196, 4), day30));
-        assert_eq!(t.level(), TrustLevel::Expert);
-        // An incident: novice at once, and 7 clean days bring proficient back, 30 expert.
-        t.incident("published early", "alice", day30);
-        assert_eq!(t.level(), TrustLevel::Novice);
-        assert_eq!(t.incidents, 1);
-        let later = Timestamp::from_unix_ms(day30.unix_ms() + 7 * DAY);
-        assert!(t.evaluate(&cfg, &counted(196, 4), later));
-        assert_eq!(t.level(), TrustLevel::Proficient);
-        let reasons: Vec<&str> = t.history.iter().map(|c| c.reason.as_str()).collect();
-        assert!(
-            reasons
-                .iter()
-                .any(|r| r.starts_with("incident: published early")),
-            "{reasons:?}"
-        ); // Read back at earlier times, through the history.
-        assert_eq!(
-            t.level_at(Timestamp::from_unix_ms(t0.unix_ms() - 1)),
-            TrustLevel::Novice
-        );
-        assert_eq!(
-            t.level_at(Timestamp::from_unix_ms(day7.unix_ms() + 1)),
-            TrustLevel::Novice
-        );
-        assert_eq!(
-            t.level_at(Timestamp::from_unix_ms(day30.unix_ms() - 1)),
-            TrustLevel::Novice
-        );
-        assert_eq!(
-            t.level_at(day30),
-            TrustLevel::Novice,
-            "the incident at day 30"
-        );
-        assert_eq!(t.level_at(later), TrustLevel::Proficient);
-        // An evaluation from an older copy of the counts changes nothing.
-        assert!(!t.evaluate(&cfg, &counted(10, 0), later));
-    }
-
-    #[test]
-    fn a_pin_wins_until_it_is_lifted() {
-        let cfg = TrustConfig::default();
-        let now = Timestamp::from_unix_ms(1_700_000_000_000);
-        let mut t = TrustRecord::new(RecordScope::Role, "writer", now);
-        t.pin(Some(TrustLevel::Expert), "trusted vendor", "bob", now);
-        assert_eq!(t.level(), TrustLevel::Expert);
-        assert!(
-            !t.evaluate(&cfg, &counted(1, 0), now),
-            "earned stays novice"
-        );
-        assert_eq!(t.level(), TrustLevel::Expert);
-        t.pin(None, "contract ended", "bob", now);
-        assert_eq!(t.level(), TrustLevel::Novice);
-        assert_eq!(t.history.len(), 2);
-        assert_eq!(TrustLevel::Novice.mode(), HitlMode::HumanInCommand);
-        assert_eq!(TrustLevel::Expert.mode(), HitlMode::HumanOnTheLoop);
-    }
-
-    #[test]
-    fn bad_rules_are_named() {
-        let mut cfg = TrustConfig::default();
-        cfg.proficient.min_success_percent = 150;
-        cfg.expert.min_tasks = 10;
-        let paths: Vec<String> = cfg.problems().into_iter().map(|p| p.path).collect();
-        assert_eq!(
-            paths,
-            [
-                "hitl.trust.proficient.min-success-percent",
-                "hitl.trust.expert"
-            ]
-        );
-    }
-}

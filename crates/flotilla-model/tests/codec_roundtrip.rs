@@ -626,7 +626,7 @@ proptest! {
         trace in option::of(trace()),
     ) {
         let input = match which {
-            0 => RunInput::Submitted(Box::new(Submitted { plan: p, labels, session_id: None, parent: None, reply_to: None, wait_reply_to: Some("_INBOX.w".into()), intake_seq: Some(generation), warnings: Vec::new(), trace, planning: None, depth: (generation % 3) as u32, budget_scopes: vec![flotilla_model::task::BudgetScope { run_id, limits: flotilla_model::task::Budget { max_tokens: Some(generation), max_cost: None } }], anycast: generation % 2 == 0, memory: None, lead: (generation % 2 == 1).then(|| "lead".into()), hitl: flotilla_model::approval::HitlPolicy::resolve(&flotilla_model::approval::HitlConfig::default(), None, Some("bot")) })),
+            0 => RunInput::Submitted(Box::new(Submitted { plan: p, labels, session_id: None, parent: None, reply_to: None, wait_reply_to: Some("_INBOX.w".into()), intake_seq: Some(generation), warnings: Vec::new(), trace, planning: None, depth: (generation % 3) as u32, budget_scopes: vec![flotilla_model::task::BudgetScope { run_id, limits: flotilla_model::task::Budget { max_tokens: Some(generation), max_cost: None } }], anycast: generation % 2 == 0, memory: None, lead: (generation % 2 == 1).then(|| "lead".into()), hitl: Some(default_hitl_policy()) })),
             1 => RunInput::TaskResult(Box::new(TaskResultInput { task_id, attempt, attempt_id, worker: "w1".into(), started_at: started, agent: None, result })),
             2 => RunInput::Rejected(Box::new(flotilla_model::runlog::Rejected {
                 errors: vec![flotilla_model::validate::Problem::new(flotilla_model::validate::ProblemCode::Cycle, "subtasks[0]", "cycle")],
@@ -757,4 +757,25 @@ fn newer_protocol_versions_are_refused() {
     assert!(check_protocol(0).is_err());
     let err = check_protocol(99).expect_err("future version");
     assert_eq!(err.to_problem().code, ProblemCode::UnsupportedProtocol);
+}
+
+/// The policy the default `[hitl]` section admits a run with (what
+/// `flotilla_machine::policy::hitl::resolve` gives; written out here, as the model's tests do
+/// not depend on the machine).
+fn default_hitl_policy() -> flotilla_model::approval::HitlPolicy {
+    let d = flotilla_model::approval::HitlConfig::default();
+    flotilla_model::approval::HitlPolicy {
+        mode: d.mode,
+        sensitive_actions: d.sensitive_actions,
+        sensitive_risk: d.sensitive_risk,
+        timeout: d.approval_timeout,
+        on_timeout: d.on_timeout,
+        modes: std::collections::BTreeMap::new(),
+        default_agent: None,
+        consecutive_failures: d.consecutive_failures,
+        out_of_scope: d.out_of_scope,
+        low_confidence: d.low_confidence,
+        cost_limit: d.cost_limit,
+        budget_ask: false,
+    }
 }

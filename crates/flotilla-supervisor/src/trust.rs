@@ -29,7 +29,8 @@ pub(crate) async fn evaluate(team: &Team, record: &FailureRecord) -> Result<(), 
     let cfg = &team.trust;
     // Most outcomes change no level: decided from the mirror, without a read.
     if let Some(known) = team.trusts.get(&key)
-        && cfg.earned(record, &known.value, now) == known.value.earned
+        && flotilla_machine::policy::trust::earned(cfg, record, &known.value, now)
+            == known.value.earned
     {
         return Ok(());
     }
@@ -40,7 +41,7 @@ pub(crate) async fn evaluate(team: &Team, record: &FailureRecord) -> Result<(), 
         |t| {
             // A new record is written once even when it stays novice: its first-seen time
             // starts the clock of the day rules.
-            t.evaluate(cfg, record, now) || t.updated_at == now
+            flotilla_machine::policy::trust::evaluate(t, cfg, record, now) || t.updated_at == now
         },
         &team.metrics,
     )

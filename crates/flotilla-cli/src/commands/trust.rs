@@ -185,7 +185,7 @@ fn print_record(t: &TrustRecord) {
         t.pinned
             .map(|p| format!(", pinned {}", p.as_str()))
             .unwrap_or_default(),
-        t.level().mode().as_str()
+        flotilla_machine::policy::trust::mode_of_level(t.level()).as_str()
     );
     outln!(
         "  first counted {}, {} incident(s)",

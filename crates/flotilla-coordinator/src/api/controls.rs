@@ -372,10 +372,11 @@ impl Api {
             .await;
         };
         let t = state.tasks.get(i);
-        let lead = flotilla_model::lead::LEAD_NAME;
         if asked.action == ControlAction::Resume
-            && asked.by.as_deref() == Some(lead)
-            && t.is_some_and(|t| t.paused() && !t.paused_by_lead)
+            && t.is_some_and(|t| {
+                t.paused()
+                    && !flotilla_machine::policy::control::may_resume_task(t, asked.by.as_deref())
+            })
         {
             return respond_error(
                 req,

@@ -51,7 +51,9 @@ impl Runtime {
             task_id: sub.id.clone(),
             attempt: wait.attempt,
             trigger,
-            mode: policy.map(|p| p.mode_of(sub)).unwrap_or_default(),
+            mode: policy
+                .map(|p| flotilla_machine::policy::hitl::mode_of(p, sub))
+                .unwrap_or_default(),
             action: sub.action.clone(),
             risk: sub.risk,
             agent: sub.agent.clone().or_else(|| self.default_agent.clone()),

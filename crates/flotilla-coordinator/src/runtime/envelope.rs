@@ -72,7 +72,7 @@ impl Runtime {
             .state()
             .hitl
             .as_ref()
-            .and_then(|p| p.tool_gate(sub));
+            .and_then(|p| flotilla_machine::policy::hitl::tool_gate(p, sub));
         let mut previous_results = std::collections::BTreeMap::new();
         let mut dependency_results = std::collections::BTreeMap::new();
         if plan.config.pass_dependency_results {
