@@ -31,14 +31,13 @@ use flotilla_model::event::{Event, EventEnvelope, WorkflowEvent, WorkflowPhase};
 use flotilla_model::ids::RunId;
 use flotilla_model::plan::Plan;
 use flotilla_model::run::RunStatus;
-use flotilla_model::runlog::{PlanningSpec, Rejected, RunInput, RunLogEntry, Submitted};
+use flotilla_model::runlog::{PlanningSpec, Rejected, RunInput, RunLogEntry};
 use flotilla_model::submit::{SubmitForm, SubmitReply, SubmitRequest, SubmitStatus};
 use flotilla_model::task::TraceContext;
 use flotilla_model::time::Timestamp;
 use flotilla_model::token::check_subject;
 use flotilla_model::validate::{
-    MAX_REPORTED_PROBLEMS, Problem, ProblemCode, ValidationContext, ValidationReport, prepare_plan,
-    truncate_problems,
+    Problem, ProblemCode, ValidationContext, ValidationReport, prepare_plan,
 };
 use flotilla_telemetry::events::{RunFinished, RunSubmitted};
 use flotilla_telemetry::{InternalEvent, Metrics, spans, trace_context};
@@ -298,24 +297,8 @@ impl Intake {
                 None
             });
         let run = self.run_id_for(request.run_id, key.as_deref()).await?;
-        let mut errors = Vec::new();
-        let reply_to = match &request.reply_to {
-            Some(s) => match check_subject(s) {
-                Ok(()) => Some(s.clone()),
-                Err(e) => {
-                    errors.push(Problem::new(
-                        ProblemCode::InvalidReplyTo,
-                        "reply_to",
-                        format!("reply_to {s:?} {e}"),
-                    ));
-                    None
-                }
-            },
-            None => None,
-        };
-        if let Some(parent) = &request.parent {
-            errors.extend(flotilla_model::validate::check_parent(parent, run));
-        }
+        let (reply_to, mut errors) =
+            crate::admission::screen(run, &request, crate::admission::Door::Intake);
         // The run's place in its tree: depth, budgets and session from its parent. Counted
         // in its tree only when everything else holds.
         let own_budget = request.plan.as_ref().and_then(|p| p.config.budget());
@@ -374,13 +357,8 @@ impl Intake {
             errors.push(problem);
         }
         if !errors.is_empty() {
-            let rejected = Rejected {
-                errors: truncate_problems(errors, MAX_REPORTED_PROBLEMS),
-                name: request.plan_name(),
-                labels: request.labels.clone(),
-                reply_to,
-                intake_seq: source.intake_seq(),
-            };
+            let rejected =
+                crate::admission::rejected(&request, errors, reply_to, source.intake_seq());
             return self.reject(run, rejected, source).await;
         }
         let anycast = self.ctx.agents.as_ref().is_some_and(|a| a.has_roles());
@@ -426,29 +404,22 @@ impl Intake {
             self.ctx.agents.as_ref().and_then(|a| a.default.as_deref()),
             flotilla_model::time::Timestamp::now(),
         );
-        let submitted = Submitted {
-            plan,
-            labels: request.labels,
-            session_id: lineage.session_id,
-            parent: request.parent,
-            reply_to: reply_to.clone(),
-            wait_reply_to: wait_inbox,
-            intake_seq: source.intake_seq(),
-            warnings: warnings.clone(),
-            trace: Some(admitted_trace(headers, run, &span)),
-            planning,
-            depth: lineage.depth,
-            budget_scopes: lineage.budget_scopes,
-            anycast,
-            memory,
-            lead: self
-                .ctx
-                .agents
-                .as_ref()
-                .and_then(|a| a.lead())
-                .map(str::to_owned),
-            hitl,
-        };
+        let mut submitted = crate::admission::submitted(
+            &request,
+            crate::admission::Admitted {
+                plan,
+                warnings: warnings.clone(),
+                reply_to: reply_to.clone(),
+                lineage,
+                trace: admitted_trace(headers, run, &span),
+                agents: self.ctx.agents.as_ref(),
+                hitl,
+            },
+        );
+        submitted.wait_reply_to = wait_inbox;
+        submitted.intake_seq = source.intake_seq();
+        submitted.planning = planning;
+        submitted.memory = memory;
         let entry = RunLogEntry {
             protocol: PROTOCOL_VERSION,
             run_id: run,

@@ -21,6 +21,7 @@
 //! # Ok(()) }
 //! ```
 
+mod admission;
 mod api;
 mod approvals;
 pub mod error;

@@ -13,9 +13,7 @@ use flotilla_model::runlog::{Rejected, RunInput, RunLogEntry, Submitted};
 use flotilla_model::submit::{SubmitReply, SubmitRequest, SubmitStatus};
 use flotilla_model::task::TraceContext;
 use flotilla_model::time::Timestamp;
-use flotilla_model::validate::{
-    MAX_REPORTED_PROBLEMS, Problem, ProblemCode, prepare_plan, truncate_problems,
-};
+use flotilla_model::validate::{Problem, ProblemCode, prepare_plan};
 use flotilla_telemetry::InternalEvent;
 use flotilla_telemetry::events::{RunFinished, RunSubmitted};
 use tracing::{info, warn};
@@ -41,45 +39,16 @@ impl Runtime {
             Ok(r) => r,
             Err(unreadable) => return Ok(Err(self.rejection_of(run, unreadable))),
         };
-        let mut errors = Vec::new();
-        let reply_to = match &request.reply_to {
-            Some(s) => match flotilla_model::token::check_subject(s) {
-                Ok(()) => Some(s.clone()),
-                Err(e) => {
-                    errors.push(Problem::new(
-                        ProblemCode::InvalidReplyTo,
-                        "reply_to",
-                        format!("reply_to {s:?} {e}"),
-                    ));
-                    None
-                }
+        let names = self.bus.names();
+        let intake = names.submit();
+        let (reply_to, mut errors) = crate::admission::screen(
+            run,
+            request,
+            crate::admission::Door::RunSubject {
+                prefix: names.prefix(),
+                intake: &intake,
             },
-            None => None,
-        };
-        if let Err(e) = flotilla_model::codec::check_protocol(request.protocol) {
-            errors.push(e.to_problem());
-        }
-        if let Some(parent) = &request.parent {
-            errors.extend(flotilla_model::validate::check_parent(parent, run));
-        }
-        if let Some(named) = request.run_id.filter(|named| *named != run) {
-            errors.push(Problem::new(
-                ProblemCode::RunIdMismatch,
-                "run_id",
-                format!("the submission was published for run {run} but names run {named}"),
-            ));
-        }
-        if request.idempotency_key.is_some() {
-            errors.push(Problem::new(
-                ProblemCode::MisplacedIdempotencyKey,
-                "idempotency_key",
-                format!(
-                    "a submission on {}.submit.<run> is identified by its run id; publish submissions with an idempotency_key to {}",
-                    self.bus.names().prefix(),
-                    self.bus.names().submit()
-                ),
-            ));
-        }
+        );
         let prepared = match request.form() {
             Ok(flotilla_model::submit::SubmitForm::Plan(plan)) => prepare_plan(plan, &self.ctx),
             // A bare query's planning plan is fixed at admission and stored in the run's
@@ -127,32 +96,28 @@ impl Runtime {
             crate::lineage::Lineage::default()
         };
         if !errors.is_empty() {
-            return Ok(Err(Rejected {
-                errors: truncate_problems(errors, MAX_REPORTED_PROBLEMS),
-                name: request.plan_name(),
-                labels: request.labels.clone(),
-                reply_to,
-                intake_seq: None,
-            }));
+            return Ok(Err(crate::admission::rejected(
+                request, errors, reply_to, None,
+            )));
         }
-        let mut submitted = submitted_of(request, plan, warnings, trace);
-        submitted.session_id = lineage.session_id;
-        submitted.depth = lineage.depth;
-        submitted.budget_scopes = lineage.budget_scopes;
-        submitted.anycast = self.ctx.agents.as_ref().is_some_and(|a| a.has_roles());
-        submitted.lead = self
-            .ctx
-            .agents
-            .as_ref()
-            .and_then(|a| a.lead())
-            .map(str::to_owned);
-        submitted.hitl = self.trust.policy(
+        let hitl = self.trust.policy(
             &self.opts.hitl,
-            &submitted.plan,
+            &plan,
             self.default_agent.as_deref(),
             flotilla_model::time::Timestamp::from_unix_ms(submitted_ms),
         );
-        Ok(Ok(submitted))
+        Ok(Ok(crate::admission::submitted(
+            request,
+            crate::admission::Admitted {
+                plan,
+                warnings,
+                reply_to,
+                lineage,
+                trace,
+                agents: self.ctx.agents.as_ref(),
+                hitl,
+            },
+        )))
     }
 
     /// The rejection of a submission that cannot be decoded: every problem of it at once
@@ -395,35 +360,5 @@ impl Runtime {
         };
         crate::publish_event(&self.bus, ev).await?;
         Ok(())
-    }
-}
-
-/// A submission as the run log records an accepted one.
-fn submitted_of(
-    request: &SubmitRequest,
-    plan: flotilla_model::Plan,
-    warnings: Vec<Problem>,
-    trace: TraceContext,
-) -> Submitted {
-    Submitted {
-        plan,
-        labels: request.labels.clone(),
-        session_id: request.session_id,
-        parent: request.parent.clone(),
-        reply_to: request
-            .reply_to
-            .clone()
-            .filter(|s| flotilla_model::token::check_subject(s).is_ok()),
-        wait_reply_to: None,
-        intake_seq: None,
-        warnings,
-        trace: Some(trace),
-        planning: None,
-        depth: 0,
-        budget_scopes: Vec::new(),
-        anycast: false,
-        memory: None,
-        lead: None,
-        hitl: None,
     }
 }
