@@ -6,6 +6,7 @@
 use async_nats::HeaderMap;
 use async_nats::service::Request;
 use bytes::Bytes;
+use flotilla_model::ErrorCode;
 use flotilla_model::api::{ApiError, HasProtocol};
 use flotilla_model::codec::{CodecError, check_protocol};
 use serde::de::DeserializeOwned;
@@ -13,7 +14,7 @@ use serde::de::DeserializeOwned;
 use crate::wire;
 
 /// Answers with an error: `status`, a machine-readable `code` and a message.
-pub async fn respond_error(req: &Request, status: u16, code: &str, message: String) {
+pub async fn respond_error(req: &Request, status: u16, code: ErrorCode, message: String) {
     respond_api_error(req, &ApiError::new(status, code, message)).await;
 }
 
@@ -49,7 +50,7 @@ pub async fn respond_json<T: serde::Serialize>(
             respond_error(
                 req,
                 413,
-                "too_large",
+                ErrorCode::TooLarge,
                 format!(
                     "the answer is {} bytes, more than this deployment's max payload of {max_payload}; {too_large_hint}",
                     out.payload.len()
@@ -60,7 +61,7 @@ pub async fn respond_json<T: serde::Serialize>(
         Ok(out) => {
             let _ = req.respond_with_headers(Ok(out.payload), out.headers).await;
         }
-        Err(e) => respond_error(req, 500, "internal", e.to_string()).await,
+        Err(e) => respond_error(req, 500, ErrorCode::Internal, e.to_string()).await,
     }
 }
 
@@ -74,8 +75,8 @@ pub async fn parse<T: DeserializeOwned + HasProtocol>(req: &Request) -> Option<T
         Ok(r) => Some(r),
         Err(e) => {
             let code = match e {
-                CodecError::UnsupportedProtocol { .. } => "unsupported_protocol",
-                _ => "malformed",
+                CodecError::UnsupportedProtocol { .. } => ErrorCode::UnsupportedProtocol,
+                _ => ErrorCode::Malformed,
             };
             respond_error(req, 400, code, e.to_string()).await;
             None

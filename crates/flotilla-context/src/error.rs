@@ -9,6 +9,7 @@ use std::error::Error as StdError;
 use std::fmt;
 
 use flotilla_bus::Retry;
+use flotilla_model::ErrorCode;
 use flotilla_model::run::RunHandle;
 use flotilla_model::validate::Problem;
 
@@ -53,38 +54,36 @@ pub enum ErrorKind {
 }
 
 impl ErrorKind {
-    /// The stable code (`invalid_topic`, …).
-    pub fn code(self) -> &'static str {
+    /// The stable code, as the API's error answers carry it ([`ErrorCode`]).
+    pub fn error_code(self) -> ErrorCode {
         match self {
-            Self::InvalidTopic => "invalid_topic",
-            Self::UndeclaredTopic => "undeclared_topic",
-            Self::EntryTooLarge => "entry_too_large",
-            Self::InvalidAddress => "invalid_address",
-            Self::PayloadTooLarge => "payload_too_large",
-            Self::InvalidKey => "invalid_key",
-            Self::ValueTooLarge => "value_too_large",
-            Self::Conflict => "conflict",
-            Self::NotFound => "not_found",
-            Self::Malformed => "malformed",
-            Self::Unavailable => "unavailable",
-            Self::InvalidScope => "invalid_scope",
-            Self::InvalidName => "invalid_name",
-            Self::ChildRejected => "child_rejected",
-            Self::UnknownRole => "unknown_role",
+            Self::InvalidTopic => ErrorCode::InvalidTopic,
+            Self::UndeclaredTopic => ErrorCode::UndeclaredTopic,
+            Self::EntryTooLarge => ErrorCode::EntryTooLarge,
+            Self::InvalidAddress => ErrorCode::InvalidAddress,
+            Self::PayloadTooLarge => ErrorCode::PayloadTooLarge,
+            Self::InvalidKey => ErrorCode::InvalidKey,
+            Self::ValueTooLarge => ErrorCode::ValueTooLarge,
+            Self::Conflict => ErrorCode::Conflict,
+            Self::NotFound => ErrorCode::NotFound,
+            Self::Malformed => ErrorCode::Malformed,
+            Self::Unavailable => ErrorCode::Unavailable,
+            Self::InvalidScope => ErrorCode::InvalidScope,
+            Self::InvalidName => ErrorCode::InvalidName,
+            Self::ChildRejected => ErrorCode::ChildRejected,
+            Self::UnknownRole => ErrorCode::UnknownRole,
         }
     }
 
-    /// An HTTP-like status for API answers: 400 bad input, 404 not found, 409 conflict,
-    /// 413 too large, 422 a rejected child run, 503 unavailable.
+    /// The stable code (`invalid_topic`, …).
+    pub fn code(self) -> &'static str {
+        self.error_code().as_str()
+    }
+
+    /// An HTTP-like status for API answers, the code's: 400 bad input, 404 not found,
+    /// 409 conflict, 413 too large, 422 a rejected child run, 503 unavailable.
     pub fn status(self) -> u16 {
-        match self {
-            Self::ChildRejected => 422,
-            Self::EntryTooLarge | Self::PayloadTooLarge | Self::ValueTooLarge => 413,
-            Self::Conflict => 409,
-            Self::NotFound | Self::UnknownRole => 404,
-            Self::Unavailable => 503,
-            _ => 400,
-        }
+        self.error_code().status()
     }
 
     /// Whether the same call may succeed later: only `unavailable` (and a `conflict`, after
@@ -265,5 +264,30 @@ mod tests {
         assert_eq!(c.current_revision(), Some(7));
         assert_eq!(c.kind().status(), 409);
         assert_eq!(ErrorKind::EntryTooLarge.status(), 413);
+    }
+
+    #[test]
+    fn every_kind_keeps_its_code_and_status() {
+        use ErrorKind::*;
+        for (kind, code, status) in [
+            (InvalidTopic, "invalid_topic", 400),
+            (UndeclaredTopic, "undeclared_topic", 400),
+            (EntryTooLarge, "entry_too_large", 413),
+            (InvalidAddress, "invalid_address", 400),
+            (PayloadTooLarge, "payload_too_large", 413),
+            (InvalidKey, "invalid_key", 400),
+            (ValueTooLarge, "value_too_large", 413),
+            (Conflict, "conflict", 409),
+            (NotFound, "not_found", 404),
+            (Malformed, "malformed", 400),
+            (Unavailable, "unavailable", 503),
+            (InvalidScope, "invalid_scope", 400),
+            (InvalidName, "invalid_name", 400),
+            (ChildRejected, "child_rejected", 422),
+            (UnknownRole, "unknown_role", 404),
+        ] {
+            assert_eq!((kind.code(), kind.status()), (code, status), "{kind:?}");
+            assert_eq!(kind.error_code().as_str(), code);
+        }
     }
 }

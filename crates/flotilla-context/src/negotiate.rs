@@ -42,13 +42,13 @@ use std::time::Duration;
 
 use async_nats::jetstream::kv::Operation;
 use bytes::Bytes;
-use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::api::{
     ApiError, ApiRequest, MboxNegotiateReply, MboxRoleReply, MboxRoleRequest, NegotiationOffer,
     NegotiationOutcome,
 };
 use flotilla_model::mailbox::{MailboxKind, MailboxMessage, addressed_role};
 use flotilla_model::token::check_name;
+use flotilla_model::{ErrorCode, PROTOCOL_VERSION};
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -677,9 +677,9 @@ async fn api_request<R: ApiRequest>(
                 e,
             )
         })?;
-        let kind = match (e.status, e.code.as_str()) {
-            (_, "unknown_role") => ErrorKind::UnknownRole,
-            (_, "invalid_address") => ErrorKind::InvalidAddress,
+        let kind = match (e.status, e.error_code()) {
+            (_, Some(ErrorCode::UnknownRole)) => ErrorKind::UnknownRole,
+            (_, Some(ErrorCode::InvalidAddress)) => ErrorKind::InvalidAddress,
             (404, _) => ErrorKind::NotFound,
             (503 | 504, _) => ErrorKind::Unavailable,
             _ => ErrorKind::Malformed,

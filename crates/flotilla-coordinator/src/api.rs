@@ -29,6 +29,7 @@ use std::time::Duration;
 
 use async_nats::service::{Request, ServiceExt};
 use flotilla_bus::wire;
+use flotilla_model::ErrorCode;
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::api::{
     ApiRequest, CancelRunReply, CancelRunRequest, ChildStartRequest, GetRunRequest,
@@ -62,7 +63,7 @@ mod controls;
 /// `404 not_found` for a run that does not exist.
 /// `400 <code>` naming every problem of a request at once (in `problems`, and joined in the
 /// message).
-async fn respond_problems(req: &Request, code: &str, problems: Vec<Problem>) {
+async fn respond_problems(req: &Request, code: ErrorCode, problems: Vec<Problem>) {
     let mut body = flotilla_model::api::ApiError::new(
         400,
         code,
@@ -77,7 +78,13 @@ async fn respond_problems(req: &Request, code: &str, problems: Vec<Problem>) {
 }
 
 async fn run_not_found(req: &Request, run: RunId) {
-    respond_error(req, 404, "not_found", format!("run {run} does not exist")).await;
+    respond_error(
+        req,
+        404,
+        ErrorCode::NotFound,
+        format!("run {run} does not exist"),
+    )
+    .await;
 }
 
 use flotilla_bus::service::{parse, respond_api_error, respond_error};
@@ -350,7 +357,7 @@ impl Api {
             return respond_error(
                 &req,
                 400,
-                "invalid_deliver_subject",
+                ErrorCode::InvalidDeliverSubject,
                 format!("deliver_subject {:?} {e}", r.deliver_subject),
             )
             .await;
@@ -359,7 +366,7 @@ impl Api {
             return respond_error(
                 &req,
                 400,
-                "invalid_lease",
+                ErrorCode::InvalidLease,
                 format!("lease_ms {} is outside 1000 to 600000", r.lease_ms),
             )
             .await;
@@ -370,14 +377,14 @@ impl Api {
             Ok(None) => {
                 return run_not_found(&req, r.run_id).await;
             }
-            Err(e) => return respond_error(&req, 503, "unavailable", e.to_string()).await,
+            Err(e) => return respond_error(&req, 503, ErrorCode::Unavailable, e.to_string()).await,
         }
         let bus = self.store.bus().clone();
         let watch_id = uuid::Uuid::now_v7().to_string();
         let renew_subject = bus.names().api(&format!("watch.{watch_id}.renew"));
         let mut renewals = match bus.client().subscribe(renew_subject.clone()).await {
             Ok(s) => s,
-            Err(e) => return respond_error(&req, 503, "unavailable", e.to_string()).await,
+            Err(e) => return respond_error(&req, 503, ErrorCode::Unavailable, e.to_string()).await,
         };
         let opts = crate::watch::WatchOptions {
             profile: r.profile,
@@ -387,7 +394,7 @@ impl Api {
         };
         let stream = match crate::watch::project(bus.clone(), r.run_id, opts).await {
             Ok(s) => s,
-            Err(e) => return respond_error(&req, 503, "unavailable", e.to_string()).await,
+            Err(e) => return respond_error(&req, 503, ErrorCode::Unavailable, e.to_string()).await,
         };
         respond_json(
             &req,
@@ -455,16 +462,16 @@ impl Api {
             },
             Err(e) => {
                 warn!(error = %e, "Submission failed");
-                respond_error(&req, 503, "unavailable", e.to_string()).await;
+                respond_error(&req, 503, ErrorCode::Unavailable, e.to_string()).await;
             }
         }
     }
 
     /// Waits until `run` ends and returns its outcome (at once if it has ended). Subscribes
     /// to the run's events before reading its record, so an end in between is not missed.
-    async fn wait_for_end(&self, run: RunId) -> Result<RunOutcome, (u16, &'static str, String)> {
+    async fn wait_for_end(&self, run: RunId) -> Result<RunOutcome, (u16, ErrorCode, String)> {
         let bus = self.store.bus();
-        let unavailable = |e: String| (503, "unavailable", e);
+        let unavailable = |e: String| (503, ErrorCode::Unavailable, e);
         let mut events = bus
             .client()
             .subscribe(bus.names().event(run))
@@ -494,7 +501,7 @@ impl Api {
             Ok(None) => Err(unavailable("the event subscription ended".into())),
             Err(_) => Err((
                 504,
-                "timeout",
+                ErrorCode::Timeout,
                 format!("run {run} did not end within {MAX_WAIT:?}"),
             )),
         }
@@ -511,7 +518,7 @@ impl Api {
             return respond_error(
                 &req,
                 400,
-                "invalid_limit",
+                ErrorCode::InvalidLimit,
                 format!(
                     "tasks_limit {n} is out of range: give 1 to {MAX_TASKS_PER_VIEW} (default {MAX_TASKS_PER_VIEW}) and page with tasks_offset"
                 ),
@@ -534,7 +541,7 @@ impl Api {
             }
             Ok(Some(view)) => respond_json(&req, self.max_payload(), &view).await,
             Ok(None) => run_not_found(&req, r.run_id).await,
-            Err(e) => respond_error(&req, 500, "internal", e.to_string()).await,
+            Err(e) => respond_error(&req, 500, ErrorCode::Internal, e.to_string()).await,
         }
     }
 
@@ -548,7 +555,7 @@ impl Api {
             return respond_error(
                 &req,
                 400,
-                "invalid_max_runs",
+                ErrorCode::InvalidMaxRuns,
                 format!("max_runs must be 1 to {MAX_RUNS_PER_ANSWER}"),
             )
             .await;
@@ -557,7 +564,7 @@ impl Api {
         match crate::tree::run_tree(&self.store, r.run_id, max).await {
             Ok(Some(tree)) => respond_json(&req, self.max_payload(), &tree).await,
             Ok(None) => run_not_found(&req, r.run_id).await,
-            Err(e) => respond_error(&req, 500, "internal", e.to_string()).await,
+            Err(e) => respond_error(&req, 500, ErrorCode::Internal, e.to_string()).await,
         }
     }
 
@@ -568,7 +575,7 @@ impl Api {
         };
         match crate::tree::session_view(&self.store, r.session_id).await {
             Ok(view) => respond_json(&req, self.max_payload(), &view).await,
-            Err(e) => respond_error(&req, 500, "internal", e.to_string()).await,
+            Err(e) => respond_error(&req, 500, ErrorCode::Internal, e.to_string()).await,
         }
     }
 
@@ -601,15 +608,17 @@ impl Api {
                         return respond_error(
                             &req,
                             404,
-                            "not_found",
+                            ErrorCode::NotFound,
                             format!("run {run} does not exist"),
                         )
                         .await;
                     }
-                    Err(e) => return respond_error(&req, 500, "internal", e.to_string()).await,
+                    Err(e) => {
+                        return respond_error(&req, 500, ErrorCode::Internal, e.to_string()).await;
+                    }
                 }
             }
-            Err(e) => return respond_error(&req, 500, "internal", e.to_string()).await,
+            Err(e) => return respond_error(&req, 500, ErrorCode::Internal, e.to_string()).await,
         };
         if state.status.is_terminal() {
             let reply = CancelRunReply {
@@ -657,7 +666,7 @@ impl Api {
                 };
                 respond_json(req, self.max_payload(), &reply).await;
             }
-            Err(e) => respond_error(req, 503, "unavailable", e.to_string()).await,
+            Err(e) => respond_error(req, 503, ErrorCode::Unavailable, e.to_string()).await,
         }
     }
 
@@ -689,16 +698,16 @@ impl Api {
                             .map(ToString::to_string)
                             .collect::<Vec<_>>()
                             .join("; ");
-                        respond_error(&req, 400, "malformed", message).await;
+                        respond_error(&req, 400, ErrorCode::Malformed, message).await;
                     }
                 };
             }
             Err(e) => {
-                return respond_error(&req, 400, "malformed", e.to_string()).await;
+                return respond_error(&req, 400, ErrorCode::Malformed, e.to_string()).await;
             }
         };
         if let Err(e) = check_protocol(r.protocol) {
-            return respond_error(&req, 400, "unsupported_protocol", e.to_string()).await;
+            return respond_error(&req, 400, ErrorCode::UnsupportedProtocol, e.to_string()).await;
         }
         let report = validate_plan(&r.plan, &ctx);
         let mut warnings = report.warnings;

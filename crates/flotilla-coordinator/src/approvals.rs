@@ -11,6 +11,7 @@
 
 use async_nats::jetstream::kv;
 use flotilla_bus::Bus;
+use flotilla_model::ErrorCode;
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::approval::{
     ApprovalAnswer, ApprovalDecided, ApprovalRecord, ApprovalRevision, ApprovalStatus,
@@ -37,6 +38,22 @@ pub(crate) enum ApprovalError {
     /// NATS did not answer; try again.
     #[error("{0}")]
     Unavailable(String),
+}
+
+impl ApprovalError {
+    /// The API error code an approval endpoint answers it with.
+    pub(crate) fn code(&self) -> ErrorCode {
+        match self {
+            Self::NotFound(_) => ErrorCode::NotFound,
+            Self::Unreadable(_) => ErrorCode::Internal,
+            Self::Unavailable(_) => ErrorCode::Unavailable,
+        }
+    }
+
+    /// Its status: the code's (`404`, `500`, `503`).
+    pub(crate) fn status(&self) -> u16 {
+        self.code().status()
+    }
 }
 
 /// How often a compare-and-set is retried after losing a race before giving up.
@@ -369,5 +386,27 @@ pub(crate) fn settled_detail(record: &ApprovalRecord) -> String {
             _ => "withdrawn".to_owned(),
         },
         (status, Some(a)) => format!("{} ({}): {}", a.decision.as_str(), status.as_str(), a.by),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn approval_errors_answer_their_codes() {
+        let answer = |e: ApprovalError| (e.status(), e.code().as_str());
+        assert_eq!(
+            answer(ApprovalError::NotFound("x".into())),
+            (404, "not_found")
+        );
+        assert_eq!(
+            answer(ApprovalError::Unreadable("x".into())),
+            (500, "internal")
+        );
+        assert_eq!(
+            answer(ApprovalError::Unavailable("x".into())),
+            (503, "unavailable")
+        );
     }
 }

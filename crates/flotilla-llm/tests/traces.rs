@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use common::*;
 use flotilla_context::Agent;
+use flotilla_model::ErrorCode;
 use flotilla_model::api::{ApiError, ApiRequest, ChildStartRequest};
 use flotilla_model::task::TraceContext;
 use flotilla_telemetry::logging::{OtlpConfig, OtlpProtocol, otel_layer, tracer_provider};
@@ -60,9 +61,12 @@ async fn model_and_tool_calls_are_spans_of_the_attempt_and_children_join_the_tra
             let Some(reply) = m.reply else { continue };
             let mut headers = async_nats::HeaderMap::new();
             headers.insert("Nats-Service-Error-Code", "503");
-            let body =
-                serde_json::to_vec(&ApiError::new(503, "unavailable", "no coordinator here"))
-                    .unwrap_or_default();
+            let body = serde_json::to_vec(&ApiError::new(
+                503,
+                ErrorCode::Unavailable,
+                "no coordinator here",
+            ))
+            .unwrap_or_default();
             let _ = client
                 .publish_with_headers(reply, headers, body.into())
                 .await;

@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use common::*;
 use flotilla_llm::budget::Spent;
+use flotilla_model::ErrorCode;
 use flotilla_model::RunId;
 use flotilla_model::api::{ApiError, ApiRequest, ChildStartRequest};
 use flotilla_model::event::Event;
@@ -337,7 +338,7 @@ async fn child_start_headers(
             headers.insert("Nats-Service-Error", "no coordinator in this test");
             let body = serde_json::to_vec(&ApiError::new(
                 503,
-                "unavailable",
+                ErrorCode::Unavailable,
                 "no coordinator in this test",
             ))
             .unwrap_or_default();

@@ -7,6 +7,7 @@ use schemars::JsonSchema;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+use crate::error_code::ErrorCode;
 use crate::ids::RunId;
 use crate::plan::Plan;
 use crate::problem::Problem;
@@ -208,8 +209,8 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    /// An error answer without a revision.
-    pub fn new(status: u16, code: impl Into<String>, message: impl Into<String>) -> Self {
+    /// An error answer without a revision: `code` goes on the wire as its string.
+    pub fn new(status: u16, code: ErrorCode, message: impl Into<String>) -> Self {
         Self {
             status,
             code: code.into(),
@@ -218,6 +219,17 @@ impl ApiError {
             rule: None,
             problems: Vec::new(),
         }
+    }
+
+    /// The code, or `None` when this build does not know it (a peer of another build may
+    /// send one): never read as another code.
+    pub fn error_code(&self) -> Option<ErrorCode> {
+        ErrorCode::from_wire(&self.code)
+    }
+
+    /// Whether the code is `code`.
+    pub fn is(&self, code: ErrorCode) -> bool {
+        self.error_code() == Some(code)
     }
 }
 
@@ -651,4 +663,48 @@ pub struct MboxNegotiateReply {
 impl ApiRequest for MboxNegotiateRequest {
     const ENDPOINT: &'static str = "mbox.negotiate";
     type Reply = MboxNegotiateReply;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_error_built_from_a_code_sends_its_string() {
+        let e = ApiError::new(404, ErrorCode::NotFound, "run x does not exist");
+        assert_eq!(
+            serde_json::to_value(&e).expect("encodes"),
+            serde_json::json!({"status": 404, "code": "not_found", "message": "run x does not exist"})
+        );
+        assert_eq!(e.error_code(), Some(ErrorCode::NotFound));
+        assert!(e.is(ErrorCode::NotFound));
+        assert!(!e.is(ErrorCode::UnknownRun));
+    }
+
+    #[test]
+    fn an_unknown_code_reads_as_none_and_round_trips_unchanged() {
+        for code in [
+            "some_future_code",
+            "",
+            "NOT_FOUND",
+            "not found",
+            "not_found\n",
+        ] {
+            let json = serde_json::json!({
+                "status": 418,
+                "code": code,
+                "message": "from a peer of another build",
+                "current_revision": 3,
+                "rule": "future_rule",
+            });
+            let e: ApiError = serde_json::from_value(json.clone()).expect("decodes");
+            assert_eq!(e.code, code);
+            assert_eq!(e.error_code(), None, "{code:?}");
+            assert!(ErrorCode::ALL.iter().all(|&c| !e.is(c)), "{code:?}");
+            assert_eq!(serde_json::to_value(&e).expect("encodes"), json);
+            let packed = rmp_serde::to_vec_named(&e).expect("packs");
+            let back: ApiError = rmp_serde::from_slice(&packed).expect("unpacks");
+            assert_eq!(back, e);
+        }
+    }
 }

@@ -9,6 +9,7 @@ pub mod approval;
 pub mod artifact;
 pub mod codec;
 pub mod control;
+pub mod error_code;
 pub mod event;
 pub mod ids;
 pub mod lead;
@@ -40,6 +41,7 @@ pub mod watch;
 pub mod worker;
 pub mod workspace;
 
+pub use error_code::ErrorCode;
 pub use ids::{AgentId, AttemptId, EscalationId, RunId, SessionId, TaskId};
 pub use plan::{Plan, PlanConfig, Subtask};
 pub use subjects::Names;

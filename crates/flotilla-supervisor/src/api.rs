@@ -22,6 +22,7 @@ use std::sync::Arc;
 
 use async_nats::service::{Request, Service, ServiceExt, endpoint::Endpoint};
 use flotilla_bus::service::{parse, respond_api_error, respond_error, respond_json};
+use flotilla_model::ErrorCode;
 use flotilla_model::api::ApiRequest;
 use flotilla_model::lead::{AssignRequest, FinishRequest};
 use flotilla_model::memory::{MemoryForgetRequest, MemoryGetRequest, MemoryListRequest};
@@ -385,7 +386,7 @@ async fn team_get(team: &Team, req: Request) {
             respond_error(
                 &req,
                 404,
-                "not_found",
+                ErrorCode::NotFound,
                 format!(
                     "no team member is named {:?} (members: {})",
                     r.name,
@@ -421,7 +422,7 @@ async fn team_find(team: &Team, req: Request) {
         return respond_error(
             &req,
             404,
-            "unknown_role",
+            ErrorCode::UnknownRole,
             format!(
                 "the team knows no role {:?} (roles: {}); a role is what a plan task's role names, known once such a task ran, or declared by a member's card (roles = [{:?}]) or a teammate",
                 r.role,
@@ -483,7 +484,7 @@ async fn team_stats(team: &Team, req: Request) {
             return respond_error(
                 &req,
                 404,
-                "not_found",
+                ErrorCode::NotFound,
                 format!("no agent or role is named {name:?}"),
             )
             .await;

@@ -1,5 +1,6 @@
 //! The supervisor's errors.
 
+use flotilla_model::ErrorCode;
 use thiserror::Error;
 
 /// Why the supervisor could not start or go on.
@@ -28,10 +29,43 @@ pub enum SupervisorError {
 }
 
 impl SupervisorError {
+    /// The API error code a team request that fails on it is answered with: `unavailable`
+    /// for every kind — a stream, a bucket or a stored value that could not be had now;
+    /// asking again may pass.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            Self::Setup(_) | Self::Store { .. } | Self::Decode { .. } => ErrorCode::Unavailable,
+        }
+    }
+
+    /// Its status: the code's (`503`).
+    pub fn status(&self) -> u16 {
+        self.code().status()
+    }
+
     pub(crate) fn store(what: impl Into<String>, e: impl Into<async_nats::Error>) -> Self {
         Self::Store {
             what: what.into(),
             source: e.into(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kind_is_answered_unavailable() {
+        for e in [
+            SupervisorError::Setup("x".into()),
+            SupervisorError::store("reading k", "gone"),
+            SupervisorError::Decode {
+                key: "k".into(),
+                message: "not JSON".into(),
+            },
+        ] {
+            assert_eq!((e.status(), e.code().as_str()), (503, "unavailable"), "{e}");
         }
     }
 }

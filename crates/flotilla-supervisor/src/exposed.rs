@@ -29,6 +29,7 @@ use async_nats::jetstream::kv;
 use flotilla_agents::serve::{Ending, Instance, Outbox, Prompter, Registration, UnknownAgents};
 use flotilla_agents::teammate::{self as exposing, SENDER, TurnOutcome};
 use flotilla_agents::wire::{AgentAddress, Chunk, Envelope};
+use flotilla_model::ErrorCode;
 use flotilla_model::teammate::{
     Conversation, Teammate, TeammateStatus, conversation_key, teammate_key,
 };
@@ -39,7 +40,7 @@ use tracing::{debug, info, warn};
 
 use crate::Team;
 use crate::error::SupervisorError;
-use crate::teammates::{Refusal, check_accepts, check_text, internal, post, read};
+use crate::teammates::{Refusal, check_accepts, check_text, failed, post, read};
 
 /// How often the served set is compared with the teammates' mirror, and how often a waiting
 /// prompt looks whether its teammate was shut down.
@@ -69,14 +70,14 @@ pub(crate) fn check_address(team: &Team, t: &str, name: &str) -> Result<(), Refu
     let address = exposing::address(&owner(team), t, name).map_err(|e| {
         (
             400,
-            "invalid_address",
+            ErrorCode::InvalidAddress,
             format!("teammate {name:?} of team {t:?}: {e}"),
         )
     })?;
     if team.exposed_definitions.contains(&address) {
         return Err((
             409,
-            "address_taken",
+            ErrorCode::AddressTaken,
             format!(
                 "{} is the address of an exposed agent definition; name the teammate otherwise",
                 address.display()
@@ -92,7 +93,7 @@ pub(crate) fn check_address(team: &Team, t: &str, name: &str) -> Result<(), Refu
     if let Some((_, m)) = other.first() {
         return Err((
             409,
-            "address_taken",
+            ErrorCode::AddressTaken,
             format!(
                 "{} is already teammate {:?}'s address",
                 address.display(),
@@ -241,7 +242,7 @@ impl Prompter for TeammatePrompter {
 }
 
 fn refused((status, code, message): Refusal) -> Ending {
-    Ending::error(status, code, message)
+    Ending::error(status, code.as_str(), message)
 }
 
 impl TeammatePrompter {
@@ -262,7 +263,7 @@ impl TeammatePrompter {
                     format!("team {t:?} has no teammate {name:?}"),
                 );
             }
-            Err(e) => return refused(internal(e)),
+            Err(e) => return refused(failed(e)),
         };
         if let Err(e) = check_accepts(&mate) {
             return refused(e);

@@ -33,6 +33,7 @@ use std::sync::Arc;
 
 use async_nats::jetstream::kv;
 use flotilla_machine::RunState;
+use flotilla_model::ErrorCode;
 use flotilla_model::api::ApiError;
 use flotilla_model::event::{Event, EventEnvelope, WorkflowPhase};
 use flotilla_model::ids::RunId;
@@ -63,7 +64,7 @@ pub(crate) fn is_led(state: &RunState) -> bool {
         .is_some_and(|s| s.strategy == Strategy::Supervisor)
 }
 
-fn conflict(code: &str, message: impl Into<String>) -> ApiError {
+fn conflict(code: ErrorCode, message: impl Into<String>) -> ApiError {
     ApiError::new(409, code, message)
 }
 
@@ -77,7 +78,7 @@ fn check_led(run: &Running) -> Result<(), ApiError> {
     let s = &run.state;
     if !is_led(s) {
         return Err(conflict(
-            "not_led",
+            ErrorCode::NotLed,
             format!(
                 "run {} is not led: its strategy is {} (a lead exists only under the supervisor strategy)",
                 s.run_id,
@@ -89,7 +90,7 @@ fn check_led(run: &Running) -> Result<(), ApiError> {
     }
     if s.status.is_terminal() {
         return Err(conflict(
-            "run_not_running",
+            ErrorCode::RunNotRunning,
             format!("run {} has ended ({})", s.run_id, s.status.as_str()),
         ));
     }
@@ -112,7 +113,7 @@ pub(crate) async fn assign(team: Arc<Team>, r: AssignRequest) -> Result<LeadRepl
         let held: Vec<&str> = held_tasks(&run).collect();
         return Err(ApiError::new(
             404,
-            "unknown_task",
+            ErrorCode::UnknownTask,
             format!(
                 "run {} has no task {}; tasks waiting for an assignment: {}",
                 r.run_id,
@@ -137,7 +138,7 @@ pub(crate) async fn assign(team: Arc<Team>, r: AssignRequest) -> Result<LeadRepl
     }
     if t.status.is_terminal() {
         return Err(conflict(
-            "task_ended",
+            ErrorCode::TaskEnded,
             format!(
                 "task {} of run {} has ended ({}) without running: a dependency failed",
                 r.task_id,
@@ -179,7 +180,7 @@ pub(crate) async fn finish(team: Arc<Team>, r: FinishRequest) -> Result<LeadRepl
     if r.result.len() > Finished::MAX_RESULT {
         return Err(ApiError::new(
             413,
-            "result_too_large",
+            ErrorCode::ResultTooLarge,
             format!(
                 "the result is {} bytes; a lead's result holds at most {} (put more in the workspace and cite it)",
                 r.result.len(),

@@ -19,6 +19,7 @@
 use std::sync::Arc;
 
 use async_nats::jetstream::kv;
+use flotilla_model::ErrorCode;
 use flotilla_model::api::ApiError;
 use flotilla_model::ids::RunId;
 use flotilla_model::memory::{
@@ -218,13 +219,13 @@ async fn spent(team: &Team, run: RunId) -> (Option<u64>, Option<f64>) {
 }
 
 fn unavailable(what: &str, e: impl std::fmt::Display) -> ApiError {
-    ApiError::new(503, "unavailable", format!("{what}: {e}"))
+    ApiError::new(503, ErrorCode::Unavailable, format!("{what}: {e}"))
 }
 
 fn not_found(run: RunId) -> ApiError {
     ApiError::new(
         404,
-        "not_found",
+        ErrorCode::NotFound,
         format!(
             "run {run} is not remembered (it has not finished as a root run, was forgotten, or is older than [supervisor.memory] max-age)"
         ),
@@ -240,7 +241,7 @@ pub(crate) async fn list(team: Arc<Team>, r: MemoryListRequest) -> Result<Memory
     if !(1..=MAX_LIST).contains(&limit) {
         return Err(ApiError::new(
             400,
-            "invalid",
+            ErrorCode::Invalid,
             format!("limit must be 1 to {MAX_LIST}, not {limit}"),
         ));
     }
@@ -269,9 +270,15 @@ async fn entry_of(team: &Team, run: RunId) -> Result<Option<MemoryEntry>, ApiErr
         .await
         .map_err(|e| unavailable("reading the memory bucket", e))?;
     match entry {
-        Some(e) if e.operation == kv::Operation::Put => serde_json::from_slice(&e.value)
-            .map(Some)
-            .map_err(|e| ApiError::new(500, "internal", format!("{key} is unreadable: {e}"))),
+        Some(e) if e.operation == kv::Operation::Put => {
+            serde_json::from_slice(&e.value).map(Some).map_err(|e| {
+                ApiError::new(
+                    500,
+                    ErrorCode::Internal,
+                    format!("{key} is unreadable: {e}"),
+                )
+            })
+        }
         _ => Ok(None),
     }
 }

@@ -23,6 +23,7 @@
 use async_nats::jetstream::kv;
 use flotilla_bus::wire;
 use flotilla_machine::RunState;
+use flotilla_model::ErrorCode;
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::api::ApiError;
 use flotilla_model::codec::Codec;
@@ -48,18 +49,18 @@ use std::sync::Arc;
 use crate::Team;
 
 pub(crate) fn invalid(message: impl Into<String>) -> ApiError {
-    ApiError::new(400, "invalid_request", message)
+    ApiError::new(400, ErrorCode::InvalidRequest, message)
 }
 
 fn refused(rule: RecruitRule, message: impl Into<String>) -> ApiError {
     ApiError {
         rule: Some(rule.as_str().to_owned()),
-        ..ApiError::new(403, "recruit_refused", message)
+        ..ApiError::new(403, ErrorCode::RecruitRefused, message)
     }
 }
 
 pub(crate) fn unavailable(what: &str, e: impl std::fmt::Display) -> ApiError {
-    ApiError::new(503, "unavailable", format!("{what}: {e}"))
+    ApiError::new(503, ErrorCode::Unavailable, format!("{what}: {e}"))
 }
 
 fn check_reason(reason: &str) -> Result<(), ApiError> {
@@ -92,7 +93,7 @@ async fn state_of(team: &Team, run: RunId) -> Result<RunState, ApiError> {
     if team.runs.first_message(run).await.map_err(read)?.is_none() {
         return Err(ApiError::new(
             404,
-            "not_found",
+            ErrorCode::NotFound,
             format!("no run {run} (or it was never accepted)"),
         ));
     }
@@ -101,7 +102,7 @@ async fn state_of(team: &Team, run: RunId) -> Result<RunState, ApiError> {
         .ok_or_else(|| {
             ApiError::new(
                 503,
-                "unavailable",
+                ErrorCode::Unavailable,
                 format!("run {run} exists but is not recorded yet; ask again"),
             )
         })
@@ -420,15 +421,18 @@ pub(crate) async fn recruit(team: Arc<Team>, r: RecruitRequest) -> Result<Recrui
             problems,
             ..ApiError::new(
                 400,
-                "recruit_refused",
+                ErrorCode::RecruitRefused,
                 format!("the recruit's subtask does not fit the plan: {first}"),
             )
         });
     }
-    let subtask = normalize_plan(amended)
-        .subtasks
-        .pop()
-        .ok_or_else(|| ApiError::new(500, "internal", "the amended plan lost its last task"))?;
+    let subtask = normalize_plan(amended).subtasks.pop().ok_or_else(|| {
+        ApiError::new(
+            500,
+            ErrorCode::Internal,
+            "the amended plan lost its last task",
+        )
+    })?;
     let task_id = subtask.id.clone();
     let input = RunInput::Recruited(Box::new(Recruited {
         recruit_id: r.recruit_id.clone(),
@@ -559,7 +563,7 @@ pub(crate) async fn append_and_wait<T>(
         input,
     };
     let out = wire::encode(&entry, Codec::Json, Some(msg_id))
-        .map_err(|e| ApiError::new(500, "internal", e.to_string()))?;
+        .map_err(|e| ApiError::new(500, ErrorCode::Internal, e.to_string()))?;
     let ack = team
         .bus
         .js()

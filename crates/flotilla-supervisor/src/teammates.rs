@@ -33,6 +33,7 @@ use async_nats::service::Request;
 use flotilla_bus::SharedConsumer;
 use flotilla_bus::liveness::Pulse;
 use flotilla_bus::service::{parse, respond_error, respond_json};
+use flotilla_model::ErrorCode;
 use flotilla_model::subjects::StreamKind;
 use flotilla_model::team::member_key;
 use flotilla_model::teammate::{
@@ -57,10 +58,10 @@ pub(crate) const INBOX_CONSUMER: &str = "supervisor-inbox";
 const MAX_NAME: usize = 64;
 
 /// A refusal: status, code, message.
-pub(crate) type Refusal = (u16, &'static str, String);
+pub(crate) type Refusal = (u16, ErrorCode, String);
 
 fn check_team(team: &str) -> Result<(), Refusal> {
-    check_name(team).map_err(|e| (400, "invalid_team", format!("team {team:?} {e}")))
+    check_name(team).map_err(|e| (400, ErrorCode::InvalidTeam, format!("team {team:?} {e}")))
 }
 
 fn check_mate_name(name: &str) -> Result<(), Refusal> {
@@ -75,13 +76,25 @@ fn check_mate_name(name: &str) -> Result<(), Refusal> {
                 Ok(())
             }
         })
-        .map_err(|e| (400, "invalid_name", format!("teammate name {name:?} {e}")))
+        .map_err(|e| {
+            (
+                400,
+                ErrorCode::InvalidName,
+                format!("teammate name {name:?} {e}"),
+            )
+        })
 }
 
 /// The senders a subject token can carry: names, else `operator`.
 fn sender(from: &Option<String>) -> Result<String, Refusal> {
     let from = from.clone().unwrap_or_else(|| "operator".to_owned());
-    check_name(&from).map_err(|e| (400, "invalid_sender", format!("sender {from:?} {e}")))?;
+    check_name(&from).map_err(|e| {
+        (
+            400,
+            ErrorCode::InvalidSender,
+            format!("sender {from:?} {e}"),
+        )
+    })?;
     Ok(from)
 }
 
@@ -122,8 +135,14 @@ pub(crate) async fn read(
     }
 }
 
-pub(crate) fn internal(e: impl std::fmt::Display) -> Refusal {
-    (503, "unavailable", e.to_string())
+/// A refusal for trouble encoding or storing a teammate: `503 unavailable`.
+fn internal(e: impl std::fmt::Display) -> Refusal {
+    (503, ErrorCode::Unavailable, e.to_string())
+}
+
+/// A refusal for the supervisor's own trouble: its code and status (`503 unavailable`).
+pub(crate) fn failed(e: SupervisorError) -> Refusal {
+    (e.status(), e.code(), e.to_string())
 }
 
 pub(crate) async fn spawn(team: &Team, req: Request) {
@@ -140,11 +159,17 @@ async fn do_spawn(team: &Team, r: &TeamSpawnRequest) -> Result<TeammateView, Ref
     let t = team_or_default(&r.team);
     check_team(t)?;
     check_mate_name(&r.name)?;
-    check_name(&r.role).map_err(|e| (400, "invalid_role", format!("role {:?} {e}", r.role)))?;
+    check_name(&r.role).map_err(|e| {
+        (
+            400,
+            ErrorCode::InvalidRole,
+            format!("role {:?} {e}", r.role),
+        )
+    })?;
     if r.instructions.len() > Teammate::MAX_INSTRUCTIONS {
         return Err((
             413,
-            "instructions_too_large",
+            ErrorCode::InstructionsTooLarge,
             format!(
                 "instructions are {} bytes; at most {} are allowed",
                 r.instructions.len(),
@@ -158,7 +183,7 @@ async fn do_spawn(team: &Team, r: &TeamSpawnRequest) -> Result<TeammateView, Ref
         Some(a) => {
             return Err((
                 404,
-                "unknown_agent",
+                ErrorCode::UnknownAgent,
                 format!(
                     "no agent definition is named {a:?} (agents: {})",
                     list(&known)
@@ -168,7 +193,7 @@ async fn do_spawn(team: &Team, r: &TeamSpawnRequest) -> Result<TeammateView, Ref
         None => agent_for_role(team, &r.role).ok_or_else(|| {
             (
                 404,
-                "unknown_agent",
+                ErrorCode::UnknownAgent,
                 format!(
                     "no agent definition fills the role {:?}: name one with `agent` (agents: {})",
                     r.role,
@@ -179,7 +204,7 @@ async fn do_spawn(team: &Team, r: &TeamSpawnRequest) -> Result<TeammateView, Ref
     };
     let pool = match &r.pool {
         Some(p) => {
-            check_name(p).map_err(|e| (400, "invalid_pool", format!("pool {p:?} {e}")))?;
+            check_name(p).map_err(|e| (400, ErrorCode::InvalidPool, format!("pool {p:?} {e}")))?;
             p.clone()
         }
         None => team
@@ -192,7 +217,7 @@ async fn do_spawn(team: &Team, r: &TeamSpawnRequest) -> Result<TeammateView, Ref
         crate::exposed::check_address(team, t, &r.name)?;
     }
     let key = teammate_key(t, &r.name);
-    if read(team, &key).await.map_err(internal)?.is_some() {
+    if read(team, &key).await.map_err(failed)?.is_some() {
         return Err(duplicate(t, &r.name));
     }
     let members = team
@@ -202,7 +227,7 @@ async fn do_spawn(team: &Team, r: &TeamSpawnRequest) -> Result<TeammateView, Ref
     if members >= team.opts.team_size {
         return Err((
             409,
-            "team_full",
+            ErrorCode::TeamFull,
             format!(
                 "team {t:?} has {members} teammates; the team size cap (team-size) is {}",
                 team.opts.team_size
@@ -229,7 +254,7 @@ async fn do_spawn(team: &Team, r: &TeamSpawnRequest) -> Result<TeammateView, Ref
 fn duplicate(t: &str, name: &str) -> Refusal {
     (
         409,
-        "duplicate_name",
+        ErrorCode::DuplicateName,
         format!("team {t:?} already has a teammate named {name:?}"),
     )
 }
@@ -273,7 +298,7 @@ pub(crate) fn check_text(team: &Team, text: &str) -> Result<(), Refusal> {
     if text.len() > team.opts.max_message_bytes {
         return Err((
             413,
-            "message_too_large",
+            ErrorCode::MessageTooLarge,
             format!(
                 "the message is {} bytes; the message size cap (max-message-bytes) is {}",
                 text.len(),
@@ -289,7 +314,7 @@ pub(crate) fn check_accepts(mate: &Teammate) -> Result<(), Refusal> {
     if mate.status == TeammateStatus::Shutdown || mate.shutdown_requested {
         return Err((
             409,
-            "shut_down",
+            ErrorCode::ShutDown,
             format!(
                 "teammate {:?} of team {:?} is shut down",
                 mate.name, mate.team
@@ -300,7 +325,7 @@ pub(crate) fn check_accepts(mate: &Teammate) -> Result<(), Refusal> {
     {
         return Err((
             429,
-            "turns_per_hour",
+            ErrorCode::TurnsPerHour,
             format!(
                 "teammate {:?} ran {cap} turns in the last hour; the cap (turns-per-hour) is {cap}",
                 mate.name
@@ -322,7 +347,7 @@ async fn deliver(
 ) -> Result<u64, Refusal> {
     post(team, t, to, from, text, None, known)
         .await
-        .map_err(internal)
+        .map_err(failed)
 }
 
 /// Stores one message in `to`'s inbox (de-duplicated by `msg_id` when given) and wakes it;
@@ -386,9 +411,7 @@ async fn do_send(team: &Team, r: &TeamSendRequest) -> Result<TeamSent, Refusal> 
     check_mate_name(&r.to)?;
     let from = sender(&r.from)?;
     check_text(team, &r.text)?;
-    let Some((mate, _, revision)) = read(team, &teammate_key(t, &r.to))
-        .await
-        .map_err(internal)?
+    let Some((mate, _, revision)) = read(team, &teammate_key(t, &r.to)).await.map_err(failed)?
     else {
         return Err(not_found(team, t, &r.to));
     };
@@ -410,7 +433,7 @@ fn not_found(team: &Team, t: &str, name: &str) -> Refusal {
     names.sort();
     (
         404,
-        "not_found",
+        ErrorCode::NotFound,
         format!(
             "team {t:?} has no teammate named {name:?} (teammates: {})",
             list(&names)
@@ -444,7 +467,7 @@ async fn do_broadcast(team: &Team, r: &TeamBroadcastRequest) -> Result<TeamSent,
     if open.is_empty() {
         return Err((
             404,
-            "no_teammates",
+            ErrorCode::NoTeammates,
             format!("team {t:?} has no teammate that takes messages"),
         ));
     }
@@ -472,7 +495,7 @@ pub(crate) async fn shutdown(team: &Team, req: Request) {
     match read(team, &key).await {
         Ok(Some(_)) => {}
         Ok(None) => return refuse(&req, not_found(team, &t, &r.name)).await,
-        Err(e) => return refuse(&req, internal(e)).await,
+        Err(e) => return refuse(&req, failed(e)).await,
     }
     match end(team, &t, &r.name).await {
         Ok(Some(m)) => {
@@ -483,9 +506,9 @@ pub(crate) async fn shutdown(team: &Team, req: Request) {
                 respond_json(&req, team.bus.max_payload(), &view(&m, Some(at)), "").await
             }
             Ok(None) => refuse(&req, not_found(team, &t, &r.name)).await,
-            Err(e) => refuse(&req, internal(e)).await,
+            Err(e) => refuse(&req, failed(e)).await,
         },
-        Err(e) => refuse(&req, internal(e)).await,
+        Err(e) => refuse(&req, failed(e)).await,
     }
 }
 

@@ -7,6 +7,7 @@
 
 use std::sync::Arc;
 
+use flotilla_model::ErrorCode;
 use flotilla_model::api::ApiError;
 use flotilla_model::team::{FailureRecord, RecordScope, record_key};
 use flotilla_model::time::Timestamp;
@@ -118,11 +119,11 @@ fn emit(team: &Team, t: &TrustRecord) {
 }
 
 fn bad(message: String) -> ApiError {
-    ApiError::new(400, "invalid_request", message)
+    ApiError::new(400, ErrorCode::InvalidRequest, message)
 }
 
 fn unavailable(e: impl std::fmt::Display) -> ApiError {
-    ApiError::new(503, "unavailable", e.to_string())
+    ApiError::new(503, ErrorCode::Unavailable, e.to_string())
 }
 
 /// Checks the texts of a change and that `name` is a configured agent or a known role.
@@ -154,7 +155,7 @@ fn check(
     if !known {
         return Err(ApiError::new(
             404,
-            "not_found",
+            ErrorCode::NotFound,
             format!("no {} {name} in this deployment", scope.as_str()),
         ));
     }
@@ -230,11 +231,16 @@ pub(crate) async fn incident(
 pub(crate) async fn get(team: Arc<Team>, r: TrustGetRequest) -> Result<TrustRecord, ApiError> {
     let key = trust_key(r.scope, &r.name);
     match team.trust_kv.get(&key).await.map_err(unavailable)? {
-        Some(bytes) => serde_json::from_slice(&bytes)
-            .map_err(|e| ApiError::new(500, "internal", format!("{key} is unreadable: {e}"))),
+        Some(bytes) => serde_json::from_slice(&bytes).map_err(|e| {
+            ApiError::new(
+                500,
+                ErrorCode::Internal,
+                format!("{key} is unreadable: {e}"),
+            )
+        }),
         None => Err(ApiError::new(
             404,
-            "not_found",
+            ErrorCode::NotFound,
             format!(
                 "no trust record for {} {}: nothing was counted for it yet (it is a novice)",
                 r.scope.as_str(),

@@ -40,7 +40,6 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use async_nats::jetstream::kv;
 use flotilla_client::Client;
-use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::approval::{AnswerOutcome, ApprovalAnswerRequest, Decision};
 use flotilla_model::control::{PauseRunRequest, ResumeRunRequest};
 use flotilla_model::ids::{RunId, TaskId};
@@ -50,6 +49,7 @@ use flotilla_model::submit::SubmitRequest;
 use flotilla_model::teammate::{
     Conversation, Speaker, TeamSendRequest, TeamShutdownRequest, TeamSpawnRequest, conversation_key,
 };
+use flotilla_model::{ErrorCode, PROTOCOL_VERSION};
 use serde::Serialize;
 use serde_json::json;
 use tokio::task::JoinSet;
@@ -773,7 +773,7 @@ async fn teammate(w: &Workload, k: u64, deadline: Instant) -> anyhow::Result<()>
     loop {
         let last = match w.client.call(&spawn, ASK).await {
             Ok(Ok(_)) => break,
-            Ok(Err(refused)) if refused.code == "duplicate_name" => break,
+            Ok(Err(refused)) if refused.is(ErrorCode::DuplicateName) => break,
             Ok(Err(refused)) => {
                 format!("{} ({}): {}", refused.code, refused.status, refused.message)
             }

@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use flotilla_bus::Bus;
 use flotilla_client::{Client, ClientErrorKind};
+use flotilla_model::ErrorCode;
 use flotilla_model::api::{ApiError, ApiRequest};
 use flotilla_model::ids::{RunId, TaskId};
 use flotilla_model::lead::{AssignRequest, FinishRequest, LeadReply};
@@ -331,7 +332,7 @@ pub(crate) async fn team(config: &Config, args: TeamArgs) -> anyhow::Result<Exit
             };
             // A member first; a teammate of that name when no member has it.
             if let Ok(Err(e)) = client.call(&r, TIMEOUT).await
-                && e.code == "not_found"
+                && e.is(ErrorCode::NotFound)
                 && let Some(mates) = teammates_named(&client, &member, team.as_deref()).await?
             {
                 if json {

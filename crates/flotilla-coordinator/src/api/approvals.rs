@@ -7,6 +7,7 @@
 //! session (an `approve` with `always`), kept in its session state.
 
 use async_nats::service::Request;
+use flotilla_model::ErrorCode;
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::api::ApiError;
 use flotilla_model::approval::{
@@ -24,12 +25,7 @@ use crate::approvals::{ApprovalError, settled};
 use super::{Api, parse, respond_error, respond_json};
 
 async fn respond_approval_error(req: &Request, e: ApprovalError) {
-    let (status, code) = match &e {
-        ApprovalError::NotFound(_) => (404, "not_found"),
-        ApprovalError::Unreadable(_) => (500, "internal"),
-        ApprovalError::Unavailable(_) => (503, "unavailable"),
-    };
-    respond_error(req, status, code, e.to_string()).await;
+    respond_error(req, e.status(), e.code(), e.to_string()).await;
 }
 
 /// `404 not_found`: the run has no such approval.
@@ -37,7 +33,7 @@ async fn approval_not_found(req: &Request, run: flotilla_model::ids::RunId, appr
     respond_error(
         req,
         404,
-        "not_found",
+        ErrorCode::NotFound,
         format!("run {run} has no approval {approval}"),
     )
     .await;
@@ -60,7 +56,7 @@ impl Api {
             return respond_error(
                 &req,
                 403,
-                "forbidden",
+                ErrorCode::Forbidden,
                 format!(
                     "approval.ask is asked by the running attempt that called an external agent, not by a person ({who})"
                 ),
@@ -69,17 +65,17 @@ impl Api {
         }
         let problems = r.problems();
         if !problems.is_empty() {
-            return super::respond_problems(&req, "invalid_request", problems).await;
+            return super::respond_problems(&req, ErrorCode::InvalidRequest, problems).await;
         }
         let run = r.run_id;
         let state = match self.store.state(run).await {
             Ok(Some(s)) => s,
             Ok(None) => return super::run_not_found(&req, run).await,
-            Err(e) => return respond_error(&req, 503, "unavailable", e.to_string()).await,
+            Err(e) => return respond_error(&req, 503, ErrorCode::Unavailable, e.to_string()).await,
         };
         let plan = match self.store.plan_for(run, &state).await {
             Ok(p) => p,
-            Err(e) => return respond_error(&req, 503, "unavailable", e.to_string()).await,
+            Err(e) => return respond_error(&req, 503, ErrorCode::Unavailable, e.to_string()).await,
         };
         let Some((index, sub)) = plan.as_ref().and_then(|p| {
             p.subtasks
@@ -90,7 +86,7 @@ impl Api {
             return respond_error(
                 &req,
                 404,
-                "unknown_task",
+                ErrorCode::UnknownTask,
                 format!("run {run} has no task {}", r.task_id),
             )
             .await;
@@ -106,7 +102,7 @@ impl Api {
                 return respond_error(
                     &req,
                     409,
-                    "not_the_attempt",
+                    ErrorCode::NotTheAttempt,
                     format!(
                         "attempt {} of task {} has another id: {} is not the attempt running",
                         r.attempt, r.task_id, r.attempt_id
@@ -127,7 +123,7 @@ impl Api {
             return respond_error(
                 &req,
                 409,
-                "run_ended",
+                ErrorCode::RunEnded,
                 format!(
                     "run {run} ended ({:?}): nobody is waiting for an answer",
                     state.status
@@ -140,7 +136,7 @@ impl Api {
             return respond_error(
                 &req,
                 409,
-                "not_running",
+                ErrorCode::NotRunning,
                 format!(
                     "attempt {} of task {} is not running (the task is {}, attempt {})",
                     r.attempt,
@@ -387,7 +383,7 @@ impl Api {
             return respond_error(
                 &req,
                 400,
-                "invalid_limit",
+                ErrorCode::InvalidLimit,
                 format!("limit must be between 1 and {MAX_LISTED_APPROVALS}"),
             )
             .await;
@@ -439,7 +435,7 @@ impl Api {
         }
         let problems = r.problems();
         if !problems.is_empty() {
-            return super::respond_problems(&req, "invalid_answer", problems).await;
+            return super::respond_problems(&req, ErrorCode::InvalidAnswer, problems).await;
         }
         // Bound to what was asked: an answer for other arguments does not apply.
         let known = match self.escalations.get(r.run_id, &r.approval_id).await {
@@ -448,7 +444,7 @@ impl Api {
                     return respond_error(
                         &req,
                         409,
-                        "digest_mismatch",
+                        ErrorCode::DigestMismatch,
                         format!(
                             "the answer is for arguments with digest {d}, but approval {} asks about {}",
                             r.approval_id, record.request.digest
@@ -460,7 +456,7 @@ impl Api {
                     return respond_error(
                         &req,
                         400,
-                        "always_not_applicable",
+                        ErrorCode::AlwaysNotApplicable,
                         format!(
                             "`always` approves a tool for the session; approval {} is {}, not a tool call of trigger sensitive_action or human_in_command",
                             r.approval_id,
@@ -486,7 +482,7 @@ impl Api {
                 return respond_error(
                     &req,
                     400,
-                    "decision_not_applicable",
+                    ErrorCode::DecisionNotApplicable,
                     format!(
                         "approval {} is an external agent's question: approve (answered yes), reject (no) or respond (your text), not edit",
                         r.approval_id
@@ -500,7 +496,7 @@ impl Api {
                 return respond_error(
                     &req,
                     400,
-                    "incident_not_applicable",
+                    ErrorCode::IncidentNotApplicable,
                     format!(
                         "approval {} is an external agent's question: it cannot be rejected as an incident (incidents count against this deployment's agents and roles, and {} is not one); reject it without incident",
                         r.approval_id,
@@ -512,7 +508,9 @@ impl Api {
             let status = match self.store.state(r.run_id).await {
                 Ok(Some(s)) => s.status,
                 Ok(None) => flotilla_model::run::RunStatus::Running,
-                Err(e) => return respond_error(&req, 503, "unavailable", e.to_string()).await,
+                Err(e) => {
+                    return respond_error(&req, 503, ErrorCode::Unavailable, e.to_string()).await;
+                }
             };
             match self.settle_if_due(known.0, known.1, status).await {
                 Ok(record) if record.status != ApprovalStatus::Pending => {
@@ -660,13 +658,13 @@ impl Api {
         let answer = async {
             if r.by.trim().is_empty() {
                 return Err(super::collab::bad(
-                    "invalid_answer",
+                    ErrorCode::InvalidAnswer,
                     "a revocation must say who gives it (`by`)",
                 ));
             }
             if !flotilla_model::plan::is_tool_name(&r.tool) {
                 return Err(super::collab::bad(
-                    "invalid_tool",
+                    ErrorCode::InvalidTool,
                     format!(
                         "{:?} is not a tool name (1 to 64 letters, digits, `_` or `-`)",
                         r.tool
@@ -684,7 +682,7 @@ impl Api {
                 .ok_or_else(|| {
                     ApiError::new(
                         404,
-                        "not_found",
+                        ErrorCode::NotFound,
                         format!("tool {} is not approved for session {session}", r.tool),
                     )
                 })?;

@@ -51,6 +51,7 @@ use async_nats::service::Request;
 use flotilla_context::mailbox::check_address;
 use flotilla_context::scope::OPERATOR;
 use flotilla_context::{Clients, ContextError, Scope};
+use flotilla_model::ErrorCode;
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::api::{
     ApiError, ChildStartReply, ChildStartRequest, MAX_MBOX_WAIT_MS, MboxReadRequest, MboxSendReply,
@@ -158,7 +159,7 @@ impl RunFacts {
             .map(Vec::as_slice)
             .ok_or_else(|| {
                 bad(
-                    "unknown_task",
+                    ErrorCode::UnknownTask,
                     format!(
                         "task_id {:?} is not a task of run {}; write outside a task with `by` instead",
                         task.as_str(),
@@ -207,7 +208,7 @@ impl RunCache {
 }
 
 /// A `400` answer.
-pub(super) fn bad(code: &str, message: impl Into<String>) -> ApiError {
+pub(super) fn bad(code: ErrorCode, message: impl Into<String>) -> ApiError {
     ApiError::new(400, code, message)
 }
 
@@ -220,15 +221,15 @@ pub(super) fn context_error(e: ContextError) -> ApiError {
     };
     ApiError {
         current_revision: e.current_revision(),
-        ..ApiError::new(e.kind().status(), e.code(), message)
+        ..ApiError::new(e.kind().status(), e.kind().error_code(), message)
     }
 }
 
 /// The answer for a run-store error.
 fn store_error(e: StoreError) -> ApiError {
     match e.kind() {
-        StoreErrorKind::Nats => ApiError::new(503, "unavailable", e.to_string()),
-        _ => ApiError::new(500, "internal", e.to_string()),
+        StoreErrorKind::Nats => ApiError::new(503, ErrorCode::Unavailable, e.to_string()),
+        _ => ApiError::new(500, ErrorCode::Internal, e.to_string()),
     }
 }
 
@@ -238,7 +239,7 @@ fn check_limit(limit: Option<u32>, max: usize, default: usize) -> Result<Option<
         None => Ok(None),
         Some(n) if n >= 1 && n as usize <= max => Ok(Some(n as usize)),
         Some(n) => Err(bad(
-            "invalid_limit",
+            ErrorCode::InvalidLimit,
             format!(
                 "limit {n} is out of range: give 1 to {max} (default {default}) and page with next_since_seq"
             ),
@@ -250,13 +251,13 @@ fn check_limit(limit: Option<u32>, max: usize, default: usize) -> Result<Option<
 fn check_writer_name(by: &str) -> Result<(), ApiError> {
     check_name(by).map_err(|e| {
         bad(
-            "invalid_writer",
+            ErrorCode::InvalidWriter,
             format!("by {by:?} {e}; writer names use letters, digits, `_` and `-`"),
         )
     })?;
     if by == RESERVED_WRITER {
         return Err(bad(
-            "invalid_writer",
+            ErrorCode::InvalidWriter,
             format!("by {by:?} is reserved for the coordinator's own writes"),
         ));
     }
@@ -266,7 +267,7 @@ fn check_writer_name(by: &str) -> Result<(), ApiError> {
 fn check_attempt(attempt: Option<u32>) -> Result<(), ApiError> {
     if attempt == Some(0) {
         return Err(bad(
-            "invalid_writer",
+            ErrorCode::InvalidWriter,
             "attempt 0 does not exist: attempts count from 1",
         ));
     }
@@ -399,7 +400,7 @@ impl Api {
         match (&r.task_id, r.attempt, &r.by) {
             (Some(_), _, Some(by)) => {
                 return Err(bad(
-                    "invalid_writer",
+                    ErrorCode::InvalidWriter,
                     format!(
                         "give task_id (a task writes) or by (a writer outside a task, here {by:?}), not both"
                     ),
@@ -407,7 +408,7 @@ impl Api {
             }
             (None, Some(_), _) => {
                 return Err(bad(
-                    "invalid_writer",
+                    ErrorCode::InvalidWriter,
                     "attempt belongs to a task: give task_id with it",
                 ));
             }
@@ -487,7 +488,7 @@ impl Api {
         let from_task = facts.has_task(&r.from);
         if r.attempt.is_some() && !from_task {
             return Err(bad(
-                "invalid_writer",
+                ErrorCode::InvalidWriter,
                 format!(
                     "attempt belongs to a task, and {:?} is not a task of run {}",
                     r.from, facts.run
@@ -536,7 +537,7 @@ impl Api {
         let wait = r.wait_ms.unwrap_or(0);
         if wait > MAX_MBOX_WAIT_MS {
             return Err(bad(
-                "invalid_limit",
+                ErrorCode::InvalidLimit,
                 format!(
                     "wait_ms {wait} is more than {MAX_MBOX_WAIT_MS}; read again to wait longer"
                 ),
@@ -581,7 +582,7 @@ impl Api {
     ) -> Result<Scope, ApiError> {
         match (run, session) {
             (None, None) => Err(bad(
-                "invalid_scope",
+                ErrorCode::InvalidScope,
                 "give run_id (its session is used) or session_id",
             )),
             (Some(run), session) => {
@@ -590,7 +591,7 @@ impl Api {
                     && session.to_string() != facts.session
                 {
                     return Err(bad(
-                        "invalid_scope",
+                        ErrorCode::InvalidScope,
                         format!(
                             "run {run} belongs to session {}, not {session}; give one of run_id and session_id",
                             facts.session
@@ -633,7 +634,7 @@ impl Api {
         value.ok_or_else(|| {
             ApiError::new(
                 404,
-                "not_found",
+                ErrorCode::NotFound,
                 format!("state key {:?} is not set in session {session}", r.key),
             )
         })
@@ -647,7 +648,7 @@ impl Api {
         let answer = async {
             let page = r
                 .page()
-                .map_err(|m| ApiError::new(400, "invalid_limit", m))?;
+                .map_err(|m| ApiError::new(400, ErrorCode::InvalidLimit, m))?;
             let scope = self.session_scope(r.run_id, r.session_id).await?;
             let session_id = scope.session.clone();
             let mut keys: Vec<String> = self
@@ -720,7 +721,7 @@ impl Api {
         trace: Option<flotilla_model::task::TraceContext>,
     ) -> Result<ChildStartReply, ApiError> {
         let mut submission = r.submission;
-        let invalid = |m: String| bad("invalid_parent", m);
+        let invalid = |m: String| bad(ErrorCode::InvalidParent, m);
         let child = submission
             .run_id
             .ok_or_else(|| invalid("a child run's submission names its run_id".into()))?;
@@ -754,7 +755,7 @@ impl Api {
             && s.to_string() != facts.session
         {
             return Err(bad(
-                "invalid_scope",
+                ErrorCode::InvalidScope,
                 format!(
                     "a child run shares its parent's session {}, not {s}",
                     facts.session
@@ -772,7 +773,7 @@ impl Api {
             flotilla_model::codec::Codec::Json,
             Some(&format!("submit.{child}")),
         )
-        .map_err(|e| bad("malformed", e.to_string()))?;
+        .map_err(|e| bad(ErrorCode::Malformed, e.to_string()))?;
         flotilla_bus::wire::expect_first(&mut out.headers);
         if let Some(t) = &trace {
             out.headers
@@ -784,7 +785,7 @@ impl Api {
         if out.payload.len() > bus.max_payload() {
             return Err(ApiError::new(
                 413,
-                "plan_too_large",
+                ErrorCode::PlanTooLarge,
                 format!(
                     "the child's submission is {} bytes; the max payload is {}",
                     out.payload.len(),
@@ -798,7 +799,7 @@ impl Api {
         {
             Ok(_) => true,
             Err(e) if e.kind() == flotilla_bus::PublishErrorKind::NotFirst => false,
-            Err(e) => return Err(ApiError::new(503, "unavailable", e.to_string())),
+            Err(e) => return Err(ApiError::new(503, ErrorCode::Unavailable, e.to_string())),
         };
         self.link_child(&parent, child, &submission).await?;
         Ok(ChildStartReply {
@@ -853,13 +854,17 @@ impl Api {
             Some(&batch.msg_id()),
         )
         .await
-        .map_err(|e| ApiError::new(503, "unavailable", e.to_string()))?;
+        .map_err(|e| ApiError::new(503, ErrorCode::Unavailable, e.to_string()))?;
         Ok(())
     }
 }
 
 fn unknown_run(run: RunId) -> ApiError {
-    ApiError::new(404, "unknown_run", format!("run {run} does not exist"))
+    ApiError::new(
+        404,
+        ErrorCode::UnknownRun,
+        format!("run {run} does not exist"),
+    )
 }
 
 #[cfg(test)]

@@ -13,6 +13,7 @@
 //! log and applies when one does.
 
 use async_nats::service::Request;
+use flotilla_model::ErrorCode;
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::control::{
     CompleteTaskReply, CompleteTaskRequest, Completed, ContextResult, ControlRunReply,
@@ -88,7 +89,7 @@ async fn text_too_long(req: &Request, fields: &[(&str, &Option<String>)]) -> boo
             respond_error(
                 req,
                 400,
-                "invalid_request",
+                ErrorCode::InvalidRequest,
                 format!("{name} is longer than {MAX_CONTROL_TEXT} bytes"),
             )
             .await;
@@ -111,7 +112,7 @@ impl Api {
             return;
         }
         if let Err(m) = hold_timeout(r.timeout_ms, DEFAULT_PAUSE_TIMEOUT) {
-            return respond_error(&req, 400, "invalid_timeout", m).await;
+            return respond_error(&req, 400, ErrorCode::InvalidTimeout, m).await;
         }
         let asked = Asked {
             run: r.run_id,
@@ -160,7 +161,7 @@ impl Api {
             return;
         }
         if let Err(m) = hold_timeout(r.timeout_ms, DEFAULT_TAKEOVER_TIMEOUT) {
-            return respond_error(&req, 400, "invalid_timeout", m).await;
+            return respond_error(&req, 400, ErrorCode::InvalidTimeout, m).await;
         }
         let asked = Asked {
             run: r.run_id,
@@ -192,7 +193,7 @@ impl Api {
         } else {
             match self.decide(run, &asked, status).await {
                 Ok(d) => Some(d),
-                Err(e) => return respond_error(req, 503, "unavailable", e).await,
+                Err(e) => return respond_error(req, 503, ErrorCode::Unavailable, e).await,
             }
         };
         let mut children = Vec::new();
@@ -234,7 +235,7 @@ impl Api {
             match recorded {
                 Some(state) => match self.takeover_context(run, &state).await {
                     Ok(c) => Some(Box::new(c)),
-                    Err(e) => return respond_error(req, 503, "unavailable", e).await,
+                    Err(e) => return respond_error(req, 503, ErrorCode::Unavailable, e).await,
                 },
                 None => None,
             }
@@ -343,19 +344,23 @@ impl Api {
                     _ => None,
                 },
                 Ok(None) => return run_not_found(req, run).await,
-                Err(e) => return respond_error(req, 503, "unavailable", e.to_string()).await,
+                Err(e) => {
+                    return respond_error(req, 503, ErrorCode::Unavailable, e.to_string()).await;
+                }
             }
         } else {
             match self.store.plan_for(run, &state).await {
                 Ok(p) => p,
-                Err(e) => return respond_error(req, 503, "unavailable", e.to_string()).await,
+                Err(e) => {
+                    return respond_error(req, 503, ErrorCode::Unavailable, e.to_string()).await;
+                }
             }
         };
         let Some(plan) = plan else {
             return respond_error(
                 req,
                 409,
-                "not_started",
+                ErrorCode::NotStarted,
                 format!(
                     "run {run} has no plan yet (a query being planned, or a submission not yet read), so its tasks are not known: pause or resume task {task} once it is planned"
                 ),
@@ -366,7 +371,7 @@ impl Api {
             return respond_error(
                 req,
                 404,
-                "task_not_found",
+                ErrorCode::TaskNotFound,
                 format!("run {run} has no task {task}"),
             )
             .await;
@@ -381,7 +386,7 @@ impl Api {
             return respond_error(
                 req,
                 409,
-                "paused_by_person",
+                ErrorCode::PausedByPerson,
                 format!(
                     "task {task} of run {run} was paused by a person: only a person resumes it (or its deadline does)"
                 ),
@@ -406,7 +411,7 @@ impl Api {
             },
             None => match self.decide(run, &asked, status).await {
                 Ok(d) => d,
-                Err(e) => return respond_error(req, 503, "unavailable", e).await,
+                Err(e) => return respond_error(req, 503, ErrorCode::Unavailable, e).await,
             },
         };
         info!(%run, %task, action = asked.action.as_str(), applied = decided.applied, pending = decided.pending, by = asked.by.as_deref().unwrap_or("-"), "Task control requested");
@@ -435,7 +440,7 @@ impl Api {
                 None
             }
             Err(e) => {
-                respond_error(req, 503, "unavailable", e.to_string()).await;
+                respond_error(req, 503, ErrorCode::Unavailable, e.to_string()).await;
                 None
             }
         }
@@ -655,7 +660,7 @@ impl Api {
         }
         let problems = r.problems();
         if !problems.is_empty() {
-            return super::respond_problems(&req, "invalid_request", problems).await;
+            return super::respond_problems(&req, ErrorCode::InvalidRequest, problems).await;
         }
         let run = r.run_id;
         let Some(state) = self.control_state(&req, run).await else {
@@ -665,7 +670,7 @@ impl Api {
             return respond_error(
                 &req,
                 409,
-                "not_started",
+                ErrorCode::NotStarted,
                 format!(
                     "run {run}'s start is not recorded yet, so its tasks' state is not known: take the run over (or pause it) first, then complete the task"
                 ),
@@ -676,7 +681,7 @@ impl Api {
             return respond_error(
                 &req,
                 409,
-                "run_ended",
+                ErrorCode::RunEnded,
                 format!("run {run} has ended ({})", state.status),
             )
             .await;
@@ -684,13 +689,13 @@ impl Api {
         let plan = match self.store.plan_for(run, &state).await {
             Ok(Some(p)) => p,
             Ok(None) => return run_not_found(&req, run).await,
-            Err(e) => return respond_error(&req, 503, "unavailable", e.to_string()).await,
+            Err(e) => return respond_error(&req, 503, ErrorCode::Unavailable, e.to_string()).await,
         };
         let Some(i) = plan.subtasks.iter().position(|s| s.id == r.task_id) else {
             return respond_error(
                 &req,
                 404,
-                "task_not_found",
+                ErrorCode::TaskNotFound,
                 format!("run {run} has no task {}", r.task_id),
             )
             .await;
@@ -708,7 +713,7 @@ impl Api {
             return respond_error(
                 &req,
                 409,
-                "task_not_pending",
+                ErrorCode::TaskNotPending,
                 format!(
                     "task {} of run {run} is {}: {why}",
                     r.task_id,
@@ -733,7 +738,7 @@ impl Api {
             .publish(bus.names().runlog(run), &entry, Some(&msg_id))
             .await
         {
-            return respond_error(&req, 503, "unavailable", e.to_string()).await;
+            return respond_error(&req, 503, ErrorCode::Unavailable, e.to_string()).await;
         }
         info!(%run, task = %r.task_id, "Task completion requested");
         let reply = CompleteTaskReply {
@@ -759,7 +764,7 @@ impl Api {
             return respond_error(
                 &req,
                 400,
-                "invalid_request",
+                ErrorCode::InvalidRequest,
                 "by is required: who edits".into(),
             )
             .await;
@@ -775,7 +780,7 @@ impl Api {
             return respond_error(
                 &req,
                 409,
-                "not_taken_over",
+                ErrorCode::NotTakenOver,
                 format!(
                     "run {run} is {}: take it over first (flotilla runs takeover), then edit its plan",
                     state.status
@@ -786,19 +791,19 @@ impl Api {
         let current = match self.store.plan_for(run, &state).await {
             Ok(Some(p)) => p,
             Ok(None) => return run_not_found(&req, run).await,
-            Err(e) => return respond_error(&req, 503, "unavailable", e.to_string()).await,
+            Err(e) => return respond_error(&req, 503, ErrorCode::Unavailable, e.to_string()).await,
         };
         let ctx = self.ctx.for_payload(self.max_payload());
         let edited = match flotilla_model::validate::prepare_plan(&r.plan, &ctx) {
             Ok((plan, _)) => plan,
             Err(report) => {
-                return super::respond_problems(&req, "invalid_plan", report.errors).await;
+                return super::respond_problems(&req, ErrorCode::InvalidPlan, report.errors).await;
             }
         };
         let started = |i: usize| state.tasks.get(i).is_some_and(|t| t.started());
         let problems = edit_problems(&current, &edited, started);
         if !problems.is_empty() {
-            return super::respond_problems(&req, "invalid_edit", problems).await;
+            return super::respond_problems(&req, ErrorCode::InvalidEdit, problems).await;
         }
         let reply = EditPlanReply {
             protocol: PROTOCOL_VERSION,
@@ -831,7 +836,7 @@ impl Api {
             )
             .await
         {
-            return respond_error(&req, 503, "unavailable", e.to_string()).await;
+            return respond_error(&req, 503, ErrorCode::Unavailable, e.to_string()).await;
         }
         info!(%run, added = reply.added, changed = reply.changed.len(), "Plan edit requested");
         respond_json(&req, self.max_payload(), &reply).await;

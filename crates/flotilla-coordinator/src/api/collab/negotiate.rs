@@ -25,6 +25,7 @@ use std::time::Duration;
 use async_nats::service::Request;
 use flotilla_context::mailbox::check_address;
 use flotilla_context::scope::OPERATOR;
+use flotilla_model::ErrorCode;
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::api::{
     ApiError, MAX_NEGOTIATE_DEADLINE_MS, MboxNegotiateReply, MboxNegotiateRequest, MboxRoleReply,
@@ -70,7 +71,11 @@ impl Api {
             .await
             .map_err(store_error)?
             .ok_or_else(|| {
-                ApiError::new(404, "unknown_run", format!("run {root} does not exist"))
+                ApiError::new(
+                    404,
+                    ErrorCode::UnknownRun,
+                    format!("run {root} does not exist"),
+                )
             })?;
         let mut runs = Vec::new();
         collect_runs(&tree.root, &mut runs);
@@ -105,7 +110,7 @@ impl Api {
             Some(tasks) => Ok(tasks.into_iter().collect()),
             None => Err(ApiError::new(
                 404,
-                "unknown_role",
+                ErrorCode::UnknownRole,
                 format!(
                     "no task of the run tree of {root} plays role {role:?}; the roles its tasks play: {}",
                     if by_role.is_empty() {
@@ -145,7 +150,7 @@ impl Api {
         check_address(&r.from).map_err(context_error)?;
         if !(1..=MAX_NEGOTIATE_DEADLINE_MS).contains(&r.deadline_ms) {
             return Err(bad(
-                "invalid_deadline",
+                ErrorCode::InvalidDeadline,
                 format!(
                     "deadline_ms {} is out of range: give 1 to {MAX_NEGOTIATE_DEADLINE_MS}",
                     r.deadline_ms
@@ -154,7 +159,7 @@ impl Api {
         }
         if r.candidates.is_empty() {
             return Err(bad(
-                "invalid_address",
+                ErrorCode::InvalidAddress,
                 "a negotiation needs at least one candidate (a task id, or role:<name>)",
             ));
         }
@@ -199,7 +204,7 @@ impl Api {
 fn check_role(role: &str) -> Result<(), ApiError> {
     check_name(role).map_err(|e| {
         bad(
-            "invalid_address",
+            ErrorCode::InvalidAddress,
             format!("the role {role:?} {e}; roles are names of letters, digits, `_` and `-`"),
         )
     })
