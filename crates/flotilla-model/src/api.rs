@@ -4,34 +4,16 @@
 //! to the wrong subject or decode the wrong reply.
 
 use schemars::JsonSchema;
-use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+pub(crate) use crate::endpoint::has_protocol;
+pub use crate::endpoint::{ApiRequest, HasProtocol};
 use crate::error_code::ErrorCode;
 use crate::ids::RunId;
 use crate::plan::Plan;
 use crate::problem::Problem;
 use crate::run::{RunStatus, RunView};
 use crate::submit::{SubmitReply, SubmitRequest};
-
-/// A request of the API.
-pub trait ApiRequest: Serialize + DeserializeOwned {
-    /// Endpoint name; the subject is `<prefix>.api.<ENDPOINT>`.
-    const ENDPOINT: &'static str;
-    /// What the endpoint answers.
-    type Reply: Serialize + DeserializeOwned;
-}
-
-/// Requests that carry a protocol version (checked before a request is served).
-pub trait HasProtocol {
-    /// The request's `protocol`.
-    fn protocol(&self) -> u32;
-}
-
-macro_rules! has_protocol {
-    ($($t:ty),* $(,)?) => {$(impl $crate::api::HasProtocol for $t { fn protocol(&self) -> u32 { self.protocol } })*};
-}
-pub(crate) use has_protocol;
 
 has_protocol!(
     crate::watch::WatchRequest,

@@ -9,6 +9,7 @@ pub mod approval;
 pub mod artifact;
 pub mod codec;
 pub mod control;
+mod endpoint;
 pub mod error_code;
 pub mod event;
 pub mod ids;

@@ -12,6 +12,9 @@ use serde::{Deserialize, Serialize};
 use crate::ids::TaskId;
 use crate::time::Secs;
 
+mod risk;
+pub use risk::Risk;
+
 /// The pool a subtask runs in when it names none.
 pub const DEFAULT_POOL: &str = "default";
 
@@ -108,23 +111,6 @@ fn default_pool() -> String {
 
 const fn default_true() -> bool {
     true
-}
-
-/// How risky a subtask's action is.
-#[derive(
-    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
-)]
-#[serde(rename_all = "snake_case")]
-pub enum Risk {
-    /// Read-only or trivially reversible.
-    #[default]
-    Low,
-    /// Has effects that can be undone with effort.
-    Medium,
-    /// Has effects that are hard to undo.
-    High,
-    /// Irreversible or costly.
-    Critical,
 }
 
 /// What to do with a consumed topic that nothing produces.
