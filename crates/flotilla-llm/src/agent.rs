@@ -195,7 +195,7 @@ impl LlmAgent {
                     "transfer_chain": chain,
                     "input": original_input(task),
                 }),
-                call_id: Some(crate::tools::child_call_key(&call.id)),
+                call_id: Some(crate::call::child_call_key(&call.id)),
                 ..flotilla_context::ChildCall::default()
             };
             match ctx.call_agent(&child_call).instrument(span.clone()).await {

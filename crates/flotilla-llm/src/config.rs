@@ -52,26 +52,56 @@ pub const BUILTIN_TOOLS: &[&str] = &[
 /// lead needs `assign_task` and `finish_run` (and may pause members with `pause_member`), and `ask_user` makes the attempt wait for a
 /// person — none is a default.
 pub const OPT_IN_TOOLS: &[&str] = &[
-    crate::recruit::RECRUIT,
+    RECRUIT,
     "negotiate",
     "next_request",
     "offer",
     "await_award",
-    crate::teammate_tools::SPAWN_TEAMMATE,
-    crate::teammate_tools::SEND_MESSAGE,
-    crate::teammate_tools::BROADCAST,
-    crate::teammate_tools::LIST_TEAM,
-    crate::teammate_tools::SHUTDOWN_TEAMMATE,
-    crate::lead_tools::ASSIGN_TASK,
-    crate::lead_tools::FINISH_RUN,
-    crate::lead_tools::PAUSE_MEMBER,
-    crate::lead_tools::RESUME_MEMBER,
-    crate::gate::ASK_USER,
+    SPAWN_TEAMMATE,
+    SEND_MESSAGE,
+    BROADCAST,
+    LIST_TEAM,
+    SHUTDOWN_TEAMMATE,
+    ASSIGN_TASK,
+    FINISH_RUN,
+    PAUSE_MEMBER,
+    RESUME_MEMBER,
+    ASK_USER,
 ];
+
+// The opt-in tools' names, each offered by its module (`recruit`, `teammate_tools`,
+// `lead_tools`, `gate`), which re-exports it.
+
+/// `recruit`, as `tools` lists it.
+pub const RECRUIT: &str = "recruit";
+/// `spawn_teammate`, as `tools` lists it.
+pub const SPAWN_TEAMMATE: &str = "spawn_teammate";
+/// `send_message`.
+pub const SEND_MESSAGE: &str = "send_message";
+/// `broadcast`.
+pub const BROADCAST: &str = "broadcast";
+/// `list_team`.
+pub const LIST_TEAM: &str = "list_team";
+/// `shutdown_teammate`.
+pub const SHUTDOWN_TEAMMATE: &str = "shutdown_teammate";
+/// `assign_task`: runs one held subtask.
+pub const ASSIGN_TASK: &str = "assign_task";
+/// `finish_run`: ends the run.
+pub const FINISH_RUN: &str = "finish_run";
+/// `pause_member`: pauses one member's task.
+pub const PAUSE_MEMBER: &str = "pause_member";
+/// `resume_member`: resumes a paused member's task.
+pub const RESUME_MEMBER: &str = "resume_member";
+/// `ask_user`: the built-in tool with which an agent asks the user a question.
+pub const ASK_USER: &str = "ask_user";
 
 /// The tool offered when an agent lists `agent-tools`: no `exec-tools` command may take its
 /// name.
 pub const CALL_AGENT: &str = "call_agent";
+
+/// The tool offered when an agent has transfer targets in the agent tree (re-exported by
+/// `tools`).
+pub const TRANSFER: &str = "transfer_to_agent";
 
 /// An `agent-tools` entry with this prefix (`agents:AGENT[.OWNER[.SESSION]]`) names an agent
 /// of the NATS Agent Protocol, not an agent definition of this deployment.
@@ -818,7 +848,7 @@ mod tests {
         for t in BUILTIN_TOOLS
             .iter()
             .chain(OPT_IN_TOOLS)
-            .chain([&CALL_AGENT, &crate::tools::TRANSFER])
+            .chain([&CALL_AGENT, &TRANSFER])
         {
             assert!(reserved.contains(t), "{t} is not reserved");
         }

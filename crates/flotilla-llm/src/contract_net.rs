@@ -24,7 +24,7 @@ use std::time::Duration;
 use flotilla_context::{AgentContext, ContextError};
 use serde_json::{Value, json};
 
-use crate::tools::child_call_key;
+use crate::call::child_call_key;
 
 /// The contract-net tools (opt-in built-in tools, listed in [`crate::config::OPT_IN_TOOLS`]).
 pub const TOOLS: [&str; 4] = ["negotiate", "next_request", "offer", "await_award"];

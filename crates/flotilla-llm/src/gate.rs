@@ -28,22 +28,9 @@ use flotilla_model::runlog::SuspendedCall;
 use flotilla_model::task::TaskEnvelope;
 use serde_json::{Value, json};
 
+pub use crate::config::ASK_USER;
 use crate::provider::ToolCallRequest;
 use crate::tools::ToolSet;
-
-/// The built-in tool with which an agent asks the user a question (opt-in: list it in
-/// `tools`).
-pub const ASK_USER: &str = "ask_user";
-
-/// The tool's description and parameters.
-pub(crate) fn ask_user_spec() -> (&'static str, Value) {
-    (
-        "Asks the user a question and waits for the answer (it may take a while; you continue with the answer as this tool's result). Ask only what you cannot find out yourself.",
-        json!({"type": "object", "properties": {
-            "question": {"type": "string", "minLength": 1, "description": "The question, complete enough to answer without more context"}
-        }, "required": ["question"], "additionalProperties": false}),
-    )
-}
 
 /// What to do with one call of a round.
 #[derive(Debug, Clone, PartialEq)]

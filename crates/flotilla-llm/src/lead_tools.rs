@@ -17,16 +17,9 @@ use flotilla_model::ids::TaskId;
 use flotilla_model::lead::{AssignRequest, FinishRequest, LEAD_NAME};
 use serde_json::{Value, json};
 
-use crate::tools::ToolOutcome;
+use crate::call::ToolOutcome;
 
-/// Runs one held subtask.
-pub const ASSIGN_TASK: &str = "assign_task";
-/// Ends the run.
-pub const FINISH_RUN: &str = "finish_run";
-/// Pauses one member's task.
-pub const PAUSE_MEMBER: &str = "pause_member";
-/// Resumes a paused member's task.
-pub const RESUME_MEMBER: &str = "resume_member";
+pub use crate::config::{ASSIGN_TASK, FINISH_RUN, PAUSE_MEMBER, RESUME_MEMBER};
 /// The lead's tools.
 pub const TOOLS: &[&str] = &[ASSIGN_TASK, FINISH_RUN, PAUSE_MEMBER, RESUME_MEMBER];
 

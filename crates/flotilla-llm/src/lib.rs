@@ -43,6 +43,7 @@
 
 pub mod agent;
 pub mod budget;
+mod call;
 pub mod config;
 pub mod contract_net;
 pub mod gate;

@@ -15,10 +15,9 @@ use flotilla_model::ids::TaskId;
 use flotilla_model::recruit::{RecruitReply, RecruitRequest};
 use serde_json::{Value, json};
 
-use crate::tools::ToolOutcome;
+use crate::call::ToolOutcome;
 
-/// The tool's name, as `tools` lists it.
-pub const RECRUIT: &str = "recruit";
+pub use crate::config::RECRUIT;
 
 /// The tool's description and parameters.
 pub(crate) fn spec() -> (&'static str, Value) {

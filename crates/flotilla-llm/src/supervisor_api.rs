@@ -9,7 +9,7 @@ use std::time::Duration;
 use flotilla_context::AgentContext;
 use flotilla_model::api::{ApiError, ApiRequest};
 
-use crate::tools::ToolOutcome;
+use crate::call::ToolOutcome;
 
 /// How long a tool waits for the supervisor's answer.
 pub(crate) const TIMEOUT: Duration = Duration::from_secs(15);

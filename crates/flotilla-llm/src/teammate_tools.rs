@@ -26,18 +26,9 @@ use flotilla_model::teammate::{
 };
 use serde_json::{Value, json};
 
-use crate::tools::ToolOutcome;
+use crate::call::ToolOutcome;
 
-/// `spawn_teammate`, as `tools` lists it.
-pub const SPAWN_TEAMMATE: &str = "spawn_teammate";
-/// `send_message`.
-pub const SEND_MESSAGE: &str = "send_message";
-/// `broadcast`.
-pub const BROADCAST: &str = "broadcast";
-/// `list_team`.
-pub const LIST_TEAM: &str = "list_team";
-/// `shutdown_teammate`.
-pub const SHUTDOWN_TEAMMATE: &str = "shutdown_teammate";
+pub use crate::config::{BROADCAST, LIST_TEAM, SEND_MESSAGE, SHUTDOWN_TEAMMATE, SPAWN_TEAMMATE};
 
 /// The tools of this module.
 pub const TOOLS: &[&str] = &[

@@ -45,25 +45,19 @@ use std::time::Duration;
 
 use flotilla_context::{AgentContext, ContextError};
 use flotilla_model::mailbox::MailboxKind;
-use flotilla_model::run::{RunHandle, RunStatus};
+use flotilla_model::run::RunStatus;
 use flotilla_model::task::TaskErrorKind;
 use serde_json::{Map, Value, json};
-use sha2::Digest;
 use tokio::io::AsyncWriteExt;
 
+pub use crate::call::{MAX_TOOL_OUTPUT, ToolOutcome};
+use crate::call::{child_call_key, to_json};
 use crate::config::{ConfigError, ExecToolConfig, LlmConfig};
 use crate::mcp::{McpServer, offered_name};
 
 // Tool names are configuration's vocabulary (what `tools` may list, what `exec-tools` may
 // not be named); here is where they are offered.
-pub use crate::config::{BUILTIN_TOOLS, CALL_AGENT, EXTERNAL_PREFIX, OPT_IN_TOOLS};
-
-/// Longest tool output handed back to the model, in bytes; longer output is cut with a
-/// marker.
-pub const MAX_TOOL_OUTPUT: usize = 64 * 1024;
-
-/// The tool offered when an agent has transfer targets in the agent tree.
-pub const TRANSFER: &str = "transfer_to_agent";
+pub use crate::config::{BUILTIN_TOOLS, CALL_AGENT, EXTERNAL_PREFIX, OPT_IN_TOOLS, TRANSFER};
 
 /// Longest a `mailbox_read` may wait for a message.
 const MAX_MAILBOX_WAIT_MS: u64 = 30_000;
@@ -109,77 +103,13 @@ pub struct ToolSet {
     mcp: Vec<Arc<McpServer>>,
 }
 
-/// The outcome of one call, as handed back to the model.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ToolOutcome {
-    /// The result (or `{"error": …}`).
-    pub output: Value,
-    /// Why it failed, when it did.
-    pub error: Option<String>,
-    /// The child run, when the tool was another agent (`call_agent`).
-    pub run_link: Option<RunHandle>,
-    /// The call was refused for good: its child run was rejected, or a transfer would loop.
-    /// An attempt that then gives up fails with `child_rejected` (not retried).
-    pub refused: bool,
-}
-
-impl ToolOutcome {
-    pub(crate) fn ok(output: Value) -> Self {
-        Self {
-            output,
-            error: None,
-            run_link: None,
-            refused: false,
-        }
-    }
-
-    pub(crate) fn err(code: &str, message: impl Into<String>) -> Self {
-        let message = message.into();
-        Self {
-            output: json!({"error": {"code": code, "message": message}}),
-            error: Some(format!("{code}: {message}")),
-            run_link: None,
-            refused: false,
-        }
-    }
-
-    /// A child run the coordinator rejected (`e` is `child_rejected`): the error carries the
-    /// problems, its code is the first problem's, and the rejected child is the run link.
-    pub(crate) fn rejected(e: &ContextError) -> Self {
-        let problems = e.problems();
-        let code = problems.first().map_or(e.code(), |p| p.code.as_str());
-        let mut out = Self::err(code, e.message());
-        out.output["error"]["problems"] = to_json(&problems);
-        if let Some(child) = e.rejected_child() {
-            out.output["error"]["run_id"] = json!(child.run_id);
-        }
-        out.run_link = e.rejected_child().cloned();
-        out.refused = true;
-        out
-    }
-
-    /// The text of the tool message: the JSON result, cut at [`MAX_TOOL_OUTPUT`].
-    pub fn text(&self) -> String {
-        let text = match &self.output {
-            Value::String(s) => s.clone(),
-            v => v.to_string(),
-        };
-        cut(&text, MAX_TOOL_OUTPUT)
-    }
-}
-
-fn cut(text: &str, max: usize) -> String {
-    if text.len() <= max {
-        return text.to_owned();
-    }
-    let mut end = max;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!(
-        "{}\n[… {} bytes cut: tool output is capped at {max} bytes …]",
-        &text[..end],
-        text.len() - end
+/// `ask_user`'s description and parameters (the gate answers its calls: [`crate::gate`]).
+fn ask_user_spec() -> (&'static str, Value) {
+    (
+        "Asks the user a question and waits for the answer (it may take a while; you continue with the answer as this tool's result). Ask only what you cannot find out yourself.",
+        json!({"type": "object", "properties": {
+            "question": {"type": "string", "minLength": 1, "description": "The question, complete enough to answer without more context"}
+        }, "required": ["question"], "additionalProperties": false}),
     )
 }
 
@@ -195,7 +125,7 @@ fn builtin_spec(name: &str) -> (&'static str, Value) {
     }
     match name {
         crate::recruit::RECRUIT => crate::recruit::spec(),
-        crate::gate::ASK_USER => crate::gate::ask_user_spec(),
+        crate::gate::ASK_USER => ask_user_spec(),
         "workspace_read" => (
             "Reads entries of a workspace topic shared by the team, oldest first. Continue from next_since_seq while more is true.",
             json!({"type": "object", "properties": {
@@ -589,10 +519,6 @@ fn str_arg<'a>(args: &'a Value, key: &str) -> &'a str {
     args.get(key).and_then(Value::as_str).unwrap_or_default()
 }
 
-fn to_json<T: serde::Serialize>(v: &T) -> Value {
-    serde_json::to_value(v).unwrap_or(Value::Null)
-}
-
 async fn builtin(
     ctx: &AgentContext,
     name: &str,
@@ -681,28 +607,6 @@ async fn builtin(
 /// Runs another agent as a child run and hands back its answer. The child's id comes from
 /// the attempt and the model's tool call id, so a redelivered attempt replaying the same call
 /// re-attaches to the same child.
-/// The child-call key of a model's tool call id: the id itself when it is subject-safe
-/// (`call_abc123`), else a digest of it — the same for the same call on every delivery.
-pub(crate) fn child_call_key(call_id: &str) -> String {
-    if !call_id.is_empty()
-        && call_id.len() <= 64
-        && call_id
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
-    {
-        call_id.to_owned()
-    } else {
-        let digest = sha2::Sha256::digest(call_id.as_bytes());
-        format!(
-            "tc-{}",
-            digest[..8]
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect::<String>()
-        )
-    }
-}
-
 /// Longest `timeout_s` of a call to an external agent.
 const MAX_EXTERNAL_TIMEOUT_S: u64 = 3600;
 
@@ -942,6 +846,8 @@ async fn exec(ctx: &AgentContext, tool: &ExecTool, args: &Value) -> ToolOutcome 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use crate::call::cut;
 
     #[test]
     fn builtin_schemas_compile_and_cut_is_marked() {
