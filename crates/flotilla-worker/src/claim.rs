@@ -31,24 +31,18 @@
 //! the agent starts and its acknowledgement awaited alongside the run, so it costs the
 //! attempt no round trip.
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream::consumer::PullConsumer;
-use flotilla_bus::liveness::Pulse;
 use flotilla_bus::{SharedConsumer, wire};
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::codec::Codec;
 use flotilla_model::runlog::{Claimed, RunInput, RunLogEntry, claimed_msg_id};
 use flotilla_model::subjects::StreamKind;
 use flotilla_model::task::TaskEnvelope;
-use tokio::sync::Semaphore;
-use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use crate::options::WorkerOptions;
 use crate::shared::Shared;
-use crate::worker::{Pulled, Queue, pull_once};
 
 /// How long a claim that could not be stored is sent again before the worker gives up on it
 /// (the run log without a leader for a few seconds while a cluster node dies).
@@ -78,58 +72,6 @@ pub fn role_consumer(
         ack_wait: opts.ack_wait(),
         max_ack_pending: 100_000,
     }
-}
-
-/// Pulls `claim.role`'s queue while this worker has a free slot, until `shutdown`; then
-/// waits for the attempts it started (the worker's graceful stop hands them back).
-pub(crate) async fn pull_role(
-    shared: Arc<Shared>,
-    consumer: PullConsumer,
-    claim: Claim,
-    pulse: Pulse,
-    shutdown: CancellationToken,
-) {
-    let mut running = tokio::task::JoinSet::new();
-    // Tasks of this role held here at once, running or waiting for a slot.
-    let held = Arc::new(Semaphore::new(shared.opts.concurrency));
-    let mut busy = false;
-    while !shutdown.is_cancelled() {
-        let pull = async {
-            // Claim only with a free slot, or — all taken — in turn with the tasks already
-            // waiting for one here ([`Shared::wait_for_turn`]).
-            let waiting = pulse.busy();
-            if !shared.wait_for_turn(&shutdown).await {
-                return Pulled::Stopped;
-            }
-            let free = shared.run_slots.available_permits().max(1);
-            let first = tokio::select! {
-                _ = shutdown.cancelled() => return Pulled::Stopped,
-                p = Arc::clone(&held).acquire_owned() => match p { Ok(p) => p, Err(_) => return Pulled::Stopped },
-            };
-            drop(waiting);
-            let mut permits = vec![first];
-            while permits.len() < free {
-                match Arc::clone(&held).try_acquire_owned() {
-                    Ok(p) => permits.push(p),
-                    Err(_) => break,
-                }
-            }
-            let queue = Queue {
-                consumer: &consumer,
-                pulse: &pulse,
-                claim: Some(&claim),
-            };
-            pull_once(&shared, queue, &mut permits, busy, &mut running, &shutdown).await
-        };
-        match pulse.attend(pull).await {
-            Some(Pulled::Received(n)) => busy = n > 0,
-            Some(Pulled::Failed) => continue,
-            Some(Pulled::Stopped) => break,
-            None => busy = false,
-        }
-        while running.try_join_next().is_some() {}
-    }
-    while running.join_next().await.is_some() {}
 }
 
 /// Sends the claim of `task`'s attempt to its run log now, and returns a future that stores

@@ -60,6 +60,7 @@ mod cancel;
 mod claim;
 mod error;
 mod pace;
+mod pull;
 mod registry;
 mod result;
 mod shared;

@@ -369,7 +369,7 @@ pub(crate) async fn pull_turns(
             let batch = consumer
                 .batch()
                 .max_messages(shared.run_slots.available_permits().max(1))
-                .expires(crate::worker::PULL_EXPIRY)
+                .expires(crate::pull::PULL_EXPIRY)
                 .messages()
                 .await;
             let mut batch = match batch {
@@ -385,9 +385,8 @@ pub(crate) async fn pull_turns(
                     };
                 }
             };
-            let over = tokio::time::Instant::now()
-                + crate::worker::PULL_EXPIRY
-                + Duration::from_millis(500);
+            let over =
+                tokio::time::Instant::now() + crate::pull::PULL_EXPIRY + Duration::from_millis(500);
             loop {
                 let next = tokio::select! {
                     n = tokio::time::timeout_at(over, batch.next()) => n.unwrap_or(None),

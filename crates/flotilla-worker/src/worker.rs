@@ -7,7 +7,6 @@ use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_nats::jetstream::AckKind;
 use async_nats::jetstream::consumer::PullConsumer;
 use flotilla_bus::liveness::{Pulse, Stall, Watchdog};
 use flotilla_bus::startup::Patience;
@@ -17,26 +16,19 @@ use flotilla_model::time::Timestamp;
 use flotilla_model::worker::WorkerInfo;
 use flotilla_telemetry::events::ConsumerStalled;
 use flotilla_telemetry::{InternalEvent, Metrics};
-use futures::StreamExt;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
 use crate::agents::AgentRegistry;
-use crate::attempt::handle;
 use crate::cancel::watch_cancellations;
-use crate::claim::{Claim, pull_role, role_consumer};
+use crate::claim::{Claim, role_consumer};
 use crate::error::{WorkerError, WorkerErrorKind, setup};
 use crate::options::WorkerOptions;
 use crate::pace::Pace;
+use crate::pull::{Pulled, Queue, pull_once};
 use crate::registry::register;
 use crate::shared::Shared;
-
-/// How long one pull request waits for tasks.
-pub(crate) const PULL_EXPIRY: Duration = Duration::from_secs(1);
-
-/// How long a pull request waits while tasks flow (the last one brought some).
-pub(crate) const BUSY_PULL_EXPIRY: Duration = Duration::from_millis(20);
 
 /// How long a busy worker gathers freed slots before asking for more tasks.
 const GATHER: Duration = Duration::from_millis(1);
@@ -398,6 +390,58 @@ async fn pull_pool(
     pulled
 }
 
+/// Pulls `claim.role`'s queue while this worker has a free slot, until `shutdown`; then
+/// waits for the attempts it started (the worker's graceful stop hands them back).
+pub(crate) async fn pull_role(
+    shared: Arc<Shared>,
+    consumer: PullConsumer,
+    claim: Claim,
+    pulse: Pulse,
+    shutdown: CancellationToken,
+) {
+    let mut running = tokio::task::JoinSet::new();
+    // Tasks of this role held here at once, running or waiting for a slot.
+    let held = Arc::new(Semaphore::new(shared.opts.concurrency));
+    let mut busy = false;
+    while !shutdown.is_cancelled() {
+        let pull = async {
+            // Claim only with a free slot, or — all taken — in turn with the tasks already
+            // waiting for one here ([`Shared::wait_for_turn`]).
+            let waiting = pulse.busy();
+            if !shared.wait_for_turn(&shutdown).await {
+                return Pulled::Stopped;
+            }
+            let free = shared.run_slots.available_permits().max(1);
+            let first = tokio::select! {
+                _ = shutdown.cancelled() => return Pulled::Stopped,
+                p = Arc::clone(&held).acquire_owned() => match p { Ok(p) => p, Err(_) => return Pulled::Stopped },
+            };
+            drop(waiting);
+            let mut permits = vec![first];
+            while permits.len() < free {
+                match Arc::clone(&held).try_acquire_owned() {
+                    Ok(p) => permits.push(p),
+                    Err(_) => break,
+                }
+            }
+            let queue = Queue {
+                consumer: &consumer,
+                pulse: &pulse,
+                claim: Some(&claim),
+            };
+            pull_once(&shared, queue, &mut permits, busy, &mut running, &shutdown).await
+        };
+        match pulse.attend(pull).await {
+            Some(Pulled::Received(n)) => busy = n > 0,
+            Some(Pulled::Failed) => continue,
+            Some(Pulled::Stopped) => break,
+            None => busy = false,
+        }
+        while running.try_join_next().is_some() {}
+    }
+    while running.join_next().await.is_some() {}
+}
+
 /// The shared durable consumer of `pool` (`pool-<name>` on the tasks stream) as the pool's
 /// workers create it. `flotilla nats provision --pools` creates it the same way ahead of the
 /// workers, for autoscalers that read its backlog before any worker runs (KEDA).
@@ -414,102 +458,4 @@ pub fn pool_consumer(
         ack_wait: opts.ack_wait(),
         max_ack_pending: 100_000,
     }
-}
-
-/// A queue this worker pulls: its consumer, the pulse its loop marks, and — for a role's
-/// queue — the member here that runs what it brings.
-#[derive(Clone, Copy)]
-pub(crate) struct Queue<'a> {
-    pub(crate) consumer: &'a PullConsumer,
-    pub(crate) pulse: &'a Pulse,
-    pub(crate) claim: Option<&'a Claim>,
-}
-
-/// How one pull request went.
-pub(crate) enum Pulled {
-    /// It ended after bringing this many messages.
-    Received(usize),
-    /// It could not be sent; the caller asks again (after a short pause, already waited).
-    Failed,
-    /// The worker is stopping: what still arrived was handed back.
-    Stopped,
-}
-
-/// Sends one pull request on `consumer` for `permits.len()` tasks and starts each task that
-/// arrives on a permit of `permits` (one that finds none is handed back), as `claim`'s
-/// member for a role queue. Pool and role loops share it, so both wait the same way on a
-/// request the server forgot and hand back the same way on a stop.
-pub(crate) async fn pull_once(
-    shared: &Arc<Shared>,
-    queue: Queue<'_>,
-    permits: &mut Vec<tokio::sync::OwnedSemaphorePermit>,
-    busy: bool,
-    running: &mut tokio::task::JoinSet<()>,
-    shutdown: &CancellationToken,
-) -> Pulled {
-    let Queue {
-        consumer,
-        pulse,
-        claim,
-    } = queue;
-    let batch = consumer
-        .batch()
-        .max_messages(permits.len())
-        // A pull request dies with a server restart; a short expiry bounds how long a worker
-        // waits on a lost one (one tiny request per second when idle). While tasks flow,
-        // requests are short, so slots freed meanwhile are asked for soon.
-        .expires(if busy { BUSY_PULL_EXPIRY } else { PULL_EXPIRY })
-        .messages()
-        .await;
-    let mut batch = match batch {
-        Ok(b) => {
-            pulse.pulled();
-            b
-        }
-        Err(e) => {
-            debug!(role = ?claim.map(|c| &c.role), error = %e, "Pull request failed; retrying");
-            tokio::select! {
-                _ = shutdown.cancelled() => return Pulled::Stopped,
-                _ = tokio::time::sleep(Duration::from_millis(250)) => return Pulled::Failed,
-            }
-        }
-    };
-    // The server ends a pull request at its expiry; one it forgot (restarted) never ends, and
-    // the client library would wait 5 s more. Stop waiting shortly after.
-    let request_over = tokio::time::Instant::now() + PULL_EXPIRY + Duration::from_millis(500);
-    let mut received = 0usize;
-    loop {
-        let next = tokio::select! {
-            next = tokio::time::timeout_at(request_over, batch.next()) => next.unwrap_or(None),
-            _ = shutdown.cancelled() => {
-                // Hand back anything still arriving for this pull request.
-                while let Ok(Some(Ok(m))) = tokio::time::timeout(Duration::from_millis(50), batch.next()).await {
-                    let _ = m.ack_with(AckKind::Nak(None)).await;
-                }
-                return Pulled::Stopped;
-            }
-        };
-        match next {
-            Some(Ok(msg)) => {
-                pulse.pulled();
-                received += 1;
-                let Some(permit) = permits.pop() else {
-                    let _ = msg.ack_with(AckKind::Nak(None)).await;
-                    continue;
-                };
-                let shared = Arc::clone(shared);
-                let stopping = shutdown.clone();
-                let claim = claim.cloned();
-                running.spawn(async move {
-                    handle(&shared, msg, permit, &stopping, claim).await;
-                });
-            }
-            Some(Err(e)) => {
-                debug!(role = ?claim.map(|c| &c.role), error = %e, "Pull interrupted");
-                break;
-            }
-            None => break,
-        }
-    }
-    Pulled::Received(received)
 }
