@@ -29,7 +29,6 @@ use async_nats::jetstream::kv;
 use flotilla_agents::serve::{Ending, Instance, Outbox, Prompter, Registration, UnknownAgents};
 use flotilla_agents::teammate::{self as exposing, SENDER, TurnOutcome};
 use flotilla_agents::wire::{AgentAddress, Chunk, Envelope};
-use flotilla_model::ErrorCode;
 use flotilla_model::teammate::{
     Conversation, Teammate, TeammateStatus, conversation_key, teammate_key,
 };
@@ -40,69 +39,11 @@ use tracing::{debug, info, warn};
 
 use crate::Team;
 use crate::error::SupervisorError;
-use crate::teammates::{Refusal, check_accepts, check_text, failed, post, read};
+use crate::teammates::{Refusal, check_accepts, check_text, failed, owner, post, read, wanted};
 
 /// How often the served set is compared with the teammates' mirror, and how often a waiting
 /// prompt looks whether its teammate was shut down.
 const EVERY: Duration = Duration::from_millis(250);
-
-/// Whether `mate` is to be served: it opted in (or every teammate is) and takes messages.
-fn wanted(team: &Team, mate: &Teammate) -> bool {
-    served(team.agents.expose_teammates, mate)
-}
-
-/// [`wanted`] under `expose_teammates` (`[agents-protocol] expose-teammates`).
-fn served(expose_teammates: bool, mate: &Teammate) -> bool {
-    (mate.expose || expose_teammates)
-        && mate.status != TeammateStatus::Shutdown
-        && !mate.shutdown_requested
-        && !mate.agent.is_empty()
-}
-
-/// The owner token of this deployment's agents.
-fn owner(team: &Team) -> String {
-    team.agents.owner_for(team.bus.names().prefix())
-}
-
-/// `team.spawn` with `expose`: the teammate's address must be free — not an exposed agent
-/// definition's, not another exposed teammate's (names that differ only in case or `_`/`-`).
-pub(crate) fn check_address(team: &Team, t: &str, name: &str) -> Result<(), Refusal> {
-    let address = exposing::address(&owner(team), t, name).map_err(|e| {
-        (
-            400,
-            ErrorCode::InvalidAddress,
-            format!("teammate {name:?} of team {t:?}: {e}"),
-        )
-    })?;
-    if team.exposed_definitions.contains(&address) {
-        return Err((
-            409,
-            ErrorCode::AddressTaken,
-            format!(
-                "{} is the address of an exposed agent definition; name the teammate otherwise",
-                address.display()
-            ),
-        ));
-    }
-    let other = team.mates.matching(|m| {
-        m.team == t
-            && m.name != name
-            && wanted(team, m)
-            && exposing::address(&owner(team), &m.team, &m.name).is_ok_and(|a| a == address)
-    });
-    if let Some((_, m)) = other.first() {
-        return Err((
-            409,
-            ErrorCode::AddressTaken,
-            format!(
-                "{} is already teammate {:?}'s address",
-                address.display(),
-                m.name
-            ),
-        ));
-    }
-    Ok(())
-}
 
 /// The teammates to serve now, by address: the first by entry key keeps an address two
 /// names share; an exposed definition's address is never a teammate's.
@@ -384,6 +325,7 @@ mod tests {
     use flotilla_model::time::Timestamp;
 
     use super::*;
+    use crate::teammates::served;
 
     #[test]
     fn served_while_opted_in_and_taking_messages() {

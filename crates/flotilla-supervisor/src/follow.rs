@@ -63,54 +63,6 @@ pub(crate) async fn consumer(
         .map_err(|e| SupervisorError::Setup(e.to_string()))
 }
 
-/// The message stream of a shared consumer (`what` names it in the log), retried every second
-/// while the server cannot open it; `None` once `stop` is cancelled. `batch`: the most
-/// messages pulled at once (`None`: the client's default). Opening it counts as a pull of
-/// `pulse`.
-pub(crate) async fn messages_of(
-    consumer: &PullConsumer,
-    pulse: &Pulse,
-    stop: &CancellationToken,
-    what: &str,
-    batch: Option<usize>,
-) -> Option<async_nats::jetstream::consumer::pull::Stream> {
-    while !stop.is_cancelled() {
-        let opened = match batch {
-            Some(n) => {
-                consumer
-                    .stream()
-                    .max_messages_per_batch(n)
-                    .heartbeat(flotilla_bus::consume::LONG_PULL_HEARTBEAT)
-                    .expires(flotilla_bus::consume::LONG_PULL_EXPIRY)
-                    .messages()
-                    .await
-            }
-            None => {
-                consumer
-                    .stream()
-                    .heartbeat(flotilla_bus::consume::LONG_PULL_HEARTBEAT)
-                    .expires(flotilla_bus::consume::LONG_PULL_EXPIRY)
-                    .messages()
-                    .await
-            }
-        };
-        match opened {
-            Ok(m) => {
-                pulse.pulled();
-                return Some(m);
-            }
-            Err(e) => {
-                warn!(error = %e, "Cannot read {what}; retrying");
-                tokio::select! {
-                    _ = stop.cancelled() => return None,
-                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-                }
-            }
-        }
-    }
-    None
-}
-
 /// Handles event messages in batches until `stop`. `pulse` marks each batch taken for the
 /// stall check; writing a batch is busy (the stream is not read meanwhile, on purpose).
 pub(crate) async fn run(
@@ -123,7 +75,8 @@ pub(crate) async fn run(
         // One life of the message stream: a new one after the stall check restarts it.
         let life = async {
             let Some(messages) =
-                messages_of(&consumer, &pulse, &stop, "the event stream", None).await
+                crate::messages::messages_of(&consumer, &pulse, &stop, "the event stream", None)
+                    .await
             else {
                 return;
             };

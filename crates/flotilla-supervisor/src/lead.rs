@@ -51,18 +51,10 @@ use tracing::info;
 
 use crate::Team;
 use crate::error::SupervisorError;
-use crate::recruit::{Running, append_and_wait, invalid, load};
+use crate::recruit::{Running, append_and_wait, invalid, is_led, load};
 
 /// Longest excerpt of a task's result mailed to the lead.
 const MAX_EXCERPT: usize = 1500;
-
-/// Whether a run is led: the `supervisor` strategy, and planned.
-pub(crate) fn is_led(state: &RunState) -> bool {
-    state
-        .strategy
-        .as_ref()
-        .is_some_and(|s| s.strategy == Strategy::Supervisor)
-}
 
 fn conflict(code: ErrorCode, message: impl Into<String>) -> ApiError {
     ApiError::new(409, code, message)

@@ -42,6 +42,7 @@ mod external;
 mod follow;
 mod lead;
 mod memory;
+mod messages;
 mod options;
 mod presence;
 mod recruit;

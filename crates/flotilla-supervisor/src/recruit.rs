@@ -196,6 +196,14 @@ fn check_running(run: &Running) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// Whether a run is led: the `supervisor` strategy, and planned.
+pub(crate) fn is_led(state: &RunState) -> bool {
+    state
+        .strategy
+        .as_ref()
+        .is_some_and(|s| s.strategy == flotilla_model::plan::Strategy::Supervisor)
+}
+
 /// Who asks: `task:<id>` for a running task of the run (checked against `recruiters`), else
 /// `operator`.
 fn recruiter(
@@ -206,7 +214,7 @@ fn recruiter(
     let Some(task) = by_task else {
         return Ok("operator".to_owned());
     };
-    if task.as_str() == LEAD_NAME && crate::lead::is_led(&run.state) {
+    if task.as_str() == LEAD_NAME && is_led(&run.state) {
         // The run's lead: it directs the team, so it may always ask.
         return Ok(LEAD_NAME.to_owned());
     }

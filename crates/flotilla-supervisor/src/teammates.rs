@@ -30,6 +30,7 @@ use async_nats::jetstream::AckKind;
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::kv;
 use async_nats::service::Request;
+use flotilla_agents::teammate as exposing;
 use flotilla_bus::SharedConsumer;
 use flotilla_bus::liveness::Pulse;
 use flotilla_bus::service::{parse, respond_error, respond_json};
@@ -59,6 +60,64 @@ const MAX_NAME: usize = 64;
 
 /// A refusal: status, code, message.
 pub(crate) type Refusal = (u16, ErrorCode, String);
+
+/// Whether `mate` is to be served: it opted in (or every teammate is) and takes messages.
+pub(crate) fn wanted(team: &Team, mate: &Teammate) -> bool {
+    served(team.agents.expose_teammates, mate)
+}
+
+/// [`wanted`] under `expose_teammates` (`[agents-protocol] expose-teammates`).
+pub(crate) fn served(expose_teammates: bool, mate: &Teammate) -> bool {
+    (mate.expose || expose_teammates)
+        && mate.status != TeammateStatus::Shutdown
+        && !mate.shutdown_requested
+        && !mate.agent.is_empty()
+}
+
+/// The owner token of this deployment's agents.
+pub(crate) fn owner(team: &Team) -> String {
+    team.agents.owner_for(team.bus.names().prefix())
+}
+
+/// `team.spawn` with `expose` (served by [`crate::exposed`]): the teammate's address must be free — not an exposed agent
+/// definition's, not another exposed teammate's (names that differ only in case or `_`/`-`).
+pub(crate) fn check_address(team: &Team, t: &str, name: &str) -> Result<(), Refusal> {
+    let address = exposing::address(&owner(team), t, name).map_err(|e| {
+        (
+            400,
+            ErrorCode::InvalidAddress,
+            format!("teammate {name:?} of team {t:?}: {e}"),
+        )
+    })?;
+    if team.exposed_definitions.contains(&address) {
+        return Err((
+            409,
+            ErrorCode::AddressTaken,
+            format!(
+                "{} is the address of an exposed agent definition; name the teammate otherwise",
+                address.display()
+            ),
+        ));
+    }
+    let other = team.mates.matching(|m| {
+        m.team == t
+            && m.name != name
+            && wanted(team, m)
+            && exposing::address(&owner(team), &m.team, &m.name).is_ok_and(|a| a == address)
+    });
+    if let Some((_, m)) = other.first() {
+        return Err((
+            409,
+            ErrorCode::AddressTaken,
+            format!(
+                "{} is already teammate {:?}'s address",
+                address.display(),
+                m.name
+            ),
+        ));
+    }
+    Ok(())
+}
 
 fn check_team(team: &str) -> Result<(), Refusal> {
     check_name(team).map_err(|e| (400, ErrorCode::InvalidTeam, format!("team {team:?} {e}")))
@@ -214,7 +273,7 @@ async fn do_spawn(team: &Team, r: &TeamSpawnRequest) -> Result<TeammateView, Ref
             .unwrap_or_else(|| "default".to_owned()),
     };
     if r.expose {
-        crate::exposed::check_address(team, t, &r.name)?;
+        check_address(team, t, &r.name)?;
     }
     let key = teammate_key(t, &r.name);
     if read(team, &key).await.map_err(failed)?.is_some() {
@@ -675,9 +734,14 @@ pub(crate) async fn follow(
     while !stop.is_cancelled() {
         // One life of the message stream: a new one after the stall check restarts it.
         let life = async {
-            let Some(messages) =
-                crate::follow::messages_of(&consumer, &pulse, &stop, "the teammate inboxes", None)
-                    .await
+            let Some(messages) = crate::messages::messages_of(
+                &consumer,
+                &pulse,
+                &stop,
+                "the teammate inboxes",
+                None,
+            )
+            .await
             else {
                 return;
             };

@@ -249,7 +249,7 @@ pub(crate) async fn deliver(
         // One life of the message stream; the deliveries it started run on.
         let life = async {
             let Some(messages) =
-                crate::follow::messages_of(&consumer, &pulse, &stop, &what, Some(CONCURRENCY))
+                crate::messages::messages_of(&consumer, &pulse, &stop, &what, Some(CONCURRENCY))
                     .await
             else {
                 return;
