@@ -53,7 +53,7 @@ pub(crate) async fn console(config: &Config) -> anyhow::Result<ExitCode> {
         stop_http.clone(),
     )
     .await?;
-    let shutdown = super::services::shutdown_on_signals()?;
+    let shutdown = super::signals::shutdown_on_signals()?;
     let bus = Bus::connect(&config.nats, "flotilla-console").await?;
     let client = bus.client().clone();
     nats.follow(move || client.connection_state() == async_nats::connection::State::Connected);

@@ -13,6 +13,7 @@ pub(crate) mod plan;
 pub(crate) mod runs;
 pub(crate) mod schema;
 pub(crate) mod services;
+pub(crate) mod signals;
 pub(crate) mod status;
 pub(crate) mod submit;
 pub(crate) mod team;

@@ -25,24 +25,8 @@ use tokio::sync::{oneshot, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
+use super::signals::shutdown_on_signals;
 use crate::config::Config;
-
-/// A token cancelled on SIGTERM or Ctrl-C. The handlers are installed before this returns,
-/// so a signal that arrives right after start-up still drains instead of killing.
-pub(crate) fn shutdown_on_signals() -> anyhow::Result<CancellationToken> {
-    let token = CancellationToken::new();
-    let t = token.clone();
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    let mut interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
-    tokio::spawn(async move {
-        tokio::select! {
-            _ = term.recv() => info!("SIGTERM received: shutting down"),
-            _ = interrupt.recv() => info!("Interrupted: shutting down"),
-        }
-        t.cancel();
-    });
-    Ok(token)
-}
 
 /// A service's health, metrics and HTTP listener. The listener has its own stop token: it
 /// keeps answering (503 on `/readyz`) while the service drains, and stops after it.
