@@ -24,7 +24,7 @@ use flotilla_model::subjects::StreamKind;
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
-use super::workload::Scenario;
+use super::scenario::Scenario;
 
 /// The ledger, shared by the followers, the drivers and the report.
 pub(crate) type Shared = Arc<Mutex<Ledger>>;

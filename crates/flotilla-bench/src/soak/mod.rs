@@ -25,6 +25,7 @@ mod consumers;
 mod deployment;
 mod ledger;
 mod report;
+mod scenario;
 mod workload;
 
 use std::collections::HashMap;
@@ -44,7 +45,8 @@ use self::chaos::SharedDeployment;
 use self::deployment::{Deployment, ready, unix_ms};
 use self::ledger::Shared;
 use self::report::{RssSample, Service};
-use self::workload::{Scenario, Workload};
+use self::scenario::Scenario;
+use self::workload::Workload;
 use crate::harness::processes::rss_kib;
 use crate::harness::provider::Provider;
 

@@ -50,7 +50,7 @@ use super::chaos::{ChaosEvent, UnexpectedExit};
 use super::consumers::StuckEpisode;
 use super::deployment::Kind;
 use super::ledger::Ledger;
-use super::workload::Scenario;
+use super::scenario::Scenario;
 use crate::harness::stats::percentile;
 
 /// One execution of an exec agent's side effect (a line of the effects file).

@@ -50,7 +50,6 @@ use flotilla_model::teammate::{
     Conversation, Speaker, TeamSendRequest, TeamShutdownRequest, TeamSpawnRequest, conversation_key,
 };
 use flotilla_model::{ErrorCode, PROTOCOL_VERSION};
-use serde::Serialize;
 use serde_json::json;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -58,89 +57,7 @@ use tokio_util::sync::CancellationToken;
 use super::config::{CONSOLE_TOKEN, LLM_POOL, MATE};
 use super::deployment::{http, unix_ms};
 use super::ledger::{ConflictRec, DriverError, Shared, Submission, TeammateRec, lock};
-
-/// A kind of work the soak submits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, clap::ValueEnum)]
-#[serde(rename_all = "snake_case")]
-pub(crate) enum Scenario {
-    Single,
-    Chain,
-    Fan,
-    Diamond,
-    Topics,
-    Child,
-    Workflow,
-    Llm,
-    Approve,
-    Reject,
-    Conflict,
-    Expire,
-    Apprentice,
-    Pause,
-    TaskPause,
-    Led,
-    Teammate,
-}
-
-impl Scenario {
-    /// The cycle the workload submits in: plain plans alternating with the others.
-    pub(crate) const CYCLE: [Scenario; 17] = [
-        Self::Single,
-        Self::Approve,
-        Self::Chain,
-        Self::Pause,
-        Self::Fan,
-        Self::Conflict,
-        Self::Diamond,
-        Self::Led,
-        Self::Topics,
-        Self::Reject,
-        Self::Child,
-        Self::Expire,
-        Self::Workflow,
-        Self::Apprentice,
-        Self::Llm,
-        Self::TaskPause,
-        Self::Teammate,
-    ];
-
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Self::Single => "single",
-            Self::Chain => "chain",
-            Self::Fan => "fan",
-            Self::Diamond => "diamond",
-            Self::Topics => "topics",
-            Self::Child => "child",
-            Self::Workflow => "workflow",
-            Self::Llm => "llm",
-            Self::Approve => "approve",
-            Self::Reject => "reject",
-            Self::Conflict => "conflict",
-            Self::Expire => "expire",
-            Self::Apprentice => "apprentice",
-            Self::Pause => "pause",
-            Self::TaskPause => "task_pause",
-            Self::Led => "led",
-            Self::Teammate => "teammate",
-        }
-    }
-
-    /// Nothing in it waits for a person, a pause or a lead: its latency is the machinery's.
-    pub(crate) fn plain(self) -> bool {
-        matches!(
-            self,
-            Self::Single
-                | Self::Chain
-                | Self::Fan
-                | Self::Diamond
-                | Self::Topics
-                | Self::Child
-                | Self::Workflow
-                | Self::Llm
-        )
-    }
-}
+use super::scenario::Scenario;
 
 /// A plan from its JSON form (the wire's). A plan larger than `auto` leaves to the
 /// deployment's lead (an agent with the role `supervisor`) says `dag`, unless `config` names
