@@ -25,6 +25,7 @@ mod admission;
 mod api;
 mod approvals;
 pub mod error;
+mod events;
 mod intake;
 mod lineage;
 mod live;
@@ -32,6 +33,7 @@ pub mod memory;
 mod notices;
 pub mod options;
 pub mod planner;
+mod pull;
 mod runtime;
 pub mod store;
 mod topics;
@@ -66,24 +68,9 @@ use crate::live::LiveWorkers;
 use crate::runtime::Runtime;
 use crate::store::{RunStore, unix_ms};
 
-/// Publishes one event on its run's events (a batch of one, de-duplicated by the event's id):
-/// for the events the coordinator says outside a machine step — a rejection at intake, a run
-/// failed at admission, an external agent's question.
-pub(crate) async fn publish_event(
-    bus: &Bus,
-    event: flotilla_model::event::EventEnvelope,
-) -> Result<(), flotilla_bus::PublishError> {
-    let run = event.run_id;
-    let batch = flotilla_model::event::EventBatch::new(run, vec![event]);
-    bus.publish(bus.names().event(run), &batch, Some(&batch.msg_id()))
-        .await?;
-    Ok(())
-}
-
-/// Idle heartbeat of the coordinator's pull requests: after a NATS restart or a lost
-/// connection, two missed heartbeats make the consumer loop re-issue its pull, so failover
-/// takes seconds. The cost is one tiny message per second per idle pull.
-pub(crate) const PULL_HEARTBEAT: std::time::Duration = std::time::Duration::from_secs(1);
+// Used across the coordinator's modules, which name them at the crate root.
+pub(crate) use events::publish_event;
+pub(crate) use pull::{MAX_REDELIVERY_DELAY, PULL_HEARTBEAT};
 
 /// Deliveries of an intake message that keeps failing with a terminal error before it is
 /// set aside (terminated) instead of redelivered forever.
@@ -94,9 +81,6 @@ const MAX_INTAKE_DELIVERIES: i64 = 5;
 /// [`MAX_REDELIVERY_DELAY`], about a quarter of an hour — far beyond a leader election or a
 /// server restart.
 const MAX_INTAKE_RETRIES: i64 = 30;
-
-/// The longest pause before a message handed back is delivered again.
-pub(crate) const MAX_REDELIVERY_DELAY: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// A coordinator process.
 #[derive(Debug)]
