@@ -4,7 +4,6 @@
 //! `supervisor` strategy: tasks held until the lead assigns them, the run ended by the lead's
 //! finish or its deadline).
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use flotilla_machine::{Action, Input, RunMachine};
@@ -16,58 +15,27 @@ use flotilla_model::run::{EndCause, RunStatus, TaskStatus};
 use flotilla_model::runlog::{Assigned, Finished, Recruited, Retired, Submitted};
 use flotilla_model::task::{TaskErrorKind, TaskResult};
 
+mod common;
+
+use common::{dispatched, phases};
+
 fn plan(tasks: Vec<Subtask>) -> Arc<Plan> {
-    Arc::new(Plan {
-        name: Some("t".into()),
-        query: None,
-        subtasks: tasks,
-        config: PlanConfig {
+    common::plan(
+        tasks,
+        PlanConfig {
             failure_ratio: 1.0,
             max_retries: 0,
             ..PlanConfig::default()
         },
-    })
+    )
 }
 
+/// A submission of `p` in a deployment whose roles make anycast tasks.
 fn submitted(p: &Plan) -> Submitted {
     Submitted {
-        plan: p.clone(),
-        labels: BTreeMap::new(),
-        session_id: None,
-        parent: None,
-        reply_to: None,
-        wait_reply_to: None,
-        intake_seq: None,
-        warnings: Vec::new(),
-        trace: None,
-        planning: None,
-        depth: 0,
-        budget_scopes: Vec::new(),
         anycast: true,
-        memory: None,
-        lead: None,
-        hitl: None,
+        ..common::submitted(p)
     }
-}
-
-fn dispatched(actions: &[Action]) -> Vec<(u32, u32)> {
-    actions
-        .iter()
-        .filter_map(|a| match a {
-            Action::Dispatch { task, attempt } => Some((*task, *attempt)),
-            _ => None,
-        })
-        .collect()
-}
-
-fn phases(actions: &[Action]) -> Vec<WorkflowPhase> {
-    actions
-        .iter()
-        .filter_map(|a| match a {
-            Action::Emit(e) => Some(e.event.phase),
-            _ => None,
-        })
-        .collect()
 }
 
 fn recruit(id: &str, task: &str, deps: &[&str]) -> Recruited {
