@@ -5,6 +5,28 @@ use super::*;
 use crate::soak::ledger::{ApprovalSeen, ConflictRec, End, ResultSeen, Submission};
 use flotilla_model::approval::ApprovalStatus;
 
+/// The report of a soak that recorded only resident memory: `rss` of `services`.
+fn memory_report(settings: Settings, services: &[Service], rss: &[RssSample]) -> Report {
+    compute(&Inputs {
+        settings,
+        ledger: &Ledger::default(),
+        effects: &[],
+        effects_unparsed: 0,
+        records: &HashMap::new(),
+        teammates: &[],
+        services,
+        rss,
+        chaos: &[],
+        exits: &[],
+        stuck: &[],
+        sampling: ConsumerSampling::default(),
+        saturated_ticks: 0,
+        peak_in_flight: 0,
+        console_requests: 0,
+        console_failures: 0,
+    })
+}
+
 fn settings() -> Settings {
     Settings {
         minutes: 10.0,
@@ -95,7 +117,6 @@ fn sustained_growth_is_told_from_a_one_time_step() {
 #[test]
 fn memory_is_fitted_after_each_incarnations_warm_up() {
     let s = settings();
-    let ledger = Ledger::default();
     let hour = 3_600_000i64;
     // Incarnation 1 starts flat at 50 MiB but jumps during its first minute (warm-up),
     // then grows 4 MiB/h; incarnation 2 the same from 30 MiB.
@@ -128,28 +149,11 @@ fn memory_is_fitted_after_each_incarnations_warm_up() {
     let judged = |min_span_s: f64| {
         let mut s = s.clone();
         s.rss_min_span_s = min_span_s;
-        compute(&Inputs {
-            settings: s,
-            ledger: &ledger,
-            effects: &[],
-            effects_unparsed: 0,
-            records: &HashMap::new(),
-            teammates: &[],
-            services: &services,
-            rss: &rss,
-            chaos: &[],
-            exits: &[],
-            stuck: &[],
-            sampling: ConsumerSampling::default(),
-            saturated_ticks: 0,
-            peak_in_flight: 0,
-            console_requests: 0,
-            console_failures: 0,
-        })
-        .targets
-        .iter()
-        .find(|t| t.check == "RSS growth, worker-1")
-        .and_then(|t| t.pass)
+        memory_report(s, &services, &rss)
+            .targets
+            .iter()
+            .find(|t| t.check == "RSS growth, worker-1")
+            .and_then(|t| t.pass)
     };
     // Each incarnation is fitted over 4 minutes: judged against a 4-minute least span,
     // not a 5-minute one (a least span is per incarnation, not summed over them).
@@ -157,24 +161,7 @@ fn memory_is_fitted_after_each_incarnations_warm_up() {
     assert_eq!(judged(300.0), None);
     let mut s = s;
     s.rss_min_span_s = 240.0;
-    let r = compute(&Inputs {
-        settings: s,
-        ledger: &ledger,
-        effects: &[],
-        effects_unparsed: 0,
-        records: &HashMap::new(),
-        teammates: &[],
-        services: &services,
-        rss: &rss,
-        chaos: &[],
-        exits: &[],
-        stuck: &[],
-        sampling: ConsumerSampling::default(),
-        saturated_ticks: 0,
-        peak_in_flight: 0,
-        console_requests: 0,
-        console_failures: 0,
-    });
+    let r = memory_report(s, &services, &rss);
     let slope = r.rss[0].slope_mib_per_h.expect("a slope");
     // KiB rounding only.
     assert!((slope - 4.0).abs() < 0.2, "{slope}");
@@ -191,7 +178,6 @@ fn memory_is_fitted_after_each_incarnations_warm_up() {
 #[test]
 fn a_short_incarnation_is_told_and_not_judged() {
     let s = settings(); // warm-up 1 min, least span 10 min, target 5 MiB/h
-    let ledger = Ledger::default();
     let hour = 3_600_000f64;
     // Incarnation 1 lives 30 minutes, flat at 40 MiB; incarnation 2 lives 6 minutes and
     // climbs 60 MiB/h (an allocator's steps over a short life read like this).
@@ -215,26 +201,7 @@ fn a_short_incarnation_is_told_and_not_judged() {
         name: "supervisor-1".into(),
         kind: Some(Kind::Supervisor),
     }];
-    let report = |rss: &[RssSample]| {
-        compute(&Inputs {
-            settings: s.clone(),
-            ledger: &ledger,
-            effects: &[],
-            effects_unparsed: 0,
-            records: &HashMap::new(),
-            teammates: &[],
-            services: &services,
-            rss,
-            chaos: &[],
-            exits: &[],
-            stuck: &[],
-            sampling: ConsumerSampling::default(),
-            saturated_ticks: 0,
-            peak_in_flight: 0,
-            console_requests: 0,
-            console_failures: 0,
-        })
-    };
+    let report = |rss: &[RssSample]| memory_report(s.clone(), &services, rss);
     let target = |r: &Report| {
         r.targets
             .iter()
