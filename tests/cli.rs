@@ -825,12 +825,18 @@ fn up_listens_where_it_is_told() -> anyhow::Result<()> {
         .spawn()?;
     let url_file = dir.path().join(".flotilla/nats-url");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    let mut answered = false;
-    while std::time::Instant::now() < deadline && !answered {
+    // `up` writes its URL file before the console listens; waiting for both keeps another
+    // process that briefly holds the console's port (the ports were free a moment ago, not
+    // reserved) from reading as the console.
+    let (mut answered, mut url) = (false, String::new());
+    while std::time::Instant::now() < deadline && !(answered && !url.is_empty()) {
         std::thread::sleep(std::time::Duration::from_millis(100));
-        answered = std::net::TcpStream::connect(("127.0.0.1", console)).is_ok();
+        if url.is_empty() {
+            url = std::fs::read_to_string(&url_file).unwrap_or_default();
+        } else {
+            answered = std::net::TcpStream::connect(("127.0.0.1", console)).is_ok();
+        }
     }
-    let url = std::fs::read_to_string(&url_file).unwrap_or_default();
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(up.id() as i32),
         nix::sys::signal::Signal::SIGTERM,

@@ -527,11 +527,12 @@ async fn the_api_says_what_a_run_waits_for_and_what_runs() -> anyhow::Result<()>
         .as_array()
         .cloned()
         .unwrap_or_default();
+    // Instants, not their text: the stamps have as many fraction digits as they need
+    // ("…26.18Z" is before "…26.1817Z", though not as text).
     let span = |i: usize, at: &str| {
-        lines[i]["attempts"][0][at]
-            .as_str()
-            .unwrap_or_default()
-            .to_owned()
+        let text = lines[i]["attempts"][0][at].as_str().unwrap_or_default();
+        time::OffsetDateTime::parse(text, &time::format_description::well_known::Rfc3339)
+            .unwrap_or_else(|e| panic!("{at} of line {i}: {text:?}: {e}"))
     };
     assert_eq!(lines.len(), 2, "{v:#}");
     assert!(
