@@ -96,8 +96,9 @@ pub struct SoakArgs {
     #[arg(long, default_value = "3m", value_parser = humantime::parse_duration)]
     rss_warm_up: Duration,
     /// The sustained memory growth each service must stay under, MiB per hour: the slope
-    /// fitted with one step beside it (a one-time allocator step is not growth that goes on);
-    /// the slope over the whole run must stay under three times it.
+    /// fitted with level shifts beside it, one per `--rss-min-span` of a process's life (an
+    /// allocator's one-time step is not growth that goes on); the slope over the whole run
+    /// must stay under three times it.
     #[arg(long, default_value_t = 5.0)]
     rss_slope_target: f64,
     /// Only incarnations that lived at least this long past their warm-up are fitted and

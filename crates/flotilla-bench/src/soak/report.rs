@@ -29,11 +29,13 @@
 //!   on 10-minute fits of one build), so a soak that restarts each service every quarter hour
 //!   reports its memory and judges none of it, and the soak without stops judges it. The
 //!   slope over every incarnation is told beside it.
-//!   The target judges *sustained* growth: the same slope fitted together with one step,
-//!   placed where it explains the samples best ([`sustained_slope`]). A leak is a slope
-//!   whatever step is fitted beside it; an allocator's one-time step (a new arena, a page
-//!   cache kept) is taken up by the step. A step still counts against the whole-run slope,
-//!   which must stay under three times the target: one step is allowed, a staircase is not.
+//!   The target judges *sustained* growth: the same slope fitted together with level
+//!   shifts, one per `--rss-min-span` of an incarnation's judged life, each placed where it
+//!   explains the samples best ([`sustained_slope`], [`steps_allowed`]). A leak is a slope
+//!   whatever steps are fitted beside it; an allocator's one-time step (a new arena, a page
+//!   cache kept) is taken up by a step. Steps still count against the whole-run slope,
+//!   which must stay under three times the target: a step or two is allowed, a staircase
+//!   is not.
 //! * **Latency**: a root run's submission (the bench's clock, just before the acknowledged
 //!   publish) → its end event stored (the server's clock; same host), p50 and p99 per
 //!   `--window` of submission time, over the *plain* scenarios (no person, pause or lead).
@@ -297,7 +299,8 @@ pub(crate) struct Rss {
     pub(crate) longest_min: f64,
     /// The slope over the judged incarnations.
     pub(crate) slope_mib_per_h: Option<f64>,
-    /// The slope with one step taken out ([`sustained_slope`]), over the judged incarnations.
+    /// The slope with level shifts taken out ([`sustained_slope`]), over the judged
+    /// incarnations.
     pub(crate) sustained_mib_per_h: Option<f64>,
     /// The slope over every incarnation, however short: told, not judged.
     pub(crate) every_incarnation_mib_per_h: Option<f64>,
@@ -365,85 +368,165 @@ pub(crate) fn within_slope(points: &[(u32, f64, f64)]) -> Option<f64> {
     (sxx > 0.0).then(|| sxy / sxx)
 }
 
-/// The whole-run slope may be this many times the target: room for one allocator step.
+/// The whole-run slope may be this many times the target: room for an allocator's step or
+/// two in an hour, not for a staircase.
 pub(crate) const RSS_STEP_ALLOWANCE: f64 = 3.0;
 
 /// Least points on each side of a step [`sustained_slope`] considers (a minute of samples
 /// at the default 5 s).
 const STEP_SIDE: usize = 12;
 
-/// The growth that goes on through the run, told apart from one level shift: the
-/// [`within_slope`] fitted together with one step — a jump at one time inside one
-/// incarnation — placed where it explains the samples best (least squares over every
-/// possible place, at least [`STEP_SIDE`] points from either end of its incarnation). A leak
-/// is a slope whatever step is fitted beside it; an allocator's one-time step (a new arena,
-/// a page cache kept) is taken up by the step and leaves the slope flat. `None` when
-/// [`within_slope`] is.
-pub(crate) fn sustained_slope(points: &[(u32, f64, f64)]) -> Option<f64> {
+/// How many level shifts [`sustained_slope`] may take out of an incarnation that lived
+/// `span_min` minutes past its warm-up: one per `min_span_min` of life, and at least one.
+/// An allocator keeps a new arena or a cached page run for good, and over an hour a
+/// long-lived service took two such steps (+2.5 MiB at minute 22 and +8 MiB at minute 54,
+/// flat between); a leak is a slope between steps, whatever their number, and the
+/// whole-run cap bounds a staircase.
+pub(crate) fn steps_allowed(span_min: f64, min_span_min: f64) -> usize {
+    if min_span_min <= 0.0 {
+        return 1;
+    }
+    // A millisecond's rounding of hours is not a shorter life.
+    ((span_min + 1e-6) / min_span_min).floor().max(1.0) as usize
+}
+
+/// The growth that goes on through the run, told apart from level shifts: the
+/// [`within_slope`] fitted together with up to `steps` steps — each a jump at one time
+/// inside one incarnation — placed one after another where each explains the samples best
+/// (least squares over every place at least [`STEP_SIDE`] points from either end of its
+/// incarnation and from another step; a step is kept only if it lowers the residual). A
+/// leak is a slope whatever steps are fitted beside it (the slope is then read between
+/// them); an allocator's one-time step (a new arena, a page cache kept) is taken up by a
+/// step and leaves the slope flat. `None` when [`within_slope`] is.
+pub(crate) fn sustained_slope(points: &[(u32, f64, f64)], steps: usize) -> Option<f64> {
     let mut by_group: BTreeMap<u32, Vec<(f64, f64)>> = BTreeMap::new();
     for &(g, x, y) in points {
         by_group.entry(g).or_default().push((x, y));
     }
-    // Group means of x and y, for the within (per-incarnation intercept) transform.
-    let means: BTreeMap<u32, (f64, f64)> = by_group
-        .iter()
-        .map(|(g, v)| {
-            let n = v.len() as f64;
-            (
-                *g,
-                (
-                    v.iter().map(|p| p.0).sum::<f64>() / n,
-                    v.iter().map(|p| p.1).sum::<f64>() / n,
-                ),
-            )
-        })
-        .collect();
+    // Per group, in time order: its size and the suffix sums of the centred x and y, from
+    // which every product of the within-transformed columns follows in O(1).
+    struct Group {
+        n: usize,
+        /// `sx[k]` = Σ_{i≥k} (xᵢ − x̄), `sy[k]` = Σ_{i≥k} (yᵢ − ȳ).
+        sx: Vec<f64>,
+        sy: Vec<f64>,
+    }
     let (mut sxx, mut sxy, mut syy) = (0.0, 0.0, 0.0);
-    for (g, v) in &by_group {
-        let (mx, my) = means[g];
-        for &(x, y) in v {
-            sxx += (x - mx) * (x - mx);
-            sxy += (x - mx) * (y - my);
-            syy += (y - my) * (y - my);
+    let mut groups: Vec<Group> = Vec::new();
+    for v in by_group.values_mut() {
+        v.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let n = v.len();
+        let mx = v.iter().map(|p| p.0).sum::<f64>() / n as f64;
+        let my = v.iter().map(|p| p.1).sum::<f64>() / n as f64;
+        let (mut sx, mut sy) = (vec![0.0; n + 1], vec![0.0; n + 1]);
+        for i in (0..n).rev() {
+            let (dx, dy) = (v[i].0 - mx, v[i].1 - my);
+            sxx += dx * dx;
+            sxy += dx * dy;
+            syy += dy * dy;
+            sx[i] = sx[i + 1] + dx;
+            sy[i] = sy[i + 1] + dy;
         }
+        groups.push(Group { n, sx, sy });
     }
     if sxx <= 0.0 {
         return None;
     }
-    // Without a step: slope and residual.
-    let mut best = (syy - sxy * sxy / sxx, sxy / sxx);
-    for (g, v) in &by_group {
-        let mut v = v.clone();
-        v.sort_by(|a, b| a.0.total_cmp(&b.0));
-        if v.len() < 2 * STEP_SIDE {
-            continue;
+    // A step at (group g, index k) is the column s = 1 for g's points from the k-th on,
+    // within-transformed (minus its group mean (n − k)/n). Products with it:
+    //   x̃·s̃ = sx[k], ỹ·s̃ = sy[k], s̃ₐ·s̃_b (one group, a ≤ b) = (n − b) − (n − a)(n − b)/n,
+    //   and 0 across groups.
+    let dot = |a: (usize, usize), b: (usize, usize)| -> f64 {
+        if a.0 != b.0 {
+            return 0.0;
         }
-        let (mx, my) = means[g];
-        let n = v.len() as f64;
-        for k in STEP_SIDE..=v.len() - STEP_SIDE {
-            // s = 1 for this incarnation's points from the k-th on; its within transform
-            // is s − (n − k)/n inside the group and 0 elsewhere.
-            let ms = (v.len() - k) as f64 / n;
-            let (mut sxs, mut sss, mut sys) = (0.0, 0.0, 0.0);
-            for (i, &(x, y)) in v.iter().enumerate() {
-                let ds = if i >= k { 1.0 - ms } else { -ms };
-                sxs += (x - mx) * ds;
-                sss += ds * ds;
-                sys += (y - my) * ds;
+        let n = groups[a.0].n as f64;
+        let (lo, hi) = (a.1.min(b.1) as f64, a.1.max(b.1) as f64);
+        (n - hi) - (n - lo) * (n - hi) / n
+    };
+    // Least squares of ỹ on [x̃, s̃…]: the slope and the residual.
+    let solve = |chosen: &[(usize, usize)]| -> Option<(f64, f64)> {
+        let m = chosen.len() + 1;
+        let mut a = vec![vec![0.0; m + 1]; m];
+        a[0][0] = sxx;
+        a[0][m] = sxy;
+        for (j, &c) in chosen.iter().enumerate() {
+            let sxc = groups[c.0].sx[c.1];
+            a[0][j + 1] = sxc;
+            a[j + 1][0] = sxc;
+            a[j + 1][m] = groups[c.0].sy[c.1];
+            for (l, &d) in chosen.iter().enumerate() {
+                a[j + 1][l + 1] = dot(c, d);
             }
-            let det = sxx * sss - sxs * sxs;
-            if det.abs() < f64::EPSILON * sxx * sss {
+        }
+        let rhs: Vec<f64> = a.iter().map(|r| r[m]).collect();
+        let coef = gauss(a)?;
+        let explained: f64 = coef.iter().zip(&rhs).map(|(c, g)| c * g).sum();
+        Some((coef[0], syy - explained))
+    };
+    let (mut slope, mut residual) = (sxy / sxx, syy - sxy * sxy / sxx);
+    let mut chosen: Vec<(usize, usize)> = Vec::new();
+    for _ in 0..steps {
+        let mut best: Option<(f64, f64, (usize, usize))> = None;
+        for (g, group) in groups.iter().enumerate() {
+            if group.n < 2 * STEP_SIDE {
                 continue;
             }
-            let b = (sxy * sss - sys * sxs) / det;
-            let c = (sys * sxx - sxy * sxs) / det;
-            let residual = syy - b * sxy - c * sys;
-            if residual < best.0 {
-                best = (residual, b);
+            for k in STEP_SIDE..=group.n - STEP_SIDE {
+                let near = chosen
+                    .iter()
+                    .any(|&(cg, ck)| cg == g && ck.abs_diff(k) < STEP_SIDE);
+                if near {
+                    continue;
+                }
+                let mut with = chosen.clone();
+                with.push((g, k));
+                let Some((b, r)) = solve(&with) else { continue };
+                if best.is_none_or(|(_, br, _)| r < br) {
+                    best = Some((b, r, (g, k)));
+                }
+            }
+        }
+        match best {
+            Some((b, r, at)) if r < residual => {
+                (slope, residual) = (b, r);
+                chosen.push(at);
+            }
+            _ => break,
+        }
+    }
+    Some(slope)
+}
+
+/// Solves the square system whose rows are `[coefficients…, right-hand side]` by Gaussian
+/// elimination with partial pivoting; `None` if it is singular.
+fn gauss(mut a: Vec<Vec<f64>>) -> Option<Vec<f64>> {
+    let m = a.len();
+    let scale = a
+        .iter()
+        .flat_map(|r| r[..m].iter())
+        .fold(0.0f64, |s, v| s.max(v.abs()));
+    for col in 0..m {
+        let pivot = (col..m).max_by(|&i, &j| a[i][col].abs().total_cmp(&a[j][col].abs()))?;
+        if a[pivot][col].abs() <= 1e-12 * scale {
+            return None;
+        }
+        a.swap(col, pivot);
+        let (top, rest) = a.split_at_mut(col + 1);
+        let pivot_row = &top[col];
+        for row in rest.iter_mut() {
+            let f = row[col] / pivot_row[col];
+            for (v, p) in row.iter_mut().zip(pivot_row).skip(col) {
+                *v -= f * p;
             }
         }
     }
-    Some(best.1)
+    let mut x = vec![0.0; m];
+    for row in (0..m).rev() {
+        let tail: f64 = (row + 1..m).map(|c| a[row][c] * x[c]).sum();
+        x[row] = (a[row][m] - tail) / a[row][row];
+    }
+    Some(x)
 }
 
 /// p50 and p99 of unsorted samples (`None` without samples).
@@ -823,7 +906,13 @@ pub(crate) fn compute(i: &Inputs<'_>) -> Report {
                 judged_incarnations: judged.len() as u32,
                 longest_min: spans.keys().map(span_min).reduce(f64::max).unwrap_or(0.0),
                 slope_mib_per_h: within_slope(&long),
-                sustained_mib_per_h: sustained_slope(&long),
+                sustained_mib_per_h: sustained_slope(
+                    &long,
+                    judged
+                        .values()
+                        .map(|m| steps_allowed(*m, s.rss_min_span_s / 60.0))
+                        .sum(),
+                ),
                 every_incarnation_mib_per_h: within_slope(&fitted),
                 targeted: svc.kind.is_some(),
             }

@@ -69,8 +69,10 @@ fn the_within_slope_ignores_restarts() {
 
 /// A one-time step (61 → 68 MiB at minute 30 of a flat hour, as the allocator of a
 /// coordinator did in a soak) reads as +13 MiB/h fitted over the whole run, but it is not
-/// growth that goes on; a leak of 6 MiB/h is judged as one, with a restart, with a step
-/// beside it, and with a staircase of steps.
+/// growth that goes on; nor are two steps with a flat stretch between (as a supervisor's
+/// allocator took in an hour). A leak of 6 MiB/h is judged as one, with a restart, with
+/// steps beside it, and with as many steps allowed as an hour has; a staircase's steps are
+/// taken out, and its whole-run slope is over the cap.
 #[test]
 fn sustained_growth_is_told_from_a_one_time_step() {
     let minute = |m: f64| m / 60.0;
@@ -88,8 +90,22 @@ fn sustained_growth_is_told_from_a_one_time_step() {
     let step = hour(&|m| (1, if m < 30.0 { 61.0 } else { 68.0 }));
     let whole = within_slope(&step).expect("a slope");
     assert!(whole > 10.0, "{whole}");
-    let sustained = sustained_slope(&step).expect("a slope");
+    let sustained = sustained_slope(&step, 1).expect("a slope");
     assert!(sustained.abs() < 0.5, "{sustained}");
+    // Steps allowed beyond those there are change nothing.
+    let more = sustained_slope(&step, 3).expect("a slope");
+    assert!(more.abs() < 0.5, "{more}");
+    // Two steps, flat between: one step taken out leaves a slope, two leave none.
+    let two = hour(&|m| {
+        (
+            1,
+            60.0 + if m >= 22.0 { 2.5 } else { 0.0 } + if m >= 54.0 { 8.0 } else { 0.0 },
+        )
+    });
+    let one_out = sustained_slope(&two, 1).expect("a slope");
+    assert!(one_out > 3.0, "{one_out}");
+    let both_out = sustained_slope(&two, 2).expect("a slope");
+    assert!(both_out.abs() < 0.5, "{both_out}");
     // A leak, restarted at minute 40 from a lower baseline.
     let leak = hour(&|m| {
         if m < 40.0 {
@@ -98,20 +114,46 @@ fn sustained_growth_is_told_from_a_one_time_step() {
             (2, 30.0 + 6.0 * minute(m))
         }
     });
-    let sustained = sustained_slope(&leak).expect("a slope");
-    assert!((sustained - 6.0).abs() < 0.5, "{sustained}");
-    // A leak and a step.
-    let both = hour(&|m| (1, 50.0 + 6.0 * minute(m) + if m < 20.0 { 0.0 } else { 9.0 }));
-    let sustained = sustained_slope(&both).expect("a slope");
-    assert!((sustained - 6.0).abs() < 0.5, "{sustained}");
-    // A staircase: 3 MiB every 10 minutes is 18 MiB/h, one step taken out or not.
+    for steps in [1, 3] {
+        let sustained = sustained_slope(&leak, steps).expect("a slope");
+        assert!((sustained - 6.0).abs() < 0.5, "{steps}: {sustained}");
+    }
+    // A leak and two steps: the leak is read between them, however many are allowed.
+    let both = hour(&|m| {
+        (
+            1,
+            50.0 + 6.0 * minute(m)
+                + if m < 20.0 { 0.0 } else { 9.0 }
+                + if m < 45.0 { 0.0 } else { 4.0 },
+        )
+    });
+    for steps in [2, 3] {
+        let sustained = sustained_slope(&both, steps).expect("a slope");
+        assert!((sustained - 6.0).abs() < 0.5, "{steps}: {sustained}");
+    }
+    // A staircase: 3 MiB every 10 minutes is 18 MiB/h. With one step taken out it still
+    // reads as growth; with three taken out (an hour's allowance) less so, and the
+    // whole-run slope is what refuses it.
     let stairs = hour(&|m| (1, 50.0 + 3.0 * (m / 10.0).floor()));
-    let sustained = sustained_slope(&stairs).expect("a slope");
+    let sustained = sustained_slope(&stairs, 1).expect("a slope");
     assert!(sustained > 10.0, "{sustained}");
+    let whole = within_slope(&stairs).expect("a slope");
+    assert!(whole > RSS_STEP_ALLOWANCE * 5.0, "{whole}");
     // Too few points for a step: the plain slope.
     let few = [(1, 0.0, 1.0), (1, 1.0, 2.0), (1, 2.0, 3.0)];
-    assert_eq!(sustained_slope(&few), within_slope(&few));
-    assert_eq!(sustained_slope(&[(1, 0.0, 1.0)]), None);
+    assert_eq!(sustained_slope(&few, 1), within_slope(&few));
+    assert_eq!(sustained_slope(&[(1, 0.0, 1.0)], 1), None);
+}
+
+/// One step per `--rss-min-span` of judged life, and at least one.
+#[test]
+fn steps_are_allowed_by_length_of_life() {
+    assert_eq!(steps_allowed(20.0, 20.0), 1);
+    assert_eq!(steps_allowed(39.9, 20.0), 1);
+    assert_eq!(steps_allowed(57.0, 20.0), 2);
+    assert_eq!(steps_allowed(60.0, 20.0), 3);
+    assert_eq!(steps_allowed(5.0, 20.0), 1);
+    assert_eq!(steps_allowed(30.0, 0.0), 1);
 }
 
 #[test]
