@@ -642,15 +642,20 @@ async fn an_invalid_fast_path_plan_is_never_started_by_another_coordinator() -> 
 }
 
 /// Validation is the same on every path: an unknown agent or pool is refused at submission on
-/// the fast path (the run's own first message) as on the intake stream and the endpoint.
+/// the fast path (the run's own first message) as on the intake stream and the endpoint,
+/// with the same problems in the same order — a plan that is wrong and names a parent that
+/// is no run is told of its plan alone on every path (the parent is read once the rest
+/// holds).
 #[tokio::test]
 async fn unknown_agents_and_pools_are_refused_on_every_path() -> anyhow::Result<()> {
     let f = InProcess::start(0, agents()).await?;
     let store = RunStore::open(&f.bus).await?;
-    for (what, task, code) in [
+    let no_parent = Some(flotilla_model::run::RunHandle::root(RunId::new()));
+    for (what, task, parent, code) in [
         (
             "unknown agent",
             Subtask::new("a", "").with_agent("nobody"),
+            None,
             ProblemCode::UnknownAgent,
         ),
         (
@@ -660,14 +665,25 @@ async fn unknown_agents_and_pools_are_refused_on_every_path() -> anyhow::Result<
                 t.pool = "nowhere".into();
                 t
             },
+            None,
             ProblemCode::UnknownPool,
         ),
+        (
+            "unknown agent and parent",
+            Subtask::new("a", "").with_agent("nobody"),
+            no_parent.clone(),
+            ProblemCode::UnknownAgent,
+        ),
     ] {
+        let codes = |errors: &[flotilla_model::problem::Problem]| -> Vec<ProblemCode> {
+            errors.iter().map(|p| p.code).collect()
+        };
         // The endpoint answers at once.
         let mut req = SubmitRequest::new(plan(vec![task.clone()]));
+        req.parent = parent.clone();
         let reply = f.client.submit_request(&req, WAIT).await?;
         assert_eq!(reply.status, SubmitStatus::Rejected, "{what}: {reply:?}");
-        assert_eq!(reply.errors[0].code, code, "{what}");
+        assert_eq!(codes(&reply.errors), [code], "{what}");
         // The intake stream (with an idempotency key) and the fast path record a rejection.
         req.idempotency_key = Some(format!("key-{what}"));
         let keyed = RunId::new();
@@ -678,6 +694,7 @@ async fn unknown_agents_and_pools_are_refused_on_every_path() -> anyhow::Result<
         let fast = RunId::new();
         let mut req = SubmitRequest::new(plan(vec![task]));
         req.run_id = Some(fast);
+        req.parent = parent;
         f.client.submit(req).await?;
         for run in [keyed, fast] {
             let record = tokio::time::timeout(WAIT, async {
@@ -692,7 +709,7 @@ async fn unknown_agents_and_pools_are_refused_on_every_path() -> anyhow::Result<
             })
             .await??;
             assert_eq!(record.status, RunStatus::Rejected, "{what}: {record:?}");
-            assert_eq!(record.errors[0].code, code, "{what}");
+            assert_eq!(codes(&record.errors), [code], "{what}: {record:?}");
         }
     }
     assert_eq!(tasks_queued(&f).await?, 0, "nothing was dispatched");

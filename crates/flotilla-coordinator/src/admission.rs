@@ -3,23 +3,38 @@
 //! or a client's own first message of its run (`<prefix>.submit.<run>`, decided again by
 //! every coordinator that reads it; `runtime/admission.rs`).
 //!
-//! Pure: the callers gather the facts that take I/O (the run's lineage from its parent, a bare
-//! query's planning plan, the trust levels) and make what is decided here durable. So every
-//! coordinator that screens a submission reaches the same problems in the same order, and the
-//! run admitted carries the same fields from either door.
+//! [`verdict`] is the one decision, in one order: the request's own fields ([`screen`]), its
+//! plan (a plan is prepared; a bare query is planned by the door's [`Queries`] — the run
+//! subject's refuses every query), its place in its tree (read from its parent, once the rest
+//! holds), memory's advice for a query, then the run's escalation policy from the trust
+//! levels. It writes nothing. [`enter`] then counts an admitted child in its tree — the one
+//! write of admission, done once by whoever records the verdict (not by a coordinator that
+//! only reads a start again). So every coordinator that decides a submission reaches the same
+//! problems in the same order, and the run admitted carries the same fields from either door.
 
-use flotilla_model::approval::HitlPolicy;
+use std::future::Future;
+use std::pin::Pin;
+
+use flotilla_model::approval::{HitlConfig, HitlPolicy};
 use flotilla_model::codec::check_protocol;
-use flotilla_model::ids::RunId;
+use flotilla_model::ids::{RunId, SessionId};
+use flotilla_model::memory::MemoryUse;
 use flotilla_model::plan::Plan;
 use flotilla_model::problem::{Problem, ProblemCode};
-use flotilla_model::runlog::{Rejected, Submitted};
-use flotilla_model::submit::SubmitRequest;
+use flotilla_model::run::RunHandle;
+use flotilla_model::runlog::{PlanningSpec, Rejected, Submitted};
+use flotilla_model::submit::{SubmitForm, SubmitRequest};
 use flotilla_model::task::TraceContext;
+use flotilla_model::time::Timestamp;
 use flotilla_model::token::check_subject;
-use flotilla_model::validate::{AgentCatalog, MAX_REPORTED_PROBLEMS, truncate_problems};
+use flotilla_model::validate::{
+    AgentCatalog, MAX_REPORTED_PROBLEMS, ValidationContext, prepare_plan, truncate_problems,
+};
 
-use crate::lineage::Lineage;
+use crate::error::StoreError;
+use crate::lineage::{Lineage, Lineages};
+use crate::live::LiveWorkers;
+use crate::trust::Trust;
 
 /// Which door a submission came through: what its subject already says about it.
 #[derive(Debug, Clone, Copy)]
@@ -138,6 +153,222 @@ pub(crate) fn submitted(request: &SubmitRequest, a: Admitted<'_>) -> Submitted {
         lead: a.agents.and_then(AgentCatalog::lead).map(str::to_owned),
         hitl: a.hitl,
     }
+}
+
+/// What admission reads besides the request: the same facts at both doors.
+pub(crate) struct Facts<'a> {
+    pub(crate) ctx: &'a ValidationContext,
+    pub(crate) lineages: &'a Lineages,
+    pub(crate) trust: &'a Trust,
+    pub(crate) hitl: &'a HitlConfig,
+}
+
+/// A bare query's plan at admission, with what it came from.
+pub(crate) struct QueryPlan {
+    pub(crate) plan: Plan,
+    pub(crate) warnings: Vec<Problem>,
+    /// Set when the run starts by planning (not when memory's plan is reused).
+    pub(crate) planning: Option<PlanningSpec>,
+    /// The memory that advised it.
+    pub(crate) memory: Option<MemoryUse>,
+}
+
+/// How a door plans bare queries.
+pub(crate) trait Queries: Sync {
+    /// The plan a query starts with (its planner's task), or why there is none.
+    fn planning_plan(&self, query: &str, now_ms: i64) -> Result<Plan, Problem>;
+    /// For a query otherwise admitted: memory's advice on `planning` — a past plan reused,
+    /// or `planning` with examples.
+    fn advise<'a>(
+        &'a self,
+        run: RunId,
+        query: &'a str,
+        session: Option<SessionId>,
+        planning: Plan,
+    ) -> Pin<Box<dyn Future<Output = QueryPlan> + Send + 'a>>;
+}
+
+/// A run's own subject plans no queries: a bare query's planning plan is fixed at admission
+/// and stored in the run's first entry, which a client-written first message cannot carry.
+pub(crate) struct NoQueries<'a> {
+    pub(crate) prefix: &'a str,
+    pub(crate) intake: &'a str,
+}
+
+impl Queries for NoQueries<'_> {
+    fn planning_plan(&self, _query: &str, _now_ms: i64) -> Result<Plan, Problem> {
+        Err(Problem::new(
+            ProblemCode::QueryOnRunSubject,
+            "query",
+            format!(
+                "a bare query cannot be the first message of {}.submit.<run>; publish it to {} or send it to the submit endpoint",
+                self.prefix, self.intake
+            ),
+        ))
+    }
+
+    fn advise<'a>(
+        &'a self,
+        _run: RunId,
+        _query: &'a str,
+        _session: Option<SessionId>,
+        planning: Plan,
+    ) -> Pin<Box<dyn Future<Output = QueryPlan> + Send + 'a>> {
+        Box::pin(std::future::ready(QueryPlan {
+            plan: planning,
+            warnings: Vec::new(),
+            planning: None,
+            memory: None,
+        }))
+    }
+}
+
+/// The verdict on `request` for run `run` through `door`: the run as admitted (less the
+/// fields only the intake knows: where a waiting submitter is answered, its intake
+/// sequence), or its refusal with every problem found. Reads the parent of a child run and,
+/// for a query, what `queries` reads; writes nothing.
+pub(crate) async fn verdict(
+    facts: &Facts<'_>,
+    run: RunId,
+    request: &SubmitRequest,
+    door: Door<'_>,
+    queries: &dyn Queries,
+    now_ms: i64,
+    trace: TraceContext,
+) -> Result<Result<Submitted, Rejected>, StoreError> {
+    let (reply_to, mut errors) = screen(run, request, door);
+    let query = match request.form() {
+        Ok(SubmitForm::Query(q)) => Some(q),
+        _ => None,
+    };
+    let prepared = match request.form() {
+        Err(problem) => Err(vec![problem]),
+        Ok(SubmitForm::Plan(plan)) => prepare_plan(plan, facts.ctx).map_err(|r| r.errors),
+        Ok(SubmitForm::Query(q)) => queries
+            .planning_plan(q, now_ms)
+            .map(|plan| (plan, Vec::new()))
+            .map_err(|p| vec![p]),
+    };
+    let (mut plan, mut warnings) = match prepared {
+        Ok(p) => p,
+        Err(problems) => {
+            errors.extend(problems);
+            (Plan::empty(), Vec::new())
+        }
+    };
+    // The run's place in its tree (depth, budgets, session): a parent that names no run
+    // refuses it, as an invalid plan does. Its own budget is the one it was submitted with.
+    let own_budget = request.plan.as_ref().and_then(|p| p.config.budget());
+    let lineage = if errors.is_empty() {
+        match facts
+            .lineages
+            .lineage(run, request.parent.as_ref(), request.session_id, own_budget)
+            .await?
+        {
+            Ok(l) => l,
+            Err(problem) => {
+                errors.push(problem);
+                Lineage::default()
+            }
+        }
+    } else {
+        Lineage::default()
+    };
+    if !errors.is_empty() {
+        return Ok(Err(rejected(request, errors, reply_to, None)));
+    }
+    let (mut planning, mut memory) = (None, None);
+    if let Some(query) = query {
+        let advised = queries.advise(run, query, lineage.session_id, plan).await;
+        plan = advised.plan;
+        warnings.extend(advised.warnings);
+        (planning, memory) = (advised.planning, advised.memory);
+    }
+    let hitl = facts.trust.policy(
+        facts.hitl,
+        &plan,
+        facts.ctx.agents.as_ref().and_then(|a| a.default.as_deref()),
+        Timestamp::from_unix_ms(now_ms),
+    );
+    let mut submitted = submitted(
+        request,
+        Admitted {
+            plan,
+            warnings,
+            reply_to,
+            lineage,
+            trace,
+            agents: facts.ctx.agents.as_ref(),
+            hitl,
+        },
+    );
+    submitted.planning = planning;
+    submitted.memory = memory;
+    Ok(Ok(submitted))
+}
+
+/// Counts admitted run `submitted` in its tree — admission's one write, made once by
+/// whoever records the verdict — or turns it into a refusal when its tree is full
+/// (`tree_too_large`).
+pub(crate) async fn enter(
+    lineages: &Lineages,
+    request: &SubmitRequest,
+    submitted: Submitted,
+) -> Result<Result<Submitted, Rejected>, StoreError> {
+    let lineage = Lineage {
+        tree: submitted.parent.as_ref().map(RunHandle::root_run),
+        ..Default::default()
+    };
+    Ok(match lineages.enter(&lineage).await? {
+        Ok(()) => Ok(submitted),
+        Err(problem) => Err(rejected(
+            request,
+            vec![problem],
+            submitted.reply_to,
+            submitted.intake_seq,
+        )),
+    })
+}
+
+/// What an admitted run is told about the workers live now (not part of the verdict: it
+/// changes from moment to moment): a pool no live worker serves (its tasks wait for one)
+/// and, in a deployment that defines no agents, a task whose agent no live worker offers.
+/// Anycast tasks wait in their role's queue, whatever their pool.
+pub(crate) fn live_warnings(
+    live: &LiveWorkers,
+    ctx: &ValidationContext,
+    submitted: &Submitted,
+    now_ms: i64,
+) -> Vec<Problem> {
+    let pooled = || {
+        submitted
+            .plan
+            .subtasks
+            .iter()
+            .filter(|t| t.anycast_role(submitted.anycast).is_none())
+    };
+    let pools: std::collections::BTreeSet<&str> = pooled().map(|t| t.pool.as_str()).collect();
+    let mut warnings: Vec<Problem> = live
+        .pools_without_workers(pools, now_ms)
+        .into_iter()
+        .flatten()
+        .map(|pool| {
+            Problem::new(
+                ProblemCode::NoLiveWorker,
+                "subtasks",
+                format!(
+                    "no live worker serves pool {pool:?}: its tasks wait until one starts (`flotilla worker --pool {pool}`)"
+                ),
+            )
+        })
+        .collect();
+    if ctx.agents.is_none() {
+        warnings.extend(live.unserved_agents(
+            pooled().map(|t| (t.id.as_str(), t.pool.as_str(), t.agent.as_deref())),
+            now_ms,
+        ));
+    }
+    warnings
 }
 
 #[cfg(test)]

@@ -32,13 +32,11 @@ use flotilla_model::ids::RunId;
 use flotilla_model::plan::Plan;
 use flotilla_model::run::RunStatus;
 use flotilla_model::runlog::{PlanningSpec, Rejected, RunInput, RunLogEntry};
-use flotilla_model::submit::{SubmitForm, SubmitReply, SubmitRequest, SubmitStatus};
+use flotilla_model::submit::{SubmitReply, SubmitRequest, SubmitStatus};
 use flotilla_model::task::TraceContext;
 use flotilla_model::time::Timestamp;
 use flotilla_model::token::check_subject;
-use flotilla_model::validate::{
-    Problem, ProblemCode, ValidationContext, ValidationReport, prepare_plan,
-};
+use flotilla_model::validate::{Problem, ProblemCode, ValidationContext};
 use flotilla_telemetry::events::{RunFinished, RunSubmitted};
 use flotilla_telemetry::{InternalEvent, Metrics, spans, trace_context};
 use tracing::{debug, info, warn};
@@ -204,7 +202,7 @@ impl Intake {
     }
 
     /// The planning plan of a bare query, or why this deployment cannot plan it.
-    fn planning_plan(&self, query: &str, now_ms: i64) -> Result<Plan, Problem> {
+    fn plan_for_query(&self, query: &str, now_ms: i64) -> Result<Plan, Problem> {
         let opts = &self.planner;
         let no_planner = |message: String| Problem::new(ProblemCode::NoPlanner, "query", message);
         let Some(agent) = &opts.agent else {
@@ -297,129 +295,49 @@ impl Intake {
                 None
             });
         let run = self.run_id_for(request.run_id, key.as_deref()).await?;
-        let (reply_to, mut errors) =
-            crate::admission::screen(run, &request, crate::admission::Door::Intake);
-        // The run's place in its tree: depth, budgets and session from its parent. Counted
-        // in its tree only when everything else holds.
-        let own_budget = request.plan.as_ref().and_then(|p| p.config.budget());
-        let lineage = if errors.is_empty() {
-            match self
-                .lineages
-                .lineage(run, request.parent.as_ref(), request.session_id, own_budget)
-                .await?
-            {
-                Ok(l) => l,
-                Err(problem) => {
-                    errors.push(problem);
-                    crate::lineage::Lineage::default()
-                }
-            }
-        } else {
-            crate::lineage::Lineage::default()
+        let facts = crate::admission::Facts {
+            ctx: &self.ctx,
+            lineages: &self.lineages,
+            trust: &self.trust,
+            hitl: &self.hitl,
         };
-        let mut planning = None;
-        let mut memory = None;
-        let prepared = match request.form() {
-            Err(problem) => Err(ValidationReport::single(problem)),
-            Ok(SubmitForm::Plan(plan)) => prepare_plan(plan, &self.ctx),
-            Ok(SubmitForm::Query(query)) => match self.planning_plan(query, source.now_ms()) {
-                Ok(plan) if errors.is_empty() => {
-                    let (advice, used) = self
-                        .advised_by_memory(run, query, lineage.session_id, plan)
-                        .await;
-                    memory = used;
-                    match advice {
-                        Ok(reused) => Ok(reused),
-                        Err(plan) => {
-                            planning = Some(PlanningSpec {
-                                query: query.to_owned(),
-                                max_repairs: self.planner.max_repairs,
-                            });
-                            Ok((plan, Vec::new()))
-                        }
-                    }
-                }
-                Ok(plan) => Ok((plan, Vec::new())),
-                Err(problem) => Err(ValidationReport::single(problem)),
-            },
+        let verdict = crate::admission::verdict(
+            &facts,
+            run,
+            &request,
+            crate::admission::Door::Intake,
+            self,
+            source.now_ms(),
+            admitted_trace(headers, run, &span),
+        )
+        .await?;
+        let verdict = match verdict {
+            Ok(submitted) => crate::admission::enter(&self.lineages, &request, submitted).await?,
+            Err(rejected) => Err(rejected),
         };
-        let (plan, mut warnings) = match prepared {
-            Ok(p) if errors.is_empty() => p,
-            Ok(_) => (Plan::empty(), Vec::new()),
-            Err(report) => {
-                errors.extend(report.errors);
-                (Plan::empty(), Vec::new())
+        let mut submitted = match verdict {
+            Ok(s) => s,
+            Err(mut rejected) => {
+                rejected.intake_seq = source.intake_seq();
+                return self.reject(run, rejected, source).await;
             }
         };
-        if errors.is_empty()
-            && let Err(problem) = self.lineages.enter(&lineage).await?
-        {
-            errors.push(problem);
-        }
-        if !errors.is_empty() {
-            let rejected =
-                crate::admission::rejected(&request, errors, reply_to, source.intake_seq());
-            return self.reject(run, rejected, source).await;
-        }
-        let anycast = self.ctx.agents.as_ref().is_some_and(|a| a.has_roles());
-        // Anycast tasks wait in their role's queue, whatever their pool.
-        let pools: std::collections::BTreeSet<&str> = plan
-            .subtasks
-            .iter()
-            .filter(|t| t.anycast_role(anycast).is_none())
-            .map(|t| t.pool.as_str())
-            .collect();
-        if let Some(missing) = self.live.pools_without_workers(pools, source.now_ms()) {
-            for pool in missing {
-                warnings.push(Problem::new(
-                    ProblemCode::NoLiveWorker,
-                    "subtasks",
-                    format!(
-                        "no live worker serves pool {pool:?}: its tasks wait until one starts (`flotilla worker --pool {pool}`)"
-                    ),
-                ));
-            }
-        }
-        if self.ctx.agents.is_none() {
-            warnings.extend(
-                self.live.unserved_agents(
-                    plan.subtasks
-                        .iter()
-                        .filter(|t| t.anycast_role(anycast).is_none())
-                        .map(|t| (t.id.as_str(), t.pool.as_str(), t.agent.as_deref())),
-                    source.now_ms(),
-                ),
-            );
-        }
+        submitted.warnings.extend(crate::admission::live_warnings(
+            &self.live,
+            &self.ctx,
+            &submitted,
+            source.now_ms(),
+        ));
+        let warnings = submitted.warnings.clone();
+        let reply_to = submitted.reply_to.clone();
         let wait_inbox = match source {
             Source::Api { inbox, .. } if request.wait => inbox.map(str::to_owned),
             _ => None,
         };
         let waiting = wait_inbox.is_some();
-        let name = plan.name.clone();
-        // The intake records the start it decides, so the levels now are the run's for good.
-        let hitl = self.trust.policy(
-            &self.hitl,
-            &plan,
-            self.ctx.agents.as_ref().and_then(|a| a.default.as_deref()),
-            flotilla_model::time::Timestamp::now(),
-        );
-        let mut submitted = crate::admission::submitted(
-            &request,
-            crate::admission::Admitted {
-                plan,
-                warnings: warnings.clone(),
-                reply_to: reply_to.clone(),
-                lineage,
-                trace: admitted_trace(headers, run, &span),
-                agents: self.ctx.agents.as_ref(),
-                hitl,
-            },
-        );
+        let name = submitted.plan.name.clone();
         submitted.wait_reply_to = wait_inbox;
         submitted.intake_seq = source.intake_seq();
-        submitted.planning = planning;
-        submitted.memory = memory;
         let entry = RunLogEntry {
             protocol: PROTOCOL_VERSION,
             run_id: run,
@@ -630,6 +548,43 @@ impl Intake {
     /// is achieved by answering again on redelivery).
     async fn answer(&self, to: &str, answer: &SubmitReply) {
         publish_reply(self.store.bus(), to, answer, None).await;
+    }
+}
+
+/// The intake plans bare queries: its planner's task, with memory's advice.
+impl crate::admission::Queries for Intake {
+    fn planning_plan(&self, query: &str, now_ms: i64) -> Result<Plan, Problem> {
+        self.plan_for_query(query, now_ms)
+    }
+
+    fn advise<'a>(
+        &'a self,
+        run: RunId,
+        query: &'a str,
+        session: Option<flotilla_model::ids::SessionId>,
+        planning: Plan,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = crate::admission::QueryPlan> + Send + 'a>>
+    {
+        Box::pin(async move {
+            let (advice, memory) = self.advised_by_memory(run, query, session, planning).await;
+            match advice {
+                Ok((plan, warnings)) => crate::admission::QueryPlan {
+                    plan,
+                    warnings,
+                    planning: None,
+                    memory,
+                },
+                Err(plan) => crate::admission::QueryPlan {
+                    plan,
+                    warnings: Vec::new(),
+                    planning: Some(PlanningSpec {
+                        query: query.to_owned(),
+                        max_repairs: self.planner.max_repairs,
+                    }),
+                    memory,
+                },
+            }
+        })
     }
 }
 

@@ -8,12 +8,11 @@ use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::codec::Codec;
 use flotilla_model::event::{Event, EventEnvelope, WorkflowEvent, WorkflowPhase};
 use flotilla_model::ids::RunId;
-use flotilla_model::run::{RunHandle, RunStatus};
+use flotilla_model::run::RunStatus;
 use flotilla_model::runlog::{Rejected, RunInput, RunLogEntry, Submitted};
 use flotilla_model::submit::{SubmitReply, SubmitRequest, SubmitStatus};
 use flotilla_model::task::TraceContext;
 use flotilla_model::time::Timestamp;
-use flotilla_model::validate::{Problem, ProblemCode, prepare_plan};
 use flotilla_telemetry::InternalEvent;
 use flotilla_telemetry::events::{RunFinished, RunSubmitted};
 use tracing::{info, warn};
@@ -41,83 +40,28 @@ impl Runtime {
         };
         let names = self.bus.names();
         let intake = names.submit();
-        let (reply_to, mut errors) = crate::admission::screen(
+        let facts = crate::admission::Facts {
+            ctx: &self.ctx,
+            lineages: &self.lineages,
+            trust: &self.trust,
+            hitl: &self.opts.hitl,
+        };
+        Ok(crate::admission::verdict(
+            &facts,
             run,
             request,
             crate::admission::Door::RunSubject {
                 prefix: names.prefix(),
                 intake: &intake,
             },
-        );
-        let prepared = match request.form() {
-            Ok(flotilla_model::submit::SubmitForm::Plan(plan)) => prepare_plan(plan, &self.ctx),
-            // A bare query's planning plan is fixed at admission and stored in the run's
-            // first entry; a client-written first message cannot carry it.
-            Ok(flotilla_model::submit::SubmitForm::Query(_)) => Err(
-                flotilla_model::validate::ValidationReport::single(Problem::new(
-                    ProblemCode::QueryOnRunSubject,
-                    "query",
-                    format!(
-                        "a bare query cannot be the first message of {}.submit.<run>; publish it to {} or send it to the submit endpoint",
-                        self.bus.names().prefix(),
-                        self.bus.names().submit()
-                    ),
-                )),
-            ),
-            Err(problem) => Err(flotilla_model::validate::ValidationReport::single(problem)),
-        };
-        let (plan, warnings) = match prepared {
-            Ok(p) => p,
-            Err(report) => {
-                errors.extend(report.errors);
-                (flotilla_model::Plan::empty(), Vec::new())
-            }
-        };
-        // The run's place in its tree (depth, budgets, session): a parent that names no run
-        // refuses it, as an invalid plan does.
-        let lineage = if errors.is_empty() {
-            match self
-                .lineages
-                .lineage(
-                    run,
-                    request.parent.as_ref(),
-                    request.session_id,
-                    plan.config.budget(),
-                )
-                .await?
-            {
-                Ok(l) => l,
-                Err(problem) => {
-                    errors.push(problem);
-                    crate::lineage::Lineage::default()
-                }
-            }
-        } else {
-            crate::lineage::Lineage::default()
-        };
-        if !errors.is_empty() {
-            return Ok(Err(crate::admission::rejected(
-                request, errors, reply_to, None,
-            )));
-        }
-        let hitl = self.trust.policy(
-            &self.opts.hitl,
-            &plan,
-            self.default_agent.as_deref(),
-            flotilla_model::time::Timestamp::from_unix_ms(submitted_ms),
-        );
-        Ok(Ok(crate::admission::submitted(
-            request,
-            crate::admission::Admitted {
-                plan,
-                warnings,
-                reply_to,
-                lineage,
-                trace,
-                agents: self.ctx.agents.as_ref(),
-                hitl,
+            &crate::admission::NoQueries {
+                prefix: names.prefix(),
+                intake: &intake,
             },
-        )))
+            submitted_ms,
+            trace,
+        )
+        .await?)
     }
 
     /// The rejection of a submission that cannot be decoded: every problem of it at once
@@ -215,22 +159,13 @@ impl Runtime {
         span: &tracing::Span,
     ) -> Result<Option<Submitted>, StepError> {
         let trace = crate::intake::admitted_trace(d.msg.headers.as_ref(), run, span);
-        let mut verdict = self.verdict(run, request, trace, d.ts_ms).await?;
-        if let Ok(submitted) = &verdict {
-            let lineage = crate::lineage::Lineage {
-                tree: submitted.parent.as_ref().map(RunHandle::root_run),
-                ..Default::default()
-            };
-            if let Err(problem) = self.lineages.enter(&lineage).await? {
-                verdict = Err(Rejected {
-                    errors: vec![problem],
-                    name: submitted.plan.name.clone(),
-                    labels: submitted.labels.clone(),
-                    reply_to: submitted.reply_to.clone(),
-                    intake_seq: None,
-                });
+        // An unreadable submission's verdict is its refusal.
+        let verdict = match (self.verdict(run, request, trace, d.ts_ms).await?, request) {
+            (Ok(submitted), Ok(request)) => {
+                crate::admission::enter(&self.lineages, request, submitted).await?
             }
-        }
+            (verdict, _) => verdict,
+        };
         let mut submitted = match verdict {
             Ok(s) => s,
             Err(rejected) => {
@@ -243,23 +178,8 @@ impl Runtime {
                 return Ok(None);
             }
         };
-        // Anycast tasks wait in their role's queue, whatever their pool.
-        let pools: std::collections::BTreeSet<&str> = submitted
-            .plan
-            .subtasks
-            .iter()
-            .filter(|t| t.anycast_role(submitted.anycast).is_none())
-            .map(|t| t.pool.as_str())
-            .collect();
-        if let Some(missing) = self.live.pools_without_workers(pools, d.ts_ms) {
-            submitted.warnings.extend(missing.into_iter().map(|pool| {
-                Problem::new(
-                    ProblemCode::NoLiveWorker,
-                    "subtasks",
-                    format!("no live worker serves pool {pool:?}: its tasks wait until one starts"),
-                )
-            }));
-        }
+        let warnings = crate::admission::live_warnings(&self.live, &self.ctx, &submitted, d.ts_ms);
+        submitted.warnings.extend(warnings);
         self.lineages.admitted(run, &submitted);
         info!(%run, "Plan accepted");
         Ok(Some(submitted))
