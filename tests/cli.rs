@@ -829,7 +829,7 @@ fn up_listens_where_it_is_told() -> anyhow::Result<()> {
     // process that briefly holds the console's port (the ports were free a moment ago, not
     // reserved) from reading as the console.
     let (mut answered, mut url) = (false, String::new());
-    while std::time::Instant::now() < deadline && !(answered && !url.is_empty()) {
+    while std::time::Instant::now() < deadline && (url.is_empty() || !answered) {
         std::thread::sleep(std::time::Duration::from_millis(100));
         if url.is_empty() {
             url = std::fs::read_to_string(&url_file).unwrap_or_default();

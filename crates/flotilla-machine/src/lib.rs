@@ -67,7 +67,7 @@ use flotilla_model::plan::{Plan, Strategy, StrategyChoice};
 use flotilla_model::run::PlanningStatus;
 use flotilla_model::run::{EndCause, RunOutcome, RunStatus, TaskStatus};
 use flotilla_model::runlog::{
-    Assigned, ControlAction, Finished, PlanDecision, Recruited, Retired, Submitted,
+    Assigned, ControlAction, Finished, PlanDecision, Recruited, Retired, RunInput, Submitted,
 };
 use flotilla_model::task::{TaskError, TaskErrorKind, TaskResult};
 use flotilla_model::time::Timestamp;
@@ -204,6 +204,61 @@ pub enum Input<'a> {
         /// Its run-log sequence (where an edited input or a supplied result is read).
         seq: u64,
     },
+}
+
+impl<'a> Input<'a> {
+    /// The machine's input for run-log entry `input` at sequence `seq`: the one mapping from
+    /// the log to the machine, so a run replayed from its log is stepped exactly as it was.
+    /// `None` for the entries that start or refuse a run instead of stepping it
+    /// ([`RunInput::Submitted`], [`RunInput::Rejected`]).
+    pub fn from_log(input: &'a RunInput, seq: u64) -> Option<Self> {
+        Some(match input {
+            RunInput::Submitted(_) | RunInput::Rejected(_) => return None,
+            RunInput::TaskResult(r) => Self::Result {
+                task: &r.task_id,
+                attempt: r.attempt,
+                result: &r.result,
+                seq,
+                worker: Some(&r.worker),
+                started_at: r.started_at,
+                agent: r.agent.as_deref(),
+            },
+            RunInput::TimerFired { generation } => Self::Timer {
+                generation: *generation,
+            },
+            RunInput::Control(c) => match c.action {
+                ControlAction::Cancel => Self::Cancel {
+                    reason: c.reason.as_deref().unwrap_or_default(),
+                    rollback: c.rollback,
+                },
+                action => Self::Control {
+                    action,
+                    by: c.by.as_deref(),
+                    reason: c.reason.as_deref(),
+                    timeout_ms: c.timeout_ms,
+                    task: c.task_id.as_ref(),
+                },
+            },
+            RunInput::Planned(p) => Self::Planned {
+                round: p.round,
+                decision: &p.decision,
+                seq,
+            },
+            RunInput::TopicWritten { topic, .. } => Self::TopicWritten { topic },
+            RunInput::Claimed(c) => Self::Claimed {
+                task: &c.task_id,
+                attempt: c.attempt,
+            },
+            RunInput::Recruited(recruited) => Self::Recruited { recruited, seq },
+            RunInput::Retired(retired) => Self::Retired { retired, seq },
+            RunInput::Assigned(assigned) => Self::Assigned { assigned },
+            RunInput::Finished(finished) => Self::Finished { finished },
+            RunInput::ApprovalDecided(decided) => Self::ApprovalDecided { decided, seq },
+            RunInput::Completed(completed) => Self::Completed { completed, seq },
+            RunInput::Suspended(suspended) => Self::Suspended { suspended, seq },
+            RunInput::PlanEdited(edited) => Self::PlanEdited { edited, seq },
+        })
+    }
 }
 
 /// A run's state with the indexes derived from it, ready to apply inputs.

@@ -570,3 +570,101 @@ fn a_plan_edit_applies_under_human_control_only_and_keeps_started_tasks() {
     assert_eq!(restored.state(), m.state());
     assert_eq!(restored.state().amend(e.plan.clone()), e.plan);
 }
+
+/// A run log reaches the machine through one mapping, `Input::from_log`: each entry steps a
+/// run exactly as the input it stands for (the same actions and the same state) — results,
+/// a person's pause and resume, a timer and a cancel — and the entries that start or refuse
+/// a run step none.
+#[test]
+fn a_run_log_steps_the_machine_through_one_mapping() {
+    use flotilla_model::ids::AttemptId;
+    use flotilla_model::runlog::{Control, ControlAction, RunInput, TaskResultInput};
+    let p = plan(diamond(), PlanConfig::default());
+    let run = RunId::new();
+    let (mut by_log, _) = RunMachine::start(run, &submitted(&p), p.clone(), 0);
+    let (mut by_hand, _) = RunMachine::start(run, &submitted(&p), p.clone(), 0);
+    let done = |id: &str| {
+        let (task_id, result) = ok(id);
+        RunInput::TaskResult(Box::new(TaskResultInput {
+            task_id,
+            attempt: 1,
+            attempt_id: AttemptId::new(),
+            worker: "w".into(),
+            started_at: None,
+            agent: None,
+            result,
+        }))
+    };
+    let control = |action, reason: Option<&str>| {
+        RunInput::Control(Control {
+            action,
+            reason: reason.map(str::to_owned),
+            by: Some("alice".into()),
+            timeout_ms: Some(60_000),
+            rollback: false,
+            task_id: None,
+            reply_to: None,
+        })
+    };
+    let log = [
+        done("a"),
+        control(ControlAction::Pause, Some("look")),
+        RunInput::TimerFired { generation: 1 },
+        control(ControlAction::Resume, None),
+        done("b"),
+        control(ControlAction::Cancel, Some("enough")),
+    ];
+    let (a, b) = (ok("a"), ok("b"));
+    for (k, entry) in log.iter().enumerate() {
+        let (seq, now_ms) = (k as u64 + 2, 1_000 * (k as i64 + 1));
+        let hand = match k {
+            0 => Input::Result {
+                task: &a.0,
+                attempt: 1,
+                result: &a.1,
+                seq,
+                worker: Some("w"),
+                started_at: None,
+                agent: None,
+            },
+            1 => Input::Control {
+                action: ControlAction::Pause,
+                by: Some("alice"),
+                reason: Some("look"),
+                timeout_ms: Some(60_000),
+                task: None,
+            },
+            2 => Input::Timer { generation: 1 },
+            3 => Input::Control {
+                action: ControlAction::Resume,
+                by: Some("alice"),
+                reason: None,
+                timeout_ms: Some(60_000),
+                task: None,
+            },
+            4 => Input::Result {
+                task: &b.0,
+                attempt: 1,
+                result: &b.1,
+                seq,
+                worker: Some("w"),
+                started_at: None,
+                agent: None,
+            },
+            _ => Input::Cancel {
+                reason: "enough",
+                rollback: false,
+            },
+        };
+        let input = Input::from_log(entry, seq).expect("a step");
+        assert_eq!(
+            by_log.apply(input, now_ms),
+            by_hand.apply(hand, now_ms),
+            "entry {k}"
+        );
+        assert_eq!(by_log.state(), by_hand.state(), "entry {k}");
+    }
+    assert_eq!(by_log.state().status, RunStatus::Cancelled);
+    let first = RunInput::Submitted(Box::new(submitted(&p)));
+    assert!(Input::from_log(&first, 1).is_none());
+}

@@ -255,65 +255,6 @@ impl Runtime {
                         actions.extend(e.machine.apply(Input::Abort { reason: &reason }, d.ts_ms));
                     }
                 },
-                RunInput::TopicWritten { topic, .. } => {
-                    let Some(e) = entry.as_mut() else { continue };
-                    actions.extend(e.machine.apply(Input::TopicWritten { topic }, d.ts_ms));
-                }
-                RunInput::Control(c) => {
-                    let Some(e) = entry.as_mut() else { continue };
-                    match c.action {
-                        ControlAction::Cancel => {
-                            let reason = c.reason.as_deref().unwrap_or_default();
-                            info!(%run, reason, by = c.by.as_deref().unwrap_or("-"), rollback = c.rollback, "Cancelling the run");
-                            actions.extend(e.machine.apply(
-                                Input::Cancel {
-                                    reason,
-                                    rollback: c.rollback,
-                                },
-                                d.ts_ms,
-                            ));
-                        }
-                        action => {
-                            let (status, counted) =
-                                (e.machine.state().status, e.machine.state().applied);
-                            // Why it would change nothing: the rule `apply` follows.
-                            let unchanged = e
-                                .machine
-                                .check_control(action, c.task_id.as_ref(), c.by.as_deref())
-                                .err();
-                            let a = e.machine.apply(
-                                Input::Control {
-                                    action,
-                                    by: c.by.as_deref(),
-                                    reason: c.reason.as_deref(),
-                                    timeout_ms: c.timeout_ms,
-                                    task: c.task_id.as_ref(),
-                                },
-                                d.ts_ms,
-                            );
-                            let applied = e.machine.state().applied != counted;
-                            if applied {
-                                info!(%run, action = action.as_str(), task = c.task_id.as_ref().map_or("-", |t| t.as_str()), by = c.by.as_deref().unwrap_or("-"), status = %e.machine.state().status, "Run control applied");
-                            }
-                            if let Some(to) = &c.reply_to {
-                                verdicts.push((
-                                    to.clone(),
-                                    ControlVerdict {
-                                        protocol: PROTOCOL_VERSION,
-                                        run_id: run,
-                                        seq: d.seq,
-                                        applied,
-                                        status,
-                                        detail: unchanged
-                                            .filter(|_| !applied)
-                                            .map(|u| u.to_string()),
-                                    },
-                                ));
-                            }
-                            actions.extend(a);
-                        }
-                    }
-                }
                 RunInput::Submitted(s) => {
                     if entry.is_none() {
                         let (mut machine, a) =
@@ -332,169 +273,46 @@ impl Runtime {
                         actions.extend(a);
                     }
                 }
-                RunInput::TaskResult(r) => {
+                other => {
                     let Some(e) = entry.as_mut() else { continue };
-                    let input = Input::Result {
-                        task: &r.task_id,
-                        attempt: r.attempt,
-                        result: &r.result,
-                        seq: d.seq,
-                        worker: Some(&r.worker),
-                        started_at: r.started_at,
-                        agent: r.agent.as_deref(),
+                    let Some(input) = Input::from_log(other, d.seq) else {
+                        continue;
+                    };
+                    // A person's pause, takeover or resume is answered with what it did, and
+                    // why it changed nothing (the rule `apply` follows).
+                    let control = match other {
+                        RunInput::Control(c) if !matches!(c.action, ControlAction::Cancel) => {
+                            let state = e.machine.state();
+                            let unchanged = e
+                                .machine
+                                .check_control(c.action, c.task_id.as_ref(), c.by.as_deref())
+                                .err();
+                            Some((c, state.status, state.applied, unchanged))
+                        }
+                        _ => None,
                     };
                     let a = e.machine.apply(input, d.ts_ms);
-                    hops.extend(a.iter().filter_map(|a| match a {
-                        Action::Dispatch { task, attempt: 1 } => Some((*task, d.published_ns)),
-                        _ => None,
-                    }));
-                    // Cached as the task's result only when it is (a result held for review
-                    // is not, yet; a person may replace it).
-                    if !a.is_empty()
-                        && r.result.success
-                        && let Some(i) = e.machine.graph().index_of(&r.task_id)
-                        && e.machine.state().tasks[i as usize].result_seq == d.seq
-                    {
-                        e.results.insert(i, r.result.clone());
-                    }
-                    actions.extend(a);
-                }
-                RunInput::Planned(p) => {
-                    let Some(e) = entry.as_mut() else { continue };
-                    let a = e.machine.apply(
-                        Input::Planned {
-                            round: p.round,
-                            decision: &p.decision,
-                            seq: d.seq,
-                        },
-                        d.ts_ms,
-                    );
-                    if !a.is_empty() {
-                        // Task indices now name the new plan's tasks.
-                        e.results.clear();
-                        info!(%run, round = p.round, decision = p.decision.as_str(), tasks = e.machine.plan().subtasks.len(), "Planner answer reviewed");
-                    }
-                    actions.extend(a);
-                }
-                RunInput::Recruited(r) => {
-                    let Some(e) = entry.as_mut() else { continue };
-                    let a = e.machine.apply(
-                        Input::Recruited {
-                            recruited: r,
-                            seq: d.seq,
-                        },
-                        d.ts_ms,
-                    );
-                    if !a.is_empty() {
-                        info!(%run, recruit = %r.recruit_id, task = %r.subtask.id, by = %r.by, "Recruit applied");
-                    }
-                    actions.extend(a);
-                }
-                RunInput::Retired(r) => {
-                    let Some(e) = entry.as_mut() else { continue };
-                    let a = e.machine.apply(
-                        Input::Retired {
-                            retired: r,
-                            seq: d.seq,
-                        },
-                        d.ts_ms,
-                    );
-                    if !a.is_empty() {
-                        info!(%run, member = %r.member, policy = r.policy.as_str(), by = %r.by, "Member retired");
-                    }
-                    actions.extend(a);
-                }
-                RunInput::Assigned(a) => {
-                    let Some(e) = entry.as_mut() else { continue };
-                    let acts = e.machine.apply(Input::Assigned { assigned: a }, d.ts_ms);
-                    if !acts.is_empty() {
-                        info!(%run, task = %a.task_id, by = %a.by, "Task assigned by the lead");
-                    }
-                    actions.extend(acts);
-                }
-                RunInput::Finished(f) => {
-                    let Some(e) = entry.as_mut() else { continue };
-                    let acts = e.machine.apply(Input::Finished { finished: f }, d.ts_ms);
-                    if !acts.is_empty() {
-                        info!(%run, by = %f.by, "Run finished by its lead");
-                    }
-                    actions.extend(acts);
-                }
-                RunInput::ApprovalDecided(a) => {
-                    let Some(e) = entry.as_mut() else { continue };
-                    let acts = e.machine.apply(
-                        Input::ApprovalDecided {
-                            decided: a,
-                            seq: d.seq,
-                        },
-                        d.ts_ms,
-                    );
-                    if !acts.is_empty() {
-                        info!(%run, approval = %a.approval_id, task = %a.task_id, decision = a.decision.as_str(), by = %a.by, "Approval applied");
-                    }
-                    actions.extend(acts);
-                }
-                RunInput::Suspended(su) => {
-                    let Some(e) = entry.as_mut() else { continue };
-                    let acts = e.machine.apply(
-                        Input::Suspended {
-                            suspended: su,
-                            seq: d.seq,
-                        },
-                        d.ts_ms,
-                    );
-                    if !acts.is_empty() {
-                        match &su.call {
-                            Some(c) => {
-                                info!(%run, task = %su.task_id, attempt = su.attempt, tool = %c.tool, trigger = c.trigger.as_str(), "Attempt suspended: a tool call waits for a person")
-                            }
-                            None => {
-                                info!(%run, task = %su.task_id, attempt = su.attempt, "Attempt suspended: its run is held")
-                            }
+                    if let Some((c, status, counted, unchanged)) = control {
+                        let applied = e.machine.state().applied != counted;
+                        if applied {
+                            info!(%run, action = c.action.as_str(), task = c.task_id.as_ref().map_or("-", |t| t.as_str()), by = c.by.as_deref().unwrap_or("-"), status = %e.machine.state().status, "Run control applied");
+                        }
+                        if let Some(to) = &c.reply_to {
+                            verdicts.push((
+                                to.clone(),
+                                ControlVerdict {
+                                    protocol: PROTOCOL_VERSION,
+                                    run_id: run,
+                                    seq: d.seq,
+                                    applied,
+                                    status,
+                                    detail: unchanged.filter(|_| !applied).map(|u| u.to_string()),
+                                },
+                            ));
                         }
                     }
-                    actions.extend(acts);
-                }
-                RunInput::PlanEdited(edited) => {
-                    let Some(e) = entry.as_mut() else { continue };
-                    actions.extend(
-                        e.machine
-                            .apply(Input::PlanEdited { edited, seq: d.seq }, d.ts_ms),
-                    );
-                    info!(%run, by = %edited.by, tasks = e.machine.graph().len(), "Plan edit applied or refused");
-                }
-                RunInput::Completed(c) => {
-                    let Some(e) = entry.as_mut() else { continue };
-                    let acts = e.machine.apply(
-                        Input::Completed {
-                            completed: c,
-                            seq: d.seq,
-                        },
-                        d.ts_ms,
-                    );
-                    if !acts.is_empty() {
-                        info!(%run, task = %c.task_id, by = %c.by, "Task completed by hand");
-                    }
-                    actions.extend(acts);
-                }
-                RunInput::Claimed(c) => {
-                    let Some(e) = entry.as_mut() else { continue };
-                    actions.extend(e.machine.apply(
-                        Input::Claimed {
-                            task: &c.task_id,
-                            attempt: c.attempt,
-                        },
-                        d.ts_ms,
-                    ));
-                }
-                RunInput::TimerFired { generation } => {
-                    let Some(e) = entry.as_mut() else { continue };
-                    actions.extend(e.machine.apply(
-                        Input::Timer {
-                            generation: *generation,
-                        },
-                        d.ts_ms,
-                    ));
+                    applied_from_log(run, other, &a, e, d, &mut hops);
+                    actions.extend(a);
                 }
             }
         }
@@ -693,5 +511,74 @@ fn reply_to_of(request: &Result<Box<SubmitRequest>, Box<UnreadableSubmission>>) 
     match request {
         Ok(r) => r.reply_to.as_deref(),
         Err(u) => u.reply_to.as_deref(),
+    }
+}
+
+/// What the runtime keeps and tells of a run-log input the machine applied (`acts`: what it
+/// decided): a result's dispatches to time as hops and the result to cache, a new plan's
+/// cleared result cache, and a log line for what changed the run.
+fn applied_from_log(
+    run: RunId,
+    input: &RunInput,
+    acts: &[Action],
+    e: &mut Cached,
+    d: &Decoded,
+    hops: &mut Vec<(u32, i128)>,
+) {
+    let changed = !acts.is_empty();
+    match input {
+        RunInput::TaskResult(r) => {
+            hops.extend(acts.iter().filter_map(|a| match a {
+                Action::Dispatch { task, attempt: 1 } => Some((*task, d.published_ns)),
+                _ => None,
+            }));
+            // Cached as the task's result only when it is (a result held for review is not,
+            // yet; a person may replace it).
+            if changed
+                && r.result.success
+                && let Some(i) = e.machine.graph().index_of(&r.task_id)
+                && e.machine.state().tasks[i as usize].result_seq == d.seq
+            {
+                e.results.insert(i, r.result.clone());
+            }
+        }
+        RunInput::Control(c) if matches!(c.action, ControlAction::Cancel) => {
+            info!(%run, reason = c.reason.as_deref().unwrap_or_default(), by = c.by.as_deref().unwrap_or("-"), rollback = c.rollback, "Cancelling the run");
+        }
+        RunInput::Planned(p) if changed => {
+            // Task indices now name the new plan's tasks.
+            e.results.clear();
+            info!(%run, round = p.round, decision = p.decision.as_str(), tasks = e.machine.plan().subtasks.len(), "Planner answer reviewed");
+        }
+        RunInput::Recruited(r) if changed => {
+            info!(%run, recruit = %r.recruit_id, task = %r.subtask.id, by = %r.by, "Recruit applied");
+        }
+        RunInput::Retired(r) if changed => {
+            info!(%run, member = %r.member, policy = r.policy.as_str(), by = %r.by, "Member retired");
+        }
+        RunInput::Assigned(a) if changed => {
+            info!(%run, task = %a.task_id, by = %a.by, "Task assigned by the lead");
+        }
+        RunInput::Finished(f) if changed => {
+            info!(%run, by = %f.by, "Run finished by its lead");
+        }
+        RunInput::ApprovalDecided(a) if changed => {
+            info!(%run, approval = %a.approval_id, task = %a.task_id, decision = a.decision.as_str(), by = %a.by, "Approval applied");
+        }
+        RunInput::Suspended(su) if changed => match &su.call {
+            Some(c) => {
+                info!(%run, task = %su.task_id, attempt = su.attempt, tool = %c.tool, trigger = c.trigger.as_str(), "Attempt suspended: a tool call waits for a person")
+            }
+            None => {
+                info!(%run, task = %su.task_id, attempt = su.attempt, "Attempt suspended: its run is held")
+            }
+        },
+        RunInput::PlanEdited(edited) => {
+            info!(%run, by = %edited.by, tasks = e.machine.graph().len(), "Plan edit applied or refused");
+        }
+        RunInput::Completed(c) if changed => {
+            info!(%run, task = %c.task_id, by = %c.by, "Task completed by hand");
+        }
+        _ => {}
     }
 }
