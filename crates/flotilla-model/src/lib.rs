@@ -4,43 +4,21 @@
 //! the workers, the CLI and clients in other languages (through the JSON Schemas in
 //! `docs/schema/`) agree on one protocol, versioned by [`PROTOCOL_VERSION`].
 
-pub mod api;
-pub mod approval;
-pub mod artifact;
-pub mod codec;
-pub mod control;
-mod endpoint;
-pub mod error_code;
-pub mod event;
-pub mod ids;
-pub mod lead;
-pub mod lenient;
-pub mod mailbox;
-pub mod memory;
-pub mod notify;
-pub mod numeric;
-pub mod plan;
-pub mod problem;
-pub mod recruit;
-pub mod rollback;
-pub mod run;
-pub mod runlog;
-pub mod schema;
-pub mod state;
-pub mod subjects;
-pub mod submit;
-pub mod task;
-pub mod team;
-pub mod teammate;
-pub mod template;
-pub mod time;
-pub mod token;
-pub mod tree;
-pub mod trust;
-pub mod validate;
-pub mod watch;
-pub mod worker;
-pub mod workspace;
+pub mod agents;
+pub mod collab;
+pub mod people;
+pub mod runs;
+pub mod wire;
+
+pub use agents::{lead, memory, recruit, team, teammate, worker};
+pub use collab::{artifact, mailbox, state, workspace};
+pub use people::{approval, notify, trust};
+pub use runs::{
+    control, event, numeric, plan, rollback, run, runlog, submit, task, template, tree, validate,
+    watch,
+};
+use wire::endpoint;
+pub use wire::{api, codec, error_code, ids, lenient, problem, schema, subjects, time, token};
 
 pub use error_code::ErrorCode;
 pub use ids::{AgentId, AttemptId, EscalationId, RunId, SessionId, TaskId};
