@@ -226,7 +226,12 @@ impl Queries for NoQueries<'_> {
 /// The verdict on `request` for run `run` through `door`: the run as admitted (less the
 /// fields only the intake knows: where a waiting submitter is answered, its intake
 /// sequence), or its refusal with every problem found. Reads the parent of a child run and,
-/// for a query, what `queries` reads; writes nothing.
+/// for a query, what `queries` reads; writes nothing. `now_ms` is the submission's time
+/// (a query's planner must have a live worker then); `policy_at` is when the trust levels
+/// are read for its escalation policy — the intake, which records the start it decides,
+/// reads them as it decides; a run's own subject, decided again by every coordinator, at
+/// the submission's stored time, so all reach the same policy.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn verdict(
     facts: &Facts<'_>,
     run: RunId,
@@ -234,6 +239,7 @@ pub(crate) async fn verdict(
     door: Door<'_>,
     queries: &dyn Queries,
     now_ms: i64,
+    policy_at: Timestamp,
     trace: TraceContext,
 ) -> Result<Result<Submitted, Rejected>, StoreError> {
     let (reply_to, mut errors) = screen(run, request, door);
@@ -288,7 +294,7 @@ pub(crate) async fn verdict(
         facts.hitl,
         &plan,
         facts.ctx.agents.as_ref().and_then(|a| a.default.as_deref()),
-        Timestamp::from_unix_ms(now_ms),
+        policy_at,
     );
     let mut submitted = submitted(
         request,

@@ -308,6 +308,8 @@ impl Intake {
             crate::admission::Door::Intake,
             self,
             source.now_ms(),
+            // The intake records the start it decides: the levels now are the run's for good.
+            Timestamp::now(),
             admitted_trace(headers, run, &span),
         )
         .await?;

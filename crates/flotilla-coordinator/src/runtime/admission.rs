@@ -59,6 +59,7 @@ impl Runtime {
                 intake: &intake,
             },
             submitted_ms,
+            Timestamp::from_unix_ms(submitted_ms),
             trace,
         )
         .await?)
