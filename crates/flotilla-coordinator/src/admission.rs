@@ -4,8 +4,8 @@
 //! every coordinator that reads it; `runtime/admission.rs`).
 //!
 //! [`verdict`] is the one decision, in one order: the request's own fields ([`screen`]), its
-//! plan (a plan is prepared; a bare query is planned by the door's [`Queries`] — the run
-//! subject's refuses every query), its place in its tree (read from its parent, once the rest
+//! plan (a plan is prepared; a bare query is planned by the intake's [`Queries`] and refused
+//! on a run's own subject), its place in its tree (read from its parent, once the rest
 //! holds), memory's advice for a query, then the run's escalation policy from the trust
 //! levels. It writes nothing. [`enter`] then counts an admitted child in its tree — the one
 //! write of admission, done once by whoever records the verdict (not by a coordinator that
@@ -36,14 +36,17 @@ use crate::lineage::{Lineage, Lineages};
 use crate::live::LiveWorkers;
 use crate::trust::Trust;
 
-/// Which door a submission came through: what its subject already says about it.
+/// Which door a submission came through: what its subject already says about it, and how
+/// it plans a bare query.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Door<'a> {
     /// The intake subject or the `submit` endpoint: the run id is the submission's own, its
-    /// key's, or a new one.
-    Intake,
+    /// key's, or a new one; `queries` plans a bare query.
+    Intake { queries: &'a dyn Queries },
     /// A run's own subject: the subject names the run, so the body may name no other and
-    /// carries no idempotency key. `prefix` and `intake` name the subjects in the refusal.
+    /// carries no idempotency key, nor a bare query (its planning plan is fixed at admission
+    /// and stored in the run's first entry, which a client-written first message cannot
+    /// carry). `prefix` and `intake` name the subjects in the refusals.
     RunSubject { prefix: &'a str, intake: &'a str },
 }
 
@@ -174,7 +177,7 @@ pub(crate) struct QueryPlan {
 }
 
 /// How a door plans bare queries.
-pub(crate) trait Queries: Sync {
+pub(crate) trait Queries: Sync + std::fmt::Debug {
     /// The plan a query starts with (its planner's task), or why there is none.
     fn planning_plan(&self, query: &str, now_ms: i64) -> Result<Plan, Problem>;
     /// For a query otherwise admitted: memory's advice on `planning` — a past plan reused,
@@ -188,56 +191,19 @@ pub(crate) trait Queries: Sync {
     ) -> Pin<Box<dyn Future<Output = QueryPlan> + Send + 'a>>;
 }
 
-/// A run's own subject plans no queries: a bare query's planning plan is fixed at admission
-/// and stored in the run's first entry, which a client-written first message cannot carry.
-pub(crate) struct NoQueries<'a> {
-    pub(crate) prefix: &'a str,
-    pub(crate) intake: &'a str,
-}
-
-impl Queries for NoQueries<'_> {
-    fn planning_plan(&self, _query: &str, _now_ms: i64) -> Result<Plan, Problem> {
-        Err(Problem::new(
-            ProblemCode::QueryOnRunSubject,
-            "query",
-            format!(
-                "a bare query cannot be the first message of {}.submit.<run>; publish it to {} or send it to the submit endpoint",
-                self.prefix, self.intake
-            ),
-        ))
-    }
-
-    fn advise<'a>(
-        &'a self,
-        _run: RunId,
-        _query: &'a str,
-        _session: Option<SessionId>,
-        planning: Plan,
-    ) -> Pin<Box<dyn Future<Output = QueryPlan> + Send + 'a>> {
-        Box::pin(std::future::ready(QueryPlan {
-            plan: planning,
-            warnings: Vec::new(),
-            planning: None,
-            memory: None,
-        }))
-    }
-}
-
 /// The verdict on `request` for run `run` through `door`: the run as admitted (less the
 /// fields only the intake knows: where a waiting submitter is answered, its intake
 /// sequence), or its refusal with every problem found. Reads the parent of a child run and,
-/// for a query, what `queries` reads; writes nothing. `now_ms` is the submission's time
+/// for a query, what the intake's [`Queries`] reads; writes nothing. `now_ms` is the submission's time
 /// (a query's planner must have a live worker then); `policy_at` is when the trust levels
 /// are read for its escalation policy — the intake, which records the start it decides,
 /// reads them as it decides; a run's own subject, decided again by every coordinator, at
 /// the submission's stored time, so all reach the same policy.
-#[allow(clippy::too_many_arguments)]
 pub(crate) async fn verdict(
     facts: &Facts<'_>,
     run: RunId,
     request: &SubmitRequest,
     door: Door<'_>,
-    queries: &dyn Queries,
     now_ms: i64,
     policy_at: Timestamp,
     trace: TraceContext,
@@ -250,10 +216,19 @@ pub(crate) async fn verdict(
     let prepared = match request.form() {
         Err(problem) => Err(vec![problem]),
         Ok(SubmitForm::Plan(plan)) => prepare_plan(plan, facts.ctx).map_err(|r| r.errors),
-        Ok(SubmitForm::Query(q)) => queries
-            .planning_plan(q, now_ms)
-            .map(|plan| (plan, Vec::new()))
-            .map_err(|p| vec![p]),
+        Ok(SubmitForm::Query(q)) => match door {
+            Door::Intake { queries } => queries
+                .planning_plan(q, now_ms)
+                .map(|plan| (plan, Vec::new()))
+                .map_err(|p| vec![p]),
+            Door::RunSubject { prefix, intake } => Err(vec![Problem::new(
+                ProblemCode::QueryOnRunSubject,
+                "query",
+                format!(
+                    "a bare query cannot be the first message of {prefix}.submit.<run>; publish it to {intake} or send it to the submit endpoint"
+                ),
+            )]),
+        },
     };
     let (mut plan, mut warnings) = match prepared {
         Ok(p) => p,
@@ -284,7 +259,7 @@ pub(crate) async fn verdict(
         return Ok(Err(rejected(request, errors, reply_to, None)));
     }
     let (mut planning, mut memory) = (None, None);
-    if let Some(query) = query {
+    if let (Some(query), Door::Intake { queries }) = (query, door) {
         let advised = queries.advise(run, query, lineage.session_id, plan).await;
         plan = advised.plan;
         warnings.extend(advised.warnings);
@@ -394,6 +369,31 @@ mod tests {
         errors.iter().map(|p| p.code).collect()
     }
 
+    /// An intake that plans no query (screening never asks it).
+    #[derive(Debug)]
+    struct Planless;
+
+    impl Queries for Planless {
+        fn planning_plan(&self, _query: &str, _now_ms: i64) -> Result<Plan, Problem> {
+            Err(Problem::new(ProblemCode::NoPlanner, "query", "no planner"))
+        }
+
+        fn advise<'a>(
+            &'a self,
+            _run: RunId,
+            _query: &'a str,
+            _session: Option<SessionId>,
+            planning: Plan,
+        ) -> Pin<Box<dyn Future<Output = QueryPlan> + Send + 'a>> {
+            Box::pin(std::future::ready(QueryPlan {
+                plan: planning,
+                warnings: Vec::new(),
+                planning: None,
+                memory: None,
+            }))
+        }
+    }
+
     #[test]
     fn both_doors_screen_alike_and_a_runs_subject_also_checks_what_it_names() {
         let run = RunId::new();
@@ -402,7 +402,7 @@ mod tests {
         r.run_id = Some(RunId::new());
         r.idempotency_key = Some("k".into());
         r.protocol = 999;
-        let (reply_to, errors) = screen(run, &r, Door::Intake);
+        let (reply_to, errors) = screen(run, &r, Door::Intake { queries: &Planless });
         assert_eq!(reply_to, None);
         assert_eq!(
             codes(&errors),

@@ -154,19 +154,26 @@ impl Intake {
     }
 
     /// Memory's advice for a bare query whose planning plan is `planning`: a past plan to
-    /// run instead (with its warnings), or the planning plan with examples added.
+    /// run instead (with its warnings), or the planning plan — with examples added when
+    /// memory has some — and the run starts by planning.
     async fn advised_by_memory(
         &self,
         run: RunId,
         query: &str,
         session: Option<flotilla_model::ids::SessionId>,
         mut planning: Plan,
-    ) -> (
-        Result<(Plan, Vec<Problem>), Plan>,
-        Option<flotilla_model::memory::MemoryUse>,
-    ) {
+    ) -> crate::admission::QueryPlan {
+        let plans = |plan: Plan, memory| crate::admission::QueryPlan {
+            plan,
+            warnings: Vec::new(),
+            planning: Some(PlanningSpec {
+                query: query.to_owned(),
+                max_repairs: self.planner.max_repairs,
+            }),
+            memory,
+        };
         let Some(memory) = &self.memory else {
-            return (Err(planning), None);
+            return plans(planning, None);
         };
         let max_plan_bytes = self
             .store
@@ -183,7 +190,12 @@ impl Intake {
                 used,
             } => {
                 info!(%run, source = ?used.source_run, confidence = ?used.confidence, "Plan reused from memory");
-                (Ok((*plan, warnings)), Some(used))
+                crate::admission::QueryPlan {
+                    plan: *plan,
+                    warnings,
+                    planning: None,
+                    memory: Some(used),
+                }
             }
             crate::memory::Advice::Plan { examples, used } => {
                 if !examples.is_empty()
@@ -196,7 +208,7 @@ impl Intake {
                         input.insert("examples".into(), crate::memory::examples_input(&examples));
                     }
                 }
-                (Err(planning), Some(used))
+                plans(planning, Some(used))
             }
         }
     }
@@ -305,8 +317,7 @@ impl Intake {
             &facts,
             run,
             &request,
-            crate::admission::Door::Intake,
-            self,
+            crate::admission::Door::Intake { queries: self },
             source.now_ms(),
             // The intake records the start it decides: the levels now are the run's for good.
             Timestamp::now(),
@@ -567,26 +578,7 @@ impl crate::admission::Queries for Intake {
         planning: Plan,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = crate::admission::QueryPlan> + Send + 'a>>
     {
-        Box::pin(async move {
-            let (advice, memory) = self.advised_by_memory(run, query, session, planning).await;
-            match advice {
-                Ok((plan, warnings)) => crate::admission::QueryPlan {
-                    plan,
-                    warnings,
-                    planning: None,
-                    memory,
-                },
-                Err(plan) => crate::admission::QueryPlan {
-                    plan,
-                    warnings: Vec::new(),
-                    planning: Some(PlanningSpec {
-                        query: query.to_owned(),
-                        max_repairs: self.planner.max_repairs,
-                    }),
-                    memory,
-                },
-            }
-        })
+        Box::pin(self.advised_by_memory(run, query, session, planning))
     }
 }
 

@@ -54,10 +54,6 @@ impl Runtime {
                 prefix: names.prefix(),
                 intake: &intake,
             },
-            &crate::admission::NoQueries {
-                prefix: names.prefix(),
-                intake: &intake,
-            },
             submitted_ms,
             Timestamp::from_unix_ms(submitted_ms),
             trace,
