@@ -1151,7 +1151,8 @@ async fn prompt_stream(
     let mut out = Vec::new();
     loop {
         let msg = tokio::time::timeout(Duration::from_secs(20), sub.next())
-            .await?
+            .await
+            .map_err(|_| anyhow!("nothing for 20 s after {out:?}"))?
             .ok_or_else(|| anyhow!("the stream's subscription ended"))?;
         let code = msg
             .headers
@@ -1449,9 +1450,36 @@ async fn a_plan_runs_with_every_role_on_its_own_credentials() -> anyhow::Result<
             Duration::from_secs(5),
         )
         .await?;
+    // A caller discovers before it prompts (docs/protocol.md, "Unknown addresses"): a prompt
+    // sent while the instance registers can find its status endpoint answering and its
+    // prompt endpoint not yet subscribed, and nobody takes it.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     loop {
-        let stream = prompt_stream(p.bus.client(), "agents.prompt.ann.flotilla.crew", "hi").await?;
+        let probe = async_nats::Request::new()
+            .payload(bytes::Bytes::new())
+            .timeout(Some(Duration::from_secs(2)));
+        if p.bus
+            .client()
+            .send_request("agents.status.ann.flotilla.crew".to_owned(), probe)
+            .await
+            .is_ok()
+        {
+            break;
+        }
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the exposed teammate never registered:\n{}",
+            p.log(s)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let stream =
+            match prompt_stream(p.bus.client(), "agents.prompt.ann.flotilla.crew", "hi").await {
+                Ok(stream) => stream,
+                Err(e) => bail!("the exposed teammate's stream: {e}\n{}", p.log(s)),
+            };
         if stream
             .iter()
             .any(|(code, body)| code.is_none() && body.contains("ann done"))
