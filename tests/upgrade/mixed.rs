@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
 use flotilla_model::PROTOCOL_VERSION;
-use flotilla_model::approval::{ApprovalListRequest, ApprovalStatus, PlanHitl};
+use flotilla_model::approval::{ApprovalDecided, ApprovalListRequest, ApprovalStatus, PlanHitl};
 use flotilla_model::ids::{RunId, SessionId};
 use flotilla_model::plan::{Plan, PlanConfig, Subtask};
 use flotilla_model::run::RunStatus;
@@ -730,7 +730,10 @@ impl Mixed {
             )
             .await?;
         ensure!(!approvals.truncated, "more approvals than one list holds");
-        let mut decisions: BTreeMap<(RunId, String), usize> = BTreeMap::new();
+        // Every answer is its own entry on the run log (0.3; 0.2 appended only the answer that
+        // won in the bucket), and the deadline's default one more: the machine took the first
+        // answer, or the default.
+        let mut decisions: BTreeMap<(RunId, String), Vec<ApprovalDecided>> = BTreeMap::new();
         let runs: BTreeSet<RunId> = approvals
             .approvals
             .iter()
@@ -739,28 +742,49 @@ impl Mixed {
         for run in &runs {
             for (_, _, entry) in store.history(*run).await? {
                 if let RunInput::ApprovalDecided(d) = entry.input {
-                    *decisions.entry((*run, d.approval_id)).or_default() += 1;
+                    decisions
+                        .entry((*run, d.approval_id.clone()))
+                        .or_default()
+                        .push(*d);
                 }
             }
         }
         for a in &approvals.approvals {
             let key = (a.request.run_id, a.request.approval_id.clone());
-            let n = decisions.get(&key).copied().unwrap_or(0);
+            let on_log = decisions.get(&key).map(Vec::as_slice).unwrap_or_default();
+            let n = on_log.len();
+            let expired = on_log
+                .iter()
+                .filter(|d| d.status == ApprovalStatus::Expired)
+                .count();
+            let first_answer = on_log.iter().find(|d| d.status == ApprovalStatus::Decided);
             match a.status {
                 ApprovalStatus::Pending => ensure!(
                     held.contains(&a.request.run_id) && n == 0,
                     "approval {key:?} is pending ({n} decisions on its log)"
                 ),
-                // Withdrawn: the run ended first; at most the withdrawal is on its log.
+                // Withdrawn: the run ended first; nothing on its log decided it.
                 ApprovalStatus::Withdrawn => ensure!(
                     n <= 1,
                     "approval {key:?} was withdrawn with {n} decisions on its run log"
                 ),
-                _ => ensure!(
-                    n == 1,
-                    "approval {key:?} ({}) was decided {n} times on its run log",
-                    a.status.as_str()
+                // Expired: the default is on the log once.
+                ApprovalStatus::Expired => ensure!(
+                    expired == 1,
+                    "approval {key:?} expired with {expired} defaults on its run log"
                 ),
+                // Decided: the first answer on the log is the one recorded.
+                _ => {
+                    let answer = a.answer.as_ref();
+                    ensure!(
+                        first_answer
+                            .is_some_and(|d| Some(&d.decision) == answer.map(|x| &x.decision)
+                                && Some(&d.by) == answer.map(|x| &x.by))
+                            && expired == 0,
+                        "approval {key:?} reads {:?} but its run log holds {on_log:?}",
+                        a.answer
+                    );
+                }
             }
         }
         say(&format!(

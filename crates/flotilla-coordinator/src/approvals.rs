@@ -1,25 +1,24 @@
-//! Approvals in the escalations bucket: asking, settling (an answer, a deadline's default,
-//! a withdrawal) and handing the winner to the run machine.
+//! Approvals in the escalations bucket: asking, the run machine's decisions written as the
+//! approvals' records, withdrawals, and the external agents' questions settled here.
 //!
 //! An approval is one key, `<run>.<approval>`; every revision holds the whole record. It is
-//! created `pending` (create-if-absent: a step performed again asks once), and settled by
-//! exactly one update written at the pending revision — an answer and the deadline race
-//! there, and the loser reads the winner. Whoever reads a settled approval appends it to the
-//! run log as `approval_decided` under the message id `approval.<run>.<approval>`, so a
-//! relay repeated after a crash is dropped by JetStream, and the machine, which applies one
-//! decision per waiting attempt, ignores any later one.
+//! created `pending` (create-if-absent: a step performed again asks once). A wait of the run
+//! machine (a dispatch, a tool call, a result's review) is decided on the run log — every
+//! answer and the deadline's timer are entries there, and the machine applies the first —
+//! and its decision is written here after ([`Escalations::project`]): the bucket is the
+//! projection people read, rebuilt from the log. An external agent's question is the
+//! calling attempt's wait, not the machine's: it is settled here by one update at the
+//! pending revision ([`Escalations::settle`]), as is a withdrawal (the run no longer waits).
 
 use async_nats::jetstream::kv;
 use flotilla_bus::Bus;
 use flotilla_model::ErrorCode;
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::approval::{
-    ApprovalAnswer, ApprovalDecided, ApprovalRecord, ApprovalRevision, ApprovalStatus,
-    approval_key, decided_msg_id,
+    ApprovalAnswer, ApprovalRecord, ApprovalRevision, ApprovalStatus, approval_key,
 };
 use flotilla_model::ids::RunId;
 use flotilla_model::notify::{NoticeKind, Notification, approval_notice_id};
-use flotilla_model::runlog::{RunInput, RunLogEntry};
 use flotilla_model::subjects::Bucket;
 use flotilla_model::time::Timestamp;
 use futures::StreamExt;
@@ -208,52 +207,43 @@ impl Escalations {
         )))
     }
 
-    /// Appends a settled approval's decision to its run's log (once: a message id per
-    /// approval). A withdrawn approval is not relayed: its run has ended. Nor is an external
-    /// agent's question: the attempt that asked waits for it in the bucket, the run machine
-    /// does not.
-    pub(crate) async fn relay(&self, record: &ApprovalRecord) -> Result<(), ApprovalError> {
-        let Some(answer) = record.answer.as_ref() else {
-            return Ok(());
-        };
-        if record.request.trigger == flotilla_model::approval::Trigger::ExternalAgent {
-            return Ok(());
+    /// Writes `decided`, the run machine's decision of approval `approval` of `run`, as the
+    /// approval's record: the bucket is a projection of the run log. A record that already
+    /// reads so is left alone (a step performed again writes nothing); a pending one, or one
+    /// settled otherwise (a coordinator before 0.3 settled answers in the bucket), is
+    /// overwritten, for the log decided; a missing one is created. Returns whether it wrote.
+    pub(crate) async fn project(
+        &self,
+        run: RunId,
+        approval: &str,
+        decided: &ApprovalRecord,
+    ) -> Result<bool, ApprovalError> {
+        let key = approval_key(run, approval);
+        let kv = self.kv().await?;
+        let body =
+            serde_json::to_vec(decided).map_err(|e| ApprovalError::Unreadable(e.to_string()))?;
+        for _ in 0..MAX_RACES {
+            match self.get(run, approval).await? {
+                None => match kv.create(&key, body.clone().into()).await {
+                    Ok(_) => return Ok(true),
+                    Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => continue,
+                    Err(e) => return Err(unavailable("writing an approval's decision", e)),
+                },
+                Some((current, _))
+                    if current.status == decided.status && current.answer == decided.answer =>
+                {
+                    return Ok(false);
+                }
+                Some((_, revision)) => match kv.update(&key, body.clone().into(), revision).await {
+                    Ok(_) => return Ok(true),
+                    Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
+                    Err(e) => return Err(unavailable("writing an approval's decision", e)),
+                },
+            }
         }
-        if matches!(
-            record.status,
-            ApprovalStatus::Pending | ApprovalStatus::Withdrawn
-        ) {
-            return Ok(());
-        }
-        let run = record.request.run_id;
-        let entry = RunLogEntry {
-            protocol: PROTOCOL_VERSION,
-            run_id: run,
-            input: RunInput::ApprovalDecided(Box::new(ApprovalDecided {
-                approval_id: record.request.approval_id.clone(),
-                task_id: record.request.task_id.clone(),
-                attempt: record.request.attempt,
-                status: record.status,
-                decision: answer.decision.clone(),
-                by: answer.by.clone(),
-                tool_call: record.request.tool_call.clone(),
-                digest: record
-                    .request
-                    .tool_call
-                    .is_some()
-                    .then(|| record.request.digest.clone()),
-                incident: answer.incident,
-            })),
-        };
-        self.bus
-            .publish(
-                self.bus.names().runlog(run),
-                &entry,
-                Some(&decided_msg_id(run, &record.request.approval_id)),
-            )
-            .await
-            .map_err(|e| unavailable("appending an approval's decision to the run log", e))?;
-        Ok(())
+        Err(ApprovalError::Unavailable(format!(
+            "approval {key} kept changing while its decision was written"
+        )))
     }
 
     /// Every revision of an approval, oldest first.
@@ -348,6 +338,22 @@ impl Escalations {
         out.sort_by_key(|r| r.request.requested_at);
         Ok((out, truncated))
     }
+}
+
+/// Whether `always` may go with an answer to this approval: a tool call that waits because of
+/// what the tool is or who calls it. Questions, client tools and out-of-scope calls are
+/// answered call by call.
+pub(crate) fn grantable(record: &ApprovalRecord) -> bool {
+    record
+        .request
+        .tool_call
+        .as_ref()
+        .is_some_and(|c| flotilla_model::plan::is_tool_name(&c.tool))
+        && matches!(
+            record.request.trigger,
+            flotilla_model::approval::Trigger::SensitiveAction
+                | flotilla_model::approval::Trigger::HumanInCommand
+        )
 }
 
 /// A settled copy of `pending`: `status` with `answer`.

@@ -25,8 +25,9 @@ pub use flotilla_runs::{
 use crate::error::{StoreError, StoreErrorKind};
 use crate::machine::{Action, RunState};
 
-/// A snapshot to write, borrowed from the live state (same encoding as [`Snapshot`]).
-#[derive(Debug, Serialize)]
+/// A snapshot to write, borrowed from the live state (same encoding as [`Snapshot`]: the
+/// outbox's `ProjectApproval`s go in `projections`, which coordinators of 0.2 ignore).
+#[derive(Debug)]
 pub struct SnapshotRef<'a> {
     /// The state.
     pub state: &'a RunState,
@@ -34,6 +35,23 @@ pub struct SnapshotRef<'a> {
     pub outbox: &'a [Action],
     /// Inputs that produced it.
     pub outbox_seqs: &'a [u64],
+}
+
+impl Serialize for SnapshotRef<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let is_projection = |a: &&Action| matches!(a, Action::ProjectApproval { .. });
+        let projections: Vec<&Action> = self.outbox.iter().filter(is_projection).collect();
+        let outbox: Vec<&Action> = self.outbox.iter().filter(|a| !is_projection(a)).collect();
+        let mut st = s.serialize_struct("Snapshot", 3 + usize::from(!projections.is_empty()))?;
+        st.serialize_field("state", self.state)?;
+        st.serialize_field("outbox", &outbox)?;
+        st.serialize_field("outbox_seqs", self.outbox_seqs)?;
+        if !projections.is_empty() {
+            st.serialize_field("projections", &projections)?;
+        }
+        st.end()
+    }
 }
 
 /// Reads and writes run state. Every read is the read model's ([`RunReader`], reached
@@ -190,5 +208,75 @@ impl RunStore {
             size,
             sha256,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use flotilla_model::approval::Trigger;
+    use flotilla_model::ids::RunId;
+    use flotilla_model::runlog::Submitted;
+
+    use super::*;
+    use crate::machine::RunMachine;
+
+    /// The snapshot as a 0.2 coordinator reads it: no `projections` field, and an outbox of
+    /// the actions it knows.
+    #[derive(serde::Deserialize)]
+    struct Snapshot02 {
+        #[allow(dead_code)]
+        state: RunState,
+        outbox: Vec<Action>,
+        outbox_seqs: Vec<u64>,
+    }
+
+    #[test]
+    fn approvals_projections_are_kept_apart_from_the_outbox_older_coordinators_read() {
+        let submitted: Submitted = serde_json::from_value(serde_json::json!({
+            "plan": {"subtasks": [{"id": "a", "description": "x"}]}
+        }))
+        .expect("a submission");
+        let plan = Arc::new(submitted.plan.clone());
+        let (machine, _) = RunMachine::start(RunId::new(), &submitted, plan, 1_000);
+        let project = Action::ProjectApproval {
+            task: 0,
+            attempt: 1,
+            call: 0,
+            from_seq: 0,
+            trigger: Trigger::HumanInCommand,
+            deadline_ms: 61_000,
+            seq: 4,
+        };
+        let outbox = vec![Action::Dispatch {
+            task: 0,
+            attempt: 1,
+        }];
+        let mut with_projection = outbox.clone();
+        with_projection.push(project.clone());
+        let bytes = rmp_serde::to_vec_named(&SnapshotRef {
+            state: machine.state(),
+            outbox: &with_projection,
+            outbox_seqs: &[4],
+        })
+        .expect("encode");
+        let read: Snapshot = rmp_serde::from_slice(&bytes).expect("decode");
+        assert_eq!(read.outbox, outbox);
+        assert_eq!(read.projections, vec![project]);
+        assert_eq!(&read.state, machine.state());
+        let old: Snapshot02 = rmp_serde::from_slice(&bytes).expect("a 0.2 reader decodes it");
+        assert_eq!((old.outbox, old.outbox_seqs), (outbox.clone(), vec![4]));
+
+        // Without a projection the snapshot has the 0.2 shape exactly.
+        let bytes = rmp_serde::to_vec_named(&SnapshotRef {
+            state: machine.state(),
+            outbox: &outbox,
+            outbox_seqs: &[4],
+        })
+        .expect("encode");
+        let read: Snapshot = rmp_serde::from_slice(&bytes).expect("decode");
+        assert!(read.projections.is_empty());
+        assert_eq!(read.outbox, outbox);
     }
 }

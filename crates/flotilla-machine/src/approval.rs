@@ -10,9 +10,13 @@
 //!                                                         optional: skipped (dependents too)
 //! ```
 //!
-//! The deadline does not decide by itself: the machine asks the runtime to settle the
-//! approval in the escalations bucket ([`Action::ExpireApproval`]), where an answer that came
-//! first wins, and the winner comes back as an [`Input::ApprovalDecided`] like any answer.
+//! Every answer is its own run-log entry ([`Input::ApprovalDecided`], appended by the API),
+//! and so is the deadline's timer firing: the first of them in log order decides, once. An
+//! answer applies while the task waits for it; once the deadline has fired, the wait takes
+//! only its default, which the runtime appends as the record of that decision
+//! ([`Action::ExpireApproval`]) — what a resumed attempt and a replay read. Each decision is
+//! then written to the escalations bucket ([`Action::ProjectApproval`]): the bucket is a
+//! projection of the log, not an arbiter.
 
 use flotilla_model::approval::{ApprovalDecided, ApprovalStatus, Decision, Trigger, approval_id};
 use flotilla_model::event::{WorkflowEvent, WorkflowPhase};
@@ -182,15 +186,22 @@ impl RunMachine {
             .map(|p| p.deadline_ms)
     }
 
-    /// Task `i`'s deadline passed: the runtime settles its approval with the default unless
-    /// an answer came first.
+    /// Task `i`'s deadline fired before any answer in log order: its default decides. From
+    /// here the wait takes no answer, only the default's record, which the runtime appends.
     pub(crate) fn expire_approval(&mut self, i: u32, actions: &mut Vec<Action>) {
+        let default = self
+            .state
+            .hitl
+            .as_ref()
+            .zip(self.state.tasks[i as usize].approval)
+            .map(|(policy, p)| policy.on_timeout.of(p.trigger));
         if let Some(p) = self.state.tasks[i as usize].approval.as_mut() {
             p.expiring = true;
             actions.push(Action::ExpireApproval {
                 task: i,
                 attempt: p.attempt,
                 call: p.call,
+                default: Some(default.unwrap_or_default()),
             });
         }
     }
@@ -215,10 +226,21 @@ impl RunMachine {
             || pending.attempt != decided.attempt
             || pending.id(i) != decided.approval_id
             || decided.status == ApprovalStatus::Pending
+            // The deadline fired first: only its default's record applies.
+            || (pending.expiring && decided.status != ApprovalStatus::Expired)
         {
             return false;
         }
         self.state.applied += 1;
+        actions.push(Action::ProjectApproval {
+            task: i,
+            attempt: pending.attempt,
+            call: pending.call,
+            from_seq: pending.from_seq,
+            trigger: pending.trigger,
+            deadline_ms: pending.deadline_ms,
+            seq,
+        });
         let attempt = pending.attempt;
         if pending.trigger == Trigger::Budget {
             self.end_budget_pause(&decided.approval_id, now_ms, actions);

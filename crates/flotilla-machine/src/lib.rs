@@ -718,6 +718,18 @@ impl RunMachine {
             return actions;
         }
         self.after(now_ms, &mut actions);
+        if actions
+            .iter()
+            .any(|a| matches!(a, Action::ProjectApproval { .. }))
+        {
+            // An approval's record is written after the step's dispatches: the person's
+            // answer reaches the task first, the bucket's projection follows.
+            let (project, mut rest): (Vec<Action>, Vec<Action>) = actions
+                .into_iter()
+                .partition(|a| matches!(a, Action::ProjectApproval { .. }));
+            rest.extend(project);
+            return rest;
+        }
         actions
     }
 

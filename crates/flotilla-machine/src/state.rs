@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use flotilla_model::approval::{HitlPolicy, Trigger};
+use flotilla_model::approval::{DefaultDecision, HitlPolicy, Trigger};
 use flotilla_model::event::WorkflowEvent;
 use flotilla_model::ids::{RunId, SessionId, TaskId};
 use flotilla_model::plan::{Plan, StrategyChoice, Subtask};
@@ -136,7 +136,8 @@ pub struct PendingApproval {
     /// What triggered it.
     #[serde(rename = "t")]
     pub trigger: Trigger,
-    /// The deadline passed and its default is being settled (asked once).
+    /// The deadline fired before any answer: its default decides, and the wait takes only
+    /// the default's record (appended once by the runtime), no answer.
     #[serde(rename = "x", default, skip_serializing_if = "std::ops::Not::not")]
     pub expiring: bool,
     /// 0: the wait is for the attempt's dispatch; n ≥ 1: for the n-th tool call the
@@ -697,8 +698,10 @@ pub enum Action {
         /// For a tool call: the run-log sequence of its suspension.
         from_seq: u64,
     },
-    /// The deadline of task `task`'s approval passed: settle it with its default unless an
-    /// answer came first, and append the winner to the run log (`approval_decided`).
+    /// The deadline of task `task`'s approval passed before any answer in log order: its
+    /// default decides. Append that decision to the run log (`approval_decided`, status
+    /// `expired`, message id `approval.<run>.<approval>.expired`) — the record a resumed
+    /// attempt and a replay read; the machine takes no answer for this wait from here on.
     ExpireApproval {
         /// Task index.
         task: u32,
@@ -706,6 +709,32 @@ pub enum Action {
         attempt: u32,
         /// 0: the dispatch; n ≥ 1: the attempt's n-th suspended tool call.
         call: u32,
+        /// The run's default for the wait's trigger (`[hitl] on-timeout`). Absent from
+        /// outboxes written before 0.3: the run's policy gives it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        default: Option<DefaultDecision>,
+    },
+    /// The machine applied the decision at run-log `seq` to task `task`'s wait: write the
+    /// decided approval to the escalations bucket (its projection of the log, idempotent),
+    /// and a grant when the answer approved the tool `always`.
+    ProjectApproval {
+        /// Task index.
+        task: u32,
+        /// The attempt it would have let run.
+        attempt: u32,
+        /// 0: the dispatch; n ≥ 1: the attempt's n-th suspended tool call; `REVIEW_CALL`: a
+        /// result's review.
+        call: u32,
+        /// For a tool call: the run-log sequence of its suspension; for a review: the
+        /// result's.
+        from_seq: u64,
+        /// What triggered the wait.
+        trigger: Trigger,
+        /// The wait's deadline (Unix ms): the request is rebuilt from it when the bucket
+        /// does not hold it.
+        deadline_ms: i64,
+        /// The run-log entry that decided (an `approval_decided`).
+        seq: u64,
     },
     /// The run ended while task `task` waited for a person: mark its approval `withdrawn`
     /// unless an answer came first.

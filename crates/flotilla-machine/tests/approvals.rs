@@ -108,6 +108,10 @@ fn a_suspended_attempt_frees_its_slot_and_continues_the_same_attempt() {
         tool_call: None,
         digest: None,
         incident: false,
+        comment: None,
+        at: None,
+        always: false,
+        reply_to: None,
     };
     let actions = m.apply(
         Input::ApprovalDecided {

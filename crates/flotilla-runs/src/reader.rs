@@ -409,6 +409,26 @@ impl RunReader {
         }
     }
 
+    /// An approval's decision by run-log sequence, with the entry's server time (Unix ms).
+    pub async fn decision_at(
+        &self,
+        seq: u64,
+    ) -> Result<(flotilla_model::approval::ApprovalDecided, i64), StoreError> {
+        match self.entry_at(seq).await? {
+            (
+                RunLogEntry {
+                    input: RunInput::ApprovalDecided(d),
+                    ..
+                },
+                at_ms,
+            ) => Ok((*d, at_ms)),
+            _ => Err(StoreError::new(
+                StoreErrorKind::Decode,
+                format!("run-log entry {seq} is not an approval's decision"),
+            )),
+        }
+    }
+
     /// An attempt's suspension by run-log sequence (the tool call it waits at).
     pub async fn suspension_at(
         &self,

@@ -23,6 +23,11 @@ pub struct Snapshot {
     /// Run-log sequences of the inputs that produced the outbox.
     #[serde(default)]
     pub outbox_seqs: Vec<u64>,
+    /// The outbox's `ProjectApproval` actions (since 0.3), kept apart from `outbox` so that a
+    /// coordinator of 0.2, which knows no such action, reads the snapshot (it ignores this
+    /// field and performs the rest). Performed with the outbox.
+    #[serde(default)]
+    pub projections: Vec<Action>,
 }
 
 /// A snapshot as read, with its revision and server write time.

@@ -12,15 +12,20 @@ use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::api::ApiError;
 use flotilla_model::approval::{
     AnswerOutcome, ApprovalAnswer, ApprovalAnswerReply, ApprovalAnswerRequest, ApprovalAskReply,
-    ApprovalAskRequest, ApprovalGetRequest, ApprovalList, ApprovalListRequest, ApprovalRecord,
-    ApprovalRequest, ApprovalStatus, ApprovalView, DEFAULT_ASK_TIMEOUT_S, Decision,
+    ApprovalAskRequest, ApprovalDecided, ApprovalGetRequest, ApprovalList, ApprovalListRequest,
+    ApprovalRecord, ApprovalRequest, ApprovalStatus, ApprovalView, DEFAULT_ASK_TIMEOUT_S, Decision,
     DefaultDecision, GrantList, GrantListRequest, GrantRevokeReply, GrantRevokeRequest,
-    MAX_LISTED_APPROVALS, ToolGrant, Trigger,
+    MAX_LISTED_APPROVALS, Trigger, answer_msg_id,
 };
+use flotilla_model::control::ControlVerdict;
+use flotilla_model::runlog::{RunInput, RunLogEntry};
 use flotilla_model::time::Timestamp;
+use futures::StreamExt;
 use tracing::info;
 
-use crate::approvals::{ApprovalError, settled};
+use super::controls::VERDICT_WAIT;
+
+use crate::approvals::{ApprovalError, grantable, settled};
 
 use super::{Api, parse, respond_error, respond_json};
 
@@ -477,7 +482,10 @@ impl Api {
         };
         // An external agent's question: its wait has no timer of its own, so an answer that
         // comes after its run ended or past its deadline finds it settled here first.
-        let known = if known.0.request.trigger == Trigger::ExternalAgent {
+        if known.0.request.trigger != Trigger::ExternalAgent {
+            return self.answer_on_log(&req, &r, known.0).await;
+        }
+        let known = {
             if matches!(r.decision, Decision::Edit { .. }) {
                 return respond_error(
                     &req,
@@ -531,8 +539,6 @@ impl Api {
                 },
                 Err(e) => return respond_approval_error(&req, e).await,
             }
-        } else {
-            known
         };
         let answer = ApprovalAnswer {
             decision: r.decision.clone(),
@@ -553,34 +559,8 @@ impl Api {
             Err(e) => return respond_approval_error(&req, e).await,
         };
         if ours {
-            info!(run = %r.run_id, approval = %r.approval_id, decision = r.decision.as_str(), by = %answer.by, always = r.always, "Approval answered");
-            if record.request.trigger == Trigger::ExternalAgent {
-                self.external_event(&record).await;
-            }
-        }
-        // A decision with `always` grants the tool before it is relayed — written by whoever
-        // reads the decided record (this answer, or its retry after a crash or a failed
-        // write: the put is idempotent), so the grant is never lost behind the decision.
-        if record.status == ApprovalStatus::Decided
-            && let Some(a) = record.answer.as_ref().filter(|a| a.always)
-            && let Some(call) = &record.request.tool_call
-        {
-            let grant = ToolGrant {
-                tool: call.tool.clone(),
-                by: a.by.clone(),
-                run_id: record.request.run_id,
-                approval_id: record.request.approval_id.clone(),
-                at: a.at,
-                comment: a.comment.clone(),
-            };
-            if let Err(e) = self.write_grant(&grant).await {
-                return super::respond_api_error(&req, &e).await;
-            }
-        }
-        // Relayed whoever settled it: a relay lost to a crash is made again by the next
-        // reader (this answer's retry, or the deadline), and the run log keeps one.
-        if let Err(e) = self.escalations.relay(&record).await {
-            return respond_approval_error(&req, e).await;
+            info!(run = %r.run_id, approval = %r.approval_id, decision = r.decision.as_str(), by = %answer.by, "An external agent's question answered");
+            self.external_event(&record).await;
         }
         let reply = ApprovalAnswerReply {
             protocol: PROTOCOL_VERSION,
@@ -593,33 +573,228 @@ impl Api {
         };
         respond_json(&req, self.max_payload(), &reply).await;
     }
-}
 
-/// Whether `always` may go with an answer to this approval: a tool call that waits because of
-/// what the tool is or who calls it. Questions, client tools and out-of-scope calls are
-/// answered call by call.
-fn grantable(record: &ApprovalRecord) -> bool {
-    record
-        .request
-        .tool_call
-        .as_ref()
-        .is_some_and(|c| flotilla_model::plan::is_tool_name(&c.tool))
-        && matches!(
-            record.request.trigger,
-            Trigger::SensitiveAction | Trigger::HumanInCommand
-        )
+    /// An answer to a wait of the run machine (a dispatch, a tool call, a result's review):
+    /// appended to the run log as its own `approval_decided` entry, where the machine
+    /// applies the first answer in log order — or the deadline's default, when its timer
+    /// fired first — and answered with what the machine decided: `decided` when this entry
+    /// did, `already_decided` with the decision otherwise. The entry names an inbox as its
+    /// `reply_to`, where the coordinator that applies it says whether it decided; without
+    /// that verdict within [`VERDICT_WAIT`] the answer is `503 unavailable` (it is on the log
+    /// and applies when a coordinator gets to it; the approval's record then says so).
+    async fn answer_on_log(
+        &self,
+        req: &Request,
+        r: &ApprovalAnswerRequest,
+        record: ApprovalRecord,
+    ) {
+        if record.status != ApprovalStatus::Pending {
+            let reply = ApprovalAnswerReply {
+                protocol: PROTOCOL_VERSION,
+                outcome: AnswerOutcome::AlreadyDecided,
+                record,
+            };
+            return respond_json(req, self.max_payload(), &reply).await;
+        }
+        let run = r.run_id;
+        let id = &r.approval_id;
+        let nats = self.store.bus().client();
+        let inbox = nats.new_inbox();
+        // Subscribed before the append: the verdict cannot come before anyone listens.
+        let mut verdicts = match nats.subscribe(inbox.clone()).await {
+            Ok(v) => v,
+            Err(e) => {
+                return respond_error(req, 503, ErrorCode::Unavailable, e.to_string()).await;
+            }
+        };
+        let asked = &record.request;
+        let by = r.by.trim().to_owned();
+        let entry = RunLogEntry {
+            protocol: PROTOCOL_VERSION,
+            run_id: run,
+            input: RunInput::ApprovalDecided(Box::new(ApprovalDecided {
+                approval_id: id.clone(),
+                task_id: asked.task_id.clone(),
+                attempt: asked.attempt,
+                status: ApprovalStatus::Decided,
+                decision: r.decision.clone(),
+                by: by.clone(),
+                tool_call: asked.tool_call.clone(),
+                digest: asked.tool_call.is_some().then(|| asked.digest.clone()),
+                incident: r.incident,
+                comment: r.comment.clone(),
+                at: Some(Timestamp::now()),
+                always: r.always,
+                reply_to: Some(inbox),
+            })),
+        };
+        let msg_id = answer_msg_id(run, id, &uuid::Uuid::new_v4().simple().to_string());
+        let bus = self.store.bus();
+        let seq = match bus
+            .publish(bus.names().runlog(run), &entry, Some(&msg_id))
+            .await
+        {
+            Ok(ack) => ack.sequence,
+            Err(e) => {
+                return respond_error(
+                    req,
+                    503,
+                    ErrorCode::Unavailable,
+                    format!("appending the answer to the run log: {e}"),
+                )
+                .await;
+            }
+        };
+        let waited = tokio::time::Instant::now();
+        let verdict = tokio::time::timeout(VERDICT_WAIT, async {
+            while let Some(m) = verdicts.next().await {
+                match serde_json::from_slice::<ControlVerdict>(&m.payload) {
+                    Ok(v) if v.run_id == run && v.seq == seq => return Some(v),
+                    _ => {}
+                }
+            }
+            None
+        })
+        .await
+        .ok()
+        .flatten();
+        let verdict = match verdict {
+            Some(v) => Some(v),
+            None => self.decided_without_verdict(run, id, seq, &record).await,
+        };
+        let Some(verdict) = verdict else {
+            tracing::warn!(%run, approval = %id, seq, "No coordinator applied an answer in time");
+            return respond_error(
+                req,
+                503,
+                ErrorCode::Unavailable,
+                format!(
+                    "the answer is on the run log (sequence {seq}), but no coordinator applied it within {} s: it applies when one does, unless the approval is decided before; approval.get says what decided",
+                    VERDICT_WAIT.as_secs()
+                ),
+            )
+            .await;
+        };
+        if verdict.applied {
+            info!(%run, approval = %id, decision = r.decision.as_str(), %by, always = r.always, "Approval answered");
+        }
+        // The record is written before the verdict is sent; an answer that lost to the
+        // deadline waits for the default's record a moment longer.
+        let record = loop {
+            match self.escalations.get(run, id).await {
+                Ok(Some((record, _))) if record.status != ApprovalStatus::Pending => break record,
+                Ok(_) if waited.elapsed() < VERDICT_WAIT => {
+                    tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+                }
+                Ok(_) => {
+                    return respond_error(
+                        req,
+                        503,
+                        ErrorCode::Unavailable,
+                        format!(
+                            "the answer is on the run log (sequence {seq}) but did not decide, and approval {id} reads pending: the run may no longer wait for it; approval.get says what decided"
+                        ),
+                    )
+                    .await;
+                }
+                Err(e) => return respond_approval_error(req, e).await,
+            }
+        };
+        let reply = ApprovalAnswerReply {
+            protocol: PROTOCOL_VERSION,
+            outcome: if verdict.applied {
+                AnswerOutcome::Decided
+            } else {
+                AnswerOutcome::AlreadyDecided
+            },
+            record,
+        };
+        respond_json(req, self.max_payload(), &reply).await;
+    }
 }
 
 impl Api {
-    async fn write_grant(&self, grant: &ToolGrant) -> Result<(), ApiError> {
-        let scope = self.session_scope(Some(grant.run_id), None).await?;
-        self.clients(scope)?
-            .state()
-            .grant_tool(grant)
-            .await
-            .map_err(super::collab::context_error)?;
-        info!(run = %grant.run_id, tool = %grant.tool, by = %grant.by, "Tool approved for the session");
-        Ok(())
+    /// No verdict came for the answer at `seq`: a coordinator of 0.2 (during a rolling
+    /// update) applies the run's log — it sends no verdict and does not write the bucket —
+    /// or none does. When the run's record no longer waits for the approval, a machine
+    /// applied a decision: the first `approval_decided` of the approval in log order, as the
+    /// 0.2 machine takes it. It is written to the bucket (the projection a 0.3 coordinator
+    /// would have written) and stands as the verdict. `None`: the run still waits (nobody
+    /// applied the log yet), or it cannot be read.
+    async fn decided_without_verdict(
+        &self,
+        run: flotilla_model::ids::RunId,
+        id: &str,
+        seq: u64,
+        pending: &ApprovalRecord,
+    ) -> Option<ControlVerdict> {
+        let state = self.store.state(run).await.ok()??;
+        let waits = state
+            .tasks
+            .iter()
+            .enumerate()
+            .any(|(i, t)| t.approval.is_some_and(|p| p.id(i as u32) == id));
+        if waits || state.status.is_terminal() {
+            // Waiting still, or ended: an end withdraws what waited, and says so itself.
+            return None;
+        }
+        let history = self.store.history(run).await.ok()?;
+        let (first, at, d) = history.into_iter().find_map(|(s, at, e)| match e.input {
+            RunInput::ApprovalDecided(d) if d.approval_id == id => Some((s, at, d)),
+            _ => None,
+        })?;
+        let answer = flotilla_model::approval::ApprovalAnswer {
+            decision: d.decision,
+            by: d.by,
+            comment: d.comment,
+            at: d.at.unwrap_or(at),
+            always: d.always,
+            incident: d.incident,
+        };
+        let record = settled(pending, d.status, answer);
+        if let Err(e) = self.escalations.project(run, id, &record).await {
+            tracing::warn!(%run, approval = %id, error = %e, "Could not write an approval's decision read from the run log");
+            return None;
+        }
+        info!(%run, approval = %id, seq = first, "Approval decided by a coordinator that sent no verdict; its record written from the run log");
+        if let Some(a) = record.answer.as_ref().filter(|a| a.always && first == seq)
+            && let Some(call) = record
+                .request
+                .tool_call
+                .as_ref()
+                .filter(|_| grantable(&record))
+        {
+            // The grant a 0.3 coordinator writes with the decision.
+            let grant = flotilla_model::approval::ToolGrant {
+                tool: call.tool.clone(),
+                by: a.by.clone(),
+                run_id: run,
+                approval_id: id.to_owned(),
+                at: a.at,
+                comment: a.comment.clone(),
+            };
+            let written = async {
+                let scope = self.session_scope(Some(run), None).await?;
+                self.clients(scope)?
+                    .state()
+                    .grant_tool(&grant)
+                    .await
+                    .map_err(super::collab::context_error)
+            }
+            .await;
+            if let Err(e) = written {
+                tracing::warn!(%run, tool = %grant.tool, error = %e.message, "Could not write a tool's grant");
+                return None;
+            }
+        }
+        Some(ControlVerdict {
+            protocol: PROTOCOL_VERSION,
+            run_id: run,
+            seq,
+            applied: first == seq,
+            status: state.status,
+            detail: None,
+        })
     }
 
     /// `approval.grants`.

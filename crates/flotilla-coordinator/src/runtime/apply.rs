@@ -139,6 +139,7 @@ impl Runtime {
                             .snapshot
                             .outbox
                             .into_iter()
+                            .chain(stored.snapshot.projections)
                             .filter(|a| still_relevant(a, &loaded.machine))
                             .collect();
                         if !outbox.is_empty() {
@@ -291,7 +292,31 @@ impl Runtime {
                         }
                         _ => None,
                     };
+                    // A person's answer to an approval is answered with whether it decided.
+                    let answer = match other {
+                        RunInput::ApprovalDecided(a) => a
+                            .reply_to
+                            .as_ref()
+                            .map(|to| (to, e.machine.state().status, e.machine.state().applied)),
+                        _ => None,
+                    };
                     let a = e.machine.apply(input, d.ts_ms);
+                    if let Some((to, status, counted)) = answer {
+                        let applied = e.machine.state().applied != counted;
+                        verdicts.push((
+                            to.clone(),
+                            ControlVerdict {
+                                protocol: PROTOCOL_VERSION,
+                                run_id: run,
+                                seq: d.seq,
+                                applied,
+                                status,
+                                detail: (!applied).then(|| {
+                                    "the approval was decided before this answer, or the run no longer waits for it".to_owned()
+                                }),
+                            },
+                        ));
+                    }
                     if let Some((c, status, counted, unchanged)) = control {
                         let applied = e.machine.state().applied != counted;
                         if applied {
@@ -495,11 +520,12 @@ fn still_relevant(action: &Action, machine: &RunMachine) -> bool {
             task,
             attempt,
             call,
+            ..
         } => s.tasks.get(*task as usize).is_some_and(|t| {
             t.approval
                 .is_some_and(|p| p.attempt == *attempt && p.call == *call)
         }),
-        Action::WithdrawApproval { .. } => true,
+        Action::WithdrawApproval { .. } | Action::ProjectApproval { .. } => true,
         Action::ReviewPlan { round } => s.planning.as_ref().is_some_and(|p| {
             p.round == *round && p.status == flotilla_model::run::PlanningStatus::Reviewing
         }),

@@ -1,19 +1,21 @@
 //! Performing the machine's approval actions: asking (the request in the escalations bucket
-//! and its notice), settling an expired approval with its default — or relaying the answer
-//! that won the race — and withdrawing the approvals the run no longer waits for (its end,
-//! a task completed by hand), with an `approval_decided` event that says `withdrawn`.
+//! and its notice), appending the deadline's default once the machine decided it, writing
+//! each decision the machine applied to the bucket (with a tool's grant), and withdrawing
+//! the approvals the run no longer waits for (its end, a task completed by hand), with an
+//! `approval_decided` event that says `withdrawn`.
 
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::approval::{
-    ApprovalAnswer, ApprovalRecord, ApprovalRequest, ApprovalStatus, Decision, ToolCallRef,
-    Trigger, digest_of, wait_id,
+    ApprovalAnswer, ApprovalDecided, ApprovalRecord, ApprovalRequest, ApprovalStatus, Decision,
+    DefaultDecision, ToolCallRef, ToolGrant, Trigger, digest_of, expired_msg_id, wait_id,
 };
+use flotilla_model::runlog::{RunInput, RunLogEntry};
 use flotilla_model::time::Timestamp;
 use tracing::info;
 
 use flotilla_model::event::EventEnvelope;
 
-use crate::approvals::{approval_event_id, settled, settled_detail};
+use crate::approvals::{approval_event_id, grantable, settled, settled_detail};
 
 use super::{Cached, Runtime, StepError};
 
@@ -174,27 +176,29 @@ impl Runtime {
         })
     }
 
-    /// The deadline passed: the default settles the approval unless an answer came first;
-    /// either way the winner goes to the run log.
+    /// The machine decided that the deadline's default settles a wait (its timer fired
+    /// before any answer in log order): append that decision to the run log — the record a
+    /// resumed attempt reads its decision from, and the entry the machine applies. Once per
+    /// approval (its message id); the bucket is written when the machine applies it.
     pub(super) async fn expire_approval(
         &self,
         entry: &Cached,
-        task: u32,
-        attempt: u32,
-        call: u32,
-    ) -> Result<(), StepError> {
+        wait: Wait,
+        default: Option<DefaultDecision>,
+    ) -> Result<Option<(String, flotilla_bus::wire::Outgoing)>, StepError> {
         let state = entry.machine.state();
         let run = state.run_id;
-        let Some(pending) = state.tasks[task as usize].approval else {
-            return Ok(());
+        let Some(pending) = state.tasks[wait.task as usize]
+            .approval
+            .filter(|p| p.attempt == wait.attempt && p.call == wait.call)
+        else {
+            return Ok(None);
         };
         let wait = Wait {
-            task,
-            attempt,
-            call,
             from_seq: pending.from_seq,
+            ..wait
         };
-        let missing = self
+        let record = self
             .approval_record(entry, wait, pending.trigger, pending.deadline_ms)
             .await?;
         let timeout = state
@@ -202,31 +206,105 @@ impl Runtime {
             .as_ref()
             .map(|p| p.timeout)
             .unwrap_or(flotilla_model::approval::DEFAULT_APPROVAL_TIMEOUT);
-        let id = wait_id(task, attempt, call);
-        let (record, ours) = self
-            .escalations
-            .settle(run, &id, Some(&missing), None, |p| {
-                settled(
-                    p,
-                    ApprovalStatus::Expired,
-                    ApprovalAnswer {
-                        decision: Decision::of_default(p.request.default, timeout),
-                        by: "deadline".into(),
-                        comment: None,
-                        at: Timestamp::from_unix_ms(pending.deadline_ms),
-                        always: false,
-                        incident: false,
-                    },
-                )
-            })
-            .await?;
-        if ours {
-            info!(%run, approval = %id, decision = record.answer.as_ref().map_or("", |a| a.decision.as_str()), "Approval expired: its default decides");
+        // Outboxes written before 0.3 carry no default: the run's policy gives it, as the
+        // record does.
+        let default = default.unwrap_or(record.request.default);
+        let r = &record.request;
+        let decided = ApprovalDecided {
+            approval_id: r.approval_id.clone(),
+            task_id: r.task_id.clone(),
+            attempt: r.attempt,
+            status: ApprovalStatus::Expired,
+            decision: Decision::of_default(default, timeout),
+            by: "deadline".into(),
+            tool_call: r.tool_call.clone(),
+            digest: r.tool_call.is_some().then(|| r.digest.clone()),
+            incident: false,
+            comment: None,
+            at: Some(r.deadline),
+            always: false,
+            reply_to: None,
+        };
+        let body = RunLogEntry {
+            protocol: PROTOCOL_VERSION,
+            run_id: run,
+            input: RunInput::ApprovalDecided(Box::new(decided)),
+        };
+        let out = flotilla_bus::wire::encode(
+            &body,
+            flotilla_model::codec::Codec::Json,
+            Some(&expired_msg_id(run, &r.approval_id)),
+        )?;
+        info!(%run, approval = %r.approval_id, decision = ?default, "Approval expired: its default decides");
+        Ok(Some((self.bus.names().runlog(run), out)))
+    }
+
+    /// The machine applied the decision at run-log `seq` to a wait: the approval's record
+    /// in the bucket says so (its projection of the log), and an answer that approved the
+    /// tool `always` grants it for the session.
+    pub(super) async fn project_approval(
+        &self,
+        entry: &Cached,
+        wait: Wait,
+        trigger: Trigger,
+        deadline_ms: i64,
+        seq: u64,
+    ) -> Result<(), StepError> {
+        let run = entry.machine.state().run_id;
+        let (decided, at_ms) = self.store.decision_at(seq).await?;
+        let id = wait_id(wait.task, wait.attempt, wait.call);
+        let pending = match self.escalations.get(run, &id).await? {
+            Some((record, _)) => record,
+            None => {
+                self.approval_record(entry, wait, trigger, deadline_ms)
+                    .await?
+            }
+        };
+        let answer = ApprovalAnswer {
+            decision: decided.decision,
+            by: decided.by,
+            comment: decided.comment,
+            at: decided.at.unwrap_or_else(|| Timestamp::from_unix_ms(at_ms)),
+            always: decided.always,
+            incident: decided.incident,
+        };
+        let record = settled(&pending, decided.status, answer);
+        if self.escalations.project(run, &id, &record).await? {
+            info!(%run, approval = %id, status = record.status.as_str(), decision = record.answer.as_ref().map_or("", |a| a.decision.as_str()), "Approval decided");
         }
-        self.escalations
-            .relay(&record)
-            .await
-            .map_err(StepError::from)
+        if record.status == ApprovalStatus::Decided
+            && let Some(a) = record.answer.as_ref().filter(|a| a.always)
+            && let Some(call) = record
+                .request
+                .tool_call
+                .as_ref()
+                .filter(|_| grantable(&record))
+        {
+            let grant = ToolGrant {
+                tool: call.tool.clone(),
+                by: a.by.clone(),
+                run_id: run,
+                approval_id: id.clone(),
+                at: a.at,
+                comment: a.comment.clone(),
+            };
+            let state = entry.machine.state();
+            let scope = flotilla_context::Scope::operator(
+                self.bus.names().clone(),
+                run,
+                crate::lineage::root_of(state),
+                crate::lineage::session_of(state),
+            );
+            let clients = flotilla_context::Clients::new(self.bus.clone(), scope)
+                .map_err(|e| StepError::Failed(format!("granting tool {}: {e}", grant.tool)))?;
+            clients
+                .state()
+                .grant_tool(&grant)
+                .await
+                .map_err(|e| StepError::Failed(format!("granting tool {}: {e}", grant.tool)))?;
+            info!(%run, tool = %grant.tool, by = %grant.by, "Tool approved for the session");
+        }
+        Ok(())
     }
 
     /// The run no longer waits for task `task`'s approval — the run ended, or a person

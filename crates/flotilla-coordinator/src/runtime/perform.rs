@@ -201,8 +201,36 @@ impl Runtime {
                     task,
                     attempt,
                     call,
+                    default,
                 } => {
-                    self.expire_approval(entry, *task, *attempt, *call).await?;
+                    let wait = super::approvals::Wait {
+                        task: *task,
+                        attempt: *attempt,
+                        call: *call,
+                        from_seq: 0,
+                    };
+                    match self.expire_approval(entry, wait, *default).await? {
+                        Some(entry) => entry,
+                        None => continue,
+                    }
+                }
+                Action::ProjectApproval {
+                    task,
+                    attempt,
+                    call,
+                    from_seq,
+                    trigger,
+                    deadline_ms,
+                    seq,
+                } => {
+                    let wait = super::approvals::Wait {
+                        task: *task,
+                        attempt: *attempt,
+                        call: *call,
+                        from_seq: *from_seq,
+                    };
+                    self.project_approval(entry, wait, *trigger, *deadline_ms, *seq)
+                        .await?;
                     continue;
                 }
                 Action::WithdrawApproval {

@@ -262,11 +262,34 @@ pub struct ApprovalDecided {
     /// `approval_decided` event, and the supervisor records it).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub incident: bool,
+    /// The person's comment, kept with the decision in the escalations bucket.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comment: Option<String>,
+    /// When the person answered (for the deadline's default: the deadline). Absent on
+    /// entries of versions before 0.3, whose decision the bucket held already.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub at: Option<Timestamp>,
+    /// The person approved the tool for the rest of the session too (`approval.answer`'s
+    /// `always`): written as a grant once this answer decides.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub always: bool,
+    /// Where the coordinator that applies the entry says whether it decided (a
+    /// [`crate::control::ControlVerdict`] with the entry's sequence): the API answering the
+    /// person waits there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reply_to: Option<String>,
 }
 
-/// `Nats-Msg-Id` of an approval's decision on the run log.
-pub fn decided_msg_id(run: RunId, approval: &str) -> String {
-    format!("approval.{run}.{approval}")
+/// `Nats-Msg-Id` of the deadline's default on the run log: one per approval, so an expiry
+/// appended again after a crash is dropped.
+pub fn expired_msg_id(run: RunId, approval: &str) -> String {
+    format!("approval.{run}.{approval}.expired")
+}
+
+/// `Nats-Msg-Id` of one answer on the run log: every answer is its own entry (`answer`: a
+/// fresh id per `approval.answer` request), and the run machine applies the first.
+pub fn answer_msg_id(run: RunId, approval: &str, answer: &str) -> String {
+    format!("answer.{run}.{approval}.{answer}")
 }
 
 /// What an external agent's query is answered with, once its approval is settled: `yes` for

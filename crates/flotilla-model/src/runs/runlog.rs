@@ -82,10 +82,13 @@ pub enum RunInput {
     /// tasks are cancelled and the run succeeds with `result` as its final result. Appended by
     /// the supervisor (message id `finished.<run>`); the first one wins.
     Finished(Box<Finished>),
-    /// An approval was decided — by a person, by its deadline's default, or withdrawn — and
-    /// the decision applies to the waiting task. Appended by whoever settled the approval in
-    /// the escalations bucket (message id `approval.<run>.<approval>`); one for an attempt
-    /// that no longer waits changes nothing.
+    /// An answer to an approval, or its deadline's default. Every answer is its own entry,
+    /// appended by the API (message id `answer.<run>.<approval>.<id>`); the default is
+    /// appended by the coordinator once the deadline's timer fired first (message id
+    /// `approval.<run>.<approval>.expired`). The run machine applies the first in log order
+    /// and, once the timer fired, only the default; one for an attempt that no longer waits
+    /// changes nothing. Versions before 0.3 appended the answer that won in the escalations
+    /// bucket, under `approval.<run>.<approval>`.
     ApprovalDecided(Box<crate::approval::ApprovalDecided>),
     /// A person completed a task by hand: their result stands as the task's, its dependents
     /// get it. Appended by the API (`run.complete`, message id `completed.<run>.<task>`);
