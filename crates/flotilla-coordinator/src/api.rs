@@ -111,7 +111,7 @@ struct Api {
     /// Ends server-side watches when the coordinator stops.
     shutdown: CancellationToken,
     /// Approvals (the operator's inbox).
-    escalations: crate::approvals::Escalations,
+    approvals: crate::approval_store::ApprovalStore,
 }
 
 /// How often a coordinator settles external agents' questions nobody waits for any more
@@ -281,7 +281,7 @@ pub(crate) async fn serve(
         .map_err(|e| setup(async_nats::Error::from(e)))?;
     let _ = bound.send(());
     let api = Arc::new(Api {
-        escalations: crate::approvals::Escalations::new(bus.clone()),
+        approvals: crate::approval_store::ApprovalStore::new(bus.clone()),
         store,
         intake,
         ctx,

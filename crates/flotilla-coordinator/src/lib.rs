@@ -23,7 +23,7 @@
 
 mod admission;
 mod api;
-mod approvals;
+mod approval_store;
 pub mod error;
 mod events;
 mod intake;

@@ -47,11 +47,13 @@ mod graph;
 mod lead;
 mod planning;
 pub mod policy;
+mod replay;
 mod state;
 mod team;
 
 pub use control::Unchanged;
 pub use graph::RunGraph;
+pub use replay::{LoggedInput, rejected_reason, replay};
 pub use state::{
     Action, ArmedTimer, Emission, Hold, MAX_ERROR_MESSAGE, MAX_ERROR_MESSAGES_KEPT, MAX_HELD_STOPS,
     MAX_LISTED, MAX_SUSPENSIONS, PendingApproval, PlanningState, RunState, TaskState,

@@ -25,7 +25,7 @@ use tracing::info;
 
 use super::controls::VERDICT_WAIT;
 
-use crate::approvals::{ApprovalError, grantable, settled};
+use crate::approval_store::{ApprovalError, grantable, settled};
 
 use super::{Api, parse, respond_error, respond_json};
 
@@ -117,7 +117,7 @@ impl Api {
             }
         }
         let id = r.approval_id(index as u32);
-        match self.escalations.get(run, &id).await {
+        match self.approvals.get(run, &id).await {
             Ok(Some((record, revision))) => {
                 return self.answer_ask(&req, record, revision, state.status).await;
             }
@@ -186,12 +186,12 @@ impl Api {
             },
             answer: None,
         };
-        if let Err(e) = self.escalations.request(&record, false).await {
+        if let Err(e) = self.approvals.request(&record, false).await {
             return respond_approval_error(&req, e).await;
         }
         info!(%run, approval = %id, agent = %r.agent, "An external agent's question asked of a person");
         self.external_event(&record).await;
-        match self.escalations.get(run, &id).await {
+        match self.approvals.get(run, &id).await {
             Ok(Some((record, revision))) => {
                 self.answer_ask(&req, record, revision, state.status).await
             }
@@ -259,7 +259,7 @@ impl Api {
             now
         };
         let (settled_record, ours) = self
-            .escalations
+            .approvals
             .settle(run, &id, None, Some((record, revision)), |p| {
                 settled(
                     p,
@@ -291,7 +291,7 @@ impl Api {
     /// [`MAX_LISTED_APPROVALS`] pending approvals are looked at per sweep.
     pub(super) async fn sweep_external_questions(&self) {
         let pending = match self
-            .escalations
+            .approvals
             .list(None, false, MAX_LISTED_APPROVALS as usize)
             .await
         {
@@ -319,7 +319,7 @@ impl Api {
                 continue;
             }
             let id = record.request.approval_id.clone();
-            let current = match self.escalations.get(run, &id).await {
+            let current = match self.approvals.get(run, &id).await {
                 Ok(Some(k)) => k,
                 Ok(None) => continue,
                 Err(e) => {
@@ -352,12 +352,12 @@ impl Api {
             (_, Some(_)) => (
                 WorkflowPhase::ApprovalDecided,
                 "decided",
-                crate::approvals::settled_detail(record),
+                crate::approval_store::settled_detail(record),
             ),
         };
         let event = EventEnvelope {
             protocol: PROTOCOL_VERSION,
-            id: crate::approvals::approval_event_id(r.run_id, &r.approval_id, name),
+            id: crate::approval_store::approval_event_id(r.run_id, &r.approval_id, name),
             run_id: r.run_id,
             task_id: Some(r.task_id.clone()),
             attempt: Some(r.attempt),
@@ -393,7 +393,7 @@ impl Api {
             )
             .await;
         }
-        match self.escalations.list(r.run_id, r.all, limit as usize).await {
+        match self.approvals.list(r.run_id, r.all, limit as usize).await {
             Ok((approvals, truncated)) => {
                 let reply = ApprovalList {
                     protocol: PROTOCOL_VERSION,
@@ -410,14 +410,14 @@ impl Api {
         let Some(r) = parse::<ApprovalGetRequest>(&req).await else {
             return;
         };
-        let record = match self.escalations.get(r.run_id, &r.approval_id).await {
+        let record = match self.approvals.get(r.run_id, &r.approval_id).await {
             Ok(Some((record, _))) => record,
             Ok(None) => {
                 return approval_not_found(&req, r.run_id, &r.approval_id).await;
             }
             Err(e) => return respond_approval_error(&req, e).await,
         };
-        match self.escalations.history(r.run_id, &r.approval_id).await {
+        match self.approvals.history(r.run_id, &r.approval_id).await {
             Ok(history) => {
                 let view = ApprovalView {
                     protocol: PROTOCOL_VERSION,
@@ -443,7 +443,7 @@ impl Api {
             return super::respond_problems(&req, ErrorCode::InvalidAnswer, problems).await;
         }
         // Bound to what was asked: an answer for other arguments does not apply.
-        let known = match self.escalations.get(r.run_id, &r.approval_id).await {
+        let known = match self.approvals.get(r.run_id, &r.approval_id).await {
             Ok(Some((record, revision))) => {
                 if let Some(d) = r.digest.as_ref().filter(|d| **d != record.request.digest) {
                     return respond_error(
@@ -529,7 +529,7 @@ impl Api {
                     };
                     return respond_json(&req, self.max_payload(), &reply).await;
                 }
-                Ok(record) => match self.escalations.get(r.run_id, &r.approval_id).await {
+                Ok(record) => match self.approvals.get(r.run_id, &r.approval_id).await {
                     Ok(Some(k)) => k,
                     Ok(None) => {
                         return approval_not_found(&req, r.run_id, &record.request.approval_id)
@@ -549,7 +549,7 @@ impl Api {
             incident: r.incident,
         };
         let settled = self
-            .escalations
+            .approvals
             .settle(r.run_id, &r.approval_id, None, Some(known), |p| {
                 settled(p, ApprovalStatus::Decided, answer.clone())
             })
@@ -681,7 +681,7 @@ impl Api {
         // The record is written before the verdict is sent; an answer that lost to the
         // deadline waits for the default's record a moment longer.
         let record = loop {
-            match self.escalations.get(run, id).await {
+            match self.approvals.get(run, id).await {
                 Ok(Some((record, _))) if record.status != ApprovalStatus::Pending => break record,
                 Ok(_) if waited.elapsed() < VERDICT_WAIT => {
                     tokio::time::sleep(std::time::Duration::from_millis(25)).await;
@@ -752,7 +752,7 @@ impl Api {
             incident: d.incident,
         };
         let record = settled(pending, d.status, answer);
-        if let Err(e) = self.escalations.project(run, id, &record).await {
+        if let Err(e) = self.approvals.project(run, id, &record).await {
             tracing::warn!(%run, approval = %id, error = %e, "Could not write an approval's decision read from the run log");
             return None;
         }

@@ -885,7 +885,7 @@ mod tests {
         let live = LiveWorkers::new(Duration::from_secs(30));
         let ctx = ValidationContext::default();
         let api = Api {
-            escalations: crate::approvals::Escalations::new(bus.clone()),
+            approvals: crate::approval_store::ApprovalStore::new(bus.clone()),
             intake: Arc::new(Intake::new(
                 store.clone(),
                 ctx.clone(),

@@ -244,14 +244,7 @@ impl Runtime {
                         // A coordinator rejected the run's submission after another started
                         // it (their configurations differ): the run log says rejected, so
                         // the run stops.
-                        let reason = format!(
-                            "rejected: {}",
-                            r.errors
-                                .iter()
-                                .map(ToString::to_string)
-                                .collect::<Vec<_>>()
-                                .join("; ")
-                        );
+                        let reason = flotilla_machine::rejected_reason(r);
                         warn!(%run, %reason, "A started run's submission was rejected; stopping it");
                         actions.extend(e.machine.apply(Input::Abort { reason: &reason }, d.ts_ms));
                     }

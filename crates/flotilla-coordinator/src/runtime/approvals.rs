@@ -15,7 +15,7 @@ use tracing::info;
 
 use flotilla_model::event::EventEnvelope;
 
-use crate::approvals::{approval_event_id, grantable, settled, settled_detail};
+use crate::approval_store::{approval_event_id, grantable, settled, settled_detail};
 
 use super::{Cached, Runtime, StepError};
 
@@ -127,7 +127,7 @@ impl Runtime {
             .approval_record(entry, wait, trigger, deadline_ms)
             .await?;
         let pending = self
-            .escalations
+            .approvals
             .request(&record, notify_only)
             .await
             .map_err(StepError::from)?;
@@ -253,7 +253,7 @@ impl Runtime {
         let run = entry.machine.state().run_id;
         let (decided, at_ms) = self.store.decision_at(seq).await?;
         let id = wait_id(wait.task, wait.attempt, wait.call);
-        let pending = match self.escalations.get(run, &id).await? {
+        let pending = match self.approvals.get(run, &id).await? {
             Some((record, _)) => record,
             None => {
                 self.approval_record(entry, wait, trigger, deadline_ms)
@@ -269,7 +269,7 @@ impl Runtime {
             incident: decided.incident,
         };
         let record = settled(&pending, decided.status, answer);
-        if self.escalations.project(run, &id, &record).await? {
+        if self.approvals.project(run, &id, &record).await? {
             info!(%run, approval = %id, status = record.status.as_str(), decision = record.answer.as_ref().map_or("", |a| a.decision.as_str()), "Approval decided");
         }
         if record.status == ApprovalStatus::Decided
@@ -325,7 +325,7 @@ impl Runtime {
         let id = wait_id(task, attempt, call);
         match self.settle_withdrawn(run, &id, &reason).await {
             Ok(record) => Ok(withdrawn_event(&record)),
-            Err(crate::approvals::ApprovalError::NotFound(_)) => Ok(None),
+            Err(crate::approval_store::ApprovalError::NotFound(_)) => Ok(None),
             Err(e) => Err(e.into()),
         }
     }
@@ -337,9 +337,9 @@ impl Runtime {
         run: flotilla_model::ids::RunId,
         id: &str,
         reason: &str,
-    ) -> Result<ApprovalRecord, crate::approvals::ApprovalError> {
+    ) -> Result<ApprovalRecord, crate::approval_store::ApprovalError> {
         let (record, ours) = self
-            .escalations
+            .approvals
             .settle(run, id, None, None, |p| {
                 settled(
                     p,

@@ -169,10 +169,10 @@ impl From<StoreError> for StepError {
     }
 }
 
-impl From<crate::approvals::ApprovalError> for StepError {
+impl From<crate::approval_store::ApprovalError> for StepError {
     /// Approvals fail only for reasons that may pass (NATS unavailable, a race lost too
     /// often) or that retrying reports again: the inputs are handed back.
-    fn from(e: crate::approvals::ApprovalError) -> Self {
+    fn from(e: crate::approval_store::ApprovalError) -> Self {
         Self::Failed(e.to_string())
     }
 }
@@ -211,7 +211,7 @@ pub(crate) struct Runtime {
     /// Parents' facts and tree counts, for admitting child runs.
     lineages: Arc<crate::lineage::Lineages>,
     /// Approvals of waiting tasks.
-    escalations: crate::approvals::Escalations,
+    approvals: crate::approval_store::ApprovalStore,
     /// Earned trust levels admissions use (`[hitl.trust] enabled`).
     trust: crate::trust::Trust,
 }
@@ -233,7 +233,7 @@ impl Runtime {
             crate::lineage::TreeLimits::of(&opts),
         ));
         Self {
-            escalations: crate::approvals::Escalations::new(bus.clone()),
+            approvals: crate::approval_store::ApprovalStore::new(bus.clone()),
             trust: crate::trust::Trust::default(),
             metrics,
             default_agent,

@@ -5,10 +5,10 @@
 //! created `pending` (create-if-absent: a step performed again asks once). A wait of the run
 //! machine (a dispatch, a tool call, a result's review) is decided on the run log — every
 //! answer and the deadline's timer are entries there, and the machine applies the first —
-//! and its decision is written here after ([`Escalations::project`]): the bucket is the
+//! and its decision is written here after ([`ApprovalStore::project`]): the bucket is the
 //! projection people read, rebuilt from the log. An external agent's question is the
 //! calling attempt's wait, not the machine's: it is settled here by one update at the
-//! pending revision ([`Escalations::settle`]), as is a withdrawal (the run no longer waits).
+//! pending revision ([`ApprovalStore::settle`]), as is a withdrawal (the run no longer waits).
 
 use async_nats::jetstream::kv;
 use flotilla_bus::Bus;
@@ -58,9 +58,10 @@ impl ApprovalError {
 /// How often a compare-and-set is retried after losing a race before giving up.
 const MAX_RACES: usize = 8;
 
-/// The escalations bucket, opened on first use.
+/// The approvals' records in the escalations bucket (`flotilla-escalations`, named so on the
+/// wire since 0.1; the concept is the approval), opened on first use.
 #[derive(Debug)]
-pub(crate) struct Escalations {
+pub(crate) struct ApprovalStore {
     bus: Bus,
     kv: OnceCell<kv::Store>,
 }
@@ -74,7 +75,7 @@ fn decode(key: &str, bytes: &[u8]) -> Result<ApprovalRecord, ApprovalError> {
         .map_err(|e| ApprovalError::Unreadable(format!("approval {key} could not be read: {e}")))
 }
 
-impl Escalations {
+impl ApprovalStore {
     pub(crate) fn new(bus: Bus) -> Self {
         Self {
             bus,
