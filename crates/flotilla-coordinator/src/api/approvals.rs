@@ -25,6 +25,11 @@ use tracing::info;
 
 use super::controls::VERDICT_WAIT;
 
+/// How long an answer waits for its verdict before it also reads the run log, then between
+/// reads (see [`Api::decided_without_verdict`]).
+const VERDICT_SLICE_FIRST: std::time::Duration = std::time::Duration::from_secs(1);
+const VERDICT_SLICE: std::time::Duration = std::time::Duration::from_millis(500);
+
 use crate::approval_store::{ApprovalError, grantable, settled};
 
 use super::{Api, parse, respond_error, respond_json};
@@ -646,22 +651,32 @@ impl Api {
             }
         };
         let waited = tokio::time::Instant::now();
-        let verdict = tokio::time::timeout(VERDICT_WAIT, async {
-            while let Some(m) = verdicts.next().await {
-                match serde_json::from_slice::<ControlVerdict>(&m.payload) {
-                    Ok(v) if v.run_id == run && v.seq == seq => return Some(v),
-                    _ => {}
+        // A coordinator answers within milliseconds; after a second without a verdict the
+        // log is read too, twice a second: a 0.2 coordinator applies without a verdict.
+        let mut verdict = None;
+        let mut slice = VERDICT_SLICE_FIRST;
+        while verdict.is_none() && waited.elapsed() < VERDICT_WAIT {
+            let heard = tokio::time::timeout(slice, async {
+                while let Some(m) = verdicts.next().await {
+                    match serde_json::from_slice::<ControlVerdict>(&m.payload) {
+                        Ok(v) if v.run_id == run && v.seq == seq => return Some(v),
+                        _ => {}
+                    }
                 }
-            }
-            None
-        })
-        .await
-        .ok()
-        .flatten();
-        let verdict = match verdict {
-            Some(v) => Some(v),
-            None => self.decided_without_verdict(run, id, seq, &record).await,
-        };
+                None
+            })
+            .await;
+            verdict = match heard {
+                Ok(Some(v)) => Some(v),
+                Ok(None) => {
+                    // The inbox's subscription ended: only the log can say.
+                    tokio::time::sleep(slice).await;
+                    self.decided_without_verdict(run, id, seq, &record).await
+                }
+                Err(_) => self.decided_without_verdict(run, id, seq, &record).await,
+            };
+            slice = VERDICT_SLICE;
+        }
         let Some(verdict) = verdict else {
             tracing::warn!(%run, approval = %id, seq, "No coordinator applied an answer in time");
             return respond_error(
@@ -718,9 +733,10 @@ impl Api {
     /// update) applies the run's log — it sends no verdict and does not write the bucket —
     /// or none does. When the run's record no longer waits for the approval, a machine
     /// applied a decision: the first `approval_decided` of the approval in log order, as the
-    /// 0.2 machine takes it. It is written to the bucket (the projection a 0.3 coordinator
-    /// would have written) and stands as the verdict. `None`: the run still waits (nobody
-    /// applied the log yet), or it cannot be read.
+    /// 0.2 machine takes it, unless the run had ended before it (its end withdrew the
+    /// approval). It is written to the bucket (the projection a 0.3 coordinator would have
+    /// written) and stands as the verdict. `None`: the run still waits (nobody applied the
+    /// log yet), it ended first, or it cannot be read.
     async fn decided_without_verdict(
         &self,
         run: flotilla_model::ids::RunId,
@@ -734,8 +750,7 @@ impl Api {
             .iter()
             .enumerate()
             .any(|(i, t)| t.approval.is_some_and(|p| p.id(i as u32) == id));
-        if waits || state.status.is_terminal() {
-            // Waiting still, or ended: an end withdraws what waited, and says so itself.
+        if waits {
             return None;
         }
         let history = self.store.history(run).await.ok()?;
@@ -743,6 +758,14 @@ impl Api {
             RunInput::ApprovalDecided(d) if d.approval_id == id => Some((s, at, d)),
             _ => None,
         })?;
+        if state
+            .finished_ms
+            .is_some_and(|finished| at.unix_ms() > finished)
+        {
+            // The run had ended before the first answer: its end withdrew the approval (and
+            // says so itself). A decision that ended the run is as old as the end.
+            return None;
+        }
         let answer = flotilla_model::approval::ApprovalAnswer {
             decision: d.decision,
             by: d.by,
