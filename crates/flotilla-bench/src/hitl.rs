@@ -304,10 +304,17 @@ async fn wait_requested(client: &Client, run: RunId, id: &str) -> anyhow::Result
             run_id: run,
             approval_id: id.into(),
         };
-        if let Ok(view) = client.call(&r, ASK).await?
-            && let Some(first) = view.history.first()
-        {
-            return Ok(nanos(&first.at));
+        // The coordinator's API may still be subscribing (its runtime took the warm-up run
+        // first): "no responders" is asked again until the deadline, like a pending request.
+        match client.call(&r, ASK).await {
+            Ok(Ok(view)) => {
+                if let Some(first) = view.history.first() {
+                    return Ok(nanos(&first.at));
+                }
+            }
+            Ok(Err(_)) => {}
+            Err(_) if Instant::now() < deadline => {}
+            Err(e) => return Err(e.into()),
         }
         anyhow::ensure!(Instant::now() < deadline, "run {run} never asked");
         tokio::time::sleep(Duration::from_millis(2)).await;

@@ -77,7 +77,12 @@ pub(crate) fn spawn_service(exe: &Path, config: &Path, role: &[&str]) -> anyhow:
         .arg("--config")
         .arg(config)
         .args(role)
-        .env("FLOTILLA_LOG", "warn")
+        // `FLOTILLA_BENCH_SERVICE_LOG` (default `warn`): the services' log filter, to see
+        // what a service did in a bench that went wrong.
+        .env(
+            "FLOTILLA_LOG",
+            std::env::var("FLOTILLA_BENCH_SERVICE_LOG").unwrap_or_else(|_| "warn".into()),
+        )
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
