@@ -345,8 +345,53 @@ async fn approved_sample(
         .call(&answer, ASK)
         .await?
         .map_err(|e| anyhow::anyhow!("answer refused: {e:?}"))?;
-    let outcome = client.wait(run, ASK).await?;
+    let outcome = match client.wait(run, ASK).await {
+        Ok(o) => o,
+        Err(e) => anyhow::bail!("{e}\n{}", what_the_run_did(client, store, run).await),
+    };
     anyhow::ensure!(outcome.status == RunStatus::Succeeded, "{outcome:?}");
     let (stored0, started1) = times(store, run).await?;
     Ok((ms_between(stored0, requested), ms_between(sent, started1)))
+}
+
+/// What a run that did not end (as far as its events say) did: its run-log inputs, its
+/// record's status and the events stored for it — a bench that went wrong says why.
+async fn what_the_run_did(client: &Client, store: &flotilla_runs::RunReader, run: RunId) -> String {
+    use futures::StreamExt;
+    let mut out = String::new();
+    match store.history(run).await {
+        Ok(h) => {
+            for (seq, _, e) in h {
+                let kind = serde_json::to_value(&e.input)
+                    .ok()
+                    .and_then(|v| v.get("type").and_then(|t| t.as_str()).map(str::to_owned))
+                    .unwrap_or_default();
+                out.push_str(&format!("  run log {seq}: {kind}\n"));
+            }
+        }
+        Err(e) => out.push_str(&format!("  run log unreadable: {e}\n")),
+    }
+    match store.state(run).await {
+        Ok(Some(s)) => out.push_str(&format!(
+            "  record: {:?}, applied {}\n",
+            s.status, s.applied
+        )),
+        Ok(None) => out.push_str("  no record\n"),
+        Err(e) => out.push_str(&format!("  record unreadable: {e}\n")),
+    }
+    match client.events(run).await {
+        Ok(events) => {
+            let mut events = Box::pin(events);
+            while let Ok(Some(e)) =
+                tokio::time::timeout(Duration::from_secs(2), events.next()).await
+            {
+                match e {
+                    Ok(e) => out.push_str(&format!("  event {}: {:?}\n", e.id, e.event)),
+                    Err(e) => out.push_str(&format!("  event unreadable: {e}\n")),
+                }
+            }
+        }
+        Err(e) => out.push_str(&format!("  events unreadable: {e}\n")),
+    }
+    out
 }

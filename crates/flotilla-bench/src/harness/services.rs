@@ -83,6 +83,7 @@ pub(crate) fn spawn_service(exe: &Path, config: &Path, role: &[&str]) -> anyhow:
             "FLOTILLA_LOG",
             std::env::var("FLOTILLA_BENCH_SERVICE_LOG").unwrap_or_else(|_| "warn".into()),
         )
+        .env_remove("FLOTILLA_BENCH_SERVICE_LOG")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
