@@ -356,6 +356,12 @@ pub const RECONNECT_CHECK: Duration = Duration::from_secs(2);
 /// up to a second).
 const READ_RETRY_PAUSE: Duration = Duration::from_millis(50);
 
+/// When [`Bus::find_in_subject`] reads the stream a second time after its first read: a
+/// message routed by the server just before the subscription was registered may be stored
+/// only after that first read (the stream stores what it captures asynchronously), and then
+/// reaches neither. Seen as a run's end missed by a client that began to wait at that moment.
+pub const SETTLE_RECHECK: Duration = Duration::from_millis(250);
+
 /// How long a quiet [`Bus::find_in_subject`] waits before reading the stream again anyway (a
 /// subscription can also drop messages when its reader falls far behind).
 pub const QUIET_RECHECK: Duration = Duration::from_secs(30);
@@ -449,11 +455,13 @@ impl Bus {
     /// passes first. No consumer is created on the server (a stream allows a limited number,
     /// and waiting for a run to end is frequent and short-lived): a core subscription is taken
     /// first, then the stored messages are read by batch direct gets, so nothing published
-    /// in between is missed; new messages come from the subscription. The stream is read
-    /// again after the connection was re-established ([`RECONNECT_CHECK`]) and after
-    /// [`QUIET_RECHECK`] without a message, and a read that fails for a moment (a timeout
-    /// while a cluster node dies) is tried again until `until`. `find` may see a message
-    /// twice (stored and published).
+    /// in between is missed; new messages come from the subscription. A message the server
+    /// routed just before the subscription was registered, and stored just after the first
+    /// read, reaches neither: the stream is read once more [`SETTLE_RECHECK`] after the first
+    /// read. It is read again after the connection was re-established ([`RECONNECT_CHECK`])
+    /// and after [`QUIET_RECHECK`] without a message, and a read that fails for a moment (a
+    /// timeout while a cluster node dies) is tried again until `until`. `find` may see a
+    /// message twice (stored and published).
     pub async fn find_in_subject<T>(
         &self,
         kind: StreamKind,
@@ -475,8 +483,10 @@ impl Bus {
         let stats = self.client().statistics();
         let connects = || stats.connects.load(std::sync::atomic::Ordering::Relaxed);
         let mut after = 0;
+        let mut reads = 0u32;
         loop {
             let read_at = connects();
+            reads += 1;
             // What the stream holds after `after`, page by page. A read that fails for a
             // moment (a cluster node died and the client is reconnecting elsewhere) is tried
             // again from where it stopped, until `until`.
@@ -508,6 +518,9 @@ impl Bus {
             // Then what is published, until a reconnect or a long quiet spell sends us back to
             // the stream.
             let mut quiet = tokio::time::Instant::now() + QUIET_RECHECK;
+            // After the first read, once more a moment later, whatever the subscription
+            // brings meanwhile.
+            let settle = (reads == 1).then(|| tokio::time::Instant::now() + SETTLE_RECHECK);
             loop {
                 let check = tokio::time::Instant::now() + RECONNECT_CHECK;
                 tokio::select! {
@@ -525,12 +538,17 @@ impl Bus {
                             ));
                         }
                     },
-                    () = tokio::time::sleep_until(check.min(quiet).min(until)) => {
+                    () = tokio::time::sleep_until(
+                        check.min(quiet).min(until).min(settle.unwrap_or(until))
+                    ) => {
                         let now = tokio::time::Instant::now();
                         if now >= until {
                             return Ok(None);
                         }
-                        if now >= quiet || connects() != read_at {
+                        if now >= quiet
+                            || settle.is_some_and(|s| now >= s)
+                            || connects() != read_at
+                        {
                             break;
                         }
                     }
