@@ -294,21 +294,24 @@ impl Runtime {
                         _ => None,
                     };
                     let a = e.machine.apply(input, d.ts_ms);
+                    // What the machine made of the entry, for whoever waits on `to`.
+                    let verdict = |to: &String, applied, status, detail| {
+                        let v = ControlVerdict {
+                            protocol: PROTOCOL_VERSION,
+                            run_id: run,
+                            seq: d.seq,
+                            applied,
+                            status,
+                            detail,
+                        };
+                        (to.clone(), v)
+                    };
                     if let Some((to, status, counted)) = answer {
                         let applied = e.machine.state().applied != counted;
-                        verdicts.push((
-                            to.clone(),
-                            ControlVerdict {
-                                protocol: PROTOCOL_VERSION,
-                                run_id: run,
-                                seq: d.seq,
-                                applied,
-                                status,
-                                detail: (!applied).then(|| {
-                                    "the approval was decided before this answer, or the run no longer waits for it".to_owned()
-                                }),
-                            },
-                        ));
+                        let detail = (!applied).then(|| {
+                            "the approval was decided before this answer, or the run no longer waits for it".to_owned()
+                        });
+                        verdicts.push(verdict(to, applied, status, detail));
                     }
                     if let Some((c, status, counted, unchanged)) = control {
                         let applied = e.machine.state().applied != counted;
@@ -316,17 +319,8 @@ impl Runtime {
                             info!(%run, action = c.action.as_str(), task = c.task_id.as_ref().map_or("-", |t| t.as_str()), by = c.by.as_deref().unwrap_or("-"), status = %e.machine.state().status, "Run control applied");
                         }
                         if let Some(to) = &c.reply_to {
-                            verdicts.push((
-                                to.clone(),
-                                ControlVerdict {
-                                    protocol: PROTOCOL_VERSION,
-                                    run_id: run,
-                                    seq: d.seq,
-                                    applied,
-                                    status,
-                                    detail: unchanged.filter(|_| !applied).map(|u| u.to_string()),
-                                },
-                            ));
+                            let detail = unchanged.filter(|_| !applied).map(|u| u.to_string());
+                            verdicts.push(verdict(to, applied, status, detail));
                         }
                     }
                     applied_from_log(run, other, &a, e, d, &mut hops);
