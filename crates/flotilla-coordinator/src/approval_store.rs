@@ -341,6 +341,42 @@ impl ApprovalStore {
     }
 }
 
+/// The record of an approval that run-log entry `decided` (stored at `at_ms`, Unix ms)
+/// decided: `pending` settled with the entry's answer. Entries before 0.3 carry no `at`: the
+/// entry's time stands for it.
+pub(crate) fn decided_record(
+    pending: &ApprovalRecord,
+    decided: flotilla_model::approval::ApprovalDecided,
+    at_ms: i64,
+) -> ApprovalRecord {
+    let answer = ApprovalAnswer {
+        decision: decided.decision,
+        by: decided.by,
+        comment: decided.comment,
+        at: decided.at.unwrap_or_else(|| Timestamp::from_unix_ms(at_ms)),
+        always: decided.always,
+        incident: decided.incident,
+    };
+    settled(pending, decided.status, answer)
+}
+
+/// The tool grant a decided approval writes into its session: an answer with `always` to a
+/// grantable tool call; `None` for any other.
+pub(crate) fn grant_of(record: &ApprovalRecord) -> Option<flotilla_model::approval::ToolGrant> {
+    let a = record.answer.as_ref().filter(|a| a.always)?;
+    let call = record.request.tool_call.as_ref()?;
+    (record.status == ApprovalStatus::Decided && grantable(record)).then(|| {
+        flotilla_model::approval::ToolGrant {
+            tool: call.tool.clone(),
+            by: a.by.clone(),
+            run_id: record.request.run_id,
+            approval_id: record.request.approval_id.clone(),
+            at: a.at,
+            comment: a.comment.clone(),
+        }
+    })
+}
+
 /// Whether `always` may go with an answer to this approval: a tool call that waits because of
 /// what the tool is or who calls it. Questions, client tools and out-of-scope calls are
 /// answered call by call.

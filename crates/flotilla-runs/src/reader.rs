@@ -400,13 +400,7 @@ impl RunReader {
         &self,
         seq: u64,
     ) -> Result<flotilla_model::approval::ApprovalDecided, StoreError> {
-        match self.entry_at(seq).await?.0.input {
-            RunInput::ApprovalDecided(d) => Ok(*d),
-            _ => Err(StoreError::new(
-                StoreErrorKind::Decode,
-                format!("run-log entry {seq} is not an approval's decision"),
-            )),
-        }
+        Ok(self.decision_at(seq).await?.0)
     }
 
     /// An approval's decision by run-log sequence, with the entry's server time (Unix ms).

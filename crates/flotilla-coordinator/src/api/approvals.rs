@@ -30,7 +30,7 @@ use super::controls::VERDICT_WAIT;
 const VERDICT_SLICE_FIRST: std::time::Duration = std::time::Duration::from_secs(1);
 const VERDICT_SLICE: std::time::Duration = std::time::Duration::from_millis(500);
 
-use crate::approval_store::{ApprovalError, grantable, settled};
+use crate::approval_store::{ApprovalError, decided_record, grant_of, grantable, settled};
 
 use super::{Api, parse, respond_error, respond_json};
 
@@ -766,36 +766,14 @@ impl Api {
             // says so itself). A decision that ended the run is as old as the end.
             return None;
         }
-        let answer = flotilla_model::approval::ApprovalAnswer {
-            decision: d.decision,
-            by: d.by,
-            comment: d.comment,
-            at: d.at.unwrap_or(at),
-            always: d.always,
-            incident: d.incident,
-        };
-        let record = settled(pending, d.status, answer);
+        let record = decided_record(pending, *d, at.unix_ms());
         if let Err(e) = self.approvals.project(run, id, &record).await {
             tracing::warn!(%run, approval = %id, error = %e, "Could not write an approval's decision read from the run log");
             return None;
         }
         info!(%run, approval = %id, seq = first, "Approval decided by a coordinator that sent no verdict; its record written from the run log");
-        if let Some(a) = record.answer.as_ref().filter(|a| a.always && first == seq)
-            && let Some(call) = record
-                .request
-                .tool_call
-                .as_ref()
-                .filter(|_| grantable(&record))
-        {
-            // The grant a 0.3 coordinator writes with the decision.
-            let grant = flotilla_model::approval::ToolGrant {
-                tool: call.tool.clone(),
-                by: a.by.clone(),
-                run_id: run,
-                approval_id: id.to_owned(),
-                at: a.at,
-                comment: a.comment.clone(),
-            };
+        // The grant a 0.3 coordinator writes with the decision.
+        if let Some(grant) = grant_of(&record).filter(|_| first == seq) {
             let written = async {
                 let scope = self.session_scope(Some(run), None).await?;
                 self.clients(scope)?

@@ -7,7 +7,7 @@
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::approval::{
     ApprovalAnswer, ApprovalDecided, ApprovalRecord, ApprovalRequest, ApprovalStatus, Decision,
-    DefaultDecision, ToolCallRef, ToolGrant, Trigger, digest_of, expired_msg_id, wait_id,
+    DefaultDecision, ToolCallRef, Trigger, digest_of, expired_msg_id, wait_id,
 };
 use flotilla_model::runlog::{RunInput, RunLogEntry};
 use flotilla_model::time::Timestamp;
@@ -15,7 +15,7 @@ use tracing::info;
 
 use flotilla_model::event::EventEnvelope;
 
-use crate::approval_store::{approval_event_id, grantable, settled, settled_detail};
+use crate::approval_store::{approval_event_id, decided_record, grant_of, settled, settled_detail};
 
 use super::{Cached, Runtime, StepError};
 
@@ -260,34 +260,11 @@ impl Runtime {
                     .await?
             }
         };
-        let answer = ApprovalAnswer {
-            decision: decided.decision,
-            by: decided.by,
-            comment: decided.comment,
-            at: decided.at.unwrap_or_else(|| Timestamp::from_unix_ms(at_ms)),
-            always: decided.always,
-            incident: decided.incident,
-        };
-        let record = settled(&pending, decided.status, answer);
+        let record = decided_record(&pending, decided, at_ms);
         if self.approvals.project(run, &id, &record).await? {
             info!(%run, approval = %id, status = record.status.as_str(), decision = record.answer.as_ref().map_or("", |a| a.decision.as_str()), "Approval decided");
         }
-        if record.status == ApprovalStatus::Decided
-            && let Some(a) = record.answer.as_ref().filter(|a| a.always)
-            && let Some(call) = record
-                .request
-                .tool_call
-                .as_ref()
-                .filter(|_| grantable(&record))
-        {
-            let grant = ToolGrant {
-                tool: call.tool.clone(),
-                by: a.by.clone(),
-                run_id: run,
-                approval_id: id.clone(),
-                at: a.at,
-                comment: a.comment.clone(),
-            };
+        if let Some(grant) = grant_of(&record) {
             let state = entry.machine.state();
             let scope = flotilla_context::Scope::operator(
                 self.bus.names().clone(),
