@@ -11,10 +11,11 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use flotilla_coordinator::CoordinatorOptions;
+use flotilla_machine::policy::HitlConfig;
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::approval::{
     AnswerOutcome, ApprovalAnswerReply, ApprovalAnswerRequest, ApprovalGetRequest, ApprovalRecord,
-    ApprovalStatus, Decision, DefaultDecision, HitlConfig, HitlMode, OnTimeout, Trigger,
+    ApprovalStatus, Decision, DefaultDecision, HitlMode, OnTimeout, Trigger,
 };
 use flotilla_model::ids::RunId;
 use flotilla_model::plan::Subtask;

@@ -10,9 +10,10 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use flotilla_coordinator::CoordinatorOptions;
+use flotilla_machine::policy::HitlConfig;
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::approval::{
-    AnswerOutcome, ApprovalAnswerReply, ApprovalAnswerRequest, ApprovalStatus, Decision, HitlConfig,
+    AnswerOutcome, ApprovalAnswerReply, ApprovalAnswerRequest, ApprovalStatus, Decision,
 };
 use flotilla_model::control::{ControlRunReply, PauseRunRequest, ResumeRunRequest};
 use flotilla_model::ids::RunId;

@@ -43,7 +43,7 @@ pub(crate) struct Config {
     /// Supervisor settings.
     pub(crate) supervisor: SupervisorOptions,
     /// Humans in the loop: which tasks wait for a person's approval, and for how long.
-    pub(crate) hitl: flotilla_model::approval::HitlConfig,
+    pub(crate) hitl: flotilla_machine::policy::HitlConfig,
     /// Health, readiness and metrics listener; log format.
     pub(crate) telemetry: TelemetryOptions,
     /// The web console: where it listens, identities and operators.
@@ -72,7 +72,7 @@ impl Default for Config {
             coordinator: CoordinatorOptions::default(),
             worker: WorkerOptions::default(),
             supervisor: SupervisorOptions::default(),
-            hitl: flotilla_model::approval::HitlConfig::default(),
+            hitl: flotilla_machine::policy::HitlConfig::default(),
             telemetry: TelemetryOptions::default(),
             console: flotilla_console::ConsoleOptions::default(),
             agents_protocol: flotilla_agents::AgentsProtocolOptions::default(),

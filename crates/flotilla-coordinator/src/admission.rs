@@ -15,7 +15,8 @@
 use std::future::Future;
 use std::pin::Pin;
 
-use flotilla_model::approval::{HitlConfig, HitlPolicy};
+use flotilla_machine::policy::HitlConfig;
+use flotilla_model::approval::HitlPolicy;
 use flotilla_model::codec::check_protocol;
 use flotilla_model::ids::{RunId, SessionId};
 use flotilla_model::memory::MemoryUse;

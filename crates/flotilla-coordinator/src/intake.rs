@@ -97,7 +97,7 @@ pub(crate) struct Intake {
     /// The supervisor's memory, consulted for bare queries (absent: planned without it).
     memory: Option<crate::memory::Memory>,
     /// The deployment's escalation policy, resolved with each plan's at admission.
-    hitl: flotilla_model::approval::HitlConfig,
+    hitl: flotilla_machine::policy::HitlConfig,
     trust: crate::trust::Trust,
 }
 
@@ -130,7 +130,7 @@ impl Intake {
             planner,
             lineages,
             memory: None,
-            hitl: flotilla_model::approval::HitlConfig::default(),
+            hitl: flotilla_machine::policy::HitlConfig::default(),
             trust: crate::trust::Trust::default(),
         }
     }
@@ -142,7 +142,7 @@ impl Intake {
         self
     }
 
-    pub(crate) fn with_hitl(mut self, hitl: flotilla_model::approval::HitlConfig) -> Self {
+    pub(crate) fn with_hitl(mut self, hitl: flotilla_machine::policy::HitlConfig) -> Self {
         self.hitl = hitl;
         self
     }

@@ -64,7 +64,7 @@ pub struct CoordinatorOptions {
     /// The deployment's escalation policy (the top-level `[hitl]` section, set by the
     /// binary): which tasks wait for a person.
     #[serde(skip)]
-    pub hitl: flotilla_model::approval::HitlConfig,
+    pub hitl: flotilla_machine::policy::HitlConfig,
 }
 
 impl Default for CoordinatorOptions {
@@ -101,7 +101,7 @@ impl Default for CoordinatorOptions {
             // No planner: bare queries are rejected until one is configured.
             planner: crate::planner::PlannerOptions::default(),
             memory: crate::memory::MemoryOptions::default(),
-            hitl: flotilla_model::approval::HitlConfig::default(),
+            hitl: flotilla_machine::policy::HitlConfig::default(),
         }
     }
 }

@@ -13,7 +13,8 @@
 use std::collections::BTreeMap;
 
 use flotilla_bus::mirror::KvMirror;
-use flotilla_model::approval::{HitlConfig, HitlMode, HitlPolicy};
+use flotilla_machine::policy::HitlConfig;
+use flotilla_model::approval::{HitlMode, HitlPolicy};
 use flotilla_model::plan::Plan;
 use flotilla_model::team::RecordScope;
 use flotilla_model::time::Timestamp;

@@ -144,7 +144,7 @@ impl RunMachine {
 
     /// Whether a pause, resume or takeover — of the run, or of its task `task` — asked `by`
     /// someone would change the run now, and if not why: the rule
-    /// [`on_control`](Self::on_control) and [`on_task_control`](Self::on_task_control)
+    /// `on_control` and `on_task_control`
     /// apply. A pause applies to a running run, a takeover to one not under human control
     /// already, a resume to a held one; a task's pause to a task not paused, its resume to a
     /// paused one (the lead does not lift a person's pause); nothing to an ended run or task.

@@ -763,19 +763,20 @@ fn newer_protocol_versions_are_refused() {
 /// `flotilla_machine::policy::hitl::resolve` gives; written out here, as the model's tests do
 /// not depend on the machine).
 fn default_hitl_policy() -> flotilla_model::approval::HitlPolicy {
-    let d = flotilla_model::approval::HitlConfig::default();
     flotilla_model::approval::HitlPolicy {
-        mode: d.mode,
-        sensitive_actions: d.sensitive_actions,
-        sensitive_risk: d.sensitive_risk,
-        timeout: d.approval_timeout,
-        on_timeout: d.on_timeout,
+        mode: flotilla_model::approval::HitlMode::HumanInTheLoop,
+        sensitive_actions: ["delete", "publish", "pay", "send_email"]
+            .map(str::to_owned)
+            .to_vec(),
+        sensitive_risk: None,
+        timeout: flotilla_model::approval::DEFAULT_APPROVAL_TIMEOUT,
+        on_timeout: Default::default(),
         modes: std::collections::BTreeMap::new(),
         default_agent: None,
-        consecutive_failures: d.consecutive_failures,
-        out_of_scope: d.out_of_scope,
-        low_confidence: d.low_confidence,
-        cost_limit: d.cost_limit,
+        consecutive_failures: 0,
+        out_of_scope: false,
+        low_confidence: 0.6,
+        cost_limit: None,
         budget_ask: false,
     }
 }

@@ -113,7 +113,7 @@ pub(crate) struct Team {
     pub(crate) trust_kv: kv::Store,
     pub(crate) trusts: KvMirror<flotilla_model::trust::TrustRecord>,
     /// The rules levels are earned by (`[hitl.trust]`).
-    pub(crate) trust: flotilla_model::trust::TrustConfig,
+    pub(crate) trust: flotilla_machine::policy::TrustConfig,
     /// External members: agents of the NATS Agent Protocol, kept in memory
     /// ([`external`]).
     pub(crate) external: external::External,
@@ -139,7 +139,7 @@ pub struct Supervisor {
     heartbeat: Duration,
     metrics: Metrics,
     validation: ValidationContext,
-    trust: flotilla_model::trust::TrustConfig,
+    trust: flotilla_machine::policy::TrustConfig,
     agents: flotilla_agents::AgentsProtocolOptions,
     exposed_definitions: std::collections::BTreeSet<flotilla_agents::wire::AgentAddress>,
     ready: Option<oneshot::Sender<()>>,
@@ -171,7 +171,7 @@ impl Supervisor {
             heartbeat,
             metrics: Metrics::new(),
             validation: ValidationContext::default(),
-            trust: flotilla_model::trust::TrustConfig::default(),
+            trust: flotilla_machine::policy::TrustConfig::default(),
             agents: flotilla_agents::AgentsProtocolOptions::default(),
             exposed_definitions: Default::default(),
             ready: None,
@@ -201,7 +201,7 @@ impl Supervisor {
     }
 
     /// Earns trust levels by `trust` (`[hitl.trust]`; the default rules without it).
-    pub fn with_trust(mut self, trust: flotilla_model::trust::TrustConfig) -> Self {
+    pub fn with_trust(mut self, trust: flotilla_machine::policy::TrustConfig) -> Self {
         self.trust = trust;
         self
     }

@@ -4,7 +4,19 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use flotilla_model::schema::{public_schemas, render};
+use flotilla_model::schema::render;
+use schemars::{Schema, schema_for};
+
+/// Every published schema: the wire's, and the deployment configuration's sections that a
+/// config file is checked against.
+fn public_schemas() -> Vec<(&'static str, Schema)> {
+    let mut out = flotilla_model::schema::public_schemas();
+    out.push((
+        "hitl-config.json",
+        schema_for!(flotilla_machine::policy::HitlConfig),
+    ));
+    out
+}
 
 /// Writes every schema into `dir`.
 pub(crate) fn write(dir: &Path) -> anyhow::Result<ExitCode> {

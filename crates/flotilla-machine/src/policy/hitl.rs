@@ -7,11 +7,11 @@
 
 use std::collections::BTreeMap;
 
-use flotilla_model::approval::{
-    HitlConfig, HitlMode, HitlPolicy, OnBudgetExhausted, PlanHitl, Trigger,
-};
+use flotilla_model::approval::{HitlMode, HitlPolicy, PlanHitl, Trigger};
 use flotilla_model::plan::Subtask;
 use flotilla_model::task::ToolGate;
+
+use super::config::{HitlConfig, OnBudgetExhausted};
 
 /// Why and how a task waits for a person before it is dispatched.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -193,7 +193,9 @@ pub fn review(policy: &HitlPolicy, sub: &Subtask, confidence: f64) -> Option<(f6
 
 #[cfg(test)]
 mod tests {
-    use flotilla_model::approval::{DEFAULT_LOW_CONFIDENCE, DefaultDecision};
+    use flotilla_model::approval::DefaultDecision;
+
+    use crate::policy::config::DEFAULT_LOW_CONFIDENCE;
 
     use super::*;
 

@@ -10,11 +10,17 @@
 //!   ([`trust::mode_of_level`], [`trust::trusted_modes`]).
 //! * [`control`]: what a pause, resume or takeover may do ([`control::may_resume_task`]).
 //!
-//! The data these rules read (`HitlPolicy`, `HitlConfig`, `TrustRecord`, `TrustConfig`) are
-//! wire and configuration types of `flotilla-model`; the decisions are here. The coordinator
-//! and the supervisor only gather the facts (the deployment's configuration, the trust
-//! records, the run's state) and append what was decided.
+//! * [`config`]: the deployment's `[hitl]` and `[hitl.trust]` sections these rules read when
+//!   a run is admitted ([`HitlConfig`], [`TrustConfig`]), with their defaults and checks.
+//!
+//! The run's own data these rules read (`HitlPolicy`, `TrustRecord`) are wire types of
+//! `flotilla-model`; the decisions are here. The coordinator and the supervisor only gather
+//! the facts (the deployment's configuration, the trust records, the run's state) and append
+//! what was decided.
 
+pub mod config;
 pub mod control;
 pub mod hitl;
 pub mod trust;
+
+pub use config::{HitlConfig, LevelRule, OnBudgetExhausted, TrustConfig};

@@ -13,7 +13,9 @@ use flotilla_model::approval::HitlMode;
 use flotilla_model::plan::Plan;
 use flotilla_model::team::{FailureRecord, RecordScope};
 use flotilla_model::time::Timestamp;
-use flotilla_model::trust::{LevelRule, TrustConfig, TrustLevel, TrustRecord};
+use flotilla_model::trust::{TrustLevel, TrustRecord};
+
+use super::config::{LevelRule, TrustConfig};
 
 /// The level `record` (counted outcomes) earns for `trust` at `now` under `cfg`, before any
 /// pin.

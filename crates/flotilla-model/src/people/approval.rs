@@ -7,13 +7,14 @@
 //! (`flotilla_machine::policy::hitl::gate`). A waiting task is a state of the run machine plus its durable
 //! timer: it holds no worker slot and no consumer.
 //!
-//! An approval's life is the revisions of one key of the escalations bucket
-//! (`<run>.<approval>`, [`approval_key`]): `pending` when requested, then exactly one of a
-//! person's answer, the deadline's default (`expired`), or `withdrawn` (the run ended first).
-//! Each later revision is written at the revision it read (compare-and-set), so the first
-//! wins and a later answer is told `already_decided` with the decision. The winner is then
-//! appended to the run log ([`crate::runlog::RunInput::ApprovalDecided`]), where the run
-//! machine applies it once.
+//! A task's approval is decided on its run's log: every answer is an `approval_decided`
+//! entry ([`crate::runlog::RunInput::ApprovalDecided`]), and so is the deadline's default
+//! once its timer fires; the run machine takes the first in log order, exactly once. The
+//! escalations bucket (`<run>.<approval>`, [`approval_key`]) is a projection of that
+//! decision: `pending` when requested, then the decided record, written after the run
+//! machine decided (or `withdrawn` when the run ended first), so a later answer is told
+//! `already_decided` with it. An external agent's question (`approval.ask`) is not a wait of
+//! the run: it is decided in the bucket alone, first answer wins by compare-and-set.
 
 mod api;
 mod policy;
@@ -315,30 +316,4 @@ pub fn digest_of(description: &str, input: &serde_json::Value) -> String {
     h.update([0u8]);
     h.update(input.to_string().as_bytes());
     h.finalize().iter().map(|b| format!("{b:02x}")).collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn bad_sections_are_named() {
-        let d = HitlConfig {
-            sensitive_actions: vec![" ".into()],
-            approval_timeout: Secs::from_secs(0),
-            consecutive_failures: MAX_CONSECUTIVE_FAILURES + 1,
-            low_confidence: 2.0,
-            ..HitlConfig::default()
-        };
-        let fields: Vec<String> = d.problems().into_iter().map(|p| p.path).collect();
-        assert_eq!(
-            fields,
-            [
-                "hitl.sensitive-actions[0]",
-                "hitl.approval-timeout",
-                "hitl.low-confidence",
-                "hitl.consecutive-failures"
-            ]
-        );
-    }
 }

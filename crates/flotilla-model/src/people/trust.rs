@@ -16,7 +16,6 @@ use std::collections::VecDeque;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::problem::{Problem, ProblemCode};
 use crate::team::RecordScope;
 use crate::time::Timestamp;
 
@@ -66,82 +65,6 @@ impl TrustLevel {
     /// As a number for metrics: 0, 1, 2.
     pub fn rank(self) -> i64 {
         self as i64
-    }
-}
-
-/// What one level takes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "kebab-case", deny_unknown_fields)]
-pub struct LevelRule {
-    /// Attempts counted (succeeded and failed).
-    pub min_tasks: u64,
-    /// Succeeded over counted, in percent (0 to 100).
-    pub min_success_percent: u32,
-    /// Days since the agent or role was first counted.
-    pub min_days: u32,
-    /// Days since the last incident (or since first counted, without one).
-    pub incident_free_days: u32,
-}
-
-/// `[hitl.trust]`: earned trust.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "kebab-case", deny_unknown_fields, default)]
-pub struct TrustConfig {
-    /// Admit runs with each agent's and role's earned mode (default false: the levels are
-    /// kept and shown, the modes of `[hitl]` apply).
-    pub enabled: bool,
-    /// What `proficient` takes (default 50 tasks, 90 %, 7 days, 7 incident-free days).
-    pub proficient: LevelRule,
-    /// What `expert` takes (default 200 tasks, 98 %, 30 days, 30 incident-free days).
-    pub expert: LevelRule,
-}
-
-impl Default for TrustConfig {
-    fn default() -> Self {
-        Self {
-            enabled: false,
-            proficient: LevelRule {
-                min_tasks: 50,
-                min_success_percent: 90,
-                min_days: 7,
-                incident_free_days: 7,
-            },
-            expert: LevelRule {
-                min_tasks: 200,
-                min_success_percent: 98,
-                min_days: 30,
-                incident_free_days: 30,
-            },
-        }
-    }
-}
-
-impl TrustConfig {
-    /// Every problem of the section, each naming its key.
-    pub fn problems(&self) -> Vec<Problem> {
-        let mut out = Vec::new();
-        for (name, r) in [("proficient", &self.proficient), ("expert", &self.expert)] {
-            if r.min_success_percent > 100 {
-                out.push(Problem::new(
-                    ProblemCode::InvalidConfig,
-                    format!("hitl.trust.{name}.min-success-percent"),
-                    format!("must be 0 to 100, not {}", r.min_success_percent),
-                ));
-            }
-        }
-        let (p, e) = (&self.proficient, &self.expert);
-        if e.min_tasks < p.min_tasks
-            || e.min_success_percent < p.min_success_percent
-            || e.min_days < p.min_days
-            || e.incident_free_days < p.incident_free_days
-        {
-            out.push(Problem::new(
-                ProblemCode::InvalidConfig,
-                "hitl.trust.expert",
-                "expert must take at least what proficient takes, rule by rule",
-            ));
-        }
-        out
     }
 }
 

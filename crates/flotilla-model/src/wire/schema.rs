@@ -331,7 +331,6 @@ pub fn public_schemas() -> Vec<(&'static str, Schema)> {
             schema_for!(crate::approval::GrantRevokeReply),
         ),
         ("tool-grant.json", schema_for!(crate::approval::ToolGrant)),
-        ("hitl-config.json", schema_for!(crate::approval::HitlConfig)),
         (
             "pause-run-request.json",
             schema_for!(crate::control::PauseRunRequest),

@@ -1,6 +1,7 @@
-//! The escalation policy: the deployment's `[hitl]` section ([`HitlConfig`]), a plan's
-//! `config.hitl` ([`PlanHitl`]), and the policy a run is admitted with ([`HitlPolicy`]) —
-//! data only; what it decides is `flotilla_machine::policy::hitl`.
+//! The escalation policy on the wire: a plan's `config.hitl` ([`PlanHitl`]) and the policy a
+//! run is admitted with ([`HitlPolicy`]) — data only. The deployment's `[hitl]` section is
+//! configuration, kept with the policy that reads it (`flotilla_machine::policy::config`);
+//! what the policy decides is `flotilla_machine::policy::hitl`.
 
 use std::collections::BTreeMap;
 
@@ -132,91 +133,6 @@ impl DefaultDecision {
 pub const DEFAULT_APPROVAL_TIMEOUT: Secs = Secs::from_secs(1800);
 /// Longest approval deadline: 7 days.
 pub const MAX_APPROVAL_TIMEOUT: Secs = Secs::from_secs(7 * 24 * 3600);
-/// Actions that are sensitive unless the deployment says otherwise.
-pub const DEFAULT_SENSITIVE_ACTIONS: [&str; 4] = ["delete", "publish", "pay", "send_email"];
-/// The most `consecutive-failures` may be.
-pub const MAX_CONSECUTIVE_FAILURES: u32 = 100;
-
-/// The deployment's `[hitl]` section: who is overseen how, and what waits for a person.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "kebab-case", deny_unknown_fields, default)]
-pub struct HitlConfig {
-    /// The mode of agents and roles not listed below (default `human_in_the_loop`).
-    pub mode: HitlMode,
-    /// Task actions that wait for approval (compared lower-case; default `delete`,
-    /// `publish`, `pay`, `send_email`).
-    pub sensitive_actions: Vec<String>,
-    /// Tasks whose `risk` is at least this wait for approval too (default: none — risk alone
-    /// asks nobody).
-    pub sensitive_risk: Option<Risk>,
-    /// How long a request waits for an answer (default 30 min, at most 7 days).
-    pub approval_timeout: Secs,
-    /// What an unanswered request decides, per trigger (default `reject` for both).
-    pub on_timeout: OnTimeout,
-    /// Modes of agents, by agent name (a stricter or looser oversight than `mode`).
-    pub agents: BTreeMap<String, HitlMode>,
-    /// Modes of roles, by role name; an agent's own mode wins over its role's.
-    pub roles: BTreeMap<String, HitlMode>,
-    /// After this many failed attempts of a task in a row, its next retry waits for a
-    /// person (trigger `consecutive_failures`) instead of running by the retry policy
-    /// alone; 0: never (the default, so that upgrading turns no existing retry into a wait;
-    /// 3 is a good start; at most 100). A task allowed fewer attempts never reaches it.
-    pub consecutive_failures: u32,
-    /// An LLM agent's call of a tool it does not have waits for a person (trigger
-    /// `out_of_scope`), who may answer in the tool's place, instead of the model being told
-    /// at once that no such tool exists. Default false: models do misname tools, and each
-    /// such call would otherwise wait for a person.
-    pub out_of_scope: bool,
-    /// A successful result whose `confidence` (0 to 1, when the agent gives one) is below
-    /// this is held for review before its dependents run (trigger `low_confidence`); 0: never
-    /// (default 0.6). Results without a confidence are never held.
-    pub low_confidence: f64,
-    /// A model call of an LLM agent whose estimated cost (its prompt and `max-output-tokens`
-    /// at the agent's `price`) is above this many US dollars waits for a person (trigger
-    /// `cost`). Default: none. Agents without a price are never asked.
-    pub cost_limit: Option<f64>,
-    /// What a model call that would pass its run's budget does: `fail` the task with
-    /// `budget_exhausted` (the default), or `ask` a person to extend the budget (trigger
-    /// `budget`) while the attempt waits without a worker slot.
-    pub on_budget_exhausted: OnBudgetExhausted,
-    /// `[hitl.trust]`: earned trust levels, and whether admissions use them.
-    pub trust: crate::trust::TrustConfig,
-}
-
-/// `[hitl] on-budget-exhausted`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum OnBudgetExhausted {
-    /// The task fails `budget_exhausted`.
-    #[default]
-    Fail,
-    /// A person is asked to extend the budget.
-    Ask,
-}
-
-impl Default for HitlConfig {
-    fn default() -> Self {
-        Self {
-            mode: HitlMode::default(),
-            sensitive_actions: DEFAULT_SENSITIVE_ACTIONS
-                .iter()
-                .map(|s| (*s).to_owned())
-                .collect(),
-            sensitive_risk: None,
-            approval_timeout: DEFAULT_APPROVAL_TIMEOUT,
-            on_timeout: OnTimeout::default(),
-            agents: BTreeMap::new(),
-            roles: BTreeMap::new(),
-            consecutive_failures: 0,
-            out_of_scope: false,
-            low_confidence: DEFAULT_LOW_CONFIDENCE,
-            cost_limit: None,
-            on_budget_exhausted: OnBudgetExhausted::Fail,
-            trust: crate::trust::TrustConfig::default(),
-        }
-    }
-}
-
 /// The default decision of an unanswered request, per trigger.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields, default)]
@@ -276,41 +192,8 @@ impl OnTimeout {
     }
 }
 
-impl HitlConfig {
-    /// Problems of the section: an empty action name, a deadline out of range.
-    pub fn problems(&self) -> Vec<Problem> {
-        let mut out = check_actions(&self.sensitive_actions, "hitl.sensitive-actions");
-        out.extend(check_timeout(
-            self.approval_timeout,
-            "hitl.approval-timeout".into(),
-        ));
-        out.extend(self.trust.problems());
-        out.extend(check_confidence(self.low_confidence, "hitl.low-confidence"));
-        if let Some(l) = self.cost_limit
-            && !(l.is_finite() && l > 0.0)
-        {
-            out.push(Problem::new(
-                ProblemCode::InvalidConfig,
-                "hitl.cost-limit",
-                format!("must be a positive amount of US dollars per model call, not {l}"),
-            ));
-        }
-        if self.consecutive_failures > MAX_CONSECUTIVE_FAILURES {
-            out.push(Problem::new(
-                ProblemCode::InvalidConfig,
-                "hitl.consecutive-failures",
-                format!(
-                    "must be 0 (never) to {MAX_CONSECUTIVE_FAILURES}, not {}",
-                    self.consecutive_failures
-                ),
-            ));
-        }
-        out
-    }
-}
-
 /// A problem when `value` is not a confidence threshold (0 to 1).
-fn check_confidence(value: f64, field: &str) -> Option<Problem> {
+pub fn check_confidence(value: f64, field: &str) -> Option<Problem> {
     (!(0.0..=1.0).contains(&value)).then(|| {
         Problem::new(
             ProblemCode::InvalidConfig,
@@ -321,7 +204,7 @@ fn check_confidence(value: f64, field: &str) -> Option<Problem> {
 }
 
 /// A problem per sensitive action of `actions` that names none, at `field[i]`.
-fn check_actions(actions: &[String], field: &str) -> Vec<Problem> {
+pub fn check_actions(actions: &[String], field: &str) -> Vec<Problem> {
     actions
         .iter()
         .enumerate()
@@ -336,7 +219,7 @@ fn check_actions(actions: &[String], field: &str) -> Vec<Problem> {
         .collect()
 }
 
-fn check_timeout(t: Secs, field: String) -> Option<Problem> {
+pub fn check_timeout(t: Secs, field: String) -> Option<Problem> {
     (t.get().is_zero() || t > MAX_APPROVAL_TIMEOUT).then(|| {
         Problem::new(
             ProblemCode::InvalidConfig,
@@ -429,9 +312,6 @@ pub struct HitlPolicy {
 fn is_zero_f64(n: &f64) -> bool {
     *n == 0.0
 }
-
-/// The default `[hitl] low-confidence`.
-pub const DEFAULT_LOW_CONFIDENCE: f64 = 0.6;
 
 fn is_zero(n: &u32) -> bool {
     *n == 0
