@@ -767,6 +767,7 @@ async fn every_request_kind_is_read_without_protocol() -> anyhow::Result<()> {
         ("run.complete", json!({"run_id": ghost, "task_id": "a", "result": "r", "by": "me"})),
         ("run.edit", json!({"run_id": ghost, "plan": subtasks, "by": "me"})),
         ("run.tree", json!({"run_id": run})),
+        ("run.diff", json!({"a": run, "b": run})),
         ("session.get", json!({"session_id": session})),
         ("plan.validate", json!({"plan": subtasks})),
         ("watch", json!({"run_id": ghost, "deliver_subject": "_INBOX.nobody"})),

@@ -278,6 +278,18 @@ enum RunsCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Compare two runs task by task: whether each result changed (with a line diff),
+    /// tokens, cost, latency and attempts; per run, totals and outcome. Exit 0 when nothing
+    /// changed, 1 when something did (or a run does not exist).
+    Diff {
+        /// The run compared from (the original).
+        a: RunId,
+        /// The run compared to (the variant).
+        b: RunId,
+        /// Machine-readable output (the `run.diff` answer).
+        #[arg(long)]
+        json: bool,
+    },
     /// The run log: every input that changed the run.
     History {
         run: RunId,
@@ -646,6 +658,9 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
         }) => commands::runs::tree(&load()?, run, max_runs as usize, json).await,
         Command::Sessions(SessionsCommand::Show { session, json }) => {
             commands::runs::session(&load()?, session, json).await
+        }
+        Command::Runs(RunsCommand::Diff { a, b, json }) => {
+            commands::diff::diff(&load()?, a, b, json).await
         }
         Command::Runs(RunsCommand::History { run, json }) => {
             commands::runs::history(&load()?, run, json).await

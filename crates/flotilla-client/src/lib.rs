@@ -534,6 +534,19 @@ impl Client {
             .map_err(|e| nats(format!("reading the tree of run {run}"), e))
     }
 
+    /// Run `a` compared with run `b`, task by task (the engine of `<prefix>.api.run.diff`);
+    /// `Ok(Err(run))` names the first of the two that does not exist.
+    pub async fn diff(
+        &self,
+        a: RunId,
+        b: RunId,
+    ) -> Result<Result<flotilla_model::diff::RunDiff, RunId>, ClientError> {
+        let store = open_store(&self.bus).await?;
+        flotilla_runs::diff::run_diff(&store, a, b)
+            .await
+            .map_err(|e| nats(format!("comparing run {a} with run {b}"), e))
+    }
+
     /// The runs of a session, oldest first (the engine of `<prefix>.api.session.get`).
     pub async fn session(&self, session: SessionId) -> Result<SessionView, ClientError> {
         let store = open_store(&self.bus).await?;

@@ -8,6 +8,7 @@
 //! | `<prefix>.api.run.cancel` | `CancelRunRequest` | `CancelRunReply` |
 //! | `<prefix>.api.run.pause`, `run.resume`, `run.takeover`, `run.complete`, `run.edit` | see [`controls`] | |
 //! | `<prefix>.api.run.tree` | `RunTreeRequest` | `RunTree` |
+//! | `<prefix>.api.run.diff` | `RunDiffRequest` | `RunDiff` |
 //! | `<prefix>.api.session.get` | `SessionRequest` | `SessionView` |
 //! | `<prefix>.api.plan.validate` | `ValidatePlanRequest` | `ValidatePlanReply` |
 //! | `<prefix>.api.approval.ask`, `approval.list`, `approval.get`, `approval.answer`, `approval.grants`, `approval.revoke` | see [`approvals`] | |
@@ -114,6 +115,163 @@ struct Api {
     approvals: crate::approval_store::ApprovalStore,
 }
 
+/// One endpoint of the API: its micro-service name, its subject under `<prefix>.api` and
+/// the handler a request to it is given to (in a task of its own).
+struct Route {
+    name: &'static str,
+    subject: &'static str,
+    handle: fn(Arc<Api>, Request) -> futures::future::BoxFuture<'static, ()>,
+}
+
+/// The API's routing: every endpoint, in the order the module's table lists them.
+const ROUTES: &[Route] = &[
+    Route {
+        name: "submit",
+        subject: SubmitRequest::ENDPOINT,
+        handle: |api, req| Box::pin(async move { api.submit(req).await }),
+    },
+    Route {
+        name: "run-get",
+        subject: GetRunRequest::ENDPOINT,
+        handle: |api, req| Box::pin(async move { api.get(req).await }),
+    },
+    Route {
+        name: "run-cancel",
+        subject: CancelRunRequest::ENDPOINT,
+        handle: |api, req| Box::pin(async move { api.cancel(req).await }),
+    },
+    Route {
+        name: "plan-validate",
+        subject: ValidatePlanRequest::ENDPOINT,
+        handle: |api, req| Box::pin(async move { api.validate(req).await }),
+    },
+    Route {
+        name: "ws-append",
+        subject: WsAppendRequest::ENDPOINT,
+        handle: |api, req| Box::pin(async move { api.ws_append(req).await }),
+    },
+    Route {
+        name: "ws-read",
+        subject: WsReadRequest::ENDPOINT,
+        handle: |api, req| Box::pin(async move { api.ws_read(req).await }),
+    },
+    Route {
+        name: "mbox-send",
+        subject: MboxSendRequest::ENDPOINT,
+        handle: |api, req| Box::pin(async move { api.mbox_send(req).await }),
+    },
+    Route {
+        name: "mbox-read",
+        subject: MboxReadRequest::ENDPOINT,
+        handle: |api, req| Box::pin(async move { api.mbox_read(req).await }),
+    },
+    Route {
+        name: "mbox-role",
+        subject: MboxRoleRequest::ENDPOINT,
+        handle: |api, req| Box::pin(async move { api.mbox_role(req).await }),
+    },
+    Route {
+        name: "mbox-negotiate",
+        subject: MboxNegotiateRequest::ENDPOINT,
+        handle: |api, req| Box::pin(async move { api.mbox_negotiate(req).await }),
+    },
+    Route {
+        name: "state-get",
+        subject: StateGetRequest::ENDPOINT,
+        handle: |api, req| Box::pin(async move { api.state_get(req).await }),
+    },
+    Route {
+        name: "state-list",
+        subject: StateListRequest::ENDPOINT,
+        handle: |api, req| Box::pin(async move { api.state_list(req).await }),
+    },
+    Route {
+        name: "child-start",
+        subject: ChildStartRequest::ENDPOINT,
+        handle: |api, req| Box::pin(async move { api.child_start(req).await }),
+    },
+    Route {
+        name: "state-set",
+        subject: StateSetRequest::ENDPOINT,
+        handle: |api, req| Box::pin(async move { api.state_set(req).await }),
+    },
+    Route {
+        name: "watch",
+        subject: flotilla_model::watch::WatchRequest::ENDPOINT,
+        handle: |api, req| Box::pin(async move { api.watch(req).await }),
+    },
+    Route {
+        name: "run-tree",
+        subject: flotilla_model::tree::RunTreeRequest::ENDPOINT,
+        handle: |api, req| Box::pin(async move { api.tree(req).await }),
+    },
+    Route {
+        name: "run-diff",
+        subject: flotilla_model::diff::RunDiffRequest::ENDPOINT,
+        handle: |api, req| Box::pin(async move { api.diff(req).await }),
+    },
+    Route {
+        name: "session-get",
+        subject: flotilla_model::tree::SessionRequest::ENDPOINT,
+        handle: |api, req| Box::pin(async move { api.session(req).await }),
+    },
+    Route {
+        name: "approval-ask",
+        subject: flotilla_model::approval::ApprovalAskRequest::ENDPOINT,
+        handle: |api, req| Box::pin(async move { api.approval_ask(req).await }),
+    },
+    Route {
+        name: "approval-list",
+        subject: flotilla_model::approval::ApprovalListRequest::ENDPOINT,
+        handle: |api, req| Box::pin(async move { api.approval_list(req).await }),
+    },
+    Route {
+        name: "approval-get",
+        subject: flotilla_model::approval::ApprovalGetRequest::ENDPOINT,
+        handle: |api, req| Box::pin(async move { api.approval_get(req).await }),
+    },
+    Route {
+        name: "approval-answer",
+        subject: flotilla_model::approval::ApprovalAnswerRequest::ENDPOINT,
+        handle: |api, req| Box::pin(async move { api.approval_answer(req).await }),
+    },
+    Route {
+        name: "approval-grants",
+        subject: flotilla_model::approval::GrantListRequest::ENDPOINT,
+        handle: |api, req| Box::pin(async move { api.approval_grants(req).await }),
+    },
+    Route {
+        name: "approval-revoke",
+        subject: flotilla_model::approval::GrantRevokeRequest::ENDPOINT,
+        handle: |api, req| Box::pin(async move { api.approval_revoke(req).await }),
+    },
+    Route {
+        name: "run-pause",
+        subject: flotilla_model::control::PauseRunRequest::ENDPOINT,
+        handle: |api, req| Box::pin(async move { api.run_pause(req).await }),
+    },
+    Route {
+        name: "run-resume",
+        subject: flotilla_model::control::ResumeRunRequest::ENDPOINT,
+        handle: |api, req| Box::pin(async move { api.run_resume(req).await }),
+    },
+    Route {
+        name: "run-takeover",
+        subject: flotilla_model::control::TakeoverRunRequest::ENDPOINT,
+        handle: |api, req| Box::pin(async move { api.run_takeover(req).await }),
+    },
+    Route {
+        name: "run-complete",
+        subject: flotilla_model::control::CompleteTaskRequest::ENDPOINT,
+        handle: |api, req| Box::pin(async move { api.run_complete(req).await }),
+    },
+    Route {
+        name: "run-edit",
+        subject: flotilla_model::control::EditPlanRequest::ENDPOINT,
+        handle: |api, req| Box::pin(async move { api.run_edit(req).await }),
+    },
+];
+
 /// How often a coordinator settles external agents' questions nobody waits for any more
 /// (see [`Api::sweep_external_questions`]).
 const EXTERNAL_SWEEP: std::time::Duration = std::time::Duration::from_secs(15);
@@ -149,130 +307,17 @@ pub(crate) async fn serve(
         .await
         .map_err(setup)?;
     let group = service.group(format!("{}.api", bus.names().prefix()));
-    let endpoint = |name: &'static str, subject: &'static str| {
-        let group = &group;
-        async move { group.endpoint_builder().name(name).add(subject).await }
-    };
-    let mut submit = endpoint("submit", SubmitRequest::ENDPOINT)
-        .await
-        .map_err(setup)?;
-    let mut get = endpoint("run-get", GetRunRequest::ENDPOINT)
-        .await
-        .map_err(setup)?;
-    let mut cancel = endpoint("run-cancel", CancelRunRequest::ENDPOINT)
-        .await
-        .map_err(setup)?;
-    let mut validate = endpoint("plan-validate", ValidatePlanRequest::ENDPOINT)
-        .await
-        .map_err(setup)?;
-    let mut ws_append = endpoint("ws-append", WsAppendRequest::ENDPOINT)
-        .await
-        .map_err(setup)?;
-    let mut ws_read = endpoint("ws-read", WsReadRequest::ENDPOINT)
-        .await
-        .map_err(setup)?;
-    let mut mbox_send = endpoint("mbox-send", MboxSendRequest::ENDPOINT)
-        .await
-        .map_err(setup)?;
-    let mut mbox_read = endpoint("mbox-read", MboxReadRequest::ENDPOINT)
-        .await
-        .map_err(setup)?;
-    let mut mbox_role = endpoint("mbox-role", MboxRoleRequest::ENDPOINT)
-        .await
-        .map_err(setup)?;
-    let mut mbox_negotiate = endpoint("mbox-negotiate", MboxNegotiateRequest::ENDPOINT)
-        .await
-        .map_err(setup)?;
-    let mut state_get = endpoint("state-get", StateGetRequest::ENDPOINT)
-        .await
-        .map_err(setup)?;
-    let mut state_list = endpoint("state-list", StateListRequest::ENDPOINT)
-        .await
-        .map_err(setup)?;
-    let mut child_start = endpoint("child-start", ChildStartRequest::ENDPOINT)
-        .await
-        .map_err(setup)?;
-    let mut state_set = endpoint("state-set", StateSetRequest::ENDPOINT)
-        .await
-        .map_err(setup)?;
-    let mut watch = endpoint("watch", flotilla_model::watch::WatchRequest::ENDPOINT)
-        .await
-        .map_err(setup)?;
-    let mut tree = endpoint("run-tree", flotilla_model::tree::RunTreeRequest::ENDPOINT)
-        .await
-        .map_err(setup)?;
-    let mut session = endpoint(
-        "session-get",
-        flotilla_model::tree::SessionRequest::ENDPOINT,
-    )
-    .await
-    .map_err(setup)?;
-    let mut approval_ask = endpoint(
-        "approval-ask",
-        flotilla_model::approval::ApprovalAskRequest::ENDPOINT,
-    )
-    .await
-    .map_err(setup)?;
-    let mut approval_list = endpoint(
-        "approval-list",
-        flotilla_model::approval::ApprovalListRequest::ENDPOINT,
-    )
-    .await
-    .map_err(setup)?;
-    let mut approval_get = endpoint(
-        "approval-get",
-        flotilla_model::approval::ApprovalGetRequest::ENDPOINT,
-    )
-    .await
-    .map_err(setup)?;
-    let mut approval_answer = endpoint(
-        "approval-answer",
-        flotilla_model::approval::ApprovalAnswerRequest::ENDPOINT,
-    )
-    .await
-    .map_err(setup)?;
-    let mut approval_grants = endpoint(
-        "approval-grants",
-        flotilla_model::approval::GrantListRequest::ENDPOINT,
-    )
-    .await
-    .map_err(setup)?;
-    let mut approval_revoke = endpoint(
-        "approval-revoke",
-        flotilla_model::approval::GrantRevokeRequest::ENDPOINT,
-    )
-    .await
-    .map_err(setup)?;
-    let mut run_pause = endpoint(
-        "run-pause",
-        flotilla_model::control::PauseRunRequest::ENDPOINT,
-    )
-    .await
-    .map_err(setup)?;
-    let mut run_resume = endpoint(
-        "run-resume",
-        flotilla_model::control::ResumeRunRequest::ENDPOINT,
-    )
-    .await
-    .map_err(setup)?;
-    let mut run_takeover = endpoint(
-        "run-takeover",
-        flotilla_model::control::TakeoverRunRequest::ENDPOINT,
-    )
-    .await
-    .map_err(setup)?;
-    let mut run_complete = endpoint(
-        "run-complete",
-        flotilla_model::control::CompleteTaskRequest::ENDPOINT,
-    )
-    .await
-    .map_err(setup)?;
-    let mut run_edit = endpoint(
-        "run-edit",
-        flotilla_model::control::EditPlanRequest::ENDPOINT,
-    )
-    .await
-    .map_err(setup)?;
+    let mut requests = Vec::with_capacity(ROUTES.len());
+    for (i, route) in ROUTES.iter().enumerate() {
+        let endpoint = group
+            .endpoint_builder()
+            .name(route.name)
+            .add(route.subject)
+            .await
+            .map_err(setup)?;
+        requests.push(endpoint.map(move |req| (i, req)));
+    }
+    let mut requests = futures::stream::select_all(requests);
     // Every endpoint's subscription is at the server before the coordinator says it is
     // ready: a request sent once it is ready finds its endpoint.
     bus.client()
@@ -305,34 +350,9 @@ pub(crate) async fn serve(
                     sweeping = Some(tokio::spawn(async move { api.sweep_external_questions().await }));
                 }
             }
-            Some(req) = submit.next() => { tokio::spawn(async move { api.submit(req).await }); }
-            Some(req) = get.next() => { tokio::spawn(async move { api.get(req).await }); }
-            Some(req) = cancel.next() => { tokio::spawn(async move { api.cancel(req).await }); }
-            Some(req) = validate.next() => { tokio::spawn(async move { api.validate(req).await }); }
-            Some(req) = ws_append.next() => { tokio::spawn(async move { api.ws_append(req).await }); }
-            Some(req) = ws_read.next() => { tokio::spawn(async move { api.ws_read(req).await }); }
-            Some(req) = mbox_send.next() => { tokio::spawn(async move { api.mbox_send(req).await }); }
-            Some(req) = mbox_read.next() => { tokio::spawn(async move { api.mbox_read(req).await }); }
-            Some(req) = mbox_role.next() => { tokio::spawn(async move { api.mbox_role(req).await }); }
-            Some(req) = mbox_negotiate.next() => { tokio::spawn(async move { api.mbox_negotiate(req).await }); }
-            Some(req) = state_get.next() => { tokio::spawn(async move { api.state_get(req).await }); }
-            Some(req) = state_list.next() => { tokio::spawn(async move { api.state_list(req).await }); }
-            Some(req) = state_set.next() => { tokio::spawn(async move { api.state_set(req).await }); }
-            Some(req) = child_start.next() => { tokio::spawn(async move { api.child_start(req).await }); }
-            Some(req) = watch.next() => { tokio::spawn(async move { api.watch(req).await }); }
-            Some(req) = tree.next() => { tokio::spawn(async move { api.tree(req).await }); }
-            Some(req) = session.next() => { tokio::spawn(async move { api.session(req).await }); }
-            Some(req) = approval_ask.next() => { tokio::spawn(async move { api.approval_ask(req).await }); }
-            Some(req) = approval_list.next() => { tokio::spawn(async move { api.approval_list(req).await }); }
-            Some(req) = approval_get.next() => { tokio::spawn(async move { api.approval_get(req).await }); }
-            Some(req) = approval_answer.next() => { tokio::spawn(async move { api.approval_answer(req).await }); }
-            Some(req) = approval_grants.next() => { tokio::spawn(async move { api.approval_grants(req).await }); }
-            Some(req) = approval_revoke.next() => { tokio::spawn(async move { api.approval_revoke(req).await }); }
-            Some(req) = run_pause.next() => { tokio::spawn(async move { api.run_pause(req).await }); }
-            Some(req) = run_resume.next() => { tokio::spawn(async move { api.run_resume(req).await }); }
-            Some(req) = run_takeover.next() => { tokio::spawn(async move { api.run_takeover(req).await }); }
-            Some(req) = run_complete.next() => { tokio::spawn(async move { api.run_complete(req).await }); }
-            Some(req) = run_edit.next() => { tokio::spawn(async move { api.run_edit(req).await }); }
+            Some((i, req)) = requests.next() => {
+                tokio::spawn((ROUTES[i].handle)(api, req));
+            }
             else => break,
         }
     }
@@ -564,6 +584,18 @@ impl Api {
         match crate::tree::run_tree(&self.store, r.run_id, max).await {
             Ok(Some(tree)) => respond_json(&req, self.max_payload(), &tree).await,
             Ok(None) => run_not_found(&req, r.run_id).await,
+            Err(e) => respond_error(&req, 500, ErrorCode::Internal, e.to_string()).await,
+        }
+    }
+
+    /// `run.diff`: two runs compared task by task.
+    async fn diff(&self, req: Request) {
+        let Some(r) = parse::<flotilla_model::diff::RunDiffRequest>(&req).await else {
+            return;
+        };
+        match flotilla_runs::diff::run_diff(&self.store, r.a, r.b).await {
+            Ok(Ok(diff)) => respond_json(&req, self.max_payload(), &diff).await,
+            Ok(Err(missing)) => run_not_found(&req, missing).await,
             Err(e) => respond_error(&req, 500, ErrorCode::Internal, e.to_string()).await,
         }
     }

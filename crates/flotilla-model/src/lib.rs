@@ -14,8 +14,8 @@ pub use agents::{lead, memory, recruit, team, teammate, worker};
 pub use collab::{artifact, mailbox, state, workspace};
 pub use people::{approval, notify, trust};
 pub use runs::{
-    control, event, numeric, plan, rollback, run, runlog, submit, task, template, tree, validate,
-    watch,
+    control, diff, event, numeric, plan, rollback, run, runlog, submit, task, template, tree,
+    validate, watch,
 };
 use wire::endpoint;
 pub use wire::{api, codec, error_code, ids, lenient, problem, schema, subjects, time, token};

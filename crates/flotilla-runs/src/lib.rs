@@ -11,11 +11,13 @@
 //! * [`first`]: a run's first message, and what can be read of a submission that does not
 //!   decode.
 //! * [`tree`]: run trees and sessions as read.
+//! * [`diff`]: two runs compared, task by task.
 //! * [`watch`]: the projection engine of a run tree's events per audience.
 //!
 //! The state it decodes is the run machine's ([`flotilla_machine`]): pure code, the only
 //! place a run's decisions are made.
 
+pub mod diff;
 pub mod error;
 pub mod first;
 pub mod reader;

@@ -341,8 +341,15 @@ impl RunReader {
             .map(|base| state.amend(base)))
     }
 
-    /// The run-log entry at `seq`, with the server's time of it.
+    /// The run-log entry at `seq`, with the server's time of it (Unix ms, whole seconds as
+    /// the readers of results and decisions have always had it).
     async fn entry_at(&self, seq: u64) -> Result<(RunLogEntry, i64), StoreError> {
+        let (entry, at_ms, _) = self.entry_stored_at(seq).await?;
+        Ok((entry, at_ms))
+    }
+
+    /// [`Self::entry_at`], with when it was stored to the millisecond.
+    async fn entry_stored_at(&self, seq: u64) -> Result<(RunLogEntry, i64, i64), StoreError> {
         let msg = self
             .runlog
             .direct_get(seq)
@@ -350,14 +357,23 @@ impl RunReader {
             .map_err(|e| nats(format!("reading run-log entry {seq}"), e))?;
         let entry: RunLogEntry = wire::decode(Some(&msg.headers), &msg.payload)
             .map_err(|e| decode_err(format!("run-log entry {seq}"), e))?;
-        Ok((entry, msg.time.unix_timestamp() * 1000))
+        Ok((
+            entry,
+            msg.time.unix_timestamp() * 1000,
+            crate::snapshot::unix_ms(msg.time),
+        ))
     }
 
     /// A task result by run-log sequence: a worker's, or one a person supplied — in answer to
     /// an approval (`respond`) or by completing the task by hand (`completed`) — recorded as
     /// worker `human:<who>`.
     pub async fn result_at(&self, seq: u64) -> Result<TaskResultInput, StoreError> {
-        let (entry, at_ms) = self.entry_at(seq).await?;
+        Ok(self.result_stored_at(seq).await?.0)
+    }
+
+    /// [`Self::result_at`], with when the run log stored it (server time, Unix ms).
+    pub async fn result_stored_at(&self, seq: u64) -> Result<(TaskResultInput, i64), StoreError> {
+        let (entry, at_ms, stored_ms) = self.entry_stored_at(seq).await?;
         // A result a person gave, as the task's attempt `attempt`.
         let by_person = |task_id, attempt, by: &str, text| TaskResultInput {
             task_id,
@@ -369,10 +385,10 @@ impl RunReader {
             result: flotilla_model::task::TaskResult::success(text),
         };
         match entry.input {
-            RunInput::TaskResult(r) => Ok(*r),
+            RunInput::TaskResult(r) => Ok((*r, stored_ms)),
             RunInput::ApprovalDecided(d) => match d.decision {
                 flotilla_model::approval::Decision::Respond { result } => {
-                    Ok(by_person(d.task_id, d.attempt, &d.by, result))
+                    Ok((by_person(d.task_id, d.attempt, &d.by, result), stored_ms))
                 }
                 // A held result replaced on review with the person's edit.
                 flotilla_model::approval::Decision::Edit { input } => {
@@ -380,14 +396,14 @@ impl RunReader {
                         serde_json::Value::String(s) => s,
                         other => other.to_string(),
                     };
-                    Ok(by_person(d.task_id, d.attempt, &d.by, text))
+                    Ok((by_person(d.task_id, d.attempt, &d.by, text), stored_ms))
                 }
                 _ => Err(StoreError::new(
                     StoreErrorKind::Decode,
                     format!("run-log entry {seq} is an approval without a result"),
                 )),
             },
-            RunInput::Completed(c) => Ok(by_person(c.task_id, 0, &c.by, c.result)),
+            RunInput::Completed(c) => Ok((by_person(c.task_id, 0, &c.by, c.result), stored_ms)),
             _ => Err(StoreError::new(
                 StoreErrorKind::Decode,
                 format!("run-log entry {seq} is not a task result"),

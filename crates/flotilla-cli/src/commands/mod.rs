@@ -5,6 +5,7 @@ pub(crate) mod collab;
 pub(crate) mod console;
 pub(crate) mod controls;
 pub(crate) mod datadir;
+pub(crate) mod diff;
 pub(crate) mod example;
 pub(crate) mod init;
 pub(crate) mod memory;

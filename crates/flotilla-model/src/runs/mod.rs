@@ -4,6 +4,7 @@
 //! path.
 
 pub mod control;
+pub mod diff;
 pub mod event;
 pub mod numeric;
 pub mod plan;

@@ -33,6 +33,7 @@ has_protocol!(
     MboxRoleRequest,
     MboxNegotiateRequest,
     crate::tree::RunTreeRequest,
+    crate::diff::RunDiffRequest,
     crate::tree::SessionRequest,
 );
 

@@ -143,6 +143,11 @@ pub fn public_schemas() -> Vec<(&'static str, Schema)> {
         ),
         ("run-tree.json", schema_for!(crate::tree::RunTree)),
         (
+            "run-diff-request.json",
+            schema_for!(crate::diff::RunDiffRequest),
+        ),
+        ("run-diff.json", schema_for!(crate::diff::RunDiff)),
+        (
             "session-request.json",
             schema_for!(crate::tree::SessionRequest),
         ),
