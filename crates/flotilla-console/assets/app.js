@@ -7,6 +7,7 @@
 //   #/inbox                             pending approvals, questions, client tools
 //   #/team                              the roster with presence, trust, failures
 //   #/workers                           live workers, slots, backlog per pool
+//   #/diff/<a>/<b>                      two runs compared task by task
 
 const $ = (sel, root = document) => root.querySelector(sel);
 const main = () => $('#main');
@@ -590,6 +591,7 @@ async function viewRun(runId) {
         <label class="muted" title="how long a pause or takeover lasts before its default (empty: the deployment's default)">for <input id="hold-min" type="number" min="1" placeholder="default" ${me.operator ? '' : 'disabled'}> min</label>
         ${['pause', 'resume', 'takeover', 'edit', 'cancel'].map((a) => `<button data-action="${a}" class="${a === 'cancel' ? 'danger' : ''}" ${a === 'edit' ? 'hidden' : ''} ${me.operator ? '' : 'disabled title="operators only"'}>${a === 'edit' ? 'edit plan…' : a}</button>`).join('')}
         <label class="muted" title="compensate the tasks that succeeded, in reverse dependency order"><input type="checkbox" id="rollback" ${me.operator ? '' : 'disabled'}> rollback</label>
+        <form id="compare" class="compare"><input id="compare-with" class="mono" placeholder="another run's id" size="20"><button type="submit">compare</button></form>
       </div>
     </div>
     <div id="edit-plan" class="card" hidden>
@@ -668,6 +670,11 @@ async function viewRun(runId) {
   let currentPlan = null;
   // The run's plan name, for what the page says about it (toasts).
   let runTitle = null;
+  $('#compare').addEventListener('submit', (e) => {
+    e.preventDefault();
+    const other = $('#compare-with').value.trim();
+    if (other) location.hash = `#/diff/${runId}/${encodeURIComponent(other)}`;
+  });
   main().querySelectorAll('[data-action]').forEach((b) => {
     b.onclick = async () => {
       const action = b.dataset.action;
@@ -1129,6 +1136,49 @@ async function viewInbox() {
   every(10000, reload);
 }
 
+// ---------- two runs compared ----------
+
+async function viewDiff(a, b) {
+  main().innerHTML = `<h1>Two runs compared</h1><div id="diff"><p class="muted">reading both runs…</p></div>`;
+  let d;
+  try {
+    d = await api(`/api/diff/${encodeURIComponent(a)}/${encodeURIComponent(b || '')}`);
+  } catch (e) {
+    set('#diff', `<p class="error-text">${esc(e.message)}</p>`);
+    return;
+  }
+  const tokens = (u) => (u.prompt_tokens + u.completion_tokens);
+  const cost = (c) => (c > 0 ? `$${c.toFixed(4)}` : '-');
+  const side = (s) => `<a href="#/run/${esc(s.run_id)}">${esc(s.name || 'Run')} <span class="mono">${short(s.run_id)}</span></a>`;
+  const row = (what, x, y) => `<tr${x === y ? '' : ' class="changed"'}><th>${what}</th><td>${x}</td><td>${y}</td></tr>`;
+  const runStatus = (s) => `${status(s.status)}${s.reason ? ` <span class="muted">${esc(s.reason)}</span>` : ''}`;
+  const pair = (t, f) => `${t.a ? f(t.a) : '-'} → ${t.b ? f(t.b) : '-'}`;
+  // A unified diff's lines, coloured: `-` from A, `+` from B.
+  const lines = (text) => text.split('\n').map((l) => {
+    const cls = l.startsWith('+') ? 'add' : l.startsWith('-') ? 'del' : l.startsWith('@@') ? 'hunk' : '';
+    return `<span class="${cls}">${esc(l)}</span>`;
+  }).join('\n');
+  set('#diff', `<table class="diff-runs"><tr><th></th><th>A</th><th>B</th></tr>
+      ${row('run', side(d.a), side(d.b))}
+      ${row('status', runStatus(d.a), runStatus(d.b))}
+      ${row('tasks', `${d.a.tasks} (${d.a.succeeded} ok, ${d.a.failed} failed)`, `${d.b.tasks} (${d.b.succeeded} ok, ${d.b.failed} failed)`)}
+      ${row('attempts', d.a.attempts, d.b.attempts)}
+      ${row('duration', ms(d.a.duration_ms), ms(d.b.duration_ms))}
+      ${row('tokens', `${tokens(d.a.usage)} in ${d.a.usage.calls} call(s)`, `${tokens(d.b.usage)} in ${d.b.usage.calls} call(s)`)}
+      ${row('cost', cost(d.a.usage.cost_usd), cost(d.b.usage.cost_usd))}
+    </table>
+    <p id="diff-count"><b>${d.changed}</b> of ${d.tasks.length} task(s) changed</p>
+    <table id="diff-tasks"><tr><th>TASK</th><th>STATUS</th><th>ATTEMPTS</th><th>LATENCY</th><th>TOKENS</th><th>COST</th><th>RESULT</th></tr>
+      ${d.tasks.map((t) => `<tr data-task="${esc(t.task_id)}" data-changed="${t.changed}"${t.changed ? ' class="changed"' : ''}>
+        <td class="mono">${t.changed ? '● ' : ''}${esc(t.task_id)}</td>
+        <td>${pair(t, (s) => esc(s.status))}</td><td>${pair(t, (s) => s.attempts)}</td>
+        <td>${pair(t, (s) => (s.latency_ms == null ? '-' : ms(s.latency_ms)))}</td>
+        <td>${pair(t, (s) => tokens(s.usage))}</td><td>${pair(t, (s) => cost(s.usage.cost_usd))}</td>
+        <td>${!t.a ? 'only in B' : !t.b ? 'only in A' : t.diff ? 'changed (below)' : t.changed ? 'status changed' : 'same'}</td></tr>`).join('')}
+    </table>
+    ${d.tasks.filter((t) => t.diff).map((t) => `<h2 class="mono">${esc(t.task_id)}</h2><pre class="diff" data-task="${esc(t.task_id)}">${lines(t.diff)}${t.diff_truncated ? '\n… (cut at 16 KiB)' : ''}</pre>`).join('')}`);
+}
+
 // ---------- team ----------
 
 async function viewTeam() {
@@ -1198,6 +1248,7 @@ async function route() {
     else if (page === 'inbox') await viewInbox();
     else if (page === 'team') await viewTeam();
     else if (page === 'workers') await viewWorkers();
+    else if (page === 'diff' && arg) await viewDiff(arg, path.split('/')[3]);
     else await viewRuns();
   } catch (e) {
     main().innerHTML = `<p class="muted">${esc(e.message)}</p>`;

@@ -7,15 +7,17 @@
 // resumes the run. A second run (SUBMIT2): "always" refused for an action, a takeover for a
 // chosen time, a plan edit refused then saved, both tasks completed by hand. A third
 // (SUBMIT3): rejected as an incident. A fourth (SUBMIT4): a task a worker runs for long reads
-// `running`, with its worker and the time it has run, and is cancelled.
+// `running`, with its worker and the time it has run, and is cancelled. Then two runs of one
+// task by two agents (SUBMIT5, answered with both ids) are compared from a run's page: the
+// changed task is marked and its results' line diff shown; an unknown run is named.
 // What a person reads is checked as text in the page: a run waiting for an approval reads
 // `waiting` (its page, with what for and how to answer; the runs list), runs are named by
 // plan name and short id, times are ISO (UTC), a click on a task (DAG node, row) opens its
 // panel (input, result, attempts, worker, timings, events), the inbox and the toast name the
 // run and the task, the team's LAST INCIDENT is the trust record's, and no page, asset or
 // favicon answers an error.
-// Lines: SUBMIT, SUBMIT2, SUBMIT3, SUBMIT4 (the test answers with the run id), CHECK3 (it
-// answers once it has checked the incident).
+// Lines: SUBMIT, SUBMIT2, SUBMIT3, SUBMIT4 (the test answers with the run id), SUBMIT5 (two
+// ids), CHECK3 (it answers once it has checked the incident).
 // Writes docs/screenshots/console-*.png.
 
 import { launch, check } from './common.mjs';
@@ -334,6 +336,31 @@ try {
   await alice.click('[data-action="cancel"]');
   await alice.waitForSelector('#run-title [data-status="cancelled"]', { timeout: 60000 });
   check(true, 'the long task is cancelled');
+
+  // Two runs compared: the same one-task plan run by two agents (the test answers with both
+  // ids once both ended). From the first run's page, "compare" with the second's id.
+  console.log('SUBMIT5');
+  const [ca, cb] = (await nextLine()).trim().split(' ');
+  await alice.goto(`${url}/#/run/${ca}`);
+  await alice.waitForSelector('#run-title [data-status="succeeded"]');
+  await alice.fill('#compare-with', cb);
+  await alice.click('#compare button');
+  await alice.waitForSelector('#diff-tasks tr[data-task="check"]');
+  check(new URL(alice.url()).hash === `#/diff/${ca}/${cb}`, `the comparison has its own address: ${alice.url()}`);
+  const counted = (await alice.textContent('#diff-count')).trim();
+  check(counted === '1 of 1 task(s) changed', `the changed tasks are counted: ${counted}`);
+  check(await alice.getAttribute('#diff-tasks tr[data-task="check"]', 'data-changed') === 'true', 'the changed task is marked');
+  const del = await alice.$$eval('pre.diff[data-task="check"] .del', (s) => s.map((x) => x.textContent));
+  const add = await alice.$$eval('pre.diff[data-task="check"] .add', (s) => s.map((x) => x.textContent));
+  check(del.includes('-check done') && add.includes('+checked'), `the results' line diff: ${JSON.stringify({ del, add })}`);
+  const tasksCell = await alice.textContent('.diff-runs tr:nth-child(4) td:nth-child(2)');
+  check(/1 \(1 ok, 0 failed\)/.test(tasksCell), `each run's totals: ${tasksCell}`);
+  await shot(alice, 'diff');
+  // A run that does not exist is named.
+  const ghost = '00000000-0000-7000-8000-000000000000';
+  await alice.goto(`${url}/#/diff/${ca}/${ghost}`);
+  await until(alice, (g) => (document.querySelector('#diff')?.textContent || '').includes(`run ${g} does not exist`), ghost);
+  check(true, 'comparing with a run that does not exist names it');
 
   // The runs list again: the run succeeded, with its agent.
   await alice.goto(`${url}/#/runs`);

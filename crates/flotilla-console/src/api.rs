@@ -423,6 +423,25 @@ pub(crate) async fn tree(
     }
 }
 
+/// `/api/diff/{a}/{b}`: run `a` compared with run `b`, task by task (the engine of
+/// `run.diff` and `flotilla runs diff`).
+pub(crate) async fn diff(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path((a, b)): Path<(RunId, RunId)>,
+) -> Response {
+    who!(s.who(&headers));
+    match flotilla_runs::diff::run_diff(&s.store, a, b).await {
+        Ok(Ok(d)) => Json(d).into_response(),
+        Ok(Err(missing)) => error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("run {missing} does not exist"),
+        ),
+        Err(e) => store_error(&e),
+    }
+}
+
 /// `/api/runs/{run}/events` query.
 #[derive(Debug, Deserialize)]
 pub(crate) struct EventsQuery {

@@ -233,6 +233,7 @@ fn router(state: AppState) -> Router {
         .route("/api/runs/summaries", get(api::summaries))
         .route("/api/runs/{run}", get(api::run))
         .route("/api/runs/{run}/tree", get(api::tree))
+        .route("/api/diff/{a}/{b}", get(api::diff))
         .route("/api/runs/{run}/events", get(api::events))
         .route("/api/runs/{run}/workspace", get(api::workspace))
         .route("/api/runs/{run}/mailbox/{reader}", get(api::mailbox))

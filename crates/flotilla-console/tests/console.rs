@@ -1219,6 +1219,26 @@ async fn in_a_real_browser() -> anyhow::Result<()> {
                 "SUBMIT2" => *run2.insert(f.client.submit(gated_in_a_session(true)).await?),
                 "SUBMIT3" => *run3.insert(f.client.submit(gated_in_a_session(false)).await?),
                 "SUBMIT4" => f.client.submit(long()).await?,
+                "SUBMIT5" => {
+                    // One task run twice, by agents that answer differently.
+                    let mut ids = Vec::new();
+                    for agent in ["writer", "checker"] {
+                        let plan = Plan {
+                            name: Some("compare".into()),
+                            query: None,
+                            subtasks: vec![Subtask::new("check", "check it").with_agent(agent)],
+                            config: PlanConfig::default(),
+                        };
+                        let id = f.client.submit(SubmitRequest::new(plan)).await?;
+                        assert_eq!(f.client.wait(id, WAIT).await?.status, RunStatus::Succeeded);
+                        ids.push(id.to_string());
+                    }
+                    stdin
+                        .write_all(format!("{}\n", ids.join(" ")).as_bytes())
+                        .await?;
+                    stdin.flush().await?;
+                    continue;
+                }
                 "CHECK3" => {
                     // The rejection counted as an incident of the writer, recorded as alice's.
                     let deadline = tokio::time::Instant::now() + WAIT;
