@@ -6,13 +6,11 @@
 
 use std::collections::{HashMap, HashSet};
 
-use flotilla_bus::wire;
 use flotilla_model::RunId;
 use flotilla_model::diff::{MAX_DIFF_BYTES, RunDiff, RunSide, TaskDiff, TaskSide};
-use flotilla_model::event::{Event, decode_events};
+use flotilla_model::event::Event;
 use flotilla_model::ids::TaskId;
 use flotilla_model::run::TaskStatus;
-use flotilla_model::subjects::StreamKind;
 use flotilla_model::time::Timestamp;
 use flotilla_model::tree::UsageTotals;
 
@@ -194,39 +192,16 @@ async fn usage_by_task(
     store: &RunReader,
     run: RunId,
 ) -> Result<HashMap<TaskId, UsageTotals>, StoreError> {
-    let bus = store.bus();
-    let filter = bus.names().event(run);
     let mut out: HashMap<TaskId, UsageTotals> = HashMap::new();
     let mut seen = HashSet::new();
-    let mut pages = bus.pages(StreamKind::Events, &filter, 0);
-    while let Some(page) = pages
-        .next()
-        .await
-        .map_err(|e| StoreError::with_source(StoreErrorKind::Nats, "reading a run's events", e))?
-    {
-        for m in &page {
-            let Ok(events) = decode_events(wire::codec_of(Some(&m.headers)), &m.payload) else {
-                continue;
-            };
-            for e in events {
-                if let Event::Usage {
-                    prompt_tokens,
-                    completion_tokens,
-                    cost_usd,
-                    ..
-                } = e.event
-                    && let Some(task) = e.task_id
-                    && seen.insert(e.id)
-                {
-                    let u = out.entry(task).or_default();
-                    u.calls += 1;
-                    u.prompt_tokens += prompt_tokens;
-                    u.completion_tokens += completion_tokens;
-                    u.cost_usd += cost_usd.unwrap_or(0.0);
-                }
-            }
+    crate::tree::each_event(store, run, |e| {
+        if let (Event::Usage { .. }, Some(task)) = (&e.event, e.task_id)
+            && seen.insert(e.id.clone())
+        {
+            out.entry(task).or_default().count(&e.event);
         }
-    }
+    })
+    .await?;
     Ok(out)
 }
 

@@ -17,7 +17,7 @@ use std::collections::{HashMap, HashSet};
 
 use flotilla_bus::wire;
 use flotilla_model::RunId;
-use flotilla_model::event::{Event, decode_events};
+use flotilla_model::event::{Event, EventEnvelope, decode_events};
 use flotilla_model::ids::SessionId;
 use flotilla_model::run::{RunHandle, RunRecord};
 use flotilla_model::subjects::StreamKind;
@@ -43,11 +43,29 @@ struct RunEvents {
 
 /// Reads `run`'s events once: its children and its usage.
 async fn run_events(store: &RunReader, run: RunId) -> Result<RunEvents, StoreError> {
-    let bus = store.bus();
-    let filter = bus.names().event(run);
     let mut out = RunEvents::default();
     let mut seen_children = HashSet::new();
     let mut seen_usage = HashSet::new();
+    each_event(store, run, |e| match e.event {
+        Event::AgentRunStarted { child, agent } if seen_children.insert(child.run_id) => {
+            out.children.push((child, agent));
+        }
+        Event::Usage { .. } if seen_usage.insert(e.id.clone()) => out.usage.count(&e.event),
+        _ => {}
+    })
+    .await?;
+    Ok(out)
+}
+
+/// Calls `f` with every event stored for `run` (one paged read of its subject; a message
+/// that does not decode is skipped).
+pub(crate) async fn each_event(
+    store: &RunReader,
+    run: RunId,
+    mut f: impl FnMut(EventEnvelope),
+) -> Result<(), StoreError> {
+    let bus = store.bus();
+    let filter = bus.names().event(run);
     let mut pages = bus.pages(StreamKind::Events, &filter, 0);
     while let Some(page) = pages
         .next()
@@ -58,30 +76,10 @@ async fn run_events(store: &RunReader, run: RunId) -> Result<RunEvents, StoreErr
             let Ok(events) = decode_events(wire::codec_of(Some(&m.headers)), &m.payload) else {
                 continue;
             };
-            for e in events {
-                match e.event {
-                    Event::AgentRunStarted { child, agent }
-                        if seen_children.insert(child.run_id) =>
-                    {
-                        out.children.push((child, agent));
-                    }
-                    Event::Usage {
-                        prompt_tokens,
-                        completion_tokens,
-                        cost_usd,
-                        ..
-                    } if seen_usage.insert(e.id) => {
-                        out.usage.calls += 1;
-                        out.usage.prompt_tokens += prompt_tokens;
-                        out.usage.completion_tokens += completion_tokens;
-                        out.usage.cost_usd += cost_usd.unwrap_or(0.0);
-                    }
-                    _ => {}
-                }
-            }
+            events.into_iter().for_each(&mut f);
         }
     }
-    Ok(out)
+    Ok(())
 }
 
 /// A run read for the tree, before its children are attached.

@@ -57,6 +57,22 @@ pub struct UsageTotals {
 }
 
 impl UsageTotals {
+    /// Counts a `usage` event in (any other event changes nothing).
+    pub fn count(&mut self, event: &crate::event::Event) {
+        if let crate::event::Event::Usage {
+            prompt_tokens,
+            completion_tokens,
+            cost_usd,
+            ..
+        } = event
+        {
+            self.calls += 1;
+            self.prompt_tokens += prompt_tokens;
+            self.completion_tokens += completion_tokens;
+            self.cost_usd += cost_usd.unwrap_or(0.0);
+        }
+    }
+
     /// Prompt and completion tokens.
     pub fn tokens(&self) -> u64 {
         self.prompt_tokens + self.completion_tokens
