@@ -1,7 +1,7 @@
 //! Two runs compared: the engine behind `<prefix>.api.run.diff` and `flotilla runs diff`.
 //!
 //! Each side costs a record read, its tasks' results (one direct read per task with a
-//! result) and one paged read of its events (for model usage per task). Tasks are matched
+//! result, several at a time) and one paged read of its events (for model usage). Tasks are matched
 //! by id.
 
 use std::collections::{HashMap, HashSet};
@@ -14,8 +14,12 @@ use flotilla_model::run::TaskStatus;
 use flotilla_model::time::Timestamp;
 use flotilla_model::tree::UsageTotals;
 
+use futures::{StreamExt, TryStreamExt};
+
 use crate::error::{StoreError, StoreErrorKind};
 use crate::reader::RunReader;
+use crate::snapshot::record_of;
+use crate::tree::READS_IN_FLIGHT;
 
 /// One run read for a comparison: its totals and its tasks in plan order.
 struct Read {
@@ -37,23 +41,15 @@ pub async fn run_diff(
 }
 
 fn compare(a: Read, b: Read) -> RunDiff {
-    let mut b_tasks: HashMap<TaskId, TaskSide> = HashMap::new();
-    let mut b_order = Vec::new();
-    for (id, t) in b.tasks {
-        b_order.push(id.clone());
-        b_tasks.insert(id, t);
-    }
+    let b_order: Vec<TaskId> = b.tasks.iter().map(|(id, _)| id.clone()).collect();
+    let mut b_tasks: HashMap<TaskId, TaskSide> = b.tasks.into_iter().collect();
     let mut tasks = Vec::new();
-    let mut seen = HashSet::new();
     for (id, ta) in a.tasks {
-        seen.insert(id.clone());
         let tb = b_tasks.remove(&id);
         tasks.push(task_diff(id, Some(ta), tb));
     }
+    // What is left of `b` is only in `b`, in its plan's order.
     for id in b_order {
-        if seen.contains(&id) {
-            continue;
-        }
         if let Some(tb) = b_tasks.remove(&id) {
             tasks.push(task_diff(id, None, Some(tb)));
         }
@@ -115,61 +111,68 @@ pub fn line_diff(a: &str, b: &str) -> (String, bool) {
 
 /// Reads `run` for a comparison; `None` when it does not exist.
 async fn read(store: &RunReader, run: RunId) -> Result<Option<Read>, StoreError> {
-    let Some(record) = store.record(run).await? else {
+    let Some(state) = store.state(run).await? else {
         return Ok(None);
     };
-    let state = store.state(run).await?;
-    let plan = match &state {
-        Some(s) if !s.tasks.is_empty() => store.plan_for(run, s).await?,
-        _ => None,
+    let record = record_of(&state);
+    let plan = if state.tasks.is_empty() {
+        None
+    } else {
+        store.plan_for(run, &state).await?
     };
-    let usage = usage_by_task(store, run).await?;
-    let mut run_usage = UsageTotals::default();
-    for u in usage.values() {
-        run_usage.add(u);
-    }
+    let (run_usage, usage) = usage_of(store, run).await?;
+    let subtasks = plan.as_ref().map_or(&[][..], |p| &p.subtasks[..]);
+    // Each task's result, read several at a time, in plan order.
+    let wanted: Vec<(u64, i64)> = subtasks
+        .iter()
+        .zip(&state.tasks)
+        .map(|(_, t)| (t.result_seq, t.dispatched_ms))
+        .collect();
+    let results: Vec<_> = futures::stream::iter(wanted)
+        .map(|(seq, dispatched_ms)| async move {
+            if seq == 0 {
+                return Ok((None, None));
+            }
+            match store.result_stored_at(seq).await {
+                Ok((r, stored_ms)) => {
+                    let from = if dispatched_ms > 0 {
+                        dispatched_ms
+                    } else {
+                        r.started_at.map_or(stored_ms, |t| t.unix_ms())
+                    };
+                    Ok((
+                        Some(r.result.response),
+                        u64::try_from(stored_ms - from).ok(),
+                    ))
+                }
+                // A result whose entry is gone (the stream's limits) or unreadable: the task
+                // compares by status alone.
+                Err(e) if e.kind() == StoreErrorKind::Nats => Err(e),
+                Err(_) => Ok((None, None)),
+            }
+        })
+        .buffered(READS_IN_FLIGHT)
+        .try_collect()
+        .await?;
     let mut tasks = Vec::new();
     let (mut succeeded, mut failed, mut attempts) = (0, 0, 0);
-    if let (Some(state), Some(plan)) = (&state, &plan) {
-        for (sub, t) in plan.subtasks.iter().zip(&state.tasks) {
-            let (result, latency_ms) = if t.result_seq > 0 {
-                match store.result_stored_at(t.result_seq).await {
-                    Ok((r, stored_ms)) => {
-                        let from = if t.dispatched_ms > 0 {
-                            t.dispatched_ms
-                        } else {
-                            r.started_at.map_or(stored_ms, |t| t.unix_ms())
-                        };
-                        (
-                            Some(r.result.response),
-                            u64::try_from(stored_ms - from).ok(),
-                        )
-                    }
-                    // A result whose entry is gone (the stream's limits) or unreadable: the
-                    // task compares by status alone.
-                    Err(e) if e.kind() == StoreErrorKind::Nats => return Err(e),
-                    Err(_) => (None, None),
-                }
-            } else {
-                (None, None)
-            };
-            match t.status {
-                TaskStatus::Succeeded => succeeded += 1,
-                TaskStatus::Failed => failed += 1,
-                _ => {}
-            }
-            attempts += t.attempt;
-            tasks.push((
-                sub.id.clone(),
-                TaskSide {
-                    status: t.status,
-                    attempts: t.attempt,
-                    latency_ms,
-                    usage: usage.get(&sub.id).copied().unwrap_or_default(),
-                    result,
-                },
-            ));
+    for ((sub, t), (result, latency_ms)) in subtasks.iter().zip(&state.tasks).zip(results) {
+        match t.status {
+            TaskStatus::Succeeded => succeeded += 1,
+            TaskStatus::Failed => failed += 1,
+            _ => {}
         }
+        attempts += t.attempt;
+        tasks.push((
+            sub.id.clone(),
+            TaskSide {
+                status: t.status,
+                attempts: t.attempt,
+                latency_ms,
+                usage: usage.get(&sub.id).copied().unwrap_or_default(),
+                result,
+            },
+        ));
     }
     let end = record.finished_at.unwrap_or_else(Timestamp::now);
     let side = RunSide {
@@ -187,22 +190,25 @@ async fn read(store: &RunReader, run: RunId) -> Result<Option<Read>, StoreError>
     Ok(Some(Read { side, tasks }))
 }
 
-/// The model usage of `run`'s tasks, from its `usage` events (each counted once).
-async fn usage_by_task(
+/// The model usage of `run` (every `usage` event of it, as its tree counts it) and of each of
+/// its tasks, each event counted once.
+async fn usage_of(
     store: &RunReader,
     run: RunId,
-) -> Result<HashMap<TaskId, UsageTotals>, StoreError> {
-    let mut out: HashMap<TaskId, UsageTotals> = HashMap::new();
+) -> Result<(UsageTotals, HashMap<TaskId, UsageTotals>), StoreError> {
+    let mut total = UsageTotals::default();
+    let mut by_task: HashMap<TaskId, UsageTotals> = HashMap::new();
     let mut seen = HashSet::new();
     crate::tree::each_event(store, run, |e| {
-        if let (Event::Usage { .. }, Some(task)) = (&e.event, e.task_id)
-            && seen.insert(e.id.clone())
-        {
-            out.entry(task).or_default().count(&e.event);
+        if matches!(e.event, Event::Usage { .. }) && seen.insert(e.id.clone()) {
+            total.count(&e.event);
+            if let Some(task) = e.task_id {
+                by_task.entry(task).or_default().count(&e.event);
+            }
         }
     })
     .await?;
-    Ok(out)
+    Ok((total, by_task))
 }
 
 #[cfg(test)]

@@ -31,7 +31,7 @@ use crate::error::{StoreError, StoreErrorKind};
 use crate::reader::RunReader;
 
 /// Runs read at once while walking a tree.
-const READS_IN_FLIGHT: usize = 16;
+pub(crate) const READS_IN_FLIGHT: usize = 16;
 
 /// What one read of a run's events says about the tree.
 #[derive(Debug, Default)]

@@ -7,7 +7,7 @@ use flotilla_model::diff::{RunDiff, RunSide, TaskSide};
 use flotilla_model::ids::RunId;
 use flotilla_model::tree::UsageTotals;
 
-use super::runs::fit;
+use super::runs::{fit, format_cost as cost, format_duration_ms as ms};
 use crate::config::Config;
 
 /// Prints the comparison of `a` with `b`: exit 0 when no task changed, 1 when one did or a
@@ -144,20 +144,4 @@ fn usage(u: &UsageTotals) -> String {
         s.push_str(&format!(", {}", cost(u.cost_usd)));
     }
     s
-}
-
-fn cost(c: f64) -> String {
-    if c > 0.0 {
-        format!("${c:.4}")
-    } else {
-        "-".into()
-    }
-}
-
-fn ms(ms: u64) -> String {
-    if ms >= 10_000 {
-        format!("{:.1}s", ms as f64 / 1000.0)
-    } else {
-        format!("{ms}ms")
-    }
 }

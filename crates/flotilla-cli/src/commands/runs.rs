@@ -716,11 +716,7 @@ fn print_tree(node: &flotilla_model::tree::RunTreeNode, depth: usize) {
         node.status.as_str(),
         format_duration_ms(node.duration_ms),
         node.usage.tokens(),
-        if node.usage.cost_usd > 0.0 {
-            format!("${:.4}", node.usage.cost_usd)
-        } else {
-            "-".to_owned()
-        },
+        format_cost(node.usage.cost_usd),
         via
     );
     for c in &node.children {
@@ -728,7 +724,17 @@ fn print_tree(node: &flotilla_model::tree::RunTreeNode, depth: usize) {
     }
 }
 
-fn format_duration_ms(ms: u64) -> String {
+/// A cost in US dollars as the run tables print it (`-` for none).
+pub(crate) fn format_cost(usd: f64) -> String {
+    if usd > 0.0 {
+        format!("${usd:.4}")
+    } else {
+        "-".to_owned()
+    }
+}
+
+/// A duration as the run tables print it: `850ms`, `4.2s`, `3m05s`.
+pub(crate) fn format_duration_ms(ms: u64) -> String {
     if ms < 1_000 {
         format!("{ms}ms")
     } else if ms < 60_000 {
