@@ -384,11 +384,11 @@ impl RunReader {
             agent: None,
             result: flotilla_model::task::TaskResult::success(text),
         };
-        match entry.input {
-            RunInput::TaskResult(r) => Ok((*r, stored_ms)),
+        let result = match entry.input {
+            RunInput::TaskResult(r) => Ok(*r),
             RunInput::ApprovalDecided(d) => match d.decision {
                 flotilla_model::approval::Decision::Respond { result } => {
-                    Ok((by_person(d.task_id, d.attempt, &d.by, result), stored_ms))
+                    Ok(by_person(d.task_id, d.attempt, &d.by, result))
                 }
                 // A held result replaced on review with the person's edit.
                 flotilla_model::approval::Decision::Edit { input } => {
@@ -396,19 +396,20 @@ impl RunReader {
                         serde_json::Value::String(s) => s,
                         other => other.to_string(),
                     };
-                    Ok((by_person(d.task_id, d.attempt, &d.by, text), stored_ms))
+                    Ok(by_person(d.task_id, d.attempt, &d.by, text))
                 }
                 _ => Err(StoreError::new(
                     StoreErrorKind::Decode,
                     format!("run-log entry {seq} is an approval without a result"),
                 )),
             },
-            RunInput::Completed(c) => Ok((by_person(c.task_id, 0, &c.by, c.result), stored_ms)),
+            RunInput::Completed(c) => Ok(by_person(c.task_id, 0, &c.by, c.result)),
             _ => Err(StoreError::new(
                 StoreErrorKind::Decode,
                 format!("run-log entry {seq} is not a task result"),
             )),
-        }
+        }?;
+        Ok((result, stored_ms))
     }
 
     /// An approval's decision by run-log sequence (where an edited input is read).
