@@ -1,7 +1,7 @@
-//! Performing a step's actions: task messages, workspace and state writes, durable timers
-//! (scheduled run-log messages), planner reviews and cancellations, then the step's events
-//! as one message, and last the end's answers to waiting submitters (before the
-//! acknowledgements are awaited). Every publish carries a
+//! Performing a step's actions: workspace and state writes, durable timers (scheduled
+//! run-log messages), planner reviews and cancellations, then the step's events as one
+//! message, then its task messages, and last the end's answers to waiting submitters (before
+//! the acknowledgements are awaited). Every publish carries a
 //! deterministic message id, so performing the same actions again publishes nothing twice.
 
 use async_nats::HeaderMap;
@@ -33,7 +33,8 @@ pub(super) enum Replies {
 impl Runtime {
     /// Performs actions: every publish is sent first, then all acknowledgements are awaited.
     /// The step's events (workflow events and the run's end) go out as one message, after its
-    /// tasks and timers; the outcome's answer to a waiting submitter goes out first of all.
+    /// writes and timers and before its task messages; the outcome's answer to a waiting
+    /// submitter goes out last of all.
     pub(super) async fn perform(
         &self,
         entry: &mut Cached,
@@ -57,6 +58,11 @@ impl Runtime {
         // Workspace entries and state values this step writes; a dispatch that reads the
         // workspace or state waits for them to be stored first.
         let mut unflushed_writes = false;
+        // Task messages, sent after the step's events: a worker's `task_started` then lands
+        // on the event stream after the `task_succeeded` of the dependencies that released it
+        // (one connection, and the event stream's ingest is in order), so the stream tells
+        // the run's story in causal order. It costs no round trip: nothing waits in between.
+        let mut dispatches: Vec<(String, wire::Outgoing)> = Vec::new();
         for action in actions {
             let (subject, out) = match action {
                 Action::Dispatch { task, attempt } => {
@@ -130,7 +136,8 @@ impl Runtime {
                         Some(r) => names.role_task(r, run, &env.task_id),
                         None => names.task(&env.pool, run, &env.task_id),
                     };
-                    (subject, out)
+                    dispatches.push((subject, out));
+                    continue;
                 }
                 Action::Withdraw { task, .. } => {
                     Box::pin(self.withdraw(entry, *task)).await?;
@@ -329,6 +336,14 @@ impl Runtime {
                 .await
                 .map_err(|e| flotilla_bus::classify_publish_error(&subject, size, max, e))?;
             pending.push((subject.clone(), size, ack));
+        }
+        for (subject, out) in dispatches {
+            let size = out.payload.len();
+            let ack = js
+                .publish_with_headers(subject.clone(), out.headers, out.payload)
+                .await
+                .map_err(|e| flotilla_bus::classify_publish_error(&subject, size, max, e))?;
+            pending.push((subject, size, ack));
         }
         // The answers follow the step's messages on the same connection, so the server has
         // them first; waiting for their acknowledgements before answering would add a
