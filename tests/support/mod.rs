@@ -44,6 +44,7 @@ pub fn scripted(reply: &str) -> AgentDefinition {
 
 pub fn plan(tasks: Vec<Subtask>) -> Plan {
     Plan {
+        fork: None,
         name: Some("test".into()),
         query: Some("a test query".into()),
         subtasks: tasks,

@@ -218,6 +218,7 @@ pub(crate) fn holds(big: &Value, small: &Value) -> bool {
 /// A plan of `subtasks` named `name`, its approvals waiting up to `approval_timeout`.
 pub(crate) fn plan_named(name: &str, subtasks: Vec<Subtask>, approval_timeout: u64) -> Plan {
     Plan {
+        fork: None,
         name: Some(name.into()),
         query: Some(format!("upgrade: {name}")),
         subtasks,

@@ -250,6 +250,7 @@ fn prompt_plan(agent: &str, prompt: &str, pool: &str) -> Plan {
     let mut task = Subtask::new(PROMPT_TASK, prompt).with_agent(agent);
     task.pool = pool.to_owned();
     Plan {
+        fork: None,
         name: Some(format!("agents.prompt {agent}")),
         query: Some(prompt.to_owned()),
         subtasks: vec![task],

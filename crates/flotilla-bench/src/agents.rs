@@ -353,6 +353,7 @@ fn prompt(i: usize) -> String {
 /// The plan a prompt starts (as the exposer builds it): one task for the agent.
 fn plan(i: usize) -> Plan {
     Plan {
+        fork: None,
         name: Some(format!("agents.prompt {AGENT} (direct)")),
         query: Some(prompt(i)),
         subtasks: vec![Subtask::new("prompt", &prompt(i)).with_agent(AGENT)],

@@ -277,6 +277,7 @@ fn topic_chain_plan(n: usize) -> Plan {
         })
         .collect();
     Plan {
+        fork: None,
         name: Some("bench-topic-chain".into()),
         query: None,
         subtasks,
@@ -295,6 +296,7 @@ fn gated_plan(n: usize) -> Plan {
         })
         .collect();
     Plan {
+        fork: None,
         name: Some("bench-gated".into()),
         query: None,
         subtasks,

@@ -441,6 +441,7 @@ fn lag_ms(ts: &Timestamp) -> f64 {
 
 fn one_task() -> Plan {
     Plan {
+        fork: None,
         name: Some("bulk".into()),
         query: None,
         subtasks: vec![Subtask::new("only", "one step")],
@@ -457,6 +458,7 @@ fn fan_plan(n: usize) -> Plan {
         subtasks.push(Subtask::new(&format!("t{i}"), "work").after(&["gate"]));
     }
     Plan {
+        fork: None,
         name: Some("fan-out".into()),
         query: None,
         subtasks,
@@ -467,6 +469,7 @@ fn fan_plan(n: usize) -> Plan {
 /// `n` tasks, each a one-step workflow: each starts one child run.
 fn tree_plan(n: usize) -> Plan {
     Plan {
+        fork: None,
         name: Some("tree".into()),
         query: None,
         subtasks: (0..n)

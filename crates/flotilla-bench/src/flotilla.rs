@@ -306,6 +306,7 @@ const IN_FLIGHT_TASKS: usize = 512;
 /// a → (b ∥ c) → d.
 fn diamond_plan() -> Plan {
     Plan {
+        fork: None,
         name: Some("bench-diamond".into()),
         query: None,
         subtasks: vec![
@@ -329,6 +330,7 @@ fn fan_plan(n: usize) -> Plan {
     let refs: Vec<&str> = middle.iter().map(String::as_str).collect();
     subtasks.push(Subtask::new("sink", "no-op").after(&refs));
     let mut p = Plan {
+        fork: None,
         name: Some("bench-fan".into()),
         query: None,
         subtasks,

@@ -440,6 +440,7 @@ async fn pause_sample(
     use flotilla_model::submit::SubmitRequest;
     const ASK: Duration = Duration::from_secs(30);
     let plan = Plan {
+        fork: None,
         name: Some("bench-llm-pause".into()),
         query: None,
         subtasks: vec![Subtask::new("step", "Report the quarter's figure.").with_agent("stepper")],

@@ -74,6 +74,7 @@ http-addr = "off"
         procs.0.push(("victim".into(), spawn("worker")?));
         let run = client
             .submit(SubmitRequest::new(Plan {
+                fork: None,
                 name: Some("recovery".into()),
                 query: None,
                 subtasks: vec![Subtask::new("long", "")],

@@ -508,6 +508,7 @@ fn agent_plan(agent: &str, input: serde_json::Value) -> Plan {
     t.input = input;
     // A failure shows as one, not as a retry that starts another set of children.
     Plan {
+        fork: None,
         name: Some(format!("bench-tree-{agent}")),
         query: None,
         subtasks: vec![t],

@@ -290,6 +290,38 @@ enum RunsCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Fork an ended run at a task: a new run of its plan in which TASK (with the changes
+    /// given) and everything downstream of it run afresh, and every other task that succeeded
+    /// keeps the original's result without running. Prints the fork's run id (with --wait,
+    /// its outcome). Exit 0 when accepted (or, with --wait, succeeded), 1 otherwise.
+    Fork {
+        /// The run to fork (it must have ended).
+        run: RunId,
+        /// The fork point: a task of the run's plan.
+        #[arg(long, value_name = "TASK")]
+        at: String,
+        /// Run the fork point with this agent.
+        #[arg(long)]
+        agent: Option<String>,
+        /// Run the fork point with the instructions in this file (its description).
+        #[arg(long, value_name = "FILE", conflicts_with = "description")]
+        instructions: Option<std::path::PathBuf>,
+        /// Run the fork point with this description.
+        #[arg(long)]
+        description: Option<String>,
+        /// Run the fork point with this input (JSON).
+        #[arg(long, value_name = "JSON")]
+        input: Option<String>,
+        /// The fork's run id (forking again with it answers `duplicate`).
+        #[arg(long = "id", value_name = "RUN")]
+        fork_run_id: Option<RunId>,
+        /// Wait for the fork to end and print its outcome.
+        #[arg(long)]
+        wait: bool,
+        /// Machine-readable output (the `run.fork` answer).
+        #[arg(long)]
+        json: bool,
+    },
     /// The run log: every input that changed the run.
     History {
         run: RunId,
@@ -661,6 +693,25 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
         }
         Command::Runs(RunsCommand::Diff { a, b, json }) => {
             commands::diff::diff(&load()?, a, b, json).await
+        }
+        Command::Runs(RunsCommand::Fork {
+            run,
+            at,
+            agent,
+            instructions,
+            description,
+            input,
+            fork_run_id,
+            wait,
+            json,
+        }) => {
+            let changes = commands::fork::Changes {
+                agent,
+                instructions,
+                description,
+                input,
+            };
+            commands::fork::fork(&load()?, run, at, changes, fork_run_id, wait, json).await
         }
         Command::Runs(RunsCommand::History { run, json }) => {
             commands::runs::history(&load()?, run, json).await

@@ -105,6 +105,7 @@ impl Listed {
     /// The record a row shows.
     fn record(&self) -> RunRecord {
         RunRecord {
+            fork_of: None,
             handle: RunHandle {
                 run_id: self.run_id,
                 agent_id: self.agent_id,

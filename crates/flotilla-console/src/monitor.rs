@@ -368,6 +368,7 @@ mod tests {
         let run = RunId::new();
         RunView {
             record: RunRecord {
+                fork_of: None,
                 handle: RunHandle::root(run),
                 name: Some("t".into()),
                 status: RunStatus::Running,

@@ -280,6 +280,7 @@ fn plan() -> Plan {
     publish.action = Some("publish".into());
     publish.input = serde_json::json!({"channel": "news"});
     Plan {
+        fork: None,
         name: Some("quarterly-report".into()),
         query: Some("write and publish the quarterly report".into()),
         subtasks: vec![
@@ -312,6 +313,7 @@ fn gated_in_a_session(announce: bool) -> SubmitRequest {
         subtasks.push(Subtask::new("announce", "tell people").after(&["publish"]));
     }
     let mut req = SubmitRequest::new(Plan {
+        fork: None,
         name: Some("by-hand".into()),
         query: None,
         subtasks,
@@ -386,6 +388,7 @@ async fn the_api_resumes_a_runs_events_inside_a_message() -> anyhow::Result<()> 
     let run = f
         .client
         .submit(SubmitRequest::new(Plan {
+            fork: None,
             name: None,
             query: None,
             subtasks: vec![
@@ -479,6 +482,7 @@ async fn the_api_says_what_a_run_waits_for_and_what_runs() -> anyhow::Result<()>
     let run = f
         .client
         .submit(SubmitRequest::new(Plan {
+            fork: None,
             name: Some("two-parts".into()),
             query: None,
             subtasks: vec![one, Subtask::new("two", "check").with_agent("checker")],
@@ -1204,6 +1208,7 @@ async fn in_a_real_browser() -> anyhow::Result<()> {
     let (mut run, mut run2, mut run3) = (None, None, None);
     let long = || {
         SubmitRequest::new(Plan {
+            fork: None,
             name: Some("long-crunch".into()),
             query: None,
             subtasks: vec![Subtask::new("crunch", "crunch the numbers").with_agent("slow")],
@@ -1224,6 +1229,7 @@ async fn in_a_real_browser() -> anyhow::Result<()> {
                     let mut ids = Vec::new();
                     for agent in ["writer", "checker"] {
                         let plan = Plan {
+                            fork: None,
                             name: Some("compare".into()),
                             query: None,
                             subtasks: vec![Subtask::new("check", "check it").with_agent(agent)],

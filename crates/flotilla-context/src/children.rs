@@ -165,6 +165,7 @@ impl Clients {
             query: None,
             subtasks: vec![subtask],
             config: PlanConfig::default(),
+            fork: None,
         });
         request.protocol = PROTOCOL_VERSION;
         request.run_id = Some(child);

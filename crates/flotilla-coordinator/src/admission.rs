@@ -42,8 +42,12 @@ use crate::trust::Trust;
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Door<'a> {
     /// The intake subject or the `submit` endpoint: the run id is the submission's own, its
-    /// key's, or a new one; `queries` plans a bare query.
-    Intake { queries: &'a dyn Queries },
+    /// key's, or a new one; `queries` plans a bare query. `forks`: the submission is a fork
+    /// built by `run.fork`, whose plan alone may say what it reuses (`fork`).
+    Intake {
+        queries: &'a dyn Queries,
+        forks: bool,
+    },
     /// A run's own subject: the subject names the run, so the body may name no other and
     /// carries no idempotency key, nor a bare query (its planning plan is fixed at admission
     /// and stored in the run's first entry, which a client-written first message cannot
@@ -80,6 +84,15 @@ pub(crate) fn screen(
     }
     if let Some(parent) = &request.parent {
         errors.extend(flotilla_model::validate::check_parent(parent, run));
+    }
+    if request.plan.as_ref().is_some_and(|p| p.fork.is_some())
+        && !matches!(door, Door::Intake { forks: true, .. })
+    {
+        errors.push(Problem::new(
+            ProblemCode::ForkReserved,
+            "plan.fork",
+            "a plan's `fork` is written by run.fork only: fork a run with `flotilla runs fork RUN --at TASK` or the run.fork endpoint",
+        ));
     }
     if let Door::RunSubject { prefix, intake } = door {
         if let Some(named) = request.run_id.filter(|named| *named != run) {
@@ -218,7 +231,7 @@ pub(crate) async fn verdict(
         Err(problem) => Err(vec![problem]),
         Ok(SubmitForm::Plan(plan)) => prepare_plan(plan, facts.ctx).map_err(|r| r.errors),
         Ok(SubmitForm::Query(q)) => match door {
-            Door::Intake { queries } => queries
+            Door::Intake { queries, .. } => queries
                 .planning_plan(q, now_ms)
                 .map(|plan| (plan, Vec::new()))
                 .map_err(|p| vec![p]),
@@ -260,7 +273,7 @@ pub(crate) async fn verdict(
         return Ok(Err(rejected(request, errors, reply_to, None)));
     }
     let (mut planning, mut memory) = (None, None);
-    if let (Some(query), Door::Intake { queries }) = (query, door) {
+    if let (Some(query), Door::Intake { queries, .. }) = (query, door) {
         let advised = queries.advise(run, query, lineage.session_id, plan).await;
         plan = advised.plan;
         warnings.extend(advised.warnings);
@@ -403,7 +416,14 @@ mod tests {
         r.run_id = Some(RunId::new());
         r.idempotency_key = Some("k".into());
         r.protocol = 999;
-        let (reply_to, errors) = screen(run, &r, Door::Intake { queries: &Planless });
+        let (reply_to, errors) = screen(
+            run,
+            &r,
+            Door::Intake {
+                queries: &Planless,
+                forks: false,
+            },
+        );
         assert_eq!(reply_to, None);
         assert_eq!(
             codes(&errors),

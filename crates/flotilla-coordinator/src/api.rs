@@ -60,6 +60,7 @@ const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
 mod approvals;
 mod collab;
 mod controls;
+mod fork;
 
 /// `404 not_found` for a run that does not exist.
 /// `400 <code>` naming every problem of a request at once (in `problems`, and joined in the
@@ -129,6 +130,11 @@ const ROUTES: &[Route] = &[
         name: "submit",
         subject: SubmitRequest::ENDPOINT,
         handle: |api, req| Box::pin(async move { api.submit(req).await }),
+    },
+    Route {
+        name: "run-fork",
+        subject: flotilla_model::fork::RunForkRequest::ENDPOINT,
+        handle: |api, req| Box::pin(async move { api.fork(req).await }),
     },
     Route {
         name: "run-get",
@@ -457,6 +463,7 @@ impl Api {
         let source = Source::Api {
             inbox: inbox.as_deref(),
             now_ms: Timestamp::now().unix_ms(),
+            fork: false,
         };
         match self
             .intake

@@ -55,7 +55,12 @@ pub(crate) enum Source<'a> {
     /// The durable intake stream: its stream sequence, delivery count and server time.
     Intake { seq: u64, now_ms: i64 },
     /// The request/reply endpoint: the requester's reply subject, and the local time.
-    Api { inbox: Option<&'a str>, now_ms: i64 },
+    /// `fork`: the submission is a fork `run.fork` built (its plan may say what it reuses).
+    Api {
+        inbox: Option<&'a str>,
+        now_ms: i64,
+        fork: bool,
+    },
 }
 
 impl Source<'_> {
@@ -317,7 +322,10 @@ impl Intake {
             &facts,
             run,
             &request,
-            crate::admission::Door::Intake { queries: self },
+            crate::admission::Door::Intake {
+                queries: self,
+                forks: matches!(source, Source::Api { fork: true, .. }),
+            },
             source.now_ms(),
             // The intake records the start it decides: the levels now are the run's for good.
             Timestamp::now(),

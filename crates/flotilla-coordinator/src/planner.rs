@@ -136,6 +136,7 @@ pub fn planning_plan(
     }
     task.input = input;
     Plan {
+        fork: None,
         name: Some(short_name(query)),
         query: Some(query.to_owned()),
         subtasks: vec![task],
@@ -284,6 +285,7 @@ fn check_answer(
         }
     };
     let plan = Plan {
+        fork: None,
         name: answer.name.or_else(|| Some(short_name(query))),
         query: Some(query.to_owned()),
         subtasks: answer.subtasks,

@@ -24,6 +24,7 @@ use proptest::test_runner::Config as ProptestConfig;
 
 fn plan(tasks: Vec<Subtask>, config: PlanConfig) -> Arc<Plan> {
     Arc::new(Plan {
+        fork: None,
         name: Some("t".into()),
         query: None,
         subtasks: tasks,
@@ -120,6 +121,7 @@ fn planned(n: usize) -> Plan {
         })
         .collect();
     Plan {
+        fork: None,
         name: Some("planned".into()),
         query: Some("q".into()),
         subtasks: tasks,

@@ -386,6 +386,11 @@ impl RunMachine {
             hold: None,
             resumed_ms: 0,
             edit_mark: None,
+            fork_of: plan.fork.as_ref().map(|f| flotilla_model::fork::ForkRef {
+                run_id: f.run_id,
+                task_id: f.task_id.clone(),
+                reused: f.reused.len() as u32,
+            }),
         };
         let mut m = Self::restore_with_graph(plan, graph, state);
         let mut actions = vec![Action::Emit(Box::new(Emission {
@@ -400,8 +405,13 @@ impl RunMachine {
                 ..WorkflowEvent::phase(WorkflowPhase::RunStarted)
             },
         }))];
+        m.reuse(now_ms, &mut actions);
         for i in 0..m.graph.len() as u32 {
-            if m.remaining[i as usize] == 0 && m.missing[i as usize] > 0 && !led {
+            if m.remaining[i as usize] == 0
+                && m.missing[i as usize] > 0
+                && !led
+                && m.state.tasks[i as usize].status == TaskStatus::Waiting
+            {
                 m.gate(i, now_ms, &mut actions);
             }
         }
@@ -410,6 +420,37 @@ impl RunMachine {
         }
         m.after(now_ms, &mut actions);
         (m, actions)
+    }
+
+    /// A fork's start: each task it reuses succeeds with the original's result (read where
+    /// the original stored it, by run-log sequence), in plan order, without a dispatch. Its
+    /// produced topics and output are written as a result's are, and its dependents are
+    /// released as by a result.
+    fn reuse(&mut self, now_ms: i64, actions: &mut Vec<Action>) {
+        let Some(fork) = self.plan.fork.clone() else {
+            return;
+        };
+        for r in &fork.reused {
+            let Some(i) = self.graph.index_of(&r.task_id) else {
+                continue;
+            };
+            if self.state.tasks[i as usize].status != TaskStatus::Waiting {
+                continue;
+            }
+            self.ready.remove(&i);
+            let t = &mut self.state.tasks[i as usize];
+            t.held = false;
+            self.succeed(
+                i,
+                r.seq,
+                now_ms,
+                WorkflowEvent {
+                    detail: Some(format!("reused from run {}", fork.run_id)),
+                    ..WorkflowEvent::phase(WorkflowPhase::TaskSucceeded)
+                },
+                actions,
+            );
+        }
     }
 
     /// Rebuilds a machine from a stored state.

@@ -385,6 +385,10 @@ pub struct RunState {
     /// The run's escalation policy (fixed at admission; absent: nothing waits for a person).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hitl: Option<HitlPolicy>,
+    /// When the run is a fork: the run it forks, its fork point and how many results it
+    /// kept (fixed at its start).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fork_of: Option<flotilla_model::fork::ForkRef>,
     /// While a person holds the run (`paused`, `human_control`): since when, until when, by
     /// whom.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -469,6 +473,7 @@ impl RunState {
             .collect::<Vec<_>>()
             .join("; ");
         Self {
+            fork_of: None,
             run_id,
             status: RunStatus::Rejected,
             created_ms: now_ms,

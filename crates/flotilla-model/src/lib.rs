@@ -14,7 +14,7 @@ pub use agents::{lead, memory, recruit, team, teammate, worker};
 pub use collab::{artifact, mailbox, state, workspace};
 pub use people::{approval, notify, trust};
 pub use runs::{
-    control, diff, event, numeric, plan, rollback, run, runlog, submit, task, template, tree,
+    control, diff, event, fork, numeric, plan, rollback, run, runlog, submit, task, template, tree,
     validate, watch,
 };
 use wire::endpoint;

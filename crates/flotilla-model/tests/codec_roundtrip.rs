@@ -211,6 +211,7 @@ fn plan() -> impl Strategy<Value = Plan> {
         plan_config(),
     )
         .prop_map(|(name, query, subtasks, config)| Plan {
+            fork: None,
             name,
             query,
             subtasks,
@@ -384,6 +385,7 @@ fn record() -> impl Strategy<Value = RunRecord> {
                 errors,
                 outcome,
             )| RunRecord {
+                fork_of: None,
                 handle,
                 name,
                 status,

@@ -104,5 +104,6 @@ pub fn record_of(state: &RunState) -> RunRecord {
             status: p.status,
         }),
         memory: state.memory.clone(),
+        fork_of: state.fork_of.clone(),
     }
 }

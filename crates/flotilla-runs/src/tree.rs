@@ -216,6 +216,7 @@ fn assemble(
         tasks: record.tasks.clone(),
         usage: read.events.usage,
         subtree_usage,
+        fork_of: record.fork_of.clone(),
         children,
     })
 }

@@ -217,6 +217,7 @@ fn sensitive(id: &str, agent: &str) -> Subtask {
 
 fn plan_of(name: &str, subtasks: Vec<Subtask>) -> Plan {
     Plan {
+        fork: None,
         name: Some(name.into()),
         query: Some(format!("lived-in: {name}")),
         subtasks,

@@ -30,6 +30,7 @@ pub(crate) fn wide_plan(n: usize) -> Plan {
         })
         .collect();
     Plan {
+        fork: None,
         name: Some("bench".into()),
         query: None,
         subtasks,
@@ -40,6 +41,7 @@ pub(crate) fn wide_plan(n: usize) -> Plan {
 /// `n` independent no-op tasks, all allowed to run at once.
 pub(crate) fn independent_plan(n: usize) -> Plan {
     let mut p = Plan {
+        fork: None,
         name: Some("bench-independent".into()),
         query: None,
         subtasks: (0..n)
@@ -64,6 +66,7 @@ pub(crate) fn chain_plan(n: usize) -> Plan {
         })
         .collect();
     Plan {
+        fork: None,
         name: Some("bench-chain".into()),
         query: None,
         subtasks,

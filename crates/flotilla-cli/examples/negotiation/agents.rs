@@ -161,6 +161,7 @@ pub(crate) fn plan() -> Plan {
     let mut b = Subtask::new("analyst_b", "use the audited statement").with_agent("analyst");
     b.input = json!({"confidence": 0.9});
     Plan {
+        fork: None,
         name: Some("negotiation".into()),
         query: Some("What was the Q3 gross margin?".into()),
         subtasks: vec![lead, a, b],

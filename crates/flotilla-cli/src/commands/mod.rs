@@ -7,6 +7,7 @@ pub(crate) mod controls;
 pub(crate) mod datadir;
 pub(crate) mod diff;
 pub(crate) mod example;
+pub(crate) mod fork;
 pub(crate) mod init;
 pub(crate) mod memory;
 pub(crate) mod nats;

@@ -141,6 +141,9 @@ pub(crate) async fn show(config: &Config, run: RunId, json: bool) -> anyhow::Res
     if let Some(s) = &r.strategy {
         outln!("strategy  {} ({})", s.strategy.as_str(), s.reason);
     }
+    if let Some(f) = &r.fork_of {
+        outln!("{}", fork_line(f));
+    }
     if let Some(p) = &r.planning {
         outln!(
             "planning  {} (planner round {} of at most {})",
@@ -680,6 +683,9 @@ pub(crate) async fn tree(
         "COST"
     );
     print_tree(&tree.root, 0);
+    if let Some(f) = &tree.root.fork_of {
+        outln!("{}", fork_line(f));
+    }
     let total = &tree.root.subtree_usage;
     outln!(
         "{} run{}, {} tokens in {} model call{}{}{}",
@@ -700,6 +706,17 @@ pub(crate) async fn tree(
         }
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// `fork of <run> at <task> (N results kept)`.
+fn fork_line(f: &flotilla_model::fork::ForkRef) -> String {
+    format!(
+        "fork of   {} at {} ({} result{} kept)",
+        f.run_id,
+        f.task_id,
+        f.reused,
+        if f.reused == 1 { "" } else { "s" }
+    )
 }
 
 fn print_tree(node: &flotilla_model::tree::RunTreeNode, depth: usize) {

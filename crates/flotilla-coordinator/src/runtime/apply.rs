@@ -190,6 +190,7 @@ impl Runtime {
                     let plan = Arc::new(std::mem::replace(
                         &mut submitted.plan,
                         flotilla_model::Plan {
+                            fork: None,
                             name: None,
                             query: None,
                             subtasks: Vec::new(),

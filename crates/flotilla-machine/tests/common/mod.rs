@@ -15,6 +15,7 @@ use flotilla_model::task::{TaskErrorKind, TaskResult};
 
 pub fn plan(tasks: Vec<Subtask>, config: PlanConfig) -> Arc<Plan> {
     Arc::new(Plan {
+        fork: None,
         name: Some("t".into()),
         query: None,
         subtasks: tasks,

@@ -224,6 +224,7 @@ impl MemoryEntry {
                 strategy: self.plan.strategy,
                 ..PlanConfig::default()
             },
+            fork: None,
         }
     }
 

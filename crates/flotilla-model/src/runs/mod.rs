@@ -6,6 +6,7 @@
 pub mod control;
 pub mod diff;
 pub mod event;
+pub mod fork;
 pub mod numeric;
 pub mod plan;
 pub mod rollback;

@@ -33,6 +33,12 @@ pub struct Plan {
     /// Execution settings.
     #[serde(default)]
     pub config: PlanConfig,
+    /// Set on a fork's plan by `run.fork` (never by a client: a submission that sets it is
+    /// refused, `fork_reserved`): the run it forks and the results it keeps. An older
+    /// coordinator refuses the field by name (`unknown field`) instead of running the
+    /// reused tasks again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fork: Option<crate::fork::ForkOrigin>,
 }
 
 /// One step of a plan.
@@ -400,6 +406,7 @@ impl Plan {
             query: None,
             subtasks: Vec::new(),
             config: PlanConfig::default(),
+            fork: None,
         }
     }
 

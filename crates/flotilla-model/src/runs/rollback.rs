@@ -185,6 +185,7 @@ pub fn rollback_plan(
             task_timeout: plan.config.task_timeout,
             ..PlanConfig::default()
         },
+        fork: None,
     })
 }
 

@@ -256,6 +256,10 @@ pub struct RunRecord {
     /// source run, confidence and measure) or the planner called, and why.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory: Option<crate::memory::MemoryUse>,
+    /// When the run is a fork (`run.fork`): the run it forks, the fork point, and how many
+    /// of the original's results it kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fork_of: Option<crate::fork::ForkRef>,
 }
 
 /// Planning of a run submitted as a bare query.

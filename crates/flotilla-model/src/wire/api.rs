@@ -34,6 +34,7 @@ has_protocol!(
     MboxNegotiateRequest,
     crate::tree::RunTreeRequest,
     crate::diff::RunDiffRequest,
+    crate::fork::RunForkRequest,
     crate::tree::SessionRequest,
 );
 

@@ -234,6 +234,11 @@ error_codes! {
     /// `403`: `team.recruit` or `team.retire` refused by the policy: `rule` names the rule;
     /// `400` for `invalid_subtask`, with `problems`.
     RecruitRefused = "recruit_refused", 403;
+    /// `409`: `run.fork` of a run that has not ended (a fork point inside a running run).
+    RunNotEnded = "run_not_ended", 409;
+    /// `409`: `run.fork` of a run whose plan, or a result the fork would keep, can no longer
+    /// be read from its log (the message names the task and the entry).
+    ResultMissing = "result_missing", 409;
 }
 
 impl fmt::Display for ErrorCode {

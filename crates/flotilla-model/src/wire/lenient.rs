@@ -158,6 +158,7 @@ static PLAN: Shape = Shape {
             required: None,
             restarts_paths: false,
         },
+        typed("fork", check::<Option<crate::fork::ForkOrigin>>),
     ],
 };
 

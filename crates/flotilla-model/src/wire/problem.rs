@@ -112,6 +112,9 @@ pub enum ProblemCode {
     /// A subtask names a `role` and no `agent` (anycast: one free member of the role claims
     /// it), but no member card of this deployment has that role.
     UnknownRole,
+    /// A submitted plan sets `fork`, which only `run.fork` writes (it names results of
+    /// another run the fork keeps).
+    ForkReserved,
 }
 
 impl ProblemCode {
@@ -163,6 +166,7 @@ impl ProblemCode {
             Self::TreeTooDeep => "tree_too_deep",
             Self::TreeTooLarge => "tree_too_large",
             Self::UnknownRole => "unknown_role",
+            Self::ForkReserved => "fork_reserved",
         }
     }
 }

@@ -148,6 +148,14 @@ pub fn public_schemas() -> Vec<(&'static str, Schema)> {
         ),
         ("run-diff.json", schema_for!(crate::diff::RunDiff)),
         (
+            "run-fork-request.json",
+            schema_for!(crate::fork::RunForkRequest),
+        ),
+        (
+            "run-fork-reply.json",
+            schema_for!(crate::fork::RunForkReply),
+        ),
+        (
             "session-request.json",
             schema_for!(crate::tree::SessionRequest),
         ),

@@ -249,6 +249,7 @@ mod tests {
 
     pub(super) fn plan(tasks: Vec<Subtask>) -> Plan {
         Plan {
+            fork: None,
             name: None,
             query: None,
             subtasks: tasks,

@@ -1,0 +1,225 @@
+//! `run.fork`: a new run of an ended run's plan, from a task on ([`flotilla_model::fork`]).
+//!
+//! The handler reads the original (its state and the plan it followed), works out which
+//! tasks keep their results — those that succeeded and are not downstream of the fork
+//! point — and checks that each of those results can still be read. It then submits the
+//! changed plan, with its `fork` naming the kept results, through the intake like any
+//! submission: the fork is admitted, budgeted, gated by approvals and controlled as every run
+//! is. The run machine starts it with the kept results as its tasks' (no dispatch) and runs
+//! the rest. Nothing of the original is written.
+
+use async_nats::service::Request;
+use flotilla_model::ErrorCode;
+use flotilla_model::PROTOCOL_VERSION;
+use flotilla_model::fork::{
+    ForkOrigin, MAX_FORK_DESCRIPTION, ReusedResult, RunForkReply, RunForkRequest, downstream,
+};
+use flotilla_model::ids::TaskId;
+use flotilla_model::run::TaskStatus;
+use flotilla_model::submit::{SubmitReply, SubmitRequest, SubmitStatus};
+use flotilla_model::time::Timestamp;
+use tracing::{info, warn};
+
+use super::{Api, parse, respond_error, respond_json};
+use crate::intake::{Answer, Source};
+
+/// Why a fork is refused before anything is submitted.
+enum Refused {
+    /// An error answer: status, code, message.
+    Error(u16, ErrorCode, String),
+    /// The changed plan does not validate: `400 invalid_plan` with every problem.
+    Problems(Vec<flotilla_model::problem::Problem>),
+}
+
+impl Api {
+    pub(super) async fn fork(&self, req: Request) {
+        let Some(r) = parse::<RunForkRequest>(&req).await else {
+            return;
+        };
+        let run = r.run_id;
+        let unavailable = |e: String| Refused::Error(503, ErrorCode::Unavailable, e);
+        let built = async {
+            let Some(state) = self
+                .store
+                .state(run)
+                .await
+                .map_err(|e| unavailable(e.to_string()))?
+            else {
+                return Err(Refused::Error(
+                    404,
+                    ErrorCode::UnknownRun,
+                    format!("run {run} does not exist"),
+                ));
+            };
+            if !state.status.is_terminal() {
+                return Err(Refused::Error(
+                    409,
+                    ErrorCode::RunNotEnded,
+                    format!(
+                        "run {run} is {}: a run is forked once it has ended (cancel it first to fork it now)",
+                        state.status.as_str()
+                    ),
+                ));
+            }
+            let plan = self
+                .store
+                .plan_for(run, &state)
+                .await
+                .map_err(|e| unavailable(e.to_string()))?
+                .ok_or_else(|| {
+                    Refused::Error(
+                        409,
+                        ErrorCode::ResultMissing,
+                        format!("the plan of run {run} can no longer be read from its log"),
+                    )
+                })?;
+            let Some(mask) = downstream(&plan, &r.at) else {
+                let ids: Vec<&str> = plan.subtasks.iter().map(|s| s.id.as_str()).collect();
+                return Err(Refused::Error(
+                    404,
+                    ErrorCode::UnknownTask,
+                    format!(
+                        "run {run} has no task {:?} (its tasks: {})",
+                        r.at.as_str(),
+                        ids.join(", ")
+                    ),
+                ));
+            };
+            if r.description
+                .as_ref()
+                .is_some_and(|d| d.len() > MAX_FORK_DESCRIPTION)
+            {
+                return Err(Refused::Error(
+                    400,
+                    ErrorCode::InvalidRequest,
+                    format!("description is longer than {MAX_FORK_DESCRIPTION} bytes"),
+                ));
+            }
+            let mut reused = Vec::new();
+            for (i, sub) in plan.subtasks.iter().enumerate() {
+                let Some(t) = state.tasks.get(i) else {
+                    continue;
+                };
+                if mask[i] || t.status != TaskStatus::Succeeded || t.result_seq == 0 {
+                    continue;
+                }
+                // A kept result must still be readable: the fork's tasks read it where the
+                // original stored it.
+                if let Err(e) = self.store.result_at(t.result_seq).await {
+                    return Err(Refused::Error(
+                        409,
+                        ErrorCode::ResultMissing,
+                        format!(
+                            "task {}'s result in run {run} (run-log entry {}) cannot be read, so the fork cannot keep it: {e}",
+                            sub.id, t.result_seq
+                        ),
+                    ));
+                }
+                reused.push(ReusedResult {
+                    task_id: sub.id.clone(),
+                    seq: t.result_seq,
+                });
+            }
+            let mut plan = plan;
+            if let Some(sub) = plan.subtasks.iter_mut().find(|s| s.id == r.at) {
+                if let Some(agent) = &r.agent {
+                    sub.agent = Some(agent.clone());
+                }
+                if let Some(description) = &r.description {
+                    sub.description = description.clone();
+                }
+                if let Some(input) = &r.input {
+                    sub.input = input.clone();
+                }
+            }
+            // A change the plan cannot take (an unknown agent, an input too deep) is refused
+            // here, naming every problem, and nothing is stored.
+            if let Err(report) = flotilla_model::validate::prepare_plan(&plan, &self.ctx) {
+                return Err(Refused::Problems(report.errors));
+            }
+            let rerun: Vec<TaskId> = plan
+                .subtasks
+                .iter()
+                .filter(|s| !reused.iter().any(|k| k.task_id == s.id))
+                .map(|s| s.id.clone())
+                .collect();
+            let kept: Vec<TaskId> = reused.iter().map(|k| k.task_id.clone()).collect();
+            plan.fork = Some(ForkOrigin {
+                run_id: run,
+                task_id: r.at.clone(),
+                reused,
+            });
+            let mut submit = SubmitRequest::new(plan);
+            submit.run_id = r.fork_run_id;
+            submit.labels = state.labels.clone();
+            submit.session_id = state.session_id;
+            Ok((submit, kept, rerun))
+        };
+        let (submit, kept, rerun) = match built.await {
+            Ok(b) => b,
+            Err(Refused::Error(status, code, message)) => {
+                return respond_error(&req, status, code, message).await;
+            }
+            Err(Refused::Problems(problems)) => {
+                return super::respond_problems(&req, ErrorCode::InvalidPlan, problems).await;
+            }
+        };
+        let payload = match serde_json::to_vec(&submit) {
+            Ok(p) => p,
+            Err(e) => return respond_error(&req, 500, ErrorCode::Internal, e.to_string()).await,
+        };
+        let source = Source::Api {
+            inbox: None,
+            now_ms: Timestamp::now().unix_ms(),
+            fork: true,
+        };
+        let reply: SubmitReply = match self.intake.submit(None, &payload, source).await {
+            Ok(Answer::Now(reply)) => *reply,
+            Ok(other) => {
+                // A submission without `wait` is answered at once; anything else is a bug.
+                warn!(?other, "A fork's submission was not answered at once");
+                return respond_error(
+                    &req,
+                    500,
+                    ErrorCode::Internal,
+                    "the fork's submission was not answered".to_owned(),
+                )
+                .await;
+            }
+            Err(e) => {
+                warn!(error = %e, "A fork's submission failed");
+                return respond_error(&req, 503, ErrorCode::Unavailable, e.to_string()).await;
+            }
+        };
+        let mut answer = RunForkReply {
+            protocol: PROTOCOL_VERSION,
+            run_id: reply.run_id,
+            status: reply.status,
+            errors: reply.errors,
+            warnings: reply.warnings,
+            outcome: None,
+            fork_of: run,
+            at: r.at.clone(),
+            reused: kept,
+            rerun,
+        };
+        if let (Some(fork), SubmitStatus::Accepted) = (answer.run_id, answer.status) {
+            info!(%run, %fork, at = %r.at, reused = answer.reused.len(), "Run forked");
+        }
+        if r.wait
+            && let (Some(fork), SubmitStatus::Accepted | SubmitStatus::Duplicate) =
+                (answer.run_id, answer.status)
+        {
+            match self.wait_for_end(fork).await {
+                Ok(outcome) => {
+                    answer.status = SubmitStatus::Finished;
+                    answer.outcome = Some(outcome);
+                }
+                Err((status, code, message)) => {
+                    return respond_error(&req, status, code, message).await;
+                }
+            }
+        }
+        respond_json(&req, self.max_payload(), &answer).await;
+    }
+}

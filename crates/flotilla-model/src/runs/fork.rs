@@ -1,0 +1,218 @@
+//! Forking a finished run (`<prefix>.api.run.fork`, `flotilla runs fork RUN --at TASK`): a
+//! new run of the same plan in which the fork point — with its changes: another agent, other
+//! instructions, another input — and every task downstream of it run afresh, and every other
+//! task that succeeded in the original keeps the original's result without being dispatched.
+//!
+//! "Downstream" is what could see the fork point's work: its dependents, their dependents,
+//! and the consumers of topics any of them produce, transitively. The plan a fork runs says
+//! what it reuses ([`Plan::fork`](crate::plan::Plan::fork)): the original run, the fork point
+//! and, per reused task, the run-log sequence of the result it keeps. Run-log sequences are
+//! global to the run-log stream, so the fork's tasks read those results where the original
+//! stored them — nothing is copied, and the original is never written.
+//!
+//! ```text
+//! original:  fetch ──► analyse ──► report
+//! fork --at analyse --agent careful:
+//!            fetch (reused) ──► analyse (afresh, agent careful) ──► report (afresh)
+//! ```
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::api::ApiRequest;
+use crate::ids::{RunId, TaskId};
+use crate::problem::Problem;
+use crate::run::RunOutcome;
+use crate::submit::SubmitStatus;
+
+/// Longest `description` a fork may give its fork point, in bytes.
+pub const MAX_FORK_DESCRIPTION: usize = 64 * 1024;
+
+/// What a fork's plan reuses: set by `run.fork` only (a submission that sets it is refused,
+/// `fork_reserved`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ForkOrigin {
+    /// The run forked.
+    pub run_id: RunId,
+    /// The fork point: the task that runs afresh first.
+    pub task_id: TaskId,
+    /// The tasks that keep the original's result, in plan order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reused: Vec<ReusedResult>,
+}
+
+impl ForkOrigin {
+    /// The run-log sequence of `task`'s reused result, when the fork reuses it.
+    pub fn reused_seq(&self, task: &TaskId) -> Option<u64> {
+        self.reused
+            .iter()
+            .find(|r| &r.task_id == task)
+            .map(|r| r.seq)
+    }
+}
+
+/// One task a fork does not run: it keeps the result at `seq`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReusedResult {
+    /// The task.
+    pub task_id: TaskId,
+    /// Run-log stream sequence of the original's result for it.
+    pub seq: u64,
+}
+
+/// Where a run was forked from, as its record shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ForkRef {
+    /// The run forked.
+    pub run_id: RunId,
+    /// The fork point.
+    pub task_id: TaskId,
+    /// How many tasks kept the original's result.
+    #[serde(default)]
+    pub reused: u32,
+}
+
+/// `<prefix>.api.run.fork`: fork finished run `run_id` at task `at`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RunForkRequest {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// The run to fork; it must have ended.
+    pub run_id: RunId,
+    /// The fork point: a task of the run's plan.
+    pub at: TaskId,
+    /// Run the fork point with this agent instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent: Option<String>,
+    /// Run the fork point with these instructions (its `description`) instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// Run the fork point with this `input` instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input: Option<serde_json::Value>,
+    /// The fork's run id (fork again with the same id: the same run, `duplicate`). Minted
+    /// when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fork_run_id: Option<RunId>,
+    /// Answer when the fork has ended, with its outcome, instead of when it is accepted.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub wait: bool,
+}
+
+impl RunForkRequest {
+    /// A fork of `run` at `at` with no changes.
+    pub fn new(run: RunId, at: TaskId) -> Self {
+        Self {
+            protocol: crate::PROTOCOL_VERSION,
+            run_id: run,
+            at,
+            agent: None,
+            description: None,
+            input: None,
+            fork_run_id: None,
+            wait: false,
+        }
+    }
+}
+
+impl ApiRequest for RunForkRequest {
+    const ENDPOINT: &'static str = "run.fork";
+    type Reply = RunForkReply;
+}
+
+/// The answer to `run.fork`: the submission of the fork, as `submit` answers it, and what it
+/// reuses and runs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct RunForkReply {
+    /// Wire protocol version.
+    #[serde(default = "crate::protocol_v1")]
+    pub protocol: u32,
+    /// The fork's run id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<RunId>,
+    /// `accepted`, `duplicate` (a fork with this `fork_run_id` exists), `rejected` (the
+    /// changed plan does not validate: `errors`), or `finished` (with `wait`).
+    pub status: SubmitStatus,
+    /// Why the fork's plan was rejected.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub errors: Vec<Problem>,
+    /// Tolerated problems of the fork's plan.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<Problem>,
+    /// With `wait`: the fork's outcome.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outcome: Option<RunOutcome>,
+    /// The run forked.
+    pub fork_of: RunId,
+    /// The fork point.
+    pub at: TaskId,
+    /// Tasks that keep the original's result, in plan order.
+    pub reused: Vec<TaskId>,
+    /// Tasks that run afresh (the fork point and what is downstream of it, and tasks that
+    /// had not succeeded in the original), in plan order.
+    pub rerun: Vec<TaskId>,
+}
+
+/// The tasks downstream of `at` in `plan`, `at` included, as a mask over `plan.subtasks`:
+/// its dependents and the consumers of topics they produce, transitively. `None` when the
+/// plan has no task `at`.
+pub fn downstream(plan: &crate::plan::Plan, at: &TaskId) -> Option<Vec<bool>> {
+    let start = plan.subtasks.iter().position(|s| &s.id == at)?;
+    let mut mask = vec![false; plan.subtasks.len()];
+    mask[start] = true;
+    let mut stack = vec![start];
+    while let Some(i) = stack.pop() {
+        let sub = &plan.subtasks[i];
+        for (j, other) in plan.subtasks.iter().enumerate() {
+            if mask[j] {
+                continue;
+            }
+            let depends = other.dependencies.contains(&sub.id);
+            let consumes = other.consumes.iter().any(|t| sub.produces.contains(t));
+            if depends || consumes {
+                mask[j] = true;
+                stack.push(j);
+            }
+        }
+    }
+    Some(mask)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::{Plan, Subtask};
+
+    #[test]
+    fn downstream_follows_dependencies_and_topics() {
+        let mut plan = Plan::empty();
+        plan.subtasks = vec![
+            Subtask::new("a", "root"),
+            Subtask::new("b", "left").after(&["a"]),
+            Subtask::new("c", "right").after(&["a"]),
+            Subtask::new("d", "join").after(&["b"]),
+            Subtask::new("e", "reads"),
+        ];
+        plan.subtasks[2].produces = vec!["notes".into()];
+        plan.subtasks[4].consumes = vec!["notes".into()];
+        let ids = |m: Vec<bool>| -> Vec<String> {
+            m.iter()
+                .enumerate()
+                .filter(|(_, d)| **d)
+                .map(|(i, _)| plan.subtasks[i].id.to_string())
+                .collect()
+        };
+        let at = |t: &str| TaskId::new(t);
+        assert_eq!(ids(downstream(&plan, &at("b")).expect("b")), ["b", "d"]);
+        assert_eq!(ids(downstream(&plan, &at("c")).expect("c")), ["c", "e"]);
+        assert_eq!(
+            downstream(&plan, &at("a")).map(ids).map(|v| v.len()),
+            Some(5)
+        );
+        assert!(downstream(&plan, &at("zz")).is_none());
+    }
+}
