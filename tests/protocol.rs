@@ -768,6 +768,7 @@ async fn every_request_kind_is_read_without_protocol() -> anyhow::Result<()> {
         ("run.edit", json!({"run_id": ghost, "plan": subtasks, "by": "me"})),
         ("run.tree", json!({"run_id": run})),
         ("run.diff", json!({"a": run, "b": run})),
+        ("run.fork", json!({"run_id": ghost, "at": "a"})),
         ("session.get", json!({"session_id": session})),
         ("plan.validate", json!({"plan": subtasks})),
         ("watch", json!({"run_id": ghost, "deliver_subject": "_INBOX.nobody"})),

@@ -44,6 +44,8 @@
 //!   over the protocol (the bench as its client) next to the same run submitted directly, in
 //!   the same run; the idle coordinator's CPU and memory with 1 and with 100 exposed agents
 //!   beating.
+//! * **fork** — forks of ended runs (module `fork`): a 10-task chain forked at its last
+//!   task — the attempts the fork dispatches (one) and its time next to a one-task run.
 //! * **restart** — restarts onto history (module `restart`): each service's time to ready on
 //!   an empty deployment, then restarted with SIGTERM and kill -9 onto 10,000 runs of history
 //!   of every kind (the test kit's lived-in deployment), with its reads checked unchanged.
@@ -84,6 +86,7 @@ mod agents;
 mod collab;
 mod console;
 mod flotilla;
+mod fork;
 mod hitl;
 mod llm;
 mod recovery;
@@ -175,6 +178,8 @@ pub struct BenchArgs {
     agents: Box<agents::AgentsArgs>,
     #[command(flatten)]
     restart: restart::RestartArgs,
+    #[command(flatten)]
+    fork: fork::ForkArgs,
 }
 
 /// A section of the bench (`--only`).
@@ -212,6 +217,9 @@ enum Section {
     /// Restarts onto history: each service's time to ready on an empty deployment and
     /// restarted (SIGTERM, kill -9) onto 10,000 runs of history of every kind.
     Restart,
+    /// Forks of ended runs: a 10-task chain forked at its last task — the attempts it
+    /// dispatches and its time next to a one-task run.
+    Fork,
 }
 
 /// Runs the selected sections against the server at `nats_url` (the CLI's global
@@ -233,6 +241,7 @@ pub async fn run(args: BenchArgs, nats_url: Option<&str>) -> anyhow::Result<()> 
         && !want(Section::Console)
         && !want(Section::Agents)
         && !want(Section::Restart)
+        && !want(Section::Fork)
     {
         return Ok(());
     }
@@ -312,6 +321,9 @@ pub async fn run(args: BenchArgs, nats_url: Option<&str>) -> anyhow::Result<()> 
     }
     if want(Section::Restart) {
         restart::run(&args.restart, &services, &url).await?;
+    }
+    if want(Section::Fork) {
+        fork::run(&args.fork, &services, &url).await?;
     }
     Ok(())
 }

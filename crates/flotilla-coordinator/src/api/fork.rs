@@ -18,6 +18,7 @@ use flotilla_model::ids::TaskId;
 use flotilla_model::run::TaskStatus;
 use flotilla_model::submit::{SubmitReply, SubmitRequest, SubmitStatus};
 use flotilla_model::time::Timestamp;
+use futures::StreamExt;
 use tracing::{info, warn};
 
 use super::{Api, parse, respond_error, respond_json};
@@ -95,30 +96,39 @@ impl Api {
                     format!("description is longer than {MAX_FORK_DESCRIPTION} bytes"),
                 ));
             }
-            let mut reused = Vec::new();
-            for (i, sub) in plan.subtasks.iter().enumerate() {
-                let Some(t) = state.tasks.get(i) else {
-                    continue;
-                };
-                if mask[i] || t.status != TaskStatus::Succeeded || t.result_seq == 0 {
-                    continue;
-                }
-                // A kept result must still be readable: the fork's tasks read it where the
-                // original stored it.
-                if let Err(e) = self.store.result_at(t.result_seq).await {
+            // A kept result must still be readable: the fork's tasks read it where the
+            // original stored it. Read several at a time.
+            let kept: Vec<(TaskId, u64)> = plan
+                .subtasks
+                .iter()
+                .zip(&state.tasks)
+                .zip(&mask)
+                .filter(|((_, t), downstream)| {
+                    !**downstream && t.status == TaskStatus::Succeeded && t.result_seq != 0
+                })
+                .map(|((sub, t), _)| (sub.id.clone(), t.result_seq))
+                .collect();
+            let store = &self.store;
+            let read: Vec<_> =
+                futures::stream::iter(kept.into_iter().map(|(task, seq)| async move {
+                    let result = store.result_at(seq).await.map(|_| ());
+                    (task, seq, result)
+                }))
+                .buffered(16)
+                .collect()
+                .await;
+            let mut reused = Vec::with_capacity(read.len());
+            for (task, seq, result) in read {
+                if let Err(e) = result {
                     return Err(Refused::Error(
                         409,
                         ErrorCode::ResultMissing,
                         format!(
-                            "task {}'s result in run {run} (run-log entry {}) cannot be read, so the fork cannot keep it: {e}",
-                            sub.id, t.result_seq
+                            "task {task}'s result in run {run} (run-log entry {seq}) cannot be read, so the fork cannot keep it: {e}"
                         ),
                     ));
                 }
-                reused.push(ReusedResult {
-                    task_id: sub.id.clone(),
-                    seq: t.result_seq,
-                });
+                reused.push(ReusedResult { task_id: task, seq });
             }
             let mut plan = plan;
             if let Some(sub) = plan.subtasks.iter_mut().find(|s| s.id == r.at) {
