@@ -426,6 +426,7 @@ documents! {
     guide_deploy => "docs/guide/deploy.md",
     guide_watching => "docs/guide/watching.md",
     guide_operations => "docs/guide/operations.md",
+    guide_forking => "docs/guide/forking.md",
 }
 
 /// Every document with a runnable block — the README and every guide — is run by a test
