@@ -157,6 +157,19 @@ async fn a_fork_reruns_only_its_fork_point_and_downstream_and_keeps_the_rest() -
         .collect();
     assert_eq!(changed, ["d"]);
 
+    // Replayed from their logs through the machine alone, the original and the fork reach
+    // the decisions they recorded (no agent runs: the call log does not grow).
+    let out = p.cli(&["runs", "replay", &original.to_string()])?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    assert!(text.contains("the same decisions"), "{text}");
+    let out = p.cli(&["runs", "replay", &fork1.to_string(), "--json"])?;
+    let report: Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(out.status.code(), Some(0), "{report}");
+    assert_eq!(report["same"], true, "{report}");
+    assert!(report["events"].as_u64() >= Some(5), "{report}");
+    assert_eq!(calls(&p).len(), 5, "a replay runs no agent");
+
     // A fork of the fork, through the CLI, with other instructions for c: c and d rerun.
     std::fs::write(p.dir().join("careful.md"), "answer with care")?;
     let out = p.cli(&[
@@ -291,6 +304,15 @@ async fn a_fork_reruns_only_its_fork_point_and_downstream_and_keeps_the_rest() -
         "{}",
         e.message
     );
+    // Its replay no longer reaches what it recorded, and says where.
+    let out = p.cli(&["runs", "replay", &third.to_string(), "--json"])?;
+    let report: Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(out.status.code(), Some(1), "{report}");
+    assert_eq!(report["same"], false, "{report}");
+    assert_eq!(report["divergence"]["task_id"], "b", "{report}");
+    let out = p.cli(&["runs", "replay", &ghost.to_string()])?;
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("does not exist"));
     Ok(())
 }
 

@@ -322,6 +322,16 @@ enum RunsCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Replay an ended run from its log through the run machine alone — every task served
+    /// from its recorded result: no model call, no tool run — and check it reaches the same
+    /// decisions and state as recorded, or say where it first did not. Exit 0 when the same,
+    /// 1 when it diverged or the run does not exist.
+    Replay {
+        run: RunId,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
     /// The run log: every input that changed the run.
     History {
         run: RunId,
@@ -712,6 +722,9 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
                 input,
             };
             commands::fork::fork(&load()?, run, at, changes, fork_run_id, wait, json).await
+        }
+        Command::Runs(RunsCommand::Replay { run, json }) => {
+            commands::fork::replay(&load()?, run, json).await
         }
         Command::Runs(RunsCommand::History { run, json }) => {
             commands::runs::history(&load()?, run, json).await

@@ -547,6 +547,19 @@ impl Client {
             .map_err(|e| nats(format!("comparing run {a} with run {b}"), e))
     }
 
+    /// Run `run` replayed from its log through the run machine alone — every task served
+    /// from its recorded result: no model call, no tool run — and checked against what it
+    /// recorded; `None` when the run does not exist.
+    pub async fn replay(
+        &self,
+        run: RunId,
+    ) -> Result<Option<flotilla_runs::replay::ReplayReport>, ClientError> {
+        let store = open_store(&self.bus).await?;
+        flotilla_runs::replay::replay_run(&store, run)
+            .await
+            .map_err(|e| nats(format!("replaying run {run}"), e))
+    }
+
     /// The runs of a session, oldest first (the engine of `<prefix>.api.session.get`).
     pub async fn session(&self, session: SessionId) -> Result<SessionView, ClientError> {
         let store = open_store(&self.bus).await?;

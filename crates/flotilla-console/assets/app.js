@@ -364,6 +364,31 @@ async function viewRuns() {
 
 // ---------- one run ----------
 
+// The tasks of `plan` downstream of `at` (`at` included): its dependents and the consumers of
+// topics they produce, transitively — what a fork at `at` runs again (`run.fork`).
+function downstreamOf(plan, at) {
+  const subs = (plan && plan.subtasks) || [];
+  const out = new Set([at]);
+  const stack = [at];
+  while (stack.length) {
+    const sub = subs.find((t) => t.id === stack.pop()) || {};
+    for (const o of subs) {
+      if (out.has(o.id)) continue;
+      if ((o.dependencies || []).includes(sub.id) || (o.consumes || []).some((t) => (sub.produces || []).includes(t))) {
+        out.add(o.id);
+        stack.push(o.id);
+      }
+    }
+  }
+  return out;
+}
+
+// A refusal as a person reads it: what was refused, why, and each problem the API named.
+function refusalHtml(what, code, message, problems) {
+  if (!problems || !problems.length) return `${esc(what)}${code ? ` (${esc(code)})` : ''}: ${esc(message)}`;
+  return `${esc(what)}${code ? ` (${esc(code)})` : ''}:<ul class="problems">${problems.map((p) => `<li data-code="${esc(p.code)}">${esc(p.message)} <span class="muted">${esc(p.code)}${p.path ? ` at ${esc(p.path)}` : ''}</span></li>`).join('')}</ul>`;
+}
+
 function flattenTree(node, depth = 0, out = []) {
   out.push({ node, depth });
   for (const c of node.children || []) flattenTree(c, depth + 1, out);
@@ -586,7 +611,7 @@ async function viewRun(runId) {
   main().innerHTML = `
     <div class="run-head card">
       <div><h1 id="run-title">Run <span class="mono">${esc(runId)}</span></h1>
-        <div id="run-meta" class="muted"></div></div>
+        <div id="run-meta" class="muted"></div><div id="run-fork" class="muted"></div></div>
       <div class="actions">
         <label class="muted" title="how long a pause or takeover lasts before its default (empty: the deployment's default)">for <input id="hold-min" type="number" min="1" placeholder="default" ${me.operator ? '' : 'disabled'}> min</label>
         ${['pause', 'resume', 'takeover', 'edit', 'cancel'].map((a) => `<button data-action="${a}" class="${a === 'cancel' ? 'danger' : ''}" ${a === 'edit' ? 'hidden' : ''} ${me.operator ? '' : 'disabled title="operators only"'}>${a === 'edit' ? 'edit plan…' : a}</button>`).join('')}
@@ -600,6 +625,14 @@ async function viewRun(runId) {
       <textarea id="plan-text" class="mono" rows="16" spellcheck="false"></textarea>
       <div class="filters"><button id="plan-save" class="primary">Save the plan</button><button id="plan-close">Close</button><span id="plan-problems" class="error-text"></span></div>
     </div>
+    <form id="fork-form" class="card" hidden>
+      <h2 id="fork-title">Fork</h2>
+      <p id="fork-what" class="muted"></p>
+      <div class="filters"><label>agent <input id="fork-agent" class="mono" size="24"></label></div>
+      <textarea id="fork-description" rows="4" spellcheck="false"></textarea>
+      <div class="filters"><button id="fork-submit" type="submit" class="primary">Fork</button><button id="fork-close" type="button">Close</button></div>
+      <div id="fork-problems" class="error-text"></div>
+    </form>
     <div id="run-waits"></div>
     <div id="run-inbox"></div>
     <div id="grants"></div>
@@ -711,6 +744,57 @@ async function viewRun(runId) {
       set('#plan-problems', esc([e.message, ...problems.map((p) => p.message || JSON.stringify(p))].join(' · ')));
     }
   };
+  // Forking the run from a task: the task, with another agent or other instructions if the
+  // person gives them, and what is downstream of it run again in a new run; every other task
+  // that succeeded keeps this run's result. The page then follows the fork.
+  let runTasks = [];
+  const forkForm = $('#fork-form');
+  const openFork = (task) => {
+    const sub = ((currentPlan && currentPlan.subtasks) || []).find((t) => t.id === task) || {};
+    const again = downstreamOf(currentPlan, task);
+    const keeps = runTasks.filter((t) => !again.has(t.task_id) && t.status === 'succeeded').map((t) => t.task_id);
+    const rerun = runTasks.filter((t) => !keeps.includes(t.task_id)).map((t) => t.task_id);
+    forkForm.dataset.task = task;
+    set('#fork-title', `Fork from task <span class="mono">${esc(task)}</span>`);
+    set('#fork-what', `A new run of this run's plan: ${esc(rerun.join(', '))} run${rerun.length === 1 ? 's' : ''} again; ${keeps.length ? `${esc(keeps.join(', '))} keep${keeps.length === 1 ? 's' : ''} this run's result` : 'no result is kept'}. Empty fields leave the task as it was.`);
+    const agent = $('#fork-agent');
+    agent.value = '';
+    agent.placeholder = sub.agent || (sub.role ? `a member of role ${sub.role}` : 'the default agent');
+    const description = $('#fork-description');
+    description.value = '';
+    description.placeholder = `instructions for ${task} (now: ${sub.description || 'none'})`;
+    set('#fork-problems', '');
+    forkForm.hidden = false;
+    forkForm.scrollIntoView({ block: 'nearest' });
+    agent.focus();
+  };
+  $('#fork-close').onclick = () => { forkForm.hidden = true; };
+  forkForm.addEventListener('submit', async (ev) => {
+    ev.preventDefault();
+    const at = forkForm.dataset.task;
+    const body = { at };
+    const agent = $('#fork-agent').value.trim();
+    if (agent) body.agent = agent;
+    const description = $('#fork-description').value;
+    if (description.trim()) body.description = description;
+    set('#fork-problems', '');
+    // One fork per click: each accepted fork is a new run.
+    const submit = $('#fork-submit');
+    submit.disabled = true;
+    try {
+      const r = await api(`/api/runs/${runId}/fork`, { body });
+      if (!r.run_id || r.status === 'rejected') {
+        set('#fork-problems', refusalHtml('The fork was rejected', null, 'its plan was not admitted', r.errors));
+        return;
+      }
+      toast(`forked run ${runName(runTitle, runId)} at task ${at}: ${r.reused.length} result(s) kept, ${r.rerun.length} task(s) run again`);
+      location.hash = `#/run/${r.run_id}`;
+    } catch (e) {
+      set('#fork-problems', refusalHtml('The fork was refused', e.code, e.message, e.data && e.data.problems));
+    } finally {
+      submit.disabled = false;
+    }
+  });
   // The tools approved for the rest of the run's session, each revocable.
   const loadGrants = async (session) => {
     if (!session) return;
@@ -747,6 +831,7 @@ async function viewRun(runId) {
     }
     const action = b.dataset.taskAction;
     const task = b.closest('[data-task]').dataset.task;
+    if (action === 'fork') { openFork(task); return; }
     const body = { task, reason: 'from the console' };
     if (action === 'pause') {
       const m = prompt(`Pause task ${task} for how many minutes? (empty: the default, 24 h)`, '');
@@ -814,7 +899,7 @@ async function viewRun(runId) {
   // when the page is idle (events streaming in are drawn first).
   const readRun = async ({ tree: withTree = true, inbox = true } = {}) => {
     try {
-      const { view, plan, label, progress, task_labels: labels = {}, timeline } = await api(`/api/runs/${runId}`);
+      const { view, plan, label, progress, task_labels: labels = {}, timeline, fork_of_name: forkName } = await api(`/api/runs/${runId}`);
       await idle();
       if (left || !$('#run-title')) return; // the person moved on
       const r = view.record;
@@ -835,8 +920,16 @@ async function viewRun(runId) {
         ${r.session_id ? ` · session <a href="#/runs?session=${r.session_id}">${short(r.session_id)}</a>` : ''}
         ${r.handle.parent_run_id ? ` · parent <a href="#/run/${r.handle.parent_run_id}">${short(r.handle.parent_run_id)}</a>` : ''}
         ${runLabels ? ` · ${esc(runLabels)}` : ''}${r.outcome && r.outcome.reason ? ` · ${esc(r.outcome.reason)}` : ''}`);
+      // A fork (`run.fork`) says which run it forks, at which task, and how many of its
+      // results it kept (as `flotilla runs show`).
+      const f = r.fork_of;
+      set('#run-fork', f ? `fork of <a href="#/run/${esc(f.run_id)}" title="${esc(f.run_id)}">${esc(runName(forkName, f.run_id))}</a> at <b class="mono">${esc(f.task_id)}</b> (${f.reused} result${f.reused === 1 ? '' : 's'} kept)` : '');
       const going = !terminal(r.status);
       currentPlan = view.plan || plan;
+      runTasks = view.tasks;
+      // The tasks of a fork that kept the original's result (its plan says which).
+      const origin = (currentPlan && currentPlan.fork) || null;
+      const kept = new Set(((origin && origin.reused) || []).map((k) => k.task_id));
       // A plan is edited while the run is under human control (taken over).
       const edit = main().querySelector('[data-action="edit"]');
       if (edit) edit.hidden = r.status !== 'human_control';
@@ -853,7 +946,10 @@ async function viewRun(runId) {
       if (hold) hold.disabled = !going || !me.operator;
       sessionOf = r.session_id || null;
       const off = me.operator ? '' : 'disabled title="operators only"';
+      // An ended run is forked from one of its tasks (`run.fork`).
+      const forkable = ['succeeded', 'failed', 'cancelled'].includes(r.status);
       const taskActions = (t) => {
+        if (forkable) return `<button data-task-action="fork" ${me.operator ? 'title="run this task and what is downstream of it again, in a new run"' : off}>fork from here…</button>`;
         if (!going || taskDone(t.status)) return '';
         const b = [t.paused_until
           ? `<button data-task-action="resume" ${off}>resume</button>`
@@ -877,7 +973,11 @@ async function viewRun(runId) {
         ].filter(Boolean).join(' · ');
       };
       // Virtualised like the events: a 1,000-task run draws the rows in view.
-      taskRows = view.tasks.map((t) => `<div class="task" data-task="${esc(t.task_id)}"><span class="mono">${esc(t.task_id)}</span>${status(labels[t.task_id] || t.status)}<span>${t.attempts}</span><span>${esc(t.pool || '-')}</span>
+      // A fork's task that kept the original's result says so beside its status.
+      const stateOf = (t) => (kept.has(t.task_id)
+        ? `<span title="kept the result of run ${esc(runName(forkName, origin.run_id))} (${esc(origin.run_id)})">${status(labels[t.task_id] || t.status)} <span class="muted kept">· kept</span></span>`
+        : status(labels[t.task_id] || t.status));
+      taskRows = view.tasks.map((t) => `<div class="task" data-task="${esc(t.task_id)}"><span class="mono">${esc(t.task_id)}</span>${stateOf(t)}<span>${t.attempts}</span><span>${esc(t.pool || '-')}</span>
           <span class="detail" title="${esc(detail(t))}"><span class="task-actions">${taskActions(t)}</span><span class="muted">${esc(detail(t))}</span></span></div>`);
       ($('#tasks-count') || {}).textContent = `${view.tasks.length}`;
       $('#tasks').style.height = `${Math.min(taskRows.length * TASK_ROW + 2, 420)}px`;

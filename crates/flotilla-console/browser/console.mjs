@@ -9,15 +9,20 @@
 // (SUBMIT3): rejected as an incident. A fourth (SUBMIT4): a task a worker runs for long reads
 // `running`, with its worker and the time it has run, and is cancelled. Then two runs of one
 // task by two agents (SUBMIT5, answered with both ids) are compared from a run's page: the
-// changed task is marked and its results' line diff shown; an unknown run is named.
+// changed task is marked and its results' line diff shown; an unknown run is named. A
+// two-task run (SUBMIT6: draft by the writer, then review by the checker) is forked from its
+// review task: the form says what runs again and what is kept, an unknown agent is refused
+// with the problem named in the form, and a fork with another agent and other instructions
+// lands on the fork's page, which says what it forks, marks the kept task, and succeeds.
 // What a person reads is checked as text in the page: a run waiting for an approval reads
 // `waiting` (its page, with what for and how to answer; the runs list), runs are named by
 // plan name and short id, times are ISO (UTC), a click on a task (DAG node, row) opens its
 // panel (input, result, attempts, worker, timings, events), the inbox and the toast name the
 // run and the task, the team's LAST INCIDENT is the trust record's, and no page, asset or
 // favicon answers an error.
-// Lines: SUBMIT, SUBMIT2, SUBMIT3, SUBMIT4 (the test answers with the run id), SUBMIT5 (two
-// ids), CHECK3 (it answers once it has checked the incident).
+// Lines: SUBMIT, SUBMIT2, SUBMIT3, SUBMIT4, SUBMIT6 (the test answers with the run id),
+// SUBMIT5 (two ids), CHECK3 (it answers once it has checked the incident), FORKED <id> (the
+// fork made in the page, for the test to check; not answered).
 // Writes docs/screenshots/console-*.png.
 
 import { launch, check } from './common.mjs';
@@ -361,6 +366,67 @@ try {
   await alice.goto(`${url}/#/diff/${ca}/${ghost}`);
   await until(alice, (g) => (document.querySelector('#diff')?.textContent || '').includes(`run ${g} does not exist`), ghost);
   check(true, 'comparing with a run that does not exist names it');
+
+  // A run forked from a task: a two-task run (the test answers once it succeeded) forked at
+  // `review`, with another agent and other instructions; `draft` keeps its result.
+  console.log('SUBMIT6');
+  const run6 = (await nextLine()).trim();
+  await alice.goto(`${url}/#/run/${run6}`);
+  await alice.waitForSelector('#run-title [data-status="succeeded"]');
+  await alice.waitForSelector('#tasks [data-task="review"] button[data-task-action="fork"]');
+  check(await alice.isEnabled('#tasks [data-task="draft"] button[data-task-action="fork"]'), 'each task of an ended run has "fork from here"');
+  // A viewer's button is off, and the API refuses their fork.
+  await bob.goto(`${url}/#/run/${run6}`);
+  await bob.waitForSelector('#tasks [data-task="review"] button[data-task-action="fork"]');
+  check(await bob.isDisabled('#tasks [data-task="review"] button[data-task-action="fork"]'), 'the viewer\'s "fork from here" is disabled');
+  const viewerFork = await bob.evaluate(async (r) => {
+    const res = await fetch(`/api/runs/${r}/fork`, {
+      method: 'POST',
+      headers: { 'Content-Type': 'application/json', 'X-Flotilla-Console': '1' },
+      body: JSON.stringify({ at: 'review' }),
+    });
+    return [res.status, (await res.json()).error];
+  }, run6);
+  check(viewerFork[0] === 403 && viewerFork[1] === 'not_operator', `the viewer's fork is refused (${viewerFork})`);
+  await alice.click('#tasks [data-task="review"] button[data-task-action="fork"]');
+  await alice.waitForSelector('#fork-form:not([hidden])');
+  const forkWhat = await alice.textContent('#fork-what');
+  check(forkWhat.includes('review runs again') && forkWhat.includes('draft keeps this run\'s result'), `the form says what runs again and what is kept: ${forkWhat}`);
+  // An agent the deployment does not have: refused, the problem named in the form.
+  await alice.fill('#fork-agent', 'nobody');
+  await alice.click('#fork-submit');
+  await until(alice, () => document.querySelector('#fork-problems li[data-code="unknown_agent"]'));
+  const problem = await alice.textContent('#fork-problems');
+  check(problem.includes('invalid_plan') && problem.includes('agent "nobody" is not defined') && problem.includes('subtasks[1].agent'),
+    `an unknown agent is refused, its problem named in the form: ${problem}`);
+  check(new URL(alice.url()).hash.startsWith(`#/run/${run6}`), 'a refused fork stays on the run');
+  await alice.fill('#fork-agent', 'writer');
+  await alice.fill('#fork-description', 'review it again, as the writer');
+  await alice.click('#fork-submit');
+  await until(alice, (r) => /^#\/run\/[0-9a-f-]{36}$/.test(location.hash.split('?')[0]) && !location.hash.includes(r), run6);
+  const forked = new URL(alice.url()).hash.split('?')[0].slice('#/run/'.length);
+  console.log(`FORKED ${forked}`);
+  check(true, 'the fork is accepted and the page follows it');
+  await alice.waitForSelector(`#run-fork a[href="#/run/${run6}"]`);
+  const forkLine = (await alice.textContent('#run-fork')).trim();
+  check(forkLine === `fork of draft-review · ${shortOf(run6)} at review (1 result kept)`, `the fork says what it forks: ${forkLine}`);
+  await alice.waitForSelector('#run-title [data-status="succeeded"]', { timeout: 60000 });
+  await alice.waitForSelector('#tasks [data-task="draft"] .kept');
+  const keptTitle = await alice.getAttribute('#tasks [data-task="draft"] span[title^="kept"]', 'title');
+  check(keptTitle === `kept the result of run draft-review · ${shortOf(run6)} (${run6})` && !(await alice.$('#tasks [data-task="review"] .kept')),
+    `the kept task says whose result it has, the task run again does not: ${keptTitle}`);
+  // The fork's review ran with the writer (its reply: "review done", not the checker's).
+  await alice.click('#tasks [data-task="review"] .mono');
+  await alice.waitForSelector('#task-panel[data-task="review"] #task-result');
+  await until(alice, () => (document.querySelector('#task-result')?.textContent || '').includes('review done'));
+  check((await alice.textContent('#task-panel')).includes('review it again, as the writer'), 'the fork point ran with the new agent and instructions');
+  await alice.click('#task-close');
+  await alice.waitForSelector('#task-panel', { state: 'hidden' });
+  await shot(alice, 'fork');
+  // The line leads back to the original.
+  await alice.click(`#run-fork a[href="#/run/${run6}"]`);
+  await until(alice, (r) => (document.querySelector('#run-title .run-id')?.textContent || '') === r, run6);
+  check(await alice.textContent('#run-fork') === '', 'the original is not a fork');
 
   // The runs list again: the run succeeded, with its agent.
   await alice.goto(`${url}/#/runs`);

@@ -1,6 +1,6 @@
 //! The console's HTTP API: JSON reads, server-sent event streams and the operator's
 //! actions. Every read and action is one of the Flotilla API requests the CLI sends
-//! (`approval.*`, `run.pause|resume|takeover|cancel|complete`, `team.list`, `ws.read`), or a
+//! (`approval.*`, `run.pause|resume|takeover|cancel|complete|fork`, `team.list`, `ws.read`), or a
 //! read of the run store through the client library; run events come from the same
 //! projection as `flotilla watch` ([`Client::watch`]).
 
@@ -25,6 +25,7 @@ use flotilla_model::control::{
     CompleteTaskRequest, EditPlanRequest, PauseRunRequest, ResumeRunRequest, TakeoverRunRequest,
 };
 use flotilla_model::event::EventEnvelope;
+use flotilla_model::fork::RunForkRequest;
 use flotilla_model::ids::{SessionId, TaskId};
 use flotilla_model::plan::Plan;
 use flotilla_model::run::RunView;
@@ -317,6 +318,12 @@ pub(crate) async fn run(
     // What a person reads (the labels `flotilla runs show` prints): `waiting` for a run some
     // person must act on, `running` for a task a worker started.
     let label = progress::run_label(view.record.status, &progress.waiting);
+    // A fork's original, by its plan name as the runs list knows it (the "fork of" line).
+    let fork_of_name = view
+        .record
+        .fork_of
+        .as_ref()
+        .and_then(|f| s.index.names(std::iter::once(f.run_id)).remove(&f.run_id));
     let task_labels: serde_json::Map<String, serde_json::Value> = view
         .tasks
         .iter()
@@ -334,6 +341,7 @@ pub(crate) async fn run(
         "progress": progress,
         "task_labels": task_labels,
         "timeline": timeline,
+        "fork_of_name": fork_of_name,
     }))
     .into_response()
 }
@@ -827,6 +835,45 @@ pub(crate) async fn control(
         }
     };
     s.audit(&who, &action, run, target.as_deref(), response.status());
+    response
+}
+
+/// The body of a fork from a run's page.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ForkBody {
+    /// The fork point: the task that runs afresh first, with what is downstream of it.
+    at: TaskId,
+    /// Run the fork point with this agent instead (empty: its own).
+    #[serde(default)]
+    agent: Option<String>,
+    /// Run the fork point with these instructions instead (empty: its own).
+    #[serde(default)]
+    description: Option<String>,
+    /// Run the fork point with this input instead.
+    #[serde(default)]
+    input: Option<serde_json::Value>,
+}
+
+/// Forks an ended run at a task (`run.fork`): a new run in which the task, with the changes
+/// asked, and what is downstream of it run again, and every other task that succeeded keeps
+/// the run's result — operators only, audited. The answer is the API's `RunForkReply` (the
+/// fork's `run_id`, what it keeps and reruns), or its refusal with its status (`400
+/// invalid_plan` with every problem, `409 run_not_ended`, `404 unknown_task`, …).
+pub(crate) async fn fork(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(run): Path<RunId>,
+    Json(body): Json<ForkBody>,
+) -> Response {
+    let who = who!(s.operator(&headers));
+    let at = body.at.as_str().to_owned();
+    let mut request = RunForkRequest::new(run, body.at);
+    request.agent = body.agent.filter(|a| !a.trim().is_empty());
+    request.description = body.description.filter(|d| !d.trim().is_empty());
+    request.input = body.input;
+    let response = s.call(&request).await;
+    s.audit(&who, "fork", run, Some(&at), response.status());
     response
 }
 

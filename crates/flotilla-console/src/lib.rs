@@ -241,6 +241,8 @@ fn router(state: AppState) -> Router {
         .route("/api/runs/{run}/state/{key}", get(api::state))
         .route("/api/runs/{run}/grants", get(api::grants))
         .route("/api/runs/{run}/tasks/{task}", get(api::task))
+        // A fork has a body of its own; the static segment takes precedence over `{action}`.
+        .route("/api/runs/{run}/fork", post(api::fork))
         .route("/api/runs/{run}/{action}", post(api::control))
         .route("/api/sessions/{session}", get(api::session))
         .route("/api/inbox", get(api::inbox))

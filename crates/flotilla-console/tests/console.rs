@@ -789,6 +789,36 @@ async fn the_api_needs_an_identity_and_only_operators_act() -> anyhow::Result<()
     .await?;
     assert_eq!(code, 403);
     assert_eq!(pending(&f.client, run).await?, ids, "still pending");
+    // A fork (`run.fork`) is an operator's, same-site, of a run that has ended.
+    let fork = format!("/api/runs/{run}/fork");
+    let at_announce = r#"{"at":"announce","agent":"checker"}"#;
+    for (who, headers, status, code_is) in [
+        (
+            "a viewer",
+            vec![("Authorization", bob.as_str()), csrf],
+            403,
+            "not_operator",
+        ),
+        (
+            "cross-site",
+            vec![("Authorization", alice.as_str())],
+            403,
+            "cross_site",
+        ),
+        (
+            "a run going on",
+            vec![("Authorization", alice.as_str()), csrf],
+            409,
+            "run_not_ended",
+        ),
+    ] {
+        let (code, body) = http(addr, "POST", &fork, &headers, Some(at_announce)).await?;
+        assert_eq!(
+            (code, body.contains(code_is)),
+            (status, true),
+            "{who}: {body}"
+        );
+    }
     // One task's pause and resume (`run.pause`/`run.resume` with `task_id`): a viewer is
     // refused; the operator's are recorded, `by` her, and the task shows its pause.
     let pause = format!("/api/runs/{run}/pause");
@@ -940,6 +970,64 @@ async fn the_api_needs_an_identity_and_only_operators_act() -> anyhow::Result<()
     assert_eq!(
         (audit[0]["by"].as_str(), audit[0]["action"].as_str()),
         (Some("alice"), Some("pause"))
+    );
+    // The ended run forked at `announce` by another agent: an unknown task is the API's 404;
+    // the fork keeps the four results upstream, runs `announce` again and says what it forks.
+    let (code, body) = http(
+        addr,
+        "POST",
+        &fork,
+        &[("Authorization", &alice), csrf],
+        Some(r#"{"at":"nope"}"#),
+    )
+    .await?;
+    assert_eq!((code, body.contains("unknown_task")), (404, true), "{body}");
+    let (code, body) = http(
+        addr,
+        "POST",
+        &fork,
+        &[("Authorization", &alice), csrf],
+        Some(at_announce),
+    )
+    .await?;
+    assert_eq!(code, 200, "{body}");
+    let reply: flotilla_model::fork::RunForkReply = serde_json::from_str(&body)?;
+    let forked = reply.run_id.expect("the fork's id");
+    assert_eq!(
+        (reply.reused.len(), reply.rerun.len(), reply.at.as_str()),
+        (4, 1, "announce"),
+        "{body}"
+    );
+    assert_eq!(
+        f.client.wait(forked, WAIT).await?.status,
+        RunStatus::Succeeded
+    );
+    let (code, body) = http(
+        addr,
+        "GET",
+        &format!("/api/runs/{forked}"),
+        &[("Authorization", &bob)],
+        None,
+    )
+    .await?;
+    assert_eq!(code, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body)?;
+    assert_eq!(
+        v["view"]["record"]["fork_of"],
+        serde_json::json!({"run_id": run, "task_id": "announce", "reused": 4}),
+        "{body}"
+    );
+    assert_eq!(v["fork_of_name"], "quarterly-report", "{body}");
+    let (_, audit) = http(addr, "GET", "/api/audit", &[("Authorization", &bob)], None).await?;
+    let audit: serde_json::Value = serde_json::from_str(&audit)?;
+    assert_eq!(
+        (
+            audit[0]["action"].as_str(),
+            audit[0]["target"].as_str(),
+            audit[0]["outcome"].as_str()
+        ),
+        (Some("fork"), Some("announce"), Some("done")),
+        "{audit}"
     );
     // The list's agent, tokens and cost of a run.
     let (code, body) = http(
@@ -1206,6 +1294,8 @@ async fn in_a_real_browser() -> anyhow::Result<()> {
     let mut stdin = node.stdin.take().expect("piped");
     let mut lines = BufReader::new(node.stdout.take().expect("piped")).lines();
     let (mut run, mut run2, mut run3) = (None, None, None);
+    // The run forked in the page (SUBMIT6) and the fork the page made (FORKED).
+    let (mut run6, mut forked) = (None, None);
     let long = || {
         SubmitRequest::new(Plan {
             fork: None,
@@ -1243,6 +1333,28 @@ async fn in_a_real_browser() -> anyhow::Result<()> {
                         .write_all(format!("{}\n", ids.join(" ")).as_bytes())
                         .await?;
                     stdin.flush().await?;
+                    continue;
+                }
+                // Two tasks: `review` runs after `draft`, so a fork at `review` keeps `draft`.
+                "SUBMIT6" => {
+                    let plan = Plan {
+                        fork: None,
+                        name: Some("draft-review".into()),
+                        query: None,
+                        subtasks: vec![
+                            Subtask::new("draft", "write it").with_agent("writer"),
+                            Subtask::new("review", "review it")
+                                .with_agent("checker")
+                                .after(&["draft"]),
+                        ],
+                        config: PlanConfig::default(),
+                    };
+                    let id = f.client.submit(SubmitRequest::new(plan)).await?;
+                    assert_eq!(f.client.wait(id, WAIT).await?.status, RunStatus::Succeeded);
+                    *run6.insert(id)
+                }
+                l if l.starts_with("FORKED ") => {
+                    forked = Some(l["FORKED ".len()..].parse::<flotilla_model::RunId>()?);
                     continue;
                 }
                 "CHECK3" => {
@@ -1334,6 +1446,33 @@ async fn in_a_real_browser() -> anyhow::Result<()> {
     assert!(by_alice("announced by hand"), "{history:?}");
     let run3 = run3.expect("the script asked for a third run");
     assert_eq!(f.client.wait(run3, WAIT).await?.status, RunStatus::Failed);
+    // The fork made in the page: of the sixth run at `review`, keeping `draft`'s result, its
+    // `review` run by the writer with the instructions typed in the form.
+    let (run6, forked) = (
+        run6.expect("the script asked for a run to fork"),
+        forked.expect("the script forked a run"),
+    );
+    let view = f.client.run(forked).await?.expect("recorded");
+    assert_eq!(view.record.status, RunStatus::Succeeded);
+    let of = view.record.fork_of.expect("a fork");
+    assert_eq!(
+        (of.run_id, of.task_id.as_str(), of.reused),
+        (run6, "review", 1)
+    );
+    let plan = flotilla_client::open_store(f.client.bus())
+        .await?
+        .plan(forked)
+        .await?
+        .expect("the fork's plan");
+    let review = plan
+        .subtasks
+        .iter()
+        .find(|t| t.id.as_str() == "review")
+        .expect("review");
+    assert_eq!(
+        (review.agent.as_deref(), review.description.as_str()),
+        (Some("writer"), "review it again, as the writer")
+    );
     f.stop().await;
     Ok(())
 }

@@ -12,6 +12,8 @@
 //!   decode.
 //! * [`tree`]: run trees and sessions as read.
 //! * [`diff`]: two runs compared, task by task.
+//! * [`replay`]: a run replayed from its log through the run machine, checked against what
+//!   it recorded.
 //! * [`watch`]: the projection engine of a run tree's events per audience.
 //!
 //! The state it decodes is the run machine's ([`flotilla_machine`]): pure code, the only
@@ -21,6 +23,7 @@ pub mod diff;
 pub mod error;
 pub mod first;
 pub mod reader;
+pub mod replay;
 pub mod snapshot;
 pub mod tree;
 pub mod watch;

@@ -2,6 +2,10 @@
 //! the fork point changed (`<prefix>.api.run.fork`, served by the coordinator). Exit 0 when
 //! the fork was accepted (with `--wait`: when it succeeded), 1 when it was refused or did not
 //! succeed, 2 when no coordinator answers.
+//!
+//! `flotilla runs replay RUN`: the run replayed from its log through the run machine and
+//! checked against what it recorded (read from the store; no service needed). Exit 0 when
+//! the replay reached the same decisions, 1 when it diverged or the run does not exist.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -141,4 +145,49 @@ fn print(reply: &RunForkReply) {
             outln!("  result: {}", fr.response);
         }
     }
+}
+
+/// Replays `run` and prints what it found.
+pub(crate) async fn replay(config: &Config, run: RunId, json: bool) -> anyhow::Result<ExitCode> {
+    let client = connect(config).await?;
+    let Some(report) = client.replay(run).await? else {
+        errln!("error: run {run} does not exist");
+        return Ok(ExitCode::from(1));
+    };
+    if json {
+        outln!("{}", serde_json::to_string_pretty(&report)?);
+    } else if report.same {
+        outln!(
+            "Replayed run {run}: the same decisions ({} run-log entries, {} events compared; 0 model calls, 0 tool runs), status {}",
+            report.entries,
+            report.events,
+            report.recorded.as_str()
+        );
+    } else {
+        outln!(
+            "Replayed run {run}: it diverged ({} run-log entries, {} events compared)",
+            report.entries,
+            report.events
+        );
+        if let Some(d) = &report.divergence {
+            if let Some(seq) = d.seq {
+                outln!(
+                    "  at run-log entry {seq}{}",
+                    d.input
+                        .as_deref()
+                        .map_or_else(String::new, |k| format!(" ({k})"))
+                );
+            }
+            if let Some(t) = &d.task_id {
+                outln!("  task      {t}");
+            }
+            outln!("  recorded  {}", d.recorded);
+            outln!("  replayed  {}", d.replayed);
+        }
+    }
+    Ok(if report.same {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
 }

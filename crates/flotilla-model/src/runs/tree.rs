@@ -120,10 +120,10 @@ pub struct RunTreeNode {
     pub usage: UsageTotals,
     /// This run's and all its descendants' usage (as far as the answer lists them).
     pub subtree_usage: UsageTotals,
-    /// The child runs, in the order they were started.
     /// When the run is a fork (`run.fork`): the run it forks and the fork point.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fork_of: Option<crate::fork::ForkRef>,
+    /// The child runs, in the order they were started.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub children: Vec<RunTreeNode>,
 }
