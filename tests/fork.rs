@@ -412,3 +412,104 @@ fn answer(run: RunId, id: &str, decision: Decision) -> ApprovalAnswerRequest {
         incident: false,
     }
 }
+
+#[tokio::test]
+async fn an_eval_forks_every_selected_run_with_the_variant_and_resumes_without_running_twice()
+-> anyhow::Result<()> {
+    let mut p = Processes::start(AGENTS).await?;
+    p.coordinator().await?;
+    p.worker(&["--concurrency", "4"]).await?;
+    std::fs::write(p.dir().join("answer.py"), ANSWER_PY)?;
+    let mut originals = Vec::new();
+    for _ in 0..4 {
+        let mut pl = plan(vec![task("a", &[]), task("b", &["a"])]);
+        pl.name = Some("evaluated".into());
+        let run = p.client.submit(SubmitRequest::new(pl)).await?;
+        assert_eq!(p.client.wait(run, WAIT).await?.status, RunStatus::Succeeded);
+        originals.push(run);
+    }
+    // A run of another plan is not selected.
+    let other = p
+        .client
+        .submit(SubmitRequest::new(plan(vec![task("a", &[])])))
+        .await?;
+    p.client.wait(other, WAIT).await?;
+    let ran = calls(&p).len();
+    std::fs::write(
+        p.dir().join("careful.toml"),
+        "at = \"b\"\nagent = \"careful\"\n",
+    )?;
+    let eval = |p: &Processes| {
+        p.cli(&[
+            "eval",
+            "--variant",
+            "careful.toml",
+            "--plan",
+            "evaluated",
+            "--json",
+        ])
+    };
+    let out = eval(&p)?;
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(report["runs"], 4, "{report}");
+    assert_eq!(report["fork_succeeded"], 4, "{report}");
+    assert_eq!(report["changed_runs"], 4, "{report}");
+    assert_eq!(report["errors"], 0, "{report}");
+    let rows = report["rows"].as_array().expect("rows");
+    let mut listed: Vec<String> = rows
+        .iter()
+        .map(|r| r["run_id"].as_str().unwrap_or_default().to_owned())
+        .collect();
+    listed.sort();
+    let mut expected: Vec<String> = originals.iter().map(ToString::to_string).collect();
+    expected.sort();
+    assert_eq!(listed, expected);
+    assert!(
+        rows.iter().all(|r| r["changed"] == json!(["b"])),
+        "{report}"
+    );
+    let new_calls = &calls(&p)[ran..];
+    assert_eq!(new_calls, vec!["careful:b"; 4], "only the fork points ran");
+    // Run again (as after an interruption): the same forks are found, none runs again.
+    let out = p.cli(&["eval", "--variant", "careful.toml", "--plan", "evaluated"])?;
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{table}");
+    assert!(
+        table.contains("4 runs forked at b: 4 of 4 forks succeeded"),
+        "{table}"
+    );
+    assert_eq!(calls(&p).len(), ran + 4, "no fork ran twice");
+    // A variant whose fork point the runs do not have: every row names the refusal.
+    std::fs::write(p.dir().join("nowhere.json"), r#"{"at": "zz"}"#)?;
+    let out = p.cli(&[
+        "eval",
+        "--variant",
+        "nowhere.json",
+        "--runs",
+        &originals[0].to_string(),
+        "--json",
+    ])?;
+    assert_eq!(out.status.code(), Some(1));
+    let report: Value = serde_json::from_slice(&out.stdout)?;
+    assert!(
+        report["rows"][0]["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("unknown_task"),
+        "{report}"
+    );
+    // A variant that is not one is refused before anything is forked.
+    std::fs::write(p.dir().join("bad.json"), r#"{"at": "b", "model": "big"}"#)?;
+    let out = p.cli(&["eval", "--variant", "bad.json", "--plan", "evaluated"])?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_ne!(out.status.code(), Some(0), "{err}");
+    assert!(err.contains("unknown field `model`"), "{err}");
+    assert_eq!(calls(&p).len(), ran + 4);
+    Ok(())
+}

@@ -170,6 +170,37 @@ enum Command {
     /// Follow a run tree live as one audience sees it (profiles user | debug | metrics;
     /// children off | linked | flatten).
     Watch(commands::watch::WatchArgs),
+    /// Try a change on many past runs: fork each selected ended run with the variant (the
+    /// fork point and its changes, a JSON or TOML file: `at`, `agent`, `description`,
+    /// `input`), a few at a time, wait for the forks and compare each with its original. A
+    /// Markdown table per run and totals (or --json). Run again, it finds the forks it made
+    /// and does not run them twice. Exit 0 when every run was forked and compared.
+    Eval {
+        /// The variant file.
+        #[arg(long, value_name = "FILE")]
+        variant: std::path::PathBuf,
+        /// These runs (ids, comma-separated or repeated).
+        #[arg(long, value_name = "IDS")]
+        runs: Vec<String>,
+        /// The ended runs with this label (KEY=VALUE).
+        #[arg(long, value_name = "KEY=VALUE")]
+        label: Option<String>,
+        /// The ended runs of the plan with this name.
+        #[arg(long, value_name = "NAME")]
+        plan: Option<String>,
+        /// The ended runs of this session.
+        #[arg(long)]
+        session: Option<flotilla_model::ids::SessionId>,
+        /// At most this many runs, oldest first.
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+        /// Forks in flight at once.
+        #[arg(long, default_value_t = 4)]
+        concurrency: usize,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
     /// The team: members with their presence (`team`), one member (`team show`), failure
     /// records (`team stats`). Served by `flotilla supervisor`.
     Team(commands::team::TeamArgs),
@@ -769,6 +800,25 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
         }) => commands::nats::provision(&load()?, dry_run, json, &pools).await,
         Command::Schema(SchemaCommand::Write { dir }) => commands::schema::write(&dir),
         Command::Schema(SchemaCommand::Check { dir }) => commands::schema::check(&dir),
+        Command::Eval {
+            variant,
+            runs,
+            label,
+            plan,
+            session,
+            limit,
+            concurrency,
+            json,
+        } => {
+            let selector = commands::eval::Selector {
+                runs: commands::eval::run_ids(&runs)?,
+                label,
+                plan,
+                session,
+                limit,
+            };
+            commands::eval::eval(&load()?, &variant, selector, concurrency, json).await
+        }
         Command::Bench(args) => {
             flotilla_bench::run(*args, cli.nats_url.as_deref()).await?;
             Ok(ExitCode::SUCCESS)

@@ -6,6 +6,7 @@ pub(crate) mod console;
 pub(crate) mod controls;
 pub(crate) mod datadir;
 pub(crate) mod diff;
+pub(crate) mod eval;
 pub(crate) mod example;
 pub(crate) mod fork;
 pub(crate) mod init;
