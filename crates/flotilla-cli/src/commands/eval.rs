@@ -281,8 +281,8 @@ fn fill(row: &mut Row, d: &RunDiff) {
         .filter(|t| t.changed)
         .map(|t| t.task_id.clone())
         .collect();
-    row.original_usage = d.a.usage.clone();
-    row.fork_usage = d.b.usage.clone();
+    row.original_usage = d.a.usage;
+    row.fork_usage = d.b.usage;
     row.original_ms = d.a.duration_ms;
     row.fork_ms = d.b.duration_ms;
 }
