@@ -824,8 +824,18 @@ impl RunMachine {
     /// The run was just cancelled with `rollback`: when some of its succeeded tasks declare
     /// a compensation, their rollback run is started and named in the outcome.
     fn roll_back(&mut self, actions: &mut Vec<Action>) {
-        let undo =
-            flotilla_model::rollback::compensated_tasks(&self.plan, &self.succeeded_tasks_all());
+        // A fork's kept tasks did nothing in this run (the original did it): not undone here.
+        let done: Vec<usize> = self
+            .succeeded_tasks_all()
+            .into_iter()
+            .filter(|&i| {
+                self.plan
+                    .fork
+                    .as_ref()
+                    .is_none_or(|f| f.reused_seq(&self.plan.subtasks[i].id).is_none())
+            })
+            .collect();
+        let undo = flotilla_model::rollback::compensated_tasks(&self.plan, &done);
         if undo.is_empty() {
             return;
         }

@@ -106,3 +106,30 @@ fn a_plan_without_fork_starts_as_before() {
     assert_eq!(dispatched(&actions), vec![(0, 1)]);
     assert!(m.state().fork_of.is_none());
 }
+
+#[test]
+fn a_cancelled_fork_rolls_back_only_what_it_ran() {
+    use flotilla_machine::Input;
+    let mut a = Subtask::new("a", "");
+    a.compensate = Some("undo".into());
+    let mut b = Subtask::new("b", "").after(&["a"]);
+    b.compensate = Some("undo".into());
+    let c = Subtask::new("c", "").after(&["b"]);
+    // Kept: a. Run again: b (succeeds), then c (cancelled while it runs).
+    let (_, p) = forked(vec![a, b, c], "b", &[("a", 3)]);
+    let (mut m, actions) = RunMachine::start(RunId::new(), &submitted(&p), p.clone(), 0);
+    assert_eq!(dispatched(&actions), vec![(1, 1)]);
+    let b = ok("b");
+    assert_eq!(dispatched(&m.apply(result(&b, 1, 9), 1)), vec![(2, 1)]);
+    m.apply(
+        Input::Cancel {
+            reason: "enough",
+            rollback: true,
+        },
+        2,
+    );
+    let o = m.state().outcome.as_ref().expect("an outcome");
+    assert!(o.rollback_run_id.is_some(), "b is undone: {o:?}");
+    let reason = o.reason.as_deref().unwrap_or_default();
+    assert!(reason.contains("rolling back 1 succeeded task"), "{reason}");
+}

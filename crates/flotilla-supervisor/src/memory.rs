@@ -99,7 +99,9 @@ async fn record(team: &Team, ended: Ended) -> Result<(), SupervisorError> {
         return Ok(());
     };
     let state = &stored.snapshot.state;
-    if state.parent.is_some() {
+    // A child run is its parent's; a fork tries a variant of another run's plan — neither is
+    // a plan a bare query should learn from.
+    if state.parent.is_some() || state.fork_of.is_some() {
         return Ok(());
     }
     if !state.status.is_terminal() {

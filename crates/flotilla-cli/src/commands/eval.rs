@@ -6,7 +6,8 @@
 //! Each fork's id is derived from its original and the variant
 //! ([`flotilla_model::fork::derived_fork_id`]), so an eval run again — after an interruption,
 //! or to print its report again — finds the forks it already made (`duplicate`) and waits for
-//! them instead of running them twice. Forks themselves are never selected.
+//! them instead of running them twice. Selected by plan, label or session, forks themselves
+//! are never taken (`--runs` takes what it names).
 
 use std::path::Path;
 use std::process::ExitCode;

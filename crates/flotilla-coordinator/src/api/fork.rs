@@ -161,8 +161,13 @@ impl Api {
             });
             let mut submit = SubmitRequest::new(plan);
             submit.run_id = r.fork_run_id;
+            // The original's labels (not a rollback's mark: a fork is no rollback), and a
+            // session of its own: its tasks' state writes must not reach the original's
+            // session, nor another fork's.
             submit.labels = state.labels.clone();
-            submit.session_id = state.session_id;
+            submit
+                .labels
+                .remove(flotilla_model::rollback::ROLLBACK_OF_LABEL);
             Ok((submit, kept, rerun))
         };
         let (submit, kept, rerun) = match built.await {

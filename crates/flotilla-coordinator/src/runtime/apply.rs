@@ -371,7 +371,11 @@ impl Runtime {
             })
             && applied_before.is_none()
             && entry.machine.state().applied == 1
-            && !entry.machine.state().status.is_terminal();
+            && !entry.machine.state().status.is_terminal()
+            // A fork's start also settles the results it keeps: recorded first, and its
+            // events published before its first task, so they read in the order they
+            // happened.
+            && entry.machine.plan().fork.is_none();
         if only_start {
             let (events, now): (Vec<Action>, Vec<Action>) = actions
                 .into_iter()
