@@ -83,6 +83,58 @@ async fn an_agent_calls_another_as_a_child_run_sharing_the_roots_workspace() -> 
     Ok(())
 }
 
+#[tokio::test]
+async fn a_fork_keeps_a_task_with_its_child_run_and_reruns_one_with_a_new_child()
+-> anyhow::Result<()> {
+    use flotilla_model::fork::RunForkRequest;
+    let f = services().await?;
+    let mut ask = Subtask::new("ask", "what was Q3 revenue").with_agent("caller");
+    ask.input = json!({"agent": "echo"});
+    let sum = Subtask::new("sum", "sum it up")
+        .with_agent("echo")
+        .after(&["ask"]);
+    let run = f
+        .client
+        .submit(SubmitRequest::new(plan(vec![ask, sum])))
+        .await?;
+    assert_eq!(f.client.wait(run, WAIT).await?.status, RunStatus::Succeeded);
+    assert_eq!(children_of(&f, run).await?.len(), 1);
+
+    // Forked after the caller: its result (the child's answer) is kept, no child starts.
+    let mut at_sum = RunForkRequest::new(run, TaskId::new("sum"));
+    at_sum.wait = true;
+    let kept = f.client.request(&at_sum, WAIT).await?;
+    assert_eq!(kept.reused, vec![TaskId::new("ask")]);
+    let fork = kept.run_id.expect("the fork");
+    assert_eq!(kept.outcome.map(|o| o.status), Some(RunStatus::Succeeded));
+    assert!(
+        children_of(&f, fork).await?.is_empty(),
+        "no child run again"
+    );
+    let tree = f.client.tree(fork, 100).await?.expect("the fork's tree");
+    assert!(tree.root.children.is_empty());
+    assert_eq!(tree.root.fork_of.as_ref().map(|o| o.run_id), Some(run));
+
+    // Forked at the caller: it runs again and starts a child of the fork's own tree.
+    let mut at_ask = RunForkRequest::new(run, TaskId::new("ask"));
+    at_ask.wait = true;
+    let again = f.client.request(&at_ask, WAIT).await?;
+    assert!(again.reused.is_empty());
+    let fork = again.run_id.expect("the fork");
+    let outcome = again.outcome.expect("waited");
+    assert_eq!(outcome.status, RunStatus::Succeeded, "{outcome:?}");
+    let children = children_of(&f, fork).await?;
+    assert_eq!(children.len(), 1, "{children:?}");
+    assert_eq!(children[0].root_run(), fork);
+    assert_eq!(
+        children_of(&f, run).await?.len(),
+        1,
+        "the original's tree is unchanged"
+    );
+    f.stop().await;
+    Ok(())
+}
+
 /// An attempt scope as a worker builds it, for driving the context directly.
 fn attempt_scope(f: &InProcess, run: RunId, attempt: AttemptId, delivery: i64) -> Scope {
     let mut scope = Scope::operator(f.bus.names().clone(), run, run, run.to_string())
