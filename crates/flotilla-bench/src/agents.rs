@@ -24,7 +24,6 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use flotilla_bus::{Bus, NatsOptions};
 use flotilla_client::{Client, WatchOptions};
 use flotilla_model::event::Event;
 use flotilla_model::plan::{Plan, Subtask};
@@ -35,7 +34,7 @@ use futures::StreamExt;
 
 use crate::harness::processes::{Processes, cpu_seconds, peak_rss_kib, rss_kib};
 use crate::harness::provider::Provider;
-use crate::harness::services::{Services, has_listener, spawn_service};
+use crate::harness::services::{Services, has_listener, section_bus, spawn_service};
 use crate::harness::stats::{ms, p50_p99};
 
 /// `flotilla bench --only agents` settings.
@@ -77,10 +76,7 @@ pub(crate) async fn run(args: &AgentsArgs, services: &Services, url: &str) -> an
         .tempdir()?;
     let exe = &services.exe;
     let listener_off = has_listener(exe);
-    let mut opts = NatsOptions::with_url(url);
-    opts.prefix = PREFIX.into();
-    let bus = Bus::connect(&opts, "flotilla-bench").await?;
-    bus.provision(&Default::default()).await?;
+    let bus = section_bus(url, PREFIX).await?;
 
     // Figure 1: prompt → first streamed token, over the protocol and directly.
     let provider = Provider::start().await?;

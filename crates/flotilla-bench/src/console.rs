@@ -33,7 +33,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use bytes::Bytes;
-use flotilla_bus::{Bus, NatsOptions};
 use flotilla_client::{Client, WatchOptions};
 use flotilla_model::approval::ApprovalListRequest;
 use flotilla_model::ids::RunId;
@@ -49,7 +48,7 @@ use hyper_util::rt::TokioExecutor;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 use crate::harness::processes::{Processes, rss_kib};
-use crate::harness::services::{Services, has_listener, noop_config_under, spawn_service};
+use crate::harness::services::{Services, section_bus, section_config, spawn_service};
 use crate::harness::stats::p50_p99;
 use crate::harness::submit::submit_via;
 
@@ -132,17 +131,8 @@ impl Console {
 }
 
 pub(crate) async fn run(args: &ConsoleArgs, services: &Services, url: &str) -> anyhow::Result<()> {
-    let dir = tempfile::Builder::new()
-        .prefix("flotilla-bench-console-")
-        .tempdir()?;
+    let (_dir, config) = section_config(services, url, PREFIX, "console")?;
     let exe = &services.exe;
-    let config = noop_config_under(
-        dir.path(),
-        url,
-        PREFIX,
-        services.concurrency,
-        has_listener(exe),
-    )?;
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port();
@@ -169,10 +159,7 @@ bench = "{TOKEN}"
         tree = args.console_tree.max(1)
     ));
     std::fs::write(&config, text)?;
-    let mut opts = NatsOptions::with_url(url);
-    opts.prefix = PREFIX.into();
-    let bus = Bus::connect(&opts, "flotilla-bench").await?;
-    bus.provision(&Default::default()).await?;
+    let bus = section_bus(url, PREFIX).await?;
     let mut procs = Processes(vec![(
         "coordinator".into(),
         spawn_service(exe, &config, &["coordinator"])?,

@@ -12,7 +12,6 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use flotilla_bus::{Bus, NatsOptions};
 use flotilla_client::Client;
 use flotilla_model::fork::RunForkRequest;
 use flotilla_model::ids::{RunId, TaskId};
@@ -21,7 +20,7 @@ use flotilla_model::submit::{SubmitRequest, SubmitStatus};
 
 use crate::harness::plans::chain_plan;
 use crate::harness::processes::Processes;
-use crate::harness::services::{Services, has_listener, noop_config_under, spawn_service};
+use crate::harness::services::{Services, section_bus, section_config, spawn_service};
 use crate::harness::stats::p50_p99;
 use crate::harness::submit::submit_via;
 
@@ -38,21 +37,9 @@ const WAIT: Duration = Duration::from_secs(60);
 const CHAIN: usize = 10;
 
 pub(crate) async fn run(args: &ForkArgs, services: &Services, url: &str) -> anyhow::Result<()> {
-    let dir = tempfile::Builder::new()
-        .prefix("flotilla-bench-fork-")
-        .tempdir()?;
+    let (_dir, config) = section_config(services, url, PREFIX, "fork")?;
     let exe = &services.exe;
-    let config = noop_config_under(
-        dir.path(),
-        url,
-        PREFIX,
-        services.concurrency,
-        has_listener(exe),
-    )?;
-    let mut opts = NatsOptions::with_url(url);
-    opts.prefix = PREFIX.into();
-    let bus = Bus::connect(&opts, "flotilla-bench").await?;
-    bus.provision(&Default::default()).await?;
+    let bus = section_bus(url, PREFIX).await?;
     let procs = Processes(vec![
         (
             "coordinator".into(),

@@ -22,7 +22,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use flotilla_bus::{Bus, NatsOptions};
+use flotilla_bus::Bus;
 use flotilla_client::Client;
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::approval::{ApprovalAnswerRequest, ApprovalGetRequest, Decision};
@@ -34,7 +34,7 @@ use flotilla_model::time::Timestamp;
 
 use crate::harness::plans::chain_plan;
 use crate::harness::processes::{Processes, rss_kib};
-use crate::harness::services::{Services, has_listener, noop_config_under, spawn_service};
+use crate::harness::services::{Services, section_bus, section_config, spawn_service};
 use crate::harness::stats::p50_p99;
 use crate::harness::submit::submit_via;
 
@@ -61,21 +61,9 @@ fn ms_between(from: i128, to: i128) -> f64 {
 }
 
 pub(crate) async fn run(args: &HitlArgs, services: &Services, url: &str) -> anyhow::Result<()> {
-    let dir = tempfile::Builder::new()
-        .prefix("flotilla-bench-hitl-")
-        .tempdir()?;
+    let (_dir, config) = section_config(services, url, PREFIX, "hitl")?;
     let exe = &services.exe;
-    let config = noop_config_under(
-        dir.path(),
-        url,
-        PREFIX,
-        services.concurrency,
-        has_listener(exe),
-    )?;
-    let mut opts = NatsOptions::with_url(url);
-    opts.prefix = PREFIX.into();
-    let bus = Bus::connect(&opts, "flotilla-bench").await?;
-    bus.provision(&Default::default()).await?;
+    let bus = section_bus(url, PREFIX).await?;
     let mut procs = Processes(vec![(
         "coordinator".into(),
         spawn_service(exe, &config, &["coordinator"])?,

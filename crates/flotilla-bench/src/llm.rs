@@ -43,7 +43,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use flotilla_bus::{Bus, NatsOptions};
+use flotilla_bus::Bus;
 use flotilla_client::Client;
 use flotilla_context::{Agent, AgentContext, Clients, EventEmitter, Scope};
 use flotilla_llm::{LlmAgent, LlmConfig, Providers, Roles};
@@ -57,7 +57,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::harness::processes::{Processes, peak_rss_kib, rss_kib};
 use crate::harness::provider::{Provider, REPLY};
-use crate::harness::services::{Services, has_listener, spawn_service};
+use crate::harness::services::{Services, has_listener, section_bus, spawn_service};
 use crate::harness::stats::{ms, p50_p99};
 use crate::harness::submit::{SubmitVia, outcomes, spawn_submitter};
 
@@ -538,10 +538,7 @@ fn not_succeeded(failed: usize) -> String {
 /// Runs the section.
 pub(crate) async fn run(args: &LlmArgs, services: &Services, url: &str) -> anyhow::Result<()> {
     let provider = Provider::start().await?;
-    let mut opts = NatsOptions::with_url(url);
-    opts.prefix = PREFIX.into();
-    let bus = Bus::connect(&opts, "flotilla-bench").await?;
-    bus.provision(&Default::default()).await?;
+    let bus = section_bus(url, PREFIX).await?;
     outln!(
         "== LLM agents against a SIMULATED OpenAI-compatible provider at {} (a test double in the bench answering after a fixed delay, not a model)",
         provider.base_url()

@@ -18,13 +18,12 @@ use std::path::Path;
 use std::process::Child;
 use std::time::{Duration, Instant};
 
-use flotilla_bus::{Bus, NatsOptions};
 use flotilla_client::Client;
 use flotilla_testkit::lived_in::{self, LivedIn};
 use flotilla_testkit::openai::OpenAiServer;
 
 use crate::harness::processes::rss_kib;
-use crate::harness::services::Services;
+use crate::harness::services::{Services, section_bus};
 
 /// `flotilla bench --only restart` settings.
 #[derive(Debug, Clone, clap::Args)]
@@ -108,10 +107,7 @@ pub(crate) async fn run(args: &RestartArgs, services: &Services, url: &str) -> a
             lived_in::config(&model.base_url())
         ),
     )?;
-    let mut opts = NatsOptions::with_url(url);
-    opts.prefix = PREFIX.into();
-    let bus = Bus::connect(&opts, "flotilla-bench").await?;
-    bus.provision(&Default::default()).await?;
+    let bus = section_bus(url, PREFIX).await?;
     let client = Client::new(bus);
     outln!(
         "== restart onto history: each service's time to ready (/readyz), on an empty deployment and restarted onto {} runs of history (+ the lived-in history of every kind)",

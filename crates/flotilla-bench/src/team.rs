@@ -37,7 +37,7 @@ use tokio::sync::Semaphore;
 use crate::harness::plans::{chain_hops, chain_plan, independent_plan};
 use crate::harness::processes::{Processes, cpu_seconds, peak_rss_kib};
 use crate::harness::raw::RawFigures;
-use crate::harness::services::{Services, has_listener, noop_config_under, spawn_service};
+use crate::harness::services::{Services, section_config, spawn_service};
 use crate::harness::stats::{ms, p50_p99};
 use crate::harness::submit::{outcomes, spawn_submitter, submit_via};
 
@@ -84,17 +84,8 @@ pub(crate) async fn run(
     url: &str,
     raw: Option<&RawFigures>,
 ) -> anyhow::Result<()> {
-    let dir = tempfile::Builder::new()
-        .prefix("flotilla-bench-team-")
-        .tempdir()?;
+    let (_dir, config) = section_config(services, url, PREFIX, "team")?;
     let exe = &services.exe;
-    let config = noop_config_under(
-        dir.path(),
-        url,
-        PREFIX,
-        services.concurrency,
-        has_listener(exe),
-    )?;
     // The no-op agent is a member of a role, so anycast tasks have someone to claim them.
     let text = std::fs::read_to_string(&config)?;
     std::fs::write(

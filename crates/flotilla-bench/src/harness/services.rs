@@ -21,6 +21,36 @@ pub(crate) struct Services {
     pub(crate) via: SubmitVia,
 }
 
+/// A section's own directory and its no-op configuration under `prefix` ([`noop_config_under`]
+/// with the services' slots and listener): the directory lives as long as the section.
+pub(crate) fn section_config(
+    services: &Services,
+    url: &str,
+    prefix: &str,
+    name: &str,
+) -> anyhow::Result<(tempfile::TempDir, PathBuf)> {
+    let dir = tempfile::Builder::new()
+        .prefix(&format!("flotilla-bench-{name}-"))
+        .tempdir()?;
+    let config = noop_config_under(
+        dir.path(),
+        url,
+        prefix,
+        services.concurrency,
+        has_listener(&services.exe),
+    )?;
+    Ok((dir, config))
+}
+
+/// The bench's own connection under `prefix`, with the streams and buckets provisioned.
+pub(crate) async fn section_bus(url: &str, prefix: &str) -> anyhow::Result<flotilla_bus::Bus> {
+    let mut opts = flotilla_bus::NatsOptions::with_url(url);
+    opts.prefix = prefix.into();
+    let bus = flotilla_bus::Bus::connect(&opts, "flotilla-bench").await?;
+    bus.provision(&Default::default()).await?;
+    Ok(bus)
+}
+
 /// Writes `bench.toml` into `dir`: a no-op scripted agent (no model calls) under prefix
 /// `flbench`, `concurrency` slots per worker; `listener_off` turns off the health listener.
 pub(crate) fn noop_config(

@@ -162,28 +162,12 @@ pub struct RunForkReply {
 /// `duplicate` instead of running the fork twice. A UUIDv7 with `run`'s timestamp (it sorts
 /// next to the original) and bits hashed from both.
 pub fn derived_fork_id(run: RunId, key: &str) -> RunId {
-    use crate::ids::splitmix64 as mix;
-    let bytes = run.as_uuid().as_bytes();
-    let mut h = 0xcbf2_9ce4_8422_2325_u64; // FNV-1a over the key, then mixed with the run.
+    // FNV-1a over the key, mixed with "fork".
+    let mut h = 0xcbf2_9ce4_8422_2325_u64;
     for b in key.as_bytes() {
         h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
     }
-    let hi = u64::from_le_bytes(bytes[..8].try_into().unwrap_or([0; 8]));
-    let lo = u64::from_le_bytes(bytes[8..].try_into().unwrap_or([0; 8]));
-    let a = mix(hi ^ mix(h ^ 0x666f_726b)); // "fork"
-    let b = mix(lo ^ a);
-    let mut random = [0u8; 10];
-    random[..8].copy_from_slice(&a.to_le_bytes());
-    random[8..].copy_from_slice(&b.to_le_bytes()[..2]);
-    let ms = run
-        .as_uuid()
-        .get_timestamp()
-        .map(|t| {
-            let (secs, nanos) = t.to_unix();
-            secs * 1000 + u64::from(nanos) / 1_000_000
-        })
-        .unwrap_or(0);
-    RunId::from_uuid(uuid::Builder::from_unix_timestamp_millis(ms, &random).into_uuid())
+    crate::ids::derived_run_id(run, crate::ids::splitmix64(h ^ 0x666f_726b))
 }
 
 /// The tasks downstream of `at` in `plan`, `at` included, as a mask over `plan.subtasks`:

@@ -22,9 +22,8 @@
 use std::collections::BTreeSet;
 
 use serde_json::json;
-use uuid::Uuid;
 
-use crate::ids::{RunId, TaskId, splitmix64 as mix};
+use crate::ids::{RunId, TaskId};
 use crate::plan::{Plan, PlanConfig, Subtask};
 use crate::token::MAX_TOKEN_LEN;
 
@@ -39,24 +38,7 @@ pub const MAX_COMPENSATED_RESULT: usize = 16 * 1024;
 /// The id of the run that rolls `run` back: a UUIDv7 with `run`'s timestamp (so it sorts next
 /// to it) and bits hashed from it — the same on every coordinator and every replay.
 pub fn rollback_run_id(run: RunId) -> RunId {
-    let bytes = run.as_uuid().as_bytes();
-    let hi = u64::from_le_bytes(bytes[..8].try_into().unwrap_or([0; 8]));
-    let lo = u64::from_le_bytes(bytes[8..].try_into().unwrap_or([0; 8]));
-    let a = mix(hi ^ 0x726f_6c6c_6261_636b); // "rollback"
-    let b = mix(lo ^ a);
-    let mut random = [0u8; 10];
-    random[..8].copy_from_slice(&a.to_le_bytes());
-    random[8..].copy_from_slice(&b.to_le_bytes()[..2]);
-    let ms = run
-        .as_uuid()
-        .get_timestamp()
-        .map(|t| {
-            let (secs, nanos) = t.to_unix();
-            secs * 1000 + u64::from(nanos) / 1_000_000
-        })
-        .unwrap_or(0);
-    let uuid: Uuid = uuid::Builder::from_unix_timestamp_millis(ms, &random).into_uuid();
-    RunId::from_uuid(uuid)
+    crate::ids::derived_run_id(run, 0x726f_6c6c_6261_636b) // "rollback"
 }
 
 /// The id of the subtask that undoes `task` (at plan index `index`): `undo-<task>`, or

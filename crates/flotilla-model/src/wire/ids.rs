@@ -208,6 +208,29 @@ impl std::borrow::Borrow<str> for TaskId {
     }
 }
 
+/// A run id derived from `run` and `salt`: a UUIDv7 with `run`'s timestamp (so it sorts next
+/// to it) and bits hashed from both — the same on every coordinator, client and replay. The
+/// rollback run of a run, a fork of it for one variant, are such ids.
+pub fn derived_run_id(run: RunId, salt: u64) -> RunId {
+    let bytes = run.as_uuid().as_bytes();
+    let hi = u64::from_le_bytes(bytes[..8].try_into().unwrap_or([0; 8]));
+    let lo = u64::from_le_bytes(bytes[8..].try_into().unwrap_or([0; 8]));
+    let a = splitmix64(hi ^ salt);
+    let b = splitmix64(lo ^ a);
+    let mut random = [0u8; 10];
+    random[..8].copy_from_slice(&a.to_le_bytes());
+    random[8..].copy_from_slice(&b.to_le_bytes()[..2]);
+    let ms = run
+        .as_uuid()
+        .get_timestamp()
+        .map(|t| {
+            let (secs, nanos) = t.to_unix();
+            secs * 1000 + u64::from(nanos) / 1_000_000
+        })
+        .unwrap_or(0);
+    RunId::from_uuid(uuid::Builder::from_unix_timestamp_millis(ms, &random).into_uuid())
+}
+
 /// splitmix64 finaliser: a cheap, well-mixed hash step, for ids and jitter derived
 /// deterministically from other ids (the same on every coordinator and replay).
 pub fn splitmix64(mut x: u64) -> u64 {
