@@ -46,11 +46,7 @@ impl Runtime {
         let names = self.bus.names().clone();
         let run = entry.machine.state().run_id;
         let max = self.bus.max_payload();
-        let mut pending: Vec<(
-            String,
-            usize,
-            async_nats::jetstream::context::PublishAckFuture,
-        )> = Vec::new();
+        let mut pending: Vec<Pending> = Vec::new();
         let mut events: Vec<EventEnvelope> = Vec::new();
         // The end's answers to waiting submitters: sent last, after every other message of
         // the step is published.
@@ -115,14 +111,7 @@ impl Runtime {
                             // not set): its attempt fails through the run log like any other.
                             let (subject, out) =
                                 self.coordinator_failure(entry, *task, *attempt, failure)?;
-                            let size = out.payload.len();
-                            let ack = js
-                                .publish_with_headers(subject.clone(), out.headers, out.payload)
-                                .await
-                                .map_err(|e| {
-                                    flotilla_bus::classify_publish_error(&subject, size, max, e)
-                                })?;
-                            pending.push((subject, size, ack));
+                            send(js, subject, out, max, &mut pending).await?;
                             continue;
                         }
                     };
@@ -145,14 +134,7 @@ impl Runtime {
                 }
                 Action::Produce { task } => {
                     for (subject, out) in self.produced_entries(entry, *task).await? {
-                        let size = out.payload.len();
-                        let ack = js
-                            .publish_with_headers(subject.clone(), out.headers, out.payload)
-                            .await
-                            .map_err(|e| {
-                                flotilla_bus::classify_publish_error(&subject, size, max, e)
-                            })?;
-                        pending.push((subject, size, ack));
+                        send(js, subject, out, max, &mut pending).await?;
                     }
                     unflushed_writes = true;
                     continue;
@@ -320,30 +302,15 @@ impl Runtime {
                     continue;
                 }
             };
-            let size = out.payload.len();
-            let ack = js
-                .publish_with_headers(subject.clone(), out.headers, out.payload)
-                .await
-                .map_err(|e| flotilla_bus::classify_publish_error(&subject, size, max, e))?;
-            pending.push((subject, size, ack));
+            send(js, subject, out, max, &mut pending).await?;
         }
         // One message per step; split only when it would not fit in one.
         let subject = names.event(run);
         for out in encode_event_batches(run, events, max / 2)? {
-            let size = out.payload.len();
-            let ack = js
-                .publish_with_headers(subject.clone(), out.headers, out.payload)
-                .await
-                .map_err(|e| flotilla_bus::classify_publish_error(&subject, size, max, e))?;
-            pending.push((subject.clone(), size, ack));
+            send(js, subject.clone(), out, max, &mut pending).await?;
         }
         for (subject, out) in dispatches {
-            let size = out.payload.len();
-            let ack = js
-                .publish_with_headers(subject.clone(), out.headers, out.payload)
-                .await
-                .map_err(|e| flotilla_bus::classify_publish_error(&subject, size, max, e))?;
-            pending.push((subject, size, ack));
+            send(js, subject, out, max, &mut pending).await?;
         }
         // The answers follow the step's messages on the same connection, so the server has
         // them first; waiting for their acknowledgements before answering would add a
@@ -387,6 +354,32 @@ impl Runtime {
             event: Event::Workflow(event),
         }
     }
+}
+
+/// An acknowledgement awaited with the rest of its step's: the subject and size name a
+/// failed publish.
+type Pending = (
+    String,
+    usize,
+    async_nats::jetstream::context::PublishAckFuture,
+);
+
+/// Publishes `out` on `subject` and keeps its acknowledgement in `pending`, to be awaited
+/// with the rest of the step's.
+async fn send(
+    js: &async_nats::jetstream::Context,
+    subject: String,
+    out: wire::Outgoing,
+    max: usize,
+    pending: &mut Vec<Pending>,
+) -> Result<(), StepError> {
+    let size = out.payload.len();
+    let ack = js
+        .publish_with_headers(subject.clone(), out.headers, out.payload)
+        .await
+        .map_err(|e| flotilla_bus::classify_publish_error(&subject, size, max, e))?;
+    pending.push((subject, size, ack));
+    Ok(())
 }
 
 /// Headers that turn a run-log message into a durable timer (JetStream message scheduler).
