@@ -6,8 +6,11 @@
 //!   never dispatched, so they call no model and run no tool), read from its record;
 //! * the fork's time, request sent → answered with its outcome, next to a one-task run in
 //!   the same round (the fork runs one task too) submitted through the same door — the
-//!   submit endpoint, answered at the end (target ≤ 2×) — and on its run's own subject (the
-//!   client library's fast path), and next to the original chain's.
+//!   submit endpoint, answered at the end — and on its run's own subject (the client
+//!   library's fast path), and next to the original chain's;
+//! * the original replayed from its log (`runs replay`): its time per task next to the
+//!   chain's own time per task, about a dependency hop (target ≤ 2×), and that it reached the
+//!   same decisions.
 
 use std::time::{Duration, Instant};
 
@@ -56,6 +59,8 @@ pub(crate) async fn run(args: &ForkArgs, services: &Services, url: &str) -> anyh
     );
     let (mut chains, mut forks, mut singles) = (Vec::new(), Vec::new(), Vec::new());
     let mut endpoint = Vec::new();
+    let mut replays = Vec::new();
+    let mut replay_attempts = 0usize;
     let (mut dispatched, mut samples) = (0usize, 0usize);
     for _ in 0..args.fork_samples.max(1) {
         let sent = Instant::now();
@@ -97,11 +102,20 @@ pub(crate) async fn run(args: &ForkArgs, services: &Services, url: &str) -> anyh
         let fork = reply.run_id.context("the fork's id")?;
         dispatched += started(&client, fork).await?;
         samples += 1;
+
+        // The original replayed from its log: every task served its recorded result.
+        let before = started(&client, original).await?;
+        let sent = Instant::now();
+        let report = client.replay(original).await?.context("the chain exists")?;
+        replays.push(sent.elapsed().as_secs_f64() * 1e3);
+        anyhow::ensure!(report.same, "the chain's replay diverged: {report:?}");
+        replay_attempts += started(&client, original).await? - before;
     }
     let (c50, _) = p50_p99(&mut chains);
     let (s50, s99) = p50_p99(&mut singles);
     let (f50, f99) = p50_p99(&mut forks);
     let (e50, e99) = p50_p99(&mut endpoint);
+    let (r50, r99) = p50_p99(&mut replays);
     outln!(
         "   attempts dispatched by {samples} forks: {dispatched} ({:.2} per fork, target 1; the {} kept tasks per fork: 0)",
         dispatched as f64 / samples as f64,
@@ -113,10 +127,15 @@ pub(crate) async fn run(args: &ForkArgs, services: &Services, url: &str) -> anyh
         "   one-task run, submit endpoint waited: p50 {e50:.3} ms   p99 {e99:.3} ms (the fork's door)"
     );
     outln!(
-        "   fork at the last task sent → ended:  p50 {f50:.3} ms   p99 {f99:.3} ms: {:.2}× a one-task run through the same door (target ≤ 2×), {:.2}× one submitted on its run's subject, {:.2}× the chain",
+        "   fork at the last task sent → ended:  p50 {f50:.3} ms   p99 {f99:.3} ms: {:.2}× a one-task run through the same door, {:.2}× one submitted on its run's subject, {:.2}× the chain",
         f50 / e50.max(f64::EPSILON),
         f50 / s50.max(f64::EPSILON),
         f50 / c50.max(f64::EPSILON)
+    );
+    outln!(
+        "   replay of the {CHAIN}-task chain (read its log, events and record; the machine decides again; checked): p50 {r50:.3} ms   p99 {r99:.3} ms = {:.3} ms per task, {:.2}× the chain's time per task (target ≤ 2×); attempts the replays added: {replay_attempts}",
+        r50 / CHAIN as f64,
+        (r50 / CHAIN as f64) / (c50 / CHAIN as f64).max(f64::EPSILON)
     );
     drop(procs);
     Ok(())

@@ -44,8 +44,9 @@
 //!   over the protocol (the bench as its client) next to the same run submitted directly, in
 //!   the same run; the idle coordinator's CPU and memory with 1 and with 100 exposed agents
 //!   beating.
-//! * **fork** — forks of ended runs (module `fork`): a 10-task chain forked at its last
-//!   task — the attempts the fork dispatches (one) and its time next to a one-task run.
+//! * **fork** — forks and replays of ended runs (module `fork`): a 10-task chain forked at
+//!   its last task — the attempts the fork dispatches (one) and its time next to a one-task
+//!   run — and replayed from its log, its time per task next to the chain's.
 //! * **restart** — restarts onto history (module `restart`): each service's time to ready on
 //!   an empty deployment, then restarted with SIGTERM and kill -9 onto 10,000 runs of history
 //!   of every kind (the test kit's lived-in deployment), with its reads checked unchanged.
@@ -217,8 +218,8 @@ enum Section {
     /// Restarts onto history: each service's time to ready on an empty deployment and
     /// restarted (SIGTERM, kill -9) onto 10,000 runs of history of every kind.
     Restart,
-    /// Forks of ended runs: a 10-task chain forked at its last task — the attempts it
-    /// dispatches and its time next to a one-task run.
+    /// Forks and replays of ended runs: a 10-task chain forked at its last task — the
+    /// attempts it dispatches and its time next to a one-task run — and replayed from its log.
     Fork,
 }
 
