@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use flotilla_bus::{Bus, JetStreamOptions};
@@ -29,6 +29,10 @@ use flotilla_worker::{AgentRegistry, Worker, WorkerOptions};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
+
+#[path = "support/browser.rs"]
+mod browser;
+use browser::{browser_dir, browser_missing, chromium};
 
 const ALICE: &str = "alice-token-for-the-console-test";
 const BOB: &str = "bob-token-for-the-console-test";
@@ -1231,44 +1235,6 @@ async fn the_api_needs_an_identity_and_only_operators_act() -> anyhow::Result<()
     }
     f.stop().await;
     Ok(())
-}
-
-/// Where the browser tests live.
-fn browser_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("browser")
-}
-
-/// Chromium, when installed: `$FLOTILLA_CHROMIUM`, else `chromium` or
-/// `chromium-browser` on the PATH.
-fn chromium() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("FLOTILLA_CHROMIUM") {
-        return Some(PathBuf::from(p));
-    }
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .flat_map(|d| [d.join("chromium"), d.join("chromium-browser")])
-        .find(|p| p.is_file())
-}
-
-/// Why the browser test cannot run here, if it cannot.
-fn browser_missing() -> Option<String> {
-    if chromium().is_none() {
-        return Some("no chromium on the PATH (scripts/ensure-browser.sh installs it)".into());
-    }
-    if std::process::Command::new("node")
-        .arg("--version")
-        .output()
-        .is_err()
-    {
-        return Some("no node on the PATH".into());
-    }
-    if !browser_dir().join("node_modules/playwright-core").is_dir() {
-        return Some(format!(
-            "playwright-core is not installed in {} (scripts/ensure-browser.sh runs npm ci there)",
-            browser_dir().display()
-        ));
-    }
-    None
 }
 
 #[tokio::test]

@@ -43,6 +43,7 @@
 mod approval;
 mod control;
 mod finish;
+mod fork;
 mod graph;
 mod lead;
 mod planning;
@@ -420,37 +421,6 @@ impl RunMachine {
         }
         m.after(now_ms, &mut actions);
         (m, actions)
-    }
-
-    /// A fork's start: each task it reuses succeeds with the original's result (read where
-    /// the original stored it, by run-log sequence), in plan order, without a dispatch. Its
-    /// produced topics and output are written as a result's are, and its dependents are
-    /// released as by a result.
-    fn reuse(&mut self, now_ms: i64, actions: &mut Vec<Action>) {
-        let Some(fork) = self.plan.fork.clone() else {
-            return;
-        };
-        for r in &fork.reused {
-            let Some(i) = self.graph.index_of(&r.task_id) else {
-                continue;
-            };
-            if self.state.tasks[i as usize].status != TaskStatus::Waiting {
-                continue;
-            }
-            self.ready.remove(&i);
-            let t = &mut self.state.tasks[i as usize];
-            t.held = false;
-            self.succeed(
-                i,
-                r.seq,
-                now_ms,
-                WorkflowEvent {
-                    detail: Some(format!("reused from run {}", fork.run_id)),
-                    ..WorkflowEvent::phase(WorkflowPhase::TaskSucceeded)
-                },
-                actions,
-            );
-        }
     }
 
     /// Rebuilds a machine from a stored state.

@@ -28,51 +28,8 @@ use crate::submit::SubmitStatus;
 /// Longest `description` a fork may give its fork point, in bytes.
 pub const MAX_FORK_DESCRIPTION: usize = 64 * 1024;
 
-/// What a fork's plan reuses: set by `run.fork` only (a submission that sets it is refused,
-/// `fork_reserved`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct ForkOrigin {
-    /// The run forked.
-    pub run_id: RunId,
-    /// The fork point: the task that runs afresh first.
-    pub task_id: TaskId,
-    /// The tasks that keep the original's result, in plan order.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub reused: Vec<ReusedResult>,
-}
-
-impl ForkOrigin {
-    /// The run-log sequence of `task`'s reused result, when the fork reuses it.
-    pub fn reused_seq(&self, task: &TaskId) -> Option<u64> {
-        self.reused
-            .iter()
-            .find(|r| &r.task_id == task)
-            .map(|r| r.seq)
-    }
-}
-
-/// One task a fork does not run: it keeps the result at `seq`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct ReusedResult {
-    /// The task.
-    pub task_id: TaskId,
-    /// Run-log stream sequence of the original's result for it.
-    pub seq: u64,
-}
-
-/// Where a run was forked from, as its record shows it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-pub struct ForkRef {
-    /// The run forked.
-    pub run_id: RunId,
-    /// The fork point.
-    pub task_id: TaskId,
-    /// How many tasks kept the original's result.
-    #[serde(default)]
-    pub reused: u32,
-}
+pub use crate::plan::{ForkOrigin, ReusedResult};
+pub use crate::run::ForkRef;
 
 /// `<prefix>.api.run.fork`: fork finished run `run_id` at task `at`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]

@@ -38,7 +38,7 @@ pub struct Plan {
     /// coordinator refuses the field by name (`unknown field`) instead of running the
     /// reused tasks again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub fork: Option<crate::fork::ForkOrigin>,
+    pub fork: Option<ForkOrigin>,
 }
 
 /// One step of a plan.
@@ -472,6 +472,40 @@ impl Subtask {
             _ => None,
         }
     }
+}
+
+/// What a fork's plan reuses: set by `run.fork` only (a submission that sets it is refused,
+/// `fork_reserved`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ForkOrigin {
+    /// The run forked.
+    pub run_id: crate::ids::RunId,
+    /// The fork point: the task that runs afresh first.
+    pub task_id: TaskId,
+    /// The tasks that keep the original's result, in plan order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reused: Vec<ReusedResult>,
+}
+
+impl ForkOrigin {
+    /// The run-log sequence of `task`'s reused result, when the fork reuses it.
+    pub fn reused_seq(&self, task: &TaskId) -> Option<u64> {
+        self.reused
+            .iter()
+            .find(|r| &r.task_id == task)
+            .map(|r| r.seq)
+    }
+}
+
+/// One task a fork does not run: it keeps the result at `seq`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReusedResult {
+    /// The task.
+    pub task_id: TaskId,
+    /// Run-log stream sequence of the original's result for it.
+    pub seq: u64,
 }
 
 #[cfg(test)]

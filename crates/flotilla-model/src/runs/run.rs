@@ -259,7 +259,7 @@ pub struct RunRecord {
     /// When the run is a fork (`run.fork`): the run it forks, the fork point, and how many
     /// of the original's results it kept.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub fork_of: Option<crate::fork::ForkRef>,
+    pub fork_of: Option<ForkRef>,
 }
 
 /// Planning of a run submitted as a bare query.
@@ -473,4 +473,16 @@ pub struct RunView {
     /// in order, with who asked and why.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub team: Vec<crate::recruit::TeamChange>,
+}
+
+/// Where a run was forked from, as its record shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ForkRef {
+    /// The run forked.
+    pub run_id: RunId,
+    /// The fork point.
+    pub task_id: TaskId,
+    /// How many tasks kept the original's result.
+    #[serde(default)]
+    pub reused: u32,
 }

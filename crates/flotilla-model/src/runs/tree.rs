@@ -122,7 +122,7 @@ pub struct RunTreeNode {
     pub subtree_usage: UsageTotals,
     /// When the run is a fork (`run.fork`): the run it forks and the fork point.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub fork_of: Option<crate::fork::ForkRef>,
+    pub fork_of: Option<crate::run::ForkRef>,
     /// The child runs, in the order they were started.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub children: Vec<RunTreeNode>,
