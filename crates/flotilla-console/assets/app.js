@@ -1028,6 +1028,8 @@ async function viewRun(runId) {
   let taskRows = [];
   const tasksList = vlist($('#tasks'), TASK_ROW, 0, (i) => taskRows[i] ?? '');
   await refreshRun();
+  // The person moved on while the run was read: this page is gone, nothing more to set up.
+  if (!$('#events')) return;
   // At most once a second, and for a large run at most every 4× its read (see refreshRun).
   // The tree is read again when a run under this one changed; the inbox has its own stream.
   let treeChanged = false;
@@ -1337,7 +1339,10 @@ async function viewWorkers() {
 
 // ---------- router ----------
 
+let routeSeq = 0;
+
 async function route() {
+  const seq = ++routeSeq;
   for (const c of cleanup) c();
   cleanup = [];
   const path = (location.hash.slice(1) || '/runs').split('?')[0];
@@ -1351,7 +1356,8 @@ async function route() {
     else if (page === 'diff' && arg) await viewDiff(arg, path.split('/')[3]);
     else await viewRuns();
   } catch (e) {
-    main().innerHTML = `<p class="muted">${esc(e.message)}</p>`;
+    // A page the person already left does not put its failure on the one they are on.
+    if (seq === routeSeq) main().innerHTML = `<p class="muted">${esc(e.message)}</p>`;
   }
 }
 

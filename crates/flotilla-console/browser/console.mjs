@@ -428,9 +428,15 @@ try {
   await until(alice, (r) => (document.querySelector('#run-title .run-id')?.textContent || '') === r, run6);
   check(await alice.textContent('#run-fork') === '', 'the original is not a fork');
 
-  // The runs list again: the run succeeded, with its agent.
+  // The runs list again: the run succeeded, with its agent. It is the oldest run, at the end
+  // of the list (newest first), so the list is scrolled to it: only the rows in view exist.
   await alice.goto(`${url}/#/runs`);
-  await alice.waitForSelector(`#runs a[href="#/run/${run}"]`);
+  await alice.waitForSelector('#runs .vrow');
+  await until(alice, (r) => {
+    const list = document.querySelector('#runs');
+    list.scrollTop = list.scrollHeight;
+    return !!document.querySelector(`#runs a[href="#/run/${r}"]`);
+  }, run);
   await alice.waitForSelector('#runs [data-status="succeeded"]');
   // Its tokens come from the run's usage events (read for the rows in view).
   await until(alice, () => [...document.querySelectorAll('#runs .vrow .c-tokens')].some((c) => c.textContent.trim() !== ''));
@@ -441,6 +447,7 @@ try {
   check(heads.includes('agent') && heads.includes('tokens') && !heads.includes('labels') && !heads.includes('cost'), `the columns shown are the filled ones: ${heads}`);
   const agents = await alice.textContent(`#runs .vrow:has(a[href="#/run/${run}"]) .c-agent`);
   check(agents.includes('analyst') && agents.includes('survey'), `a run of several tasks lists its agents: ${agents}`);
+  await alice.evaluate(() => { document.querySelector('#runs').scrollTop = 0; });
   await shot(alice, 'runs');
 
   // The team and the workers.
