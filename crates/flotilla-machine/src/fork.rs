@@ -1,5 +1,7 @@
 //! A fork's start (`run.fork`): the tasks its plan keeps succeed with the original's results.
 
+use std::sync::Arc;
+
 use flotilla_model::event::{WorkflowEvent, WorkflowPhase};
 use flotilla_model::run::TaskStatus;
 
@@ -11,7 +13,8 @@ impl RunMachine {
     /// produced topics and output are written as a result's are, and its dependents are
     /// released as by a result.
     pub(crate) fn reuse(&mut self, now_ms: i64, actions: &mut Vec<Action>) {
-        let Some(fork) = self.plan.fork.clone() else {
+        let plan = Arc::clone(&self.plan);
+        let Some(fork) = plan.fork.as_ref() else {
             return;
         };
         for r in &fork.reused {

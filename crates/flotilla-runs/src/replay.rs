@@ -107,17 +107,10 @@ pub async fn replay_run(store: &RunReader, run: RunId) -> Result<Option<ReplayRe
         s.warnings = stored.warnings.clone();
         s.trace = stored.trace.clone();
         s.wait_reply_to = stored.wait_reply_to.clone();
-        if let Some(plan) = store.plan(run).await? {
-            s.plan = plan;
-        }
     }
     let log: Vec<(u64, i64, RunInput)> = history
         .into_iter()
         .map(|(seq, at, e)| (seq, at.unix_ms(), e.input))
-        .collect();
-    let kinds: BTreeMap<u64, String> = log
-        .iter()
-        .map(|(seq, _, input)| (*seq, input_kind(input)))
         .collect();
     // What the machine decides, step by step: its events (the task by its index in the
     // plan, named once the plan is known).
@@ -168,27 +161,24 @@ pub async fn replay_run(store: &RunReader, run: RunId) -> Result<Option<ReplayRe
             )
         })
         .collect();
-    // The coordinator's events of the machine's steps, as recorded: the first of each id, in
-    // stream order.
-    let mut recorded: Vec<(String, Option<Decided>)> = Vec::new();
-    let mut index: BTreeMap<String, usize> = BTreeMap::new();
+    // The coordinator's events of the machine's steps, as recorded: the first of each id,
+    // with its place in the stream.
+    let mut recorded: BTreeMap<String, (usize, Decided)> = BTreeMap::new();
     crate::tree::each_event(store, run, |e| {
         if e.source != "coordinator" || !machine_event(run, &e.id) {
             return;
         }
         // The run's end (`<run>.end`) is the runtime's, from the machine's `Finish`: its
         // status is compared with the state below.
-        if let Event::Workflow(w) = &e.event
-            && !index.contains_key(&e.id)
-        {
-            index.insert(e.id.clone(), recorded.len());
-            recorded.push((
-                e.id.clone(),
-                Some(Decided {
+        if let Event::Workflow(w) = &e.event {
+            let n = recorded.len();
+            recorded.entry(e.id).or_insert((
+                n,
+                Decided {
                     phase: w.phase,
-                    task: e.task_id.clone(),
+                    task: e.task_id,
                     attempt: e.attempt,
-                }),
+                },
             ));
         }
     })
@@ -197,15 +187,17 @@ pub async fn replay_run(store: &RunReader, run: RunId) -> Result<Option<ReplayRe
     let divergence = |seq: u64, task: Option<TaskId>, recorded: String, replayed: String| {
         Some(Divergence {
             seq: Some(seq),
-            input: kinds.get(&seq).cloned(),
+            input: log
+                .iter()
+                .find(|(s, _, _)| *s == seq)
+                .map(|(_, _, i)| input_kind(i)),
             task_id: task,
             recorded,
             replayed,
         })
     };
     for (seq, id, d) in &replayed_events {
-        let found = index.get(id).and_then(|&i| recorded[i].1.take());
-        match found {
+        match recorded.remove(id).map(|(_, r)| r) {
             Some(r) if r == *d => {}
             Some(r) => {
                 report.divergence = divergence(
@@ -223,7 +215,7 @@ pub async fn replay_run(store: &RunReader, run: RunId) -> Result<Option<ReplayRe
             }
         }
     }
-    if let Some((id, r)) = recorded.into_iter().find_map(|(id, r)| r.map(|r| (id, r))) {
+    if let Some((id, (_, r))) = recorded.into_iter().min_by_key(|(_, (n, _))| *n) {
         report.divergence = Some(Divergence {
             seq: None,
             input: None,

@@ -292,8 +292,8 @@ fn summarize(variant: Variant, rows: Vec<Row>) -> Report {
     let mut original_usage = UsageTotals::default();
     let mut fork_usage = UsageTotals::default();
     for r in &rows {
-        add(&mut original_usage, &r.original_usage);
-        add(&mut fork_usage, &r.fork_usage);
+        original_usage.add(&r.original_usage);
+        fork_usage.add(&r.fork_usage);
     }
     Report {
         variant,
@@ -312,13 +312,6 @@ fn summarize(variant: Variant, rows: Vec<Row>) -> Report {
         fork_usage,
         rows,
     }
-}
-
-fn add(total: &mut UsageTotals, u: &UsageTotals) {
-    total.calls += u.calls;
-    total.prompt_tokens += u.prompt_tokens;
-    total.completion_tokens += u.completion_tokens;
-    total.cost_usd += u.cost_usd;
 }
 
 /// The report as a Markdown table, a row per run, then the totals.

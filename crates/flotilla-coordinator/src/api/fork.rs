@@ -40,6 +40,17 @@ impl Api {
         let run = r.run_id;
         let unavailable = |e: String| Refused::Error(503, ErrorCode::Unavailable, e);
         let built = async {
+            // The request's own bounds first: a bad request reads nothing.
+            if r.description
+                .as_ref()
+                .is_some_and(|d| d.len() > MAX_FORK_DESCRIPTION)
+            {
+                return Err(Refused::Error(
+                    400,
+                    ErrorCode::InvalidRequest,
+                    format!("description is longer than {MAX_FORK_DESCRIPTION} bytes"),
+                ));
+            }
             let Some(state) = self
                 .store
                 .state(run)
@@ -86,27 +97,25 @@ impl Api {
                     ),
                 ));
             };
-            if r.description
-                .as_ref()
-                .is_some_and(|d| d.len() > MAX_FORK_DESCRIPTION)
-            {
-                return Err(Refused::Error(
-                    400,
-                    ErrorCode::InvalidRequest,
-                    format!("description is longer than {MAX_FORK_DESCRIPTION} bytes"),
-                ));
-            }
             // A kept result must still be readable: the fork's tasks read it where the
             // original stored it. Read several at a time.
+            // Per task of the plan: the run-log sequence of the result it keeps, if it does.
+            let keep: Vec<Option<u64>> = (0..plan.subtasks.len())
+                .map(|i| {
+                    state
+                        .tasks
+                        .get(i)
+                        .filter(|t| {
+                            !mask[i] && t.status == TaskStatus::Succeeded && t.result_seq != 0
+                        })
+                        .map(|t| t.result_seq)
+                })
+                .collect();
             let kept: Vec<(TaskId, u64)> = plan
                 .subtasks
                 .iter()
-                .zip(&state.tasks)
-                .zip(&mask)
-                .filter(|((_, t), downstream)| {
-                    !**downstream && t.status == TaskStatus::Succeeded && t.result_seq != 0
-                })
-                .map(|((sub, t), _)| (sub.id.clone(), t.result_seq))
+                .zip(&keep)
+                .filter_map(|(sub, seq)| seq.map(|seq| (sub.id.clone(), seq)))
                 .collect();
             let store = &self.store;
             let read: Vec<_> =
@@ -150,8 +159,9 @@ impl Api {
             let rerun: Vec<TaskId> = plan
                 .subtasks
                 .iter()
-                .filter(|s| !reused.iter().any(|k| k.task_id == s.id))
-                .map(|s| s.id.clone())
+                .zip(&keep)
+                .filter(|(_, seq)| seq.is_none())
+                .map(|(s, _)| s.id.clone())
                 .collect();
             let kept: Vec<TaskId> = reused.iter().map(|k| k.task_id.clone()).collect();
             plan.fork = Some(ForkOrigin {
