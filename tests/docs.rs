@@ -427,6 +427,7 @@ documents! {
     guide_watching => "docs/guide/watching.md",
     guide_operations => "docs/guide/operations.md",
     guide_forking => "docs/guide/forking.md",
+    guide_evaluating => "docs/guide/evaluating.md",
 }
 
 /// Every document with a runnable block — the README and every guide — is run by a test

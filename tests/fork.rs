@@ -505,11 +505,15 @@ async fn an_eval_forks_every_selected_run_with_the_variant_and_resumes_without_r
         "{report}"
     );
     // A variant that is not one is refused before anything is forked.
-    std::fs::write(p.dir().join("bad.json"), r#"{"at": "b", "model": "big"}"#)?;
+    std::fs::write(p.dir().join("bad.json"), r#"{"at": "b", "temperature": 2}"#)?;
     let out = p.cli(&["eval", "--variant", "bad.json", "--plan", "evaluated"])?;
     let err = String::from_utf8_lossy(&out.stderr);
     assert_ne!(out.status.code(), Some(0), "{err}");
-    assert!(err.contains("unknown field `model`"), "{err}");
+    assert!(err.contains("unknown field `temperature`"), "{err}");
+    std::fs::write(p.dir().join("bad.json"), r#"{"at": ":2"}"#)?;
+    let out = p.cli(&["eval", "--variant", "bad.json", "--plan", "evaluated"])?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("names no task"), "{err}");
     assert_eq!(calls(&p).len(), ran + 4);
     Ok(())
 }

@@ -419,6 +419,23 @@ reply = "helper found 42"
         started.is_some() && started == linked,
         "{started:?} {linked:?}"
     );
+
+    // The tree replays from what it recorded: the lead's conversation from its journal (two
+    // model replies, one tool round), the child run below it — and the model is not called.
+    let report = p.client.replay(run).await?.expect("the run exists");
+    assert!(report.same, "{report:#?}");
+    assert_eq!(
+        (
+            report.conversations,
+            report.model_replies,
+            report.tool_rounds
+        ),
+        (1, 2, 1),
+        "{report:#?}"
+    );
+    assert_eq!(report.children.len(), 1, "{report:#?}");
+    assert!(report.children[0].same && Some(report.children[0].run_id) == started);
+    assert_eq!(llm.requests().len(), 2, "a replay calls no model");
     Ok(())
 }
 

@@ -47,6 +47,10 @@
 //! * **fork** — forks and replays of ended runs (module `fork`): a 10-task chain forked at
 //!   its last task — the attempts the fork dispatches (one) and its time next to a one-task
 //!   run — and replayed from its log, its time per task next to the chain's.
+//! * **replay** — LLM run trees replayed and forked (module `replay`): an 11-run, 20-task tree
+//!   of LLM conversations on the simulated provider replayed from its logs and journals (model
+//!   requests: 0; time per task next to a dependency hop), and forked at its last task and at
+//!   a step of its conversation (the model requests each makes).
 //! * **restart** — restarts onto history (module `restart`): each service's time to ready on
 //!   an empty deployment, then restarted with SIGTERM and kill -9 onto 10,000 runs of history
 //!   of every kind (the test kit's lived-in deployment), with its reads checked unchanged.
@@ -91,6 +95,7 @@ mod fork;
 mod hitl;
 mod llm;
 mod recovery;
+mod replay;
 mod restart;
 mod soak;
 mod team;
@@ -181,6 +186,8 @@ pub struct BenchArgs {
     restart: restart::RestartArgs,
     #[command(flatten)]
     fork: fork::ForkArgs,
+    #[command(flatten)]
+    replay: replay::ReplayArgs,
 }
 
 /// A section of the bench (`--only`).
@@ -221,6 +228,9 @@ enum Section {
     /// Forks and replays of ended runs: a 10-task chain forked at its last task — the
     /// attempts it dispatches and its time next to a one-task run — and replayed from its log.
     Fork,
+    /// LLM run trees replayed from their logs and journals and forked at a task and at a
+    /// step: model requests made (0 for a replay) and time per task.
+    Replay,
 }
 
 /// Runs the selected sections against the server at `nats_url` (the CLI's global
@@ -243,6 +253,7 @@ pub async fn run(args: BenchArgs, nats_url: Option<&str>) -> anyhow::Result<()> 
         && !want(Section::Agents)
         && !want(Section::Restart)
         && !want(Section::Fork)
+        && !want(Section::Replay)
     {
         return Ok(());
     }
@@ -325,6 +336,9 @@ pub async fn run(args: BenchArgs, nats_url: Option<&str>) -> anyhow::Result<()> 
     }
     if want(Section::Fork) {
         fork::run(&args.fork, &services, &url).await?;
+    }
+    if want(Section::Replay) {
+        replay::run(&args.replay, &services, &url).await?;
     }
     Ok(())
 }

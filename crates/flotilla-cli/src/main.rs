@@ -172,9 +172,11 @@ enum Command {
     Watch(commands::watch::WatchArgs),
     /// Try a change on many past runs: fork each selected ended run with the variant (the
     /// fork point and its changes, a JSON or TOML file: `at`, `agent`, `description`,
-    /// `input`), a few at a time, wait for the forks and compare each with its original. A
-    /// Markdown table per run and totals (or --json). Run again, it finds the forks it made
-    /// and does not run them twice. Exit 0 when every run was forked and compared.
+    /// `input`), a few at a time, wait for the forks and compare each with its original;
+    /// with --judge, an agent scores each pair. A Markdown table per run and totals (or
+    /// --json). Run again, it finds the forks and judgements it made and does not pay for
+    /// them twice. Exit 0 when every run was forked, compared (and judged), 1 when one was
+    /// not, 3 when the budget stopped the eval before every run was forked.
     Eval {
         /// The variant file.
         #[arg(long, value_name = "FILE")]
@@ -197,6 +199,18 @@ enum Command {
         /// Forks in flight at once.
         #[arg(long, default_value_t = 4)]
         concurrency: usize,
+        /// Score each pair with this agent: a one-task run given both final answers, which
+        /// answers {"score": 0..1, "reason": "…"} or a number.
+        #[arg(long, value_name = "AGENT")]
+        judge: Option<String>,
+        /// Start no more forks once the forks and judge runs have used this many tokens.
+        #[arg(long, value_name = "N", allow_negative_numbers = true,
+              value_parser = commands::eval::max_tokens_arg)]
+        max_tokens: Option<u64>,
+        /// Start no more forks once the forks and judge runs have cost this much (US dollars).
+        #[arg(long, value_name = "USD", allow_negative_numbers = true,
+              value_parser = commands::eval::max_cost_arg)]
+        max_cost: Option<f64>,
         /// Machine-readable output.
         #[arg(long)]
         json: bool,
@@ -328,12 +342,17 @@ enum RunsCommand {
     Fork {
         /// The run to fork (it must have ended).
         run: RunId,
-        /// The fork point: a task of the run's plan.
-        #[arg(long, value_name = "TASK")]
+        /// The fork point: a task of the run's plan; TASK:STEP keeps the task's conversation
+        /// (an LLM agent's model replies and tool results) before step STEP and goes on from
+        /// there (`runs events` shows the steps as `agent_step`).
+        #[arg(long, value_name = "TASK[:STEP]")]
         at: String,
         /// Run the fork point with this agent.
         #[arg(long)]
         agent: Option<String>,
+        /// Run the fork point with this model instead of its agent's (an LLM agent).
+        #[arg(long)]
+        model: Option<String>,
         /// Run the fork point with the instructions in this file (its description).
         #[arg(long, value_name = "FILE", conflicts_with = "description")]
         instructions: Option<std::path::PathBuf>,
@@ -739,6 +758,7 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
             run,
             at,
             agent,
+            model,
             instructions,
             description,
             input,
@@ -748,6 +768,7 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
         }) => {
             let changes = commands::fork::Changes {
                 agent,
+                model,
                 instructions,
                 description,
                 input,
@@ -808,6 +829,9 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
             session,
             limit,
             concurrency,
+            judge,
+            max_tokens,
+            max_cost,
             json,
         } => {
             let selector = commands::eval::Selector {
@@ -817,7 +841,16 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
                 session,
                 limit,
             };
-            commands::eval::eval(&load()?, &variant, selector, concurrency, json).await
+            let opts = commands::eval::EvalOptions {
+                concurrency,
+                json,
+                judge,
+                budget: commands::eval::Budget {
+                    max_tokens,
+                    max_cost_usd: max_cost,
+                },
+            };
+            commands::eval::eval(&load()?, &variant, selector, opts).await
         }
         Command::Bench(args) => {
             flotilla_bench::run(*args, cli.nats_url.as_deref()).await?;

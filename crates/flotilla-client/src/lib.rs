@@ -41,7 +41,7 @@ use flotilla_runs::RunReader;
 pub use flotilla_runs::watch::WatchOptions;
 
 pub mod progress;
-use futures::{FutureExt, Stream, StreamExt};
+use futures::{Stream, StreamExt};
 use tracing::Instrument;
 
 flotilla_bus::error_kinds!(
@@ -268,21 +268,17 @@ impl Client {
             .map_err(|e| ClientError::with_source(ClientErrorKind::Decode, "encoding", e))?;
         let subject = self.bus.names().api(R::ENDPOINT);
         // The caller's trace (a `submit` span, an application's span) goes with the request.
-        let sent = match flotilla_telemetry::trace_context::current() {
-            Some(trace) => {
-                let mut headers = async_nats::HeaderMap::new();
-                insert_trace(&mut headers, &trace);
-                self.bus
-                    .client()
-                    .request_with_headers(subject.clone(), headers, body.into())
-                    .left_future()
-            }
-            None => self
-                .bus
-                .client()
-                .request(subject.clone(), body.into())
-                .right_future(),
-        };
+        // The request's own timeout, not the connection's default (10 s): a request that
+        // waits for a run's end (`run.fork` with `wait`) takes as long as the caller allows.
+        let mut sent = async_nats::Request::new()
+            .payload(body.into())
+            .timeout(Some(timeout));
+        if let Some(trace) = flotilla_telemetry::trace_context::current() {
+            let mut headers = async_nats::HeaderMap::new();
+            insert_trace(&mut headers, &trace);
+            sent = sent.headers(headers);
+        }
+        let sent = self.bus.client().send_request(subject.clone(), sent);
         // A refused request gets no answer: the server's refusal, reported on the side, is
         // the answer, at once.
         let reply = self

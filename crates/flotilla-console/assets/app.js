@@ -628,7 +628,7 @@ async function viewRun(runId) {
     <form id="fork-form" class="card" hidden>
       <h2 id="fork-title">Fork</h2>
       <p id="fork-what" class="muted"></p>
-      <div class="filters"><label>agent <input id="fork-agent" class="mono" size="24"></label></div>
+      <div class="filters"><label>agent <input id="fork-agent" class="mono" size="24"></label><label>model <input id="fork-model" class="mono" size="20"></label><label>from step <input id="fork-step" class="mono" type="number" min="0" size="4" placeholder="start"></label></div>
       <textarea id="fork-description" rows="4" spellcheck="false"></textarea>
       <div class="filters"><button id="fork-submit" type="submit" class="primary">Fork</button><button id="fork-close" type="button">Close</button></div>
       <div id="fork-problems" class="error-text"></div>
@@ -760,6 +760,10 @@ async function viewRun(runId) {
     const agent = $('#fork-agent');
     agent.value = '';
     agent.placeholder = sub.agent || (sub.role ? `a member of role ${sub.role}` : 'the default agent');
+    const model = $('#fork-model');
+    model.value = '';
+    model.placeholder = "its agent's";
+    $('#fork-step').value = '';
     const description = $('#fork-description');
     description.value = '';
     description.placeholder = `instructions for ${task} (now: ${sub.description || 'none'})`;
@@ -777,6 +781,11 @@ async function viewRun(runId) {
     if (agent) body.agent = agent;
     const description = $('#fork-description').value;
     if (description.trim()) body.description = description;
+    const model = $('#fork-model').value.trim();
+    if (model) body.model = model;
+    // A step of an LLM agent's conversation (`agent_step` events): the steps before it are kept.
+    const step = $('#fork-step').value.trim();
+    if (step !== '') body.step = Number(step);
     set('#fork-problems', '');
     // One fork per click: each accepted fork is a new run.
     const submit = $('#fork-submit');

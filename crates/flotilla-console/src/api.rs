@@ -853,6 +853,12 @@ pub(crate) struct ForkBody {
     /// Run the fork point with this input instead.
     #[serde(default)]
     input: Option<serde_json::Value>,
+    /// Run the fork point with this model instead (empty: its agent's).
+    #[serde(default)]
+    model: Option<String>,
+    /// Keep the fork point's conversation before this step (an LLM agent's).
+    #[serde(default)]
+    step: Option<u32>,
 }
 
 /// Forks an ended run at a task (`run.fork`): a new run in which the task, with the changes
@@ -872,6 +878,8 @@ pub(crate) async fn fork(
     request.agent = body.agent.filter(|a| !a.trim().is_empty());
     request.description = body.description.filter(|d| !d.trim().is_empty());
     request.input = body.input;
+    request.model = body.model.filter(|m| !m.trim().is_empty());
+    request.step = body.step;
     let response = s.call(&request).await;
     s.audit(&who, "fork", run, Some(&at), response.status());
     response

@@ -986,6 +986,16 @@ async fn the_api_needs_an_identity_and_only_operators_act() -> anyhow::Result<()
     )
     .await?;
     assert_eq!((code, body.contains("unknown_task")), (404, true), "{body}");
+    let step = Some(r#"{"at":"announce","step":0}"#);
+    let (code, body) = http(
+        addr,
+        "POST",
+        &fork,
+        &[("Authorization", &alice), csrf],
+        step,
+    )
+    .await?;
+    assert!(code == 400 && body.contains("only LLM agents"), "{body}"); // the step reached it
     let (code, body) = http(
         addr,
         "POST",

@@ -40,67 +40,77 @@ impl Clients {
     /// first delivery follows steps recorded by an earlier one.
     pub async fn journal(&self, resumed: bool) -> Result<BTreeMap<u32, StepEntry>, ContextError> {
         let scope = self.scope();
-        let mut steps = BTreeMap::new();
         let Some(attempt_id) = scope.attempt_id else {
-            return Ok(steps);
+            return Ok(BTreeMap::new());
         };
         if !resumed && scope.delivery.is_none_or(|d| d <= 1) {
-            return Ok(steps);
+            return Ok(BTreeMap::new());
         }
-        let bus = self.bus();
-        let unavailable = |what: &str, e: &dyn std::fmt::Display| {
-            ContextError::new(ErrorKind::Unavailable, format!("{what}: {e}"))
-        };
-        let name = bus.names().stream(StreamKind::Events);
-        let stream = bus
-            .js()
-            .get_stream(&name)
-            .await
-            .map_err(|e| unavailable(&format!("opening {name}"), &e))?;
-        let mut consumer = stream
-            .create_consumer(pull::OrderedConfig {
-                filter_subject: bus.names().event(scope.run_id),
-                deliver_policy: DeliverPolicy::All,
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| unavailable("reading the run's events", &e))?;
-        let pending = consumer
-            .info()
-            .await
-            .map_err(|e| unavailable("reading the run's events", &e))?
-            .num_pending;
-        if pending == 0 {
-            return Ok(steps);
-        }
-        let mut messages = consumer
-            .messages()
-            .await
-            .map_err(|e| unavailable("reading the run's events", &e))?;
-        while let Some(msg) = messages.next().await {
-            let msg = msg.map_err(|e| unavailable("reading the run's events", &e))?;
-            let remaining = msg.info().map(|i| i.pending).unwrap_or(0);
-            match decode_events(wire::codec_of(msg.headers.as_ref()), &msg.payload) {
-                Ok(events) => {
-                    for e in events {
-                        if let Event::AgentStep {
-                            attempt_id: a,
-                            step,
-                            entry,
-                        } = e.event
-                            && a == attempt_id
-                        {
-                            // The first record of a step wins; a repeat is the same step.
-                            steps.entry(step).or_insert(entry);
-                        }
+        attempt_steps(self.bus(), scope.run_id, attempt_id).await
+    }
+}
+
+/// The steps attempt `attempt_id` of run `run` recorded, by step number: what a redelivery
+/// resumes from, what a fork at a step keeps, what a replay checks. Reads the run's event
+/// subject once.
+pub async fn attempt_steps(
+    bus: &flotilla_bus::Bus,
+    run: flotilla_model::RunId,
+    attempt_id: flotilla_model::ids::AttemptId,
+) -> Result<BTreeMap<u32, StepEntry>, ContextError> {
+    let mut steps = BTreeMap::new();
+    let unavailable = |what: &str, e: &dyn std::fmt::Display| {
+        ContextError::new(ErrorKind::Unavailable, format!("{what}: {e}"))
+    };
+    let name = bus.names().stream(StreamKind::Events);
+    let stream = bus
+        .js()
+        .get_stream(&name)
+        .await
+        .map_err(|e| unavailable(&format!("opening {name}"), &e))?;
+    let mut consumer = stream
+        .create_consumer(pull::OrderedConfig {
+            filter_subject: bus.names().event(run),
+            deliver_policy: DeliverPolicy::All,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| unavailable("reading the run's events", &e))?;
+    let pending = consumer
+        .info()
+        .await
+        .map_err(|e| unavailable("reading the run's events", &e))?
+        .num_pending;
+    if pending == 0 {
+        return Ok(steps);
+    }
+    let mut messages = consumer
+        .messages()
+        .await
+        .map_err(|e| unavailable("reading the run's events", &e))?;
+    while let Some(msg) = messages.next().await {
+        let msg = msg.map_err(|e| unavailable("reading the run's events", &e))?;
+        let remaining = msg.info().map(|i| i.pending).unwrap_or(0);
+        match decode_events(wire::codec_of(msg.headers.as_ref()), &msg.payload) {
+            Ok(events) => {
+                for e in events {
+                    if let Event::AgentStep {
+                        attempt_id: a,
+                        step,
+                        entry,
+                    } = e.event
+                        && a == attempt_id
+                    {
+                        // The first record of a step wins; a repeat is the same step.
+                        steps.entry(step).or_insert(entry);
                     }
                 }
-                Err(e) => warn!(error = %e, "Skipping an undecodable event message"),
             }
-            if remaining == 0 {
-                break;
-            }
+            Err(e) => warn!(error = %e, "Skipping an undecodable event message"),
         }
-        Ok(steps)
+        if remaining == 0 {
+            break;
+        }
     }
+    Ok(steps)
 }

@@ -61,6 +61,7 @@ mod approvals;
 mod collab;
 mod controls;
 mod fork;
+mod fork_copy;
 
 /// `404 not_found` for a run that does not exist.
 /// `400 <code>` naming every problem of a request at once (in `problems`, and joined in the

@@ -61,6 +61,21 @@ impl LiveWorkers {
         }))
     }
 
+    /// The live workers of `pool` that lack `feature` (their ids and versions): a change
+    /// they would ignore must not reach them. Empty while the registry is not known yet.
+    pub(crate) fn lacking(&self, pool: &str, feature: &str, now_ms: i64) -> Vec<String> {
+        if !self.workers.is_synced() {
+            return Vec::new();
+        }
+        self.workers.read(|map| {
+            map.values()
+                .filter(|w| now_ms - w.at_ms < self.ttl_ms && w.value.pool == pool)
+                .filter(|w| !w.value.features.iter().any(|f| f == feature))
+                .map(|w| format!("{} ({})", w.value.id, w.value.version))
+                .collect()
+        })
+    }
+
     /// For a coordinator whose configuration defines no agents (so plans are not checked
     /// against a catalog): the problems of `tasks` — `(task, pool, agent)` — that the live
     /// workers already show, as `unknown_agent` warnings: an agent no live worker of its pool

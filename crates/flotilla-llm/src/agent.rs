@@ -321,15 +321,22 @@ impl LlmAgent {
         Ok(system)
     }
 
+    /// The model the attempt calls: the task's (a fork or plan that tries another model),
+    /// else the agent's.
+    fn model<'a>(&'a self, task: &'a TaskEnvelope) -> &'a str {
+        task.model.as_deref().unwrap_or(&self.config.model)
+    }
+
     fn request(
         &self,
+        task: &TaskEnvelope,
         tools: &ToolSet,
         messages: &[ChatCompletionRequestMessage],
         tools_allowed: bool,
         schema: Option<&Value>,
     ) -> CreateChatCompletionRequest {
         let mut r = CreateChatCompletionRequest {
-            model: self.config.model.clone(),
+            model: self.model(task).to_owned(),
             messages: messages.to_vec(),
             temperature: self.config.temperature,
             max_completion_tokens: self.config.max_output_tokens,
@@ -426,7 +433,7 @@ impl LlmAgent {
         };
         let estimate = prompt_estimate + max_output;
         let span = spans::chat(
-            &self.config.model,
+            self.model(task),
             self.config.provider.as_deref().unwrap_or("openai"),
             self.config.max_output_tokens,
         );
@@ -483,13 +490,13 @@ impl LlmAgent {
         // and step), which is the same on every delivery even if the prompt's estimate is not.
         let shown = serde_json::json!({
             "agent": self.name,
-            "model": self.config.model,
+            "model": self.model(task),
             "estimated_cost_usd": (estimate_usd * 1e6).round() / 1e6,
             "cost_limit_usd": limit_usd,
         });
         let bound = serde_json::json!({
             "agent": self.name,
-            "model": self.config.model,
+            "model": self.model(task),
             "cost_limit_usd": limit_usd,
         });
         let decided = gate::decision_at_step(
@@ -795,7 +802,7 @@ impl LlmAgent {
         let limit = RateLimit::open(ctx, &self.config)
             .await
             .map_err(|e| AgentError::failed(format!("agent {}: {e}", self.name)))?;
-        let mut journal = Journal::open(ctx, task, &self.name).await;
+        let mut journal = Journal::open(ctx, task, &self.name).await?;
         let mut tokens = 0u64;
         let mut tools_used: Vec<String> = Vec::new();
         let mut rounds = 0u32;
@@ -814,6 +821,7 @@ impl LlmAgent {
                         return Err(ctx.suspend_held());
                     }
                     let request = self.request(
+                        task,
                         &tools,
                         &messages,
                         tools_allowed,

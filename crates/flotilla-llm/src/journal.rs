@@ -18,10 +18,10 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use flotilla_context::AgentContext;
-use flotilla_context::journal::step_event_id;
+use flotilla_context::journal::{attempt_steps, step_event_id};
+use flotilla_context::{AgentContext, AgentError};
 use flotilla_model::event::{Event, StepEntry, StepToolCall};
-use flotilla_model::task::TaskEnvelope;
+use flotilla_model::task::{TaskEnvelope, TaskErrorKind};
 
 use crate::provider::{Completion, ToolCallRequest};
 
@@ -38,27 +38,59 @@ pub(crate) struct Journal {
 impl Journal {
     /// The journal of the attempt: the recorded steps on a redelivery, else empty. A journal
     /// that cannot be read is treated as empty (the steps are done again).
-    pub(crate) async fn open(ctx: &AgentContext, task: &TaskEnvelope, agent: &str) -> Self {
-        let recorded = match ctx.clients().journal(task.resume.is_some()).await {
+    ///
+    /// A fork at a step (`kept_steps`) starts with the original attempt's steps before it,
+    /// which are part of what the fork is, not an optimisation: when they cannot be read the
+    /// attempt fails (and is retried) rather than paying for a different conversation.
+    pub(crate) async fn open(
+        ctx: &AgentContext,
+        task: &TaskEnvelope,
+        agent: &str,
+    ) -> Result<Self, AgentError> {
+        let mut recorded = match ctx.clients().journal(task.resume.is_some()).await {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(agent, error = %e, "Could not read the attempt's step journal; its steps are done again");
                 BTreeMap::new()
             }
         };
+        if let Some(kept) = &task.kept_steps {
+            let original = attempt_steps(ctx.clients().bus(), kept.run_id, kept.attempt_id)
+                .await
+                .map_err(|e| {
+                    AgentError::failed(format!(
+                        "agent {agent}: reading the {} kept steps of run {}'s attempt {}: {e}",
+                        kept.steps, kept.run_id, kept.attempt_id
+                    ))
+                })?;
+            if let Some(missing) = (0..kept.steps).find(|s| !original.contains_key(s)) {
+                return Err(AgentError {
+                    kind: TaskErrorKind::BadEnvelope,
+                    message: format!(
+                        "agent {agent}: the fork keeps steps 0..{} of run {}'s attempt {}, but its journal has no step {missing}",
+                        kept.steps, kept.run_id, kept.attempt_id
+                    ),
+                });
+            }
+            // This attempt's own steps (a redelivery's) come after the kept ones.
+            for (step, entry) in original.into_iter().take_while(|(s, _)| *s < kept.steps) {
+                recorded.entry(step).or_insert(entry);
+            }
+        }
         if !recorded.is_empty() {
             tracing::info!(
                 agent,
                 steps = recorded.len(),
-                "Resuming a redelivered attempt from its step journal"
+                kept = task.kept_steps.as_ref().map_or(0, |k| k.steps),
+                "Starting the attempt from its step journal"
             );
         }
-        Self {
+        Ok(Self {
             recorded,
             next: 0,
             replayed_calls: 0,
             replayed_rounds: 0,
-        }
+        })
     }
 
     /// The position of the next step in the attempt (0, 1, …): the same on every delivery.

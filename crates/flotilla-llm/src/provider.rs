@@ -437,7 +437,7 @@ impl Provider {
                 Ok(mut c) => {
                     c.latency = started.elapsed();
                     if c.model.is_empty() {
-                        c.model.clone_from(&self.config.model);
+                        c.model.clone_from(&request.model);
                     }
                     return Ok(c);
                 }
@@ -464,7 +464,7 @@ impl Provider {
                         )));
                     }
                     tracing::info!(
-                        model = %self.config.model,
+                        model = %request.model,
                         tries,
                         wait_ms = wait.as_millis() as u64,
                         error = %message,

@@ -28,6 +28,7 @@ fn forked(tasks: Vec<Subtask>, at: &str, kept: &[(&str, u64)]) -> (RunId, Arc<Pl
                 seq: *seq,
             })
             .collect(),
+        conversation: None,
     });
     (original, Arc::new(p))
 }

@@ -137,8 +137,9 @@ fn subtask() -> impl Strategy<Value = Subtask> {
                 required,
                 timeout,
                 input,
-                output_key,
                 output_schema: None,
+                model: output_key.clone().map(|k| format!("model-{k}")),
+                output_key,
             },
         )
 }
@@ -611,6 +612,8 @@ proptest! {
                 name: "open_file".into(), description: "Opens a file in the user's editor".into(),
                 parameters: serde_json::json!({"type": "object", "properties": {"path": {"type": "string"}}}),
             }] } else { Vec::new() },
+            model: required.then(|| "qwen2.5:7b".into()),
+            kept_steps: (attempt > 2).then_some(flotilla_model::plan::KeptSteps { run_id, attempt_id, steps: attempt }),
         })?;
     }
 

@@ -19,6 +19,7 @@
 //! The state it decodes is the run machine's ([`flotilla_machine`]): pure code, the only
 //! place a run's decisions are made.
 
+mod conversation;
 pub mod diff;
 pub mod error;
 pub mod first;

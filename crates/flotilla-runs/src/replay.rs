@@ -4,15 +4,24 @@
 //! published, and the state it stored. It says whether the replay reached the same decisions,
 //! or where it first did not (which run-log entry, which task, what differed).
 //!
+//! Each LLM attempt that succeeded is replayed too, from its step journal
+//! ([`crate::conversation`]): its model replies and tool results are served from the
+//! `agent_step` events it recorded, and the walk must reach the answer and the tokens the
+//! attempt recorded — a step missing from the journal is a divergence, never a call. A fork at
+//! a step reads the steps it kept from the run it forked. And the run's child runs — the links
+//! on its event stream — are replayed the same way, the whole tree down.
+//!
 //! A run submitted on its own subject (the client library's fast path) has no `submitted`
 //! entry: its admission — depth, budgets, anycast, lead, escalation policy — is read from its
 //! stored record, where the coordinator fixed it, and its plan from its first message.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::future::Future;
+use std::pin::Pin;
 
 use flotilla_machine::{Action, RunState};
-use flotilla_model::event::{Event, WorkflowPhase};
-use flotilla_model::ids::{RunId, TaskId};
+use flotilla_model::event::{Event, StepEntry, WorkflowPhase};
+use flotilla_model::ids::{AttemptId, RunId, TaskId};
 use flotilla_model::run::RunStatus;
 use flotilla_model::runlog::RunInput;
 use serde::Serialize;
@@ -35,10 +44,29 @@ pub struct ReplayReport {
     pub replayed: Option<RunStatus>,
     /// Whether the replay reached the same decisions and the same state.
     pub same: bool,
-    /// The first place it did not.
+    /// The first place it did not (in this run; a child's is in its report).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub divergence: Option<Divergence>,
+    /// LLM conversations replayed from their step journals (one per succeeded attempt).
+    pub conversations: u32,
+    /// Model replies served from the journals: model calls the replay did not make.
+    pub model_replies: u32,
+    /// Rounds of tool results served from the journals: tool runs the replay did not make.
+    pub tool_rounds: u32,
+    /// The child runs, replayed the same way (`same` holds only when every one is).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub children: Vec<ReplayReport>,
+    /// Child runs past the cap on runs replayed at once, not replayed.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub omitted: u32,
 }
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+/// Most runs one replay covers (the run and its descendants, breadth first).
+pub const MAX_REPLAYED_RUNS: usize = 1000;
 
 /// Where a replay first differs from the record.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -52,6 +80,9 @@ pub struct Divergence {
     /// The task concerned, when one is.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub task_id: Option<TaskId>,
+    /// The step of the task's LLM conversation, when the divergence is in one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub step: Option<u32>,
     /// What the run recorded there.
     pub recorded: String,
     /// What the replay decided there.
@@ -83,8 +114,52 @@ impl Decided {
 /// task's index in the plan and the attempt.
 type Emitted = (u64, String, WorkflowPhase, Option<u32>, Option<u32>);
 
-/// Replays `run`. `Ok(None)` when the run does not exist.
+/// Replays `run` and the tree under it. `Ok(None)` when the run does not exist.
 pub async fn replay_run(store: &RunReader, run: RunId) -> Result<Option<ReplayReport>, StoreError> {
+    let mut budget = MAX_REPLAYED_RUNS;
+    replay_tree(store, run, &mut budget).await
+}
+
+type Replaying<'a> =
+    Pin<Box<dyn Future<Output = Result<Option<ReplayReport>, StoreError>> + Send + 'a>>;
+
+/// `run`, then its children depth first, while `budget` runs remain.
+fn replay_tree<'a>(store: &'a RunReader, run: RunId, budget: &'a mut usize) -> Replaying<'a> {
+    Box::pin(async move {
+        *budget = budget.saturating_sub(1);
+        let Some((mut report, children)) = replay_one(store, run).await? else {
+            return Ok(None);
+        };
+        for child in children {
+            if *budget == 0 {
+                report.omitted += 1;
+                continue;
+            }
+            if let Some(r) = replay_tree(store, child, budget).await? {
+                report.same &= r.same;
+                report.children.push(r);
+            }
+        }
+        Ok(Some(report))
+    })
+}
+
+/// What a run's events hold for its replay, from one read.
+#[derive(Default)]
+struct Recorded {
+    /// The coordinator's machine events: the first of each id, with its place in the stream.
+    decided: BTreeMap<String, (usize, Decided)>,
+    /// Each attempt's journaled steps.
+    steps: HashMap<AttemptId, BTreeMap<u32, StepEntry>>,
+    /// Child runs, in the order their links were stored.
+    children: Vec<RunId>,
+}
+
+/// Replays `run` alone: its report and its children. `Ok(None)` when it does not exist.
+async fn replay_one(
+    store: &RunReader,
+    run: RunId,
+) -> Result<Option<(ReplayReport, Vec<RunId>)>, StoreError> {
     let Some(stored) = store.state(run).await? else {
         return Ok(None);
     };
@@ -134,16 +209,58 @@ pub async fn replay_run(store: &RunReader, run: RunId) -> Result<Option<ReplayRe
         replayed: replayed.as_ref().map(|m| m.state().status),
         same: false,
         divergence: None,
+        conversations: 0,
+        model_replies: 0,
+        tool_rounds: 0,
+        children: Vec::new(),
+        omitted: 0,
     };
+    // One read of the run's events: the machine's events, the journals, the children.
+    let mut rec = Recorded::default();
+    let mut seen_children = HashSet::new();
+    crate::tree::each_event(store, run, |e| match e.event {
+        Event::Workflow(w) if e.source == "coordinator" && machine_event(run, &e.id) => {
+            // The run's end (`<run>.end`) is the runtime's, from the machine's `Finish`: its
+            // status is compared with the state below.
+            let n = rec.decided.len();
+            rec.decided.entry(e.id).or_insert((
+                n,
+                Decided {
+                    phase: w.phase,
+                    task: e.task_id,
+                    attempt: e.attempt,
+                },
+            ));
+        }
+        Event::AgentStep {
+            attempt_id,
+            step,
+            entry,
+        } => {
+            // The first record of a step wins; a repeat is the same step.
+            rec.steps
+                .entry(attempt_id)
+                .or_default()
+                .entry(step)
+                .or_insert(entry);
+        }
+        Event::AgentRunStarted { child, .. } if seen_children.insert(child.run_id) => {
+            rec.children.push(child.run_id);
+        }
+        _ => {}
+    })
+    .await?;
+    let children = std::mem::take(&mut rec.children);
     let Some(machine) = replayed else {
         report.divergence = Some(Divergence {
             seq: None,
             input: None,
             task_id: None,
+            step: None,
             recorded: format!("a run that {}", stored.status.as_str()),
             replayed: "nothing: its log holds no submission to start from".into(),
         });
-        return Ok(Some(report));
+        return Ok(Some((report, children)));
     };
     let plan = machine.plan().clone();
     let task_id = |i: u32| plan.subtasks.get(i as usize).map(|s| s.id.clone());
@@ -161,28 +278,7 @@ pub async fn replay_run(store: &RunReader, run: RunId) -> Result<Option<ReplayRe
             )
         })
         .collect();
-    // The coordinator's events of the machine's steps, as recorded: the first of each id,
-    // with its place in the stream.
-    let mut recorded: BTreeMap<String, (usize, Decided)> = BTreeMap::new();
-    crate::tree::each_event(store, run, |e| {
-        if e.source != "coordinator" || !machine_event(run, &e.id) {
-            return;
-        }
-        // The run's end (`<run>.end`) is the runtime's, from the machine's `Finish`: its
-        // status is compared with the state below.
-        if let Event::Workflow(w) = &e.event {
-            let n = recorded.len();
-            recorded.entry(e.id).or_insert((
-                n,
-                Decided {
-                    phase: w.phase,
-                    task: e.task_id,
-                    attempt: e.attempt,
-                },
-            ));
-        }
-    })
-    .await?;
+    let mut recorded = std::mem::take(&mut rec.decided);
     report.events = recorded.len() as u32;
     let divergence = |seq: u64, task: Option<TaskId>, recorded: String, replayed: String| {
         Some(Divergence {
@@ -192,6 +288,7 @@ pub async fn replay_run(store: &RunReader, run: RunId) -> Result<Option<ReplayRe
                 .find(|(s, _, _)| *s == seq)
                 .map(|(_, _, i)| input_kind(i)),
             task_id: task,
+            step: None,
             recorded,
             replayed,
         })
@@ -206,12 +303,12 @@ pub async fn replay_run(store: &RunReader, run: RunId) -> Result<Option<ReplayRe
                     r.describe(),
                     d.describe(),
                 );
-                return Ok(Some(report));
+                return Ok(Some((report, children)));
             }
             None => {
                 report.divergence =
                     divergence(*seq, d.task.clone(), "no such event".into(), d.describe());
-                return Ok(Some(report));
+                return Ok(Some((report, children)));
             }
         }
     }
@@ -220,17 +317,79 @@ pub async fn replay_run(store: &RunReader, run: RunId) -> Result<Option<ReplayRe
             seq: None,
             input: None,
             task_id: r.task.clone(),
+            step: None,
             recorded: format!("{} (event {id})", r.describe()),
             replayed: "no such event".into(),
         });
-        return Ok(Some(report));
+        return Ok(Some((report, children)));
     }
     if let Some(d) = state_divergence(&stored, machine.state(), &plan) {
         report.divergence = Some(d);
-        return Ok(Some(report));
+        return Ok(Some((report, children)));
+    }
+    // Each LLM attempt that succeeded, from its journal.
+    let kept = match plan.fork.as_ref().and_then(|f| f.conversation.as_ref()) {
+        Some(k) => {
+            let mut steps = BTreeMap::new();
+            crate::tree::each_event(store, k.run_id, |e| {
+                if let Event::AgentStep {
+                    attempt_id,
+                    step,
+                    entry,
+                } = e.event
+                    && attempt_id == k.attempt_id
+                    && step < k.steps
+                {
+                    steps.entry(step).or_insert(entry);
+                }
+            })
+            .await?;
+            Some(steps)
+        }
+        None => None,
+    };
+    for (seq, _, input) in &log {
+        let RunInput::TaskResult(r) = input else {
+            continue;
+        };
+        if !r.result.success {
+            continue;
+        }
+        let Some(own) = rec.steps.remove(&r.attempt_id) else {
+            continue;
+        };
+        let sub = plan.subtasks.iter().find(|s| s.id == r.task_id);
+        let fork_point = plan.fork.as_ref().is_some_and(|f| f.task_id == r.task_id);
+        let mut steps = match (&kept, fork_point) {
+            (Some(kept), true) => kept.clone(),
+            _ => BTreeMap::new(),
+        };
+        steps.extend(own);
+        match crate::conversation::replay_conversation(
+            &steps,
+            &r.result,
+            sub.and_then(|s| s.output_schema.as_ref()),
+        ) {
+            Ok(served) => {
+                report.conversations += 1;
+                report.model_replies += served.replies;
+                report.tool_rounds += served.rounds;
+            }
+            Err(d) => {
+                report.divergence = Some(Divergence {
+                    seq: Some(*seq),
+                    input: Some(input_kind(input)),
+                    task_id: Some(r.task_id.clone()),
+                    step: d.step,
+                    recorded: d.recorded,
+                    replayed: d.replayed,
+                });
+                return Ok(Some((report, children)));
+            }
+        }
     }
     report.same = true;
-    Ok(Some(report))
+    Ok(Some((report, children)))
 }
 
 /// Whether `id` is an event the run machine emits (`<run>.start`, `<run>.<step>.<n>`), not one
@@ -270,6 +429,7 @@ fn state_divergence(
                 seq: None,
                 input: None,
                 task_id: plan.subtasks.get(i).map(|s| s.id.clone()),
+                step: None,
                 recorded: format!("{x:?}"),
                 replayed: format!("{y:?}"),
             });
@@ -280,6 +440,7 @@ fn state_divergence(
             seq: None,
             input: None,
             task_id: None,
+            step: None,
             recorded: format!("status {}", a.status.as_str()),
             replayed: format!("status {}", b.status.as_str()),
         });
@@ -288,6 +449,7 @@ fn state_divergence(
         seq: None,
         input: None,
         task_id: None,
+        step: None,
         recorded: "the stored run state".into(),
         replayed: "a different run state (same tasks and status)".into(),
     })

@@ -226,6 +226,10 @@ impl Worker {
             agents: self.agents.names(),
             started_at: Timestamp::now(),
             version: env!("CARGO_PKG_VERSION").to_owned(),
+            features: flotilla_model::worker::WORKER_FEATURES
+                .iter()
+                .map(|f| (*f).to_owned())
+                .collect(),
         };
         let register_stop = CancellationToken::new();
         let registration = tokio::spawn(register(

@@ -12,7 +12,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use flotilla_client::ClientErrorKind;
-use flotilla_model::fork::{RunForkReply, RunForkRequest};
+use flotilla_model::fork::{RunForkReply, RunForkRequest, parse_fork_point};
 use flotilla_model::ids::{RunId, TaskId};
 use flotilla_model::run::RunStatus;
 use flotilla_model::submit::SubmitStatus;
@@ -29,6 +29,7 @@ const RUN_WAIT: Duration = Duration::from_secs(24 * 3600);
 #[derive(Debug, Default)]
 pub(crate) struct Changes {
     pub(crate) agent: Option<String>,
+    pub(crate) model: Option<String>,
     pub(crate) instructions: Option<PathBuf>,
     pub(crate) description: Option<String>,
     pub(crate) input: Option<String>,
@@ -44,8 +45,11 @@ pub(crate) async fn fork(
     wait: bool,
     json: bool,
 ) -> anyhow::Result<ExitCode> {
-    let mut request = RunForkRequest::new(run, TaskId::new(at));
+    let (at, step) = parse_fork_point(&at).map_err(|e| anyhow::anyhow!("--at: {e}"))?;
+    let mut request = RunForkRequest::new(run, at);
+    request.step = step;
     request.agent = changes.agent;
+    request.model = changes.model;
     request.description = match (changes.instructions, changes.description) {
         (Some(path), _) => Some(std::fs::read_to_string(&path).map_err(|e| {
             anyhow::anyhow!("cannot read the instructions file {}: {e}", path.display())
@@ -156,38 +160,80 @@ pub(crate) async fn replay(config: &Config, run: RunId, json: bool) -> anyhow::R
     };
     if json {
         outln!("{}", serde_json::to_string_pretty(&report)?);
-    } else if report.same {
-        outln!(
-            "Replayed run {run}: the same decisions ({} run-log entries, {} events compared; 0 model calls, 0 tool runs), status {}",
-            report.entries,
-            report.events,
-            report.recorded.as_str()
-        );
     } else {
-        outln!(
-            "Replayed run {run}: it diverged ({} run-log entries, {} events compared)",
-            report.entries,
-            report.events
-        );
-        if let Some(d) = &report.divergence {
-            if let Some(seq) = d.seq {
-                outln!(
-                    "  at run-log entry {seq}{}",
-                    d.input
-                        .as_deref()
-                        .map_or_else(String::new, |k| format!(" ({k})"))
-                );
-            }
-            if let Some(t) = &d.task_id {
-                outln!("  task      {t}");
-            }
-            outln!("  recorded  {}", d.recorded);
-            outln!("  replayed  {}", d.replayed);
+        let (runs, replies, rounds) = totals(&report);
+        if report.same {
+            outln!(
+                "Replayed run {run} and {} child run(s): the same decisions and answers, status {}",
+                runs - 1,
+                report.recorded.as_str()
+            );
+        } else {
+            outln!("Replayed run {run}: it diverged");
         }
+        outln!(
+            "  {replies} model replies and {rounds} tool rounds served from the journals: 0 model calls, 0 tool runs"
+        );
+        print_replayed(&report, 0);
     }
     Ok(if report.same {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(1)
     })
+}
+
+/// Runs, model replies and tool rounds of a replayed tree.
+fn totals(r: &flotilla_runs::replay::ReplayReport) -> (u32, u32, u32) {
+    r.children.iter().map(totals).fold(
+        (1, r.model_replies, r.tool_rounds),
+        |(a, b, c), (x, y, z)| (a + x, b + y, c + z),
+    )
+}
+
+/// A line per replayed run, indented by depth, with its divergence.
+fn print_replayed(r: &flotilla_runs::replay::ReplayReport, depth: usize) {
+    let pad = "  ".repeat(depth + 1);
+    outln!(
+        "{pad}{} {}: {} run-log entries, {} events, {} conversation(s) — {}",
+        if r.same { "✓" } else { "✗" },
+        r.run_id,
+        r.entries,
+        r.events,
+        r.conversations,
+        if r.divergence.is_some() {
+            "diverged"
+        } else if r.same {
+            "the same"
+        } else {
+            "a child run diverged"
+        }
+    );
+    if let Some(d) = &r.divergence {
+        if let Some(seq) = d.seq {
+            outln!(
+                "{pad}  at run-log entry {seq}{}",
+                d.input
+                    .as_deref()
+                    .map_or_else(String::new, |k| format!(" ({k})"))
+            );
+        }
+        if let Some(t) = &d.task_id {
+            outln!("{pad}  task      {t}");
+        }
+        if let Some(step) = d.step {
+            outln!("{pad}  step      {step}");
+        }
+        outln!("{pad}  recorded  {}", d.recorded);
+        outln!("{pad}  replayed  {}", d.replayed);
+    }
+    for c in &r.children {
+        print_replayed(c, depth + 1);
+    }
+    if r.omitted > 0 {
+        outln!(
+            "{pad}  ({} child run(s) not replayed: over the cap)",
+            r.omitted
+        );
+    }
 }

@@ -12,7 +12,8 @@ use async_nats::service::Request;
 use flotilla_model::ErrorCode;
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::fork::{
-    ForkOrigin, MAX_FORK_DESCRIPTION, ReusedResult, RunForkReply, RunForkRequest, downstream,
+    ForkOrigin, KeptSteps, MAX_FORK_DESCRIPTION, ReusedResult, RunForkReply, RunForkRequest,
+    downstream,
 };
 use flotilla_model::ids::TaskId;
 use flotilla_model::run::TaskStatus;
@@ -139,8 +140,18 @@ impl Api {
                 }
                 reused.push(ReusedResult { task_id: task, seq });
             }
+            let conversation = match r.step {
+                None => None,
+                Some(step) => Some(self.kept_steps(&state, &plan, &r.at, step).await?),
+            };
             let mut plan = plan;
+            if let Some(sub) = plan.subtasks.iter().find(|s| s.id == r.at) {
+                self.check_workers(&r, &sub.pool)?;
+            }
             if let Some(sub) = plan.subtasks.iter_mut().find(|s| s.id == r.at) {
+                if let Some(model) = &r.model {
+                    sub.model = Some(model.clone());
+                }
                 if let Some(agent) = &r.agent {
                     sub.agent = Some(agent.clone());
                 }
@@ -168,9 +179,25 @@ impl Api {
                 run_id: run,
                 task_id: r.at.clone(),
                 reused,
+                conversation,
             });
+            // The fork's id is fixed here: its workspace, mailboxes and session are filled
+            // before it is submitted.
             let mut submit = SubmitRequest::new(plan);
-            submit.run_id = r.fork_run_id;
+            submit.run_id = Some(r.fork_run_id.unwrap_or_else(flotilla_model::RunId::new));
+            let copy = CopyPlan {
+                root: crate::lineage::root_of(&state),
+                session: crate::lineage::session_of(&state),
+                kept: kept.iter().cloned().collect(),
+                cutoff_ms: submit
+                    .plan
+                    .as_ref()
+                    .and_then(|p| plan_index(p, &r.at))
+                    .and_then(|i| state.tasks.get(i))
+                    .map(|t| t.dispatched_ms)
+                    .filter(|ms| *ms > 0)
+                    .unwrap_or(i64::MAX),
+            };
             // The original's labels (not a rollback's mark: a fork is no rollback), and a
             // session of its own: its tasks' state writes must not reach the original's
             // session, nor another fork's.
@@ -178,9 +205,9 @@ impl Api {
             submit
                 .labels
                 .remove(flotilla_model::rollback::ROLLBACK_OF_LABEL);
-            Ok((submit, kept, rerun))
+            Ok((submit, kept, rerun, copy))
         };
-        let (submit, kept, rerun) = match built.await {
+        let (submit, kept, rerun, copy) = match built.await {
             Ok(b) => b,
             Err(Refused::Error(status, code, message)) => {
                 return respond_error(&req, status, code, message).await;
@@ -189,6 +216,12 @@ impl Api {
                 return super::respond_problems(&req, ErrorCode::InvalidPlan, problems).await;
             }
         };
+        if let Some(fork) = submit.run_id
+            && let Err(e) = self.copy_collaboration(run, fork, &copy).await
+        {
+            warn!(%run, %fork, error = %e, "A fork's copy of its original's collaboration failed");
+            return respond_error(&req, 503, ErrorCode::Unavailable, e).await;
+        }
         let payload = match serde_json::to_vec(&submit) {
             Ok(p) => p,
             Err(e) => return respond_error(&req, 500, ErrorCode::Internal, e.to_string()).await,
@@ -246,5 +279,153 @@ impl Api {
             }
         }
         respond_json(&req, self.max_payload(), &answer).await;
+    }
+}
+
+impl Api {
+    /// What a fork at step `step` of `at` keeps: the steps before it of the fork point's last
+    /// attempt, once the journal is seen to hold every one and `step` to be a model call.
+    async fn kept_steps(
+        &self,
+        state: &flotilla_machine::RunState,
+        plan: &flotilla_model::plan::Plan,
+        at: &TaskId,
+        step: u32,
+    ) -> Result<KeptSteps, Refused> {
+        let run = state.run_id;
+        let bad = |message: String| Refused::Error(400, ErrorCode::InvalidRequest, message);
+        let index = plan
+            .subtasks
+            .iter()
+            .position(|s| &s.id == at)
+            .unwrap_or_default();
+        let Some(task) = state.tasks.get(index).filter(|t| t.attempt > 0) else {
+            return Err(bad(format!(
+                "task {at} never ran in run {run}: it has no conversation to fork inside (fork at the task, without a step)"
+            )));
+        };
+        let attempt_id = flotilla_machine::attempt_id(
+            run,
+            index as u32,
+            task.attempt,
+            task.attempt_started_ms(),
+        );
+        let steps = flotilla_context::journal::attempt_steps(self.store.bus(), run, attempt_id)
+            .await
+            .map_err(|e| Refused::Error(503, ErrorCode::Unavailable, e.to_string()))?;
+        let Some((&last, _)) = steps.last_key_value() else {
+            return Err(bad(format!(
+                "task {at}'s last attempt in run {run} (attempt {}, {attempt_id}) recorded no conversation steps: only LLM agents journal theirs (fork at the task, without a step)",
+                task.attempt
+            )));
+        };
+        if let Some(missing) = (0..=step.min(last)).find(|s| !steps.contains_key(s)) {
+            let held: Vec<String> = steps.keys().map(u32::to_string).collect();
+            return Err(Refused::Error(
+                409,
+                ErrorCode::JournalIncomplete,
+                format!(
+                    "the step journal of task {at}'s attempt {} in run {run} ({attempt_id}) has no step {missing}, so a fork cannot keep steps 0..{step} (it holds steps {})",
+                    task.attempt,
+                    held.join(", ")
+                ),
+            ));
+        }
+        match steps.get(&step) {
+            Some(flotilla_model::event::StepEntry::ModelReply { .. }) => {}
+            Some(flotilla_model::event::StepEntry::ToolResults { .. }) => {
+                return Err(bad(format!(
+                    "step {step} of task {at}'s conversation is a round of tool results; fork at a model call (step {} or {})",
+                    step.saturating_sub(1),
+                    step + 1
+                )));
+            }
+            None => {
+                return Err(bad(format!(
+                    "task {at}'s conversation in run {run} has steps 0..={last}; step {step} is not one of them"
+                )));
+            }
+        }
+        Ok(KeptSteps {
+            run_id: run,
+            attempt_id,
+            steps: step,
+        })
+    }
+
+    /// Refuses a change a live worker of the fork point's pool would ignore (it runs a
+    /// version from before the change existed), naming the workers.
+    fn check_workers(&self, r: &RunForkRequest, pool: &str) -> Result<(), Refused> {
+        use flotilla_model::worker::{FEATURE_KEPT_STEPS, FEATURE_TASK_MODEL};
+        let now = Timestamp::now().unix_ms();
+        for (asked, feature, what) in [
+            (r.model.is_some(), FEATURE_TASK_MODEL, "a task's model"),
+            (
+                r.step.is_some(),
+                FEATURE_KEPT_STEPS,
+                "a conversation's kept steps",
+            ),
+        ] {
+            if !asked {
+                continue;
+            }
+            let old = self.live.lacking(pool, feature, now);
+            if !old.is_empty() {
+                return Err(Refused::Error(
+                    409,
+                    ErrorCode::WorkersOutdated,
+                    format!(
+                        "live worker(s) {} of pool {pool} run a version that does not know {what} ({feature}) and would ignore it; upgrade them first",
+                        old.join(", ")
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a fork copies from its original's collaboration ([`super::fork_copy`]).
+struct CopyPlan {
+    root: flotilla_model::RunId,
+    session: String,
+    kept: std::collections::HashSet<TaskId>,
+    cutoff_ms: i64,
+}
+
+fn plan_index(plan: &flotilla_model::plan::Plan, task: &TaskId) -> Option<usize> {
+    plan.subtasks.iter().position(|s| &s.id == task)
+}
+
+impl Api {
+    /// Fills a new fork's workspace, mailboxes and session from its original; nothing when
+    /// the fork exists already (a repeated request: the submission answers `duplicate`).
+    async fn copy_collaboration(
+        &self,
+        run: flotilla_model::RunId,
+        fork: flotilla_model::RunId,
+        copy: &CopyPlan,
+    ) -> Result<(), String> {
+        if self
+            .store
+            .state(fork)
+            .await
+            .map_err(|e| e.to_string())?
+            .is_some()
+        {
+            return Ok(());
+        }
+        let source = super::fork_copy::Source {
+            run,
+            root: copy.root,
+            session: copy.session.clone(),
+            kept: &copy.kept,
+            cutoff_ms: copy.cutoff_ms,
+        };
+        let copied = super::fork_copy::copy_into(self.store.bus(), &source, fork).await?;
+        if copied != super::fork_copy::Copied::default() {
+            info!(%run, %fork, entries = copied.entries, posts = copied.posts, state_keys = copied.state_keys, "Copied the original's collaboration into the fork");
+        }
+        Ok(())
     }
 }

@@ -183,6 +183,13 @@ impl Runtime {
             tool_gate,
             resume,
             client_tools: plan.config.client_tools.clone(),
+            model: sub.model.clone(),
+            // A fork at a step: every attempt of its fork point starts with the kept steps.
+            kept_steps: plan
+                .fork
+                .as_ref()
+                .filter(|f| f.task_id == sub.id)
+                .and_then(|f| f.conversation.clone()),
         }))
     }
 

@@ -32,4 +32,16 @@ pub struct WorkerInfo {
     pub started_at: Timestamp,
     /// Flotilla version.
     pub version: String,
+    /// What the worker carries out of a task message beyond the first protocol version
+    /// ([`FEATURE_TASK_MODEL`], [`FEATURE_KEPT_STEPS`]): a coordinator refuses a change a
+    /// live worker of the pool would silently ignore. Absent from workers older than 0.3.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub features: Vec<String>,
 }
+
+/// A worker that runs an LLM task with the model its `model` names.
+pub const FEATURE_TASK_MODEL: &str = "task_model";
+/// A worker that starts an attempt with its `kept_steps` (a fork at a step).
+pub const FEATURE_KEPT_STEPS: &str = "kept_steps";
+/// What this version's workers carry out: their [`WorkerInfo::features`].
+pub const WORKER_FEATURES: &[&str] = &[FEATURE_TASK_MODEL, FEATURE_KEPT_STEPS];

@@ -28,7 +28,7 @@ use crate::submit::SubmitStatus;
 /// Longest `description` a fork may give its fork point, in bytes.
 pub const MAX_FORK_DESCRIPTION: usize = 64 * 1024;
 
-pub use crate::plan::{ForkOrigin, ReusedResult};
+pub use crate::plan::{ForkOrigin, KeptSteps, ReusedResult};
 pub use crate::run::ForkRef;
 
 /// `<prefix>.api.run.fork`: fork finished run `run_id` at task `at`.
@@ -51,6 +51,14 @@ pub struct RunForkRequest {
     /// Run the fork point with this `input` instead.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub input: Option<serde_json::Value>,
+    /// Run the fork point with this model instead of its agent's (an LLM agent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// Fork inside the fork point's conversation: its last attempt's steps before `step`
+    /// (model replies and tool rounds, numbered from 0, as `agent_step` events number them)
+    /// are kept, and the fork point goes on from step `step`, which must be a model call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<u32>,
     /// The fork's run id (fork again with the same id: the same run, `duplicate`). Minted
     /// when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -70,6 +78,8 @@ impl RunForkRequest {
             agent: None,
             description: None,
             input: None,
+            model: None,
+            step: None,
             fork_run_id: None,
             wait: false,
         }
@@ -125,6 +135,27 @@ pub fn derived_fork_id(run: RunId, key: &str) -> RunId {
         h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
     }
     crate::ids::derived_run_id(run, crate::ids::splitmix64(h ^ 0x666f_726b))
+}
+
+/// A fork point as people write it: `TASK`, or `TASK:STEP` for a step of the task's
+/// conversation (`runs fork --at`, an evaluation's variant). Only digits after the last `:`
+/// make a step (a task id may itself hold a `:`); the wire keeps the two apart (`at`, `step`).
+pub fn parse_fork_point(text: &str) -> Result<(TaskId, Option<u32>), String> {
+    let (task, step) = match text.rsplit_once(':') {
+        Some((task, step)) if !step.is_empty() && step.bytes().all(|b| b.is_ascii_digit()) => {
+            let step = step
+                .parse::<u32>()
+                .map_err(|_| format!("fork point {text:?}: step {step} is too large"))?;
+            (task, Some(step))
+        }
+        _ => (text, None),
+    };
+    if task.is_empty() {
+        return Err(format!(
+            "fork point {text:?} names no task (TASK or TASK:STEP)"
+        ));
+    }
+    Ok((TaskId::new(task), step))
 }
 
 /// The tasks downstream of `at` in `plan`, `at` included, as a mask over `plan.subtasks`:
@@ -184,6 +215,23 @@ mod tests {
             Some(5)
         );
         assert!(downstream(&plan, &at("zz")).is_none());
+    }
+
+    #[test]
+    fn a_fork_point_is_a_task_or_a_task_and_a_step() {
+        assert_eq!(parse_fork_point("draft"), Ok((TaskId::new("draft"), None)));
+        assert_eq!(
+            parse_fork_point("draft:4"),
+            Ok((TaskId::new("draft"), Some(4)))
+        );
+        assert_eq!(
+            parse_fork_point("a:b"),
+            Ok((TaskId::new("a:b"), None)),
+            "a task id may hold a colon"
+        );
+        for bad in [":3", "", "draft:99999999999"] {
+            assert!(parse_fork_point(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -109,7 +109,15 @@ pub struct Subtask {
     /// also after one repair, fails the task with `invalid_output`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_schema: Option<serde_json::Value>,
+    /// The model an LLM agent calls for this task instead of its configured `model` (a fork
+    /// that tries another model, an evaluation's variant). Its price, provider and limits stay
+    /// the agent's. Agents that call no model ignore it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
 }
+
+/// Longest `model` a subtask may name, in bytes.
+pub const MAX_MODEL_LEN: usize = 200;
 
 fn default_pool() -> String {
     DEFAULT_POOL.to_owned()
@@ -445,6 +453,7 @@ impl Subtask {
             input: serde_json::Value::Null,
             output_key: None,
             output_schema: None,
+            model: None,
         }
     }
 
@@ -486,6 +495,26 @@ pub struct ForkOrigin {
     /// The tasks that keep the original's result, in plan order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub reused: Vec<ReusedResult>,
+    /// A fork at a step of the fork point's conversation: every attempt of the fork point
+    /// starts with these steps of the original's attempt instead of calling the model for
+    /// them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conversation: Option<KeptSteps>,
+}
+
+/// The first `steps` steps (model replies and tool rounds, numbered from 0) of attempt
+/// `attempt_id` of run `run_id`, as its step journal recorded them: a conversation an attempt
+/// starts with, replayed without a model call or a tool run. Set by `run.fork` for a fork at
+/// a step; the worker reads them from the original run's events.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct KeptSteps {
+    /// The run whose attempt recorded them.
+    pub run_id: crate::ids::RunId,
+    /// The attempt.
+    pub attempt_id: crate::ids::AttemptId,
+    /// How many steps are kept: steps `0 .. steps`; step `steps` is made afresh.
+    pub steps: u32,
 }
 
 impl ForkOrigin {

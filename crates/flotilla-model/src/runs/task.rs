@@ -125,6 +125,14 @@ pub struct TaskEnvelope {
     /// its own: a call waits for the client's answer.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub client_tools: Vec<crate::plan::ClientTool>,
+    /// The model an LLM agent calls instead of its configured one (the subtask's `model`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// A fork at a step: the attempt's conversation starts with these steps of the original
+    /// attempt, replayed from its journal (no model call, no tool run), and goes on live from
+    /// the first step after them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kept_steps: Option<crate::plan::KeptSteps>,
 }
 
 /// One budget a run's model calls count against: the limits of run `run_id` (the run itself

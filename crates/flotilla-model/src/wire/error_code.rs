@@ -239,6 +239,13 @@ error_codes! {
     /// `409`: `run.fork` of a run whose plan, or a result the fork would keep, can no longer
     /// be read from its log (the message names the task and the entry).
     ResultMissing = "result_missing", 409;
+    /// `409`: `run.fork` at a step (`step`) of a fork point whose step journal lacks a step
+    /// the fork would keep (the message names it and the steps it holds).
+    JournalIncomplete = "journal_incomplete", 409;
+    /// `409`: `run.fork` with a change a live worker of the fork point's pool cannot carry
+    /// out (`model`, `step`): it runs an older version (the message names the workers and
+    /// what they lack). Upgrade the pool's workers first.
+    WorkersOutdated = "workers_outdated", 409;
 }
 
 impl fmt::Display for ErrorCode {

@@ -114,6 +114,7 @@ static SUBTASK: Shape = Shape {
         typed("input", check::<Value>),
         typed("output_key", check::<Option<String>>),
         typed("output_schema", check::<Option<Value>>),
+        typed("model", check::<Option<String>>),
     ],
 };
 

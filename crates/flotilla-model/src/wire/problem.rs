@@ -112,6 +112,8 @@ pub enum ProblemCode {
     /// A subtask names a `role` and no `agent` (anycast: one free member of the role claims
     /// it), but no member card of this deployment has that role.
     UnknownRole,
+    /// A subtask's `model` is empty, too long, or holds whitespace or control characters.
+    InvalidModel,
     /// A submitted plan sets `fork`, which only `run.fork` writes (it names results of
     /// another run the fork keeps).
     ForkReserved,
@@ -166,6 +168,7 @@ impl ProblemCode {
             Self::TreeTooDeep => "tree_too_deep",
             Self::TreeTooLarge => "tree_too_large",
             Self::UnknownRole => "unknown_role",
+            Self::InvalidModel => "invalid_model",
             Self::ForkReserved => "fork_reserved",
         }
     }

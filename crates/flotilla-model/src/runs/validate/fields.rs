@@ -346,6 +346,30 @@ impl Validator {
                 );
             }
         }
+        if let Some(model) = &task.model {
+            let problem = if model.is_empty() {
+                Some("model is empty (leave it out to use the agent's)".to_owned())
+            } else if model.len() > crate::plan::MAX_MODEL_LEN {
+                Some(format!(
+                    "model is {} bytes long; the limit is {}",
+                    model.len(),
+                    crate::plan::MAX_MODEL_LEN
+                ))
+            } else if model.chars().any(|c| c.is_whitespace() || c.is_control()) {
+                Some(format!(
+                    "model {model:?} holds whitespace or control characters"
+                ))
+            } else {
+                None
+            };
+            if let Some(message) = problem {
+                self.error(
+                    ProblemCode::InvalidModel,
+                    format!("subtasks[{i}].model"),
+                    message,
+                );
+            }
+        }
         if let Some(schema) = &task.output_schema
             && !schema.is_object()
         {

@@ -1,0 +1,193 @@
+//! What a fork sees of its original's collaboration: the workspace entries and mailbox posts
+//! the kept tasks' agents wrote, and the session state as it stood when the fork point was
+//! dispatched — copied into the fork's own workspace, mailboxes and session before it is
+//! submitted, so its first task reads them. The original is only read.
+//!
+//! A kept task's automatic produce is not copied: the fork's start writes it again from the
+//! kept result. Copies keep their writer and are published with message ids derived from the
+//! fork and the original entry, so a fork request repeated within the stream's duplicate window
+//! stores each once; a fork whose run exists already copies nothing.
+
+use std::collections::{BTreeMap, HashSet};
+
+use flotilla_bus::Bus;
+use flotilla_bus::wire;
+use flotilla_model::RunId;
+use flotilla_model::ids::TaskId;
+use flotilla_model::subjects::{Bucket, StreamKind};
+use flotilla_model::workspace::{PRODUCED_BY_HEADER, WorkspaceWrite};
+
+/// Header on a copied workspace entry or mailbox post: the run it was copied from.
+pub(super) const COPIED_FROM_HEADER: &str = "Flotilla-Copied-From";
+
+/// What was copied into a fork.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Copied {
+    pub(super) entries: u32,
+    pub(super) posts: u32,
+    pub(super) state_keys: u32,
+}
+
+/// The original's side of a copy.
+pub(super) struct Source<'a> {
+    /// The run forked.
+    pub(super) run: RunId,
+    /// Its tree's root (whose workspace and mailboxes its tasks used).
+    pub(super) root: RunId,
+    /// Its session (the key prefix of its state).
+    pub(super) session: String,
+    /// The tasks the fork keeps.
+    pub(super) kept: &'a HashSet<TaskId>,
+    /// When the fork point's last attempt was dispatched (coordinator clock, Unix ms): state
+    /// written later is not copied.
+    pub(super) cutoff_ms: i64,
+}
+
+/// Copies into `fork` (its own root and session) what `from`'s kept tasks left.
+pub(super) async fn copy_into(bus: &Bus, from: &Source<'_>, fork: RunId) -> Result<Copied, String> {
+    let names = bus.names();
+    let mut copied = Copied::default();
+    let failed =
+        |what: &str, e: &dyn std::fmt::Display| format!("copying {what} into the fork: {e}");
+
+    // Workspace entries an agent of a kept task wrote (not the automatic produce).
+    let prefix = format!("{}.ws.{}.", names.prefix(), from.root);
+    let mut pages = bus.pages(StreamKind::Workspace, &names.workspace_all(from.root), 0);
+    let mut out = Vec::new();
+    while let Some(page) = pages
+        .next()
+        .await
+        .map_err(|e| failed("workspace entries", &e))?
+    {
+        for m in page {
+            if m.headers.get(PRODUCED_BY_HEADER).is_some() {
+                continue;
+            }
+            let Some(topic) = m.subject.strip_prefix(&prefix) else {
+                continue;
+            };
+            let Ok(write) = wire::codec_of(Some(&m.headers)).decode::<WorkspaceWrite>(&m.payload)
+            else {
+                continue;
+            };
+            // The original's own tasks' entries, and the copies it got as a fork itself.
+            let copied_in = m.headers.get(COPIED_FROM_HEADER).is_some();
+            let kept = write.writer.as_ref().is_some_and(|w| {
+                (w.run_id == from.run || copied_in)
+                    && w.by.as_deref() != Some("coordinator")
+                    && w.task_id.as_ref().is_some_and(|t| from.kept.contains(t))
+            });
+            if kept {
+                out.push((names.workspace(fork, topic), m));
+            }
+        }
+    }
+    for (subject, m) in out {
+        publish_copy(bus, subject, &m, from.run, fork)
+            .await
+            .map_err(|e| failed("a workspace entry", &e))?;
+        copied.entries += 1;
+    }
+
+    // Mailbox posts a kept task sent (`mbox.<root>.<to>.<from>`).
+    let prefix = format!("{}.mbox.{}.", names.prefix(), from.root);
+    let mut pages = bus.pages(StreamKind::Mailbox, &format!("{prefix}*.*"), 0);
+    let mut out = Vec::new();
+    while let Some(page) = pages
+        .next()
+        .await
+        .map_err(|e| failed("mailbox posts", &e))?
+    {
+        for m in page {
+            let Some((to, sender)) = m
+                .subject
+                .strip_prefix(&prefix)
+                .and_then(|rest| rest.split_once('.'))
+            else {
+                continue;
+            };
+            if from.kept.contains(&TaskId::new(sender)) {
+                out.push((names.mailbox(fork, to, sender), m));
+            }
+        }
+    }
+    for (subject, m) in out {
+        publish_copy(bus, subject, &m, from.run, fork)
+            .await
+            .map_err(|e| failed("a mailbox post", &e))?;
+        copied.posts += 1;
+    }
+
+    // Session state as it stood at the cutoff: per key, its last value written before then.
+    let bucket = names.bucket(Bucket::State);
+    let key_prefix = format!("$KV.{bucket}.{}.", from.session);
+    let mut latest: BTreeMap<String, Option<bytes::Bytes>> = BTreeMap::new();
+    let mut pages = bus.stream_pages(&format!("KV_{bucket}"), &format!("{key_prefix}>"), 0);
+    while let Some(page) = pages
+        .next()
+        .await
+        .map_err(|e| failed("session state", &e))?
+    {
+        for m in page {
+            if m.ts_ms >= from.cutoff_ms {
+                continue;
+            }
+            let Some(key) = m.subject.strip_prefix(&key_prefix) else {
+                continue;
+            };
+            let deleted = m
+                .headers
+                .get("KV-Operation")
+                .is_some_and(|op| op.as_str() != "PUT");
+            latest.insert(key.to_owned(), (!deleted).then(|| m.payload.clone()));
+        }
+    }
+    let state = bus
+        .kv(Bucket::State)
+        .await
+        .map_err(|e| failed("session state", &e))?;
+    for (key, value) in latest {
+        let Some(value) = value else { continue };
+        // Only where the fork has no value yet: a repeated fork does not write twice.
+        let target = names.state_key(&fork.to_string(), &key);
+        match state.create(&target, value).await {
+            Ok(_) => copied.state_keys += 1,
+            Err(e) if e.kind() == async_nats::jetstream::kv::CreateErrorKind::AlreadyExists => {}
+            Err(e) => return Err(failed("a session-state value", &e)),
+        }
+    }
+    Ok(copied)
+}
+
+/// Publishes a copy of `m` on `subject`, with its codec header and a message id of the fork
+/// and the original's sequence.
+async fn publish_copy(
+    bus: &Bus,
+    subject: String,
+    m: &flotilla_bus::StoredMessage,
+    from: RunId,
+    fork: RunId,
+) -> Result<(), String> {
+    let mut headers = async_nats::HeaderMap::new();
+    for (name, values) in m.headers.iter() {
+        let n: &str = name.as_ref();
+        if n.starts_with("Nats-") {
+            continue;
+        }
+        for v in values {
+            headers.append(n, v.as_str());
+        }
+    }
+    headers.insert(COPIED_FROM_HEADER, from.to_string().as_str());
+    headers.insert(
+        async_nats::header::NATS_MESSAGE_ID,
+        format!("forkcopy.{fork}.{}", m.seq).as_str(),
+    );
+    bus.js()
+        .publish_with_headers(subject, headers, m.payload.clone())
+        .await
+        .map_err(|e| e.to_string())?
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(())
+}
