@@ -202,16 +202,15 @@ async fn a_fork_at_a_step_keeps_the_conversation_before_it_and_calls_another_mod
         "the kept conversation carries the kept tool round: {:#?}",
         resumed.messages()
     );
-    // The kept step's tool did not run again: the fork's workspace has only the automatic
-    // produce of research's answer, none of the agent's writes.
+    // The kept step's tool did not run again, yet the fork sees what it wrote: the entry of
+    // step 0's write is copied into the fork's workspace once; the write the original made
+    // after step 2 (the step the fork makes afresh) is not.
     let store = flotilla_coordinator::store::RunStore::open(&p.bus).await?;
     let (entries, _, _) = store
         .topic_entries(fork, "notes", 0, usize::MAX, 100)
         .await?;
-    assert!(
-        entries.iter().all(|e| !e.entry.contains_key("first")),
-        "{entries:#?}"
-    );
+    let count = |key: &str| entries.iter().filter(|e| e.entry.contains_key(key)).count();
+    assert_eq!((count("first"), count("second")), (1, 0), "{entries:#?}");
     // The fork's own journal of research starts at the first step it made: the kept steps
     // are not journaled again (the report's attempt has its own step 0).
     let forked = steps(&p, fork).await?;
@@ -252,6 +251,13 @@ async fn a_fork_at_a_step_keeps_the_conversation_before_it_and_calls_another_mod
         );
     }
     assert_eq!(llm.requests().len(), 6, "a replay calls no model");
+    // A fork at a step is not forked at a step of the same task again: its earlier steps are
+    // the original's. Refused, naming the run to fork instead.
+    let mut again = RunForkRequest::new(fork, TaskId::new("research"));
+    again.step = Some(2);
+    let e = p.client.call(&again, WAIT).await?.expect_err("refused");
+    assert_eq!(e.status, 400, "{e:?}");
+    assert!(e.message.contains(&original.to_string()), "{}", e.message);
     eprintln!(
         "fork at research:2 with another model: 2 model calls instead of 4, 1 kept tool round not run again"
     );

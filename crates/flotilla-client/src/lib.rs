@@ -268,11 +268,12 @@ impl Client {
             .map_err(|e| ClientError::with_source(ClientErrorKind::Decode, "encoding", e))?;
         let subject = self.bus.names().api(R::ENDPOINT);
         // The caller's trace (a `submit` span, an application's span) goes with the request.
-        // The request's own timeout, not the connection's default (10 s): a request that
-        // waits for a run's end (`run.fork` with `wait`) takes as long as the caller allows.
+        // No timeout of the connection's (its default is 10 s): a request that waits for a
+        // run's end (`run.fork` with `wait`) takes as long as the caller allows, and the
+        // caller's timeout below is the one that answers `TimedOut`.
         let mut sent = async_nats::Request::new()
             .payload(body.into())
-            .timeout(Some(timeout));
+            .timeout(None);
         if let Some(trace) = flotilla_telemetry::trace_context::current() {
             let mut headers = async_nats::HeaderMap::new();
             insert_trace(&mut headers, &trace);

@@ -58,6 +58,20 @@ pub async fn attempt_steps(
     run: flotilla_model::RunId,
     attempt_id: flotilla_model::ids::AttemptId,
 ) -> Result<BTreeMap<u32, StepEntry>, ContextError> {
+    Ok(attempt_steps_timed(bus, run, attempt_id)
+        .await?
+        .into_iter()
+        .map(|(step, (entry, _))| (step, entry))
+        .collect())
+}
+
+/// [`attempt_steps`] with the time each step was stored (Unix ms, server clock): what a fork
+/// at a step copies of the fork point's own writes is what came before its first new step.
+pub async fn attempt_steps_timed(
+    bus: &flotilla_bus::Bus,
+    run: flotilla_model::RunId,
+    attempt_id: flotilla_model::ids::AttemptId,
+) -> Result<BTreeMap<u32, (StepEntry, i64)>, ContextError> {
     let mut steps = BTreeMap::new();
     let unavailable = |what: &str, e: &dyn std::fmt::Display| {
         ContextError::new(ErrorKind::Unavailable, format!("{what}: {e}"))
@@ -90,7 +104,12 @@ pub async fn attempt_steps(
         .map_err(|e| unavailable("reading the run's events", &e))?;
     while let Some(msg) = messages.next().await {
         let msg = msg.map_err(|e| unavailable("reading the run's events", &e))?;
-        let remaining = msg.info().map(|i| i.pending).unwrap_or(0);
+        let (remaining, stored_ms) = msg.info().map_or((0, 0), |i| {
+            (
+                i.pending,
+                (i.published.unix_timestamp_nanos() / 1_000_000) as i64,
+            )
+        });
         match decode_events(wire::codec_of(msg.headers.as_ref()), &msg.payload) {
             Ok(events) => {
                 for e in events {
@@ -102,7 +121,7 @@ pub async fn attempt_steps(
                         && a == attempt_id
                     {
                         // The first record of a step wins; a repeat is the same step.
-                        steps.entry(step).or_insert(entry);
+                        steps.entry(step).or_insert((entry, stored_ms));
                     }
                 }
             }

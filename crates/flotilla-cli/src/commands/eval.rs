@@ -530,8 +530,8 @@ async fn one(
     request.description = variant.description.clone();
     request.input = variant.input.clone();
     request.fork_run_id = Some(fork_id);
-    // Accepted (or found: `duplicate`) at once; its end is followed on the event stream, as a
-    // request waiting for it would be cut off by the connection's request timeout.
+    // Accepted (or found: `duplicate`) at once; its end is followed on the event stream, so
+    // the eval's own progress and concurrency decide how forks are waited for.
     request.wait = false;
     match client.call(&request, ANSWER_WAIT).await {
         Ok(Ok(reply)) if !reply.errors.is_empty() => {
@@ -557,6 +557,21 @@ async fn one(
         Ok(Err(missing)) => return row.failed(format!("run {missing} does not exist")),
         Err(e) => return row.failed(e.to_string()),
     };
+    // What the budget counts is the fork's whole tree: its child runs (agents called as
+    // tools, transfers, workflow steps) spend too, and `runs diff` counts a run alone.
+    // The original's alike, so the two sides compare.
+    for (id, fork_side) in [(fork_id, true), (run, false)] {
+        let usage = match client.tree(id, 1000).await {
+            Ok(Some(t)) => t.root.subtree_usage,
+            Ok(None) => continue,
+            Err(e) => return row.failed(format!("run {id}'s usage: {e}")),
+        };
+        if fork_side {
+            row.fork_usage = usage;
+        } else {
+            row.original_usage = usage;
+        }
+    }
     if let Some(agent) = judge {
         let original = match &record.outcome {
             Some(o) => Some(o.clone()),

@@ -140,9 +140,13 @@ impl Api {
                 }
                 reused.push(ReusedResult { task_id: task, seq });
             }
-            let conversation = match r.step {
-                None => None,
-                Some(step) => Some(self.kept_steps(&state, &plan, &r.at, step).await?),
+            // A fork at a step: the kept steps, and when the first new one was stored.
+            let (conversation, resumed_ms) = match r.step {
+                None => (None, None),
+                Some(step) => {
+                    let (kept, at_ms) = self.kept_steps(&state, &plan, &r.at, step).await?;
+                    (Some(kept), Some(at_ms))
+                }
             };
             let mut plan = plan;
             if let Some(sub) = plan.subtasks.iter().find(|s| s.id == r.at) {
@@ -185,18 +189,26 @@ impl Api {
             // before it is submitted.
             let mut submit = SubmitRequest::new(plan);
             submit.run_id = Some(r.fork_run_id.unwrap_or_else(flotilla_model::RunId::new));
+            let fork_point = submit
+                .plan
+                .as_ref()
+                .and_then(|p| plan_index(p, &r.at))
+                .and_then(|i| state.tasks.get(i));
             let copy = CopyPlan {
                 root: crate::lineage::root_of(&state),
                 session: crate::lineage::session_of(&state),
                 kept: kept.iter().cloned().collect(),
-                cutoff_ms: submit
-                    .plan
-                    .as_ref()
-                    .and_then(|p| plan_index(p, &r.at))
-                    .and_then(|i| state.tasks.get(i))
-                    .map(|t| t.dispatched_ms)
-                    .filter(|ms| *ms > 0)
-                    .unwrap_or(i64::MAX),
+                // At a step, what the fork point's kept steps did is the fork's too: its writes
+                // and the state up to its first new step.
+                cutoff_ms: resumed_ms.unwrap_or_else(|| {
+                    fork_point
+                        .map(|t| t.dispatched_ms)
+                        .filter(|ms| *ms > 0)
+                        .unwrap_or(i64::MAX)
+                }),
+                fork_point: resumed_ms
+                    .and(fork_point)
+                    .map(|t| (r.at.clone(), t.attempt)),
             };
             // The original's labels (not a rollback's mark: a fork is no rollback), and a
             // session of its own: its tasks' state writes must not reach the original's
@@ -291,8 +303,24 @@ impl Api {
         plan: &flotilla_model::plan::Plan,
         at: &TaskId,
         step: u32,
-    ) -> Result<KeptSteps, Refused> {
+    ) -> Result<(KeptSteps, i64), Refused> {
         let run = state.run_id;
+        // The run is itself a fork at a step of this task: its attempt journaled only the
+        // steps after the ones it kept, which live in the run it forked.
+        if let Some(origin) = plan
+            .fork
+            .as_ref()
+            .filter(|f| &f.task_id == at && f.conversation.is_some())
+        {
+            return Err(Refused::Error(
+                400,
+                ErrorCode::InvalidRequest,
+                format!(
+                    "run {run} is a fork at a step of task {at}, whose earlier steps are in run {}: fork that run at {at}:{step} instead, or fork this one at the task",
+                    origin.run_id
+                ),
+            ));
+        }
         let bad = |message: String| Refused::Error(400, ErrorCode::InvalidRequest, message);
         let index = plan
             .subtasks
@@ -304,15 +332,24 @@ impl Api {
                 "task {at} never ran in run {run}: it has no conversation to fork inside (fork at the task, without a step)"
             )));
         };
-        let attempt_id = flotilla_machine::attempt_id(
-            run,
-            index as u32,
-            task.attempt,
-            task.attempt_started_ms(),
-        );
-        let steps = flotilla_context::journal::attempt_steps(self.store.bus(), run, attempt_id)
-            .await
-            .map_err(|e| Refused::Error(503, ErrorCode::Unavailable, e.to_string()))?;
+        // The attempt as its result recorded it; minted again only for a task without one.
+        let recorded = match task.result_seq {
+            0 => None,
+            seq => self
+                .store
+                .result_at(seq)
+                .await
+                .ok()
+                .filter(|r| &r.task_id == at)
+                .map(|r| r.attempt_id),
+        };
+        let attempt_id = recorded.unwrap_or_else(|| {
+            flotilla_machine::attempt_id(run, index as u32, task.attempt, task.attempt_started_ms())
+        });
+        let steps =
+            flotilla_context::journal::attempt_steps_timed(self.store.bus(), run, attempt_id)
+                .await
+                .map_err(|e| Refused::Error(503, ErrorCode::Unavailable, e.to_string()))?;
         let Some((&last, _)) = steps.last_key_value() else {
             return Err(bad(format!(
                 "task {at}'s last attempt in run {run} (attempt {}, {attempt_id}) recorded no conversation steps: only LLM agents journal theirs (fork at the task, without a step)",
@@ -331,9 +368,9 @@ impl Api {
                 ),
             ));
         }
-        match steps.get(&step) {
-            Some(flotilla_model::event::StepEntry::ModelReply { .. }) => {}
-            Some(flotilla_model::event::StepEntry::ToolResults { .. }) => {
+        let resumed_ms = match steps.get(&step) {
+            Some((flotilla_model::event::StepEntry::ModelReply { .. }, at_ms)) => *at_ms,
+            Some((flotilla_model::event::StepEntry::ToolResults { .. }, _)) => {
                 return Err(bad(format!(
                     "step {step} of task {at}'s conversation is a round of tool results; fork at a model call (step {} or {})",
                     step.saturating_sub(1),
@@ -345,12 +382,15 @@ impl Api {
                     "task {at}'s conversation in run {run} has steps 0..={last}; step {step} is not one of them"
                 )));
             }
-        }
-        Ok(KeptSteps {
-            run_id: run,
-            attempt_id,
-            steps: step,
-        })
+        };
+        Ok((
+            KeptSteps {
+                run_id: run,
+                attempt_id,
+                steps: step,
+            },
+            resumed_ms,
+        ))
     }
 
     /// Refuses a change a live worker of the fork point's pool would ignore (it runs a
@@ -391,6 +431,9 @@ struct CopyPlan {
     session: String,
     kept: std::collections::HashSet<TaskId>,
     cutoff_ms: i64,
+    /// A fork at a step: the fork point and its attempt, whose writes before the cutoff are
+    /// copied too.
+    fork_point: Option<(TaskId, u32)>,
 }
 
 fn plan_index(plan: &flotilla_model::plan::Plan, task: &TaskId) -> Option<usize> {
@@ -406,23 +449,24 @@ impl Api {
         fork: flotilla_model::RunId,
         copy: &CopyPlan,
     ) -> Result<(), String> {
-        if self
-            .store
-            .state(fork)
-            .await
-            .map_err(|e| e.to_string())?
-            .is_some()
-        {
-            return Ok(());
-        }
         let source = super::fork_copy::Source {
             run,
             root: copy.root,
             session: copy.session.clone(),
             kept: &copy.kept,
             cutoff_ms: copy.cutoff_ms,
+            fork_point: copy.fork_point.as_ref().map(|(t, a)| (t, *a)),
         };
-        let copied = super::fork_copy::copy_into(self.store.bus(), &source, fork).await?;
+        // Read at once: whether the fork exists already, and what it would be given.
+        let bus = self.store.bus();
+        let (exists, gathered) = tokio::join!(
+            self.store.state(fork),
+            super::fork_copy::gather(bus, &source, fork)
+        );
+        if exists.map_err(|e| e.to_string())?.is_some() {
+            return Ok(());
+        }
+        let copied = super::fork_copy::publish(bus, gathered?, run, fork).await?;
         if copied != super::fork_copy::Copied::default() {
             info!(%run, %fork, entries = copied.entries, posts = copied.posts, state_keys = copied.state_keys, "Copied the original's collaboration into the fork");
         }

@@ -10,12 +10,13 @@
 
 use std::collections::{BTreeMap, HashSet};
 
-use flotilla_bus::Bus;
 use flotilla_bus::wire;
+use flotilla_bus::{Bus, StoredMessage};
 use flotilla_model::RunId;
 use flotilla_model::ids::TaskId;
+use flotilla_model::mailbox::MailboxPost;
 use flotilla_model::subjects::{Bucket, StreamKind};
-use flotilla_model::workspace::{PRODUCED_BY_HEADER, WorkspaceWrite};
+use flotilla_model::workspace::{PRODUCED_BY_HEADER, WorkspaceWrite, Writer};
 
 /// Header on a copied workspace entry or mailbox post: the run it was copied from.
 pub(super) const COPIED_FROM_HEADER: &str = "Flotilla-Copied-From";
@@ -38,19 +39,69 @@ pub(super) struct Source<'a> {
     pub(super) session: String,
     /// The tasks the fork keeps.
     pub(super) kept: &'a HashSet<TaskId>,
-    /// When the fork point's last attempt was dispatched (coordinator clock, Unix ms): state
-    /// written later is not copied.
+    /// When the fork point's last attempt was dispatched, or for a fork at a step when its
+    /// first new step was stored (Unix ms): state written later is not copied.
     pub(super) cutoff_ms: i64,
+    /// A fork at a step: the fork point and its attempt — what its kept steps wrote (before
+    /// the cutoff) is copied as a kept task's is.
+    pub(super) fork_point: Option<(&'a TaskId, u32)>,
 }
 
-/// Copies into `fork` (its own root and session) what `from`'s kept tasks left.
-pub(super) async fn copy_into(bus: &Bus, from: &Source<'_>, fork: RunId) -> Result<Copied, String> {
-    let names = bus.names();
-    let mut copied = Copied::default();
-    let failed =
-        |what: &str, e: &dyn std::fmt::Display| format!("copying {what} into the fork: {e}");
+impl Source<'_> {
+    /// Whether `writer` is one whose writes the fork keeps: a kept task of the run forked (or
+    /// of a copy it got as a fork itself), or the fork point's kept steps before `ts_ms`.
+    fn keeps(&self, writer: &Writer, copied_in: bool, ts_ms: i64) -> bool {
+        if writer.run_id != self.run && !copied_in {
+            return false;
+        }
+        if writer.by.as_deref() == Some("coordinator") {
+            return false;
+        }
+        let Some(task) = writer.task_id.as_ref() else {
+            return false;
+        };
+        self.kept.contains(task)
+            || self.fork_point.is_some_and(|(at, attempt)| {
+                at == task && writer.attempt == Some(attempt) && ts_ms < self.cutoff_ms
+            })
+    }
+}
 
-    // Workspace entries an agent of a kept task wrote (not the automatic produce).
+/// What a fork will be given, read from its original: `(subject under the fork's root,
+/// message)` per entry and post, and the state values by key.
+#[derive(Default)]
+pub(super) struct Gathered {
+    entries: Vec<(String, StoredMessage)>,
+    posts: Vec<(String, StoredMessage)>,
+    state: BTreeMap<String, bytes::Bytes>,
+}
+
+fn failed(what: &str, e: &dyn std::fmt::Display) -> String {
+    format!("copying {what} into the fork: {e}")
+}
+
+/// Reads what `from`'s kept tasks left, for `fork`: the workspace, the mailboxes and the
+/// session state, the three at once.
+pub(super) async fn gather(bus: &Bus, from: &Source<'_>, fork: RunId) -> Result<Gathered, String> {
+    let (entries, posts, state) = tokio::try_join!(
+        workspace_entries(bus, from, fork),
+        mailbox_posts(bus, from, fork),
+        session_state(bus, from)
+    )?;
+    Ok(Gathered {
+        entries,
+        posts,
+        state,
+    })
+}
+
+/// Workspace entries an agent of a kept task wrote (not the automatic produce).
+async fn workspace_entries(
+    bus: &Bus,
+    from: &Source<'_>,
+    fork: RunId,
+) -> Result<Vec<(String, StoredMessage)>, String> {
+    let names = bus.names();
     let prefix = format!("{}.ws.{}.", names.prefix(), from.root);
     let mut pages = bus.pages(StreamKind::Workspace, &names.workspace_all(from.root), 0);
     let mut out = Vec::new();
@@ -70,26 +121,27 @@ pub(super) async fn copy_into(bus: &Bus, from: &Source<'_>, fork: RunId) -> Resu
             else {
                 continue;
             };
-            // The original's own tasks' entries, and the copies it got as a fork itself.
             let copied_in = m.headers.get(COPIED_FROM_HEADER).is_some();
-            let kept = write.writer.as_ref().is_some_and(|w| {
-                (w.run_id == from.run || copied_in)
-                    && w.by.as_deref() != Some("coordinator")
-                    && w.task_id.as_ref().is_some_and(|t| from.kept.contains(t))
-            });
-            if kept {
+            if write
+                .writer
+                .as_ref()
+                .is_some_and(|w| from.keeps(w, copied_in, m.ts_ms))
+            {
                 out.push((names.workspace(fork, topic), m));
             }
         }
     }
-    for (subject, m) in out {
-        publish_copy(bus, subject, &m, from.run, fork)
-            .await
-            .map_err(|e| failed("a workspace entry", &e))?;
-        copied.entries += 1;
-    }
+    Ok(out)
+}
 
-    // Mailbox posts a kept task sent (`mbox.<root>.<to>.<from>`).
+/// Mailbox posts a kept task sent (`mbox.<root>.<to>.<from>`), by their sender: the tree
+/// shares the root's mailboxes, and a child run's task may have the same id.
+async fn mailbox_posts(
+    bus: &Bus,
+    from: &Source<'_>,
+    fork: RunId,
+) -> Result<Vec<(String, StoredMessage)>, String> {
+    let names = bus.names();
     let prefix = format!("{}.mbox.{}.", names.prefix(), from.root);
     let mut pages = bus.pages(StreamKind::Mailbox, &format!("{prefix}*.*"), 0);
     let mut out = Vec::new();
@@ -106,19 +158,29 @@ pub(super) async fn copy_into(bus: &Bus, from: &Source<'_>, fork: RunId) -> Resu
             else {
                 continue;
             };
-            if from.kept.contains(&TaskId::new(sender)) {
+            let Ok(post) = wire::codec_of(Some(&m.headers)).decode::<MailboxPost>(&m.payload)
+            else {
+                continue;
+            };
+            let copied_in = m.headers.get(COPIED_FROM_HEADER).is_some();
+            if post
+                .sender
+                .as_ref()
+                .is_some_and(|w| from.keeps(w, copied_in, m.ts_ms))
+            {
                 out.push((names.mailbox(fork, to, sender), m));
             }
         }
     }
-    for (subject, m) in out {
-        publish_copy(bus, subject, &m, from.run, fork)
-            .await
-            .map_err(|e| failed("a mailbox post", &e))?;
-        copied.posts += 1;
-    }
+    Ok(out)
+}
 
-    // Session state as it stood at the cutoff: per key, its last value written before then.
+/// The session state as it stood at the cutoff: per key, its last value written before then.
+async fn session_state(
+    bus: &Bus,
+    from: &Source<'_>,
+) -> Result<BTreeMap<String, bytes::Bytes>, String> {
+    let names = bus.names();
     let bucket = names.bucket(Bucket::State);
     let key_prefix = format!("$KV.{bucket}.{}.", from.session);
     let mut latest: BTreeMap<String, Option<bytes::Bytes>> = BTreeMap::new();
@@ -142,12 +204,41 @@ pub(super) async fn copy_into(bus: &Bus, from: &Source<'_>, fork: RunId) -> Resu
             latest.insert(key.to_owned(), (!deleted).then(|| m.payload.clone()));
         }
     }
+    Ok(latest
+        .into_iter()
+        .filter_map(|(k, v)| v.map(|v| (k, v)))
+        .collect())
+}
+
+/// Writes what was gathered into `fork`'s workspace, mailboxes and session.
+pub(super) async fn publish(
+    bus: &Bus,
+    gathered: Gathered,
+    from: RunId,
+    fork: RunId,
+) -> Result<Copied, String> {
+    let mut copied = Copied::default();
+    for (subject, m) in gathered.entries {
+        publish_copy(bus, subject, &m, from, fork)
+            .await
+            .map_err(|e| failed("a workspace entry", &e))?;
+        copied.entries += 1;
+    }
+    for (subject, m) in gathered.posts {
+        publish_copy(bus, subject, &m, from, fork)
+            .await
+            .map_err(|e| failed("a mailbox post", &e))?;
+        copied.posts += 1;
+    }
+    if gathered.state.is_empty() {
+        return Ok(copied);
+    }
+    let names = bus.names();
     let state = bus
         .kv(Bucket::State)
         .await
         .map_err(|e| failed("session state", &e))?;
-    for (key, value) in latest {
-        let Some(value) = value else { continue };
+    for (key, value) in gathered.state {
         // Only where the fork has no value yet: a repeated fork does not write twice.
         let target = names.state_key(&fork.to_string(), &key);
         match state.create(&target, value).await {
@@ -164,7 +255,7 @@ pub(super) async fn copy_into(bus: &Bus, from: &Source<'_>, fork: RunId) -> Resu
 async fn publish_copy(
     bus: &Bus,
     subject: String,
-    m: &flotilla_bus::StoredMessage,
+    m: &StoredMessage,
     from: RunId,
     fork: RunId,
 ) -> Result<(), String> {
