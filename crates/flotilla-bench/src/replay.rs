@@ -15,7 +15,12 @@
 //! * the chain forked at its last task: attempts dispatched (target 1) and model requests
 //!   (target 2: the fork point's conversation; 0 for the 9 kept tasks and their child runs);
 //! * forked at step 2 of its last task's conversation: model requests (target 1: only the
-//!   step after the kept ones).
+//!   step after the kept ones);
+//! * `flotilla eval` (the services' binary, as a person runs it) over 100 past one-task runs
+//!   of a scripted agent with a variant naming another scripted agent: its time and whether
+//!   its table is right (100 rows compared, 100 forks succeeded, 100 changed); then a second
+//!   eval of another variant killed part-way and run again — the forks the first attempt
+//!   finished are found, not run again (attempts over the 100 forks: exactly 100).
 
 use std::time::{Duration, Instant};
 
@@ -40,6 +45,9 @@ pub(crate) struct ReplayArgs {
     /// Replay: samples (an LLM tree run, replayed, and forked twice each).
     #[arg(long, default_value_t = 5)]
     replay_samples: usize,
+    /// Replay: past runs an eval forks.
+    #[arg(long, default_value_t = 100)]
+    replay_eval_runs: usize,
 }
 
 const PREFIX: &str = "flreplay";
@@ -85,6 +93,19 @@ prefix = "{PREFIX}"
 [agents.pair]
 kind = "sequential"
 sub-agents = ["step_a", "step_b"]
+
+# The eval's runs and its variants: scripted (no model).
+[agents.noop]
+kind = "scripted"
+reply = "ok"
+
+[agents.other]
+kind = "scripted"
+reply = "another answer"
+
+[agents.third]
+kind = "scripted"
+reply = "a third answer"
 
 [worker]
 concurrency = {}
@@ -242,8 +263,121 @@ pub(crate) async fn run(args: &ReplayArgs, services: &Services, url: &str) -> an
         "   fork at step 2 of the last task's conversation: {:.2} model requests per fork (target 1: only the step after the kept ones)",
         step_calls as f64 / n
     );
+    eval_figures(args, services, &bus, &client, &config, dir.path()).await?;
     drop(procs);
     Ok(())
+}
+
+/// `flotilla eval` over past runs, then an interrupted eval resumed.
+async fn eval_figures(
+    args: &ReplayArgs,
+    services: &Services,
+    bus: &flotilla_bus::Bus,
+    client: &Client,
+    config: &std::path::Path,
+    dir: &std::path::Path,
+) -> anyhow::Result<()> {
+    let n = args.replay_eval_runs.max(1);
+    let mut one = Plan {
+        fork: None,
+        name: Some("bench-eval".into()),
+        query: None,
+        subtasks: vec![Subtask::new("answer", "Answer.").with_agent("noop")],
+        config: PlanConfig::default(),
+    };
+    one.config.max_retries = 0;
+    for _ in 0..n {
+        let run = submit_via(bus, SubmitRequest::new(one.clone()), services.via).await?;
+        client.wait(run, WAIT).await?;
+    }
+    let eval = |variant: &str| -> anyhow::Result<std::process::Command> {
+        let path = dir.join(format!("{variant}.json"));
+        std::fs::write(
+            &path,
+            format!(r#"{{"at": "answer", "agent": "{variant}"}}"#),
+        )?;
+        let mut c = std::process::Command::new(&services.exe);
+        c.arg("--config")
+            .arg(config)
+            .args(["eval", "--plan", "bench-eval", "--json", "--limit"])
+            .arg(n.to_string())
+            .arg("--variant")
+            .arg(&path)
+            .stdin(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        Ok(c)
+    };
+    let sent = Instant::now();
+    let out = eval("other")?.output()?;
+    let took = sent.elapsed().as_secs_f64();
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .with_context(|| format!("the eval's report (exit {:?})", out.status.code()))?;
+    let compared = report["rows"].as_array().map_or(0, |r| {
+        r.iter().filter(|r| r["status"] == "compared").count()
+    });
+    let right = compared == n
+        && report["fork_succeeded"] == n
+        && report["changed_runs"] == n
+        && report["errors"] == 0;
+    outln!(
+        "   eval over {n} past runs (scripted variant, `flotilla eval --json`): {took:.2} s, {:.1} ms per run; the table {} ({compared} rows compared, {} forks succeeded, {} changed)",
+        took * 1e3 / n as f64,
+        if right { "is right" } else { "is WRONG" },
+        report["fork_succeeded"],
+        report["changed_runs"]
+    );
+    // Interrupted part-way, then run again: what the first attempt forked is found.
+    // Two forks at a time, killed once a third of them exist.
+    let mut child = eval("third")?
+        .args(["--concurrency", "2"])
+        .stdout(std::process::Stdio::null())
+        .spawn()?;
+    let deadline = Instant::now() + WAIT;
+    while forks_of(client, "third").await?.len() < n / 3 && Instant::now() < deadline {
+        if child.try_wait()?.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let forked_before = forks_of(client, "third").await?.len();
+    let sent = Instant::now();
+    let out = eval("third")?.output()?;
+    let resumed = sent.elapsed().as_secs_f64();
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let forks = forks_of(client, "third").await?;
+    let mut attempts_total = 0;
+    for fork in &forks {
+        attempts_total += attempts(client, *fork).await?;
+    }
+    outln!(
+        "   an eval killed after {forked_before} of {n} forks and run again: {resumed:.2} s; {} rows compared; attempts over the {} forks: {attempts_total} (target {n}: none ran twice)",
+        report["rows"].as_array().map_or(0, |r| r
+            .iter()
+            .filter(|r| r["status"] == "compared")
+            .count()),
+        forks.len()
+    );
+    Ok(())
+}
+
+/// The forks whose fork point runs agent `agent` (the eval's variant), from the runs listed.
+async fn forks_of(client: &Client, agent: &str) -> anyhow::Result<Vec<RunId>> {
+    let store = flotilla_client::open_store(client.bus()).await?;
+    let mut out = Vec::new();
+    for record in store.recent(10_000).await? {
+        if record.fork_of.is_none() {
+            continue;
+        }
+        let run = record.handle.run_id;
+        if let Some(plan) = store.plan(run).await?
+            && plan.subtasks.first().and_then(|s| s.agent.as_deref()) == Some(agent)
+        {
+            out.push(run);
+        }
+    }
+    Ok(out)
 }
 
 /// How many attempts the run dispatched, from its record (every task's attempts).

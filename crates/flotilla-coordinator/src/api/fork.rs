@@ -118,15 +118,44 @@ impl Api {
                 .zip(&keep)
                 .filter_map(|(sub, seq)| seq.map(|seq| (sub.id.clone(), seq)))
                 .collect();
+            // A fork at a step: the kept steps, and when the first new one was stored.
+            let (conversation, resumed_ms) = match r.step {
+                None => (None, None),
+                Some(step) => {
+                    let (kept, at_ms) = self.kept_steps(&state, &plan, &r.at, step).await?;
+                    (Some(kept), Some(at_ms))
+                }
+            };
+            // The fork's id is fixed here: its workspace, mailboxes and session are filled
+            // before it is submitted.
+            let fork_id = r.fork_run_id.unwrap_or_else(flotilla_model::RunId::new);
+            let fork_point = plan_index(&plan, &r.at).and_then(|i| state.tasks.get(i));
+            let copy = CopyPlan {
+                root: crate::lineage::root_of(&state),
+                session: crate::lineage::session_of(&state),
+                kept: kept.iter().map(|(t, _)| t.clone()).collect(),
+                // At a step, what the fork point's kept steps did is the fork's too: its writes
+                // and the state up to its first new step.
+                cutoff_ms: resumed_ms.unwrap_or_else(|| {
+                    fork_point
+                        .map(|t| t.dispatched_ms)
+                        .filter(|ms| *ms > 0)
+                        .unwrap_or(i64::MAX)
+                }),
+                fork_point: resumed_ms
+                    .and(fork_point)
+                    .map(|t| (r.at.clone(), t.attempt)),
+            };
             let store = &self.store;
-            let read: Vec<_> =
-                futures::stream::iter(kept.into_iter().map(|(task, seq)| async move {
-                    let result = store.result_at(seq).await.map(|_| ());
-                    (task, seq, result)
-                }))
-                .buffered(16)
-                .collect()
-                .await;
+            let results = futures::stream::iter(kept.into_iter().map(|(task, seq)| async move {
+                let result = store.result_at(seq).await.map(|_| ());
+                (task, seq, result)
+            }))
+            .buffered(16)
+            .collect::<Vec<_>>();
+            // What the fork is given of the original's collaboration is read meanwhile.
+            let (read, gathered) = tokio::join!(results, self.gather_copy(run, fork_id, &copy));
+            let gathered = gathered.map_err(unavailable)?;
             let mut reused = Vec::with_capacity(read.len());
             for (task, seq, result) in read {
                 if let Err(e) = result {
@@ -140,14 +169,6 @@ impl Api {
                 }
                 reused.push(ReusedResult { task_id: task, seq });
             }
-            // A fork at a step: the kept steps, and when the first new one was stored.
-            let (conversation, resumed_ms) = match r.step {
-                None => (None, None),
-                Some(step) => {
-                    let (kept, at_ms) = self.kept_steps(&state, &plan, &r.at, step).await?;
-                    (Some(kept), Some(at_ms))
-                }
-            };
             let mut plan = plan;
             if let Some(sub) = plan.subtasks.iter().find(|s| s.id == r.at) {
                 self.check_workers(&r, &sub.pool)?;
@@ -185,31 +206,8 @@ impl Api {
                 reused,
                 conversation,
             });
-            // The fork's id is fixed here: its workspace, mailboxes and session are filled
-            // before it is submitted.
             let mut submit = SubmitRequest::new(plan);
-            submit.run_id = Some(r.fork_run_id.unwrap_or_else(flotilla_model::RunId::new));
-            let fork_point = submit
-                .plan
-                .as_ref()
-                .and_then(|p| plan_index(p, &r.at))
-                .and_then(|i| state.tasks.get(i));
-            let copy = CopyPlan {
-                root: crate::lineage::root_of(&state),
-                session: crate::lineage::session_of(&state),
-                kept: kept.iter().cloned().collect(),
-                // At a step, what the fork point's kept steps did is the fork's too: its writes
-                // and the state up to its first new step.
-                cutoff_ms: resumed_ms.unwrap_or_else(|| {
-                    fork_point
-                        .map(|t| t.dispatched_ms)
-                        .filter(|ms| *ms > 0)
-                        .unwrap_or(i64::MAX)
-                }),
-                fork_point: resumed_ms
-                    .and(fork_point)
-                    .map(|t| (r.at.clone(), t.attempt)),
-            };
+            submit.run_id = Some(fork_id);
             // The original's labels (not a rollback's mark: a fork is no rollback), and a
             // session of its own: its tasks' state writes must not reach the original's
             // session, nor another fork's.
@@ -217,9 +215,9 @@ impl Api {
             submit
                 .labels
                 .remove(flotilla_model::rollback::ROLLBACK_OF_LABEL);
-            Ok((submit, kept, rerun, copy))
+            Ok((submit, kept, rerun, gathered))
         };
-        let (submit, kept, rerun, copy) = match built.await {
+        let (submit, kept, rerun, gathered) = match built.await {
             Ok(b) => b,
             Err(Refused::Error(status, code, message)) => {
                 return respond_error(&req, status, code, message).await;
@@ -228,8 +226,8 @@ impl Api {
                 return super::respond_problems(&req, ErrorCode::InvalidPlan, problems).await;
             }
         };
-        if let Some(fork) = submit.run_id
-            && let Err(e) = self.copy_collaboration(run, fork, &copy).await
+        if let (Some(fork), Some(gathered)) = (submit.run_id, gathered)
+            && let Err(e) = self.copy_collaboration(run, fork, gathered).await
         {
             warn!(%run, %fork, error = %e, "A fork's copy of its original's collaboration failed");
             return respond_error(&req, 503, ErrorCode::Unavailable, e).await;
@@ -441,14 +439,15 @@ fn plan_index(plan: &flotilla_model::plan::Plan, task: &TaskId) -> Option<usize>
 }
 
 impl Api {
-    /// Fills a new fork's workspace, mailboxes and session from its original; nothing when
-    /// the fork exists already (a repeated request: the submission answers `duplicate`).
-    async fn copy_collaboration(
+    /// Reads what a new fork is given of its original's collaboration
+    /// ([`super::fork_copy`]); `None` when the fork exists already (a repeated request: the
+    /// submission answers `duplicate`, and nothing is copied again).
+    async fn gather_copy(
         &self,
         run: flotilla_model::RunId,
         fork: flotilla_model::RunId,
         copy: &CopyPlan,
-    ) -> Result<(), String> {
+    ) -> Result<Option<super::fork_copy::Gathered>, String> {
         let source = super::fork_copy::Source {
             run,
             root: copy.root,
@@ -457,16 +456,25 @@ impl Api {
             cutoff_ms: copy.cutoff_ms,
             fork_point: copy.fork_point.as_ref().map(|(t, a)| (t, *a)),
         };
-        // Read at once: whether the fork exists already, and what it would be given.
-        let bus = self.store.bus();
+        // Whether the fork exists, and what it would be given, at once.
         let (exists, gathered) = tokio::join!(
             self.store.state(fork),
-            super::fork_copy::gather(bus, &source, fork)
+            super::fork_copy::gather(self.store.bus(), &source, fork)
         );
         if exists.map_err(|e| e.to_string())?.is_some() {
-            return Ok(());
+            return Ok(None);
         }
-        let copied = super::fork_copy::publish(bus, gathered?, run, fork).await?;
+        gathered.map(Some)
+    }
+
+    /// Writes what was gathered into the fork, before it is submitted.
+    async fn copy_collaboration(
+        &self,
+        run: flotilla_model::RunId,
+        fork: flotilla_model::RunId,
+        gathered: super::fork_copy::Gathered,
+    ) -> Result<(), String> {
+        let copied = super::fork_copy::publish(self.store.bus(), gathered, run, fork).await?;
         if copied != super::fork_copy::Copied::default() {
             info!(%run, %fork, entries = copied.entries, posts = copied.posts, state_keys = copied.state_keys, "Copied the original's collaboration into the fork");
         }
