@@ -316,6 +316,71 @@ async fn a_fork_reruns_only_its_fork_point_and_downstream_and_keeps_the_rest() -
     Ok(())
 }
 
+/// A fork with a plan edit (`--edit FILE`): the edited task runs afresh with what follows
+/// it, next to the fork point; an edit of a task the plan does not have is refused.
+#[tokio::test]
+async fn a_fork_with_a_plan_edit_reruns_the_edited_task_and_what_follows() -> anyhow::Result<()> {
+    let mut p = Processes::start(AGENTS).await?;
+    p.coordinator().await?;
+    p.worker(&["--concurrency", "2"]).await?;
+    std::fs::write(p.dir().join("answer.py"), ANSWER_PY)?;
+    let original = p
+        .client
+        .submit(SubmitRequest::new(plan(vec![
+            task("a", &[]),
+            task("b", &["a"]),
+            task("c", &["b"]),
+            task("d", &["c"]),
+        ])))
+        .await?;
+    let o = p.client.wait(original, WAIT).await?;
+    assert_eq!(o.status, RunStatus::Succeeded, "{o:?}");
+    // The fork point is d; the edit gives b another agent: b, c and d run, a is kept.
+    let edit = serde_json::to_string(&task("b", &["a"]).with_agent("careful"))?;
+    std::fs::write(p.dir().join("edit.json"), edit)?;
+    let run = original.to_string();
+    let out = p.cli(&[
+        "runs",
+        "fork",
+        &run,
+        "--at",
+        "d",
+        "--edit",
+        "edit.json",
+        "--wait",
+        "--json",
+    ])?;
+    let reply: Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(out.status.code(), Some(0), "{reply}");
+    assert_eq!(
+        (&reply["reused"], &reply["rerun"]),
+        (&json!(["a"]), &json!(["b", "c", "d"])),
+        "{reply}"
+    );
+    assert_eq!(calls(&p)[4..], ["careful:b", "plain:c", "plain:d"]);
+    assert_eq!(
+        reply["outcome"]["final_result"]["response"],
+        "plain:d <- [plain:c <- [careful:b <- [plain:a]]]"
+    );
+    // An edit of a task the plan does not have: refused, naming it, and nothing runs.
+    std::fs::write(
+        p.dir().join("ghost.json"),
+        serde_json::to_string(&[task("ghost", &[])])?,
+    )?;
+    let out = p.cli(&["runs", "fork", &run, "--at", "d", "--edit", "ghost.json"])?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("unknown_task") && err.contains("\"ghost\"") && err.contains("an edit"),
+        "{err}"
+    );
+    std::fs::write(p.dir().join("bad.json"), r#"{"id": "b", "colour": 1}"#)?;
+    let out = p.cli(&["runs", "fork", &run, "--at", "d", "--edit", "bad.json"])?;
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown field `colour`"));
+    assert_eq!(calls(&p).len(), 7, "no refused fork ran anything");
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_fork_point_that_is_a_sensitive_action_asks_again_and_a_running_run_is_not_forked()
 -> anyhow::Result<()> {

@@ -353,6 +353,10 @@ enum RunsCommand {
         /// Run the fork point with this model instead of its agent's (an LLM agent).
         #[arg(long)]
         model: Option<String>,
+        /// Edit the plan: a JSON file holding a subtask, or a list of them, each replacing the
+        /// task of its id; an edited task runs afresh with what follows it.
+        #[arg(long = "edit", value_name = "FILE")]
+        edit: Option<std::path::PathBuf>,
         /// Run the fork point with the instructions in this file (its description).
         #[arg(long, value_name = "FILE", conflicts_with = "description")]
         instructions: Option<std::path::PathBuf>,
@@ -759,6 +763,7 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
             at,
             agent,
             model,
+            edit,
             instructions,
             description,
             input,
@@ -769,6 +774,7 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
             let changes = commands::fork::Changes {
                 agent,
                 model,
+                edit,
                 instructions,
                 description,
                 input,

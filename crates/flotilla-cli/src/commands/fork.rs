@@ -30,6 +30,7 @@ const RUN_WAIT: Duration = Duration::from_secs(24 * 3600);
 pub(crate) struct Changes {
     pub(crate) agent: Option<String>,
     pub(crate) model: Option<String>,
+    pub(crate) edit: Option<PathBuf>,
     pub(crate) instructions: Option<PathBuf>,
     pub(crate) description: Option<String>,
     pub(crate) input: Option<String>,
@@ -50,6 +51,21 @@ pub(crate) async fn fork(
     request.step = step;
     request.agent = changes.agent;
     request.model = changes.model;
+    if let Some(path) = changes.edit {
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| anyhow::anyhow!("cannot read the edit file {}: {e}", path.display()))?;
+        // One subtask, or a list of them.
+        request.edits = match serde_json::from_str::<serde_json::Value>(&text) {
+            Ok(serde_json::Value::Array(_)) => serde_json::from_str(&text),
+            _ => serde_json::from_str(&text).map(|s| vec![s]),
+        }
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "--edit {}: not a subtask or a list of subtasks: {e}",
+                path.display()
+            )
+        })?;
+    }
     request.description = match (changes.instructions, changes.description) {
         (Some(path), _) => Some(std::fs::read_to_string(&path).map_err(|e| {
             anyhow::anyhow!("cannot read the instructions file {}: {e}", path.display())

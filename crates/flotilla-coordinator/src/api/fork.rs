@@ -13,7 +13,7 @@ use flotilla_model::ErrorCode;
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::fork::{
     ForkOrigin, KeptSteps, MAX_FORK_DESCRIPTION, ReusedResult, RunForkReply, RunForkRequest,
-    downstream,
+    apply_edits,
 };
 use flotilla_model::ids::TaskId;
 use flotilla_model::run::TaskStatus;
@@ -42,6 +42,17 @@ impl Api {
         let unavailable = |e: String| Refused::Error(503, ErrorCode::Unavailable, e);
         let built = async {
             // The request's own bounds first: a bad request reads nothing.
+            if r.edits.len() > self.ctx.limits.max_subtasks {
+                return Err(Refused::Error(
+                    400,
+                    ErrorCode::InvalidRequest,
+                    format!(
+                        "{} edits; a plan has at most {} tasks",
+                        r.edits.len(),
+                        self.ctx.limits.max_subtasks
+                    ),
+                ));
+            }
             if r.description
                 .as_ref()
                 .is_some_and(|d| d.len() > MAX_FORK_DESCRIPTION)
@@ -86,18 +97,30 @@ impl Api {
                         format!("the plan of run {run} can no longer be read from its log"),
                     )
                 })?;
-            let Some(mask) = downstream(&plan, &r.at) else {
-                let ids: Vec<&str> = plan.subtasks.iter().map(|s| s.id.as_str()).collect();
-                return Err(Refused::Error(
-                    404,
-                    ErrorCode::UnknownTask,
-                    format!(
-                        "run {run} has no task {:?} (its tasks: {})",
-                        r.at.as_str(),
-                        ids.join(", ")
-                    ),
-                ));
+            // The plan with its edits; what runs afresh: downstream of the fork point and of
+            // every edited task, in the edited plan.
+            let mut plan = plan;
+            let ids: Vec<String> = plan.subtasks.iter().map(|s| s.id.to_string()).collect();
+            let mask = match apply_edits(&mut plan, &r.at, &r.edits) {
+                Ok(mask) => mask,
+                Err(missing) => {
+                    return Err(Refused::Error(
+                        404,
+                        ErrorCode::UnknownTask,
+                        format!(
+                            "run {run} has no task {:?} (its tasks: {}){}",
+                            missing.as_str(),
+                            ids.join(", "),
+                            if missing == r.at {
+                                ""
+                            } else {
+                                "; an edit replaces a task of the plan"
+                            }
+                        ),
+                    ));
+                }
             };
+            let plan = plan;
             // A kept result must still be readable: the fork's tasks read it where the
             // original stored it. Read several at a time.
             // Per task of the plan: the run-log sequence of the result it keeps, if it does.

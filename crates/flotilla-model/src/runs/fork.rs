@@ -54,6 +54,11 @@ pub struct RunForkRequest {
     /// Run the fork point with this model instead of its agent's (an LLM agent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
+    /// Edits of the plan: each replaces the subtask of the same id (a whole subtask, as a
+    /// plan writes it). An edited task runs afresh with what is downstream of it, as the fork
+    /// point does.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub edits: Vec<crate::plan::Subtask>,
     /// Fork inside the fork point's conversation: its last attempt's steps before `step`
     /// (model replies and tool rounds, numbered from 0, as `agent_step` events number them)
     /// are kept, and the fork point goes on from step `step`, which must be a model call.
@@ -79,6 +84,7 @@ impl RunForkRequest {
             description: None,
             input: None,
             model: None,
+            edits: Vec::new(),
             step: None,
             fork_run_id: None,
             wait: false,
@@ -158,6 +164,29 @@ pub fn parse_fork_point(text: &str) -> Result<(TaskId, Option<u32>), String> {
     Ok((TaskId::new(task), step))
 }
 
+/// Replaces the subtasks of `plan` that `edits` name (by id) and answers the mask of what
+/// runs afresh: downstream of `at` and of every edited task, in the edited plan. `Err` names
+/// an edit or fork point that is no task of the plan.
+pub fn apply_edits(
+    plan: &mut crate::plan::Plan,
+    at: &TaskId,
+    edits: &[crate::plan::Subtask],
+) -> Result<Vec<bool>, TaskId> {
+    for edit in edits {
+        let Some(sub) = plan.subtasks.iter_mut().find(|s| s.id == edit.id) else {
+            return Err(edit.id.clone());
+        };
+        *sub = edit.clone();
+    }
+    let mut mask = downstream(plan, at).ok_or_else(|| at.clone())?;
+    for edit in edits {
+        if let Some(more) = downstream(plan, &edit.id) {
+            mask.iter_mut().zip(more).for_each(|(m, d)| *m |= d);
+        }
+    }
+    Ok(mask)
+}
+
 /// The tasks downstream of `at` in `plan`, `at` included, as a mask over `plan.subtasks`:
 /// its dependents and the consumers of topics they produce, transitively. `None` when the
 /// plan has no task `at`.
@@ -215,6 +244,26 @@ mod tests {
             Some(5)
         );
         assert!(downstream(&plan, &at("zz")).is_none());
+    }
+
+    #[test]
+    fn an_edited_task_runs_afresh_with_what_follows_it() {
+        let mut plan = Plan::empty();
+        plan.subtasks = vec![
+            Subtask::new("a", "root"),
+            Subtask::new("b", "left").after(&["a"]),
+            Subtask::new("c", "right").after(&["a"]),
+            Subtask::new("d", "join").after(&["b", "c"]),
+        ];
+        let edit = Subtask::new("b", "left, done better").after(&["a"]);
+        let mask = apply_edits(&mut plan, &TaskId::new("d"), &[edit]).expect("edits apply");
+        assert_eq!(mask, [false, true, false, true]);
+        assert_eq!(plan.subtasks[1].description, "left, done better");
+        let ghost = Subtask::new("zz", "nothing");
+        assert_eq!(
+            apply_edits(&mut plan, &TaskId::new("d"), &[ghost]),
+            Err(TaskId::new("zz"))
+        );
     }
 
     #[test]
