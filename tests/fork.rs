@@ -72,13 +72,8 @@ async fn fork(p: &Processes, r: &RunForkRequest) -> anyhow::Result<RunForkReply>
     Ok(p.client.request(r, WAIT).await?)
 }
 
-fn ids(v: &[TaskId]) -> Vec<&str> {
-    v.iter().map(TaskId::as_str).collect()
-}
-
-#[tokio::test]
-async fn a_fork_reruns_only_its_fork_point_and_downstream_and_keeps_the_rest() -> anyhow::Result<()>
-{
+/// A coordinator and a worker process, and the chain a → b → c → d run to its end.
+async fn chain_of_four() -> anyhow::Result<(Processes, RunId)> {
     let mut p = Processes::start(AGENTS).await?;
     p.coordinator().await?;
     p.worker(&["--concurrency", "2"]).await?;
@@ -94,6 +89,17 @@ async fn a_fork_reruns_only_its_fork_point_and_downstream_and_keeps_the_rest() -
         .await?;
     let o = p.client.wait(original, WAIT).await?;
     assert_eq!(o.status, RunStatus::Succeeded, "{o:?}");
+    Ok((p, original))
+}
+
+fn ids(v: &[TaskId]) -> Vec<&str> {
+    v.iter().map(TaskId::as_str).collect()
+}
+
+#[tokio::test]
+async fn a_fork_reruns_only_its_fork_point_and_downstream_and_keeps_the_rest() -> anyhow::Result<()>
+{
+    let (p, original) = chain_of_four().await?;
     assert_eq!(calls(&p), ["plain:a", "plain:b", "plain:c", "plain:d"]);
 
     // Fork at the last task with another agent, over the wire: one task runs, with the
@@ -320,21 +326,7 @@ async fn a_fork_reruns_only_its_fork_point_and_downstream_and_keeps_the_rest() -
 /// it, next to the fork point; an edit of a task the plan does not have is refused.
 #[tokio::test]
 async fn a_fork_with_a_plan_edit_reruns_the_edited_task_and_what_follows() -> anyhow::Result<()> {
-    let mut p = Processes::start(AGENTS).await?;
-    p.coordinator().await?;
-    p.worker(&["--concurrency", "2"]).await?;
-    std::fs::write(p.dir().join("answer.py"), ANSWER_PY)?;
-    let original = p
-        .client
-        .submit(SubmitRequest::new(plan(vec![
-            task("a", &[]),
-            task("b", &["a"]),
-            task("c", &["b"]),
-            task("d", &["c"]),
-        ])))
-        .await?;
-    let o = p.client.wait(original, WAIT).await?;
-    assert_eq!(o.status, RunStatus::Succeeded, "{o:?}");
+    let (p, original) = chain_of_four().await?;
     // The fork point is d; the edit gives b another agent: b, c and d run, a is kept.
     let edit = serde_json::to_string(&task("b", &["a"]).with_agent("careful"))?;
     std::fs::write(p.dir().join("edit.json"), edit)?;

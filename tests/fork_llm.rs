@@ -300,30 +300,21 @@ async fn a_fork_at_a_step_is_refused_naming_what_is_wrong_and_changes_nothing() 
                 .ok_or_else(|| anyhow::anyhow!("a bad fork was accepted"))
         }
     };
-    // A round of tool results is no place to go on from.
-    let e = refused("research", 1, None).await?;
-    assert_eq!(
-        (e.status, e.code.as_str()),
-        (400, ErrorCode::InvalidRequest.as_str()),
-        "{e:?}"
-    );
-    assert!(e.message.contains("round of tool results"), "{}", e.message);
-    // A step the conversation never had.
-    let e = refused("research", 7, None).await?;
-    assert_eq!(
-        (e.status, e.code.as_str()),
-        (400, ErrorCode::InvalidRequest.as_str()),
-        "{e:?}"
-    );
-    assert!(e.message.contains("steps 0..=2"), "{}", e.message);
-    // A task that has no conversation (an exec agent journals none).
-    let e = refused("plain", 0, None).await?;
-    assert_eq!(
-        (e.status, e.code.as_str()),
-        (400, ErrorCode::InvalidRequest.as_str()),
-        "{e:?}"
-    );
-    assert!(e.message.contains("only LLM agents"), "{}", e.message);
+    // A round of tool results is no place to go on from; a step the conversation never had;
+    // a task that has no conversation (an exec agent journals none).
+    for (task, step, says) in [
+        ("research", 1, "round of tool results"),
+        ("research", 7, "steps 0..=2"),
+        ("plain", 0, "only LLM agents"),
+    ] {
+        let e = refused(task, step, None).await?;
+        assert_eq!(
+            (e.status, e.code.as_str()),
+            (400, ErrorCode::InvalidRequest.as_str()),
+            "{e:?}"
+        );
+        assert!(e.message.contains(says), "{}", e.message);
+    }
     // A model that is no model name.
     let mut r = RunForkRequest::new(original, TaskId::new("research"));
     r.model = Some("two words".into());

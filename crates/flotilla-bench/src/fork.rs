@@ -22,8 +22,7 @@ use flotilla_model::run::RunStatus;
 use flotilla_model::submit::{SubmitRequest, SubmitStatus};
 
 use crate::harness::plans::chain_plan;
-use crate::harness::processes::Processes;
-use crate::harness::services::{Services, section_bus, section_config, spawn_service};
+use crate::harness::services::{Services, coordinator_and_worker, section_bus, section_config};
 use crate::harness::stats::p50_p99;
 use crate::harness::submit::submit_via;
 
@@ -43,13 +42,7 @@ pub(crate) async fn run(args: &ForkArgs, services: &Services, url: &str) -> anyh
     let (_dir, config) = section_config(services, url, PREFIX, "fork")?;
     let exe = &services.exe;
     let bus = section_bus(url, PREFIX).await?;
-    let procs = Processes(vec![
-        (
-            "coordinator".into(),
-            spawn_service(exe, &config, &["coordinator"])?,
-        ),
-        ("worker".into(), spawn_service(exe, &config, &["worker"])?),
-    ]);
+    let procs = coordinator_and_worker(exe, &config)?;
     let client = Client::new(bus.clone());
     let warm = submit_via(&bus, SubmitRequest::new(chain_plan(1)), services.via).await?;
     client.wait(warm, WAIT).await?;

@@ -32,10 +32,9 @@ use flotilla_model::plan::{Plan, PlanConfig, Subtask};
 use flotilla_model::run::RunStatus;
 use flotilla_model::submit::{SubmitRequest, SubmitStatus};
 
-use crate::harness::plans::chain_hops;
-use crate::harness::processes::Processes;
+use crate::harness::plans::{chain_hops, chain_of};
 use crate::harness::provider::Provider;
-use crate::harness::services::{Services, has_listener, section_bus, spawn_service};
+use crate::harness::services::{Services, coordinator_and_worker, has_listener, section_bus};
 use crate::harness::stats::p50_p99;
 use crate::harness::submit::submit_via;
 
@@ -122,25 +121,12 @@ concurrency = {}
 
 /// The 10-task chain: `pair` at even places, `stepper` at odd ones (the last is a stepper).
 fn tree_plan() -> Plan {
-    let subtasks = (0..CHAIN)
-        .map(|i| {
-            let agent = if i % 2 == 0 { "pair" } else { "stepper" };
-            let t = Subtask::new(&format!("s{i}"), "Look the figure up and report it.")
-                .with_agent(agent);
-            if i == 0 {
-                t
-            } else {
-                t.after(&[&format!("s{}", i - 1)])
-            }
-        })
-        .collect();
-    Plan {
-        fork: None,
-        name: Some("bench-llm-tree".into()),
-        query: None,
-        subtasks,
-        config: PlanConfig::default(),
-    }
+    chain_of(
+        CHAIN,
+        "bench-llm-tree",
+        "Look the figure up and report it.",
+        |i| Some(if i % 2 == 0 { "pair" } else { "stepper" }),
+    )
 }
 
 pub(crate) async fn run(args: &ReplayArgs, services: &Services, url: &str) -> anyhow::Result<()> {
@@ -151,13 +137,7 @@ pub(crate) async fn run(args: &ReplayArgs, services: &Services, url: &str) -> an
     let config = config(dir.path(), url, &provider.base_url(), services)?;
     let exe = &services.exe;
     let bus = section_bus(url, PREFIX).await?;
-    let procs = Processes(vec![
-        (
-            "coordinator".into(),
-            spawn_service(exe, &config, &["coordinator"])?,
-        ),
-        ("worker".into(), spawn_service(exe, &config, &["worker"])?),
-    ]);
+    let procs = coordinator_and_worker(exe, &config)?;
     let client = Client::new(bus.clone());
     let warm = submit_via(&bus, SubmitRequest::new(tree_plan()), services.via).await?;
     let o = client.wait(warm, WAIT).await?;

@@ -1139,13 +1139,7 @@ fn assistant(c: &Completion) -> ChatCompletionRequestMessage {
 /// The answer as JSON matching the schema, or what is wrong with it. A Markdown code fence
 /// around the JSON is tolerated.
 fn check_output(validator: &jsonschema::Validator, text: &str) -> Result<Value, String> {
-    let trimmed = text.trim();
-    let inner = trimmed
-        .strip_prefix("```json")
-        .or_else(|| trimmed.strip_prefix("```"))
-        .and_then(|t| t.strip_suffix("```"))
-        .unwrap_or(trimmed)
-        .trim();
+    let inner = flotilla_model::task::unfenced_json(text);
     let value: Value =
         serde_json::from_str(inner).map_err(|e| format!("the answer is not JSON ({e})"))?;
     let problems = crate::tools::schema_problems(validator, &value);

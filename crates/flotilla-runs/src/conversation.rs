@@ -187,14 +187,7 @@ fn finish(
 
 /// The JSON in an answer, a Markdown code fence around it tolerated (as the agent reads it).
 fn json_answer(text: &str) -> Option<Value> {
-    let trimmed = text.trim();
-    let inner = trimmed
-        .strip_prefix("```json")
-        .or_else(|| trimmed.strip_prefix("```"))
-        .and_then(|t| t.strip_suffix("```"))
-        .unwrap_or(trimmed)
-        .trim();
-    serde_json::from_str(inner).ok()
+    serde_json::from_str(flotilla_model::task::unfenced_json(text)).ok()
 }
 
 fn quote(text: &str) -> String {

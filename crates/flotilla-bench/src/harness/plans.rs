@@ -55,9 +55,21 @@ pub(crate) fn independent_plan(n: usize) -> Plan {
 
 /// The chain `s0 → s1 → … → s<n−1>` of no-op tasks.
 pub(crate) fn chain_plan(n: usize) -> Plan {
+    chain_of(n, "bench-chain", "no-op", |_| None)
+}
+
+/// The chain `s0 → s1 → … → s<n−1>` named `name`, each task described `description` and run
+/// by `agent(i)` (the default agent for `None`).
+pub(crate) fn chain_of(
+    n: usize,
+    name: &str,
+    description: &str,
+    agent: impl Fn(usize) -> Option<&'static str>,
+) -> Plan {
     let subtasks = (0..n)
         .map(|i| {
-            let t = Subtask::new(&format!("s{i}"), "no-op");
+            let mut t = Subtask::new(&format!("s{i}"), description);
+            t.agent = agent(i).map(str::to_owned);
             if i == 0 {
                 t
             } else {
@@ -67,7 +79,7 @@ pub(crate) fn chain_plan(n: usize) -> Plan {
         .collect();
     Plan {
         fork: None,
-        name: Some("bench-chain".into()),
+        name: Some(name.into()),
         query: None,
         subtasks,
         config: PlanConfig::default(),

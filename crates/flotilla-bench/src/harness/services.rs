@@ -101,6 +101,20 @@ concurrency = {concurrency}
     Ok(path)
 }
 
+/// A coordinator and one worker process with `config`: what a section of one of each runs.
+pub(crate) fn coordinator_and_worker(
+    exe: &Path,
+    config: &Path,
+) -> anyhow::Result<crate::harness::processes::Processes> {
+    Ok(crate::harness::processes::Processes(vec![
+        (
+            "coordinator".into(),
+            spawn_service(exe, config, &["coordinator"])?,
+        ),
+        ("worker".into(), spawn_service(exe, config, &["worker"])?),
+    ]))
+}
+
 /// Starts `exe <role…>` with the bench's generated `config`, logging warnings to stderr.
 pub(crate) fn spawn_service(exe: &Path, config: &Path, role: &[&str]) -> anyhow::Result<Child> {
     Ok(Command::new(exe)

@@ -370,3 +370,16 @@ pub fn task_msg_id(run: RunId, task: &TaskId, attempt: u32) -> String {
 pub fn result_msg_id(run: RunId, task: &TaskId, attempt: u32) -> String {
     format!("result.{run}.{task}.{attempt}")
 }
+
+/// The JSON of an answer, without the Markdown code fence a model may put around it
+/// (```` ```json … ``` ````): what an LLM agent checks against a task's `output_schema`, and
+/// what a replay of its conversation reads alike.
+pub fn unfenced_json(text: &str) -> &str {
+    let trimmed = text.trim();
+    trimmed
+        .strip_prefix("```json")
+        .or_else(|| trimmed.strip_prefix("```"))
+        .and_then(|t| t.strip_suffix("```"))
+        .unwrap_or(trimmed)
+        .trim()
+}
