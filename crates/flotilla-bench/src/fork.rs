@@ -17,14 +17,14 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use flotilla_client::Client;
 use flotilla_model::fork::RunForkRequest;
-use flotilla_model::ids::{RunId, TaskId};
+use flotilla_model::ids::TaskId;
 use flotilla_model::run::RunStatus;
 use flotilla_model::submit::{SubmitRequest, SubmitStatus};
 
 use crate::harness::plans::chain_plan;
 use crate::harness::services::{Services, coordinator_and_worker, section_bus, section_config};
 use crate::harness::stats::p50_p99;
-use crate::harness::submit::submit_via;
+use crate::harness::submit::{attempts_of, submit_via};
 
 /// `flotilla bench --only fork` settings.
 #[derive(Debug, Clone, clap::Args)]
@@ -93,16 +93,16 @@ pub(crate) async fn run(args: &ForkArgs, services: &Services, url: &str) -> anyh
             CHAIN - 1
         );
         let fork = reply.run_id.context("the fork's id")?;
-        dispatched += started(&client, fork).await?;
+        dispatched += attempts_of(&client, fork).await?;
         samples += 1;
 
         // The original replayed from its log: every task served its recorded result.
-        let before = started(&client, original).await?;
+        let before = attempts_of(&client, original).await?;
         let sent = Instant::now();
         let report = client.replay(original).await?.context("the chain exists")?;
         replays.push(sent.elapsed().as_secs_f64() * 1e3);
         anyhow::ensure!(report.same, "the chain's replay diverged: {report:?}");
-        replay_attempts += started(&client, original).await? - before;
+        replay_attempts += attempts_of(&client, original).await? - before;
     }
     let (c50, _) = p50_p99(&mut chains);
     let (s50, s99) = p50_p99(&mut singles);
@@ -132,10 +132,4 @@ pub(crate) async fn run(args: &ForkArgs, services: &Services, url: &str) -> anyh
     );
     drop(procs);
     Ok(())
-}
-
-/// How many attempts the run dispatched, from its record (every task's attempts).
-async fn started(client: &Client, run: RunId) -> anyhow::Result<usize> {
-    let view = client.run(run).await?.context("the fork exists")?;
-    Ok(view.tasks.iter().map(|t| t.attempts as usize).sum())
 }

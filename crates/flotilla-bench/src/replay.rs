@@ -36,7 +36,7 @@ use crate::harness::plans::{chain_hops, chain_of};
 use crate::harness::provider::Provider;
 use crate::harness::services::{Services, coordinator_and_worker, has_listener, section_bus};
 use crate::harness::stats::p50_p99;
-use crate::harness::submit::submit_via;
+use crate::harness::submit::{attempts_of, submit_via};
 
 /// `flotilla bench --only replay` settings.
 #[derive(Debug, Clone, clap::Args)]
@@ -208,7 +208,7 @@ pub(crate) async fn run(args: &ReplayArgs, services: &Services, url: &str) -> an
             match step {
                 None => {
                     fork_calls += made;
-                    fork_dispatched += attempts(&client, fork).await?;
+                    fork_dispatched += attempts_of(&client, fork).await?;
                 }
                 Some(_) => step_calls += made,
             }
@@ -329,7 +329,7 @@ async fn eval_figures(
     let forks = forks_of(client, "third").await?;
     let mut attempts_total = 0;
     for fork in &forks {
-        attempts_total += attempts(client, *fork).await?;
+        attempts_total += attempts_of(client, *fork).await?;
     }
     outln!(
         "   an eval killed after {forked_before} of {n} forks and run again: {resumed:.2} s; {} rows compared; attempts over the {} forks: {attempts_total} (target {n}: none ran twice)",
@@ -358,10 +358,4 @@ async fn forks_of(client: &Client, agent: &str) -> anyhow::Result<Vec<RunId>> {
         }
     }
     Ok(out)
-}
-
-/// How many attempts the run dispatched, from its record (every task's attempts).
-async fn attempts(client: &Client, run: RunId) -> anyhow::Result<usize> {
-    let view = client.run(run).await?.context("the fork exists")?;
-    Ok(view.tasks.iter().map(|t| t.attempts as usize).sum())
 }

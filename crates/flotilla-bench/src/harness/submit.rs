@@ -88,3 +88,12 @@ pub(crate) async fn outcomes(
     });
     Ok(rx)
 }
+
+/// How many attempts `run` dispatched, from its record (every task's attempts).
+pub(crate) async fn attempts_of(client: &Client, run: RunId) -> anyhow::Result<usize> {
+    let view = client
+        .run(run)
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("run {run} does not exist"))?;
+    Ok(view.tasks.iter().map(|t| t.attempts as usize).sum())
+}

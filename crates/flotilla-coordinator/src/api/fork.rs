@@ -100,10 +100,11 @@ impl Api {
             // The plan with its edits; what runs afresh: downstream of the fork point and of
             // every edited task, in the edited plan.
             let mut plan = plan;
-            let ids: Vec<String> = plan.subtasks.iter().map(|s| s.id.to_string()).collect();
             let mask = match apply_edits(&mut plan, &r.at, &r.edits) {
                 Ok(mask) => mask,
                 Err(missing) => {
+                    // Edits keep their ids: the plan's tasks are the original's.
+                    let ids: Vec<&str> = plan.subtasks.iter().map(|s| s.id.as_str()).collect();
                     return Err(Refused::Error(
                         404,
                         ErrorCode::UnknownTask,
@@ -120,7 +121,10 @@ impl Api {
                     ));
                 }
             };
-            let plan = plan;
+            // The fork point, which `apply_edits` found.
+            let at = plan_index(&plan, &r.at).unwrap_or_default();
+            // A change no live worker of its pool would carry out is refused before any read.
+            self.check_workers(&r, &plan.subtasks[at].pool)?;
             // A kept result must still be readable: the fork's tasks read it where the
             // original stored it. Read several at a time.
             // Per task of the plan: the run-log sequence of the result it keeps, if it does.
@@ -145,14 +149,14 @@ impl Api {
             let (conversation, resumed_ms) = match r.step {
                 None => (None, None),
                 Some(step) => {
-                    let (kept, at_ms) = self.kept_steps(&state, &plan, &r.at, step).await?;
+                    let (kept, at_ms) = self.kept_steps(&state, &plan, at, step).await?;
                     (Some(kept), Some(at_ms))
                 }
             };
             // The fork's id is fixed here: its workspace, mailboxes and session are filled
             // before it is submitted.
             let fork_id = r.fork_run_id.unwrap_or_else(flotilla_model::RunId::new);
-            let fork_point = plan_index(&plan, &r.at).and_then(|i| state.tasks.get(i));
+            let fork_point = state.tasks.get(at);
             let copy = CopyPlan {
                 root: crate::lineage::root_of(&state),
                 session: crate::lineage::session_of(&state),
@@ -192,23 +196,18 @@ impl Api {
                 }
                 reused.push(ReusedResult { task_id: task, seq });
             }
-            let mut plan = plan;
-            if let Some(sub) = plan.subtasks.iter().find(|s| s.id == r.at) {
-                self.check_workers(&r, &sub.pool)?;
+            let sub = &mut plan.subtasks[at];
+            if let Some(model) = &r.model {
+                sub.model = Some(model.clone());
             }
-            if let Some(sub) = plan.subtasks.iter_mut().find(|s| s.id == r.at) {
-                if let Some(model) = &r.model {
-                    sub.model = Some(model.clone());
-                }
-                if let Some(agent) = &r.agent {
-                    sub.agent = Some(agent.clone());
-                }
-                if let Some(description) = &r.description {
-                    sub.description = description.clone();
-                }
-                if let Some(input) = &r.input {
-                    sub.input = input.clone();
-                }
+            if let Some(agent) = &r.agent {
+                sub.agent = Some(agent.clone());
+            }
+            if let Some(description) = &r.description {
+                sub.description = description.clone();
+            }
+            if let Some(input) = &r.input {
+                sub.input = input.clone();
             }
             // A change the plan cannot take (an unknown agent, an input too deep) is refused
             // here, naming every problem, and nothing is stored.
@@ -322,10 +321,11 @@ impl Api {
         &self,
         state: &flotilla_machine::RunState,
         plan: &flotilla_model::plan::Plan,
-        at: &TaskId,
+        index: usize,
         step: u32,
     ) -> Result<(KeptSteps, i64), Refused> {
         let run = state.run_id;
+        let at = &plan.subtasks[index].id;
         // The run is itself a fork at a step of this task: its attempt journaled only the
         // steps after the ones it kept, which live in the run it forked.
         if let Some(origin) = plan
@@ -343,11 +343,6 @@ impl Api {
             ));
         }
         let bad = |message: String| Refused::Error(400, ErrorCode::InvalidRequest, message);
-        let index = plan
-            .subtasks
-            .iter()
-            .position(|s| &s.id == at)
-            .unwrap_or_default();
         let Some(task) = state.tasks.get(index).filter(|t| t.attempt > 0) else {
             return Err(bad(format!(
                 "task {at} never ran in run {run}: it has no conversation to fork inside (fork at the task, without a step)"

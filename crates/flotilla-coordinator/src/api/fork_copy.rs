@@ -103,35 +103,23 @@ async fn workspace_entries(
 ) -> Result<Vec<(String, StoredMessage)>, String> {
     let names = bus.names();
     let prefix = format!("{}.ws.{}.", names.prefix(), from.root);
-    let mut pages = bus.pages(StreamKind::Workspace, &names.workspace_all(from.root), 0);
-    let mut out = Vec::new();
-    while let Some(page) = pages
-        .next()
-        .await
-        .map_err(|e| failed("workspace entries", &e))?
-    {
-        for m in page {
+    let filter = names.workspace_all(from.root);
+    kept_messages(
+        bus,
+        from,
+        (StreamKind::Workspace, &filter, &prefix),
+        "workspace entries",
+        |topic, m| {
             if m.headers.get(PRODUCED_BY_HEADER).is_some() {
-                continue;
+                return None;
             }
-            let Some(topic) = m.subject.strip_prefix(&prefix) else {
-                continue;
-            };
-            let Ok(write) = wire::codec_of(Some(&m.headers)).decode::<WorkspaceWrite>(&m.payload)
-            else {
-                continue;
-            };
-            let copied_in = m.headers.get(COPIED_FROM_HEADER).is_some();
-            if write
-                .writer
-                .as_ref()
-                .is_some_and(|w| from.keeps(w, copied_in, m.ts_ms))
-            {
-                out.push((names.workspace(fork, topic), m));
-            }
-        }
-    }
-    Ok(out)
+            let write = wire::codec_of(Some(&m.headers))
+                .decode::<WorkspaceWrite>(&m.payload)
+                .ok()?;
+            Some((names.workspace(fork, topic), write.writer?))
+        },
+    )
+    .await
 }
 
 /// Mailbox posts a kept task sent (`mbox.<root>.<to>.<from>`), by their sender: the tree
@@ -143,32 +131,46 @@ async fn mailbox_posts(
 ) -> Result<Vec<(String, StoredMessage)>, String> {
     let names = bus.names();
     let prefix = format!("{}.mbox.{}.", names.prefix(), from.root);
-    let mut pages = bus.pages(StreamKind::Mailbox, &format!("{prefix}*.*"), 0);
+    let filter = format!("{prefix}*.*");
+    kept_messages(
+        bus,
+        from,
+        (StreamKind::Mailbox, &filter, &prefix),
+        "mailbox posts",
+        |rest, m| {
+            let (to, sender) = rest.split_once('.')?;
+            let post = wire::codec_of(Some(&m.headers))
+                .decode::<MailboxPost>(&m.payload)
+                .ok()?;
+            Some((names.mailbox(fork, to, sender), post.sender?))
+        },
+    )
+    .await
+}
+
+/// The messages of stream `kind` under `filter` that a writer the fork keeps wrote, each with
+/// its subject under the fork. `place` reads a message (its subject after `prefix`) and
+/// answers its new subject and its writer, or `None` for one the fork is not given.
+async fn kept_messages(
+    bus: &Bus,
+    from: &Source<'_>,
+    (kind, filter, prefix): (StreamKind, &str, &str),
+    what: &str,
+    place: impl Fn(&str, &StoredMessage) -> Option<(String, Writer)>,
+) -> Result<Vec<(String, StoredMessage)>, String> {
+    let mut pages = bus.pages(kind, filter, 0);
     let mut out = Vec::new();
-    while let Some(page) = pages
-        .next()
-        .await
-        .map_err(|e| failed("mailbox posts", &e))?
-    {
+    while let Some(page) = pages.next().await.map_err(|e| failed(what, &e))? {
         for m in page {
-            let Some((to, sender)) = m
-                .subject
-                .strip_prefix(&prefix)
-                .and_then(|rest| rest.split_once('.'))
-            else {
+            let Some(rest) = m.subject.strip_prefix(prefix) else {
                 continue;
             };
-            let Ok(post) = wire::codec_of(Some(&m.headers)).decode::<MailboxPost>(&m.payload)
-            else {
+            let Some((subject, writer)) = place(rest, &m) else {
                 continue;
             };
             let copied_in = m.headers.get(COPIED_FROM_HEADER).is_some();
-            if post
-                .sender
-                .as_ref()
-                .is_some_and(|w| from.keeps(w, copied_in, m.ts_ms))
-            {
-                out.push((names.mailbox(fork, to, sender), m));
+            if from.keeps(&writer, copied_in, m.ts_ms) {
+                out.push((subject, m));
             }
         }
     }
@@ -218,17 +220,16 @@ pub(super) async fn publish(
     fork: RunId,
 ) -> Result<Copied, String> {
     let mut copied = Copied::default();
-    for (subject, m) in gathered.entries {
-        publish_copy(bus, subject, &m, from, fork)
-            .await
-            .map_err(|e| failed("a workspace entry", &e))?;
-        copied.entries += 1;
-    }
-    for (subject, m) in gathered.posts {
-        publish_copy(bus, subject, &m, from, fork)
-            .await
-            .map_err(|e| failed("a mailbox post", &e))?;
-        copied.posts += 1;
+    for (messages, count, what) in [
+        (gathered.entries, &mut copied.entries, "a workspace entry"),
+        (gathered.posts, &mut copied.posts, "a mailbox post"),
+    ] {
+        for (subject, m) in messages {
+            publish_copy(bus, subject, &m, from, fork)
+                .await
+                .map_err(|e| failed(what, &e))?;
+            *count += 1;
+        }
     }
     if gathered.state.is_empty() {
         return Ok(copied);
