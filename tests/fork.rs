@@ -370,6 +370,37 @@ async fn a_fork_with_a_plan_edit_reruns_the_edited_task_and_what_follows() -> an
     let out = p.cli(&["runs", "fork", &run, "--at", "d", "--edit", "bad.json"])?;
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown field `colour`"));
     assert_eq!(calls(&p).len(), 7, "no refused fork ran anything");
+
+    // More workspace entries from kept tasks than a fork copies: refused, naming the cap.
+    // (Written here as a's agent writes them: with a's writer.)
+    let write = serde_json::to_vec(&json!({"entry": {"n": 1},
+        "writer": {"run_id": original.to_string(), "task_id": "a", "attempt": 1}}))?;
+    let subject = p.bus.names().workspace(original, "notes");
+    // In rounds whose acks are awaited: the client holds a bounded number unacknowledged.
+    for round in 0..=20 {
+        let mut acks = Vec::new();
+        for _ in 0..(if round < 20 { 500 } else { 1 }) {
+            acks.push(
+                p.bus
+                    .js()
+                    .publish(subject.clone(), write.clone().into())
+                    .await?,
+            );
+        }
+        futures::future::try_join_all(acks.into_iter().map(|a| a.into_future())).await?;
+    }
+    let e = p
+        .client
+        .call(&RunForkRequest::new(original, TaskId::new("d")), WAIT)
+        .await?
+        .expect_err("refused");
+    assert_eq!((e.status, e.code.as_str()), (413, "too_large"), "{e:?}");
+    assert!(
+        e.message.contains("more than 10000 workspace entries"),
+        "{}",
+        e.message
+    );
+    assert_eq!(calls(&p).len(), 7, "the refused fork ran nothing");
     Ok(())
 }
 

@@ -182,7 +182,18 @@ impl Api {
             .collect::<Vec<_>>();
             // What the fork is given of the original's collaboration is read meanwhile.
             let (read, gathered) = tokio::join!(results, self.gather_copy(run, fork_id, &copy));
-            let gathered = gathered.map_err(unavailable)?;
+            let gathered = gathered.map_err(|e| match e {
+                super::fork_copy::CopyError::Unavailable(e) => unavailable(e),
+                super::fork_copy::CopyError::TooMany(what) => Refused::Error(
+                    413,
+                    ErrorCode::TooLarge,
+                    format!(
+                        "run {run}'s kept tasks left more than {} {what}, which a fork would copy; a fork copies at most {}",
+                        super::fork_copy::MAX_COPIED,
+                        super::fork_copy::MAX_COPIED
+                    ),
+                ),
+            })?;
             let mut reused = Vec::with_capacity(read.len());
             for (task, seq, result) in read {
                 if let Err(e) = result {
@@ -465,7 +476,7 @@ impl Api {
         run: flotilla_model::RunId,
         fork: flotilla_model::RunId,
         copy: &CopyPlan,
-    ) -> Result<Option<super::fork_copy::Gathered>, String> {
+    ) -> Result<Option<super::fork_copy::Gathered>, super::fork_copy::CopyError> {
         let source = super::fork_copy::Source {
             run,
             root: copy.root,
@@ -479,7 +490,10 @@ impl Api {
             self.store.state(fork),
             super::fork_copy::gather(self.store.bus(), &source, fork)
         );
-        if exists.map_err(|e| e.to_string())?.is_some() {
+        if exists
+            .map_err(|e| super::fork_copy::CopyError::Unavailable(e.to_string()))?
+            .is_some()
+        {
             return Ok(None);
         }
         gathered.map(Some)

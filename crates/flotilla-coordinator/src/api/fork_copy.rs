@@ -18,6 +18,25 @@ use flotilla_model::mailbox::MailboxPost;
 use flotilla_model::subjects::{Bucket, StreamKind};
 use flotilla_model::workspace::{PRODUCED_BY_HEADER, WorkspaceWrite, Writer};
 
+/// Most workspace entries, and most mailbox posts, one fork is given: what the handler holds
+/// in memory between reading and writing them.
+pub(super) const MAX_COPIED: usize = 10_000;
+
+/// Why a fork's copy could not be made.
+#[derive(Debug)]
+pub(super) enum CopyError {
+    /// The streams or the state bucket could not be read or written.
+    Unavailable(String),
+    /// The kept tasks left more than [`MAX_COPIED`] of `what`.
+    TooMany(&'static str),
+}
+
+impl From<String> for CopyError {
+    fn from(e: String) -> Self {
+        Self::Unavailable(e)
+    }
+}
+
 /// Header on a copied workspace entry or mailbox post: the run it was copied from.
 pub(super) const COPIED_FROM_HEADER: &str = "Flotilla-Copied-From";
 
@@ -82,11 +101,15 @@ fn failed(what: &str, e: &dyn std::fmt::Display) -> String {
 
 /// Reads what `from`'s kept tasks left, for `fork`: the workspace, the mailboxes and the
 /// session state, the three at once.
-pub(super) async fn gather(bus: &Bus, from: &Source<'_>, fork: RunId) -> Result<Gathered, String> {
+pub(super) async fn gather(
+    bus: &Bus,
+    from: &Source<'_>,
+    fork: RunId,
+) -> Result<Gathered, CopyError> {
     let (entries, posts, state) = tokio::try_join!(
         workspace_entries(bus, from, fork),
         mailbox_posts(bus, from, fork),
-        session_state(bus, from)
+        async { session_state(bus, from).await.map_err(CopyError::from) }
     )?;
     Ok(Gathered {
         entries,
@@ -100,7 +123,7 @@ async fn workspace_entries(
     bus: &Bus,
     from: &Source<'_>,
     fork: RunId,
-) -> Result<Vec<(String, StoredMessage)>, String> {
+) -> Result<Vec<(String, StoredMessage)>, CopyError> {
     let names = bus.names();
     let prefix = format!("{}.ws.{}.", names.prefix(), from.root);
     let filter = names.workspace_all(from.root);
@@ -128,7 +151,7 @@ async fn mailbox_posts(
     bus: &Bus,
     from: &Source<'_>,
     fork: RunId,
-) -> Result<Vec<(String, StoredMessage)>, String> {
+) -> Result<Vec<(String, StoredMessage)>, CopyError> {
     let names = bus.names();
     let prefix = format!("{}.mbox.{}.", names.prefix(), from.root);
     let filter = format!("{prefix}*.*");
@@ -155,9 +178,9 @@ async fn kept_messages(
     bus: &Bus,
     from: &Source<'_>,
     (kind, filter, prefix): (StreamKind, &str, &str),
-    what: &str,
+    what: &'static str,
     place: impl Fn(&str, &StoredMessage) -> Option<(String, Writer)>,
-) -> Result<Vec<(String, StoredMessage)>, String> {
+) -> Result<Vec<(String, StoredMessage)>, CopyError> {
     let mut pages = bus.pages(kind, filter, 0);
     let mut out = Vec::new();
     while let Some(page) = pages.next().await.map_err(|e| failed(what, &e))? {
@@ -170,6 +193,9 @@ async fn kept_messages(
             };
             let copied_in = m.headers.get(COPIED_FROM_HEADER).is_some();
             if from.keeps(&writer, copied_in, m.ts_ms) {
+                if out.len() == MAX_COPIED {
+                    return Err(CopyError::TooMany(what));
+                }
                 out.push((subject, m));
             }
         }

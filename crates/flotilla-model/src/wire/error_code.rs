@@ -66,7 +66,8 @@ error_codes! {
     /// `400`: the request's `protocol` is 0 or newer than this build speaks, at any endpoint.
     UnsupportedProtocol = "unsupported_protocol", 400;
     /// `413`: the answer would not fit one NATS message (the message says what to ask for
-    /// instead: a smaller page, fewer runs).
+    /// instead: a smaller page, fewer runs); `run.fork` of a run whose kept tasks left more
+    /// workspace entries or mailbox posts than a fork copies.
     TooLarge = "too_large", 413;
     /// `500`: the service failed on its own: a stored record it cannot read, an answer it
     /// cannot encode.
