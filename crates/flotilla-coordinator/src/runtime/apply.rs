@@ -270,6 +270,14 @@ impl Runtime {
                 }
                 other => {
                     let Some(e) = entry.as_mut() else { continue };
+                    if d.seq < e.machine.state().first_seq {
+                        // Stored before the run's submission (a fork's copied workspace entry
+                        // wakes nothing yet): the run log is replayed from the submission on,
+                        // so the machine applies nothing older — met out of order (the start
+                        // rebuilt from the first message, then this redelivered), it would
+                        // number every later step differently from the log's replay.
+                        continue;
+                    }
                     let Some(input) = Input::from_log(other, d.seq) else {
                         continue;
                     };
