@@ -428,6 +428,7 @@ documents! {
     guide_operations => "docs/guide/operations.md",
     guide_forking => "docs/guide/forking.md",
     guide_evaluating => "docs/guide/evaluating.md",
+    guide_tenants => "docs/guide/tenants.md",
 }
 
 /// Every document with a runnable block — the README and every guide — is run by a test

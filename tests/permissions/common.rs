@@ -59,9 +59,20 @@ impl Role {
         server: &NatsServer,
         (user, password): (&'static str, &str),
     ) -> anyhow::Result<Self> {
+        Self::connect_with_inbox(server, (user, password), "_INBOX").await
+    }
+
+    /// [`Role::connect`] with replies under `inbox` (a tenant's `_INBOX_<tenant>`, a
+    /// person's `_INBOX_<name>`).
+    pub(crate) async fn connect_with_inbox(
+        server: &NatsServer,
+        (user, password): (&'static str, &str),
+        inbox: &str,
+    ) -> anyhow::Result<Self> {
         let (tx, violations) = mpsc::unbounded_channel();
         let client =
             async_nats::ConnectOptions::with_user_and_password(user.into(), password.into())
+                .custom_inbox_prefix(inbox)
                 .event_callback(move |event| {
                     let tx = tx.clone();
                     async move {

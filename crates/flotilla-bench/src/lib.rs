@@ -51,6 +51,10 @@
 //!   of LLM conversations on the simulated provider replayed from its logs and journals (model
 //!   requests: 0; time per task next to a dependency hop), and forked at its last task and at
 //!   a step of its conversation (the model requests each makes).
+//! * **tenants** — fair share of a shared pool (module `tenants`): one coordinator and one
+//!   worker process serving two tenants; tenant b's one-task run p50 quiet and while tenant a
+//!   has 10,000 runs queued (target ≤ 2×), and how busy the slots were meanwhile (target
+//!   ≥ 0.95).
 //! * **restart** — restarts onto history (module `restart`): each service's time to ready on
 //!   an empty deployment, then restarted with SIGTERM and kill -9 onto 10,000 runs of history
 //!   of every kind (the test kit's lived-in deployment), with its reads checked unchanged.
@@ -99,6 +103,7 @@ mod replay;
 mod restart;
 mod soak;
 mod team;
+mod tenants;
 mod tree;
 mod validate;
 
@@ -188,6 +193,8 @@ pub struct BenchArgs {
     fork: fork::ForkArgs,
     #[command(flatten)]
     replay: replay::ReplayArgs,
+    #[command(flatten)]
+    tenants: tenants::TenantsArgs,
 }
 
 /// A section of the bench (`--only`).
@@ -231,6 +238,9 @@ enum Section {
     /// LLM run trees replayed from their logs and journals and forked at a task and at a
     /// step: model requests made (0 for a replay) and time per task.
     Replay,
+    /// Fair share of a shared pool: one tenant's one-task run p50 while another has 10,000
+    /// runs queued, next to its quiet p50, and how busy the slots were meanwhile.
+    Tenants,
 }
 
 /// Runs the selected sections against the server at `nats_url` (the CLI's global
@@ -254,6 +264,7 @@ pub async fn run(args: BenchArgs, nats_url: Option<&str>) -> anyhow::Result<()> 
         && !want(Section::Restart)
         && !want(Section::Fork)
         && !want(Section::Replay)
+        && !want(Section::Tenants)
     {
         return Ok(());
     }
@@ -339,6 +350,9 @@ pub async fn run(args: BenchArgs, nats_url: Option<&str>) -> anyhow::Result<()> 
     }
     if want(Section::Replay) {
         replay::run(&args.replay, &services, &url).await?;
+    }
+    if want(Section::Tenants) {
+        tenants::run(&args.tenants, &services, &url).await?;
     }
     Ok(())
 }

@@ -34,6 +34,7 @@ pub async fn connect_watched(
     default_name: &str,
 ) -> Result<(async_nats::Client, Arc<Link>), ConnectError> {
     opts.validate()?;
+    let opts = &opts.resolved();
     let link = Arc::new(Link::new(opts));
     let mut co = async_nats::ConnectOptions::new()
         .name(opts.name.clone().unwrap_or_else(|| default_name.to_owned()))
@@ -43,6 +44,9 @@ pub async fn connect_watched(
         .max_reconnects(None);
     if !opts.discover_servers {
         co = co.ignore_discovered_servers();
+    }
+    if let Some(p) = &opts.inbox_prefix {
+        co = co.custom_inbox_prefix(p.clone());
     }
     co = match &opts.auth {
         NatsAuth::None => co,

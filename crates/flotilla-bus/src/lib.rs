@@ -203,6 +203,7 @@ impl Bus {
     /// Connects with `opts`. `role` names the connection (`flotilla-worker`).
     pub async fn connect(opts: &NatsOptions, role: &str) -> Result<Self, ConnectError> {
         let (client, link) = connect::connect_watched(opts, role).await?;
+        let opts = &opts.resolved();
         let max_payload = Arc::new(std::sync::atomic::AtomicUsize::new(server_max_payload(
             &client,
         )));

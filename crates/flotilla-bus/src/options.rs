@@ -20,6 +20,16 @@ pub struct NatsOptions {
     pub name: Option<String>,
     /// Subject, stream and bucket prefix of this installation.
     pub prefix: String,
+    /// The tenant this process acts for (`flotilla tenant add`): its names are those of
+    /// prefix `<prefix>-<tenant>`, a user name `<user>@<tenant>` (a user/password login
+    /// whose user has no `@` yet), and its inboxes `_INBOX_<tenant>` — what the tenant's
+    /// users are pinned to by the server. Unset: the deployment's default tenant.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+    /// The prefix of reply inboxes (default `_INBOX`; a tenant's is `_INBOX_<tenant>`). A
+    /// user allowed only its own inboxes cannot read replies meant for others.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub inbox_prefix: Option<String>,
     /// Authentication.
     pub auth: NatsAuth,
     /// TLS, when the server requires it or client certificates are used.
@@ -51,6 +61,8 @@ impl Default for NatsOptions {
             urls: vec!["nats://127.0.0.1:4222".to_owned()],
             name: None,
             prefix: flotilla_model::subjects::DEFAULT_PREFIX.to_owned(),
+            tenant: None,
+            inbox_prefix: None,
             auth: NatsAuth::None,
             tls: None,
             // Long enough for a cross-zone TLS handshake, short enough to fail over quickly.
@@ -193,6 +205,39 @@ impl NatsOptions {
         self.ping_interval * (PINGS_OUTSTANDING + 1)
     }
 
+    /// The prefix this process's names derive from: `prefix`, or `<prefix>-<tenant>`.
+    pub fn effective_prefix(&self) -> String {
+        match &self.tenant {
+            Some(t) => format!("{}-{t}", self.prefix),
+            None => self.prefix.clone(),
+        }
+    }
+
+    /// The inbox prefix to connect with: `inbox_prefix`, else the tenant's `_INBOX_<tenant>`.
+    pub fn effective_inbox_prefix(&self) -> Option<String> {
+        self.inbox_prefix
+            .clone()
+            .or_else(|| self.tenant.as_ref().map(|t| format!("_INBOX_{t}")))
+    }
+
+    /// The options with the tenant applied: the effective prefix, inbox prefix and user
+    /// name written out, and `tenant` unset — what an exec agent of this process is given,
+    /// and what applying again leaves unchanged.
+    pub fn resolved(&self) -> NatsOptions {
+        let mut out = self.clone();
+        let Some(t) = out.tenant.take() else {
+            return out;
+        };
+        out.prefix = self.effective_prefix();
+        out.inbox_prefix = self.effective_inbox_prefix();
+        if let NatsAuth::UserPassword { user, .. } = &mut out.auth
+            && !user.contains('@')
+        {
+            *user = format!("{user}@{t}");
+        }
+        out
+    }
+
     /// Checks the options without doing I/O.
     pub fn validate(&self) -> Result<(), ConnectError> {
         let invalid = |msg: String| Err(ConnectError::new(ConnectErrorKind::InvalidOptions, msg));
@@ -206,6 +251,16 @@ impl NatsOptions {
         }
         if let Err(e) = flotilla_model::token::check_name(&self.prefix) {
             return invalid(format!("nats.prefix {:?} {e}", self.prefix));
+        }
+        if let Some(t) = &self.tenant
+            && let Err(e) = flotilla_model::tenant::TenantName::new(t)
+        {
+            return invalid(format!("nats.tenant {t:?} {e}"));
+        }
+        if let Some(p) = &self.inbox_prefix
+            && let Err(e) = flotilla_model::token::check_name(p)
+        {
+            return invalid(format!("nats.inbox-prefix {p:?} {e}"));
         }
         if let Some(tls) = &self.tls
             && tls.cert.is_some() != tls.key.is_some()
@@ -236,6 +291,56 @@ impl NatsOptions {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tenant_resolves_to_its_prefix_user_and_inboxes_once() {
+        let opts = NatsOptions {
+            tenant: Some("acme".into()),
+            auth: NatsAuth::UserPassword {
+                user: "client".into(),
+                password: Secret::new("p"),
+            },
+            ..NatsOptions::default()
+        };
+        assert!(opts.validate().is_ok());
+        assert_eq!(opts.effective_prefix(), "flotilla-acme");
+        let r = opts.resolved();
+        assert_eq!(r.prefix, "flotilla-acme");
+        assert_eq!(r.inbox_prefix.as_deref(), Some("_INBOX_acme"));
+        assert_eq!(r.tenant, None);
+        assert!(matches!(&r.auth, NatsAuth::UserPassword { user, .. } if user == "client@acme"));
+        // Resolving again changes nothing (an exec agent's options are resolved ones).
+        assert_eq!(r.resolved(), r);
+        // A user already scoped keeps its name.
+        let scoped = NatsOptions {
+            auth: NatsAuth::UserPassword {
+                user: "bob@acme".into(),
+                password: Secret::new("p"),
+            },
+            ..opts.clone()
+        };
+        assert!(
+            matches!(&scoped.resolved().auth, NatsAuth::UserPassword { user, .. } if user == "bob@acme")
+        );
+        for bad in ["Acme", "a.b", "default", ""] {
+            let o = NatsOptions {
+                tenant: Some(bad.into()),
+                ..NatsOptions::default()
+            };
+            let e = o.validate().unwrap_err().to_string();
+            assert!(e.contains("nats.tenant"), "{bad}: {e}");
+        }
+        let o = NatsOptions {
+            inbox_prefix: Some("_INBOX.x".into()),
+            ..NatsOptions::default()
+        };
+        assert!(
+            o.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("nats.inbox-prefix")
+        );
+    }
 
     #[test]
     fn secrets_are_redacted_in_debug() {

@@ -257,13 +257,19 @@ pub fn desired_buckets(names: &Names, opts: &JetStreamOptions) -> Vec<kv::Config
                 Bucket::Memory => opts.memory_max_age,
                 _ => Duration::ZERO,
             },
-
+            // Per-message TTLs: the usage bucket's `end.<run>` markers (a run's usage counted
+            // once) expire on their own, while its quotas and counters stay.
+            limit_markers: (b == Bucket::Usage).then_some(USAGE_MARKER_TTL),
             storage: opts.storage.into(),
             num_replicas: opts.replicas,
             ..Default::default()
         })
         .collect()
 }
+
+/// How long the delete marker of a usage-bucket entry that expired stays (the bucket's
+/// `subject_delete_marker_ttl`; the server's minimum is one second).
+const USAGE_MARKER_TTL: Duration = Duration::from_secs(60);
 
 /// Stream or bucket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -785,6 +791,10 @@ fn compare_bucket(want: &kv::Config, have: &stream::Config) -> (Vec<Difference>,
     }
     if want.num_replicas.max(1) != have.num_replicas.max(1) {
         changes.push(diff("num_replicas", want.num_replicas, have.num_replicas));
+    }
+    // Per-message TTLs can be allowed on an existing bucket (never taken back).
+    if want.limit_markers.is_some() && !have.allow_message_ttl {
+        changes.push(diff("allow_msg_ttl", true, false));
     }
     (changes, block)
 }

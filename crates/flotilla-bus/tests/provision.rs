@@ -20,8 +20,19 @@ async fn provisioning_twice_is_a_no_op() -> anyhow::Result<()> {
     );
     assert_eq!(
         first.resources.len(),
-        7 + 10 + 1,
+        7 + 11 + 1,
         "streams, buckets, object store"
+    );
+    // Quotas and usage: history 1, no age; per-message TTLs for its `end.<run>` markers.
+    let usage = bus.js().get_stream("KV_flotilla-usage").await?;
+    let usage = &usage.cached_info().config;
+    assert_eq!(
+        (
+            usage.max_messages_per_subject,
+            usage.max_age,
+            usage.allow_message_ttl
+        ),
+        (1, std::time::Duration::ZERO, true)
     );
     // Remembered runs: one value per run, kept for `[supervisor.memory] max-age`.
     let memory = bus

@@ -114,6 +114,14 @@ pub(crate) fn no_agents_warning(config: &Config) -> Option<String> {
     )
 }
 
+/// `--tenant`, set once before any configuration is loaded.
+static TENANT_FLAG: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// Records `--tenant`: every configuration loaded after acts for that tenant.
+pub(crate) fn set_tenant_flag(tenant: &str) {
+    let _ = TENANT_FLAG.set(tenant.to_owned());
+}
+
 /// Loads and validates the configuration.
 pub(crate) fn load(explicit: Option<&Path>, nats_url: Option<&str>) -> anyhow::Result<Config> {
     let file = config_file(explicit)?;
@@ -133,6 +141,9 @@ pub(crate) fn load(explicit: Option<&Path>, nats_url: Option<&str>) -> anyhow::R
             .unwrap_or_else(|| "defaults".into());
         anyhow::anyhow!("invalid configuration ({source}): {e}")
     })?;
+    if let Some(t) = TENANT_FLAG.get() {
+        config.nats.tenant = Some(t.clone());
+    }
     if let Some(url) = nats_url {
         config.nats.urls = url.split(',').map(str::to_owned).collect();
     } else if std::env::var_os("FLOTILLA_NATS__URLS").is_none()
@@ -283,7 +294,7 @@ impl Config {
             .map_err(|e| anyhow::anyhow!("invalid [agents-protocol] section: {e}"))?;
         flotilla_agents::Exposer::addresses(
             &self.agents_protocol,
-            self.nats.prefix.as_str(),
+            self.nats.effective_prefix().as_str(),
             &self.exposed_agents(),
         )
         .map_err(|e| anyhow::anyhow!("{}", e.detail()))?;

@@ -41,6 +41,10 @@ struct Cli {
     /// NATS server URL(s), comma separated; overrides nats.urls.
     #[arg(long, global = true, value_name = "URL")]
     nats_url: Option<String>,
+    /// Act for this tenant (`flotilla tenant add`): its names, its user (`<user>@<tenant>`)
+    /// and its inboxes; overrides nats.tenant.
+    #[arg(long, global = true, value_name = "NAME")]
+    tenant: Option<String>,
     /// Log line format on stderr, `plain` or `json` (services: overrides telemetry.log-format).
     /// The filter is $FLOTILLA_LOG (default: info for services, warn otherwise).
     #[arg(long, global = true, value_name = "FORMAT")]
@@ -53,6 +57,10 @@ struct Cli {
 enum Command {
     /// Run a coordinator: plan intake, validation, scheduling.
     Coordinator {
+        /// Serve these tenants of a shared deployment, each as `--tenant` would, in one
+        /// process (comma separated; see docs/guide/tenants.md).
+        #[arg(long, value_delimiter = ',', value_name = "NAMES")]
+        tenants: Vec<String>,
         /// Serve /healthz, /readyz and /metrics here, `auto` or `off` (overrides
         /// telemetry.http-addr; default auto: port 9464, or the next free one when another
         /// service on this host has it).
@@ -61,6 +69,10 @@ enum Command {
     },
     /// Run a worker for one pool.
     Worker {
+        /// Serve these tenants of a shared deployment, each as `--tenant` would, in one
+        /// process whose slots they share fairly (comma separated; see docs/guide/tenants.md).
+        #[arg(long, value_delimiter = ',', value_name = "NAMES")]
+        tenants: Vec<String>,
         /// Pool to serve (overrides worker.pool).
         #[arg(long)]
         pool: Option<String>,
@@ -75,6 +87,10 @@ enum Command {
     },
     /// Run a supervisor: the team roster with presence, failure records, the team API.
     Supervisor {
+        /// Serve these tenants of a shared deployment, each as `--tenant` would, in one
+        /// process (comma separated; see docs/guide/tenants.md).
+        #[arg(long, value_delimiter = ',', value_name = "NAMES")]
+        tenants: Vec<String>,
         /// Serve /healthz, /readyz and /metrics here, `auto` or `off` (overrides
         /// telemetry.http-addr; default auto: port 9464, or the next free one when another
         /// service on this host has it).
@@ -226,6 +242,11 @@ enum Command {
     /// incident NAME`). Served by `flotilla supervisor`.
     #[command(subcommand)]
     Trust(commands::trust::TrustCommand),
+    /// The deployment's tenants (`add`, `list`, `show`, `set`, `remove`), their usage
+    /// (`usage`) and the NATS configuration that keeps them apart (`nats-config`). For the
+    /// platform's operator.
+    #[command(subcommand)]
+    Tenant(commands::tenant::TenantCommand),
     /// Tasks waiting for a person (`approvals list [--watch]`, `show`, `history`) and the
     /// answers (`approve`, `reject`, `edit`, `respond`). Served by `flotilla coordinator`.
     #[command(subcommand)]
@@ -570,6 +591,9 @@ fn main() -> ExitCode {
         ]);
     }
     let cli = Cli::parse();
+    if let Some(t) = &cli.tenant {
+        config::set_tenant_flag(t);
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -631,19 +655,27 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
         None => config::load(cli.config.as_deref(), cli.nats_url.as_deref()),
     };
     match cli.command {
-        Command::Coordinator { http_addr } => {
+        Command::Coordinator { http_addr, tenants } => {
             let mut c = load()?;
             if let Some(a) = http_addr {
                 c.telemetry.http_addr = a;
             }
-            commands::services::coordinator(&c).await
+            if tenants.is_empty() {
+                commands::services::coordinator(&c).await
+            } else {
+                commands::tenant_services::coordinators(&c, &tenants).await
+            }
         }
-        Command::Supervisor { http_addr } => {
+        Command::Supervisor { http_addr, tenants } => {
             let mut c = load()?;
             if let Some(a) = http_addr {
                 c.telemetry.http_addr = a;
             }
-            commands::services::supervisor(&c).await
+            if tenants.is_empty() {
+                commands::services::supervisor(&c).await
+            } else {
+                commands::tenant_services::supervisors(&c, &tenants).await
+            }
         }
         Command::Console { listen, http_addr } => {
             let mut c = load()?;
@@ -660,6 +692,7 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
             pool,
             concurrency,
             http_addr,
+            tenants,
         } => {
             let mut c = load()?;
             if let Some(p) = pool {
@@ -672,7 +705,11 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
                 c.telemetry.http_addr = a;
             }
             c.validate()?;
-            commands::services::worker(&c).await
+            if tenants.is_empty() {
+                commands::services::worker(&c).await
+            } else {
+                commands::tenant_services::workers(&c, &tenants).await
+            }
         }
         Command::Up {
             workers,
@@ -807,6 +844,7 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
         Command::Team(args) => commands::team::team(&load()?, args).await,
         Command::Memory(command) => commands::memory::memory(&load()?, command).await,
         Command::Trust(command) => commands::trust::trust(&load()?, command).await,
+        Command::Tenant(command) => commands::tenant::tenant(&load()?, command).await,
         Command::Approvals(command) => commands::approvals::approvals(&load()?, command).await,
         Command::Init { dir, force } => commands::init::init(&dir, force),
         Command::Example(args) => {

@@ -23,6 +23,9 @@ pub const ENV_NATS_TLS_CA: &str = "FLOTILLA_NATS__TLS__CA";
 pub const ENV_NATS_TLS_CERT: &str = "FLOTILLA_NATS__TLS__CERT";
 /// Client key (`nats.tls.key`).
 pub const ENV_NATS_TLS_KEY: &str = "FLOTILLA_NATS__TLS__KEY";
+/// The inbox prefix of a tenant's connection (`nats.inbox-prefix`): its users may read
+/// only replies under it.
+pub const ENV_NATS_INBOX_PREFIX: &str = "FLOTILLA_NATS__INBOX_PREFIX";
 
 /// The variables that let a child process connect as `opts` does: `FLOTILLA_NATS_URL`, the
 /// credentials of the configured authentication (`FLOTILLA_NATS_USER` and
@@ -31,6 +34,11 @@ pub const ENV_NATS_TLS_KEY: &str = "FLOTILLA_NATS__TLS__KEY";
 /// another directory.
 pub fn connection_env(opts: &NatsOptions) -> Vec<(&'static str, String)> {
     let mut env = vec![(ENV_NATS_URL, opts.urls.join(","))];
+    // A tenant's process hands over what the tenant resolves to (its user, its inboxes).
+    let opts = &opts.resolved();
+    if let Some(p) = &opts.inbox_prefix {
+        env.push((ENV_NATS_INBOX_PREFIX, p.clone()));
+    }
     match &opts.auth {
         NatsAuth::None => {}
         NatsAuth::Token { token } => env.push((ENV_NATS_TOKEN, token.expose().to_owned())),
@@ -88,6 +96,7 @@ pub fn connection_from_vars(
     if let Some(prefix) = get(ENV_PREFIX) {
         opts.prefix = prefix.trim().to_owned();
     }
+    opts.inbox_prefix = get(ENV_NATS_INBOX_PREFIX).map(|p| p.trim().to_owned());
     let (user, password) = (get(ENV_NATS_USER), get(ENV_NATS_PASSWORD));
     let mut kinds = Vec::new();
     if let Some(token) = get(ENV_NATS_TOKEN) {

@@ -488,6 +488,16 @@ impl Api {
                 }
                 Err((status, code, message)) => respond_error(&req, status, code, message).await,
             },
+            // Only durable submissions wait for a quota; a request is answered at once.
+            Ok(Answer::Later(_)) => {
+                respond_error(
+                    &req,
+                    500,
+                    ErrorCode::Internal,
+                    "the submission was not answered".to_owned(),
+                )
+                .await;
+            }
             Err(e) => {
                 warn!(error = %e, "Submission failed");
                 respond_error(&req, 503, ErrorCode::Unavailable, e.to_string()).await;

@@ -88,6 +88,9 @@ pub(crate) enum Answer {
     AtEnd,
     /// A duplicate whose submitter waits: answer when that run ends (or at once, if it has).
     WaitFor(RunId),
+    /// Its installation's `concurrent_runs` is full and queues: hand the durable submission
+    /// back, to be decided again after this long (nothing was written).
+    Later(std::time::Duration),
 }
 
 /// Handles submissions.
@@ -104,6 +107,8 @@ pub(crate) struct Intake {
     /// The deployment's escalation policy, resolved with each plan's at admission.
     hitl: flotilla_machine::policy::HitlConfig,
     trust: crate::trust::Trust,
+    /// The installation's quotas (absent: none apply).
+    quota: Option<std::sync::Arc<crate::quota::Quota>>,
 }
 
 fn reply(run_id: Option<RunId>, status: SubmitStatus) -> SubmitReply {
@@ -137,7 +142,14 @@ impl Intake {
             memory: None,
             hitl: flotilla_machine::policy::HitlConfig::default(),
             trust: crate::trust::Trust::default(),
+            quota: None,
         }
+    }
+
+    /// Admits root runs under the installation's quotas.
+    pub(crate) fn with_quota(mut self, quota: std::sync::Arc<crate::quota::Quota>) -> Self {
+        self.quota = Some(quota);
+        self
     }
 
     /// Admits runs with the deployment's escalation policy `hitl`.
@@ -343,6 +355,28 @@ impl Intake {
                 return self.reject(run, rejected, source).await;
             }
         };
+        // The installation's quotas (root runs): the last check, so a refusal for any other
+        // reason takes no slot.
+        let mut reserved = false;
+        if let Some(quota) = &self.quota {
+            let durable = matches!(source, Source::Intake { .. });
+            match quota
+                .admit(run, &mut submitted, source.now_ms(), durable)
+                .await?
+            {
+                crate::quota::Decision::Admitted { reserved: r } => reserved = r,
+                crate::quota::Decision::Refused(problem) => {
+                    let rejected = crate::admission::rejected(
+                        &request,
+                        vec![problem],
+                        submitted.reply_to.clone(),
+                        source.intake_seq(),
+                    );
+                    return self.reject(run, rejected, source).await;
+                }
+                crate::quota::Decision::Wait(pause) => return Ok(Answer::Later(pause)),
+            }
+        }
         submitted.warnings.extend(crate::admission::live_warnings(
             &self.live,
             &self.ctx,
@@ -371,11 +405,13 @@ impl Intake {
                 }
             }
             Ok(false) => {
+                self.unreserve(reserved, run).await;
                 return self
                     .duplicate(run, reply_to.as_deref(), request.wait, source)
                     .await;
             }
             Err(e) if e.kind() == StoreErrorKind::TooLarge => {
+                self.unreserve(reserved, run).await;
                 let rejected = Rejected {
                     errors: vec![Problem::new(
                         ProblemCode::PlanTooLarge,
@@ -391,7 +427,10 @@ impl Intake {
                 };
                 return self.reject(run, rejected, source).await;
             }
-            Err(e) => return Err(e),
+            Err(e) => {
+                self.unreserve(reserved, run).await;
+                return Err(e);
+            }
         }
         info!(%run, "Plan accepted");
         RunSubmitted {
@@ -405,6 +444,13 @@ impl Intake {
             let mut r = reply(Some(run), SubmitStatus::Accepted);
             r.warnings = warnings;
             Ok(Answer::Now(Box::new(r)))
+        }
+    }
+
+    /// Gives back the slot taken for `run` (`reserved`) when it does not start after all.
+    async fn unreserve(&self, reserved: bool, run: RunId) {
+        if let (true, Some(q)) = (reserved, &self.quota) {
+            q.unreserve(run).await;
         }
     }
 

@@ -34,6 +34,7 @@ mod notices;
 pub mod options;
 pub mod planner;
 mod pull;
+mod quota;
 mod runtime;
 pub mod store;
 mod topics;
@@ -95,7 +96,13 @@ pub struct Coordinator {
     service_metadata: std::collections::HashMap<String, String>,
     /// The interval of the stall check of its pull loops ([`Coordinator::with_heartbeat`]).
     heartbeat: std::time::Duration,
+    /// The tenant whose installation it serves ([`Coordinator::with_tenant`]).
+    tenant: Option<flotilla_model::tenant::TenantName>,
 }
+
+/// How long a starting coordinator waits to read its installation's quotas before it
+/// admits runs without them (they apply as soon as it reads them).
+const QUOTA_SYNC_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The stall check's interval when nobody sets one: the workers' default heartbeat.
 const DEFAULT_HEARTBEAT: std::time::Duration = std::time::Duration::from_secs(5);
@@ -128,7 +135,15 @@ impl Coordinator {
             metrics: Metrics::new(),
             service_metadata: Default::default(),
             heartbeat: DEFAULT_HEARTBEAT,
+            tenant: None,
         }
+    }
+
+    /// Names the tenant whose installation this coordinator serves (`nats.tenant`): its
+    /// quota refusals and usage say so. Its bus already has the tenant's names.
+    pub fn with_tenant(mut self, tenant: Option<flotilla_model::tenant::TenantName>) -> Self {
+        self.tenant = tenant;
+        self
     }
 
     /// The interval of the stall check of its pull loops (the run log, the intake, the
@@ -264,6 +279,30 @@ impl Coordinator {
         } else {
             trust::Trust::default()
         };
+        // The installation's quotas, followed from the usage bucket: admissions and run ends
+        // read them from memory (without quotas they cost nothing).
+        let quota = {
+            let mut ledger = patience
+                .ride_out("opening the usage bucket", || {
+                    flotilla_tenants::ledger::Ledger::open(&self.bus)
+                })
+                .await
+                .map_err(|e| setup("opening the usage bucket", e))?
+                .with_tenant(self.tenant.clone());
+            ledger.follow(shutdown.clone());
+            tokio::select! {
+                _ = ledger.synced() => {}
+                _ = tokio::time::sleep(QUOTA_SYNC_WAIT) => {
+                    // NATS permissions of an older deployment (no usage bucket): the watch
+                    // keeps trying, and quotas apply once it reads them.
+                    warn!(
+                        "The installation's quotas cannot be read yet (the coordinator's NATS user needs the usage bucket, see deploy/nats/accounts.conf); admitting without them until they can"
+                    );
+                }
+                _ = shutdown.cancelled() => return Ok(()),
+            }
+            Arc::new(quota::Quota::new(ledger, store.clone()))
+        };
         let runtime = Arc::new(
             Runtime::new(
                 store.clone(),
@@ -274,7 +313,8 @@ impl Coordinator {
                 self.jetstream.duplicate_window,
                 self.metrics.clone(),
             )
-            .with_trust(trust.clone()),
+            .with_trust(trust.clone())
+            .with_quota(Arc::clone(&quota)),
         );
         let workers = patience
             .ride_out("opening the workers bucket", || {
@@ -299,7 +339,8 @@ impl Coordinator {
                 self.opts.memory.clone(),
             ))
             .with_hitl(self.opts.hitl.clone())
-            .with_trust(trust),
+            .with_trust(trust)
+            .with_quota(quota),
         );
         // Every pull loop marks its pulls; one that stops pulling while its consumer holds
         // messages is restarted (`flotilla_bus::liveness`).
@@ -467,6 +508,11 @@ async fn submit_one(intake: &Intake, msg: async_nats::jetstream::Message) {
     {
         Ok(Answer::Now(_) | Answer::AtEnd | Answer::WaitFor(_)) => {
             let _ = msg.ack().await;
+        }
+        Ok(Answer::Later(pause)) => {
+            // Its quota queues: handed back until a slot frees (the intake refuses it once
+            // it has waited `quota::QUEUE_WAIT`).
+            let _ = msg.ack_with(AckKind::Nak(Some(pause))).await;
         }
         Err(e)
             if delivered >= MAX_INTAKE_DELIVERIES

@@ -8,6 +8,7 @@ pub mod agents;
 pub mod collab;
 pub mod people;
 pub mod runs;
+pub mod tenancy;
 pub mod wire;
 
 pub use agents::{lead, memory, recruit, team, teammate, worker};
@@ -17,6 +18,7 @@ pub use runs::{
     control, diff, event, fork, numeric, plan, rollback, run, runlog, submit, task, template, tree,
     validate, watch,
 };
+pub use tenancy::tenant;
 use wire::endpoint;
 pub use wire::{api, codec, error_code, ids, lenient, problem, schema, subjects, time, token};
 

@@ -237,6 +237,7 @@ fn problem() -> impl Strategy<Value = Problem> {
             message,
             tasks,
             topic,
+            quota: None,
         })
 }
 fn error_kind() -> impl Strategy<Value = TaskErrorKind> {

@@ -142,6 +142,10 @@ pub struct Supervisor {
     trust: flotilla_machine::policy::TrustConfig,
     agents: flotilla_agents::AgentsProtocolOptions,
     exposed_definitions: std::collections::BTreeSet<flotilla_agents::wire::AgentAddress>,
+    /// Whether it takes part in the NATS Agent Protocol (external members, exposed
+    /// teammates): not for a tenant, whose users have no rights on the protocol's shared
+    /// subjects.
+    agents_protocol: bool,
     ready: Option<oneshot::Sender<()>>,
 }
 
@@ -174,6 +178,7 @@ impl Supervisor {
             trust: flotilla_machine::policy::TrustConfig::default(),
             agents: flotilla_agents::AgentsProtocolOptions::default(),
             exposed_definitions: Default::default(),
+            agents_protocol: true,
             ready: None,
         }
     }
@@ -189,6 +194,13 @@ impl Supervisor {
     ) -> Self {
         self.agents = opts;
         self.exposed_definitions = definitions.into_iter().collect();
+        self
+    }
+
+    /// Takes no part in the NATS Agent Protocol: no external members, no exposed teammates
+    /// (a tenant's supervisor: the protocol's subjects are shared by the whole account).
+    pub fn without_agents_protocol(mut self) -> Self {
+        self.agents_protocol = false;
         self
     }
 
@@ -345,7 +357,7 @@ impl Supervisor {
             let (team, stop) = (Arc::clone(&team), shutdown.clone());
             tasks.spawn(async move { follow::run(team, consumer, events_pulse, stop).await });
         }
-        if team.opts.external_agents {
+        if team.opts.external_agents && self.agents_protocol {
             let (team, stop) = (Arc::clone(&team), shutdown.clone());
             tasks.spawn(async move { external::run(team, stop).await });
         }
@@ -357,7 +369,7 @@ impl Supervisor {
             let (team, stop) = (Arc::clone(&team), shutdown.clone());
             tasks.spawn(async move { teammates::follow(team, inbox, inbox_pulse, stop).await });
         }
-        {
+        if self.agents_protocol {
             let (team, stop) = (Arc::clone(&team), shutdown.clone());
             tasks.spawn(async move { exposed::run(team, stop).await });
         }

@@ -42,6 +42,8 @@ pub struct Worker {
     id: String,
     ready: Option<tokio::sync::oneshot::Sender<()>>,
     metrics: Metrics,
+    /// The agent slots, when shared with the workers of other tenants in this process.
+    run_slots: Option<Arc<Semaphore>>,
 }
 
 fn default_id() -> String {
@@ -72,7 +74,19 @@ impl Worker {
             id,
             ready: None,
             metrics: Metrics::new(),
+            run_slots: None,
         }
+    }
+
+    /// Runs attempts only in `slots`, shared with other workers of this process — one per
+    /// tenant of a shared pool (`flotilla worker --tenants a,b`). Each tenant's worker still
+    /// pulls its own queue for its own free places; an attempt then waits for a slot in
+    /// turn (the semaphore is first come, first served), so a tenant whose queue floods the
+    /// pool delays another's task by the attempts already waiting, not by its whole backlog,
+    /// and no slot idles while any tenant has work.
+    pub fn with_run_slots(mut self, slots: Arc<Semaphore>) -> Self {
+        self.run_slots = Some(slots);
+        self
     }
 
     /// Records this worker's metrics (attempt durations by outcome, in-flight attempts and
@@ -194,7 +208,10 @@ impl Worker {
             agents: Arc::clone(&self.agents),
             id: self.id.clone(),
             in_flight: Arc::new(AtomicUsize::new(0)),
-            run_slots: Arc::new(Semaphore::new(self.opts.concurrency)),
+            run_slots: self
+                .run_slots
+                .clone()
+                .unwrap_or_else(|| Arc::new(Semaphore::new(self.opts.concurrency))),
             hard_stop: CancellationToken::new(),
             runs: Mutex::new(HashMap::new()),
             cancelled: Mutex::new(HashSet::new()),

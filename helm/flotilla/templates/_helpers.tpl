@@ -239,6 +239,7 @@ give comes from workerPoolDefaults; keda and hpa are filled key by key. (Zero va
 {{- if and (not .Values.nats.enabled) (eq (include "flotilla.natsUrls" . | fromJsonArray | len) 0) -}}
 {{- fail "nats.url is empty: give the URL of an existing NATS, or set nats.enabled=true" -}}
 {{- end -}}
+{{- include "flotilla.validateTenants" . -}}
 {{- end -}}
 
 {{/*
@@ -277,7 +278,10 @@ Helm reads YAML numbers as (`team-size = 10`, not `10.0`).
 
 {{/*
 flotilla.toml of one role. Args: root, pool (a worker pool; nil for the coordinator and the
-supervisor), role (the name in the file's heading when pool is nil; default coordinator).
+supervisor), role (the name in the file's heading when pool is nil; default coordinator),
+tenant (optional: a tenant of flotilla.tenants, whose pools replace workerPools; its
+services act for it through FLOTILLA_NATS__TENANT), shared (optional: flotilla.shared, whose
+pools replace workerPools; its services act for each shared tenant through --tenants).
 The coordinator knows every pool's agents, so plan validation rejects unknown agents; the
 supervisor knows them too (every agent is a team member, with its card). An agent defined by
 two pools must be defined the same way.
@@ -286,6 +290,10 @@ two pools must be defined the same way.
 {{- $v := .root.Values -}}
 {{- $pools := list -}}
 {{- $all := include "flotilla.pools" .root | fromJsonArray -}}
+{{- $tenant := get . "tenant" -}}
+{{- if $tenant -}}{{- $all = $tenant.pools -}}{{- end -}}
+{{- $shared := get . "shared" -}}
+{{- if $shared -}}{{- $all = $shared.pools -}}{{- end -}}
 {{- range $all -}}{{- $pools = append $pools .name -}}{{- end -}}
 {{- $agents := dict -}}
 {{- if .pool -}}
@@ -339,7 +347,7 @@ the tokens Secret (environment). */ -}}
 {{- $extra := dict -}}
 {{- include "flotilla.mergeToml" (dict "into" $extra "toml" $v.extraConfig "what" "extraConfig") -}}
 {{- $cfg = mustMergeOverwrite $extra $cfg -}}
-# flotilla.toml rendered by the Helm chart helm/flotilla ({{ if .pool }}worker pool {{ .pool.name }}{{ else }}{{ .role | default "coordinator" }}{{ end }}).
+# flotilla.toml rendered by the Helm chart helm/flotilla ({{ with $tenant }}tenant {{ .name }}, {{ end }}{{ with $shared }}shared by tenants {{ join ", " ((get $ "pool" | default dict).tenants | default .tenants) }}, {{ end }}{{ if .pool }}worker pool {{ .pool.name }}{{ else }}{{ .role | default "coordinator" }}{{ end }}).
 # NATS credentials come from the environment (FLOTILLA_NATS__AUTH__*), not from this file.
 {{ toToml $cfg }}
 {{- end -}}

@@ -12,7 +12,10 @@ Prints one line per check and ends with "N passed, M failed".
 
 from __future__ import annotations
 
+import difflib
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -145,9 +148,54 @@ ALL_ON = {
 }
 
 
+# Two tenants (README.md, "Tenants"): acme with pools default and gpu (the gpu pool's settings
+# come from its workerPools entry) and person bob, beta with the default pool and person
+# carol; root administers every tenant.
+TENANTS = {
+    "nats": {"monitoringEndpoint": "nats.messaging.svc:8222"},
+    "workerPools": [
+        {"name": "default"},
+        {
+            "name": "gpu",
+            "concurrency": 1,
+            "agents": '[agents.vision]\nkind = "scripted"\nreply = "seen"\n',
+            "nodeSelector": {"nvidia.com/gpu.present": "true"},
+            "keda": {"enabled": True, "minReplicas": 1, "maxReplicas": 8},
+        },
+    ],
+    "tenancy": {
+        "tenants": [
+            {"name": "acme", "pools": ["default", "gpu"], "people": ["bob"], "workers": {"replicas": 2}},
+            {"name": "beta", "people": ["carol"], "coordinator": {"replicas": 2}},
+        ],
+        "admins": ["root"],
+        "natsConfig": {"enabled": True},
+    },
+}
+# The same tenants as `flotilla tenant nats-config --from-file` reads them (tenant records).
+TENANT_RECORDS = [
+    {"name": "acme", "pools": ["default", "gpu"], "people": ["bob"], "created_ms": 0},
+    {"name": "beta", "pools": ["default"], "people": ["carol"], "created_ms": 0},
+]
+# Per tenant or shared (README.md, "Tenants"): acme (pools default and gpu) and beta (pool
+# default) are served by one shared set of services (`--tenants`), gamma by its own.
+SHARED = {
+    "nats": {"monitoringEndpoint": "nats.messaging.svc:8222"},
+    "workerPools": TENANTS["workerPools"],
+    "tenancy": {
+        "tenants": [
+            {"name": "acme", "shared": True, "pools": ["default", "gpu"], "people": ["bob"]},
+            {"name": "beta", "shared": True, "people": ["carol"]},
+            {"name": "gamma"},
+        ],
+        "admins": ["root"],
+        "natsConfig": {"enabled": True},
+    },
+}
+
 @check
 def lint_is_strictly_clean():
-    for values in ({}, ALL_ON):
+    for values in ({}, ALL_ON, TENANTS, SHARED):
         result = helm_python.lint(str(CHART), values, strict=True, namespace="flotilla", kube_version=KUBE_VERSION)
         bad = [m for m in result["messages"] if m["severity"] >= 2 and m["error"] != MISSING_NATS]
         assert not bad, bad
@@ -176,7 +224,7 @@ def every_feature_renders_and_validates():
 
 @check
 def every_pod_is_locked_down():
-    for values in ({}, ALL_ON):
+    for values in ({}, ALL_ON, TENANTS, SHARED):
         for obj, spec in pod_specs(render(values)):
             name = obj["metadata"]["name"]
             assert spec["enableServiceLinks"] is False, name
@@ -557,7 +605,7 @@ def rendered_configs_load_in_the_real_binary():
     with tempfile.TemporaryDirectory() as d:
         plan = Path(d) / "plan.json"
         plan.write_text('{"subtasks":[{"id":"a"},{"id":"b","dependencies":["a"]}]}')
-        for values in ({}, ALL_ON):
+        for values in ({}, ALL_ON, TENANTS, SHARED):
             for name, text in one(render(values), "ConfigMap", "rel-flotilla-config")["data"].items():
                 path = Path(d) / name
                 path.write_text(text)
@@ -853,6 +901,463 @@ def supervisor_settings_load_in_the_real_binary():
     assert out.returncode != 0 and "answer-wait must be at most 60s" in out.stderr, out.stdout + out.stderr
     out = load({"staleAfter": "1s"})
     assert out.returncode != 0 and "progress-resolution must be shorter than stale-after" in out.stderr, out.stderr
+
+
+# --- tenants -------------------------------------------------------------------------------
+
+
+def render_files(values: dict) -> dict[str, str]:
+    """The rendered files, path -> text, as `helm template` writes them."""
+    with helm_python.Chart.load(str(CHART)) as chart:
+        return chart.render(values, name="rel", namespace="flotilla", is_install=True)
+
+
+def accounts_conf(values: dict) -> str:
+    cm = one(render(values), "ConfigMap", "rel-flotilla-nats-accounts")
+    return cm["data"]["accounts.conf"]
+
+
+def container_env(deployment: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
+def nats_server_binary() -> str | None:
+    for candidate in (os.environ.get("NATS_SERVER_BIN"), shutil.which("nats-server")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+@check
+def the_charts_accounts_template_is_the_shipped_one():
+    """The chart renders tenants from its own copy of deploy/nats/accounts.conf (Helm reads
+    only files inside the chart): the copy must be the file itself."""
+    shipped = (ROOT / "deploy" / "nats" / "accounts.conf").read_bytes()
+    copy = (CHART / "files" / "accounts.conf").read_bytes()
+    assert copy == shipped, (
+        "helm/flotilla/files/accounts.conf differs from deploy/nats/accounts.conf: "
+        "cp deploy/nats/accounts.conf helm/flotilla/files/accounts.conf"
+    )
+
+
+@check
+def without_tenants_nothing_changes():
+    plain = render_files({})
+    explicit = render_files({"tenancy": {"tenants": [], "admins": [], "natsConfig": {"enabled": False}}})
+    assert plain == explicit
+    objects = render({})
+    assert not [o for o in objects if "flotilla.dev/tenant" in o["metadata"].get("labels", {})]
+    assert not [o for o in objects if o["metadata"]["name"] == "rel-flotilla-nats-accounts"]
+    assert not [k for k in configs(objects) if k.startswith("tenant-")]
+    # Tenants add objects and configs; they change none of the deployment's own.
+    base = {k: v for k, v in TENANTS.items() if k != "tenancy"}
+    before = {(o["kind"], o["metadata"]["name"]): o for o in render(base)}
+    after = {(o["kind"], o["metadata"]["name"]): o for o in render(TENANTS)}
+    for key, obj in before.items():
+        if key == ("ConfigMap", "rel-flotilla-config"):
+            assert obj["data"].items() <= after[key]["data"].items()
+        else:
+            assert after[key] == obj, key
+
+
+@check
+def tenants_get_their_own_services():
+    objects = render(TENANTS)
+    kubernetes_validate(objects)
+    cfgs = configs(objects)
+    expected = {
+        "rel-flotilla-acme-coordinator": ("acme", "tenant-coordinator", 1),
+        "rel-flotilla-acme-supervisor": ("acme", "tenant-supervisor", 1),
+        "rel-flotilla-acme-worker-default": ("acme", "tenant-worker", 2),
+        "rel-flotilla-acme-worker-gpu": ("acme", "tenant-worker", 2),
+        "rel-flotilla-beta-coordinator": ("beta", "tenant-coordinator", 2),
+        "rel-flotilla-beta-supervisor": ("beta", "tenant-supervisor", 1),
+        "rel-flotilla-beta-worker-default": ("beta", "tenant-worker", 1),
+    }
+    deployments = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Deployment"}
+    tenant_deployments = {n for n, d in deployments.items() if "flotilla.dev/tenant" in d["metadata"]["labels"]}
+    assert tenant_deployments == set(expected), tenant_deployments
+    for name, (tenant, component, replicas) in expected.items():
+        d = deployments[name]
+        assert d["spec"]["replicas"] == replicas, name
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        assert labels["flotilla.dev/tenant"] == tenant and labels["app.kubernetes.io/component"] == component, name
+        env = container_env(d)
+        assert env["FLOTILLA_NATS__TENANT"] == {"name": "FLOTILLA_NATS__TENANT", "value": tenant}, name
+        # Its own config: the tenant's pools only.
+        (vol,) = [v for v in d["spec"]["template"]["spec"]["volumes"] if v["name"] == "config"]
+        key = vol["configMap"]["items"][0]["key"]
+        assert key.startswith(f"tenant-{tenant}-"), (name, key)
+        assert cfgs[key]["pools"] == (["default", "gpu"] if tenant == "acme" else ["default"]), (name, key)
+    # The deployment's own services do not act for a tenant.
+    for name, d in deployments.items():
+        if name not in expected:
+            assert "FLOTILLA_NATS__TENANT" not in container_env(d), name
+    # No Deployment's (or budget's) selector picks another's pods.
+    selectors = {n: d["spec"]["selector"]["matchLabels"] for n, d in deployments.items()}
+    for name, d in deployments.items():
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        for other, sel in selectors.items():
+            assert other == name or not sel.items() <= labels.items(), (other, name)
+    for pdb in find(objects, "PodDisruptionBudget"):
+        sel = pdb["spec"]["selector"]["matchLabels"]
+        matched = [n for n, d in deployments.items() if sel.items() <= d["spec"]["template"]["metadata"]["labels"].items()]
+        assert matched == [pdb["metadata"]["name"]], (pdb["metadata"]["name"], matched)
+    assert ("PodDisruptionBudget", "rel-flotilla-beta-coordinator") in {(o["kind"], o["metadata"]["name"]) for o in objects}
+    assert not [o for o in objects if o["kind"] == "PodDisruptionBudget" and o["metadata"]["name"] == "rel-flotilla-acme-coordinator"]
+    # A tenant's pool runs like the workerPools entry of its name, at its own fixed size:
+    # concurrency, agents, scheduling and the pool's Secret (user worker-gpu, + @acme).
+    gpu = deployments["rel-flotilla-acme-worker-gpu"]
+    c = gpu["spec"]["template"]["spec"]["containers"][0]
+    assert c["args"] == ["worker", "--pool", "gpu", "--concurrency", "1"]
+    assert gpu["spec"]["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert container_env(gpu)["FLOTILLA_NATS__AUTH__USER"]["valueFrom"]["secretKeyRef"]["name"] == "flotilla-nats-worker-gpu"
+    assert set(cfgs["tenant-acme-pool-gpu.toml"]["agents"]) == {"echo", "vision"}
+    assert set(cfgs["tenant-acme-coordinator.toml"]["agents"]) == {"echo", "vision"}
+    assert set(cfgs["tenant-beta-coordinator.toml"]["agents"]) == {"echo"}
+    (so,) = find(objects, "ScaledObject")
+    assert so["metadata"]["name"] == "rel-flotilla-worker-gpu", "tenants' pools have fixed replicas"
+    # Services' Secrets are the roles' (shared: the binary logs in as <user>@<tenant>), unless
+    # the tenant names its own.
+    acme = container_env(deployments["rel-flotilla-acme-coordinator"])
+    assert acme["FLOTILLA_NATS__AUTH__USER"]["valueFrom"]["secretKeyRef"]["name"] == "flotilla-nats-coordinator"
+    own = render({"tenancy": {"tenants": [{"name": "acme", "pools": ["gpu"], "credentials": {
+        "coordinator": "acme-coordinator", "supervisor": "acme-supervisor", "worker": "acme-worker-{pool}"}}]}})
+    for name, secret in (
+        ("rel-flotilla-acme-coordinator", "acme-coordinator"),
+        ("rel-flotilla-acme-supervisor", "acme-supervisor"),
+        ("rel-flotilla-acme-worker-gpu", "acme-worker-gpu"),
+    ):
+        env = container_env(one(own, "Deployment", name))
+        assert env["FLOTILLA_NATS__AUTH__PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == secret, name
+    # Without supervisors, none for the tenants either.
+    objects = render({**TENANTS, "supervisor": {"enabled": False}})
+    assert not [o for o in objects if o["metadata"]["name"].endswith("-supervisor")]
+    assert not [k for k in configs(objects) if k.endswith("-supervisor.toml")]
+    with helm_python.Chart.load(str(CHART)) as chart:
+        files = chart.render(TENANTS, name="rel", namespace="flotilla", is_install=True)
+    notes = next(v for k, v in files.items() if k.endswith("NOTES.txt"))
+    assert "tenant acme (prefix flotilla-acme): coordinators: 1, supervisors: 1" in notes, notes
+    assert "flotilla --tenant acme --nats-url <url> submit" in notes, notes
+
+
+@check
+def the_nats_accounts_hold_every_tenant():
+    assert not [o for o in render({**TENANTS, "tenancy": {**TENANTS["tenancy"], "natsConfig": {"enabled": False}}})
+                if o["metadata"]["name"] == "rel-flotilla-nats-accounts"]
+    conf = accounts_conf(TENANTS)
+    cm = one(render(TENANTS), "ConfigMap", "rel-flotilla-nats-accounts")
+    assert cm["metadata"]["labels"]["app.kubernetes.io/component"] == "nats-accounts"
+    assert conf.startswith("# Generated by `flotilla tenant nats-config`")
+    assert conf.endswith("}\nsystem_account = SYS\n")
+    # The template's blocks come first, the default tenant's: its names kept, and the rights
+    # that name no installation narrowed to its own (stream management of its streams, no
+    # stream listing); it keeps the NATS Agent Protocol. Then each tenant's, renamed.
+    default = conf.split("# === tenant acme")[0]
+    template = (CHART / "files" / "accounts.conf").read_text()
+    assert default.startswith("# Generated by `flotilla tenant nats-config`")
+    assert template.split("\nCOORDINATOR = {")[0] in default, "the template's header, unchanged"
+    for line in ('"$JS.API.STREAM.CREATE.FLOTILLA_RUNLOG"', '"$JS.API.STREAM.INFO.KV_flotilla-runs"', '"agents.hb.>"'):
+        assert line in default, line
+    for line in ('"$JS.API.STREAM.CREATE.*"', '"$JS.API.STREAM.LIST"', "flotilla-acme"):
+        assert line not in default, line
+    for line in (
+        '{ user = "coordinator@acme", password = $FLOTILLA_PASSWORD_COORDINATOR, permissions = $COORDINATOR_T_ACME }',
+        '{ user = "worker-gpu@acme", password = $FLOTILLA_PASSWORD_WORKER_GPU, permissions = $WORKER_GPU_T_ACME }',
+        '{ user = "client@acme", password = $FLOTILLA_PASSWORD_CLIENT_ACME, permissions = $CLIENT_T_ACME }',
+        '{ user = "worker-default@beta", password = $FLOTILLA_PASSWORD_WORKER_DEFAULT, permissions = $WORKER_DEFAULT_T_BETA }',
+        '{ user = "bob", password = $FLOTILLA_PASSWORD_PERSON_BOB, permissions = { publish = { allow = ["flotilla-acme.api.>"] }, subscribe = { allow = ["_INBOX_bob.>"] } } }',
+        '{ user = "root", password = $FLOTILLA_PASSWORD_PERSON_ROOT, permissions = { publish = { allow = ["flotilla.api.>", "flotilla-acme.api.>", "flotilla-beta.api.>"] }, subscribe = { allow = ["_INBOX_root.>"] } } }',
+        '"$JS.API.STREAM.CREATE.FLOTILLA_ACME_RUNLOG"',
+        '"$JS.API.CONSUMER.CREATE.FLOTILLA_ACME_TASKS.pool-gpu.flotilla-acme.task.gpu.>"   # POOL',
+        '"_INBOX_beta.>"',
+    ):
+        assert line in conf, line
+    acme = conf.split("# === tenant acme")[1].split("# === tenant beta")[0]
+    for line in acme.splitlines():
+        if not line.lstrip().startswith("#"):
+            assert "agents." not in line and '"flotilla.' not in line and '"_INBOX.>"' not in line, line
+
+
+@check
+def the_nats_accounts_are_what_the_binary_generates():
+    binary = os.environ.get("FLOTILLA_BIN")
+    if not binary:
+        print("    (skipped: FLOTILLA_BIN not set; the chart's accounts.conf is not compared with `flotilla tenant nats-config`)")
+        return
+    with tempfile.TemporaryDirectory() as d:
+        records = Path(d) / "tenants.json"
+        records.write_text(json.dumps(TENANT_RECORDS))
+        out = subprocess.run(
+            [binary, "tenant", "nats-config", "--passwords", "env", "--from-file", str(records), "--admin", "root"],
+            capture_output=True,
+            text=True,
+            env={k: v for k, v in os.environ.items() if not k.startswith("FLOTILLA_")},
+        )
+    assert out.returncode == 0, out.stdout + out.stderr
+    chart = accounts_conf(TENANTS)
+    if chart != out.stdout:
+        diff = "".join(difflib.unified_diff(
+            out.stdout.splitlines(True), chart.splitlines(True), "flotilla tenant nats-config", "chart", n=1))
+        raise AssertionError("the chart's accounts.conf differs from the binary's:\n" + diff[:6000])
+
+
+@check
+def nats_server_accepts_the_accounts():
+    server = nats_server_binary()
+    if not server:
+        print("    (skipped: no nats-server on PATH or in NATS_SERVER_BIN)")
+        return
+    conf = accounts_conf(TENANTS)
+    variables = sorted(set(re.findall(r"\$(FLOTILLA_PASSWORD_[A-Z0-9_]+)", conf)))
+    assert "FLOTILLA_PASSWORD_CLIENT_BETA" in variables and "FLOTILLA_PASSWORD_PERSON_CAROL" in variables, variables
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "accounts.conf"
+        path.write_text(conf)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FLOTILLA_PASSWORD_")}
+        # nats-server resolves the passwords from its environment when it loads the file.
+        out = subprocess.run(
+            [server, "-c", str(path), "-t"],
+            capture_output=True,
+            text=True,
+            env={**env, **{v: f"{v.lower().replace('_', '-')}-secret" for v in variables}},
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        out = subprocess.run([server, "-c", str(path), "-t"], capture_output=True, text=True, env=env)
+        assert out.returncode != 0 and "FLOTILLA_PASSWORD_" in out.stdout + out.stderr, out.stdout + out.stderr
+
+
+@check
+def tenant_values_are_checked():
+    for bad in ("Acme", "-acme", "acme-", "a.b", "a_b", "x" * 33):
+        fails_with({"tenancy": {"tenants": [{"name": bad}]}}, "/tenancy/tenants/0/name", f"'{bad}'")
+    for reserved in ("default", "all", "tenants"):
+        fails_with({"tenancy": {"tenants": [{"name": "ok"}, {"name": reserved}]}}, "/tenancy/tenants/1/name")
+    fails_with({"tenancy": {"tenants": [{"pools": ["default"]}]}}, "name")
+    fails_with({"tenancy": {"tenants": [{"name": "acme", "pools": ["GPU"]}]}}, "/tenancy/tenants/0/pools/0")
+    fails_with({"tenancy": {"tenants": [{"name": "acme", "pools": []}]}}, "/tenancy/tenants/0/pools")
+    fails_with({"tenancy": {"tenants": [{"name": "acme", "people": ["a.b"]}]}}, "/tenancy/tenants/0/people/0")
+    fails_with({"tenancy": {"admins": ["has space"]}}, "/tenancy/admins/0")
+    fails_with({"tenancy": {"tenants": [{"name": "acme", "workers": {"replicas": -1}}]}}, "/tenancy/tenants/0/workers/replicas")
+    fails_with({"tenancy": {"tenants": [{"name": "acme", "quota": 1}]}}, "quota")
+    fails_with({"tenancy": {"tenants": [{"name": "acme"}, {"name": "acme"}]}}, 'tenant "acme" is listed twice')
+    fails_with({"tenancy": {"tenants": [{"name": "acme", "pools": ["gpu", "gpu"]}]}}, '(acme): pool "gpu" is listed twice')
+    fails_with(
+        {"workerPools": [{"name": "worker-x"}], "tenancy": {"tenants": [{"name": "worker", "pools": ["x"]}]}},
+        "would be named rel-flotilla-worker-worker-x, like that of worker pool worker-x",
+    )
+    fails_with({"prefix": "other", "tenancy": {"natsConfig": {"enabled": True}}}, "tenancy.natsConfig.enabled", "not \"other\"")
+
+
+# --- shared tenants ------------------------------------------------------------------------
+
+
+def deployments_of(objects) -> dict[str, dict]:
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] == "Deployment"}
+
+
+def config_key(deployment: dict) -> str:
+    (vol,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "config"]
+    return vol["configMap"]["items"][0]["key"]
+
+
+def assert_selectors_apart(objects) -> None:
+    """No Deployment's selector picks another's pods; each budget picks its own only."""
+    deployments = deployments_of(objects)
+    selectors = {n: d["spec"]["selector"]["matchLabels"] for n, d in deployments.items()}
+    for name, d in deployments.items():
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        assert selectors[name].items() <= labels.items(), name
+        for other, sel in selectors.items():
+            assert other == name or not sel.items() <= labels.items(), (other, name)
+    for pdb in (o for o in objects if o["kind"] == "PodDisruptionBudget"):
+        sel = pdb["spec"]["selector"]["matchLabels"]
+        matched = [n for n, d in deployments.items() if sel.items() <= d["spec"]["template"]["metadata"]["labels"].items()]
+        assert matched == [pdb["metadata"]["name"]], (pdb["metadata"]["name"], matched)
+
+
+@check
+def shared_tenants_share_one_set_of_services():
+    objects = render(SHARED)
+    kubernetes_validate(objects)
+    deployments = deployments_of(objects)
+    cfgs = configs(objects)
+    shared = {
+        # name: (component, args, replicas, Secret, config key)
+        "rel-flotilla-shared-coordinator": (
+            "shared-coordinator", ["coordinator", "--tenants", "acme,beta"], 1,
+            "flotilla-nats-coordinator", "shared-coordinator.toml"),
+        "rel-flotilla-shared-supervisor": (
+            "shared-supervisor", ["supervisor", "--tenants", "acme,beta"], 1,
+            "flotilla-nats-supervisor", "shared-supervisor.toml"),
+        "rel-flotilla-shared-worker-default": (
+            "shared-worker", ["worker", "--pool", "default", "--concurrency", "4", "--tenants", "acme,beta"], 1,
+            "flotilla-nats-worker-default", "shared-pool-default.toml"),
+        "rel-flotilla-shared-worker-gpu": (
+            "shared-worker", ["worker", "--pool", "gpu", "--concurrency", "1", "--tenants", "acme"], 1,
+            "flotilla-nats-worker-gpu", "shared-pool-gpu.toml"),
+    }
+    assert {n for n in deployments if "-shared-" in n} == set(shared), sorted(deployments)
+    for name, (component, args, replicas, secret, key) in shared.items():
+        d = deployments[name]
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        assert labels["app.kubernetes.io/component"] == component, name
+        assert d["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == component, name
+        assert "flotilla.dev/tenant" not in labels and "flotilla.dev/tenant" not in d["metadata"]["labels"], name
+        assert d["metadata"]["annotations"]["flotilla.dev/tenants"] == args[-1], name
+        (c,) = d["spec"]["template"]["spec"]["containers"]
+        assert c["args"] == args, (name, c["args"])
+        assert d["spec"]["replicas"] == replicas, name
+        # The deployment's own credentials; it acts for its tenants through --tenants only.
+        env = container_env(d)
+        assert "FLOTILLA_NATS__TENANT" not in env, name
+        for k in ("USER", "PASSWORD"):
+            assert env[f"FLOTILLA_NATS__AUTH__{k}"]["valueFrom"]["secretKeyRef"]["name"] == secret, name
+        assert config_key(d) == key, name
+        assert cfgs[key]["pools"] == ["default", "gpu"], (name, cfgs[key]["pools"])
+        assert "tenant" not in cfgs[key]["nats"], name
+    # A shared pool runs like the workerPools entry of its name (concurrency, agents,
+    # scheduling), at fixed replicas: the deployment's own gpu pool keeps its KEDA scaler.
+    gpu = deployments["rel-flotilla-shared-worker-gpu"]
+    assert gpu["spec"]["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    (so,) = find(objects, "ScaledObject")
+    assert so["metadata"]["name"] == "rel-flotilla-worker-gpu"
+    assert set(cfgs["shared-pool-gpu.toml"]["agents"]) == {"echo", "vision"}
+    assert set(cfgs["shared-pool-default.toml"]["agents"]) == {"echo"}
+    assert cfgs["shared-pool-gpu.toml"]["worker"]["pool"] == "gpu"
+    assert set(cfgs["shared-coordinator.toml"]["agents"]) == {"echo", "vision"}
+    assert cfgs["shared-supervisor.toml"]["agents"] == cfgs["shared-coordinator.toml"]["agents"]
+    cm = one(objects, "ConfigMap", "rel-flotilla-config")["data"]
+    assert cm["shared-pool-gpu.toml"].startswith(
+        "# flotilla.toml rendered by the Helm chart helm/flotilla (shared by tenants acme, worker pool gpu)")
+    # Services of their own only for gamma; none, and no configs, for the shared tenants.
+    per_tenant = {n for n, d in deployments.items() if "flotilla.dev/tenant" in d["metadata"]["labels"]}
+    assert per_tenant == {"rel-flotilla-gamma-coordinator", "rel-flotilla-gamma-supervisor", "rel-flotilla-gamma-worker-default"}, per_tenant
+    for name in per_tenant:
+        assert container_env(deployments[name])["FLOTILLA_NATS__TENANT"]["value"] == "gamma", name
+    assert not [k for k in cfgs if k.startswith(("tenant-acme-", "tenant-beta-"))], sorted(cfgs)
+    assert "tenant-gamma-coordinator.toml" in cfgs
+    assert_selectors_apart(objects)
+    # One replica each by default: no budget that would block every drain.
+    assert not [o for o in objects if o["kind"] == "PodDisruptionBudget" and "-shared-" in o["metadata"]["name"]]
+    # Replicas from tenancy.shared; from 2 replicas the coordinators' and supervisors' budgets.
+    objects = render({**SHARED, "tenancy": {**SHARED["tenancy"], "shared": {
+        "coordinator": {"replicas": 3}, "supervisor": {"replicas": 2}, "workers": {"replicas": 4}}}})
+    kubernetes_validate(objects)
+    deployments = deployments_of(objects)
+    assert deployments["rel-flotilla-shared-coordinator"]["spec"]["replicas"] == 3
+    assert deployments["rel-flotilla-shared-supervisor"]["spec"]["replicas"] == 2
+    assert deployments["rel-flotilla-shared-worker-default"]["spec"]["replicas"] == 4
+    assert deployments["rel-flotilla-shared-worker-gpu"]["spec"]["replicas"] == 4
+    budgets = {o["metadata"]["name"] for o in objects if o["kind"] == "PodDisruptionBudget"}
+    assert {"rel-flotilla-shared-coordinator", "rel-flotilla-shared-supervisor"} <= budgets, budgets
+    assert_selectors_apart(objects)
+    # Without supervisors, no shared one either.
+    objects = render({**SHARED, "supervisor": {"enabled": False}})
+    assert not [o for o in objects if o["metadata"]["name"].endswith("-supervisor")]
+    assert "shared-supervisor.toml" not in configs(objects)
+    # The deployment's own services are those without tenants.
+    base = {k: v for k, v in SHARED.items() if k != "tenancy"}
+    before = {(o["kind"], o["metadata"]["name"]): o for o in render(base)}
+    after = {(o["kind"], o["metadata"]["name"]): o for o in render(SHARED)}
+    for key, obj in before.items():
+        if key == ("ConfigMap", "rel-flotilla-config"):
+            assert obj["data"].items() <= after[key]["data"].items()
+        else:
+            assert after[key] == obj, key
+    notes = next(v for k, v in render_files(SHARED).items() if k.endswith("NOTES.txt"))
+    assert "shared by tenants acme, beta (flotilla <role> --tenants): coordinators: 1, supervisors: 1" in notes, notes
+    assert "pool gpu (acme): 1 replicas, 1 tasks each, shared" in notes, notes
+    assert "tenant gamma (prefix flotilla-gamma)" in notes and "tenant acme (prefix" not in notes, notes
+
+
+@check
+def shared_tenants_keep_their_nats_users():
+    """Shared or not, a tenant's NATS users are the same: the shared services log in as
+    <user>@<tenant> for each of their tenants."""
+    conf = accounts_conf(SHARED)
+    unshared = {**SHARED, "tenancy": {**SHARED["tenancy"], "tenants": [
+        {k: v for k, v in t.items() if k != "shared"} for t in SHARED["tenancy"]["tenants"]]}}
+    assert conf == accounts_conf(unshared)
+    for user in ("coordinator@acme", "supervisor@beta", "worker-default@beta", "worker-gpu@acme", "coordinator@gamma"):
+        assert f'{{ user = "{user}", ' in conf, user
+
+
+@check
+def without_shared_tenants_nothing_shared_renders():
+    for values in ({}, TENANTS):
+        objects = render(values)
+        assert not [o for o in objects if "-shared-" in o["metadata"]["name"]]
+        assert not [k for k in configs(objects) if k.startswith("shared-")]
+    # shared: false is the default; tenancy.shared alone renders nothing.
+    explicit = {**TENANTS, "tenancy": {**TENANTS["tenancy"], "tenants": [
+        {**t, "shared": False} for t in TENANTS["tenancy"]["tenants"]],
+        "shared": {"coordinator": {"replicas": 3}, "workers": {"replicas": 2}}}}
+    assert render_files(explicit) == render_files(TENANTS)
+    assert render_files({"tenancy": {"shared": {"supervisor": {"replicas": 2}}}}) == render_files({})
+
+
+@check
+def shared_values_are_checked():
+    fails_with({"tenancy": {"tenants": [{"name": "acme", "shared": "yes"}]}}, "/tenancy/tenants/0/shared")
+    fails_with({"tenancy": {"shared": {"workers": {"replicas": -1}}}}, "/tenancy/shared/workers/replicas")
+    fails_with({"tenancy": {"shared": {"coordinator": {"replicas": "2"}}}}, "/tenancy/shared/coordinator/replicas")
+    fails_with({"tenancy": {"shared": {"console": {}}}}, "console")
+    # A shared tenant has no services of its own to size or to give Secrets.
+    for key, value in (("workers", {"replicas": 2}), ("coordinator", {"replicas": 2}),
+                       ("supervisor", {"replicas": 1}), ("credentials", {"coordinator": "acme-c"})):
+        fails_with({"tenancy": {"tenants": [{"name": "ok"}, {"name": "acme", "shared": True, key: value}]}},
+                   f"tenancy.tenants[1] (acme): {key} is not used by a shared tenant", "shared: false")
+    # One Secret's user and password for every tenant: nkeys and creds files name one user.
+    for kind in ("nkey", "creds-file"):
+        fails_with({"nats": {"authKind": kind}, "tenancy": {"tenants": [{"name": "acme", "shared": True}]}},
+                   "tenancy.tenants[0] (acme): shared needs nats.authKind user-password")
+    render({"nats": {"authKind": "nkey"}, "tenancy": {"tenants": [{"name": "acme", "credentials": {"coordinator": "a"}}]}})
+    # The shared coordinator runs no workflow agents.
+    workflow = '[agents.review]\nkind = "sequential"\nagents = ["echo"]\n'
+    values = {"workerPools": [{"name": "default"}, {"name": "flows", "agents": workflow}],
+              "tenancy": {"tenants": [{"name": "acme", "shared": True, "pools": ["default", "flows"]}]}}
+    fails_with(values, "tenancy.tenants[0] (acme): shared, but its pool flows has workflow agent \"review\" (kind sequential)",
+               "shared: false")
+    values["tenancy"]["tenants"][0]["shared"] = False
+    render(values)
+    # A tenant named like the shared set clashes with it.
+    fails_with({"tenancy": {"tenants": [{"name": "acme", "shared": True}, {"name": "shared"}]}},
+               "would be named rel-flotilla-shared-coordinator, like that of the shared tenants' coordinators")
+    render({"tenancy": {"tenants": [{"name": "shared", "shared": True}]}})
+
+
+@check
+def shared_services_start_in_the_real_binary():
+    """Each shared Deployment's command, environment and rendered flotilla.toml, run by the
+    binary against a NATS that is not there: it gets as far as connecting (arguments and
+    configuration accepted, --tenants not combined with a tenant), and refuses once the
+    environment also names a tenant."""
+    binary = os.environ.get("FLOTILLA_BIN")
+    if not binary:
+        print("    (skipped: FLOTILLA_BIN not set)")
+        return
+    objects = render(SHARED)
+    data = one(objects, "ConfigMap", "rel-flotilla-config")["data"]
+    base = {k: v for k, v in os.environ.items() if not k.startswith("FLOTILLA_")}
+    with tempfile.TemporaryDirectory() as d:
+        for name, dep in deployments_of(objects).items():
+            if "-shared-" not in name:
+                continue
+            (c,) = dep["spec"]["template"]["spec"]["containers"]
+            path = Path(d) / config_key(dep)
+            cfg = tomllib.loads(data[config_key(dep)])
+            path.write_text(data[config_key(dep)].replace(f'"{cfg["nats"]["urls"][0]}"', '"nats://127.0.0.1:1"'))
+            env = dict(base)
+            for e in c["env"]:
+                env[e["name"]] = e.get("value", "from-a-secret")
+            env["FLOTILLA_CONFIG"] = str(path)
+            cmd = [binary, *c["args"], "--http-addr", "off"]
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+            assert out.returncode != 0 and "NATS server unreachable" in out.stderr, (name, out.stdout + out.stderr)
+            assert "127.0.0.1:1" in out.stderr, (name, out.stderr)
+            out = subprocess.run(cmd, capture_output=True, text=True, env={**env, "FLOTILLA_NATS__TENANT": "acme"}, timeout=60)
+            assert out.returncode != 0 and "--tenants serves several tenants" in out.stderr, (name, out.stdout + out.stderr)
 
 
 def main() -> int:

@@ -20,6 +20,8 @@ pub(crate) mod signals;
 pub(crate) mod status;
 pub(crate) mod submit;
 pub(crate) mod team;
+pub(crate) mod tenant;
+pub(crate) mod tenant_services;
 pub(crate) mod trust;
 pub(crate) mod watch;
 

@@ -30,9 +30,9 @@ use crate::config::Config;
 
 /// A service's health, metrics and HTTP listener. The listener has its own stop token: it
 /// keeps answering (503 on `/readyz`) while the service drains, and stops after it.
-struct Observability {
+pub(super) struct Observability {
     health: Health,
-    metrics: Metrics,
+    pub(super) metrics: Metrics,
     server: Option<HttpServer>,
     stop: CancellationToken,
 }
@@ -41,7 +41,11 @@ impl Observability {
     /// Starts the listener on `addr` (unless off; `auto` takes the next free port when
     /// another service on this host has 9464). Register readiness conditions on `health`
     /// before calling this, so `/readyz` never reports ready too early.
-    async fn start(addr: HttpAddr, health: Health, metrics: Metrics) -> anyhow::Result<Self> {
+    pub(super) async fn start(
+        addr: HttpAddr,
+        health: Health,
+        metrics: Metrics,
+    ) -> anyhow::Result<Self> {
         let stop = CancellationToken::new();
         let server = HttpServer::start(addr, health.clone(), metrics.clone(), stop.clone()).await?;
         Ok(Self {
@@ -53,7 +57,7 @@ impl Observability {
     }
 
     /// Marks the service draining once `shutdown` fires.
-    fn drain_on(&self, shutdown: &CancellationToken) {
+    pub(super) fn drain_on(&self, shutdown: &CancellationToken) {
         let (shutdown, health) = (shutdown.clone(), self.health.clone());
         tokio::spawn(async move {
             shutdown.cancelled().await;
@@ -62,7 +66,7 @@ impl Observability {
     }
 
     /// Stops the listener and the samplers.
-    async fn stop(self) {
+    pub(super) async fn stop(self) {
         self.stop.cancel();
         if let Some(server) = self.server
             && let Err(e) = server.stopped().await
@@ -73,13 +77,13 @@ impl Observability {
 }
 
 /// `nats_connected` follows `bus`'s live connection state from now on.
-fn follow_connection(condition: &Condition, bus: &Bus) {
+pub(super) fn follow_connection(condition: &Condition, bus: &Bus) {
     let client = bus.client().clone();
     condition.follow(move || client.connection_state() == async_nats::connection::State::Connected);
 }
 
 /// Sets `conditions` when `ready` fires (a coordinator or worker bound its consumers).
-fn set_when_ready(ready: oneshot::Receiver<()>, conditions: Vec<Condition>) {
+pub(super) fn set_when_ready(ready: oneshot::Receiver<()>, conditions: Vec<Condition>) {
     tokio::spawn(async move {
         if ready.await.is_ok() {
             for c in conditions {
@@ -216,6 +220,7 @@ pub(crate) async fn coordinator(config: &Config) -> anyhow::Result<ExitCode> {
     .with_metrics(obs.metrics.clone())
     .with_heartbeat(config.worker.heartbeat)
     .with_service_metadata(service_metadata(config))
+    .with_tenant(tenant_of(config))
     .on_ready(tx)
     .run(shutdown)
     .await?;
@@ -229,6 +234,16 @@ pub(crate) async fn coordinator(config: &Config) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The tenant a coordinator serves (`nats.tenant`, validated with the configuration): its
+/// quota refusals and usage name it.
+fn tenant_of(config: &Config) -> Option<flotilla_model::tenant::TenantName> {
+    config
+        .nats
+        .tenant
+        .as_deref()
+        .and_then(|t| flotilla_model::tenant::TenantName::new(t).ok())
+}
+
 /// The coordinators' server of the NATS Agent Protocol, when the configuration exposes
 /// agents (`expose = true` on an agent, or `[agents-protocol] expose-all`): each coordinator
 /// process registers every exposed agent on the `agents` micro service, so prompts are
@@ -236,6 +251,14 @@ pub(crate) async fn coordinator(config: &Config) -> anyhow::Result<ExitCode> {
 async fn agents_exposer(config: &Config) -> anyhow::Result<Option<flotilla_agents::Exposer>> {
     let agents = config.exposed_agents();
     if agents.is_empty() {
+        return Ok(None);
+    }
+    if let Some(t) = &config.nats.tenant {
+        warn!(
+            tenant = %t,
+            agents = agents.len(),
+            "Agents are exposed on the NATS Agent Protocol, but a tenant takes no part in it (its subjects are shared by the whole account): not exposed"
+        );
         return Ok(None);
     }
     let bus = Bus::connect(&config.nats, "flotilla-agents").await?;
@@ -250,14 +273,14 @@ async fn agents_exposer(config: &Config) -> anyhow::Result<Option<flotilla_agent
 /// teammates on the NATS Agent Protocol; the exposed definitions' addresses are the
 /// coordinators', never a teammate's (a configuration whose exposed definitions collide is
 /// refused when the coordinator starts, so here they are just left out).
-fn supervisor_of(config: &Config, bus: Bus) -> Supervisor {
+pub(super) fn supervisor_of(config: &Config, bus: Bus) -> Supervisor {
     let definitions = flotilla_agents::Exposer::addresses(
         &config.agents_protocol,
         bus.names().prefix(),
         &config.exposed_agents(),
     )
     .unwrap_or_default();
-    Supervisor::new(
+    let supervisor = Supervisor::new(
         bus,
         config.supervisor.clone(),
         config.member_cards(),
@@ -265,7 +288,14 @@ fn supervisor_of(config: &Config, bus: Bus) -> Supervisor {
     )
     .with_validation(config.validation_context())
     .with_trust(config.hitl.trust.clone())
-    .with_agents_protocol(config.agents_protocol.clone(), definitions)
+    .with_agents_protocol(config.agents_protocol.clone(), definitions);
+    // The NATS Agent Protocol's subjects are shared by the whole account: a tenant takes no
+    // part in it (its users have no rights there).
+    if config.nats.tenant.is_some() {
+        supervisor.without_agents_protocol()
+    } else {
+        supervisor
+    }
 }
 
 /// `flotilla supervisor`: the team roster, presence and failure records; the team API.
@@ -367,7 +397,7 @@ pub(crate) async fn worker(config: &Config) -> anyhow::Result<ExitCode> {
 /// buckets exist, then sets `provisioned`. Workers and supervisors only check that the
 /// resources exist (least privilege), waiting for whoever creates them; `/readyz` says
 /// `provisioned: false` meanwhile. `None`: `shutdown` fired while waiting.
-async fn connect_provisioned(
+pub(super) async fn connect_provisioned(
     config: &Config,
     name: &str,
     nats: &Condition,
@@ -495,7 +525,7 @@ async fn check_resources(
 
 /// What a coordinator advertises with its API micro service (`$SRV.INFO.<prefix>`): the
 /// deployment's configuration fingerprint ([`Config::fingerprint`]), and where it runs.
-fn service_metadata(config: &Config) -> std::collections::HashMap<String, String> {
+pub(super) fn service_metadata(config: &Config) -> std::collections::HashMap<String, String> {
     [
         (
             flotilla_coordinator::FINGERPRINT_METADATA.to_owned(),
@@ -679,6 +709,7 @@ pub(crate) async fn up(mut config: Config, opts: UpOptions) -> anyhow::Result<Ex
         .with_metrics(obs.metrics.clone())
         .with_heartbeat(config.worker.heartbeat)
         .with_service_metadata(service_metadata(&config))
+        .with_tenant(tenant_of(&config))
         .on_ready(tx);
     let token = shutdown.clone();
     services.spawn(async move { coordinator.run(token).await.map_err(|e| e.to_string()) });

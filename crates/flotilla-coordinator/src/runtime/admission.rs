@@ -159,7 +159,10 @@ impl Runtime {
         // An unreadable submission's verdict is its refusal.
         let verdict = match (self.verdict(run, request, trace, d.ts_ms).await?, request) {
             (Ok(submitted), Ok(request)) => {
-                crate::admission::enter(&self.lineages, request, submitted).await?
+                match crate::admission::enter(&self.lineages, request, submitted).await? {
+                    Ok(submitted) => self.within_quota(run, request, submitted, d).await?,
+                    refused => refused,
+                }
             }
             (verdict, _) => verdict,
         };
@@ -180,6 +183,32 @@ impl Runtime {
         self.lineages.admitted(run, &submitted);
         info!(%run, "Plan accepted");
         Ok(Some(submitted))
+    }
+
+    /// Admits a root run under the installation's quotas (a child run, or any run without
+    /// quotas, passes as it is): its refusal, or a wait ([`StepError::Wait`]) when its quota
+    /// queues and it has not waited `quota::QUEUE_WAIT` since it was stored. A slot is taken
+    /// once per run: admitted again (a redelivery, a step retried), it takes none.
+    async fn within_quota(
+        &self,
+        run: RunId,
+        request: &SubmitRequest,
+        mut submitted: Submitted,
+        d: &Decoded,
+    ) -> Result<Result<Submitted, Rejected>, StepError> {
+        let Some(quota) = &self.quota else {
+            return Ok(Ok(submitted));
+        };
+        match quota.admit(run, &mut submitted, d.ts_ms, true).await? {
+            crate::quota::Decision::Admitted { .. } => Ok(Ok(submitted)),
+            crate::quota::Decision::Refused(problem) => Ok(Err(crate::admission::rejected(
+                request,
+                vec![problem],
+                submitted.reply_to,
+                None,
+            ))),
+            crate::quota::Decision::Wait(pause) => Err(StepError::Wait(pause)),
+        }
     }
 
     /// Whether the message at `seq` is the first of the run's history (for submissions whose

@@ -175,6 +175,18 @@ impl Runtime {
                     debug!(%run, "The run's copy may be stale; reading it from the leader");
                     from_leader = true;
                 }
+                Err(StepError::Wait(pause)) => {
+                    debug!(%run, ?pause, "Submission waits for its quota; handing it back");
+                    for d in &inputs {
+                        let _ = d.msg.ack_with(AckKind::Nak(Some(pause))).await;
+                    }
+                    for m in &owed {
+                        let _ = m
+                            .ack_with(AckKind::Nak(Some(Duration::from_millis(250))))
+                            .await;
+                    }
+                    return None;
+                }
                 Err(StepError::Failed(reason)) => {
                     warn!(%run, %reason, "Applying run-log inputs failed; they will be redelivered");
                     break;
@@ -196,6 +208,7 @@ impl Runtime {
                                 warn!(%run, reason = %r, "Ending the run failed; the inputs will be redelivered");
                                 break;
                             }
+                            Err(StepError::Wait(_)) => break,
                             Err(StepError::Terminal(r)) => {
                                 tracing::error!(%run, reason = %r, "The run cannot even be ended; setting its inputs aside");
                                 for d in &inputs {

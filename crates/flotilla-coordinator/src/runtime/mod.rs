@@ -157,6 +157,10 @@ enum StepError {
     /// Something failed that will fail the same way every time (a message too large for the
     /// deployment): the run is ended with this reason instead of retrying forever.
     Terminal(String),
+    /// A submission waits for its installation's quota (`concurrent_runs` queues): its
+    /// message is handed back, to be admitted again after this long. Not a failure: it does
+    /// not count towards ending the run.
+    Wait(Duration),
 }
 
 impl From<StoreError> for StepError {
@@ -214,6 +218,8 @@ pub(crate) struct Runtime {
     approvals: crate::approval_store::ApprovalStore,
     /// Earned trust levels admissions use (`[hitl.trust] enabled`).
     trust: crate::trust::Trust,
+    /// The installation's quotas (absent: none apply).
+    quota: Option<Arc<crate::quota::Quota>>,
 }
 
 impl Runtime {
@@ -235,6 +241,7 @@ impl Runtime {
         Self {
             approvals: crate::approval_store::ApprovalStore::new(bus.clone()),
             trust: crate::trust::Trust::default(),
+            quota: None,
             metrics,
             default_agent,
             lineages,
@@ -251,6 +258,13 @@ impl Runtime {
     /// Admits runs with the earned trust levels of `trust`.
     pub(crate) fn with_trust(mut self, trust: crate::trust::Trust) -> Self {
         self.trust = trust;
+        self
+    }
+
+    /// Admits root runs under the installation's quotas, and gives back and counts what
+    /// each run held and spent when it ends.
+    pub(crate) fn with_quota(mut self, quota: Arc<crate::quota::Quota>) -> Self {
+        self.quota = Some(quota);
         self
     }
 

@@ -258,6 +258,32 @@ impl Runtime {
                     (names.runlog(run), out)
                 }
                 Action::Finish => {
+                    // Its slot is given back before its end is told (a client that sees the
+                    // end and submits again finds the slot free), and its usage counted.
+                    if let Some(quota) = &self.quota {
+                        let machine = &entry.machine;
+                        quota.ended(run, machine.state().parent.is_none()).await;
+                        if quota.counts() {
+                            let agents = machine
+                                .plan()
+                                .subtasks
+                                .iter()
+                                .map(|t| {
+                                    let agent = t
+                                        .agent
+                                        .clone()
+                                        .or_else(|| self.default_agent.clone())
+                                        .unwrap_or_else(|| "default".to_owned());
+                                    (t.id.clone(), agent)
+                                })
+                                .collect();
+                            let ended_ms = machine
+                                .state()
+                                .finished_ms
+                                .unwrap_or_else(|| Timestamp::now().unix_ms());
+                            quota.count_later(run, ended_ms, agents);
+                        }
+                    }
                     let state = entry.machine.state();
                     let outcome = state.outcome.clone();
                     let phase = match state.status {

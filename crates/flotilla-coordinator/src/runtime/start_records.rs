@@ -78,6 +78,7 @@ impl Runtime {
             let reason = match e {
                 StepError::Failed(r) | StepError::Terminal(r) => r,
                 StepError::Conflict | StepError::Stale => "conflict".into(),
+                StepError::Wait(_) => "waiting for a quota".into(),
             };
             // The record's outbox holds the events: a redelivery re-performs them.
             warn!(%run, %reason, "Publishing a run's start events failed; they will be re-published");
@@ -99,7 +100,9 @@ impl Runtime {
     /// `None` when the run has no first message, when the first message is among `inputs`
     /// (the run starts now), or when it is a client's submission that turns out invalid: a
     /// client's own submission is validated again, exactly as its coordinator validated it,
-    /// so no coordinator ever starts a run that another rejected (or is rejecting).
+    /// so no coordinator ever starts a run that another rejected (or is rejecting). Nor
+    /// when `inputs` hold the run's rejection: a refusal at admission (`tree_too_large`,
+    /// `quota_exceeded`) rests on facts a verdict made again does not read.
     pub(super) async fn replay(
         &self,
         run: RunId,
@@ -116,10 +119,30 @@ impl Runtime {
         if inputs.iter().any(|d| d.seq == first.seq) {
             return Ok(None);
         }
+        // The run's rejection is among the inputs: its admission was refused (by the tree's
+        // size or the installation's quota, say: facts the verdict made again does not see),
+        // so the rejection decides and nothing is rebuilt, nor dispatched.
+        let rejected = inputs.iter().any(|d| {
+            matches!(
+                &d.inbound,
+                super::Inbound::Entry(RunLogEntry {
+                    input: RunInput::Rejected(_),
+                    ..
+                })
+            )
+        });
         let submitted = match first.content {
+            FirstMessage::Submission { .. } if rejected => return Ok(None),
             FirstMessage::Submission { request, trace } => {
                 match self.verdict(run, Ok(&request), trace, first.ts_ms).await? {
-                    Ok(submitted) => submitted,
+                    Ok(mut submitted) => {
+                        // Its admission took its slot; it spends under what the tenant has
+                        // left now.
+                        if let Some(q) = &self.quota {
+                            q.rebuilt(run, &mut submitted).await;
+                        }
+                        submitted
+                    }
                     Err(rejected) => {
                         self.reject(run, &rejected, first.ts_ms).await?;
                         return Ok(None);

@@ -194,6 +194,11 @@ error_codes! {
     /// `422`: a child run an agent started was rejected and never ran (its problems say
     /// why). An agent's context reports it; no endpoint answers it.
     ChildRejected = "child_rejected", 422;
+    /// `429`: a root run refused by its installation's quota (a tenant's concurrent runs,
+    /// runs per hour, tokens per day or cost per month). The submission's rejection carries
+    /// it as a problem of the same code whose `quota` says which quota, its limit, what is
+    /// used and when it resets; the code is one for problems and errors alike.
+    QuotaExceeded = "quota_exceeded", 429;
 
     // The team (the supervisor).
     /// `400`: `team.*`'s `team` is not a name.

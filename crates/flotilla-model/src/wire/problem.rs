@@ -117,6 +117,10 @@ pub enum ProblemCode {
     /// A submitted plan sets `fork`, which only `run.fork` writes (it names results of
     /// another run the fork keeps).
     ForkReserved,
+    /// A root run would pass one of its installation's quotas (a tenant's concurrent runs,
+    /// runs per hour, tokens per day or cost per month): the problem's
+    /// [`quota`](Problem::quota) says which, its limit, what is used and when it resets.
+    QuotaExceeded,
 }
 
 impl ProblemCode {
@@ -170,6 +174,7 @@ impl ProblemCode {
             Self::UnknownRole => "unknown_role",
             Self::InvalidModel => "invalid_model",
             Self::ForkReserved => "fork_reserved",
+            Self::QuotaExceeded => "quota_exceeded",
         }
     }
 }
@@ -195,6 +200,11 @@ pub struct Problem {
     /// The topic involved, for data-flow problems.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub topic: Option<String>,
+    /// For `quota_exceeded`: the quota, its limit, what is used and when it resets
+    /// (`{"quota", "limit", "used", "resets_at_ms"}`, and `tenant` for a tenant's
+    /// installation).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quota: Option<Box<crate::tenant::QuotaExceeded>>,
 }
 
 impl Problem {
@@ -206,6 +216,17 @@ impl Problem {
             message: message.into(),
             tasks: Vec::new(),
             topic: None,
+            quota: None,
+        }
+    }
+
+    /// The `quota_exceeded` problem of a submission refused by its installation's quota:
+    /// the refusal in words, and as [`Problem::quota`].
+    pub fn quota_exceeded(exceeded: crate::tenant::QuotaExceeded) -> Self {
+        Self {
+            message: exceeded.to_string(),
+            quota: Some(Box::new(exceeded)),
+            ..Self::new(ProblemCode::QuotaExceeded, "", "")
         }
     }
 }

@@ -11,7 +11,7 @@
 //! | event stream / subjects | `P_EVENTS` / `p.event.<run>` |
 //! | workspace stream / subjects | `P_WORKSPACE` / `p.ws.<root-run>.<topic>` |
 //! | mailbox stream / subjects | `P_MAILBOX` / `p.mbox.<root-run>.<to>.<from>`, teammate inboxes `p.tmbox.<team>.<to>.<from>` |
-//! | KV buckets | `p-runs`, `p-control`, `p-state`, `p-workers`, `p-cursors`, `p-team`, `p-failures` and `p-memory` (the supervisor's), `p-escalations` (approvals, `<run>.<approval>`); reserved for the human-in-the-loop work (provisioned, unused): `p-trust` |
+//! | KV buckets | `p-runs`, `p-control`, `p-state`, `p-workers`, `p-cursors`, `p-team`, `p-failures` and `p-memory` (the supervisor's), `p-escalations` (approvals, `<run>.<approval>`), `p-usage` (quotas and what they count: `quotas`, `concurrent`, `runs.h.<yyyymmddhh>`, `tokens.d.<yyyymmdd>`, `cost.m.<yyyymm>`, `use.d.<yyyymmdd>`, `end.<run>`); reserved for the human-in-the-loop work (provisioned, unused): `p-trust` |
 //! | notice stream / subjects | `P_NOTIFY` / `p.notify.<kind>.<run>` (`approval`, `pause`, `takeover`) |
 //! | request/reply API | `p.api.<endpoint>` (NATS micro service `p`) |
 
@@ -76,11 +76,16 @@ pub enum Bucket {
     /// Remembered finished root runs (`run.<run>`), written by the supervisor, read by the
     /// coordinators' planners ([`crate::memory`]).
     Memory,
+    /// The installation's quotas (`quotas`, set by `flotilla tenant add|set`) and what they
+    /// count: runs held (`concurrent`), runs per hour, tokens per day, cost per month, and
+    /// tokens and cost per day by agent and model — kept by the coordinators
+    /// (`flotilla_tenants::ledger`).
+    Usage,
 }
 
 impl Bucket {
     /// Every bucket.
-    pub const ALL: [Bucket; 10] = [
+    pub const ALL: [Bucket; 11] = [
         Self::Runs,
         Self::Team,
         Self::Failures,
@@ -91,6 +96,7 @@ impl Bucket {
         Self::Workers,
         Self::Cursors,
         Self::Memory,
+        Self::Usage,
     ];
 
     /// Suffix after the prefix.
@@ -106,6 +112,7 @@ impl Bucket {
             Self::Workers => "workers",
             Self::Cursors => "cursors",
             Self::Memory => "memory",
+            Self::Usage => "usage",
         }
     }
 }

@@ -1,0 +1,211 @@
+//! `flotilla coordinator|worker|supervisor --tenants a,b`: one process serving several
+//! tenants of a shared deployment.
+//!
+//! Each tenant is served as `--tenant <name>` would serve it — its own connection (user
+//! `<user>@<tenant>`), names and inboxes, its own coordinator, worker or supervisor — in one
+//! process with one HTTP listener, whose readiness waits for every tenant
+//! (`nats_connected@<tenant>`, `provisioned@<tenant>`, ...). A worker's agent slots are
+//! shared: every tenant's queue is pulled for its own free places and its attempts take the
+//! process's slots first come, first served ([`flotilla_worker::Worker::with_run_slots`]) —
+//! the fair share of a shared pool.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use flotilla_coordinator::Coordinator;
+use flotilla_model::tenant::TenantName;
+use flotilla_telemetry::{Health, Metrics};
+use flotilla_worker::Worker;
+use tokio::sync::{Semaphore, oneshot};
+use tokio::task::JoinSet;
+use tracing::{Instrument, info, info_span};
+
+use super::services::{
+    Observability, connect_provisioned, follow_connection, service_metadata, set_when_ready,
+    supervisor_of,
+};
+use super::signals::shutdown_on_signals;
+use crate::config::Config;
+
+/// The configuration of each of `tenants`, checked: names valid, none twice, and not
+/// combined with `--tenant`.
+pub(crate) fn per_tenant(config: &Config, tenants: &[String]) -> anyhow::Result<Vec<Config>> {
+    anyhow::ensure!(
+        config.nats.tenant.is_none(),
+        "--tenants serves several tenants; drop --tenant / nats.tenant ({:?})",
+        config.nats.tenant.as_deref().unwrap_or_default()
+    );
+    let mut seen = std::collections::BTreeSet::new();
+    let mut out = Vec::new();
+    for t in tenants {
+        let name = TenantName::new(t).map_err(|e| anyhow::anyhow!("--tenants: {t:?} {e}"))?;
+        anyhow::ensure!(
+            seen.insert(name.clone()),
+            "--tenants: {t:?} is listed twice"
+        );
+        let mut c = config.clone();
+        c.nats.tenant = Some(name.to_string());
+        c.coordinator.hitl = config.coordinator.hitl.clone();
+        out.push(c);
+    }
+    Ok(out)
+}
+
+async fn join(mut tasks: JoinSet<anyhow::Result<()>>) -> anyhow::Result<()> {
+    let mut first = Ok(());
+    while let Some(r) = tasks.join_next().await {
+        let r = r.map_err(anyhow::Error::from).and_then(|r| r);
+        if first.is_ok() {
+            first = r;
+        }
+    }
+    first
+}
+
+/// `flotilla coordinator --tenants …`: a coordinator per tenant.
+pub(crate) async fn coordinators(config: &Config, tenants: &[String]) -> anyhow::Result<ExitCode> {
+    let configs = per_tenant(config, tenants)?;
+    let health = Health::new();
+    let conditions: Vec<_> = configs
+        .iter()
+        .map(|c| {
+            let t = c.nats.tenant.clone().unwrap_or_default();
+            (
+                health.condition(format!("nats_connected@{t}")),
+                health.condition(format!("consumers_bound@{t}")),
+            )
+        })
+        .collect();
+    let obs = Observability::start(config.telemetry.http_addr, health, Metrics::new()).await?;
+    let shutdown = shutdown_on_signals()?;
+    obs.drain_on(&shutdown);
+    let mut tasks = JoinSet::new();
+    for (c, (nats, bound)) in configs.into_iter().zip(conditions) {
+        let t = c.nats.tenant.clone().unwrap_or_default();
+        let bus = flotilla_bus::Bus::connect(&c.nats, "flotilla-coordinator")
+            .instrument(info_span!("startup", flotilla.role = "coordinator", flotilla.tenant = %t))
+            .await?;
+        follow_connection(&nats, &bus);
+        let (tx, rx) = oneshot::channel();
+        set_when_ready(rx, vec![bound]);
+        let coordinator = Coordinator::new(
+            bus,
+            c.coordinator.clone(),
+            c.validation_context(),
+            c.jetstream.clone(),
+        )
+        .with_metrics(obs.metrics.clone())
+        .with_heartbeat(c.worker.heartbeat)
+        .with_service_metadata(service_metadata(&c))
+        .with_tenant(TenantName::new(&t).ok())
+        .on_ready(tx);
+        let stop = shutdown.clone();
+        tasks.spawn(
+            async move { coordinator.run(stop).await.map_err(anyhow::Error::from) }
+                .instrument(info_span!("tenant", flotilla.tenant = %t)),
+        );
+    }
+    info!(tenants = tenants.len(), "Coordinating tenants");
+    let r = join(tasks).await;
+    obs.stop().await;
+    r.map(|()| ExitCode::SUCCESS)
+}
+
+/// `flotilla worker --tenants …`: a worker of the pool per tenant, sharing its slots.
+pub(crate) async fn workers(config: &Config, tenants: &[String]) -> anyhow::Result<ExitCode> {
+    let configs = per_tenant(config, tenants)?;
+    let health = Health::new();
+    let conditions: Vec<_> = configs
+        .iter()
+        .map(|c| {
+            let t = c.nats.tenant.clone().unwrap_or_default();
+            (
+                health.condition(format!("nats_connected@{t}")),
+                health.condition(format!("provisioned@{t}")),
+                health.condition(format!("consumer_bound@{t}")),
+            )
+        })
+        .collect();
+    let obs = Observability::start(config.telemetry.http_addr, health, Metrics::new()).await?;
+    let shutdown = shutdown_on_signals()?;
+    obs.drain_on(&shutdown);
+    let slots = Arc::new(Semaphore::new(config.worker.concurrency));
+    let mut tasks = JoinSet::new();
+    for (c, (nats, provisioned, bound)) in configs.into_iter().zip(conditions) {
+        let t = c.nats.tenant.clone().unwrap_or_default();
+        let (slots, shutdown, metrics) =
+            (Arc::clone(&slots), shutdown.clone(), obs.metrics.clone());
+        let registry = c.agent_registry()?;
+        tasks.spawn(
+            async move {
+                let Some(bus) =
+                    connect_provisioned(&c, "flotilla-worker", &nats, &provisioned, &shutdown)
+                        .await?
+                else {
+                    return Ok(());
+                };
+                let (tx, rx) = oneshot::channel();
+                set_when_ready(rx, vec![bound]);
+                Worker::new(bus, c.worker.clone(), registry)
+                    .with_metrics(metrics)
+                    .with_run_slots(slots)
+                    .on_ready(tx)
+                    .run(shutdown)
+                    .await
+                    .map_err(anyhow::Error::from)
+            }
+            .instrument(info_span!("tenant", flotilla.tenant = %t)),
+        );
+    }
+    info!(tenants = tenants.len(), concurrency = config.worker.concurrency, pool = %config.worker.pool, "Working for tenants, slots shared");
+    let r = join(tasks).await;
+    obs.stop().await;
+    r.map(|()| ExitCode::SUCCESS)
+}
+
+/// `flotilla supervisor --tenants …`: a supervisor per tenant.
+pub(crate) async fn supervisors(config: &Config, tenants: &[String]) -> anyhow::Result<ExitCode> {
+    let configs = per_tenant(config, tenants)?;
+    let health = Health::new();
+    let conditions: Vec<_> = configs
+        .iter()
+        .map(|c| {
+            let t = c.nats.tenant.clone().unwrap_or_default();
+            (
+                health.condition(format!("nats_connected@{t}")),
+                health.condition(format!("provisioned@{t}")),
+                health.condition(format!("consumer_bound@{t}")),
+            )
+        })
+        .collect();
+    let obs = Observability::start(config.telemetry.http_addr, health, Metrics::new()).await?;
+    let shutdown = shutdown_on_signals()?;
+    obs.drain_on(&shutdown);
+    let mut tasks = JoinSet::new();
+    for (c, (nats, provisioned, bound)) in configs.into_iter().zip(conditions) {
+        let t = c.nats.tenant.clone().unwrap_or_default();
+        let (shutdown, metrics) = (shutdown.clone(), obs.metrics.clone());
+        tasks.spawn(
+            async move {
+                let Some(bus) =
+                    connect_provisioned(&c, "flotilla-supervisor", &nats, &provisioned, &shutdown)
+                        .await?
+                else {
+                    return Ok(());
+                };
+                let (tx, rx) = oneshot::channel();
+                set_when_ready(rx, vec![bound]);
+                supervisor_of(&c, bus)
+                    .with_metrics(metrics)
+                    .on_ready(tx)
+                    .run(shutdown)
+                    .await
+                    .map_err(anyhow::Error::from)
+            }
+            .instrument(info_span!("tenant", flotilla.tenant = %t)),
+        );
+    }
+    let r = join(tasks).await;
+    obs.stop().await;
+    r.map(|()| ExitCode::SUCCESS)
+}

@@ -1,0 +1,316 @@
+//! A tenant's record (`<prefix>-tenants`, key `<name>`) and its quotas.
+
+use std::fmt;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// Longest tenant name, in bytes: it becomes part of stream names, user names and a DNS
+/// label in the Helm chart.
+pub const MAX_TENANT_LEN: usize = 32;
+
+/// Names no tenant may take: they would read as the deployment's own words.
+pub const RESERVED_TENANTS: [&str; 3] = ["default", "all", "tenants"];
+
+/// Why a string is not a tenant name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TenantNameError {
+    /// Empty, or longer than [`MAX_TENANT_LEN`].
+    #[error("must be 1 to {MAX_TENANT_LEN} characters long")]
+    Length,
+    /// A character outside `a-z 0-9 -`.
+    #[error("contains {0:?}; tenant names use lowercase letters, digits and `-`")]
+    Character(char),
+    /// Starts or ends with `-`.
+    #[error("must start and end with a letter or digit")]
+    Edge,
+    /// One of [`RESERVED_TENANTS`].
+    #[error("is reserved")]
+    Reserved,
+}
+
+/// A tenant's name: lowercase letters, digits and inner `-` (a DNS label, a subject token
+/// and a stream-name fragment at once).
+#[derive(
+    Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
+#[serde(try_from = "String", into = "String")]
+pub struct TenantName(String);
+
+impl TenantName {
+    /// Checks `name`.
+    pub fn new(name: &str) -> Result<Self, TenantNameError> {
+        if name.is_empty() || name.len() > MAX_TENANT_LEN {
+            return Err(TenantNameError::Length);
+        }
+        if let Some(c) = name
+            .chars()
+            .find(|c| !(c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '-'))
+        {
+            return Err(TenantNameError::Character(c));
+        }
+        if name.starts_with('-') || name.ends_with('-') {
+            return Err(TenantNameError::Edge);
+        }
+        if RESERVED_TENANTS.contains(&name) {
+            return Err(TenantNameError::Reserved);
+        }
+        Ok(Self(name.to_owned()))
+    }
+
+    /// The name.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The tenant's prefix under the deployment's `base` prefix: `<base>-<tenant>`.
+    pub fn prefix(&self, base: &str) -> String {
+        format!("{base}-{}", self.0)
+    }
+
+    /// The tenant's inbox prefix: `_INBOX_<tenant>` (its users may read only these replies).
+    pub fn inbox_prefix(&self) -> String {
+        format!("_INBOX_{}", self.0)
+    }
+
+    /// The NATS user of `role` (`client`, `worker-default`, ...) in this tenant:
+    /// `<role>@<tenant>`.
+    pub fn user(&self, role: &str) -> String {
+        format!("{role}@{}", self.0)
+    }
+}
+
+impl TryFrom<String> for TenantName {
+    type Error = TenantNameError;
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        Self::new(&s)
+    }
+}
+
+impl From<TenantName> for String {
+    fn from(n: TenantName) -> Self {
+        n.0
+    }
+}
+
+impl fmt::Display for TenantName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A tenant as the deployment records it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TenantRecord {
+    /// Its name.
+    pub name: TenantName,
+    /// The worker pools it may use; each gets a user `worker-<pool>@<tenant>`.
+    #[serde(default = "default_pools")]
+    pub pools: Vec<String>,
+    /// The NATS users (of the `PEOPLE` account) who act for it: operators who answer its
+    /// approvals and control its runs. A person may belong to several tenants.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub people: Vec<String>,
+    /// Its quotas; an absent quota is unlimited.
+    #[serde(default, skip_serializing_if = "Quotas::is_empty")]
+    pub quotas: Quotas,
+    /// When it was added (Unix milliseconds).
+    pub created_ms: i64,
+}
+
+fn default_pools() -> Vec<String> {
+    vec!["default".to_owned()]
+}
+
+/// A tenant's limits. Each is optional (unlimited when absent) and held across every
+/// coordinator and worker of the deployment.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Quotas {
+    /// Runs not yet ended at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub concurrent_runs: Option<u64>,
+    /// Runs submitted per clock hour (UTC).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runs_per_hour: Option<u64>,
+    /// Model tokens per day (UTC).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_per_day: Option<u64>,
+    /// Model cost per calendar month (UTC), in millionths of a US dollar.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost_per_month_micros: Option<u64>,
+    /// Quotas that queue a submission until they reset instead of refusing it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub queue: Vec<QuotaKind>,
+}
+
+impl Quotas {
+    /// No quota at all.
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+
+    /// The limit of `kind`, if any.
+    pub fn limit(&self, kind: QuotaKind) -> Option<u64> {
+        match kind {
+            QuotaKind::ConcurrentRuns => self.concurrent_runs,
+            QuotaKind::RunsPerHour => self.runs_per_hour,
+            QuotaKind::TokensPerDay => self.tokens_per_day,
+            QuotaKind::CostPerMonth => self.cost_per_month_micros,
+        }
+    }
+
+    /// Sets the limit of `kind`.
+    pub fn set(&mut self, kind: QuotaKind, limit: Option<u64>) {
+        match kind {
+            QuotaKind::ConcurrentRuns => self.concurrent_runs = limit,
+            QuotaKind::RunsPerHour => self.runs_per_hour = limit,
+            QuotaKind::TokensPerDay => self.tokens_per_day = limit,
+            QuotaKind::CostPerMonth => self.cost_per_month_micros = limit,
+        }
+    }
+}
+
+/// One kind of quota.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum QuotaKind {
+    /// [`Quotas::concurrent_runs`].
+    ConcurrentRuns,
+    /// [`Quotas::runs_per_hour`].
+    RunsPerHour,
+    /// [`Quotas::tokens_per_day`].
+    TokensPerDay,
+    /// [`Quotas::cost_per_month_micros`].
+    CostPerMonth,
+}
+
+impl QuotaKind {
+    /// Every kind.
+    pub const ALL: [QuotaKind; 4] = [
+        Self::ConcurrentRuns,
+        Self::RunsPerHour,
+        Self::TokensPerDay,
+        Self::CostPerMonth,
+    ];
+
+    /// The name on the wire and on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::ConcurrentRuns => "concurrent_runs",
+            Self::RunsPerHour => "runs_per_hour",
+            Self::TokensPerDay => "tokens_per_day",
+            Self::CostPerMonth => "cost_per_month",
+        }
+    }
+
+    /// The kind named `s` (its wire name, or with `-` for `_`).
+    pub fn parse(s: &str) -> Option<Self> {
+        let s = s.replace('-', "_");
+        Self::ALL.into_iter().find(|k| k.as_str() == s)
+    }
+}
+
+impl fmt::Display for QuotaKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Why a tenant's submission was refused (`quota_exceeded`): which quota, its limit, what
+/// is used, and when it resets (`None` for concurrent runs: when one ends). A rejection
+/// carries it on its problem of code `quota_exceeded` ([`crate::problem::Problem::quota`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct QuotaExceeded {
+    /// The tenant; absent for the deployment's own (default) installation, whose quotas
+    /// are set the same way.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<TenantName>,
+    /// The quota.
+    pub quota: QuotaKind,
+    /// Its limit.
+    pub limit: u64,
+    /// What is used now.
+    pub used: u64,
+    /// When the window resets (Unix milliseconds); absent for concurrent runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resets_at_ms: Option<i64>,
+}
+
+impl fmt::Display for QuotaExceeded {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.tenant {
+            Some(t) => write!(f, "tenant {t} is over its {} quota", self.quota)?,
+            None => write!(f, "this installation is over its {} quota", self.quota)?,
+        }
+        write!(f, ": {} used of {}", self.used, self.limit)?;
+        match self.resets_at_ms {
+            Some(ms) => write!(
+                f,
+                "; it resets at {}",
+                crate::time::Timestamp::from_unix_ms(ms)
+            ),
+            None => write!(f, "; a slot frees when one of its runs ends"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tenant_names_are_dns_labels() {
+        for ok in ["acme", "a", "team-7", "0x"] {
+            assert!(TenantName::new(ok).is_ok(), "{ok}");
+        }
+        assert_eq!(TenantName::new(""), Err(TenantNameError::Length));
+        assert_eq!(
+            TenantName::new(&"a".repeat(33)),
+            Err(TenantNameError::Length)
+        );
+        assert_eq!(
+            TenantName::new("Acme"),
+            Err(TenantNameError::Character('A'))
+        );
+        assert_eq!(TenantName::new("a_b"), Err(TenantNameError::Character('_')));
+        assert_eq!(TenantName::new("a.b"), Err(TenantNameError::Character('.')));
+        assert_eq!(TenantName::new("-a"), Err(TenantNameError::Edge));
+        assert_eq!(TenantName::new("default"), Err(TenantNameError::Reserved));
+        let t = TenantName::new("acme").unwrap();
+        assert_eq!(t.prefix("flotilla"), "flotilla-acme");
+        assert_eq!(t.user("worker-default"), "worker-default@acme");
+        assert_eq!(t.inbox_prefix(), "_INBOX_acme");
+    }
+
+    #[test]
+    fn a_record_round_trips_and_omits_what_is_unset() {
+        let r = TenantRecord {
+            name: TenantName::new("acme").unwrap(),
+            pools: vec!["default".into()],
+            people: vec![],
+            quotas: Quotas::default(),
+            created_ms: 1,
+        };
+        let json = serde_json::to_value(&r).unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({"name": "acme", "pools": ["default"], "created_ms": 1})
+        );
+        let back: TenantRecord = serde_json::from_value(json).unwrap();
+        assert_eq!(back, r);
+        assert!(
+            serde_json::from_value::<TenantRecord>(
+                serde_json::json!({"name": "A", "created_ms": 1})
+            )
+            .is_err()
+        );
+        assert_eq!(
+            QuotaKind::parse("runs-per-hour"),
+            Some(QuotaKind::RunsPerHour)
+        );
+        assert_eq!(QuotaKind::parse("bogus"), None);
+    }
+}
