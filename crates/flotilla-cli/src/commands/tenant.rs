@@ -29,19 +29,8 @@ pub(crate) enum TenantCommand {
     Add {
         /// Its name: lowercase letters, digits and inner `-`, at most 32.
         name: String,
-        /// A worker pool it may use (repeatable; default `default`).
-        #[arg(long = "pool", value_name = "POOL")]
-        pools: Vec<String>,
-        /// A person (a NATS user of the PEOPLE account) who acts for it (repeatable).
-        #[arg(long = "person", value_name = "USER")]
-        people: Vec<String>,
-        /// A quota, `KIND=LIMIT` (repeatable): concurrent_runs, runs_per_hour,
-        /// tokens_per_day, cost_per_month (US dollars, e.g. `cost_per_month=250.50`).
-        #[arg(long = "quota", value_name = "KIND=LIMIT")]
-        quotas: Vec<String>,
-        /// A quota that queues a submission until it resets instead of refusing it.
-        #[arg(long = "queue", value_name = "KIND")]
-        queue: Vec<String>,
+        #[command(flatten)]
+        changes: Changes,
         /// Machine-readable output.
         #[arg(long)]
         json: bool,
@@ -64,18 +53,8 @@ pub(crate) enum TenantCommand {
     Set {
         /// The tenant.
         name: String,
-        /// Replace its pools with these (repeatable).
-        #[arg(long = "pool", value_name = "POOL")]
-        pools: Vec<String>,
-        /// Replace its people with these (repeatable).
-        #[arg(long = "person", value_name = "USER")]
-        people: Vec<String>,
-        /// Set a quota, `KIND=LIMIT`, or `KIND=none` to lift it (repeatable).
-        #[arg(long = "quota", value_name = "KIND=LIMIT")]
-        quotas: Vec<String>,
-        /// Replace the quotas that queue with these (repeatable; `none` for none).
-        #[arg(long = "queue", value_name = "KIND")]
-        queue: Vec<String>,
+        #[command(flatten)]
+        changes: Changes,
         /// Machine-readable output.
         #[arg(long)]
         json: bool,
@@ -124,6 +103,28 @@ pub(crate) enum TenantCommand {
     },
 }
 
+/// What `add` sets and `set` changes (what `set` is not given stays).
+#[derive(Debug, clap::Args)]
+pub(crate) struct Changes {
+    /// A worker pool it may use (repeatable; `add`: default `default`; `set`: replaces its
+    /// pools). Each gets a user `worker-<pool>@<tenant>`.
+    #[arg(long = "pool", value_name = "POOL")]
+    pools: Vec<String>,
+    /// A person (a NATS user of the PEOPLE account) who acts for it (repeatable; `set`:
+    /// replaces its people).
+    #[arg(long = "person", value_name = "USER")]
+    people: Vec<String>,
+    /// A quota, `KIND=LIMIT`, or `KIND=none` to lift it (repeatable): concurrent_runs,
+    /// runs_per_hour, tokens_per_day, cost_per_month (US dollars, e.g.
+    /// `cost_per_month=250.50`).
+    #[arg(long = "quota", value_name = "KIND=LIMIT")]
+    quotas: Vec<String>,
+    /// A quota that queues a submission until it frees instead of refusing it (repeatable;
+    /// only concurrent_runs; `set`: replaces them, `none` for none).
+    #[arg(long = "queue", value_name = "KIND")]
+    queue: Vec<String>,
+}
+
 /// A refusal: named, printed, exit 1.
 fn refuse(json: bool, code: &str, message: String) -> anyhow::Result<ExitCode> {
     if json {
@@ -147,13 +148,10 @@ pub(crate) async fn tenant(config: &Config, command: TenantCommand) -> anyhow::R
     match command {
         TenantCommand::Add {
             name,
-            pools,
-            people,
-            quotas,
-            queue,
+            changes,
             json,
         } => {
-            let record = match new_record(&name, pools, people, &quotas, &queue) {
+            let record = match new_record(&name, changes) {
                 Ok(r) => r,
                 Err(e) => return refuse(json, "invalid_request", e),
             };
@@ -222,10 +220,7 @@ pub(crate) async fn tenant(config: &Config, command: TenantCommand) -> anyhow::R
         }
         TenantCommand::Set {
             name,
-            pools,
-            people,
-            quotas,
-            queue,
+            changes,
             json,
         } => {
             let name = match TenantName::new(&name) {
@@ -236,7 +231,7 @@ pub(crate) async fn tenant(config: &Config, command: TenantCommand) -> anyhow::R
             let Some(mut record) = get(&bus, &name).await? else {
                 return refuse(json, "not_found", format!("no tenant {name}"));
             };
-            if let Err(e) = change(&mut record, pools, people, &quotas, &queue) {
+            if let Err(e) = change(&mut record, changes) {
                 return refuse(json, "invalid_request", e);
             }
             TenantStore::open(&bus, false).await?.put(&record).await?;
@@ -425,13 +420,7 @@ async fn purge_installation(config: &Config, name: &TenantName) -> anyhow::Resul
     Ok(deleted)
 }
 
-fn new_record(
-    name: &str,
-    pools: Vec<String>,
-    people: Vec<String>,
-    quotas: &[String],
-    queue: &[String],
-) -> Result<TenantRecord, String> {
+fn new_record(name: &str, changes: Changes) -> Result<TenantRecord, String> {
     let name = TenantName::new(name).map_err(|e| format!("tenant {name:?} {e}"))?;
     let mut record = TenantRecord {
         name,
@@ -440,18 +429,18 @@ fn new_record(
         quotas: Quotas::default(),
         created_ms: Timestamp::now().unix_ms(),
     };
-    change(&mut record, pools, people, quotas, queue)?;
+    change(&mut record, changes)?;
     Ok(record)
 }
 
 /// Applies the flags of `add` / `set` to `record`; the first problem, named.
-fn change(
-    record: &mut TenantRecord,
-    pools: Vec<String>,
-    people: Vec<String>,
-    quotas: &[String],
-    queue: &[String],
-) -> Result<(), String> {
+fn change(record: &mut TenantRecord, changes: Changes) -> Result<(), String> {
+    let Changes {
+        pools,
+        people,
+        quotas,
+        queue,
+    } = changes;
     for (what, list) in [("--pool", &pools), ("--person", &people)] {
         let mut seen = std::collections::BTreeSet::new();
         for n in list {
@@ -467,7 +456,7 @@ fn change(
     if !people.is_empty() {
         record.people = people;
     }
-    for q in quotas {
+    for q in &quotas {
         let (kind, limit) = parse_quota(q)?;
         record.quotas.set(kind, limit);
     }
@@ -669,9 +658,19 @@ mod tests {
                 .unwrap_err()
                 .contains("dollars")
         );
-        let e = new_record("Acme", vec![], vec![], &[], &[]).unwrap_err();
+        let none = || Changes {
+            pools: vec![],
+            people: vec![],
+            quotas: vec![],
+            queue: vec![],
+        };
+        let e = new_record("Acme", none()).unwrap_err();
         assert!(e.contains("\"Acme\""), "{e}");
-        let e = new_record("acme", vec!["a".into(), "a".into()], vec![], &[], &[]).unwrap_err();
+        let twice = Changes {
+            pools: vec!["a".into(), "a".into()],
+            ..none()
+        };
+        let e = new_record("acme", twice).unwrap_err();
         assert!(e.contains("twice"), "{e}");
     }
 }

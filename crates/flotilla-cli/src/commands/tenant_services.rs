@@ -18,6 +18,7 @@ use flotilla_telemetry::{Health, Metrics};
 use flotilla_worker::Worker;
 use tokio::sync::{Semaphore, oneshot};
 use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info, info_span};
 
 use super::services::{
@@ -113,58 +114,63 @@ pub(crate) async fn coordinators(config: &Config, tenants: &[String]) -> anyhow:
 
 /// `flotilla worker --tenants …`: a worker of the pool per tenant, sharing its slots.
 pub(crate) async fn workers(config: &Config, tenants: &[String]) -> anyhow::Result<ExitCode> {
-    let configs = per_tenant(config, tenants)?;
-    let health = Health::new();
-    let conditions: Vec<_> = configs
-        .iter()
-        .map(|c| {
-            let t = c.nats.tenant.clone().unwrap_or_default();
-            (
-                health.condition(format!("nats_connected@{t}")),
-                health.condition(format!("provisioned@{t}")),
-                health.condition(format!("consumer_bound@{t}")),
-            )
-        })
-        .collect();
-    let obs = Observability::start(config.telemetry.http_addr, health, Metrics::new()).await?;
-    let shutdown = shutdown_on_signals()?;
-    obs.drain_on(&shutdown);
     let slots = Arc::new(Semaphore::new(config.worker.concurrency));
-    let mut tasks = JoinSet::new();
-    for (c, (nats, provisioned, bound)) in configs.into_iter().zip(conditions) {
-        let t = c.nats.tenant.clone().unwrap_or_default();
-        let (slots, shutdown, metrics) =
-            (Arc::clone(&slots), shutdown.clone(), obs.metrics.clone());
-        let registry = c.agent_registry()?;
-        tasks.spawn(
+    info!(tenants = tenants.len(), concurrency = config.worker.concurrency, pool = %config.worker.pool, "Working for tenants, slots shared");
+    serve_each(
+        config,
+        tenants,
+        "flotilla-worker",
+        move |c, bus, metrics, ready, shutdown| {
+            let slots = Arc::clone(&slots);
             async move {
-                let Some(bus) =
-                    connect_provisioned(&c, "flotilla-worker", &nats, &provisioned, &shutdown)
-                        .await?
-                else {
-                    return Ok(());
-                };
-                let (tx, rx) = oneshot::channel();
-                set_when_ready(rx, vec![bound]);
-                Worker::new(bus, c.worker.clone(), registry)
+                Worker::new(bus, c.worker.clone(), c.agent_registry()?)
                     .with_metrics(metrics)
                     .with_run_slots(slots)
-                    .on_ready(tx)
+                    .on_ready(ready)
                     .run(shutdown)
                     .await
                     .map_err(anyhow::Error::from)
             }
-            .instrument(info_span!("tenant", flotilla.tenant = %t)),
-        );
-    }
-    info!(tenants = tenants.len(), concurrency = config.worker.concurrency, pool = %config.worker.pool, "Working for tenants, slots shared");
-    let r = join(tasks).await;
-    obs.stop().await;
-    r.map(|()| ExitCode::SUCCESS)
+        },
+    )
+    .await
 }
 
 /// `flotilla supervisor --tenants …`: a supervisor per tenant.
 pub(crate) async fn supervisors(config: &Config, tenants: &[String]) -> anyhow::Result<ExitCode> {
+    serve_each(
+        config,
+        tenants,
+        "flotilla-supervisor",
+        |c, bus, metrics, ready, shutdown| async move {
+            supervisor_of(&c, bus)
+                .with_metrics(metrics)
+                .on_ready(ready)
+                .run(shutdown)
+                .await
+                .map_err(anyhow::Error::from)
+        },
+    )
+    .await
+}
+
+/// Runs `service` once per tenant of `tenants`, each on its own connection (as `name`) once
+/// its streams and buckets exist, behind one listener whose readiness waits for every
+/// tenant's `nats_connected@`, `provisioned@` and `consumer_bound@` (the service signals
+/// the last through its `ready` sender).
+async fn serve_each<F, Fut>(
+    config: &Config,
+    tenants: &[String],
+    name: &'static str,
+    service: F,
+) -> anyhow::Result<ExitCode>
+where
+    F: Fn(Config, flotilla_bus::Bus, Metrics, oneshot::Sender<()>, CancellationToken) -> Fut
+        + Clone
+        + Send
+        + 'static,
+    Fut: std::future::Future<Output = anyhow::Result<()>> + Send,
+{
     let configs = per_tenant(config, tenants)?;
     let health = Health::new();
     let conditions: Vec<_> = configs
@@ -184,23 +190,17 @@ pub(crate) async fn supervisors(config: &Config, tenants: &[String]) -> anyhow::
     let mut tasks = JoinSet::new();
     for (c, (nats, provisioned, bound)) in configs.into_iter().zip(conditions) {
         let t = c.nats.tenant.clone().unwrap_or_default();
-        let (shutdown, metrics) = (shutdown.clone(), obs.metrics.clone());
+        let (shutdown, metrics, service) = (shutdown.clone(), obs.metrics.clone(), service.clone());
         tasks.spawn(
             async move {
                 let Some(bus) =
-                    connect_provisioned(&c, "flotilla-supervisor", &nats, &provisioned, &shutdown)
-                        .await?
+                    connect_provisioned(&c, name, &nats, &provisioned, &shutdown).await?
                 else {
                     return Ok(());
                 };
                 let (tx, rx) = oneshot::channel();
                 set_when_ready(rx, vec![bound]);
-                supervisor_of(&c, bus)
-                    .with_metrics(metrics)
-                    .on_ready(tx)
-                    .run(shutdown)
-                    .await
-                    .map_err(anyhow::Error::from)
+                service(c, bus, metrics, tx, shutdown).await
             }
             .instrument(info_span!("tenant", flotilla.tenant = %t)),
         );
