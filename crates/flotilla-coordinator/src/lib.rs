@@ -301,7 +301,7 @@ impl Coordinator {
                 }
                 _ = shutdown.cancelled() => return Ok(()),
             }
-            Arc::new(quota::Quota::new(ledger, store.clone()))
+            Arc::new(quota::Quota::new(ledger, store.clone()).with_metrics(self.metrics.clone()))
         };
         let runtime = Arc::new(
             Runtime::new(

@@ -74,6 +74,8 @@ pub(crate) struct Quota {
     ledger: Ledger,
     store: RunStore,
     last_sweep: Mutex<Option<tokio::time::Instant>>,
+    /// Where a tenant's counted usage is also exposed (`flotilla_tenant_*_total`).
+    metrics: Option<flotilla_telemetry::Metrics>,
 }
 
 fn store_error(e: TenantError) -> StoreError {
@@ -87,7 +89,14 @@ impl Quota {
             ledger,
             store,
             last_sweep: Mutex::new(None),
+            metrics: None,
         }
+    }
+
+    /// Also exposes the usage it counts in `metrics`, by tenant, agent and model.
+    pub(crate) fn with_metrics(mut self, metrics: flotilla_telemetry::Metrics) -> Self {
+        self.metrics = Some(metrics);
+        self
     }
 
     /// Admits run `run` (`submitted`, stored at `submitted_ms`): a child run, or any run
@@ -197,7 +206,21 @@ impl Quota {
             };
             match me.ledger.account(run, &usage, ended_ms).await {
                 Ok(counted) => {
-                    debug!(%run, counted, tokens = usage.total().tokens, "Run usage counted")
+                    debug!(%run, counted, tokens = usage.total().tokens, "Run usage counted");
+                    if let (true, Some(metrics)) = (counted, &me.metrics) {
+                        let tenant = me.ledger.tenant().map_or("default", |t| t.as_str());
+                        for (agent, models) in &usage.by {
+                            for (model, spend) in models {
+                                metrics.tenant_usage(
+                                    tenant,
+                                    agent,
+                                    model,
+                                    spend.tokens,
+                                    spend.cost_micros as f64 / 1e6,
+                                );
+                            }
+                        }
+                    }
                 }
                 Err(e) => warn!(%run, error = %e, "Cannot count an ended run's usage"),
             }

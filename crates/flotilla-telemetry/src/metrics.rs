@@ -30,6 +30,8 @@
 //! | `flotilla_consumer_stalls_total` | counter | `stream`, `consumer` (a durable consumer's name) |
 //! | `flotilla_llm_tokens_total` | counter | `model`, `kind` (input, output) |
 //! | `flotilla_llm_cost_usd_total` | counter | `model` |
+//! | `flotilla_tenant_tokens_total` | counter | `tenant`, `agent`, `model` (at most 256 agent/model pairs per process, the rest `_other`) |
+//! | `flotilla_tenant_cost_usd_total` | counter | `tenant`, `agent`, `model` (likewise) |
 //! | `flotilla_build_info` | info | `version` |
 
 use std::collections::HashMap;
@@ -172,6 +174,17 @@ pub(crate) struct ModelLabels {
     pub(crate) model: String,
 }
 
+/// A tenant's model use by agent and model.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub(crate) struct TenantUsageLabels {
+    pub(crate) tenant: String,
+    pub(crate) agent: String,
+    pub(crate) model: String,
+}
+
+/// The most (tenant, agent, model) series a process exposes; past it, `_other`.
+const MAX_TENANT_USAGE_SERIES: usize = 256;
+
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub(crate) struct TokenLabels {
     pub(crate) model: String,
@@ -201,6 +214,11 @@ pub(crate) struct Families {
     pub(crate) consumer_stalls: Family<ConsumerLabels, Counter>,
     pub(crate) llm_tokens: Family<TokenLabels, Counter>,
     pub(crate) llm_cost_usd: Family<ModelLabels, Counter<f64, AtomicU64>>,
+    pub(crate) tenant_tokens: Family<TenantUsageLabels, Counter>,
+    pub(crate) tenant_cost_usd: Family<TenantUsageLabels, Counter<f64, AtomicU64>>,
+    /// The (tenant, agent, model) series created so far (bounded by
+    /// [`MAX_TENANT_USAGE_SERIES`]).
+    pub(crate) tenant_series: Arc<std::sync::Mutex<std::collections::HashSet<TenantUsageLabels>>>,
     pub(crate) team_outcomes: Family<AgentOutcomeLabels, Counter>,
     pub(crate) team_consecutive_failures: Family<AgentLabels, Gauge>,
     pub(crate) team_members: Family<StatusLabels, Gauge>,
@@ -348,6 +366,9 @@ impl Metrics {
             consumer_stalls: Family::default(),
             llm_tokens: Family::default(),
             llm_cost_usd: Family::default(),
+            tenant_tokens: Family::default(),
+            tenant_cost_usd: Family::default(),
+            tenant_series: Default::default(),
             team_outcomes: Family::default(),
             team_consecutive_failures: Family::default(),
             team_members: Family::default(),
@@ -458,6 +479,16 @@ impl Metrics {
             f.llm_cost_usd.clone(),
         );
         r.register(
+            "tenant_tokens",
+            "Model tokens of a tenant's ended runs, by tenant, agent and model (counted by its coordinators)",
+            f.tenant_tokens.clone(),
+        );
+        r.register(
+            "tenant_cost_usd",
+            "Model cost in US dollars of a tenant's ended runs, by tenant, agent and model",
+            f.tenant_cost_usd.clone(),
+        );
+        r.register(
             "team_attempt_outcomes",
             "Attempt outcomes the supervisor counted into failure records, by agent and outcome (succeeded, failed)",
             f.team_outcomes.clone(),
@@ -501,6 +532,35 @@ impl Metrics {
                 families,
                 series: RwLock::new(HashMap::new()),
             }),
+        }
+    }
+
+    /// Counts a tenant's model use of one ended run: `tokens` and `cost_usd` of `agent`
+    /// answered by `model`. The label sets are bounded: past 256 (tenant, agent, model)
+    /// series, agent and model read `_other`.
+    pub fn tenant_usage(&self, tenant: &str, agent: &str, model: &str, tokens: u64, cost_usd: f64) {
+        let f = self.families();
+        let mut labels = TenantUsageLabels {
+            tenant: tenant.to_owned(),
+            agent: agent.to_owned(),
+            model: model.to_owned(),
+        };
+        {
+            let mut seen = f
+                .tenant_series
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            if !seen.contains(&labels) {
+                if seen.len() >= MAX_TENANT_USAGE_SERIES {
+                    labels.agent = "_other".into();
+                    labels.model = "_other".into();
+                }
+                seen.insert(labels.clone());
+            }
+        }
+        f.tenant_tokens.get_or_create(&labels).inc_by(tokens);
+        if cost_usd > 0.0 && cost_usd.is_finite() {
+            f.tenant_cost_usd.get_or_create(&labels).inc_by(cost_usd);
         }
     }
 
@@ -646,6 +706,34 @@ impl Drop for InFlight {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tenants_usage_is_exposed_by_agent_and_model_with_bounded_labels() {
+        let m = Metrics::new();
+        m.tenant_usage("acme", "researcher", "gpt-x", 1100, 0.0013);
+        m.tenant_usage("acme", "researcher", "gpt-x", 100, 0.0);
+        let text = m.encode().unwrap();
+        assert!(
+            text.contains(
+                "flotilla_tenant_tokens_total{tenant=\"acme\",agent=\"researcher\",model=\"gpt-x\"} 1200"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("flotilla_tenant_cost_usd_total{tenant=\"acme\",agent=\"researcher\",model=\"gpt-x\"} 0.0013"), "{text}");
+        for i in 0..300 {
+            m.tenant_usage("acme", &format!("a{i}"), "m", 1, 0.0);
+        }
+        let text = m.encode().unwrap();
+        let series = text
+            .lines()
+            .filter(|l| l.starts_with("flotilla_tenant_tokens_total{"))
+            .count();
+        assert_eq!(series, 257, "256 series and `_other`");
+        assert!(
+            text.contains("agent=\"_other\",model=\"_other\"} 45"),
+            "{text}"
+        );
+    }
 
     /// Every family's `# TYPE` line, as Prometheus sees it.
     const FAMILIES: [(&str, &str); 17] = [
