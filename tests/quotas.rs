@@ -14,6 +14,8 @@
 //! * Two ledgers (two coordinators' views) admitting forty runs at once never pass the limit;
 //!   a run admitted again counts nothing, an end performed twice releases once, and a run's
 //!   usage counts once.
+//! * A tenant's cost is counted without quotas: an LLM run in tenant `acme`'s installation
+//!   (`--tenant acme`) shows in `flotilla tenant usage acme` by agent and model.
 
 mod support;
 
@@ -476,5 +478,106 @@ async fn two_ledgers_never_pass_a_limit_and_release_and_count_once() -> anyhow::
     assert_eq!(usage.current.tokens_today, 10);
     assert_eq!(usage.days.len(), 1);
     assert_eq!(usage.days[0].total.calls, 1);
+    Ok(())
+}
+
+/// A tenant's cost is counted without any quota: `flotilla tenant usage` shows an LLM run's
+/// tokens, cost and calls by agent and model once it ended (the run ran in the tenant's
+/// installation, `--tenant acme`, on the scripted OpenAI-compatible double).
+// Multi-threaded: the scripted model server runs on the test's runtime while the test waits
+// for CLI processes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_cost_is_counted_without_quotas() -> anyhow::Result<()> {
+    let llm = OpenAiServer::start().await?;
+    let mut p = Processes::start(&format!(
+        r#"
+[agents.researcher]
+kind = "llm"
+base-url = "{}"
+model = "scripted-model"
+price = {{ input-per-mtok = 1.0, output-per-mtok = 2.0 }}
+"#,
+        llm.base_url()
+    ))
+    .await?;
+    let out = p.cli(&["tenant", "add", "acme"])?;
+    anyhow::ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let c = p.spawn(&["--tenant", "acme", "coordinator"])?;
+    let w = p.spawn(&["--tenant", "acme", "worker"])?;
+    let mut opts = flotilla_bus::NatsOptions::with_url(p.server.url());
+    opts.tenant = Some("acme".into());
+    let acme = flotilla_bus::Bus::connect(&opts, "quotas-test").await?;
+    if let Err(e) = wait_for_api(&acme).await {
+        anyhow::bail!("{e}\n{}", p.log(c));
+    }
+    llm.push(Reply::text("Revenue was 1250.").usage(900, 200));
+    let plan = p.dir().join("plan.json");
+    std::fs::write(
+        &plan,
+        r#"{"subtasks":[{"id":"look","agent":"researcher","description":"Find the revenue."}]}"#,
+    )?;
+    let out = p.cli(&[
+        "--tenant",
+        "acme",
+        "submit",
+        &plan.to_string_lossy(),
+        "--wait",
+        "--timeout",
+        "60s",
+    ])?;
+    anyhow::ensure!(
+        out.status.success(),
+        "{}\n{}\ncoordinator:\n{}\nworker:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+        p.log(c),
+        p.log(w)
+    );
+    // Counted shortly after the run's end (off its path).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let usage = loop {
+        let out = p.cli(&["tenant", "usage", "acme", "--json"])?;
+        let usage: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        if usage["days"].as_array().is_some_and(|d| !d.is_empty())
+            || tokio::time::Instant::now() > deadline
+        {
+            break usage;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(usage["tenant"], "acme", "{usage:#}");
+    assert_eq!(
+        usage["quotas"],
+        serde_json::json!({}),
+        "no quota: {usage:#}"
+    );
+    assert_eq!(usage["current"]["tokens_today"], 1100, "{usage:#}");
+    assert_eq!(
+        usage["current"]["cost_this_month_micros"], 1300,
+        "{usage:#}"
+    );
+    let by = &usage["days"][0]["by"][0];
+    assert_eq!(
+        (
+            &by["agent"],
+            &by["tokens"],
+            &by["cost_micros"],
+            &by["calls"]
+        ),
+        (
+            &serde_json::json!("researcher"),
+            &serde_json::json!(1100),
+            &serde_json::json!(1300),
+            &serde_json::json!(1)
+        ),
+        "{usage:#}"
+    );
+    // The deployment's own installation, without quotas, counted nothing.
+    let own = Ledger::open(&p.bus).await?.usage(0).await?;
+    assert_eq!(own.days, Vec::new());
     Ok(())
 }
