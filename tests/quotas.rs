@@ -97,6 +97,21 @@ async fn refusal(p: &Processes, run: RunId) -> anyhow::Result<QuotaExceeded> {
     Ok(exceeded)
 }
 
+/// An LLM agent `researcher` on the scripted OpenAI-compatible double `llm`, with a price (so
+/// its calls have a cost).
+fn researcher(llm: &OpenAiServer) -> String {
+    format!(
+        r#"
+[agents.researcher]
+kind = "llm"
+base-url = "{}"
+model = "scripted-model"
+price = {{ input-per-mtok = 1.0, output-per-mtok = 2.0 }}
+"#,
+        llm.base_url()
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_runs_hold_across_coordinators_and_workers() -> anyhow::Result<()> {
     let log = tempfile::NamedTempFile::new()?;
@@ -232,17 +247,7 @@ async fn runs_per_hour_refuses_until_the_next_hour() -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_per_day_bounds_a_run_and_refuses_the_next() -> anyhow::Result<()> {
     let llm = OpenAiServer::start().await?;
-    let mut p = Processes::start(&format!(
-        r#"
-[agents.researcher]
-kind = "llm"
-base-url = "{}"
-model = "scripted-model"
-price = {{ input-per-mtok = 1.0, output-per-mtok = 2.0 }}
-"#,
-        llm.base_url()
-    ))
-    .await?;
+    let mut p = Processes::start(&researcher(&llm)).await?;
     p.coordinator().await?;
     p.worker(&[]).await?;
     let ledger = Ledger::open(&p.bus).await?;
@@ -489,17 +494,7 @@ async fn two_ledgers_never_pass_a_limit_and_release_and_count_once() -> anyhow::
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenants_cost_is_counted_without_quotas() -> anyhow::Result<()> {
     let llm = OpenAiServer::start().await?;
-    let mut p = Processes::start(&format!(
-        r#"
-[agents.researcher]
-kind = "llm"
-base-url = "{}"
-model = "scripted-model"
-price = {{ input-per-mtok = 1.0, output-per-mtok = 2.0 }}
-"#,
-        llm.base_url()
-    ))
-    .await?;
+    let mut p = Processes::start(&researcher(&llm)).await?;
     let out = p.cli(&["tenant", "add", "acme"])?;
     anyhow::ensure!(
         out.status.success(),

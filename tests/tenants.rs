@@ -85,6 +85,67 @@ async fn snapshot_of_a(js: &async_nats::jetstream::Context, run: &str) -> anyhow
     Ok(format!("{runlog}/{runs}/{ws}/{record}"))
 }
 
+/// `flotilla <args>` as the operator is refused: exit 1, `{"error": code}`, a message that
+/// names `names`.
+fn assert_refused(
+    p: &support::Processes,
+    args: &[&str],
+    code: &str,
+    names: &str,
+) -> anyhow::Result<()> {
+    let out = operator_cli(p, args)?;
+    assert_eq!(out.status.code(), Some(1), "{args:?}");
+    let e = json_of(&out)?;
+    assert_eq!(e["error"], code, "{args:?}: {e}");
+    assert!(
+        e["message"].as_str().unwrap_or_default().contains(names),
+        "{e}"
+    );
+    Ok(())
+}
+
+/// Runs `flotilla [--tenant T] submit PLAN --wait` with `credentials` to its end: it must
+/// succeed. `services` are the processes whose logs explain a failure.
+async fn submit_and_wait(
+    p: &mut support::Processes,
+    tenant: Option<&str>,
+    credentials: (&str, &str),
+    plan: &std::path::Path,
+    extra: &[&str],
+    services: &[usize],
+) -> anyhow::Result<usize> {
+    let env = common::credentials_env(credentials);
+    let plan = plan.to_string_lossy();
+    let mut args: Vec<&str> = match tenant {
+        Some(t) => vec!["--tenant", t],
+        None => Vec::new(),
+    };
+    args.extend(["submit", &plan, "--wait", "--json", "--timeout", "60s"]);
+    args.extend(extra);
+    let submit = p.spawn_env(&args, &refs(&env))?;
+    let code = p.wait_exit(submit, support::WAIT).await?;
+    if code != Some(0) {
+        let logs: Vec<String> = services.iter().map(|i| p.log(*i)).collect();
+        bail!(
+            "{tenant:?}: submit exited {code:?}:\n{}\nservices:\n{}",
+            p.log(submit),
+            logs.join("\n---\n")
+        );
+    }
+    Ok(submit)
+}
+
+/// None of `processes` was refused anything by the server (`why` says what that shows).
+fn assert_no_violations(p: &support::Processes, processes: &[usize], why: &str) {
+    for i in processes {
+        assert!(
+            !p.log(*i).to_lowercase().contains("permissions violation"),
+            "{why}:\n{}",
+            p.log(*i)
+        );
+    }
+}
+
 // Multi-threaded: the test waits on CLI processes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tenants_are_kept_apart_by_the_nats_server() -> anyhow::Result<()> {
@@ -150,14 +211,7 @@ async fn tenants_are_kept_apart_by_the_nats_server() -> anyhow::Result<()> {
         ),
         (vec!["tenant", "show", "zzz", "--json"], "not_found", "zzz"),
     ] {
-        let out = operator_cli(&p, &args)?;
-        assert_eq!(out.status.code(), Some(1), "{args:?}");
-        let e = json_of(&out)?;
-        assert_eq!(e["error"], code, "{args:?}: {e}");
-        assert!(
-            e["message"].as_str().unwrap_or_default().contains(names),
-            "{e}"
-        );
+        assert_refused(&p, &args, code, names)?;
     }
     let listed = json_of(&operator_cli(&p, &["tenant", "list", "--json"])?)?;
     let names: Vec<&str> = listed
@@ -209,69 +263,31 @@ async fn tenants_are_kept_apart_by_the_nats_server() -> anyhow::Result<()> {
             {"id":"report","consumes":["facts"],"dependencies":["gather"]}]}"#,
     )?;
     let run = flotilla_model::RunId::new().to_string();
-    let client_env = common::credentials_env(("client", "client-a-dev-password"));
-    let submit = p.spawn_env(
-        &[
-            "--tenant",
-            "a",
-            "submit",
-            &plan.to_string_lossy(),
-            "--wait",
-            "--json",
-            "--timeout",
-            "60s",
-            "--run-id",
-            &run,
-        ],
-        &refs(&client_env),
-    )?;
-    let code = p.wait_exit(submit, support::WAIT).await?;
-    ensure!(
-        code == Some(0),
-        "submit exited {code:?}:\n{}\ncoordinator:\n{}\nworker:\n{}",
-        p.log(submit),
-        p.log(c),
-        p.log(w)
-    );
+    let submit = submit_and_wait(
+        &mut p,
+        Some("a"),
+        ("client", "client-a-dev-password"),
+        &plan,
+        &["--run-id", &run],
+        &[c, w],
+    )
+    .await?;
     assert!(p.log(submit).contains("succeeded"), "{}", p.log(submit));
-    for i in [c, w] {
-        assert!(
-            !p.log(i).to_lowercase().contains("permissions violation"),
-            "tenant a's services need nothing outside their tenant:\n{}",
-            p.log(i)
-        );
-    }
+    assert_no_violations(
+        &p,
+        &[c, w],
+        "tenant a's services need nothing outside their tenant",
+    );
     // The default tenant keeps working on the same configuration, its rights narrowed to its
     // own streams and services.
     let dc = p.spawn_env(&["coordinator"], &refs(&coordinator_env))?;
     let dw = p.spawn_env(&["worker"], &refs(&worker_env))?;
-    let default_client = common::credentials_env(CLIENT);
-    let submit = p.spawn_env(
-        &[
-            "submit",
-            &plan.to_string_lossy(),
-            "--wait",
-            "--json",
-            "--timeout",
-            "60s",
-        ],
-        &refs(&default_client),
-    )?;
-    let code = p.wait_exit(submit, support::WAIT).await?;
-    ensure!(
-        code == Some(0),
-        "the default tenant's submit exited {code:?}:\n{}\ncoordinator:\n{}\nworker:\n{}",
-        p.log(submit),
-        p.log(dc),
-        p.log(dw)
+    submit_and_wait(&mut p, None, CLIENT, &plan, &[], &[dc, dw]).await?;
+    assert_no_violations(
+        &p,
+        &[dc, dw],
+        "the default tenant's services keep every right they need",
     );
-    for i in [dc, dw] {
-        assert!(
-            !p.log(i).to_lowercase().contains("permissions violation"),
-            "the default tenant's services keep every right they need:\n{}",
-            p.log(i)
-        );
-    }
     let before = snapshot_of_a(p.bus.js(), &run).await?;
 
     // Every user of tenant b, the default tenant's client, and b's person: refused a's
@@ -419,27 +435,8 @@ async fn one_set_of_processes_serves_every_tenant() -> anyhow::Result<()> {
         if let Err(e) = support::wait_for_api(&bus).await {
             bail!("{e}\ncoordinator:\n{}", p.log(c));
         }
-        let client_env = common::credentials_env(("client", &format!("client-{t}-dev-password")));
-        let submit = p.spawn_env(
-            &[
-                "--tenant",
-                t,
-                "submit",
-                &plan.to_string_lossy(),
-                "--wait",
-                "--timeout",
-                "60s",
-            ],
-            &refs(&client_env),
-        )?;
-        let code = p.wait_exit(submit, support::WAIT).await?;
-        ensure!(
-            code == Some(0),
-            "tenant {t}: submit exited {code:?}:\n{}\ncoordinator:\n{}\nworker:\n{}",
-            p.log(submit),
-            p.log(c),
-            p.log(w)
-        );
+        let password = format!("client-{t}-dev-password");
+        submit_and_wait(&mut p, Some(t), ("client", &password), &plan, &[], &[c, w]).await?;
         // The one worker process is a live worker of each tenant, with the shared slots.
         let workers = bus.kv(flotilla_model::subjects::Bucket::Workers).await?;
         let keys: Vec<String> = futures::TryStreamExt::try_collect(workers.keys().await?).await?;
@@ -448,13 +445,11 @@ async fn one_set_of_processes_serves_every_tenant() -> anyhow::Result<()> {
             serde_json::from_slice(&workers.get(&keys[0]).await?.context("the worker's entry")?)?;
         assert_eq!(info.concurrency, 3);
     }
-    for i in [c, s, w] {
-        assert!(
-            !p.log(i).to_lowercase().contains("permissions violation"),
-            "a shared process needs nothing outside its tenants:\n{}",
-            p.log(i)
-        );
-    }
+    assert_no_violations(
+        &p,
+        &[c, s, w],
+        "a shared process needs nothing outside its tenants",
+    );
     // The operator sets a quota; the tenant's usage shows it with the counters (no model
     // calls here: no days). A quota of 0 and an unknown tenant are refused by name.
     let out = operator_cli(
@@ -492,14 +487,7 @@ async fn one_set_of_processes_serves_every_tenant() -> anyhow::Result<()> {
         ),
         (vec!["tenant", "usage", "zzz", "--json"], "not_found", "zzz"),
     ] {
-        let out = operator_cli(&p, &args)?;
-        assert_eq!(out.status.code(), Some(1), "{args:?}");
-        let e = json_of(&out)?;
-        assert_eq!(e["error"], code, "{args:?}: {e}");
-        assert!(
-            e["message"].as_str().unwrap_or_default().contains(names),
-            "{e}"
-        );
+        assert_refused(&p, &args, code, names)?;
     }
     let usage = json_of(&operator_cli(&p, &["tenant", "usage", "a", "--json"])?)?;
     assert_eq!(

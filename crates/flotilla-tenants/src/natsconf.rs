@@ -24,9 +24,6 @@ use flotilla_model::tenant::{TenantName, TenantRecord};
 /// The shipped template, `deploy/nats/accounts.conf`.
 pub const TEMPLATE: &str = include_str!("../../../deploy/nats/accounts.conf");
 
-/// The object store of artifacts (not a [`Bucket`]: it is an object store).
-const ARTIFACTS: &str = "artifacts";
-
 /// How passwords are written into the configuration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Passwords {
@@ -296,15 +293,15 @@ fn password(p: Passwords, user: &str, tenant: Option<&TenantName>) -> String {
 }
 
 /// The stream names of the installation `names`: its streams, its buckets' and its object
-/// store's.
-fn streams_of(names: &Names) -> Vec<String> {
+/// store's — what its users may manage, and what `flotilla tenant remove --purge` deletes.
+pub fn installation_streams(names: &Names) -> Vec<String> {
     let mut out: Vec<String> = StreamKind::ALL.iter().map(|k| names.stream(*k)).collect();
     out.extend(
         Bucket::ALL
             .iter()
             .map(|b| format!("KV_{}", names.bucket(*b))),
     );
-    out.push(format!("OBJ_{}-{ARTIFACTS}", names.prefix()));
+    out.push(format!("OBJ_{}", names.artifacts_bucket()));
     out
 }
 
@@ -392,7 +389,7 @@ fn subject_for_tenant(
         .and_then(|r| r.strip_suffix(".*"))
         .filter(|op| !op.contains('.'))
     {
-        return streams_of(names)
+        return installation_streams(names)
             .into_iter()
             .map(|stream| format!("$JS.API.STREAM.{op}.{stream}"))
             .collect();
@@ -565,29 +562,5 @@ mod tests {
         })
         .unwrap_err();
         assert!(e.to_string().contains("\"other\""), "{e}");
-    }
-}
-#[cfg(test)]
-mod dump {
-    #[test]
-    #[ignore]
-    fn dump() {
-        use flotilla_model::tenant::*;
-        let t = |n: &str, people: &[&str]| TenantRecord {
-            name: TenantName::new(n).unwrap(),
-            pools: vec!["default".into()],
-            people: people.iter().map(|s| s.to_string()).collect(),
-            quotas: Quotas::default(),
-            created_ms: 0,
-        };
-        let tenants = [t("a", &["bob"]), t("b", &["carol"])];
-        let conf = super::render(&super::Deployment {
-            base: "flotilla",
-            tenants: &tenants,
-            admins: &["root".into()],
-            passwords: super::Passwords::Dev,
-        })
-        .unwrap();
-        std::fs::write("/tmp/tenants.conf", conf).unwrap();
     }
 }

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use flotilla_bus::{Bus, NatsOptions};
+use flotilla_bus::Bus;
 use flotilla_model::tenant::{QuotaKind, Quotas, TenantName, TenantRecord};
 use flotilla_model::time::Timestamp;
 use flotilla_tenants::ledger::{Ledger, Usage};
@@ -203,13 +203,9 @@ pub(crate) async fn tenant(config: &Config, command: TenantCommand) -> anyhow::R
             Ok(ExitCode::SUCCESS)
         }
         TenantCommand::Show { name, json } => {
-            let name = match TenantName::new(&name) {
-                Ok(n) => n,
-                Err(e) => return refuse(json, "invalid_request", format!("tenant {name:?} {e}")),
-            };
-            let bus = Bus::connect(&config.nats, "flotilla-cli").await?;
-            let Some(record) = get(&bus, &name).await? else {
-                return refuse(json, "not_found", format!("no tenant {name}"));
+            let (_, record) = match existing(config, &name, json).await? {
+                Ok(found) => found,
+                Err(refused) => return Ok(refused),
             };
             if json {
                 outln!("{}", serde_json::to_string_pretty(&shown(config, &record))?);
@@ -223,19 +219,15 @@ pub(crate) async fn tenant(config: &Config, command: TenantCommand) -> anyhow::R
             changes,
             json,
         } => {
-            let name = match TenantName::new(&name) {
-                Ok(n) => n,
-                Err(e) => return refuse(json, "invalid_request", format!("tenant {name:?} {e}")),
-            };
-            let bus = Bus::connect(&config.nats, "flotilla-cli").await?;
-            let Some(mut record) = get(&bus, &name).await? else {
-                return refuse(json, "not_found", format!("no tenant {name}"));
+            let (bus, mut record) = match existing(config, &name, json).await? {
+                Ok(found) => found,
+                Err(refused) => return Ok(refused),
             };
             if let Err(e) = change(&mut record, changes) {
                 return refuse(json, "invalid_request", e);
             }
             TenantStore::open(&bus, false).await?.put(&record).await?;
-            set_quotas(config, &record).await?;
+            set_quotas(&tenant_bus(config, &record.name).await?, &record).await?;
             if json {
                 outln!("{}", serde_json::to_string_pretty(&shown(config, &record))?);
             } else {
@@ -244,17 +236,13 @@ pub(crate) async fn tenant(config: &Config, command: TenantCommand) -> anyhow::R
             Ok(ExitCode::SUCCESS)
         }
         TenantCommand::Remove { name, purge, json } => {
-            let name = match TenantName::new(&name) {
-                Ok(n) => n,
-                Err(e) => return refuse(json, "invalid_request", format!("tenant {name:?} {e}")),
+            let (bus, TenantRecord { name, .. }) = match existing(config, &name, json).await? {
+                Ok(found) => found,
+                Err(refused) => return Ok(refused),
             };
-            let bus = Bus::connect(&config.nats, "flotilla-cli").await?;
-            if get(&bus, &name).await?.is_none() {
-                return refuse(json, "not_found", format!("no tenant {name}"));
-            }
             let mut deleted = Vec::new();
             if purge {
-                deleted = purge_installation(config, &name).await?;
+                deleted = purge_installation(&tenant_bus(config, &name).await?).await?;
             }
             TenantStore::open(&bus, false).await?.remove(&name).await?;
             if json {
@@ -277,15 +265,11 @@ pub(crate) async fn tenant(config: &Config, command: TenantCommand) -> anyhow::R
             Ok(ExitCode::SUCCESS)
         }
         TenantCommand::Usage { name, since, json } => {
-            let name = match TenantName::new(&name) {
-                Ok(n) => n,
-                Err(e) => return refuse(json, "invalid_request", format!("tenant {name:?} {e}")),
+            let (_, TenantRecord { name, .. }) = match existing(config, &name, json).await? {
+                Ok(found) => found,
+                Err(refused) => return Ok(refused),
             };
-            let bus = Bus::connect(&config.nats, "flotilla-cli").await?;
-            if get(&bus, &name).await?.is_none() {
-                return refuse(json, "not_found", format!("no tenant {name}"));
-            }
-            let tenant_bus = Bus::connect(&operator_of(config, &name), "flotilla-cli").await?;
+            let tenant_bus = tenant_bus(config, &name).await?;
             let since_ms = Timestamp::now().unix_ms()
                 - i64::try_from(since.as_millis()).unwrap_or(i64::MAX / 2);
             let usage = Ledger::open(&tenant_bus)
@@ -362,29 +346,38 @@ async fn get(bus: &Bus, name: &TenantName) -> anyhow::Result<Option<TenantRecord
     }
 }
 
+/// Tenant `name` and the operator's connection to the deployment, or the refusal already
+/// printed (its exit code): a name that is not a tenant's, or no such tenant.
+async fn existing(
+    config: &Config,
+    name: &str,
+    json: bool,
+) -> anyhow::Result<Result<(Bus, TenantRecord), ExitCode>> {
+    let name = match TenantName::new(name) {
+        Ok(n) => n,
+        Err(e) => {
+            return refuse(json, "invalid_request", format!("tenant {name:?} {e}")).map(Err);
+        }
+    };
+    let bus = Bus::connect(&config.nats, "flotilla-cli").await?;
+    match get(&bus, &name).await? {
+        Some(record) => Ok(Ok((bus, record))),
+        None => refuse(json, "not_found", format!("no tenant {name}")).map(Err),
+    }
+}
+
 /// The operator's connection to tenant `name`'s installation: the same user, the tenant's
 /// prefix.
-fn operator_of(config: &Config, name: &TenantName) -> NatsOptions {
+async fn tenant_bus(config: &Config, name: &TenantName) -> anyhow::Result<Bus> {
     let mut opts = config.nats.clone();
     opts.prefix = name.prefix(&config.nats.prefix);
-    opts
+    Ok(Bus::connect(&opts, "flotilla-cli").await?)
 }
 
 /// Creates tenant `record`'s streams and buckets and writes its quotas where its
 /// coordinators read them (its installation's usage bucket).
 async fn provision_and_set_quotas(config: &Config, record: &TenantRecord) -> anyhow::Result<()> {
-    provision(config, &record.name).await?;
-    set_quotas(config, record).await
-}
-
-async fn set_quotas(config: &Config, record: &TenantRecord) -> anyhow::Result<()> {
-    let bus = Bus::connect(&operator_of(config, &record.name), "flotilla-cli").await?;
-    Ledger::open(&bus).await?.set_quotas(&record.quotas).await?;
-    Ok(())
-}
-
-async fn provision(config: &Config, name: &TenantName) -> anyhow::Result<()> {
-    let bus = Bus::connect(&operator_of(config, name), "flotilla-cli").await?;
+    let bus = tenant_bus(config, &record.name).await?;
     let p = flotilla_bus::provision::plan(bus.js(), bus.names(), &config.jetstream).await?;
     anyhow::ensure!(
         p.is_compatible(),
@@ -392,26 +385,22 @@ async fn provision(config: &Config, name: &TenantName) -> anyhow::Result<()> {
         p.report().planned()
     );
     p.apply(bus.js()).await?;
+    set_quotas(&bus, record).await
+}
+
+async fn set_quotas(tenant_bus: &Bus, record: &TenantRecord) -> anyhow::Result<()> {
+    Ledger::open(tenant_bus)
+        .await?
+        .set_quotas(&record.quotas)
+        .await?;
     Ok(())
 }
 
-/// Deletes every stream of tenant `name`'s installation; their names.
-async fn purge_installation(config: &Config, name: &TenantName) -> anyhow::Result<Vec<String>> {
-    let bus = Bus::connect(&operator_of(config, name), "flotilla-cli").await?;
-    let names = bus.names();
-    let mut streams: Vec<String> = flotilla_model::subjects::StreamKind::ALL
-        .iter()
-        .map(|k| names.stream(*k))
-        .collect();
-    streams.extend(
-        flotilla_model::subjects::Bucket::ALL
-            .iter()
-            .map(|b| format!("KV_{}", names.bucket(*b))),
-    );
-    streams.push(format!("OBJ_{}-artifacts", names.prefix()));
+/// Deletes every stream of the tenant's installation (`tenant_bus`'s); their names.
+async fn purge_installation(tenant_bus: &Bus) -> anyhow::Result<Vec<String>> {
     let mut deleted = Vec::new();
-    for s in streams {
-        match bus.js().delete_stream(&s).await {
+    for s in natsconf::installation_streams(tenant_bus.names()) {
+        match tenant_bus.js().delete_stream(&s).await {
             Ok(_) => deleted.push(s),
             Err(e) if e.to_string().contains("not found") => {}
             Err(e) => return Err(anyhow::anyhow!("deleting stream {s}: {e}")),

@@ -46,17 +46,22 @@ pub(crate) fn per_tenant(config: &Config, tenants: &[String]) -> anyhow::Result<
         );
         let mut c = config.clone();
         c.nats.tenant = Some(name.to_string());
-        c.coordinator.hitl = config.coordinator.hitl.clone();
         out.push(c);
     }
     Ok(out)
 }
 
-async fn join(mut tasks: JoinSet<anyhow::Result<()>>) -> anyhow::Result<()> {
+/// Waits for every tenant's service. The first to fail stops the others (as a failing
+/// service stops its process), and its error is the answer.
+async fn join(
+    mut tasks: JoinSet<anyhow::Result<()>>,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<()> {
     let mut first = Ok(());
     while let Some(r) = tasks.join_next().await {
         let r = r.map_err(anyhow::Error::from).and_then(|r| r);
-        if first.is_ok() {
+        if first.is_ok() && r.is_err() {
+            shutdown.cancel();
             first = r;
         }
     }
@@ -65,51 +70,35 @@ async fn join(mut tasks: JoinSet<anyhow::Result<()>>) -> anyhow::Result<()> {
 
 /// `flotilla coordinator --tenants …`: a coordinator per tenant.
 pub(crate) async fn coordinators(config: &Config, tenants: &[String]) -> anyhow::Result<ExitCode> {
-    let configs = per_tenant(config, tenants)?;
-    let health = Health::new();
-    let conditions: Vec<_> = configs
-        .iter()
-        .map(|c| {
-            let t = c.nats.tenant.clone().unwrap_or_default();
-            (
-                health.condition(format!("nats_connected@{t}")),
-                health.condition(format!("consumers_bound@{t}")),
-            )
-        })
-        .collect();
-    let obs = Observability::start(config.telemetry.http_addr, health, Metrics::new()).await?;
-    let shutdown = shutdown_on_signals()?;
-    obs.drain_on(&shutdown);
-    let mut tasks = JoinSet::new();
-    for (c, (nats, bound)) in configs.into_iter().zip(conditions) {
-        let t = c.nats.tenant.clone().unwrap_or_default();
-        let bus = flotilla_bus::Bus::connect(&c.nats, "flotilla-coordinator")
-            .instrument(info_span!("startup", flotilla.role = "coordinator", flotilla.tenant = %t))
-            .await?;
-        follow_connection(&nats, &bus);
-        let (tx, rx) = oneshot::channel();
-        set_when_ready(rx, vec![bound]);
-        let coordinator = Coordinator::new(
-            bus,
-            c.coordinator.clone(),
-            c.validation_context(),
-            c.jetstream.clone(),
-        )
-        .with_metrics(obs.metrics.clone())
-        .with_heartbeat(c.worker.heartbeat)
-        .with_service_metadata(service_metadata(&c))
-        .with_tenant(TenantName::new(&t).ok())
-        .on_ready(tx);
-        let stop = shutdown.clone();
-        tasks.spawn(
-            async move { coordinator.run(stop).await.map_err(anyhow::Error::from) }
-                .instrument(info_span!("tenant", flotilla.tenant = %t)),
-        );
-    }
     info!(tenants = tenants.len(), "Coordinating tenants");
-    let r = join(tasks).await;
-    obs.stop().await;
-    r.map(|()| ExitCode::SUCCESS)
+    serve_each(
+        config,
+        tenants,
+        "flotilla-coordinator",
+        Start::Provisions,
+        |c, bus, metrics, ready, shutdown| async move {
+            let tenant = c
+                .nats
+                .tenant
+                .as_deref()
+                .and_then(|t| TenantName::new(t).ok());
+            Coordinator::new(
+                bus,
+                c.coordinator.clone(),
+                c.validation_context(),
+                c.jetstream.clone(),
+            )
+            .with_metrics(metrics)
+            .with_heartbeat(c.worker.heartbeat)
+            .with_service_metadata(service_metadata(&c))
+            .with_tenant(tenant)
+            .on_ready(ready)
+            .run(shutdown)
+            .await
+            .map_err(anyhow::Error::from)
+        },
+    )
+    .await
 }
 
 /// `flotilla worker --tenants …`: a worker of the pool per tenant, sharing its slots.
@@ -120,6 +109,7 @@ pub(crate) async fn workers(config: &Config, tenants: &[String]) -> anyhow::Resu
         config,
         tenants,
         "flotilla-worker",
+        Start::WaitsForStreams,
         move |c, bus, metrics, ready, shutdown| {
             let slots = Arc::clone(&slots);
             async move {
@@ -142,6 +132,7 @@ pub(crate) async fn supervisors(config: &Config, tenants: &[String]) -> anyhow::
         config,
         tenants,
         "flotilla-supervisor",
+        Start::WaitsForStreams,
         |c, bus, metrics, ready, shutdown| async move {
             supervisor_of(&c, bus)
                 .with_metrics(metrics)
@@ -154,14 +145,25 @@ pub(crate) async fn supervisors(config: &Config, tenants: &[String]) -> anyhow::
     .await
 }
 
-/// Runs `service` once per tenant of `tenants`, each on its own connection (as `name`) once
-/// its streams and buckets exist, behind one listener whose readiness waits for every
-/// tenant's `nats_connected@`, `provisioned@` and `consumer_bound@` (the service signals
-/// the last through its `ready` sender).
+/// How a service of [`serve_each`] starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Start {
+    /// It creates its streams and buckets (a coordinator): it connects and goes; it is ready
+    /// at `consumers_bound@<tenant>`.
+    Provisions,
+    /// It waits for them (workers, supervisors: least privilege): `provisioned@<tenant>`
+    /// first; it is ready at `consumer_bound@<tenant>`.
+    WaitsForStreams,
+}
+
+/// Runs `service` once per tenant of `tenants`, each on its own connection (as `name`),
+/// behind one listener whose readiness waits for every tenant's conditions ([`Start`]; the
+/// service signals the last through its `ready` sender).
 async fn serve_each<F, Fut>(
     config: &Config,
     tenants: &[String],
     name: &'static str,
+    start: Start,
     service: F,
 ) -> anyhow::Result<ExitCode>
 where
@@ -177,11 +179,18 @@ where
         .iter()
         .map(|c| {
             let t = c.nats.tenant.clone().unwrap_or_default();
-            (
-                health.condition(format!("nats_connected@{t}")),
-                health.condition(format!("provisioned@{t}")),
-                health.condition(format!("consumer_bound@{t}")),
-            )
+            match start {
+                Start::Provisions => (
+                    health.condition(format!("nats_connected@{t}")),
+                    None,
+                    health.condition(format!("consumers_bound@{t}")),
+                ),
+                Start::WaitsForStreams => (
+                    health.condition(format!("nats_connected@{t}")),
+                    Some(health.condition(format!("provisioned@{t}"))),
+                    health.condition(format!("consumer_bound@{t}")),
+                ),
+            }
         })
         .collect();
     let obs = Observability::start(config.telemetry.http_addr, health, Metrics::new()).await?;
@@ -193,10 +202,18 @@ where
         let (shutdown, metrics, service) = (shutdown.clone(), obs.metrics.clone(), service.clone());
         tasks.spawn(
             async move {
-                let Some(bus) =
-                    connect_provisioned(&c, name, &nats, &provisioned, &shutdown).await?
-                else {
-                    return Ok(());
+                let bus = match &provisioned {
+                    None => {
+                        let bus = flotilla_bus::Bus::connect(&c.nats, name).await?;
+                        follow_connection(&nats, &bus);
+                        bus
+                    }
+                    Some(provisioned) => {
+                        match connect_provisioned(&c, name, &nats, provisioned, &shutdown).await? {
+                            Some(bus) => bus,
+                            None => return Ok(()),
+                        }
+                    }
                 };
                 let (tx, rx) = oneshot::channel();
                 set_when_ready(rx, vec![bound]);
@@ -205,7 +222,7 @@ where
             .instrument(info_span!("tenant", flotilla.tenant = %t)),
         );
     }
-    let r = join(tasks).await;
+    let r = join(tasks, &shutdown).await;
     obs.stop().await;
     r.map(|()| ExitCode::SUCCESS)
 }
