@@ -175,6 +175,10 @@ error_kinds!(
         /// election), and JetStream answers "no responders" or "temporarily unavailable".
         /// Nothing was stored, so sending again is safe and rides the election out.
         Unavailable => "stream unavailable", Retryable;
+        /// The stream holds its `max_bytes` and refuses new messages (discard new: a
+        /// tenant's `workspace_bytes` or `mailbox_bytes` quota): sending again fails alike
+        /// until entries age out or are purged.
+        StreamFull => "the stream is full", Terminal;
         /// The subject already has messages and the publish expected none (a run's first
         /// run-log entry decides its fate, once).
         NotFirst => "the subject already has a first message", Terminal;

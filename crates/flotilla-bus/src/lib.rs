@@ -139,6 +139,17 @@ pub fn classify_publish_error(
                 e,
             )
         }
+        _ if code == Some(jetstream::ErrorCode::STREAM_STORE_FAILED)
+            && e.to_string().contains("maximum bytes exceeded") =>
+        {
+            PublishError::with_source(
+                PublishErrorKind::StreamFull,
+                format!(
+                    "the stream of {subject} holds its max_bytes and refuses the {size}-byte message"
+                ),
+                e,
+            )
+        }
         _ if code == Some(jetstream::ErrorCode::STREAM_NOT_FOUND) => PublishError::with_source(
             PublishErrorKind::NoStream,
             format!(
@@ -197,12 +208,16 @@ pub struct Bus {
     /// What the connection has seen: reconnects (the cached `max_payload` is then out of
     /// date) and the server's refusals.
     link: Arc<Link>,
+    /// The tenant it connected for (`nats.tenant`), kept apart from the resolved options
+    /// (whose prefix and user carry it written out).
+    tenant: Option<Arc<str>>,
 }
 
 impl Bus {
     /// Connects with `opts`. `role` names the connection (`flotilla-worker`).
     pub async fn connect(opts: &NatsOptions, role: &str) -> Result<Self, ConnectError> {
         let (client, link) = connect::connect_watched(opts, role).await?;
+        let tenant = opts.tenant.as_deref().map(Arc::from);
         let opts = &opts.resolved();
         let max_payload = Arc::new(std::sync::atomic::AtomicUsize::new(server_max_payload(
             &client,
@@ -222,7 +237,15 @@ impl Bus {
             opts: Arc::new(opts.clone()),
             max_payload,
             link,
+            tenant,
         })
+    }
+
+    /// The tenant this connection acts for (`nats.tenant`); `None` for the deployment's own
+    /// installation, and for a process given resolved options (an exec agent), whose names
+    /// carry the tenant's prefix all the same.
+    pub fn tenant(&self) -> Option<&str> {
+        self.tenant.as_deref()
     }
 
     /// What the connection has seen: its server, and the server's recent refusals.

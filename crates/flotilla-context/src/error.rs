@@ -51,6 +51,10 @@ pub enum ErrorKind {
     ChildRejected,
     /// A negotiation candidate `role:<name>` names a role no task of the run tree plays.
     UnknownRole,
+    /// The tenant's `workspace_bytes` or `mailbox_bytes` quota is used: the stream refuses
+    /// new entries until older ones age out or runs are purged. The message names the
+    /// quota, its limit and the use.
+    QuotaExceeded,
 }
 
 impl ErrorKind {
@@ -72,6 +76,7 @@ impl ErrorKind {
             Self::InvalidName => ErrorCode::InvalidName,
             Self::ChildRejected => ErrorCode::ChildRejected,
             Self::UnknownRole => ErrorCode::UnknownRole,
+            Self::QuotaExceeded => ErrorCode::QuotaExceeded,
         }
     }
 
@@ -244,6 +249,39 @@ pub(crate) fn unavailable(
     ContextError::with_source(ErrorKind::Unavailable, what, e)
 }
 
+/// A write refused because its stream holds its `max_bytes` (`StreamFull`): the tenant's
+/// `quota` (`workspace_bytes`, `mailbox_bytes`), with its limit and use read from the stream
+/// when it answers.
+pub(crate) async fn stream_full(
+    bus: &flotilla_bus::Bus,
+    kind: flotilla_model::subjects::StreamKind,
+    quota: &str,
+    e: flotilla_bus::PublishError,
+) -> ContextError {
+    let name = bus.names().stream(kind);
+    let tenant = bus
+        .tenant()
+        .map_or_else(|| "this installation".to_owned(), |t| format!("tenant {t}"));
+    let numbers = match bus.js().get_stream(&name).await {
+        Ok(s) => {
+            let i = s.cached_info();
+            format!(
+                ": {} bytes used of {}",
+                i.state.bytes,
+                i.config.max_bytes.max(0)
+            )
+        }
+        Err(_) => String::new(),
+    };
+    ContextError::with_source(
+        ErrorKind::QuotaExceeded,
+        format!(
+            "{tenant} is over its {quota} quota{numbers}; space frees as entries age out or runs are purged"
+        ),
+        e,
+    )
+}
+
 impl From<flotilla_bus::ReadError> for ContextError {
     fn from(e: flotilla_bus::ReadError) -> Self {
         let what = e.detail().to_owned();
@@ -285,6 +323,7 @@ mod tests {
             (InvalidName, "invalid_name", 400),
             (ChildRejected, "child_rejected", 422),
             (UnknownRole, "unknown_role", 404),
+            (QuotaExceeded, "quota_exceeded", 429),
         ] {
             assert_eq!((kind.code(), kind.status()), (code, status), "{kind:?}");
             assert_eq!(kind.error_code().as_str(), code);

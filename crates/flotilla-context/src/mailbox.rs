@@ -376,6 +376,10 @@ impl Mailbox {
                             ),
                             e,
                         ),
+                        flotilla_bus::PublishErrorKind::StreamFull => {
+                            crate::error::stream_full(bus, StreamKind::Mailbox, "mailbox_bytes", e)
+                                .await
+                        }
                         _ => unavailable(format!("sending to {to}"), e),
                     });
                 }

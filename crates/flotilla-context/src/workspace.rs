@@ -158,21 +158,34 @@ impl Workspace {
             payload: Bytes::from(body),
         };
         let subject = scope.names.workspace(scope.root_run_id, &topic);
-        let ack = self
-            .c
-            .bus()
+        let bus = self.c.bus();
+        let ack = match bus
             .publish_retrying(subject, out, tokio::time::Instant::now() + crate::RIDE_OUT)
             .await
-            .map_err(|e| match e.kind() {
-                PublishErrorKind::TooLarge => ContextError::with_source(
-                    ErrorKind::EntryTooLarge,
-                    format!(
-                        "the entry is larger than this deployment's messages (cap {cap} bytes)"
+        {
+            Ok(ack) => ack,
+            Err(e) => {
+                return Err(match e.kind() {
+                    PublishErrorKind::TooLarge => ContextError::with_source(
+                        ErrorKind::EntryTooLarge,
+                        format!(
+                            "the entry is larger than this deployment's messages (cap {cap} bytes)"
+                        ),
+                        e,
                     ),
-                    e,
-                ),
-                _ => unavailable(format!("appending to topic {topic}"), e),
-            })?;
+                    PublishErrorKind::StreamFull => {
+                        crate::error::stream_full(
+                            bus,
+                            flotilla_model::subjects::StreamKind::Workspace,
+                            "workspace_bytes",
+                            e,
+                        )
+                        .await
+                    }
+                    _ => unavailable(format!("appending to topic {topic}"), e),
+                });
+            }
+        };
         Ok(Appended {
             seq: ack.sequence,
             topic,

@@ -71,7 +71,7 @@ use crate::gate;
 use crate::journal::Journal;
 use crate::prompt;
 use crate::provider::{CallError, Completion, KeySource, Provider, Providers, ToolCallRequest};
-use crate::ratelimit::RateLimit;
+use crate::ratelimit::{RateLimit, TenantModelQuotas};
 use crate::roles::Roles;
 use crate::tools::{ToolOutcome, ToolSet};
 
@@ -90,6 +90,8 @@ pub struct LlmAgent {
     tools: ToolSet,
     /// Agents `transfer_to_agent` may hand the conversation to (from the agent tree).
     transfer_targets: Vec<String>,
+    /// The installation's model quotas, as last read.
+    tenant_quotas: TenantModelQuotas,
 }
 
 impl fmt::Debug for LlmAgent {
@@ -131,6 +133,7 @@ impl LlmAgent {
             config: config.clone(),
             roles,
             transfer_targets: Vec::new(),
+            tenant_quotas: TenantModelQuotas::default(),
         })
     }
 
@@ -389,8 +392,8 @@ impl LlmAgent {
         r
     }
 
-    /// One model call with its events, within the run's budget and the provider's shared
-    /// rate limit.
+    /// One model call with its events, within the run's budget, the provider's shared rate
+    /// limit and the tenant's model quotas (`limits`).
     #[allow(clippy::too_many_arguments)]
     async fn call(
         &self,
@@ -399,7 +402,7 @@ impl LlmAgent {
         ctx: &AgentContext,
         step: u32,
         budget: Option<&BudgetGuard>,
-        limit: Option<&RateLimit>,
+        limits: &[RateLimit],
     ) -> Result<Completion, AgentError> {
         let cost_limit = task
             .tool_gate
@@ -407,7 +410,7 @@ impl LlmAgent {
             .and_then(|g| g.cost_limit)
             .zip(self.config.price);
         let (prompt_estimate, max_output) =
-            if budget.is_some() || limit.is_some() || cost_limit.is_some() {
+            if budget.is_some() || !limits.is_empty() || cost_limit.is_some() {
                 (
                     estimate_prompt_tokens(&request),
                     self.config.max_output_tokens.map_or(0, u64::from),
@@ -438,16 +441,18 @@ impl LlmAgent {
             self.config.max_output_tokens,
         );
         let result = self
-            .call_model(request, ctx, limit.map(|l| (l, estimate)))
+            .call_model(request, ctx, limits, estimate)
             .instrument(span.clone())
             .await;
         match &result {
             Ok(c) => spans::chat_answered(&span, &c.model, c.prompt_tokens, c.completion_tokens),
             Err(e) => spans::failed(&span, e.kind.as_str()),
         }
-        if let (Some(l), Ok(c)) = (limit, &result) {
-            l.charge((c.prompt_tokens + c.completion_tokens).saturating_sub(estimate))
-                .await;
+        if let Ok(c) = &result {
+            for l in limits {
+                l.charge((c.prompt_tokens + c.completion_tokens).saturating_sub(estimate))
+                    .await;
+            }
         }
         if let (Some(b), Some(r)) = (budget, reservation) {
             match &result {
@@ -624,7 +629,8 @@ impl LlmAgent {
         &self,
         request: CreateChatCompletionRequest,
         ctx: &AgentContext,
-        shared_limit: Option<(&RateLimit, u64)>,
+        limits: &[RateLimit],
+        estimate: u64,
     ) -> Result<Completion, AgentError> {
         let (tx, rx) = mpsc::unbounded_channel::<String>();
         let deadline = tokio::time::Instant::from_std(ctx.deadline);
@@ -634,7 +640,14 @@ impl LlmAgent {
             };
             let r = self
                 .provider
-                .complete(request, &mut on_delta, &ctx.cancel, deadline, shared_limit)
+                .complete(
+                    request,
+                    &mut on_delta,
+                    &ctx.cancel,
+                    deadline,
+                    limits,
+                    estimate,
+                )
                 .await;
             drop(on_delta);
             r
@@ -799,9 +812,12 @@ impl LlmAgent {
                 self.config.max_prompt_chars,
             ))),
         }
-        let limit = RateLimit::open(ctx, &self.config)
+        let limits: Vec<RateLimit> = RateLimit::open(ctx, &self.config)
             .await
-            .map_err(|e| AgentError::failed(format!("agent {}: {e}", self.name)))?;
+            .map_err(|e| AgentError::failed(format!("agent {}: {e}", self.name)))?
+            .into_iter()
+            .chain(self.tenant_quotas.limit(ctx).await)
+            .collect();
         let mut journal = Journal::open(ctx, task, &self.name).await?;
         let mut tokens = 0u64;
         let mut tools_used: Vec<String> = Vec::new();
@@ -834,7 +850,7 @@ impl LlmAgent {
                             ctx,
                             journal.next_step(),
                             budget.as_ref(),
-                            limit.as_ref(),
+                            &limits,
                         )
                         .await?;
                     journal.record_model_reply(ctx, task, &c).await;

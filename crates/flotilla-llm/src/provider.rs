@@ -382,7 +382,8 @@ impl Provider {
         on_delta: &mut (dyn FnMut(&str) + Send),
         cancel: &CancellationToken,
         deadline: tokio::time::Instant,
-        shared_limit: Option<(&RateLimit, u64)>,
+        shared_limits: &[RateLimit],
+        estimate: u64,
     ) -> Result<Completion, CallError> {
         let key = self.key.load().map_err(CallError::Rejected)?;
         let client = self.client(key.as_ref()).map_err(CallError::Rejected)?;
@@ -395,9 +396,9 @@ impl Provider {
         let mut last_error: Option<String> = None;
         loop {
             tries += 1;
-            if let Some((limit, tokens)) = shared_limit {
+            for limit in shared_limits {
                 // Every HTTP request takes a request unit; only the first try its tokens.
-                let tokens = if tries == 1 { tokens } else { 0 };
+                let tokens = if tries == 1 { estimate } else { 0 };
                 limit
                     .acquire(tokens, cancel, deadline)
                     .await

@@ -23,6 +23,12 @@
 //! tokens the reply used beyond the estimate are charged after it. A call never waits past
 //! the attempt's deadline: it fails (retryably) instead. Workers' clocks are compared, so
 //! keep them in sync (NTP); a skew of `s` shifts a worker's share by about `s`.
+//!
+//! A tenant's quotas `model_requests_per_minute` and `model_tokens_per_minute` are a second
+//! limit of the same kind over every call of the installation, whatever its provider: key
+//! `quota.model` of the same bucket, taken after the provider's ([`TenantModelQuotas`]). The
+//! quotas are read from the installation's usage bucket at most every [`QUOTAS_REFRESH`]
+//! per agent definition, so a change applies within that.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -38,6 +44,10 @@ use crate::config::LlmConfig;
 const PERIOD_MS: f64 = 60_000.0;
 /// Compare-and-set tries before giving up on a contended entry.
 const MAX_TRIES: u32 = 100;
+/// How long the tenant's model quotas, once read, are used before reading them again.
+pub const QUOTAS_REFRESH: Duration = Duration::from_secs(5);
+/// The key of the tenant's model quota clocks in the cursors bucket.
+const TENANT_KEY: &str = "quota.model";
 
 /// The shared clocks of one provider.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
@@ -56,10 +66,8 @@ pub enum RateLimitError {
     /// The attempt was cancelled while waiting.
     #[error("cancelled while waiting for the provider's rate limit")]
     Cancelled,
-    /// Waiting would pass the attempt's deadline.
-    #[error(
-        "the provider's shared rate limit ({0}) admits the next request in {1:?}, after the attempt's deadline"
-    )]
+    /// Waiting would pass the attempt's deadline: which limit, and the wait.
+    #[error("{0} admits the next request in {1:?}, after the attempt's deadline")]
     PastDeadline(String, Duration),
     /// The shared entry could not be read or written.
     #[error("the provider's shared rate limit: {0}")]
@@ -73,6 +81,8 @@ pub struct RateLimit {
     key: String,
     requests_per_minute: Option<u32>,
     tokens_per_minute: Option<u64>,
+    /// Whose limit: the provider's, or the tenant's quota.
+    tenant: Option<String>,
 }
 
 fn now_ms() -> f64 {
@@ -98,15 +108,32 @@ impl RateLimit {
             key: format!("ratelimit.{}", kv_key_token(&config.provider_key())),
             requests_per_minute: config.requests_per_minute,
             tokens_per_minute: config.tokens_per_minute,
+            tenant: None,
         }))
     }
 
+    /// Which limit this is, for errors and logs.
     fn describe(&self) -> String {
-        match (self.requests_per_minute, self.tokens_per_minute) {
-            (Some(r), Some(t)) => format!("{r} requests and {t} tokens per minute"),
-            (Some(r), None) => format!("{r} requests per minute"),
-            (None, Some(t)) => format!("{t} tokens per minute"),
-            (None, None) => "none".into(),
+        match &self.tenant {
+            None => {
+                let rates = match (self.requests_per_minute, self.tokens_per_minute) {
+                    (Some(r), Some(t)) => format!("{r} requests and {t} tokens per minute"),
+                    (Some(r), None) => format!("{r} requests per minute"),
+                    (None, Some(t)) => format!("{t} tokens per minute"),
+                    (None, None) => "none".into(),
+                };
+                format!("the provider's shared rate limit ({rates})")
+            }
+            Some(who) => {
+                let mut quotas = Vec::new();
+                if let Some(r) = self.requests_per_minute {
+                    quotas.push(format!("model_requests_per_minute = {r}"));
+                }
+                if let Some(t) = self.tokens_per_minute {
+                    quotas.push(format!("model_tokens_per_minute = {t}"));
+                }
+                format!("{who}'s quota ({})", quotas.join(", "))
+            }
         }
     }
 
@@ -180,7 +207,7 @@ impl RateLimit {
                     if tokio::time::Instant::now() + wait >= deadline {
                         return Err(RateLimitError::PastDeadline(self.describe(), wait));
                     }
-                    tracing::debug!(key = %self.key, wait_ms = wait.as_millis() as u64, "Waiting for the provider's shared rate limit");
+                    tracing::debug!(key = %self.key, wait_ms = wait.as_millis() as u64, "Waiting for a shared rate limit");
                     tokio::select! {
                         () = tokio::time::sleep(wait) => {}
                         () = cancel.cancelled() => return Err(RateLimitError::Cancelled),
@@ -209,6 +236,77 @@ impl RateLimit {
             }
         }
         tracing::warn!(key = %self.key, tokens, "Could not charge a reply's extra tokens to the shared rate limit");
+    }
+}
+
+/// The tenant's model quotas as an agent definition last read them: read again at most every
+/// [`QUOTAS_REFRESH`], so a model call costs no extra read while they are known.
+#[derive(Debug, Default)]
+pub struct TenantModelQuotas {
+    last: std::sync::Mutex<Option<(std::time::Instant, Option<RateLimit>)>>,
+}
+
+impl TenantModelQuotas {
+    /// The limit of the installation's `model_requests_per_minute` and
+    /// `model_tokens_per_minute`, or `None` without them (or when they cannot be read: then
+    /// calls go unlimited until they can, with a warning).
+    pub async fn limit(&self, ctx: &AgentContext) -> Option<RateLimit> {
+        if let Ok(guard) = self.last.lock()
+            && let Some((at, limit)) = guard.as_ref()
+            && at.elapsed() < QUOTAS_REFRESH
+        {
+            return limit.clone();
+        }
+        let limit = match Self::read(ctx).await {
+            Ok(limit) => limit,
+            Err(e) => {
+                tracing::warn!(error = %e, "Could not read the installation's model quotas; calling without them until they can be read");
+                None
+            }
+        };
+        if let Ok(mut guard) = self.last.lock() {
+            *guard = Some((std::time::Instant::now(), limit.clone()));
+        }
+        limit
+    }
+
+    async fn read(ctx: &AgentContext) -> Result<Option<RateLimit>, String> {
+        let bus = ctx.clients().bus();
+        let usage = bus
+            .kv(Bucket::Usage)
+            .await
+            .map_err(|e| format!("opening the usage bucket: {e}"))?;
+        let entry = usage
+            .entry(flotilla_tenants::ledger::QUOTAS_KEY)
+            .await
+            .map_err(|e| format!("reading the quotas: {e}"))?;
+        let quotas: flotilla_model::tenant::Quotas =
+            match entry.filter(|e| e.operation == kv::Operation::Put) {
+                None => return Ok(None),
+                Some(e) => serde_json::from_slice(&e.value)
+                    .map_err(|e| format!("reading the quotas: {e}"))?,
+            };
+        let (rpm, tpm) = (
+            quotas.model_requests_per_minute,
+            quotas.model_tokens_per_minute,
+        );
+        if rpm.is_none() && tpm.is_none() {
+            return Ok(None);
+        }
+        let kv = bus
+            .kv(Bucket::Cursors)
+            .await
+            .map_err(|e| format!("opening the rate-limit bucket: {e}"))?;
+        Ok(Some(RateLimit {
+            kv,
+            key: TENANT_KEY.to_owned(),
+            requests_per_minute: rpm.map(|r| u32::try_from(r).unwrap_or(u32::MAX)),
+            tokens_per_minute: tpm,
+            tenant: Some(
+                bus.tenant()
+                    .map_or_else(|| "this installation".to_owned(), |t| format!("tenant {t}")),
+            ),
+        }))
     }
 }
 

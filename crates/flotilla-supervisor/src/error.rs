@@ -26,19 +26,24 @@ pub enum SupervisorError {
         /// What was wrong.
         message: String,
     },
+    /// A quota of the tenant refuses it (`persistent_teammates`, `mailbox_bytes`): the
+    /// message names the quota, its limit and the use.
+    #[error("{0}")]
+    QuotaExceeded(String),
 }
 
 impl SupervisorError {
     /// The API error code a team request that fails on it is answered with: `unavailable`
-    /// for every kind — a stream, a bucket or a stored value that could not be had now;
-    /// asking again may pass.
+    /// for a stream, a bucket or a stored value that could not be had now (asking again may
+    /// pass), `quota_exceeded` for a quota.
     pub fn code(&self) -> ErrorCode {
         match self {
             Self::Setup(_) | Self::Store { .. } | Self::Decode { .. } => ErrorCode::Unavailable,
+            Self::QuotaExceeded(_) => ErrorCode::QuotaExceeded,
         }
     }
 
-    /// Its status: the code's (`503`).
+    /// Its status: the code's (`503`, `429`).
     pub fn status(&self) -> u16 {
         self.code().status()
     }
@@ -56,7 +61,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_kind_is_answered_unavailable() {
+    fn a_quota_is_answered_429() {
+        let e = SupervisorError::QuotaExceeded("tenant a is over its mailbox_bytes quota".into());
+        assert_eq!((e.status(), e.code().as_str()), (429, "quota_exceeded"));
+    }
+
+    #[test]
+    fn every_store_kind_is_answered_unavailable() {
         for e in [
             SupervisorError::Setup("x".into()),
             SupervisorError::store("reading k", "gone"),

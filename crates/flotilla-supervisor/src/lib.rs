@@ -123,6 +123,9 @@ pub(crate) struct Team {
     /// The addresses of the agent definitions the coordinators expose: a teammate whose
     /// address is one of them is not served (the definition keeps it).
     pub(crate) exposed_definitions: std::collections::BTreeSet<flotilla_agents::wire::AgentAddress>,
+    /// The installation's quotas, followed from its usage bucket: `persistent_teammates`
+    /// is held here ([`teammates`]).
+    pub(crate) quotas: flotilla_tenants::ledger::Ledger,
 }
 
 impl Team {
@@ -130,6 +133,9 @@ impl Team {
         i64::try_from(self.opts.stale_after.as_millis()).unwrap_or(i64::MAX)
     }
 }
+
+/// How long the supervisor waits at start for the installation's quotas.
+const QUOTA_SYNC_WAIT: Duration = Duration::from_secs(5);
 
 /// The supervisor service.
 pub struct Supervisor {
@@ -259,6 +265,18 @@ impl Supervisor {
             .ride_out("opening the run store", || RunReader::open(&self.bus))
             .await
             .map_err(|e| SupervisorError::Setup(e.to_string()))?;
+        let mut quotas = patience
+            .ride_out("opening the usage bucket", || {
+                flotilla_tenants::ledger::Ledger::open(&self.bus)
+            })
+            .await
+            .map_err(|e| SupervisorError::Setup(e.to_string()))?
+            .with_tenant(
+                self.bus
+                    .tenant()
+                    .and_then(|t| flotilla_model::tenant::TenantName::new(t).ok()),
+            );
+        quotas.follow_quotas(shutdown.clone());
         let team = Arc::new(Team {
             bus: self.bus.clone(),
             presence_timeout: self.opts.presence_timeout_or(self.heartbeat),
@@ -281,6 +299,7 @@ impl Supervisor {
             external: external::External::default(),
             agents: self.agents,
             exposed_definitions: self.exposed_definitions,
+            quotas,
         });
         // The team bucket holds members, teammates and conversations: each mirror takes its
         // own keys (conversations are read by the workers only).
@@ -300,6 +319,17 @@ impl Supervisor {
                 team.workers.synced().await;
                 team.trusts.synced().await;
             } => {}
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return Ok(()),
+            _ = team.quotas.synced() => {}
+            _ = tokio::time::sleep(QUOTA_SYNC_WAIT) => {
+                // NATS permissions of an older deployment (no usage bucket): the watch keeps
+                // trying, and the quotas apply once it reads them.
+                warn!(
+                    "The installation's quotas cannot be read yet (the supervisor's NATS user needs the usage bucket, see deploy/nats/accounts.conf); spawning teammates without them until they can"
+                );
+            }
         }
         trust::export_all(&team);
         // Every configured member is on the roster before the API answers (readiness): a

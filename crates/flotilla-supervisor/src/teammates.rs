@@ -294,6 +294,21 @@ async fn do_spawn(team: &Team, r: &TeamSpawnRequest) -> Result<TeammateView, Ref
         ));
     }
     let now = Timestamp::now();
+    // `persistent_teammates`, held across every supervisor of the installation.
+    let live: std::collections::BTreeSet<String> = team
+        .mates
+        .matching(counts_as_live)
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect();
+    if let Err(over) = team
+        .quotas
+        .take_teammate(&key, now.unix_ms(), &live)
+        .await
+        .map_err(internal)?
+    {
+        return Err((429, ErrorCode::QuotaExceeded, over.to_string()));
+    }
     let mut mate = Teammate::spawn(t, &r.name, &r.role, &agent, &pool, &r.instructions, now);
     mate.spawned_by = r.by.clone();
     mate.turns_per_hour = team.opts.turns_per_hour;
@@ -301,10 +316,17 @@ async fn do_spawn(team: &Team, r: &TeamSpawnRequest) -> Result<TeammateView, Ref
     let bytes = serde_json::to_vec(&mate).map_err(internal)?;
     let revision = match team.team_kv.create(&key, bytes.into()).await {
         Ok(revision) => revision,
-        Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
-            return Err(duplicate(t, &r.name));
+        Err(e) => {
+            // The place taken for it is given back (the one that exists holds its own).
+            if let Err(free) = team.quotas.free_teammate(&key).await {
+                debug!(teammate = %key, error = %free, "Could not give a teammate's place back; it frees after the grace period");
+            }
+            return Err(if e.kind() == kv::CreateErrorKind::AlreadyExists {
+                duplicate(t, &r.name)
+            } else {
+                internal(e)
+            });
         }
-        Err(e) => return Err(internal(e)),
     };
     team.mates.note(&key, mate.clone(), now.unix_ms(), revision);
     Ok(view(&mate, Some(now.unix_ms())))
@@ -449,9 +471,18 @@ pub(crate) async fn post(
         // The inbox consumer wakes it in a moment.
         Err(e) => debug!(team = t, teammate = to, error = %e, "Could not wake a teammate at once"),
     }
-    Ok(ack
-        .map_err(|e| SupervisorError::store(format!("mailing {t}.{to}"), e))?
-        .sequence)
+    match ack {
+        Ok(ack) => Ok(ack.sequence),
+        Err(e) if e.kind() == flotilla_bus::PublishErrorKind::StreamFull => {
+            Err(SupervisorError::QuotaExceeded(format!(
+                "{} is over its mailbox_bytes quota: the mailbox stream refuses the message to {t}.{to} until older messages age out or runs are purged",
+                team.bus
+                    .tenant()
+                    .map_or_else(|| "this installation".to_owned(), |n| format!("tenant {n}"))
+            )))
+        }
+        Err(e) => Err(SupervisorError::store(format!("mailing {t}.{to}"), e)),
+    }
 }
 
 pub(crate) async fn send(team: &Team, req: Request) {
@@ -588,10 +619,20 @@ pub(crate) async fn end(
         &team.metrics,
     )
     .await?;
+    if written.is_some()
+        && let Err(e) = team.quotas.free_teammate(&key).await
+    {
+        debug!(teammate = %key, error = %e, "Could not give a teammate's place back; the next spawn frees it");
+    }
     Ok(written.map(|(m, revision)| {
         team.mates.note(&key, m.clone(), now.unix_ms(), revision);
         m
     }))
+}
+
+/// Whether `mate` holds a place under `persistent_teammates`: not shut down, nor asked to.
+fn counts_as_live(mate: &Teammate) -> bool {
+    mate.status != TeammateStatus::Shutdown && !mate.shutdown_requested && !mate.agent.is_empty()
 }
 
 /// The teammates as views (of one team), by team then name.

@@ -11,6 +11,7 @@
 //! | `cost.m.<yyyymm>` | their cost in millionths of a US dollar, per calendar month (UTC) | at each run's end |
 //! | `use.d.<yyyymmdd>` | the day's tokens, cost and calls by agent and model ([`DayDoc`]) | at each run's end |
 //! | `end.<run>` | marks a run's usage as counted (expires after [`END_MARKER_TTL`]) | at each run's end |
+//! | `teammates` | the persistent teammates counted against `persistent_teammates` ([`Mates`]) | by the supervisors, at each spawn and shutdown, while the quota is set |
 //!
 //! A tenant's installation counts its runs' usage (`tokens.d`, `cost.m`, `use.d`, `end.<run>`)
 //! with or without quotas — its cost per tenant — off the runs' path (after their end is
@@ -82,8 +83,17 @@ pub const OTHER: &str = "_other";
 /// Most concurrent runs a quota may allow: the runs held are one KV value (about 55 bytes
 /// each), which must fit one message.
 pub const MAX_CONCURRENT_RUNS: u64 = 10_000;
+/// The smallest `workspace_bytes`: the workspace stream's largest message (an entry of
+/// 1 MiB with its envelope), which the NATS server requires `max_bytes` to hold.
+pub const MIN_WORKSPACE_BYTES: u64 = flotilla_model::workspace::MAX_ENTRY_BYTES as u64 + 64 * 1024;
 /// Days [`Ledger::usage`] reports at most.
 pub const MAX_USAGE_DAYS: usize = 400;
+
+/// Key of the persistent teammates counted against `persistent_teammates` ([`Mates`]).
+pub const TEAMMATES_KEY: &str = "teammates";
+/// How long a teammate's place is kept while no supervisor sees the teammate: one killed
+/// between taking the place and creating the teammate leaves it taken no longer than this.
+pub const TEAMMATE_GRACE_MS: i64 = 60_000;
 
 /// Compare-and-set tries on one key before giving up.
 const MAX_TRIES: usize = 64;
@@ -276,6 +286,11 @@ pub fn check_quotas(q: &Quotas) -> Result<(), String> {
             "concurrent_runs = {n} is more than {MAX_CONCURRENT_RUNS}, the most a quota can hold"
         ));
     }
+    if let Some(n) = q.workspace_bytes.filter(|n| *n < MIN_WORKSPACE_BYTES) {
+        return Err(format!(
+            "workspace_bytes = {n} is less than one entry of the largest size ({MIN_WORKSPACE_BYTES} bytes, an entry of 1 MiB with its envelope); set at least that"
+        ));
+    }
     for (i, kind) in q.queue.iter().enumerate() {
         if q.queue[..i].contains(kind) {
             return Err(format!("queue names {kind} twice"));
@@ -283,6 +298,14 @@ pub fn check_quotas(q: &Quotas) -> Result<(), String> {
         if q.limit(*kind).is_none() {
             return Err(format!(
                 "queue names {kind}, which has no limit to wait for"
+            ));
+        }
+        if matches!(
+            kind,
+            QuotaKind::ModelRequestsPerMinute | QuotaKind::ModelTokensPerMinute
+        ) {
+            return Err(format!(
+                "{kind} is not queued: a model call over it always waits for its turn (never past its attempt's deadline)"
             ));
         }
         if *kind != QuotaKind::ConcurrentRuns {
@@ -349,6 +372,16 @@ pub struct Current {
     pub day_resets_at_ms: i64,
     /// When the month ends.
     pub month_resets_at_ms: i64,
+    /// Bytes the workspace holds (`workspace_bytes`).
+    #[serde(default)]
+    pub workspace_bytes: u64,
+    /// Bytes the mailboxes hold (`mailbox_bytes`).
+    #[serde(default)]
+    pub mailbox_bytes: u64,
+    /// Persistent teammates holding a place (counted only while `persistent_teammates` is
+    /// set).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub persistent_teammates: Option<u64>,
 }
 
 /// One day's usage.
@@ -374,6 +407,15 @@ pub struct AgentModelUsage {
     pub spend: Spend,
 }
 
+/// The persistent teammates holding a place under `persistent_teammates`: teammate key
+/// (`teammate.<team>.<name>`) and when its place was taken (Unix ms).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Mates {
+    /// Teammate key and when its place was taken.
+    #[serde(default)]
+    pub mates: BTreeMap<String, i64>,
+}
+
 /// One change of a value under compare-and-set.
 enum Change<T, R> {
     /// Write `T`, then answer `R`.
@@ -391,6 +433,7 @@ pub struct Ledger {
     quotas: KvMirror<Quotas>,
     held: KvMirror<Held>,
     following: bool,
+    follows_held: bool,
 }
 
 fn nats(what: &str, e: impl std::error::Error + Send + Sync + 'static) -> TenantError {
@@ -419,6 +462,7 @@ impl Ledger {
             quotas: KvMirror::new(),
             held: KvMirror::new(),
             following: false,
+            follows_held: false,
         })
     }
 
@@ -440,12 +484,22 @@ impl Ledger {
             .follow_keys(self.kv.clone(), QUOTAS_KEY, shutdown.clone());
         self.held.follow_keys(self.kv.clone(), HELD_KEY, shutdown);
         self.following = true;
+        self.follows_held = true;
+    }
+
+    /// Follows only `quotas` (a supervisor: it holds no runs), like [`Ledger::follow`].
+    pub fn follow_quotas(&mut self, shutdown: CancellationToken) {
+        self.quotas
+            .follow_keys(self.kv.clone(), QUOTAS_KEY, shutdown);
+        self.following = true;
     }
 
     /// Once the watches hold the values written before they started.
     pub async fn synced(&self) {
         self.quotas.synced().await;
-        self.held.synced().await;
+        if self.follows_held {
+            self.held.synced().await;
+        }
     }
 
     /// Sets the installation's quotas; empty quotas remove them (nothing is counted any
@@ -695,6 +749,65 @@ impl Ledger {
         .await
     }
 
+    /// Takes a place for persistent teammate `key` at `now_ms` under `persistent_teammates`
+    /// (nothing without that quota): `Err` names the quota, limit and use when every place is
+    /// taken. `live` are the teammates not shut down as the caller sees them: they count
+    /// whether or not they hold a place (those spawned before the quota was set), and a place
+    /// whose teammate is neither live nor taken within [`TEAMMATE_GRACE_MS`] is given back.
+    /// Taking a place held already changes nothing.
+    pub async fn take_teammate(
+        &self,
+        key: &str,
+        now_ms: i64,
+        live: &std::collections::BTreeSet<String>,
+    ) -> Result<Result<(), QuotaExceeded>, TenantError> {
+        let Some(limit) = self.in_force().await?.and_then(|q| q.persistent_teammates) else {
+            return Ok(Ok(()));
+        };
+        let tenant = self.tenant.clone();
+        self.change(TEAMMATES_KEY, None, |mut m: Mates| {
+            if m.mates.contains_key(key) {
+                return Change::Keep(Ok(()));
+            }
+            m.mates
+                .retain(|k, at| live.contains(k) || now_ms - *at < TEAMMATE_GRACE_MS);
+            let used = live.iter().filter(|k| !m.mates.contains_key(*k)).count() as u64
+                + m.mates.len() as u64;
+            if used >= limit {
+                return Change::Keep(Err(QuotaExceeded {
+                    tenant: tenant.clone(),
+                    quota: QuotaKind::PersistentTeammates,
+                    limit,
+                    used,
+                    resets_at_ms: None,
+                }));
+            }
+            m.mates.insert(key.to_owned(), now_ms);
+            Change::Write(m, Ok(()))
+        })
+        .await
+    }
+
+    /// Gives back teammate `key`'s place (shut down, or its spawn failed); `false` when it
+    /// held none. Nothing is read without `persistent_teammates`.
+    pub async fn free_teammate(&self, key: &str) -> Result<bool, TenantError> {
+        if self
+            .in_force()
+            .await?
+            .is_none_or(|q| q.persistent_teammates.is_none())
+        {
+            return Ok(false);
+        }
+        self.change(TEAMMATES_KEY, None, |mut m: Mates| {
+            if m.mates.remove(key).is_some() {
+                Change::Write(m, true)
+            } else {
+                Change::Keep(false)
+            }
+        })
+        .await
+    }
+
     /// Counts run `run`'s usage, which ended at `ended_ms`, in its day and month and by
     /// agent and model — once: `false` when it was counted already (or spent nothing, or the
     /// installation has no quotas: then nothing is written).
@@ -746,6 +859,7 @@ impl Ledger {
         let now_ms = flotilla_model::time::Timestamp::now().unix_ms();
         let w = windows(now_ms);
         let quotas = self.quotas().await?.unwrap_or_default();
+        let space = crate::space::used(&self.bus).await?;
         let current = Current {
             concurrent_runs: self.held().await?.runs.len() as u64,
             runs_this_hour: self.read::<u64>(&runs_key(&w.hour)).await?.0,
@@ -754,6 +868,12 @@ impl Ledger {
             hour_resets_at_ms: w.hour_ends_ms,
             day_resets_at_ms: w.day_ends_ms,
             month_resets_at_ms: w.month_ends_ms,
+            workspace_bytes: space.workspace_bytes,
+            mailbox_bytes: space.mailbox_bytes,
+            persistent_teammates: match quotas.persistent_teammates {
+                Some(_) => Some(self.read::<Mates>(TEAMMATES_KEY).await?.0.mates.len() as u64),
+                None => None,
+            },
         };
         let first_day = windows(since_ms).day;
         let bucket = self.bus.names().bucket(Bucket::Usage);

@@ -5,6 +5,7 @@
 //!   the shipped `deploy/nats/accounts.conf` (`flotilla tenant nats-config`).
 //! - [`ledger`]: an installation's quotas and what they count (`<prefix>-usage`), held by
 //!   its coordinators at admission and at each run's end (`flotilla tenant usage`).
+//! - [`space`]: the byte quotas of its workspace and mailboxes, held by the NATS server.
 //!
 //! A tenant is an installation of its own (prefix `<prefix>-<tenant>`) whose users the NATS
 //! server pins to that prefix; see `docs/architecture.md`, "Tenants".
@@ -12,6 +13,7 @@
 pub mod error;
 pub mod ledger;
 pub mod natsconf;
+pub mod space;
 pub mod store;
 
 pub use error::{TenantError, TenantErrorKind};

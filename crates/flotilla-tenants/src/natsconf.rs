@@ -24,6 +24,9 @@ use flotilla_model::tenant::{TenantName, TenantRecord};
 /// The shipped template, `deploy/nats/accounts.conf`.
 pub const TEMPLATE: &str = include_str!("../../../deploy/nats/accounts.conf");
 
+/// The prefix the template is written for.
+const DEFAULT_BASE: &str = flotilla_model::subjects::DEFAULT_PREFIX;
+
 /// How passwords are written into the configuration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Passwords {
@@ -379,6 +382,11 @@ fn subject_for_tenant(
     {
         return Vec::new();
     }
+    // The deployment's tenant records (who is in which tenant) are read by the default
+    // installation's console only: a tenant's users get none of them.
+    if t.is_some() && s.contains(&format!("KV_{}", crate::store::bucket_name(DEFAULT_BASE))) {
+        return Vec::new();
+    }
     // Stream listings show every tenant's streams.
     if s == "$JS.API.STREAM.NAMES" || s == "$JS.API.STREAM.LIST" {
         return Vec::new();
@@ -503,6 +511,26 @@ mod tests {
             );
         }
         assert!(acme.contains("\"flotilla-acme.submit\""));
+        // The console reads its installation's usage; the tenant records only the default
+        // installation's console reads.
+        assert!(acme.contains("\"$JS.API.DIRECT.GET.KV_flotilla-acme-usage.>\""));
+        assert!(
+            !acme.contains("tenants\""),
+            "a tenant's users read no tenant records"
+        );
+        let default_console = conf
+            .split("\nCONSOLE = {")
+            .nth(1)
+            .and_then(|b| b.split("\n}").next())
+            .unwrap();
+        for s in [
+            "$JS.API.STREAM.INFO.KV_flotilla-tenants",
+            "$JS.API.CONSUMER.CREATE.KV_flotilla-tenants.>",
+            "$JS.API.DIRECT.GET.KV_flotilla-tenants.>",
+        ] {
+            assert!(default_console.contains(&format!("\"{s}\"")), "{s}");
+        }
+        assert!(!default_console.contains("\"$KV.flotilla-tenants"));
         assert!(acme.contains("\"$JS.API.STREAM.CREATE.FLOTILLA_ACME_RUNLOG\""));
         assert!(acme.contains("\"$JS.API.STREAM.CREATE.KV_flotilla-acme-runs\""));
         assert!(acme.contains("\"$KV.flotilla-acme-workers.>\""));

@@ -402,7 +402,8 @@ trailing comment kept on each).
 
 {{/*
 What one subject of the template grants an installation, as a JSON list: a tenant nothing of
-the NATS Agent Protocol (shared by every installation: the default tenant's); no stream
+the NATS Agent Protocol (shared by every installation: the default tenant's) nor of the
+deployment's tenant records (`KV_flotilla-tenants`: the default console's); no stream
 listings; stream management by wildcard only of its own streams; discovery only of its own
 services (and, subscribing, the all-services pings it must answer); anything else renamed.
 Args: s, ctx, subscribing.
@@ -411,7 +412,7 @@ Args: s, ctx, subscribing.
 {{- $s := .s -}}
 {{- $ctx := .ctx -}}
 {{- $out := list -}}
-{{- if and $ctx.tenant (or (hasPrefix "agents." $s) (hasSuffix ".agents" $s) (hasSuffix ".agents.*" $s)) -}}
+{{- if and $ctx.tenant (or (hasPrefix "agents." $s) (hasSuffix ".agents" $s) (hasSuffix ".agents.*" $s) (contains "KV_flotilla-tenants" $s)) -}}
 {{- else if or (eq $s "$JS.API.STREAM.NAMES") (eq $s "$JS.API.STREAM.LIST") -}}
 {{- else if regexMatch "^\\$JS\\.API\\.STREAM\\.[^.]*\\.\\*$" $s -}}
 {{- $op := $s | trimPrefix "$JS.API.STREAM." | trimSuffix ".*" -}}

@@ -116,7 +116,8 @@ pub(crate) struct Changes {
     people: Vec<String>,
     /// A quota, `KIND=LIMIT`, or `KIND=none` to lift it (repeatable): concurrent_runs,
     /// runs_per_hour, tokens_per_day, cost_per_month (US dollars, e.g.
-    /// `cost_per_month=250.50`).
+    /// `cost_per_month=250.50`), model_requests_per_minute, model_tokens_per_minute,
+    /// workspace_bytes, mailbox_bytes, persistent_teammates.
     #[arg(long = "quota", value_name = "KIND=LIMIT")]
     quotas: Vec<String>,
     /// A quota that queues a submission until it frees instead of refusing it (repeatable;
@@ -388,11 +389,14 @@ async fn provision_and_set_quotas(config: &Config, record: &TenantRecord) -> any
     set_quotas(&bus, record).await
 }
 
+/// Writes `record`'s quotas to its installation's usage bucket, and its byte quotas to its
+/// workspace and mailbox streams (where the NATS server holds them).
 async fn set_quotas(tenant_bus: &Bus, record: &TenantRecord) -> anyhow::Result<()> {
     Ledger::open(tenant_bus)
         .await?
         .set_quotas(&record.quotas)
         .await?;
+    flotilla_tenants::space::apply(tenant_bus, &record.quotas).await?;
     Ok(())
 }
 
@@ -571,6 +575,28 @@ fn print_usage(name: &TenantName, u: &Usage) {
         limit(QuotaKind::CostPerMonth),
         Timestamp::from_unix_ms(c.month_resets_at_ms)
     );
+    outln!(
+        "  workspace bytes   {}{}",
+        c.workspace_bytes,
+        limit(QuotaKind::WorkspaceBytes)
+    );
+    outln!(
+        "  mailbox bytes     {}{}",
+        c.mailbox_bytes,
+        limit(QuotaKind::MailboxBytes)
+    );
+    if let Some(n) = c.persistent_teammates {
+        outln!(
+            "  teammates         {n}{}",
+            limit(QuotaKind::PersistentTeammates)
+        );
+    }
+    if let Some(l) = u.quotas.model_requests_per_minute {
+        outln!("  model requests    at most {l} a minute");
+    }
+    if let Some(l) = u.quotas.model_tokens_per_minute {
+        outln!("  model tokens      at most {l} a minute");
+    }
     if u.days.is_empty() {
         outln!("  no model use recorded in the period");
         return;

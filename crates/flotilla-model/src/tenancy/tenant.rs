@@ -139,6 +139,24 @@ pub struct Quotas {
     /// Model cost per calendar month (UTC), in millionths of a US dollar.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cost_per_month_micros: Option<u64>,
+    /// Requests to model providers per minute, by every worker of the tenant together. A
+    /// call over it waits for its turn (never past its attempt's deadline).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_requests_per_minute: Option<u64>,
+    /// Model tokens per minute (estimated before a call, corrected after it), by every
+    /// worker of the tenant together; a call over it waits like one over the requests.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_tokens_per_minute: Option<u64>,
+    /// Bytes the tenant's workspace topics may hold (its workspace stream's `max_bytes`,
+    /// enforced by the NATS server): a write that would pass it is refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace_bytes: Option<u64>,
+    /// Bytes the tenant's mailboxes may hold (its mailbox stream's `max_bytes`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mailbox_bytes: Option<u64>,
+    /// Persistent teammates not shut down, across every team of the tenant.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub persistent_teammates: Option<u64>,
     /// Quotas that queue a submission until they reset instead of refusing it.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub queue: Vec<QuotaKind>,
@@ -157,6 +175,11 @@ impl Quotas {
             QuotaKind::RunsPerHour => self.runs_per_hour,
             QuotaKind::TokensPerDay => self.tokens_per_day,
             QuotaKind::CostPerMonth => self.cost_per_month_micros,
+            QuotaKind::ModelRequestsPerMinute => self.model_requests_per_minute,
+            QuotaKind::ModelTokensPerMinute => self.model_tokens_per_minute,
+            QuotaKind::WorkspaceBytes => self.workspace_bytes,
+            QuotaKind::MailboxBytes => self.mailbox_bytes,
+            QuotaKind::PersistentTeammates => self.persistent_teammates,
         }
     }
 
@@ -167,6 +190,11 @@ impl Quotas {
             QuotaKind::RunsPerHour => self.runs_per_hour = limit,
             QuotaKind::TokensPerDay => self.tokens_per_day = limit,
             QuotaKind::CostPerMonth => self.cost_per_month_micros = limit,
+            QuotaKind::ModelRequestsPerMinute => self.model_requests_per_minute = limit,
+            QuotaKind::ModelTokensPerMinute => self.model_tokens_per_minute = limit,
+            QuotaKind::WorkspaceBytes => self.workspace_bytes = limit,
+            QuotaKind::MailboxBytes => self.mailbox_bytes = limit,
+            QuotaKind::PersistentTeammates => self.persistent_teammates = limit,
         }
     }
 }
@@ -185,15 +213,30 @@ pub enum QuotaKind {
     TokensPerDay,
     /// [`Quotas::cost_per_month_micros`].
     CostPerMonth,
+    /// [`Quotas::model_requests_per_minute`].
+    ModelRequestsPerMinute,
+    /// [`Quotas::model_tokens_per_minute`].
+    ModelTokensPerMinute,
+    /// [`Quotas::workspace_bytes`].
+    WorkspaceBytes,
+    /// [`Quotas::mailbox_bytes`].
+    MailboxBytes,
+    /// [`Quotas::persistent_teammates`].
+    PersistentTeammates,
 }
 
 impl QuotaKind {
     /// Every kind.
-    pub const ALL: [QuotaKind; 4] = [
+    pub const ALL: [QuotaKind; 9] = [
         Self::ConcurrentRuns,
         Self::RunsPerHour,
         Self::TokensPerDay,
         Self::CostPerMonth,
+        Self::ModelRequestsPerMinute,
+        Self::ModelTokensPerMinute,
+        Self::WorkspaceBytes,
+        Self::MailboxBytes,
+        Self::PersistentTeammates,
     ];
 
     /// The name on the wire and on the command line.
@@ -203,6 +246,11 @@ impl QuotaKind {
             Self::RunsPerHour => "runs_per_hour",
             Self::TokensPerDay => "tokens_per_day",
             Self::CostPerMonth => "cost_per_month",
+            Self::ModelRequestsPerMinute => "model_requests_per_minute",
+            Self::ModelTokensPerMinute => "model_tokens_per_minute",
+            Self::WorkspaceBytes => "workspace_bytes",
+            Self::MailboxBytes => "mailbox_bytes",
+            Self::PersistentTeammates => "persistent_teammates",
         }
     }
 
@@ -234,7 +282,8 @@ pub struct QuotaExceeded {
     pub limit: u64,
     /// What is used now.
     pub used: u64,
-    /// When the window resets (Unix milliseconds); absent for concurrent runs.
+    /// When the window resets (Unix milliseconds); absent for quotas without a window
+    /// (concurrent runs, bytes, teammates: they free when something ends or is removed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resets_at_ms: Option<i64>,
 }
@@ -252,7 +301,13 @@ impl fmt::Display for QuotaExceeded {
                 "; it resets at {}",
                 crate::time::Timestamp::from_unix_ms(ms)
             ),
-            None => write!(f, "; a slot frees when one of its runs ends"),
+            None => f.write_str(match self.quota {
+                QuotaKind::WorkspaceBytes | QuotaKind::MailboxBytes => {
+                    "; space frees as entries age out or runs are purged"
+                }
+                QuotaKind::PersistentTeammates => "; one frees when a teammate is shut down",
+                _ => "; a slot frees when one of its runs ends",
+            }),
         }
     }
 }
