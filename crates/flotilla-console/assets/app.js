@@ -8,10 +8,18 @@
 //   #/team                              the roster with presence, trust, failures
 //   #/workers                           live workers, slots, backlog per pool
 //   #/diff/<a>/<b>                      two runs compared task by task
+//   #/usage?days=                       the tenant's quotas and usage (several tenants only)
+//
+// A console of several tenants (`flotilla console --tenants`) serves each at /t/<tenant>/,
+// with its API under /t/<tenant>/api/; the header's picker lists the person's tenants
+// (GET /api/me). A console of one installation serves it at /, its API under /api/.
 
 const $ = (sel, root = document) => root.querySelector(sel);
 const main = () => $('#main');
 let me = { name: '?', operator: false };
+// The tenant this page shows (a console of several tenants), and where its API is.
+const tenant = (location.pathname.match(/^\/t\/([a-z0-9-]+)\//) || [])[1] || null;
+const base = tenant ? `/t/${tenant}` : '';
 // How many trailing hex digits of a run id tell the runs known apart (the server counts them:
 // `short_len` of /api/runs, at least 8). A UUIDv7 begins with its creation time, which runs
 // started together share; it ends with random digits.
@@ -52,7 +60,8 @@ async function api(path, opts = {}) {
     init.headers['X-Flotilla-Console'] = '1';
     init.body = JSON.stringify(opts.body);
   }
-  const r = await fetch(path, init);
+  // `top`: the console's own routes (who is signed in, their tenants), not a tenant's.
+  const r = await fetch(opts.top ? path : base + path, init);
   const text = await r.text();
   let data = null;
   try { data = text ? JSON.parse(text) : null; } catch { data = { message: text }; }
@@ -76,7 +85,7 @@ function toast(msg, error = false) {
 }
 
 function live(url, handlers) {
-  const es = new EventSource(url);
+  const es = new EventSource(base + url);
   for (const [name, fn] of Object.entries(handlers)) es.addEventListener(name, fn);
   cleanup.push(() => es.close());
   return es;
@@ -1346,6 +1355,86 @@ async function viewWorkers() {
   every(2000, load);
 }
 
+// ---------- usage (a tenant's: a console of several tenants) ----------
+
+// Millionths of a US dollar as dollars (small amounts to the hundredth of a cent).
+const usd = (micros) => `$${(micros / 1e6).toFixed(micros && micros < 10000 ? 4 : 2)}`;
+const count = (n) => Number(n || 0).toLocaleString('en-US');
+
+async function viewUsage() {
+  const days = Number(query().get('days')) || 7;
+  main().innerHTML = `<h1>Usage of ${esc(tenant)}</h1>
+    <div class="filters"><label>Last <select id="usage-days">${[1, 7, 30, 90, 400].map((d) => `<option value="${d}"${d === days ? ' selected' : ''}>${d} day${d > 1 ? 's' : ''}</option>`).join('')}</select></label>
+    <span class="muted">as <span class="mono">flotilla tenant usage ${esc(tenant)} --since ${days}d</span></span></div>
+    <div id="usage"></div>`;
+  $('#usage-days').addEventListener('change', (e) => { setQuery('/usage', { days: e.target.value }); route(); });
+  const load = async () => {
+    try {
+      const u = await api(`/api/usage?days=${days}`);
+      const q = u.quotas || {};
+      const c = u.current || {};
+      const limit = (v, fmt = count) => (v == null ? '<span class="muted">none</span>' : fmt(v));
+      const muted = (t) => `<span class="muted">${t}</span>`;
+      const quota = (name, used, lim, resets, fmt = count) => `<tr data-quota="${name}"><td>${name}</td><td>${used == null ? muted('-') : fmt(used)}</td><td>${limit(lim, fmt)}</td><td class="mono">${resets}</td></tr>`;
+      const kib = (n) => (n < 1024 ? `${count(n)} B` : n < 1048576 ? `${(n / 1024).toFixed(1)} KiB` : `${(n / 1048576).toFixed(1)} MiB`);
+      const total = (u.days || []).reduce((t, d) => ({ tokens: t.tokens + d.total.tokens, cost: t.cost + d.total.cost_micros, calls: t.calls + d.total.calls }), { tokens: 0, cost: 0, calls: 0 });
+      set('#usage', `<div class="card" id="usage-total"><b>${count(total.tokens)}</b> tokens · <b>${usd(total.cost)}</b> · <b>${count(total.calls)}</b> model calls in the last ${days} day${days > 1 ? 's' : ''}</div>
+        <h2>Quotas</h2>
+        <table id="quotas"><tr><th>QUOTA</th><th>USED</th><th>LIMIT</th><th>RESETS</th></tr>
+          ${quota('concurrent_runs', c.concurrent_runs, q.concurrent_runs, muted('when a run ends'))}
+          ${quota('runs_per_hour', c.runs_this_hour, q.runs_per_hour, time(c.hour_resets_at_ms))}
+          ${quota('tokens_per_day', c.tokens_today, q.tokens_per_day, time(c.day_resets_at_ms))}
+          ${quota('cost_per_month', c.cost_this_month_micros, q.cost_per_month_micros, time(c.month_resets_at_ms), usd)}
+          ${quota('model_requests_per_minute', null, q.model_requests_per_minute, muted('each minute'))}
+          ${quota('model_tokens_per_minute', null, q.model_tokens_per_minute, muted('each minute'))}
+          ${c.workspace_bytes != null ? quota('workspace_bytes', c.workspace_bytes, q.workspace_bytes, muted('as entries expire'), kib) : ''}
+          ${c.mailbox_bytes != null ? quota('mailbox_bytes', c.mailbox_bytes, q.mailbox_bytes, muted('as posts expire'), kib) : ''}
+          ${c.persistent_teammates != null || q.persistent_teammates != null ? quota('persistent_teammates', c.persistent_teammates, q.persistent_teammates, muted('when one shuts down')) : ''}</table>
+        <h2>By day, agent and model</h2>
+        ${(u.days || []).length ? `<table id="usage-days-table"><tr><th>DAY</th><th>AGENT</th><th>MODEL</th><th>TOKENS</th><th>COST</th><th>CALLS</th></tr>
+          ${u.days.slice().reverse().map((d) => `<tr class="day" data-day="${esc(d.day)}"><td><b>${esc(d.day)}</b></td><td></td><td></td><td><b>${count(d.total.tokens)}</b></td><td><b>${usd(d.total.cost_micros)}</b></td><td><b>${count(d.total.calls)}</b></td></tr>
+            ${d.by.map((b) => `<tr data-day="${esc(d.day)}" data-agent="${esc(b.agent)}" data-model="${esc(b.model)}"><td></td><td>${esc(b.agent)}</td><td class="mono">${esc(b.model)}</td><td>${count(b.tokens)}</td><td>${usd(b.cost_micros)}</td><td>${count(b.calls)}</td></tr>`).join('')}`).join('')}</table>`
+          : '<p class="muted" id="usage-none">No model calls in these days.</p>'}`);
+    } catch (e) { set('#usage', `<p class="muted">${esc(e.message)}</p>`); }
+  };
+  await load();
+  every(10000, load);
+}
+
+// ---------- tenants (a console of several) ----------
+
+// The header's picker of the person's tenants. `true`: this tenant's page can be shown;
+// `false`: it cannot (no tenant named and the person has none, or one they are not in), and
+// the page says why; `null`: the page goes to the person's first tenant.
+function tenants() {
+  const mine = me.tenants;
+  if (!tenant) {
+    if (mine.length) {
+      location.replace(`/t/${encodeURIComponent(mine[0])}/${location.hash}`);
+      return null;
+    } else {
+      main().innerHTML = `<div class="card" id="no-tenant"><h1>No tenant</h1><p>${esc(me.name)} is in no tenant of this console: a tenant's people (<span class="mono">flotilla tenant set TENANT --person ${esc(me.name)}</span>) and the console's administrators see it.</p></div>`;
+    }
+    return false;
+  }
+  const picker = $('#tenant');
+  picker.innerHTML = mine.map((t) => `<option value="${esc(t)}"${t === tenant ? ' selected' : ''}>${esc(t)}</option>`).join('');
+  $('#tenant-pick').hidden = false;
+  picker.addEventListener('change', () => {
+    // The same list page in the other tenant; a run is another tenant's: its runs.
+    const page = (location.hash.slice(1) || '/runs').split(/[/?]/)[1];
+    const keep = ['runs', 'inbox', 'team', 'workers', 'usage'].includes(page) ? page : 'runs';
+    location.assign(`/t/${encodeURIComponent(picker.value)}/#/${keep}`);
+  });
+  $('[data-nav="usage"]').hidden = false;
+  if (!mine.includes(tenant)) {
+    main().innerHTML = `<div class="card" id="no-tenant"><h1>Not in tenant ${esc(tenant)}</h1><p>${esc(me.name)} is not in tenant ${esc(tenant)}.${mine.length ? ` Your tenants: ${mine.map((t) => `<a href="/t/${esc(t)}/">${esc(t)}</a>`).join(', ')}.` : ''}</p></div>`;
+    return false;
+  }
+  document.title = `${tenant} · Flotilla console`;
+  return true;
+}
+
 // ---------- router ----------
 
 let routeSeq = 0;
@@ -1363,6 +1452,7 @@ async function route() {
     else if (page === 'team') await viewTeam();
     else if (page === 'workers') await viewWorkers();
     else if (page === 'diff' && arg) await viewDiff(arg, path.split('/')[3]);
+    else if (page === 'usage' && tenant) await viewUsage();
     else await viewRuns();
   } catch (e) {
     // A page the person already left does not put its failure on the one they are on.
@@ -1372,12 +1462,21 @@ async function route() {
 
 async function start() {
   try {
-    me = await api('/api/me');
-    set('#me', `${esc(me.name)} · ${me.operator ? 'operator' : 'viewer'}`);
+    me = await api('/api/me', { top: true });
+    set('#me', `${esc(me.name)} · ${me.administrator ? 'administrator' : me.operator ? 'operator' : 'viewer'}`);
     $('#me').dataset.role = me.operator ? 'operator' : 'viewer';
   } catch (e) {
     main().innerHTML = `<div class="card"><h1>Sign in</h1><p>${esc(e.message)}</p></div>`;
     return;
+  }
+  // A console of several tenants lists the person's (`tenants`); one installation's does not.
+  if (me.tenants) {
+    const shown = tenants();
+    if (shown === null) return;
+    if (!shown) {
+      document.body.dataset.ready = '1';
+      return;
+    }
   }
   try {
     const p = await api('/api/runs?limit=0');
@@ -1394,7 +1493,7 @@ async function start() {
     } catch { /* no coordinator yet */ }
   };
   badge();
-  const es = new EventSource('/api/inbox/stream');
+  const es = new EventSource(`${base}/api/inbox/stream`);
   es.addEventListener('inbox', debounce(300, badge));
   await route();
   document.body.dataset.ready = '1';

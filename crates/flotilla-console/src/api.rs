@@ -62,6 +62,9 @@ pub(crate) struct AppState {
     pub(crate) store: Arc<flotilla_runs::RunReader>,
     pub(crate) index: RunIndex,
     pub(crate) opts: Arc<ConsoleOptions>,
+    /// The tenant whose installation this is (a console of several tenants serves one
+    /// state per tenant); `None`: the console's one installation.
+    pub(crate) tenant: Option<flotilla_model::tenant::TenantName>,
     pub(crate) audit: Arc<Mutex<VecDeque<AuditEntry>>>,
     /// A ping per notice on `<prefix>.notify.>` (approvals, questions, client tools).
     pub(crate) notices: broadcast::Sender<()>,
@@ -83,7 +86,7 @@ pub(crate) struct AuditEntry {
 }
 
 /// An error answer: `{"error": code, "message": …}`.
-fn error(status: StatusCode, code: &str, message: impl Into<String>) -> Response {
+pub(crate) fn error(status: StatusCode, code: &str, message: impl Into<String>) -> Response {
     (
         status,
         Json(json!({"error": code, "message": message.into()})),
@@ -176,11 +179,18 @@ impl AppState {
         } else {
             format!("refused ({})", status.as_u16())
         };
-        info!(
-            target: "flotilla_console::audit",
-            by = %who.name, action, run = %run, target = target.unwrap_or("-"), %outcome,
-            "Console action"
-        );
+        match &self.tenant {
+            None => info!(
+                target: "flotilla_console::audit",
+                by = %who.name, action, run = %run, target = target.unwrap_or("-"), %outcome,
+                "Console action"
+            ),
+            Some(tenant) => info!(
+                target: "flotilla_console::audit",
+                by = %who.name, %tenant, action, run = %run, target = target.unwrap_or("-"), %outcome,
+                "Console action"
+            ),
+        }
         if let Ok(mut audit) = self.audit.lock() {
             if audit.len() >= AUDIT_KEPT {
                 audit.pop_front();

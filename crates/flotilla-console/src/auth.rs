@@ -177,7 +177,9 @@ fn is_port(p: &str) -> bool {
 /// Who sent `headers`, with their role. The proxy header is read as is: [`admit`] has
 /// removed it from requests that did not come through a trusted proxy.
 pub(crate) fn identify(opts: &ConsoleOptions, headers: &HeaderMap) -> Result<Identity, Refusal> {
-    let operator = |name: &str| opts.operators.iter().any(|o| o == name);
+    // Administrators act everywhere: they are operators of every tenant they see.
+    let operator =
+        |name: &str| opts.operators.iter().any(|o| o == name) || opts.is_administrator(name);
     if let Some(h) = &opts.identity_header
         && let Some(v) = headers.get(h.as_str()).and_then(|v| v.to_str().ok())
         && !v.trim().is_empty()
@@ -278,6 +280,21 @@ mod tests {
             HeaderValue::from_static("flotilla_console=wrong"),
         );
         assert_eq!(identify(&o, &h), Err(Refusal::Unauthenticated));
+    }
+
+    #[test]
+    fn administrators_are_operators() {
+        let mut o = with_tokens();
+        o.tokens
+            .insert("root".into(), "root-token-0123456789".into());
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("Bearer root-token-0123456789"),
+        );
+        assert_eq!(identify(&o, &h).map(|i| i.operator), Ok(false));
+        o.administrators = vec!["root".into()];
+        assert_eq!(identify(&o, &h).map(|i| i.operator), Ok(true));
     }
 
     fn ip(s: &str) -> Option<IpAddr> {

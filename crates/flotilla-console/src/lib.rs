@@ -27,6 +27,7 @@ mod auth;
 mod index;
 mod monitor;
 mod options;
+mod tenancy;
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
@@ -50,6 +51,7 @@ pub use auth::Identity;
 pub use options::{
     BadTrustedProxy, ConsoleOptions, ConsoleOptionsError, DEFAULT_PORT, TrustedProxy,
 };
+pub use tenancy::Tenants;
 
 use api::AppState;
 use index::RunIndex;
@@ -74,6 +76,23 @@ pub enum ConsoleError {
         /// The cause.
         source: std::io::Error,
     },
+    /// The tenant records could not be read (no tenant was ever added, NATS refused).
+    #[error("reading the tenant records: {0}")]
+    Tenants(String),
+    /// A tenant to serve has no record (`flotilla tenant list` shows the tenants).
+    #[error(
+        "tenant {0:?} does not exist (`flotilla tenant list` shows the tenants; `flotilla tenant add` adds one)"
+    )]
+    UnknownTenant(String),
+    /// A tenant's installation could not be reached as its console user
+    /// (`console@<tenant>`): its NATS users come with `flotilla tenant nats-config`.
+    #[error("connecting to tenant {tenant}'s installation as console@{tenant}: {source}")]
+    Connect {
+        /// The tenant.
+        tenant: String,
+        /// The cause.
+        source: flotilla_bus::ConnectError,
+    },
 }
 
 impl ConsoleError {
@@ -96,12 +115,23 @@ const APP_CSS: &str = include_str!("../assets/app.css");
 const FAVICON_SVG: &str = include_str!("../assets/favicon.svg");
 
 /// A bound console, ready to serve.
-#[derive(Debug)]
 pub struct Console {
     listener: TcpListener,
     addr: SocketAddr,
-    state: AppState,
+    app: Router,
+    /// Fires when the console stops: every open event stream ends.
+    closing: CancellationToken,
     stop_index: CancellationToken,
+    connected: Connected,
+}
+
+/// Whether every NATS connection the console serves through is up.
+type Connected = Arc<dyn Fn() -> bool + Send + Sync>;
+
+impl std::fmt::Debug for Console {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Console").field("addr", &self.addr).finish()
+    }
 }
 
 impl Console {
@@ -118,70 +148,63 @@ impl Console {
         opts: ConsoleOptions,
     ) -> Result<Self, ConsoleError> {
         opts.validate()?;
-        let listener = TcpListener::bind(addr)
-            .await
-            .map_err(|source| ConsoleError::Listen { addr, source })?;
-        let addr = listener
-            .local_addr()
-            .map_err(|source| ConsoleError::Listen { addr, source })?;
-        let store = flotilla_client::open_store(&bus).await?;
-        let stop_index = CancellationToken::new();
-        let index = RunIndex::start(&store, stop_index.clone());
-        let (notices, _) = broadcast::channel(64);
-        let mut sub = bus
-            .client()
-            .subscribe(format!("{}.notify.>", bus.names().prefix()))
-            .await?;
-        let tx = notices.clone();
-        let stop = stop_index.clone();
-        tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    n = sub.next() => match n {
-                        Some(_) => { let _ = tx.send(()); }
-                        None => return,
-                    },
-                }
-            }
-        });
-        // The pending approvals behind the runs list's `waiting`: read at start, after each
-        // notice (approvals, questions and client tools each publish one) and every few
-        // seconds (a deadline's default, an answer another console or the CLI gave).
-        let client = Client::new(bus.clone());
-        let (pending_index, stop, mut notified) =
-            (index.clone(), stop_index.clone(), notices.subscribe());
-        tokio::spawn(async move {
-            loop {
-                if let Ok(p) = client.pending_approvals(None).await {
-                    pending_index.set_pending(p);
-                }
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = notified.recv() => {
-                        // A burst of notices is read once.
-                        tokio::time::sleep(PENDING_SETTLE).await;
-                        while notified.try_recv().is_ok() {}
-                    }
-                    _ = tokio::time::sleep(PENDING_EVERY) => {}
-                }
-            }
-        });
-        let state = AppState {
-            client: Client::new(bus),
-            store: Arc::new(store),
-            index,
-            opts: Arc::new(opts),
-            audit: Arc::new(Mutex::new(VecDeque::new())),
-            notices,
-            closing: CancellationToken::new(),
-        };
+        let (listener, addr) = listen(addr).await?;
+        let (closing, stop_index) = (CancellationToken::new(), CancellationToken::new());
+        let opts = Arc::new(opts);
+        let nats = bus.client().clone();
+        let state =
+            AppState::start(bus, Arc::clone(&opts), None, closing.clone(), &stop_index).await?;
         Ok(Self {
             listener,
             addr,
-            state,
+            app: router(opts, api_routes().with_state(state)),
+            closing,
             stop_index,
+            connected: Arc::new(move || {
+                nats.connection_state() == async_nats::connection::State::Connected
+            }),
         })
+    }
+
+    /// A console of several tenants' installations (`flotilla console --tenants a,b` or
+    /// `--all-tenants`), on `addr`: `nats` (no tenant) reaches the deployment's tenant
+    /// records as its `console` user, and each tenant's installation is served through a
+    /// connection of its own as `console@<tenant>`, at `/t/<tenant>/`. A signed-in identity
+    /// sees the tenants whose record lists it in `people`; `administrators` see all.
+    pub async fn bind_tenants(
+        nats: &flotilla_bus::NatsOptions,
+        tenants: Tenants,
+        addr: SocketAddr,
+        opts: ConsoleOptions,
+    ) -> Result<Self, ConsoleError> {
+        opts.validate()?;
+        let (listener, addr) = listen(addr).await?;
+        let (closing, stop_index) = (CancellationToken::new(), CancellationToken::new());
+        let opts = Arc::new(opts);
+        let tenancy = tenancy::Tenancy::start(
+            nats,
+            tenants,
+            Arc::clone(&opts),
+            closing.clone(),
+            stop_index.clone(),
+        )
+        .await?;
+        let probe = Arc::clone(&tenancy);
+        Ok(Self {
+            listener,
+            addr,
+            app: router(opts, tenancy::routes(tenancy)),
+            closing,
+            stop_index,
+            connected: Arc::new(move || probe.connected()),
+        })
+    }
+
+    /// Whether the console's NATS connections are up (each tenant's and the tenant
+    /// records' with several tenants): for its readiness.
+    pub fn connected(&self) -> impl Fn() -> bool + Send + Sync + 'static {
+        let c = Arc::clone(&self.connected);
+        move || c()
     }
 
     /// The address it listens on.
@@ -198,8 +221,8 @@ impl Console {
     pub async fn serve(self, stop: CancellationToken) -> Result<(), ConsoleError> {
         let addr = self.addr;
         info!(%addr, "Console listening");
-        let closing = self.state.closing.clone();
-        let app = router(self.state);
+        let closing = self.closing.clone();
+        let app = self.app;
         // The peer's address reaches the handlers: the proxy header is trusted by it.
         let result = axum::serve(
             self.listener,
@@ -218,15 +241,87 @@ impl Console {
     }
 }
 
-fn router(state: AppState) -> Router {
+/// Binds the listener on `addr`, and the address it got.
+async fn listen(addr: SocketAddr) -> Result<(TcpListener, SocketAddr), ConsoleError> {
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|source| ConsoleError::Listen { addr, source })?;
+    let addr = listener
+        .local_addr()
+        .map_err(|source| ConsoleError::Listen { addr, source })?;
+    Ok((listener, addr))
+}
+
+impl AppState {
+    /// One installation's console: its run store, the runs list kept from a watch of its runs
+    /// bucket, its notices, and its pending approvals read again after each notice — until
+    /// `stop`. `tenant`: whose installation it is (named in the audit; its usage is served).
+    pub(crate) async fn start(
+        bus: Bus,
+        opts: Arc<ConsoleOptions>,
+        tenant: Option<flotilla_model::tenant::TenantName>,
+        closing: CancellationToken,
+        stop: &CancellationToken,
+    ) -> Result<Self, ConsoleError> {
+        let store = flotilla_client::open_store(&bus).await?;
+        let index = RunIndex::start(&store, stop.clone());
+        let (notices, _) = broadcast::channel(64);
+        let mut sub = bus
+            .client()
+            .subscribe(format!("{}.notify.>", bus.names().prefix()))
+            .await?;
+        let tx = notices.clone();
+        let until = stop.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = until.cancelled() => return,
+                    n = sub.next() => match n {
+                        Some(_) => { let _ = tx.send(()); }
+                        None => return,
+                    },
+                }
+            }
+        });
+        // The pending approvals behind the runs list's `waiting`: read at start, after each
+        // notice (approvals, questions and client tools each publish one) and every few
+        // seconds (a deadline's default, an answer another console or the CLI gave).
+        let client = Client::new(bus.clone());
+        let (pending_index, until, mut notified) =
+            (index.clone(), stop.clone(), notices.subscribe());
+        tokio::spawn(async move {
+            loop {
+                if let Ok(p) = client.pending_approvals(None).await {
+                    pending_index.set_pending(p);
+                }
+                tokio::select! {
+                    _ = until.cancelled() => return,
+                    _ = notified.recv() => {
+                        // A burst of notices is read once.
+                        tokio::time::sleep(PENDING_SETTLE).await;
+                        while notified.try_recv().is_ok() {}
+                    }
+                    _ = tokio::time::sleep(PENDING_EVERY) => {}
+                }
+            }
+        });
+        Ok(AppState {
+            client: Client::new(bus),
+            store: Arc::new(store),
+            index,
+            opts,
+            tenant,
+            audit: Arc::new(Mutex::new(VecDeque::new())),
+            notices,
+            closing,
+        })
+    }
+}
+
+/// The API of one installation, under `/api/` (a console of several tenants serves one per
+/// tenant under `/t/<tenant>/api/`).
+fn api_routes() -> Router<AppState> {
     Router::new()
-        .route("/", get(page))
-        .route("/assets/app.js", get(|| asset(APP_JS, "text/javascript")))
-        .route("/assets/app.css", get(|| asset(APP_CSS, "text/css")))
-        // Browsers ask for /favicon.ico whatever the page links: both answer the same icon.
-        .route("/favicon.svg", get(|| asset(FAVICON_SVG, "image/svg+xml")))
-        .route("/favicon.ico", get(|| asset(FAVICON_SVG, "image/svg+xml")))
-        .route("/healthz", get(|| async { "ok" }))
         .route("/api/me", get(api::me))
         .route("/api/runs", get(api::runs))
         .route("/api/runs/stream", get(api::runs_stream))
@@ -254,25 +349,46 @@ fn router(state: AppState) -> Router {
         .route("/api/team", get(api::team))
         .route("/api/workers", get(api::workers))
         .route("/api/audit", get(api::audit))
-        .with_state(state.clone())
+}
+
+/// The page, its assets and the health check, around `api` (the routes that read and act),
+/// behind the checks of every request.
+fn router(opts: Arc<ConsoleOptions>, api: Router) -> Router {
+    Router::new()
+        .route(
+            "/",
+            get(
+                |State(o): State<Arc<ConsoleOptions>>, headers: http::HeaderMap, q| async move {
+                    page(&o, &headers, q, "/")
+                },
+            ),
+        )
+        .route("/assets/app.js", get(|| asset(APP_JS, "text/javascript")))
+        .route("/assets/app.css", get(|| asset(APP_CSS, "text/css")))
+        // Browsers ask for /favicon.ico whatever the page links: both answer the same icon.
+        .route("/favicon.svg", get(|| asset(FAVICON_SVG, "image/svg+xml")))
+        .route("/favicon.ico", get(|| asset(FAVICON_SVG, "image/svg+xml")))
+        .route("/healthz", get(|| async { "ok" }))
+        .with_state(Arc::clone(&opts))
+        .merge(api)
         // Every route, the fallback too: reads as much as actions.
-        .layer(axum::middleware::from_fn_with_state(state, guard))
+        .layer(axum::middleware::from_fn_with_state(opts, guard))
         .layer(axum::middleware::map_response(security_headers))
 }
 
 /// [`auth::admit`] before every route, with the connection's peer (none known: not a
 /// trusted proxy).
-async fn guard(State(s): State<AppState>, mut req: Request, next: Next) -> Response {
+async fn guard(State(opts): State<Arc<ConsoleOptions>>, mut req: Request, next: Next) -> Response {
     let peer = req
         .extensions()
         .get::<ConnectInfo<SocketAddr>>()
         .map(|ConnectInfo(a)| a.ip());
     let uri = req.uri().clone();
-    match auth::admit(&s.opts, peer, &uri, req.headers_mut()) {
+    match auth::admit(&opts, peer, &uri, req.headers_mut()) {
         Ok(auth::Admitted::AsIs) => {}
         Ok(auth::Admitted::DroppedIdentity) => warn!(
             peer = ?peer,
-            header = s.opts.identity_header.as_deref().unwrap_or_default(),
+            header = opts.identity_header.as_deref().unwrap_or_default(),
             "A request carried the proxy identity header from a peer not in console.trusted-proxies; ignored it"
         ),
         Err(r) => {
@@ -325,14 +441,16 @@ async fn asset(body: &'static str, content_type: &'static str) -> Response {
 }
 
 /// The page; `/?token=…` signs in: the token goes to an HttpOnly, SameSite=Strict cookie
-/// and the browser is sent to `/` so the token leaves the address bar and the history.
-async fn page(
-    State(s): State<AppState>,
-    headers: http::HeaderMap,
+/// and the browser is sent to `home` (`/`, or a tenant's `/t/<tenant>/`) so the token leaves
+/// the address bar and the history.
+pub(crate) fn page(
+    opts: &ConsoleOptions,
+    headers: &http::HeaderMap,
     Query(q): Query<HashMap<String, String>>,
+    home: &str,
 ) -> Response {
     if let Some(token) = q.get("token") {
-        if auth::identity_of_token(&s.opts, token).is_none() {
+        if auth::identity_of_token(opts, token).is_none() {
             warn!("A console sign-in with an unknown token");
             return (StatusCode::UNAUTHORIZED, "unknown token").into_response();
         }
@@ -345,7 +463,7 @@ async fn page(
             auth::TOKEN_COOKIE,
             if secure { "; Secure" } else { "" }
         );
-        let mut r = Redirect::to("/").into_response();
+        let mut r = Redirect::to(home).into_response();
         if let Ok(v) = HeaderValue::from_str(&cookie) {
             r.headers_mut().insert(header::SET_COOKIE, v);
         }

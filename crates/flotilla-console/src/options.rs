@@ -39,6 +39,11 @@ pub struct ConsoleOptions {
     /// Identities with the operator role: they may answer approvals and pause, resume,
     /// take over or cancel runs. Everyone else only looks.
     pub operators: Vec<String>,
+    /// Platform administrators: a console serving several tenants (`flotilla console
+    /// --tenants`) shows them every tenant, and they are operators in each (and in a console
+    /// of one installation). Everyone else sees only the tenants whose record lists them in
+    /// `people` (`flotilla tenant add|set --person`).
+    pub administrators: Vec<String>,
     /// The identity of everyone when neither tokens nor a proxy header are configured
     /// (default `local`).
     pub local_identity: String,
@@ -61,6 +66,8 @@ impl Default for ConsoleOptions {
             identity_header: None,
             trusted_proxies: Vec::new(),
             operators: Vec::new(),
+            // Nobody: each person sees only their tenants.
+            administrators: Vec::new(),
             local_identity: "local".to_owned(),
             local_operator: true,
         }
@@ -77,6 +84,7 @@ impl std::fmt::Debug for ConsoleOptions {
             .field("identity_header", &self.identity_header)
             .field("trusted_proxies", &self.trusted_proxies)
             .field("operators", &self.operators)
+            .field("administrators", &self.administrators)
             .field("local_identity", &self.local_identity)
             .field("local_operator", &self.local_operator)
             .finish()
@@ -102,6 +110,14 @@ pub enum ConsoleOptionsError {
         "console.identity-header {0:?} is set but console.trusted-proxies is empty: anyone reaching the console could send that header and act as any identity; list the addresses or networks your authenticating proxy connects from (e.g. trusted-proxies = [\"10.0.0.0/8\"])"
     )]
     UntrustedHeader(String),
+    /// An administrator's name that names nobody: empty, or with spaces around it.
+    #[error(
+        "console.administrators: {0:?} is not an identity (an identity's name is not empty and has no spaces around it)"
+    )]
+    BadAdministrator(String),
+    /// An administrator listed twice.
+    #[error("console.administrators: {0:?} is listed twice")]
+    DuplicateAdministrator(String),
 }
 
 impl ConsoleOptions {
@@ -122,6 +138,15 @@ impl ConsoleOptions {
         {
             return Err(ConsoleOptionsError::UntrustedHeader(h.clone()));
         }
+        let mut seen = std::collections::BTreeSet::new();
+        for a in &self.administrators {
+            if a.trim().is_empty() || a.trim() != a {
+                return Err(ConsoleOptionsError::BadAdministrator(a.clone()));
+            }
+            if !seen.insert(a) {
+                return Err(ConsoleOptionsError::DuplicateAdministrator(a.clone()));
+            }
+        }
         if self.is_local() && !self.listen.ip().is_loopback() {
             return Err(ConsoleOptionsError::OpenToNetwork(self.listen));
         }
@@ -131,6 +156,11 @@ impl ConsoleOptions {
     /// Neither tokens nor a proxy header: everyone is the local identity.
     pub fn is_local(&self) -> bool {
         self.tokens.is_empty() && self.identity_header.is_none()
+    }
+
+    /// Whether `name` is a platform administrator (every tenant, operator in each).
+    pub fn is_administrator(&self, name: &str) -> bool {
+        self.administrators.iter().any(|a| a == name)
     }
 
     /// Whether a connection from `peer` comes from a trusted proxy (an IPv4 peer on an IPv6
@@ -251,6 +281,27 @@ mod tests {
 
     fn ip(s: &str) -> IpAddr {
         s.parse().expect("an address")
+    }
+
+    #[test]
+    fn administrators_are_named() {
+        let mut o = ConsoleOptions {
+            administrators: vec!["root".into(), "ops@example.com".into()],
+            ..ConsoleOptions::default()
+        };
+        assert_eq!(o.validate(), Ok(()));
+        assert!(o.is_administrator("root") && !o.is_administrator("alice"));
+        for bad in ["", "  ", " root"] {
+            o.administrators = vec![bad.into()];
+            let err = o.validate().expect_err("refused");
+            assert_eq!(err, ConsoleOptionsError::BadAdministrator(bad.into()));
+            assert!(err.to_string().contains("console.administrators"), "{err}");
+        }
+        o.administrators = vec!["root".into(), "root".into()];
+        assert_eq!(
+            o.validate(),
+            Err(ConsoleOptionsError::DuplicateAdministrator("root".into()))
+        );
     }
 
     #[test]
