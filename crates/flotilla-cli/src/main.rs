@@ -100,6 +100,14 @@ enum Command {
     /// The web console: run trees, events, the inbox, the team and workers, live in a
     /// browser (`[console]` configures where it listens and who may act).
     Console {
+        /// Serve these tenants' installations, each through its own connection as
+        /// `console@<tenant>`: a person sees the tenants that list them in `people`,
+        /// `console.administrators` see all (comma separated; see docs/guide/tenants.md).
+        #[arg(long, value_delimiter = ',', value_name = "NAMES")]
+        tenants: Vec<String>,
+        /// As --tenants, for every tenant of the deployment, those added later too.
+        #[arg(long, conflicts_with = "tenants")]
+        all_tenants: bool,
         /// Listen here (overrides console.listen; default 127.0.0.1:9480).
         #[arg(long, value_name = "ADDR")]
         listen: Option<std::net::SocketAddr>,
@@ -677,7 +685,12 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
                 commands::tenant_services::supervisors(&c, &tenants).await
             }
         }
-        Command::Console { listen, http_addr } => {
+        Command::Console {
+            listen,
+            http_addr,
+            tenants,
+            all_tenants,
+        } => {
             let mut c = load()?;
             if let Some(a) = listen {
                 c.console.listen = a;
@@ -686,7 +699,17 @@ async fn run(cli: Cli, preloaded: Option<config::Config>) -> anyhow::Result<Exit
                 c.telemetry.http_addr = a;
             }
             c.validate()?;
-            commands::console::console(&c).await
+            let tenants = if all_tenants {
+                commands::tenant_services::tenant_names(&c, &[])?;
+                Some(flotilla_console::Tenants::All)
+            } else if tenants.is_empty() {
+                None
+            } else {
+                Some(flotilla_console::Tenants::Named(
+                    commands::tenant_services::tenant_names(&c, &tenants)?,
+                ))
+            };
+            commands::console::console(&c, tenants).await
         }
         Command::Worker {
             pool,

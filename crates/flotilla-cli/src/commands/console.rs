@@ -1,4 +1,5 @@
-//! `flotilla console`: the web console as its own service, and the console `flotilla up`
+//! `flotilla console`: the web console as its own service (of one installation, or with
+//! `--tenants a,b` / `--all-tenants` of several tenants'), and the console `flotilla up`
 //! starts. The console itself is the `flotilla-console` library; this file connects it,
 //! serves its health endpoints and prints where to open it.
 
@@ -6,7 +7,7 @@ use std::net::SocketAddr;
 use std::process::ExitCode;
 
 use flotilla_bus::Bus;
-use flotilla_console::{Console, ConsoleError};
+use flotilla_console::{Console, ConsoleError, Tenants};
 use flotilla_telemetry::{Health, HttpServer, Metrics};
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
@@ -40,8 +41,8 @@ pub(crate) fn url_line(console: &Console, config: &Config) -> String {
     format!("Console: {}{how}", console.url())
 }
 
-/// `flotilla console`.
-pub(crate) async fn console(config: &Config) -> anyhow::Result<ExitCode> {
+/// `flotilla console`; with `tenants`, a console of those tenants' installations.
+pub(crate) async fn console(config: &Config, tenants: Option<Tenants>) -> anyhow::Result<ExitCode> {
     let health = Health::new();
     let nats = health.condition("nats_connected");
     let listening = health.condition("console_listening");
@@ -54,10 +55,21 @@ pub(crate) async fn console(config: &Config) -> anyhow::Result<ExitCode> {
     )
     .await?;
     let shutdown = super::signals::shutdown_on_signals()?;
-    let bus = Bus::connect(&config.nats, "flotilla-console").await?;
-    let client = bus.client().clone();
-    nats.follow(move || client.connection_state() == async_nats::connection::State::Connected);
-    let console = match bind(bus, config, false).await {
+    let bound = match tenants {
+        None => {
+            let bus = Bus::connect(&config.nats, "flotilla-console").await?;
+            bind(bus, config, false).await
+        }
+        Some(tenants) => Console::bind_tenants(
+            &config.nats,
+            tenants,
+            config.console.listen,
+            config.console.clone(),
+        )
+        .await
+        .map_err(anyhow::Error::from),
+    };
+    let console = match bound {
         Ok(c) => c,
         Err(e) => {
             if let Some(ConsoleError::Listen { addr, .. }) = e.downcast_ref::<ConsoleError>() {
@@ -68,6 +80,7 @@ pub(crate) async fn console(config: &Config) -> anyhow::Result<ExitCode> {
             return Err(e);
         }
     };
+    nats.follow(console.connected());
     errln!("{}", url_line(&console, config));
     listening.set(true);
     {

@@ -31,6 +31,19 @@ use crate::config::Config;
 /// The configuration of each of `tenants`, checked: names valid, none twice, and not
 /// combined with `--tenant`.
 pub(crate) fn per_tenant(config: &Config, tenants: &[String]) -> anyhow::Result<Vec<Config>> {
+    Ok(tenant_names(config, tenants)?
+        .into_iter()
+        .map(|name| {
+            let mut c = config.clone();
+            c.nats.tenant = Some(name.to_string());
+            c
+        })
+        .collect())
+}
+
+/// `tenants` (of `--tenants`), checked: names valid, none twice, and not combined with
+/// `--tenant`.
+pub(crate) fn tenant_names(config: &Config, tenants: &[String]) -> anyhow::Result<Vec<TenantName>> {
     anyhow::ensure!(
         config.nats.tenant.is_none(),
         "--tenants serves several tenants; drop --tenant / nats.tenant ({:?})",
@@ -44,9 +57,7 @@ pub(crate) fn per_tenant(config: &Config, tenants: &[String]) -> anyhow::Result<
             seen.insert(name.clone()),
             "--tenants: {t:?} is listed twice"
         );
-        let mut c = config.clone();
-        c.nats.tenant = Some(name.to_string());
-        out.push(c);
+        out.push(name);
     }
     Ok(out)
 }
