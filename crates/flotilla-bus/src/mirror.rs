@@ -73,7 +73,13 @@ const EMPTY_LOOK: Duration = Duration::from_millis(250);
 /// nothing. A failed look says "not known", never "empty".
 async fn nothing_matches(store: &kv::Store, filter: &str) -> bool {
     if filter == ALL_KEYS {
-        return store.status().await.is_ok_and(|s| s.values() == 0);
+        // Asked now: the store's own info (`status`) is as of when it was opened, and a
+        // store opened before its bucket filled would say "empty" for ever.
+        return store
+            .stream
+            .get_info()
+            .await
+            .is_ok_and(|i| i.state.messages == 0);
     }
     match store
         .stream
@@ -151,37 +157,49 @@ impl<T: DeserializeOwned + Clone + Send + Sync + 'static> KvMirror<T> {
                     }
                 };
                 let Some(Ok(entry)) = entry else { break };
-                if entry.delta == 0 || entry.seen_current {
+                // In sync once the history's last entry is in the map, not before: a reader
+                // woken by `synced` reads every value written before the watch started. The
+                // entry says nothing follows it (`delta`, the consumer's pending count when it
+                // was delivered); `seen_current` does not say that: it also holds when the
+                // server had pushed the whole history before answering the watch's creation,
+                // while those entries still wait here to be read.
+                let caught_up = entry.delta == 0;
+                self.apply(entry);
+                if caught_up {
                     self.synced.send_replace(true);
                 }
-                let mut map = self.entries.write().unwrap_or_else(|p| p.into_inner());
-                // A noted write may be ahead of the watch: older revisions change nothing.
-                if map
-                    .get(&entry.key)
-                    .is_some_and(|m| m.revision > entry.revision)
-                {
-                    continue;
+            }
+        }
+    }
+
+    /// One watched entry into the map.
+    fn apply(&self, entry: kv::Entry) {
+        let mut map = self.entries.write().unwrap_or_else(|p| p.into_inner());
+        // A noted write may be ahead of the watch: older revisions change nothing.
+        if map
+            .get(&entry.key)
+            .is_some_and(|m| m.revision > entry.revision)
+        {
+            return;
+        }
+        match entry.operation {
+            kv::Operation::Put => match serde_json::from_slice::<T>(&entry.value) {
+                Ok(value) => {
+                    map.insert(
+                        entry.key,
+                        Mirrored {
+                            value,
+                            at_ms: unix_ms(entry.created),
+                            revision: entry.revision,
+                        },
+                    );
                 }
-                match entry.operation {
-                    kv::Operation::Put => match serde_json::from_slice::<T>(&entry.value) {
-                        Ok(value) => {
-                            map.insert(
-                                entry.key,
-                                Mirrored {
-                                    value,
-                                    at_ms: unix_ms(entry.created),
-                                    revision: entry.revision,
-                                },
-                            );
-                        }
-                        Err(e) => {
-                            warn!(bucket = %entry.bucket, key = %entry.key, error = %e, "Ignoring an unreadable value");
-                        }
-                    },
-                    kv::Operation::Delete | kv::Operation::Purge => {
-                        map.remove(&entry.key);
-                    }
+                Err(e) => {
+                    warn!(bucket = %entry.bucket, key = %entry.key, error = %e, "Ignoring an unreadable value");
                 }
+            },
+            kv::Operation::Delete | kv::Operation::Purge => {
+                map.remove(&entry.key);
             }
         }
     }
