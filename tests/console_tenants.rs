@@ -14,6 +14,9 @@
 //! (docs/screenshots/console-tenants.png, console-tenant-usage.png). Bad input — an unknown
 //! tenant, a bad name, an administrator without a name — is refused by name. No console user
 //! is refused anything by the server.
+//!
+//! `--all-tenants` serves a tenant added later once the server has its users (a reload of
+//! the configuration with them), and no longer a removed one.
 
 mod support;
 
@@ -212,31 +215,35 @@ fn chromium() -> Option<PathBuf> {
     (node.is_ok() && browser_dir().join("node_modules/playwright-core").is_dir()).then_some(found)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn each_person_sees_and_answers_only_their_tenants() -> anyhow::Result<()> {
-    let conf_dir = tempfile::tempdir()?;
-    let conf = conf_dir.path().join("accounts.conf");
-    std::fs::copy(support::root().join("deploy/nats/accounts.conf"), &conf)?;
-    let server = NatsServer::builder()
-        .config_file(&conf)
-        .connect_as(OPERATOR.0, OPERATOR.1)
-        .start()
-        .await?;
-    let llm = OpenAiServer::start().await?;
-    let addr = format!(
-        "127.0.0.1:{}",
-        std::net::TcpListener::bind("127.0.0.1:0")?
-            .local_addr()?
-            .port()
-    );
-    let config = format!(
-        r#"{AGENTS}
-[agents.analyst]
-kind = "llm"
-base-url = "{}"
-model = "scripted-model"
-price = {{ input-per-mtok = 1.0, output-per-mtok = 2.0 }}
+/// A deployment on the NATS configuration `tenant nats-config` writes for `tenants` (name,
+/// person), the test's configuration with `agents` and the console's identities (tokens of
+/// alice, bob and the administrator; alice and bob operators), and where its console listens.
+struct Deployment {
+    p: support::Processes,
+    /// The NATS configuration the server runs (written again by `nats-config`).
+    conf: PathBuf,
+    _conf_dir: tempfile::TempDir,
+    addr: String,
+}
 
+impl Deployment {
+    async fn start(agents: &str, tenants: &[(&str, &str)]) -> anyhow::Result<Self> {
+        let conf_dir = tempfile::tempdir()?;
+        let conf = conf_dir.path().join("accounts.conf");
+        std::fs::copy(support::root().join("deploy/nats/accounts.conf"), &conf)?;
+        let server = NatsServer::builder()
+            .config_file(&conf)
+            .connect_as(OPERATOR.0, OPERATOR.1)
+            .start()
+            .await?;
+        let addr = format!(
+            "127.0.0.1:{}",
+            std::net::TcpListener::bind("127.0.0.1:0")?
+                .local_addr()?
+                .port()
+        );
+        let config = format!(
+            r#"{AGENTS}{agents}
 [console]
 listen = "{addr}"
 operators = ["alice", "bob"]
@@ -245,19 +252,67 @@ administrators = ["admin"]
 alice = "{ALICE}"
 bob = "{BOB}"
 admin = "{ADMIN}"
+"#
+        );
+        let mut p = support::Processes::with_server(server, &config).await?;
+        for (t, person) in tenants {
+            operator_ok(&p, &["tenant", "add", t, "--person", person])?;
+        }
+        operator_ok(
+            &p,
+            &["tenant", "nats-config", "--out", &conf.to_string_lossy()],
+        )?;
+        p.server.restart().await?;
+        Ok(Self {
+            p,
+            conf,
+            _conf_dir: conf_dir,
+            addr,
+        })
+    }
+
+    /// `flotilla console <args>` on the `console` user, once it answers.
+    async fn console(&mut self, args: &[&str]) -> anyhow::Result<usize> {
+        let env = common::credentials_env(CONSOLE);
+        let console = self
+            .p
+            .spawn_env(&[&["console"], args].concat(), &refs(&env))?;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while flotilla_testkit::http::request(&self.addr, "GET", "/healthz", &[], None)
+            .await
+            .map(|r| r.0)
+            .ok()
+            != Some(200)
+        {
+            ensure!(
+                tokio::time::Instant::now() < deadline,
+                "the console did not start:\n{}",
+                self.p.log(console)
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Ok(console)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_person_sees_and_answers_only_their_tenants() -> anyhow::Result<()> {
+    let llm = OpenAiServer::start().await?;
+    let analyst = format!(
+        r#"
+[agents.analyst]
+kind = "llm"
+base-url = "{}"
+model = "scripted-model"
+price = {{ input-per-mtok = 1.0, output-per-mtok = 2.0 }}
 "#,
         llm.base_url()
     );
-    let mut p = support::Processes::with_server(server, &config).await?;
-    operator_ok(&p, &["tenant", "add", "a", "--person", "alice"])?;
-    operator_ok(&p, &["tenant", "add", "b", "--person", "bob"])?;
-    operator_ok(
-        &p,
-        &["tenant", "nats-config", "--out", &conf.to_string_lossy()],
-    )?;
-    p.server.restart().await?;
+    let mut d = Deployment::start(&analyst, &[("a", "alice"), ("b", "bob")]).await?;
+    let addr = d.addr.clone();
 
     // One coordinator, one worker and one console serve both tenants.
+    let p = &mut d.p;
     let coordinator_env = common::credentials_env(COORDINATOR);
     let c = p.spawn_env(
         &["coordinator", "--tenants", "a,b"],
@@ -270,22 +325,8 @@ admin = "{ADMIN}"
     }
     let worker_env = common::credentials_env(WORKER);
     let w = p.spawn_env(&["worker", "--tenants", "a,b"], &refs(&worker_env))?;
-    let console_env = common::credentials_env(CONSOLE);
-    let console = p.spawn_env(&["console", "--tenants", "a,b"], &refs(&console_env))?;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while flotilla_testkit::http::request(&addr, "GET", "/healthz", &[], None)
-        .await
-        .map(|r| r.0)
-        .ok()
-        != Some(200)
-    {
-        ensure!(
-            tokio::time::Instant::now() < deadline,
-            "the console did not start:\n{}",
-            p.log(console)
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let console = d.console(&["--tenants", "a,b"]).await?;
+    let p = &mut d.p;
 
     // A run in each tenant waits for an approval; a's `gather` is a model call.
     llm.push(Reply::text("Revenue was 1250.").usage(900, 200));
@@ -499,6 +540,7 @@ admin = "{ADMIN}"
 
     // Bad input, refused by name (a usage error, exit 2): a tenant that does not exist, a
     // bad name, a tenant twice, both --tenants and --all-tenants, --tenant with --tenants.
+    let console_env = common::credentials_env(CONSOLE);
     let console_env = refs(&console_env);
     for (args, names) in [
         (
@@ -545,5 +587,93 @@ admin = "{ADMIN}"
         out.status
     );
     let _ = w;
+    Ok(())
+}
+
+/// Waits until `check` holds (it says what it saw when it does not), for up to `within`.
+async fn until<F, Fut>(within: Duration, mut check: F) -> anyhow::Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<Result<(), String>>>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        match check().await? {
+            Ok(()) => return Ok(()),
+            Err(saw) if tokio::time::Instant::now() >= deadline => bail!("{saw}"),
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+}
+
+/// `flotilla console --all-tenants` serves every tenant with a record; a tenant added later
+/// once the NATS server has its users — until then its page answers `503
+/// tenant_unavailable`, and the console tries again —, and no longer a removed one. Its
+/// people see it come and go, without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_tenant_is_served_as_it_comes_and_goes() -> anyhow::Result<()> {
+    let mut d = Deployment::start("", &[("a", "alice")]).await?;
+    let console = d.console(&["--all-tenants"]).await?;
+    let addr = d.addr.clone();
+    assert_eq!(tenants_of(&addr, ADMIN).await?, serde_json::json!(["a"]));
+    assert_eq!(tenants_of(&addr, ALICE).await?, serde_json::json!(["a"]));
+    runs_listed(&addr, ALICE, "a").await?;
+
+    // Tenant c is added, alice its person: its record is seen at once, its NATS users are not
+    // there yet — the console tries and fails.
+    operator_ok(&d.p, &["tenant", "add", "c", "--person", "alice"])?;
+    until(Duration::from_secs(10), || async {
+        let (code, v) = as_(&addr, ADMIN, "GET", "/t/c/api/runs", None).await?;
+        let tried =
+            d.p.log(console)
+                .contains("Cannot reach the tenant's installation yet");
+        Ok((code == 503 && v["error"] == "tenant_unavailable" && tried)
+            .then_some(())
+            .ok_or(format!("c before its users: {code} {v}, tried: {tried}")))
+    })
+    .await?;
+    assert_eq!(tenants_of(&addr, ALICE).await?, serde_json::json!(["a"]));
+    // The configuration with c's users; the server reloads it (connections stay).
+    operator_ok(
+        &d.p,
+        &["tenant", "nats-config", "--out", &d.conf.to_string_lossy()],
+    )?;
+    let pid = d.p.server.pid().context("the server's pid")?.to_string();
+    ensure!(
+        std::process::Command::new("kill")
+            .args(["-HUP", &pid])
+            .status()?
+            .success(),
+        "reload"
+    );
+    until(Duration::from_secs(20), || async {
+        let mine = tenants_of(&addr, ALICE).await?;
+        Ok((mine == serde_json::json!(["a", "c"]))
+            .then_some(())
+            .ok_or(format!("alice's tenants after the reload: {mine}")))
+    })
+    .await?;
+    runs_listed(&addr, ALICE, "c").await?;
+
+    // c is removed: no longer served.
+    operator_ok(&d.p, &["tenant", "remove", "c"])?;
+    until(Duration::from_secs(10), || async {
+        let mine = tenants_of(&addr, ALICE).await?;
+        Ok((mine == serde_json::json!(["a"]))
+            .then_some(())
+            .ok_or(format!("alice's tenants after c's removal: {mine}")))
+    })
+    .await?;
+    not_in_tenant(&addr, ALICE, "GET", "/t/c/api/runs", None, "c").await?;
+    let (code, v) = as_(&addr, ADMIN, "GET", "/t/c/api/runs", None).await?;
+    ensure!(code == 404 && v["error"] == "unknown_tenant", "{code} {v}");
+    for user in ["console", "console@a", "console@c"] {
+        let refused = refusals_of(&d.p.server, user)?;
+        ensure!(
+            refused.is_empty(),
+            "{user} was refused:\n{}",
+            refused.join("\n")
+        );
+    }
     Ok(())
 }

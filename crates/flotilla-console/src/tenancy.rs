@@ -145,7 +145,16 @@ impl Tenancy {
                 }
             }
             Tenants::All => {
-                tokio::spawn(Arc::clone(&this).follow());
+                // The tenants there now are served from the start when they can be; the others
+                // (and those added later) by the follower.
+                let mut failed = HashMap::new();
+                for (key, _) in this.records.all() {
+                    let Ok(name) = TenantName::new(&key) else {
+                        continue;
+                    };
+                    this.try_open(&name, &mut failed).await;
+                }
+                tokio::spawn(Arc::clone(&this).follow(failed));
             }
         }
         info!(tenants = ?this.served_names(), all = this.all, "Console serving tenants");
@@ -191,8 +200,7 @@ impl Tenancy {
     /// `--all-tenants`: serves each tenant whose record appears (trying again every few
     /// seconds while its installation cannot be reached) and stops serving those whose
     /// record goes, until the console stops.
-    async fn follow(self: Arc<Self>) {
-        let mut failed: HashMap<TenantName, tokio::time::Instant> = HashMap::new();
+    async fn follow(self: Arc<Self>, mut failed: HashMap<TenantName, tokio::time::Instant>) {
         loop {
             let known: BTreeSet<TenantName> = self
                 .records
@@ -219,29 +227,39 @@ impl Tenancy {
                 if served || waiting {
                     continue;
                 }
-                match self.open(&name).await {
-                    Ok(i) => {
-                        failed.remove(&name);
-                        self.write().insert(name.clone(), Arc::new(i));
-                        info!(tenant = %name, "Console serving the tenant");
-                    }
-                    Err(e) => {
-                        // Said once; the NATS users of a tenant just added come with the next
-                        // `tenant nats-config` and reload.
-                        if failed
-                            .insert(name.clone(), tokio::time::Instant::now())
-                            .is_none()
-                        {
-                            warn!(tenant = %name, error = %e, "Cannot reach the tenant's installation yet; trying again every few seconds");
-                        } else {
-                            debug!(tenant = %name, error = %e, "Cannot reach the tenant's installation yet");
-                        }
-                    }
-                }
+                self.try_open(&name, &mut failed).await;
             }
             tokio::select! {
                 _ = self.stop.cancelled() => return,
                 _ = tokio::time::sleep(FOLLOW_EVERY) => {}
+            }
+        }
+    }
+
+    /// Serves tenant `name` if its installation can be reached; `failed` holds when each
+    /// tenant that could not be was last tried.
+    async fn try_open(
+        &self,
+        name: &TenantName,
+        failed: &mut HashMap<TenantName, tokio::time::Instant>,
+    ) {
+        match self.open(name).await {
+            Ok(i) => {
+                failed.remove(name);
+                self.write().insert(name.clone(), Arc::new(i));
+                info!(tenant = %name, "Console serving the tenant");
+            }
+            Err(e) => {
+                // Said once; the NATS users of a tenant just added come with the next
+                // `tenant nats-config` and reload.
+                if failed
+                    .insert(name.clone(), tokio::time::Instant::now())
+                    .is_none()
+                {
+                    warn!(tenant = %name, error = %e, "Cannot reach the tenant's installation yet; trying again every few seconds");
+                } else {
+                    debug!(tenant = %name, error = %e, "Cannot reach the tenant's installation yet");
+                }
             }
         }
     }
