@@ -593,6 +593,7 @@ fn a_run_log_steps_the_machine_through_one_mapping() {
             started_at: None,
             agent: None,
             result,
+            answered: false,
         }))
     };
     let control = |action, reason: Option<&str>| {

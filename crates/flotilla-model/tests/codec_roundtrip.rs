@@ -615,6 +615,7 @@ proptest! {
             }] } else { Vec::new() },
             model: required.then(|| "qwen2.5:7b".into()),
             kept_steps: (attempt > 2).then_some(flotilla_model::plan::KeptSteps { run_id, attempt_id, steps: attempt }),
+            answer: (attempt == 1).then(|| flotilla_model::task::TaskAnswer { reply_to: vec!["_INBOX.a.b".into()], after_seq: attempt.into(), final_result_budget: 65_536, review_below: Some(0.6) }),
         })?;
     }
 
@@ -633,7 +634,7 @@ proptest! {
     ) {
         let input = match which {
             0 => RunInput::Submitted(Box::new(Submitted { plan: p, labels, session_id: None, parent: None, reply_to: None, wait_reply_to: Some("_INBOX.w".into()), intake_seq: Some(generation), warnings: Vec::new(), trace, planning: None, depth: (generation % 3) as u32, budget_scopes: vec![flotilla_model::task::BudgetScope { run_id, limits: flotilla_model::task::Budget { max_tokens: Some(generation), max_cost: None } }], anycast: generation % 2 == 0, memory: None, lead: (generation % 2 == 1).then(|| "lead".into()), hitl: Some(default_hitl_policy()) })),
-            1 => RunInput::TaskResult(Box::new(TaskResultInput { task_id, attempt, attempt_id, worker: "w1".into(), started_at: started, agent: None, result })),
+            1 => RunInput::TaskResult(Box::new(TaskResultInput { task_id, attempt, attempt_id, worker: "w1".into(), started_at: started, agent: None, result, answered: attempt == 2 })),
             2 => RunInput::Rejected(Box::new(flotilla_model::runlog::Rejected {
                 errors: vec![flotilla_model::validate::Problem::new(flotilla_model::validate::ProblemCode::Cycle, "subtasks[0]", "cycle")],
                 name: p.name.clone(), labels, reply_to: Some("a.b".into()), intake_seq: None,
@@ -659,7 +660,7 @@ proptest! {
             })),
             8 => RunInput::Submitted(Box::new(Submitted { plan: p, labels, session_id: None, parent: None, reply_to: None, wait_reply_to: None, intake_seq: None, warnings: Vec::new(), trace, planning: Some(flotilla_model::runlog::PlanningSpec { query: "why?".into(), max_repairs: generation as u32 % 5 }), depth: 0, budget_scopes: Vec::new(), anycast: false, memory: None, lead: None, hitl: None })),
             9 => RunInput::Claimed(Box::new(flotilla_model::runlog::Claimed { task_id, attempt, attempt_id, worker: "w1".into(), agent: "analyst".into(), role: "research".into() })),
-            10 => RunInput::TaskResult(Box::new(TaskResultInput { task_id, attempt, attempt_id, worker: "w2".into(), started_at: started, agent: Some("analyst".into()), result })),
+            10 => RunInput::TaskResult(Box::new(TaskResultInput { task_id, attempt, attempt_id, worker: "w2".into(), started_at: started, agent: Some("analyst".into()), result, answered: false })),
             11 => RunInput::Assigned(Box::new(flotilla_model::runlog::Assigned { task_id, by: "lead".into(), reason: "next".into() })),
             12 => RunInput::Finished(Box::new(flotilla_model::runlog::Finished { result: result.response, by: "lead".into() })),
             13 => RunInput::ApprovalDecided(Box::new(flotilla_model::approval::ApprovalDecided { approval_id: "t0a1".into(), task_id, attempt, status: flotilla_model::approval::ApprovalStatus::Decided, decision: flotilla_model::approval::Decision::Respond { result: result.response }, by: "alice".into(), tool_call: None, digest: None, incident: true, comment: Some("checked".into()), at: Some(flotilla_model::time::Timestamp::from_unix_ms(1_700_000_000_000)), always: true, reply_to: Some("_INBOX.x".into()) })),

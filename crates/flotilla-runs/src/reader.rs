@@ -383,6 +383,7 @@ impl RunReader {
             started_at: None,
             agent: None,
             result: flotilla_model::task::TaskResult::success(text),
+            answered: false,
         };
         let result = match entry.input {
             RunInput::TaskResult(r) => Ok(*r),

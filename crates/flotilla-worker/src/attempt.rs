@@ -73,8 +73,25 @@ pub(crate) async fn handle(
         attempt.ended(finish(shared, &msg, &task, claim, result, started_at).await);
         return;
     }
-    if delivered > 1 && already_done(&shared.bus, &task).await {
+    if delivered > 1
+        && let Some(view) = already_done(&shared.bus, &task).await
+    {
         debug!(run = %task.run_id, task = %task.task_id, "Redelivered task already has a result; acknowledging");
+        // A worker answering the run's submitters itself may have stopped between storing
+        // its result and answering (its message came back unacknowledged): the ended run's
+        // recorded outcome is answered again, under the same message id.
+        if let (Some(a), Some(outcome)) = (&task.answer, view.and_then(|v| v.record.outcome)) {
+            let reply = flotilla_model::submit::SubmitReply {
+                protocol: flotilla_model::PROTOCOL_VERSION,
+                run_id: Some(task.run_id),
+                status: flotilla_model::submit::SubmitStatus::Finished,
+                errors: Vec::new(),
+                warnings: Vec::new(),
+                outcome: Some(outcome),
+                run_status: None,
+            };
+            crate::result::answer_submitters(shared, task.run_id, &a.reply_to, &reply).await;
+        }
         attempt.not_run();
         let _ = msg.ack().await;
         return;
@@ -288,31 +305,30 @@ pub(crate) async fn handle(
 }
 
 /// Whether the coordinator already has a result for this attempt (only asked on redelivery).
-async fn already_done(bus: &Bus, task: &TaskEnvelope) -> bool {
+/// Whether a redelivered task's attempt is over already (its run ended, or the task moved
+/// on): `Some`, with the run's view when the run ended; `None` to run it.
+async fn already_done(bus: &Bus, task: &TaskEnvelope) -> Option<Option<RunView>> {
     let req = GetRunRequest {
         task_id: Some(task.task_id.clone()),
         ..GetRunRequest::new(task.run_id)
     };
-    let Ok(body) = serde_json::to_vec(&req) else {
-        return false;
-    };
+    let body = serde_json::to_vec(&req).ok()?;
     let asked = tokio::time::timeout(
         Duration::from_secs(2),
         bus.client()
             .request(bus.names().api(GetRunRequest::ENDPOINT), body.into()),
     )
     .await;
-    let Ok(Ok(reply)) = asked else { return false };
-    let Ok(view) = serde_json::from_slice::<RunView>(&reply.payload) else {
-        return false;
-    };
+    let Ok(Ok(reply)) = asked else { return None };
+    let view = serde_json::from_slice::<RunView>(&reply.payload).ok()?;
     if view.record.status.is_terminal() {
-        return true;
+        return Some(Some(view));
     }
     view.tasks
         .iter()
         .find(|t| t.task_id == task.task_id)
         .is_some_and(|t| !(t.status == TaskStatus::Dispatched && t.attempts == task.attempt))
+        .then_some(None)
 }
 
 /// Waits for a free agent slot, sending in-progress acknowledgements meanwhile so the waiting

@@ -9,9 +9,11 @@ use flotilla_bus::{PublishErrorKind, wire};
 use flotilla_model::PROTOCOL_VERSION;
 use flotilla_model::codec::Codec;
 use flotilla_model::ids::RunId;
+use flotilla_model::run::{FinalResult, RunOutcome, RunStatus};
 use flotilla_model::runlog::{
     RunInput, RunLogEntry, Suspended, SuspendedCall, TaskResultInput, suspended_msg_id,
 };
+use flotilla_model::submit::{SubmitReply, SubmitStatus};
 use flotilla_model::task::{TaskEnvelope, TaskErrorKind, TaskResult, result_msg_id};
 use flotilla_model::time::Timestamp;
 use flotilla_telemetry::AttemptOutcome;
@@ -40,7 +42,16 @@ pub(crate) async fn finish(
         Some(e) => AttemptOutcome::Failed(e.kind),
         None => AttemptOutcome::Failed(TaskErrorKind::AgentFailed),
     };
-    let entry = RunLogEntry {
+    // The success of an attempt that ends its run: answered from here once stored, when the
+    // final result it makes needs no artifact (one hop less than through a coordinator).
+    let answer = task.answer.as_ref().filter(|a| {
+        success
+            && answer_fits(task, &result, a.final_result_budget)
+            && a.review_below
+                .is_none_or(|below| result.confidence.is_none_or(|c| c >= below))
+    });
+    let reply = answer.map(|a| (a, finished_reply(task, &result)));
+    let mut entry = RunLogEntry {
         protocol: PROTOCOL_VERSION,
         run_id: task.run_id,
         input: RunInput::TaskResult(Box::new(TaskResultInput {
@@ -51,9 +62,37 @@ pub(crate) async fn finish(
             started_at: Some(started_at),
             agent: agent.clone(),
             result,
+            answered: reply.is_some(),
         })),
     };
     let msg_id = result_msg_id(task.run_id, &task.task_id, task.attempt);
+    let subject = shared.bus.names().runlog(task.run_id);
+    let mut answered = false;
+    // Whether a marked result may have been stored although its store failed (a lost
+    // acknowledgement): then the unmarked store below finds it stored, and the worker answers.
+    let mut maybe_marked = false;
+    if let Some((a, reply)) = &reply {
+        match store_answered(shared, &subject, &entry, &msg_id, a.after_seq).await {
+            Stored::Answering => {
+                answer_submitters(shared, task.run_id, &a.reply_to, reply).await;
+                answered = true;
+            }
+            // Another input reached the run first: stored unmarked below, and a
+            // coordinator answers.
+            Stored::Moved => {}
+            Stored::Unknown => maybe_marked = true,
+        }
+        if let RunInput::TaskResult(r) = &mut entry.input {
+            r.answered = false;
+        }
+    }
+    if answered {
+        if let Err(e) = msg.ack().await {
+            debug!(error = %e, "Task ack failed; a redelivery will find the result already stored");
+        }
+        debug!(run = %task.run_id, task = %task.task_id, attempt = task.attempt, "Task finished; its run's submitters answered from the worker");
+        return Some(outcome);
+    }
     let out = match wire::encode(&entry, Codec::Json, Some(&msg_id)) {
         Ok(o) => o,
         Err(e) => {
@@ -62,7 +101,6 @@ pub(crate) async fn finish(
             return None;
         }
     };
-    let subject = shared.bus.names().runlog(task.run_id);
     let limit = shared.bus.max_payload().saturating_sub(RESULT_HEADROOM);
     let mut out = if out.payload.len() > limit {
         let size = out.payload.len();
@@ -91,7 +129,7 @@ pub(crate) async fn finish(
                     .publish_encoded(subject.clone(), out.clone())
                     .await
                 {
-                    Ok(_) => return true,
+                    Ok(ack) => return Some(ack.duplicate),
                     Err(e) if e.kind() == PublishErrorKind::TooLarge => {
                         // The server's limit is lower than the one announced at connect time.
                         warn!(run = %task.run_id, task = %task.task_id, error = %e, "Result refused as too large; reporting result_too_large");
@@ -105,7 +143,7 @@ pub(crate) async fn finish(
                             limit,
                         ) {
                             Some(o) => out = o,
-                            None => return false,
+                            None => return None,
                         }
                     }
                     Err(e) if !shared.hard_stop.is_cancelled() => {
@@ -115,7 +153,7 @@ pub(crate) async fn finish(
                     }
                     Err(e) => {
                         warn!(run = %task.run_id, task = %task.task_id, error = %e, "Stopping before the result was stored; handing the task back");
-                        return false;
+                        return None;
                     }
                 }
             }
@@ -136,15 +174,142 @@ pub(crate) async fn finish(
             }
         }
     };
-    if !stored {
+    let Some(duplicate) = stored else {
         let _ = msg.ack_with(AckKind::Nak(None)).await;
         return None;
+    };
+    if duplicate
+        && maybe_marked
+        && let Some((a, reply)) = &reply
+    {
+        answer_submitters(shared, task.run_id, &a.reply_to, reply).await;
     }
     if let Err(e) = msg.ack().await {
         debug!(error = %e, "Task ack failed; a redelivery will find the result already stored");
     }
     debug!(run = %task.run_id, task = %task.task_id, attempt = task.attempt, success, "Task finished");
     Some(outcome)
+}
+
+/// What storing a result marked `answered` came to.
+enum Stored {
+    /// Stored right after the message the coordinator decided on: the worker answers.
+    Answering,
+    /// Not stored now: another input reached the run's log first (it is stored unmarked the
+    /// usual way, and a coordinator answers), or an earlier delivery stored it.
+    Moved,
+    /// Not known (no acknowledgement): it is stored unmarked the usual way; if that finds
+    /// the result stored already — this one, marked — the worker answers (a repeat answer
+    /// carries the same message id).
+    Unknown,
+}
+
+/// Stores `entry` (a result marked `answered`) on the run's log subject only if the
+/// subject's last message is still `after_seq`: nothing reached the run since its
+/// coordinator found that this success ends it. One try; anything else falls back.
+async fn store_answered(
+    shared: &Shared,
+    subject: &str,
+    entry: &RunLogEntry,
+    msg_id: &str,
+    after_seq: u64,
+) -> Stored {
+    let Ok(mut out) = wire::encode(entry, Codec::Json, Some(msg_id)) else {
+        return Stored::Moved;
+    };
+    if out.payload.len() > shared.bus.max_payload().saturating_sub(RESULT_HEADROOM) {
+        return Stored::Moved;
+    }
+    out.headers.insert(
+        async_nats::header::NATS_EXPECTED_LAST_SUBJECT_SEQUENCE,
+        after_seq.to_string(),
+    );
+    match shared.bus.publish_encoded(subject.to_owned(), out).await {
+        Ok(ack) if !ack.duplicate => Stored::Answering,
+        // Stored by an earlier delivery of this attempt, whose result this worker does not
+        // know (it ran the agent again): answered, if at all, by that delivery — or, when it
+        // stopped before answering, from the ended run's record by a later delivery.
+        Ok(_) => Stored::Moved,
+        Err(e) if e.kind() == PublishErrorKind::NotFirst => {
+            debug!(
+                subject,
+                "The run moved on before this result; its coordinator answers"
+            );
+            Stored::Moved
+        }
+        Err(e) => {
+            debug!(subject, error = %e, "Could not store a result marked answered; storing it the usual way");
+            Stored::Unknown
+        }
+    }
+}
+
+/// Whether the final result made of `result` alone fits inline, as a coordinator decides it
+/// (`runtime::results::complete_outcome`): estimated within half the budget, it is never
+/// measured nor stored as an artifact.
+fn answer_fits(task: &TaskEnvelope, result: &TaskResult, budget: u64) -> bool {
+    let estimate =
+        result.response.len() + task.task_id.as_str().len() + result.response.len() + 256;
+    (estimate as u64) <= budget / 2
+}
+
+/// The `finished` answer of a run that `result` of its last task ended: succeeded, its final
+/// result this task's — the outcome its coordinator records from the log.
+fn finished_reply(task: &TaskEnvelope, result: &TaskResult) -> SubmitReply {
+    let mut results = std::collections::BTreeMap::new();
+    results.insert(task.task_id.clone(), result.as_dependency());
+    SubmitReply {
+        protocol: PROTOCOL_VERSION,
+        run_id: Some(task.run_id),
+        status: SubmitStatus::Finished,
+        errors: Vec::new(),
+        warnings: Vec::new(),
+        outcome: Some(RunOutcome {
+            run_id: task.run_id,
+            status: RunStatus::Succeeded,
+            final_result: Some(FinalResult {
+                response: result.response.clone(),
+                numeric_value: result.numeric_value,
+                results,
+                partial: false,
+                omitted: 0,
+                artifact: None,
+            }),
+            failed: Vec::new(),
+            skipped: Vec::new(),
+            failed_omitted: 0,
+            skipped_omitted: 0,
+            reason: None,
+            cause: None,
+            rollback_run_id: None,
+        }),
+        run_status: None,
+    }
+}
+
+/// Sends `reply` to each waiting submitter, under the message id a coordinator answers with
+/// (`finished.<run>`), so a repeat is recognisable.
+pub(crate) async fn answer_submitters(
+    shared: &Shared,
+    run: RunId,
+    reply_to: &[String],
+    reply: &SubmitReply,
+) {
+    let id = format!("finished.{run}");
+    let Ok(out) = wire::encode(reply, Codec::Json, Some(&id)) else {
+        warn!(%run, "Could not encode a run's answer");
+        return;
+    };
+    for to in reply_to {
+        if let Err(e) = shared
+            .bus
+            .client()
+            .publish_with_headers(to.clone(), out.headers.clone(), out.payload.clone())
+            .await
+        {
+            warn!(subject = %to, error = %e, "Could not answer on reply_to");
+        }
+    }
 }
 
 /// Reports that the attempt stopped at `call` to wait for a person — or, `None`, at a step
@@ -237,6 +402,7 @@ fn too_large_entry(
             started_at: Some(started_at),
             agent,
             result,
+            answered: false,
         })),
     };
     let msg_id = result_msg_id(task.run_id, &task.task_id, task.attempt);
@@ -281,6 +447,7 @@ pub(crate) async fn report_bad_envelope(shared: &Shared, msg: &jetstream::Messag
                 TaskErrorKind::BadEnvelope,
                 format!("the task envelope could not be read: {error}"),
             ),
+            answered: false,
         })),
     };
     let msg_id = result_msg_id(ids.run_id, &ids.task_id, ids.attempt);

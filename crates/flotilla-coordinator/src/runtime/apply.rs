@@ -120,6 +120,7 @@ impl Runtime {
                         last_used: 0,
                         touched: tokio::time::Instant::now(),
                         unflushed: None,
+                        last_log_seq: None,
                     };
                     // The stored outbox may not have been performed: its writer may have died
                     // after the write (its inputs come back), or other inputs of the run may
@@ -143,7 +144,7 @@ impl Runtime {
                             .filter(|a| still_relevant(a, &loaded.machine))
                             .collect();
                         if !outbox.is_empty() {
-                            let replies = if produced_by_these {
+                            let replies = if produced_by_these && !answered_by_worker(inputs) {
                                 Replies::Send
                             } else {
                                 Replies::Skip
@@ -207,6 +208,7 @@ impl Runtime {
                         last_used: 0,
                         touched: tokio::time::Instant::now(),
                         unflushed: None,
+                        last_log_seq: Some(0),
                     });
                     started = true;
                     actions.extend(a);
@@ -263,6 +265,7 @@ impl Runtime {
                             last_used: 0,
                             touched: tokio::time::Instant::now(),
                             unflushed: None,
+                            last_log_seq: Some(0),
                         });
                         started = true;
                         actions.extend(a);
@@ -371,6 +374,26 @@ impl Runtime {
         // is recorded — by this coordinator or, found already recorded, by another — so an
         // input that changed nothing here (a result for a later task, seen against a start
         // rebuilt from a stale read) must go the way of every input, through the record.
+        // The run's log subject as far as applied here: a dispatch whose success ends the run
+        // tells its worker what must still be the subject's last message when it stores its
+        // result (and answers the submitters itself).
+        if let Some(last) = entry.last_log_seq {
+            let subject = self.bus.names().runlog(run);
+            entry.last_log_seq = Some(
+                inputs
+                    .iter()
+                    .filter(|d| d.msg.subject.as_str() == subject)
+                    .map(|d| d.seq)
+                    .fold(last, u64::max),
+            );
+        }
+        // A worker that answered the submitters itself (its result says so): the end this
+        // step performs does not answer them again.
+        let replies = if answered_by_worker(inputs) {
+            Replies::Skip
+        } else {
+            Replies::Send
+        };
         let only_start = started
             && inputs.iter().all(|d| match &d.inbound {
                 Inbound::Submission { .. } => true,
@@ -449,7 +472,7 @@ impl Runtime {
         }
         // Committed: what this step decided is counted once, however often it is performed.
         self.record(&entry, &to_perform[new_from..], admitted);
-        Box::pin(self.perform(&mut entry, &to_perform, &span, Replies::Send)).await?;
+        Box::pin(self.perform(&mut entry, &to_perform, &span, replies)).await?;
         self.record_hops(run, &entry, &hops);
         self.answer_controls(&verdicts).await;
         if entry.machine.state().status.is_terminal() {
@@ -533,6 +556,15 @@ fn still_relevant(action: &Action, machine: &RunMachine) -> bool {
 }
 
 /// Where a durable submission's submitter waits for answers, as far as it can be read.
+/// Whether one of `inputs` is a result whose worker answered the run's submitters itself
+/// (`TaskResultInput::answered`).
+fn answered_by_worker(inputs: &[Decoded]) -> bool {
+    inputs.iter().any(|d| {
+        matches!(&d.inbound, Inbound::Entry(e)
+            if matches!(&e.input, RunInput::TaskResult(r) if r.answered))
+    })
+}
+
 fn reply_to_of(request: &Result<Box<SubmitRequest>, Box<UnreadableSubmission>>) -> Option<&str> {
     match request {
         Ok(r) => r.reply_to.as_deref(),

@@ -190,6 +190,7 @@ impl Runtime {
                 .as_ref()
                 .filter(|f| f.task_id == sub.id)
                 .and_then(|f| f.conversation.clone()),
+            answer: None,
         }))
     }
 
@@ -272,6 +273,7 @@ impl Runtime {
                     error: Some(error),
                     confidence: None,
                 },
+                answered: false,
             })),
         };
         let out = wire::encode(

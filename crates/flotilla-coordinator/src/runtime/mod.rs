@@ -96,6 +96,11 @@ struct Cached {
     touched: tokio::time::Instant,
     /// The start step, performed but not recorded yet.
     unflushed: Option<Unflushed>,
+    /// The stream sequence of the last message on the run's log subject
+    /// (`<prefix>.runlog.<run>`) applied here, 0 for none; `None` when not known (the run
+    /// was loaded from its record). Known, it lets a dispatch whose success ends the run
+    /// tell its worker to answer the run's submitters itself (`TaskAnswer::after_seq`).
+    last_log_seq: Option<u64>,
 }
 
 /// What a performed-but-unrecorded start still owes: its record, its events, and the ack of

@@ -14,6 +14,7 @@ use flotilla_model::run::RunStatus;
 use flotilla_model::runlog::{RunInput, RunLogEntry};
 use flotilla_model::subjects::WORKFLOW_POOL;
 use flotilla_model::submit::{SubmitReply, SubmitStatus};
+use flotilla_model::task::TaskAnswer;
 use flotilla_model::time::Timestamp;
 use flotilla_telemetry::{spans, trace_context};
 
@@ -31,6 +32,33 @@ pub(super) enum Replies {
 }
 
 impl Runtime {
+    /// How the worker of attempt `attempt` of `task` answers the run's waiting submitters,
+    /// when its success would end the run as this task's result alone and this coordinator
+    /// knows the run's last log message (one hop less: the answer leaves the worker once its
+    /// result is stored). `None`: the coordinator answers, as for any run.
+    fn answer_of(&self, entry: &Cached, task: u32, attempt: u32) -> Option<TaskAnswer> {
+        let after_seq = entry.last_log_seq?;
+        let s = entry.machine.state();
+        let reply_to: Vec<String> = [&s.reply_to, &s.wait_reply_to]
+            .into_iter()
+            .flatten()
+            .cloned()
+            .collect();
+        if reply_to.is_empty()
+            || !entry
+                .machine
+                .success_ends_run(task, attempt, Timestamp::now().unix_ms())
+        {
+            return None;
+        }
+        Some(TaskAnswer {
+            reply_to,
+            after_seq,
+            final_result_budget: self.final_result_budget() as u64,
+            review_below: entry.machine.review_below(task),
+        })
+    }
+
     /// Performs actions: every publish is sent first, then all acknowledgements are awaited.
     /// The step's events (workflow events and the run's end) go out as one message, after its
     /// writes and timers and before its task messages; the outcome's answer to a waiting
@@ -103,6 +131,8 @@ impl Runtime {
                                     .is_some_and(|a| a.is_workflow(env.agent.as_deref()))
                             {
                                 env.pool = WORKFLOW_POOL.to_owned();
+                            } else if role.is_none() {
+                                env.answer = self.answer_of(entry, *task, *attempt);
                             }
                             env
                         }

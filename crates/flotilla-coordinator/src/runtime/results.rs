@@ -107,7 +107,7 @@ impl Runtime {
     }
 
     /// Bytes of final result carried inline in outcomes, events and replies.
-    fn final_result_budget(&self) -> usize {
+    pub(super) fn final_result_budget(&self) -> usize {
         self.opts
             .final_result_budget
             .min(self.bus.max_payload() / 4)

@@ -191,6 +191,7 @@ impl Runtime {
                 last_used: 0,
                 touched: tokio::time::Instant::now(),
                 unflushed: None,
+                last_log_seq: None,
             },
             actions,
         )))

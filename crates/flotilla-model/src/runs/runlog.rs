@@ -449,4 +449,10 @@ pub struct TaskResultInput {
     pub agent: Option<String>,
     /// The result.
     pub result: TaskResult,
+    /// The worker answered the run's waiting submitters itself ([`crate::task::TaskAnswer`]):
+    /// the coordinator that applies this result does not answer them again. Stored only
+    /// right after the input the coordinator decided on, so the result ends the run as the
+    /// worker said.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub answered: bool,
 }

@@ -133,6 +133,40 @@ pub struct TaskEnvelope {
     /// the first step after them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kept_steps: Option<crate::plan::KeptSteps>,
+    /// The attempt's success decides its run (it is the last task and the run's result is
+    /// its own): the worker answers the run's waiting submitters itself once its result is
+    /// stored — one hop less than through a coordinator ([`TaskAnswer`]). Absent: the
+    /// coordinator answers, as for every other attempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub answer: Option<TaskAnswer>,
+}
+
+/// How the worker of an attempt whose success decides its run answers the run's waiting
+/// submitters ([`TaskEnvelope::answer`]).
+///
+/// The worker stores its result on the run's log subject with
+/// `Nats-Expected-Last-Subject-Sequence: after_seq`, marked `answered` — so it is stored only
+/// if nothing else reached the run since the coordinator decided the success would end it —
+/// and then publishes the `finished` [`crate::submit::SubmitReply`] to each of `reply_to`:
+/// the outcome a coordinator then records from the log (succeeded, the final result made of
+/// this task's result alone). When the append finds another input first, or the final result
+/// would pass `final_result_budget / 2` bytes (a coordinator may store it as an artifact),
+/// the result is stored unmarked and the coordinator answers as for any run — as when its
+/// confidence is under `review_below`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TaskAnswer {
+    /// The subjects waiting for the run's terminal answer (its `reply_to`, and an API
+    /// submitter's wait inbox).
+    pub reply_to: Vec<String>,
+    /// The stream sequence of the run's last run-log message (`<prefix>.runlog.<run>`) the
+    /// coordinator had applied; 0: none.
+    pub after_seq: u64,
+    /// Bytes of final result the deployment carries inline in outcomes.
+    pub final_result_budget: u64,
+    /// A result with a confidence under this is held for a person's review
+    /// (`[hitl] low-confidence`) instead of ending the run: the coordinator answers then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub review_below: Option<f64>,
 }
 
 /// One budget a run's model calls count against: the limits of run `run_id` (the run itself
