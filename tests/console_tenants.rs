@@ -494,7 +494,7 @@ price = {{ input-per-mtok = 1.0, output-per-mtok = 2.0 }}
     // day, agent and model.
     let (code, console_usage) = as_(&addr, ALICE, "GET", "/t/a/api/usage?days=7", None).await?;
     ensure!(code == 200, "usage: {code} {console_usage}");
-    let out = operator_ok(&p, &["tenant", "usage", "a", "--since", "7d", "--json"])?;
+    let out = operator_ok(p, &["tenant", "usage", "a", "--since", "7d", "--json"])?;
     let cli_usage: Value = serde_json::from_slice(&out.stdout)?;
     for field in ["tenant", "quotas", "days"] {
         assert_eq!(console_usage[field], cli_usage[field], "{field}");
@@ -509,7 +509,7 @@ price = {{ input-per-mtok = 1.0, output-per-mtok = 2.0 }}
     ensure!(code == 400 && v["error"] == "invalid_days", "{code} {v}");
 
     // a's people change: bob now, not alice — on the next requests, without a restart.
-    operator_ok(&p, &["tenant", "set", "a", "--person", "bob"])?;
+    operator_ok(p, &["tenant", "set", "a", "--person", "bob"])?;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while tenants_of(&addr, BOB).await? != serde_json::json!(["a", "b"]) {
         ensure!(tokio::time::Instant::now() < deadline, "bob is not in a");
