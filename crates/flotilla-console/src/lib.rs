@@ -13,6 +13,10 @@
 //! binary (`assets/`, `include_str!`): no build step, nothing to install at run time.
 //! Security: see [`ConsoleOptions`] (identity) and the `auth` module (operator role, CSRF).
 //!
+//! One process can serve several tenants' installations ([`Console::bind_tenants`], the
+//! `tenancy` module): each through its own connection as `console@<tenant>`, at
+//! `/t/<tenant>/`, to the people of that tenant and the administrators only.
+//!
 //! ```no_run
 //! # async fn demo(bus: flotilla_bus::Bus) -> Result<(), flotilla_console::ConsoleError> {
 //! use flotilla_console::{Console, ConsoleOptions};
@@ -171,6 +175,18 @@ impl Console {
     /// records as its `console` user, and each tenant's installation is served through a
     /// connection of its own as `console@<tenant>`, at `/t/<tenant>/`. A signed-in identity
     /// sees the tenants whose record lists it in `people`; `administrators` see all.
+    ///
+    /// ```no_run
+    /// # async fn demo(nats: flotilla_bus::NatsOptions) -> Result<(), flotilla_console::ConsoleError> {
+    /// use flotilla_console::{Console, ConsoleOptions, Tenants};
+    /// use flotilla_model::tenant::TenantName;
+    /// let tenants = ["acme", "beta"].map(|t| TenantName::new(t).expect("a tenant name"));
+    /// let opts = ConsoleOptions { administrators: vec!["root".into()], ..ConsoleOptions::default() };
+    /// let console =
+    ///     Console::bind_tenants(&nats, Tenants::Named(tenants.to_vec()), opts.listen, opts).await?;
+    /// console.serve(tokio_util::sync::CancellationToken::new()).await?;
+    /// # Ok(()) }
+    /// ```
     pub async fn bind_tenants(
         nats: &flotilla_bus::NatsOptions,
         tenants: Tenants,
