@@ -9,10 +9,8 @@
 //   #/workers                           live workers, slots, backlog per pool
 //   #/diff/<a>/<b>                      two runs compared task by task
 //   #/usage?days=                       the tenant's quotas and usage (several tenants only)
-//
-// A console of several tenants (`flotilla console --tenants`) serves each at /t/<tenant>/,
-// with its API under /t/<tenant>/api/; the header's picker lists the person's tenants
-// (GET /api/me). A console of one installation serves it at /, its API under /api/.
+// A console of several tenants (`--tenants`) serves each at /t/<tenant>/ (API /t/<tenant>/api/),
+// with a picker of the person's tenants (GET /api/me); one installation's at / (API /api/).
 
 const $ = (sel, root = document) => root.querySelector(sel);
 const main = () => $('#main');
@@ -1408,13 +1406,12 @@ async function viewUsage() {
 // the page says why; `null`: the page goes to the person's first tenant.
 function tenants() {
   const mine = me.tenants;
+  if (!tenant && mine.length) {
+    location.replace(`/t/${encodeURIComponent(mine[0])}/${location.hash}`);
+    return null;
+  }
   if (!tenant) {
-    if (mine.length) {
-      location.replace(`/t/${encodeURIComponent(mine[0])}/${location.hash}`);
-      return null;
-    } else {
-      main().innerHTML = `<div class="card" id="no-tenant"><h1>No tenant</h1><p>${esc(me.name)} is in no tenant of this console: a tenant's people (<span class="mono">flotilla tenant set TENANT --person ${esc(me.name)}</span>) and the console's administrators see it.</p></div>`;
-    }
+    main().innerHTML = `<div class="card" id="no-tenant"><h1>No tenant</h1><p>${esc(me.name)} is in no tenant of this console: a tenant's people (<span class="mono">flotilla tenant set TENANT --person ${esc(me.name)}</span>) and the console's administrators see it.</p></div>`;
     return false;
   }
   const picker = $('#tenant');
@@ -1470,14 +1467,9 @@ async function start() {
     return;
   }
   // A console of several tenants lists the person's (`tenants`); one installation's does not.
-  if (me.tenants) {
-    const shown = tenants();
-    if (shown === null) return;
-    if (!shown) {
-      document.body.dataset.ready = '1';
-      return;
-    }
-  }
+  const shown = me.tenants ? tenants() : true;
+  if (shown === null) return;
+  if (!shown) { document.body.dataset.ready = '1'; return; }
   try {
     const p = await api('/api/runs?limit=0');
     if (p.short_len) shortLen = p.short_len;
