@@ -57,6 +57,9 @@ async fn answered_by_worker(p: &Processes, run: RunId, task: &str) -> anyhow::Re
     anyhow::bail!("no result of {task} in run {run}'s log")
 }
 
+/// The answers received, by the reply subject's last token: message id and body.
+type Answers = HashMap<String, Vec<(String, SubmitReply)>>;
+
 /// An answer on a reply subject: its message id and body.
 fn answer_of(m: &async_nats::Message) -> anyhow::Result<(String, SubmitReply)> {
     let id = m
@@ -139,8 +142,7 @@ async fn every_run_is_answered_once_through_kills_of_coordinators_and_workers() 
     p.worker(&["--concurrency", "16"]).await?;
     let inbox = p.bus.client().new_inbox();
     let mut sub = p.bus.client().subscribe(format!("{inbox}.>")).await?;
-    let collected: std::sync::Arc<std::sync::Mutex<HashMap<String, Vec<(String, SubmitReply)>>>> =
-        Default::default();
+    let collected: std::sync::Arc<std::sync::Mutex<Answers>> = Default::default();
     let collector = {
         let collected = collected.clone();
         let prefix = format!("{inbox}.");

@@ -7,9 +7,87 @@ use flotilla_model::run::PlanningStatus;
 use flotilla_model::run::{EndCause, FailedTask, RunOutcome, RunStatus, SkippedTask, TaskStatus};
 use flotilla_model::task::{TaskError, TaskErrorKind};
 
-use crate::{Action, MAX_LISTED, RunMachine};
+use flotilla_model::task::TaskResult;
+
+use crate::{Action, Input, MAX_LISTED, RunMachine};
 
 impl RunMachine {
+    /// The confidence under which a success of `task` is held for a person's review
+    /// (`[hitl] low-confidence`), if its results are reviewed at all.
+    pub fn review_below(&self, task: u32) -> Option<f64> {
+        self.review_threshold(task, Some(f64::NEG_INFINITY))
+            .map(|(_, threshold)| threshold)
+    }
+
+    /// Whether a success of attempt `attempt` of `task`, applied next, would end the run
+    /// succeeded with nothing more to do than its end — the run's final result being this
+    /// task's result alone — whatever the result says: the condition under which the
+    /// attempt's worker may answer the run's waiting submitters itself
+    /// (`flotilla_model::task::TaskAnswer`). Found by applying such a success to a copy, so
+    /// it holds exactly when the machine would act so — for a result without a confidence:
+    /// one under [`RunMachine::review_below`] is held for review instead.
+    pub fn success_ends_run(&self, task: u32, attempt: u32, now_ms: i64) -> bool {
+        let s = &self.state;
+        let i = task as usize;
+        if s.status.is_terminal()
+            || s.hold.is_some()
+            || s.planning.is_some()
+            || self.graph.finals() != [task]
+            || s.tasks
+                .get(i)
+                .is_none_or(|t| t.status != TaskStatus::Dispatched || t.attempt != attempt)
+            || s.tasks
+                .iter()
+                .enumerate()
+                .any(|(j, t)| j != i && t.status != TaskStatus::Succeeded)
+        {
+            return false;
+        }
+        // The run's timer is on another subject than its log: its firing may come before the
+        // result whatever the worker checks. It must find nothing to do, however late.
+        if let Some(timer) = s.timer {
+            let mut fired = self.clone();
+            let actions = fired.apply(
+                Input::Timer {
+                    generation: timer.generation,
+                },
+                i64::MAX / 2,
+            );
+            if actions
+                .iter()
+                .any(|a| !matches!(a, Action::ArmTimer { .. }))
+                || fired.state.status != s.status
+                || fired
+                    .state
+                    .tasks
+                    .iter()
+                    .zip(&s.tasks)
+                    .any(|(a, b)| a.status != b.status)
+            {
+                return false;
+            }
+        }
+        let mut copy = self.clone();
+        let id = self.plan.subtasks[i].id.clone();
+        let result = TaskResult::success(String::new());
+        let actions = copy.apply(
+            Input::Result {
+                task: &id,
+                attempt,
+                result: &result,
+                seq: u64::MAX,
+                worker: None,
+                started_at: None,
+                agent: None,
+            },
+            now_ms,
+        );
+        copy.state.status == RunStatus::Succeeded
+            && actions
+                .iter()
+                .all(|a| matches!(a, Action::Emit(_) | Action::Finish))
+    }
+
     pub(crate) fn finish(&mut self, now_ms: i64, actions: &mut Vec<Action>) {
         self.finish_with(None, now_ms, actions);
     }
