@@ -244,6 +244,9 @@ impl RateLimit {
 #[derive(Debug, Default)]
 pub struct TenantModelQuotas {
     last: std::sync::Mutex<Option<(std::time::Instant, Option<RateLimit>)>>,
+    /// Whether a failure to read them was logged as a warning already (later ones are
+    /// logged at debug level: an installation without the usage bucket fails every time).
+    warned: std::sync::atomic::AtomicBool,
 }
 
 impl TenantModelQuotas {
@@ -260,7 +263,14 @@ impl TenantModelQuotas {
         let limit = match Self::read(ctx).await {
             Ok(limit) => limit,
             Err(e) => {
-                tracing::warn!(error = %e, "Could not read the installation's model quotas; calling without them until they can be read");
+                if self
+                    .warned
+                    .swap(true, std::sync::atomic::Ordering::Relaxed)
+                {
+                    tracing::debug!(error = %e, "Could not read the installation's model quotas");
+                } else {
+                    tracing::warn!(error = %e, "Could not read the installation's model quotas; calling without them until they can be read");
+                }
                 None
             }
         };
