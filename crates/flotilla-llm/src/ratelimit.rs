@@ -263,10 +263,7 @@ impl TenantModelQuotas {
         let limit = match Self::read(ctx).await {
             Ok(limit) => limit,
             Err(e) => {
-                if self
-                    .warned
-                    .swap(true, std::sync::atomic::Ordering::Relaxed)
-                {
+                if self.warned.swap(true, std::sync::atomic::Ordering::Relaxed) {
                     tracing::debug!(error = %e, "Could not read the installation's model quotas");
                 } else {
                     tracing::warn!(error = %e, "Could not read the installation's model quotas; calling without them until they can be read");
