@@ -38,33 +38,11 @@ use flotilla_testkit::NatsServer;
 use flotilla_testkit::openai::{OpenAiServer, Reply};
 use serde_json::Value;
 
-use common::{AGENTS, CONSOLE, COORDINATOR, OPERATOR, WORKER};
+use common::{AGENTS, CONSOLE, COORDINATOR, OPERATOR, WORKER, operator_cli, refs};
 
 const ALICE: &str = "alice-token-of-tenant-a-0123";
 const BOB: &str = "bob-token-of-tenant-b-0123456";
 const ADMIN: &str = "admin-token-of-every-tenant-01";
-
-fn refs<'a>(env: &'a [(&'static str, String)]) -> Vec<(&'static str, &'a str)> {
-    env.iter().map(|(k, v)| (*k, v.as_str())).collect()
-}
-
-/// `flotilla <args>` as the platform's operator, to the end.
-fn operator_cli(p: &support::Processes, args: &[&str]) -> anyhow::Result<Output> {
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_flotilla"));
-    for (k, _) in std::env::vars() {
-        if k.starts_with("FLOTILLA_") {
-            cmd.env_remove(k);
-        }
-    }
-    Ok(cmd
-        .arg("--config")
-        .arg(&p.config)
-        .args(args)
-        .envs(common::credentials_env(OPERATOR))
-        .current_dir(p.dir())
-        .stdin(std::process::Stdio::null())
-        .output()?)
-}
 
 /// [`operator_cli`], which must succeed.
 fn operator_ok(p: &support::Processes, args: &[&str]) -> anyhow::Result<Output> {

@@ -97,21 +97,6 @@ async fn refusal(p: &Processes, run: RunId) -> anyhow::Result<QuotaExceeded> {
     Ok(exceeded)
 }
 
-/// An LLM agent `researcher` on the scripted OpenAI-compatible double `llm`, with a price (so
-/// its calls have a cost).
-fn researcher(llm: &OpenAiServer) -> String {
-    format!(
-        r#"
-[agents.researcher]
-kind = "llm"
-base-url = "{}"
-model = "scripted-model"
-price = {{ input-per-mtok = 1.0, output-per-mtok = 2.0 }}
-"#,
-        llm.base_url()
-    )
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_runs_hold_across_coordinators_and_workers() -> anyhow::Result<()> {
     let log = tempfile::NamedTempFile::new()?;

@@ -222,18 +222,6 @@ async fn byte_quotas_are_held_by_the_server() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn researcher(llm: &OpenAiServer) -> String {
-    format!(
-        r#"
-[agents.researcher]
-kind = "llm"
-base-url = "{}"
-model = "scripted-model"
-"#,
-        llm.base_url()
-    )
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn model_requests_per_minute_hold_across_workers() -> anyhow::Result<()> {
     let llm = OpenAiServer::start().await?;

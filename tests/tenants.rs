@@ -22,29 +22,9 @@ use flotilla_bus::{Bus, NatsAuth, NatsOptions, Secret};
 use flotilla_testkit::NatsServer;
 use serde_json::Value;
 
-use common::{AGENTS, CLIENT, CONSOLE, COORDINATOR, OPERATOR, Role, SUPERVISOR, WORKER};
-
-fn refs<'a>(env: &'a [(&'static str, String)]) -> Vec<(&'static str, &'a str)> {
-    env.iter().map(|(k, v)| (*k, v.as_str())).collect()
-}
-
-/// `flotilla <args>` as the platform's operator.
-fn operator_cli(p: &support::Processes, args: &[&str]) -> anyhow::Result<Output> {
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_flotilla"));
-    for (k, _) in std::env::vars() {
-        if k.starts_with("FLOTILLA_") {
-            cmd.env_remove(k);
-        }
-    }
-    Ok(cmd
-        .arg("--config")
-        .arg(&p.config)
-        .args(args)
-        .envs(common::credentials_env(OPERATOR))
-        .current_dir(p.dir())
-        .stdin(std::process::Stdio::null())
-        .output()?)
-}
+use common::{
+    AGENTS, CLIENT, CONSOLE, COORDINATOR, OPERATOR, Role, SUPERVISOR, WORKER, operator_cli, refs,
+};
 
 fn json_of(out: &Output) -> anyhow::Result<Value> {
     serde_json::from_slice(&out.stdout).with_context(|| {

@@ -203,3 +203,30 @@ kind = "scripted"
 reply = "{task_id} researched"
 roles = ["research"]
 "#;
+
+/// `(name, value)` pairs borrowed for `Command::envs`.
+pub(crate) fn refs<'a>(env: &'a [(&'static str, String)]) -> Vec<(&'static str, &'a str)> {
+    env.iter().map(|(k, v)| (*k, v.as_str())).collect()
+}
+
+/// `flotilla <args>` as the platform's operator (its NATS user), without the `FLOTILLA_*`
+/// variables of the test's environment, to the end.
+pub(crate) fn operator_cli(
+    p: &support::Processes,
+    args: &[&str],
+) -> anyhow::Result<std::process::Output> {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_flotilla"));
+    for (k, _) in std::env::vars() {
+        if k.starts_with("FLOTILLA_") {
+            cmd.env_remove(k);
+        }
+    }
+    Ok(cmd
+        .arg("--config")
+        .arg(&p.config)
+        .args(args)
+        .envs(credentials_env(OPERATOR))
+        .current_dir(p.dir())
+        .stdin(std::process::Stdio::null())
+        .output()?)
+}

@@ -767,3 +767,18 @@ pub async fn approvals_of(
         .await?;
     Ok(list.approvals)
 }
+
+/// An LLM agent `researcher` on the scripted OpenAI-compatible double `llm`, with a price (so
+/// its calls have a cost).
+pub fn researcher(llm: &flotilla_testkit::openai::OpenAiServer) -> String {
+    format!(
+        r#"
+[agents.researcher]
+kind = "llm"
+base-url = "{}"
+model = "scripted-model"
+price = {{ input-per-mtok = 1.0, output-per-mtok = 2.0 }}
+"#,
+        llm.base_url()
+    )
+}

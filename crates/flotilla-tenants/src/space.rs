@@ -40,12 +40,7 @@ fn limited(quotas: &Quotas) -> [(StreamKind, Option<u64>); 2] {
 /// stream holds removes nothing: new writes are refused until it holds less.
 pub async fn apply(bus: &Bus, quotas: &Quotas) -> Result<(), TenantError> {
     for (kind, limit) in limited(quotas) {
-        let name = bus.names().stream(kind);
-        let stream = bus
-            .js()
-            .get_stream(&name)
-            .await
-            .map_err(|e| TenantError::nats(format!("reading stream {name}"), e))?;
+        let (name, stream) = stream_of(bus, kind).await?;
         let mut config = stream.cached_info().config.clone();
         let (max_bytes, discard) = match limit {
             Some(n) => (i64::try_from(n).unwrap_or(i64::MAX), DiscardPolicy::New),
@@ -70,13 +65,21 @@ pub async fn used(bus: &Bus) -> Result<Space, TenantError> {
         (StreamKind::Workspace, &mut space.workspace_bytes),
         (StreamKind::Mailbox, &mut space.mailbox_bytes),
     ] {
-        let name = bus.names().stream(kind);
-        let stream = bus
-            .js()
-            .get_stream(&name)
-            .await
-            .map_err(|e| TenantError::nats(format!("reading stream {name}"), e))?;
-        *slot = stream.cached_info().state.bytes;
+        *slot = stream_of(bus, kind).await?.1.cached_info().state.bytes;
     }
     Ok(space)
+}
+
+/// The installation's stream of `kind`, with its name, as it is now (its info read).
+async fn stream_of(
+    bus: &Bus,
+    kind: StreamKind,
+) -> Result<(String, async_nats::jetstream::stream::Stream), TenantError> {
+    let name = bus.names().stream(kind);
+    let stream = bus
+        .js()
+        .get_stream(&name)
+        .await
+        .map_err(|e| TenantError::nats(format!("reading stream {name}"), e))?;
+    Ok((name, stream))
 }
