@@ -6,6 +6,8 @@
 //!   result is marked `answered`, the answer carries the message id `finished.<run>` and the
 //!   outcome the coordinator records, and no second answer follows. A last task that writes
 //!   a workspace topic (work after its success) is answered by the coordinator.
+//! * An input reaching the run between the dispatch and the result (a pause and a resume)
+//!   makes the worker store its result unmarked, and the coordinator answers, once.
 //! * With two coordinators and two workers, killed and replaced while hundreds of runs go
 //!   through, every run's `reply_to` gets its answer, every answer of a run carries its one
 //!   message id and the recorded outcome, and some answers came from workers.
@@ -31,6 +33,11 @@ default-agent = "quick"
 kind = "scripted"
 reply = "{task_id} ok"
 delay = "5ms"
+
+[agents.slow]
+kind = "scripted"
+reply = "{task_id} done slowly"
+delay = "1500ms"
 "#;
 
 /// Whether the stored result of `task` in `run`'s log is marked answered by its worker.
@@ -220,5 +227,67 @@ async fn every_run_is_answered_once_through_kills_of_coordinators_and_workers() 
     assert!(by_workers > 100, "{by_workers} of 300 answered by workers");
     // A repeat only where a process died between answering and acknowledging.
     assert!(repeats <= 4, "{repeats} repeated answers");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_input_before_the_result_leaves_the_answer_to_the_coordinator() -> anyhow::Result<()> {
+    use flotilla_model::control::{PauseRunRequest, ResumeRunRequest};
+    let mut p = Processes::start(QUICK).await?;
+    p.coordinator().await?;
+    p.worker(&[]).await?;
+    let inbox = p.bus.client().new_inbox();
+    let mut answers = p.bus.client().subscribe(inbox.clone()).await?;
+    let mut req = SubmitRequest::new(plan(vec![
+        Subtask::new("long", "Take a while.").with_agent("slow"),
+    ]));
+    req.reply_to = Some(inbox);
+    let run = p.client.submit(req).await?;
+    task_started(&p.client, run, "long").await?;
+    // A pause and a resume reach the run's log while its only task runs.
+    let _: flotilla_model::control::ControlRunReply = p
+        .client
+        .request(
+            &PauseRunRequest {
+                protocol: flotilla_model::PROTOCOL_VERSION,
+                run_id: run,
+                reason: None,
+                by: Some("alice".into()),
+                timeout_ms: None,
+                children: true,
+                task_id: None,
+            },
+            WAIT,
+        )
+        .await?;
+    let _: flotilla_model::control::ControlRunReply = p
+        .client
+        .request(
+            &ResumeRunRequest {
+                protocol: flotilla_model::PROTOCOL_VERSION,
+                run_id: run,
+                reason: None,
+                by: Some("alice".into()),
+                children: true,
+                task_id: None,
+            },
+            WAIT,
+        )
+        .await?;
+    let m = tokio::time::timeout(WAIT, answers.next())
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("the answers ended"))?;
+    let (id, reply) = answer_of(&m)?;
+    assert_eq!(id, format!("finished.{run}"));
+    p.client.wait(run, WAIT).await?;
+    let recorded = p.client.run(run).await?.expect("its record").record;
+    assert_eq!(recorded.status, RunStatus::Succeeded);
+    assert_eq!(reply.outcome, recorded.outcome);
+    assert!(
+        !answered_by_worker(&p, run, "long").await?,
+        "the log moved on: the coordinator answered"
+    );
+    let more = tokio::time::timeout(Duration::from_millis(1500), answers.next()).await;
+    assert!(more.is_err(), "a second answer: {more:?}");
     Ok(())
 }
