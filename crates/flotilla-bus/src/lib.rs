@@ -434,6 +434,31 @@ impl Bus {
         }
     }
 
+    /// Publishes an answer on a client's reply subject (core NATS, JSON). A terminal answer
+    /// carries `id` as its `Nats-Msg-Id` (`finished.<run>`, `rejected.<run>`): a stream
+    /// capturing the subject drops a repeat, and a client can recognise one (a process that
+    /// dies between answering and recording that it did is repeated by its successor).
+    /// Failures are logged: the answer is best effort, as every core publish is.
+    pub async fn publish_reply<T: Serialize + ?Sized>(
+        &self,
+        to: &str,
+        answer: &T,
+        id: Option<&str>,
+    ) {
+        match wire::encode(answer, Codec::Json, id) {
+            Ok(out) => {
+                if let Err(e) = self
+                    .client
+                    .publish_with_headers(to.to_owned(), out.headers, out.payload)
+                    .await
+                {
+                    tracing::warn!(subject = to, error = %e, "Could not answer on reply_to");
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "Could not encode an answer"),
+        }
+    }
+
     /// Publishes a typed message to JetStream and waits for the stream's acknowledgement.
     pub async fn publish<T: Serialize + ?Sized>(
         &self,

@@ -42,7 +42,7 @@ use flotilla_model::codec::{CodecError, check_protocol};
 use flotilla_model::ids::RunId;
 use flotilla_model::run::RunOutcome;
 use flotilla_model::runlog::{Control, ControlAction, RunInput, RunLogEntry};
-use flotilla_model::submit::{SubmitReply, SubmitRequest, SubmitStatus};
+use flotilla_model::submit::{SubmitReply, SubmitRequest};
 use flotilla_model::time::Timestamp;
 use flotilla_model::validate::{Problem, ProblemCode, ValidationContext, validate_plan};
 use futures::StreamExt;
@@ -475,16 +475,7 @@ impl Api {
             Ok(Answer::AtEnd) => {}
             Ok(Answer::WaitFor(run)) => match self.wait_for_end(run).await {
                 Ok(outcome) => {
-                    let reply = SubmitReply {
-                        protocol: PROTOCOL_VERSION,
-                        run_id: Some(run),
-                        status: SubmitStatus::Finished,
-                        errors: Vec::new(),
-                        warnings: Vec::new(),
-                        outcome: Some(outcome),
-                        run_status: None,
-                    };
-                    respond_json(&req, self.max_payload(), &reply).await;
+                    respond_json(&req, self.max_payload(), &SubmitReply::finished(outcome)).await;
                 }
                 Err((status, code, message)) => respond_error(&req, status, code, message).await,
             },

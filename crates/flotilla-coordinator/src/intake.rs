@@ -614,7 +614,7 @@ impl Intake {
     /// Publishes an answer on a client's `reply_to` (core NATS, best effort: at least once
     /// is achieved by answering again on redelivery).
     async fn answer(&self, to: &str, answer: &SubmitReply) {
-        publish_reply(self.store.bus(), to, answer, None).await;
+        self.store.bus().publish_reply(to, answer, None).await;
     }
 }
 
@@ -633,30 +633,6 @@ impl crate::admission::Queries for Intake {
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = crate::admission::QueryPlan> + Send + 'a>>
     {
         Box::pin(self.advised_by_memory(run, query, session, planning))
-    }
-}
-
-/// Publishes a [`SubmitReply`] on a client subject. A terminal answer carries `id` as its
-/// `Nats-Msg-Id` (`finished.<run>`, `rejected.<run>`): a stream capturing the subject drops
-/// a repeat, and a client can recognise one (a coordinator that dies between answering and
-/// recording that it did answers again from its successor).
-pub(crate) async fn publish_reply(
-    bus: &flotilla_bus::Bus,
-    to: &str,
-    answer: &SubmitReply,
-    id: Option<&str>,
-) {
-    match wire::encode(answer, Codec::Json, id) {
-        Ok(out) => {
-            if let Err(e) = bus
-                .client()
-                .publish_with_headers(to.to_owned(), out.headers, out.payload)
-                .await
-            {
-                warn!(subject = to, error = %e, "Could not answer on reply_to");
-            }
-        }
-        Err(e) => warn!(error = %e, "Could not encode an answer"),
     }
 }
 
@@ -724,7 +700,8 @@ pub(crate) async fn record_rejection(
     if let Some(to) = &rejected.reply_to {
         let mut answer = reply(Some(run), SubmitStatus::Rejected);
         answer.errors = rejected.errors.clone();
-        publish_reply(bus, to, &answer, Some(&format!("rejected.{run}"))).await;
+        bus.publish_reply(to, &answer, Some(&format!("rejected.{run}")))
+            .await;
     }
     Ok(())
 }

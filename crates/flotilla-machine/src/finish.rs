@@ -5,9 +5,7 @@ use std::sync::Arc;
 
 use flotilla_model::run::PlanningStatus;
 use flotilla_model::run::{EndCause, FailedTask, RunOutcome, RunStatus, SkippedTask, TaskStatus};
-use flotilla_model::task::{TaskError, TaskErrorKind};
-
-use flotilla_model::task::TaskResult;
+use flotilla_model::task::{TaskError, TaskErrorKind, TaskResult};
 
 use crate::{Action, Input, MAX_LISTED, RunMachine};
 

@@ -81,15 +81,7 @@ pub(crate) async fn handle(
         // its result and answering (its message came back unacknowledged): the ended run's
         // recorded outcome is answered again, under the same message id.
         if let (Some(a), Some(outcome)) = (&task.answer, view.and_then(|v| v.record.outcome)) {
-            let reply = flotilla_model::submit::SubmitReply {
-                protocol: flotilla_model::PROTOCOL_VERSION,
-                run_id: Some(task.run_id),
-                status: flotilla_model::submit::SubmitStatus::Finished,
-                errors: Vec::new(),
-                warnings: Vec::new(),
-                outcome: Some(outcome),
-                run_status: None,
-            };
+            let reply = flotilla_model::submit::SubmitReply::finished(outcome);
             crate::result::answer_submitters(shared, task.run_id, &a.reply_to, &reply).await;
         }
         attempt.not_run();

@@ -13,7 +13,7 @@ use flotilla_model::run::{FinalResult, RunOutcome, RunStatus};
 use flotilla_model::runlog::{
     RunInput, RunLogEntry, Suspended, SuspendedCall, TaskResultInput, suspended_msg_id,
 };
-use flotilla_model::submit::{SubmitReply, SubmitStatus};
+use flotilla_model::submit::SubmitReply;
 use flotilla_model::task::{TaskEnvelope, TaskErrorKind, TaskResult, result_msg_id};
 use flotilla_model::time::Timestamp;
 use flotilla_telemetry::AttemptOutcome;
@@ -44,13 +44,15 @@ pub(crate) async fn finish(
     };
     // The success of an attempt that ends its run: answered from here once stored, when the
     // final result it makes needs no artifact (one hop less than through a coordinator).
-    let answer = task.answer.as_ref().filter(|a| {
-        success
-            && answer_fits(task, &result, a.final_result_budget)
-            && a.review_below
-                .is_none_or(|below| result.confidence.is_none_or(|c| c >= below))
-    });
-    let reply = answer.map(|a| (a, finished_reply(task, &result)));
+    let reply = task
+        .answer
+        .as_ref()
+        .filter(|a| {
+            success
+                && a.review_below
+                    .is_none_or(|below| result.confidence.is_none_or(|c| c >= below))
+        })
+        .and_then(|a| finished_reply(task, &result, a.final_result_budget).map(|r| (a, r)));
     let mut entry = RunLogEntry {
         protocol: PROTOCOL_VERSION,
         run_id: task.run_id,
@@ -244,47 +246,28 @@ async fn store_answered(
     }
 }
 
-/// Whether the final result made of `result` alone fits inline, as a coordinator decides it
-/// (`runtime::results::complete_outcome`): estimated within half the budget, it is never
-/// measured nor stored as an artifact.
-fn answer_fits(task: &TaskEnvelope, result: &TaskResult, budget: u64) -> bool {
-    let estimate =
-        result.response.len() + task.task_id.as_str().len() + result.response.len() + 256;
-    (estimate as u64) <= budget / 2
-}
-
-/// The `finished` answer of a run that `result` of its last task ended: succeeded, its final
-/// result this task's — the outcome its coordinator records from the log.
-fn finished_reply(task: &TaskEnvelope, result: &TaskResult) -> SubmitReply {
-    let mut results = std::collections::BTreeMap::new();
-    results.insert(task.task_id.clone(), result.as_dependency());
-    SubmitReply {
-        protocol: PROTOCOL_VERSION,
-        run_id: Some(task.run_id),
-        status: SubmitStatus::Finished,
-        errors: Vec::new(),
-        warnings: Vec::new(),
-        outcome: Some(RunOutcome {
-            run_id: task.run_id,
-            status: RunStatus::Succeeded,
-            final_result: Some(FinalResult {
-                response: result.response.clone(),
-                numeric_value: result.numeric_value,
-                results,
-                partial: false,
-                omitted: 0,
-                artifact: None,
-            }),
-            failed: Vec::new(),
-            skipped: Vec::new(),
-            failed_omitted: 0,
-            skipped_omitted: 0,
-            reason: None,
-            cause: None,
-            rollback_run_id: None,
-        }),
-        run_status: None,
+/// The `finished` answer of a run that `result` of its last task ended — succeeded, its final
+/// result this task's: the outcome its coordinator records from the log — when that final
+/// result is carried inline as it is, as a coordinator decides it
+/// (`runtime::results::complete_outcome`: estimated within half of `budget`, it is never
+/// measured nor stored as an artifact). `None`: a coordinator answers.
+fn finished_reply(task: &TaskEnvelope, result: &TaskResult, budget: u64) -> Option<SubmitReply> {
+    let final_result = FinalResult::of([(&task.task_id, result)], false);
+    if final_result.estimated_len() as u64 > budget / 2 {
+        return None;
     }
+    Some(SubmitReply::finished(RunOutcome {
+        run_id: task.run_id,
+        status: RunStatus::Succeeded,
+        final_result: Some(final_result),
+        failed: Vec::new(),
+        skipped: Vec::new(),
+        failed_omitted: 0,
+        skipped_omitted: 0,
+        reason: None,
+        cause: None,
+        rollback_run_id: None,
+    }))
 }
 
 /// Sends `reply` to each waiting submitter, under the message id a coordinator answers with
@@ -296,19 +279,8 @@ pub(crate) async fn answer_submitters(
     reply: &SubmitReply,
 ) {
     let id = format!("finished.{run}");
-    let Ok(out) = wire::encode(reply, Codec::Json, Some(&id)) else {
-        warn!(%run, "Could not encode a run's answer");
-        return;
-    };
     for to in reply_to {
-        if let Err(e) = shared
-            .bus
-            .client()
-            .publish_with_headers(to.clone(), out.headers.clone(), out.payload.clone())
-            .await
-        {
-            warn!(subject = %to, error = %e, "Could not answer on reply_to");
-        }
+        shared.bus.publish_reply(to, reply, Some(&id)).await;
     }
 }
 

@@ -244,7 +244,7 @@ impl Runtime {
                 outcome: None,
                 run_status: Some(status),
             };
-            crate::intake::publish_reply(&self.bus, to, &answer, None).await;
+            self.bus.publish_reply(to, &answer, None).await;
         }
     }
 

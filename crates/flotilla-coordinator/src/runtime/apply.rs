@@ -370,10 +370,6 @@ impl Runtime {
             return Err(StepError::Stale);
         }
         // The start alone changed the run: perform it now, record it later. Only when the
-        // step holds nothing but the start's messages: they are acknowledged once the start
-        // is recorded — by this coordinator or, found already recorded, by another — so an
-        // input that changed nothing here (a result for a later task, seen against a start
-        // rebuilt from a stale read) must go the way of every input, through the record.
         // The run's log subject as far as applied here: a dispatch whose success ends the run
         // tells its worker what must still be the subject's last message when it stores its
         // result (and answers the submitters itself).
@@ -394,6 +390,10 @@ impl Runtime {
         } else {
             Replies::Send
         };
+        // step holds nothing but the start's messages: they are acknowledged once the start
+        // is recorded — by this coordinator or, found already recorded, by another — so an
+        // input that changed nothing here (a result for a later task, seen against a start
+        // rebuilt from a stale read) must go the way of every input, through the record.
         let only_start = started
             && inputs.iter().all(|d| match &d.inbound {
                 Inbound::Submission { .. } => true,
@@ -555,7 +555,6 @@ fn still_relevant(action: &Action, machine: &RunMachine) -> bool {
     }
 }
 
-/// Where a durable submission's submitter waits for answers, as far as it can be read.
 /// Whether one of `inputs` is a result whose worker answered the run's submitters itself
 /// (`TaskResultInput::answered`).
 fn answered_by_worker(inputs: &[Decoded]) -> bool {
@@ -565,6 +564,7 @@ fn answered_by_worker(inputs: &[Decoded]) -> bool {
     })
 }
 
+/// Where a durable submission's submitter waits for answers, as far as it can be read.
 fn reply_to_of(request: &Result<Box<SubmitRequest>, Box<UnreadableSubmission>>) -> Option<&str> {
     match request {
         Ok(r) => r.reply_to.as_deref(),

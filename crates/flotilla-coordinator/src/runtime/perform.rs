@@ -13,7 +13,7 @@ use flotilla_model::ids::RunId;
 use flotilla_model::run::RunStatus;
 use flotilla_model::runlog::{RunInput, RunLogEntry};
 use flotilla_model::subjects::WORKFLOW_POOL;
-use flotilla_model::submit::{SubmitReply, SubmitStatus};
+use flotilla_model::submit::SubmitReply;
 use flotilla_model::task::TaskAnswer;
 use flotilla_model::time::Timestamp;
 use flotilla_telemetry::{spans, trace_context};
@@ -322,15 +322,7 @@ impl Runtime {
                         _ => WorkflowPhase::RunFailed,
                     };
                     if let Some(o) = outcome.as_ref().filter(|_| replies == Replies::Send) {
-                        let reply = SubmitReply {
-                            protocol: PROTOCOL_VERSION,
-                            run_id: Some(run),
-                            status: SubmitStatus::Finished,
-                            errors: Vec::new(),
-                            warnings: Vec::new(),
-                            outcome: Some(o.clone()),
-                            run_status: None,
-                        };
+                        let reply = SubmitReply::finished(o.clone());
                         for to in [&state.reply_to, &state.wait_reply_to]
                             .into_iter()
                             .flatten()
@@ -375,7 +367,7 @@ impl Runtime {
         // successor of a dead coordinator sends too.
         let answer_id = format!("finished.{run}");
         for (to, reply) in &answers {
-            crate::intake::publish_reply(&self.bus, to, reply, Some(&answer_id)).await;
+            self.bus.publish_reply(to, reply, Some(&answer_id)).await;
         }
         for (subject, size, ack) in pending {
             ack.await

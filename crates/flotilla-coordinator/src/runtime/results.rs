@@ -54,41 +54,15 @@ impl Runtime {
             return Ok(());
         }
         let plan = Arc::clone(entry.machine.plan());
-        let mut results = std::collections::BTreeMap::new();
-        let mut parts = Vec::new();
+        let mut results = Vec::with_capacity(finals.len());
         for &i in &finals {
             let r = self.result_of(entry, i).await?;
-            let id = plan.subtasks[i as usize].id.clone();
-            parts.push((id.clone(), r.response.clone(), r.numeric_value));
-            results.insert(id, r.as_dependency());
+            results.push((plan.subtasks[i as usize].id.clone(), r));
         }
-        let (response, numeric_value) = if parts.len() == 1 {
-            (parts[0].1.clone(), parts[0].2)
-        } else {
-            let text = parts
-                .iter()
-                .map(|(id, resp, _)| format!("## {id}\n{resp}"))
-                .collect::<Vec<_>>()
-                .join("\n\n");
-            (text, None)
-        };
-        let mut final_result = FinalResult {
-            response,
-            numeric_value,
-            results,
-            partial,
-            omitted: 0,
-            artifact: None,
-        };
+        let mut final_result = FinalResult::of(results.iter().map(|(id, r)| (id, r)), partial);
         let budget = self.final_result_budget();
         // Only a final result that may be near the budget is encoded to measure it.
-        let estimate = final_result.response.len()
-            + final_result
-                .results
-                .iter()
-                .map(|(id, r)| id.as_str().len() + r.response.len() + 256)
-                .sum::<usize>();
-        if estimate > budget / 2
+        if final_result.estimated_len() > budget / 2
             && let encoded = serde_json::to_vec(&final_result)
                 .map_err(|e| StepError::Terminal(format!("encoding the final result: {e}")))?
             && encoded.len() > budget

@@ -403,6 +403,54 @@ pub struct FinalResult {
     pub artifact: Option<ArtifactRef>,
 }
 
+impl FinalResult {
+    /// The final result made of `results` (the synthesis task's, or the sinks', in plan
+    /// order; or, `partial`, every result of a run stopped early): one result's response as
+    /// it is, several as `## <task>` sections; nothing omitted, no artifact.
+    pub fn of<'a>(
+        results: impl IntoIterator<Item = (&'a TaskId, &'a crate::task::TaskResult)>,
+        partial: bool,
+    ) -> Self {
+        let mut parts = Vec::new();
+        let mut by_task = BTreeMap::new();
+        for (id, r) in results {
+            parts.push((id, r.response.as_str(), r.numeric_value));
+            by_task.insert(id.clone(), r.as_dependency());
+        }
+        let (response, numeric_value) = match parts.as_slice() {
+            [(_, response, numeric)] => ((*response).to_owned(), *numeric),
+            _ => (
+                parts
+                    .iter()
+                    .map(|(id, response, _)| format!("## {id}\n{response}"))
+                    .collect::<Vec<_>>()
+                    .join("\n\n"),
+                None,
+            ),
+        };
+        Self {
+            response,
+            numeric_value,
+            results: by_task,
+            partial,
+            omitted: 0,
+            artifact: None,
+        }
+    }
+
+    /// Its size as estimated without encoding it: within half a budget it is carried inline
+    /// as it is; above, it is encoded to measure it, and over the budget stored whole as an
+    /// artifact and shortened.
+    pub fn estimated_len(&self) -> usize {
+        self.response.len()
+            + self
+                .results
+                .iter()
+                .map(|(id, r)| id.as_str().len() + r.response.len() + 256)
+                .sum::<usize>()
+    }
+}
+
 fn is_zero(n: &u32) -> bool {
     *n == 0
 }

@@ -155,6 +155,21 @@ pub struct SubmitReply {
     pub outcome: Option<RunOutcome>,
 }
 
+impl SubmitReply {
+    /// The terminal answer of a run that ended with `outcome` (status `finished`).
+    pub fn finished(outcome: RunOutcome) -> Self {
+        Self {
+            protocol: crate::PROTOCOL_VERSION,
+            run_id: Some(outcome.run_id),
+            status: SubmitStatus::Finished,
+            errors: Vec::new(),
+            warnings: Vec::new(),
+            run_status: None,
+            outcome: Some(outcome),
+        }
+    }
+}
+
 /// Submission result.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
