@@ -249,35 +249,17 @@ pub(crate) fn unavailable(
     ContextError::with_source(ErrorKind::Unavailable, what, e)
 }
 
-/// A write refused because its stream holds its `max_bytes` (`StreamFull`): the tenant's
-/// `quota` (`workspace_bytes`, `mailbox_bytes`), with its limit and use read from the stream
-/// when it answers.
+/// A write refused because its stream holds its `max_bytes` (`StreamFull`): the
+/// installation's byte quota of that stream (`workspace_bytes`, `mailbox_bytes`), with its
+/// limit and use ([`flotilla_tenants::space::refusal`]).
 pub(crate) async fn stream_full(
     bus: &flotilla_bus::Bus,
     kind: flotilla_model::subjects::StreamKind,
-    quota: &str,
     e: flotilla_bus::PublishError,
 ) -> ContextError {
-    let name = bus.names().stream(kind);
-    let tenant = bus
-        .tenant()
-        .map_or_else(|| "this installation".to_owned(), |t| format!("tenant {t}"));
-    let numbers = match bus.js().get_stream(&name).await {
-        Ok(s) => {
-            let i = s.cached_info();
-            format!(
-                ": {} bytes used of {}",
-                i.state.bytes,
-                i.config.max_bytes.max(0)
-            )
-        }
-        Err(_) => String::new(),
-    };
     ContextError::with_source(
         ErrorKind::QuotaExceeded,
-        format!(
-            "{tenant} is over its {quota} quota{numbers}; space frees as entries age out or runs are purged"
-        ),
+        flotilla_tenants::space::refusal(bus, kind).await,
         e,
     )
 }

@@ -377,8 +377,7 @@ impl Mailbox {
                             e,
                         ),
                         flotilla_bus::PublishErrorKind::StreamFull => {
-                            crate::error::stream_full(bus, StreamKind::Mailbox, "mailbox_bytes", e)
-                                .await
+                            crate::error::stream_full(bus, StreamKind::Mailbox, e).await
                         }
                         _ => unavailable(format!("sending to {to}"), e),
                     });

@@ -177,7 +177,6 @@ impl Workspace {
                         crate::error::stream_full(
                             bus,
                             flotilla_model::subjects::StreamKind::Workspace,
-                            "workspace_bytes",
                             e,
                         )
                         .await

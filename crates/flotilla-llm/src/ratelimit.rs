@@ -279,20 +279,15 @@ impl TenantModelQuotas {
 
     async fn read(ctx: &AgentContext) -> Result<Option<RateLimit>, String> {
         let bus = ctx.clients().bus();
-        let usage = bus
-            .kv(Bucket::Usage)
+        let Some(quotas) = flotilla_tenants::ledger::Ledger::open(bus)
             .await
-            .map_err(|e| format!("opening the usage bucket: {e}"))?;
-        let entry = usage
-            .entry(flotilla_tenants::ledger::QUOTAS_KEY)
+            .map_err(|e| e.to_string())?
+            .quotas()
             .await
-            .map_err(|e| format!("reading the quotas: {e}"))?;
-        let quotas: flotilla_model::tenant::Quotas =
-            match entry.filter(|e| e.operation == kv::Operation::Put) {
-                None => return Ok(None),
-                Some(e) => serde_json::from_slice(&e.value)
-                    .map_err(|e| format!("reading the quotas: {e}"))?,
-            };
+            .map_err(|e| e.to_string())?
+        else {
+            return Ok(None);
+        };
         let (rpm, tpm) = (
             quotas.model_requests_per_minute,
             quotas.model_tokens_per_minute,
@@ -309,10 +304,7 @@ impl TenantModelQuotas {
             key: TENANT_KEY.to_owned(),
             requests_per_minute: rpm.map(|r| u32::try_from(r).unwrap_or(u32::MAX)),
             tokens_per_minute: tpm,
-            tenant: Some(
-                bus.tenant()
-                    .map_or_else(|| "this installation".to_owned(), |t| format!("tenant {t}")),
-            ),
+            tenant: Some(flotilla_model::tenant::installation(bus.tenant())),
         }))
     }
 }

@@ -68,10 +68,7 @@ pub(crate) fn wanted(team: &Team, mate: &Teammate) -> bool {
 
 /// [`wanted`] under `expose_teammates` (`[agents-protocol] expose-teammates`).
 pub(crate) fn served(expose_teammates: bool, mate: &Teammate) -> bool {
-    (mate.expose || expose_teammates)
-        && mate.status != TeammateStatus::Shutdown
-        && !mate.shutdown_requested
-        && !mate.agent.is_empty()
+    (mate.expose || expose_teammates) && counts_as_live(mate)
 }
 
 /// The owner token of this deployment's agents.
@@ -475,10 +472,8 @@ pub(crate) async fn post(
         Ok(ack) => Ok(ack.sequence),
         Err(e) if e.kind() == flotilla_bus::PublishErrorKind::StreamFull => {
             Err(SupervisorError::QuotaExceeded(format!(
-                "{} is over its mailbox_bytes quota: the mailbox stream refuses the message to {t}.{to} until older messages age out or runs are purged",
-                team.bus
-                    .tenant()
-                    .map_or_else(|| "this installation".to_owned(), |n| format!("tenant {n}"))
+                "the message to {t}.{to} is refused: {}",
+                flotilla_tenants::space::refusal(&team.bus, StreamKind::Mailbox).await
             )))
         }
         Err(e) => Err(SupervisorError::store(format!("mailing {t}.{to}"), e)),
@@ -630,7 +625,8 @@ pub(crate) async fn end(
     }))
 }
 
-/// Whether `mate` holds a place under `persistent_teammates`: not shut down, nor asked to.
+/// Whether `mate` is a teammate that takes messages — not shut down, nor asked to: what
+/// holds a place under `persistent_teammates`.
 fn counts_as_live(mate: &Teammate) -> bool {
     mate.status != TeammateStatus::Shutdown && !mate.shutdown_requested && !mate.agent.is_empty()
 }

@@ -13,7 +13,7 @@
 use async_nats::jetstream::stream::DiscardPolicy;
 use flotilla_bus::Bus;
 use flotilla_model::subjects::StreamKind;
-use flotilla_model::tenant::Quotas;
+use flotilla_model::tenant::{QuotaKind, Quotas, installation};
 use serde::{Deserialize, Serialize};
 
 use crate::error::TenantError;
@@ -33,6 +33,32 @@ fn limited(quotas: &Quotas) -> [(StreamKind, Option<u64>); 2] {
         (StreamKind::Workspace, quotas.workspace_bytes),
         (StreamKind::Mailbox, quotas.mailbox_bytes),
     ]
+}
+
+/// Why a write to the installation's stream of `kind` was refused for its size (the bus's
+/// `PublishErrorKind::StreamFull`): the installation over its byte quota, with the quota's
+/// limit and the bytes held as the stream says when it answers — the message of the
+/// `quota_exceeded` a writer answers.
+pub async fn refusal(bus: &Bus, kind: StreamKind) -> String {
+    let quota = match kind {
+        StreamKind::Mailbox => QuotaKind::MailboxBytes,
+        _ => QuotaKind::WorkspaceBytes,
+    };
+    let numbers = match stream_of(bus, kind).await {
+        Ok((_, s)) => {
+            let i = s.cached_info();
+            format!(
+                ": {} bytes used of {}",
+                i.state.bytes,
+                i.config.max_bytes.max(0)
+            )
+        }
+        Err(_) => String::new(),
+    };
+    format!(
+        "{} is over its {quota} quota{numbers}; space frees as entries age out or runs are purged",
+        installation(bus.tenant())
+    )
 }
 
 /// Sets the workspace and mailbox streams of `bus`'s installation to `quotas`' byte limits

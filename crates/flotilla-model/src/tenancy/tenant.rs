@@ -267,6 +267,12 @@ impl fmt::Display for QuotaKind {
     }
 }
 
+/// How messages name an installation: `tenant <name>`, or `this installation` for the
+/// deployment's own (default) one.
+pub fn installation(tenant: Option<&str>) -> String {
+    tenant.map_or_else(|| "this installation".to_owned(), |t| format!("tenant {t}"))
+}
+
 /// Why a tenant's submission was refused (`quota_exceeded`): which quota, its limit, what
 /// is used, and when it resets (`None` for concurrent runs: when one ends). A rejection
 /// carries it on its problem of code `quota_exceeded` ([`crate::problem::Problem::quota`]).
@@ -290,10 +296,12 @@ pub struct QuotaExceeded {
 
 impl fmt::Display for QuotaExceeded {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.tenant {
-            Some(t) => write!(f, "tenant {t} is over its {} quota", self.quota)?,
-            None => write!(f, "this installation is over its {} quota", self.quota)?,
-        }
+        write!(
+            f,
+            "{} is over its {} quota",
+            installation(self.tenant.as_ref().map(TenantName::as_str)),
+            self.quota
+        )?;
         write!(f, ": {} used of {}", self.used, self.limit)?;
         match self.resets_at_ms {
             Some(ms) => write!(
