@@ -4,7 +4,10 @@
 //! broadcast; every cap and bad input refused, structured, changing nothing; 1,000 idle
 //! teammates without a consumer each; a worker kept busy by short pool tasks (after a
 //! paused-then-cancelled attempt and a neighbour killed mid-attempt) still taking a turn; a
-//! turn whose conversation cannot be read given up after its deliveries, the reason shown.
+//! turn whose conversation cannot be read given up after its deliveries, the reason shown;
+//! mail taken straight from the inbox by a worker of the teammate's pool, dispatched to the
+//! turn queue for another pool's teammate, woken at once by the supervisor while no worker
+//! reads the inboxes, and woken after the grace when the only reader was killed.
 //!
 //! The agent is a deterministic exec script (`python3`): it answers `turn N history H` (its
 //! turn number and how many conversation lines it was given, which proves the conversation
@@ -311,6 +314,9 @@ async fn a_worker_killed_mid_turn_hands_the_turn_to_another_and_is_fenced_out() 
     let starts = std::fs::read_to_string(log.path())?;
     assert_eq!(starts.lines().count(), 2, "{starts}");
     let _ = survivor;
+    // The turn was taken straight from the inbox, and taken over when its message came again.
+    let (inbox, queue) = deliveries(&p, "default").await?;
+    assert_eq!((inbox, queue), (2, 0), "inbox and turn-queue deliveries");
 
     // The stale host's writes are refused: the conversation and the status, directly.
     let team_kv = p.bus.kv(Bucket::Team).await?;
@@ -715,13 +721,14 @@ async fn a_turn_whose_conversation_cannot_be_read_is_given_up_visibly() -> anyho
         why.contains("conv.u.eve") && why.contains("3 deliveries"),
         "{why}"
     );
-    // The turn message was terminated: delivered three times, nothing left to deliver.
+    // The message that carried the turn (taken straight from the inbox) was terminated:
+    // delivered three times, nothing left to deliver.
     let turns = p
         .bus
         .js()
-        .get_stream_no_info(p.bus.names().stream(StreamKind::Tasks))
+        .get_stream_no_info(p.bus.names().stream(StreamKind::Mailbox))
         .await?
-        .consumer_info(p.bus.names().turn_consumer("default"))
+        .consumer_info(flotilla_worker::inbox::INBOX_CONSUMER)
         .await?;
     assert_eq!(
         (
@@ -828,5 +835,134 @@ async fn a_teammates_reply_and_conversation_read_from_the_cli() -> anyhow::Resul
             "{args:?}: {err}"
         );
     }
+    Ok(())
+}
+
+/// Deliveries so far of the workers' inbox consumer and of `pool`'s turn queue.
+async fn deliveries(p: &Processes, pool: &str) -> anyhow::Result<(u64, u64)> {
+    let js = p.bus.js();
+    let inbox = js
+        .get_stream_no_info(p.bus.names().stream(StreamKind::Mailbox))
+        .await?
+        .consumer_info(flotilla_worker::inbox::INBOX_CONSUMER)
+        .await?;
+    let turns = js
+        .get_stream_no_info(p.bus.names().stream(StreamKind::Tasks))
+        .await?
+        .consumer_info(p.bus.names().turn_consumer(pool))
+        .await?;
+    Ok((
+        inbox.delivered.consumer_sequence,
+        turns.delivered.consumer_sequence,
+    ))
+}
+
+/// The host that claimed the teammate's latest turn.
+fn last_host(m: &TeammateView) -> Option<String> {
+    m.transitions.iter().rev().find_map(|t| t.host.clone())
+}
+
+/// The worker id of process `i`, from the registry.
+async fn worker_id(p: &Processes, i: usize) -> anyhow::Result<String> {
+    let workers = p.bus.kv(Bucket::Workers).await?;
+    let mut keys = workers.keys().await?;
+    use futures::StreamExt;
+    while let Some(key) = keys.next().await {
+        let key = key?;
+        if let Some(v) = workers.get(&key).await?
+            && serde_json::from_slice::<WorkerInfo>(&v)?.pid == p.pid(i).unwrap_or(0)
+        {
+            return Ok(key);
+        }
+    }
+    anyhow::bail!("worker {i} is not registered")
+}
+
+#[tokio::test]
+async fn mail_wakes_a_teammate_through_whichever_path_the_workers_offer() -> anyhow::Result<()> {
+    let log = tempfile::NamedTempFile::new()?;
+    let mut p = Processes::start(&config(log.path(), "")).await?;
+    supervisor(&mut p).await?;
+    let queue_only = [("FLOTILLA_WORKER__READ_INBOXES", "false")];
+    // Workers that take turns only from their pool's turn queue: `default` and `side`.
+    let plain = p.spawn_env(&["worker"], &queue_only)?;
+    p.wait_registered(plain).await?;
+    let side = p.spawn_env(
+        &["worker"],
+        &[queue_only[0], ("FLOTILLA_WORKER__POOL", "side")],
+    )?;
+    p.wait_registered(side).await?;
+    let (plain_id, side_id) = (worker_id(&p, plain).await?, worker_id(&p, side).await?);
+    for (name, pool) in [("ann", None), ("bo", Some("side"))] {
+        p.client
+            .request(
+                &TeamSpawnRequest {
+                    protocol: 1,
+                    team: Some("m".into()),
+                    name: name.into(),
+                    role: "analyst".into(),
+                    instructions: "work".into(),
+                    agent: Some("mate".into()),
+                    pool: pool.map(str::to_owned),
+                    by: None,
+                    expose: false,
+                },
+                ASK,
+            )
+            .await?;
+    }
+
+    // No worker reads the inboxes: the supervisor wakes the teammate at once, as before.
+    let sent = tokio::time::Instant::now();
+    p.client.request(&send("m", "ann", "one"), ASK).await?;
+    let m = until(&p, "m", "ann", Duration::from_secs(10), |m| m.turns == 1).await?;
+    assert!(sent.elapsed() < Duration::from_secs(4), "woken at once");
+    assert_eq!(last_host(&m).as_deref(), Some(plain_id.as_str()));
+    assert_eq!(
+        deliveries(&p, "default").await.ok(),
+        None,
+        "no inbox consumer yet"
+    );
+
+    // A worker that reads the inboxes: mail for its pool's teammate is claimed there,
+    // straight from the inbox (the turn queue is not used)...
+    let reader = p.worker(&[]).await?;
+    let reader_id = worker_id(&p, reader).await?;
+    p.client.request(&send("m", "ann", "two"), ASK).await?;
+    let m = until(&p, "m", "ann", Duration::from_secs(10), |m| m.turns == 2).await?;
+    assert_eq!(last_host(&m).as_deref(), Some(reader_id.as_str()), "{m:?}");
+    assert_eq!(deliveries(&p, "default").await?, (1, 1));
+    // ... and mail for another pool's teammate goes to that pool's turn queue.
+    p.client.request(&send("m", "bo", "three"), ASK).await?;
+    let m = until(&p, "m", "bo", Duration::from_secs(10), |m| m.turns == 1).await?;
+    assert_eq!(last_host(&m).as_deref(), Some(side_id.as_str()), "{m:?}");
+    assert_eq!(deliveries(&p, "side").await?, (2, 1));
+
+    // The only reader is killed; its registry entry still looks live, so the supervisor
+    // leaves the wake to the readers, and wakes the mail itself once the grace is over.
+    p.kill(reader);
+    let sent = tokio::time::Instant::now();
+    p.client.request(&send("m", "ann", "four"), ASK).await?;
+    let m = until(&p, "m", "ann", Duration::from_secs(30), |m| m.turns == 3).await?;
+    assert!(
+        sent.elapsed() >= Duration::from_secs(4),
+        "woken by the supervisor after the grace, not before"
+    );
+    assert_eq!(last_host(&m).as_deref(), Some(plain_id.as_str()), "{m:?}");
+    let conv: flotilla_model::teammate::Conversation = serde_json::from_slice(
+        &p.bus
+            .kv(Bucket::Team)
+            .await?
+            .get("conv.m.ann")
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("no conversation"))?,
+    )?;
+    let said: Vec<&str> = conv.lines.iter().map(|l| l.text.as_str()).collect();
+    assert_eq!(
+        said.len(),
+        6,
+        "three exchanges, each message read once: {said:?}"
+    );
+    assert_eq!((said[0], said[2], said[4]), ("one", "two", "four"));
     Ok(())
 }

@@ -65,6 +65,10 @@ pub struct SharedConsumer {
     pub ack_wait: Duration,
     /// Most unacknowledged messages across all replicas.
     pub max_ack_pending: i64,
+    /// Created to deliver only messages stored from then on (`DeliverPolicy::New`), not the
+    /// stream's history: for a consumer added to a stream that other readers already looked
+    /// after (the workers' teammate inboxes, on a deployment with mail from before).
+    pub only_new: bool,
 }
 
 impl SharedConsumer {
@@ -396,7 +400,11 @@ impl Bus {
                 description: Some(spec.description),
                 filter_subject,
                 filter_subjects,
-                deliver_policy: DeliverPolicy::All,
+                deliver_policy: if spec.only_new {
+                    DeliverPolicy::New
+                } else {
+                    DeliverPolicy::All
+                },
                 ack_policy: AckPolicy::Explicit,
                 ack_wait: spec.ack_wait,
                 max_deliver: -1,

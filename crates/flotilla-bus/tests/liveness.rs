@@ -28,6 +28,7 @@ async fn pool(bus: &Bus, pool: &str) -> anyhow::Result<PullConsumer> {
             filters: vec![bus.names().pool_filter(pool)],
             ack_wait: Duration::from_secs(30),
             max_ack_pending: 1000,
+            only_new: false,
         })
         .await?)
 }

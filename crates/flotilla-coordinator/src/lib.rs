@@ -199,6 +199,7 @@ impl Coordinator {
             filters,
             ack_wait: self.opts.ack_wait,
             max_ack_pending: 20_000,
+            only_new: false,
         };
         patience
             .ride_out(&format!("binding consumer {durable}"), || {

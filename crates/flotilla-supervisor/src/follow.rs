@@ -54,6 +54,7 @@ pub(crate) async fn consumer(
         filters: vec![team.bus.names().event_all()],
         ack_wait: team.opts.ack_wait,
         max_ack_pending,
+        only_new: false,
     };
     patience
         .ride_out("setting up the event consumer", || {

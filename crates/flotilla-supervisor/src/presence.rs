@@ -48,6 +48,24 @@ pub(crate) fn hosts(team: &Team, now_ms: i64) -> BTreeMap<String, Vec<Host>> {
     by_agent
 }
 
+/// Whether a live worker (refreshed within the presence timeout at `now_ms`) takes teammate
+/// turns straight from the inboxes ([`FEATURE_READS_INBOXES`]): then the workers wake
+/// teammates on mail, and the supervisor only wakes mail still unread a little later.
+///
+/// [`FEATURE_READS_INBOXES`]: flotilla_model::worker::FEATURE_READS_INBOXES
+pub(crate) fn workers_read_inboxes(team: &Team, now_ms: i64) -> bool {
+    let timeout_ms = i64::try_from(team.presence_timeout.as_millis()).unwrap_or(i64::MAX);
+    team.workers.read(|all| {
+        all.values().any(|w| {
+            now_ms - w.at_ms <= timeout_ms
+                && w.value
+                    .features
+                    .iter()
+                    .any(|f| f == flotilla_model::worker::FEATURE_READS_INBOXES)
+        })
+    })
+}
+
 /// Brings a member's hosts, card and status up to date. `false`: already up to date.
 pub(crate) fn update(
     m: &mut Member,

@@ -3,6 +3,7 @@
 //!
 //! ```text
 //!  team.send ──► <prefix>.tmbox.<team>.<to>.<from> (mailbox stream, stored)
+//!      │                 │ consumer "worker-inbox": a worker takes the turn (flotilla-worker::inbox)
 //!      │                 │ consumer "supervisor-inbox" (shared by the replicas)
 //!      └── wake ◄────────┘
 //!           │ CAS teammate.<team>.<to>: idle → working (epoch + 1)
@@ -11,14 +12,21 @@
 //!           └──► consumer "turns-<pool>", pulled by the pool's workers
 //! ```
 //!
-//! The send stores the message and marks the teammate `working` at once (both after the one
-//! read its checks need), publishes the turn once both are done, and answers (the fast
-//! path: three round trips to JetStream on the message's way to a worker); the shared durable
-//! consumer of every teammate inbox wakes it too, so a replica killed between storing a
-//! message and waking its teammate loses nothing. Waking twice is harmless: the second
-//! finds it `working`. A teammate `working` without a host (dispatched, not yet claimed) is
-//! dispatched again with the same message id, so a turn message lost with a replica is
-//! published again and a duplicate is dropped by JetStream.
+//! While a live worker reads the teammate inboxes (its registry entry says
+//! `reads_inboxes`), the send only stores the message: the worker it reaches takes the turn
+//! itself, two hops from the send. The supervisors' shared durable consumer of every inbox
+//! then wakes only mail still unread [`UNREAD_GRACE`] after it was stored (a worker killed
+//! between pulling mail and claiming its turn, every reader gone), so nothing waits for the
+//! next message.
+//!
+//! With no such worker (older workers, or `read-inboxes = false`), the send stores the
+//! message and marks the teammate `working` at once (both after the one read its checks
+//! need), publishes the turn once both are done, and answers (three round trips to
+//! JetStream on the message's way to a worker); the inbox consumer wakes it too, so a replica
+//! killed between storing a message and waking its teammate loses nothing. Waking twice is
+//! harmless: the second finds it `working`. A teammate `working` without a host (dispatched,
+//! not yet claimed) is dispatched again with the same message id, so a turn message lost
+//! with a replica is published again and a duplicate is dropped by JetStream.
 //!
 //! An idle teammate costs one KV entry and one conversation entry: no consumer, no task, no
 //! worker slot.
@@ -38,9 +46,9 @@ use flotilla_model::ErrorCode;
 use flotilla_model::subjects::StreamKind;
 use flotilla_model::team::member_key;
 use flotilla_model::teammate::{
-    Refused, TeamBroadcastRequest, TeamMates, TeamMatesRequest, TeamSendRequest, TeamSent,
-    TeamShutdownRequest, TeamSpawnRequest, Teammate, TeammatePost, TeammateStatus, TeammateView,
-    TurnEnvelope, team_or_default, teammate_key,
+    Conversation, Refused, TeamBroadcastRequest, TeamMates, TeamMatesRequest, TeamSendRequest,
+    TeamSent, TeamShutdownRequest, TeamSpawnRequest, Teammate, TeammatePost, TeammateStatus,
+    TeammateView, TurnEnvelope, conversation_key, team_or_default, teammate_key,
 };
 use flotilla_model::time::Timestamp;
 use flotilla_model::token::check_name;
@@ -452,6 +460,10 @@ pub(crate) async fn post(
         text: text.to_owned(),
     };
     let subject = team.bus.names().teammate_inbox(t, to, from);
+    if crate::presence::workers_read_inboxes(team, Timestamp::now().unix_ms()) {
+        // The worker the message reaches takes the turn.
+        return stored(team, t, to, team.bus.publish(subject, &post, msg_id).await).await;
+    }
     let (ack, woken) = tokio::join!(
         team.bus.publish(subject, &post, msg_id),
         mark_working(team, t, to, known)
@@ -468,6 +480,16 @@ pub(crate) async fn post(
         // The inbox consumer wakes it in a moment.
         Err(e) => debug!(team = t, teammate = to, error = %e, "Could not wake a teammate at once"),
     }
+    stored(team, t, to, ack).await
+}
+
+/// A message's stream sequence, or why it was not stored.
+async fn stored(
+    team: &Team,
+    t: &str,
+    to: &str,
+    ack: Result<async_nats::jetstream::publish::PublishAck, flotilla_bus::PublishError>,
+) -> Result<u64, SupervisorError> {
     match ack {
         Ok(ack) => Ok(ack.sequence),
         Err(e) if e.kind() == flotilla_bus::PublishErrorKind::StreamFull => {
@@ -675,6 +697,60 @@ pub(crate) async fn wake(team: &Team, t: &str, name: &str) -> Result<Option<u64>
     }
 }
 
+/// How long mail may wait for a worker reading the inboxes to take its turn before a
+/// supervisor wakes the teammate itself (through the turn queue).
+pub(crate) const UNREAD_GRACE: Duration = Duration::from_secs(5);
+
+/// Wakes `name` of `t` for mail `seq`, stored at `stored`, unless a worker has seen to it: a
+/// turn claimed since the mail was stored (it read the inbox, or was given up visibly), or a
+/// conversation that has read it. A teammate `working` is left to its turn, which reads the
+/// mail.
+async fn wake_unread(
+    team: &Team,
+    t: &str,
+    name: &str,
+    seq: u64,
+    stored: Timestamp,
+) -> Result<(), SupervisorError> {
+    let Some((mate, _, _)) = read(team, &teammate_key(t, name)).await? else {
+        return Ok(());
+    };
+    let claimed_since = mate
+        .transitions
+        .iter()
+        .any(|tr| tr.host.is_some() && tr.at >= stored);
+    if claimed_since {
+        return Ok(());
+    }
+    let key = conversation_key(t, name);
+    let read = team
+        .team_kv
+        .entry(&key)
+        .await
+        .map_err(|e| SupervisorError::store(format!("reading {key}"), e))?;
+    let cursor = match read {
+        Some(e) if e.operation == kv::Operation::Put => {
+            serde_json::from_slice::<Conversation>(&e.value)
+                .map_err(|err| SupervisorError::Decode {
+                    key: key.clone(),
+                    message: err.to_string(),
+                })?
+                .cursor
+        }
+        _ => 0,
+    };
+    if cursor >= seq {
+        return Ok(());
+    }
+    debug!(
+        team = t,
+        teammate = name,
+        seq,
+        "Mail still unread after the grace: waking the teammate"
+    );
+    wake(team, t, name).await.map(|_| ())
+}
+
 /// The first half of a wake: marks `name` of `t` `working` if it is idle (compare-and-set,
 /// starting from `known` when the caller has just read the entry). The teammate whose turn
 /// is to be published: just woken, or dispatched earlier and not yet claimed.
@@ -751,6 +827,7 @@ pub(crate) async fn consumer(
         filters: vec![team.bus.names().teammate_inbox_all()],
         ack_wait: team.opts.ack_wait,
         max_ack_pending: 10_000,
+        only_new: false,
     };
     patience
         .ride_out("setting up the teammate inbox consumer", || {
@@ -804,8 +881,26 @@ async fn wake_on(team: &Team, msg: async_nats::jetstream::Message) {
         let _ = msg.ack_with(AckKind::Term).await;
         return;
     };
-    match wake(team, t, to).await {
-        Ok(_) => {
+    let woken = if crate::presence::workers_read_inboxes(team, Timestamp::now().unix_ms()) {
+        // The workers take turns from the inboxes: only mail still unread after the grace.
+        let Ok(info) = msg.info() else {
+            let _ = msg.ack_with(AckKind::Term).await;
+            return;
+        };
+        let age = time::OffsetDateTime::now_utc() - info.published;
+        let grace = time::Duration::try_from(UNREAD_GRACE).unwrap_or(time::Duration::ZERO);
+        if age < grace {
+            let left = Duration::try_from(grace - age).unwrap_or(UNREAD_GRACE);
+            let _ = msg.ack_with(AckKind::Nak(Some(left))).await;
+            return;
+        }
+        let stored = Timestamp::from_unix_ms(flotilla_bus::mirror::unix_ms(info.published));
+        wake_unread(team, t, to, info.stream_sequence, stored).await
+    } else {
+        wake(team, t, to).await.map(|_| ())
+    };
+    match woken {
+        Ok(()) => {
             let _ = msg.ack().await;
         }
         Err(e) => {

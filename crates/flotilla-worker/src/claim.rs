@@ -71,6 +71,7 @@ pub fn role_consumer(
         filters: vec![names.role_filter(role)],
         ack_wait: opts.ack_wait(),
         max_ack_pending: 100_000,
+        only_new: false,
     }
 }
 

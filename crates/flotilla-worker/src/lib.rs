@@ -59,6 +59,7 @@ mod attempt;
 mod cancel;
 mod claim;
 mod error;
+pub mod inbox;
 mod pace;
 mod pull;
 mod registry;

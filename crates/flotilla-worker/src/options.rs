@@ -42,6 +42,13 @@ pub struct WorkerOptions {
     /// seconds. `0s` gives up at once.
     #[serde(with = "humantime_serde")]
     pub provision_wait: Duration,
+    /// Take teammate turns straight from the teammate inboxes: every worker reads them
+    /// through one shared consumer (`worker-inbox` on the mailbox stream), and a message to an
+    /// idle teammate of this pool that reaches a worker with a free slot is claimed there, at
+    /// once — two hops from the send instead of five through the supervisor. Mail for another
+    /// pool's teammate, or reaching a worker with every slot taken, is dispatched to that
+    /// pool's turn queue as before. `false`: turns come only from the turn queue.
+    pub read_inboxes: bool,
     /// Worker id (default: `<host>-<random>`).
     pub id: Option<String>,
 }
@@ -63,6 +70,7 @@ impl Default for WorkerOptions {
             // Long enough for a coordinator's image pull and start on a fresh cluster; then
             // the worker exits with the reason, and its restarts back off.
             provision_wait: Duration::from_secs(300),
+            read_inboxes: true,
             id: None,
         }
     }

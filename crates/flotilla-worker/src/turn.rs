@@ -78,6 +78,7 @@ pub fn turn_consumer(
         filters: vec![names.turn_filter(pool)],
         ack_wait: opts.ack_wait(),
         max_ack_pending: 100_000,
+        only_new: false,
     }
 }
 
@@ -95,7 +96,7 @@ pub enum TurnError {
     Store(String),
 }
 
-fn store(e: impl std::fmt::Display) -> TurnError {
+pub(crate) fn store(e: impl std::fmt::Display) -> TurnError {
     TurnError::Store(e.to_string())
 }
 
@@ -106,22 +107,49 @@ fn unreadable(key: &str, e: impl std::fmt::Display) -> TurnError {
 
 /// Read-modify-write of one JSON value with compare-and-set. `change` returns `Err` to stop
 /// without writing.
-async fn cas<T, F>(kv: &kv::Store, key: &str, mut change: F) -> Result<(T, u64), TurnError>
+async fn cas<T, F>(kv: &kv::Store, key: &str, change: F) -> Result<(T, u64), TurnError>
+where
+    T: serde::Serialize + serde::de::DeserializeOwned + Default,
+    F: FnMut(Option<T>) -> Result<T, TurnError>,
+{
+    cas_from(kv, key, None, change).await
+}
+
+/// [`cas`] starting from `known` (a value and its revision, from a mirror) instead of a
+/// read: no read when it is current. `change` refusing a known value is not final — the
+/// value is read and `change` asked again — so a stale mirror decides nothing.
+pub(crate) async fn cas_from<T, F>(
+    kv: &kv::Store,
+    key: &str,
+    mut known: Option<(T, u64)>,
+    mut change: F,
+) -> Result<(T, u64), TurnError>
 where
     T: serde::Serialize + serde::de::DeserializeOwned + Default,
     F: FnMut(Option<T>) -> Result<T, TurnError>,
 {
     for _ in 0..MAX_TRIES {
-        let entry = kv.entry(key).await.map_err(store)?;
-        let (current, revision) = match entry {
-            Some(e) if e.operation == kv::Operation::Put => (
-                Some(serde_json::from_slice::<T>(&e.value).map_err(|e| unreadable(key, e))?),
-                Some(e.revision),
-            ),
-            Some(e) => (None, Some(e.revision)),
-            None => (None, None),
+        let (next, revision) = match known.take() {
+            Some((value, revision)) => match change(Some(value)) {
+                Ok(next) => (next, Some(revision)),
+                Err(_) => continue,
+            },
+            None => {
+                let entry = kv.entry(key).await.map_err(store)?;
+                let (current, revision) = match entry {
+                    Some(e) if e.operation == kv::Operation::Put => (
+                        Some(
+                            serde_json::from_slice::<T>(&e.value)
+                                .map_err(|e| unreadable(key, e))?,
+                        ),
+                        Some(e.revision),
+                    ),
+                    Some(e) => (None, Some(e.revision)),
+                    None => (None, None),
+                };
+                (change(current)?, revision)
+            }
         };
-        let next = change(current)?;
         let bytes = serde_json::to_vec(&next).map_err(store)?;
         let written = match revision {
             Some(rev) => match kv.update(key, bytes.into(), rev).await {
@@ -142,7 +170,7 @@ where
     Err(TurnError::Store(format!("{key} kept changing")))
 }
 
-fn fenced(r: Refused) -> TurnError {
+pub(crate) fn fenced(r: Refused) -> TurnError {
     TurnError::Fenced(format!("{r:?}"))
 }
 
@@ -331,22 +359,30 @@ async fn wake_if_pending(bus: &Bus, kv: &kv::Store, mate: &Teammate, cursor: u64
     })
     .await;
     let Ok((Some(m), _)) = woken else { return };
-    let turn = TurnEnvelope {
-        protocol: flotilla_model::PROTOCOL_VERSION,
-        team: m.team.clone(),
-        name: m.name.clone(),
-        epoch: m.dispatch,
-    };
-    if let Err(e) = bus
-        .publish(
-            names.turn(&m.pool, &m.team, &m.name),
-            &turn,
-            Some(&turn.msg_id()),
-        )
-        .await
-    {
+    if let Err(e) = publish_turn(bus, &m).await {
         warn!(teammate = %key, error = %e, "Could not dispatch the next turn; the supervisor dispatches it on the next message");
     }
+}
+
+/// Publishes the turn `mate` was dispatched with to its pool's turn queue (de-duplicated by
+/// the dispatch: publishing it again is harmless).
+pub(crate) async fn publish_turn(
+    bus: &Bus,
+    mate: &Teammate,
+) -> Result<(), flotilla_bus::PublishError> {
+    let turn = TurnEnvelope {
+        protocol: flotilla_model::PROTOCOL_VERSION,
+        team: mate.team.clone(),
+        name: mate.name.clone(),
+        epoch: mate.dispatch,
+    };
+    bus.publish(
+        bus.names().turn(&mate.pool, &mate.team, &mate.name),
+        &turn,
+        Some(&turn.msg_id()),
+    )
+    .await
+    .map(|_| ())
 }
 
 /// Pulls `pool`'s turns while this worker has a free slot (or, all taken, in turn with what
@@ -431,11 +467,47 @@ async fn run_turn(
         let _ = msg.ack_with(AckKind::Nak(None)).await;
         return;
     };
-    match turn_body(shared, kv, &msg, &turn).await {
+    let (team, name) = (turn.team.as_str(), turn.name.as_str());
+    let claiming = claim(kv, team, name, turn.epoch, &shared.id);
+    let ran = run_claimed(shared, kv, &msg, team, name, claiming).await;
+    settle(
+        shared,
+        kv,
+        &msg,
+        team,
+        name,
+        Carrier::Dispatched(turn.epoch),
+        ran,
+    )
+    .await;
+}
+
+/// Which turn a worker holds: one dispatched through the turn queue (the dispatch its turn
+/// message carries), or one taken straight from the inbox (the mailbox stream sequence of the
+/// message whose delivery carries it, [`Teammate::take_mail`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Carrier {
+    Dispatched(u64),
+    Mail(u64),
+}
+
+/// Acknowledges the message that carried a turn by how the turn went: fenced out or over
+/// (nothing changes), or — its conversation or mail could not be read or stored — delivered
+/// again, pausing 1 s doubling to 30 s, until `worker.max-deliveries`, then given up visibly.
+pub(crate) async fn settle(
+    shared: &Shared,
+    kv: &kv::Store,
+    msg: &jetstream::Message,
+    team: &str,
+    name: &str,
+    carrier: Carrier,
+    ran: Result<(), TurnError>,
+) {
+    match ran {
         Ok(()) => {}
         Err(TurnError::Fenced(why)) | Err(TurnError::NotFound(why)) => {
             // Another host owns it, or the turn is over: this delivery changes nothing.
-            info!(team = %turn.team, teammate = %turn.name, why, "Turn fenced out");
+            info!(team, teammate = name, why, "Turn fenced out");
             let _ = msg.ack().await;
         }
         Err(TurnError::Store(e)) => {
@@ -446,18 +518,18 @@ async fn run_turn(
                     Duration::from_secs(1),
                     MAX_REDELIVERY_DELAY,
                 );
-                warn!(team = %turn.team, teammate = %turn.name, delivered, retry_in = ?pause, error = %e, "Turn could not be read or stored; it will be delivered again");
+                warn!(team, teammate = name, delivered, retry_in = ?pause, error = %e, "Turn could not be read or stored; it will be delivered again");
                 let _ = msg.ack_with(AckKind::Nak(Some(pause))).await;
                 return;
             }
             // It failed the same way delivery after delivery: give the turn up, visibly.
             let reason = format!("its turn could not run, {delivered} deliveries: {e}");
-            match give_up(kv, &turn.team, &turn.name, turn.epoch, &shared.id, &reason).await {
+            match give_up(kv, team, name, carrier, &shared.id, &reason).await {
                 Ok(_) => {
-                    warn!(team = %turn.team, teammate = %turn.name, delivered, error = %e, "Turn given up: the teammate is idle again with the reason, its mail unread")
+                    warn!(team, teammate = name, delivered, error = %e, "Turn given up: the teammate is idle again with the reason, its mail unread")
                 }
                 Err(not_recorded) => {
-                    tracing::error!(team = %turn.team, teammate = %turn.name, delivered, error = %e, not_recorded = %not_recorded, "Turn given up, and the teammate's entry could not say why")
+                    tracing::error!(team, teammate = name, delivered, error = %e, not_recorded = %not_recorded, "Turn given up, and the teammate's entry could not say why")
                 }
             }
             let _ = msg.ack_with(AckKind::Term).await;
@@ -468,14 +540,14 @@ async fn run_turn(
 /// The longest pause before a turn that could not be read or stored is delivered again.
 const MAX_REDELIVERY_DELAY: Duration = Duration::from_secs(30);
 
-/// Gives up the turn dispatched with `dispatched` as `host`, which could not run it at all:
-/// the teammate goes back to `idle` with `reason` as its `last_error` (see
-/// [`Teammate::give_up_turn`]); refused when another host holds the turn or it is over.
-pub async fn give_up(
+/// Gives up the turn `carrier` names as `host`, which could not run it at all: the teammate
+/// goes back to `idle` with `reason` as its `last_error` (see [`Teammate::give_up_turn`]);
+/// refused when another host holds the turn or it is over.
+pub(crate) async fn give_up(
     kv: &kv::Store,
     team: &str,
     name: &str,
-    dispatched: u64,
+    carrier: Carrier,
     host: &str,
     reason: &str,
 ) -> Result<Teammate, TurnError> {
@@ -485,6 +557,11 @@ pub async fn give_up(
         let mut m = m
             .flatten()
             .ok_or_else(|| TurnError::NotFound(key.clone()))?;
+        let dispatched = match carrier {
+            Carrier::Dispatched(d) => d,
+            Carrier::Mail(seq) if m.carries(seq) => m.dispatch,
+            Carrier::Mail(_) => return Err(TurnError::Fenced(format!("{key}: the turn is over"))),
+        };
         m.give_up_turn(dispatched, host, reason, now)
             .map_err(fenced)?;
         Ok(Some(m))
@@ -493,19 +570,19 @@ pub async fn give_up(
     m.ok_or(TurnError::NotFound(key))
 }
 
-async fn turn_body(
+/// One turn from its claim (`claiming`: the turn queue's [`claim`], or the inbox's take) to
+/// its end, the carrying message `msg` acknowledged once the teammate is idle again.
+pub(crate) async fn run_claimed(
     shared: &Shared,
     kv: &kv::Store,
     msg: &jetstream::Message,
-    turn: &TurnEnvelope,
+    team: &str,
+    name: &str,
+    claiming: impl std::future::Future<Output = Result<(Teammate, u64), TurnError>>,
 ) -> Result<(), TurnError> {
-    let (team, name) = (turn.team.as_str(), turn.name.as_str());
     // The claim and the conversation's read at once: the fence below is conditional on the
     // revision read, so a write between the read and the claim (a stale host's) is noticed.
-    let (claimed, loaded) = tokio::join!(
-        claim(kv, team, name, turn.epoch, &shared.id),
-        load_conversation(kv, team, name)
-    );
+    let (claimed, loaded) = tokio::join!(claiming, load_conversation(kv, team, name));
     let (mate, epoch) = claimed?;
     let (mut conv, read_at) = loaded?;
     // The fence (from here on an older host's save of the conversation is refused) and the

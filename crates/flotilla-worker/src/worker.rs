@@ -196,6 +196,18 @@ impl Worker {
                 &patience,
             )
             .await?;
+        let inboxes = if self.opts.read_inboxes {
+            Some(
+                self.bind(
+                    crate::inbox::inbox_consumer(self.bus.names(), &self.opts),
+                    "setting up the teammate inbox consumer",
+                    &patience,
+                )
+                .await?,
+            )
+        } else {
+            None
+        };
         let team_kv = self
             .open(Bucket::Team, "opening the team bucket", &patience)
             .await?;
@@ -245,6 +257,11 @@ impl Worker {
             version: env!("CARGO_PKG_VERSION").to_owned(),
             features: flotilla_model::worker::WORKER_FEATURES
                 .iter()
+                .chain(
+                    inboxes
+                        .is_some()
+                        .then_some(&flotilla_model::worker::FEATURE_READS_INBOXES),
+                )
                 .map(|f| (*f).to_owned())
                 .collect(),
         };
@@ -276,6 +293,7 @@ impl Worker {
             .map(|(c, claim)| (watchdog.watch(&c), c, claim))
             .collect();
         let turns_pulse = watchdog.watch(&turns);
+        let inboxes = inboxes.map(|c| (watchdog.watch(&c), c));
         let watching = tokio::spawn(Arc::clone(&watchdog).run(shutdown.clone()));
         if let Some(ready) = self.ready.take() {
             let _ = ready.send(());
@@ -297,10 +315,20 @@ impl Worker {
         role_loops.spawn(crate::turn::pull_turns(
             Arc::clone(&shared),
             turns,
-            team_kv,
+            team_kv.clone(),
             turns_pulse,
             shutdown.clone(),
         ));
+        // Teammate turns taken straight from the inboxes (`read-inboxes`).
+        if let Some((pulse, consumer)) = inboxes {
+            role_loops.spawn(crate::inbox::pull_inboxes(
+                Arc::clone(&shared),
+                consumer,
+                team_kv,
+                pulse,
+                shutdown.clone(),
+            ));
+        }
 
         // Messages held at once: the running ones plus `prefetch` waiting for a slot, so a
         // slot that frees finds its next task already here instead of idling on a pull.
@@ -478,5 +506,6 @@ pub fn pool_consumer(
         filters: vec![names.pool_filter(pool)],
         ack_wait: opts.ack_wait(),
         max_ack_pending: 100_000,
+        only_new: false,
     }
 }

@@ -349,6 +349,8 @@ async fn workflow_worker(config: &Config) -> anyhow::Result<Option<Worker>> {
     let mut opts = config.worker.clone();
     opts.pool = WORKFLOW_POOL.to_owned();
     opts.concurrency = WORKFLOW_CONCURRENCY;
+    // Workflow agents are no teammates: the pools' workers read the teammate inboxes.
+    opts.read_inboxes = false;
     opts.id = opts.id.map(|id| format!("{id}-workflows"));
     let bus = Bus::connect(&config.nats, "flotilla-workflows").await?;
     Ok(Some(Worker::new(bus, opts, registry)))

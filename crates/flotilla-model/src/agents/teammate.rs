@@ -92,6 +92,12 @@ pub struct Teammate {
     /// The worker running its turn, once claimed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host: Option<String>,
+    /// The mailbox stream sequence of the message whose delivery carries the current turn,
+    /// when a worker took the turn straight from the inbox ([`Teammate::take_mail`]) instead
+    /// of from a turn message: a redelivery of that message (its host died or stalled)
+    /// claims the turn again. Absent for a turn from the turn queue, and when no turn runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub carried_by: Option<u64>,
     /// Shut down after the current turn.
     #[serde(default)]
     pub shutdown_requested: bool,
@@ -184,6 +190,7 @@ impl Teammate {
             epoch: 0,
             dispatch: 0,
             host: None,
+            carried_by: None,
             shutdown_requested: false,
             turns: 0,
             turns_failed: 0,
@@ -246,8 +253,38 @@ impl Teammate {
         self.epoch += 1;
         self.dispatch = self.epoch;
         self.host = None;
+        self.carried_by = None;
         self.record(TeammateStatus::Working, now);
         Ok(self.epoch)
+    }
+
+    /// Mail `seq` reached `host`, which takes the turn it wakes at once, carried by that
+    /// message's delivery — what [`wake`](Self::wake) and [`claim`](Self::claim) do, in one
+    /// write, with no turn message. When the turn `seq` carries is already the current one
+    /// (the message came again: its host died or stalled), it is claimed again, fencing the
+    /// first host out. Refused as a wake is: shut down, at the hourly cap, or `Busy` with
+    /// another turn (which reads the mail: a turn reads its inbox after its claim, and looks
+    /// again when it ends). Returns the host's epoch.
+    pub fn take_mail(
+        &mut self,
+        seq: u64,
+        host: &str,
+        now: Timestamp,
+        per_hour: u32,
+    ) -> Result<u64, Refused> {
+        if self.status == TeammateStatus::Working && self.carried_by == Some(seq) {
+            let dispatched = self.dispatch;
+            return self.claim(dispatched, host, now);
+        }
+        let dispatched = self.wake(now, per_hour)?;
+        self.carried_by = Some(seq);
+        self.claim(dispatched, host, now)
+    }
+
+    /// Whether the turn now running is the one mail `seq` carries (see
+    /// [`take_mail`](Self::take_mail)).
+    pub fn carries(&self, seq: u64) -> bool {
+        self.status == TeammateStatus::Working && self.carried_by == Some(seq)
     }
 
     /// A worker took the turn dispatched with `dispatched`: the epoch moves on and names it
@@ -297,6 +334,7 @@ impl Teammate {
         self.last_error = None;
         self.last_progress = Some(now);
         self.host = None;
+        self.carried_by = None;
         let next = if self.shutdown_requested {
             TeammateStatus::Shutdown
         } else {
@@ -311,6 +349,7 @@ impl Teammate {
     pub fn nothing_to_do(&mut self, epoch: u64, now: Timestamp) -> Result<(), Refused> {
         self.fence(epoch)?;
         self.host = None;
+        self.carried_by = None;
         self.last_error = None;
         self.recent_turns.pop();
         let next = if self.shutdown_requested {
@@ -345,6 +384,7 @@ impl Teammate {
         self.last_error = Some(cut(reason, Self::MAX_REPLY));
         self.last_progress = Some(now);
         self.host = None;
+        self.carried_by = None;
         let next = if self.shutdown_requested {
             TeammateStatus::Shutdown
         } else {
@@ -367,6 +407,7 @@ impl Teammate {
             TeammateStatus::Idle | TeammateStatus::Spawned => {
                 self.shutdown_requested = true;
                 self.host = None;
+                self.carried_by = None;
                 self.record(TeammateStatus::Shutdown, now);
                 true
             }
@@ -739,6 +780,56 @@ mod tests {
 
     fn at(ms: i64) -> Timestamp {
         Timestamp::from_unix_ms(ms)
+    }
+
+    #[test]
+    fn mail_taken_straight_from_the_inbox() {
+        let mut t = Teammate::spawn("s", "ann", "analyst", "good", "default", "help", at(0));
+        // Mail 7 reaches w1, which wakes and claims it in one change.
+        let a = t.take_mail(7, "w1", at(1), 10).expect("taken");
+        assert_eq!(
+            (t.status, t.host.as_deref(), t.carried_by),
+            (TeammateStatus::Working, Some("w1"), Some(7))
+        );
+        assert_eq!(t.epoch, a);
+        assert!(t.carries(7) && !t.carries(8));
+        // Other mail finds it busy: the running turn reads it.
+        assert_eq!(t.take_mail(8, "w2", at(2), 10), Err(Refused::Busy));
+        // Mail 7 comes again (w1 died): w2 claims the turn, fencing w1 out.
+        let b = t.take_mail(7, "w2", at(3), 10).expect("claimed again");
+        assert!(b > a);
+        assert!(matches!(
+            t.finish(a, true, None, at(4)),
+            Err(Refused::StaleEpoch { .. })
+        ));
+        t.finish(b, true, Some("done"), at(5)).expect("finished");
+        assert_eq!(
+            (t.status, t.carried_by, t.turns),
+            (TeammateStatus::Idle, None, 1)
+        );
+        // A late delivery of mail 7 after its turn ended is a new turn (it finds nothing new).
+        let c = t.take_mail(7, "w3", at(6), 10).expect("a new turn");
+        t.nothing_to_do(c, at(7)).expect("back to idle");
+        assert_eq!((t.turns, t.recent_turns.len(), t.carried_by), (1, 1, None));
+        // A turn from the queue is not carried by mail.
+        let d = t.wake(at(8), 10).expect("woken");
+        assert!(!t.carries(7));
+        assert_eq!(t.take_mail(9, "w1", at(9), 10), Err(Refused::Busy));
+        let e = t.claim(d, "w1", at(10)).expect("claimed");
+        t.finish(e, true, None, at(11)).expect("finished");
+        // Caps hold as for a wake.
+        assert_eq!(
+            t.take_mail(10, "w1", at(12), 2),
+            Err(Refused::TurnsPerHour(2))
+        );
+        t.shutdown(at(13));
+        assert_eq!(t.take_mail(11, "w1", at(14), 10), Err(Refused::Shutdown));
+        let mut u = Teammate::spawn("s", "bo", "analyst", "good", "default", "help", at(0));
+        u.take_mail(1, "w1", at(1), 10).expect("taken");
+        let dispatched = u.dispatch;
+        u.give_up_turn(dispatched, "w1", "unreadable", at(2))
+            .expect("given up");
+        assert_eq!((u.status, u.carried_by), (TeammateStatus::Idle, None));
     }
 
     #[test]

@@ -43,5 +43,10 @@ pub struct WorkerInfo {
 pub const FEATURE_TASK_MODEL: &str = "task_model";
 /// A worker that starts an attempt with its `kept_steps` (a fork at a step).
 pub const FEATURE_KEPT_STEPS: &str = "kept_steps";
-/// What this version's workers carry out: their [`WorkerInfo::features`].
+/// A worker that takes teammate turns straight from the teammate inboxes (its
+/// `read-inboxes`, on by default): while one is live, the supervisors leave the wake to the
+/// workers and only look after mail still unread a few seconds later.
+pub const FEATURE_READS_INBOXES: &str = "reads_inboxes";
+/// What this version's workers carry out: their [`WorkerInfo::features`] (and
+/// [`FEATURE_READS_INBOXES`] when they read the inboxes).
 pub const WORKER_FEATURES: &[&str] = &[FEATURE_TASK_MODEL, FEATURE_KEPT_STEPS];

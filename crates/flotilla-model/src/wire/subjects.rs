@@ -371,9 +371,26 @@ impl Names {
         format!("{}.tmbox.{team}.{to}.*", self.prefix)
     }
 
-    /// Filter for every teammate inbox (the supervisor's wake consumer).
+    /// Filter for every teammate inbox (the workers' and the supervisors' consumers of
+    /// them).
     pub fn teammate_inbox_all(&self) -> String {
         format!("{}.tmbox.*.*.*", self.prefix)
+    }
+
+    /// The team and the teammate a teammate inbox subject
+    /// ([`teammate_inbox`](Self::teammate_inbox)) is addressed to; `None` for any other
+    /// subject.
+    pub fn teammate_inbox_parts<'a>(&self, subject: &'a str) -> Option<(&'a str, &'a str)> {
+        let rest = subject
+            .strip_prefix(self.prefix.as_str())?
+            .strip_prefix(".tmbox.")?;
+        let mut parts = rest.split('.');
+        match (parts.next(), parts.next(), parts.next(), parts.next()) {
+            (Some(team), Some(to), Some(_from), None) if !team.is_empty() && !to.is_empty() => {
+                Some((team, to))
+            }
+            _ => None,
+        }
     }
 
     /// The subject of a turn of teammate `name` of `team`, run by `pool`.
@@ -489,6 +506,17 @@ mod tests {
         );
         assert_eq!(n.role_consumer("analyst"), "role-analyst");
         assert!(Names::new("a.b").is_err());
+        let inbox = n.teammate_inbox("t", "ann", "bo");
+        assert_eq!(n.teammate_inbox_parts(&inbox), Some(("t", "ann")));
+        for other in [
+            "acme-ai.tmbox.t.ann",
+            "acme-ai.tmbox.t.ann.bo.x",
+            "acme.tmbox.t.ann.bo",
+            "acme-ai.mbox.t.ann.bo",
+            "acme-ai.tmbox..ann.bo",
+        ] {
+            assert_eq!(n.teammate_inbox_parts(other), None, "{other}");
+        }
     }
 
     #[test]
