@@ -248,6 +248,20 @@ async fn a_worker_works_its_pool_and_nothing_else() -> anyhow::Result<()> {
         .context("the control watch saw nothing")?
         .context("watch ended")??;
     ensure!(change.key == "r1");
+    // The teammates' entries, watched (a worker reading the inboxes claims from its mirror).
+    let team = worker.js.get_key_value("flotilla-team").await?;
+    let mut watch = team.watch_with_history("teammate.>").await?;
+    operator
+        .js
+        .get_key_value("flotilla-team")
+        .await?
+        .put("teammate.t.ann", "{}".into())
+        .await?;
+    let change = tokio::time::timeout(Duration::from_secs(10), watch.next())
+        .await
+        .context("the teammate watch saw nothing")?
+        .context("watch ended")??;
+    ensure!(change.key == "teammate.t.ann");
 
     let artifacts = worker.js.get_object_store("flotilla-artifacts").await?;
     artifacts

@@ -199,6 +199,21 @@ pub(crate) async fn read(
     }
 }
 
+/// A teammate's entry and its revision for a send's checks: from the mirror (no round trip
+/// on the path of every message), else from the bucket — a send right after a spawn by
+/// another replica must find it. A mirror a moment behind can let through mail to a teammate
+/// shut down or capped just now: its turn is refused like any wake, and the mail stays
+/// unread.
+async fn mirrored_or_read(team: &Team, key: &str) -> Result<Option<(Teammate, u64)>, Refusal> {
+    if let Some(m) = team.mates.get(key) {
+        return Ok(Some((m.value, m.revision)));
+    }
+    Ok(read(team, key)
+        .await
+        .map_err(failed)?
+        .map(|(mate, _, revision)| (mate, revision)))
+}
+
 /// A refusal for trouble encoding or storing a teammate: `503 unavailable`.
 fn internal(e: impl std::fmt::Display) -> Refusal {
     (503, ErrorCode::Unavailable, e.to_string())
@@ -518,8 +533,7 @@ async fn do_send(team: &Team, r: &TeamSendRequest) -> Result<TeamSent, Refusal> 
     check_mate_name(&r.to)?;
     let from = sender(&r.from)?;
     check_text(team, &r.text)?;
-    let Some((mate, _, revision)) = read(team, &teammate_key(t, &r.to)).await.map_err(failed)?
-    else {
+    let Some((mate, revision)) = mirrored_or_read(team, &teammate_key(t, &r.to)).await? else {
         return Err(not_found(team, t, &r.to));
     };
     check_accepts(&mate)?;

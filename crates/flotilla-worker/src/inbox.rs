@@ -40,6 +40,7 @@ use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, AckKind, kv};
 use flotilla_bus::SharedConsumer;
 use flotilla_bus::liveness::Pulse;
+use flotilla_bus::mirror::KvMirror;
 use flotilla_model::subjects::StreamKind;
 use flotilla_model::teammate::{Teammate, TeammateStatus, teammate_key};
 use flotilla_model::time::Timestamp;
@@ -86,6 +87,10 @@ pub(crate) async fn pull_inboxes(
     pulse: Pulse,
     shutdown: CancellationToken,
 ) {
+    // The teammates' entries, so a claim needs no read first (a value a moment behind only
+    // costs the read after all: the compare-and-set fails and is redone from a fresh read).
+    let mates: KvMirror<Teammate> = KvMirror::new();
+    mates.follow_keys(kv.clone(), "teammate.>", shutdown.clone());
     let mut running = tokio::task::JoinSet::new();
     while !shutdown.is_cancelled() {
         let pull = async {
@@ -118,9 +123,14 @@ pub(crate) async fn pull_inboxes(
                 match next {
                     Some(Ok(msg)) => {
                         pulse.pulled();
-                        let (shared, kv, stop) =
-                            (Arc::clone(&shared), kv.clone(), shutdown.clone());
-                        running.spawn(async move { on_mail(&shared, &kv, msg, &stop).await });
+                        let (shared, kv, mates, stop) = (
+                            Arc::clone(&shared),
+                            kv.clone(),
+                            mates.clone(),
+                            shutdown.clone(),
+                        );
+                        running
+                            .spawn(async move { on_mail(&shared, &kv, &mates, msg, &stop).await });
                     }
                     _ => return true,
                 }
@@ -150,6 +160,7 @@ async fn read(kv: &kv::Store, key: &str) -> Result<Option<(Teammate, u64)>, Turn
 async fn on_mail(
     shared: &Shared,
     kv: &kv::Store,
+    mates: &KvMirror<Teammate>,
     msg: jetstream::Message,
     stopping: &CancellationToken,
 ) {
@@ -170,7 +181,11 @@ async fn on_mail(
         return;
     }
     let key = teammate_key(&team, &name);
-    let known = match read(kv, &key).await {
+    let known = match mates.get(&key) {
+        Some(m) => Ok(Some((m.value, m.revision))),
+        None => read(kv, &key).await,
+    };
+    let known = match known {
         Ok(Some(k)) => k,
         // No such teammate: its mail stays in the inbox, read by nobody.
         Ok(None) => {
