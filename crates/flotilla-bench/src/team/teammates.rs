@@ -28,8 +28,8 @@ use flotilla_bus::Bus;
 use flotilla_client::Client;
 use flotilla_model::subjects::{Bucket, StreamKind};
 use flotilla_model::teammate::{
-    Conversation, TeamSendRequest, TeamSpawnRequest, Teammate, TeammateStatus, conversation_key,
-    teammate_key,
+    Conversation, TeamSendRequest, TeamSpawnRequest, Teammate, TeammatePost, TeammateStatus,
+    conversation_key, teammate_key,
 };
 use flotilla_model::time::Timestamp;
 use futures::StreamExt;
@@ -313,14 +313,19 @@ pub(crate) async fn wake(
         "      → conversation fenced (the agent starts after one inbox read): p50 {fence50:.3} ms   p99 {fence99:.3} ms: {:.2}×",
         fence50 / raw50
     );
-    // The supervisor stores the message and marks the teammate working at once, and
-    // publishes the turn once both are done.
+    // Workers reading the inboxes: the send stores the message, and the worker it reaches
+    // claims the turn with one compare-and-set (no separate wake). Through the supervisor's
+    // wake (workers that do not read the inboxes) the teammate is first marked working, then
+    // its turn published, pulled and claimed.
     let parts: [(&str, Span); 6] = [
         ("send → inbox message stored", |w| w.stored - w.sent),
-        ("send → teammate marked working", |w| w.woken - w.sent),
         (
-            "both → claimed (turn published, pulled, claim CAS)",
-            |w| w.claimed - w.stored.max(w.woken),
+            "stored → claimed (delivered to a worker, its compare-and-set)",
+            |w| w.claimed - w.stored,
+        ),
+        (
+            "of which: marked working before the claim (the supervisor's wake)",
+            |w| w.claimed - w.woken,
         ),
         ("claimed → conversation fenced", |w| w.fenced - w.claimed),
         ("send → its answer", |w| w.answered - w.sent),
@@ -351,6 +356,33 @@ pub(crate) async fn wake(
         "   RSS over these {turns} turns of one teammate: supervisor {}, workers {}",
         delta(pids.supervisor_kib(), rss_before.0),
         delta(pids.workers_kib(), rss_before.1)
+    );
+    // Mail published straight to the inbox — the supervisor's own mail to a run's lead, or any
+    // sender with publish rights on the inbox — has no request to the supervisor on its path:
+    // stored, delivered to a worker, claimed.
+    let subject = bus.names().teammate_inbox(WAKE_TEAM, name, "bench");
+    let mut direct = Vec::with_capacity(samples);
+    for i in 0..WARM_UP + samples.max(1) {
+        tokio::time::sleep(GAP).await;
+        let post = TeammatePost {
+            protocol: flotilla_model::PROTOCOL_VERSION,
+            from: "bench".to_owned(),
+            text: format!("direct {i}"),
+        };
+        let sent = Timestamp::now().0.unix_timestamp_nanos();
+        bus.publish(subject.clone(), &post, None)
+            .await
+            .context("publishing to the inbox")?;
+        let (_, claimed, _, _) = watcher.turn(&key, sent).await?;
+        if i >= WARM_UP {
+            direct.push((claimed - sent).max(0) as f64 / 1e6);
+        }
+    }
+    let (d50, d99) = p50_p99(&mut direct);
+    outln!(
+        "   idle teammate, mail published straight to its inbox (as the supervisor mails a run's lead) → turn claimed by a worker: p50 {d50:.3} ms   p99 {d99:.3} ms   ({} turns): {:.2}× the raw mailbox hop (target ≤ 2×)",
+        direct.len(),
+        d50 / raw50
     );
     Ok(())
 }
