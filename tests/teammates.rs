@@ -7,7 +7,8 @@
 //! turn whose conversation cannot be read given up after its deliveries, the reason shown;
 //! mail taken straight from the inbox by a worker of the teammate's pool, dispatched to the
 //! turn queue for another pool's teammate, woken at once by the supervisor while no worker
-//! reads the inboxes, and woken after the grace when the only reader was killed.
+//! reads the inboxes, and woken after the grace when the only reader was killed; mail to ten
+//! teammates at once, a worker killed mid-way, each message read exactly once.
 //!
 //! The agent is a deterministic exec script (`python3`): it answers `turn N history H` (its
 //! turn number and how many conversation lines it was given, which proves the conversation
@@ -964,5 +965,93 @@ async fn mail_wakes_a_teammate_through_whichever_path_the_workers_offer() -> any
         "three exchanges, each message read once: {said:?}"
     );
     assert_eq!((said[0], said[2], said[4]), ("one", "two", "four"));
+    Ok(())
+}
+
+#[tokio::test]
+async fn mail_to_many_teammates_is_read_once_while_a_worker_is_killed() -> anyhow::Result<()> {
+    // Two workers reading the inboxes with two slots each, ten teammates and three
+    // messages to each sent at once: some turns are claimed straight from the inbox, some go
+    // through the turn queue (no slot free), some find their teammate working. One worker is
+    // killed mid-way; its turns are taken over when their mail comes again.
+    let log = tempfile::NamedTempFile::new()?;
+    let mut p = Processes::start(&config(log.path(), "")).await?;
+    supervisor(&mut p).await?;
+    let w1 = p.worker(&["--concurrency", "2"]).await?;
+    let _w2 = p.worker(&["--concurrency", "2"]).await?;
+    let names: Vec<String> = (0..10).map(|i| format!("m{i}")).collect();
+    for name in &names {
+        p.client
+            .request(
+                &TeamSpawnRequest {
+                    protocol: 1,
+                    team: Some("c".into()),
+                    name: name.clone(),
+                    role: "analyst".into(),
+                    instructions: "work".into(),
+                    agent: Some("mate".into()),
+                    pool: None,
+                    by: None,
+                    expose: false,
+                },
+                ASK,
+            )
+            .await?;
+    }
+    let client = p.client.clone();
+    let sends = |round: usize| {
+        let client = &client;
+        futures::future::try_join_all(names.iter().map(move |n| {
+            let text = if round == 0 {
+                format!("slow {n} {round}")
+            } else {
+                format!("{n} {round}")
+            };
+            async move { client.request(&send("c", n, &text), ASK).await }
+        }))
+    };
+    sends(0).await?;
+    sends(1).await?;
+    // Kill a worker once it runs a turn (the first messages are slow).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while std::fs::read_to_string(log.path())?.lines().count() < 2 {
+        anyhow::ensure!(tokio::time::Instant::now() < deadline, "no turn started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    p.kill(w1);
+    sends(2).await?;
+
+    // Every teammate read each of its three messages exactly once, and is idle.
+    let team_kv = p.bus.kv(Bucket::Team).await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+    for n in &names {
+        loop {
+            let m = mate(&p, "c", n).await?;
+            let conv: flotilla_model::teammate::Conversation =
+                match team_kv.get(format!("conv.c.{n}")).await? {
+                    Some(v) => serde_json::from_slice(&v)?,
+                    None => Default::default(),
+                };
+            let mut read: Vec<String> = conv
+                .lines
+                .iter()
+                .filter(|l| l.speaker == flotilla_model::teammate::Speaker::User)
+                .map(|l| l.text.clone())
+                .collect();
+            read.sort();
+            let mut sent = vec![format!("slow {n} 0"), format!("{n} 1"), format!("{n} 2")];
+            sent.sort();
+            if m.status == TeammateStatus::Idle && read.len() >= 3 {
+                assert_eq!(read, sent, "{n}: each message read once: {conv:?}");
+                break;
+            }
+            anyhow::ensure!(
+                tokio::time::Instant::now() < deadline,
+                "{n} never read its mail: {m:?} {conv:?}\n{}",
+                p.log(w1)
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
     Ok(())
 }

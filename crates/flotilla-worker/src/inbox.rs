@@ -44,9 +44,8 @@ use flotilla_bus::mirror::KvMirror;
 use flotilla_model::subjects::StreamKind;
 use flotilla_model::teammate::{Teammate, TeammateStatus, teammate_key};
 use flotilla_model::time::Timestamp;
-use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, warn};
+use tracing::warn;
 
 use crate::options::WorkerOptions;
 use crate::shared::Shared;
@@ -93,49 +92,15 @@ pub(crate) async fn pull_inboxes(
     mates.follow_keys(kv.clone(), "teammate.>", shutdown.clone());
     let mut running = tokio::task::JoinSet::new();
     while !shutdown.is_cancelled() {
-        let pull = async {
-            let batch = consumer
-                .batch()
-                .max_messages(BATCH)
-                .expires(crate::pull::PULL_EXPIRY)
-                .messages()
-                .await;
-            let mut batch = match batch {
-                Ok(b) => {
-                    pulse.pulled();
-                    b
-                }
-                Err(e) => {
-                    debug!(error = %e, "Inbox pull failed; retrying");
-                    return tokio::select! {
-                        _ = shutdown.cancelled() => false,
-                        _ = tokio::time::sleep(Duration::from_millis(250)) => true,
-                    };
-                }
-            };
-            let over =
-                tokio::time::Instant::now() + crate::pull::PULL_EXPIRY + Duration::from_millis(500);
-            loop {
-                let next = tokio::select! {
-                    n = tokio::time::timeout_at(over, batch.next()) => n.unwrap_or(None),
-                    _ = shutdown.cancelled() => return false,
-                };
-                match next {
-                    Some(Ok(msg)) => {
-                        pulse.pulled();
-                        let (shared, kv, mates, stop) = (
-                            Arc::clone(&shared),
-                            kv.clone(),
-                            mates.clone(),
-                            shutdown.clone(),
-                        );
-                        running
-                            .spawn(async move { on_mail(&shared, &kv, &mates, msg, &stop).await });
-                    }
-                    _ => return true,
-                }
-            }
-        };
+        let pull = crate::pull::pull_each(&consumer, BATCH, &pulse, &shutdown, |msg| {
+            let (shared, kv, mates, stop) = (
+                Arc::clone(&shared),
+                kv.clone(),
+                mates.clone(),
+                shutdown.clone(),
+            );
+            running.spawn(async move { on_mail(&shared, &kv, &mates, msg, &stop).await });
+        });
         if pulse.attend(pull).await == Some(false) {
             break;
         }

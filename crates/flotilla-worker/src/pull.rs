@@ -120,3 +120,48 @@ pub(crate) async fn pull_once(
     }
     Pulled::Received(received)
 }
+
+/// One pull request of up to `max` messages on a side queue (the teammate turns, the
+/// teammate inboxes), each handed to `start` as it arrives, until the request ends or its
+/// expiry is well past. `false`: the worker is stopping.
+pub(crate) async fn pull_each(
+    consumer: &PullConsumer,
+    max: usize,
+    pulse: &Pulse,
+    shutdown: &CancellationToken,
+    mut start: impl FnMut(async_nats::jetstream::Message),
+) -> bool {
+    let batch = consumer
+        .batch()
+        .max_messages(max)
+        .expires(PULL_EXPIRY)
+        .messages()
+        .await;
+    let mut batch = match batch {
+        Ok(b) => {
+            pulse.pulled();
+            b
+        }
+        Err(e) => {
+            debug!(error = %e, stream = ?consumer.cached_info().stream_name, "Pull request failed; retrying");
+            return tokio::select! {
+                _ = shutdown.cancelled() => false,
+                _ = tokio::time::sleep(Duration::from_millis(250)) => true,
+            };
+        }
+    };
+    let over = tokio::time::Instant::now() + PULL_EXPIRY + Duration::from_millis(500);
+    loop {
+        let next = tokio::select! {
+            n = tokio::time::timeout_at(over, batch.next()) => n.unwrap_or(None),
+            _ = shutdown.cancelled() => return false,
+        };
+        match next {
+            Some(Ok(msg)) => {
+                pulse.pulled();
+                start(msg);
+            }
+            _ => return true,
+        }
+    }
+}

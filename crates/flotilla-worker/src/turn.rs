@@ -2,7 +2,8 @@
 //! filter `<prefix>.turn.<pool>.>`), shared by the pool's workers, while it has a free agent
 //! slot — or, every slot taken, in line with the tasks waiting for one here, so a worker kept
 //! busy by its pool's tasks still takes turns (the turn it pulls waits for a slot, kept
-//! alive).
+//! alive). A turn taken straight from the inbox ([`crate::inbox`]) runs the same way from its
+//! claim on (`run_claimed`), carried by the mail's delivery instead of a turn message.
 //!
 //! One turn, fenced by the teammate's epoch (see `flotilla_model::teammate`):
 //!
@@ -48,7 +49,6 @@ use flotilla_model::teammate::{
     teammate_key,
 };
 use flotilla_model::time::Timestamp;
-use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
@@ -360,7 +360,7 @@ async fn wake_if_pending(bus: &Bus, kv: &kv::Store, mate: &Teammate, cursor: u64
     .await;
     let Ok((Some(m), _)) = woken else { return };
     if let Err(e) = publish_turn(bus, &m).await {
-        warn!(teammate = %key, error = %e, "Could not dispatch the next turn; the supervisor dispatches it on the next message");
+        warn!(teammate = %key, error = %e, "Could not dispatch the next turn; the next message dispatches it again, or a supervisor for mail still unread");
     }
 }
 
@@ -402,42 +402,12 @@ pub(crate) async fn pull_turns(
                 return false;
             }
             drop(waiting);
-            let batch = consumer
-                .batch()
-                .max_messages(shared.run_slots.available_permits().max(1))
-                .expires(crate::pull::PULL_EXPIRY)
-                .messages()
-                .await;
-            let mut batch = match batch {
-                Ok(b) => {
-                    pulse.pulled();
-                    b
-                }
-                Err(e) => {
-                    debug!(error = %e, "Turn pull failed; retrying");
-                    return tokio::select! {
-                        _ = shutdown.cancelled() => false,
-                        _ = tokio::time::sleep(Duration::from_millis(250)) => true,
-                    };
-                }
-            };
-            let over =
-                tokio::time::Instant::now() + crate::pull::PULL_EXPIRY + Duration::from_millis(500);
-            loop {
-                let next = tokio::select! {
-                    n = tokio::time::timeout_at(over, batch.next()) => n.unwrap_or(None),
-                    _ = shutdown.cancelled() => return false,
-                };
-                match next {
-                    Some(Ok(msg)) => {
-                        pulse.pulled();
-                        let (shared, kv, stop) =
-                            (Arc::clone(&shared), kv.clone(), shutdown.clone());
-                        running.spawn(async move { run_turn(&shared, &kv, msg, &stop).await });
-                    }
-                    _ => return true,
-                }
-            }
+            let max = shared.run_slots.available_permits().max(1);
+            crate::pull::pull_each(&consumer, max, &pulse, &shutdown, |msg| {
+                let (shared, kv, stop) = (Arc::clone(&shared), kv.clone(), shutdown.clone());
+                running.spawn(async move { run_turn(&shared, &kv, msg, &stop).await });
+            })
+            .await
         };
         if pulse.attend(pull).await == Some(false) {
             break;
