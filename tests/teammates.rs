@@ -1055,3 +1055,65 @@ async fn mail_to_many_teammates_is_read_once_while_a_worker_is_killed() -> anyho
     }
     Ok(())
 }
+
+#[tokio::test]
+async fn mail_published_straight_to_an_inbox_wakes_its_teammate() -> anyhow::Result<()> {
+    // What the supervisor's own mail to a run's lead is: a post on the inbox subject, no
+    // `team.send` — taken by the worker it reaches; to a teammate shut down, kept unread.
+    let log = tempfile::NamedTempFile::new()?;
+    let mut p = Processes::start(&config(log.path(), "")).await?;
+    supervisor(&mut p).await?;
+    p.worker(&[]).await?;
+    for name in ["ann", "bo"] {
+        p.client
+            .request(
+                &TeamSpawnRequest {
+                    protocol: 1,
+                    team: Some("d".into()),
+                    name: name.into(),
+                    role: "analyst".into(),
+                    instructions: "work".into(),
+                    agent: Some("mate".into()),
+                    pool: None,
+                    by: None,
+                    expose: false,
+                },
+                ASK,
+            )
+            .await?;
+    }
+    let post = |text: &str| flotilla_model::teammate::TeammatePost {
+        protocol: 1,
+        from: "lead".into(),
+        text: text.into(),
+    };
+    for i in 0..3 {
+        let text = format!("direct {i}");
+        p.bus
+            .publish(p.bus.names().teammate_inbox("d", "ann", "lead"), &post(&text), None)
+            .await?;
+        let m = until(&p, "d", "ann", Duration::from_secs(10), |m| m.turns == i + 1).await?;
+        assert_eq!(m.status, TeammateStatus::Idle);
+    }
+    let (inbox, queue) = deliveries(&p, "default").await?;
+    assert_eq!((inbox, queue), (3, 0), "taken straight from the inbox");
+
+    // Shut down: its mail is kept, and no turn runs.
+    p.client
+        .request(
+            &flotilla_model::teammate::TeamShutdownRequest {
+                protocol: 1,
+                team: Some("d".into()),
+                name: "bo".into(),
+            },
+            ASK,
+        )
+        .await?;
+    p.bus
+        .publish(p.bus.names().teammate_inbox("d", "bo", "lead"), &post("late"), None)
+        .await?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let bo = mate(&p, "d", "bo").await?;
+    assert_eq!((bo.status, bo.turns), (TeammateStatus::Shutdown, 0), "{bo:?}");
+    Ok(())
+}

@@ -322,12 +322,13 @@ pub(crate) async fn run(
 }
 
 /// `[supervisor]` caps that let the teammate measurements run: `--teammates` in one team
-/// (plus the woken one's), `--team-wakes` turns of one teammate within the hour.
+/// (plus the woken one's), twice `--team-wakes` turns of one teammate within the hour (woken
+/// by `team.send`, then by mail published straight to its inbox).
 fn teammate_caps(args: &TeamArgs) -> String {
     format!(
         "\n[supervisor]\nteam-size = {}\nturns-per-hour = {}\n",
         args.teammates.max(1) + 10,
-        (args.team_wakes + 100).min(u32::MAX as usize)
+        (2 * args.team_wakes + 100).min(u32::MAX as usize)
     )
 }
 
