@@ -1090,9 +1090,16 @@ async fn mail_published_straight_to_an_inbox_wakes_its_teammate() -> anyhow::Res
     for i in 0..3 {
         let text = format!("direct {i}");
         p.bus
-            .publish(p.bus.names().teammate_inbox("d", "ann", "lead"), &post(&text), None)
+            .publish(
+                p.bus.names().teammate_inbox("d", "ann", "lead"),
+                &post(&text),
+                None,
+            )
             .await?;
-        let m = until(&p, "d", "ann", Duration::from_secs(10), |m| m.turns == i + 1).await?;
+        let m = until(&p, "d", "ann", Duration::from_secs(10), |m| {
+            m.turns == i + 1
+        })
+        .await?;
         assert_eq!(m.status, TeammateStatus::Idle);
     }
     let (inbox, queue) = deliveries(&p, "default").await?;
@@ -1110,10 +1117,18 @@ async fn mail_published_straight_to_an_inbox_wakes_its_teammate() -> anyhow::Res
         )
         .await?;
     p.bus
-        .publish(p.bus.names().teammate_inbox("d", "bo", "lead"), &post("late"), None)
+        .publish(
+            p.bus.names().teammate_inbox("d", "bo", "lead"),
+            &post("late"),
+            None,
+        )
         .await?;
     tokio::time::sleep(Duration::from_secs(1)).await;
     let bo = mate(&p, "d", "bo").await?;
-    assert_eq!((bo.status, bo.turns), (TeammateStatus::Shutdown, 0), "{bo:?}");
+    assert_eq!(
+        (bo.status, bo.turns),
+        (TeammateStatus::Shutdown, 0),
+        "{bo:?}"
+    );
     Ok(())
 }

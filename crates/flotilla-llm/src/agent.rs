@@ -661,12 +661,11 @@ impl LlmAgent {
             )),
         })?;
         if !completion.content.is_empty() {
-            ctx.events
-                .emit(Event::AssistantReply {
-                    text: completion.content.clone(),
-                    is_final: true,
-                })
-                .await;
+            Box::pin(ctx.events.emit(Event::AssistantReply {
+                text: completion.content.clone(),
+                is_final: true,
+            }))
+            .await;
         }
         Ok(completion)
     }
@@ -779,7 +778,7 @@ impl LlmAgent {
                 message: format!("the task's output_schema is not a valid JSON Schema: {e}"),
             })?),
         };
-        let budget = BudgetGuard::open(ctx, task, self.config.price, &self.name).await?;
+        let budget = Box::pin(BudgetGuard::open(ctx, task, self.config.price, &self.name)).await?;
         let tools = self
             .tools
             .for_attempt()
@@ -789,7 +788,7 @@ impl LlmAgent {
         let mut messages = vec![ChatCompletionRequestMessage::System(
             ChatCompletionRequestSystemMessage {
                 content: ChatCompletionRequestSystemMessageContent::Text(
-                    self.system_prompt(task, ctx).await?,
+                    Box::pin(self.system_prompt(task, ctx)).await?,
                 ),
                 name: None,
             },
@@ -818,7 +817,7 @@ impl LlmAgent {
             .into_iter()
             .chain(self.tenant_quotas.limit(ctx).await)
             .collect();
-        let mut journal = Journal::open(ctx, task, &self.name).await?;
+        let mut journal = Box::pin(Journal::open(ctx, task, &self.name)).await?;
         let mut tokens = 0u64;
         let mut tools_used: Vec<String> = Vec::new();
         let mut rounds = 0u32;
@@ -898,15 +897,16 @@ impl LlmAgent {
                     }
                     None => match transfer {
                         Some((i, call, (target, reason))) => {
-                            match self
-                                .transfer(task, ctx, &messages, call, target, reason, tokens)
-                                .await
+                            match Box::pin(
+                                self.transfer(task, ctx, &messages, call, target, reason, tokens),
+                            )
+                            .await
                             {
                                 Handover::Done(reply) => return reply,
                                 Handover::Refused(outcome) => {
                                     refused = true;
                                     let r = refused_round(&c.tool_calls, i, &outcome);
-                                    journal.record_tool_results(ctx, task, &r).await;
+                                    Box::pin(journal.record_tool_results(ctx, task, &r)).await;
                                     r
                                 }
                             }
@@ -914,11 +914,12 @@ impl LlmAgent {
                         None => {
                             // Calls a person must decide first stop the attempt here.
                             let plan =
-                                crate::gate::plan_round(&tools, task, ctx, &c.tool_calls).await?;
+                                Box::pin(crate::gate::plan_round(&tools, task, ctx, &c.tool_calls))
+                                    .await?;
                             let (r, was_refused) =
-                                self.run_round(&tools, &c.tool_calls, &plan, ctx).await?;
+                                Box::pin(self.run_round(&tools, &c.tool_calls, &plan, ctx)).await?;
                             refused |= was_refused;
-                            journal.record_tool_results(ctx, task, &r).await;
+                            Box::pin(journal.record_tool_results(ctx, task, &r)).await;
                             r
                         }
                     },
@@ -1186,22 +1187,20 @@ async fn publish_deltas(events: EventEmitter, mut rx: mpsc::UnboundedReceiver<St
             Ok(None) => break,
             Err(_) => {
                 flush_at = None;
-                events
-                    .emit(Event::AssistantReply {
-                        text: std::mem::take(&mut buf),
-                        is_final: false,
-                    })
-                    .await;
+                Box::pin(events.emit(Event::AssistantReply {
+                    text: std::mem::take(&mut buf),
+                    is_final: false,
+                }))
+                .await;
             }
         }
     }
     if !buf.is_empty() {
-        events
-            .emit(Event::AssistantReply {
-                text: buf,
-                is_final: false,
-            })
-            .await;
+        Box::pin(events.emit(Event::AssistantReply {
+            text: buf,
+            is_final: false,
+        }))
+        .await;
     }
 }
 

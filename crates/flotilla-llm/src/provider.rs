@@ -399,8 +399,9 @@ impl Provider {
             for limit in shared_limits {
                 // Every HTTP request takes a request unit; only the first try its tokens.
                 let tokens = if tries == 1 { estimate } else { 0 };
-                limit
-                    .acquire(tokens, cancel, deadline)
+                // Boxed, as the other steps that are not live while the reply is awaited: a
+                // suspended call's state is what the longest wait holds, thousands at once.
+                Box::pin(limit.acquire(tokens, cancel, deadline))
                     .await
                     .map_err(|e| match e {
                         RateLimitError::Cancelled => CallError::Cancelled,
@@ -507,7 +508,9 @@ impl Provider {
         on_delta: &mut (dyn FnMut(&str) + Send),
     ) -> Result<Completion, TryError> {
         if !self.config.stream {
-            let r = client.chat().create(request).await.map_err(classify)?;
+            let r = Box::pin(client.chat().create(request))
+                .await
+                .map_err(classify)?;
             let mut c = Completion {
                 model: r.model,
                 ..Completion::default()

@@ -42,7 +42,7 @@ pub(crate) async fn handle(
     let mut task: TaskEnvelope = match wire::decode(msg.headers.as_ref(), &msg.payload) {
         Ok(t) => t,
         Err(e) => {
-            report_bad_envelope(shared, &msg, &e.to_string()).await;
+            Box::pin(report_bad_envelope(shared, &msg, &e.to_string())).await;
             return;
         }
     };
@@ -59,7 +59,7 @@ pub(crate) async fn handle(
     if shared.is_cancelled(task.run_id) {
         debug!(run = %task.run_id, task = %task.task_id, "Task of a cancelled run; not running it");
         let result = TaskResult::failure(TaskErrorKind::Cancelled, "the run was cancelled");
-        attempt.ended(finish(shared, &msg, &task, claim, result, started_at).await);
+        attempt.ended(Box::pin(finish(shared, &msg, &task, claim, result, started_at)).await);
         return;
     }
     if delivered > shared.opts.max_deliveries {
@@ -70,11 +70,11 @@ pub(crate) async fn handle(
                 "delivered {delivered} times without a result (workers stopped while running it)"
             ),
         );
-        attempt.ended(finish(shared, &msg, &task, claim, result, started_at).await);
+        attempt.ended(Box::pin(finish(shared, &msg, &task, claim, result, started_at)).await);
         return;
     }
     if delivered > 1
-        && let Some(view) = already_done(&shared.bus, &task).await
+        && let Some(view) = Box::pin(already_done(&shared.bus, &task)).await
     {
         debug!(run = %task.run_id, task = %task.task_id, "Redelivered task already has a result; acknowledging");
         // A worker answering the run's submitters itself may have stopped between storing
@@ -82,7 +82,13 @@ pub(crate) async fn handle(
         // recorded outcome is answered again, under the same message id.
         if let (Some(a), Some(outcome)) = (&task.answer, view.and_then(|v| v.record.outcome)) {
             let reply = flotilla_model::submit::SubmitReply::finished(outcome);
-            crate::result::answer_submitters(shared, task.run_id, &a.reply_to, &reply).await;
+            Box::pin(crate::result::answer_submitters(
+                shared,
+                task.run_id,
+                &a.reply_to,
+                &reply,
+            ))
+            .await;
         }
         attempt.not_run();
         let _ = msg.ack().await;
@@ -115,14 +121,14 @@ pub(crate) async fn handle(
             warn!(run = %task.run_id, task = %task.task_id, error = %e, "Cannot build the agent context");
             let result = TaskResult::failure(TaskErrorKind::Internal, e.to_string());
             slot.end();
-            attempt.ended(finish(shared, &msg, &task, claim, result, started_at).await);
+            attempt.ended(Box::pin(finish(shared, &msg, &task, claim, result, started_at)).await);
             return;
         }
     };
     // A role task is claimed now that a slot runs it: sent before the agent starts, stored
     // while it runs.
     if let Some(c) = claim {
-        tokio::spawn(send_claim(shared, &task, c).await);
+        tokio::spawn(Box::pin(send_claim(shared, &task, c)).await);
     }
     let started_event = Event::Workflow(WorkflowEvent {
         worker: Some(shared.id.clone()),
@@ -136,7 +142,7 @@ pub(crate) async fn handle(
     });
     let mut announced = shared.opts.started_event_delay.is_zero();
     if announced {
-        events.emit(started_event.clone()).await;
+        Box::pin(events.emit(started_event.clone())).await;
     }
 
     // Where the agent leaves the tool call it stops at to wait for a person.
@@ -189,7 +195,7 @@ pub(crate) async fn handle(
                     }
                     _ = &mut announce, if !announced => {
                         announced = true;
-                        events.emit(started_event.clone()).await;
+                        Box::pin(events.emit(started_event.clone())).await;
                     }
                     _ = heartbeat.tick() => {
                         if let Err(e) = msg.ack_with(AckKind::Progress).await {
@@ -237,7 +243,7 @@ pub(crate) async fn handle(
             flotilla_context::agent::Stop::Call(call) => Some(call),
             flotilla_context::agent::Stop::Held => None,
         };
-        attempt.ended(suspend(shared, &msg, &task, call).await);
+        attempt.ended(Box::pin(suspend(shared, &msg, &task, call)).await);
         return;
     }
     let result = match outcome {
@@ -268,23 +274,21 @@ pub(crate) async fn handle(
         },
     };
     let success = result.success;
-    let stored = finish(shared, &msg, &task, claim, result, started_at).await;
+    let stored = Box::pin(finish(shared, &msg, &task, claim, result, started_at)).await;
     attempt.ended(stored);
     if stored.is_some() && success {
         // At-least-once mailboxes: what the attempt read counts as consumed only now that its
         // success is stored. A crash before this point lets a redelivery read it again.
-        if let Err(e) = clients.mailbox().commit().await {
+        if let Err(e) = Box::pin(clients.mailbox().commit()).await {
             warn!(run = %task.run_id, task = %task.task_id, error = %e, "Could not commit the mailbox cursor; the messages read stay unread for this task");
         }
     } else if stored.is_some() {
         // A failed, timed-out or cancelled attempt takes its unfinished child runs with it.
-        match clients
-            .cancel_children(&format!(
-                "parent attempt {} of {} ended without success",
-                task.attempt, task.task_id
-            ))
-            .await
-        {
+        let why = format!(
+            "parent attempt {} of {} ended without success",
+            task.attempt, task.task_id
+        );
+        match Box::pin(clients.cancel_children(&why)).await {
             Ok(0) => {}
             Ok(n) => {
                 debug!(run = %task.run_id, task = %task.task_id, children = n, "Cancelled the child runs of a failed attempt")
