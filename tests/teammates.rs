@@ -124,6 +124,32 @@ fn send(team: &str, to: &str, text: &str) -> TeamSendRequest {
     }
 }
 
+/// Spawns teammate `name` of `team` running the `mate` agent (in `pool`, else its agent's).
+async fn spawn_mate(
+    p: &Processes,
+    team: &str,
+    name: &str,
+    pool: Option<&str>,
+) -> anyhow::Result<()> {
+    p.client
+        .request(
+            &TeamSpawnRequest {
+                protocol: 1,
+                team: Some(team.into()),
+                name: name.into(),
+                role: "analyst".into(),
+                instructions: "work".into(),
+                agent: Some("mate".into()),
+                pool: pool.map(str::to_owned),
+                by: None,
+                expose: false,
+            },
+            ASK,
+        )
+        .await?;
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_teammate_wakes_remembers_broadcasts_and_shuts_down() -> anyhow::Result<()> {
     let log = tempfile::NamedTempFile::new()?;
@@ -248,22 +274,7 @@ async fn a_worker_killed_mid_turn_hands_the_turn_to_another_and_is_fenced_out() 
     supervisor(&mut p).await?;
     let w1 = p.worker(&[]).await?;
     let w2 = p.worker(&[]).await?;
-    p.client
-        .request(
-            &TeamSpawnRequest {
-                protocol: 1,
-                team: Some("k".into()),
-                name: "dora".into(),
-                role: "analyst".into(),
-                instructions: "work".into(),
-                agent: Some("mate".into()),
-                pool: None,
-                by: None,
-                expose: false,
-            },
-            ASK,
-        )
-        .await?;
+    spawn_mate(&p, "k", "dora", None).await?;
     p.client
         .request(&send("k", "dora", "slow work"), ASK)
         .await?;
@@ -894,24 +905,8 @@ async fn mail_wakes_a_teammate_through_whichever_path_the_workers_offer() -> any
     )?;
     p.wait_registered(side).await?;
     let (plain_id, side_id) = (worker_id(&p, plain).await?, worker_id(&p, side).await?);
-    for (name, pool) in [("ann", None), ("bo", Some("side"))] {
-        p.client
-            .request(
-                &TeamSpawnRequest {
-                    protocol: 1,
-                    team: Some("m".into()),
-                    name: name.into(),
-                    role: "analyst".into(),
-                    instructions: "work".into(),
-                    agent: Some("mate".into()),
-                    pool: pool.map(str::to_owned),
-                    by: None,
-                    expose: false,
-                },
-                ASK,
-            )
-            .await?;
-    }
+    spawn_mate(&p, "m", "ann", None).await?;
+    spawn_mate(&p, "m", "bo", Some("side")).await?;
 
     // No worker reads the inboxes: the supervisor wakes the teammate at once, as before.
     let sent = tokio::time::Instant::now();
@@ -981,22 +976,7 @@ async fn mail_to_many_teammates_is_read_once_while_a_worker_is_killed() -> anyho
     let _w2 = p.worker(&["--concurrency", "2"]).await?;
     let names: Vec<String> = (0..10).map(|i| format!("m{i}")).collect();
     for name in &names {
-        p.client
-            .request(
-                &TeamSpawnRequest {
-                    protocol: 1,
-                    team: Some("c".into()),
-                    name: name.clone(),
-                    role: "analyst".into(),
-                    instructions: "work".into(),
-                    agent: Some("mate".into()),
-                    pool: None,
-                    by: None,
-                    expose: false,
-                },
-                ASK,
-            )
-            .await?;
+        spawn_mate(&p, "c", name, None).await?;
     }
     let client = p.client.clone();
     let sends = |round: usize| {
@@ -1065,22 +1045,7 @@ async fn mail_published_straight_to_an_inbox_wakes_its_teammate() -> anyhow::Res
     supervisor(&mut p).await?;
     p.worker(&[]).await?;
     for name in ["ann", "bo"] {
-        p.client
-            .request(
-                &TeamSpawnRequest {
-                    protocol: 1,
-                    team: Some("d".into()),
-                    name: name.into(),
-                    role: "analyst".into(),
-                    instructions: "work".into(),
-                    agent: Some("mate".into()),
-                    pool: None,
-                    by: None,
-                    expose: false,
-                },
-                ASK,
-            )
-            .await?;
+        spawn_mate(&p, "d", name, None).await?;
     }
     let post = |text: &str| flotilla_model::teammate::TeammatePost {
         protocol: 1,
