@@ -276,16 +276,7 @@ admin = "{ADMIN}"
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_person_sees_and_answers_only_their_tenants() -> anyhow::Result<()> {
     let llm = OpenAiServer::start().await?;
-    let analyst = format!(
-        r#"
-[agents.analyst]
-kind = "llm"
-base-url = "{}"
-model = "scripted-model"
-price = {{ input-per-mtok = 1.0, output-per-mtok = 2.0 }}
-"#,
-        llm.base_url()
-    );
+    let analyst = support::priced_llm_agent("analyst", &llm);
     let mut d = Deployment::start(&analyst, &[("a", "alice"), ("b", "bob")]).await?;
     let addr = d.addr.clone();
 

@@ -27,7 +27,7 @@ use futures::StreamExt;
 
 use common::{
     AGENTS, CLIENT, COORDINATOR, OPERATOR, Role, WORKER, credentials_env, messages_in, names,
-    pool_consumer, server,
+    pool_consumer, server, watch_sees_put,
 };
 
 /// A subject matched by a stream's subject filter (wildcards filled in).
@@ -236,32 +236,12 @@ async fn a_worker_works_its_pool_and_nothing_else() -> anyhow::Result<()> {
     ensure!(state.get("session1.answer").await?.is_some());
     let control = worker.js.get_key_value("flotilla-control").await?;
     ensure!(control.get("r1").await?.is_none());
-    let mut watch = control.watch_all().await?;
-    operator
-        .js
-        .get_key_value("flotilla-control")
-        .await?
-        .put("r1", "pause".into())
-        .await?;
-    let change = tokio::time::timeout(Duration::from_secs(10), watch.next())
-        .await
-        .context("the control watch saw nothing")?
-        .context("watch ended")??;
-    ensure!(change.key == "r1");
+    let watch = control.watch_all().await?;
+    watch_sees_put(watch, &operator, "flotilla-control", "r1", "pause").await?;
     // The teammates' entries, watched (a worker reading the inboxes claims from its mirror).
     let team = worker.js.get_key_value("flotilla-team").await?;
-    let mut watch = team.watch_with_history("teammate.>").await?;
-    operator
-        .js
-        .get_key_value("flotilla-team")
-        .await?
-        .put("teammate.t.ann", "{}".into())
-        .await?;
-    let change = tokio::time::timeout(Duration::from_secs(10), watch.next())
-        .await
-        .context("the teammate watch saw nothing")?
-        .context("watch ended")??;
-    ensure!(change.key == "teammate.t.ann");
+    let watch = team.watch_with_history("teammate.>").await?;
+    watch_sees_put(watch, &operator, "flotilla-team", "teammate.t.ann", "{}").await?;
 
     let artifacts = worker.js.get_object_store("flotilla-artifacts").await?;
     artifacts

@@ -28,7 +28,7 @@ use futures::StreamExt;
 
 use common::{
     AGENTS, CLIENT, CONSOLE, COORDINATOR, OPERATOR, Role, SUPERVISOR, WORKER, credentials_env,
-    messages_in, names, pool_consumer, server,
+    messages_in, names, pool_consumer, server, watch_sees_put,
 };
 
 /// The supervisors' consumer of the event stream exactly as `flotilla_bus::Bus::shared_consumer`
@@ -229,19 +229,9 @@ async fn a_supervisor_keeps_the_team_and_writes_nothing_else() -> anyhow::Result
     }
     // Live workers: watched (presence) and the bucket's status read.
     let workers = supervisor.js.get_key_value("flotilla-workers").await?;
-    let mut watch = workers.watch_all().await?;
+    let watch = workers.watch_all().await?;
     workers.status().await?;
-    operator
-        .js
-        .get_key_value("flotilla-workers")
-        .await?
-        .put("worker-1", "{}".into())
-        .await?;
-    let seen = tokio::time::timeout(Duration::from_secs(10), watch.next())
-        .await
-        .context("the workers watch saw nothing")?
-        .context("watch ended")??;
-    ensure!(seen.key == "worker-1");
+    watch_sees_put(watch, &operator, "flotilla-workers", "worker-1", "{}").await?;
     // The team API: a micro service `flotilla-supervisor` with endpoints under
     // `flotilla.api.team.`, answering a client's request and discovery.
     let service = async_nats::service::ServiceExt::service_builder(&supervisor.client)

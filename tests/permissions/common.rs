@@ -43,6 +43,30 @@ pub(crate) async fn server() -> anyhow::Result<NatsServer> {
         .await?)
 }
 
+/// `operator` puts `value` at `key` in `bucket`, and `watch` — opened beforehand on another
+/// role's connection — must see it within 10 s.
+pub(crate) async fn watch_sees_put(
+    mut watch: jetstream::kv::Watch,
+    operator: &Role,
+    bucket: &str,
+    key: &str,
+    value: &'static str,
+) -> anyhow::Result<()> {
+    use futures::StreamExt;
+    operator
+        .js
+        .get_key_value(bucket)
+        .await?
+        .put(key, value.into())
+        .await?;
+    let seen = tokio::time::timeout(Duration::from_secs(10), watch.next())
+        .await
+        .with_context(|| format!("the {bucket} watch saw nothing"))?
+        .context("watch ended")??;
+    ensure!(seen.key == key, "{bucket}: {seen:?}");
+    Ok(())
+}
+
 /// One role's connection, with the permission violations the server reported on it.
 pub(crate) struct Role {
     pub(crate) user: &'static str,

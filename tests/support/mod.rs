@@ -771,9 +771,15 @@ pub async fn approvals_of(
 /// An LLM agent `researcher` on the scripted OpenAI-compatible double `llm`, with a price (so
 /// its calls have a cost).
 pub fn researcher(llm: &flotilla_testkit::openai::OpenAiServer) -> String {
+    priced_llm_agent("researcher", llm)
+}
+
+/// An LLM agent `name` on the scripted OpenAI-compatible double `llm`, with a price (so its
+/// calls have a cost).
+pub fn priced_llm_agent(name: &str, llm: &flotilla_testkit::openai::OpenAiServer) -> String {
     format!(
         r#"
-[agents.researcher]
+[agents.{name}]
 kind = "llm"
 base-url = "{}"
 model = "scripted-model"
