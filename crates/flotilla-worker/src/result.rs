@@ -278,7 +278,7 @@ pub(crate) async fn answer_submitters(
     reply_to: &[String],
     reply: &SubmitReply,
 ) {
-    let id = format!("finished.{run}");
+    let id = SubmitReply::finished_id(run);
     for to in reply_to {
         shared.bus.publish_reply(to, reply, Some(&id)).await;
     }

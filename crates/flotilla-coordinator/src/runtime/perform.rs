@@ -365,7 +365,7 @@ impl Runtime {
         // round trip to every run's end. Should one fail, the step is handed back and
         // performed again, and answers again under the same message id — the repeat a
         // successor of a dead coordinator sends too.
-        let answer_id = format!("finished.{run}");
+        let answer_id = SubmitReply::finished_id(run);
         for (to, reply) in &answers {
             self.bus.publish_reply(to, reply, Some(&answer_id)).await;
         }

@@ -168,6 +168,12 @@ impl SubmitReply {
             outcome: Some(outcome),
         }
     }
+
+    /// The message id a run's terminal `finished` answer carries, whoever sends it — a
+    /// coordinator, or the worker whose stored result ended the run: `finished.<run>`.
+    pub fn finished_id(run: RunId) -> String {
+        format!("finished.{run}")
+    }
 }
 
 /// Submission result.
