@@ -703,9 +703,15 @@ pub(crate) async fn mates(team: &Team, req: Request) {
 }
 
 /// Wakes `name` of `t` if it is idle (or dispatched and not claimed: the turn is published
-/// again, de-duplicated by its message id). Returns the epoch dispatched, if any.
-pub(crate) async fn wake(team: &Team, t: &str, name: &str) -> Result<Option<u64>, SupervisorError> {
-    match mark_working(team, t, name, None).await? {
+/// again, de-duplicated by its message id), starting from `known` when the caller has just
+/// read the entry. Returns the epoch dispatched, if any.
+pub(crate) async fn wake(
+    team: &Team,
+    t: &str,
+    name: &str,
+    known: Option<(Teammate, u64)>,
+) -> Result<Option<u64>, SupervisorError> {
+    match mark_working(team, t, name, known).await? {
         Some(mate) => dispatch(team, &mate).await.map(Some),
         None => Ok(None),
     }
@@ -726,7 +732,7 @@ async fn wake_unread(
     seq: u64,
     stored: Timestamp,
 ) -> Result<(), SupervisorError> {
-    let Some((mate, _, _)) = read(team, &teammate_key(t, name)).await? else {
+    let Some((mate, _, revision)) = read(team, &teammate_key(t, name)).await? else {
         return Ok(());
     };
     let claimed_since = mate
@@ -762,7 +768,9 @@ async fn wake_unread(
         seq,
         "Mail still unread after the grace: waking the teammate"
     );
-    wake(team, t, name).await.map(|_| ())
+    wake(team, t, name, Some((mate, revision)))
+        .await
+        .map(|_| ())
 }
 
 /// The first half of a wake: marks `name` of `t` `working` if it is idle (compare-and-set,
@@ -911,7 +919,7 @@ async fn wake_on(team: &Team, msg: async_nats::jetstream::Message) {
         let stored = Timestamp::from_unix_ms(flotilla_bus::mirror::unix_ms(info.published));
         wake_unread(team, t, to, info.stream_sequence, stored).await
     } else {
-        wake(team, t, to).await.map(|_| ())
+        wake(team, t, to, None).await.map(|_| ())
     };
     match woken {
         Ok(()) => {
