@@ -164,7 +164,10 @@ async fn on_mail(
     };
     let runs_here =
         known.0.pool == shared.opts.pool && shared.agents.resolve(Some(&known.0.agent)).is_ok();
-    let slot = if runs_here {
+    // A teammate already in another turn is not taken here: the turn queue's path finds it
+    // busy (after a fresh read) without the conversation read a turn starts with.
+    let in_another_turn = known.0.status == TeammateStatus::Working && !known.0.carries(seq);
+    let slot = if runs_here && !in_another_turn {
         Arc::clone(&shared.run_slots).try_acquire_owned().ok()
     } else {
         None
@@ -192,9 +195,10 @@ async fn on_mail(
     settle(shared, kv, &msg, &team, &name, Carrier::Mail(seq), ran).await;
 }
 
-/// Mail this worker does not take itself (another pool's teammate, or no free slot here):
-/// the teammate is woken through its pool's turn queue — marked `working` with a new
-/// dispatch, and the turn published — as the supervisor would. A teammate dispatched and not
+/// Mail this worker does not take itself (another pool's teammate, no free slot here, or a
+/// teammate in another turn): the teammate is woken through its pool's turn queue — marked
+/// `working` with a new dispatch, and the turn published — as the supervisor would; one in
+/// another turn is left to it, the mail acknowledged. A teammate dispatched and not
 /// yet claimed has its turn published again (de-duplicated). A turn this mail carries whose
 /// host is gone waits for a worker with a free slot to take it over.
 async fn dispatch(
