@@ -28,13 +28,19 @@ pub(crate) struct Host {
     pub(crate) seen_ms: i64,
 }
 
+/// Whether a worker whose registry entry was last refreshed at `seen_ms` counts as live at
+/// `now_ms`: refreshed within the presence timeout.
+fn live(team: &Team, seen_ms: i64, now_ms: i64) -> bool {
+    let timeout_ms = i64::try_from(team.presence_timeout.as_millis()).unwrap_or(i64::MAX);
+    now_ms - seen_ms <= timeout_ms
+}
+
 /// The live hosts of every agent named by a live worker at `now_ms`: workers whose registry
 /// entry was refreshed within the presence timeout.
 pub(crate) fn hosts(team: &Team, now_ms: i64) -> BTreeMap<String, Vec<Host>> {
-    let timeout_ms = i64::try_from(team.presence_timeout.as_millis()).unwrap_or(i64::MAX);
     let mut by_agent: BTreeMap<String, Vec<Host>> = BTreeMap::new();
     for (id, w) in team.workers.all() {
-        if now_ms - w.at_ms > timeout_ms {
+        if !live(team, w.at_ms, now_ms) {
             continue;
         }
         for agent in &w.value.agents {
@@ -54,10 +60,9 @@ pub(crate) fn hosts(team: &Team, now_ms: i64) -> BTreeMap<String, Vec<Host>> {
 ///
 /// [`FEATURE_READS_INBOXES`]: flotilla_model::worker::FEATURE_READS_INBOXES
 pub(crate) fn workers_read_inboxes(team: &Team, now_ms: i64) -> bool {
-    let timeout_ms = i64::try_from(team.presence_timeout.as_millis()).unwrap_or(i64::MAX);
     team.workers.read(|all| {
         all.values().any(|w| {
-            now_ms - w.at_ms <= timeout_ms
+            live(team, w.at_ms, now_ms)
                 && w.value
                     .features
                     .iter()
