@@ -101,6 +101,11 @@ pub(crate) struct LlmArgs {
     /// run, its task alone).
     #[arg(long, default_value_t = 10)]
     llm_pause_samples: usize,
+    /// LLM: the services' agents speak HTTP/2 to the simulated provider
+    /// (`http2-prior-knowledge = true`) instead of HTTP/1.1. The provider serves both, at most
+    /// 100 requests at once on one HTTP/2 connection, as providers announce.
+    #[arg(long)]
+    llm_http2: bool,
 }
 
 /// Runs in flight in the quick-task figure: a backlog behind two one-slot workers.
@@ -319,8 +324,15 @@ fn llm_config(
     max_requests: usize,
     prefetch: usize,
     listener_off: bool,
+    http2: bool,
 ) -> anyhow::Result<PathBuf> {
     let worker = format!("\n[worker]\nprefetch = {prefetch}\n");
+    // Written only when asked: builds before the option refuse it (`--services-binary`).
+    let http2 = if http2 {
+        "http2-prior-knowledge = true\n"
+    } else {
+        ""
+    };
     let path = dir.join(format!("bench-llm-prefetch-{prefetch}.toml"));
     let telemetry = if listener_off {
         "\n[telemetry]\nhttp-addr = \"off\"\n"
@@ -345,7 +357,7 @@ base-url = "{base_url}"
 model = "simulated"
 tools = []
 max-concurrent-requests = {max_requests}
-
+{http2}
 # Two model calls per task (one `state_get` round): a step boundary for the pause figure.
 [agents.stepper]
 kind = "llm"
@@ -353,7 +365,7 @@ base-url = "{base_url}"
 model = "simulated"
 tools = ["state_get"]
 max-concurrent-requests = {max_requests}
-{worker}{telemetry}"#
+{http2}{worker}{telemetry}"#
         ),
     )
     .with_context(|| format!("writing {}", path.display()))?;
@@ -587,6 +599,7 @@ pub(crate) async fn run(args: &LlmArgs, services: &Services, url: &str) -> anyho
         max_requests,
         DEFAULT_PREFETCH,
         listener_off,
+        args.llm_http2,
     )?;
     let spawn = |role: &[&str]| spawn_service(&services.exe, &config, role);
     let mut procs = Processes(vec![("coordinator".into(), spawn(&["coordinator"])?)]);
@@ -635,8 +648,13 @@ pub(crate) async fn run(args: &LlmArgs, services: &Services, url: &str) -> anyho
     let achieved = runs as f64 / elapsed.as_secs_f64();
     let ideal = n as f64 / args.llm_delay.as_secs_f64();
     outln!(
-        "   one worker × {n} slots, {n} LLM tasks in flight, {:?} simulated latency (1-task runs, {runs} runs):",
-        args.llm_delay
+        "   one worker × {n} slots, {n} LLM tasks in flight, {:?} simulated latency, {} to the provider (1-task runs, {runs} runs):",
+        args.llm_delay,
+        if args.llm_http2 {
+            "HTTP/2 (h2c)"
+        } else {
+            "HTTP/1.1"
+        }
     );
     outln!(
         "   throughput {achieved:.1} tasks/s ÷ ideal {ideal:.1} ({n} / {:?}) = {:.3}   (target ≥ 0.9; {runs} runs in {:.2} s, {requests} model calls{})",
@@ -697,6 +715,7 @@ pub(crate) async fn run(args: &LlmArgs, services: &Services, url: &str) -> anyho
             max_requests,
             prefetch,
             listener_off,
+            args.llm_http2,
         )?;
         let mut rows = Vec::new();
         for &k in &args.llm_scale_workers {
@@ -738,6 +757,7 @@ pub(crate) async fn run(args: &LlmArgs, services: &Services, url: &str) -> anyho
                 max_requests,
                 prefetch,
                 listener_off,
+                args.llm_http2,
             )?;
             for (_, mut c) in procs.0.drain(1..) {
                 let _ = c.kill();

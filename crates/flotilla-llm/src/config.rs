@@ -158,6 +158,12 @@ pub struct LlmConfig {
     /// provider (default 8; agents of one provider disagreeing: the smallest wins).
     #[serde(default = "default_max_concurrent_requests")]
     pub max_concurrent_requests: usize,
+    /// Speak HTTP/2 from the first byte (`h2c`, "prior knowledge") to an `http://` provider
+    /// that serves it, so its requests share a few connections instead of one each (default
+    /// false: HTTP/1.1 on `http://`; `https://` providers negotiate HTTP/2 anyway). Either
+    /// way a worker opens one connection per 100 requests of `max-concurrent-requests`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub http2_prior_knowledge: bool,
     /// Most requests per minute that all workers of the deployment together send to the
     /// provider (shared through JetStream KV; default: unlimited). Retries count.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -348,6 +354,7 @@ impl LlmConfig {
             max_tool_rounds: default_max_tool_rounds(),
             tool_choice: ToolChoice::Auto,
             max_concurrent_requests: default_max_concurrent_requests(),
+            http2_prior_knowledge: false,
             max_retries: default_max_retries(),
             retry_initial_backoff: default_retry_initial(),
             retry_max_backoff: default_retry_max(),
@@ -669,6 +676,7 @@ impl fmt::Debug for LlmConfig {
             .field("instruction", &self.instruction)
             .field("max_tool_rounds", &self.max_tool_rounds)
             .field("max_concurrent_requests", &self.max_concurrent_requests)
+            .field("http2_prior_knowledge", &self.http2_prior_knowledge)
             .field("max_retries", &self.max_retries)
             .field("max_prompt_chars", &self.max_prompt_chars)
             .field("stream", &self.stream)

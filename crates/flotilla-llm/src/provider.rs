@@ -23,6 +23,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -41,11 +42,14 @@ use tokio_util::sync::CancellationToken;
 use crate::config::LlmConfig;
 use crate::ratelimit::{RateLimit, RateLimitError};
 
-/// The per-worker concurrency caps, one semaphore per provider key. Every LLM agent built
-/// for one worker shares one `Providers`.
+/// What the agents of one worker share per provider: the concurrency caps (one semaphore
+/// per provider key) and the HTTP transports (one per provider key and HTTP mode), so the
+/// agents of one provider share its connections. Every LLM agent built for one worker shares
+/// one `Providers`.
 #[derive(Debug, Clone, Default)]
 pub struct Providers {
     caps: Arc<Mutex<HashMap<String, Cap>>>,
+    transports: Arc<Mutex<HashMap<(String, bool), Transport>>>,
 }
 
 /// A provider's semaphore and its current size.
@@ -63,6 +67,20 @@ impl Providers {
             entry.1 = permits;
         }
         Arc::clone(&entry.0)
+    }
+
+    /// The transport of `config`'s provider, created for its request cap on first use.
+    fn transport(&self, config: &LlmConfig) -> Transport {
+        let mut transports = self
+            .transports
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        transports
+            .entry((config.provider_key(), config.http2_prior_knowledge))
+            .or_insert_with(|| {
+                Transport::new(config.max_concurrent_requests, config.http2_prior_knowledge)
+            })
+            .clone()
     }
 }
 
@@ -131,22 +149,120 @@ struct StatusError {
 #[error("{0}")]
 struct TransportError(String);
 
+/// Most requests a worker sends over one HTTP/2 connection to a provider.
+///
+/// hyper keeps one HTTP/2 connection per host and queues the requests above the server's
+/// limit of concurrent streams (`SETTINGS_MAX_CONCURRENT_STREAMS`, often 100 to 256; RFC 9113
+/// asks servers for at least 100) inside the client, where they wait unseen. So the transport
+/// keeps one client — one connection pool — per this many requests of the provider's cap
+/// (`max-concurrent-requests`), and each request takes the least loaded: a worker's requests
+/// to one provider never wait for a stream while its cap allows them.
+const STREAMS_PER_CONNECTION: usize = 100;
+
+type Https = HyperClient<flotilla_http::HttpsConnector, reqwest::Body>;
+
+/// One client of a transport (its own connection pool) and the requests it carries now,
+/// their reply bodies included.
+struct Lane {
+    client: Https,
+    in_flight: AtomicUsize,
+}
+
 /// Flotilla's HTTP transport for `async-openai`: hyper with rustls (ring provider) and the
-/// platform's roots (the webpki roots when the platform has none).
+/// platform's roots (the webpki roots when the platform has none), over one or more clients
+/// ([`STREAMS_PER_CONNECTION`]).
 #[derive(Clone)]
 struct Transport {
-    client: HyperClient<flotilla_http::HttpsConnector, reqwest::Body>,
+    lanes: Arc<[Lane]>,
+}
+
+impl fmt::Debug for Transport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Transport")
+            .field("lanes", &self.lanes.len())
+            .finish_non_exhaustive()
+    }
 }
 
 /// Largest error body kept from a 429 / 5xx answer.
 const MAX_ERROR_BODY: usize = 4096;
 
 impl Transport {
-    fn new() -> Self {
-        Self {
-            client: HyperClient::builder(TokioExecutor::new())
-                .build(flotilla_http::https_connector()),
+    /// A transport for up to `max_requests` requests at once; `http2_only` speaks HTTP/2
+    /// from the first byte (h2c on `http://`, "prior knowledge").
+    fn new(max_requests: usize, http2_only: bool) -> Self {
+        let lanes = max_requests.div_ceil(STREAMS_PER_CONNECTION).max(1);
+        let lanes = (0..lanes)
+            .map(|_| Lane {
+                client: HyperClient::builder(TokioExecutor::new())
+                    .http2_only(http2_only)
+                    .build(flotilla_http::https_connector()),
+                in_flight: AtomicUsize::new(0),
+            })
+            .collect();
+        Self { lanes }
+    }
+
+    /// The least loaded lane, counted in until the guard drops.
+    fn take_lane(&self) -> LaneGuard {
+        let index = self
+            .lanes
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, l)| l.in_flight.load(Ordering::Relaxed))
+            .map_or(0, |(i, _)| i);
+        self.lanes[index].in_flight.fetch_add(1, Ordering::Relaxed);
+        LaneGuard {
+            lanes: Arc::clone(&self.lanes),
+            index,
         }
+    }
+}
+
+/// A request's place on its lane, held until its reply body is dropped.
+struct LaneGuard {
+    lanes: Arc<[Lane]>,
+    index: usize,
+}
+
+impl LaneGuard {
+    fn client(&self) -> &Https {
+        &self.lanes[self.index].client
+    }
+}
+
+impl Drop for LaneGuard {
+    fn drop(&mut self) {
+        self.lanes[self.index]
+            .in_flight
+            .fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A reply body that keeps its request counted on its lane: an HTTP/2 stream stays open
+/// until its body ends.
+struct LaneBody {
+    body: hyper::body::Incoming,
+    _lane: LaneGuard,
+}
+
+impl hyper::body::Body for LaneBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
     }
 }
 
@@ -163,11 +279,11 @@ impl tower::Service<HttpRequestFactory> for Transport {
     }
 
     fn call(&mut self, factory: HttpRequestFactory) -> Self::Future {
-        let client = self.client.clone();
+        let lane = self.take_lane();
         Box::pin(async move {
             let request = factory.build().await?;
             let request = http::Request::<reqwest::Body>::try_from(request)?;
-            let response = client.request(request).await.map_err(|e| {
+            let response = lane.client().request(request).await.map_err(|e| {
                 OpenAIError::Boxed(Box::new(TransportError(format!(
                     "cannot reach the provider: {}",
                     error_chain(&e)
@@ -187,7 +303,9 @@ impl tower::Service<HttpRequestFactory> for Transport {
                     message: error_message(&body),
                 })));
             }
-            Ok(reqwest::Response::from(response.map(reqwest::Body::wrap)))
+            Ok(reqwest::Response::from(response.map(|body| {
+                reqwest::Body::wrap(LaneBody { body, _lane: lane })
+            })))
         })
     }
 }
@@ -352,7 +470,7 @@ impl Provider {
             semaphore: providers.semaphore(&config.provider_key(), config.max_concurrent_requests),
             config: config.clone(),
             key,
-            transport: Transport::new(),
+            transport: providers.transport(config),
         }
     }
 

@@ -350,6 +350,8 @@ pub struct RecordedRequest {
     pub body: Value,
     /// Which reply of the script answered it (`None`: the script was exhausted).
     pub reply_index: Option<usize>,
+    /// Whether it came over HTTP/2 (else HTTP/1.x).
+    pub http2: bool,
 }
 
 impl RecordedRequest {
@@ -456,6 +458,7 @@ struct Shared {
     requests: Mutex<Vec<RecordedRequest>>,
     arrivals: watch::Sender<usize>,
     disconnects: AtomicU64,
+    connections: Arc<AtomicU64>,
 }
 
 /// A running scripted server; stops on drop.
@@ -474,8 +477,20 @@ impl std::fmt::Debug for OpenAiServer {
 }
 
 impl OpenAiServer {
-    /// Listens on `127.0.0.1` on a free port, with an empty script.
+    /// Listens on `127.0.0.1` on a free port, with an empty script (HTTP/1.1, and h2c with
+    /// the server's default stream limit).
     pub async fn start() -> Result<Self, std::io::Error> {
+        Self::start_serving(None).await
+    }
+
+    /// Listens as [`start`](Self::start) does, with at most `max_streams` requests at once on
+    /// one HTTP/2 connection (h2c, "prior knowledge") — the limit a provider announces
+    /// (`SETTINGS_MAX_CONCURRENT_STREAMS`) — and counts its connections.
+    pub async fn start_h2c(max_streams: u32) -> Result<Self, std::io::Error> {
+        Self::start_serving(Some(max_streams)).await
+    }
+
+    async fn start_serving(h2c: Option<u32>) -> Result<Self, std::io::Error> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let shared = Arc::new(Shared {
@@ -483,15 +498,30 @@ impl OpenAiServer {
             requests: Mutex::new(Vec::new()),
             arrivals: watch::channel(0).0,
             disconnects: AtomicU64::new(0),
+            connections: Arc::new(AtomicU64::new(0)),
         });
         let app = Router::new()
             .route("/v1/chat/completions", post(chat))
             .route("/chat/completions", post(chat))
             .with_state(Arc::clone(&shared));
+        let connections = Arc::clone(&shared.connections);
         let task = tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
+            match h2c {
+                Some(max_streams) => {
+                    serve_http1_and_h2c(listener, app, max_streams, connections).await;
+                }
+                None => {
+                    let _ = axum::serve(listener, app).await;
+                }
+            }
         });
         Ok(Self { addr, shared, task })
+    }
+
+    /// Connections accepted so far (counted by a server of [`start_h2c`](Self::start_h2c)
+    /// only).
+    pub fn connections(&self) -> u64 {
+        self.shared.connections.load(Ordering::SeqCst)
     }
 
     /// The base URL an OpenAI client takes (`http://127.0.0.1:<port>/v1`).
@@ -576,6 +606,39 @@ impl Drop for OpenAiServer {
     }
 }
 
+/// Serves `app` on `listener` over HTTP/1.1 and over HTTP/2 without TLS (h2c, told apart by
+/// the client's first bytes), with at most `max_streams` concurrent requests on one HTTP/2
+/// connection, counting the connections it accepts in `connections`. Runs until dropped.
+pub async fn serve_http1_and_h2c(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    max_streams: u32,
+    connections: Arc<AtomicU64>,
+) {
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use hyper_util::service::TowerToHyperService;
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    builder.http2().max_concurrent_streams(max_streams);
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(_) => {
+                // Out of file descriptors, most likely: try again shortly, as axum does.
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        connections.fetch_add(1, Ordering::SeqCst);
+        let builder = builder.clone();
+        let service = TowerToHyperService::new(app.clone());
+        tokio::spawn(async move {
+            let _ = builder
+                .serve_connection_with_upgrades(TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}
+
 /// Counts a stream the client abandoned when dropped before it finished.
 struct StreamGuard {
     shared: Arc<Shared>,
@@ -593,6 +656,7 @@ impl Drop for StreamGuard {
 async fn chat(
     State(shared): State<Arc<Shared>>,
     uri: axum::http::Uri,
+    version: axum::http::Version,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
@@ -624,6 +688,7 @@ async fn chat(
                 .collect(),
             body: parsed.clone(),
             reply_index: chosen.as_ref().map(|(i, _)| *i),
+            http2: version == axum::http::Version::HTTP_2,
         });
         requests.len()
     };

@@ -4,7 +4,8 @@
 //! `data:` chunks, a usage chunk when the request asks with `stream_options.include_usage`,
 //! then `data: [DONE]`) or as one JSON body. It asks for one `state_get` tool call when the
 //! request offers that tool and holds no tool result yet, so a task can take one tool round.
-//! It records the time each request spent in its handler (body parsed → reply handed to the
+//! It serves HTTP/1.1 and HTTP/2 without TLS (h2c), at most 100 requests at once on one
+//! HTTP/2 connection. It records the time each request spent in its handler (body parsed → reply handed to the
 //! HTTP layer, the delay included): the *server time*.
 
 use std::sync::Arc;
@@ -57,11 +58,14 @@ impl Provider {
         let app = Router::new()
             .route("/v1/chat/completions", post(chat))
             .with_state(Arc::clone(&sim));
-        let task = tokio::spawn(async move {
-            if let Err(e) = axum::serve(listener, app).await {
-                errln!("flotilla bench: the simulated provider stopped: {e}");
-            }
-        });
+        // HTTP/1.1 and h2c, at most 100 requests at once on one HTTP/2 connection: the
+        // lowest limit RFC 9113 asks servers for, and what many providers announce.
+        let task = tokio::spawn(flotilla_testkit::openai::serve_http1_and_h2c(
+            listener,
+            app,
+            100,
+            Arc::new(AtomicU64::new(0)),
+        ));
         Ok(Self { addr, sim, task })
     }
 
