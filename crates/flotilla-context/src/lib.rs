@@ -82,9 +82,11 @@ pub const RIDE_OUT: std::time::Duration = std::time::Duration::from_secs(20);
 /// Handles opened once and shared by every client of one scope.
 #[derive(Default)]
 pub(crate) struct Handles {
-    state_kv: OnceCell<kv::Store>,
-    cursors_kv: OnceCell<kv::Store>,
-    objects: OnceCell<object_store::ObjectStore>,
+    // Boxed: a store handle holds its stream's whole info (about 1.5 KiB each) and most
+    // attempts never open one, while thousands of attempts wait at once.
+    state_kv: OnceCell<Box<kv::Store>>,
+    cursors_kv: OnceCell<Box<kv::Store>>,
+    objects: OnceCell<Box<object_store::ObjectStore>>,
     /// The mailbox reader's position: one per attempt, kept across `mailbox()` calls.
     pub(crate) reader: Mutex<mailbox::ReaderState>,
     /// Negotiations started by this scope (deterministic correlation ids per attempt).
@@ -201,9 +203,11 @@ impl Clients {
                 self.bus
                     .kv(Bucket::State)
                     .await
+                    .map(Box::new)
                     .map_err(|e| error::unavailable("opening the session-state bucket", e))
             })
             .await
+            .map(|s| &**s)
     }
 
     pub(crate) async fn cursors_kv(&self) -> Result<&kv::Store, ContextError> {
@@ -213,9 +217,11 @@ impl Clients {
                 self.bus
                     .kv(Bucket::Cursors)
                     .await
+                    .map(Box::new)
                     .map_err(|e| error::unavailable("opening the cursors bucket", e))
             })
             .await
+            .map(|s| &**s)
     }
 
     pub(crate) async fn objects(&self) -> Result<&object_store::ObjectStore, ContextError> {
@@ -223,14 +229,20 @@ impl Clients {
             .objects
             .get_or_try_init(|| async {
                 let name = self.bus.names().artifacts_bucket();
-                self.bus.js().get_object_store(&name).await.map_err(|e| {
-                    error::unavailable(
-                        format!("opening object store {name} (run `flotilla nats provision`?)"),
-                        e,
-                    )
-                })
+                self.bus
+                    .js()
+                    .get_object_store(&name)
+                    .await
+                    .map(Box::new)
+                    .map_err(|e| {
+                        error::unavailable(
+                            format!("opening object store {name} (run `flotilla nats provision`?)"),
+                            e,
+                        )
+                    })
             })
             .await
+            .map(|s| &**s)
     }
 
     /// Largest encoded write the deployment takes: `cap`, lowered to the server's max

@@ -397,7 +397,7 @@ impl LlmAgent {
     #[allow(clippy::too_many_arguments)]
     async fn call(
         &self,
-        request: CreateChatCompletionRequest,
+        request: &CreateChatCompletionRequest,
         task: &TaskEnvelope,
         ctx: &AgentContext,
         step: u32,
@@ -412,7 +412,7 @@ impl LlmAgent {
         let (prompt_estimate, max_output) =
             if budget.is_some() || !limits.is_empty() || cost_limit.is_some() {
                 (
-                    estimate_prompt_tokens(&request),
+                    estimate_prompt_tokens(request),
                     self.config.max_output_tokens.map_or(0, u64::from),
                 )
             } else {
@@ -429,10 +429,9 @@ impl LlmAgent {
         }
         let reservation = match budget {
             None => None,
-            Some(b) => Some(
-                self.reserve(b, task, ctx, step, prompt_estimate, max_output)
-                    .await?,
-            ),
+            Some(b) => {
+                Some(Box::pin(self.reserve(b, task, ctx, step, prompt_estimate, max_output)).await?)
+            }
         };
         let estimate = prompt_estimate + max_output;
         let span = spans::chat(
@@ -450,21 +449,23 @@ impl LlmAgent {
         }
         if let Ok(c) = &result {
             for l in limits {
-                l.charge((c.prompt_tokens + c.completion_tokens).saturating_sub(estimate))
-                    .await;
+                Box::pin(
+                    l.charge((c.prompt_tokens + c.completion_tokens).saturating_sub(estimate)),
+                )
+                .await;
             }
         }
         if let (Some(b), Some(r)) = (budget, reservation) {
             match &result {
                 Ok(c) => {
-                    b.settle(r, c.prompt_tokens, c.completion_tokens).await?;
+                    Box::pin(b.settle(r, c.prompt_tokens, c.completion_tokens)).await?;
                 }
-                Err(_) => b.release(r).await,
+                Err(_) => Box::pin(b.release(r)).await,
             }
         }
         let completion = result?;
-        ctx.events
-            .emit(Event::Usage {
+        Box::pin(
+            ctx.events.emit(Event::Usage {
                 prompt_tokens: completion.prompt_tokens,
                 completion_tokens: completion.completion_tokens,
                 model: Some(completion.model.clone()),
@@ -473,8 +474,9 @@ impl LlmAgent {
                     .config
                     .price
                     .map(|p| p.cost(completion.prompt_tokens, completion.completion_tokens)),
-            })
-            .await;
+            }),
+        )
+        .await;
         Ok(completion)
     }
 
@@ -627,7 +629,7 @@ impl LlmAgent {
 
     async fn call_model(
         &self,
-        request: CreateChatCompletionRequest,
+        request: &CreateChatCompletionRequest,
         ctx: &AgentContext,
         limits: &[RateLimit],
         estimate: u64,
@@ -779,9 +781,9 @@ impl LlmAgent {
             })?),
         };
         let budget = Box::pin(BudgetGuard::open(ctx, task, self.config.price, &self.name)).await?;
-        let tools = self
-            .tools
-            .for_attempt()
+        // Boxed, as every step not live while the model is awaited: a suspended attempt's
+        // state is as large as its largest step, thousands at once.
+        let tools = Box::pin(self.tools.for_attempt())
             .await
             .map_err(|e| AgentError::failed(format!("agent {}: {e}", self.name)))?
             .with_client_tools(&task.client_tools);
@@ -811,11 +813,11 @@ impl LlmAgent {
                 self.config.max_prompt_chars,
             ))),
         }
-        let limits: Vec<RateLimit> = RateLimit::open(ctx, &self.config)
+        let limits: Vec<RateLimit> = Box::pin(RateLimit::open(ctx, &self.config))
             .await
             .map_err(|e| AgentError::failed(format!("agent {}: {e}", self.name)))?
             .into_iter()
-            .chain(self.tenant_quotas.limit(ctx).await)
+            .chain(Box::pin(self.tenant_quotas.limit(ctx)).await)
             .collect();
         let mut journal = Box::pin(Journal::open(ctx, task, &self.name)).await?;
         let mut tokens = 0u64;
@@ -842,9 +844,11 @@ impl LlmAgent {
                         tools_allowed,
                         task.output_schema.as_ref(),
                     );
+                    // Held here and lent down the call: every layer that took it by value
+                    // kept its own 700-byte slot in the suspended call's state.
                     let c = self
                         .call(
-                            request,
+                            &request,
                             task,
                             ctx,
                             journal.next_step(),
@@ -852,7 +856,7 @@ impl LlmAgent {
                             &limits,
                         )
                         .await?;
-                    journal.record_model_reply(ctx, task, &c).await;
+                    Box::pin(journal.record_model_reply(ctx, task, &c)).await;
                     c
                 }
             };

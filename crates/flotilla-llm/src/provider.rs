@@ -451,7 +451,13 @@ pub struct Provider {
     key: KeySource,
     semaphore: Arc<Semaphore>,
     transport: Transport,
+    /// The API client of the key last read, kept while the key stays the same: building one
+    /// per call cost every call a client's allocations and setup.
+    client: Mutex<Option<KeyedClient>>,
 }
+
+/// An API client and the key it was built with.
+type KeyedClient = (Option<ApiKey>, Arc<async_openai::Client<OpenAIConfig>>);
 
 impl fmt::Debug for Provider {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -471,10 +477,30 @@ impl Provider {
             config: config.clone(),
             key,
             transport: providers.transport(config),
+            client: Mutex::new(None),
         }
     }
 
-    fn client(&self, key: Option<&ApiKey>) -> Result<async_openai::Client<OpenAIConfig>, String> {
+    /// The API client for `key`: the kept one while the key is unchanged, else a new one.
+    fn client(
+        &self,
+        key: Option<&ApiKey>,
+    ) -> Result<Arc<async_openai::Client<OpenAIConfig>>, String> {
+        let mut kept = self.client.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((k, client)) = kept.as_ref()
+            && k.as_ref() == key
+        {
+            return Ok(Arc::clone(client));
+        }
+        let client = Arc::new(self.build_client(key)?);
+        *kept = Some((key.cloned(), Arc::clone(&client)));
+        Ok(client)
+    }
+
+    fn build_client(
+        &self,
+        key: Option<&ApiKey>,
+    ) -> Result<async_openai::Client<OpenAIConfig>, String> {
         // Everything explicit: the defaults would read OPENAI_* environment variables and send
         // a key meant for OpenAI to whatever server base-url names.
         let mut config = OpenAIConfig::new()
@@ -496,7 +522,7 @@ impl Provider {
     /// arrives. Retries as the module docs say, never past `deadline`.
     pub async fn complete(
         &self,
-        request: CreateChatCompletionRequest,
+        request: &CreateChatCompletionRequest,
         on_delta: &mut (dyn FnMut(&str) + Send),
         cancel: &CancellationToken,
         deadline: tokio::time::Instant,
@@ -545,7 +571,7 @@ impl Provider {
             ));
             let started = Instant::now();
             let outcome = tokio::select! {
-                r = self.try_once(&client, request.clone(), on_delta) => r,
+                r = self.try_once(&client, request, on_delta) => r,
                 _ = cancel.cancelled() => return Err(CallError::Cancelled),
                 _ = tokio::time::sleep_until(limit) => Err(TryError::Retryable {
                     message: format!("no complete reply within {budget}"),
@@ -622,11 +648,11 @@ impl Provider {
     async fn try_once(
         &self,
         client: &async_openai::Client<OpenAIConfig>,
-        request: CreateChatCompletionRequest,
+        request: &CreateChatCompletionRequest,
         on_delta: &mut (dyn FnMut(&str) + Send),
     ) -> Result<Completion, TryError> {
         if !self.config.stream {
-            let r = Box::pin(client.chat().create(request))
+            let r = Box::pin(client.chat().create(request.clone()))
                 .await
                 .map_err(classify)?;
             let mut c = Completion {
@@ -658,7 +684,7 @@ impl Provider {
         }
         let mut stream = client
             .chat()
-            .create_stream(request)
+            .create_stream(request.clone())
             .await
             .map_err(classify)?;
         let mut c = Completion::default();

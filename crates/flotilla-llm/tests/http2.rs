@@ -23,7 +23,7 @@ async fn call(provider: &Provider) -> Result<String, CallError> {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     provider
         .complete(
-            request().map_err(|e| CallError::Rejected(e.to_string()))?,
+            &request().map_err(|e| CallError::Rejected(e.to_string()))?,
             &mut |_| {},
             &CancellationToken::new(),
             deadline,
