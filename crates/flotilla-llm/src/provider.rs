@@ -192,11 +192,13 @@ impl Transport {
     /// from the first byte (h2c on `http://`, "prior knowledge").
     fn new(max_requests: usize, http2_only: bool) -> Self {
         let lanes = max_requests.div_ceil(STREAMS_PER_CONNECTION).max(1);
+        // One connector, its TLS configuration and certificate roots, shared by the lanes.
+        let connector = flotilla_http::https_connector();
         let lanes = (0..lanes)
             .map(|_| Lane {
                 client: HyperClient::builder(TokioExecutor::new())
                     .http2_only(http2_only)
-                    .build(flotilla_http::https_connector()),
+                    .build(connector.clone()),
                 in_flight: AtomicUsize::new(0),
             })
             .collect();
