@@ -160,8 +160,9 @@ pub struct LlmConfig {
     pub max_concurrent_requests: usize,
     /// Speak HTTP/2 from the first byte (`h2c`, "prior knowledge") to an `http://` provider
     /// that serves it, so its requests share a few connections instead of one each (default
-    /// false: HTTP/1.1 on `http://`; `https://` providers negotiate HTTP/2 anyway). Either
-    /// way a worker opens one connection per 100 requests of `max-concurrent-requests`.
+    /// false: HTTP/1.1 on `http://`, one connection per request in flight; `https://`
+    /// providers negotiate HTTP/2 anyway). Either way a worker keeps one connection pool per
+    /// 100 requests of `max-concurrent-requests`.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub http2_prior_knowledge: bool,
     /// Most requests per minute that all workers of the deployment together send to the

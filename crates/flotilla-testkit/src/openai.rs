@@ -477,20 +477,16 @@ impl std::fmt::Debug for OpenAiServer {
 }
 
 impl OpenAiServer {
-    /// Listens on `127.0.0.1` on a free port, with an empty script (HTTP/1.1, and h2c with
-    /// the server's default stream limit).
+    /// Listens on `127.0.0.1` on a free port, with an empty script: HTTP/1.1, and h2c with
+    /// hyper's default stream limit.
     pub async fn start() -> Result<Self, std::io::Error> {
-        Self::start_serving(None).await
+        Self::start_h2c(DEFAULT_MAX_STREAMS).await
     }
 
     /// Listens as [`start`](Self::start) does, with at most `max_streams` requests at once on
     /// one HTTP/2 connection (h2c, "prior knowledge") — the limit a provider announces
-    /// (`SETTINGS_MAX_CONCURRENT_STREAMS`) — and counts its connections.
+    /// (`SETTINGS_MAX_CONCURRENT_STREAMS`).
     pub async fn start_h2c(max_streams: u32) -> Result<Self, std::io::Error> {
-        Self::start_serving(Some(max_streams)).await
-    }
-
-    async fn start_serving(h2c: Option<u32>) -> Result<Self, std::io::Error> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let shared = Arc::new(Shared {
@@ -504,22 +500,16 @@ impl OpenAiServer {
             .route("/v1/chat/completions", post(chat))
             .route("/chat/completions", post(chat))
             .with_state(Arc::clone(&shared));
-        let connections = Arc::clone(&shared.connections);
-        let task = tokio::spawn(async move {
-            match h2c {
-                Some(max_streams) => {
-                    serve_http1_and_h2c(listener, app, max_streams, connections).await;
-                }
-                None => {
-                    let _ = axum::serve(listener, app).await;
-                }
-            }
-        });
+        let task = tokio::spawn(serve_http1_and_h2c(
+            listener,
+            app,
+            max_streams,
+            Arc::clone(&shared.connections),
+        ));
         Ok(Self { addr, shared, task })
     }
 
-    /// Connections accepted so far (counted by a server of [`start_h2c`](Self::start_h2c)
-    /// only).
+    /// Connections accepted so far.
     pub fn connections(&self) -> u64 {
         self.shared.connections.load(Ordering::SeqCst)
     }
@@ -605,6 +595,10 @@ impl Drop for OpenAiServer {
         self.task.abort();
     }
 }
+
+/// hyper's default limit of concurrent streams on one HTTP/2 connection, which `axum::serve`
+/// keeps: what [`OpenAiServer::start`] allows.
+const DEFAULT_MAX_STREAMS: u32 = 200;
 
 /// Serves `app` on `listener` over HTTP/1.1 and over HTTP/2 without TLS (h2c, told apart by
 /// the client's first bytes), with at most `max_streams` concurrent requests on one HTTP/2

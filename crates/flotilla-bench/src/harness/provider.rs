@@ -5,8 +5,8 @@
 //! then `data: [DONE]`) or as one JSON body. It asks for one `state_get` tool call when the
 //! request offers that tool and holds no tool result yet, so a task can take one tool round.
 //! It serves HTTP/1.1 and HTTP/2 without TLS (h2c), at most 100 requests at once on one
-//! HTTP/2 connection. It records the time each request spent in its handler (body parsed → reply handed to the
-//! HTTP layer, the delay included): the *server time*.
+//! HTTP/2 connection. It records the time each request spent in its handler (body parsed →
+//! reply handed to the HTTP layer, the delay included): the *server time*.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
