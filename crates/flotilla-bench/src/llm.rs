@@ -17,7 +17,12 @@
 //! * **one worker, many concurrent LLM tasks** — a `flotilla coordinator` and one
 //!   `flotilla worker --concurrency N` with a `kind = "llm"` agent pointing at the provider;
 //!   independent 1-task runs kept N in flight (outcomes on `reply_to`); achieved tasks/s ÷
-//!   the ideal N / delay. The worker's RSS idle and loaded → RSS per concurrent agent.
+//!   the ideal N / delay. The worker's RSS idle and loaded → RSS per concurrent agent. Twice:
+//!   the first N runs submitted at once (a herd: every later wave's N outcomes and
+//!   submissions also come together, and the machine's cores take each wave in turn), then
+//!   spread evenly over one delay (arrivals as independent clients send them). Each prints
+//!   its sustained rate (the first wave and the drain left out) and the most calls the
+//!   provider held at once, which shows the N agents were truly waiting together.
 //! * **scaling 1 → 2 → 4 worker processes** — the same with k workers of a smaller
 //!   concurrency: tasks/s with k workers ÷ (k × tasks/s with one). Slow tasks, exactly as
 //!   many in flight as slots: a task a busy worker prefetched would wait there while another
@@ -385,7 +390,8 @@ struct Looped {
     sustained: Option<f64>,
 }
 
-/// Submits `runs` 1-task runs kept `in_flight` at a time and waits for every outcome.
+/// Submits `runs` 1-task runs kept `in_flight` at a time and waits for every outcome. The
+/// first `in_flight` go out at once when `spread` is zero, else evenly over `spread`.
 async fn closed_loop(
     bus: &Bus,
     inbox: &str,
@@ -393,10 +399,13 @@ async fn closed_loop(
     runs: usize,
     in_flight: usize,
     via: SubmitVia,
+    spread: Duration,
 ) -> anyhow::Result<Looped> {
     let in_flight = in_flight.max(1);
-    let window = Arc::new(Semaphore::new(in_flight));
+    let window = Arc::new(Semaphore::new(if spread.is_zero() { in_flight } else { 0 }));
     let start = Instant::now();
+    let opener = (!spread.is_zero())
+        .then(|| tokio::spawn(open_evenly(Arc::clone(&window), in_flight, spread)));
     let submitter = spawn_submitter(bus, inbox, runs, 1, via, Arc::clone(&window));
     let mut failed = 0;
     let mut finished_at = Vec::with_capacity(runs);
@@ -416,6 +425,9 @@ async fn closed_loop(
     }
     let elapsed = start.elapsed();
     let _ = submitter.await;
+    if let Some(opener) = opener {
+        opener.abort();
+    }
     // The run finishing as number `in_flight` ends the first wave; the one finishing as
     // number `runs - in_flight` lets the last run be submitted.
     let sustained = (runs >= 3 * in_flight).then(|| {
@@ -430,6 +442,22 @@ async fn closed_loop(
         failed,
         sustained,
     })
+}
+
+/// Opens `places` places of `window` evenly over `spread` (every 5 ms, the ones due).
+async fn open_evenly(window: Arc<Semaphore>, places: usize, spread: Duration) {
+    let start = Instant::now();
+    let mut opened = 0;
+    let mut tick = tokio::time::interval(Duration::from_millis(5));
+    while opened < places {
+        tick.tick().await;
+        let due = (start.elapsed().as_secs_f64() / spread.as_secs_f64() * places as f64).ceil();
+        let due = (due as usize).min(places);
+        if due > opened {
+            window.add_permits(due - opened);
+            opened = due;
+        }
+    }
 }
 
 /// One scaling measurement: (worker processes, tasks/s, runs not succeeded).
@@ -461,6 +489,55 @@ async fn wait_for_workers(bus: &Bus, k: usize, since: i128) -> anyhow::Result<()
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// A closed loop on the one worker, watched.
+struct Loaded {
+    looped: Looped,
+    /// The worker's most RSS sampled during the loop.
+    rss_kib: u64,
+    /// Model calls answered during the loop.
+    requests: u64,
+    /// The most calls held by the provider at once.
+    peak_waiting: u64,
+}
+
+/// [`closed_loop`] with the worker's RSS sampled every 50 ms and the provider's calls
+/// counted.
+#[allow(clippy::too_many_arguments)]
+async fn loaded_loop(
+    bus: &Bus,
+    inbox: &str,
+    ends: &mut mpsc::UnboundedReceiver<RunOutcome>,
+    provider: &Provider,
+    worker_pid: u32,
+    runs: usize,
+    in_flight: usize,
+    via: SubmitVia,
+    spread: Duration,
+) -> anyhow::Result<Loaded> {
+    let peak = Arc::new(AtomicU64::new(0));
+    let sampler = {
+        let peak = Arc::clone(&peak);
+        tokio::spawn(async move {
+            loop {
+                if let Some(kib) = rss_kib(worker_pid) {
+                    peak.fetch_max(kib, Ordering::SeqCst);
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+    };
+    let requests0 = provider.totals().1;
+    provider.take_peak_waiting();
+    let looped = closed_loop(bus, inbox, ends, runs, in_flight, via, spread).await;
+    sampler.abort();
+    Ok(Loaded {
+        looped: looped?,
+        rss_kib: peak.load(Ordering::SeqCst),
+        requests: provider.totals().1 - requests0,
+        peak_waiting: provider.take_peak_waiting(),
+    })
 }
 
 /// One pause of a running LLM attempt: (pause recorded → attempt stopped, ms; model calls
@@ -644,7 +721,7 @@ pub(crate) async fn run(args: &LlmArgs, services: &Services, url: &str) -> anyho
     let worker_pid = procs.0[1].1.id();
     // Warm up with a short delay: proves both processes are ready, warms the connections.
     provider.set_delay(Duration::from_millis(10));
-    let Looped { failed, .. } = closed_loop(&bus, &inbox, &mut ends, 4, 4, via)
+    let Looped { failed, .. } = closed_loop(&bus, &inbox, &mut ends, 4, 4, via, Duration::ZERO)
         .await
         .context("warming up the LLM worker")?;
     anyhow::ensure!(
@@ -655,32 +732,9 @@ pub(crate) async fn run(args: &LlmArgs, services: &Services, url: &str) -> anyho
     let idle = rss_kib(worker_pid).unwrap_or(0);
     provider.set_delay(args.llm_delay);
     let runs = n * args.llm_rounds.max(1);
-    let peak_loaded = Arc::new(AtomicU64::new(0));
-    let sampler = {
-        let peak = Arc::clone(&peak_loaded);
-        tokio::spawn(async move {
-            loop {
-                if let Some(kib) = rss_kib(worker_pid) {
-                    peak.fetch_max(kib, Ordering::SeqCst);
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        })
-    };
-    let requests0 = provider.totals().1;
-    let Looped {
-        elapsed,
-        failed,
-        sustained,
-    } = closed_loop(&bus, &inbox, &mut ends, runs, n, via).await?;
-    sampler.abort();
-    let requests = provider.totals().1 - requests0;
-    let loaded = peak_loaded.load(Ordering::SeqCst);
-    let hwm = peak_rss_kib(worker_pid).unwrap_or(0);
-    let achieved = runs as f64 / elapsed.as_secs_f64();
     let ideal = n as f64 / args.llm_delay.as_secs_f64();
     outln!(
-        "   one worker × {n} slots, {n} LLM tasks in flight, {:?} simulated latency, {} to the provider (1-task runs, {runs} runs):",
+        "   one worker × {n} slots, {n} LLM tasks in flight, {:?} simulated latency, {} to the provider (1-task runs, {runs} runs each):",
         args.llm_delay,
         if args.llm_http2 {
             "HTTP/2 (h2c)"
@@ -688,26 +742,44 @@ pub(crate) async fn run(args: &LlmArgs, services: &Services, url: &str) -> anyho
             "HTTP/1.1"
         }
     );
-    outln!(
-        "   throughput {achieved:.1} tasks/s ÷ ideal {ideal:.1} ({n} / {:?}) = {:.3}   (target ≥ 0.95; {runs} runs in {:.2} s, {requests} model calls{})",
-        args.llm_delay,
-        achieved / ideal,
-        elapsed.as_secs_f64(),
-        not_succeeded(failed)
-    );
-    if let Some(rate) = sustained {
+    for spread in [Duration::ZERO, args.llm_delay] {
+        let loaded = loaded_loop(
+            &bus, &inbox, &mut ends, &provider, worker_pid, runs, n, via, spread,
+        )
+        .await?;
+        let achieved = runs as f64 / loaded.looped.elapsed.as_secs_f64();
+        if spread.is_zero() {
+            outln!(
+                "   – the first {n} submitted at once (a herd: each wave's {n} outcomes and submissions come together):"
+            );
+        } else {
+            outln!(
+                "   – the first {n} submitted evenly over {spread:?} (arrivals spread, as independent clients send them):"
+            );
+        }
         outln!(
-            "   sustained, the first wave's ramp and the last one's drain left out: {rate:.1} tasks/s = {:.3} of ideal",
-            rate / ideal
+            "     throughput {achieved:.1} tasks/s ÷ ideal {ideal:.1} ({n} / {:?}) = {:.3}, the first wave's ramp included ({runs} runs in {:.2} s, {} model calls, at most {} at the provider at once{})",
+            args.llm_delay,
+            achieved / ideal,
+            loaded.looped.elapsed.as_secs_f64(),
+            loaded.requests,
+            loaded.peak_waiting,
+            not_succeeded(loaded.looped.failed)
+        );
+        if let Some(rate) = loaded.looped.sustained {
+            outln!(
+                "     sustained, the first wave's ramp and the last one's drain left out: {rate:.1} tasks/s = {:.3} of ideal   (target ≥ 0.95)",
+                rate / ideal
+            );
+        }
+        outln!(
+            "     worker RSS: idle {:.1} MiB, loaded {:.1} MiB (most sampled), peak {:.1} MiB → {:.1} KiB per concurrent agent   (target ≤ 50)",
+            idle as f64 / 1024.0,
+            loaded.rss_kib as f64 / 1024.0,
+            peak_rss_kib(worker_pid).unwrap_or(0) as f64 / 1024.0,
+            loaded.rss_kib.saturating_sub(idle) as f64 / n as f64
         );
     }
-    outln!(
-        "   worker RSS: idle {:.1} MiB, loaded {:.1} MiB (most sampled), peak {:.1} MiB → {:.1} KiB per concurrent agent",
-        idle as f64 / 1024.0,
-        loaded as f64 / 1024.0,
-        hwm as f64 / 1024.0,
-        loaded.saturating_sub(idle) as f64 / n as f64
-    );
     for (name, child) in procs.0.iter() {
         if name == "coordinator"
             && let Some(kib) = peak_rss_kib(child.id())
@@ -772,15 +844,23 @@ pub(crate) async fn run(args: &LlmArgs, services: &Services, url: &str) -> anyho
             wait_for_workers(&bus, k, spawned).await?;
             // Warm up: a round of short tasks over every worker's slots.
             provider.set_delay(Duration::from_millis(200));
-            let Looped { failed, .. } = closed_loop(&bus, &inbox, &mut ends, k * per, k * per, via)
-                .await
-                .context("warming up the LLM workers")?;
+            let Looped { failed, .. } = closed_loop(
+                &bus,
+                &inbox,
+                &mut ends,
+                k * per,
+                k * per,
+                via,
+                Duration::ZERO,
+            )
+            .await
+            .context("warming up the LLM workers")?;
             anyhow::ensure!(failed == 0, "the warm-up LLM runs did not succeed");
             provider.set_delay(args.llm_scale_delay);
             let runs = k * per * args.llm_scale_rounds.max(1);
             let Looped {
                 elapsed, failed, ..
-            } = closed_loop(&bus, &inbox, &mut ends, runs, k * per, via).await?;
+            } = closed_loop(&bus, &inbox, &mut ends, runs, k * per, via, Duration::ZERO).await?;
             rows.push((k, runs as f64 / elapsed.as_secs_f64(), failed));
         }
         tables.push((prefetch, rows));
@@ -811,10 +891,17 @@ pub(crate) async fn run(args: &LlmArgs, services: &Services, url: &str) -> anyho
             }
             wait_for_workers(&bus, 2, spawned).await?;
             provider.set_delay(Duration::ZERO);
-            let Looped { failed, .. } =
-                closed_loop(&bus, &inbox, &mut ends, 64, QUICK_IN_FLIGHT, via)
-                    .await
-                    .context("warming up the one-slot LLM workers")?;
+            let Looped { failed, .. } = closed_loop(
+                &bus,
+                &inbox,
+                &mut ends,
+                64,
+                QUICK_IN_FLIGHT,
+                via,
+                Duration::ZERO,
+            )
+            .await
+            .context("warming up the one-slot LLM workers")?;
             anyhow::ensure!(failed == 0, "the warm-up LLM runs did not succeed");
             let Looped {
                 elapsed, failed, ..
@@ -825,6 +912,7 @@ pub(crate) async fn run(args: &LlmArgs, services: &Services, url: &str) -> anyho
                 args.llm_quick_runs,
                 QUICK_IN_FLIGHT,
                 via,
+                Duration::ZERO,
             )
             .await?;
             quick.push((

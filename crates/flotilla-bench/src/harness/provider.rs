@@ -33,6 +33,10 @@ struct Sim {
     /// Requests received (counted on arrival; `requests` counts them answered).
     arrived: AtomicU64,
     bad_requests: AtomicU64,
+    /// Requests in the delay now, and the most at once since the last
+    /// [`Provider::take_peak_waiting`].
+    waiting: AtomicU64,
+    peak_waiting: AtomicU64,
 }
 
 /// The simulated OpenAI-compatible provider; stops on drop.
@@ -90,6 +94,14 @@ impl Provider {
         self.sim.bad_requests.load(Ordering::SeqCst)
     }
 
+    /// The most requests held in the delay at once since the last call: the model calls
+    /// truly in flight together, which a figure claiming N concurrent agents shows.
+    pub(crate) fn take_peak_waiting(&self) -> u64 {
+        self.sim
+            .peak_waiting
+            .swap(self.sim.waiting.load(Ordering::SeqCst), Ordering::SeqCst)
+    }
+
     pub(crate) fn totals(&self) -> (u64, u64) {
         (
             self.sim.server_nanos.load(Ordering::SeqCst),
@@ -108,6 +120,24 @@ async fn chat(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
     response
 }
 
+/// A request counted in [`Sim::waiting`] until dropped (a caller that hangs up mid-delay
+/// drops the handler's future).
+struct Waiting<'a>(&'a Sim);
+
+impl<'a> Waiting<'a> {
+    fn enter(sim: &'a Sim) -> Self {
+        let now = sim.waiting.fetch_add(1, Ordering::SeqCst) + 1;
+        sim.peak_waiting.fetch_max(now, Ordering::SeqCst);
+        Self(sim)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.waiting.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 async fn answer(sim: &Sim, body: &[u8]) -> Response {
     let Ok(request) = serde_json::from_slice::<Value>(body) else {
         sim.bad_requests.fetch_add(1, Ordering::SeqCst);
@@ -120,6 +150,7 @@ async fn answer(sim: &Sim, body: &[u8]) -> Response {
     };
     let delay = sim.delay_micros.load(Ordering::SeqCst);
     if delay > 0 {
+        let _waiting = Waiting::enter(sim);
         tokio::time::sleep(Duration::from_micros(delay)).await;
     }
     let offers_state_get = request
