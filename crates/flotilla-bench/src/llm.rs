@@ -451,13 +451,22 @@ async fn open_evenly(window: Arc<Semaphore>, places: usize, spread: Duration) {
     let mut tick = tokio::time::interval(Duration::from_millis(5));
     while opened < places {
         tick.tick().await;
-        let due = (start.elapsed().as_secs_f64() / spread.as_secs_f64() * places as f64).ceil();
-        let due = (due as usize).min(places);
+        let due = places_due(start.elapsed(), spread, places);
         if due > opened {
             window.add_permits(due - opened);
             opened = due;
         }
     }
+}
+
+/// How many of `places` opened evenly over `spread` are due `elapsed` after the start: all
+/// of them once `spread` has passed (or at once when it is zero).
+fn places_due(elapsed: Duration, spread: Duration, places: usize) -> usize {
+    if elapsed >= spread {
+        return places;
+    }
+    let due = (elapsed.as_secs_f64() / spread.as_secs_f64() * places as f64).ceil();
+    (due as usize).min(places)
 }
 
 /// One scaling measurement: (worker processes, tasks/s, runs not succeeded).
@@ -974,4 +983,30 @@ pub(crate) async fn run(args: &LlmArgs, services: &Services, url: &str) -> anyho
         outln!("   the simulated provider received {bad} requests that were not JSON");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn places_open_evenly_and_all_by_the_end() {
+        let spread = Duration::from_secs(5);
+        assert_eq!(places_due(Duration::ZERO, spread, 10_000), 0);
+        assert_eq!(places_due(Duration::from_millis(5), spread, 10_000), 10);
+        assert_eq!(
+            places_due(Duration::from_millis(2500), spread, 10_000),
+            5_000
+        );
+        assert_eq!(
+            places_due(Duration::from_millis(4999), spread, 10_000),
+            9_998
+        );
+        assert_eq!(places_due(spread, spread, 10_000), 10_000);
+        assert_eq!(places_due(Duration::from_secs(60), spread, 10_000), 10_000);
+        // Fewer places than ticks: each opens once its share of the spread has begun.
+        assert_eq!(places_due(Duration::from_millis(1), spread, 3), 1);
+        assert_eq!(places_due(Duration::from_millis(1700), spread, 3), 2);
+        assert_eq!(places_due(Duration::ZERO, Duration::ZERO, 3), 3);
+    }
 }
