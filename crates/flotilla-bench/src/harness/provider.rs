@@ -6,7 +6,8 @@
 //! request offers that tool and holds no tool result yet, so a task can take one tool round.
 //! It serves HTTP/1.1 and HTTP/2 without TLS (h2c), at most 100 requests at once on one
 //! HTTP/2 connection. It records the time each request spent in its handler (body parsed →
-//! reply handed to the HTTP layer, the delay included): the *server time*.
+//! reply handed to the HTTP layer, the delay included): the *server time*; and the most
+//! requests it held in the delay at once, which shows how many calls were truly in flight.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
