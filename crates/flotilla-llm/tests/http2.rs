@@ -86,6 +86,29 @@ async fn http1_stays_the_default_on_plain_http() -> anyhow::Result<()> {
 }
 
 #[tokio::test]
+async fn a_restarted_provider_is_reached_again_over_either_protocol() -> anyhow::Result<()> {
+    for http2 in [false, true] {
+        let mut server = OpenAiServer::start_h2c(100).await?;
+        server.push_all([Reply::text("before"), Reply::text("after")]);
+        let mut config = LlmConfig::new(server.base_url(), "scripted-model");
+        config.http2_prior_knowledge = http2;
+        // No retry of the agent's own: the pooled connection the restart closed must not be
+        // the one the next call is sent on.
+        config.max_retries = 0;
+        let provider = Provider::new(&config, KeySource::None, &Providers::default());
+        assert_eq!(call(&provider).await?, "before");
+        // Every connection closed, the same URL served again.
+        server.restart().await?;
+        assert_eq!(call(&provider).await?, "after", "HTTP/2: {http2}");
+        assert_eq!(server.connections(), 2, "HTTP/2: {http2}: connected again");
+        let requests = server.requests();
+        assert_eq!(requests.len(), 2);
+        assert!(requests.iter().all(|r| r.http2 == http2), "HTTP/2: {http2}");
+    }
+    Ok(())
+}
+
+#[tokio::test]
 async fn prior_knowledge_against_an_http1_server_fails_with_the_transports_reason()
 -> anyhow::Result<()> {
     // A server that speaks HTTP/1.1 alone: whatever arrives, it answers one HTTP/1.1 reply.

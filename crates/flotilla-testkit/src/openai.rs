@@ -465,6 +465,8 @@ struct Shared {
 pub struct OpenAiServer {
     addr: SocketAddr,
     shared: Arc<Shared>,
+    app: Router,
+    max_streams: u32,
     task: JoinHandle<()>,
 }
 
@@ -502,11 +504,33 @@ impl OpenAiServer {
             .with_state(Arc::clone(&shared));
         let task = tokio::spawn(serve_http1_and_h2c(
             listener,
-            app,
+            app.clone(),
             max_streams,
             Arc::clone(&shared.connections),
         ));
-        Ok(Self { addr, shared, task })
+        Ok(Self {
+            addr,
+            shared,
+            app,
+            max_streams,
+            task,
+        })
+    }
+
+    /// A provider restarted behind the same URL: closes every connection and the listener,
+    /// then listens again on the same address, keeping the script and the recorded requests.
+    pub async fn restart(&mut self) -> Result<(), std::io::Error> {
+        self.task.abort();
+        // The listener and the connections close once the serving task is dropped.
+        let _ = (&mut self.task).await;
+        let listener = tokio::net::TcpListener::bind(self.addr).await?;
+        self.task = tokio::spawn(serve_http1_and_h2c(
+            listener,
+            self.app.clone(),
+            self.max_streams,
+            Arc::clone(&self.shared.connections),
+        ));
+        Ok(())
     }
 
     /// Connections accepted so far.
@@ -602,7 +626,8 @@ const DEFAULT_MAX_STREAMS: u32 = 200;
 
 /// Serves `app` on `listener` over HTTP/1.1 and over HTTP/2 without TLS (h2c, told apart by
 /// the client's first bytes), with at most `max_streams` concurrent requests on one HTTP/2
-/// connection, counting the connections it accepts in `connections`. Runs until dropped.
+/// connection, counting the connections it accepts in `connections`. Runs until dropped;
+/// dropping it closes every connection it accepted, as a stopped server's would be.
 pub async fn serve_http1_and_h2c(
     listener: tokio::net::TcpListener,
     app: Router,
@@ -613,8 +638,15 @@ pub async fn serve_http1_and_h2c(
     use hyper_util::service::TowerToHyperService;
     let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
     builder.http2().max_concurrent_streams(max_streams);
+    // The connections, aborted with this future.
+    let mut open = tokio::task::JoinSet::new();
     loop {
-        let stream = match listener.accept().await {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            // Reap the connections that ended.
+            Some(_) = open.join_next(), if !open.is_empty() => continue,
+        };
+        let stream = match accepted {
             Ok((stream, _)) => stream,
             Err(_) => {
                 // Out of file descriptors, most likely: try again shortly, as axum does.
@@ -625,7 +657,7 @@ pub async fn serve_http1_and_h2c(
         connections.fetch_add(1, Ordering::SeqCst);
         let builder = builder.clone();
         let service = TowerToHyperService::new(app.clone());
-        tokio::spawn(async move {
+        open.spawn(async move {
             let _ = builder
                 .serve_connection_with_upgrades(TokioIo::new(stream), service)
                 .await;
