@@ -502,12 +502,7 @@ impl OpenAiServer {
             .route("/v1/chat/completions", post(chat))
             .route("/chat/completions", post(chat))
             .with_state(Arc::clone(&shared));
-        let task = tokio::spawn(serve_http1_and_h2c(
-            listener,
-            app.clone(),
-            max_streams,
-            Arc::clone(&shared.connections),
-        ));
+        let task = spawn_serving(listener, &app, max_streams, &shared);
         Ok(Self {
             addr,
             shared,
@@ -524,12 +519,7 @@ impl OpenAiServer {
         // The listener and the connections close once the serving task is dropped.
         let _ = (&mut self.task).await;
         let listener = tokio::net::TcpListener::bind(self.addr).await?;
-        self.task = tokio::spawn(serve_http1_and_h2c(
-            listener,
-            self.app.clone(),
-            self.max_streams,
-            Arc::clone(&self.shared.connections),
-        ));
+        self.task = spawn_serving(listener, &self.app, self.max_streams, &self.shared);
         Ok(())
     }
 
@@ -618,6 +608,21 @@ impl Drop for OpenAiServer {
     fn drop(&mut self) {
         self.task.abort();
     }
+}
+
+/// Serves `app` on `listener` in a task of its own, counting its connections in `shared`.
+fn spawn_serving(
+    listener: tokio::net::TcpListener,
+    app: &Router,
+    max_streams: u32,
+    shared: &Shared,
+) -> JoinHandle<()> {
+    tokio::spawn(serve_http1_and_h2c(
+        listener,
+        app.clone(),
+        max_streams,
+        Arc::clone(&shared.connections),
+    ))
 }
 
 /// hyper's default limit of concurrent streams on one HTTP/2 connection, which `axum::serve`
