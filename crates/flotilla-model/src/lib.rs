@@ -11,7 +11,7 @@ pub mod runs;
 pub mod tenancy;
 pub mod wire;
 
-pub use agents::{lead, memory, recruit, team, teammate, worker};
+pub use agents::{lead, memory, recruit, team, teammate, teammate_mail, worker};
 pub use collab::{artifact, mailbox, state, workspace};
 pub use people::{approval, notify, trust};
 pub use runs::{

@@ -263,7 +263,7 @@ impl Default for SupervisorOptions {
             memory: MemoryOptions::default(),
             team_size: 10,
             turns_per_hour: 120,
-            max_message_bytes: 64 * 1024,
+            max_message_bytes: flotilla_model::teammate::DEFAULT_MAX_MESSAGE_BYTES,
             webhooks: Vec::new(),
             external_agents: true,
             agents_discovery: Duration::from_secs(30),

@@ -46,10 +46,11 @@ use flotilla_model::ErrorCode;
 use flotilla_model::subjects::StreamKind;
 use flotilla_model::team::member_key;
 use flotilla_model::teammate::{
-    Conversation, Refused, TeamBroadcastRequest, TeamMates, TeamMatesRequest, TeamSendRequest,
-    TeamSent, TeamShutdownRequest, TeamSpawnRequest, Teammate, TeammatePost, TeammateStatus,
-    TeammateView, TurnEnvelope, conversation_key, team_or_default, teammate_key,
+    Conversation, TeamBroadcastRequest, TeamMates, TeamMatesRequest, TeamSendRequest, TeamSent,
+    TeamShutdownRequest, TeamSpawnRequest, Teammate, TeammatePost, TeammateStatus, TeammateView,
+    TurnEnvelope, conversation_key, team_or_default, teammate_key,
 };
+use flotilla_model::teammate_mail as mail;
 use flotilla_model::time::Timestamp;
 use flotilla_model::token::check_name;
 use futures::StreamExt;
@@ -62,9 +63,6 @@ use crate::error::SupervisorError;
 
 /// The durable consumer the replicas share on the teammate inboxes.
 pub(crate) const INBOX_CONSUMER: &str = "supervisor-inbox";
-
-/// Longest teammate name, in bytes.
-const MAX_NAME: usize = 64;
 
 /// A refusal: status, code, message.
 pub(crate) type Refusal = (u16, ErrorCode, String);
@@ -125,41 +123,22 @@ pub(crate) fn check_address(team: &Team, t: &str, name: &str) -> Result<(), Refu
 }
 
 fn check_team(team: &str) -> Result<(), Refusal> {
-    check_name(team).map_err(|e| (400, ErrorCode::InvalidTeam, format!("team {team:?} {e}")))
+    mail::check_team(team).map_err(refusal)
 }
 
 fn check_mate_name(name: &str) -> Result<(), Refusal> {
-    check_name(name)
-        .map_err(|e| e.to_string())
-        .and_then(|()| {
-            if name.starts_with('_') {
-                Err("must not start with `_`".to_owned())
-            } else if name.len() > MAX_NAME {
-                Err(format!("is longer than {MAX_NAME} bytes"))
-            } else {
-                Ok(())
-            }
-        })
-        .map_err(|e| {
-            (
-                400,
-                ErrorCode::InvalidName,
-                format!("teammate name {name:?} {e}"),
-            )
-        })
+    mail::check_teammate_name(name).map_err(refusal)
 }
 
 /// The senders a subject token can carry: names, else `operator`.
 fn sender(from: &Option<String>) -> Result<String, Refusal> {
-    let from = from.clone().unwrap_or_else(|| "operator".to_owned());
-    check_name(&from).map_err(|e| {
-        (
-            400,
-            ErrorCode::InvalidSender,
-            format!("sender {from:?} {e}"),
-        )
-    })?;
-    Ok(from)
+    mail::check_sender(from.as_deref()).map_err(refusal)
+}
+
+/// A refusal of the checks `team.send` shares with senders that store mail straight in the
+/// inbox (`flotilla_model::teammate_mail`).
+fn refusal(r: mail::MailRefused) -> Refusal {
+    (r.status(), r.code, r.message)
 }
 
 async fn refuse(req: &Request, (status, code, message): Refusal) {
@@ -333,6 +312,7 @@ async fn do_spawn(team: &Team, r: &TeamSpawnRequest) -> Result<TeammateView, Ref
     mate.spawned_by = r.by.clone();
     mate.turns_per_hour = team.opts.turns_per_hour;
     mate.expose = r.expose;
+    mate.max_message_bytes = Some(team.opts.max_message_bytes);
     let bytes = serde_json::to_vec(&mate).map_err(internal)?;
     let revision = match team.team_kv.create(&key, bytes.into()).await {
         Ok(revision) => revision,
@@ -396,44 +376,12 @@ pub(crate) fn agent_for_role(team: &Team, role: &str) -> Option<String> {
 }
 
 pub(crate) fn check_text(team: &Team, text: &str) -> Result<(), Refusal> {
-    if text.len() > team.opts.max_message_bytes {
-        return Err((
-            413,
-            ErrorCode::MessageTooLarge,
-            format!(
-                "the message is {} bytes; the message size cap (max-message-bytes) is {}",
-                text.len(),
-                team.opts.max_message_bytes
-            ),
-        ));
-    }
-    Ok(())
+    mail::check_size(text, team.opts.max_message_bytes).map_err(refusal)
 }
 
 /// Whether `mate` may take one more message now.
 pub(crate) fn check_accepts(mate: &Teammate) -> Result<(), Refusal> {
-    if mate.status == TeammateStatus::Shutdown || mate.shutdown_requested {
-        return Err((
-            409,
-            ErrorCode::ShutDown,
-            format!(
-                "teammate {:?} of team {:?} is shut down",
-                mate.name, mate.team
-            ),
-        ));
-    }
-    if let Err(Refused::TurnsPerHour(cap)) = mate.check_rate(Timestamp::now(), mate.turns_per_hour)
-    {
-        return Err((
-            429,
-            ErrorCode::TurnsPerHour,
-            format!(
-                "teammate {:?} ran {cap} turns in the last hour; the cap (turns-per-hour) is {cap}",
-                mate.name
-            ),
-        ));
-    }
-    Ok(())
+    mail::check_accepts(mate, Timestamp::now()).map_err(refusal)
 }
 
 /// Stores one message in `to`'s inbox and wakes it; the message's stream sequence. `known`:
@@ -552,14 +500,7 @@ fn not_found(team: &Team, t: &str, name: &str) -> Refusal {
         .map(|(_, m)| m.name)
         .collect();
     names.sort();
-    (
-        404,
-        ErrorCode::NotFound,
-        format!(
-            "team {t:?} has no teammate named {name:?} (teammates: {})",
-            list(&names)
-        ),
-    )
+    refusal(mail::not_found(t, name, &names))
 }
 
 pub(crate) async fn broadcast(team: &Team, req: Request) {

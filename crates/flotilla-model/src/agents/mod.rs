@@ -8,4 +8,5 @@ pub mod memory;
 pub mod recruit;
 pub mod team;
 pub mod teammate;
+pub mod teammate_mail;
 pub mod worker;

@@ -67,6 +67,10 @@ pub struct Transition {
     pub host: Option<String>,
 }
 
+/// The default cap of one message to a teammate, in bytes (the supervisor's
+/// `max-message-bytes`).
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 64 * 1024;
+
 /// A teammate's entry (`<prefix>-team`, key [`teammate_key`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Teammate {
@@ -141,6 +145,12 @@ pub struct Teammate {
     /// says).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub expose: bool,
+    /// The cap of one message to it, in bytes: the supervisor's `max-message-bytes` when it
+    /// was spawned, so a sender that stores mail straight in the inbox checks what
+    /// `team.send` would. Absent in entries of older supervisors:
+    /// [`DEFAULT_MAX_MESSAGE_BYTES`] (see [`Teammate::message_cap`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_message_bytes: Option<usize>,
 }
 
 /// Why a lifecycle change was refused.
@@ -203,6 +213,7 @@ impl Teammate {
             spawned_by: None,
             run: None,
             expose: false,
+            max_message_bytes: None,
         };
         t.record(TeammateStatus::Spawned, now);
         t
@@ -219,6 +230,11 @@ impl Teammate {
         while self.transitions.len() > Self::MAX_TRANSITIONS {
             self.transitions.pop_front();
         }
+    }
+
+    /// The cap of one message to it, in bytes.
+    pub fn message_cap(&self) -> usize {
+        self.max_message_bytes.unwrap_or(DEFAULT_MAX_MESSAGE_BYTES)
     }
 
     /// Turns dispatched within the hour before `now`.
