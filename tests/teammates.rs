@@ -1097,3 +1097,147 @@ async fn mail_published_straight_to_an_inbox_wakes_its_teammate() -> anyhow::Res
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn a_mailer_sends_as_team_send_does_with_no_supervisor_on_the_path() -> anyhow::Result<()> {
+    // flotilla-client's Mailer makes team.send's checks itself and stores the message straight
+    // in the inbox: the same refusals with the same codes as the supervisor's (nothing
+    // stored for them), a teammate spawned a moment ago found, and mail that reaches its
+    // teammate while no supervisor runs. `flotilla team send --direct` is the same from the
+    // CLI.
+    let log = tempfile::NamedTempFile::new()?;
+    let mut p = Processes::start(&config(
+        log.path(),
+        "turns-per-hour = 2\nmax-message-bytes = 100",
+    ))
+    .await?;
+    let sup = supervisor(&mut p).await?;
+    p.worker(&[]).await?;
+    spawn_mate(&p, "m", "a1", None).await?;
+    let mailer = flotilla_client::Mailer::open(p.bus.clone()).await?;
+    // Spawned after the mailer's mirror synced: found by a read.
+    spawn_mate(&p, "m", "a2", None).await?;
+    let big = "x".repeat(101);
+    let mut bad_sender = send("m", "a1", "hi");
+    bad_sender.from = Some("b*".into());
+    for (req, code, status) in [
+        (send("m", "a1", &big), "message_too_large", 413),
+        (send("m", "nobody", "hi"), "not_found", 404),
+        (send("no.team", "a1", "hi"), "invalid_team", 400),
+        (send("m", "_a1", "hi"), "invalid_name", 400),
+        (bad_sender, "invalid_sender", 400),
+    ] {
+        let direct = mailer.send(&req).await?.expect_err("refused");
+        let through = p.client.call(&req, ASK).await?.expect_err("refused");
+        assert_eq!(
+            (direct.code.as_str(), direct.status),
+            (code, status),
+            "{direct:?}"
+        );
+        assert_eq!(
+            (&direct.code, direct.status, &direct.message),
+            (&through.code, through.status, &through.message),
+            "the mailer refuses as team.send does"
+        );
+    }
+    let (code, body) = cli_json(
+        &p,
+        &["team", "send", "nobody", "hi", "--team", "m", "--direct"],
+    )?;
+    assert_eq!(
+        (code, body["error"].as_str()),
+        (1, Some("not_found")),
+        "{body}"
+    );
+    assert!(
+        body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("teammates: a1, a2")),
+        "{body}"
+    );
+
+    // Accepted: stored in the inbox, the turn taken from it by the worker.
+    let sent = mailer.send(&send("m", "a2", "one")).await?.expect("sent");
+    assert_eq!(sent.delivered, ["a2"]);
+    until(&p, "m", "a2", Duration::from_secs(10), |m| m.turns == 1).await?;
+    let (code, body) = cli_json(
+        &p,
+        &["team", "send", "a1", "one", "--team", "m", "--direct"],
+    )?;
+    assert_eq!(code, 0, "{body}");
+    assert_eq!(body["delivered"], serde_json::json!(["a1"]));
+    until(&p, "m", "a1", Duration::from_secs(10), |m| m.turns == 1).await?;
+
+    // With no supervisor running, the mail still wakes its teammate.
+    p.kill(sup);
+    mailer.send(&send("m", "a1", "two")).await?.expect("sent");
+    let kv = p.bus.kv(Bucket::Team).await?;
+    let key = flotilla_model::teammate::teammate_key("m", "a1");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let entry = kv
+            .get(&key)
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("a1 has no entry"))?;
+        let a1: flotilla_model::teammate::Teammate = serde_json::from_slice(&entry)?;
+        if a1.turns == 2 && a1.status == TeammateStatus::Idle {
+            break;
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "a1 never ran its second turn: {a1:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (inbox, queue) = deliveries(&p, "default").await?;
+    assert_eq!((inbox, queue), (3, 0), "taken straight from the inbox");
+
+    // The hourly cap (2 turns) and a shutdown, refused from the entry as read now.
+    let reading = flotilla_client::Mailer::reading(p.bus.clone()).await?;
+    let capped = reading
+        .send(&send("m", "a1", "three"))
+        .await?
+        .expect_err("capped");
+    assert_eq!(
+        (capped.code.as_str(), capped.status),
+        ("turns_per_hour", 429)
+    );
+    let sup = supervisor(&mut p).await?;
+    p.client
+        .request(
+            &flotilla_model::teammate::TeamShutdownRequest {
+                protocol: 1,
+                team: Some("m".into()),
+                name: "a2".into(),
+            },
+            ASK,
+        )
+        .await?;
+    let shut = reading
+        .send(&send("m", "a2", "late"))
+        .await?
+        .expect_err("shut down");
+    assert_eq!((shut.code.as_str(), shut.status), ("shut_down", 409));
+    let through = p
+        .client
+        .call(&send("m", "a2", "late"), ASK)
+        .await?
+        .expect_err("shut down");
+    assert_eq!(shut.message, through.message);
+    p.kill(sup);
+
+    // Nothing refused was stored: the three accepted messages are the inboxes' only ones.
+    let stream = p
+        .bus
+        .js()
+        .get_stream(p.bus.names().stream(StreamKind::Mailbox))
+        .await?;
+    let mut info = stream.info_with_subjects("flotilla.tmbox.>").await?;
+    let mut stored = 0;
+    use futures::TryStreamExt;
+    while let Some((_, n)) = info.try_next().await? {
+        stored += n;
+    }
+    assert_eq!(stored, 3, "only the accepted messages are in the inboxes");
+    Ok(())
+}

@@ -40,8 +40,10 @@ use flotilla_runs::RunReader;
 /// How [`Client::watch`] projects a run tree's events (the read model's options).
 pub use flotilla_runs::watch::WatchOptions;
 
+pub mod mailer;
 pub mod progress;
 use futures::{Stream, StreamExt};
+pub use mailer::Mailer;
 use tracing::Instrument;
 
 flotilla_bus::error_kinds!(

@@ -170,6 +170,12 @@ enum TeamCommand {
         /// How long --wait waits.
         #[arg(long, default_value = "2m", value_parser = humantime::parse_duration)]
         timeout: Duration,
+        /// Store the message straight in the teammate's inbox, checked here as the supervisor
+        /// checks it (from the teammate's entry), instead of through the supervisor's
+        /// `team.send`: the same answers and refusals, one hop less. The NATS user must be
+        /// allowed to publish on the inbox subjects (`<prefix>.tmbox.>`).
+        #[arg(long)]
+        direct: bool,
     },
     /// A teammate's conversation: the messages it received and its replies, oldest first
     /// (its newest 64 lines; older ones are compacted away and counted).
@@ -399,11 +405,12 @@ pub(crate) async fn team(config: &Config, args: TeamArgs) -> anyhow::Result<Exit
             team,
             wait,
             timeout,
+            direct,
         }) => {
             let team = team_of(team);
             let from = sender_of(from);
             if wait {
-                return send_and_wait(&client, to, text, from, team, timeout, json).await;
+                return send_and_wait(&client, to, text, from, team, timeout, direct, json).await;
             }
             let r = TeamSendRequest {
                 protocol: flotilla_model::PROTOCOL_VERSION,
@@ -412,6 +419,10 @@ pub(crate) async fn team(config: &Config, args: TeamArgs) -> anyhow::Result<Exit
                 from,
                 text,
             };
+            if direct {
+                let sent = send_direct(&client, &r).await?;
+                return print_answer(sent, json, print_sent, |_| ExitCode::SUCCESS);
+            }
             answer(&client, &r, json, print_sent).await
         }
         Some(TeamCommand::Log { name, team }) => log(&client, &name, team_of(team), json).await,
@@ -709,6 +720,26 @@ pub(super) async fn answer_with<R: ApiRequest>(
         }
         Err(e) => return Err(e.into()),
     };
+    print_answer(reply, json, print, exit_of)
+}
+
+/// Stores `r` straight in the teammate's inbox (`--direct`): checked from its entry, read
+/// first, as the supervisor checks it.
+async fn send_direct(
+    client: &Client,
+    r: &TeamSendRequest,
+) -> anyhow::Result<Result<TeamSent, ApiError>> {
+    let mailer = flotilla_client::Mailer::reading(client.bus().clone()).await?;
+    Ok(mailer.send(r).await?)
+}
+
+/// Prints an answer or a refusal (as JSON with `--json`); a refusal exits 1.
+fn print_answer<T: serde::Serialize>(
+    reply: Result<T, ApiError>,
+    json: bool,
+    print: impl FnOnce(&T),
+    exit_of: impl FnOnce(&T) -> ExitCode,
+) -> anyhow::Result<ExitCode> {
     match reply {
         Ok(reply) if json => {
             outln!("{}", serde_json::to_string_pretty(&reply)?);
@@ -1006,6 +1037,7 @@ async fn log(
 
 /// `flotilla team send NAME TEXT --wait`: sends, then follows the teammate's conversation
 /// until the turn that read this message saved its reply.
+#[allow(clippy::too_many_arguments)]
 async fn send_and_wait(
     client: &Client,
     to: String,
@@ -1013,6 +1045,7 @@ async fn send_and_wait(
     from: Option<String>,
     team: Option<String>,
     timeout: Duration,
+    direct: bool,
     json: bool,
 ) -> anyhow::Result<ExitCode> {
     use flotilla_agents::teammate::{TurnOutcome, outcome};
@@ -1037,13 +1070,18 @@ async fn send_and_wait(
         from,
         text: text.clone(),
     };
-    let sent = match client.call(&r, TIMEOUT).await {
+    let sent = if direct {
+        send_direct(client, &r).await.map_err(|e| e.to_string())
+    } else {
+        client.call(&r, TIMEOUT).await.map_err(|e| e.to_string())
+    };
+    let sent = match sent {
         Ok(Ok(sent)) => sent,
         Ok(Err(e)) => {
             errln!("error: {}: {}", e.code, e.message);
             return Ok(ExitCode::from(1));
         }
-        Err(e) => return Err(e.into()),
+        Err(e) => return Err(anyhow::anyhow!(e)),
     };
     let Some(&seq) = sent.seqs.first() else {
         errln!("error: the message was not delivered to {}", mate.name);
