@@ -177,6 +177,29 @@ struct Watcher {
 }
 
 impl Watcher {
+    /// Spawns teammate `name` of the wake's team and follows it. Each wake measurement has a
+    /// teammate of its own, so each starts from a new entry: an entry keeps the start times
+    /// of its last hour's turns, and a later measurement on the same teammate would write a
+    /// larger entry with every claim.
+    async fn spawned(
+        kv: &kv::Store,
+        client: &Client,
+        role: &str,
+        name: &str,
+    ) -> anyhow::Result<Self> {
+        let watch = kv
+            .watch_many([
+                teammate_key(WAKE_TEAM, name),
+                conversation_key(WAKE_TEAM, name),
+            ])
+            .await?;
+        client
+            .request(&spawn_request(WAKE_TEAM, name, role), ASK)
+            .await
+            .context("team.spawn")?;
+        Ok(Self { watch, turns: 0 })
+    }
+
     /// The next entry of the watch.
     async fn next(&mut self) -> anyhow::Result<kv::Entry> {
         Ok(tokio::time::timeout(ASK, self.watch.next())
@@ -246,16 +269,7 @@ pub(crate) async fn wake(
     let name = "w";
     let key = teammate_key(WAKE_TEAM, name);
     let kv = bus.kv(Bucket::Team).await?;
-    let mut watcher = Watcher {
-        watch: kv
-            .watch_many([key.clone(), conversation_key(WAKE_TEAM, name)])
-            .await?,
-        turns: 0,
-    };
-    client
-        .request(&spawn_request(WAKE_TEAM, name, role), ASK)
-        .await
-        .context("team.spawn")?;
+    let mut watcher = Watcher::spawned(&kv, &client, role, name).await?;
     let mut raw = RawProbe::new(bus, reader).await?;
     let mailbox = bus
         .js()
@@ -293,7 +307,6 @@ pub(crate) async fn wake(
             raws.push(r);
         }
     }
-    raw.close().await;
     let (raw50, raw99) = p50_p99(&mut raws);
     let step = |f: Span| {
         let mut v: Vec<f64> = wakes.iter().map(|w| f(w).max(0) as f64 / 1e6).collect();
@@ -357,10 +370,45 @@ pub(crate) async fn wake(
         delta(pids.supervisor_kib(), rss_before.0),
         delta(pids.workers_kib(), rss_before.1)
     );
+    // The same message through flotilla-client's Mailer: `team.send`'s checks made by the
+    // sender from its mirror of the teammates' entries, the message stored straight in the
+    // inbox — no supervisor on its path.
+    let mailed_to = "m";
+    let mailed_key = teammate_key(WAKE_TEAM, mailed_to);
+    let mut watcher = Watcher::spawned(&kv, &client, role, mailed_to).await?;
+    let mailer = flotilla_client::Mailer::open(bus.clone()).await?;
+    let mut mailed = Vec::with_capacity(samples);
+    let mut raws = Vec::with_capacity(samples);
+    for i in 0..WARM_UP + samples.max(1) {
+        tokio::time::sleep(GAP).await;
+        let sent = Timestamp::now().0.unix_timestamp_nanos();
+        mailer
+            .send(&send_request(WAKE_TEAM, mailed_to, &format!("mailed {i}")))
+            .await?
+            .map_err(|e| anyhow::anyhow!("the mailer refused: {}: {}", e.code, e.message))?;
+        let (_, claimed, _, _) = watcher.turn(&mailed_key, sent).await?;
+        tokio::time::sleep(GAP).await;
+        let r = raw.sample().await?;
+        if i >= WARM_UP {
+            mailed.push((claimed - sent).max(0) as f64 / 1e6);
+            raws.push(r);
+        }
+    }
+    raw.close().await;
+    let (m50, m99) = p50_p99(&mut mailed);
+    let (mraw50, _) = p50_p99(&mut raws);
+    outln!(
+        "   idle teammate, the message sent by a Mailer (team.send's checks made by the sender from its mirror, stored straight in the inbox) → turn claimed by a worker: p50 {m50:.3} ms   p99 {m99:.3} ms   ({} turns): {:.2}× the raw mailbox hop p50 of {mraw50:.3} ms sampled in turn (target ≤ 2×)",
+        mailed.len(),
+        m50 / mraw50
+    );
     // Mail published straight to the inbox — the supervisor's own mail to a run's lead, or any
     // sender with publish rights on the inbox — has no request to the supervisor on its path:
     // stored, delivered to a worker, claimed.
-    let subject = bus.names().teammate_inbox(WAKE_TEAM, name, "bench");
+    let direct_to = "d";
+    let direct_key = teammate_key(WAKE_TEAM, direct_to);
+    let mut watcher = Watcher::spawned(&kv, &client, role, direct_to).await?;
+    let subject = bus.names().teammate_inbox(WAKE_TEAM, direct_to, "bench");
     let mut direct = Vec::with_capacity(samples);
     for i in 0..WARM_UP + samples.max(1) {
         tokio::time::sleep(GAP).await;
@@ -373,7 +421,7 @@ pub(crate) async fn wake(
         bus.publish(subject.clone(), &post, None)
             .await
             .context("publishing to the inbox")?;
-        let (_, claimed, _, _) = watcher.turn(&key, sent).await?;
+        let (_, claimed, _, _) = watcher.turn(&direct_key, sent).await?;
         if i >= WARM_UP {
             direct.push((claimed - sent).max(0) as f64 / 1e6);
         }
