@@ -455,6 +455,14 @@ async fn caps_and_bad_input_are_refused_and_change_nothing() -> anyhow::Result<(
         .map(|m| (m.name.clone(), m.turns))
         .collect();
     assert_eq!(summary, [("a1".to_owned(), 1), ("a2".to_owned(), 0)]);
+    let stored = stored_in_inboxes(&p).await?;
+    assert_eq!(stored, 1, "only the accepted message is in an inbox");
+    Ok(())
+}
+
+/// Messages stored in the teammates' inboxes, all teams.
+async fn stored_in_inboxes(p: &Processes) -> anyhow::Result<usize> {
+    use futures::TryStreamExt;
     let stream = p
         .bus
         .js()
@@ -462,12 +470,10 @@ async fn caps_and_bad_input_are_refused_and_change_nothing() -> anyhow::Result<(
         .await?;
     let mut info = stream.info_with_subjects("flotilla.tmbox.>").await?;
     let mut stored = 0;
-    use futures::TryStreamExt;
     while let Some((_, n)) = info.try_next().await? {
         stored += n;
     }
-    assert_eq!(stored, 1, "only the accepted message is in an inbox");
-    Ok(())
+    Ok(stored)
 }
 
 /// Consumers on every stream of the installation.
@@ -1227,17 +1233,7 @@ async fn a_mailer_sends_as_team_send_does_with_no_supervisor_on_the_path() -> an
     p.kill(sup);
 
     // Nothing refused was stored: the three accepted messages are the inboxes' only ones.
-    let stream = p
-        .bus
-        .js()
-        .get_stream(p.bus.names().stream(StreamKind::Mailbox))
-        .await?;
-    let mut info = stream.info_with_subjects("flotilla.tmbox.>").await?;
-    let mut stored = 0;
-    use futures::TryStreamExt;
-    while let Some((_, n)) = info.try_next().await? {
-        stored += n;
-    }
+    let stored = stored_in_inboxes(&p).await?;
     assert_eq!(stored, 3, "only the accepted messages are in the inboxes");
     Ok(())
 }
