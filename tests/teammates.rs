@@ -1107,10 +1107,10 @@ async fn mail_published_straight_to_an_inbox_wakes_its_teammate() -> anyhow::Res
 #[tokio::test]
 async fn a_mailer_sends_as_team_send_does_with_no_supervisor_on_the_path() -> anyhow::Result<()> {
     // flotilla-client's Mailer makes team.send's checks itself and stores the message straight
-    // in the inbox: the same refusals with the same codes as the supervisor's (nothing
-    // stored for them), a teammate spawned a moment ago found, and mail that reaches its
-    // teammate while no supervisor runs. `flotilla team send --direct` is the same from the
-    // CLI.
+    // in the inbox: the same refusals with the same codes and messages as the supervisor's
+    // (nothing stored for them), a teammate spawned a moment ago found, mail that reaches its
+    // teammate while no supervisor runs, and an entry without its cap (as an older version
+    // writes it) left to team.send. `flotilla team send --direct` is the same from the CLI.
     let log = tempfile::NamedTempFile::new()?;
     let mut p = Processes::start(&config(
         log.path(),
@@ -1119,19 +1119,28 @@ async fn a_mailer_sends_as_team_send_does_with_no_supervisor_on_the_path() -> an
     .await?;
     let sup = supervisor(&mut p).await?;
     p.worker(&[]).await?;
-    spawn_mate(&p, "m", "a1", None).await?;
+    for name in ["a1", "a2"] {
+        spawn_mate(&p, "m", name, None).await?;
+    }
     let mailer = flotilla_client::Mailer::open(p.bus.clone()).await?;
-    // Spawned after the mailer's mirror synced: found by a read.
-    spawn_mate(&p, "m", "a2", None).await?;
+    // Spawned after the mailer's mirror synced, and mailed at once: found.
+    spawn_mate(&p, "m", "a3", None).await?;
+    mailer.send(&send("m", "a3", "hello")).await?.expect("sent");
+    until(&p, "m", "a3", Duration::from_secs(10), |m| m.turns == 1).await?;
+
     let big = "x".repeat(101);
     let mut bad_sender = send("m", "a1", "hi");
     bad_sender.from = Some("b*".into());
+    let mut old_protocol = send("m", "a1", "hi");
+    old_protocol.protocol = 0;
     for (req, code, status) in [
         (send("m", "a1", &big), "message_too_large", 413),
         (send("m", "nobody", "hi"), "not_found", 404),
+        (send("m", "nobody", &big), "not_found", 404),
         (send("no.team", "a1", "hi"), "invalid_team", 400),
         (send("m", "_a1", "hi"), "invalid_name", 400),
         (bad_sender, "invalid_sender", 400),
+        (old_protocol, "unsupported_protocol", 400),
     ] {
         let direct = mailer.send(&req).await?.expect_err("refused");
         let through = p.client.call(&req, ASK).await?.expect_err("refused");
@@ -1158,7 +1167,7 @@ async fn a_mailer_sends_as_team_send_does_with_no_supervisor_on_the_path() -> an
     assert!(
         body["message"]
             .as_str()
-            .is_some_and(|m| m.contains("teammates: a1, a2")),
+            .is_some_and(|m| m.contains("teammates: a1, a2, a3")),
         "{body}"
     );
 
@@ -1174,10 +1183,34 @@ async fn a_mailer_sends_as_team_send_does_with_no_supervisor_on_the_path() -> an
     assert_eq!(body["delivered"], serde_json::json!(["a1"]));
     until(&p, "m", "a1", Duration::from_secs(10), |m| m.turns == 1).await?;
 
-    // With no supervisor running, the mail still wakes its teammate.
+    // An entry without its cap, as a worker or supervisor of an older version writes it back:
+    // only the supervisor knows the cap to check, so the message goes through team.send.
+    let kv = p.bus.kv(Bucket::Team).await?;
+    let a2_key = flotilla_model::teammate::teammate_key("m", "a2");
+    let mut old = serde_json::from_slice::<serde_json::Value>(
+        &kv.get(&a2_key)
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("a2 has no entry"))?,
+    )?;
+    assert_eq!(old["max_message_bytes"], 100, "written at spawn: {old}");
+    old.as_object_mut().map(|o| o.remove("max_message_bytes"));
+    kv.put(&a2_key, serde_json::to_vec(&old)?.into()).await?;
+    let reading = flotilla_client::Mailer::reading(p.bus.clone()).await?;
+    let refused = reading
+        .send(&send("m", "a2", &big))
+        .await?
+        .expect_err("too large");
+    assert_eq!(refused.code, "message_too_large");
+    reading
+        .send(&send("m", "a2", "short"))
+        .await?
+        .expect("sent");
+    until(&p, "m", "a2", Duration::from_secs(10), |m| m.turns == 2).await?;
+
+    // With no supervisor running, the mail still wakes its teammate; the entry without its
+    // cap cannot be checked without one.
     p.kill(sup);
     mailer.send(&send("m", "a1", "two")).await?.expect("sent");
-    let kv = p.bus.kv(Bucket::Team).await?;
     let key = flotilla_model::teammate::teammate_key("m", "a1");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
@@ -1195,11 +1228,18 @@ async fn a_mailer_sends_as_team_send_does_with_no_supervisor_on_the_path() -> an
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    let no_supervisor = reading
+        .send(&send("m", "a2", "later"))
+        .await
+        .expect_err("needs team.send");
+    assert_eq!(
+        no_supervisor.kind(),
+        flotilla_client::ClientErrorKind::NoSupervisor
+    );
     let (inbox, queue) = deliveries(&p, "default").await?;
-    assert_eq!((inbox, queue), (3, 0), "taken straight from the inbox");
+    assert_eq!((inbox, queue), (5, 0), "taken straight from the inbox");
 
     // The hourly cap (2 turns) and a shutdown, refused from the entry as read now.
-    let reading = flotilla_client::Mailer::reading(p.bus.clone()).await?;
     let capped = reading
         .send(&send("m", "a1", "three"))
         .await?
@@ -1214,26 +1254,29 @@ async fn a_mailer_sends_as_team_send_does_with_no_supervisor_on_the_path() -> an
             &flotilla_model::teammate::TeamShutdownRequest {
                 protocol: 1,
                 team: Some("m".into()),
-                name: "a2".into(),
+                name: "a3".into(),
             },
             ASK,
         )
         .await?;
     let shut = reading
-        .send(&send("m", "a2", "late"))
+        .send(&send("m", "a3", "late"))
         .await?
         .expect_err("shut down");
     assert_eq!((shut.code.as_str(), shut.status), ("shut_down", 409));
     let through = p
         .client
-        .call(&send("m", "a2", "late"), ASK)
+        .call(&send("m", "a3", "late"), ASK)
         .await?
         .expect_err("shut down");
     assert_eq!(shut.message, through.message);
     p.kill(sup);
 
-    // Nothing refused was stored: the three accepted messages are the inboxes' only ones.
-    let stored = stored_in_inboxes(&p).await?;
-    assert_eq!(stored, 3, "only the accepted messages are in the inboxes");
+    // Nothing refused was stored: the five accepted messages are the inboxes' only ones.
+    assert_eq!(
+        stored_in_inboxes(&p).await?,
+        5,
+        "only the accepted messages are in the inboxes"
+    );
     Ok(())
 }

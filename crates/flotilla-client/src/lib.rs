@@ -119,7 +119,7 @@ fn publish_error(e: flotilla_bus::PublishError) -> ClientError {
 
 /// How long the collaboration calls wait for the coordinator (a mailbox read adds its own
 /// `wait_ms`).
-const API_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const API_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The API groups `flotilla supervisor` serves (every other endpoint is a coordinator's): a
 /// request nothing answers names the service to start.

@@ -22,8 +22,11 @@
 //! spawn finds it), and a shutdown or a cap reached a moment ago may let one message in,
 //! which the teammate's claim then refuses (the mail stays in the inbox for a later turn, as
 //! for mail the supervisor stored in that moment). The message cap is the one the teammate
-//! was spawned with (its entry's `max_message_bytes`; entries of older supervisors: the
-//! default, 64 KiB).
+//! was spawned with (its entry's `max_message_bytes`), which `team.send` checks too; an
+//! entry without one (spawned by an older supervisor, or written back by an older binary
+//! during a rolling update) is checked against the supervisor's configuration, which only
+//! the supervisor knows, so that message goes through `team.send`. The hourly cap is judged
+//! by this process's clock.
 //!
 //! The NATS user needs to publish on `<prefix>.tmbox.>` and read the team bucket's
 //! `teammate.>` keys (direct gets and a watch). In the shipped accounts
@@ -81,13 +84,15 @@ impl Mailer {
             .map_err(|e| nats("opening the team bucket", e))?;
         let mates: KvMirror<Teammate> = KvMirror::new();
         let stop = CancellationToken::new();
-        mates.follow_keys(kv.clone(), "teammate.>", stop.clone());
+        // Guarded before the wait: an `open` given up meanwhile stops the watch too.
+        let follow = std::sync::Arc::new(stop.clone().drop_guard());
+        mates.follow_keys(kv.clone(), "teammate.>", stop);
         let _ = tokio::time::timeout(SYNC_WAIT, mates.synced()).await;
         Ok(Self {
             bus,
             kv,
             mates,
-            _follow: Some(std::sync::Arc::new(stop.drop_guard())),
+            _follow: Some(follow),
         })
     }
 
@@ -114,6 +119,13 @@ impl Mailer {
         &self,
         r: &TeamSendRequest,
     ) -> Result<Result<TeamSent, ApiError>, ClientError> {
+        if let Err(e) = flotilla_model::codec::check_protocol(r.protocol) {
+            return Ok(Err(ApiError::new(
+                ErrorCode::UnsupportedProtocol.status(),
+                ErrorCode::UnsupportedProtocol,
+                e.to_string(),
+            )));
+        }
         let team = r.team.as_deref().unwrap_or(DEFAULT_TEAM);
         let checked = mail::check_team(team)
             .and_then(|()| mail::check_teammate_name(&r.to))
@@ -126,7 +138,15 @@ impl Mailer {
             let names = self.names(team).await?;
             return Ok(Err(refused(mail::not_found(team, &r.to, &names))));
         };
-        let accepted = mail::check_size(&r.text, mate.message_cap())
+        // An entry without its cap (spawned by an older supervisor, or written back by an
+        // older worker or supervisor during a rolling update) is checked against the
+        // supervisor's configured cap, which only the supervisor knows: it is sent there.
+        let Some(cap) = mate.max_message_bytes else {
+            return crate::Client::new(self.bus.clone())
+                .call(r, crate::API_TIMEOUT)
+                .await;
+        };
+        let accepted = mail::check_size(&r.text, cap)
             .and_then(|()| mail::check_accepts(&mate, Timestamp::now()));
         if let Err(e) = accepted {
             return Ok(Err(refused(e)));
@@ -152,12 +172,22 @@ impl Mailer {
         if let Some(m) = self.mates.get(&key) {
             return Ok(Some(m.value));
         }
-        match self
-            .kv
-            .entry(&key)
+        // A user that may not read the bucket is refused by the server, said at once (not
+        // a timeout).
+        let read = self
+            .bus
+            .refusable(
+                |s| s.starts_with("$JS.API.DIRECT.GET.KV_"),
+                self.kv.entry(&key),
+            )
             .await
-            .map_err(|e| nats(format!("reading {key}"), e))?
-        {
+            .map_err(|refusal| {
+                ClientError::new(
+                    ClientErrorKind::PermissionDenied,
+                    format!("reading {key}: {refusal}; this user sends through team.send instead"),
+                )
+            })?;
+        match read.map_err(|e| nats(format!("reading {key}"), e))? {
             Some(e) if e.operation == kv::Operation::Put => {
                 serde_json::from_slice(&e.value).map(Some).map_err(|err| {
                     ClientError::with_source(ClientErrorKind::Decode, format!("reading {key}"), err)

@@ -385,6 +385,7 @@ async fn spawn_mate(
     let mut mate = Teammate::spawn(&t, name, role, agent, &pool, instructions, now);
     mate.spawned_by = Some("supervisor".to_owned());
     mate.turns_per_hour = team.opts.turns_per_hour;
+    mate.max_message_bytes = Some(team.opts.max_message_bytes);
     mate.run = Some(run);
     let bytes = serde_json::to_vec(&mate).map_err(|e| store_err("encoding a teammate", e))?;
     match team.team_kv.create(&key, bytes.into()).await {

@@ -480,10 +480,15 @@ async fn do_send(team: &Team, r: &TeamSendRequest) -> Result<TeamSent, Refusal> 
     check_team(t)?;
     check_mate_name(&r.to)?;
     let from = sender(&r.from)?;
-    check_text(team, &r.text)?;
     let Some((mate, revision)) = mirrored_or_read(team, &teammate_key(t, &r.to)).await? else {
         return Err(not_found(team, t, &r.to));
     };
+    // The cap the teammate was spawned with, as a sender that stores the message itself
+    // checks it (`flotilla_client::Mailer`); this supervisor's for an entry without one.
+    let cap = mate
+        .max_message_bytes
+        .unwrap_or(team.opts.max_message_bytes);
+    mail::check_size(&r.text, cap).map_err(refusal)?;
     check_accepts(&mate)?;
     let seq = deliver(team, t, &r.to, &from, &r.text, Some((mate, revision))).await?;
     Ok(TeamSent {

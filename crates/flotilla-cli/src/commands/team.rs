@@ -170,10 +170,12 @@ enum TeamCommand {
         /// How long --wait waits.
         #[arg(long, default_value = "2m", value_parser = humantime::parse_duration)]
         timeout: Duration,
-        /// Store the message straight in the teammate's inbox, checked here as the supervisor
-        /// checks it (from the teammate's entry), instead of through the supervisor's
-        /// `team.send`: the same answers and refusals, one hop less. The NATS user must be
-        /// allowed to publish on the inbox subjects (`<prefix>.tmbox.>`).
+        /// Store the message straight in the teammate's inbox, with `team.send`'s checks made
+        /// here from the teammate's entry, instead of through the supervisor: the same answers
+        /// and refusals, and no supervisor on the message's path (an entry written by an older
+        /// version still goes through it). The NATS user must be allowed to read the team
+        /// bucket and publish on the inbox subjects (`<prefix>.tmbox.>`). With --wait, the
+        /// teammate is first looked up through the supervisor.
         #[arg(long)]
         direct: bool,
     },
@@ -1071,9 +1073,9 @@ async fn send_and_wait(
         text: text.clone(),
     };
     let sent = if direct {
-        send_direct(client, &r).await.map_err(|e| e.to_string())
+        send_direct(client, &r).await
     } else {
-        client.call(&r, TIMEOUT).await.map_err(|e| e.to_string())
+        client.call(&r, TIMEOUT).await.map_err(anyhow::Error::from)
     };
     let sent = match sent {
         Ok(Ok(sent)) => sent,
@@ -1081,7 +1083,7 @@ async fn send_and_wait(
             errln!("error: {}: {}", e.code, e.message);
             return Ok(ExitCode::from(1));
         }
-        Err(e) => return Err(anyhow::anyhow!(e)),
+        Err(e) => return Err(e),
     };
     let Some(&seq) = sent.seqs.first() else {
         errln!("error: the message was not delivered to {}", mate.name);

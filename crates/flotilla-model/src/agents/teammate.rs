@@ -146,9 +146,10 @@ pub struct Teammate {
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub expose: bool,
     /// The cap of one message to it, in bytes: the supervisor's `max-message-bytes` when it
-    /// was spawned, so a sender that stores mail straight in the inbox checks what
-    /// `team.send` would. Absent in entries of older supervisors:
-    /// [`DEFAULT_MAX_MESSAGE_BYTES`] (see [`Teammate::message_cap`]).
+    /// was spawned. `team.send` and a sender that stores mail straight in the inbox both
+    /// check it. Absent in entries spawned by older supervisors, or written back by older
+    /// workers or supervisors: `team.send` then checks its own `max-message-bytes`, and a
+    /// direct sender leaves the message to `team.send`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_message_bytes: Option<usize>,
 }
@@ -230,11 +231,6 @@ impl Teammate {
         while self.transitions.len() > Self::MAX_TRANSITIONS {
             self.transitions.pop_front();
         }
-    }
-
-    /// The cap of one message to it, in bytes.
-    pub fn message_cap(&self) -> usize {
-        self.max_message_bytes.unwrap_or(DEFAULT_MAX_MESSAGE_BYTES)
     }
 
     /// Turns dispatched within the hour before `now`.

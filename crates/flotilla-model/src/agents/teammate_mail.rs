@@ -196,15 +196,13 @@ mod tests {
     }
 
     #[test]
-    fn an_entry_without_a_cap_has_the_default_one() {
-        let mut m = mate();
-        assert_eq!(m.message_cap(), DEFAULT_MAX_MESSAGE_BYTES);
-        m.max_message_bytes = Some(10);
-        assert_eq!(m.message_cap(), 10);
+    fn an_entry_without_a_cap_omits_it_and_reads_back_without_one() {
         let json = serde_json::to_value(mate()).unwrap();
         assert!(
             json.get("max_message_bytes").is_none(),
-            "omitted at its default"
+            "omitted when absent"
         );
+        let back: Teammate = serde_json::from_value(json).unwrap();
+        assert_eq!(back.max_message_bytes, None);
     }
 }
