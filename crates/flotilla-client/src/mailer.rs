@@ -78,22 +78,15 @@ impl Mailer {
     /// Opens the team bucket and follows its teammates' entries; returns once the mirror
     /// holds them all (or after 5 s, sends reading what they do not find).
     pub async fn open(bus: Bus) -> Result<Self, ClientError> {
-        let kv = bus
-            .kv(Bucket::Team)
-            .await
-            .map_err(|e| nats("opening the team bucket", e))?;
-        let mates: KvMirror<Teammate> = KvMirror::new();
+        let mut mailer = Self::reading(bus).await?;
         let stop = CancellationToken::new();
         // Guarded before the wait: an `open` given up meanwhile stops the watch too.
-        let follow = std::sync::Arc::new(stop.clone().drop_guard());
-        mates.follow_keys(kv.clone(), "teammate.>", stop);
-        let _ = tokio::time::timeout(SYNC_WAIT, mates.synced()).await;
-        Ok(Self {
-            bus,
-            kv,
-            mates,
-            _follow: Some(follow),
-        })
+        mailer._follow = Some(std::sync::Arc::new(stop.clone().drop_guard()));
+        mailer
+            .mates
+            .follow_keys(mailer.kv.clone(), "teammate.>", stop);
+        let _ = tokio::time::timeout(SYNC_WAIT, mailer.mates.synced()).await;
+        Ok(mailer)
     }
 
     /// A mailer without a mirror: each send reads its teammate's entry first (one round trip
@@ -120,8 +113,7 @@ impl Mailer {
         r: &TeamSendRequest,
     ) -> Result<Result<TeamSent, ApiError>, ClientError> {
         if let Err(e) = flotilla_model::codec::check_protocol(r.protocol) {
-            return Ok(Err(ApiError::new(
-                ErrorCode::UnsupportedProtocol.status(),
+            return Ok(Err(api_error(
                 ErrorCode::UnsupportedProtocol,
                 e.to_string(),
             )));
@@ -196,9 +188,7 @@ impl Mailer {
             _ => Ok(None),
         }
     }
-}
 
-impl Mailer {
     /// The names of `team`'s teammates, for a refusal: from the mirror, else from the
     /// bucket's keys.
     async fn names(&self, team: &str) -> Result<Vec<String>, ClientError> {
@@ -229,7 +219,12 @@ impl Mailer {
 }
 
 fn refused(e: mail::MailRefused) -> ApiError {
-    ApiError::new(e.status(), e.code, e.message)
+    api_error(e.code, e.message)
+}
+
+/// A refusal with `code`'s own status.
+fn api_error(code: ErrorCode, message: impl Into<String>) -> ApiError {
+    ApiError::new(code.status(), code, message)
 }
 
 /// A message that could not be stored: the stream's limits are refusals, as `team.send`
@@ -237,15 +232,13 @@ fn refused(e: mail::MailRefused) -> ApiError {
 fn stored_error(e: flotilla_bus::PublishError) -> Result<Result<TeamSent, ApiError>, ClientError> {
     use flotilla_bus::PublishErrorKind as K;
     match e.kind() {
-        K::StreamFull => Ok(Err(ApiError::new(
-            ErrorCode::QuotaExceeded.status(),
+        K::StreamFull => Ok(Err(api_error(
             ErrorCode::QuotaExceeded,
-            "the message is refused: the mailbox stream is full".to_owned(),
+            "the message is refused: the mailbox stream is full",
         ))),
-        K::TooLarge => Ok(Err(ApiError::new(
-            ErrorCode::MessageTooLarge.status(),
+        K::TooLarge => Ok(Err(api_error(
             ErrorCode::MessageTooLarge,
-            "the message is larger than this deployment's NATS accepts (max_payload)".to_owned(),
+            "the message is larger than this deployment's NATS accepts (max_payload)",
         ))),
         K::PermissionDenied => Err(ClientError::new(
             ClientErrorKind::PermissionDenied,
